@@ -1,0 +1,5 @@
+"""Run `python -m dispatcher`."""
+
+from dispatcher.cli import main
+
+main()

@@ -1,0 +1,351 @@
+"""The checks of contract section 5: one pure function per check, run in order.
+
+Each check takes the Evidence gathered after an attempt (see ``evidence.py``)
+and returns a CheckResult. ``ok`` is True or False, or None when the check's
+input is missing or the check does not apply; the detail always says why.
+Nothing here touches the filesystem or the clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from dispatcher.orders import Order
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """One check's verdict, as result.json records it."""
+
+    name: str
+    ok: bool | None
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """How the agent process ended (``lost`` when a crash hid it)."""
+
+    code: int | None = None
+    timed_out: bool = False
+    aborted: str | None = None
+    seconds: float = 0.0
+    timeout_s: float = 0.0
+    lost: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Doc:
+    """A JSON document read from work/: ``missing``, ``error`` (why unusable), or ``value``."""
+
+    missing: bool = False
+    error: str | None = None
+    value: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One filesystem entry left in work/ (path relative to work/, POSIX style)."""
+
+    path: str
+    kind: str  # file, dir, symlink, fifo, socket, device
+    nlink: int = 1
+    target_inside: bool = True
+    digest: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Followup:
+    """One entry of work/outbox/: a parsed order, or the reason it is not one."""
+
+    name: str
+    order: Order | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """Everything the checks look at, gathered once after an attempt."""
+
+    order: Order
+    agent: str
+    writes: tuple[str, ...]
+    exit: Exit
+    receipt: Doc
+    output: Doc | None
+    work_exists: bool
+    entries: tuple[Entry, ...]
+    given: Mapping[str, str]
+    outbox_exists: bool
+    followups: tuple[Followup, ...]
+    known_ids: frozenset[str] = field(default_factory=frozenset)
+    hops: int = 0
+    max_hops: int = 5
+
+
+def _n(name: str) -> Callable[[bool | None, str], CheckResult]:
+    return lambda ok, detail: CheckResult(name, ok, detail)
+
+
+def exit_ok(ev: Evidence) -> CheckResult:
+    r = _n("exit_ok")
+    e = ev.exit
+    if e.lost:
+        return r(None, "exit status lost: the daemon stopped while the agent ran")
+    if e.aborted:
+        return r(False, f"{e.aborted} after {e.seconds:.2f} s")
+    if e.timed_out:
+        return r(False, f"timed out after {e.timeout_s:g} s")
+    if e.code is None:
+        return r(False, "no exit status")
+    if e.code < 0:
+        return r(False, f"killed by signal {-e.code} after {e.seconds:.2f} s")
+    return r(e.code == 0, f"exit {e.code} in {e.seconds:.2f} s")
+
+
+def _receipt(ev: Evidence) -> dict[str, Any] | None:
+    value = ev.receipt.value
+    return value if isinstance(value, dict) and ev.receipt.error is None else None
+
+
+def receipt_present(ev: Evidence) -> CheckResult:
+    r = _n("receipt_present")
+    if ev.receipt.missing:
+        return r(False, "no receipt.json")
+    if ev.receipt.error is not None:
+        return r(False, f"receipt.json {ev.receipt.error}")
+    if not isinstance(ev.receipt.value, dict):
+        return r(False, "receipt.json is not a JSON object")
+    return r(True, "receipt.json is a JSON object")
+
+
+def receipt_job_id(ev: Evidence) -> CheckResult:
+    r = _n("receipt_job_id")
+    rec = _receipt(ev)
+    if rec is None:
+        return r(None, "no usable receipt")
+    got = rec.get("job_id")
+    if got == ev.order.job_id:
+        return r(True, f"job_id is {got}")
+    return r(False, f"job_id is {got!r}, expected {ev.order.job_id!r}")
+
+
+def receipt_status(ev: Evidence) -> CheckResult:
+    r = _n("receipt_status")
+    rec = _receipt(ev)
+    if rec is None:
+        return r(None, "no usable receipt")
+    status = rec.get("status")
+    if status == "done":
+        return r(True, "status is done")
+    if status == "failed":
+        why = rec.get("reason")
+        return r(False, f"the agent reported failure: {why}" if why else "status is failed")
+    return r(False, f"status is {status!r}, expected 'done' or 'failed'")
+
+
+def _compare_ids(got: Sequence[Any], want: Sequence[str], what: str) -> str | None:
+    """Return what is wrong between two id lists (missing, extra, repeated), or None."""
+    have = Counter(got)
+    need = set(want)
+    problems = []
+    missing = [i for i in want if i not in have]
+    extra = sorted({repr(i) for i in have if i not in need})
+    repeated = sorted({repr(i) for i, n in have.items() if n > 1})
+    if missing:
+        problems.append("missing " + ", ".join(missing))
+    if extra:
+        problems.append("extra " + ", ".join(extra))
+    if repeated:
+        problems.append("repeated " + ", ".join(repeated))
+    return f"{what}: " + "; ".join(problems) if problems else None
+
+
+def receipt_inputs(ev: Evidence) -> CheckResult:
+    r = _n("receipt_inputs")
+    rec = _receipt(ev)
+    if rec is None:
+        return r(None, "no usable receipt")
+    ids = rec.get("input_ids")
+    if not isinstance(ids, list):
+        return r(False, "input_ids is not a list")
+    wrong = _compare_ids(ids, ev.order.item_ids, "input_ids")
+    return r(False, wrong) if wrong else r(True, f"{len(ids)} input ids match the order")
+
+
+def _records(ev: Evidence) -> list[dict[str, Any]] | None:
+    if ev.output is None or ev.output.error is not None or ev.output.missing:
+        return None
+    value: list[dict[str, Any]] = ev.output.value
+    return value
+
+
+def output_rows(ev: Evidence) -> CheckResult:
+    r = _n("output_rows")
+    out = ev.order.accept.output
+    if out is None or ev.output is None:
+        return r(None, "no accept.output")
+    if ev.output.missing:
+        return r(False, f"{out} is missing")
+    if ev.output.error is not None:
+        return r(False, f"{out} {ev.output.error}")
+    key = ev.order.accept.key
+    ids = [rec.get(key) for rec in _records(ev) or []]
+    wrong = _compare_ids(ids, ev.order.item_ids, f"{out} {key}")
+    return r(False, wrong) if wrong else r(True, f"{len(ids)} records, one per item")
+
+
+def receipt_outputs(ev: Evidence) -> CheckResult:
+    r = _n("receipt_outputs")
+    if ev.order.accept.output is None:
+        return r(None, "no accept.output")
+    rec = _receipt(ev)
+    records = _records(ev)
+    if rec is None:
+        return r(None, "no usable receipt")
+    if records is None:
+        return r(None, "no usable output")
+    got = rec.get("output_ids")
+    if not isinstance(got, list):
+        return r(False, "output_ids is not a list")
+    key = ev.order.accept.key
+    want = [rec_.get(key) for rec_ in records]
+    if Counter(map(repr, got)) == Counter(map(repr, want)):
+        return r(True, f"{len(got)} output ids match {ev.order.accept.output}")
+    missing = sorted({repr(i) for i in want} - {repr(i) for i in got})
+    extra = sorted({repr(i) for i in got} - {repr(i) for i in want})
+    parts = [f"missing {', '.join(missing)}" if missing else "", f"extra {', '.join(extra)}" if extra else ""]
+    text = "; ".join(p for p in parts if p) or "counts differ"
+    return r(False, f"output_ids differ from {ev.order.accept.output}: {text}")
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (str, list, dict)) and not value)
+
+
+def allowed_values(ev: Evidence) -> CheckResult:
+    r = _n("allowed_values")
+    acc = ev.order.accept
+    if acc.allowed is None and not acc.required:
+        return r(None, "no accept.allowed or accept.required")
+    records = _records(ev)
+    if records is None:
+        return r(None, "no usable output")
+    key = acc.key
+    for rec in records:
+        rid = rec.get(key)
+        for name in acc.required:
+            if _empty(rec.get(name)):
+                return r(False, f"record {rid}: required field {name!r} is empty")
+        for name, allowed in (acc.allowed or {}).items():
+            if rec.get(name) not in allowed:
+                return r(False, f"record {rid}: {name} {rec.get(name)!r} is not allowed")
+    return r(True, f"{len(records)} records use allowed values")
+
+
+def in_scope(path: str, writes: Sequence[str]) -> bool:
+    """Return True if the agent may create or change work/<path>."""
+    if path == "receipt.json" or path.startswith("outbox/"):
+        return True
+    return any(path == pat or fnmatchcase(path, pat) for pat in writes)
+
+
+def writes_scope(ev: Evidence) -> CheckResult:
+    r = _n("writes_scope")
+    if not ev.work_exists:
+        return r(False, "work/ is gone")
+    present = {e.path: e for e in ev.entries}
+    for path, digest in ev.given.items():
+        e = present.get(path)
+        if e is None:
+            return r(False, f"{path} was given and is deleted")
+        if e.kind != "file" or e.digest != digest:
+            return r(False, f"{path} was given and is changed")
+    for e in ev.entries:
+        if e.kind == "dir" or e.path in ev.given:
+            continue
+        if e.kind == "symlink" and not e.target_inside:
+            return r(False, f"{e.path} is a link that points outside work/")
+        if e.kind in ("fifo", "socket", "device"):
+            return r(False, f"{e.path} is a {e.kind}")
+        if e.kind == "file" and e.nlink > 1:
+            return r(False, f"{e.path} has {e.nlink} hard links")
+        if not in_scope(e.path, ev.writes):
+            return r(False, f"{e.path} is outside writes ({', '.join(ev.writes) or 'none'})")
+    return r(True, "every change is inside writes")
+
+
+def followups_valid(ev: Evidence) -> CheckResult:  # noqa: C901 - one rule per branch, in contract order
+    r = _n("followups_valid")
+    wanted = ev.order.accept.followups
+    if not ev.outbox_exists and not ev.followups and wanted is None:
+        return r(None, "no outbox/")
+    seen: set[str] = set()
+    to_count: Counter[str] = Counter()
+    for f in ev.followups:
+        if f.order is None:
+            return r(False, f"outbox/{f.name}: {f.error}")
+        o = f.order
+        if o.job_id == ev.order.job_id:
+            return r(False, f"outbox/{f.name}: job_id {o.job_id} is this job's own")
+        if o.job_id in seen:
+            return r(False, f"outbox/{f.name}: job_id {o.job_id} is repeated in outbox/")
+        if o.job_id in ev.known_ids:
+            return r(False, f"outbox/{f.name}: job_id {o.job_id} is already known")
+        if o.sender != ev.agent:
+            return r(False, f"outbox/{f.name}: from is {o.sender!r}, expected {ev.agent!r}")
+        if o.sets_lineage:
+            return r(False, f"outbox/{f.name}: parent and hops are set by the daemon, not the agent")
+        if ev.hops + 1 > ev.max_hops:
+            return r(False, f"outbox/{f.name}: hops {ev.hops + 1} would exceed max_hops {ev.max_hops}")
+        seen.add(o.job_id)
+        to_count[o.to] += 1
+    if wanted is not None:
+        for name in wanted:
+            if to_count[name] != 1:
+                return r(False, f"expected exactly one follow-up to {name}, found {to_count[name]}")
+        others = sorted(set(to_count) - set(wanted))
+        if others:
+            return r(False, f"follow-ups to agents not in accept.followups: {', '.join(others)}")
+    n = len(ev.followups)
+    return r(True, f"{n} follow-up{'s' if n != 1 else ''} valid" if n else "no follow-ups")
+
+
+CHECKS: tuple[Callable[[Evidence], CheckResult], ...] = (
+    exit_ok,
+    receipt_present,
+    receipt_job_id,
+    receipt_status,
+    receipt_inputs,
+    output_rows,
+    receipt_outputs,
+    allowed_values,
+    writes_scope,
+    followups_valid,
+)
+MUST_PASS = ("exit_ok", "receipt_present", "receipt_job_id")
+
+
+def run_checks(ev: Evidence) -> list[CheckResult]:
+    """Run every check in contract order; none is skipped after a failure."""
+    return [check(ev) for check in CHECKS]
+
+
+def verdict(results: Sequence[CheckResult], *, exit_lost: bool = False) -> str | None:
+    """Return None when the job is done, else the reason: the first failing check's name and detail.
+
+    Done means no check is false and exit_ok, receipt_present and receipt_job_id
+    are true (exit_ok may be null only when its status was lost in a crash).
+    """
+    for res in results:
+        required = res.name in MUST_PASS and not (res.name == "exit_ok" and exit_lost)
+        if res.ok is False or (required and res.ok is not True):
+            return f"{res.name}: {res.detail}"
+    return None

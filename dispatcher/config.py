@@ -1,0 +1,232 @@
+"""Load the config (contract section 3) into frozen dataclasses.
+
+One loader: it parses with the strict loader, checks ``schemas/config.schema.json``,
+resolves relative paths against the config file's folder, and names the key in
+every error. Internal names carry units (``timeout_s``) where the file says
+``timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dispatcher import schema
+from dispatcher.errors import ConfigError, OrderError
+from dispatcher.loader import load_document
+
+DEFAULT_CONFIG = Path("config/dispatcher.yaml")
+CONFIG_ENV = "DISPATCHER_CONFIG"
+MAX_RETRY_DELAY_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    """One agent of the config: how to run it and what it may do."""
+
+    name: str
+    command: tuple[str, ...]
+    prompt: str | None = None
+    timeout_s: float = 600.0
+    concurrency: int = 1
+    max_attempts: int = 1
+    retry_safe: bool = False
+    probe: tuple[str, ...] | None = None
+    repair: bool = False
+    writes: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the agent as plain JSON values (snapshotted into each job)."""
+        return {
+            "name": self.name,
+            "command": list(self.command),
+            "prompt": self.prompt,
+            "timeout": self.timeout_s,
+            "concurrency": self.concurrency,
+            "max_attempts": self.max_attempts,
+            "retry_safe": self.retry_safe,
+            "probe": list(self.probe) if self.probe is not None else None,
+            "repair": self.repair,
+            "writes": list(self.writes),
+            "env": dict(self.env),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Agent:
+        """Rebuild an agent from ``to_json`` output."""
+        return cls(
+            name=data["name"],
+            command=tuple(data["command"]),
+            prompt=data["prompt"],
+            timeout_s=float(data["timeout"]),
+            concurrency=int(data["concurrency"]),
+            max_attempts=int(data["max_attempts"]),
+            retry_safe=bool(data["retry_safe"]),
+            probe=tuple(data["probe"]) if data["probe"] is not None else None,
+            repair=bool(data["repair"]),
+            writes=tuple(data["writes"]),
+            env=dict(data["env"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole config. ``path`` is the file it came from (None: built-in defaults)."""
+
+    path: Path | None
+    root: Path
+    max_jobs: int = 2
+    max_timeout_s: float = 3600.0
+    max_hops: int = 5
+    max_order_bytes: int = 1_048_576
+    stop_timeout_s: float = 60.0
+    retry_delay_s: float = 2.0
+    rescan_interval_s: float = 30.0
+    settle_s: float = 2.0
+    kill_grace_s: float = 5.0
+    max_log_bytes: int = 10_485_760
+    log_file: Path | None = None
+    agents: Mapping[str, Agent] = field(default_factory=dict)
+
+
+_TOP = {
+    "max_jobs": ("max_jobs", int),
+    "max_timeout": ("max_timeout_s", float),
+    "max_hops": ("max_hops", int),
+    "max_order_bytes": ("max_order_bytes", int),
+    "stop_timeout": ("stop_timeout_s", float),
+    "retry_delay": ("retry_delay_s", float),
+    "rescan_interval": ("rescan_interval_s", float),
+    "settle": ("settle_s", float),
+    "kill_grace": ("kill_grace_s", float),
+    "max_log_bytes": ("max_log_bytes", int),
+}
+
+
+def find_config(explicit: str | None) -> Path:
+    """Return the config path: --config, else $DISPATCHER_CONFIG, else config/dispatcher.yaml."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get(CONFIG_ENV)
+    return Path(env) if env else DEFAULT_CONFIG
+
+
+def load_config(path: Path, *, root: Path | None = None) -> Config:
+    """Load and validate a config file; raise ConfigError naming the file and key.
+
+    ``root`` (from ``--root``) overrides the file's ``root``.
+    """
+    name = str(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError("config file not found", file=name) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=name) from None
+    try:
+        body = load_document(data, "json" if path.suffix == ".json" else "yaml")
+        return build_config(body, path, root=root)
+    except OrderError as exc:
+        raise ConfigError(exc.message, file=name, field=exc.field) from None
+
+
+def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> Config:
+    """Validate a parsed config body and build the Config."""
+    if not isinstance(body, dict):
+        raise ConfigError(f"the top level must be a mapping, not {schema.describe(body)}")
+    schema.validate(body, "config")
+    base = path.resolve().parent if path is not None else Path.cwd()
+    values: dict[str, Any] = {}
+    for key, (attr, kind) in _TOP.items():
+        if key in body:
+            values[attr] = kind(body[key])
+    max_timeout = values.get("max_timeout_s", 3600.0)
+    if root is None:
+        root = base / body["root"] if "root" in body else Path("dispatch")
+    log_file = body.get("log_file")
+    agents = {}
+    for agent_name, spec in body.get("agents", {}).items():
+        agent = _build_agent(agent_name, spec, base)
+        if agent.timeout_s > max_timeout:
+            raise ConfigError(
+                f"{spec['timeout']} is above max_timeout ({max_timeout})",
+                field=f"agents.{agent_name}.timeout",
+            )
+        agents[agent_name] = agent
+    return Config(
+        path=path.resolve() if path is not None else None,
+        root=Path(os.path.abspath(root)),
+        log_file=Path(os.path.abspath(base / log_file)) if log_file else None,
+        agents=agents,
+        **values,
+    )
+
+
+def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
+    probe = spec.get("probe")
+    return Agent(
+        name=name,
+        command=resolve_argv(spec["command"], base),
+        prompt=spec.get("prompt"),
+        timeout_s=float(spec.get("timeout", 600)),
+        concurrency=int(spec.get("concurrency", 1)),
+        max_attempts=int(spec.get("max_attempts", 1)),
+        retry_safe=bool(spec.get("retry_safe", False)),
+        probe=resolve_argv(probe, base) if probe is not None else None,
+        repair=bool(spec.get("repair", False)),
+        writes=tuple(spec.get("writes", ())),
+        env=dict(spec.get("env", {})),
+    )
+
+
+def resolve_argv(argv: list[str], base: Path) -> tuple[str, ...]:
+    """Resolve path-like argv elements against the config's folder.
+
+    An element is resolved when it has no placeholder, is relative, contains a
+    ``/`` and names something that exists under ``base`` (so ``agents/a.py``
+    works from any working folder). Bare names such as ``python3`` are left for
+    PATH, and anything else passes unchanged.
+    """
+    out = []
+    for arg in argv:
+        if "/" in arg and "{" not in arg and not os.path.isabs(arg) and (base / arg).exists():
+            arg = os.path.normpath(base / arg)
+        out.append(arg)
+    return tuple(out)
+
+
+def default_config(root: Path | None) -> Config:
+    """Return the built-in defaults (no agents), for commands that need no config file."""
+    return Config(path=None, root=Path(os.path.abspath(root or "dispatch")))
+
+
+STARTER_CONFIG = """\
+# dispatcher config: every key of the contract, with its default.
+# Relative paths resolve against the folder that holds this file.
+root: {root}
+max_jobs: 2                # agents running at once in this daemon process
+max_timeout: 3600          # ceiling for any timeout, in seconds
+max_hops: 5                # longest chain of follow-ups
+max_order_bytes: 1048576   # larger orders are refused
+stop_timeout: 60           # seconds a stop waits for running agents
+retry_delay: 2             # seconds before a retry; doubles each time, at most 300
+rescan_interval: 30        # seconds between safety rescans of inbox/
+settle: 2                  # seconds a file must stay unchanged when no close was seen
+kill_grace: 5              # seconds between SIGTERM and SIGKILL for an agent's group
+max_log_bytes: 10485760    # per stream and attempt
+log_file: null             # also write JSON log lines here (for `dispatcher logs`)
+agents:
+  echo:
+    # argv, never run through a shell. Placeholders: {{job_id}} {{order}} {{workspace}}
+    # {{receipt}} {{prompt}} {{prompt_file}}
+    command: [python3, -c, "import json,os; o=json.load(open(os.environ['DISPATCH_ORDER'])); ids=[i['id'] for i in o['items']]; json.dump(dict(job_id=o['job_id'], input_ids=ids, output_ids=[], status='done', outputs=[]), open('receipt.json','w'))"]
+    timeout: 600
+    concurrency: 1
+    max_attempts: 1
+    retry_safe: false
+    writes: []
+"""

@@ -1,0 +1,58 @@
+"""The exception hierarchy: one root, with the file and field a user must fix."""
+
+from __future__ import annotations
+
+
+class DispatchError(Exception):
+    """The root of every error `dispatcher` reports to a user."""
+
+    exit_code = 1
+
+
+class UsageError(DispatchError):
+    """Bad input from the user: an invalid order, config or argument (exit 2)."""
+
+    exit_code = 2
+
+
+class OrderError(UsageError):
+    """A work order (or receipt, or follow-up) that breaks a rule of the contract.
+
+    ``file`` is the name the user gave; ``field`` the dotted path of the field at
+    fault, or None when no one field is.
+    """
+
+    def __init__(self, message: str, *, file: str = "", field: str | None = None) -> None:
+        self.file = file
+        self.field = field
+        self.message = message
+        super().__init__(self.render())
+
+    @property
+    def reason(self) -> str:
+        """Return the error without the file name, as a refusal's `reason` says it."""
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+    def render(self) -> str:
+        """Return `<file>: <field>: <message>` (parts that are unknown are left out)."""
+        return f"{self.file}: {self.reason}" if self.file else self.reason
+
+    def with_file(self, file: str) -> OrderError:
+        """Return the same error naming this file."""
+        return type(self)(self.message, file=file, field=self.field)
+
+
+class ConfigError(OrderError):
+    """A config file that breaks a rule of the contract."""
+
+
+class NotFound(DispatchError):
+    """A job that does not exist (exit 1)."""
+
+
+class WrongState(DispatchError):
+    """A job that exists but is in the wrong state for the operation (exit 1)."""
+
+
+class StopRequested(Exception):  # noqa: N818 - control flow, not an error (rq's StopRequested)
+    """Raised inside a job to unwind it when the daemon is asked to stop."""

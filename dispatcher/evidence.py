@@ -1,0 +1,211 @@
+"""Gather what the checks look at from a job's work/ folder, safely.
+
+Every read goes through ``fsutil.read_regular`` with ``base=work``: an agent's
+symlink, FIFO or device can neither redirect nor block the daemon.
+"""
+
+from __future__ import annotations
+
+import csv
+import errno
+import hashlib
+import io
+import json
+import os
+import stat
+from collections.abc import Callable, Container, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from dispatcher.checks import Doc, Entry, Evidence, Exit, Followup
+from dispatcher.errors import OrderError
+from dispatcher.fsutil import NotRegular, kind_of, read_regular
+from dispatcher.orders import Order, order_format, parse_order
+
+RECEIPT_MAX = 16 * 1024 * 1024
+OUTPUT_MAX = 256 * 1024 * 1024
+_KINDS = {"regular file": "file", "folder": "dir", "symlink": "symlink", "FIFO": "fifo", "socket": "socket"}
+
+
+def digest(data: bytes) -> str:
+    """Return the sha256 hex digest of data."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_ignored(name: str) -> bool:
+    """Return True for hidden and temporary names (never picked up)."""
+    return name.startswith(".") or name.endswith((".tmp", ".part"))
+
+
+def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
+    """Read work/<rel> as bytes; return a Doc saying missing/error, and the bytes."""
+    path = work / rel
+    try:
+        return Doc(), read_regular(path, limit, base=work)
+    except FileNotFoundError:
+        return Doc(missing=True), None
+    except NotRegular as exc:
+        return Doc(error=f"is a {exc.kind}, not a regular file"), None
+    except ValueError as exc:
+        return Doc(error=str(exc)), None
+    except OSError as exc:
+        if exc.errno == errno.ENOTDIR:
+            return Doc(missing=True), None
+        return Doc(error=f"cannot be read: {exc.strerror}"), None
+
+
+def read_receipt(work: Path) -> Doc:
+    """Read and parse work/receipt.json."""
+    doc, data = read_doc(work, "receipt.json", RECEIPT_MAX)
+    if data is None:
+        return doc
+    try:
+        return Doc(value=json.loads(data))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        return Doc(error=f"is not valid JSON ({exc})")
+
+
+def read_output(work: Path, rel: str) -> Doc:
+    """Read accept.output as a list of records (csv with header, json list, jsonl)."""
+    doc, data = read_doc(work, rel, OUTPUT_MAX)
+    if data is None:
+        return doc
+    try:
+        text = data.decode("utf-8-sig")
+        if rel.endswith(".csv"):
+            records: list[Any] = list(csv.DictReader(io.StringIO(text, newline="")))
+        elif rel.endswith(".jsonl"):
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            records = json.loads(text)
+            if not isinstance(records, list):
+                return Doc(error="is not a JSON list of objects")
+    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error, RecursionError) as exc:
+        return Doc(error=f"cannot be parsed ({exc})")
+    if not all(isinstance(rec, dict) for rec in records):
+        return Doc(error="holds a record that is not an object")
+    return Doc(value=records)
+
+
+def snapshot(work: Path, names: Iterable[str]) -> dict[str, str]:
+    """Return digests of the files the agent is given (to spot changes later)."""
+    return {name: digest((work / name).read_bytes()) for name in names if (work / name).is_file()}
+
+
+def list_entries(work: Path, given: Container[str]) -> list[Entry]:
+    """Walk work/ without following links; describe every entry."""
+    out: list[Entry] = []
+    root = os.fspath(work)
+
+    def walk(folder: str, prefix: str) -> None:
+        try:
+            it = os.scandir(folder)
+        except OSError:
+            return
+        with it:
+            for de in it:
+                rel = prefix + de.name
+                st = de.stat(follow_symlinks=False)
+                kind = _KINDS.get(kind_of(st.st_mode), "device")
+                if kind == "dir":
+                    out.append(Entry(rel, "dir"))
+                    walk(de.path, rel + "/")
+                elif kind == "symlink":
+                    target = os.readlink(de.path)
+                    resolved = os.path.normpath(os.path.join(folder, target))
+                    inside = resolved == root or resolved.startswith(root + os.sep)
+                    out.append(Entry(rel, "symlink", target_inside=inside))
+                elif kind == "file":
+                    sha = None
+                    if rel in given:
+                        try:
+                            sha = digest(read_regular(Path(de.path), base=work))
+                        except (OSError, NotRegular, ValueError):
+                            sha = None
+                    out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))
+                else:
+                    out.append(Entry(rel, kind))
+
+    walk(root, "")
+    return out
+
+
+def read_followups(
+    work: Path,
+    parse: Callable[[bytes, str], Order],
+    max_bytes: int,
+) -> tuple[bool, list[tuple[Followup, bytes | None]]]:
+    """Parse every order in work/outbox/; return (outbox exists, [(follow-up, bytes)])."""
+    outbox = work / "outbox"
+    try:
+        st = os.lstat(outbox)
+    except OSError:
+        return False, []
+    if not stat.S_ISDIR(st.st_mode):
+        return True, [(Followup("", error=f"outbox is a {kind_of(st.st_mode)}, not a folder"), None)]
+    found: list[tuple[Followup, bytes | None]] = []
+    for name in sorted(os.listdir(outbox)):
+        if is_ignored(name):
+            continue
+        if order_format(name) is None:
+            found.append((Followup(name, error="not a work order (.yaml, .yml or .json)"), None))
+            continue
+        doc, data = read_doc(work, f"outbox/{name}", max_bytes)
+        if data is None:
+            why = "is missing" if doc.missing else doc.error
+            found.append((Followup(name, error=f"{why}"), None))
+            continue
+        try:
+            found.append((Followup(name, order=parse(data, name)), data))
+        except OrderError as exc:
+            found.append((Followup(name, error=exc.reason), None))
+    return True, found
+
+
+def gather(
+    *,
+    order: Order,
+    agent: str,
+    writes: tuple[str, ...],
+    exit: Exit,
+    work: Path,
+    given: Mapping[str, str],
+    agents: Container[str],
+    max_timeout_s: float,
+    max_order_bytes: int,
+    known: Callable[[list[str]], frozenset[str]],
+    hops: int,
+    max_hops: int,
+) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
+    """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
+    work_exists = os.path.isdir(work) and not os.path.islink(work)
+    accept_out = order.accept.output
+    output = read_output(work, accept_out) if accept_out is not None and work_exists else None
+    if accept_out is not None and output is None:
+        output = Doc(missing=True)
+
+    def parse(data: bytes, name: str) -> Order:
+        return parse_order(data, name, agents=agents, max_timeout_s=max_timeout_s, max_bytes=max_order_bytes)
+
+    outbox_exists, followups = read_followups(work, parse, max_order_bytes) if work_exists else (False, [])
+    ids = [f.order.job_id for f, _ in followups if f.order is not None]
+    scope = list(writes)
+    if accept_out is not None:
+        scope.append(accept_out)
+    ev = Evidence(
+        order=order,
+        agent=agent,
+        writes=tuple(scope),
+        exit=exit,
+        receipt=read_receipt(work) if work_exists else Doc(missing=True),
+        output=output,
+        work_exists=work_exists,
+        entries=tuple(list_entries(work, given)) if work_exists else (),
+        given=given,
+        outbox_exists=outbox_exists,
+        followups=tuple(f for f, _ in followups),
+        known_ids=known(ids) if ids else frozenset(),
+        hops=hops,
+        max_hops=max_hops,
+    )
+    return ev, followups

@@ -1,0 +1,161 @@
+"""Small crash-safe file operations: atomic writes, directory fsyncs, safe opens.
+
+The rule of a mail spool: write under a temporary name, fsync the file, rename
+it into place, fsync the directory. Files an agent left behind are opened one
+path part at a time with O_NOFOLLOW and O_NONBLOCK, and checked to be regular
+files before they are read, so a symlink or FIFO can neither redirect nor block
+the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename or create in it) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Write data to path through a temporary file and a rename; fsync both when sync."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+    try:
+        os.write(fd, data)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    if sync:
+        fsync_dir(path.parent)
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """Create path with data; fail if it exists (no fsync: the caller decides)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def dump_json(value: Any) -> bytes:
+    """Return value as indented JSON bytes with a final newline."""
+    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename src to dst, raising FileExistsError if dst exists.
+
+    Folders are only ever created non-empty at their final names, so rename(2)
+    refuses an existing target itself (ENOTEMPTY); for files, link + unlink
+    gives the same no-replace guarantee.
+    """
+    if os.path.isdir(src) and not os.path.islink(src):
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "exists", str(dst))
+        try:
+            os.rename(src, dst)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise FileExistsError(errno.EEXIST, "exists", str(dst)) from None
+            raise
+        return
+    os.link(src, dst, follow_symlinks=False)
+    os.unlink(src)
+
+
+class NotRegular(Exception):  # noqa: N818 - a result, raised to leave a nested open early
+    """The path is not a regular file; ``kind`` says what it is."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+def kind_of(mode: int) -> str:
+    """Return a word for the file type in a stat mode."""
+    if stat.S_ISREG(mode):
+        return "regular file"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def read_regular(path: Path, limit: int | None = None, *, base: Path | None = None) -> bytes:
+    """Read a regular file without following links or blocking on FIFOs.
+
+    With ``base``, every part of ``path`` below ``base`` is opened with
+    O_NOFOLLOW, so no symlinked folder on the way is followed either. Raises
+    NotRegular for anything that is not a regular file, FileNotFoundError if
+    it is missing, and ValueError when it is larger than ``limit``.
+    """
+    if base is not None:
+        fd = _open_beneath(base, path.relative_to(base))
+    else:
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise NotRegular("symlink") from None
+            raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(kind_of(st.st_mode))
+        if limit is not None and st.st_size > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if limit is not None and sum(map(len, chunks)) > limit:
+                raise ValueError(f"larger than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _open_beneath(base: Path, rel: Path) -> int:
+    """Open base/rel one part at a time, refusing symlinks at every step."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    parts = rel.parts
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = _OPEN_FLAGS if last else os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                nfd = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotRegular("symlink" if exc.errno == errno.ELOOP else "not a folder") from None
+                raise
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise

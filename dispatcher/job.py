@@ -1,0 +1,475 @@
+"""Run one claimed job to its end: attempts, checks, retries, the final move.
+
+``JobRun.run`` executes in the job's own worker thread. What it writes, in
+order, is what makes a crash at any point recoverable (see README, "Design"):
+
+- ``attempts/<n>/pid`` right after the agent starts (so a successor can end it);
+- ``attempts/<n>/attempt.json`` when the agent has ended (its exit status);
+- on a retry, the old ``receipt.json`` and ``outbox/`` move into ``attempts/<n>/``;
+- ``result.json`` (fsynced), then one rename to done/ or failed/, then the ledger;
+- follow-ups are reserved in the ledger before ``result.json`` and released after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from dispatcher import fsutil, procs, runner
+from dispatcher.checks import CheckResult, Exit, run_checks, verdict
+from dispatcher.claim import JOB_FILE
+from dispatcher.config import MAX_RETRY_DELAY_S, Agent, Config
+from dispatcher.errors import OrderError
+from dispatcher.evidence import digest, gather
+from dispatcher.layout import Layout, State, iso
+from dispatcher.ledger import DONE, FAILED, Ledger
+from dispatcher.orders import Order, parse_order, validate_order
+
+log = structlog.get_logger("dispatcher")
+
+CANCELLED = "cancelled"
+STOPPED = "stopped"
+
+
+@dataclass
+class Context:
+    """What every job needs from its daemon."""
+
+    layout: Layout
+    ledger: Ledger
+    owner: str
+    config: Callable[[], Config]
+    released: Callable[[str], None]
+    is_cancelled: Callable[[str], bool]
+
+
+class JobRun:
+    """One job in active/<job_id>, driven to done/ or failed/ (or left for recovery on stop)."""
+
+    def __init__(self, ctx: Context, job_id: str, *, recovering: bool = False) -> None:
+        self.ctx = ctx
+        self.job_id = job_id
+        self.folder = ctx.layout.job(State.ACTIVE, job_id)
+        self.work = self.folder / "work"
+        self.spec: dict[str, Any] = json.loads((self.folder / JOB_FILE).read_text())
+        self.agent = Agent.from_json(self.spec["agent"])
+        self.order = self._load_order()
+        self.abort = runner.Abort()
+        self.recovering = recovering
+        self.attempts: list[dict[str, Any]] = _read_attempts(self.folder)
+        self.retries = 0
+        self.waiting_retry = False
+
+    def _load_order(self) -> Order:
+        body = json.loads((self.work / "order.json").read_text()) if (self.work / "order.json").exists() else None
+        if body is None:
+            src = next(self.folder.glob("order.*"))
+            body = dict(parse_order(src.read_bytes(), src.name).body)
+            body.update(parent=self.spec["parent"], hops=self.spec["hops"])
+        return validate_order(body)
+
+    # -- the lifecycle ---------------------------------------------------------
+    def run(self) -> str | None:
+        """Drive the job to its end; return 'done' or 'failed', or None if stopped."""
+        with structlog.contextvars.bound_contextvars(job_id=self.job_id, agent=self.agent.name):
+            try:
+                state = self._run()
+            finally:
+                self.abort.close()
+        return None if state == STOPPED else state
+
+    def _run(self) -> str | None:
+        if (self.folder / "result.json").exists():
+            result = json.loads((self.folder / "result.json").read_text())
+            return self._place(result)
+        if self.recovering:
+            verdict_ = self._recover()
+            if verdict_ is not None:
+                return verdict_
+        while True:
+            if self.abort.reason == STOPPED:
+                return None
+            if self.abort.reason == CANCELLED or self.ctx.is_cancelled(self.job_id):
+                return self._finish("failed", CANCELLED, [])
+            n = self.attempts[-1]["n"] + 1 if self.attempts else 1
+            outcome = self._attempt(n)
+            if isinstance(outcome, str):
+                return outcome
+            decision = self._decide(n, outcome)
+            if decision is not None:
+                return decision
+
+    def _recover(self) -> str | None:
+        """Pick up a job whose daemon died: end its agent, then let the evidence decide."""
+        log.info("job.recovered", attempts=len(self.attempts))
+        last_dir = self._last_attempt_dir()
+        if last_dir is None:
+            return None
+        _end_leftover(last_dir, self.agent, self.ctx.config().kill_grace_s)
+        n = int(last_dir.name)
+        record = _read_json(last_dir / "attempt.json")
+        if record is None:
+            record = self._interrupted_record(n, last_dir)
+            self.attempts.append(record)
+            _write(last_dir / "attempt.json", record)
+            if os.path.lexists(self.work / "receipt.json"):
+                return self._evaluate(n, Exit(lost=True), final=True)
+            return self._retry_or_fail(n, f"interrupted: attempt {n} was cut short by a stop or crash")
+        if record.get("next") == "retry":
+            return None
+        exit_ = Exit(code=record.get("exit_code"), timed_out=record.get("timed_out", False),
+                     seconds=record.get("duration_ms", 0) / 1000, timeout_s=self.spec["timeout"])
+        return self._decide(n, exit_)
+
+    def _last_attempt_dir(self) -> Path | None:
+        dirs = [p for p in (self.folder / "attempts").iterdir() if p.name.isdigit()]
+        return max(dirs, key=lambda p: int(p.name)) if dirs else None
+
+    def _interrupted_record(self, n: int, folder: Path) -> dict[str, Any]:
+        pid = _read_json(folder / "pid") or {}
+        started = pid.get("started", time.time())
+        return {"n": n, "started": iso(started), "ended": iso(time.time()), "exit_code": None,
+                "timed_out": False, "duration_ms": round((time.time() - started) * 1000), "interrupted": True}
+
+    # -- one attempt -----------------------------------------------------------
+    def _attempt(self, n: int) -> Exit | str:
+        """Run attempt n; return its Exit, or the final state / STOPPED when it never ran."""
+        cfg = self.ctx.config()
+        values = self._argv_values(n)
+        argv = [runner.render(a, values) for a in self.agent.command]
+        env = self._env(n)
+        folder = self.folder / "attempts" / str(n)
+        folder.mkdir(parents=True, exist_ok=True)
+
+        def on_start(pid: int) -> None:
+            info = {"pid": pid, "start_ticks": procs.start_ticks(pid), "started": time.time()}
+            (folder / "pid").write_bytes(json.dumps(info).encode())
+            log.info("agent.started", attempt=n, pid=pid)
+
+        try:
+            out = runner.run(argv, cwd=self.work, env=env, timeout_s=self.spec["timeout"],
+                             kill_grace_s=cfg.kill_grace_s, log_dir=folder, max_log_bytes=cfg.max_log_bytes,
+                             abort=self.abort, on_start=on_start)
+        except OSError as exc:
+            for name in ("stdout.log", "stderr.log", "pid"):
+                (folder / name).unlink(missing_ok=True)
+            folder.rmdir()
+            why = exc.strerror or str(exc)
+            detail = f"{why}: {exc.filename!r}" if exc.filename else why
+            reason = f"config: agent {self.agent.name} cannot start: {detail}"
+            log.error("agent.exited", error=reason)
+            return self._finish("failed", reason, [])
+        record: dict[str, Any] = {
+            "n": n, "started": iso(out.started), "ended": iso(out.ended), "exit_code": out.exit_code,
+            "timed_out": out.timed_out, "duration_ms": out.duration_ms,
+        }
+        if out.agent_result is not None:
+            record["agent_result"] = out.agent_result
+        if out.aborted:
+            record["aborted"] = out.aborted
+        self.attempts.append(record)
+        _write(folder / "attempt.json", record)
+        log.info("agent.exited", attempt=n, exit_code=out.exit_code, timed_out=out.timed_out,
+                 duration_ms=out.duration_ms, stdout_cut=out.stdout_cut or None)
+        if out.aborted == STOPPED:
+            return STOPPED
+        if out.aborted == CANCELLED:
+            return self._finish("failed", CANCELLED, [])
+        return Exit(code=out.exit_code, timed_out=out.timed_out, seconds=out.duration_ms / 1000,
+                    timeout_s=self.spec["timeout"])
+
+    def _argv_values(self, n: int) -> dict[str, str]:
+        values = {
+            "job_id": self.job_id,
+            "order": str(self.work / "order.json"),
+            "workspace": str(self.work),
+            "receipt": str(self.work / "receipt.json"),
+            "prompt": "",
+            "prompt_file": "",
+        }
+        prompt = self.work / "prompt.md"
+        if prompt.exists():
+            values["prompt"] = prompt.read_text()
+            values["prompt_file"] = str(prompt)
+        return values
+
+    def _env(self, n: int) -> dict[str, str]:
+        return runner.build_env(self.agent.env, {
+            "DISPATCH_JOB_ID": self.job_id,
+            "DISPATCH_ORDER": str(self.work / "order.json"),
+            "DISPATCH_WORKSPACE": str(self.work),
+            "DISPATCH_RECEIPT": str(self.work / "receipt.json"),
+            "DISPATCH_ATTEMPT": str(n),
+        })
+
+    # -- deciding --------------------------------------------------------------
+    def _decide(self, n: int, exit_: Exit) -> str | None:
+        """Check attempt n; finish the job, or return None to run attempt n + 1."""
+        receipt_missing = not os.path.lexists(self.work / "receipt.json")
+        unclear = exit_.timed_out or (exit_.code not in (0, None)) or receipt_missing
+        if unclear:
+            checks = self._checks(exit_)
+            reason = verdict(checks) or "receipt_present: no receipt.json"
+            if _receipt_invalid(checks):
+                return self._finish("failed", reason, checks)
+            return self._retry_or_fail(n, reason, checks)
+        return self._evaluate(n, exit_, final=False)
+
+    def _evaluate(self, n: int, exit_: Exit, *, final: bool) -> str | None:
+        checks = self._checks(exit_)
+        reason = verdict(checks, exit_lost=exit_.lost)
+        if reason is None:
+            return self._finish_done(checks)
+        if not final and self.agent.repair and self._may_run_again(n) and not _receipt_invalid(checks):
+            safe, why = self._safe_to_retry()
+            if safe:
+                self._write_feedback(checks)
+                return self._schedule_retry(n, reason)
+        return self._finish("failed", reason, checks)
+
+    def _may_run_again(self, n: int) -> bool:
+        return n < int(self.spec["budget"])
+
+    def _retry_or_fail(self, n: int, reason: str, checks: list[CheckResult] | None = None) -> str | None:
+        if checks is None:
+            checks = self._checks(Exit(lost=True))
+        if not self._may_run_again(n):
+            return self._finish("failed", f"{reason}; no attempts left", checks)
+        safe, why = self._safe_to_retry()
+        if not safe:
+            return self._finish("failed", f"{reason}; not retried: {why}", checks)
+        return self._schedule_retry(n, reason)
+
+    def _safe_to_retry(self) -> tuple[bool, str]:
+        """Decide with the probe, else retry_safe; return (safe, why not)."""
+        if self.agent.probe is not None:
+            code = self._run_probe()
+            if code is None:
+                return False, "the probe could not run, so the work may have happened"
+            if code == 0:
+                return False, "the probe says the work may have happened"
+            return True, ""
+        if self.agent.retry_safe:
+            return True, ""
+        return False, f"agent {self.agent.name} is not retry_safe and has no probe"
+
+    def _run_probe(self) -> int | None:
+        n = self.attempts[-1]["n"] if self.attempts else 0
+        folder = self.folder / "attempts" / str(n)
+        folder.mkdir(parents=True, exist_ok=True)
+        argv = [runner.render(a, self._argv_values(n)) for a in self.agent.probe or ()]
+        try:
+            out = runner.run(argv, cwd=self.work if self.work.is_dir() else self.folder, env=self._env(n),
+                             timeout_s=self.spec["timeout"], kill_grace_s=self.ctx.config().kill_grace_s,
+                             log_dir=folder, log_prefix="probe-", max_log_bytes=self.ctx.config().max_log_bytes,
+                             abort=self.abort)
+        except OSError as exc:
+            log.warning("probe.failed", error=str(exc))
+            return None
+        log.info("probe.exited", exit_code=out.exit_code, timed_out=out.timed_out)
+        if out.timed_out or out.aborted or out.exit_code is None or out.exit_code < 0:
+            return None
+        return out.exit_code
+
+    def _schedule_retry(self, n: int, reason: str) -> str | None:
+        folder = self.folder / "attempts" / str(n)
+        record = _read_json(folder / "attempt.json") or {"n": n}
+        record["next"] = "retry"
+        _write(folder / "attempt.json", record)
+        for name in ("receipt.json", "outbox"):
+            src = self.work / name
+            if os.path.lexists(src):
+                os.rename(src, folder / name)
+        self.retries += 1
+        delay = min(self.ctx.config().retry_delay_s * (2 ** (self.retries - 1)), MAX_RETRY_DELAY_S)
+        log.info("job.retrying", attempt=n + 1, delay_s=delay, reason=reason)
+        self.waiting_retry = True
+        try:
+            aborted = _wait(self.abort, delay)
+        finally:
+            self.waiting_retry = False
+        if aborted:
+            if self.abort.reason == STOPPED:
+                return STOPPED
+            return self._finish("failed", CANCELLED, [])
+        return None
+
+    def _write_feedback(self, checks: list[CheckResult]) -> None:
+        failed = [c.to_json() for c in checks if c.ok is False]
+        data = fsutil.dump_json({"job_id": self.job_id, "attempt": self.attempts[-1]["n"], "failed_checks": failed})
+        (self.work / "feedback.json").write_bytes(data)
+        given = dict(self.spec["given"])
+        given["feedback.json"] = digest(data)
+        self.spec["given"] = given
+        fsutil.write_atomic(self.folder / JOB_FILE, fsutil.dump_json(self.spec), sync=False)
+
+    def _checks(self, exit_: Exit) -> list[CheckResult]:
+        cfg = self.ctx.config()
+        ledger = self.ctx.ledger
+
+        def known(ids: list[str]) -> frozenset[str]:
+            found = ledger.known(ids)
+            return frozenset(i for i, e in found.items() if e.parent != self.job_id or e.state not in ("reserved", "released"))
+
+        ev, self._followups = gather(
+            order=self.order, agent=self.agent.name, writes=tuple(self.spec["writes"]), exit=exit_,
+            work=self.work, given=self.spec["given"], agents=cfg.agents, max_timeout_s=cfg.max_timeout_s,
+            max_order_bytes=cfg.max_order_bytes, known=known, hops=int(self.spec["hops"]), max_hops=cfg.max_hops,
+        )
+        results = run_checks(ev)
+        log.info("job.verified", passed=sum(1 for c in results if c.ok), failed=[c.name for c in results if c.ok is False])
+        return results
+
+    # -- finishing -------------------------------------------------------------
+    def _finish_done(self, checks: list[CheckResult]) -> str:
+        children = [(f.order.job_id, f.order.to, f.name) for f, _ in self._followups if f.order is not None]
+        if children:
+            taken = self.ctx.ledger.reserve(self.job_id, int(self.spec["hops"]) + 1, children)
+            if taken:
+                checks = [c if c.name != "followups_valid" else CheckResult(
+                    c.name, False, f"job_id {', '.join(taken)} is already known") for c in checks]
+                return self._finish("failed", verdict(checks) or "followups_valid", checks)
+        return self._finish("done", None, checks, children=[c for c, _, _ in children])
+
+    def _finish(self, state: str, reason: str | None, checks: list[CheckResult],
+                children: list[str] | None = None) -> str:
+        result = {
+            "job_id": self.job_id,
+            "state": state,
+            "agent": self.agent.name,
+            "reason": reason,
+            "checks": [c.to_json() for c in checks],
+            "attempts": [{k: v for k, v in a.items() if k != "next"} for a in self.attempts],
+            "received": iso(float(self.spec["received"])),
+            "finished": iso(time.time()),
+            "parent": self.spec["parent"],
+            "children": children if children is not None else self.ctx.ledger.children(self.job_id),
+        }
+        fsutil.write_atomic(self.folder / "result.json", fsutil.dump_json(result))
+        return self._place(result)
+
+    def _place(self, result: dict[str, Any]) -> str:
+        """Move the finished job to done/ or failed/, record it, and release its follow-ups."""
+        state = result["state"]
+        target = self.ctx.layout.job(State(state), self.job_id)
+        fsutil.rename_noreplace(self.folder, target)
+        fsutil.fsync_dir(self.ctx.layout.folder(State(state)))
+        fsutil.fsync_dir(self.ctx.layout.folder(State.ACTIVE))
+        self.ctx.ledger.finish(self.job_id, DONE if state == "done" else FAILED)
+        if state == "done":
+            log.info("job.done", attempts=len(result["attempts"]), children=result["children"] or None)
+            release_followups(self.ctx, self.job_id)
+        else:
+            log.warning("job.failed", reason=result["reason"], attempts=len(result["attempts"]))
+        return str(state)
+
+
+def release_followups(ctx: Context, parent: str) -> None:
+    """Write the reserved follow-ups of a done parent into inbox/, each exactly once."""
+    for entry in ctx.ledger.pending_releases(parent):
+        folder = ctx.layout.job(State.DONE, parent)
+        src = folder / "work" / "outbox" / (entry.source or "")
+        try:
+            body = dict(validate_order(_load_any(src)).body)
+        except (OSError, OrderError, ValueError) as exc:
+            log.error("followup.lost", job_id=entry.job_id, parent=parent, error=str(exc))
+            continue
+        body["parent"] = parent
+        body["hops"] = entry.hops
+        data = fsutil.dump_json(body)
+        sha = digest(data)
+        ctx.ledger.set_digest(entry.job_id, sha)
+        name = _place_in_inbox(ctx.layout, entry.job_id, data, sha)
+        ctx.ledger.mark_released(entry.job_id, name, sha)
+        log.info("followup.released", job_id=entry.job_id, parent=parent, hops=entry.hops, file=name,
+                 agent=body.get("to"))
+        ctx.released(name)
+
+
+def _load_any(path: Path) -> Any:
+    from dispatcher.loader import load_document
+    from dispatcher.orders import order_format
+
+    return load_document(fsutil.read_regular(path), order_format(path.name) or "json")
+
+
+def _place_in_inbox(layout: Layout, job_id: str, data: bytes, sha: str) -> str:
+    """Link the follow-up into inbox/ under a name that replaces nothing; reuse our own copy."""
+    inbox = layout.inbox
+    tmp = inbox / f".release-{job_id}.{os.getpid()}.tmp"
+    fsutil.write_atomic(tmp, data)
+    try:
+        n = 1
+        while True:
+            name = f"{job_id}.json" if n == 1 else f"{job_id}-{n}.json"
+            try:
+                os.link(tmp, inbox / name)
+                fsutil.fsync_dir(inbox)
+                return name
+            except FileExistsError:
+                with contextlib.suppress(OSError, fsutil.NotRegular, ValueError):
+                    if digest(fsutil.read_regular(inbox / name)) == sha:
+                        return name
+                n += 1
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _wait(abort: runner.Abort, delay: float) -> bool:
+    """Sleep for delay unless aborted; return True if aborted."""
+    if abort.reason is not None:
+        return True
+    ready, _, _ = select.select([abort.fileno()], [], [], delay)
+    return bool(ready) or abort.reason is not None
+
+
+def _receipt_invalid(checks: list[CheckResult]) -> bool:
+    """A receipt that is present but unusable is never retried."""
+    present = next(c for c in checks if c.name == "receipt_present")
+    return present.ok is False and present.detail != "no receipt.json"
+
+
+def _end_leftover(folder: Path, agent: Agent, grace_s: float) -> None:
+    """End an agent still running from a dead daemon (checked by state and start time)."""
+    info = _read_json(folder / "pid")
+    if not info:
+        return
+    pid, ticks = int(info["pid"]), info.get("start_ticks")
+    if procs.is_alive(pid, ticks):
+        log.warning("agent.orphan_ended", pid=pid)
+        procs.end_group(pid, grace_s)
+    elif procs.group_members(pid):
+        procs.end_group(pid, grace_s)
+
+
+def _read_attempts(folder: Path) -> list[dict[str, Any]]:
+    out = []
+    attempts = folder / "attempts"
+    if attempts.is_dir():
+        for p in sorted((p for p in attempts.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
+            rec = _read_json(p / "attempt.json")
+            if rec is not None:
+                out.append(rec)
+    return out
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Path, value: Any) -> None:
+    fsutil.write_atomic(path, fsutil.dump_json(value), sync=False)
+
+

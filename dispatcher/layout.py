@@ -1,0 +1,101 @@
+"""The dispatch root's folders, and the job states they stand for."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+UMASK = 0o027
+
+
+class State(enum.StrEnum):
+    """Where a job is; each state is a folder of the dispatch root."""
+
+    ACTIVE = "active"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Every path of one dispatch root, in one place."""
+
+    root: Path
+
+    @property
+    def inbox(self) -> Path:
+        return self.root / "inbox"
+
+    @property
+    def state_dir(self) -> Path:
+        """The daemon's own state: ledger, locks, staging (not part of the contract)."""
+        return self.root / ".state"
+
+    @property
+    def ledger(self) -> Path:
+        return self.state_dir / "ledger.sqlite3"
+
+    @property
+    def staging(self) -> Path:
+        """Where job and refusal folders are built before one rename puts them in place."""
+        return self.state_dir / "staging"
+
+    @property
+    def daemons(self) -> Path:
+        """One lock file (held while alive) and one info file per daemon process."""
+        return self.state_dir / "daemons"
+
+    @property
+    def slots(self) -> Path:
+        """Lock files that bound each agent's concurrency over all daemons."""
+        return self.state_dir / "slots"
+
+    @property
+    def control(self) -> Path:
+        """Hint files dropped by `retry` and `cancel` to wake a running daemon."""
+        return self.state_dir / "control"
+
+    def folder(self, state: State) -> Path:
+        return self.root / state.value
+
+    def job(self, state: State, job_id: str) -> Path:
+        return self.root / state.value / job_id
+
+    def all_dirs(self) -> list[Path]:
+        """Return every folder `run` and `init` create."""
+        return [
+            self.inbox,
+            *(self.folder(s) for s in State),
+            self.state_dir,
+            self.staging,
+            self.daemons,
+            self.slots,
+            self.control,
+        ]
+
+    def create(self) -> None:
+        """Create the missing folders of the layout."""
+        for path in self.all_dirs():
+            path.mkdir(parents=True, exist_ok=True)
+
+    def find(self, job_id: str) -> tuple[State, Path] | None:
+        """Return the state and folder of a job, or None if it has no folder."""
+        for state in (State.ACTIVE, State.DONE, State.FAILED):
+            path = self.job(state, job_id)
+            if os.path.isdir(path) and not os.path.islink(path):
+                return state, path
+        return None
+
+
+def utc_stamp(when: float | None = None) -> str:
+    """Return a refusal-folder timestamp such as 20261129T081600.123456Z."""
+    moment = datetime.fromtimestamp(when, UTC) if when is not None else datetime.now(UTC)
+    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def iso(when: float) -> str:
+    """Return an ISO 8601 UTC time with milliseconds, as result.json writes it."""
+    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(when * 1000) % 1000:03d}Z"

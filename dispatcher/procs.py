@@ -1,0 +1,92 @@
+"""Process liveness by state, not by signal 0, and ending a process group.
+
+``kill(pid, 0)`` succeeds for a zombie, and pids are reused, so liveness reads
+``/proc/PID/stat``: the state letter (Z is dead) and the start time in clock
+ticks since boot, compared with the one recorded when the process started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+_SLEEP_S = 0.02
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """Return the fields of /proc/PID/stat after the command name, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name may hold spaces and parentheses: split after the last ')'
+    return data[data.rindex(b")") + 2 :].decode().split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """Return the start time of pid (clock ticks since boot), or None if gone."""
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def is_alive(pid: int, started: int | None = None) -> bool:
+    """Return True if pid runs (not a zombie) and, if given, started at ``started``."""
+    fields = stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return False
+    return started is None or int(fields[19]) == started
+
+
+def group_members(pgid: int) -> list[tuple[int, str, int]]:
+    """Return (pid, state, ppid) of every process in the process group pgid."""
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = stat_fields(int(name))
+        if fields is not None and int(fields[2]) == pgid:
+            members.append((int(name), fields[0], int(fields[1])))
+    return members
+
+
+def _living(pgid: int) -> bool:
+    """Reap our own zombies in the group; return True while a live member remains."""
+    alive = False
+    me = os.getpid()
+    for pid, state, ppid in group_members(pgid):
+        if state in ("Z", "X"):
+            if ppid == me:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+        else:
+            alive = True
+    return alive
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send sig to the group; return False if the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+def end_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM the group, wait up to grace_s for it to empty, then SIGKILL what is left."""
+    if not signal_group(pgid, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace_s
+    while _living(pgid):
+        if time.monotonic() >= deadline:
+            signal_group(pgid, signal.SIGKILL)
+            kill_deadline = time.monotonic() + 5.0
+            while _living(pgid) and time.monotonic() < kill_deadline:
+                time.sleep(_SLEEP_S)
+            return
+        time.sleep(_SLEEP_S)

@@ -1,0 +1,83 @@
+"""Find work a dead daemon left behind: staging folders, stale claims, active jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from dispatcher import claim
+from dispatcher.layout import Layout, State
+from dispatcher.ledger import CLAIMED, DONE, FAILED, Ledger
+
+log = structlog.get_logger("dispatcher")
+
+
+def finish_staging(layout: Layout, alive: Callable[[str], bool]) -> None:
+    """Complete or undo the staging folders of dead daemons.
+
+    A claim folder that holds its order file is renamed into active/ (the
+    ledger claim is already made); one without it is removed (the file is
+    still in inbox/). A refusal folder holding the file goes to failed/.
+    """
+    for stage in sorted(layout.staging.iterdir()) if layout.staging.is_dir() else ():
+        owner, _, rest = stage.name.partition(".")
+        if alive(owner):
+            continue
+        has_file = any(p.name.startswith("order") or p.name == "entry" for p in stage.iterdir())
+        if rest.startswith("claim-"):
+            job_id = rest[len("claim-") :].rsplit("-", 1)[0]
+            if has_file and layout.find(job_id) is None:
+                os.rename(stage, layout.job(State.ACTIVE, job_id))
+                log.info("job.recovered", job_id=job_id, step="claim")
+                continue
+        elif rest.startswith("refuse-") and has_file:
+            target = stage / ".target"
+            base = target.read_text() if target.exists() else stage.name
+            claim.place_refusal(layout, stage, base)
+            continue
+        shutil.rmtree(stage)
+
+
+def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:
+    """Bring claims of dead daemons in line with the folders (a crash after the final move)."""
+    for entry in ledger.in_state(CLAIMED):
+        if entry.owner is None or alive(entry.owner):
+            continue
+        found = layout.find(entry.job_id)
+        if found is None:
+            continue
+        state, folder = found
+        if state in (State.DONE, State.FAILED) and (folder / "result.json").exists():
+            result = json.loads((folder / "result.json").read_text())
+            ledger.finish(entry.job_id, DONE if result.get("state") == "done" else FAILED)
+
+
+def orphaned_jobs(layout: Layout, ledger: Ledger, me: str, alive: Callable[[str], bool]) -> list[str]:
+    """Return active jobs whose owner is dead, adopted by me (atomically, one daemon wins)."""
+    out = []
+    try:
+        names = sorted(os.listdir(layout.folder(State.ACTIVE)))
+    except FileNotFoundError:
+        return out
+    for job_id in names:
+        if job_id.startswith("."):
+            continue
+        entry = ledger.get(job_id)
+        if entry is None or entry.owner == me or (entry.owner is not None and alive(entry.owner)):
+            continue
+        if not (layout.job(State.ACTIVE, job_id) / claim.JOB_FILE).exists():
+            continue
+        if ledger.adopt(job_id, me, expected_owner=entry.owner):
+            out.append(job_id)
+    return out
+
+
+def job_agent(folder: Path) -> str:
+    """Return the agent name frozen into a job's job.json."""
+    spec = json.loads((folder / claim.JOB_FILE).read_text())
+    return str(spec["agent"]["name"])
