@@ -221,7 +221,10 @@ def receipt_outputs(ev: Evidence) -> CheckResult:
         return r(True, f"{len(got)} output ids match {ev.order.accept.output}")
     missing = sorted({repr(i) for i in want} - {repr(i) for i in got})
     extra = sorted({repr(i) for i in got} - {repr(i) for i in want})
-    parts = [f"missing {', '.join(missing)}" if missing else "", f"extra {', '.join(extra)}" if extra else ""]
+    parts = [
+        f"missing {', '.join(missing)}" if missing else "",
+        f"extra {', '.join(extra)}" if extra else "",
+    ]
     text = "; ".join(p for p in parts if p) or "counts differ"
     return r(False, f"output_ids differ from {ev.order.accept.output}: {text}")
 
@@ -282,7 +285,7 @@ def writes_scope(ev: Evidence) -> CheckResult:
     return r(True, "every change is inside writes")
 
 
-def followups_valid(ev: Evidence) -> CheckResult:  # noqa: C901 - one rule per branch, in contract order
+def followups_valid(ev: Evidence) -> CheckResult:
     r = _n("followups_valid")
     wanted = ev.order.accept.followups
     if not ev.outbox_exists and not ev.followups and wanted is None:

@@ -81,7 +81,11 @@ def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | 
     received = time.time()
     try:
         order = parse_order(
-            data, name, agents=config.agents, max_timeout_s=config.max_timeout_s, max_bytes=config.max_order_bytes
+            data,
+            name,
+            agents=config.agents,
+            max_timeout_s=config.max_timeout_s,
+            max_bytes=config.max_order_bytes,
         )
     except OrderError as exc:
         return Refusal(name, exc.reason, job_id=_best_job_id(data, name))
@@ -110,7 +114,7 @@ def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
     base = f"{stem[:200]}@{utc_stamp()}"
     (stage / ".target").write_text(base)
     inner = "entry" if refusal.entry_kind is not None else f"order{Path(refusal.name).suffix}"
-    result = {
+    result: dict[str, Any] = {
         "job_id": refusal.job_id,
         "state": "failed",
         "agent": None,
@@ -154,9 +158,7 @@ def _remove_stage(stage: Path) -> None:
     stage.rmdir()
 
 
-def take_claim(
-    ledger: Ledger, layout: Layout, item: Inspected, owner: str, owner_alive: Any
-) -> Claim:
+def take_claim(ledger: Ledger, layout: Layout, item: Inspected, owner: str, owner_alive: Any) -> Claim:
     """Claim the order's job id in the ledger (step 1)."""
 
     def may_take_over(entry: Entry) -> bool:

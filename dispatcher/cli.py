@@ -25,7 +25,12 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(p: argparse.ArgumentParser, top: bool) -> None:
     default = None if top else argparse.SUPPRESS
-    p.add_argument("--config", default=default, metavar="FILE", help="config file (default config/dispatcher.yaml)")
+    p.add_argument(
+        "--config",
+        default=default,
+        metavar="FILE",
+        help="config file (default config/dispatcher.yaml)",
+    )
     p.add_argument("--root", default=default, metavar="DIR", help="dispatch root (overrides the config)")
 
 
@@ -112,8 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = find_config(args.config)
     cfg = load_config(path, root=Path(args.root) if args.root else None)
     logs.configure(log_file=cfg.log_file)
-    return Daemon(cfg, config_path=path, root_override=Path(args.root) if args.root else None,
-                  once=args.once).serve()
+    return Daemon(cfg, config_path=path, root_override=Path(args.root) if args.root else None, once=args.once).serve()
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -169,8 +173,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
             entry = ledger.get(order.job_id)
             if entry is not None or order.job_id in queued:
                 state = entry.state if entry else "queued in inbox/"
-                raise OrderError(f"{order.job_id} is already known ({state}); a job id is never run twice",
-                                 file=name, field="job_id")
+                raise OrderError(
+                    f"{order.job_id} is already known ({state}); a job id is never run twice",
+                    file=name,
+                    field="job_id",
+                )
     finally:
         ledger.close()
     for name, order in orders:
@@ -194,7 +201,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _queued_ids(layout: Layout) -> set[str]:
     """Return the job ids of valid orders waiting in inbox/."""
-    out = set()
+    out: set[str] = set()
     try:
         names = os.listdir(layout.inbox)
     except FileNotFoundError:
@@ -224,7 +231,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{'JOB':<28} {'AGENT':<14} {'PID':>7} {'HOST':<16} AGE")
         for row in info["active"]:
             age = f"{row['age_s']:.0f} s" if row["age_s"] is not None else "-"
-            print(f"{row['job_id']:<28} {row['agent'] or '-':<14} {row['pid'] or '-':>7} {row['host'] or '-':<16} {age}")
+            print(
+                f"{row['job_id']:<28} {row['agent'] or '-':<14} {row['pid'] or '-':>7} {row['host'] or '-':<16} {age}"
+            )
     return 0
 
 

@@ -229,4 +229,4 @@ agents:
     max_attempts: 1
     retry_safe: false
     writes: []
-"""
+"""  # noqa: E501 - a starter agent on one line reads best in the file

@@ -103,11 +103,24 @@ class Daemon:
         self._life.acquire()
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         fsutil.write_atomic(self.layout.daemons / f"{self.owner}.json", json.dumps(info).encode(), sync=False)
-        self.ctx = Context(self.layout, self.ledger, self.owner, lambda: self.config,
-                           lambda name: self.q.put(("fs", "moved", name)), self._cancel_requested)
+        self.ctx = Context(
+            self.layout,
+            self.ledger,
+            self.owner,
+            lambda: self.config,
+            lambda name: self.q.put(("fs", "moved", name)),
+            self._cancel_requested,
+        )
         self.tracker = InboxTracker(self.layout.inbox, self.config.settle_s)
-        log.info("daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
-                 max_jobs=self.config.max_jobs, agents=sorted(self.config.agents), once=self.once)
+        log.info(
+            "daemon.started",
+            root=str(self.layout.root),
+            pid=os.getpid(),
+            owner=self.owner,
+            max_jobs=self.config.max_jobs,
+            agents=sorted(self.config.agents),
+            once=self.once,
+        )
         self.observer = start_observer(self.layout.inbox, self.layout.control, self.q.put)
         self._recover()
         self.tracker.scan()
@@ -186,7 +199,7 @@ class Daemon:
             self._signal(msg[1])
 
     def _capture_signals(self) -> dict[int, Any]:
-        old = {}
+        old: dict[int, Any] = {}
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             old[sig] = signal.signal(sig, self.handle_signal)
         return old
@@ -205,8 +218,12 @@ class Daemon:
             return
         self.stopping = True
         self.notifier.stopping()
-        log.info("daemon.stopping", signal=signal.Signals(signum).name, running=len(self.running),
-                 stop_timeout=self.config.stop_timeout_s)
+        log.info(
+            "daemon.stopping",
+            signal=signal.Signals(signum).name,
+            running=len(self.running),
+            stop_timeout=self.config.stop_timeout_s,
+        )
         self.stop_deadline = time.monotonic() + self.config.stop_timeout_s
         for r in self.running.values():
             if r.run.waiting_retry:
@@ -317,17 +334,17 @@ class Daemon:
             name = self.tracker.pop()
             if name is None:
                 return
-            p = self._take(name)
-            if p is None:
+            new = self._take(name)
+            if new is None:
                 continue
-            slot = None if p.agent in blocked else self._slot(p.agent)
+            slot = None if new.agent in blocked else self._slot(new.agent)
             if slot is None:
-                blocked.add(p.agent)
-                self.parked.append(p)
-                if self._cancel_requested(p.job_id):
-                    self._cancel(p.job_id)
+                blocked.add(new.agent)
+                self.parked.append(new)
+                if self._cancel_requested(new.job_id):
+                    self._cancel(new.job_id)
                 continue
-            self._launch(p, slot)
+            self._launch(new, slot)
 
     def _slot(self, agent_name: str) -> str | None:
         agent = self.config.agents.get(agent_name)
@@ -345,15 +362,22 @@ class Daemon:
         if found is None:
             self.tracker.forget(name)
             return None
-        log.info("order.received", file=name, job_id=getattr(getattr(found, "order", None), "job_id", None))
+        log.info(
+            "order.received",
+            file=name,
+            job_id=getattr(getattr(found, "order", None), "job_id", None),
+        )
         if isinstance(found, claim.Refusal):
             self._refuse(found)
             return None
         entry = self.ledger.get(found.order.job_id)
-        if entry is not None and not (entry.state in ("reserved", "released") and entry.digest == found.digest):
-            if not (entry.state == "claimed" and entry.source == name and entry.owner and not self._alive(entry.owner)):
-                self._refuse(claim.Refusal(name, _known_reason(found.order.job_id, entry.state), found.order.job_id))
-                return None
+        if (
+            entry is not None
+            and not (entry.state in ("reserved", "released") and entry.digest == found.digest)
+            and not (entry.state == "claimed" and entry.source == name and entry.owner and not self._alive(entry.owner))
+        ):
+            self._refuse(claim.Refusal(name, _known_reason(found.order.job_id, entry.state), found.order.job_id))
+            return None
         return _Parked("new", found.order.job_id, found.order.to, found)
 
     def _refuse(self, refusal: claim.Refusal) -> None:
@@ -361,8 +385,13 @@ class Daemon:
         self.tracker.forget(refusal.name)
         if folder is not None:
             self.stats.finished["refused"] += 1
-            log.warning("job.refused", file=refusal.name, job_id=refusal.job_id, reason=refusal.reason,
-                        folder=folder.name)
+            log.warning(
+                "job.refused",
+                file=refusal.name,
+                job_id=refusal.job_id,
+                reason=refusal.reason,
+                folder=folder.name,
+            )
 
     def _launch(self, p: _Parked, slot: str | None) -> None:
         try:
@@ -385,12 +414,18 @@ class Daemon:
         if p.kind == "retry":
             return self._reopen(p.job_id)
         item = p.item
-        assert item is not None
+        if item is None:
+            return None
         self.tracker.forget(item.name)
         agent = self.config.agents.get(item.order.to)
         if agent is None:
-            self._refuse(claim.Refusal(item.name, f"to: no agent {item.order.to!r} is defined in the config",
-                                       item.order.job_id))
+            self._refuse(
+                claim.Refusal(
+                    item.name,
+                    f"to: no agent {item.order.to!r} is defined in the config",
+                    item.order.job_id,
+                )
+            )
             return None
         got = claim.take_claim(self.ledger, self.layout, item, self.owner, self._alive)
         if not got.ok:
@@ -402,8 +437,14 @@ class Daemon:
             self.ledger.finish(item.order.job_id, FAILED)
             log.warning("order.vanished", file=item.name, job_id=item.order.job_id)
             return None
-        log.info("job.claimed", job_id=item.order.job_id, agent=agent.name, file=item.name,
-                 parent=got.parent, hops=got.hops)
+        log.info(
+            "job.claimed",
+            job_id=item.order.job_id,
+            agent=agent.name,
+            file=item.name,
+            parent=got.parent,
+            hops=got.hops,
+        )
         return JobRun(self.ctx, item.order.job_id)
 
     def _reopen(self, job_id: str) -> JobRun | None:
@@ -451,8 +492,10 @@ class Daemon:
     def _status(self) -> None:
         if self.notifier.enabled:
             s = self.stats.finished
-            self.notifier.status(f"running {len(self.running)}, queued {len(self.parked) + len(self.tracker)},"
-                                 f" done {s['done']}, failed {s['failed']}, refused {s['refused']}")
+            self.notifier.status(
+                f"running {len(self.running)}, queued {len(self.parked) + len(self.tracker)},"
+                f" done {s['done']}, failed {s['failed']}, refused {s['refused']}"
+            )
 
 
 def _known_reason(job_id: str, state: str) -> str:

@@ -54,5 +54,5 @@ class WrongState(DispatchError):
     """A job that exists but is in the wrong state for the operation (exit 1)."""
 
 
-class StopRequested(Exception):  # noqa: N818 - control flow, not an error (rq's StopRequested)
+class StopRequested(Exception):
     """Raised inside a job to unwind it when the daemon is asked to stop."""

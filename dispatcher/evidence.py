@@ -24,7 +24,13 @@ from dispatcher.orders import Order, order_format, parse_order
 
 RECEIPT_MAX = 16 * 1024 * 1024
 OUTPUT_MAX = 256 * 1024 * 1024
-_KINDS = {"regular file": "file", "folder": "dir", "symlink": "symlink", "FIFO": "fifo", "socket": "socket"}
+_KINDS = {
+    "regular file": "file",
+    "folder": "dir",
+    "symlink": "symlink",
+    "FIFO": "fifo",
+    "socket": "socket",
+}
 
 
 def digest(data: bytes) -> str:

@@ -78,7 +78,7 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     os.unlink(src)
 
 
-class NotRegular(Exception):  # noqa: N818 - a result, raised to leave a nested open early
+class NotRegular(Exception):
     """The path is not a regular file; ``kind`` says what it is."""
 
     def __init__(self, kind: str) -> None:

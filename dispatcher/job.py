@@ -126,8 +126,12 @@ class JobRun:
             return self._retry_or_fail(n, f"interrupted: attempt {n} was cut short by a stop or crash")
         if record.get("next") == "retry":
             return None
-        exit_ = Exit(code=record.get("exit_code"), timed_out=record.get("timed_out", False),
-                     seconds=record.get("duration_ms", 0) / 1000, timeout_s=self.spec["timeout"])
+        exit_ = Exit(
+            code=record.get("exit_code"),
+            timed_out=record.get("timed_out", False),
+            seconds=record.get("duration_ms", 0) / 1000,
+            timeout_s=self.spec["timeout"],
+        )
         return self._decide(n, exit_)
 
     def _last_attempt_dir(self) -> Path | None:
@@ -137,8 +141,15 @@ class JobRun:
     def _interrupted_record(self, n: int, folder: Path) -> dict[str, Any]:
         pid = _read_json(folder / "pid") or {}
         started = pid.get("started", time.time())
-        return {"n": n, "started": iso(started), "ended": iso(time.time()), "exit_code": None,
-                "timed_out": False, "duration_ms": round((time.time() - started) * 1000), "interrupted": True}
+        return {
+            "n": n,
+            "started": iso(started),
+            "ended": iso(time.time()),
+            "exit_code": None,
+            "timed_out": False,
+            "duration_ms": round((time.time() - started) * 1000),
+            "interrupted": True,
+        }
 
     # -- one attempt -----------------------------------------------------------
     def _attempt(self, n: int) -> Exit | str:
@@ -156,9 +167,17 @@ class JobRun:
             log.info("agent.started", attempt=n, pid=pid)
 
         try:
-            out = runner.run(argv, cwd=self.work, env=env, timeout_s=self.spec["timeout"],
-                             kill_grace_s=cfg.kill_grace_s, log_dir=folder, max_log_bytes=cfg.max_log_bytes,
-                             abort=self.abort, on_start=on_start)
+            out = runner.run(
+                argv,
+                cwd=self.work,
+                env=env,
+                timeout_s=self.spec["timeout"],
+                kill_grace_s=cfg.kill_grace_s,
+                log_dir=folder,
+                max_log_bytes=cfg.max_log_bytes,
+                abort=self.abort,
+                on_start=on_start,
+            )
         except OSError as exc:
             for name in ("stdout.log", "stderr.log", "pid"):
                 (folder / name).unlink(missing_ok=True)
@@ -169,8 +188,12 @@ class JobRun:
             log.error("agent.exited", error=reason)
             return self._finish("failed", reason, [])
         record: dict[str, Any] = {
-            "n": n, "started": iso(out.started), "ended": iso(out.ended), "exit_code": out.exit_code,
-            "timed_out": out.timed_out, "duration_ms": out.duration_ms,
+            "n": n,
+            "started": iso(out.started),
+            "ended": iso(out.ended),
+            "exit_code": out.exit_code,
+            "timed_out": out.timed_out,
+            "duration_ms": out.duration_ms,
         }
         if out.agent_result is not None:
             record["agent_result"] = out.agent_result
@@ -178,14 +201,24 @@ class JobRun:
             record["aborted"] = out.aborted
         self.attempts.append(record)
         _write(folder / "attempt.json", record)
-        log.info("agent.exited", attempt=n, exit_code=out.exit_code, timed_out=out.timed_out,
-                 duration_ms=out.duration_ms, stdout_cut=out.stdout_cut or None)
+        log.info(
+            "agent.exited",
+            attempt=n,
+            exit_code=out.exit_code,
+            timed_out=out.timed_out,
+            duration_ms=out.duration_ms,
+            stdout_cut=out.stdout_cut or None,
+        )
         if out.aborted == STOPPED:
             return STOPPED
         if out.aborted == CANCELLED:
             return self._finish("failed", CANCELLED, [])
-        return Exit(code=out.exit_code, timed_out=out.timed_out, seconds=out.duration_ms / 1000,
-                    timeout_s=self.spec["timeout"])
+        return Exit(
+            code=out.exit_code,
+            timed_out=out.timed_out,
+            seconds=out.duration_ms / 1000,
+            timeout_s=self.spec["timeout"],
+        )
 
     def _argv_values(self, n: int) -> dict[str, str]:
         values = {
@@ -203,13 +236,16 @@ class JobRun:
         return values
 
     def _env(self, n: int) -> dict[str, str]:
-        return runner.build_env(self.agent.env, {
-            "DISPATCH_JOB_ID": self.job_id,
-            "DISPATCH_ORDER": str(self.work / "order.json"),
-            "DISPATCH_WORKSPACE": str(self.work),
-            "DISPATCH_RECEIPT": str(self.work / "receipt.json"),
-            "DISPATCH_ATTEMPT": str(n),
-        })
+        return runner.build_env(
+            self.agent.env,
+            {
+                "DISPATCH_JOB_ID": self.job_id,
+                "DISPATCH_ORDER": str(self.work / "order.json"),
+                "DISPATCH_WORKSPACE": str(self.work),
+                "DISPATCH_RECEIPT": str(self.work / "receipt.json"),
+                "DISPATCH_ATTEMPT": str(n),
+            },
+        )
 
     # -- deciding --------------------------------------------------------------
     def _decide(self, n: int, exit_: Exit) -> str | None:
@@ -230,7 +266,7 @@ class JobRun:
         if reason is None:
             return self._finish_done(checks)
         if not final and self.agent.repair and self._may_run_again(n) and not _receipt_invalid(checks):
-            safe, why = self._safe_to_retry()
+            safe, _why = self._safe_to_retry()
             if safe:
                 self._write_feedback(checks)
                 return self._schedule_retry(n, reason)
@@ -268,10 +304,17 @@ class JobRun:
         folder.mkdir(parents=True, exist_ok=True)
         argv = [runner.render(a, self._argv_values(n)) for a in self.agent.probe or ()]
         try:
-            out = runner.run(argv, cwd=self.work if self.work.is_dir() else self.folder, env=self._env(n),
-                             timeout_s=self.spec["timeout"], kill_grace_s=self.ctx.config().kill_grace_s,
-                             log_dir=folder, log_prefix="probe-", max_log_bytes=self.ctx.config().max_log_bytes,
-                             abort=self.abort)
+            out = runner.run(
+                argv,
+                cwd=self.work if self.work.is_dir() else self.folder,
+                env=self._env(n),
+                timeout_s=self.spec["timeout"],
+                kill_grace_s=self.ctx.config().kill_grace_s,
+                log_dir=folder,
+                log_prefix="probe-",
+                max_log_bytes=self.ctx.config().max_log_bytes,
+                abort=self.abort,
+            )
         except OSError as exc:
             log.warning("probe.failed", error=str(exc))
             return None
@@ -318,15 +361,30 @@ class JobRun:
 
         def known(ids: list[str]) -> frozenset[str]:
             found = ledger.known(ids)
-            return frozenset(i for i, e in found.items() if e.parent != self.job_id or e.state not in ("reserved", "released"))
+            return frozenset(
+                i for i, e in found.items() if e.parent != self.job_id or e.state not in ("reserved", "released")
+            )
 
         ev, self._followups = gather(
-            order=self.order, agent=self.agent.name, writes=tuple(self.spec["writes"]), exit=exit_,
-            work=self.work, given=self.spec["given"], agents=cfg.agents, max_timeout_s=cfg.max_timeout_s,
-            max_order_bytes=cfg.max_order_bytes, known=known, hops=int(self.spec["hops"]), max_hops=cfg.max_hops,
+            order=self.order,
+            agent=self.agent.name,
+            writes=tuple(self.spec["writes"]),
+            exit=exit_,
+            work=self.work,
+            given=self.spec["given"],
+            agents=cfg.agents,
+            max_timeout_s=cfg.max_timeout_s,
+            max_order_bytes=cfg.max_order_bytes,
+            known=known,
+            hops=int(self.spec["hops"]),
+            max_hops=cfg.max_hops,
         )
         results = run_checks(ev)
-        log.info("job.verified", passed=sum(1 for c in results if c.ok), failed=[c.name for c in results if c.ok is False])
+        log.info(
+            "job.verified",
+            passed=sum(1 for c in results if c.ok),
+            failed=[c.name for c in results if c.ok is False],
+        )
         return results
 
     # -- finishing -------------------------------------------------------------
@@ -335,13 +393,22 @@ class JobRun:
         if children:
             taken = self.ctx.ledger.reserve(self.job_id, int(self.spec["hops"]) + 1, children)
             if taken:
-                checks = [c if c.name != "followups_valid" else CheckResult(
-                    c.name, False, f"job_id {', '.join(taken)} is already known") for c in checks]
+                checks = [
+                    c
+                    if c.name != "followups_valid"
+                    else CheckResult(c.name, False, f"job_id {', '.join(taken)} is already known")
+                    for c in checks
+                ]
                 return self._finish("failed", verdict(checks) or "followups_valid", checks)
         return self._finish("done", None, checks, children=[c for c, _, _ in children])
 
-    def _finish(self, state: str, reason: str | None, checks: list[CheckResult],
-                children: list[str] | None = None) -> str:
+    def _finish(
+        self,
+        state: str,
+        reason: str | None,
+        checks: list[CheckResult],
+        children: list[str] | None = None,
+    ) -> str:
         result = {
             "job_id": self.job_id,
             "state": state,
@@ -390,8 +457,14 @@ def release_followups(ctx: Context, parent: str) -> None:
         ctx.ledger.set_digest(entry.job_id, sha)
         name = _place_in_inbox(ctx.layout, entry.job_id, data, sha)
         ctx.ledger.mark_released(entry.job_id, name, sha)
-        log.info("followup.released", job_id=entry.job_id, parent=parent, hops=entry.hops, file=name,
-                 agent=body.get("to"))
+        log.info(
+            "followup.released",
+            job_id=entry.job_id,
+            parent=parent,
+            hops=entry.hops,
+            file=name,
+            agent=body.get("to"),
+        )
         ctx.released(name)
 
 
@@ -471,5 +544,3 @@ def _read_json(path: Path) -> Any:
 
 def _write(path: Path, value: Any) -> None:
     fsutil.write_atomic(path, fsutil.dump_json(value), sync=False)
-
-

@@ -105,8 +105,7 @@ class Ledger:
 
     def _row(self, db: sqlite3.Connection, job_id: str) -> Entry | None:
         row = db.execute(
-            "SELECT job_id, state, agent, owner, source, digest, parent, hops, updated"
-            " FROM jobs WHERE job_id = ?",
+            "SELECT job_id, state, agent, owner, source, digest, parent, hops, updated FROM jobs WHERE job_id = ?",
             (job_id,),
         ).fetchone()
         return Entry(*row) if row else None
@@ -128,8 +127,8 @@ class Ledger:
         marks = ",".join("?" * len(states))
         with self._lock:
             rows = self._db.execute(
-                "SELECT job_id, state, agent, owner, source, digest, parent, hops, updated"
-                f" FROM jobs WHERE state IN ({marks})",  # noqa: S608 - placeholders only
+                "SELECT job_id, state, agent, owner, source, digest, parent, hops, updated"  # noqa: S608 - only "?" marks are joined in
+                f" FROM jobs WHERE state IN ({marks})",
                 states,
             ).fetchall()
         return [Entry(*r) for r in rows]
@@ -179,8 +178,7 @@ class Ledger:
             if not takeable:
                 return Claim(ok=False, known=entry)
             db.execute(
-                "UPDATE jobs SET state = 'claimed', agent = ?, owner = ?, source = ?, updated = ?"
-                " WHERE job_id = ?",
+                "UPDATE jobs SET state = 'claimed', agent = ?, owner = ?, source = ?, updated = ? WHERE job_id = ?",
                 (agent, owner, source, now, job_id),
             )
             return Claim(ok=True, parent=entry.parent, hops=entry.hops)
@@ -197,7 +195,10 @@ class Ledger:
     def finish(self, job_id: str, state: str) -> None:
         """Record the final state (done or failed) of a job; drop a failed job's reservations."""
         with self._write() as db:
-            db.execute("UPDATE jobs SET state = ?, updated = ? WHERE job_id = ?", (state, time.time(), job_id))
+            db.execute(
+                "UPDATE jobs SET state = ?, updated = ? WHERE job_id = ?",
+                (state, time.time(), job_id),
+            )
             if state == FAILED:
                 db.execute("DELETE FROM jobs WHERE parent = ? AND state = 'reserved'", (job_id,))
 
@@ -238,7 +239,10 @@ class Ledger:
     def set_digest(self, job_id: str, digest: str) -> None:
         """Record the digest a reserved follow-up will be released with (before its file exists)."""
         with self._write() as db:
-            db.execute("UPDATE jobs SET digest = ? WHERE job_id = ? AND state = 'reserved'", (digest, job_id))
+            db.execute(
+                "UPDATE jobs SET digest = ? WHERE job_id = ? AND state = 'reserved'",
+                (digest, job_id),
+            )
 
     def pending_releases(self, parent: str | None = None) -> list[Entry]:
         """Return reserved follow-ups whose parent is done (of one parent, or all)."""
@@ -259,7 +263,8 @@ class Ledger:
         """Record a request (``retry`` or ``cancel``) for a daemon to carry out."""
         with self._write() as db:
             db.execute(
-                "INSERT OR REPLACE INTO requests (job_id, kind, at) VALUES (?, ?, ?)", (job_id, kind, time.time())
+                "INSERT OR REPLACE INTO requests (job_id, kind, at) VALUES (?, ?, ?)",
+                (job_id, kind, time.time()),
             )
 
     def requests(self, kind: str) -> list[str]:

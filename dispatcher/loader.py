@@ -38,8 +38,8 @@ class _StrictLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        event = self.peek_event()
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
         if isinstance(event, yaml.AliasEvent):
             raise OrderError(f"YAML aliases are not allowed (*{event.anchor}, line {_line(event)})")
         anchor = getattr(event, "anchor", None)
@@ -49,7 +49,8 @@ class _StrictLoader(yaml.SafeLoader):
         if self._depth > MAX_DEPTH:
             raise OrderError(f"nesting deeper than {MAX_DEPTH} levels (line {_line(event)})")
         try:
-            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+            node: yaml.Node | None = super().compose_node(parent, index)
+            return node
         finally:
             self._depth -= 1
 

@@ -9,6 +9,7 @@ local ends up in the journal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -49,10 +50,8 @@ class _Sink:
             except (OSError, ValueError):
                 pass
             if self.file is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self.file.write(json_line + "\n")
-                except OSError:
-                    pass
 
 
 SINK = _Sink()
@@ -77,7 +76,7 @@ class _DualRenderer:
         self._json = structlog.processors.JSONRenderer(sort_keys=False)
         self._console = structlog.dev.ConsoleRenderer(colors=False) if console else None
 
-    def __call__(self, logger: Any, name: str, event: dict[str, Any]) -> str:
+    def __call__(self, logger: Any, name: str, event: Any) -> str:
         event.pop("_record", None)
         event.pop("_from_structlog", None)
         text = self._console(logger, name, dict(event)) if self._console else None
@@ -108,10 +107,8 @@ def _stdlib(record: logging.LogRecord, renderer: _DualRenderer) -> None:
     event: dict[str, Any] = {"event": record.getMessage(), "logger": record.name}
     event["level"] = record.levelname.lower()
     _timestamper()(None, "", event)
-    try:
+    with contextlib.suppress(structlog.DropEvent):
         renderer(None, record.levelname.lower(), event)
-    except structlog.DropEvent:
-        pass
 
 
 def get(**bound: Any) -> Any:

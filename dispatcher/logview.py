@@ -14,8 +14,8 @@ def format_line(event: dict[str, Any]) -> str:
     """Return one log event as `time level event job agent key=value ...`."""
     head = [
         str(event.get("timestamp", ""))[:23],
-        f"{str(event.get('level', '')):<7}",
-        f"{str(event.get('event', '')):<18}",
+        f"{event.get('level', '')!s:<7}",
+        f"{event.get('event', '')!s:<18}",
     ]
     if event.get("job_id"):
         head.append(str(event["job_id"]))

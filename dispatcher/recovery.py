@@ -59,7 +59,7 @@ def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) 
 
 def orphaned_jobs(layout: Layout, ledger: Ledger, me: str, alive: Callable[[str], bool]) -> list[str]:
     """Return active jobs whose owner is dead, adopted by me (atomically, one daemon wins)."""
-    out = []
+    out: list[str] = []
     try:
         names = sorted(os.listdir(layout.folder(State.ACTIVE)))
     except FileNotFoundError:

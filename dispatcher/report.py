@@ -54,23 +54,31 @@ def status(layout: Layout) -> dict[str, Any]:
         entry = ledger.get(job_id) if ledger else None
         owner = owners.get(entry.owner or "", {}) if entry else {}
         received = spec.get("received")
-        rows.append({
-            "job_id": job_id,
-            "agent": (spec.get("agent") or {}).get("name"),
-            "pid": owner.get("pid"),
-            "host": owner.get("host"),
-            "age_s": round(now - float(received), 1) if received else None,
-        })
+        rows.append(
+            {
+                "job_id": job_id,
+                "agent": (spec.get("agent") or {}).get("name"),
+                "pid": owner.get("pid"),
+                "host": owner.get("host"),
+                "age_s": round(now - float(received), 1) if received else None,
+            }
+        )
     if ledger:
         ledger.close()
     return {
-        "counts": {"inbox": inbox, "active": active, "done": done, "failed": failed, "refused": refused},
+        "counts": {
+            "inbox": inbox,
+            "active": active,
+            "done": done,
+            "failed": failed,
+            "refused": refused,
+        },
         "active": rows,
     }
 
 
 def _owners(layout: Layout) -> dict[str, dict[str, Any]]:
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     try:
         names = os.listdir(layout.daemons)
     except FileNotFoundError:
@@ -104,8 +112,18 @@ def find_job(layout: Layout, job_id: str) -> dict[str, Any] | None:
         if entry is None:
             return None
         state = {"reserved": "reserved", "released": "inbox"}.get(entry.state, entry.state)
-        return {"job_id": job_id, "state": state, "agent": entry.agent, "reason": None, "checks": [],
-                "attempts": [], "parent": entry.parent, "children": children, "hops": entry.hops, "folder": None}
+        return {
+            "job_id": job_id,
+            "state": state,
+            "agent": entry.agent,
+            "reason": None,
+            "checks": [],
+            "attempts": [],
+            "parent": entry.parent,
+            "children": children,
+            "hops": entry.hops,
+            "folder": None,
+        }
     state, folder = found
     result = _read(folder / "result.json") or {}
     spec = _read(folder / "job.json") or {}
@@ -131,7 +149,7 @@ def chain(layout: Layout, job_id: str) -> dict[str, Any] | None:
     job = find_job(layout, job_id)
     if job is None:
         return None
-    ancestors = []
+    ancestors: list[dict[str, Any]] = []
     parent = job.get("parent")
     seen = {job_id}
     while parent and parent not in seen:

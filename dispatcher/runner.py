@@ -10,6 +10,7 @@ SIGKILL after ``kill_grace``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,7 +26,14 @@ from typing import Any
 from dispatcher import procs
 
 AGENT_RESULT_MAX = 64 * 1024
-AGENT_RESULT_KEYS = ("total_cost_usd", "session_id", "num_turns", "is_error", "duration_ms", "usage")
+AGENT_RESULT_KEYS = (
+    "total_cost_usd",
+    "session_id",
+    "num_turns",
+    "is_error",
+    "duration_ms",
+    "usage",
+)
 TAIL_BYTES = 4 * 1024 * 1024
 PASSED_ENV = ("PATH", "HOME", "LANG")
 ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file")
@@ -72,17 +80,13 @@ class Abort:
         """Ask the attempt to end its agent now (first reason wins)."""
         if self.reason is None:
             self.reason = reason
-        try:
+        with contextlib.suppress(OSError):
             os.write(self._w, b"x")
-        except OSError:
-            pass
 
     def close(self) -> None:
         for fd in (self._r, self._w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 @dataclass
@@ -168,7 +172,8 @@ def run(
         out_log.close()
         err_log.close()
         raise
-    assert proc.stdout is not None and proc.stderr is not None
+    if proc.stdout is None or proc.stderr is None:  # pragma: no cover - PIPE always gives both
+        raise OSError("no output pipes")
     if on_start is not None:
         on_start(proc.pid)
     streams = {
@@ -243,10 +248,8 @@ def _supervise(
                 elif fd == pidfd:
                     return proc.wait(), timed_out, abort.reason
                 elif fd == abort.fileno():
-                    try:
+                    with contextlib.suppress(BlockingIOError):
                         os.read(fd, 64)
-                    except BlockingIOError:
-                        pass
     finally:
         if pidfd is not None:
             os.close(pidfd)

@@ -95,7 +95,7 @@ def validate(value: Any, schema_name: str) -> None:
     _check(value, root, root, "")
 
 
-def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) -> None:  # noqa: C901, PLR0912 - one branch per keyword reads best
+def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) -> None:
     if "$ref" in schema:
         ref = schema["$ref"]
         target: Any = root
@@ -105,7 +105,7 @@ def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) 
     for sub in schema.get("allOf", ()):
         _check(value, sub, root, path)
     if "anyOf" in schema:
-        errors = []
+        errors: list[OrderError] = []
         for sub in schema["anyOf"]:
             try:
                 _check(value, sub, root, path)
@@ -153,10 +153,10 @@ def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) 
         for key in schema.get("required", ()):
             if key not in value:
                 raise OrderError("is required", field=_join(path, key))
-        names = schema.get("propertyNames")
+        key_schema = schema.get("propertyNames")
         for key, item in value.items():
-            if names is not None:
-                _check(key, names, root, _join(path, key))
+            if key_schema is not None:
+                _check(key, key_schema, root, _join(path, key))
             if key in props:
                 _check(item, props[key], root, _join(path, key))
             elif isinstance(extra, dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -32,10 +33,8 @@ class Notifier:
         """Send one notify datagram; errors are ignored (systemd may be gone)."""
         if self._sock is None or self._addr is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             self._sock.sendto(message.encode(), self._addr)
-        except OSError:
-            pass
 
     def ready(self) -> None:
         self.send("READY=1")

@@ -144,10 +144,9 @@ class InboxTracker:
             p = self._pending.get(name)
             if p is not None and p.opens > 0:
                 p.opens -= 1
-        elif kind == "gone":
-            if name in self._pending:
-                del self._pending[name]
-                self._known.discard(name)
+        elif kind == "gone" and name in self._pending:
+            del self._pending[name]
+            self._known.discard(name)
 
     def _make_ready(self, name: str) -> None:
         if name in self._known and name not in self._pending and any(n == name for _, n in self._ready):
