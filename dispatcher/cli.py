@@ -14,6 +14,7 @@ from dispatcher import __version__
 from dispatcher.config import STARTER_CONFIG, Config, default_config, find_config, load_config
 from dispatcher.errors import DispatchError, NotFound, OrderError, UsageError, WrongState
 from dispatcher.evidence import is_ignored
+from dispatcher.fsutil import NotRegular, read_regular
 from dispatcher.layout import UMASK, Layout, State
 from dispatcher.orders import order_format, parse_order
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
-        print(f"dispatcher: {exc}", file=sys.stderr)
+        print(exc, file=sys.stderr)
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
@@ -114,6 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dispatcher import logs
     from dispatcher.daemon import Daemon
 
+    os.umask(UMASK)
     path = find_config(args.config)
     cfg = load_config(path, root=Path(args.root) if args.root else None)
     logs.configure(log_file=cfg.log_file)
@@ -134,7 +136,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             order = _parse_file(name, cfg)
             print(f"{name}: ok ({order.job_id})")
         except OrderError as exc:
-            print(f"dispatcher: {exc}", file=sys.stderr)
+            print(exc, file=sys.stderr)
             bad += 1
     return 2 if bad else 0
 
@@ -210,8 +212,8 @@ def _queued_ids(layout: Layout) -> set[str]:
         if is_ignored(name) or order_format(name) is None:
             continue
         try:
-            out.add(parse_order((layout.inbox / name).read_bytes(), name).job_id)
-        except (OrderError, OSError):
+            out.add(parse_order(read_regular(layout.inbox / name, 1 << 24), name).job_id)
+        except (OrderError, OSError, NotRegular, ValueError):
             continue
     return out
 

@@ -128,7 +128,7 @@ def load_config(path: Path, *, root: Path | None = None) -> Config:
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror}", file=name) from None
     try:
-        body = load_document(data, "json" if path.suffix == ".json" else "yaml")
+        body = load_document(data, "json" if path.suffix == ".json" else "yaml", aliases=True)
         return build_config(body, path, root=root)
     except OrderError as exc:
         raise ConfigError(exc.message, file=name, field=exc.field) from None

@@ -34,16 +34,19 @@ def decode(data: bytes) -> str:
 class _StrictLoader(yaml.SafeLoader):
     """A SafeLoader that refuses anchors, aliases, duplicate keys and deep nesting."""
 
-    def __init__(self, stream: str) -> None:
+    def __init__(self, stream: str, *, aliases: bool = False) -> None:
         super().__init__(stream)
         self._depth = 0
+        self._aliases = aliases
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         event = self.peek_event()  # type: ignore[no-untyped-call]
-        if isinstance(event, yaml.AliasEvent):
+        if self._aliases:
+            pass
+        elif isinstance(event, yaml.AliasEvent):
             raise OrderError(f"YAML aliases are not allowed (*{event.anchor}, line {_line(event)})")
         anchor = getattr(event, "anchor", None)
-        if anchor is not None:
+        if anchor is not None and not self._aliases:
             raise OrderError(f"YAML anchors are not allowed (&{anchor}, line {_line(event)})")
         self._depth += 1
         if self._depth > MAX_DEPTH:
@@ -73,9 +76,12 @@ def _line(event: yaml.Event) -> int:
     return mark.line + 1 if mark is not None else 0
 
 
-def load_yaml(text: str) -> Any:
-    """Parse one YAML document strictly; more than one document is an error."""
-    loader = _StrictLoader(text)
+def load_yaml(text: str, *, aliases: bool = False) -> Any:
+    """Parse one YAML document strictly; more than one document is an error.
+
+    Anchors and aliases are refused unless ``aliases`` (the trusted config allows them).
+    """
+    loader = _StrictLoader(text, aliases=aliases)
     try:
         if not loader.check_node():
             raise OrderError("empty document")
@@ -146,7 +152,7 @@ def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
         raise OrderError(f"a {type(value).__name__} value is not allowed{hint}", field=path or None)
 
 
-def load_document(data: bytes, fmt: str) -> Any:
+def load_document(data: bytes, fmt: str, *, aliases: bool = False) -> Any:
     """Parse data as 'json' or 'yaml' into plain JSON values."""
     text = decode(data)
-    return load_json(text) if fmt == "json" else load_yaml(text)
+    return load_json(text) if fmt == "json" else load_yaml(text, aliases=aliases)

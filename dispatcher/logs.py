@@ -97,10 +97,16 @@ def configure(*, log_file: Path | None = None, console: bool | None = None, leve
     )
     handler = logging.Handler()
     handler.emit = lambda record: _stdlib(record, renderer)  # type: ignore[method-assign]
+    handler.addFilter(_quiet_watchdog_stop)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     SINK.open_file(log_file)
+
+
+def _quiet_watchdog_stop(record: logging.LogRecord) -> bool:
+    """Drop watchdog's error about events queued while its thread stops (a clean stop, not a fault)."""
+    return not (record.name.startswith("watchdog") and "called when the thread is inactive" in record.getMessage())
 
 
 def _stdlib(record: logging.LogRecord, renderer: _DualRenderer) -> None:

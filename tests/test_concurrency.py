@@ -1,0 +1,192 @@
+"""Several daemons on one root, duplicate ids in a race, and inbox events that never arrive.
+
+Filesystem events are hints; the folder is the truth. These tests make the hints go
+missing (no daemon running, an inotify burst, a file that appears without a move or a
+close) or arrive early (a file still being written) and check the folders afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from conftest import Env, order, wait_until
+from helpers_faults import (
+    agent_starts,
+    job_states,
+    reap,
+    refusals,
+    tiny_agent,
+    tiny_order,
+)
+
+
+@pytest.fixture(autouse=True)
+def _reap(env: Env) -> Iterator[None]:
+    yield
+    reap(env)
+
+
+def done_count(env: Env) -> int:
+    done = env.root / "done"
+    return sum(1 for p in done.iterdir() if (p / "result.json").exists()) if done.exists() else 0
+
+
+def test_three_daemons_run_every_job_exactly_once(env: Env) -> None:
+    """Three daemons on one root share 300 jobs: each runs exactly once and ends done."""
+    n = 300
+    env.configure(agents={"tiny": tiny_agent(env, concurrency=6)}, max_jobs=2, rescan_interval=1)
+    for i in range(n // 2):
+        env.drop(tiny_order(f"M{i:04d}"))
+    daemons = [env.daemon() for _ in range(3)]
+    for d in daemons:
+        d.wait_ready()
+    for i in range(n // 2, n):
+        env.drop(tiny_order(f"M{i:04d}"))
+    wait_until(lambda: done_count(env) >= n, 150, f"{n} jobs done")
+    for d in daemons:
+        assert d.stop() == 0
+
+    states = job_states(env.root)
+    assert all(s == ["done"] for s in states.values()), [
+        (j, s) for j, s in states.items() if s != ["done"]
+    ][:5]
+    assert len(states) == n
+    assert refusals(env.root) == []
+    started = Counter(j for j, _a, _p in agent_starts(env))
+    assert set(started) == set(states)
+    assert set(started.values()) == {1}, {j: c for j, c in started.items() if c != 1}
+    # (which daemon took how many jobs is not part of the contract)
+
+
+def test_same_job_id_dropped_together_gives_one_job_and_one_refusal(env: Env) -> None:
+    """Two files with one job id, renamed in together under three daemons: one job, one refusal."""
+    env.configure(agents={"tiny": tiny_agent(env, concurrency=6)}, max_jobs=2)
+    daemons = [env.daemon() for _ in range(3)]
+    for d in daemons:
+        d.wait_ready()
+    inbox = env.root / "inbox"
+    pairs = [f"DUP-{i}" for i in range(8)]
+    for job_id in pairs:
+        body = json.dumps(tiny_order(job_id)).encode()
+        (inbox / f".{job_id}-a.json.tmp").write_bytes(body)
+        (inbox / f".{job_id}-b.json.tmp").write_bytes(body)
+    for job_id in pairs:
+        os.rename(inbox / f".{job_id}-a.json.tmp", inbox / f"{job_id}-a.json")
+        os.rename(inbox / f".{job_id}-b.json.tmp", inbox / f"{job_id}-b.json")
+    for job_id in pairs:
+        env.wait_job(job_id, "done")
+
+    def all_refused() -> bool:
+        return len(refusals(env.root)) >= len(pairs)
+
+    wait_until(all_refused, 30, "one refusal per pair")
+    refused = [json.loads((p / "result.json").read_text()) for p in refusals(env.root)]
+    assert sorted(r["job_id"] for r in refused) == sorted(pairs)
+    assert all(r["state"] == "failed" for r in refused)
+    assert Counter(j for j, _a, _p in agent_starts(env)) == dict.fromkeys(pairs, 1)
+    assert not [p for p in inbox.iterdir() if not p.name.startswith(".")]
+    for d in daemons:
+        assert d.stop() == 0
+
+
+def test_files_dropped_while_no_daemon_runs_are_taken_oldest_first(env: Env) -> None:
+    """Orders dropped while no daemon ran are all processed at start, oldest mtime first."""
+    env.configure(max_jobs=1)
+    base = time.time() - 600
+    # (name, age order): names deliberately out of mtime order; B and C share an mtime
+    plan = [("E", 0), ("A", 4), ("D", 1), ("C", 2), ("B", 2), ("F", 3)]
+    for name, rank in plan:
+        path = env.drop(order(f"OLD-{name}"))
+        os.utime(path, (base + rank, base + rank))
+    proc = env.cli("run", "--once", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    claimed = []
+    for line in proc.stdout.splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "job.claimed":
+            claimed.append(e["job_id"])
+    assert claimed == ["OLD-E", "OLD-D", "OLD-B", "OLD-C", "OLD-F", "OLD-A"]
+    assert all(s == ["done"] for s in job_states(env.root).values())
+
+
+def test_file_appearing_without_move_or_close_event_is_found_by_rescan(env: Env) -> None:
+    """A file hard-linked into inbox/ (inotify: IN_CREATE only) is taken by the settle rule.
+
+    What is lost: a hard link creates the name in inbox/ without IN_MOVED_TO and without
+    IN_CLOSE_WRITE (the file was written and closed elsewhere), so the daemon never sees
+    the event that says "complete". The rescan (every rescan_interval) finds the file,
+    sees its size and mtime unchanged for `settle` seconds and takes it.
+    """
+    env.configure(settle=0.5, rescan_interval=1)
+    d = env.daemon()
+    d.wait_ready()
+    outside = env.tmp / "outside"
+    outside.mkdir()
+    old = time.time() - 120
+    for i in range(5):
+        src = outside / f"LINK-{i}.json"
+        src.write_text(json.dumps(order(f"LINK-{i}")))
+        os.utime(src, (old, old))
+        os.link(src, env.root / "inbox" / src.name)
+        os.unlink(src)
+    for i in range(5):
+        env.wait_job(f"LINK-{i}", "done", timeout=30)
+    assert refusals(env.root) == []
+    assert d.stop() == 0
+
+
+def test_burst_of_2000_renames_ends_with_every_job_done(env: Env) -> None:
+    """A burst of 2000 renames (inotify queue may overflow) still ends with every job done."""
+    n = 2000
+    env.configure(agents={"tiny": tiny_agent(env, concurrency=4)}, max_jobs=4, rescan_interval=1)
+    d = env.daemon()
+    d.wait_ready()
+    inbox = env.root / "inbox"
+    for i in range(n):
+        (inbox / f".B{i:05d}.json.tmp").write_text(json.dumps(tiny_order(f"B{i:05d}")))
+    for i in range(n):
+        os.rename(inbox / f".B{i:05d}.json.tmp", inbox / f"B{i:05d}.json")
+    wait_until(lambda: done_count(env) >= n, 200, f"{n} jobs done")
+    assert d.stop() == 0
+    states = job_states(env.root)
+    assert len(states) == n
+    assert all(s == ["done"] for s in states.values())
+    assert set(Counter(j for j, _a, _p in agent_starts(env)).values()) == {1}
+
+
+def test_file_still_being_written_is_not_taken_by_the_rescan(env: Env) -> None:
+    """A file written in place and held open past settle and rescan is taken once, whole.
+
+    The writer creates the final name in inbox/, writes half an order, then pauses with
+    the file open for longer than `settle` (1 s) and `rescan_interval` (0.5 s): the size
+    and mtime are stable, but no close was seen, so the file is not complete yet.
+    """
+    env.configure(settle=1, rescan_interval=0.5)
+    d = env.daemon()
+    d.wait_ready()
+    data = json.dumps(order("HALF-1"), indent=2).encode()
+    path = env.root / "inbox" / "HALF-1.json"
+    with path.open("wb") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        end = time.monotonic() + 3.5
+        while time.monotonic() < end:
+            # an observation window: nothing may happen to the open file
+            assert path.exists(), "the daemon took a file its writer still had open"
+            assert refusals(env.root) == [], "a half-written order was refused"
+            time.sleep(0.05)
+        f.write(data[len(data) // 2 :])
+    env.wait_job("HALF-1", "done")
+    assert refusals(env.root) == []
+    assert (env.root / "done" / "HALF-1" / "order.json").read_bytes() == data
+    assert [j for j, _a, _p in agent_starts(env)] == ["HALF-1"]
+    assert d.stop() == 0

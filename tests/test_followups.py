@@ -1,0 +1,704 @@
+"""Agent hand-offs: follow-up orders in work/outbox/, their lineage, checks and release.
+
+Contract sections 2 (`parent`, `hops`, `accept.followups`), 5 (`followups_valid`,
+`children`, `parent`), 6 (reserve, release after done, release again without duplicates)
+and 7 (`show`). Every test runs the real daemon over a real dispatch root; the fake agent's
+`--followup JSON` flag writes one order into its outbox/, and `writing_agent` below puts
+any other file there first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DEADLINE, Env, order
+
+# A wrapper agent: writes NAME=TEXT files into work/, then execs the fake agent after `--`.
+WRITER = """\
+import os, sys
+args = sys.argv[1:]
+cut = args.index("--")
+work = os.environ["DISPATCH_WORKSPACE"]
+for spec in args[:cut]:
+    name, _, text = spec.partition("=")
+    path = os.path.join(work, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        fh.write(text)
+os.execv(sys.executable, [sys.executable, *args[cut + 1:]])
+"""
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def followup(job_id: str, to: str, sender: str, **extra: Any) -> dict[str, Any]:
+    """Return a follow-up order that agent `sender` hands to agent `to`."""
+    body = order(job_id, to=to, **extra)
+    body["from"] = sender
+    return body
+
+
+def handing_off(
+    env: Env, *orders: dict[str, Any], flags: tuple[str, ...] = (), **settings: Any
+) -> dict[str, Any]:
+    """Return a fake agent that does its job and writes each order into its outbox/."""
+    args = [x for body in orders for x in ("--followup", json.dumps(body))]
+    return env.agent(*flags, *args, **settings)
+
+
+def writing_agent(env: Env, files: dict[str, Any], *flags: str, **settings: Any) -> dict[str, Any]:
+    """Return a fake agent that first writes these files (path in work/ -> text or order)."""
+    script = env.tmp / "outbox_writer.py"
+    if not script.exists():
+        script.write_text(WRITER)
+    spec = env.agent(*flags, **settings)
+    puts = [
+        f"{name}={json.dumps(body) if isinstance(body, dict) else body}"
+        for name, body in files.items()
+    ]
+    spec["command"] = [sys.executable, str(script), *puts, "--", *spec["command"][1:]]
+    return spec
+
+
+def dropped_order(env: Env, job_id: str, state: str) -> dict[str, Any]:
+    """Return the order file of a job as kept in its folder (must be JSON)."""
+    path = env.job_dir(job_id, state) / "order.json"
+    assert path.exists(), (
+        f"{job_id}: no order.json in {state}/: {sorted(p.name for p in path.parent.iterdir())}"
+    )
+    return json.loads(path.read_text())
+
+
+def check(result: dict[str, Any], name: str) -> dict[str, Any]:
+    """Return one named check of a result.json."""
+    found = [c for c in result["checks"] if c["name"] == name]
+    assert len(found) == 1, f"check {name} recorded {len(found)} times: {result['checks']}"
+    return found[0]
+
+
+def starts_of(env: Env, job_id: str) -> list[int]:
+    """Return the attempt numbers the fake agent recorded for one job."""
+    return [n for job, n in env.starts() if job == job_id]
+
+
+def refusals_of(env: Env, job_id: str) -> list[Path]:
+    """Return the refusal folders whose result names this job id."""
+    found = []
+    for p in env.refusals():
+        res = p / "result.json"
+        if res.exists() and json.loads(res.read_text()).get("job_id") == job_id:
+            found.append(p)
+    return found
+
+
+def flush(env: Env, tag: str) -> None:
+    """Run one more job to the end, so that whatever the daemon was going to release is out."""
+    env.drop(order(f"FLUSH-{tag}", to="worker"))
+    env.wait_job(f"FLUSH-{tag}", "done")
+
+
+def assert_not_released(env: Env, job_id: str) -> None:
+    """Assert that no job, refusal, inbox file or agent start exists for this job id."""
+    for state in ("active", "done", "failed"):
+        assert not env.job_dir(job_id, state).exists(), f"{job_id} was released: it is in {state}/"
+    assert not refusals_of(env, job_id), f"{job_id} was released and refused"
+    inbox = env.root / "inbox"
+    for p in inbox.iterdir() if inbox.exists() else []:
+        if p.is_file():
+            assert f'"{job_id}"' not in p.read_text(errors="replace"), (
+                f"{job_id} is waiting in inbox/{p.name}"
+            )
+    assert not starts_of(env, job_id), f"an agent ran {job_id}"
+
+
+def detail_text(result: dict[str, Any], name: str) -> str:
+    """Return the detail of a check together with the job's reason, for word checks."""
+    return f"{check(result, name).get('detail')} | {result.get('reason')}"
+
+
+def fast_wait(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE) -> None:
+    """Poll tightly (2 ms): used to act (kill -9) as close to a moment as possible."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.002)
+
+
+# -- chains -----------------------------------------------------------------------------
+
+
+def test_two_step_chain_releases_the_followup_with_lineage(env: Env) -> None:
+    """A's follow-up to B is released as JSON with parent and hops, runs once; results link."""
+    handoff = followup("JOB-002", to="assigner", sender="intake")
+    env.configure(
+        agents={"intake": handing_off(env, handoff), "assigner": env.agent(), "worker": env.agent()}
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("JOB-001", to="intake"))
+
+    child = env.wait_job("JOB-002", "done")
+    parent = env.wait_job("JOB-001", "done")
+
+    released = dropped_order(env, "JOB-002", "done")
+    assert released["parent"] == "JOB-001"
+    assert released["hops"] == 1
+    for key in ("job_id", "from", "to", "task", "items", "accept"):
+        assert released[key] == handoff[key], f"released order changed {key}"
+    assert parent["parent"] is None
+    assert parent["children"] == ["JOB-002"]
+    assert child["parent"] == "JOB-001"
+    assert child["children"] == []
+    assert child["agent"] == "assigner"
+    assert starts_of(env, "JOB-002") == [1]
+    assert starts_of(env, "JOB-001") == [1]
+    # the parent's outbox stays where the agent left it: nothing is deleted
+    assert (env.job_dir("JOB-001", "done") / "work" / "outbox" / "JOB-002.json").exists()
+    assert any(e.get("event") == "followup.released" for e in d.events()), (
+        "no followup.released log line"
+    )
+    assert d.stop() == 0
+
+
+def test_three_step_chain_counts_hops_zero_one_two(env: Env) -> None:
+    """A -> B -> C runs to the end with hops 0, 1, 2 and each result names its parent and child."""
+    b = followup("CH3-B", to="second", sender="first")
+    c = followup("CH3-C", to="third", sender="second")
+    env.configure(
+        agents={
+            "first": handing_off(env, b),
+            "second": handing_off(env, c),
+            "third": env.agent(),
+            "worker": env.agent(),
+        }
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CH3-A", to="first"))
+
+    rc = env.wait_job("CH3-C", "done")
+    rb = env.wait_job("CH3-B", "done")
+    ra = env.wait_job("CH3-A", "done")
+    assert "hops" not in dropped_order(env, "CH3-A", "done")  # the user's file, byte for byte
+    assert (
+        dropped_order(env, "CH3-B", "done")["hops"],
+        dropped_order(env, "CH3-C", "done")["hops"],
+    ) == (1, 2)
+    assert (ra["parent"], rb["parent"], rc["parent"]) == (None, "CH3-A", "CH3-B")
+    assert (ra["children"], rb["children"], rc["children"]) == (["CH3-B"], ["CH3-C"], [])
+    assert d.stop() == 0
+
+
+def test_loop_is_stopped_at_max_hops(env: Env) -> None:
+    """A ping-pong loop stops where the next follow-up would pass max_hops; nothing is released."""
+    # {job_id} is a command placeholder: each run hands off a new id, as a real loop would
+    ping = followup("{job_id}.b", to="pong", sender="ping")
+    pong = followup("{job_id}.a", to="ping", sender="pong")
+    env.configure(
+        agents={
+            "ping": handing_off(env, ping),
+            "pong": handing_off(env, pong),
+            "worker": env.agent(),
+        },
+        max_hops=2,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LOOP", to="ping"))
+
+    third = env.wait_job("LOOP.b.a", "failed")
+    assert env.wait_job("LOOP", "done")["children"] == ["LOOP.b"]
+    assert env.wait_job("LOOP.b", "done")["children"] == ["LOOP.b.a"]
+    assert dropped_order(env, "LOOP.b", "done")["hops"] == 1
+    assert dropped_order(env, "LOOP.b.a", "failed")["hops"] == 2
+    assert third["reason"].startswith("followups_valid"), third["reason"]
+    assert check(third, "followups_valid")["ok"] is False
+    assert "hops" in detail_text(third, "followups_valid"), third
+    flush(env, "loop")
+    assert_not_released(env, "LOOP.b.a.b")
+    assert starts_of(env, "LOOP.b.a") == [1]
+    assert d.stop() == 0
+
+
+def test_dropped_file_cannot_set_its_own_lineage(env: Env) -> None:
+    """A dropped order claiming parent and hops gets hops 0 and parent null: the ledger decides."""
+    child = followup("LIN-Y", to="worker", sender="sender")
+    env.configure(agents={"sender": handing_off(env, child), "worker": env.agent()}, max_hops=2)
+    d = env.daemon()
+    d.wait_ready()
+    # with hops 2 taken from the file, the follow-up (hops 3) would break max_hops 2
+    env.drop(order("LIN-X", to="sender", parent="SOMEONE-ELSE", hops=2))
+
+    rx = env.wait_job("LIN-X", "done")
+    ry = env.wait_job("LIN-Y", "done")
+    assert rx["parent"] is None
+    assert rx["children"] == ["LIN-Y"]
+    assert ry["parent"] == "LIN-X"
+    released = dropped_order(env, "LIN-Y", "done")
+    assert (released["parent"], released["hops"]) == ("LIN-X", 1)
+    assert d.stop() == 0
+
+
+def test_release_never_replaces_a_users_file_in_inbox(env: Env) -> None:
+    """A user's file still being written in inbox/ under the child's name survives the release."""
+    env.configure(
+        agents={
+            "intake": handing_off(env, followup("UF-B", to="worker", sender="intake")),
+            "worker": env.agent(),
+        },
+        settle=5,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    user = env.root / "inbox" / "UF-B.json"
+    text = json.dumps(order("UF-USER", to="worker"))
+    stop = threading.Event()
+    with user.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+
+        def keep_writing() -> None:
+            # a slow writer: the file keeps changing, so the daemon must leave it alone
+            while not stop.wait(0.2):
+                fh.write(" ")
+                fh.flush()
+
+        writer = threading.Thread(target=keep_writing)
+        writer.start()
+        try:
+            env.drop(order("UF-A", to="intake"))
+            env.wait_job("UF-B", "done")
+        finally:
+            stop.set()
+            writer.join()
+        written = user.read_bytes() if user.exists() else b""
+    assert written.startswith(text.encode()), "the user's file in inbox/ was replaced"
+    env.wait_job("UF-USER", "done")
+    assert (env.job_dir("UF-USER", "done") / "order.json").read_bytes().rstrip() == text.encode()
+    assert dropped_order(env, "UF-B", "done")["parent"] == "UF-A"
+    assert d.stop() == 0
+
+
+# -- followups_valid: one daemon run, one job per way of getting it wrong ---------------
+
+
+@pytest.fixture(scope="module")
+def outbox_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """Run, in one daemon, one parent job per outbox case below; yield when all are finished."""
+    tmp = tmp_path_factory.mktemp("outbox")
+    env = Env(
+        tmp=tmp,
+        root=tmp / "dispatch",
+        config_path=tmp / "dispatcher.yaml",
+        count_file=tmp / "starts.txt",
+    )
+
+    def fu(child: str, sender: str, **extra: Any) -> dict[str, Any]:
+        return followup(child, to="worker", sender=sender, **extra)
+
+    agents = {
+        "worker": env.agent(),
+        "reuser": handing_off(env, fu("KNOWN-1", "reuser")),
+        "selfish": handing_off(env, fu("OB-SELFISH", "selfish")),
+        "twin": writing_agent(
+            env,
+            {"outbox/a.json": fu("OB-TWIN-C", "twin"), "outbox/b.json": fu("OB-TWIN-C", "twin")},
+        ),
+        "forger": handing_off(env, fu("OB-FORGER-C", "intake")),
+        "parentset": handing_off(env, fu("OB-PARENTSET-C", "parentset", parent="OB-PARENTSET")),
+        "hopsset": handing_off(env, fu("OB-HOPSSET-C", "hopsset", hops=1)),
+        "noter": writing_agent(
+            env,
+            {
+                "outbox/notes.txt": "remember to call Aina",
+                "outbox/OB-NOTER-C.json": fu("OB-NOTER-C", "noter"),
+            },
+        ),
+        "nester": writing_agent(env, {"outbox/sub/OB-NESTER-C.json": fu("OB-NESTER-C", "nester")}),
+        "junk": writing_agent(env, {"outbox/OB-JUNK-C.json": '{"job_id": "OB-JUNK-C", '}),
+        "stranger": handing_off(env, followup("OB-STRANGER-C", to="nobody", sender="stranger")),
+        "tidy": writing_agent(
+            env,
+            {
+                "outbox/.draft.json": "{half",
+                "outbox/.OB-TIDY-X.json": json.dumps(fu("OB-TIDY-X", "tidy")),
+                "outbox/next.json.tmp": "{half",
+                "outbox/next.json.part": "{half",
+                "outbox/OB-TIDY-C.json": fu("OB-TIDY-C", "tidy"),
+            },
+        ),
+        "failing": handing_off(env, fu("OB-FAILING-C", "failing"), flags=("--missing-row",)),
+    }
+    env.configure(agents=agents, max_jobs=4)
+    d = env.daemon()
+    try:
+        d.wait_ready()
+        env.drop(order("KNOWN-1", to="worker"))
+        env.wait_job("KNOWN-1", "done")
+        for name in agents:
+            if name != "worker":
+                env.drop(order(f"OB-{name.upper()}", to=name))
+        for name in agents:
+            if name != "worker":
+                env.wait_job(f"OB-{name.upper()}")
+        env.wait_job("OB-TIDY-C")
+        flush(env, "outbox")
+        yield env
+    finally:
+        for daemon in env._daemons:
+            if daemon.proc is not None and daemon.proc.poll() is None:
+                daemon.stop()
+
+
+def rejected(env: Env, agent: str, *words: str) -> dict[str, Any]:
+    """Assert the agent's parent job failed followups_valid with these words in the detail."""
+    job = f"OB-{agent.upper()}"
+    result = env.wait_job(job, "failed", timeout=1)
+    assert result["reason"].startswith("followups_valid"), result["reason"]
+    assert "\n" not in result["reason"]
+    assert check(result, "followups_valid")["ok"] is False
+    text = detail_text(result, "followups_valid")
+    for word in words:
+        assert word in text, f"{word!r} not named in {text!r}"
+    for name in ("exit_ok", "receipt_present", "receipt_job_id", "writes_scope"):
+        assert check(result, name)["ok"] is True, f"{name} failed too: {result['checks']}"
+    return result
+
+
+def test_followup_reusing_a_known_job_id_fails_and_the_job_never_runs_again(
+    outbox_run: Env,
+) -> None:
+    """A follow-up whose id the ledger knows fails followups_valid; that job is not run again."""
+    rejected(outbox_run, "reuser", "KNOWN-1")
+    assert starts_of(outbox_run, "KNOWN-1") == [1]
+    assert not refusals_of(outbox_run, "KNOWN-1")
+
+
+def test_followup_with_the_parents_own_id_fails(outbox_run: Env) -> None:
+    """A follow-up that reuses the writing job's own id fails followups_valid."""
+    rejected(outbox_run, "selfish", "OB-SELFISH")
+    assert starts_of(outbox_run, "OB-SELFISH") == [1]
+    assert not refusals_of(outbox_run, "OB-SELFISH")
+
+
+def test_two_followups_with_one_id_fail(outbox_run: Env) -> None:
+    """Two outbox orders with the same job id fail followups_valid, and neither is released."""
+    rejected(outbox_run, "twin", "OB-TWIN-C")
+    assert_not_released(outbox_run, "OB-TWIN-C")
+
+
+def test_followup_with_a_forged_sender_fails(outbox_run: Env) -> None:
+    """A follow-up whose `from` is not the writing agent's name fails followups_valid."""
+    rejected(outbox_run, "forger", "from")
+    assert_not_released(outbox_run, "OB-FORGER-C")
+
+
+def test_followup_that_sets_parent_fails(outbox_run: Env) -> None:
+    """A follow-up that writes its own `parent` fails followups_valid."""
+    rejected(outbox_run, "parentset", "parent")
+    assert_not_released(outbox_run, "OB-PARENTSET-C")
+
+
+def test_followup_that_sets_hops_fails(outbox_run: Env) -> None:
+    """A follow-up that writes its own `hops` fails followups_valid."""
+    rejected(outbox_run, "hopsset", "hops")
+    assert_not_released(outbox_run, "OB-HOPSSET-C")
+
+
+def test_non_order_file_in_outbox_fails_and_blocks_the_valid_one(outbox_run: Env) -> None:
+    """notes.txt in outbox/ fails followups_valid, and the valid order beside it is not released."""
+    rejected(outbox_run, "noter", "notes.txt")
+    assert_not_released(outbox_run, "OB-NOTER-C")
+
+
+def test_folder_in_outbox_fails(outbox_run: Env) -> None:
+    """A folder in outbox/ is not a regular order file: followups_valid fails."""
+    rejected(outbox_run, "nester", "sub")
+    assert_not_released(outbox_run, "OB-NESTER-C")
+
+
+def test_unreadable_followup_fails(outbox_run: Env) -> None:
+    """A truncated JSON order in outbox/ fails followups_valid."""
+    rejected(outbox_run, "junk", "OB-JUNK-C.json")
+    assert_not_released(outbox_run, "OB-JUNK-C")
+
+
+def test_followup_to_an_unknown_agent_fails(outbox_run: Env) -> None:
+    """A follow-up to an agent the config does not define fails followups_valid."""
+    rejected(outbox_run, "stranger", "nobody")
+    assert_not_released(outbox_run, "OB-STRANGER-C")
+
+
+def test_hidden_and_temp_names_in_outbox_are_ignored(outbox_run: Env) -> None:
+    """Hidden, .tmp and .part files in outbox/ are ignored; the one real follow-up is released."""
+    parent = outbox_run.wait_job("OB-TIDY", "done", timeout=1)
+    assert check(parent, "followups_valid")["ok"] is True
+    assert parent["children"] == ["OB-TIDY-C"]
+    assert outbox_run.wait_job("OB-TIDY-C", "done", timeout=1)["parent"] == "OB-TIDY"
+    assert_not_released(outbox_run, "OB-TIDY-X")
+
+
+def test_followup_of_a_failed_parent_is_never_released(outbox_run: Env) -> None:
+    """A valid follow-up whose parent failed another check is not released."""
+    parent = outbox_run.wait_job("OB-FAILING", "failed", timeout=1)
+    assert parent["reason"].startswith("output_rows"), parent["reason"]
+    assert check(parent, "followups_valid")["ok"] is not False
+    assert_not_released(outbox_run, "OB-FAILING-C")
+
+
+# -- accept.followups: the seed's missing handoff ---------------------------------------
+
+
+def test_accept_followups_needs_exactly_one_handoff_per_named_agent(env: Env) -> None:
+    """accept.followups [assigner]: none, one elsewhere or two hand-offs fail; one passes."""
+    accept = {"output": "out.csv", "followups": ["assigner"]}
+    env.configure(
+        agents={
+            "silent": env.agent(),
+            "stray": handing_off(env, followup("ACC-STRAY-C", to="other", sender="stray")),
+            "twice": handing_off(
+                env,
+                followup("ACC-TWICE-1", to="assigner", sender="twice"),
+                followup("ACC-TWICE-2", to="assigner", sender="twice"),
+            ),
+            "intake": handing_off(env, followup("ACC-OK-C", to="assigner", sender="intake")),
+            "assigner": env.agent(),
+            "other": env.agent(),
+            "worker": env.agent(),
+        },
+        max_jobs=4,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    for job, agent in [
+        ("ACC-SILENT", "silent"),
+        ("ACC-STRAY", "stray"),
+        ("ACC-TWICE", "twice"),
+        ("ACC-OK", "intake"),
+    ]:
+        env.drop(order(job, to=agent, accept=accept))
+
+    for job in ("ACC-SILENT", "ACC-STRAY", "ACC-TWICE"):
+        result = env.wait_job(job, "failed")
+        assert result["reason"].startswith("followups_valid"), f"{job}: {result['reason']}"
+        assert check(result, "followups_valid")["ok"] is False
+    ok = env.wait_job("ACC-OK", "done")
+    assert check(ok, "followups_valid")["ok"] is True
+    assert ok["children"] == ["ACC-OK-C"]
+    assert env.wait_job("ACC-OK-C", "done")["parent"] == "ACC-OK"
+    flush(env, "accept")
+    for job in ("ACC-STRAY-C", "ACC-TWICE-1", "ACC-TWICE-2"):
+        assert_not_released(env, job)
+    # nothing reached the assigner but the one good handoff
+    ran = {job for job, _ in env.starts()}
+    assert ran == {"ACC-SILENT", "ACC-STRAY", "ACC-TWICE", "ACC-OK", "ACC-OK-C", "FLUSH-accept"}
+    assert d.stop() == 0
+
+
+# -- crash between done and release -----------------------------------------------------
+
+
+def test_followup_is_released_exactly_once_across_kill_9(env: Env) -> None:
+    """kill -9 around a parent's done and release, restart: each follow-up is one job."""
+    env.configure(
+        agents={
+            "parent": handing_off(env, followup("{job_id}.c", to="child", sender="parent")),
+            "child": env.agent(retry_safe=True, max_attempts=3),
+            "worker": env.agent(),
+        }
+    )
+
+    def released(d: Any, child: str) -> bool:
+        seen = any(e.get("event") == "followup.released" for e in d.events())
+        return seen or any(env.job_dir(child, s).exists() for s in ("active", "done", "failed"))
+
+    kill_points: list[Callable[[Any, str, str], bool]] = [
+        lambda d, p, c: env.job_dir(p, "done").exists(),
+        lambda d, p, c: (env.job_dir(p, "done") / "result.json").exists(),
+        lambda d, p, c: released(d, c),
+        lambda d, p, c: any(env.job_dir(c, s).exists() for s in ("active", "done", "failed")),
+        lambda d, p, c: env.job_dir(p, "done").exists(),
+    ]
+    for i, point in enumerate(kill_points):
+        parent, child = f"CRASH-{i}", f"CRASH-{i}.c"
+        d = env.daemon()
+        d.wait_ready()
+        env.drop(order(parent, to="parent"))
+        fast_wait(lambda d=d, p=parent, c=child, point=point: point(d, p, c), f"kill point {i}")
+        d.kill()
+        again = env.daemon()
+        again.wait_ready()
+        env.wait_job(child, "done")
+        assert again.stop() == 0
+
+    for i in range(len(kill_points)):
+        parent, child = f"CRASH-{i}", f"CRASH-{i}.c"
+        assert env.wait_job(parent, "done", timeout=1)["children"] == [child]
+        result = env.wait_job(child, "done", timeout=1)
+        assert result["parent"] == parent
+        assert not env.job_dir(child, "active").exists()
+        assert not env.job_dir(child, "failed").exists()
+        assert not refusals_of(env, child), f"{child} was released twice (a refusal of it exists)"
+        attempts = starts_of(env, child)
+        assert len(attempts) == len(set(attempts)), f"{child} ran as two jobs: attempts {attempts}"
+        assert len(attempts) == len(result["attempts"]), (
+            f"{child}: starts {attempts} vs {result['attempts']}"
+        )
+        assert starts_of(env, parent) == [1]
+    leftovers = [p.name for p in (env.root / "inbox").iterdir() if not p.name.startswith(".")]
+    assert leftovers == []
+
+
+# -- show -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shown_chain(env: Env) -> Env:
+    """Run SHOW-A -> SHOW-B -> SHOW-C where the last agent fails (exit 3)."""
+    env.configure(
+        agents={
+            "first": handing_off(env, followup("SHOW-B", to="second", sender="first")),
+            "second": handing_off(env, followup("SHOW-C", to="third", sender="second")),
+            "third": env.agent("--exit", "3"),
+            "worker": env.agent(),
+        }
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SHOW-A", to="first"))
+    env.wait_job("SHOW-C", "failed")
+    assert d.stop() == 0
+    return env
+
+
+def line_with(text: str, job_id: str) -> tuple[int, str]:
+    """Return (index, line) of the first line naming this job id as a whole word."""
+    pattern = re.compile(rf"(?<![\w.-]){re.escape(job_id)}(?![\w.-])")
+    for i, line in enumerate(text.splitlines()):
+        if pattern.search(line):
+            return i, line
+    raise AssertionError(f"{job_id} not shown in:\n{text}")
+
+
+def test_show_names_ancestors_and_descendants_with_states(shown_chain: Env) -> None:
+    """`show SHOW-B` names its parent and child with their states."""
+    proc = shown_chain.cli("show", "SHOW-B", check=True)
+    _, parent = line_with(proc.stdout, "SHOW-A")
+    _, child = line_with(proc.stdout, "SHOW-C")
+    assert "done" in parent, proc.stdout
+    assert "failed" in child, proc.stdout
+
+
+def test_show_tree_draws_the_chain(shown_chain: Env) -> None:
+    """`show --tree SHOW-B` draws A, B, C on their own lines, each with its state, nested deeper."""
+    proc = shown_chain.cli("show", "--tree", "SHOW-B", check=True)
+    rows = {job: line_with(proc.stdout, job) for job in ("SHOW-A", "SHOW-B", "SHOW-C")}
+    assert rows["SHOW-A"][0] < rows["SHOW-B"][0] < rows["SHOW-C"][0], proc.stdout
+    assert "done" in rows["SHOW-A"][1] and "done" in rows["SHOW-B"][1], proc.stdout
+    assert "failed" in rows["SHOW-C"][1], proc.stdout
+    columns = [rows[job][1].index(job) for job in ("SHOW-A", "SHOW-B", "SHOW-C")]
+    assert columns[0] < columns[1] < columns[2], f"no nesting shown:\n{proc.stdout}"
+
+
+def test_show_json_has_parent_and_children(shown_chain: Env) -> None:
+    """`show --json` gives each job's parent and children."""
+    a = json.loads(shown_chain.cli("show", "SHOW-A", "--json", check=True).stdout)
+    b = json.loads(shown_chain.cli("show", "SHOW-B", "--json", check=True).stdout)
+    c = json.loads(shown_chain.cli("show", "SHOW-C", "--json", check=True).stdout)
+    assert (a["parent"], a["children"]) == (None, ["SHOW-B"])
+    assert (b["parent"], b["children"]) == ("SHOW-A", ["SHOW-C"])
+    assert (c["parent"], c["children"]) == ("SHOW-B", [])
+    assert (a["state"], b["state"], c["state"]) == ("done", "done", "failed")
+
+
+# -- repair -----------------------------------------------------------------------------
+
+
+def find_detail(data: Any, name: str) -> Any:
+    """Return the detail recorded for check `name` anywhere in a feedback document."""
+    if isinstance(data, dict):
+        if data.get("name") == name:
+            return data.get("detail") or data.get("message") or data.get("reason")
+        if name in data:
+            value = data[name]
+            return value.get("detail") if isinstance(value, dict) else value
+        data = list(data.values())
+    if isinstance(data, list):
+        for value in data:
+            found = find_detail(value, name)
+            if found:
+                return found
+    return None
+
+
+def test_repair_retry_gives_the_agent_feedback_and_ends_done(env: Env) -> None:
+    """With repair, a checks failure is retried with work/feedback.json naming the failed check."""
+    env.configure(
+        agents={
+            "fixer": env.agent(
+                "--fail-checks-attempts", "1", repair=True, retry_safe=True, max_attempts=2
+            ),
+            "worker": env.agent(),
+        }
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("REPAIR-1", to="fixer"))
+
+    result = env.wait_job("REPAIR-1", "done")
+    assert starts_of(env, "REPAIR-1") == [1, 2]
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    job = env.job_dir("REPAIR-1", "done")
+    feedback = job / "work" / "feedback.json"
+    assert feedback.exists(), "attempt 2 got no work/feedback.json"
+    data = json.loads(feedback.read_text())
+    detail = find_detail(data, "output_rows")
+    assert detail, f"feedback.json does not list output_rows with a detail: {data}"
+    assert (job / "attempts" / "1" / "receipt.json").exists(), (
+        "attempt 1's receipt was not moved aside"
+    )
+    assert d.stop() == 0
+
+
+def test_without_repair_no_feedback_and_checks_failures_are_not_retried(env: Env) -> None:
+    """Without repair: a checks failure ends the job; an exit 1 is retried; no feedback.json."""
+    env.configure(
+        agents={
+            "plain": env.agent("--fail-checks-attempts", "1", retry_safe=True, max_attempts=2),
+            "crashy": env.agent(
+                "--fail-attempts",
+                "1",
+                "--fail-checks-attempts",
+                "1",
+                retry_safe=True,
+                max_attempts=2,
+            ),
+            "worker": env.agent(),
+        }
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PLAIN-1", to="plain"))
+    env.drop(order("CRASHY-1", to="crashy"))
+
+    plain = env.wait_job("PLAIN-1", "failed")
+    assert plain["reason"].startswith("output_rows"), plain["reason"]
+    assert starts_of(env, "PLAIN-1") == [1]
+    assert len(plain["attempts"]) == 1
+    assert not (env.job_dir("PLAIN-1", "failed") / "work" / "feedback.json").exists()
+
+    crashy = env.wait_job("CRASHY-1", "done")
+    assert starts_of(env, "CRASHY-1") == [1, 2]
+    assert len(crashy["attempts"]) == 2
+    assert not (env.job_dir("CRASHY-1", "done") / "work" / "feedback.json").exists()
+    assert d.stop() == 0

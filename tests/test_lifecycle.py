@@ -1,0 +1,1013 @@
+"""The work-order lifecycle, seen from outside: folders, files, commands and log lines.
+
+Most behaviours are read off one shared daemon run (the `scenario` fixture): it drops
+good orders to a few agents, bad files, a symlink, a FIFO, a folder and hidden names,
+then stops the daemon and lets each test inspect what is left on disk. Behaviours that
+need their own timing (restarts, slow writers, files left while no daemon runs, `run
+--once`, `init`, `status` with a running job) get their own dispatch root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import Daemon, Env, cli_env, order, wait_until
+
+CHECK_NAMES = [
+    "exit_ok",
+    "receipt_present",
+    "receipt_job_id",
+    "receipt_status",
+    "receipt_inputs",
+    "output_rows",
+    "receipt_outputs",
+    "allowed_values",
+    "writes_scope",
+    "followups_valid",
+]
+TS = r"\d{8}T\d{6}\.\d{6}Z"
+PYTHON_M = [sys.executable, "-m", "dispatcher"]
+
+# An agent that records what it was given (argv, environment as exec'd, pid, process
+# group, cwd, stdin), writes a good receipt, and ends stdout with text after a JSON object.
+ENVDUMP = """\
+import json, os, stat, sys
+from pathlib import Path
+raw = Path("/proc/self/environ").read_bytes().decode()
+env = dict(kv.split("=", 1) for kv in raw.split("\\0") if kv)
+st = os.fstat(0)
+info = {
+    "argv": sys.argv[1:], "env": env, "pid": os.getpid(), "pgid": os.getpgid(0),
+    "cwd": os.getcwd(), "stdin_chr": stat.S_ISCHR(st.st_mode), "stdin_rdev": st.st_rdev,
+    "devnull_rdev": os.stat("/dev/null").st_rdev,
+}
+work = Path(env["DISPATCH_WORKSPACE"])
+(work / "env.json").write_text(json.dumps(info))
+order = json.loads(Path(env["DISPATCH_ORDER"]).read_text())
+ids = [item["id"] for item in order["items"]]
+receipt = {"job_id": order["job_id"], "input_ids": ids, "output_ids": ids,
+           "status": "done", "outputs": []}
+Path(env["DISPATCH_RECEIPT"]).write_text(json.dumps(receipt))
+print('{"a": "json object that is not the last text"}')
+print("bye")
+"""
+
+PROMPT = (
+    "<J>{job_id}</J>\n<F>{from}</F>\n<T>{to}</T>\n<K>{task}</K>\n<I>{items_json}</I>\n"
+    "<W>{writes}</W>\n<A>{accept_json}</A>\n<O>{order}</O>\n<S>{workspace}</S>\n<R>{receipt}</R>\n"
+    "<U>{unknown} {} {0} {{job_id}} { job_id } {JOB_ID} $job_id {job_id</U>\n"
+)
+
+LIFE_YAML = b"""\
+# A work order written by hand: comments and odd spacing are kept byte for byte.
+job_id:   "LIFE-YAML"
+from: intake
+to: prompted
+for: Aina
+task: "Assign each request to one team: orders, payments, bakery or store-hours."
+items:
+  - {id: R1, customer: Aina, summary: "Order KC-1042 came without the oat milk."}
+  - id: R2
+    customer: Priya
+    order: null
+  - id: R3
+writes: [out.csv, "notes/*.md"]
+accept:
+  output: out.csv   # one row per request
+meta: {source: test, tags: [a, b]}
+"""
+
+SUBMITTED_YAML = b"""\
+# submitted with `dispatcher submit`
+job_id: LIFE-SUBMIT
+from: tester
+to: plain
+task: Submitted before the daemon started.
+items:
+  - id: R1
+accept: {output: out.csv}
+"""
+
+SMALL_RESULT = {"type": "result", "is_error": False, "total_cost_usd": 0.0123, "session_id": "s-1"}
+MULTI_RESULT = {"session_id": "s-2", "num_turns": 4, "usage": {"input_tokens": 10, "output_tokens": 5}}
+BIG_RESULT = {
+    "total_cost_usd": 1.5,
+    "session_id": "s-3",
+    "num_turns": 7,
+    "is_error": False,
+    "duration_ms": 1234,
+    "usage": {"input_tokens": 1},
+    "result": "x" * 70_000,
+    "extra": "dropped",
+}
+BIG_KEPT = {k: v for k, v in BIG_RESULT.items() if k not in ("result", "extra")}
+
+BAD_FILES: dict[str, bytes] = {
+    "bad-acept.yaml": b"job_id: BAD-ACEPT-1\nfrom: tester\nto: plain\ntask: Typo below.\n"
+    b"items:\n  - id: R1\nacept:\n  output: out.csv\n",
+    "bad-task.json": json.dumps(order("BAD-TASK-1", to="plain", task="two\rlines")).encode(),
+    "bad-to.yaml": yaml.safe_dump(order("BAD-TO-1", to="nobody")).encode(),
+    "bad-syntax.yaml": b"job_id: [unclosed\nfrom: tester\n",
+    "bad-id.json": json.dumps(order("BAD ID", to="plain")).encode(),
+}
+BAD_JOB_IDS = {"bad-acept.yaml": "BAD-ACEPT-1", "bad-task.json": "BAD-TASK-1", "bad-to.yaml": "BAD-TO-1"}
+NOTES = b"Remember to water the plants.\n"
+HIDDEN = {
+    ".hidden.json": "HIDDEN-1",
+    "h1.json.tmp": "HIDDEN-2",
+    "h2.yaml.part": "HIDDEN-3",
+    ".h3.json.part": "HIDDEN-4",
+    "h4.tmp": "HIDDEN-5",
+}
+JOBS = {
+    "LIFE-YAML": "prompted",
+    "LIFE-PLAIN": "plain",
+    "LIFE-ENV": "envdump",
+    "LIFE-AR1": "ar1",
+    "LIFE-AR2": "ar2",
+    "LIFE-AR3": "ar3",
+    "LIFE-LINEAGE": "plain",
+    "LIFE-SUBMIT": "plain",
+    "BAD-ACEPT-1": "plain",
+}
+STEMS = ["bad-acept", "bad-task", "bad-to", "bad-syntax", "bad-id", "notes", "link", "pipe", "folder"]
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def make_env(tmp: Path) -> Env:
+    return Env(tmp=tmp, root=tmp / "dispatch", config_path=tmp / "dispatcher.yaml", count_file=tmp / "starts.txt")
+
+
+def kill_all(env: Env) -> None:
+    for d in env._daemons:
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(60)
+
+
+def finished(env: Env, job_id: str) -> tuple[str, dict[str, Any]] | None:
+    for state in ("done", "failed"):
+        path = env.root / state / job_id / "result.json"
+        if path.exists():
+            with contextlib.suppress(json.JSONDecodeError):
+                return state, json.loads(path.read_text())
+    return None
+
+
+def refusal_dirs(env: Env, stem: str) -> list[Path]:
+    """Refusal folders of files with this stem: `<stem>@<timestamp>` with an optional `-n`."""
+    failed = env.root / "failed"
+    if not failed.exists():
+        return []
+    pattern = re.compile(re.escape(stem) + "@" + TS + r"(-\d+)?")
+    return sorted(p for p in failed.iterdir() if pattern.fullmatch(p.name) and (p / "result.json").exists())
+
+
+def iso(text: str) -> datetime:
+    value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    assert value.utcoffset() == timedelta(0), f"not UTC: {text}"
+    return value
+
+
+def starts_of(env: Env, job_id: str) -> int:
+    return sum(1 for job, _ in env.starts() if job == job_id)
+
+
+def visible(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.exists() else []
+
+
+def run_cli(tmp: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run `python -m dispatcher ARGS` with exactly these arguments (no implied --config)."""
+    return subprocess.run([*PYTHON_M, *args], capture_output=True, text=True, cwd=tmp, env=cli_env(), timeout=timeout)
+
+
+def one_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one stderr line, got {stderr!r}"
+    return lines[0]
+
+
+# -- the shared run -----------------------------------------------------------------------
+
+
+@dataclass
+class Scenario:
+    env: Env
+    daemon: Daemon
+    exit_code: int
+    target: Path
+    messages: dict[str, str]  # bad file name -> `validate` stderr line
+    submit: subprocess.CompletedProcess[str]
+    started: datetime
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+    """One daemon run over good orders, bad files, odd inbox entries and hidden names."""
+    tmp = tmp_path_factory.mktemp("life")
+    env = make_env(tmp)
+    envdump = tmp / "envdump.py"
+    envdump.write_text(ENVDUMP)
+    argv = ["{job_id}", "x{job_id}y", "{order}", "{workspace}", "{receipt}", "{prompt_file}", "{prompt}"]
+    env.configure(
+        agents={
+            "prompted": env.agent(prompt=PROMPT, writes=["out.csv"]),
+            "plain": env.agent(concurrency=2),
+            "envdump": {
+                "command": [sys.executable, str(envdump), *argv, "{unknown}", "{job_id"],
+                "prompt": "Prompt for {job_id}: {task}",
+                "timeout": 30,
+                "writes": ["env.json"],
+                "env": {"MY_VAR": "from-config"},
+            },
+            "ar1": env.agent("--json-result", json.dumps(SMALL_RESULT)),
+            "ar2": env.agent("--json-result", json.dumps(MULTI_RESULT, indent=2)),
+            "ar3": env.agent("--json-result", json.dumps(BIG_RESULT)),
+        },
+        max_jobs=3,
+        log_file=str(tmp / "dispatcher.log"),
+    )
+    old_umask = os.umask(0o022)
+    try:
+        inbox = env.root / "inbox"
+        inbox.mkdir(parents=True)
+        # Entries that are not regular files, and hidden or temp names, wait in inbox/ for the start.
+        target = tmp / "target.json"
+        target.write_bytes(json.dumps(order("LINKED-1", to="plain")).encode())
+        os.symlink(target, inbox / "link.json")
+        os.mkfifo(inbox / "pipe.yaml")
+        (inbox / "folder.json").mkdir()
+        (inbox / "folder.json" / "order.json").write_bytes(json.dumps(order("DIRJOB-1", to="plain")).encode())
+        for name, job_id in HIDDEN.items():
+            (inbox / name).write_bytes(json.dumps(order(job_id, to="plain")).encode())
+        (tmp / "submitted.yaml").write_bytes(SUBMITTED_YAML)
+        submit = env.cli("submit", "submitted.yaml")
+        messages = {}
+        for name, data in BAD_FILES.items():
+            (tmp / name).write_bytes(data)
+            messages[name] = env.cli("validate", name).stderr.strip()
+        started = datetime.now(UTC)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SECRET_TOKEN", "must-not-leak")
+            mp.setenv("LANG", "C.UTF-8")
+            daemon = env.daemon()
+    finally:
+        os.umask(old_umask)
+    code = -1
+    try:
+        daemon.wait_ready()
+        env.drop(LIFE_YAML, "LIFE-YAML.yaml")
+        env.drop(order("LIFE-PLAIN", to="plain"))
+        body = order("LIFE-ENV", to="envdump", writes=["env.json"])
+        del body["accept"]
+        env.drop(body)
+        for n in (1, 2, 3):
+            env.drop(order(f"LIFE-AR{n}", to=f"ar{n}"))
+        env.drop(order("LIFE-LINEAGE", to="plain", parent="SOMEONE-ELSE", hops=3))
+        for name, data in BAD_FILES.items():
+            env.drop(data, name)
+        env.drop(NOTES, "notes.txt")
+        # Once the typo is refused, the corrected file with the same id is a new job.
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: refusal_dirs(env, "bad-acept"), 30, "refusal of bad-acept.yaml")
+        env.drop(order("BAD-ACEPT-1", to="plain"))
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            if all(finished(env, j) for j in JOBS) and all(refusal_dirs(env, s) for s in STEMS):
+                break
+            time.sleep(0.1)
+    finally:
+        code = daemon.stop()
+    yield Scenario(env, daemon, code, target, messages, submit, started)
+    kill_all(env)
+
+
+def done_dir(sc: Scenario, job_id: str) -> Path:
+    state = finished(sc.env, job_id)
+    assert state is not None, f"{job_id} never finished"
+    assert state[0] == "done", f"{job_id} ended in {state[0]}: {state[1].get('reason')}"
+    return sc.env.root / "done" / job_id
+
+
+def result_of(sc: Scenario, job_id: str) -> dict[str, Any]:
+    return json.loads((done_dir(sc, job_id) / "result.json").read_text())
+
+
+# -- done jobs and their folders ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("job_id", sorted(JOBS))
+def test_valid_order_ends_done_with_every_check_in_order(scenario: Scenario, job_id: str) -> None:
+    """A valid order handled by a good agent ends in done/ with all checks recorded by name, in order."""
+    result = result_of(scenario, job_id)
+    assert result["state"] == "done"
+    assert result["job_id"] == job_id
+    assert result["agent"] == JOBS[job_id]
+    assert result["reason"] is None
+    assert [c["name"] for c in result["checks"]] == CHECK_NAMES
+    oks = {c["name"]: c["ok"] for c in result["checks"]}
+    assert oks["exit_ok"] is oks["receipt_present"] is oks["receipt_job_id"] is True
+    assert False not in oks.values(), oks
+    assert not (scenario.env.root / "active" / job_id).exists()
+    assert not (scenario.env.root / "failed" / job_id).exists()
+    assert starts_of(scenario.env, job_id) == (0 if JOBS[job_id] == "envdump" else 1)
+
+
+def test_result_json_fields_and_types(scenario: Scenario) -> None:
+    """result.json has the contract's fields with the contract's types."""
+    result = result_of(scenario, "LIFE-PLAIN")
+    for key in ("job_id", "state", "agent", "reason", "checks", "attempts", "received", "finished"):
+        assert key in result, key
+    assert result["parent"] is None
+    assert result["children"] == []
+    for check in result["checks"]:
+        assert set(check) >= {"name", "ok", "detail"}
+        assert check["ok"] in (True, False, None)
+    assert len(result["attempts"]) == 1
+    attempt = result["attempts"][0]
+    assert attempt["n"] == 1
+    assert attempt["exit_code"] == 0
+    assert attempt["timed_out"] is False
+    assert isinstance(attempt["duration_ms"], int) and not isinstance(attempt["duration_ms"], bool)
+    assert attempt["duration_ms"] >= 0
+    started, ended = iso(attempt["started"]), iso(attempt["ended"])
+    received, fin = iso(result["received"]), iso(result["finished"])
+    assert scenario.started - timedelta(seconds=5) <= received <= started <= ended <= fin
+    assert fin <= datetime.now(UTC)
+
+
+def test_order_file_kept_byte_for_byte(scenario: Scenario) -> None:
+    """The dropped file is kept as order.<ext>, byte for byte, comments and spacing included."""
+    folder = done_dir(scenario, "LIFE-YAML")
+    assert (folder / "order.yaml").read_bytes() == LIFE_YAML
+    assert sorted(p.name for p in folder.glob("order.*")) == ["order.yaml"]
+
+
+def test_work_starts_with_the_validated_order_as_json(scenario: Scenario) -> None:
+    """work/order.json holds the order as JSON: the same fields and values as the file."""
+    work_order = json.loads((done_dir(scenario, "LIFE-YAML") / "work" / "order.json").read_text())
+    dropped = yaml.safe_load(LIFE_YAML)
+    for key in ("job_id", "from", "to", "for", "task", "items", "writes", "meta"):
+        assert work_order[key] == dropped[key], key
+    assert work_order["accept"]["output"] == "out.csv"
+    assert work_order.get("hops", 0) == 0
+    assert work_order.get("parent") is None
+
+
+def test_prompt_rendered_with_placeholders_and_unknown_braces_kept(scenario: Scenario) -> None:
+    """prompt.md has every known placeholder filled in and any other text, braces too, unchanged."""
+    text = (done_dir(scenario, "LIFE-YAML") / "work" / "prompt.md").read_text()
+
+    def part(tag: str) -> str:
+        found = re.search(f"<{tag}>(.*?)</{tag}>", text, re.DOTALL)
+        assert found, f"<{tag}> missing in {text!r}"
+        return found.group(1)
+
+    dropped = yaml.safe_load(LIFE_YAML)
+    work = scenario.env.root / "active" / "LIFE-YAML" / "work"
+    assert part("J") == "LIFE-YAML"
+    assert part("F") == "intake"
+    assert part("T") == "prompted"
+    assert part("K") == dropped["task"]
+    assert json.loads(part("I")) == dropped["items"]
+    assert "out.csv" in part("W") and "notes/*.md" in part("W")
+    assert json.loads(part("A"))["output"] == "out.csv"
+    assert os.path.realpath(part("O")) == os.path.realpath(work / "order.json")
+    assert os.path.realpath(part("S")) == os.path.realpath(work)
+    assert os.path.realpath(part("R")) == os.path.realpath(work / "receipt.json")
+    assert part("U") == "{unknown} {} {0} {LIFE-YAML} { job_id } {JOB_ID} $job_id {job_id"
+
+
+def test_no_prompt_md_without_prompt(scenario: Scenario) -> None:
+    """An agent without a prompt gets no work/prompt.md."""
+    assert (done_dir(scenario, "LIFE-PLAIN") / "work" / "order.json").is_file()
+    assert not (done_dir(scenario, "LIFE-PLAIN") / "work" / "prompt.md").exists()
+
+
+def test_attempt_logs_capture_the_agent_streams(scenario: Scenario) -> None:
+    """attempts/1/ holds stdout.log and stderr.log with what the agent printed."""
+    folder = done_dir(scenario, "LIFE-AR1")
+    assert (folder / "attempts" / "1" / "stderr.log").is_file()
+    stdout = (folder / "attempts" / "1" / "stdout.log").read_text()
+    assert "some progress text" in stdout
+    assert '"session_id": "s-1"' in stdout
+    assert not (folder / "attempts" / "2").exists()
+
+
+def test_agent_outputs_and_receipt_stay_in_work(scenario: Scenario) -> None:
+    """The agent's output and receipt.json are left in work/ of the done job."""
+    work = done_dir(scenario, "LIFE-PLAIN") / "work"
+    assert (work / "out.csv").read_text().splitlines()[1:] == ["R1", "R2", "R3"]
+    assert json.loads((work / "receipt.json").read_text())["job_id"] == "LIFE-PLAIN"
+
+
+def test_submit_drops_the_file_and_the_job_runs(scenario: Scenario) -> None:
+    """`submit` prints the job id and drops the file; the daemon runs it, bytes unchanged."""
+    assert scenario.submit.returncode == 0, scenario.submit.stderr
+    assert "LIFE-SUBMIT" in scenario.submit.stdout
+    folder = done_dir(scenario, "LIFE-SUBMIT")
+    kept = [p.read_bytes() for p in folder.glob("order.*")]
+    assert kept == [SUBMITTED_YAML]
+
+
+def test_lineage_in_a_dropped_file_changes_nothing(scenario: Scenario) -> None:
+    """`parent` and `hops` set by a dropped file are ignored: the job has no parent and hops 0."""
+    result = result_of(scenario, "LIFE-LINEAGE")
+    assert result["parent"] is None
+    work_order = json.loads((done_dir(scenario, "LIFE-LINEAGE") / "work" / "order.json").read_text())
+    assert work_order.get("parent") is None
+    assert work_order.get("hops", 0) == 0
+
+
+# -- the agent's process and environment ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dumped(scenario: Scenario) -> dict[str, Any]:
+    path = done_dir(scenario, "LIFE-ENV") / "work" / "env.json"
+    return json.loads(path.read_text())
+
+
+def test_agent_environment_is_only_what_the_contract_lists(scenario: Scenario, dumped: dict[str, Any]) -> None:
+    """The agent sees PATH, HOME, LANG, its own env and DISPATCH_*; nothing else of the daemon's."""
+    env = dumped["env"]
+    allowed = {"PATH", "HOME", "LANG", "MY_VAR"}
+    extra = {k for k in env if k not in allowed and not k.startswith("DISPATCH_")}
+    assert extra == set(), f"leaked into the agent: {sorted(extra)}"
+    assert "SECRET_TOKEN" not in env and "PYTHONPATH" not in env
+    assert env["PATH"] == os.environ["PATH"]
+    assert env["LANG"] == "C.UTF-8"
+    if "HOME" in os.environ:
+        assert env["HOME"] == os.environ["HOME"]
+    assert env["MY_VAR"] == "from-config"
+    work = scenario.env.root / "active" / "LIFE-ENV" / "work"
+    assert env["DISPATCH_JOB_ID"] == "LIFE-ENV"
+    assert env["DISPATCH_ATTEMPT"] == "1"
+    assert os.path.realpath(env["DISPATCH_WORKSPACE"]) == os.path.realpath(work)
+    assert os.path.realpath(env["DISPATCH_ORDER"]) == os.path.realpath(work / "order.json")
+    assert os.path.realpath(env["DISPATCH_RECEIPT"]) == os.path.realpath(work / "receipt.json")
+    for key in ("DISPATCH_WORKSPACE", "DISPATCH_ORDER", "DISPATCH_RECEIPT"):
+        assert os.path.isabs(env[key]), key
+
+
+def test_agent_argv_placeholders_are_substituted(scenario: Scenario, dumped: dict[str, Any]) -> None:
+    """Placeholders are filled in inside each argv element; unknown ones pass unchanged."""
+    work = os.path.realpath(scenario.env.root / "active" / "LIFE-ENV" / "work")
+    argv = dumped["argv"]
+    assert len(argv) == 9, argv
+    job, wrapped, order_path, workspace, receipt, prompt_file, prompt, unknown, open_brace = argv
+    assert job == "LIFE-ENV"
+    assert wrapped == "xLIFE-ENVy"
+    assert os.path.isabs(order_path) and os.path.realpath(order_path) == os.path.join(work, "order.json")
+    assert os.path.isabs(workspace) and os.path.realpath(workspace) == work
+    assert os.path.isabs(receipt) and os.path.realpath(receipt) == os.path.join(work, "receipt.json")
+    assert os.path.isabs(prompt_file) and os.path.realpath(prompt_file) == os.path.join(work, "prompt.md")
+    assert prompt.rstrip("\n") == "Prompt for LIFE-ENV: Assign each request to one team."
+    assert unknown == "{unknown}"
+    assert open_brace == "{job_id"
+    rendered = (done_dir(scenario, "LIFE-ENV") / "work" / "prompt.md").read_text()
+    assert rendered == prompt
+
+
+def test_agent_runs_in_work_with_devnull_stdin_in_its_own_group(scenario: Scenario, dumped: dict[str, Any]) -> None:
+    """The agent's cwd is work/, its stdin is /dev/null and it leads its own process group."""
+    work = os.path.realpath(scenario.env.root / "active" / "LIFE-ENV" / "work")
+    assert os.path.realpath(dumped["cwd"]) == work
+    assert dumped["stdin_chr"] is True
+    assert dumped["stdin_rdev"] == dumped["devnull_rdev"]
+    assert dumped["pgid"] == dumped["pid"]
+    assert dumped["pgid"] != os.getpgid(0)
+
+
+# -- agent_result -----------------------------------------------------------------------------
+
+
+def attempt_of(sc: Scenario, job_id: str) -> dict[str, Any]:
+    attempts = result_of(sc, job_id)["attempts"]
+    assert len(attempts) == 1
+    return attempts[0]
+
+
+def test_agent_result_captured_from_last_json_line(scenario: Scenario) -> None:
+    """A JSON object as the last stdout text is kept whole as the attempt's agent_result."""
+    assert attempt_of(scenario, "LIFE-AR1")["agent_result"] == SMALL_RESULT
+
+
+def test_agent_result_captured_when_spread_over_lines(scenario: Scenario) -> None:
+    """A last JSON object printed over many lines is kept whole too."""
+    assert attempt_of(scenario, "LIFE-AR2")["agent_result"] == MULTI_RESULT
+
+
+def test_large_agent_result_keeps_only_the_summary_keys(scenario: Scenario) -> None:
+    """An agent_result over 64 KiB keeps only cost, session, turns, is_error, duration and usage."""
+    assert attempt_of(scenario, "LIFE-AR3")["agent_result"] == BIG_KEPT
+
+
+def test_no_agent_result_without_a_final_json_object(scenario: Scenario) -> None:
+    """No agent_result when stdout is empty or its last text is not a JSON object."""
+    assert attempt_of(scenario, "LIFE-PLAIN").get("agent_result") is None
+    assert attempt_of(scenario, "LIFE-ENV").get("agent_result") is None
+
+
+# -- refused files ------------------------------------------------------------------------------
+
+
+def only_refusal(sc: Scenario, stem: str) -> Path:
+    dirs = refusal_dirs(sc.env, stem)
+    assert len(dirs) == 1, f"refusal folders for {stem}: {dirs}"
+    ts = dirs[0].name.split("@", 1)[1]
+    when = datetime.strptime(ts, "%Y%m%dT%H%M%S.%fZ").replace(tzinfo=UTC)
+    assert sc.started - timedelta(seconds=5) <= when <= datetime.now(UTC), f"not a UTC timestamp: {ts}"
+    return dirs[0]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_invalid_order_is_refused_with_bytes_and_reason(scenario: Scenario, name: str) -> None:
+    """An invalid order goes to failed/<stem>@<ts>/ with its bytes and the validate message as reason."""
+    stem, ext = name.rsplit(".", 1)
+    folder = only_refusal(scenario, stem)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([f"order.{ext}", "result.json"])
+    assert (folder / f"order.{ext}").read_bytes() == BAD_FILES[name]
+    result = json.loads((folder / "result.json").read_text())
+    assert result["state"] == "failed"
+    message = scenario.messages[name]
+    assert message.startswith(f"{name}: "), message
+    assert result["reason"] == message[len(name) + 2 :]
+    if name in BAD_JOB_IDS:
+        assert result["job_id"] == BAD_JOB_IDS[name]
+        assert not (scenario.env.root / "failed" / BAD_JOB_IDS[name]).exists()
+    if name == "bad-syntax.yaml":
+        assert result.get("job_id") is None
+
+
+def test_refused_id_can_be_sent_again_corrected(scenario: Scenario) -> None:
+    """A refused file never becomes a job, so a corrected order with its id runs."""
+    assert refusal_dirs(scenario.env, "bad-acept")
+    assert result_of(scenario, "BAD-ACEPT-1")["state"] == "done"
+
+
+def test_non_order_extension_is_refused(scenario: Scenario) -> None:
+    """A file whose name does not end in .yaml, .yml or .json is refused as "not a work order"."""
+    folder = only_refusal(scenario, "notes")
+    assert (folder / "order.txt").read_bytes() == NOTES
+    result = json.loads((folder / "result.json").read_text())
+    assert result["state"] == "failed"
+    assert "not a work order" in result["reason"]
+
+
+@pytest.mark.parametrize(
+    ("stem", "kind", "words"),
+    [
+        ("link", stat.S_ISLNK, ("link",)),
+        ("pipe", stat.S_ISFIFO, ("fifo", "pipe")),
+        ("folder", stat.S_ISDIR, ("director", "folder")),
+    ],
+)
+def test_odd_inbox_entry_is_moved_as_entry_never_followed(scenario: Scenario, stem: str, kind: Any, words: Any) -> None:
+    """A symlink, FIFO or folder in inbox/ is moved whole as `entry`, never opened; the reason says what."""
+    folder = only_refusal(scenario, stem)
+    assert sorted(p.name for p in folder.iterdir()) == ["entry", "result.json"]
+    assert kind((folder / "entry").lstat().st_mode)
+    result = json.loads((folder / "result.json").read_text())
+    assert result["state"] == "failed"
+    assert any(w in result["reason"].lower() for w in words), result["reason"]
+    if stem == "link":
+        assert os.readlink(folder / "entry") == str(scenario.target)
+        assert json.loads(scenario.target.read_text())["job_id"] == "LINKED-1"
+    if stem == "folder":
+        assert json.loads((folder / "entry" / "order.json").read_text())["job_id"] == "DIRJOB-1"
+    for job_id in ("LINKED-1", "DIRJOB-1"):
+        for state in ("active", "done", "failed"):
+            assert not (scenario.env.root / state / job_id).exists()
+        assert starts_of(scenario.env, job_id) == 0
+
+
+def test_hidden_and_temp_names_are_never_taken(scenario: Scenario) -> None:
+    """Names starting with `.` or ending in .tmp / .part stay in inbox/ untouched."""
+    inbox = scenario.env.root / "inbox"
+    for name, job_id in HIDDEN.items():
+        assert json.loads((inbox / name).read_text())["job_id"] == job_id
+        assert finished(scenario.env, job_id) is None
+        assert not (scenario.env.root / "active" / job_id).exists()
+        assert starts_of(scenario.env, job_id) == 0
+    assert not [p for p in (scenario.env.root / "failed").iterdir() if p.name.startswith(("h", ".h"))]
+    assert visible(inbox) == sorted(n for n in HIDDEN if not n.startswith("."))
+
+
+def test_failed_folder_holds_only_refusals_here(scenario: Scenario) -> None:
+    """failed/<job_id>/ exists only for claimed jobs; refused files only make `<stem>@<ts>` folders."""
+    names = visible(scenario.env.root / "failed")
+    assert all("@" in n for n in names), names
+
+
+def test_created_files_are_not_world_readable(scenario: Scenario) -> None:
+    """Folders and files the daemon creates have no permission bits for others (umask 027)."""
+    root = scenario.env.root
+    paths = [root / "active", root / "done", root / "failed", Path(scenario.env.settings["log_file"])]
+    job = root / "done" / "LIFE-YAML"
+    paths += [job, job / "result.json", job / "work", job / "work" / "order.json", job / "work" / "prompt.md"]
+    paths += [job / "attempts", job / "attempts" / "1"]
+    paths += list((job / "attempts" / "1").iterdir())
+    for folder in refusal_dirs(scenario.env, "bad-to") + refusal_dirs(scenario.env, "link"):
+        paths += [folder, folder / "result.json"]
+    if (root / ".state").exists():
+        paths += [root / ".state", *(root / ".state").iterdir()]
+    loose = {str(p): oct(p.lstat().st_mode & 0o777) for p in paths if p.lstat().st_mode & 0o007}
+    assert loose == {}, f"world-accessible: {loose}"
+
+
+# -- logs ----------------------------------------------------------------------------------------
+
+
+def test_log_lines_are_json_with_timestamp_level_event(scenario: Scenario) -> None:
+    """Every stdout line is a JSON object with an ISO UTC timestamp, a level and an event."""
+    lines = [ln for ln in scenario.daemon.out.read_text().splitlines() if ln.strip()]
+    assert lines
+    for line in lines:
+        entry = json.loads(line)
+        assert isinstance(entry, dict)
+        iso(entry["timestamp"])
+        assert entry["level"] and entry["event"], entry
+    events = {json.loads(line)["event"] for line in lines}
+    want = {"daemon.started", "order.received", "job.claimed", "agent.started", "agent.exited"}
+    want |= {"job.verified", "job.done", "job.refused", "daemon.stopping"}
+    assert want <= events, f"missing events: {want - events}"
+
+
+def test_job_log_lines_carry_job_id_and_agent(scenario: Scenario) -> None:
+    """The lines about a job carry its job_id and agent, from claim to done."""
+    events = scenario.daemon.events()
+    mine = [e for e in events if e.get("job_id") == "LIFE-PLAIN"]
+    names = [e["event"] for e in mine]
+    for name in ("job.claimed", "agent.started", "agent.exited", "job.verified", "job.done"):
+        assert name in names, names
+    for e in mine:
+        if e["event"] in ("job.claimed", "agent.started", "agent.exited", "job.verified", "job.done"):
+            assert e["agent"] == "plain", e
+    assert names.index("job.claimed") < names.index("agent.started") < names.index("job.done")
+
+
+def test_log_file_gets_the_same_json_lines(scenario: Scenario) -> None:
+    """With log_file set, the JSON log lines are written there too."""
+    path = Path(scenario.env.settings["log_file"])
+    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert any(e["event"] == "job.done" and e.get("job_id") == "LIFE-PLAIN" for e in entries)
+
+
+def test_graceful_stop_exits_0(scenario: Scenario) -> None:
+    """SIGTERM with nothing running ends the daemon with exit 0."""
+    assert scenario.exit_code == 0
+
+
+# -- duplicates ---------------------------------------------------------------------------------
+
+
+def test_repeated_job_id_is_refused_without_calling_the_agent(env: Env) -> None:
+    """A known job id is refused before any agent runs: in the same run, after a restart, by submit."""
+    env.drop(order("DUP-1"), "first.json")
+    first_bytes = json.dumps(order("DUP-1")).encode()
+    d1 = env.daemon()
+    d1.wait_ready()
+    env.wait_job("DUP-1", "done")
+    assert (env.root / "done" / "DUP-1" / "order.json").read_bytes() == first_bytes
+    env.drop(order("DUP-1", task="Same id, second file."), "again.json")
+    again = env.wait_refused("again")
+    assert again["state"] == "failed"
+    assert again["job_id"] == "DUP-1"
+    assert isinstance(again["reason"], str) and again["reason"].strip()
+    assert starts_of(env, "DUP-1") == 1
+    assert d1.stop() == 0
+
+    d2 = env.daemon()
+    d2.wait_ready()
+    env.drop(order("DUP-1", task="Third time, after a restart."), "third.yaml")
+    third = env.wait_refused("third")
+    assert third["job_id"] == "DUP-1"
+    assert starts_of(env, "DUP-1") == 1
+    assert d2.stop() == 0
+
+    (env.tmp / "fourth.json").write_bytes(json.dumps(order("DUP-1")).encode())
+    proc = env.cli("submit", "fourth.json")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert one_line(proc.stderr).startswith("fourth.json: ")
+    assert visible(env.root / "inbox") == []
+    assert not (env.root / "failed" / "DUP-1").exists()
+    assert (env.root / "done" / "DUP-1" / "order.json").read_bytes() == first_bytes
+    assert starts_of(env, "DUP-1") == 1
+
+
+# -- arrival: slow writers, files left while down, names ---------------------------------------
+
+
+def test_file_written_slowly_in_place_is_taken_once_whole(env: Env) -> None:
+    """A file written in place over longer than a rescan is taken once, after its writer closes it."""
+    env.configure(settle=2, rescan_interval=1)
+    head = b'job_id: "SLOW-1"\nfrom: tester\nto: worker\ntask: Written slowly.\n'
+    body = b"items:\n  - id: R1\n  - id: R2\n  - id: R3\n"
+    tail = b"accept:\n  output: out.csv\n"
+    daemon = env.daemon()
+    daemon.wait_ready()
+    path = env.root / "inbox" / "slow.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for part in (head, body, tail):
+            os.write(fd, part)
+            time.sleep(0.9)  # the writer's pace, below settle (2 s); not a synchronisation
+    finally:
+        os.close(fd)
+    env.wait_job("SLOW-1", "done")
+    assert (env.root / "done" / "SLOW-1" / "order.yaml").read_bytes() == head + body + tail
+    assert env.refusals() == []
+    assert starts_of(env, "SLOW-1") == 1
+    assert daemon.stop() == 0
+
+
+def test_files_left_while_down_are_taken_oldest_first(env: Env) -> None:
+    """Files that arrived while no daemon ran are claimed at start by mtime, then name."""
+    env.configure(max_jobs=1)
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True)
+    now = time.time()
+    files = [("c.json", "OLD-1", now - 300), ("a.json", "OLD-2", now - 200)]
+    files += [("b2.json", "OLD-4", now - 100), ("b1.json", "OLD-3", now - 100)]
+    for name, job_id, mtime in files:
+        (inbox / name).write_bytes(json.dumps(order(job_id)).encode())
+        os.utime(inbox / name, (mtime, mtime))
+    daemon = env.daemon()
+    daemon.wait_ready()
+    for _, job_id, _ in files:
+        env.wait_job(job_id, "done")
+    assert daemon.stop() == 0
+    claimed = [e["job_id"] for e in daemon.events() if e.get("event") == "job.claimed"]
+    assert claimed == ["OLD-1", "OLD-2", "OLD-3", "OLD-4"]
+    assert [job for job, _ in env.starts()] == ["OLD-1", "OLD-2", "OLD-3", "OLD-4"]
+
+
+# A clock for the daemon only, loaded through PYTHONPATH: every datetime.now() is one
+# frozen second and time.time() is cut to whole seconds, so that two refusals of one stem
+# get the same timestamp and the folder names collide.
+FROZEN_CLOCK = """\
+import datetime as _dt
+import time as _time
+
+_FROZEN = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
+_real_time, _real_time_ns = _time.time, _time.time_ns
+_time.time = lambda: float(int(_real_time()))
+_time.time_ns = lambda: _real_time_ns() // 10**9 * 10**9
+
+
+class _FrozenDateTime(_dt.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        b = _FROZEN.astimezone(tz) if tz is not None else _FROZEN.astimezone().replace(tzinfo=None)
+        return cls(b.year, b.month, b.day, b.hour, b.minute, b.second, 0, b.tzinfo)
+
+    @classmethod
+    def utcnow(cls):
+        return cls.now(_dt.timezone.utc).replace(tzinfo=None)
+
+
+_dt.datetime = _FrozenDateTime
+"""
+
+
+def test_refusal_folder_name_collision_gets_a_suffix(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When `<stem>@<ts>` is taken, the next refusal folder of that stem gets `-2`, then `-3`."""
+    shim = env.tmp / "clock"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(FROZEN_CLOCK)
+    monkeypatch.setenv("PYTHONPATH", str(shim))
+    daemon = env.daemon()
+    daemon.wait_ready()
+    datas = {
+        "same.json": b'{"job_id": "SAME-1"}',
+        "same.yaml": b"job_id: SAME-2\n",
+        "same.yml": b"job_id: SAME-3\n",
+    }
+    wait_until(lambda: time.time() % 1 < 0.3, 5, "the start of a second")
+    for name, data in datas.items():
+        env.drop(data, name)
+    wait_until(lambda: len(refusal_dirs(env, "same")) == 3, 60, "three refusals of same.*")
+    names = sorted(p.name for p in refusal_dirs(env, "same"))
+    base = min(names, key=len)
+    assert names == sorted([base, f"{base}-2", f"{base}-3"]), names
+    kept = {}
+    for folder in refusal_dirs(env, "same"):
+        (order_file,) = folder.glob("order.*")
+        kept[order_file.name] = order_file.read_bytes()
+    assert kept == {"order.json": datas["same.json"], "order.yaml": datas["same.yaml"], "order.yml": datas["same.yml"]}
+    assert daemon.stop() == 0
+
+
+# -- run --once -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("files", "code"),
+    [
+        pytest.param({}, 0, id="empty-inbox"),
+        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "ONCE-2.yaml": ("ONCE-2", "worker")}, 0, id="all-done"),
+        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "ONCE-2.json": ("ONCE-2", "bad")}, 1, id="one-failed"),
+        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "notes.txt": None}, 1, id="one-not-an-order"),
+        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "bad.json": ("ONCE-2", "nobody")}, 1, id="one-invalid"),
+    ],
+)
+def test_run_once_exit_code(env: Env, files: dict[str, Any], code: int) -> None:
+    """`run --once` drains inbox/, waits for every job, exits 0 only if all are done and none refused."""
+    env.configure(agents={"worker": env.agent(), "bad": env.agent("--exit", "3")})
+    for name, spec in files.items():
+        if spec is None:
+            env.drop(NOTES, name)
+        else:
+            env.drop(order(spec[0], to=spec[1]), name)
+    proc = env.cli("run", "--once", timeout=90)
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for state in ("inbox", "active", "done", "failed"):
+        assert (env.root / state).is_dir(), f"run did not create {state}/"
+    assert visible(env.root / "inbox") == []
+    assert visible(env.root / "active") == []
+    for spec in files.values():
+        if spec is not None and spec[1] != "nobody":
+            assert finished(env, spec[0]) is not None, f"{spec[0]} not finished after run --once"
+
+
+# -- init -------------------------------------------------------------------------------------------
+
+
+def snapshot(*tops: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for top in tops:
+        for dirpath, dirnames, filenames in os.walk(top):
+            for name in dirnames + filenames:
+                p = Path(dirpath) / name
+                st = p.lstat()
+                out[str(p)] = (st.st_mode, st.st_mtime_ns, p.read_bytes() if p.is_file() else None)
+        st = top.lstat()
+        out[str(top)] = (st.st_mode, st.st_mtime_ns)
+    return out
+
+
+def test_init_makes_the_layout_and_a_starter_config(tmp_path: Path) -> None:
+    """`init DIR` makes the root's folders and a starter config; a second run changes nothing."""
+    cfg = tmp_path / "etc" / "dispatcher.yaml"
+    root = tmp_path / "spool"
+    first = run_cli(tmp_path, "--config", str(cfg), "init", str(root))
+    assert first.returncode == 0, first.stderr
+    for state in ("inbox", "active", "done", "failed"):
+        assert (root / state).is_dir(), state
+    assert cfg.is_file()
+    assert isinstance(yaml.safe_load(cfg.read_text()), dict)
+    before = snapshot(root, cfg.parent)
+    second = run_cli(tmp_path, "--config", str(cfg), "init", str(root))
+    assert second.returncode == 0, second.stderr
+    assert snapshot(root, cfg.parent) == before
+    status = run_cli(tmp_path, "--config", str(cfg), "--root", str(root), "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["counts"]["inbox"] == 0
+
+
+def test_init_uses_the_configured_root_and_never_overwrites_the_config(env: Env) -> None:
+    """`init` without DIR makes the configured root and leaves an existing config as it is."""
+    before = env.config_path.read_bytes()
+    proc = env.cli("init")
+    assert proc.returncode == 0, proc.stderr
+    for state in ("inbox", "active", "done", "failed"):
+        assert (env.root / state).is_dir(), state
+    assert env.config_path.read_bytes() == before
+    assert env.cli("init").returncode == 0
+    assert env.config_path.read_bytes() == before
+
+
+# -- status and show ------------------------------------------------------------------------------
+
+
+@dataclass
+class Busy:
+    env: Env
+    daemon: Daemon
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Busy]:
+    """A running daemon with one job of each kind: done, failed, refused, active and queued."""
+    env = make_env(tmp_path_factory.mktemp("busy"))
+    env.configure(
+        agents={"worker": env.agent(), "bad": env.agent("--exit", "3"), "slow": env.agent("--sleep", "60")},
+        max_jobs=1,
+        stop_timeout=1,
+    )
+    daemon = env.daemon()
+    try:
+        daemon.wait_ready()
+        env.drop(order("ST-OK"))
+        env.wait_job("ST-OK", "done")
+        env.drop(order("ST-BAD", to="bad"))
+        env.wait_job("ST-BAD", "failed")
+        env.drop(NOTES, "notes.txt")
+        env.wait_refused("notes")
+        env.drop(order("ST-SLOW", to="slow"))
+        wait_until(lambda: starts_of(env, "ST-SLOW") == 1, 30, "the slow agent to start")
+        env.drop(order("ST-QUEUED"))
+        yield Busy(env, daemon)
+    finally:
+        daemon.stop()
+        kill_all(env)
+
+
+def test_status_json_has_exact_keys_and_counts(busy: Busy) -> None:
+    """`status --json` gives counts per state and the active jobs with agent, pid, host and age."""
+    proc = busy.env.cli("status", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert set(data) == {"counts", "active"}
+    assert data["counts"] == {"inbox": 1, "active": 1, "done": 1, "failed": 1, "refused": 1}
+    assert len(data["active"]) == 1
+    job = data["active"][0]
+    assert set(job) == {"job_id", "agent", "pid", "host", "age_s"}
+    assert job["job_id"] == "ST-SLOW"
+    assert job["agent"] == "slow"
+    assert busy.daemon.proc is not None
+    assert job["pid"] == busy.daemon.proc.pid
+    assert job["host"] == socket.gethostname()
+    assert isinstance(job["age_s"], int | float) and 0 <= job["age_s"] < 120
+
+
+def test_status_text_names_states_and_active_jobs(busy: Busy) -> None:
+    """`status` prints the counts per state and each active job with its agent and daemon pid."""
+    proc = busy.env.cli("status")
+    assert proc.returncode == 0, proc.stderr
+    assert busy.daemon.proc is not None
+    for word in ("inbox", "active", "done", "failed", "refused", "ST-SLOW", "slow", str(busy.daemon.proc.pid)):
+        assert word in proc.stdout, f"{word!r} not in {proc.stdout!r}"
+
+
+def test_options_may_follow_the_command(busy: Busy) -> None:
+    """`--config` and `--root` may also come after the command name."""
+    args = ("status", "--json", "--config", str(busy.env.config_path), "--root", str(busy.env.root))
+    proc = run_cli(busy.env.tmp, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["counts"]["done"] == 1
+
+
+def test_show_json_of_a_done_job(busy: Busy) -> None:
+    """`show JOB_ID --json` gives the job's state, checks, attempts, parent and children."""
+    proc = busy.env.cli("show", "ST-OK", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["job_id"] == "ST-OK"
+    assert data["state"] == "done"
+    assert [c["name"] for c in data["checks"]] == CHECK_NAMES
+    assert [a["n"] for a in data["attempts"]] == [1]
+    assert data["parent"] is None
+    assert data["children"] == []
+
+
+def test_show_json_of_a_failed_job(busy: Busy) -> None:
+    """`show --json` of a failed job says failed, with exit_ok false."""
+    proc = busy.env.cli("show", "ST-BAD", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["state"] == "failed"
+    assert {c["name"]: c["ok"] for c in data["checks"]}["exit_ok"] is False
+
+
+def test_show_text_of_a_done_job(busy: Busy) -> None:
+    """`show JOB_ID` prints the job id, its state and its checks for a person."""
+    proc = busy.env.cli("show", "ST-OK")
+    assert proc.returncode == 0, proc.stderr
+    for word in ("ST-OK", "done", "exit_ok", "writes_scope"):
+        assert word in proc.stdout, f"{word!r} not in {proc.stdout!r}"
+
+
+@pytest.mark.parametrize("args", [("show", "NO-SUCH-JOB"), ("show", "NO-SUCH-JOB", "--json")])
+def test_show_of_an_unknown_job_exits_1(busy: Busy, args: tuple[str, ...]) -> None:
+    """`show` of a job id nobody knows exits 1 with a one-line error."""
+    proc = busy.env.cli(*args)
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert "NO-SUCH-JOB" in one_line(proc.stderr)
+
+
+@pytest.mark.parametrize("args", [("frobnicate",), ("show",), ("run", "--no-such-option")])
+def test_bad_usage_exits_2(env: Env, args: tuple[str, ...]) -> None:
+    """An unknown command, a missing argument or an unknown option exits 2."""
+    proc = env.cli(*args, timeout=30)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip()

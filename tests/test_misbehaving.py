@@ -1,0 +1,122 @@
+"""Agents that misbehave: stray children, hangs, ignored SIGTERM, log floods, a deleted work/.
+
+After each, no process of the agent's group may be left (read from /proc), and the job
+ends the way the contract says.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import Env, order
+from helpers_faults import (
+    agent_starts,
+    check,
+    first_failing,
+    processes_with,
+    reap,
+    ts,
+    wait_gone,
+    wait_start,
+)
+
+
+@pytest.fixture(autouse=True)
+def _reap(env: Env) -> Iterator[None]:
+    yield
+    reap(env)
+
+
+def assert_nothing_left(env: Env, marker: str | None = None) -> None:
+    """No agent recorded by the fake agent, no member of its group, no marked child lives."""
+    pids = [pid for _j, _a, pid in agent_starts(env)]
+    extra = processes_with(marker) if marker else []
+    wait_gone(pids + extra, pids, timeout=10)
+    if marker:
+        assert processes_with(marker) == []
+
+
+def test_child_left_behind_is_killed_and_job_is_done(env: Env) -> None:
+    """An agent that forks a child and exits: the child is ended, the job is done."""
+    marker = "time.sleep(61.91)"
+    env.configure(agents={"worker": env.agent("--fork-child", "61.91")}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FORK-1"))
+    env.wait_job("FORK-1", "done")
+    assert_nothing_left(env, marker)
+    assert d.stop() == 0
+
+
+def test_hanging_agent_times_out_and_its_group_is_killed(env: Env) -> None:
+    """An agent that hangs past its timeout fails with an exit_ok reason; its group is ended."""
+    marker = "time.sleep(62.07)"
+    env.configure(
+        agents={"worker": env.agent("--sleep", "60", "--fork-child", "62.07", timeout=1)},
+        kill_grace=1,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("HANG-1"))
+    result = env.wait_job("HANG-1", "failed", timeout=30)
+    assert result["reason"].startswith("exit_ok"), result["reason"]
+    assert result["attempts"][0]["timed_out"] is True
+    assert check(result, "exit_ok")["ok"] is False
+    assert_nothing_left(env, marker)
+    assert d.stop() == 0
+
+
+def test_agent_ignoring_sigterm_gets_sigkill_after_kill_grace(env: Env) -> None:
+    """An agent that ignores SIGTERM is SIGKILLed kill_grace after its timeout."""
+    env.configure(
+        agents={"worker": env.agent("--ignore-term", "--sleep", "60", timeout=1)}, kill_grace=1
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("DEAF-1"))
+    pid = wait_start(env, "DEAF-1")
+    result = env.wait_job("DEAF-1", "failed", timeout=30)
+    attempt = result["attempts"][0]
+    took = ts(attempt["ended"]) - ts(attempt["started"])
+    assert 1.8 <= took <= 8, f"the agent ended after {took:.2f} s, want about timeout + kill_grace"
+    assert attempt["timed_out"] is True
+    assert result["reason"].startswith("exit_ok")
+    wait_gone([pid], [pid], timeout=5)
+    assert d.stop() == 0
+
+
+def test_stdout_flood_is_capped_and_job_is_done(env: Env) -> None:
+    """50 MB on stdout with a small max_log_bytes: the log is capped, says so, the job is done."""
+    cap = 65536
+    env.configure(agents={"worker": env.agent("--flood", str(50 * 1024 * 1024))}, max_log_bytes=cap)
+    d = env.daemon()
+    d.wait_ready()
+    started = time.monotonic()
+    env.drop(order("FLOOD-1"))
+    env.wait_job("FLOOD-1", "done", timeout=60)
+    log = env.root / "done" / "FLOOD-1" / "attempts" / "1" / "stdout.log"
+    size = log.stat().st_size
+    assert cap // 2 <= size <= cap + 4096, f"stdout.log is {size} bytes with max_log_bytes {cap}"
+    last = log.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1].decode(errors="replace")
+    assert re.search(r"cut|truncat|limit|max_log_bytes|dropped|omitted", last, re.I), last[-200:]
+    assert time.monotonic() - started < 50
+    assert_nothing_left(env)
+    assert d.stop() == 0
+
+
+def test_agent_deleting_its_work_folder_fails_writes_scope(env: Env) -> None:
+    """An agent that removes its own work/ fails; writes_scope fails because work/ is gone."""
+    env.configure(agents={"worker": env.agent("--delete-work")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("GONE-1"))
+    result = env.wait_job("GONE-1", "failed")
+    scope = check(result, "writes_scope")
+    assert scope["ok"] is False, scope
+    # the receipt went with work/, so receipt_present is the first check to fail
+    assert result["reason"].startswith(first_failing(result) or "?"), result["reason"]
+    assert_nothing_left(env)
+    assert d.stop() == 0

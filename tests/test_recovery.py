@@ -1,0 +1,232 @@
+"""Crash recovery: `kill -9` of the daemon at many moments, orphaned agents, restarts.
+
+The daemon is killed for real (SIGKILL, nothing gets to clean up) and restarted on the
+same root; what a user checks afterwards is the folders, result.json and how often each
+agent was started (recorded by the agents themselves, outside the dispatch root).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import Env, order, wait_until
+from helpers_faults import (
+    SLOW_FIRST,
+    LogTail,
+    agent_starts,
+    alive,
+    check,
+    group_members,
+    job_states,
+    processes_with,
+    read_result,
+    reap,
+    refusals,
+    tiny_agent,
+    tiny_order,
+    wait_gone,
+    wait_start,
+    write_script,
+)
+
+
+@pytest.fixture(autouse=True)
+def _reap(env: Env) -> Iterator[None]:
+    yield
+    reap(env)
+
+
+# Where each kill lands: the event the daemon must have logged just before (None: a time).
+KILL_POINTS: tuple[tuple[str, str | None], ...] = (
+    ("during start-up / recovery", None),
+    ("after job.claimed", "job.claimed"),
+    ("while an agent runs", "agent.started"),
+    ("right after an agent exited", "agent.exited"),
+    ("after job.verified, before the move", "job.verified"),
+    ("at a random time", None),
+    ("right after daemon.ready", "daemon.ready"),
+    ("after job.done", "job.done"),
+)
+
+
+def kill_storm(env: Env, n_jobs: int, kills: int, seed: int) -> Counter[str]:
+    """Drop n_jobs orders in chunks and kill -9 the daemon `kills` times; return the kill points.
+
+    Each cycle starts a daemon, waits for one kill point (an event in its log, or a random
+    time of 0.2-0.7 s, or 0-0.3 s after the start, which lands in start-up and recovery),
+    kills it with SIGKILL and drops the next chunk of orders while no daemon runs.
+    """
+    rng = random.Random(seed)
+    ids = [f"S{i:04d}" for i in range(n_jobs)]
+    first = n_jobs // 5
+    for job_id in ids[:first]:
+        env.drop(tiny_order(job_id))
+    rest = ids[first:]
+    per = -(-len(rest) // kills)
+    landed: Counter[str] = Counter()
+    for k in range(kills):
+        d = env.daemon()
+        tail = LogTail(d.out)
+        name, event = KILL_POINTS[k % len(KILL_POINTS)]
+        if event is None:
+            # the fault schedule itself: a random delay, not a synchronisation
+            time.sleep(
+                rng.uniform(0.0, 0.3) if k % len(KILL_POINTS) == 0 else rng.uniform(0.2, 0.7)
+            )
+            hit = True
+        else:
+            hit = tail.wait_for(lambda e, ev=event: e.get("event") == ev, 8.0) is not None
+        d.kill()
+        landed[name if hit else f"{name} (not reached, killed after 8 s)"] += 1
+        for job_id in rest[k * per : (k + 1) * per]:
+            env.drop(tiny_order(job_id))
+    return landed
+
+
+def assert_all_finished_once(env: Env, n_jobs: int) -> dict[str, str]:
+    """Every job is in exactly one of done/ and failed/, nothing left in inbox/ or active/."""
+    states = job_states(env.root)
+    expected = {f"S{i:04d}" for i in range(n_jobs)}
+    assert set(states) == expected, sorted(set(states) ^ expected)[:10]
+    wrong = {j: s for j, s in states.items() if s not in (["done"], ["failed"])}
+    assert not wrong, f"jobs not in exactly one of done/ failed/: {list(wrong.items())[:10]}"
+    assert refusals(env.root) == [], "a job of its own was refused after a restart"
+    for job_id, (state,) in states.items():
+        result = read_result(env.root / state / job_id)
+        assert result["job_id"] == job_id
+        assert result["state"] == state
+    return {j: s[0] for j, s in states.items()}
+
+
+@pytest.mark.slow
+def test_kill9_storm_never_starts_a_not_retry_safe_job_twice(env: Env) -> None:
+    """Under repeated kill -9 every job ends once in done/ or failed/, and none runs twice."""
+    n_jobs, kills = 300, 16
+    env.configure(
+        agents={"tiny": tiny_agent(env, concurrency=4)},
+        max_jobs=3,
+        settle=0.2,
+        rescan_interval=1,
+        kill_grace=0.5,
+    )
+    landed = kill_storm(env, n_jobs, kills, seed=1)
+    print("kill points:", dict(landed))
+    proc = env.cli("run", "--once", timeout=240)
+    final = assert_all_finished_once(env, n_jobs)
+
+    started = Counter(job for job, _a, _p in agent_starts(env))
+    twice = {j: n for j, n in started.items() if n > 1}
+    assert not twice, f"not-retry-safe jobs started more than once: {twice}"
+    failed = sorted(j for j, s in final.items() if s == "failed")
+    for job_id, state in final.items():
+        if state == "done":
+            assert started[job_id] == 1, f"{job_id} is done without one recorded start"
+    for job_id in failed:
+        reason = read_result(env.root / "failed" / job_id)["reason"]
+        assert "\n" not in reason
+        assert "retr" in reason.lower(), (
+            f"{job_id}: reason does not say it was not retried: {reason}"
+        )
+    if not failed:
+        assert proc.returncode == 0, proc.stderr
+    assert sum(landed.values()) == kills
+
+
+@pytest.mark.slow
+def test_kill9_storm_retry_safe_jobs_all_end_done(env: Env) -> None:
+    """Under repeated kill -9 a retry-safe agent with 3 attempts gets every job done once."""
+    n_jobs, kills = 300, 16
+    env.configure(
+        agents={"tiny": tiny_agent(env, concurrency=4, retry_safe=True, max_attempts=3)},
+        max_jobs=4,
+        settle=0.2,
+        rescan_interval=1,
+        kill_grace=0.5,
+    )
+    landed = kill_storm(env, n_jobs, kills, seed=2)
+    print("kill points:", dict(landed))
+    proc = env.cli("run", "--once", timeout=240)
+    final = assert_all_finished_once(env, n_jobs)
+
+    not_done = {j: read_result(env.root / s / j)["reason"] for j, s in final.items() if s != "done"}
+    assert not not_done, f"retry-safe jobs that did not end done: {list(not_done.items())[:5]}"
+    per_attempt = Counter((job, attempt) for job, attempt, _p in agent_starts(env))
+    repeated = {k: n for k, n in per_attempt.items() if n > 1}
+    assert not repeated, f"one attempt number started more than once: {repeated}"
+    started = Counter(job for job, _a, _p in agent_starts(env))
+    assert max(started.values()) <= 3
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+
+
+def test_kill9_orphan_with_receipt_is_ended_and_checked_without_rerun(env: Env) -> None:
+    """An agent orphaned by kill -9 is ended at restart; its receipt is checked (exit lost)."""
+    marker = "time.sleep(61.37)"
+    env.configure(
+        agents={"worker": env.agent("--sleep-after", "30", "--fork-child", "61.37")}, kill_grace=1
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("ORPH-1"))
+    pid = wait_start(env, "ORPH-1")
+    receipt = env.root / "active" / "ORPH-1" / "work" / "receipt.json"
+    wait_until(receipt.exists, 30, "the agent's receipt")
+    d.kill()
+    assert alive(pid), "the agent should outlive its daemon (own process group)"
+    child = wait_until(lambda: processes_with(marker), 10, "the agent's child")
+    restarted = time.monotonic()
+
+    d2 = env.daemon()
+    result = env.wait_job("ORPH-1", "done", timeout=25)
+    assert time.monotonic() - restarted < 20, "the daemon waited for the orphan to end by itself"
+    assert not alive(pid), "the orphaned agent is still running after recovery"
+    wait_gone(child, [pid], timeout=5)
+    exit_ok = check(result, "exit_ok")
+    assert exit_ok["ok"] is None
+    assert "lost" in exit_ok["detail"].lower()
+    assert [job for job, _a, _p in agent_starts(env)] == ["ORPH-1"], "the job was run again"
+    d2.wait_event("job.recovered", job_id="ORPH-1")
+    assert d2.stop() == 0
+
+
+def test_kill9_orphan_without_receipt_is_ended_before_the_retry(env: Env) -> None:
+    """A retry of an interrupted job starts only after the orphaned first copy is gone."""
+    wrapper = write_script(env.tmp, "slow_first.py", SLOW_FIRST)
+    agent = env.agent(retry_safe=True, max_attempts=2)
+    agent["command"] = [agent["command"][0], str(wrapper), *agent["command"][2:]]
+    env.configure(agents={"worker": agent}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("ORPH-2"))
+    pid = wait_start(env, "ORPH-2", attempt=1)
+    d.kill()
+    assert alive(pid)
+
+    d2 = env.daemon()
+    wait_start(env, "ORPH-2", attempt=2, timeout=30)
+    assert not alive(pid), "attempt 2 started while the orphaned attempt 1 still ran"
+    result = env.wait_job("ORPH-2", "done")
+    assert [a["n"] for a in result["attempts"]][-1] == 2
+    assert [(j, a) for j, a, _p in agent_starts(env)] == [("ORPH-2", 1), ("ORPH-2", 2)]
+    assert group_members(pid) == []
+    assert d2.stop() == 0
+
+
+def test_kill9_orphan_of_not_retry_safe_job_fails_without_rerun(env: Env) -> None:
+    """An interrupted job of a not-retry-safe agent ends failed, says it was not retried."""
+    env.configure(agents={"worker": env.agent("--sleep", "30")}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("ORPH-3"))
+    pid = wait_start(env, "ORPH-3")
+    d.kill()
+    d2 = env.daemon()
+    result: dict[str, Any] = env.wait_job("ORPH-3", "failed", timeout=25)
+    assert not alive(pid)
+    assert "retr" in result["reason"].lower(), result["reason"]
+    assert [j for j, _a, _p in agent_starts(env)] == ["ORPH-3"]
+    assert d2.stop() == 0

@@ -1,0 +1,291 @@
+"""Retries (backoff, probe, attempts folders), `dispatcher retry` and `dispatcher cancel`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, order, wait_until
+from helpers_faults import (
+    agent_starts,
+    alive,
+    first_failing,
+    processes_with,
+    reap,
+    ts,
+    wait_gone,
+    wait_start,
+)
+
+
+@pytest.fixture(autouse=True)
+def _reap(env: Env) -> Iterator[None]:
+    yield
+    reap(env)
+
+
+def starts_of(env: Env, job_id: str) -> list[int]:
+    return [a for j, a, _p in agent_starts(env) if j == job_id]
+
+
+def probe(env: Env, exit_code: int) -> list[str]:
+    """Return a probe argv that records its call outside the root and exits exit_code."""
+    script = f"import sys; open(sys.argv[1], 'a').write(sys.argv[2] + '\\n'); sys.exit({exit_code})"
+    return [sys.executable, "-c", script, str(env.tmp / "probe-calls.txt"), "{job_id}"]
+
+
+def probe_calls(env: Env) -> list[str]:
+    path = env.tmp / "probe-calls.txt"
+    return path.read_text().split() if path.exists() else []
+
+
+def run_once(env: Env) -> tuple[int, str]:
+    proc = env.cli("run", "--once", timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_retries_wait_retry_delay_doubling_and_number_attempts(env: Env) -> None:
+    """A retry-safe agent failing 3 times is retried with 0.3, 0.6, 1.2 s waits, attempts 1..4."""
+    env.configure(
+        agents={"worker": env.agent("--fail-attempts", "3", retry_safe=True, max_attempts=4)},
+        retry_delay=0.3,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RETRY-1"))
+    result = env.wait_job("RETRY-1", "done")
+    attempts = result["attempts"]
+    assert [a["n"] for a in attempts] == [1, 2, 3, 4]
+    assert [a["exit_code"] for a in attempts] == [1, 1, 1, 0]
+    assert starts_of(env, "RETRY-1") == [1, 2, 3, 4]
+    gaps = [ts(b["started"]) - ts(a["ended"]) for a, b in itertools.pairwise(attempts)]
+    for gap, want in zip(gaps, [0.3, 0.6, 1.2], strict=True):
+        assert want - 0.05 <= gap <= want + 2.0, f"waits {gaps}, want 0.3, 0.6, 1.2"
+    retrying = [e for e in d.events() if e.get("event") == "job.retrying"]
+    assert len(retrying) == 3
+    assert all(e.get("job_id") == "RETRY-1" for e in retrying)
+    for n in (1, 2, 3):
+        assert (env.root / "done" / "RETRY-1" / "attempts" / str(n) / "stdout.log").exists()
+    assert d.stop() == 0
+
+
+def test_receipt_and_outbox_of_previous_attempt_move_to_attempts_folder(env: Env) -> None:
+    """Before attempt 2, attempt 1's receipt.json and outbox/ move into attempts/1/."""
+    follow = json.dumps(order("RETRY-FU-1", to="sink", **{"from": "worker"}))
+    worker = env.agent("--fail-attempts", "1", "--followup", follow, retry_safe=True, max_attempts=2)
+    env.configure(agents={"worker": worker, "sink": env.agent()})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RETRY-2"))
+    result = env.wait_job("RETRY-2", "done")
+    job = env.root / "done" / "RETRY-2"
+    assert (job / "attempts" / "1" / "receipt.json").is_file()
+    assert (job / "attempts" / "1" / "outbox" / "RETRY-FU-1.json").is_file()
+    assert (job / "work" / "receipt.json").is_file()
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    env.wait_job("RETRY-FU-1", "done")
+    assert env.result("RETRY-2", "done")["children"] == ["RETRY-FU-1"]
+    assert starts_of(env, "RETRY-FU-1") == [1], "the follow-up was released twice"
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("probe_exit", "retried"),
+    [(1, True), (0, False), (None, False)],
+    ids=["probe-says-not-done", "probe-says-done", "probe-cannot-run"],
+)
+def test_probe_decides_the_retry(env: Env, probe_exit: int | None, retried: bool) -> None:
+    """Probe exit non-zero: retry; exit 0 or a probe that cannot run: no retry, reason says so."""
+    argv = probe(env, probe_exit) if probe_exit is not None else ["/nonexistent/probe-program"]
+    worker = env.agent("--fail-attempts", "1", probe=argv, max_attempts=2)
+    env.configure(agents={"worker": worker})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PROBE-1"))
+    if retried:
+        env.wait_job("PROBE-1", "done")
+        assert starts_of(env, "PROBE-1") == [1, 2]
+        assert probe_calls(env) == ["PROBE-1"]
+    else:
+        result = env.wait_job("PROBE-1", "failed")
+        assert starts_of(env, "PROBE-1") == [1]
+        assert result["reason"].startswith("exit_ok")
+        reason = result["reason"].lower()
+        assert "probe" in reason or "may have" in reason, result["reason"]
+        if probe_exit == 0:
+            assert probe_calls(env) == ["PROBE-1"]
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "settings", "check_name", "n_starts"),
+    [
+        (["--exit", "1"], {"max_attempts": 3}, "exit_ok", 1),
+        (["--no-receipt"], {"max_attempts": 3}, "receipt_present", 1),
+        (["--invalid-receipt"], {"max_attempts": 3, "retry_safe": True}, "receipt_present", 1),
+        (["--no-receipt"], {"max_attempts": 2, "retry_safe": True}, "receipt_present", 2),
+    ],
+    ids=[
+        "not-retry-safe-exit",
+        "not-retry-safe-no-receipt",
+        "invalid-receipt",
+        "retry-safe-missing",
+    ],
+)
+def test_failures_that_are_not_retried(
+    env: Env, flags: list[str], settings: dict[str, Any], check_name: str, n_starts: int
+) -> None:
+    """Without probe only retry-safe agents rerun; an invalid receipt never reruns."""
+    env.configure(agents={"worker": env.agent(*flags, **settings)})
+    env.drop(order("NR-1"))
+    code, out = run_once(env)
+    assert code == 1, out
+    result = env.result("NR-1", "failed")
+    assert starts_of(env, "NR-1") == list(range(1, n_starts + 1))
+    assert first_failing(result) == check_name
+    assert result["reason"].startswith(check_name)
+    if check_name == "exit_ok" or not settings.get("retry_safe"):
+        assert "retr" in result["reason"].lower(), result["reason"]
+
+
+def test_retry_command_reruns_a_failed_job_with_attempts_numbered_on(env: Env) -> None:
+    """`retry` of a failed job exits 0 and gives max_attempts more attempts (3, 4), history kept."""
+    env.configure(agents={"worker": env.agent("--fail-attempts", "3", retry_safe=True, max_attempts=2)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("AGAIN-1"))
+    first = env.wait_job("AGAIN-1", "failed")
+    assert [a["n"] for a in first["attempts"]] == [1, 2]
+    proc = env.cli("retry", "AGAIN-1")
+    assert proc.returncode == 0, proc.stderr
+    result = env.wait_job("AGAIN-1", "done")
+    job = env.root / "done" / "AGAIN-1"
+    kept = json.loads((job / "attempts" / "2" / "result.json").read_text())
+    assert kept["state"] == "failed"
+    assert kept["reason"] == first["reason"]
+    assert [a["n"] for a in result["attempts"]][-2:] == [3, 4]
+    assert starts_of(env, "AGAIN-1") == [1, 2, 3, 4]
+    assert not (env.root / "failed" / "AGAIN-1").exists()
+    assert d.stop() == 0
+
+
+def test_retry_recorded_while_no_daemon_runs_is_done_at_next_start(env: Env) -> None:
+    """`retry` with no daemon running is carried out by the next `run --once`."""
+    env.configure(agents={"worker": env.agent("--fail-attempts", "1")})
+    env.drop(order("AGAIN-2"))
+    code, _ = run_once(env)
+    assert code == 1
+    assert env.result("AGAIN-2", "failed")["state"] == "failed"
+    assert env.cli("retry", "AGAIN-2").returncode == 0
+    code, out = run_once(env)
+    assert code == 0, out
+    result = env.result("AGAIN-2", "done")
+    assert [a["n"] for a in result["attempts"]][-1] == 2
+    assert (env.root / "done" / "AGAIN-2" / "attempts" / "1" / "result.json").is_file()
+    assert starts_of(env, "AGAIN-2") == [1, 2]
+
+
+def test_retry_of_done_or_unknown_job_exits_1(env: Env) -> None:
+    """`retry` of a done job or an unknown id exits 1 with a one-line error."""
+    env.drop(order("FINE-1"))
+    code, out = run_once(env)
+    assert code == 0, out
+    for job_id in ("FINE-1", "NO-SUCH-JOB"):
+        proc = env.cli("retry", job_id)
+        assert proc.returncode == 1, (job_id, proc.stdout, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert (env.root / "done" / "FINE-1" / "result.json").exists()
+
+
+def slow_and_worker(env: Env) -> None:
+    """Configure one slot, a `slow` agent (60 s, with a child) and the normal `worker`."""
+    env.configure(
+        agents={
+            "slow": env.agent("--sleep", "60", "--fork-child", "65.5"),
+            "worker": env.agent(),
+        },
+        max_jobs=1,
+        kill_grace=1,
+    )
+
+
+def test_cancel_queued_job_with_no_free_slot(env: Env) -> None:
+    """cancel of a queued job while the only slot is busy: failed `cancelled` within seconds."""
+    slow_and_worker(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LONG-1", to="slow"))
+    pid = wait_start(env, "LONG-1")
+    env.drop(order("QUEUED-1"))
+    sent = time.monotonic()
+    proc = env.cli("cancel", "QUEUED-1")
+    assert proc.returncode == 0, proc.stderr
+    result = env.wait_job("QUEUED-1", "failed", timeout=15)
+    assert time.monotonic() - sent < 10
+    assert result["reason"] == "cancelled"
+    assert result["attempts"] == []
+    assert starts_of(env, "QUEUED-1") == []
+    assert alive(pid), "cancelling the queued job touched the running one"
+
+
+def test_cancel_running_job_ends_its_group_and_finished_or_unknown_exit_1(env: Env) -> None:
+    """cancel of a running job ends its agent's group; cancel of a finished or unknown job exits 1."""
+    slow_and_worker(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LONG-1", to="slow"))
+    pid = wait_start(env, "LONG-1")
+    child = wait_until(lambda: processes_with("time.sleep(65.5)"), 10, "the agent's child")
+    assert env.cli("cancel", "LONG-1").returncode == 0
+    result = env.wait_job("LONG-1", "failed", timeout=15)
+    assert result["reason"] == "cancelled"
+    wait_gone([pid, *child], [pid], timeout=5)
+
+    assert env.cli("cancel", "LONG-1").returncode == 1, "a finished job was cancelled twice"
+    env.drop(order("DONE-1"))
+    env.wait_job("DONE-1", "done")
+    for job_id in ("DONE-1", "NO-SUCH-JOB"):
+        proc = env.cli("cancel", job_id)
+        assert proc.returncode == 1, (job_id, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert (env.root / "done" / "DONE-1" / "result.json").exists()
+    assert d.stop() == 0
+
+
+def test_cancel_of_an_order_waiting_in_inbox_with_no_daemon(env: Env) -> None:
+    """A job is queued once its order is in inbox/: cancel works before any daemon sees it."""
+    env.drop(order("INBOX-1"))
+    proc = env.cli("cancel", "INBOX-1")
+    assert proc.returncode == 0, proc.stderr
+    code, _ = run_once(env)
+    assert code == 1
+    result = env.result("INBOX-1", "failed")
+    assert result["reason"] == "cancelled"
+    assert result["attempts"] == []
+    assert starts_of(env, "INBOX-1") == []
+
+
+@pytest.mark.parametrize("how", ["missing", "not-executable"])
+def test_agent_that_cannot_start_fails_as_config_error_without_attempt(env: Env, how: str) -> None:
+    """An agent that cannot start fails `config: agent NAME cannot start: ...` with no attempt."""
+    program = Path("/nonexistent/agent-program")
+    if how == "not-executable":
+        program = env.tmp / "agent-not-executable"
+        program.write_text("#!/bin/sh\nexit 0\n")
+        program.chmod(0o644)
+    env.configure(agents={"broken": {"command": [str(program)], "timeout": 30}, "worker": env.agent()})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BROKEN-1", to="broken"))
+    result = env.wait_job("BROKEN-1", "failed")
+    assert result["reason"].startswith("config: agent broken cannot start: "), result["reason"]
+    assert result["attempts"] == []
+    env.drop(order("AFTER-1"))
+    env.wait_job("AFTER-1", "done")
+    assert d.stop() == 0

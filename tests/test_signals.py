@@ -1,0 +1,262 @@
+"""Signals and systemd: graceful stop, forced stop, reload, and the notify protocol.
+
+Real signals go to a real daemon process; what counts is its exit code, the folders,
+the agents' processes (read from /proc) and what arrives on a bound notify socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Env, order, wait_until
+from helpers_faults import (
+    ENV_DUMP,
+    SLOW_FIRST,
+    NotifyListener,
+    agent_starts,
+    alive,
+    count_events,
+    env_daemon,
+    group_members,
+    processes_with,
+    reap,
+    wait_count,
+    wait_gone,
+    wait_start,
+    write_script,
+)
+
+
+@pytest.fixture(autouse=True)
+def _reap(env: Env) -> Iterator[None]:
+    yield
+    reap(env)
+
+
+def out_column(env: Env, job_id: str, column: str) -> set[str]:
+    """Return the values of one column of the job's out.csv."""
+    lines = (env.root / "done" / job_id / "work" / "out.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    return {line.split(",")[header.index(column)] for line in lines[1:]}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_lets_running_agent_finish_and_claims_nothing_new(env: Env, sig: int) -> None:
+    """SIGTERM/SIGINT: the running agent finishes within stop_timeout, no new claim, exit 0."""
+    env.configure(agents={"worker": env.agent("--sleep", "2")}, stop_timeout=10)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("STOP-1"))
+    d.wait_event("agent.started", job_id="STOP-1")
+    sent = time.monotonic()
+    d.signal(sig)
+    d.wait_event("daemon.stopping")
+    env.drop(order("STOP-2"))
+    assert d.wait(20) == 0
+    assert time.monotonic() - sent < 10
+    assert env.result("STOP-1", "done")["state"] == "done"
+    assert (env.root / "inbox" / "STOP-2.json").exists(), "a job was claimed after the stop signal"
+    assert [j for j, _a, _p in agent_starts(env)] == ["STOP-1"]
+
+
+def test_sigterm_ends_agent_that_outlives_stop_timeout_and_next_start_recovers(env: Env) -> None:
+    """An agent still running at stop_timeout is ended, its job stays in active/ and recovers."""
+    wrapper = write_script(env.tmp, "slow_first.py", SLOW_FIRST)
+    agent = env.agent("--fork-child", "66.1", retry_safe=True, max_attempts=2)
+    agent["command"] = [agent["command"][0], str(wrapper), *agent["command"][2:]]
+    env.configure(agents={"worker": agent}, stop_timeout=1, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LONG-1"))
+    pid = wait_start(env, "LONG-1")
+    d.wait_event("agent.started", job_id="LONG-1")
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(20) == 0
+    assert time.monotonic() - sent < 1 + 1 + 4, "the stop took far longer than stop_timeout"
+    wait_gone([pid, *processes_with("time.sleep(66.1)")], [pid], timeout=3)
+    assert (env.root / "active" / "LONG-1").is_dir()
+    assert not (env.root / "active" / "LONG-1" / "result.json").exists()
+    assert not (env.root / "done" / "LONG-1").exists()
+    assert not (env.root / "failed" / "LONG-1").exists()
+
+    d2 = env.daemon()
+    result = env.wait_job("LONG-1", "done")
+    d2.wait_event("job.recovered", job_id="LONG-1")
+    assert [a["n"] for a in result["attempts"]][-1] == 2
+    assert [(j, a) for j, a, _p in agent_starts(env)] == [("LONG-1", 1), ("LONG-1", 2)]
+    assert d2.stop() == 0
+
+
+def test_second_sigterm_ends_agents_at_once(env: Env) -> None:
+    """A second SIGTERM ends the agents' groups at once instead of waiting stop_timeout."""
+    env.configure(
+        agents={"worker": env.agent("--sleep", "60", "--fork-child", "64.2")},
+        stop_timeout=60,
+        kill_grace=1,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FORCE-1"))
+    pid = wait_start(env, "FORCE-1")
+    d.wait_event("agent.started", job_id="FORCE-1")
+    d.signal(signal.SIGTERM)
+    d.wait_event("daemon.stopping")
+    assert d.proc is not None and d.proc.poll() is None, "the first SIGTERM did not wait"
+    assert alive(pid)
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(15) == 0
+    assert time.monotonic() - sent < 1 + 5
+    wait_gone([pid, *processes_with("time.sleep(64.2)")], [pid], timeout=3)
+    assert (env.root / "active" / "FORCE-1").is_dir()
+
+
+def test_sighup_reload_applies_to_new_jobs_only(env: Env) -> None:
+    """SIGHUP logs config.reloaded; a changed agent applies to new jobs, not claimed ones."""
+    old = env.agent(
+        "--sleep", "2", "--fail-attempts", "1", "--field", "team=old",
+        retry_safe=True, max_attempts=2,
+    )  # fmt: skip
+    env.configure(agents={"worker": old})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("HUP-1"))
+    d.wait_event("agent.started", job_id="HUP-1")
+    env.configure(agents={"worker": env.agent("--field", "team=new")})
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(order("HUP-2"))
+    first = env.wait_job("HUP-1", "done")
+    env.wait_job("HUP-2", "done")
+    assert len(first["attempts"]) == 2, "the claimed job lost its old settings on reload"
+    assert out_column(env, "HUP-1", "team") == {"old"}
+    assert out_column(env, "HUP-2", "team") == {"new"}
+    assert d.stop() == 0
+
+
+def test_sighup_with_bad_config_or_new_root_keeps_the_old_config(env: Env, tmp_path: Path) -> None:
+    """A reload of a broken config, an unknown key or a changed root is rejected; work goes on."""
+    env.configure(agents={"worker": env.agent("--field", "team=old")})
+    good = env.config_path.read_text()
+    d = env.daemon()
+    d.wait_ready()
+    other_root = tmp_path / "other-root"
+    bad_configs = [
+        "agents: [unclosed\n",
+        good + "no_such_key: 1\n",
+        good.replace(str(env.root), str(other_root)),
+    ]
+    for n, text in enumerate(bad_configs, start=1):
+        env.config_path.write_text(text)
+        d.signal(signal.SIGHUP)
+        wait_count(d, "config.rejected", n)
+        assert d.proc is not None and d.proc.poll() is None, "the daemon died on a bad reload"
+        env.drop(order(f"KEEP-{n}"))
+        env.wait_job(f"KEEP-{n}", "done")
+        assert out_column(env, f"KEEP-{n}", "team") == {"old"}
+    assert count_events(d, "config.reloaded") == 0
+    assert not (other_root / "done").exists()
+    env.config_path.write_text(good)
+    assert d.stop() == 0
+
+
+def test_sighup_reopens_log_file(env: Env, tmp_path: Path) -> None:
+    """After logrotate moves log_file away, SIGHUP makes the daemon write a new one."""
+    log_file = tmp_path / "dispatcher.log"
+    env.configure(log_file=str(log_file))
+    d = env.daemon()
+    d.wait_ready()
+    rotated = tmp_path / "dispatcher.log.1"
+    log_file.rename(rotated)
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(order("ROT-1"))
+    env.wait_job("ROT-1", "done")
+    assert d.stop() == 0
+    events = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+    assert any(e.get("event") == "job.done" and e.get("job_id") == "ROT-1" for e in events)
+    assert "ROT-1" not in rotated.read_text()
+
+
+def test_systemd_notify_ready_status_watchdog_stopping(env: Env) -> None:
+    """With NOTIFY_SOCKET: READY=1 after recovery, STATUS, WATCHDOG=1 every 200 ms, STOPPING=1."""
+    dump = write_script(env.tmp, "envdump.py", ENV_DUMP)
+    env_out = env.tmp / "agent-env.jsonl"
+    env.configure(
+        agents={
+            "slow": env.agent("--sleep-after", "30", "--fork-child", "67.3"),
+            "dump": {"command": [sys.executable, str(dump), str(env_out)], "timeout": 30},
+        },
+        kill_grace=1,
+    )
+    # a job orphaned by kill -9, so that the notify daemon has something to recover
+    d0 = env.daemon()
+    d0.wait_ready()
+    env.drop(order("NOTE-0", to="slow"))
+    orphan = wait_start(env, "NOTE-0")
+    receipt = env.root / "active" / "NOTE-0" / "work" / "receipt.json"
+    wait_until(receipt.exists, 30, "receipt of NOTE-0")
+    d0.kill()
+    assert alive(orphan)
+
+    sock_dir = Path(tempfile.mkdtemp(prefix="dn", dir="/tmp"))
+    listener = NotifyListener(sock_dir / "notify")
+    try:
+        extra = {
+            "NOTIFY_SOCKET": str(sock_dir / "notify"),
+            "WATCHDOG_USEC": "400000",
+            "SECRET_TEST_VARIABLE": "must-not-reach-agents",
+        }
+        d = env_daemon(env, extra)
+        ready_at = listener.wait_line(lambda line: line == "READY=1", 30)
+        assert not alive(orphan), "READY=1 came before recovery ended the orphaned agent"
+        assert group_members(orphan) == []
+        env.wait_job("NOTE-0", "done")
+        d.wait_event("job.recovered", job_id="NOTE-0")
+
+        body = order("NOTE-1", to="dump")
+        del body["accept"]
+        env.drop(body)
+        env.wait_job("NOTE-1", "done")
+        # watch the watchdog pings for a while after READY
+        while time.monotonic() < ready_at + 3.0:
+            time.sleep(0.1)
+        pings = [t for t in listener.times("WATCHDOG=1") if t >= ready_at]
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
+        assert len(gaps) >= 8, f"too few WATCHDOG=1 pings: {len(pings)}"
+        assert 0.16 <= statistics.median(gaps) <= 0.24, (
+            f"median gap {statistics.median(gaps):.3f} s"
+        )
+        assert max(gaps) < 0.4, f"a gap of {max(gaps):.3f} s would trip the systemd watchdog"
+        statuses = [text for _t, text in listener.lines if text.startswith("STATUS=")]
+        assert statuses, "no STATUS= line"
+        assert any(ch.isdigit() for ch in statuses[-1]), f"STATUS without counts: {statuses[-1]}"
+        assert len(listener.times("READY=1")) == 1
+
+        d.signal(signal.SIGTERM)
+        assert d.wait(30) == 0
+        listener.wait_line(lambda line: line == "STOPPING=1", 5)
+    finally:
+        listener.close()
+        for p in sock_dir.iterdir():
+            p.unlink()
+        sock_dir.rmdir()
+
+    agent_env = json.loads(env_out.read_text().splitlines()[0])
+    leaked = [k for k in agent_env if k.startswith(("NOTIFY_", "WATCHDOG_"))]
+    assert not leaked, f"the agent inherited {leaked}"
+    assert "SECRET_TEST_VARIABLE" not in agent_env
+    assert agent_env["DISPATCH_JOB_ID"] == "NOTE-1"
+    assert {"DISPATCH_ORDER", "DISPATCH_WORKSPACE", "DISPATCH_RECEIPT", "DISPATCH_ATTEMPT"} <= set(
+        agent_env
+    )

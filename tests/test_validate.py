@@ -1,0 +1,541 @@
+"""Work order and config validation, driven through `dispatcher validate` and `submit`.
+
+Every rule of contract sections 2 and 3 gets a file that breaks it (and, where a boundary
+exists, one that sits just inside it). A bad file must give exit 2 and exactly one line on
+stderr, `<file>: <field>: <message>` (or `<file>: <message>` where no one field is at
+fault), with `<file>` exactly as given on the command line.
+
+The order cases all run against one dispatch root and config (`max_timeout: 100`,
+`max_order_bytes: 4096`), each through its own CLI process, a few at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+from conftest import Env, cli_env
+
+PYTHON_M = [sys.executable, "-m", "dispatcher"]
+MAX_TIMEOUT = 100
+MAX_ORDER_BYTES = 4096
+
+BASE: dict[str, Any] = {
+    "job_id": "JOB-1",
+    "from": "tester",
+    "to": "worker",
+    "task": "Assign each request to one team.",
+    "items": [{"id": "R1", "summary": "oat milk missing"}, {"id": "R2"}],
+    "accept": {"output": "out.csv"},
+}
+DROP = object()
+
+
+def js(changes: dict[str, Any] | None = None, **accept: Any) -> bytes:
+    """Return the base order as JSON bytes, with top-level fields replaced or dropped."""
+    body = copy.deepcopy(BASE)
+    for key, value in (changes or {}).items():
+        if value is DROP:
+            body.pop(key, None)
+        else:
+            body[key] = value
+    if accept:
+        body["accept"] = {"output": "out.csv", **accept}
+    return json.dumps(body).encode()
+
+
+def yl(
+    job_id: str = '"JOB-1"',
+    frm: str = "tester",
+    to: str = "worker",
+    task: str = "Assign each request to one team.",
+    items: str = "\n  - id: R1\n  - id: R2",
+    extra: str = "",
+) -> bytes:
+    """Return a YAML order written by hand, each value as raw YAML text."""
+    text = (
+        "# a work order written by a person\n"
+        f"job_id: {job_id}\n"
+        f"from: {frm}\n"
+        f"to: {to}\n"
+        f"task: {task}\n"
+        f"items:{items}\n"
+        f"{extra}"
+    )
+    return text.encode()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One file for `validate`: valid, or invalid with the field it must name."""
+
+    id: str
+    name: str
+    data: bytes
+    valid: bool = False
+    field: str | None = None  # dotted field the error must name (prefix match)
+    mention: str | None = None  # text the error line must contain
+
+
+def bad(id: str, data: bytes, field: str | None = None, mention: str | None = None, ext: str = "json") -> Case:
+    return Case(id, f"{id}.{ext}", data, False, field, mention)
+
+
+def good(id: str, data: bytes, ext: str = "json") -> Case:
+    return Case(id, f"{id}.{ext}", data, True)
+
+
+def deep_json(levels: int) -> bytes:
+    body = copy.deepcopy(BASE)
+    nested: Any = "leaf"
+    for _ in range(levels):
+        nested = {"k": nested}
+    body["meta"] = nested
+    return json.dumps(body).encode()
+
+
+def deep_json_raw(levels: int) -> bytes:
+    """Nesting built as text, deep enough to break a recursive parser."""
+    head = json.dumps(BASE)[:-1]
+    return (head + ', "meta": {"k": ' + "[" * levels + "]" * levels + "}}").encode()
+
+
+def padded(total: int) -> bytes:
+    body = copy.deepcopy(BASE)
+    body["meta"] = {"pad": ""}
+    size = len(json.dumps(body).encode())
+    body["meta"]["pad"] = "x" * (total - size)
+    data = json.dumps(body).encode()
+    assert len(data) == total
+    return data
+
+
+ORDER_CASES: list[Case] = [
+    # -- required fields ----------------------------------------------------------------
+    *[bad(f"missing-{f}", js({f: DROP}), field=f) for f in ("job_id", "from", "to", "task", "items")],
+    # -- unknown keys ------------------------------------------------------------------
+    bad("unknown-acept", js({"acept": {"output": "out.csv"}}), field="acept", mention="acept"),
+    bad(
+        "unknown-acept-yaml",
+        yl(extra="acept:\n  output: out.csv\n"),
+        field="acept",
+        mention="acept",
+        ext="yaml",
+    ),
+    bad("unknown-accept-key", js(outptu="out.csv"), field="accept", mention="outptu"),
+    bad("unknown-top-key", js({"priority": "high"}), field="priority", mention="priority"),
+    # -- job_id pattern and type -------------------------------------------------------
+    bad("id-empty", js({"job_id": ""}), field="job_id"),
+    bad("id-leading-dash", js({"job_id": "-JOB"}), field="job_id"),
+    bad("id-leading-dot", js({"job_id": ".JOB"}), field="job_id"),
+    bad("id-space", js({"job_id": "JOB 1"}), field="job_id"),
+    bad("id-slash", js({"job_id": "JOB/1"}), field="job_id"),
+    bad("id-at", js({"job_id": "JOB@1"}), field="job_id"),
+    bad("id-non-ascii", js({"job_id": "JÖB-1"}), field="job_id"),
+    bad("id-129-chars", js({"job_id": "J" * 129}), field="job_id"),
+    bad("id-trailing-newline", js({"job_id": "JOB-1\n"}), field="job_id"),
+    bad("id-trailing-newline-yaml", yl(job_id='"JOB-1\\n"'), field="job_id", ext="yaml"),
+    bad("id-int-yaml", yl(job_id="12345"), field="job_id", ext="yaml"),
+    bad("id-int-json", js({"job_id": 12345}), field="job_id"),
+    # -- strings where YAML reads dates, numbers, booleans ----------------------------
+    bad("from-date-yaml", yl(frm="2026-11-29"), field="from", ext="yaml"),
+    bad("to-bool-yaml", yl(to="yes"), field="to", ext="yaml"),
+    bad("task-int-yaml", yl(task="42"), field="task", ext="yaml"),
+    bad("for-date-yaml", yl(extra="for: 2026-11-29\n"), field="for", ext="yaml"),
+    bad("for-int-json", js({"for": 5}), field="for"),
+    bad("from-list-json", js({"from": ["a"]}), field="from"),
+    bad("item-id-int-yaml", yl(items="\n  - id: 7\n  - id: R2"), field="items", ext="yaml"),
+    # -- to must be a configured agent -----------------------------------------------
+    bad("to-unknown-agent", js({"to": "nobody"}), field="to", mention="nobody"),
+    # -- task ---------------------------------------------------------------------------
+    bad("task-empty", js({"task": ""}), field="task"),
+    bad("task-cr", js({"task": "one\rtwo"}), field="task"),
+    bad("task-lf", js({"task": "one\ntwo"}), field="task"),
+    bad("task-crlf", js({"task": "one\r\ntwo"}), field="task"),
+    bad("task-u2028", js({"task": "one\u2028two"}), field="task"),
+    bad("task-u2029", js({"task": "one\u2029two"}), field="task"),
+    bad("task-nel", js({"task": "one\x85two"}), field="task"),
+    bad("task-vt", js({"task": "one\x0btwo"}), field="task"),
+    bad("task-ff", js({"task": "one\x0ctwo"}), field="task"),
+    bad("task-bell", js({"task": "one\x07two"}), field="task"),
+    bad("task-nul", js({"task": "one\x00two"}), field="task"),
+    bad("task-tab", js({"task": "one\ttwo"}), field="task"),
+    bad("task-esc", js({"task": "one\x1b[31mtwo"}), field="task"),
+    bad("task-cr-yaml", yl(task='"one\\rtwo"'), field="task", ext="yaml"),
+    bad("task-501-chars", js({"task": "x" * 501}), field="task"),
+    # -- items ---------------------------------------------------------------------------
+    bad("items-empty", js({"items": []}), field="items"),
+    bad("items-string", js({"items": "R1"}), field="items"),
+    bad("items-mapping", js({"items": {"R1": {}}}), field="items"),
+    bad("items-non-mapping", js({"items": ["R1", "R2"]}), field="items"),
+    bad("items-no-id", js({"items": [{"id": "R1"}, {"summary": "x"}]}), field="items"),
+    bad(
+        "items-duplicate-id",
+        js({"items": [{"id": "R1"}, {"id": "R2"}, {"id": "R1"}]}),
+        field="items",
+    ),
+    bad("items-id-space", js({"items": [{"id": "R 1"}]}), field="items"),
+    bad("items-id-newline", js({"items": [{"id": "R1\n"}]}), field="items"),
+    bad("items-id-empty", js({"items": [{"id": ""}]}), field="items"),
+    bad("items-id-int-json", js({"items": [{"id": 1}]}), field="items"),
+    # -- writes --------------------------------------------------------------------------
+    bad("writes-absolute", js({"writes": ["/etc/passwd"]}), field="writes"),
+    bad("writes-dotdot", js({"writes": ["../escape.csv"]}), field="writes"),
+    bad("writes-inner-dotdot", js({"writes": ["a/../../escape.csv"]}), field="writes"),
+    bad("writes-trailing-dotdot", js({"writes": ["ok.csv", "a/.."]}), field="writes"),
+    bad("writes-not-list", js({"writes": 5}), field="writes"),
+    # -- accept --------------------------------------------------------------------------
+    bad("accept-not-mapping", js({"accept": "out.csv"}), field="accept"),
+    bad("output-absolute", js(output="/tmp/out.csv"), field="accept", mention="output"),
+    bad("output-dotdot", js(output="../out.csv"), field="accept", mention="output"),
+    bad("output-inner-dotdot", js(output="a/../../out.csv"), field="accept", mention="output"),
+    bad("output-star", js(output="out*.csv"), field="accept", mention="output"),
+    bad("output-question", js(output="out?.csv"), field="accept", mention="output"),
+    bad("output-bracket", js(output="out[12].csv"), field="accept", mention="output"),
+    bad("output-not-a-format", js(output="out.txt"), field="accept", mention="output"),
+    bad("accept-key-int", js(key=5), field="accept", mention="key"),
+    bad("accept-allowed-list", js(allowed=["orders"]), field="accept", mention="allowed"),
+    bad("accept-required-string", js(required="team"), field="accept", mention="required"),
+    # -- timeout, max_attempts, meta -----------------------------------------------------
+    bad("timeout-zero", js({"timeout": 0}), field="timeout"),
+    bad("timeout-negative", js({"timeout": -1}), field="timeout"),
+    bad("timeout-string", js({"timeout": "10"}), field="timeout"),
+    bad("timeout-bool", js({"timeout": True}), field="timeout"),
+    bad("timeout-above-max", js({"timeout": MAX_TIMEOUT + 1}), field="timeout"),
+    bad("attempts-zero", js({"max_attempts": 0}), field="max_attempts"),
+    bad("attempts-negative", js({"max_attempts": -2}), field="max_attempts"),
+    bad("attempts-float", js({"max_attempts": 1.5}), field="max_attempts"),
+    bad("attempts-string", js({"max_attempts": "2"}), field="max_attempts"),
+    bad("attempts-bool", js({"max_attempts": True}), field="max_attempts"),
+    bad("meta-not-mapping", js({"meta": "free text"}), field="meta"),
+    # -- YAML and JSON structure (the field is not asserted: it may be the whole file) ---
+    bad("yaml-anchor-alias", yl(extra="meta:\n  a: &x {k: v}\n  b: *x\n"), ext="yaml"),
+    bad("yaml-anchor-only", yl(extra="meta:\n  a: &x {k: v}\n"), ext="yaml"),
+    bad(
+        "yaml-billion-laughs",
+        yl(extra="meta:\n  a: &a [x, x, x, x]\n  b: &b [*a, *a, *a, *a]\n  c: [*b, *b, *b, *b]\n"),
+        ext="yaml",
+    ),
+    bad("yaml-duplicate-key", yl() + b'job_id: "JOB-2"\n', ext="yaml"),
+    bad("yaml-duplicate-nested-key", yl(extra="meta:\n  a: 1\n  a: 2\n"), ext="yaml"),
+    bad("json-duplicate-key", b'{"job_id": "JOB-1", ' + js()[1:]),
+    bad("yaml-two-documents", yl() + b"---\n" + yl(), ext="yaml"),
+    bad("yaml-list-top", b"- job_id: JOB-1\n- to: worker\n", ext="yaml"),
+    bad("yaml-scalar-top", b"just some text\n", ext="yaml"),
+    bad("yaml-empty-file", b"", ext="yaml"),
+    bad("yaml-comment-only", b"# nothing here\n", ext="yml"),
+    bad("json-list-top", b"[]"),
+    bad("json-number-top", b"42"),
+    bad("json-truncated", js()[:-20]),
+    bad("yaml-syntax-error", b'job_id: "JOB-1\nfrom: [tester\n', ext="yaml"),
+    bad("yaml-nesting-100", yl(extra="meta: {k: " + "[" * 100 + "]" * 100 + "}\n"), ext="yaml"),
+    bad("json-nesting-100", deep_json(100)),
+    bad("yaml-nesting-2000", yl(extra="meta: {k: " + "[" * 2000 + "]" * 2000 + "}\n"), ext="yaml"),
+    bad("json-nesting-1900", deep_json_raw(1900)),
+    bad("yaml-date-value", yl(extra="meta:\n  when: 2026-11-29\n"), ext="yaml"),
+    bad("yaml-timestamp-value", yl(extra="meta:\n  when: 2026-11-29T08:16:00Z\n"), ext="yaml"),
+    bad("yaml-binary-value", yl(extra="meta:\n  blob: !!binary aGVsbG8=\n"), ext="yaml"),
+    bad("yaml-set-value", yl(extra="meta:\n  tags: !!set {a, b}\n"), ext="yaml"),
+    bad("yaml-nan-value", yl(extra="meta:\n  score: .nan\n"), ext="yaml"),
+    bad("yaml-inf-value", yl(extra="meta:\n  score: .inf\n"), ext="yaml"),
+    bad(
+        "yaml-python-tag",
+        yl(extra="meta:\n  x: !!python/object/apply:os.system ['true']\n"),
+        ext="yaml",
+    ),
+    bad("yaml-complex-key", yl(extra="meta:\n  ? [a, b]\n  : c\n"), ext="yaml"),
+    # -- encoding and size -----------------------------------------------------------------
+    bad("latin1-yaml", yl(task="Caf\xe9 order").decode().encode("latin-1"), ext="yaml"),
+    bad("utf16-json", js().decode().encode("utf-16")),
+    bad("utf16-yaml", yl().decode().encode("utf-16"), ext="yaml"),
+    bad("over-max-order-bytes", padded(MAX_ORDER_BYTES + 1)),
+    # -- valid files, at the edges -------------------------------------------------------
+    good("ok-json", js()),
+    good("ok-yaml", yl(), ext="yaml"),
+    good("ok-yml", yl(), ext="yml"),
+    good("ok-bom-yaml", b"\xef\xbb\xbf" + yl(), ext="yaml"),
+    good("ok-bom-json", b"\xef\xbb\xbf" + js()),
+    good("ok-task-500-chars", js({"task": "x" * 500})),
+    good("ok-task-unicode", js({"task": "Café ☕ for Aina, naïve résumé"})),
+    good("ok-id-128-chars", js({"job_id": "J" * 128, "items": [{"id": "R" * 128}]})),
+    good("ok-id-punctuation", js({"job_id": "a.B_c-9", "items": [{"id": "0.x_Y-z"}]})),
+    good("ok-quoted-date-yaml", yl(job_id='"2026-11-29"', frm='"2026-11-29"'), ext="yaml"),
+    good("ok-timeout-at-max", js({"timeout": MAX_TIMEOUT})),
+    good("ok-timeout-float", js({"timeout": 0.5})),
+    good("ok-attempts", js({"max_attempts": 3})),
+    good("ok-optional-fields", js({"for": "Aina", "meta": {"a": [1, {"b": None}]}})),
+    good("ok-lineage-in-file", js({"parent": "OTHER-1", "hops": 3})),
+    good("ok-writes-patterns", js({"writes": ["reports/*.csv", "notes/*", "a/b/c.txt"]})),
+    good("ok-output-nested", js({"writes": []}, output="reports/final.jsonl")),
+    good("ok-accept-full", js(key="ref", allowed={"team": ["orders", "bakery"]}, required=["team"])),
+    good("ok-nesting-10", deep_json(10)),
+    good("ok-at-max-order-bytes", padded(MAX_ORDER_BYTES)),
+]
+
+SUBMIT_CASES = [
+    c
+    for c in ORDER_CASES
+    if c.id
+    in {
+        "missing-items",
+        "unknown-acept",
+        "to-unknown-agent",
+        "task-cr",
+        "yaml-anchor-alias",
+        "latin1-yaml",
+        "over-max-order-bytes",
+    }
+]
+
+
+def error_rest(proc: subprocess.CompletedProcess[str], name: str) -> str:
+    """Assert exit 2 with one stderr line `<name>: ...`; return what follows `<name>: `."""
+    assert proc.returncode == 2, f"exit {proc.returncode}, stderr {proc.stderr!r}"
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one stderr line, got {proc.stderr!r}"
+    line = lines[0]
+    assert line.startswith(f"{name}: "), f"error does not start with the file name: {line!r}"
+    rest = line[len(name) + 2 :]
+    assert rest.strip(), f"empty message: {line!r}"
+    return rest
+
+
+def dotted(field: str) -> str:
+    """Normalise `items[1].id` or `accept['output']` to `items.1.id` / `accept.output`."""
+    return re.sub(r"\[['\"]?([^\]'\"]*)['\"]?\]", r".\1", field).strip(".")
+
+
+def assert_names_field(rest: str, field: str) -> None:
+    named, sep, message = rest.partition(": ")
+    assert sep and message.strip(), f"no `<field>: <message>` in {rest!r}"
+    got = dotted(named.strip())
+    assert got == field or got.startswith(field + "."), f"error names {named!r}, not {field!r}"
+
+
+@pytest.fixture(scope="module")
+def order_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One root and config for every order case; the files live in a cwd subfolder."""
+    tmp = tmp_path_factory.mktemp("validate")
+    env = Env(
+        tmp=tmp,
+        root=tmp / "dispatch",
+        config_path=tmp / "dispatcher.yaml",
+        count_file=tmp / "starts.txt",
+    )
+    env.configure(max_timeout=MAX_TIMEOUT, max_order_bytes=MAX_ORDER_BYTES)
+    yield env
+
+
+def run_all(env: Env, command: str, cases: list[Case], folder: str) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Write each case under env.tmp/folder; run `dispatcher COMMAND folder/name`, a few at once."""
+    (env.tmp / folder).mkdir(exist_ok=True)
+    for case in cases:
+        (env.tmp / folder / case.name).write_bytes(case.data)
+
+    def one(case: Case) -> tuple[str, subprocess.CompletedProcess[str]]:
+        return case.id, env.cli(command, f"{folder}/{case.name}", timeout=90)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(one, cases))
+
+
+@pytest.fixture(scope="module")
+def validated(order_env: Env) -> dict[str, subprocess.CompletedProcess[str]]:
+    return run_all(order_env, "validate", ORDER_CASES, "orders")
+
+
+@pytest.fixture(scope="module")
+def submitted(order_env: Env) -> dict[str, subprocess.CompletedProcess[str]]:
+    return run_all(order_env, "submit", SUBMIT_CASES, "submits")
+
+
+@pytest.mark.parametrize("case", [c for c in ORDER_CASES if not c.valid], ids=lambda c: c.id)
+def test_invalid_order_exits_2_with_one_line_naming_the_field(
+    validated: dict[str, subprocess.CompletedProcess[str]], case: Case
+) -> None:
+    """A file that breaks one order rule exits 2 with one `<file>: <field>: <message>` line."""
+    rest = error_rest(validated[case.id], f"orders/{case.name}")
+    if case.field is not None:
+        assert_names_field(rest, case.field)
+    if case.mention is not None:
+        assert case.mention in rest, f"{case.mention!r} not named in {rest!r}"
+    assert "Traceback" not in validated[case.id].stderr
+
+
+@pytest.mark.parametrize("case", [c for c in ORDER_CASES if c.valid], ids=lambda c: c.id)
+def test_valid_order_at_the_edges_passes(validated: dict[str, subprocess.CompletedProcess[str]], case: Case) -> None:
+    """A file that keeps every rule, even at a boundary, validates with exit 0."""
+    proc = validated[case.id]
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr!r}"
+
+
+def test_validate_does_not_submit(order_env: Env, validated: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    """`validate` only checks: nothing lands in inbox/ and the files stay where they were."""
+    inbox = order_env.root / "inbox"
+    dropped = [p.name for p in inbox.iterdir()] if inbox.exists() else []
+    assert dropped == []
+    for case in ORDER_CASES:
+        assert (order_env.tmp / "orders" / case.name).read_bytes() == case.data
+
+
+@pytest.mark.parametrize("case", SUBMIT_CASES, ids=lambda c: c.id)
+def test_submit_refuses_invalid_order_like_validate(
+    order_env: Env,
+    validated: dict[str, subprocess.CompletedProcess[str]],
+    submitted: dict[str, subprocess.CompletedProcess[str]],
+    case: Case,
+) -> None:
+    """`submit` of a bad file exits 2 with the same one-line error as `validate`, drops nothing."""
+    rest = error_rest(submitted[case.id], f"submits/{case.name}")
+    assert rest == error_rest(validated[case.id], f"orders/{case.name}")
+    inbox = order_env.root / "inbox"
+    visible = [p.name for p in inbox.iterdir() if not p.name.startswith(".")] if inbox.exists() else []
+    assert visible == []
+
+
+def test_validate_several_files_exits_0_when_all_are_valid(order_env: Env) -> None:
+    """`validate FILE...` takes several files and exits 0 when each of them is valid."""
+    folder = order_env.tmp / "multi"
+    folder.mkdir(exist_ok=True)
+    (folder / "a.json").write_bytes(js({"job_id": "MULTI-A"}))
+    (folder / "b.yaml").write_bytes(yl(job_id="MULTI-B"))
+    proc = order_env.cli("validate", "multi/a.json", "multi/b.yaml")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_validate_error_uses_the_path_as_given(order_env: Env) -> None:
+    """The `<file>` in an error is the path exactly as given on the command line."""
+    path = order_env.tmp / "given" / "bad order.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(js({"task": ""}))
+    proc = order_env.cli("validate", str(path))
+    assert_names_field(error_rest(proc, str(path)), "task")
+    proc = order_env.cli("validate", "./given/bad order.json")
+    assert_names_field(error_rest(proc, "./given/bad order.json"), "task")
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def write_config(env: Env, cfg: dict[str, Any]) -> None:
+    env.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def base_config(env: Env) -> dict[str, Any]:
+    return {"root": str(env.root), "max_timeout": 100, "agents": {"worker": env.agent()}}
+
+
+def config_error(env: Env, *args: str) -> str:
+    """Run the CLI on the bad config; assert exit 2 with one stderr line and return it."""
+    (env.tmp / "ok.json").write_bytes(js())
+    proc = env.cli(*(args or ("validate", "ok.json")))
+    assert proc.returncode == 2, f"exit {proc.returncode}: {proc.stderr!r}"
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one stderr line, got {proc.stderr!r}"
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_config_unknown_top_key_is_an_error(env: Env) -> None:
+    """A typo among the config's top-level keys is an error naming the key."""
+    cfg = base_config(env) | {"max_job": 3}
+    write_config(env, cfg)
+    assert "max_job" in config_error(env)
+
+
+def test_config_unknown_agent_key_is_an_error(env: Env) -> None:
+    """A typo inside an agent definition is an error naming the key."""
+    cfg = base_config(env)
+    cfg["agents"]["worker"]["comand"] = list(cfg["agents"]["worker"]["command"])
+    write_config(env, cfg)
+    assert "comand" in config_error(env)
+
+
+def test_config_agent_timeout_above_max_timeout_is_an_error(env: Env) -> None:
+    """An agent's timeout above max_timeout is a config error naming timeout."""
+    cfg = base_config(env)
+    cfg["agents"]["worker"]["timeout"] = 101
+    write_config(env, cfg)
+    assert "timeout" in config_error(env)
+
+
+def test_config_agent_without_command_is_an_error(env: Env) -> None:
+    """An agent without a command is a config error naming command."""
+    cfg = base_config(env)
+    del cfg["agents"]["worker"]["command"]
+    write_config(env, cfg)
+    assert "command" in config_error(env)
+
+
+def test_config_timeout_at_max_timeout_is_fine(env: Env) -> None:
+    """An agent timeout equal to max_timeout is accepted."""
+    cfg = base_config(env)
+    cfg["agents"]["worker"]["timeout"] = 100
+    write_config(env, cfg)
+    (env.tmp / "ok.json").write_bytes(js())
+    proc = env.cli("validate", "ok.json")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_run_refuses_a_bad_config_with_exit_2(env: Env) -> None:
+    """`run --once` with a bad config exits 2 with one line and starts nothing."""
+    write_config(env, base_config(env) | {"max_job": 3})
+    (env.root / "inbox").mkdir(parents=True)
+    (env.root / "inbox" / "JOB-1.json").write_bytes(js())
+    line = config_error(env, "run", "--once")
+    assert "max_job" in line
+    assert (env.root / "inbox" / "JOB-1.json").exists()
+    assert env.starts() == []
+
+
+def test_config_from_environment_variable(env: Env) -> None:
+    """Without --config, $DISPATCHER_CONFIG names the config file."""
+    (env.tmp / "ok.json").write_bytes(js())
+    (env.tmp / "nobody.json").write_bytes(js({"to": "nobody"}))
+    run_env = cli_env() | {"DISPATCHER_CONFIG": str(env.config_path)}
+
+    def validate(name: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*PYTHON_M, "validate", name],
+            capture_output=True,
+            text=True,
+            cwd=env.tmp,
+            env=run_env,
+            timeout=60,
+        )
+
+    assert validate("ok.json").returncode == 0
+    assert_names_field(error_rest(validate("nobody.json"), "nobody.json"), "to")
+
+
+def test_config_relative_root_resolves_against_config_folder(env: Env) -> None:
+    """A relative `root:` resolves against the config file's folder, not the cwd."""
+    cfg_dir = env.tmp / "etc" / "dispatcher"
+    cfg_dir.mkdir(parents=True)
+    cfg = {"root": "../spool", "agents": {"worker": env.agent()}}
+    cfg_path = cfg_dir / "dispatcher.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    spool = env.tmp / "etc" / "spool" / "inbox"
+    spool.mkdir(parents=True)
+    order = env.tmp / "ok.json"
+    order.write_bytes(js({"job_id": "REL-1"}))
+    proc = subprocess.run(
+        [*PYTHON_M, "--config", str(cfg_path), "submit", "ok.json"],
+        capture_output=True,
+        text=True,
+        cwd=env.tmp,
+        env=cli_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [p.read_bytes() for p in spool.iterdir() if not p.name.startswith(".")] == [order.read_bytes()]
+    assert not (env.tmp.parent / "spool").exists()
