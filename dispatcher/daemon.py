@@ -308,11 +308,20 @@ class Daemon:
         if entry is not None and entry.state in (DONE, FAILED):
             self.ledger.clear_request(job_id, "cancel")
             return
+        if not any(p.job_id == job_id for p in self.parked):
+            self._park_ready()  # the order may still wait unread in inbox/ for a slot
         for p in list(self.parked):
             if p.job_id == job_id:
                 self.parked.remove(p)
                 self._launch(p, slot=None)
                 return
+
+    def _park_ready(self) -> None:
+        """Read every ready inbox file now (refusing bad ones), parking the orders for a slot."""
+        while (name := self.tracker.pop()) is not None:
+            found = self._take(name)
+            if found is not None:
+                self.parked.append(found)
 
     # -- starting work ---------------------------------------------------------
     def _start_work(self) -> None:

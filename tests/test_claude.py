@@ -9,6 +9,7 @@ neither the exit code nor the CLI's own `is_error` is the proof: the checks are.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Env, order
+from conftest import Env, order, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 STUB = REPO / "tests" / "agents" / "claude"
@@ -83,6 +84,20 @@ def assert_cli_fields(found: dict[str, Any], is_error: bool) -> None:
     assert isinstance(cost, int | float) and not isinstance(cost, bool) and cost >= 0, found
 
 
+def finished(env: Env, job_id: str, state: str, timeout: float = 60) -> dict[str, Any]:
+    """Wait for the job's result; fail at once, with the reason, if its file was refused."""
+
+    def seen() -> bool:
+        return bool(env.refusals()) or any(
+            (env.job_dir(job_id, s) / "result.json").exists() for s in ("done", "failed")
+        )
+
+    wait_until(seen, timeout, f"job {job_id} to finish")
+    refused = [json.loads((p / "result.json").read_text()) for p in env.refusals()]
+    assert not refused, f"refused: {[r.get('reason') for r in refused]}"
+    return env.wait_job(job_id, state, timeout=timeout)
+
+
 def check(result: dict[str, Any], name: str) -> dict[str, Any]:
     """Return one named check of a result.json."""
     return next(c for c in result["checks"] if c["name"] == name)
@@ -96,7 +111,7 @@ def test_stub_claude_runs_the_kopi_chain_and_records_agent_result(env: Env) -> N
     d.wait_ready()
     env.drop(KOPI_ORDER.read_bytes(), "JOB-001.yaml")
 
-    intake = env.wait_job("JOB-001", "done")
+    intake = finished(env, "JOB-001", "done")
     assigner = env.wait_job("JOB-001.assign", "done")
     assert intake["children"] == ["JOB-001.assign"]
     assert assigner["parent"] == "JOB-001"
@@ -122,7 +137,7 @@ def test_stub_claude_that_did_nothing_fails_on_the_checks(env: Env) -> None:
     d.wait_ready()
     env.drop(order("CLAUDE-IDLE", to="helper"))
 
-    result = env.wait_job("CLAUDE-IDLE", "failed")
+    result = finished(env, "CLAUDE-IDLE", "failed")
     assert check(result, "exit_ok")["ok"] is True
     assert result["reason"].startswith("receipt_present"), result["reason"]
     assert_cli_fields(agent_result(result), is_error=False)
@@ -142,7 +157,7 @@ def test_stub_claude_not_logged_in_fails_cleanly(env: Env) -> None:
     d.wait_ready()
     env.drop(KOPI_ORDER.read_bytes(), "JOB-001.yaml")
 
-    result = env.wait_job("JOB-001", "failed")
+    result = finished(env, "JOB-001", "failed")
     assert result["reason"].startswith("exit_ok"), result["reason"]
     assert len(result["attempts"]) == 1
     assert result["attempts"][0]["exit_code"] == 1
@@ -182,12 +197,12 @@ def test_real_claude_without_login_fails_cleanly(env: Env, monkeypatch: pytest.M
     for name in LOGIN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     agents = claude_agents(PATH=search_path(binary.parent), HOME=str(home))
-    env.configure(agents={"intake": agents["intake"], "worker": env.agent()})
+    env.configure(agents={**agents, "worker": env.agent()})
     d = env.daemon()
     d.wait_ready()
     env.drop(KOPI_ORDER.read_bytes(), "JOB-001.yaml")
 
-    result = env.wait_job("JOB-001", "failed", timeout=150)
+    result = finished(env, "JOB-001", "failed", timeout=150)
     assert check(result, "exit_ok")["ok"] is False
     assert result["reason"].startswith("exit_ok"), result["reason"]
     assert len(result["attempts"]) == 1

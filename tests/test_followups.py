@@ -47,9 +47,7 @@ def followup(job_id: str, to: str, sender: str, **extra: Any) -> dict[str, Any]:
     return body
 
 
-def handing_off(
-    env: Env, *orders: dict[str, Any], flags: tuple[str, ...] = (), **settings: Any
-) -> dict[str, Any]:
+def handing_off(env: Env, *orders: dict[str, Any], flags: tuple[str, ...] = (), **settings: Any) -> dict[str, Any]:
     """Return a fake agent that does its job and writes each order into its outbox/."""
     args = [x for body in orders for x in ("--followup", json.dumps(body))]
     return env.agent(*flags, *args, **settings)
@@ -61,10 +59,7 @@ def writing_agent(env: Env, files: dict[str, Any], *flags: str, **settings: Any)
     if not script.exists():
         script.write_text(WRITER)
     spec = env.agent(*flags, **settings)
-    puts = [
-        f"{name}={json.dumps(body) if isinstance(body, dict) else body}"
-        for name, body in files.items()
-    ]
+    puts = [f"{name}={json.dumps(body) if isinstance(body, dict) else body}" for name, body in files.items()]
     spec["command"] = [sys.executable, str(script), *puts, "--", *spec["command"][1:]]
     return spec
 
@@ -72,9 +67,7 @@ def writing_agent(env: Env, files: dict[str, Any], *flags: str, **settings: Any)
 def dropped_order(env: Env, job_id: str, state: str) -> dict[str, Any]:
     """Return the order file of a job as kept in its folder (must be JSON)."""
     path = env.job_dir(job_id, state) / "order.json"
-    assert path.exists(), (
-        f"{job_id}: no order.json in {state}/: {sorted(p.name for p in path.parent.iterdir())}"
-    )
+    assert path.exists(), f"{job_id}: no order.json in {state}/: {sorted(p.name for p in path.parent.iterdir())}"
     return json.loads(path.read_text())
 
 
@@ -114,9 +107,7 @@ def assert_not_released(env: Env, job_id: str) -> None:
     inbox = env.root / "inbox"
     for p in inbox.iterdir() if inbox.exists() else []:
         if p.is_file():
-            assert f'"{job_id}"' not in p.read_text(errors="replace"), (
-                f"{job_id} is waiting in inbox/{p.name}"
-            )
+            assert f'"{job_id}"' not in p.read_text(errors="replace"), f"{job_id} is waiting in inbox/{p.name}"
     assert not starts_of(env, job_id), f"an agent ran {job_id}"
 
 
@@ -140,9 +131,9 @@ def fast_wait(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE
 def test_two_step_chain_releases_the_followup_with_lineage(env: Env) -> None:
     """A's follow-up to B is released as JSON with parent and hops, runs once; results link."""
     handoff = followup("JOB-002", to="assigner", sender="intake")
-    env.configure(
-        agents={"intake": handing_off(env, handoff), "assigner": env.agent(), "worker": env.agent()}
-    )
+    # the outbox is written a second before the agent exits: no release before done
+    intake = handing_off(env, handoff, flags=("--sleep-after", "1"))
+    env.configure(agents={"intake": intake, "assigner": env.agent(), "worker": env.agent()})
     d = env.daemon()
     d.wait_ready()
     env.drop(order("JOB-001", to="intake"))
@@ -161,12 +152,11 @@ def test_two_step_chain_releases_the_followup_with_lineage(env: Env) -> None:
     assert child["children"] == []
     assert child["agent"] == "assigner"
     assert starts_of(env, "JOB-002") == [1]
+    assert child["received"] >= parent["finished"], "released before its parent was done"
     assert starts_of(env, "JOB-001") == [1]
     # the parent's outbox stays where the agent left it: nothing is deleted
     assert (env.job_dir("JOB-001", "done") / "work" / "outbox" / "JOB-002.json").exists()
-    assert any(e.get("event") == "followup.released" for e in d.events()), (
-        "no followup.released log line"
-    )
+    assert any(e.get("event") == "followup.released" for e in d.events()), "no followup.released log line"
     assert d.stop() == 0
 
 
@@ -551,9 +541,7 @@ def test_followup_is_released_exactly_once_across_kill_9(env: Env) -> None:
         assert not refusals_of(env, child), f"{child} was released twice (a refusal of it exists)"
         attempts = starts_of(env, child)
         assert len(attempts) == len(set(attempts)), f"{child} ran as two jobs: attempts {attempts}"
-        assert len(attempts) == len(result["attempts"]), (
-            f"{child}: starts {attempts} vs {result['attempts']}"
-        )
+        assert len(attempts) == len(result["attempts"]), f"{child}: starts {attempts} vs {result['attempts']}"
         assert starts_of(env, parent) == [1]
     leftovers = [p.name for p in (env.root / "inbox").iterdir() if not p.name.startswith(".")]
     assert leftovers == []
@@ -645,9 +633,7 @@ def test_repair_retry_gives_the_agent_feedback_and_ends_done(env: Env) -> None:
     """With repair, a checks failure is retried with work/feedback.json naming the failed check."""
     env.configure(
         agents={
-            "fixer": env.agent(
-                "--fail-checks-attempts", "1", repair=True, retry_safe=True, max_attempts=2
-            ),
+            "fixer": env.agent("--fail-checks-attempts", "1", repair=True, retry_safe=True, max_attempts=2),
             "worker": env.agent(),
         }
     )
@@ -664,9 +650,7 @@ def test_repair_retry_gives_the_agent_feedback_and_ends_done(env: Env) -> None:
     data = json.loads(feedback.read_text())
     detail = find_detail(data, "output_rows")
     assert detail, f"feedback.json does not list output_rows with a detail: {data}"
-    assert (job / "attempts" / "1" / "receipt.json").exists(), (
-        "attempt 1's receipt was not moved aside"
-    )
+    assert (job / "attempts" / "1" / "receipt.json").exists(), "attempt 1's receipt was not moved aside"
     assert d.stop() == 0
 
 

@@ -134,6 +134,7 @@ HIDDEN = {
     ".h3.json.part": "HIDDEN-4",
     "h4.tmp": "HIDDEN-5",
 }
+HIDDEN_LATE = {".late.json": "HIDDEN-6", "late.json.tmp": "HIDDEN-7", "late.yaml.part": "HIDDEN-8"}
 JOBS = {
     "LIFE-YAML": "prompted",
     "LIFE-PLAIN": "plain",
@@ -145,7 +146,8 @@ JOBS = {
     "LIFE-SUBMIT": "plain",
     "BAD-ACEPT-1": "plain",
 }
-STEMS = ["bad-acept", "bad-task", "bad-to", "bad-syntax", "bad-id", "notes", "link", "pipe", "folder"]
+ENTRIES = ["link", "pipe", "folder", "link2", "pipe2", "folder2", "pipe3"]
+STEMS = ["bad-acept", "bad-task", "bad-to", "bad-syntax", "bad-id", "notes", *ENTRIES]
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -285,13 +287,29 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         for name, data in BAD_FILES.items():
             env.drop(data, name)
         env.drop(NOTES, "notes.txt")
+        # Two files with one job id, dropped together: one job and one refusal.
+        env.drop(order("TWIN-1", to="plain"), "twin-a.json")
+        env.drop(order("TWIN-1", to="plain"), "twin-b.yaml")
+        # Hidden and temp names written in place while the daemon runs.
+        for name, job_id in HIDDEN_LATE.items():
+            (inbox / name).write_bytes(json.dumps(order(job_id, to="plain")).encode())
+        # Odd entries renamed in while the daemon runs, and a FIFO made in place (found by a rescan).
+        os.symlink(target, inbox / ".link2.tmp")
+        os.rename(inbox / ".link2.tmp", inbox / "link2.json")
+        os.mkfifo(inbox / ".pipe2.tmp")
+        os.rename(inbox / ".pipe2.tmp", inbox / "pipe2.json")
+        (inbox / ".folder2.tmp").mkdir()
+        (inbox / ".folder2.tmp" / "order.json").write_bytes(json.dumps(order("DIRJOB-2", to="plain")).encode())
+        os.rename(inbox / ".folder2.tmp", inbox / "folder2.yaml")
+        os.mkfifo(inbox / "pipe3.yml")
         # Once the typo is refused, the corrected file with the same id is a new job.
         with contextlib.suppress(AssertionError):
             wait_until(lambda: refusal_dirs(env, "bad-acept"), 30, "refusal of bad-acept.yaml")
         env.drop(order("BAD-ACEPT-1", to="plain"))
         end = time.monotonic() + 90
         while time.monotonic() < end:
-            if all(finished(env, j) for j in JOBS) and all(refusal_dirs(env, s) for s in STEMS):
+            twins = refusal_dirs(env, "twin-a") + refusal_dirs(env, "twin-b")
+            if all(finished(env, j) for j in [*JOBS, "TWIN-1"]) and all(refusal_dirs(env, s) for s in STEMS) and twins:
                 break
             time.sleep(0.1)
     finally:
@@ -573,28 +591,27 @@ def test_non_order_extension_is_refused(scenario: Scenario) -> None:
     assert "not a work order" in result["reason"]
 
 
-@pytest.mark.parametrize(
-    ("stem", "kind", "words"),
-    [
-        ("link", stat.S_ISLNK, ("link",)),
-        ("pipe", stat.S_ISFIFO, ("fifo", "pipe")),
-        ("folder", stat.S_ISDIR, ("director", "folder")),
-    ],
-)
-def test_odd_inbox_entry_is_moved_as_entry_never_followed(scenario: Scenario, stem: str, kind: Any, words: Any) -> None:
+@pytest.mark.parametrize("stem", ENTRIES)
+def test_odd_inbox_entry_is_moved_as_entry_never_followed(scenario: Scenario, stem: str) -> None:
     """A symlink, FIFO or folder in inbox/ is moved whole as `entry`, never opened; the reason says what."""
+    kind, words = {
+        "link": (stat.S_ISLNK, ("link",)),
+        "pipe": (stat.S_ISFIFO, ("fifo", "pipe")),
+        "folder": (stat.S_ISDIR, ("director", "folder")),
+    }[stem.rstrip("23")]
     folder = only_refusal(scenario, stem)
     assert sorted(p.name for p in folder.iterdir()) == ["entry", "result.json"]
     assert kind((folder / "entry").lstat().st_mode)
     result = json.loads((folder / "result.json").read_text())
     assert result["state"] == "failed"
     assert any(w in result["reason"].lower() for w in words), result["reason"]
-    if stem == "link":
+    if stem.startswith("link"):
         assert os.readlink(folder / "entry") == str(scenario.target)
         assert json.loads(scenario.target.read_text())["job_id"] == "LINKED-1"
-    if stem == "folder":
-        assert json.loads((folder / "entry" / "order.json").read_text())["job_id"] == "DIRJOB-1"
-    for job_id in ("LINKED-1", "DIRJOB-1"):
+    if stem.startswith("folder"):
+        wanted = "DIRJOB-1" if stem == "folder" else "DIRJOB-2"
+        assert json.loads((folder / "entry" / "order.json").read_text())["job_id"] == wanted
+    for job_id in ("LINKED-1", "DIRJOB-1", "DIRJOB-2"):
         for state in ("active", "done", "failed"):
             assert not (scenario.env.root / state / job_id).exists()
         assert starts_of(scenario.env, job_id) == 0
@@ -603,13 +620,23 @@ def test_odd_inbox_entry_is_moved_as_entry_never_followed(scenario: Scenario, st
 def test_hidden_and_temp_names_are_never_taken(scenario: Scenario) -> None:
     """Names starting with `.` or ending in .tmp / .part stay in inbox/ untouched."""
     inbox = scenario.env.root / "inbox"
-    for name, job_id in HIDDEN.items():
+    for name, job_id in (HIDDEN | HIDDEN_LATE).items():
         assert json.loads((inbox / name).read_text())["job_id"] == job_id
         assert finished(scenario.env, job_id) is None
         assert not (scenario.env.root / "active" / job_id).exists()
         assert starts_of(scenario.env, job_id) == 0
-    assert not [p for p in (scenario.env.root / "failed").iterdir() if p.name.startswith(("h", ".h"))]
-    assert visible(inbox) == sorted(n for n in HIDDEN if not n.startswith("."))
+    assert not [p for p in (scenario.env.root / "failed").iterdir() if p.name.startswith(("h", ".h", "late", ".late"))]
+    assert visible(inbox) == sorted(n for n in HIDDEN | HIDDEN_LATE if not n.startswith("."))
+
+
+def test_two_files_with_one_id_give_one_job_and_one_refusal(scenario: Scenario) -> None:
+    """Two files with one job id dropped together give one job and one refusal; the agent runs once."""
+    state = finished(scenario.env, "TWIN-1")
+    assert state is not None and state[0] == "done"
+    refused = refusal_dirs(scenario.env, "twin-a") + refusal_dirs(scenario.env, "twin-b")
+    assert len(refused) == 1, refused
+    assert json.loads((refused[0] / "result.json").read_text())["job_id"] == "TWIN-1"
+    assert starts_of(scenario.env, "TWIN-1") == 1
 
 
 def test_failed_folder_holds_only_refusals_here(scenario: Scenario) -> None:

@@ -211,6 +211,8 @@ ORDER_CASES: list[Case] = [
     bad("timeout-string", js({"timeout": "10"}), field="timeout"),
     bad("timeout-bool", js({"timeout": True}), field="timeout"),
     bad("timeout-above-max", js({"timeout": MAX_TIMEOUT + 1}), field="timeout"),
+    bad("timeout-inf-yaml", yl(extra="timeout: .inf\n"), field="timeout", ext="yaml"),
+    bad("timeout-nan-yaml", yl(extra="timeout: .nan\n"), ext="yaml"),
     bad("attempts-zero", js({"max_attempts": 0}), field="max_attempts"),
     bad("attempts-negative", js({"max_attempts": -2}), field="max_attempts"),
     bad("attempts-float", js({"max_attempts": 1.5}), field="max_attempts"),
@@ -236,6 +238,8 @@ ORDER_CASES: list[Case] = [
     bad("json-list-top", b"[]"),
     bad("json-number-top", b"42"),
     bad("json-truncated", js()[:-20]),
+    bad("json-nan-literal", js()[:-1] + b', "meta": {"score": NaN}}'),
+    bad("json-infinity-literal", js()[:-1] + b', "meta": {"score": Infinity}}'),
     bad("yaml-syntax-error", b'job_id: "JOB-1\nfrom: [tester\n', ext="yaml"),
     bad("yaml-nesting-100", yl(extra="meta: {k: " + "[" * 100 + "]" * 100 + "}\n"), ext="yaml"),
     bad("json-nesting-100", deep_json(100)),
@@ -266,6 +270,8 @@ ORDER_CASES: list[Case] = [
     good("ok-bom-json", b"\xef\xbb\xbf" + js()),
     good("ok-task-500-chars", js({"task": "x" * 500})),
     good("ok-task-unicode", js({"task": "Café ☕ for Aina, naïve résumé"})),
+    good("ok-task-500-multibyte", js({"task": "é" * 500})),
+    good("ok-crlf-yaml", yl().replace(b"\n", b"\r\n"), ext="yaml"),
     good("ok-id-128-chars", js({"job_id": "J" * 128, "items": [{"id": "R" * 128}]})),
     good("ok-id-punctuation", js({"job_id": "a.B_c-9", "items": [{"id": "0.x_Y-z"}]})),
     good("ok-quoted-date-yaml", yl(job_id='"2026-11-29"', frm='"2026-11-29"'), ext="yaml"),
@@ -539,3 +545,17 @@ def test_config_relative_root_resolves_against_config_folder(env: Env) -> None:
     assert proc.returncode == 0, proc.stderr
     assert [p.read_bytes() for p in spool.iterdir() if not p.name.startswith(".")] == [order.read_bytes()]
     assert not (env.tmp.parent / "spool").exists()
+
+
+def test_submit_drops_each_file_and_prints_each_job_id(env: Env) -> None:
+    """`submit FILE...` validates, drops each file into inbox/ under a visible name and prints each job id."""
+    (env.tmp / "a.json").write_bytes(js({"job_id": "SUB-A"}))
+    (env.tmp / "b.yaml").write_bytes(yl(job_id="SUB-B"))
+    proc = env.cli("submit", "a.json", "b.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["SUB-A", "SUB-B"]
+    inbox = env.root / "inbox"
+    dropped = sorted(p.read_bytes() for p in inbox.iterdir() if not p.name.startswith("."))
+    assert dropped == sorted([js({"job_id": "SUB-A"}), yl(job_id="SUB-B")])
+    names = [p.name for p in inbox.iterdir()]
+    assert not [n for n in names if n.startswith(".") or n.endswith((".tmp", ".part"))], names
