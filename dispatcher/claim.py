@@ -113,6 +113,7 @@ def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
     stage.mkdir()
     base = f"{stem[:200]}@{utc_stamp()}"
     (stage / ".target").write_text(base)
+    (stage / ".source").write_text(refusal.name)
     inner = "entry" if refusal.entry_kind is not None else f"order{Path(refusal.name).suffix}"
     result: dict[str, Any] = {
         "job_id": refusal.job_id,
@@ -129,7 +130,7 @@ def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
     }
     (stage / "result.json").write_bytes(fsutil.dump_json(result))
     try:
-        os.rename(src, stage / inner)
+        fsutil.move_out(src, stage / inner)
     except FileNotFoundError:
         _remove_stage(stage)
         return None
@@ -139,6 +140,7 @@ def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
 def place_refusal(layout: Layout, stage: Path, base: str) -> Path:
     """Rename a built refusal folder into failed/, adding -2, -3, ... if the name is taken."""
     (stage / ".target").unlink(missing_ok=True)
+    (stage / ".source").unlink(missing_ok=True)
     n = 1
     while True:
         target = layout.folder(State.FAILED) / (base if n == 1 else f"{base}-{n}")
@@ -156,6 +158,12 @@ def _remove_stage(stage: Path) -> None:
     for child in stage.iterdir():
         child.unlink()
     stage.rmdir()
+
+
+def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> None:
+    """Remove inbox/<name> if it is the same inode as kept (a crash between link and unlink)."""
+    if name and fsutil.same_file(layout.inbox / name, kept):
+        (layout.inbox / name).unlink()
 
 
 def take_claim(ledger: Ledger, layout: Layout, item: Inspected, owner: str, owner_alive: Any) -> Claim:
@@ -203,7 +211,7 @@ def build_job(layout: Layout, item: Inspected, agent: Agent, claim: Claim, owner
     (stage / JOB_FILE).write_bytes(fsutil.dump_json(spec))
     ext = Path(item.name).suffix
     try:
-        os.rename(layout.inbox / item.name, stage / f"order{ext}")
+        fsutil.move_out(layout.inbox / item.name, stage / f"order{ext}")
     except FileNotFoundError:
         for p in (work / "order.json", work / "prompt.md", stage / JOB_FILE):
             p.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ from dispatcher.config import Config, load_config
 from dispatcher.errors import ConfigError
 from dispatcher.job import CANCELLED, STOPPED, Context, JobRun, release_followups
 from dispatcher.layout import UMASK, Layout, State
-from dispatcher.ledger import DONE, FAILED, Ledger
+from dispatcher.ledger import DONE, FAILED, Entry, Ledger
 from dispatcher.sdnotify import Notifier
 from dispatcher.slots import Slots, make_lock, owner_alive
 from dispatcher.watcher import InboxTracker, start_observer
@@ -379,15 +379,25 @@ class Daemon:
         if isinstance(found, claim.Refusal):
             self._refuse(found)
             return None
-        entry = self.ledger.get(found.order.job_id)
-        if (
-            entry is not None
-            and not (entry.state in ("reserved", "released") and entry.digest == found.digest)
-            and not (entry.state == "claimed" and entry.source == name and entry.owner and not self._alive(entry.owner))
-        ):
-            self._refuse(claim.Refusal(name, _known_reason(found.order.job_id, entry.state), found.order.job_id))
+        verdict = self._known(found)
+        if verdict != "new":
             return None
         return _Parked("new", found.order.job_id, found.order.to, found)
+
+    def _known(self, item: claim.Inspected, entry: Entry | None = None) -> str:
+        """Decide on an order whose id the ledger may know: 'new', 'skip' (another daemon's) or 'refused'."""
+        entry = entry or self.ledger.get(item.order.job_id)
+        if entry is None or (entry.state in ("reserved", "released") and entry.digest == item.digest):
+            return "new"
+        if entry.state == "claimed" and entry.source == item.name and entry.digest == item.digest:
+            if entry.owner is not None and entry.owner != self.owner and self._alive(entry.owner):
+                # another daemon claimed this very file and is moving it out: not ours to refuse
+                self.tracker.forget(item.name)
+                return "skip"
+            if entry.owner is not None and entry.owner != self.owner:
+                return "new"  # its claimer died before moving it: take the claim over
+        self._refuse(claim.Refusal(item.name, _known_reason(item.order.job_id, entry.state), item.order.job_id))
+        return "refused"
 
     def _refuse(self, refusal: claim.Refusal) -> None:
         folder = claim.refuse(self.layout, refusal, self.owner)
@@ -438,8 +448,8 @@ class Daemon:
             return None
         got = claim.take_claim(self.ledger, self.layout, item, self.owner, self._alive)
         if not got.ok:
-            state = got.known.state if got.known else "unknown"
-            self._refuse(claim.Refusal(item.name, _known_reason(item.order.job_id, state), item.order.job_id))
+            if got.known is not None:
+                self._known(item, got.known)  # refuses it, unless another daemon is moving it
             return None
         folder = claim.build_job(self.layout, item, agent, got, self.owner)
         if folder is None:

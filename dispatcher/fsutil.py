@@ -78,6 +78,34 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     os.unlink(src)
 
 
+def move_out(src: Path, dst: Path) -> None:
+    """Move an entry out of a watched folder by link + unlink (rename for folders).
+
+    A rename out of a watched folder is an unpaired IN_MOVED_FROM, which
+    watchdog holds for half a second while it looks for the matching half,
+    and every later event of that folder waits behind it. A link + unlink is
+    an IN_DELETE, delivered at once. A crash between the two leaves the same
+    inode under both names; recovery removes the inbox name (``same_file``).
+    """
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.EACCES):
+            raise
+        os.rename(src, dst)  # a folder, or hard links refused (fs.protected_hardlinks)
+        return
+    os.unlink(src)
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Return True if a and b are one inode (without following links)."""
+    try:
+        sa, sb = os.lstat(a), os.lstat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 class NotRegular(Exception):
     """The path is not a regular file; ``kind`` says what it is."""
 

@@ -123,7 +123,9 @@ class JobRun:
             _write(last_dir / "attempt.json", record)
             if os.path.lexists(self.work / "receipt.json"):
                 return self._evaluate(n, Exit(lost=True), final=True)
-            return self._retry_or_fail(n, f"interrupted: attempt {n} was cut short by a stop or crash")
+            checks = self._checks(Exit(lost=True))
+            reason = verdict(checks, exit_lost=True) or "receipt_present: no receipt.json"
+            return self._retry_or_fail(n, f"{reason}; attempt {n} was interrupted by a stop or crash", checks)
         if record.get("next") == "retry":
             return None
         exit_ = Exit(
@@ -279,7 +281,7 @@ class JobRun:
         if checks is None:
             checks = self._checks(Exit(lost=True))
         if not self._may_run_again(n):
-            return self._finish("failed", f"{reason}; no attempts left", checks)
+            return self._finish("failed", f"{reason}; not retried: no attempts left", checks)
         safe, why = self._safe_to_retry()
         if not safe:
             return self._finish("failed", f"{reason}; not retried: {why}", checks)
@@ -478,7 +480,7 @@ def _load_any(path: Path) -> Any:
 def _place_in_inbox(layout: Layout, job_id: str, data: bytes, sha: str) -> str:
     """Link the follow-up into inbox/ under a name that replaces nothing; reuse our own copy."""
     inbox = layout.inbox
-    tmp = inbox / f".release-{job_id}.{os.getpid()}.tmp"
+    tmp = layout.staging / f".release-{job_id}.{os.getpid()}.tmp"
     fsutil.write_atomic(tmp, data)
     try:
         n = 1

@@ -167,9 +167,9 @@ class Ledger:
             entry = self._row(db, job_id)
             if entry is None:
                 db.execute(
-                    "INSERT INTO jobs (job_id, state, agent, owner, source, hops, updated)"
-                    " VALUES (?, 'claimed', ?, ?, ?, 0, ?)",
-                    (job_id, agent, owner, source, now),
+                    "INSERT INTO jobs (job_id, state, agent, owner, source, digest, hops, updated)"
+                    " VALUES (?, 'claimed', ?, ?, ?, ?, 0, ?)",
+                    (job_id, agent, owner, source, digest, now),
                 )
                 return Claim(ok=True)
             takeable = (entry.state in (RESERVED, RELEASED) and entry.digest == digest) or (

@@ -32,12 +32,18 @@ def finish_staging(layout: Layout, alive: Callable[[str], bool]) -> None:
         if rest.startswith("claim-"):
             job_id = rest[len("claim-") :].rsplit("-", 1)[0]
             if has_file and layout.find(job_id) is None:
+                spec = json.loads((stage / claim.JOB_FILE).read_text())
+                order = next(p for p in stage.iterdir() if p.name.startswith("order"))
+                claim.drop_inbox_twin(layout, spec.get("source", ""), order)
                 os.rename(stage, layout.job(State.ACTIVE, job_id))
                 log.info("job.recovered", job_id=job_id, step="claim")
                 continue
         elif rest.startswith("refuse-") and has_file:
-            target = stage / ".target"
+            target, source = stage / ".target", stage / ".source"
             base = target.read_text() if target.exists() else stage.name
+            if source.exists():
+                kept = next(p for p in stage.iterdir() if p.name.startswith("order") or p.name == "entry")
+                claim.drop_inbox_twin(layout, source.read_text(), kept)
             claim.place_refusal(layout, stage, base)
             continue
         shutil.rmtree(stage)

@@ -37,20 +37,57 @@ NOT_TRUE = "not true"  # the check ran and did not pass: false, or null where in
 DROP = object()
 ALLOWED = {"output": "out.csv", "allowed": {"team": ["orders", "payments"]}, "required": ["team"]}
 
-# An agent that creates the files listed in the order's meta.create, then a good receipt.
+# An agent scripted by the order's meta: it makes the files, folders, links and FIFOs
+# listed there, touches, rewrites or deletes given files, writes a receipt (a good one
+# unless meta.receipt changes it, or meta.receipt_kind makes it a FIFO or a link), and
+# prints meta.stdout last.
 SCRIBE = """\
-import json, os
+import json, os, sys
 from pathlib import Path
 order = json.loads(Path(os.environ["DISPATCH_ORDER"]).read_text())
 work = Path(os.environ["DISPATCH_WORKSPACE"])
-for rel in order["meta"]["create"]:
+meta = order.get("meta") or {}
+for rel in meta.get("create", []):
     path = work / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("x\\n")
+for rel, text in meta.get("files", {}).items():
+    (work / rel).parent.mkdir(parents=True, exist_ok=True)
+    (work / rel).write_text(text, newline="")
+for rel in meta.get("dirs", []):
+    (work / rel).mkdir(parents=True)
+for rel, target in meta.get("symlinks", {}).items():
+    os.symlink(target, work / rel)
+for rel in meta.get("fifos", []):
+    os.mkfifo(work / rel)
+for rel in meta.get("sockets", []):
+    import socket
+    socket.socket(socket.AF_UNIX).bind(str(work / rel))
+for name in meta.get("raw_names", []):
+    with open(os.fsencode(work) + b"/" + name.encode("latin-1"), "wb") as f:
+        f.write(b"x")
+for rel in meta.get("touch", []):
+    os.utime(work / rel, (1, 1))
+for rel in meta.get("rewrite", []):
+    data = (work / rel).read_bytes()
+    (work / rel).unlink()
+    (work / rel).write_bytes(data)
+for rel in meta.get("delete", []):
+    (work / rel).unlink()
 ids = [item["id"] for item in order["items"]]
 receipt = {"job_id": order["job_id"], "input_ids": ids, "output_ids": ids,
            "status": "done", "outputs": []}
-Path(os.environ["DISPATCH_RECEIPT"]).write_text(json.dumps(receipt))
+receipt.update(meta.get("receipt", {}))
+kind = meta.get("receipt_kind", "file")
+if kind == "fifo":
+    os.mkfifo(work / "receipt.json")
+elif kind.startswith("symlink:"):
+    outside = Path(kind.split(":", 1)[1])
+    outside.write_text(json.dumps(receipt))
+    os.symlink(outside, work / "receipt.json")
+else:
+    (work / "receipt.json").write_text(json.dumps(receipt))
+sys.stdout.write(meta.get("stdout", ""))
 """
 
 
@@ -92,6 +129,15 @@ NO_RECEIPT = {
     "receipt_inputs": None,
     "receipt_outputs": None,
 }
+
+SCRIPT_OK = {"exit_ok": True, "receipt_present": True, "receipt_job_id": True, "writes_scope": True}
+QUOTED_CSV = 'id,team,note\r\nR1,"orders, payments","two\nlines"\r\nR2,bakery,plain\r\nR3,"orders, payments",x\r\n'
+
+
+def scripted(accept: Any = DROP, writes: list[str] | None = None, **meta: Any) -> dict[str, Any]:
+    """Order fields for the scripted agent: its meta, its writes (default none) and accept."""
+    return {"accept": accept, "writes": writes or [], "meta": meta}
+
 
 CASES = [
     # -- done: formats, keys and scopes that must pass -------------------------------------
@@ -149,8 +195,20 @@ CASES = [
             "meta": {"create": ["notes/a/b/c.md", "notes/top.md"]},
         },
     ),
+    # -- what an order overrides: writes and max_attempts ------------------------------
+    Case("CK-ORDER-WRITES", "outside", "done", expect=GOOD, extra={"writes": ["not-allowed.txt"]}),
+    Case("CK-ORDER-ATTEMPTS", "flaky", "done", expect=GOOD, extra={"max_attempts": 2}),
+    Case("CK-AGENT-ATTEMPTS", "flaky", "failed", "exit_ok", GOOD | {"exit_ok": False}),
     # -- exit_ok -------------------------------------------------------------------------
     Case("CK-EXIT-3", "exit3", "failed", "exit_ok", GOOD | {"exit_ok": False}),
+    Case(
+        "CK-ORDER-TIMEOUT",
+        "sleepy",
+        "failed",
+        "exit_ok",
+        NO_RECEIPT | {"exit_ok": False},
+        {"timeout": 1},
+    ),
     Case(
         "CK-TIMEOUT",
         "slow",
@@ -266,6 +324,211 @@ CASES = [
         {"exit_ok": True, "receipt_present": True, "receipt_job_id": True, "writes_scope": False},
         {"accept": DROP, "writes": ["notes/*.md"], "meta": {"create": ["notes/a/b/c.txt"]}},
     ),
+    # -- scripted agent: output formats read as their standards say ----------------------
+    Case(
+        "CK-CSV-QUOTED",
+        "scribe",
+        "done",
+        expect=GOOD | {"allowed_values": True},
+        extra={
+            "accept": {"output": "out.csv", "allowed": {"team": ["orders, payments", "bakery"]}, "required": ["team"]},
+            "meta": {"files": {"out.csv": QUOTED_CSV}},
+        },
+    ),
+    Case(
+        "CK-JSON-NOT-LIST",
+        "scribe",
+        "failed",
+        "output_rows",
+        {"exit_ok": True, "receipt_inputs": True, "output_rows": False},
+        scripted(files={"out.json": '{"id": "R1"}'}, accept={"output": "out.json"}),
+    ),
+    Case(
+        "CK-JSONL-BAD-LINE",
+        "scribe",
+        "failed",
+        "output_rows",
+        {"exit_ok": True, "output_rows": False},
+        scripted(
+            files={"out.jsonl": '{"id": "R1"}\nnot json\n{"id": "R2"}\n{"id": "R3"}\n'}, accept={"output": "out.jsonl"}
+        ),
+    ),
+    Case(
+        "CK-ROW-WITHOUT-KEY",
+        "scribe",
+        "failed",
+        "output_rows",
+        {"exit_ok": True, "output_rows": False},
+        scripted(
+            files={"out.json": '[{"id": "R1"}, {"id": "R2"}, {"id": "R3"}, {"team": "x"}]'},
+            accept={"output": "out.json"},
+        ),
+    ),
+    Case(
+        "CK-REQUIRED-ABSENT",
+        "scribe",
+        "failed",
+        "allowed_values",
+        {"exit_ok": True, "output_rows": True, "allowed_values": False},
+        scripted(
+            files={"out.json": '[{"id": "R1", "team": "a"}, {"id": "R2"}, {"id": "R3", "team": "b"}]'},
+            accept={"output": "out.json", "required": ["team"]},
+        ),
+    ),
+    Case(
+        "CK-ANY-ORDER",
+        "scribe",
+        "done",
+        expect=GOOD,
+        extra=scripted(
+            files={"out.json": '[{"id": "R3"}, {"id": "R1"}, {"id": "R2"}]'},
+            accept={"output": "out.json"},
+            receipt={"input_ids": ["R3", "R2", "R1"], "output_ids": ["R2", "R3", "R1"]},
+        ),
+    ),
+    Case(
+        "CK-CSV-NO-KEY-COLUMN",
+        "scribe",
+        "failed",
+        "output_rows",
+        {"exit_ok": True, "output_rows": False},
+        scripted(files={"out.csv": "ref,team\nR1,a\nR2,a\nR3,a\n"}, accept={"output": "out.csv"}),
+    ),
+    Case(
+        "CK-JSON-RECORD-NOT-OBJECT",
+        "scribe",
+        "failed",
+        "output_rows",
+        {"exit_ok": True, "output_rows": False},
+        scripted(files={"out.json": '[{"id": "R1"}, {"id": "R2"}, {"id": "R3"}, "R4"]'}, accept={"output": "out.json"}),
+    ),
+    # -- scripted agent: receipts that are not what they seem -----------------------------
+    Case(
+        "CK-RECEIPT-INPUTS-MAPPING",
+        "scribe",
+        "failed",
+        "receipt_inputs",
+        {"exit_ok": True, "receipt_present": True, "receipt_inputs": False},
+        scripted(receipt={"input_ids": {"R1": 1, "R2": 1, "R3": 1}}),
+    ),
+    Case(
+        "CK-RECEIPT-STATUS-CASE",
+        "scribe",
+        "failed",
+        "receipt_status",
+        {"receipt_status": False, "receipt_inputs": True},
+        scripted(receipt={"status": "DONE"}),
+    ),
+    Case(
+        "CK-RECEIPT-FIFO",
+        "scribe",
+        "failed",
+        None,
+        {"exit_ok": True, "receipt_present": NOT_TRUE, "writes_scope": False},
+        scripted(receipt_kind="fifo"),
+    ),
+    Case(
+        "CK-RECEIPT-SYMLINK",
+        "scribe",
+        "failed",
+        None,
+        {"exit_ok": True, "writes_scope": False},
+        scripted(receipt_kind="symlink:@OUTSIDE@/outside-receipt.json"),
+    ),
+    Case(
+        "CK-OUTPUT-FIFO",
+        "scribe",
+        "failed",
+        None,
+        {"exit_ok": True, "output_rows": NOT_TRUE, "writes_scope": False},
+        scripted(fifos=["out.csv"], accept={"output": "out.csv"}),
+    ),
+    # -- scripted agent: writes_scope rules ------------------------------------------------
+    Case("CK-EMPTY-DIRS-FREE", "scribe", "done", expect=SCRIPT_OK, extra=scripted(dirs=["scratch/deep"])),
+    Case("CK-TOUCH-GIVEN", "scribe", "done", expect=SCRIPT_OK, extra=scripted(touch=["order.json"])),
+    Case("CK-REWRITE-GIVEN", "scribe", "done", expect=SCRIPT_OK, extra=scripted(rewrite=["order.json"])),
+    Case(
+        "CK-DELETE-GIVEN",
+        "scribe",
+        "failed",
+        "writes_scope",
+        SCRIPT_OK | {"writes_scope": False},
+        scripted(delete=["order.json"]),
+    ),
+    Case(
+        "CK-LINK-INSIDE",
+        "scribe",
+        "done",
+        expect=SCRIPT_OK,
+        extra=scripted(files={"data.txt": "x"}, symlinks={"alias.txt": "data.txt"}, writes=["data.txt", "alias.txt"]),
+    ),
+    Case(
+        "CK-LINK-DOTDOT",
+        "scribe",
+        "failed",
+        "writes_scope",
+        SCRIPT_OK | {"writes_scope": False},
+        scripted(symlinks={"up.txt": "../order.json"}, writes=["up.txt"]),
+    ),
+    Case(
+        "CK-WRITES-NOT-IN-SUBDIR",
+        "scribe",
+        "failed",
+        "writes_scope",
+        SCRIPT_OK | {"writes_scope": False},
+        scripted(create=["sub/out.csv"], writes=["out.csv"]),
+    ),
+    Case(
+        "CK-WRITES-QMARK",
+        "scribe",
+        "done",
+        expect=SCRIPT_OK,
+        extra=scripted(create=["file1.txt"], writes=["file?.txt"]),
+    ),
+    Case(
+        "CK-WRITES-CASE",
+        "scribe",
+        "failed",
+        "writes_scope",
+        SCRIPT_OK | {"writes_scope": False},
+        scripted(create=["NOTES.md"], writes=["notes.md"]),
+    ),
+    Case(
+        "CK-SOCKET",
+        "scribe",
+        "failed",
+        "writes_scope",
+        SCRIPT_OK | {"writes_scope": False},
+        scripted(sockets=["agent.sock"], writes=["agent.sock"]),
+    ),
+    Case(
+        "CK-DEEP-FOLDERS-FREE",
+        "scribe",
+        "done",
+        expect=SCRIPT_OK,
+        extra=scripted(dirs=["/".join(["d"] * 200)]),
+    ),
+    Case(
+        "CK-REQUIRED-NULL",
+        "scribe",
+        "failed",
+        "allowed_values",
+        {"output_rows": True, "allowed_values": False},
+        scripted(
+            files={"out.json": '[{"id": "R1", "team": null}, {"id": "R2", "team": "a"}, {"id": "R3", "team": "b"}]'},
+            accept={"output": "out.json", "required": ["team"]},
+        ),
+    ),
+    # -- scripted agent: agent_result ------------------------------------------------------
+    Case(
+        "CK-AR-TRAILING-BLANK",
+        "scribe",
+        "done",
+        expect=SCRIPT_OK,
+        extra=scripted(stdout='{"session_id": "t"}\n\n   \n'),
+    ),
+    Case("CK-AR-ARRAY", "scribe", "done", expect=SCRIPT_OK, extra=scripted(stdout="progress\n[1, 2]\n")),
+    Case("CK-AR-NOT-LAST", "scribe", "done", expect=SCRIPT_OK, extra=scripted(stdout='{"a": 1}\ndone.\n')),
 ]
 
 
@@ -277,6 +540,8 @@ def agents(env: Env, scribe: str) -> dict[str, dict[str, Any]]:
         "teams": a("--field", "team=orders"),
         "exit3": a("--exit", "3"),
         "slow": a("--sleep", "30", timeout=1),
+        "sleepy": a("--sleep", "30", timeout=30),
+        "flaky": a("--fail-attempts", "1", retry_safe=True),
         "badjson": a("--invalid-receipt"),
         "rlist": a("--receipt-list"),
         "noreceipt": a("--no-receipt"),
@@ -327,7 +592,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     try:
         daemon.wait_ready()
         for case in CASES:
-            env.drop(case.body())
+            body = json.loads(json.dumps(case.body()).replace("@OUTSIDE@", str(tmp)))
+            env.drop(body)
         end = time.monotonic() + 120
         while len(found) < len(CASES) and time.monotonic() < end:
             for case in CASES:
@@ -351,6 +617,12 @@ def results(run: Run) -> dict[str, tuple[str, dict[str, Any]]]:
     return run.results
 
 
+def first_failing(checks: list[dict[str, Any]]) -> str:
+    """Return the first check that keeps the job from being done."""
+    required = ("exit_ok", "receipt_present", "receipt_job_id")
+    return next(c["name"] for c in checks if c["ok"] is False or (c["name"] in required and c["ok"] is not True))
+
+
 def check_map(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in result["checks"]}
 
@@ -358,6 +630,10 @@ def check_map(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.job_id)
 def test_check_outcome(results: dict[str, tuple[str, dict[str, Any]]], case: Case) -> None:
     """The job ends in its folder, all checks recorded in order, reason naming the first failure."""
+    assert_outcome(results, case)
+
+
+def assert_outcome(results: dict[str, tuple[str, dict[str, Any]]], case: Case) -> None:
     assert case.job_id in results, f"{case.job_id} never finished"
     state, result = results[case.job_id]
     assert state == case.state, f"{case.job_id} ended in {state}: {result.get('reason')}"
@@ -385,8 +661,9 @@ def test_check_outcome(results: dict[str, tuple[str, dict[str, Any]]], case: Cas
     else:
         reason = result["reason"]
         assert isinstance(reason, str) and "\n" not in reason, reason
-        assert reason.startswith(case.first), f"reason {reason!r} does not start with {case.first}"
-        assert checks[case.first]["ok"] is not True
+        first = case.first or first_failing(result["checks"])
+        assert reason.startswith(first), f"reason {reason!r} does not start with {first}"
+        assert checks[first]["ok"] is not True
 
 
 def test_exit_code_recorded_in_attempt(results: dict[str, tuple[str, dict[str, Any]]]) -> None:
@@ -411,7 +688,7 @@ def test_timeout_recorded_in_attempt(results: dict[str, tuple[str, dict[str, Any
 def test_failed_agents_are_not_retried(results: dict[str, tuple[str, dict[str, Any]]]) -> None:
     """With max_attempts 1 every failed case ran exactly one attempt."""
     for case in CASES:
-        if case.job_id in results:
+        if case.job_id in results and case.job_id != "CK-ORDER-ATTEMPTS":
             _, result = results[case.job_id]
             assert [a["n"] for a in result["attempts"]] == [1], case.job_id
 
@@ -441,3 +718,90 @@ def test_checks_logged_per_job(run: Run) -> None:
         final = "job.done" if case.state == "done" else "job.failed"
         assert final in names, (case.job_id, names)
         assert all(e.get("agent") == case.agent for e in mine if e["event"] in ("job.verified", final))
+
+
+def test_order_timeout_overrides_the_agents(results: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    """An order's `timeout` replaces the agent's: a 1 s order stops a 30 s agent."""
+    _, result = results["CK-ORDER-TIMEOUT"]
+    (attempt,) = result["attempts"]
+    assert attempt["timed_out"] is True
+    assert attempt["duration_ms"] < 20_000
+
+
+def test_order_max_attempts_overrides_the_agents(run: Run, results: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    """An order's `max_attempts` replaces the agent's: a retry-safe agent failing once gets a second go."""
+    assert [s for s in run.env.starts() if s[0] == "CK-ORDER-ATTEMPTS"] == [
+        ("CK-ORDER-ATTEMPTS", 1),
+        ("CK-ORDER-ATTEMPTS", 2),
+    ]
+    _, result = results["CK-ORDER-ATTEMPTS"]
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert [a["exit_code"] for a in result["attempts"]] == [1, 0]
+    _, result = results["CK-AGENT-ATTEMPTS"]
+    assert [a["n"] for a in result["attempts"]] == [1]
+
+
+def test_agent_result_rules(results: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    """agent_result is taken when the last non-blank stdout text is a JSON object, and only then."""
+    assert results["CK-AR-TRAILING-BLANK"][1]["attempts"][0]["agent_result"] == {"session_id": "t"}
+    assert results["CK-AR-ARRAY"][1]["attempts"][0].get("agent_result") is None
+    assert results["CK-AR-NOT-LAST"][1]["attempts"][0].get("agent_result") is None
+
+
+# -- hostile output: each case must still end in done/ or failed/ ----------------------------
+#
+# These run through `run --once`, which returns once every job it claimed is over, so a
+# job that never finishes shows up as missing at once instead of after a long deadline.
+
+DEEP_OBJECT = '{"a": ' + "[" * 5000 + "]" * 5000 + "}\n"
+HOSTILE = [
+    Case(
+        "HX-RAW-NAME-OUTSIDE",
+        "scribe",
+        "failed",
+        "writes_scope",
+        SCRIPT_OK | {"writes_scope": False},
+        scripted(raw_names=["\xff\xfe-left.txt"]),
+    ),
+    Case(
+        "HX-RAW-NAME-INSIDE",
+        "scribe",
+        "done",
+        expect=SCRIPT_OK,
+        extra=scripted(raw_names=["\xff\xfe-left.txt"], writes=["*"]),
+    ),
+    Case("HX-DEEP-AGENT-RESULT", "scribe", "done", expect=SCRIPT_OK, extra=scripted(stdout=DEEP_OBJECT)),
+    Case(
+        "HX-DEEP-BIG-AGENT-RESULT",
+        "scribe",
+        "done",
+        expect=SCRIPT_OK,
+        extra=scripted(stdout='{"a": ' + "[" * 40000 + "]" * 40000 + "}\n"),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Run the hostile cases with `run --once`; map job id -> (folder, result.json)."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    env = Env(tmp=tmp, root=tmp / "dispatch", config_path=tmp / "dispatcher.yaml", count_file=tmp / "starts.txt")
+    scribe = tmp / "scribe.py"
+    scribe.write_text(SCRIBE)
+    env.configure(agents={"scribe": agents(env, str(scribe))["scribe"]}, max_jobs=4)
+    for case in HOSTILE:
+        env.drop(case.body())
+    env.cli("run", "--once", timeout=90)
+    found = {}
+    for case in HOSTILE:
+        for state in ("done", "failed"):
+            path = env.root / state / case.job_id / "result.json"
+            if path.exists():
+                found[case.job_id] = (state, json.loads(path.read_text()))
+    return found
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=lambda c: c.job_id)
+def test_hostile_output_still_ends_the_job(hostile: dict[str, tuple[str, dict[str, Any]]], case: Case) -> None:
+    """Odd file names or a pathologically deep JSON object from an agent still end the job with its checks."""
+    assert_outcome(hostile, case)

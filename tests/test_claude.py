@@ -61,7 +61,7 @@ def search_path(first: Path) -> str:
 def claude_agents(**env_vars: str) -> dict[str, dict[str, Any]]:
     """Return the agents of config/agents.claude.yaml with extra environment variables."""
     assert CLAUDE_CONFIG.is_file(), f"{CLAUDE_CONFIG} is missing"
-    agents = yaml.safe_load(CLAUDE_CONFIG.read_text())["agents"]
+    agents: dict[str, dict[str, Any]] = yaml.safe_load(CLAUDE_CONFIG.read_text())["agents"]
     for spec in agents.values():
         spec["env"] = {**(spec.get("env") or {}), **env_vars}
         spec["timeout"] = 120

@@ -15,13 +15,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import DEADLINE, Env, order
 
 # A wrapper agent: writes NAME=TEXT files into work/, then execs the fake agent after `--`.
+# A name "@N:PATH" is written on attempt N only; "link:PATH=TARGET" makes a symlink and
+# "fifo:PATH=" a FIFO.
 WRITER = """\
 import os, sys
 args = sys.argv[1:]
@@ -29,10 +33,22 @@ cut = args.index("--")
 work = os.environ["DISPATCH_WORKSPACE"]
 for spec in args[:cut]:
     name, _, text = spec.partition("=")
+    if name.startswith("@"):
+        attempt, _, name = name[1:].partition(":")
+        if attempt != os.environ["DISPATCH_ATTEMPT"]:
+            continue
+    kind, _, rest = name.partition(":")
+    if rest and kind in ("link", "fifo"):
+        name = rest
     path = os.path.join(work, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as fh:
-        fh.write(text)
+    if kind == "link":
+        os.symlink(text, path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "w") as fh:
+            fh.write(text)
 os.execv(sys.executable, [sys.executable, *args[cut + 1:]])
 """
 
@@ -68,12 +84,13 @@ def dropped_order(env: Env, job_id: str, state: str) -> dict[str, Any]:
     """Return the order file of a job as kept in its folder (must be JSON)."""
     path = env.job_dir(job_id, state) / "order.json"
     assert path.exists(), f"{job_id}: no order.json in {state}/: {sorted(p.name for p in path.parent.iterdir())}"
-    return json.loads(path.read_text())
+    body: dict[str, Any] = json.loads(path.read_text())
+    return body
 
 
 def check(result: dict[str, Any], name: str) -> dict[str, Any]:
     """Return one named check of a result.json."""
-    found = [c for c in result["checks"] if c["name"] == name]
+    found: list[dict[str, Any]] = [c for c in result["checks"] if c["name"] == name]
     assert len(found) == 1, f"check {name} recorded {len(found)} times: {result['checks']}"
     return found[0]
 
@@ -328,8 +345,18 @@ def outbox_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             },
         ),
         "failing": handing_off(env, fu("OB-FAILING-C", "failing"), flags=("--missing-row",)),
+        "yamler": writing_agent(env, {"outbox/OB-YAMLER-C.yml": yaml.safe_dump(fu("OB-YAMLER-C", "yamler"))}),
+        "bloater": handing_off(env, fu("OB-BLOATER-C", "bloater", meta={"blob": "x" * 6000})),
+        # a link inside work/ to a valid order, and a FIFO: neither is a regular order file
+        "linker": writing_agent(
+            env, {"out.json": fu("OB-LINKER-C", "linker"), "link:outbox/OB-LINKER-C.json": "../out.json"}
+        ),
+        "piper": writing_agent(env, {"fifo:outbox/OB-PIPER-C.json": ""}),
+        # two parents running at once hand off the same new id: only one can have it
+        "racer1": handing_off(env, fu("OB-RACE-C", "racer1"), flags=("--sleep", "0.5")),
+        "racer2": handing_off(env, fu("OB-RACE-C", "racer2"), flags=("--sleep", "0.5")),
     }
-    env.configure(agents=agents, max_jobs=4)
+    env.configure(agents=agents, max_jobs=6, max_order_bytes=4096)
     d = env.daemon()
     try:
         d.wait_ready()
@@ -342,6 +369,8 @@ def outbox_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             if name != "worker":
                 env.wait_job(f"OB-{name.upper()}")
         env.wait_job("OB-TIDY-C")
+        env.wait_job("OB-YAMLER-C")
+        env.wait_job("OB-RACE-C")
         flush(env, "outbox")
         yield env
     finally:
@@ -446,6 +475,119 @@ def test_followup_of_a_failed_parent_is_never_released(outbox_run: Env) -> None:
     assert_not_released(outbox_run, "OB-FAILING-C")
 
 
+def test_symlink_in_outbox_is_not_an_order(outbox_run: Env) -> None:
+    """A symlink in outbox/ (even to a valid order inside work/) fails followups_valid."""
+    rejected(outbox_run, "linker", "OB-LINKER-C.json")
+    assert_not_released(outbox_run, "OB-LINKER-C")
+
+
+def test_fifo_in_outbox_fails_without_hanging(outbox_run: Env) -> None:
+    """A FIFO named like an order in outbox/ is never opened: the job finishes and fails both checks."""
+    result = outbox_run.wait_job("OB-PIPER", "failed", timeout=1)
+    assert result["reason"].startswith("writes_scope"), result["reason"]
+    assert check(result, "followups_valid")["ok"] is False
+    assert "OB-PIPER-C.json" in check(result, "followups_valid")["detail"]
+
+
+def test_yaml_followup_is_released_as_json(outbox_run: Env) -> None:
+    """A .yml follow-up in outbox/ is released as JSON with parent and hops set."""
+    assert outbox_run.wait_job("OB-YAMLER", "done", timeout=1)["children"] == ["OB-YAMLER-C"]
+    released = dropped_order(outbox_run, "OB-YAMLER-C", "done")
+    assert (released["parent"], released["hops"]) == ("OB-YAMLER", 1)
+    assert not list(outbox_run.job_dir("OB-YAMLER-C", "done").glob("order.y*ml"))
+
+
+def test_followup_larger_than_max_order_bytes_fails(outbox_run: Env) -> None:
+    """A follow-up above max_order_bytes is not a valid order: followups_valid fails."""
+    rejected(outbox_run, "bloater", "OB-BLOATER-C")
+    assert_not_released(outbox_run, "OB-BLOATER-C")
+
+
+def test_two_parents_handing_off_one_new_id_give_one_job(outbox_run: Env) -> None:
+    """Two parents that hand off the same new id at once: one keeps it, the other fails."""
+    results = {job: outbox_run.wait_job(job, timeout=1) for job in ("OB-RACER1", "OB-RACER2")}
+    done = [job for job, r in results.items() if r["state"] == "done"]
+    failed = [job for job, r in results.items() if r["state"] == "failed"]
+    assert len(done) == 1 and len(failed) == 1, {job: r["reason"] for job, r in results.items()}
+    rejected(outbox_run, failed[0].removeprefix("OB-").lower(), "OB-RACE-C")
+    assert results[done[0]]["children"] == ["OB-RACE-C"]
+    assert outbox_run.wait_job("OB-RACE-C", "done", timeout=1)["parent"] == done[0]
+    assert starts_of(outbox_run, "OB-RACE-C") == [1]
+    assert not refusals_of(outbox_run, "OB-RACE-C")
+
+
+# -- run --once waits for follow-ups ----------------------------------------------------
+
+
+def test_run_once_waits_for_followups(env: Env) -> None:
+    """`run --once` runs the follow-ups too: exit 0 when the chain is done, 1 when a child fails."""
+    env.configure(
+        agents={
+            "first": handing_off(env, followup("{job_id}.c", to="second", sender="first")),
+            "second": env.agent(),
+            "hands": handing_off(env, followup("{job_id}.c", to="bad", sender="hands")),
+            "bad": env.agent("--exit", "3"),
+            "worker": env.agent(),
+        }
+    )
+    env.drop(order("ONCE-1", to="first"))
+    proc = env.cli("run", "--once")
+    assert proc.returncode == 0, proc.stderr
+    assert env.wait_job("ONCE-1.c", "done", timeout=1)["parent"] == "ONCE-1"
+
+    env.drop(order("ONCE-2", to="hands"))
+    proc = env.cli("run", "--once")
+    assert proc.returncode == 1, proc.stderr
+    assert env.wait_job("ONCE-2", "done", timeout=1)["children"] == ["ONCE-2.c"]
+    assert env.wait_job("ONCE-2.c", "failed", timeout=1)["parent"] == "ONCE-2"
+
+
+def test_outbox_of_a_failed_attempt_is_no_proof_for_the_next(env: Env) -> None:
+    """A retried job's earlier outbox is moved aside: only the last attempt's follow-ups count."""
+    old, new = followup("RT-OLD", to="worker", sender="retrier"), followup("RT-NEW", to="worker", sender="retrier")
+    handoff = followup("RT-HANDOFF", to="worker", sender="retrier")
+    env.configure(
+        agents={
+            # attempt 1 hands off then exits 1; attempt 2 runs clean
+            "retrier": writing_agent(
+                env,
+                {"@1:outbox/RT-OLD.json": old, "@2:outbox/RT-NEW.json": new},
+                "--fail-attempts",
+                "1",
+                retry_safe=True,
+                max_attempts=2,
+            ),
+            # attempt 1 hands off then exits 1; attempt 2 forgets the handoff
+            "forgetful": writing_agent(
+                env,
+                {"@1:outbox/RT-HANDOFF.json": {**handoff, "from": "forgetful"}},
+                "--fail-attempts",
+                "1",
+                retry_safe=True,
+                max_attempts=2,
+            ),
+            "worker": env.agent(),
+        }
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RT-1", to="retrier"))
+    env.drop(order("RT-2", to="forgetful", accept={"output": "out.csv", "followups": ["worker"]}))
+
+    first = env.wait_job("RT-1", "done")
+    assert [a["n"] for a in first["attempts"]] == [1, 2]
+    assert first["children"] == ["RT-NEW"]
+    assert env.wait_job("RT-NEW", "done")["parent"] == "RT-1"
+    assert (env.job_dir("RT-1", "done") / "attempts" / "1" / "outbox" / "RT-OLD.json").exists()
+    second = env.wait_job("RT-2", "failed")
+    assert [a["n"] for a in second["attempts"]] == [1, 2]
+    assert second["reason"].startswith("followups_valid"), second["reason"]
+    flush(env, "retry")
+    assert_not_released(env, "RT-OLD")
+    assert_not_released(env, "RT-HANDOFF")
+    assert d.stop() == 0
+
+
 # -- accept.followups: the seed's missing handoff ---------------------------------------
 
 
@@ -524,7 +666,7 @@ def test_followup_is_released_exactly_once_across_kill_9(env: Env) -> None:
         d = env.daemon()
         d.wait_ready()
         env.drop(order(parent, to="parent"))
-        fast_wait(lambda d=d, p=parent, c=child, point=point: point(d, p, c), f"kill point {i}")
+        fast_wait(partial(point, d, parent, child), f"kill point {i}")
         d.kill()
         again = env.daemon()
         again.wait_ready()
@@ -545,6 +687,37 @@ def test_followup_is_released_exactly_once_across_kill_9(env: Env) -> None:
         assert starts_of(env, parent) == [1]
     leftovers = [p.name for p in (env.root / "inbox").iterdir() if not p.name.startswith(".")]
     assert leftovers == []
+
+
+def test_parent_recovered_after_kill_9_releases_its_followup_at_most_once(env: Env) -> None:
+    """kill -9 while a parent agent still runs after writing receipt and outbox: one outcome, no duplicate."""
+    env.configure(
+        agents={
+            "parent": handing_off(
+                env, followup("{job_id}.c", to="worker", sender="parent"), flags=("--sleep-after", "30")
+            ),
+            "worker": env.agent(),
+        }
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("REC-1", to="parent"))
+    fast_wait(lambda: (env.job_dir("REC-1", "active") / "work" / "receipt.json").exists(), "the receipt")
+    d.kill()
+    again = env.daemon()
+    again.wait_ready()
+    parent = env.wait_job("REC-1")
+    assert check(parent, "exit_ok")["ok"] is None, check(parent, "exit_ok")
+    if parent["state"] == "done":
+        assert parent["children"] == ["REC-1.c"]
+        assert env.wait_job("REC-1.c", "done")["parent"] == "REC-1"
+        assert starts_of(env, "REC-1.c") == [1]
+    else:
+        flush(env, "recovered")
+        assert_not_released(env, "REC-1.c")
+    assert starts_of(env, "REC-1") == [1]
+    assert not refusals_of(env, "REC-1.c")
+    assert again.stop() == 0
 
 
 # -- show -------------------------------------------------------------------------------

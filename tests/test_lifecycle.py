@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Daemon, Env, cli_env, order, wait_until
+from conftest import FAKE_AGENT, Daemon, Env, cli_env, order, wait_until
 
 CHECK_NAMES = [
     "exit_ok",
@@ -124,8 +124,17 @@ BAD_FILES: dict[str, bytes] = {
     "bad-to.yaml": yaml.safe_dump(order("BAD-TO-1", to="nobody")).encode(),
     "bad-syntax.yaml": b"job_id: [unclosed\nfrom: tester\n",
     "bad-id.json": json.dumps(order("BAD ID", to="plain")).encode(),
+    "empty.json": b"",
+    "bad.dots.json": json.dumps(order("BAD-DOTS-1", to="plain", timeout=0)).encode(),
 }
-BAD_JOB_IDS = {"bad-acept.yaml": "BAD-ACEPT-1", "bad-task.json": "BAD-TASK-1", "bad-to.yaml": "BAD-TO-1"}
+BAD_JOB_IDS = {
+    "bad-acept.yaml": "BAD-ACEPT-1",
+    "bad-task.json": "BAD-TASK-1",
+    "bad-to.yaml": "BAD-TO-1",
+    "bad.dots.json": "BAD-DOTS-1",
+}
+BRACES_TASK = "Use {job_id}, {workspace} and {{task}} as written"
+BOM_JSON = b"\xef\xbb\xbf" + json.dumps(order("LIFE-BOM", to="plain"), ensure_ascii=False).encode()
 NOTES = b"Remember to water the plants.\n"
 HIDDEN = {
     ".hidden.json": "HIDDEN-1",
@@ -144,10 +153,12 @@ JOBS = {
     "LIFE-AR3": "ar3",
     "LIFE-LINEAGE": "plain",
     "LIFE-SUBMIT": "plain",
+    "LIFE-BOM": "plain",
+    "LIFE-BRACES": "prompted",
     "BAD-ACEPT-1": "plain",
 }
 ENTRIES = ["link", "pipe", "folder", "link2", "pipe2", "folder2", "pipe3"]
-STEMS = ["bad-acept", "bad-task", "bad-to", "bad-syntax", "bad-id", "notes", *ENTRIES]
+STEMS = ["bad-acept", "bad-task", "bad-to", "bad-syntax", "bad-id", "empty", "bad.dots", "notes", *ENTRIES]
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -284,6 +295,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         for n in (1, 2, 3):
             env.drop(order(f"LIFE-AR{n}", to=f"ar{n}"))
         env.drop(order("LIFE-LINEAGE", to="plain", parent="SOMEONE-ELSE", hops=3))
+        env.drop(BOM_JSON, "LIFE-BOM.json")
+        env.drop(order("LIFE-BRACES", to="prompted", task=BRACES_TASK, **{"from": "{job_id}"}))
         for name, data in BAD_FILES.items():
             env.drop(data, name)
         env.drop(NOTES, "notes.txt")
@@ -379,6 +392,13 @@ def test_order_file_kept_byte_for_byte(scenario: Scenario) -> None:
     assert sorted(p.name for p in folder.glob("order.*")) == ["order.yaml"]
 
 
+def test_order_with_byte_order_mark_runs_and_is_kept_whole(scenario: Scenario) -> None:
+    """A UTF-8 byte-order mark is ignored: the job runs, and order.json keeps the dropped bytes."""
+    folder = done_dir(scenario, "LIFE-BOM")
+    assert (folder / "order.json").read_bytes() == BOM_JSON
+    assert json.loads((folder / "work" / "order.json").read_bytes())["job_id"] == "LIFE-BOM"
+
+
 def test_work_starts_with_the_validated_order_as_json(scenario: Scenario) -> None:
     """work/order.json holds the order as JSON: the same fields and values as the file."""
     work_order = json.loads((done_dir(scenario, "LIFE-YAML") / "work" / "order.json").read_text())
@@ -412,6 +432,14 @@ def test_prompt_rendered_with_placeholders_and_unknown_braces_kept(scenario: Sce
     assert os.path.realpath(part("S")) == os.path.realpath(work)
     assert os.path.realpath(part("R")) == os.path.realpath(work / "receipt.json")
     assert part("U") == "{unknown} {} {0} {LIFE-YAML} { job_id } {JOB_ID} $job_id {job_id"
+
+
+def test_placeholder_values_are_not_expanded_again(scenario: Scenario) -> None:
+    """Braces inside an order's values reach the prompt as written: placeholders are filled in once."""
+    text = (done_dir(scenario, "LIFE-BRACES") / "work" / "prompt.md").read_text()
+    assert f"<K>{BRACES_TASK}</K>" in text
+    assert "<F>{job_id}</F>" in text
+    assert "<J>LIFE-BRACES</J>" in text
 
 
 def test_no_prompt_md_without_prompt(scenario: Scenario) -> None:
@@ -687,8 +715,7 @@ def test_job_log_lines_carry_job_id_and_agent(scenario: Scenario) -> None:
     for name in ("job.claimed", "agent.started", "agent.exited", "job.verified", "job.done"):
         assert name in names, names
     for e in mine:
-        if e["event"] in ("job.claimed", "agent.started", "agent.exited", "job.verified", "job.done"):
-            assert e["agent"] == "plain", e
+        assert e.get("agent") == "plain", f"a line about job LIFE-PLAIN without its agent: {e}"
     assert names.index("job.claimed") < names.index("agent.started") < names.index("job.done")
 
 
@@ -697,6 +724,14 @@ def test_log_file_gets_the_same_json_lines(scenario: Scenario) -> None:
     path = Path(scenario.env.settings["log_file"])
     entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert any(e["event"] == "job.done" and e.get("job_id") == "LIFE-PLAIN" for e in entries)
+
+
+def test_logs_command_shows_one_job(scenario: Scenario) -> None:
+    """`logs --job ID` reads the log file and shows that job's lines, not other jobs'."""
+    proc = scenario.env.cli("logs", "--job", "LIFE-PLAIN")
+    assert proc.returncode == 0, proc.stderr
+    assert "LIFE-PLAIN" in proc.stdout and "job.done" in proc.stdout
+    assert "LIFE-YAML" not in proc.stdout
 
 
 def test_graceful_stop_exits_0(scenario: Scenario) -> None:
@@ -715,6 +750,9 @@ def test_repeated_job_id_is_refused_without_calling_the_agent(env: Env) -> None:
     d1.wait_ready()
     env.wait_job("DUP-1", "done")
     assert (env.root / "done" / "DUP-1" / "order.json").read_bytes() == first_bytes
+    # A file name is not an identity: the same name with a new job id is a new job.
+    env.drop(order("DUP-2"), "first.json")
+    env.wait_job("DUP-2", "done")
     env.drop(order("DUP-1", task="Same id, second file."), "again.json")
     again = env.wait_refused("again")
     assert again["state"] == "failed"
@@ -746,7 +784,7 @@ def test_repeated_job_id_is_refused_without_calling_the_agent(env: Env) -> None:
 
 def test_file_written_slowly_in_place_is_taken_once_whole(env: Env) -> None:
     """A file written in place over longer than a rescan is taken once, after its writer closes it."""
-    env.configure(settle=2, rescan_interval=1)
+    env.configure(settle=3, rescan_interval=1)
     head = b'job_id: "SLOW-1"\nfrom: tester\nto: worker\ntask: Written slowly.\n'
     body = b"items:\n  - id: R1\n  - id: R2\n  - id: R3\n"
     tail = b"accept:\n  output: out.csv\n"
@@ -757,7 +795,7 @@ def test_file_written_slowly_in_place_is_taken_once_whole(env: Env) -> None:
     try:
         for part in (head, body, tail):
             os.write(fd, part)
-            time.sleep(0.9)  # the writer's pace, below settle (2 s); not a synchronisation
+            time.sleep(0.8)  # the writer's pace, well below settle (3 s); not a synchronisation
     finally:
         os.close(fd)
     env.wait_job("SLOW-1", "done")
@@ -844,6 +882,82 @@ def test_refusal_folder_name_collision_gets_a_suffix(env: Env, monkeypatch: pyte
     assert daemon.stop() == 0
 
 
+def test_run_once_waits_for_a_file_still_being_written(env: Env) -> None:
+    """`run --once` waits for a file still being written in inbox/ and takes it whole."""
+    env.configure(settle=3, rescan_interval=1)
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True)
+    head = b'job_id: "ONCE-SLOW"\nfrom: tester\nto: worker\ntask: Written while run --once starts.\n'
+    rest = b"items:\n  - id: R1\naccept:\n  output: out.csv\n"
+    fd = os.open(inbox / "once-slow.yaml", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    proc = subprocess.Popen(
+        [*PYTHON_M, "--config", str(env.config_path), "run", "--once"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=env.tmp,
+        env=cli_env(),
+    )
+    try:
+        os.write(fd, head)
+        time.sleep(0.8)  # the writer's pace, well below settle (3 s); not a synchronisation
+        os.write(fd, rest)
+        time.sleep(0.8)
+    finally:
+        os.close(fd)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    env.wait_job("ONCE-SLOW", "done", timeout=5)
+    assert (env.root / "done" / "ONCE-SLOW" / "order.yaml").read_bytes() == head + rest
+    assert env.refusals() == []
+
+
+def test_relative_paths_in_the_config_resolve_against_its_folder(env: Env) -> None:
+    """A config's relative root, log_file and command path resolve against the config's folder."""
+    etc = env.tmp / "etc"
+    (etc / "agents").mkdir(parents=True)
+    (etc / "agents" / "fake.py").write_bytes(FAKE_AGENT.read_bytes())
+    cfg = {
+        "root": "../spool",
+        "log_file": "dispatcher.log",
+        "settle": 0.3,
+        "agents": {"worker": {"command": [sys.executable, "agents/fake.py"], "writes": ["out.csv"]}},
+    }
+    (etc / "dispatcher.yaml").write_text(yaml.safe_dump(cfg))
+    spool = env.tmp / "spool"
+    (spool / "inbox").mkdir(parents=True)
+    (spool / "inbox" / "REL-1.json").write_bytes(json.dumps(order("REL-1")).encode())
+    proc = run_cli(env.tmp, "--config", "etc/dispatcher.yaml", "run", "--once", timeout=90)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads((spool / "done" / "REL-1" / "result.json").read_text())["state"] == "done"
+    entries = [json.loads(line) for line in (etc / "dispatcher.log").read_text().splitlines() if line.strip()]
+    assert any(e["event"] == "job.done" and e.get("job_id") == "REL-1" for e in entries)
+
+
+@pytest.mark.parametrize("name", [b"\xff\xfe-order.json", b"x" * 250 + b".json"], ids=["non-utf8", "250-chars"])
+def test_file_with_an_awkward_name_is_refused_not_fatal(env: Env, name: bytes) -> None:
+    """A bad file whose name is not UTF-8, or too long to carry a timestamp, is refused; the daemon goes on."""
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True)
+    bad_name = os.fsencode(inbox) + b"/" + name
+    with open(bad_name, "wb") as f:
+        f.write(b"{not json")
+    os.utime(bad_name, (time.time() - 60, time.time() - 60))
+    (inbox / "after.json").write_bytes(json.dumps(order("AFTER-BYTES")).encode())
+    proc = env.cli("run", "--once", timeout=90)
+    assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 1, proc.stderr
+    assert finished(env, "AFTER-BYTES") == ("done", env.result("AFTER-BYTES", "done"))
+    assert os.listdir(os.fsencode(inbox)) == []
+    failed = os.fsencode(env.root / "failed")
+    kept = [
+        Path(os.fsdecode(os.path.join(failed, d, f))).read_bytes()
+        for d in os.listdir(failed)
+        for f in os.listdir(os.path.join(failed, d))
+        if f.startswith(b"order.")
+    ]
+    assert kept == [b"{not json"]
+
+
 # -- run --once -----------------------------------------------------------------------------------
 
 
@@ -909,6 +1023,17 @@ def test_init_makes_the_layout_and_a_starter_config(tmp_path: Path) -> None:
     status = run_cli(tmp_path, "--config", str(cfg), "--root", str(root), "status", "--json")
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["counts"]["inbox"] == 0
+
+
+def test_init_with_default_config_path_and_relative_dir(tmp_path: Path) -> None:
+    """Without --config, `init DIR` writes config/dispatcher.yaml under the cwd and DIR relative to it."""
+    proc = run_cli(tmp_path, "init", "spool")
+    assert proc.returncode == 0, proc.stderr
+    for state in ("inbox", "active", "done", "failed"):
+        assert (tmp_path / "spool" / state).is_dir(), state
+    assert (tmp_path / "config" / "dispatcher.yaml").is_file()
+    check = run_cli(tmp_path, "validate")
+    assert check.returncode == 0, check.stderr
 
 
 def test_init_uses_the_configured_root_and_never_overwrites_the_config(env: Env) -> None:

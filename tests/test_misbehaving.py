@@ -71,9 +71,7 @@ def test_hanging_agent_times_out_and_its_group_is_killed(env: Env) -> None:
 
 def test_agent_ignoring_sigterm_gets_sigkill_after_kill_grace(env: Env) -> None:
     """An agent that ignores SIGTERM is SIGKILLed kill_grace after its timeout."""
-    env.configure(
-        agents={"worker": env.agent("--ignore-term", "--sleep", "60", timeout=1)}, kill_grace=1
-    )
+    env.configure(agents={"worker": env.agent("--ignore-term", "--sleep", "60", timeout=1)}, kill_grace=1)
     d = env.daemon()
     d.wait_ready()
     env.drop(order("DEAF-1"))

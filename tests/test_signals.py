@@ -234,9 +234,7 @@ def test_systemd_notify_ready_status_watchdog_stopping(env: Env) -> None:
         pings = [t for t in listener.times("WATCHDOG=1") if t >= ready_at]
         gaps = [b - a for a, b in itertools.pairwise(pings)]
         assert len(gaps) >= 8, f"too few WATCHDOG=1 pings: {len(pings)}"
-        assert 0.16 <= statistics.median(gaps) <= 0.24, (
-            f"median gap {statistics.median(gaps):.3f} s"
-        )
+        assert 0.16 <= statistics.median(gaps) <= 0.24, f"median gap {statistics.median(gaps):.3f} s"
         assert max(gaps) < 0.4, f"a gap of {max(gaps):.3f} s would trip the systemd watchdog"
         statuses = [text for _t, text in listener.lines if text.startswith("STATUS=")]
         assert statuses, "no STATUS= line"
@@ -257,6 +255,4 @@ def test_systemd_notify_ready_status_watchdog_stopping(env: Env) -> None:
     assert not leaked, f"the agent inherited {leaked}"
     assert "SECRET_TEST_VARIABLE" not in agent_env
     assert agent_env["DISPATCH_JOB_ID"] == "NOTE-1"
-    assert {"DISPATCH_ORDER", "DISPATCH_WORKSPACE", "DISPATCH_RECEIPT", "DISPATCH_ATTEMPT"} <= set(
-        agent_env
-    )
+    assert {"DISPATCH_ORDER", "DISPATCH_WORKSPACE", "DISPATCH_RECEIPT", "DISPATCH_ATTEMPT"} <= set(agent_env)

@@ -270,7 +270,7 @@ ORDER_CASES: list[Case] = [
     good("ok-bom-json", b"\xef\xbb\xbf" + js()),
     good("ok-task-500-chars", js({"task": "x" * 500})),
     good("ok-task-unicode", js({"task": "Café ☕ for Aina, naïve résumé"})),
-    good("ok-task-500-multibyte", js({"task": "é" * 500})),
+    good("ok-task-500-multibyte", yl(task="é" * 500), ext="yaml"),
     good("ok-crlf-yaml", yl().replace(b"\n", b"\r\n"), ext="yaml"),
     good("ok-id-128-chars", js({"job_id": "J" * 128, "items": [{"id": "R" * 128}]})),
     good("ok-id-punctuation", js({"job_id": "a.B_c-9", "items": [{"id": "0.x_Y-z"}]})),
@@ -559,3 +559,79 @@ def test_submit_drops_each_file_and_prints_each_job_id(env: Env) -> None:
     assert dropped == sorted([js({"job_id": "SUB-A"}), yl(job_id="SUB-B")])
     names = [p.name for p in inbox.iterdir()]
     assert not [n for n in names if n.startswith(".") or n.endswith((".tmp", ".part"))], names
+
+
+def test_validate_without_files_checks_the_config(env: Env) -> None:
+    """`validate` with no file checks the config: exit 0 when good, 2 naming the key when not."""
+    assert env.cli("validate").returncode == 0
+    write_config(env, base_config(env) | {"retry_dealy": 1})
+    assert "retry_dealy" in config_error(env, "validate")
+
+
+@pytest.mark.parametrize("command", ["validate", "submit"])
+def test_missing_file_exits_2_with_one_line(env: Env, command: str) -> None:
+    """A file that cannot be read is invalid input: exit 2 and one line naming it."""
+    proc = env.cli(command, "no-such-order.json")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("no-such-order.json: "), proc.stderr
+
+
+def test_default_max_order_bytes_is_one_mebibyte(env: Env) -> None:
+    """Without max_order_bytes in the config, 1 MiB passes and one byte more is refused."""
+    (env.tmp / "big-ok.json").write_bytes(padded(1_048_576))
+    (env.tmp / "big-bad.json").write_bytes(padded(1_048_577))
+    assert env.cli("validate", "big-ok.json").returncode == 0
+    error_rest(env.cli("validate", "big-bad.json"), "big-bad.json")
+
+
+def test_root_option_overrides_the_configured_root(env: Env) -> None:
+    """`--root DIR` replaces the config's root: submit drops into DIR/inbox/."""
+    other = env.tmp / "other-root"
+    (other / "inbox").mkdir(parents=True)
+    (env.tmp / "ok.json").write_bytes(js({"job_id": "ROOT-1"}))
+    proc = env.cli("--root", str(other), "submit", "ok.json")
+    assert proc.returncode == 0, proc.stderr
+    assert [p.read_bytes() for p in (other / "inbox").iterdir() if not p.name.startswith(".")] == [
+        js({"job_id": "ROOT-1"})
+    ]
+    inbox = env.root / "inbox"
+    assert not inbox.exists() or not [p for p in inbox.iterdir() if not p.name.startswith(".")]
+
+
+CONFIG_CASES = [
+    ("agent-concurrency-0", "    concurrency: 0\n", "", "concurrency"),
+    ("agent-timeout-0", "    timeout: 0\n", "", "timeout"),
+    ("agent-max-attempts-0", "    max_attempts: 0\n", "", "max_attempts"),
+    ("agent-retry-safe-string", "    retry_safe: maybe\n", "", "retry_safe"),
+    ("agent-env-int", "    env: {A: 1}\n", "", "env"),
+    ("agent-command-empty", "    command: []\n", "", "command"),
+    ("agent-command-string", "    command: python3 agent.py\n", "", "command"),
+    ("agent-prompt-int", "    prompt: 5\n", "", "prompt"),
+    ("max-jobs-0", "", "max_jobs: 0\n", "max_jobs"),
+    ("settle-negative", "", "settle: -1\n", "settle"),
+    ("duplicate-key", "", "max_jobs: 1\nmax_jobs: 2\n", "max_jobs"),
+]
+
+
+@pytest.mark.parametrize(
+    ("agent_extra", "top_extra", "mention"), [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES]
+)
+def test_config_value_errors_name_the_key(env: Env, agent_extra: str, top_extra: str, mention: str) -> None:
+    """A config value of the wrong type or range is an error naming its key, with exit 2."""
+    command = "    command: [python3, agent.py]\n" if "command:" not in agent_extra else ""
+    env.config_path.write_text(f"root: {env.root}\n{top_extra}agents:\n  worker:\n{command}{agent_extra}")
+    assert mention in config_error(env)
+
+
+@pytest.mark.parametrize("text", ["- a list\n", "just text\n", ""], ids=["list", "scalar", "empty"])
+def test_config_that_is_not_a_mapping_is_an_error(env: Env, text: str) -> None:
+    """A config whose top level is not a mapping is refused with exit 2 and one line."""
+    env.config_path.write_text(text)
+    config_error(env)
+
+
+def test_missing_config_file_is_an_error(env: Env) -> None:
+    """A --config path that does not exist exits 2 with one line naming it."""
+    env.config_path.unlink()
+    assert env.config_path.name in config_error(env)
