@@ -117,10 +117,13 @@ class JobRun:
         _end_leftover(last_dir, self.agent, self.ctx.config().kill_grace_s)
         n = int(last_dir.name)
         record = _read_json(last_dir / "attempt.json")
-        if record is None:
-            record = self._interrupted_record(n, last_dir)
-            self.attempts.append(record)
-            _write(last_dir / "attempt.json", record)
+        if record is None or record.get("interrupted") or record.get("aborted") == STOPPED:
+            if record is None:
+                record = self._interrupted_record(n, last_dir)
+                self.attempts.append(record)
+                _write(last_dir / "attempt.json", record)
+            if record.get("next") == "retry":
+                return None
             if os.path.lexists(self.work / "receipt.json"):
                 return self._evaluate(n, Exit(lost=True), final=True)
             checks = self._checks(Exit(lost=True))

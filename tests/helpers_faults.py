@@ -373,3 +373,14 @@ class NotifyListener:
         self._stop.set()
         self._thread.join(5)
         self.sock.close()
+
+
+def assert_running(*daemons: Daemon) -> None:
+    """Fail at once, with the daemon's last words, if one of the daemons has exited."""
+    for d in daemons:
+        assert d.proc is not None
+        code = d.proc.poll()
+        if code is not None:
+            text = d.out.read_text(errors="replace").splitlines()
+            words = [line for line in text if not line.startswith("{")][-6:]
+            raise AssertionError(f"a daemon exited with {code}: " + " | ".join(words))

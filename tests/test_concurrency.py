@@ -17,6 +17,7 @@ import pytest
 from conftest import Env, order, wait_until
 from helpers_faults import (
     agent_starts,
+    assert_running,
     job_states,
     reap,
     refusals,
@@ -60,7 +61,7 @@ def test_three_daemons_run_every_job_exactly_once(env: Env) -> None:
         d.wait_ready()
     for i in range(n // 2, n):
         env.drop(tiny_order(f"M{i:04d}"))
-    wait_until(lambda: settled(env) >= n, 120, f"{n} files to end in done/ or failed/")
+    wait_until(lambda: assert_running(*daemons) or settled(env) >= n, 120, f"{n} files to end in done/ or failed/")
     for d in daemons:
         assert d.stop() == 0
 
@@ -91,7 +92,9 @@ def test_same_job_id_dropped_together_gives_one_job_and_one_refusal(env: Env) ->
     for job_id in pairs:
         os.rename(inbox / f".{job_id}-a.json.tmp", inbox / f"{job_id}-a.json")
         os.rename(inbox / f".{job_id}-b.json.tmp", inbox / f"{job_id}-b.json")
-    wait_until(lambda: settled(env) >= 2 * len(pairs), 60, "every file to end in done/ or failed/")
+    wait_until(
+        lambda: assert_running(*daemons) or settled(env) >= 2 * len(pairs), 60, "every file to end in done/ or failed/"
+    )
     refused = [json.loads((p / "result.json").read_text()) for p in refusals(env.root)]
     assert sorted(r["job_id"] for r in refused) == sorted(pairs), "not one refusal per pair"
     assert all(r["state"] == "failed" for r in refused)
@@ -163,7 +166,7 @@ def test_burst_of_2000_renames_ends_with_every_job_done(env: Env) -> None:
         (inbox / f".B{i:05d}.json.tmp").write_text(json.dumps(tiny_order(f"B{i:05d}")))
     for i in range(n):
         os.rename(inbox / f".B{i:05d}.json.tmp", inbox / f"B{i:05d}.json")
-    wait_until(lambda: settled(env) >= n, 200, f"{n} files to end in done/ or failed/")
+    wait_until(lambda: assert_running(d) or settled(env) >= n, 200, f"{n} files to end in done/ or failed/")
     assert d.stop() == 0
     states = job_states(env.root)
     assert len(states) == n

@@ -1141,6 +1141,15 @@ def test_show_json_of_a_failed_job(busy: Busy) -> None:
     assert {c["name"]: c["ok"] for c in data["checks"]}["exit_ok"] is False
 
 
+def test_show_json_of_a_running_job(busy: Busy) -> None:
+    """`show --json` of a running job says it is active."""
+    proc = busy.env.cli("show", "ST-SLOW", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["job_id"] == "ST-SLOW"
+    assert data["state"] == "active"
+
+
 def test_show_text_of_a_done_job(busy: Busy) -> None:
     """`show JOB_ID` prints the job id, its state and its checks for a person."""
     proc = busy.env.cli("show", "ST-OK")

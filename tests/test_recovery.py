@@ -20,6 +20,7 @@ from helpers_faults import (
     LogTail,
     agent_starts,
     alive,
+    assert_running,
     check,
     first_failing,
     group_members,
@@ -80,6 +81,7 @@ def kill_storm(env: Env, n_jobs: int, kills: int, seed: int) -> Counter[str]:
             hit = True
         else:
             hit = tail.wait_for(lambda e, ev=event: e.get("event") == ev, 8.0) is not None
+        assert_running(d)  # it must die by our SIGKILL, not by itself
         d.kill()
         landed[name if hit else f"{name} (not reached, killed after 8 s)"] += 1
         for job_id in rest[k * per : (k + 1) * per]:
