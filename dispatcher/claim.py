@@ -19,14 +19,14 @@ import os
 import secrets
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from dispatcher import fsutil
 from dispatcher.config import Agent, Config
 from dispatcher.errors import OrderError
-from dispatcher.evidence import digest, snapshot
+from dispatcher.evidence import digest
 from dispatcher.layout import Layout, State, iso, utc_stamp
 from dispatcher.ledger import Claim, Entry, Ledger
 from dispatcher.loader import load_document
@@ -187,27 +187,34 @@ def take_claim(ledger: Ledger, layout: Layout, item: Inspected, owner: str, owne
     )
 
 
-def build_job(layout: Layout, item: Inspected, agent: Agent, claim: Claim, owner: str) -> Path | None:
+def build_job(
+    layout: Layout, item: Inspected, agent: Agent, claim: Claim, owner: str
+) -> tuple[Path, dict[str, Any], Order] | None:
     """Build the job folder in staging and rename it into active/ (step 2).
 
-    Returns the job folder, or None if the inbox file vanished before it moved.
+    Returns the job folder with its spec (job.json) and the order as the agent
+    sees it, or None if the inbox file vanished before it moved. The rename is
+    made durable (active/ fsynced) before any agent can start; the inbox
+    unlink is not: if a power loss brings the name back, it is the same inode
+    as the job's order file and is dropped, not refused (``drop_inbox_twin``).
     """
     order = item.order
     stage = layout.staging / f"{owner}.claim-{order.job_id}-{secrets.token_hex(4)}"
     work = stage / "work"
-    (stage / "attempts").mkdir(parents=True)
-    work.mkdir()
+    work.mkdir(parents=True)
     body = dict(order.body)
     body["parent"] = claim.parent
     body["hops"] = claim.hops
-    (work / "order.json").write_bytes(to_json(body))
-    given = ["order.json"]
+    order_json = to_json(body)
+    (work / "order.json").write_bytes(order_json)
+    given = {"order.json": digest(order_json)}
     spec = job_spec(item, agent, claim)
     if agent.prompt is not None:
         values = prompt_values(body, agent, layout.job(State.ACTIVE, order.job_id))
-        (work / "prompt.md").write_text(render(agent.prompt, values, prompt=True))
-        given.append("prompt.md")
-    spec["given"] = snapshot(work, given)
+        prompt = render(agent.prompt, values, prompt=True).encode()
+        (work / "prompt.md").write_bytes(prompt)
+        given["prompt.md"] = digest(prompt)
+    spec["given"] = given
     (stage / JOB_FILE).write_bytes(fsutil.dump_json(spec))
     ext = Path(item.name).suffix
     try:
@@ -215,14 +222,13 @@ def build_job(layout: Layout, item: Inspected, agent: Agent, claim: Claim, owner
     except FileNotFoundError:
         for p in (work / "order.json", work / "prompt.md", stage / JOB_FILE):
             p.unlink(missing_ok=True)
-        for d in (work, stage / "attempts", stage):
+        for d in (work, stage):
             d.rmdir()
         return None
     final = layout.job(State.ACTIVE, order.job_id)
     fsutil.rename_noreplace(stage, final)
     fsutil.fsync_dir(layout.folder(State.ACTIVE))
-    fsutil.fsync_dir(layout.inbox)
-    return final
+    return final, spec, replace(order, body=body)
 
 
 def job_spec(item: Inspected, agent: Agent, claim: Claim) -> dict[str, Any]:

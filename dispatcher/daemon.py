@@ -451,8 +451,8 @@ class Daemon:
             if got.known is not None:
                 self._known(item, got.known)  # refuses it, unless another daemon is moving it
             return None
-        folder = claim.build_job(self.layout, item, agent, got, self.owner)
-        if folder is None:
+        built = claim.build_job(self.layout, item, agent, got, self.owner)
+        if built is None:
             self.ledger.finish(item.order.job_id, FAILED)
             log.warning("order.vanished", file=item.name, job_id=item.order.job_id)
             return None
@@ -464,7 +464,8 @@ class Daemon:
             parent=got.parent,
             hops=got.hops,
         )
-        return JobRun(self.ctx, item.order.job_id)
+        _folder, spec, order = built
+        return JobRun(self.ctx, item.order.job_id, fresh=(spec, order))
 
     def _reopen(self, job_id: str) -> JobRun | None:
         """Move a failed job back to active/ for `dispatcher retry`."""

@@ -28,8 +28,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """Write data to path through a temporary file and a rename; fsync both when sync."""
+def write_atomic(path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
+    """Write data to path through a temporary file and a rename; fsync the file (and folder) when sync."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
     try:
@@ -39,7 +39,7 @@ def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
     finally:
         os.close(fd)
     os.rename(tmp, path)
-    if sync:
+    if sync and sync_dir:
         fsync_dir(path.parent)
 
 

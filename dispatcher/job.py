@@ -55,17 +55,29 @@ class Context:
 class JobRun:
     """One job in active/<job_id>, driven to done/ or failed/ (or left for recovery on stop)."""
 
-    def __init__(self, ctx: Context, job_id: str, *, recovering: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        job_id: str,
+        *,
+        recovering: bool = False,
+        fresh: tuple[dict[str, Any], Order] | None = None,
+    ) -> None:
+        """Load a job from active/<job_id>; ``fresh`` passes a just-built job's spec and order."""
         self.ctx = ctx
         self.job_id = job_id
         self.folder = ctx.layout.job(State.ACTIVE, job_id)
         self.work = self.folder / "work"
-        self.spec: dict[str, Any] = json.loads((self.folder / JOB_FILE).read_text())
+        if fresh is not None:
+            self.spec, self.order = fresh
+        else:
+            self.spec = json.loads((self.folder / JOB_FILE).read_text())
         self.agent = Agent.from_json(self.spec["agent"])
-        self.order = self._load_order()
+        if fresh is None:
+            self.order = self._load_order()
         self.abort = runner.Abort()
         self.recovering = recovering
-        self.attempts: list[dict[str, Any]] = _read_attempts(self.folder)
+        self.attempts: list[dict[str, Any]] = _read_attempts(self.folder) if fresh is None else []
         self.retries = 0
         self.waiting_retry = False
 
@@ -426,7 +438,9 @@ class JobRun:
             "parent": self.spec["parent"],
             "children": children if children is not None else self.ctx.ledger.children(self.job_id),
         }
-        fsutil.write_atomic(self.folder / "result.json", fsutil.dump_json(result))
+        # the file is fsynced; its folder entry is made durable by the fsync of done/ or failed/
+        # after the move below (one journal commit on ext4 and xfs)
+        fsutil.write_atomic(self.folder / "result.json", fsutil.dump_json(result), sync_dir=False)
         return self._place(result)
 
     def _place(self, result: dict[str, Any]) -> str:
@@ -435,7 +449,7 @@ class JobRun:
         target = self.ctx.layout.job(State(state), self.job_id)
         fsutil.rename_noreplace(self.folder, target)
         fsutil.fsync_dir(self.ctx.layout.folder(State(state)))
-        fsutil.fsync_dir(self.ctx.layout.folder(State.ACTIVE))
+        # the ledger's final state is also in the folders, so this commit needs no fsync of its own
         self.ctx.ledger.finish(self.job_id, DONE if state == "done" else FAILED)
         if state == "done":
             log.info("job.done", attempts=len(result["attempts"]), children=result["children"] or None)
@@ -548,4 +562,5 @@ def _read_json(path: Path) -> Any:
 
 
 def _write(path: Path, value: Any) -> None:
-    fsutil.write_atomic(path, fsutil.dump_json(value), sync=False)
+    """Write a bookkeeping file in place: a torn one reads as missing (the attempt as interrupted)."""
+    path.write_bytes(fsutil.dump_json(value))

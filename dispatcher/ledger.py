@@ -92,16 +92,25 @@ class Ledger:
             self._db.close()
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """Run a write transaction that holds the database's write lock from the start."""
+    def _write(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """Run a write transaction that holds the database's write lock from the start.
+
+        A durable commit is fsynced (``synchronous=FULL``) before it returns.
+        """
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if not durable:
+                self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
 
     def _row(self, db: sqlite3.Connection, job_id: str) -> Entry | None:
         row = db.execute(
@@ -193,8 +202,12 @@ class Ledger:
             return cur.rowcount == 1
 
     def finish(self, job_id: str, state: str) -> None:
-        """Record the final state (done or failed) of a job; drop a failed job's reservations."""
-        with self._write() as db:
+        """Record the final state (done or failed) of a job; drop a failed job's reservations.
+
+        This commit is not fsynced on its own (the next durable commit carries it to
+        disk): the final state is also the job's folder, which recovery reads back.
+        """
+        with self._write(durable=False) as db:
             db.execute(
                 "UPDATE jobs SET state = ?, updated = ? WHERE job_id = ?",
                 (state, time.time(), job_id),

@@ -7,8 +7,7 @@ a handler silently kills the observer thread, gorakhargosh/watchdog #427).
 
 - moved in (a rename) or closed after writing: ready now;
 - created, or seen by a scan, with no close seen: ready once its size and
-  mtime have not changed for ``settle`` seconds and no writer holds it open
-  (open and close events are counted).
+  mtime have not changed for ``settle`` seconds.
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ from typing import Any
 from watchdog.events import (
     DirCreatedEvent,
     FileClosedEvent,
-    FileClosedNoWriteEvent,
     FileCreatedEvent,
     FileDeletedEvent,
     FileMovedEvent,
-    FileOpenedEvent,
     FileSystemEvent,
     FileSystemEventHandler,
 )
@@ -38,10 +35,8 @@ from watchdog.observers.api import BaseObserver
 from dispatcher.evidence import is_ignored
 
 Post = Callable[[tuple[Any, ...]], None]
-_FILTER = [
-    FileMovedEvent, FileCreatedEvent, DirCreatedEvent, FileClosedEvent, FileClosedNoWriteEvent,
-    FileOpenedEvent, FileDeletedEvent,
-]  # fmt: skip
+# opens and no-write closes are left out: every read of an order (ours included) makes two
+_FILTER = [FileMovedEvent, FileCreatedEvent, DirCreatedEvent, FileClosedEvent, FileDeletedEvent]
 
 
 class _Handler(FileSystemEventHandler):
@@ -78,8 +73,6 @@ class _Handler(FileSystemEventHandler):
             FileCreatedEvent: "created",
             DirCreatedEvent: "created",
             FileClosedEvent: "closed",
-            FileClosedNoWriteEvent: "closed_nowrite",
-            FileOpenedEvent: "opened",
             FileDeletedEvent: "gone",
         }.get(type(event))
         if kind is not None:
@@ -107,7 +100,6 @@ class _Pending:
     size: int
     mtime_ns: int
     changed_at: float
-    opens: int = 0
 
 
 class InboxTracker:
@@ -137,13 +129,6 @@ class InboxTracker:
         elif kind == "created":
             if name not in self._known:
                 self._watch(name, fresh=True)
-        elif kind == "opened":
-            if name in self._pending:
-                self._pending[name].opens += 1
-        elif kind == "closed_nowrite":
-            p = self._pending.get(name)
-            if p is not None and p.opens > 0:
-                p.opens -= 1
         elif kind == "gone" and name in self._pending:
             del self._pending[name]
             self._known.discard(name)
@@ -174,7 +159,7 @@ class InboxTracker:
             self._make_ready(name)
             return
         # a created file is held until its writer closes it (or it settles, if no open was seen)
-        self._pending[name] = _Pending(st.st_size, st.st_mtime_ns, now, opens=0)
+        self._pending[name] = _Pending(st.st_size, st.st_mtime_ns, now)
 
     def scan(self) -> None:
         """Look at every name in inbox/; track the ones not known yet (no close seen)."""
@@ -202,7 +187,7 @@ class InboxTracker:
             if (st.st_size, st.st_mtime_ns) != (p.size, p.mtime_ns):
                 p.size, p.mtime_ns, p.changed_at = st.st_size, st.st_mtime_ns, now
             left = p.changed_at + self.settle_s - now
-            if left <= 0 and p.opens == 0:
+            if left <= 0:
                 del self._pending[name]
                 self._make_ready(name)
                 continue

@@ -230,3 +230,48 @@ def test_kill9_orphan_of_not_retry_safe_job_fails_without_rerun(env: Env) -> Non
     assert result["reason"].startswith(first_failing(result) or "?"), result["reason"]
     assert [j for j, _a, _p in agent_starts(env)] == ["ORPH-3"]
     assert d2.stop() == 0
+
+
+def test_kill9_during_retry_wait_resumes_with_the_next_attempt(env: Env) -> None:
+    """A daemon killed while a job waits for its retry: the next start runs attempt 2, once."""
+    env.configure(
+        agents={"worker": env.agent("--fail-attempts", "1", retry_safe=True, max_attempts=2)},
+        retry_delay=3,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("WAIT-1"))
+    d.wait_event("job.retrying", job_id="WAIT-1")
+    d.kill()
+    assert [(j, a) for j, a, _p in agent_starts(env)] == [("WAIT-1", 1)]
+    d2 = env.daemon()
+    result = env.wait_job("WAIT-1", "done")
+    assert [(j, a) for j, a, _p in agent_starts(env)] == [("WAIT-1", 1), ("WAIT-1", 2)]
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert (env.root / "done" / "WAIT-1" / "attempts" / "1" / "receipt.json").is_file()
+    assert d2.stop() == 0
+
+
+def test_live_daemon_recovers_the_jobs_of_a_dead_one(env: Env) -> None:
+    """A running daemon finds a kill -9ed daemon's job, ends its orphan and checks its receipt."""
+    env.configure(
+        agents={"worker": env.agent("--sleep-after", "30", "--fork-child", "68.9", concurrency=2)},
+        rescan_interval=0.5,
+        kill_grace=1,
+    )
+    first = env.daemon()
+    first.wait_ready()
+    env.drop(order("DEAD-1"))
+    pid = wait_start(env, "DEAD-1")
+    first.wait_event("agent.started", job_id="DEAD-1")
+    wait_until((env.root / "active" / "DEAD-1" / "work" / "receipt.json").exists, 30, "receipt")
+    second = env.daemon()
+    second.wait_ready()
+    first.kill()
+    result = env.wait_job("DEAD-1", "done", timeout=30)
+    assert not alive(pid)
+    wait_gone(processes_with("time.sleep(68.9)"), [pid], timeout=5)
+    assert check(result, "exit_ok")["ok"] is None
+    assert [j for j, _a, _p in agent_starts(env)] == ["DEAD-1"]
+    assert second.proc is not None and second.proc.poll() is None
+    assert second.stop() == 0

@@ -133,6 +133,8 @@ ORDER_CASES: list[Case] = [
     ),
     bad("unknown-accept-key", js(outptu="out.csv"), field="accept", mention="outptu"),
     bad("unknown-top-key", js({"priority": "high"}), field="priority", mention="priority"),
+    bad("order-sets-command", js({"command": ["sh", "-c", "true"]}), field="command", mention="command"),
+    bad("order-sets-env", js({"env": {"PATH": "/tmp"}}), field="env", mention="env"),
     # -- job_id pattern and type -------------------------------------------------------
     bad("id-empty", js({"job_id": ""}), field="job_id"),
     bad("id-leading-dash", js({"job_id": "-JOB"}), field="job_id"),
