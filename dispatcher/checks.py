@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
+from dispatcher.errors import printable
 from dispatcher.orders import Order
 
 
@@ -91,7 +92,8 @@ class Evidence:
 
 
 def _n(name: str) -> Callable[[bool | None, str], CheckResult]:
-    return lambda ok, detail: CheckResult(name, ok, detail)
+    """Return a maker of this check's results; details are kept to one printable line."""
+    return lambda ok, detail: CheckResult(name, ok, printable(detail))
 
 
 def exit_ok(ev: Evidence) -> CheckResult:

@@ -25,7 +25,7 @@ from typing import Any
 
 from dispatcher import fsutil
 from dispatcher.config import Agent, Config
-from dispatcher.errors import OrderError
+from dispatcher.errors import OrderError, oneline, printable
 from dispatcher.evidence import digest
 from dispatcher.layout import Layout, State, iso, utc_stamp
 from dispatcher.ledger import Claim, Entry, Ledger
@@ -112,15 +112,15 @@ def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
     stage = layout.staging / f"{owner}.refuse-{secrets.token_hex(6)}"
     stage.mkdir()
     base = f"{stem[:200]}@{utc_stamp()}"
-    (stage / ".target").write_text(base)
-    (stage / ".source").write_text(refusal.name)
+    (stage / ".target").write_bytes(os.fsencode(base))
+    (stage / ".source").write_bytes(os.fsencode(refusal.name))
     inner = "entry" if refusal.entry_kind is not None else f"order{Path(refusal.name).suffix}"
     result: dict[str, Any] = {
         "job_id": refusal.job_id,
         "state": "failed",
         "agent": None,
-        "reason": refusal.reason,
-        "file": refusal.name,
+        "reason": oneline(refusal.reason),
+        "file": printable(refusal.name),
         "checks": [],
         "attempts": [],
         "received": iso(time.time()),

@@ -373,6 +373,7 @@ class Daemon:
             return None
         log.info(
             "order.received",
+            agent=getattr(getattr(found, "order", None), "to", None),
             file=name,
             job_id=getattr(getattr(found, "order", None), "job_id", None),
         )
@@ -493,9 +494,10 @@ class Daemon:
         state: str | None = None
         try:
             state = run.run()
-        except Exception:
+        except Exception as exc:
             with structlog.contextvars.bound_contextvars(job_id=run.job_id, agent=run.agent.name):
                 log.exception("job.crashed")
+                state = run.fail_after_crash(exc)
         finally:
             self.q.put(("finished", run.job_id, state))
 
@@ -504,7 +506,7 @@ class Daemon:
         if r is not None and r.slot is not None:
             self.slots.release(r.slot)
         if state is not None:
-            self.stats.finished[state] += 1
+            self.stats.finished["failed" if state == "crashed" else state] += 1
             if self.ledger.has_request(job_id, "cancel"):
                 self.ledger.clear_request(job_id, "cancel")
         self._status()

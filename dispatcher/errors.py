@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+import re
+
+_BREAKS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def oneline(text: str) -> str:
+    """Return text with every control character and line break escaped (\\n, \\u2028, ...)."""
+    return _BREAKS.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
+
+
+def printable(name: str) -> str:
+    """Return a file name that may hold undecodable bytes as displayable text."""
+    return oneline(name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
+
 
 class DispatchError(Exception):
     """The root of every error `dispatcher` reports to a user."""
@@ -30,12 +44,13 @@ class OrderError(UsageError):
 
     @property
     def reason(self) -> str:
-        """Return the error without the file name, as a refusal's `reason` says it."""
-        return f"{self.field}: {self.message}" if self.field else self.message
+        """Return the error without the file name, as a refusal's `reason` says it (one line)."""
+        text = f"{printable(self.field)}: {self.message}" if self.field else self.message
+        return oneline(text)
 
     def render(self) -> str:
-        """Return `<file>: <field>: <message>` (parts that are unknown are left out)."""
-        return f"{self.file}: {self.reason}" if self.file else self.reason
+        """Return `<file>: <field>: <message>` (parts that are unknown are left out), one line."""
+        return f"{printable(self.file)}: {self.reason}" if self.file else self.reason
 
     def with_file(self, file: str) -> OrderError:
         """Return the same error naming this file."""

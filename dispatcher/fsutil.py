@@ -53,8 +53,11 @@ def write_new(path: Path, data: bytes) -> None:
 
 
 def dump_json(value: Any) -> bytes:
-    """Return value as indented JSON bytes with a final newline."""
-    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode()
+    """Return value as indented JSON bytes with a final newline.
+
+    Undecodable bytes of file names (surrogate escapes) become JSON \\u escapes.
+    """
+    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
 
 
 def rename_noreplace(src: Path, dst: Path) -> None:

@@ -28,7 +28,7 @@ from dispatcher import fsutil, procs, runner
 from dispatcher.checks import CheckResult, Exit, run_checks, verdict
 from dispatcher.claim import JOB_FILE
 from dispatcher.config import MAX_RETRY_DELAY_S, Agent, Config
-from dispatcher.errors import OrderError
+from dispatcher.errors import OrderError, oneline
 from dispatcher.evidence import digest, gather
 from dispatcher.layout import Layout, State, iso
 from dispatcher.ledger import DONE, FAILED, Ledger
@@ -98,6 +98,18 @@ class JobRun:
             finally:
                 self.abort.close()
         return None if state == STOPPED else state
+
+    def fail_after_crash(self, exc: Exception) -> str:
+        """Fail a job whose run raised (a bug): 'failed' if that worked, else 'crashed'."""
+        try:
+            checks = self._checks(Exit(lost=True)) if self.work.is_dir() else []
+        except Exception:  # noqa: BLE001 - best effort: the reason is what matters here
+            checks = []
+        try:
+            return self._finish("failed", oneline(f"crashed: {type(exc).__name__}: {exc}"), checks)
+        except Exception:
+            log.exception("job.crashed", step="fail")
+            return "crashed"
 
     def _run(self) -> str | None:
         if (self.folder / "result.json").exists():

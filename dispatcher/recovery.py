@@ -40,10 +40,10 @@ def finish_staging(layout: Layout, alive: Callable[[str], bool]) -> None:
                 continue
         elif rest.startswith("refuse-") and has_file:
             target, source = stage / ".target", stage / ".source"
-            base = target.read_text() if target.exists() else stage.name
+            base = os.fsdecode(target.read_bytes()) if target.exists() else stage.name
             if source.exists():
                 kept = next(p for p in stage.iterdir() if p.name.startswith("order") or p.name == "entry")
-                claim.drop_inbox_twin(layout, source.read_text(), kept)
+                claim.drop_inbox_twin(layout, os.fsdecode(source.read_bytes()), kept)
             claim.place_refusal(layout, stage, base)
             continue
         shutil.rmtree(stage)

@@ -292,7 +292,7 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
     for pos in reversed(starts[-2000:]):
         try:
             value, end = decoder.raw_decode(text, text.index("{", pos))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
         if end == len(text) and isinstance(value, dict):
             if len(text) - pos > AGENT_RESULT_MAX:

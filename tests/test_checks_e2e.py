@@ -519,6 +519,31 @@ CASES = [
             accept={"output": "out.json", "required": ["team"]},
         ),
     ),
+    # -- scripted agent: text from the agent must not break the one-line reason ----------
+    Case(
+        "CK-NEWLINE-IN-NAME",
+        "scribe",
+        "failed",
+        "writes_scope",
+        SCRIPT_OK | {"writes_scope": False},
+        scripted(create=["evil\nname.txt"]),
+    ),
+    Case(
+        "CK-U2028-IN-NAME",
+        "scribe",
+        "failed",
+        "writes_scope",
+        SCRIPT_OK | {"writes_scope": False},
+        scripted(create=["evil\u2028name.txt"]),
+    ),
+    Case(
+        "CK-RECEIPT-REASON-LINES",
+        "scribe",
+        "failed",
+        "receipt_status",
+        {"receipt_status": False},
+        scripted(receipt={"status": "failed", "reason": "line one\nline two\rline three"}),
+    ),
     # -- scripted agent: agent_result ------------------------------------------------------
     Case(
         "CK-AR-TRAILING-BLANK",
@@ -660,7 +685,7 @@ def assert_outcome(results: dict[str, tuple[str, dict[str, Any]]], case: Case) -
             assert checks[name]["ok"] is True
     else:
         reason = result["reason"]
-        assert isinstance(reason, str) and "\n" not in reason, reason
+        assert isinstance(reason, str) and reason.splitlines() == [reason], f"reason is not one line: {reason!r}"
         first = case.first or first_failing(result["checks"])
         assert reason.startswith(first), f"reason {reason!r} does not start with {first}"
         assert checks[first]["ok"] is not True

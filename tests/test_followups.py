@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import DEADLINE, Env, order
+from conftest import DEADLINE, Daemon, Env, order, wait_until
 
 # A wrapper agent: writes NAME=TEXT files into work/, then execs the fake agent after `--`.
 # A name "@N:PATH" is written on attempt N only; "link:PATH=TARGET" makes a symlink and
@@ -133,6 +133,22 @@ def detail_text(result: dict[str, Any], name: str) -> str:
     return f"{check(result, name).get('detail')} | {result.get('reason')}"
 
 
+def started(env: Env) -> Daemon:
+    """Start the daemon and wait until it is ready; fail at once, with its output, if it exits."""
+    d = env.daemon()
+    proc = d.proc
+    assert proc is not None
+    wait_until(
+        lambda: proc.poll() is not None or any(e.get("event") == "daemon.ready" for e in d.events()),
+        what="daemon.ready",
+    )
+    if proc.poll() is not None:
+        d.wait()
+        tail = d.out.read_text(errors="replace").strip().splitlines()[-3:]
+        raise AssertionError(f"the daemon exited {proc.returncode} before it was ready: {tail}")
+    return d
+
+
 def fast_wait(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE) -> None:
     """Poll tightly (2 ms): used to act (kill -9) as close to a moment as possible."""
     end = time.monotonic() + timeout
@@ -151,8 +167,7 @@ def test_two_step_chain_releases_the_followup_with_lineage(env: Env) -> None:
     # the outbox is written a second before the agent exits: no release before done
     intake = handing_off(env, handoff, flags=("--sleep-after", "1"))
     env.configure(agents={"intake": intake, "assigner": env.agent(), "worker": env.agent()})
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     env.drop(order("JOB-001", to="intake"))
 
     child = env.wait_job("JOB-002", "done")
@@ -189,8 +204,7 @@ def test_three_step_chain_counts_hops_zero_one_two(env: Env) -> None:
             "worker": env.agent(),
         }
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     env.drop(order("CH3-A", to="first"))
 
     rc = env.wait_job("CH3-C", "done")
@@ -219,8 +233,7 @@ def test_loop_is_stopped_at_max_hops(env: Env) -> None:
         },
         max_hops=2,
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     env.drop(order("LOOP", to="ping"))
 
     third = env.wait_job("LOOP.b.a", "failed")
@@ -241,8 +254,7 @@ def test_dropped_file_cannot_set_its_own_lineage(env: Env) -> None:
     """A dropped order claiming parent and hops gets hops 0 and parent null: the ledger decides."""
     child = followup("LIN-Y", to="worker", sender="sender")
     env.configure(agents={"sender": handing_off(env, child), "worker": env.agent()}, max_hops=2)
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     # with hops 2 taken from the file, the follow-up (hops 3) would break max_hops 2
     env.drop(order("LIN-X", to="sender", parent="SOMEONE-ELSE", hops=2))
 
@@ -265,8 +277,7 @@ def test_release_never_replaces_a_users_file_in_inbox(env: Env) -> None:
         },
         settle=5,
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     user = env.root / "inbox" / "UF-B.json"
     text = json.dumps(order("UF-USER", to="worker"))
     stop = threading.Event()
@@ -569,8 +580,7 @@ def test_outbox_of_a_failed_attempt_is_no_proof_for_the_next(env: Env) -> None:
             "worker": env.agent(),
         }
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     env.drop(order("RT-1", to="retrier"))
     env.drop(order("RT-2", to="forgetful", accept={"output": "out.csv", "followups": ["worker"]}))
 
@@ -610,8 +620,7 @@ def test_accept_followups_needs_exactly_one_handoff_per_named_agent(env: Env) ->
         },
         max_jobs=4,
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     for job, agent in [
         ("ACC-SILENT", "silent"),
         ("ACC-STRAY", "stray"),
@@ -663,13 +672,11 @@ def test_followup_is_released_exactly_once_across_kill_9(env: Env) -> None:
     ]
     for i, point in enumerate(kill_points):
         parent, child = f"CRASH-{i}", f"CRASH-{i}.c"
-        d = env.daemon()
-        d.wait_ready()
+        d = started(env)
         env.drop(order(parent, to="parent"))
         fast_wait(partial(point, d, parent, child), f"kill point {i}")
         d.kill()
-        again = env.daemon()
-        again.wait_ready()
+        again = started(env)
         env.wait_job(child, "done")
         assert again.stop() == 0
 
@@ -699,13 +706,11 @@ def test_parent_recovered_after_kill_9_releases_its_followup_at_most_once(env: E
             "worker": env.agent(),
         }
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     env.drop(order("REC-1", to="parent"))
     fast_wait(lambda: (env.job_dir("REC-1", "active") / "work" / "receipt.json").exists(), "the receipt")
     d.kill()
-    again = env.daemon()
-    again.wait_ready()
+    again = started(env)
     parent = env.wait_job("REC-1")
     assert check(parent, "exit_ok")["ok"] is None, check(parent, "exit_ok")
     if parent["state"] == "done":
@@ -734,8 +739,7 @@ def shown_chain(env: Env) -> Env:
             "worker": env.agent(),
         }
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     env.drop(order("SHOW-A", to="first"))
     env.wait_job("SHOW-C", "failed")
     assert d.stop() == 0
@@ -810,8 +814,7 @@ def test_repair_retry_gives_the_agent_feedback_and_ends_done(env: Env) -> None:
             "worker": env.agent(),
         }
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     env.drop(order("REPAIR-1", to="fixer"))
 
     result = env.wait_job("REPAIR-1", "done")
@@ -843,8 +846,7 @@ def test_without_repair_no_feedback_and_checks_failures_are_not_retried(env: Env
             "worker": env.agent(),
         }
     )
-    d = env.daemon()
-    d.wait_ready()
+    d = started(env)
     env.drop(order("PLAIN-1", to="plain"))
     env.drop(order("CRASHY-1", to="crashy"))
 

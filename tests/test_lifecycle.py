@@ -125,6 +125,7 @@ BAD_FILES: dict[str, bytes] = {
     "bad-syntax.yaml": b"job_id: [unclosed\nfrom: tester\n",
     "bad-id.json": json.dumps(order("BAD ID", to="plain")).encode(),
     "empty.json": b"",
+    "bad-key-newline.json": json.dumps(order("BAD-KEY-NL-1", to="plain", **{"ac\nept": 1})).encode(),
     "bad.dots.json": json.dumps(order("BAD-DOTS-1", to="plain", timeout=0)).encode(),
 }
 BAD_JOB_IDS = {
@@ -132,6 +133,7 @@ BAD_JOB_IDS = {
     "bad-task.json": "BAD-TASK-1",
     "bad-to.yaml": "BAD-TO-1",
     "bad.dots.json": "BAD-DOTS-1",
+    "bad-key-newline.json": "BAD-KEY-NL-1",
 }
 BRACES_TASK = "Use {job_id}, {workspace} and {{task}} as written"
 BOM_JSON = b"\xef\xbb\xbf" + json.dumps(order("LIFE-BOM", to="plain"), ensure_ascii=False).encode()
@@ -158,7 +160,7 @@ JOBS = {
     "BAD-ACEPT-1": "plain",
 }
 ENTRIES = ["link", "pipe", "folder", "link2", "pipe2", "folder2", "pipe3"]
-STEMS = ["bad-acept", "bad-task", "bad-to", "bad-syntax", "bad-id", "empty", "bad.dots", "notes", *ENTRIES]
+STEMS = [Path(name).stem for name in BAD_FILES] + ["notes", *ENTRIES]
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -597,6 +599,7 @@ def test_invalid_order_is_refused_with_bytes_and_reason(scenario: Scenario, name
     message = scenario.messages[name]
     assert message.startswith(f"{name}: "), message
     assert result["reason"] == message[len(name) + 2 :]
+    assert result["reason"].splitlines() == [result["reason"]], f"reason is not one line: {result['reason']!r}"
     if name in BAD_JOB_IDS:
         assert result["job_id"] == BAD_JOB_IDS[name]
         assert not (scenario.env.root / "failed" / BAD_JOB_IDS[name]).exists()
@@ -665,6 +668,14 @@ def test_two_files_with_one_id_give_one_job_and_one_refusal(scenario: Scenario) 
     assert len(refused) == 1, refused
     assert json.loads((refused[0] / "result.json").read_text())["job_id"] == "TWIN-1"
     assert starts_of(scenario.env, "TWIN-1") == 1
+
+
+def test_status_counts_jobs_and_refusals_not_temp_names(scenario: Scenario) -> None:
+    """`status --json` counts done jobs and refused files; hidden and temp names in inbox/ are not orders."""
+    proc = scenario.env.cli("status", "--json")
+    assert proc.returncode == 0, proc.stderr
+    counts = json.loads(proc.stdout)["counts"]
+    assert counts == {"inbox": 0, "active": 0, "done": len(JOBS) + 1, "failed": 0, "refused": len(STEMS) + 1}
 
 
 def test_failed_folder_holds_only_refusals_here(scenario: Scenario) -> None:

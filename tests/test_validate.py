@@ -133,6 +133,8 @@ ORDER_CASES: list[Case] = [
     ),
     bad("unknown-accept-key", js(outptu="out.csv"), field="accept", mention="outptu"),
     bad("unknown-top-key", js({"priority": "high"}), field="priority", mention="priority"),
+    bad("unknown-key-with-newline", js({"ac\nept": {"output": "out.csv"}}), mention="unknown"),
+    bad("unknown-accept-key-with-newline", js(**{"ke\ny": "id"}), field="accept", mention="unknown"),
     bad("order-sets-command", js({"command": ["sh", "-c", "true"]}), field="command", mention="command"),
     bad("order-sets-env", js({"env": {"PATH": "/tmp"}}), field="env", mention="env"),
     # -- job_id pattern and type -------------------------------------------------------
