@@ -191,10 +191,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             final = layout.inbox / f"{order.job_id}-{n}{ext}"
             n += 1
         tmp = layout.inbox / f".{final.name}.{os.getpid()}.tmp"
-        fsutil.write_new(tmp, src.read_bytes())
-        fd = os.open(tmp, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        fsutil.write_new(tmp, src.read_bytes(), sync=True)
         fsutil.rename_noreplace(tmp, final)
         fsutil.fsync_dir(layout.inbox)
         print(order.job_id)

@@ -475,7 +475,8 @@ class Daemon:
         src = self.layout.job(State.FAILED, job_id)
         result = src / "result.json"
         spec = json.loads((src / claim.JOB_FILE).read_text())
-        numbers = [int(p.name) for p in (src / "attempts").iterdir() if p.name.isdigit()]
+        attempts = src / "attempts"
+        numbers = [int(p.name) for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
         last = max(numbers, default=0)
         keep = src / "attempts" / str(last) / "result.json"
         keep.parent.mkdir(parents=True, exist_ok=True)

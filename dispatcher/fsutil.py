@@ -43,11 +43,13 @@ def write_atomic(path: Path, data: bytes, *, sync: bool = True, sync_dir: bool =
         fsync_dir(path.parent)
 
 
-def write_new(path: Path, data: bytes) -> None:
-    """Create path with data; fail if it exists (no fsync: the caller decides)."""
+def write_new(path: Path, data: bytes, *, sync: bool = False) -> None:
+    """Create path with data (fsynced when sync); fail if it exists."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
     try:
         os.write(fd, data)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -164,7 +164,8 @@ class JobRun:
         return self._decide(n, exit_)
 
     def _last_attempt_dir(self) -> Path | None:
-        dirs = [p for p in (self.folder / "attempts").iterdir() if p.name.isdigit()]
+        folder = self.folder / "attempts"
+        dirs = [p for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
         return max(dirs, key=lambda p: int(p.name)) if dirs else None
 
     def _interrupted_record(self, n: int, folder: Path) -> dict[str, Any]:
@@ -486,7 +487,7 @@ def release_followups(ctx: Context, parent: str) -> None:
         data = fsutil.dump_json(body)
         sha = digest(data)
         ctx.ledger.set_digest(entry.job_id, sha)
-        name = _place_in_inbox(ctx.layout, entry.job_id, data, sha)
+        name = _place_in_inbox(ctx.layout, ctx.owner, entry.job_id, data, sha)
         ctx.ledger.mark_released(entry.job_id, name, sha)
         log.info(
             "followup.released",
@@ -506,11 +507,12 @@ def _load_any(path: Path) -> Any:
     return load_document(fsutil.read_regular(path), order_format(path.name) or "json")
 
 
-def _place_in_inbox(layout: Layout, job_id: str, data: bytes, sha: str) -> str:
+def _place_in_inbox(layout: Layout, owner: str, job_id: str, data: bytes, sha: str) -> str:
     """Link the follow-up into inbox/ under a name that replaces nothing; reuse our own copy."""
     inbox = layout.inbox
-    tmp = layout.staging / f".release-{job_id}.{os.getpid()}.tmp"
-    fsutil.write_atomic(tmp, data)
+    tmp = layout.staging / f"{owner}.release-{job_id}"
+    tmp.unlink(missing_ok=True)
+    fsutil.write_new(tmp, data, sync=True)
     try:
         n = 1
         while True:

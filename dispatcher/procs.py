@@ -40,6 +40,33 @@ def is_alive(pid: int, started: int | None = None) -> bool:
     return started is None or int(fields[19]) == started
 
 
+def open_for_writing(path: str) -> bool:
+    """Return True if a process this one can see has path open for writing.
+
+    Reads /proc/*/fd and the open flags in /proc/*/fdinfo: costly, so it is only
+    asked about a file that has already stopped changing for ``settle`` seconds.
+    """
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{fd_dir}/{fd}") != path:
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    flags = next((int(line.split()[1], 8) for line in f if line.startswith("flags:")), 0)
+            except (OSError, ValueError):
+                continue
+            if flags & (os.O_WRONLY | os.O_RDWR):
+                return True
+    return False
+
+
 def group_members(pgid: int) -> list[tuple[int, str, int]]:
     """Return (pid, state, ppid) of every process in the process group pgid."""
     members = []

@@ -28,6 +28,9 @@ def finish_staging(layout: Layout, alive: Callable[[str], bool]) -> None:
         owner, _, rest = stage.name.partition(".")
         if alive(owner):
             continue
+        if not stage.is_dir() or stage.is_symlink():
+            stage.unlink()  # a follow-up copy a dead daemon was releasing: released again from the ledger
+            continue
         has_file = any(p.name.startswith("order") or p.name == "entry" for p in stage.iterdir())
         if rest.startswith("claim-"):
             job_id = rest[len("claim-") :].rsplit("-", 1)[0]

@@ -7,7 +7,8 @@ a handler silently kills the observer thread, gorakhargosh/watchdog #427).
 
 - moved in (a rename) or closed after writing: ready now;
 - created, or seen by a scan, with no close seen: ready once its size and
-  mtime have not changed for ``settle`` seconds.
+  mtime have not changed for ``settle`` seconds and no process holds it open
+  for writing (a writer that pauses longer than ``settle`` is waited for).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
+from dispatcher import procs
 from dispatcher.evidence import is_ignored
 
 Post = Callable[[tuple[Any, ...]], None]
@@ -187,6 +189,8 @@ class InboxTracker:
             if (st.st_size, st.st_mtime_ns) != (p.size, p.mtime_ns):
                 p.size, p.mtime_ns, p.changed_at = st.st_size, st.st_mtime_ns, now
             left = p.changed_at + self.settle_s - now
+            if left <= 0 and procs.open_for_writing(os.path.abspath(self.inbox / name)):
+                p.changed_at, left = now, self.settle_s  # a writer still holds it: wait for its close
             if left <= 0:
                 del self._pending[name]
                 self._make_ready(name)

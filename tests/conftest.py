@@ -273,8 +273,12 @@ class Daemon:
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
     """A dispatch root and config on tmp_path, with the fake agent as `worker`."""
-    e = Env(tmp=tmp_path, root=tmp_path / "dispatch", config_path=tmp_path / "dispatcher.yaml",
-            count_file=tmp_path / "starts.txt")
+    e = Env(
+        tmp=tmp_path,
+        root=tmp_path / "dispatch",
+        config_path=tmp_path / "dispatcher.yaml",
+        count_file=tmp_path / "starts.txt",
+    )
     e.configure()
     yield e
     for d in e._daemons:

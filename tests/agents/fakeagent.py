@@ -51,12 +51,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--flood", type=int, default=0, help="print this many bytes to stdout")
     p.add_argument("--json-result", help="print this JSON object last on stdout")
     p.add_argument("--fail-attempts", type=int, default=0, help="exit 1 on the first N attempts")
-    p.add_argument("--fail-checks-attempts", type=int, default=0,
-                   help="write a bad output on the first N attempts, unless feedback.json exists")
-    p.add_argument("--followup", action="append", default=[],
-                   help="write this JSON object (an order) into outbox/")
-    p.add_argument("--field", action="append", default=[],
-                   help="NAME=VALUE: put this column in every output row")
+    p.add_argument(
+        "--fail-checks-attempts",
+        type=int,
+        default=0,
+        help="write a bad output on the first N attempts, unless feedback.json exists",
+    )
+    p.add_argument("--followup", action="append", default=[], help="write this JSON object (an order) into outbox/")
+    p.add_argument("--field", action="append", default=[], help="NAME=VALUE: put this column in every output row")
     return p.parse_args()
 
 
@@ -84,8 +86,11 @@ def main() -> int:
     if a.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if a.fork_child:
-        subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({a.fork_child})"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(
+            [sys.executable, "-c", f"import time; time.sleep({a.fork_child})"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     if a.sleep:
         time.sleep(a.sleep)
     if a.flood:
