@@ -201,7 +201,9 @@ def build_job(
     order = item.order
     stage = layout.staging / f"{owner}.claim-{order.job_id}-{secrets.token_hex(4)}"
     work = stage / "work"
-    work.mkdir(parents=True)
+    os.mkdir(stage)
+    os.mkdir(work)
+    os.mkdir(stage / "attempts")
     body = dict(order.body)
     body["parent"] = claim.parent
     body["hops"] = claim.hops
@@ -222,7 +224,7 @@ def build_job(
     except FileNotFoundError:
         for p in (work / "order.json", work / "prompt.md", stage / JOB_FILE):
             p.unlink(missing_ok=True)
-        for d in (work, stage):
+        for d in (work, stage / "attempts", stage):
             d.rmdir()
         return None
     final = layout.job(State.ACTIVE, order.job_id)

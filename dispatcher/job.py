@@ -189,10 +189,16 @@ class JobRun:
         argv = [runner.render(a, values) for a in self.agent.command]
         env = self._env(n)
         folder = self.folder / "attempts" / str(n)
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(folder)
+        except FileNotFoundError:  # a job from before attempts/ was made at claim time
+            folder.mkdir(parents=True)
+        except FileExistsError:  # an attempt interrupted before its agent started
+            pass
 
         def on_start(pid: int) -> None:
-            info = {"pid": pid, "start_ticks": procs.start_ticks(pid), "started": time.time()}
+            # the start time guards against a reused pid when a successor ends this agent
+            info = {"pid": pid, "started": time.time()}
             (folder / "pid").write_bytes(json.dumps(info).encode())
             log.info("agent.started", attempt=n, pid=pid)
 
@@ -549,8 +555,8 @@ def _end_leftover(folder: Path, agent: Agent, grace_s: float) -> None:
     info = _read_json(folder / "pid")
     if not info:
         return
-    pid, ticks = int(info["pid"]), info.get("start_ticks")
-    if procs.is_alive(pid, ticks):
+    pid, started = int(info["pid"]), info.get("started")
+    if procs.is_alive(pid, started):
         log.warning("agent.orphan_ended", pid=pid)
         procs.end_group(pid, grace_s)
     elif procs.group_members(pid):

@@ -26,18 +26,36 @@ def stat_fields(pid: int) -> list[str] | None:
     return data[data.rindex(b")") + 2 :].decode().split()
 
 
-def start_ticks(pid: int) -> int | None:
-    """Return the start time of pid (clock ticks since boot), or None if gone."""
+def _boot_time() -> float:
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def started_at(pid: int) -> float | None:
+    """Return when pid started (seconds since the epoch), or None if it is gone."""
     fields = stat_fields(pid)
-    return int(fields[19]) if fields else None
+    if fields is None:
+        return None
+    return _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
-def is_alive(pid: int, started: int | None = None) -> bool:
-    """Return True if pid runs (not a zombie) and, if given, started at ``started``."""
+def is_alive(pid: int, started: float | None = None, *, tolerance_s: float = 2.0) -> bool:
+    """Return True if pid runs (not a zombie) and, if given, started at ``started`` (epoch seconds).
+
+    The start time tells a reused pid from the process that was recorded: the
+    daemon records the wall-clock time just after the spawn, and the kernel's
+    start time (boot time + start ticks) must agree within ``tolerance_s``.
+    """
     fields = stat_fields(pid)
     if fields is None or fields[0] in ("Z", "X"):
         return False
-    return started is None or int(fields[19]) == started
+    if started is None:
+        return True
+    began = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return abs(began - started) <= tolerance_s
 
 
 def open_for_writing(path: str) -> bool:
