@@ -56,6 +56,7 @@ class Refusal:
     reason: str
     job_id: str | None = None
     entry_kind: str | None = None  # set for symlinks, FIFOs, devices, folders
+    agent: str | None = None
 
 
 def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | None:

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `dispatcher` command."""
     args = build_parser().parse_args(argv)
+    os.umask(UMASK)  # nothing the daemon or the CLI creates is world-readable
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:

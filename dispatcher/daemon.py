@@ -397,7 +397,11 @@ class Daemon:
                 return "skip"
             if entry.owner is not None and entry.owner != self.owner:
                 return "new"  # its claimer died before moving it: take the claim over
-        self._refuse(claim.Refusal(item.name, _known_reason(item.order.job_id, entry.state), item.order.job_id))
+        self._refuse(
+            claim.Refusal(
+                item.name, _known_reason(item.order.job_id, entry.state), item.order.job_id, agent=item.order.to
+            )
+        )
         return "refused"
 
     def _refuse(self, refusal: claim.Refusal) -> None:
@@ -407,6 +411,7 @@ class Daemon:
             self.stats.finished["refused"] += 1
             log.warning(
                 "job.refused",
+                agent=refusal.agent,
                 file=refusal.name,
                 job_id=refusal.job_id,
                 reason=refusal.reason,

@@ -26,11 +26,18 @@ STATES = ("inbox", "active", "done", "failed")
 
 # A cheap agent: /bin/sh, records its start like the fake agent, sleeps a pseudo-random
 # 0-50 ms (from its pid), and writes the receipt atomically (temp name, then rename), so
-# that a kill at any moment leaves either no receipt or a whole one.
+# that a kill at any moment leaves either no receipt or a whole one. With argv TO FROM it
+# also hands off one follow-up `<job_id>-fu` to agent TO (FROM: its own agent name).
 TINY_AGENT = r"""#!/bin/sh
 printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
 ms=$(( ($$ * 7919) % 51 ))
 sleep "$(printf '0.%03d' "$ms")"
+if [ -n "$2" ]; then
+  mkdir -p outbox
+  printf '{"job_id": "%s-fu", "from": "%s", "to": "%s", "task": "Follow up.", "items": [{"id": "R1"}]}' \
+    "$DISPATCH_JOB_ID" "$3" "$2" > outbox/.fu.tmp
+  mv outbox/.fu.tmp "outbox/$DISPATCH_JOB_ID-fu.json"
+fi
 printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
   "$DISPATCH_JOB_ID" > .receipt.tmp
 mv .receipt.tmp receipt.json
@@ -63,11 +70,14 @@ def write_script(folder: Path, name: str, text: str) -> Path:
     return path
 
 
-def tiny_agent(env: Env, **settings: Any) -> dict[str, Any]:
-    """Return an agent definition running TINY_AGENT (orders without accept)."""
+def tiny_agent(env: Env, handoff: tuple[str, str] | None = None, **settings: Any) -> dict[str, Any]:
+    """Return an agent definition running TINY_AGENT (orders without accept).
+
+    handoff=(to, own_name) makes each job hand off one follow-up to agent `to`.
+    """
     script = write_script(env.tmp, "tiny_agent.sh", TINY_AGENT)
     spec: dict[str, Any] = {
-        "command": ["/bin/sh", str(script), str(env.count_file)],
+        "command": ["/bin/sh", str(script), str(env.count_file), *(handoff or ())],
         "timeout": 30,
         "writes": [".receipt.tmp"],
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -202,3 +203,45 @@ def test_file_still_being_written_is_not_taken_by_the_rescan(env: Env) -> None:
     assert (env.root / "done" / "HALF-1" / "order.json").read_bytes() == data
     assert [j for j, _a, _p in agent_starts(env)] == ["HALF-1"]
     assert d.stop() == 0
+
+
+@pytest.mark.slow
+def test_three_daemons_with_kills_never_run_a_job_twice(env: Env) -> None:
+    """Three daemons, one of them kill -9ed and replaced 12 times: no job runs twice, all end."""
+    n = 240
+    env.configure(
+        agents={"tiny": tiny_agent(env, concurrency=6, max_attempts=3)},
+        max_jobs=2,
+        settle=0.2,
+        rescan_interval=0.5,
+        kill_grace=0.5,
+    )
+    rng = random.Random(4)
+    daemons = [env.daemon() for _ in range(3)]
+    ids = [f"K{i:04d}" for i in range(n)]
+    for k in range(12):
+        for job_id in ids[k * 20 : (k + 1) * 20]:
+            env.drop(tiny_order(job_id))
+        # the fault schedule: a random moment, then one daemon dies and is replaced
+        time.sleep(rng.uniform(0.2, 0.6))
+        victim = rng.randrange(3)
+        assert_running(*[d for i, d in enumerate(daemons) if i != victim])
+        daemons[victim].kill()
+        daemons[victim] = env.daemon()
+    for d in daemons:
+        d.wait_ready()
+    wait_until(lambda: assert_running(*daemons) or settled(env) >= n, 120, f"{n} jobs to end")
+    for d in daemons:
+        assert d.stop() == 0
+
+    refused = [json.loads((p / "result.json").read_text())["reason"] for p in refusals(env.root)]
+    assert refused == [], refused[:2]
+    states = job_states(env.root)
+    assert set(states) == set(ids)
+    assert all(s in (["done"], ["failed"]) for s in states.values())
+    started = Counter(j for j, _a, _p in agent_starts(env))
+    assert not {j: c for j, c in started.items() if c > 1}, "a not-retry-safe job ran twice"
+    for job_id, (state,) in states.items():
+        if state == "failed":
+            reason = json.loads((env.root / "failed" / job_id / "result.json").read_text())["reason"]
+            assert "retr" in reason.lower(), reason

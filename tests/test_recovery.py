@@ -56,7 +56,12 @@ KILL_POINTS: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def kill_storm(env: Env, n_jobs: int, kills: int, seed: int) -> Counter[str]:
+FOLLOWUP_POINTS = (*KILL_POINTS, ("right after followup.released", "followup.released"))
+
+
+def kill_storm(
+    env: Env, n_jobs: int, kills: int, seed: int, points: tuple[tuple[str, str | None], ...] = KILL_POINTS
+) -> Counter[str]:
     """Drop n_jobs orders in chunks and kill -9 the daemon `kills` times; return the kill points.
 
     Each cycle starts a daemon, waits for one kill point (an event in its log, or a random
@@ -74,10 +79,10 @@ def kill_storm(env: Env, n_jobs: int, kills: int, seed: int) -> Counter[str]:
     for k in range(kills):
         d = env.daemon()
         tail = LogTail(d.out)
-        name, event = KILL_POINTS[k % len(KILL_POINTS)]
+        name, event = points[k % len(points)]
         if event is None:
             # the fault schedule itself: a random delay, not a synchronisation
-            time.sleep(rng.uniform(0.0, 0.3) if k % len(KILL_POINTS) == 0 else rng.uniform(0.2, 0.7))
+            time.sleep(rng.uniform(0.0, 0.3) if k % len(points) == 0 else rng.uniform(0.2, 0.7))
             hit = True
         else:
             hit = tail.wait_for(lambda e, ev=event: e.get("event") == ev, 8.0) is not None
@@ -162,6 +167,42 @@ def test_kill9_storm_retry_safe_jobs_all_end_done(env: Env) -> None:
     assert max(started.values()) <= 3
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
     assert sum(n for k, n in landed.items() if "not reached" in k) <= 2, landed
+
+
+@pytest.mark.slow
+def test_kill9_storm_releases_each_followup_exactly_once(env: Env) -> None:
+    """Under repeated kill -9 every job's follow-up is released once, runs once, ends done."""
+    n_jobs, kills = 150, 18
+    common = {"concurrency": 4, "retry_safe": True, "max_attempts": 3}
+    env.configure(
+        agents={
+            "tiny": tiny_agent(env, handoff=("sink", "tiny"), **common),
+            "sink": tiny_agent(env, **common),
+        },
+        max_jobs=4,
+        settle=0.2,
+        rescan_interval=1,
+        kill_grace=0.5,
+    )
+    landed = kill_storm(env, n_jobs, kills, seed=3, points=FOLLOWUP_POINTS)
+    print("kill points:", dict(landed))
+    proc = env.cli("run", "--once", timeout=240)
+
+    refused = [read_result(p)["reason"] for p in refusals(env.root)]
+    assert refused == [], f"{len(refused)} refusals, e.g. {refused[:2]}"
+    parents = {f"S{i:04d}" for i in range(n_jobs)}
+    children = {f"{p}-fu" for p in parents}
+    states = job_states(env.root)
+    assert set(states) == parents | children, sorted(set(states) ^ (parents | children))[:10]
+    bad = {j: s for j, s in states.items() if s != ["done"]}
+    assert not bad, list(bad.items())[:10]
+    for parent in parents:
+        assert read_result(env.root / "done" / parent)["children"] == [f"{parent}-fu"]
+        assert read_result(env.root / "done" / f"{parent}-fu")["parent"] == parent
+    per_attempt = Counter((job, attempt) for job, attempt, _p in agent_starts(env))
+    assert not {k: c for k, c in per_attempt.items() if c > 1}, "one attempt started twice"
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    assert sum(n for k, n in landed.items() if "not reached" in k) <= 3, landed
 
 
 def test_kill9_orphan_with_receipt_is_ended_and_checked_without_rerun(env: Env) -> None:

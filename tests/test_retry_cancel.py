@@ -289,3 +289,22 @@ def test_agent_that_cannot_start_fails_as_config_error_without_attempt(env: Env,
     env.drop(order("AFTER-1"))
     env.wait_job("AFTER-1", "done")
     assert d.stop() == 0
+
+
+def test_cancel_cuts_a_retry_wait(env: Env) -> None:
+    """cancel of a job waiting 30 s for its retry fails it `cancelled` within seconds."""
+    env.configure(
+        agents={"worker": env.agent("--fail-attempts", "1", retry_safe=True, max_attempts=2)},
+        retry_delay=30,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PAUSE-2"))
+    d.wait_event("job.retrying", job_id="PAUSE-2")
+    sent = time.monotonic()
+    assert env.cli("cancel", "PAUSE-2").returncode == 0
+    result = env.wait_job("PAUSE-2", "failed", timeout=20)
+    assert time.monotonic() - sent < 10
+    assert result["reason"] == "cancelled"
+    assert starts_of(env, "PAUSE-2") == [1]
+    assert d.stop() == 0

@@ -256,3 +256,24 @@ def test_systemd_notify_ready_status_watchdog_stopping(env: Env) -> None:
     assert "SECRET_TEST_VARIABLE" not in agent_env
     assert agent_env["DISPATCH_JOB_ID"] == "NOTE-1"
     assert {"DISPATCH_ORDER", "DISPATCH_WORKSPACE", "DISPATCH_RECEIPT", "DISPATCH_ATTEMPT"} <= set(agent_env)
+
+
+def test_sigterm_cuts_a_retry_wait_and_next_start_resumes(env: Env) -> None:
+    """SIGTERM while a job waits 30 s for its retry: exit 0 at once; the next start runs attempt 2."""
+    agent = env.agent("--fail-attempts", "1", retry_safe=True, max_attempts=2)
+    env.configure(agents={"worker": agent}, retry_delay=30, stop_timeout=20)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PAUSE-1"))
+    d.wait_event("job.retrying", job_id="PAUSE-1")
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(25) == 0
+    assert time.monotonic() - sent < 5, "the stop waited out the retry delay"
+    assert (env.root / "active" / "PAUSE-1").is_dir()
+    env.configure(agents={"worker": agent}, retry_delay=0.1)
+    d2 = env.daemon()
+    result = env.wait_job("PAUSE-1", "done")
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert [(j, a) for j, a, _p in agent_starts(env)] == [("PAUSE-1", 1), ("PAUSE-1", 2)]
+    assert d2.stop() == 0
