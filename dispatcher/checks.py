@@ -8,6 +8,7 @@ Nothing here touches the filesystem or the clock.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -153,14 +154,22 @@ def receipt_status(ev: Evidence) -> CheckResult:
     return r(False, f"status is {status!r}, expected 'done' or 'failed'")
 
 
+def _key(value: Any) -> Any:
+    """Return a hashable key for a JSON value that tells "1", 1 and true apart."""
+    if isinstance(value, str):
+        return value
+    return (type(value).__name__, json.dumps(value, sort_keys=True))
+
+
 def _compare_ids(got: Sequence[Any], want: Sequence[str], what: str) -> str | None:
     """Return what is wrong between two id lists (missing, extra, repeated), or None."""
-    have = Counter(got)
+    have = Counter(_key(i) for i in got)
+    shown = {_key(i): repr(i) for i in got}
     need = set(want)
     problems = []
     missing = [i for i in want if i not in have]
-    extra = sorted({repr(i) for i in have if i not in need})
-    repeated = sorted({repr(i) for i, n in have.items() if n > 1})
+    extra = sorted({shown[k] for k in have if k not in need})
+    repeated = sorted({shown[k] for k, n in have.items() if n > 1})
     if missing:
         problems.append("missing " + ", ".join(missing))
     if extra:
@@ -219,7 +228,7 @@ def receipt_outputs(ev: Evidence) -> CheckResult:
         return r(False, "output_ids is not a list")
     key = ev.order.accept.key
     want = [rec_.get(key) for rec_ in records]
-    if Counter(map(repr, got)) == Counter(map(repr, want)):
+    if Counter(map(_key, got)) == Counter(map(_key, want)):
         return r(True, f"{len(got)} output ids match {ev.order.accept.output}")
     missing = sorted({repr(i) for i in want} - {repr(i) for i in got})
     extra = sorted({repr(i) for i in got} - {repr(i) for i in want})
@@ -250,7 +259,7 @@ def allowed_values(ev: Evidence) -> CheckResult:
             if _empty(rec.get(name)):
                 return r(False, f"record {rid}: required field {name!r} is empty")
         for name, allowed in (acc.allowed or {}).items():
-            if rec.get(name) not in allowed:
+            if not any(_key(rec.get(name)) == _key(a) for a in allowed):
                 return r(False, f"record {rid}: {name} {rec.get(name)!r} is not allowed")
     return r(True, f"{len(records)} records use allowed values")
 

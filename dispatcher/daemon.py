@@ -231,6 +231,9 @@ class Daemon:
 
     def reload(self) -> None:
         """Reload the config (SIGHUP); keep the old one if the new one is bad or moves the root."""
+        from dispatcher import logs
+
+        logs.SINK.open_file(self.config.log_file)  # reopen for logrotate, whatever the new config says
         if self.config_path is None:
             log.error("config.rejected", error="no config file to reload")
             return
@@ -242,9 +245,8 @@ class Daemon:
         if new.root != self.config.root:
             log.error("config.rejected", error=f"{self.config_path}: root: cannot change while running")
             return
-        from dispatcher import logs
-
-        logs.SINK.open_file(new.log_file)
+        if new.log_file != self.config.log_file:
+            logs.SINK.open_file(new.log_file)
         self.config = new
         self.tracker.settle_s = new.settle_s
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)

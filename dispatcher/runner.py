@@ -289,13 +289,13 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
         return None
     decoder = json.JSONDecoder()
     starts = [m.start() for m in re.finditer(r"(?m)^[ \t]*\{", text)]
-    for pos in reversed(starts[-2000:]):
+    for pos in reversed(starts):
         try:
             value, end = decoder.raw_decode(text, text.index("{", pos))
         except (json.JSONDecodeError, RecursionError):
             continue
         if end == len(text) and isinstance(value, dict):
-            if len(text) - pos > AGENT_RESULT_MAX:
+            if len(text[pos:].encode()) > AGENT_RESULT_MAX:
                 return {k: value[k] for k in AGENT_RESULT_KEYS if k in value}
             return value
     return None

@@ -285,3 +285,5 @@ def env(tmp_path: Path) -> Iterator[Env]:
         if d.proc is not None and d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait(DEADLINE)
+        if not d._fh.closed:
+            d._fh.close()

@@ -691,7 +691,9 @@ def test_followup_is_released_exactly_once_across_kill_9(env: Env) -> None:
         assert not refusals_of(env, child), f"{child} was released twice (a refusal of it exists)"
         attempts = starts_of(env, child)
         assert len(attempts) == len(set(attempts)), f"{child} ran as two jobs: attempts {attempts}"
-        assert len(attempts) == len(result["attempts"]), f"{child}: starts {attempts} vs {result['attempts']}"
+        # an attempt the kill interrupted may never have reached the agent's first line
+        numbers = [a["n"] for a in result["attempts"]]
+        assert set(attempts) <= set(numbers) and numbers[-1] in attempts, f"{child}: {attempts} vs {numbers}"
         assert starts_of(env, parent) == [1]
     leftovers = [p.name for p in (env.root / "inbox").iterdir() if not p.name.startswith(".")]
     assert leftovers == []

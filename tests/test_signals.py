@@ -29,6 +29,8 @@ from helpers_faults import (
     group_members,
     processes_with,
     reap,
+    tiny_agent,
+    tiny_order,
     wait_count,
     wait_gone,
     wait_start,
@@ -194,7 +196,8 @@ def test_systemd_notify_ready_status_watchdog_stopping(env: Env) -> None:
     env_out = env.tmp / "agent-env.jsonl"
     env.configure(
         agents={
-            "slow": env.agent("--sleep-after", "30", "--fork-child", "67.3"),
+            # ignores SIGTERM: ending it takes kill_grace, so READY=1 sent early is seen
+            "slow": env.agent("--sleep-after", "30", "--fork-child", "67.3", "--ignore-term"),
             "dump": {"command": [sys.executable, str(dump), str(env_out)], "timeout": 30},
         },
         kill_grace=1,
@@ -277,3 +280,35 @@ def test_sigterm_cuts_a_retry_wait_and_next_start_resumes(env: Env) -> None:
     assert [a["n"] for a in result["attempts"]] == [1, 2]
     assert [(j, a) for j, a, _p in agent_starts(env)] == [("PAUSE-1", 1), ("PAUSE-1", 2)]
     assert d2.stop() == 0
+
+
+def test_sighup_storm_while_jobs_run_loses_nothing(env: Env) -> None:
+    """Twenty SIGHUPs while 60 jobs run: each reloads, every job ends done once, exit 0."""
+    env.configure(agents={"tiny": tiny_agent(env, concurrency=3)}, max_jobs=3)
+    d = env.daemon()
+    d.wait_ready()
+    for i in range(60):
+        env.drop(tiny_order(f"HUPS-{i:02d}"))
+    for n in range(1, 21):
+        d.signal(signal.SIGHUP)
+        wait_count(d, "config.reloaded", n, timeout=10)
+    for i in range(60):
+        env.wait_job(f"HUPS-{i:02d}", "done")
+    assert sorted(j for j, _a, _p in agent_starts(env)) == [f"HUPS-{i:02d}" for i in range(60)]
+    assert d.stop() == 0
+
+
+def test_sigterm_during_startup_exits_0_and_loses_nothing(env: Env) -> None:
+    """SIGTERM right after daemon.started (recovery and first scan under way): exit 0, no loss."""
+    env.configure(agents={"tiny": tiny_agent(env, concurrency=2)})
+    for i in range(40):
+        env.drop(tiny_order(f"EARLY-{i:02d}"))
+    d = env.daemon()
+    d.wait_event("daemon.started")
+    d.signal(signal.SIGTERM)
+    assert d.wait(30) == 0
+    proc = env.cli("run", "--once", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for i in range(40):
+        assert env.result(f"EARLY-{i:02d}", "done")["state"] == "done"
+    assert sorted(j for j, _a, _p in agent_starts(env)) == [f"EARLY-{i:02d}" for i in range(40)]

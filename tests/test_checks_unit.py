@@ -1,0 +1,433 @@
+"""The checks of contract section 5 as pure functions, on hand-built Evidence.
+
+No daemon, no files: each test builds the Evidence an attempt could leave (a good
+job, then one thing bent) and calls one check, `run_checks` or `verdict` directly.
+The end-to-end counterpart, with a real daemon and real agents, is test_checks_e2e.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from dispatcher import checks
+from dispatcher.checks import CheckResult, Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
+from dispatcher.orders import Order, validate_order
+
+CONTRACT_ORDER = [
+    "exit_ok",
+    "receipt_present",
+    "receipt_job_id",
+    "receipt_status",
+    "receipt_inputs",
+    "output_rows",
+    "receipt_outputs",
+    "allowed_values",
+    "writes_scope",
+    "followups_valid",
+]
+IDS = ["R1", "R2", "R3"]
+GIVEN = {"order.json": "sha-of-order"}
+ACCEPT = {"output": "out.csv", "allowed": {"team": ["orders", "payments"]}, "required": ["team"]}
+BREAKS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+# -- builders ------------------------------------------------------------------------------------
+
+
+def make_order(**extra: Any) -> Order:
+    """Return a validated order J-1 for `worker` with items R1..R3 (fields replaced by extra)."""
+    body: dict[str, Any] = {
+        "job_id": "J-1",
+        "from": "tester",
+        "to": "worker",
+        "task": "Assign each request to one team.",
+        "items": [{"id": i} for i in IDS],
+        "accept": ACCEPT,
+    }
+    body.update(extra)
+    return validate_order({k: v for k, v in body.items() if v is not None})
+
+
+def receipt(**extra: Any) -> Doc:
+    """Return a good parsed receipt for J-1, with fields replaced by extra."""
+    body: dict[str, Any] = {
+        "job_id": "J-1",
+        "input_ids": IDS,
+        "output_ids": IDS,
+        "status": "done",
+        "outputs": ["out.csv"],
+    }
+    body.update(extra)
+    return Doc(value=body)
+
+
+def rows(*ids: Any, **fields: Any) -> Doc:
+    """Return a parsed output with one record per id, team `orders` unless fields say otherwise."""
+    return Doc(value=[{"id": i, "team": "orders", **fields} for i in ids])
+
+
+def files(*paths: str) -> tuple[Entry, ...]:
+    """Return work/ entries: the given order.json unchanged, then these new regular files."""
+    return (Entry("order.json", "file", digest=GIVEN["order.json"]), *(Entry(p, "file") for p in paths))
+
+
+def evidence(**over: Any) -> Evidence:
+    """Return the Evidence of a job that kept every rule; keyword arguments bend one part."""
+    base: dict[str, Any] = {
+        "order": make_order(),
+        "agent": "worker",
+        "writes": ("out.csv",),
+        "exit": Exit(code=0, seconds=0.41, timeout_s=30),
+        "receipt": receipt(),
+        "output": rows(*IDS),
+        "work_exists": True,
+        "entries": files("out.csv", "receipt.json"),
+        "given": GIVEN,
+        "outbox_exists": False,
+        "followups": (),
+    }
+    base.update(over)
+    return Evidence(**base)
+
+
+def followup(job_id: str, to: str = "assigner", sender: str = "worker", **extra: Any) -> Followup:
+    """Return one parsed follow-up order found in work/outbox/."""
+    body: dict[str, Any] = {"job_id": job_id, "from": sender, "to": to, "task": "Next step.", "items": [{"id": "R1"}]}
+    body.update(extra)
+    return Followup(f"{job_id}.json", order=validate_order(body))
+
+
+def outbox(*found: Followup, **over: Any) -> Evidence:
+    """Return good Evidence whose work/outbox/ holds these follow-ups."""
+    return evidence(outbox_exists=True, followups=found, **over)
+
+
+def results(**ok: bool | None) -> list[CheckResult]:
+    """Return a passing result for every check, with the named ones set to the given ok."""
+    return [CheckResult(n, ok.get(n, True), f"{n} detail") for n in CONTRACT_ORDER]
+
+
+# -- one table row per (check, evidence, expected ok, text the detail must hold) ----------------
+
+NO_ACCEPT = make_order(accept=None)
+NO_RECEIPT = Doc(missing=True)
+
+CASES = [
+    # exit_ok
+    ("exit_ok", evidence(), True, "exit 0 in 0.41 s"),
+    ("exit_ok", evidence(exit=Exit(code=3, seconds=1.5)), False, "exit 3 in 1.50 s"),
+    ("exit_ok", evidence(exit=Exit(code=-9, seconds=2)), False, "killed by signal 9"),
+    ("exit_ok", evidence(exit=Exit(code=-15, timed_out=True, timeout_s=2)), False, "timed out after 2 s"),
+    ("exit_ok", evidence(exit=Exit(code=0, timed_out=True, timeout_s=2)), False, "timed out"),
+    ("exit_ok", evidence(exit=Exit(code=-15, aborted="cancelled", seconds=1)), False, "cancelled"),
+    ("exit_ok", evidence(exit=Exit(code=None)), False, "no exit status"),
+    ("exit_ok", evidence(exit=Exit(lost=True)), None, "exit status lost"),
+    # receipt_present
+    ("receipt_present", evidence(), True, "JSON object"),
+    ("receipt_present", evidence(receipt=NO_RECEIPT), False, "no receipt.json"),
+    ("receipt_present", evidence(receipt=Doc(error="is not valid JSON (x)")), False, "is not valid JSON"),
+    ("receipt_present", evidence(receipt=Doc(error="is a FIFO, not a regular file")), False, "FIFO"),
+    ("receipt_present", evidence(receipt=Doc(value=["J-1"])), False, "not a JSON object"),
+    ("receipt_present", evidence(receipt=Doc(value=None)), False, "not a JSON object"),
+    # receipt_job_id
+    ("receipt_job_id", evidence(), True, "J-1"),
+    ("receipt_job_id", evidence(receipt=receipt(job_id="J-2")), False, "'J-2', expected 'J-1'"),
+    ("receipt_job_id", evidence(receipt=receipt(job_id=None)), False, "None"),
+    ("receipt_job_id", evidence(order=make_order(job_id="123"), receipt=receipt(job_id=123)), False, "123"),
+    ("receipt_job_id", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
+    ("receipt_job_id", evidence(receipt=Doc(value=[1])), None, "no usable receipt"),
+    # receipt_status
+    ("receipt_status", evidence(), True, "done"),
+    ("receipt_status", evidence(receipt=receipt(status="failed", reason="no data")), False, "no data"),
+    ("receipt_status", evidence(receipt=receipt(status="failed")), False, "status is failed"),
+    ("receipt_status", evidence(receipt=receipt(status="ok")), False, "'ok'"),
+    ("receipt_status", evidence(receipt=receipt(status=None)), False, "None"),
+    ("receipt_status", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
+    # receipt_inputs
+    ("receipt_inputs", evidence(receipt=receipt(input_ids=["R3", "R1", "R2"])), True, "3 input ids"),
+    ("receipt_inputs", evidence(receipt=receipt(input_ids=["R1", "R2"])), False, "missing R3"),
+    ("receipt_inputs", evidence(receipt=receipt(input_ids=[*IDS, "R4"])), False, "extra 'R4'"),
+    ("receipt_inputs", evidence(receipt=receipt(input_ids=[*IDS, "R1"])), False, "repeated 'R1'"),
+    ("receipt_inputs", evidence(receipt=receipt(input_ids=[])), False, "missing R1, R2, R3"),
+    ("receipt_inputs", evidence(receipt=receipt(input_ids="R1,R2,R3")), False, "not a list"),
+    ("receipt_inputs", evidence(receipt=receipt(input_ids=[1, "R2", "R3"])), False, "missing R1; extra 1"),
+    ("receipt_inputs", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
+    # output_rows
+    ("output_rows", evidence(), True, "3 records"),
+    ("output_rows", evidence(order=NO_ACCEPT, output=None), None, "no accept.output"),
+    ("output_rows", evidence(output=Doc(missing=True)), False, "out.csv is missing"),
+    ("output_rows", evidence(output=Doc(error="cannot be parsed (x)")), False, "out.csv cannot be parsed"),
+    ("output_rows", evidence(output=rows("R1", "R2")), False, "missing R3"),
+    ("output_rows", evidence(output=rows(*IDS, "R9")), False, "extra 'R9'"),
+    ("output_rows", evidence(output=rows(*IDS, "R2")), False, "repeated 'R2'"),
+    ("output_rows", evidence(output=Doc(value=[{"team": "orders"}, *rows(*IDS).value])), False, "extra None"),
+    (
+        "output_rows",
+        evidence(
+            order=make_order(accept={"output": "out.json", "key": "ref"}),
+            output=Doc(value=[{"ref": i} for i in IDS]),
+        ),
+        True,
+        "one per item",
+    ),
+    ("output_rows", evidence(output=rows(*IDS), receipt=NO_RECEIPT), True, "3 records"),
+    # receipt_outputs
+    ("receipt_outputs", evidence(), True, "3 output ids match out.csv"),
+    ("receipt_outputs", evidence(receipt=receipt(output_ids=["R2", "R3", "R1"])), True, "match"),
+    ("receipt_outputs", evidence(order=NO_ACCEPT, output=None), None, "no accept.output"),
+    ("receipt_outputs", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
+    ("receipt_outputs", evidence(output=Doc(missing=True)), None, "no usable output"),
+    ("receipt_outputs", evidence(receipt=receipt(output_ids=["R1", "R2"])), False, "missing 'R3'"),
+    ("receipt_outputs", evidence(receipt=receipt(output_ids=[*IDS, "R9"])), False, "extra 'R9'"),
+    ("receipt_outputs", evidence(receipt=receipt(output_ids=[*IDS, "R1"])), False, "counts differ"),
+    ("receipt_outputs", evidence(receipt=receipt(output_ids="R1")), False, "not a list"),
+    ("receipt_outputs", evidence(output=rows("R1"), receipt=receipt(output_ids=["R1"])), True, "1 output ids"),
+    # allowed_values
+    ("allowed_values", evidence(), True, "3 records"),
+    ("allowed_values", evidence(order=make_order(accept={"output": "out.csv"})), None, "no accept.allowed"),
+    ("allowed_values", evidence(output=Doc(missing=True)), None, "no usable output"),
+    ("allowed_values", evidence(output=rows(*IDS, team="bakery")), False, "R1: team 'bakery' is not allowed"),
+    ("allowed_values", evidence(output=rows(*IDS, team="")), False, "required field 'team' is empty"),
+    ("allowed_values", evidence(output=rows(*IDS, team=None)), False, "required field 'team' is empty"),
+    ("allowed_values", evidence(output=Doc(value=[{"id": i} for i in IDS])), False, "'team' is empty"),
+    (
+        "allowed_values",
+        evidence(order=make_order(accept={"output": "o.json", "required": ["n"]}), output=rows(*IDS, n=[])),
+        False,
+        "'n' is empty",
+    ),
+    (
+        "allowed_values",
+        evidence(order=make_order(accept={"output": "o.json", "required": ["n"]}), output=rows(*IDS, n=0)),
+        True,
+        "3 records",
+    ),
+    (
+        "allowed_values",
+        evidence(order=make_order(accept={"output": "o.json", "allowed": {"n": [1, None]}}), output=rows(*IDS, n=None)),
+        True,
+        "3 records",
+    ),
+    # writes_scope
+    ("writes_scope", evidence(), True, "inside writes"),
+    ("writes_scope", evidence(work_exists=False, entries=()), False, "work/ is gone"),
+    ("writes_scope", evidence(entries=(Entry("out.csv", "file"),)), False, "order.json was given and is deleted"),
+    ("writes_scope", evidence(entries=(Entry("order.json", "file", digest="other"),)), False, "is changed"),
+    ("writes_scope", evidence(entries=(Entry("order.json", "symlink"),)), False, "order.json was given and is changed"),
+    ("writes_scope", evidence(entries=files("notes.txt")), False, "notes.txt is outside writes (out.csv)"),
+    ("writes_scope", evidence(writes=(), entries=files("x")), False, "outside writes (none)"),
+    ("writes_scope", evidence(writes=("reports/*.csv",), entries=files("reports/2026/11/a.csv")), True, "inside"),
+    ("writes_scope", evidence(writes=("reports/*.csv",), entries=files("reports/a.json")), False, "reports/a.json"),
+    ("writes_scope", evidence(writes=("[x].csv",), entries=files("[x].csv")), True, "inside writes"),
+    ("writes_scope", evidence(writes=(), entries=files("receipt.json", "outbox/a/b.json")), True, "inside"),
+    ("writes_scope", evidence(writes=(), entries=(*files(), Entry("tmp", "dir"), Entry("tmp/x", "dir"))), True, "in"),
+    ("writes_scope", evidence(entries=(*files(), Entry("out.csv", "symlink", target_inside=False))), False, "points"),
+    ("writes_scope", evidence(entries=(*files(), Entry("out.csv", "symlink", target_inside=True))), True, "inside"),
+    ("writes_scope", evidence(entries=(*files(), Entry("out.csv", "fifo"))), False, "out.csv is a fifo"),
+    ("writes_scope", evidence(entries=(*files(), Entry("out.csv", "socket"))), False, "out.csv is a socket"),
+    ("writes_scope", evidence(entries=(*files(), Entry("receipt.json", "device"))), False, "is a device"),
+    ("writes_scope", evidence(entries=(*files(), Entry("out.csv", "file", nlink=2))), False, "has 2 hard links"),
+    # followups_valid
+    ("followups_valid", evidence(), None, "no outbox/"),
+    ("followups_valid", outbox(), True, "no follow-ups"),
+    ("followups_valid", outbox(followup("J-1.next")), True, "1 follow-up valid"),
+    ("followups_valid", outbox(followup("A"), followup("B", to="reviewer")), True, "2 follow-ups valid"),
+    ("followups_valid", outbox(Followup("x.txt", error="not a work order")), False, "outbox/x.txt: not a work order"),
+    ("followups_valid", outbox(followup("J-1")), False, "this job's own"),
+    ("followups_valid", outbox(followup("A"), Followup("B.json", order=followup("A").order)), False, "repeated"),
+    ("followups_valid", outbox(followup("OLD"), known_ids=frozenset({"OLD"})), False, "OLD is already known"),
+    ("followups_valid", outbox(followup("A", sender="tester")), False, "from is 'tester', expected 'worker'"),
+    ("followups_valid", outbox(followup("A", parent="J-1")), False, "parent and hops are set by the daemon"),
+    ("followups_valid", outbox(followup("A", hops=0)), False, "parent and hops"),
+    ("followups_valid", outbox(followup("A"), hops=5, max_hops=5), False, "hops 6 would exceed max_hops 5"),
+    ("followups_valid", outbox(followup("A"), hops=4, max_hops=5), True, "1 follow-up valid"),
+    ("followups_valid", outbox(followup("A"), max_hops=0), False, "exceed max_hops 0"),
+]
+FOLLOWUPS = make_order(accept={"followups": ["assigner"]})
+CASES += [
+    ("followups_valid", evidence(order=FOLLOWUPS), False, "exactly one follow-up to assigner, found 0"),
+    ("followups_valid", outbox(followup("A"), order=FOLLOWUPS), True, "1 follow-up valid"),
+    ("followups_valid", outbox(followup("A"), followup("B"), order=FOLLOWUPS), False, "found 2"),
+    ("followups_valid", outbox(followup("A"), followup("B", to="x"), order=FOLLOWUPS), False, "not in accept"),
+    ("followups_valid", outbox(followup("A"), order=make_order(accept={"followups": []})), False, "assigner"),
+    ("followups_valid", evidence(order=make_order(accept={"followups": []})), True, "no follow-ups"),
+]
+
+
+def _case_id(case: tuple[str, Evidence, bool | None, str]) -> str:
+    return f"{case[0]}-{case[2]}-{case[3][:40]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_check_outcome_and_detail(case: tuple[str, Evidence, bool | None, str]) -> None:
+    """Each check passes, fails or records null as the contract says, with a detail saying why."""
+    name, ev, ok, text = case
+    result = getattr(checks, name)(ev)
+    assert result.name == name
+    assert result.ok is ok, result
+    assert text in result.detail, result
+
+
+def test_every_check_has_pass_fail_and_null_cases() -> None:
+    """The table above covers true and false for every check, and null wherever the contract allows it."""
+    seen = {(name, ok) for name, _ev, ok, _text in CASES}
+    may_be_null = set(CONTRACT_ORDER) - {"receipt_present", "writes_scope"}
+    for name in CONTRACT_ORDER:
+        assert (name, True) in seen and (name, False) in seen, name
+        assert ((name, None) in seen) == (name in may_be_null), name
+
+
+# -- order and completeness ---------------------------------------------------------------------
+
+
+def test_checks_run_in_contract_order() -> None:
+    """CHECKS holds one function per contract check, in the contract's order."""
+    assert [c.__name__ for c in checks.CHECKS] == CONTRACT_ORDER
+    assert [r.name for r in run_checks(evidence())] == CONTRACT_ORDER
+
+
+def test_every_check_runs_after_earlier_failures() -> None:
+    """With everything wrong at once, all ten checks still run and are recorded, in order."""
+    ev = evidence(
+        exit=Exit(code=2),
+        receipt=NO_RECEIPT,
+        output=Doc(missing=True),
+        work_exists=False,
+        entries=(),
+        outbox_exists=True,
+        followups=(Followup("bad.json", error="not valid JSON"),),
+    )
+    got = run_checks(ev)
+    assert [r.to_json()["name"] for r in got] == CONTRACT_ORDER
+    assert [r.ok for r in got] == [False, False, None, None, None, False, None, None, False, False]
+    assert all(isinstance(r.detail, str) and r.detail for r in got)
+
+
+def test_good_evidence_passes_every_applicable_check() -> None:
+    """A job that kept every rule passes each check that applies; only followups_valid is null."""
+    got = run_checks(evidence())
+    assert {r.name: r.ok for r in got} == dict.fromkeys(CONTRACT_ORDER, True) | {"followups_valid": None}
+    assert verdict(got) is None
+
+
+def test_result_json_entry_shape() -> None:
+    """A check result serialises as exactly name, ok and detail, as result.json records it."""
+    assert checks.exit_ok(evidence()).to_json() == {"name": "exit_ok", "ok": True, "detail": "exit 0 in 0.41 s"}
+
+
+def test_checks_without_input_say_why_they_are_null() -> None:
+    """No receipt and no accept: the checks that need them record null with a non-empty reason."""
+    got = {r.name: r for r in run_checks(evidence(order=NO_ACCEPT, receipt=NO_RECEIPT, output=None))}
+    for name in ("receipt_job_id", "receipt_status", "receipt_inputs", "output_rows", "receipt_outputs"):
+        assert got[name].ok is None and got[name].detail, got[name]
+    assert got["allowed_values"].ok is None and "accept" in got["allowed_values"].detail
+
+
+# -- values an agent controls -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "ev"),
+    [
+        ("receipt_inputs", evidence(receipt=receipt(input_ids=[["R1"], "R2", "R3"]))),
+        ("receipt_inputs", evidence(receipt=receipt(input_ids=[{"id": "R1"}, "R2", "R3"]))),
+        ("output_rows", evidence(output=Doc(value=[{"id": ["R1"]}, {"id": "R2"}, {"id": "R3"}]))),
+        ("output_rows", evidence(output=Doc(value=[{"id": {"x": 1}}, {"id": "R2"}, {"id": "R3"}]))),
+        ("receipt_outputs", evidence(receipt=receipt(output_ids=[["R1"], "R2", "R3"]))),
+    ],
+    ids=["input-list", "input-object", "row-list", "row-object", "output-ids-list"],
+)
+def test_ids_of_any_json_type_fail_the_check_instead_of_crashing(name: str, ev: Evidence) -> None:
+    """An id that is a JSON list or object (the agent wrote it) makes the check false, never raises."""
+    result = getattr(checks, name)(ev)
+    assert result.ok is False, result
+    assert result.detail
+
+
+@pytest.mark.parametrize(
+    ("allowed", "value"),
+    [([True], 1), ([False], 0), ([1], True), ([0], False)],
+    ids=["true-vs-1", "false-vs-0", "1-vs-true", "0-vs-false"],
+)
+def test_allowed_values_tells_booleans_from_numbers(allowed: list[Any], value: Any) -> None:
+    """In JSON 1 is not true: a number is not an allowed value because a boolean of equal value is."""
+    order = make_order(accept={"output": "out.json", "allowed": {"flag": allowed}})
+    result = checks.allowed_values(evidence(order=order, output=rows(*IDS, flag=value)))
+    assert result.ok is False, result
+
+
+HOSTILE = "a\nb\r\u2028c\u2029\x1b[31m\x00\x85d"
+HOSTILE_EVIDENCE = [
+    evidence(receipt=receipt(job_id=HOSTILE)),
+    evidence(receipt=receipt(status="failed", reason=HOSTILE)),
+    evidence(receipt=receipt(status=HOSTILE)),
+    evidence(receipt=receipt(input_ids=[*IDS, HOSTILE], output_ids=[HOSTILE])),
+    evidence(output=Doc(value=[{"id": HOSTILE, "team": HOSTILE}])),
+    evidence(output=Doc(error=f"cannot be parsed ({HOSTILE})")),
+    evidence(receipt=Doc(error=f"is not valid JSON ({HOSTILE})")),
+    evidence(entries=files(f"dir{HOSTILE}/x.txt")),
+    evidence(entries=files("bad\udcffname.txt")),
+    evidence(writes=(HOSTILE,), entries=files("x")),
+    outbox(Followup(f"x{HOSTILE}.json", error=HOSTILE)),
+    outbox(followup("A", sender="worker-2"), agent=HOSTILE),
+    evidence(exit=Exit(code=-15, aborted=HOSTILE)),
+]
+
+
+@pytest.mark.parametrize("ev", HOSTILE_EVIDENCE, ids=[str(i) for i in range(len(HOSTILE_EVIDENCE))])
+def test_details_are_one_printable_line(ev: Evidence) -> None:
+    """Line breaks, control characters and undecodable bytes from an agent never break a detail's one line."""
+    got = run_checks(ev)
+    assert any(r.ok is False for r in got)
+    for r in got:
+        assert not BREAKS.search(r.detail), r
+        r.detail.encode("utf-8")  # no lone surrogate: result.json can be written as UTF-8
+    reason = verdict(got)
+    assert reason is not None and not BREAKS.search(reason)
+
+
+# -- verdict ------------------------------------------------------------------------------------
+
+
+def test_verdict_done_when_nothing_fails() -> None:
+    """Every check true or null (except the three that must pass) means done: verdict is None."""
+    nulls = {n: None for n in CONTRACT_ORDER[3:]}
+    assert verdict(results()) is None
+    assert verdict(results(**nulls)) is None
+
+
+def test_verdict_names_the_first_failing_check() -> None:
+    """The reason is `<first failing check>: <its detail>`, in contract order."""
+    assert verdict(results(writes_scope=False, receipt_status=False)) == "receipt_status: receipt_status detail"
+    ev = evidence(exit=Exit(code=3, seconds=1), receipt=receipt(status="failed"))
+    assert verdict(run_checks(ev)) == "exit_ok: exit 3 in 1.00 s"
+
+
+@pytest.mark.parametrize("name", ["exit_ok", "receipt_present", "receipt_job_id"])
+def test_verdict_requires_the_three_checks_to_be_true(name: str) -> None:
+    """exit_ok, receipt_present and receipt_job_id must be true: null for one of them fails the job."""
+    assert verdict(results(**{name: None})) == f"{name}: {name} detail"
+
+
+def test_verdict_with_exit_lost_accepts_null_exit_ok() -> None:
+    """After a crash hid the exit status, a null exit_ok no longer fails a job whose other checks pass."""
+    assert verdict(results(exit_ok=None), exit_lost=True) is None
+    lost = run_checks(evidence(exit=Exit(lost=True)))
+    assert lost[0].ok is None
+    assert verdict(lost, exit_lost=True) is None
+    reason = verdict(lost)
+    assert reason is not None and reason.startswith("exit_ok: exit status lost")
+
+
+def test_verdict_exit_lost_excuses_nothing_else() -> None:
+    """exit_lost excuses only a null exit_ok: a false exit_ok or a null receipt_job_id still fail."""
+    assert verdict(results(exit_ok=False), exit_lost=True) == "exit_ok: exit_ok detail"
+    assert (
+        verdict(results(exit_ok=None, receipt_job_id=None), exit_lost=True) == "receipt_job_id: receipt_job_id detail"
+    )
+    assert verdict(results(exit_ok=None, followups_valid=False), exit_lost=True) == (
+        "followups_valid: followups_valid detail"
+    )
