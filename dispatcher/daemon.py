@@ -157,6 +157,7 @@ class Daemon:
         self.tracker.due()
         if not self.stopping:
             self._start_work()
+        self.slots.flush()
 
     def _timeout(self) -> float:
         now = time.monotonic()

@@ -18,18 +18,29 @@ def make_lock(path: Path) -> FileLock:
 
 
 class Slots:
-    """Hand out agent slots; remember which are ours."""
+    """Hand out agent slots; remember which are ours.
+
+    A released slot stays locked as *idle* until ``flush`` (the end of the
+    daemon's tick), so that a daemon going from one job of an agent to the next
+    does not give the lock up and take it again.
+    """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._locks: dict[str, FileLock] = {}
         self._held: set[str] = set()
+        self._idle: set[str] = set()
 
     def acquire(self, agent: str, concurrency: int) -> str | None:
         """Take a free slot of agent; return its key, or None if all are busy."""
+        for key in sorted(self._idle):
+            if key.rsplit(".", 1)[0] == agent and int(key.rsplit(".", 1)[1]) < concurrency:
+                self._idle.discard(key)
+                self._held.add(key)
+                return key
         for i in range(concurrency):
             key = f"{agent}.{i}"
-            if key in self._held:
+            if key in self._held or key in self._idle:
                 continue
             lock = self._locks.get(key)
             if lock is None:
@@ -47,10 +58,16 @@ class Slots:
         return sum(1 for key in self._held if key.rsplit(".", 1)[0] == agent)
 
     def release(self, key: str) -> None:
-        """Give a slot back."""
+        """Give a slot back (it stays locked, idle, until ``flush``)."""
         if key in self._held:
             self._held.discard(key)
+            self._idle.add(key)
+
+    def flush(self) -> None:
+        """Unlock the idle slots, so that other daemons may take them."""
+        for key in self._idle:
             self._locks[key].release()
+        self._idle.clear()
 
 
 def owner_alive(folder: Path, owner: str) -> bool:

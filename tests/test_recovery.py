@@ -208,7 +208,9 @@ def test_kill9_storm_releases_each_followup_exactly_once(env: Env) -> None:
 def test_kill9_orphan_with_receipt_is_ended_and_checked_without_rerun(env: Env) -> None:
     """An agent orphaned by kill -9 is ended at restart; its receipt is checked (exit lost)."""
     marker = "time.sleep(61.37)"
-    env.configure(agents={"worker": env.agent("--sleep-after", "30", "--fork-child", "61.37")}, kill_grace=1)
+    # the orphan ignores SIGTERM, so ending it takes kill_grace: checks run early would show
+    slow = env.agent("--sleep-after", "30", "--fork-child", "61.37", "--ignore-term")
+    env.configure(agents={"worker": slow}, kill_grace=1)
     d = env.daemon()
     d.wait_ready()
     env.drop(order("ORPH-1"))
@@ -236,7 +238,7 @@ def test_kill9_orphan_with_receipt_is_ended_and_checked_without_rerun(env: Env) 
 def test_kill9_orphan_without_receipt_is_ended_before_the_retry(env: Env) -> None:
     """A retry of an interrupted job starts only after the orphaned first copy is gone."""
     wrapper = write_script(env.tmp, "slow_first.py", SLOW_FIRST)
-    agent = env.agent(retry_safe=True, max_attempts=2)
+    agent = env.agent("--ignore-term", retry_safe=True, max_attempts=2)
     agent["command"] = [agent["command"][0], str(wrapper), *agent["command"][2:]]
     env.configure(agents={"worker": agent}, kill_grace=1)
     d = env.daemon()
