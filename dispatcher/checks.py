@@ -289,6 +289,8 @@ def writes_scope(ev: Evidence) -> CheckResult:
             return r(False, f"{e.path} is a link that points outside work/")
         if e.kind in ("fifo", "socket", "device"):
             return r(False, f"{e.path} is a {e.kind}")
+        if e.kind == "unreadable":
+            return r(False, f"{e.path} cannot be listed")
         if e.kind == "file" and e.nlink > 1:
             return r(False, f"{e.path} has {e.nlink} hard links")
         if not in_scope(e.path, ev.writes):
@@ -348,8 +350,18 @@ MUST_PASS = ("exit_ok", "receipt_present", "receipt_job_id")
 
 
 def run_checks(ev: Evidence) -> list[CheckResult]:
-    """Run every check in contract order; none is skipped after a failure."""
-    return [check(ev) for check in CHECKS]
+    """Run every check in contract order; none is skipped after a failure.
+
+    A check that raises on input nobody foresaw is recorded as failed, with the
+    error as its detail, rather than losing the other checks.
+    """
+    results = []
+    for check in CHECKS:
+        try:
+            results.append(check(ev))
+        except Exception as exc:  # noqa: BLE001 - a check must never take the job down with it
+            results.append(CheckResult(check.__name__, False, printable(f"the check failed: {exc!r}")))
+    return results
 
 
 def verdict(results: Sequence[CheckResult], *, exit_lost: bool = False) -> str | None:

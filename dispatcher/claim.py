@@ -46,6 +46,7 @@ class Inspected:
     digest: str
     mtime_ns: int
     received: float
+    inode: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file that was read
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +74,22 @@ def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | 
         return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
     try:
         data = fsutil.read_regular(path, config.max_order_bytes)
+        again = os.lstat(path)
     except FileNotFoundError:
         return None
     except fsutil.NotRegular as exc:
         return Refusal(name, f"a {exc.kind} is not a work order; it was not opened", entry_kind=exc.kind)
     except ValueError:
         return Refusal(name, f"larger than max_order_bytes ({st.st_size} > {config.max_order_bytes} bytes)")
+    except OSError as exc:
+        return Refusal(name, f"cannot be read: {exc.strerror}")
+    if (again.st_dev, again.st_ino, again.st_size, again.st_mtime_ns) != (
+        st.st_dev,
+        st.st_ino,
+        st.st_size,
+        st.st_mtime_ns,
+    ):
+        return None  # replaced or written to while being read: its own event brings it back
     received = time.time()
     try:
         order = parse_order(
@@ -90,7 +101,7 @@ def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | 
         )
     except OrderError as exc:
         return Refusal(name, exc.reason, job_id=_best_job_id(data, name))
-    return Inspected(name, data, order, digest(data), st.st_mtime_ns, received)
+    return Inspected(name, data, order, digest(data), st.st_mtime_ns, received, (st.st_dev, st.st_ino))
 
 
 def _best_job_id(data: bytes, name: str) -> str | None:
@@ -112,7 +123,7 @@ def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
     stem = Path(refusal.name).stem or "entry"
     stage = layout.staging / f"{owner}.refuse-{secrets.token_hex(6)}"
     stage.mkdir()
-    base = f"{stem[:200]}@{utc_stamp()}"
+    base = f"{_cut(stem, 180)}@{utc_stamp()}"
     (stage / ".target").write_bytes(os.fsencode(base))
     (stage / ".source").write_bytes(os.fsencode(refusal.name))
     inner = "entry" if refusal.entry_kind is not None else f"order{Path(refusal.name).suffix}"
@@ -138,10 +149,14 @@ def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
     return place_refusal(layout, stage, base)
 
 
+def _cut(text: str, limit: int) -> str:
+    """Return text cut to at most limit bytes of its file-system encoding."""
+    raw = os.fsencode(text)
+    return text if len(raw) <= limit else os.fsdecode(raw[:limit].decode("utf-8", "ignore").encode())
+
+
 def place_refusal(layout: Layout, stage: Path, base: str) -> Path:
     """Rename a built refusal folder into failed/, adding -2, -3, ... if the name is taken."""
-    (stage / ".target").unlink(missing_ok=True)
-    (stage / ".source").unlink(missing_ok=True)
     n = 1
     while True:
         target = layout.folder(State.FAILED) / (base if n == 1 else f"{base}-{n}")
@@ -150,8 +165,9 @@ def place_refusal(layout: Layout, stage: Path, base: str) -> Path:
         except FileExistsError:
             n += 1
             continue
+        (target / ".target").unlink(missing_ok=True)
+        (target / ".source").unlink(missing_ok=True)
         fsutil.fsync_dir(layout.folder(State.FAILED))
-        fsutil.fsync_dir(layout.inbox)
         return target
 
 
@@ -220,10 +236,19 @@ def build_job(
     spec["given"] = given
     (stage / JOB_FILE).write_bytes(fsutil.dump_json(spec))
     ext = Path(item.name).suffix
+    kept = stage / f"order{ext}"
     try:
-        fsutil.move_out(layout.inbox / item.name, stage / f"order{ext}")
+        fsutil.move_out(layout.inbox / item.name, kept)
+        st = os.lstat(kept)
+        if (st.st_dev, st.st_ino) != item.inode:
+            # another file took the name since it was read: put it back, untouched
+            try:
+                fsutil.move_out(kept, layout.inbox / item.name)
+            except FileExistsError:
+                fsutil.move_out(kept, layout.inbox / f"{Path(item.name).stem}-{secrets.token_hex(3)}{ext}")
+            raise FileNotFoundError(item.name)
     except FileNotFoundError:
-        for p in (work / "order.json", work / "prompt.md", stage / JOB_FILE):
+        for p in (work / "order.json", work / "prompt.md", stage / JOB_FILE, kept):
             p.unlink(missing_ok=True)
         for d in (work, stage / "attempts", stage):
             d.rmdir()

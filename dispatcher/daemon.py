@@ -27,7 +27,7 @@ import structlog
 from dispatcher import claim, fsutil, recovery
 from dispatcher.config import Config, load_config
 from dispatcher.errors import ConfigError
-from dispatcher.job import CANCELLED, STOPPED, Context, JobRun, release_followups
+from dispatcher.job import CANCELLED, STOPPED, Context, JobRun, end_leftover_agent, release_followups
 from dispatcher.layout import UMASK, Layout, State
 from dispatcher.ledger import DONE, FAILED, Entry, Ledger
 from dispatcher.sdnotify import Notifier
@@ -36,6 +36,7 @@ from dispatcher.watcher import InboxTracker, start_observer
 
 log = structlog.get_logger("dispatcher")
 _SLOT_RETRY_S = 0.25
+PARK_LIMIT = 64  # orders read ahead while their agents are busy
 
 
 @dataclass
@@ -69,7 +70,8 @@ class Daemon:
         self.root_override = root_override
         self.once = once
         self.layout = Layout(config.root)
-        self.owner = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+        host = socket.gethostname().replace(".", "_")  # owner ids never hold a dot (staging names split on it)
+        self.owner = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         self.q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.running: dict[str, _Running] = {}
         self.parked: collections.deque[_Parked] = collections.deque()
@@ -80,6 +82,7 @@ class Daemon:
         self._next_rescan = 0.0
         self._next_watchdog = 0.0
         self._slot_poll = False
+        self._alive_cache: dict[str, bool] = {}
 
     # -- lifecycle -------------------------------------------------------------
     def serve(self) -> int:
@@ -110,8 +113,9 @@ class Daemon:
             lambda: self.config,
             lambda name: self.q.put(("fs", "moved", name)),
             self._cancel_requested,
+            lambda: self.stopping,
         )
-        self.tracker = InboxTracker(self.layout.inbox, self.config.settle_s)
+        self.tracker = InboxTracker(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once)
         log.info(
             "daemon.started",
             root=str(self.layout.root),
@@ -139,6 +143,7 @@ class Daemon:
 
     def tick(self) -> None:
         """Wait briefly for one message, handle everything queued, start what may start."""
+        self._alive_cache.clear()
         try:
             self._handle(self.q.get(timeout=self._timeout()))
             while True:
@@ -234,7 +239,10 @@ class Daemon:
         """Reload the config (SIGHUP); keep the old one if the new one is bad or moves the root."""
         from dispatcher import logs
 
-        logs.SINK.open_file(self.config.log_file)  # reopen for logrotate, whatever the new config says
+        try:
+            logs.SINK.open_file(self.config.log_file)  # reopen for logrotate, whatever the new config says
+        except OSError as exc:
+            log.error("log_file.reopen_failed", error=str(exc))
         if self.config_path is None:
             log.error("config.rejected", error="no config file to reload")
             return
@@ -247,7 +255,11 @@ class Daemon:
             log.error("config.rejected", error=f"{self.config_path}: root: cannot change while running")
             return
         if new.log_file != self.config.log_file:
-            logs.SINK.open_file(new.log_file)
+            try:
+                logs.SINK.open_file(new.log_file)
+            except OSError as exc:
+                log.error("config.rejected", error=f"{self.config_path}: log_file: {exc.strerror}")
+                return
         self.config = new
         self.tracker.settle_s = new.settle_s
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
@@ -258,20 +270,33 @@ class Daemon:
 
     # -- finding work ----------------------------------------------------------
     def _alive(self, owner: str) -> bool:
-        return owner == self.owner or owner_alive(self.layout.daemons, owner)
+        """Return True while the daemon ``owner`` lives (its liveness lock is held); cached for one tick."""
+        if owner == self.owner:
+            return True
+        alive = self._alive_cache.get(owner)
+        if alive is None:
+            alive = self._alive_cache[owner] = owner_alive(self.layout.daemons, owner)
+        return alive
 
     def _recover(self) -> None:
         recovery.finish_staging(self.layout, self._alive)
         recovery.settle_ledger(self.layout, self.ledger, self._alive)
         self._adopt_orphans()
-        for entry in self.ledger.pending_releases():
-            if entry.parent is not None:
-                release_followups(self.ctx, entry.parent)
+        self._release_orphaned()
         self._control()
+
+    def _release_orphaned(self) -> None:
+        """Release the follow-ups of done parents whose daemon died before releasing them."""
+        parents = {e.parent for e in self.ledger.pending_releases() if e.parent and not self._alive(e.owner or "")}
+        for parent in sorted(parents):
+            release_followups(self.ctx, parent)
 
     def _adopt_orphans(self) -> None:
         for job_id in recovery.orphaned_jobs(self.layout, self.ledger, self.owner, self._alive):
-            agent = recovery.job_agent(self.layout.job(State.ACTIVE, job_id))
+            folder = self.layout.job(State.ACTIVE, job_id)
+            # its agent is ended now, before READY=1 and before any slot is free for it
+            self._guarded(job_id, end_leftover_agent, folder, self.config.kill_grace_s)
+            agent = recovery.job_agent(folder)
             self.parked.appendleft(_Parked("recover", job_id, agent))
 
     def _rescan(self) -> None:
@@ -281,8 +306,11 @@ class Daemon:
             self.observer = start_observer(self.layout.inbox, self.layout.control, self.q.put)
         self.tracker.scan()
         if not self.stopping:
+            # a peer daemon may have died since the start: finish what it left
             recovery.finish_staging(self.layout, self._alive)
+            recovery.settle_ledger(self.layout, self.ledger, self._alive)
             self._adopt_orphans()
+            self._release_orphaned()
         self._control()
 
     def _control(self) -> None:
@@ -342,11 +370,12 @@ class Daemon:
                 continue
             self.parked.remove(p)
             self._launch(p, slot)
-        while len(self.running) < self.config.max_jobs:
+        # then new orders; reading stops once enough wait for busy agents (memory stays flat)
+        while len(self.running) < self.config.max_jobs and len(self.parked) < PARK_LIMIT:
             name = self.tracker.pop()
             if name is None:
                 return
-            new = self._take(name)
+            new = self._guarded(name, self._take, name)
             if new is None:
                 continue
             slot = None if new.agent in blocked else self._slot(new.agent)
@@ -357,6 +386,15 @@ class Daemon:
                     self._cancel(new.job_id)
                 continue
             self._launch(new, slot)
+
+    def _guarded(self, name: str, fn: Any, *args: Any) -> Any:
+        """Run one file's or job's step; an unexpected error is logged, never fatal to the loop."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # one bad file or job must not stop the daemon
+            log.exception("daemon.error", file=name, error=str(exc))
+            self.tracker.forget(name)
+            return None
 
     def _slot(self, agent_name: str) -> str | None:
         agent = self.config.agents.get(agent_name)
@@ -424,10 +462,13 @@ class Daemon:
     def _launch(self, p: _Parked, slot: str | None) -> None:
         try:
             run = self._prepare(p)
-        except Exception:
-            if slot is not None:
-                self.slots.release(slot)
-            raise
+        except Exception as exc:  # one bad file or job must not stop the daemon
+            log.exception("daemon.error", job_id=p.job_id, agent=p.agent, step=p.kind, error=str(exc))
+            if p.kind == "recover":
+                recovery.fail_damaged(self.layout, self.ledger, p.job_id, p.agent, exc)
+            elif p.item is not None:
+                self.tracker.forget(p.item.name)
+            run = None
         if run is None:
             if slot is not None:
                 self.slots.release(slot)
@@ -462,7 +503,7 @@ class Daemon:
             return None
         built = claim.build_job(self.layout, item, agent, got, self.owner)
         if built is None:
-            self.ledger.finish(item.order.job_id, FAILED)
+            self.ledger.unclaim(item.order.job_id, self.owner, got.previous)  # nothing ran: the id stays free
             log.warning("order.vanished", file=item.name, job_id=item.order.job_id)
             return None
         log.info(
@@ -477,7 +518,13 @@ class Daemon:
         return JobRun(self.ctx, item.order.job_id, fresh=(spec, order))
 
     def _reopen(self, job_id: str) -> JobRun | None:
-        """Move a failed job back to active/ for `dispatcher retry`."""
+        """Move a failed job back to active/ for `dispatcher retry`.
+
+        Order, for crashes: ledger claim; earlier result.json into attempts/<n>/
+        (never over an older one); the new attempt budget in job.json; the
+        rename into active/; then the request is cleared. Recovery finishes a
+        reopen cut short at any of these steps (``recovery.settle_ledger``).
+        """
         if not self.ledger.take_retry(job_id, self.owner):
             return None
         src = self.layout.job(State.FAILED, job_id)
@@ -486,15 +533,19 @@ class Daemon:
         attempts = src / "attempts"
         numbers = [int(p.name) for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
         last = max(numbers, default=0)
-        keep = src / "attempts" / str(last) / "result.json"
-        keep.parent.mkdir(parents=True, exist_ok=True)
         if result.exists():
+            keep_dir = attempts / str(last)
+            keep_dir.mkdir(parents=True, exist_ok=True)
+            keep, k = keep_dir / "result.json", 2
+            while keep.exists():
+                keep, k = keep_dir / f"result-{k}.json", k + 1
             os.rename(result, keep)
         spec["budget"] = last + int(spec["max_attempts"])
         fsutil.write_atomic(src / claim.JOB_FILE, fsutil.dump_json(spec))
         dst = self.layout.job(State.ACTIVE, job_id)
         fsutil.rename_noreplace(src, dst)
         fsutil.fsync_dir(self.layout.folder(State.ACTIVE))
+        self.ledger.clear_request(job_id, "retry")
         with structlog.contextvars.bound_contextvars(job_id=job_id, agent=spec["agent"]["name"]):
             log.info("job.claimed", retry=True, attempts_from=last + 1)
         return JobRun(self.ctx, job_id)
@@ -512,8 +563,10 @@ class Daemon:
 
     def _finished(self, job_id: str, state: str | None) -> None:
         r = self.running.pop(job_id, None)
-        if r is not None and r.slot is not None:
-            self.slots.release(r.slot)
+        if r is not None:
+            r.run.abort.close()  # closed here, on the loop's thread, so no trigger can hit a reused fd
+            if r.slot is not None:
+                self.slots.release(r.slot)
         if state is not None:
             self.stats.finished["failed" if state == "crashed" else state] += 1
             if self.ledger.has_request(job_id, "cancel"):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Container, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dispatcher import fsutil
 from dispatcher.checks import Doc, Entry, Evidence, Exit, Followup
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import NotRegular, kind_of, read_regular
@@ -98,42 +99,66 @@ def snapshot(work: Path, names: Iterable[str]) -> dict[str, str]:
     return {name: digest((work / name).read_bytes()) for name in names if (work / name).is_file()}
 
 
-def list_entries(work: Path, given: Container[str]) -> list[Entry]:
-    """Walk work/ without following links; describe every entry."""
+def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
+    """Walk work/ without following links; describe every entry.
+
+    The walk is iterative (no recursion limit for deep trees). A folder that
+    cannot be listed is reported as an ``unreadable`` entry, which writes_scope
+    refuses. Given files are hashed in chunks, and only when their size could
+    still match, so a huge file cannot exhaust the daemon's memory.
+    """
     out: list[Entry] = []
     root = os.fspath(work)
-
-    def walk(folder: str, prefix: str) -> None:
+    stack = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
         try:
             it = os.scandir(folder)
         except OSError:
-            return
+            if prefix:
+                out.append(Entry(prefix.rstrip("/"), "unreadable"))
+            continue
         with it:
             for de in it:
                 rel = prefix + de.name
-                st = de.stat(follow_symlinks=False)
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except OSError:
+                    continue
                 kind = _KINDS.get(kind_of(st.st_mode), "device")
                 if kind == "dir":
                     out.append(Entry(rel, "dir"))
-                    walk(de.path, rel + "/")
+                    stack.append((de.path, rel + "/"))
                 elif kind == "symlink":
                     target = os.readlink(de.path)
                     resolved = os.path.normpath(os.path.join(folder, target))
                     inside = resolved == root or resolved.startswith(root + os.sep)
                     out.append(Entry(rel, "symlink", target_inside=inside))
                 elif kind == "file":
-                    sha = None
-                    if rel in given:
-                        try:
-                            sha = digest(read_regular(Path(de.path), base=work))
-                        except (OSError, NotRegular, ValueError):
-                            sha = None
+                    sha = _digest_file(work, rel) if rel in given else None
                     out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))
                 else:
                     out.append(Entry(rel, kind))
-
-    walk(root, "")
     return out
+
+
+def _digest_file(work: Path, rel: str) -> str | None:
+    """Return the sha256 of work/<rel> read in chunks without following links, or None."""
+    try:
+        fd = fsutil.open_beneath(work, Path(rel))
+    except (OSError, NotRegular):
+        return None
+    h = hashlib.sha256()
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return h.hexdigest()
 
 
 def read_followups(

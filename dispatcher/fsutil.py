@@ -62,13 +62,39 @@ def dump_json(value: Any) -> bytes:
     return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
 
 
+def _renameat2() -> Any:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_RENAMEAT2 = _renameat2()
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+
+
 def rename_noreplace(src: Path, dst: Path) -> None:
     """Rename src to dst, raising FileExistsError if dst exists.
 
-    Folders are only ever created non-empty at their final names, so rename(2)
-    refuses an existing target itself (ENOTEMPTY); for files, link + unlink
-    gives the same no-replace guarantee.
+    Uses renameat2(RENAME_NOREPLACE) where the C library has it (a real rename:
+    a watcher sees a move). Otherwise: folders are only ever created non-empty
+    at their final names, so rename(2) refuses an existing target itself
+    (ENOTEMPTY); for files, link + unlink gives the same guarantee.
     """
+    if _RENAMEAT2 is not None:
+        import ctypes
+
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(errno.EEXIST, "exists", str(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS):  # unsupported by this filesystem: fall back
+            raise OSError(err, os.strerror(err), str(src))
     if os.path.isdir(src) and not os.path.islink(src):
         if os.path.lexists(dst):
             raise FileExistsError(errno.EEXIST, "exists", str(dst))
@@ -145,7 +171,7 @@ def read_regular(path: Path, limit: int | None = None, *, base: Path | None = No
     it is missing, and ValueError when it is larger than ``limit``.
     """
     if base is not None:
-        fd = _open_beneath(base, path.relative_to(base))
+        fd = open_beneath(base, path.relative_to(base))
     else:
         try:
             fd = os.open(path, _OPEN_FLAGS)
@@ -172,7 +198,7 @@ def read_regular(path: Path, limit: int | None = None, *, base: Path | None = No
         os.close(fd)
 
 
-def _open_beneath(base: Path, rel: Path) -> int:
+def open_beneath(base: Path, rel: Path) -> int:
     """Open base/rel one part at a time, refusing symlinks at every step."""
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     parts = rel.parts

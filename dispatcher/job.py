@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ class Context:
     config: Callable[[], Config]
     released: Callable[[str], None]
     is_cancelled: Callable[[str], bool]
+    stopping: Callable[[], bool] = lambda: False
 
 
 class JobRun:
@@ -93,10 +93,7 @@ class JobRun:
     def run(self) -> str | None:
         """Drive the job to its end; return 'done' or 'failed', or None if stopped."""
         with structlog.contextvars.bound_contextvars(job_id=self.job_id, agent=self.agent.name):
-            try:
-                state = self._run()
-            finally:
-                self.abort.close()
+            state = self._run()
         return None if state == STOPPED else state
 
     def fail_after_crash(self, exc: Exception) -> str:
@@ -120,11 +117,16 @@ class JobRun:
             if verdict_ is not None:
                 return verdict_
         while True:
-            if self.abort.reason == STOPPED:
-                return None
+            if self.abort.reason == STOPPED or self.ctx.stopping():
+                return None  # no new attempt once a stop began: recovered at the next start
             if self.abort.reason == CANCELLED or self.ctx.is_cancelled(self.job_id):
                 return self._finish("failed", CANCELLED, [])
             n = self.attempts[-1]["n"] + 1 if self.attempts else 1
+            if n > 1:
+                self._stash(n - 1)
+            if not self.work.is_dir():
+                checks = self._checks(Exit(lost=True))
+                return self._finish("failed", verdict(checks, exit_lost=True) or "writes_scope: work/ is gone", checks)
             outcome = self._attempt(n)
             if isinstance(outcome, str):
                 return outcome
@@ -138,7 +140,9 @@ class JobRun:
         last_dir = self._last_attempt_dir()
         if last_dir is None:
             return None
-        _end_leftover(last_dir, self.agent, self.ctx.config().kill_grace_s)
+        _end_leftover(last_dir, self.work, self.ctx.config().kill_grace_s)
+        if any(last_dir.glob("result*.json")):
+            return None  # reopened by `dispatcher retry`: its earlier result is kept; go on with a new attempt
         n = int(last_dir.name)
         record = _read_json(last_dir / "attempt.json")
         if record is None or record.get("interrupted") or record.get("aborted") == STOPPED:
@@ -317,6 +321,10 @@ class JobRun:
         if not self._may_run_again(n):
             return self._finish("failed", f"{reason}; not retried: no attempts left", checks)
         safe, why = self._safe_to_retry()
+        if self.abort.reason == CANCELLED:
+            return self._finish("failed", CANCELLED, checks)
+        if self.abort.reason == STOPPED:
+            return STOPPED
         if not safe:
             return self._finish("failed", f"{reason}; not retried: {why}", checks)
         return self._schedule_retry(n, reason)
@@ -364,10 +372,7 @@ class JobRun:
         record = _read_json(folder / "attempt.json") or {"n": n}
         record["next"] = "retry"
         _write(folder / "attempt.json", record)
-        for name in ("receipt.json", "outbox"):
-            src = self.work / name
-            if os.path.lexists(src):
-                os.rename(src, folder / name)
+        self._stash(n)
         self.retries += 1
         delay = min(self.ctx.config().retry_delay_s * (2 ** (self.retries - 1)), MAX_RETRY_DELAY_S)
         log.info("job.retrying", attempt=n + 1, delay_s=delay, reason=reason)
@@ -382,10 +387,26 @@ class JobRun:
             return self._finish("failed", CANCELLED, [])
         return None
 
+    def _stash(self, n: int) -> None:
+        """Move attempt n's receipt.json and outbox/ into attempts/<n>/ (again after a crash: idempotent)."""
+        folder = self.folder / "attempts" / str(n)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("receipt.json", "outbox"):
+            src = self.work / name
+            if os.path.lexists(src):
+                dst = folder / name
+                k = 2
+                while os.path.lexists(dst):
+                    dst, k = folder / f"{name}.{k}", k + 1
+                os.rename(src, dst)
+
     def _write_feedback(self, checks: list[CheckResult]) -> None:
         failed = [c.to_json() for c in checks if c.ok is False]
         data = fsutil.dump_json({"job_id": self.job_id, "attempt": self.attempts[-1]["n"], "failed_checks": failed})
-        (self.work / "feedback.json").write_bytes(data)
+        target = self.work / "feedback.json"
+        if os.path.lexists(target) and not target.is_dir():
+            target.unlink()  # never write through a link the agent left there
+        fsutil.write_new(target, data)
         given = dict(self.spec["given"])
         given["feedback.json"] = digest(data)
         self.spec["given"] = given
@@ -540,7 +561,7 @@ def _wait(abort: runner.Abort, delay: float) -> bool:
     """Sleep for delay unless aborted; return True if aborted."""
     if abort.reason is not None:
         return True
-    ready, _, _ = select.select([abort.fileno()], [], [], delay)
+    ready = runner.wait_readable([abort.fileno()], delay)
     return bool(ready) or abort.reason is not None
 
 
@@ -550,17 +571,36 @@ def _receipt_invalid(checks: list[CheckResult]) -> bool:
     return present.ok is False and present.detail != "no receipt.json"
 
 
-def _end_leftover(folder: Path, agent: Agent, grace_s: float) -> None:
-    """End an agent still running from a dead daemon (checked by state and start time)."""
+def end_leftover_agent(job_folder: Path, grace_s: float) -> None:
+    """End whatever still runs of the last attempt of a job whose daemon died."""
+    attempts = job_folder / "attempts"
+    dirs = [p for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
+    if dirs:
+        _end_leftover(max(dirs, key=lambda p: int(p.name)), job_folder / "work", grace_s)
+
+
+def _end_leftover(folder: Path, work: Path, grace_s: float) -> None:
+    """End an agent still running from a dead daemon, before its job is looked at.
+
+    With a pid file: its group is ended if the leader runs with the recorded start
+    time, or if the leader is gone but members remain (a pid is not reused while
+    its group lives). A live leader with another start time is someone else: its
+    group is left alone. Without a pid file (a crash between the spawn and the
+    record), processes whose working folder is this job's work/ are ended.
+    """
     info = _read_json(folder / "pid")
-    if not info:
+    if info:
+        pid, started = int(info["pid"]), info.get("started")
+        if procs.is_alive(pid, started) or (not procs.is_alive(pid) and procs.group_members(pid)):
+            log.warning("agent.orphan_ended", pid=pid)
+            procs.end_group(pid, grace_s)
         return
-    pid, started = int(info["pid"]), info.get("started")
-    if procs.is_alive(pid, started):
-        log.warning("agent.orphan_ended", pid=pid)
-        procs.end_group(pid, grace_s)
-    elif procs.group_members(pid):
-        procs.end_group(pid, grace_s)
+    for pid in procs.with_cwd(str(work)):
+        log.warning("agent.orphan_ended", pid=pid, found_by="cwd")
+        try:
+            procs.end_group(os.getpgid(pid), grace_s)
+        except ProcessLookupError:
+            continue
 
 
 def _read_attempts(folder: Path) -> list[dict[str, Any]]:

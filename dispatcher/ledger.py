@@ -71,6 +71,7 @@ class Claim:
     parent: str | None = None
     hops: int = 0
     known: Entry | None = None
+    previous: str | None = None  # the state a taken-over or released entry had
 
 
 class Ledger:
@@ -190,7 +191,7 @@ class Ledger:
                 "UPDATE jobs SET state = 'claimed', agent = ?, owner = ?, source = ?, updated = ? WHERE job_id = ?",
                 (agent, owner, source, now, job_id),
             )
-            return Claim(ok=True, parent=entry.parent, hops=entry.hops)
+            return Claim(ok=True, parent=entry.parent, hops=entry.hops, previous=entry.state)
 
     def adopt(self, job_id: str, owner: str, *, expected_owner: str | None) -> bool:
         """Make owner the owner of a claimed job still held by expected_owner; return success."""
@@ -200,6 +201,20 @@ class Ledger:
                 (owner, time.time(), job_id, expected_owner),
             )
             return cur.rowcount == 1
+
+    def unclaim(self, job_id: str, owner: str, previous: str | None) -> None:
+        """Undo a claim whose file vanished or changed before any job folder existed.
+
+        A new id is forgotten; a released follow-up goes back to ``previous``.
+        """
+        with self._write() as db:
+            if previous in (None, CLAIMED):  # no job folder ever existed for it
+                db.execute("DELETE FROM jobs WHERE job_id = ? AND state = 'claimed' AND owner = ?", (job_id, owner))
+            else:
+                db.execute(
+                    "UPDATE jobs SET state = ?, owner = NULL WHERE job_id = ? AND state = 'claimed' AND owner = ?",
+                    (previous, job_id, owner),
+                )
 
     def finish(self, job_id: str, state: str) -> None:
         """Record the final state (done or failed) of a job; drop a failed job's reservations.
@@ -258,9 +273,12 @@ class Ledger:
             )
 
     def pending_releases(self, parent: str | None = None) -> list[Entry]:
-        """Return reserved follow-ups whose parent is done (of one parent, or all)."""
+        """Return reserved follow-ups whose parent is done (of one parent, or all).
+
+        ``owner`` of each returned entry is the owner of its parent (who releases it).
+        """
         sql = (
-            "SELECT c.job_id, c.state, c.agent, c.owner, c.source, c.digest, c.parent, c.hops, c.updated"
+            "SELECT c.job_id, c.state, c.agent, p.owner, c.source, c.digest, c.parent, c.hops, c.updated"
             " FROM jobs c JOIN jobs p ON p.job_id = c.parent"
             " WHERE c.state = 'reserved' AND p.state = 'done'"
         )
@@ -298,13 +316,12 @@ class Ledger:
             db.execute("DELETE FROM requests WHERE job_id = ? AND kind = ?", (job_id, kind))
 
     def take_retry(self, job_id: str, owner: str) -> bool:
-        """Atomically turn a failed job with a retry request into a claim by owner."""
+        """Atomically turn a failed job into a claim by owner (the request is cleared once it moved)."""
         with self._write() as db:
             cur = db.execute(
                 "UPDATE jobs SET state = 'claimed', owner = ?, updated = ? WHERE job_id = ? AND state = 'failed'",
                 (owner, time.time(), job_id),
             )
-            db.execute("DELETE FROM requests WHERE job_id = ? AND kind = 'retry'", (job_id,))
             return cur.rowcount == 1
 
     # -- bulk (benchmarks, imports) -------------------------------------------

@@ -32,15 +32,15 @@ class _Sink:
         self.file_path: Path | None = None
 
     def open_file(self, path: Path | None) -> None:
-        """(Re)open the log file, for logrotate on SIGHUP."""
+        """(Re)open the log file, for logrotate on SIGHUP; raise OSError and keep the old one on failure."""
+        new: TextIO | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            new = path.open("a", buffering=1, encoding="utf-8")
         with _lock:
-            if self.file is not None:
-                self.file.close()
-                self.file = None
-            self.file_path = path
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self.file = path.open("a", buffering=1, encoding="utf-8")
+            old, self.file, self.file_path = self.file, new, path
+        if old is not None:
+            old.close()
 
     def write(self, line: str, json_line: str) -> None:
         with _lock:

@@ -42,7 +42,22 @@ def started_at(pid: int) -> float | None:
     return _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
-def is_alive(pid: int, started: float | None = None, *, tolerance_s: float = 2.0) -> bool:
+def with_cwd(path: str) -> list[int]:
+    """Return the pids of live processes whose working folder is path (or below it)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{name}/cwd")
+        except OSError:
+            continue
+        if (cwd == path or cwd.startswith(path + "/")) and is_alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+def is_alive(pid: int, started: float | None = None, *, tolerance_s: float = 1.5) -> bool:
     """Return True if pid runs (not a zombie) and, if given, started at ``started`` (epoch seconds).
 
     The start time tells a reused pid from the process that was recorded: the

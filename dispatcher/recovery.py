@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
-from dispatcher import claim
-from dispatcher.layout import Layout, State
+from dispatcher import claim, fsutil
+from dispatcher.errors import oneline
+from dispatcher.layout import Layout, State, iso
 from dispatcher.ledger import CLAIMED, DONE, FAILED, Ledger
 
 log = structlog.get_logger("dispatcher")
@@ -64,6 +66,8 @@ def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) 
         if state in (State.DONE, State.FAILED) and (folder / "result.json").exists():
             result = json.loads((folder / "result.json").read_text())
             ledger.finish(entry.job_id, DONE if result.get("state") == "done" else FAILED)
+        elif state is State.FAILED:
+            ledger.finish(entry.job_id, FAILED)  # a retry cut short before the move: the request stays
 
 
 def orphaned_jobs(layout: Layout, ledger: Ledger, me: str, alive: Callable[[str], bool]) -> list[str]:
@@ -87,6 +91,35 @@ def orphaned_jobs(layout: Layout, ledger: Ledger, me: str, alive: Callable[[str]
 
 
 def job_agent(folder: Path) -> str:
-    """Return the agent name frozen into a job's job.json."""
-    spec = json.loads((folder / claim.JOB_FILE).read_text())
-    return str(spec["agent"]["name"])
+    """Return the agent name frozen into a job's job.json ('' if it cannot be read)."""
+    try:
+        spec = json.loads((folder / claim.JOB_FILE).read_text())
+        return str(spec["agent"]["name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, agent: str, exc: Exception) -> None:
+    """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file."""
+    folder = layout.job(State.ACTIVE, job_id)
+    now = time.time()
+    result: dict[str, object] = {
+        "job_id": job_id,
+        "state": "failed",
+        "agent": agent or None,
+        "reason": oneline(f"recovery: the job folder cannot be read back: {type(exc).__name__}: {exc}"),
+        "checks": [],
+        "attempts": [],
+        "received": iso(now),
+        "finished": iso(now),
+        "parent": None,
+        "children": [],
+    }
+    try:
+        fsutil.write_atomic(folder / "result.json", fsutil.dump_json(result))
+        fsutil.rename_noreplace(folder, layout.job(State.FAILED, job_id))
+        fsutil.fsync_dir(layout.folder(State.FAILED))
+        ledger.finish(job_id, FAILED)
+        log.warning("job.failed", job_id=job_id, agent=agent or None, reason=result["reason"])
+    except OSError:
+        log.exception("job.crashed", job_id=job_id, step="fail_damaged")

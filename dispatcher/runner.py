@@ -2,7 +2,7 @@
 
 Like rq's work horse: ``Popen(argv, cwd=work, start_new_session=True, env=...,
 stdin=DEVNULL)``. One thread per attempt waits on the process (a pidfd), its
-two output pipes and an abort pipe with one ``select``, so a timeout, a cancel
+two output pipes and an abort pipe with one ``poll``, so a timeout, a cancel
 or a stop wakes it at once, without polling. When the agent exits, times out
 or is aborted, whatever remains in its process group gets SIGTERM, then
 SIGKILL after ``kill_grace``.
@@ -240,7 +240,7 @@ def _supervise(
             fds: list[int] = [*open_fds, abort.fileno()]
             if pidfd is not None:
                 fds.append(pidfd)
-            ready, _, _ = select.select(fds, [], [], min(wait, 3600.0) if wait != float("inf") else 3600.0)
+            ready = wait_readable(fds, min(wait, 3600.0))
             for fd in ready:
                 if fd in streams:
                     if not _pump(streams[fd]):
@@ -253,6 +253,14 @@ def _supervise(
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def wait_readable(fds: list[int], timeout_s: float) -> list[int]:
+    """Return the fds that are readable (or closed) within timeout_s; poll has no fd-number limit."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+    return [fd for fd, _ in poller.poll(max(0, int(timeout_s * 1000 + 0.999)))]
 
 
 def _pump(stream: _Stream) -> bool:
@@ -276,7 +284,7 @@ def _drain(streams: dict[int, _Stream], deadline: float) -> None:
         wait = deadline - time.monotonic()
         if wait <= 0:
             return
-        ready, _, _ = select.select(list(open_fds), [], [], wait)
+        ready = wait_readable(list(open_fds), wait)
         for fd in ready:
             if not _pump(streams[fd]):
                 open_fds.discard(fd)

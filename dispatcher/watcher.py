@@ -107,11 +107,13 @@ class _Pending:
 class InboxTracker:
     """Which inbox names are waiting to settle, ready to read, or already taken up."""
 
-    def __init__(self, inbox: Path, settle_s: float) -> None:
+    def __init__(self, inbox: Path, settle_s: float, *, wait_for_writers: bool = True) -> None:
         self.inbox = inbox
         self.settle_s = settle_s
+        self.wait_for_writers = wait_for_writers  # off for `run --once`: at most settle s after the last change
         self._pending: dict[str, _Pending] = {}
         self._ready: list[tuple[int, str]] = []
+        self._ready_names: set[str] = set()
         self._known: set[str] = set()  # pending, ready, or being handled by the daemon
 
     def __len__(self) -> int:
@@ -136,7 +138,7 @@ class InboxTracker:
             self._known.discard(name)
 
     def _make_ready(self, name: str) -> None:
-        if name in self._known and name not in self._pending and any(n == name for _, n in self._ready):
+        if name in self._ready_names:
             return
         try:
             st = os.lstat(self.inbox / name)
@@ -144,6 +146,7 @@ class InboxTracker:
             self._known.discard(name)
             return
         self._known.add(name)
+        self._ready_names.add(name)
         heapq.heappush(self._ready, (st.st_mtime_ns, name))
 
     def _watch(self, name: str, *, fresh: bool = False) -> None:
@@ -189,7 +192,7 @@ class InboxTracker:
             if (st.st_size, st.st_mtime_ns) != (p.size, p.mtime_ns):
                 p.size, p.mtime_ns, p.changed_at = st.st_size, st.st_mtime_ns, now
             left = p.changed_at + self.settle_s - now
-            if left <= 0 and procs.open_for_writing(os.path.abspath(self.inbox / name)):
+            if left <= 0 and self.wait_for_writers and procs.open_for_writing(os.path.abspath(self.inbox / name)):
                 p.changed_at, left = now, self.settle_s  # a writer still holds it: wait for its close
             if left <= 0:
                 del self._pending[name]
@@ -202,7 +205,9 @@ class InboxTracker:
     def pop(self) -> str | None:
         """Return the oldest ready name (by mtime, then name), or None."""
         if self._ready:
-            return heapq.heappop(self._ready)[1]
+            name = heapq.heappop(self._ready)[1]
+            self._ready_names.discard(name)
+            return name
         return None
 
     def forget(self, name: str) -> None:

@@ -6,6 +6,7 @@ the agents' processes (read from /proc) and what arrives on a bound notify socke
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import signal
@@ -190,43 +191,57 @@ def test_sighup_reopens_log_file(env: Env, tmp_path: Path) -> None:
     assert "ROT-1" not in rotated.read_text()
 
 
-def test_systemd_notify_ready_status_watchdog_stopping(env: Env) -> None:
-    """With NOTIFY_SOCKET: READY=1 after recovery, STATUS, WATCHDOG=1 every 200 ms, STOPPING=1."""
-    dump = write_script(env.tmp, "envdump.py", ENV_DUMP)
-    env_out = env.tmp / "agent-env.jsonl"
+@contextlib.contextmanager
+def notify_socket() -> Iterator[tuple[NotifyListener, dict[str, str]]]:
+    """Bind a notify socket; yield its listener and the environment that points at it."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="dn", dir="/tmp"))
+    listener = NotifyListener(sock_dir / "notify")
+    extra = {
+        "NOTIFY_SOCKET": str(sock_dir / "notify"),
+        "WATCHDOG_USEC": "400000",
+        "SECRET_TEST_VARIABLE": "must-not-reach-agents",
+    }
+    try:
+        yield listener, extra
+    finally:
+        listener.close()
+        for p in sock_dir.iterdir():
+            p.unlink()
+        sock_dir.rmdir()
+
+
+def test_systemd_ready_comes_after_recovery_has_ended_orphans(env: Env) -> None:
+    """READY=1 is sent only once recovery has ended an agent orphaned by kill -9."""
     env.configure(
-        agents={
-            # ignores SIGTERM: ending it takes kill_grace, so READY=1 sent early is seen
-            "slow": env.agent("--sleep-after", "30", "--fork-child", "67.3", "--ignore-term"),
-            "dump": {"command": [sys.executable, str(dump), str(env_out)], "timeout": 30},
-        },
+        # ignores SIGTERM: ending it takes kill_grace, so a READY=1 sent early is seen
+        agents={"slow": env.agent("--sleep-after", "30", "--fork-child", "67.3", "--ignore-term")},
         kill_grace=1,
     )
-    # a job orphaned by kill -9, so that the notify daemon has something to recover
     d0 = env.daemon()
     d0.wait_ready()
     env.drop(order("NOTE-0", to="slow"))
     orphan = wait_start(env, "NOTE-0")
-    receipt = env.root / "active" / "NOTE-0" / "work" / "receipt.json"
-    wait_until(receipt.exists, 30, "receipt of NOTE-0")
+    wait_until((env.root / "active" / "NOTE-0" / "work" / "receipt.json").exists, 30, "receipt")
     d0.kill()
     assert alive(orphan)
-
-    sock_dir = Path(tempfile.mkdtemp(prefix="dn", dir="/tmp"))
-    listener = NotifyListener(sock_dir / "notify")
-    try:
-        extra = {
-            "NOTIFY_SOCKET": str(sock_dir / "notify"),
-            "WATCHDOG_USEC": "400000",
-            "SECRET_TEST_VARIABLE": "must-not-reach-agents",
-        }
+    with notify_socket() as (listener, extra):
         d = env_daemon(env, extra)
-        ready_at = listener.wait_line(lambda line: line == "READY=1", 30)
+        listener.wait_line(lambda line: line == "READY=1", 30)
         assert not alive(orphan), "READY=1 came before recovery ended the orphaned agent"
         assert group_members(orphan) == []
         env.wait_job("NOTE-0", "done")
         d.wait_event("job.recovered", job_id="NOTE-0")
+        assert d.stop() == 0
 
+
+def test_systemd_notify_status_watchdog_stopping_and_clean_agent_env(env: Env) -> None:
+    """With NOTIFY_SOCKET: READY, STATUS with counts, WATCHDOG=1 every 200 ms, STOPPING=1; not to agents."""
+    dump = write_script(env.tmp, "envdump.py", ENV_DUMP)
+    env_out = env.tmp / "agent-env.jsonl"
+    env.configure(agents={"dump": {"command": [sys.executable, str(dump), str(env_out)], "timeout": 30}})
+    with notify_socket() as (listener, extra):
+        d = env_daemon(env, extra)
+        ready_at = listener.wait_line(lambda line: line == "READY=1", 30)
         body = order("NOTE-1", to="dump")
         del body["accept"]
         env.drop(body)
@@ -247,11 +262,6 @@ def test_systemd_notify_ready_status_watchdog_stopping(env: Env) -> None:
         d.signal(signal.SIGTERM)
         assert d.wait(30) == 0
         listener.wait_line(lambda line: line == "STOPPING=1", 5)
-    finally:
-        listener.close()
-        for p in sock_dir.iterdir():
-            p.unlink()
-        sock_dir.rmdir()
 
     agent_env = json.loads(env_out.read_text().splitlines()[0])
     leaked = [k for k in agent_env if k.startswith(("NOTIFY_", "WATCHDOG_"))]
