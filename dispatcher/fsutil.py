@@ -55,11 +55,11 @@ def write_new(path: Path, data: bytes, *, sync: bool = False) -> None:
 
 
 def dump_json(value: Any) -> bytes:
-    """Return value as indented JSON bytes with a final newline.
+    """Return value as one line of JSON with a final newline (the C encoder: indent= is pure Python).
 
     Undecodable bytes of file names (surrogate escapes) become JSON \\u escapes.
     """
-    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+    return (json.dumps(value, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
 
 
 def _renameat2() -> Any:

@@ -145,4 +145,4 @@ def _with_hint(exc: OrderError, body: dict[str, Any]) -> OrderError:
 
 def to_json(body: Mapping[str, Any]) -> bytes:
     """Return an order body as the JSON bytes written to work/order.json."""
-    return (json.dumps(body, ensure_ascii=False, indent=2) + "\n").encode()
+    return (json.dumps(body, ensure_ascii=False) + "\n").encode()
