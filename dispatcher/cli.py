@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # `dispatcher show X --json | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
     sys.exit(code)
 
 

@@ -67,7 +67,3 @@ class NotFound(DispatchError):
 
 class WrongState(DispatchError):
     """A job that exists but is in the wrong state for the operation (exit 1)."""
-
-
-class StopRequested(Exception):
-    """Raised inside a job to unwind it when the daemon is asked to stop."""

@@ -13,7 +13,7 @@ import io
 import json
 import os
 import stat
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +92,6 @@ def read_output(work: Path, rel: str) -> Doc:
     if not all(isinstance(rec, dict) for rec in records):
         return Doc(error="holds a record that is not an object")
     return Doc(value=records)
-
-
-def snapshot(work: Path, names: Iterable[str]) -> dict[str, str]:
-    """Return digests of the files the agent is given (to spot changes later)."""
-    return {name: digest((work / name).read_bytes()) for name in names if (work / name).is_file()}
 
 
 def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:

@@ -28,16 +28,22 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
-    """Write data to path through a temporary file and a rename; fsync the file (and folder) when sync."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+def _write(path: Path, data: bytes, flags: int, sync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o640)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
         if sync:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
+    """Write data to path through a temporary file and a rename; fsync the file (and folder) when sync."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _write(tmp, data, os.O_TRUNC, sync)
     os.rename(tmp, path)
     if sync and sync_dir:
         fsync_dir(path.parent)
@@ -45,13 +51,7 @@ def write_atomic(path: Path, data: bytes, *, sync: bool = True, sync_dir: bool =
 
 def write_new(path: Path, data: bytes, *, sync: bool = False) -> None:
     """Create path with data (fsynced when sync); fail if it exists."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-    try:
-        os.write(fd, data)
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write(path, data, os.O_EXCL, sync)
 
 
 def dump_json(value: Any) -> bytes:

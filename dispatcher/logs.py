@@ -29,7 +29,6 @@ class _Sink:
     def __init__(self) -> None:
         self.console: TextIO = sys.stdout
         self.file: TextIO | None = None
-        self.file_path: Path | None = None
 
     def open_file(self, path: Path | None) -> None:
         """(Re)open the log file, for logrotate on SIGHUP; raise OSError and keep the old one on failure."""
@@ -38,7 +37,7 @@ class _Sink:
             path.parent.mkdir(parents=True, exist_ok=True)
             new = path.open("a", buffering=1, encoding="utf-8")
         with _lock:
-            old, self.file, self.file_path = self.file, new, path
+            old, self.file = self.file, new
         if old is not None:
             old.close()
 

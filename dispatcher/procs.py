@@ -34,14 +34,6 @@ def _boot_time() -> float:
     return 0.0
 
 
-def started_at(pid: int) -> float | None:
-    """Return when pid started (seconds since the epoch), or None if it is gone."""
-    fields = stat_fields(pid)
-    if fields is None:
-        return None
-    return _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-
-
 def with_cwd(path: str) -> list[int]:
     """Return the pids of live processes whose working folder is path (or below it)."""
     found = []

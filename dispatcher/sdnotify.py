@@ -6,8 +6,6 @@ import contextlib
 import os
 import socket
 
-NOTIFY_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-
 
 class Notifier:
     """Send state to systemd when ``$NOTIFY_SOCKET`` is set; do nothing otherwise."""

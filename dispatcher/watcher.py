@@ -119,10 +119,6 @@ class InboxTracker:
     def __len__(self) -> int:
         return len(self._known)
 
-    @property
-    def settling(self) -> int:
-        return len(self._pending)
-
     def event(self, kind: str, name: str) -> None:
         """Take one filesystem event into account."""
         if not name or is_ignored(name):
