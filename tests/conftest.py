@@ -25,6 +25,19 @@ import yaml
 HERE = Path(__file__).resolve().parent
 FAKE_AGENT = HERE / "agents" / "fakeagent.py"
 DEADLINE = 60.0
+# the checks of contract section 5, in the order result.json records them
+CHECK_NAMES = [
+    "exit_ok",
+    "receipt_present",
+    "receipt_job_id",
+    "receipt_status",
+    "receipt_inputs",
+    "output_rows",
+    "receipt_outputs",
+    "allowed_values",
+    "writes_scope",
+    "followups_valid",
+]
 
 
 def items(n: int = 3) -> list[dict[str, Any]]:

@@ -19,20 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import Env, order
+from conftest import CHECK_NAMES, Env, order
 
-CHECK_NAMES = [
-    "exit_ok",
-    "receipt_present",
-    "receipt_job_id",
-    "receipt_status",
-    "receipt_inputs",
-    "output_rows",
-    "receipt_outputs",
-    "allowed_values",
-    "writes_scope",
-    "followups_valid",
-]
 NOT_TRUE = "not true"  # the check ran and did not pass: false, or null where input is missing
 DROP = object()
 ALLOWED = {"output": "out.csv", "allowed": {"team": ["orders", "payments"]}, "required": ["team"]}

@@ -11,23 +11,13 @@ import re
 from typing import Any
 
 import pytest
+from conftest import CHECK_NAMES
 
 from dispatcher import checks
 from dispatcher.checks import CheckResult, Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
 from dispatcher.orders import Order, validate_order
 
-CONTRACT_ORDER = [
-    "exit_ok",
-    "receipt_present",
-    "receipt_job_id",
-    "receipt_status",
-    "receipt_inputs",
-    "output_rows",
-    "receipt_outputs",
-    "allowed_values",
-    "writes_scope",
-    "followups_valid",
-]
+CONTRACT_ORDER = CHECK_NAMES
 IDS = ["R1", "R2", "R3"]
 GIVEN = {"order.json": "sha-of-order"}
 ACCEPT = {"output": "out.csv", "allowed": {"team": ["orders", "payments"]}, "required": ["team"]}

@@ -26,20 +26,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import FAKE_AGENT, Daemon, Env, cli_env, order, wait_until
+from conftest import CHECK_NAMES, FAKE_AGENT, Daemon, Env, cli_env, order, wait_until
 
-CHECK_NAMES = [
-    "exit_ok",
-    "receipt_present",
-    "receipt_job_id",
-    "receipt_status",
-    "receipt_inputs",
-    "output_rows",
-    "receipt_outputs",
-    "allowed_values",
-    "writes_scope",
-    "followups_valid",
-]
 TS = r"\d{8}T\d{6}\.\d{6}Z"
 PYTHON_M = [sys.executable, "-m", "dispatcher"]
 
