@@ -27,7 +27,8 @@ import structlog
 from dispatcher import claim, fsutil, recovery
 from dispatcher.config import Config, load_config
 from dispatcher.errors import ConfigError
-from dispatcher.job import CANCELLED, STOPPED, Context, JobRun, end_leftover_agent, release_followups
+from dispatcher.followups import release_followups
+from dispatcher.job import CANCELLED, STOPPED, Context, JobRun
 from dispatcher.layout import UMASK, Layout, State
 from dispatcher.ledger import DONE, FAILED, Entry, Ledger
 from dispatcher.sdnotify import Notifier
@@ -289,13 +290,13 @@ class Daemon:
         """Release the follow-ups of done parents whose daemon died before releasing them."""
         parents = {e.parent for e in self.ledger.pending_releases() if e.parent and not self._alive(e.owner or "")}
         for parent in sorted(parents):
-            release_followups(self.ctx, parent)
+            release_followups(self.layout, self.ledger, self.owner, parent, self.ctx.released)
 
     def _adopt_orphans(self) -> None:
         for job_id in recovery.orphaned_jobs(self.layout, self.ledger, self.owner, self._alive):
             folder = self.layout.job(State.ACTIVE, job_id)
             # its agent is ended now, before READY=1 and before any slot is free for it
-            self._guarded(job_id, end_leftover_agent, folder, self.config.kill_grace_s)
+            self._guarded(job_id, recovery.end_leftover_agent, folder, self.config.kill_grace_s)
             agent = recovery.job_agent(folder)
             self.parked.appendleft(_Parked("recover", job_id, agent))
 
@@ -518,36 +519,12 @@ class Daemon:
         return JobRun(self.ctx, item.order.job_id, fresh=(spec, order))
 
     def _reopen(self, job_id: str) -> JobRun | None:
-        """Move a failed job back to active/ for `dispatcher retry`.
-
-        Order, for crashes: ledger claim; earlier result.json into attempts/<n>/
-        (never over an older one); the new attempt budget in job.json; the
-        rename into active/; then the request is cleared. Recovery finishes a
-        reopen cut short at any of these steps (``recovery.settle_ledger``).
-        """
-        if not self.ledger.take_retry(job_id, self.owner):
+        """Move a failed job back to active/ for `dispatcher retry` (see ``recovery.reopen``)."""
+        spec = recovery.reopen(self.layout, self.ledger, self.owner, job_id)
+        if spec is None:
             return None
-        src = self.layout.job(State.FAILED, job_id)
-        result = src / "result.json"
-        spec = json.loads((src / claim.JOB_FILE).read_text())
-        attempts = src / "attempts"
-        numbers = [int(p.name) for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
-        last = max(numbers, default=0)
-        if result.exists():
-            keep_dir = attempts / str(last)
-            keep_dir.mkdir(parents=True, exist_ok=True)
-            keep, k = keep_dir / "result.json", 2
-            while keep.exists():
-                keep, k = keep_dir / f"result-{k}.json", k + 1
-            os.rename(result, keep)
-        spec["budget"] = last + int(spec["max_attempts"])
-        fsutil.write_atomic(src / claim.JOB_FILE, fsutil.dump_json(spec))
-        dst = self.layout.job(State.ACTIVE, job_id)
-        fsutil.rename_noreplace(src, dst)
-        fsutil.fsync_dir(self.layout.folder(State.ACTIVE))
-        self.ledger.clear_request(job_id, "retry")
         with structlog.contextvars.bound_contextvars(job_id=job_id, agent=spec["agent"]["name"]):
-            log.info("job.claimed", retry=True, attempts_from=last + 1)
+            log.info("job.claimed", retry=True, budget=spec["budget"])
         return JobRun(self.ctx, job_id)
 
     def _work(self, run: JobRun) -> None:

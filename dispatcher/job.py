@@ -12,7 +12,6 @@ order, is what makes a crash at any point recoverable (see README, "Design"):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -23,15 +22,17 @@ from typing import Any
 
 import structlog
 
-from dispatcher import fsutil, procs, runner
+from dispatcher import fsutil, runner
 from dispatcher.checks import CheckResult, Exit, run_checks, verdict
 from dispatcher.claim import JOB_FILE
 from dispatcher.config import MAX_RETRY_DELAY_S, Agent, Config
-from dispatcher.errors import OrderError, oneline
+from dispatcher.errors import oneline
 from dispatcher.evidence import digest, gather
+from dispatcher.followups import release_followups
 from dispatcher.layout import Layout, State, iso
 from dispatcher.ledger import DONE, FAILED, Ledger
 from dispatcher.orders import Order, parse_order, validate_order
+from dispatcher.recovery import end_leftover
 
 log = structlog.get_logger("dispatcher")
 
@@ -140,7 +141,7 @@ class JobRun:
         last_dir = self._last_attempt_dir()
         if last_dir is None:
             return None
-        _end_leftover(last_dir, self.work, self.ctx.config().kill_grace_s)
+        end_leftover(last_dir, self.work, self.ctx.config().kill_grace_s)
         if any(last_dir.glob("result*.json")):
             return None  # reopened by `dispatcher retry`: its earlier result is kept; go on with a new attempt
         n = int(last_dir.name)
@@ -493,68 +494,10 @@ class JobRun:
         self.ctx.ledger.finish(self.job_id, DONE if state == "done" else FAILED)
         if state == "done":
             log.info("job.done", attempts=len(result["attempts"]), children=result["children"] or None)
-            release_followups(self.ctx, self.job_id)
+            release_followups(self.ctx.layout, self.ctx.ledger, self.ctx.owner, self.job_id, self.ctx.released)
         else:
             log.warning("job.failed", reason=result["reason"], attempts=len(result["attempts"]))
         return str(state)
-
-
-def release_followups(ctx: Context, parent: str) -> None:
-    """Write the reserved follow-ups of a done parent into inbox/, each exactly once."""
-    for entry in ctx.ledger.pending_releases(parent):
-        folder = ctx.layout.job(State.DONE, parent)
-        src = folder / "work" / "outbox" / (entry.source or "")
-        try:
-            body = dict(validate_order(_load_any(src)).body)
-        except (OSError, OrderError, ValueError) as exc:
-            log.error("followup.lost", job_id=entry.job_id, parent=parent, error=str(exc))
-            continue
-        body["parent"] = parent
-        body["hops"] = entry.hops
-        data = fsutil.dump_json(body)
-        sha = digest(data)
-        ctx.ledger.set_digest(entry.job_id, sha)
-        name = _place_in_inbox(ctx.layout, ctx.owner, entry.job_id, data, sha)
-        ctx.ledger.mark_released(entry.job_id, name, sha)
-        log.info(
-            "followup.released",
-            job_id=entry.job_id,
-            parent=parent,
-            hops=entry.hops,
-            file=name,
-            agent=body.get("to"),
-        )
-        ctx.released(name)
-
-
-def _load_any(path: Path) -> Any:
-    from dispatcher.loader import load_document
-    from dispatcher.orders import order_format
-
-    return load_document(fsutil.read_regular(path), order_format(path.name) or "json")
-
-
-def _place_in_inbox(layout: Layout, owner: str, job_id: str, data: bytes, sha: str) -> str:
-    """Link the follow-up into inbox/ under a name that replaces nothing; reuse our own copy."""
-    inbox = layout.inbox
-    tmp = layout.staging / f"{owner}.release-{job_id}"
-    tmp.unlink(missing_ok=True)
-    fsutil.write_new(tmp, data, sync=True)
-    try:
-        n = 1
-        while True:
-            name = f"{job_id}.json" if n == 1 else f"{job_id}-{n}.json"
-            try:
-                os.link(tmp, inbox / name)
-                fsutil.fsync_dir(inbox)
-                return name
-            except FileExistsError:
-                with contextlib.suppress(OSError, fsutil.NotRegular, ValueError):
-                    if digest(fsutil.read_regular(inbox / name)) == sha:
-                        return name
-                n += 1
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _wait(abort: runner.Abort, delay: float) -> bool:
@@ -569,38 +512,6 @@ def _receipt_invalid(checks: list[CheckResult]) -> bool:
     """A receipt that is present but unusable is never retried."""
     present = next(c for c in checks if c.name == "receipt_present")
     return present.ok is False and present.detail != "no receipt.json"
-
-
-def end_leftover_agent(job_folder: Path, grace_s: float) -> None:
-    """End whatever still runs of the last attempt of a job whose daemon died."""
-    attempts = job_folder / "attempts"
-    dirs = [p for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
-    if dirs:
-        _end_leftover(max(dirs, key=lambda p: int(p.name)), job_folder / "work", grace_s)
-
-
-def _end_leftover(folder: Path, work: Path, grace_s: float) -> None:
-    """End an agent still running from a dead daemon, before its job is looked at.
-
-    With a pid file: its group is ended if the leader runs with the recorded start
-    time, or if the leader is gone but members remain (a pid is not reused while
-    its group lives). A live leader with another start time is someone else: its
-    group is left alone. Without a pid file (a crash between the spawn and the
-    record), processes whose working folder is this job's work/ are ended.
-    """
-    info = _read_json(folder / "pid")
-    if info:
-        pid, started = int(info["pid"]), info.get("started")
-        if procs.is_alive(pid, started) or (not procs.is_alive(pid) and procs.group_members(pid)):
-            log.warning("agent.orphan_ended", pid=pid)
-            procs.end_group(pid, grace_s)
-        return
-    for pid in procs.with_cwd(str(work)):
-        log.warning("agent.orphan_ended", pid=pid, found_by="cwd")
-        try:
-            procs.end_group(os.getpgid(pid), grace_s)
-        except ProcessLookupError:
-            continue
 
 
 def _read_attempts(folder: Path) -> list[dict[str, Any]]:

@@ -8,10 +8,11 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 
-from dispatcher import claim, fsutil
+from dispatcher import claim, fsutil, procs
 from dispatcher.errors import oneline
 from dispatcher.layout import Layout, State, iso
 from dispatcher.ledger import CLAIMED, DONE, FAILED, Ledger
@@ -123,3 +124,76 @@ def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, agent: str, exc: E
         log.warning("job.failed", job_id=job_id, agent=agent or None, reason=result["reason"])
     except OSError:
         log.exception("job.crashed", job_id=job_id, step="fail_damaged")
+
+
+def end_leftover_agent(job_folder: Path, grace_s: float) -> None:
+    """End whatever still runs of the last attempt of a job whose daemon died."""
+    attempts = job_folder / "attempts"
+    dirs = [p for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
+    if dirs:
+        end_leftover(max(dirs, key=lambda p: int(p.name)), job_folder / "work", grace_s)
+
+
+def end_leftover(folder: Path, work: Path, grace_s: float) -> None:
+    """End an agent still running from a dead daemon, before its job is looked at.
+
+    With a pid file: its group is ended if the leader runs with the recorded start
+    time, or if the leader is gone but members remain (a pid is not reused while
+    its group lives). A live leader with another start time is someone else: its
+    group is left alone. Without a pid file (a crash between the spawn and the
+    record), processes whose working folder is this job's work/ are ended.
+    """
+    info = _read_json(folder / "pid")
+    if info:
+        pid, started = int(info["pid"]), info.get("started")
+        if procs.is_alive(pid, started) or (not procs.is_alive(pid) and procs.group_members(pid)):
+            log.warning("agent.orphan_ended", pid=pid)
+            procs.end_group(pid, grace_s)
+        return
+    for pid in procs.with_cwd(str(work)):
+        log.warning("agent.orphan_ended", pid=pid, found_by="cwd")
+        try:
+            procs.end_group(os.getpgid(pid), grace_s)
+        except ProcessLookupError:
+            continue
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def reopen(layout: Layout, ledger: Ledger, owner: str, job_id: str) -> dict[str, Any] | None:
+    """Move a failed job back to active/ for `dispatcher retry`; return its new spec.
+
+    Order, for crashes: the ledger claim; the earlier result.json into
+    attempts/<n>/ (never over an older one); the new attempt budget in
+    job.json; the rename into active/; then the request is cleared. A reopen cut
+    short at any step is finished later: ``settle_ledger`` puts a claim whose
+    folder is still in failed/ back to failed (the request stays), and a job
+    found in active/ with a kept result goes on with a new attempt.
+    Returns None if another daemon took it first.
+    """
+    if not ledger.take_retry(job_id, owner):
+        return None
+    src = layout.job(State.FAILED, job_id)
+    result = src / "result.json"
+    spec: dict[str, Any] = json.loads((src / claim.JOB_FILE).read_text())
+    attempts = src / "attempts"
+    numbers = [int(p.name) for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
+    last = max(numbers, default=0)
+    if result.exists():
+        keep_dir = attempts / str(last)
+        keep_dir.mkdir(parents=True, exist_ok=True)
+        keep, k = keep_dir / "result.json", 2
+        while keep.exists():
+            keep, k = keep_dir / f"result-{k}.json", k + 1
+        os.rename(result, keep)
+    spec["budget"] = last + int(spec["max_attempts"])
+    fsutil.write_atomic(src / claim.JOB_FILE, fsutil.dump_json(spec))
+    fsutil.rename_noreplace(src, layout.job(State.ACTIVE, job_id))
+    fsutil.fsync_dir(layout.folder(State.ACTIVE))
+    ledger.clear_request(job_id, "retry")
+    return spec
