@@ -55,8 +55,11 @@ class Order:
 
 
 def order_format(name: str) -> str | None:
-    """Return 'json' or 'yaml' for a work-order file name, None for anything else."""
-    return ORDER_SUFFIXES.get(PurePosixPath(name).suffix.lower())
+    """Return 'json' or 'yaml' for a work-order file name, None for anything else.
+
+    The suffix is matched as the contract writes it (``x.JSON`` is not a work order).
+    """
+    return ORDER_SUFFIXES.get(PurePosixPath(name).suffix)
 
 
 def parse_order(

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Env, cli_env
+from conftest import Env, cli_env, order
 
 PYTHON_M = [sys.executable, "-m", "dispatcher"]
 MAX_TIMEOUT = 100
@@ -639,3 +639,12 @@ def test_missing_config_file_is_an_error(env: Env) -> None:
     """A --config path that does not exist exits 2 with one line naming it."""
     env.config_path.unlink()
     assert env.config_path.name in config_error(env)
+
+
+def test_suffix_is_matched_as_written(env: Env) -> None:
+    """An order named `*.JSON` is not a work order: only .yaml, .yml and .json are."""
+    path = env.tmp / "UPPER.JSON"
+    path.write_text(json.dumps(order("UPPER-1")))
+    proc = env.cli("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"{path}: not a work order (the name must end in .yaml, .yml or .json)"
