@@ -127,8 +127,8 @@ class Daemon:
             once=self.once,
         )
         self.observer = start_observer(self.layout.inbox, self.layout.control, self.q.put)
+        self.tracker.scan()  # first, so that recovery's cancel requests can find queued orders
         self._recover()
-        self.tracker.scan()
         self._next_rescan = time.monotonic() + self.config.rescan_interval_s
         self._start_work()
         self.notifier.ready()
@@ -347,6 +347,19 @@ class Daemon:
                 self.parked.remove(p)
                 self._launch(p, slot=None)
                 return
+        if entry is None and not self.tracker.has_pending() and not self._any_daemon_but_me():
+            # no order with this id is left anywhere (its file was removed): drop the request,
+            # so that a later order that reuses the id is not cancelled by it
+            self.ledger.clear_request(job_id, "cancel")
+            log.info("cancel.dropped", job_id=job_id, reason="no queued order has this job id")
+
+    def _any_daemon_but_me(self) -> bool:
+        """Return True if another live daemon shares the root (it may hold the order)."""
+        for path in self.layout.daemons.glob("*.lock"):
+            owner = path.name[: -len(".lock")]
+            if owner != self.owner and self._alive(owner):
+                return True
+        return False
 
     def _park_ready(self) -> None:
         """Read every ready inbox file now (refusing bad ones), parking the orders for a slot."""

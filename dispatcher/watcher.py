@@ -198,6 +198,10 @@ class InboxTracker:
             wait = left if wait is None else min(wait, left)
         return wait
 
+    def has_pending(self) -> bool:
+        """Return True while some file waits to settle (it may still become an order)."""
+        return bool(self._pending)
+
     def pop(self) -> str | None:
         """Return the oldest ready name (by mtime, then name), or None."""
         if self._ready:

@@ -308,3 +308,18 @@ def test_cancel_cuts_a_retry_wait(env: Env) -> None:
     assert result["reason"] == "cancelled"
     assert starts_of(env, "PAUSE-2") == [1]
     assert d.stop() == 0
+
+
+def test_cancel_of_an_order_removed_before_any_daemon_does_not_outlive_it(env: Env) -> None:
+    """A cancel whose order was removed from inbox/ is dropped; a later order with that id runs."""
+    dropped = env.drop(order("GONE-1"))
+    assert env.cli("cancel", "GONE-1").returncode == 0
+    dropped.unlink()
+    code, _ = run_once(env)
+    assert code == 0
+    assert not (env.root / "failed" / "GONE-1").exists()
+    env.drop(order("GONE-1"))
+    code, _ = run_once(env)
+    assert code == 0, "the order that reuses the id must not be cancelled by the old request"
+    assert env.result("GONE-1", "done")["reason"] is None
+    assert starts_of(env, "GONE-1") == [1]
