@@ -171,6 +171,9 @@ class Daemon:
         settle = self.tracker.due()
         if settle is not None:
             waits.append(settle)
+        can_read = len(self.running) < self.config.max_jobs and len(self.parked) < PARK_LIMIT
+        if self.tracker.has_ready() and can_read and not self.stopping:
+            return 0.0  # a file just settled: take it now, not at the next event
         if self.notifier.watchdog_interval_s:
             waits.append(self._next_watchdog - now)
         if self.stop_deadline is not None:

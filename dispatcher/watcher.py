@@ -198,6 +198,10 @@ class InboxTracker:
             wait = left if wait is None else min(wait, left)
         return wait
 
+    def has_ready(self) -> bool:
+        """Return True if a file is ready to be read."""
+        return bool(self._ready)
+
     def has_pending(self) -> bool:
         """Return True while some file waits to settle (it may still become an order)."""
         return bool(self._pending)
