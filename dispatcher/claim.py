@@ -19,6 +19,7 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -114,10 +115,13 @@ def _best_job_id(data: bytes, name: str) -> str | None:
     return job_id if isinstance(job_id, str) else None
 
 
-def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
+def refuse(
+    layout: Layout, refusal: Refusal, owner: str, on_placed: Callable[[Path], None] | None = None
+) -> Path | None:
     """Move a refused file into failed/<stem>@<UTC timestamp>/ with a result.json.
 
-    Returns the folder, or None if the file vanished first.
+    ``on_placed`` is called with the folder right after the rename (to log it
+    before the folder fsync). Returns the folder, or None if the file vanished first.
     """
     src = layout.inbox / refusal.name
     stem = Path(refusal.name).stem or "entry"
@@ -146,7 +150,7 @@ def refuse(layout: Layout, refusal: Refusal, owner: str) -> Path | None:
     except FileNotFoundError:
         _remove_stage(stage)
         return None
-    return place_refusal(layout, stage, base)
+    return place_refusal(layout, stage, base, on_placed)
 
 
 def _cut(text: str, limit: int) -> str:
@@ -155,7 +159,7 @@ def _cut(text: str, limit: int) -> str:
     return text if len(raw) <= limit else os.fsdecode(raw[:limit].decode("utf-8", "ignore").encode())
 
 
-def place_refusal(layout: Layout, stage: Path, base: str) -> Path:
+def place_refusal(layout: Layout, stage: Path, base: str, on_placed: Callable[[Path], None] | None = None) -> Path:
     """Rename a built refusal folder into failed/, adding -2, -3, ... if the name is taken."""
     n = 1
     while True:
@@ -167,6 +171,8 @@ def place_refusal(layout: Layout, stage: Path, base: str) -> Path:
             continue
         (target / ".target").unlink(missing_ok=True)
         (target / ".source").unlink(missing_ok=True)
+        if on_placed is not None:
+            on_placed(target)
         fsutil.fsync_dir(layout.folder(State.FAILED))
         return target
 

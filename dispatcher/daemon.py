@@ -463,10 +463,7 @@ class Daemon:
         return "refused"
 
     def _refuse(self, refusal: claim.Refusal) -> None:
-        folder = claim.refuse(self.layout, refusal, self.owner)
-        self.tracker.forget(refusal.name)
-        if folder is not None:
-            self.stats.finished["refused"] += 1
+        def placed(folder: Path) -> None:
             log.warning(
                 "job.refused",
                 agent=refusal.agent,
@@ -475,6 +472,11 @@ class Daemon:
                 reason=refusal.reason,
                 folder=folder.name,
             )
+
+        folder = claim.refuse(self.layout, refusal, self.owner, placed)
+        self.tracker.forget(refusal.name)
+        if folder is not None:
+            self.stats.finished["refused"] += 1
 
     def _launch(self, p: _Parked, slot: str | None) -> None:
         try:

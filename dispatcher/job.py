@@ -485,18 +485,22 @@ class JobRun:
         return self._place(result)
 
     def _place(self, result: dict[str, Any]) -> str:
-        """Move the finished job to done/ or failed/, record it, and release its follow-ups."""
+        """Move the finished job to done/ or failed/, record it, and release its follow-ups.
+
+        The event is logged just before the move, so that whoever sees the folder in
+        done/ or failed/ also finds its job.done or job.failed line.
+        """
         state = result["state"]
-        target = self.ctx.layout.job(State(state), self.job_id)
-        fsutil.rename_noreplace(self.folder, target)
+        if state == "done":
+            log.info("job.done", attempts=len(result["attempts"]), children=result["children"] or None)
+        else:
+            log.warning("job.failed", reason=result["reason"], attempts=len(result["attempts"]))
+        fsutil.rename_noreplace(self.folder, self.ctx.layout.job(State(state), self.job_id))
         fsutil.fsync_dir(self.ctx.layout.folder(State(state)))
         # the ledger's final state is also in the folders, so this commit needs no fsync of its own
         self.ctx.ledger.finish(self.job_id, DONE if state == "done" else FAILED)
         if state == "done":
-            log.info("job.done", attempts=len(result["attempts"]), children=result["children"] or None)
             release_followups(self.ctx.layout, self.ctx.ledger, self.ctx.owner, self.job_id, self.ctx.released)
-        else:
-            log.warning("job.failed", reason=result["reason"], attempts=len(result["attempts"]))
         return str(state)
 
 

@@ -77,6 +77,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         env.wait_job("LOG-OK", "done")
         env.wait_refused("torn")
         d.wait_event("job.refused")
+        d.wait_event("job.done", job_id="LOG-OK")  # the line comes just after the move to done/
         current.rename(rotated)
         d.signal(signal.SIGHUP)
         d.wait_event("config.reloaded")
