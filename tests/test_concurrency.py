@@ -12,7 +12,6 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 from conftest import Env, order, wait_until
@@ -20,17 +19,10 @@ from helpers_faults import (
     agent_starts,
     assert_running,
     job_states,
-    reap,
     refusals,
     tiny_agent,
     tiny_order,
 )
-
-
-@pytest.fixture(autouse=True)
-def _reap(env: Env) -> Iterator[None]:
-    yield
-    reap(env)
 
 
 def settled(env: Env) -> int:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 
-import pytest
 from conftest import Env, order, wait_until
 from helpers_faults import (
     agent_starts,
@@ -18,16 +16,9 @@ from helpers_faults import (
     check,
     first_failing,
     processes_with,
-    reap,
     wait_gone,
     wait_start,
 )
-
-
-@pytest.fixture(autouse=True)
-def _reap(env: Env) -> Iterator[None]:
-    yield
-    reap(env)
 
 
 def assert_nothing_left(env: Env, marker: str | None = None) -> None:

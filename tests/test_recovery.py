@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,7 +26,6 @@ from helpers_faults import (
     job_states,
     processes_with,
     read_result,
-    reap,
     refusals,
     tiny_agent,
     tiny_order,
@@ -35,13 +33,6 @@ from helpers_faults import (
     wait_start,
     write_script,
 )
-
-
-@pytest.fixture(autouse=True)
-def _reap(env: Env) -> Iterator[None]:
-    yield
-    reap(env)
-
 
 # Where each kill lands: the event the daemon must have logged just before (None: a time).
 KILL_POINTS: tuple[tuple[str, str | None], ...] = (

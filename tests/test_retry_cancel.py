@@ -6,7 +6,6 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +16,10 @@ from helpers_faults import (
     alive,
     first_failing,
     processes_with,
-    reap,
     ts,
     wait_gone,
     wait_start,
 )
-
-
-@pytest.fixture(autouse=True)
-def _reap(env: Env) -> Iterator[None]:
-    yield
-    reap(env)
 
 
 def starts_of(env: Env, job_id: str) -> list[int]:

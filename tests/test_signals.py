@@ -29,7 +29,6 @@ from helpers_faults import (
     env_daemon,
     group_members,
     processes_with,
-    reap,
     tiny_agent,
     tiny_order,
     wait_count,
@@ -37,12 +36,6 @@ from helpers_faults import (
     wait_start,
     write_script,
 )
-
-
-@pytest.fixture(autouse=True)
-def _reap(env: Env) -> Iterator[None]:
-    yield
-    reap(env)
 
 
 def out_column(env: Env, job_id: str, column: str) -> set[str]:
