@@ -13,10 +13,8 @@ from typing import Any
 from dispatcher import __version__
 from dispatcher.config import STARTER_CONFIG, Config, default_config, find_config, load_config
 from dispatcher.errors import DispatchError, NotFound, OrderError, UsageError, WrongState
-from dispatcher.evidence import is_ignored
-from dispatcher.fsutil import NotRegular, read_regular
 from dispatcher.layout import UMASK, Layout, State
-from dispatcher.orders import order_format, parse_order
+from dispatcher.orders import parse_order
 
 
 class _Parser(argparse.ArgumentParser):
@@ -161,7 +159,7 @@ def _parse_file(name: str, cfg: Config | None) -> Any:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from dispatcher import fsutil
-    from dispatcher.ledger import Ledger
+    from dispatcher.ledger import open_ledger
 
     os.umask(UMASK)
     cfg = _config(args, required=True)
@@ -172,8 +170,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:
         raise UsageError(f"job_id: {dup} is given twice")
-    queued = _queued_ids(layout)
-    ledger = Ledger(layout.ledger)
+    from dispatcher.queued import queued_ids
+
+    queued = queued_ids(layout.inbox, ids)
+    ledger = open_ledger(cfg, layout, patience_s=30)
     try:
         for name, order in orders:
             entry = ledger.get(order.job_id)
@@ -200,23 +200,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
         fsutil.fsync_dir(layout.inbox)
         print(order.job_id)
     return 0
-
-
-def _queued_ids(layout: Layout) -> set[str]:
-    """Return the job ids of valid orders waiting in inbox/."""
-    out: set[str] = set()
-    try:
-        names = os.listdir(layout.inbox)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if is_ignored(name) or order_format(name) is None:
-            continue
-        try:
-            out.add(parse_order(read_regular(layout.inbox / name, 1 << 24), name).job_id)
-        except (OrderError, OSError, NotRegular, ValueError):
-            continue
-    return out
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -262,7 +245,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    from dispatcher.ledger import Ledger
+    from dispatcher.ledger import Request, open_ledger
 
     cfg = _config(args, required=False)
     layout = Layout(cfg.root)
@@ -271,9 +254,9 @@ def cmd_retry(args: argparse.Namespace) -> int:
         raise NotFound(f"{args.job_id}: no such job")
     if found[0] is not State.FAILED:
         raise WrongState(f"{args.job_id}: is {found[0].value}, only a failed job can be retried")
-    ledger = Ledger(layout.ledger)
+    ledger = open_ledger(cfg, layout, patience_s=30)
     try:
-        ledger.request(args.job_id, "retry")
+        ledger.request(args.job_id, Request.RETRY)
     finally:
         ledger.close()
     _poke(layout, "retry", args.job_id)
@@ -282,18 +265,19 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from dispatcher.ledger import Ledger
+    from dispatcher.ledger import Request, open_ledger
+    from dispatcher.queued import queued_ids
 
     cfg = _config(args, required=False)
     layout = Layout(cfg.root)
-    ledger = Ledger(layout.ledger)
+    ledger = open_ledger(cfg, layout, patience_s=30)
     try:
         entry = ledger.get(args.job_id)
         if entry is not None and entry.state in ("done", "failed"):
             raise WrongState(f"{args.job_id}: is {entry.state}, only a queued or running job can be cancelled")
-        if entry is None and args.job_id not in _queued_ids(layout):
+        if entry is None and not queued_ids(layout.inbox, [args.job_id]):
             raise NotFound(f"{args.job_id}: no such job")
-        ledger.request(args.job_id, "cancel")
+        ledger.request(args.job_id, Request.CANCEL)
     finally:
         ledger.close()
     _poke(layout, "cancel", args.job_id)

@@ -38,6 +38,9 @@ class Agent:
     repair: bool = False
     writes: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    pass_env: tuple[str, ...] = ()
+    max_cost_usd: float | None = None
+    review: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """Return the agent as plain JSON values (snapshotted into each job)."""
@@ -53,6 +56,9 @@ class Agent:
             "repair": self.repair,
             "writes": list(self.writes),
             "env": dict(self.env),
+            "pass_env": list(self.pass_env),
+            "max_cost_usd": self.max_cost_usd,
+            "review": self.review,
         }
 
     @classmethod
@@ -70,6 +76,9 @@ class Agent:
             repair=bool(data["repair"]),
             writes=tuple(data["writes"]),
             env=dict(data["env"]),
+            pass_env=tuple(data.get("pass_env", ())),
+            max_cost_usd=data.get("max_cost_usd"),
+            review=bool(data.get("review", False)),
         )
 
 
@@ -89,7 +98,15 @@ class Config:
     settle_s: float = 2.0
     kill_grace_s: float = 5.0
     max_log_bytes: int = 10_485_760
+    max_followups: int = 100
     log_file: Path | None = None
+    metrics_file: str | None = None
+    notify: tuple[str, ...] | None = None
+    max_chain_cost_usd: float | None = None
+    ledger: str = "sqlite"
+    lease_s: float = 30.0
+    watch: str = "inotify"
+    poll_interval_s: float = 1.0
     agents: Mapping[str, Agent] = field(default_factory=dict)
 
 
@@ -104,6 +121,9 @@ _TOP = {
     "settle": ("settle_s", float),
     "kill_grace": ("kill_grace_s", float),
     "max_log_bytes": ("max_log_bytes", int),
+    "max_followups": ("max_followups", int),
+    "lease": ("lease_s", float),
+    "poll_interval": ("poll_interval_s", float),
 }
 
 
@@ -157,10 +177,17 @@ def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> C
                 field=f"agents.{agent_name}.timeout",
             )
         agents[agent_name] = agent
+    metrics = body.get("metrics_file")
+    notify = body.get("notify")
     return Config(
         path=path.resolve() if path is not None else None,
         root=Path(os.path.abspath(root)),
         log_file=Path(os.path.abspath(base / log_file)) if log_file else None,
+        metrics_file=os.path.abspath(base / metrics) if metrics else None,
+        notify=resolve_argv(notify, base) if notify else None,
+        max_chain_cost_usd=body.get("max_chain_cost_usd"),
+        ledger=body.get("ledger", "sqlite"),
+        watch=body.get("watch", "inotify"),
         agents=agents,
         **values,
     )
@@ -180,6 +207,9 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
         repair=bool(spec.get("repair", False)),
         writes=tuple(spec.get("writes", ())),
         env=dict(spec.get("env", {})),
+        pass_env=tuple(spec.get("pass_env", ())),
+        max_cost_usd=spec.get("max_cost_usd"),
+        review=bool(spec.get("review", False)),
     )
 
 

@@ -1,8 +1,10 @@
-"""Release the follow-ups of a done job into inbox/ (contract section 6).
+"""Release the follow-ups of a done job into inbox/ (contract sections 6 and 11).
 
-Follow-ups are reserved in the ledger, with their lineage, before the parent's
-``result.json`` is written; they are released only after the parent is done,
-and released again without a duplicate if a daemon died in between.
+Follow-ups are reserved in the ledger with their lineage before the parent's
+result is written; they are released only after the parent is done, and
+released again without a duplicate if a daemon died in between. A follow-up
+whose chain already cost more than ``max_chain_cost_usd`` goes to held/
+instead (``budget.held``), for an operator to ``release``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -19,53 +20,71 @@ from dispatcher import fsutil
 from dispatcher.errors import OrderError
 from dispatcher.evidence import digest
 from dispatcher.layout import Layout, State
-from dispatcher.ledger import Ledger
+from dispatcher.ledger import Entry, Ledger
 from dispatcher.loader import load_document
 from dispatcher.orders import order_format, validate_order
 
 log = structlog.get_logger("dispatcher")
 
 
-def release_followups(layout: Layout, ledger: Ledger, owner: str, parent: str, released: Callable[[str], None]) -> None:
-    """Write the reserved follow-ups of a done parent into inbox/, each exactly once.
+def release_followups(
+    layout: Layout,
+    ledger: Ledger,
+    parent: str,
+    *,
+    max_chain_cost_usd: float | None = None,
+    released: Callable[[str], None] = lambda name: None,
+    held: Callable[[Entry, str], None] = lambda entry, name: None,
+) -> int:
+    """Write the reserved follow-ups of a done parent into inbox/ (or held/), each exactly once.
 
     Each is the outbox order with ``parent`` and ``hops`` from the ledger, as JSON,
-    linked into inbox/ under a name that replaces nothing; the same bytes found
-    there already (a release cut short by a crash) count as released.
+    linked in under a name that replaces nothing; the same bytes found there
+    already (a release cut short by a crash) count as released. Returns how many.
     """
+    done = layout.job(State.DONE, parent)
+    count = 0
     for entry in ledger.pending_releases(parent):
-        folder = layout.job(State.DONE, parent)
-        src = folder / "work" / "outbox" / (entry.source or "")
+        work = done / "work"
         try:
-            body = dict(validate_order(_load_any(src)).body)
-        except (OSError, OrderError, ValueError) as exc:
+            data = fsutil.read_regular(work / "outbox" / (entry.source or ""), 1 << 24, base=work)
+            body = dict(validate_order(load_document(data, order_format(entry.source or "") or "json")).body)
+        except (OSError, OrderError, ValueError, fsutil.NotRegular) as exc:
             log.error("followup.lost", job_id=entry.job_id, parent=parent, error=str(exc))
             continue
         body["parent"] = parent
         body["hops"] = entry.hops
-        data = fsutil.dump_json(body)
-        sha = digest(data)
+        out = fsutil.dump_json(body)
+        sha = digest(out)
         ledger.set_digest(entry.job_id, sha)
-        name = _place_in_inbox(layout, owner, entry.job_id, data, sha)
-        ledger.mark_released(entry.job_id, name, sha)
+        chain = entry.chain_cost_usd  # the parent's chain cost
+        over = max_chain_cost_usd is not None and chain is not None and chain > max_chain_cost_usd
+        folder = layout.held if over else layout.inbox
+        name = _place(layout, folder, ledger.owner, entry.job_id, out, sha)
+        ledger.mark_released(entry.job_id, name, sha, held=over)
+        count += 1
+        if over:
+            log.warning(
+                "budget.held",
+                job_id=entry.job_id,
+                parent=parent,
+                agent=body.get("to"),
+                chain_cost_usd=chain,
+                max_chain_cost_usd=max_chain_cost_usd,
+                file=name,
+            )
+            held(entry, name)
+            continue
         log.info(
-            "followup.released",
-            job_id=entry.job_id,
-            parent=parent,
-            hops=entry.hops,
-            file=name,
-            agent=body.get("to"),
+            "followup.released", job_id=entry.job_id, parent=parent, hops=entry.hops, file=name, agent=body.get("to")
         )
         released(name)
+    return count
 
 
-def _load_any(path: Path) -> Any:
-    return load_document(fsutil.read_regular(path), order_format(path.name) or "json")
-
-
-def _place_in_inbox(layout: Layout, owner: str, job_id: str, data: bytes, sha: str) -> str:
-    """Link the follow-up into inbox/ under a name that replaces nothing; reuse our own copy."""
-    inbox = layout.inbox
+def _place(layout: Layout, folder: Path, owner: str, job_id: str, data: bytes, sha: str) -> str:
+    """Link the follow-up into folder under a name that replaces nothing; reuse our own copy."""
+    folder.mkdir(exist_ok=True)
     tmp = layout.staging / f"{owner}.release-{job_id}"
     tmp.unlink(missing_ok=True)
     fsutil.write_new(tmp, data, sync=True)
@@ -74,12 +93,12 @@ def _place_in_inbox(layout: Layout, owner: str, job_id: str, data: bytes, sha: s
         while True:
             name = f"{job_id}.json" if n == 1 else f"{job_id}-{n}.json"
             try:
-                os.link(tmp, inbox / name)
-                fsutil.fsync_dir(inbox)
+                os.link(tmp, folder / name)
+                fsutil.fsync_dir(folder)
                 return name
             except FileExistsError:
                 with contextlib.suppress(OSError, fsutil.NotRegular, ValueError):
-                    if digest(fsutil.read_regular(inbox / name)) == sha:
+                    if digest(fsutil.read_regular(folder / name)) == sha:
                         return name
                 n += 1
     finally:

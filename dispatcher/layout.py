@@ -15,6 +15,7 @@ class State(enum.StrEnum):
     """Where a job is; each state is a folder of the dispatch root."""
 
     ACTIVE = "active"
+    REVIEW = "review"
     DONE = "done"
     FAILED = "failed"
 
@@ -28,6 +29,11 @@ class Layout:
     @property
     def inbox(self) -> Path:
         return self.root / "inbox"
+
+    @property
+    def held(self) -> Path:
+        """Orders an operator put on hold (never claimed there)."""
+        return self.root / "held"
 
     @property
     def state_dir(self) -> Path:
@@ -68,6 +74,7 @@ class Layout:
         """Return every folder `run` and `init` create."""
         return [
             self.inbox,
+            self.held,
             *(self.folder(s) for s in State),
             self.state_dir,
             self.staging,
@@ -83,7 +90,7 @@ class Layout:
 
     def find(self, job_id: str) -> tuple[State, Path] | None:
         """Return the state and folder of a job, or None if it has no folder."""
-        for state in (State.ACTIVE, State.DONE, State.FAILED):
+        for state in State:
             path = self.job(state, job_id)
             if os.path.isdir(path) and not os.path.islink(path):
                 return state, path
@@ -99,3 +106,20 @@ def utc_stamp(when: float | None = None) -> str:
 def iso(when: float) -> str:
     """Return an ISO 8601 UTC time with milliseconds, as result.json writes it."""
     return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(when * 1000) % 1000:03d}Z"
+
+
+def parse_iso(text: str) -> float:
+    """Return epoch seconds for an ``iso`` time."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def has_jobs(layout: Layout) -> bool:
+    """Return True if any job folder exists in active/, review/, done/ or failed/."""
+    for state in State:
+        try:
+            with os.scandir(layout.folder(state)) as it:
+                if any(not de.name.startswith(".") for de in it):
+                    return True
+        except FileNotFoundError:
+            continue
+    return False

@@ -7,12 +7,7 @@ ticks since boot, compared with the one recorded when the process started.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import time
-
-_SLEEP_S = 0.02
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -49,28 +44,41 @@ def with_cwd(path: str) -> list[int]:
     return found
 
 
-def is_alive(pid: int, started: float | None = None, *, tolerance_s: float = 1.5) -> bool:
-    """Return True if pid runs (not a zombie) and, if given, started at ``started`` (epoch seconds).
+def start_boot_s(fields: list[str]) -> float:
+    """Return a process's start in seconds since boot (field 22 of /proc/PID/stat)."""
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
-    The start time tells a reused pid from the process that was recorded: the
-    daemon records the wall-clock time just after the spawn, and the kernel's
-    start time (boot time + start ticks) must agree within ``tolerance_s``.
+
+def is_alive(
+    pid: int, started: float | None = None, *, boot_started: float | None = None, tolerance_s: float = 1.5
+) -> bool:
+    """Return True if pid runs (not a zombie) and, if given, is the process that was recorded.
+
+    ``boot_started`` is the start on the boot clock (``CLOCK_BOOTTIME``), the clock
+    /proc's start ticks count on: it never steps, so a wall-clock jump (NTP, a
+    resumed VM) cannot make a live agent look like someone else's process.
+    ``started`` (wall clock) is only used for records made without it.
     """
     fields = stat_fields(pid)
     if fields is None or fields[0] in ("Z", "X"):
         return False
+    if boot_started is not None:
+        return abs(start_boot_s(fields) - boot_started) <= tolerance_s
     if started is None:
         return True
-    began = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    return abs(began - started) <= tolerance_s
+    return abs(_boot_time() + start_boot_s(fields) - started) <= tolerance_s
 
 
-def open_for_writing(path: str) -> bool:
-    """Return True if a process this one can see has path open for writing.
+def held_for_writing(paths: set[str]) -> set[str]:
+    """Return those of paths that some process this one can see has open for writing.
 
-    Reads /proc/*/fd and the open flags in /proc/*/fdinfo: costly, so it is only
-    asked about a file that has already stopped changing for ``settle`` seconds.
+    One walk of /proc/*/fd (and the open flags in /proc/*/fdinfo) answers for
+    every path at once. It is slow with many processes, so the daemon asks it
+    from its io pool, only about files that have already stopped changing.
     """
+    found: set[str] = set()
+    if not paths:
+        return found
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -81,15 +89,16 @@ def open_for_writing(path: str) -> bool:
             continue
         for fd in fds:
             try:
-                if os.readlink(f"{fd_dir}/{fd}") != path:
+                target = os.readlink(f"{fd_dir}/{fd}")
+                if target not in paths or target in found:
                     continue
                 with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                     flags = next((int(line.split()[1], 8) for line in f if line.startswith("flags:")), 0)
             except (OSError, ValueError):
                 continue
             if flags & (os.O_WRONLY | os.O_RDWR):
-                return True
-    return False
+                found.add(target)
+    return found
 
 
 def group_members(pgid: int) -> list[tuple[int, str, int]]:
@@ -102,43 +111,3 @@ def group_members(pgid: int) -> list[tuple[int, str, int]]:
         if fields is not None and int(fields[2]) == pgid:
             members.append((int(name), fields[0], int(fields[1])))
     return members
-
-
-def _living(pgid: int) -> bool:
-    """Reap our own zombies in the group; return True while a live member remains."""
-    alive = False
-    me = os.getpid()
-    for pid, state, ppid in group_members(pgid):
-        if state in ("Z", "X"):
-            if ppid == me:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-        else:
-            alive = True
-    return alive
-
-
-def signal_group(pgid: int, sig: int) -> bool:
-    """Send sig to the group; return False if the group no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False
-    return True
-
-
-def end_group(pgid: int, grace_s: float) -> None:
-    """SIGTERM the group, wait up to grace_s for it to empty, then SIGKILL what is left."""
-    if not signal_group(pgid, signal.SIGTERM):
-        return
-    deadline = time.monotonic() + grace_s
-    while _living(pgid):
-        if time.monotonic() >= deadline:
-            signal_group(pgid, signal.SIGKILL)
-            kill_deadline = time.monotonic() + 5.0
-            while _living(pgid) and time.monotonic() < kill_deadline:
-                time.sleep(_SLEEP_S)
-            return
-        time.sleep(_SLEEP_S)

@@ -1,199 +1,212 @@
-"""Find work a dead daemon left behind: staging folders, stale claims, active jobs."""
+"""Find what a dead daemon left behind and make it whole: staging folders, claims, active jobs.
+
+Every function here is blocking (the disk, the ledger, /proc) and runs in the
+ledger lane or the io pool, never on the loop. Nothing a user dropped is ever
+deleted: a staging folder is removed only when the file it links is still in
+inbox/ (or was put back there).
+"""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import structlog
 
-from dispatcher import claim, fsutil, procs
+from dispatcher import fsutil, procs, refusals
+from dispatcher.config import Config
 from dispatcher.errors import oneline
-from dispatcher.layout import Layout, State, iso
-from dispatcher.ledger import CLAIMED, DONE, FAILED, Ledger
+from dispatcher.intake import drop_inbox_twin
+from dispatcher.jobspec import JobSpec
+from dispatcher.jobstore import JOB_FILE, JobFolder, build_result, remove_stage
+from dispatcher.layout import Layout, State
+from dispatcher.ledger import Finish, Ledger, Request, Row
 
 log = structlog.get_logger("dispatcher")
+_LANDED = {Row.DONE: State.DONE, Row.FAILED: State.FAILED, Row.REVIEW: State.REVIEW}
 
 
-def finish_staging(layout: Layout, alive: Callable[[str], bool]) -> None:
-    """Complete or undo the staging folders of dead daemons.
-
-    A claim folder that holds its order file is renamed into active/ (the
-    ledger claim is already made); one without it is removed (the file is
-    still in inbox/). A refusal folder holding the file goes to failed/.
-    """
-    for stage in sorted(layout.staging.iterdir()) if layout.staging.is_dir() else ():
-        owner, _, rest = stage.name.partition(".")
-        if alive(owner):
+def finish_staging(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:
+    """Complete or undo the staging folders of dead daemons."""
+    try:
+        stages = sorted(os.listdir(layout.staging))
+    except FileNotFoundError:
+        return
+    for name in stages:
+        stage = layout.staging / name
+        owner, _, rest = name.partition(".")
+        if not owner or alive(owner):
             continue
         if not stage.is_dir() or stage.is_symlink():
             stage.unlink()  # a follow-up copy a dead daemon was releasing: released again from the ledger
-            continue
-        has_file = any(p.name.startswith("order") or p.name == "entry" for p in stage.iterdir())
-        if rest.startswith("claim-"):
-            job_id = rest[len("claim-") :].rsplit("-", 1)[0]
-            if has_file and layout.find(job_id) is None:
-                spec = json.loads((stage / claim.JOB_FILE).read_text())
-                order = next(p for p in stage.iterdir() if p.name.startswith("order"))
-                claim.drop_inbox_twin(layout, spec.get("source", ""), order)
-                os.rename(stage, layout.job(State.ACTIVE, job_id))
-                log.info("job.recovered", job_id=job_id, step="claim")
-                continue
-        elif rest.startswith("refuse-") and has_file:
-            target, source = stage / ".target", stage / ".source"
-            base = os.fsdecode(target.read_bytes()) if target.exists() else stage.name
-            if source.exists():
-                kept = next(p for p in stage.iterdir() if p.name.startswith("order") or p.name == "entry")
-                claim.drop_inbox_twin(layout, os.fsdecode(source.read_bytes()), kept)
-            claim.place_refusal(layout, stage, base)
-            continue
-        shutil.rmtree(stage)
+        elif rest.startswith("claim-"):
+            _finish_claim(layout, ledger, owner, rest[len("claim-") :].rsplit("-", 1)[0], stage)
+        elif rest.startswith("refuse-") and any(
+            p.name.startswith("order") or p.name == "entry" for p in stage.iterdir()
+        ):
+            refusals.finish_stage(layout, stage)
+        else:
+            remove_stage(stage)
+
+
+def _finish_claim(layout: Layout, ledger: Ledger, owner: str, job_id: str, stage: Path) -> None:
+    entry = ledger.get(job_id)
+    mine = entry is not None and entry.state == Row.CLAIMED and entry.owner == owner
+    order = next((p for p in stage.iterdir() if p.name.startswith("order")), None)
+    if mine and entry is not None and (stage / JOB_FILE).exists() and layout.find(job_id) is None and order:
+        os.rename(stage, layout.job(State.ACTIVE, job_id))
+        drop_inbox_twin(layout, entry.source or "", layout.job(State.ACTIVE, job_id) / order.name)
+        fsutil.fsync_dir(layout.folder(State.ACTIVE))
+        log.info("job.recovered", job_id=job_id, agent=entry.agent, step="claim")
+        return
+    if mine and entry is not None:  # claimed, but its folder was never completed: nothing ran
+        ledger.unclaim(job_id, entry.token, Row.RELEASED if entry.parent else None)
+    if order is not None and entry is not None and entry.source and os.lstat(order).st_nlink == 1:
+        with contextlib.suppress(FileExistsError):  # the inbox name is gone: put the user's file back
+            os.link(order, layout.inbox / entry.source)
+    remove_stage(stage)
 
 
 def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:
-    """Bring claims of dead daemons in line with the folders (a crash after the final move)."""
-    for entry in ledger.in_state(CLAIMED):
+    """Bring claims of dead daemons in line with the folders (a crash after a move)."""
+    for entry in ledger.in_state(Row.CLAIMED):
         if entry.owner is None or alive(entry.owner):
             continue
         found = layout.find(entry.job_id)
-        if found is None:
+        if found is None or found[0] is State.ACTIVE:
             continue
         state, folder = found
-        if state in (State.DONE, State.FAILED) and (folder / "result.json").exists():
-            result = json.loads((folder / "result.json").read_text())
-            ledger.finish(entry.job_id, DONE if result.get("state") == "done" else FAILED)
-        elif state is State.FAILED:
-            ledger.finish(entry.job_id, FAILED)  # a retry cut short before the move: the request stays
+        result = JobFolder(folder).result() or {}
+        row = Row.DONE if state is State.DONE else Row.REVIEW if state is State.REVIEW else Row.FAILED
+        if state is State.FAILED and result.get("state") == "done":
+            row = Row.DONE
+        ledger.finish([Finish(entry.job_id, entry.token, row, result.get("cost_usd"), result.get("chain_cost_usd"))])
 
 
-def orphaned_jobs(layout: Layout, ledger: Ledger, me: str, alive: Callable[[str], bool]) -> list[str]:
-    """Return active jobs whose owner is dead, adopted by me (atomically, one daemon wins)."""
-    out: list[str] = []
-    try:
-        names = sorted(os.listdir(layout.folder(State.ACTIVE)))
-    except FileNotFoundError:
-        return out
-    for job_id in names:
-        if job_id.startswith("."):
-            continue
+def reconcile_active(layout: Layout, ledger: Ledger) -> None:
+    """Put back the claim row of any active/ job the ledger lost (a power loss, a lost WAL)."""
+    reconcile = getattr(ledger, "reconcile", None)
+    if reconcile is None:
+        return
+    for job_id in _active_ids(layout):
         entry = ledger.get(job_id)
-        if entry is None or entry.owner == me or (entry.owner is not None and alive(entry.owner)):
+        if entry is None or entry.state in (Row.RESERVED, Row.RELEASED):
+            folder = JobFolder(layout.job(State.ACTIVE, job_id))
+            try:
+                spec = folder.spec()
+            except ValueError:
+                spec = None
+            if reconcile(
+                job_id, spec.agent.name if spec else None, spec.parent if spec else None, spec.hops if spec else 0
+            ):
+                log.warning("ledger.repaired", job_id=job_id, reason="active job without a claim row")
+
+
+def orphans(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> list[tuple[str, int]]:
+    """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token).
+
+    A job whose row already says done, failed or review (its daemon died while
+    landing it) is landed here and not returned.
+    """
+    out = []
+    for job_id in _active_ids(layout):
+        entry = ledger.get(job_id)
+        if entry is None or entry.owner == ledger.owner or (entry.owner is not None and alive(entry.owner)):
             continue
-        if not (layout.job(State.ACTIVE, job_id) / claim.JOB_FILE).exists():
+        if entry.state in _LANDED:
+            _land(layout, job_id, _LANDED[Row(entry.state)])
             continue
-        if ledger.adopt(job_id, me, expected_owner=entry.owner):
-            out.append(job_id)
+        if entry.state != Row.CLAIMED or not (layout.job(State.ACTIVE, job_id) / JOB_FILE).exists():
+            continue
+        token = ledger.adopt(job_id, entry.owner, entry.token)
+        if token is not None:
+            out.append((job_id, token))
     return out
 
 
-def job_agent(folder: Path) -> str:
-    """Return the agent name frozen into a job's job.json ('' if it cannot be read)."""
+def _land(layout: Layout, job_id: str, state: State) -> None:
+    folder = JobFolder(layout.job(State.ACTIVE, job_id))
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
+        folder.land(layout, state)
+        fsutil.fsync_dir(layout.folder(state))
+        log.info("job.recovered", job_id=job_id, step="land", state=state.value)
+
+
+def _active_ids(layout: Layout) -> list[str]:
     try:
-        spec = json.loads((folder / claim.JOB_FILE).read_text())
-        return str(spec["agent"]["name"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+        return sorted(n for n in os.listdir(layout.folder(State.ACTIVE)) if not n.startswith("."))
+    except FileNotFoundError:
+        return []
 
 
-def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, agent: str, exc: Exception) -> None:
-    """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file."""
-    folder = layout.job(State.ACTIVE, job_id)
-    now = time.time()
-    result: dict[str, object] = {
-        "job_id": job_id,
-        "state": "failed",
-        "agent": agent or None,
-        "reason": oneline(f"recovery: the job folder cannot be read back: {type(exc).__name__}: {exc}"),
-        "checks": [],
-        "attempts": [],
-        "received": iso(now),
-        "finished": iso(now),
-        "parent": None,
-        "children": [],
-    }
-    try:
-        fsutil.write_atomic(folder / "result.json", fsutil.dump_json(result))
-        fsutil.rename_noreplace(folder, layout.job(State.FAILED, job_id))
-        fsutil.fsync_dir(layout.folder(State.FAILED))
-        ledger.finish(job_id, FAILED)
-        log.warning("job.failed", job_id=job_id, agent=agent or None, reason=result["reason"])
-    except OSError:
-        log.exception("job.crashed", job_id=job_id, step="fail_damaged")
+def leftover_groups(folder: JobFolder, n: int) -> list[int]:
+    """Return the process groups still running from attempt n of a job whose daemon died.
 
-
-def end_leftover_agent(job_folder: Path, grace_s: float) -> None:
-    """End whatever still runs of the last attempt of a job whose daemon died."""
-    attempts = job_folder / "attempts"
-    dirs = [p for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
-    if dirs:
-        end_leftover(max(dirs, key=lambda p: int(p.name)), job_folder / "work", grace_s)
-
-
-def end_leftover(folder: Path, work: Path, grace_s: float) -> None:
-    """End an agent still running from a dead daemon, before its job is looked at.
-
-    With a pid file: its group is ended if the leader runs with the recorded start
-    time, or if the leader is gone but members remain (a pid is not reused while
-    its group lives). A live leader with another start time is someone else: its
-    group is left alone. Without a pid file (a crash between the spawn and the
-    record), processes whose working folder is this job's work/ are ended.
+    With a pid record: the group, if its leader runs with the recorded start (on
+    the boot clock), or if the leader is gone but members remain (a pid is not
+    reused while its group lives). A live leader with another start is someone
+    else: left alone. Without a record (a crash between the spawn and the
+    record), the groups of processes whose working folder is this job's work/.
     """
-    info = _read_json(folder / "pid")
-    if info:
-        pid, started = int(info["pid"]), info.get("started")
-        if procs.is_alive(pid, started) or (not procs.is_alive(pid) and procs.group_members(pid)):
-            log.warning("agent.orphan_ended", pid=pid)
-            procs.end_group(pid, grace_s)
-        return
-    for pid in procs.with_cwd(str(work)):
-        log.warning("agent.orphan_ended", pid=pid, found_by="cwd")
-        try:
-            procs.end_group(os.getpgid(pid), grace_s)
-        except ProcessLookupError:
-            continue
+    info = folder.pid_record(n)
+    if info is not None:
+        pid = int(info["pid"])
+        boot = info.get("boot_started")
+        ours = procs.is_alive(pid, info.get("started"), boot_started=float(boot) if boot is not None else None)
+        if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
+            return [pid]
+        return []
+    groups = []
+    for pid in procs.with_cwd(str(folder.work)):
+        with contextlib.suppress(ProcessLookupError):
+            groups.append(os.getpgid(pid))
+    return sorted(set(groups))
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
+def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, token: int, exc: Exception) -> None:
+    """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file."""
+    folder = JobFolder(layout.job(State.ACTIVE, job_id))
+    entry = ledger.get(job_id)
+    reason = oneline(f"recovery: the job folder cannot be read back: {type(exc).__name__}: {exc}")
+    result = build_result(
+        job_id=job_id,
+        state="failed",
+        agent=entry.agent if entry else None,
+        reason=reason,
+        received=os.path.getmtime(folder.path),
+    )
+    folder.stage_result(result)
+    if ledger.finish([Finish(job_id, token, Row.FAILED)])[0]:
+        log.warning("job.failed", job_id=job_id, agent=result["agent"], reason=reason)
+        folder.land(layout, State.FAILED)
+        fsutil.fsync_dir(layout.folder(State.FAILED))
 
 
-def reopen(layout: Layout, ledger: Ledger, owner: str, job_id: str) -> dict[str, Any] | None:
-    """Move a failed job back to active/ for `dispatcher retry`; return its new spec.
+def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple[JobSpec, int] | None:
+    """Move a failed job back to active/ for `dispatcher retry`; return its new spec and token.
 
     Order, for crashes: the ledger claim; the earlier result.json into
-    attempts/<n>/ (never over an older one); the new attempt budget in
-    job.json; the rename into active/; then the request is cleared. A reopen cut
-    short at any step is finished later: ``settle_ledger`` puts a claim whose
-    folder is still in failed/ back to failed (the request stays), and a job
-    found in active/ with a kept result goes on with a new attempt.
-    Returns None if another daemon took it first.
+    attempts/<n>/; the new spec (the agent's settings as the config has them
+    now, and max_attempts more attempts) in job.json; the rename into active/;
+    then the request is cleared. A reopen cut short is finished later:
+    ``settle_ledger`` puts a claim whose folder is still in failed/ back to
+    failed (the request stays), and a job found in active/ with a kept result
+    goes on with a new attempt. None if another daemon took it first.
     """
-    if not ledger.take_retry(job_id, owner):
+    token = ledger.take_retry(job_id)
+    if token is None:
         return None
-    src = layout.job(State.FAILED, job_id)
-    result = src / "result.json"
-    spec: dict[str, Any] = json.loads((src / claim.JOB_FILE).read_text())
-    attempts = src / "attempts"
-    numbers = [int(p.name) for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
-    last = max(numbers, default=0)
-    if result.exists():
-        keep_dir = attempts / str(last)
-        keep_dir.mkdir(parents=True, exist_ok=True)
-        keep, k = keep_dir / "result.json", 2
-        while keep.exists():
-            keep, k = keep_dir / f"result-{k}.json", k + 1
-        os.rename(result, keep)
-    spec["budget"] = last + int(spec["max_attempts"])
-    fsutil.write_atomic(src / claim.JOB_FILE, fsutil.dump_json(spec))
-    fsutil.rename_noreplace(src, layout.job(State.ACTIVE, job_id))
+    folder = JobFolder(layout.job(State.FAILED, job_id))
+    spec = folder.spec()
+    folder.keep_result()
+    last = max(folder.attempt_numbers(), default=0)
+    agent = config.agents.get(spec.agent.name, spec.agent)
+    max_attempts = int(spec.order.get("max_attempts") or agent.max_attempts)
+    spec = spec.with_agent(agent, last + max_attempts)
+    folder.write_spec(spec, sync=True)
+    fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))
-    ledger.clear_request(job_id, "retry")
-    return spec
+    ledger.clear_request(job_id, Request.RETRY)
+    return spec, token

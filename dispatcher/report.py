@@ -11,6 +11,7 @@ from typing import Any
 from dispatcher.evidence import is_ignored
 from dispatcher.layout import Layout, State
 from dispatcher.ledger import Ledger
+from dispatcher.ledger.sqlite import SqliteLedger
 
 
 def _count(path: Path) -> tuple[int, int]:
@@ -40,7 +41,7 @@ def status(layout: Layout) -> dict[str, Any]:
     done, _ = _count(layout.folder(State.DONE))
     failed, refused = _count(layout.folder(State.FAILED))
     owners = _owners(layout)
-    ledger = Ledger(layout.ledger) if layout.ledger.exists() else None
+    ledger = _ledger(layout)
     rows = []
     try:
         names = sorted(os.listdir(layout.folder(State.ACTIVE)))
@@ -77,6 +78,13 @@ def status(layout: Layout) -> dict[str, Any]:
     }
 
 
+def _ledger(layout: Layout) -> Ledger | None:
+    """Open the ledger for reading, if there is one."""
+    if not layout.ledger.exists():
+        return None
+    return SqliteLedger(layout.ledger, layout.state_dir, patience_s=30)
+
+
 def _owners(layout: Layout) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     try:
@@ -101,7 +109,7 @@ def _read(path: Path) -> Any:
 def find_job(layout: Layout, job_id: str) -> dict[str, Any] | None:
     """Return what is known of one job: state, folder, result, lineage; None if unknown."""
     found = layout.find(job_id)
-    ledger = Ledger(layout.ledger) if layout.ledger.exists() else None
+    ledger = _ledger(layout)
     try:
         entry = ledger.get(job_id) if ledger else None
         children = ledger.children(job_id) if ledger else []

@@ -1,40 +1,33 @@
-"""Run one agent process: argv, environment, folder, group, timeout, capped logs.
+"""Run agent processes on the daemon's event loop: argv, environment, group, timeout, capped logs.
 
 Like rq's work horse: ``Popen(argv, cwd=work, start_new_session=True, env=...,
-stdin=DEVNULL)``. One thread per attempt waits on the process (a pidfd), its
-two output pipes and an abort pipe with one ``poll``, so a timeout, a cancel
-or a stop wakes it at once, without polling. When the agent exits, times out
-or is aborted, whatever remains in its process group gets SIGTERM, then
-SIGKILL after ``kill_grace``.
+stdin=DEVNULL)``. Instead of a thread per agent, every agent is watched by the
+one event loop: its pidfd and its two output pipes are readers on the loop's
+selector, its timeout and kill grace are the loop's timers. asyncio's own
+subprocess layer is not used: on Python 3.11 it needs a child watcher (a thread
+per child by default, PITFALLS) and builds transports and stream protocols per
+pipe; a pidfd reader is all that is needed to learn of an exit.
+
+When the agent exits, times out, or is aborted (cancel, stop), whatever remains
+in its process group gets SIGTERM, then SIGKILL after ``kill_grace``; the group
+is signalled while the leader is still an unreaped zombie, so its pgid cannot
+have been reused by another process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import os
 import re
-import select
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from dispatcher import procs
-
-AGENT_RESULT_MAX = 64 * 1024
-AGENT_RESULT_KEYS = (
-    "total_cost_usd",
-    "session_id",
-    "num_turns",
-    "is_error",
-    "duration_ms",
-    "usage",
-)
-TAIL_BYTES = 4 * 1024 * 1024
+AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 PASSED_ENV = ("PATH", "HOME", "LANG")
 ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file")
 PROMPT_PLACEHOLDERS = (
@@ -42,6 +35,8 @@ PROMPT_PLACEHOLDERS = (
 )  # fmt: skip
 _READ = 1 << 16
 _DRAIN_AFTER_EXIT_S = 1.0
+_GROUP_POLL_S = 0.02
+_KILL_WAIT_S = 5.0
 
 
 def _pattern(names: tuple[str, ...]) -> re.Pattern[str]:
@@ -58,71 +53,70 @@ def render(text: str, values: Mapping[str, str], *, prompt: bool = False) -> str
     return regex.sub(lambda m: values.get(m.group(1), m.group(0)), text)
 
 
-def build_env(agent_env: Mapping[str, str], dispatch: Mapping[str, str]) -> dict[str, str]:
-    """Return the agent's environment: PATH, HOME, LANG, its own env, then DISPATCH_*."""
-    env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+def build_env(
+    agent_env: Mapping[str, str], dispatch: Mapping[str, str], pass_env: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """Return the agent's environment: PATH, HOME, LANG, the pass_env names, its own env, then DISPATCH_*."""
+    env = {k: os.environ[k] for k in (*PASSED_ENV, *pass_env) if k in os.environ}
     env.update(agent_env)
     env.update(dispatch)
     return env
 
 
-class Abort:
-    """A wake-up an attempt's thread waits on beside its process: cancel or stop."""
-
-    def __init__(self) -> None:
-        self._r, self._w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self.reason: str | None = None
-
-    def fileno(self) -> int:
-        return self._r
-
-    def trigger(self, reason: str) -> None:
-        """Ask the attempt to end its agent now (first reason wins)."""
-        if self.reason is None:
-            self.reason = reason
-        with contextlib.suppress(OSError):
-            os.write(self._w, b"x")
-
-    def close(self) -> None:
-        for fd in (self._r, self._w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+def boot_clock() -> float:
+    """Return seconds since boot on the clock /proc's process start times use (it never steps)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 @dataclass
 class _Stream:
-    """One output pipe copied into a log file, up to a cap, with a tail kept in memory."""
+    """One output pipe copied into a log file up to a cap; stdout's tail is kept in memory."""
 
     fd: int
-    log: Any
+    path: Path
     cap: int
     keep_tail: bool
+    log_fd: int = -1
     written: int = 0
     cut: bool = False
+    lost: bool = False  # the log could not be written (a full disk): the agent runs on
+    open: bool = True
     tail: bytearray = field(default_factory=bytearray)
 
     def feed(self, data: bytes) -> None:
-        if self.written < self.cap:
-            room = self.cap - self.written
-            self.log.write(data[:room])
-            self.written += min(room, len(data))
-            if len(data) > room:
-                self.cut = True
-        else:
-            self.cut = True
         if self.keep_tail:
             self.tail += data
-            if len(self.tail) > TAIL_BYTES:
-                del self.tail[: len(self.tail) - TAIL_BYTES]
+            if len(self.tail) > AGENT_TAIL_BYTES:
+                del self.tail[: len(self.tail) - AGENT_TAIL_BYTES]
+        room = self.cap - self.written
+        if len(data) > room:
+            self.cut = True
+            data = data[: max(room, 0)]
+        if data and not self.lost:
+            self._write(data)
+        self.written += len(data)
 
-    def close(self, stream_name: str) -> None:
+    def _write(self, data: bytes) -> None:
+        try:
+            if self.log_fd < 0:  # opened on first output: thousands of quiet agents hold no log fds
+                self.log_fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.log_fd, view) :]
+        except OSError:
+            self.lost = True
+
+    def close(self, name: str) -> None:
         if self.cut:
-            self.log.write(f"\n[dispatcher: {stream_name} cut at {self.cap} bytes (max_log_bytes)]\n".encode())
-        self.log.close()
+            self._write(f"\n[dispatcher: {name} cut at {self.cap} bytes (max_log_bytes)]\n".encode())
+        if self.log_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.log_fd)
+            self.log_fd = -1
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class AgentExit:
     """What happened to one agent process."""
 
     exit_code: int | None
@@ -131,179 +125,217 @@ class Outcome:
     started: float
     ended: float
     pid: int
-    agent_result: dict[str, Any] | None
+    stdout_tail: bytes
     stdout_cut: bool
     stderr_cut: bool
+    logs_lost: bool
 
     @property
     def duration_ms(self) -> int:
         return round((self.ended - self.started) * 1000)
 
 
-def run(
-    argv: list[str],
-    *,
-    cwd: Path,
-    env: Mapping[str, str],
-    timeout_s: float,
-    kill_grace_s: float,
-    log_dir: Path,
-    log_prefix: str = "",
-    max_log_bytes: int,
-    abort: Abort,
-    on_start: Callable[[int], None] | None = None,
-) -> Outcome:
-    """Run argv to its end and return the Outcome; raise OSError if it cannot start."""
-    out_log = (log_dir / f"{log_prefix}stdout.log").open("wb")
-    err_log = (log_dir / f"{log_prefix}stderr.log").open("wb")
-    started = time.time()
-    try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=dict(env),
+class AgentProcess:
+    """One agent process supervised by the event loop."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        cwd: Path,
+        env: Mapping[str, str],
+        timeout_s: float,
+        kill_grace_s: float,
+        log_dir: Path,
+        max_log_bytes: int,
+        log_prefix: str = "",
+    ) -> None:
+        self.argv = argv
+        self.cwd = cwd
+        self.env = dict(env)
+        self.timeout_s = timeout_s
+        self.kill_grace_s = kill_grace_s
+        self._out = _Stream(-1, log_dir / f"{log_prefix}stdout.log", max_log_bytes, True)
+        self._err = _Stream(-1, log_dir / f"{log_prefix}stderr.log", max_log_bytes, False)
+        self.pid = 0
+        self.started = 0.0
+        self.boot_started = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pidfd = -1
+        self._timed_out = False
+        self._aborted: str | None = None
+        self._signalled = False
+        self._timers: list[asyncio.TimerHandle] = []
+        self._done: asyncio.Future[AgentExit] | None = None
+
+    def start(self) -> None:
+        """Spawn the agent; raise OSError if its program cannot start (nothing else does)."""
+        loop = asyncio.get_running_loop()
+        self._done = loop.create_future()
+        self.started = time.time()
+        self._proc = subprocess.Popen(
+            self.argv,
+            cwd=self.cwd,
+            env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
             close_fds=True,
         )
-    except BaseException:
-        out_log.close()
-        err_log.close()
-        raise
-    if proc.stdout is None or proc.stderr is None:  # pragma: no cover - PIPE always gives both
-        raise OSError("no output pipes")
-    if on_start is not None:
-        on_start(proc.pid)
-    streams = {
-        proc.stdout.fileno(): _Stream(proc.stdout.fileno(), out_log, max_log_bytes, True),
-        proc.stderr.fileno(): _Stream(proc.stderr.fileno(), err_log, max_log_bytes, False),
-    }
-    for fd in streams:
-        os.set_blocking(fd, False)
-    try:
-        deadline = time.monotonic() + timeout_s
-        exit_code, timed_out, aborted = _supervise(proc, streams, abort, deadline, kill_grace_s)
-    finally:
-        procs.end_group(proc.pid, kill_grace_s)
-        _drain(streams, time.monotonic() + _DRAIN_AFTER_EXIT_S)
-        proc.stdout.close()
-        proc.stderr.close()
-        streams_by_name = list(streams.values())
-        streams_by_name[0].close("stdout")
-        streams_by_name[1].close("stderr")
-    return Outcome(
-        exit_code=exit_code,
-        timed_out=timed_out,
-        aborted=aborted,
-        started=started,
-        ended=time.time(),
-        pid=proc.pid,
-        agent_result=parse_agent_result(bytes(streams_by_name[0].tail)),
-        stdout_cut=streams_by_name[0].cut,
-        stderr_cut=streams_by_name[1].cut,
-    )
+        # from here on the agent runs: nothing below may turn into "cannot start"
+        self.boot_started = boot_clock()
+        self.pid = self._proc.pid
+        assert self._proc.stdout is not None and self._proc.stderr is not None  # noqa: S101 - PIPE gives both
+        for stream, pipe in ((self._out, self._proc.stdout), (self._err, self._proc.stderr)):
+            stream.fd = pipe.fileno()
+            os.set_blocking(stream.fd, False)
+            loop.add_reader(stream.fd, self._pump, stream)
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+            loop.add_reader(self._pidfd, self._on_exit)
+        except OSError:  # no pidfds (old kernel): fall back to polling the child
+            self._timers.append(loop.call_later(0.05, self._poll_exit))
+        self._timers.append(loop.call_later(self.timeout_s, self._on_timeout))
 
+    async def wait(self) -> AgentExit:
+        """Wait for the agent's end (its group ended and its pipes drained)."""
+        assert self._done is not None  # noqa: S101 - start() first
+        return await self._done
 
-def _supervise(
-    proc: subprocess.Popen[bytes],
-    streams: dict[int, _Stream],
-    abort: Abort,
-    deadline: float,
-    kill_grace_s: float,
-) -> tuple[int | None, bool, str | None]:
-    """Wait for exit, timeout or abort while copying output; return (code, timed_out, aborted)."""
-    try:
-        pidfd: int | None = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
-        pidfd = None
-    timed_out = False
-    killed_at: float | None = None
-    open_fds = set(streams)
-    try:
-        while True:
-            code = proc.poll() if pidfd is None else None
-            if code is not None:
-                return code, timed_out, abort.reason
-            now = time.monotonic()
-            if killed_at is None and (now >= deadline or abort.reason is not None):
-                timed_out = abort.reason is None
-                procs.signal_group(proc.pid, signal.SIGTERM)
-                killed_at = now
-            elif killed_at is not None and now >= killed_at + kill_grace_s:
-                procs.signal_group(proc.pid, signal.SIGKILL)
-                killed_at = float("inf")
-            wait = deadline - now if killed_at is None else max(0.0, killed_at + kill_grace_s - now)
-            if pidfd is None:
-                wait = min(wait, 0.05)
-            fds: list[int] = [*open_fds, abort.fileno()]
-            if pidfd is not None:
-                fds.append(pidfd)
-            ready = wait_readable(fds, min(wait, 3600.0))
-            for fd in ready:
-                if fd in streams:
-                    if not _pump(streams[fd]):
-                        open_fds.discard(fd)
-                elif fd == pidfd:
-                    return proc.wait(), timed_out, abort.reason
-                elif fd == abort.fileno():
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(fd, 64)
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
+    def abort(self, reason: str) -> None:
+        """End the agent now (cancel or stop); the first reason wins."""
+        if self._aborted is None and not self._timed_out and not self._exited:
+            self._aborted = reason
+            self._terminate()
 
+    @property
+    def _exited(self) -> bool:
+        return self._proc is not None and self._proc.returncode is not None
 
-def wait_readable(fds: list[int], timeout_s: float) -> list[int]:
-    """Return the fds that are readable (or closed) within timeout_s; poll has no fd-number limit."""
-    poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN | select.POLLPRI)
-    return [fd for fd, _ in poller.poll(max(0, int(timeout_s * 1000 + 0.999)))]
-
-
-def _pump(stream: _Stream) -> bool:
-    """Copy what is readable; return False at end of file."""
-    while True:
+    # -- loop callbacks -----------------------------------------------------------------------
+    def _pump(self, stream: _Stream) -> None:
         try:
             data = os.read(stream.fd, _READ)
         except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        if not data:
-            return False
-        stream.feed(data)
-
-
-def _drain(streams: dict[int, _Stream], deadline: float) -> None:
-    """Read what is left in the pipes after the group ended, until EOF or the deadline."""
-    open_fds = set(streams)
-    while open_fds:
-        wait = deadline - time.monotonic()
-        if wait <= 0:
             return
-        ready = wait_readable(list(open_fds), wait)
-        for fd in ready:
-            if not _pump(streams[fd]):
-                open_fds.discard(fd)
+        except OSError:
+            data = b""
+        if data:
+            stream.feed(data)
+        else:
+            self._close_stream(stream)
+
+    def _close_stream(self, stream: _Stream) -> None:
+        if stream.open:
+            stream.open = False
+            asyncio.get_running_loop().remove_reader(stream.fd)
+        if self._exited and not (self._out.open or self._err.open) and self._done is not None and not self._done.done():
+            self._complete()
+
+    def _on_timeout(self) -> None:
+        if not self._exited and self._aborted is None:
+            self._timed_out = True
+            self._terminate()
+
+    def _terminate(self) -> None:
+        _signal_group(self.pid, signal.SIGTERM)
+        self._signalled = True
+        loop = asyncio.get_running_loop()
+        self._timers.append(loop.call_later(self.kill_grace_s, _signal_group, self.pid, signal.SIGKILL))
+
+    def _poll_exit(self) -> None:
+        assert self._proc is not None  # noqa: S101
+        if self._proc.poll() is None:
+            self._timers.append(asyncio.get_running_loop().call_later(0.05, self._poll_exit))
+            return
+        self._after_exit()
+
+    def _on_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        # the leader is an unreaped zombie: its pgid is still ours to signal
+        _signal_group(self.pid, signal.SIGTERM)
+        os.close(self._pidfd)
+        self._pidfd = -1
+        assert self._proc is not None  # noqa: S101
+        self._proc.poll()  # reap
+        self._after_exit()
+
+    def _after_exit(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        asyncio.get_running_loop().create_task(self._end_group_then_drain())
+
+    async def _end_group_then_drain(self) -> None:
+        await end_group(self.pid, self.kill_grace_s, already_termed=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _DRAIN_AFTER_EXIT_S
+        while (self._out.open or self._err.open) and loop.time() < deadline:
+            await asyncio.sleep(_GROUP_POLL_S)
+        for stream in (self._out, self._err):
+            if stream.open:  # a process that left the group still holds the pipe: stop reading
+                stream.open = False
+                loop.remove_reader(stream.fd)
+        if self._done is not None and not self._done.done():
+            self._complete()
+
+    def _complete(self) -> None:
+        assert self._proc is not None and self._done is not None  # noqa: S101
+        self._out.close("stdout")
+        self._err.close("stderr")
+        for pipe in (self._proc.stdout, self._proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        self._done.set_result(
+            AgentExit(
+                exit_code=self._proc.returncode,
+                timed_out=self._timed_out,
+                aborted=self._aborted,
+                started=self.started,
+                ended=time.time(),
+                pid=self.pid,
+                stdout_tail=bytes(self._out.tail),
+                stdout_cut=self._out.cut,
+                stderr_cut=self._err.cut,
+                logs_lost=self._out.lost or self._err.lost,
+            )
+        )
 
 
-def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
-    """Return the JSON object that ends stdout, as headless agent CLIs print it, or None."""
-    text = tail.decode("utf-8", errors="replace").rstrip()
-    if not text.endswith("}"):
-        return None
-    decoder = json.JSONDecoder()
-    starts = [m.start() for m in re.finditer(r"(?m)^[ \t]*\{", text)]
-    for pos in reversed(starts):
-        try:
-            value, end = decoder.raw_decode(text, text.index("{", pos))
-        except (json.JSONDecodeError, RecursionError):
-            continue
-        if end == len(text) and isinstance(value, dict):
-            if len(text[pos:].encode()) > AGENT_RESULT_MAX:
-                return {k: value[k] for k in AGENT_RESULT_KEYS if k in value}
-            return value
-    return None
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send sig to the group; return False if no process is left in it."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+async def end_group(pgid: int, grace_s: float, *, already_termed: bool = False) -> None:
+    """End a process group without blocking the loop: SIGTERM, wait up to grace_s, SIGKILL.
+
+    Group members that are our own zombies are reaped on the way; members that are
+    someone else's zombies count as gone after the SIGKILL wait.
+    """
+    if not already_termed and not _signal_group(pgid, signal.SIGTERM):
+        return
+    loop = asyncio.get_running_loop()
+    if await _emptied(pgid, loop.time() + grace_s):
+        return
+    _signal_group(pgid, signal.SIGKILL)
+    await _emptied(pgid, loop.time() + _KILL_WAIT_S)
+
+
+async def _emptied(pgid: int, deadline: float) -> bool:
+    loop = asyncio.get_running_loop()
+    while True:
+        with contextlib.suppress(ChildProcessError, OSError):
+            while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
+                pass  # reap our own zombies in the group
+        if not _signal_group(pgid, 0):
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(_GROUP_POLL_S)

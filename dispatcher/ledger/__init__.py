@@ -1,0 +1,89 @@
+"""The durable job ledger: an interface (``base``) and its engines (SQLite; PostgreSQL for many hosts).
+
+``open_ledger`` is the one way in: it picks the engine from the config's
+``ledger`` setting and refuses to start a fresh, empty ledger over job folders
+that already exist (that would accept their ids again).
+"""
+
+from __future__ import annotations
+
+import os
+
+from dispatcher.config import Config
+from dispatcher.errors import UsageError
+from dispatcher.layout import Layout, has_jobs
+from dispatcher.ledger.base import (
+    FINISHED,
+    OPEN,
+    Busy,
+    Child,
+    ClaimAnswer,
+    Claimed,
+    ClaimRequest,
+    DaemonInfo,
+    Entry,
+    Finish,
+    Known,
+    Ledger,
+    LedgerUnavailable,
+    Request,
+    Row,
+)
+
+__all__ = [
+    "FINISHED",
+    "OPEN",
+    "Busy",
+    "Child",
+    "ClaimAnswer",
+    "ClaimRequest",
+    "Claimed",
+    "DaemonInfo",
+    "Entry",
+    "Finish",
+    "Known",
+    "Ledger",
+    "LedgerLost",
+    "LedgerUnavailable",
+    "Request",
+    "Row",
+    "open_ledger",
+]
+
+REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebuild it from the job folders"
+
+
+class LedgerLost(UsageError):
+    """The ledger is missing or unreadable while job folders exist: nothing may start on it."""
+
+
+def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = None, create: bool = True) -> Ledger:
+    """Open the configured ledger; raise LedgerLost (a one-line error) if it cannot be trusted.
+
+    ``patience_s`` bounds how long a write waits for a busy ledger (None: forever).
+    With ``create`` False a missing ledger raises instead of being created.
+    """
+    if config.ledger.startswith(("postgresql://", "postgres://")):
+        from dispatcher.ledger.postgres import PostgresLedger  # type: ignore[import-untyped,unused-ignore]
+
+        pg: Ledger = PostgresLedger(config.ledger, layout, lease_s=config.lease_s, patience_s=patience_s)
+        return pg
+    from dispatcher.ledger.sqlite import LedgerError, SqliteLedger
+
+    path = layout.ledger
+    missing = not path.exists() or os.path.getsize(path) == 0
+    if missing and has_jobs(layout):
+        raise LedgerLost(f"{path}: the ledger is missing but job folders exist; {REBUILD_HINT}")
+    if missing and not create:
+        raise LedgerLost(f"{path}: no ledger yet")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s)
+    except LedgerError as exc:
+        raise LedgerLost(f"{path}: the ledger cannot be read ({exc}); {REBUILD_HINT}") from None
+    except OSError as exc:
+        raise LedgerLost(f"{path}: the ledger cannot be opened ({exc.strerror})") from None
+    if (missing or ledger.is_empty()) and has_jobs(layout):
+        ledger.close()
+        raise LedgerLost(f"{path}: the ledger is empty but job folders exist; {REBUILD_HINT}")
+    return ledger

@@ -1,0 +1,279 @@
+"""The ledger interface: what a daemon needs from a durable job ledger, and its types.
+
+The ledger is the one place that decides "may this job id be taken?". Every
+engine (SQLite on one host, PostgreSQL shared by many) implements ``Ledger``;
+the daemon, the job store and the commands only ever see this interface.
+
+Calls block (a disk or a network round trip), so the daemon makes them from its
+ledger lane, never from its event loop. Every finishing step carries the claim's
+fencing ``token`` and is refused (returns False) when the claim was taken over.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+
+class Row(enum.StrEnum):
+    """A ledger row's state. A row is never deleted, except a failed parent's reservations."""
+
+    RESERVED = "reserved"  # a follow-up waiting for its parent to be done
+    HELD = "held"  # a follow-up put in held/ (over budget); released by an operator
+    RELEASED = "released"  # its file is in inbox/
+    CLAIMED = "claimed"  # a daemon owns it: its folder is in active/ (or being built)
+    REVIEW = "review"  # passed its checks, waiting in review/ for a person
+    DONE = "done"
+    FAILED = "failed"
+
+
+OPEN = (Row.RESERVED, Row.HELD, Row.RELEASED, Row.CLAIMED)
+FINISHED = (Row.DONE, Row.FAILED)
+
+
+class Request(enum.StrEnum):
+    """What an operator asked a daemon to do for a job."""
+
+    RETRY = "retry"
+    CANCEL = "cancel"
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One row of the ledger."""
+
+    job_id: str
+    state: str
+    agent: str | None
+    owner: str | None
+    token: int
+    source: str | None
+    digest: str | None
+    parent: str | None
+    hops: int
+    cost_usd: float | None
+    chain_cost_usd: float | None
+    updated: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """Claim ``job_id`` for the file ``source`` (its bytes hash to ``digest``).
+
+    ``may_take_over`` is the caller's word that no job folder exists for the id,
+    so that a claim left by a dead daemon for this very file may be taken over.
+    """
+
+    job_id: str
+    agent: str
+    source: str
+    digest: str
+    may_take_over: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """The id is ours, with the lineage the ledger holds and a new fencing token."""
+
+    job_id: str
+    token: int
+    parent: str | None = None
+    hops: int = 0
+    previous: str | None = None  # the state a taken-over or released row had
+    parent_chain_cost_usd: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """The id was seen before: the file must be refused."""
+
+    entry: Entry
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """A live daemon is claiming this very file right now: leave it alone."""
+
+    entry: Entry
+
+
+ClaimAnswer = Claimed | Known | Busy
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Record a job's end (or its wait in review/), if ``token`` still holds its claim."""
+
+    job_id: str
+    token: int
+    state: Row
+    cost_usd: float | None = None
+    chain_cost_usd: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """A follow-up to reserve: its id, its agent and its file name in the parent's outbox/."""
+
+    job_id: str
+    agent: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonInfo:
+    """One daemon process sharing the ledger, as `status` lists it."""
+
+    owner: str
+    pid: int
+    host: str
+    started: float
+    alive: bool = True
+
+
+class LedgerUnavailable(Exception):
+    """The ledger cannot be reached or written right now; the step is retried, never guessed."""
+
+
+class Ledger(ABC):
+    """A durable set of job ids with their states, lineage, requests, slots and daemons."""
+
+    #: this process's identity in the ledger ("" for a command that is not a daemon)
+    owner: str = ""
+
+    # -- lifecycle and liveness ---------------------------------------------------------
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection and anything held for this process."""
+
+    @abstractmethod
+    def register(self, info: DaemonInfo) -> None:
+        """Announce a daemon start under a new identity (never reused)."""
+
+    def renew(self) -> bool:
+        """Renew this daemon's lease; return False when it could not (engines with leases)."""
+        return True
+
+    @abstractmethod
+    def alive(self, owner: str) -> bool:
+        """Return True while the daemon ``owner`` lives."""
+
+    @abstractmethod
+    def daemons(self) -> list[DaemonInfo]:
+        """Return every daemon known on this ledger, live or dead, newest first."""
+
+    def reap(self) -> list[str]:
+        """Mark daemons whose lease ran out as dead; return the newly dead (engines with leases)."""
+        return []
+
+    # -- reads --------------------------------------------------------------------------
+    @abstractmethod
+    def get(self, job_id: str) -> Entry | None:
+        """Return the row of job_id, or None if the id was never seen."""
+
+    @abstractmethod
+    def known(self, job_ids: Iterable[str]) -> dict[str, Entry]:
+        """Return the rows of those ids that the ledger knows."""
+
+    @abstractmethod
+    def children(self, job_id: str) -> list[str]:
+        """Return the follow-up ids whose parent is job_id, in id order."""
+
+    @abstractmethod
+    def in_state(self, *states: Row) -> list[Entry]:
+        """Return the rows in any of these states."""
+
+    # -- claims -------------------------------------------------------------------------
+    @abstractmethod
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimAnswer]:
+        """Claim many ids for this daemon in one transaction; one answer per request, in order.
+
+        A new id is inserted. A released follow-up is taken when the file's digest
+        is the one released. A row claimed by a dead daemon for this same file is
+        taken over when the request allows it. Anything else is ``Known``, or
+        ``Busy`` when a live daemon is claiming this same file.
+        """
+
+    @abstractmethod
+    def unclaim(self, job_id: str, token: int, previous: str | None) -> None:
+        """Undo a claim whose job folder could not be put in place (nothing ran)."""
+
+    @abstractmethod
+    def adopt(self, job_id: str, expected_owner: str | None, expected_token: int) -> int | None:
+        """Take over a claimed job of a dead daemon; return the new token, or None if another won."""
+
+    @abstractmethod
+    def take_retry(self, job_id: str) -> int | None:
+        """Turn a failed job into a claim by this daemon (for `retry`); return the token."""
+
+    # -- finishing (each conditional on the claim's token) -------------------------------
+    @abstractmethod
+    def finish(self, items: Sequence[Finish]) -> list[bool]:
+        """Record ends in one transaction; False for each item whose claim was taken over."""
+
+    @abstractmethod
+    def reserve(self, parent: str, token: int, hops: int, children: Sequence[Child]) -> list[str] | None:
+        """Reserve follow-ups of parent; return the ids already taken ([] = all reserved).
+
+        Nothing is reserved unless every id is free (or already reserved by this
+        parent, after a crash). None means the parent's claim was taken over.
+        """
+
+    @abstractmethod
+    def pending_releases(self, parent: str | None = None) -> list[Entry]:
+        """Return reserved follow-ups whose parent is done; ``owner`` is the parent's owner."""
+
+    @abstractmethod
+    def set_digest(self, job_id: str, digest: str) -> None:
+        """Record the digest a reserved follow-up will be released with (before its file exists)."""
+
+    @abstractmethod
+    def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
+        """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
+
+    # -- requests -----------------------------------------------------------------------
+    @abstractmethod
+    def request(self, job_id: str, kind: Request) -> None:
+        """Record a request for a daemon to carry out."""
+
+    @abstractmethod
+    def requests(self, kind: Request) -> list[str]:
+        """Return the job ids with an open request of this kind, oldest first."""
+
+    @abstractmethod
+    def clear_request(self, job_id: str, kind: Request) -> None:
+        """Mark a request as carried out."""
+
+    # -- concurrency slots (an agent's `concurrency` over every daemon) ------------------
+    @abstractmethod
+    def take_slot(self, agent: str, concurrency: int) -> int | None:
+        """Take a free slot of agent for this daemon; return its number, or None if all are busy."""
+
+    @abstractmethod
+    def free_slot(self, agent: str, slot: int) -> None:
+        """Give a slot back."""
+
+    # -- bulk (migrate, rebuild, benchmarks) --------------------------------------------
+    @abstractmethod
+    def rows(self) -> Iterator[Entry]:
+        """Yield every row (for `ledger migrate`)."""
+
+    @abstractmethod
+    def load_rows(self, entries: Iterable[Entry]) -> int:
+        """Insert rows as they are (migrate, rebuild); return how many were new."""
+
+    @abstractmethod
+    def count(self) -> int:
+        """Return how many job ids the ledger holds."""
+
+    def is_empty(self) -> bool:
+        """Return True if the ledger holds no job id at all."""
+        return self.count() == 0
+
+
+def now() -> float:
+    """Return the wall-clock time recorded in rows."""
+    return time.time()

@@ -1,0 +1,569 @@
+"""The embedded ledger: every job id ever claimed or reserved, in one SQLite file.
+
+Why SQLite: it ships with Python, a primary-key lookup stays in the tens of
+microseconds at a million rows, WAL mode lets readers (`status`, `show`) run
+beside a writer, and ``BEGIN IMMEDIATE`` serialises claims across every daemon
+process on one root, so two files with one id give one job and one refusal.
+
+Durability: finishing steps, reservations and requests commit with
+``synchronous=FULL``. Claims commit with ``NORMAL``: the durable record of a
+claim is its job folder in active/, fsynced before any agent starts, and a
+daemon that starts after a power loss puts back the row of any folder it finds
+without one (``reconcile``). Another process holding the write lock is a wait,
+never a failure: every write is retried with backoff for as long as it takes
+(``ledger.waiting`` is logged), so good work is never failed by a busy ledger.
+Liveness and slots are flocks (``flocks.py``): this engine is for one host.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import structlog
+from filelock import FileLock
+
+from dispatcher.ledger.base import (
+    Busy,
+    Child,
+    ClaimAnswer,
+    Claimed,
+    ClaimRequest,
+    DaemonInfo,
+    Entry,
+    Finish,
+    Known,
+    Ledger,
+    LedgerUnavailable,
+    Request,
+    Row,
+    now,
+)
+from dispatcher.ledger.flocks import FlockSlots, Liveness, make_lock
+
+log = structlog.get_logger("dispatcher")
+T = TypeVar("T")
+
+SCHEMA_VERSION = 2
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id  TEXT PRIMARY KEY,
+    state   TEXT NOT NULL,
+    agent   TEXT,
+    owner   TEXT,
+    source  TEXT,
+    digest  TEXT,
+    parent  TEXT,
+    hops    INTEGER NOT NULL DEFAULT 0,
+    updated REAL NOT NULL,
+    token   INTEGER NOT NULL DEFAULT 0,
+    cost_usd REAL,
+    chain_cost_usd REAL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS jobs_parent ON jobs(parent) WHERE parent IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_open ON jobs(state)
+    WHERE state IN ('reserved', 'held', 'released', 'claimed', 'review');
+CREATE TABLE IF NOT EXISTS requests (
+    job_id TEXT NOT NULL,
+    kind   TEXT NOT NULL,
+    at     REAL NOT NULL,
+    PRIMARY KEY (job_id, kind)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+"""
+_COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
+_BUSY_TIMEOUT_MS = 1000
+_WAIT_LOG_S = 5.0
+
+
+class LedgerError(Exception):
+    """The ledger file cannot be used (not a database, newer schema, unreadable)."""
+
+
+def _entry(row: tuple[object, ...]) -> Entry:
+    return Entry(*row)  # type: ignore[arg-type]
+
+
+class SqliteLedger(Ledger):
+    """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
+
+    def __init__(self, path: Path, state_dir: Path, *, patience_s: float | None = None) -> None:
+        """Open (creating if needed) the ledger; raise LedgerError if it cannot be used.
+
+        ``patience_s`` bounds how long a write waits for a busy ledger (None: forever,
+        as a daemon does; a command gives up with a clear error).
+        """
+        self.path = path
+        self.patience_s = patience_s
+        self.give_up: Callable[[], bool] = lambda: False
+        self._lock = threading.Lock()
+        self._daemons = state_dir / "daemons"
+        self._liveness = Liveness(self._daemons)
+        self._slots = FlockSlots(state_dir / "slots")
+        self._life: FileLock | None = None
+        try:
+            self._db = sqlite3.connect(
+                path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            )
+            self._db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            self._retrying(lambda: self._db.execute("PRAGMA journal_mode=WAL"))
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._retrying(self._migrate)
+        except sqlite3.DatabaseError as exc:
+            raise LedgerError(_describe(exc)) from None
+
+    def _migrate(self) -> None:
+        self._db.executescript(_SCHEMA)  # CREATE ... IF NOT EXISTS: safe when daemons start together
+        with self._write() as db:
+            cols = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
+            for name, kind in (
+                ("token", "INTEGER NOT NULL DEFAULT 0"),
+                ("cost_usd", "REAL"),
+                ("chain_cost_usd", "REAL"),
+            ):
+                if name not in cols:  # a ledger from before fencing tokens and costs
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+            row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            version = int(row[0]) if row else 1
+            if version > SCHEMA_VERSION:
+                raise LedgerError(
+                    f"schema version {version} is newer than this dispatcher knows ({SCHEMA_VERSION}); upgrade it"
+                )
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        """Close the connection, give slots back and end this daemon's liveness lock."""
+        self._slots.release_all()
+        with self._lock:
+            self._db.close()
+        if self._life is not None:
+            self._life.release()
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _retrying(self, step: Callable[[], T]) -> T:
+        """Run step; while the database is locked by someone else, wait and run it again."""
+        started = time.monotonic()
+        delay, logged = 0.05, 0.0
+        while True:
+            try:
+                return step()
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
+                waited = time.monotonic() - started
+                if self.patience_s is not None and waited >= self.patience_s:
+                    raise LedgerUnavailable(f"the ledger is locked by another process ({waited:.0f} s)") from None
+                if self.give_up():
+                    raise LedgerUnavailable("the ledger is locked by another process; gave up at stop") from None
+                if waited - logged >= _WAIT_LOG_S:
+                    log.warning("ledger.waiting", waited_s=round(waited), error=str(exc))
+                    logged = waited
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    @contextmanager
+    def _write(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """A write transaction that holds the database's write lock from its start."""
+        with self._lock:
+            if not durable:
+                self._db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
+
+    def _tx(self, body: Callable[[sqlite3.Connection], T], *, durable: bool = True) -> T:
+        def step() -> T:
+            with self._write(durable=durable) as db:
+                return body(db)
+
+        return self._retrying(step)
+
+    def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        def step() -> T:
+            with self._lock:
+                return body(self._db)
+
+        return self._retrying(step)
+
+    def _row(self, db: sqlite3.Connection, job_id: str) -> Entry | None:
+        row = db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()  # noqa: S608
+        return _entry(row) if row else None
+
+    # -- liveness -------------------------------------------------------------------------
+    def register(self, info: DaemonInfo) -> None:
+        """Hold this daemon's liveness flock and write its info file."""
+        self.owner = info.owner
+        self._daemons.mkdir(parents=True, exist_ok=True)
+        self._life = make_lock(self._daemons / f"{info.owner}.lock")
+        self._life.acquire()
+        data = json.dumps({"pid": info.pid, "host": info.host, "started": info.started}).encode()
+        tmp = self._daemons / f".{info.owner}.json.tmp"
+        tmp.write_bytes(data)
+        os.rename(tmp, self._daemons / f"{info.owner}.json")
+
+    def alive(self, owner: str) -> bool:
+        """Return True while the daemon ``owner`` holds its liveness flock."""
+        return owner == self.owner or self._liveness.alive(owner)
+
+    def daemons(self) -> list[DaemonInfo]:
+        """Return every daemon that ever registered on this root, newest first."""
+        out = []
+        try:
+            names = os.listdir(self._daemons)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            owner = name[: -len(".json")]
+            try:
+                info = json.loads((self._daemons / name).read_bytes())
+                out.append(
+                    DaemonInfo(owner, int(info["pid"]), str(info["host"]), float(info["started"]), self.alive(owner))
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return sorted(out, key=lambda d: d.started, reverse=True)
+
+    # -- reads --------------------------------------------------------------------------
+    def get(self, job_id: str) -> Entry | None:
+        """Return the row of job_id, or None if the id was never seen."""
+        return self._read(lambda db: self._row(db, job_id))
+
+    def known(self, job_ids: Iterable[str]) -> dict[str, Entry]:
+        """Return the rows of those ids that the ledger knows."""
+        ids = list(job_ids)
+
+        def body(db: sqlite3.Connection) -> dict[str, Entry]:
+            out = {}
+            for job_id in ids:
+                entry = self._row(db, job_id)
+                if entry is not None:
+                    out[job_id] = entry
+            return out
+
+        return self._read(body)
+
+    def children(self, job_id: str) -> list[str]:
+        """Return the follow-up ids whose parent is job_id, in id order."""
+        rows = self._read(
+            lambda db: db.execute("SELECT job_id FROM jobs WHERE parent = ? ORDER BY job_id", (job_id,)).fetchall()
+        )
+        return [r[0] for r in rows]
+
+    def in_state(self, *states: Row) -> list[Entry]:
+        """Return the rows in any of these states."""
+        marks = ",".join("?" * len(states))
+        sql = f"SELECT {_COLUMNS} FROM jobs WHERE state IN ({marks})"  # noqa: S608 - only "?" marks are joined in
+        return [_entry(r) for r in self._read(lambda db: db.execute(sql, [str(s) for s in states]).fetchall())]
+
+    def count(self) -> int:
+        """Return how many job ids the ledger holds."""
+        return int(self._read(lambda db: db.execute("SELECT count(*) FROM jobs").fetchone()[0]))
+
+    def is_empty(self) -> bool:
+        """Return True if the ledger holds no job id (without counting a million rows)."""
+        return self._read(lambda db: db.execute("SELECT 1 FROM jobs LIMIT 1").fetchone()) is None
+
+    def rows(self) -> Iterator[Entry]:
+        """Yield every row, in id order."""
+        rows = self._read(lambda db: db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY job_id").fetchall())  # noqa: S608
+        return (_entry(r) for r in rows)
+
+    # -- claims -------------------------------------------------------------------------
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimAnswer]:
+        """Claim many ids in one transaction (see ``Ledger.claim``)."""
+        stamp = now()
+
+        def body(db: sqlite3.Connection) -> list[ClaimAnswer]:
+            out: list[ClaimAnswer] = []
+            for req in requests:
+                entry = self._row(db, req.job_id)
+                if entry is None:
+                    db.execute(
+                        "INSERT INTO jobs (job_id, state, agent, owner, source, digest, hops, updated, token)"
+                        " VALUES (?, 'claimed', ?, ?, ?, ?, 0, ?, 1)",
+                        (req.job_id, req.agent, self.owner, req.source, req.digest, stamp),
+                    )
+                    out.append(Claimed(req.job_id, 1))
+                    continue
+                same_file = entry.source == req.source and entry.digest == req.digest
+                released = entry.state in (Row.RESERVED, Row.RELEASED) and entry.digest == req.digest
+                if entry.state == Row.CLAIMED and same_file and entry.owner is not None:
+                    if entry.owner == self.owner or self.alive(entry.owner):
+                        out.append(Busy(entry))
+                        continue
+                    taken_over = req.may_take_over
+                else:
+                    taken_over = False
+                if not (released or taken_over):
+                    out.append(Known(entry))
+                    continue
+                token = entry.token + 1
+                db.execute(
+                    "UPDATE jobs SET state = 'claimed', agent = ?, owner = ?, source = ?, updated = ?, token = ?"
+                    " WHERE job_id = ?",
+                    (req.agent, self.owner, req.source, stamp, token, req.job_id),
+                )
+                parent_cost = None
+                if entry.parent is not None:
+                    row = db.execute("SELECT chain_cost_usd FROM jobs WHERE job_id = ?", (entry.parent,)).fetchone()
+                    parent_cost = row[0] if row else None
+                out.append(Claimed(req.job_id, token, entry.parent, entry.hops, entry.state, parent_cost))
+            return out
+
+        return self._tx(body, durable=False)
+
+    def unclaim(self, job_id: str, token: int, previous: str | None) -> None:
+        """Undo a claim whose job folder could not be put in place (nothing ran)."""
+
+        def body(db: sqlite3.Connection) -> None:
+            if previous in (None, Row.CLAIMED):  # no job folder ever existed for it
+                db.execute(
+                    "DELETE FROM jobs WHERE job_id = ? AND state = 'claimed' AND owner = ? AND token = ?",
+                    (job_id, self.owner, token),
+                )
+            else:
+                db.execute(
+                    "UPDATE jobs SET state = ?, owner = NULL WHERE job_id = ? AND state = 'claimed' AND owner = ?"
+                    " AND token = ?",
+                    (previous, job_id, self.owner, token),
+                )
+
+        self._tx(body)
+
+    def adopt(self, job_id: str, expected_owner: str | None, expected_token: int) -> int | None:
+        """Take over a claimed job of a dead daemon; return the new token, or None if another won."""
+
+        def body(db: sqlite3.Connection) -> int | None:
+            cur = db.execute(
+                "UPDATE jobs SET owner = ?, token = token + 1, updated = ?"
+                " WHERE job_id = ? AND state = 'claimed' AND owner IS ? AND token = ?",
+                (self.owner, now(), job_id, expected_owner, expected_token),
+            )
+            return expected_token + 1 if cur.rowcount == 1 else None
+
+        return self._tx(body)
+
+    def take_retry(self, job_id: str) -> int | None:
+        """Turn a failed job into a claim by this daemon; return the new token."""
+
+        def body(db: sqlite3.Connection) -> int | None:
+            entry = self._row(db, job_id)
+            if entry is None or entry.state != Row.FAILED:
+                return None
+            db.execute(
+                "UPDATE jobs SET state = 'claimed', owner = ?, token = ?, updated = ? WHERE job_id = ?",
+                (self.owner, entry.token + 1, now(), job_id),
+            )
+            return entry.token + 1
+
+        return self._tx(body)
+
+    def reconcile(self, job_id: str, agent: str | None, parent: str | None, hops: int) -> bool:
+        """Put back the claim row of a job folder found in active/ without one (a lost commit)."""
+
+        def body(db: sqlite3.Connection) -> bool:
+            entry = self._row(db, job_id)
+            if entry is not None and entry.state not in (Row.RESERVED, Row.RELEASED):
+                return False
+            db.execute(
+                "INSERT OR REPLACE INTO jobs (job_id, state, agent, owner, parent, hops, updated, token)"
+                " VALUES (?, 'claimed', ?, NULL, ?, ?, ?, ?)",
+                (job_id, agent, parent, hops, now(), (entry.token if entry else 0) + 1),
+            )
+            return True
+
+        return self._tx(body)
+
+    # -- finishing ------------------------------------------------------------------------
+    def finish(self, items: Sequence[Finish]) -> list[bool]:
+        """Record ends in one transaction, each only while its token holds the claim."""
+        stamp = now()
+
+        def body(db: sqlite3.Connection) -> list[bool]:
+            out = []
+            for it in items:
+                cur = db.execute(
+                    "UPDATE jobs SET state = ?, cost_usd = ?, chain_cost_usd = ?, updated = ?"
+                    " WHERE job_id = ? AND token = ? AND state IN ('claimed', 'review', ?)",
+                    (str(it.state), it.cost_usd, it.chain_cost_usd, stamp, it.job_id, it.token, str(it.state)),
+                )
+                ok = cur.rowcount == 1
+                if ok and it.state == Row.FAILED:  # its follow-ups were never released
+                    db.execute("DELETE FROM jobs WHERE parent = ? AND state = 'reserved'", (it.job_id,))
+                out.append(ok)
+            return out
+
+        return self._tx(body)
+
+    def reserve(self, parent: str, token: int, hops: int, children: Sequence[Child]) -> list[str] | None:
+        """Reserve follow-ups of parent; return the ids already taken, or None if fenced."""
+        stamp = now()
+
+        def body(db: sqlite3.Connection) -> list[str] | None:
+            row = db.execute("SELECT token FROM jobs WHERE job_id = ?", (parent,)).fetchone()
+            if row is None or row[0] != token:
+                return None
+            taken, fresh = [], []
+            for child in children:
+                entry = self._row(db, child.job_id)
+                if entry is None:
+                    fresh.append(child)
+                elif entry.parent != parent or entry.state not in (Row.RESERVED, Row.RELEASED, Row.HELD):
+                    taken.append(child.job_id)
+            if taken:
+                return taken
+            db.executemany(
+                "INSERT INTO jobs (job_id, state, agent, source, parent, hops, updated)"
+                " VALUES (?, 'reserved', ?, ?, ?, ?, ?)",
+                [(c.job_id, c.agent, c.source, parent, hops, stamp) for c in fresh],
+            )
+            return []
+
+        return self._tx(body)
+
+    def pending_releases(self, parent: str | None = None) -> list[Entry]:
+        """Return reserved follow-ups whose parent is done; ``owner`` is the parent's owner."""
+        cols = (
+            "c.job_id, c.state, c.agent, p.owner, c.token, c.source, c.digest, c.parent, c.hops, c.cost_usd,"
+            " p.chain_cost_usd, c.updated"
+        )
+        sql = (
+            f"SELECT {cols} FROM jobs c JOIN jobs p ON p.job_id = c.parent"  # noqa: S608 - fixed text only
+            " WHERE c.state = 'reserved' AND p.state = 'done'"
+        )
+        if parent is None:
+            rows = self._read(lambda db: db.execute(sql).fetchall())
+        else:
+            rows = self._read(lambda db: db.execute(sql + " AND c.parent = ? ORDER BY c.job_id", (parent,)).fetchall())
+        return [_entry(r) for r in rows]
+
+    def set_digest(self, job_id: str, digest: str) -> None:
+        """Record the digest a reserved follow-up will be released with (before its file exists)."""
+        self._tx(
+            lambda db: db.execute(
+                "UPDATE jobs SET digest = ? WHERE job_id = ? AND state = 'reserved'", (digest, job_id)
+            )
+        )
+
+    def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
+        """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
+        state = Row.HELD if held else Row.RELEASED
+
+        def body(db: sqlite3.Connection) -> bool:
+            cur = db.execute(
+                "UPDATE jobs SET state = ?, source = ?, digest = ?, updated = ?"
+                " WHERE job_id = ? AND state = 'reserved'",
+                (str(state), source, digest, now(), job_id),
+            )
+            return cur.rowcount == 1
+
+        return self._tx(body, durable=False)
+
+    def set_state(self, job_id: str, state: Row, *, expect: Row) -> bool:
+        """Move a row from one open state to another (hold, release of a held follow-up)."""
+        return self._tx(
+            lambda db: (
+                db.execute(
+                    "UPDATE jobs SET state = ?, updated = ? WHERE job_id = ? AND state = ?",
+                    (str(state), now(), job_id, str(expect)),
+                ).rowcount
+                == 1
+            )
+        )
+
+    # -- requests -------------------------------------------------------------------------
+    def request(self, job_id: str, kind: Request) -> None:
+        """Record a request for a daemon to carry out."""
+        self._tx(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO requests (job_id, kind, at) VALUES (?, ?, ?)", (job_id, str(kind), now())
+            )
+        )
+
+    def requests(self, kind: Request) -> list[str]:
+        """Return the job ids with an open request of this kind, oldest first."""
+        rows = self._read(
+            lambda db: db.execute("SELECT job_id FROM requests WHERE kind = ? ORDER BY at", (str(kind),)).fetchall()
+        )
+        return [r[0] for r in rows]
+
+    def clear_request(self, job_id: str, kind: Request) -> None:
+        """Mark a request as carried out."""
+        self._tx(lambda db: db.execute("DELETE FROM requests WHERE job_id = ? AND kind = ?", (job_id, str(kind))))
+
+    # -- slots ------------------------------------------------------------------------------
+    def take_slot(self, agent: str, concurrency: int) -> int | None:
+        """Take a free slot of agent (a flock shared by every daemon on this host)."""
+        return self._slots.take(agent, concurrency)
+
+    def free_slot(self, agent: str, slot: int) -> None:
+        """Give a slot back."""
+        self._slots.free(agent, slot)
+
+    # -- bulk ---------------------------------------------------------------------------------
+    def load_rows(self, entries: Iterable[Entry]) -> int:
+        """Insert rows as they are, keeping rows the ledger already has; return how many were new."""
+        batch = [
+            (
+                e.job_id,
+                e.state,
+                e.agent,
+                e.owner,
+                e.token,
+                e.source,
+                e.digest,
+                e.parent,
+                e.hops,
+                e.cost_usd,
+                e.chain_cost_usd,
+                e.updated,
+            )
+            for e in entries
+        ]
+
+        def body(db: sqlite3.Connection) -> int:
+            before = db.total_changes
+            db.executemany(f"INSERT OR IGNORE INTO jobs ({_COLUMNS}) VALUES ({','.join('?' * 12)})", batch)  # noqa: S608
+            return db.total_changes - before
+
+        return self._tx(body)
+
+    def insert_done(self, job_ids: Iterable[str], agent: str = "bulk") -> None:
+        """Record many finished job ids at once (benchmarks)."""
+        stamp = now()
+        self.load_rows(Entry(j, "done", agent, None, 1, None, None, None, 0, None, None, stamp) for j in job_ids)
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+def _describe(exc: sqlite3.DatabaseError) -> str:
+    text = str(exc)
+    if isinstance(exc, sqlite3.OperationalError) and "unable to open" in text:
+        return f"cannot be opened ({text}; is the folder writable?)"
+    return text
+
+
+def is_unwritable(exc: OSError) -> bool:
+    """Return True for errors that say the ledger's folder is read-only or full."""
+    return exc.errno in (errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EPERM)
