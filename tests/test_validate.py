@@ -266,6 +266,12 @@ ORDER_CASES: list[Case] = [
     bad("utf16-json", js().decode().encode("utf-16")),
     bad("utf16-yaml", yl().decode().encode("utf-16"), ext="yaml"),
     bad("over-max-order-bytes", padded(MAX_ORDER_BYTES + 1)),
+    # -- lone surrogates: valid JSON escapes that UTF-8 cannot hold -------------------------
+    bad("surrogate-task", js({"task": "one \ud800 two"}), field="task", mention="lone surrogate (\\ud800)"),
+    bad("surrogate-item-id", js({"items": [{"id": "R\udfff"}]}), field="items.0.id", mention="lone surrogate"),
+    bad("surrogate-key", js({"meta": {"k\ud800": 1}}), field="meta", mention="key 'k\\ud800'"),
+    bad("surrogate-top-key", js({"\udc80": 1}), mention="lone surrogate (\\udc80)"),
+    bad("surrogate-task-yaml", yl(task='"one \\ud800 two"'), field="task", mention="lone surrogate", ext="yaml"),
     # -- valid files, at the edges -------------------------------------------------------
     good("ok-json", js()),
     good("ok-yaml", yl(), ext="yaml"),
@@ -282,6 +288,7 @@ ORDER_CASES: list[Case] = [
     good("ok-timeout-at-max", js({"timeout": MAX_TIMEOUT})),
     good("ok-timeout-float", js({"timeout": 0.5})),
     good("ok-attempts", js({"max_attempts": 3})),
+    good("ok-surrogate-pair", js({"task": "coffee \U0001f600", "items": [{"id": "R1", "note": "\U0001f600"}]})),
     good("ok-optional-fields", js({"for": "Aina", "meta": {"a": [1, {"b": None}]}})),
     good("ok-lineage-in-file", js({"parent": "OTHER-1", "hops": 3})),
     good("ok-writes-patterns", js({"writes": ["reports/*.csv", "notes/*", "a/b/c.txt"]})),
@@ -303,6 +310,9 @@ SUBMIT_CASES = [
         "yaml-anchor-alias",
         "latin1-yaml",
         "over-max-order-bytes",
+        "surrogate-task",
+        "surrogate-item-id",
+        "surrogate-key",
     }
 ]
 
