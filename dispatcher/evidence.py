@@ -6,22 +6,20 @@ symlink, FIFO or device can neither redirect nor block the daemon.
 
 from __future__ import annotations
 
-import csv
 import errno
 import hashlib
-import io
 import json
 import os
 import stat
 from collections.abc import Callable, Container, Mapping
 from pathlib import Path
-from typing import Any
 
 from dispatcher import fsutil
 from dispatcher.checks import Doc, Entry, Evidence, Exit, Followup
 from dispatcher.errors import OrderError
-from dispatcher.fsutil import NotRegular, kind_of, read_regular
+from dispatcher.fsutil import NotRegular, kind_of
 from dispatcher.orders import Order, order_format, parse_order
+from dispatcher.output_stream import summarise_fd
 
 RECEIPT_MAX = 16 * 1024 * 1024
 OUTPUT_MAX = 256 * 1024 * 1024
@@ -44,21 +42,51 @@ def is_ignored(name: str) -> bool:
     return name.startswith(".") or name.endswith((".tmp", ".part"))
 
 
-def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
-    """Read work/<rel> as bytes; return a Doc saying missing/error, and the bytes."""
-    path = work / rel
+def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
+    """Open work/<rel> without following links or blocking; return (Doc saying why not, fd).
+
+    The fd, when given, is a regular file of at most ``limit`` bytes; the caller closes it.
+    """
     try:
-        return Doc(), read_regular(path, limit, base=work)
+        fd = fsutil.open_beneath(work, Path(rel))
     except FileNotFoundError:
         return Doc(missing=True), None
     except NotRegular as exc:
         return Doc(error=f"is a {exc.kind}, not a regular file"), None
-    except ValueError as exc:
-        return Doc(error=str(exc)), None
     except OSError as exc:
         if exc.errno == errno.ENOTDIR:
             return Doc(missing=True), None
         return Doc(error=f"cannot be read: {exc.strerror}"), None
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = f"is a {kind_of(st.st_mode)}, not a regular file"
+    elif st.st_size > limit:
+        why = f"larger than {limit} bytes"
+    if why is not None:
+        os.close(fd)
+        return Doc(error=why), None
+    return Doc(), fd
+
+
+def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
+    """Read work/<rel> as bytes; return a Doc saying missing/error, and the bytes."""
+    doc, fd = open_doc(work, rel, limit)
+    if fd is None:
+        return doc, None
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            size += len(chunk)
+            if size > limit:
+                return Doc(error=f"larger than {limit} bytes"), None
+            chunks.append(chunk)
+    except OSError as exc:
+        return Doc(error=f"cannot be read: {exc.strerror}"), None
+    finally:
+        os.close(fd)
+    return Doc(), b"".join(chunks)
 
 
 def read_receipt(work: Path) -> Doc:
@@ -72,26 +100,16 @@ def read_receipt(work: Path) -> Doc:
         return Doc(error=f"is not valid JSON ({exc})")
 
 
-def read_output(work: Path, rel: str) -> Doc:
-    """Read accept.output as a list of records (csv with header, json list, jsonl)."""
-    doc, data = read_doc(work, rel, OUTPUT_MAX)
-    if data is None:
+def read_output(work: Path, rel: str, order: Order) -> Doc:
+    """Summarise accept.output (csv with header, json list, jsonl) for the checks, streamed.
+
+    Returns ``Doc(value=OutputSummary)``; memory stays bounded whatever the file's size.
+    """
+    doc, fd = open_doc(work, rel, OUTPUT_MAX)
+    if fd is None:
         return doc
-    try:
-        text = data.decode("utf-8-sig")
-        if rel.endswith(".csv"):
-            records: list[Any] = list(csv.DictReader(io.StringIO(text, newline="")))
-        elif rel.endswith(".jsonl"):
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            records = json.loads(text)
-            if not isinstance(records, list):
-                return Doc(error="is not a JSON list of objects")
-    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error, RecursionError) as exc:
-        return Doc(error=f"cannot be parsed ({exc})")
-    if not all(isinstance(rec, dict) for rec in records):
-        return Doc(error="holds a record that is not an object")
-    return Doc(value=records)
+    fmt = "csv" if rel.endswith(".csv") else "jsonl" if rel.endswith(".jsonl") else "json"
+    return summarise_fd(fd, fmt, order, OUTPUT_MAX)
 
 
 def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
@@ -206,7 +224,7 @@ def gather(
     """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
     work_exists = os.path.isdir(work) and not os.path.islink(work)
     accept_out = order.accept.output
-    output = read_output(work, accept_out) if accept_out is not None and work_exists else None
+    output = read_output(work, accept_out, order) if accept_out is not None and work_exists else None
     if accept_out is not None and output is None:
         output = Doc(missing=True)
 
