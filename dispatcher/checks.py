@@ -97,6 +97,7 @@ class Evidence:
     known_ids: frozenset[str] = field(default_factory=frozenset)
     hops: int = 0
     max_hops: int = 5
+    max_followups: int = 100
 
 
 def _n(name: str) -> Callable[[bool | None, str], CheckResult]:
@@ -307,6 +308,8 @@ def followups_valid(ev: Evidence) -> CheckResult:
     wanted = ev.order.accept.followups
     if not ev.outbox_exists and not ev.followups and wanted is None:
         return r(None, "no outbox/")
+    if len(ev.followups) > ev.max_followups:
+        return r(False, f"{len(ev.followups)} follow-ups, more than max_followups ({ev.max_followups})")
     seen: set[str] = set()
     to_count: Counter[str] = Counter()
     for f in ev.followups:

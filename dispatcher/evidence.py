@@ -178,8 +178,14 @@ def read_followups(
     work: Path,
     parse: Callable[[bytes, str], Order],
     max_bytes: int,
+    max_followups: int = 100,
 ) -> tuple[bool, list[tuple[Followup, bytes | None]]]:
-    """Parse every order in work/outbox/; return (outbox exists, [(follow-up, bytes)])."""
+    """Parse the orders in work/outbox/; return (outbox exists, [(follow-up, bytes)]).
+
+    Every entry that is not hidden or temporary is listed, but only the first
+    ``max_followups + 1`` are read and parsed: one more than allowed already fails
+    followups_valid, so 5,000 files cost 5,000 names, not 5,000 parses.
+    """
     outbox = work / "outbox"
     try:
         st = os.lstat(outbox)
@@ -190,6 +196,9 @@ def read_followups(
     found: list[tuple[Followup, bytes | None]] = []
     for name in sorted(os.listdir(outbox)):
         if is_ignored(name):
+            continue
+        if len(found) > max_followups:
+            found.append((Followup(name, error=f"not read: more than max_followups ({max_followups})"), None))
             continue
         if order_format(name) is None:
             found.append((Followup(name, error="not a work order (.yaml, .yml or .json)"), None))
@@ -220,6 +229,7 @@ def gather(
     known: Callable[[list[str]], frozenset[str]],
     hops: int,
     max_hops: int,
+    max_followups: int = 100,
 ) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
     """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
     work_exists = os.path.isdir(work) and not os.path.islink(work)
@@ -231,7 +241,10 @@ def gather(
     def parse(data: bytes, name: str) -> Order:
         return parse_order(data, name, agents=agents, max_timeout_s=max_timeout_s, max_bytes=max_order_bytes)
 
-    outbox_exists, followups = read_followups(work, parse, max_order_bytes) if work_exists else (False, [])
+    outbox_exists = False
+    followups: list[tuple[Followup, bytes | None]] = []
+    if work_exists:
+        outbox_exists, followups = read_followups(work, parse, max_order_bytes, max_followups)
     ids = [f.order.job_id for f, _ in followups if f.order is not None]
     scope = list(writes)
     if accept_out is not None:
@@ -251,5 +264,6 @@ def gather(
         known_ids=known(ids) if ids else frozenset(),
         hops=hops,
         max_hops=max_hops,
+        max_followups=max_followups,
     )
     return ev, followups

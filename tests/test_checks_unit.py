@@ -529,3 +529,22 @@ def test_a_check_that_raises_has_its_detail_cut_too() -> None:
     assert got["receipt_job_id"].ok is False
     assert got["receipt_job_id"].detail.startswith("the check failed: ValueError('yyy")
     assert got["receipt_job_id"].detail.endswith("more characters)")
+
+
+# -- max_followups -------------------------------------------------------------------------------
+
+
+def test_more_follow_ups_than_max_followups_fail() -> None:
+    """An outbox holding more orders than max_followups fails followups_valid, saying how many and the limit."""
+    found = tuple(followup(f"N{i}") for i in range(3))
+    result = checks.followups_valid(outbox(*found, max_followups=2))
+    assert (result.ok, result.detail) == (False, "3 follow-ups, more than max_followups (2)")
+    assert checks.followups_valid(outbox(*found, max_followups=3)).ok is True
+
+
+def test_max_followups_defaults_to_100() -> None:
+    """Without max_followups, 100 follow-ups pass and 101 fail."""
+    assert evidence().max_followups == 100
+    assert checks.followups_valid(outbox(*(followup(f"N{i}") for i in range(100)))).ok is True
+    result = checks.followups_valid(outbox(*(followup(f"N{i}") for i in range(101))))
+    assert (result.ok, result.detail) == (False, "101 follow-ups, more than max_followups (100)")
