@@ -21,7 +21,11 @@ def cut(text: str, limit: int = 1000) -> str:
 
 def printable(name: str) -> str:
     """Return a file name that may hold undecodable bytes as displayable text."""
-    return oneline(name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
+    try:
+        text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte (JSON's "\ud800"): show it escaped
+        text = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return oneline(text)
 
 
 class DispatchError(Exception):

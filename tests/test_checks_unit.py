@@ -386,6 +386,12 @@ def test_details_are_one_printable_line(ev: Evidence) -> None:
     assert reason is not None and not BREAKS.search(reason)
 
 
+def test_lone_surrogate_in_an_output_id_is_shown_escaped() -> None:
+    """An output id holding a lone surrogate (valid JSON, not UTF-8) is shown as an escape, not a crashed check."""
+    result = checks.allowed_values(evidence(output=[{"id": "\ud800", "team": "bakery"}]))
+    assert (result.ok, result.detail) == (False, "record \\ud800: team 'bakery' is not allowed")
+
+
 # -- verdict ------------------------------------------------------------------------------------
 
 
