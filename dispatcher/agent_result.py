@@ -1,9 +1,19 @@
-"""The agent's final JSON object on stdout, as headless agent CLIs print it (contract section 5)."""
+"""Find the JSON object that ends an agent's stdout (contract section 5: ``agent_result``).
+
+Headless agent CLIs end their stdout with one JSON object, on one line
+(``claude -p --output-format json``) or pretty-printed over many. The tail an
+attempt keeps is up to a few MiB of text the agent controls, so the search is
+bounded: only lines that start with ``{`` at the indentation of the last line
+(column 0 for every CLI we know) can open the object, and only the last few of
+them are tried. Stdout made of a million ``{"a":[`` lines then costs a few
+failed parses, not a million.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from typing import Any
 
 AGENT_RESULT_MAX = 64 * 1024
@@ -15,19 +25,31 @@ AGENT_RESULT_KEYS = (
     "duration_ms",
     "usage",
 )
+# Each try parses at most the rest of the tail, so the work is at most this many passes over it.
+MAX_TRIES = 8
+_DECODER = json.JSONDecoder()
 
 
 def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
-    """Return the JSON object that ends stdout, as headless agent CLIs print it, or None."""
+    """Return the JSON object that ends stdout, as headless agent CLIs print it, or None.
+
+    The last non-blank text must be one JSON object, on one line or many. An
+    object larger than ``AGENT_RESULT_MAX`` bytes keeps only ``AGENT_RESULT_KEYS``.
+    The work is linear in the size of ``tail`` whatever it holds.
+    """
     text = tail.decode("utf-8", errors="replace").rstrip()
     if not text.endswith("}"):
         return None
-    decoder = json.JSONDecoder()
-    starts = [m.start() for m in re.finditer(r"(?m)^[ \t]*\{", text)]
+    last_line = text[text.rfind("\n") + 1 :]
+    indent = last_line[: len(last_line) - len(last_line.lstrip(" \t"))]
+    # An object's closing brace sits at the indentation of the line that opens it (pretty
+    # printers), or on that very line (one-line objects): inner objects are never candidates.
+    opener = re.compile(r"(?m)^" + re.escape(indent) + r"\{")
+    starts = deque((m.end() - 1 for m in opener.finditer(text)), maxlen=MAX_TRIES)
     for pos in reversed(starts):
         try:
-            value, end = decoder.raw_decode(text, text.index("{", pos))
-        except (json.JSONDecodeError, RecursionError):
+            value, end = _DECODER.raw_decode(text, pos)
+        except (ValueError, RecursionError):
             continue
         if end == len(text) and isinstance(value, dict):
             if len(text[pos:].encode()) > AGENT_RESULT_MAX:

@@ -2,21 +2,25 @@
 
 Each check takes the Evidence gathered after an attempt (see ``evidence.py``)
 and returns a CheckResult. ``ok`` is True or False, or None when the check's
-input is missing or the check does not apply; the detail always says why.
-Nothing here touches the filesystem or the clock.
+input is missing or the check does not apply; the detail always says why, in
+one printable line of at most ``DETAIL_MAX`` characters (longer ones are cut
+with a note). The output file is seen through its OutputSummary, never as a
+list of records. Nothing here touches the filesystem or the clock.
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from dispatcher.errors import printable
+from dispatcher.errors import cut, printable
 from dispatcher.orders import Order
+from dispatcher.output_summary import OTHERS_MAX, OutputSummary, id_key, listed, stored_key
+
+DETAIL_MAX = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +49,10 @@ class Exit:
 
 @dataclass(frozen=True, slots=True)
 class Doc:
-    """A JSON document read from work/: ``missing``, ``error`` (why unusable), or ``value``."""
+    """A document read from work/: ``missing``, ``error`` (why unusable), or ``value``.
+
+    For the receipt, ``value`` is the parsed JSON; for accept.output, an OutputSummary.
+    """
 
     missing: bool = False
     error: str | None = None
@@ -90,11 +97,12 @@ class Evidence:
     known_ids: frozenset[str] = field(default_factory=frozenset)
     hops: int = 0
     max_hops: int = 5
+    max_followups: int = 100
 
 
 def _n(name: str) -> Callable[[bool | None, str], CheckResult]:
-    """Return a maker of this check's results; details are kept to one printable line."""
-    return lambda ok, detail: CheckResult(name, ok, printable(detail))
+    """Return a maker of this check's results; details are kept to one short printable line."""
+    return lambda ok, detail: CheckResult(name, ok, cut(printable(detail), DETAIL_MAX))
 
 
 def exit_ok(ev: Evidence) -> CheckResult:
@@ -154,28 +162,21 @@ def receipt_status(ev: Evidence) -> CheckResult:
     return r(False, f"status is {status!r}, expected 'done' or 'failed'")
 
 
-def _key(value: Any) -> Any:
-    """Return a hashable key for a JSON value that tells "1", 1 and true apart."""
-    if isinstance(value, str):
-        return value
-    return (type(value).__name__, json.dumps(value, sort_keys=True))
-
-
 def _compare_ids(got: Sequence[Any], want: Sequence[str], what: str) -> str | None:
     """Return what is wrong between two id lists (missing, extra, repeated), or None."""
-    have = Counter(_key(i) for i in got)
-    shown = {_key(i): repr(i) for i in got}
+    have = Counter(id_key(i) for i in got)
+    shown = {id_key(i): repr(i) for i in got}
     need = set(want)
     problems = []
     missing = [i for i in want if i not in have]
     extra = sorted({shown[k] for k in have if k not in need})
     repeated = sorted({shown[k] for k, n in have.items() if n > 1})
     if missing:
-        problems.append("missing " + ", ".join(missing))
+        problems.append("missing " + listed(missing))
     if extra:
-        problems.append("extra " + ", ".join(extra))
+        problems.append("extra " + listed(extra))
     if repeated:
-        problems.append("repeated " + ", ".join(repeated))
+        problems.append("repeated " + listed(repeated))
     return f"{what}: " + "; ".join(problems) if problems else None
 
 
@@ -191,11 +192,11 @@ def receipt_inputs(ev: Evidence) -> CheckResult:
     return r(False, wrong) if wrong else r(True, f"{len(ids)} input ids match the order")
 
 
-def _records(ev: Evidence) -> list[dict[str, Any]] | None:
+def _summary(ev: Evidence) -> OutputSummary | None:
     if ev.output is None or ev.output.error is not None or ev.output.missing:
         return None
-    value: list[dict[str, Any]] = ev.output.value
-    return value
+    summary: OutputSummary = ev.output.value
+    return summary
 
 
 def output_rows(ev: Evidence) -> CheckResult:
@@ -207,41 +208,52 @@ def output_rows(ev: Evidence) -> CheckResult:
         return r(False, f"{out} is missing")
     if ev.output.error is not None:
         return r(False, f"{out} {ev.output.error}")
-    key = ev.order.accept.key
-    ids = [rec.get(key) for rec in _records(ev) or []]
-    wrong = _compare_ids(ids, ev.order.item_ids, f"{out} {key}")
-    return r(False, wrong) if wrong else r(True, f"{len(ids)} records, one per item")
+    summary = _summary(ev)
+    if summary is None:
+        return r(False, f"{out} is not usable")
+    problems = summary.problems(ev.order.item_ids)
+    if problems:
+        return r(False, f"{out} {ev.order.accept.key}: " + "; ".join(problems))
+    return r(True, f"{summary.records} records, one per item")
 
 
 def receipt_outputs(ev: Evidence) -> CheckResult:
     r = _n("receipt_outputs")
-    if ev.order.accept.output is None:
+    out = ev.order.accept.output
+    if out is None:
         return r(None, "no accept.output")
     rec = _receipt(ev)
-    records = _records(ev)
+    summary = _summary(ev)
     if rec is None:
         return r(None, "no usable receipt")
-    if records is None:
+    if summary is None:
         return r(None, "no usable output")
     got = rec.get("output_ids")
     if not isinstance(got, list):
         return r(False, "output_ids is not a list")
-    key = ev.order.accept.key
-    want = [rec_.get(key) for rec_ in records]
-    if Counter(map(_key, got)) == Counter(map(_key, want)):
-        return r(True, f"{len(got)} output ids match {ev.order.accept.output}")
-    missing = sorted({repr(i) for i in want} - {repr(i) for i in got})
-    extra = sorted({repr(i) for i in got} - {repr(i) for i in want})
-    parts = [
-        f"missing {', '.join(missing)}" if missing else "",
-        f"extra {', '.join(extra)}" if extra else "",
-    ]
-    text = "; ".join(p for p in parts if p) or "counts differ"
-    return r(False, f"output_ids differ from {ev.order.accept.output}: {text}")
-
-
-def _empty(value: Any) -> bool:
-    return value is None or (isinstance(value, (str, list, dict)) and not value)
+    have = Counter(map(stored_key, got))
+    want = summary.id_counts()
+    if summary.complete and have == want:
+        return r(True, f"{len(got)} output ids match {out}")
+    names = summary.shown_ids()
+    missing = sorted(names[k] for k in want if k not in have)
+    # Without every id of the output known, only ids known to be in it or known to be absent
+    # (item ids no record carries) can be named; the rest is compared by count.
+    absent = {k for k in have if k not in want and (summary.complete or k in summary.item_counts)}
+    extra = sorted({repr(i) for i in got if stored_key(i) in absent})
+    parts = [f"missing {listed(missing)}" if missing else "", f"extra {listed(extra)}" if extra else ""]
+    text = "; ".join(p for p in parts if p)
+    if not text and not summary.complete:
+        known_differ = any(have[k] != n for k, n in want.items())
+        if known_differ or sum(n for k, n in have.items() if k not in want) != summary.uncounted:
+            text = "counts differ"
+        else:
+            return r(
+                False,
+                f"output_ids cannot be compared in full: {out} holds more than {OTHERS_MAX} ids that are not "
+                f"item ids ({summary.uncounted} records not kept); no difference found among the rest",
+            )
+    return r(False, f"output_ids differ from {out}: {text or 'counts differ'}")
 
 
 def allowed_values(ev: Evidence) -> CheckResult:
@@ -249,19 +261,12 @@ def allowed_values(ev: Evidence) -> CheckResult:
     acc = ev.order.accept
     if acc.allowed is None and not acc.required:
         return r(None, "no accept.allowed or accept.required")
-    records = _records(ev)
-    if records is None:
+    summary = _summary(ev)
+    if summary is None:
         return r(None, "no usable output")
-    key = acc.key
-    for rec in records:
-        rid = rec.get(key)
-        for name in acc.required:
-            if _empty(rec.get(name)):
-                return r(False, f"record {rid}: required field {name!r} is empty")
-        for name, allowed in (acc.allowed or {}).items():
-            if not any(_key(rec.get(name)) == _key(a) for a in allowed):
-                return r(False, f"record {rid}: {name} {rec.get(name)!r} is not allowed")
-    return r(True, f"{len(records)} records use allowed values")
+    if summary.first_bad is not None:
+        return r(False, summary.first_bad.describe())
+    return r(True, f"{summary.records} records use allowed values")
 
 
 def in_scope(path: str, writes: Sequence[str]) -> bool:
@@ -303,6 +308,8 @@ def followups_valid(ev: Evidence) -> CheckResult:
     wanted = ev.order.accept.followups
     if not ev.outbox_exists and not ev.followups and wanted is None:
         return r(None, "no outbox/")
+    if len(ev.followups) > ev.max_followups:
+        return r(False, f"{len(ev.followups)} follow-ups, more than max_followups ({ev.max_followups})")
     seen: set[str] = set()
     to_count: Counter[str] = Counter()
     for f in ev.followups:
@@ -360,7 +367,8 @@ def run_checks(ev: Evidence) -> list[CheckResult]:
         try:
             results.append(check(ev))
         except Exception as exc:  # noqa: BLE001 - a check must never take the job down with it
-            results.append(CheckResult(check.__name__, False, printable(f"the check failed: {exc!r}")))
+            detail = cut(printable(f"the check failed: {exc!r}"), DETAIL_MAX)
+            results.append(CheckResult(check.__name__, False, detail))
     return results
 
 

@@ -158,47 +158,13 @@ def _parse_file(name: str, cfg: Config | None) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from dispatcher import fsutil
-    from dispatcher.ledger import open_ledger
+    from dispatcher.submit import read_order, submit
 
     os.umask(UMASK)
     cfg = _config(args, required=True)
-    layout = Layout(cfg.root)
-    layout.inbox.mkdir(parents=True, exist_ok=True)
-    orders = [(name, _parse_file(name, cfg)) for name in args.files]
-    ids = [o.job_id for _, o in orders]
-    dup = next((i for i in ids if ids.count(i) > 1), None)
-    if dup is not None:
-        raise UsageError(f"job_id: {dup} is given twice")
-    from dispatcher.queued import queued_ids
-
-    queued = queued_ids(layout.inbox, ids)
-    ledger = open_ledger(cfg, layout, patience_s=30)
-    try:
-        for name, order in orders:
-            entry = ledger.get(order.job_id)
-            if entry is not None or order.job_id in queued:
-                state = entry.state if entry else "queued in inbox/"
-                raise OrderError(
-                    f"{order.job_id} is already known ({state}); a job id is never run twice",
-                    file=name,
-                    field="job_id",
-                )
-    finally:
-        ledger.close()
-    for name, order in orders:
-        src = Path(name)
-        ext = src.suffix.lower()
-        final = layout.inbox / f"{order.job_id}{ext}"
-        n = 2
-        while final.exists():
-            final = layout.inbox / f"{order.job_id}-{n}{ext}"
-            n += 1
-        tmp = layout.inbox / f".{final.name}.{os.getpid()}.tmp"
-        fsutil.write_new(tmp, src.read_bytes(), sync=True)
-        fsutil.rename_noreplace(tmp, final)
-        fsutil.fsync_dir(layout.inbox)
-        print(order.job_id)
+    orders = [read_order(name, cfg) for name in args.files]
+    for job_id in submit(cfg, orders):
+        print(job_id, flush=True)
     return 0
 
 

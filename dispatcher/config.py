@@ -91,6 +91,7 @@ class Config:
     max_jobs: int = 2
     max_timeout_s: float = 3600.0
     max_hops: int = 5
+    max_followups: int = 100
     max_order_bytes: int = 1_048_576
     stop_timeout_s: float = 60.0
     retry_delay_s: float = 2.0
@@ -98,7 +99,6 @@ class Config:
     settle_s: float = 2.0
     kill_grace_s: float = 5.0
     max_log_bytes: int = 10_485_760
-    max_followups: int = 100
     log_file: Path | None = None
     metrics_file: str | None = None
     notify: tuple[str, ...] | None = None
@@ -114,6 +114,7 @@ _TOP = {
     "max_jobs": ("max_jobs", int),
     "max_timeout": ("max_timeout_s", float),
     "max_hops": ("max_hops", int),
+    "max_followups": ("max_followups", int),
     "max_order_bytes": ("max_order_bytes", int),
     "stop_timeout": ("stop_timeout_s", float),
     "retry_delay": ("retry_delay_s", float),
@@ -121,7 +122,6 @@ _TOP = {
     "settle": ("settle_s", float),
     "kill_grace": ("kill_grace_s", float),
     "max_log_bytes": ("max_log_bytes", int),
-    "max_followups": ("max_followups", int),
     "lease": ("lease_s", float),
     "poll_interval": ("poll_interval_s", float),
 }
@@ -241,6 +241,7 @@ root: {root}
 max_jobs: 2                # agents running at once in this daemon process
 max_timeout: 3600          # ceiling for any timeout, in seconds
 max_hops: 5                # longest chain of follow-ups
+max_followups: 100         # most follow-ups one job may hand off (more fails followups_valid)
 max_order_bytes: 1048576   # larger orders are refused
 stop_timeout: 60           # seconds a stop waits for running agents
 retry_delay: 2             # seconds before a retry; doubles each time, at most 300

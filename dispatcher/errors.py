@@ -12,9 +12,20 @@ def oneline(text: str) -> str:
     return _BREAKS.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
 
 
+def cut(text: str, limit: int = 1000) -> str:
+    """Return text, or its first ``limit`` characters and a note of how many more were cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… (cut, {len(text) - limit} more characters)"
+
+
 def printable(name: str) -> str:
     """Return a file name that may hold undecodable bytes as displayable text."""
-    return oneline(name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
+    try:
+        text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte (JSON's "\ud800"): show it escaped
+        text = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return oneline(text)
 
 
 class DispatchError(Exception):

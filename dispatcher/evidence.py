@@ -6,22 +6,20 @@ symlink, FIFO or device can neither redirect nor block the daemon.
 
 from __future__ import annotations
 
-import csv
 import errno
 import hashlib
-import io
 import json
 import os
 import stat
 from collections.abc import Callable, Container, Mapping
 from pathlib import Path
-from typing import Any
 
 from dispatcher import fsutil
 from dispatcher.checks import Doc, Entry, Evidence, Exit, Followup
 from dispatcher.errors import OrderError
-from dispatcher.fsutil import NotRegular, kind_of, read_regular
+from dispatcher.fsutil import NotRegular, kind_of
 from dispatcher.orders import Order, order_format, parse_order
+from dispatcher.output_stream import summarise_fd
 
 RECEIPT_MAX = 16 * 1024 * 1024
 OUTPUT_MAX = 256 * 1024 * 1024
@@ -44,21 +42,51 @@ def is_ignored(name: str) -> bool:
     return name.startswith(".") or name.endswith((".tmp", ".part"))
 
 
-def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
-    """Read work/<rel> as bytes; return a Doc saying missing/error, and the bytes."""
-    path = work / rel
+def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
+    """Open work/<rel> without following links or blocking; return (Doc saying why not, fd).
+
+    The fd, when given, is a regular file of at most ``limit`` bytes; the caller closes it.
+    """
     try:
-        return Doc(), read_regular(path, limit, base=work)
+        fd = fsutil.open_beneath(work, Path(rel))
     except FileNotFoundError:
         return Doc(missing=True), None
     except NotRegular as exc:
         return Doc(error=f"is a {exc.kind}, not a regular file"), None
-    except ValueError as exc:
-        return Doc(error=str(exc)), None
     except OSError as exc:
         if exc.errno == errno.ENOTDIR:
             return Doc(missing=True), None
         return Doc(error=f"cannot be read: {exc.strerror}"), None
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = f"is a {kind_of(st.st_mode)}, not a regular file"
+    elif st.st_size > limit:
+        why = f"larger than {limit} bytes"
+    if why is not None:
+        os.close(fd)
+        return Doc(error=why), None
+    return Doc(), fd
+
+
+def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
+    """Read work/<rel> as bytes; return a Doc saying missing/error, and the bytes."""
+    doc, fd = open_doc(work, rel, limit)
+    if fd is None:
+        return doc, None
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            size += len(chunk)
+            if size > limit:
+                return Doc(error=f"larger than {limit} bytes"), None
+            chunks.append(chunk)
+    except OSError as exc:
+        return Doc(error=f"cannot be read: {exc.strerror}"), None
+    finally:
+        os.close(fd)
+    return Doc(), b"".join(chunks)
 
 
 def read_receipt(work: Path) -> Doc:
@@ -72,26 +100,16 @@ def read_receipt(work: Path) -> Doc:
         return Doc(error=f"is not valid JSON ({exc})")
 
 
-def read_output(work: Path, rel: str) -> Doc:
-    """Read accept.output as a list of records (csv with header, json list, jsonl)."""
-    doc, data = read_doc(work, rel, OUTPUT_MAX)
-    if data is None:
+def read_output(work: Path, rel: str, order: Order) -> Doc:
+    """Summarise accept.output (csv with header, json list, jsonl) for the checks, streamed.
+
+    Returns ``Doc(value=OutputSummary)``; memory stays bounded whatever the file's size.
+    """
+    doc, fd = open_doc(work, rel, OUTPUT_MAX)
+    if fd is None:
         return doc
-    try:
-        text = data.decode("utf-8-sig")
-        if rel.endswith(".csv"):
-            records: list[Any] = list(csv.DictReader(io.StringIO(text, newline="")))
-        elif rel.endswith(".jsonl"):
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            records = json.loads(text)
-            if not isinstance(records, list):
-                return Doc(error="is not a JSON list of objects")
-    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error, RecursionError) as exc:
-        return Doc(error=f"cannot be parsed ({exc})")
-    if not all(isinstance(rec, dict) for rec in records):
-        return Doc(error="holds a record that is not an object")
-    return Doc(value=records)
+    fmt = "csv" if rel.endswith(".csv") else "jsonl" if rel.endswith(".jsonl") else "json"
+    return summarise_fd(fd, fmt, order, OUTPUT_MAX)
 
 
 def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
@@ -160,8 +178,14 @@ def read_followups(
     work: Path,
     parse: Callable[[bytes, str], Order],
     max_bytes: int,
+    max_followups: int = 100,
 ) -> tuple[bool, list[tuple[Followup, bytes | None]]]:
-    """Parse every order in work/outbox/; return (outbox exists, [(follow-up, bytes)])."""
+    """Parse the orders in work/outbox/; return (outbox exists, [(follow-up, bytes)]).
+
+    Every entry that is not hidden or temporary is listed, but only the first
+    ``max_followups + 1`` are read and parsed: one more than allowed already fails
+    followups_valid, so 5,000 files cost 5,000 names, not 5,000 parses.
+    """
     outbox = work / "outbox"
     try:
         st = os.lstat(outbox)
@@ -172,6 +196,9 @@ def read_followups(
     found: list[tuple[Followup, bytes | None]] = []
     for name in sorted(os.listdir(outbox)):
         if is_ignored(name):
+            continue
+        if len(found) > max_followups:
+            found.append((Followup(name, error=f"not read: more than max_followups ({max_followups})"), None))
             continue
         if order_format(name) is None:
             found.append((Followup(name, error="not a work order (.yaml, .yml or .json)"), None))
@@ -202,18 +229,22 @@ def gather(
     known: Callable[[list[str]], frozenset[str]],
     hops: int,
     max_hops: int,
+    max_followups: int = 100,
 ) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
     """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
     work_exists = os.path.isdir(work) and not os.path.islink(work)
     accept_out = order.accept.output
-    output = read_output(work, accept_out) if accept_out is not None and work_exists else None
+    output = read_output(work, accept_out, order) if accept_out is not None and work_exists else None
     if accept_out is not None and output is None:
         output = Doc(missing=True)
 
     def parse(data: bytes, name: str) -> Order:
         return parse_order(data, name, agents=agents, max_timeout_s=max_timeout_s, max_bytes=max_order_bytes)
 
-    outbox_exists, followups = read_followups(work, parse, max_order_bytes) if work_exists else (False, [])
+    outbox_exists = False
+    followups: list[tuple[Followup, bytes | None]] = []
+    if work_exists:
+        outbox_exists, followups = read_followups(work, parse, max_order_bytes, max_followups)
     ids = [f.order.job_id for f, _ in followups if f.order is not None]
     scope = list(writes)
     if accept_out is not None:
@@ -233,5 +264,6 @@ def gather(
         known_ids=known(ids) if ids else frozenset(),
         hops=hops,
         max_hops=max_hops,
+        max_followups=max_followups,
     )
     return ev, followups

@@ -461,6 +461,7 @@ class Job:
             known=known,
             hops=self.spec.hops,
             max_hops=cfg.max_hops,
+            max_followups=cfg.max_followups,
         )
         self._followups = [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]
         results = run_checks(ev)

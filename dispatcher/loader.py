@@ -135,21 +135,45 @@ def load_json(text: str) -> Any:
 
 
 def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
-    """Raise OrderError if value is nested too deep or holds a non-JSON value."""
+    """Raise OrderError if value is nested too deep or holds a non-JSON value.
+
+    A string or mapping key holding a lone surrogate (``"\\ud800"`` in JSON) is
+    refused: it cannot be written as UTF-8, so no job could ever record it.
+    """
     if depth > MAX_DEPTH:
         raise OrderError(f"nesting deeper than {MAX_DEPTH} levels")
     if isinstance(value, dict):
         for key, item in value.items():
+            if isinstance(key, str) and (bad := _lone_surrogate(key)) is not None:
+                shown = key.encode("utf-8", "backslashreplace").decode("ascii")
+                raise OrderError(f"key '{shown}' {_SURROGATE.format(bad)}", field=path or None)
             check_json_value(item, f"{path}.{key}" if path else key, depth + 1)
     elif isinstance(value, list):
         for i, item in enumerate(value):
             check_json_value(item, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, str):
+        if (bad := _lone_surrogate(value)) is not None:
+            raise OrderError(_SURROGATE.format(bad), field=path or None)
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise OrderError(f"{value} is not a JSON value", field=path or None)
     elif value is not None and not isinstance(value, (str, int, bool)):
         hint = " (quote it to make it a string)" if type(value).__name__ in ("date", "datetime") else ""
         raise OrderError(f"a {type(value).__name__} value is not allowed{hint}", field=path or None)
+
+
+_SURROGATE = "holds a lone surrogate ({}), which cannot be written as UTF-8"
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """Return the first lone surrogate of text as an escape (``\\ud800``), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(text[exc.start]):04x}"
+    return None
 
 
 def load_document(data: bytes, fmt: str, *, aliases: bool = False) -> Any:

@@ -4,7 +4,7 @@ The schema files are the one definition of the work order, receipt and config
 shapes: editors use them for completion, and this module applies them. It
 implements the subset of JSON Schema 2020-12 those files use (type, enum,
 properties, required, additionalProperties, propertyNames, items, minItems,
-min/maxLength, pattern, minimum, exclusiveMinimum, $ref, allOf, anyOf), and
+min/maxLength, pattern, minimum, maximum, exclusiveMinimum, $ref, allOf, anyOf), and
 stops at the first error so that a user gets one clear line naming the field.
 A schema may carry ``x-error``, the message to give when its ``pattern`` fails.
 
@@ -137,6 +137,8 @@ def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) 
             fail(f"must be at least {schema['minimum']}")
         if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
             fail(f"must be greater than {schema['exclusiveMinimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            fail(f"must be at most {schema['maximum']}")
     if isinstance(value, list):
         if len(value) < schema.get("minItems", 0):
             fail("must not be empty")

@@ -16,6 +16,7 @@ from conftest import CHECK_NAMES
 from dispatcher import checks
 from dispatcher.checks import CheckResult, Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
 from dispatcher.orders import Order, validate_order
+from dispatcher.output_summary import summarise
 
 CONTRACT_ORDER = CHECK_NAMES
 IDS = ["R1", "R2", "R3"]
@@ -54,9 +55,9 @@ def receipt(**extra: Any) -> Doc:
     return Doc(value=body)
 
 
-def rows(*ids: Any, **fields: Any) -> Doc:
-    """Return a parsed output with one record per id, team `orders` unless fields say otherwise."""
-    return Doc(value=[{"id": i, "team": "orders", **fields} for i in ids])
+def rows(*ids: Any, **fields: Any) -> list[dict[str, Any]]:
+    """Return output records, one per id, team `orders` unless fields say otherwise."""
+    return [{"id": i, "team": "orders", **fields} for i in ids]
 
 
 def files(*paths: str) -> tuple[Entry, ...]:
@@ -65,7 +66,11 @@ def files(*paths: str) -> tuple[Entry, ...]:
 
 
 def evidence(**over: Any) -> Evidence:
-    """Return the Evidence of a job that kept every rule; keyword arguments bend one part."""
+    """Return the Evidence of a job that kept every rule; keyword arguments bend one part.
+
+    An ``output`` given as a list of records is summarised against the order, as the
+    daemon's reader would have summarised the file.
+    """
     base: dict[str, Any] = {
         "order": make_order(),
         "agent": "worker",
@@ -80,6 +85,8 @@ def evidence(**over: Any) -> Evidence:
         "followups": (),
     }
     base.update(over)
+    if isinstance(base["output"], list):
+        base["output"] = Doc(value=summarise(base["order"], base["output"]))
     return Evidence(**base)
 
 
@@ -153,12 +160,12 @@ CASES = [
     ("output_rows", evidence(output=rows("R1", "R2")), False, "missing R3"),
     ("output_rows", evidence(output=rows(*IDS, "R9")), False, "extra 'R9'"),
     ("output_rows", evidence(output=rows(*IDS, "R2")), False, "repeated 'R2'"),
-    ("output_rows", evidence(output=Doc(value=[{"team": "orders"}, *rows(*IDS).value])), False, "extra None"),
+    ("output_rows", evidence(output=[{"team": "orders"}, *rows(*IDS)]), False, "extra None"),
     (
         "output_rows",
         evidence(
             order=make_order(accept={"output": "out.json", "key": "ref"}),
-            output=Doc(value=[{"ref": i} for i in IDS]),
+            output=[{"ref": i} for i in IDS],
         ),
         True,
         "one per item",
@@ -182,7 +189,7 @@ CASES = [
     ("allowed_values", evidence(output=rows(*IDS, team="bakery")), False, "R1: team 'bakery' is not allowed"),
     ("allowed_values", evidence(output=rows(*IDS, team="")), False, "required field 'team' is empty"),
     ("allowed_values", evidence(output=rows(*IDS, team=None)), False, "required field 'team' is empty"),
-    ("allowed_values", evidence(output=Doc(value=[{"id": i} for i in IDS])), False, "'team' is empty"),
+    ("allowed_values", evidence(output=[{"id": i} for i in IDS]), False, "'team' is empty"),
     (
         "allowed_values",
         evidence(order=make_order(accept={"output": "o.json", "required": ["n"]}), output=rows(*IDS, n=[])),
@@ -324,8 +331,8 @@ def test_checks_without_input_say_why_they_are_null() -> None:
     [
         ("receipt_inputs", evidence(receipt=receipt(input_ids=[["R1"], "R2", "R3"]))),
         ("receipt_inputs", evidence(receipt=receipt(input_ids=[{"id": "R1"}, "R2", "R3"]))),
-        ("output_rows", evidence(output=Doc(value=[{"id": ["R1"]}, {"id": "R2"}, {"id": "R3"}]))),
-        ("output_rows", evidence(output=Doc(value=[{"id": {"x": 1}}, {"id": "R2"}, {"id": "R3"}]))),
+        ("output_rows", evidence(output=[{"id": ["R1"]}, {"id": "R2"}, {"id": "R3"}])),
+        ("output_rows", evidence(output=[{"id": {"x": 1}}, {"id": "R2"}, {"id": "R3"}])),
         ("receipt_outputs", evidence(receipt=receipt(output_ids=[["R1"], "R2", "R3"]))),
     ],
     ids=["input-list", "input-object", "row-list", "row-object", "output-ids-list"],
@@ -355,7 +362,7 @@ HOSTILE_EVIDENCE = [
     evidence(receipt=receipt(status="failed", reason=HOSTILE)),
     evidence(receipt=receipt(status=HOSTILE)),
     evidence(receipt=receipt(input_ids=[*IDS, HOSTILE], output_ids=[HOSTILE])),
-    evidence(output=Doc(value=[{"id": HOSTILE, "team": HOSTILE}])),
+    evidence(output=[{"id": HOSTILE, "team": HOSTILE}]),
     evidence(output=Doc(error=f"cannot be parsed ({HOSTILE})")),
     evidence(receipt=Doc(error=f"is not valid JSON ({HOSTILE})")),
     evidence(entries=files(f"dir{HOSTILE}/x.txt")),
@@ -377,6 +384,12 @@ def test_details_are_one_printable_line(ev: Evidence) -> None:
         r.detail.encode("utf-8")  # no lone surrogate: result.json can be written as UTF-8
     reason = verdict(got)
     assert reason is not None and not BREAKS.search(reason)
+
+
+def test_lone_surrogate_in_an_output_id_is_shown_escaped() -> None:
+    """An output id holding a lone surrogate (valid JSON, not UTF-8) is shown as an escape, not a crashed check."""
+    result = checks.allowed_values(evidence(output=[{"id": "\ud800", "team": "bakery"}]))
+    assert (result.ok, result.detail) == (False, "record \\ud800: team 'bakery' is not allowed")
 
 
 # -- verdict ------------------------------------------------------------------------------------
@@ -421,3 +434,123 @@ def test_verdict_exit_lost_excuses_nothing_else() -> None:
     assert verdict(results(exit_ok=None, followups_valid=False), exit_lost=True) == (
         "followups_valid: followups_valid detail"
     )
+
+
+# -- outputs too big to keep, details too long to print -------------------------------------------
+
+
+def many(n: int, prefix: str = "X") -> list[dict[str, Any]]:
+    """Return n output records whose ids are not item ids."""
+    return [{"id": f"{prefix}{i}", "team": "orders"} for i in range(n)]
+
+
+def test_output_with_thousands_of_other_ids_names_some_and_counts_the_rest() -> None:
+    """Beyond the first 1000 other ids, records are counted, not kept; the detail still names every problem."""
+    ev = evidence(output=[*rows(*IDS), *many(5000), *rows("R2")])
+    summary = ev.output.value
+    assert len(summary.others) == 1000 and summary.uncounted == 4000 and summary.records == 5004
+    result = checks.output_rows(ev)
+    assert result.ok is False
+    assert result.detail.startswith("out.csv id: extra 'X0', 'X1', 'X10', ")
+    assert "(cut, " in result.detail and "and 4000 more records with other ids)" in result.detail
+    assert result.detail.endswith("; repeated 'R2'")
+    assert len(result.detail) < checks.DETAIL_MAX
+
+
+@pytest.mark.parametrize(
+    ("output_ids", "text"),
+    [
+        ([*IDS, *(f"X{i}" for i in range(5000))], "cannot be compared in full"),
+        ([*IDS, *(f"X{i}" for i in range(4999))], "counts differ"),
+        ([*IDS, *(f"X{i}" for i in range(1, 5001))], "missing 'X0'"),
+        ([*IDS, "R1", *(f"X{i}" for i in range(4999))], "counts differ"),
+        (["R1", "R2", "R4", *(f"X{i}" for i in range(5000))], "missing 'R3'"),
+    ],
+    ids=["same-ids", "one-fewer", "one-kept-id-missing", "item-repeated", "item-swapped"],
+)
+def test_receipt_outputs_is_conservative_when_output_ids_were_not_all_kept(output_ids: list[str], text: str) -> None:
+    """When some output ids were only counted, receipt_outputs never passes, and says what it could tell."""
+    ev = evidence(output=[*rows(*IDS), *many(5000)], receipt=receipt(output_ids=output_ids))
+    result = checks.receipt_outputs(ev)
+    assert result.ok is False
+    assert text in result.detail, result.detail
+
+
+def test_receipt_outputs_names_an_item_id_no_record_carries_even_when_ids_were_not_all_kept() -> None:
+    """An item id in output_ids that no record holds is reported as extra: item ids are always counted exactly."""
+    ev = evidence(
+        output=[*rows("R1", "R2"), *many(2000)], receipt=receipt(output_ids=[*IDS, *(f"X{i}" for i in range(1999))])
+    )
+    result = checks.receipt_outputs(ev)
+    assert result.ok is False and "extra 'R3'" in result.detail, result.detail
+
+
+def test_long_ids_are_compared_exactly() -> None:
+    """Other ids longer than the kept length are compared by digest: equal ones match, different ones do not."""
+    long_ids = ["L" * 5000 + str(i) for i in range(3)]
+    out = [*rows(*IDS), *({"id": i, "team": "orders"} for i in long_ids)]
+    assert checks.receipt_outputs(evidence(output=out, receipt=receipt(output_ids=[*IDS, *long_ids]))).ok is True
+    wrong = [*IDS, *long_ids[:2], "L" * 5000 + "9"]
+    assert checks.receipt_outputs(evidence(output=out, receipt=receipt(output_ids=wrong))).ok is False
+
+
+def test_allowed_values_reports_the_first_bad_record_of_a_long_output() -> None:
+    """The first record breaking accept.allowed is found however far into the output it is."""
+    out = [*rows(*IDS), *many(3000), {"id": "X9", "team": "bakery"}, {"id": "X8", "team": ""}]
+    result = checks.allowed_values(evidence(output=out))
+    assert (result.ok, result.detail) == (False, "record X9: team 'bakery' is not allowed")
+
+
+def test_receipt_with_100000_extra_input_ids_gives_a_short_detail_that_says_it_was_cut() -> None:
+    """A receipt listing 100,000 extra input_ids fails with a detail of bounded length that says how much was cut."""
+    ev = evidence(receipt=receipt(input_ids=[*IDS, *(f"EXTRA-{i}" for i in range(100_000))]))
+    result = checks.receipt_inputs(ev)
+    assert result.ok is False
+    assert result.detail.startswith("input_ids: extra 'EXTRA-0', 'EXTRA-1', ")
+    assert "(cut, " in result.detail and "more)" in result.detail
+    assert len(result.detail) <= checks.DETAIL_MAX
+    reason = verdict(run_checks(ev))
+    assert reason == f"receipt_inputs: {result.detail}"
+
+
+def test_any_detail_longer_than_1000_characters_is_cut_with_a_note() -> None:
+    """A detail over 1000 characters keeps its first 1000 and ends saying how many more were cut; the reason too."""
+    ev = evidence(receipt=receipt(status="failed", reason="x" * 5000))
+    result = checks.receipt_status(ev)
+    assert result.ok is False
+    head = "the agent reported failure: "
+    assert result.detail == head + "x" * (1000 - len(head)) + f"\u2026 (cut, {5000 - 1000 + len(head)} more characters)"
+    reason = verdict(run_checks(ev))
+    assert reason is not None and reason.endswith("more characters)") and len(reason) < 1100
+
+
+def test_a_check_that_raises_has_its_detail_cut_too() -> None:
+    """Even the error of a check that crashed is cut to the detail limit."""
+
+    class Huge(dict[str, Any]):
+        def get(self, key: str, default: Any = None) -> Any:
+            raise ValueError("y" * 5000)
+
+    got = {r.name: r for r in run_checks(evidence(receipt=Doc(value=Huge())))}
+    assert got["receipt_job_id"].ok is False
+    assert got["receipt_job_id"].detail.startswith("the check failed: ValueError('yyy")
+    assert got["receipt_job_id"].detail.endswith("more characters)")
+
+
+# -- max_followups -------------------------------------------------------------------------------
+
+
+def test_more_follow_ups_than_max_followups_fail() -> None:
+    """An outbox holding more orders than max_followups fails followups_valid, saying how many and the limit."""
+    found = tuple(followup(f"N{i}") for i in range(3))
+    result = checks.followups_valid(outbox(*found, max_followups=2))
+    assert (result.ok, result.detail) == (False, "3 follow-ups, more than max_followups (2)")
+    assert checks.followups_valid(outbox(*found, max_followups=3)).ok is True
+
+
+def test_max_followups_defaults_to_100() -> None:
+    """Without max_followups, 100 follow-ups pass and 101 fail."""
+    assert evidence().max_followups == 100
+    assert checks.followups_valid(outbox(*(followup(f"N{i}") for i in range(100)))).ok is True
+    result = checks.followups_valid(outbox(*(followup(f"N{i}") for i in range(101))))
+    assert (result.ok, result.detail) == (False, "101 follow-ups, more than max_followups (100)")

@@ -34,7 +34,7 @@ AGENTS = {"worker", "assigner"}
 # silently ignored by the daemon while editors enforce it.
 VALIDATION_KEYWORDS = {
     "type", "enum", "properties", "required", "additionalProperties", "propertyNames", "items",
-    "minItems", "minLength", "maxLength", "pattern", "minimum", "exclusiveMinimum", "$ref", "allOf", "anyOf",
+    "minItems", "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "$ref", "allOf", "anyOf",
 }  # fmt: skip
 ANNOTATIONS = {"$schema", "$id", "$defs", "title", "description", "x-error"}
 
@@ -232,6 +232,8 @@ ORDERS = [
     Case("order", "timeout a string", order(timeout="30"), False),
     Case("order", "max_attempts 0", order(max_attempts=0), False),
     Case("order", "max_attempts 1.5", order(max_attempts=1.5), False),
+    Case("order", "max_attempts 100", order(max_attempts=100), True),
+    Case("order", "max_attempts 101", order(max_attempts=101), False),
     Case("order", "absolute writes", order(writes=["/etc/passwd"]), False),
     Case("order", "writes starting with ..", order(writes=["../x"]), False),
     Case("order", "writes with a .. segment", order(writes=["a/../../x"]), False),
@@ -310,6 +312,11 @@ CONFIGS = [
     Case("config", "agent not a mapping", {"agents": {"worker": ["x"]}}, False),
     Case("config", "max_jobs 0", config(max_jobs=0), False),
     Case("config", "max_jobs true", config(max_jobs=True), False),
+    Case("config", "agent max_attempts 100", config({"max_attempts": 100}), True),
+    Case("config", "agent max_attempts 101", config({"max_attempts": 101}), False),
+    Case("config", "max_followups 1", config(max_followups=1), True),
+    Case("config", "max_followups 0", config(max_followups=0), False),
+    Case("config", "max_followups 2.5", config(max_followups=2.5), False),
     Case("config", "max_timeout 0", config(max_timeout=0), False),
     Case("config", "settle negative", config(settle=-1), False),
     Case("config", "timeout 0", config({"timeout": 0}), False),

@@ -222,6 +222,7 @@ ORDER_CASES: list[Case] = [
     bad("attempts-float", js({"max_attempts": 1.5}), field="max_attempts"),
     bad("attempts-string", js({"max_attempts": "2"}), field="max_attempts"),
     bad("attempts-bool", js({"max_attempts": True}), field="max_attempts"),
+    bad("attempts-101", js({"max_attempts": 101}), field="max_attempts", mention="at most 100"),
     bad("meta-not-mapping", js({"meta": "free text"}), field="meta"),
     # -- YAML and JSON structure (the field is not asserted: it may be the whole file) ---
     bad("yaml-anchor-alias", yl(extra="meta:\n  a: &x {k: v}\n  b: *x\n"), ext="yaml"),
@@ -266,6 +267,12 @@ ORDER_CASES: list[Case] = [
     bad("utf16-json", js().decode().encode("utf-16")),
     bad("utf16-yaml", yl().decode().encode("utf-16"), ext="yaml"),
     bad("over-max-order-bytes", padded(MAX_ORDER_BYTES + 1)),
+    # -- lone surrogates: valid JSON escapes that UTF-8 cannot hold -------------------------
+    bad("surrogate-task", js({"task": "one \ud800 two"}), field="task", mention="lone surrogate (\\ud800)"),
+    bad("surrogate-item-id", js({"items": [{"id": "R\udfff"}]}), field="items.0.id", mention="lone surrogate"),
+    bad("surrogate-key", js({"meta": {"k\ud800": 1}}), field="meta", mention="key 'k\\ud800'"),
+    bad("surrogate-top-key", js({"\udc80": 1}), mention="lone surrogate (\\udc80)"),
+    bad("surrogate-task-yaml", yl(task='"one \\ud800 two"'), field="task", mention="lone surrogate", ext="yaml"),
     # -- valid files, at the edges -------------------------------------------------------
     good("ok-json", js()),
     good("ok-yaml", yl(), ext="yaml"),
@@ -282,6 +289,8 @@ ORDER_CASES: list[Case] = [
     good("ok-timeout-at-max", js({"timeout": MAX_TIMEOUT})),
     good("ok-timeout-float", js({"timeout": 0.5})),
     good("ok-attempts", js({"max_attempts": 3})),
+    good("ok-attempts-100", js({"max_attempts": 100})),
+    good("ok-surrogate-pair", js({"task": "coffee \U0001f600", "items": [{"id": "R1", "note": "\U0001f600"}]})),
     good("ok-optional-fields", js({"for": "Aina", "meta": {"a": [1, {"b": None}]}})),
     good("ok-lineage-in-file", js({"parent": "OTHER-1", "hops": 3})),
     good("ok-writes-patterns", js({"writes": ["reports/*.csv", "notes/*", "a/b/c.txt"]})),
@@ -303,6 +312,9 @@ SUBMIT_CASES = [
         "yaml-anchor-alias",
         "latin1-yaml",
         "over-max-order-bytes",
+        "surrogate-task",
+        "surrogate-item-id",
+        "surrogate-key",
     }
 ]
 
@@ -607,12 +619,15 @@ CONFIG_CASES = [
     ("agent-concurrency-0", "    concurrency: 0\n", "", "concurrency"),
     ("agent-timeout-0", "    timeout: 0\n", "", "timeout"),
     ("agent-max-attempts-0", "    max_attempts: 0\n", "", "max_attempts"),
+    ("agent-max-attempts-101", "    max_attempts: 101\n", "", "max_attempts: must be at most 100"),
     ("agent-retry-safe-string", "    retry_safe: maybe\n", "", "retry_safe"),
     ("agent-env-int", "    env: {A: 1}\n", "", "env"),
     ("agent-command-empty", "    command: []\n", "", "command"),
     ("agent-command-string", "    command: python3 agent.py\n", "", "command"),
     ("agent-prompt-int", "    prompt: 5\n", "", "prompt"),
     ("max-jobs-0", "", "max_jobs: 0\n", "max_jobs"),
+    ("max-followups-0", "", "max_followups: 0\n", "max_followups: must be at least 1"),
+    ("max-followups-string", "", "max_followups: many\n", "max_followups"),
     ("settle-negative", "", "settle: -1\n", "settle"),
     ("duplicate-key", "", "max_jobs: 1\nmax_jobs: 2\n", "max_jobs"),
 ]
@@ -626,6 +641,15 @@ def test_config_value_errors_name_the_key(env: Env, agent_extra: str, top_extra:
     command = "    command: [python3, agent.py]\n" if "command:" not in agent_extra else ""
     env.config_path.write_text(f"root: {env.root}\n{top_extra}agents:\n  worker:\n{command}{agent_extra}")
     assert mention in config_error(env)
+
+
+def test_config_limits_at_their_edges_are_fine(env: Env) -> None:
+    """max_attempts 100 for an agent and max_followups 1 are inside the limits: `validate --config` exits 0."""
+    agent = "    command: [python3, agent.py]\n    max_attempts: 100\n"
+    env.config_path.write_text(f"root: {env.root}\nmax_followups: 1\nagents:\n  worker:\n{agent}")
+    proc = env.cli("validate")
+    assert proc.returncode == 0, proc.stderr
+    assert "ok (1 agents)" in proc.stdout
 
 
 @pytest.mark.parametrize("text", ["- a list\n", "just text\n", ""], ids=["list", "scalar", "empty"])

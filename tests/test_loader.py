@@ -1,0 +1,72 @@
+"""The strict loader on its own: values JSON can hold and UTF-8 can write, nothing else.
+
+`dispatcher validate`, `submit` and the inbox all parse orders through it; the CLI side of
+the same rules is in test_validate.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from dispatcher.errors import OrderError
+from dispatcher.loader import check_json_value, load_document
+
+
+def refusal(data: bytes, fmt: str = "json") -> OrderError:
+    """Return the OrderError the loader raises for data (failing the test if it raises none)."""
+    with pytest.raises(OrderError) as info:
+        load_document(data, fmt)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "escape"),
+    [
+        ('{"task": "a\\ud800b"}', "task", "\\ud800"),
+        ('{"items": [{"id": "R\\udfff"}]}', "items[0].id", "\\udfff"),
+        ('{"meta": {"deep": ["ok", "\\udc80"]}}', "meta.deep[1]", "\\udc80"),
+        ('{"task": "\\ude00\\ud83d"}', "task", "\\ude00"),
+    ],
+    ids=["high", "low-in-item-id", "in-a-list", "pair-in-the-wrong-order"],
+)
+def test_string_with_a_lone_surrogate_is_refused_naming_the_field(text: str, field: str, escape: str) -> None:
+    """A JSON string escape that leaves a lone surrogate is an error naming the field and the escape."""
+    exc = refusal(text.encode())
+    assert exc.field == field
+    assert exc.reason == f"{field}: holds a lone surrogate ({escape}), which cannot be written as UTF-8"
+
+
+def test_mapping_key_with_a_lone_surrogate_is_refused() -> None:
+    """A key holding a lone surrogate is refused; the error names the mapping and shows the key escaped."""
+    exc = refusal(b'{"meta": {"k\\ud800": 1}}')
+    assert exc.field == "meta"
+    assert exc.reason == "meta: key 'k\\ud800' holds a lone surrogate (\\ud800), which cannot be written as UTF-8"
+    top = refusal(b'{"\\udc80": 1}')
+    assert top.field is None and "lone surrogate (\\udc80)" in top.reason
+
+
+def test_lone_surrogate_in_yaml_is_refused() -> None:
+    """YAML's own escape gives the same refusal as JSON's."""
+    exc = refusal(b'task: "a \\ud800"\n', "yaml")
+    assert exc.reason == "task: holds a lone surrogate (\\ud800), which cannot be written as UTF-8"
+
+
+def test_error_text_can_be_written_as_utf8() -> None:
+    """The error line itself holds no surrogate, so it can be printed and stored in result.json."""
+    exc = refusal(b'{"\\ud800\\ud800": "\\udfff"}')
+    str(exc).encode("utf-8")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["\U0001f600", "caf\u00e9 \u2603", {"\U0001f600": ["\U0001f600"]}],
+    ids=["emoji", "bmp", "emoji-key"],
+)
+def test_proper_surrogate_pairs_and_other_text_pass(value: Any) -> None:
+    """A surrogate pair escape is one character, valid in UTF-8: it loads unchanged."""
+    text = json.dumps({"v": value})  # ensure_ascii writes the emoji as a \\ud83d\\ude00 pair
+    assert load_document(text.encode(), "json") == {"v": value}
+    check_json_value({"v": value})
