@@ -48,7 +48,7 @@ SUMMARY = {
     "show": "one job: state, checks, attempts, its chain",
     "retry": "run a failed job again",
     "cancel": "stop a queued or running job",
-    "logs": "read the JSON log file, readable for a person",
+    "logs": "read JSON log lines (log_file, FILE, or - for stdin) as lines a person reads",
 }
 
 
@@ -77,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "cancel")
     c.add_argument("job_id")
     c = _command(sub, "logs")
-    c.add_argument("-f", "--follow", action="store_true")
-    c.add_argument("--job", metavar="ID")
+    c.add_argument("source", nargs="?", metavar="FILE", help="a log file, or - for stdin (default: log_file)")
+    c.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, across rotation")
+    c.add_argument("--job", metavar="ID", help="only the lines about this job")
+    c.add_argument("--json", action="store_true", help="print the matching JSON lines unchanged")
     for name, sp in sub.choices.items():
         _common(sp, False)
         sp.prog = f"dispatcher {name}"

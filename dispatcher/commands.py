@@ -10,11 +10,13 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from dispatcher.config import (
     DEFAULT_CONFIG,
     STARTER_CONFIG,
+    SYSTEM_CONFIG,
     Config,
     check_agents,
     default_config,
@@ -150,10 +152,33 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    """Print the config's log_file as lines a person reads."""
-    from dispatcher.logview import follow
+    """Print log lines from stdin (-), FILE or the config's log_file, for a person or as JSON."""
+    from dispatcher import logview
 
+    def show(lines: Iterable[str]) -> int:
+        return logview.show(lines, job=args.job, as_json=args.json, flush=args.follow)
+
+    if args.source == "-":
+        return show(logview.read_stream(sys.stdin.buffer))
+    if args.source is not None:
+        source = Path(args.source)
+        if not args.follow and not source.is_file():
+            raise UsageError(f"{args.source}: no such log file")
+        return show(logview.read_file(source, follow=args.follow))
     cfg = config_of(args)
     if cfg.log_file is None:
-        raise UsageError(f"{cfg.path}: log_file: not set, so there is no log file to read")
-    return follow(cfg.log_file, job=args.job, forever=args.follow)
+        unit = journal_unit(cfg.path)
+        raise ConfigError(
+            f"not set, so the log is on stdout (the journal under systemd): "
+            f"journalctl -o cat -u {unit} | dispatcher logs -",
+            file=str(cfg.path),
+            field="log_file",
+        )
+    return show(logview.read_file(cfg.log_file, follow=args.follow))
+
+
+def journal_unit(config: Path | None) -> str:
+    """Return the systemd unit that runs this config: dispatcher@NAME for /etc/dispatcher/NAME.yaml."""
+    if config is not None and config.parent == SYSTEM_CONFIG.parent and config.name != SYSTEM_CONFIG.name:
+        return f"dispatcher@{config.stem}"
+    return "dispatcher"
