@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dispatcher import __version__, commands
+from dispatcher import __version__, commands, usage
 from dispatcher.config import Config, require_config
 from dispatcher.errors import DispatchError, NotFound, OrderError, UsageError, WrongState
 from dispatcher.evidence import is_ignored
@@ -35,26 +35,24 @@ def _common(p: argparse.ArgumentParser, top: bool) -> None:
 
 
 def _command(sub: Any, name: str) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = sub.add_parser(name, help=SUMMARY[name])
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=usage.summary(name),
+        description=usage.summary(name),
+        epilog=usage.epilog(name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     return parser
-
-
-SUMMARY = {
-    "init": "make the dispatch root and a starter config",
-    "run": "run the daemon",
-    "submit": "validate orders and drop them into inbox/ atomically",
-    "validate": "check orders (or the config) without submitting",
-    "status": "counts per state and the active jobs",
-    "show": "one job: state, checks, attempts, its chain",
-    "retry": "run a failed job again",
-    "cancel": "stop a queued or running job",
-    "logs": "read JSON log lines (log_file, FILE, or - for stdin) as lines a person reads",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of `dispatcher`."""
-    p = _Parser(prog="dispatcher", description="Hand work orders to agents and verify their receipts.")
+    p = _Parser(
+        prog="dispatcher",
+        description="Hand work orders to agents and verify their receipts.",
+        epilog=usage.epilog(None),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--version", action="version", version=f"dispatcher {__version__}")
     _common(p, True)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -81,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, across rotation")
     c.add_argument("--job", metavar="ID", help="only the lines about this job")
     c.add_argument("--json", action="store_true", help="print the matching JSON lines unchanged")
+    c = _command(sub, "completion")
+    c.add_argument("shell", choices=("bash", "zsh", "fish"))
     for name, sp in sub.choices.items():
         _common(sp, False)
         sp.prog = f"dispatcher {name}"
@@ -89,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `dispatcher` command."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # a shell asks for completions (`dispatcher completion SHELL`)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
     os.umask(UMASK)  # nothing the daemon or the CLI creates is world-readable
     try:
         code = COMMANDS[args.command](args)
@@ -256,4 +261,5 @@ COMMANDS = {
     "retry": cmd_retry,
     "cancel": cmd_cancel,
     "logs": commands.cmd_logs,
+    "completion": commands.cmd_completion,
 }

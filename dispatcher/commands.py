@@ -1,4 +1,4 @@
-"""The commands an operator runs around the daemon: init, run, status, show, logs.
+"""The commands an operator runs around the daemon: init, run, status, show, logs, completion.
 
 Each takes the parsed arguments and returns an exit code; errors are raised
 as `DispatchError`s for `cli.main` to print as one line.
@@ -25,7 +25,7 @@ from dispatcher.config import (
     require_config,
     require_root,
 )
-from dispatcher.errors import ConfigError, NotFound, UsageError
+from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError
 from dispatcher.layout import UMASK, Layout
 from dispatcher.text import plain, plural
 
@@ -50,30 +50,40 @@ def cmd_init(args: argparse.Namespace) -> int:
     root = Path(given) if given else None
     cfg = load_config(path, root=root) if path.exists() else default_config(root)
     layout = Layout(cfg.root)
-    created = [d for d in layout.all_dirs() if not d.exists()]
-    layout.create()
+    # the daemon's own .state/ folders are made too, but are no news to the user
+    created = [d for d in layout.all_dirs() if not d.exists() and d.parent == cfg.root and not d.name.startswith(".")]
+    try:
+        layout.create()
+        wrote = None if path.exists() else _write_starter(path, cfg.root)
+    except OSError as exc:
+        raise DispatchError(f"{exc.filename}: cannot write: {exc.strerror}") from None
     folder = path.resolve().parent
-    if path.exists():
+    if wrote is None:
         print(f"config {path.resolve()} exists: left as it is")
         configured = load_config(path).root
         if root is not None and configured != cfg.root:
             print(f"note: its root: is {configured}; pass --root {cfg.root} or edit root: to use this one")
     else:
-        folder.mkdir(parents=True, exist_ok=True)
-        rel = os.path.relpath(cfg.root, folder)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-        with os.fdopen(fd, "w") as f:
-            f.write(STARTER_CONFIG.format(root=rel))
         print(f"wrote {path.resolve()}")
-        print(f"  root: {rel}   (relative to {folder}, the config's folder: {cfg.root})")
+        print(f"  root: {wrote}   (relative to {folder}, the config's folder: {cfg.root})")
         if path == DEFAULT_CONFIG:
             print(f"  `dispatcher` finds it when run from {Path.cwd()}; elsewhere pass --config {path.resolve()}")
     for d in created:
-        if d.parent == cfg.root and not d.name.startswith("."):  # the daemon's own .state/ is no news
-            print(f"created {d}")
+        print(f"created {d}")
     if not created:
         print(f"root {cfg.root} is ready")
     return 0
+
+
+def _write_starter(path: Path, root: Path) -> str:
+    """Write the starter config at path (never over a file) and return the `root:` it holds."""
+    folder = path.resolve().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(root, folder)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    with os.fdopen(fd, "w") as f:
+        f.write(STARTER_CONFIG.format(root=rel))
+    return rel
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -182,3 +192,11 @@ def journal_unit(config: Path | None) -> str:
     if config is not None and config.parent == SYSTEM_CONFIG.parent and config.name != SYSTEM_CONFIG.name:
         return f"dispatcher@{config.stem}"
     return "dispatcher"
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """Print the completion script for a shell; sourcing it completes commands and options."""
+    from argcomplete.shell_integration import shellcode
+
+    sys.stdout.write(shellcode(["dispatcher"], shell=args.shell))
+    return 0
