@@ -342,6 +342,6 @@ agents:
     max_attempts: 1
     retry_safe: false
     writes: []
-    env: {{}}               # extra environment variables for the agent
-    pass_env: []           # names of the daemon's environment variables the agent also gets (API keys)
+    env: {{}}                # extra environment variables for the agent
+    pass_env: []           # names of the daemon's environment variables it also gets (API keys)
 """  # noqa: E501 - a starter agent on one line reads best in the file
