@@ -115,6 +115,7 @@ def _config(args: argparse.Namespace, *, required: bool = True, need_root: bool 
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Check each FILE against the config, or with no FILE the config itself; 2 if anything is invalid."""
     path = require_config(args.config)
     cfg = _config(args)
     if not args.files:
@@ -205,6 +206,7 @@ def _queued_ids(layout: Layout) -> set[str]:
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
+    """Record a retry of a failed job for a running (or the next) daemon."""
     from dispatcher.ledger import Ledger
 
     cfg = _config(args, need_root=True)
@@ -225,6 +227,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    """Record a cancel of a queued or running job for a running (or the next) daemon."""
     from dispatcher.ledger import Ledger
 
     cfg = _config(args, need_root=True)
