@@ -9,16 +9,19 @@ every error. Internal names carry units (``timeout_s``) where the file says
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dispatcher import schema
-from dispatcher.errors import ConfigError, OrderError
+from dispatcher.errors import ConfigError, OrderError, UsageError
 from dispatcher.loader import load_document
+from dispatcher.text import number
 
 DEFAULT_CONFIG = Path("config/dispatcher.yaml")
+SYSTEM_CONFIG = Path("/etc/dispatcher/dispatcher.yaml")
 CONFIG_ENV = "DISPATCHER_CONFIG"
 MAX_RETRY_DELAY_S = 300.0
 
@@ -63,7 +66,7 @@ class Agent:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Agent:
-        """Rebuild an agent from ``to_json`` output."""
+        """Rebuild an agent from ``to_json`` output (snapshots older than ``pass_env`` included)."""
         return cls(
             name=data["name"],
             command=tuple(data["command"]),
@@ -128,11 +131,49 @@ _TOP = {
 
 
 def find_config(explicit: str | None) -> Path:
-    """Return the config path: --config, else $DISPATCHER_CONFIG, else config/dispatcher.yaml."""
+    """Return the config path a command uses, whether or not the file exists.
+
+    ``--config`` (explicit), else ``$DISPATCHER_CONFIG``, else the first of
+    ``./config/dispatcher.yaml`` and ``/etc/dispatcher/dispatcher.yaml`` that exists,
+    else ``./config/dispatcher.yaml`` (where ``init`` writes a starter config).
+    A named file is never passed over for another: a typo is not guessed around.
+    """
     if explicit:
         return Path(explicit)
     env = os.environ.get(CONFIG_ENV)
-    return Path(env) if env else DEFAULT_CONFIG
+    if env:
+        return Path(env)
+    return next((p for p in (DEFAULT_CONFIG, SYSTEM_CONFIG) if p.exists()), DEFAULT_CONFIG)
+
+
+def config_places(explicit: str | None) -> list[str]:
+    """Return the places `find_config` looks in, as a user would read them in an error."""
+    if explicit:
+        return [f"{explicit} (--config)"]
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return [f"{env} (${CONFIG_ENV})"]
+    return [f"./{DEFAULT_CONFIG}", str(SYSTEM_CONFIG)]
+
+
+def require_config(explicit: str | None) -> Path:
+    """Return the config path to use; raise UsageError naming every place tried when none exists."""
+    path = find_config(explicit)
+    if not path.exists():
+        raise UsageError(f"no config found (looked in: {', '.join(config_places(explicit))})")
+    return path
+
+
+def require_root(cfg: Config) -> Path:
+    """Return the config's dispatch root; raise UsageError naming it when it is not an existing folder.
+
+    Only ``init`` makes a root: a typo in ``root:`` or ``--root`` must not start a new one.
+    """
+    if not cfg.root.is_dir():
+        what = "is not a folder" if cfg.root.exists() else "does not exist"
+        where = f"root: in {cfg.path} or --root" if cfg.path is not None else "--root"
+        raise UsageError(f"root {cfg.root} {what} (check {where}; `dispatcher init DIR` makes one)")
+    return cfg.root
 
 
 def load_config(path: Path, *, root: Path | None = None) -> Config:
@@ -173,7 +214,7 @@ def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> C
         agent = _build_agent(agent_name, spec, base)
         if agent.timeout_s > max_timeout:
             raise ConfigError(
-                f"{spec['timeout']} is above max_timeout ({max_timeout})",
+                f"{number(spec['timeout'])} is above max_timeout ({number(max_timeout)})",
                 field=f"agents.{agent_name}.timeout",
             )
         agents[agent_name] = agent
@@ -207,10 +248,19 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
         repair=bool(spec.get("repair", False)),
         writes=tuple(spec.get("writes", ())),
         env=dict(spec.get("env", {})),
-        pass_env=tuple(spec.get("pass_env", ())),
+        pass_env=_pass_env(name, spec.get("pass_env", ())),
         max_cost_usd=spec.get("max_cost_usd"),
         review=bool(spec.get("review", False)),
     )
+
+
+# Set by the daemon for each attempt, or the daemon's own line to systemd (contract 3 and 9):
+# an agent never gets the daemon's values of these, so naming them in pass_env is a mistake.
+def _pass_env(agent: str, names: list[str]) -> tuple[str, ...]:
+    for i, name in enumerate(names):
+        if name == "NOTIFY_SOCKET" or name.startswith(("DISPATCH_", "WATCHDOG_")):
+            raise ConfigError(f"{name} is never passed to agents", field=f"agents.{agent}.pass_env[{i}]")
+    return tuple(names)
 
 
 def resolve_argv(argv: list[str], base: Path) -> tuple[str, ...]:
@@ -227,6 +277,65 @@ def resolve_argv(argv: list[str], base: Path) -> tuple[str, ...]:
             arg = os.path.normpath(base / arg)
         out.append(arg)
     return tuple(out)
+
+
+# Substituted per job (contract 3): a program path holding one is only known when the job runs.
+PLACEHOLDERS = ("{job_id}", "{order}", "{workspace}", "{receipt}", "{prompt}", "{prompt_file}")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing `validate` finds in a loaded config: an error (exit 2) or a warning."""
+
+    field: str
+    message: str
+    error: bool
+
+
+def check_agents(cfg: Config) -> list[Finding]:
+    """Return what a loaded config gets wrong that its schema cannot say.
+
+    A ``command`` or ``probe`` whose program is missing or not executable is an
+    error (the daemon would fail each job with ``config: agent NAME cannot
+    start``); ``repair`` without ``retry_safe`` or a ``probe`` is a warning,
+    since such an agent is never run again after failed checks. The daemon does
+    not refuse these at start: an agent installed later must still work.
+    """
+    base = cfg.path.parent if cfg.path is not None else Path.cwd()
+    out: list[Finding] = []
+    for name, agent in cfg.agents.items():
+        for key, argv in (("command", agent.command), ("probe", agent.probe)):
+            problem = program_problem(argv, agent.env, base) if argv else None
+            if problem is not None:
+                out.append(Finding(f"agents.{name}.{key}", problem, error=True))
+        if agent.repair and not agent.retry_safe and agent.probe is None:
+            out.append(Finding(f"agents.{name}.repair", "has no effect without retry_safe or probe", error=False))
+    return out
+
+
+def program_problem(argv: tuple[str, ...], env: Mapping[str, str], base: Path) -> str | None:
+    """Return why argv[0] cannot be run (not found, not executable), or None when it can.
+
+    A path is shown absolute (resolved against the config's folder) in both
+    messages; a bare name is looked up on the agent's PATH (its ``env`` PATH,
+    else the daemon's), the way the agent is started.
+    """
+    prog = argv[0]
+    if any(p in prog for p in PLACEHOLDERS):
+        return None
+    if "/" in prog:
+        path = os.path.normpath(base / prog)
+        if not os.path.exists(path):
+            return f"program '{path}' not found"
+        if os.path.isdir(path) or not os.access(path, os.X_OK):
+            return f"program '{path}' is not executable"
+        return None
+    search = env.get("PATH", os.environ.get("PATH", os.defpath))
+    if shutil.which(prog, path=search) is not None:
+        return None
+    if any(os.path.isfile(os.path.join(d or ".", prog)) for d in search.split(os.pathsep)):
+        return f"program '{prog}' is not executable"
+    return f"program '{prog}' not found"
 
 
 def default_config(root: Path | None) -> Config:
@@ -260,4 +369,6 @@ agents:
     max_attempts: 1
     retry_safe: false
     writes: []
+    env: {{}}                # extra environment variables for the agent
+    pass_env: []           # names of the daemon's environment variables it also gets (API keys)
 """  # noqa: E501 - a starter agent on one line reads best in the file

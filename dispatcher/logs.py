@@ -2,14 +2,18 @@
 
 One processor chain serves structlog and stdlib records (watchdog's and
 filelock's lines come out as the same JSON). JSON when stdout is not a
-terminal, structlog's ConsoleRenderer when it is. Exceptions are rendered as
-dicts without local variables (``show_locals=False``), so no secret held in a
-local ends up in the journal.
+terminal, and `logview.format_line` (the console format `dispatcher logs` also
+prints) when it is. When stdout is the journal, each JSON line starts with its
+syslog priority (`<3>` error ... `<7>` debug), which journald takes off and
+keeps as the entry's priority, so `journalctl -p err` finds errors. Exceptions
+are rendered as dicts without local variables (``show_locals=False``), so no
+secret held in a local ends up in the journal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import sys
@@ -19,6 +23,8 @@ from typing import Any, TextIO
 
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
+
+from dispatcher.logview import format_line
 
 _lock = threading.Lock()
 
@@ -68,27 +74,58 @@ _SHARED: list[Any] = [
 _dicts = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
 
 
-class _DualRenderer:
-    """Render the event as JSON for the file, and as JSON or console text for stdout."""
+# syslog priorities (RFC 5424) for the journal's `<N>` line prefix (sd-daemon(3))
+PRIORITY = {"debug": 7, "info": 6, "notice": 5, "warning": 4, "warn": 4, "error": 3, "exception": 3, "critical": 2}
 
-    def __init__(self, console: bool) -> None:
+
+def is_journal(stream: TextIO) -> bool:
+    """Return True when stream is the journal: `$JOURNAL_STREAM` is `dev:inode` of its file (systemd.exec(5)).
+
+    systemd sets the variable for the service's own stdout; a child that
+    inherits it with stdout sent elsewhere must not take that for the journal.
+    """
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+class _DualRenderer:
+    """Render the event as JSON for the file, and as JSON (journal: with its priority) or console text for stdout."""
+
+    def __init__(self, console: bool, journal: bool) -> None:
         self._json = structlog.processors.JSONRenderer(sort_keys=False)
-        self._console = structlog.dev.ConsoleRenderer(colors=False) if console else None
+        self._console = console
+        self._journal = journal
 
     def __call__(self, logger: Any, name: str, event: Any) -> str:
         event.pop("_record", None)
         event.pop("_from_structlog", None)
-        text = self._console(logger, name, dict(event)) if self._console else None
-        as_json = str(self._json(logger, name, _dicts(logger, name, event)))
-        SINK.write(str(text) if text is not None else as_json, as_json)
+        event = _dicts(logger, name, event)
+        as_json = str(self._json(logger, name, event))
+        if self._console:
+            line = format_line(event)
+        elif self._journal:
+            line = f"<{PRIORITY.get(str(event.get('level')), 6)}>{as_json}"
+        else:
+            line = as_json
+        SINK.write(line, as_json)
         raise structlog.DropEvent
 
 
 def configure(*, log_file: Path | None = None, console: bool | None = None, level: int = logging.INFO) -> None:
-    """Set up structlog and stdlib logging for the daemon and the CLI."""
+    """Set up structlog and stdlib logging for the daemon and the CLI.
+
+    Raise OSError (and log nothing to a file) when ``log_file`` cannot be opened.
+    """
+    SINK.open_file(log_file)  # first: a log_file that cannot be opened leaves logging as it was
     if console is None:
-        console = sys.stdout.isatty() and os.environ.get("DISPATCHER_LOG_FORMAT") != "json"
-    renderer = _DualRenderer(console)
+        console = SINK.console.isatty() and os.environ.get("DISPATCHER_LOG_FORMAT") != "json"
+    renderer = _DualRenderer(console, journal=not console and is_journal(SINK.console))
     structlog.configure(
         processors=[*_SHARED, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
@@ -100,7 +137,6 @@ def configure(*, log_file: Path | None = None, console: bool | None = None, leve
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
-    SINK.open_file(log_file)
 
 
 def _quiet_watchdog_stop(record: logging.LogRecord) -> bool:
@@ -111,6 +147,8 @@ def _quiet_watchdog_stop(record: logging.LogRecord) -> bool:
 def _stdlib(record: logging.LogRecord, renderer: _DualRenderer) -> None:
     event: dict[str, Any] = {"event": record.getMessage(), "logger": record.name}
     event["level"] = record.levelname.lower()
+    if record.exc_info:
+        event["exc_info"] = record.exc_info
     _timestamper()(None, "", event)
     with contextlib.suppress(structlog.DropEvent):
         renderer(None, record.levelname.lower(), event)

@@ -104,18 +104,18 @@ def validate_order(
     seen: set[str] = set()
     for i, item in enumerate(body["items"]):
         if item["id"] in seen:
-            raise OrderError(f"duplicate item id {item['id']!r}", field=f"items[{i}].id")
+            raise OrderError(f"duplicate item id '{item['id']}'", field=f"items[{i}].id")
         seen.add(item["id"])
     if agents is not None and body["to"] not in agents:
-        raise OrderError(f"no agent {body['to']!r} is defined in the config", field="to")
+        raise OrderError(f"no agent '{body['to']}' is defined in the config", field="to")
     timeout = body.get("timeout")
     if timeout is not None and max_timeout_s is not None and timeout > max_timeout_s:
-        raise OrderError(f"{timeout} is above max_timeout ({max_timeout_s})", field="timeout")
+        raise OrderError(f"{timeout:.15g} is above max_timeout ({max_timeout_s:.15g})", field="timeout")
     raw_accept = body.get("accept") or {}
     if agents is not None:
         for i, name in enumerate(raw_accept.get("followups", ())):
             if name not in agents:
-                raise OrderError(f"no agent {name!r} is defined in the config", field=f"accept.followups[{i}]")
+                raise OrderError(f"no agent '{name}' is defined in the config", field=f"accept.followups[{i}]")
     allowed = raw_accept.get("allowed")
     accept = Accept(
         output=raw_accept.get("output"),

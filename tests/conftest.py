@@ -107,6 +107,7 @@ class Env:
         cfg.update(top)
         self.settings = cfg
         self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.root.mkdir(parents=True, exist_ok=True)  # `run` makes the folders inside a root, never the root
         return self.config_path
 
     # -- commands ---------------------------------------------------------

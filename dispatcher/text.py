@@ -1,0 +1,45 @@
+"""Values as a person reads them: no Python notation (contract section 7).
+
+`None` is `-`, a list is `a, b`, a whole float such as `3600.0` is `3600`, a
+boolean is `true`/`false` as in the config file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def number(value: float) -> str:
+    """Return a number without a needless `.0` and without float noise (`0.1 + 0.2` is `0.3`)."""
+    if isinstance(value, bool):
+        return plain(value)
+    if isinstance(value, int):
+        return str(value)
+    if value != value or value in (float("inf"), float("-inf")):  # NaN and infinities: no digits to show
+        return str(value)
+    if value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return f"{value:.15g}"
+
+
+def plain(value: Any) -> str:
+    """Return any JSON value as plain text for a person."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return number(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={plain(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ", ".join(plain(v) for v in value) or "-"
+    return str(value)
+
+
+def plural(n: int, word: str) -> str:
+    """Return `1 agent`, `2 agents`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -1,0 +1,98 @@
+"""What `--help` says about each command: a one-line summary, its exit codes and an example."""
+
+from __future__ import annotations
+
+MAIN = """\
+The config is the first of --config FILE, $DISPATCHER_CONFIG, ./config/dispatcher.yaml
+and /etc/dispatcher/dispatcher.yaml; relative paths in it resolve against its folder.
+
+exit codes:
+  0  success
+  1  the operation failed (a job not found, a job in the wrong state, a job or
+     refused file under run --once)
+  2  bad usage or invalid input (a bad order or config, no config found), with a
+     one-line error on stderr
+
+example:
+  dispatcher init ./dispatch && dispatcher run
+  dispatcher COMMAND --help     # what a command does, its exit codes and an example"""
+
+BAD = "bad usage, a bad config or none found"
+
+# command -> (summary, exit codes, examples)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "init": (
+        "make the dispatch root and a starter config (never overwrites)",
+        f"0 the root and the config are there (made now or before)\n1 a folder or the config cannot be written\n"
+        f"2 {BAD.replace(' or none found', '')}",
+        "dispatcher init ./dispatch        # writes ./config/dispatcher.yaml when there is none\n"
+        "dispatcher --config /etc/dispatcher/dispatcher.yaml init /var/lib/dispatcher/dispatch",
+    ),
+    "run": (
+        "run the daemon (exit 0 after a graceful stop)",
+        "0 a graceful stop; under --once: every job it finished is done and no file was refused\n"
+        "1 under --once: a job failed or a file was refused\n"
+        f"2 {BAD}, a root that does not exist, a log_file that cannot be opened",
+        "dispatcher run\ndispatcher run --once && echo 'every job is done'",
+    ),
+    "submit": (
+        "validate orders and drop them into inbox/ atomically; print each job id",
+        f"0 every order was dropped\n2 an invalid order, a job id already known, {BAD}",
+        "dispatcher submit orders/JOB-001.yaml",
+    ),
+    "validate": (
+        "check orders (or, with no FILE, the config and its agents' programs) without submitting",
+        "0 every order (or the config) is valid; warnings, if any, are on stderr\n"
+        f"2 an invalid order or config, an agent program missing or not executable, {BAD}",
+        "dispatcher validate orders/*.yaml\ndispatcher validate --config /etc/dispatcher/dispatcher.yaml",
+    ),
+    "status": (
+        "counts per state, the daemons on this root and the active jobs",
+        f"0 printed\n2 {BAD}, a root that does not exist",
+        "dispatcher status\ndispatcher status --json | jq .counts",
+    ),
+    "show": (
+        "one job: state, checks, attempts, its chain of follow-ups",
+        f"0 printed\n1 no such job\n2 {BAD}, a root that does not exist",
+        "dispatcher show JOB-001\ndispatcher show --tree JOB-001",
+    ),
+    "retry": (
+        "run a failed job again, with max_attempts more attempts",
+        f"0 the retry is recorded\n1 no such job, or the job is not failed\n2 {BAD}, a root that does not exist",
+        "dispatcher retry JOB-001",
+    ),
+    "cancel": (
+        "stop a queued or running job (it fails with reason cancelled)",
+        f"0 the cancel is recorded\n1 no such job, or the job is finished\n2 {BAD}, a root that does not exist",
+        "dispatcher cancel JOB-001",
+    ),
+    "logs": (
+        "read JSON log lines (log_file, FILE, or - for stdin) as lines a person reads",
+        f"0 printed (with -f: until you stop it)\n2 no such FILE, log_file not set, {BAD}\n130 stopped with Ctrl-C",
+        "dispatcher logs -f --job JOB-001\njournalctl -o cat -u dispatcher | dispatcher logs -",
+    ),
+    "completion": (
+        "print the shell completion script for bash, zsh or fish",
+        "0 printed\n2 bad usage (a shell other than bash, zsh or fish)",
+        'eval "$(dispatcher completion bash)"     # in ~/.bashrc\n'
+        'eval "$(dispatcher completion zsh)"      # in ~/.zshrc, after compinit\n'
+        "dispatcher completion fish | source      # in ~/.config/fish/config.fish",
+    ),
+}
+
+
+def epilog(command: str | None) -> str:
+    """Return the text after a command's (or, for None, the program's) options in `--help`."""
+    if command is None:
+        return MAIN
+    _, codes, example = COMMANDS[command]
+    code_lines = "\n".join(
+        f"  {code:<3} {text}" for code, _, text in (line.partition(" ") for line in codes.splitlines())
+    )
+    examples = "\n".join("  " + line for line in example.splitlines())
+    return f"exit codes:\n{code_lines}\n\nexample:\n{examples}"
+
+
+def summary(command: str) -> str:
+    """Return a command's one-line summary."""
+    return COMMANDS[command][0]

@@ -1,0 +1,205 @@
+"""Where the config comes from and what `init` and a missing root do (contract sections 3 and 7).
+
+Every command runs as a real `python -m dispatcher` process in a fresh folder,
+with no `$DISPATCHER_CONFIG` inherited, the way a user would meet it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import FAKE_AGENT, cli_env, order
+
+SYSTEM_CONFIG = Path("/etc/dispatcher/dispatcher.yaml")
+needs_no_system_config = pytest.mark.skipif(
+    SYSTEM_CONFIG.exists(), reason="this machine has /etc/dispatcher/dispatcher.yaml, so a config is always found"
+)
+
+
+def dispatcher(cwd: Path, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `dispatcher ARGS` in cwd and return the finished process."""
+    return subprocess.run(
+        [sys.executable, "-m", "dispatcher", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=cli_env() | (extra_env or {}),
+        timeout=90,
+    )
+
+
+def one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """Assert the command wrote exactly one non-empty line on stderr, and return it."""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def write_config(path: Path, root: str, **top: Any) -> Path:
+    """Write a config with the fake agent as `worker` and this root."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    agent = {"command": [sys.executable, str(FAKE_AGENT)], "writes": ["out.csv"], "timeout": 30}
+    path.write_text(yaml.safe_dump({"root": root, "settle": 0.2, "agents": {"worker": agent}, **top}))
+    return path
+
+
+def tree(top: Path) -> dict[str, Any]:
+    """Return every path under top with its mode, mtime and bytes: what a second `init` must not change."""
+    out: dict[str, Any] = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p)] = (st.st_mode, st.st_mtime_ns, p.read_bytes() if p.is_file() else None)
+    return out
+
+
+# -- no config found --------------------------------------------------------------------------------
+
+COMMANDS = [
+    ("status",),
+    ("status", "--json"),
+    ("show", "JOB-1"),
+    ("validate",),
+    ("validate", "order.json"),
+    ("submit", "order.json"),
+    ("run", "--once"),
+    ("retry", "JOB-1"),
+    ("cancel", "JOB-1"),
+    ("logs",),
+]
+
+
+@needs_no_system_config
+@pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a))
+def test_without_any_config_every_command_exits_2_naming_the_places_tried(tmp_path: Path, args: tuple[str]) -> None:
+    """With no --config, no $DISPATCHER_CONFIG and no config file, a command exits 2 and names where it looked."""
+    (tmp_path / "order.json").write_text(json.dumps(order("JOB-1", to="nobody")))
+    proc = dispatcher(tmp_path, *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    line = one_line(proc)
+    assert line.startswith("no config found (looked in: "), line
+    assert "./config/dispatcher.yaml" in line and "/etc/dispatcher/dispatcher.yaml" in line, line
+    assert proc.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["order.json"], "a command made files without a config"
+
+
+def test_a_missing_config_named_by_option_or_environment_is_not_passed_over(tmp_path: Path) -> None:
+    """A missing --config or $DISPATCHER_CONFIG file exits 2 naming it, even with ./config/dispatcher.yaml there."""
+    (tmp_path / "dispatch").mkdir()
+    write_config(tmp_path / "config" / "dispatcher.yaml", "../dispatch")
+    proc = dispatcher(tmp_path, "--config", "typo.yaml", "status")
+    assert proc.returncode == 2
+    assert one_line(proc) == "no config found (looked in: typo.yaml (--config))"
+    proc = dispatcher(tmp_path, "status", extra_env={"DISPATCHER_CONFIG": str(tmp_path / "gone.yaml")})
+    assert proc.returncode == 2
+    assert one_line(proc) == f"no config found (looked in: {tmp_path / 'gone.yaml'} ($DISPATCHER_CONFIG))"
+
+
+def test_config_is_the_first_of_option_environment_and_cwd_file(tmp_path: Path) -> None:
+    """--config beats $DISPATCHER_CONFIG, which beats ./config/dispatcher.yaml; the one used is named."""
+    (tmp_path / "dispatch").mkdir()
+    write_config(tmp_path / "config" / "dispatcher.yaml", "../dispatch")
+    env_cfg = write_config(tmp_path / "env.yaml", "dispatch")
+    opt_cfg = write_config(tmp_path / "opt.yaml", "dispatch")
+    assert dispatcher(tmp_path, "validate").stdout == "config/dispatcher.yaml: ok (1 agent)\n"
+    by_env = {"DISPATCHER_CONFIG": str(env_cfg)}
+    assert dispatcher(tmp_path, "validate", extra_env=by_env).stdout == f"{env_cfg}: ok (1 agent)\n"
+    proc = dispatcher(tmp_path, "--config", "opt.yaml", "validate", extra_env=by_env)
+    assert proc.stdout == "opt.yaml: ok (1 agent)\n", proc.stderr
+    assert opt_cfg.exists()
+
+
+def test_validate_of_an_order_for_an_unknown_agent_fails_against_the_found_config(tmp_path: Path) -> None:
+    """`validate FILE` uses the discovered config: an order for an agent it lacks is an error naming `to`."""
+    (tmp_path / "dispatch").mkdir()
+    write_config(tmp_path / "config" / "dispatcher.yaml", "../dispatch")
+    (tmp_path / "order.json").write_text(json.dumps(order("JOB-1", to="nobody")))
+    proc = dispatcher(tmp_path, "validate", "order.json")
+    assert proc.returncode == 2
+    assert one_line(proc).startswith("order.json: to: ")
+
+
+# -- the root must exist ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args", [("run", "--once"), ("status",), ("show", "JOB-1"), ("retry", "JOB-1"), ("cancel", "JOB-1")]
+)
+def test_a_root_that_does_not_exist_is_an_error_naming_it(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """`--root` with a typo exits 2 naming that root, and nothing is created there."""
+    (tmp_path / "dispatch").mkdir()
+    cfg = write_config(tmp_path / "dispatcher.yaml", "dispatch")
+    typo = tmp_path / "dispatc"
+    proc = dispatcher(tmp_path, "--config", str(cfg), "--root", str(typo), *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert str(typo) in one_line(proc)
+    assert not typo.exists()
+
+
+def test_a_configured_root_that_does_not_exist_stops_run(tmp_path: Path) -> None:
+    """A config whose root: names a missing folder makes `run` exit 2 naming the folder, before any log line."""
+    cfg = write_config(tmp_path / "etc" / "dispatcher.yaml", "../spool")
+    proc = dispatcher(tmp_path, "--config", str(cfg), "run")
+    assert proc.returncode == 2
+    assert str(tmp_path / "spool") in one_line(proc)
+    assert proc.stdout == ""
+    assert not (tmp_path / "spool").exists()
+
+
+def test_run_makes_the_missing_folders_inside_an_existing_root(tmp_path: Path) -> None:
+    """`run --once` on an empty existing root makes inbox/, active/, done/ and failed/ and exits 0."""
+    (tmp_path / "dispatch").mkdir()
+    cfg = write_config(tmp_path / "dispatcher.yaml", "dispatch")
+    proc = dispatcher(tmp_path, "--config", str(cfg), "run", "--once")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("inbox", "active", "done", "failed"):
+        assert (tmp_path / "dispatch" / name).is_dir(), name
+
+
+# -- init -------------------------------------------------------------------------------------------
+
+
+@needs_no_system_config
+def test_init_writes_a_starter_config_and_explains_where_and_relative_to_what(tmp_path: Path) -> None:
+    """`init DIR` in a folder without a config writes ./config/dispatcher.yaml, says where, and how root: reads."""
+    proc = dispatcher(tmp_path, "init", "spool")
+    assert proc.returncode == 0, proc.stderr
+    cfg = tmp_path / "config" / "dispatcher.yaml"
+    assert yaml.safe_load(cfg.read_text())["root"] == "../spool"
+    assert f"wrote {cfg}" in proc.stdout
+    assert f"relative to {cfg.parent}" in proc.stdout, proc.stdout
+    assert str(tmp_path / "spool") in proc.stdout
+    status = dispatcher(tmp_path, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["counts"]["inbox"] == 0
+
+
+@needs_no_system_config
+def test_a_second_init_changes_nothing_and_exits_0(tmp_path: Path) -> None:
+    """Running `init DIR` twice leaves every file and folder as the first run made it."""
+    assert dispatcher(tmp_path, "init", "spool").returncode == 0
+    before = tree(tmp_path)
+    again = dispatcher(tmp_path, "init", "spool")
+    assert again.returncode == 0, again.stderr
+    assert tree(tmp_path) == before
+    assert "wrote" not in again.stdout and "created" not in again.stdout
+
+
+def test_init_never_overwrites_a_config_and_says_when_its_root_differs(tmp_path: Path) -> None:
+    """`init OTHER` with an existing config makes OTHER, leaves the config byte for byte, and says its root differs."""
+    cfg = write_config(tmp_path / "etc" / "dispatcher.yaml", "../spool")
+    before = cfg.read_bytes()
+    proc = dispatcher(tmp_path, "--config", str(cfg), "init", "other")
+    assert proc.returncode == 0, proc.stderr
+    assert cfg.read_bytes() == before
+    assert (tmp_path / "other" / "inbox").is_dir()
+    assert str(tmp_path / "spool") in proc.stdout, "the note names the root the config really uses"

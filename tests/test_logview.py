@@ -1,0 +1,401 @@
+"""Log lines for the journal and for people (contract sections 7 and 8).
+
+Journal priorities are checked on a real daemon whose stdout is the file named
+by `$JOURNAL_STREAM`; the console format on a real daemon whose stdout is a
+terminal (a pty); `dispatcher logs` as a real process reading stdin, a file and
+a file that logrotate renames or truncates under it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from conftest import DEADLINE, Env, cli_env, order
+
+from dispatcher import logs
+from dispatcher.commands import journal_unit
+from dispatcher.logview import format_line
+
+PRIORITY = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}
+
+
+def journal_env(stream: Path) -> dict[str, str]:
+    """Return the CLI environment with $JOURNAL_STREAM naming this file, as systemd names the service's stdout."""
+    st = os.stat(stream)
+    return cli_env() | {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+
+
+def run_once(env: Env, out: Path, extra: dict[str, str]) -> int:
+    """Run `dispatcher run --once` with stdout and stderr in out; return its exit code."""
+    with out.open("ab") as fh:
+        return subprocess.run(
+            [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=env.tmp,
+            env=extra,
+            timeout=120,
+        ).returncode
+
+
+def logs_cmd(cwd: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `dispatcher logs ARGS` (no config unless args name one) and return the finished process."""
+    return subprocess.run(
+        [sys.executable, "-m", "dispatcher", "logs", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=cli_env(),
+        timeout=60,
+    )
+
+
+def entry(event: str, level: str = "info", **extra: Any) -> dict[str, Any]:
+    return {"timestamp": "2026-11-29T08:00:00.123456Z", "level": level, "event": event, **extra}
+
+
+# -- the journal ---------------------------------------------------------------------------------
+
+
+def test_lines_on_the_journal_start_with_their_syslog_priority(env: Env) -> None:
+    """On the journal each line is `<N>` + one JSON object, N from its level; log_file stays plain JSON."""
+    log_file = env.tmp / "d.log"
+    env.configure(agents={"worker": env.agent(), "broken": env.agent("--exit", "3")}, log_file=str(log_file))
+    env.drop(order("J-OK"))
+    env.drop(order("J-BAD", to="broken"))
+    env.drop(b"job_id: [", "torn.yaml")
+    out = env.tmp / "journal.out"
+    out.touch()
+    assert run_once(env, out, journal_env(out)) == 1
+    lines = out.read_text().splitlines()
+    assert len(lines) > 10
+    levels = set()
+    for line in lines:
+        m = re.fullmatch(r"<([0-7])>(\{.*\})", line)
+        assert m, f"not <N>JSON: {line!r}"
+        event = json.loads(m.group(2))
+        assert int(m.group(1)) == PRIORITY[event["level"]], line
+        levels.add(event["level"])
+    assert {"info", "warning"} <= levels, "a failed job is a warning line"
+    assert [json.loads(line) for line in log_file.read_text().splitlines()] == [
+        json.loads(line[3:]) for line in lines
+    ], "log_file gets the same JSON without the prefix"
+
+
+def test_journal_stream_of_another_file_adds_no_prefix(env: Env) -> None:
+    """$JOURNAL_STREAM inherited with stdout sent elsewhere is not the journal: lines stay plain JSON."""
+    other = env.tmp / "elsewhere"
+    other.touch()
+    out = env.tmp / "plain.out"
+    env.drop(order("J-PLAIN"))
+    assert run_once(env, out, journal_env(other)) == 0
+    for line in out.read_text().splitlines():
+        assert isinstance(json.loads(line), dict), line
+
+
+@pytest.fixture
+def journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Configure dispatcher.logs in-process with stdout as a journal file; restore logging after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    path = tmp_path / "stdout"
+    with path.open("w") as fh:
+        monkeypatch.setattr(logs.SINK, "console", fh)
+        monkeypatch.setenv("JOURNAL_STREAM", "{0.st_dev}:{0.st_ino}".format(os.fstat(fh.fileno())))
+        logs.configure(level=logging.DEBUG)
+        yield path
+    logs.SINK.open_file(None)
+    structlog.reset_defaults()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_each_level_gets_its_priority(journal: Path) -> None:
+    """debug <7>, info <6>, warning <4>, error <3>, critical <2>, a logged exception <3>, a stdlib warning <4>."""
+    log = logs.get()
+    log.debug("a.debug")
+    log.info("a.info")
+    log.warning("a.warning")
+    log.error("a.error")
+    log.critical("a.critical")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("a.exception")
+    logging.getLogger("filelock").warning("stale lock")
+    prefixes = [line[:3] for line in journal.read_text().splitlines()]
+    assert prefixes == ["<7>", "<6>", "<4>", "<3>", "<2>", "<3>", "<4>"]
+
+
+# -- one console format --------------------------------------------------------------------------
+
+
+def test_console_format_shows_values_without_python_notation() -> None:
+    """None is -, a list is `a, b`, 3.0 is 3, booleans are true/false, a mapping becomes dotted keys."""
+    line = format_line(
+        entry(
+            "job.done",
+            job_id="J-1",
+            agent="worker",
+            children=["J-1.a", "J-1.b"],
+            parent=None,
+            duration_s=3.0,
+            cost_usd=0.25,
+            forced=False,
+            usage={"input_tokens": 12, "output_tokens": 3},
+            empty=[],
+        )
+    )
+    assert line == (
+        "2026-11-29T08:00:00.123Z info    job.done           J-1 (worker) children=J-1.a, J-1.b parent=- "
+        "duration_s=3 cost_usd=0.25 forced=false usage.input_tokens=12 usage.output_tokens=3 empty=-"
+    )
+
+
+def test_console_format_puts_a_logged_exception_below_its_line() -> None:
+    """An exception logged as structlog's dicts prints as a traceback under the event, one frame a line."""
+    exc = [{"exc_type": "RuntimeError", "exc_value": "no", "frames": [{"filename": "a.py", "lineno": 3, "name": "f"}]}]
+    lines = format_line(entry("job.crashed", "error", job_id="J-2", exception=exc)).splitlines()
+    assert lines[0].endswith("job.crashed        J-2")
+    assert lines[1:] == ["  Traceback (most recent call last):", '    File "a.py", line 3, in f', "  RuntimeError: no"]
+
+
+def read_pty(fd: int, proc: subprocess.Popen[bytes]) -> str:
+    """Read a pty's output until the process has exited and nothing is left."""
+    data = b""
+    end = time.monotonic() + DEADLINE
+    while time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the other side is closed
+                break
+            if not chunk:
+                break
+            data += chunk
+        elif proc.poll() is not None:
+            break
+    return data.decode().replace("\r\n", "\n")
+
+
+def test_run_on_a_terminal_prints_what_logs_prints(env: Env) -> None:
+    """`run` on a terminal and `dispatcher logs` of its log_file print the very same lines."""
+    log_file = env.tmp / "d.log"
+    env.configure(agents={"worker": env.agent(), "broken": env.agent("--exit", "3")}, log_file=str(log_file))
+    env.drop(order("TTY-OK"))
+    env.drop(order("TTY-BAD", to="broken"))
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+            stdout=slave,
+            stderr=subprocess.DEVNULL,
+            cwd=env.tmp,
+            env=cli_env(),
+        )
+        os.close(slave)
+        terminal = read_pty(master, proc)
+        assert proc.wait(DEADLINE) == 1
+    finally:
+        os.close(master)
+    shown = env.cli("logs")
+    assert shown.returncode == 0, shown.stderr
+    assert terminal.splitlines() == shown.stdout.splitlines()
+    assert any("job.failed" in line and "TTY-BAD (broken)" in line for line in terminal.splitlines())
+    assert not re.search(r"\bNone\b|\['|\b\d+\.0\b", terminal), terminal
+
+
+# -- dispatcher logs -------------------------------------------------------------------------------
+
+
+def test_logs_reads_stdin_and_takes_off_the_priority_prefix(tmp_path: Path) -> None:
+    """`dispatcher logs -` reads `<N>`-prefixed or plain JSON lines from stdin, with no config, readably."""
+    lines = [
+        "<6>" + json.dumps(entry("daemon.started", pid=7)),
+        json.dumps(entry("job.claimed", job_id="J-1", agent="worker")),
+        "<4>" + json.dumps(entry("job.failed", "warning", job_id="J-1", agent="worker", reason="exit_ok: exit 3")),
+    ]
+    proc = logs_cmd(tmp_path, "-", stdin="\n".join(lines) + "\n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert len(out) == 3 and not any("<" in line or "{" in line for line in out), out
+    assert out[2] == format_line(json.loads(lines[2][3:]))
+
+
+def test_logs_json_prints_the_matching_lines_unchanged(tmp_path: Path) -> None:
+    """`logs --json --job ID -` prints exactly that job's JSON lines, byte for byte, without the prefix."""
+    mine = [json.dumps(entry("job.claimed", job_id="J-1", agent="w")), json.dumps(entry("job.done", job_id="J-1"))]
+    other = json.dumps(entry("job.claimed", job_id="J-2"))
+    text = f"<6>{mine[0]}\n{other}\nnot json\n<6>{mine[1]}\n"
+    proc = logs_cmd(tmp_path, "--json", "--job", "J-1", "-", stdin=text)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == mine[0] + "\n" + mine[1] + "\n"
+
+
+def test_logs_shows_text_lines_from_the_journal_and_skips_torn_json(tmp_path: Path) -> None:
+    """A plain text line (a traceback on the service's stream) is shown; a JSON line cut short is skipped."""
+    text = json.dumps(entry("a.b")) + '\n{"timestamp": "2026-\nTraceback (most recent call last):\n'
+    proc = logs_cmd(tmp_path, "-", stdin=text)
+    assert proc.stdout.splitlines()[1:] == ["Traceback (most recent call last):"]
+
+
+def test_logs_of_a_missing_file_exits_2(tmp_path: Path) -> None:
+    """`dispatcher logs FILE` with no such file exits 2 with one line naming it."""
+    proc = logs_cmd(tmp_path, "nope.log")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "nope.log: no such log file"
+
+
+def test_logs_without_log_file_names_the_journal_command(env: Env) -> None:
+    """With `log_file: null`, `logs` exits 2 with one line giving the journalctl command to pipe in."""
+    proc = env.cli("logs")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("journalctl -o cat -u dispatcher | dispatcher logs -"), proc.stderr
+
+
+def test_the_journal_unit_follows_the_config_name() -> None:
+    """/etc/dispatcher/dispatcher.yaml is unit dispatcher; /etc/dispatcher/NAME.yaml is dispatcher@NAME."""
+    assert journal_unit(Path("/etc/dispatcher/dispatcher.yaml")) == "dispatcher"
+    assert journal_unit(Path("/etc/dispatcher/billing.yaml")) == "dispatcher@billing"
+    assert journal_unit(Path("/srv/x/config/dispatcher.yaml")) == "dispatcher"
+
+
+class Follower:
+    """A real `dispatcher logs -f FILE` process, read line by line with a deadline."""
+
+    def __init__(self, path: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher", "logs", "-f", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=path.parent,
+            env=cli_env(),
+        )
+        self.buf = b""
+
+    def line(self, timeout: float = 20) -> str:
+        assert self.proc.stdout is not None
+        end = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = end - time.monotonic()
+            assert left > 0, f"no line within {timeout} s (got {self.buf!r})"
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 4096)
+                assert chunk, "logs -f ended"
+                self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(DEADLINE)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+def append(path: Path, event: str, mode: str = "a") -> None:
+    with path.open(mode) as f:
+        f.write(json.dumps(entry(event)) + "\n")
+
+
+def test_logs_follow_goes_on_across_logrotate_rename(tmp_path: Path) -> None:
+    """`logs -f` reads what the writer still appends to the renamed file, then the new file at the same path."""
+    path = tmp_path / "d.log"
+    append(path, "one.before")
+    f = Follower(path)
+    try:
+        assert "one.before" in f.line()
+        path.rename(tmp_path / "d.log.1")
+        path.touch()  # logrotate's `create`: the new file exists before the daemon's SIGHUP
+        append(tmp_path / "d.log.1", "two.late.in.old")  # the daemon has not reopened yet
+        time.sleep(0.5)
+        append(path, "three.in.new")
+        assert "two.late.in.old" in f.line()
+        assert "three.in.new" in f.line()
+        append(path, "four.in.new")
+        assert "four.in.new" in f.line()
+    finally:
+        f.close()
+
+
+def test_logs_follow_waits_while_the_file_is_missing(tmp_path: Path) -> None:
+    """`logs -f` of a log_file renamed away (no `create`) picks up the file the writer makes later."""
+    path = tmp_path / "d.log"
+    append(path, "one.before")
+    f = Follower(path)
+    try:
+        assert "one.before" in f.line()
+        path.rename(tmp_path / "d.log.1")
+        time.sleep(0.6)
+        append(path, "two.in.new", "w")
+        assert "two.in.new" in f.line()
+    finally:
+        f.close()
+
+
+def test_logs_follow_starts_over_after_copytruncate(tmp_path: Path) -> None:
+    """`logs -f` sees a file truncated in place (copytruncate) and prints what is written after."""
+    path = tmp_path / "d.log"
+    for n in range(5):
+        append(path, f"old.{n}")
+    f = Follower(path)
+    try:
+        for n in range(5):
+            assert f"old.{n}" in f.line()
+        with path.open("r+") as fh:
+            fh.truncate(0)
+        time.sleep(0.5)
+        append(path, "after.truncate")
+        assert "after.truncate" in f.line()
+    finally:
+        f.close()
+
+
+def test_a_log_file_that_cannot_be_opened_stops_run_with_one_line(env: Env) -> None:
+    """`run` with an unusable log_file exits 2 with one line naming log_file, no traceback, and runs no agent."""
+    blocker = env.tmp / "not-a-folder"
+    blocker.write_text("")
+    env.configure(log_file=str(blocker / "d.log"))
+    env.drop(order("NOLOG-1"))
+    proc = env.cli("run", "--once")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "log_file" in lines[0] and str(blocker / "d.log") in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert env.starts() == []
+
+
+def test_console_mode_in_process_is_format_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In console mode the line printed is format_line of the very JSON written to log_file."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    console = io.StringIO()
+    monkeypatch.setattr(logs.SINK, "console", console)
+    path = tmp_path / "app.log"
+    try:
+        logs.configure(log_file=path, console=True)
+        logs.get().info("job.done", job_id="J-4", agent="worker", children=["J-5"], cost_usd=None, attempts=1)
+    finally:
+        logs.SINK.open_file(None)
+        structlog.reset_defaults()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert console.getvalue() == format_line(json.loads(path.read_text())) + "\n"
+    assert "children=J-5 cost_usd=- attempts=1" in console.getvalue()

@@ -1,0 +1,202 @@
+"""`validate` of the config itself, `pass_env`, and output without Python notation (contract 3, 6, 7)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import cli_env, order
+
+from dispatcher import schema
+from dispatcher.config import STARTER_CONFIG, Agent, build_config, load_config
+from dispatcher.errors import OrderError
+
+
+def validate(cfg: Path, *files: str) -> subprocess.CompletedProcess[str]:
+    """Run `dispatcher validate --config CFG FILES` in the config's folder."""
+    return subprocess.run(
+        [sys.executable, "-m", "dispatcher", "validate", "--config", cfg.name, *files],
+        capture_output=True,
+        text=True,
+        cwd=cfg.parent,
+        env=cli_env(),
+        timeout=60,
+    )
+
+
+def config(tmp_path: Path, agents: dict[str, dict[str, Any]], **top: Any) -> Path:
+    """Write dispatcher.yaml in tmp_path with these agents."""
+    path = tmp_path / "dispatcher.yaml"
+    path.write_text(yaml.safe_dump({"root": "dispatch", "agents": agents, **top}))
+    return path
+
+
+def stderr_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.strip()]
+
+
+# -- programs -------------------------------------------------------------------------------------
+
+
+def test_an_agent_program_that_does_not_exist_is_an_error_naming_it(tmp_path: Path) -> None:
+    """A command whose program is missing exits 2: `<config>: agents.NAME.command: program '...' not found`."""
+    cfg = config(tmp_path, {"gone": {"command": ["agents/gone.sh", "{order}"]}})
+    proc = validate(cfg)
+    assert proc.returncode == 2
+    assert stderr_lines(proc) == [
+        f"dispatcher.yaml: agents.gone.command: program '{tmp_path / 'agents' / 'gone.sh'}' not found"
+    ]
+    assert proc.stdout == ""
+
+
+def test_a_program_that_is_not_executable_is_shown_like_a_missing_one(tmp_path: Path) -> None:
+    """A program without the execute bit is an error naming the same absolute path a missing one would."""
+    script = tmp_path / "agents" / "noexec.sh"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o644)
+    cfg = config(tmp_path, {"noexec": {"command": ["agents/noexec.sh"]}})
+    proc = validate(cfg)
+    assert proc.returncode == 2
+    assert stderr_lines(proc) == [f"dispatcher.yaml: agents.noexec.command: program '{script}' is not executable"]
+
+
+def test_a_bare_program_name_is_looked_up_on_path(tmp_path: Path) -> None:
+    """A bare name not on PATH is `not found`; one on PATH (python3) is fine; a probe is checked the same way."""
+    cfg = config(
+        tmp_path,
+        {
+            "nowhere": {"command": ["no-such-program-4f1c"]},
+            "fine": {"command": ["python3", "agent.py"], "probe": ["no-such-probe-4f1c", "{job_id}"]},
+        },
+    )
+    proc = validate(cfg)
+    assert proc.returncode == 2
+    assert sorted(stderr_lines(proc)) == [
+        "dispatcher.yaml: agents.fine.probe: program 'no-such-probe-4f1c' not found",
+        "dispatcher.yaml: agents.nowhere.command: program 'no-such-program-4f1c' not found",
+    ]
+
+
+def test_an_executable_program_and_a_placeholder_pass(tmp_path: Path) -> None:
+    """An executable script path and a program built from a placeholder are not errors."""
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    cfg = config(tmp_path, {"a": {"command": ["./run.sh"]}, "b": {"command": ["{workspace}/tool"]}})
+    proc = validate(cfg)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "dispatcher.yaml: ok (2 agents)\n"
+
+
+# -- repair warning and plain output ------------------------------------------------------------------
+
+
+def test_repair_without_retry_safe_or_probe_is_a_warning_not_an_error(tmp_path: Path) -> None:
+    """`repair: true` alone warns on stderr and exits 0; with retry_safe or a probe it says nothing."""
+    cfg = config(
+        tmp_path,
+        {
+            "lonely": {"command": ["python3"], "repair": True},
+            "safe": {"command": ["python3"], "repair": True, "retry_safe": True},
+            "probed": {"command": ["python3"], "repair": True, "probe": ["python3", "-c", "1"]},
+        },
+    )
+    proc = validate(cfg)
+    assert proc.returncode == 0, proc.stderr
+    assert stderr_lines(proc) == ["dispatcher.yaml: agents.lonely.repair: has no effect without retry_safe or probe"]
+    assert proc.stdout == "dispatcher.yaml: ok (3 agents)\n"
+
+
+def test_one_agent_is_counted_in_the_singular(tmp_path: Path) -> None:
+    """A config with one agent validates as `ok (1 agent)`."""
+    proc = validate(config(tmp_path, {"only": {"command": ["python3"]}}))
+    assert proc.stdout == "dispatcher.yaml: ok (1 agent)\n", proc.stderr
+
+
+def test_timeout_errors_show_numbers_as_written_not_as_floats(tmp_path: Path) -> None:
+    """`max_timeout: 3600` reads back as 3600 (never 3600.0) in the agent's and the order's timeout errors."""
+    cfg = config(tmp_path, {"w": {"command": ["python3"], "timeout": 3601}}, max_timeout=3600)
+    proc = validate(cfg)
+    assert proc.returncode == 2
+    assert stderr_lines(proc) == ["dispatcher.yaml: agents.w.timeout: 3601 is above max_timeout (3600)"]
+    cfg = config(tmp_path, {"w": {"command": ["python3"]}}, max_timeout=3600)
+    (tmp_path / "o.json").write_text(json.dumps(order("T-1", to="w", timeout=4000.0)))
+    proc = validate(cfg, "o.json")
+    assert stderr_lines(proc) == ["o.json: timeout: 4000 is above max_timeout (3600)"]
+
+
+def test_order_errors_quote_values_without_python_escapes(tmp_path: Path) -> None:
+    """An unknown agent or a repeated item id is quoted plainly, even when it holds a quote character."""
+    cfg = config(tmp_path, {"w": {"command": ["python3"]}})
+    (tmp_path / "o.json").write_text(json.dumps(order("T-1", to="bob's")))
+    assert stderr_lines(validate(cfg, "o.json")) == ["o.json: to: no agent 'bob's' is defined in the config"]
+
+
+# -- pass_env -----------------------------------------------------------------------------------------
+
+
+def test_pass_env_loads_as_a_tuple_of_names(tmp_path: Path) -> None:
+    """`pass_env: [ANTHROPIC_API_KEY, HTTPS_PROXY]` becomes Agent.pass_env; without it the agent passes nothing."""
+    path = config(
+        tmp_path,
+        {
+            "llm": {"command": ["python3"], "pass_env": ["ANTHROPIC_API_KEY", "HTTPS_PROXY"]},
+            "plain": {"command": ["x"]},
+        },
+    )
+    cfg = load_config(path)
+    assert cfg.agents["llm"].pass_env == ("ANTHROPIC_API_KEY", "HTTPS_PROXY")
+    assert cfg.agents["plain"].pass_env == ()
+
+
+def test_pass_env_survives_the_job_snapshot_and_old_snapshots_still_load() -> None:
+    """Agent.to_json keeps pass_env; from_json of a snapshot written before pass_env existed gives ()."""
+    agent = Agent(name="llm", command=("claude", "-p"), pass_env=("ANTHROPIC_API_KEY",))
+    snap = json.loads(json.dumps(agent.to_json()))
+    assert snap["pass_env"] == ["ANTHROPIC_API_KEY"]
+    assert Agent.from_json(snap) == agent
+    del snap["pass_env"]
+    assert Agent.from_json(snap).pass_env == ()
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (["1KEY"], "environment variable name"),
+        (["A-B"], "environment variable name"),
+        (["A B"], "environment variable name"),
+        ("ANTHROPIC_API_KEY", "a list"),
+        ([5], "a string"),
+        (["NOTIFY_SOCKET"], "never passed"),
+        (["WATCHDOG_USEC"], "never passed"),
+        (["DISPATCH_JOB_ID"], "never passed"),
+    ],
+)
+def test_pass_env_rejects_what_is_not_a_variable_name_it_may_pass(value: Any, words: str) -> None:
+    """pass_env is a list of environment variable names, never one the daemon keeps for itself or sets per job."""
+    with pytest.raises(OrderError) as info:
+        build_config({"agents": {"a": {"command": ["x"], "pass_env": value}}}, None)
+    assert info.value.field is not None and info.value.field.startswith("agents.a.pass_env")
+    assert words in info.value.message
+
+
+def test_schema_file_declares_pass_env() -> None:
+    """The published config schema (for editors) has pass_env as a list of variable-name strings."""
+    spec = schema.load("config")["$defs"]["agent"]["properties"]["pass_env"]
+    assert spec["type"] == "array" and spec["items"]["type"] == "string"
+    assert "pattern" in spec["items"]
+
+
+def test_starter_config_has_pass_env_and_loads(tmp_path: Path) -> None:
+    """The config `init` writes lists pass_env with the agent's keys, and it loads as a valid config."""
+    path = tmp_path / "dispatcher.yaml"
+    path.write_text(STARTER_CONFIG.format(root="dispatch"))
+    assert "pass_env: []" in STARTER_CONFIG
+    cfg = load_config(path)
+    assert [a.pass_env for a in cfg.agents.values()] == [()]
