@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import BenchError
+from latency import section_backlog, section_pickup
 from report import Result, table
 from throughput import section_cpu, section_inotify
 
@@ -41,6 +42,8 @@ Section = Callable[[Path, argparse.Namespace], Result]
 SECTIONS: dict[str, tuple[Section, str]] = {
     "cpu": (section_cpu, "daemon CPU per job and throughput, `run --once` vs `xargs -P`"),
     "inotify": (section_inotify, "throughput, running daemon vs an `inotifywait -m` loop"),
+    "pickup": (section_pickup, "rename into inbox/ -> agent start, idle daemon"),
+    "backlog": (section_backlog, "orders waiting at start: `run` spawn -> first agent start"),
 }
 
 
