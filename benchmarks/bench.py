@@ -32,6 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from capacity import section_idle, section_sleepers
 from harness import BenchError
 from latency import section_backlog, section_pickup
 from report import Result, table
@@ -44,6 +45,8 @@ SECTIONS: dict[str, tuple[Section, str]] = {
     "inotify": (section_inotify, "throughput, running daemon vs an `inotifywait -m` loop"),
     "pickup": (section_pickup, "rename into inbox/ -> agent start, idle daemon"),
     "backlog": (section_backlog, "orders waiting at start: `run` spawn -> first agent start"),
+    "sleepers": (section_sleepers, "many agents waiting at once"),
+    "idle": (section_idle, "idle daemon, empty inbox"),
 }
 
 
