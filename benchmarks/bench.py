@@ -35,6 +35,7 @@ from typing import Any
 from capacity import section_idle, section_sleepers
 from harness import BenchError
 from latency import section_backlog, section_pickup
+from profiling import run_profile
 from report import Result, table
 from throughput import section_cpu, section_inotify
 
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=None, help="limit per throughput run (default 120 + 0.5 s/order)")
     ap.add_argument("--tmp", default=None, help="where to make the dispatch roots (default $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the dispatch roots and daemon logs")
+    ap.add_argument("--profile", action="store_true", help="profile `run --once` over --orders orders instead")
+    ap.add_argument("--profile-wall", action="store_true", help="with --profile: wall clock instead of CPU time")
     args = ap.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     if unknown := [s for s in args.only if s not in SECTIONS]:
@@ -119,6 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="dispatcher-bench-", dir=args.tmp))
     results: dict[str, Result] = {}
     try:
+        if args.profile:
+            base = tmp / "profile"
+            base.mkdir()
+            try:
+                print("\n".join(run_profile(base, args)))
+            except BenchError as exc:
+                print(f"profile: no figures: {exc}")
+                return 1
+            return 0
         for name in args.only:
             fn, _title = SECTIONS[name]
             base = tmp / name
