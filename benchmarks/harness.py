@@ -324,7 +324,7 @@ class Daemon:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise BenchError(f"daemon still running after {timeout:.0f} s\n{self.symptoms()}") from None
+            raise BenchError(f"daemon still running after {timeout:g} s\n{self.symptoms()}") from None
         self._reaped()
         return code
 
@@ -386,7 +386,7 @@ class Daemon:
             if str(e.get("level", "")).lower() in ("warning", "error", "critical", "exception")
             or e.get("event") in ("job.failed", "job.refused", "config.rejected")
         ]
-        lines = [f"  daemon: {shlex.join(self.argv)} (log {self.log_path})"]
+        lines = [f"  daemon: {shlex.join(self.argv)} (log {self.log_path}, kept with --keep)"]
         lines += ["  " + json.dumps(e)[:400] for e in bad[:limit]]
         if not bad:
             lines += ["  (no warning/error lines) last lines:"]
