@@ -165,6 +165,7 @@ class AgentProcess:
         self._timed_out = False
         self._aborted: str | None = None
         self._signalled = False
+        self._group_ended = False
         self._timers: list[asyncio.TimerHandle] = []
         self._done: asyncio.Future[AgentExit] | None = None
 
@@ -230,7 +231,11 @@ class AgentProcess:
         if stream.open:
             stream.open = False
             asyncio.get_running_loop().remove_reader(stream.fd)
-        if self._exited and not (self._out.open or self._err.open) and self._done is not None and not self._done.done():
+        self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        """Finish once the group has ended and both pipes reached end of file."""
+        if self._group_ended and not (self._out.open or self._err.open) and self._done and not self._done.done():
             self._complete()
 
     def _on_timeout(self) -> None:
@@ -270,16 +275,19 @@ class AgentProcess:
 
     async def _end_group_then_drain(self) -> None:
         await end_group(self.pid, self.kill_grace_s, already_termed=True)
+        self._group_ended = True
+        self._maybe_complete()
+        if self._done is not None and not self._done.done():
+            asyncio.get_running_loop().call_later(_DRAIN_AFTER_EXIT_S, self._stop_draining)
+
+    def _stop_draining(self) -> None:
+        """A process that left the group still holds a pipe: stop reading it."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + _DRAIN_AFTER_EXIT_S
-        while (self._out.open or self._err.open) and loop.time() < deadline:
-            await asyncio.sleep(_GROUP_POLL_S)
         for stream in (self._out, self._err):
-            if stream.open:  # a process that left the group still holds the pipe: stop reading
+            if stream.open:
                 stream.open = False
                 loop.remove_reader(stream.fd)
-        if self._done is not None and not self._done.done():
-            self._complete()
+        self._maybe_complete()
 
     def _complete(self) -> None:
         assert self._proc is not None and self._done is not None  # noqa: S101

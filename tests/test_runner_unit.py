@@ -1,26 +1,28 @@
-"""The agent process, unit by unit: placeholders, environment, agent_result, and `runner.run`.
+"""The agent process, unit by unit: placeholders, environment, and `AgentProcess` on an event loop.
 
-`render`, `build_env` and `parse_agent_result` are pure; `runner.run` is driven
+`render` and `build_env` are pure; `AgentProcess` is driven on a real asyncio loop
 with real tiny processes (sh, env, python) and real signals, with timeouts and
-grace periods shrunk to fractions of a second.
+grace periods shrunk to fractions of a second. The agent's final JSON is tested
+in test_agent_result.py.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dispatcher import procs, runner
-from dispatcher.runner import Abort, Outcome, build_env, parse_agent_result, render
+from dispatcher import procs
+from dispatcher.agent_result import parse_agent_result
+from dispatcher.runner import AgentExit, AgentProcess, build_env, render
 
 ARGV_VALUES = {
     "job_id": "JOB-1",
@@ -178,163 +180,33 @@ def test_dispatch_variables_win_over_agent_env() -> None:
     assert got["PATH"] == "/opt/agent/bin"
 
 
-# -- parse_agent_result -------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One finished agent process: its exit, and its result parsed like the daemon does."""
 
-RESULT = {"type": "result", "is_error": False, "total_cost_usd": 0.01, "session_id": "s-1", "usage": {"in": 3}}
+    out: AgentExit
+    agent_result: Any
 
-
-@pytest.mark.parametrize(
-    "stdout",
-    [
-        json.dumps(RESULT),
-        "working...\nstill working\n" + json.dumps(RESULT) + "\n",
-        "log line\n" + json.dumps(RESULT, indent=2) + "\n\n  \n",
-        "log line\r\n" + json.dumps(RESULT) + "\r\n",
-        "   " + json.dumps(RESULT) + "   ",
-        "\xff\xfe not utf-8 \n" + json.dumps(RESULT),
-        '{"half": \n' + json.dumps(RESULT, indent=4),
-    ],
-    ids=["alone", "after-text", "pretty", "crlf", "indented", "bad-bytes-before", "broken-object-before"],
-)
-def test_final_object_is_taken_whole(stdout: str) -> None:
-    """When the last non-blank text is one JSON object, on one line or many, it is returned whole."""
-    assert parse_agent_result(stdout.encode("latin-1" if "\xff" in stdout else "utf-8")) == RESULT
-
-
-def test_object_with_nested_lines_starting_with_a_brace() -> None:
-    """A pretty-printed object whose inner lines start with `{` is still taken whole, not its last part."""
-    value = {"result": [{"a": 1}, {"b": {"c": [{"d": 2}]}}], "usage": {"x": 1}}
-    assert parse_agent_result(("text\n" + json.dumps(value, indent=2)).encode()) == value
-
-
-def test_deep_nesting_is_kept() -> None:
-    """A moderately deep object (40 levels) is returned as it is."""
-    value: dict[str, Any] = {"leaf": True}
-    for _ in range(40):
-        value = {"x": value}
-    assert parse_agent_result(json.dumps(value).encode()) == value
-
-
-def test_pathologically_deep_nesting_does_not_raise() -> None:
-    """An object nested 200 000 levels deep yields no agent_result instead of crashing the attempt."""
-    text = '{"x":' * 200_000 + "1" + "}" * 200_000
-    assert parse_agent_result(text.encode()) is None
-
-
-@pytest.mark.parametrize(
-    "stdout",
-    [
-        "",
-        "   \n\n",
-        "all done\n",
-        json.dumps(RESULT) + "\nall done\n",
-        json.dumps([RESULT]),
-        json.dumps([RESULT], indent=2),
-        '"a string"',
-        "42",
-        "null",
-        "result: " + json.dumps(RESULT),
-        json.dumps(RESULT) + " " + json.dumps(RESULT),
-        '{"a": 1',
-        '{"a": 1}}',
-        "{not json}",
-    ],
-    ids=[
-        "empty",
-        "blank",
-        "text",
-        "text-after",
-        "list",
-        "pretty-list",
-        "string",
-        "number",
-        "null",
-        "prefixed",
-        "two-objects",
-        "unclosed",
-        "extra-brace",
-        "not-json",
-    ],
-)
-def test_no_result_unless_stdout_ends_with_one_object(stdout: str) -> None:
-    """Text after the object, a list, a scalar or anything not one whole object gives no agent_result."""
-    assert parse_agent_result(stdout.encode()) is None
-
-
-SUMMARY_KEYS = {"total_cost_usd", "session_id", "num_turns", "is_error", "duration_ms", "usage"}
-
-
-def big_result(filler: str, n: int) -> dict[str, Any]:
-    return {
-        "type": "result",
-        "result": filler * n,
-        "total_cost_usd": 0.5,
-        "session_id": "s-9",
-        "num_turns": 7,
-        "is_error": False,
-        "duration_ms": 1234,
-        "usage": {"input_tokens": 10, "output_tokens": 20},
-        "permission_denials": [],
-    }
-
-
-def test_large_object_keeps_only_the_named_keys() -> None:
-    """An object over 64 KiB keeps only total_cost_usd, session_id, num_turns, is_error, duration_ms, usage."""
-    value = big_result("x", 70_000)
-    got = parse_agent_result(("log\n" + json.dumps(value)).encode())
-    assert got == {k: value[k] for k in SUMMARY_KEYS}
-
-
-def test_large_object_does_not_invent_missing_keys() -> None:
-    """Cut down, an object keeps only the named keys it had."""
-    got = parse_agent_result(json.dumps({"result": "x" * 70_000, "is_error": True}).encode())
-    assert got == {"is_error": True}
-
-
-def test_object_under_64_kib_is_whole() -> None:
-    """An object just under 64 KiB is kept whole, with every key."""
-    value = big_result("x", 1)
-    value["result"] = "x" * (64 * 1024 - len(json.dumps(value)) - 10)
-    assert parse_agent_result(json.dumps(value).encode()) == value
-
-
-def test_large_pretty_object_with_many_inner_objects_keeps_the_named_keys() -> None:
-    """A pretty-printed final object holding thousands of objects (one per line) is still found and cut down."""
-    value = {"is_error": False, "session_id": "s-2", "messages": [{"i": i} for i in range(2500)]}
-    got = parse_agent_result(("log\n" + json.dumps(value, indent=2)).encode())
-    assert got is not None, "the final object was not found"
-    assert got == {"is_error": False, "session_id": "s-2"}
-
-
-def test_size_limit_counts_bytes() -> None:
-    """The 64 KiB limit is in bytes: 25 000 three-byte characters (75 kB) are over it."""
-    value = big_result("€", 25_000)
-    data = json.dumps(value, ensure_ascii=False).encode()
-    assert len(data) > 64 * 1024
-    got = parse_agent_result(data)
-    assert got is not None
-    assert sorted(got) == sorted(SUMMARY_KEYS), "an object over 64 KiB of UTF-8 was kept whole"
-
-
-# -- run: real processes ------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.out, name)
 
 
 @pytest.fixture
-def abort() -> Iterator[Abort]:
-    a = Abort()
-    yield a
-    a.close()
-
-
-@pytest.fixture
-def spawn(tmp_path: Path, abort: Abort) -> Any:
-    """Return a function that runs argv with runner.run in tmp_path/work, logs in tmp_path/logs."""
+def spawn(tmp_path: Path) -> Any:
+    """Return a function that runs argv as an AgentProcess in tmp_path/work, logs in tmp_path/logs."""
     work = tmp_path / "work"
     logs = tmp_path / "logs"
     work.mkdir()
     logs.mkdir()
 
-    def go(argv: list[str], **kw: Any) -> Outcome:
+    def go(
+        argv: list[str],
+        *,
+        on_start: Callable[[int], None] | None = None,
+        abort_after: float | None = None,
+        abort_before: list[str] | None = None,
+        **kw: Any,
+    ) -> Run:
         options: dict[str, Any] = {
             "cwd": work,
             "env": {"PATH": os.environ["PATH"], "LANG": "C.UTF-8"},
@@ -342,10 +214,25 @@ def spawn(tmp_path: Path, abort: Abort) -> Any:
             "kill_grace_s": 0.5,
             "log_dir": logs,
             "max_log_bytes": 1 << 20,
-            "abort": abort,
         }
         options.update(kw)
-        return runner.run(argv, **options)
+        prefix = options.get("log_prefix", "")
+        for name in ("stdout.log", "stderr.log"):
+            (logs / f"{prefix}{name}").touch()
+
+        async def main() -> AgentExit:
+            proc = AgentProcess(argv, **options)
+            proc.start()
+            for reason in abort_before or []:
+                proc.abort(reason)
+            if on_start is not None:
+                on_start(proc.pid)
+            if abort_after is not None:
+                asyncio.get_running_loop().call_later(abort_after, proc.abort, "cancelled")
+            return await proc.wait()
+
+        out = asyncio.run(main())
+        return Run(out, parse_agent_result(out.stdout_tail))
 
     return go
 
@@ -420,25 +307,19 @@ def test_leftover_children_in_the_group_are_ended(spawn: Any, tmp_path: Path) ->
     assert time.monotonic() - t0 < 5
 
 
-def test_abort_ends_the_agent_at_once(spawn: Any, abort: Abort) -> None:
-    """abort.trigger wakes the attempt: the group is ended and the outcome names the reason."""
-
-    def cancel_soon(pid: int) -> None:
-        threading.Timer(0.2, abort.trigger, ("cancelled",)).start()
-
+def test_abort_ends_the_agent_at_once(spawn: Any) -> None:
+    """An abort wakes the attempt: the group is ended and the outcome names the reason."""
     t0 = time.monotonic()
-    out = spawn(["sleep", "30"], on_start=cancel_soon)
+    out = spawn(["sleep", "30"], abort_after=0.2)
     assert out.aborted == "cancelled" and out.timed_out is False
     assert out.exit_code == -signal.SIGTERM
     assert time.monotonic() - t0 < 5
 
 
-def test_abort_before_start_ends_the_agent_promptly(spawn: Any, abort: Abort) -> None:
-    """An abort already triggered (a stop during the spawn) ends the agent as soon as it runs."""
-    abort.trigger("stopped")
-    abort.trigger("cancelled")
+def test_first_abort_reason_wins(spawn: Any) -> None:
+    """Two aborts (a stop, then a cancel) end the agent once, and the first reason is recorded."""
     t0 = time.monotonic()
-    out = spawn(["sleep", "30"])
+    out = spawn(["sleep", "30"], abort_before=["stopped", "cancelled"])
     assert out.aborted == "stopped"
     assert time.monotonic() - t0 < 5
 
@@ -473,3 +354,36 @@ def test_program_that_cannot_start_raises_oserror(spawn: Any, tmp_path: Path) ->
     """A missing program raises OSError (the caller's config error), not a failed attempt."""
     with pytest.raises(OSError):
         spawn([str(tmp_path / "no-such-agent")])
+
+
+def test_many_agents_share_one_thread(tmp_path: Path) -> None:
+    """Two hundred agents run at once on one event loop: the process gains no thread per agent."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    counts: list[int] = []
+
+    async def main() -> list[AgentExit]:
+        procs_ = []
+        for i in range(200):
+            (logs / f"{i}-stdout.log").touch()
+            (logs / f"{i}-stderr.log").touch()
+            p = AgentProcess(
+                ["sh", "-c", "sleep 1; echo done"],
+                cwd=tmp_path,
+                env={"PATH": os.environ["PATH"]},
+                timeout_s=30,
+                kill_grace_s=1,
+                log_dir=logs,
+                max_log_bytes=1000,
+                log_prefix=f"{i}-",
+            )
+            p.start()
+            procs_.append(p)
+        await asyncio.sleep(0.5)
+        counts.append(len(os.listdir(f"/proc/{os.getpid()}/task")))
+        return [await p.wait() for p in procs_]
+
+    outs = asyncio.run(main())
+    assert [o.exit_code for o in outs] == [0] * 200
+    assert all((logs / f"{i}-stdout.log").read_bytes() == b"done\n" for i in range(200))
+    assert counts[0] < 10
