@@ -234,6 +234,10 @@ class Ledger(ABC):
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
 
+    def set_state(self, job_id: str, state: Row, *, expect: Row) -> bool:
+        """Move a row from one open state to another (a held follow-up released by an operator)."""
+        raise NotImplementedError
+
     # -- requests -----------------------------------------------------------------------
     @abstractmethod
     def request(self, job_id: str, kind: Request) -> None:
