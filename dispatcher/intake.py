@@ -36,7 +36,7 @@ from dispatcher.evidence import digest
 from dispatcher.jobspec import JobSpec, prompt_values
 from dispatcher.jobstore import JOB_FILE, JobFolder, is_disk_full, new_stage, remove_stage
 from dispatcher.layout import Layout, State
-from dispatcher.ledger import Busy, Claimed, ClaimRequest, Known, Ledger
+from dispatcher.ledger import Busy, Claimed, ClaimRequest, Entry, Known, Ledger, Row
 from dispatcher.loader import load_document
 from dispatcher.orders import Order, order_format, parse_order, to_json
 from dispatcher.refusals import Refusal, refuse
@@ -153,7 +153,9 @@ def claim(
     for i, pick in enumerate(picks):
         item = pick.item
         found = layout.find(item.order.job_id)
-        if found is not None:  # a folder the ledger does not know (a lost ledger): never run it again
+        if found is not None and ledger.get(item.order.job_id) is None:
+            # a job folder the ledger does not know (a lost ledger): put its row back, never run it again
+            _repair_row(ledger, item.order.job_id, found[0])
             out[i] = _refuse(layout, owner, item, found[0].value, on_refused)
             continue
         try:
@@ -186,6 +188,12 @@ def claim(
     if placed:
         fsutil.fsync_dir(layout.folder(State.ACTIVE))  # the claim's durable point: before any agent starts
     return [o if o is not None else Skipped("") for o in out]
+
+
+def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
+    row = {State.DONE: Row.DONE, State.FAILED: Row.FAILED, State.REVIEW: Row.REVIEW}.get(state, Row.CLAIMED)
+    ledger.load_rows([Entry(job_id, row, None, None, 1, None, None, None, 0, None, None, time.time())])
+    log.warning("ledger.repaired", job_id=job_id, state=row.value, reason="a job folder without a ledger row")
 
 
 def _stage(layout: Layout, owner: str, item: Inspected) -> Path | None:

@@ -15,6 +15,7 @@ sequence of ``jobstore``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import time
@@ -355,7 +356,7 @@ class Job:
                 safe, why = await self._safe_to_retry()
                 if safe:
                     data = retry.feedback(self.job_id, n, checks)
-                    await self._persist(self.folder.stash, n)
+                    await self._persist(functools.partial(self.folder.stash, n, feedback=True))
                     await self._persist(self.folder.write_feedback, data)
                     self.spec = self.spec.with_given("feedback.json", retry.digest(data))
                     await self._persist(self.folder.write_spec, self.spec)

@@ -155,15 +155,16 @@ class JobFolder:
             self.attempts_dir / str(attempt.n) / "attempt.json", fsutil.dump_json(attempt.to_json()), sync=False
         )
 
-    def stash(self, n: int) -> None:
-        """Move receipt.json, outbox/ and feedback.json of attempt n into attempts/<n>/ (idempotent).
+    def stash(self, n: int, *, feedback: bool = False) -> None:
+        """Move receipt.json and outbox/ (and feedback.json) of attempt n into attempts/<n>/ (idempotent).
 
         Whatever they are (a file, a folder, a link, a FIFO), the entries are renamed,
-        never read or followed, so no leftover can pass for proof of a later attempt.
+        never read or followed, so no leftover can pass for proof of a later attempt;
+        ``feedback`` also moves an older feedback.json aside before a new one is written.
         """
         folder = self.attempts_dir / str(n)
         os.makedirs(folder, exist_ok=True)
-        for name in ("receipt.json", "outbox", "feedback.json"):
+        for name in ("receipt.json", "outbox", "feedback.json")[: 3 if feedback else 2]:
             src = self.work / name
             if not os.path.lexists(src):
                 continue

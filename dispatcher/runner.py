@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dispatcher import procs
+
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 PASSED_ENV = ("PATH", "HOME", "LANG")
 ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file")
@@ -337,13 +339,18 @@ async def end_group(pgid: int, grace_s: float, *, already_termed: bool = False) 
 
 
 async def _emptied(pgid: int, deadline: float) -> bool:
+    """Wait until no live process is left in the group (True) or the deadline passes (False)."""
     loop = asyncio.get_running_loop()
+    polls = 0
     while True:
         with contextlib.suppress(ChildProcessError, OSError):
             while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
                 pass  # reap our own zombies in the group
         if not _signal_group(pgid, 0):
             return True
+        polls += 1
+        if polls % 5 == 0 and not any(state not in ("Z", "X") for _pid, state, _ppid in procs.group_members(pgid)):
+            return True  # only zombies left, waiting for their parent (or init) to reap them
         if loop.time() >= deadline:
             return False
         await asyncio.sleep(_GROUP_POLL_S)

@@ -22,7 +22,7 @@ from dispatcher import fsutil
 from dispatcher.config import Config
 from dispatcher.errors import OrderError, UsageError
 from dispatcher.layout import Layout
-from dispatcher.ledger import LedgerUnavailable, open_ledger
+from dispatcher.ledger import LedgerUnavailable, LedgerUnreachable, open_ledger
 from dispatcher.orders import Order, parse_order
 from dispatcher.queued import queued_ids
 
@@ -72,7 +72,10 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
 
 def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
     """Raise OrderError for the first order whose job id the ledger knows or an inbox/ order holds."""
-    ledger = open_ledger(cfg, layout, patience_s=LOCK_TIMEOUT_S)
+    try:
+        ledger = open_ledger(cfg, layout, patience_s=LOCK_TIMEOUT_S)
+    except LedgerUnreachable as exc:
+        raise OrderError(f"cannot submit: {exc}", file=orders[0][0]) from None
     try:
         known = {o.job_id: e.state for _, o, _ in orders if (e := ledger.get(o.job_id)) is not None}
     except LedgerUnavailable as exc:

@@ -431,6 +431,7 @@ def test_example_orders_and_followup_validate_against_the_config(tmp_path: Path)
 def test_claude_config_runs_the_handoff_with_the_stub(tmp_path: Path) -> None:
     """config/agents.claude.yaml, with the stub first on PATH, takes JOB-001 through both agents."""
     root = tmp_path / "dispatch"
+    root.mkdir()  # a root must exist (`dispatcher init` makes one)
     path = stub_path()
     base = ("--config", "config/agents.claude.yaml", "--root", str(root))
     assert dispatcher(*base, "submit", str(JOB_001), PATH=path).returncode == 0
@@ -451,6 +452,7 @@ def test_claude_config_runs_the_handoff_with_the_stub(tmp_path: Path) -> None:
 def test_claude_not_logged_in_fails_the_job_with_the_cli_answer_recorded(tmp_path: Path) -> None:
     """A `claude` that is not logged in fails exit_ok; result.json keeps its is_error answer."""
     root = tmp_path / "dispatch"
+    root.mkdir()  # a root must exist (`dispatcher init` makes one)
     config = yaml.safe_load((REPO / "config" / "agents.claude.yaml").read_text())
     config["root"] = str(root)
     for agent in config["agents"].values():

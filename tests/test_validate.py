@@ -649,7 +649,7 @@ def test_config_limits_at_their_edges_are_fine(env: Env) -> None:
     env.config_path.write_text(f"root: {env.root}\nmax_followups: 1\nagents:\n  worker:\n{agent}")
     proc = env.cli("validate")
     assert proc.returncode == 0, proc.stderr
-    assert "ok (1 agents)" in proc.stdout
+    assert "ok (1 agent)" in proc.stdout
 
 
 @pytest.mark.parametrize("text", ["- a list\n", "just text\n", ""], ids=["list", "scalar", "empty"])

@@ -45,6 +45,7 @@ __all__ = [
     "Ledger",
     "LedgerLost",
     "LedgerUnavailable",
+    "LedgerUnreachable",
     "Request",
     "Row",
     "open_ledger",
@@ -55,6 +56,10 @@ REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebu
 
 class LedgerLost(UsageError):
     """The ledger is missing or unreadable while job folders exist: nothing may start on it."""
+
+
+class LedgerUnreachable(UsageError):
+    """The ledger cannot be opened right now (a full disk, a read-only folder)."""
 
 
 def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = None, create: bool = True) -> Ledger:
@@ -80,9 +85,11 @@ def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = No
         path.parent.mkdir(parents=True, exist_ok=True)
         ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s)
     except LedgerError as exc:
+        if exc.unreachable:  # a full disk, a read-only folder: the ledger itself may be fine
+            raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({exc})") from None
         raise LedgerLost(f"{path}: the ledger cannot be read ({exc}); {REBUILD_HINT}") from None
     except OSError as exc:
-        raise LedgerLost(f"{path}: the ledger cannot be opened ({exc.strerror})") from None
+        raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({exc.strerror})") from None
     if (missing or ledger.is_empty()) and has_jobs(layout):
         ledger.close()
         raise LedgerLost(f"{path}: the ledger is empty but job folders exist; {REBUILD_HINT}")

@@ -87,6 +87,10 @@ _WAIT_LOG_S = 5.0
 class LedgerError(Exception):
     """The ledger file cannot be used (not a database, newer schema, unreadable)."""
 
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable  # the disk or folder is at fault, not the ledger's contents
+
 
 def _entry(row: tuple[object, ...]) -> Entry:
     return Entry(*row)  # type: ignore[arg-type]
@@ -118,7 +122,9 @@ class SqliteLedger(Ledger):
             self._db.execute("PRAGMA synchronous=FULL")
             self._retrying(self._migrate)
         except sqlite3.DatabaseError as exc:
-            raise LedgerError(_describe(exc)) from None
+            text = str(exc).lower()
+            unreachable = any(w in text for w in ("unable to open", "disk i/o", "readonly", "read-only", "full"))
+            raise LedgerError(_describe(exc), unreachable=unreachable) from None
 
     def _migrate(self) -> None:
         self._db.executescript(_SCHEMA)  # CREATE ... IF NOT EXISTS: safe when daemons start together
