@@ -34,7 +34,7 @@ DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, flo
 
 # `_created` series (one per counter and label set) say when this daemon started
 # counting; node_exporter has no use for them and they double the file.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
 
 
 def metrics_path(template: str | os.PathLike[str], host: str, pid: int) -> Path:
