@@ -27,7 +27,7 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.config import Config
-from dispatcher.errors import NotFound, WrongState
+from dispatcher.errors import NotFound, WrongState, printable
 from dispatcher.layout import Layout, State
 from dispatcher.ledger import Ledger, Request, Row, open_ledger
 from dispatcher.queued import find_queued
@@ -187,7 +187,7 @@ class Operator:
 
 def _check_id(job_id: str) -> None:
     if not JOB_ID.fullmatch(job_id):
-        raise NotFound(f"{job_id!r}: not a job id")
+        raise NotFound(f"{printable(job_id)}: not a job id (letters, digits, '.', '_', '-'; at most 128)")
 
 
 def _word(state: str) -> str:

@@ -83,13 +83,18 @@ def test_hold_of_ids_not_queued_fails_for_each_and_still_holds_the_others(env: E
 
 
 def test_release_of_an_order_that_is_not_held_exits_1(env: Env) -> None:
-    """`release` of a queued (not held) order or of an unknown id fails for that id with one line each."""
+    """`release` of a queued (not held) order, an unknown id or a path instead of an id fails with one line each."""
     env.drop(order("Q-3"))
     proc = env.cli("release", "Q-3", "NOPE")
     assert proc.returncode == 1
     errors = stderr_lines(proc)
     assert [e.split(":")[0] for e in errors] == ["Q-3", "NOPE"], errors
     assert "not held" in errors[0], errors
+    odd = env.cli("release", "../inbox/Q-3")
+    assert (
+        odd.returncode == 1
+        and odd.stderr == "../inbox/Q-3: not a job id (letters, digits, '.', '_', '-'; at most 128)\n"
+    )
     assert (env.root / "inbox" / "Q-3.json").exists()
 
 
