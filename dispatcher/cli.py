@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from dispatcher import __version__, commands, usage
 from dispatcher.config import Config, require_config
-from dispatcher.errors import DispatchError, NotFound, OrderError, WrongState
-from dispatcher.layout import UMASK, Layout, State
+from dispatcher.errors import DispatchError, OrderError
+from dispatcher.layout import UMASK
 from dispatcher.orders import parse_order
 
 
@@ -64,14 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("files", nargs="*", metavar="FILE")
     c = _command(sub, "status")
     c.add_argument("--json", action="store_true")
+    c = _command(sub, "list")
+    c.add_argument("--state", choices=usage.LIST_STATES, help="only jobs (or refused files) in this state")
+    c.add_argument("--agent", metavar="A", help="only the jobs of this agent")
+    c.add_argument("--json", action="store_true", help="one JSON object a line")
     c = _command(sub, "show")
     c.add_argument("job_id")
     c.add_argument("--json", action="store_true")
-    c.add_argument("--tree", action="store_true", help="draw the chain of follow-ups")
-    c = _command(sub, "retry")
-    c.add_argument("job_id")
-    c = _command(sub, "cancel")
-    c.add_argument("job_id")
+    c.add_argument("--tree", action="store_true", help="draw the chain of follow-ups with each job's cost")
+    for name in ("retry", "cancel", "hold", "release"):
+        c = _command(sub, name)
+        c.add_argument("ids", nargs="+", metavar="ID", help="job ids, or - to read them from stdin, one a line")
     c = _command(sub, "logs")
     c.add_argument("source", nargs="?", metavar="FILE", help="a log file, or - for stdin (default: log_file)")
     c.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, across rotation")
@@ -154,65 +156,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_retry(args: argparse.Namespace) -> int:
-    """Record a retry of a failed job for a running (or the next) daemon."""
-    from dispatcher.ledger import Request, open_ledger
-
-    cfg = _config(args, need_root=True)
-    layout = Layout(cfg.root)
-    found = layout.find(args.job_id)
-    if found is None:
-        raise NotFound(f"{args.job_id}: no such job")
-    if found[0] is not State.FAILED:
-        raise WrongState(f"{args.job_id}: is {found[0].value}, only a failed job can be retried")
-    ledger = open_ledger(cfg, layout, patience_s=30)
-    try:
-        ledger.request(args.job_id, Request.RETRY)
-    finally:
-        ledger.close()
-    _poke(layout, "retry", args.job_id)
-    print(f"{args.job_id}: retry requested")
-    return 0
-
-
-def cmd_cancel(args: argparse.Namespace) -> int:
-    """Record a cancel of a queued or running job for a running (or the next) daemon."""
-    from dispatcher.ledger import Request, open_ledger
-    from dispatcher.queued import queued_ids
-
-    cfg = _config(args, need_root=True)
-    layout = Layout(cfg.root)
-    ledger = open_ledger(cfg, layout, patience_s=30)
-    try:
-        entry = ledger.get(args.job_id)
-        if entry is not None and entry.state in ("done", "failed"):
-            raise WrongState(f"{args.job_id}: is {entry.state}, only a queued or running job can be cancelled")
-        if entry is None and not queued_ids(layout.inbox, [args.job_id]):
-            raise NotFound(f"{args.job_id}: no such job")
-        ledger.request(args.job_id, Request.CANCEL)
-    finally:
-        ledger.close()
-    _poke(layout, "cancel", args.job_id)
-    print(f"{args.job_id}: cancel requested")
-    return 0
-
-
-def _poke(layout: Layout, kind: str, job_id: str) -> None:
-    """Drop a hint file so that a running daemon acts at once (the ledger is the truth)."""
-    layout.control.mkdir(parents=True, exist_ok=True)
-    path = layout.control / f"{kind}-{job_id}-{time.time_ns()}"
-    path.write_bytes(b"")
-
-
 COMMANDS = {
     "init": commands.cmd_init,
     "run": commands.cmd_run,
     "submit": cmd_submit,
     "validate": cmd_validate,
     "status": commands.cmd_status,
+    "list": commands.cmd_list,
     "show": commands.cmd_show,
-    "retry": cmd_retry,
-    "cancel": cmd_cancel,
+    "retry": lambda args: commands.for_each_id(args, "retry"),
+    "cancel": lambda args: commands.for_each_id(args, "cancel"),
+    "hold": lambda args: commands.for_each_id(args, "hold"),
+    "release": lambda args: commands.for_each_id(args, "release"),
     "logs": commands.cmd_logs,
     "completion": commands.cmd_completion,
 }

@@ -1,4 +1,4 @@
-"""The commands an operator runs around the daemon: init, run, status, show, logs, completion.
+"""The commands an operator runs around the daemon: init, run, status, list, show, logs, the id actions.
 
 Each takes the parsed arguments and returns an exit code; errors are raised
 as `DispatchError`s for `cli.main` to print as one line.
@@ -10,8 +10,10 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 from dispatcher.config import (
     DEFAULT_CONFIG,
@@ -25,9 +27,9 @@ from dispatcher.config import (
     require_config,
     require_root,
 )
-from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError
+from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState
 from dispatcher.layout import UMASK, Layout
-from dispatcher.text import plain, plural
+from dispatcher.text import plural
 
 
 def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
@@ -118,47 +120,119 @@ def validate_config(path: Path, cfg: Config) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print counts per state and the active jobs (or all of it as JSON)."""
+    """Print counts per state, the daemons, the active jobs and the spend of 24 h (or all of it as JSON)."""
+    from dispatcher.render import render_status
     from dispatcher.report import status
 
     cfg = config_of(args, need_root=True)
-    info = status(Layout(cfg.root))
+    now = time.time()
+    info = status(cfg, Layout(cfg.root), now)
     if args.json:
         print(json.dumps(info, indent=2))
-        return 0
-    c = info["counts"]
-    print(f"root {cfg.root}")
-    print("  ".join(f"{k} {v}" for k, v in c.items()))
-    if info["active"]:
-        print(f"{'JOB':<28} {'AGENT':<14} {'PID':>7} {'HOST':<16} AGE")
-        for row in info["active"]:
-            age = f"{row['age_s']:.0f} s" if row["age_s"] is not None else "-"
-            print(
-                f"{row['job_id']:<28} {plain(row['agent']):<14} {plain(row['pid']):>7} {plain(row['host']):<16} {age}"
-            )
+    else:
+        print(render_status(str(cfg.root), info, now))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print one line per job or refused file, newest first (or JSON lines)."""
+    from dispatcher.listing import list_jobs
+    from dispatcher.render import render_list
+    from dispatcher.report import open_reader
+
+    cfg = config_of(args, need_root=True)
+    layout = Layout(cfg.root)
+    ledger = open_reader(cfg, layout) if args.state in (None, "done") else None
+    try:
+        rows = list_jobs(cfg, layout, ledger, state=args.state, agent=args.agent)
+    finally:
+        if ledger is not None:
+            ledger.close()
+    lines = (json.dumps(r) for r in rows) if args.json else render_list(rows)
+    for line in lines:
+        print(line)
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    """Print one job: state, checks, attempts and its chain (or JSON, or the tree)."""
-    from dispatcher.report import chain, render_show, render_tree, tree_root
+    """Print one job: state, checks, attempts, cost and its chain (or JSON, or the tree)."""
+    from dispatcher.jobinfo import chain, tree_root
+    from dispatcher.render import render_show, render_tree
+    from dispatcher.report import open_reader
 
     cfg = config_of(args, need_root=True)
     layout = Layout(cfg.root)
-    info = chain(layout, args.job_id)
-    if info is None:
-        raise NotFound(f"{args.job_id}: no such job")
+    ledger = open_reader(cfg, layout)
+    try:
+        info = chain(layout, ledger, args.job_id, cfg.max_order_bytes)
+        if info is None:
+            raise NotFound(f"{args.job_id}: no such job")
+        root = (chain(layout, ledger, tree_root(info), cfg.max_order_bytes) or info) if args.tree else info
+    finally:
+        if ledger is not None:
+            ledger.close()
     if args.json:
         out = dict(info["job"])
         out["ancestors"] = info["ancestors"]
-        out["tree"] = info["tree"]
+        out["tree"] = root["tree"]
         print(json.dumps(out, indent=2))
     elif args.tree:
-        root = chain(layout, tree_root(info)) or info
         print(render_tree(root["tree"], args.job_id))
     else:
         print(render_show(info))
     return 0
+
+
+def read_ids(given: list[str], stdin: IO[str]) -> list[str]:
+    """Return the job ids of the arguments, `-` standing for those on stdin, one a line."""
+    out: list[str] = []
+    for arg in given:
+        if arg == "-":
+            out.extend(line.strip() for line in stdin if line.strip())
+        else:
+            out.append(arg)
+    return out
+
+
+def for_each_id(args: argparse.Namespace, action: str) -> int:
+    """Run one operator action (retry, cancel, hold, release) for each id; 1 if any failed.
+
+    Each id is handled on its own: a failure is one line on stderr and the
+    others are still handled. Hold and release write `job.held` and
+    `job.released` into the config's `log_file` when one is set.
+    """
+    from dispatcher.actions import Operator
+
+    cfg = config_of(args, need_root=True)
+    ids = read_ids(args.ids, sys.stdin)
+    if not ids:
+        raise UsageError(f"{action}: no job id given")
+    if action in ("hold", "release"):
+        _log_to_file(cfg)
+    op = Operator(cfg, Layout(cfg.root))
+    run = getattr(op, action)
+    failed = 0
+    try:
+        for job_id in ids:
+            try:
+                print(run(job_id), flush=True)
+            except (NotFound, WrongState) as exc:
+                print(exc, file=sys.stderr, flush=True)
+                failed += 1
+    finally:
+        op.close()
+    return 1 if failed else 0
+
+
+def _log_to_file(cfg: Config) -> None:
+    """Send log lines to the config's log_file only: stdout is for the person at the terminal."""
+    from dispatcher import logs
+
+    logs.SINK.console = open(os.devnull, "w")  # noqa: SIM115 - the sink keeps it for the process's life
+    try:
+        logs.configure(log_file=cfg.log_file, console=False)
+    except OSError as exc:
+        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -1,243 +1,207 @@
-"""What `status`, `show` and `logs` read and print: the folders are the truth."""
+"""What `status` reads, and the reads `list` and `show` share: the folders are the truth.
+
+Counts come from listing folders (``os.scandir``, no file opened); owners,
+liveness, lineage and costs come from the ledger. Nothing here writes.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dispatcher import fsutil
+from dispatcher.config import Config
+from dispatcher.errors import OrderError
 from dispatcher.evidence import is_ignored
-from dispatcher.layout import Layout, State
-from dispatcher.ledger import Ledger
-from dispatcher.ledger.sqlite import SqliteLedger
+from dispatcher.jobstore import JobFolder
+from dispatcher.layout import Layout, State, has_jobs
+from dispatcher.ledger import DaemonInfo, Ledger, Row, open_ledger
+from dispatcher.loader import load_document
+from dispatcher.orders import order_format
+
+#: how long a command waits for a ledger another process is writing
+PATIENCE_S = 30.0
+#: the window of `status`'s spend per agent
+SPEND_WINDOW_S = 24 * 3600.0
+#: the states `status` counts; `failed` is failed jobs, `refused` refused files
+COUNTED = ("inbox", "held", "active", "review", "done", "failed", "refused")
 
 
-def _count(path: Path) -> tuple[int, int]:
-    """Return (jobs, refusals) in a state folder: refusal folders have '@' in their names."""
-    jobs = refused = 0
+def open_reader(config: Config, layout: Layout) -> Ledger | None:
+    """Open the ledger for a command that reads; None on a fresh root that has none yet.
+
+    A ledger missing or unreadable while job folders exist raises ``LedgerLost``
+    (exit 2, naming `dispatcher ledger rebuild`), as for every command.
+    """
+    if config.ledger == "sqlite":
+        path = layout.ledger
+        missing = not path.exists() or path.stat().st_size == 0
+        if missing and not has_jobs(layout):
+            return None
+    return open_ledger(config, layout, patience_s=PATIENCE_S, create=False)
+
+
+def visible_entries(folder: Path) -> Iterator[os.DirEntry[str]]:
+    """Yield the entries of folder whose names do not start with '.' (none if the folder is missing)."""
     try:
-        with os.scandir(path) as it:
+        with os.scandir(folder) as it:
             for de in it:
-                if de.name.startswith("."):
-                    continue
-                if "@" in de.name:
-                    refused += 1
-                else:
-                    jobs += 1
+                if not de.name.startswith("."):
+                    yield de
     except FileNotFoundError:
-        pass
+        return
+
+
+def _orders_in(folder: Path) -> int:
+    return sum(1 for de in visible_entries(folder) if not is_ignored(de.name))
+
+
+def _jobs_and_refusals(folder: Path) -> tuple[int, int]:
+    """Return (jobs, refused files) in a state folder: refusal folders have '@' in their names."""
+    jobs = refused = 0
+    for de in visible_entries(folder):
+        if "@" in de.name:
+            refused += 1
+        else:
+            jobs += 1
     return jobs, refused
 
 
-def status(layout: Layout) -> dict[str, Any]:
-    """Return counts per state and the active jobs (contract section 7)."""
-    try:
-        inbox = sum(1 for n in os.listdir(layout.inbox) if not is_ignored(n))
-    except FileNotFoundError:
-        inbox = 0
-    active, _ = _count(layout.folder(State.ACTIVE))
-    done, _ = _count(layout.folder(State.DONE))
-    failed, refused = _count(layout.folder(State.FAILED))
-    owners = _owners(layout)
-    ledger = _ledger(layout)
-    rows = []
-    try:
-        names = sorted(os.listdir(layout.folder(State.ACTIVE)))
-    except FileNotFoundError:
-        names = []
-    now = time.time()
-    for job_id in names:
-        if job_id.startswith("."):
-            continue
-        spec = _read(layout.job(State.ACTIVE, job_id) / "job.json") or {}
-        entry = ledger.get(job_id) if ledger else None
-        owner = owners.get(entry.owner or "", {}) if entry else {}
-        received = spec.get("received")
-        rows.append(
-            {
-                "job_id": job_id,
-                "agent": (spec.get("agent") or {}).get("name"),
-                "pid": owner.get("pid"),
-                "host": owner.get("host"),
-                "age_s": round(now - float(received), 1) if received else None,
-            }
-        )
-    if ledger:
-        ledger.close()
+def queue_counts(layout: Layout) -> dict[str, int]:
+    """Return how many orders wait in inbox/ and held/ and how many jobs are in active/ and review/.
+
+    Cheap (one directory listing each, no file opened), for the metrics'
+    ``dispatcher_queue`` gauge; it still lists folders, so call it off the loop.
+    """
     return {
-        "counts": {
-            "inbox": inbox,
-            "active": active,
-            "done": done,
-            "failed": failed,
-            "refused": refused,
-        },
-        "active": rows,
+        "inbox": _orders_in(layout.inbox),
+        "held": _orders_in(layout.held),
+        "active": _jobs_and_refusals(layout.folder(State.ACTIVE))[0],
+        "review": _jobs_and_refusals(layout.folder(State.REVIEW))[0],
     }
 
 
-def _ledger(layout: Layout) -> Ledger | None:
-    """Open the ledger for reading, if there is one."""
-    if not layout.ledger.exists():
-        return None
-    return SqliteLedger(layout.ledger, layout.state_dir, patience_s=30)
+def state_counts(layout: Layout) -> dict[str, int]:
+    """Return the counts of `status`: the queue, done and failed jobs, and refused files."""
+    counts = queue_counts(layout)
+    counts["done"] = _jobs_and_refusals(layout.folder(State.DONE))[0]
+    counts["failed"], counts["refused"] = _jobs_and_refusals(layout.folder(State.FAILED))
+    return {k: counts[k] for k in COUNTED}
 
 
-def _owners(layout: Layout) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
+def status(config: Config, layout: Layout, now: float | None = None) -> dict[str, Any]:
+    """Return what `status --json` prints: counts, daemons, active jobs and the spend of the last 24 h."""
+    now = time.time() if now is None else now
+    counts = state_counts(layout)
+    ledger = open_reader(config, layout)
     try:
-        names = os.listdir(layout.daemons)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if name.endswith(".json"):
-            info = _read(layout.daemons / name)
-            if info:
-                out[name[: -len(".json")]] = info
-    return out
-
-
-def _read(path: Path) -> Any:
-    try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def find_job(layout: Layout, job_id: str) -> dict[str, Any] | None:
-    """Return what is known of one job: state, folder, result, lineage; None if unknown."""
-    found = layout.find(job_id)
-    ledger = _ledger(layout)
-    try:
-        entry = ledger.get(job_id) if ledger else None
-        children = ledger.children(job_id) if ledger else []
+        daemons = ledger.daemons() if ledger else []
+        active = active_jobs(layout, ledger, daemons, now)
+        spend = spend_since(ledger, now - SPEND_WINDOW_S) if ledger else {}
     finally:
         if ledger:
             ledger.close()
-    if found is None:
-        if entry is None:
-            return None
-        state = {"reserved": "reserved", "released": "inbox"}.get(entry.state, entry.state)
-        return {
-            "job_id": job_id,
-            "state": state,
-            "agent": entry.agent,
-            "reason": None,
-            "checks": [],
-            "attempts": [],
-            "parent": entry.parent,
-            "children": children,
-            "hops": entry.hops,
-            "folder": None,
-        }
-    state, folder = found
-    result = _read(folder / "result.json") or {}
-    spec = _read(folder / "job.json") or {}
-    out: dict[str, Any] = {
-        "job_id": job_id,
-        "state": state.value,
-        "agent": result.get("agent") or (spec.get("agent") or {}).get("name"),
-        "reason": result.get("reason"),
-        "checks": result.get("checks", []),
-        "attempts": result.get("attempts", []),
-        "received": result.get("received"),
-        "finished": result.get("finished"),
-        "parent": spec.get("parent", result.get("parent")),
-        "children": sorted(set(result.get("children", [])) | set(children)),
-        "hops": spec.get("hops", 0),
-        "folder": str(folder),
+    return {
+        "counts": counts,
+        "daemons": [
+            {"owner": d.owner, "pid": d.pid, "host": d.host, "alive": d.alive, "started": d.started} for d in daemons
+        ],
+        "active": active,
+        "spend_24h": spend,
     }
-    return out
 
 
-def chain(layout: Layout, job_id: str) -> dict[str, Any] | None:
-    """Return the job with its ancestors (root first) and a tree of descendants."""
-    job = find_job(layout, job_id)
-    if job is None:
-        return None
-    ancestors: list[dict[str, Any]] = []
-    parent = job.get("parent")
-    seen = {job_id}
-    while parent and parent not in seen:
-        seen.add(parent)
-        p = find_job(layout, parent)
-        if p is None:
-            break
-        ancestors.insert(0, {"job_id": parent, "state": p["state"], "agent": p["agent"]})
-        parent = p.get("parent")
+def active_jobs(layout: Layout, ledger: Ledger | None, daemons: list[DaemonInfo], now: float) -> list[dict[str, Any]]:
+    """Return each job in active/ with its agent, owner daemon's pid and host, age, and whether that daemon lives.
 
-    def tree(j: dict[str, Any], depth: int) -> dict[str, Any]:
-        node = {"job_id": j["job_id"], "state": j["state"], "agent": j["agent"], "children": []}
-        if depth < 64:
-            for cid in j.get("children", []):
-                c = find_job(layout, cid)
-                if c is not None and cid not in seen:
-                    seen.add(cid)
-                    node["children"].append(tree(c, depth + 1))
-        return node
-
-    return {"job": job, "ancestors": ancestors, "tree": tree(job, 0)}
-
-
-def render_show(info: dict[str, Any]) -> str:
-    """Return `dispatcher show` text for a person."""
-    job = info["job"]
-    lines = [f"{job['job_id']}  {job['state']}  agent {job['agent']}  hops {job.get('hops', 0)}"]
-    if job.get("reason"):
-        lines.append(f"  reason: {job['reason']}")
-    if job.get("received"):
-        lines.append(f"  received {job['received']}  finished {job.get('finished') or '-'}")
-    if job.get("folder"):
-        lines.append(f"  folder: {job['folder']}")
-    if job["checks"]:
-        lines.append("  checks:")
-        for c in job["checks"]:
-            mark = {True: "pass", False: "FAIL", None: "n/a "}[c["ok"]]
-            lines.append(f"    {mark}  {c['name']:<16} {c['detail']}")
-    if job["attempts"]:
-        lines.append("  attempts:")
-        for a in job["attempts"]:
-            extra = ""
-            ar = a.get("agent_result")
-            if isinstance(ar, dict):
-                bits = [f"{k}={ar[k]}" for k in ("is_error", "total_cost_usd", "num_turns", "session_id") if k in ar]
-                extra = "  " + " ".join(bits) if bits else ""
-            code = "timed out" if a.get("timed_out") else f"exit {a.get('exit_code')}"
-            lines.append(f"    #{a['n']}  {a.get('started')}  {code}  {a.get('duration_ms')} ms{extra}")
-    lines.append("  chain:")
-    for a in info["ancestors"]:
-        lines.append(f"    ancestor  {a['job_id']}  {a['state']}  ({a['agent']})")
-    lines.append(f"    this      {job['job_id']}  {job['state']}  ({job['agent']})")
-    for c in _flatten(info["tree"]):
-        lines.append(f"    {'  ' * (c[0] - 1)}child     {c[1]['job_id']}  {c[1]['state']}  ({c[1]['agent']})")
-    return "\n".join(lines)
-
-
-def _flatten(node: dict[str, Any], depth: int = 0) -> list[tuple[int, dict[str, Any]]]:
+    The owner is the ledger row's ``owner``; a job whose row has none, or whose
+    owner is not alive, is flagged ``daemon_alive: false`` (the next daemon to
+    start, or a live one, recovers it).
+    """
+    by_owner = {d.owner: d for d in daemons}
+    names = sorted(de.name for de in visible_entries(layout.folder(State.ACTIVE)))
+    rows = ledger.known(names) if ledger and names else {}
     out = []
-    for child in node["children"]:
-        out.append((depth + 1, child))
-        out.extend(_flatten(child, depth + 1))
+    for job_id in names:
+        folder = JobFolder(layout.job(State.ACTIVE, job_id))
+        try:
+            spec = folder.spec()
+            agent: str | None = spec.agent.name
+            received: float | None = spec.received
+        except ValueError:
+            agent, received = None, None
+        entry = rows.get(job_id)
+        owner = entry.owner if entry is not None else None
+        daemon = by_owner.get(owner) if owner else None
+        if owner and daemon is None and ledger is not None:
+            alive = ledger.alive(owner)
+        else:
+            alive = daemon is not None and daemon.alive
+        out.append(
+            {
+                "job_id": job_id,
+                "agent": agent or (entry.agent if entry else None),
+                "pid": daemon.pid if daemon else None,
+                "host": daemon.host if daemon else None,
+                "age_s": round(now - received, 1) if received is not None else None,
+                "daemon_alive": alive,
+            }
+        )
     return out
 
 
-def tree_root(info: dict[str, Any]) -> str:
-    """Return the id of the first job of the chain."""
-    return str(info["ancestors"][0]["job_id"] if info["ancestors"] else info["job"]["job_id"])
+def spend_since(ledger: Ledger, since: float) -> dict[str, float]:
+    """Return the cost in USD per agent of the jobs that finished since ``since`` (epoch seconds).
+
+    Read from the ledger: each finished row (done, failed, review) carries its
+    job's ``cost_usd`` (the sum over its attempts) and ``updated``, the time it
+    finished. A job counts whole in the window it finished in, so a retried
+    job's earlier attempts count again when it finishes again.
+    """
+    spend: dict[str, float] = {}
+    for entry in ledger.in_state(Row.DONE, Row.FAILED, Row.REVIEW):
+        if entry.updated >= since and entry.cost_usd is not None:
+            agent = entry.agent or "-"
+            spend[agent] = spend.get(agent, 0.0) + entry.cost_usd
+    return {agent: round(usd, 6) for agent, usd in sorted(spend.items())}
 
 
-def render_tree(root_tree: dict[str, Any], me: str) -> str:
-    """Draw a chain from its root; the job asked about is marked with '<-'."""
-    lines: list[str] = []
+@dataclass(frozen=True, slots=True)
+class OrderFile:
+    """A work order waiting in inbox/ or held/, as far as it could be read."""
 
-    def walk(node: dict[str, Any], prefix: str, last: bool, top: bool) -> None:
-        label = f"{node['job_id']} [{node['state']}] ({node['agent']})" + ("  <-" if node["job_id"] == me else "")
-        lines.append(label if top else f"{prefix}{'└── ' if last else '├── '}{label}")
-        kids = node["children"]
-        for i, kid in enumerate(kids):
-            walk(kid, "" if top else prefix + ("    " if last else "│   "), i == len(kids) - 1, False)
+    path: Path
+    job_id: str | None
+    agent: str | None
+    mtime: float
+    body: dict[str, Any] | None
 
-    walk(root_tree, "", True, True)
-    return "\n".join(lines)
+
+def read_order_file(path: Path, max_bytes: int, mtime: float | None = None) -> OrderFile:
+    """Read one order file (bounded by max_bytes, no link followed) for `list` and `show`.
+
+    An unreadable or invalid file still gives an OrderFile, with what could be read.
+    """
+    body: Any = None
+    try:
+        if mtime is None:
+            mtime = os.lstat(path).st_mtime
+        fmt = order_format(path.name)
+        if fmt is not None:
+            body = load_document(fsutil.read_regular(path, max_bytes), fmt)
+    except (OSError, OrderError, ValueError, RecursionError, fsutil.NotRegular):
+        body = None
+    body = body if isinstance(body, dict) else None
+    job_id = body.get("job_id") if body else None
+    agent = body.get("to") if body else None
+    return OrderFile(
+        path,
+        job_id if isinstance(job_id, str) else None,
+        agent if isinstance(agent, str) else None,
+        mtime or 0.0,
+        body,
+    )

@@ -18,6 +18,9 @@ example:
   dispatcher COMMAND --help     # what a command does, its exit codes and an example"""
 
 BAD = "bad usage, a bad config or none found"
+#: the states `list --state` takes (contract 7): `failed` is failed jobs, `refused` refused files
+LIST_STATES = ("inbox", "held", "active", "review", "done", "failed", "refused")
+_IDS = "each ID on its own; - reads ids from stdin, one a line"
 
 # command -> (summary, exit codes, examples)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -47,24 +50,43 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "dispatcher validate orders/*.yaml\ndispatcher validate --config /etc/dispatcher/dispatcher.yaml",
     ),
     "status": (
-        "counts per state, the daemons on this root and the active jobs",
+        "counts per state, the daemons on this root, the active jobs and the spend of the last 24 h",
         f"0 printed\n2 {BAD}, a root that does not exist",
         "dispatcher status\ndispatcher status --json | jq .counts",
     ),
+    "list": (
+        "one line per job or refused file, newest first: id, state, agent, age, cost, reason",
+        f"0 printed (also when nothing matched)\n2 {BAD}, a root that does not exist, an unknown --state",
+        "dispatcher list --state failed\ndispatcher list --agent assigner --json | jq -r .job_id",
+    ),
     "show": (
-        "one job: state, checks, attempts, its chain of follow-ups",
+        "one job: state, checks, attempts (argv, host, cost, stderr of a failure), its chain",
         f"0 printed\n1 no such job\n2 {BAD}, a root that does not exist",
         "dispatcher show JOB-001\ndispatcher show --tree JOB-001",
     ),
     "retry": (
-        "run a failed job again, with max_attempts more attempts",
-        f"0 the retry is recorded\n1 no such job, or the job is not failed\n2 {BAD}, a root that does not exist",
-        "dispatcher retry JOB-001",
+        f"run failed jobs again, with max_attempts more attempts ({_IDS})",
+        f"0 every retry is recorded\n1 an id is unknown or not failed (one line each on stderr)\n"
+        f"2 {BAD}, a root that does not exist",
+        "dispatcher retry JOB-001 JOB-002\ndispatcher list --state failed --json | jq -r .job_id | dispatcher retry -",
     ),
     "cancel": (
-        "stop a queued or running job (it fails with reason cancelled)",
-        f"0 the cancel is recorded\n1 no such job, or the job is finished\n2 {BAD}, a root that does not exist",
+        f"stop queued or running jobs; they fail with reason cancelled ({_IDS})",
+        f"0 every cancel is recorded\n1 an id is unknown or finished (one line each on stderr)\n"
+        f"2 {BAD}, a root that does not exist",
         "dispatcher cancel JOB-001",
+    ),
+    "hold": (
+        f"move queued orders from inbox/ into held/, where no daemon claims them ({_IDS})",
+        f"0 every order is held\n1 an id is not queued in inbox/ (one line each on stderr)\n"
+        f"2 {BAD}, a root that does not exist",
+        "dispatcher hold JOB-001 JOB-002\ndispatcher list --state inbox --json | jq -r .job_id | dispatcher hold -",
+    ),
+    "release": (
+        f"move held orders back into inbox/, follow-ups held by budget included ({_IDS})",
+        f"0 every order is back in inbox/\n1 an id is not held (one line each on stderr)\n"
+        f"2 {BAD}, a root that does not exist",
+        "dispatcher release JOB-001",
     ),
     "logs": (
         "read JSON log lines (log_file, FILE, or - for stdin) as lines a person reads",

@@ -663,7 +663,15 @@ def test_status_counts_jobs_and_refusals_not_temp_names(scenario: Scenario) -> N
     proc = scenario.env.cli("status", "--json")
     assert proc.returncode == 0, proc.stderr
     counts = json.loads(proc.stdout)["counts"]
-    assert counts == {"inbox": 0, "active": 0, "done": len(JOBS) + 1, "failed": 0, "refused": len(STEMS) + 1}
+    assert counts == {
+        "inbox": 0,
+        "held": 0,
+        "active": 0,
+        "review": 0,
+        "done": len(JOBS) + 1,
+        "failed": 0,
+        "refused": len(STEMS) + 1,
+    }
 
 
 def test_failed_folder_holds_only_refusals_here(scenario: Scenario) -> None:
@@ -1084,15 +1092,23 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Busy]:
 
 
 def test_status_json_has_exact_keys_and_counts(busy: Busy) -> None:
-    """`status --json` gives counts per state and the active jobs with agent, pid, host and age."""
+    """`status --json` gives counts per state, the daemons and the active jobs with agent, pid, host and age."""
     proc = busy.env.cli("status", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert set(data) == {"counts", "active"}
-    assert data["counts"] == {"inbox": 1, "active": 1, "done": 1, "failed": 1, "refused": 1}
+    assert set(data) >= {"counts", "daemons", "active"}
+    assert data["counts"] == {
+        "inbox": 1,
+        "held": 0,
+        "active": 1,
+        "review": 0,
+        "done": 1,
+        "failed": 1,
+        "refused": 1,
+    }
     assert len(data["active"]) == 1
     job = data["active"][0]
-    assert set(job) == {"job_id", "agent", "pid", "host", "age_s"}
+    assert set(job) == {"job_id", "agent", "pid", "host", "age_s", "daemon_alive"}
     assert job["job_id"] == "ST-SLOW"
     assert job["agent"] == "slow"
     assert busy.daemon.proc is not None

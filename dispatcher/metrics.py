@@ -1,0 +1,140 @@
+"""The daemon's Prometheus metrics, kept in a text file for node_exporter (contract section 10).
+
+``prometheus_client`` holds the values (thread-safe) and writes the file in the
+text format 0.0.4, atomically: it writes a temporary file beside the target and
+renames it over the target, so a reader never sees half a file. The daemon
+updates the values as things happen (cheap, from any thread) and calls
+``write`` from a worker thread at least every 10 seconds and at stop.
+
+Metrics (labels in braces):
+
+- ``dispatcher_jobs_finished_total{state,agent}``: jobs done or failed and files
+  refused, since this daemon started;
+- ``dispatcher_queue{state}``: orders in inbox/ and held/, jobs in active/ and
+  review/, over the whole root (every daemon's);
+- ``dispatcher_agents_running{agent}``: agents this daemon runs now;
+- ``dispatcher_job_duration_seconds{agent}``: claim to finish, a histogram;
+- ``dispatcher_cost_usd_total{agent}``: the cost the agents reported;
+- ``dispatcher_last_loop_timestamp_seconds``: the loop's last turn (a stuck loop shows).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, write_to_textfile
+
+FINISHED_STATES = ("done", "failed", "refused")
+QUEUE_STATES = ("inbox", "held", "active", "review")
+#: from a quick script to an agent that works for an hour or two
+DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
+
+# `_created` series (one per counter and label set) say when this daemon started
+# counting; node_exporter has no use for them and they double the file.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
+
+
+def metrics_path(template: str | os.PathLike[str], host: str, pid: int) -> Path:
+    """Return the metrics file's path: ``{host}`` and ``{pid}`` in the template replaced."""
+    return Path(str(template).replace("{host}", host).replace("{pid}", str(pid)))
+
+
+class Metrics:
+    """One daemon's metrics, written to one file.
+
+    ``agents`` (the configured agent names) start every per-agent series at 0,
+    so that a rate over the first finished job is not lost.
+    """
+
+    def __init__(self, path_template: str | os.PathLike[str], host: str, pid: int, agents: Iterable[str] = ()) -> None:
+        self.path = metrics_path(path_template, host, pid)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._running_agents: set[str] = set()
+        self.finished = Counter(
+            "dispatcher_jobs_finished",
+            "Jobs done or failed and files refused since this daemon started.",
+            ("state", "agent"),
+            registry=self.registry,
+        )
+        self.queue = Gauge(
+            "dispatcher_queue",
+            "Orders in inbox/ and held/, jobs in active/ and review/, over the whole root.",
+            ("state",),
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "dispatcher_agents_running", "Agents this daemon runs now.", ("agent",), registry=self.registry
+        )
+        self.duration = Histogram(
+            "dispatcher_job_duration_seconds",
+            "Seconds from a job's claim to its finish.",
+            ("agent",),
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.cost = Counter(
+            "dispatcher_cost_usd", "Cost in USD the agents reported.", ("agent",), registry=self.registry
+        )
+        self.last_loop = Gauge(
+            "dispatcher_last_loop_timestamp_seconds",
+            "Unix time of the daemon loop's last turn.",
+            registry=self.registry,
+        )
+        for state in QUEUE_STATES:
+            self.queue.labels(state=state).set(0)
+        for agent in agents:
+            self._touch(agent)
+
+    def _touch(self, agent: str) -> None:
+        """Make every per-agent series of agent exist (at 0)."""
+        for state in FINISHED_STATES:
+            self.finished.labels(state=state, agent=agent)
+        self.running.labels(agent=agent)
+        self.duration.labels(agent=agent)
+        self.cost.labels(agent=agent)
+        with self._lock:
+            self._running_agents.add(agent)
+
+    def job_finished(self, state: str, agent: str | None, duration_s: float | None, cost_usd: float | None) -> None:
+        """Count one job done or failed (with its claim-to-finish seconds and cost), or one file refused.
+
+        ``agent`` is None (label "") for a refused file whose order named none.
+        A review is not a finish: it is counted when approved or rejected.
+        """
+        label = agent or ""
+        self.finished.labels(state=state, agent=label).inc()
+        if duration_s is not None and duration_s >= 0:
+            self.duration.labels(agent=label).observe(duration_s)
+        if cost_usd is not None and cost_usd > 0:
+            self.cost.labels(agent=label).inc(cost_usd)
+
+    def set_running(self, counts: Mapping[str, int]) -> None:
+        """Set how many copies of each agent this daemon runs; agents left out are set to 0."""
+        with self._lock:
+            known = self._running_agents | set(counts)
+            self._running_agents = known
+        for agent in known:
+            self.running.labels(agent=agent).set(counts.get(agent, 0))
+
+    def set_queue(self, counts: Mapping[str, int]) -> None:
+        """Set the queue gauge from ``report.queue_counts(layout)`` (inbox, held, active, review)."""
+        for state in QUEUE_STATES:
+            if state in counts:
+                self.queue.labels(state=state).set(counts[state])
+
+    def loop_turn(self, ts: float) -> None:
+        """Record a turn of the daemon's loop at Unix time ts (cheap: call it every turn)."""
+        self.last_loop.set(ts)
+
+    def write(self) -> None:
+        """Write the file atomically (a temporary file beside it, then a rename); raise OSError if it cannot.
+
+        Blocking (a file write): call it from a worker thread, never the loop.
+        The file is created with the process's umask (the daemon's 027 leaves
+        it readable by its group: put node_exporter's user in that group).
+        """
+        write_to_textfile(str(self.path), self.registry)

@@ -1,0 +1,262 @@
+"""The operator's actions on job ids (contract 7): hold, release, retry and cancel, several ids or `-`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import Env, cli_env, order, wait_until
+
+from dispatcher.config import load_config
+from dispatcher.layout import Layout
+from dispatcher.ledger import ClaimRequest, Row, open_ledger
+
+
+def cli_input(env: Env, stdin: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run `dispatcher --config CFG ARGS` with stdin."""
+    return subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=env.tmp,
+        env=cli_env(),
+    )
+
+
+def run_once(env: Env) -> int:
+    return env.cli("run", "--once", timeout=120).returncode
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def stderr_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+def test_held_order_is_never_claimed_until_released(env: Env) -> None:
+    """`hold` moves a queued order into held/ where `run --once` leaves it; `release` puts it back and it runs."""
+    log_file = env.tmp / "dispatcher.log"
+    env.configure(log_file=str(log_file))
+    env.drop(order("HOLD-1"))
+    proc = env.cli("hold", "HOLD-1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "HOLD-1: held (held/HOLD-1.json)"
+    assert sorted(os.listdir(env.root / "held")) == ["HOLD-1.json"]
+    assert not (env.root / "inbox" / "HOLD-1.json").exists()
+    assert run_once(env) == 0
+    assert not (env.root / "done" / "HOLD-1").exists() and env.starts() == []
+    assert (env.root / "held" / "HOLD-1.json").exists()
+
+    proc = env.cli("release", "HOLD-1")
+    assert proc.returncode == 0 and proc.stdout.strip() == "HOLD-1: released into inbox/", proc.stderr
+    assert os.listdir(env.root / "held") == []
+    assert run_once(env) == 0
+    env.wait_job("HOLD-1", "done")
+    got = [(e["event"], e["job_id"], e["agent"]) for e in events(log_file) if e["event"].startswith("job.")]
+    assert ("job.held", "HOLD-1", "worker") in got and ("job.released", "HOLD-1", "worker") in got, got
+    assert got.index(("job.held", "HOLD-1", "worker")) < got.index(("job.released", "HOLD-1", "worker"))
+
+
+def test_hold_of_ids_not_queued_fails_for_each_and_still_holds_the_others(env: Env) -> None:
+    """`hold` of unknown, finished and queued ids holds the queued ones; one stderr line per other id; exit 1."""
+    env.drop(order("FIN-1"))
+    assert run_once(env) == 0
+    env.drop(order("Q-1"))
+    env.drop(order("Q-2"))
+    proc = env.cli("hold", "Q-1", "NOPE", "FIN-1", "Q-2")
+    assert proc.returncode == 1, proc.stderr
+    errors = stderr_lines(proc)
+    assert len(errors) == 2 and errors[0].startswith("NOPE: ") and errors[1].startswith("FIN-1: "), errors
+    assert "done" in errors[1]
+    assert sorted(os.listdir(env.root / "held")) == ["Q-1.json", "Q-2.json"]
+    again = env.cli("hold", "Q-1")
+    assert again.returncode == 1 and "held" in again.stderr, again.stderr
+
+
+def test_release_of_an_order_that_is_not_held_exits_1(env: Env) -> None:
+    """`release` of a queued (not held) order, an unknown id or a path instead of an id fails with one line each."""
+    env.drop(order("Q-3"))
+    proc = env.cli("release", "Q-3", "NOPE")
+    assert proc.returncode == 1
+    errors = stderr_lines(proc)
+    assert [e.split(":")[0] for e in errors] == ["Q-3", "NOPE"], errors
+    assert "not held" in errors[0], errors
+    odd = env.cli("release", "../inbox/Q-3")
+    assert (
+        odd.returncode == 1
+        and odd.stderr == "../inbox/Q-3: not a job id (letters, digits, '.', '_', '-'; at most 128)\n"
+    )
+    assert (env.root / "inbox" / "Q-3.json").exists()
+
+
+def test_ids_are_read_from_stdin_with_a_dash(env: Env) -> None:
+    """`hold -` and `release -` take one id a line from stdin (blank lines skipped)."""
+    for job_id in ("S-1", "S-2", "S-3"):
+        env.drop(order(job_id))
+    proc = cli_input(env, "S-1\n\nS-3\n", "hold", "-")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(env.root / "held")) == ["S-1.json", "S-3.json"]
+    proc = cli_input(env, "S-3\nS-1\n", "release", "-")
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(env.root / "held") == []
+
+
+def test_retry_of_several_ids_from_stdin_retries_the_failed_ones(env: Env) -> None:
+    """`retry -` retries each failed id read from stdin; an unknown one is one stderr line and exit 1."""
+    env.configure(agents={"worker": env.agent("--fail-attempts", "1")})
+    env.drop(order("R-1"))
+    env.drop(order("R-2"))
+    assert run_once(env) == 1
+    proc = cli_input(env, "R-1\nNOPE\nR-2\n", "retry", "-")
+    assert proc.returncode == 1
+    assert [e.split(":")[0] for e in stderr_lines(proc)] == ["NOPE"], proc.stderr
+    assert proc.stdout.splitlines() == ["R-1: retry requested", "R-2: retry requested"]
+    assert run_once(env) == 0
+    assert sorted(job for job, attempt in env.starts() if attempt == 2) == ["R-1", "R-2"]
+
+
+def test_cancel_of_several_ids_cancels_each_queued_one(env: Env) -> None:
+    """`cancel A B C` cancels each queued job; a finished one fails on its own with exit 1."""
+    env.drop(order("DONE-1"))
+    assert run_once(env) == 0
+    env.drop(order("C-1"))
+    env.drop(order("C-2"))
+    proc = env.cli("cancel", "C-1", "DONE-1", "C-2")
+    assert proc.returncode == 1
+    assert [e.split(":")[0] for e in stderr_lines(proc)] == ["DONE-1"], proc.stderr
+    assert run_once(env) == 1
+    for job_id in ("C-1", "C-2"):
+        assert env.wait_job(job_id, "failed")["reason"] == "cancelled"
+
+
+def test_followup_held_by_budget_is_released_and_runs(env: Env) -> None:
+    """A follow-up held by max_chain_cost_usd is released by `release` (file and ledger) and then runs to done."""
+    child = order("BUDGET-B")
+    child["from"] = "first"
+    spend = json.dumps({"total_cost_usd": 0.5})
+    env.configure(
+        agents={"first": env.agent("--json-result", spend, "--followup", json.dumps(child)), "worker": env.agent()},
+        max_chain_cost_usd=0.1,
+    )
+    env.drop(order("BUDGET-A", to="first"))
+    assert run_once(env) == 0
+    assert os.listdir(env.root / "held") == ["BUDGET-B.json"]
+    assert json.loads(env.cli("status", "--json", check=True).stdout)["counts"]["held"] == 1
+    assert json.loads(env.cli("show", "BUDGET-B", "--json", check=True).stdout)["state"] == "held"
+
+    proc = env.cli("release", "BUDGET-B")
+    assert proc.returncode == 0, proc.stderr
+    assert run_once(env) == 0
+    result = env.wait_job("BUDGET-B", "done")
+    assert result["parent"] == "BUDGET-A"
+
+
+def _ledger(env: Env) -> Any:
+    cfg = load_config(env.config_path)
+    return open_ledger(cfg, Layout(cfg.root), patience_s=10)
+
+
+def _hold_in_background(env: Env, job_id: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "hold", job_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=env.tmp,
+        env=cli_env(),
+    )
+
+
+def test_hold_racing_a_claim_leaves_the_job_to_the_daemon(env: Env) -> None:
+    """A hold that moves a file a daemon is claiming reports it as being claimed and leaves no copy in held/."""
+    assert run_once(env) == 0  # makes the layout and the ledger
+    inbox_file = env.drop(order("RACE-1"))
+    data = inbox_file.read_bytes()
+    stage = env.root / ".state" / "staging" / "fake.claim-RACE-1"
+    stage.mkdir()
+    os.link(inbox_file, stage / "order.json")  # step 1 of a claim: the daemon's second name
+    hold = _hold_in_background(env, "RACE-1")
+    held = env.root / "held" / "RACE-1.json"
+    wait_until(held.exists, 30, "hold to move the file")
+    ledger = _ledger(env)
+    try:  # steps 2 and 3: the id is claimed and the staging folder becomes the job's folder
+        ledger.claim([ClaimRequest("RACE-1", "worker", "RACE-1.json", "x")])
+        os.rename(stage, env.root / "active" / "RACE-1")
+    finally:
+        ledger.close()
+    out, err = hold.communicate(timeout=30)
+    assert hold.returncode == 1, (out, err)
+    assert err.strip() == "RACE-1: is being claimed by a daemon, not queued"
+    assert not held.exists()
+    assert (env.root / "active" / "RACE-1" / "order.json").read_bytes() == data
+
+
+def test_hold_waits_for_a_daemon_that_lets_the_file_go(env: Env) -> None:
+    """A hold that finds a daemon's second name on the file waits until it is dropped, then holds the order."""
+    assert run_once(env) == 0
+    inbox_file = env.drop(order("RACE-2"))
+    stage = env.root / ".state" / "staging" / "fake.claim-RACE-2"
+    stage.mkdir()
+    os.link(inbox_file, stage / "order.json")
+    hold = _hold_in_background(env, "RACE-2")
+    held = env.root / "held" / "RACE-2.json"
+    wait_until(held.exists, 30, "hold to move the file")
+    time.sleep(0.3)
+    assert hold.poll() is None, "hold did not wait for the daemon's claim to settle"
+    os.unlink(stage / "order.json")  # the daemon let go (the id was known, or the file changed)
+    stage.rmdir()
+    _, err = hold.communicate(timeout=30)
+    assert hold.returncode == 0, err
+    assert held.exists() and os.stat(held).st_nlink == 1
+    ledger = _ledger(env)
+    try:
+        assert ledger.get("RACE-2") is None
+    finally:
+        ledger.close()
+
+
+def test_hold_and_release_of_a_released_followup_keep_the_ledger_in_step(env: Env) -> None:
+    """A released follow-up waiting for its agent is held (ledger row `held`) and released again (row `released`)."""
+    child = order("FUP-B")
+    child["from"] = "first"
+    env.configure(
+        agents={
+            "worker": env.agent("--sleep", "60", concurrency=1),
+            "first": env.agent("--followup", json.dumps(child)),
+        },
+        max_jobs=2,
+        stop_timeout=1,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BUSY-W"))  # takes worker's one slot: its follow-up will wait in inbox/
+    wait_until(lambda: (env.root / "active" / "BUSY-W").exists(), 30, "the worker to be busy")
+    env.drop(order("FUP-A", to="first"))
+    env.wait_job("FUP-A", "done")
+    wait_until(lambda: (env.root / "inbox" / "FUP-B.json").exists(), 30, "the follow-up to be released")
+
+    def row() -> str:
+        ledger = _ledger(env)
+        try:
+            entry = ledger.get("FUP-B")
+            return str(entry.state) if entry else "-"
+        finally:
+            ledger.close()
+
+    assert row() == Row.RELEASED
+    assert env.cli("hold", "FUP-B").returncode == 0
+    assert row() == Row.HELD
+    assert os.listdir(env.root / "held") == ["FUP-B.json"]
+    assert env.cli("release", "FUP-B").returncode == 0
+    assert row() in (Row.RELEASED, Row.CLAIMED)
+    assert (env.root / "inbox" / "FUP-B.json").exists() or (env.root / "active" / "FUP-B").exists()
+    d.stop()

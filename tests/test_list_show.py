@@ -1,0 +1,206 @@
+"""`dispatcher list` and `dispatcher show` (contract 7) over a root with a job of every kind."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, order
+from test_lifecycle import make_env
+
+from dispatcher.config import load_config
+from dispatcher.jobstore import JobFolder
+from dispatcher.layout import Layout
+from dispatcher.listing import list_jobs
+
+ROW_KEYS = {"job_id", "state", "agent", "age_s", "reason", "cost_usd", "path"}
+PYTHON_NOTATION = ("None", "True", "False", "['", "{'", ".0 ")
+# an agent that prints 15 numbered lines on stderr and exits 3
+NOISY = [
+    sys.executable,
+    "-c",
+    "import sys\nfor i in range(1, 16): print(f'err line {i}', file=sys.stderr)\nsys.exit(3)",
+]
+
+
+def costing(env: Env, usd: float, *flags: str) -> dict[str, Any]:
+    """Return the fake agent reporting usd as its total_cost_usd, with more flags."""
+    return env.agent(*flags, "--json-result", json.dumps({"total_cost_usd": usd}))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """A root after `run --once`: done (with cost), failed (noisy stderr), refused, a chain; then queued and held."""
+    env = make_env(tmp_path_factory.mktemp("listshow"))
+    child = order("CHAIN-B", to="worker")
+    child["from"] = "first"
+    env.configure(
+        agents={
+            "worker": costing(env, 0.25),
+            "noisy": {"command": NOISY, "timeout": 30},
+            "first": costing(env, 0.5, "--followup", json.dumps(child)),
+        }
+    )
+    env.drop(order("OK-1"))
+    env.drop(order("BAD-1", to="noisy"))
+    env.drop(order("CHAIN-A", to="first"))
+    env.drop("just notes\n", "notes.txt")
+    proc = env.cli("run", "--once", timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a failure and a refusal
+    env.drop(order("QUEUED-1"))
+    held = env.root / "held"
+    held.mkdir(exist_ok=True)
+    (held / "HELD-1.json").write_text(json.dumps(order("HELD-1")))
+    yield env
+
+
+def rows(env: Env, *args: str) -> list[dict[str, Any]]:
+    """Return `list --json ARGS` as data."""
+    proc = env.cli("list", "--json", *args, check=True)
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+# -- list ------------------------------------------------------------------------------------------
+
+
+def test_list_json_has_one_row_per_job_and_refused_file_newest_first(root: Env) -> None:
+    """`list --json` prints one JSON object a line with the contract's keys, each job and refusal once, newest first."""
+    got = rows(root)
+    assert all(set(r) == ROW_KEYS for r in got), got
+    states = {r["job_id"]: r["state"] for r in got}
+    assert states == {
+        "QUEUED-1": "inbox",
+        "HELD-1": "held",
+        "OK-1": "done",
+        "BAD-1": "failed",
+        "CHAIN-A": "done",
+        "CHAIN-B": "done",
+        None: "refused",
+    }
+    ages = [r["age_s"] for r in got]
+    assert ages == sorted(ages), got
+    assert got[0]["job_id"] in ("QUEUED-1", "HELD-1")
+    by_id = {r["job_id"]: r for r in got}
+    assert by_id["OK-1"]["cost_usd"] == 0.25 and by_id["OK-1"]["agent"] == "worker"
+    assert Path(by_id["OK-1"]["path"]) == root.root / "done" / "OK-1"
+    assert Path(by_id["QUEUED-1"]["path"]) == root.root / "inbox" / "QUEUED-1.json"
+
+
+def test_list_state_failed_gives_the_reason_and_refused_gives_null_job_id(root: Env) -> None:
+    """`--state failed` lists the failed job with its reason; `--state refused` the refused file, job_id null."""
+    (failed,) = rows(root, "--state", "failed")
+    assert failed["job_id"] == "BAD-1" and failed["reason"].startswith("exit_ok")
+    (refused,) = rows(root, "--state", "refused")
+    assert refused["job_id"] is None
+    assert refused["reason"].startswith("not a work order")
+    assert "notes@" in refused["path"]
+
+
+def test_list_agent_keeps_only_that_agents_jobs(root: Env) -> None:
+    """`--agent worker` lists only jobs whose agent is worker, queued and held orders included."""
+    got = rows(root, "--agent", "worker")
+    assert {r["job_id"] for r in got} == {"OK-1", "CHAIN-B", "QUEUED-1", "HELD-1"}
+
+
+def test_list_text_shows_id_state_agent_age_cost_reason_without_python_notation(root: Env) -> None:
+    """`list` prints a line per job: state, agent, age, cost in USD, a failure's reason; no Python notation."""
+    text = root.cli("list", check=True).stdout
+    lines = {line.split()[0]: line for line in text.splitlines()[1:]}
+    assert "done" in lines["OK-1"] and "worker" in lines["OK-1"] and "0.25 USD" in lines["OK-1"], text
+    assert "failed" in lines["BAD-1"] and "exit_ok: exit 3" in lines["BAD-1"], text
+    assert "refused" in lines["-"] and "not a work order" in lines["-"], text
+    for python in PYTHON_NOTATION:
+        assert python not in text, text
+
+
+def test_list_with_an_unknown_state_exits_2(root: Env) -> None:
+    """`list --state nonsense` is bad usage: exit 2 with one line on stderr."""
+    proc = root.cli("list", "--state", "nonsense")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_list_of_failed_jobs_reads_no_result_of_a_done_job(root: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `--state failed`, no result.json under done/ is opened (a big root stays fast)."""
+    opened: list[Path] = []
+    real = JobFolder.result
+
+    def spy(self: JobFolder) -> dict[str, Any] | None:
+        opened.append(self.path)
+        return real(self)
+
+    monkeypatch.setattr(JobFolder, "result", spy)
+    cfg = load_config(root.config_path)
+    got = list_jobs(cfg, Layout(root.root), None, state="failed")
+    assert [r["job_id"] for r in got] == ["BAD-1"]
+    assert opened == [root.root / "failed" / "BAD-1"]
+
+
+# -- show ------------------------------------------------------------------------------------------
+
+
+def show_json(env: Env, job_id: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(env.cli("show", job_id, "--json", check=True).stdout)
+    return data
+
+
+def test_show_failed_job_prints_its_stderr_tail_log_paths_argv_and_host(root: Env) -> None:
+    """`show` of a failed job prints the last 10 lines of its stderr, its logs' paths, the argv it ran and the host."""
+    text = root.cli("show", "BAD-1", check=True).stdout
+    attempts = root.root / "failed" / "BAD-1" / "attempts" / "1"
+    assert str(attempts / "stderr.log") in text and str(attempts / "stdout.log") in text, text
+    for i in range(6, 16):
+        assert f"err line {i}\n" in text, text
+    assert "err line 5\n" not in text, text
+    assert f"argv: {sys.executable} -c" in text, text
+    assert f"host {socket.gethostname()}" in text, text
+
+
+def test_show_json_of_a_failed_attempt_has_argv_host_logs_and_stderr_tail(root: Env) -> None:
+    """`show --json` gives each attempt its argv, host, log paths, and for a failed one its stderr's last lines."""
+    (attempt,) = show_json(root, "BAD-1")["attempts"]
+    assert attempt["argv"] == NOISY
+    assert attempt["host"] == socket.gethostname()
+    assert Path(attempt["logs"]["stderr"]).read_text().startswith("err line 1\n")
+    assert attempt["stderr_tail"] == [f"err line {i}" for i in range(6, 16)]
+
+
+def test_show_gives_cost_per_attempt_and_in_total(root: Env) -> None:
+    """`show` of a job whose agent reported a cost shows it per attempt and for the job, in USD."""
+    data = show_json(root, "OK-1")
+    assert data["cost_usd"] == 0.25 and data["attempts"][0]["cost_usd"] == 0.25
+    assert "stderr_tail" not in data["attempts"][0]
+    text = root.cli("show", "OK-1", check=True).stdout
+    assert "cost 0.25 USD" in text and "cost: 0.25 USD" in text, text
+
+
+def test_show_tree_gives_each_jobs_cost_and_the_chains_total(root: Env) -> None:
+    """`show --tree` prints each job of the chain with its cost, then the chain's total."""
+    text = root.cli("show", "--tree", "CHAIN-B", check=True).stdout
+    lines = text.splitlines()
+    assert "CHAIN-A" in lines[0] and "0.5 USD" in lines[0], text
+    assert "CHAIN-B" in lines[1] and "0.25 USD" in lines[1] and "<-" in lines[1], text
+    assert lines[-1] == "chain total: 0.75 USD", text
+
+
+@pytest.mark.parametrize(("job_id", "state", "folder"), [("QUEUED-1", "inbox", "inbox"), ("HELD-1", "held", "held")])
+def test_show_of_a_queued_or_held_order(root: Env, job_id: str, state: str, folder: str) -> None:
+    """`show` of an order still in inbox/ or held/ gives its state, agent and file."""
+    data = show_json(root, job_id)
+    assert (data["job_id"], data["state"], data["agent"]) == (job_id, state, "worker")
+    assert Path(data["file"]) == root.root / folder / f"{job_id}.json"
+    text = root.cli("show", job_id, check=True).stdout
+    assert text.startswith(f"{job_id}  {state}  agent worker"), text
+
+
+@pytest.mark.parametrize("job_id", ["OK-1", "BAD-1", "CHAIN-A", "CHAIN-B", "QUEUED-1", "HELD-1"])
+def test_show_text_has_no_python_notation(root: Env, job_id: str) -> None:
+    """`show` and `show --tree` text never shows None, True/False, a Python list or a needless `.0`."""
+    for args in (("show", job_id), ("show", "--tree", job_id)):
+        text = root.cli(*args, check=True).stdout
+        for python in PYTHON_NOTATION:
+            assert python not in text, text

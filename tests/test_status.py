@@ -1,0 +1,120 @@
+"""`dispatcher status` (contract 7): counts, the daemons on the root, active jobs and whose they are, spend."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from conftest import Env, order, wait_until
+
+from dispatcher.layout import Layout
+from dispatcher.report import queue_counts
+
+COUNT_KEYS = {"inbox", "held", "active", "review", "done", "failed", "refused"}
+
+
+def status(env: Env) -> dict[str, Any]:
+    """Return `status --json` as data (it must exit 0)."""
+    proc = env.cli("status", "--json", check=True)
+    data: dict[str, Any] = json.loads(proc.stdout)
+    return data
+
+
+def costing(env: Env, usd: float) -> dict[str, Any]:
+    """Return the fake agent reporting usd as its total_cost_usd, as headless agent CLIs do."""
+    return env.agent("--json-result", json.dumps({"total_cost_usd": usd, "num_turns": 1}))
+
+
+def test_fresh_root_shows_zero_counts_no_daemons_and_says_none_is_running(env: Env) -> None:
+    """On a root no daemon ever ran on, every count is 0, `daemons` is empty and the text says no daemon runs."""
+    (env.root / "inbox").mkdir()
+    data = status(env)
+    assert data["counts"] == dict.fromkeys(COUNT_KEYS, 0)
+    assert data["daemons"] == []
+    assert data["active"] == []
+    text = env.cli("status", check=True).stdout
+    assert "no daemon is running" in text, text
+
+
+def test_live_daemon_is_listed_and_a_killed_one_flags_its_active_job(env: Env) -> None:
+    """A running daemon is listed alive with pid and host; killed, it is listed dead and its active job is flagged."""
+    env.configure(agents={"slow": env.agent("--sleep", "60")}, stop_timeout=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SLOW-1", to="slow"))
+    wait_until(lambda: any(job == "SLOW-1" for job, _ in env.starts()), 30, "the slow agent to start")
+    assert d.proc is not None
+    pid = d.proc.pid
+
+    live = status(env)
+    assert [(x["pid"], x["host"], x["alive"]) for x in live["daemons"]] == [(pid, socket.gethostname(), True)]
+    assert set(live["daemons"][0]) == {"owner", "pid", "host", "alive", "started"}
+    (job,) = live["active"]
+    assert set(job) == {"job_id", "agent", "pid", "host", "age_s", "daemon_alive"}
+    assert (job["job_id"], job["agent"], job["pid"], job["daemon_alive"]) == ("SLOW-1", "slow", pid, True)
+    text = env.cli("status", check=True).stdout
+    assert "no daemon is running" not in text and "not running" not in text, text
+
+    d.kill()
+    dead = status(env)
+    assert [(x["pid"], x["alive"]) for x in dead["daemons"]] == [(pid, False)]
+    (job,) = dead["active"]
+    assert (job["job_id"], job["pid"], job["daemon_alive"]) == ("SLOW-1", pid, False)
+    text = env.cli("status", check=True).stdout
+    assert "no daemon is running" in text, text
+    job_line = next(line for line in text.splitlines() if line.startswith("SLOW-1"))
+    assert "daemon not running" in job_line and str(pid) in job_line, text
+
+
+def test_spend_of_the_last_24_hours_per_agent(env: Env) -> None:
+    """`status` sums the cost the agents reported for jobs finished in the last 24 h, per agent."""
+    env.configure(agents={"worker": costing(env, 0.25), "other": costing(env, 0.125)})
+    env.drop(order("PAY-1"))
+    env.drop(order("PAY-2"))
+    env.drop(order("PAY-3", to="other"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert status(env)["spend_24h"] == {"other": 0.125, "worker": 0.5}
+    text = env.cli("status", check=True).stdout
+    assert "worker 0.5 USD" in text and "other 0.125 USD" in text, text
+
+
+def test_held_orders_and_jobs_in_review_are_counted(env: Env) -> None:
+    """Orders in held/ count as `held` (not inbox), job folders in review/ as `review`."""
+    env.drop(order("DONE-1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0  # a ledger that knows a job, as on any used root
+    env.drop(order("Q-1"))
+    held = env.root / "held"
+    (held / "H-1.json").write_text(json.dumps(order("H-1")))
+    (held / ".H-2.json.tmp").write_text("{}")
+    (env.root / "review" / "R-1").mkdir()
+    counts = status(env)["counts"]
+    assert (counts["inbox"], counts["held"], counts["review"]) == (1, 1, 1)
+
+
+def test_status_text_has_no_python_notation(env: Env) -> None:
+    """`status` text for a person never shows None, True/False or a Python list, also for a job with no cost."""
+    env.configure(agents={"worker": env.agent(), "bad": env.agent("--exit", "3")})
+    env.drop(order("FINE-1"))
+    env.drop(order("BAD-1", to="bad"))
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    text = env.cli("status", check=True).stdout
+    assert "stopped" in text and "done 1" in text and "failed 1" in text, text
+    for python in ("None", "True", "False", "['", "{'"):
+        assert python not in text, text
+
+
+def test_queue_counts_counts_orders_and_jobs_without_temp_names(tmp_path: Path) -> None:
+    """`queue_counts` counts orders in inbox/ and held/ (not hidden or temp names) and jobs in active/ and review/."""
+    layout = Layout(tmp_path)
+    layout.create()
+    for name in ("a.json", "b.yaml", ".c.json", "d.json.tmp", "e.part"):
+        (layout.inbox / name).write_text("{}")
+    (layout.held / "f.json").write_text("{}")
+    for job in ("J1", "J2"):
+        (layout.root / "active" / job).mkdir()
+    (layout.root / "review" / "J3").mkdir()
+    os.mkdir(layout.root / "active" / ".staging-leftover")
+    assert queue_counts(layout) == {"inbox": 2, "held": 1, "active": 2, "review": 1}
