@@ -14,7 +14,6 @@ sequence of ``jobstore``.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import socket
@@ -25,72 +24,25 @@ from typing import TypeVar
 
 import structlog
 
-from dispatcher import retry
+from dispatcher import attempt, retry
 from dispatcher.agent_result import AGENT_RESULT_MAX, parse_agent_result
-from dispatcher.checks import CheckResult, Exit, run_checks, verdict
+from dispatcher.checks import CheckResult, Exit, verdict
 from dispatcher.config import Config
-from dispatcher.evidence import gather
-from dispatcher.jobspec import Attempt, JobSpec, Outcome, Stop, prompt_values, total_cost
+from dispatcher.control import Control, Left
+from dispatcher.jobspec import Attempt, JobSpec, Outcome, Stop, total_cost
 from dispatcher.jobstore import JobFolder, build_result, is_disk_full
 from dispatcher.lanes import GroupCommit, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger import Child, Finish, Ledger, Row
 from dispatcher.orders import Order
 from dispatcher.recovery import leftover_groups
-from dispatcher.runner import AgentProcess, build_env, end_group, render
+from dispatcher.runner import end_group
+from dispatcher.verify import verify
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
 HOST = socket.gethostname()
 _DISK_WAIT_MAX_S = 30.0
-
-
-class Left(Exception):
-    """A stop came while the job waited: it stays in active/ for the next start."""
-
-
-class Control:
-    """The one channel that stops a job: a cancel or a stop, whatever the job is doing."""
-
-    def __init__(self) -> None:
-        self.reason: Stop | None = None
-        self._proc: AgentProcess | None = None
-        self._sleep: asyncio.Future[None] | None = None
-
-    def abort(self, reason: Stop) -> None:
-        """Stop the job now (the first reason wins)."""
-        if self.reason is not None:
-            return
-        self.reason = reason
-        if self._proc is not None:
-            self._proc.abort(reason)
-        if self._sleep is not None and not self._sleep.done():
-            self._sleep.set_result(None)
-
-    def attach(self, proc: AgentProcess | None) -> None:
-        """Route aborts to this agent process (None when it ended)."""
-        self._proc = proc
-        if proc is not None and self.reason is not None:
-            proc.abort(self.reason)
-
-    @property
-    def waiting(self) -> bool:
-        """Return True while the job sleeps before a retry (a stop ends such a job at once)."""
-        return self._sleep is not None and not self._sleep.done()
-
-    async def sleep(self, delay: float) -> bool:
-        """Sleep for delay unless stopped first; return True if stopped."""
-        if self.reason is not None:
-            return True
-        loop = asyncio.get_running_loop()
-        self._sleep = loop.create_future()
-        timer = loop.call_later(delay, _wake, self._sleep)
-        try:
-            await self._sleep
-        finally:
-            timer.cancel()
-            self._sleep = None
-        return self.reason is not None
 
 
 @dataclass
@@ -210,7 +162,7 @@ class Job:
             return await self._retry_or_fail(n, f"{why}; attempt {n} was interrupted by a stop or crash", checks)
         if record.retry_next:
             return None
-        return await self._decide(n, _exit_of(record, self.spec.timeout_s))
+        return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
 
     def _interrupted(self, n: int) -> Attempt:
         pid = self.folder.pid_record(n) or {}
@@ -227,20 +179,10 @@ class Job:
     # -- one attempt --------------------------------------------------------------------------
     async def _attempt(self, n: int) -> Exit | Outcome:
         """Run attempt n; return its Exit, or how the job ended when it never ran or was stopped."""
-        cfg = self.ctx.config()
         agent = self.spec.agent
-        values = self._values()
-        argv = [render(a, values) for a in agent.command]
+        argv = attempt.argv(self.spec, self.folder.work, agent.command)
         log_dir = await self._persist(self.folder.begin_attempt, n)
-        proc = AgentProcess(
-            argv,
-            cwd=self.folder.work,
-            env=build_env(agent.env, self._dispatch_env(n), agent.pass_env),
-            timeout_s=self.spec.timeout_s,
-            kill_grace_s=cfg.kill_grace_s,
-            log_dir=log_dir,
-            max_log_bytes=cfg.max_log_bytes,
-        )
+        proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), log_dir)
         try:
             proc.start()
         except OSError as exc:
@@ -258,22 +200,9 @@ class Job:
         out = await proc.wait()
         self.control.attach(None)
         tail = out.stdout_tail
-        result = (
-            parse_agent_result(tail)
-            if len(tail) <= AGENT_RESULT_MAX
-            else await self.ctx.lanes.io(parse_agent_result, tail)
-        )
-        record = Attempt(
-            n=n,
-            started=out.started,
-            ended=out.ended,
-            exit_code=out.exit_code,
-            timed_out=out.timed_out,
-            argv=tuple(argv),
-            host=HOST,
-            agent_result=result,
-            aborted=out.aborted,
-        )
+        small = len(tail) <= AGENT_RESULT_MAX
+        result = parse_agent_result(tail) if small else await self.ctx.lanes.io(parse_agent_result, tail)
+        record = attempt.record(n, out, argv, result)
         self.attempts.append(record)
         log.info(
             "agent.exited",
@@ -291,32 +220,7 @@ class Job:
             return Outcome.LEFT
         if out.aborted == Stop.CANCELLED:
             return await self.finish(Row.FAILED, Stop.CANCELLED, [])
-        return _exit_of(record, self.spec.timeout_s)
-
-    def _values(self) -> dict[str, str]:
-        work = self.folder.work
-        prompt = self.spec.agent.prompt
-        return {
-            "job_id": self.job_id,
-            "order": str(work / "order.json"),
-            "workspace": str(work),
-            "receipt": str(work / "receipt.json"),
-            # rendered from the spec, never read back from work/ (an agent may leave a FIFO there)
-            "prompt": render(prompt, prompt_values(self.spec.order, self.spec.writes, work), prompt=True)
-            if prompt is not None
-            else "",
-            "prompt_file": str(work / "prompt.md") if prompt is not None else "",
-        }
-
-    def _dispatch_env(self, n: int) -> dict[str, str]:
-        work = self.folder.work
-        return {
-            "DISPATCH_JOB_ID": self.job_id,
-            "DISPATCH_ORDER": str(work / "order.json"),
-            "DISPATCH_WORKSPACE": str(work),
-            "DISPATCH_RECEIPT": str(work / "receipt.json"),
-            "DISPATCH_ATTEMPT": str(n),
-        }
+        return attempt.exit_of(record, self.spec.timeout_s)
 
     async def _persist(self, fn: Callable[..., T], *args: object) -> T:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is)."""
@@ -395,20 +299,9 @@ class Job:
 
     async def _run_probe(self) -> int | None:
         n = max(self.folder.attempt_numbers(), default=1)
+        argv = attempt.argv(self.spec, self.folder.work, self.spec.agent.probe or ())
         folder = self.folder.attempts_dir / str(n)
-        argv = [render(a, self._values()) for a in self.spec.agent.probe or ()]
-        cwd = self.folder.work if os.path.isdir(self.folder.work) else self.folder.path
-        cfg = self.ctx.config()
-        proc = AgentProcess(
-            argv,
-            cwd=cwd,
-            env=build_env(self.spec.agent.env, self._dispatch_env(n), self.spec.agent.pass_env),
-            timeout_s=self.spec.timeout_s,
-            kill_grace_s=cfg.kill_grace_s,
-            log_dir=folder,
-            max_log_bytes=cfg.max_log_bytes,
-            log_prefix="probe-",
-        )
+        proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), folder, probe=True)
         try:
             await self._persist(self.folder.begin_probe, n)
             proc.start()
@@ -440,35 +333,7 @@ class Job:
         return None
 
     async def _checks(self, exit_: Exit) -> list[CheckResult]:
-        cfg = self.ctx.config()
-        ledger, me, queued = self.ctx.ledger, self.job_id, self.ctx.queued
-
-        def known(ids: list[str]) -> frozenset[str]:
-            found = ledger.known(ids)
-            mine = {i for i, e in found.items() if e.parent == me and e.state in (Row.RESERVED, Row.RELEASED, Row.HELD)}
-            return frozenset((set(found) - mine) | queued([i for i in ids if i not in found]))
-
-        ev, followups = await self.ctx.lanes.io(
-            gather,
-            order=self.order,
-            agent=self.agent,
-            writes=tuple(self.spec.writes),
-            exit=exit_,
-            work=self.folder.work,
-            given=self.spec.given,
-            agents=cfg.agents,
-            max_timeout_s=cfg.max_timeout_s,
-            max_order_bytes=cfg.max_order_bytes,
-            known=known,
-            hops=self.spec.hops,
-            max_hops=cfg.max_hops,
-            max_followups=cfg.max_followups,
-        )
-        self._followups = [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]
-        results = run_checks(ev)
-        log.info(
-            "job.verified", passed=sum(1 for c in results if c.ok), failed=[c.name for c in results if c.ok is False]
-        )
+        results, self._followups = await verify(self.ctx, self.spec, self.order, self.folder, exit_)
         return results
 
     # -- finishing ----------------------------------------------------------------------------
@@ -520,14 +385,3 @@ class Job:
         if state == Row.DONE:
             await self.ctx.lanes.io(self.ctx.release, self.job_id, self.token)
         return Outcome(str(state))
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _exit_of(record: Attempt, timeout_s: float) -> Exit:
-    return Exit(
-        code=record.exit_code, timed_out=record.timed_out, seconds=record.duration_ms / 1000, timeout_s=timeout_s
-    )

@@ -91,9 +91,12 @@ class JobFolder:
         return out
 
     def pid_record(self, n: int) -> dict[str, Any] | None:
-        """Return attempts/<n>/pid ({pid, boot_started, started}), or None."""
-        data = self.read_json(f"attempts/{n}/pid")
-        return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
+        """Return the running record of attempt n ({pid, boot_started, started}), or None."""
+        for name in ("attempt.json", "pid"):  # "pid": jobs from before the record moved into attempt.json
+            data = self.read_json(f"attempts/{n}/{name}")
+            if isinstance(data, dict) and isinstance(data.get("pid"), int):
+                return data
+        return None
 
     def result(self) -> dict[str, Any] | None:
         """Return result.json (or the staged result of a job cut short while landing)."""
@@ -145,15 +148,18 @@ class JobFolder:
             os.rmdir(folder)
 
     def record_pid(self, n: int, pid: int, boot_started: float, started: float) -> None:
-        """Record the agent's pid and start (boot clock and wall clock); raise OSError if it cannot."""
-        data = fsutil.dump_json({"pid": pid, "boot_started": boot_started, "started": started})
-        fsutil.write_atomic(self.attempts_dir / str(n) / "pid", data, sync=False)
+        """Record the running agent's pid and start (boot clock and wall clock) in attempts/<n>/attempt.json.
+
+        Written in place, not renamed: the end of the attempt rewrites the same
+        file, and a torn record reads as missing, which recovery treats as an
+        interrupted attempt (and looks for the agent by its working folder).
+        """
+        data = fsutil.dump_json({"n": n, "pid": pid, "boot_started": boot_started, "started": started})
+        _write_in_place(self.attempts_dir / str(n) / "attempt.json", data)
 
     def record_attempt(self, attempt: Attempt) -> None:
         """Write attempts/<n>/attempt.json (a torn one reads as missing: the attempt counts as interrupted)."""
-        fsutil.write_atomic(
-            self.attempts_dir / str(attempt.n) / "attempt.json", fsutil.dump_json(attempt.to_json()), sync=False
-        )
+        _write_in_place(self.attempts_dir / str(attempt.n) / "attempt.json", fsutil.dump_json(attempt.to_json()))
 
     def stash(self, n: int, *, feedback: bool = False) -> None:
         """Move receipt.json and outbox/ (and feedback.json) of attempt n into attempts/<n>/ (idempotent).
@@ -191,8 +197,8 @@ class JobFolder:
         os.rename(src, keep)
 
     def stage_result(self, result: Mapping[str, Any]) -> None:
-        """Step 1 of finishing: write the result under a staging name, fsynced."""
-        fsutil.write_atomic(self.path / STAGED, fsutil.dump_json(result), sync=True, sync_dir=False)
+        """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
+        _write_in_place(self.path / STAGED, fsutil.dump_json(result), sync=True)
 
     def land(self, layout: Layout, state: State) -> Path:
         """Step 3 of finishing: name the staged result result.json and move the folder to state's folder.
@@ -206,6 +212,18 @@ class JobFolder:
         if self.path != target:
             fsutil.rename_noreplace(self.path, target)
         return target
+
+
+def _write_in_place(path: Path, data: bytes, *, sync: bool = False) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def cut(text: str, limit: int = DETAIL_MAX) -> str:
