@@ -10,7 +10,7 @@ from typing import Any
 
 from dispatcher import __version__, commands, usage
 from dispatcher.config import Config, require_config
-from dispatcher.errors import DispatchError, OrderError
+from dispatcher.errors import DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
 from dispatcher.orders import parse_order
 
@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, across rotation")
     c.add_argument("--job", metavar="ID", help="only the lines about this job")
     c.add_argument("--json", action="store_true", help="print the matching JSON lines unchanged")
+    c = _command(sub, "ledger")
+    c.add_argument("action", choices=("rebuild", "migrate"))
+    c.add_argument("url", nargs="?", metavar="URL", help="for migrate: the postgresql://... ledger to fill")
     c = _command(sub, "completion")
     c.add_argument("shell", choices=("bash", "zsh", "fish"))
     for name, sp in sub.choices.items():
@@ -156,6 +159,34 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """Rebuild the SQLite ledger from the folders, or copy it into an empty PostgreSQL ledger."""
+    from dispatcher.layout import Layout
+
+    cfg = _config(args, need_root=True)
+    layout = Layout(cfg.root)
+    if args.action == "rebuild":
+        from dispatcher.ledger.rebuild import rebuild
+
+        counts = rebuild(layout)
+        total = sum(counts.values())
+        detail = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"
+        print(f"{layout.ledger}: rebuilt with {total} job ids ({detail})")
+        return 0
+    if not args.url:
+        raise UsageError("ledger migrate: give the postgresql://... URL of an empty ledger")
+    from dispatcher.ledger import open_ledger
+    from dispatcher.ledger.postgres import migrate  # type: ignore[import-untyped,unused-ignore]
+
+    source = open_ledger(cfg, layout, create=False)
+    try:
+        copied = int(migrate(source, args.url))
+    finally:
+        source.close()
+    print(f"{args.url}: {copied} job ids copied from {layout.ledger}")
+    return 0
+
+
 COMMANDS = {
     "init": commands.cmd_init,
     "run": commands.cmd_run,
@@ -169,5 +200,6 @@ COMMANDS = {
     "hold": lambda args: commands.for_each_id(args, "hold"),
     "release": lambda args: commands.for_each_id(args, "release"),
     "logs": commands.cmd_logs,
+    "ledger": cmd_ledger,
     "completion": commands.cmd_completion,
 }

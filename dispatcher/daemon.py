@@ -25,7 +25,7 @@ import structlog
 
 from dispatcher import housekeeping
 from dispatcher.config import Config, load_config
-from dispatcher.errors import ConfigError
+from dispatcher.errors import ConfigError, UsageError
 from dispatcher.job import JobContext
 from dispatcher.jobspec import Stop
 from dispatcher.jobstore import JobFolder
@@ -83,7 +83,10 @@ class Daemon:
         _raise_fd_limit()
         self.loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self.layout.create()
+        try:
+            self.layout.create()
+        except OSError as exc:
+            raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
         self.ledger = open_ledger(self.config, self.layout)
         self.ledger.register(DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time()))
         self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]

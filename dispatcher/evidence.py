@@ -21,7 +21,7 @@ from dispatcher.fsutil import NotRegular, kind_of
 from dispatcher.orders import Order, order_format, parse_order
 from dispatcher.output_stream import summarise_fd
 
-RECEIPT_MAX = 16 * 1024 * 1024
+RECEIPT_MAX = 4 * 1024 * 1024  # ids of items and outputs: orders are at most a few MiB
 OUTPUT_MAX = 256 * 1024 * 1024
 _KINDS = {
     "regular file": "file",

@@ -66,10 +66,22 @@ def _timestamper() -> structlog.types.Processor:
     return structlog.processors.TimeStamper(fmt="iso", utc=True)
 
 
+FIELD_MAX = 8192  # characters of one string field; journald splits lines over 48 KiB
+
+
+def _cut_fields(logger: Any, name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Cut any string field longer than FIELD_MAX, with a note saying how much was cut."""
+    for key, value in event.items():
+        if isinstance(value, str) and len(value) > FIELD_MAX:
+            event[key] = f"{value[:FIELD_MAX]}... (cut, {len(value) - FIELD_MAX} more characters)"
+    return event
+
+
 _SHARED: list[Any] = [
     structlog.contextvars.merge_contextvars,
     structlog.processors.add_log_level,
     _timestamper(),
+    _cut_fields,
 ]
 _dicts = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
 

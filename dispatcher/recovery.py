@@ -55,7 +55,7 @@ def _finish_claim(layout: Layout, ledger: Ledger, owner: str, job_id: str, stage
     entry = ledger.get(job_id)
     mine = entry is not None and entry.state == Row.CLAIMED and entry.owner == owner
     order = next((p for p in stage.iterdir() if p.name.startswith("order")), None)
-    if mine and entry is not None and (stage / JOB_FILE).exists() and layout.find(job_id) is None and order:
+    if mine and entry is not None and _complete(stage) and layout.find(job_id) is None and order:
         os.rename(stage, layout.job(State.ACTIVE, job_id))
         drop_inbox_twin(layout, entry.source or "", layout.job(State.ACTIVE, job_id) / order.name)
         fsutil.fsync_dir(layout.folder(State.ACTIVE))
@@ -67,6 +67,15 @@ def _finish_claim(layout: Layout, ledger: Ledger, owner: str, job_id: str, stage
         with contextlib.suppress(FileExistsError):  # the inbox name is gone: put the user's file back
             os.link(order, layout.inbox / entry.source)
     remove_stage(stage)
+
+
+def _complete(stage: Path) -> bool:
+    """Return True if a claim's staging folder was built whole (its job.json, written last, reads back)."""
+    try:
+        JobFolder(stage).spec()
+    except ValueError:
+        return False
+    return True
 
 
 def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:

@@ -35,6 +35,7 @@ from dispatcher.watcher import Inbox
 log = structlog.get_logger("dispatcher")
 PARK_LIMIT = 64  # orders read ahead while their agents are busy
 SLOT_RETRY_S = 0.25
+RETRY_LATER_S = 1.0  # a file whose claim could not be made now (a full disk) is tried again after this
 
 
 class Kind(enum.Enum):
@@ -221,12 +222,16 @@ class Scheduler:
                     self.blocked.add(p.agent)
                     self.slot_poll = True
                 case Dropped(parked=p, refused=refused, retry_later=later):
-                    if p.item is not None:
+                    if p.item is not None and later:  # a full disk, a failed batch: try again in a while
+                        asyncio.get_running_loop().call_later(RETRY_LATER_S, self._try_again, p.item.name)
+                    elif p.item is not None:
                         self.inbox.forget(p.item.name)
-                        if later:
-                            self.inbox.push_back(p.item.name)
                     if refused:
                         self.stats.finished["refused"] += 1
+        self.wake()
+
+    def _try_again(self, name: str) -> None:
+        self.inbox.push_back(name)
         self.wake()
 
     def _claim_in_lane(self, batch: list[Parked]) -> list[Launch | NoSlot | Dropped]:

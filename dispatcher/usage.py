@@ -93,6 +93,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         f"0 printed (with -f: until you stop it)\n2 no such FILE, log_file not set, {BAD}\n130 stopped with Ctrl-C",
         "dispatcher logs -f --job JOB-001\njournalctl -o cat -u dispatcher | dispatcher logs -",
     ),
+    "ledger": (
+        "rebuild a lost SQLite ledger from the job folders, or migrate it to PostgreSQL",
+        f"0 done\n1 the target is not empty, or it cannot be reached\n2 a daemon is running, {BAD}",
+        "dispatcher ledger rebuild        # with every daemon stopped\n"
+        "dispatcher ledger migrate postgresql://dispatcher@db/dispatcher",
+    ),
     "completion": (
         "print the shell completion script for bash, zsh or fish",
         "0 printed\n2 bad usage (a shell other than bash, zsh or fish)",

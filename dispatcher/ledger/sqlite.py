@@ -559,8 +559,9 @@ class SqliteLedger(Ledger):
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Return True for the errors that mean "wait and try again": a lock held elsewhere, a full disk."""
     text = str(exc).lower()
-    return "locked" in text or "busy" in text
+    return any(w in text for w in ("locked", "busy", "disk is full", "disk i/o error"))
 
 
 def _describe(exc: sqlite3.DatabaseError) -> str:

@@ -1,0 +1,521 @@
+"""A hostile world against a real daemon: FIFOs left by agents, huge outputs, full disks,
+clock steps, a busy or lost ledger. No hang, no double run, no lost job.
+
+Each test names the numbered case it proves. Disks are small tmpfs mounts the test
+makes itself (the tests run as root); a clock step is simulated through the start
+time an attempt recorded, since the machine's clock cannot be stepped here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, order, wait_until
+from helpers_faults import NotifyListener, env_daemon, wait_start, write_script
+
+# An agent that, on attempt 1, replaces a file it was given with something hostile, then fails
+# (exit 1, no receipt); on later attempts it does the job right. argv: COUNT WHAT NAME
+HOSTILE_AGENT = r"""import json, os, sys
+count, what, name = sys.argv[1], sys.argv[2], sys.argv[3]
+attempt = os.environ["DISPATCH_ATTEMPT"]
+with open(count, "a") as f:
+    f.write(f"{os.environ['DISPATCH_JOB_ID']} {attempt} {os.getpid()}\n")
+if attempt == "1":
+    os.unlink(name)
+    if what == "fifo":
+        os.mkfifo(name)
+    else:
+        os.symlink("/dev/zero", name)
+    sys.exit(1)
+ids = [i["id"] for i in json.load(open(os.environ["DISPATCH_ORDER"]))["items"]] if os.path.isfile("order.json") else []
+json.dump({"job_id": os.environ["DISPATCH_JOB_ID"], "input_ids": ids, "output_ids": [], "status": "done"},
+          open("receipt.json", "w"))
+"""
+
+# Writes its start, then sleeps; with argv[2] = "receipt" writes a good receipt first.
+SLEEPER = r"""import json, os, sys, time
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.environ['DISPATCH_JOB_ID']} {os.environ['DISPATCH_ATTEMPT']} {os.getpid()}\n")
+ids = [i["id"] for i in json.load(open(os.environ["DISPATCH_ORDER"]))["items"]]
+time.sleep(float(sys.argv[2]))
+json.dump({"job_id": os.environ["DISPATCH_JOB_ID"], "input_ids": ids, "output_ids": [], "status": "done"},
+          open("receipt.json", "w"))
+"""
+
+
+def plain(job_id: str, to: str = "worker", **extra: Any) -> dict[str, Any]:
+    """Return an order without accept.output (the receipt alone decides)."""
+    body = order(job_id, to=to, **extra)
+    body.pop("accept")
+    return body
+
+
+def starts(env: Env, job_id: str) -> int:
+    """Return how many times an agent recorded a start of job_id."""
+    return sum(1 for j, _ in env.starts() if j == job_id)
+
+
+def rss_peak_kib(pid: int) -> int:
+    """Return a process's peak resident memory (VmHWM) in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def cpu_s(pid: int) -> float:
+    """Return a process's user + system CPU seconds so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """Mount a tmpfs of this size at path for the test (root only), and unmount it after."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)], check=False)
+    if done.returncode != 0:
+        pytest.fail("cannot mount a tmpfs (the tests need root for the disk-full cases)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(folder: Path, leave: int) -> Path:
+    """Fill the filesystem of folder until about `leave` bytes are free; return the filler file."""
+    filler = folder / ".filler"
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
+    with open(filler, "wb") as f, contextlib.suppress(OSError):
+        f.write(b"\0" * max(0, free - leave))
+    return filler
+
+
+def hostile_agent(env: Env, what: str, name: str, **settings: Any) -> dict[str, Any]:
+    script = write_script(env.tmp, "hostile.py", HOSTILE_AGENT)
+    spec: dict[str, Any] = {"command": [sys.executable, str(script), str(env.count_file), what, name], "timeout": 30}
+    spec.update(settings)
+    return spec
+
+
+def sleeper(env: Env, seconds: float, **settings: Any) -> dict[str, Any]:
+    script = write_script(env.tmp, "sleeper.py", SLEEPER)
+    spec: dict[str, Any] = {"command": [sys.executable, str(script), str(env.count_file), str(seconds)], "timeout": 60}
+    spec.update(settings)
+    return spec
+
+
+# -- hangs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["fifo", "zero"])
+def test_1_prompt_left_as_a_fifo_or_dev_zero_does_not_hang_the_retry(env: Env, what: str) -> None:
+    """(1) prompt.md left as a FIFO or a link to /dev/zero: the retry runs, the job ends, SIGTERM still works."""
+    agent = hostile_agent(env, what, "prompt.md", prompt="Do {task}", retry_safe=True, max_attempts=2)
+    agent["command"].append("{prompt}")
+    env.configure(agents={"worker": agent})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("HOST-1"))
+    result = env.wait_job("HOST-1", timeout=30)
+    assert starts(env, "HOST-1") == 2, "the retry did not run"
+    assert result["state"] == "failed" and result["reason"].startswith("writes_scope: prompt.md was given")
+    assert d.stop(timeout=15) == 0
+    assert rss_peak_kib(os.getpid()) > 0  # the test process itself stayed sane
+
+
+@pytest.mark.parametrize("how", ["retry", "recovery"])
+def test_2_order_json_left_as_a_fifo_does_not_freeze_the_daemon(env: Env, how: str) -> None:
+    """(2) work/order.json left as a FIFO: retry or recovery reads nothing from work/, the daemon stays live."""
+    agent = hostile_agent(env, "fifo", "order.json", retry_safe=(how == "recovery"), max_attempts=2)
+    if how == "recovery":  # attempt 1 plants the FIFO, then hangs until the daemon is killed
+        agent["command"] = [
+            "sh",
+            "-c",
+            f'echo "$DISPATCH_JOB_ID $DISPATCH_ATTEMPT $$" >> {env.count_file}; '
+            'if [ "$DISPATCH_ATTEMPT" = 1 ]; then rm order.json; mkfifo order.json; sleep 60; fi; '
+            'printf \'{"job_id": "%s", "input_ids": ["R1", "R2", "R3"], "output_ids": [], "status": "done"}\' '
+            '"$DISPATCH_JOB_ID" > receipt.json',
+        ]
+    env.configure(agents={"worker": agent})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("HOST-2"))
+    if how == "retry":
+        first = env.wait_job("HOST-2", timeout=30)
+        assert first["state"] == "failed"
+        assert env.cli("retry", "HOST-2").returncode == 0
+        wait_until(lambda: starts(env, "HOST-2") == 2, 30, "the retried attempt")
+    else:
+        wait_start(env, "HOST-2")
+        wait_until(lambda: (env.root / "active" / "HOST-2" / "work" / "order.json").is_fifo(), 10, "the FIFO")
+        d.kill()
+        d = env.daemon()
+        d.wait_event("daemon.ready", timeout=20)
+    result = env.wait_job("HOST-2", timeout=30)
+    assert result["attempts"][-1]["n"] == 2
+    assert env.cli("status").returncode == 0
+    assert d.stop(timeout=15) == 0
+
+
+def test_3_many_young_files_do_not_stall_pickup_or_the_watchdog(env: Env) -> None:
+    """(3) 3,000 young files still settling: the first claim is quick, watchdog pings stay regular, SIGTERM acts."""
+    env.configure(agents={"worker": sleeper(env, 0, concurrency=2)}, settle=1.0)
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True, exist_ok=True)
+    listener = NotifyListener(env.tmp / "notify.sock")
+    try:
+        d = env_daemon(env, {"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "1000000"})
+        d.wait_ready()
+        body = json.dumps(plain("X")).encode()
+        for i in range(3000):  # written in place: no close event reaches the daemon before they settle
+            (inbox / f"Y-{i:05d}.json").write_bytes(body.replace(b'"X"', f'"Y-{i:05d}"'.encode()))
+        t0 = time.monotonic()
+        d.wait_event("job.claimed", timeout=30)
+        first_claim = time.monotonic() - t0
+        wait_until(lambda: len(list((env.root / "done").iterdir())) >= 20, 60, "20 jobs done")
+        pings = listener.times("WATCHDOG=1")
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
+        t1 = time.monotonic()
+        d.signal(signal.SIGTERM)
+        assert d.wait(timeout=30) == 0
+        stop_s = time.monotonic() - t1
+    finally:
+        listener.close()
+    assert first_claim < 10, first_claim
+    assert gaps and max(gaps) < 2.0, max(gaps)
+    assert stop_s < 15, stop_s
+
+
+def test_4_cancel_with_a_big_backlog_keeps_memory_flat(env: Env) -> None:
+    """(4) cancel of a queued job behind 60 orders of 1 MiB: done within seconds, the daemon's RSS stays small."""
+    env.configure(agents={"worker": sleeper(env, 30, concurrency=1)}, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("BUSY"))
+    wait_start(env, "BUSY")
+    pad = "x" * ((1 << 20) - 600)
+    for i in range(60):
+        env.drop(plain(f"Q-{i:02d}", meta={"pad": pad}))
+    assert env.cli("cancel", "Q-59").returncode == 0
+    t0 = time.monotonic()
+    result = env.wait_job("Q-59", "failed", timeout=20)
+    assert result["reason"] == "cancelled"
+    assert time.monotonic() - t0 < 10
+    assert rss_peak_kib(d.proc.pid) < 200_000  # type: ignore[union-attr]
+    assert starts(env, "Q-59") == 0
+
+
+def test_5_a_pathological_stdout_costs_little_daemon_cpu(env: Env) -> None:
+    """(5) 4 MiB of `{"a":[` lines ending in `}` on stdout: the job ends at once, the daemon spends < 2 s of CPU."""
+    code = (
+        "import json, os, sys; sys.stdout.write('{\"a\":[\\n' * 600000 + '}\\n'); sys.stdout.flush(); "
+        "o = json.load(open(os.environ['DISPATCH_ORDER'])); "
+        "json.dump({'job_id': o['job_id'], 'input_ids': [i['id'] for i in o['items']], 'output_ids': [], "
+        "'status': 'done'}, open('receipt.json', 'w'))"
+    )
+    env.configure(agents={"worker": {"command": [sys.executable, "-c", code], "timeout": 60}})
+    d = env.daemon()
+    d.wait_ready()
+    before = cpu_s(d.proc.pid)  # type: ignore[union-attr]
+    env.drop(plain("FLOOD-1"))
+    result = env.wait_job("FLOOD-1", "done", timeout=60)
+    assert "agent_result" not in result["attempts"][0]
+    assert cpu_s(d.proc.pid) - before < 2.0  # type: ignore[union-attr]
+
+
+# -- double runs and lost jobs ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_6_a_full_disk_during_an_attempt_never_runs_it_twice(env: Env, kill: bool) -> None:
+    """(6) the root's disk fills while the agent runs: the job waits (or is recovered) and runs exactly once."""
+    with tmpfs(env.tmp / "disk", "2m") as disk:
+        root = disk / "dispatch"
+        root.mkdir()
+        agent = sleeper(env, 2)
+        env.root = root
+        env.configure(agents={"worker": agent}, root=str(root))
+        d = env.daemon()
+        d.wait_ready()
+        env.drop(plain("FULL-1"))
+        wait_start(env, "FULL-1")
+        filler = fill(disk, 0)
+        wait_until(lambda: any(e.get("event") == "agent.exited" for e in d.events()), 20, "the agent's end")
+        time.sleep(1.0)
+        if kill:
+            d.kill()
+        filler.unlink()
+        if kill:
+            d = env.daemon()
+        result = env.wait_job("FULL-1", timeout=40)
+        assert starts(env, "FULL-1") == 1, "the agent ran twice"
+        folder = root / result["state"] / "FULL-1"
+        assert (folder / "attempts" / "1" / "stdout.log").exists()
+        assert d.stop(timeout=15) == 0
+
+
+def test_7_a_claim_that_cannot_build_its_folder_leaves_no_claim_behind(env: Env) -> None:
+    """(7) with almost no space a claim fails whole: no stale claim, no staging left; the job runs when space frees."""
+    with tmpfs(env.tmp / "disk", "2m") as disk:
+        root = disk / "dispatch"
+        root.mkdir()
+        env.root = root
+        env.configure(agents={"worker": sleeper(env, 0)}, root=str(root), rescan_interval=0.5)
+        d = env.daemon()
+        d.wait_ready()
+        filler = fill(disk, 16 * 1024)
+        env.drop(plain("TIGHT-1"))
+        time.sleep(2.0)
+        filler.unlink()
+        result = env.wait_job("TIGHT-1", "done", timeout=40)
+        assert starts(env, "TIGHT-1") == 1
+        assert not [p for p in (root / "failed").iterdir()], "a copy was refused as a duplicate"
+        assert not list((root / ".state" / "staging").iterdir())
+        assert result["attempts"] and d.stop(timeout=15) == 0
+
+
+def test_7_an_order_with_a_lone_surrogate_is_refused_in_inbox(env: Env) -> None:
+    """(7) an order holding a lone surrogate is refused (it cannot be written as UTF-8), naming the field."""
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(json.dumps(order("SURR-1")).replace("Assign", "\\ud800 Assign"), name="surr.json")
+    refused = env.wait_refused("surr")
+    assert refused["reason"].startswith("task:") and "surrogate" in refused["reason"]
+
+
+def test_8_a_clock_step_does_not_hide_an_orphaned_agent(env: Env) -> None:
+    """(8) the wall clock jumped since the agent started: its orphan is still ended before it could run twice."""
+    env.configure(agents={"worker": sleeper(env, 60)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("STEP-1"))
+    pid = wait_start(env, "STEP-1")
+    record = env.root / "active" / "STEP-1" / "attempts" / "1" / "attempt.json"
+    wait_until(lambda: record.exists() and "pid" in record.read_text(), 10, "the running record")
+    d.kill()
+    data = json.loads(record.read_text())
+    data["started"] -= 3600  # as if the wall clock had been stepped by an hour since the spawn
+    record.write_text(json.dumps(data))
+    d = env.daemon()
+    d.wait_ready()
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    result = env.wait_job("STEP-1", "failed", timeout=30)
+    assert "interrupted" in result["reason"]
+    assert starts(env, "STEP-1") == 1
+
+
+def test_9_a_ledger_locked_by_another_process_is_waited_for(env: Env) -> None:
+    """(9) another process holds the ledger's write lock for 8 s: jobs wait, then end done; nothing crashes."""
+    env.configure(agents={"worker": sleeper(env, 0, concurrency=2)})
+    d = env.daemon()
+    d.wait_ready()
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    held = threading.Event()
+
+    def hold() -> None:
+        db = sqlite3.connect(ledger, timeout=30, isolation_level=None)
+        db.execute("BEGIN IMMEDIATE")
+        held.set()
+        time.sleep(8)
+        db.execute("ROLLBACK")
+        db.close()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    for i in range(4):
+        env.drop(plain(f"LOCK-{i}"))
+    t.join()
+    for i in range(4):
+        assert env.wait_job(f"LOCK-{i}", "done", timeout=60)
+    events = [e["event"] for e in d.events()]
+    assert "ledger.waiting" in events
+    assert "job.crashed" not in events and "daemon.error" not in events
+    assert d.stop() == 0
+
+
+def test_10_a_lost_ledger_stops_the_daemon_until_it_is_rebuilt(env: Env) -> None:
+    """(10) a deleted ledger: run refuses with one line naming `ledger rebuild`; after it, old ids are refused."""
+    assert env.cli("submit", str(_write(env, plain("LOST-1")))).returncode == 0
+    assert env.cli("run", "--once").returncode == 0
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{ledger}{suffix}").unlink(missing_ok=True)
+    proc = env.cli("run", "--once")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "dispatcher ledger rebuild" in proc.stderr
+    sub = env.cli("submit", str(_write(env, plain("LOST-1"), "again.json")))
+    assert sub.returncode == 2
+    rebuilt = env.cli("ledger", "rebuild")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    again = env.cli("submit", str(_write(env, plain("LOST-1"), "again2.json")))
+    assert again.returncode == 2 and "already known" in again.stderr
+    env.drop(plain("LOST-1"), name="dup.json")
+    assert env.cli("run", "--once").returncode == 1  # the duplicate is refused, not run
+    assert starts(env, "LOST-1") == 1
+
+
+def test_10_an_emptied_ledger_is_refused_like_a_lost_one(env: Env) -> None:
+    """(10) a ledger truncated to nothing over existing jobs: the daemon refuses to start on it."""
+    env.drop(plain("TRUNC-1"))
+    assert env.cli("run", "--once").returncode == 0
+    (env.root / ".state" / "ledger.sqlite3").write_bytes(b"")
+    for suffix in ("-wal", "-shm"):
+        Path(f"{env.root}/.state/ledger.sqlite3{suffix}").unlink(missing_ok=True)
+    proc = env.cli("run", "--once")
+    assert proc.returncode == 2 and "ledger rebuild" in proc.stderr
+
+
+def test_10_a_lost_wal_after_kill_still_recovers_the_active_job(env: Env) -> None:
+    """(10) kill -9, then the WAL lost (the claim row with it): the job in active/ is recovered, not run twice."""
+    env.configure(agents={"worker": sleeper(env, 60), "quick": sleeper(env, 0)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("WAL-0", to="quick"))
+    env.wait_job("WAL-0", "done")
+    db = sqlite3.connect(env.root / ".state" / "ledger.sqlite3")
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the schema is in the main file; the claim will be in the WAL
+    db.close()
+    env.drop(plain("WAL-1"))
+    wait_start(env, "WAL-1")
+    d.kill()
+    wal = env.root / ".state" / "ledger.sqlite3-wal"
+    wal.unlink(missing_ok=True)
+    (env.root / ".state" / "ledger.sqlite3-shm").unlink(missing_ok=True)
+    order_file = env.root / "active" / "WAL-1" / "order.json"
+    assert order_file.exists()
+    d = env.daemon()
+    d.wait_ready()
+    result = env.wait_job("WAL-1", "failed", timeout=30)
+    assert "interrupted" in result["reason"]
+    assert (env.root / "failed" / "WAL-1" / order_file.name).exists()
+    assert starts(env, "WAL-1") == 1
+    assert any(e.get("event") == "ledger.repaired" and e.get("job_id") == "WAL-1" for e in d.events())
+
+
+def _write(env: Env, body: dict[str, Any], name: str | None = None) -> Path:
+    path = env.tmp / (name or f"{body['job_id']}.json")
+    path.write_text(json.dumps(body))
+    return path
+
+
+# -- wrong answers --------------------------------------------------------------------------------
+
+
+def test_11_a_follow_up_may_not_take_the_id_of_a_queued_order(env: Env) -> None:
+    """(11) a follow-up whose id a queued user order holds fails followups_valid; the user's order runs."""
+    handoff = {"job_id": "QUEUED-1", "from": "worker", "to": "slow", "task": "t", "items": [{"id": "R1"}]}
+    agent = env.agent("--followup", json.dumps(handoff))
+    env.configure(agents={"worker": agent, "slow": sleeper(env, 3, concurrency=1)}, max_jobs=3)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("BLOCK", to="slow"))
+    wait_start(env, "BLOCK")
+    env.drop(plain("QUEUED-1", to="slow"))  # waits in inbox/: slow's one slot is busy
+    env.drop(order("PARENT-1"))
+    parent = env.wait_job("PARENT-1", "failed", timeout=30)
+    assert parent["reason"].startswith("followups_valid:") and "already known" in parent["reason"]
+    user = env.wait_job("QUEUED-1", "done", timeout=30)
+    assert user["parent"] is None
+
+
+def test_13_a_ledger_that_is_not_a_database_is_one_line(env: Env) -> None:
+    """(13) a ledger file that is not a database: one line and exit 2, for run, submit and status."""
+    (env.root / ".state").mkdir(parents=True, exist_ok=True)
+    (env.root / ".state" / "ledger.sqlite3").write_bytes(b"this is not a database" * 100)
+    for args in (["run", "--once"], ["submit", str(_write(env, plain("NDB-1")))], ["status"]):
+        proc = env.cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_13_a_read_only_root_is_one_line(env: Env) -> None:
+    """(13) a read-only root: `run` exits 2 with one line, no traceback."""
+    with tmpfs(env.tmp / "ro", "1m") as disk:
+        root = disk / "dispatch"
+        root.mkdir()
+        env.root = root
+        env.configure(root=str(root))
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        proc = env.cli("run", "--once")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_14_huge_outputs_and_receipts_are_bounded(env: Env) -> None:
+    """(14) a 40 MB CSV output and a 14 MB receipt: the daemon's memory, result.json and log lines stay small."""
+    code = (
+        "import json, os; o = json.load(open(os.environ['DISPATCH_ORDER'])); ids = [i['id'] for i in o['items']]\n"
+        "with open('out.csv', 'w') as f:\n"
+        "    f.write('id\\n'); f.write(''.join(f'X{i}\\n' for i in range(4_000_000)))\n"
+        "json.dump({'job_id': o['job_id'], 'input_ids': ids + [f'Z{i}' for i in range(1_200_000)],"
+        " 'output_ids': [], 'status': 'done'}, open('receipt.json', 'w'))"
+    )
+    env.configure(agents={"worker": {"command": [sys.executable, "-c", code], "timeout": 120, "writes": ["out.csv"]}})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("HUGE-1"))
+    result = env.wait_job("HUGE-1", "failed", timeout=120)
+    assert os.path.getsize(env.root / "failed" / "HUGE-1" / "result.json") < 64 * 1024
+    assert all(len(c["detail"]) < 3000 for c in result["checks"])
+    assert max(len(line) for line in d.out.read_text().splitlines()) < 32 * 1024
+    assert rss_peak_kib(d.proc.pid) < 250_000  # type: ignore[union-attr]
+
+
+def test_14_attempts_and_follow_ups_have_ceilings(env: Env) -> None:
+    """(14) max_attempts above 100 is refused; 500 follow-ups fail followups_valid and a stop stays prompt."""
+    bad = env.tmp / "bad.json"
+    bad.write_text(json.dumps(plain("CEIL-1", max_attempts=101)))
+    proc = env.cli("validate", str(bad))
+    assert proc.returncode == 2 and "max_attempts" in proc.stderr
+    code = (
+        "import json, os; o = json.load(open(os.environ['DISPATCH_ORDER'])); os.mkdir('outbox')\n"
+        "for i in range(500):\n"
+        "    json.dump({'job_id': f'F-{i}', 'from': 'worker', 'to': 'worker', 'task': 't', 'items': [{'id': 'R1'}]},"
+        " open(f'outbox/F-{i}.json', 'w'))\n"
+        "json.dump({'job_id': o['job_id'], 'input_ids': [i['id'] for i in o['items']], 'output_ids': [],"
+        " 'status': 'done'}, open('receipt.json', 'w'))"
+    )
+    env.configure(agents={"worker": {"command": [sys.executable, "-c", code], "timeout": 60}}, stop_timeout=5)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("MANY-1"))
+    result = env.wait_job("MANY-1", "failed", timeout=60)
+    assert result["reason"].startswith("followups_valid:") and "max_followups" in result["reason"]
+    t0 = time.monotonic()
+    assert d.stop() == 0
+    assert time.monotonic() - t0 < 6
+
+
+def test_14_a_feedback_link_to_a_folder_does_not_crash_a_repair(env: Env) -> None:
+    """(14) a repair agent that leaves feedback.json as a link to a folder: the job goes on, no crash."""
+    agent = env.agent("--fail-checks-attempts", "1", retry_safe=True, repair=True, max_attempts=2)
+    agent["command"] = [
+        "sh",
+        "-c",
+        'ln -sfn /tmp feedback.json 2>/dev/null; exec "$@"',
+        "sh",
+        *agent["command"],
+    ]
+    env.configure(agents={"worker": agent})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FEED-1"))
+    result = env.wait_job("FEED-1", timeout=60)
+    assert len(result["attempts"]) == 2
+    assert "job.crashed" not in [e["event"] for e in d.events()]
