@@ -49,6 +49,7 @@ class Operator:
         self.config = config
         self.layout = layout
         self._ledger: Ledger | None = None
+        self.reason: str | None = None  # the text of a reject
 
     @property
     def ledger(self) -> Ledger:
@@ -173,6 +174,21 @@ class Operator:
         if not names:
             self._not_in(job_id, "held", "held", "queued")
         return f"{job_id}: released into inbox/"
+
+    # -- review ---------------------------------------------------------------------------
+    def approve(self, job_id: str) -> str:
+        """Move a job waiting in review/ to done/ and release its follow-ups (once)."""
+        from dispatcher.review import decide
+
+        _check_id(job_id)
+        return decide(self.layout, self.ledger, job_id, approve=True, max_chain_cost_usd=self.config.max_chain_cost_usd)
+
+    def reject(self, job_id: str) -> str:
+        """Move a job waiting in review/ to failed/ with reason `rejected: TEXT`; its follow-ups are dropped."""
+        from dispatcher.review import decide
+
+        _check_id(job_id)
+        return decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
 
     def _not_in(self, job_id: str, folder: str, wanted: str, other: str) -> None:
         """Raise the error for an id whose order is not in folder."""

@@ -71,9 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("job_id")
     c.add_argument("--json", action="store_true")
     c.add_argument("--tree", action="store_true", help="draw the chain of follow-ups with each job's cost")
-    for name in ("retry", "cancel", "hold", "release"):
+    for name in ("retry", "cancel", "hold", "release", "approve", "reject"):
         c = _command(sub, name)
         c.add_argument("ids", nargs="+", metavar="ID", help="job ids, or - to read them from stdin, one a line")
+        if name == "reject":
+            c.add_argument("--reason", metavar="TEXT", help="why (the job's reason becomes `rejected: TEXT`)")
     c = _command(sub, "logs")
     c.add_argument("source", nargs="?", metavar="FILE", help="a log file, or - for stdin (default: log_file)")
     c.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, across rotation")
@@ -199,6 +201,8 @@ COMMANDS = {
     "cancel": lambda args: commands.for_each_id(args, "cancel"),
     "hold": lambda args: commands.for_each_id(args, "hold"),
     "release": lambda args: commands.for_each_id(args, "release"),
+    "approve": lambda args: commands.for_each_id(args, "approve"),
+    "reject": lambda args: commands.for_each_id(args, "reject"),
     "logs": commands.cmd_logs,
     "ledger": cmd_ledger,
     "completion": commands.cmd_completion,

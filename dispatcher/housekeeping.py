@@ -22,6 +22,7 @@ from dispatcher.jobstore import JobFolder
 from dispatcher.layout import Layout, State, parse_iso
 from dispatcher.ledger import Finish, Ledger, Request, Row
 from dispatcher.queued import find_queued, queued_ids
+from dispatcher.review import settle_reviews
 from dispatcher.runner import end_group
 from dispatcher.watcher import list_inbox, start_watch
 
@@ -88,6 +89,7 @@ class Housekeeping:
         layout, ledger = self.ctx.layout, self.ctx.ledger
         recovery.finish_staging(layout, ledger, ledger.alive)
         recovery.settle_ledger(layout, ledger, ledger.alive)
+        settle_reviews(layout, ledger)
         if startup:
             recovery.reconcile_active(layout, ledger)
         out = []

@@ -88,6 +88,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         f"2 {BAD}, a root that does not exist",
         "dispatcher release JOB-001",
     ),
+    "approve": (
+        f"move jobs waiting in review/ to done/ and release their follow-ups ({_IDS})",
+        f"0 every job is approved\n1 an id is unknown or not waiting for review (one line each on stderr)\n"
+        f"2 {BAD}, a root that does not exist",
+        "dispatcher approve JOB-001.assign\n"
+        "dispatcher list --state review --json | jq -r .job_id | dispatcher approve -",
+    ),
+    "reject": (
+        f"move jobs waiting in review/ to failed/ with reason `rejected: TEXT` ({_IDS})",
+        f"0 every job is rejected\n1 an id is unknown or not waiting for review (one line each on stderr)\n"
+        f"2 {BAD}, a root that does not exist",
+        'dispatcher reject JOB-001.assign --reason "wrong team for R2"',
+    ),
     "logs": (
         "read JSON log lines (log_file, FILE, or - for stdin) as lines a person reads",
         f"0 printed (with -f: until you stop it)\n2 no such FILE, log_file not set, {BAD}\n130 stopped with Ctrl-C",

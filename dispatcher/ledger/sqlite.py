@@ -407,7 +407,8 @@ class SqliteLedger(Ledger):
             out = []
             for it in items:
                 cur = db.execute(
-                    "UPDATE jobs SET state = ?, cost_usd = ?, chain_cost_usd = ?, updated = ?"
+                    "UPDATE jobs SET state = ?, cost_usd = ?, chain_cost_usd = ?, updated = ?,"
+                    " owner = CASE WHEN state = 'review' THEN NULL ELSE owner END"  # a person decided
                     " WHERE job_id = ? AND token = ? AND state IN ('claimed', 'review', ?)",
                     (str(it.state), it.cost_usd, it.chain_cost_usd, stamp, it.job_id, it.token, str(it.state)),
                 )
