@@ -9,8 +9,11 @@ The contract shared with SQLite is in ``test_ledger_contract.py``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 import structlog
+from netns import Hosts
 from pgserver import PgServer
 
 from dispatcher.errors import UsageError
@@ -302,6 +306,99 @@ def test_a_reaped_daemon_changes_nothing_after_its_job_was_adopted(ledgers: Ledg
     assert not a.renew() and a.lost and not a.lease_ok()
     # B, holding the new token, finishes
     assert b.finish([Finish("P", 2, Row.DONE)]) == [True]
+
+
+# A daemon on a simulated host: claims J, reserves C1, renews its lease, reports lease_ok/lost
+# changes, and on "again" tries to carry on with its old token (one JSON line per event).
+HOST_DAEMON = """
+import json, os, sys, threading, time
+import structlog
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is for events
+from dispatcher.ledger.base import Child, ClaimRequest, DaemonInfo, Finish, LedgerUnavailable, Row
+from dispatcher.ledger.postgres import PostgresLedger
+dsn, lease = sys.argv[1], float(sys.argv[2])
+led = PostgresLedger(dsn, None, lease_s=lease, patience_s=None)
+led.register(DaemonInfo("A", os.getpid(), "host-a", time.time()))
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+out(claim=type(led.claim([ClaimRequest("J", "w", "J.yaml", "d")])[0]).__name__,
+    reserve=led.reserve("J", 1, 1, [Child("C1", "w", "C1.json")]))
+def renew():
+    while True:
+        led.renew()
+        time.sleep(lease / 6)
+def watch():
+    state = (True, False)
+    while True:
+        now = (led.lease_ok(), led.lost)
+        if now != state:
+            out(lease_ok=now[0], lost=now[1], at=time.monotonic())
+            state = now
+        time.sleep(0.05)
+threading.Thread(target=renew, daemon=True).start()
+threading.Thread(target=watch, daemon=True).start()
+for line in sys.stdin:
+    res = {"finish": led.finish([Finish("J", 1, Row.DONE)]),
+           "reserve": led.reserve("J", 1, 1, [Child("C2", "w", "C2.json")])}
+    led.set_digest("C1", "sha")
+    res["released"] = led.mark_released("C1", "C1@A.json", "sha")
+    try:
+        led.claim([ClaimRequest("NEW", "w", "NEW.yaml", "d")])
+        res["claim"] = "Claimed"
+    except LedgerUnavailable as exc:
+        res["claim"] = type(exc).__name__
+    out(**res)
+"""
+
+
+def test_a_partitioned_daemon_fences_itself_and_changes_nothing_after_healing(
+    pg_server: PgServer, hosts: Hosts, ledgers: Ledgers
+) -> None:
+    """A daemon cut off by a real partition loses lease_ok within lease/2; after B reaps and adopts, it is fenced."""
+    lease = 3.0
+    host = hosts.add()
+    b = ledgers.daemon("B", lease_s=lease)
+    dsn = ledgers.dsn.replace(f"@{pg_server.host}:", f"@{host.gateway}:")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = host.run(
+        [sys.executable, "-c", HOST_DAEMON, dsn, str(lease)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    lines = proc.stdout
+
+    def next_event() -> dict[str, Any]:
+        line = lines.readline()
+        assert line, f"the host daemon ended ({proc.poll()})"
+        return json.loads(line)
+
+    try:
+        assert next_event() == {"claim": "Claimed", "reserve": []}
+        with Renewer(b):
+            time.sleep(lease / 3)  # a few renewals of A
+            host.partition("drop")
+            cut_at = time.monotonic()
+            fenced = next_event()
+            assert fenced["lease_ok"] is False and fenced["lost"] is False
+            assert fenced["at"] - cut_at < lease / 2 + 1.0  # its last renewal came before the cut
+            assert eventually(b.reap, "B to reap the cut-off A", timeout=30) == ["A"]
+            assert b.adopt("J", "A", 1) == 2
+            before = snapshot(ledgers.dsn)
+            host.heal()
+            assert next_event()["lost"] is True  # its first renewal after the heal learns it
+            proc.stdin.write("again\n")
+            proc.stdin.flush()
+            tried = next_event()
+        assert tried == {"finish": [False], "reserve": None, "released": False, "claim": "LeaseLost"}
+        assert snapshot(ledgers.dsn) == before
+        assert b.finish([Finish("J", 2, Row.DONE)]) == [True]
+    finally:
+        proc.stdin.close()
+        proc.kill()
+        proc.wait(10)
 
 
 # -- schema ---------------------------------------------------------------------------------
