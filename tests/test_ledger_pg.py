@@ -457,6 +457,26 @@ def test_a_bad_login_fails_at_once_with_one_line_and_no_password(pg_server: PgSe
         PostgresLedger(ledgers.dsn.rsplit("/", 1)[0] + "/no_such_db", None)
 
 
+def test_ids_sort_byte_by_byte_whatever_the_database_locale(pg_server: PgServer, tmp_path: Path) -> None:
+    """In a database with a linguistic (ICU en-US) collation, rows() and children() still come in byte order."""
+    name = f"icu_{os.getpid()}_{time.time_ns() % 10**6}"
+    pg_server._sql(  # CREATE DATABASE with a locale needs the superuser
+        f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C'"
+        f" OWNER {pg_server.user}"
+    )
+    try:
+        led = PostgresLedger(pg_server.dsn_for(database=name), None)
+        try:
+            ids = ["b", "B", "_x", "Z1", "a", "a.1", "a-1"]
+            led.load_rows(Entry(j, "reserved", "w", None, 0, None, None, "P", 1, None, None, 1.0) for j in ids)
+            assert [e.job_id for e in led.rows()] == sorted(ids)
+            assert led.children("P") == sorted(ids)
+        finally:
+            led.close()
+    finally:
+        pg_server.drop_database(name)
+
+
 def test_connection_options_stay_below_the_lease(ledgers: Ledgers) -> None:
     """The session's timeouts follow the lease: statement lease/3, lock lease/6, idle in transaction lease/3."""
     led = ledgers.open(lease_s=30)

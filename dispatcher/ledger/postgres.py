@@ -79,9 +79,10 @@ def _entry(row: tuple[object, ...]) -> Entry:
 
 
 def _page(after: str | None, cur: Cur) -> list[tuple[Any, ...]]:
-    """One page of rows in id order, after the id ``after`` (None: from the start)."""
-    sql = _SELECT + " WHERE %s::text IS NULL OR job_id > %s ORDER BY job_id LIMIT %s"
-    return cur.execute(sql, (after, after, _PAGE)).fetchall()
+    """One page of rows in id order, after the id ``after`` (None: from the start); an index range scan."""
+    if after is None:
+        return cur.execute(_SELECT + " ORDER BY job_id LIMIT %s", (_PAGE,)).fetchall()
+    return cur.execute(_SELECT + " WHERE job_id > %s ORDER BY job_id LIMIT %s", (after, _PAGE)).fetchall()
 
 
 class PostgresLedger(Ledger):
