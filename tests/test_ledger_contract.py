@@ -327,6 +327,7 @@ def test_daemons_are_listed_alive_then_dead(engine: Engine) -> None:
     assert found.keys() >= {"A", "B"}
     assert found["A"].alive and found["A"].host == "host-A" and found["A"].pid == os.getpid()
     assert b.alive("A") and a.alive("A")
+    assert a.lease_ok() and not a.lost  # a fresh daemon need not fence itself
     a.close()
     engine.made.remove(a)
     eventually(lambda: not b.alive("A"), "A dead")  # a live answer may be cached for a second

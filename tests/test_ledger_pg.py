@@ -477,6 +477,16 @@ def test_ids_sort_byte_by_byte_whatever_the_database_locale(pg_server: PgServer,
         pg_server.drop_database(name)
 
 
+def test_a_closed_ledger_refuses_at_once(ledgers: Ledgers) -> None:
+    """After close() a call raises LedgerUnavailable at once instead of waiting for a connection."""
+    led = ledgers.open(patience_s=None)
+    led.close()
+    started = time.monotonic()
+    with pytest.raises(LedgerUnavailable, match="closed"):
+        led.get("J1")
+    assert time.monotonic() - started < 1
+
+
 def test_connection_options_stay_below_the_lease(ledgers: Ledgers) -> None:
     """The session's timeouts follow the lease: statement lease/3, lock lease/6, idle in transaction lease/3."""
     led = ledgers.open(lease_s=30)

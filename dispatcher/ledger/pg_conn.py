@@ -165,8 +165,8 @@ class Pool:
     def _take(self) -> Conn:
         with self._cond:
             while True:
-                if self._closed:
-                    raise psycopg.InterfaceError("the ledger is closed")
+                if self._closed:  # not a wait: nothing will open it again
+                    raise LedgerUnavailable("the ledger is closed")
                 if self._idle:
                     return self._idle.pop()
                 if self._count < self.size:
@@ -253,7 +253,7 @@ class Runner:
         """
         patience = self.patience_s if patience_s is DEFAULT else patience_s
         started = time.monotonic()
-        delay, logged, failures = 0.05, -_LOG_EVERY_S, 0
+        delay, logged, failures, outage = 0.05, -_LOG_EVERY_S, 0, False
         unknown = False
         while True:
             try:
@@ -263,14 +263,14 @@ class Runner:
                         unknown = False
                         log.warning("ledger.commit_unknown", step=what, committed=found is not None)
                         if found is not None:
-                            self._recovered(what, failures, started)
+                            self._recovered(what, outage, failures, started)
                             return found.value
                     value = self._once(conn, body)
                     unknown = resolve is not None  # from here on, an error leaves the outcome unknown
                     if self.before_commit is not None:
                         self.before_commit(conn)
                     conn.commit()
-                    self._recovered(what, failures, started)
+                    self._recovered(what, outage, failures, started)
                     return value
             except Rollback as rb:
                 return cast(T, rb.value)
@@ -288,6 +288,7 @@ class Runner:
                     ) from None
                 if self.give_up():
                     raise LedgerUnavailable(f"{self.where}: the ledger cannot be reached; gave up{doubt}") from None
+                outage = outage or not isinstance(exc, Again)
                 if not isinstance(exc, Again) and waited - logged >= _LOG_EVERY_S:
                     log.warning(
                         "ledger.reconnecting", step=what, attempt=failures, waited_s=round(waited, 1), error=_text(exc)
@@ -313,8 +314,8 @@ class Runner:
         return found
 
     @staticmethod
-    def _recovered(what: str, failures: int, started: float) -> None:
-        if failures:
+    def _recovered(what: str, outage: bool, failures: int, started: float) -> None:
+        if outage:
             log.info("ledger.reconnected", step=what, attempts=failures, waited_s=round(time.monotonic() - started, 1))
 
 
