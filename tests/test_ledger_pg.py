@@ -487,6 +487,19 @@ def test_a_closed_ledger_refuses_at_once(ledgers: Ledgers) -> None:
     assert time.monotonic() - started < 1
 
 
+def test_a_role_without_privileges_gets_one_line(pg_server: PgServer, ledgers: Ledgers) -> None:
+    """A role that may not create tables in the database is refused with one line naming the cause."""
+    role = f"weak_{os.getpid()}"
+    pg_server._sql(f"CREATE ROLE {role} LOGIN PASSWORD 'weak'")  # CREATE ROLE needs the superuser
+    try:
+        dsn = ledgers.dsn.replace(f"{pg_server.user}:{pg_server.password}@", f"{role}:weak@")
+        with pytest.raises(PostgresLedgerError) as caught:
+            PostgresLedger(dsn, None)
+        assert "permission denied" in str(caught.value) and "\n" not in str(caught.value)
+    finally:
+        pg_server._sql(f"DROP ROLE {role}")
+
+
 def test_connection_options_stay_below_the_lease(ledgers: Ledgers) -> None:
     """The session's timeouts follow the lease: statement lease/3, lock lease/6, idle in transaction lease/3."""
     led = ledgers.open(lease_s=30)

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import psycopg
 import structlog
 
 from dispatcher.layout import Layout
@@ -110,6 +111,10 @@ class PostgresLedger(Ledger):
         self._followups = Followups(self._runner, self._leases)
         try:
             self._runner.run("schema", lambda cur: pg_schema.ensure(cur, self.where), fatal=permanent)
+        except psycopg.Error as exc:  # not a wait: a missing privilege, an unusable database
+            self._pool.close()
+            text = " ".join(str(exc).split())
+            raise PostgresLedgerError(f"{self.where}: the ledger schema cannot be set up: {text}") from None
         except BaseException:
             self._pool.close()
             raise
