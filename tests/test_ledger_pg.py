@@ -580,8 +580,10 @@ class CommitCutter:
 
     ``arm("drop")``: the next COMMIT never reaches the server (it rolls back when the
     connection goes). ``arm("lose_reply")``: the COMMIT reaches the server, which
-    commits; its answer is swallowed and the connection cut. Either way the client
-    sees its connection fail while COMMIT was on its way: the outcome is unknown.
+    commits; its answer is swallowed and the connection cut. ``arm("cut")``: the
+    COMMIT is passed on and the connection cut at once, while the server may still
+    be committing. Either way the client sees its connection fail while COMMIT was
+    on its way: the outcome is unknown.
     """
 
     COMMIT = b"Q\x00\x00\x00\x0bCOMMIT\x00"
@@ -627,6 +629,10 @@ class CommitCutter:
                         self.mode = None
                         self.cuts.append(mode)
                 if mode == "drop":
+                    self._cut(client, upstream)
+                    return
+                if mode == "cut":
+                    upstream.sendall(data)
                     self._cut(client, upstream)
                     return
                 if mode == "lose_reply":
@@ -739,15 +745,54 @@ def test_an_unknown_commit_is_settled_by_reading_back(
         cutter.arm(mode)
         assert run() == expected
     assert cutter.cuts == [mode]
-    settled = [e for e in logs if e["event"] == "ledger.commit_unknown"]
-    if step == "finish":  # idempotent: simply run again, no read-back needed
-        assert settled == []
-    else:
-        assert [(e["step"], e["committed"]) for e in settled] == [(step, mode == "lose_reply")]
+    settled = [(e["step"], e["committed"], e["status"]) for e in logs if e["event"] == "ledger.commit_unknown"]
+    committed = mode == "lose_reply"
+    assert settled == [(step, committed, "committed" if committed else "aborted")]
+    assert not [e for e in logs if e["event"] == "ledger.readback_differs"]
     if step == "load_rows":
         assert sql(ledgers.dsn, "SELECT count(*) FROM jobs") == [(before_rows[0][0] + 50,)]
     if step == "claim":
         assert sql(ledgers.dsn, "SELECT job_id, owner, token FROM jobs ORDER BY 1") == [("J1", "B", 1), ("J2", "B", 1)]
+
+
+def test_a_commit_still_under_way_is_waited_for_before_it_is_judged(
+    pg_server: PgServer, cutter: CommitCutter, ledgers: Ledgers
+) -> None:
+    """A COMMIT cut off while the server still commits (waiting for a synchronous standby) is waited out.
+
+    Its transaction is in the server's log but not yet visible to others: reading the
+    rows then would find nothing and wrongly run the claim again (to answer Busy).
+    The ledger waits, answers nothing meanwhile, and says Claimed once it is done.
+    """
+    b = ledgers.daemon("B", dsn=_via(ledgers.dsn, cutter.port))
+
+    def standby(names: str) -> None:
+        pg_server._sql(f"ALTER SYSTEM SET synchronous_standby_names = '{names}'", "SELECT pg_reload_conf()")
+        eventually(lambda: sql(ledgers.dsn, "SHOW synchronous_standby_names") == [(names,)], "the reload")
+
+    answers: list[object] = []
+    with structlog.testing.capture_logs() as logs:
+        standby("nobody")  # every COMMIT now waits for a standby that never comes
+        try:
+            cutter.arm("cut")
+            claimer = threading.Thread(target=lambda: answers.append(b.claim([req("J1")])))
+            claimer.start()
+            eventually(
+                lambda: sql(ledgers.dsn, "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'SyncRep'"),
+                "the cut-off COMMIT to wait for the standby",
+            )
+            time.sleep(1.0)
+            assert claimer.is_alive() and not answers  # waiting, not guessing
+            assert not [e for e in logs if e["event"] == "ledger.commit_unknown"]
+        finally:
+            standby("")  # the waiting COMMIT completes
+        claimer.join(30)
+    assert answers == [[Claimed("J1", 1)]]
+    assert cutter.cuts == ["cut"]
+    assert [(e["committed"], e["status"]) for e in logs if e["event"] == "ledger.commit_unknown"] == [
+        (True, "committed")
+    ]
+    assert sql(ledgers.dsn, "SELECT job_id, owner, token FROM jobs") == [("J1", "B", 1)]
 
 
 def test_a_backend_killed_right_before_commit_is_a_commit_that_did_not_happen(ledgers: Ledgers) -> None:
@@ -765,7 +810,9 @@ def test_a_backend_killed_right_before_commit_is_a_commit_that_did_not_happen(le
         assert a.claim([req("J1")]) == [Claimed("J1", 1)]
     a.before_commit = None
     assert killed
-    assert [(e["step"], e["committed"]) for e in logs if e["event"] == "ledger.commit_unknown"] == [("claim", False)]
+    assert [(e["step"], e["committed"], e["status"]) for e in logs if e["event"] == "ledger.commit_unknown"] == [
+        ("claim", False, "aborted")
+    ]
     assert sql(ledgers.dsn, "SELECT owner, token FROM jobs") == [("A", 1)]
 
 

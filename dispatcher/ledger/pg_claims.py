@@ -16,7 +16,9 @@ A claim batch is one transaction:
 Every step that takes a row for this daemon needs its lease to be running (in
 the database's eyes); ``unclaim`` and ``reconcile`` only need it not to have
 been declared lost. Each write carries this daemon's owner and the token it
-planned, so that a read-back settles an unknown commit (``pg_conn``).
+planned, so that its rows can be read back after an unknown commit (``pg_conn``
+settles it by the server's record of the transaction; the rows are checked
+against that, and decide alone should the server have forgotten it).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class Claims:
                     (previous, job_id, owner, token),
                 )
 
-        self.runner.run("unclaim", body)  # idempotent: simply run again after an unknown commit
+        self.runner.run("unclaim", body, write=True)
 
     def _owned(self, job_id: str, plan: list[int]) -> Resolve[int | None]:
         """A read-back: the step committed if job_id is claimed by this daemon with the planned token."""

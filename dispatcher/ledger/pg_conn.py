@@ -8,12 +8,19 @@ succeeds, ``patience_s`` runs out or ``give_up()`` says so (then
 ``LedgerUnavailable``).
 
 An error while COMMIT is on its way leaves the outcome unknown (PITFALLS: the
-server may have committed and lost only its answer). A step that is not
-idempotent passes a ``resolve`` read-back: on the next connection it looks at
-the rows the step meant to write (each write carries this daemon's owner and
-the fencing token or nonce it planned) and returns the step's answer if they
-are there; otherwise the step runs again. ``ledger.commit_unknown`` is logged
-with what the read-back found. Idempotent steps are simply run again.
+server may have committed and lost only its answer). Every write step therefore
+notes its transaction id (``txid_current()``) before COMMIT, and on the next
+connection the step is settled by the server's own record, never by a guess
+(``ledger.commit_unknown`` is logged with the verdict):
+
+- still in progress, or committed but not yet visible to a new snapshot (its
+  backend has not yet noticed that its client went away): wait and ask again;
+- committed and visible: the step's answer is the one its body computed; the
+  step's read-back (the rows it meant to write: this daemon's owner with the
+  fencing token or nonce it planned) is checked against it;
+- aborted, or never reached the WAL (a crash): the step runs again;
+- forgotten by the server (far too old; not seen in practice): the read-back
+  alone decides, and a step without one is idempotent and runs again.
 """
 
 from __future__ import annotations
@@ -244,29 +251,32 @@ class Runner:
         body: Body[T],
         resolve: Resolve[T] | None = None,
         *,
+        write: bool = False,
         patience_s: float | _Default | None = DEFAULT,
         fatal: Callable[[BaseException], bool] | None = None,
     ) -> T:
         """Run ``body`` in one transaction and commit; see the module docstring for retries.
 
-        ``fatal`` picks errors to raise at once as PostgresLedgerError (a bad login at open).
+        ``write`` (implied by ``resolve``) makes an unknown commit be settled before
+        anything runs again. ``fatal`` picks errors to raise at once as
+        PostgresLedgerError (a bad login at open).
         """
         patience = self.patience_s if patience_s is DEFAULT else patience_s
+        write = write or resolve is not None
         started = time.monotonic()
         delay, logged, failures, outage = 0.05, -_LOG_EVERY_S, 0, False
-        unknown = False
+        unknown: tuple[int, T] | None = None  # (transaction id, answer) of a commit whose outcome is unknown
         while True:
             try:
                 with self.pool.connection() as conn:
-                    if unknown and resolve is not None:
-                        found = self._read_back(conn, resolve)
-                        unknown = False
-                        log.warning("ledger.commit_unknown", step=what, committed=found is not None)
+                    if unknown is not None:
+                        found = self._settle(conn, what, unknown[0], unknown[1], resolve)
+                        unknown = None
                         if found is not None:
                             self._recovered(what, outage, failures, started)
                             return found.value
-                    value = self._once(conn, body)
-                    unknown = resolve is not None  # from here on, an error leaves the outcome unknown
+                    xid, value = self._once(conn, body, write)
+                    unknown = (xid, value) if xid is not None else None  # until COMMIT answers
                     if self.before_commit is not None:
                         self.before_commit(conn)
                     conn.commit()
@@ -281,7 +291,7 @@ class Runner:
                     raise
                 failures += 1
                 waited = time.monotonic() - started
-                doubt = " (the last commit's outcome is unknown)" if unknown else ""
+                doubt = " (the last commit's outcome is unknown)" if unknown is not None else ""
                 if patience is not None and waited >= patience:
                     raise LedgerUnavailable(
                         f"{self.where}: the ledger cannot be reached ({waited:.0f} s): {_text(exc)}{doubt}"
@@ -298,19 +308,44 @@ class Runner:
                 delay = min(delay * 2, _MAX_DELAY_S)
 
     @staticmethod
-    def _once(conn: Conn, body: Body[T]) -> T:
+    def _once(conn: Conn, body: Body[T], write: bool) -> tuple[int | None, T]:
+        """Run body in a new transaction; for a write, note the transaction's id first."""
         with conn.cursor() as cur:
+            xid = None
+            if write:
+                row = cur.execute("SELECT txid_current()").fetchone()
+                xid = int(row[0]) if row else None
             try:
-                return body(cur)
+                return xid, body(cur)
             except Rollback:
                 conn.rollback()
                 raise
 
     @staticmethod
-    def _read_back(conn: Conn, resolve: Resolve[T]) -> Found[T] | None:
+    def _settle(conn: Conn, what: str, xid: int, value: T, resolve: Resolve[T] | None) -> Found[T] | None:
+        """Did transaction ``xid`` commit? Found(its answer) if so, None if not; Again while undecided."""
         with conn.cursor() as cur:
-            found = resolve(cur)
-        conn.rollback()  # a read-back writes nothing
+            try:
+                row = cur.execute(
+                    "SELECT txid_status(%s), txid_visible_in_snapshot(%s, txid_current_snapshot())", (xid, xid)
+                ).fetchone()
+                status, visible = (row[0], bool(row[1])) if row else (None, False)
+            except psycopg.errors.InvalidParameterValue:  # "in the future": it never reached the WAL
+                conn.rollback()
+                status, visible = "aborted", False
+            if status == "in progress" or (status == "committed" and not visible):
+                raise Again  # its backend has not finished with it yet
+            rows = resolve(cur) if resolve is not None else None
+        conn.rollback()  # settling writes nothing
+        if status == "committed":
+            if resolve is not None and rows is None:
+                log.warning("ledger.readback_differs", step=what, detail="committed, but its rows changed since")
+            found: Found[T] | None = Found(value)
+        elif status == "aborted":
+            found = None
+        else:  # the server no longer remembers it: the rows decide (a step without a read-back is idempotent)
+            found = rows
+        log.warning("ledger.commit_unknown", step=what, committed=found is not None, status=status or "forgotten")
         return found
 
     @staticmethod

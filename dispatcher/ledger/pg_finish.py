@@ -58,7 +58,7 @@ class Followups:
                 out.append(row is not None)
             return out
 
-        return self.runner.run("finish", body)  # a finished row with that token answers True again
+        return self.runner.run("finish", body, write=True)
 
     def reserve(self, parent: str, token: int, hops: int, children: Sequence[Child]) -> list[str] | None:
         """Reserve follow-ups of parent; return the ids already taken ([] = all reserved), None if fenced."""
@@ -92,7 +92,7 @@ class Followups:
                     raise Rollback(late)
             return []
 
-        return self.runner.run("reserve", body)  # its own reservations count as free: run again safely
+        return self.runner.run("reserve", body, write=True)
 
     def pending_releases(self, parent: str | None = None) -> list[Entry]:
         """Return reserved follow-ups whose parent is done; ``owner`` is the parent's owner."""
@@ -106,7 +106,7 @@ class Followups:
             if self.leases.check(cur, lease=False):
                 cur.execute("UPDATE jobs SET digest = %s WHERE job_id = %s AND state = 'reserved'", (digest, job_id))
 
-        self.runner.run("set_digest", body)
+        self.runner.run("set_digest", body, write=True)
 
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""

@@ -191,7 +191,7 @@ class Leases:
                 )
 
             try:
-                self.runner.run("close", body, patience_s=min(5.0, self.lease_s / 3))
+                self.runner.run("close", body, write=True, patience_s=min(5.0, self.lease_s / 3))
             except (LedgerUnavailable, psycopg.Error) as exc:
                 log.warning("ledger.close_failed", error=str(exc), owner=self.owner)
         with self._lock:
@@ -292,4 +292,5 @@ class Leases:
                 "UPDATE slots SET owner = NULL, nonce = NULL, taken = NULL WHERE agent = %s AND n = %s AND owner = %s",
                 (agent, slot, self.owner),
             ),
+            write=True,
         )

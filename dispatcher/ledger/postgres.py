@@ -314,6 +314,7 @@ class PostgresLedger(Ledger):
                 " ON CONFLICT (job_id, kind) DO UPDATE SET at = EXCLUDED.at",
                 (job_id, str(kind)),
             ),
+            write=True,
         )
 
     def requests(self, kind: Request) -> list[str]:
@@ -331,6 +332,7 @@ class PostgresLedger(Ledger):
         self._runner.run(
             "clear_request",
             lambda cur: cur.execute("DELETE FROM requests WHERE job_id = %s AND kind = %s", (job_id, str(kind))),
+            write=True,
         )
 
     # -- bulk (pg_bulk) ----------------------------------------------------------------------
