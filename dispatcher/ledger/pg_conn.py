@@ -337,15 +337,18 @@ class Runner:
                 raise Again  # its backend has not finished with it yet
             rows = resolve(cur) if resolve is not None else None
         conn.rollback()  # settling writes nothing
+        seen = "not read" if resolve is None else "written" if rows is not None else "absent"
         if status == "committed":
-            if resolve is not None and rows is None:
+            if seen == "absent":
                 log.warning("ledger.readback_differs", step=what, detail="committed, but its rows changed since")
             found: Found[T] | None = Found(value)
         elif status == "aborted":
             found = None
         else:  # the server no longer remembers it: the rows decide (a step without a read-back is idempotent)
             found = rows
-        log.warning("ledger.commit_unknown", step=what, committed=found is not None, status=status or "forgotten")
+        log.warning(
+            "ledger.commit_unknown", step=what, committed=found is not None, status=status or "forgotten", rows=seen
+        )
         return found
 
     @staticmethod
