@@ -500,6 +500,18 @@ def test_a_role_without_privileges_gets_one_line(pg_server: PgServer, ledgers: L
         pg_server._sql(f"DROP ROLE {role}")
 
 
+def test_without_psycopg_the_engine_says_what_to_install() -> None:
+    """Importing the engine where psycopg is missing raises a one-line UsageError naming the extra."""
+    code = (
+        "import sys; sys.modules['psycopg'] = None\n"
+        "from dispatcher.errors import UsageError\n"
+        "try:\n    import dispatcher.ledger.postgres\nexcept UsageError as exc:\n    print(exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert out.stdout.strip().startswith("ledger: postgresql:// needs psycopg 3; install folder-dispatcher[postgres]")
+
+
 def test_connection_options_stay_below_the_lease(ledgers: Ledgers) -> None:
     """The session's timeouts follow the lease: statement lease/3, lock lease/6, idle in transaction lease/3."""
     led = ledgers.open(lease_s=30)

@@ -50,10 +50,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import psycopg
 import structlog
 
+from dispatcher.errors import UsageError
 from dispatcher.layout import Layout
+
+try:
+    import psycopg
+except ImportError:  # the optional extra is not installed: say so in one line (open_ledger imports this lazily)
+    raise UsageError(
+        "ledger: postgresql:// needs psycopg 3; install folder-dispatcher[postgres] (pip install 'psycopg[binary]')"
+    ) from None
 from dispatcher.ledger import pg_bulk, pg_schema
 from dispatcher.ledger.base import (
     Child,
