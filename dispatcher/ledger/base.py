@@ -169,6 +169,15 @@ class Ledger(ABC):
         """Mark daemons whose lease ran out as dead; return the newly dead (engines with leases)."""
         return []
 
+    def lease_ok(self) -> bool:
+        """Return False while this daemon must fence itself: no renewal for lease/2 (engines with leases)."""
+        return True
+
+    @property
+    def lost(self) -> bool:
+        """True once another daemon declared this one dead (engines with leases): it must stop."""
+        return False
+
     # -- reads --------------------------------------------------------------------------
     @abstractmethod
     def get(self, job_id: str) -> Entry | None:

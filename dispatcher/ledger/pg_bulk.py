@@ -1,0 +1,89 @@
+"""Bulk steps of the PostgreSQL ledger: load rows as they are (rebuild, migrate, benchmarks).
+
+Each is one transaction, however many rows (statement timeout lifted for it).
+An unknown commit is settled by the server's record of the transaction
+(``pg_conn.Runner``), so a copy that did commit is not run again (it would count
+0 new rows, or find the target no longer empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dispatcher.ledger.base import Entry, Request
+from dispatcher.ledger.pg_conn import Cur, Found, PostgresLedgerError, Runner
+
+COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
+_CHUNK = 5000
+_INSERT = (
+    "INSERT INTO jobs (job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd,"
+    " updated) SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::bigint[], %s::text[],"
+    " %s::text[], %s::text[], %s::int[], %s::float8[], %s::float8[], %s::float8[])"
+    " ON CONFLICT (job_id) DO NOTHING"
+)
+_COPY = (
+    "COPY jobs (job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated)"
+    " FROM STDIN"
+)
+
+
+def values(e: Entry) -> tuple[object, ...]:
+    """Return an entry's fields in COLUMNS order."""
+    return (e.job_id, e.state, e.agent, e.owner, e.token, e.source, e.digest, e.parent, e.hops, e.cost_usd,
+            e.chain_cost_usd, e.updated)  # fmt: skip
+
+
+def _begin(cur: Cur) -> None:
+    cur.execute("SET LOCAL statement_timeout = 0")
+
+
+def load_rows(runner: Runner, entries: Iterable[Entry]) -> int:
+    """Insert rows as they are, keeping rows the ledger already has; return how many were new."""
+    batch = [values(e) for e in entries]
+
+    def body(cur: Cur) -> int:
+        _begin(cur)
+        total = 0
+        for start in range(0, len(batch), _CHUNK):
+            chunk = batch[start : start + _CHUNK]
+            cur.execute(_INSERT, [list(col) for col in zip(*chunk, strict=True)])
+            total += max(cur.rowcount, 0)
+        return total
+
+    return runner.run("load_rows", body, write=True)
+
+
+def load_into_empty(runner: Runner, entries: Iterable[Entry], requests: Iterable[tuple[str, Request]] = ()) -> int:
+    """Copy rows and open requests into a ledger that holds no job id; return how many rows.
+
+    Raise PostgresLedgerError (one line) if it holds any. The tables are locked
+    against writers for the copy, so no claim slips in between the check and it.
+    """
+    batch = [values(e) for e in entries]
+    reqs = [(job_id, str(kind)) for job_id, kind in requests]
+
+    def body(cur: Cur) -> int:
+        _begin(cur)
+        cur.execute("SET LOCAL lock_timeout = '30s'")
+        cur.execute("LOCK TABLE jobs, requests IN SHARE ROW EXCLUSIVE MODE")
+        held = cur.execute("SELECT count(*) FROM jobs").fetchone()
+        if held and held[0]:
+            raise PostgresLedgerError(
+                f"{runner.where}: the target ledger is not empty ({held[0]} job ids); migrate only into an empty one"
+            )
+        with cur.copy(_COPY) as copy:
+            for row in batch:
+                copy.write_row(row)
+        for i, (job_id, kind) in enumerate(reqs):  # oldest first, as they were
+            cur.execute(
+                "INSERT INTO requests (job_id, kind, at) VALUES (%s, %s, extract(epoch from now())::float8 + %s)"
+                " ON CONFLICT (job_id, kind) DO NOTHING",
+                (job_id, kind, i * 1e-6),
+            )
+        return len(batch)
+
+    def resolve(cur: Cur) -> Found[int] | None:  # only if the server forgot the transaction
+        row = cur.execute("SELECT count(*) FROM jobs").fetchone()
+        return Found(len(batch)) if row and row[0] == len(batch) and batch else None
+
+    return runner.run("load_into_empty", body, resolve)

@@ -1,0 +1,363 @@
+"""Connections to the PostgreSQL ledger: options below the lease, a small pool, retries.
+
+Every ledger step is one short transaction run by :meth:`Runner.run`. A lost
+connection, a server restart, a lock or statement timeout, a serialisation
+failure or a deadlock is a wait, never a failure: the step is run again on a
+fresh connection with backoff (``ledger.reconnecting`` is logged) until it
+succeeds, ``patience_s`` runs out or ``give_up()`` says so (then
+``LedgerUnavailable``).
+
+An error while COMMIT is on its way leaves the outcome unknown (PITFALLS: the
+server may have committed and lost only its answer). Every write step therefore
+notes its transaction id (``txid_current()``) before COMMIT, and on the next
+connection the step is settled by the server's own record, never by a guess
+(``ledger.commit_unknown`` is logged with the verdict):
+
+- still in progress, or committed but not yet visible to a new snapshot (its
+  backend has not yet noticed that its client went away): wait and ask again;
+- committed and visible: the step's answer is the one its body computed; the
+  step's read-back (the rows it meant to write: this daemon's owner with the
+  fencing token or nonce it planned) is checked against it;
+- aborted, or never reached the WAL (a crash): the step runs again;
+- forgotten by the server (far too old; not seen in practice): the read-back
+  alone decides, and a step without one is idempotent and runs again.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar, cast
+
+import psycopg
+import structlog
+from psycopg import conninfo as pg_conninfo
+from psycopg.rows import TupleRow
+
+from dispatcher.errors import UsageError, oneline
+from dispatcher.ledger.base import LedgerUnavailable
+
+log = structlog.get_logger("dispatcher")
+T = TypeVar("T")
+Conn = psycopg.Connection[TupleRow]
+Cur = psycopg.Cursor[TupleRow]
+
+_LOG_EVERY_S = 5.0
+_MAX_DELAY_S = 2.0
+# connection errors that no retry fixes (checked at open only; later they are waited out)
+_PERMANENT = (
+    "password authentication failed",
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "does not exist",
+    "invalid connection option",
+    "invalid uri",
+    "invalid sslmode",
+    "permission denied",
+)
+
+
+class PostgresLedgerError(UsageError):
+    """The PostgreSQL ledger cannot be used (bad URL or login, newer schema, not empty); one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(oneline(message))
+
+
+class Again(Exception):
+    """Raised inside a step to run it again from the start (a row vanished between two statements)."""
+
+
+class Rollback(Exception):
+    """Raised inside a step to roll its transaction back and return ``value`` (nothing was done)."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__("rollback")
+        self.value = value
+
+
+@dataclass(frozen=True, slots=True)
+class Found(Generic[T]):
+    """A read-back's verdict: the step's transaction committed, and this is its answer."""
+
+    value: T
+
+
+Body = Callable[[Cur], T]
+Resolve = Callable[[Cur], "Found[T] | None"]
+
+
+def describe(url: str) -> str:
+    """Return ``postgresql://host:port/db`` for messages: never the password."""
+    try:
+        params = pg_conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://(unreadable URL)"
+    host, port, db = params.get("host") or "localhost", params.get("port") or "5432", params.get("dbname") or ""
+    return f"postgresql://{host}:{port}/{db}"
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def connection_options(lease_s: float) -> dict[str, Any]:
+    """Return libpq options that keep every wait well below the lease (PITFALLS: PostgreSQL).
+
+    A dead peer is noticed within about lease/2 (keepalives, ``tcp_user_timeout``);
+    a stuck statement or lock wait ends within lease/3 and lease/6; a session
+    cut off inside a transaction loses its locks after lease/3 on the server.
+    """
+    third = max(1.0, lease_s / 3)
+    return {
+        "connect_timeout": max(2, int(lease_s / 6)),  # libpq's minimum is 2
+        "keepalives": 1,
+        "keepalives_idle": max(1, int(lease_s / 6)),
+        "keepalives_interval": max(1, int(lease_s / 12)),
+        "keepalives_count": 3,
+        "tcp_user_timeout": _ms(third),
+        "options": (
+            f"-c statement_timeout={_ms(third)} -c lock_timeout={_ms(max(0.5, lease_s / 6))}"
+            f" -c idle_in_transaction_session_timeout={_ms(third)}"
+        ),
+    }
+
+
+def make_conninfo(url: str, lease_s: float) -> str:
+    """Return the URL with the lease-bound options added (options already in the URL are kept first)."""
+    try:
+        given = pg_conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise PostgresLedgerError(f"ledger URL cannot be read: {exc}") from None
+    opts = connection_options(lease_s)
+    for key in ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"):
+        if given.get(key) is not None:
+            opts.pop(key)
+    if given.get("options"):
+        opts["options"] = f"{opts['options']} {given['options']}"
+    opts.setdefault("application_name", given.get("application_name") or "dispatcher")
+    return pg_conninfo.make_conninfo(url, **opts)
+
+
+def transient(exc: BaseException) -> bool:
+    """Return True for errors a later try may not meet: lost connections, timeouts, conflicts."""
+    if isinstance(exc, Again | psycopg.OperationalError | psycopg.InterfaceError):
+        return True
+    state = getattr(exc, "sqlstate", None) or ""
+    return state[:2] in ("08", "40", "53", "57") or state in ("25P03", "55P03")
+
+
+def permanent(exc: BaseException) -> bool:
+    """Return True for a connection error no wait can fix (a bad login or database name)."""
+    text = str(exc).lower()
+    return isinstance(exc, psycopg.OperationalError) and any(p in text for p in _PERMANENT)
+
+
+class Pool:
+    """A few connections shared by threads: one per step at a time; a broken one is dropped."""
+
+    def __init__(self, conninfo: str, size: int = 4) -> None:
+        self.conninfo = conninfo
+        self.size = size
+        self._idle: list[Conn] = []
+        self._count = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def _take(self) -> Conn:
+        with self._cond:
+            while True:
+                if self._closed:  # not a wait: nothing will open it again
+                    raise LedgerUnavailable("the ledger is closed")
+                if self._idle:
+                    return self._idle.pop()
+                if self._count < self.size:
+                    self._count += 1
+                    break
+                self._cond.wait()
+        try:
+            return psycopg.connect(self.conninfo, autocommit=False)
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+
+    def _give(self, conn: Conn, clean: bool) -> None:
+        if not clean and not conn.closed and not conn.broken:
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                conn.close()
+        keep = not conn.closed and not conn.broken
+        with self._cond:
+            if keep and not self._closed:
+                self._idle.append(conn)
+            else:
+                self._count -= 1
+            self._cond.notify()
+        if not keep or self._closed:
+            conn.close()
+
+    @contextmanager
+    def connection(self) -> Iterator[Conn]:
+        """Lend a connection for one step; it goes back rolled back if the step failed."""
+        conn = self._take()
+        clean = False
+        try:
+            yield conn
+            clean = True
+        finally:
+            self._give(conn, clean)
+
+    def close(self) -> None:
+        """Close idle connections now and busy ones when they come back."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+            self._cond.notify_all()
+        for conn in idle:
+            conn.close()
+
+
+class _Default(enum.Enum):
+    PATIENCE = 0
+
+
+DEFAULT: Final = _Default.PATIENCE
+
+
+class Runner:
+    """Run ledger steps as short transactions, retrying what a retry can fix."""
+
+    def __init__(self, pool: Pool, where: str, give_up: Callable[[], bool], patience_s: float | None) -> None:
+        self.pool = pool
+        self.where = where
+        self.give_up = give_up
+        #: how long a step waits for the database by default (None: forever)
+        self.patience_s = patience_s
+        #: test hook, called with the connection just before COMMIT is sent
+        self.before_commit: Callable[[Conn], None] | None = None
+
+    def run(
+        self,
+        what: str,
+        body: Body[T],
+        resolve: Resolve[T] | None = None,
+        *,
+        write: bool = False,
+        patience_s: float | _Default | None = DEFAULT,
+        fatal: Callable[[BaseException], bool] | None = None,
+    ) -> T:
+        """Run ``body`` in one transaction and commit; see the module docstring for retries.
+
+        ``write`` (implied by ``resolve``) makes an unknown commit be settled before
+        anything runs again. ``fatal`` picks errors to raise at once as
+        PostgresLedgerError (a bad login at open).
+        """
+        patience = self.patience_s if patience_s is DEFAULT else patience_s
+        write = write or resolve is not None
+        started = time.monotonic()
+        delay, logged, failures, outage = 0.05, -_LOG_EVERY_S, 0, False
+        unknown: tuple[int, T] | None = None  # (transaction id, answer) of a commit whose outcome is unknown
+        while True:
+            try:
+                with self.pool.connection() as conn:
+                    if unknown is not None:
+                        found = self._settle(conn, what, unknown[0], unknown[1], resolve)
+                        unknown = None
+                        if found is not None:
+                            self._recovered(what, outage, failures, started)
+                            return found.value
+                    xid, value = self._once(conn, body, write)
+                    unknown = (xid, value) if xid is not None else None  # until COMMIT answers
+                    if self.before_commit is not None:
+                        self.before_commit(conn)
+                    conn.commit()
+                    self._recovered(what, outage, failures, started)
+                    return value
+            except Rollback as rb:
+                return cast(T, rb.value)
+            except Exception as exc:
+                if fatal is not None and fatal(exc):
+                    raise PostgresLedgerError(f"{self.where}: {_text(exc)}") from None
+                if not transient(exc):
+                    raise
+                failures += 1
+                waited = time.monotonic() - started
+                doubt = " (the last commit's outcome is unknown)" if unknown is not None else ""
+                if patience is not None and waited >= patience:
+                    raise LedgerUnavailable(
+                        f"{self.where}: the ledger cannot be reached ({waited:.0f} s): {_text(exc)}{doubt}"
+                    ) from None
+                if self.give_up():
+                    raise LedgerUnavailable(f"{self.where}: the ledger cannot be reached; gave up{doubt}") from None
+                outage = outage or not isinstance(exc, Again)
+                if not isinstance(exc, Again) and waited - logged >= _LOG_EVERY_S:
+                    log.warning(
+                        "ledger.reconnecting", step=what, attempt=failures, waited_s=round(waited, 1), error=_text(exc)
+                    )
+                    logged = waited
+                time.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, _MAX_DELAY_S)
+
+    @staticmethod
+    def _once(conn: Conn, body: Body[T], write: bool) -> tuple[int | None, T]:
+        """Run body in a new transaction; for a write, note the transaction's id first."""
+        with conn.cursor() as cur:
+            xid = None
+            if write:
+                row = cur.execute("SELECT txid_current()").fetchone()
+                xid = int(row[0]) if row else None
+            try:
+                return xid, body(cur)
+            except Rollback:
+                conn.rollback()
+                raise
+
+    @staticmethod
+    def _settle(conn: Conn, what: str, xid: int, value: T, resolve: Resolve[T] | None) -> Found[T] | None:
+        """Did transaction ``xid`` commit? Found(its answer) if so, None if not; Again while undecided."""
+        with conn.cursor() as cur:
+            try:
+                row = cur.execute(
+                    "SELECT txid_status(%s), txid_visible_in_snapshot(%s, txid_current_snapshot())", (xid, xid)
+                ).fetchone()
+                status, visible = (row[0], bool(row[1])) if row else (None, False)
+            except psycopg.errors.InvalidParameterValue:  # "in the future": it never reached the WAL
+                conn.rollback()
+                status, visible = "aborted", False
+            if status == "in progress" or (status == "committed" and not visible):
+                raise Again  # its backend has not finished with it yet
+            rows = resolve(cur) if resolve is not None else None
+        conn.rollback()  # settling writes nothing
+        seen = "not read" if resolve is None else "written" if rows is not None else "absent"
+        if status == "committed":
+            if seen == "absent":
+                log.warning("ledger.readback_differs", step=what, detail="committed, but its rows changed since")
+            found: Found[T] | None = Found(value)
+        elif status == "aborted":
+            found = None
+        else:  # the server no longer remembers it: the rows decide (a step without a read-back is idempotent)
+            found = rows
+        log.warning(
+            "ledger.commit_unknown", step=what, committed=found is not None, status=status or "forgotten", rows=seen
+        )
+        return found
+
+    @staticmethod
+    def _recovered(what: str, outage: bool, failures: int, started: float) -> None:
+        if outage:
+            log.info("ledger.reconnected", step=what, attempts=failures, waited_s=round(time.monotonic() - started, 1))
+
+
+def _text(exc: BaseException) -> str:
+    """Return an error as one short line (psycopg messages span lines)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]

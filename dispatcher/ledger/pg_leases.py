@@ -1,0 +1,296 @@
+"""Daemons, leases and concurrency slots of the PostgreSQL ledger, on the database's clock only.
+
+A daemon is a row of ``daemons`` inserted at each start under a new identity.
+It is alive while ``lease_until`` (renewed to the database's ``now()`` +
+lease) is ahead of the database's ``now()`` and no one set ``ended``: 'stopped'
+at a clean stop, 'lost' when a reaper found its lease run out. ``ended`` is
+final: a lost daemon can never renew again (its jobs are someone else's now).
+
+Local clocks only ever make this daemon more careful: ``lease_ok()`` measures
+lease/2 from the *send* time of the last successful renewal on the monotonic
+clock, which is never later than the database's view of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import psycopg
+import structlog
+
+from dispatcher.ledger.base import DaemonInfo, LedgerUnavailable
+from dispatcher.ledger.pg_conn import Conn, Cur, Found, PostgresLedgerError, Runner
+
+log = structlog.get_logger("dispatcher")
+
+
+class LeaseLost(LedgerUnavailable):
+    """This daemon may not take anything now: its lease ran out, or it was declared lost."""
+
+
+class Leases:
+    """This process's daemon row: register, renew, reap, liveness of others, slots."""
+
+    def __init__(self, runner: Runner, conninfo: str, lease_s: float) -> None:
+        self.runner = runner
+        self.where = runner.where
+        self.lease_s = lease_s
+        self.owner = ""
+        self._conninfo = conninfo
+        self._lock = threading.Lock()  # the renewal connection
+        self._conn: Conn | None = None
+        self._renewed_at: float | None = None  # monotonic send time of the last successful renewal
+        self._streak_since: float | None = None  # start of the current gap-free run of renewals
+        self.lost = False
+        self._failing = False
+        self.closed = False
+        self._nonces = itertools.count(1)
+        self._live_seen: dict[str, float] = {}
+        self._ended: set[str] = set()
+        self._slot_rows: set[tuple[str, int]] = set()
+
+    def nonce(self) -> str:
+        """Return a tag no other step of any daemon uses (for read-backs)."""
+        return f"{self.owner}:{time.time_ns()}:{next(self._nonces)}"
+
+    def check(self, cur: Cur, *, lease: bool) -> bool:
+        """Lock this daemon's row (FOR SHARE, so no reaper marks it mid-step); may it act?
+
+        Not declared lost or stopped, and with ``lease``, its lease still running by
+        the database's clock. A command that is not a daemon (no owner) always may.
+        """
+        if not self.owner:
+            return True
+        row = cur.execute(
+            "SELECT ended IS NULL, lease_until > now() FROM daemons WHERE owner = %s FOR SHARE", (self.owner,)
+        ).fetchone()
+        if row is None:
+            return False
+        if not row[0]:
+            self.lost = True
+            return False
+        return bool(row[1]) or not lease
+
+    def refusal(self) -> LeaseLost:
+        """Return the error a claim raises when ``check(lease=True)`` said no."""
+        if self.lost:
+            return LeaseLost(f"{self.where}: this daemon ({self.owner}) was declared lost; it must restart")
+        return LeaseLost(f"{self.where}: this daemon's lease has run out; it claims nothing until it is renewed")
+
+    # -- life -------------------------------------------------------------------------------
+    def register(self, info: DaemonInfo) -> None:
+        """Insert the daemon's row with a lease; an identity used before is refused."""
+        sent = time.monotonic()
+
+        def body(cur: Cur) -> None:
+            row = cur.execute(
+                "INSERT INTO daemons (owner, pid, host, started, lease_s, lease_until)"
+                " VALUES (%s, %s, %s, %s, %s, now() + make_interval(secs => %s))"
+                " ON CONFLICT (owner) DO NOTHING RETURNING 1",
+                (info.owner, info.pid, info.host, info.started, self.lease_s, self.lease_s),
+            ).fetchone()
+            if row is None:
+                raise PostgresLedgerError(f"{self.where}: daemon identity {info.owner} was used before; never reused")
+
+        def resolve(cur: Cur) -> Found[None] | None:
+            row = cur.execute("SELECT pid, host, started FROM daemons WHERE owner = %s", (info.owner,)).fetchone()
+            return Found(None) if row == (info.pid, info.host, info.started) else None
+
+        self.runner.run("register", body, resolve)
+        self.owner = info.owner
+        self._renewed_at = self._streak_since = sent
+        self.lost = False
+
+    def renew(self) -> bool:
+        """Renew the lease to the database's now() + lease; one try on its own connection."""
+        if not self.owner or self.lost or self.closed:
+            return False
+        sent = time.monotonic()
+        with self._lock:
+            try:
+                conn = self._conn
+                if conn is None or conn.closed or conn.broken:
+                    conn = self._conn = psycopg.connect(self._conninfo, autocommit=True)
+                row = conn.execute(
+                    "UPDATE daemons SET lease_until = now() + make_interval(secs => %s), renewed = now()"
+                    " WHERE owner = %s AND ended IS NULL RETURNING 1",
+                    (self.lease_s, self.owner),
+                ).fetchone()
+            except psycopg.Error as exc:
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+                if not self._failing:
+                    log.warning("ledger.renew_failed", owner=self.owner, error=" ".join(str(exc).split())[:300])
+                self._failing = True
+                return False
+        self._failing = False
+        if row is None:
+            self.lost = True
+            log.error("ledger.lease_lost", owner=self.owner, reason="declared lost by another daemon")
+            return False
+        if self._renewed_at is None or self._streak_since is None or sent - self._renewed_at >= self.lease_s / 2:
+            self._streak_since = sent  # the lease may have lapsed in between: the gap-free run starts again
+        self._renewed_at = sent
+        return True
+
+    def lease_ok(self) -> bool:
+        """True while the last successful renewal is younger than lease/2 (local monotonic clock)."""
+        at = self._renewed_at
+        return bool(self.owner) and not self.lost and at is not None and time.monotonic() - at < self.lease_s / 2
+
+    def may_reap(self) -> bool:
+        """True once this daemon has renewed its own lease without a gap for a full lease."""
+        since = self._streak_since
+        return self.lease_ok() and since is not None and time.monotonic() - since >= self.lease_s
+
+    def reap(self) -> list[str]:
+        """Mark every daemon whose lease ran out as lost and free its slots; return those newly marked."""
+        if not self.may_reap():
+            return []
+        nonce = self.nonce()
+
+        def body(cur: Cur) -> list[str]:
+            rows = cur.execute(
+                "UPDATE daemons SET ended = 'lost', ended_at = now(), ended_by = %s"
+                " WHERE ended IS NULL AND lease_until < now() AND owner <> %s"
+                " AND EXISTS (SELECT 1 FROM daemons me WHERE me.owner = %s AND me.ended IS NULL"
+                " AND me.lease_until > now()) RETURNING owner",
+                (nonce, self.owner, self.owner),
+            ).fetchall()
+            owners = sorted(r[0] for r in rows)
+            if owners:
+                cur.execute(
+                    "UPDATE slots SET owner = NULL, nonce = NULL, taken = NULL WHERE owner = ANY(%s)", (owners,)
+                )
+            return owners
+
+        def resolve(cur: Cur) -> Found[list[str]] | None:
+            rows = cur.execute("SELECT owner FROM daemons WHERE ended_by = %s ORDER BY owner", (nonce,)).fetchall()
+            return Found([r[0] for r in rows]) if rows else None
+
+        owners = self.runner.run("reap", body, resolve)
+        self._ended.update(owners)
+        return owners
+
+    def stop(self) -> None:
+        """Give this daemon's slots back and mark it stopped (a clean end: never reported lost)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.owner and not self.lost:
+
+            def body(cur: Cur) -> None:
+                cur.execute("UPDATE slots SET owner = NULL, nonce = NULL, taken = NULL WHERE owner = %s", (self.owner,))
+                cur.execute(
+                    "UPDATE daemons SET ended = 'stopped', ended_at = now(), lease_until = least(lease_until, now())"
+                    " WHERE owner = %s AND ended IS NULL",
+                    (self.owner,),
+                )
+
+            try:
+                self.runner.run("close", body, write=True, patience_s=min(5.0, self.lease_s / 3))
+            except (LedgerUnavailable, psycopg.Error) as exc:
+                log.warning("ledger.close_failed", error=str(exc), owner=self.owner)
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    # -- others -----------------------------------------------------------------------------
+    def alive(self, owner: str) -> bool:
+        """True while ``owner``'s lease runs (database clock) and it was not marked ended."""
+        if not owner:
+            return False
+        if owner == self.owner:
+            return not self.lost
+        if owner in self._ended:
+            return False
+        seen = self._live_seen.get(owner)
+        if seen is not None and time.monotonic() - seen < min(1.0, self.lease_s / 10):
+            return True
+        row = self.runner.run(
+            "alive",
+            lambda cur: cur.execute(
+                "SELECT ended IS NOT NULL, lease_until > now() FROM daemons WHERE owner = %s", (owner,)
+            ).fetchone(),
+        )
+        if row is None:
+            return False
+        if row[0]:
+            self._ended.add(owner)
+            return False
+        if row[1]:
+            self._live_seen[owner] = time.monotonic()
+            return True
+        self._live_seen.pop(owner, None)
+        return False
+
+    def daemons(self) -> list[DaemonInfo]:
+        """Every daemon that ever registered, newest first, alive by the database's clock."""
+        rows = self.runner.run(
+            "daemons",
+            lambda cur: cur.execute(
+                "SELECT owner, pid, host, started, ended IS NULL AND lease_until > now() FROM daemons"
+                " ORDER BY started DESC, owner"
+            ).fetchall(),
+        )
+        return [DaemonInfo(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
+
+    # -- slots ------------------------------------------------------------------------------
+    def take_slot(self, agent: str, concurrency: int) -> int | None:
+        """Take a free slot (agent, n < concurrency) with FOR UPDATE SKIP LOCKED; None if all are busy."""
+        if concurrency < 1:
+            return None
+        nonce = self.nonce()
+        took: list[int] = []
+
+        def body(cur: Cur) -> int | None:
+            took.clear()
+            if not self.check(cur, lease=True):
+                return None
+            if (agent, concurrency) not in self._slot_rows:
+                cur.execute(
+                    "INSERT INTO slots (agent, n) SELECT %s, g FROM generate_series(0, %s - 1) AS g"
+                    " ON CONFLICT DO NOTHING",
+                    (agent, concurrency),
+                )
+            row = cur.execute(
+                "SELECT s.n FROM slots s WHERE s.agent = %s AND s.n < %s AND (s.owner IS NULL OR NOT EXISTS"
+                " (SELECT 1 FROM daemons d WHERE d.owner = s.owner AND d.ended IS NULL))"
+                " ORDER BY s.n LIMIT 1 FOR UPDATE OF s SKIP LOCKED",
+                (agent, concurrency),
+            ).fetchone()
+            if row is None:
+                return None
+            cur.execute(
+                "UPDATE slots SET owner = %s, nonce = %s, taken = now() WHERE agent = %s AND n = %s",
+                (self.owner, nonce, agent, row[0]),
+            )
+            took.append(int(row[0]))
+            return took[0]
+
+        def resolve(cur: Cur) -> Found[int | None] | None:
+            if not took:
+                return Found(None)
+            row = cur.execute(
+                "SELECT n FROM slots WHERE agent = %s AND owner = %s AND nonce = %s", (agent, self.owner, nonce)
+            ).fetchone()
+            return Found(int(row[0])) if row else None
+
+        slot = self.runner.run("take_slot", body, resolve)
+        self._slot_rows.add((agent, concurrency))
+        return slot
+
+    def free_slot(self, agent: str, slot: int) -> None:
+        """Give a slot back (only if this daemon holds it); idempotent."""
+        self.runner.run(
+            "free_slot",
+            lambda cur: cur.execute(
+                "UPDATE slots SET owner = NULL, nonce = NULL, taken = NULL WHERE agent = %s AND n = %s AND owner = %s",
+                (agent, slot, self.owner),
+            ),
+            write=True,
+        )

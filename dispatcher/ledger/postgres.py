@@ -1,0 +1,379 @@
+"""The shared ledger: one PostgreSQL database for every daemon on every host (contract section 12).
+
+Same meaning as the SQLite engine, method by method (``sqlite.py`` is the
+reference); what differs is how it is made safe across hosts:
+
+- Every claim, finish and follow-up step is one short transaction. A claim is
+  ``INSERT ... ON CONFLICT DO NOTHING`` on the job id (the primary key refuses a
+  duplicate); take-overs and released follow-ups are conditional UPDATEs on the
+  row's token, under ``SELECT ... FOR UPDATE``.
+- Liveness is a lease in ``daemons``, renewed on the database's clock
+  (``now()``). A daemon is alive while its lease runs and no one marked it
+  ended. Nothing here touches the filesystem (the root may be on NFS).
+- Fencing: every finishing step carries the claim's token, and refuses
+  (False / None) when the token moved on or this daemon was declared lost.
+  Steps that take something new (claim, adopt, retry, slot) also need this
+  daemon's lease to be running in the database's eyes.
+- Connection loss, timeouts and conflicts are waited out (``pg_conn.Runner``);
+  an unknown commit outcome is settled by the server's record of the
+  transaction, checked against the rows the step meant to write.
+
+What the daemon must call (``lease_s`` is the config's ``lease``):
+
+- ``register(info)`` once at start (a new identity every start);
+- ``renew()`` every lease/6 seconds (at least every lease/3, as the contract
+  says; more often, so that one failed renewal does not cost the lease/2 of
+  ``lease_ok``), right away again after it returned False; from its own thread
+  or timer, not the ledger lane (it has its own connection and never waits
+  behind other steps; one try is bounded by the connection timeouts, < lease/2);
+- ``lease_ok()`` before claiming and while agents run: False once the last
+  successful renewal is lease/2 old by the local monotonic clock; then end the
+  agents' groups and claim nothing until it is True again. ``lost`` is True once
+  another daemon declared this one lost: its identity is dead for good, so the
+  daemon should stop (and be restarted under a new identity);
+- ``reap()`` every lease/3 or so: returns the owners newly declared lost (log
+  ``host.lost`` for each; exactly one reaper gets each owner) and frees their
+  slots; it returns [] until ``may_reap()``, i.e. until this daemon has renewed
+  its own lease without a gap for a full lease (after a database outage nobody
+  reaps anybody before every live daemon had the time to renew). Adopting a
+  dead daemon's jobs is safe right after ``alive()`` turns False (the fencing
+  token decides), but gating it on ``may_reap()`` too spares churn after an outage;
+- ``close()`` at a clean stop: the daemon is marked stopped (alive no more, its
+  slots free, never reported lost), so that the next start recovers its jobs
+  at once instead of after a lease.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import structlog
+
+from dispatcher.errors import UsageError
+from dispatcher.layout import Layout
+
+try:
+    import psycopg
+except ImportError:  # the optional extra is not installed: say so in one line (open_ledger imports this lazily)
+    raise UsageError(
+        "ledger: postgresql:// needs psycopg 3; install folder-dispatcher[postgres] (pip install 'psycopg[binary]')"
+    ) from None
+from dispatcher.ledger import pg_bulk, pg_schema
+from dispatcher.ledger.base import (
+    Child,
+    ClaimAnswer,
+    ClaimRequest,
+    DaemonInfo,
+    Entry,
+    Finish,
+    Ledger,
+    Request,
+    Row,
+)
+from dispatcher.ledger.pg_claims import Claims
+from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
+from dispatcher.ledger.pg_finish import Followups
+from dispatcher.ledger.pg_leases import LeaseLost, Leases
+
+__all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError", "migrate"]
+
+log = structlog.get_logger("dispatcher")
+
+# every SELECT of whole rows: the Entry fields in order (fixed text, never user input)
+_SELECT = (
+    "SELECT job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
+    " FROM jobs"
+)
+_PAGE = 5000
+
+
+def _entry(row: tuple[object, ...]) -> Entry:
+    return Entry(*row)  # type: ignore[arg-type]
+
+
+def _page(after: str | None, cur: Cur) -> list[tuple[Any, ...]]:
+    """One page of rows in id order, after the id ``after`` (None: from the start); an index range scan."""
+    if after is None:
+        return cur.execute(_SELECT + " ORDER BY job_id LIMIT %s", (_PAGE,)).fetchall()
+    return cur.execute(_SELECT + " WHERE job_id > %s ORDER BY job_id LIMIT %s", (after, _PAGE)).fetchall()
+
+
+class PostgresLedger(Ledger):
+    """A handle on a PostgreSQL ledger; safe to share between threads (a small connection pool)."""
+
+    def __init__(
+        self, url: str, layout: Layout | None = None, *, lease_s: float = 30.0, patience_s: float | None = None
+    ) -> None:
+        """Connect, create or check the schema; raise PostgresLedgerError (one line) if it cannot be used.
+
+        ``layout`` is accepted for symmetry with the SQLite engine and not used.
+        ``patience_s`` bounds how long a step waits for an unreachable database
+        (None: forever, as a daemon does; then ``LedgerUnavailable``).
+        """
+        if not lease_s > 0:
+            raise PostgresLedgerError(f"lease must be a positive number of seconds, not {lease_s}")
+        self.where = describe(url)
+        self.lease_s = float(lease_s)
+        self.give_up: Callable[[], bool] = lambda: False
+        conninfo = make_conninfo(url, self.lease_s)
+        self._pool = Pool(conninfo, size=4)
+        self._runner = Runner(self._pool, self.where, lambda: self.give_up(), patience_s)
+        self._leases = Leases(self._runner, conninfo, self.lease_s)
+        self._claims = Claims(self._runner, self._leases)
+        self._followups = Followups(self._runner, self._leases)
+        try:
+            self._runner.run("schema", lambda cur: pg_schema.ensure(cur, self.where), fatal=permanent)
+        except psycopg.Error as exc:  # not a wait: a missing privilege, an unusable database
+            self._pool.close()
+            text = " ".join(str(exc).split())
+            raise PostgresLedgerError(f"{self.where}: the ledger schema cannot be set up: {text}") from None
+        except BaseException:
+            self._pool.close()
+            raise
+
+    @property
+    def patience_s(self) -> float | None:
+        """How long a step waits for an unreachable database (None: forever)."""
+        return self._runner.patience_s
+
+    @patience_s.setter
+    def patience_s(self, value: float | None) -> None:
+        self._runner.patience_s = value
+
+    @property
+    def before_commit(self) -> Callable[[Conn], None] | None:
+        """Test hook: called with the connection right before each COMMIT is sent."""
+        return self._runner.before_commit
+
+    @before_commit.setter
+    def before_commit(self, hook: Callable[[Conn], None] | None) -> None:
+        self._runner.before_commit = hook
+
+    def close(self) -> None:
+        """Give this daemon's slots back, mark it stopped (alive no more) and close the connections."""
+        self._leases.stop()
+        self._pool.close()
+
+    # -- liveness (pg_leases) ---------------------------------------------------------------
+    def register(self, info: DaemonInfo) -> None:
+        """Insert this daemon's row under a new identity with a lease of ``lease_s``; never reuse one."""
+        self._leases.register(info)
+        self.owner = info.owner
+
+    def renew(self) -> bool:
+        """Renew the lease to the database's now() + lease (one try, own connection); False if it failed.
+
+        Call it every lease/6 s (the contract's floor is lease/3) and again soon after a False.
+        """
+        return self._leases.renew()
+
+    def lease_ok(self) -> bool:
+        """Return False once the last successful renewal is lease/2 old (local monotonic clock).
+
+        Then end the agents' groups and claim nothing until it is True again.
+        """
+        return self._leases.lease_ok()
+
+    @property
+    def lost(self) -> bool:
+        """True once another daemon declared this one lost: its identity is dead for good (restart)."""
+        return self._leases.lost
+
+    def may_reap(self) -> bool:
+        """Return True once this daemon has renewed its own lease without a gap for a full lease."""
+        return self._leases.may_reap()
+
+    def reap(self) -> list[str]:
+        """Mark daemons whose lease ran out as lost (one idempotent UPDATE), free their slots.
+
+        Return the owners this call newly marked (log ``host.lost`` for each: two
+        reapers at once never both get one); [] until ``may_reap()``.
+        """
+        return self._leases.reap()
+
+    def alive(self, owner: str) -> bool:
+        """Return True while ``owner``'s lease runs (database clock) and it was not marked ended."""
+        return self._leases.alive(owner)
+
+    def daemons(self) -> list[DaemonInfo]:
+        """Return every daemon that ever registered on this ledger, newest first."""
+        return self._leases.daemons()
+
+    def take_slot(self, agent: str, concurrency: int) -> int | None:
+        """Take a free slot of agent over every daemon (FOR UPDATE SKIP LOCKED); None if all are busy.
+
+        A slot is free when no one holds it or its holder has ended (stopped, or
+        declared lost by ``reap``). A slot whose holder only let its lease run out
+        stays taken until that holder is reaped, so that a daemon back from a
+        database outage never finds its running agent's slot given away.
+        """
+        return self._leases.take_slot(agent, concurrency)
+
+    def free_slot(self, agent: str, slot: int) -> None:
+        """Give a slot back (only if this daemon holds it)."""
+        self._leases.free_slot(agent, slot)
+
+    # -- reads --------------------------------------------------------------------------
+    def get(self, job_id: str) -> Entry | None:
+        """Return the row of job_id, or None if the id was never seen."""
+        row = self._runner.run("get", lambda cur: cur.execute(_SELECT + " WHERE job_id = %s", (job_id,)).fetchone())
+        return _entry(row) if row else None
+
+    def known(self, job_ids: Iterable[str]) -> dict[str, Entry]:
+        """Return the rows of those ids that the ledger knows."""
+        ids = list(job_ids)
+        if not ids:
+            return {}
+        rows = self._runner.run(
+            "known",
+            lambda cur: cur.execute(_SELECT + " WHERE job_id = ANY(%s)", (ids,)).fetchall(),
+        )
+        return {r[0]: _entry(r) for r in rows}
+
+    def children(self, job_id: str) -> list[str]:
+        """Return the follow-up ids whose parent is job_id, in id order."""
+        rows = self._runner.run(
+            "children",
+            lambda cur: cur.execute("SELECT job_id FROM jobs WHERE parent = %s ORDER BY job_id", (job_id,)).fetchall(),
+        )
+        return [r[0] for r in rows]
+
+    def in_state(self, *states: Row) -> list[Entry]:
+        """Return the rows in any of these states."""
+        names = [str(s) for s in states]
+        rows = self._runner.run(
+            "in_state",
+            lambda cur: cur.execute(_SELECT + " WHERE state = ANY(%s)", (names,)).fetchall(),
+        )
+        return [_entry(r) for r in rows]
+
+    def count(self) -> int:
+        """Return how many job ids the ledger holds."""
+        row = self._runner.run("count", lambda cur: cur.execute("SELECT count(*) FROM jobs").fetchone())
+        return int(row[0]) if row else 0
+
+    def is_empty(self) -> bool:
+        """Return True if the ledger holds no job id (without counting them)."""
+        return self._runner.run("is_empty", lambda cur: cur.execute("SELECT 1 FROM jobs LIMIT 1").fetchone()) is None
+
+    def rows(self) -> Iterator[Entry]:
+        """Yield every row, in id order (pages of a few thousand; no connection held between pages)."""
+        after: str | None = None
+        while True:
+            page = self._runner.run("rows", functools.partial(_page, after))
+            yield from (_entry(r) for r in page)
+            if len(page) < _PAGE:
+                return
+            after = page[-1][0]
+
+    # -- claims (pg_claims) -----------------------------------------------------------------
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimAnswer]:
+        """Claim many ids in one transaction (see ``Ledger.claim``).
+
+        Raise LeaseLost (a LedgerUnavailable) when this daemon's lease has run out
+        in the database's eyes, or it was declared lost: it may not claim now.
+        """
+        return self._claims.claim(requests)
+
+    def unclaim(self, job_id: str, token: int, previous: str | None) -> None:
+        """Undo a claim whose job folder could not be put in place (nothing ran); fenced by token."""
+        self._claims.unclaim(job_id, token, previous)
+
+    def adopt(self, job_id: str, expected_owner: str | None, expected_token: int) -> int | None:
+        """Take over a claimed job of a dead daemon; return the new token, or None if another won."""
+        return self._claims.adopt(job_id, expected_owner, expected_token)
+
+    def take_retry(self, job_id: str) -> int | None:
+        """Turn a failed job into a claim by this daemon (for `retry`); return the token."""
+        return self._claims.take_retry(job_id)
+
+    def reconcile(self, job_id: str, agent: str | None, parent: str | None, hops: int) -> bool:
+        """Put back the claim row of a job folder found in active/ without one (a lost commit)."""
+        return self._claims.reconcile(job_id, agent, parent, hops)
+
+    # -- finishing (pg_finish) ----------------------------------------------------------------
+    def finish(self, items: Sequence[Finish]) -> list[bool]:
+        """Record ends in one transaction; False for each item whose claim was taken over."""
+        return self._followups.finish(items)
+
+    def reserve(self, parent: str, token: int, hops: int, children: Sequence[Child]) -> list[str] | None:
+        """Reserve follow-ups of parent; return the ids already taken ([] = all reserved), None if fenced."""
+        return self._followups.reserve(parent, token, hops, children)
+
+    def pending_releases(self, parent: str | None = None) -> list[Entry]:
+        """Return reserved follow-ups whose parent is done; ``owner`` is the parent's owner."""
+        return self._followups.pending_releases(parent)
+
+    def set_digest(self, job_id: str, digest: str) -> None:
+        """Record the digest a reserved follow-up will be released with (before its file exists)."""
+        self._followups.set_digest(job_id, digest)
+
+    def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
+        """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
+        return self._followups.mark_released(job_id, source, digest, held=held)
+
+    def set_state(self, job_id: str, state: Row, *, expect: Row) -> bool:
+        """Move a row from one open state to another (hold, release of a held follow-up)."""
+        return self._followups.set_state(job_id, state, expect=expect)
+
+    # -- requests -------------------------------------------------------------------------
+    def request(self, job_id: str, kind: Request) -> None:
+        """Record a request for a daemon to carry out."""
+        self._runner.run(
+            "request",
+            lambda cur: cur.execute(
+                "INSERT INTO requests (job_id, kind, at) VALUES (%s, %s, extract(epoch from now())::float8)"
+                " ON CONFLICT (job_id, kind) DO UPDATE SET at = EXCLUDED.at",
+                (job_id, str(kind)),
+            ),
+            write=True,
+        )
+
+    def requests(self, kind: Request) -> list[str]:
+        """Return the job ids with an open request of this kind, oldest first."""
+        rows = self._runner.run(
+            "requests",
+            lambda cur: cur.execute(
+                "SELECT job_id FROM requests WHERE kind = %s ORDER BY at, job_id", (str(kind),)
+            ).fetchall(),
+        )
+        return [r[0] for r in rows]
+
+    def clear_request(self, job_id: str, kind: Request) -> None:
+        """Mark a request as carried out."""
+        self._runner.run(
+            "clear_request",
+            lambda cur: cur.execute("DELETE FROM requests WHERE job_id = %s AND kind = %s", (job_id, str(kind))),
+            write=True,
+        )
+
+    # -- bulk (pg_bulk) ----------------------------------------------------------------------
+    def load_rows(self, entries: Iterable[Entry]) -> int:
+        """Insert rows as they are, keeping rows the ledger already has; return how many were new."""
+        return pg_bulk.load_rows(self._runner, entries)
+
+    def load_into_empty(self, entries: Iterable[Entry], requests: Iterable[tuple[str, Request]] = ()) -> int:
+        """Copy rows and open requests into this ledger if it holds no job id (else PostgresLedgerError)."""
+        return pg_bulk.load_into_empty(self._runner, entries, requests)
+
+    def insert_done(self, job_ids: Iterable[str], agent: str = "bulk") -> None:
+        """Record many finished job ids at once (benchmarks)."""
+        stamp = time.time()
+        self.load_rows(Entry(j, "done", agent, None, 1, None, None, None, 0, None, None, stamp) for j in job_ids)
+
+
+def migrate(sqlite_ledger: Ledger, target: PostgresLedger) -> int:
+    """Copy every row (ids, states, lineage, costs, tokens) and open request of a ledger into ``target``.
+
+    ``target`` must hold no job id (PostgresLedgerError otherwise, one line). All
+    or nothing, in one transaction; return how many rows were copied. Run it with
+    no daemon working on either ledger.
+    """
+    entries = list(sqlite_ledger.rows())
+    requests = [(job_id, kind) for kind in Request for job_id in sqlite_ledger.requests(kind)]
+    copied = target.load_into_empty(entries, requests)
+    log.info("ledger.migrated", rows=copied, requests=len(requests), target=target.where)
+    return copied
