@@ -71,7 +71,16 @@ def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = No
     if config.ledger.startswith(("postgresql://", "postgres://")):
         from dispatcher.ledger.postgres import PostgresLedger  # type: ignore[import-untyped,unused-ignore]
 
-        pg: Ledger = PostgresLedger(config.ledger, layout, lease_s=config.lease_s, patience_s=patience_s)
+        try:
+            pg: Ledger = PostgresLedger(config.ledger, layout, lease_s=config.lease_s, patience_s=patience_s)
+        except LedgerUnavailable as exc:
+            raise LedgerUnreachable(f"the ledger cannot be reached: {exc}") from None
+        if pg.is_empty() and has_jobs(layout):
+            pg.close()
+            raise LedgerLost(
+                f"{layout.root}: the PostgreSQL ledger is empty but job folders exist; copy the SQLite ledger"
+                " into it first with `dispatcher ledger migrate URL` (or rebuild it from the folders)"
+            )
         return pg
     from dispatcher.ledger.sqlite import LedgerError, SqliteLedger
 

@@ -17,7 +17,8 @@ from dispatcher.ledger.pg_conn import Cur, Found, Rollback, Runner
 from dispatcher.ledger.pg_leases import Leases
 
 _FINISH = (
-    "UPDATE jobs SET state = %s, cost_usd = %s, chain_cost_usd = %s, updated = extract(epoch from now())::float8"
+    "UPDATE jobs SET state = %s, cost_usd = %s, chain_cost_usd = %s, updated = extract(epoch from now())::float8,"
+    " owner = CASE WHEN state = 'review' THEN NULL ELSE owner END"  # a person decided: any daemon may release
     " WHERE job_id = %s AND token = %s AND state IN ('claimed', 'review', %s) RETURNING 1"
 )
 _RESERVE = (

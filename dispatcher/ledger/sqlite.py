@@ -17,19 +17,10 @@ Liveness and slots are flocks (``flocks.py``): this engine is for one host.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sqlite3
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TypeVar
-
-import structlog
-from filelock import FileLock
+from collections.abc import Iterable, Iterator, Sequence
 
 from dispatcher.ledger.base import (
     Busy,
@@ -42,174 +33,18 @@ from dispatcher.ledger.base import (
     Finish,
     Known,
     Ledger,
-    LedgerUnavailable,
     Request,
     Row,
     now,
 )
-from dispatcher.ledger.flocks import FlockSlots, Liveness, make_lock
+from dispatcher.ledger.flocks import make_lock
+from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, SqliteDb, _entry
 
-log = structlog.get_logger("dispatcher")
-T = TypeVar("T")
-
-SCHEMA_VERSION = 2
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id  TEXT PRIMARY KEY,
-    state   TEXT NOT NULL,
-    agent   TEXT,
-    owner   TEXT,
-    source  TEXT,
-    digest  TEXT,
-    parent  TEXT,
-    hops    INTEGER NOT NULL DEFAULT 0,
-    updated REAL NOT NULL,
-    token   INTEGER NOT NULL DEFAULT 0,
-    cost_usd REAL,
-    chain_cost_usd REAL
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS jobs_parent ON jobs(parent) WHERE parent IS NOT NULL;
-CREATE INDEX IF NOT EXISTS jobs_open ON jobs(state)
-    WHERE state IN ('reserved', 'held', 'released', 'claimed', 'review');
-CREATE TABLE IF NOT EXISTS requests (
-    job_id TEXT NOT NULL,
-    kind   TEXT NOT NULL,
-    at     REAL NOT NULL,
-    PRIMARY KEY (job_id, kind)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-"""
-_COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
-_BUSY_TIMEOUT_MS = 1000
-_WAIT_LOG_S = 5.0
+__all__ = ["LedgerError", "SqliteLedger"]
 
 
-class LedgerError(Exception):
-    """The ledger file cannot be used (not a database, newer schema, unreadable)."""
-
-    def __init__(self, message: str, *, unreachable: bool = False) -> None:
-        super().__init__(message)
-        self.unreachable = unreachable  # the disk or folder is at fault, not the ledger's contents
-
-
-def _entry(row: tuple[object, ...]) -> Entry:
-    return Entry(*row)  # type: ignore[arg-type]
-
-
-class SqliteLedger(Ledger):
+class SqliteLedger(SqliteDb, Ledger):
     """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
-
-    def __init__(self, path: Path, state_dir: Path, *, patience_s: float | None = None) -> None:
-        """Open (creating if needed) the ledger; raise LedgerError if it cannot be used.
-
-        ``patience_s`` bounds how long a write waits for a busy ledger (None: forever,
-        as a daemon does; a command gives up with a clear error).
-        """
-        self.path = path
-        self.patience_s = patience_s
-        self.give_up: Callable[[], bool] = lambda: False
-        self._lock = threading.Lock()
-        self._daemons = state_dir / "daemons"
-        self._liveness = Liveness(self._daemons)
-        self._slots = FlockSlots(state_dir / "slots")
-        self._life: FileLock | None = None
-        try:
-            self._db = sqlite3.connect(
-                path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-            )
-            self._db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
-            self._retrying(lambda: self._db.execute("PRAGMA journal_mode=WAL"))
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._retrying(self._migrate)
-        except sqlite3.DatabaseError as exc:
-            text = str(exc).lower()
-            unreachable = any(w in text for w in ("unable to open", "disk i/o", "readonly", "read-only", "full"))
-            raise LedgerError(_describe(exc), unreachable=unreachable) from None
-
-    def _migrate(self) -> None:
-        self._db.executescript(_SCHEMA)  # CREATE ... IF NOT EXISTS: safe when daemons start together
-        with self._write() as db:
-            cols = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
-            for name, kind in (
-                ("token", "INTEGER NOT NULL DEFAULT 0"),
-                ("cost_usd", "REAL"),
-                ("chain_cost_usd", "REAL"),
-            ):
-                if name not in cols:  # a ledger from before fencing tokens and costs
-                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
-            row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            version = int(row[0]) if row else 1
-            if version > SCHEMA_VERSION:
-                raise LedgerError(
-                    f"schema version {version} is newer than this dispatcher knows ({SCHEMA_VERSION}); upgrade it"
-                )
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-
-    def close(self) -> None:
-        """Close the connection, give slots back and end this daemon's liveness lock."""
-        self._slots.release_all()
-        with self._lock:
-            self._db.close()
-        if self._life is not None:
-            self._life.release()
-
-    # -- plumbing -----------------------------------------------------------------------
-    def _retrying(self, step: Callable[[], T]) -> T:
-        """Run step; while the database is locked by someone else, wait and run it again."""
-        started = time.monotonic()
-        delay, logged = 0.05, 0.0
-        while True:
-            try:
-                return step()
-            except sqlite3.OperationalError as exc:
-                if not _is_busy(exc):
-                    raise
-                waited = time.monotonic() - started
-                if self.patience_s is not None and waited >= self.patience_s:
-                    raise LedgerUnavailable(f"the ledger is locked by another process ({waited:.0f} s)") from None
-                if self.give_up():
-                    raise LedgerUnavailable("the ledger is locked by another process; gave up at stop") from None
-                if waited - logged >= _WAIT_LOG_S:
-                    log.warning("ledger.waiting", waited_s=round(waited), error=str(exc))
-                    logged = waited
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
-    @contextmanager
-    def _write(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
-        """A write transaction that holds the database's write lock from its start."""
-        with self._lock:
-            if not durable:
-                self._db.execute("PRAGMA synchronous=NORMAL")
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self._db
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                self._db.execute("COMMIT")
-            finally:
-                if not durable:
-                    self._db.execute("PRAGMA synchronous=FULL")
-
-    def _tx(self, body: Callable[[sqlite3.Connection], T], *, durable: bool = True) -> T:
-        def step() -> T:
-            with self._write(durable=durable) as db:
-                return body(db)
-
-        return self._retrying(step)
-
-    def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
-        def step() -> T:
-            with self._lock:
-                return body(self._db)
-
-        return self._retrying(step)
-
-    def _row(self, db: sqlite3.Connection, job_id: str) -> Entry | None:
-        row = db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()  # noqa: S608
-        return _entry(row) if row else None
 
     # -- liveness -------------------------------------------------------------------------
     def register(self, info: DaemonInfo) -> None:
@@ -557,21 +392,3 @@ class SqliteLedger(Ledger):
         """Record many finished job ids at once (benchmarks)."""
         stamp = now()
         self.load_rows(Entry(j, "done", agent, None, 1, None, None, None, 0, None, None, stamp) for j in job_ids)
-
-
-def _is_busy(exc: sqlite3.OperationalError) -> bool:
-    """Return True for the errors that mean "wait and try again": a lock held elsewhere, a full disk."""
-    text = str(exc).lower()
-    return any(w in text for w in ("locked", "busy", "disk is full", "disk i/o error"))
-
-
-def _describe(exc: sqlite3.DatabaseError) -> str:
-    text = str(exc)
-    if isinstance(exc, sqlite3.OperationalError) and "unable to open" in text:
-        return f"cannot be opened ({text}; is the folder writable?)"
-    return text
-
-
-def is_unwritable(exc: OSError) -> bool:
-    """Return True for errors that say the ledger's folder is read-only or full."""
-    return exc.errno in (errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EPERM)
