@@ -31,7 +31,10 @@ from dispatcher.jobspec import Stop
 from dispatcher.jobstore import JobFolder
 from dispatcher.lanes import GroupCommit, Lanes
 from dispatcher.layout import UMASK, Layout
+from dispatcher.lease import LeaseKeeper, has_leases
 from dispatcher.ledger import DaemonInfo, Finish, open_ledger
+from dispatcher.metrics import Metrics
+from dispatcher.notify import Notifications
 from dispatcher.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.sdnotify import Notifier
 from dispatcher.watcher import Inbox, list_inbox, start_watch
@@ -52,6 +55,8 @@ class Daemon:
         self.owner = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         self.notifier = Notifier()
         self.stopping = False
+        self.lost = False
+        self._was_fenced = False
         self.stop_deadline: float | None = None
         self._signals: list[int] = []
         self._wake: asyncio.Event | None = None
@@ -91,6 +96,11 @@ class Daemon:
         self.ledger.register(DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time()))
         self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]
         self.lanes = Lanes()
+        self.notify = Notifications(lambda: self.config, self.layout.root)
+        self.metrics = None
+        if self.config.metrics_file:
+            host = socket.gethostname()
+            self.metrics = Metrics(self.config.metrics_file, host, os.getpid(), agents=self.config.agents)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once)
         ctx = JobContext(
             layout=self.layout,
@@ -101,8 +111,14 @@ class Daemon:
             stopping=lambda: self.stopping,
             queued=lambda ids: housekeeping.queued_ids(self.layout.inbox, ids),
             release=self._release,
+            notify=self.notify.fire,
+            metrics=self.metrics,
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup)
+        self.lease: LeaseKeeper | None = None
+        if has_leases(self.ledger):
+            self.lease = LeaseKeeper(self.ledger, self.config.lease_s, self._hosts_lost)
+            self.lease.start()
         self.house = housekeeping.Housekeeping(self, ctx)
         log.info(
             "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
@@ -152,6 +168,8 @@ class Daemon:
             self.sched.abort_all(Stop.STOPPED)
             self.stop_deadline = None
         self.house.promote_settled()
+        if self.lease is not None and self._fence():
+            return
         self.sched.start_work()
         self.house.metrics_due()
         self._status()
@@ -160,15 +178,20 @@ class Daemon:
         """Stop watching, flush the ledger lane, release the ledger, exit 0 (1 for a failed --once)."""
         if self.watch is not None:
             self.watch.close()
+        if self.lease is not None:
+            self.lease.stop()
         self.notifier.stopping()
         await self.house.close()
+        await self.notify.close()
+        if self.metrics is not None:
+            await self.house.write_metrics()
         self.lanes.shutdown(wait=True)
         self.ledger.close()
         s = self.sched.stats.finished
         log.info("daemon.stopped", **s)
         if self.once:
             return 0 if s["failed"] == 0 and s["refused"] == 0 else 1
-        return 0
+        return 1 if self.lost else 0
 
     # -- events ----------------------------------------------------------------------------------
     def wakeup(self) -> None:
@@ -247,11 +270,42 @@ class Daemon:
             waits.append(SLOT_RETRY_S)
         return max(0.0, min(waits))
 
+    def _fence(self) -> bool:
+        """Keep the lease's rules: fenced, end every agent and claim nothing; lost, stop for good."""
+        assert self.lease is not None  # noqa: S101
+        if self.lease.lost and not self.stopping:
+            log.error("daemon.stopping", reason="this daemon was declared lost by another; it stops")
+            self.lost = True
+            self._signal(signal.SIGTERM)
+            self.sched.abort_all(Stop.STOPPED)
+            return True
+        if self.lease.fenced:
+            if not self._was_fenced:
+                log.error("lease.fenced", running=len(self.sched.running), lease_s=self.config.lease_s)
+            self._was_fenced = True
+            self.sched.abort_all(Stop.STOPPED)
+            return True
+        if self._was_fenced:
+            log.info("lease.renewed")
+            self._was_fenced = False
+            self.house.start(self.house.recover(startup=False))  # take our own stopped jobs back
+        return False
+
+    def _hosts_lost(self, owners: list[str]) -> None:
+        """Daemons whose lease ran out (from the lease thread): log each once, recover their jobs."""
+        for owner in owners:
+            log.warning("host.lost", owner=owner)
+        self.loop.call_soon_threadsafe(self._recover_lost)
+
+    def _recover_lost(self) -> None:
+        if not self.stopping:
+            self.house.start(self.house.recover(startup=False))
+
     def _rescan_interval(self) -> float:
         return self.config.poll_interval_s if self.config.watch == "poll" else self.config.rescan_interval_s
 
     def _commit_finishes(self, batch: Sequence[tuple[JobFolder, Finish, dict[str, object]]]) -> list[bool]:
-        return housekeeping.commit_finishes(self.layout, self.ledger, batch)
+        return housekeeping.commit_finishes(self.layout, self.ledger, batch, self.metrics)
 
     def _release(self, parent: str, token: int) -> None:
         housekeeping.release(self, parent)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from dispatcher import fsutil
+from dispatcher import faults, fsutil
 from dispatcher.errors import OrderError
 from dispatcher.evidence import digest
 from dispatcher.layout import Layout, State
@@ -61,6 +61,7 @@ def release_followups(
         over = max_chain_cost_usd is not None and chain is not None and chain > max_chain_cost_usd
         folder = layout.held if over else layout.inbox
         name = _place(layout, folder, ledger.owner, entry.job_id, out, sha)
+        faults.point("followup.placed")
         ledger.mark_released(entry.job_id, name, sha, held=over)
         count += 1
         if over:

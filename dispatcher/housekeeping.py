@@ -20,8 +20,10 @@ from dispatcher.followups import release_followups
 from dispatcher.job import JobContext
 from dispatcher.jobstore import JobFolder
 from dispatcher.layout import Layout, State, parse_iso
-from dispatcher.ledger import Finish, Ledger, Request, Row
+from dispatcher.ledger import Entry, Finish, Ledger, Request, Row
+from dispatcher.metrics import Metrics
 from dispatcher.queued import find_queued, queued_ids
+from dispatcher.report import queue_counts
 from dispatcher.review import settle_reviews
 from dispatcher.runner import end_group
 from dispatcher.watcher import list_inbox, start_watch
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from dispatcher.daemon import Daemon
 
 log = structlog.get_logger("dispatcher")
+METRICS_EVERY_S = 5.0  # the contract asks for at least every 10 s
 _STATE_OF = {Row.DONE: State.DONE, Row.FAILED: State.FAILED, Row.REVIEW: State.REVIEW}
 
 __all__ = ["Housekeeping", "commit_finishes", "queued_ids", "release"]
@@ -45,6 +48,8 @@ class Housekeeping:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._checking = False
         self._settle_due: float | None = None
+        self._metrics_due = 0.0
+        self._writing = False
 
     @property
     def busy(self) -> bool:
@@ -93,7 +98,9 @@ class Housekeeping:
         if startup:
             recovery.reconcile_active(layout, ledger)
         out = []
-        for job_id, token in recovery.orphans(layout, ledger, ledger.alive):
+        left = frozenset(self.d.sched.left)
+        for job_id, token in recovery.orphans(layout, ledger, ledger.alive, left):
+            self.d.sched.left.discard(job_id)
             entry = ledger.get(job_id)
             out.append((job_id, token, (entry.agent if entry else None) or ""))
         return out
@@ -168,7 +175,33 @@ class Housekeeping:
         return 3600.0 if self._settle_due is None else self._settle_due - now
 
     def metrics_due(self) -> None:
-        """Rewrite the metrics file when due (section 10)."""
+        """Note the loop's turn; rewrite the metrics file when due (at least every 10 s; section 10)."""
+        metrics = self.ctx.metrics
+        if metrics is None:
+            return
+        now = time.monotonic()
+        metrics.loop_turn(time.time())
+        if now >= self._metrics_due and not self._writing:
+            self._metrics_due = now + METRICS_EVERY_S
+            self._writing = True
+            self.start(self.write_metrics())
+
+    async def write_metrics(self) -> None:
+        """Count the queue and rewrite the metrics file (io pool)."""
+        metrics = self.ctx.metrics
+        if metrics is None:
+            return
+        try:
+            await self.ctx.lanes.io(_write_metrics, metrics, self.ctx.layout)
+        except OSError as exc:
+            log.warning("metrics.failed", file=str(metrics.path), error=exc.strerror)
+        finally:
+            self._writing = False
+
+
+def _write_metrics(metrics: Metrics, layout: Layout) -> None:
+    metrics.set_queue(queue_counts(layout))
+    metrics.write()
 
 
 def _hints(layout: Layout) -> list[str]:
@@ -186,7 +219,10 @@ def _drop_hints(layout: Layout, names: list[str]) -> None:
 
 
 def commit_finishes(
-    layout: Layout, ledger: Ledger, batch: Sequence[tuple[JobFolder, Finish, dict[str, Any]]]
+    layout: Layout,
+    ledger: Ledger,
+    batch: Sequence[tuple[JobFolder, Finish, dict[str, Any]]],
+    metrics: Metrics | None = None,
 ) -> list[bool]:
     """Steps 2 and 3 of the finishing sequence for a batch (ledger lane): ledger, log, land, fsync."""
     oks = ledger.finish([finish for _, finish, _ in batch])
@@ -209,6 +245,8 @@ def commit_finishes(
             log.info("job.review", children=result.get("children") or None, **fields)
         else:
             log.warning("job.failed", reason=result.get("reason"), **fields)
+        if metrics is not None and state is not State.REVIEW:
+            metrics.job_finished(state.value, result.get("agent"), _duration(result), result.get("cost_usd"))
         with contextlib.suppress(FileNotFoundError):  # landed already (a crash between land and this)
             folder.land(layout, state)
             touched.add(state)
@@ -233,8 +271,14 @@ def release(daemon: Daemon, parent: str) -> None:
         parent,
         max_chain_cost_usd=daemon.config.max_chain_cost_usd,
         released=lambda name: _hint_from_thread(loop, daemon, name),
+        held=lambda entry, name: _held_from_thread(loop, daemon, entry, name),
     )
 
 
 def _hint_from_thread(loop: asyncio.AbstractEventLoop, daemon: Daemon, name: str) -> None:
     loop.call_soon_threadsafe(daemon.hint, "moved", name)
+
+
+def _held_from_thread(loop: asyncio.AbstractEventLoop, daemon: Daemon, entry: Entry, name: str) -> None:
+    reason = f"chain cost {entry.chain_cost_usd} USD is above max_chain_cost_usd"
+    loop.call_soon_threadsafe(daemon.notify.fire, "budget.held", entry.job_id, entry.agent, reason, None)

@@ -20,6 +20,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import structlog
@@ -32,8 +33,9 @@ from dispatcher.control import Control, Left
 from dispatcher.jobspec import Attempt, JobSpec, Outcome, Stop, total_cost
 from dispatcher.jobstore import JobFolder, build_result, is_disk_full
 from dispatcher.lanes import GroupCommit, Lanes
-from dispatcher.layout import Layout
+from dispatcher.layout import Layout, State
 from dispatcher.ledger import Child, Finish, Ledger, Row
+from dispatcher.metrics import Metrics
 from dispatcher.orders import Order
 from dispatcher.recovery import leftover_groups
 from dispatcher.runner import end_group
@@ -57,6 +59,8 @@ class JobContext:
     stopping: Callable[[], bool]
     queued: Callable[[Sequence[str]], set[str]]  # job ids of orders waiting in inbox/ (blocking)
     release: Callable[[str, int], None]  # release a done parent's follow-ups (blocking)
+    notify: Callable[[str, str | None, str | None, str | None, Path | None], None] = lambda *a: None
+    metrics: Metrics | None = None
 
 
 class Job:
@@ -134,7 +138,7 @@ class Job:
         state = Row(result.get("state", "failed"))
         log.info("job.recovered", step="finish")
         ok = await self.ctx.finisher.submit((self.folder, Finish(self.job_id, self.token, state), result))
-        return await self._after_finish(state, ok)
+        return await self._after_finish(state, ok, result.get("reason"))
 
     # -- recovery ---------------------------------------------------------------------------
     async def _recover(self) -> Outcome | None:
@@ -376,12 +380,16 @@ class Job:
         )
         await self._persist(self.folder.stage_result, result)
         ok = await self.ctx.finisher.submit((self.folder, Finish(self.job_id, self.token, state, cost, chain), result))
-        return await self._after_finish(state, ok)
+        return await self._after_finish(state, ok, reason)
 
-    async def _after_finish(self, state: Row, ok: bool) -> Outcome:
+    async def _after_finish(self, state: Row, ok: bool, reason: str | None = None) -> Outcome:
         if not ok:
             log.warning("job.fenced", step="finish")
             return Outcome.FENCED
+        if state in (Row.FAILED, Row.REVIEW):
+            event = "job.failed" if state == Row.FAILED else "job.review"
+            folder = self.ctx.layout.job(State.FAILED if state == Row.FAILED else State.REVIEW, self.job_id)
+            self.ctx.notify(event, self.job_id, self.agent, reason, folder / "result.json")
         if state == Row.DONE:
             await self.ctx.lanes.io(self.ctx.release, self.job_id, self.token)
         return Outcome(str(state))

@@ -113,8 +113,13 @@ def reconcile_active(layout: Layout, ledger: Ledger) -> None:
                 log.warning("ledger.repaired", job_id=job_id, reason="active job without a claim row")
 
 
-def orphans(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> list[tuple[str, int]]:
+def orphans(
+    layout: Layout, ledger: Ledger, alive: Callable[[str], bool], left: frozenset[str] = frozenset()
+) -> list[tuple[str, int]]:
     """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token).
+
+    ``left`` are jobs of this very daemon that it stopped while fenced: they are
+    taken back the same way once its lease is renewed.
 
     A job whose row already says done, failed or review (its daemon died while
     landing it) is landed here and not returned.
@@ -122,7 +127,11 @@ def orphans(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> lis
     out = []
     for job_id in _active_ids(layout):
         entry = ledger.get(job_id)
-        if entry is None or entry.owner == ledger.owner or (entry.owner is not None and alive(entry.owner)):
+        if entry is None:
+            continue
+        if entry.owner == ledger.owner and job_id not in left:  # ours, and running (or starting)
+            continue
+        if entry.owner != ledger.owner and entry.owner is not None and alive(entry.owner):
             continue
         if entry.state in _LANDED:
             _land(layout, job_id, _LANDED[Row(entry.state)])

@@ -24,7 +24,7 @@ import time
 
 import structlog
 
-from dispatcher import fsutil
+from dispatcher import faults, fsutil
 from dispatcher.errors import NotFound, WrongState, oneline
 from dispatcher.followups import release_followups
 from dispatcher.jobstore import JobFolder, cut
@@ -56,14 +56,17 @@ def decide(
         result["reason"] = None if approve else cut(oneline(f"rejected: {reason or 'no reason given'}"))
         result["finished"] = iso(time.time())
         folder.stage_result(result)
+        faults.point("review.staged")
         item = Finish(job_id, entry.token, state, result.get("cost_usd"), result.get("chain_cost_usd"))
         if not ledger.finish([item])[0]:
             raise WrongState(f"{job_id}: was decided by someone else meanwhile")
+        faults.point("review.decided")
     elif entry.state != state:
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
     event = "job.approved" if approve else "job.rejected"
     log.info(event, job_id=job_id, agent=result.get("agent"), reason=result.get("reason"))
     land(layout, folder, state)
+    faults.point("review.landed")
     if approve:
         release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd)
         return f"{job_id}: approved; done"

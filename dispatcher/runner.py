@@ -75,7 +75,7 @@ class _Stream:
     """One output pipe copied into a log file up to a cap; stdout's tail is kept in memory."""
 
     fd: int
-    path: Path
+    path: Path | None  # None: the output is kept in memory only (its tail), never written
     cap: int
     keep_tail: bool
     log_fd: int = -1
@@ -94,11 +94,13 @@ class _Stream:
         if len(data) > room:
             self.cut = True
             data = data[: max(room, 0)]
-        if data and not self.lost:
+        if data and not self.lost and self.path is not None:
             self._write(data)
         self.written += len(data)
 
     def _write(self, data: bytes) -> None:
+        if self.path is None:
+            return
         try:
             if self.log_fd < 0:  # opened on first output: thousands of quiet agents hold no log fds
                 self.log_fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -109,7 +111,7 @@ class _Stream:
             self.lost = True
 
     def close(self, name: str) -> None:
-        if self.cut:
+        if self.cut and self.path is not None:
             self._write(f"\n[dispatcher: {name} cut at {self.cap} bytes (max_log_bytes)]\n".encode())
         if self.log_fd >= 0:
             with contextlib.suppress(OSError):
@@ -128,6 +130,7 @@ class AgentExit:
     ended: float
     pid: int
     stdout_tail: bytes
+    stderr_tail: bytes
     stdout_cut: bool
     stderr_cut: bool
     logs_lost: bool
@@ -148,7 +151,7 @@ class AgentProcess:
         env: Mapping[str, str],
         timeout_s: float,
         kill_grace_s: float,
-        log_dir: Path,
+        log_dir: Path | None,
         max_log_bytes: int,
         log_prefix: str = "",
     ) -> None:
@@ -157,8 +160,10 @@ class AgentProcess:
         self.env = dict(env)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
-        self._out = _Stream(-1, log_dir / f"{log_prefix}stdout.log", max_log_bytes, True)
-        self._err = _Stream(-1, log_dir / f"{log_prefix}stderr.log", max_log_bytes, False)
+        out_path = log_dir / f"{log_prefix}stdout.log" if log_dir is not None else None
+        err_path = log_dir / f"{log_prefix}stderr.log" if log_dir is not None else None
+        self._out = _Stream(-1, out_path, max_log_bytes, True)
+        self._err = _Stream(-1, err_path, max_log_bytes, log_dir is None)  # no file: keep stderr's tail
         self.pid = 0
         self.started = 0.0
         self.boot_started = 0.0
@@ -307,6 +312,7 @@ class AgentProcess:
                 ended=time.time(),
                 pid=self.pid,
                 stdout_tail=bytes(self._out.tail),
+                stderr_tail=bytes(self._err.tail[-4096:]),
                 stdout_cut=self._out.cut,
                 stderr_cut=self._err.cut,
                 logs_lost=self._out.lost or self._err.lost,

@@ -108,6 +108,7 @@ class Scheduler:
         self.slot_poll = False
         self.stats = Stats()
         self.cancel_names: dict[str, str] = {}  # inbox name -> job id to cancel on claim
+        self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
         self.idle: dict[str, list[int]] = {}  # slots of ended jobs, kept for the next job of that agent
 
     @property
@@ -195,6 +196,8 @@ class Scheduler:
 
     def log_refused(self, folder: Path, refusal: Refusal) -> None:
         """Log a refusal as its folder lands (before the folder's fsync)."""
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.job_finished("refused", refusal.agent, None, None)
         log.warning(
             "job.refused",
             agent=refusal.agent,
@@ -302,20 +305,28 @@ class Scheduler:
             job.control.abort(Stop.CANCELLED)
         task = asyncio.get_running_loop().create_task(job.run())
         self.running[job.job_id] = Running(job, task, launch.slot)
+        self._count_running()
         task.add_done_callback(functools.partial(self._finished, job.job_id))
 
     def _finished(self, job_id: str, task: asyncio.Task[Outcome]) -> None:
         r = self.running.pop(job_id, None)
+        self._count_running()
         if r is not None and r.slot is not None:
             self.idle.setdefault(r.job.agent, []).append(r.slot)
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
         if outcome in (Outcome.DONE, Outcome.FAILED, Outcome.REVIEW):
             self.stats.finished[outcome.value] += 1
+        elif outcome is Outcome.LEFT and not self.ctx.stopping():
+            self.left.add(job_id)
         if outcome is not Outcome.LEFT:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().create_task(self._clear_cancel(job_id))
         self.blocked.discard(r.job.agent if r else "")
         self.wake()
+
+    def _count_running(self) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.set_running(collections.Counter(r.job.agent for r in self.running.values()))
 
     async def _clear_cancel(self, job_id: str) -> None:
         if job_id in await self.ctx.lanes.io(self.ctx.ledger.requests, Request.CANCEL):

@@ -74,7 +74,7 @@ def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None
     """Raise OrderError for the first order whose job id the ledger knows or an inbox/ order holds."""
     try:
         ledger = open_ledger(cfg, layout, patience_s=LOCK_TIMEOUT_S)
-    except LedgerUnreachable as exc:
+    except (LedgerUnreachable, LedgerUnavailable) as exc:
         raise OrderError(f"cannot submit: {exc}", file=orders[0][0]) from None
     try:
         known = {o.job_id: e.state for _, o, _ in orders if (e := ledger.get(o.job_id)) is not None}

@@ -82,9 +82,16 @@ def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = No
                 " into it first with `dispatcher ledger migrate URL` (or rebuild it from the folders)"
             )
         return pg
+    from dispatcher.ledger.netfs import filesystem_kind
     from dispatcher.ledger.sqlite import LedgerError, SqliteLedger
 
     path = layout.ledger
+    kind = filesystem_kind(layout.root) if layout.root.exists() else None
+    if kind is not None:
+        raise UsageError(
+            f"{layout.root}: is on a network filesystem ({kind}); the SQLite ledger needs a local disk:"
+            " use `ledger: postgresql://...` (and `watch: poll`) for a root shared between hosts"
+        )
     missing = not path.exists() or os.path.getsize(path) == 0
     if missing and has_jobs(layout):
         raise LedgerLost(f"{path}: the ledger is missing but job folders exist; {REBUILD_HINT}")

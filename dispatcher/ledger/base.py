@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from dispatcher.errors import DispatchError
+
 
 class Row(enum.StrEnum):
     """A ledger row's state. A row is never deleted, except a failed parent's reservations."""
@@ -134,8 +136,11 @@ class DaemonInfo:
     alive: bool = True
 
 
-class LedgerUnavailable(Exception):
-    """The ledger cannot be reached or written right now; the step is retried, never guessed."""
+class LedgerUnavailable(DispatchError):
+    """The ledger cannot be reached or written right now; the step is retried, never guessed.
+
+    A command that meets it (its patience ran out) prints this one line and exits 1.
+    """
 
 
 class Ledger(ABC):

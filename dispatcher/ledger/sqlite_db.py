@@ -141,6 +141,9 @@ class SqliteDb:
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
+                if self.patience_s is not None and not _is_locked(exc):
+                    # a command on a full disk: say so now (a daemon waits, its jobs stay where they are)
+                    raise LedgerUnavailable(f"the ledger cannot be written ({exc})") from None
                 waited = time.monotonic() - started
                 if self.patience_s is not None and waited >= self.patience_s:
                     raise LedgerUnavailable(f"the ledger is locked by another process ({waited:.0f} s)") from None
@@ -187,6 +190,11 @@ class SqliteDb:
     def _row(self, db: sqlite3.Connection, job_id: str) -> Entry | None:
         row = db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()  # noqa: S608
         return _entry(row) if row else None
+
+
+def _is_locked(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:

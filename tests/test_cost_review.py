@@ -1,0 +1,235 @@
+"""Cost, budgets, review and notifications (contract section 11) with real daemons.
+
+Agents report their cost the way headless CLIs do (a final JSON object on stdout
+with ``total_cost_usd``). Crashes inside `approve` and `reject` are real kill -9s at
+named steps (``$DISPATCHER_FAULT``), followed by what a user would do next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, cli_env, order, wait_until
+from helpers_faults import write_script
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+FOLLOWUP = {"job_id": "CHILD-1", "from": "worker", "to": "next", "task": "Go on.", "items": [{"id": "R1"}]}
+
+
+def costly(env: Env, cost: float, *flags: str, **settings: Any) -> dict[str, Any]:
+    """Return the fake agent reporting `cost` USD per attempt, as a CLI's final JSON does."""
+    return env.agent("--json-result", json.dumps({"type": "result", "total_cost_usd": cost}), *flags, **settings)
+
+
+def simple(job_id: str, to: str = "worker") -> dict[str, Any]:
+    body = order(job_id, to=to)
+    body.pop("accept")
+    return body
+
+
+def test_costs_are_summed_over_attempts_and_the_chain(env: Env) -> None:
+    """cost_usd sums a job's attempts; chain_cost_usd adds its ancestors'; both on job.done and in show."""
+    worker = costly(env, 0.25, "--fail-attempts", "1", "--followup", json.dumps(FOLLOWUP), retry_safe=True)
+    worker["max_attempts"] = 2
+    env.configure(agents={"worker": worker, "next": costly(env, 0.1)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PARENT-1", accept={"output": "out.csv", "followups": ["next"]}))
+    parent = env.wait_job("PARENT-1", "done")
+    child = env.wait_job("CHILD-1", "done")
+    assert [a["cost_usd"] for a in parent["attempts"]] == [0.25, 0.25]
+    assert parent["cost_usd"] == pytest.approx(0.5) and parent["chain_cost_usd"] == pytest.approx(0.5)
+    assert child["cost_usd"] == pytest.approx(0.1) and child["chain_cost_usd"] == pytest.approx(0.6)
+    done = [e for e in d.events() if e["event"] == "job.done" and e["job_id"] == "CHILD-1"]
+    assert done[0]["chain_cost_usd"] == pytest.approx(0.6) and done[0]["duration_s"] >= 0
+    exited = [e for e in d.events() if e["event"] == "agent.exited" and e["job_id"] == "PARENT-1"]
+    assert all(e["cost_usd"] == 0.25 for e in exited)
+    shown = env.cli("show", "CHILD-1", "--json", check=True)
+    assert json.loads(shown.stdout)["cost_usd"] == pytest.approx(0.1)
+    listed = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    assert {r["job_id"]: r["cost_usd"] for r in listed}["PARENT-1"] == pytest.approx(0.5)
+
+
+def test_max_cost_usd_stops_further_attempts(env: Env) -> None:
+    """Once a job's attempts cost more than max_cost_usd it gets no further attempt; the reason says so."""
+    agent = costly(env, 0.25, "--exit", "1", retry_safe=True, max_attempts=5, max_cost_usd=0.3)
+    env.configure(agents={"worker": agent})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("SPEND-1"))
+    result = env.wait_job("SPEND-1", "failed")
+    assert len(result["attempts"]) == 2
+    assert "budget is spent" in result["reason"] and "max_cost_usd" in result["reason"]
+
+
+def test_a_follow_up_over_the_chain_budget_is_held_until_released(env: Env) -> None:
+    """A follow-up whose chain already cost more than max_chain_cost_usd waits in held/; release lets it run."""
+    worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP))
+    env.configure(agents={"worker": worker, "next": costly(env, 0.1)}, max_chain_cost_usd=0.5)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("BIG-1"))
+    env.wait_job("BIG-1", "done")
+    held = env.root / "held" / "CHILD-1.json"
+    wait_until(held.exists, 20, "the held follow-up")
+    event = d.wait_event("budget.held", job_id="CHILD-1")
+    assert event["chain_cost_usd"] == pytest.approx(1.0)
+    time.sleep(1.0)
+    assert not (env.root / "done" / "CHILD-1").exists(), "a held follow-up ran"
+    assert env.cli("release", "CHILD-1").returncode == 0
+    child = env.wait_job("CHILD-1", "done")
+    assert child["parent"] == "BIG-1" and child["chain_cost_usd"] == pytest.approx(1.1)
+
+
+def reviewed(env: Env) -> Env:
+    worker = env.agent("--followup", json.dumps(FOLLOWUP), review=True)
+    env.configure(agents={"worker": worker, "next": env.agent()}, rescan_interval=0.5)
+    return env
+
+
+def decide(env: Env, *args: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    extra = {"DISPATCHER_FAULT": fault} if fault else {}
+    return subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=env.tmp,
+        env=cli_env() | extra,
+    )
+
+
+def test_a_reviewed_job_waits_and_its_follow_ups_wait_with_it(env: Env) -> None:
+    """review: true: a job that passes waits in review/ (state review); approve moves it and releases its follow-up."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("REV-1"))
+    result_path = env.root / "review" / "REV-1" / "result.json"
+    wait_until(result_path.exists, 30, "the job in review/")
+    assert json.loads(result_path.read_text())["state"] == "review"
+    d.wait_event("job.review", job_id="REV-1")
+    time.sleep(1.0)
+    assert not list((env.root / "inbox").iterdir()), "a follow-up was released before approval"
+    status = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert status["counts"]["review"] == 1
+    assert decide(env, "approve", "REV-1").returncode == 0
+    assert env.result("REV-1", "done")["state"] == "done"
+    env.wait_job("CHILD-1", "done")
+    assert decide(env, "approve", "REV-1").returncode == 1  # not waiting any more
+
+
+def test_a_rejected_job_fails_and_its_follow_ups_never_run(env: Env) -> None:
+    """reject --reason: the job ends in failed/ with reason `rejected: TEXT`; its follow-ups are never released."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("REV-2"))
+    wait_until((env.root / "review" / "REV-2").exists, 30, "the job in review/")
+    assert decide(env, "reject", "REV-2", "--reason", "wrong team").returncode == 0
+    result = env.result("REV-2", "failed")
+    assert result["reason"] == "rejected: wrong team"
+    time.sleep(2.0)
+    assert not (env.root / "done" / "CHILD-1").exists() and not list((env.root / "inbox").iterdir())
+
+
+KILL_POINTS = [
+    (True, "review.staged"),
+    (True, "review.decided"),
+    (True, "review.landed"),
+    (True, "followup.placed"),
+    (False, "review.staged"),
+    (False, "review.decided"),
+    (False, "review.landed"),  # a reject releases nothing: it has no followup.placed step
+]
+
+
+@pytest.mark.parametrize(("approve", "fault"), KILL_POINTS)
+def test_a_decision_killed_at_any_step_ends_in_one_place(env: Env, approve: bool, fault: str) -> None:
+    """kill -9 of approve/reject at each step: the job ends in exactly one place; follow-ups run at most once."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("KILL-1"))
+    wait_until((env.root / "review" / "KILL-1").exists, 30, "the job in review/")
+    action = ["approve", "KILL-1"] if approve else ["reject", "KILL-1", "--reason", "no"]
+    killed = decide(env, *action, fault=fault)
+    assert killed.returncode == -9
+    again = decide(env, *action)  # what the person does next: the same command again
+    assert again.returncode in (0, 1), again.stderr
+    want = "done" if approve else "failed"
+    wait_until(lambda: (env.root / want / "KILL-1" / "result.json").exists(), 20, f"KILL-1 in {want}/")
+    places = [s for s in ("review", "done", "failed", "active") if (env.root / s / "KILL-1").exists()]
+    assert places == [want]
+    if approve:
+        env.wait_job("CHILD-1", "done")
+    time.sleep(1.5)
+    child_starts = [j for j, _ in env.starts() if j == "CHILD-1"]
+    assert len(child_starts) == (1 if approve else 0)
+    assert not [p for p in (env.root / "failed").iterdir() if "@" in p.name], "a follow-up copy was refused"
+
+
+def test_notify_runs_for_failures_and_its_own_failures_change_nothing(env: Env) -> None:
+    """notify: a working command gets the event; a failing one and a hanging one are logged, jobs unchanged."""
+    events = env.tmp / "events.txt"
+    append = str(REPO / "examples" / "notify" / "append.sh")
+    hang = write_script(env.tmp, "hang.sh", "#!/bin/sh\nsleep 600\n")
+    for notify, expect in (
+        (["sh", append, str(events), "{event}", "{job_id}", "{agent}", "{reason}"], "works"),
+        (["sh", "-c", "echo nope >&2; exit 3"], "fails"),
+        (["sh", str(hang)], "hangs"),
+    ):
+        env.configure(agents={"worker": env.agent("--exit", "2")}, notify=notify)
+        d = env.daemon()
+        d.wait_ready()
+        job = f"NOTE-{expect}"
+        env.drop(simple(job))
+        result = env.wait_job(job, "failed")
+        assert result["reason"].startswith("exit_ok")
+        if expect == "works":
+            wait_until(lambda j=job: events.exists() and j in events.read_text(), 20, "the notify line")
+            fields = events.read_text().splitlines()[0].split("\t")
+            assert fields[1:4] == ["job.failed", job, "worker"] and fields[4].startswith("exit_ok")
+        else:
+            failed = d.wait_event("notify.failed", timeout=45, job_id=job)
+            assert ("timed out" in failed["error"]) == (expect == "hangs")
+        assert env.result(job, "failed") == result  # the job's state and result are untouched
+        assert d.stop() == 0
+
+
+def test_metrics_file_parses_while_jobs_run(env: Env) -> None:
+    """metrics_file: a Prometheus text file, rewritten while jobs run, that prometheus_client parses."""
+    env.configure(agents={"worker": env.agent("--sleep", "0.5")}, metrics_file=str(env.tmp / "m-{pid}.prom"))
+    d = env.daemon()
+    d.wait_ready()
+    path = env.tmp / f"m-{d.proc.pid}.prom"  # type: ignore[union-attr]
+    for i in range(4):
+        env.drop(simple(f"MET-{i}"))
+    seen_running = False
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        if path.exists():
+            families = {f.name: f for f in text_string_to_metric_families(path.read_text())}
+            running = sum(s.value for s in families["dispatcher_agents_running"].samples)
+            seen_running = seen_running or running > 0
+            done = [s for s in families["dispatcher_jobs_finished"].samples if s.labels.get("state") == "done"]
+            if sum(s.value for s in done) >= 4:
+                break
+        time.sleep(0.2)
+    assert d.stop() == 0
+    families = {f.name: f for f in text_string_to_metric_families(path.read_text())}
+    assert {"dispatcher_queue", "dispatcher_job_duration_seconds", "dispatcher_cost_usd",
+            "dispatcher_last_loop_timestamp_seconds"} <= set(families)  # fmt: skip
+    finished = {(s.labels["state"], s.labels["agent"]): s.value for s in families["dispatcher_jobs_finished"].samples
+                if s.name.endswith("_total")}  # fmt: skip
+    assert finished[("done", "worker")] == 4
+    assert seen_running, "never saw an agent running in the file"
+    assert os.stat(path).st_mode & 0o007 == 0
