@@ -207,7 +207,7 @@ def test_notify_runs_for_failures_and_its_own_failures_change_nothing(env: Env) 
 
 def test_metrics_file_parses_while_jobs_run(env: Env) -> None:
     """metrics_file: a Prometheus text file, rewritten while jobs run, that prometheus_client parses."""
-    env.configure(agents={"worker": env.agent("--sleep", "0.5")}, metrics_file=str(env.tmp / "m-{pid}.prom"))
+    env.configure(agents={"worker": env.agent("--sleep", "3")}, metrics_file=str(env.tmp / "m-{pid}.prom"))
     d = env.daemon()
     d.wait_ready()
     path = env.tmp / f"m-{d.proc.pid}.prom"  # type: ignore[union-attr]
