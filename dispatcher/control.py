@@ -25,8 +25,10 @@ class Control:
         self._proc: AgentProcess | None = None
         self._sleep: asyncio.Future[None] | None = None
 
-    def abort(self, reason: Stop) -> None:
-        """Stop the job now (the first reason wins)."""
+    def abort(self, reason: Stop, *, mute: bool = False) -> None:
+        """Stop the job now (the first reason wins); ``mute`` also stops its agent's log writes."""
+        if mute and self._proc is not None:
+            self._proc.mute()
         if self.reason is not None:
             return
         self.reason = reason

@@ -109,6 +109,7 @@ class Daemon:
             finisher=GroupCommit(self.lanes, self._commit_finishes),
             config=lambda: self.config,
             stopping=lambda: self.stopping,
+            fenced=lambda: self.lease is not None and (self.lease.fenced or self.lease.lost),
             queued=lambda ids: housekeeping.queued_ids(self.layout.inbox, ids),
             release=self._release,
             notify=self.notify.fire,
@@ -277,13 +278,13 @@ class Daemon:
             log.error("daemon.stopping", reason="this daemon was declared lost by another; it stops")
             self.lost = True
             self._signal(signal.SIGTERM)
-            self.sched.abort_all(Stop.STOPPED)
+            self.sched.abort_all(Stop.STOPPED, mute=True)
             return True
         if self.lease.fenced:
             if not self._was_fenced:
                 log.error("lease.fenced", running=len(self.sched.running), lease_s=self.config.lease_s)
             self._was_fenced = True
-            self.sched.abort_all(Stop.STOPPED)
+            self.sched.abort_all(Stop.STOPPED, mute=True)
             return True
         if self._was_fenced:
             log.info("lease.renewed")

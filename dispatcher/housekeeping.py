@@ -87,7 +87,7 @@ class Housekeeping:
                 log.warning("agent.orphan_ended", job_id=job_id, pid=pgid)
                 ends.append(end_group(pgid, self.d.config.kill_grace_s))
         await asyncio.gather(*ends)
-        self.d.sched.park_recovered(adopted)
+        self.d.sched.park_recovered(adopted, host_lost=self.d.lease is not None)
         await self.ctx.lanes.io(self._release_orphaned)
 
     def _recover_in_lane(self, startup: bool) -> list[tuple[str, int, str]]:

@@ -60,6 +60,7 @@ class JobContext:
     queued: Callable[[Sequence[str]], set[str]]  # job ids of orders waiting in inbox/ (blocking)
     release: Callable[[str, int], None]  # release a done parent's follow-ups (blocking)
     notify: Callable[[str, str | None, str | None, str | None, Path | None], None] = lambda *a: None
+    fenced: Callable[[], bool] = lambda: False  # no lease renewal for lease/2: write nothing into job folders
     metrics: Metrics | None = None
 
 
@@ -76,6 +77,7 @@ class Job:
         *,
         attempts: list[Attempt] | None = None,
         recovering: bool = False,
+        host_lost: bool = False,
     ) -> None:
         self.ctx = ctx
         self.folder = folder
@@ -85,6 +87,7 @@ class Job:
         self.job_id = spec.job_id
         self.attempts = attempts or []
         self.recovering = recovering
+        self.host_lost = host_lost  # recovered from a daemon whose lease ran out (another host)
         self.control = Control()
         self.retries = 0
         self._followups: list[Child] = []
@@ -163,7 +166,8 @@ class Job:
                 return await self._evaluate(n, Exit(lost=True), final=True)
             checks = await self._checks(Exit(lost=True))
             why = verdict(checks, exit_lost=True) or "receipt_present: no receipt.json"
-            return await self._retry_or_fail(n, f"{why}; attempt {n} was interrupted by a stop or crash", checks)
+            how = "its host was lost" if self.host_lost else "by a stop or crash"
+            return await self._retry_or_fail(n, f"{why}; attempt {n} was interrupted: {how}", checks)
         if record.retry_next:
             return None
         return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
@@ -230,6 +234,9 @@ class Job:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is)."""
         delay = 0.5
         while True:
+            if self.ctx.fenced():
+                log.warning("job.fenced", step=getattr(fn, "__name__", "write"))
+                raise Left
             try:
                 return await self.ctx.lanes.io(fn, *args)
             except OSError as exc:

@@ -211,6 +211,10 @@ class AgentProcess:
         assert self._done is not None  # noqa: S101 - start() first
         return await self._done
 
+    def mute(self) -> None:
+        """Stop writing the agent's logs (a fenced daemon changes nothing in a job folder any more)."""
+        self._out.lost = self._err.lost = True
+
     def abort(self, reason: str) -> None:
         """End the agent now (cancel or stop); the first reason wins."""
         if self._aborted is None and not self._timed_out and not self._exited:

@@ -55,6 +55,7 @@ class Parked:
     token: int = 0
     cancel: bool = False
     slot: int | None = None  # a slot handed over from a job of the same agent that just ended
+    host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +301,7 @@ class Scheduler:
             launch.token,
             attempts=list(launch.attempts),
             recovering=p.kind is Kind.RECOVER,
+            host_lost=p.host_lost,
         )
         if p.cancel or (p.item is not None and p.job_id in self.cancel_names.values()):
             job.control.abort(Stop.CANCELLED)
@@ -333,17 +335,17 @@ class Scheduler:
             await self.ctx.lanes.ledger(self.ctx.ledger.clear_request, job_id, Request.CANCEL)
 
     # -- stopping -----------------------------------------------------------------------------
-    def abort_all(self, reason: Stop, *, only_waiting: bool = False) -> None:
-        """Stop every running job (or only those waiting before a retry)."""
+    def abort_all(self, reason: Stop, *, only_waiting: bool = False, mute: bool = False) -> None:
+        """Stop every running job (or only those waiting before a retry); ``mute`` their log writes too."""
         for r in self.running.values():
             if not only_waiting or r.job.control.waiting:
-                r.job.control.abort(reason)
+                r.job.control.abort(reason, mute=mute)
 
     # -- requests -----------------------------------------------------------------------------
-    def park_recovered(self, adopted: list[tuple[str, int, str]]) -> None:
+    def park_recovered(self, adopted: list[tuple[str, int, str]], *, host_lost: bool = False) -> None:
         """Queue adopted jobs of dead daemons first (their agents were already ended)."""
         for job_id, token, agent in reversed(adopted):
-            self.parked.appendleft(Parked(Kind.RECOVER, job_id, agent, token=token))
+            self.parked.appendleft(Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost))
 
     def park_retry(self, job_id: str, agent: str) -> None:
         """Queue a failed job for `dispatcher retry` (once)."""
