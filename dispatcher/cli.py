@@ -155,7 +155,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     os.umask(UMASK)
     cfg = _config(args, need_root=True)
-    orders = [read_order(name, cfg) for name in args.files]
+    orders, bad = [], 0
+    for name in args.files:  # every file is checked, and every bad one named, before any is dropped
+        try:
+            orders.append(read_order(name, cfg))
+        except OrderError as exc:
+            print(exc, file=sys.stderr)
+            bad += 1
+    if bad:
+        if len(args.files) > 1:
+            print(f"nothing was submitted: {bad} of {len(args.files)} files are invalid", file=sys.stderr)
+        return 2
     for job_id in submit(cfg, orders):
         print(job_id, flush=True)
     return 0
@@ -177,15 +187,23 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         return 0
     if not args.url:
         raise UsageError("ledger migrate: give the postgresql://... URL of an empty ledger")
+    if cfg.ledger != "sqlite":
+        raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
     from dispatcher.ledger import open_ledger
-    from dispatcher.ledger.postgres import migrate  # type: ignore[import-untyped,unused-ignore]
+    from dispatcher.ledger.postgres import PostgresLedger, migrate
 
     source = open_ledger(cfg, layout, create=False)
     try:
-        copied = int(migrate(source, args.url))
+        target = PostgresLedger(args.url, layout, lease_s=cfg.lease_s, patience_s=30)
+        try:
+            copied = migrate(source, target)
+            where = target.where
+        finally:
+            target.close()
     finally:
         source.close()
-    print(f"{args.url}: {copied} job ids copied from {layout.ledger}")
+    print(f"{where}: {copied} job ids copied from {layout.ledger}")
+    print("now set `ledger:` in the config to this URL on every host, then start the daemons")
     return 0
 
 

@@ -183,6 +183,7 @@ class Daemon:
             self.lease.stop()
         self.notifier.stopping()
         await self.house.close()
+        await self.sched.drain()
         await self.notify.close()
         if self.metrics is not None:
             await self.house.write_metrics()

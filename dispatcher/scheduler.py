@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -110,11 +110,24 @@ class Scheduler:
         self.stats = Stats()
         self.cancel_names: dict[str, str] = {}  # inbox name -> job id to cancel on claim
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
-        self.idle: dict[str, list[int]] = {}  # slots of ended jobs, kept for the next job of that agent
+        self.idle: dict[str, list[int]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()  # slots of ended jobs, kept for the next job of that agent
 
     @property
     def config(self) -> Config:
         return self.ctx.config()
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a step of the scheduler's own in the background; shutdown waits for it (``drain``)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for the scheduler's background steps (claims, refusals, slots given back)."""
+        self._free_idle()
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def free_slots(self) -> int:
         """Return how many more jobs this daemon may start now (``max_jobs`` minus what runs)."""
@@ -163,7 +176,7 @@ class Scheduler:
                 p.slot = idle.pop()
         if batch:
             self.inflight += len(batch)
-            asyncio.get_running_loop().create_task(self._launch(batch))
+            self._background(self._launch(batch))
         self._free_idle()
 
     def _free_idle(self) -> None:
@@ -171,7 +184,7 @@ class Scheduler:
         for agent, slots in self.idle.items():
             for slot in slots:
                 free = self.ctx.lanes.ledger(self.ctx.ledger.free_slot, agent, slot)
-                asyncio.get_running_loop().create_task(free)
+                self._background(free)
         self.idle.clear()
 
     def _read(self, name: str) -> Parked | None:
@@ -181,7 +194,7 @@ class Scheduler:
             return None
         if isinstance(found, Refusal):
             log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
-            asyncio.get_running_loop().create_task(self._refuse(found))
+            self._background(self._refuse(found))
             return None
         job_id = found.order.job_id
         log.info("order.received", agent=found.order.to, file=name, job_id=job_id)
@@ -321,8 +334,7 @@ class Scheduler:
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
             self.left.add(job_id)
         if outcome is not Outcome.LEFT:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().create_task(self._clear_cancel(job_id))
+            self._background(self._clear_cancel(job_id))
         self.blocked.discard(r.job.agent if r else "")
         self.wake()
 

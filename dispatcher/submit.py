@@ -52,7 +52,8 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
     ids = [o.job_id for _, o, _ in orders]
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:
-        raise UsageError(f"job_id: {dup} is given twice")
+        first, second = [name for name, o, _ in orders if o.job_id == dup][:2]
+        raise OrderError(f"{dup} is given twice (also in {first}); nothing was submitted", file=second, field="job_id")
     lock_path = layout.state_dir / "submit.lock"
     current = orders[0][0]
     try:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The Kopi & Crumb demo: two agents hand work to each other through dispatcher.
+# The Kopi & Crumb demo: three agents hand work to each other through dispatcher, with a
+# person's review between the second and the third.
 #
 #   bash examples/demo.sh
 #
@@ -7,7 +8,8 @@
 # What it does, in a fresh temporary dispatch root (your checkout's dispatch/ stays clean):
 #   1. intake reads five customer messages (examples/kopi/JOB-001.yaml) and hands them to
 #      the assigner as a follow-up order; assigner writes assignments.csv and a receipt;
-#      every check passes and both jobs end in done/.
+#      every check passes; the assigner's job waits in review/ until `dispatcher approve`,
+#      which releases the next hop: the notifier tells each team its requests.
 #   2. the same job id again is refused before any agent runs (by `submit`, and by the
 #      daemon when the file is dropped straight into inbox/).
 #   3. JOB-002's intake agent claims "done" but writes no handoff: the followups_valid
@@ -108,9 +110,26 @@ expect "JOB-001 is queued in inbox/" test -f "$ROOT/inbox/JOB-001.yaml"
 heading "3. Run the daemon until every job is finished"
 run_once 1
 rc=$?
-expect "run --once exits 0 (every job done, nothing refused)" test "$rc" -eq 0
+expect "run --once exits 0 (nothing failed, nothing refused)" test "$rc" -eq 0
 expect "JOB-001 (intake) is in done/" state_is JOB-001 done
-expect "JOB-001.assign (assigner, released by JOB-001) is in done/" state_is JOB-001.assign done
+expect "JOB-001.assign (assigner, released by JOB-001) waits in review/" state_is JOB-001.assign review
+expect "the next hop is not released before the review" nowhere "JOB-001.assign.notify*"
+
+heading "3b. A person reviews the assignments, then approves them"
+shows "dispatcher list --state review"
+dispatcher list --state review
+shows "cat review/JOB-001.assign/work/assignments.csv"
+cat "$ROOT/review/JOB-001.assign/work/assignments.csv"
+shows "dispatcher approve JOB-001.assign"
+dispatcher approve JOB-001.assign
+expect "JOB-001.assign is in done/ once approved" state_is JOB-001.assign done
+expect "its follow-up to the notifier is released into inbox/" test -f "$ROOT/inbox/JOB-001.assign.notify.json"
+run_once 1b
+rc=$?
+expect "run --once exits 0" test "$rc" -eq 0
+expect "JOB-001.assign.notify (notifier) is in done/" state_is JOB-001.assign.notify done
+shows "cat done/JOB-001.assign.notify/work/notices.md"
+cat "$ROOT/done/JOB-001.assign.notify/work/notices.md"
 
 heading "4. What came out"
 ASSIGN="$ROOT/done/JOB-001.assign"

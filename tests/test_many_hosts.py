@@ -302,3 +302,45 @@ def test_a_database_restart_in_the_middle_of_claims_loses_nothing(cluster: Clust
     cluster.stop_all()
     cluster.check(ids, retry_safe={j for i, j in enumerate(ids) if i % 2 == 0})
     assert any(e.get("event") in ("ledger.reconnecting", "ledger.reconnected") for e in cluster.events())
+
+
+def test_ledger_migrate_keeps_every_refusal_when_switching_to_postgresql(env: Env, pg_db: str) -> None:
+    """`ledger migrate URL` copies a SQLite ledger into an empty PostgreSQL one; known ids stay refused."""
+    env.configure()
+    for i in range(3):
+        env.drop(env_order(f"MIG-{i}"))
+    assert env.cli("run", "--once").returncode == 0
+    moved = env.cli("ledger", "migrate", pg_db)
+    assert moved.returncode == 0, moved.stderr
+    assert "3 job ids copied" in moved.stdout
+    again = env.cli("ledger", "migrate", pg_db)
+    assert again.returncode != 0 and again.stderr.count("\n") == 1 and "not empty" in again.stderr
+    env.configure(ledger=pg_db)
+    path = env.tmp / "dup.json"
+    path.write_text(json.dumps(env_order("MIG-1")))
+    refused = env.cli("submit", str(path))
+    assert refused.returncode == 2 and "already known" in refused.stderr
+    status = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert status["counts"]["done"] == 3
+
+
+def test_status_lists_the_daemons_of_every_host(cluster: Cluster) -> None:
+    """`status --json` on a shared ledger lists each host's daemons, alive or not, with their host."""
+    a, b = cluster.hosts.add(), cluster.hosts.add()
+    cluster.start(a)
+    cluster.start(b)
+    cfg = cluster.config_for(a, 0.05)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(cfg), "status", "--json"],
+        capture_output=True, text=True, timeout=60, cwd=cluster.env.tmp, env=cli_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    daemons = json.loads(proc.stdout)["daemons"]
+    assert len([d for d in daemons if d["alive"]]) == 2
+    assert all(d["host"] for d in daemons)
+
+
+def env_order(job_id: str) -> dict[str, Any]:
+    from conftest import order
+
+    return order(job_id)

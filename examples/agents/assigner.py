@@ -20,6 +20,10 @@ Output (in the work folder, ``$DISPATCH_WORKSPACE`` or the current directory)
     and a ``reason`` naming those items. The next step is a draft for a person; nothing is
     sent to a customer.
 
+With ``--handoff AGENT`` it also hands the result on: one follow-up order in
+``outbox/<job_id>.notify.json`` for AGENT, with one item per team listing that team's
+requests (the demo's notifier tells each team what is theirs).
+
 Stdout: one line for a person, then one JSON object (the shape headless agent CLIs print),
 which the daemon records in ``result.json``.
 
@@ -116,7 +120,22 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run(order_path: Path, workspace: Path, receipt_path: Path) -> dict[str, Any]:
+def hand_off(workspace: Path, job_id: str, to: str, rows: list[dict[str, str]], key: str) -> None:
+    """Write one follow-up order for `to`: an item per team with the ids of its requests."""
+    teams: dict[str, list[str]] = {}
+    for row in rows:
+        teams.setdefault(row["team"], []).append(row[key])
+    followup = {
+        "job_id": f"{job_id}.notify"[-128:].lstrip("._-") or "notify",
+        "from": "assigner",
+        "to": to,
+        "task": "Tell each team which requests are theirs.",
+        "items": [{"id": team, "requests": ids} for team, ids in sorted(teams.items())],
+    }
+    write_atomic(workspace / "outbox" / f"{job_id}.notify.json", json.dumps(followup, indent=2) + "\n")
+
+
+def run(order_path: Path, workspace: Path, receipt_path: Path, handoff: str | None = None) -> dict[str, Any]:
     """Do the assigner's work for one order; return a summary (``ok``, ``message``, rows)."""
     order = json.loads(order_path.read_text(encoding="utf-8"))
     job_id = order["job_id"]
@@ -149,6 +168,8 @@ def run(order_path: Path, workspace: Path, receipt_path: Path) -> dict[str, Any]
     writer.writeheader()
     writer.writerows(rows)
     write_atomic(workspace / output, buf.getvalue())
+    if handoff:
+        hand_off(workspace, job_id, handoff, rows, key)
     receipt |= {"output_ids": [r[key] for r in rows], "status": "done", "outputs": [output]}
     write_atomic(receipt_path, json.dumps(receipt) + "\n")
     counts = Counter(r["team"] for r in rows)
@@ -158,8 +179,11 @@ def run(order_path: Path, workspace: Path, receipt_path: Path) -> dict[str, Any]
 
 def main(argv: list[str]) -> int:
     """Run the agent as the daemon does and print its two stdout lines."""
+    handoff = None
+    if len(argv) >= 3 and argv[-2] == "--handoff":
+        handoff, argv = argv[-1], argv[:-2]
     if len(argv) > 2:
-        print("usage: assigner.py [ORDER_JSON]", file=sys.stderr)
+        print("usage: assigner.py [ORDER_JSON] [--handoff AGENT]", file=sys.stderr)
         return 2
     order_path = Path(argv[1] if len(argv) == 2 else os.environ.get("DISPATCH_ORDER", "order.json"))
     workspace = Path(os.environ.get("DISPATCH_WORKSPACE") or ".")
@@ -171,7 +195,7 @@ def main(argv: list[str]) -> int:
         print(f"assigner: STOP no order at {order_path}; nothing written")
         summary = {"type": "result", "is_error": True, "result": f"STOP no {order_path.name}."}
     else:
-        outcome = run(order_path, workspace, receipt_path)
+        outcome = run(order_path, workspace, receipt_path, handoff)
         job_id = outcome["job_id"] or job_id
         print(f"assigner: {job_id}: {outcome['message']}")
         summary = {"type": "result", "is_error": not outcome["ok"], "result": outcome["message"]}

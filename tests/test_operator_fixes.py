@@ -1,0 +1,84 @@
+"""What a new operator tripped over, each fixed and proved against the real CLI and daemon."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from conftest import Env, order, wait_until
+
+
+def simple(job_id: str) -> dict[str, object]:
+    body = order(job_id)
+    body.pop("accept")
+    return body
+
+
+def test_retry_after_fixing_the_agent_command_runs_the_fixed_command(env: Env) -> None:
+    """A job failed by a broken command runs the fixed command on `retry`, also across a restart."""
+    broken = env.agent()
+    broken["command"] = [str(env.tmp / "no-such-agent")]
+    env.configure(agents={"worker": broken})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("FIX-1"))
+    failed = env.wait_job("FIX-1", "failed")
+    assert failed["reason"].startswith("config: agent worker cannot start")
+    assert d.stop() == 0
+    env.configure()  # the fixed command
+    d = env.daemon()
+    d.wait_ready()
+    assert env.cli("retry", "FIX-1").returncode == 0
+    done = env.wait_job("FIX-1", "done")
+    assert done["attempts"][-1]["argv"][0] == sys.executable
+
+
+def test_repair_without_retry_safe_or_probe_says_why_it_did_nothing(env: Env) -> None:
+    """repair: true on an agent that may not run again: the job's reason says why it was not repaired."""
+    env.configure(agents={"worker": env.agent("--bad-value", repair=True, max_attempts=3)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("REP-1", accept={"output": "out.csv", "allowed": {"team": ["orders"]}}))
+    result = env.wait_job("REP-1", "failed")
+    assert "not repaired" in result["reason"] and "not retry_safe and has no probe" in result["reason"]
+    assert len(result["attempts"]) == 1
+
+
+def test_submit_of_several_files_names_every_bad_one_and_submits_nothing(env: Env) -> None:
+    """`submit a b c` with bad files: one `<file>: ...` line each, a line saying nothing was submitted, exit 2."""
+    good = env.tmp / "good.json"
+    good.write_text(json.dumps(simple("SUB-1")))
+    bad1 = env.tmp / "bad1.json"
+    bad1.write_text(json.dumps({**simple("SUB-2"), "task": ""}))
+    bad2 = env.tmp / "bad2.json"
+    bad2.write_text("{not json")
+    proc = env.cli("submit", str(good), str(bad1), str(bad2))
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith(f"{bad1}: task:") and lines[1].startswith(f"{bad2}: ")
+    assert lines[2] == "nothing was submitted: 2 of 3 files are invalid"
+    assert not [p for p in (env.root / "inbox").iterdir()] if (env.root / "inbox").exists() else True
+
+
+def test_submit_of_one_id_twice_names_the_file(env: Env) -> None:
+    """Two files with one job id in one submit: the error line starts with the second file's name."""
+    a, b = env.tmp / "a.json", env.tmp / "b.json"
+    a.write_text(json.dumps(simple("TWICE-1")))
+    b.write_text(json.dumps(simple("TWICE-1")))
+    proc = env.cli("submit", str(a), str(b))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"{b}: job_id: TWICE-1 is given twice (also in {a})")
+
+
+def test_retry_and_cancel_leave_no_hint_files_behind(env: Env) -> None:
+    """The daemon removes the hint files that retry and cancel leave in .state/control/ once it acted."""
+    env.configure(agents={"worker": env.agent("--exit", "1")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("HINT-1"))
+    env.wait_job("HINT-1", "failed")
+    assert env.cli("retry", "HINT-1").returncode == 0
+    wait_until(lambda: len(env.result("HINT-1", "failed")["attempts"]) == 2 if (env.root / "failed" / "HINT-1" /
+               "result.json").exists() else False, 30, "the retried attempt")  # fmt: skip
+    control = env.root / ".state" / "control"
+    wait_until(lambda: not list(control.iterdir()), 20, "the hint files to be removed")
