@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import structlog
 
-from dispatcher import attempt, retry
+from dispatcher import attempt, retry, verify
 from dispatcher.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.checks import CheckResult, Exit, verdict
 from dispatcher.config import Config
@@ -39,7 +39,6 @@ from dispatcher.metrics import Metrics
 from dispatcher.orders import Order
 from dispatcher.recovery import leftover_groups
 from dispatcher.runner import end_group
-from dispatcher.verify import verify
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
@@ -91,6 +90,8 @@ class Job:
         self.control = Control()
         self.retries = 0
         self._followups: list[Child] = []
+        self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
+        self._children: list[str] | None = None
 
     @property
     def agent(self) -> str:
@@ -114,7 +115,7 @@ class Job:
                     return Outcome.LEFT
 
     async def _run(self) -> Outcome:
-        if self.folder.result() is not None:
+        if self.recovering and self.folder.result() is not None:  # a fresh claim has no result yet
             return await self._reland()
         if self.recovering:
             outcome = await self._recover()
@@ -223,7 +224,10 @@ class Job:
             stdout_cut=out.stdout_cut or None,
             logs_lost=out.logs_lost or None,
         )
-        await self._persist(self.folder.record_attempt, record)
+        if out.aborted:
+            await self._persist(self.folder.record_attempt, record)
+        else:
+            self._unsaved = record  # written in the same trip off the loop as the checks' evidence
         if out.aborted == Stop.STOPPED:
             return Outcome.LEFT
         if out.aborted == Stop.CANCELLED:
@@ -344,8 +348,10 @@ class Job:
         return None
 
     async def _checks(self, exit_: Exit) -> list[CheckResult]:
-        results, self._followups = await verify(self.ctx, self.spec, self.order, self.folder, exit_)
-        return results
+        record, self._unsaved = self._unsaved, None
+        collect = functools.partial(verify.collect, self.ctx, self.spec, self.order, self.folder, exit_, record)
+        ev, self._followups = await self._persist(collect)
+        return verify.check(ev)
 
     # -- finishing ----------------------------------------------------------------------------
     async def _finish_passed(self, checks: list[CheckResult]) -> Outcome:
@@ -368,7 +374,8 @@ class Job:
     ) -> Outcome:
         """Run the finishing sequence (``jobstore``) and release follow-ups of a done job."""
         if children is None:
-            children = await self.ctx.lanes.io(self.ctx.ledger.children, self.job_id)
+            children = []  # a job that does not end done has none: its reservations are dropped
+        self._children = children
         cost = total_cost(self.attempts)
         parent_cost = self.spec.parent_chain_cost_usd
         chain = None if cost is None and parent_cost is None else round((cost or 0) + (parent_cost or 0), 10)
@@ -397,6 +404,6 @@ class Job:
             event = "job.failed" if state == Row.FAILED else "job.review"
             folder = self.ctx.layout.job(State.FAILED if state == Row.FAILED else State.REVIEW, self.job_id)
             self.ctx.notify(event, self.job_id, self.agent, reason, folder / "result.json")
-        if state == Row.DONE:
+        if state == Row.DONE and self._children != []:  # [] only when it surely has no follow-ups
             await self.ctx.lanes.io(self.ctx.release, self.job_id, self.token)
         return Outcome(str(state))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import stat
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -90,10 +91,14 @@ class Layout:
 
     def find(self, job_id: str) -> tuple[State, Path] | None:
         """Return the state and folder of a job, or None if it has no folder."""
+        root = os.fspath(self.root)
         for state in State:
-            path = self.job(state, job_id)
-            if os.path.isdir(path) and not os.path.islink(path):
-                return state, path
+            path = f"{root}/{state.value}/{job_id}"
+            try:
+                if stat.S_ISDIR(os.lstat(path).st_mode):
+                    return state, Path(path)
+            except OSError:
+                continue
         return None
 
 

@@ -181,10 +181,13 @@ class Scheduler:
 
     def _free_idle(self) -> None:
         """Give back slots no job took over this turn, so that other daemons may use them."""
+        ledger = self.ctx.ledger
         for agent, slots in self.idle.items():
             for slot in slots:
-                free = self.ctx.lanes.ledger(self.ctx.ledger.free_slot, agent, slot)
-                self._background(free)
+                if ledger.slots_local:  # a flock on this host: released at once, no trip to the lane
+                    ledger.free_slot(agent, slot)
+                else:
+                    self._background(self.ctx.lanes.ledger(ledger.free_slot, agent, slot))
         self.idle.clear()
 
     def _read(self, name: str) -> Parked | None:

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from dispatcher.checks import CheckResult, Exit, run_checks
+from dispatcher.checks import CheckResult, Evidence, Exit, run_checks
 from dispatcher.evidence import gather
-from dispatcher.jobspec import JobSpec
+from dispatcher.jobspec import Attempt, JobSpec
 from dispatcher.jobstore import JobFolder
 from dispatcher.ledger import Child, Row
 from dispatcher.orders import Order
@@ -25,10 +25,16 @@ if TYPE_CHECKING:
 log = structlog.get_logger("dispatcher")
 
 
-async def verify(
-    ctx: JobContext, spec: JobSpec, order: Order, folder: JobFolder, exit_: Exit
-) -> tuple[list[CheckResult], list[Child]]:
-    """Return the checks of an attempt, and the follow-ups its outbox holds (valid ones)."""
+def collect(
+    ctx: JobContext, spec: JobSpec, order: Order, folder: JobFolder, exit_: Exit, record: Attempt | None = None
+) -> tuple[Evidence, list[Child]]:
+    """Write the attempt's record (if given), then gather its evidence (blocking: the io pool).
+
+    One trip off the loop for both: the record of an attempt that just ended and
+    what its checks read.
+    """
+    if record is not None:
+        folder.record_attempt(record)
     cfg = ctx.config()
     ledger, me, queued = ctx.ledger, spec.job_id, ctx.queued
 
@@ -37,8 +43,7 @@ async def verify(
         mine = {i for i, e in found.items() if e.parent == me and e.state in (Row.RESERVED, Row.RELEASED, Row.HELD)}
         return frozenset((set(found) - mine) | queued([i for i in ids if i not in found]))
 
-    ev, followups = await ctx.lanes.io(
-        gather,
+    ev, followups = gather(
         order=order,
         agent=spec.agent.name,
         writes=tuple(spec.writes),
@@ -53,7 +58,11 @@ async def verify(
         max_hops=cfg.max_hops,
         max_followups=cfg.max_followups,
     )
-    children = [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]
+    return ev, [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]
+
+
+def check(ev: Evidence) -> list[CheckResult]:
+    """Run the pure checks on gathered evidence and log the verdict."""
     results = run_checks(ev)
     log.info("job.verified", passed=sum(1 for c in results if c.ok), failed=[c.name for c in results if c.ok is False])
-    return results, children
+    return results

@@ -148,6 +148,8 @@ class Ledger(ABC):
 
     #: this process's identity in the ledger ("" for a command that is not a daemon)
     owner: str = ""
+    #: True when free_slot never blocks (local flocks): the daemon may call it from its loop
+    slots_local: bool = False
 
     # -- lifecycle and liveness ---------------------------------------------------------
     @abstractmethod

@@ -46,6 +46,8 @@ __all__ = ["LedgerError", "SqliteLedger"]
 class SqliteLedger(SqliteDb, Ledger):
     """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
 
+    slots_local = True  # slots are flocks on this host
+
     # -- liveness -------------------------------------------------------------------------
     def register(self, info: DaemonInfo) -> None:
         """Hold this daemon's liveness flock and write its info file."""

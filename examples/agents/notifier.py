@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
         lines += [f"## {item['id']}", *[f"- {r}" for r in item.get("requests", [])], ""]
     (workspace / "notices.md").write_text("\n".join(lines), encoding="utf-8")
     ids = [item["id"] for item in order["items"]]
-    receipt = {"job_id": order["job_id"], "input_ids": ids, "output_ids": [], "status": "done", "outputs": ["notices.md"]}
+    receipt = {"job_id": order["job_id"], "input_ids": ids, "output_ids": [], "status": "done"}
+    receipt["outputs"] = ["notices.md"]
     tmp = workspace / ".receipt.json.tmp"
     tmp.write_text(json.dumps(receipt) + "\n", encoding="utf-8")
     os.replace(tmp, workspace / "receipt.json")
