@@ -153,6 +153,9 @@ def claim(
     for i, pick in enumerate(picks):
         item = pick.item
         found = layout.find(item.order.job_id)
+        if found is not None and _drop_twin(layout, item):
+            out[i] = Skipped(item.name)
+            continue
         if found is not None and ledger.get(item.order.job_id) is None:
             # a job folder the ledger does not know (a lost ledger): put its row back, never run it again
             _repair_row(ledger, item.order.job_id, found[0])
@@ -181,7 +184,10 @@ def claim(
                 placed = placed or isinstance(out[i], Started)
             case Known(entry=entry):
                 remove_stage(stage)
-                out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
+                if _drop_twin(layout, pick.item):  # the claimed job's own file (a claim cut short)
+                    out[i] = Skipped(pick.item.name)
+                else:
+                    out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
             case Busy():
                 remove_stage(stage)
                 out[i] = Skipped(pick.item.name)
@@ -281,6 +287,23 @@ def _refuse(
     refusal = Refusal(item.name, known_reason(item.order.job_id, state), item.order.job_id, agent=item.order.to)
     refuse(layout, refusal, owner, on_refused)
     return Refused(item.name, item.order.job_id)
+
+
+def _drop_twin(layout: Layout, item: Inspected) -> bool:
+    """Unlink inbox/<name> if it is the order file of the job folder of its id; return True if so.
+
+    A daemon that died after putting a claimed job in place, before unlinking the
+    inbox name, leaves that name behind: it is the job's own file, not a duplicate.
+    """
+    found = layout.find(item.order.job_id)
+    if found is None:
+        return False
+    kept = found[1] / f"order{Path(item.name).suffix}"
+    if fsutil.same_file(layout.inbox / item.name, kept):
+        os.unlink(layout.inbox / item.name)
+        log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
+        return True
+    return False
 
 
 def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> None:

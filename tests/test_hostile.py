@@ -188,6 +188,7 @@ def test_3_many_young_files_do_not_stall_pickup_or_the_watchdog(env: Env) -> Non
         d.wait_event("job.claimed", timeout=30)
         first_claim = time.monotonic() - t0
         wait_until(lambda: len(list((env.root / "done").iterdir())) >= 20, 60, "20 jobs done")
+        wait_until(lambda: len(listener.times("WATCHDOG=1")) >= 6, 30, "three seconds of watchdog pings")
         pings = listener.times("WATCHDOG=1")
         gaps = [b - a for a, b in itertools.pairwise(pings)]
         t1 = time.monotonic()

@@ -361,6 +361,7 @@ def test_many_agents_share_one_thread(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     counts: list[int] = []
+    before = len(os.listdir(f"/proc/{os.getpid()}/task"))  # other tests may have left threads behind
 
     async def main() -> list[AgentExit]:
         procs_ = []
@@ -386,4 +387,4 @@ def test_many_agents_share_one_thread(tmp_path: Path) -> None:
     outs = asyncio.run(main())
     assert [o.exit_code for o in outs] == [0] * 200
     assert all((logs / f"{i}-stdout.log").read_bytes() == b"done\n" for i in range(200))
-    assert counts[0] < 10
+    assert counts[0] - before < 3, (before, counts[0])
