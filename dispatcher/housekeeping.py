@@ -49,6 +49,8 @@ class Housekeeping:
         self._checking = False
         self._settle_due: float | None = None
         self._metrics_due = 0.0
+        self._in_requests = False
+        self._requests_again = False
         self._writing = False
 
     @property
@@ -124,7 +126,24 @@ class Housekeeping:
 
     # -- requests -------------------------------------------------------------------------------
     async def requests(self) -> None:
-        """Carry out cancel and retry requests recorded in the ledger; drop the hint files."""
+        """Carry out cancel and retry requests recorded in the ledger; drop the hint files.
+
+        One pass at a time: hints that arrive during a pass make one more pass after it.
+        """
+        if self._in_requests:
+            self._requests_again = True
+            return
+        self._in_requests = True
+        try:
+            while True:
+                self._requests_again = False
+                await self._requests()
+                if not self._requests_again:
+                    return
+        finally:
+            self._in_requests = False
+
+    async def _requests(self) -> None:
         lanes, ledger, layout = self.ctx.lanes, self.ctx.ledger, self.ctx.layout
         hints = await lanes.io(_hints, layout)
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):

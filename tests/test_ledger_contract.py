@@ -206,12 +206,14 @@ def test_adopt_takes_a_dead_daemons_claim_once(engine: Engine) -> None:
 
 
 def test_take_retry_turns_only_a_failed_job_into_a_new_claim(engine: Engine) -> None:
-    """take_retry claims a failed job with the next token; anything else gets None."""
+    """take_retry claims a failed job with an open retry request, with the next token; anything else gets None."""
     a = engine.daemon("A")
     claimed_token(a.claim([req("J1")])[0])
     assert a.take_retry("J1") is None  # still claimed
     assert a.take_retry("nope") is None
     assert a.finish([Finish("J1", 1, Row.FAILED)]) == [True]
+    assert a.take_retry("J1") is None  # nobody asked for a retry
+    a.request("J1", Request.RETRY)
     assert a.take_retry("J1") == 2
     entry = a.get("J1")
     assert entry is not None and (entry.state, entry.owner, entry.token) == (Row.CLAIMED, "A", 2)

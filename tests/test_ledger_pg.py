@@ -701,6 +701,7 @@ def _case_adopt(a: PostgresLedger, b: PostgresLedger) -> tuple[Callable[[], obje
 def _case_take_retry(a: PostgresLedger, b: PostgresLedger) -> tuple[Callable[[], object], object]:
     b.claim([req("J1")])
     b.finish([Finish("J1", 1, Row.FAILED)])
+    b.request("J1", Request.RETRY)
     return lambda: b.take_retry("J1"), 2
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from conftest import Env, order, wait_until
 
@@ -82,3 +83,19 @@ def test_retry_and_cancel_leave_no_hint_files_behind(env: Env) -> None:
                "result.json").exists() else False, 30, "the retried attempt")  # fmt: skip
     control = env.root / ".state" / "control"
     wait_until(lambda: not list(control.iterdir()), 20, "the hint files to be removed")
+
+
+def test_one_retry_request_runs_the_job_again_once(env: Env) -> None:
+    """`retry` once: the job gets one more round of attempts, not one per hint the daemon noticed."""
+    env.configure(agents={"worker": env.agent("--exit", "3")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("ONCE-1"))
+    env.wait_job("ONCE-1", "failed")
+    assert env.cli("retry", "ONCE-1").returncode == 0
+    wait_until(lambda: [j for j, _ in env.starts()].count("ONCE-1") >= 2, 30, "the retried attempt")
+    wait_until(lambda: len(env.result("ONCE-1", "failed")["attempts"]) >= 2 if (env.root / "failed" / "ONCE-1" /
+               "result.json").exists() else False, 30, "the retry to end")  # fmt: skip
+    time.sleep(2.0)
+    assert [j for j, _ in env.starts()].count("ONCE-1") == 2
+    assert [e["event"] for e in d.events() if e.get("job_id") == "ONCE-1"].count("job.claimed") == 2

@@ -223,7 +223,10 @@ class Ledger(ABC):
 
     @abstractmethod
     def take_retry(self, job_id: str) -> int | None:
-        """Turn a failed job into a claim by this daemon (for `retry`); return the token."""
+        """Turn a failed job with an open retry request into a claim by this daemon; return the token.
+
+        None when the job is not failed or its request was carried out already.
+        """
 
     # -- finishing (each conditional on the claim's token) -------------------------------
     @abstractmethod

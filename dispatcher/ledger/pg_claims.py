@@ -199,7 +199,7 @@ class Claims:
         return self.runner.run("adopt", body, self._owned(job_id, plan))
 
     def take_retry(self, job_id: str) -> int | None:
-        """Turn a failed job into a claim by this daemon; return the new token."""
+        """Turn a failed job with an open retry request into a claim by this daemon; return the new token."""
         plan: list[int] = []
 
         def body(cur: Cur) -> int | None:
@@ -208,6 +208,9 @@ class Claims:
                 return None
             row = cur.execute("SELECT token, state FROM jobs WHERE job_id = %s FOR UPDATE", (job_id,)).fetchone()
             if row is None or row[1] != Row.FAILED:
+                return None
+            asked = cur.execute("SELECT 1 FROM requests WHERE job_id = %s AND kind = 'retry'", (job_id,)).fetchone()
+            if asked is None:  # carried out already: one request, one retry
                 return None
             plan.append(int(row[0]) + 1)
             cur.execute(

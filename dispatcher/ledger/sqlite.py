@@ -205,11 +205,14 @@ class SqliteLedger(SqliteDb, Ledger):
         return self._tx(body)
 
     def take_retry(self, job_id: str) -> int | None:
-        """Turn a failed job into a claim by this daemon; return the new token."""
+        """Turn a failed job with an open retry request into a claim by this daemon; return the new token."""
 
         def body(db: sqlite3.Connection) -> int | None:
             entry = self._row(db, job_id)
             if entry is None or entry.state != Row.FAILED:
+                return None
+            asked = db.execute("SELECT 1 FROM requests WHERE job_id = ? AND kind = 'retry'", (job_id,)).fetchone()
+            if asked is None:  # carried out already: one request, one retry
                 return None
             db.execute(
                 "UPDATE jobs SET state = 'claimed', owner = ?, token = ?, updated = ? WHERE job_id = ?",
