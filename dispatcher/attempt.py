@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -88,3 +89,9 @@ def record(n: int, out: AgentExit, cmd: list[str], result: Mapping[str, Any] | N
 def exit_of(rec: Attempt, timeout_s: float) -> Exit:
     """Return how the agent of a recorded attempt ended, as the checks see it."""
     return Exit(code=rec.exit_code, timed_out=rec.timed_out, seconds=rec.duration_ms / 1000, timeout_s=timeout_s)
+
+
+def interrupted(n: int, running: Mapping[str, Any] | None) -> Attempt:
+    """Return the record of attempt n found without its end (its daemon died, or a stop cut it)."""
+    started = float((running or {}).get("started") or time.time())
+    return Attempt(n=n, started=started, ended=time.time(), exit_code=None, interrupted=True, host=HOST)

@@ -8,16 +8,13 @@ whatever it is doing (its agent, its probe, its wait before a retry).
 
 What a job writes, in order, is what makes a crash anywhere recoverable (README,
 "Guarantees"): ``attempts/<n>/`` with empty logs before the agent starts, its
-``pid`` record right after, ``attempt.json`` when it ended, then the finishing
-sequence of ``jobstore``.
+running record right after, its end record, then ``jobstore``'s finishing sequence.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import socket
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +39,6 @@ from dispatcher.runner import end_group
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
-HOST = socket.gethostname()
 _DISK_WAIT_MAX_S = 30.0
 
 
@@ -158,7 +154,7 @@ class Job:
         record = next((a for a in self.attempts if a.n == n), None)
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
             if record is None:
-                record = self._interrupted(n)
+                record = attempt.interrupted(n, self.folder.pid_record(n))
                 self.attempts.append(record)
                 await self._persist(self.folder.record_attempt, record)
             if record.retry_next:
@@ -173,15 +169,9 @@ class Job:
             return None
         return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
 
-    def _interrupted(self, n: int) -> Attempt:
-        pid = self.folder.pid_record(n) or {}
-        started = float(pid.get("started") or time.time())
-        return Attempt(n=n, started=started, ended=time.time(), exit_code=None, interrupted=True, host=HOST)
-
     async def _end_leftover(self, n: int) -> None:
-        """End an agent of attempt n still running from a dead daemon (see ``retry.leftover_group``)."""
-        pgids = await self.ctx.lanes.io(leftover_groups, self.folder, n)
-        for pgid in pgids:
+        """End an agent of attempt n still running from a dead daemon (``recovery.leftover_groups``)."""
+        for pgid in await self.ctx.lanes.io(leftover_groups, self.folder, n):
             log.warning("agent.orphan_ended", pid=pgid)
             await end_group(pgid, self.ctx.config().kill_grace_s)
 
