@@ -359,6 +359,14 @@ settle: 2                  # seconds a file must stay unchanged when no close wa
 kill_grace: 5              # seconds between SIGTERM and SIGKILL for an agent's group
 max_log_bytes: 10485760    # per stream and attempt
 log_file: null             # also write JSON log lines here (for `dispatcher logs`)
+metrics_file: null         # Prometheus text file, rewritten atomically; may hold {{host}} and {{pid}}
+notify: null               # argv run on job.failed, job.review, budget.held; placeholders {{event}}
+                           # {{job_id}} {{agent}} {{reason}} {{result}}
+max_chain_cost_usd: null   # a follow-up whose chain already cost more is held
+ledger: sqlite             # or postgresql://... shared by daemons on many hosts
+lease: 30                  # seconds (PostgreSQL ledger): a host silent this long is dead
+watch: inotify             # or poll: find new files by listing inbox/ every poll_interval
+poll_interval: 1
 agents:
   echo:
     # argv, never run through a shell. Placeholders: {{job_id}} {{order}} {{workspace}}
@@ -371,4 +379,6 @@ agents:
     writes: []
     env: {{}}                # extra environment variables for the agent
     pass_env: []           # names of the daemon's environment variables it also gets (API keys)
+    max_cost_usd: null     # no further attempt once the job's attempts cost more
+    review: false          # a job that passes its checks waits in review/ for a person
 """  # noqa: E501 - a starter agent on one line reads best in the file
