@@ -516,6 +516,12 @@ def per_job(stmts: dict[str, int], fixed: dict[str, int], n: int) -> dict[str, f
     return dict(sorted(((q, v) for q, v in out.items() if v > 0), key=lambda kv: -kv[1]))
 
 
+def top_statements(stmts: dict[str, float], limit: int = 8) -> str:
+    """Return the statements run at least once per 200 jobs, most frequent first, for a note."""
+    shown = [(q, v) for q, v in stmts.items() if v >= 0.005][:limit]
+    return "; ".join(f"{v:.2f} x `{short(q, 70)}`" for q, v in shown)
+
+
 def short(query: str, width: int = 90) -> str:
     """Return a statement's text cut to width, for a note."""
     return query if len(query) <= width else query[: width - 3] + "..."
@@ -594,10 +600,9 @@ def section_roundtrips(base: Path, opts: argparse.Namespace) -> Result:
         f"{sum(s_dup.values())}",
     ]
     for label, stmts in (("backlog", s_jobs), ("duplicate", s_dup), ("live", s_live)):
-        top = list(per_job(stmts, s_fixed, n).items())[:8]
         res.notes.append(
             f"per {'job' if label != 'duplicate' else 'refused duplicate'} ({label}): "
-            + "; ".join(f"{v:.2f} x `{short(q, 70)}`" for q, v in top)
+            + top_statements(per_job(stmts, s_fixed, n))
         )
     res.data = {
         "orders": n,
