@@ -5,6 +5,8 @@ Run from the repository root:
 
     .venv/bin/python benchmarks/bench.py [--only cpu,inotify,pickup,backlog,sleepers,idle]
         [--orders 2000] [--max-jobs 2] [--tmp DIR] [--keep]
+    .venv/bin/python benchmarks/bench.py --only pg,hosts,roundtrips,takeover [--orders 1000]
+        [--hosts 1,2,3] [--hosts-sleep 0.05] [--lease 2,30]
     .venv/bin/python benchmarks/bench.py --profile [--orders 2000]
 
 Every figure is printed beside a baseline measured in the same run, their ratio, the
@@ -35,6 +37,7 @@ from typing import Any
 from capacity import section_idle, section_sleepers
 from harness import BenchError
 from latency import section_backlog, section_pickup
+from many_hosts import section_hosts, section_pg, section_roundtrips, section_takeover
 from profiling import run_profile
 from report import Result, table
 from throughput import section_cpu, section_inotify
@@ -48,7 +51,14 @@ SECTIONS: dict[str, tuple[Section, str]] = {
     "backlog": (section_backlog, "orders waiting at start: `run` spawn -> first agent start"),
     "sleepers": (section_sleepers, "many agents waiting at once"),
     "idle": (section_idle, "idle daemon, empty inbox"),
+    "pg": (section_pg, "PostgreSQL ledger vs SQLite, `run --once` on one host"),
+    "hosts": (section_hosts, "one PostgreSQL ledger, daemons on 1, 2 and 3 hosts (namespaces)"),
+    "roundtrips": (section_roundtrips, "the PostgreSQL ledger's transactions and statements per job"),
+    "takeover": (section_takeover, "a host killed mid-job: time until another host takes it over"),
 }
+# Run when --only is not given. The PostgreSQL sections need a server's binaries (and
+# `hosts` and `takeover` root, for network namespaces); they run when named.
+DEFAULT_SECTIONS = ("cpu", "inotify", "pickup", "backlog", "sleepers", "idle")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,8 +66,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run")
-    ap.add_argument("--orders", type=int, default=2000, help="orders for cpu, inotify and --profile")
+    ap.add_argument(
+        "--only",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated sections to run, of {', '.join(SECTIONS)}",
+    )
+    ap.add_argument(
+        "--orders",
+        type=int,
+        default=None,
+        help="orders for cpu, inotify and --profile (default 2000) and for pg, hosts and roundtrips (default 1000)",
+    )
     ap.add_argument("--max-jobs", type=int, default=2, help="max_jobs, agent concurrency and xargs -P")
     ap.add_argument("--pickup-samples", type=int, default=100, help="drops for pickup")
     ap.add_argument("--pickup-gap", type=float, default=0.05, help="seconds between pickup drops")
@@ -65,6 +84,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sleepers", type=int, default=2000, help="agents at once for sleepers")
     ap.add_argument("--sleep", type=float, default=10.0, help="seconds each sleeper sleeps")
     ap.add_argument("--idle-seconds", type=float, default=10.0, help="length of the idle measurement")
+    ap.add_argument(
+        "--hosts", default="1,2,3", help="comma-separated host counts for hosts (the first is the baseline)"
+    )
+    ap.add_argument("--hosts-sleep", type=float, default=0.05, help="seconds the agent sleeps in hosts")
+    ap.add_argument("--lease", default="2,30", help="comma-separated leases (seconds) for takeover")
     ap.add_argument("--timeout", type=float, default=None, help="limit per throughput run (default 120 + 0.5 s/order)")
     ap.add_argument("--tmp", default=None, help="where to make the dispatch roots (default $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the dispatch roots and daemon logs")
@@ -78,9 +102,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.backlog = [int(s.replace("_", "")) for s in args.backlog.split(",") if s.strip()]
     except ValueError:
         ap.error("--backlog takes comma-separated integers, e.g. 10000,100000")
-    if min([args.orders, args.max_jobs, args.pickup_samples, args.sleepers, *args.backlog]) < 1:
+    try:
+        args.hosts = [int(s) for s in args.hosts.split(",") if s.strip()]
+        args.lease = [float(s) for s in args.lease.split(",") if s.strip()]
+    except ValueError:
+        ap.error("--hosts takes comma-separated integers (1,2,3), --lease comma-separated seconds (2,30)")
+    if not args.hosts or not args.lease or min(args.lease) <= 0 or args.hosts_sleep <= 0:
+        ap.error("--hosts, --lease and --hosts-sleep need positive values")
+    args.pg_orders = args.orders or 1000
+    args.orders = args.orders or 2000
+    counts = [args.orders, args.max_jobs, args.pickup_samples, args.sleepers, *args.backlog, *args.hosts]
+    if min(counts) < 1:
         ap.error("counts must be >= 1")
-    args.timeout = args.timeout or 120 + args.orders * 0.5
+    args.timeout = args.timeout or 120 + max(args.orders, args.pg_orders) * 0.5
     return args
 
 

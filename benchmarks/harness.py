@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -121,13 +121,18 @@ def write_config(
     concurrency: int | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = 60,
+    root: Path | None = None,
+    extra: dict[str, Any] | None = None,
+    agent_extra: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
-    """Write base/dispatcher.yaml (root base/dispatch, made here) and return (config, root).
+    """Write base/dispatcher.yaml and return (config, root).
 
+    The root is base/dispatch unless given (several hosts share one); it is made here.
     Only what the benchmark needs is set; every check, fsync and other setting keeps its
-    default. JSON is valid YAML, so no YAML writer is needed.
+    default. `extra` adds top-level keys (`ledger`, `lease`), `agent_extra` keys of the
+    agent (`retry_safe`). JSON is valid YAML, so no YAML writer is needed.
     """
-    root = base / "dispatch"
+    root = root or base / "dispatch"
     root.mkdir(parents=True, exist_ok=True)
     cfg = {
         "root": str(root),
@@ -139,8 +144,10 @@ def write_config(
                 "timeout": timeout_s,
                 "writes": ["out.csv"],
                 "env": env or {},
+                **(agent_extra or {}),
             }
         },
+        **(extra or {}),
     }
     path = base / "dispatcher.yaml"
     path.write_text(json.dumps(cfg, indent=2) + "\n")
@@ -250,8 +257,12 @@ class Daemon:
         notify: bool = False,
         label: str | None = None,
         prefix: list[str] | None = None,
+        popen: Callable[..., subprocess.Popen[bytes]] | None = None,
     ) -> None:
+        # `popen` starts the process elsewhere, e.g. a simulated host's `Host.run`, which
+        # runs it inside a network namespace under the same pid
         self.config = config
+        self._popen = popen or subprocess.Popen
         self.log_path = base / f"daemon-{label or '-'.join(a.strip('-') for a in args) or 'run'}.log"
         main = prefix or ["-m", "dispatcher"]
         self.argv = [sys.executable, *main, "--config", str(config), "run", *args]
@@ -281,7 +292,7 @@ class Daemon:
         self._cpu0 = children_cpu_s()
         self.t_spawn = time.time()
         self._perf0 = time.perf_counter()
-        self.proc = subprocess.Popen(
+        self.proc = self._popen(
             self.argv,
             stdout=self._fh,
             stderr=subprocess.STDOUT,
