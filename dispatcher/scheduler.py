@@ -336,7 +336,7 @@ class Scheduler:
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
             self.left.add(job_id)
-        if outcome is not Outcome.LEFT:
+        if outcome is not Outcome.LEFT and r is not None and r.job.control.reason is Stop.CANCELLED:
             self._background(self._clear_cancel(job_id))
         self.blocked.discard(r.job.agent if r else "")
         self.wake()
