@@ -33,7 +33,6 @@ from dispatcher.lanes import GroupCommit, Lanes
 from dispatcher.layout import UMASK, Layout
 from dispatcher.lease import LeaseKeeper, has_leases
 from dispatcher.ledger import DaemonInfo, Finish, open_ledger
-from dispatcher.metrics import Metrics
 from dispatcher.notify import Notifications
 from dispatcher.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.sdnotify import Notifier
@@ -99,6 +98,8 @@ class Daemon:
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = None
         if self.config.metrics_file:
+            from dispatcher.metrics import Metrics  # prometheus_client only when it is used
+
             host = socket.gethostname()
             self.metrics = Metrics(self.config.metrics_file, host, os.getpid(), agents=self.config.agents)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once)

@@ -21,7 +21,6 @@ from dispatcher.job import JobContext
 from dispatcher.jobstore import JobFolder
 from dispatcher.layout import Layout, State, parse_iso
 from dispatcher.ledger import Entry, Finish, Ledger, Request, Row
-from dispatcher.metrics import Metrics
 from dispatcher.queued import find_queued, queued_ids
 from dispatcher.report import queue_counts
 from dispatcher.review import settle_reviews
@@ -30,6 +29,7 @@ from dispatcher.watcher import list_inbox, start_watch
 
 if TYPE_CHECKING:
     from dispatcher.daemon import Daemon
+    from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
 METRICS_EVERY_S = 5.0  # the contract asks for at least every 10 s

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
@@ -32,10 +32,12 @@ from dispatcher.jobstore import JobFolder, build_result, is_disk_full
 from dispatcher.lanes import GroupCommit, Lanes
 from dispatcher.layout import Layout, State
 from dispatcher.ledger import Child, Finish, Ledger, Row
-from dispatcher.metrics import Metrics
 from dispatcher.orders import Order
 from dispatcher.recovery import leftover_groups
 from dispatcher.runner import end_group
+
+if TYPE_CHECKING:
+    from dispatcher.metrics import Metrics  # prometheus_client is imported only when metrics_file is set
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")

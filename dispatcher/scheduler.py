@@ -34,6 +34,7 @@ from dispatcher.watcher import Inbox
 
 log = structlog.get_logger("dispatcher")
 PARK_LIMIT = 64  # orders read ahead while their agents are busy
+CLAIM_CHUNK = 32  # orders claimed in one ledger transaction (and one fsync of active/)
 SLOT_RETRY_S = 0.25
 RETRY_LATER_S = 1.0  # a file whose claim could not be made now (a full disk) is tried again after this
 
@@ -174,9 +175,11 @@ class Scheduler:
             idle = self.idle.get(p.agent)
             if idle and not p.cancel:
                 p.slot = idle.pop()
-        if batch:
-            self.inflight += len(batch)
-            self._background(self._launch(batch))
+        # claimed in chunks: the first agents start while the lane still claims the rest
+        for i in range(0, len(batch), CLAIM_CHUNK):
+            chunk = batch[i : i + CLAIM_CHUNK]
+            self.inflight += len(chunk)
+            self._background(self._launch(chunk))
         self._free_idle()
 
     def _free_idle(self) -> None:
