@@ -92,8 +92,19 @@ class JobSpec:
         )
 
     def with_agent(self, agent: Agent, budget: int) -> JobSpec:
-        """Return the spec with new agent settings and attempt budget (a retry)."""
-        return replace(self, agent=agent, budget=budget)
+        """Return the spec with the agent's current settings and a new attempt budget (a retry).
+
+        The timeout and the writes follow the agent unless the order sets its own.
+        """
+        timeout = self.order.get("timeout")
+        writes = self.order.get("writes")
+        return replace(
+            self,
+            agent=agent,
+            budget=budget,
+            timeout_s=float(timeout) if timeout is not None else agent.timeout_s,
+            writes=tuple(writes) if writes is not None else agent.writes,
+        )
 
     def with_given(self, name: str, sha: str) -> JobSpec:
         """Return the spec with one more file given to the agent."""

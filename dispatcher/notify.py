@@ -51,11 +51,13 @@ class Notifications:
             "reason": oneline(reason or ""),
             "result": str(result) if result is not None else "",
         }
-        task = asyncio.get_running_loop().create_task(self._run([render(a, values) for a in argv], event, job_id))
+        task = asyncio.get_running_loop().create_task(
+            self._run([render(a, values) for a in argv], event, job_id, agent)
+        )
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run(self, argv: list[str], event: str, job_id: str | None) -> None:
+    async def _run(self, argv: list[str], event: str, job_id: str | None, agent: str | None) -> None:
         cfg = self._config()
         env = build_env({}, {"DISPATCH_EVENT": event, "DISPATCH_JOB_ID": job_id or ""})
         proc = AgentProcess(
@@ -70,13 +72,22 @@ class Notifications:
         try:
             proc.start()
         except OSError as exc:
-            log.warning("notify.failed", event_name=event, job_id=job_id, error=f"cannot start: {exc.strerror}")
+            log.warning(
+                "notify.failed", event_name=event, job_id=job_id, agent=agent, error=f"cannot start: {exc.strerror}"
+            )
             return
         out = await proc.wait()
         if out.timed_out or out.exit_code != 0:
             why = f"timed out after {NOTIFY_TIMEOUT_S:g} s" if out.timed_out else f"exit {out.exit_code}"
             stderr = out.stderr_tail.decode("utf-8", "replace").strip().splitlines()[-3:]
-            log.warning("notify.failed", event_name=event, job_id=job_id, error=why, stderr=" | ".join(stderr) or None)
+            log.warning(
+                "notify.failed",
+                event_name=event,
+                job_id=job_id,
+                agent=agent,
+                error=why,
+                stderr=" | ".join(stderr) or None,
+            )
 
     async def close(self) -> None:
         """Let running notify commands end (each is bounded by its own timeout)."""

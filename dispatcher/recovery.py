@@ -9,6 +9,7 @@ inbox/ (or was put back there).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -218,11 +219,18 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
         return None
     folder = JobFolder(layout.job(State.FAILED, job_id))
     spec = folder.spec()
+    failed_checks = [c for c in (folder.result() or {}).get("checks") or [] if c.get("ok") is False]
     folder.keep_result()
     last = max(folder.attempt_numbers(), default=0)
     agent = config.agents.get(spec.agent.name, spec.agent)
     max_attempts = int(spec.order.get("max_attempts") or agent.max_attempts)
     spec = spec.with_agent(agent, last + max_attempts)
+    if agent.repair and failed_checks and os.path.isdir(folder.work):
+        # repair applies to the first new attempt too: it gets the checks the last one failed
+        data = fsutil.dump_json({"job_id": job_id, "attempt": last, "failed_checks": failed_checks})
+        folder.stash(last, feedback=True)
+        folder.write_feedback(data)
+        spec = spec.with_given("feedback.json", hashlib.sha256(data).hexdigest())
     folder.write_spec(spec, sync=True)
     fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))

@@ -99,3 +99,34 @@ def test_one_retry_request_runs_the_job_again_once(env: Env) -> None:
     time.sleep(2.0)
     assert [j for j, _ in env.starts()].count("ONCE-1") == 2
     assert [e["event"] for e in d.events() if e.get("job_id") == "ONCE-1"].count("job.claimed") == 2
+
+
+def test_retry_takes_the_agents_new_timeout(env: Env) -> None:
+    """A job that timed out runs with the timeout the config has when it is retried."""
+    env.configure(agents={"worker": env.agent("--sleep", "2", timeout=1)}, kill_grace=0.2)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("SLOWFIX-1"))
+    first = env.wait_job("SLOWFIX-1", "failed")
+    assert first["attempts"][0]["timed_out"] is True
+    assert d.stop() == 0
+    env.configure(agents={"worker": env.agent("--sleep", "2", timeout=20)})
+    d = env.daemon()
+    d.wait_ready()
+    assert env.cli("retry", "SLOWFIX-1").returncode == 0
+    wait_until(lambda: (env.root / "done" / "SLOWFIX-1" / "result.json").exists(), 30, "the retried job done")
+
+
+def test_repair_applies_to_the_first_attempt_of_a_retry(env: Env) -> None:
+    """repair: the first attempt after `retry` gets work/feedback.json with the checks that failed."""
+    agent = env.agent("--fail-checks-attempts", "1", repair=True, retry_safe=True, max_attempts=1)
+    env.configure(agents={"worker": agent})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FEEDRETRY-1"))
+    first = env.wait_job("FEEDRETRY-1", "failed")
+    assert "not repaired: no attempts left" in first["reason"]
+    assert env.cli("retry", "FEEDRETRY-1").returncode == 0
+    wait_until(lambda: (env.root / "done" / "FEEDRETRY-1" / "result.json").exists(), 30, "the repaired job done")
+    feedback = json.loads((env.root / "done" / "FEEDRETRY-1" / "work" / "feedback.json").read_text())
+    assert feedback["attempt"] == 1 and feedback["failed_checks"]
