@@ -13,6 +13,7 @@ import asyncio
 import collections
 import enum
 import functools
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +107,7 @@ class Scheduler:
         self.running: dict[str, Running] = {}
         self.parked: collections.deque[Parked] = collections.deque()
         self.inflight = 0
-        self.blocked: set[str] = set()
+        self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
         self.slot_poll = False
         self.stats = Stats()
         self.cancel_names: dict[str, str] = {}  # inbox name -> job id to cancel on claim
@@ -143,8 +144,9 @@ class Scheduler:
         """Launch parked work and read new orders while slots are free."""
         if self.ctx.stopping():
             return
-        self.slot_poll = False
-        self.blocked.clear()
+        now = time.monotonic()
+        self.blocked = {agent: until for agent, until in self.blocked.items() if until > now}
+        self.slot_poll = bool(self.blocked)
         free = self.free_slots()
         batch: list[Parked] = [p for p in self.parked if p.cancel]  # a cancel needs no slot
         for p in batch:
@@ -168,7 +170,9 @@ class Scheduler:
             if ready is None:
                 break
             new = self._read(ready)
-            if new is not None:
+            if new is not None and new.agent in self.blocked and not new.cancel:
+                self.parked.append(new)  # its agent has no free slot: waiting takes no slot from others
+            elif new is not None:
                 batch.append(new)
                 free -= 1
         for p in batch:
@@ -242,7 +246,7 @@ class Scheduler:
                     self._run(r)
                 case NoSlot(parked=p):
                     self.parked.appendleft(p)
-                    self.blocked.add(p.agent)
+                    self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
                     self.slot_poll = True
                 case Dropped(parked=p, refused=refused, retry_later=later):
                     if p.item is not None and later:  # a full disk, a failed batch: try again in a while
@@ -341,7 +345,7 @@ class Scheduler:
             self.left.add(job_id)
         if outcome is not Outcome.LEFT and r is not None and r.job.control.reason is Stop.CANCELLED:
             self._background(self._clear_cancel(job_id))
-        self.blocked.discard(r.job.agent if r else "")
+        self.blocked.pop(r.job.agent if r else "", None)  # a slot of that agent is free again
         self.wake()
 
     def _count_running(self) -> None:

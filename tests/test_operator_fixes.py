@@ -130,3 +130,23 @@ def test_repair_applies_to_the_first_attempt_of_a_retry(env: Env) -> None:
     wait_until(lambda: (env.root / "done" / "FEEDRETRY-1" / "result.json").exists(), 30, "the repaired job done")
     feedback = json.loads((env.root / "done" / "FEEDRETRY-1" / "work" / "feedback.json").read_text())
     assert feedback["attempt"] == 1 and feedback["failed_checks"]
+
+
+def test_work_for_a_free_agent_is_not_starved_by_a_busy_one(env: Env) -> None:
+    """Orders waiting for a busy agent's slot never hold up a retry (or an order) of another agent."""
+    slow = env.agent("--sleep", "20", concurrency=1)
+    env.configure(agents={"worker": env.agent("--exit", "3"), "slow": slow}, max_jobs=2)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("BAD-1"))
+    env.wait_job("BAD-1", "failed")
+    busy = order("BUSY-1", to="slow")
+    busy.pop("accept")
+    env.drop(busy)
+    waiting = order("WAITING-1", to="slow")
+    waiting.pop("accept")
+    env.drop(waiting)
+    wait_until(lambda: ("BUSY-1", 1) in env.starts(), 30, "the slow agent busy")
+    time.sleep(1.0)  # WAITING-1 is parked behind BUSY-1's slot
+    assert env.cli("retry", "BAD-1").returncode == 0
+    wait_until(lambda: ("BAD-1", 2) in env.starts(), 15, "the retry of BAD-1 to start")
