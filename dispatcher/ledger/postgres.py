@@ -46,7 +46,6 @@ What the daemon must call (``lease_s`` is the config's ``lease``):
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -358,11 +357,6 @@ class PostgresLedger(Ledger):
     def load_into_empty(self, entries: Iterable[Entry], requests: Iterable[tuple[str, Request]] = ()) -> int:
         """Copy rows and open requests into this ledger if it holds no job id (else PostgresLedgerError)."""
         return pg_bulk.load_into_empty(self._runner, entries, requests)
-
-    def insert_done(self, job_ids: Iterable[str], agent: str = "bulk") -> None:
-        """Record many finished job ids at once (benchmarks)."""
-        stamp = time.time()
-        self.load_rows(Entry(j, "done", agent, None, 1, None, None, None, 0, None, None, stamp) for j in job_ids)
 
 
 def migrate(sqlite_ledger: Ledger, target: PostgresLedger) -> int:

@@ -392,8 +392,3 @@ class SqliteLedger(SqliteDb, Ledger):
             return db.total_changes - before
 
         return self._tx(body)
-
-    def insert_done(self, job_ids: Iterable[str], agent: str = "bulk") -> None:
-        """Record many finished job ids at once (benchmarks)."""
-        stamp = now()
-        self.load_rows(Entry(j, "done", agent, None, 1, None, None, None, 0, None, None, stamp) for j in job_ids)

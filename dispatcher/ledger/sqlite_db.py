@@ -8,7 +8,6 @@ out (a command) or ``give_up()`` says so (a daemon forced to stop).
 
 from __future__ import annotations
 
-import errno
 import sqlite3
 import threading
 import time
@@ -208,8 +207,3 @@ def _describe(exc: sqlite3.DatabaseError) -> str:
     if isinstance(exc, sqlite3.OperationalError) and "unable to open" in text:
         return f"cannot be opened ({text}; is the folder writable?)"
     return text
-
-
-def is_unwritable(exc: OSError) -> bool:
-    """Return True for errors that say the ledger's folder is read-only or full."""
-    return exc.errno in (errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EPERM)
