@@ -19,7 +19,9 @@ folder (put in place by recovery), or a placed job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
 import stat
 import time
@@ -174,7 +176,17 @@ def claim(
             continue
         staged.append((i, pick, stage))
     answers = ledger.claim(
-        [ClaimRequest(p.item.order.job_id, p.agent.name, p.item.name, p.item.digest) for _, p, _ in staged]
+        [
+            # a claim is only taken over from a dead daemon while no job folder of the id exists
+            ClaimRequest(
+                p.item.order.job_id,
+                p.agent.name,
+                p.item.name,
+                p.item.digest,
+                may_take_over=layout.find(p.item.order.job_id) is None,
+            )
+            for _, p, _ in staged
+        ]
     )
     placed = False
     for (i, pick, stage), answer in zip(staged, answers, strict=True):
@@ -226,8 +238,12 @@ def _place(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Cla
         target = layout.job(State.ACTIVE, item.order.job_id)
         fsutil.rename_noreplace(stage, target)
     except OSError as exc:
-        ledger.unclaim(item.order.job_id, claimed.token, claimed.previous)  # nothing ran: the id stays free
+        # nothing ran: the id stays free (or goes back to the daemon it was taken over from)
+        ledger.unclaim(item.order.job_id, claimed.token, claimed.previous, claimed.previous_owner)
         remove_stage(stage)
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another daemon put its folder in place first
+            log.info("order.skipped", file=item.name, job_id=item.order.job_id, reason="placed by another daemon")
+            return Skipped(item.name)
         if not is_disk_full(exc):
             raise
         log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
@@ -300,13 +316,18 @@ def _drop_twin(layout: Layout, item: Inspected) -> bool:
         return False
     kept = found[1] / f"order{Path(item.name).suffix}"
     if fsutil.same_file(layout.inbox / item.name, kept):
-        os.unlink(layout.inbox / item.name)
+        with contextlib.suppress(FileNotFoundError):  # the claiming daemon removed it first
+            os.unlink(layout.inbox / item.name)
         log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
         return True
     return False
 
 
 def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> None:
-    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name)."""
+    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
+
+    Another daemon may have removed it first (it saw the placed job's folder): that is fine.
+    """
     if name and fsutil.same_file(layout.inbox / name, kept):
-        os.unlink(layout.inbox / name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(layout.inbox / name)

@@ -134,9 +134,22 @@ def test_a_dead_daemons_claim_on_the_same_file_is_taken_over(engine: Engine) -> 
     assert isinstance(b.claim([req("J2", may_take_over=False)])[0], Known)
     assert isinstance(b.claim([req("J1", digest="changed")])[0], Known)
     (taken,) = b.claim([req("J1")])
-    assert taken == Claimed("J1", 2, previous="claimed")
+    assert taken == Claimed("J1", 2, previous="claimed", previous_owner="A")
     entry = b.get("J1")
     assert entry is not None and (entry.owner, entry.token) == ("B", 2)
+
+
+def test_unclaiming_a_takeover_gives_the_claim_back_to_the_daemon_it_was_taken_from(engine: Engine) -> None:
+    """A takeover whose folder could not be placed (the first daemon placed it) is undone, not deleted."""
+    a, b = engine.daemon("A"), engine.daemon("B")
+    claimed_token(a.claim([req("J1")])[0])
+    a.close()
+    engine.made.remove(a)
+    (taken,) = b.claim([req("J1")])
+    assert isinstance(taken, Claimed) and taken.previous_owner == "A"
+    b.unclaim("J1", taken.token, taken.previous, taken.previous_owner)
+    entry = b.get("J1")
+    assert entry is not None and (entry.state, entry.owner, entry.token) == ("claimed", "A", 1)
 
 
 def test_a_released_followup_is_claimed_with_its_lineage_when_the_digest_matches(engine: Engine) -> None:

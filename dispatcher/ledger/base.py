@@ -86,6 +86,7 @@ class Claimed:
     hops: int = 0
     previous: str | None = None  # the state a taken-over or released row had
     parent_chain_cost_usd: float | None = None
+    previous_owner: str | None = None  # the dead daemon a claim was taken over from
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +215,11 @@ class Ledger(ABC):
         """
 
     @abstractmethod
-    def unclaim(self, job_id: str, token: int, previous: str | None) -> None:
-        """Undo a claim whose job folder could not be put in place (nothing ran)."""
+    def unclaim(self, job_id: str, token: int, previous: str | None, previous_owner: str | None = None) -> None:
+        """Undo a claim whose job folder could not be put in place (nothing ran).
+
+        A claim taken over from ``previous_owner`` goes back to it, with its token.
+        """
 
     @abstractmethod
     def adopt(self, job_id: str, expected_owner: str | None, expected_token: int) -> int | None:

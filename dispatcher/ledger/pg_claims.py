@@ -99,7 +99,9 @@ def claim_body(cur: Cur, owner: str, reqs: Sequence[ClaimRequest], plan: dict[st
         token = entry.token + 1
         updates.append((req.job_id, req.agent, req.source, token))
         plan[req.job_id] = token
-        answers[i] = Claimed(req.job_id, token, entry.parent, entry.hops, entry.state, parent_cost)
+        answers[i] = Claimed(
+            req.job_id, token, entry.parent, entry.hops, entry.state, parent_cost, entry.owner if taken_over else None
+        )
         taken = dataclasses.replace(
             entry, state="claimed", agent=req.agent, owner=owner, source=req.source, token=token
         )
@@ -145,14 +147,20 @@ class Claims:
 
         return self.runner.run("claim", body, resolve)
 
-    def unclaim(self, job_id: str, token: int, previous: str | None) -> None:
+    def unclaim(self, job_id: str, token: int, previous: str | None, previous_owner: str | None = None) -> None:
         """Undo a claim whose job folder could not be put in place (nothing ran); fenced by token."""
         owner = self.leases.owner
 
         def body(cur: Cur) -> None:
             if not self.leases.check(cur, lease=False):
                 return
-            if previous in (None, Row.CLAIMED):  # no job folder ever existed for it
+            if previous_owner is not None:  # a takeover: the claim goes back to the daemon it was taken from
+                cur.execute(
+                    "UPDATE jobs SET owner = %s, token = %s WHERE job_id = %s AND state = 'claimed'"
+                    " AND owner = %s AND token = %s",
+                    (previous_owner, token - 1, job_id, owner, token),
+                )
+            elif previous in (None, Row.CLAIMED):  # no job folder ever existed for it
                 cur.execute(
                     "DELETE FROM jobs WHERE job_id = %s AND state = 'claimed' AND owner = %s AND token = %s",
                     (job_id, owner, token),

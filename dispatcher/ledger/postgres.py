@@ -277,9 +277,9 @@ class PostgresLedger(Ledger):
         """
         return self._claims.claim(requests)
 
-    def unclaim(self, job_id: str, token: int, previous: str | None) -> None:
+    def unclaim(self, job_id: str, token: int, previous: str | None, previous_owner: str | None = None) -> None:
         """Undo a claim whose job folder could not be put in place (nothing ran); fenced by token."""
-        self._claims.unclaim(job_id, token, previous)
+        self._claims.unclaim(job_id, token, previous, previous_owner)
 
     def adopt(self, job_id: str, expected_owner: str | None, expected_token: int) -> int | None:
         """Take over a claimed job of a dead daemon; return the new token, or None if another won."""

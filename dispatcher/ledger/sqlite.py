@@ -168,16 +168,32 @@ class SqliteLedger(SqliteDb, Ledger):
                 if entry.parent is not None:
                     row = db.execute("SELECT chain_cost_usd FROM jobs WHERE job_id = ?", (entry.parent,)).fetchone()
                     parent_cost = row[0] if row else None
-                out.append(Claimed(req.job_id, token, entry.parent, entry.hops, entry.state, parent_cost))
+                out.append(
+                    Claimed(
+                        req.job_id,
+                        token,
+                        entry.parent,
+                        entry.hops,
+                        entry.state,
+                        parent_cost,
+                        entry.owner if taken_over else None,
+                    )
+                )
             return out
 
         return self._tx(body, durable=False)
 
-    def unclaim(self, job_id: str, token: int, previous: str | None) -> None:
+    def unclaim(self, job_id: str, token: int, previous: str | None, previous_owner: str | None = None) -> None:
         """Undo a claim whose job folder could not be put in place (nothing ran)."""
 
         def body(db: sqlite3.Connection) -> None:
-            if previous in (None, Row.CLAIMED):  # no job folder ever existed for it
+            if previous_owner is not None:  # a takeover: the claim goes back to the daemon it was taken from
+                db.execute(
+                    "UPDATE jobs SET owner = ?, token = ? WHERE job_id = ? AND state = 'claimed' AND owner = ?"
+                    " AND token = ?",
+                    (previous_owner, token - 1, job_id, self.owner, token),
+                )
+            elif previous in (None, Row.CLAIMED):  # no job folder ever existed for it
                 db.execute(
                     "DELETE FROM jobs WHERE job_id = ? AND state = 'claimed' AND owner = ? AND token = ?",
                     (job_id, self.owner, token),
