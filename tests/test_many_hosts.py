@@ -133,8 +133,13 @@ class Cluster:
         os.rename(tmp, inbox / f"{job_id}.json")
 
     def settled(self, ids: list[str]) -> bool:
+        """Every id has a result; a follow-up (id ending -fu) whose parent failed was never written."""
         root = self.env.root
-        return all(any((root / state / j / "result.json").exists() for state in ("done", "failed")) for j in ids)
+
+        def ended(j: str) -> bool:
+            return any((root / state / j / "result.json").exists() for state in ("done", "failed"))
+
+        return all(ended(j) or (j.endswith("-fu") and (root / "failed" / j[: -len("-fu")]).is_dir()) for j in ids)
 
     def stop_all(self) -> None:
         for runs in self.daemons.values():
