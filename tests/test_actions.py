@@ -12,9 +12,10 @@ from typing import Any
 
 from conftest import Env, cli_env, order, wait_until
 
-from dispatcher.config import load_config
 from dispatcher.layout import Layout
-from dispatcher.ledger import ClaimRequest, Row, open_ledger
+from dispatcher.ledger.base import ClaimRequest, Row
+from dispatcher.spec.config import load_config
+from dispatcher.store.ledgers import open_ledger
 
 
 def cli_input(env: Env, stdin: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.agent_result import AGENT_RESULT_KEYS, AGENT_RESULT_MAX, parse_agent_result
+from dispatcher.job.agent_result import AGENT_RESULT_KEYS, AGENT_RESULT_MAX, parse_agent_result
 
 RESULT = {"type": "result", "is_error": False, "total_cost_usd": 0.01, "session_id": "s-1", "usage": {"in": 3}}
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from conftest import CHECK_NAMES
 
-from dispatcher import checks
-from dispatcher.checks import CheckResult, Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
-from dispatcher.orders import Order, validate_order
-from dispatcher.output_summary import summarise
+from dispatcher.checks import builtin as checks
+from dispatcher.checks.builtin import CheckResult, Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
+from dispatcher.checks.summary import summarise
+from dispatcher.spec.orders import Order, validate_order
 
 CONTRACT_ORDER = CHECK_NAMES
 IDS = ["R1", "R2", "R3"]

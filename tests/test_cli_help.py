@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_env
 
-from dispatcher.cli import build_parser
+from dispatcher.cli.main import build_parser
 
 COMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
 

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dispatcher.checks import Exit, followups_valid
-from dispatcher.evidence import gather, read_followups
-from dispatcher.orders import Order, parse_order, validate_order
+from dispatcher.checks.builtin import Exit, followups_valid
+from dispatcher.checks.evidence import gather, read_followups
+from dispatcher.spec.orders import Order, parse_order, validate_order
 
 
 def fill_outbox(work: Path, n: int) -> None:

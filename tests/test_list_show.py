@@ -13,10 +13,10 @@ import pytest
 from conftest import Env, order
 from test_lifecycle import make_env
 
-from dispatcher.config import load_config
-from dispatcher.jobstore import JobFolder
 from dispatcher.layout import Layout
-from dispatcher.listing import list_jobs
+from dispatcher.query.listing import list_jobs
+from dispatcher.spec.config import load_config
+from dispatcher.store.jobstore import JobFolder
 
 ROW_KEYS = {"job_id", "state", "agent", "age_s", "reason", "cost_usd", "path"}
 PYTHON_NOTATION = ("None", "True", "False", "['", "{'", ".0 ")

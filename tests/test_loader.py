@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from dispatcher.errors import OrderError
-from dispatcher.loader import check_json_value, load_document
+from dispatcher.spec.loader import check_json_value, load_document
 
 
 def refusal(data: bytes, fmt: str = "json") -> OrderError:

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from dispatcher import output_stream
-from dispatcher.evidence import read_output
-from dispatcher.orders import Order, validate_order
-from dispatcher.output_summary import summarise
+from dispatcher.checks import stream as output_stream
+from dispatcher.checks.evidence import read_output
+from dispatcher.checks.summary import summarise
+from dispatcher.spec.orders import Order, validate_order
 
 HERE = Path(__file__).resolve().parent
 MB = 1_000_000
@@ -188,9 +188,9 @@ MEASURE = textwrap.dedent(
     """
     import json, resource, sys
     from pathlib import Path
-    from dispatcher.checks import Exit, run_checks
-    from dispatcher.evidence import gather
-    from dispatcher.orders import validate_order
+    from dispatcher.checks.builtin import Exit, run_checks
+    from dispatcher.checks.evidence import gather
+    from dispatcher.spec.orders import validate_order
 
     work, rel = Path(sys.argv[1]), sys.argv[2]
     order = validate_order(json.loads((work / "order.json").read_text()))

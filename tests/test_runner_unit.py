@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from dispatcher import procs
-from dispatcher.agent_result import parse_agent_result
-from dispatcher.runner import AgentExit, AgentProcess, build_env, render
+from dispatcher.job.agent_result import parse_agent_result
+from dispatcher.job.runner import AgentExit, AgentProcess, build_env, render
 
 ARGV_VALUES = {
     "job_id": "JOB-1",

@@ -2,7 +2,7 @@
 
 Editors and other tools read these files with a standard JSON Schema 2020-12
 validator, while the daemon applies them with its own small one
-(`dispatcher.schema`). These tests prove the files are valid JSON Schema, that
+(`dispatcher.spec.schema`). These tests prove the files are valid JSON Schema, that
 the two validators agree on a corpus of valid and invalid orders, configs and
 receipts, and they write down the few deliberate differences: patterns are
 matched against the whole string (a trailing newline never slips past `$`), and
@@ -20,17 +20,17 @@ from typing import Any
 import jsonschema
 import pytest
 
-from dispatcher import schema
-from dispatcher.config import build_config, load_config
 from dispatcher.errors import OrderError
-from dispatcher.loader import load_document
-from dispatcher.orders import parse_order
+from dispatcher.spec import schema
+from dispatcher.spec.config import build_config, load_config
+from dispatcher.spec.loader import load_document
+from dispatcher.spec.orders import parse_order
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA_FILES = sorted(schema.SCHEMA_DIR.glob("*.schema.json"))
 AGENTS = {"worker", "assigner"}
 
-# The keywords dispatcher.schema implements; any other keyword in a schema file would be
+# The keywords dispatcher.spec.schema implements; any other keyword in a schema file would be
 # silently ignored by the daemon while editors enforce it.
 VALIDATION_KEYWORDS = {
     "type", "enum", "properties", "required", "additionalProperties", "propertyNames", "items",
@@ -45,7 +45,7 @@ def reference(name: str) -> jsonschema.Draft202012Validator:
 
 
 def ours_accepts(body: Any, name: str) -> bool:
-    """Return True when dispatcher.schema.validate finds nothing wrong with body."""
+    """Return True when dispatcher.spec.schema.validate finds nothing wrong with body."""
     try:
         schema.validate(body, name)
     except OrderError:
@@ -85,7 +85,7 @@ def _subschemas(node: dict[str, Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("path", SCHEMA_FILES, ids=[p.name for p in SCHEMA_FILES])
 def test_schema_uses_only_keywords_the_daemon_applies(path: Path) -> None:
-    """No schema uses a keyword dispatcher.schema ignores; x-error only ever sits beside a pattern."""
+    """No schema uses a keyword dispatcher.spec.schema ignores; x-error only ever sits beside a pattern."""
     todo = [json.loads(path.read_text())]
     seen = 0
     while todo:
@@ -351,7 +351,7 @@ CORPUS = ORDERS + CONFIGS + RECEIPTS
 
 @pytest.mark.parametrize("case", CORPUS, ids=[f"{c.kind}-{c.name}" for c in CORPUS])
 def test_our_validator_and_jsonschema_agree(case: Case) -> None:
-    """dispatcher.schema and jsonschema give the same verdict, except for the documented differences."""
+    """dispatcher.spec.schema and jsonschema give the same verdict, except for the documented differences."""
     assert ours_accepts(case.body, case.kind) is case.valid
     assert reference(case.kind).is_valid(case.body) is case.ref_valid
 

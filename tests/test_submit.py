@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from conftest import Env, cli_env, order
 
-from dispatcher import queued
 from dispatcher.layout import Layout
+from dispatcher.store import queued
 
 
 def inbox_names(env: Env) -> list[str]:

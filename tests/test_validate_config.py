@@ -12,9 +12,9 @@ import pytest
 import yaml
 from conftest import cli_env, order
 
-from dispatcher import schema
-from dispatcher.config import STARTER_CONFIG, Agent, build_config, load_config
 from dispatcher.errors import OrderError
+from dispatcher.spec import schema
+from dispatcher.spec.config import STARTER_CONFIG, Agent, build_config, load_config
 
 
 def validate(cfg: Path, *files: str) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,385 @@
+"""The checks of contract section 5: one pure function per check, run in order.
+
+Each check takes the Evidence gathered after an attempt (see ``evidence.py``)
+and returns a CheckResult. ``ok`` is True or False, or None when the check's
+input is missing or the check does not apply; the detail always says why, in
+one printable line of at most ``DETAIL_MAX`` characters (longer ones are cut
+with a note). The output file is seen through its OutputSummary, never as a
+list of records. Nothing here touches the filesystem or the clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, listed, stored_key
+from dispatcher.errors import cut, printable
+from dispatcher.spec.orders import Order
+
+DETAIL_MAX = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """One check's verdict, as result.json records it."""
+
+    name: str
+    ok: bool | None
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """How the agent process ended (``lost`` when a crash hid it)."""
+
+    code: int | None = None
+    timed_out: bool = False
+    aborted: str | None = None
+    seconds: float = 0.0
+    timeout_s: float = 0.0
+    lost: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Doc:
+    """A document read from work/: ``missing``, ``error`` (why unusable), or ``value``.
+
+    For the receipt, ``value`` is the parsed JSON; for accept.output, an OutputSummary.
+    """
+
+    missing: bool = False
+    error: str | None = None
+    value: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One filesystem entry left in work/ (path relative to work/, POSIX style)."""
+
+    path: str
+    kind: str  # file, dir, symlink, fifo, socket, device
+    nlink: int = 1
+    target_inside: bool = True
+    digest: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Followup:
+    """One entry of work/outbox/: a parsed order, or the reason it is not one."""
+
+    name: str
+    order: Order | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """Everything the checks look at, gathered once after an attempt."""
+
+    order: Order
+    agent: str
+    writes: tuple[str, ...]
+    exit: Exit
+    receipt: Doc
+    output: Doc | None
+    work_exists: bool
+    entries: tuple[Entry, ...]
+    given: Mapping[str, str]
+    outbox_exists: bool
+    followups: tuple[Followup, ...]
+    known_ids: frozenset[str] = field(default_factory=frozenset)
+    hops: int = 0
+    max_hops: int = 5
+    max_followups: int = 100
+
+
+def _n(name: str) -> Callable[[bool | None, str], CheckResult]:
+    """Return a maker of this check's results; details are kept to one short printable line."""
+    return lambda ok, detail: CheckResult(name, ok, cut(printable(detail), DETAIL_MAX))
+
+
+def exit_ok(ev: Evidence) -> CheckResult:
+    r = _n("exit_ok")
+    e = ev.exit
+    if e.lost:
+        return r(None, "exit status lost: the daemon stopped while the agent ran")
+    if e.aborted:
+        return r(False, f"{e.aborted} after {e.seconds:.2f} s")
+    if e.timed_out:
+        return r(False, f"timed out after {e.timeout_s:g} s")
+    if e.code is None:
+        return r(False, "no exit status")
+    if e.code < 0:
+        return r(False, f"killed by signal {-e.code} after {e.seconds:.2f} s")
+    return r(e.code == 0, f"exit {e.code} in {e.seconds:.2f} s")
+
+
+def _receipt(ev: Evidence) -> dict[str, Any] | None:
+    value = ev.receipt.value
+    return value if isinstance(value, dict) and ev.receipt.error is None else None
+
+
+def receipt_present(ev: Evidence) -> CheckResult:
+    r = _n("receipt_present")
+    if ev.receipt.missing:
+        return r(False, "no receipt.json")
+    if ev.receipt.error is not None:
+        return r(False, f"receipt.json {ev.receipt.error}")
+    if not isinstance(ev.receipt.value, dict):
+        return r(False, "receipt.json is not a JSON object")
+    return r(True, "receipt.json is a JSON object")
+
+
+def receipt_job_id(ev: Evidence) -> CheckResult:
+    r = _n("receipt_job_id")
+    rec = _receipt(ev)
+    if rec is None:
+        return r(None, "no usable receipt")
+    got = rec.get("job_id")
+    if got == ev.order.job_id:
+        return r(True, f"job_id is {got}")
+    return r(False, f"job_id is {got!r}, expected {ev.order.job_id!r}")
+
+
+def receipt_status(ev: Evidence) -> CheckResult:
+    r = _n("receipt_status")
+    rec = _receipt(ev)
+    if rec is None:
+        return r(None, "no usable receipt")
+    status = rec.get("status")
+    if status == "done":
+        return r(True, "status is done")
+    if status == "failed":
+        why = rec.get("reason")
+        return r(False, f"the agent reported failure: {why}" if why else "status is failed")
+    return r(False, f"status is {status!r}, expected 'done' or 'failed'")
+
+
+def _compare_ids(got: Sequence[Any], want: Sequence[str], what: str) -> str | None:
+    """Return what is wrong between two id lists (missing, extra, repeated), or None."""
+    have = Counter(id_key(i) for i in got)
+    shown = {id_key(i): repr(i) for i in got}
+    need = set(want)
+    problems = []
+    missing = [i for i in want if i not in have]
+    extra = sorted({shown[k] for k in have if k not in need})
+    repeated = sorted({shown[k] for k, n in have.items() if n > 1})
+    if missing:
+        problems.append("missing " + listed(missing))
+    if extra:
+        problems.append("extra " + listed(extra))
+    if repeated:
+        problems.append("repeated " + listed(repeated))
+    return f"{what}: " + "; ".join(problems) if problems else None
+
+
+def receipt_inputs(ev: Evidence) -> CheckResult:
+    r = _n("receipt_inputs")
+    rec = _receipt(ev)
+    if rec is None:
+        return r(None, "no usable receipt")
+    ids = rec.get("input_ids")
+    if not isinstance(ids, list):
+        return r(False, "input_ids is not a list")
+    wrong = _compare_ids(ids, ev.order.item_ids, "input_ids")
+    return r(False, wrong) if wrong else r(True, f"{len(ids)} input ids match the order")
+
+
+def _summary(ev: Evidence) -> OutputSummary | None:
+    if ev.output is None or ev.output.error is not None or ev.output.missing:
+        return None
+    summary: OutputSummary = ev.output.value
+    return summary
+
+
+def output_rows(ev: Evidence) -> CheckResult:
+    r = _n("output_rows")
+    out = ev.order.accept.output
+    if out is None or ev.output is None:
+        return r(None, "no accept.output")
+    if ev.output.missing:
+        return r(False, f"{out} is missing")
+    if ev.output.error is not None:
+        return r(False, f"{out} {ev.output.error}")
+    summary = _summary(ev)
+    if summary is None:
+        return r(False, f"{out} is not usable")
+    problems = summary.problems(ev.order.item_ids)
+    if problems:
+        return r(False, f"{out} {ev.order.accept.key}: " + "; ".join(problems))
+    return r(True, f"{summary.records} records, one per item")
+
+
+def receipt_outputs(ev: Evidence) -> CheckResult:
+    r = _n("receipt_outputs")
+    out = ev.order.accept.output
+    if out is None:
+        return r(None, "no accept.output")
+    rec = _receipt(ev)
+    summary = _summary(ev)
+    if rec is None:
+        return r(None, "no usable receipt")
+    if summary is None:
+        return r(None, "no usable output")
+    got = rec.get("output_ids")
+    if not isinstance(got, list):
+        return r(False, "output_ids is not a list")
+    have = Counter(map(stored_key, got))
+    want = summary.id_counts()
+    if summary.complete and have == want:
+        return r(True, f"{len(got)} output ids match {out}")
+    names = summary.shown_ids()
+    missing = sorted(names[k] for k in want if k not in have)
+    # Without every id of the output known, only ids known to be in it or known to be absent
+    # (item ids no record carries) can be named; the rest is compared by count.
+    absent = {k for k in have if k not in want and (summary.complete or k in summary.item_counts)}
+    extra = sorted({repr(i) for i in got if stored_key(i) in absent})
+    parts = [f"missing {listed(missing)}" if missing else "", f"extra {listed(extra)}" if extra else ""]
+    text = "; ".join(p for p in parts if p)
+    if not text and not summary.complete:
+        known_differ = any(have[k] != n for k, n in want.items())
+        if known_differ or sum(n for k, n in have.items() if k not in want) != summary.uncounted:
+            text = "counts differ"
+        else:
+            return r(
+                False,
+                f"output_ids cannot be compared in full: {out} holds more than {OTHERS_MAX} ids that are not "
+                f"item ids ({summary.uncounted} records not kept); no difference found among the rest",
+            )
+    return r(False, f"output_ids differ from {out}: {text or 'counts differ'}")
+
+
+def allowed_values(ev: Evidence) -> CheckResult:
+    r = _n("allowed_values")
+    acc = ev.order.accept
+    if acc.allowed is None and not acc.required:
+        return r(None, "no accept.allowed or accept.required")
+    summary = _summary(ev)
+    if summary is None:
+        return r(None, "no usable output")
+    if summary.first_bad is not None:
+        return r(False, summary.first_bad.describe())
+    return r(True, f"{summary.records} records use allowed values")
+
+
+def in_scope(path: str, writes: Sequence[str]) -> bool:
+    """Return True if the agent may create or change work/<path>."""
+    if path == "receipt.json" or path.startswith("outbox/"):
+        return True
+    return any(path == pat or fnmatchcase(path, pat) for pat in writes)
+
+
+def writes_scope(ev: Evidence) -> CheckResult:
+    r = _n("writes_scope")
+    if not ev.work_exists:
+        return r(False, "work/ is gone")
+    present = {e.path: e for e in ev.entries}
+    for path, digest in ev.given.items():
+        e = present.get(path)
+        if e is None:
+            return r(False, f"{path} was given and is deleted")
+        if e.kind != "file" or e.digest != digest:
+            return r(False, f"{path} was given and is changed")
+    for e in ev.entries:
+        if e.kind == "dir" or e.path in ev.given:
+            continue
+        if e.kind == "symlink" and not e.target_inside:
+            return r(False, f"{e.path} is a link that points outside work/")
+        if e.kind in ("fifo", "socket", "device"):
+            return r(False, f"{e.path} is a {e.kind}")
+        if e.kind == "unreadable":
+            return r(False, f"{e.path} cannot be listed")
+        if e.kind == "file" and e.nlink > 1:
+            return r(False, f"{e.path} has {e.nlink} hard links")
+        if not in_scope(e.path, ev.writes):
+            return r(False, f"{e.path} is outside writes ({', '.join(ev.writes) or 'none'})")
+    return r(True, "every change is inside writes")
+
+
+def followups_valid(ev: Evidence) -> CheckResult:
+    r = _n("followups_valid")
+    wanted = ev.order.accept.followups
+    if not ev.outbox_exists and not ev.followups and wanted is None:
+        return r(None, "no outbox/")
+    if len(ev.followups) > ev.max_followups:
+        return r(False, f"{len(ev.followups)} follow-ups, more than max_followups ({ev.max_followups})")
+    seen: set[str] = set()
+    to_count: Counter[str] = Counter()
+    for f in ev.followups:
+        if f.order is None:
+            return r(False, f"outbox/{f.name}: {f.error}")
+        o = f.order
+        if o.job_id == ev.order.job_id:
+            return r(False, f"outbox/{f.name}: job_id {o.job_id} is this job's own")
+        if o.job_id in seen:
+            return r(False, f"outbox/{f.name}: job_id {o.job_id} is repeated in outbox/")
+        if o.job_id in ev.known_ids:
+            return r(False, f"outbox/{f.name}: job_id {o.job_id} is already known")
+        if o.sender != ev.agent:
+            return r(False, f"outbox/{f.name}: from is {o.sender!r}, expected {ev.agent!r}")
+        if o.sets_lineage:
+            return r(False, f"outbox/{f.name}: parent and hops are set by the daemon, not the agent")
+        if ev.hops + 1 > ev.max_hops:
+            return r(False, f"outbox/{f.name}: hops {ev.hops + 1} would exceed max_hops {ev.max_hops}")
+        seen.add(o.job_id)
+        to_count[o.to] += 1
+    if wanted is not None:
+        for name in wanted:
+            if to_count[name] != 1:
+                return r(False, f"expected exactly one follow-up to {name}, found {to_count[name]}")
+        others = sorted(set(to_count) - set(wanted))
+        if others:
+            return r(False, f"follow-ups to agents not in accept.followups: {', '.join(others)}")
+    n = len(ev.followups)
+    return r(True, f"{n} follow-up{'s' if n != 1 else ''} valid" if n else "no follow-ups")
+
+
+CHECKS: tuple[Callable[[Evidence], CheckResult], ...] = (
+    exit_ok,
+    receipt_present,
+    receipt_job_id,
+    receipt_status,
+    receipt_inputs,
+    output_rows,
+    receipt_outputs,
+    allowed_values,
+    writes_scope,
+    followups_valid,
+)
+MUST_PASS = ("exit_ok", "receipt_present", "receipt_job_id")
+
+
+def run_checks(ev: Evidence) -> list[CheckResult]:
+    """Run every check in contract order; none is skipped after a failure.
+
+    A check that raises on input nobody foresaw is recorded as failed, with the
+    error as its detail, rather than losing the other checks.
+    """
+    results = []
+    for check in CHECKS:
+        try:
+            results.append(check(ev))
+        except Exception as exc:  # noqa: BLE001 - a check must never take the job down with it
+            detail = cut(printable(f"the check failed: {exc!r}"), DETAIL_MAX)
+            results.append(CheckResult(check.__name__, False, detail))
+    return results
+
+
+def verdict(results: Sequence[CheckResult], *, exit_lost: bool = False) -> str | None:
+    """Return None when the job is done, else the reason: the first failing check's name and detail.
+
+    Done means no check is false and exit_ok, receipt_present and receipt_job_id
+    are true (exit_ok may be null only when its status was lost in a crash).
+    """
+    for res in results:
+        required = res.name in MUST_PASS and not (res.name == "exit_ok" and exit_lost)
+        if res.ok is False or (required and res.ok is not True):
+            return f"{res.name}: {res.detail}"
+    return None

@@ -1,0 +1,269 @@
+"""Gather what the checks look at from a job's work/ folder, safely.
+
+Every read goes through ``fsutil.read_regular`` with ``base=work``: an agent's
+symlink, FIFO or device can neither redirect nor block the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Callable, Container, Mapping
+from pathlib import Path
+
+from dispatcher import fsutil
+from dispatcher.checks.builtin import Doc, Entry, Evidence, Exit, Followup
+from dispatcher.checks.stream import summarise_fd
+from dispatcher.errors import OrderError
+from dispatcher.fsutil import NotRegular, kind_of
+from dispatcher.spec.orders import Order, order_format, parse_order
+
+RECEIPT_MAX = 4 * 1024 * 1024  # ids of items and outputs: orders are at most a few MiB
+OUTPUT_MAX = 256 * 1024 * 1024
+_KINDS = {
+    "regular file": "file",
+    "folder": "dir",
+    "symlink": "symlink",
+    "FIFO": "fifo",
+    "socket": "socket",
+}
+
+
+def digest(data: bytes) -> str:
+    """Return the sha256 hex digest of data."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_ignored(name: str) -> bool:
+    """Return True for hidden and temporary names (never picked up)."""
+    return name.startswith(".") or name.endswith((".tmp", ".part"))
+
+
+def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
+    """Open work/<rel> without following links or blocking; return (Doc saying why not, fd).
+
+    The fd, when given, is a regular file of at most ``limit`` bytes; the caller closes it.
+    """
+    try:
+        fd = fsutil.open_beneath(work, Path(rel))
+    except FileNotFoundError:
+        return Doc(missing=True), None
+    except NotRegular as exc:
+        return Doc(error=f"is a {exc.kind}, not a regular file"), None
+    except OSError as exc:
+        if exc.errno == errno.ENOTDIR:
+            return Doc(missing=True), None
+        return Doc(error=f"cannot be read: {exc.strerror}"), None
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = f"is a {kind_of(st.st_mode)}, not a regular file"
+    elif st.st_size > limit:
+        why = f"larger than {limit} bytes"
+    if why is not None:
+        os.close(fd)
+        return Doc(error=why), None
+    return Doc(), fd
+
+
+def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
+    """Read work/<rel> as bytes; return a Doc saying missing/error, and the bytes."""
+    doc, fd = open_doc(work, rel, limit)
+    if fd is None:
+        return doc, None
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            size += len(chunk)
+            if size > limit:
+                return Doc(error=f"larger than {limit} bytes"), None
+            chunks.append(chunk)
+    except OSError as exc:
+        return Doc(error=f"cannot be read: {exc.strerror}"), None
+    finally:
+        os.close(fd)
+    return Doc(), b"".join(chunks)
+
+
+def read_receipt(work: Path) -> Doc:
+    """Read and parse work/receipt.json."""
+    doc, data = read_doc(work, "receipt.json", RECEIPT_MAX)
+    if data is None:
+        return doc
+    try:
+        return Doc(value=json.loads(data))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        return Doc(error=f"is not valid JSON ({exc})")
+
+
+def read_output(work: Path, rel: str, order: Order) -> Doc:
+    """Summarise accept.output (csv with header, json list, jsonl) for the checks, streamed.
+
+    Returns ``Doc(value=OutputSummary)``; memory stays bounded whatever the file's size.
+    """
+    doc, fd = open_doc(work, rel, OUTPUT_MAX)
+    if fd is None:
+        return doc
+    fmt = "csv" if rel.endswith(".csv") else "jsonl" if rel.endswith(".jsonl") else "json"
+    return summarise_fd(fd, fmt, order, OUTPUT_MAX)
+
+
+def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
+    """Walk work/ without following links; describe every entry.
+
+    The walk is iterative (no recursion limit for deep trees). A folder that
+    cannot be listed is reported as an ``unreadable`` entry, which writes_scope
+    refuses. Given files are hashed in chunks, and only when their size could
+    still match, so a huge file cannot exhaust the daemon's memory.
+    """
+    out: list[Entry] = []
+    root = os.fspath(work)
+    stack = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
+        try:
+            it = os.scandir(folder)
+        except OSError:
+            if prefix:
+                out.append(Entry(prefix.rstrip("/"), "unreadable"))
+            continue
+        with it:
+            for de in it:
+                rel = prefix + de.name
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                kind = _KINDS.get(kind_of(st.st_mode), "device")
+                if kind == "dir":
+                    out.append(Entry(rel, "dir"))
+                    stack.append((de.path, rel + "/"))
+                elif kind == "symlink":
+                    target = os.readlink(de.path)
+                    resolved = os.path.normpath(os.path.join(folder, target))
+                    inside = resolved == root or resolved.startswith(root + os.sep)
+                    out.append(Entry(rel, "symlink", target_inside=inside))
+                elif kind == "file":
+                    sha = _digest_file(work, rel) if rel in given else None
+                    out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))
+                else:
+                    out.append(Entry(rel, kind))
+    return out
+
+
+def _digest_file(work: Path, rel: str) -> str | None:
+    """Return the sha256 of work/<rel> read in chunks without following links, or None."""
+    try:
+        fd = fsutil.open_beneath(work, Path(rel))
+    except (OSError, NotRegular):
+        return None
+    h = hashlib.sha256()
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def read_followups(
+    work: Path,
+    parse: Callable[[bytes, str], Order],
+    max_bytes: int,
+    max_followups: int = 100,
+) -> tuple[bool, list[tuple[Followup, bytes | None]]]:
+    """Parse the orders in work/outbox/; return (outbox exists, [(follow-up, bytes)]).
+
+    Every entry that is not hidden or temporary is listed, but only the first
+    ``max_followups + 1`` are read and parsed: one more than allowed already fails
+    followups_valid, so 5,000 files cost 5,000 names, not 5,000 parses.
+    """
+    outbox = work / "outbox"
+    try:
+        st = os.lstat(outbox)
+    except OSError:
+        return False, []
+    if not stat.S_ISDIR(st.st_mode):
+        return True, [(Followup("", error=f"outbox is a {kind_of(st.st_mode)}, not a folder"), None)]
+    found: list[tuple[Followup, bytes | None]] = []
+    for name in sorted(os.listdir(outbox)):
+        if is_ignored(name):
+            continue
+        if len(found) > max_followups:
+            found.append((Followup(name, error=f"not read: more than max_followups ({max_followups})"), None))
+            continue
+        if order_format(name) is None:
+            found.append((Followup(name, error="not a work order (.yaml, .yml or .json)"), None))
+            continue
+        doc, data = read_doc(work, f"outbox/{name}", max_bytes)
+        if data is None:
+            why = "is missing" if doc.missing else doc.error
+            found.append((Followup(name, error=f"{why}"), None))
+            continue
+        try:
+            found.append((Followup(name, order=parse(data, name)), data))
+        except OrderError as exc:
+            found.append((Followup(name, error=exc.reason), None))
+    return True, found
+
+
+def gather(
+    *,
+    order: Order,
+    agent: str,
+    writes: tuple[str, ...],
+    exit: Exit,
+    work: Path,
+    given: Mapping[str, str],
+    agents: Container[str],
+    max_timeout_s: float,
+    max_order_bytes: int,
+    known: Callable[[list[str]], frozenset[str]],
+    hops: int,
+    max_hops: int,
+    max_followups: int = 100,
+) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
+    """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
+    work_exists = os.path.isdir(work) and not os.path.islink(work)
+    accept_out = order.accept.output
+    output = read_output(work, accept_out, order) if accept_out is not None and work_exists else None
+    if accept_out is not None and output is None:
+        output = Doc(missing=True)
+
+    def parse(data: bytes, name: str) -> Order:
+        return parse_order(data, name, agents=agents, max_timeout_s=max_timeout_s, max_bytes=max_order_bytes)
+
+    outbox_exists = False
+    followups: list[tuple[Followup, bytes | None]] = []
+    if work_exists:
+        outbox_exists, followups = read_followups(work, parse, max_order_bytes, max_followups)
+    ids = [f.order.job_id for f, _ in followups if f.order is not None]
+    scope = list(writes)
+    if accept_out is not None:
+        scope.append(accept_out)
+    ev = Evidence(
+        order=order,
+        agent=agent,
+        writes=tuple(scope),
+        exit=exit,
+        receipt=read_receipt(work) if work_exists else Doc(missing=True),
+        output=output,
+        work_exists=work_exists,
+        entries=tuple(list_entries(work, given)) if work_exists else (),
+        given=given,
+        outbox_exists=outbox_exists,
+        followups=tuple(f for f, _ in followups),
+        known_ids=known(ids) if ids else frozenset(),
+        hops=hops,
+        max_hops=max_hops,
+        max_followups=max_followups,
+    )
+    return ev, followups

@@ -1,0 +1,68 @@
+"""Check an attempt: gather the evidence from work/ off the loop, then run the pure checks.
+
+The evidence (``evidence.gather``: the receipt, the output streamed into a
+summary, a listing of work/, the outbox) is read in the io pool; which ids are
+already known asks the ledger and the orders queued in inbox/. The checks
+themselves (``checks.run_checks``) are pure functions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from dispatcher.checks.builtin import CheckResult, Evidence, Exit, run_checks
+from dispatcher.checks.evidence import gather
+from dispatcher.ledger.base import Child, Row
+from dispatcher.spec.jobspec import Attempt, JobSpec
+from dispatcher.spec.orders import Order
+from dispatcher.store.jobstore import JobFolder
+
+if TYPE_CHECKING:
+    from dispatcher.job.job import JobContext
+
+log = structlog.get_logger("dispatcher")
+
+
+def collect(
+    ctx: JobContext, spec: JobSpec, order: Order, folder: JobFolder, exit_: Exit, record: Attempt | None = None
+) -> tuple[Evidence, list[Child]]:
+    """Write the attempt's record (if given), then gather its evidence (blocking: the io pool).
+
+    One trip off the loop for both: the record of an attempt that just ended and
+    what its checks read.
+    """
+    if record is not None:
+        folder.record_attempt(record)
+    cfg = ctx.config()
+    ledger, me, queued = ctx.ledger, spec.job_id, ctx.queued
+
+    def known(ids: list[str]) -> frozenset[str]:
+        found = ledger.known(ids)
+        mine = {i for i, e in found.items() if e.parent == me and e.state in (Row.RESERVED, Row.RELEASED, Row.HELD)}
+        return frozenset((set(found) - mine) | queued([i for i in ids if i not in found]))
+
+    ev, followups = gather(
+        order=order,
+        agent=spec.agent.name,
+        writes=tuple(spec.writes),
+        exit=exit_,
+        work=folder.work,
+        given=spec.given,
+        agents=cfg.agents,
+        max_timeout_s=cfg.max_timeout_s,
+        max_order_bytes=cfg.max_order_bytes,
+        known=known,
+        hops=spec.hops,
+        max_hops=cfg.max_hops,
+        max_followups=cfg.max_followups,
+    )
+    return ev, [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]
+
+
+def check(ev: Evidence) -> list[CheckResult]:
+    """Run the pure checks on gathered evidence and log the verdict."""
+    results = run_checks(ev)
+    log.info("job.verified", passed=sum(1 for c in results if c.ok), failed=[c.name for c in results if c.ok is False])
+    return results

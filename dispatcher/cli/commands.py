@@ -1,0 +1,277 @@
+"""The commands an operator runs around the daemon: init, run, status, list, show, logs, the id actions.
+
+Each takes the parsed arguments and returns an exit code; errors are raised
+as `DispatchError`s for `cli.main` to print as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState
+from dispatcher.layout import UMASK, Layout
+from dispatcher.spec.config import (
+    DEFAULT_CONFIG,
+    STARTER_CONFIG,
+    SYSTEM_CONFIG,
+    Config,
+    check_agents,
+    default_config,
+    find_config,
+    load_config,
+    require_config,
+    require_root,
+)
+from dispatcher.text import plural
+
+
+def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
+    """Load the config the arguments select; with need_root, insist that its root exists.
+
+    Every command but `init` needs a config: none found is an error naming the
+    places tried (contract 3).
+    """
+    path = require_config(args.config)
+    cfg = load_config(path, root=Path(args.root) if args.root else None)
+    if need_root:
+        require_root(cfg)
+    return cfg
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Make the dispatch root's folders and, when there is none, a starter config; change nothing else."""
+    path = find_config(args.config)
+    given = args.dir or args.root
+    root = Path(given) if given else None
+    cfg = load_config(path, root=root) if path.exists() else default_config(root)
+    layout = Layout(cfg.root)
+    # the daemon's own .state/ folders are made too, but are no news to the user
+    created = [d for d in layout.all_dirs() if not d.exists() and d.parent == cfg.root and not d.name.startswith(".")]
+    try:
+        layout.create()
+        wrote = None if path.exists() else _write_starter(path, cfg.root)
+    except OSError as exc:
+        raise DispatchError(f"{exc.filename}: cannot write: {exc.strerror}") from None
+    folder = path.resolve().parent
+    if wrote is None:
+        print(f"config {path.resolve()} exists: left as it is")
+        configured = load_config(path).root
+        if root is not None and configured != cfg.root:
+            print(f"note: its root: is {configured}; pass --root {cfg.root} or edit root: to use this one")
+    else:
+        print(f"wrote {path.resolve()}")
+        print(f"  root: {wrote}   (relative to {folder}, the config's folder: {cfg.root})")
+        if path == DEFAULT_CONFIG:
+            print(f"  `dispatcher` finds it when run from {Path.cwd()}; elsewhere pass --config {path.resolve()}")
+    for d in created:
+        print(f"created {d}")
+    if not created:
+        print(f"root {cfg.root} is ready")
+    return 0
+
+
+def _write_starter(path: Path, root: Path) -> str:
+    """Write the starter config at path (never over a file) and return the `root:` it holds."""
+    folder = path.resolve().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(root, folder)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    with os.fdopen(fd, "w") as f:
+        f.write(STARTER_CONFIG.format(root=rel))
+    return rel
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the daemon on an existing root (its missing folders are made)."""
+    from dispatcher import logs
+    from dispatcher.core.daemon import Daemon
+
+    os.umask(UMASK)
+    path = require_config(args.config)
+    cfg = load_config(path, root=Path(args.root) if args.root else None)
+    require_root(cfg)
+    try:
+        logs.configure(log_file=cfg.log_file)
+    except OSError as exc:
+        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(path), field="log_file") from None
+    return Daemon(cfg, config_path=path, root_override=Path(args.root) if args.root else None, once=args.once).serve()
+
+
+def validate_config(path: Path, cfg: Config) -> int:
+    """Report what the loaded config gets wrong beyond its schema; return 2 on an error, else 0.
+
+    Errors and warnings are one line each on stderr; `ok (N agents)` goes to stdout
+    when there is no error.
+    """
+    findings = check_agents(cfg)
+    for f in findings:
+        print(ConfigError(f.message, file=str(path), field=f.field), file=sys.stderr)
+    if any(f.error for f in findings):
+        return 2
+    print(f"{path}: ok ({plural(len(cfg.agents), 'agent')})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print counts per state, the daemons, the active jobs and the spend of 24 h (or all of it as JSON)."""
+    from dispatcher.cli.render import render_status
+    from dispatcher.query.report import status
+
+    cfg = config_of(args, need_root=True)
+    now = time.time()
+    info = status(cfg, Layout(cfg.root), now)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(render_status(str(cfg.root), info, now))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print one line per job or refused file, newest first (or JSON lines)."""
+    from dispatcher.cli.render import render_list
+    from dispatcher.query.listing import list_jobs
+    from dispatcher.query.report import open_reader
+
+    cfg = config_of(args, need_root=True)
+    layout = Layout(cfg.root)
+    ledger = open_reader(cfg, layout) if args.state in (None, "done") else None
+    try:
+        rows = list_jobs(cfg, layout, ledger, state=args.state, agent=args.agent)
+    finally:
+        if ledger is not None:
+            ledger.close()
+    lines = (json.dumps(r) for r in rows) if args.json else render_list(rows)
+    for line in lines:
+        print(line)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print one job: state, checks, attempts, cost and its chain (or JSON, or the tree)."""
+    from dispatcher.cli.render import render_show, render_tree
+    from dispatcher.query.jobinfo import chain, tree_root
+    from dispatcher.query.report import open_reader
+
+    cfg = config_of(args, need_root=True)
+    layout = Layout(cfg.root)
+    ledger = open_reader(cfg, layout)
+    try:
+        info = chain(layout, ledger, args.job_id, cfg.max_order_bytes)
+        if info is None:
+            raise NotFound(f"{args.job_id}: no such job")
+        root = (chain(layout, ledger, tree_root(info), cfg.max_order_bytes) or info) if args.tree else info
+    finally:
+        if ledger is not None:
+            ledger.close()
+    if args.json:
+        out = dict(info["job"])
+        out["ancestors"] = info["ancestors"]
+        out["tree"] = root["tree"]
+        print(json.dumps(out, indent=2))
+    elif args.tree:
+        print(render_tree(root["tree"], args.job_id))
+    else:
+        print(render_show(info))
+    return 0
+
+
+def read_ids(given: list[str], stdin: IO[str]) -> list[str]:
+    """Return the job ids of the arguments, `-` standing for those on stdin, one a line."""
+    out: list[str] = []
+    for arg in given:
+        if arg == "-":
+            out.extend(line.strip() for line in stdin if line.strip())
+        else:
+            out.append(arg)
+    return out
+
+
+def for_each_id(args: argparse.Namespace, action: str) -> int:
+    """Run one operator action (retry, cancel, hold, release, approve, reject) for each id; 1 if any failed.
+
+    Each id is handled on its own: a failure is one line on stderr and the
+    others are still handled. Hold and release write `job.held` and
+    `job.released` into the config's `log_file` when one is set.
+    """
+    from dispatcher.ops.actions import Operator
+
+    cfg = config_of(args, need_root=True)
+    ids = read_ids(args.ids, sys.stdin)
+    if not ids:
+        raise UsageError(f"{action}: no job id given")
+    if action in ("hold", "release", "approve", "reject"):
+        _log_to_file(cfg)
+    op = Operator(cfg, Layout(cfg.root))
+    op.reason = getattr(args, "reason", None)
+    run = getattr(op, action)
+    failed = 0
+    try:
+        for job_id in ids:
+            try:
+                print(run(job_id), flush=True)
+            except (NotFound, WrongState) as exc:
+                print(exc, file=sys.stderr, flush=True)
+                failed += 1
+    finally:
+        op.close()
+    return 1 if failed else 0
+
+
+def _log_to_file(cfg: Config) -> None:
+    """Send log lines to the config's log_file only: stdout is for the person at the terminal."""
+    from dispatcher import logs
+
+    logs.SINK.console = open(os.devnull, "w")  # noqa: SIM115 - the sink keeps it for the process's life
+    try:
+        logs.configure(log_file=cfg.log_file, console=False)
+    except OSError as exc:
+        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """Print log lines from stdin (-), FILE or the config's log_file, for a person or as JSON."""
+    from dispatcher import logview
+
+    def show(lines: Iterable[str]) -> int:
+        return logview.show(lines, job=args.job, as_json=args.json, flush=args.follow)
+
+    if args.source == "-":
+        return show(logview.read_stream(sys.stdin.buffer))
+    if args.source is not None:
+        source = Path(args.source)
+        if not args.follow and not source.is_file():
+            raise UsageError(f"{args.source}: no such log file")
+        return show(logview.read_file(source, follow=args.follow))
+    cfg = config_of(args)
+    if cfg.log_file is None:
+        unit = journal_unit(cfg.path)
+        raise ConfigError(
+            f"not set, so the log is on stdout (the journal under systemd): "
+            f"journalctl -o cat -u {unit} | dispatcher logs -",
+            file=str(cfg.path),
+            field="log_file",
+        )
+    return show(logview.read_file(cfg.log_file, follow=args.follow))
+
+
+def journal_unit(config: Path | None) -> str:
+    """Return the systemd unit that runs this config: dispatcher@NAME for /etc/dispatcher/NAME.yaml."""
+    if config is not None and config.parent == SYSTEM_CONFIG.parent and config.name != SYSTEM_CONFIG.name:
+        return f"dispatcher@{config.stem}"
+    return "dispatcher"
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """Print the completion script for a shell; sourcing it completes commands and options."""
+    from argcomplete.shell_integration import shellcode
+
+    sys.stdout.write(shellcode(["dispatcher"], shell=args.shell))
+    return 0

@@ -1,0 +1,228 @@
+"""The command line: argv in, exit code out. The only module that calls sys.exit."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dispatcher import __version__
+from dispatcher.cli import commands, usage
+from dispatcher.errors import DispatchError, OrderError, UsageError
+from dispatcher.layout import UMASK
+from dispatcher.spec.config import Config, require_config
+from dispatcher.spec.orders import parse_order
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse's own exit code is 2 as well; keep one line
+        self.exit(2, f"dispatcher: {message}\n")
+
+
+def _common(p: argparse.ArgumentParser, top: bool) -> None:
+    default = None if top else argparse.SUPPRESS
+    p.add_argument(
+        "--config",
+        default=default,
+        metavar="FILE",
+        help="config file (default: $DISPATCHER_CONFIG, ./config/dispatcher.yaml, /etc/dispatcher/dispatcher.yaml)",
+    )
+    p.add_argument("--root", default=default, metavar="DIR", help="dispatch root (overrides the config)")
+
+
+def _command(sub: Any, name: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=usage.summary(name),
+        description=usage.summary(name),
+        epilog=usage.epilog(name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of `dispatcher`."""
+    p = _Parser(
+        prog="dispatcher",
+        description="Hand work orders to agents and verify their receipts.",
+        epilog=usage.epilog(None),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"dispatcher {__version__}")
+    _common(p, True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    c = _command(sub, "init")
+    c.add_argument("dir", nargs="?", help="the dispatch root (default: the configured root)")
+    c = _command(sub, "run")
+    c.add_argument("--once", action="store_true", help="drain inbox/, wait for every job, then exit")
+    c = _command(sub, "submit")
+    c.add_argument("files", nargs="+", metavar="FILE")
+    c = _command(sub, "validate")
+    c.add_argument("files", nargs="*", metavar="FILE")
+    c = _command(sub, "status")
+    c.add_argument("--json", action="store_true")
+    c = _command(sub, "list")
+    c.add_argument("--state", choices=usage.LIST_STATES, help="only jobs (or refused files) in this state")
+    c.add_argument("--agent", metavar="A", help="only the jobs of this agent")
+    c.add_argument("--json", action="store_true", help="one JSON object a line")
+    c = _command(sub, "show")
+    c.add_argument("job_id")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--tree", action="store_true", help="draw the chain of follow-ups with each job's cost")
+    for name in ("retry", "cancel", "hold", "release", "approve", "reject"):
+        c = _command(sub, name)
+        c.add_argument("ids", nargs="+", metavar="ID", help="job ids, or - to read them from stdin, one a line")
+        if name == "reject":
+            c.add_argument("--reason", metavar="TEXT", help="why (the job's reason becomes `rejected: TEXT`)")
+    c = _command(sub, "logs")
+    c.add_argument("source", nargs="?", metavar="FILE", help="a log file, or - for stdin (default: log_file)")
+    c.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, across rotation")
+    c.add_argument("--job", metavar="ID", help="only the lines about this job")
+    c.add_argument("--json", action="store_true", help="print the matching JSON lines unchanged")
+    c = _command(sub, "ledger")
+    c.add_argument("action", choices=("rebuild", "migrate"))
+    c.add_argument("url", nargs="?", metavar="URL", help="for migrate: the postgresql://... ledger to fill")
+    c = _command(sub, "completion")
+    c.add_argument("shell", choices=("bash", "zsh", "fish"))
+    for name, sp in sub.choices.items():
+        _common(sp, False)
+        sp.prog = f"dispatcher {name}"
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `dispatcher` command."""
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # a shell asks for completions (`dispatcher completion SHELL`)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
+    os.umask(UMASK)  # nothing the daemon or the CLI creates is world-readable
+    try:
+        code = COMMANDS[args.command](args)
+    except DispatchError as exc:
+        print(exc, file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        code = 130
+    except BrokenPipeError:  # `dispatcher show X --json | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
+
+
+def _config(args: argparse.Namespace, *, required: bool = True, need_root: bool = False) -> Config:
+    """Return the config the arguments select (every command but init needs one: `required` is kept for callers)."""
+    return commands.config_of(args, need_root=need_root)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Check each FILE against the config, or with no FILE the config itself; 2 if anything is invalid."""
+    path = require_config(args.config)
+    cfg = _config(args)
+    if not args.files:
+        return commands.validate_config(path, cfg)
+    bad = 0
+    for name in args.files:
+        try:
+            order = _parse_file(name, cfg)
+            print(f"{name}: ok ({order.job_id})")
+        except OrderError as exc:
+            print(exc, file=sys.stderr)
+            bad += 1
+    return 2 if bad else 0
+
+
+def _parse_file(name: str, cfg: Config | None) -> Any:
+    try:
+        data = Path(name).read_bytes()
+    except OSError as exc:
+        raise OrderError(f"cannot read: {exc.strerror}", file=name) from None
+    return parse_order(
+        data,
+        name,
+        agents=cfg.agents if cfg is not None else None,
+        max_timeout_s=cfg.max_timeout_s if cfg is not None else None,
+        max_bytes=cfg.max_order_bytes if cfg is not None else 1_048_576,
+    )
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from dispatcher.ops.submit import read_order, submit
+
+    os.umask(UMASK)
+    cfg = _config(args, need_root=True)
+    orders, bad = [], 0
+    for name in args.files:  # every file is checked, and every bad one named, before any is dropped
+        try:
+            orders.append(read_order(name, cfg))
+        except OrderError as exc:
+            print(exc, file=sys.stderr)
+            bad += 1
+    if bad:
+        if len(args.files) > 1:
+            print(f"nothing was submitted: {bad} of {len(args.files)} files are invalid", file=sys.stderr)
+        return 2
+    for job_id in submit(cfg, orders):
+        print(job_id, flush=True)
+    return 0
+
+
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """Rebuild the SQLite ledger from the folders, or copy it into an empty PostgreSQL ledger."""
+    from dispatcher.layout import Layout
+
+    cfg = _config(args, need_root=True)
+    layout = Layout(cfg.root)
+    if args.action == "rebuild":
+        from dispatcher.ops.rebuild import rebuild
+
+        counts = rebuild(layout)
+        total = sum(counts.values())
+        detail = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"
+        print(f"{layout.ledger}: rebuilt with {total} job ids ({detail})")
+        return 0
+    if not args.url:
+        raise UsageError("ledger migrate: give the postgresql://... URL of an empty ledger")
+    if cfg.ledger != "sqlite":
+        raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
+    from dispatcher.ledger.postgres import PostgresLedger, migrate
+    from dispatcher.store.ledgers import open_ledger
+
+    source = open_ledger(cfg, layout, create=False)
+    try:
+        target = PostgresLedger(args.url, layout, lease_s=cfg.lease_s, patience_s=30)
+        try:
+            copied = migrate(source, target)
+            where = target.where
+        finally:
+            target.close()
+    finally:
+        source.close()
+    print(f"{where}: {copied} job ids copied from {layout.ledger}")
+    print("now set `ledger:` in the config to this URL on every host, then start the daemons")
+    return 0
+
+
+COMMANDS = {
+    "init": commands.cmd_init,
+    "run": commands.cmd_run,
+    "submit": cmd_submit,
+    "validate": cmd_validate,
+    "status": commands.cmd_status,
+    "list": commands.cmd_list,
+    "show": commands.cmd_show,
+    "retry": lambda args: commands.for_each_id(args, "retry"),
+    "cancel": lambda args: commands.for_each_id(args, "cancel"),
+    "hold": lambda args: commands.for_each_id(args, "hold"),
+    "release": lambda args: commands.for_each_id(args, "release"),
+    "approve": lambda args: commands.for_each_id(args, "approve"),
+    "reject": lambda args: commands.for_each_id(args, "reject"),
+    "logs": commands.cmd_logs,
+    "ledger": cmd_ledger,
+    "completion": commands.cmd_completion,
+}

@@ -1,0 +1,194 @@
+"""Text for a person: `status`, `list` and `show` as lines, never Python notation (contract 7)."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from dispatcher.errors import printable
+from dispatcher.query.jobinfo import tree_cost
+from dispatcher.text import number, plain
+
+#: stopped daemons `status` names besides those that own active jobs (`--json` lists all)
+DEAD_SHOWN = 3
+_ID_WIDTH = 40
+
+
+def ago(seconds: float | None) -> str:
+    """Return an age such as `38 s`, `12 min`, `5 h` or `3 d`; `-` when unknown."""
+    if seconds is None:
+        return "-"
+    s = max(0, round(seconds))
+    if s < 120:
+        return f"{s} s"
+    if s < 120 * 60:
+        return f"{s // 60} min"
+    if s < 48 * 3600:
+        return f"{s // 3600} h"
+    return f"{s // 86400} d"
+
+
+def usd(value: float | None) -> str:
+    """Return a cost such as `0.1235 USD` (4 decimals); `-` when none was reported."""
+    return "-" if value is None else f"{number(round(value, 4))} USD"
+
+
+def when(epoch: float) -> str:
+    """Return a UTC time such as `2026-11-30 12:20:29Z`."""
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _cell(value: Any, width: int) -> str:
+    text = printable(plain(value))
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
+    """Return `status` text: counts, daemons, whether one runs, active jobs and the spend of 24 h."""
+    lines = [f"root {root}", "  ".join(f"{k} {v}" for k, v in info["counts"].items())]
+    daemons = info["daemons"]
+    owners_of_active = {(a["pid"], a["host"]) for a in info["active"]}
+    alive = [d for d in daemons if d["alive"]]
+    dead = [d for d in daemons if not d["alive"]]
+    shown_dead = [d for d in dead if (d["pid"], d["host"]) in owners_of_active]
+    shown_dead += [d for d in dead if d not in shown_dead][: max(0, DEAD_SHOWN - len(shown_dead))]
+    if daemons:
+        lines.append("daemons:")
+        for d in alive + shown_dead:
+            state = "running" if d["alive"] else "stopped"
+            lines.append(
+                f"  {state:<8} pid {d['pid']:<8} host {printable(d['host']):<16} "
+                f"started {when(d['started'])} ({ago(now - d['started'])} ago)"
+            )
+        hidden = len(dead) - len(shown_dead)
+        if hidden > 0:
+            lines.append(f"  ({hidden} older stopped daemons not shown; `dispatcher status --json` lists every one)")
+    if not alive:
+        lines.append("no daemon is running: nothing is claimed until `dispatcher run` starts (it recovers active jobs)")
+    if info["active"]:
+        lines.append(f"{'JOB':<28} {'AGENT':<14} {'PID':>8} {'HOST':<16} {'AGE':>7}")
+        for row in info["active"]:
+            flag = "" if row["daemon_alive"] else "  daemon not running"
+            lines.append(
+                f"{_cell(row['job_id'], 28):<28} {_cell(row['agent'], 14):<14} {plain(row['pid']):>8} "
+                f"{_cell(row['host'], 16):<16} {ago(row['age_s']):>7}{flag}"
+            )
+    spend = info.get("spend_24h") or {}
+    if spend:
+        lines.append("spend, last 24 h: " + "  ".join(f"{printable(a)} {usd(v)}" for a, v in spend.items()))
+    else:
+        lines.append("spend, last 24 h: none reported")
+    return "\n".join(lines)
+
+
+def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
+    """Yield `list` text: a header, then one line per job or refused file."""
+    rows = list(rows)
+    width = min(_ID_WIDTH, max([len(plain(r["job_id"])) for r in rows] + [3]))
+    agent_w = min(20, max([len(plain(r["agent"])) for r in rows] + [5]))
+    yield f"{'JOB':<{width}}  {'STATE':<7}  {'AGENT':<{agent_w}}  {'AGE':>7}  {'COST':>12}  REASON"
+    for r in rows:
+        reason = printable(r["reason"]) if r["reason"] else ""
+        yield (
+            f"{_cell(r['job_id'], width):<{width}}  {r['state']:<7}  {_cell(r['agent'], agent_w):<{agent_w}}  "
+            f"{ago(r['age_s']):>7}  {usd(r['cost_usd']):>12}  {reason}"
+        ).rstrip()
+
+
+def _argv(argv: Any) -> str:
+    if not isinstance(argv, list) or not argv:
+        return "-"
+    return printable(shlex.join(str(a) for a in argv))
+
+
+def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
+    if a.get("timed_out"):
+        code = "timed out"
+    elif a.get("interrupted"):
+        code = "interrupted"
+    else:
+        code = f"exit {plain(a.get('exit_code'))}"
+    ms = a.get("duration_ms")
+    head = f"    #{plain(a.get('n'))}  {plain(a.get('started'))}  {code}  {plain(ms)} ms"
+    head += f"  host {printable(plain(a.get('host')))}  cost {usd(a.get('cost_usd'))}"
+    ar = a.get("agent_result")
+    if isinstance(ar, Mapping):
+        bits = [f"{k} {plain(ar[k])}" for k in ("is_error", "num_turns", "session_id") if k in ar]
+        if bits:
+            head += "  " + "  ".join(printable(b) for b in bits)
+    lines = [head, f"        argv: {_argv(a.get('argv'))}"]
+    if a.get("aborted"):
+        lines.append(f"        aborted: {printable(plain(a['aborted']))}")
+    logs = a.get("logs")
+    tail = a.get("stderr_tail")
+    if tail is not None and isinstance(logs, Mapping):
+        lines.append(f"        logs: {logs['stdout']}")
+        lines.append(f"              {logs['stderr']}")
+        if tail:
+            lines.append(f"        stderr, last {len(tail)} lines:")
+            lines.extend(f"          | {line}" for line in tail)
+        else:
+            lines.append("        stderr: empty")
+    return lines
+
+
+def render_show(info: Mapping[str, Any]) -> str:
+    """Return `show` text: state, reason, cost, its chain (parent, children), checks, attempts (argv, host, logs)."""
+    job = info["job"]
+    lines = [f"{job['job_id']}  {job['state']}  agent {plain(job['agent'])}  hops {plain(job.get('hops', 0))}"]
+    if job.get("reason"):
+        lines.append(f"  reason: {printable(job['reason'])}")
+    if job.get("file"):
+        lines.append(f"  file: {job['file']}")
+        lines.append(f"  task: {printable(plain(job.get('task')))}  items {plain(job.get('items'))}")
+    if job.get("received"):
+        lines.append(f"  received {job['received']}  finished {plain(job.get('finished'))}")
+    if job.get("folder"):
+        lines.append(f"  folder: {job['folder']}")
+    lines.append(f"  cost: {usd(job.get('cost_usd'))}  chain cost: {usd(job.get('chain_cost_usd'))}")
+    lines.append("  chain:")
+    if job.get("parent") and not info["ancestors"]:
+        lines.append(f"    parent    {job['parent']}  unknown")
+    for i, a in enumerate(info["ancestors"]):
+        role = "parent  " if i == len(info["ancestors"]) - 1 else "ancestor"
+        lines.append(f"    {role}  {a['job_id']}  {a['state']}  ({plain(a['agent'])})")
+    lines.append(f"    this      {job['job_id']}  {job['state']}  ({plain(job['agent'])})")
+    for depth, c in _flatten(info["tree"]):
+        lines.append(f"    {'  ' * (depth - 1)}child     {c['job_id']}  {c['state']}  ({plain(c['agent'])})")
+    if job["checks"]:
+        lines.append("  checks:")
+        for c in job["checks"]:
+            mark = {True: "pass", False: "FAIL", None: "n/a "}.get(c.get("ok"), "?   ")
+            lines.append(f"    {mark}  {c['name']:<16} {printable(plain(c.get('detail')))}")
+    if job["attempts"]:
+        lines.append("  attempts:")
+        for a in job["attempts"]:
+            lines.extend(_attempt_lines(a))
+    return "\n".join(lines)
+
+
+def _flatten(node: Mapping[str, Any], depth: int = 0) -> list[tuple[int, Mapping[str, Any]]]:
+    out: list[tuple[int, Mapping[str, Any]]] = []
+    for child in node["children"]:
+        out.append((depth + 1, child))
+        out.extend(_flatten(child, depth + 1))
+    return out
+
+
+def render_tree(root_tree: dict[str, Any], me: str) -> str:
+    """Draw a chain from its first job, each with its cost, then the chain's total; '<-' marks the job asked about."""
+    lines: list[str] = []
+
+    def walk(node: Mapping[str, Any], prefix: str, last: bool, top: bool) -> None:
+        label = f"{node['job_id']} [{node['state']}] ({plain(node['agent'])}, {usd(node.get('cost_usd'))})"
+        label += "  <-" if node["job_id"] == me else ""
+        lines.append(label if top else f"{prefix}{'└── ' if last else '├── '}{label}")
+        kids = node["children"]
+        for i, kid in enumerate(kids):
+            walk(kid, "" if top else prefix + ("    " if last else "│   "), i == len(kids) - 1, False)
+
+    walk(root_tree, "", True, True)
+    lines.append(f"chain total: {usd(tree_cost(root_tree))}")
+    return "\n".join(lines)

@@ -1,0 +1,330 @@
+"""The daemon: its lifecycle and its loop, in one screen (uvicorn's ``Server.serve``).
+
+``serve`` starts up (ledger, watch, recovery, the first scan, READY), then loops
+until asked to stop, then shuts down. One turn of the loop waits on one wake-up
+(a file event, a job's end, a signal, a request) with a timeout set by the next
+timer, then runs ``tick``: it pings the watchdog, rescans when due, promotes
+settled files, and starts what may start. Agents, their pipes and timers live
+on the same asyncio loop (``runner``); blocking work runs in ``lanes``.
+Signal handlers only set a flag and wake the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from dispatcher.core import housekeeping
+from dispatcher.core.lanes import GroupCommit, Lanes
+from dispatcher.core.lease import LeaseKeeper, has_leases
+from dispatcher.core.notify import Notifications
+from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
+from dispatcher.core.sdnotify import Notifier
+from dispatcher.core.watcher import Inbox, list_inbox, start_watch
+from dispatcher.errors import ConfigError, UsageError
+from dispatcher.job.job import JobContext
+from dispatcher.layout import UMASK, Layout
+from dispatcher.ledger.base import DaemonInfo, Finish
+from dispatcher.spec.config import Config, load_config
+from dispatcher.spec.jobspec import Stop
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.ledgers import open_ledger
+
+log = structlog.get_logger("dispatcher")
+
+
+class Daemon:
+    """`dispatcher run`: watch inbox/, claim, run, verify, move; recover what others left."""
+
+    def __init__(self, config: Config, *, config_path: Path | None, root_override: Path | None, once: bool) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.root_override = root_override
+        self.once = once
+        self.layout = Layout(config.root)
+        host = socket.gethostname().replace(".", "_")  # owner ids never hold a dot (staging names split on it)
+        self.owner = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.notifier = Notifier()
+        self.stopping = False
+        self.lost = False
+        self._was_fenced = False
+        self.stop_deadline: float | None = None
+        self._signals: list[int] = []
+        self._wake: asyncio.Event | None = None
+        self._next_rescan = 0.0
+        self._next_watchdog = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def serve(self) -> int:
+        """Run until stopped (or, with --once, until the inbox is drained); return the exit code."""
+        return asyncio.run(self._serve())
+
+    async def _serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self.handle_signal, sig)
+        try:
+            await self.startup()
+            while not self.should_exit():
+                await self.wait()
+                self.tick()
+            return await self.shutdown()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+    async def startup(self) -> None:
+        """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
+        os.umask(UMASK)
+        _raise_fd_limit()
+        self.loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        try:
+            self.layout.create()
+        except OSError as exc:
+            raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
+        self.ledger = open_ledger(self.config, self.layout)
+        self.ledger.register(DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time()))
+        self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]
+        self.lanes = Lanes()
+        self.notify = Notifications(lambda: self.config, self.layout.root)
+        self.metrics = None
+        if self.config.metrics_file:
+            from dispatcher.core.metrics import Metrics  # prometheus_client only when it is used
+
+            host = socket.gethostname()
+            self.metrics = Metrics(self.config.metrics_file, host, os.getpid(), agents=self.config.agents)
+        self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once)
+        ctx = JobContext(
+            layout=self.layout,
+            ledger=self.ledger,
+            lanes=self.lanes,
+            finisher=GroupCommit(self.lanes, self._commit_finishes),
+            config=lambda: self.config,
+            stopping=lambda: self.stopping,
+            fenced=lambda: self.lease is not None and (self.lease.fenced or self.lease.lost),
+            queued=lambda ids: housekeeping.queued_ids(self.layout.inbox, ids),
+            release=self._release,
+            notify=self.notify.fire,
+            metrics=self.metrics,
+        )
+        self.sched = Scheduler(ctx, self.inbox, self.wakeup)
+        self.lease: LeaseKeeper | None = None
+        if has_leases(self.ledger):
+            self.lease = LeaseKeeper(self.ledger, self.config.lease_s, self._hosts_lost)
+            self.lease.start()
+        self.house = housekeeping.Housekeeping(self, ctx)
+        log.info(
+            "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
+            max_jobs=self.config.max_jobs, agents=sorted(self.config.agents), once=self.once, ledger=self.config.ledger,
+        )  # fmt: skip
+        self.watch = (
+            None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
+        )
+        self.inbox.merge(await self.lanes.io(list_inbox, self.layout.inbox))
+        await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
+        await self.house.requests()
+        self._next_rescan = time.monotonic() + self._rescan_interval()
+        self.tick()
+        self.notifier.ready()
+        log.info("daemon.ready", active=len(self.sched.running), inbox=len(self.inbox))
+
+    def should_exit(self) -> bool:
+        if self.stopping:
+            return not (self.sched.running or self.sched.inflight)
+        if self.once:
+            return not (self.sched.busy() or len(self.inbox) or self.house.retry_pending or self.house.busy)
+        return False
+
+    async def wait(self) -> None:
+        """Wait for a wake-up or the next timer."""
+        assert self._wake is not None  # noqa: S101
+        timeout = self._timeout()
+        if timeout > 0 and not self._wake.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+        else:
+            await asyncio.sleep(0)  # let callbacks that are ready run (pipes, lanes, timers)
+        self._wake.clear()
+
+    def tick(self) -> None:
+        """Handle signals, ping the watchdog, rescan when due, promote settled files, start work."""
+        while self._signals:
+            self._signal(self._signals.pop(0))
+        now = time.monotonic()
+        if self.notifier.watchdog_interval_s and now >= self._next_watchdog:
+            self.notifier.watchdog()
+            self._next_watchdog = now + self.notifier.watchdog_interval_s
+        if now >= self._next_rescan:
+            self._next_rescan = now + self._rescan_interval()
+            self.house.start(self.house.rescan())
+        if self.stop_deadline is not None and now >= self.stop_deadline:
+            self.sched.abort_all(Stop.STOPPED)
+            self.stop_deadline = None
+        self.house.promote_settled()
+        if self.lease is not None and self._fence():
+            return
+        self.sched.start_work()
+        self.house.metrics_due()
+        self._status()
+
+    async def shutdown(self) -> int:
+        """Stop watching, flush the ledger lane, release the ledger, exit 0 (1 for a failed --once)."""
+        if self.watch is not None:
+            self.watch.close()
+        if self.lease is not None:
+            self.lease.stop()
+        self.notifier.stopping()
+        await self.house.close()
+        await self.sched.drain()
+        await self.notify.close()
+        if self.metrics is not None:
+            await self.house.write_metrics()
+        self.lanes.shutdown(wait=True)
+        self.ledger.close()
+        s = self.sched.stats.finished
+        log.info("daemon.stopped", **s)
+        if self.once:
+            return 0 if s["failed"] == 0 and s["refused"] == 0 else 1
+        return 1 if self.lost else 0
+
+    # -- events ----------------------------------------------------------------------------------
+    def wakeup(self) -> None:
+        """Make the loop run a turn now."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def hint(self, kind: str, name: str) -> None:
+        """A filesystem hint from the watch (on the loop)."""
+        if kind == "control":
+            self.house.start(self.house.requests())
+        elif kind == "rescan":
+            self._next_rescan = 0.0
+        else:
+            self.inbox.hint(kind, name)
+        self.wakeup()
+
+    def handle_signal(self, signum: int, frame: object = None) -> None:
+        """Signal handler: only note the signal and wake the loop."""
+        self._signals.append(signum)
+        self.wakeup()
+
+    def _signal(self, signum: int) -> None:
+        if signum == signal.SIGHUP:
+            self.reload()
+            return
+        if self.stopping:
+            log.warning("daemon.stopping", forced=True)
+            self.sched.abort_all(Stop.STOPPED)
+            return
+        self.stopping = True
+        self.notifier.stopping()
+        log.info(
+            "daemon.stopping", signal=signal.Signals(signum).name, running=len(self.sched.running),
+            stop_timeout=self.config.stop_timeout_s,
+        )  # fmt: skip
+        self.stop_deadline = time.monotonic() + self.config.stop_timeout_s
+        self.sched.abort_all(Stop.STOPPED, only_waiting=True)
+
+    def reload(self) -> None:
+        """Reload the config (SIGHUP); keep the old one if the new one is bad or moves the root."""
+        from dispatcher import logs
+
+        try:
+            logs.SINK.open_file(self.config.log_file)  # reopen for logrotate, whatever the new config says
+        except OSError as exc:
+            log.error("log_file.reopen_failed", error=str(exc))
+        try:
+            if self.config_path is None:
+                raise ConfigError("no config file to reload")
+            new = load_config(self.config_path, root=self.root_override)
+            if new.root != self.config.root:
+                raise ConfigError("root: cannot change while running", file=str(self.config_path))
+            if new.ledger != self.config.ledger:
+                raise ConfigError("ledger: cannot change while running", file=str(self.config_path))
+            if new.log_file != self.config.log_file:
+                logs.SINK.open_file(new.log_file)
+        except (ConfigError, OSError) as exc:
+            log.error("config.rejected", error=str(exc))
+            return
+        self.config = new
+        self.inbox.settle_s = new.settle_s
+        log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _timeout(self) -> float:
+        now = time.monotonic()
+        waits = [self._next_rescan - now, self.house.next_due(now)]
+        if self.inbox.has_ready() and not self.stopping and self.sched.free_slots() > 0:
+            return 0.0
+        if self.notifier.watchdog_interval_s:
+            waits.append(self._next_watchdog - now)
+        if self.stop_deadline is not None:
+            waits.append(self.stop_deadline - now)
+        if self.sched.slot_poll:
+            waits.append(SLOT_RETRY_S)
+        return max(0.0, min(waits))
+
+    def _fence(self) -> bool:
+        """Keep the lease's rules: fenced, end every agent and claim nothing; lost, stop for good."""
+        assert self.lease is not None  # noqa: S101
+        if self.lease.lost and not self.stopping:
+            log.error("daemon.stopping", reason="this daemon was declared lost by another; it stops")
+            self.lost = True
+            self._signal(signal.SIGTERM)
+            self.sched.abort_all(Stop.STOPPED, mute=True)
+            return True
+        if self.lease.fenced:
+            if not self._was_fenced:
+                log.error("lease.fenced", running=len(self.sched.running), lease_s=self.config.lease_s)
+            self._was_fenced = True
+            self.sched.abort_all(Stop.STOPPED, mute=True)
+            return True
+        if self._was_fenced:
+            log.info("lease.renewed")
+            self._was_fenced = False
+            self.house.start(self.house.recover(startup=False))  # take our own stopped jobs back
+        return False
+
+    def _hosts_lost(self, owners: list[str]) -> None:
+        """Daemons whose lease ran out (from the lease thread): log each once, recover their jobs."""
+        for owner in owners:
+            log.warning("host.lost", owner=owner)
+        self.loop.call_soon_threadsafe(self._recover_lost)
+
+    def _recover_lost(self) -> None:
+        if not self.stopping:
+            self.house.start(self.house.recover(startup=False))
+
+    def _rescan_interval(self) -> float:
+        return self.config.poll_interval_s if self.config.watch == "poll" else self.config.rescan_interval_s
+
+    def _commit_finishes(self, batch: Sequence[tuple[JobFolder, Finish, dict[str, object]]]) -> list[bool]:
+        return housekeeping.commit_finishes(self.layout, self.ledger, batch, self.metrics)
+
+    def _release(self, parent: str, token: int) -> None:
+        housekeeping.release(self, parent)
+
+    def _status(self) -> None:
+        if self.notifier.enabled:
+            s = self.sched.stats.finished
+            self.notifier.status(
+                f"running {len(self.sched.running)}, queued {len(self.sched.parked) + len(self.inbox)},"
+                f" done {s['done']}, failed {s['failed']}, refused {s['refused']}"
+            )
+
+
+def _raise_fd_limit() -> None:
+    """Raise the soft limit on open files to the hard one: each running agent holds three fds."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -1,0 +1,73 @@
+"""A daemon's lease on a shared ledger (contract section 12): renew, reap, fence itself.
+
+Only engines with leases (PostgreSQL) need this; on SQLite a daemon's liveness is
+its flock and none of it runs. A dedicated thread renews the lease every lease/6
+(one try each, on its own connection: never behind the ledger lane's queue) and
+reaps daemons whose lease ran out every lease/3. The loop reads ``fenced``: a
+daemon that has not renewed for lease/2 ends its agents' groups and claims
+nothing until it renews again, so that by the time another daemon may take its
+jobs over (a full lease), nothing of it runs any more.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from dispatcher.ledger.base import Ledger
+
+log = structlog.get_logger("dispatcher")
+
+
+def has_leases(ledger: Ledger) -> bool:
+    """Return True for an engine whose liveness is a lease (it defines ``may_reap``)."""
+    return hasattr(ledger, "may_reap")
+
+
+class LeaseKeeper:
+    """The thread that renews this daemon's lease and reaps dead daemons."""
+
+    def __init__(self, ledger: Ledger, lease_s: float, on_lost: Callable[[list[str]], None]) -> None:
+        self.ledger = ledger
+        self.lease_s = lease_s
+        self.on_lost = on_lost  # called (from this thread) with owners newly found dead
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def fenced(self) -> bool:
+        """Return True while this daemon must not run agents or claim (no renewal for lease/2)."""
+        return not self.ledger.lease_ok()
+
+    @property
+    def lost(self) -> bool:
+        """Return True once another daemon declared this one dead: it must stop for good."""
+        return self.ledger.lost
+
+    def _run(self) -> None:
+        renew_every = self.lease_s / 6
+        reap_every = self.lease_s / 3
+        next_reap = time.monotonic() + reap_every
+        while not self._stop.is_set():
+            ok = self.ledger.renew()
+            now = time.monotonic()
+            if ok and now >= next_reap:
+                next_reap = now + reap_every
+                try:
+                    dead = self.ledger.reap()
+                except Exception as exc:  # noqa: BLE001 - a failed reap is tried again next time
+                    log.warning("lease.reap_failed", error=str(exc))
+                    dead = []
+                if dead:
+                    self.on_lost(dead)
+            self._stop.wait(renew_every if ok else min(1.0, renew_every))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.lease_s)

@@ -1,0 +1,321 @@
+"""Notice files in inbox/ and decide when each may be read (the settle rule of contract section 1).
+
+Filesystem events are hints; the folder is the truth. On Linux the daemon reads
+inotify on its own event loop (an fd reader, no thread): measured on a 2-core
+machine, a rename reached the loop in 0.05 ms at the median and 0.1 ms at p99,
+where watchdog's observer (two thread hand-offs before a callback) took 0.5 ms
+and 5 ms, half the pickup budget. Where inotify is missing, a watchdog observer
+posts the same hints to the loop. A queue overflow, a scan at start and a
+periodic rescan (or, with ``watch: poll``, a listing every ``poll_interval``)
+find whatever events missed.
+
+``Inbox`` decides when a name may be read:
+
+- moved in (a rename) or closed after writing: ready now;
+- created, or seen by a listing, with no close seen: ready once its size and
+  mtime have not changed for ``settle`` seconds and no process holds it open
+  for writing (that check walks /proc, so the daemon makes it off the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import heapq
+import os
+import stat
+import struct
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dispatcher.checks.evidence import is_ignored
+
+# <sys/inotify.h>
+IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
+IN_CREATE, IN_DELETE, IN_Q_OVERFLOW, IN_IGNORED = 0x100, 0x200, 0x4000, 0x8000
+_MASK = IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+_HEADER = struct.Struct("iIII")
+
+Hint = Callable[[str, str], None]  # (kind, name): kind is moved, closed, created, gone, control, rescan
+
+
+class InotifyWatch:
+    """inotify on the event loop: inbox/ and the control folder, hints to a callback."""
+
+    def __init__(self, inbox: Path, control: Path, hint: Hint) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fd: int = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+        self._wds: dict[int, str] = {}
+        for path, name in ((inbox, "inbox"), (control, "control")):
+            wd = libc.inotify_add_watch(self._fd, os.fsencode(path), _MASK)
+            if wd < 0:
+                os.close(self._fd)
+                raise OSError(ctypes.get_errno(), f"inotify_add_watch {path} failed")
+            self._wds[wd] = name
+        self._hint = hint
+        asyncio.get_running_loop().add_reader(self._fd, self._read)
+
+    def alive(self) -> bool:
+        return self._fd >= 0
+
+    def _read(self) -> None:
+        while True:
+            try:
+                buf = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                raise
+            pos = 0
+            while pos + _HEADER.size <= len(buf):
+                wd, mask, _cookie, size = _HEADER.unpack_from(buf, pos)
+                raw = buf[pos + _HEADER.size : pos + _HEADER.size + size].rstrip(b"\0")
+                pos += _HEADER.size + size
+                if mask & IN_Q_OVERFLOW:
+                    self._hint("rescan", "")
+                    continue
+                where = self._wds.get(wd)
+                if where == "control":
+                    if mask & (IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE):
+                        self._hint("control", "")
+                elif where == "inbox":
+                    self._hint(_kind(mask), os.fsdecode(raw))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _kind(mask: int) -> str:
+    if mask & IN_MOVED_TO:
+        return "moved"
+    if mask & IN_CLOSE_WRITE:
+        return "closed"
+    if mask & IN_CREATE:
+        return "created"
+    return "gone"
+
+
+class ObserverWatch:
+    """The same hints from a watchdog observer, for systems without inotify."""
+
+    def __init__(self, inbox: Path, control: Path, hint: Hint) -> None:
+        from watchdog.events import FileClosedEvent, FileCreatedEvent, FileMovedEvent, FileSystemEvent
+        from watchdog.events import FileSystemEventHandler as Handler
+        from watchdog.observers import Observer
+
+        loop = asyncio.get_running_loop()
+        folders = {str(inbox): "inbox", str(control): "control"}
+
+        class _Handler(Handler):
+            def dispatch(self, event: FileSystemEvent) -> None:
+                try:  # an exception here would silently kill the observer thread (watchdog #427)
+                    path = os.fsdecode(event.dest_path if isinstance(event, FileMovedEvent) else event.src_path)
+                    where = folders.get(os.path.dirname(path))
+                    kind = {FileMovedEvent: "moved", FileClosedEvent: "closed", FileCreatedEvent: "created"}.get(
+                        type(event), "gone"
+                    )
+                    if where is not None:
+                        loop.call_soon_threadsafe(hint, kind if where == "inbox" else "control", os.path.basename(path))
+                except Exception:  # noqa: BLE001
+                    loop.call_soon_threadsafe(hint, "rescan", "")
+
+        self._observer = Observer()
+        for folder in folders:
+            self._observer.schedule(_Handler(), folder, recursive=False)
+        self._observer.daemon = True
+        self._observer.start()
+
+    def alive(self) -> bool:
+        return bool(self._observer.is_alive())
+
+    def close(self) -> None:
+        self._observer.stop()
+
+
+def start_watch(inbox: Path, control: Path, hint: Hint) -> InotifyWatch | ObserverWatch:
+    """Watch inbox/ and the control folder: inotify on the loop, else a watchdog observer."""
+    try:
+        return InotifyWatch(inbox, control, hint)
+    except (OSError, AttributeError):
+        return ObserverWatch(inbox, control, hint)
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """One inbox entry as a listing saw it."""
+
+    name: str
+    size: int
+    mtime_ns: int
+    regular: bool
+
+
+def list_inbox(inbox: Path) -> list[Listed]:
+    """List inbox/ with each entry's size and mtime, without following links (blocking: io pool)."""
+    out = []
+    try:
+        with os.scandir(inbox) as it:
+            for de in it:
+                if is_ignored(de.name):
+                    continue
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                out.append(Listed(de.name, st.st_size, st.st_mtime_ns, stat.S_ISREG(st.st_mode)))
+    except FileNotFoundError:
+        pass
+    return out
+
+
+@dataclass
+class _Pending:
+    size: int
+    mtime_ns: int
+    changed_at: float
+
+
+class Inbox:
+    """Which inbox names are waiting to settle, ready to read, or taken up by the daemon."""
+
+    def __init__(self, inbox: Path, settle_s: float, *, wait_for_writers: bool = True) -> None:
+        self.inbox = inbox
+        self.settle_s = settle_s
+        self.wait_for_writers = wait_for_writers  # off for `run --once`: at most settle s after the last change
+        self._pending: dict[str, _Pending] = {}
+        self._ready: list[tuple[int, str]] = []
+        self._ready_names: set[str] = set()
+        self._known: set[str] = set()  # pending, ready, or being handled by the daemon
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def hint(self, kind: str, name: str) -> None:
+        """Take one filesystem event into account."""
+        if not name or is_ignored(name):
+            return
+        if kind in ("moved", "closed"):
+            self._pending.pop(name, None)
+            self._make_ready(name)
+        elif kind == "created" and name not in self._known:
+            try:
+                st = os.lstat(self.inbox / name)
+            except FileNotFoundError:
+                return
+            self.add(Listed(name, st.st_size, st.st_mtime_ns, stat.S_ISREG(st.st_mode)), fresh=True)
+        elif kind == "gone" and name in self._pending:
+            del self._pending[name]
+            self._known.discard(name)
+
+    def add(self, entry: Listed, *, fresh: bool = False) -> None:
+        """Track a listed entry: ready now if it is old enough or not a regular file, else pending."""
+        name = entry.name
+        if name in self._known:
+            return
+        self._known.add(name)
+        age = time.time() - entry.mtime_ns / 1e9
+        if not entry.regular or (not fresh and age >= self.settle_s):
+            self._push(name, entry.mtime_ns)  # links, FIFOs, folders: refused at once, never opened
+            return
+        self._pending[name] = _Pending(entry.size, entry.mtime_ns, time.monotonic())
+
+    def merge(self, listing: Iterable[Listed]) -> None:
+        """Track every listed entry not known yet (a scan, a rescan, a poll)."""
+        for entry in listing:
+            if entry.name not in self._known:
+                self.add(entry)
+
+    def _make_ready(self, name: str) -> None:
+        if name in self._ready_names:
+            return
+        try:
+            st = os.lstat(self.inbox / name)
+        except FileNotFoundError:
+            self._known.discard(name)
+            return
+        self._known.add(name)
+        self._push(name, st.st_mtime_ns)
+
+    def _push(self, name: str, mtime_ns: int) -> None:
+        self._ready_names.add(name)
+        heapq.heappush(self._ready, (mtime_ns, name))
+
+    def promote_settled(self) -> tuple[list[str], float | None]:
+        """Move settled names to ready; return (names that need the open-writer check, seconds to next check)."""
+        if not self._pending:
+            return [], None
+        now = time.monotonic()
+        wait: float | None = None
+        check = []
+        for name, p in list(self._pending.items()):
+            try:
+                st = os.lstat(self.inbox / name)
+            except FileNotFoundError:
+                del self._pending[name]
+                self._known.discard(name)
+                continue
+            if (st.st_size, st.st_mtime_ns) != (p.size, p.mtime_ns):
+                p.size, p.mtime_ns, p.changed_at = st.st_size, st.st_mtime_ns, now
+            left = p.changed_at + self.settle_s - now
+            if left <= 0:
+                if self.wait_for_writers:
+                    check.append(name)
+                    p.changed_at = float("inf")  # until the check answers
+                else:
+                    del self._pending[name]
+                    self._make_ready(name)
+                continue
+            left = max(left, 0.05)
+            wait = left if wait is None else min(wait, left)
+        return check, wait
+
+    def writers_checked(self, names: list[str], held: set[str]) -> None:
+        """Take the open-writer check's answer: held names wait another settle period."""
+        now = time.monotonic()
+        for name in names:
+            p = self._pending.get(name)
+            if p is None:
+                continue
+            if os.path.abspath(self.inbox / name) in held:
+                p.changed_at = now
+            else:
+                del self._pending[name]
+                self._make_ready(name)
+
+    def has_ready(self) -> bool:
+        """Return True if a file is ready to be read."""
+        return bool(self._ready)
+
+    def has_pending(self) -> bool:
+        """Return True while some file waits to settle (it may still become an order)."""
+        return bool(self._pending)
+
+    def pop(self) -> str | None:
+        """Return the oldest ready name (by mtime, then name), or None."""
+        while self._ready:
+            name = heapq.heappop(self._ready)[1]
+            if name in self._ready_names:
+                self._ready_names.discard(name)
+                return name
+        return None
+
+    def push_back(self, name: str) -> None:
+        """Make a name ready again (a file left in place to be tried later)."""
+        self._known.add(name)
+        self._make_ready(name)
+
+    def forget(self, name: str) -> None:
+        """Forget a name the daemon has finished with (claimed, refused or gone)."""
+        self._known.discard(name)
+        self._pending.pop(name, None)
+        self._ready_names.discard(name)

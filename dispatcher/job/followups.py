@@ -1,0 +1,106 @@
+"""Release the follow-ups of a done job into inbox/ (contract sections 6 and 11).
+
+Follow-ups are reserved in the ledger with their lineage before the parent's
+result is written; they are released only after the parent is done, and
+released again without a duplicate if a daemon died in between. A follow-up
+whose chain already cost more than ``max_chain_cost_usd`` goes to held/
+instead (``budget.held``), for an operator to ``release``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from dispatcher import faults, fsutil
+from dispatcher.checks.evidence import digest
+from dispatcher.errors import OrderError
+from dispatcher.layout import Layout, State
+from dispatcher.ledger.base import Entry, Ledger
+from dispatcher.spec.loader import load_document
+from dispatcher.spec.orders import order_format, validate_order
+
+log = structlog.get_logger("dispatcher")
+
+
+def release_followups(
+    layout: Layout,
+    ledger: Ledger,
+    parent: str,
+    *,
+    max_chain_cost_usd: float | None = None,
+    released: Callable[[str], None] = lambda name: None,
+    held: Callable[[Entry, str], None] = lambda entry, name: None,
+) -> int:
+    """Write the reserved follow-ups of a done parent into inbox/ (or held/), each exactly once.
+
+    Each is the outbox order with ``parent`` and ``hops`` from the ledger, as JSON,
+    linked in under a name that replaces nothing; the same bytes found there
+    already (a release cut short by a crash) count as released. Returns how many.
+    """
+    done = layout.job(State.DONE, parent)
+    count = 0
+    for entry in ledger.pending_releases(parent):
+        work = done / "work"
+        try:
+            data = fsutil.read_regular(work / "outbox" / (entry.source or ""), 1 << 24, base=work)
+            body = dict(validate_order(load_document(data, order_format(entry.source or "") or "json")).body)
+        except (OSError, OrderError, ValueError, fsutil.NotRegular) as exc:
+            log.error("followup.lost", job_id=entry.job_id, parent=parent, error=str(exc))
+            continue
+        body["parent"] = parent
+        body["hops"] = entry.hops
+        out = fsutil.dump_json(body)
+        sha = digest(out)
+        ledger.set_digest(entry.job_id, sha)
+        chain = entry.chain_cost_usd  # the parent's chain cost
+        over = max_chain_cost_usd is not None and chain is not None and chain > max_chain_cost_usd
+        folder = layout.held if over else layout.inbox
+        name = _place(layout, folder, ledger.owner, entry.job_id, out, sha)
+        faults.point("followup.placed")
+        ledger.mark_released(entry.job_id, name, sha, held=over)
+        count += 1
+        if over:
+            log.warning(
+                "budget.held",
+                job_id=entry.job_id,
+                parent=parent,
+                agent=body.get("to"),
+                chain_cost_usd=chain,
+                max_chain_cost_usd=max_chain_cost_usd,
+                file=name,
+            )
+            held(entry, name)
+            continue
+        log.info(
+            "followup.released", job_id=entry.job_id, parent=parent, hops=entry.hops, file=name, agent=body.get("to")
+        )
+        released(name)
+    return count
+
+
+def _place(layout: Layout, folder: Path, owner: str, job_id: str, data: bytes, sha: str) -> str:
+    """Link the follow-up into folder under a name that replaces nothing; reuse our own copy."""
+    folder.mkdir(exist_ok=True)
+    tmp = layout.staging / f"{owner}.release-{job_id}"
+    tmp.unlink(missing_ok=True)
+    fsutil.write_new(tmp, data, sync=True)
+    try:
+        n = 1
+        while True:
+            name = f"{job_id}.json" if n == 1 else f"{job_id}-{n}.json"
+            try:
+                os.link(tmp, folder / name)
+                fsutil.fsync_dir(folder)
+                return name
+            except FileExistsError:
+                with contextlib.suppress(OSError, fsutil.NotRegular, ValueError):
+                    if digest(fsutil.read_regular(folder / name)) == sha:
+                        return name
+                n += 1
+    finally:
+        tmp.unlink(missing_ok=True)

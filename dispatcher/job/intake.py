@@ -1,0 +1,333 @@
+"""Decide what becomes of a file in inbox/: claimed, refused or skipped; and carry it out.
+
+``inspect`` reads and validates one file (on the loop: orders are small and
+bounded by ``max_order_bytes``). ``claim`` takes a batch of valid orders in the
+ledger lane, each claim committing together with its job folder or not at all:
+
+1. a staging folder ``.state/staging/<owner>.claim-<id>-<rand>/`` is made and
+   the inbox file is hard-linked into it (the inbox name stays);
+2. one ledger transaction claims every id of the batch;
+3. for each claimed id: ``work/``, ``job.json`` are written, the staging folder
+   is renamed to ``active/<id>`` and the inbox name is unlinked; an error on the
+   way undoes the claim, leaving the file in inbox/ as it was;
+4. ``active/`` is fsynced once for the batch, before any agent starts.
+
+A daemon that dies at any point leaves either a staging folder without a claim
+(removed by recovery; the file is still in inbox/), or a claim with its staging
+folder (put in place by recovery), or a placed job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import stat
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from dispatcher import fsutil
+from dispatcher.checks.evidence import digest
+from dispatcher.errors import OrderError
+from dispatcher.job.runner import render
+from dispatcher.layout import Layout, State
+from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Known, Ledger, Row
+from dispatcher.spec.config import Agent, Config
+from dispatcher.spec.jobspec import JobSpec, prompt_values
+from dispatcher.spec.loader import load_document
+from dispatcher.spec.orders import Order, order_format, parse_order, to_json
+from dispatcher.store.jobstore import JOB_FILE, JobFolder, is_disk_full, new_stage, remove_stage
+from dispatcher.store.refusals import Refusal, refuse
+
+log = structlog.get_logger("dispatcher")
+
+
+@dataclass(frozen=True, slots=True)
+class Inspected:
+    """A readable, valid order file waiting to be claimed."""
+
+    name: str
+    data: bytes
+    order: Order
+    digest: str
+    received: float
+    inode: tuple[int, int]  # (st_dev, st_ino) of the file that was read
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """An inspected order chosen for a claim, with the agent settings it will run with."""
+
+    item: Inspected
+    agent: Agent
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A claimed job, in place in active/: ready for its agent."""
+
+    folder: JobFolder
+    spec: JobSpec
+    order: Order
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A file that went to failed/<stem>@<time>/ (or vanished before it could)."""
+
+    name: str
+    job_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A file left where it is: another daemon is claiming it, it changed, or the disk is full."""
+
+    name: str
+    retry_later: bool = False
+
+
+Claimed_ = Started | Refused | Skipped
+
+
+def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | None:
+    """Read and validate inbox/<name>; None if it is gone (taken or removed) or changed while read."""
+    path = layout.inbox / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        kind = fsutil.kind_of(st.st_mode)
+        return Refusal(name, f"a {kind} is not a work order; it was not opened", entry_kind=kind)
+    if order_format(name) is None:
+        return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
+    try:
+        data = fsutil.read_regular(path, config.max_order_bytes)
+        again = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except fsutil.NotRegular as exc:
+        return Refusal(name, f"a {exc.kind} is not a work order; it was not opened", entry_kind=exc.kind)
+    except ValueError:
+        return Refusal(name, f"larger than max_order_bytes ({st.st_size} > {config.max_order_bytes} bytes)")
+    except OSError as exc:
+        return Refusal(name, f"cannot be read: {exc.strerror}")
+    if (again.st_ino, again.st_size, again.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
+        return None  # replaced or written to while being read: its own event brings it back
+    try:
+        order = parse_order(
+            data, name, agents=config.agents, max_timeout_s=config.max_timeout_s, max_bytes=config.max_order_bytes
+        )
+    except OrderError as exc:
+        return Refusal(name, exc.reason, job_id=best_job_id(data, name))
+    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino))
+
+
+def best_job_id(data: bytes, name: str) -> str | None:
+    """Return the job_id of an invalid order if one can be read, for the refusal's result."""
+    try:
+        body = load_document(data, order_format(name) or "yaml")
+    except (OrderError, RecursionError, ValueError):
+        return None
+    job_id = body.get("job_id") if isinstance(body, dict) else None
+    return job_id if isinstance(job_id, str) else None
+
+
+def known_reason(job_id: str, state: str) -> str:
+    """Return the refusal reason of a job id seen before."""
+    return f"job_id: {job_id} is already known (state {state}); a job id is never run twice"
+
+
+def claim(
+    layout: Layout, ledger: Ledger, picks: Sequence[Pick], *, on_refused: Callable[[Path, Refusal], None]
+) -> list[Claimed_]:
+    """Claim a batch of orders (in the ledger lane); one answer per pick, in order."""
+    owner = ledger.owner
+    out: list[Claimed_ | None] = [None] * len(picks)
+    staged: list[tuple[int, Pick, Path]] = []
+    for i, pick in enumerate(picks):
+        item = pick.item
+        found = layout.find(item.order.job_id)
+        if found is not None and _drop_twin(layout, item):
+            out[i] = Skipped(item.name)
+            continue
+        if found is not None and ledger.get(item.order.job_id) is None:
+            # a job folder the ledger does not know (a lost ledger): put its row back, never run it again
+            _repair_row(ledger, item.order.job_id, found[0])
+            out[i] = _refuse(layout, owner, item, found[0].value, on_refused)
+            continue
+        try:
+            stage = _stage(layout, owner, item)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
+            out[i] = Skipped(item.name, retry_later=True)
+            continue
+        if stage is None:
+            out[i] = Skipped(item.name)
+            continue
+        staged.append((i, pick, stage))
+    answers = ledger.claim(
+        [
+            # a claim is only taken over from a dead daemon while no job folder of the id exists
+            ClaimRequest(
+                p.item.order.job_id,
+                p.agent.name,
+                p.item.name,
+                p.item.digest,
+                may_take_over=layout.find(p.item.order.job_id) is None,
+            )
+            for _, p, _ in staged
+        ]
+    )
+    placed = False
+    for (i, pick, stage), answer in zip(staged, answers, strict=True):
+        match answer:
+            case Claimed():
+                out[i] = _place(layout, ledger, pick, stage, answer)
+                placed = placed or isinstance(out[i], Started)
+            case Known(entry=entry):
+                remove_stage(stage)
+                if _drop_twin(layout, pick.item):  # the claimed job's own file (a claim cut short)
+                    out[i] = Skipped(pick.item.name)
+                else:
+                    out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
+            case Busy():
+                remove_stage(stage)
+                out[i] = Skipped(pick.item.name)
+    if placed:
+        fsutil.fsync_dir(layout.folder(State.ACTIVE))  # the claim's durable point: before any agent starts
+    return [o if o is not None else Skipped("") for o in out]
+
+
+def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
+    row = {State.DONE: Row.DONE, State.FAILED: Row.FAILED, State.REVIEW: Row.REVIEW}.get(state, Row.CLAIMED)
+    ledger.load_rows([Entry(job_id, row, None, None, 1, None, None, None, 0, None, None, time.time())])
+    log.warning("ledger.repaired", job_id=job_id, state=row.value, reason="a job folder without a ledger row")
+
+
+def _stage(layout: Layout, owner: str, item: Inspected) -> Path | None:
+    """Make the claim's staging folder holding a link to the inbox file; None if the file changed."""
+    stage = new_stage(layout, owner, "claim", item.order.job_id)
+    kept = stage / f"order{Path(item.name).suffix}"
+    try:
+        os.link(layout.inbox / item.name, kept, follow_symlinks=False)
+    except FileNotFoundError:
+        os.rmdir(stage)
+        return None
+    st = os.lstat(kept)
+    if (st.st_dev, st.st_ino) != item.inode:  # another file took the name since it was read
+        remove_stage(stage)
+        return None
+    return stage
+
+
+def _place(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Claimed) -> Started | Skipped:
+    """Complete the staging folder, rename it into active/ and drop the inbox name; undo on error."""
+    item, agent = pick.item, pick.agent
+    try:
+        spec, order = _write_job(layout, stage, item, agent, claimed)
+        target = layout.job(State.ACTIVE, item.order.job_id)
+        fsutil.rename_noreplace(stage, target)
+    except OSError as exc:
+        # nothing ran: the id stays free (or goes back to the daemon it was taken over from)
+        ledger.unclaim(item.order.job_id, claimed.token, claimed.previous, claimed.previous_owner)
+        remove_stage(stage)
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another daemon put its folder in place first
+            log.info("order.skipped", file=item.name, job_id=item.order.job_id, reason="placed by another daemon")
+            return Skipped(item.name)
+        if not is_disk_full(exc):
+            raise
+        log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
+        return Skipped(item.name, retry_later=True)
+    drop_inbox_twin(layout, item.name, target / f"order{Path(item.name).suffix}")
+    log.info(
+        "job.claimed",
+        job_id=item.order.job_id,
+        agent=agent.name,
+        file=item.name,
+        parent=claimed.parent,
+        hops=claimed.hops,
+    )
+    return Started(JobFolder(target), spec, order, claimed.token)
+
+
+def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claimed: Claimed) -> tuple[JobSpec, Order]:
+    order = item.order
+    work = stage / "work"
+    os.mkdir(work)
+    os.mkdir(stage / "attempts")
+    body = dict(order.body)
+    body["parent"] = claimed.parent
+    body["hops"] = claimed.hops
+    order_json = to_json(body)
+    fsutil.write_new(work / "order.json", order_json)
+    given = {"order.json": digest(order_json)}
+    writes = tuple(order.writes if order.writes is not None else agent.writes)
+    if agent.prompt is not None:
+        final_work = layout.job(State.ACTIVE, order.job_id) / "work"
+        prompt = render(agent.prompt, prompt_values(body, writes, final_work), prompt=True).encode()
+        fsutil.write_new(work / "prompt.md", prompt)
+        given["prompt.md"] = digest(prompt)
+    max_attempts = order.max_attempts or agent.max_attempts
+    spec = JobSpec(
+        job_id=order.job_id,
+        source=item.name,
+        received=item.received,
+        parent=claimed.parent,
+        hops=claimed.hops,
+        agent=agent,
+        timeout_s=order.timeout_s or agent.timeout_s,
+        max_attempts=max_attempts,
+        budget=max_attempts,
+        writes=writes,
+        given=given,
+        order=body,
+        parent_chain_cost_usd=claimed.parent_chain_cost_usd,
+    )
+    fsutil.write_new(stage / JOB_FILE, fsutil.dump_json(spec.to_json()))
+    return spec, dataclasses.replace(order, body=body)
+
+
+def _refuse(
+    layout: Layout, owner: str, item: Inspected, state: str, on_refused: Callable[[Path, Refusal], None]
+) -> Refused:
+    refusal = Refusal(item.name, known_reason(item.order.job_id, state), item.order.job_id, agent=item.order.to)
+    refuse(layout, refusal, owner, on_refused)
+    return Refused(item.name, item.order.job_id)
+
+
+def _drop_twin(layout: Layout, item: Inspected) -> bool:
+    """Unlink inbox/<name> if it is the order file of the job folder of its id; return True if so.
+
+    A daemon that died after putting a claimed job in place, before unlinking the
+    inbox name, leaves that name behind: it is the job's own file, not a duplicate.
+    """
+    found = layout.find(item.order.job_id)
+    if found is None:
+        return False
+    kept = found[1] / f"order{Path(item.name).suffix}"
+    if fsutil.same_file(layout.inbox / item.name, kept):
+        with contextlib.suppress(FileNotFoundError):  # the claiming daemon removed it first
+            os.unlink(layout.inbox / item.name)
+        log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
+        return True
+    return False
+
+
+def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> None:
+    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
+
+    Another daemon may have removed it first (it saw the placed job's folder): that is fine.
+    """
+    if name and fsutil.same_file(layout.inbox / name, kept):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(layout.inbox / name)

@@ -1,0 +1,239 @@
+"""Find what a dead daemon left behind and make it whole: staging folders, claims, active jobs.
+
+Every function here is blocking (the disk, the ledger, /proc) and runs in the
+ledger lane or the io pool, never on the loop. Nothing a user dropped is ever
+deleted: a staging folder is removed only when the file it links is still in
+inbox/ (or was put back there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from dispatcher import fsutil, procs
+from dispatcher.errors import oneline
+from dispatcher.job.intake import drop_inbox_twin
+from dispatcher.layout import Layout, State
+from dispatcher.ledger.base import Finish, Ledger, Request, Row
+from dispatcher.spec.config import Config
+from dispatcher.spec.jobspec import JobSpec
+from dispatcher.store import refusals
+from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, remove_stage
+
+log = structlog.get_logger("dispatcher")
+_LANDED = {Row.DONE: State.DONE, Row.FAILED: State.FAILED, Row.REVIEW: State.REVIEW}
+
+
+def finish_staging(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:
+    """Complete or undo the staging folders of dead daemons."""
+    try:
+        stages = sorted(os.listdir(layout.staging))
+    except FileNotFoundError:
+        return
+    for name in stages:
+        stage = layout.staging / name
+        owner, _, rest = name.partition(".")
+        if not owner or alive(owner):
+            continue
+        if not stage.is_dir() or stage.is_symlink():
+            stage.unlink()  # a follow-up copy a dead daemon was releasing: released again from the ledger
+        elif rest.startswith("claim-"):
+            _finish_claim(layout, ledger, owner, rest[len("claim-") :].rsplit("-", 1)[0], stage)
+        elif rest.startswith("refuse-") and any(
+            p.name.startswith("order") or p.name == "entry" for p in stage.iterdir()
+        ):
+            refusals.finish_stage(layout, stage)
+        else:
+            remove_stage(stage)
+
+
+def _finish_claim(layout: Layout, ledger: Ledger, owner: str, job_id: str, stage: Path) -> None:
+    entry = ledger.get(job_id)
+    mine = entry is not None and entry.state == Row.CLAIMED and entry.owner == owner
+    order = next((p for p in stage.iterdir() if p.name.startswith("order")), None)
+    if mine and entry is not None and _complete(stage) and layout.find(job_id) is None and order:
+        os.rename(stage, layout.job(State.ACTIVE, job_id))
+        drop_inbox_twin(layout, entry.source or "", layout.job(State.ACTIVE, job_id) / order.name)
+        fsutil.fsync_dir(layout.folder(State.ACTIVE))
+        log.info("job.recovered", job_id=job_id, agent=entry.agent, step="claim")
+        return
+    if mine and entry is not None:  # claimed, but its folder was never completed: nothing ran
+        ledger.unclaim(job_id, entry.token, Row.RELEASED if entry.parent else None)
+    if order is not None and entry is not None and entry.source and os.lstat(order).st_nlink == 1:
+        with contextlib.suppress(FileExistsError):  # the inbox name is gone: put the user's file back
+            os.link(order, layout.inbox / entry.source)
+    remove_stage(stage)
+
+
+def _complete(stage: Path) -> bool:
+    """Return True if a claim's staging folder was built whole (its job.json, written last, reads back)."""
+    try:
+        JobFolder(stage).spec()
+    except ValueError:
+        return False
+    return True
+
+
+def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:
+    """Bring claims of dead daemons in line with the folders (a crash after a move)."""
+    for entry in ledger.in_state(Row.CLAIMED):
+        if entry.owner is None or alive(entry.owner):
+            continue
+        found = layout.find(entry.job_id)
+        if found is None or found[0] is State.ACTIVE:
+            continue
+        state, folder = found
+        result = JobFolder(folder).result() or {}
+        row = Row.DONE if state is State.DONE else Row.REVIEW if state is State.REVIEW else Row.FAILED
+        if state is State.FAILED and result.get("state") == "done":
+            row = Row.DONE
+        ledger.finish([Finish(entry.job_id, entry.token, row, result.get("cost_usd"), result.get("chain_cost_usd"))])
+
+
+def reconcile_active(layout: Layout, ledger: Ledger) -> None:
+    """Put back the claim row of any active/ job the ledger lost (a power loss, a lost WAL)."""
+    reconcile = getattr(ledger, "reconcile", None)
+    if reconcile is None:
+        return
+    for job_id in _active_ids(layout):
+        entry = ledger.get(job_id)
+        if entry is None or entry.state in (Row.RESERVED, Row.RELEASED):
+            folder = JobFolder(layout.job(State.ACTIVE, job_id))
+            try:
+                spec = folder.spec()
+            except ValueError:
+                spec = None
+            if reconcile(
+                job_id, spec.agent.name if spec else None, spec.parent if spec else None, spec.hops if spec else 0
+            ):
+                log.warning("ledger.repaired", job_id=job_id, reason="active job without a claim row")
+
+
+def orphans(
+    layout: Layout, ledger: Ledger, alive: Callable[[str], bool], left: frozenset[str] = frozenset()
+) -> list[tuple[str, int]]:
+    """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token).
+
+    ``left`` are jobs of this very daemon that it stopped while fenced: they are
+    taken back the same way once its lease is renewed.
+
+    A job whose row already says done, failed or review (its daemon died while
+    landing it) is landed here and not returned.
+    """
+    out = []
+    for job_id in _active_ids(layout):
+        entry = ledger.get(job_id)
+        if entry is None:
+            continue
+        if entry.owner == ledger.owner and job_id not in left:  # ours, and running (or starting)
+            continue
+        if entry.owner != ledger.owner and entry.owner is not None and alive(entry.owner):
+            continue
+        if entry.state in _LANDED:
+            _land(layout, job_id, _LANDED[Row(entry.state)])
+            continue
+        if entry.state != Row.CLAIMED or not (layout.job(State.ACTIVE, job_id) / JOB_FILE).exists():
+            continue
+        token = ledger.adopt(job_id, entry.owner, entry.token)
+        if token is not None:
+            out.append((job_id, token))
+    return out
+
+
+def _land(layout: Layout, job_id: str, state: State) -> None:
+    folder = JobFolder(layout.job(State.ACTIVE, job_id))
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
+        folder.land(layout, state)
+        fsutil.fsync_dir(layout.folder(state))
+        log.info("job.recovered", job_id=job_id, step="land", state=state.value)
+
+
+def _active_ids(layout: Layout) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(layout.folder(State.ACTIVE)) if not n.startswith("."))
+    except FileNotFoundError:
+        return []
+
+
+def leftover_groups(folder: JobFolder, n: int) -> list[int]:
+    """Return the process groups still running from attempt n of a job whose daemon died.
+
+    With a pid record: the group, if its leader runs with the recorded start (on
+    the boot clock), or if the leader is gone but members remain (a pid is not
+    reused while its group lives). A live leader with another start is someone
+    else: left alone. Without a record (a crash between the spawn and the
+    record), the groups of processes whose working folder is this job's work/.
+    """
+    info = folder.pid_record(n)
+    if info is not None:
+        pid = int(info["pid"])
+        boot = info.get("boot_started")
+        ours = procs.is_alive(pid, info.get("started"), boot_started=float(boot) if boot is not None else None)
+        if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
+            return [pid]
+        return []
+    groups = []
+    for pid in procs.with_cwd(str(folder.work)):
+        with contextlib.suppress(ProcessLookupError):
+            groups.append(os.getpgid(pid))
+    return sorted(set(groups))
+
+
+def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, token: int, exc: Exception) -> None:
+    """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file."""
+    folder = JobFolder(layout.job(State.ACTIVE, job_id))
+    entry = ledger.get(job_id)
+    reason = oneline(f"recovery: the job folder cannot be read back: {type(exc).__name__}: {exc}")
+    result = build_result(
+        job_id=job_id,
+        state="failed",
+        agent=entry.agent if entry else None,
+        reason=reason,
+        received=os.path.getmtime(folder.path),
+    )
+    folder.stage_result(result)
+    if ledger.finish([Finish(job_id, token, Row.FAILED)])[0]:
+        log.warning("job.failed", job_id=job_id, agent=result["agent"], reason=reason)
+        folder.land(layout, State.FAILED)
+        fsutil.fsync_dir(layout.folder(State.FAILED))
+
+
+def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple[JobSpec, int] | None:
+    """Move a failed job back to active/ for `dispatcher retry`; return its new spec and token.
+
+    Order, for crashes: the ledger claim; the earlier result.json into
+    attempts/<n>/; the new spec (the agent's settings as the config has them
+    now, and max_attempts more attempts) in job.json; the rename into active/;
+    then the request is cleared. A reopen cut short is finished later:
+    ``settle_ledger`` puts a claim whose folder is still in failed/ back to
+    failed (the request stays), and a job found in active/ with a kept result
+    goes on with a new attempt. None if another daemon took it first.
+    """
+    token = ledger.take_retry(job_id)
+    if token is None:
+        return None
+    folder = JobFolder(layout.job(State.FAILED, job_id))
+    spec = folder.spec()
+    failed_checks = [c for c in (folder.result() or {}).get("checks") or [] if c.get("ok") is False]
+    folder.keep_result()
+    last = max(folder.attempt_numbers(), default=0)
+    agent = config.agents.get(spec.agent.name, spec.agent)
+    max_attempts = int(spec.order.get("max_attempts") or agent.max_attempts)
+    spec = spec.with_agent(agent, last + max_attempts)
+    if agent.repair and failed_checks and os.path.isdir(folder.work):
+        # repair applies to the first new attempt too: it gets the checks the last one failed
+        data = fsutil.dump_json({"job_id": job_id, "attempt": last, "failed_checks": failed_checks})
+        folder.stash(last, feedback=True)
+        folder.write_feedback(data)
+        spec = spec.with_given("feedback.json", hashlib.sha256(data).hexdigest())
+    folder.write_spec(spec, sync=True)
+    fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
+    fsutil.fsync_dir(layout.folder(State.ACTIVE))
+    ledger.clear_request(job_id, Request.RETRY)
+    return spec, token

@@ -1,0 +1,98 @@
+"""A person's decision on a job waiting in review/: approve (to done/) or reject (to failed/).
+
+The same finishing sequence as a job's own end, each step safe to interrupt:
+
+1. the decided result (``state`` done or failed, ``reason`` rejected: TEXT) is
+   staged in the review folder;
+2. the ledger records the decision, conditional on the job's token (a second
+   decision, or a decision on a job that was not waiting, changes nothing), and
+   the job's owner is cleared, so that any daemon releases its follow-ups;
+3. the folder lands in done/ or failed/;
+4. an approved job's follow-ups are released, each once (a rejected job's were
+   dropped by step 2).
+
+A command killed between steps leaves work that ``settle_reviews`` (run by every
+daemon at start and at each rescan) completes: a review folder whose ledger row
+is already decided lands with its staged result, and follow-ups of a done job
+whose owner is gone are released by the daemons' usual recovery.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import structlog
+
+from dispatcher import faults, fsutil
+from dispatcher.errors import NotFound, WrongState, oneline
+from dispatcher.job.followups import release_followups
+from dispatcher.layout import Layout, State, iso
+from dispatcher.ledger.base import Finish, Ledger, Row
+from dispatcher.store.jobstore import JobFolder, cut
+
+log = structlog.get_logger("dispatcher")
+
+
+def decide(
+    layout: Layout, ledger: Ledger, job_id: str, *, approve: bool, reason: str | None = None,
+    max_chain_cost_usd: float | None = None,
+) -> str:  # fmt: skip
+    """Approve or reject one job in review/; return the line to print. NotFound/WrongState otherwise."""
+    folder = JobFolder(layout.job(State.REVIEW, job_id))
+    entry = ledger.get(job_id)
+    if not folder.path.is_dir():
+        found = layout.find(job_id)
+        if found is None and entry is None:
+            raise NotFound(f"{job_id}: no such job")
+        where = found[0].value if found else entry.state if entry else "unknown"
+        raise WrongState(f"{job_id}: is {where}, not waiting for review")
+    if entry is None or entry.state not in (Row.REVIEW, Row.DONE, Row.FAILED):
+        raise WrongState(f"{job_id}: its ledger row is {entry.state if entry else 'missing'}, not review")
+    result = dict(folder.result() or {})
+    state = Row.DONE if approve else Row.FAILED
+    if entry.state == Row.REVIEW:
+        result["state"] = str(state)
+        result["reason"] = None if approve else cut(oneline(f"rejected: {reason or 'no reason given'}"))
+        result["finished"] = iso(time.time())
+        folder.stage_result(result)
+        faults.point("review.staged")
+        item = Finish(job_id, entry.token, state, result.get("cost_usd"), result.get("chain_cost_usd"))
+        if not ledger.finish([item])[0]:
+            raise WrongState(f"{job_id}: was decided by someone else meanwhile")
+        faults.point("review.decided")
+    elif entry.state != state:
+        raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
+    event = "job.approved" if approve else "job.rejected"
+    log.info(event, job_id=job_id, agent=result.get("agent"), reason=result.get("reason"))
+    land(layout, folder, state)
+    faults.point("review.landed")
+    if approve:
+        release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd)
+        return f"{job_id}: approved; done"
+    return f"{job_id}: rejected; failed"
+
+
+def land(layout: Layout, folder: JobFolder, state: Row) -> None:
+    """Move a decided review folder into done/ or failed/ (its staged result becomes result.json)."""
+    target = State.DONE if state == Row.DONE else State.FAILED
+    folder.land(layout, target)
+    fsutil.fsync_dir(layout.folder(target))
+
+
+def settle_reviews(layout: Layout, ledger: Ledger) -> None:
+    """Land review folders whose decision the ledger already holds (a command killed midway)."""
+    try:
+        names = [n for n in os.listdir(layout.folder(State.REVIEW)) if not n.startswith(".")]
+    except FileNotFoundError:
+        return
+    for job_id in names:
+        entry = ledger.get(job_id)
+        folder = JobFolder(layout.job(State.REVIEW, job_id))
+        if entry is None or entry.state not in (Row.DONE, Row.FAILED):
+            continue
+        staged = folder.read_json(".result.json.staged")
+        if not isinstance(staged, dict) or staged.get("state") != entry.state:
+            continue
+        land(layout, folder, Row(entry.state))
+        log.info("job.recovered", job_id=job_id, step="review", state=entry.state)

@@ -1,0 +1,244 @@
+"""What an operator does to one job at a time: retry, cancel, hold and release.
+
+Each action takes one job id, returns the line to print for the person, and
+raises ``NotFound`` or ``WrongState`` (exit 1 for that id) when it cannot act;
+the command line runs it for every id it was given.
+
+Hold and release move order files between inbox/ and held/, racing a daemon
+that may be claiming the same file. A daemon claims by hard-linking the inbox
+file into a staging folder, claiming the id in the ledger, renaming the
+staging folder to active/<id> and unlinking the inbox name. So after a hold
+has moved the file into held/, a link count above 1 means a daemon holds a
+second name: the hold waits until the daemon lets go (the count drops to 1:
+held) or the claimed job's folder holds that very file (then the held/ name is
+only a second name of its order: it is removed and the id was not queued).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import time
+from pathlib import Path
+
+import structlog
+
+from dispatcher import fsutil
+from dispatcher.errors import NotFound, WrongState, printable
+from dispatcher.layout import Layout, State
+from dispatcher.ledger.base import Ledger, Request, Row
+from dispatcher.query.report import PATIENCE_S, read_order_file
+from dispatcher.spec.config import Config
+from dispatcher.store.ledgers import open_ledger
+from dispatcher.store.queued import find_queued
+
+log = structlog.get_logger("dispatcher")
+
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: how long a hold waits for a daemon that is claiming the same file to finish or let go
+CLAIM_WAIT_S = 2.0
+#: at most this many files carrying one job id are moved by one hold or release
+_MAX_FILES = 100
+
+
+class Operator:
+    """The operator's actions on one dispatch root; opens the ledger once for every id."""
+
+    def __init__(self, config: Config, layout: Layout) -> None:
+        self.config = config
+        self.layout = layout
+        self._ledger: Ledger | None = None
+        self.reason: str | None = None  # the text of a reject
+
+    @property
+    def ledger(self) -> Ledger:
+        if self._ledger is None:
+            self._ledger = open_ledger(self.config, self.layout, patience_s=PATIENCE_S)
+        return self._ledger
+
+    def close(self) -> None:
+        """Close the ledger if it was opened."""
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
+
+    # -- retry and cancel -----------------------------------------------------------------
+    def retry(self, job_id: str) -> str:
+        """Record a retry of a failed job for a running (or the next) daemon."""
+        _check_id(job_id)
+        found = self.layout.find(job_id)
+        if found is None:
+            raise NotFound(f"{job_id}: no such job")
+        if found[0] is not State.FAILED:
+            raise WrongState(f"{job_id}: is {found[0].value}, only a failed job can be retried")
+        self.ledger.request(job_id, Request.RETRY)
+        self._poke("retry", job_id)
+        return f"{job_id}: retry requested"
+
+    def cancel(self, job_id: str) -> str:
+        """Record a cancel of a queued or running job for a running (or the next) daemon."""
+        _check_id(job_id)
+        entry = self.ledger.get(job_id)
+        if entry is not None and entry.state in (Row.DONE, Row.FAILED):
+            raise WrongState(f"{job_id}: is {entry.state}, only a queued or running job can be cancelled")
+        if entry is None and not find_queued(self.layout.inbox, [job_id]):
+            if find_queued(self.layout.held, [job_id]):
+                raise WrongState(f"{job_id}: is held; release it first, or remove its file from held/")
+            raise NotFound(f"{job_id}: no such job")
+        self.ledger.request(job_id, Request.CANCEL)
+        self._poke("cancel", job_id)
+        return f"{job_id}: cancel requested"
+
+    def _poke(self, kind: str, job_id: str) -> None:
+        """Drop a hint file so that a running daemon acts at once (the ledger is the truth)."""
+        self.layout.control.mkdir(parents=True, exist_ok=True)
+        (self.layout.control / f"{kind}-{job_id}-{time.time_ns()}").write_bytes(b"")
+
+    # -- hold and release -----------------------------------------------------------------
+    def hold(self, job_id: str) -> str:
+        """Move the queued order(s) of job_id from inbox/ into held/, where no daemon claims them."""
+        _check_id(job_id)
+        entry = self.ledger.get(job_id)
+        if entry is not None and entry.state not in (Row.RELEASED,):
+            raise WrongState(f"{job_id}: is {_word(entry.state)}, only a queued order can be held")
+        held: list[str] = []
+        for _ in range(_MAX_FILES):
+            name = find_queued(self.layout.inbox, [job_id]).get(job_id)
+            if name is None:
+                break
+            path = _move(self.layout.inbox / name, self.layout.held, link=True)
+            if path is None:
+                continue  # gone meanwhile: claimed or removed; looked up again
+            if not self._keep_held(job_id, path):
+                raise WrongState(f"{job_id}: is being claimed by a daemon, not queued")
+            held.append(path.name)
+        if not held:
+            self._not_in(job_id, "inbox", "queued", "held")
+        if entry is not None:  # a released follow-up: the ledger's word that it waits in held/
+            self.ledger.set_state(job_id, Row.HELD, expect=Row.RELEASED)
+        agent = read_order_file(self.layout.held / held[0], self.config.max_order_bytes).agent
+        log.info("job.held", job_id=job_id, agent=agent, file=", ".join(held))
+        return f"{job_id}: held (held/{', held/'.join(held)})"
+
+    def _keep_held(self, job_id: str, path: Path) -> bool:
+        """Settle the race with a daemon claiming the file now at path; True if it stays held."""
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while True:
+            try:
+                if os.lstat(path).st_nlink <= 1:
+                    return True
+            except FileNotFoundError:
+                return False
+            entry = self.ledger.get(job_id)
+            claimed = entry is not None and entry.state not in (Row.RELEASED, Row.HELD, Row.RESERVED)
+            found = self.layout.find(job_id) if claimed else None
+            if found is not None and fsutil.same_file(path, found[1] / f"order{path.suffix}"):
+                os.unlink(path)  # only a second name of the claimed job's order file
+                return False
+            if time.monotonic() >= deadline:
+                # claimed but not in place yet, or a link left by a daemon that died while
+                # staging: the held copy is kept, so that nothing is lost if the claim is undone
+                return not claimed
+            time.sleep(0.05)
+
+    def release(self, job_id: str) -> str:
+        """Move the held order(s) of job_id back into inbox/; a follow-up held by budget is released in the ledger too.
+
+        The ledger row goes first: a daemon refuses a file whose row still says held.
+        """
+        _check_id(job_id)
+        entry = self.ledger.get(job_id)
+        if entry is not None and entry.state not in (Row.HELD, Row.RELEASED):
+            raise WrongState(
+                f"{job_id}: is {_word(entry.state)}; released, its held order would be refused (it stays in held/)"
+            )
+        names = []
+        for _ in range(_MAX_FILES):
+            name = find_queued(self.layout.held, [job_id]).get(job_id)
+            if name is None:
+                break
+            names.append(name)
+            if entry is not None and entry.state == Row.HELD:
+                # the ledger first: a daemon refuses a file whose row is still held
+                self.ledger.set_state(job_id, Row.RELEASED, expect=Row.HELD)
+            agent = read_order_file(self.layout.held / name, self.config.max_order_bytes).agent
+            try:
+                path = _move(self.layout.held / name, self.layout.inbox, link=False)
+            except OSError:
+                if entry is not None and entry.state == Row.HELD:
+                    self.ledger.set_state(job_id, Row.HELD, expect=Row.RELEASED)
+                raise
+            if path is not None:
+                log.info("job.released", job_id=job_id, agent=agent, file=path.name)
+        if not names:
+            self._not_in(job_id, "held", "held", "queued")
+        return f"{job_id}: released into inbox/"
+
+    # -- review ---------------------------------------------------------------------------
+    def approve(self, job_id: str) -> str:
+        """Move a job waiting in review/ to done/ and release its follow-ups (once)."""
+        from dispatcher.job.review import decide
+
+        _check_id(job_id)
+        return decide(self.layout, self.ledger, job_id, approve=True, max_chain_cost_usd=self.config.max_chain_cost_usd)
+
+    def reject(self, job_id: str) -> str:
+        """Move a job waiting in review/ to failed/ with reason `rejected: TEXT`; its follow-ups are dropped."""
+        from dispatcher.job.review import decide
+
+        _check_id(job_id)
+        return decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
+
+    def _not_in(self, job_id: str, folder: str, wanted: str, other: str) -> None:
+        """Raise the error for an id whose order is not in folder."""
+        found = self.layout.find(job_id)
+        if found is not None:
+            raise WrongState(f"{job_id}: is {found[0].value}, not {wanted}")
+        elsewhere = self.layout.held if folder == "inbox" else self.layout.inbox
+        if find_queued(elsewhere, [job_id]):
+            raise WrongState(f"{job_id}: is {other}, not {wanted}")
+        raise NotFound(f"{job_id}: no {wanted} order with this job id in {folder}/")
+
+
+def _check_id(job_id: str) -> None:
+    if not JOB_ID.fullmatch(job_id):
+        raise NotFound(f"{printable(job_id)}: not a job id (letters, digits, '.', '_', '-'; at most 128)")
+
+
+def _word(state: str) -> str:
+    """Return a ledger state as an operator reads it."""
+    return {"claimed": "active", "released": "queued", "reserved": "waiting for its parent"}.get(state, state)
+
+
+def _move(src: Path, folder: Path, *, link: bool) -> Path | None:
+    """Move src into folder under its name, or NAME-2.ext ... if taken; None if src is gone.
+
+    With ``link``, by link + unlink: leaving a watched inbox/ by rename would hold
+    up the watcher's later events (an unpaired move); otherwise by rename, which
+    a watcher of the target sees as a whole file arriving.
+    """
+    folder.mkdir(exist_ok=True)
+    stem, suffix = os.path.splitext(src.name)
+    for n in range(1, 10_000):
+        dst = folder / (src.name if n == 1 else f"{stem}-{n}{suffix}")
+        try:
+            if link:
+                try:
+                    os.link(src, dst, follow_symlinks=False)
+                except OSError as exc:
+                    if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.EACCES):
+                        raise
+                    fsutil.rename_noreplace(src, dst)  # hard links refused (fs.protected_hardlinks)
+                    return dst
+                with contextlib.suppress(FileNotFoundError):  # a daemon took it: the caller's race check decides
+                    os.unlink(src)
+                return dst
+            fsutil.rename_noreplace(src, dst)
+            return dst
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            return None
+    raise OSError(errno.EEXIST, "no free name", str(folder))

@@ -1,0 +1,140 @@
+"""`dispatcher ledger rebuild`: a lost or damaged SQLite ledger made again from the job folders.
+
+Every job folder in active/, review/, done/ and failed/ gives back its row (its
+state, agent, lineage and cost), so that every job id found there is refused
+again; a done parent's follow-ups that were never released are reserved again
+(their files are still in its outbox), and one already waiting in inbox/ is
+recorded as released. The damaged files are kept beside the new ledger, renamed,
+never deleted. Nothing may run while it happens: a live daemon makes it refuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+from dispatcher import fsutil
+from dispatcher.checks.evidence import digest
+from dispatcher.errors import UsageError
+from dispatcher.layout import Layout, State, utc_stamp
+from dispatcher.ledger.base import Entry, Row
+from dispatcher.ledger.flocks import owner_alive
+from dispatcher.ledger.sqlite import SqliteLedger
+from dispatcher.spec.loader import load_document
+from dispatcher.spec.orders import order_format
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.queued import find_queued
+
+_ROW = {State.ACTIVE: Row.CLAIMED, State.REVIEW: Row.REVIEW, State.DONE: Row.DONE, State.FAILED: Row.FAILED}
+
+
+def live_daemons(layout: Layout) -> list[str]:
+    """Return the owners of the daemons alive on this root (their liveness flock is held)."""
+    try:
+        names = os.listdir(layout.daemons)
+    except FileNotFoundError:
+        return []
+    owners = [n[: -len(".lock")] for n in names if n.endswith(".lock")]
+    return [o for o in owners if owner_alive(layout.daemons, o)]
+
+
+def rebuild(layout: Layout) -> dict[str, int]:
+    """Rebuild the ledger from the folders; return how many rows of each state were written."""
+    alive = live_daemons(layout)
+    if alive:
+        raise UsageError(f"{layout.root}: a daemon is running ({alive[0]}); stop every daemon, then rebuild")
+    _keep_aside(layout.ledger)
+    ledger = SqliteLedger(layout.ledger, layout.state_dir)
+    counts: dict[str, int] = {}
+    try:
+        rows: list[Entry] = []
+        pending: list[tuple[str, JobFolder]] = []
+        now = time.time()
+        for state in State:
+            for job_id in _job_ids(layout, state):
+                folder = JobFolder(layout.job(state, job_id))
+                rows.append(_row(folder, state, now))
+                if state is State.DONE:
+                    pending.append((job_id, folder))
+        known = {r.job_id for r in rows}
+        children = [c for parent, folder in pending for c in _children(parent, folder, known, now)]
+        queued = find_queued(layout.inbox, [c.job_id for c in children])
+        for child in children:
+            name = queued.get(child.job_id)
+            if name is not None:  # released before the ledger was lost: its file waits in inbox/
+                data = fsutil.read_regular(layout.inbox / name, 1 << 24)
+                child = dataclasses.replace(child, state=Row.RELEASED, source=name, digest=digest(data))
+            rows.append(child)
+        ledger.load_rows(rows)
+        for r in rows:
+            counts[r.state] = counts.get(r.state, 0) + 1
+    finally:
+        ledger.close()
+    return counts
+
+
+def _keep_aside(path: Path) -> None:
+    """Rename the old ledger files (never delete them), so a new empty one can be made."""
+    stamp = utc_stamp()
+    for suffix in ("", "-wal", "-shm"):
+        old = Path(f"{path}{suffix}")
+        if os.path.lexists(old):
+            os.rename(old, Path(f"{path}.damaged-{stamp}{suffix}"))
+
+
+def _job_ids(layout: Layout, state: State) -> list[str]:
+    try:
+        names = os.listdir(layout.folder(state))
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if not n.startswith(".") and "@" not in n)  # "@": refused files
+
+
+def _row(folder: JobFolder, state: State, now: float) -> Entry:
+    result = folder.result() or {}
+    try:
+        spec = folder.spec()
+        agent: str | None = spec.agent.name
+        parent, hops = spec.parent, spec.hops
+    except ValueError:
+        agent, parent, hops = result.get("agent"), result.get("parent"), 0
+    row = _ROW[state]
+    if state is State.FAILED and result.get("state") == "done":
+        row = Row.DONE
+    return Entry(
+        folder.job_id, row, agent, None, 1, None, None, parent, hops,
+        result.get("cost_usd"), result.get("chain_cost_usd"), now,
+    )  # fmt: skip
+
+
+def _children(parent: str, folder: JobFolder, known: set[str], now: float) -> list[Entry]:
+    """Return reservations for a done parent's follow-ups that have no folder yet."""
+    result = folder.result() or {}
+    wanted = [c for c in result.get("children") or [] if isinstance(c, str) and c not in known]
+    if not wanted:
+        return []
+    try:
+        hops = folder.spec().hops + 1
+    except ValueError:
+        hops = 1
+    out = []
+    outbox = folder.work / "outbox"
+    try:
+        names = sorted(os.listdir(outbox))
+    except OSError:
+        return []
+    for name in names:
+        fmt = order_format(name)
+        if fmt is None:
+            continue
+        try:
+            body = load_document(fsutil.read_regular(outbox / name, 1 << 24, base=folder.work), fmt)
+        except (OSError, ValueError, fsutil.NotRegular, Exception):  # noqa: BLE001, S112 - an odd file is skipped
+            continue
+        job_id = body.get("job_id") if isinstance(body, dict) else None
+        if job_id in wanted:
+            agent = body.get("to") if isinstance(body.get("to"), str) else None
+            out.append(Entry(job_id, Row.RESERVED, agent, None, 0, name, None, parent, hops, None, None, now))
+    return out

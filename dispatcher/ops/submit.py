@@ -1,0 +1,119 @@
+"""`dispatcher submit`: validate orders, refuse known job ids, drop them into inbox/ atomically.
+
+Two submits of one file at once must give one job and one clear refusal, so the
+check ("is this id known to the ledger or queued in inbox/?") and the drop happen
+under one exclusive flock, ``<root>/.state/submit.lock``. A drop writes a hidden
+temporary file with a name no other process can pick and renames it to a name
+that replaces nothing; the temporary file is removed on every failure, and an
+OSError (a full disk, a read-only folder) is one line naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from dispatcher import fsutil
+from dispatcher.errors import OrderError, UsageError
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import LedgerUnavailable
+from dispatcher.spec.config import Config
+from dispatcher.spec.orders import Order, parse_order
+from dispatcher.store.ledgers import LedgerUnreachable, open_ledger
+from dispatcher.store.queued import queued_ids
+
+LOCK_TIMEOUT_S = 30.0
+
+Submission = tuple[str, Order, bytes]
+
+
+def read_order(name: str, cfg: Config) -> Submission:
+    """Read and validate one file; return (name as given, order, the bytes to drop)."""
+    try:
+        data = Path(name).read_bytes()
+    except OSError as exc:
+        raise OrderError(f"cannot read: {exc.strerror}", file=name) from None
+    order = parse_order(data, name, agents=cfg.agents, max_timeout_s=cfg.max_timeout_s, max_bytes=cfg.max_order_bytes)
+    return name, order, data
+
+
+def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
+    """Drop each order into inbox/, yielding its job id once it is there.
+
+    Raises UsageError when one job id is given twice, OrderError when a job id is
+    already known (ledger or inbox/) or a file cannot be written. Orders dropped
+    before a failure stay dropped (their ids were yielded).
+    """
+    layout = Layout(cfg.root)
+    ids = [o.job_id for _, o, _ in orders]
+    dup = next((i for i in ids if ids.count(i) > 1), None)
+    if dup is not None:
+        first, second = [name for name, o, _ in orders if o.job_id == dup][:2]
+        raise OrderError(f"{dup} is given twice (also in {first}); nothing was submitted", file=second, field="job_id")
+    lock_path = layout.state_dir / "submit.lock"
+    current = orders[0][0]
+    try:
+        layout.inbox.mkdir(parents=True, exist_ok=True)
+        layout.state_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(lock_path, timeout=LOCK_TIMEOUT_S, thread_local=False, preserve_lock_file=True):
+            _refuse_known(cfg, layout, orders)
+            for name, order, data in orders:
+                current = name
+                _drop(layout, order.job_id, Path(name).suffix.lower(), data)
+                yield order.job_id
+    except Timeout:
+        raise UsageError(f"{lock_path}: another submit held the lock for {LOCK_TIMEOUT_S:g} s") from None
+    except OSError as exc:
+        raise OrderError(f"cannot submit: {exc.strerror or exc}", file=current) from None
+
+
+def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
+    """Raise OrderError for the first order whose job id the ledger knows or an inbox/ order holds."""
+    try:
+        ledger = open_ledger(cfg, layout, patience_s=LOCK_TIMEOUT_S)
+    except (LedgerUnreachable, LedgerUnavailable) as exc:
+        raise OrderError(f"cannot submit: {exc}", file=orders[0][0]) from None
+    try:
+        known = {o.job_id: e.state for _, o, _ in orders if (e := ledger.get(o.job_id)) is not None}
+    except LedgerUnavailable as exc:
+        raise OrderError(f"cannot submit: {exc}", file=orders[0][0]) from None
+    finally:
+        ledger.close()
+    for _, order, _ in orders:
+        found = layout.find(order.job_id)  # a job folder the ledger lost still makes the id known
+        if order.job_id not in known and found is not None:
+            known[order.job_id] = found[0].value
+    queued = queued_ids(layout.inbox, {o.job_id for _, o, _ in orders} - set(known))
+    for name, order, _ in orders:
+        state = known.get(order.job_id) or ("queued in inbox/" if order.job_id in queued else None)
+        if state is not None:
+            raise OrderError(
+                f"{order.job_id} is already known ({state}); a job id is never run twice", file=name, field="job_id"
+            )
+
+
+def _drop(layout: Layout, job_id: str, ext: str, data: bytes) -> None:
+    """Write data under a unique hidden name in inbox/, then rename it to a free visible name.
+
+    The temporary file never outlives a failure: it is removed before the error is raised.
+    """
+    tmp = layout.inbox / f".submit-{job_id}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fsutil.write_new(tmp, data, sync=True)
+        n = 1
+        while True:
+            final = layout.inbox / (f"{job_id}{ext}" if n == 1 else f"{job_id}-{n}{ext}")
+            try:
+                fsutil.rename_noreplace(tmp, final)
+                break
+            except FileExistsError:
+                n += 1  # never replace a file: take the next free name
+        fsutil.fsync_dir(layout.inbox)
+    finally:
+        with contextlib.suppress(OSError):  # FileNotFoundError once renamed; nothing better to do otherwise
+            tmp.unlink()

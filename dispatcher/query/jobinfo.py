@@ -1,0 +1,204 @@
+"""What `show` reads about one job and its chain: folder, result, attempts, logs, lineage.
+
+A job is found in its folder (active/, review/, done/, failed/), else as an
+order waiting in inbox/ or held/, else as a ledger row only (a follow-up
+reserved until its parent is done). Every file is read bounded and without
+following links (``JobFolder``, ``fsutil``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from dispatcher.errors import printable
+from dispatcher.layout import Layout, State, iso
+from dispatcher.ledger.base import Ledger, Row
+from dispatcher.query.report import read_order_file
+from dispatcher.spec.jobspec import total_cost
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.queued import find_queued
+
+#: lines of a failed attempt's stderr that `show` prints
+TAIL_LINES = 10
+_TAIL_BYTES = 64 * 1024
+_LINE_MAX = 400
+_MAX_DEPTH = 64
+
+
+def log_tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
+    """Return the last lines of a log as printable text (control characters escaped); [] if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        size = os.fstat(fd).st_size
+        os.lseek(fd, max(0, size - _TAIL_BYTES), os.SEEK_SET)
+        data = os.read(fd, _TAIL_BYTES)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    text = data.decode("utf-8", "replace")
+    kept = [line for line in text.splitlines() if line.strip()][-lines:]
+    return [printable(line if len(line) <= _LINE_MAX else line[:_LINE_MAX] + "...") for line in kept]
+
+
+def _failed_attempt(attempt: dict[str, Any], last: bool, job_failed: bool) -> bool:
+    """Return True for an attempt that did not exit 0 in time, or the last attempt of a failed job."""
+    code = attempt.get("exit_code")
+    broke = bool(attempt.get("timed_out") or attempt.get("interrupted") or attempt.get("aborted"))
+    return broke or (code is not None and code != 0) or (last and job_failed)
+
+
+def _with_logs(folder: JobFolder, attempts: list[dict[str, Any]], job_failed: bool) -> list[dict[str, Any]]:
+    """Return the attempts with the paths of their logs, and the stderr tail of each failed one."""
+    out = []
+    for i, a in enumerate(attempts):
+        a = dict(a)
+        n = a.get("n")
+        if isinstance(n, int):
+            where = folder.attempts_dir / str(n)
+            a["logs"] = {"stdout": str(where / "stdout.log"), "stderr": str(where / "stderr.log")}
+            if _failed_attempt(a, i == len(attempts) - 1, job_failed):
+                a["stderr_tail"] = log_tail(where / "stderr.log")
+        out.append(a)
+    return out
+
+
+def _queued(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int) -> dict[str, Any] | None:
+    """Return an order waiting in inbox/ or held/ as a job in state inbox or held."""
+    entry = ledger.get(job_id) if ledger else None
+    if entry is not None and entry.state not in (Row.RELEASED, Row.HELD):
+        return None  # a file carrying a known id is a duplicate to be refused, not this job
+    for state, folder in (("inbox", layout.inbox), ("held", layout.held)):
+        name = find_queued(folder, [job_id]).get(job_id)
+        if name is None:
+            continue
+        order = read_order_file(folder / name, max_bytes)
+        body = order.body or {}
+        return _bare(job_id, state, order.agent, entry.parent if entry else None, entry.hops if entry else 0) | {
+            "file": str(order.path),
+            "task": body.get("task"),
+            "items": len(body.get("items") or ()),
+        }
+    return None
+
+
+def _bare(job_id: str, state: str, agent: str | None, parent: str | None, hops: int) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "state": state,
+        "agent": agent,
+        "reason": None,
+        "checks": [],
+        "attempts": [],
+        "parent": parent,
+        "children": [],
+        "hops": hops,
+        "folder": None,
+        "cost_usd": None,
+        "chain_cost_usd": None,
+    }
+
+
+def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1 << 20) -> dict[str, Any] | None:
+    """Return what is known of one job: state, folder, checks, attempts, cost, lineage; None if unknown."""
+    found = layout.find(job_id)
+    children = ledger.children(job_id) if ledger else []
+    if found is None:
+        queued = _queued(layout, ledger, job_id, max_bytes)
+        if queued is not None:
+            queued["children"] = children
+            return queued
+        entry = ledger.get(job_id) if ledger else None
+        if entry is None:
+            return None
+        state = {"released": "inbox", "claimed": "active"}.get(entry.state, entry.state)
+        job = _bare(job_id, state, entry.agent, entry.parent, entry.hops)
+        return job | {"children": children, "cost_usd": entry.cost_usd, "chain_cost_usd": entry.chain_cost_usd}
+    state, path = found
+    folder = JobFolder(path)
+    result = folder.result() or {}
+    try:
+        spec = folder.spec()
+        agent: str | None = spec.agent.name
+        parent, hops, received = spec.parent, spec.hops, spec.received
+    except ValueError:
+        agent, parent, hops, received = None, result.get("parent"), 0, None
+    if result.get("attempts") is not None and state is not State.ACTIVE:
+        attempts = list(result["attempts"])
+        cost = result.get("cost_usd")
+    else:  # running: what the attempts so far recorded
+        records = folder.attempts()
+        attempts = [a.to_json(internal=False) for a in records]
+        cost = total_cost(records)
+    return {
+        "job_id": job_id,
+        "state": state.value,
+        "agent": result.get("agent") or agent,
+        "reason": result.get("reason"),
+        "checks": result.get("checks", []),
+        "attempts": _with_logs(folder, attempts, state is State.FAILED),
+        "received": result.get("received") or (iso(received) if received is not None else None),
+        "finished": result.get("finished"),
+        "parent": parent,
+        "children": sorted(set(result.get("children") or []) | set(children)),
+        "hops": hops,
+        "folder": str(path),
+        "cost_usd": cost,
+        "chain_cost_usd": result.get("chain_cost_usd"),
+    }
+
+
+def chain(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1 << 20) -> dict[str, Any] | None:
+    """Return the job with its ancestors (first job of the chain first) and a tree of its descendants."""
+    job = find_job(layout, ledger, job_id, max_bytes)
+    if job is None:
+        return None
+    ancestors: list[dict[str, Any]] = []
+    parent = job.get("parent")
+    seen = {job_id}
+    while parent and parent not in seen and len(ancestors) < _MAX_DEPTH:
+        seen.add(parent)
+        p = find_job(layout, ledger, parent, max_bytes)
+        if p is None:
+            break
+        ancestors.insert(0, _node(p))
+        parent = p.get("parent")
+
+    def tree(j: dict[str, Any], depth: int) -> dict[str, Any]:
+        node = _node(j) | {"children": []}
+        if depth < _MAX_DEPTH:
+            for cid in j.get("children", []):
+                c = find_job(layout, ledger, cid, max_bytes)
+                if c is not None and cid not in seen:
+                    seen.add(cid)
+                    node["children"].append(tree(c, depth + 1))
+        return node
+
+    return {"job": job, "ancestors": ancestors, "tree": tree(job, 0)}
+
+
+def _node(job: dict[str, Any]) -> dict[str, Any]:
+    return {"job_id": job["job_id"], "state": job["state"], "agent": job["agent"], "cost_usd": job.get("cost_usd")}
+
+
+def tree_root(info: dict[str, Any]) -> str:
+    """Return the id of the first job of the chain."""
+    return str(info["ancestors"][0]["job_id"] if info["ancestors"] else info["job"]["job_id"])
+
+
+def tree_cost(node: dict[str, Any]) -> float | None:
+    """Return the sum of the reported costs over a tree of jobs, or None when none reported one."""
+    costs = [c for c in _costs(node) if c is not None]
+    return round(sum(costs), 10) if costs else None
+
+
+def _costs(node: dict[str, Any]) -> list[float | None]:
+    out: list[float | None] = [node.get("cost_usd")]
+    for kid in node["children"]:
+        out.extend(_costs(kid))
+    return out

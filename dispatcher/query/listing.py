@@ -1,0 +1,160 @@
+"""What `list` reads: one row per job or refused file, newest first.
+
+Each state is read only when asked for, and as cheaply as it allows: orders in
+inbox/ and held/ one file at a time (bounded by ``max_order_bytes``), done jobs
+from the ledger (agent, cost and the time they finished) without opening their
+``result.json``, failed and review jobs from their ``result.json`` (the reason
+is only there), refused files from theirs.
+
+A row's age is the time since it entered its state: an order's modification
+time in inbox/ or held/, a job's claim in active/, its finish in review/,
+done/ or failed/, a file's refusal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from dispatcher.checks.evidence import is_ignored
+from dispatcher.cli.usage import LIST_STATES
+from dispatcher.layout import Layout, State, parse_iso
+from dispatcher.ledger.base import Entry, Ledger, Row
+from dispatcher.query.report import read_order_file, visible_entries
+from dispatcher.spec.config import Config
+from dispatcher.spec.jobspec import total_cost
+from dispatcher.store.jobstore import JobFolder
+
+
+def _row(
+    job_id: str | None, state: str, agent: str | None, when: float | None, path: Path, **more: Any
+) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "state": state,
+        "agent": agent,
+        "when": when,
+        "reason": more.get("reason"),
+        "cost_usd": more.get("cost_usd"),
+        "path": str(path),
+    }
+
+
+def _stamp(text: Any) -> float | None:
+    try:
+        return parse_iso(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
+def _refused_at(name: str) -> float | None:
+    """Return the time in a refusal folder's name (`stem@20261129T081600.123456Z[-n]`)."""
+    stamp = name.rpartition("@")[2].split("-")[0]
+    try:
+        return datetime.strptime(stamp, "%Y%m%dT%H%M%S.%fZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def _orders(folder: Path, state: str, max_bytes: int) -> Iterator[dict[str, Any]]:
+    for de in visible_entries(folder):
+        if is_ignored(de.name):
+            continue
+        try:
+            mtime = de.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        order = read_order_file(Path(de.path), max_bytes, mtime)
+        yield _row(order.job_id, state, order.agent, mtime, order.path)
+
+
+def _active(layout: Layout) -> Iterator[dict[str, Any]]:
+    for de in visible_entries(layout.folder(State.ACTIVE)):
+        folder = JobFolder(Path(de.path))
+        try:
+            spec = folder.spec()
+        except ValueError:
+            yield _row(de.name, "active", None, None, folder.path)
+            continue
+        cost = total_cost(folder.attempts())
+        yield _row(de.name, "active", spec.agent.name, spec.received, folder.path, cost_usd=cost)
+
+
+def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None) -> Iterator[dict[str, Any]]:
+    """Rows of review/, done/ or failed/ jobs (refusals left out); with ledger_rows, no result.json is read."""
+    for de in visible_entries(layout.folder(state)):
+        if "@" in de.name:
+            continue
+        entry = ledger_rows.get(de.name) if ledger_rows is not None else None
+        if entry is not None:
+            yield _row(de.name, state.value, entry.agent, entry.updated, Path(de.path), cost_usd=entry.cost_usd)
+            continue
+        result = JobFolder(Path(de.path)).result() or {}
+        yield _row(
+            de.name,
+            state.value,
+            result.get("agent"),
+            _stamp(result.get("finished")),
+            Path(de.path),
+            reason=result.get("reason"),
+            cost_usd=result.get("cost_usd"),
+        )
+
+
+def _refused(layout: Layout) -> Iterator[dict[str, Any]]:
+    for de in visible_entries(layout.folder(State.FAILED)):
+        if "@" not in de.name:
+            continue
+        result = JobFolder(Path(de.path)).result() or {}
+        job_id = result.get("job_id")
+        yield _row(
+            job_id if isinstance(job_id, str) else None,
+            "refused",
+            result.get("agent"),
+            _refused_at(de.name) or _stamp(result.get("finished")),
+            Path(de.path),
+            reason=result.get("reason"),
+        )
+
+
+def list_jobs(
+    config: Config,
+    layout: Layout,
+    ledger: Ledger | None,
+    *,
+    state: str | None = None,
+    agent: str | None = None,
+    now: float | None = None,
+) -> list[dict[str, Any]]:
+    """Return one row per job or refused file in the chosen state (all by default), newest first.
+
+    Each row: ``job_id``, ``state``, ``agent``, ``age_s``, ``reason`` (of a
+    failure or refusal), ``cost_usd`` and ``path`` (the job folder or file).
+    """
+    now = time.time() if now is None else now
+    wanted = LIST_STATES if state is None else (state,)
+    sources: list[Iterator[dict[str, Any]]] = []
+    if "inbox" in wanted:
+        sources.append(_orders(layout.inbox, "inbox", config.max_order_bytes))
+    if "held" in wanted:
+        sources.append(_orders(layout.held, "held", config.max_order_bytes))
+    if "active" in wanted:
+        sources.append(_active(layout))
+    if "review" in wanted:
+        sources.append(_finished(layout, State.REVIEW, None))
+    if "done" in wanted:
+        done = {e.job_id: e for e in ledger.in_state(Row.DONE)} if ledger is not None else None
+        sources.append(_finished(layout, State.DONE, done))
+    if "failed" in wanted:
+        sources.append(_finished(layout, State.FAILED, None))
+    if "refused" in wanted:
+        sources.append(_refused(layout))
+    rows = [r for source in sources for r in source if agent is None or r["agent"] == agent]
+    rows.sort(key=lambda r: (r["when"] is not None, r["when"] or 0.0, r["job_id"] or ""), reverse=True)
+    for r in rows:
+        when = r.pop("when")
+        r["age_s"] = round(max(0.0, now - when), 1) if when is not None else None
+    return [{k: r[k] for k in ("job_id", "state", "agent", "age_s", "reason", "cost_usd", "path")} for r in rows]

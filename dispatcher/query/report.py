@@ -1,0 +1,208 @@
+"""What `status` reads, and the reads `list` and `show` share: the folders are the truth.
+
+Counts come from listing folders (``os.scandir``, no file opened); owners,
+liveness, lineage and costs come from the ledger. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dispatcher import fsutil
+from dispatcher.checks.evidence import is_ignored
+from dispatcher.errors import OrderError
+from dispatcher.layout import Layout, State, has_jobs
+from dispatcher.ledger.base import DaemonInfo, Ledger, Row
+from dispatcher.spec.config import Config
+from dispatcher.spec.loader import load_document
+from dispatcher.spec.orders import order_format
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.ledgers import open_ledger
+
+#: how long a command waits for a ledger another process is writing
+PATIENCE_S = 30.0
+#: the window of `status`'s spend per agent
+SPEND_WINDOW_S = 24 * 3600.0
+#: the states `status` counts; `failed` is failed jobs, `refused` refused files
+COUNTED = ("inbox", "held", "active", "review", "done", "failed", "refused")
+
+
+def open_reader(config: Config, layout: Layout) -> Ledger | None:
+    """Open the ledger for a command that reads; None on a fresh root that has none yet.
+
+    A ledger missing or unreadable while job folders exist raises ``LedgerLost``
+    (exit 2, naming `dispatcher ledger rebuild`), as for every command.
+    """
+    if config.ledger == "sqlite":
+        path = layout.ledger
+        missing = not path.exists() or path.stat().st_size == 0
+        if missing and not has_jobs(layout):
+            return None
+    return open_ledger(config, layout, patience_s=PATIENCE_S, create=False)
+
+
+def visible_entries(folder: Path) -> Iterator[os.DirEntry[str]]:
+    """Yield the entries of folder whose names do not start with '.' (none if the folder is missing)."""
+    try:
+        with os.scandir(folder) as it:
+            for de in it:
+                if not de.name.startswith("."):
+                    yield de
+    except FileNotFoundError:
+        return
+
+
+def _orders_in(folder: Path) -> int:
+    return sum(1 for de in visible_entries(folder) if not is_ignored(de.name))
+
+
+def _jobs_and_refusals(folder: Path) -> tuple[int, int]:
+    """Return (jobs, refused files) in a state folder: refusal folders have '@' in their names."""
+    jobs = refused = 0
+    for de in visible_entries(folder):
+        if "@" in de.name:
+            refused += 1
+        else:
+            jobs += 1
+    return jobs, refused
+
+
+def queue_counts(layout: Layout) -> dict[str, int]:
+    """Return how many orders wait in inbox/ and held/ and how many jobs are in active/ and review/.
+
+    Cheap (one directory listing each, no file opened), for the metrics'
+    ``dispatcher_queue`` gauge; it still lists folders, so call it off the loop.
+    """
+    return {
+        "inbox": _orders_in(layout.inbox),
+        "held": _orders_in(layout.held),
+        "active": _jobs_and_refusals(layout.folder(State.ACTIVE))[0],
+        "review": _jobs_and_refusals(layout.folder(State.REVIEW))[0],
+    }
+
+
+def state_counts(layout: Layout) -> dict[str, int]:
+    """Return the counts of `status`: the queue, done and failed jobs, and refused files."""
+    counts = queue_counts(layout)
+    counts["done"] = _jobs_and_refusals(layout.folder(State.DONE))[0]
+    counts["failed"], counts["refused"] = _jobs_and_refusals(layout.folder(State.FAILED))
+    return {k: counts[k] for k in COUNTED}
+
+
+def status(config: Config, layout: Layout, now: float | None = None) -> dict[str, Any]:
+    """Return what `status --json` prints: counts, daemons, active jobs and the spend of the last 24 h."""
+    now = time.time() if now is None else now
+    counts = state_counts(layout)
+    ledger = open_reader(config, layout)
+    try:
+        daemons = ledger.daemons() if ledger else []
+        active = active_jobs(layout, ledger, daemons, now)
+        spend = spend_since(ledger, now - SPEND_WINDOW_S) if ledger else {}
+    finally:
+        if ledger:
+            ledger.close()
+    return {
+        "counts": counts,
+        "daemons": [
+            {"owner": d.owner, "pid": d.pid, "host": d.host, "alive": d.alive, "started": d.started} for d in daemons
+        ],
+        "active": active,
+        "spend_24h": spend,
+    }
+
+
+def active_jobs(layout: Layout, ledger: Ledger | None, daemons: list[DaemonInfo], now: float) -> list[dict[str, Any]]:
+    """Return each job in active/ with its agent, owner daemon's pid and host, age, and whether that daemon lives.
+
+    The owner is the ledger row's ``owner``; a job whose row has none, or whose
+    owner is not alive, is flagged ``daemon_alive: false`` (the next daemon to
+    start, or a live one, recovers it).
+    """
+    by_owner = {d.owner: d for d in daemons}
+    names = sorted(de.name for de in visible_entries(layout.folder(State.ACTIVE)))
+    rows = ledger.known(names) if ledger and names else {}
+    out = []
+    for job_id in names:
+        folder = JobFolder(layout.job(State.ACTIVE, job_id))
+        try:
+            spec = folder.spec()
+            agent: str | None = spec.agent.name
+            received: float | None = spec.received
+        except ValueError:
+            agent, received = None, None
+        entry = rows.get(job_id)
+        owner = entry.owner if entry is not None else None
+        daemon = by_owner.get(owner) if owner else None
+        if owner and daemon is None and ledger is not None:
+            alive = ledger.alive(owner)
+        else:
+            alive = daemon is not None and daemon.alive
+        out.append(
+            {
+                "job_id": job_id,
+                "agent": agent or (entry.agent if entry else None),
+                "pid": daemon.pid if daemon else None,
+                "host": daemon.host if daemon else None,
+                "age_s": round(now - received, 1) if received is not None else None,
+                "daemon_alive": alive,
+            }
+        )
+    return out
+
+
+def spend_since(ledger: Ledger, since: float) -> dict[str, float]:
+    """Return the cost in USD per agent of the jobs that finished since ``since`` (epoch seconds).
+
+    Read from the ledger: each finished row (done, failed, review) carries its
+    job's ``cost_usd`` (the sum over its attempts) and ``updated``, the time it
+    finished. A job counts whole in the window it finished in, so a retried
+    job's earlier attempts count again when it finishes again.
+    """
+    spend: dict[str, float] = {}
+    for entry in ledger.in_state(Row.DONE, Row.FAILED, Row.REVIEW):
+        if entry.updated >= since and entry.cost_usd is not None:
+            agent = entry.agent or "-"
+            spend[agent] = spend.get(agent, 0.0) + entry.cost_usd
+    return {agent: round(usd, 6) for agent, usd in sorted(spend.items())}
+
+
+@dataclass(frozen=True, slots=True)
+class OrderFile:
+    """A work order waiting in inbox/ or held/, as far as it could be read."""
+
+    path: Path
+    job_id: str | None
+    agent: str | None
+    mtime: float
+    body: dict[str, Any] | None
+
+
+def read_order_file(path: Path, max_bytes: int, mtime: float | None = None) -> OrderFile:
+    """Read one order file (bounded by max_bytes, no link followed) for `list` and `show`.
+
+    An unreadable or invalid file still gives an OrderFile, with what could be read.
+    """
+    body: Any = None
+    try:
+        if mtime is None:
+            mtime = os.lstat(path).st_mtime
+        fmt = order_format(path.name)
+        if fmt is not None:
+            body = load_document(fsutil.read_regular(path, max_bytes), fmt)
+    except (OSError, OrderError, ValueError, RecursionError, fsutil.NotRegular):
+        body = None
+    body = body if isinstance(body, dict) else None
+    job_id = body.get("job_id") if body else None
+    agent = body.get("to") if body else None
+    return OrderFile(
+        path,
+        job_id if isinstance(job_id, str) else None,
+        agent if isinstance(agent, str) else None,
+        mtime or 0.0,
+        body,
+    )

@@ -1,0 +1,384 @@
+"""Load the config (contract section 3) into frozen dataclasses.
+
+One loader: it parses with the strict loader, checks ``schemas/config.schema.json``,
+resolves relative paths against the config file's folder, and names the key in
+every error. Internal names carry units (``timeout_s``) where the file says
+``timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dispatcher.errors import ConfigError, OrderError, UsageError
+from dispatcher.spec import schema
+from dispatcher.spec.loader import load_document
+from dispatcher.text import number
+
+DEFAULT_CONFIG = Path("config/dispatcher.yaml")
+SYSTEM_CONFIG = Path("/etc/dispatcher/dispatcher.yaml")
+CONFIG_ENV = "DISPATCHER_CONFIG"
+MAX_RETRY_DELAY_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    """One agent of the config: how to run it and what it may do."""
+
+    name: str
+    command: tuple[str, ...]
+    prompt: str | None = None
+    timeout_s: float = 600.0
+    concurrency: int = 1
+    max_attempts: int = 1
+    retry_safe: bool = False
+    probe: tuple[str, ...] | None = None
+    repair: bool = False
+    writes: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    pass_env: tuple[str, ...] = ()
+    max_cost_usd: float | None = None
+    review: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the agent as plain JSON values (snapshotted into each job)."""
+        return {
+            "name": self.name,
+            "command": list(self.command),
+            "prompt": self.prompt,
+            "timeout": self.timeout_s,
+            "concurrency": self.concurrency,
+            "max_attempts": self.max_attempts,
+            "retry_safe": self.retry_safe,
+            "probe": list(self.probe) if self.probe is not None else None,
+            "repair": self.repair,
+            "writes": list(self.writes),
+            "env": dict(self.env),
+            "pass_env": list(self.pass_env),
+            "max_cost_usd": self.max_cost_usd,
+            "review": self.review,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Agent:
+        """Rebuild an agent from ``to_json`` output (snapshots older than ``pass_env`` included)."""
+        return cls(
+            name=data["name"],
+            command=tuple(data["command"]),
+            prompt=data["prompt"],
+            timeout_s=float(data["timeout"]),
+            concurrency=int(data["concurrency"]),
+            max_attempts=int(data["max_attempts"]),
+            retry_safe=bool(data["retry_safe"]),
+            probe=tuple(data["probe"]) if data["probe"] is not None else None,
+            repair=bool(data["repair"]),
+            writes=tuple(data["writes"]),
+            env=dict(data["env"]),
+            pass_env=tuple(data.get("pass_env", ())),
+            max_cost_usd=data.get("max_cost_usd"),
+            review=bool(data.get("review", False)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole config. ``path`` is the file it came from (None: built-in defaults)."""
+
+    path: Path | None
+    root: Path
+    max_jobs: int = 2
+    max_timeout_s: float = 3600.0
+    max_hops: int = 5
+    max_followups: int = 100
+    max_order_bytes: int = 1_048_576
+    stop_timeout_s: float = 60.0
+    retry_delay_s: float = 2.0
+    rescan_interval_s: float = 30.0
+    settle_s: float = 2.0
+    kill_grace_s: float = 5.0
+    max_log_bytes: int = 10_485_760
+    log_file: Path | None = None
+    metrics_file: str | None = None
+    notify: tuple[str, ...] | None = None
+    max_chain_cost_usd: float | None = None
+    ledger: str = "sqlite"
+    lease_s: float = 30.0
+    watch: str = "inotify"
+    poll_interval_s: float = 1.0
+    agents: Mapping[str, Agent] = field(default_factory=dict)
+
+
+_TOP = {
+    "max_jobs": ("max_jobs", int),
+    "max_timeout": ("max_timeout_s", float),
+    "max_hops": ("max_hops", int),
+    "max_followups": ("max_followups", int),
+    "max_order_bytes": ("max_order_bytes", int),
+    "stop_timeout": ("stop_timeout_s", float),
+    "retry_delay": ("retry_delay_s", float),
+    "rescan_interval": ("rescan_interval_s", float),
+    "settle": ("settle_s", float),
+    "kill_grace": ("kill_grace_s", float),
+    "max_log_bytes": ("max_log_bytes", int),
+    "lease": ("lease_s", float),
+    "poll_interval": ("poll_interval_s", float),
+}
+
+
+def find_config(explicit: str | None) -> Path:
+    """Return the config path a command uses, whether or not the file exists.
+
+    ``--config`` (explicit), else ``$DISPATCHER_CONFIG``, else the first of
+    ``./config/dispatcher.yaml`` and ``/etc/dispatcher/dispatcher.yaml`` that exists,
+    else ``./config/dispatcher.yaml`` (where ``init`` writes a starter config).
+    A named file is never passed over for another: a typo is not guessed around.
+    """
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return Path(env)
+    return next((p for p in (DEFAULT_CONFIG, SYSTEM_CONFIG) if p.exists()), DEFAULT_CONFIG)
+
+
+def config_places(explicit: str | None) -> list[str]:
+    """Return the places `find_config` looks in, as a user would read them in an error."""
+    if explicit:
+        return [f"{explicit} (--config)"]
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return [f"{env} (${CONFIG_ENV})"]
+    return [f"./{DEFAULT_CONFIG}", str(SYSTEM_CONFIG)]
+
+
+def require_config(explicit: str | None) -> Path:
+    """Return the config path to use; raise UsageError naming every place tried when none exists."""
+    path = find_config(explicit)
+    if not path.exists():
+        raise UsageError(f"no config found (looked in: {', '.join(config_places(explicit))})")
+    return path
+
+
+def require_root(cfg: Config) -> Path:
+    """Return the config's dispatch root; raise UsageError naming it when it is not an existing folder.
+
+    Only ``init`` makes a root: a typo in ``root:`` or ``--root`` must not start a new one.
+    """
+    if not cfg.root.is_dir():
+        what = "is not a folder" if cfg.root.exists() else "does not exist"
+        where = f"root: in {cfg.path} or --root" if cfg.path is not None else "--root"
+        raise UsageError(f"root {cfg.root} {what} (check {where}; `dispatcher init DIR` makes one)")
+    return cfg.root
+
+
+def load_config(path: Path, *, root: Path | None = None) -> Config:
+    """Load and validate a config file; raise ConfigError naming the file and key.
+
+    ``root`` (from ``--root``) overrides the file's ``root``.
+    """
+    name = str(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError("config file not found", file=name) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=name) from None
+    try:
+        body = load_document(data, "json" if path.suffix == ".json" else "yaml", aliases=True)
+        return build_config(body, path, root=root)
+    except OrderError as exc:
+        raise ConfigError(exc.message, file=name, field=exc.field) from None
+
+
+def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> Config:
+    """Validate a parsed config body and build the Config."""
+    if not isinstance(body, dict):
+        raise ConfigError(f"the top level must be a mapping, not {schema.describe(body)}")
+    schema.validate(body, "config")
+    base = path.resolve().parent if path is not None else Path.cwd()
+    values: dict[str, Any] = {}
+    for key, (attr, kind) in _TOP.items():
+        if key in body:
+            values[attr] = kind(body[key])
+    max_timeout = values.get("max_timeout_s", 3600.0)
+    if root is None:
+        root = base / body["root"] if "root" in body else Path("dispatch")
+    log_file = body.get("log_file")
+    agents = {}
+    for agent_name, spec in body.get("agents", {}).items():
+        agent = _build_agent(agent_name, spec, base)
+        if agent.timeout_s > max_timeout:
+            raise ConfigError(
+                f"{number(spec['timeout'])} is above max_timeout ({number(max_timeout)})",
+                field=f"agents.{agent_name}.timeout",
+            )
+        agents[agent_name] = agent
+    metrics = body.get("metrics_file")
+    notify = body.get("notify")
+    return Config(
+        path=path.resolve() if path is not None else None,
+        root=Path(os.path.abspath(root)),
+        log_file=Path(os.path.abspath(base / log_file)) if log_file else None,
+        metrics_file=os.path.abspath(base / metrics) if metrics else None,
+        notify=resolve_argv(notify, base) if notify else None,
+        max_chain_cost_usd=body.get("max_chain_cost_usd"),
+        ledger=body.get("ledger", "sqlite"),
+        watch=body.get("watch", "inotify"),
+        agents=agents,
+        **values,
+    )
+
+
+def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
+    probe = spec.get("probe")
+    return Agent(
+        name=name,
+        command=resolve_argv(spec["command"], base),
+        prompt=spec.get("prompt"),
+        timeout_s=float(spec.get("timeout", 600)),
+        concurrency=int(spec.get("concurrency", 1)),
+        max_attempts=int(spec.get("max_attempts", 1)),
+        retry_safe=bool(spec.get("retry_safe", False)),
+        probe=resolve_argv(probe, base) if probe is not None else None,
+        repair=bool(spec.get("repair", False)),
+        writes=tuple(spec.get("writes", ())),
+        env=dict(spec.get("env", {})),
+        pass_env=_pass_env(name, spec.get("pass_env", ())),
+        max_cost_usd=spec.get("max_cost_usd"),
+        review=bool(spec.get("review", False)),
+    )
+
+
+# Set by the daemon for each attempt, or the daemon's own line to systemd (contract 3 and 9):
+# an agent never gets the daemon's values of these, so naming them in pass_env is a mistake.
+def _pass_env(agent: str, names: list[str]) -> tuple[str, ...]:
+    for i, name in enumerate(names):
+        if name == "NOTIFY_SOCKET" or name.startswith(("DISPATCH_", "WATCHDOG_")):
+            raise ConfigError(f"{name} is never passed to agents", field=f"agents.{agent}.pass_env[{i}]")
+    return tuple(names)
+
+
+def resolve_argv(argv: list[str], base: Path) -> tuple[str, ...]:
+    """Resolve path-like argv elements against the config's folder.
+
+    An element is resolved when it has no placeholder, is relative, contains a
+    ``/`` and names something that exists under ``base`` (so ``agents/a.py``
+    works from any working folder). Bare names such as ``python3`` are left for
+    PATH, and anything else passes unchanged.
+    """
+    out = []
+    for arg in argv:
+        if "/" in arg and "{" not in arg and not os.path.isabs(arg) and (base / arg).exists():
+            arg = os.path.normpath(base / arg)
+        out.append(arg)
+    return tuple(out)
+
+
+# Substituted per job (contract 3): a program path holding one is only known when the job runs.
+PLACEHOLDERS = ("{job_id}", "{order}", "{workspace}", "{receipt}", "{prompt}", "{prompt_file}")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing `validate` finds in a loaded config: an error (exit 2) or a warning."""
+
+    field: str
+    message: str
+    error: bool
+
+
+def check_agents(cfg: Config) -> list[Finding]:
+    """Return what a loaded config gets wrong that its schema cannot say.
+
+    A ``command`` or ``probe`` whose program is missing or not executable is an
+    error (the daemon would fail each job with ``config: agent NAME cannot
+    start``); ``repair`` without ``retry_safe`` or a ``probe`` is a warning,
+    since such an agent is never run again after failed checks. The daemon does
+    not refuse these at start: an agent installed later must still work.
+    """
+    base = cfg.path.parent if cfg.path is not None else Path.cwd()
+    out: list[Finding] = []
+    for name, agent in cfg.agents.items():
+        for key, argv in (("command", agent.command), ("probe", agent.probe)):
+            problem = program_problem(argv, agent.env, base) if argv else None
+            if problem is not None:
+                out.append(Finding(f"agents.{name}.{key}", problem, error=True))
+        if agent.repair and not agent.retry_safe and agent.probe is None:
+            out.append(Finding(f"agents.{name}.repair", "has no effect without retry_safe or probe", error=False))
+    return out
+
+
+def program_problem(argv: tuple[str, ...], env: Mapping[str, str], base: Path) -> str | None:
+    """Return why argv[0] cannot be run (not found, not executable), or None when it can.
+
+    A path is shown absolute (resolved against the config's folder) in both
+    messages; a bare name is looked up on the agent's PATH (its ``env`` PATH,
+    else the daemon's), the way the agent is started.
+    """
+    prog = argv[0]
+    if any(p in prog for p in PLACEHOLDERS):
+        return None
+    if "/" in prog:
+        path = os.path.normpath(base / prog)
+        if not os.path.exists(path):
+            return f"program '{path}' not found"
+        if os.path.isdir(path) or not os.access(path, os.X_OK):
+            return f"program '{path}' is not executable"
+        return None
+    search = env.get("PATH", os.environ.get("PATH", os.defpath))
+    if shutil.which(prog, path=search) is not None:
+        return None
+    if any(os.path.isfile(os.path.join(d or ".", prog)) for d in search.split(os.pathsep)):
+        return f"program '{prog}' is not executable"
+    return f"program '{prog}' not found"
+
+
+def default_config(root: Path | None) -> Config:
+    """Return the built-in defaults (no agents), for commands that need no config file."""
+    return Config(path=None, root=Path(os.path.abspath(root or "dispatch")))
+
+
+STARTER_CONFIG = """\
+# dispatcher config: every key of the contract, with its default.
+# Relative paths resolve against the folder that holds this file.
+root: {root}
+max_jobs: 2                # agents running at once in this daemon process
+max_timeout: 3600          # ceiling for any timeout, in seconds
+max_hops: 5                # longest chain of follow-ups
+max_followups: 100         # most follow-ups one job may hand off (more fails followups_valid)
+max_order_bytes: 1048576   # larger orders are refused
+stop_timeout: 60           # seconds a stop waits for running agents
+retry_delay: 2             # seconds before a retry; doubles each time, at most 300
+rescan_interval: 30        # seconds between safety rescans of inbox/
+settle: 2                  # seconds a file must stay unchanged when no close was seen
+kill_grace: 5              # seconds between SIGTERM and SIGKILL for an agent's group
+max_log_bytes: 10485760    # per stream and attempt
+log_file: null             # also write JSON log lines here (for `dispatcher logs`)
+metrics_file: null         # Prometheus text file, rewritten atomically; may hold {{host}} and {{pid}}
+notify: null               # argv run on job.failed, job.review, budget.held; placeholders {{event}}
+                           # {{job_id}} {{agent}} {{reason}} {{result}}
+max_chain_cost_usd: null   # a follow-up whose chain already cost more is held
+ledger: sqlite             # or postgresql://... shared by daemons on many hosts
+lease: 30                  # seconds (PostgreSQL ledger): a host silent this long is dead
+watch: inotify             # or poll: find new files by listing inbox/ every poll_interval
+poll_interval: 1
+agents:
+  echo:
+    # argv, never run through a shell. Placeholders: {{job_id}} {{order}} {{workspace}}
+    # {{receipt}} {{prompt}} {{prompt_file}}
+    command: [python3, -c, "import json,os; o=json.load(open(os.environ['DISPATCH_ORDER'])); ids=[i['id'] for i in o['items']]; json.dump(dict(job_id=o['job_id'], input_ids=ids, output_ids=[], status='done', outputs=[]), open('receipt.json','w'))"]
+    timeout: 600
+    concurrency: 1
+    max_attempts: 1
+    retry_safe: false
+    writes: []
+    env: {{}}                # extra environment variables for the agent
+    pass_env: []           # names of the daemon's environment variables it also gets (API keys)
+    max_cost_usd: null     # no further attempt once the job's attempts cost more
+    review: false          # a job that passes its checks waits in review/ for a person
+"""  # noqa: E501 - a starter agent on one line reads best in the file

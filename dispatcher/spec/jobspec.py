@@ -1,0 +1,211 @@
+"""What a job is, as typed values: its frozen spec, its attempts, its outcome.
+
+``JobSpec`` is what ``job.json`` holds: the validated order with its lineage,
+and the agent's settings frozen when the job was claimed (refreshed from the
+config when an operator retries it). ``Attempt`` is one run of the agent as
+``attempts/<n>/attempt.json`` records it. Nothing here touches the disk.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dispatcher.layout import iso, parse_iso
+from dispatcher.spec.config import Agent
+
+
+class Outcome(enum.StrEnum):
+    """How a job's run ended, for the daemon."""
+
+    DONE = "done"
+    FAILED = "failed"
+    REVIEW = "review"
+    LEFT = "left"  # stopped: stays in active/ and is recovered at the next start
+    FENCED = "fenced"  # its claim was taken over: nothing was changed
+
+
+class Stop(enum.StrEnum):
+    """Why a job was asked to end early (the one channel that stops a job)."""
+
+    CANCELLED = "cancelled"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A claimed job's frozen description (``job.json``)."""
+
+    job_id: str
+    source: str
+    received: float
+    parent: str | None
+    hops: int
+    agent: Agent
+    timeout_s: float
+    max_attempts: int
+    budget: int  # the last attempt number this job may run
+    writes: tuple[str, ...]
+    given: Mapping[str, str]  # files given to the agent in work/ -> sha256
+    order: Mapping[str, Any]  # the validated order, with parent and hops
+    parent_chain_cost_usd: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the spec as plain JSON values."""
+        return {
+            "job_id": self.job_id,
+            "source": self.source,
+            "received": self.received,
+            "parent": self.parent,
+            "hops": self.hops,
+            "agent": self.agent.to_json(),
+            "timeout": self.timeout_s,
+            "max_attempts": self.max_attempts,
+            "budget": self.budget,
+            "writes": list(self.writes),
+            "given": dict(self.given),
+            "order": dict(self.order),
+            "parent_chain_cost_usd": self.parent_chain_cost_usd,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
+        """Rebuild a spec from ``to_json`` output (KeyError/TypeError/ValueError if damaged)."""
+        return cls(
+            job_id=str(data["job_id"]),
+            source=str(data.get("source") or ""),
+            received=float(data["received"]),
+            parent=data.get("parent"),
+            hops=int(data.get("hops", 0)),
+            agent=Agent.from_json(data["agent"]),
+            timeout_s=float(data["timeout"]),
+            max_attempts=int(data["max_attempts"]),
+            budget=int(data["budget"]),
+            writes=tuple(data["writes"]),
+            given=dict(data.get("given") or {}),
+            order=dict(data.get("order") or {}),
+            parent_chain_cost_usd=data.get("parent_chain_cost_usd"),
+        )
+
+    def with_agent(self, agent: Agent, budget: int) -> JobSpec:
+        """Return the spec with the agent's current settings and a new attempt budget (a retry).
+
+        The timeout and the writes follow the agent unless the order sets its own.
+        """
+        timeout = self.order.get("timeout")
+        writes = self.order.get("writes")
+        return replace(
+            self,
+            agent=agent,
+            budget=budget,
+            timeout_s=float(timeout) if timeout is not None else agent.timeout_s,
+            writes=tuple(writes) if writes is not None else agent.writes,
+        )
+
+    def with_given(self, name: str, sha: str) -> JobSpec:
+        """Return the spec with one more file given to the agent."""
+        return replace(self, given={**self.given, name: sha})
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One run of the agent (``attempts/<n>/attempt.json``)."""
+
+    n: int
+    started: float
+    ended: float
+    exit_code: int | None
+    timed_out: bool = False
+    argv: tuple[str, ...] = ()
+    host: str | None = None
+    agent_result: Mapping[str, Any] | None = None
+    aborted: str | None = None
+    interrupted: bool = False
+    retry_next: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_ms(self) -> int:
+        return max(0, round((self.ended - self.started) * 1000))
+
+    @property
+    def cost_usd(self) -> float | None:
+        """The cost the agent reported (``total_cost_usd`` of its final JSON), if any."""
+        ar = self.agent_result
+        cost = ar.get("total_cost_usd") if isinstance(ar, Mapping) else None
+        return float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else None
+
+    def to_json(self, *, internal: bool = True) -> dict[str, Any]:
+        """Return the record; ``internal`` keeps the retry mark that result.json leaves out."""
+        out: dict[str, Any] = {
+            "n": self.n,
+            "started": iso(self.started),
+            "ended": iso(self.ended),
+            "exit_code": self.exit_code,
+            "timed_out": self.timed_out,
+            "duration_ms": self.duration_ms,
+            "argv": list(self.argv),
+            "host": self.host,
+            "cost_usd": self.cost_usd,
+        }
+        if self.agent_result is not None:
+            out["agent_result"] = dict(self.agent_result)
+            if "usage" in self.agent_result:
+                out["usage"] = self.agent_result["usage"]
+        if self.aborted:
+            out["aborted"] = self.aborted
+        if self.interrupted:
+            out["interrupted"] = True
+        if internal and self.retry_next:
+            out["next"] = "retry"
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Attempt:
+        """Rebuild a record (KeyError/TypeError/ValueError if damaged)."""
+        known = {
+            "n", "started", "ended", "exit_code", "timed_out", "duration_ms", "argv", "host", "cost_usd",
+            "agent_result", "usage", "aborted", "interrupted", "next",
+        }  # fmt: skip
+        ar = data.get("agent_result")
+        return cls(
+            n=int(data["n"]),
+            started=parse_iso(data["started"]),
+            ended=parse_iso(data["ended"]),
+            exit_code=data.get("exit_code"),
+            timed_out=bool(data.get("timed_out", False)),
+            argv=tuple(data.get("argv") or ()),
+            host=data.get("host"),
+            agent_result=ar if isinstance(ar, dict) else None,
+            aborted=data.get("aborted"),
+            interrupted=bool(data.get("interrupted", False)),
+            retry_next=data.get("next") == "retry",
+            extra={k: v for k, v in data.items() if k not in known},
+        )
+
+
+def total_cost(attempts: list[Attempt]) -> float | None:
+    """Return the sum of the attempts' reported costs, or None when none reported one."""
+    costs = [a.cost_usd for a in attempts if a.cost_usd is not None]
+    return round(sum(costs), 10) if costs else None
+
+
+def prompt_values(order: Mapping[str, Any], writes: tuple[str, ...], work: Path) -> dict[str, str]:
+    """Return the prompt template's placeholder values for one order in its work/ folder."""
+    return {
+        "job_id": order["job_id"],
+        "from": order["from"],
+        "to": order["to"],
+        "task": order["task"],
+        "items_json": json.dumps(order["items"], ensure_ascii=False),
+        "writes": ", ".join(writes),
+        "accept_json": json.dumps(order.get("accept") or {}, ensure_ascii=False),
+        "order": str(work / "order.json"),
+        "workspace": str(work),
+        "receipt": str(work / "receipt.json"),
+    }

@@ -1,0 +1,182 @@
+"""Parse untrusted YAML or JSON bytes into plain JSON values, strictly.
+
+``yaml.safe_load`` alone expands aliases (billion laughs), keeps the last of two
+duplicate keys, reads dates and sets into values JSON cannot hold, and raises
+RecursionError on deep nesting. This loader refuses all of those with an
+OrderError that names the field, so that what an order says is what JSON says.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import yaml
+
+from dispatcher.errors import OrderError
+from dispatcher.spec.schema import describe
+
+MAX_DEPTH = 64
+_BOM = b"\xef\xbb\xbf"
+
+
+def decode(data: bytes) -> str:
+    """Return data as text: UTF-8, a leading byte-order mark ignored."""
+    if data.startswith(_BOM):
+        data = data[len(_BOM) :]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OrderError(f"not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start})") from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses anchors, aliases, duplicate keys and deep nesting."""
+
+    def __init__(self, stream: str, *, aliases: bool = False) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._aliases = aliases
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        if self._aliases:
+            pass
+        elif isinstance(event, yaml.AliasEvent):
+            raise OrderError(f"YAML aliases are not allowed (*{event.anchor}, line {_line(event)})")
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None and not self._aliases:
+            raise OrderError(f"YAML anchors are not allowed (&{anchor}, line {_line(event)})")
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise OrderError(f"nesting deeper than {MAX_DEPTH} levels (line {_line(event)})")
+        try:
+            node: yaml.Node | None = super().compose_node(parent, index)
+            return node
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str):
+                raise OrderError(
+                    f"mapping key {key!r} is {describe(key)}, not a string (line {key_node.start_mark.line + 1})"
+                )
+            if key in seen:
+                raise OrderError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _line(event: yaml.Event) -> int:
+    mark = event.start_mark
+    return mark.line + 1 if mark is not None else 0
+
+
+def load_yaml(text: str, *, aliases: bool = False) -> Any:
+    """Parse one YAML document strictly; more than one document is an error.
+
+    Anchors and aliases are refused unless ``aliases`` (the trusted config allows them).
+    """
+    loader = _StrictLoader(text, aliases=aliases)
+    try:
+        if not loader.check_node():
+            raise OrderError("empty document")
+        node = loader.get_node()
+        if loader.check_node():
+            raise OrderError("more than one YAML document")
+        if node is None:
+            raise OrderError("empty document")
+        value = loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise OrderError(f"not valid YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise OrderError(f"nesting deeper than {MAX_DEPTH} levels") from None
+    finally:
+        loader.dispose()
+    check_json_value(value)
+    return value
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return str(problem)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise OrderError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise OrderError(f"{name} is not a JSON value")
+
+
+def load_json(text: str) -> Any:
+    """Parse JSON strictly: no duplicate keys, no NaN or Infinity, bounded nesting."""
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise OrderError(f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise OrderError(f"nesting deeper than {MAX_DEPTH} levels") from None
+    check_json_value(value)
+    return value
+
+
+def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
+    """Raise OrderError if value is nested too deep or holds a non-JSON value.
+
+    A string or mapping key holding a lone surrogate (``"\\ud800"`` in JSON) is
+    refused: it cannot be written as UTF-8, so no job could ever record it.
+    """
+    if depth > MAX_DEPTH:
+        raise OrderError(f"nesting deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and (bad := _lone_surrogate(key)) is not None:
+                shown = key.encode("utf-8", "backslashreplace").decode("ascii")
+                raise OrderError(f"key '{shown}' {_SURROGATE.format(bad)}", field=path or None)
+            check_json_value(item, f"{path}.{key}" if path else key, depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_json_value(item, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, str):
+        if (bad := _lone_surrogate(value)) is not None:
+            raise OrderError(_SURROGATE.format(bad), field=path or None)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise OrderError(f"{value} is not a JSON value", field=path or None)
+    elif value is not None and not isinstance(value, (str, int, bool)):
+        hint = " (quote it to make it a string)" if type(value).__name__ in ("date", "datetime") else ""
+        raise OrderError(f"a {type(value).__name__} value is not allowed{hint}", field=path or None)
+
+
+_SURROGATE = "holds a lone surrogate ({}), which cannot be written as UTF-8"
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """Return the first lone surrogate of text as an escape (``\\ud800``), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(text[exc.start]):04x}"
+    return None
+
+
+def load_document(data: bytes, fmt: str, *, aliases: bool = False) -> Any:
+    """Parse data as 'json' or 'yaml' into plain JSON values."""
+    text = decode(data)
+    return load_json(text) if fmt == "json" else load_yaml(text, aliases=aliases)

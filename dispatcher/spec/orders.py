@@ -1,0 +1,151 @@
+"""Parse and validate work orders (contract section 2).
+
+An order is untrusted input: it is size-limited, parsed with the strict loader,
+checked against ``schemas/order.schema.json`` and then against the rules a
+schema cannot say (unique item ids, a known agent, the timeout ceiling). It can
+never choose a command to run: it only names an agent from the config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+from dispatcher.errors import OrderError
+from dispatcher.spec import schema
+from dispatcher.spec.loader import load_document
+
+ORDER_SUFFIXES = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
+LINEAGE_KEYS = ("parent", "hops")
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    """The proof that counts for a job (the order's ``accept``)."""
+
+    output: str | None = None
+    key: str = "id"
+    allowed: Mapping[str, tuple[Any, ...]] | None = None
+    required: tuple[str, ...] = ()
+    followups: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """A validated work order. ``body`` is the order as plain JSON values."""
+
+    job_id: str
+    sender: str
+    to: str
+    task: str
+    item_ids: tuple[str, ...]
+    accept: Accept
+    writes: tuple[str, ...] | None
+    timeout_s: float | None
+    max_attempts: int | None
+    body: Mapping[str, Any]
+
+    @property
+    def sets_lineage(self) -> bool:
+        """Return True when the file itself set ``parent`` or ``hops``."""
+        return any(key in self.body for key in LINEAGE_KEYS)
+
+
+def order_format(name: str) -> str | None:
+    """Return 'json' or 'yaml' for a work-order file name, None for anything else.
+
+    The suffix is matched as the contract writes it (``x.JSON`` is not a work order).
+    """
+    return ORDER_SUFFIXES.get(PurePosixPath(name).suffix)
+
+
+def parse_order(
+    data: bytes,
+    name: str,
+    *,
+    agents: Container[str] | None = None,
+    max_timeout_s: float | None = None,
+    max_bytes: int | None = None,
+) -> Order:
+    """Parse and validate one work order; raise OrderError naming the file and field.
+
+    ``name`` is the file name (it picks the format by its suffix and is named in
+    errors). ``agents`` are the agent names of the config; with None, ``to`` is
+    not checked against it (``dispatcher validate`` without a config).
+    """
+    try:
+        fmt = order_format(name)
+        if fmt is None:
+            raise OrderError("not a work order (the name must end in .yaml, .yml or .json)")
+        if max_bytes is not None and len(data) > max_bytes:
+            raise OrderError(f"larger than max_order_bytes ({len(data)} > {max_bytes} bytes)")
+        body = load_document(data, fmt)
+        return validate_order(body, agents=agents, max_timeout_s=max_timeout_s)
+    except OrderError as exc:
+        raise exc.with_file(name) from None
+
+
+def validate_order(
+    body: Any,
+    *,
+    agents: Container[str] | None = None,
+    max_timeout_s: float | None = None,
+) -> Order:
+    """Validate an already parsed order body; raise OrderError naming the field."""
+    if not isinstance(body, dict):
+        raise OrderError(f"the top level must be a mapping, not {schema.describe(body)}")
+    try:
+        schema.validate(body, "order")
+    except OrderError as exc:
+        raise _with_hint(exc, body) from None
+    seen: set[str] = set()
+    for i, item in enumerate(body["items"]):
+        if item["id"] in seen:
+            raise OrderError(f"duplicate item id '{item['id']}'", field=f"items[{i}].id")
+        seen.add(item["id"])
+    if agents is not None and body["to"] not in agents:
+        raise OrderError(f"no agent '{body['to']}' is defined in the config", field="to")
+    timeout = body.get("timeout")
+    if timeout is not None and max_timeout_s is not None and timeout > max_timeout_s:
+        raise OrderError(f"{timeout:.15g} is above max_timeout ({max_timeout_s:.15g})", field="timeout")
+    raw_accept = body.get("accept") or {}
+    if agents is not None:
+        for i, name in enumerate(raw_accept.get("followups", ())):
+            if name not in agents:
+                raise OrderError(f"no agent '{name}' is defined in the config", field=f"accept.followups[{i}]")
+    allowed = raw_accept.get("allowed")
+    accept = Accept(
+        output=raw_accept.get("output"),
+        key=raw_accept.get("key", "id"),
+        allowed={k: tuple(v) for k, v in allowed.items()} if allowed is not None else None,
+        required=tuple(raw_accept.get("required", ())),
+        followups=tuple(raw_accept["followups"]) if "followups" in raw_accept else None,
+    )
+    writes = body.get("writes")
+    return Order(
+        job_id=body["job_id"],
+        sender=body["from"],
+        to=body["to"],
+        task=body["task"],
+        item_ids=tuple(item["id"] for item in body["items"]),
+        accept=accept,
+        writes=tuple(writes) if writes is not None else None,
+        timeout_s=float(timeout) if timeout is not None else None,
+        max_attempts=body.get("max_attempts"),
+        body=body,
+    )
+
+
+def _with_hint(exc: OrderError, body: dict[str, Any]) -> OrderError:
+    """Add a quoting hint when YAML read a scalar as a number or boolean."""
+    if "must be a string, not" in exc.message and not exc.message.endswith("null"):
+        return OrderError(exc.message + " (in YAML, quote the value)", field=exc.field)
+    return exc
+
+
+def to_json(body: Mapping[str, Any]) -> bytes:
+    """Return an order body as the JSON bytes written to work/order.json."""
+    return (json.dumps(body, ensure_ascii=False) + "\n").encode()

@@ -1,0 +1,294 @@
+"""The job store: the one owner of a job folder's state on disk.
+
+A job folder (``active/<id>``, later ``review/``, ``done/`` or ``failed/``) holds
+``order.<ext>`` (the dropped bytes), ``job.json`` (the ``JobSpec``), ``work/``,
+``attempts/<n>/`` and, once finished, ``result.json``. Everything that reads or
+writes those files is here, so that one module decides their format, and every
+read of a file an agent could have touched is bounded, follows no link and
+never blocks (``fsutil.read_regular``).
+
+The finishing sequence, in order, each step safe to interrupt:
+
+1. ``stage_result``: ``.result.json.staged`` written and fsynced in the folder;
+2. the ledger records the end, conditional on the claim's fencing token
+   (a job taken over by another daemon changes nothing: ``job.fenced``);
+3. ``land``: the staged result renamed to ``result.json`` and the folder
+   renamed into its state's folder (``done/``...); the state folders touched by
+   a batch of jobs are fsynced once per batch.
+
+A crash between 2 and 3 leaves a folder in active/ whose ledger row is finished:
+recovery lands it from its staged result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dispatcher import fsutil
+from dispatcher.checks.builtin import CheckResult
+from dispatcher.errors import oneline
+from dispatcher.layout import Layout, State, iso
+from dispatcher.spec.jobspec import Attempt, JobSpec
+
+JOB_FILE = "job.json"
+RESULT = "result.json"
+STAGED = ".result.json.staged"
+SPEC_MAX = 8 * 1024 * 1024
+RECORD_MAX = 1024 * 1024
+DETAIL_MAX = 2000
+
+
+class JobFolder:
+    """One job's folder wherever it is; every read bounded and link-safe."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.job_id = path.name
+        self.work = path / "work"
+        self.attempts_dir = path / "attempts"
+
+    # -- reading ----------------------------------------------------------------------------
+    def read_json(self, rel: str, limit: int = RECORD_MAX) -> Any:
+        """Return a JSON file of the folder, or None if missing, unreadable, odd or torn."""
+        try:
+            return json.loads(fsutil.read_regular(self.path / rel, limit, base=self.path))
+        except (OSError, ValueError, fsutil.NotRegular, RecursionError):
+            return None
+
+    def spec(self) -> JobSpec:
+        """Return the job's spec; raise ValueError if job.json is missing or damaged."""
+        data = self.read_json(JOB_FILE, SPEC_MAX)
+        try:
+            return JobSpec.from_json(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{JOB_FILE} is missing or damaged ({type(exc).__name__})") from None
+
+    def attempt_numbers(self) -> list[int]:
+        """Return the numbers of attempts/<n>/ folders, in order."""
+        try:
+            names = os.listdir(self.attempts_dir)
+        except OSError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def attempts(self) -> list[Attempt]:
+        """Return the recorded attempts, in order (an attempt with no readable record is left out)."""
+        out = []
+        for n in self.attempt_numbers():
+            data = self.read_json(f"attempts/{n}/attempt.json")
+            try:
+                out.append(Attempt.from_json(data))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+        return out
+
+    def pid_record(self, n: int) -> dict[str, Any] | None:
+        """Return the running record of attempt n ({pid, boot_started, started}), or None."""
+        for name in ("attempt.json", "pid"):  # "pid": jobs from before the record moved into attempt.json
+            data = self.read_json(f"attempts/{n}/{name}")
+            if isinstance(data, dict) and isinstance(data.get("pid"), int):
+                return data
+        return None
+
+    def result(self) -> dict[str, Any] | None:
+        """Return result.json (or the staged result of a job cut short while landing)."""
+        data = self.read_json(RESULT, SPEC_MAX)
+        if data is None:
+            data = self.read_json(STAGED, SPEC_MAX)
+        return data if isinstance(data, dict) else None
+
+    def has_kept_result(self, n: int) -> bool:
+        """Return True if attempts/<n>/ keeps an earlier result.json (the job was retried)."""
+        try:
+            return any(p.startswith("result") for p in os.listdir(self.attempts_dir / str(n)))
+        except OSError:
+            return False
+
+    # -- writing ----------------------------------------------------------------------------
+    def write_spec(self, spec: JobSpec, *, sync: bool = False) -> None:
+        """Write job.json atomically."""
+        fsutil.write_atomic(self.path / JOB_FILE, fsutil.dump_json(spec.to_json()), sync=sync, sync_dir=sync)
+
+    def begin_attempt(self, n: int) -> Path:
+        """Make attempts/<n>/ with empty stdout.log and stderr.log; return the folder.
+
+        Raises OSError (a full disk, say) before any agent starts: the job then waits.
+        """
+        folder = self.attempts_dir / str(n)
+        os.makedirs(folder, exist_ok=True)
+        for name in ("stdout.log", "stderr.log"):
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+            os.close(fd)
+        return folder
+
+    def begin_probe(self, n: int) -> Path:
+        """Make attempts/<n>/ with empty probe logs; return the folder."""
+        folder = self.attempts_dir / str(n)
+        os.makedirs(folder, exist_ok=True)
+        for name in ("probe-stdout.log", "probe-stderr.log"):
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+            os.close(fd)
+        return folder
+
+    def drop_attempt(self, n: int) -> None:
+        """Remove attempts/<n>/ made for an agent that could not start (a config error, not an attempt)."""
+        folder = self.attempts_dir / str(n)
+        for name in ("stdout.log", "stderr.log", "pid"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / name)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+    def record_pid(self, n: int, pid: int, boot_started: float, started: float) -> None:
+        """Record the running agent's pid and start (boot clock and wall clock) in attempts/<n>/attempt.json.
+
+        Written in place, not renamed: the end of the attempt rewrites the same
+        file, and a torn record reads as missing, which recovery treats as an
+        interrupted attempt (and looks for the agent by its working folder).
+        """
+        data = fsutil.dump_json({"n": n, "pid": pid, "boot_started": boot_started, "started": started})
+        _write_in_place(self.attempts_dir / str(n) / "attempt.json", data)
+
+    def record_attempt(self, attempt: Attempt) -> None:
+        """Write attempts/<n>/attempt.json (a torn one reads as missing: the attempt counts as interrupted)."""
+        _write_in_place(self.attempts_dir / str(attempt.n) / "attempt.json", fsutil.dump_json(attempt.to_json()))
+
+    def stash(self, n: int, *, feedback: bool = False) -> None:
+        """Move receipt.json and outbox/ (and feedback.json) of attempt n into attempts/<n>/ (idempotent).
+
+        Whatever they are (a file, a folder, a link, a FIFO), the entries are renamed,
+        never read or followed, so no leftover can pass for proof of a later attempt;
+        ``feedback`` also moves an older feedback.json aside before a new one is written.
+        """
+        folder = self.attempts_dir / str(n)
+        os.makedirs(folder, exist_ok=True)
+        for name in ("receipt.json", "outbox", "feedback.json")[: 3 if feedback else 2]:
+            src = self.work / name
+            if not os.path.lexists(src):
+                continue
+            dst, k = folder / name, 2
+            while os.path.lexists(dst):
+                dst, k = folder / f"{name}.{k}", k + 1
+            os.rename(src, dst)
+
+    def write_feedback(self, data: bytes) -> None:
+        """Create work/feedback.json (an older one was stashed first: nothing is written through a link)."""
+        fsutil.write_new(self.work / "feedback.json", data)
+
+    def keep_result(self) -> None:
+        """Move result.json into attempts/<last>/ (never over an older kept one), for a retry."""
+        src = self.path / RESULT
+        if not src.exists():
+            return
+        last = max(self.attempt_numbers(), default=0)
+        keep_dir = self.attempts_dir / str(last)
+        os.makedirs(keep_dir, exist_ok=True)
+        keep, k = keep_dir / RESULT, 2
+        while os.path.lexists(keep):
+            keep, k = keep_dir / f"result-{k}.json", k + 1
+        os.rename(src, keep)
+
+    def stage_result(self, result: Mapping[str, Any]) -> None:
+        """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
+        _write_in_place(self.path / STAGED, fsutil.dump_json(result), sync=True)
+
+    def land(self, layout: Layout, state: State) -> Path:
+        """Step 3 of finishing: name the staged result result.json and move the folder to state's folder.
+
+        The caller fsyncs the state folder (once per batch).
+        """
+        staged = self.path / STAGED
+        if os.path.lexists(staged):
+            os.rename(staged, self.path / RESULT)
+        target = layout.job(state, self.job_id)
+        if self.path != target:
+            fsutil.rename_noreplace(self.path, target)
+        return target
+
+
+def _write_in_place(path: Path, data: bytes, *, sync: bool = False) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cut(text: str, limit: int = DETAIL_MAX) -> str:
+    """Return text cut to limit characters, ending with a note of how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... (cut, {len(text) - limit} more characters)"
+
+
+def build_result(
+    *,
+    job_id: str | None,
+    state: str,
+    agent: str | None,
+    reason: str | None,
+    checks: Sequence[CheckResult] = (),
+    attempts: Sequence[Attempt] = (),
+    received: float,
+    parent: str | None = None,
+    children: Sequence[str] = (),
+    cost_usd: float | None = None,
+    chain_cost_usd: float | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Return a result.json body: the only place a result is built."""
+    out: dict[str, Any] = {
+        "job_id": job_id,
+        "state": state,
+        "agent": agent,
+        "reason": cut(oneline(reason)) if reason is not None else None,
+        "checks": [{"name": c.name, "ok": c.ok, "detail": cut(c.detail)} for c in checks],
+        "attempts": [a.to_json(internal=False) for a in attempts],
+        "received": iso(received),
+        "finished": iso(time.time()),
+        "parent": parent,
+        "children": list(children),
+        "cost_usd": cost_usd,
+        "chain_cost_usd": chain_cost_usd,
+    }
+    if extra:
+        out.update(extra)
+    return out
+
+
+def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> Path:
+    """Make an empty staging folder named for its owner (so recovery knows whose it is)."""
+    stage = layout.staging / f"{owner}.{kind}-{job_id}-{secrets.token_hex(4)}"
+    os.mkdir(stage)
+    return stage
+
+
+def remove_stage(stage: Path) -> None:
+    """Remove a staging folder holding only the daemon's own files (and links to user files)."""
+    for root, dirs, files in os.walk(stage, topdown=False):
+        for name in files:
+            os.unlink(os.path.join(root, name))
+        for name in dirs:
+            path = os.path.join(root, name)
+            if os.path.islink(path):
+                os.unlink(path)
+            else:
+                os.rmdir(path)
+    os.rmdir(stage)
+
+
+def is_disk_full(exc: OSError) -> bool:
+    """Return True for the errors that mean "wait and try again": a full disk or quota."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -1,0 +1,78 @@
+"""Find which job ids wait in inbox/ as orders not read yet, without loading the backlog.
+
+Used by `submit` (a queued id is known), by `cancel` (find the file of a queued
+job) and by the follow-up check (a follow-up may not take the id of a queued
+order). Files are read one at a time; a file whose bytes hold neither the
+wanted id nor a backslash (an id can hide only behind an escape) is skipped
+unparsed, and what was parsed is remembered by (inode, size, mtime).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from dispatcher import fsutil
+from dispatcher.checks.evidence import is_ignored
+from dispatcher.errors import OrderError
+from dispatcher.spec.orders import order_format, parse_order
+
+_MAX_BYTES = 1 << 24
+_CACHE_MAX = 200_000
+_cache: dict[tuple[int, int, int], str | None] = {}
+_lock = threading.Lock()
+
+
+def _job_id(path: Path, key: tuple[int, int, int], data: bytes) -> str | None:
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+    try:
+        job_id: str | None = parse_order(data, path.name).job_id
+    except (OrderError, RecursionError, ValueError):
+        job_id = None
+    with _lock:
+        if len(_cache) >= _CACHE_MAX:
+            _cache.clear()
+        _cache[key] = job_id
+    return job_id
+
+
+def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
+    """Return {job_id: file name} for the wanted ids that a valid order in inbox/ carries."""
+    wanted = set(job_ids)
+    found: dict[str, str] = {}
+    if not wanted:
+        return found
+    needles = [j.encode() for j in wanted]
+    try:
+        entries = list(os.scandir(inbox))
+    except FileNotFoundError:
+        return found
+    for de in entries:
+        if is_ignored(de.name) or order_format(de.name) is None:
+            continue
+        try:
+            st = de.stat(follow_symlinks=False)
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            with _lock:
+                cached = _cache.get(key, "")
+            if cached == "":
+                data = fsutil.read_regular(Path(de.path), _MAX_BYTES)
+                if b"\\" not in data and not any(n in data for n in needles):
+                    continue
+                cached = _job_id(Path(de.path), key, data)
+        except (OSError, ValueError, fsutil.NotRegular):
+            continue
+        if cached in wanted and cached not in found:
+            found[cached] = de.name
+            if len(found) == len(wanted):
+                break
+    return found
+
+
+def queued_ids(inbox: Path, job_ids: Iterable[str]) -> set[str]:
+    """Return those of job_ids that a valid order waiting in inbox/ carries."""
+    return set(find_queued(inbox, job_ids))

@@ -1,0 +1,99 @@
+"""Refused files: anything in inbox/ that never becomes a job goes to failed/<stem>@<UTC time>/.
+
+The folder holds the file's original bytes as ``order.<ext>`` (or, for a symlink,
+FIFO, device or folder, the entry itself as ``entry``, never opened) and a
+``result.json`` saying why. It is built in staging and put in place by one
+rename, so a crash leaves either the file in inbox/ or a whole refusal.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dispatcher import fsutil
+from dispatcher.errors import printable
+from dispatcher.layout import Layout, State, utc_stamp
+from dispatcher.store.jobstore import build_result, new_stage, remove_stage
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A file that never becomes a job, and why."""
+
+    name: str
+    reason: str
+    job_id: str | None = None
+    entry_kind: str | None = None  # set for symlinks, FIFOs, devices, folders
+    agent: str | None = None
+
+
+def refuse(
+    layout: Layout, refusal: Refusal, owner: str, on_placed: Callable[[Path, Refusal], None] | None = None
+) -> Path | None:
+    """Move a refused file into failed/<stem>@<UTC timestamp>/ with a result.json.
+
+    ``on_placed`` is called with the folder right after the rename (to log it
+    before the folder's fsync). Returns the folder, or None if the file vanished.
+    """
+    src = layout.inbox / refusal.name
+    stem = Path(refusal.name).stem or "entry"
+    stage = new_stage(layout, owner, "refuse", "x")
+    base = f"{_cut(stem, 180)}@{utc_stamp()}"
+    (stage / ".target").write_bytes(os.fsencode(base))
+    (stage / ".source").write_bytes(os.fsencode(refusal.name))
+    inner = "entry" if refusal.entry_kind is not None else f"order{Path(refusal.name).suffix}"
+    result = build_result(
+        job_id=refusal.job_id,
+        state="failed",
+        agent=None,
+        reason=refusal.reason,
+        received=time.time(),
+        extra={"file": printable(refusal.name)},
+    )
+    (stage / "result.json").write_bytes(fsutil.dump_json(result))
+    try:
+        fsutil.move_out(src, stage / inner)
+    except FileNotFoundError:
+        remove_stage(stage)
+        return None
+    return place(layout, stage, base, lambda folder: on_placed(folder, refusal) if on_placed else None)
+
+
+def place(layout: Layout, stage: Path, base: str, on_placed: Callable[[Path], None] | None = None) -> Path:
+    """Rename a built refusal folder into failed/, adding -2, -3, ... if the name is taken."""
+    n = 1
+    while True:
+        target = layout.folder(State.FAILED) / (base if n == 1 else f"{base}-{n}")
+        try:
+            fsutil.rename_noreplace(stage, target)
+        except FileExistsError:
+            n += 1
+            continue
+        for name in (".target", ".source"):
+            (target / name).unlink(missing_ok=True)
+        if on_placed is not None:
+            on_placed(target)
+        fsutil.fsync_dir(layout.folder(State.FAILED))
+        return target
+
+
+def finish_stage(layout: Layout, stage: Path) -> None:
+    """Put in place a refusal a dead daemon built but did not rename (its file is inside)."""
+    target, source = stage / ".target", stage / ".source"
+    base = os.fsdecode(target.read_bytes()) if target.exists() else stage.name
+    if source.exists():
+        kept = next(p for p in stage.iterdir() if p.name.startswith("order") or p.name == "entry")
+        name = os.fsdecode(source.read_bytes())
+        if name and fsutil.same_file(layout.inbox / name, kept):
+            os.unlink(layout.inbox / name)
+    place(layout, stage, base)
+
+
+def _cut(text: str, limit: int) -> str:
+    """Return text cut to at most limit bytes of its file-system encoding."""
+    raw = os.fsencode(text)
+    return text if len(raw) <= limit else os.fsdecode(raw[:limit].decode("utf-8", "ignore").encode())
