@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dispatcher.core.metrics import Metrics, metrics_path
+from dispatcher.metrics import Metrics, metrics_path
 
 
 def samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

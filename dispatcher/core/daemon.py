@@ -18,25 +18,24 @@ import resource
 import signal
 import socket
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
 
-from dispatcher.core import housekeeping
-from dispatcher.core.lanes import GroupCommit, Lanes
+from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper, has_leases
 from dispatcher.core.notify import Notifications
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox, start_watch
 from dispatcher.errors import ConfigError, UsageError
+from dispatcher.job.finish import Finisher
 from dispatcher.job.job import JobContext
+from dispatcher.lanes import Lanes
 from dispatcher.layout import UMASK, Layout
-from dispatcher.ledger.base import DaemonInfo, Finish
+from dispatcher.ledger.base import DaemonInfo
 from dispatcher.spec.config import Config, load_config
 from dispatcher.spec.jobspec import Stop
-from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.ledgers import open_ledger
 
 log = structlog.get_logger("dispatcher")
@@ -99,22 +98,29 @@ class Daemon:
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = None
         if self.config.metrics_file:
-            from dispatcher.core.metrics import Metrics  # prometheus_client only when it is used
+            from dispatcher.metrics import Metrics  # prometheus_client only when it is used
 
             host = socket.gethostname()
             self.metrics = Metrics(self.config.metrics_file, host, os.getpid(), agents=self.config.agents)
-        self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once)
+        self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
+        finisher = Finisher(
+            self.layout,
+            self.ledger,
+            self.lanes,
+            self._config,
+            notify=self.notify,
+            hints=self.inbox,
+            metrics=self.metrics,
+        )
+        finisher.bind(self.loop)
         ctx = JobContext(
             layout=self.layout,
             ledger=self.ledger,
             lanes=self.lanes,
-            finisher=GroupCommit(self.lanes, self._commit_finishes),
-            config=lambda: self.config,
-            stopping=lambda: self.stopping,
-            fenced=lambda: self.lease is not None and (self.lease.fenced or self.lease.lost),
-            queued=lambda ids: housekeeping.queued_ids(self.layout.inbox, ids),
-            release=self._release,
-            notify=self.notify.fire,
+            finisher=finisher,
+            config=self._config,
+            stopping=self._stopping,
+            fenced=self._fenced,
             metrics=self.metrics,
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup)
@@ -122,7 +128,9 @@ class Daemon:
         if has_leases(self.ledger):
             self.lease = LeaseKeeper(self.ledger, self.config.lease_s, self._hosts_lost)
             self.lease.start()
-        self.house = housekeeping.Housekeeping(self, ctx)
+        self.house = Housekeeping(
+            ctx, self.sched, self.inbox, check_watch=self._check_watch, wake=self.wakeup, shared=self.lease is not None
+        )
         log.info(
             "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
             max_jobs=self.config.max_jobs, agents=sorted(self.config.agents), once=self.once, ledger=self.config.ledger,
@@ -166,7 +174,7 @@ class Daemon:
             self._next_watchdog = now + self.notifier.watchdog_interval_s
         if now >= self._next_rescan:
             self._next_rescan = now + self._rescan_interval()
-            self.house.start(self.house.rescan())
+            self.house.start(self.house.rescan(), "rescan")
         if self.stop_deadline is not None and now >= self.stop_deadline:
             self.sched.abort_all(Stop.STOPPED)
             self.stop_deadline = None
@@ -206,7 +214,7 @@ class Daemon:
     def hint(self, kind: str, name: str) -> None:
         """A filesystem hint from the watch (on the loop)."""
         if kind == "control":
-            self.house.start(self.house.requests())
+            self.house.start(self.house.requests(), "requests")
         elif kind == "rescan":
             self._next_rescan = 0.0
         else:
@@ -292,7 +300,7 @@ class Daemon:
         if self._was_fenced:
             log.info("lease.renewed")
             self._was_fenced = False
-            self.house.start(self.house.recover(startup=False))  # take our own stopped jobs back
+            self.house.start(self.house.recover(startup=False), "recover")  # take our own stopped jobs back
         return False
 
     def _hosts_lost(self, owners: list[str]) -> None:
@@ -303,16 +311,26 @@ class Daemon:
 
     def _recover_lost(self) -> None:
         if not self.stopping:
-            self.house.start(self.house.recover(startup=False))
+            self.house.start(self.house.recover(startup=False), "recover")
 
     def _rescan_interval(self) -> float:
         return self.config.poll_interval_s if self.config.watch == "poll" else self.config.rescan_interval_s
 
-    def _commit_finishes(self, batch: Sequence[tuple[JobFolder, Finish, dict[str, object]]]) -> list[bool]:
-        return housekeeping.commit_finishes(self.layout, self.ledger, batch, self.metrics)
+    def _config(self) -> Config:
+        return self.config
 
-    def _release(self, parent: str, token: int) -> None:
-        housekeeping.release(self, parent)
+    def _stopping(self) -> bool:
+        return self.stopping
+
+    def _fenced(self) -> bool:
+        """No lease renewal for lease / 2: write nothing more into job folders."""
+        return self.lease is not None and (self.lease.fenced or self.lease.lost)
+
+    def _check_watch(self) -> None:
+        """Restart the watch of inbox/ if it died (the rescan's check)."""
+        if self.watch is not None and not self.watch.alive():
+            log.error("watcher.restarted")
+            self.watch = start_watch(self.layout.inbox, self.layout.control, self.hint)
 
     def _status(self) -> None:
         if self.notifier.enabled:

@@ -23,10 +23,10 @@ import structlog
 
 from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake, recovery
-from dispatcher.job.intake import Inspected, Pick, Refused, Skipped, Started
+from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started
 from dispatcher.job.job import Job, JobContext
 from dispatcher.layout import State
-from dispatcher.ledger.base import Request, Row
+from dispatcher.ledger.base import Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec, Outcome, Stop
 from dispatcher.spec.orders import Order, validate_order
@@ -55,7 +55,6 @@ class Parked:
     agent: str
     item: Inspected | None = None
     token: int = 0
-    cancel: bool = False
     slot: int | None = None  # a slot handed over from a job of the same agent that just ended
     host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
 
@@ -83,6 +82,7 @@ class Dropped:
     parked: Parked
     refused: bool = False
     retry_later: bool = False
+    cancelled: bool = False  # claimed under a cancel request: it went to failed/ without a Job
 
 
 @dataclass
@@ -110,7 +110,6 @@ class Scheduler:
         self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
         self.slot_poll = False
         self.stats = Stats()
-        self.cancel_names: dict[str, str] = {}  # inbox name -> job id to cancel on claim
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
         self.idle: dict[str, list[int]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # slots of ended jobs, kept for the next job of that agent
@@ -148,19 +147,11 @@ class Scheduler:
         self.blocked = {agent: until for agent, until in self.blocked.items() if until > now}
         self.slot_poll = bool(self.blocked)
         free = self.free_slots()
-        batch: list[Parked] = [p for p in self.parked if p.cancel]  # a cancel needs no slot
-        for p in batch:
-            self.parked.remove(p)
-        for name in list(self.cancel_names):
-            self.inbox.forget(name)
-            cancelled = self._read(name)
-            self.cancel_names.pop(name, None)
-            if cancelled is not None:
-                batch.append(cancelled)
+        batch: list[Parked] = []
         for p in list(self.parked):
             if free <= 0:
                 break
-            if p.agent in self.blocked and not p.cancel:
+            if p.agent in self.blocked:
                 continue
             self.parked.remove(p)
             batch.append(p)
@@ -170,14 +161,14 @@ class Scheduler:
             if ready is None:
                 break
             new = self._read(ready)
-            if new is not None and new.agent in self.blocked and not new.cancel:
+            if new is not None and new.agent in self.blocked:
                 self.parked.append(new)  # its agent has no free slot: waiting takes no slot from others
             elif new is not None:
                 batch.append(new)
                 free -= 1
         for p in batch:
             idle = self.idle.get(p.agent)
-            if idle and not p.cancel:
+            if idle:
                 p.slot = idle.pop()
         # claimed in chunks: the first agents start while the lane still claims the rest
         for i in range(0, len(batch), CLAIM_CHUNK):
@@ -208,8 +199,7 @@ class Scheduler:
             return None
         job_id = found.order.job_id
         log.info("order.received", agent=found.order.to, file=name, job_id=job_id)
-        cancel = self.cancel_names.pop(name, None) == job_id
-        return Parked(Kind.NEW, job_id, found.order.to, found, cancel=cancel)
+        return Parked(Kind.NEW, job_id, found.order.to, found)
 
     async def _refuse(self, refusal: Refusal) -> None:
         folder = await self.ctx.lanes.ledger(refuse, self.ctx.layout, refusal, self.ctx.ledger.owner, self.log_refused)
@@ -231,9 +221,9 @@ class Scheduler:
             folder=folder.name,
         )
 
-    async def _launch(self, batch: list[Parked]) -> None:
+    async def _launch(self, batch: list[Parked], *, cancel: bool = False) -> None:
         try:
-            results = await self.ctx.lanes.ledger(self._claim_in_lane, batch)
+            results = await self.ctx.lanes.ledger(self._claim_in_lane, batch, slotless=cancel)
         except Exception as exc:
             log.exception("daemon.error", step="claim", error=str(exc))
             results = [Dropped(p, retry_later=True) for p in batch]
@@ -243,33 +233,35 @@ class Scheduler:
                 case Launch(parked=p):
                     if p.item is not None:
                         self.inbox.forget(p.item.name)
-                    self._run(r)
+                    self._run(r, cancel=cancel)
                 case NoSlot(parked=p):
                     self.parked.appendleft(p)
                     self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
                     self.slot_poll = True
-                case Dropped(parked=p, refused=refused, retry_later=later):
+                case Dropped(parked=p, refused=refused, retry_later=later, cancelled=cancelled):
                     if p.item is not None and later:  # a full disk, a failed batch: try again in a while
                         asyncio.get_running_loop().call_later(RETRY_LATER_S, self._try_again, p.item.name)
                     elif p.item is not None:
                         self.inbox.forget(p.item.name)
                     if refused:
                         self.stats.finished["refused"] += 1
+                    if cancelled:
+                        self.stats.finished["failed"] += 1
         self.wake()
 
     def _try_again(self, name: str) -> None:
         self.inbox.push_back(name)
         self.wake()
 
-    def _claim_in_lane(self, batch: list[Parked]) -> list[Launch | NoSlot | Dropped]:
-        """Take slots and claim (runs in the ledger lane)."""
+    def _claim_in_lane(self, batch: list[Parked], *, slotless: bool = False) -> list[Launch | NoSlot | Dropped]:
+        """Take slots and claim (runs in the ledger lane); ``slotless`` for a cancel, which takes none."""
         ledger, layout, cfg = self.ctx.ledger, self.ctx.layout, self.config
         out: list[Launch | NoSlot | Dropped] = []
         picks: list[tuple[Parked, int | None]] = []
         for p in batch:
             agent = cfg.agents.get(p.agent)
             slot = p.slot
-            if slot is None and not p.cancel:
+            if slot is None and not slotless:
                 slot = ledger.take_slot(p.agent, agent.concurrency if agent else 1)
                 if slot is None:
                     out.append(NoSlot(p))
@@ -280,7 +272,7 @@ class Scheduler:
                 out.append(self._reload(p, slot))
         if picks:
             chosen = [Pick(p.item, cfg.agents[p.agent]) for p, _ in picks if p.item is not None]
-            answers = intake.claim(layout, ledger, chosen, on_refused=self.log_refused)
+            answers = intake.claim(layout, ledger, chosen, on_refused=self.log_refused, finisher=self.ctx.finisher)
             for (p, slot), answer in zip(picks, answers, strict=True):
                 if isinstance(answer, Started):
                     out.append(Launch(p, answer.folder, answer.spec, answer.order, answer.token, slot))
@@ -288,7 +280,8 @@ class Scheduler:
                 if slot is not None:
                     ledger.free_slot(p.agent, slot)
                 later = isinstance(answer, Skipped) and answer.retry_later
-                out.append(Dropped(p, refused=isinstance(answer, Refused), retry_later=later))
+                cancelled = isinstance(answer, Cancelled)
+                out.append(Dropped(p, refused=isinstance(answer, Refused), retry_later=later, cancelled=cancelled))
         return out
 
     def _reload(self, p: Parked, slot: int | None) -> Launch | Dropped:
@@ -314,7 +307,7 @@ class Scheduler:
                     recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
             return Dropped(p)
 
-    def _run(self, launch: Launch) -> None:
+    def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         p = launch.parked
         job = Job(
             self.ctx,
@@ -326,7 +319,7 @@ class Scheduler:
             recovering=p.kind is Kind.RECOVER,
             host_lost=p.host_lost,
         )
-        if p.cancel or (p.item is not None and p.job_id in self.cancel_names.values()):
+        if cancel:
             job.control.abort(Stop.CANCELLED)
         task = asyncio.get_running_loop().create_task(job.run())
         self.running[job.job_id] = Running(job, task, launch.slot)
@@ -343,18 +336,12 @@ class Scheduler:
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
             self.left.add(job_id)
-        if outcome is not Outcome.LEFT and r is not None and r.job.control.reason is Stop.CANCELLED:
-            self._background(self._clear_cancel(job_id))
         self.blocked.pop(r.job.agent if r else "", None)  # a slot of that agent is free again
         self.wake()
 
     def _count_running(self) -> None:
         if self.ctx.metrics is not None:
             self.ctx.metrics.set_running(collections.Counter(r.job.agent for r in self.running.values()))
-
-    async def _clear_cancel(self, job_id: str) -> None:
-        if job_id in await self.ctx.lanes.io(self.ctx.ledger.requests, Request.CANCEL):
-            await self.ctx.lanes.ledger(self.ctx.ledger.clear_request, job_id, Request.CANCEL)
 
     # -- stopping -----------------------------------------------------------------------------
     def abort_all(self, reason: Stop, *, only_waiting: bool = False, mute: bool = False) -> None:
@@ -376,18 +363,32 @@ class Scheduler:
         self.parked.append(Parked(Kind.RETRY, job_id, agent))
 
     def cancel(self, job_id: str, entry_state: str | None) -> bool:
-        """Carry out a cancel request; return False when the order must first be found in inbox/."""
+        """Carry out a cancel request; return False when the order must first be found in inbox/.
+
+        A running job is stopped through its ``Control``; parked work is claimed (or
+        reloaded) at once without a slot, and the claim's transaction decides (``Cancelled``).
+        """
         r = self.running.get(job_id)
         if r is not None:
             r.job.control.abort(Stop.CANCELLED)
             return True
         for p in self.parked:
             if p.job_id == job_id:
-                p.cancel = True
+                self.parked.remove(p)
+                self._launch_now(p)
                 return True
         return entry_state in (Row.DONE, Row.FAILED, Row.CLAIMED, Row.REVIEW)
 
-    def cancel_queued(self, job_id: str, name: str) -> None:
-        """Cancel an order still unread in inbox/: it is claimed at once, without a slot."""
-        self.cancel_names[name] = job_id
-        self.inbox.push_back(name)
+    def claim_now(self, name: str) -> None:
+        """Claim an order still unread in inbox/ at once, without a slot (a cancel was asked for it)."""
+        self.inbox.forget(name)
+        p = self._read(name)
+        if p is not None:
+            self._launch_now(p)
+
+    def _launch_now(self, p: Parked) -> None:
+        if p.slot is not None:
+            self.idle.setdefault(p.agent, []).append(p.slot)
+            p.slot = None
+        self.inflight += 1
+        self._background(self._launch([p], cancel=True))

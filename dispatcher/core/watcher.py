@@ -188,8 +188,11 @@ class _Pending:
 class Inbox:
     """Which inbox names are waiting to settle, ready to read, or taken up by the daemon."""
 
-    def __init__(self, inbox: Path, settle_s: float, *, wait_for_writers: bool = True) -> None:
+    def __init__(
+        self, inbox: Path, settle_s: float, *, wait_for_writers: bool = True, wake: Callable[[], None] | None = None
+    ) -> None:
         self.inbox = inbox
+        self.wake = wake  # called after each hint: the loop takes a turn
         self.settle_s = settle_s
         self.wait_for_writers = wait_for_writers  # off for `run --once`: at most settle s after the last change
         self._pending: dict[str, _Pending] = {}
@@ -201,9 +204,11 @@ class Inbox:
         return len(self._known)
 
     def hint(self, kind: str, name: str) -> None:
-        """Take one filesystem event into account."""
+        """Take one filesystem event into account (and wake the loop)."""
         if not name or is_ignored(name):
             return
+        if self.wake is not None:
+            self.wake()
         if kind in ("moved", "closed"):
             self._pending.pop(name, None)
             self._make_ready(name)

@@ -34,14 +34,15 @@ import structlog
 from dispatcher import fsutil
 from dispatcher.checks.evidence import digest
 from dispatcher.errors import OrderError
+from dispatcher.job.finish import Finisher
 from dispatcher.job.runner import render
 from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Known, Ledger, Row
+from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, Row
 from dispatcher.spec.config import Agent, Config
-from dispatcher.spec.jobspec import JobSpec, prompt_values
+from dispatcher.spec.jobspec import JobSpec, Stop, prompt_values
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import Order, order_format, parse_order, to_json
-from dispatcher.store.jobstore import JOB_FILE, JobFolder, is_disk_full, new_stage, remove_stage
+from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, is_disk_full, new_stage, remove_stage
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
@@ -75,6 +76,15 @@ class Started:
     spec: JobSpec
     order: Order
     token: int
+    cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """A claimed job whose cancel was asked before its claim: it went to failed/ with no attempt."""
+
+    name: str
+    job_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +103,7 @@ class Skipped:
     retry_later: bool = False
 
 
-Claimed_ = Started | Refused | Skipped
+Claimed_ = Started | Cancelled | Refused | Skipped
 
 
 def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | None:
@@ -146,9 +156,19 @@ def known_reason(job_id: str, state: str) -> str:
 
 
 def claim(
-    layout: Layout, ledger: Ledger, picks: Sequence[Pick], *, on_refused: Callable[[Path, Refusal], None]
+    layout: Layout,
+    ledger: Ledger,
+    picks: Sequence[Pick],
+    *,
+    on_refused: Callable[[Path, Refusal], None],
+    finisher: Finisher,
 ) -> list[Claimed_]:
-    """Claim a batch of orders (in the ledger lane); one answer per pick, in order."""
+    """Claim a batch of orders (in the ledger lane); one answer per pick, in order.
+
+    The ledger decides in the claim's transaction: a new id is ours, a known one is
+    refused, and one with an open cancel request is ours only to fail it at once
+    (``Cancelled``: its folder lands in failed/ with reason ``cancelled``, no attempt).
+    """
     owner = ledger.owner
     out: list[Claimed_ | None] = [None] * len(picks)
     staged: list[tuple[int, Pick, Path]] = []
@@ -205,7 +225,27 @@ def claim(
                 out[i] = Skipped(pick.item.name)
     if placed:
         fsutil.fsync_dir(layout.folder(State.ACTIVE))  # the claim's durable point: before any agent starts
+    for i, done in enumerate(out):
+        if isinstance(done, Started) and done.cancelled:
+            out[i] = _cancel(finisher, done, picks[i].item.name)
     return [o if o is not None else Skipped("") for o in out]
+
+
+def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
+    """Fail a job claimed under an open cancel request: no Job, no slot, no attempt."""
+    spec = started.spec
+    result = build_result(
+        job_id=spec.job_id,
+        state=str(Row.FAILED),
+        agent=spec.agent.name,
+        reason=str(Stop.CANCELLED),
+        received=spec.received,
+        parent=spec.parent,
+        chain_cost_usd=spec.parent_chain_cost_usd,
+    )
+    finish = Finish(spec.job_id, started.token, Row.FAILED, None, spec.parent_chain_cost_usd)
+    finisher.finish_now(started.folder, finish, result)
+    return Cancelled(name, spec.job_id)
 
 
 def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
@@ -257,7 +297,7 @@ def _place(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Cla
         parent=claimed.parent,
         hops=claimed.hops,
     )
-    return Started(JobFolder(target), spec, order, claimed.token)
+    return Started(JobFolder(target), spec, order, claimed.token, claimed.cancelled)
 
 
 def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claimed: Claimed) -> tuple[JobSpec, Order]:

@@ -15,22 +15,21 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
-from dispatcher.checks import verify
 from dispatcher.checks.builtin import CheckResult, Exit, verdict
-from dispatcher.core.lanes import GroupCommit, Lanes
-from dispatcher.job import attempt, retry
+from dispatcher.job import attempt, retry, verify
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.control import Control, Left
+from dispatcher.job.finish import Finisher
 from dispatcher.job.recovery import leftover_groups
 from dispatcher.job.runner import end_group
-from dispatcher.layout import Layout, State
+from dispatcher.lanes import Lanes
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import Child, Finish, Ledger, Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, Outcome, Stop, total_cost
@@ -38,7 +37,7 @@ from dispatcher.spec.orders import Order
 from dispatcher.store.jobstore import JobFolder, build_result, is_disk_full
 
 if TYPE_CHECKING:
-    from dispatcher.core.metrics import Metrics  # prometheus_client is imported only when metrics_file is set
+    from dispatcher.metrics import Metrics  # prometheus_client is imported only when metrics_file is set
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
@@ -52,12 +51,9 @@ class JobContext:
     layout: Layout
     ledger: Ledger
     lanes: Lanes
-    finisher: GroupCommit[tuple[JobFolder, Finish, dict[str, object]], bool]
+    finisher: Finisher
     config: Callable[[], Config]
     stopping: Callable[[], bool]
-    queued: Callable[[Sequence[str]], set[str]]  # job ids of orders waiting in inbox/ (blocking)
-    release: Callable[[str, int], None]  # release a done parent's follow-ups (blocking)
-    notify: Callable[[str, str | None, str | None, str | None, Path | None], None] = lambda *a: None
     fenced: Callable[[], bool] = lambda: False  # no lease renewal for lease/2: write nothing into job folders
     metrics: Metrics | None = None
 
@@ -140,8 +136,8 @@ class Job:
         result = self.folder.result() or {}
         state = Row(result.get("state", "failed"))
         log.info("job.recovered", step="finish")
-        ok = await self.ctx.finisher.submit((self.folder, Finish(self.job_id, self.token, state), result))
-        return await self._after_finish(state, ok, result.get("reason"))
+        ok = await self.ctx.finisher.land(self.folder, Finish(self.job_id, self.token, state), result, release=True)
+        return Outcome(str(state)) if ok else Outcome.FENCED
 
     # -- recovery ---------------------------------------------------------------------------
     async def _recover(self) -> Outcome | None:
@@ -342,7 +338,10 @@ class Job:
 
     async def _checks(self, exit_: Exit) -> list[CheckResult]:
         record, self._unsaved = self._unsaved, None
-        collect = functools.partial(verify.collect, self.ctx, self.spec, self.order, self.folder, exit_, record)
+        ctx = self.ctx
+        collect = functools.partial(
+            verify.collect, ctx.config(), ctx.ledger, ctx.layout, self.spec, self.order, self.folder, exit_, record
+        )
         ev, self._followups = await self._persist(collect)
         return verify.check(ev)
 
@@ -385,18 +384,8 @@ class Job:
             cost_usd=cost,
             chain_cost_usd=chain,
         )
-        await self._persist(self.folder.stage_result, result)
-        ok = await self.ctx.finisher.submit((self.folder, Finish(self.job_id, self.token, state, cost, chain), result))
-        return await self._after_finish(state, ok, reason)
-
-    async def _after_finish(self, state: Row, ok: bool, reason: str | None = None) -> Outcome:
-        if not ok:
-            log.warning("job.fenced", step="finish")
-            return Outcome.FENCED
-        if state in (Row.FAILED, Row.REVIEW):
-            event = "job.failed" if state == Row.FAILED else "job.review"
-            folder = self.ctx.layout.job(State.FAILED if state == Row.FAILED else State.REVIEW, self.job_id)
-            self.ctx.notify(event, self.job_id, self.agent, reason, folder / "result.json")
-        if state == Row.DONE and self._children != []:  # [] only when it surely has no follow-ups
-            await self.ctx.lanes.io(self.ctx.release, self.job_id, self.token)
-        return Outcome(str(state))
+        finisher = self.ctx.finisher
+        await self._persist(finisher.stage, self.folder, result)
+        finish = Finish(self.job_id, self.token, state, cost, chain)
+        ok = await finisher.land(self.folder, finish, result, release=bool(children))
+        return Outcome(str(state)) if ok else Outcome.FENCED

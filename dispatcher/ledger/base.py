@@ -87,6 +87,7 @@ class Claimed:
     previous: str | None = None  # the state a taken-over or released row had
     parent_chain_cost_usd: float | None = None
     previous_owner: str | None = None  # the dead daemon a claim was taken over from
+    cancelled: bool = False  # a cancel request was open at the claim: the job ends failed, no attempt
 
 
 @dataclass(frozen=True, slots=True)

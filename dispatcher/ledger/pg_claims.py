@@ -74,7 +74,7 @@ def claim_body(cur: Cur, owner: str, reqs: Sequence[ClaimRequest], plan: dict[st
         plan[job_id] = 1
     rest = sorted({r.job_id for i, r in enumerate(reqs) if answers[i] is None})
     if not rest:
-        return [a for a in answers if a is not None]
+        return _mark_cancelled(cur, [a for a in answers if a is not None])
     rows: dict[str, tuple[Entry, bool, float | None]] = {
         r[0]: (Entry(*r[:12]), bool(r[12]), r[13]) for r in cur.execute(_ROWS, (rest,))
     }
@@ -110,7 +110,22 @@ def claim_body(cur: Cur, owner: str, reqs: Sequence[ClaimRequest], plan: dict[st
         cur.execute(_TAKE, (owner, *(list(col) for col in zip(*updates, strict=True))))
         if cur.rowcount != len(updates):  # cannot happen under FOR UPDATE; never answer a guess
             raise RuntimeError(f"claim: {cur.rowcount} of {len(updates)} conditional updates matched")
-    return [a for a in answers if a is not None]
+    return _mark_cancelled(cur, [a for a in answers if a is not None])
+
+
+def _mark_cancelled(cur: Cur, answers: list[ClaimAnswer]) -> list[ClaimAnswer]:
+    """Answer "cancelled" for each claimed id with an open cancel request (the claim's transaction)."""
+    ids = [a.job_id for a in answers if isinstance(a, Claimed)]
+    if not ids:
+        return answers
+    asked = {
+        r[0] for r in cur.execute("SELECT job_id FROM requests WHERE kind = 'cancel' AND job_id = ANY(%s)", (ids,))
+    }
+    if not asked:
+        return answers
+    return [
+        dataclasses.replace(a, cancelled=True) if isinstance(a, Claimed) and a.job_id in asked else a for a in answers
+    ]
 
 
 class Claims:

@@ -54,6 +54,8 @@ class Followups:
                 row = cur.execute(
                     _FINISH, (state, it.cost_usd, it.chain_cost_usd, it.job_id, it.token, state)
                 ).fetchone()
+                if row is not None:  # a cancel asked for a job that has now ended is spent
+                    cur.execute("DELETE FROM requests WHERE job_id = %s AND kind = 'cancel'", (it.job_id,))
                 if row is not None and it.state == Row.FAILED:  # its follow-ups were never released
                     cur.execute("DELETE FROM jobs WHERE parent = %s AND state = 'reserved'", (it.job_id,))
                 out.append(row is not None)

@@ -144,7 +144,7 @@ class SqliteLedger(SqliteDb, Ledger):
                         " VALUES (?, 'claimed', ?, ?, ?, ?, 0, ?, 1)",
                         (req.job_id, req.agent, self.owner, req.source, req.digest, stamp),
                     )
-                    out.append(Claimed(req.job_id, 1))
+                    out.append(Claimed(req.job_id, 1, cancelled=self._cancel_asked(db, req.job_id)))
                     continue
                 same_file = entry.source == req.source and entry.digest == req.digest
                 released = entry.state in (Row.RESERVED, Row.RELEASED) and entry.digest == req.digest
@@ -177,11 +177,19 @@ class SqliteLedger(SqliteDb, Ledger):
                         entry.state,
                         parent_cost,
                         entry.owner if taken_over else None,
+                        self._cancel_asked(db, req.job_id),
                     )
                 )
             return out
 
         return self._tx(body, durable=False)
+
+    @staticmethod
+    def _cancel_asked(db: sqlite3.Connection, job_id: str) -> bool:
+        """Return True if a cancel request is open for job_id (read inside the claim's transaction)."""
+        return (
+            db.execute("SELECT 1 FROM requests WHERE job_id = ? AND kind = 'cancel'", (job_id,)).fetchone() is not None
+        )
 
     def unclaim(self, job_id: str, token: int, previous: str | None, previous_owner: str | None = None) -> None:
         """Undo a claim whose job folder could not be put in place (nothing ran)."""
@@ -269,6 +277,8 @@ class SqliteLedger(SqliteDb, Ledger):
                     (str(it.state), it.cost_usd, it.chain_cost_usd, stamp, it.job_id, it.token, str(it.state)),
                 )
                 ok = cur.rowcount == 1
+                if ok:  # a cancel asked for a job that has now ended is spent
+                    db.execute("DELETE FROM requests WHERE job_id = ? AND kind = 'cancel'", (it.job_id,))
                 if ok and it.state == Row.FAILED:  # its follow-ups were never released
                     db.execute("DELETE FROM jobs WHERE parent = ? AND state = 'reserved'", (it.job_id,))
                 out.append(ok)

@@ -8,25 +8,30 @@ themselves (``checks.run_checks``) are pure functions.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import structlog
 
 from dispatcher.checks.builtin import CheckResult, Evidence, Exit, run_checks
 from dispatcher.checks.evidence import gather
-from dispatcher.ledger.base import Child, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Child, Ledger, Row
+from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.orders import Order
 from dispatcher.store.jobstore import JobFolder
-
-if TYPE_CHECKING:
-    from dispatcher.job.job import JobContext
+from dispatcher.store.queued import queued_ids
 
 log = structlog.get_logger("dispatcher")
 
 
 def collect(
-    ctx: JobContext, spec: JobSpec, order: Order, folder: JobFolder, exit_: Exit, record: Attempt | None = None
+    cfg: Config,
+    ledger: Ledger,
+    layout: Layout,
+    spec: JobSpec,
+    order: Order,
+    folder: JobFolder,
+    exit_: Exit,
+    record: Attempt | None = None,
 ) -> tuple[Evidence, list[Child]]:
     """Write the attempt's record (if given), then gather its evidence (blocking: the io pool).
 
@@ -35,13 +40,12 @@ def collect(
     """
     if record is not None:
         folder.record_attempt(record)
-    cfg = ctx.config()
-    ledger, me, queued = ctx.ledger, spec.job_id, ctx.queued
+    me = spec.job_id
 
     def known(ids: list[str]) -> frozenset[str]:
         found = ledger.known(ids)
         mine = {i for i, e in found.items() if e.parent == me and e.state in (Row.RESERVED, Row.RELEASED, Row.HELD)}
-        return frozenset((set(found) - mine) | queued([i for i in ids if i not in found]))
+        return frozenset((set(found) - mine) | queued_ids(layout.inbox, [i for i in ids if i not in found]))
 
     ev, followups = gather(
         order=order,

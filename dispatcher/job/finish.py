@@ -1,0 +1,197 @@
+"""The one owner of a job's finish: stage, commit with the token, log, count, land, fsync, release.
+
+A job hands its result to ``Finisher.finish`` and learns whether it landed
+(``False``: another daemon holds the claim now, and nothing was changed outside
+this daemon's staging names). The steps, each safe to interrupt (README,
+"Guarantees"):
+
+1. the result is staged in the job folder (written and fsynced under a staging name);
+2. in the ledger lane, the ledger records the end, conditional on the claim's token,
+   for every job that finished in the same turn at once (``GroupCommit``);
+3. then each landed job is logged (``job.done``, ``job.failed``, ``job.review``) and counted,
+   its staged result is put in place, its folder moved to done/, failed/ or review/,
+   and each target folder fsynced once per batch;
+4. a failed or review job is notified; a done job's follow-ups are released into inbox/
+   (each new file is a hint to the inbox, which wakes the loop).
+
+The daemon is not on this path: it builds one Finisher at start and hands it to
+every job and to recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import structlog
+
+from dispatcher import fsutil
+from dispatcher.job.followups import release_followups
+from dispatcher.lanes import GroupCommit, Lanes
+from dispatcher.layout import Layout, State, parse_iso
+from dispatcher.ledger.base import Entry, Finish, Ledger, Row
+from dispatcher.spec.config import Config
+from dispatcher.store.jobstore import JobFolder
+
+if TYPE_CHECKING:
+    from dispatcher.metrics import Metrics  # prometheus_client is imported only when metrics_file is set
+
+log = structlog.get_logger("dispatcher")
+_STATE_OF = {Row.DONE: State.DONE, Row.FAILED: State.FAILED, Row.REVIEW: State.REVIEW}
+
+
+class Notify(Protocol):
+    """Where notifications go (``core.notify.Notifications``): never blocks, never fails the job."""
+
+    def fire(self, event: str, job_id: str | None, agent: str | None, reason: str | None, result: Path | None) -> None:
+        """Queue the notify command for one event."""
+
+
+class Hints(Protocol):
+    """Where a released follow-up's file name goes (``core.watcher.Inbox``), on the loop."""
+
+    def hint(self, kind: str, name: str) -> None:
+        """Note a file that appeared in inbox/."""
+
+
+@dataclass(frozen=True, slots=True)
+class Landing:
+    """One job's finish, as the ledger lane commits it."""
+
+    folder: JobFolder
+    finish: Finish
+    result: Mapping[str, Any]
+
+
+class Finisher:
+    """Finish jobs: the sequence above, batched per turn, for every job of one daemon."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        ledger: Ledger,
+        lanes: Lanes,
+        config: Callable[[], Config],
+        *,
+        notify: Notify | None = None,
+        hints: Hints | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.layout = layout
+        self.ledger = ledger
+        self.lanes = lanes
+        self.config = config
+        self.notify = notify
+        self.hints = hints
+        self.metrics = metrics
+        self._commit: GroupCommit[Landing, bool] = GroupCommit(lanes, self.commit)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def stage(self, folder: JobFolder, result: Mapping[str, Any]) -> None:
+        """Step 1 (blocking: the job runs it off the loop, waiting out a full disk): stage the result."""
+        folder.stage_result(result)
+
+    async def land(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any], *, release: bool) -> bool:
+        """Steps 2 to 4 for a staged result (or one in place: a landing cut short by a crash).
+
+        Returns False when fenced. ``release`` False says the job surely has no follow-ups
+        (no trip to the ledger for them).
+        """
+        self._loop = asyncio.get_running_loop()
+        ok = await self._commit.submit(Landing(folder, finish, result))
+        if not ok:
+            log.warning("job.fenced", step="finish")
+            return False
+        state = finish.state
+        if state in (Row.FAILED, Row.REVIEW) and self.notify is not None:
+            event = "job.failed" if state == Row.FAILED else "job.review"
+            target = self.layout.job(_STATE_OF[state], finish.job_id) / "result.json"
+            self.notify.fire(event, finish.job_id, str(result.get("agent") or ""), result.get("reason"), target)
+        if state == Row.DONE and release:
+            await self.lanes.io(self.release, finish.job_id)
+        return True
+
+    def finish_now(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any]) -> bool:
+        """Stage and commit one failed job from the ledger lane itself (a claim under a cancel)."""
+        folder.stage_result(result)
+        ok = self.commit([Landing(folder, finish, result)])[0]
+        if ok and self.notify is not None and self._loop is not None:
+            target = self.layout.job(_STATE_OF[finish.state], finish.job_id) / "result.json"
+            agent, reason = str(result.get("agent") or ""), result.get("reason")
+            self._loop.call_soon_threadsafe(self.notify.fire, "job.failed", finish.job_id, agent, reason, target)
+        return ok
+
+    def commit(self, batch: Sequence[Landing]) -> list[bool]:
+        """Steps 2 and 3 for a batch (ledger lane): ledger, log, count, land, fsync each target once."""
+        oks = self.ledger.finish([landing.finish for landing in batch])
+        touched: set[State] = set()
+        for landing, ok in zip(batch, oks, strict=True):
+            if not ok:
+                continue
+            finish, result = landing.finish, landing.result
+            state = _STATE_OF[finish.state]
+            duration = _duration(result)
+            fields = {
+                "job_id": finish.job_id,
+                "agent": result.get("agent"),
+                "attempts": len(result.get("attempts") or ()),
+                "duration_s": duration,
+                "cost_usd": result.get("cost_usd"),
+                "chain_cost_usd": result.get("chain_cost_usd"),
+            }
+            if state is State.DONE:
+                log.info("job.done", children=result.get("children") or None, **fields)
+            elif state is State.REVIEW:
+                log.info("job.review", children=result.get("children") or None, **fields)
+            else:
+                log.warning("job.failed", reason=result.get("reason"), **fields)
+            if self.metrics is not None and state is not State.REVIEW:
+                self.metrics.job_finished(state.value, result.get("agent"), duration, result.get("cost_usd"))
+            with contextlib.suppress(FileNotFoundError):  # landed already (a crash between land and this)
+                landing.folder.land(self.layout, state)
+                touched.add(state)
+        for state in touched:
+            fsutil.fsync_dir(self.layout.folder(state))
+        return oks
+
+    def release(self, parent: str) -> int:
+        """Release a done parent's follow-ups (blocking: io pool); each new file hints the inbox."""
+        return release_followups(
+            self.layout,
+            self.ledger,
+            parent,
+            max_chain_cost_usd=self.config().max_chain_cost_usd,
+            released=self._released,
+            held=self._held,
+        )
+
+    def release_orphaned(self) -> None:
+        """Release the follow-ups that daemons which died left reserved (blocking: io pool)."""
+        ledger = self.ledger
+        parents = {e.parent for e in ledger.pending_releases() if e.parent and not ledger.alive(e.owner or "")}
+        for parent in sorted(parents):
+            self.release(parent)
+
+    def _released(self, name: str) -> None:
+        if self.hints is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.hints.hint, "moved", name)
+
+    def _held(self, entry: Entry, name: str) -> None:
+        if self.notify is not None and self._loop is not None:
+            reason = f"chain cost {entry.chain_cost_usd} USD is above max_chain_cost_usd"
+            self._loop.call_soon_threadsafe(self.notify.fire, "budget.held", entry.job_id, entry.agent, reason, None)
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Name the loop that released follow-ups are hinted to (set at start, before any release)."""
+        self._loop = loop
+
+
+def _duration(result: Mapping[str, Any]) -> float | None:
+    try:
+        return round(parse_iso(result["finished"]) - parse_iso(result["received"]), 3)
+    except (KeyError, TypeError, ValueError):
+        return None
