@@ -10,6 +10,7 @@ the daemon.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -218,3 +219,8 @@ def open_beneath(base: Path, rel: Path) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def digest(data: bytes) -> str:
+    """Return the sha256 hex digest of data."""
+    return hashlib.sha256(data).hexdigest()

@@ -128,3 +128,8 @@ def has_jobs(layout: Layout) -> bool:
         except FileNotFoundError:
             continue
     return False
+
+
+def is_ignored(name: str) -> bool:
+    """Return True for hidden and temporary names in inbox/ (never picked up)."""
+    return name.startswith(".") or name.endswith((".tmp", ".part"))

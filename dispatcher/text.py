@@ -43,3 +43,20 @@ def plain(value: Any) -> str:
 def plural(n: int, word: str) -> str:
     """Return `1 agent`, `2 agents`."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def describe(value: Any) -> str:
+    """Return a short word for the JSON type of value, for error messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return "null" if value is None else type(value).__name__

@@ -18,7 +18,7 @@ from typing import Any
 
 from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, listed, stored_key
 from dispatcher.errors import cut, printable
-from dispatcher.spec.orders import Order
+from dispatcher.spec.order import Order
 
 DETAIL_MAX = 1000
 

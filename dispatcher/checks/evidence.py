@@ -19,7 +19,9 @@ from dispatcher.checks.builtin import Doc, Entry, Evidence, Exit, Followup
 from dispatcher.checks.stream import summarise_fd
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import NotRegular, kind_of
-from dispatcher.spec.orders import Order, order_format, parse_order
+from dispatcher.layout import is_ignored
+from dispatcher.spec.order import Order
+from dispatcher.spec.orders import order_format, parse_order
 
 RECEIPT_MAX = 4 * 1024 * 1024  # ids of items and outputs: orders are at most a few MiB
 OUTPUT_MAX = 256 * 1024 * 1024
@@ -30,16 +32,6 @@ _KINDS = {
     "FIFO": "fifo",
     "socket": "socket",
 }
-
-
-def digest(data: bytes) -> str:
-    """Return the sha256 hex digest of data."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def is_ignored(name: str) -> bool:
-    """Return True for hidden and temporary names (never picked up)."""
-    return name.startswith(".") or name.endswith((".tmp", ".part"))
 
 
 def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from dispatcher.checks.builtin import Doc
 from dispatcher.checks.summary import Summariser
-from dispatcher.spec.orders import Order
+from dispatcher.spec.order import Order
 
 RECORD_MAX = 1 << 20
 _RECORD_MAX_TEXT = "1 MiB"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dispatcher.errors import cut
-from dispatcher.spec.orders import Accept, Order
+from dispatcher.spec.order import Accept, Order
 
 OTHERS_MAX = 1000
 _KEY_MAX = 256  # longer ids are compared by digest, so a kept id costs little memory

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState
-from dispatcher.layout import UMASK, Layout
+from dispatcher.layout import Layout
 from dispatcher.spec.config import (
     DEFAULT_CONFIG,
     STARTER_CONFIG,
@@ -86,22 +86,6 @@ def _write_starter(path: Path, root: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(STARTER_CONFIG.format(root=rel))
     return rel
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    """Run the daemon on an existing root (its missing folders are made)."""
-    from dispatcher import logs
-    from dispatcher.core.daemon import Daemon
-
-    os.umask(UMASK)
-    path = require_config(args.config)
-    cfg = load_config(path, root=Path(args.root) if args.root else None)
-    require_root(cfg)
-    try:
-        logs.configure(log_file=cfg.log_file)
-    except OSError as exc:
-        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(path), field="log_file") from None
-    return Daemon(cfg, config_path=path, root_override=Path(args.root) if args.root else None, once=args.once).serve()
 
 
 def validate_config(path: Path, cfg: Config) -> int:

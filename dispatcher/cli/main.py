@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher import __version__
-from dispatcher.cli import commands, usage
+from dispatcher.cli import commands, run, usage
 from dispatcher.errors import DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
 from dispatcher.spec.config import Config, require_config
 from dispatcher.spec.orders import parse_order
+from dispatcher.store.counts import LIST_STATES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "status")
     c.add_argument("--json", action="store_true")
     c = _command(sub, "list")
-    c.add_argument("--state", choices=usage.LIST_STATES, help="only jobs (or refused files) in this state")
+    c.add_argument("--state", choices=LIST_STATES, help="only jobs (or refused files) in this state")
     c.add_argument("--agent", metavar="A", help="only the jobs of this agent")
     c.add_argument("--json", action="store_true", help="one JSON object a line")
     c = _command(sub, "show")
@@ -210,7 +211,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": commands.cmd_init,
-    "run": commands.cmd_run,
+    "run": run.cmd_run,
     "submit": cmd_submit,
     "validate": cmd_validate,
     "status": commands.cmd_status,

@@ -19,7 +19,6 @@ example:
 
 BAD = "bad usage, a bad config or none found"
 #: the states `list --state` takes (contract 7): `failed` is failed jobs, `refused` refused files
-LIST_STATES = ("inbox", "held", "active", "review", "done", "failed", "refused")
 _IDS = "each ID on its own; - reads ids from stdin, one a line"
 
 # command -> (summary, exit codes, examples)

@@ -15,12 +15,11 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from dispatcher import procs
-from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.job import recovery
 from dispatcher.job.job import JobContext
@@ -28,7 +27,7 @@ from dispatcher.job.review import settle_reviews
 from dispatcher.job.runner import end_group
 from dispatcher.layout import Layout, State
 from dispatcher.ledger.base import Request, Row
-from dispatcher.query.report import queue_counts
+from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
 
@@ -39,13 +38,31 @@ log = structlog.get_logger("dispatcher")
 METRICS_EVERY_S = 5.0  # the contract asks for at least every 10 s
 
 
+class Parking(Protocol):
+    """What housekeeping asks of the scheduler (``core.scheduler.Scheduler``): park, cancel, take back."""
+
+    left: set[str]  # jobs stopped while the daemon went on (fenced): taken back by recovery
+
+    def park_recovered(self, adopted: list[tuple[str, int, str]], *, host_lost: bool = False) -> None:
+        """Queue adopted jobs of dead daemons first."""
+
+    def park_retry(self, job_id: str, agent: str) -> None:
+        """Queue a failed job for `dispatcher retry`."""
+
+    def cancel(self, job_id: str, entry_state: str | None) -> bool:
+        """Carry out a cancel request; False when the order must first be found in inbox/."""
+
+    def claim_now(self, name: str) -> None:
+        """Claim an order in inbox/ at once, without a slot."""
+
+
 class Housekeeping:
     """Recovery, rescans, requests and the open-writer check, for one daemon."""
 
     def __init__(
         self,
         ctx: JobContext,
-        sched: Scheduler,
+        sched: Parking,
         inbox: Inbox,
         *,
         check_watch: Callable[[], None],

@@ -29,7 +29,8 @@ from dispatcher.layout import State
 from dispatcher.ledger.base import Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec, Outcome, Stop
-from dispatcher.spec.orders import Order, validate_order
+from dispatcher.spec.order import Order
+from dispatcher.spec.orders import validate_order
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.refusals import Refusal, refuse
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import structlog
 
 from dispatcher import faults, fsutil
-from dispatcher.checks.evidence import digest
 from dispatcher.errors import OrderError
+from dispatcher.fsutil import digest
 from dispatcher.layout import Layout, State
 from dispatcher.ledger.base import Entry, Ledger
 from dispatcher.spec.loader import load_document

@@ -32,8 +32,8 @@ from pathlib import Path
 import structlog
 
 from dispatcher import fsutil
-from dispatcher.checks.evidence import digest
 from dispatcher.errors import OrderError
+from dispatcher.fsutil import digest
 from dispatcher.job.finish import Finisher
 from dispatcher.job.runner import render
 from dispatcher.layout import Layout, State
@@ -41,7 +41,8 @@ from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, K
 from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import JobSpec, Stop, prompt_values
 from dispatcher.spec.loader import load_document
-from dispatcher.spec.orders import Order, order_format, parse_order, to_json
+from dispatcher.spec.order import Order
+from dispatcher.spec.orders import order_format, parse_order, to_json
 from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, is_disk_full, new_stage, remove_stage
 from dispatcher.store.refusals import Refusal, refuse
 

@@ -33,7 +33,7 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Child, Finish, Ledger, Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, Outcome, Stop, total_cost
-from dispatcher.spec.orders import Order
+from dispatcher.spec.order import Order
 from dispatcher.store.jobstore import JobFolder, build_result, is_disk_full
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Child, Ledger, Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
-from dispatcher.spec.orders import Order
+from dispatcher.spec.order import Order
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import queued_ids
 

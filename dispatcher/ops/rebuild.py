@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from dispatcher import fsutil
-from dispatcher.checks.evidence import digest
 from dispatcher.errors import UsageError
+from dispatcher.fsutil import digest
 from dispatcher.layout import Layout, State, utc_stamp
 from dispatcher.ledger.base import Entry, Row
 from dispatcher.ledger.flocks import owner_alive

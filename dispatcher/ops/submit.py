@@ -23,7 +23,8 @@ from dispatcher.errors import OrderError, UsageError
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import LedgerUnavailable
 from dispatcher.spec.config import Config
-from dispatcher.spec.orders import Order, parse_order
+from dispatcher.spec.order import Order
+from dispatcher.spec.orders import parse_order
 from dispatcher.store.ledgers import LedgerUnreachable, open_ledger
 from dispatcher.store.queued import queued_ids
 

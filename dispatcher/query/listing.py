@@ -19,13 +19,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dispatcher.checks.evidence import is_ignored
-from dispatcher.cli.usage import LIST_STATES
-from dispatcher.layout import Layout, State, parse_iso
+from dispatcher.layout import Layout, State, is_ignored, parse_iso
 from dispatcher.ledger.base import Entry, Ledger, Row
-from dispatcher.query.report import read_order_file, visible_entries
+from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import total_cost
+from dispatcher.store.counts import LIST_STATES, visible_entries
 from dispatcher.store.jobstore import JobFolder
 
 

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dispatcher import fsutil
-from dispatcher.checks.evidence import is_ignored
 from dispatcher.errors import OrderError
 from dispatcher.layout import Layout, State, has_jobs
 from dispatcher.ledger.base import DaemonInfo, Ledger, Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
+from dispatcher.store.counts import state_counts, visible_entries
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.ledgers import open_ledger
 
@@ -28,8 +27,6 @@ from dispatcher.store.ledgers import open_ledger
 PATIENCE_S = 30.0
 #: the window of `status`'s spend per agent
 SPEND_WINDOW_S = 24 * 3600.0
-#: the states `status` counts; `failed` is failed jobs, `refused` refused files
-COUNTED = ("inbox", "held", "active", "review", "done", "failed", "refused")
 
 
 def open_reader(config: Config, layout: Layout) -> Ledger | None:
@@ -44,54 +41,6 @@ def open_reader(config: Config, layout: Layout) -> Ledger | None:
         if missing and not has_jobs(layout):
             return None
     return open_ledger(config, layout, patience_s=PATIENCE_S, create=False)
-
-
-def visible_entries(folder: Path) -> Iterator[os.DirEntry[str]]:
-    """Yield the entries of folder whose names do not start with '.' (none if the folder is missing)."""
-    try:
-        with os.scandir(folder) as it:
-            for de in it:
-                if not de.name.startswith("."):
-                    yield de
-    except FileNotFoundError:
-        return
-
-
-def _orders_in(folder: Path) -> int:
-    return sum(1 for de in visible_entries(folder) if not is_ignored(de.name))
-
-
-def _jobs_and_refusals(folder: Path) -> tuple[int, int]:
-    """Return (jobs, refused files) in a state folder: refusal folders have '@' in their names."""
-    jobs = refused = 0
-    for de in visible_entries(folder):
-        if "@" in de.name:
-            refused += 1
-        else:
-            jobs += 1
-    return jobs, refused
-
-
-def queue_counts(layout: Layout) -> dict[str, int]:
-    """Return how many orders wait in inbox/ and held/ and how many jobs are in active/ and review/.
-
-    Cheap (one directory listing each, no file opened), for the metrics'
-    ``dispatcher_queue`` gauge; it still lists folders, so call it off the loop.
-    """
-    return {
-        "inbox": _orders_in(layout.inbox),
-        "held": _orders_in(layout.held),
-        "active": _jobs_and_refusals(layout.folder(State.ACTIVE))[0],
-        "review": _jobs_and_refusals(layout.folder(State.REVIEW))[0],
-    }
-
-
-def state_counts(layout: Layout) -> dict[str, int]:
-    """Return the counts of `status`: the queue, done and failed jobs, and refused files."""
-    counts = queue_counts(layout)
-    counts["done"] = _jobs_and_refusals(layout.folder(State.DONE))[0]
-    counts["failed"], counts["refused"] = _jobs_and_refusals(layout.folder(State.FAILED))
-    return {k: counts[k] for k in COUNTED}
 
 
 def status(config: Config, layout: Layout, now: float | None = None) -> dict[str, Any]:

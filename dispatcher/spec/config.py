@@ -18,7 +18,7 @@ from typing import Any
 from dispatcher.errors import ConfigError, OrderError, UsageError
 from dispatcher.spec import schema
 from dispatcher.spec.loader import load_document
-from dispatcher.text import number
+from dispatcher.text import describe, number
 
 DEFAULT_CONFIG = Path("config/dispatcher.yaml")
 SYSTEM_CONFIG = Path("/etc/dispatcher/dispatcher.yaml")
@@ -198,7 +198,7 @@ def load_config(path: Path, *, root: Path | None = None) -> Config:
 def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> Config:
     """Validate a parsed config body and build the Config."""
     if not isinstance(body, dict):
-        raise ConfigError(f"the top level must be a mapping, not {schema.describe(body)}")
+        raise ConfigError(f"the top level must be a mapping, not {describe(body)}")
     schema.validate(body, "config")
     base = path.resolve().parent if path is not None else Path.cwd()
     values: dict[str, Any] = {}

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from dispatcher.errors import OrderError
-from dispatcher.spec.schema import describe
+from dispatcher.text import describe
 
 MAX_DEPTH = 64
 _BOM = b"\xef\xbb\xbf"

@@ -10,48 +10,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Container, Mapping
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
 from dispatcher.errors import OrderError
 from dispatcher.spec import schema
 from dispatcher.spec.loader import load_document
+from dispatcher.spec.order import Accept, Order
+from dispatcher.text import describe
 
 ORDER_SUFFIXES = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
-LINEAGE_KEYS = ("parent", "hops")
-
-
-@dataclass(frozen=True, slots=True)
-class Accept:
-    """The proof that counts for a job (the order's ``accept``)."""
-
-    output: str | None = None
-    key: str = "id"
-    allowed: Mapping[str, tuple[Any, ...]] | None = None
-    required: tuple[str, ...] = ()
-    followups: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Order:
-    """A validated work order. ``body`` is the order as plain JSON values."""
-
-    job_id: str
-    sender: str
-    to: str
-    task: str
-    item_ids: tuple[str, ...]
-    accept: Accept
-    writes: tuple[str, ...] | None
-    timeout_s: float | None
-    max_attempts: int | None
-    body: Mapping[str, Any]
-
-    @property
-    def sets_lineage(self) -> bool:
-        """Return True when the file itself set ``parent`` or ``hops``."""
-        return any(key in self.body for key in LINEAGE_KEYS)
 
 
 def order_format(name: str) -> str | None:
@@ -96,7 +64,7 @@ def validate_order(
 ) -> Order:
     """Validate an already parsed order body; raise OrderError naming the field."""
     if not isinstance(body, dict):
-        raise OrderError(f"the top level must be a mapping, not {schema.describe(body)}")
+        raise OrderError(f"the top level must be a mapping, not {describe(body)}")
     try:
         schema.validate(body, "order")
     except OrderError as exc:

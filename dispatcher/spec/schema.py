@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import OrderError
+from dispatcher.text import describe
 
 SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
 
@@ -56,23 +57,6 @@ def _regex(pattern: str) -> re.Pattern[str]:
     if pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$"):
         pattern = pattern[1:-1]
     return re.compile(pattern, re.DOTALL)
-
-
-def describe(value: Any) -> str:
-    """Return a short word for the JSON type of value, for error messages."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return "null" if value is None else type(value).__name__
 
 
 def _is_type(value: Any, name: str) -> bool:

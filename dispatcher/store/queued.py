@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dispatcher import fsutil
-from dispatcher.checks.evidence import is_ignored
 from dispatcher.errors import OrderError
+from dispatcher.layout import is_ignored
 from dispatcher.spec.orders import order_format, parse_order
 
 _MAX_BYTES = 1 << 24

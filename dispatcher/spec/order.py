@@ -1,0 +1,41 @@
+"""A validated work order as a typed value (contract section 2); ``orders`` parses and validates."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LINEAGE_KEYS = ("parent", "hops")
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    """The proof that counts for a job (the order's ``accept``)."""
+
+    output: str | None = None
+    key: str = "id"
+    allowed: Mapping[str, tuple[Any, ...]] | None = None
+    required: tuple[str, ...] = ()
+    followups: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """A validated work order. ``body`` is the order as plain JSON values."""
+
+    job_id: str
+    sender: str
+    to: str
+    task: str
+    item_ids: tuple[str, ...]
+    accept: Accept
+    writes: tuple[str, ...] | None
+    timeout_s: float | None
+    max_attempts: int | None
+    body: Mapping[str, Any]
+
+    @property
+    def sets_lineage(self) -> bool:
+        """Return True when the file itself set ``parent`` or ``hops``."""
+        return any(key in self.body for key in LINEAGE_KEYS)
