@@ -41,6 +41,33 @@ class Request(enum.StrEnum):
 
     RETRY = "retry"
     CANCEL = "cancel"
+    REVISE = "revise"
+
+
+class GateKind(enum.StrEnum):
+    """Why an agent is gated (no new attempt of it starts on any host)."""
+
+    LIMIT = "limit"  # the agent's CLI said "come back at T" (a usage limit)
+    PAUSE = "pause"  # `dispatcher pause AGENT`, until `dispatcher resume AGENT`
+    BUDGET = "budget"  # a daily cost cap was reached; ``agent`` "*" is the root's cap
+
+
+#: the gate ``agent`` of the root's own daily cap: it holds every agent
+EVERY_AGENT = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """One gate: no attempt of ``agent`` starts before ``until`` (None: until lifted by hand)."""
+
+    agent: str
+    kind: str
+    until: float | None
+    reason: str | None = None
+
+    def holds(self, agent: str, at: float) -> bool:
+        """Return True when this gate keeps ``agent`` from starting at time ``at``."""
+        return self.agent in (agent, EVERY_AGENT) and (self.until is None or self.until > at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,10 +254,11 @@ class Ledger(ABC):
         """Take over a claimed job of a dead daemon; return the new token, or None if another won."""
 
     @abstractmethod
-    def take_retry(self, job_id: str) -> int | None:
+    def take_retry(self, job_id: str, kind: Request = Request.RETRY) -> int | None:
         """Turn a failed job with an open retry request into a claim by this daemon; return the token.
 
         None when the job is not failed or its request was carried out already.
+        With ``kind`` REVISE, a job in review is taken too (`dispatcher revise`).
         """
 
     # -- finishing (each conditional on the claim's token) -------------------------------
@@ -274,6 +302,35 @@ class Ledger(ABC):
     @abstractmethod
     def clear_request(self, job_id: str, kind: Request) -> None:
         """Mark a request as carried out."""
+
+    # -- gates and waits (contract section 14) ----------------------------------------------
+    @abstractmethod
+    def set_gate(self, gate: Gate, *, at: float) -> bool:
+        """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held at ``at``."""
+
+    @abstractmethod
+    def lift_gates(self, agent: str | None = None, *, expired_at: float | None = None) -> list[Gate]:
+        """Remove gates: every gate of ``agent``, or (``expired_at``) those whose time has come; return them."""
+
+    @abstractmethod
+    def gates(self) -> list[Gate]:
+        """Return every gate recorded, in force or not yet lifted, by agent."""
+
+    @abstractmethod
+    def set_wait(self, job_id: str, agent: str, until: float | None) -> None:
+        """Record that a claimed job waits for a gate (shown as state ``waiting``)."""
+
+    @abstractmethod
+    def clear_wait(self, job_id: str) -> None:
+        """Record that a job no longer waits."""
+
+    @abstractmethod
+    def waits(self) -> dict[str, float | None]:
+        """Return the waiting jobs with the time each waits for (None: until a gate is lifted)."""
+
+    @abstractmethod
+    def costs_since(self, since: float) -> list[tuple[float, str, float]]:
+        """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first."""
 
     # -- concurrency slots (an agent's `concurrency` over every daemon) ------------------
     @abstractmethod

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dispatcher.ledger.base import Busy, ClaimAnswer, Claimed, ClaimRequest, Entry, Known, Row
+from dispatcher.ledger.base import Busy, ClaimAnswer, Claimed, ClaimRequest, Entry, Known, Request, Row
 from dispatcher.ledger.pg_conn import Again, Cur, Found, Resolve, Runner
 from dispatcher.ledger.pg_leases import Leases
 
@@ -221,18 +221,21 @@ class Claims:
 
         return self.runner.run("adopt", body, self._owned(job_id, plan))
 
-    def take_retry(self, job_id: str) -> int | None:
-        """Turn a failed job with an open retry request into a claim by this daemon; return the new token."""
+    def take_retry(self, job_id: str, kind: Request = Request.RETRY) -> int | None:
+        """Turn a failed (for a revise, also a reviewed) job with an open request into a claim; return the token."""
         plan: list[int] = []
+        states = (Row.FAILED, Row.REVIEW) if kind is Request.REVISE else (Row.FAILED,)
 
         def body(cur: Cur) -> int | None:
             plan.clear()
             if not self.leases.check(cur, lease=True):
                 return None
             row = cur.execute("SELECT token, state FROM jobs WHERE job_id = %s FOR UPDATE", (job_id,)).fetchone()
-            if row is None or row[1] != Row.FAILED:
+            if row is None or row[1] not in states:
                 return None
-            asked = cur.execute("SELECT 1 FROM requests WHERE job_id = %s AND kind = 'retry'", (job_id,)).fetchone()
+            asked = cur.execute(
+                "SELECT 1 FROM requests WHERE job_id = %s AND kind = %s", (job_id, str(kind))
+            ).fetchone()
             if asked is None:  # carried out already: one request, one retry
                 return None
             plan.append(int(row[0]) + 1)

@@ -9,9 +9,10 @@ one-line error (an older dispatcher must never write to a newer ledger).
 
 from __future__ import annotations
 
+from dispatcher.ledger import pg_gates
 from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: gates and waits (contract section 14)
 # pg_advisory_xact_lock key for schema changes: "disp" "ldgr" in ASCII
 _LOCK_KEY = 0x6469737000000000 | 0x6C646772
 
@@ -92,7 +93,11 @@ def ensure(cur: Cur, where: str) -> int:
             )
         if version == SCHEMA_VERSION:
             return version
-        # versions 0 < v < SCHEMA_VERSION: migrations go here when there are any
+        if version == 1:  # a ledger from before gates: add their tables
+            for statement in pg_gates.TABLES:
+                cur.execute(statement)
+            cur.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION,))
+            return SCHEMA_VERSION
         raise PostgresLedgerError(f"{where}: ledger schema version {version} is unknown to this dispatcher")
     taken = cur.execute(
         "SELECT string_agg(c.relname, ', ' ORDER BY c.relname) FROM pg_class c"
@@ -104,7 +109,7 @@ def ensure(cur: Cur, where: str) -> int:
             f"{where}: the database holds tables ({taken[0]}) but no dispatcher schema_version;"
             " use an empty database for the ledger"
         )
-    for statement in _TABLES:
+    for statement in (*_TABLES, *pg_gates.TABLES):
         cur.execute(statement)  # fixed text only
     cur.execute("CREATE TABLE schema_version (version integer NOT NULL)")
     cur.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))

@@ -68,6 +68,7 @@ from dispatcher.ledger.base import (
     DaemonInfo,
     Entry,
     Finish,
+    Gate,
     Ledger,
     Request,
     Row,
@@ -75,6 +76,7 @@ from dispatcher.ledger.base import (
 from dispatcher.ledger.pg_claims import Claims
 from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
+from dispatcher.ledger.pg_gates import Gates
 from dispatcher.ledger.pg_leases import LeaseLost, Leases
 
 __all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError", "migrate"]
@@ -123,6 +125,7 @@ class PostgresLedger(Ledger):
         self._leases = Leases(self._runner, conninfo, self.lease_s)
         self._claims = Claims(self._runner, self._leases)
         self._followups = Followups(self._runner, self._leases)
+        self._gates = Gates(self._runner)
         try:
             self._runner.run("schema", lambda cur: pg_schema.ensure(cur, self.where), fatal=permanent)
         except psycopg.Error as exc:  # not a wait: a missing privilege, an unusable database
@@ -285,9 +288,9 @@ class PostgresLedger(Ledger):
         """Take over a claimed job of a dead daemon; return the new token, or None if another won."""
         return self._claims.adopt(job_id, expected_owner, expected_token)
 
-    def take_retry(self, job_id: str) -> int | None:
-        """Turn a failed job into a claim by this daemon (for `retry`); return the token."""
-        return self._claims.take_retry(job_id)
+    def take_retry(self, job_id: str, kind: Request = Request.RETRY) -> int | None:
+        """Turn a failed (or reviewed, for `revise`) job into a claim by this daemon; return the token."""
+        return self._claims.take_retry(job_id, kind)
 
     def reconcile(self, job_id: str, agent: str | None, parent: str | None, hops: int) -> bool:
         """Put back the claim row of a job folder found in active/ without one (a lost commit)."""
@@ -348,6 +351,35 @@ class PostgresLedger(Ledger):
             lambda cur: cur.execute("DELETE FROM requests WHERE job_id = %s AND kind = %s", (job_id, str(kind))),
             write=True,
         )
+
+    # -- gates and waits (pg_gates) ----------------------------------------------------------
+    def set_gate(self, gate: Gate, *, at: float) -> bool:
+        """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held."""
+        return self._gates.set_gate(gate, at=at)
+
+    def lift_gates(self, agent: str | None = None, *, expired_at: float | None = None) -> list[Gate]:
+        """Remove every gate of ``agent``, or those whose time has come; return them."""
+        return self._gates.lift_gates(agent, expired_at=expired_at)
+
+    def gates(self) -> list[Gate]:
+        """Return every gate recorded, by agent."""
+        return self._gates.gates()
+
+    def set_wait(self, job_id: str, agent: str, until: float | None) -> None:
+        """Record that a claimed job waits for a gate."""
+        self._gates.set_wait(job_id, agent, until)
+
+    def clear_wait(self, job_id: str) -> None:
+        """Record that a job no longer waits."""
+        self._gates.clear_wait(job_id)
+
+    def waits(self) -> dict[str, float | None]:
+        """Return the waiting jobs with the time each waits for."""
+        return self._gates.waits()
+
+    def costs_since(self, since: float) -> list[tuple[float, str, float]]:
+        """Return (finished, agent, cost_usd) of the jobs that finished since ``since``."""
+        return self._gates.costs_since(since)
 
     # -- bulk (pg_bulk) ----------------------------------------------------------------------
     def load_rows(self, entries: Iterable[Entry]) -> int:

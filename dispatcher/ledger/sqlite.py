@@ -38,12 +38,13 @@ from dispatcher.ledger.base import (
     now,
 )
 from dispatcher.ledger.flocks import make_lock
-from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, SqliteDb, _entry
+from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
+from dispatcher.ledger.sqlite_gates import SqliteGates
 
 __all__ = ["LedgerError", "SqliteLedger"]
 
 
-class SqliteLedger(SqliteDb, Ledger):
+class SqliteLedger(SqliteGates, Ledger):
     """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
 
     slots_local = True  # slots are flocks on this host
@@ -228,14 +229,15 @@ class SqliteLedger(SqliteDb, Ledger):
 
         return self._tx(body)
 
-    def take_retry(self, job_id: str) -> int | None:
-        """Turn a failed job with an open retry request into a claim by this daemon; return the new token."""
+    def take_retry(self, job_id: str, kind: Request = Request.RETRY) -> int | None:
+        """Turn a failed (or, for a revise, reviewed) job with an open request into a claim; return the token."""
+        states = (Row.FAILED, Row.REVIEW) if kind is Request.REVISE else (Row.FAILED,)
 
         def body(db: sqlite3.Connection) -> int | None:
             entry = self._row(db, job_id)
-            if entry is None or entry.state != Row.FAILED:
+            if entry is None or entry.state not in states:
                 return None
-            asked = db.execute("SELECT 1 FROM requests WHERE job_id = ? AND kind = 'retry'", (job_id,)).fetchone()
+            asked = db.execute("SELECT 1 FROM requests WHERE job_id = ? AND kind = ?", (job_id, str(kind))).fetchone()
             if asked is None:  # carried out already: one request, one retry
                 return None
             db.execute(

@@ -28,7 +28,7 @@ from dispatcher.ledger.flocks import FlockSlots, Liveness
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: gates and waits (contract section 14)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id  TEXT PRIMARY KEY,
@@ -54,6 +54,20 @@ CREATE TABLE IF NOT EXISTS requests (
     PRIMARY KEY (job_id, kind)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS gates (
+    agent   TEXT NOT NULL,
+    kind    TEXT NOT NULL,
+    until   REAL,
+    reason  TEXT,
+    updated REAL NOT NULL,
+    PRIMARY KEY (agent, kind)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS waits (
+    job_id TEXT PRIMARY KEY,
+    agent  TEXT NOT NULL,
+    until  REAL,
+    since  REAL NOT NULL
+) WITHOUT ROWID;
 """
 _COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
 _BUSY_TIMEOUT_MS = 1000

@@ -1,0 +1,118 @@
+"""The PostgreSQL ledger's gates and waits (contract section 14), shared by every host.
+
+Same rows as the SQLite engine's (``sqlite_gates``): a gate per agent and kind
+("no attempt of this agent starts before ``until``", NULL: until lifted by
+hand) and a wait per job that waits for one. Schema version 2 added the tables;
+``pg_schema.ensure`` adds them to a version 1 ledger.
+"""
+
+from __future__ import annotations
+
+from dispatcher.ledger.base import Gate, GateKind, Row
+from dispatcher.ledger.pg_conn import Cur, Runner
+
+TABLES = (
+    """
+    CREATE TABLE IF NOT EXISTS gates (
+        agent   text COLLATE "C" NOT NULL,
+        kind    text NOT NULL,
+        until   double precision,
+        reason  text,
+        updated double precision NOT NULL,
+        PRIMARY KEY (agent, kind)
+    )""",
+    """
+    CREATE TABLE IF NOT EXISTS waits (
+        job_id text COLLATE "C" PRIMARY KEY,
+        agent  text NOT NULL,
+        until  double precision,
+        since  double precision NOT NULL
+    )""",
+)
+_NOW = "extract(epoch from now())::float8"
+
+
+class Gates:
+    """Gates and waits over the engine's ``Runner``."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def set_gate(self, gate: Gate, *, at: float) -> bool:
+        """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held."""
+
+        def body(cur: Cur) -> bool:
+            row = cur.execute(
+                "SELECT until FROM gates WHERE agent = %s AND kind = %s FOR UPDATE", (gate.agent, gate.kind)
+            ).fetchone()
+            held = row is not None and (row[0] is None or row[0] > at)
+            until = gate.until
+            if held and row is not None and gate.kind != GateKind.BUDGET and until is not None:
+                until = None if row[0] is None else max(float(row[0]), until)
+            cur.execute(
+                f"INSERT INTO gates (agent, kind, until, reason, updated) VALUES (%s, %s, %s, %s, {_NOW})"  # noqa: S608
+                " ON CONFLICT (agent, kind) DO UPDATE SET until = EXCLUDED.until, reason = EXCLUDED.reason,"
+                " updated = EXCLUDED.updated",
+                (gate.agent, gate.kind, until, gate.reason),
+            )
+            return not held
+
+        return self.runner.run("set_gate", body, write=True)
+
+    def lift_gates(self, agent: str | None = None, *, expired_at: float | None = None) -> list[Gate]:
+        """Remove every gate of ``agent``, or those whose time has come at ``expired_at``; return them."""
+        args: tuple[object, ...]
+        if expired_at is not None:
+            sql, args = "DELETE FROM gates WHERE until IS NOT NULL AND until <= %s", (expired_at,)
+        else:
+            sql, args = "DELETE FROM gates WHERE agent = %s", (agent,)
+
+        def body(cur: Cur) -> list[Gate]:
+            rows = cur.execute(sql + " RETURNING agent, kind, until, reason", args).fetchall()
+            return [Gate(*r) for r in rows]
+
+        return self.runner.run("lift_gates", body, write=True)
+
+    def gates(self) -> list[Gate]:
+        """Return every gate recorded, by agent."""
+        rows = self.runner.run(
+            "gates",
+            lambda cur: cur.execute("SELECT agent, kind, until, reason FROM gates ORDER BY agent, kind").fetchall(),
+        )
+        return [Gate(*r) for r in rows]
+
+    def set_wait(self, job_id: str, agent: str, until: float | None) -> None:
+        """Record that a claimed job waits for a gate."""
+        self.runner.run(
+            "set_wait",
+            lambda cur: cur.execute(
+                f"INSERT INTO waits (job_id, agent, until, since) VALUES (%s, %s, %s, {_NOW})"  # noqa: S608
+                " ON CONFLICT (job_id) DO UPDATE SET agent = EXCLUDED.agent, until = EXCLUDED.until",
+                (job_id, agent, until),
+            ),
+            write=True,
+        )
+
+    def clear_wait(self, job_id: str) -> None:
+        """Record that a job no longer waits."""
+        self.runner.run(
+            "clear_wait", lambda cur: cur.execute("DELETE FROM waits WHERE job_id = %s", (job_id,)), write=True
+        )
+
+    def waits(self) -> dict[str, float | None]:
+        """Return the waiting jobs with the time each waits for."""
+        rows = self.runner.run("waits", lambda cur: cur.execute("SELECT job_id, until FROM waits").fetchall())
+        return {r[0]: r[1] for r in rows}
+
+    def costs_since(self, since: float) -> list[tuple[float, str, float]]:
+        """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first."""
+        states = [str(Row.DONE), str(Row.FAILED), str(Row.REVIEW)]
+        rows = self.runner.run(
+            "costs_since",
+            lambda cur: cur.execute(
+                "SELECT updated, coalesce(agent, '-'), cost_usd FROM jobs WHERE state = ANY(%s)"
+                " AND updated >= %s AND cost_usd IS NOT NULL ORDER BY updated",
+                (states, since),
+            ).fetchall(),
+        )
+        return [(float(r[0]), str(r[1]), float(r[2])) for r in rows]

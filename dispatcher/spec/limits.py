@@ -1,0 +1,184 @@
+"""Usage limits: "come back at T" answers of agent CLIs, found on the end of an attempt's output.
+
+An agent's ``limits:`` is a list of rules, each a regular expression whose first
+group names a time, read as ``epoch`` (seconds since 1970), ``clock`` (a time of
+day: ``17:30``, ``3pm``, ``12:50am``, UTC unless the text names a zone such as
+``(Europe/Berlin)``) or ``seconds`` (``30``, ``1.5s``, ``4 days 20 hours 9
+minutes``). The presets hold what the CLIs print, as their own trackers quote it:
+
+- ``claude``: ``Claude AI usage limit reached|1760000400`` (headless mode),
+  ``5-hour limit reached ∙ resets 3pm (Europe/Stockholm)``, ``You've hit your
+  session limit · resets 12:50am (America/Los_Angeles)`` and ``Claude usage limit
+  reached. Your limit will reset at 5pm (Europe/Warsaw).``;
+- ``codex``: ``You've hit your usage limit. Upgrade to Pro (...) or try again in
+  4 days 20 hours 9 minutes.``, the API's ``"resets_in_seconds": 13872`` and
+  ``Rate limit reached for ... Please try again in 1.5s``;
+- ``http429``: a ``429`` (or ``Too Many Requests``) with a ``Retry-After: 30`` header.
+
+Pure: the caller passes the text and the time; nothing here reads a clock or a file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+TAIL_BYTES = 64 * 1024  # the end of stdout and of stderr that limits look at
+KINDS = ("epoch", "clock", "seconds")
+_TEXT_MAX = 200
+
+
+@dataclass(frozen=True, slots=True)
+class LimitRule:
+    """One pattern: ``match`` (its first group is the time), read as ``until``; ``needs`` must match too."""
+
+    match: str
+    until: str
+    preset: str | None = None
+    needs: str | None = None
+
+    def to_json(self) -> dict[str, str | None]:
+        """Return the rule as job.json keeps it (a preset expanded, so that a job keeps what it started with)."""
+        return {"match": self.match, "until": self.until, "preset": self.preset, "needs": self.needs}
+
+    @classmethod
+    def from_json(cls, data: dict[str, str | None]) -> LimitRule:
+        """Rebuild a rule from ``to_json`` output."""
+        return cls(str(data["match"]), str(data["until"]), data.get("preset"), data.get("needs"))
+
+
+@dataclass(frozen=True, slots=True)
+class LimitHit:
+    """A rule matched: come back at ``until`` (epoch seconds); ``text`` is the matched text, cut."""
+
+    until: float
+    text: str
+
+
+_CLOCK = r"(\d{1,2}(?::\d{2})?\s*(?:[ap]\.?m\.?)?(?:\s*\([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*\)|\s+UTC)?)"
+_RESETS = r"\s*[∙·•|-]\s*resets\s+(?:at\s+)?"
+_DURATION = r"((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|h|minutes?|mins?|m|seconds?|secs?|s|ms)\b[\s,]*(?:and\s+)?)+)"
+PRESETS: dict[str, tuple[LimitRule, ...]] = {
+    "claude": (
+        LimitRule(r"Claude AI usage limit reached\|(\d{9,13})", "epoch", "claude"),
+        LimitRule(r"(?i)limit reached" + _RESETS + _CLOCK, "clock", "claude"),
+        LimitRule(r"(?i)hit your (?:session|weekly|usage) limit" + _RESETS + _CLOCK, "clock", "claude"),
+        LimitRule(r"(?i)usage limit reached\.\s*Your limit will reset at\s+" + _CLOCK, "clock", "claude"),
+    ),
+    "codex": (
+        LimitRule(r"(?is)You've hit your usage limit\..{0,300}?try again in\s+" + _DURATION, "seconds", "codex"),
+        LimitRule(r'(?i)"resets_in_seconds"\s*:\s*(\d+)', "seconds", "codex", needs=r"usage_limit_reached"),
+        LimitRule(r"(?is)Rate limit reached for .{0,500}?try again in\s+" + _DURATION, "seconds", "codex"),
+    ),
+    "http429": (
+        LimitRule(
+            r"(?i)retry-after[\"']?\s*[:=]\s*[\"']?(\d+(?:\.\d+)?)",
+            "seconds",
+            "http429",
+            needs=r"(?i)\b429\b|too many requests",
+        ),
+    ),
+}  # fmt: skip
+
+
+def preset(name: str) -> tuple[LimitRule, ...]:
+    """Return a preset's rules (KeyError for an unknown name)."""
+    return PRESETS[name]
+
+
+def compile_rule(rule: LimitRule) -> re.Pattern[str]:
+    """Compile a rule's pattern (re.error for a bad one); it must have a group."""
+    pattern = re.compile(rule.match)
+    if pattern.groups < 1:
+        raise re.error("needs a group, for example (\\d+), around the time")
+    return pattern
+
+
+def find_limit(text: str, rules: tuple[LimitRule, ...], now: float) -> LimitHit | None:
+    """Return the first rule's hit on text (the last match of that rule), or None.
+
+    A match whose time cannot be read, or lies in the past, is no hit: the
+    attempt then counts as the failure it is.
+    """
+    for rule in rules:
+        if rule.needs is not None and re.search(rule.needs, text) is None:
+            continue
+        last = None
+        for m in compile_rule(rule).finditer(text):
+            last = m
+        if last is None:
+            continue
+        until = read_time(last.group(1) or "", rule.until, now)
+        if until is not None and until > now:
+            return LimitHit(until, _cut(last.group(0)))
+    return None
+
+
+def read_time(value: str, kind: str, now: float) -> float | None:
+    """Read a matched time as epoch seconds (None when it cannot be read)."""
+    value = value.strip()
+    if kind == "epoch":
+        try:
+            t = float(value)
+        except ValueError:
+            return None
+        return t / 1000 if t > 1e11 else t  # milliseconds
+    if kind == "seconds":
+        seconds = duration_s(value)
+        return None if seconds is None else now + seconds
+    return clock_time(value, now)
+
+
+_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def duration_s(text: str) -> float | None:
+    """Read ``30``, ``1.5s``, ``250ms`` or ``4 days 20 hours 9 minutes`` as seconds."""
+    text = text.strip().lower()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    total, found = 0.0, False
+    for amount, unit in re.findall(r"(\d+(?:\.\d+)?)\s*(ms|[a-z]+)", text):
+        key = "ms" if unit == "ms" else "m" if unit.startswith("min") else unit[0]
+        if key not in _UNITS:
+            return None
+        total += float(amount) * _UNITS[key]
+        found = True
+    return total if found else None
+
+
+def clock_time(text: str, now: float) -> float | None:
+    """Return the next moment after ``now`` that shows this time of day (UTC unless a zone is named)."""
+    m = re.fullmatch(
+        r"(\d{1,2})(?::(\d{2}))?\s*([ap])?\.?(?:m\.?)?\s*(?:\(([^)]+)\)|(UTC))?", text.strip(), re.IGNORECASE
+    )
+    if m is None:
+        return None
+    hour, minute = int(m.group(1)), int(m.group(2) or 0)
+    half = (m.group(3) or "").lower()
+    if half:
+        if not 1 <= hour <= 12:
+            return None
+        hour = hour % 12 + (12 if half == "p" else 0)
+    if hour > 23 or minute > 59:
+        return None
+    zone = UTC
+    if m.group(4):
+        try:
+            zone = ZoneInfo(m.group(4).strip())  # type: ignore[assignment]
+        except (ZoneInfoNotFoundError, ValueError):
+            return None
+    here = datetime.fromtimestamp(now, zone)
+    at = here.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if at.timestamp() <= now:
+        at += timedelta(days=1)
+    return at.timestamp()
+
+
+def _cut(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= _TEXT_MAX else flat[: _TEXT_MAX - 1] + "…"
