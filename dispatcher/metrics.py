@@ -84,6 +84,12 @@ class Metrics:
             "Unix time of the daemon loop's last turn.",
             registry=self.registry,
         )
+        self.gated = Gauge(
+            "dispatcher_agent_gated",
+            "1 while a gate (usage limit, pause, daily cap) holds the agent, else 0.",
+            ("agent",),
+            registry=self.registry,
+        )
         for state in QUEUE_STATES:
             self.queue.labels(state=state).set(0)
         for agent in agents:
@@ -96,6 +102,7 @@ class Metrics:
         self.running.labels(agent=agent)
         self.duration.labels(agent=agent)
         self.cost.labels(agent=agent)
+        self.gated.labels(agent=agent)
         with self._lock:
             self._running_agents.add(agent)
 
@@ -119,6 +126,11 @@ class Metrics:
             self._running_agents = known
         for agent in known:
             self.running.labels(agent=agent).set(counts.get(agent, 0))
+
+    def set_gated(self, held: Mapping[str, int]) -> None:
+        """Set ``dispatcher_agent_gated`` per agent (1 while a gate holds it)."""
+        for agent, value in held.items():
+            self.gated.labels(agent=agent).set(value)
 
     def set_queue(self, counts: Mapping[str, int]) -> None:
         """Set the queue gauge from ``report.queue_counts(layout)`` (inbox, held, active, review)."""

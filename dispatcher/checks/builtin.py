@@ -45,6 +45,7 @@ class Exit:
     seconds: float = 0.0
     timeout_s: float = 0.0
     lost: bool = False
+    idle_s: float | None = None  # ended for no output and no workspace change for this long (idle_timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,8 @@ def exit_ok(ev: Evidence) -> CheckResult:
         return r(None, "exit status lost: the daemon stopped while the agent ran")
     if e.aborted:
         return r(False, f"{e.aborted} after {e.seconds:.2f} s")
+    if e.timed_out and e.idle_s is not None:
+        return r(False, f"timed out: idle {e.idle_s:g} s (no output, no change in work/)")
     if e.timed_out:
         return r(False, f"timed out after {e.timeout_s:g} s")
     if e.code is None:

@@ -179,7 +179,9 @@ def read_ids(given: list[str], stdin: IO[str]) -> list[str]:
 
 
 def for_each_id(args: argparse.Namespace, action: str) -> int:
-    """Run one operator action (retry, cancel, hold, release, approve, reject) for each id; 1 if any failed.
+    """Run one operator action (retry, cancel, hold, release, approve, reject, revise, pause, resume) per id.
+
+    Returns 1 if any failed.
 
     Each id is handled on its own: a failure is one line on stderr and the
     others are still handled. Hold and release write `job.held` and
@@ -191,10 +193,11 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     ids = read_ids(args.ids, sys.stdin)
     if not ids:
         raise UsageError(f"{action}: no job id given")
-    if action in ("hold", "release", "approve", "reject"):
+    if action in ("hold", "release", "approve", "reject", "revise", "pause", "resume"):
         _log_to_file(cfg)
     op = Operator(cfg, Layout(cfg.root))
     op.reason = getattr(args, "reason", None)
+    op.note = getattr(args, "note", None)
     run = getattr(op, action)
     failed = 0
     try:

@@ -73,11 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("job_id")
     c.add_argument("--json", action="store_true")
     c.add_argument("--tree", action="store_true", help="draw the chain of follow-ups with each job's cost")
-    for name in ("retry", "cancel", "hold", "release", "approve", "reject"):
+    for name in ("retry", "cancel", "hold", "release", "approve", "reject", "revise"):
         c = _command(sub, name)
         c.add_argument("ids", nargs="+", metavar="ID", help="job ids, or - to read them from stdin, one a line")
         if name == "reject":
             c.add_argument("--reason", metavar="TEXT", help="why (the job's reason becomes `rejected: TEXT`)")
+        if name == "revise":
+            c.add_argument("--note", metavar="TEXT", required=True, help="what to change (in work/feedback.json)")
+    for name in ("pause", "resume"):
+        c = _command(sub, name)
+        c.add_argument("ids", nargs="+", metavar="AGENT", help="agent names, or - to read them from stdin")
     c = _command(sub, "logs")
     c.add_argument("source", nargs="?", metavar="FILE", help="a log file, or - for stdin (default: log_file)")
     c.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, across rotation")
@@ -223,6 +228,9 @@ COMMANDS = {
     "release": lambda args: commands.for_each_id(args, "release"),
     "approve": lambda args: commands.for_each_id(args, "approve"),
     "reject": lambda args: commands.for_each_id(args, "reject"),
+    "revise": lambda args: commands.for_each_id(args, "revise"),
+    "pause": lambda args: commands.for_each_id(args, "pause"),
+    "resume": lambda args: commands.for_each_id(args, "resume"),
     "logs": commands.cmd_logs,
     "ledger": cmd_ledger,
     "completion": commands.cmd_completion,

@@ -100,6 +100,22 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         f"2 {BAD}, a root that does not exist",
         'dispatcher reject JOB-001.assign --reason "wrong team for R2"',
     ),
+    "revise": (
+        f"send jobs in review/ or failed/ back for one more attempt with a note in work/feedback.json ({_IDS})",
+        f"0 every revision is recorded\n1 an id is unknown, not in review or failed, or out of max_revisions"
+        f" (one line each on stderr)\n2 {BAD}, no --note, a root that does not exist",
+        'dispatcher revise JOB-001 --note "use the team list of 2026"',
+    ),
+    "pause": (
+        "gate agents by hand: no new attempt of them starts on any host (running ones go on)",
+        f"0 every agent is paused\n1 an agent is not in the config (one line each on stderr)\n2 {BAD}",
+        "dispatcher pause coder",
+    ),
+    "resume": (
+        "lift the gates of agents: a pause, a usage limit or a daily cap",
+        f"0 every gate is lifted\n1 an agent is unknown or not gated (one line each on stderr)\n2 {BAD}",
+        "dispatcher resume coder",
+    ),
     "logs": (
         "read JSON log lines (log_file, FILE, or - for stdin) as lines a person reads",
         f"0 printed (with -f: until you stop it)\n2 no such FILE, log_file not set, {BAD}\n130 stopped with Ctrl-C",

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import structlog
 
+from dispatcher.core.gatekeeper import GateKeeper
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper, has_leases
 from dispatcher.core.notify import Notifications
@@ -113,6 +114,7 @@ class Daemon:
             metrics=self.metrics,
         )
         finisher.bind(self.loop)
+        self.gatekeeper = GateKeeper(self.ledger, self.lanes, lambda: self.config.agents, self.wakeup, self.metrics)
         ctx = JobContext(
             layout=self.layout,
             ledger=self.ledger,
@@ -122,6 +124,7 @@ class Daemon:
             stopping=self._stopping,
             fenced=self._fenced,
             metrics=self.metrics,
+            gates=self.gatekeeper.gates,
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup)
         self.lease: LeaseKeeper | None = None
@@ -139,6 +142,8 @@ class Daemon:
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
         self.inbox.merge(await self.lanes.io(list_inbox, self.layout.inbox))
+        await self.gatekeeper.refresh()  # gates survive restarts: known before any job starts
+        self.gatekeeper.start()
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
         await self.house.requests()
         self._next_rescan = time.monotonic() + self._rescan_interval()
@@ -192,6 +197,7 @@ class Daemon:
         if self.lease is not None:
             self.lease.stop()
         self.notifier.stopping()
+        await self.gatekeeper.stop()
         await self.house.close()
         await self.sched.drain()
         await self.notify.close()

@@ -46,8 +46,8 @@ class Parking(Protocol):
     def park_recovered(self, adopted: list[tuple[str, int, str]], *, host_lost: bool = False) -> None:
         """Queue adopted jobs of dead daemons first."""
 
-    def park_retry(self, job_id: str, agent: str) -> None:
-        """Queue a failed job for `dispatcher retry`."""
+    def park_retry(self, job_id: str, agent: str, *, revise: bool = False) -> None:
+        """Queue a failed job for `dispatcher retry` (or a job for `dispatcher revise`)."""
 
     def cancel(self, job_id: str, entry_state: str | None) -> bool:
         """Carry out a cancel request; False when the order must first be found in inbox/."""
@@ -193,6 +193,18 @@ class Housekeeping:
                     await lanes.ledger(ledger.clear_request, job_id, Request.RETRY)
                     continue
                 self.sched.park_retry(job_id, agent)
+            for job_id in await lanes.io(ledger.requests, Request.REVISE):
+                where = await lanes.io(layout.find, job_id)
+                if where is None or where[0] not in (State.REVIEW, State.FAILED):
+                    if where is not None and where[0] is State.ACTIVE:  # moved, the request not cleared: a crash
+                        await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
+                    continue
+                try:
+                    agent = (await lanes.io(JobFolder(where[1]).spec)).agent.name
+                except ValueError:
+                    await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
+                    continue
+                self.sched.park_retry(job_id, agent, revise=True)
         await lanes.io(_drop_hints, layout, hints)
         self.wake()
 

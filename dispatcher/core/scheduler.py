@@ -21,8 +21,9 @@ from typing import Any
 
 import structlog
 
+from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.watcher import Inbox
-from dispatcher.job import intake, recovery
+from dispatcher.job import intake, recovery, revise
 from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started
 from dispatcher.job.job import Job, JobContext
 from dispatcher.layout import State
@@ -45,6 +46,7 @@ class Kind(enum.Enum):
     NEW = "new"
     RECOVER = "recover"
     RETRY = "retry"
+    REVISE = "revise"
 
 
 @dataclass
@@ -147,12 +149,13 @@ class Scheduler:
         now = time.monotonic()
         self.blocked = {agent: until for agent, until in self.blocked.items() if until > now}
         self.slot_poll = bool(self.blocked)
+        gated = gated_agents(self.ctx.gates(), self.config.agents, time.time())  # section 14: claim none of them
         free = self.free_slots()
         batch: list[Parked] = []
         for p in list(self.parked):
             if free <= 0:
                 break
-            if p.agent in self.blocked:
+            if p.agent in self.blocked or (p.agent in gated and p.kind is Kind.NEW):
                 continue
             self.parked.remove(p)
             batch.append(p)
@@ -162,7 +165,7 @@ class Scheduler:
             if ready is None:
                 break
             new = self._read(ready)
-            if new is not None and new.agent in self.blocked:
+            if new is not None and (new.agent in self.blocked or new.agent in gated):
                 self.parked.append(new)  # its agent has no free slot: waiting takes no slot from others
             elif new is not None:
                 batch.append(new)
@@ -289,8 +292,9 @@ class Scheduler:
         """Load a recovered job, or reopen a failed one for a retry (ledger lane)."""
         layout, ledger = self.ctx.layout, self.ctx.ledger
         try:
-            if p.kind is Kind.RETRY:
-                reopened = recovery.reopen(layout, ledger, self.config, p.job_id)
+            if p.kind in (Kind.RETRY, Kind.REVISE):
+                reopen = revise.reopen if p.kind is Kind.REVISE else recovery.reopen
+                reopened = reopen(layout, ledger, self.config, p.job_id)
                 if reopened is None:
                     raise LookupError("taken by another daemon")
                 spec, token = reopened
@@ -357,11 +361,11 @@ class Scheduler:
         for job_id, token, agent in reversed(adopted):
             self.parked.appendleft(Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost))
 
-    def park_retry(self, job_id: str, agent: str) -> None:
-        """Queue a failed job for `dispatcher retry` (once)."""
+    def park_retry(self, job_id: str, agent: str, *, revise: bool = False) -> None:
+        """Queue a failed job for `dispatcher retry` (or a job for `dispatcher revise`), once."""
         if job_id in self.running or any(p.job_id == job_id for p in self.parked):
             return
-        self.parked.append(Parked(Kind.RETRY, job_id, agent))
+        self.parked.append(Parked(Kind.REVISE if revise else Kind.RETRY, job_id, agent))
 
     def cancel(self, job_id: str, entry_state: str | None) -> bool:
         """Carry out a cancel request; return False when the order must first be found in inbox/.

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dispatcher.checks.builtin import Exit
 from dispatcher.job.runner import AgentExit, AgentProcess, build_env, render
-from dispatcher.spec.config import Config
+from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, prompt_values
 from dispatcher.store.jobstore import JobFolder
 
@@ -36,10 +36,40 @@ def values(spec: JobSpec, work: Path) -> dict[str, str]:
     }
 
 
-def argv(spec: JobSpec, work: Path, command: Iterable[str]) -> list[str]:
-    """Return the command with its placeholders rendered."""
+def argv(spec: JobSpec, work: Path, command: Iterable[str], session_id: str | None = None) -> list[str]:
+    """Return the command with its placeholders rendered (``{session_id}`` too when resuming a session)."""
     vals = values(spec, work)
-    return [render(a, vals) for a in command]
+    out = [render(a, vals) for a in command]
+    if session_id is not None:
+        out = [a.replace("{session_id}", session_id) for a in out]
+    return out
+
+
+def session_of(rec: Attempt) -> str | None:
+    """Return the session_id an attempt's agent reported, if any."""
+    ar = rec.agent_result
+    sid = ar.get("session_id") if ar is not None else None
+    return sid if isinstance(sid, str) and sid else None
+
+
+def command_for(agent: Agent, earlier: Sequence[Attempt]) -> tuple[tuple[str, ...], str | None]:
+    """Return the argv template of the next attempt and the session it resumes (``resume:``), if any."""
+    if agent.resume is None:
+        return agent.command, None
+    sid = next((s for s in (session_of(a) for a in reversed(earlier)) if s is not None), None)
+    return (agent.resume, sid) if sid is not None else (agent.command, None)
+
+
+def session_before(session_id: str | None, earlier: Sequence[Attempt]) -> float | None:
+    """Return the latest running total an earlier attempt reported for this session (``total_cost_usd``)."""
+    if session_id is None:
+        return None
+    for a in reversed(earlier):
+        if session_of(a) == session_id and a.agent_result is not None:
+            total = a.agent_result.get("total_cost_usd")
+            if isinstance(total, (int, float)) and not isinstance(total, bool):
+                return float(total)
+    return None
 
 
 def dispatch_env(job_id: str, work: Path, n: int) -> dict[str, str]:
@@ -68,11 +98,25 @@ def process(
         log_dir=log_dir,
         max_log_bytes=cfg.max_log_bytes,
         log_prefix="probe-" if probe else "",
+        idle_timeout_s=None if probe else agent.idle_timeout_s,
     )
 
 
-def record(n: int, out: AgentExit, cmd: list[str], result: Mapping[str, Any] | None) -> Attempt:
-    """Return the record of an attempt that ran."""
+def record(
+    n: int, out: AgentExit, cmd: list[str], result: Mapping[str, Any] | None, earlier: Sequence[Attempt] = ()
+) -> Attempt:
+    """Return the record of an attempt that ran.
+
+    An attempt that resumed a session (its session_id reported by an earlier
+    attempt too) records that session's earlier total, so that its cost is the
+    difference: a resumed CLI reports the whole session's running cost.
+    """
+    extra: dict[str, Any] = {}
+    if out.idle_s is not None:
+        extra["idle_s"] = out.idle_s
+    before = session_before(session_of_result(result), earlier)
+    if before is not None:
+        extra["session_cost_before_usd"] = before
     return Attempt(
         n=n,
         started=out.started,
@@ -83,12 +127,26 @@ def record(n: int, out: AgentExit, cmd: list[str], result: Mapping[str, Any] | N
         host=HOST,
         agent_result=result,
         aborted=out.aborted,
+        extra=extra,
     )
+
+
+def session_of_result(result: Mapping[str, Any] | None) -> str | None:
+    """Return the session_id of an agent's final JSON, if any."""
+    sid = result.get("session_id") if result is not None else None
+    return sid if isinstance(sid, str) and sid else None
 
 
 def exit_of(rec: Attempt, timeout_s: float) -> Exit:
     """Return how the agent of a recorded attempt ended, as the checks see it."""
-    return Exit(code=rec.exit_code, timed_out=rec.timed_out, seconds=rec.duration_ms / 1000, timeout_s=timeout_s)
+    idle = rec.extra.get("idle_s")
+    return Exit(
+        code=rec.exit_code,
+        timed_out=rec.timed_out,
+        seconds=rec.duration_ms / 1000,
+        timeout_s=timeout_s,
+        idle_s=float(idle) if isinstance(idle, (int, float)) else None,
+    )
 
 
 def interrupted(n: int, running: Mapping[str, Any] | None) -> Attempt:

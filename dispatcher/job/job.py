@@ -13,26 +13,30 @@ running record right after, its end record, then ``jobstore``'s finishing sequen
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
 from dispatcher.checks.builtin import CheckResult, Exit, verdict
-from dispatcher.job import attempt, retry, verify
+from dispatcher.job import attempt, retry, user_checks, verify
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.control import Control, Left
 from dispatcher.job.finish import Finisher
 from dispatcher.job.recovery import leftover_groups
-from dispatcher.job.runner import end_group
+from dispatcher.job.runner import AgentExit, end_group
+from dispatcher.job.waits import Waits, waited_s
 from dispatcher.lanes import Lanes
-from dispatcher.layout import Layout
-from dispatcher.ledger.base import Child, Finish, Ledger, Row
+from dispatcher.layout import Layout, iso
+from dispatcher.ledger.base import Child, Finish, Gate, Ledger, Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, Outcome, Stop, total_cost
+from dispatcher.spec.limits import LimitHit
 from dispatcher.spec.order import Order
 from dispatcher.store.jobstore import JobFolder, build_result, is_disk_full
 
@@ -56,6 +60,7 @@ class JobContext:
     stopping: Callable[[], bool]
     fenced: Callable[[], bool] = lambda: False  # no lease renewal for lease/2: write nothing into job folders
     metrics: Metrics | None = None
+    gates: Callable[[], Sequence[Gate]] = lambda: ()  # the daemon's snapshot of the ledger's gates
 
 
 class Job:
@@ -87,6 +92,8 @@ class Job:
         self._followups: list[Child] = []
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
         self._children: list[str] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.waits = Waits(self.job_id, ctx.ledger, ctx.lanes, ctx.config, ctx.gates, self._notify_budget)
 
     @property
     def agent(self) -> str:
@@ -94,6 +101,7 @@ class Job:
 
     async def run(self) -> Outcome:
         """Drive the job to its end and return how it ended; a bug fails the job, never the daemon."""
+        self._loop = asyncio.get_running_loop()
         with structlog.contextvars.bound_contextvars(job_id=self.job_id, agent=self.agent):
             try:
                 return await self._run()
@@ -124,7 +132,11 @@ class Job:
             n = max([a.n for a in self.attempts] + self.folder.attempt_numbers(), default=0) + 1
             if n > 1:
                 await self._persist(self.folder.stash, n - 1)
+            if (await self.waits.hold(self.spec.agent, self.control.sleep)).stopped:
+                continue  # a stop or a cancel came while the job waited for a gate
             ended = await self._attempt(n)
+            if ended is None:
+                continue  # a usage limit: the attempt does not count, the job waits and runs again
             if isinstance(ended, Outcome):
                 return ended
             outcome = await self._decide(n, ended)
@@ -160,7 +172,7 @@ class Job:
                 return None
             if os.path.lexists(self.folder.work / "receipt.json"):
                 return await self._evaluate(n, Exit(lost=True), final=True)
-            checks = await self._checks(Exit(lost=True))
+            checks = await self._checks(Exit(lost=True), n)
             why = verdict(checks, exit_lost=True) or "receipt_present: no receipt.json"
             how = "its host was lost" if self.host_lost else "by a stop or crash"
             return await self._retry_or_fail(n, f"{why}; attempt {n} was interrupted: {how}", checks)
@@ -175,10 +187,11 @@ class Job:
             await end_group(pgid, self.ctx.config().kill_grace_s)
 
     # -- one attempt --------------------------------------------------------------------------
-    async def _attempt(self, n: int) -> Exit | Outcome:
-        """Run attempt n; return its Exit, or how the job ended when it never ran or was stopped."""
+    async def _attempt(self, n: int) -> Exit | Outcome | None:
+        """Run attempt n; return its Exit, how the job ended when it never ran or was stopped, or None after a limit."""
         agent = self.spec.agent
-        argv = attempt.argv(self.spec, self.folder.work, agent.command)
+        command, session = attempt.command_for(agent, self.attempts)
+        argv = attempt.argv(self.spec, self.folder.work, command, session)
         log_dir = await self._persist(self.folder.begin_attempt, n)
         proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), log_dir)
         try:
@@ -200,7 +213,10 @@ class Job:
         tail = out.stdout_tail
         small = len(tail) <= AGENT_RESULT_MAX
         result = parse_agent_result(tail) if small else await self.ctx.lanes.io(parse_agent_result, tail)
-        record = attempt.record(n, out, argv, result)
+        record = attempt.record(n, out, argv, result, self.attempts)
+        hit = None if out.aborted else self._limit_of(out)
+        if hit is not None:
+            return await self._limited(record, hit)
         self.attempts.append(record)
         log.info(
             "agent.exited",
@@ -222,6 +238,37 @@ class Job:
         if out.aborted == Stop.CANCELLED:
             return await self.finish(Row.FAILED, Stop.CANCELLED, [])
         return attempt.exit_of(record, self.spec.timeout_s)
+
+    def _limit_of(self, out: AgentExit) -> LimitHit | None:
+        """Return the usage limit an attempt that did not pass met, or None."""
+        passed = out.exit_code == 0 and os.path.lexists(self.folder.work / "receipt.json")
+        if passed or out.timed_out:
+            return None
+        return self.waits.limited(self.spec.agent, out.stdout_tail, out.stderr_tail, time.time())
+
+    async def _limited(self, record: Attempt, hit: LimitHit) -> Outcome | None:
+        """An attempt met a usage limit: gate the agent, give the attempt back, wait (or fail past max_limit_wait)."""
+        wait_s = max(0.0, hit.until - record.ended)
+        limited = {"until": iso(hit.until), "text": hit.text, "wait_s": round(wait_s, 3)}
+        record = replace(record, retry_next=True, extra={**record.extra, "limited": limited})
+        self.attempts.append(record)
+        await self.waits.gate(self.spec.agent, hit)
+        bound = self.ctx.config().max_limit_wait_s
+        total = waited_s(self.attempts)
+        if total > bound:
+            await self._persist(self.folder.record_attempt, replace(record, retry_next=False))
+            reason = f"limit: {hit.text}; waiting until {iso(hit.until)} is beyond max_limit_wait ({bound:g} s)"
+            return await self.finish(Row.FAILED, reason, [])
+        self.spec = replace(self.spec, budget=self.spec.budget + 1)  # this attempt is not counted
+        await self._persist(self.folder.write_spec, self.spec)
+        await self._persist(self.folder.record_attempt, record)
+        return None
+
+    def _notify_budget(self, agent: str, job_id: str, reason: str | None) -> None:
+        """Notify budget.gated (called from the ledger lane: handed to the loop)."""
+        notify = self.ctx.finisher.notify
+        if notify is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(notify.fire, "budget.gated", job_id, agent, reason, None)
 
     async def _persist(self, fn: Callable[..., T], *args: object) -> T:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is)."""
@@ -245,7 +292,7 @@ class Job:
         """Check attempt n; finish the job, or return None to run attempt n + 1."""
         receipt_missing = not os.path.lexists(self.folder.work / "receipt.json")
         if exit_.timed_out or exit_.code not in (0, None) or receipt_missing:
-            checks = await self._checks(exit_)
+            checks = await self._checks(exit_, n)
             reason = verdict(checks) or "receipt_present: no receipt.json"
             if retry.receipt_invalid(checks):
                 return await self.finish(Row.FAILED, reason, checks)
@@ -253,7 +300,7 @@ class Job:
         return await self._evaluate(n, exit_, final=False)
 
     async def _evaluate(self, n: int, exit_: Exit, *, final: bool) -> Outcome | None:
-        checks = await self._checks(exit_)
+        checks = await self._checks(exit_, n)
         reason = verdict(checks, exit_lost=exit_.lost)
         if reason is None:
             return await self._finish_passed(checks)
@@ -336,14 +383,17 @@ class Job:
             return await self.finish(Row.FAILED, Stop.CANCELLED, [])
         return None
 
-    async def _checks(self, exit_: Exit) -> list[CheckResult]:
+    async def _checks(self, exit_: Exit, n: int) -> list[CheckResult]:
         record, self._unsaved = self._unsaved, None
         ctx = self.ctx
         collect = functools.partial(
             verify.collect, ctx.config(), ctx.ledger, ctx.layout, self.spec, self.order, self.folder, exit_, record
         )
         ev, self._followups = await self._persist(collect)
-        return verify.check(ev)
+        checks = verify.check(ev)
+        if not self.spec.agent.checks:
+            return checks
+        return checks + await user_checks.run(self.spec, self.folder, n, ctx.config(), self.control, ctx.lanes, checks)
 
     # -- finishing ----------------------------------------------------------------------------
     async def _finish_passed(self, checks: list[CheckResult]) -> Outcome:

@@ -30,6 +30,7 @@ from pathlib import Path
 from dispatcher import procs
 
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
+ERR_TAIL_BYTES = 64 * 1024  # stderr kept in memory, for usage limits (section 14)
 PASSED_ENV = ("PATH", "HOME", "LANG")
 ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file")
 PROMPT_PLACEHOLDERS = (
@@ -77,7 +78,7 @@ class _Stream:
     fd: int
     path: Path | None  # None: the output is kept in memory only (its tail), never written
     cap: int
-    keep_tail: bool
+    keep_tail: int  # bytes of the stream's end kept in memory
     log_fd: int = -1
     written: int = 0
     cut: bool = False
@@ -88,8 +89,8 @@ class _Stream:
     def feed(self, data: bytes) -> None:
         if self.keep_tail:
             self.tail += data
-            if len(self.tail) > AGENT_TAIL_BYTES:
-                del self.tail[: len(self.tail) - AGENT_TAIL_BYTES]
+            if len(self.tail) > self.keep_tail:
+                del self.tail[: len(self.tail) - self.keep_tail]
         room = self.cap - self.written
         if len(data) > room:
             self.cut = True
@@ -134,6 +135,7 @@ class AgentExit:
     stdout_cut: bool
     stderr_cut: bool
     logs_lost: bool
+    idle_s: float | None = None  # ended by idle_timeout: no output and no change in work/ for this long
 
     @property
     def duration_ms(self) -> int:
@@ -154,22 +156,27 @@ class AgentProcess:
         log_dir: Path | None,
         max_log_bytes: int,
         log_prefix: str = "",
+        idle_timeout_s: float | None = None,
+        one_log: Path | None = None,
     ) -> None:
+        """``one_log``: write stdout and stderr, as they come, into this one file (a user check's log)."""
         self.argv = argv
         self.cwd = cwd
         self.env = dict(env)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
-        out_path = log_dir / f"{log_prefix}stdout.log" if log_dir is not None else None
-        err_path = log_dir / f"{log_prefix}stderr.log" if log_dir is not None else None
-        self._out = _Stream(-1, out_path, max_log_bytes, True)
-        self._err = _Stream(-1, err_path, max_log_bytes, log_dir is None)  # no file: keep stderr's tail
+        out_path = log_dir / f"{log_prefix}stdout.log" if log_dir is not None else one_log
+        err_path = log_dir / f"{log_prefix}stderr.log" if log_dir is not None else one_log
+        self._out = _Stream(-1, out_path, max_log_bytes, AGENT_TAIL_BYTES)
+        self._err = _Stream(-1, err_path, max_log_bytes, ERR_TAIL_BYTES)
+        self._idle = IdleWatch(cwd, idle_timeout_s) if idle_timeout_s else None
         self.pid = 0
         self.started = 0.0
         self.boot_started = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
         self._pidfd = -1
         self._timed_out = False
+        self._idle_s: float | None = None
         self._aborted: str | None = None
         self._signalled = False
         self._group_ended = False
@@ -205,6 +212,8 @@ class AgentProcess:
         except OSError:  # no pidfds (old kernel): fall back to polling the child
             self._timers.append(loop.call_later(0.05, self._poll_exit))
         self._timers.append(loop.call_later(self.timeout_s, self._on_timeout))
+        if self._idle is not None:
+            self._timers.append(loop.call_later(self._idle.every_s, self._check_idle))
 
     async def wait(self) -> AgentExit:
         """Wait for the agent's end (its group ended and its pipes drained)."""
@@ -235,6 +244,8 @@ class AgentProcess:
             data = b""
         if data:
             stream.feed(data)
+            if self._idle is not None:
+                self._idle.heard()
         else:
             self._close_stream(stream)
 
@@ -253,6 +264,22 @@ class AgentProcess:
         if not self._exited and self._aborted is None:
             self._timed_out = True
             self._terminate()
+
+    def _check_idle(self) -> None:
+        """Every few seconds: end the agent when it was silent and left work/ alone for idle_timeout."""
+        idle = self._idle
+        if idle is None or self._exited or self._aborted is not None or self._timed_out:
+            return
+        loop = asyncio.get_running_loop()
+        if idle.quiet_s() >= idle.every_s and not idle.scanning:  # silent a while: did work/ change?
+            idle.scanning = True
+            loop.run_in_executor(None, _newest_change, idle.folder, idle.SCAN_MAX).add_done_callback(idle.scanned)
+        if idle.quiet_s() >= idle.timeout_s:
+            self._timed_out = True
+            self._idle_s = idle.timeout_s
+            self._terminate()
+            return
+        self._timers.append(loop.call_later(idle.every_s, self._check_idle))
 
     def _terminate(self) -> None:
         _signal_group(self.pid, signal.SIGTERM)
@@ -316,12 +343,75 @@ class AgentProcess:
                 ended=time.time(),
                 pid=self.pid,
                 stdout_tail=bytes(self._out.tail),
-                stderr_tail=bytes(self._err.tail[-4096:]),
+                stderr_tail=bytes(self._err.tail),
                 stdout_cut=self._out.cut,
                 stderr_cut=self._err.cut,
                 logs_lost=self._out.lost or self._err.lost,
+                idle_s=self._idle_s,
             )
         )
+
+
+class IdleWatch:
+    """When an agent was last heard (output) or seen working (a change in its folder).
+
+    The folder is scanned only after a silent stretch, in a worker thread (the
+    loop never walks a tree): the newest modification or change time of any
+    entry under it, up to ``SCAN_MAX`` entries, counts as activity.
+    """
+
+    SCAN_MAX = 100_000
+
+    def __init__(self, folder: Path, timeout_s: float) -> None:
+        self.folder = folder
+        self.timeout_s = timeout_s
+        self.every_s = max(0.05, min(timeout_s / 4, 10.0))
+        self.scanning = False
+        self._last = time.monotonic()
+        self._newest = time.time()  # wall clock of the newest change seen in the folder
+
+    def heard(self) -> None:
+        """Note output on stdout or stderr."""
+        self._last = time.monotonic()
+
+    def quiet_s(self) -> float:
+        """Return seconds since the agent was last heard or seen changing its folder."""
+        return time.monotonic() - self._last
+
+    def scanned(self, fut: asyncio.Future[float]) -> None:
+        """Take a scan's answer (on the loop): a change newer than the last one seen counts as activity."""
+        self.scanning = False
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        newest = fut.result()
+        if newest > self._newest:
+            self._newest = newest
+            self._last = max(self._last, time.monotonic() - max(0.0, time.time() - newest))
+
+
+def _newest_change(folder: Path, limit: int) -> float:
+    """Return the newest mtime or ctime of any entry under folder (links not followed)."""
+    newest = 0.0
+    stack = [str(folder)]
+    seen = 0
+    while stack and seen < limit:
+        path = stack.pop()
+        try:
+            st = os.lstat(path)
+            newest = max(newest, st.st_mtime, st.st_ctime)
+            with os.scandir(path) as it:
+                for de in it:
+                    seen += 1
+                    try:
+                        est = de.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    newest = max(newest, est.st_mtime, est.st_ctime)
+                    if de.is_dir(follow_symlinks=False):
+                        stack.append(de.path)
+        except OSError:
+            continue
+    return newest
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

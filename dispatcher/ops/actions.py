@@ -28,7 +28,7 @@ import structlog
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
 from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Ledger, Request, Row
+from dispatcher.ledger.base import Gate, GateKind, Ledger, Request, Row
 from dispatcher.query.report import PATIENCE_S, read_order_file
 from dispatcher.spec.config import Config
 from dispatcher.store.ledgers import open_ledger
@@ -51,6 +51,7 @@ class Operator:
         self.layout = layout
         self._ledger: Ledger | None = None
         self.reason: str | None = None  # the text of a reject
+        self.note: str | None = None  # the text of a revise
 
     @property
     def ledger(self) -> Ledger:
@@ -190,6 +191,39 @@ class Operator:
 
         _check_id(job_id)
         return decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
+
+    def revise(self, job_id: str) -> str:
+        """Send a job in review/ or failed/ back for one more attempt with the note (section 14)."""
+        from dispatcher.job.revise import request
+
+        _check_id(job_id)
+        line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
+        self._poke("revise", job_id)
+        return line
+
+    # -- gates (section 14) -----------------------------------------------------------------
+    def pause(self, agent: str) -> str:
+        """Gate an agent by hand: no new attempt of it starts on any host until `resume`."""
+        self._agent(agent)
+        if self.ledger.set_gate(Gate(agent, GateKind.PAUSE, None, "paused by hand"), at=time.time()):
+            log.info("agent.gated", agent=agent, kind=str(GateKind.PAUSE), until=None)
+            return f"{agent}: paused; running attempts go on, no new one starts"
+        return f"{agent}: already paused"
+
+    def resume(self, agent: str) -> str:
+        """Lift every gate of an agent: a pause, a usage limit or a daily cap (which is set again if still reached)."""
+        self._agent(agent)
+        lifted = self.ledger.lift_gates(agent)
+        if not lifted:
+            raise WrongState(f"{agent}: is not gated")
+        for g in lifted:
+            log.info("agent.resumed", agent=agent, kind=g.kind, by="hand")
+        self._poke("resume", agent)
+        return f"{agent}: resumed ({', '.join(sorted(g.kind for g in lifted))} gate lifted)"
+
+    def _agent(self, agent: str) -> None:
+        if agent not in self.config.agents:
+            raise NotFound(f"{printable(agent)}: no such agent in {self.config.path or 'the config'}")
 
     def _not_in(self, job_id: str, folder: str, wanted: str, other: str) -> None:
         """Raise the error for an id whose order is not in folder."""

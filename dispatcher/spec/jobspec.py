@@ -134,10 +134,20 @@ class Attempt:
 
     @property
     def cost_usd(self) -> float | None:
-        """The cost the agent reported (``total_cost_usd`` of its final JSON), if any."""
+        """The cost the agent reported (``total_cost_usd`` of its final JSON), if any.
+
+        An attempt that resumed a session costs the difference from the session's
+        earlier total (``session_cost_before_usd``): a resumed CLI reports the
+        whole session's running cost.
+        """
         ar = self.agent_result
         cost = ar.get("total_cost_usd") if isinstance(ar, Mapping) else None
-        return float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else None
+        if not isinstance(cost, (int, float)) or isinstance(cost, bool):
+            return None
+        before = self.extra.get("session_cost_before_usd")
+        if isinstance(before, (int, float)) and not isinstance(before, bool):
+            return round(max(0.0, float(cost) - float(before)), 10)
+        return float(cost)
 
     def to_json(self, *, internal: bool = True) -> dict[str, Any]:
         """Return the record; ``internal`` keeps the retry mark that result.json leaves out."""

@@ -1,0 +1,103 @@
+"""The daemon's view of the agents' gates (contract section 14), kept fresh from the ledger.
+
+Every ``POLL_S`` seconds one trip to the ledger lane lifts the gates whose time
+has come (``agent.resumed`` is logged by the daemon that lifts one: each is
+lifted once, on any host) and reads the rest. The scheduler claims no new order
+of a gated agent; jobs read the snapshot before each attempt without a trip to
+the ledger. A change wakes the loop, and the metric ``dispatcher_agent_gated``
+follows the snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import structlog
+
+from dispatcher.lanes import Lanes
+from dispatcher.layout import iso
+from dispatcher.ledger.base import EVERY_AGENT, Gate, Ledger
+
+if TYPE_CHECKING:
+    from dispatcher.metrics import Metrics
+
+log = structlog.get_logger("dispatcher")
+POLL_S = 1.0
+
+
+def gated_agents(gates: Iterable[Gate], agents: Iterable[str], at: float) -> set[str]:
+    """Return the agents a gate holds at ``at`` (a gate of ``*`` holds every agent)."""
+    names = list(agents)
+    out: set[str] = set()
+    for g in gates:
+        if g.until is not None and g.until <= at:
+            continue
+        out.update(names if g.agent == EVERY_AGENT else [g.agent])
+    return out
+
+
+class GateKeeper:
+    """A snapshot of the ledger's gates, refreshed in the background while the daemon runs."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        lanes: Lanes,
+        agents: Callable[[], Iterable[str]],
+        wake: Callable[[], None],
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.lanes = lanes
+        self.agents = agents
+        self.wake = wake
+        self.metrics = metrics
+        self.snapshot: tuple[Gate, ...] = ()
+        self._task: asyncio.Task[None] | None = None
+
+    def gates(self) -> tuple[Gate, ...]:
+        """Return the latest snapshot (no trip to the ledger)."""
+        return self.snapshot
+
+    def gated(self) -> set[str]:
+        """Return the agents the snapshot holds now."""
+        return gated_agents(self.snapshot, self.agents(), time.time())
+
+    async def refresh(self) -> None:
+        """Lift expired gates (logging agent.resumed) and read the others; wake the loop on a change."""
+        lifted, gates = await self.lanes.ledger(self._read, time.time())
+        for g in lifted:
+            log.info("agent.resumed", agent=g.agent, kind=g.kind, until=iso(g.until) if g.until else None)
+        changed = tuple(gates) != self.snapshot
+        self.snapshot = tuple(gates)
+        if self.metrics is not None:
+            held = self.gated()
+            self.metrics.set_gated({a: int(a in held) for a in self.agents()})
+        if changed or lifted:
+            self.wake()
+
+    def _read(self, now: float) -> tuple[list[Gate], list[Gate]]:
+        return self.ledger.lift_gates(expired_at=now), self.ledger.gates()
+
+    def start(self) -> None:
+        """Refresh every POLL_S seconds until stopped."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="gatekeeper")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - a ledger that is away: try again next turn
+                log.warning("daemon.error", step="gates", error=str(exc))
+            await asyncio.sleep(POLL_S)
+
+    async def stop(self) -> None:
+        """End the background refresh."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,131 @@
+"""`dispatcher revise ID --note TEXT`: one more attempt for a job in review/ or failed/ (contract section 14).
+
+A revision is a request the daemon carries out, like `retry`; each step is safe
+to interrupt:
+
+1. the command writes the note into the job folder (``revise.json``, fsynced,
+   under a temporary name first), then records a ``revise`` request in the ledger
+   (a note without a request is simply overwritten by the next `revise`);
+2. a daemon claims the job in the ledger (``take_retry`` with the request still
+   open: one request, one revision), writes ``work/feedback.json`` =
+   ``{"from": "review", "note": TEXT, "checks": [...]}`` (the last result's
+   checks), moves the note to ``attempts/<n>/revision.json`` (which also counts
+   the revisions), writes the new spec (one more attempt), moves the folder into
+   active/ and clears the request; ``job.revised`` is logged.
+
+A daemon that dies between those steps leaves a claim whose folder is still in
+review/ or failed/: ``settle_ledger`` puts the row back and the open request is
+carried out again, reading the checks from the result kept in ``attempts/<n>/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import structlog
+
+from dispatcher import faults, fsutil
+from dispatcher.errors import NotFound, WrongState, oneline
+from dispatcher.layout import Layout, State
+from dispatcher.ledger.base import Ledger, Request
+from dispatcher.spec.config import Config
+from dispatcher.spec.jobspec import JobSpec
+from dispatcher.store.jobstore import JobFolder
+
+log = structlog.get_logger("dispatcher")
+NOTE_FILE = "revise.json"
+KEPT_NOTE = "revision.json"
+NOTE_MAX = 10_000
+
+
+def revisions(folder: JobFolder) -> int:
+    """Return how many revisions a job has had (each leaves attempts/<n>/revision.json)."""
+    return sum(1 for n in folder.attempt_numbers() if os.path.lexists(folder.attempts_dir / str(n) / KEPT_NOTE))
+
+
+def request(config: Config, layout: Layout, ledger: Ledger, job_id: str, note: str) -> str:
+    """Record a revision of a job in review/ or failed/ for a daemon; return the line to print."""
+    found = layout.find(job_id)
+    if found is None:
+        raise NotFound(f"{job_id}: no such job")
+    state, path = found
+    if state not in (State.REVIEW, State.FAILED):
+        raise WrongState(f"{job_id}: is {state.value}, only a job in review or failed can be revised")
+    folder = JobFolder(path)
+    try:
+        spec = folder.spec()
+    except ValueError:
+        raise WrongState(f"{job_id}: its job.json is damaged; it cannot be revised") from None
+    agent = config.agents.get(spec.agent.name, spec.agent)
+    done = revisions(folder)
+    if done >= agent.max_revisions:
+        raise WrongState(f"{job_id}: has had {done} revisions (max_revisions {agent.max_revisions})")
+    if job_id in ledger.requests(Request.REVISE):
+        raise WrongState(f"{job_id}: a revision is already requested")
+    text = oneline(note)[:NOTE_MAX]
+    fsutil.write_atomic(path / NOTE_FILE, fsutil.dump_json({"note": text}), sync=True, sync_dir=True)
+    faults.point("revise.noted")
+    ledger.request(job_id, Request.REVISE)
+    faults.point("revise.requested")
+    return f"{job_id}: revision requested"
+
+
+def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple[JobSpec, int] | None:
+    """Carry out a revise request (daemon, ledger lane): back to active/ with the note; None if taken."""
+    token = ledger.take_retry(job_id, Request.REVISE)
+    if token is None:
+        return None
+    faults.point("revise.claimed")
+    found = layout.find(job_id)
+    if found is None or found[0] not in (State.REVIEW, State.FAILED):
+        raise LookupError(f"{job_id}: not in review/ or failed/")
+    folder = JobFolder(found[1])
+    spec = folder.spec()
+    note = folder.read_json(NOTE_FILE)
+    text = note.get("note") if isinstance(note, dict) else None
+    checks = _last_checks(folder)
+    folder.keep_result()
+    last = max(folder.attempt_numbers(), default=0)
+    agent = config.agents.get(spec.agent.name, spec.agent)
+    spec = spec.with_agent(agent, last + 1)
+    data = fsutil.dump_json({"from": "review", "note": text or "", "checks": checks})
+    if os.path.isdir(folder.work):
+        folder.stash(last, feedback=True)
+        folder.write_feedback(data)
+        spec = spec.with_given("feedback.json", _sha(data))
+    faults.point("revise.feedback")
+    kept = folder.attempts_dir / str(last) / KEPT_NOTE
+    if not os.path.lexists(kept):
+        fsutil.write_atomic(kept, data, sync=True)
+    folder.write_spec(spec, sync=True)
+    fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
+    fsutil.fsync_dir(layout.folder(State.ACTIVE))
+    faults.point("revise.moved")
+    ledger.clear_request(job_id, Request.REVISE)
+    count = revisions(JobFolder(layout.job(State.ACTIVE, job_id)))
+    log.info("job.revised", job_id=job_id, agent=agent.name, note=text, revision=count, attempt=last + 1)
+    return spec, token
+
+
+def _last_checks(folder: JobFolder) -> list[Any]:
+    """Return the checks of the job's last result (result.json, or the one kept by an interrupted revision)."""
+    result = folder.result()
+    if result is None:
+        last = max(folder.attempt_numbers(), default=0)
+        kept = sorted(p for p in _names(folder.attempts_dir / str(last)) if p.startswith("result"))
+        result = folder.read_json(f"attempts/{last}/{kept[-1]}") if kept else None
+    checks = result.get("checks") if isinstance(result, dict) else None
+    return checks if isinstance(checks, list) else []
+
+
+def _names(path: os.PathLike[str]) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,139 @@
+"""The agent's own checks (``checks:`` in the config, contract section 14), run after the built-in ones.
+
+Each is a command from the config (never from an order), run in the workspace
+like the agent itself: the same environment rules, its own process group, its
+own timeout, ended with the agent's kill grace. Its output (stdout and stderr
+as they come) goes to ``attempts/<n>/checks/<name>.log``; its result is a named
+check whose detail holds the exit code, the duration and the output's last line.
+When the agent did not pass (``exit_ok`` or ``receipt_present`` not true) the
+checks do not run and record ``ok: null``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from dispatcher.checks.builtin import DETAIL_MAX, CheckResult
+from dispatcher.errors import cut, printable
+from dispatcher.job.attempt import argv as render_argv
+from dispatcher.job.attempt import dispatch_env
+from dispatcher.job.control import Control, Left
+from dispatcher.job.runner import AgentProcess, build_env
+from dispatcher.lanes import Lanes
+from dispatcher.spec.config import Config, UserCheck
+from dispatcher.spec.jobspec import JobSpec, Stop
+from dispatcher.store.jobstore import JobFolder
+
+log = structlog.get_logger("dispatcher")
+_LAST_LINE_READ = 4096
+
+
+def not_run(checks: Sequence[UserCheck], why: str) -> list[CheckResult]:
+    """Return every user check recorded as not run."""
+    return [CheckResult(c.name, None, f"not run: {why}") for c in checks]
+
+
+def agent_passed(builtin: Sequence[CheckResult]) -> bool:
+    """Return True when exit_ok and receipt_present are true: only then do user checks run."""
+    ok = {c.name: c.ok for c in builtin}
+    return ok.get("exit_ok") is True and ok.get("receipt_present") is True
+
+
+async def run(
+    spec: JobSpec,
+    folder: JobFolder,
+    n: int,
+    cfg: Config,
+    control: Control,
+    lanes: Lanes,
+    builtin: Sequence[CheckResult],
+) -> list[CheckResult]:
+    """Run the agent's checks in order for attempt n; return their results (all recorded, even after a failure)."""
+    checks = spec.agent.checks
+    if not agent_passed(builtin):
+        return not_run(checks, "the agent did not pass (exit_ok and receipt_present must be true)")
+    logs = folder.attempts_dir / str(n) / "checks"
+    await lanes.io(os.makedirs, logs, 0o750, True)
+    return [await _one(spec, folder, n, cfg, control, lanes, check, logs) for check in checks]
+
+
+async def _one(
+    spec: JobSpec,
+    folder: JobFolder,
+    n: int,
+    cfg: Config,
+    control: Control,
+    lanes: Lanes,
+    check: UserCheck,
+    logs: Path,
+) -> CheckResult:
+    path = os.path.join(logs, f"{check.name}.log")
+    await lanes.io(_create, path)
+    agent = spec.agent
+    proc = AgentProcess(
+        render_argv(spec, folder.work, check.command),
+        cwd=folder.work,
+        env=build_env(agent.env, dispatch_env(spec.job_id, folder.work, n), agent.pass_env),
+        timeout_s=check.timeout_s,
+        kill_grace_s=cfg.kill_grace_s,
+        log_dir=None,
+        max_log_bytes=cfg.max_log_bytes,
+        one_log=Path(path),
+    )
+    try:
+        proc.start()
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        return _result(check.name, False, f"cannot start: {why}" + (f": {exc.filename}" if exc.filename else ""))
+    control.attach(proc)
+    out = await proc.wait()
+    control.attach(None)
+    if out.aborted == Stop.STOPPED:
+        raise Left
+    last = await lanes.io(_last_line, path)
+    secs = out.duration_ms / 1000
+    tail = f": {last}" if last else ""
+    if out.aborted:
+        ok, detail = False, f"{out.aborted} after {secs:.2f} s{tail}"
+    elif out.timed_out:
+        ok, detail = False, f"timed out after {check.timeout_s:g} s{tail}"
+    elif out.exit_code is None or out.exit_code < 0:
+        ok, detail = False, f"killed by signal {-(out.exit_code or 0)} after {secs:.2f} s{tail}"
+    else:
+        ok, detail = out.exit_code == 0, f"exit {out.exit_code} in {secs:.2f} s{tail}"
+    log.info(
+        "check.exited",
+        check=check.name,
+        ok=ok,
+        exit_code=out.exit_code,
+        timed_out=out.timed_out,
+        duration_ms=out.duration_ms,
+    )
+    return _result(check.name, ok, detail)
+
+
+def _result(name: str, ok: bool | None, detail: str) -> CheckResult:
+    return CheckResult(name, ok, cut(printable(detail), DETAIL_MAX))
+
+
+def _create(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+    os.close(fd)
+
+
+def _last_line(path: str) -> str:
+    """Return the last non-blank line of a check's log (its last 4 KiB)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - _LAST_LINE_READ))
+            data = f.read()
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""

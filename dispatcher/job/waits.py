@@ -1,0 +1,178 @@
+"""Gates and waits of a job (contract section 14): usage limits, pauses, daily cost caps.
+
+A job asks ``Waits.hold`` before each attempt. While a gate holds its agent
+(a usage limit another attempt met, a hand-set pause, a daily cap reached) the
+job waits in active/, shown as ``waiting`` (a wait row in the ledger), and
+checks again every ``RECHECK_S`` seconds, so that `dispatcher resume` or a gate
+lifted on another host is seen soon. After an attempt that failed, ``limited``
+reads the end of its output for the agent's ``limits:``; a match sets the
+agent's gate in the ledger (every host honours it) and the attempt does not
+count against ``max_attempts``.
+
+The decisions (which gate holds, when a daily window allows again) are pure
+functions; the ledger is asked in the ledger lane.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from dispatcher.lanes import Lanes
+from dispatcher.layout import iso
+from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger
+from dispatcher.spec.config import Agent, Config
+from dispatcher.spec.jobspec import Attempt
+from dispatcher.spec.limits import TAIL_BYTES, LimitHit, find_limit
+
+log = structlog.get_logger("dispatcher")
+RECHECK_S = 2.0  # a waiting job asks the ledger again this often
+DAY_S = 24 * 3600.0
+
+
+def holding(gates: Sequence[Gate], agent: str, at: float) -> Gate | None:
+    """Return the gate that holds ``agent`` longest at ``at`` (a hand-set one first), or None."""
+    held = [g for g in gates if g.holds(agent, at)]
+    if not held:
+        return None
+    return max(held, key=lambda g: float("inf") if g.until is None else g.until)
+
+
+def window_until(costs: Sequence[tuple[float, float]], cap: float, at: float) -> float | None:
+    """Return when the last 24 hours' spend drops below ``cap`` again, or None if it is below now.
+
+    ``costs`` are (finished, cost_usd), oldest first, all within the window at ``at``.
+    """
+    spent = sum(c for _, c in costs)
+    if spent < cap:
+        return None
+    for finished, cost in costs:
+        spent -= cost
+        if spent < cap:
+            return finished + DAY_S
+    return at + DAY_S
+
+
+def budget_gates(costs: Sequence[tuple[float, str, float]], cfg: Config, agent: Agent, at: float) -> list[Gate]:
+    """Return the daily-cap gates that hold ``agent`` (its own cap, the root's), from the window's costs."""
+    out = []
+    mine = [(t, c) for t, a, c in costs if a == agent.name]
+    for name, cap, rows in (
+        (agent.name, agent.max_daily_cost_usd, mine),
+        (EVERY_AGENT, cfg.max_daily_cost_usd, [(t, c) for t, _, c in costs]),
+    ):
+        if cap is None:
+            continue
+        until = window_until(rows, cap, at)
+        if until is not None:
+            spent = round(sum(c for _, c in rows), 6)
+            out.append(Gate(name, GateKind.BUDGET, until, f"{spent:g} USD in 24 h reached max_daily_cost_usd {cap:g}"))
+    return out
+
+
+def limit_text(stdout_tail: bytes, stderr_tail: bytes) -> str:
+    """Return the text limits are matched on: the last 64 KiB of stdout and of stderr."""
+    out = stdout_tail[-TAIL_BYTES:].decode("utf-8", "replace")
+    err = stderr_tail[-TAIL_BYTES:].decode("utf-8", "replace")
+    return out + "\n" + err
+
+
+def waited_s(attempts: Sequence[Attempt]) -> float:
+    """Return how long this job has been sent to wait for usage limits so far, in all."""
+    total = 0.0
+    for a in attempts:
+        limited = a.extra.get("limited")
+        if isinstance(limited, dict) and isinstance(limited.get("wait_s"), (int, float)):
+            total += float(limited["wait_s"])
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """How a wait ended: ``stopped`` by a stop or a cancel, else the gate let go."""
+
+    stopped: bool
+
+
+class Waits:
+    """One job's gates: wait before an attempt, record a usage limit after one."""
+
+    def __init__(
+        self,
+        job_id: str,
+        ledger: Ledger,
+        lanes: Lanes,
+        config: Callable[[], Config],
+        gates: Callable[[], Sequence[Gate]],
+        notify: Callable[[str, str, str | None], None] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.ledger = ledger
+        self.lanes = lanes
+        self.config = config
+        self.gates = gates  # the daemon's snapshot of the ledger's gates (no trip to the ledger)
+        self.notify = notify
+        self.not_before = 0.0  # a usage limit this job met itself: wait for it whatever the snapshot says
+
+    def limited(self, agent: Agent, stdout_tail: bytes, stderr_tail: bytes, at: float) -> LimitHit | None:
+        """Return the agent's usage limit found in an attempt's output, or None (pure but for the text)."""
+        if not agent.limits:
+            return None
+        return find_limit(limit_text(stdout_tail, stderr_tail), agent.limits, at)
+
+    async def gate(self, agent: Agent, hit: LimitHit) -> None:
+        """Gate ``agent`` until the limit's time on every host; log agent.limited (and agent.gated)."""
+        self.not_before = max(self.not_before, hit.until)
+        log.warning("agent.limited", job_id=self.job_id, agent=agent.name, until=iso(hit.until), text=hit.text)
+        gate = Gate(agent.name, GateKind.LIMIT, hit.until, hit.text)
+        if await self.lanes.ledger(self._set, gate, time.time()):
+            log.warning("agent.gated", agent=agent.name, kind=str(GateKind.LIMIT), until=iso(hit.until))
+
+    def _set(self, gate: Gate, at: float) -> bool:
+        return self.ledger.set_gate(gate, at=at)
+
+    async def hold(self, agent: Agent, sleep: Callable[[float], object]) -> Held:
+        """Wait while a gate holds the agent; ``sleep`` is the job's stoppable sleep (True: stopped)."""
+        waiting = False
+        try:
+            while True:
+                gate = await self._holding(agent, fresh=waiting)
+                if gate is None:
+                    return Held(False)
+                if not waiting:
+                    waiting = True
+                    await self.lanes.ledger(self.ledger.set_wait, self.job_id, agent.name, gate.until)
+                    log.info("job.waiting", job_id=self.job_id, agent=agent.name, kind=gate.kind,
+                             until=iso(gate.until) if gate.until is not None else None, reason=gate.reason)  # fmt: skip
+                left = RECHECK_S if gate.until is None else gate.until - time.time()
+                if await sleep(min(max(left, 0.01), RECHECK_S)):  # type: ignore[misc]
+                    return Held(True)
+        finally:
+            if waiting:
+                await self.lanes.ledger(self.ledger.clear_wait, self.job_id)
+
+    async def _holding(self, agent: Agent, *, fresh: bool) -> Gate | None:
+        """Return the gate holding the agent now: the snapshot, this job's own limit, a daily cap."""
+        now = time.time()
+        if self.not_before > now:
+            return Gate(agent.name, GateKind.LIMIT, self.not_before)
+        cfg = self.config()
+        capped = agent.max_daily_cost_usd is not None or cfg.max_daily_cost_usd is not None
+        if not fresh and not capped:
+            return holding(self.gates(), agent.name, now)
+        return await self.lanes.ledger(self._ask, agent, cfg, now, capped)
+
+    def _ask(self, agent: Agent, cfg: Config, now: float, capped: bool) -> Gate | None:
+        """Read the gates (and, with a daily cap, the window's spend) from the ledger (ledger lane)."""
+        gates = self.ledger.gates()
+        if capped:
+            for gate in budget_gates(self.ledger.costs_since(now - DAY_S), cfg, agent, now):
+                if self.ledger.set_gate(gate, at=now):
+                    log.warning("budget.gated", agent=gate.agent, until=iso(gate.until or now), reason=gate.reason)
+                    if self.notify is not None:
+                        self.notify(gate.agent, self.job_id, gate.reason)
+                gates.append(gate)
+        return holding(gates, agent.name, now)
