@@ -126,7 +126,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     cfg = config_of(args, need_root=True)
     layout = Layout(cfg.root)
-    ledger = open_reader(cfg, layout) if args.state in (None, "done") else None
+    ledger = open_reader(cfg, layout) if args.state in (None, "done", "active", "waiting") else None
     try:
         rows = list_jobs(cfg, layout, ledger, state=args.state, agent=args.agent)
     finally:

@@ -75,6 +75,11 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
                 f"{_cell(row['job_id'], 28):<28} {_cell(row['agent'], 14):<14} {plain(row['pid']):>8} "
                 f"{_cell(row['host'], 16):<16} {ago(row['age_s']):>7}{flag}"
             )
+    for row in info.get("waiting") or []:
+        lines.append(f"waiting  {_cell(row['job_id'], 28)}  {_cell(row['agent'], 14)}  until {plain(row['until'])}")
+    for g in info.get("gates") or []:
+        until = f"until {g['until']}" if g["until"] else "until resumed"
+        lines.append(f"gated    {_cell(g['agent'], 14)}  {g['kind']}  {until}  {printable(g['reason'] or '')}".rstrip())
     spend = info.get("spend_24h") or {}
     if spend:
         lines.append("spend, last 24 h: " + "  ".join(f"{printable(a)} {usd(v)}" for a, v in spend.items()))
@@ -91,6 +96,8 @@ def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     yield f"{'JOB':<{width}}  {'STATE':<7}  {'AGENT':<{agent_w}}  {'AGE':>7}  {'COST':>12}  REASON"
     for r in rows:
         reason = printable(r["reason"]) if r["reason"] else ""
+        if r.get("state") == "waiting":
+            reason = f"until {plain(r.get('until'))}"
         yield (
             f"{_cell(r['job_id'], width):<{width}}  {r['state']:<7}  {_cell(r['agent'], agent_w):<{agent_w}}  "
             f"{ago(r['age_s']):>7}  {usd(r['cost_usd']):>12}  {reason}"
@@ -138,6 +145,10 @@ def render_show(info: Mapping[str, Any]) -> str:
     """Return `show` text: state, reason, cost, its chain (parent, children), checks, attempts (argv, host, logs)."""
     job = info["job"]
     lines = [f"{job['job_id']}  {job['state']}  agent {plain(job['agent'])}  hops {plain(job.get('hops', 0))}"]
+    if job["state"] == "waiting":
+        lines.append(
+            f"waiting until {plain(job.get('until'))} (a gate holds its agent: a usage limit, a pause or a cap)"
+        )
     if job.get("reason"):
         lines.append(f"  reason: {printable(job['reason'])}")
     if job.get("file"):

@@ -135,9 +135,11 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         records = folder.attempts()
         attempts = [a.to_json(internal=False) for a in records]
         cost = total_cost(records)
+    until = _waiting(ledger, job_id) if state is State.ACTIVE else None
     return {
         "job_id": job_id,
-        "state": state.value,
+        "state": "waiting" if until is not None else state.value,
+        **({"until": until[0]} if until is not None else {}),
         "agent": result.get("agent") or agent,
         "reason": result.get("reason"),
         "checks": result.get("checks", []),
@@ -151,6 +153,17 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         "cost_usd": cost,
         "chain_cost_usd": result.get("chain_cost_usd"),
     }
+
+
+def _waiting(ledger: Ledger | None, job_id: str) -> tuple[str | None] | None:
+    """Return (until,) when an active job waits for a gate (section 14), else None."""
+    if ledger is None:
+        return None
+    waits = ledger.waits()
+    if job_id not in waits:
+        return None
+    until = waits[job_id]
+    return (iso(until) if until is not None else None,)
 
 
 def chain(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1 << 20) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dispatcher.layout import Layout, State, is_ignored, parse_iso
+from dispatcher.layout import Layout, State, is_ignored, iso, parse_iso
 from dispatcher.ledger.base import Entry, Ledger, Row
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import Config
@@ -70,16 +70,24 @@ def _orders(folder: Path, state: str, max_bytes: int) -> Iterator[dict[str, Any]
         yield _row(order.job_id, state, order.agent, mtime, order.path)
 
 
-def _active(layout: Layout) -> Iterator[dict[str, Any]]:
+def _active(layout: Layout, waits: dict[str, float | None], wanted: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    """Rows of active/ jobs: ``waiting`` (with ``until``) for those the ledger says wait for a gate."""
     for de in visible_entries(layout.folder(State.ACTIVE)):
+        state = "waiting" if de.name in waits else "active"
+        if state not in wanted:
+            continue
         folder = JobFolder(Path(de.path))
         try:
             spec = folder.spec()
         except ValueError:
-            yield _row(de.name, "active", None, None, folder.path)
+            yield _row(de.name, state, None, None, folder.path)
             continue
         cost = total_cost(folder.attempts())
-        yield _row(de.name, "active", spec.agent.name, spec.received, folder.path, cost_usd=cost)
+        row = _row(de.name, state, spec.agent.name, spec.received, folder.path, cost_usd=cost)
+        if state == "waiting":
+            until = waits[de.name]
+            row["until"] = iso(until) if until is not None else None
+        yield row
 
 
 def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None) -> Iterator[dict[str, Any]]:
@@ -140,8 +148,8 @@ def list_jobs(
         sources.append(_orders(layout.inbox, "inbox", config.max_order_bytes))
     if "held" in wanted:
         sources.append(_orders(layout.held, "held", config.max_order_bytes))
-    if "active" in wanted:
-        sources.append(_active(layout))
+    if "active" in wanted or "waiting" in wanted:
+        sources.append(_active(layout, ledger.waits() if ledger is not None else {}, wanted))
     if "review" in wanted:
         sources.append(_finished(layout, State.REVIEW, None))
     if "done" in wanted:
@@ -156,4 +164,5 @@ def list_jobs(
     for r in rows:
         when = r.pop("when")
         r["age_s"] = round(max(0.0, now - when), 1) if when is not None else None
-    return [{k: r[k] for k in ("job_id", "state", "agent", "age_s", "reason", "cost_usd", "path")} for r in rows]
+    keys = ("job_id", "state", "agent", "age_s", "reason", "cost_usd", "path")
+    return [{k: r[k] for k in keys} | ({"until": r["until"]} if "until" in r else {}) for r in rows]

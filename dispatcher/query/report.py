@@ -14,7 +14,7 @@ from typing import Any
 
 from dispatcher import fsutil
 from dispatcher.errors import OrderError
-from dispatcher.layout import Layout, State, has_jobs
+from dispatcher.layout import Layout, State, has_jobs, iso
 from dispatcher.ledger.base import DaemonInfo, Ledger, Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.loader import load_document
@@ -52,11 +52,32 @@ def status(config: Config, layout: Layout, now: float | None = None) -> dict[str
         daemons = ledger.daemons() if ledger else []
         active = active_jobs(layout, ledger, daemons, now)
         spend = spend_since(ledger, now - SPEND_WINDOW_S) if ledger else {}
+        waits = ledger.waits() if ledger else {}
+        gates = ledger.gates() if ledger else []
     finally:
         if ledger:
             ledger.close()
+    active_ids = {a["job_id"]: a for a in active}
+    waiting = [
+        {"job_id": j, "agent": active_ids[j]["agent"], "until": iso(u) if u is not None else None}
+        for j, u in sorted(waits.items())
+        if j in active_ids
+    ]
+    counts["waiting"] = len(waiting)
+    counts["active"] -= len(waiting)
     return {
         "counts": counts,
+        "waiting": waiting,
+        "gates": [
+            {
+                "agent": g.agent,
+                "kind": g.kind,
+                "until": iso(g.until) if g.until is not None else None,
+                "reason": g.reason,
+            }
+            for g in gates
+            if g.until is None or g.until > now
+        ],
         "daemons": [
             {"owner": d.owner, "pid": d.pid, "host": d.host, "alive": d.alive, "started": d.started} for d in daemons
         ],

@@ -13,7 +13,8 @@ from pathlib import Path
 from dispatcher.layout import Layout, State, is_ignored
 
 #: the states `status` counts; `failed` is failed jobs, `refused` refused files
-COUNTED = ("inbox", "held", "active", "review", "done", "failed", "refused")
+COUNTED = ("inbox", "held", "active", "waiting", "review", "done", "failed", "refused")
+#: `waiting` is a job in active/ that waits for a gate (section 14); only the ledger knows which
 #: the states `list --state` takes
 LIST_STATES = COUNTED
 
@@ -64,4 +65,5 @@ def state_counts(layout: Layout) -> dict[str, int]:
     counts = queue_counts(layout)
     counts["done"] = jobs_and_refusals(layout.folder(State.DONE))[0]
     counts["failed"], counts["refused"] = jobs_and_refusals(layout.folder(State.FAILED))
+    counts["waiting"] = 0  # filled in from the ledger's waits by `status`
     return {k: counts[k] for k in COUNTED}
