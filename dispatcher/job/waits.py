@@ -115,7 +115,7 @@ class Waits:
         self.config = config
         self.gates = gates  # the daemon's snapshot of the ledger's gates (no trip to the ledger)
         self.notify = notify
-        self.not_before = 0.0  # a usage limit this job met itself: wait for it whatever the snapshot says
+        self.not_before = 0.0  # a usage limit this job met itself: wait for it before the snapshot knows it
 
     def limited(self, agent: Agent, stdout_tail: bytes, stderr_tail: bytes, at: float) -> LimitHit | None:
         """Return the agent's usage limit found in an attempt's output, or None (pure but for the text)."""
@@ -157,7 +157,7 @@ class Waits:
     async def _holding(self, agent: Agent, *, fresh: bool) -> Gate | None:
         """Return the gate holding the agent now: the snapshot, this job's own limit, a daily cap."""
         now = time.time()
-        if self.not_before > now:
+        if not fresh and self.not_before > now:  # the snapshot may not know it yet; the ledger does
             return Gate(agent.name, GateKind.LIMIT, self.not_before)
         cfg = self.config()
         capped = agent.max_daily_cost_usd is not None or cfg.max_daily_cost_usd is not None

@@ -1,0 +1,208 @@
+"""Usage limits, gates and waits (contract section 14) against a real daemon.
+
+The agent is ``tests/agents/headless.py``, which prints, at a limit, exactly the
+text the real CLIs print (quoted from their trackers: anthropics/claude-code
+#9046 "Claude AI usage limit reached|1760000400", #12802 "5-hour limit reached
+· resets 3pm (Europe/Stockholm)", openai/codex #3899 "You've hit your usage
+limit. ... try again in 5 days 22 hours 11 minutes.") and otherwise does its job.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, order, wait_until
+
+HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
+
+
+def headless(env: Env, plan: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:
+    """Return the headless stand-in as an agent, with its plan file written."""
+    plan_file = env.tmp / "plan.json"
+    plan_file.write_text(json.dumps(plan or {}))
+    spec: dict[str, Any] = {
+        "command": [sys.executable, str(HEADLESS), "--count", str(env.count_file), "--plan", str(plan_file)],
+        "timeout": 30,
+        "writes": ["out.csv"],
+        "limits": [{"preset": "claude"}, {"preset": "codex"}, {"preset": "http429"}],
+    }
+    spec.update(settings)
+    return spec
+
+
+def claude_limit(until: float) -> dict[str, Any]:
+    """What `claude -p --output-format json` prints at a usage limit (its final JSON, then exit 1)."""
+    result = {
+        "type": "result",
+        "subtype": "success",
+        "is_error": True,
+        "duration_ms": 412,
+        "num_turns": 1,
+        "result": f"Claude AI usage limit reached|{int(until)}",
+        "session_id": "0b6e4c5e-1f4a-4a57-9d2e-6c9d1f1c2a11",
+        "total_cost_usd": 0,
+    }
+    return {"times": 1, "stdout": json.dumps(result), "exit": 1}
+
+
+def events(d: Any, name: str, **match: Any) -> list[dict[str, Any]]:
+    return [e for e in d.events() if e.get("event") == name and all(e.get(k) == v for k, v in match.items())]
+
+
+def status(env: Env) -> dict[str, Any]:
+    return json.loads(env.cli("status", "--json", check=True).stdout)
+
+
+def test_an_epoch_limit_waits_then_runs_again_without_spending_an_attempt(env: Env) -> None:
+    """A Claude limit with an epoch a few seconds ahead: the job waits (shown), reruns at T, and is done."""
+    until = int(time.time()) + 5
+    env.configure(agents={"worker": headless(env, {"limit": claude_limit(until)}, max_attempts=1)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LIM-1"))
+    d.wait_event("job.waiting", job_id="LIM-1")
+    info = status(env)
+    assert info["counts"]["waiting"] == 1 and info["waiting"][0]["job_id"] == "LIM-1"
+    assert [g["kind"] for g in info["gates"]] == ["limit"] and info["gates"][0]["agent"] == "worker"
+    listed = [json.loads(x) for x in env.cli("list", "--state", "waiting", "--json", check=True).stdout.splitlines()]
+    assert [r["job_id"] for r in listed] == ["LIM-1"] and listed[0]["until"].startswith(
+        datetime.fromtimestamp(int(until), UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    )
+    shown = json.loads(env.cli("show", "LIM-1", "--json", check=True).stdout)
+    assert shown["state"] == "waiting" and shown["until"] == listed[0]["until"]
+    assert "waiting" in env.cli("list", check=True).stdout
+    result = env.wait_job("LIM-1", "done")
+    assert time.time() >= until - 0.5
+    first, second = result["attempts"]
+    assert first["limited"]["text"] == f"Claude AI usage limit reached|{int(until)}"
+    assert first["exit_code"] == 1 and second["exit_code"] == 0
+    limited = events(d, "agent.limited", job_id="LIM-1")
+    assert len(limited) == 1 and limited[0]["agent"] == "worker"
+    assert len(events(d, "agent.gated", agent="worker")) == 1
+    d.wait_event("agent.resumed", agent="worker")
+    assert status(env)["counts"]["waiting"] == 0
+
+
+def test_a_clock_limit_is_read_in_its_zone_and_resume_lifts_it(env: Env) -> None:
+    """'5-hour limit reached ∙ resets 3pm (Europe/Stockholm)': until is the next 3 pm there; resume lifts it."""
+    text = "5-hour limit reached ∙ resets 3pm (Europe/Stockholm) · /upgrade to Max 20x or turn on /extra-usage"
+    env.configure(agents={"worker": headless(env, {"limit": {"times": 1, "stderr": text, "exit": 1}})})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CLOCK-1"))
+    d.wait_event("job.waiting", job_id="CLOCK-1")
+    until = datetime.fromisoformat(status(env)["waiting"][0]["until"].replace("Z", "+00:00"))
+    local = until.astimezone(__import__("zoneinfo").ZoneInfo("Europe/Stockholm"))
+    assert (local.hour, local.minute) == (15, 0) and 0 < until.timestamp() - time.time() <= 24 * 3600
+    assert env.cli("resume", "worker", check=True).stdout.strip() == "worker: resumed (limit gate lifted)"
+    env.wait_job("CLOCK-1", "done")
+    assert env.cli("resume", "worker").returncode == 1  # nothing left to lift
+
+
+@pytest.mark.parametrize(
+    ("name", "limit"),
+    [
+        ("RETRY-AFTER", {"stderr": "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 3\r\n", "exit": 2}),
+        (
+            "CODEX",
+            {
+                "stderr": "■ You've hit your usage limit. Upgrade to Pro (https://openai.com/chatgpt/pricing)"
+                " or try again in 3\nseconds.",
+                "exit": 1,
+            },
+        ),
+    ],
+)
+def test_retry_after_and_codex_limits_wait_their_seconds(env: Env, name: str, limit: dict[str, Any]) -> None:
+    """An HTTP 429 with Retry-After: 3, and Codex's "try again in 3 seconds": a wait of 3 s, then done."""
+    env.configure(agents={"worker": headless(env, {"limit": {"times": 1, **limit}})})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order(name))
+    waited = d.wait_event("job.waiting", job_id=name)
+    result = env.wait_job(name, "done")
+    first = result["attempts"][0]
+    assert first["limited"]["wait_s"] == pytest.approx(3, abs=0.5)
+    assert waited["until"] == first["limited"]["until"]
+
+
+def test_two_jobs_meet_one_limit_and_the_agent_is_gated_once(env: Env) -> None:
+    """Two jobs of one agent hit the limit at once: both wait for it, one gate, both done, no third start early."""
+    until = int(time.time()) + 5
+    plan = {"limit": {**claude_limit(until), "times": 2}, "busy_s": 0}
+    env.configure(agents={"worker": headless(env, plan, concurrency=2)}, max_jobs=3)
+    d = env.daemon()
+    d.wait_ready()
+    for job_id in ("TWO-1", "TWO-2"):
+        env.drop(order(job_id))
+    wait_until(lambda: len(events(d, "job.waiting")) == 2, what="both jobs waiting")
+    env.drop(order("TWO-3"))  # a new job of the gated agent stays queued
+    time.sleep(1.5)
+    assert ("TWO-3", 1) not in env.starts()
+    for job_id in ("TWO-1", "TWO-2", "TWO-3"):
+        env.wait_job(job_id, "done")
+    starts = env.starts()
+    assert starts.count(("TWO-3", 1)) == 1 and len(starts) == 5
+    assert len(events(d, "agent.limited")) == 2 and len(events(d, "agent.gated", agent="worker")) == 1
+
+
+def test_the_wait_survives_a_restart(env: Env) -> None:
+    """A daemon stopped during the wait: the next one keeps the gate, waits until T, then runs the job once."""
+    until = int(time.time()) + 8
+    env.configure(agents={"worker": headless(env, {"limit": claude_limit(until)})})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RESTART-1"))
+    d.wait_event("job.waiting", job_id="RESTART-1")
+    assert d.stop() == 0
+    assert (env.root / "active" / "RESTART-1").is_dir()
+    assert status(env)["gates"][0]["agent"] == "worker"
+    d2 = env.daemon()
+    d2.wait_ready()
+    d2.wait_event("job.waiting", job_id="RESTART-1")
+    result = env.wait_job("RESTART-1", "done")
+    assert time.time() >= until - 0.5
+    assert [a["n"] for a in result["attempts"]] == [1, 2] and env.starts() == [("RESTART-1", 1), ("RESTART-1", 2)]
+
+
+def test_a_limit_beyond_max_limit_wait_fails_the_job(env: Env) -> None:
+    """A reset an hour away with max_limit_wait 10: the job fails at once with a reason that says so."""
+    env.configure(agents={"worker": headless(env, {"limit": claude_limit(time.time() + 3600)})}, max_limit_wait=10)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FAR-1"))
+    result = env.wait_job("FAR-1", "failed")
+    assert result["reason"].startswith("limit: Claude AI usage limit reached|")
+    assert "max_limit_wait (10 s)" in result["reason"]
+
+
+def test_pause_keeps_new_jobs_queued_and_resume_lets_them_run(env: Env) -> None:
+    """`pause worker`: a new order stays in inbox/ and the gate shows in status; `resume worker`: it runs."""
+    env.configure(agents={"worker": headless(env)}, metrics_file=str(env.tmp / "m.prom"))
+    d = env.daemon()
+    d.wait_ready()
+    assert env.cli("pause", "worker", check=True).stdout.startswith("worker: paused")
+    assert env.cli("pause", "nobody").returncode == 1
+    env.drop(order("PAUSED-1"))
+    wait_until(lambda: 'dispatcher_agent_gated{agent="worker"} 1.0' in _read(env.tmp / "m.prom"), what="gauge 1")
+    time.sleep(1.5)
+    info = status(env)
+    assert info["counts"]["inbox"] == 1 and env.starts() == []
+    assert info["gates"] == [{"agent": "worker", "kind": "pause", "until": None, "reason": "paused by hand"}]
+    assert "gated    worker" in env.cli("status", check=True).stdout
+    env.cli("resume", "worker", check=True)
+    env.wait_job("PAUSED-1", "done")
+    wait_until(lambda: 'dispatcher_agent_gated{agent="worker"} 0.0' in _read(env.tmp / "m.prom"), what="gauge 0")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
