@@ -11,6 +11,7 @@ lock, so that jobs running at once share it:
   starts print exactly what the real CLI prints at a usage limit, and exit;
 - ``"silent_s"``: sleep this long first, printing nothing (an idle agent);
 - ``"busy_s"``: work this long, printing a line every 0.5 s (a busy one);
+- ``"quiet_work_s"``: work this long printing nothing, writing a file every 0.5 s;
 - ``"cost_usd"``: the cost each run reports (default 0.01); with ``--resume SID``
   the CLI reports the session's running total: the previous total plus this.
 
@@ -82,6 +83,13 @@ def main() -> int:
 
     if plan.get("silent_s"):
         time.sleep(float(plan["silent_s"]))
+    quiet = float(plan.get("quiet_work_s") or 0)  # silent, but changing files in its folder
+    end = time.monotonic() + quiet
+    k = 0
+    while time.monotonic() < end:
+        Path(f"notes-{k % 3}.txt").write_text(f"step {k}\n")
+        k += 1
+        time.sleep(0.5)
     busy = float(plan.get("busy_s") or 0)
     end = time.monotonic() + busy
     while time.monotonic() < end:

@@ -1,0 +1,59 @@
+"""idle_timeout (contract section 14): an agent silent and idle that long is ended as timed out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from conftest import Env, order
+
+HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
+
+
+def agent(env: Env, name: str, plan: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    plan_file = env.tmp / f"plan-{name}.json"
+    plan_file.write_text(json.dumps(plan))
+    spec: dict[str, Any] = {
+        "command": [sys.executable, str(HEADLESS), "--count", str(env.count_file), "--plan", str(plan_file)],
+        "timeout": 30,
+        "writes": ["out.csv", "notes-*.txt"],
+        "idle_timeout": 2,
+    }
+    spec.update(settings)
+    return spec
+
+
+def test_an_idle_agent_is_ended_and_a_busy_one_with_the_same_timeout_is_not(env: Env) -> None:
+    """Same idle_timeout 2: silent for 20 s is ended ("idle 2 s"); printing or writing files for 5 s is not."""
+    env.configure(
+        agents={
+            "idle": agent(env, "idle", {"silent_s": 20}),
+            "busy": agent(env, "busy", {"busy_s": 5}),
+            "writer": agent(env, "writer", {"quiet_work_s": 5}),
+        },
+        max_jobs=3,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    for job_id, to in (("IDLE-1", "idle"), ("BUSY-1", "busy"), ("WRITER-1", "writer")):
+        env.drop(order(job_id, to=to))
+    idle = env.wait_job("IDLE-1", "failed")
+    assert idle["reason"].startswith("exit_ok: timed out: idle 2 s")
+    first = idle["attempts"][0]
+    assert first["timed_out"] is True and first["idle_s"] == 2 and first["duration_ms"] < 10_000
+    busy = env.wait_job("BUSY-1", "done")
+    assert busy["attempts"][0]["duration_ms"] >= 5000
+    writer = env.wait_job("WRITER-1", "done")
+    assert writer["attempts"][0]["duration_ms"] >= 5000
+
+
+def test_an_idle_attempt_is_retried_under_the_usual_rules(env: Env) -> None:
+    """A retry-safe agent ended as idle runs again (the retry rules apply as for any timeout)."""
+    env.configure(agents={"worker": agent(env, "w", {"silent_s": 20}, retry_safe=True, max_attempts=2)})
+    env.daemon().wait_ready()
+    env.drop(order("IDLE-2"))
+    result = env.wait_job("IDLE-2", "failed")
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert result["reason"].startswith("exit_ok: timed out: idle 2 s") and "no attempts left" in result["reason"]

@@ -1,0 +1,114 @@
+"""An agent's own checks (``checks:``, contract section 14) run by a real daemon after the agent passed."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import Env, order, wait_until
+from helpers_faults import processes_with
+
+HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
+
+
+def agent(env: Env, checks: list[dict[str, Any]], **settings: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "command": [sys.executable, str(HEADLESS), "--count", str(env.count_file)],
+        "timeout": 30,
+        "writes": ["out.csv"],
+        "checks": checks,
+        "env": {"SUITE": "unit"},
+    }
+    spec.update(settings)
+    return spec
+
+
+def by_name(result: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in result["checks"] if c["name"] == name)
+
+
+def test_a_passing_check_is_recorded_with_its_last_line_and_log(env: Env) -> None:
+    """A check that exits 0 passes the job; result.json has its exit, duration and last line; its log is kept."""
+    script = "import os; print('collected 3 items'); print('3 passed in 0.01s', os.environ['DISPATCH_JOB_ID'])"
+    env.configure(agents={"worker": agent(env, [{"name": "tests", "command": [sys.executable, "-c", script]}])})
+    env.daemon().wait_ready()
+    env.drop(order("CHK-OK"))
+    result = env.wait_job("CHK-OK", "done")
+    check = by_name(result, "tests")
+    assert check["ok"] is True
+    assert check["detail"].startswith("exit 0 in ") and check["detail"].endswith(": 3 passed in 0.01s CHK-OK")
+    assert [c["name"] for c in result["checks"]][-1] == "tests"
+    log = env.root / "done" / "CHK-OK" / "attempts" / "1" / "checks" / "tests.log"
+    assert log.read_text() == "collected 3 items\n3 passed in 0.01s CHK-OK\n"
+
+
+def test_a_failing_check_fails_the_job_and_feeds_the_repair(env: Env) -> None:
+    """A check that exits 1 fails the attempt; with repair the next attempt gets it in feedback.json, then passes."""
+    flag = env.tmp / "second-time"
+    script = (
+        "import os, sys; p = sys.argv[1]\n"
+        "if os.path.exists(p): print('all good'); sys.exit(0)\n"
+        "open(p, 'w').close(); print('FAILED test_totals - assert 3 == 4', file=sys.stderr); sys.exit(1)"
+    )
+    checks = [{"name": "tests", "command": [sys.executable, "-c", script, str(flag)], "timeout": 20}]
+    env.configure(agents={"worker": agent(env, checks, repair=True, retry_safe=True, max_attempts=2)})
+    env.daemon().wait_ready()
+    env.drop(order("CHK-REPAIR"))
+    result = env.wait_job("CHK-REPAIR", "done")
+    folder = env.root / "done" / "CHK-REPAIR"
+    feedback = json.loads((folder / "work" / "feedback.json").read_text())
+    failed = {c["name"]: c for c in feedback["failed_checks"]}
+    assert failed["tests"]["ok"] is False and failed["tests"]["detail"].endswith(": FAILED test_totals - assert 3 == 4")
+    assert by_name(result, "tests")["detail"].endswith(": all good")
+
+
+def test_a_failing_check_without_repair_fails_the_job(env: Env) -> None:
+    """A check that exits 1: the job fails and its reason names the check, its exit and its last line."""
+    script = "import sys; print('FAILED test_totals', file=sys.stderr); sys.exit(1)"
+    env.configure(agents={"worker": agent(env, [{"name": "tests", "command": [sys.executable, "-c", script]}])})
+    env.daemon().wait_ready()
+    env.drop(order("CHK-FAIL"))
+    result = env.wait_job("CHK-FAIL", "failed")
+    assert result["reason"].startswith("tests: exit 1 in ") and result["reason"].endswith(": FAILED test_totals")
+    assert by_name(result, "exit_ok")["ok"] is True
+
+
+def test_a_hanging_check_is_ended_at_its_timeout_with_its_group(env: Env) -> None:
+    """A check that hangs is ended after its timeout (its whole process group) and fails the job."""
+    marker = f"hang-{os.getpid()}-{time.monotonic_ns()}"
+    child = f"[{sys.executable!r}, '-c', 'import time; time.sleep(60)', '{marker}']"
+    script = f"import subprocess, time; subprocess.Popen({child}); print('{marker}', flush=True); time.sleep(60)"
+    checks = [{"name": "lint", "command": [sys.executable, "-c", script], "timeout": 1}]
+    env.configure(agents={"worker": agent(env, checks)})
+    env.daemon().wait_ready()
+    env.drop(order("CHK-HANG"))
+    result = env.wait_job("CHK-HANG", "failed")
+    assert result["reason"].startswith(f"lint: timed out after 1 s: {marker}")
+    wait_until(lambda: not processes_with(marker), 15, "the check's group to be gone")
+
+
+def test_checks_do_not_run_when_the_agent_failed(env: Env) -> None:
+    """An agent that exits 1 with no receipt: its checks are recorded ok null, 'not run'."""
+    plan = env.tmp / "plan.json"
+    plan.write_text(json.dumps({"limit": {"times": 1, "stderr": "boom", "exit": 1}}))
+    spec = agent(env, [{"name": "tests", "command": ["false"]}])
+    spec["command"] += ["--plan", str(plan)]
+    env.configure(agents={"worker": spec})
+    env.daemon().wait_ready()
+    env.drop(order("CHK-NOTRUN"))
+    result = env.wait_job("CHK-NOTRUN", "failed")
+    check = by_name(result, "tests")
+    assert check["ok"] is None and check["detail"].startswith("not run: the agent did not pass")
+    assert result["reason"].startswith("exit_ok: exit 1")
+
+
+def test_a_check_named_like_a_built_in_one_is_a_config_error(env: Env) -> None:
+    """checks: [{name: exit_ok}] is refused with one line naming the file and the field (exit 2)."""
+    env.configure(agents={"worker": agent(env, [{"name": "exit_ok", "command": ["true"]}])})
+    proc = env.cli("validate")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"{env.config_path}: agents.worker.checks[0].name: exit_ok is a built-in check's name"
