@@ -1,0 +1,148 @@
+"""`dispatcher revise ID --note TEXT` (contract section 14) with real daemons and real kill -9s."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, cli_env, order, wait_until
+from helpers_faults import env_daemon
+
+HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
+NOTE = "Use team B for R2, as agreed on Monday."
+
+
+def agent(env: Env, plan: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:
+    plan_file = env.tmp / "plan.json"
+    plan_file.write_text(json.dumps(plan or {}))
+    spec: dict[str, Any] = {
+        "command": [sys.executable, str(HEADLESS), "--count", str(env.count_file), "--plan", str(plan_file)],
+        "timeout": 30,
+        "writes": ["out.csv"],
+        "review": True,
+    }
+    spec.update(settings)
+    return spec
+
+
+def cli(env: Env, *args: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    extra = {"DISPATCHER_FAULT": fault} if fault else {}
+    return subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=env.tmp,
+        env=cli_env() | extra,
+    )
+
+
+def in_review(env: Env, job_id: str, attempts: int) -> dict[str, Any]:
+    path = env.root / "review" / job_id / "result.json"
+
+    def ready() -> dict[str, Any] | None:
+        try:
+            result = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return result if len(result["attempts"]) == attempts else None
+
+    return wait_until(ready, 60, f"{job_id} in review/ after {attempts} attempts")
+
+
+def test_a_reviewed_job_is_revised_with_the_note_and_the_last_checks(env: Env) -> None:
+    """revise from review/: one more attempt with work/feedback.json {from, note, checks}; job.revised; then approve."""
+    env.configure(agents={"worker": agent(env)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("REVISE-1"))
+    first = in_review(env, "REVISE-1", 1)
+    proc = env.cli("revise", "REVISE-1", "--note", NOTE)
+    assert (proc.returncode, proc.stdout) == (0, "REVISE-1: revision requested\n")
+    second = in_review(env, "REVISE-1", 2)
+    folder = env.root / "review" / "REVISE-1"
+    feedback = json.loads((folder / "work" / "feedback.json").read_text())
+    assert feedback == {"from": "review", "note": NOTE, "checks": first["checks"]}
+    assert second["state"] == "review" and [a["n"] for a in second["attempts"]] == [1, 2]
+    assert (folder / "attempts" / "1" / "result.json").exists()
+    revised = d.wait_event("job.revised", job_id="REVISE-1")
+    assert revised["note"] == NOTE and revised["revision"] == 1
+    env.cli("approve", "REVISE-1", check=True)
+    assert json.loads((env.root / "done" / "REVISE-1" / "result.json").read_text())["state"] == "done"
+
+
+def test_a_failed_job_is_revised_and_max_revisions_bounds_it(env: Env) -> None:
+    """revise from failed/ runs it once more; past max_revisions, and for a done job, revise exits 1."""
+    plan = {"limit": {"times": 1, "stderr": "Error: the API answered 500", "exit": 1}}
+    env.configure(agents={"worker": agent(env, plan, review=False, max_revisions=1)})
+    env.daemon().wait_ready()
+    env.drop(order("REVISE-2"))
+    env.wait_job("REVISE-2", "failed")
+    env.cli("revise", "REVISE-2", "--note", "try again, the API is back", check=True)
+    result = env.wait_job("REVISE-2", "done")
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    again = env.cli("revise", "REVISE-2", "--note", "once more")
+    assert again.returncode == 1 and again.stderr.strip() == "REVISE-2: is done, only a job in review or failed can be revised"
+    env.drop(order("REVISE-3"))
+    env.wait_job("REVISE-3", "done")
+    assert env.cli("revise", "NOPE", "--note", "x").stderr.strip() == "NOPE: no such job"
+    assert env.cli("revise", "REVISE-2").returncode == 2  # --note is required
+
+
+def test_revise_reads_ids_from_stdin_and_counts_revisions(env: Env) -> None:
+    """`revise - --note` takes ids from stdin; a second revision past max_revisions 1 is refused."""
+    env.configure(agents={"worker": agent(env, max_revisions=1)})
+    env.daemon().wait_ready()
+    env.drop(order("REVISE-4"))
+    in_review(env, "REVISE-4", 1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "revise", "-", "--note", "shorter"],
+        input="REVISE-4\n", capture_output=True, text=True, timeout=60, cwd=env.tmp, env=cli_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    in_review(env, "REVISE-4", 2)
+    refused = env.cli("revise", "REVISE-4", "--note", "again")
+    assert refused.returncode == 1 and refused.stderr.strip() == "REVISE-4: has had 1 revisions (max_revisions 1)"
+
+
+@pytest.mark.parametrize("fault", ["revise.noted", "revise.requested"])
+def test_a_revise_command_killed_midway(env: Env, fault: str) -> None:
+    """kill -9 of `revise` after its note / after its request: a new revise (or the daemon) finishes it, once."""
+    env.configure(agents={"worker": agent(env)})
+    env.daemon().wait_ready()
+    env.drop(order("CRASH-1"))
+    in_review(env, "CRASH-1", 1)
+    assert cli(env, "revise", "CRASH-1", "--note", NOTE, fault=fault).returncode == -9
+    if fault == "revise.noted":  # no request was recorded: nothing happens until the person tries again
+        assert env.cli("revise", "CRASH-1", "--note", NOTE).returncode == 0
+    result = in_review(env, "CRASH-1", 2)
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    feedback = json.loads((env.root / "review" / "CRASH-1" / "work" / "feedback.json").read_text())
+    assert feedback["note"] == NOTE
+
+
+@pytest.mark.parametrize("fault", ["revise.claimed", "revise.feedback", "revise.moved"])
+def test_a_daemon_killed_while_carrying_out_a_revise(env: Env, fault: str) -> None:
+    """kill -9 of the daemon at each step of a revision: the next daemon carries it out exactly once."""
+    env.configure(agents={"worker": agent(env)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CRASH-2"))
+    in_review(env, "CRASH-2", 1)
+    d.stop()
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": fault})
+    crashing.wait_ready()
+    env.cli("revise", "CRASH-2", "--note", NOTE, check=True)
+    assert crashing.wait(60) == -9
+    env.daemon().wait_ready()
+    result = in_review(env, "CRASH-2", 2)
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert [s for s in env.starts() if s[0] == "CRASH-2"] == [("CRASH-2", 1), ("CRASH-2", 2)]
+    folder = env.root / "review" / "CRASH-2"
+    assert json.loads((folder / "work" / "feedback.json").read_text())["note"] == NOTE
+    assert (folder / "attempts" / "1" / "revision.json").exists()
+    assert cli(env, "revise", "CRASH-2", "--note", "x").returncode == 0  # max_revisions 5: one more is fine
