@@ -1,0 +1,71 @@
+"""Daily cost caps (contract section 14): once the last 24 hours' spend reaches a cap, new attempts wait."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import Env, order, wait_until
+
+HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
+
+
+def agent(env: Env, name: str, cost: float, **settings: Any) -> dict[str, Any]:
+    plan = env.tmp / f"plan-{name}.json"
+    plan.write_text(json.dumps({"cost_usd": cost}))
+    spec: dict[str, Any] = {
+        "command": [sys.executable, str(HEADLESS), "--count", str(env.count_file), "--plan", str(plan)],
+        "timeout": 30,
+        "writes": ["out.csv"],
+    }
+    spec.update(settings)
+    return spec
+
+
+def notify_argv(env: Env) -> list[str]:
+    script = "import sys; open(sys.argv[1], 'a').write(' | '.join(sys.argv[2:]) + '\\n')"
+    return [sys.executable, "-c", script, str(env.tmp / "notified.txt"), "{event}", "{agent}", "{reason}"]
+
+
+def test_an_agent_cap_reached_mid_run_holds_the_next_attempts(env: Env) -> None:
+    """0.4 USD a job, cap 1.0: three jobs run, the fourth waits gated (budget.gated logged and notified)."""
+    env.configure(agents={"worker": agent(env, "w", 0.4, max_daily_cost_usd=1.0)}, notify=notify_argv(env))
+    d = env.daemon()
+    d.wait_ready()
+    for i in range(1, 6):
+        env.drop(order(f"DAY-{i}"))
+    for i in range(1, 4):
+        env.wait_job(f"DAY-{i}", "done")
+    gated = d.wait_event("budget.gated", agent="worker")
+    assert gated["reason"] == "1.2 USD in 24 h reached max_daily_cost_usd 1"
+    info = json.loads(env.cli("status", "--json", check=True).stdout)
+    wait_until(lambda: json.loads(env.cli("status", "--json", check=True).stdout)["counts"]["waiting"] == 1)
+    info = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert info["counts"]["done"] == 3 and info["counts"]["inbox"] == 1
+    assert [g["kind"] for g in info["gates"]] == ["budget"]
+    time.sleep(1.5)
+    assert len(env.starts()) == 3  # no attempt of the agent started after the cap
+    line = wait_until(lambda: (env.tmp / "notified.txt").exists() and (env.tmp / "notified.txt").read_text())
+    assert line == "budget.gated | worker | 1.2 USD in 24 h reached max_daily_cost_usd 1\n"
+    assert len([e for e in d.events() if e.get("event") == "budget.gated"]) == 1
+
+
+def test_the_root_cap_holds_every_agent(env: Env) -> None:
+    """max_daily_cost_usd at the root, 0.5: after a 0.3 and a 0.3 job of two agents, neither starts again."""
+    env.configure(
+        agents={"a": agent(env, "a", 0.3), "b": agent(env, "b", 0.3)}, max_daily_cost_usd=0.5, max_jobs=1
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("ROOT-1", to="a"))
+    env.wait_job("ROOT-1", "done")
+    env.drop(order("ROOT-2", to="b"))
+    env.wait_job("ROOT-2", "done")
+    env.drop(order("ROOT-3", to="a"))
+    gated = d.wait_event("budget.gated", agent="*")
+    assert gated["reason"] == "0.6 USD in 24 h reached max_daily_cost_usd 0.5"
+    time.sleep(1.5)
+    assert [s[0] for s in env.starts()] == ["ROOT-1", "ROOT-2"]
