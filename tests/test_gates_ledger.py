@@ -1,0 +1,136 @@
+"""Gates and waits in both ledger engines (contract section 14), and the schema migration of older ledgers."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from test_ledger_contract import Engine
+
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import ClaimRequest, Finish, Gate, GateKind, Request, Row
+from dispatcher.ledger.postgres import PostgresLedger
+from dispatcher.ledger.sqlite import SqliteLedger
+
+pytestmark = pytest.mark.postgres
+pytest_plugins = ["pg_fixtures"]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """Yield an Engine on a fresh store of each kind."""
+    if request.param == "sqlite":
+        state = tmp_path / "state"
+        (state / "slots").mkdir(parents=True)
+        eng = Engine("sqlite", lambda: SqliteLedger(state / "l.sqlite3", state, patience_s=30))
+    else:
+        dsn = request.getfixturevalue("pg_db")
+        eng = Engine("postgres", lambda: PostgresLedger(dsn, Layout(tmp_path), lease_s=30, patience_s=30))
+    try:
+        yield eng
+    finally:
+        for led in eng.made:
+            led.close()
+
+
+def test_a_later_limit_extends_a_gate_and_every_handle_sees_it(engine: Engine) -> None:
+    """set_gate: the first of a kind is new; a later until extends it, an earlier one does not shorten it."""
+    a, b = engine.daemon("a"), engine.daemon("b")
+    now = time.time()
+    assert a.set_gate(Gate("coder", GateKind.LIMIT, now + 60, "limit reached"), at=now) is True
+    assert b.set_gate(Gate("coder", GateKind.LIMIT, now + 30, "again"), at=now) is False
+    assert b.set_gate(Gate("coder", GateKind.LIMIT, now + 90, "later"), at=now) is False
+    (gate,) = a.gates()
+    assert (gate.agent, gate.kind, gate.reason) == ("coder", "limit", "later")
+    assert gate.until == pytest.approx(now + 90)
+    assert gate.holds("coder", now) and not gate.holds("other", now) and not gate.holds("coder", now + 91)
+
+
+def test_a_pause_holds_until_lifted_and_expired_gates_are_lifted_once(engine: Engine) -> None:
+    """A pause (no until) outlives expiry sweeps; an expired limit is lifted by one sweep only."""
+    a, b = engine.daemon("a"), engine.daemon("b")
+    now = time.time()
+    a.set_gate(Gate("coder", GateKind.PAUSE, None, "paused by hand"), at=now)
+    a.set_gate(Gate("writer", GateKind.LIMIT, now + 1, "limit"), at=now)
+    lifted = a.lift_gates(expired_at=now + 2)
+    assert [(g.agent, g.kind) for g in lifted] == [("writer", "limit")]
+    assert b.lift_gates(expired_at=now + 2) == []
+    assert [(g.agent, g.until) for g in b.gates()] == [("coder", None)]
+    assert [g.kind for g in b.lift_gates("coder")] == ["pause"] and a.gates() == []
+
+
+def test_waits_and_the_window_of_costs(engine: Engine) -> None:
+    """set_wait/clear_wait are seen by every handle; costs_since gives the finished costs of the window."""
+    a, b = engine.daemon("a"), engine.daemon("b")
+    a.set_wait("J1", "coder", 123.0)
+    a.set_wait("J2", "coder", None)
+    assert b.waits() == {"J1": 123.0, "J2": None}
+    b.clear_wait("J1")
+    assert a.waits() == {"J2": None}
+    (claimed,) = a.claim([ClaimRequest("J3", "coder", "J3.yaml", "d")])
+    assert a.finish([Finish("J3", claimed.token, Row.DONE, 0.4, 0.4)]) == [True]  # type: ignore[union-attr]
+    costs = b.costs_since(time.time() - 60)
+    assert [(agent, cost) for _, agent, cost in costs] == [("coder", 0.4)]
+    assert b.costs_since(time.time() + 60) == []
+
+
+def test_a_revise_request_takes_a_job_in_review(engine: Engine) -> None:
+    """take_retry with REVISE takes a job in review (a retry does not), once per request."""
+    a = engine.daemon("a")
+    (claimed,) = a.claim([ClaimRequest("R1", "coder", "R1.yaml", "d")])
+    a.finish([Finish("R1", claimed.token, Row.REVIEW)])  # type: ignore[union-attr]
+    a.request("R1", Request.RETRY)
+    assert a.take_retry("R1") is None
+    a.request("R1", Request.REVISE)
+    token = a.take_retry("R1", Request.REVISE)
+    assert token is not None and a.get("R1").state == Row.CLAIMED  # type: ignore[union-attr]
+
+
+def test_an_older_sqlite_ledger_gets_the_new_tables(tmp_path: Path) -> None:
+    """A version 2 SQLite ledger (no gates, no waits) is migrated when opened, its rows kept."""
+    state = tmp_path / "state"
+    (state / "slots").mkdir(parents=True)
+    path = state / "l.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE jobs (job_id TEXT PRIMARY KEY, state TEXT NOT NULL, agent TEXT, owner TEXT, source TEXT,"
+        " digest TEXT, parent TEXT, hops INTEGER NOT NULL DEFAULT 0, updated REAL NOT NULL,"
+        " token INTEGER NOT NULL DEFAULT 0, cost_usd REAL, chain_cost_usd REAL) WITHOUT ROWID;"
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;"
+        "INSERT INTO meta VALUES ('schema_version', '2');"
+        "INSERT INTO jobs (job_id, state, updated) VALUES ('OLD-1', 'done', 1);"
+    )
+    old.commit()
+    old.close()
+    led = SqliteLedger(path, state, patience_s=30)
+    try:
+        assert led.get("OLD-1") is not None and led.gates() == [] and led.waits() == {}
+        led.set_gate(Gate("coder", GateKind.PAUSE, None), at=time.time())
+        assert len(led.gates()) == 1
+    finally:
+        led.close()
+    version = sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    assert version == ("3",)
+
+
+def test_an_older_postgres_ledger_gets_the_new_tables(pg_db: str, tmp_path: Path) -> None:
+    """A version 1 PostgreSQL ledger (no gates, no waits) is migrated to version 2 when opened."""
+    first = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
+    first.close()
+    with psycopg.connect(pg_db, autocommit=True) as conn:
+        conn.execute("DROP TABLE gates")
+        conn.execute("DROP TABLE waits")
+        conn.execute("UPDATE schema_version SET version = 1")
+    led = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
+    try:
+        assert led.gates() == [] and led.waits() == {}
+        led.set_wait("J1", "coder", None)
+        assert led.waits() == {"J1": None}
+    finally:
+        led.close()
+    with psycopg.connect(pg_db) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (2,)
