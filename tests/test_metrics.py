@@ -56,6 +56,7 @@ def test_written_file_parses_back_with_every_metric_of_the_contract(tmp_path: Pa
         "dispatcher_job_duration_seconds": "histogram",
         "dispatcher_cost_usd": "counter",
         "dispatcher_last_loop_timestamp_seconds": "gauge",
+        "dispatcher_agent_gated": "gauge",
     }
     assert "_created" not in path.read_text()
 
