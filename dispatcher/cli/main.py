@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "ledger")
     c.add_argument("action", choices=("rebuild", "migrate"))
     c.add_argument("url", nargs="?", metavar="URL", help="for migrate: the postgresql://... ledger to fill")
+    c = _command(sub, "web")
+    c.add_argument("--listen", metavar="ADDR:PORT", help="where to listen (default 127.0.0.1:8700)")
     c = _command(sub, "completion")
     c.add_argument("shell", choices=("bash", "zsh", "fish"))
     for name, sp in sub.choices.items():
@@ -226,4 +228,5 @@ COMMANDS = {
     "logs": commands.cmd_logs,
     "ledger": cmd_ledger,
     "completion": commands.cmd_completion,
+    "web": commands.cmd_web,
 }
