@@ -8,6 +8,7 @@ by the templates; nothing is loaded from outside the package.
 from __future__ import annotations
 
 import math
+import shlex
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +48,7 @@ def _env() -> jinja2.Environment:
     env.filters["usd"] = usd
     env.filters["plain"] = lambda v: printable(plain(v))
     env.filters["idq"] = lambda v: quote(str(v), safe="")
+    env.filters["argv"] = lambda v: printable(shlex.join(str(a) for a in v)) if isinstance(v, list) and v else "-"
     env.filters["seconds"] = lambda ms: "-" if ms is None else f"{plain(round(ms / 1000, 2))} s"
     env.globals["tree_cost"] = tree_cost
     env.globals["OFFERED"] = OFFERED
