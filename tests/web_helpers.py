@@ -172,3 +172,39 @@ def save(name: str, data: bytes) -> Path:
     path.write_bytes(data)
     os.chmod(path, 0o644)
     return path
+
+
+def big_root(root: Path, n: int, *, now: float | None = None) -> None:
+    """Write a root of n finished jobs straight into folders and the SQLite ledger (no daemon, seconds not hours).
+
+    Nine in ten are done, the rest failed, and up to 20 wait in review; each has
+    a small result.json and a ledger row with its agent, cost and finish time.
+    """
+    from dispatcher.layout import Layout, iso
+    from dispatcher.ledger.base import Entry
+    from dispatcher.ledger.sqlite import SqliteLedger
+
+    layout = Layout(root)
+    layout.create()
+    now = time.time() if now is None else now
+    rows = []
+    for i in range(n):
+        job_id = f"BULK-{i:06d}"
+        state = "review" if i < 20 else "failed" if i % 10 == 0 else "done"
+        agent = f"agent-{i % 5}"
+        finished = now - (n - i) * 10.0
+        folder = root / state / job_id
+        folder.mkdir()
+        result = {
+            "job_id": job_id, "state": state, "agent": agent,
+            "reason": "exit_ok: exit 1 in 0.1 s" if state == "failed" else None,
+            "checks": [], "attempts": [], "received": iso(finished - 5), "finished": iso(finished),
+            "parent": None, "children": [], "cost_usd": 0.01, "chain_cost_usd": 0.01,
+        }  # fmt: skip
+        (folder / "result.json").write_text(json.dumps(result))
+        rows.append(Entry(job_id, state, agent, None, 1, None, None, None, 0, 0.01, 0.01, finished))
+    ledger = SqliteLedger(layout.ledger, layout.state_dir, patience_s=30)
+    try:
+        ledger.load_rows(rows)
+    finally:
+        ledger.close()
