@@ -32,7 +32,7 @@ def browser() -> Iterator[object]:
     binary, driver = chromium()
     options = webdriver.ChromeOptions()
     options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1000"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,640"):
         options.add_argument(arg)
     b = webdriver.Chrome(service=Service(executable_path=driver), options=options)
     b.set_page_load_timeout(60)
@@ -51,9 +51,16 @@ def site(env: Env) -> Iterator[tuple[Env, Web]]:
 
 
 def text_of(b: object, css: str) -> str:
+    """Return the text of the first element matching css; read again if a page refresh swapped it meanwhile."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    return str(b.find_element(By.CSS_SELECTOR, css).text)  # type: ignore[attr-defined]
+    for _ in range(20):
+        try:
+            return str(b.find_element(By.CSS_SELECTOR, css).text)  # type: ignore[attr-defined]
+        except StaleElementReferenceException:  # the page's own refresh replaced <main> between find and read
+            continue
+    raise AssertionError(f"{css} kept being replaced")
 
 
 def shot(b: object, name: str) -> None:
