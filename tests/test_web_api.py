@@ -163,8 +163,8 @@ def test_forms_need_a_login_and_their_csrf_token(site: tuple[Env, Web]) -> None:
 
 
 def test_pages_are_self_contained_and_escaped(site: tuple[Env, Web]) -> None:
-    """Every page answers 200 and loads nothing from outside (a strict Content-Security-Policy); assets ship inside."""
-    _, web = site
+    """Every page answers 200 and loads nothing from outside (a strict CSP); a workspace diff shows escaped."""
+    env, web = site
     pages = ("/", "/jobs", "/jobs?state=failed&agent=bad", "/review", "/jobs/CHAIN-1/chain", "/jobs/FAIL-1", "/login")
     for path in pages:
         status, body, headers = web.get(path)
@@ -172,6 +172,9 @@ def test_pages_are_self_contained_and_escaped(site: tuple[Env, Web]) -> None:
         assert "default-src 'self'" in headers["Content-Security-Policy"]
         assert b"http://" not in body.replace(web.url.encode(), b"") and b"https://" not in body, path
     assert web.get("/static/app.js")[0] == 200 and web.get("/static/../pyproject.toml")[0] == 404
+    (env.root / "done" / "DONE-1" / "attempts" / "1" / "diff.patch").write_text("+++ b/a.py\n+print('<b>hi</b>')\n")
+    _, page, _ = web.get("/jobs/DONE-1")
+    assert b"workspace diff" in page and b"+print(&#39;&lt;b&gt;hi&lt;/b&gt;&#39;)" in page
     status, _, _ = web.get("/", {"Host": "evil.example:80"})
     assert status == 421
 

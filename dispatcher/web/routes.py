@@ -29,6 +29,7 @@ _HTML = "text/html; charset=utf-8"
 _JSON = "application/json"
 #: a wrong token at the login form costs this long, so guessing a short token by hand is slow
 _LOGIN_PAUSE_S = 0.3
+_MAX_FLASH = 1000
 
 
 @dataclass(slots=True)
@@ -191,6 +192,8 @@ class App:
             return _redirect("/login", ("Set-Cookie", f"{COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0"))
         if len(parts) == 3 and parts[0] == "jobs" and parts[2] in ACTIONS:
             outcome = self.actions.run(parts[2], parts[1], note=fields.get("note") or None, who="session")
+            if len(self._flash) > _MAX_FLASH:  # messages never read (a closed tab): forget them
+                self._flash.clear()
             self._flash[sid] = outcome.message
             if self.reader.show(parts[1]) is None:
                 return self._page_error(outcome.status, outcome.message, req)
