@@ -250,23 +250,6 @@ def journal_unit(config: Path | None) -> str:
     return "dispatcher"
 
 
-def cmd_web(args: argparse.Namespace) -> int:
-    """Serve the web view of the root (section 17) until SIGTERM or SIGINT."""
-    from dispatcher import logs
-
-    cfg = config_of(args, need_root=True)
-    try:
-        from dispatcher.web.server import serve
-    except ImportError as exc:
-        extra = "pip install 'folder-dispatcher[web]'"
-        raise UsageError(f"web: needs the web extra ({exc.name} is missing): {extra}") from None
-    try:
-        logs.configure(log_file=cfg.log_file)
-    except OSError as exc:
-        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
-    return serve(cfg, args.listen)
-
-
 def cmd_completion(args: argparse.Namespace) -> int:
     """Print the completion script for a shell; sourcing it completes commands and options."""
     from argcomplete.shell_integration import shellcode

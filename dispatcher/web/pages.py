@@ -18,12 +18,13 @@ import jinja2
 
 from dispatcher.errors import printable
 from dispatcher.query.jobinfo import tree_cost
+from dispatcher.store.counts import LIST_STATES
 from dispatcher.text import ago, plain, usd
 
 #: rows on one page of the job list
 PAGE_ROWS = 200
-#: the states the overview counts, as `status` names them
-STATES = ("inbox", "held", "active", "review", "done", "failed", "refused")
+#: the states the overview counts and the list filters by, as `status` and `list` name them
+STATES = LIST_STATES
 #: the actions a job page offers in each state (revise is not built: see web.actions)
 OFFERED = {
     "review": ("approve", "reject"),
