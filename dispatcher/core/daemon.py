@@ -138,7 +138,7 @@ class Daemon:
         self.watch = (
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
-        self.inbox.merge(await self.lanes.io(list_inbox, self.layout.inbox))
+        self.inbox.merge(await self.lanes.scan(list_inbox, self.layout.inbox))
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
         await self.house.requests()
         self._next_rescan = time.monotonic() + self._rescan_interval()

@@ -209,7 +209,7 @@ class Scheduler:
 
     async def _read_big(self, name: str, *, cancel: bool) -> None:
         """Read a large order in the io pool, then park it (or refuse it in the ledger lane)."""
-        found = await self.ctx.lanes.io(intake.inspect, self.ctx.layout, name, self.config)
+        found = await self.ctx.lanes.scan(intake.inspect, self.ctx.layout, name, self.config)
         if found is None:
             self.inbox.forget(name)
         elif isinstance(found, Refusal):
