@@ -60,3 +60,22 @@ def describe(value: Any) -> str:
     if isinstance(value, dict):
         return "a mapping"
     return "null" if value is None else type(value).__name__
+
+
+def ago(seconds: float | None) -> str:
+    """Return an age such as `38 s`, `12 min`, `5 h` or `3 d`; `-` when unknown."""
+    if seconds is None:
+        return "-"
+    s = max(0, round(seconds))
+    if s < 120:
+        return f"{s} s"
+    if s < 120 * 60:
+        return f"{s // 60} min"
+    if s < 48 * 3600:
+        return f"{s // 3600} h"
+    return f"{s // 86400} d"
+
+
+def usd(value: float | None) -> str:
+    """Return a cost such as `0.1235 USD` (4 decimals); `-` when none was reported."""
+    return "-" if value is None else f"{number(round(value, 4))} USD"

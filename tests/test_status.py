@@ -11,7 +11,7 @@ from typing import Any
 from conftest import Env, order, wait_until
 
 from dispatcher.layout import Layout
-from dispatcher.query.report import queue_counts
+from dispatcher.store.counts import queue_counts
 
 COUNT_KEYS = {"inbox", "held", "active", "review", "done", "failed", "refused"}
 

@@ -17,6 +17,9 @@ import pytest
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 UNITS = {"dispatcher.service": "dispatcher.service", "dispatcher@.service": "dispatcher@test.service"}
+#: the web view's unit (section 17): verified and scored like the others, checked on its own below
+WEB_UNIT = {"dispatcher-web.service": "dispatcher-web.service"}
+ALL_UNITS = UNITS | WEB_UNIT
 MAX_EXPOSURE = 2.0
 
 
@@ -51,28 +54,28 @@ def units(tmp_path: Path) -> Path:
     """Copy both units into a folder with /usr/local/bin/dispatcher replaced by an existing executable."""
     true = shutil.which("true")
     assert true, "no `true` on PATH"
-    for name in UNITS:
+    for name in ALL_UNITS:
         text = (SYSTEMD / name).read_text()
         assert "/usr/local/bin/dispatcher " in text
         (tmp_path / name).write_text(text.replace("/usr/local/bin/dispatcher ", f"{true} "))
     return tmp_path
 
 
-@pytest.mark.parametrize("name", UNITS)
+@pytest.mark.parametrize("name", ALL_UNITS)
 def test_unit_verifies_without_a_warning(units: Path, name: str) -> None:
     """`systemd-analyze verify` accepts the unit and prints nothing about it (an unknown key or bad value would)."""
     proc = subprocess.run(
-        [analyze(), "verify", str(units / UNITS[name])], capture_output=True, text=True, timeout=120, cwd=units
+        [analyze(), "verify", str(units / ALL_UNITS[name])], capture_output=True, text=True, timeout=120, cwd=units
     )
     about = [line for line in (proc.stdout + proc.stderr).splitlines() if "dispatcher" in line]
     assert proc.returncode == 0 and about == [], proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("name", UNITS)
+@pytest.mark.parametrize("name", ALL_UNITS)
 def test_exposure_is_at_most_2_and_every_remaining_item_is_explained(units: Path, name: str) -> None:
     """`systemd-analyze security --offline=true` rates the unit <= 2.0; each item still open is named in a comment."""
     proc = subprocess.run(
-        [analyze(), "security", "--offline=true", "--no-pager", str(units / UNITS[name])],
+        [analyze(), "security", "--offline=true", "--no-pager", str(units / ALL_UNITS[name])],
         capture_output=True,
         text=True,
         timeout=120,
@@ -131,3 +134,16 @@ def test_logrotate_signals_the_daemons_directly() -> None:
     assert "--signal=HUP" in post and "--kill-whom=main" in post
     assert "dispatcher.service" in post and "'dispatcher@*.service'" in post
     assert "su dispatcher dispatcher" in text and "create 0640 dispatcher dispatcher" in text
+
+
+def test_web_unit_serves_the_view_on_loopback_with_write_access_to_the_root() -> None:
+    """dispatcher-web.service runs `dispatcher ... web` on 127.0.0.1:8700 as the daemon's user, with its root."""
+    text = (SYSTEMD / "dispatcher-web.service").read_text()
+    keys = dict(settings(text))
+    assert (
+        keys["ExecStart"]
+        == "/usr/local/bin/dispatcher --config /etc/dispatcher/dispatcher.yaml web --listen 127.0.0.1:8700"
+    )
+    assert keys["User"] == "dispatcher" and keys["StateDirectory"] == "dispatcher dispatcher/dispatch"
+    assert keys["RestartPreventExitStatus"] == "2" and keys["MemoryDenyWriteExecute"] == "yes"
+    assert "web_token_file" in comments(text)

@@ -141,27 +141,24 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     """Print one job: state, checks, attempts, cost and its chain (or JSON, or the tree)."""
     from dispatcher.cli.render import render_show, render_tree
-    from dispatcher.query.jobinfo import chain, tree_root
+    from dispatcher.query.jobinfo import show_json
     from dispatcher.query.report import open_reader
 
     cfg = config_of(args, need_root=True)
     layout = Layout(cfg.root)
     ledger = open_reader(cfg, layout)
     try:
-        info = chain(layout, ledger, args.job_id, cfg.max_order_bytes)
-        if info is None:
-            raise NotFound(f"{args.job_id}: no such job")
-        root = (chain(layout, ledger, tree_root(info), cfg.max_order_bytes) or info) if args.tree else info
+        found = show_json(layout, ledger, args.job_id, cfg.max_order_bytes, whole_tree=args.tree)
     finally:
         if ledger is not None:
             ledger.close()
+    if found is None:
+        raise NotFound(f"{args.job_id}: no such job")
+    out, info = found
     if args.json:
-        out = dict(info["job"])
-        out["ancestors"] = info["ancestors"]
-        out["tree"] = root["tree"]
         print(json.dumps(out, indent=2))
     elif args.tree:
-        print(render_tree(root["tree"], args.job_id))
+        print(render_tree(out["tree"], args.job_id))
     else:
         print(render_show(info))
     return 0

@@ -10,7 +10,7 @@ from typing import Any
 
 from dispatcher import __version__
 from dispatcher.cli import commands, run, usage
-from dispatcher.errors import DispatchError, OrderError, UsageError
+from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
 from dispatcher.spec.config import Config, require_config
 from dispatcher.spec.orders import parse_order
@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "ledger")
     c.add_argument("action", choices=("rebuild", "migrate"))
     c.add_argument("url", nargs="?", metavar="URL", help="for migrate: the postgresql://... ledger to fill")
+    c = _command(sub, "web")
+    c.add_argument("--listen", metavar="ADDR:PORT", help="where to listen (default 127.0.0.1:8700)")
     c = _command(sub, "completion")
     c.add_argument("shell", choices=("bash", "zsh", "fish"))
     for name, sp in sub.choices.items():
@@ -214,6 +216,26 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_web(args: argparse.Namespace) -> int:
+    """Serve the web view of the root (section 17) until SIGTERM or SIGINT.
+
+    Imported here, not in ``commands``: the web view is a layer of its own beside the CLI.
+    """
+    from dispatcher import logs
+
+    cfg = commands.config_of(args, need_root=True)
+    try:
+        from dispatcher.web.server import serve
+    except ImportError as exc:
+        extra = "pip install 'folder-dispatcher[web]'"
+        raise UsageError(f"web: needs the web extra ({exc.name} is missing): {extra}") from None
+    try:
+        logs.configure(log_file=cfg.log_file)
+    except OSError as exc:
+        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
+    return serve(cfg, args.listen)
+
+
 COMMANDS = {
     "init": commands.cmd_init,
     "run": run.cmd_run,
@@ -234,4 +256,5 @@ COMMANDS = {
     "logs": commands.cmd_logs,
     "ledger": cmd_ledger,
     "completion": commands.cmd_completion,
+    "web": cmd_web,
 }

@@ -134,6 +134,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         'eval "$(dispatcher completion zsh)"      # in ~/.zshrc, after compinit\n'
         "dispatcher completion fish | source      # in ~/.config/fish/config.fish",
     ),
+    "web": (
+        "serve the web view (overview, jobs, chains, review queue, JSON API) until SIGTERM or SIGINT",
+        "0 stopped by SIGTERM or SIGINT\n"
+        f"2 {BAD}, a root that does not exist, a non-loopback --listen without web_token_file,"
+        " an unreadable token file, an address that cannot be bound, the [web] extra missing",
+        "dispatcher web                          # http://127.0.0.1:8700/, prints a token once\n"
+        "dispatcher web --listen 0.0.0.0:8700    # needs web_token_file in the config",
+    ),
 }
 
 

@@ -141,7 +141,7 @@ class Daemon:
         self.watch = (
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
-        self.inbox.merge(await self.lanes.io(list_inbox, self.layout.inbox))
+        self.inbox.merge(await self.lanes.scan(list_inbox, self.layout.inbox))
         await self.gatekeeper.refresh()  # gates survive restarts: known before any job starts
         self.gatekeeper.start()
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1

@@ -141,7 +141,7 @@ class Housekeeping:
 
     async def rescan(self) -> None:
         """List inbox/ again (events are hints), restart a dead watch, find dead daemons' work."""
-        self.inbox.merge(await self.ctx.lanes.io(list_inbox, self.ctx.layout.inbox))
+        self.inbox.merge(await self.ctx.lanes.scan(list_inbox, self.ctx.layout.inbox))
         self.check_watch()
         if not self.ctx.stopping():
             await self.recover(startup=False)
@@ -175,7 +175,7 @@ class Housekeeping:
                 if entry is not None and entry.state in (Row.DONE, Row.FAILED, Row.REVIEW):
                     await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)
                 continue
-            found = await lanes.io(find_queued, layout.inbox, [job_id])
+            found = await lanes.scan(find_queued, layout.inbox, [job_id])
             if job_id in found:
                 self.sched.claim_now(found[job_id])  # the claim's transaction answers "cancelled"
             elif entry is None and not self.inbox.has_pending() and not self._other_daemons():
@@ -221,7 +221,7 @@ class Housekeeping:
 
     async def _check_writers(self, names: list[str]) -> None:
         inbox = self.ctx.layout.inbox
-        held = await self.ctx.lanes.io(procs.held_for_writing, {os.path.abspath(inbox / n) for n in names})
+        held = await self.ctx.lanes.scan(procs.held_for_writing, {os.path.abspath(inbox / n) for n in names})
         self.inbox.writers_checked(names, held)
 
     def next_due(self, now: float) -> float:
@@ -246,7 +246,7 @@ class Housekeeping:
         if metrics is None:
             return
         try:
-            await self.ctx.lanes.io(_write_metrics, metrics, self.ctx.layout)
+            await self.ctx.lanes.scan(_write_metrics, metrics, self.ctx.layout)
         except OSError as exc:
             log.warning("metrics.failed", file=str(metrics.path), error=exc.strerror)
         finally:

@@ -1,17 +1,16 @@
 """What may start, and when: slots, parked work, claims in batches, cancel and retry requests.
 
-The daemon's loop calls ``start_work`` once a turn. New orders are inspected on
-the loop; the claim of a batch (slots, ledger, job folders) runs in the ledger
-lane; each claimed job becomes a ``Job`` task on the loop. Work that waits for
-a slot (a new order, a recovered job, a retry) is *parked*, oldest first, and
-reading ahead stops at ``PARK_LIMIT`` so memory stays flat with any backlog.
+The daemon's loop calls ``start_work`` once a turn. Names of new files and parked work
+go to the ledger lane in batches, where ``claiming.Claims`` reads the orders, takes
+slots and claims them in one trip; each claimed job becomes a ``Job`` task on the loop.
+Work that waits for a slot (a new order, a recovered job, a retry) is *parked*, oldest
+first, and reading ahead stops at ``PARK_LIMIT`` so memory stays flat with any backlog.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import functools
 import time
 from collections.abc import Callable, Coroutine
@@ -21,18 +20,14 @@ from typing import Any
 
 import structlog
 
+from dispatcher.core.claiming import Big, Claims, Dropped, Gone, Handover, Kind, Launch, NoSlot, Parked
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.watcher import Inbox
-from dispatcher.job import intake, recovery, revise
-from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started
+from dispatcher.job import intake
 from dispatcher.job.job import Job, JobContext
-from dispatcher.layout import State
 from dispatcher.ledger.base import Row
 from dispatcher.spec.config import Config
-from dispatcher.spec.jobspec import JobSpec, Outcome, Stop
-from dispatcher.spec.order import Order
-from dispatcher.spec.orders import validate_order
-from dispatcher.store.jobstore import JobFolder
+from dispatcher.spec.jobspec import Outcome, Stop
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
@@ -40,52 +35,6 @@ PARK_LIMIT = 64  # orders read ahead while their agents are busy
 CLAIM_CHUNK = 32  # orders claimed in one ledger transaction (and one fsync of active/)
 SLOT_RETRY_S = 0.25
 RETRY_LATER_S = 1.0  # a file whose claim could not be made now (a full disk) is tried again after this
-
-
-class Kind(enum.Enum):
-    NEW = "new"
-    RECOVER = "recover"
-    RETRY = "retry"
-    REVISE = "revise"
-
-
-@dataclass
-class Parked:
-    """Work that waits for a slot."""
-
-    kind: Kind
-    job_id: str
-    agent: str
-    item: Inspected | None = None
-    token: int = 0
-    slot: int | None = None  # a slot handed over from a job of the same agent that just ended
-    host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
-
-
-@dataclass(frozen=True, slots=True)
-class Launch:
-    """A job ready to run, with the slot it holds."""
-
-    parked: Parked
-    folder: JobFolder
-    spec: JobSpec
-    order: Order
-    token: int
-    slot: int | None
-    attempts: list = field(default_factory=list)  # type: ignore[type-arg]
-
-
-@dataclass(frozen=True, slots=True)
-class NoSlot:
-    parked: Parked
-
-
-@dataclass(frozen=True, slots=True)
-class Dropped:
-    parked: Parked
-    refused: bool = False
-    retry_later: bool = False
-    cancelled: bool = False  # claimed under a cancel request: it went to failed/ without a Job
 
 
 @dataclass
@@ -105,6 +54,7 @@ class Scheduler:
 
     def __init__(self, ctx: JobContext, inbox: Inbox, wake: Callable[[], None]) -> None:
         self.ctx = ctx
+        self.claims = Claims(ctx.layout, ctx.ledger, ctx.config, ctx.finisher, self.log_refused)
         self.inbox = inbox
         self.wake = wake
         self.running: dict[str, Running] = {}
@@ -149,13 +99,13 @@ class Scheduler:
         now = time.monotonic()
         self.blocked = {agent: until for agent, until in self.blocked.items() if until > now}
         self.slot_poll = bool(self.blocked)
-        gated = gated_agents(self.ctx.gates(), self.config.agents, time.time())  # section 14: claim none of them
+        gated = frozenset(gated_agents(self.ctx.gates(), self.config.agents, time.time()))  # section 14
         free = self.free_slots()
-        batch: list[Parked] = []
+        batch: list[Parked | str] = []
         for p in list(self.parked):
             if free <= 0:
                 break
-            if p.agent in self.blocked or (p.agent in gated and p.kind is Kind.NEW):
+            if p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in gated):
                 continue
             self.parked.remove(p)
             batch.append(p)
@@ -164,22 +114,19 @@ class Scheduler:
             ready = self.inbox.pop()
             if ready is None:
                 break
-            new = self._read(ready)
-            if new is not None and (new.agent in self.blocked or new.agent in gated):
-                self.parked.append(new)  # its agent has no free slot: waiting takes no slot from others
-            elif new is not None:
-                batch.append(new)
-                free -= 1
-        for p in batch:
-            idle = self.idle.get(p.agent)
-            if idle:
-                p.slot = idle.pop()
+            batch.append(ready)  # read in the claim's trip, off the loop
+            free -= 1
+        if not batch:
+            self._free_idle()
+            return
+        handover = Handover(self.idle)  # the lane owns these slots now: it uses or frees them
+        self.idle = {}
+        blocked = frozenset(self.blocked)
         # claimed in chunks: the first agents start while the lane still claims the rest
-        for i in range(0, len(batch), CLAIM_CHUNK):
-            chunk = batch[i : i + CLAIM_CHUNK]
+        chunks = [batch[i : i + CLAIM_CHUNK] for i in range(0, len(batch), CLAIM_CHUNK)]
+        for i, chunk in enumerate(chunks):
             self.inflight += len(chunk)
-            self._background(self._launch(chunk))
-        self._free_idle()
+            self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=i == len(chunks) - 1))
 
     def _free_idle(self) -> None:
         """Give back slots no job took over this turn, so that other daemons may use them."""
@@ -191,19 +138,6 @@ class Scheduler:
                 else:
                     self._background(self.ctx.lanes.ledger(ledger.free_slot, agent, slot))
         self.idle.clear()
-
-    def _read(self, name: str) -> Parked | None:
-        found = intake.inspect(self.ctx.layout, name, self.config)
-        if found is None:
-            self.inbox.forget(name)
-            return None
-        if isinstance(found, Refusal):
-            log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
-            self._background(self._refuse(found))
-            return None
-        job_id = found.order.job_id
-        log.info("order.received", agent=found.order.to, file=name, job_id=job_id)
-        return Parked(Kind.NEW, job_id, found.order.to, found)
 
     async def _refuse(self, refusal: Refusal) -> None:
         folder = await self.ctx.lanes.ledger(refuse, self.ctx.layout, refusal, self.ctx.ledger.owner, self.log_refused)
@@ -225,15 +159,38 @@ class Scheduler:
             folder=folder.name,
         )
 
-    async def _launch(self, batch: list[Parked], *, cancel: bool = False) -> None:
+    async def _launch(
+        self,
+        batch: list[Parked | str],
+        handover: Handover | None = None,
+        *,
+        blocked: frozenset[str] = frozenset(),
+        gated: frozenset[str] = frozenset(),
+        cancel: bool = False,
+        last: bool = True,
+    ) -> None:
+        claims = self.claims
         try:
-            results = await self.ctx.lanes.ledger(self._claim_in_lane, batch, slotless=cancel)
+            results = await self.ctx.lanes.ledger(
+                claims.run, batch, handover or Handover(), blocked=blocked, gated=gated, slotless=cancel, last=last
+            )
         except Exception as exc:
             log.exception("daemon.error", step="claim", error=str(exc))
-            results = [Dropped(p, retry_later=True) for p in batch]
+            results = [Dropped(p, retry_later=True) if isinstance(p, Parked) else Gone(p, later=True) for p in batch]
+            if handover is not None and last:  # give back what the failed trip did not use
+                self._background(self.ctx.lanes.ledger(claims.run, [], handover))
         self.inflight -= len(batch)
         for r in results:
             match r:
+                case Gone(name=name, refused=refused, later=later):
+                    if later:
+                        asyncio.get_running_loop().call_later(RETRY_LATER_S, self._try_again, name)
+                    else:
+                        self.inbox.forget(name)
+                    if refused:
+                        self.stats.finished["refused"] += 1
+                case Big(name=name):
+                    self._background(self._read_big(name, cancel=cancel))
                 case Launch(parked=p):
                     if p.item is not None:
                         self.inbox.forget(p.item.name)
@@ -253,64 +210,26 @@ class Scheduler:
                         self.stats.finished["failed"] += 1
         self.wake()
 
+    async def _read_big(self, name: str, *, cancel: bool) -> None:
+        """Read a large order in the io pool, then park it (or refuse it in the ledger lane)."""
+        found = await self.ctx.lanes.scan(intake.inspect, self.ctx.layout, name, self.config)
+        if found is None:
+            self.inbox.forget(name)
+        elif isinstance(found, Refusal):
+            log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
+            await self._refuse(found)
+        else:
+            log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
+            p = Parked(Kind.NEW, found.order.job_id, found.order.to, found)
+            if cancel:
+                self._launch_now(p)
+            else:
+                self.parked.append(p)
+        self.wake()
+
     def _try_again(self, name: str) -> None:
         self.inbox.push_back(name)
         self.wake()
-
-    def _claim_in_lane(self, batch: list[Parked], *, slotless: bool = False) -> list[Launch | NoSlot | Dropped]:
-        """Take slots and claim (runs in the ledger lane); ``slotless`` for a cancel, which takes none."""
-        ledger, layout, cfg = self.ctx.ledger, self.ctx.layout, self.config
-        out: list[Launch | NoSlot | Dropped] = []
-        picks: list[tuple[Parked, int | None]] = []
-        for p in batch:
-            agent = cfg.agents.get(p.agent)
-            slot = p.slot
-            if slot is None and not slotless:
-                slot = ledger.take_slot(p.agent, agent.concurrency if agent else 1)
-                if slot is None:
-                    out.append(NoSlot(p))
-                    continue
-            if p.kind is Kind.NEW:
-                picks.append((p, slot))
-            else:
-                out.append(self._reload(p, slot))
-        if picks:
-            chosen = [Pick(p.item, cfg.agents[p.agent]) for p, _ in picks if p.item is not None]
-            answers = intake.claim(layout, ledger, chosen, on_refused=self.log_refused, finisher=self.ctx.finisher)
-            for (p, slot), answer in zip(picks, answers, strict=True):
-                if isinstance(answer, Started):
-                    out.append(Launch(p, answer.folder, answer.spec, answer.order, answer.token, slot))
-                    continue
-                if slot is not None:
-                    ledger.free_slot(p.agent, slot)
-                later = isinstance(answer, Skipped) and answer.retry_later
-                cancelled = isinstance(answer, Cancelled)
-                out.append(Dropped(p, refused=isinstance(answer, Refused), retry_later=later, cancelled=cancelled))
-        return out
-
-    def _reload(self, p: Parked, slot: int | None) -> Launch | Dropped:
-        """Load a recovered job, or reopen a failed one for a retry (ledger lane)."""
-        layout, ledger = self.ctx.layout, self.ctx.ledger
-        try:
-            if p.kind in (Kind.RETRY, Kind.REVISE):
-                reopen = revise.reopen if p.kind is Kind.REVISE else recovery.reopen
-                reopened = reopen(layout, ledger, self.config, p.job_id)
-                if reopened is None:
-                    raise LookupError("taken by another daemon")
-                spec, token = reopened
-                log.info("job.claimed", job_id=p.job_id, agent=spec.agent.name, retry=True, budget=spec.budget)
-            else:
-                spec, token = JobFolder(layout.job(State.ACTIVE, p.job_id)).spec(), p.token
-            folder = JobFolder(layout.job(State.ACTIVE, p.job_id))
-            return Launch(p, folder, spec, validate_order(dict(spec.order)), token, slot, folder.attempts())
-        except Exception as exc:
-            if slot is not None:
-                ledger.free_slot(p.agent, slot)
-            if not isinstance(exc, LookupError):
-                log.exception("daemon.error", job_id=p.job_id, step=p.kind.value, error=str(exc))
-                if p.kind is Kind.RECOVER:
-                    recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
-            return Dropped(p)
 
     def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         p = launch.parked
@@ -387,13 +306,9 @@ class Scheduler:
     def claim_now(self, name: str) -> None:
         """Claim an order still unread in inbox/ at once, without a slot (a cancel was asked for it)."""
         self.inbox.forget(name)
-        p = self._read(name)
-        if p is not None:
-            self._launch_now(p)
+        self.inflight += 1
+        self._background(self._launch([name], cancel=True))
 
     def _launch_now(self, p: Parked) -> None:
-        if p.slot is not None:
-            self.idle.setdefault(p.agent, []).append(p.slot)
-            p.slot = None
         self.inflight += 1
         self._background(self._launch([p], cancel=True))

@@ -5,9 +5,10 @@ A job hands its result to ``Finisher.finish`` and learns whether it landed
 this daemon's staging names). The steps, each safe to interrupt (README,
 "Guarantees"):
 
-1. the result is staged in the job folder (written and fsynced under a staging name);
-2. in the ledger lane, the ledger records the end, conditional on the claim's token,
-   for every job that finished in the same turn at once (``GroupCommit``);
+1. in the ledger lane, for every job that finished in the same turn at once
+   (``GroupCommit``), the result is staged in the job folder (written and fsynced
+   under a staging name);
+2. the ledger records their ends in one transaction, each conditional on its claim's token;
 3. then each landed job is logged (``job.done``, ``job.failed``, ``job.review``) and counted,
    its staged result is put in place, its folder moved to done/, failed/ or review/,
    and each target folder fsynced once per batch;
@@ -60,11 +61,12 @@ class Hints(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Landing:
-    """One job's finish, as the ledger lane commits it."""
+    """One job's finish, as the ledger lane commits it (``staged``: its result is on disk already)."""
 
     folder: JobFolder
     finish: Finish
     result: Mapping[str, Any]
+    staged: bool = False
 
 
 class Finisher:
@@ -88,21 +90,28 @@ class Finisher:
         self.notify = notify
         self.hints = hints
         self.metrics = metrics
-        self._commit: GroupCommit[Landing, bool] = GroupCommit(lanes, self.commit)
+        self._commit: GroupCommit[Landing, bool | OSError] = GroupCommit(lanes, self.commit)
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def stage(self, folder: JobFolder, result: Mapping[str, Any]) -> None:
-        """Step 1 (blocking: the job runs it off the loop, waiting out a full disk): stage the result."""
-        folder.stage_result(result)
+    async def finish(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any], *, release: bool) -> bool:
+        """Steps 1 to 4: stage, commit, land, then notify or release; False when fenced.
 
-    async def land(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any], *, release: bool) -> bool:
-        """Steps 2 to 4 for a staged result (or one in place: a landing cut short by a crash).
-
-        Returns False when fenced. ``release`` False says the job surely has no follow-ups
+        Raises the OSError that kept the result from being staged (a full disk: the job
+        waits and calls again). ``release`` False says the job surely has no follow-ups
         (no trip to the ledger for them).
         """
+        return await self._land(Landing(folder, finish, result), release=release)
+
+    async def land(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any], *, release: bool) -> bool:
+        """Steps 2 to 4 for a result already staged or in place (a landing cut short by a crash)."""
+        return await self._land(Landing(folder, finish, result, staged=True), release=release)
+
+    async def _land(self, landing: Landing, *, release: bool) -> bool:
         self._loop = asyncio.get_running_loop()
-        ok = await self._commit.submit(Landing(folder, finish, result))
+        finish, result = landing.finish, landing.result
+        ok = await self._commit.submit(landing)
+        if isinstance(ok, OSError):
+            raise ok
         if not ok:
             log.warning("job.fenced", step="finish")
             return False
@@ -117,19 +126,37 @@ class Finisher:
 
     def finish_now(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any]) -> bool:
         """Stage and commit one failed job from the ledger lane itself (a claim under a cancel)."""
-        folder.stage_result(result)
         ok = self.commit([Landing(folder, finish, result)])[0]
+        if isinstance(ok, OSError):
+            raise ok
         if ok and self.notify is not None and self._loop is not None:
             target = self.layout.job(_STATE_OF[finish.state], finish.job_id) / "result.json"
             agent, reason = str(result.get("agent") or ""), result.get("reason")
             self._loop.call_soon_threadsafe(self.notify.fire, "job.failed", finish.job_id, agent, reason, target)
         return ok
 
-    def commit(self, batch: Sequence[Landing]) -> list[bool]:
-        """Steps 2 and 3 for a batch (ledger lane): ledger, log, count, land, fsync each target once."""
-        oks = self.ledger.finish([landing.finish for landing in batch])
+    def commit(self, batch: Sequence[Landing]) -> list[bool | OSError]:
+        """Steps 1 to 3 for a batch (ledger lane): stage, ledger, log, count, land, fsync each target once.
+
+        An item whose result cannot be staged answers with its OSError and is not committed.
+        """
+        answers: list[bool | OSError] = [False] * len(batch)
+        ready: list[int] = []
+        for i, landing in enumerate(batch):
+            if landing.staged:
+                ready.append(i)
+                continue
+            try:
+                landing.folder.stage_result(landing.result)
+            except OSError as exc:
+                answers[i] = exc
+                continue
+            ready.append(i)
+        oks = self.ledger.finish([batch[i].finish for i in ready]) if ready else []
         touched: set[State] = set()
-        for landing, ok in zip(batch, oks, strict=True):
+        for i, ok in zip(ready, oks, strict=True):
+            answers[i] = ok
+            landing = batch[i]
             if not ok:
                 continue
             finish, result = landing.finish, landing.result
@@ -156,7 +183,7 @@ class Finisher:
                 touched.add(state)
         for state in touched:
             fsutil.fsync_dir(self.layout.folder(state))
-        return oks
+        return answers
 
     def release(self, parent: str) -> int:
         """Release a done parent's follow-ups (blocking: io pool); each new file hints the inbox."""

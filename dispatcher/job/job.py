@@ -192,7 +192,7 @@ class Job:
         agent = self.spec.agent
         command, session = attempt.command_for(agent, self.attempts)
         argv = attempt.argv(self.spec, self.folder.work, command, session)
-        log_dir = await self._persist(self.folder.begin_attempt, n)
+        log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)  # a folder, two empty logs
         proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), log_dir)
         try:
             proc.start()
@@ -270,15 +270,18 @@ class Job:
         if notify is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(notify.fire, "budget.gated", job_id, agent, reason, None)
 
-    async def _persist(self, fn: Callable[..., T], *args: object) -> T:
-        """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is)."""
+    async def _persist(self, fn: Callable[..., T], *args: object, inline: bool = False) -> T:
+        """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is).
+
+        ``inline`` runs it on the loop itself: for a few small creates, cheaper than a trip to a thread.
+        """
         delay = 0.5
         while True:
             if self.ctx.fenced():
                 log.warning("job.fenced", step=getattr(fn, "__name__", "write"))
                 raise Left
             try:
-                return await self.ctx.lanes.io(fn, *args)
+                return fn(*args) if inline else await self.ctx.lanes.io(fn, *args)
             except OSError as exc:
                 if not is_disk_full(exc):
                     raise
@@ -434,8 +437,20 @@ class Job:
             cost_usd=cost,
             chain_cost_usd=chain,
         )
-        finisher = self.ctx.finisher
-        await self._persist(finisher.stage, self.folder, result)
         finish = Finish(self.job_id, self.token, state, cost, chain)
-        ok = await finisher.land(self.folder, finish, result, release=bool(children))
-        return Outcome(str(state)) if ok else Outcome.FENCED
+        delay = 0.5
+        while True:  # the result is staged in the same trip as the ledger's commit
+            if self.ctx.fenced():
+                log.warning("job.fenced", step="finish")
+                raise Left
+            try:
+                ok = await self.ctx.finisher.finish(self.folder, finish, result, release=bool(children))
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                log.warning("job.waiting", reason="disk full", step="stage_result", retry_s=delay)
+                if await self.control.sleep(delay) or self.ctx.stopping():
+                    raise Left from None
+                delay = min(delay * 2, _DISK_WAIT_MAX_S)
+                continue
+            return Outcome(str(state)) if ok else Outcome.FENCED

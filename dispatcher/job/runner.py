@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,16 +190,7 @@ class AgentProcess:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self.started = time.time()
-        self._proc = subprocess.Popen(
-            self.argv,
-            cwd=self.cwd,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            close_fds=True,
-        )
+        self._proc = _spawn(self.argv, self.cwd, self.env)
         # from here on the agent runs: nothing below may turn into "cannot start"
         self.boot_started = boot_clock()
         self.pid = self._proc.pid
@@ -454,3 +447,48 @@ async def _emptied(pgid: int, deadline: float) -> bool:
         if loop.time() >= deadline:
             return False
         await asyncio.sleep(_GROUP_POLL_S)
+
+
+@functools.lru_cache(maxsize=256)
+def _which(name: str, path: str) -> str | None:
+    return shutil.which(name, path=path)
+
+
+def _spawn(argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start argv in its own session with piped output; a bare program name is looked up on PATH once.
+
+    Popen would try every folder of PATH with its own execve at each start; the lookup
+    is cached per (name, PATH), and a cached path that has gone is looked up again.
+    """
+    name = argv[0] if argv else ""
+    found = _which(name, env.get("PATH", os.defpath)) if name and "/" not in name else None
+    try:
+        return subprocess.Popen(
+            list(argv),
+            executable=found,  # argv[0] stays as written: the agent sees the name it was given
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except FileNotFoundError:
+        if found is None:
+            raise
+        _which.cache_clear()  # the program moved since it was looked up: let Popen search again
+        return _spawn_plain(argv, cwd, env)
+
+
+def _spawn_plain(argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        close_fds=True,
+    )

@@ -195,6 +195,25 @@ def chain(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1
     return {"job": job, "ancestors": ancestors, "tree": tree(job, 0)}
 
 
+def show_json(
+    layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1 << 20, *, whole_tree: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Return (what `show --json` prints, the chain) for one job; None if unknown.
+
+    The JSON is the job with its ``ancestors`` and the ``tree`` of its
+    descendants (with ``whole_tree``, the tree of the first job of its chain,
+    as `show --tree --json` prints).
+    """
+    info = chain(layout, ledger, job_id, max_bytes)
+    if info is None:
+        return None
+    root = (chain(layout, ledger, tree_root(info), max_bytes) or info) if whole_tree else info
+    out = dict(info["job"])
+    out["ancestors"] = info["ancestors"]
+    out["tree"] = root["tree"]
+    return out, info
+
+
 def _node(job: dict[str, Any]) -> dict[str, Any]:
     return {"job_id": job["job_id"], "state": job["state"], "agent": job["agent"], "cost_usd": job.get("cost_usd")}
 

@@ -45,18 +45,23 @@ def open_reader(config: Config, layout: Layout) -> Ledger | None:
 
 def status(config: Config, layout: Layout, now: float | None = None) -> dict[str, Any]:
     """Return what `status --json` prints: counts, daemons, active jobs and the spend of the last 24 h."""
-    now = time.time() if now is None else now
-    counts = state_counts(layout)
     ledger = open_reader(config, layout)
     try:
-        daemons = ledger.daemons() if ledger else []
-        active = active_jobs(layout, ledger, daemons, now)
-        spend = spend_since(ledger, now - SPEND_WINDOW_S) if ledger else {}
-        waits = ledger.waits() if ledger else {}
-        gates = ledger.gates() if ledger else []
+        return status_with(layout, ledger, now)
     finally:
         if ledger:
             ledger.close()
+
+
+def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None) -> dict[str, Any]:
+    """Return what `status --json` prints, read through a ledger the caller keeps open (None: no ledger yet)."""
+    now = time.time() if now is None else now
+    counts = state_counts(layout)
+    daemons = ledger.daemons() if ledger else []
+    active = active_jobs(layout, ledger, daemons, now)
+    spend = spend_since(ledger, now - SPEND_WINDOW_S) if ledger else {}
+    waits = ledger.waits() if ledger else {}
+    gates = ledger.gates() if ledger else []
     active_ids = {a["job_id"]: a for a in active}
     waiting = [
         {"job_id": j, "agent": active_ids[j]["agent"], "until": iso(u) if u is not None else None}

@@ -150,6 +150,7 @@ class Config:
     max_chain_cost_usd: float | None = None
     max_daily_cost_usd: float | None = None
     max_limit_wait_s: float = 86400.0
+    web_token_file: Path | None = None
     ledger: str = "sqlite"
     lease_s: float = 30.0
     watch: str = "inotify"
@@ -265,6 +266,7 @@ def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> C
         agents[agent_name] = agent
     metrics = body.get("metrics_file")
     notify = body.get("notify")
+    token_file = body.get("web_token_file")
     return Config(
         path=path.resolve() if path is not None else None,
         root=Path(os.path.abspath(root)),
@@ -273,6 +275,7 @@ def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> C
         notify=resolve_argv(notify, base) if notify else None,
         max_chain_cost_usd=body.get("max_chain_cost_usd"),
         max_daily_cost_usd=body.get("max_daily_cost_usd"),
+        web_token_file=Path(os.path.abspath(base / token_file)) if token_file else None,
         ledger=body.get("ledger", "sqlite"),
         watch=body.get("watch", "inotify"),
         agents=agents,
@@ -449,6 +452,7 @@ log_file: null             # also write JSON log lines here (for `dispatcher log
 metrics_file: null         # Prometheus text file, rewritten atomically; may hold {{host}} and {{pid}}
 notify: null               # argv run on job.failed, job.review, budget.held; placeholders {{event}}
                            # {{job_id}} {{agent}} {{reason}} {{result}}
+web_token_file: null       # the web view's action token (`dispatcher web`); null: one is made and printed at start
 max_chain_cost_usd: null   # a follow-up whose chain already cost more is held
 ledger: sqlite             # or postgresql://... shared by daemons on many hosts
 lease: 30                  # seconds (PostgreSQL ledger): a host silent this long is dead

@@ -1,0 +1,237 @@
+"""The claim phase in one trip to the ledger lane: read new orders, take slots, claim, reload.
+
+The scheduler hands a batch of work to ``Claims.run`` (in the ledger lane): names of
+files in inbox/ not read yet, and parked work (orders read earlier, recovered jobs,
+retries). For each name the order is read and validated there, off the loop, so a
+large order never stalls pickup; a file larger than ``BIG_ORDER_BYTES`` is handed back
+(``Big``) to be read in the io pool, so it never holds up the lane either. Then
+concurrency slots are taken (slots handed over by jobs of the same agent that just
+ended first), and the orders are claimed in one ledger transaction. Every answer is
+data for the loop: ``Launch``, ``NoSlot``, ``Dropped``, ``Gone`` or ``Big``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from dispatcher.job import intake, recovery, revise
+from dispatcher.job.finish import Finisher
+from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started
+from dispatcher.layout import Layout, State
+from dispatcher.ledger.base import Ledger
+from dispatcher.spec.config import Config
+from dispatcher.spec.jobspec import Attempt, JobSpec
+from dispatcher.spec.order import Order
+from dispatcher.spec.orders import validate_order
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.refusals import Refusal, refuse
+
+log = structlog.get_logger("dispatcher")
+BIG_ORDER_BYTES = 64 * 1024  # orders above this are read in the io pool, not in the claim's trip
+
+
+class Kind(enum.Enum):
+    NEW = "new"
+    RECOVER = "recover"
+    RETRY = "retry"
+    REVISE = "revise"
+
+
+@dataclass
+class Parked:
+    """Work that waits for a slot."""
+
+    kind: Kind
+    job_id: str
+    agent: str
+    item: Inspected | None = None
+    token: int = 0
+    host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """A job ready to run, with the slot it holds."""
+
+    parked: Parked
+    folder: JobFolder
+    spec: JobSpec
+    order: Order
+    token: int
+    slot: int | None
+    attempts: list[Attempt] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class NoSlot:
+    """Its agent has no free slot: the work waits, parked."""
+
+    parked: Parked
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """Work that will not run now: refused, cancelled, taken by another daemon, or to try again later."""
+
+    parked: Parked
+    refused: bool = False
+    retry_later: bool = False
+    cancelled: bool = False  # claimed under a cancel request: it went to failed/ without a Job
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """A name that is no order to claim: it vanished, changed while read, or was refused."""
+
+    name: str
+    refused: bool = False
+    later: bool = False  # the claim failed as a whole (a full disk, an error): try the file again later
+
+
+@dataclass(frozen=True, slots=True)
+class Big:
+    """A name whose file is too large to read in the lane: the loop reads it in the io pool."""
+
+    name: str
+
+
+Answer = Launch | NoSlot | Dropped | Gone | Big
+
+
+@dataclass
+class Handover:
+    """Slots of jobs that just ended, by agent, for the next job of the same agent (lane-owned)."""
+
+    slots: dict[str, list[int]] = field(default_factory=dict)
+
+    def take(self, agent: str) -> int | None:
+        """Return a handed-over slot of agent, if one is left."""
+        free = self.slots.get(agent)
+        return free.pop() if free else None
+
+
+class Claims:
+    """The claim phase's blocking step, run in the ledger lane."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        ledger: Ledger,
+        config: Callable[[], Config],
+        finisher: Finisher,
+        on_refused: Callable[[Path, Refusal], None],
+    ) -> None:
+        self.layout = layout
+        self.ledger = ledger
+        self.config = config
+        self.finisher = finisher
+        self.on_refused = on_refused
+
+    def run(
+        self,
+        batch: Sequence[Parked | str],
+        handover: Handover,
+        *,
+        blocked: frozenset[str] = frozenset(),
+        gated: frozenset[str] = frozenset(),
+        slotless: bool = False,
+        last: bool = True,
+    ) -> list[Answer]:
+        """Read, take slots, claim (ledger lane); ``slotless`` for a cancel, which takes none.
+
+        ``last`` gives back the handed-over slots no job of this batch took, so that
+        other daemons may use them.
+        """
+        ledger, cfg = self.ledger, self.config()
+        out: list[Answer] = []
+        picks: list[tuple[Parked, int | None]] = []
+        for work in batch:
+            p = self.read(work, cfg) if isinstance(work, str) else work
+            if not isinstance(p, Parked):
+                out.append(p)
+                continue
+            if p.kind is Kind.NEW and p.agent in gated and not slotless:
+                out.append(NoSlot(p))  # a gate holds its agent (section 14): it waits unclaimed
+                continue
+            agent = cfg.agents.get(p.agent)
+            slot = None if slotless else handover.take(p.agent)
+            if slot is None and not slotless:
+                if p.agent in blocked:
+                    out.append(NoSlot(p))
+                    continue
+                slot = ledger.take_slot(p.agent, agent.concurrency if agent else 1)
+                if slot is None:
+                    out.append(NoSlot(p))
+                    continue
+            if p.kind is Kind.NEW:
+                picks.append((p, slot))
+            else:
+                out.append(self.reload(p, slot))
+        if picks:
+            chosen = [Pick(p.item, cfg.agents[p.agent]) for p, _ in picks if p.item is not None]
+            answers = intake.claim(self.layout, ledger, chosen, on_refused=self.on_refused, finisher=self.finisher)
+            for (p, slot), answer in zip(picks, answers, strict=True):
+                if isinstance(answer, Started) and not answer.cancelled:
+                    out.append(Launch(p, answer.folder, answer.spec, answer.order, answer.token, slot))
+                    continue
+                if slot is not None:
+                    ledger.free_slot(p.agent, slot)
+                later = isinstance(answer, Skipped) and answer.retry_later
+                cancelled = isinstance(answer, Cancelled)
+                out.append(Dropped(p, refused=isinstance(answer, Refused), retry_later=later, cancelled=cancelled))
+        if last:
+            for name, slots in handover.slots.items():
+                for kept in slots:
+                    ledger.free_slot(name, kept)
+            handover.slots.clear()
+        return out
+
+    def read(self, name: str, cfg: Config) -> Parked | Gone | Big:
+        """Read and validate inbox/<name>: parked work, a refusal carried out, or a name to drop."""
+        if _size(self.layout.inbox / name) > BIG_ORDER_BYTES:
+            return Big(name)
+        found = intake.inspect(self.layout, name, cfg)
+        if found is None:
+            return Gone(name)
+        if isinstance(found, Refusal):
+            log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
+            folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)
+            return Gone(name, refused=folder is not None)
+        log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
+        return Parked(Kind.NEW, found.order.job_id, found.order.to, found)
+
+    def reload(self, p: Parked, slot: int | None) -> Launch | Dropped:
+        """Load a recovered job, or reopen a failed one for a retry (ledger lane)."""
+        layout, ledger = self.layout, self.ledger
+        try:
+            if p.kind in (Kind.RETRY, Kind.REVISE):
+                reopen = revise.reopen if p.kind is Kind.REVISE else recovery.reopen
+                reopened = reopen(layout, ledger, self.config(), p.job_id)
+                if reopened is None:
+                    raise LookupError("taken by another daemon")
+                spec, token = reopened
+                log.info("job.claimed", job_id=p.job_id, agent=spec.agent.name, retry=True, budget=spec.budget)
+            else:
+                spec, token = JobFolder(layout.job(State.ACTIVE, p.job_id)).spec(), p.token
+            folder = JobFolder(layout.job(State.ACTIVE, p.job_id))
+            return Launch(p, folder, spec, validate_order(dict(spec.order)), token, slot, folder.attempts())
+        except Exception as exc:
+            if slot is not None:
+                ledger.free_slot(p.agent, slot)
+            if not isinstance(exc, LookupError):
+                log.exception("daemon.error", job_id=p.job_id, step=p.kind.value, error=str(exc))
+                if p.kind is Kind.RECOVER:
+                    recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
+            return Dropped(p)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0

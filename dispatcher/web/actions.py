@@ -1,0 +1,74 @@
+"""The operator's actions from the web view: the very code the commands run, logged with ``via: web``.
+
+Each action opens the ledger for writing through ``Operator`` (as `dispatcher
+approve` does), acts on one job id and closes it again; so an action from a
+page is exactly as crash-safe as the same command. Every log line written
+meanwhile (``job.approved``, ``job.held`` ...) carries ``via: web``, and one
+``web.action`` line records the outcome.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import structlog
+
+from dispatcher.errors import DispatchError, NotFound, WrongState, oneline
+from dispatcher.layout import Layout
+from dispatcher.ops.actions import Operator
+from dispatcher.spec.config import Config
+
+log = structlog.get_logger("dispatcher")
+
+#: the actions of section 17, in the order the pages show them
+ACTIONS = ("approve", "revise", "reject", "retry", "cancel", "hold", "release")
+#: the actions this dispatcher cannot do yet: `revise` (section 14) is not built
+NOT_BUILT = {"revise": "revise is not built in this dispatcher yet (contract section 14); approve or reject instead"}
+_MAX_TEXT = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an action answered: an HTTP status and the line a person reads."""
+
+    status: int
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        """True when the action was done."""
+        return self.status == 200
+
+
+class Actions:
+    """Runs actions one at a time (two clicks on one job never race each other inside this process)."""
+
+    def __init__(self, config: Config, layout: Layout) -> None:
+        self.config = config
+        self.layout = layout
+        self._lock = threading.Lock()
+
+    def run(self, action: str, job_id: str, *, note: str | None = None, who: str = "token") -> Outcome:
+        """Run one action on one job and return its outcome (404 unknown, 409 wrong state, 501 not built)."""
+        if action not in ACTIONS:
+            return Outcome(404, f"{action}: no such action (one of {', '.join(ACTIONS)})")
+        if action in NOT_BUILT:
+            return Outcome(501, NOT_BUILT[action])
+        text = oneline(note)[:_MAX_TEXT] if note else None
+        with self._lock, structlog.contextvars.bound_contextvars(via="web"):
+            op = Operator(self.config, self.layout)
+            op.reason = text
+            try:
+                message = getattr(op, action)(job_id)
+                outcome = Outcome(200, str(message))
+            except NotFound as exc:
+                outcome = Outcome(404, str(exc))
+            except WrongState as exc:
+                outcome = Outcome(409, str(exc))
+            except DispatchError as exc:  # an unreachable ledger and the like: nothing was done
+                outcome = Outcome(503, str(exc))
+            finally:
+                op.close()
+            log.info("web.action", action=action, job_id=job_id, status=outcome.status, message=outcome.message, by=who)
+        return outcome

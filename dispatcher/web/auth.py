@@ -1,0 +1,143 @@
+"""Who may act: the action token, login sessions kept in a cookie, and CSRF tokens for forms.
+
+A request acts with ``Authorization: Bearer <token>`` (the API) or with the
+session cookie a login with the token gave (the pages' forms, which also carry
+a CSRF token tied to that session). Sessions live in this process only: a
+restart logs everyone out. Every comparison is constant-time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from http.cookies import CookieError, SimpleCookie
+
+from dispatcher import fsutil
+from dispatcher.errors import ConfigError, UsageError
+from dispatcher.spec.config import Config
+
+COOKIE = "dispatcher_session"
+SESSION_S = 12 * 3600.0
+_MAX_SESSIONS = 1000
+_MAX_TOKEN_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """The action token, and whether it was made at start (then it is printed once)."""
+
+    value: str
+    made: bool
+
+
+def load_token(config: Config) -> Token:
+    """Read the token from ``web_token_file``, or make one when the config names none.
+
+    A named file that cannot be read, or that is empty, is a config error
+    naming the file and the key.
+    """
+    path = config.web_token_file
+    if path is None:
+        return Token(secrets.token_urlsafe(32), made=True)
+    where = str(config.path) if config.path else str(path)
+    try:
+        text = fsutil.read_regular(path, _MAX_TOKEN_BYTES).decode("utf-8").strip()
+    except (OSError, ValueError, fsutil.NotRegular) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not a readable text file"
+        raise ConfigError(f"{path}: cannot read the token: {why}", file=where, field="web_token_file") from None
+    if not text or any(c.isspace() for c in text):
+        raise ConfigError(f"{path}: holds no token (one line, no spaces)", file=where, field="web_token_file")
+    return Token(text, made=False)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """Return (host, port) of ``ADDR:PORT`` (``[::1]:8700`` for IPv6); a bad one is a UsageError."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"web: --listen {text}: give ADDR:PORT, for example 127.0.0.1:8700")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Return True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Auth:
+    """Checks the token of API calls and keeps the login sessions of the pages."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+        self._secret = secrets.token_bytes(32)
+        self._sessions: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def bearer(self, header: str | None) -> int:
+        """Return 0 when the Authorization header carries the token, 401 without one, 403 for a wrong one."""
+        if not header:
+            return 401
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return 401
+        return 0 if self.matches(given.strip()) else 403
+
+    def matches(self, given: str) -> bool:
+        """Return True if given is the token."""
+        return hmac.compare_digest(given.encode(), self._token)
+
+    def login(self, given: str) -> str | None:
+        """Return a new session id for the right token, else None."""
+        if not self.matches(given):
+            return None
+        sid = secrets.token_urlsafe(32)
+        now = time.monotonic()
+        with self._lock:
+            if len(self._sessions) >= _MAX_SESSIONS:
+                for old in sorted(self._sessions, key=self._sessions.__getitem__)[: _MAX_SESSIONS // 10]:
+                    del self._sessions[old]
+            self._sessions[sid] = now + SESSION_S
+        return sid
+
+    def logout(self, sid: str | None) -> None:
+        """Forget a session."""
+        if sid:
+            with self._lock:
+                self._sessions.pop(sid, None)
+
+    def session(self, cookie_header: str | None) -> str | None:
+        """Return the live session id of a Cookie header, or None."""
+        if not cookie_header:
+            return None
+        try:
+            jar: SimpleCookie = SimpleCookie(cookie_header)
+        except CookieError:
+            return None
+        morsel = jar.get(COOKIE)
+        if morsel is None:
+            return None
+        sid = morsel.value
+        with self._lock:
+            until = self._sessions.get(sid)
+            if until is None or until < time.monotonic():
+                self._sessions.pop(sid, None)
+                return None
+        return sid
+
+    def csrf(self, sid: str) -> str:
+        """Return the CSRF token of a session (what its forms carry)."""
+        return hmac.new(self._secret, sid.encode(), hashlib.sha256).hexdigest()
+
+    def csrf_ok(self, sid: str | None, given: str | None) -> bool:
+        """Return True if given is the CSRF token of the live session sid."""
+        return bool(sid and given) and hmac.compare_digest(self.csrf(sid or ""), given or "")

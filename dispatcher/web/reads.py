@@ -1,0 +1,119 @@
+"""What the web view reads: the same queries as `status`, `list` and `show`, through one kept ledger.
+
+The ledger is opened once, on first use, the way the reading commands open it
+(``open_reader``: never created, never written but for the engine's own
+open), and kept: opening a SQLite ledger takes its write lock for a moment, so
+opening it per request would slow the daemon. Calls are serialised by a lock
+(the engines' connections are shared). A root that has no ledger yet is read
+from its folders alone until one appears.
+
+The overview is cached for ``CACHE_S``: many open pages, or a page that polls,
+cost one read per turn, not one each.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dispatcher.errors import printable
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Ledger
+from dispatcher.ops.actions import JOB_ID
+from dispatcher.query.jobinfo import log_tail, show_json
+from dispatcher.query.listing import list_jobs
+from dispatcher.query.report import open_reader, status_with
+from dispatcher.spec.config import Config
+
+#: how long an overview is reused
+CACHE_S = 1.0
+#: lines of each attempt's stdout and stderr a job page shows
+PAGE_TAIL_LINES = 20
+#: at most this much of an attempt's diff.patch is shown
+DIFF_BYTES = 256 * 1024
+
+
+class Reader:
+    """Read-only access to one dispatch root for the web view."""
+
+    def __init__(self, config: Config, layout: Layout) -> None:
+        self.config = config
+        self.layout = layout
+        self._ledger: Ledger | None = None
+        self._lock = threading.Lock()
+        self._cached: tuple[float, dict[str, Any]] | None = None
+
+    def close(self) -> None:
+        """Close the ledger if it was opened."""
+        with self._lock:
+            if self._ledger is not None:
+                self._ledger.close()
+                self._ledger = None
+
+    def _reader(self) -> Ledger | None:
+        """Return the kept ledger, opening it on first use; None while the root has none (call under the lock)."""
+        if self._ledger is None:
+            self._ledger = open_reader(self.config, self.layout)
+        return self._ledger
+
+    def status(self) -> dict[str, Any]:
+        """Return what `status --json` prints (cached for CACHE_S)."""
+        now = time.time()
+        cached = self._cached
+        if cached is not None and now - cached[0] < CACHE_S:
+            return cached[1]
+        with self._lock:
+            info = status_with(self.layout, self._reader(), now)
+        self._cached = (now, info)
+        return info
+
+    def jobs(self, state: str | None = None, agent: str | None = None) -> list[dict[str, Any]]:
+        """Return what `list --json` prints, as one list, newest first."""
+        with self._lock:
+            ledger = self._reader() if state in (None, "done") else None
+            return list_jobs(self.config, self.layout, ledger, state=state, agent=agent)
+
+    def show(self, job_id: str, *, whole_tree: bool = False) -> dict[str, Any] | None:
+        """Return what `show --json` prints for job_id, or None for an unknown (or malformed) id."""
+        if not JOB_ID.fullmatch(job_id):
+            return None
+        with self._lock:
+            found = show_json(self.layout, self._reader(), job_id, self.config.max_order_bytes, whole_tree=whole_tree)
+        return found[0] if found is not None else None
+
+
+def attempt_files(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Return each attempt of a `show` answer with the ends of its logs and its diff, for the job page."""
+    folder = job.get("folder")
+    out = []
+    for a in job.get("attempts", []):
+        a = dict(a)
+        logs = a.get("logs") or {}
+        a["stdout_tail"] = log_tail(Path(logs["stdout"]), PAGE_TAIL_LINES) if "stdout" in logs else []
+        a["stderr_tail"] = log_tail(Path(logs["stderr"]), PAGE_TAIL_LINES) if "stderr" in logs else []
+        n = a.get("n")
+        a["diff"] = read_diff(Path(folder) / "attempts" / str(n) / "diff.patch") if folder and n else None
+        out.append(a)
+    return out
+
+
+def read_diff(path: Path) -> str | None:
+    """Return an attempt's diff.patch (at most DIFF_BYTES, no link followed), or None when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, DIFF_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    text = data[:DIFF_BYTES].decode("utf-8", "replace")
+    lines = [printable(line) for line in text.splitlines()]
+    if len(data) > DIFF_BYTES:
+        lines.append(f"... cut at {DIFF_BYTES // 1024} KiB")
+    return "\n".join(lines)

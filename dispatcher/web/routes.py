@@ -1,0 +1,201 @@
+"""Requests to answers: which path shows which page, which API call answers what, who may act.
+
+``App.handle`` takes a method, the raw path and the few headers it needs and
+returns a ``Reply``; it never touches the socket (``web.server`` does), so each
+route is a plain function of the request. Ids are taken from the path one
+segment at a time after percent-decoding; anything that is not a job id is an
+unknown job (404), never a path to open.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from dispatcher.errors import DispatchError, printable
+from dispatcher.layout import Layout
+from dispatcher.spec.config import Config
+from dispatcher.web import pages
+from dispatcher.web.actions import ACTIONS, Actions
+from dispatcher.web.auth import COOKIE, SESSION_S, Auth
+from dispatcher.web.reads import Reader, attempt_files
+
+_STATIC = {"app.css": "text/css; charset=utf-8", "app.js": "text/javascript; charset=utf-8"}
+_HTML = "text/html; charset=utf-8"
+_JSON = "application/json"
+#: a wrong token at the login form costs this long, so guessing a short token by hand is slow
+_LOGIN_PAUSE_S = 0.3
+_MAX_FLASH = 1000
+
+
+@dataclass(slots=True)
+class Request:
+    """What a route needs of one HTTP request."""
+
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes = b""
+
+
+@dataclass(slots=True)
+class Reply:
+    """One HTTP answer."""
+
+    status: int
+    body: bytes
+    content_type: str = _HTML
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _json(status: int, value: Any) -> Reply:
+    return Reply(status, (json.dumps(value, indent=2) + "\n").encode(), _JSON)
+
+
+def _error(status: int, message: str) -> Reply:
+    return _json(status, {"error": message})
+
+
+def _redirect(where: str, *headers: tuple[str, str]) -> Reply:
+    return Reply(303, b"", _HTML, [("Location", where), *headers])
+
+
+class App:
+    """The web view's routes over one dispatch root."""
+
+    def __init__(self, config: Config, layout: Layout, auth: Auth) -> None:
+        self.config = config
+        self.reader = Reader(config, layout)
+        self.actions = Actions(config, layout)
+        self.auth = auth
+        self._flash: dict[str, str] = {}
+
+    def close(self) -> None:
+        """Release the ledger."""
+        self.reader.close()
+
+    def handle(self, req: Request) -> Reply:
+        """Answer one request; a ledger that cannot be read is a 503 with its one-line reason."""
+        split = urlsplit(req.target)
+        parts = [unquote(p, errors="replace") for p in split.path.split("/")[1:]]
+        query = {k: v[0] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
+        api = parts[:1] == ["api"]
+        try:
+            if req.method in ("GET", "HEAD"):
+                return self._api_get(parts[1:], query) if api else self._page(parts, query, req)
+            if req.method == "POST":
+                return self._api_post(parts[1:], req) if api else self._form(parts, req)
+            return _error(405, f"{req.method}: not allowed here")
+        except DispatchError as exc:
+            message = f"the root cannot be read right now: {exc}"
+            return _error(503, message) if api else self._page_error(503, message, req)
+
+    # -- the JSON API ---------------------------------------------------------------------
+    def _api_get(self, parts: list[str], query: dict[str, str]) -> Reply:
+        if parts == ["status"]:
+            return _json(200, self.reader.status())
+        if parts == ["jobs"]:
+            state = query.get("state") or None
+            if state is not None and state not in pages.STATES:
+                return _error(400, f"state: {printable(state)}: not one of {', '.join(pages.STATES)}")
+            return _json(200, self.reader.jobs(state, query.get("agent") or None))
+        if len(parts) == 2 and parts[0] == "jobs":
+            job = self.reader.show(parts[1])
+            return _json(200, job) if job is not None else _error(404, f"{printable(parts[1])}: no such job")
+        return _error(404, "no such API path (GET /api/status, /api/jobs, /api/jobs/ID)")
+
+    def _api_post(self, parts: list[str], req: Request) -> Reply:
+        if len(parts) != 3 or parts[0] != "jobs":
+            return _error(404, "no such API path (POST /api/jobs/ID/ACTION)")
+        denied = self.auth.bearer(req.headers.get("authorization"))
+        if denied == 401:
+            return Reply(
+                401, _error(401, "an action needs the token: Authorization: Bearer TOKEN").body, _JSON,
+                [("WWW-Authenticate", 'Bearer realm="dispatcher"')],
+            )  # fmt: skip
+        if denied:
+            return _error(403, "wrong token")
+        try:
+            body = json.loads(req.body or b"{}")
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, 'the body is not JSON (give {} or {"note": TEXT})')
+        if not isinstance(body, dict):
+            return _error(400, "the body is not a JSON object")
+        note = body.get("note", body.get("reason"))
+        if note is not None and not isinstance(note, str):
+            return _error(400, "note: not a string")
+        outcome = self.actions.run(parts[2], parts[1], note=note, who="token")
+        return _json(outcome.status, {"ok": outcome.ok, "message": outcome.message})
+
+    # -- pages ----------------------------------------------------------------------------
+    def _session(self, req: Request) -> str | None:
+        return self.auth.session(req.headers.get("cookie"))
+
+    def _page_error(self, status: int, message: str, req: Request) -> Reply:
+        return Reply(status, pages.error_page(status, message, session=self._session(req)).encode())
+
+    def _page(self, parts: list[str], query: dict[str, str], req: Request) -> Reply:
+        sid = self._session(req)
+        csrf = self.auth.csrf(sid) if sid else None
+        partial = query.get("partial") == "1"
+        if parts in ([""], []):
+            return Reply(200, pages.overview(self.reader.status(), partial=partial, session=sid).encode())
+        if parts[0] in ("jobs", "review") and len(parts) == 1:
+            review = parts[0] == "review"
+            state = "review" if review else (query.get("state") or None)
+            if state is not None and state not in pages.STATES:
+                return self._page_error(400, f"state: {printable(state)}: not one of {', '.join(pages.STATES)}", req)
+            agent = None if review else (query.get("agent") or None)
+            page = int(query["page"]) if query.get("page", "").isdigit() else 1
+            rows = self.reader.jobs(state, agent)
+            html = pages.job_list(
+                rows, state=state, agent=agent, page=page, partial=partial, session=sid, csrf=csrf, review=review
+            )
+            return Reply(200, html.encode())
+        if parts[0] == "jobs" and len(parts) in (2, 3) and parts[2:] in ([], ["chain"]):
+            chain = parts[2:] == ["chain"]
+            job = self.reader.show(parts[1], whole_tree=chain)
+            if job is None:
+                return self._page_error(404, f"{printable(parts[1])}: no such job", req)
+            if chain:
+                return Reply(200, pages.chain_page(job, partial=partial, session=sid).encode())
+            message = self._flash.pop(sid, None) if sid and not partial else None
+            html = pages.job_page(job, attempt_files(job), message=message, partial=partial, session=sid, csrf=csrf)
+            return Reply(200, html.encode())
+        if parts == ["login"]:
+            return Reply(200, pages.login_page(failed=False, session=sid, csrf=csrf, partial=partial).encode())
+        if len(parts) == 2 and parts[0] == "static" and parts[1] in _STATIC:
+            data = resources.files("dispatcher.web").joinpath("static", parts[1]).read_bytes()
+            return Reply(200, data, _STATIC[parts[1]], [("Cache-Control", "max-age=300")])
+        return self._page_error(404, "no such page", req)
+
+    def _form(self, parts: list[str], req: Request) -> Reply:
+        fields = {k: v[0] for k, v in parse_qs(req.body.decode("utf-8", "replace"), keep_blank_values=True).items()}
+        sid = self._session(req)
+        if parts == ["login"]:
+            new = self.auth.login(fields.get("token", "").strip())
+            if new is None:
+                time.sleep(_LOGIN_PAUSE_S)
+                return Reply(403, pages.login_page(failed=True, session=None, csrf=None).encode())
+            cookie = f"{COOKIE}={new}; Path=/; HttpOnly; SameSite=Strict; Max-Age={int(SESSION_S)}"
+            return _redirect("/", ("Set-Cookie", cookie))
+        if sid is None:
+            return self._page_error(401, "log in with the action token first", req)
+        if not self.auth.csrf_ok(sid, fields.get("csrf")):
+            return self._page_error(403, "this form did not come from this page (its CSRF token is wrong)", req)
+        if parts == ["logout"]:
+            self.auth.logout(sid)
+            return _redirect("/login", ("Set-Cookie", f"{COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0"))
+        if len(parts) == 3 and parts[0] == "jobs" and parts[2] in ACTIONS:
+            outcome = self.actions.run(parts[2], parts[1], note=fields.get("note") or None, who="session")
+            if len(self._flash) > _MAX_FLASH:  # messages never read (a closed tab): forget them
+                self._flash.clear()
+            self._flash[sid] = outcome.message
+            if self.reader.show(parts[1]) is None:
+                return self._page_error(outcome.status, outcome.message, req)
+            return _redirect(f"/jobs/{quote(parts[1], safe='')}")
+        return self._page_error(404, "no such action", req)

@@ -1,0 +1,222 @@
+"""The web view's JSON API and actions (contract section 17) against a real `dispatcher web` process.
+
+The root holds jobs in every state, made by a real daemon running the fake
+agents (web_helpers.populate); each test runs on the SQLite and on the
+PostgreSQL ledger. Answers are compared with the commands' own --json output.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import Env, cli_env, wait_until
+from web_helpers import Web, populate, start_web
+
+pytest_plugins = ["pg_fixtures"]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def site(request: pytest.FixtureRequest, env: Env) -> Iterator[tuple[Env, Web]]:
+    """A populated root on the given ledger, with `dispatcher web` serving it."""
+    ledger = "sqlite"
+    if request.param == "postgresql":
+        ledger = request.getfixturevalue("pg_db")
+    populate(env, ledger)
+    web = start_web(env)
+    yield env, web
+    web.stop()
+
+
+def cli_json(env: Env, *args: str) -> Any:
+    out = env.cli(*args, "--json", check=True).stdout
+    return json.loads(out) if args[0] != "list" else [json.loads(line) for line in out.splitlines()]
+
+
+def without_ages(value: Any) -> Any:
+    """Return a status or list answer with its clock-dependent fields left out."""
+    if isinstance(value, list):
+        return [without_ages(v) for v in value]
+    if isinstance(value, dict):
+        return {k: without_ages(v) for k, v in value.items() if k not in ("age_s",)}
+    return value
+
+
+def test_api_answers_have_the_shapes_of_status_list_and_show(site: tuple[Env, Web]) -> None:
+    """/api/status, /api/jobs and /api/jobs/ID answer what status, list and show --json print."""
+    env, web = site
+    status = web.json("/api/status")
+    assert status["counts"] == {
+        "inbox": 1, "held": 1, "active": 1, "review": 2, "done": 4, "failed": 1, "refused": 1,
+    }  # fmt: skip
+    assert without_ages(status) == without_ages(cli_json(env, "status"))
+    assert [a["job_id"] for a in status["active"]] == ["SLOW-1"] and status["daemons"][0]["alive"] is True
+    assert status["spend_24h"]["reviewer"] == pytest.approx(0.8)
+    jobs = web.json("/api/jobs")
+    assert sorted(without_ages(jobs), key=str) == sorted(without_ages(cli_json(env, "list")), key=str)
+    assert {r["job_id"]: r["state"] for r in jobs if r["job_id"]}.items() >= {
+        "DONE-1": "done", "FAIL-1": "failed", "REV-A": "review", "SLOW-1": "active",
+        "QUEUED-1": "inbox", "HELD-1": "held", "CHAIN-3": "done",
+    }.items()  # fmt: skip
+    for job_id in ("CHAIN-2", "FAIL-1", "REV-A", "QUEUED-1", "HELD-1", "SLOW-1"):
+        assert web.json(f"/api/jobs/{job_id}") == cli_json(env, "show", job_id), job_id
+
+
+def test_api_list_takes_the_filters_of_list(site: tuple[Env, Web]) -> None:
+    """/api/jobs?state=S&agent=A lists what `list --state S --agent A --json` lists; a bad state is a 400."""
+    env, web = site
+    review = web.json("/api/jobs?state=review")
+    assert sorted(r["job_id"] for r in review) == ["REV-A", "REV-B"]
+    assert without_ages(review) == without_ages(cli_json(env, "list", "--state", "review"))
+    hops = web.json("/api/jobs?agent=hop2")
+    assert [r["job_id"] for r in hops] == ["CHAIN-2"]
+    assert [r["job_id"] for r in web.json("/api/jobs?state=refused")] == [None]
+    status, body, _ = web.get("/api/jobs?state=bogus")
+    assert status == 400 and "bogus" in json.loads(body)["error"]
+
+
+ODD_IDS = [
+    "NOPE-1", "..%2F..%2Fetc%2Fpasswd", "%2E%2E", "a%00b", "%FF%FE", "caf%C3%A9", "x" * 300, "%3Cscript%3E", "a%20b",
+]  # fmt: skip
+
+
+def test_unknown_and_odd_ids_are_404(site: tuple[Env, Web]) -> None:
+    """An unknown id, or one with characters no job id has, is a 404 with a JSON error, on the API and the pages."""
+    _, web = site
+    for path in ODD_IDS:
+        status, body, headers = web.get(f"/api/jobs/{path}")
+        assert status == 404 and headers["Content-Type"] == "application/json", (path, body[:200])
+        assert "no such job" in json.loads(body)["error"]
+        status, body, _ = web.get(f"/jobs/{path}")
+        assert status == 404 and b"no such job" in body and b"<script>" not in body, path
+        assert web.get(f"/jobs/{path}/chain")[0] == 404
+        assert web.act(path, "approve", web.token)[0] == 404
+
+
+def test_actions_need_the_token(site: tuple[Env, Web]) -> None:
+    """Without Authorization an action is 401, with a wrong token 403; nothing moves; the right token approves."""
+    env, web = site
+    assert web.act("REV-A", "approve", None)[0] == 401
+    assert web.act("REV-A", "approve", "not-the-token")[0] == 403
+    status, _, _ = web.post("/api/jobs/REV-A/approve", b"{}", {"Authorization": "Basic abc"})
+    assert status == 401
+    assert (env.root / "review" / "REV-A").is_dir()
+    status, answer = web.act("REV-A", "approve", web.token)
+    assert (status, answer) == (200, {"ok": True, "message": "REV-A: approved; done"})
+    assert json.loads((env.root / "done" / "REV-A" / "result.json").read_text())["state"] == "done"
+    approved = wait_until(lambda: [e for e in web.events() if e.get("event") == "job.approved"], 10, "job.approved")
+    assert approved[0]["job_id"] == "REV-A" and approved[0]["via"] == "web"
+    again = web.act("REV-A", "approve", web.token)
+    assert again == (409, {"ok": False, "message": "REV-A: is done, not waiting for review"})
+
+
+def test_every_action_runs_the_commands_code(site: tuple[Env, Web]) -> None:
+    """reject (with its reason), hold, release, cancel and retry act as the commands do; revise is a 501."""
+    env, web = site
+    tok = web.token
+    status, answer = web.act("REV-B", "reject", tok, note="wrong team")
+    assert status == 200, answer
+    assert json.loads((env.root / "failed" / "REV-B" / "result.json").read_text())["reason"] == "rejected: wrong team"
+    assert web.act("QUEUED-1", "hold", tok)[0] == 200 and (env.root / "held" / "QUEUED-1.json").exists()
+    assert web.act("QUEUED-1", "release", tok)[0] == 200 and (env.root / "inbox" / "QUEUED-1.json").exists()
+    assert web.act("QUEUED-1", "cancel", tok)[0] == 200
+    assert env.wait_job("QUEUED-1", "failed")["reason"] == "cancelled"
+    assert web.act("FAIL-1", "retry", tok)[0] == 200
+    wait_until(lambda: len(env.result("FAIL-1", "failed")["attempts"]) == 2 if (
+        env.root / "failed" / "FAIL-1" / "result.json").exists() else False, 60, "FAIL-1 retried")  # fmt: skip
+    status, answer = web.act("REV-A", "revise", tok, note="again")
+    assert status == 501 and "revise is not built" in answer["message"]
+    assert web.act("DONE-1", "hold", tok)[0] == 409
+    assert web.act("NOPE-9", "cancel", tok)[0] == 404
+    assert web.act("DONE-1", "explode", tok)[0] == 404
+    status, _, _ = web.post("/api/jobs/REV-A/approve", b"{not json", {"Authorization": f"Bearer {tok}"})
+    assert status == 400
+    via = {e["event"] for e in web.events() if e.get("via") == "web"}
+    assert {"job.rejected", "job.held", "job.released", "web.action"} <= via
+
+
+def test_forms_need_a_login_and_their_csrf_token(site: tuple[Env, Web]) -> None:
+    """A form post without a session is 401, a forged one (no or wrong CSRF token) 403; a real one approves."""
+    env, web = site
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    assert web.post("/jobs/REV-A/approve", b"csrf=x", form)[0] == 401
+    status, _, _ = web.post("/login", b"token=wrong", form)
+    assert status == 403
+    status, _, headers = web.post("/login", f"token={web.token}".encode(), form)
+    assert status == 303
+    cookie = headers["Set-Cookie"].split(";")[0]
+    assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+    logged = form | {"Cookie": cookie}
+    assert web.post("/jobs/REV-A/approve", b"", logged)[0] == 403
+    assert web.post("/jobs/REV-A/approve", b"csrf=forged", logged)[0] == 403
+    assert (env.root / "review" / "REV-A").is_dir()
+    _, page, _ = web.get("/jobs/REV-A", {"Cookie": cookie})
+    csrf = page.split(b'name="csrf" value="', 1)[1].split(b'"', 1)[0].decode()
+    status, _, headers = web.post("/jobs/REV-A/approve", f"csrf={csrf}".encode(), logged)
+    assert status == 303 and headers["Location"] == "/jobs/REV-A"
+    _, page, _ = web.get("/jobs/REV-A", {"Cookie": cookie})
+    assert b"REV-A: approved; done" in page and (env.root / "done" / "REV-A").is_dir()
+
+
+def test_pages_are_self_contained_and_escaped(site: tuple[Env, Web]) -> None:
+    """Every page answers 200 and loads nothing from outside (a strict CSP); a workspace diff shows escaped."""
+    env, web = site
+    pages = ("/", "/jobs", "/jobs?state=failed&agent=bad", "/review", "/jobs/CHAIN-1/chain", "/jobs/FAIL-1", "/login")
+    for path in pages:
+        status, body, headers = web.get(path)
+        assert status == 200, path
+        assert "default-src 'self'" in headers["Content-Security-Policy"]
+        assert b"http://" not in body.replace(web.url.encode(), b"") and b"https://" not in body, path
+    assert web.get("/static/app.js")[0] == 200 and web.get("/static/../pyproject.toml")[0] == 404
+    (env.root / "done" / "DONE-1" / "attempts" / "1" / "diff.patch").write_text("+++ b/a.py\n+print('<b>hi</b>')\n")
+    _, page, _ = web.get("/jobs/DONE-1")
+    assert b"workspace diff" in page and b"+print(&#39;&lt;b&gt;hi&lt;/b&gt;&#39;)" in page
+    status, _, _ = web.get("/", {"Host": "evil.example:80"})
+    assert status == 421
+
+
+def test_a_non_loopback_listen_without_a_token_file_is_refused(env: Env) -> None:
+    """`web --listen 0.0.0.0:PORT` without web_token_file exits 2 with one line, before binding anything."""
+    proc = env.cli("web", "--listen", "0.0.0.0:8799", timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "not a loopback address" in proc.stderr and "web_token_file" in proc.stderr
+
+
+def test_the_token_comes_from_web_token_file(env: Env) -> None:
+    """With web_token_file the token is read from it and never printed; an empty file exits 2 naming the key."""
+    token_file = env.tmp / "web.token"
+    token_file.write_text("")
+    env.configure(web_token_file=str(token_file))
+    bad = env.cli("web", "--listen", "127.0.0.1:0", timeout=30)
+    assert bad.returncode == 2 and "web_token_file" in bad.stderr and bad.stderr.count("\n") == 1
+    token_file.write_text("s3cret-token-123\n")
+    web = start_web(env)
+    try:
+        assert web.token is None and "s3cret" not in web.out.read_text()
+        assert web.act("NOPE-1", "approve", "s3cret-token-123")[0] == 404
+        assert web.act("NOPE-1", "approve", "other")[0] == 403
+        assert web.json("/api/status")["counts"]["done"] == 0
+    finally:
+        assert web.stop() == 0
+
+
+def test_web_works_without_a_daemon_and_without_the_extra_says_so(env: Env) -> None:
+    """On a root no daemon ever ran the view answers; a Python without Jinja2 gets a one-line hint at the extra."""
+    web = start_web(env)
+    try:
+        status = web.json("/api/status")
+        assert status["daemons"] == [] and status["counts"]["done"] == 0
+        _, page, _ = web.get("/")
+        assert b"No daemon is running" in page
+    finally:
+        web.stop()
+    code = "import sys; sys.modules['jinja2'] = None; from dispatcher.cli import main; main()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "--config", str(env.config_path), "web"],
+        capture_output=True, text=True, timeout=60, env=cli_env(),
+    )  # fmt: skip
+    assert proc.returncode == 2 and "folder-dispatcher[web]" in proc.stderr
