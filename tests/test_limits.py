@@ -189,8 +189,8 @@ def test_pause_keeps_new_jobs_queued_and_resume_lets_them_run(env: Env) -> None:
     d.wait_ready()
     assert env.cli("pause", "worker", check=True).stdout.startswith("worker: paused")
     assert env.cli("pause", "nobody").returncode == 1
-    env.drop(order("PAUSED-1"))
     wait_until(lambda: 'dispatcher_agent_gated{agent="worker"} 1.0' in _read(env.tmp / "m.prom"), what="gauge 1")
+    env.drop(order("PAUSED-1"))
     time.sleep(1.5)
     info = status(env)
     assert info["counts"]["inbox"] == 1 and env.starts() == []

@@ -86,7 +86,8 @@ def test_a_failed_job_is_revised_and_max_revisions_bounds_it(env: Env) -> None:
     result = env.wait_job("REVISE-2", "done")
     assert [a["n"] for a in result["attempts"]] == [1, 2]
     again = env.cli("revise", "REVISE-2", "--note", "once more")
-    assert again.returncode == 1 and again.stderr.strip() == "REVISE-2: is done, only a job in review or failed can be revised"
+    assert again.returncode == 1
+    assert again.stderr.strip() == "REVISE-2: is done, only a job in review or failed can be revised"
     env.drop(order("REVISE-3"))
     env.wait_job("REVISE-3", "done")
     assert env.cli("revise", "NOPE", "--note", "x").stderr.strip() == "NOPE: no such job"
