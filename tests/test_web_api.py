@@ -51,7 +51,7 @@ def test_api_answers_have_the_shapes_of_status_list_and_show(site: tuple[Env, We
     env, web = site
     status = web.json("/api/status")
     assert status["counts"] == {
-        "inbox": 1, "held": 1, "active": 1, "review": 2, "done": 4, "failed": 1, "refused": 1,
+        "inbox": 1, "held": 1, "active": 1, "waiting": 0, "review": 2, "done": 4, "failed": 1, "refused": 1,
     }  # fmt: skip
     assert without_ages(status) == without_ages(cli_json(env, "status"))
     assert [a["job_id"] for a in status["active"]] == ["SLOW-1"] and status["daemons"][0]["alive"] is True
@@ -115,7 +115,7 @@ def test_actions_need_the_token(site: tuple[Env, Web]) -> None:
 
 
 def test_every_action_runs_the_commands_code(site: tuple[Env, Web]) -> None:
-    """reject (with its reason), hold, release, cancel and retry act as the commands do; revise is a 501."""
+    """reject (with its reason), hold, release, cancel, retry and revise (with its note) act as the commands do."""
     env, web = site
     tok = web.token
     status, answer = web.act("REV-B", "reject", tok, note="wrong team")
@@ -128,8 +128,9 @@ def test_every_action_runs_the_commands_code(site: tuple[Env, Web]) -> None:
     assert web.act("FAIL-1", "retry", tok)[0] == 200
     wait_until(lambda: len(env.result("FAIL-1", "failed")["attempts"]) == 2 if (
         env.root / "failed" / "FAIL-1" / "result.json").exists() else False, 60, "FAIL-1 retried")  # fmt: skip
-    status, answer = web.act("REV-A", "revise", tok, note="again")
-    assert status == 501 and "revise is not built" in answer["message"]
+    status, answer = web.act("REV-A", "revise", tok, note="again, with team B")
+    assert (status, answer["message"]) == (200, "REV-A: revision requested")
+    assert json.loads((env.root / "review" / "REV-A" / "revise.json").read_text()) == {"note": "again, with team B"}
     assert web.act("DONE-1", "hold", tok)[0] == 409
     assert web.act("NOPE-9", "cancel", tok)[0] == 404
     assert web.act("DONE-1", "explode", tok)[0] == 404

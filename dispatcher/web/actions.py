@@ -23,8 +23,8 @@ log = structlog.get_logger("dispatcher")
 
 #: the actions of section 17, in the order the pages show them
 ACTIONS = ("approve", "revise", "reject", "retry", "cancel", "hold", "release")
-#: the actions this dispatcher cannot do yet: `revise` (section 14) is not built
-NOT_BUILT = {"revise": "revise is not built in this dispatcher yet (contract section 14); approve or reject instead"}
+#: the actions this dispatcher cannot do yet (none left: `revise` came with section 14)
+NOT_BUILT: dict[str, str] = {}
 _MAX_TEXT = 2000
 
 
@@ -59,6 +59,7 @@ class Actions:
         with self._lock, structlog.contextvars.bound_contextvars(via="web"):
             op = Operator(self.config, self.layout)
             op.reason = text
+            op.note = text
             try:
                 message = getattr(op, action)(job_id)
                 outcome = Outcome(200, str(message))

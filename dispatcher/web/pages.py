@@ -25,10 +25,10 @@ from dispatcher.text import ago, plain, usd
 PAGE_ROWS = 200
 #: the states the overview counts and the list filters by, as `status` and `list` name them
 STATES = LIST_STATES
-#: the actions a job page offers in each state (revise is not built: see web.actions)
+#: the actions a job page offers in each state
 OFFERED = {
-    "review": ("approve", "reject"),
-    "failed": ("retry",),
+    "review": ("approve", "revise", "reject"),
+    "failed": ("retry", "revise"),
     "inbox": ("cancel", "hold"),
     "held": ("release",),
     "active": ("cancel",),
