@@ -13,7 +13,7 @@ from conftest import Env, order, wait_until
 from dispatcher.layout import Layout
 from dispatcher.store.counts import queue_counts
 
-COUNT_KEYS = {"inbox", "held", "active", "waiting", "review", "done", "failed", "refused"}  # waiting: sections 14 and 16
+COUNT_KEYS = {"inbox", "held", "active", "waiting", "review", "done", "failed", "refused"}  # sections 14, 16
 
 
 def status(env: Env) -> dict[str, Any]:
