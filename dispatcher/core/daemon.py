@@ -125,6 +125,7 @@ class Daemon:
             fenced=self._fenced,
             metrics=self.metrics,
             gates=self.gatekeeper.gates,
+            note_gate=self.gatekeeper.note,
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup)
         self.lease: LeaseKeeper | None = None

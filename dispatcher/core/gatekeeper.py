@@ -63,6 +63,11 @@ class GateKeeper:
         """Return the latest snapshot (no trip to the ledger)."""
         return self.snapshot
 
+    def note(self, gate: Gate) -> None:
+        """Add a gate this daemon just set to the snapshot (on the loop), before the ledger is read again."""
+        self.snapshot = (*self.snapshot, gate)
+        self.wake()
+
     def gated(self) -> set[str]:
         """Return the agents the snapshot holds now."""
         return gated_agents(self.snapshot, self.agents(), time.time())

@@ -61,6 +61,7 @@ class JobContext:
     fenced: Callable[[], bool] = lambda: False  # no lease renewal for lease/2: write nothing into job folders
     metrics: Metrics | None = None
     gates: Callable[[], Sequence[Gate]] = lambda: ()  # the daemon's snapshot of the ledger's gates
+    note_gate: Callable[[Gate], None] = lambda gate: None  # a gate this daemon just set: into the snapshot now
 
 
 class Job:
@@ -93,7 +94,9 @@ class Job:
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
         self._children: list[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.waits = Waits(self.job_id, ctx.ledger, ctx.lanes, ctx.config, ctx.gates, self._notify_budget)
+        self.waits = Waits(
+            self.job_id, ctx.ledger, ctx.lanes, ctx.config, ctx.gates, self._notify_budget, note=ctx.note_gate
+        )
 
     @property
     def agent(self) -> str:
@@ -215,9 +218,6 @@ class Job:
         result = parse_agent_result(tail) if small else await self.ctx.lanes.io(parse_agent_result, tail)
         record = attempt.record(n, out, argv, result, self.attempts)
         hit = None if out.aborted else self._limit_of(out)
-        if hit is not None:
-            return await self._limited(record, hit)
-        self.attempts.append(record)
         log.info(
             "agent.exited",
             attempt=n,
@@ -228,7 +228,11 @@ class Job:
             usage=result.get("usage") if result else None,
             stdout_cut=out.stdout_cut or None,
             logs_lost=out.logs_lost or None,
+            limited=hit is not None or None,
         )
+        if hit is not None:
+            return await self._limited(record, hit)
+        self.attempts.append(record)
         if out.aborted:
             await self._persist(self.folder.record_attempt, record)
         else:

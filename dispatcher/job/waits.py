@@ -108,6 +108,8 @@ class Waits:
         config: Callable[[], Config],
         gates: Callable[[], Sequence[Gate]],
         notify: Callable[[str, str, str | None], None] | None = None,
+        *,
+        note: Callable[[Gate], None] = lambda gate: None,
     ) -> None:
         self.job_id = job_id
         self.ledger = ledger
@@ -115,6 +117,8 @@ class Waits:
         self.config = config
         self.gates = gates  # the daemon's snapshot of the ledger's gates (no trip to the ledger)
         self.notify = notify
+        self.note = note  # tells the daemon's snapshot at once, so that no other attempt of the agent starts
+        self.not_before_text: str | None = None
         self.not_before = 0.0  # a usage limit this job met itself: wait for it before the snapshot knows it
 
     def limited(self, agent: Agent, stdout_tail: bytes, stderr_tail: bytes, at: float) -> LimitHit | None:
@@ -125,9 +129,11 @@ class Waits:
 
     async def gate(self, agent: Agent, hit: LimitHit) -> None:
         """Gate ``agent`` until the limit's time on every host; log agent.limited (and agent.gated)."""
-        self.not_before = max(self.not_before, hit.until)
+        if hit.until > self.not_before:
+            self.not_before, self.not_before_text = hit.until, hit.text
         log.warning("agent.limited", job_id=self.job_id, agent=agent.name, until=iso(hit.until), text=hit.text)
         gate = Gate(agent.name, GateKind.LIMIT, hit.until, hit.text)
+        self.note(gate)
         if await self.lanes.ledger(self._set, gate, time.time()):
             log.warning("agent.gated", agent=agent.name, kind=str(GateKind.LIMIT), until=iso(hit.until))
 
@@ -158,7 +164,7 @@ class Waits:
         """Return the gate holding the agent now: the snapshot, this job's own limit, a daily cap."""
         now = time.time()
         if not fresh and self.not_before > now:  # the snapshot may not know it yet; the ledger does
-            return Gate(agent.name, GateKind.LIMIT, self.not_before)
+            return Gate(agent.name, GateKind.LIMIT, self.not_before, self.not_before_text)
         cfg = self.config()
         capped = agent.max_daily_cost_usd is not None or cfg.max_daily_cost_usd is not None
         if not fresh and not capped:

@@ -9,6 +9,9 @@ lock, so that jobs running at once share it:
 
 - ``"limit": {"times": N, "stdout": TEXT, "stderr": TEXT, "exit": 1}``: the next N
   starts print exactly what the real CLI prints at a usage limit, and exit;
+- ``"limit_on_start": {"n": N, "after_s": S}``: the N-th start of all (counted in
+  ``--count``) prints Claude's ``Claude AI usage limit reached|<now + S>`` and exits 1;
+- ``"work_s"``: take this long over the job (quietly);
 - ``"silent_s"``: sleep this long first, printing nothing (an idle agent);
 - ``"busy_s"``: work this long, printing a line every 0.5 s (a busy one);
 - ``"quiet_work_s"``: work this long printing nothing, writing a file every 0.5 s;
@@ -81,6 +84,18 @@ def main() -> int:
             sys.stderr.flush()
             return int(limit.get("exit", 1))
 
+    on_start = plan.get("limit_on_start")
+    if on_start and args.count:
+        starts = len(Path(args.count).read_text().splitlines())
+        if starts == int(on_start["n"]):
+            until = int(time.time() + float(on_start["after_s"]))
+            text = f"Claude AI usage limit reached|{until}"
+            result = {"type": "result", "subtype": "success", "is_error": True, "result": text,
+                      "session_id": str(uuid.uuid4()), "total_cost_usd": 0}  # fmt: skip
+            print(json.dumps(result), flush=True)
+            return 1
+    if plan.get("work_s"):
+        time.sleep(float(plan["work_s"]))
     if plan.get("silent_s"):
         time.sleep(float(plan["silent_s"]))
     quiet = float(plan.get("quiet_work_s") or 0)  # silent, but changing files in its folder
