@@ -454,6 +454,8 @@ notify: null               # argv run on job.failed, job.review, budget.held; pl
                            # {{job_id}} {{agent}} {{reason}} {{result}}
 web_token_file: null       # the web view's action token (`dispatcher web`); null: one is made and printed at start
 max_chain_cost_usd: null   # a follow-up whose chain already cost more is held
+max_daily_cost_usd: null   # the whole root: once the last 24 h's finished cost reaches it, new attempts wait
+max_limit_wait: 86400      # seconds a job waits for usage limits in all; then it fails
 ledger: sqlite             # or postgresql://... shared by daemons on many hosts
 lease: 30                  # seconds (PostgreSQL ledger): a host silent this long is dead
 watch: inotify             # or poll: find new files by listing inbox/ every poll_interval
@@ -472,4 +474,12 @@ agents:
     pass_env: []           # names of the daemon's environment variables it also gets (API keys)
     max_cost_usd: null     # no further attempt once the job's attempts cost more
     review: false          # a job that passes its checks waits in review/ for a person
+    idle_timeout: null     # seconds with no output and no change in work/: ended as timed out ("idle")
+    limits: []             # usage limits: [{{preset: claude}}, {{preset: codex}}, {{preset: http429}}] or
+                           # {{match: 'rate limited until (\\d+)', until: epoch}} (epoch | clock | seconds)
+    checks: []             # your own checks, run in work/ after exit 0 with a receipt:
+                           # [{{name: tests, command: [pytest, -q], timeout: 600}}]
+    resume: null           # argv used once an attempt reported a session_id; placeholder {{session_id}}
+    max_revisions: 5       # `dispatcher revise` at most this often per job
+    max_daily_cost_usd: null  # this agent: once its last 24 h's finished cost reaches it, new attempts wait
 """  # noqa: E501 - a starter agent on one line reads best in the file
