@@ -86,6 +86,10 @@ class GateKeeper:
             self.wake()
 
     def _read(self, now: float) -> tuple[list[Gate], list[Gate]]:
+        """Read the gates; lift the expired ones (a write) only when there are some (ledger lane)."""
+        gates = self.ledger.gates()
+        if not any(g.until is not None and g.until <= now for g in gates):
+            return [], gates
         return self.ledger.lift_gates(expired_at=now), self.ledger.gates()
 
     def start(self) -> None:

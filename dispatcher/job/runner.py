@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dispatcher import procs
+from dispatcher.job.idle import IdleWatch, newest_change
 
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 ERR_TAIL_BYTES = 64 * 1024  # stderr kept in memory, for usage limits (section 14)
@@ -266,7 +267,7 @@ class AgentProcess:
         loop = asyncio.get_running_loop()
         if idle.quiet_s() >= idle.every_s and not idle.scanning:  # silent a while: did work/ change?
             idle.scanning = True
-            loop.run_in_executor(None, _newest_change, idle.folder, idle.SCAN_MAX).add_done_callback(idle.scanned)
+            loop.run_in_executor(None, newest_change, idle.folder, idle.SCAN_MAX).add_done_callback(idle.scanned)
         if idle.quiet_s() >= idle.timeout_s:
             self._timed_out = True
             self._idle_s = idle.timeout_s
@@ -343,68 +344,6 @@ class AgentProcess:
                 idle_s=self._idle_s,
             )
         )
-
-
-class IdleWatch:
-    """When an agent was last heard (output) or seen working (a change in its folder).
-
-    The folder is scanned only after a silent stretch, in a worker thread (the
-    loop never walks a tree): the newest modification or change time of any
-    entry under it, up to ``SCAN_MAX`` entries, counts as activity.
-    """
-
-    SCAN_MAX = 100_000
-
-    def __init__(self, folder: Path, timeout_s: float) -> None:
-        self.folder = folder
-        self.timeout_s = timeout_s
-        self.every_s = max(0.05, min(timeout_s / 4, 10.0))
-        self.scanning = False
-        self._last = time.monotonic()
-        self._newest = time.time()  # wall clock of the newest change seen in the folder
-
-    def heard(self) -> None:
-        """Note output on stdout or stderr."""
-        self._last = time.monotonic()
-
-    def quiet_s(self) -> float:
-        """Return seconds since the agent was last heard or seen changing its folder."""
-        return time.monotonic() - self._last
-
-    def scanned(self, fut: asyncio.Future[float]) -> None:
-        """Take a scan's answer (on the loop): a change newer than the last one seen counts as activity."""
-        self.scanning = False
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        newest = fut.result()
-        if newest > self._newest:
-            self._newest = newest
-            self._last = max(self._last, time.monotonic() - max(0.0, time.time() - newest))
-
-
-def _newest_change(folder: Path, limit: int) -> float:
-    """Return the newest mtime or ctime of any entry under folder (links not followed)."""
-    newest = 0.0
-    stack = [str(folder)]
-    seen = 0
-    while stack and seen < limit:
-        path = stack.pop()
-        try:
-            st = os.lstat(path)
-            newest = max(newest, st.st_mtime, st.st_ctime)
-            with os.scandir(path) as it:
-                for de in it:
-                    seen += 1
-                    try:
-                        est = de.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    newest = max(newest, est.st_mtime, est.st_ctime)
-                    if de.is_dir(follow_symlinks=False):
-                        stack.append(de.path)
-        except OSError:
-            continue
-    return newest
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

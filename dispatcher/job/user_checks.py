@@ -24,7 +24,8 @@ from dispatcher.job.attempt import dispatch_env
 from dispatcher.job.control import Control, Left
 from dispatcher.job.runner import AgentProcess, build_env
 from dispatcher.lanes import Lanes
-from dispatcher.spec.config import Config, UserCheck
+from dispatcher.spec.agent_rules import UserCheck
+from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec, Stop
 from dispatcher.store.jobstore import JobFolder
 

@@ -9,7 +9,6 @@ every error. Internal names carry units (``timeout_s``) where the file says
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +17,8 @@ from typing import Any
 
 from dispatcher.errors import ConfigError, OrderError, UsageError
 from dispatcher.spec import schema
-from dispatcher.spec.limits import KINDS, LimitRule, compile_rule, preset
+from dispatcher.spec.agent_rules import UserCheck, build_checks, build_limits
+from dispatcher.spec.limits import LimitRule
 from dispatcher.spec.loader import load_document
 from dispatcher.text import describe, number
 
@@ -26,28 +26,6 @@ DEFAULT_CONFIG = Path("config/dispatcher.yaml")
 SYSTEM_CONFIG = Path("/etc/dispatcher/dispatcher.yaml")
 CONFIG_ENV = "DISPATCHER_CONFIG"
 MAX_RETRY_DELAY_S = 300.0
-DEFAULT_CHECK_TIMEOUT_S = 600.0
-# the built-in checks of contract section 5 (checks.builtin.CHECKS): a user check may not take one's name
-BUILTIN_CHECKS = (
-    "exit_ok", "receipt_present", "receipt_job_id", "receipt_status", "receipt_inputs", "output_rows",
-    "receipt_outputs", "allowed_values", "writes_scope", "followups_valid",
-)  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class UserCheck:
-    """A check of the user's own: a command run in the workspace after the agent passed."""
-
-    name: str
-    command: tuple[str, ...]
-    timeout_s: float = DEFAULT_CHECK_TIMEOUT_S
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "command": list(self.command), "timeout": self.timeout_s}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> UserCheck:
-        return cls(str(data["name"]), tuple(data["command"]), float(data.get("timeout", DEFAULT_CHECK_TIMEOUT_S)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,47 +279,12 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
         max_cost_usd=spec.get("max_cost_usd"),
         review=bool(spec.get("review", False)),
         idle_timeout_s=float(spec["idle_timeout"]) if spec.get("idle_timeout") is not None else None,
-        limits=_limits(name, spec.get("limits") or []),
-        checks=_checks(name, spec.get("checks") or [], base),
+        limits=build_limits(name, spec.get("limits") or []),
+        checks=build_checks(name, spec.get("checks") or [], base, resolve_argv),
         resume=resolve_argv(spec["resume"], base) if spec.get("resume") is not None else None,
         max_revisions=int(spec.get("max_revisions", 5)),
         max_daily_cost_usd=spec.get("max_daily_cost_usd"),
     )
-
-
-def _limits(agent: str, entries: list[dict[str, Any]]) -> tuple[LimitRule, ...]:
-    """Build an agent's limit rules: presets expanded, patterns compiled (a bad one is a config error)."""
-    rules: list[LimitRule] = []
-    for i, entry in enumerate(entries):
-        where = f"agents.{agent}.limits[{i}]"
-        if "preset" in entry:
-            if "match" in entry or "until" in entry:
-                raise ConfigError("give either preset or match with until, not both", field=where)
-            rules.extend(preset(entry["preset"]))
-            continue
-        if "match" not in entry or "until" not in entry:
-            raise ConfigError("needs preset, or match with until (" + " | ".join(KINDS) + ")", field=where)
-        rule = LimitRule(entry["match"], entry["until"])
-        try:
-            compile_rule(rule)
-        except re.error as exc:
-            raise ConfigError(f"is not a usable regular expression: {exc}", field=f"{where}.match") from None
-        rules.append(rule)
-    return tuple(rules)
-
-
-def _checks(agent: str, entries: list[dict[str, Any]], base: Path) -> tuple[UserCheck, ...]:
-    """Build an agent's own checks; a name that is a built-in check's, or repeated, is a config error."""
-    out: list[UserCheck] = []
-    for i, entry in enumerate(entries):
-        name = entry["name"]
-        if name in BUILTIN_CHECKS:
-            raise ConfigError(f"{name} is a built-in check's name", field=f"agents.{agent}.checks[{i}].name")
-        if any(c.name == name for c in out):
-            raise ConfigError(f"{name} is given twice", field=f"agents.{agent}.checks[{i}].name")
-        timeout = float(entry.get("timeout", DEFAULT_CHECK_TIMEOUT_S))
-        out.append(UserCheck(name, resolve_argv(entry["command"], base), timeout))
-    return tuple(out)
 
 
 # Set by the daemon for each attempt, or the daemon's own line to systemd (contract 3 and 9):

@@ -1,0 +1,97 @@
+"""The pure decisions of section 14, in milliseconds: reading limit texts, which gate holds, daily windows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from dispatcher.checks.builtin import CHECKS
+from dispatcher.core.gatekeeper import gated_agents
+from dispatcher.job.waits import budget_gates, holding, window_until
+from dispatcher.ledger.base import Gate, GateKind
+from dispatcher.spec.agent_rules import BUILTIN_CHECKS
+from dispatcher.spec.config import Agent, Config
+from dispatcher.spec.limits import LimitRule, clock_time, duration_s, find_limit, preset
+
+NOW = datetime(2026, 12, 1, 10, 0, 0, tzinfo=UTC).timestamp()
+ALL = preset("claude") + preset("codex") + preset("http429")
+
+
+@pytest.mark.parametrize(
+    ("text", "wait_s"),
+    [
+        (f'{{"type":"result","is_error":true,"result":"Claude AI usage limit reached|{int(NOW) + 90}"}}', 90),
+        (
+            "■ You've hit your usage limit. Upgrade to Pro (https://openai.com/chatgpt/pricing) or try again in"
+            " 4 days 20 hours 9\nminutes.",
+            4 * 86400 + 20 * 3600 + 9 * 60,
+        ),
+        ("You've hit your usage limit. Upgrade to Pro or try again in 8 hours 30 minutes.", 8 * 3600 + 30 * 60),
+        ('Error: {"type":"error","error":{"type":"usage_limit_reached","resets_in_seconds":13872}}', 13872),
+        ("Rate limit reached for gpt-4 in organization org-x on tokens per min. Please try again in 1.5s.", 1.5),
+        ("HTTP/1.1 429 Too Many Requests\r\nRetry-After: 30\r\n", 30),
+        ("5-hour limit reached ∙ resets 3pm (Europe/Stockholm)", 4 * 3600),  # 15:00 CET is 14:00 UTC
+        (
+            "You've hit your session limit · resets 12:50am (America/Los_Angeles)",
+            22 * 3600 + 50 * 60,
+        ),  # 00:50 PST is 08:50 UTC
+        ("Claude usage limit reached. Your limit will reset at 5pm (Europe/Warsaw).", 6 * 3600),
+        ("Session limit reached ∙ resets 4am", 18 * 3600),
+    ],
+)
+def test_the_real_clis_texts_are_read(text: str, wait_s: float) -> None:
+    """Each text the CLIs print at a limit gives the time it names."""
+    hit = find_limit(text, ALL, NOW)
+    assert hit is not None and hit.until - NOW == pytest.approx(wait_s)
+
+
+def test_no_limit_in_ordinary_failures_or_past_times() -> None:
+    """An ordinary error, a 429 without Retry-After and an epoch in the past are not limits."""
+    assert find_limit("Error: ENOENT: no such file", ALL, NOW) is None
+    assert find_limit("Retry-After: 30 (but all went fine)", ALL, NOW) is None
+    assert find_limit(f"Claude AI usage limit reached|{int(NOW) - 5}", ALL, NOW) is None
+
+
+def test_a_custom_rule_and_the_last_match_wins() -> None:
+    """A user's rule reads its first group; of several matches the last one counts."""
+    rule = (LimitRule(r"rate limited until (\d+)", "epoch"),)
+    hit = find_limit(f"rate limited until {int(NOW) + 5}\nrate limited until {int(NOW) + 50}", rule, NOW)
+    assert hit is not None and hit.until == int(NOW) + 50 and hit.text == f"rate limited until {int(NOW) + 50}"
+
+
+def test_clock_and_duration_readings() -> None:
+    """Clock times roll to the next day once passed; durations take several units."""
+    assert clock_time("09:00", NOW) == NOW + 23 * 3600
+    assert clock_time("12:50am (America/Los_Angeles)", NOW) is not None
+    at = datetime.fromtimestamp(clock_time("3pm (Europe/Berlin)", NOW) or 0, ZoneInfo("Europe/Berlin"))
+    assert (at.hour, at.minute) == (15, 0)
+    assert clock_time("25:00", NOW) is None and clock_time("3pm (Mars/Base)", NOW) is None
+    assert duration_s("2 hours 5 minutes") == 7500 and duration_s("250ms") == 0.25 and duration_s("soon") is None
+
+
+def test_which_gate_holds() -> None:
+    """A pause holds longest; an expired gate holds no one; the root's gate holds every agent."""
+    gates = [Gate("a", GateKind.LIMIT, NOW + 10), Gate("a", GateKind.PAUSE, None), Gate("b", GateKind.LIMIT, NOW - 1)]
+    held = holding(gates, "a", NOW)
+    assert held is not None and held.kind == "pause"
+    assert holding(gates, "b", NOW) is None
+    assert gated_agents([Gate("*", GateKind.BUDGET, NOW + 5)], ["a", "b"], NOW) == {"a", "b"}
+
+
+def test_the_daily_window() -> None:
+    """A cap reached is lifted when enough of the oldest costs leave the 24-hour window."""
+    costs = [(NOW - 3600, 0.4), (NOW - 1800, 0.4), (NOW - 60, 0.4)]
+    assert window_until(costs, 1.0, NOW) == NOW - 3600 + 86400  # 0.8 once the oldest 0.4 leaves
+    assert window_until(costs[:2], 1.0, NOW) is None
+    agent = Agent("w", ("true",), max_daily_cost_usd=1.0)
+    cfg = Config(path=None, root=Path("/tmp"), max_daily_cost_usd=2.0)
+    gates = budget_gates([(t, "w", c) for t, c in costs], cfg, agent, NOW)
+    assert [(g.agent, g.kind) for g in gates] == [("w", "budget")]
+
+
+def test_user_checks_cannot_take_a_built_in_name() -> None:
+    """The reserved names are exactly the built-in checks."""
+    assert tuple(c.__name__ for c in CHECKS) == BUILTIN_CHECKS
