@@ -16,6 +16,7 @@ class State(enum.StrEnum):
     """Where a job is; each state is a folder of the dispatch root."""
 
     ACTIVE = "active"
+    WAITING = "waiting"  # claimed, waiting for the jobs its order names in `after` (contract section 16)
     REVIEW = "review"
     DONE = "done"
     FAILED = "failed"
@@ -119,7 +120,7 @@ def parse_iso(text: str) -> float:
 
 
 def has_jobs(layout: Layout) -> bool:
-    """Return True if any job folder exists in active/, review/, done/ or failed/."""
+    """Return True if any job folder exists in active/, waiting/, review/, done/ or failed/."""
     for state in State:
         try:
             with os.scandir(layout.folder(state)) as it:

@@ -28,7 +28,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, write_to_textfile
 
 FINISHED_STATES = ("done", "failed", "refused")
-QUEUE_STATES = ("inbox", "held", "active", "review")
+QUEUE_STATES = ("inbox", "held", "active", "waiting", "review")
 #: from a quick script to an agent that works for an hour or two
 DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
 

@@ -330,6 +330,9 @@ def followups_valid(ev: Evidence) -> CheckResult:
             return r(False, f"outbox/{f.name}: hops {ev.hops + 1} would exceed max_hops {ev.max_hops}")
         seen.add(o.job_id)
         to_count[o.to] += 1
+    cycle = _after_cycle({f.order.job_id: f.order.after for f in ev.followups if f.order is not None})
+    if cycle:
+        return r(False, "after would make a cycle: " + " -> ".join(cycle))
     if wanted is not None:
         for name in wanted:
             if to_count[name] != 1:
@@ -339,6 +342,24 @@ def followups_valid(ev: Evidence) -> CheckResult:
             return r(False, f"follow-ups to agents not in accept.followups: {', '.join(others)}")
     n = len(ev.followups)
     return r(True, f"{n} follow-up{'s' if n != 1 else ''} valid" if n else "no follow-ups")
+
+
+def _after_cycle(graph: Mapping[str, tuple[str, ...]]) -> list[str] | None:
+    """Return a cycle of ``after`` among sibling follow-ups (id -> the ids it waits for), or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        path, stack = [start], [iter(graph[start])]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                done.add(path.pop())
+                stack.pop()
+            elif nxt in path:
+                return [*path[path.index(nxt) :], nxt]
+            elif nxt in graph and nxt not in done:
+                path.append(nxt)
+                stack.append(iter(graph[nxt]))
+    return None
 
 
 CHECKS: tuple[Callable[[Evidence], CheckResult], ...] = (

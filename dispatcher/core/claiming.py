@@ -13,6 +13,7 @@ data for the loop: ``Launch``, ``NoSlot``, ``Dropped``, ``Gone`` or ``Big``.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ import structlog
 
 from dispatcher.job import intake, recovery
 from dispatcher.job.finish import Finisher
-from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started
+from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started, Waiting
+from dispatcher.job.joins import Joins
 from dispatcher.layout import Layout, State
 from dispatcher.ledger.base import Ledger
 from dispatcher.spec.config import Config
@@ -39,6 +41,7 @@ class Kind(enum.Enum):
     NEW = "new"
     RECOVER = "recover"
     RETRY = "retry"
+    JOINED = "joined"  # a job that waited for others (``after``), moved to active/ and taken by this daemon
 
 
 @dataclass
@@ -93,13 +96,22 @@ class Gone:
 
 
 @dataclass(frozen=True, slots=True)
+class Later:
+    """An order whose not_before is still to come: it waits unclaimed in inbox/ until ``due``."""
+
+    name: str
+    due: float
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
 class Big:
     """A name whose file is too large to read in the lane: the loop reads it in the io pool."""
 
     name: str
 
 
-Answer = Launch | NoSlot | Dropped | Gone | Big
+Answer = Launch | NoSlot | Dropped | Gone | Big | Later
 
 
 @dataclass
@@ -124,7 +136,9 @@ class Claims:
         config: Callable[[], Config],
         finisher: Finisher,
         on_refused: Callable[[Path, Refusal], None],
+        joins: Joins | None = None,
     ) -> None:
+        self.joins = joins  # a claimed order with `after` becomes a wait there
         self.layout = layout
         self.ledger = ledger
         self.config = config
@@ -149,13 +163,14 @@ class Claims:
         out: list[Answer] = []
         picks: list[tuple[Parked, int | None]] = []
         for work in batch:
-            p = self.read(work, cfg) if isinstance(work, str) else work
+            p = self.read(work, cfg, now=slotless) if isinstance(work, str) else work
             if not isinstance(p, Parked):
                 out.append(p)
                 continue
             agent = cfg.agents.get(p.agent)
-            slot = None if slotless else handover.take(p.agent)
-            if slot is None and not slotless:
+            joins = p.kind is Kind.NEW and p.item is not None and bool(p.item.order.after)
+            slot = None if slotless or joins else handover.take(p.agent)
+            if slot is None and not slotless and not joins:  # a join is claimed at once, without a slot: it waits
                 if p.agent in blocked:
                     out.append(NoSlot(p))
                     continue
@@ -176,6 +191,8 @@ class Claims:
                     continue
                 if slot is not None:
                     ledger.free_slot(p.agent, slot)
+                if isinstance(answer, Waiting) and self.joins is not None:
+                    self.joins.record(answer.job_id, answer.token)
                 later = isinstance(answer, Skipped) and answer.retry_later
                 cancelled = isinstance(answer, Cancelled)
                 out.append(Dropped(p, refused=isinstance(answer, Refused), retry_later=later, cancelled=cancelled))
@@ -186,8 +203,12 @@ class Claims:
             handover.slots.clear()
         return out
 
-    def read(self, name: str, cfg: Config) -> Parked | Gone | Big:
-        """Read and validate inbox/<name>: parked work, a refusal carried out, or a name to drop."""
+    def read(self, name: str, cfg: Config, *, now: bool = False) -> Parked | Gone | Big | Later:
+        """Read and validate inbox/<name>: parked work, a refusal carried out, or a name to drop.
+
+        An order whose not_before is to come is ``Later`` (``now``, for a cancel: taken all
+        the same); one past its expires is refused as ``expired``.
+        """
         if _size(self.layout.inbox / name) > BIG_ORDER_BYTES:
             return Big(name)
         found = intake.inspect(self.layout, name, cfg)
@@ -197,7 +218,13 @@ class Claims:
             log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
             folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)
             return Gone(name, refused=folder is not None)
+        timing = when(found.order, name, now=now)
+        if isinstance(timing, Later):
+            return timing
         log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
+        if timing is not None:
+            folder = refuse(self.layout, timing, self.ledger.owner, self.on_refused)
+            return Gone(name, refused=folder is not None)
         return Parked(Kind.NEW, found.order.job_id, found.order.to, found)
 
     def reload(self, p: Parked, slot: int | None) -> Launch | Dropped:
@@ -222,6 +249,16 @@ class Claims:
                 if p.kind is Kind.RECOVER:
                     recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
             return Dropped(p)
+
+
+def when(order: Order, name: str = "", *, now: bool = False) -> Later | Refusal | None:
+    """Return ``Later`` for an order not due yet, a Refusal (``expired``) for one past its expires, else None."""
+    t = time.time()
+    if order.not_before is not None and order.not_before > t and not now:
+        return Later(name, order.not_before, order.priority)
+    if order.expires is not None and order.expires <= t:
+        return Refusal(name, "expired", order.job_id, agent=order.to)
+    return None
 
 
 def _size(path: Path) -> int:

@@ -31,6 +31,7 @@ from dispatcher.core.watcher import Inbox, list_inbox, start_watch
 from dispatcher.errors import ConfigError, UsageError
 from dispatcher.job.finish import Finisher
 from dispatcher.job.job import JobContext
+from dispatcher.job.joins import Joins
 from dispatcher.lanes import Lanes
 from dispatcher.layout import UMASK, Layout
 from dispatcher.ledger.base import DaemonInfo
@@ -113,6 +114,8 @@ class Daemon:
             metrics=self.metrics,
         )
         finisher.bind(self.loop)
+        joins = Joins(self.layout, self.ledger, finisher, self._config)
+        finisher.on_final = joins.on_final
         ctx = JobContext(
             layout=self.layout,
             ledger=self.ledger,
@@ -123,13 +126,20 @@ class Daemon:
             fenced=self._fenced,
             metrics=self.metrics,
         )
-        self.sched = Scheduler(ctx, self.inbox, self.wakeup)
+        self.sched = Scheduler(ctx, self.inbox, self.wakeup, joins)
+        joins.ready = self._joined
         self.lease: LeaseKeeper | None = None
         if has_leases(self.ledger):
             self.lease = LeaseKeeper(self.ledger, self.config.lease_s, self._hosts_lost)
             self.lease.start()
         self.house = Housekeeping(
-            ctx, self.sched, self.inbox, check_watch=self._check_watch, wake=self.wakeup, shared=self.lease is not None
+            ctx,
+            self.sched,
+            self.inbox,
+            check_watch=self._check_watch,
+            wake=self.wakeup,
+            shared=self.lease is not None,
+            joins=joins,
         )
         log.info(
             "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
@@ -210,6 +220,10 @@ class Daemon:
         """Make the loop run a turn now."""
         if self._wake is not None:
             self._wake.set()
+
+    def _joined(self, job_id: str, token: int, agent: str) -> None:
+        """A waiting job was taken and moved to active/ (from the ledger lane): park it on the loop."""
+        self.loop.call_soon_threadsafe(self.sched.park_joined, job_id, token, agent)
 
     def hint(self, kind: str, name: str) -> None:
         """A filesystem hint from the watch (on the loop)."""

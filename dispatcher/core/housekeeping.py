@@ -23,6 +23,7 @@ from dispatcher import procs
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.job import recovery
 from dispatcher.job.job import JobContext
+from dispatcher.job.joins import Joins
 from dispatcher.job.review import settle_reviews
 from dispatcher.job.runner import end_group
 from dispatcher.layout import Layout, State
@@ -68,8 +69,10 @@ class Housekeeping:
         check_watch: Callable[[], None],
         wake: Callable[[], None],
         shared: bool = False,
+        joins: Joins | None = None,
     ) -> None:
         self.ctx = ctx
+        self.joins = joins  # waiting jobs: recovered and swept at every recovery pass
         self.sched = sched
         self.inbox = inbox
         self.check_watch = check_watch  # restarts the watch of inbox/ if it died
@@ -129,6 +132,9 @@ class Housekeeping:
         layout, ledger = self.ctx.layout, self.ctx.ledger
         recovery.finish_staging(layout, ledger, ledger.alive)
         recovery.settle_ledger(layout, ledger, ledger.alive)
+        if self.joins is not None:
+            self.joins.recover(ledger.alive)
+            self.joins.sweep()  # the backstop of the Finisher's hook: a parent finished by a command, max_wait
         settle_reviews(layout, ledger)
         if startup:
             recovery.reconcile_active(layout, ledger)
@@ -171,6 +177,10 @@ class Housekeeping:
         hints = await lanes.io(_hints, layout)
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):
             entry = await lanes.io(ledger.get, job_id)
+            if entry is not None and entry.state == Row.WAITING and self.joins is not None:
+                if await lanes.ledger(self.joins.cancel, job_id):
+                    await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)
+                continue
             if self.sched.cancel(job_id, entry.state if entry else None):
                 if entry is not None and entry.state in (Row.DONE, Row.FAILED, Row.REVIEW):
                     await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)

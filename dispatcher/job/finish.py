@@ -92,6 +92,8 @@ class Finisher:
         self.metrics = metrics
         self._commit: GroupCommit[Landing, bool | OSError] = GroupCommit(lanes, self.commit)
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: called (ledger lane) with the ids that just reached done or failed: wakes the joins that name them
+        self.on_final: Callable[[Sequence[str]], None] | None = None
 
     async def finish(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any], *, release: bool) -> bool:
         """Steps 1 to 4: stage, commit, land, then notify or release; False when fenced.
@@ -183,6 +185,13 @@ class Finisher:
                 touched.add(state)
         for state in touched:
             fsutil.fsync_dir(self.layout.folder(state))
+        final = [batch[i].finish for i, ok in zip(ready, oks, strict=True) if ok]
+        final_ids = [f.job_id for f in final if f.state != Row.REVIEW]  # review is not final
+        if final_ids and self.on_final is not None:
+            try:
+                self.on_final(final_ids)
+            except Exception as exc:  # the periodic sweep finds the joins again
+                log.exception("daemon.error", step="joins", error=str(exc))
         return answers
 
     def release(self, parent: str) -> int:

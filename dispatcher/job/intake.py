@@ -35,6 +35,7 @@ from dispatcher import fsutil
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
 from dispatcher.job.finish import Finisher
+from dispatcher.job.joins import find_cycle
 from dispatcher.job.runner import render
 from dispatcher.layout import Layout, State
 from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, Row
@@ -89,6 +90,15 @@ class Cancelled:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """A claimed job placed in waiting/ (its order names ``after``): the claim is to be turned into a wait."""
+
+    name: str
+    job_id: str
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
 class Refused:
     """A file that went to failed/<stem>@<time>/ (or vanished before it could)."""
 
@@ -104,7 +114,7 @@ class Skipped:
     retry_later: bool = False
 
 
-Claimed_ = Started | Cancelled | Refused | Skipped
+Claimed_ = Started | Waiting | Cancelled | Refused | Skipped
 
 
 def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | None:
@@ -184,6 +194,12 @@ def claim(
             _repair_row(ledger, item.order.job_id, found[0])
             out[i] = _refuse(layout, owner, item, found[0].value, on_refused)
             continue
+        cycle = find_cycle(ledger, item.order.job_id, item.order.after) if item.order.after else None
+        if cycle is not None:
+            reason = "after: would make a cycle (" + " -> ".join(cycle) + ")"
+            refuse(layout, Refusal(item.name, reason, item.order.job_id, agent=item.order.to), owner, on_refused)
+            out[i] = Refused(item.name, item.order.job_id)
+            continue
         try:
             stage = _stage(layout, owner, item)
         except OSError as exc:
@@ -209,12 +225,13 @@ def claim(
             for _, p, _ in staged
         ]
     )
-    placed = False
+    placed: set[State] = set()
     for (i, pick, stage), answer in zip(staged, answers, strict=True):
         match answer:
             case Claimed():
                 out[i] = _place(layout, ledger, pick, stage, answer)
-                placed = placed or isinstance(out[i], Started)
+                if isinstance(out[i], Started):
+                    placed.add(State.WAITING if pick.item.order.after else State.ACTIVE)
             case Known(entry=entry):
                 remove_stage(stage)
                 if _drop_twin(layout, pick.item):  # the claimed job's own file (a claim cut short)
@@ -224,11 +241,13 @@ def claim(
             case Busy():
                 remove_stage(stage)
                 out[i] = Skipped(pick.item.name)
-    if placed:
-        fsutil.fsync_dir(layout.folder(State.ACTIVE))  # the claim's durable point: before any agent starts
+    for state in sorted(placed):
+        fsutil.fsync_dir(layout.folder(state))  # the claim's durable point: before any agent starts
     for i, done in enumerate(out):
         if isinstance(done, Started) and done.cancelled:
             out[i] = _cancel(finisher, done, picks[i].item.name)
+        elif isinstance(done, Started) and done.order.after:
+            out[i] = Waiting(picks[i].item.name, done.spec.job_id, done.token)
     return [o if o is not None else Skipped("") for o in out]
 
 
@@ -276,7 +295,7 @@ def _place(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Cla
     item, agent = pick.item, pick.agent
     try:
         spec, order = _write_job(layout, stage, item, agent, claimed)
-        target = layout.job(State.ACTIVE, item.order.job_id)
+        target = layout.job(State.WAITING if order.after else State.ACTIVE, item.order.job_id)
         fsutil.rename_noreplace(stage, target)
     except OSError as exc:
         # nothing ran: the id stays free (or goes back to the daemon it was taken over from)

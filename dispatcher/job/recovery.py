@@ -58,9 +58,11 @@ def _finish_claim(layout: Layout, ledger: Ledger, owner: str, job_id: str, stage
     mine = entry is not None and entry.state == Row.CLAIMED and entry.owner == owner
     order = next((p for p in stage.iterdir() if p.name.startswith("order")), None)
     if mine and entry is not None and _complete(stage) and layout.find(job_id) is None and order:
-        os.rename(stage, layout.job(State.ACTIVE, job_id))
-        drop_inbox_twin(layout, entry.source or "", layout.job(State.ACTIVE, job_id) / order.name)
-        fsutil.fsync_dir(layout.folder(State.ACTIVE))
+        # a join goes to waiting/: its wait is recorded by the joins' recovery (``Joins.recover``)
+        state = State.WAITING if JobFolder(stage).spec().order.get("after") else State.ACTIVE
+        os.rename(stage, layout.job(state, job_id))
+        drop_inbox_twin(layout, entry.source or "", layout.job(state, job_id) / order.name)
+        fsutil.fsync_dir(layout.folder(state))
         log.info("job.recovered", job_id=job_id, agent=entry.agent, step="claim")
         return
     if mine and entry is not None:  # claimed, but its folder was never completed: nothing ran
@@ -86,7 +88,7 @@ def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) 
         if entry.owner is None or alive(entry.owner):
             continue
         found = layout.find(entry.job_id)
-        if found is None or found[0] is State.ACTIVE:
+        if found is None or found[0] in (State.ACTIVE, State.WAITING):  # waiting/: ``Joins.recover``
             continue
         state, folder = found
         result = JobFolder(folder).result() or {}

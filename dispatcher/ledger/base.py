@@ -27,12 +27,13 @@ class Row(enum.StrEnum):
     HELD = "held"  # a follow-up put in held/ (over budget); released by an operator
     RELEASED = "released"  # its file is in inbox/
     CLAIMED = "claimed"  # a daemon owns it: its folder is in active/ (or being built)
+    WAITING = "waiting"  # claimed, no owner: its folder is in waiting/ until the jobs it names are final
     REVIEW = "review"  # passed its checks, waiting in review/ for a person
     DONE = "done"
     FAILED = "failed"
 
 
-OPEN = (Row.RESERVED, Row.HELD, Row.RELEASED, Row.CLAIMED)
+OPEN = (Row.RESERVED, Row.HELD, Row.RELEASED, Row.CLAIMED, Row.WAITING)
 FINISHED = (Row.DONE, Row.FAILED)
 
 
@@ -125,6 +126,26 @@ class Child:
     job_id: str
     agent: str
     source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A job that waits for others (``after``): the ids it names, its rule and when it began to wait."""
+
+    job_id: str
+    after: tuple[str, ...]
+    rule: str
+    since: float
+
+
+def fold_waits(rows: Iterable[tuple[str, str, str, float]]) -> list[Wait]:
+    """Fold (job_id, parent, rule, since) rows into one ``Wait`` per job, in first-seen order."""
+    found: dict[str, list[str]] = {}
+    first: dict[str, tuple[str, float]] = {}
+    for job_id, parent, rule, since in rows:
+        found.setdefault(job_id, []).append(parent)
+        first.setdefault(job_id, (rule, float(since)))
+    return [Wait(j, tuple(sorted(ps)), first[j][0], first[j][1]) for j, ps in found.items()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +278,26 @@ class Ledger(ABC):
     @abstractmethod
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
+
+    # -- joins (``after``, contract section 16) ----------------------------------------------
+    @abstractmethod
+    def wait(self, job_id: str, token: int, after: Sequence[str], rule: str) -> bool:
+        """Turn this daemon's claim into a wait for ``after`` (no owner); False if the token moved on.
+
+        The ids and the rule are kept with the row, also once the job runs.
+        """
+
+    @abstractmethod
+    def waits(self, job_ids: Iterable[str] | None = None) -> list[Wait]:
+        """Return the waits recorded for these ids (None: of every job in state waiting)."""
+
+    @abstractmethod
+    def waiting_on(self, parents: Iterable[str]) -> list[str]:
+        """Return the ids of waiting jobs that name any of ``parents`` in ``after``."""
+
+    @abstractmethod
+    def take_waiting(self, job_id: str) -> int | None:
+        """Turn a waiting job into a claim by this daemon; return the new token, None if another won."""
 
     def set_state(self, job_id: str, state: Row, *, expect: Row) -> bool:
         """Move a row from one open state to another (a held follow-up released by an operator)."""

@@ -11,12 +11,24 @@ from __future__ import annotations
 
 from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # pg_advisory_xact_lock key for schema changes: "disp" "ldgr" in ASCII
 _LOCK_KEY = 0x6469737000000000 | 0x6C646772
 
 # ids are compared and sorted byte by byte (COLLATE "C"), as SQLite does, whatever the
 # database's locale: `rows()` and `children()` come in the same order on both engines
+# version 2: the ids a waiting job waits for (`after`, contract section 16)
+_WAITS = (
+    """
+    CREATE TABLE waits (
+        job_id text COLLATE "C" NOT NULL,
+        parent text COLLATE "C" NOT NULL,
+        rule   text NOT NULL,
+        since  double precision NOT NULL,
+        PRIMARY KEY (job_id, parent)
+    )""",
+    "CREATE INDEX waits_parent ON waits (parent)",
+)
 _TABLES = (
     """
     CREATE TABLE jobs (
@@ -73,6 +85,7 @@ _TABLES = (
         PRIMARY KEY (agent, n)
     )""",
     "CREATE INDEX slots_owner ON slots (owner) WHERE owner IS NOT NULL",
+    *_WAITS,
 )
 
 
@@ -92,7 +105,11 @@ def ensure(cur: Cur, where: str) -> int:
             )
         if version == SCHEMA_VERSION:
             return version
-        # versions 0 < v < SCHEMA_VERSION: migrations go here when there are any
+        if version == 1:  # a ledger from before joins: add their table
+            for statement in _WAITS:
+                cur.execute(statement)  # fixed text only
+            cur.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION,))
+            return SCHEMA_VERSION
         raise PostgresLedgerError(f"{where}: ledger schema version {version} is unknown to this dispatcher")
     taken = cur.execute(
         "SELECT string_agg(c.relname, ', ' ORDER BY c.relname) FROM pg_class c"

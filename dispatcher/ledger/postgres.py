@@ -71,11 +71,13 @@ from dispatcher.ledger.base import (
     Ledger,
     Request,
     Row,
+    Wait,
 )
 from dispatcher.ledger.pg_claims import Claims
 from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
 from dispatcher.ledger.pg_leases import LeaseLost, Leases
+from dispatcher.ledger.pg_waits import Waits
 
 __all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError", "migrate"]
 
@@ -123,6 +125,7 @@ class PostgresLedger(Ledger):
         self._leases = Leases(self._runner, conninfo, self.lease_s)
         self._claims = Claims(self._runner, self._leases)
         self._followups = Followups(self._runner, self._leases)
+        self._waits = Waits(self._runner, self._leases)
         try:
             self._runner.run("schema", lambda cur: pg_schema.ensure(cur, self.where), fatal=permanent)
         except psycopg.Error as exc:  # not a wait: a missing privilege, an unusable database
@@ -317,6 +320,23 @@ class PostgresLedger(Ledger):
     def set_state(self, job_id: str, state: Row, *, expect: Row) -> bool:
         """Move a row from one open state to another (hold, release of a held follow-up)."""
         return self._followups.set_state(job_id, state, expect=expect)
+
+    # -- joins (pg_waits) ----------------------------------------------------------------------
+    def wait(self, job_id: str, token: int, after: Sequence[str], rule: str) -> bool:
+        """Turn this daemon's claim into a wait for ``after`` (no owner); False if the token moved on."""
+        return self._waits.wait(job_id, token, after, rule)
+
+    def waits(self, job_ids: Iterable[str] | None = None) -> list[Wait]:
+        """Return the waits recorded for these ids (None: of every job in state waiting)."""
+        return self._waits.waits(job_ids)
+
+    def waiting_on(self, parents: Iterable[str]) -> list[str]:
+        """Return the ids of waiting jobs that name any of ``parents``."""
+        return self._waits.waiting_on(parents)
+
+    def take_waiting(self, job_id: str) -> int | None:
+        """Turn a waiting job into a claim by this daemon; return the new token, None if another won."""
+        return self._waits.take_waiting(job_id)
 
     # -- requests -------------------------------------------------------------------------
     def request(self, job_id: str, kind: Request) -> None:

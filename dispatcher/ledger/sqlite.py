@@ -38,12 +38,13 @@ from dispatcher.ledger.base import (
     now,
 )
 from dispatcher.ledger.flocks import make_lock
-from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, SqliteDb, _entry
+from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
+from dispatcher.ledger.sqlite_waits import SqliteWaits
 
 __all__ = ["LedgerError", "SqliteLedger"]
 
 
-class SqliteLedger(SqliteDb, Ledger):
+class SqliteLedger(SqliteWaits, Ledger):
     """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
 
     slots_local = True  # slots are flocks on this host

@@ -28,7 +28,7 @@ from dispatcher.ledger.flocks import FlockSlots, Liveness
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id  TEXT PRIMARY KEY,
@@ -46,13 +46,21 @@ CREATE TABLE IF NOT EXISTS jobs (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS jobs_parent ON jobs(parent) WHERE parent IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_open ON jobs(state)
-    WHERE state IN ('reserved', 'held', 'released', 'claimed', 'review');
+    WHERE state IN ('reserved', 'held', 'released', 'claimed', 'review', 'waiting');
 CREATE TABLE IF NOT EXISTS requests (
     job_id TEXT NOT NULL,
     kind   TEXT NOT NULL,
     at     REAL NOT NULL,
     PRIMARY KEY (job_id, kind)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS waits (
+    job_id TEXT NOT NULL,
+    parent TEXT NOT NULL,
+    rule   TEXT NOT NULL,
+    since  REAL NOT NULL,
+    PRIMARY KEY (job_id, parent)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS waits_parent ON waits(parent);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
 _COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"

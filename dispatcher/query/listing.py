@@ -70,16 +70,23 @@ def _orders(folder: Path, state: str, max_bytes: int) -> Iterator[dict[str, Any]
         yield _row(order.job_id, state, order.agent, mtime, order.path)
 
 
-def _active(layout: Layout) -> Iterator[dict[str, Any]]:
-    for de in visible_entries(layout.folder(State.ACTIVE)):
+def _active(layout: Layout, state: State = State.ACTIVE) -> Iterator[dict[str, Any]]:
+    """Rows of active/ (or waiting/: the reason says which jobs it waits for) jobs."""
+    for de in visible_entries(layout.folder(state)):
         folder = JobFolder(Path(de.path))
         try:
             spec = folder.spec()
         except ValueError:
-            yield _row(de.name, "active", None, None, folder.path)
+            yield _row(de.name, state.value, None, None, folder.path)
+            continue
+        if state is State.WAITING:
+            after = ", ".join(spec.order.get("after") or ())
+            rule = spec.order.get("after_rule") or "all_done"
+            reason = f"waiting for {after} ({rule})"
+            yield _row(de.name, state.value, spec.agent.name, spec.received, folder.path, reason=reason)
             continue
         cost = total_cost(folder.attempts())
-        yield _row(de.name, "active", spec.agent.name, spec.received, folder.path, cost_usd=cost)
+        yield _row(de.name, state.value, spec.agent.name, spec.received, folder.path, cost_usd=cost)
 
 
 def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None) -> Iterator[dict[str, Any]]:
@@ -142,6 +149,8 @@ def list_jobs(
         sources.append(_orders(layout.held, "held", config.max_order_bytes))
     if "active" in wanted:
         sources.append(_active(layout))
+    if "waiting" in wanted:
+        sources.append(_active(layout, State.WAITING))
     if "review" in wanted:
         sources.append(_finished(layout, State.REVIEW, None))
     if "done" in wanted:

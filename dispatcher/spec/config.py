@@ -111,6 +111,7 @@ class Config:
     lease_s: float = 30.0
     watch: str = "inotify"
     poll_interval_s: float = 1.0
+    max_wait_s: float = 604800.0
     agents: Mapping[str, Agent] = field(default_factory=dict)
 
 
@@ -128,6 +129,7 @@ _TOP = {
     "max_log_bytes": ("max_log_bytes", int),
     "lease": ("lease_s", float),
     "poll_interval": ("poll_interval_s", float),
+    "max_wait": ("max_wait_s", float),
 }
 
 
@@ -371,6 +373,7 @@ ledger: sqlite             # or postgresql://... shared by daemons on many hosts
 lease: 30                  # seconds (PostgreSQL ledger): a host silent this long is dead
 watch: inotify             # or poll: find new files by listing inbox/ every poll_interval
 poll_interval: 1
+max_wait: 604800           # seconds a job waits for an `after` id no one knows yet, then it fails
 agents:
   echo:
     # argv, never run through a shell. Placeholders: {{job_id}} {{order}} {{workspace}}

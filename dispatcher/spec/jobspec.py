@@ -208,4 +208,5 @@ def prompt_values(order: Mapping[str, Any], writes: tuple[str, ...], work: Path)
         "order": str(work / "order.json"),
         "workspace": str(work),
         "receipt": str(work / "receipt.json"),
+        "parents": str(work / "parents.json"),
     }

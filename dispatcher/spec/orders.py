@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Container, Mapping
+from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -92,6 +93,9 @@ def validate_order(
         required=tuple(raw_accept.get("required", ())),
         followups=tuple(raw_accept["followups"]) if "followups" in raw_accept else None,
     )
+    after = tuple(body.get("after") or ())
+    if body["job_id"] in after:
+        raise OrderError(f"names the order's own job_id {body['job_id']} (a cycle)", field="after")
     writes = body.get("writes")
     return Order(
         job_id=body["job_id"],
@@ -104,7 +108,30 @@ def validate_order(
         timeout_s=float(timeout) if timeout is not None else None,
         max_attempts=body.get("max_attempts"),
         body=body,
+        after=after,
+        after_rule=body.get("after_rule", "all_done"),
+        priority=body.get("priority", 5),
+        not_before=_time(body, "not_before"),
+        expires=_time(body, "expires"),
     )
+
+
+def parse_time(text: str) -> float:
+    """Return epoch seconds for an ISO 8601 time; a time without a zone is UTC. Raise ValueError."""
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _time(body: Mapping[str, Any], key: str) -> float | None:
+    text = body.get(key)
+    if text is None:
+        return None
+    try:
+        return parse_time(text)
+    except ValueError:
+        raise OrderError("must be an ISO 8601 time such as 2026-12-01T08:00:00Z", field=key) from None
 
 
 def _with_hint(exc: OrderError, body: dict[str, Any]) -> OrderError:

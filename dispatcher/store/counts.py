@@ -13,7 +13,7 @@ from pathlib import Path
 from dispatcher.layout import Layout, State, is_ignored
 
 #: the states `status` counts; `failed` is failed jobs, `refused` refused files
-COUNTED = ("inbox", "held", "active", "review", "done", "failed", "refused")
+COUNTED = ("inbox", "held", "active", "waiting", "review", "done", "failed", "refused")
 #: the states `list --state` takes
 LIST_STATES = COUNTED
 
@@ -46,7 +46,7 @@ def jobs_and_refusals(folder: Path) -> tuple[int, int]:
 
 
 def queue_counts(layout: Layout) -> dict[str, int]:
-    """Return how many orders wait in inbox/ and held/ and how many jobs are in active/ and review/.
+    """Return how many orders wait in inbox/ and held/ and how many jobs are in active/, waiting/ and review/.
 
     Cheap (one directory listing each, no file opened), for the metrics'
     ``dispatcher_queue`` gauge; it still lists folders, so call it off the loop.
@@ -55,6 +55,7 @@ def queue_counts(layout: Layout) -> dict[str, int]:
         "inbox": orders_in(layout.inbox),
         "held": orders_in(layout.held),
         "active": jobs_and_refusals(layout.folder(State.ACTIVE))[0],
+        "waiting": jobs_and_refusals(layout.folder(State.WAITING))[0],
         "review": jobs_and_refusals(layout.folder(State.REVIEW))[0],
     }
 
