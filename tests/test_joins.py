@@ -245,3 +245,28 @@ def test_waiting_jobs_cost_no_cpu_and_no_thread(env: Env) -> None:
     assert _threads(pid) <= before, f"threads: {before} before the waits, {_threads(pid)} with 50 waiting"
     assert used < 0.1, f"the daemon used {used:.2f} s of CPU in 5 s with 50 waiting jobs"
     assert d.stop() == 0
+
+
+def test_cancel_tree_racing_the_workers(env: Env) -> None:
+    """`cancel --tree` of a planner whose 6 follow-ups run, queue and wait: each ends cancelled once; show marks it."""
+    parts = [f"t-w{i}" for i in range(1, 6)]
+    flags = [f for p in parts for f in ("--followup", follow(p, "slow"))]
+    flags += ["--followup", follow("t-merge", "merger", after=parts)]
+    agents = join_agents(env) | {"planner": env.agent(*flags), "slow": env.agent("--sleep", "20", concurrency=5)}
+    env.configure(agents, max_jobs=2, kill_grace=0.5)
+    d = env.daemon()
+    env.drop(order("tplan", to="planner"))
+    wait_until(lambda: (env.root / "waiting" / "t-merge").is_dir(), what="t-merge in waiting/")
+    wait_until(lambda: len(env.starts()) >= 3, what="two workers running")  # the planner and two of five
+    proc = env.cli("cancel", "--tree", "tplan")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == sorted(f"{j}: cancel requested" for j in [*parts, "t-merge"])
+    for j in [*parts, "t-merge"]:
+        assert env.wait_job(j, "failed")["reason"] == "cancelled"
+    started = [j for j, _ in env.starts()]
+    assert all(started.count(j) <= 1 for j in parts) and "t-merge" not in started
+    tree = env.cli("show", "--tree", "t-w1", check=True).stdout
+    assert "tplan [done]" in tree and "t-w1 [failed, cancelled]" in tree and "t-merge [failed, cancelled]" in tree
+    again = env.cli("cancel", "--tree", "tplan")
+    assert again.returncode == 1 and "nothing to cancel" in again.stderr
+    assert d.stop() == 0

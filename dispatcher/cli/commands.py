@@ -192,7 +192,7 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
         _log_to_file(cfg)
     op = Operator(cfg, Layout(cfg.root))
     op.reason = getattr(args, "reason", None)
-    run = getattr(op, action)
+    run = op.cancel_tree if action == "cancel" and getattr(args, "tree", False) else getattr(op, action)
     failed = 0
     try:
         for job_id in ids:

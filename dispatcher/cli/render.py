@@ -163,7 +163,8 @@ def render_tree(root_tree: dict[str, Any], me: str) -> str:
     lines: list[str] = []
 
     def walk(node: Mapping[str, Any], prefix: str, last: bool, top: bool) -> None:
-        label = f"{node['job_id']} [{node['state']}] ({plain(node['agent'])}, {usd(node.get('cost_usd'))})"
+        state = f"{node['state']}, cancelled" if node.get("cancelled") else node["state"]
+        label = f"{node['job_id']} [{state}] ({plain(node['agent'])}, {usd(node.get('cost_usd'))})"
         label += "  <-" if node["job_id"] == me else ""
         lines.append(label if top else f"{prefix}{'└── ' if last else '├── '}{label}")
         kids = node["children"]

@@ -73,7 +73,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         f"stop queued or running jobs; they fail with reason cancelled ({_IDS})",
         f"0 every cancel is recorded\n1 an id is unknown or finished (one line each on stderr)\n"
         f"2 {BAD}, a root that does not exist",
-        "dispatcher cancel JOB-001",
+        "dispatcher cancel JOB-001\ndispatcher cancel --tree PLAN-001   # the job and every descendant",
     ),
     "hold": (
         f"move queued orders from inbox/ into held/, where no daemon claims them ({_IDS})",

@@ -154,6 +154,8 @@ class Joins:
             verdict = decide(wait, self.ledger.known(wait.after), now, max_wait)
             if verdict is WAIT:
                 continue
+            if wait.job_id in self.ledger.requests(Request.CANCEL):  # an open cancel wins (cancel --tree)
+                verdict = Verdict(reason=str(Stop.CANCELLED))
             token = self.ledger.take_waiting(wait.job_id)
             if token is not None:  # another daemon took it first otherwise
                 faults.point("join.taken")

@@ -202,7 +202,13 @@ def show_json(
 
 
 def _node(job: dict[str, Any]) -> dict[str, Any]:
-    return {"job_id": job["job_id"], "state": job["state"], "agent": job["agent"], "cost_usd": job.get("cost_usd")}
+    return {
+        "job_id": job["job_id"],
+        "state": job["state"],
+        "agent": job["agent"],
+        "cost_usd": job.get("cost_usd"),
+        "cancelled": job.get("reason") == "cancelled",
+    }
 
 
 def tree_root(info: dict[str, Any]) -> str:
