@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--once", action="store_true", help="drain inbox/, wait for every job, then exit")
     c = _command(sub, "submit")
     c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("--at", metavar="TIME", help="not before this ISO 8601 time (sets not_before)")
+    c.add_argument("--in", dest="within", metavar="DURATION", help="not before this long from now: 90s, 15m, 2h, 1d")
     c = _command(sub, "validate")
     c.add_argument("files", nargs="*", metavar="FILE")
     c = _command(sub, "status")
@@ -157,14 +160,15 @@ def _parse_file(name: str, cfg: Config | None) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from dispatcher.ops.submit import read_order, submit
+    from dispatcher.ops.submit import parse_when, read_order, submit
 
     os.umask(UMASK)
     cfg = _config(args, need_root=True)
+    not_before = parse_when(args.at, args.within, time.time())
     orders, bad = [], 0
     for name in args.files:  # every file is checked, and every bad one named, before any is dropped
         try:
-            orders.append(read_order(name, cfg))
+            orders.append(read_order(name, cfg, not_before=not_before))
         except OrderError as exc:
             print(exc, file=sys.stderr)
             bad += 1

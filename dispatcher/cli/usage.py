@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "submit": (
         "validate orders and drop them into inbox/ atomically; print each job id",
         f"0 every order was dropped\n2 an invalid order, a job id already known, {BAD}",
-        "dispatcher submit orders/JOB-001.yaml",
+        "dispatcher submit orders/JOB-001.yaml\ndispatcher submit --in 2h orders/JOB-002.yaml",
     ),
     "validate": (
         "check orders (or, with no FILE, the config and its agents' programs) without submitting",

@@ -286,6 +286,9 @@ class Daemon:
     def _timeout(self) -> float:
         now = time.monotonic()
         waits = [self._next_rescan - now, self.house.next_due(now)]
+        due = self.inbox.next_due_s()  # an order held back by not_before
+        if due is not None:
+            waits.append(due)
         if self.inbox.has_ready() and not self.stopping and self.sched.free_slots() > 0:
             return 0.0
         if self.notifier.watchdog_interval_s:

@@ -35,10 +35,9 @@ from dispatcher import fsutil
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
 from dispatcher.job.finish import Finisher
-from dispatcher.job.joins import find_cycle
 from dispatcher.job.runner import render
 from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, Row
+from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, Row, find_cycle
 from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import JobSpec, Stop, prompt_values
 from dispatcher.spec.loader import load_document

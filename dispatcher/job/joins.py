@@ -41,6 +41,7 @@ from dispatcher.layout import Layout, State
 from dispatcher.ledger.base import Entry, Finish, Ledger, Request, Row, Wait
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Stop
+from dispatcher.spec.orders import parse_time
 from dispatcher.store.jobstore import JobFolder, build_result
 
 log = structlog.get_logger("dispatcher")
@@ -78,31 +79,6 @@ def decide(wait: Wait, parents: Mapping[str, Entry], now: float, max_wait_s: flo
         elif entry.state not in (Row.DONE, Row.FAILED):
             pending = True
     return WAIT if pending else Verdict(run=True)
-
-
-def find_cycle(ledger: Ledger, job_id: str, after: Sequence[str]) -> list[str] | None:
-    """Return the path of a cycle that ``job_id`` waiting for ``after`` would close, or None.
-
-    A cycle is only possible through jobs that wait already (a running or finished
-    job waits for nothing): walk their recorded waits from ``after``.
-    """
-    seen: set[str] = set()
-    frontier = [(a, [job_id, a]) for a in after]
-    while frontier:
-        ids = [a for a, _ in frontier if a not in seen]
-        paths = {a: p for a, p in frontier}
-        seen.update(ids)
-        frontier = []
-        for w in ledger.waits(ids):
-            entry = ledger.get(w.job_id)
-            if entry is None or entry.state not in (Row.WAITING, Row.CLAIMED):
-                continue
-            for nxt in w.after:
-                if nxt == job_id:
-                    return [*paths[w.job_id], nxt]
-                if nxt not in seen:
-                    frontier.append((nxt, [*paths[w.job_id], nxt]))
-    return None
 
 
 def parents_record(layout: Layout, ledger: Ledger, after: Iterable[str]) -> list[dict[str, Any]]:
@@ -222,6 +198,9 @@ class Joins:
     def _carry_out(self, wait: Wait, token: int, verdict: Verdict) -> None:
         folder = JobFolder(self.layout.job(State.WAITING, wait.job_id))
         spec = folder.spec()
+        expires = spec.order.get("expires")
+        if verdict.run and isinstance(expires, str) and parse_time(expires) <= time.time():
+            verdict = Verdict(reason="expired")  # not started by then
         if verdict.reason is not None:
             result = build_result(
                 job_id=spec.job_id,

@@ -19,11 +19,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dispatcher.layout import Layout, State, is_ignored, parse_iso
+from dispatcher.layout import Layout, State, is_ignored, iso, parse_iso
 from dispatcher.ledger.base import Entry, Ledger, Row
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import total_cost
+from dispatcher.spec.orders import parse_time
 from dispatcher.store.counts import LIST_STATES, visible_entries
 from dispatcher.store.jobstore import JobFolder
 
@@ -67,7 +68,17 @@ def _orders(folder: Path, state: str, max_bytes: int) -> Iterator[dict[str, Any]
         except OSError:
             continue
         order = read_order_file(Path(de.path), max_bytes, mtime)
-        yield _row(order.job_id, state, order.agent, mtime, order.path)
+        yield _row(order.job_id, state, order.agent, mtime, order.path, reason=_due(order.body))
+
+
+def _due(body: dict[str, Any] | None) -> str | None:
+    """Return "due <time>" for an order held back by a not_before still to come."""
+    text = body.get("not_before") if body else None
+    try:
+        due = parse_time(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    return f"due {iso(due)}" if due is not None and due > time.time() else None
 
 
 def _active(layout: Layout, state: State = State.ACTIVE) -> Iterator[dict[str, Any]]:

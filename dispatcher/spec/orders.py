@@ -9,6 +9,7 @@ never choose a command to run: it only names an agent from the config.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Container, Mapping
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
@@ -144,3 +145,34 @@ def _with_hint(exc: OrderError, body: dict[str, Any]) -> OrderError:
 def to_json(body: Mapping[str, Any]) -> bytes:
     """Return an order body as the JSON bytes written to work/order.json."""
     return (json.dumps(body, ensure_ascii=False) + "\n").encode()
+
+
+_TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?$", re.M)
+_TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?$", re.M)
+
+
+def peek_schedule(data: bytes, name: str) -> tuple[int, float | None]:
+    """Return (priority, not_before) of an order file at a glance, for ordering the inbox (never raises).
+
+    JSON is parsed; YAML is looked at line by line (top-level ``priority:`` and
+    ``not_before:`` in block style). Only ordering uses this: the daemon checks
+    the validated order again before it claims.
+    """
+    priority, due = 5, None
+    try:
+        if order_format(name) == "json":
+            body = json.loads(data)
+            raw_p = body.get("priority") if isinstance(body, dict) else None
+            raw_t = body.get("not_before") if isinstance(body, dict) else None
+        else:
+            m = _TOP_PRIORITY.search(data)
+            raw_p = int(m.group(1)) if m else None
+            t = _TOP_NOT_BEFORE.search(data)
+            raw_t = t.group(1).decode() if t else None
+        if isinstance(raw_p, int) and not isinstance(raw_p, bool) and 0 <= raw_p <= 9:
+            priority = raw_p
+        if isinstance(raw_t, str):
+            due = parse_time(raw_t)
+    except (ValueError, TypeError, RecursionError):
+        pass
+    return priority, due
