@@ -270,3 +270,22 @@ def test_cancel_tree_racing_the_workers(env: Env) -> None:
     again = env.cli("cancel", "--tree", "tplan")
     assert again.returncode == 1 and "nothing to cancel" in again.stderr
     assert d.stop() == 0
+
+
+def test_the_fan_out_example_runs(tmp_path: Path) -> None:
+    """`bash examples/fanout/run.sh` exits 0: three researchers, then one merger that read all three."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "fanout" / "run.sh"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISPATCHER_")}
+    proc = subprocess.run(
+        ["bash", str(script)],
+        env=env | {"FANOUT_DIR": str(tmp_path / "fanout"), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "├── PLAN-001.merge [done] (merger, -)  <-" in proc.stdout
+    assert "ok: the merger ran once, after its 3 parents" in proc.stdout
