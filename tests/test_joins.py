@@ -289,3 +289,19 @@ def test_the_fan_out_example_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "├── PLAN-001.merge [done] (merger, -)  <-" in proc.stdout
     assert "ok: the merger ran once, after its 3 parents" in proc.stdout
+
+
+def test_a_waiting_job_survives_a_ledger_rebuild(env: Env) -> None:
+    """`ledger rebuild` of a root with a waiting merger: the next daemon records its wait again and runs it once."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    env.drop(merger(after=["w01"]))
+    d.wait_event("job.waiting", job_id="merge")
+    assert d.stop() == 0
+    assert env.cli("ledger", "rebuild").returncode == 0
+    again = env.daemon()
+    again.wait_event("job.waiting", job_id="merge")
+    env.drop(order("w01"))
+    env.wait_job("merge", "done")
+    assert starts_of(env, "merge") == 1
+    assert again.stop() == 0

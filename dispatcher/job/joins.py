@@ -161,7 +161,7 @@ class Joins:
                 folder = JobFolder(self.layout.job(State.WAITING, job_id))
                 folder.land(self.layout, State.DONE if entry.state == Row.DONE else State.FAILED)
                 continue
-            if entry.state != Row.CLAIMED or entry.owner is None or alive(entry.owner):
+            if entry.state != Row.CLAIMED or (entry.owner is not None and alive(entry.owner)):  # None: rebuilt
                 continue
             token = self.ledger.adopt(job_id, entry.owner, entry.token)
             if token is None:

@@ -27,7 +27,14 @@ from dispatcher.spec.orders import order_format
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
 
-_ROW = {State.ACTIVE: Row.CLAIMED, State.REVIEW: Row.REVIEW, State.DONE: Row.DONE, State.FAILED: Row.FAILED}
+# a job in waiting/ becomes a claim without owner: the next daemon records its wait again (``Joins.recover``)
+_ROW = {
+    State.ACTIVE: Row.CLAIMED,
+    State.WAITING: Row.CLAIMED,
+    State.REVIEW: Row.REVIEW,
+    State.DONE: Row.DONE,
+    State.FAILED: Row.FAILED,
+}
 
 
 def live_daemons(layout: Layout) -> list[str]:
