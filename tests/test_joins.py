@@ -305,3 +305,21 @@ def test_a_waiting_job_survives_a_ledger_rebuild(env: Env) -> None:
     env.wait_job("merge", "done")
     assert starts_of(env, "merge") == 1
     assert again.stop() == 0
+
+
+def test_retry_of_a_failed_join_waits_for_its_parents_again(env: Env) -> None:
+    """A join failed by `after: w01 failed`, retried together with w01, waits for it again and runs once."""
+    log = str(env.tmp / "parents.log")
+    flaky = env.agent("--fail-attempts", "1", "--sleep", "0.5", max_attempts=1)
+    env.configure({"worker": flaky, "merger": env.agent("--parents", "{parents}", "--parents-log", log)})
+    d = env.daemon()
+    env.drop(merger(after=["w01"]))
+    env.drop(order("w01"))
+    assert env.wait_job("merge", "failed")["reason"] == "after: w01 failed"
+    assert env.cli("retry", "w01", "merge").returncode == 0
+    wait_until(lambda: len([e for e in d.events() if e.get("event") == "job.waiting"]) == 2, what="a second wait")
+    wait_until(lambda: (env.root / "done" / "merge" / "result.json").exists(), what="merge done")
+    assert starts_of(env, "merge") == 1 and starts_of(env, "w01") == 2
+    [(_, parents)] = parents_log(env)
+    assert [(p["job_id"], p["state"]) for p in parents] == [("w01", "done")]
+    assert d.stop() == 0

@@ -237,6 +237,11 @@ class Claims:
                     raise LookupError("taken by another daemon")
                 spec, token = reopened
                 log.info("job.claimed", job_id=p.job_id, agent=spec.agent.name, retry=True, budget=spec.budget)
+                if spec.order.get("after") and self.joins is not None:  # a retried join waits again
+                    if slot is not None:
+                        ledger.free_slot(p.agent, slot)
+                    self.joins.rewait(p.job_id, token)
+                    return Dropped(p)
             else:
                 spec, token = JobFolder(layout.job(State.ACTIVE, p.job_id)).spec(), p.token
             folder = JobFolder(layout.job(State.ACTIVE, p.job_id))

@@ -155,6 +155,11 @@ class Joins:
             return
         for job_id in names:
             entry = self.ledger.get(job_id)
+            if entry is not None and entry.state == Row.WAITING and not self.ledger.waits([job_id]):
+                token = self.ledger.take_waiting(job_id)  # a wait whose ids were lost (a ledger migrate)
+                if token is not None:
+                    self.record(job_id, token)
+                continue
             if entry is None or entry.state == Row.WAITING:
                 continue
             if entry.state in (Row.DONE, Row.FAILED):  # its landing was cut short
@@ -194,6 +199,12 @@ class Joins:
         log.info("job.waiting", job_id=job_id, agent=spec.agent.name, after=list(after), rule=rule)
         self.check(self.ledger.waits([job_id]))  # a parent may have finished before the wait was recorded
         return True
+
+    def rewait(self, job_id: str, token: int) -> None:
+        """Put a retried join (reopened into active/ by ``retry``) back in waiting/; it waits for its parents again."""
+        fsutil.rename_noreplace(self.layout.job(State.ACTIVE, job_id), self.layout.job(State.WAITING, job_id))
+        fsutil.fsync_dir(self.layout.folder(State.WAITING))
+        self.record(job_id, token)
 
     def _carry_out(self, wait: Wait, token: int, verdict: Verdict) -> None:
         folder = JobFolder(self.layout.job(State.WAITING, wait.job_id))
