@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 import os
 import stat
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dispatcher.lifecycle import State
+
 UMASK = 0o027
-
-
-class State(enum.StrEnum):
-    """Where a job is; each state is a folder of the dispatch root."""
-
-    ACTIVE = "active"
-    REVIEW = "review"
-    DONE = "done"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,8 @@ from dispatcher.job.job import JobContext
 from dispatcher.lanes import Lanes
 from dispatcher.layout import UMASK, Layout
 from dispatcher.ledger.base import DaemonInfo
+from dispatcher.lifecycle import Stop
 from dispatcher.spec.config import Config, load_config
-from dispatcher.spec.jobspec import Stop
 from dispatcher.store.ledgers import open_ledger
 
 log = structlog.get_logger("dispatcher")

@@ -25,8 +25,9 @@ from dispatcher.job import recovery
 from dispatcher.job.job import JobContext
 from dispatcher.job.review import settle_reviews
 from dispatcher.job.runner import end_group
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Request, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Request
+from dispatcher.lifecycle import State, is_landed
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
@@ -172,7 +173,7 @@ class Housekeeping:
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):
             entry = await lanes.io(ledger.get, job_id)
             if self.sched.cancel(job_id, entry.state if entry else None):
-                if entry is not None and entry.state in (Row.DONE, Row.FAILED, Row.REVIEW):
+                if entry is not None and is_landed(entry.state):
                     await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)
                 continue
             found = await lanes.scan(find_queued, layout.inbox, [job_id])

@@ -24,9 +24,8 @@ from dispatcher.core.claiming import Big, Claims, Dropped, Gone, Handover, Kind,
 from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake
 from dispatcher.job.job import Job, JobContext
-from dispatcher.ledger.base import Row
+from dispatcher.lifecycle import Outcome, Row, Stop
 from dispatcher.spec.config import Config
-from dispatcher.spec.jobspec import Outcome, Stop
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")

@@ -36,10 +36,11 @@ from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
 from dispatcher.job.finish import Finisher
 from dispatcher.job.runner import render
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger
+from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.spec.config import Agent, Config
-from dispatcher.spec.jobspec import JobSpec, Stop, prompt_values
+from dispatcher.spec.jobspec import JobSpec, prompt_values
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import order_format, parse_order, to_json
@@ -250,7 +251,7 @@ def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
 
 
 def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
-    row = {State.DONE: Row.DONE, State.FAILED: Row.FAILED, State.REVIEW: Row.REVIEW}.get(state, Row.CLAIMED)
+    row = state_to_row(state)
     ledger.load_rows([Entry(job_id, row, None, None, 1, None, None, None, 0, None, None, time.time())])
     log.warning("ledger.repaired", job_id=job_id, state=row.value, reason="a job folder without a ledger row")
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
-from dispatcher.checks.builtin import CheckResult, Exit, verdict
+from dispatcher.checks.builtin import Exit, verdict
 from dispatcher.job import attempt, retry, verify
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.control import Control, Left
@@ -30,10 +30,12 @@ from dispatcher.job.recovery import leftover_groups
 from dispatcher.job.runner import end_group
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Child, Finish, Ledger, Row
+from dispatcher.ledger.base import Child, Finish, Ledger
+from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.spec.config import Config
-from dispatcher.spec.jobspec import Attempt, JobSpec, Outcome, Stop, total_cost
+from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.order import Order
+from dispatcher.spec.result import CheckResult, Result
 from dispatcher.store.jobstore import JobFolder, build_result, is_disk_full
 
 if TYPE_CHECKING:
@@ -133,11 +135,11 @@ class Job:
 
     async def _reland(self) -> Outcome:
         """Finish a job cut short while landing: its result is already written."""
-        result = self.folder.result() or {}
-        state = Row(result.get("state", "failed"))
+        result = self.folder.result() or Result(self.job_id, None, self.agent, None)
+        state = Row(result.state or "failed")
         log.info("job.recovered", step="finish")
         ok = await self.ctx.finisher.land(self.folder, Finish(self.job_id, self.token, state), result, release=True)
-        return Outcome(str(state)) if ok else Outcome.FENCED
+        return outcome_of(state) if ok else Outcome.FENCED
 
     # -- recovery ---------------------------------------------------------------------------
     async def _recover(self) -> Outcome | None:
@@ -403,4 +405,4 @@ class Job:
                     raise Left from None
                 delay = min(delay * 2, _DISK_WAIT_MAX_S)
                 continue
-            return Outcome(str(state)) if ok else Outcome.FENCED
+            return outcome_of(state) if ok else Outcome.FENCED

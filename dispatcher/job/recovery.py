@@ -19,15 +19,15 @@ import structlog
 from dispatcher import fsutil, procs
 from dispatcher.errors import oneline
 from dispatcher.job.intake import drop_inbox_twin
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Finish, Ledger, Request, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Finish, Ledger, Request
+from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.store import refusals
 from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, remove_stage
 
 log = structlog.get_logger("dispatcher")
-_LANDED = {Row.DONE: State.DONE, Row.FAILED: State.FAILED, Row.REVIEW: State.REVIEW}
 
 
 def finish_staging(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:
@@ -89,11 +89,10 @@ def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) 
         if found is None or found[0] is State.ACTIVE:
             continue
         state, folder = found
-        result = JobFolder(folder).result() or {}
-        row = Row.DONE if state is State.DONE else Row.REVIEW if state is State.REVIEW else Row.FAILED
-        if state is State.FAILED and result.get("state") == "done":
-            row = Row.DONE
-        ledger.finish([Finish(entry.job_id, entry.token, row, result.get("cost_usd"), result.get("chain_cost_usd"))])
+        result = JobFolder(folder).result()
+        row = state_to_row(state, result.state if result else None)
+        cost, chain = (result.cost_usd, result.chain_cost_usd) if result else (None, None)
+        ledger.finish([Finish(entry.job_id, entry.token, row, cost, chain)])
 
 
 def reconcile_active(layout: Layout, ledger: Ledger) -> None:
@@ -135,8 +134,8 @@ def orphans(
             continue
         if entry.owner != ledger.owner and entry.owner is not None and alive(entry.owner):
             continue
-        if entry.state in _LANDED:
-            _land(layout, job_id, _LANDED[Row(entry.state)])
+        if is_landed(entry.state):
+            _land(layout, job_id, landed_state(entry.state))
             continue
         if entry.state != Row.CLAIMED or not (layout.job(State.ACTIVE, job_id) / JOB_FILE).exists():
             continue
@@ -199,7 +198,7 @@ def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, token: int, exc: E
     )
     folder.stage_result(result)
     if ledger.finish([Finish(job_id, token, Row.FAILED)])[0]:
-        log.warning("job.failed", job_id=job_id, agent=result["agent"], reason=reason)
+        log.warning("job.failed", job_id=job_id, agent=result.agent, reason=reason)
         folder.land(layout, State.FAILED)
         fsutil.fsync_dir(layout.folder(State.FAILED))
 
@@ -220,7 +219,8 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
         return None
     folder = JobFolder(layout.job(State.FAILED, job_id))
     spec = folder.spec()
-    failed_checks = [c for c in (folder.result() or {}).get("checks") or [] if c.get("ok") is False]
+    kept = folder.result()
+    failed_checks = kept.failed_checks() if kept else []
     folder.keep_result()
     last = max(folder.attempt_numbers(), default=0)
     agent = config.agents.get(spec.agent.name, spec.agent)
@@ -228,7 +228,9 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     spec = spec.with_agent(agent, last + max_attempts)
     if agent.repair and failed_checks and os.path.isdir(folder.work):
         # repair applies to the first new attempt too: it gets the checks the last one failed
-        data = fsutil.dump_json({"job_id": job_id, "attempt": last, "failed_checks": failed_checks})
+        data = fsutil.dump_json(
+            {"job_id": job_id, "attempt": last, "failed_checks": [c.to_json() for c in failed_checks]}
+        )
         folder.stash(last, feedback=True)
         folder.write_feedback(data)
         spec = spec.with_given("feedback.json", hashlib.sha256(data).hexdigest())

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from dispatcher import fsutil
-from dispatcher.checks.builtin import CheckResult
 from dispatcher.spec.config import MAX_RETRY_DELAY_S, Agent
 from dispatcher.spec.jobspec import Attempt, total_cost
+from dispatcher.spec.result import CheckResult
 
 
 def receipt_invalid(checks: Sequence[CheckResult]) -> bool:

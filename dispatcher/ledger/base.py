@@ -18,22 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from dispatcher.errors import DispatchError
-
-
-class Row(enum.StrEnum):
-    """A ledger row's state. A row is never deleted, except a failed parent's reservations."""
-
-    RESERVED = "reserved"  # a follow-up waiting for its parent to be done
-    HELD = "held"  # a follow-up put in held/ (over budget); released by an operator
-    RELEASED = "released"  # its file is in inbox/
-    CLAIMED = "claimed"  # a daemon owns it: its folder is in active/ (or being built)
-    REVIEW = "review"  # passed its checks, waiting in review/ for a person
-    DONE = "done"
-    FAILED = "failed"
-
-
-OPEN = (Row.RESERVED, Row.HELD, Row.RELEASED, Row.CLAIMED)
-FINISHED = (Row.DONE, Row.FAILED)
+from dispatcher.lifecycle import Row
 
 
 class Request(enum.StrEnum):

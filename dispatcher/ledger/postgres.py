@@ -61,21 +61,12 @@ except ImportError:  # the optional extra is not installed: say so in one line (
         "ledger: postgresql:// needs psycopg 3; install folder-dispatcher[postgres] (pip install 'psycopg[binary]')"
     ) from None
 from dispatcher.ledger import pg_bulk, pg_schema
-from dispatcher.ledger.base import (
-    Child,
-    ClaimAnswer,
-    ClaimRequest,
-    DaemonInfo,
-    Entry,
-    Finish,
-    Ledger,
-    Request,
-    Row,
-)
+from dispatcher.ledger.base import Child, ClaimAnswer, ClaimRequest, DaemonInfo, Entry, Finish, Ledger, Request
 from dispatcher.ledger.pg_claims import Claims
 from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
 from dispatcher.ledger.pg_leases import LeaseLost, Leases
+from dispatcher.lifecycle import Row
 
 __all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError", "migrate"]
 
