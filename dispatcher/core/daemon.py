@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 
 from dispatcher.core.housekeeping import Housekeeping
-from dispatcher.core.lease import LeaseKeeper, has_leases
+from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.notify import Notifications
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
@@ -93,7 +93,7 @@ class Daemon:
             raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
         self.ledger = open_ledger(self.config, self.layout)
         self.ledger.register(DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time()))
-        self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]
+        self.ledger.set_give_up(lambda: self.stopping and self.stop_deadline is None)
         self.lanes = Lanes()
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = None
@@ -125,8 +125,9 @@ class Daemon:
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup)
         self.lease: LeaseKeeper | None = None
-        if has_leases(self.ledger):
-            self.lease = LeaseKeeper(self.ledger, self.config.lease_s, self._hosts_lost)
+        leases = self.ledger.leases
+        if leases is not None:
+            self.lease = LeaseKeeper(leases, self.config.lease_s, self._hosts_lost)
             self.lease.start()
         self.house = Housekeeping(
             ctx, self.sched, self.inbox, check_watch=self._check_watch, wake=self.wakeup, shared=self.lease is not None

@@ -97,9 +97,6 @@ def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) 
 
 def reconcile_active(layout: Layout, ledger: Ledger) -> None:
     """Put back the claim row of any active/ job the ledger lost (a power loss, a lost WAL)."""
-    reconcile = getattr(ledger, "reconcile", None)
-    if reconcile is None:
-        return
     for job_id in _active_ids(layout):
         entry = ledger.get(job_id)
         if entry is None or entry.state in (Row.RESERVED, Row.RELEASED):
@@ -108,7 +105,7 @@ def reconcile_active(layout: Layout, ledger: Ledger) -> None:
                 spec = folder.spec()
             except ValueError:
                 spec = None
-            if reconcile(
+            if ledger.reconcile(
                 job_id, spec.agent.name if spec else None, spec.parent if spec else None, spec.hops if spec else 0
             ):
                 log.warning("ledger.repaired", job_id=job_id, reason="active job without a claim row")
