@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
         argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
-    os.umask(UMASK)  # nothing the daemon or the CLI creates is world-readable
+    os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
@@ -157,7 +157,6 @@ def _parse_file(name: str, cfg: Config | None) -> Any:
 def cmd_submit(args: argparse.Namespace) -> int:
     from dispatcher.ops.submit import read_order, submit
 
-    os.umask(UMASK)
     cfg = _config(args, need_root=True)
     orders, bad = [], 0
     for name in args.files:  # every file is checked, and every bad one named, before any is dropped

@@ -32,7 +32,7 @@ from dispatcher.errors import ConfigError, UsageError
 from dispatcher.job.finish import Finisher
 from dispatcher.job.job import JobContext
 from dispatcher.lanes import Lanes
-from dispatcher.layout import UMASK, Layout
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
 from dispatcher.spec.config import Config, load_config
@@ -83,7 +83,6 @@ class Daemon:
 
     async def startup(self) -> None:
         """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
-        os.umask(UMASK)
         _raise_fd_limit()
         self.loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()

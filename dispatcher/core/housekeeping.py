@@ -118,7 +118,7 @@ class Housekeeping:
         for job_id, _token, _agent in adopted:
             folder = JobFolder(self.ctx.layout.job(State.ACTIVE, job_id))
             n = max(folder.attempt_numbers(), default=0)
-            for pgid in await self.ctx.lanes.io(recovery.leftover_groups, folder, n) if n else []:
+            for pgid in await self.ctx.lanes.io(folder.leftover_groups, n) if n else []:
                 log.warning("agent.orphan_ended", job_id=job_id, pid=pgid)
                 ends.append(end_group(pgid, self.ctx.config().kill_grace_s))
         await asyncio.gather(*ends)

@@ -26,7 +26,6 @@ from dispatcher.job import attempt, retry, verify
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.control import Control, Left
 from dispatcher.job.finish import Finisher
-from dispatcher.job.recovery import leftover_groups
 from dispatcher.job.runner import end_group
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
@@ -171,8 +170,8 @@ class Job:
         return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
 
     async def _end_leftover(self, n: int) -> None:
-        """End an agent of attempt n still running from a dead daemon (``recovery.leftover_groups``)."""
-        for pgid in await self.ctx.lanes.io(leftover_groups, self.folder, n):
+        """End an agent of attempt n still running from a dead daemon (``JobFolder.leftover_groups``)."""
+        for pgid in await self.ctx.lanes.io(self.folder.leftover_groups, n):
             log.warning("agent.orphan_ended", pid=pgid)
             await end_group(pgid, self.ctx.config().kill_grace_s)
 
@@ -268,10 +267,8 @@ class Job:
             if why is None:
                 safe, why = await self._safe_to_retry()
                 if safe:
-                    data = retry.feedback(self.job_id, n, checks)
-                    await self._persist(functools.partial(self.folder.stash, n, feedback=True))
-                    await self._persist(self.folder.write_feedback, data)
-                    self.spec = self.spec.with_given("feedback.json", retry.digest(data))
+                    sha = await self._persist(self.folder.give_feedback, n, checks)
+                    self.spec = self.spec.with_given("feedback.json", sha)
                     await self._persist(self.folder.write_spec, self.spec)
                     return await self._schedule_retry(n, reason)
             return await self.finish(Row.FAILED, f"{reason}; not repaired: {why}", checks)

@@ -9,23 +9,21 @@ inbox/ (or was put back there).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
-from dispatcher import fsutil, procs
+from dispatcher import fsutil
 from dispatcher.errors import oneline
-from dispatcher.job.intake import drop_inbox_twin
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.store import refusals
-from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, remove_stage
+from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, drop_inbox_twin, remove_stage
 
 log = structlog.get_logger("dispatcher")
 
@@ -157,30 +155,6 @@ def _active_ids(layout: Layout) -> list[str]:
         return []
 
 
-def leftover_groups(folder: JobFolder, n: int) -> list[int]:
-    """Return the process groups still running from attempt n of a job whose daemon died.
-
-    With a pid record: the group, if its leader runs with the recorded start (on
-    the boot clock), or if the leader is gone but members remain (a pid is not
-    reused while its group lives). A live leader with another start is someone
-    else: left alone. Without a record (a crash between the spawn and the
-    record), the groups of processes whose working folder is this job's work/.
-    """
-    info = folder.pid_record(n)
-    if info is not None:
-        pid = int(info["pid"])
-        boot = info.get("boot_started")
-        ours = procs.is_alive(pid, info.get("started"), boot_started=float(boot) if boot is not None else None)
-        if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
-            return [pid]
-        return []
-    groups = []
-    for pid in procs.with_cwd(str(folder.work)):
-        with contextlib.suppress(ProcessLookupError):
-            groups.append(os.getpgid(pid))
-    return sorted(set(groups))
-
-
 def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, token: int, exc: Exception) -> None:
     """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file."""
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
@@ -225,12 +199,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     spec = spec.with_agent(agent, last + max_attempts)
     if agent.repair and failed_checks and os.path.isdir(folder.work):
         # repair applies to the first new attempt too: it gets the checks the last one failed
-        data = fsutil.dump_json(
-            {"job_id": job_id, "attempt": last, "failed_checks": [c.to_json() for c in failed_checks]}
-        )
-        folder.stash(last, feedback=True)
-        folder.write_feedback(data)
-        spec = spec.with_given("feedback.json", hashlib.sha256(data).hexdigest())
+        spec = spec.with_given("feedback.json", folder.give_feedback(last, failed_checks))
     folder.write_spec(spec, sync=True)
     fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dispatcher import fsutil
+from dispatcher import fsutil, procs
 from dispatcher.errors import cut, oneline
 from dispatcher.layout import Layout, iso
 from dispatcher.lifecycle import State
@@ -111,6 +111,29 @@ class JobFolder:
         data = self.read_json(STAGED, SPEC_MAX)
         return Result.from_json(data) if isinstance(data, dict) else None
 
+    def leftover_groups(self, n: int) -> list[int]:
+        """Return the process groups still running from attempt n of a job whose daemon died.
+
+        With a pid record: the group, if its leader runs with the recorded start (on
+        the boot clock), or if the leader is gone but members remain (a pid is not
+        reused while its group lives). A live leader with another start is someone
+        else: left alone. Without a record (a crash between the spawn and the
+        record), the groups of processes whose working folder is this job's work/.
+        """
+        info = self.pid_record(n)
+        if info is not None:
+            pid = int(info["pid"])
+            boot = info.get("boot_started")
+            ours = procs.is_alive(pid, info.get("started"), boot_started=float(boot) if boot is not None else None)
+            if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
+                return [pid]
+            return []
+        groups = []
+        for pid in procs.with_cwd(str(self.work)):
+            with contextlib.suppress(ProcessLookupError):
+                groups.append(os.getpgid(pid))
+        return sorted(set(groups))
+
     def has_kept_result(self, n: int) -> bool:
         """Return True if attempts/<n>/ keeps an earlier result.json (the job was retried)."""
         try:
@@ -185,9 +208,17 @@ class JobFolder:
                 dst, k = folder / f"{name}.{k}", k + 1
             os.rename(src, dst)
 
-    def write_feedback(self, data: bytes) -> None:
-        """Create work/feedback.json (an older one was stashed first: nothing is written through a link)."""
+    def give_feedback(self, n: int, checks: Sequence[CheckResult]) -> str:
+        """Give a repair attempt work/feedback.json: the checks attempt n failed; return its digest.
+
+        Attempt n's receipt, outbox/ and any older feedback.json are stashed first,
+        so nothing is written through a link the agent left.
+        """
+        failed = [c.to_json() for c in checks if c.ok is False]
+        data = fsutil.dump_json({"job_id": self.job_id, "attempt": n, "failed_checks": failed})
+        self.stash(n, feedback=True)
         fsutil.write_new(self.work / "feedback.json", data)
+        return fsutil.digest(data)
 
     def keep_result(self) -> None:
         """Move result.json into attempts/<last>/ (never over an older kept one), for a retry."""
@@ -268,6 +299,19 @@ def build_result(
         chain_cost_usd=chain_cost_usd,
         extra=dict(extra or {}),
     )
+
+
+def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> bool:
+    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
+
+    Return True if it was. Another daemon may have removed it first (it saw the
+    placed job's folder): that is fine.
+    """
+    if not name or not fsutil.same_file(layout.inbox / name, kept):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(layout.inbox / name)
+    return True
 
 
 def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> Path:
