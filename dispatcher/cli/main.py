@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
         argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
-    os.umask(UMASK)  # nothing the daemon or the CLI creates is world-readable
+    os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
@@ -162,7 +162,6 @@ def _parse_file(name: str, cfg: Config | None) -> Any:
 def cmd_submit(args: argparse.Namespace) -> int:
     from dispatcher.ops.submit import parse_when, read_order, submit
 
-    os.umask(UMASK)
     cfg = _config(args, need_root=True)
     not_before = parse_when(args.at, args.within, time.time())
     orders, bad = [], 0

@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 
 from dispatcher.core.housekeeping import Housekeeping
-from dispatcher.core.lease import LeaseKeeper, has_leases
+from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.notify import Notifications
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
@@ -33,10 +33,10 @@ from dispatcher.job.finish import Finisher
 from dispatcher.job.job import JobContext
 from dispatcher.job.joins import Joins
 from dispatcher.lanes import Lanes
-from dispatcher.layout import UMASK, Layout
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
+from dispatcher.lifecycle import Stop
 from dispatcher.spec.config import Config, load_config
-from dispatcher.spec.jobspec import Stop
 from dispatcher.store.ledgers import open_ledger
 
 log = structlog.get_logger("dispatcher")
@@ -84,7 +84,6 @@ class Daemon:
 
     async def startup(self) -> None:
         """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
-        os.umask(UMASK)
         _raise_fd_limit()
         self.loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -94,7 +93,7 @@ class Daemon:
             raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
         self.ledger = open_ledger(self.config, self.layout)
         self.ledger.register(DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time()))
-        self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]
+        self.ledger.set_give_up(lambda: self.stopping and self.stop_deadline is None)
         self.lanes = Lanes()
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = None
@@ -129,8 +128,9 @@ class Daemon:
         self.sched = Scheduler(ctx, self.inbox, self.wakeup, joins)
         joins.ready = self._joined
         self.lease: LeaseKeeper | None = None
-        if has_leases(self.ledger):
-            self.lease = LeaseKeeper(self.ledger, self.config.lease_s, self._hosts_lost)
+        leases = self.ledger.leases
+        if leases is not None:
+            self.lease = LeaseKeeper(leases, self.config.lease_s, self._hosts_lost)
             self.lease.start()
         self.house = Housekeeping(
             ctx,
@@ -148,7 +148,7 @@ class Daemon:
         self.watch = (
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
-        self.inbox.merge(await self.lanes.io(list_inbox, self.layout.inbox))
+        self.inbox.merge(await self.lanes.scan(list_inbox, self.layout.inbox))
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
         await self.house.requests()
         self._next_rescan = time.monotonic() + self._rescan_interval()

@@ -37,10 +37,10 @@ import structlog
 
 from dispatcher import faults, fsutil
 from dispatcher.job.finish import Finisher
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Entry, Finish, Ledger, Request, Row, Wait
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Entry, Finish, Ledger, Request, Wait
+from dispatcher.lifecycle import Row, State, Stop
 from dispatcher.spec.config import Config
-from dispatcher.spec.jobspec import Stop
 from dispatcher.spec.orders import parse_time
 from dispatcher.store.jobstore import JobFolder, build_result
 

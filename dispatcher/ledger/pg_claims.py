@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dispatcher.ledger.base import Busy, ClaimAnswer, Claimed, ClaimRequest, Entry, Known, Row
+from dispatcher.ledger.base import Busy, ClaimAnswer, Claimed, ClaimRequest, Entry, Known
 from dispatcher.ledger.pg_conn import Again, Cur, Found, Resolve, Runner
 from dispatcher.ledger.pg_leases import Leases
+from dispatcher.lifecycle import Row
 
 _ROWS = (
     "SELECT j.job_id, j.state, j.agent, j.owner, j.token, j.source, j.digest, j.parent, j.hops, j.cost_usd,"

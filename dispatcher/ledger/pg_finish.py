@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dispatcher.ledger.base import Child, Entry, Finish, Row
+from dispatcher.ledger.base import Child, Entry, Finish
 from dispatcher.ledger.pg_conn import Cur, Found, Rollback, Runner
 from dispatcher.ledger.pg_leases import Leases
+from dispatcher.lifecycle import Row
 
 _FINISH = (
     "UPDATE jobs SET state = %s, cost_usd = %s, chain_cost_usd = %s, updated = extract(epoch from now())::float8,"

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from dispatcher.ledger.base import Row, Wait, fold_waits
+from dispatcher.ledger.base import Wait, fold_waits
 from dispatcher.ledger.pg_conn import Cur, Found, Runner
 from dispatcher.ledger.pg_leases import Leases
+from dispatcher.lifecycle import Row
 
 _WAITING = (
     "SELECT w.job_id, w.parent, w.rule, w.since FROM waits w JOIN jobs j ON j.job_id = w.job_id"

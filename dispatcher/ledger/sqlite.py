@@ -34,12 +34,12 @@ from dispatcher.ledger.base import (
     Known,
     Ledger,
     Request,
-    Row,
     now,
 )
 from dispatcher.ledger.flocks import make_lock
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
 from dispatcher.ledger.sqlite_waits import SqliteWaits
+from dispatcher.lifecycle import Row
 
 __all__ = ["LedgerError", "SqliteLedger"]
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Sequence
 
-from dispatcher.ledger.base import Row, Wait, fold_waits, now
+from dispatcher.ledger.base import Wait, fold_waits, now
 from dispatcher.ledger.sqlite_db import SqliteDb
+from dispatcher.lifecycle import Row
 
 
 class SqliteWaits(SqliteDb):

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from dispatcher import fsutil
 from dispatcher.errors import printable
-from dispatcher.layout import Layout, State, utc_stamp
+from dispatcher.layout import Layout, utc_stamp
+from dispatcher.lifecycle import State
 from dispatcher.store.jobstore import build_result, new_stage, remove_stage
 
 
@@ -54,7 +55,7 @@ def refuse(
         received=time.time(),
         extra={"file": printable(refusal.name)},
     )
-    (stage / "result.json").write_bytes(fsutil.dump_json(result))
+    (stage / "result.json").write_bytes(fsutil.dump_json(result.to_json()))
     try:
         fsutil.move_out(src, stage / inner)
     except FileNotFoundError:
