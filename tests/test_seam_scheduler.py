@@ -36,7 +36,7 @@ class Loop:
         s.inbox.wake = self.woken.set
         self.sched = Scheduler(s.ctx, s.inbox, self.woken.set)
 
-    def drop(self, body: dict[str, Any], name: str | None = None) -> str:
+    def drop(self, body: dict[str, Any] | bytes, name: str | None = None) -> str:
         """Drop an order into inbox/ and hint it, as the watch does for a rename."""
         name = self.s.drop(body, name)
         self.s.inbox.hint("moved", name)
