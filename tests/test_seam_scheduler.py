@@ -133,7 +133,7 @@ def test_an_agent_at_its_concurrency_waits_parked_without_blocking_other_agents(
 
 
 def test_finished_jobs_are_counted_by_how_they_ended(tmp_path: Path) -> None:
-    """stats.finished counts done, failed and refused jobs; a bad file is refused without taking a slot."""
+    """stats.finished counts done, failed and refused jobs (a bad file and a second file with a known id)."""
     agents = {"worker": sh(GOOD), "failer": sh("exit 2")}
     with open_seam(tmp_path, agents, max_jobs=2) as s:
 
@@ -145,11 +145,14 @@ def test_finished_jobs_are_counted_by_how_they_ended(tmp_path: Path) -> None:
             await loop.until(loop.landed("done", "J1"), "J1 to be done")
             await loop.until(loop.landed("failed", "J2"), "J2 to fail")
             await loop.until(lambda: loop.sched.stats.finished["refused"], "bad.yaml to be refused")
+            loop.drop(order("J1"), "dup.json")  # a known id: the claim's answer drops it as refused
+            await loop.until(lambda: loop.sched.stats.finished["refused"] == 2, "dup.json to be refused")
             await loop.settle()
             return dict(loop.sched.stats.finished)
 
-        assert run(body) == {"done": 1, "failed": 1, "refused": 1, "review": 0}
-        assert [p.name.split("@")[0] for p in (s.layout.root / "failed").iterdir() if "@" in p.name] == ["bad"]
+        assert run(body) == {"done": 1, "failed": 1, "refused": 2, "review": 0}
+        refusals = sorted(p.name.split("@")[0] for p in (s.layout.root / "failed").iterdir() if "@" in p.name)
+        assert refusals == ["bad", "dup"]
 
 
 def test_recovered_jobs_start_before_new_orders(tmp_path: Path) -> None:
