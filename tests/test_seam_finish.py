@@ -94,10 +94,12 @@ def test_a_landing_repeated_after_a_crash_answers_true_and_changes_nothing(tmp_p
     """Landing an already landed job again (a crash before the daemon learnt of it) is harmless and answers True."""
     with open_seam(tmp_path) as s:
         started = s.started("J1")
-        first = run(lambda: finish(s, started, Row.DONE))
-        before = s.result("done", "J1")
+        result = result_of(started, Row.DONE)
         end = Finish("J1", started.token, Row.DONE)
-        again = run(lambda: s.finisher.land(started.folder, end, before, release=False))
+        s.finisher.stage(started.folder, result)
+        first = run(lambda: s.finisher.land(started.folder, end, result, release=False))
+        before = s.result("done", "J1")
+        again = run(lambda: s.finisher.land(started.folder, end, result, release=False))
         after = s.result("done", "J1")
     assert first is True and again is True
     assert after == before
