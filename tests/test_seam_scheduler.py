@@ -17,7 +17,8 @@ from typing import Any
 
 from seam_fixtures import GOOD, Seam, open_seam, order, run, sh
 
-from dispatcher.core.scheduler import Kind, Scheduler
+from dispatcher.core.claiming import BIG_ORDER_BYTES, Kind
+from dispatcher.core.scheduler import Scheduler
 from dispatcher.ledger.base import Request, Row
 from dispatcher.spec.jobspec import Outcome, Stop
 
@@ -153,6 +154,20 @@ def test_finished_jobs_are_counted_by_how_they_ended(tmp_path: Path) -> None:
         assert run(body) == {"done": 1, "failed": 1, "refused": 2, "review": 0}
         refusals = sorted(p.name.split("@")[0] for p in (s.layout.root / "failed").iterdir() if "@" in p.name)
         assert refusals == ["bad", "dup"]
+
+
+def test_an_order_too_large_for_the_claim_trip_is_read_aside_and_runs(tmp_path: Path) -> None:
+    """An order above BIG_ORDER_BYTES is read in the io pool, then claimed and run like any other."""
+    with open_seam(tmp_path) as s:
+
+        async def body() -> None:
+            loop = Loop(s)
+            loop.drop(order("BIG", meta={"notes": "x" * (BIG_ORDER_BYTES + 1)}))
+            await loop.until(loop.landed("done", "BIG"), "the large order to be done")
+            await loop.settle()
+
+        run(body)
+        assert s.result("done", "BIG")["state"] == "done"
 
 
 def test_recovered_jobs_start_before_new_orders(tmp_path: Path) -> None:
