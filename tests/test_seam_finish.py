@@ -1,10 +1,11 @@
-"""In-process tests of ``job.finish.Finisher``: stage, commit with the token, land, release follow-ups."""
+"""In-process tests of ``job.finish.Finisher``: stage and commit with the token in one batch, land, release."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,14 @@ def result_of(started: Started, state: Row, reason: str | None = None, **extra: 
 
 
 async def finish(s: Seam, started: Started, state: Row, *, token: int | None = None, release: bool = False) -> bool:
-    """Stage the result and land it, as a job does at its end."""
+    """Finish the job as it does at its end: stage, commit, land (and release its follow-ups)."""
     result = result_of(started, state, children=["C1"] if release else [])
-    s.finisher.stage(started.folder, result)
     done = Finish(started.spec.job_id, started.token if token is None else token, state)
-    return await s.finisher.land(started.folder, done, result, release=release)
+    return await s.finisher.finish(started.folder, done, result, release=release)
 
 
 def test_a_staged_result_lands_the_folder_in_done_with_result_json(tmp_path: Path) -> None:
-    """stage then land: the ledger row is done and done/<id>/result.json holds the result; active/ is empty."""
+    """finish: the ledger row is done and done/<id>/result.json holds the result; active/ is empty."""
     with open_seam(tmp_path) as s:
         started = s.started("J1")
         landed = run(lambda: finish(s, started, Row.DONE))
@@ -52,15 +52,15 @@ def test_a_failed_result_lands_in_failed_with_its_reason(tmp_path: Path) -> None
         result = result_of(started, Row.FAILED, "exit_ok: exit code 3")
 
         async def body() -> bool:
-            s.finisher.stage(started.folder, result)
-            return await s.finisher.land(started.folder, Finish("J1", started.token, Row.FAILED), result, release=False)
+            end = Finish("J1", started.token, Row.FAILED)
+            return await s.finisher.finish(started.folder, end, result, release=False)
 
         assert run(body) is True
         assert s.result("failed", "J1")["reason"] == "exit_ok: exit code 3"
 
 
 def test_a_token_that_no_longer_holds_the_claim_is_fenced_and_changes_nothing(tmp_path: Path) -> None:
-    """land with a stale token answers False: the folder stays in active/ with no result.json, the row stays claimed."""
+    """A stale token answers False: the folder stays in active/ with no result.json, the row stays claimed."""
     with open_seam(tmp_path) as s:
         started = s.started("J1")
         landed = run(lambda: finish(s, started, Row.DONE, token=started.token + 1))
@@ -96,14 +96,44 @@ def test_a_landing_repeated_after_a_crash_answers_true_and_changes_nothing(tmp_p
         started = s.started("J1")
         result = result_of(started, Row.DONE)
         end = Finish("J1", started.token, Row.DONE)
-        s.finisher.stage(started.folder, result)
-        first = run(lambda: s.finisher.land(started.folder, end, result, release=False))
+        first = run(lambda: s.finisher.finish(started.folder, end, result, release=False))
         before = s.result("done", "J1")
         again = run(lambda: s.finisher.land(started.folder, end, result, release=False))
         after = s.result("done", "J1")
     assert first is True and again is True
     assert after == before
     assert os.listdir(s.layout.root / "done") == ["J1"]
+
+
+def test_a_result_staged_before_a_crash_is_landed_by_land(tmp_path: Path) -> None:
+    """land finishes a job whose result was staged when its daemon died: the folder moves to done/ with it."""
+    with open_seam(tmp_path) as s:
+        started = s.started("J1")
+        result = result_of(started, Row.DONE)
+        started.folder.stage_result(result)  # what the dead daemon left
+        landed = run(
+            lambda: s.finisher.land(started.folder, Finish("J1", started.token, Row.DONE), result, release=False)
+        )
+        row = s.ledger.get("J1")
+    assert landed is True
+    assert s.result("done", "J1")["state"] == "done"
+    assert row is not None and row.state == Row.DONE
+
+
+def test_a_result_that_cannot_be_staged_raises_and_the_rest_of_the_batch_lands(tmp_path: Path) -> None:
+    """A job whose result cannot be written gets the OSError and stays claimed; its batch-mates still land."""
+    with open_seam(tmp_path) as s:
+        a, b = s.started("J1"), s.started("J2")
+        shutil.rmtree(b.folder.path)  # its folder is gone: staging its result fails
+
+        async def body() -> list[object]:
+            return list(await asyncio.gather(finish(s, a, Row.DONE), finish(s, b, Row.DONE), return_exceptions=True))
+
+        landed, failed = run(body)
+        row = s.ledger.get("J2")
+    assert landed is True and isinstance(failed, OSError)
+    assert os.listdir(s.layout.root / "done") == ["J1"]
+    assert row is not None and row.state == Row.CLAIMED
 
 
 def reserve_child(s: Seam, parent: Started) -> None:
