@@ -88,18 +88,18 @@ def test_a_failing_commit_reaches_every_waiter_and_the_next_batch_still_runs(lan
 
 
 def test_the_lanes_run_work_off_the_loop_with_the_callers_context(lanes: Lanes) -> None:
-    """lanes.ledger and lanes.io run in their own threads and see the caller's context variables."""
+    """lanes.ledger, lanes.io and lanes.scan run in their own threads and see the caller's context variables."""
 
     def where() -> tuple[str, str]:
         return threading.current_thread().name, REQUEST.get()
 
-    async def body() -> tuple[tuple[str, str], tuple[str, str]]:
+    async def body() -> list[tuple[str, str]]:
         REQUEST.set("job J1")
-        return await lanes.ledger(where), await lanes.io(where)
+        return [await lanes.ledger(where), await lanes.io(where), await lanes.scan(where)]
 
-    (ledger_thread, ledger_seen), (io_thread, io_seen) = run(body)
-    assert ledger_thread.startswith("ledger") and io_thread.startswith("io")
-    assert ledger_seen == io_seen == "job J1"
+    seen = run(body)
+    assert [name.split("_")[0] for name, _ in seen] == ["ledger", "io", "scan"]
+    assert [value for _, value in seen] == ["job J1"] * 3
     assert REQUEST.get() == "unset"  # the test's own context never saw the task's value
 
 
@@ -131,3 +131,18 @@ def test_an_error_in_a_lane_reaches_the_caller(lanes: Lanes) -> None:
 
     with pytest.raises(FileNotFoundError, match="gone"):
         run(body)
+
+
+def test_a_slow_scan_holds_up_neither_the_ledger_lane_nor_the_io_pool(lanes: Lanes) -> None:
+    """While a scan (a /proc walk, a big listing) is stuck, ledger and io calls still run at once."""
+    release = threading.Event()
+
+    async def body() -> list[str]:
+        stuck = asyncio.ensure_future(lanes.scan(release.wait, 10))
+        done = [await lanes.ledger(lambda: "ledger"), await lanes.io(lambda: "io")]
+        finished_early = stuck.done()
+        release.set()
+        await stuck
+        return [*done, "scan waited" if not finished_early else "scan was not stuck"]
+
+    assert run(body) == ["ledger", "io", "scan waited"]
