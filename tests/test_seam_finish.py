@@ -12,11 +12,13 @@ from typing import Any
 from seam_fixtures import Seam, open_seam, order, run, until
 
 from dispatcher.job.intake import Started
-from dispatcher.ledger.base import Child, Finish, Row
+from dispatcher.ledger.base import Child, Finish
+from dispatcher.lifecycle import Row
+from dispatcher.spec.result import Result
 from dispatcher.store.jobstore import build_result
 
 
-def result_of(started: Started, state: Row, reason: str | None = None, **extra: Any) -> dict[str, Any]:
+def result_of(started: Started, state: Row, reason: str | None = None, **extra: Any) -> Result:
     """Return the result body a job would finish with."""
     spec = started.spec
     return build_result(

@@ -10,7 +10,8 @@ from seam_fixtures import open_seam, order
 
 from dispatcher.job import intake
 from dispatcher.job.intake import Cancelled, Inspected, Refused, Skipped, Started
-from dispatcher.ledger.base import Request, Row
+from dispatcher.ledger.base import Request
+from dispatcher.lifecycle import Row
 from dispatcher.store.refusals import Refusal
 
 

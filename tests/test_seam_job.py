@@ -9,8 +9,7 @@ from pathlib import Path
 from seam_fixtures import GOOD, Seam, open_seam, run, sh, until
 
 from dispatcher.job.job import Job
-from dispatcher.ledger.base import Row
-from dispatcher.spec.jobspec import Outcome, Stop
+from dispatcher.lifecycle import Outcome, Row, Stop
 
 
 def job_of(s: Seam, job_id: str) -> Job:

@@ -19,8 +19,8 @@ from seam_fixtures import GOOD, Seam, open_seam, order, run, sh
 
 from dispatcher.core.claiming import BIG_ORDER_BYTES, Kind
 from dispatcher.core.scheduler import Scheduler
-from dispatcher.ledger.base import Request, Row
-from dispatcher.spec.jobspec import Outcome, Stop
+from dispatcher.ledger.base import Request
+from dispatcher.lifecycle import Outcome, Row, Stop
 
 
 def gated(gate: Path) -> str:
