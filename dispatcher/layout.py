@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 from dispatcher.lifecycle import State
@@ -80,22 +79,6 @@ class Layout:
             except OSError:
                 continue
         return None
-
-
-def utc_stamp(when: float | None = None) -> str:
-    """Return a refusal-folder timestamp such as 20261129T081600.123456Z."""
-    moment = datetime.fromtimestamp(when, UTC) if when is not None else datetime.now(UTC)
-    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
-
-
-def iso(when: float) -> str:
-    """Return an ISO 8601 UTC time with milliseconds, as result.json writes it."""
-    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(when * 1000) % 1000:03d}Z"
-
-
-def parse_iso(text: str) -> float:
-    """Return epoch seconds for an ``iso`` time."""
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def has_jobs(layout: Layout) -> bool:

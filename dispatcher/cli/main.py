@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher import __version__
-from dispatcher.cli import commands, run, usage
+from dispatcher.cli import commands, usage
 from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
 from dispatcher.spec.config import Config, require_config
@@ -216,6 +216,13 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Run the daemon; imported only here, so the other commands start without the daemon's modules."""
+    from dispatcher.cli.run import cmd_run
+
+    return cmd_run(args)
+
+
 def cmd_web(args: argparse.Namespace) -> int:
     """Serve the web view of the root (section 17) until SIGTERM or SIGINT.
 
@@ -238,7 +245,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": commands.cmd_init,
-    "run": run.cmd_run,
+    "run": lambda args: _cmd_run(args),
     "submit": cmd_submit,
     "validate": cmd_validate,
     "status": commands.cmd_status,

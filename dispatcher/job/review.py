@@ -26,9 +26,10 @@ from dataclasses import replace
 import structlog
 
 from dispatcher import faults, fsutil
+from dispatcher.clock import iso
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.job.followups import release_followups
-from dispatcher.layout import Layout, iso
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import Finish, Ledger
 from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
 from dispatcher.spec.result import Result

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from dispatcher.ledger.base import Wait, fold_waits
-from dispatcher.ledger.pg_conn import Cur, Found, Runner
-from dispatcher.ledger.pg_leases import Leases
+from dispatcher.ledger.pg_conn import Cur, Fence, Found, Runner
 from dispatcher.lifecycle import Row
 
 _WAITING = (
@@ -24,7 +23,7 @@ _WAITING = (
 class Waits:
     """wait, waits, waiting_on, take_waiting."""
 
-    def __init__(self, runner: Runner, leases: Leases) -> None:
+    def __init__(self, runner: Runner, leases: Fence) -> None:
         self.runner = runner
         self.leases = leases
 

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 from dispatcher import fsutil
+from dispatcher.clock import utc_stamp
 from dispatcher.errors import UsageError
 from dispatcher.fsutil import digest
-from dispatcher.layout import Layout, utc_stamp
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry
 from dispatcher.ledger.flocks import owner_alive
 from dispatcher.ledger.sqlite import SqliteLedger

@@ -19,8 +19,9 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from dispatcher import fsutil
+from dispatcher.clock import iso
 from dispatcher.errors import OrderError, UsageError
-from dispatcher.layout import Layout, iso
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import LedgerUnavailable
 from dispatcher.spec.config import Config
 from dispatcher.spec.order import Order

@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dispatcher.clock import iso
 from dispatcher.errors import printable
-from dispatcher.layout import Layout, iso
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file

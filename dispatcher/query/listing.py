@@ -19,7 +19,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dispatcher.layout import Layout, is_ignored, iso, parse_iso
+from dispatcher.clock import iso, parse_iso
+from dispatcher.layout import Layout, is_ignored
 from dispatcher.ledger.base import Entry, Ledger
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file

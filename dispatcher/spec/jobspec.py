@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dispatcher.layout import iso, parse_iso
+from dispatcher.clock import iso, parse_iso
 from dispatcher.spec.config import Agent
 
 

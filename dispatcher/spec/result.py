@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dispatcher.layout import parse_iso
+from dispatcher.clock import parse_iso
 
 KEYS = (
     "job_id", "state", "agent", "reason", "checks", "attempts", "received", "finished",

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher import fsutil, procs
+from dispatcher.clock import iso
 from dispatcher.errors import cut, oneline
-from dispatcher.layout import Layout, iso
+from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.result import CheckResult, Result

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dispatcher import fsutil
+from dispatcher.clock import utc_stamp
 from dispatcher.errors import printable
-from dispatcher.layout import Layout, utc_stamp
+from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
 from dispatcher.store.jobstore import build_result, new_stage, remove_stage
 
