@@ -66,6 +66,9 @@ def test_fan_out_all_done_fails_the_merger_when_one_worker_fails(env: Env) -> No
     out = env.cli("list", "--state", "waiting", "--json", check=True).stdout
     listed = [json.loads(line) for line in out.splitlines()]
     assert [r["job_id"] for r in listed] == ["merge"]
+    assert listed[0]["reason"] == "waiting for " + ", ".join(f"w{i:02d}" for i in range(1, FAN + 1)) + " (all_done)"
+    shown = env.cli("show", "merge", check=True).stdout
+    assert "merge  waiting  agent merger" in shown and "  after: w01, w02," in shown and "w20 (all_done)" in shown
     for body in fan(bad="w07"):
         env.drop(body)
     result = env.wait_job("merge", "failed")

@@ -126,6 +126,8 @@ def render_show(info: Mapping[str, Any]) -> str:
         lines.append(f"  task: {printable(plain(job.get('task')))}  items {plain(job.get('items'))}")
     if job.get("received"):
         lines.append(f"  received {job['received']}  finished {plain(job.get('finished'))}")
+    if job.get("after"):
+        lines.append(f"  after: {', '.join(job['after'])} ({job.get('after_rule') or 'all_done'})")
     if job.get("folder"):
         lines.append(f"  folder: {job['folder']}")
     lines.append(f"  cost: {usd(job.get('cost_usd'))}  chain cost: {usd(job.get('chain_cost_usd'))}")

@@ -128,8 +128,10 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         spec = folder.spec()
         agent: str | None = spec.agent.name
         parent, hops, received = spec.parent, spec.hops, spec.received
+        after = {k: spec.order[k] for k in ("after", "after_rule") if k in spec.order}  # a join (section 16)
     except ValueError:
         agent, parent, hops, received = None, result.parent if result else None, 0, None
+        after = {}
     if result is not None and state is not State.ACTIVE:
         attempts = [dict(a) for a in result.attempts]
         cost = result.cost_usd
@@ -152,7 +154,7 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         "folder": str(path),
         "cost_usd": cost,
         "chain_cost_usd": result.chain_cost_usd if result else None,
-    }
+    } | after
 
 
 def chain(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1 << 20) -> dict[str, Any] | None:
