@@ -326,3 +326,16 @@ def test_retry_of_a_failed_join_waits_for_its_parents_again(env: Env) -> None:
     [(_, parents)] = parents_log(env)
     assert [(p["job_id"], p["state"]) for p in parents] == [("w01", "done")]
     assert d.stop() == 0
+
+
+def test_a_join_is_claimed_at_once_even_when_every_slot_is_busy(env: Env) -> None:
+    """With max_jobs 1 taken by a long job, a merger order (YAML) is still claimed into waiting/ at once."""
+    agents = join_agents(env) | {"slow": env.agent("--sleep", "30")}
+    env.configure(agents, max_jobs=1, kill_grace=0.5)
+    d = env.daemon()
+    env.drop(order("long", to="slow"))
+    wait_until(lambda: env.starts(), what="the long job running")
+    env.drop(merger(after=["long"]), name="merge.yaml")
+    wait_until(lambda: (env.root / "waiting" / "merge").is_dir(), timeout=10, what="merge in waiting/")
+    assert (env.root / "active" / "long").is_dir()
+    assert d.stop() == 0

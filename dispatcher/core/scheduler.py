@@ -108,6 +108,8 @@ class Scheduler:
             self.parked.remove(p)
             batch.append(p)
             free -= 1
+        while (join := self.inbox.pop_join()) is not None:
+            batch.append(join)  # an order naming `after` is claimed at once and takes no slot: it waits
         while free > 0 and len(self.parked) < PARK_LIMIT:
             ready = self.inbox.pop()
             if ready is None:

@@ -20,6 +20,7 @@ find whatever events missed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import errno
 import heapq
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from dispatcher import fsutil
 from dispatcher.layout import is_ignored
-from dispatcher.spec.orders import peek_schedule
+from dispatcher.spec.orders import Glance, peek_schedule
 
 # <sys/inotify.h>
 IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
@@ -203,6 +204,7 @@ class Inbox:
         self._ready_names: set[str] = set()
         self._later: list[tuple[float, int, int, str]] = []  # (due, -priority, mtime_ns, name): not_before
         self._later_names: set[str] = set()
+        self._joins: collections.deque[str] = collections.deque()  # ready orders naming `after`
         self._known: set[str] = set()  # pending, ready, or being handled by the daemon
 
     def __len__(self) -> int:
@@ -258,20 +260,32 @@ class Inbox:
         self._push(name, st.st_mtime_ns)
 
     def _push(self, name: str, mtime_ns: int) -> None:
-        priority, due = self._peek(name)
-        if due is not None and due > time.time():
-            self.defer(name, due, priority, mtime_ns)
+        glance = self._peek(name)
+        if glance.not_before is not None and glance.not_before > time.time():
+            self.defer(name, glance.not_before, glance.priority, mtime_ns)
             return
         self._ready_names.add(name)
-        heapq.heappush(self._ready, (-priority, mtime_ns, name))
+        if glance.joins:
+            self._joins.append(name)
+        else:
+            heapq.heappush(self._ready, (-glance.priority, mtime_ns, name))
 
-    def _peek(self, name: str) -> tuple[int, float | None]:
-        """Read an order's priority and not_before at a glance (a small bounded read; never follows links)."""
+    def _peek(self, name: str) -> Glance:
+        """Read an order's priority, not_before and `after` at a glance (a small bounded read; no link followed)."""
         try:
             data = fsutil.read_regular(self.inbox / name, PEEK_BYTES)
         except (OSError, ValueError, fsutil.NotRegular):
-            return 5, None  # unreadable here: the daemon reads it as usual (and refuses it if need be)
+            return Glance()  # unreadable here: the daemon reads it as usual (and refuses it if need be)
         return peek_schedule(data, name)
+
+    def pop_join(self) -> str | None:
+        """Return a ready order that names `after` (claimed at once, whatever slots are free), or None."""
+        while self._joins:
+            name = self._joins.popleft()
+            if name in self._ready_names:
+                self._ready_names.discard(name)
+                return name
+        return None
 
     def defer(self, name: str, due: float, priority: int = 5, mtime_ns: int = 0) -> None:
         """Keep an order unclaimed in inbox/ until its not_before time (``due``, epoch seconds)."""
@@ -283,11 +297,10 @@ class Inbox:
     def _promote_due(self) -> None:
         now = time.time()
         while self._later and self._later[0][0] <= now:
-            _due, neg, mtime_ns, name = heapq.heappop(self._later)
+            _due, _neg, mtime_ns, name = heapq.heappop(self._later)
             if name in self._later_names:
                 self._later_names.discard(name)
-                self._ready_names.add(name)
-                heapq.heappush(self._ready, (neg, mtime_ns, name))
+                self._push(name, mtime_ns)  # due now: a join goes to its own queue
 
     def next_due_s(self) -> float | None:
         """Return seconds until the next order held back by not_before is due (None: none is)."""
@@ -340,7 +353,7 @@ class Inbox:
     def has_ready(self) -> bool:
         """Return True if a file is ready to be read."""
         self._promote_due()
-        return bool(self._ready)
+        return bool(self._ready or self._joins)
 
     def has_pending(self) -> bool:
         """Return True while some file waits to settle (it may still become an order)."""

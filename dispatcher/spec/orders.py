@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Container, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import Any
@@ -148,31 +149,42 @@ def to_json(body: Mapping[str, Any]) -> bytes:
 
 
 _TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?$", re.M)
+_TOP_AFTER = re.compile(rb"^after:", re.M)
 _TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?$", re.M)
 
 
-def peek_schedule(data: bytes, name: str) -> tuple[int, float | None]:
-    """Return (priority, not_before) of an order file at a glance, for ordering the inbox (never raises).
+@dataclass(frozen=True, slots=True)
+class Glance:
+    """What the inbox needs of an order before it is read for real: its priority, due time, and if it joins."""
 
-    JSON is parsed; YAML is looked at line by line (top-level ``priority:`` and
-    ``not_before:`` in block style). Only ordering uses this: the daemon checks
-    the validated order again before it claims.
+    priority: int = 5
+    not_before: float | None = None
+    joins: bool = False  # it names `after`: claimed at once, without waiting for a free slot
+
+
+def peek_schedule(data: bytes, name: str) -> Glance:
+    """Return an order file's priority, not_before and whether it names `after`, at a glance (never raises).
+
+    JSON is parsed; YAML is looked at line by line (top-level ``priority:``,
+    ``not_before:`` and ``after:`` in block style). Only ordering uses this: the
+    daemon checks the validated order again before it claims.
     """
-    priority, due = 5, None
+    priority, due, joins = 5, None, False
     try:
         if order_format(name) == "json":
             body = json.loads(data)
-            raw_p = body.get("priority") if isinstance(body, dict) else None
-            raw_t = body.get("not_before") if isinstance(body, dict) else None
+            body = body if isinstance(body, dict) else {}
+            raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
         else:
             m = _TOP_PRIORITY.search(data)
             raw_p = int(m.group(1)) if m else None
             t = _TOP_NOT_BEFORE.search(data)
             raw_t = t.group(1).decode() if t else None
+            joins = _TOP_AFTER.search(data) is not None
         if isinstance(raw_p, int) and not isinstance(raw_p, bool) and 0 <= raw_p <= 9:
             priority = raw_p
         if isinstance(raw_t, str):
             due = parse_time(raw_t)
     except (ValueError, TypeError, RecursionError):
         pass
-    return priority, due
+    return Glance(priority, due, joins)
