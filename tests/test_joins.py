@@ -330,7 +330,7 @@ def test_retry_of_a_failed_join_waits_for_its_parents_again(env: Env) -> None:
 
 def test_a_join_is_claimed_at_once_even_when_every_slot_is_busy(env: Env) -> None:
     """With max_jobs 1 taken by a long job, a merger order (YAML) is still claimed into waiting/ at once."""
-    agents = join_agents(env) | {"slow": env.agent("--sleep", "30")}
+    agents = join_agents(env) | {"slow": env.agent("--sleep", "3")}
     env.configure(agents, max_jobs=1, kill_grace=0.5)
     d = env.daemon()
     env.drop(order("long", to="slow"))
