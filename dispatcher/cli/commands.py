@@ -13,10 +13,12 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState
 from dispatcher.layout import Layout
+from dispatcher.ledger.base import DaemonInfo
+from dispatcher.ops.daemons import config_note
 from dispatcher.spec.config import (
     DEFAULT_CONFIG,
     STARTER_CONFIG,
@@ -111,11 +113,61 @@ def cmd_status(args: argparse.Namespace) -> int:
     cfg = config_of(args, need_root=True)
     now = time.time()
     info = status(cfg, Layout(cfg.root), now)
+    note = config_note(cfg.digest, cfg.path, [_daemon(d) for d in info["daemons"]])
     if args.json:
         print(json.dumps(info, indent=2))
+        if note:
+            print(note, file=sys.stderr)
     else:
         print(render_status(str(cfg.root), info, now))
+        if note:
+            print(note)
     return 0
+
+
+def _daemon(d: dict[str, Any]) -> DaemonInfo:
+    return DaemonInfo(d["owner"], d["pid"], d["host"], d["started"], d["alive"], d.get("config_digest"))
+
+
+def daemons_of(cfg: Config) -> list[DaemonInfo]:
+    """Return the daemons of the root (a fresh root without a ledger has none)."""
+    from dispatcher.query.report import open_reader
+
+    ledger = open_reader(cfg, Layout(cfg.root))
+    if ledger is None:
+        return []
+    try:
+        return ledger.daemons()
+    finally:
+        ledger.close()
+
+
+def note_config(cfg: Config) -> None:
+    """Print one line on stderr when a running daemon loaded another config than the file now holds."""
+    try:
+        note = config_note(cfg.digest, cfg.path, daemons_of(cfg))
+    except DispatchError:  # a note is a courtesy: the command itself has already answered
+        return
+    if note:
+        print(note, file=sys.stderr)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Check the config, then SIGHUP this root's live daemons on this host (systemd's: name `systemctl reload`)."""
+    from dispatcher.ops.daemons import live_here, reload
+
+    cfg = config_of(args, need_root=True)
+    errors = [f for f in check_agents(cfg) if f.error]
+    if errors:
+        raise ConfigError(errors[0].message, file=str(cfg.path), field=errors[0].field)
+    here = live_here(daemons_of(cfg))
+    if not here:
+        print(f"no daemon of {cfg.root} runs on this host: nothing to reload", file=sys.stderr)
+        return 1
+    done = reload(here)
+    for r in done:
+        print(r.line(), file=sys.stdout if r.signalled else sys.stderr, flush=True)
+    return 0 if all(r.signalled for r in done) else 1
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -203,6 +255,8 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
                 failed += 1
     finally:
         op.close()
+    if action == "retry" and failed < len(ids):
+        note_config(cfg)
     return 1 if failed else 0
 
 
@@ -248,6 +302,20 @@ def journal_unit(config: Path | None) -> str:
     if config is not None and config.parent == SYSTEM_CONFIG.parent and config.name != SYSTEM_CONFIG.name:
         return f"dispatcher@{config.stem}"
     return "dispatcher"
+
+
+def cmd_unit(args: argparse.Namespace) -> int:
+    """Print the systemd unit (or the template, the logrotate file, a notify example) of the installed package."""
+    from dispatcher.cli import unit
+
+    if args.logrotate:
+        text = unit.logrotate_text()
+    elif args.notify:
+        text = unit.notify_text(args.notify)
+    else:
+        text = unit.unit_text(template=args.template)
+    sys.stdout.write(text)
+    return 0
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

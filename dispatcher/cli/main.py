@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("url", nargs="?", metavar="URL", help="for migrate: the postgresql://... ledger to fill")
     c = _command(sub, "web")
     c.add_argument("--listen", metavar="ADDR:PORT", help="where to listen (default 127.0.0.1:8700)")
+    c = _command(sub, "reload")
+    c = _command(sub, "unit")
+    what = c.add_mutually_exclusive_group()
+    what.add_argument("--template", action="store_true", help="dispatcher@.service: one daemon per config NAME")
+    what.add_argument("--logrotate", action="store_true", help="the file for /etc/logrotate.d/dispatcher")
+    what.add_argument("--notify", choices=("append", "webhook"), help="an example notify script")
     c = _command(sub, "completion")
     c.add_argument("shell", choices=("bash", "zsh", "fish"))
     for name, sp in sub.choices.items():
@@ -172,6 +178,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 2
     for job_id in submit(cfg, orders):
         print(job_id, flush=True)
+    commands.note_config(cfg)
     return 0
 
 
@@ -247,6 +254,8 @@ COMMANDS = {
     "reject": lambda args: commands.for_each_id(args, "reject"),
     "logs": commands.cmd_logs,
     "ledger": cmd_ledger,
+    "reload": commands.cmd_reload,
+    "unit": commands.cmd_unit,
     "completion": commands.cmd_completion,
     "web": cmd_web,
 }

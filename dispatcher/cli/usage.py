@@ -111,6 +111,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "dispatcher ledger rebuild        # with every daemon stopped\n"
         "dispatcher ledger migrate postgresql://dispatcher@db/dispatcher",
     ),
+    "reload": (
+        "ask this root's live daemons on this host to reload their config (SIGHUP), after checking it",
+        "0 every live daemon was asked\n1 no daemon of this root runs on this host, or one could not be asked "
+        f"(under systemd: use systemctl reload)\n2 the config is invalid, {BAD}",
+        "dispatcher reload\nsystemctl reload dispatcher      # for a daemon that systemd runs",
+    ),
+    "unit": (
+        "print the systemd unit for the installed command (or the template, logrotate file, notify examples)",
+        "0 printed\n2 bad usage",
+        "dispatcher unit > /etc/systemd/system/dispatcher.service\n"
+        "dispatcher unit --template > /etc/systemd/system/dispatcher@.service\n"
+        "dispatcher unit --logrotate > /etc/logrotate.d/dispatcher",
+    ),
     "completion": (
         "print the shell completion script for bash, zsh or fish",
         "0 printed\n2 bad usage (a shell other than bash, zsh or fish)",

@@ -92,7 +92,9 @@ class Daemon:
         except OSError as exc:
             raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
         self.ledger = open_ledger(self.config, self.layout)
-        self.ledger.register(DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time()))
+        self.ledger.register(
+            DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
+        )
         self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]
         self.lanes = Lanes()
         self.notify = Notifications(lambda: self.config, self.layout.root)
@@ -266,6 +268,7 @@ class Daemon:
             return
         self.config = new
         self.inbox.settle_s = new.settle_s
+        self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest))  # `status` compares it with the file
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
 
     # -- helpers -------------------------------------------------------------------------------

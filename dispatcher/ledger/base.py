@@ -136,6 +136,8 @@ class DaemonInfo:
     host: str
     started: float
     alive: bool = True
+    #: the digest of the config file the daemon loaded last (at start or reload)
+    config_digest: str | None = None
 
 
 class LedgerUnavailable(DispatchError):
@@ -161,6 +163,10 @@ class Ledger(ABC):
     @abstractmethod
     def register(self, info: DaemonInfo) -> None:
         """Announce a daemon start under a new identity (never reused)."""
+
+    @abstractmethod
+    def record_config(self, digest: str | None) -> None:
+        """Record in this daemon's entry the digest of the config it has just loaded (a reload)."""
 
     def renew(self) -> bool:
         """Renew this daemon's lease; return False when it could not (engines with leases)."""

@@ -57,7 +57,8 @@ _TABLES = (
         lease_until timestamptz NOT NULL,
         ended       text CHECK (ended IN ('stopped', 'lost')),
         ended_at    timestamptz,
-        ended_by    text COLLATE "C"
+        ended_by    text COLLATE "C",
+        config_digest text
     )""",
     "CREATE INDEX daemons_live ON daemons (lease_until) WHERE ended IS NULL",
     "CREATE INDEX daemons_ended_by ON daemons (ended_by) WHERE ended_by IS NOT NULL",
@@ -91,6 +92,7 @@ def ensure(cur: Cur, where: str) -> int:
                 f" ({SCHEMA_VERSION}); upgrade dispatcher on this host"
             )
         if version == SCHEMA_VERSION:
+            _add_columns(cur)
             return version
         # versions 0 < v < SCHEMA_VERSION: migrations go here when there are any
         raise PostgresLedgerError(f"{where}: ledger schema version {version} is unknown to this dispatcher")
@@ -109,3 +111,13 @@ def ensure(cur: Cur, where: str) -> int:
     cur.execute("CREATE TABLE schema_version (version integer NOT NULL)")
     cur.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
     return SCHEMA_VERSION
+
+
+def _add_columns(cur: Cur) -> None:
+    """Add the columns added since version 1 without a new version: older daemons never name them."""
+    found = cur.execute(
+        "SELECT 1 FROM information_schema.columns WHERE table_name = 'daemons' AND column_name = 'config_digest'"
+        " AND table_schema = current_schema()"
+    ).fetchone()
+    if found is None:
+        cur.execute("ALTER TABLE daemons ADD COLUMN IF NOT EXISTS config_digest text")

@@ -201,6 +201,10 @@ class PostgresLedger(Ledger):
         """Return every daemon that ever registered on this ledger, newest first."""
         return self._leases.daemons()
 
+    def record_config(self, digest: str | None) -> None:
+        """Record the digest of the config this daemon loaded in its row."""
+        self._leases.record_config(digest)
+
     def take_slot(self, agent: str, concurrency: int) -> int | None:
         """Take a free slot of agent over every daemon (FOR UPDATE SKIP LOCKED); None if all are busy.
 

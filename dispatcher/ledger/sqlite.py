@@ -17,6 +17,7 @@ Liveness and slots are flocks (``flocks.py``): this engine is for one host.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
@@ -47,6 +48,7 @@ class SqliteLedger(SqliteDb, Ledger):
     """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
 
     slots_local = True  # slots are flocks on this host
+    _info: DaemonInfo | None = None
 
     # -- liveness -------------------------------------------------------------------------
     def register(self, info: DaemonInfo) -> None:
@@ -55,9 +57,19 @@ class SqliteLedger(SqliteDb, Ledger):
         self._daemons.mkdir(parents=True, exist_ok=True)
         self._life = make_lock(self._daemons / f"{info.owner}.lock")
         self._life.acquire()
-        data = json.dumps({"pid": info.pid, "host": info.host, "started": info.started}).encode()
+        self._info = info
+        self._write_info(info)
+
+    def record_config(self, digest: str | None) -> None:
+        """Rewrite this daemon's info file with the digest of the config it loaded."""
+        if self._info is not None:
+            self._info = dataclasses.replace(self._info, config_digest=digest)
+            self._write_info(self._info)
+
+    def _write_info(self, info: DaemonInfo) -> None:
+        body = {"pid": info.pid, "host": info.host, "started": info.started, "config_digest": info.config_digest}
         tmp = self._daemons / f".{info.owner}.json.tmp"
-        tmp.write_bytes(data)
+        tmp.write_bytes(json.dumps(body).encode())
         os.rename(tmp, self._daemons / f"{info.owner}.json")
 
     def alive(self, owner: str) -> bool:
@@ -77,8 +89,16 @@ class SqliteLedger(SqliteDb, Ledger):
             owner = name[: -len(".json")]
             try:
                 info = json.loads((self._daemons / name).read_bytes())
+                digest = info.get("config_digest")
                 out.append(
-                    DaemonInfo(owner, int(info["pid"]), str(info["host"]), float(info["started"]), self.alive(owner))
+                    DaemonInfo(
+                        owner,
+                        int(info["pid"]),
+                        str(info["host"]),
+                        float(info["started"]),
+                        self.alive(owner),
+                        digest if isinstance(digest, str) else None,
+                    )
                 )
             except (OSError, ValueError, KeyError, TypeError):
                 continue

@@ -8,6 +8,8 @@ every error. Internal names carry units (``timeout_s``) where the file says
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import shutil
 from collections.abc import Mapping
@@ -112,6 +114,13 @@ class Config:
     watch: str = "inotify"
     poll_interval_s: float = 1.0
     agents: Mapping[str, Agent] = field(default_factory=dict)
+    #: a digest of the file's bytes (None: built-in defaults); a daemon records the one it loaded
+    digest: str | None = None
+
+
+def file_digest(data: bytes) -> str:
+    """Return the short digest of a config file's bytes that daemons record and commands compare."""
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 _TOP = {
@@ -191,7 +200,7 @@ def load_config(path: Path, *, root: Path | None = None) -> Config:
         raise ConfigError(f"cannot read: {exc.strerror}", file=name) from None
     try:
         body = load_document(data, "json" if path.suffix == ".json" else "yaml", aliases=True)
-        return build_config(body, path, root=root)
+        return dataclasses.replace(build_config(body, path, root=root), digest=file_digest(data))
     except OrderError as exc:
         raise ConfigError(exc.message, file=name, field=exc.field) from None
 
