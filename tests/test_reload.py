@@ -65,7 +65,7 @@ def test_reload_with_no_daemon_and_with_a_bad_config(env: Env) -> None:
 
 
 def test_a_daemon_under_systemd_is_named_with_its_unit() -> None:
-    """The unit that runs a pid is read from /proc/PID/cgroup (v2, or v1's name=systemd); user managers are not units."""
+    """The unit of a pid comes from /proc/PID/cgroup (v2, or v1 name=systemd); user managers are not units."""
     assert unit_of_cgroup("0::/system.slice/dispatcher@billing.service\n") == "dispatcher@billing.service"
     assert unit_of_cgroup("1:name=systemd:/system.slice/dispatcher.service\n4:memory:/x\n") == "dispatcher.service"
     assert unit_of_cgroup("0::/user.slice/user-1000.slice/user@1000.service/app.slice/x.scope\n") is None
