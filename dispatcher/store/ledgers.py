@@ -26,11 +26,14 @@ class LedgerUnreachable(UsageError):
     """The ledger cannot be opened right now (a full disk, a read-only folder)."""
 
 
-def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = None, create: bool = True) -> Ledger:
+def open_ledger(
+    config: Config, layout: Layout, *, patience_s: float | None = None, create: bool = True, readonly: bool = False
+) -> Ledger:
     """Open the configured ledger; raise LedgerLost (a one-line error) if it cannot be trusted.
 
     ``patience_s`` bounds how long a write waits for a busy ledger (None: forever).
-    With ``create`` False a missing ledger raises instead of being created.
+    With ``create`` False a missing ledger raises instead of being created;
+    ``readonly`` (implies not ``create``) opens the SQLite ledger for reading only.
     """
     if config.ledger.startswith(("postgresql://", "postgres://")):
         from dispatcher.ledger.postgres import PostgresLedger  # type: ignore[import-untyped,unused-ignore]
@@ -59,11 +62,12 @@ def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = No
     missing = not path.exists() or os.path.getsize(path) == 0
     if missing and has_jobs(layout):
         raise LedgerLost(f"{path}: the ledger is missing but job folders exist; {REBUILD_HINT}")
-    if missing and not create:
+    if missing and (readonly or not create):
         raise LedgerLost(f"{path}: no ledger yet")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s)
+        if not readonly:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s, readonly=readonly)
     except LedgerError as exc:
         if exc.unreachable:  # a full disk, a read-only folder: the ledger itself may be fine
             raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({exc})") from None

@@ -1,0 +1,93 @@
+"""Reading commands need no write access: a member of the service's group reads a root it cannot write.
+
+The root is made by root (the daemon runs as root here, umask 027) in a folder whose
+group is `nogroup` with the setgid bit, so every file the daemon makes is readable by
+that group and writable by nobody else. `status`, `list` and `show` then run as the
+user `nobody` (whose group is `nogroup`), while the daemon runs and after it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Env, order
+from helpers_faults import reap
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+READER = "nobody"
+GROUP = "nogroup"
+
+
+def _interpreter() -> str:
+    """Return a Python of this version that the reader may execute (this one may sit in root's home)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (sys.executable, os.path.realpath(sys.executable), f"/usr/bin/python{version}"):
+        probe = subprocess.run(
+            ["runuser", "-u", READER, "--", candidate, "-c", f"import sys; assert sys.version.startswith('{version}')"],
+            capture_output=True,
+        )
+        if probe.returncode == 0:
+            return candidate
+    pytest.fail(f"no python{version} that the user {READER} may run (install Debian's python{version})")
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Iterator[Env]:
+    """A root in a world-traversable folder, group nogroup (setgid), with its config readable by that group."""
+    assert shutil.which("runuser"), "runuser not found: install util-linux"
+    base = Path(tempfile.mkdtemp(prefix="readers-", dir="/tmp"))
+    os.chmod(base, 0o755)  # noqa: S103 - the reader must reach the root
+    root = base / "dispatch"
+    root.mkdir()
+    shutil.chown(root, group=GROUP)
+    os.chmod(root, 0o2750)  # noqa: S103 - setgid: the daemon's files get the group
+    e = Env(tmp=base, root=root, config_path=base / "dispatcher.yaml", count_file=tmp_path / "starts.txt")
+    e.configure()
+    shutil.chown(e.config_path, group=GROUP)
+    os.chmod(e.config_path, 0o640)
+    yield e
+    reap(e)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _as_reader(env: Env, python: str, *args: str) -> subprocess.CompletedProcess[str]:
+    site = sysconfig.get_paths()["purelib"]
+    return subprocess.run(
+        ["runuser", "-u", READER, "--", "env", f"PYTHONPATH={CHECKOUT}:{site}", "HOME=/tmp", python, "-m",
+         "dispatcher", "--config", str(env.config_path), *args],
+        capture_output=True, text=True, timeout=60, cwd=env.tmp,
+    )  # fmt: skip
+
+
+def test_a_group_member_reads_status_list_and_show_without_write_access(shared: Env) -> None:
+    """status, list and show work as a group member who cannot write the root, daemon running or stopped."""
+    python = _interpreter()
+    d = shared.daemon()
+    d.wait_ready()
+    shared.drop(order("READ-1"))
+    shared.wait_job("READ-1", "done")
+
+    for running in (True, False):
+        status = _as_reader(shared, python, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        info = json.loads(status.stdout)
+        assert info["counts"]["done"] == 1
+        assert [dm["alive"] for dm in info["daemons"]] == [running]
+        listed = _as_reader(shared, python, "list")
+        assert listed.returncode == 0 and "READ-1" in listed.stdout and "done" in listed.stdout, listed.stderr
+        shown = _as_reader(shared, python, "show", "READ-1")
+        assert shown.returncode == 0 and shown.stdout.startswith("READ-1  done"), shown.stderr
+        if running:
+            assert d.stop() == 0
+    touch = ["runuser", "-u", READER, "--", "touch", str(shared.root / "inbox" / "x")]
+    write = subprocess.run(touch, capture_output=True)
+    assert write.returncode != 0  # the reader really has no write access
