@@ -12,8 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,23 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import Env, order
 from helpers_faults import reap
-
-CHECKOUT = Path(__file__).resolve().parent.parent
-READER = "nobody"
-GROUP = "nogroup"
-
-
-def _interpreter() -> str:
-    """Return a Python of this version that the reader may execute (this one may sit in root's home)."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    for candidate in (sys.executable, os.path.realpath(sys.executable), f"/usr/bin/python{version}"):
-        probe = subprocess.run(
-            ["runuser", "-u", READER, "--", candidate, "-c", f"import sys; assert sys.version.startswith('{version}')"],
-            capture_output=True,
-        )
-        if probe.returncode == 0:
-            return candidate
-    pytest.fail(f"no python{version} that the user {READER} may run (install Debian's python{version})")
+from helpers_users import GROUP, USER, as_user, interpreter
 
 
 @pytest.fixture
@@ -60,17 +42,13 @@ def shared(tmp_path: Path) -> Iterator[Env]:
 
 
 def _as_reader(env: Env, python: str, *args: str) -> subprocess.CompletedProcess[str]:
-    site = sysconfig.get_paths()["purelib"]
-    return subprocess.run(
-        ["runuser", "-u", READER, "--", "env", f"PYTHONPATH={CHECKOUT}:{site}", "HOME=/tmp", python, "-m",
-         "dispatcher", "--config", str(env.config_path), *args],
-        capture_output=True, text=True, timeout=60, cwd=env.tmp,
-    )  # fmt: skip
+    argv = as_user(python, "--config", str(env.config_path), *args)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=env.tmp)
 
 
 def test_a_group_member_reads_status_list_and_show_without_write_access(shared: Env) -> None:
     """status, list and show work as a group member who cannot write the root, daemon running or stopped."""
-    python = _interpreter()
+    python = interpreter()
     d = shared.daemon()
     d.wait_ready()
     shared.drop(order("READ-1"))
@@ -88,6 +66,6 @@ def test_a_group_member_reads_status_list_and_show_without_write_access(shared: 
         assert shown.returncode == 0 and shown.stdout.startswith("READ-1  done"), shown.stderr
         if running:
             assert d.stop() == 0
-    touch = ["runuser", "-u", READER, "--", "touch", str(shared.root / "inbox" / "x")]
+    touch = ["runuser", "-u", USER, "--", "touch", str(shared.root / "inbox" / "x")]
     write = subprocess.run(touch, capture_output=True)
     assert write.returncode != 0  # the reader really has no write access

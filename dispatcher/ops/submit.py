@@ -11,6 +11,8 @@ OSError (a full disk, a read-only folder) is one line naming the file.
 from __future__ import annotations
 
 import contextlib
+import errno
+import grp
 import os
 import secrets
 from collections.abc import Iterator
@@ -106,6 +108,7 @@ def _drop(layout: Layout, job_id: str, ext: str, data: bytes) -> None:
     tmp = layout.inbox / f".submit-{job_id}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         fsutil.write_new(tmp, data, sync=True)
+        _hand_over(tmp, layout.inbox)
         n = 1
         while True:
             final = layout.inbox / (f"{job_id}{ext}" if n == 1 else f"{job_id}-{n}{ext}")
@@ -118,3 +121,31 @@ def _drop(layout: Layout, job_id: str, ext: str, data: bytes) -> None:
     finally:
         with contextlib.suppress(OSError):  # FileNotFoundError once renamed; nothing better to do otherwise
             tmp.unlink()
+
+
+def _hand_over(path: Path, inbox: Path) -> None:
+    """Give the file inbox/'s owner and group (root), or its group (a member), so the daemon can read it.
+
+    Raise OSError (one line for the caller) when neither is possible: a file the daemon
+    cannot read would only be refused later.
+    """
+    st = os.stat(inbox)
+    mine = os.lstat(path)
+    if os.geteuid() == 0:
+        os.chown(path, st.st_uid, st.st_gid)
+    elif mine.st_uid != st.st_uid and mine.st_gid != st.st_gid:
+        try:
+            os.chown(path, -1, st.st_gid)
+        except PermissionError:
+            raise PermissionError(
+                errno.EPERM,
+                f"inbox/ belongs to group {_group(st.st_gid)}, which you are not in: the daemon could not read it",
+            ) from None
+    os.chmod(path, 0o640)
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
