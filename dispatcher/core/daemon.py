@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -37,6 +38,9 @@ from dispatcher.ledger.base import DaemonInfo
 from dispatcher.spec.config import Config, load_config
 from dispatcher.spec.jobspec import Stop
 from dispatcher.store.ledgers import open_ledger
+
+if TYPE_CHECKING:
+    from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
 
@@ -98,12 +102,7 @@ class Daemon:
         self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]
         self.lanes = Lanes()
         self.notify = Notifications(lambda: self.config, self.layout.root)
-        self.metrics = None
-        if self.config.metrics_file:
-            from dispatcher.metrics import Metrics  # prometheus_client only when it is used
-
-            host = socket.gethostname()
-            self.metrics = Metrics(self.config.metrics_file, host, os.getpid(), agents=self.config.agents)
+        self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
         finisher = Finisher(
             self.layout,
@@ -266,12 +265,23 @@ class Daemon:
         except (ConfigError, OSError) as exc:
             log.error("config.rejected", error=str(exc))
             return
+        if new.metrics_file != self.config.metrics_file:  # set, moved or unset: takes effect now
+            self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
+            self.house.metrics_now()
         self.config = new
         self.inbox.settle_s = new.settle_s
-        self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest))  # `status` compares it with the file
+        self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _metrics(self, config: Config) -> Metrics | None:
+        """Return the metrics of metrics_file (None when unset); its first write is due at once."""
+        if not config.metrics_file:
+            return None
+        from dispatcher.metrics import Metrics  # prometheus_client only when it is used
+
+        return Metrics(config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents)
+
     def _timeout(self) -> float:
         now = time.monotonic()
         waits = [self._next_rescan - now, self.house.next_due(now)]
