@@ -31,7 +31,7 @@ from dispatcher.spec.config import (
     require_config,
     require_root,
 )
-from dispatcher.text import plural
+from dispatcher.text import plural, redact
 
 
 def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
@@ -98,7 +98,7 @@ def validate_config(path: Path, cfg: Config) -> int:
     """
     findings = check_agents(cfg)
     for f in findings:
-        print(ConfigError(f.message, file=str(path), field=f.field), file=sys.stderr)
+        print(redact(str(ConfigError(f.message, file=str(path), field=f.field))), file=sys.stderr)
     if any(f.error for f in findings):
         return 2
     print(f"{path}: ok ({plural(len(cfg.agents), 'agent')})")

@@ -15,6 +15,7 @@ from dispatcher.layout import UMASK
 from dispatcher.spec.config import Config, require_config
 from dispatcher.spec.orders import parse_order
 from dispatcher.store.counts import LIST_STATES
+from dispatcher.text import redact
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
-        print(exc, file=sys.stderr)
+        print(redact(str(exc)), file=sys.stderr)
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
@@ -198,6 +199,12 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         return 0
     if not args.url:
         raise UsageError("ledger migrate: give the postgresql://... URL of an empty ledger")
+    url = sys.stdin.readline().strip() if args.url == "-" else args.url
+    if args.url != "-" and redact(url) != url:
+        raise UsageError(
+            "ledger migrate: URL: a password on the command line shows in every process list;"
+            " put it in ~/.pgpass or $PGPASSWORD, or give - and the URL on stdin"
+        )
     if cfg.ledger != "sqlite":
         raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
     from dispatcher.ledger.postgres import PostgresLedger, migrate
@@ -205,7 +212,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
     source = open_ledger(cfg, layout, create=False)
     try:
-        target = PostgresLedger(args.url, layout, lease_s=cfg.lease_s, patience_s=30)
+        target = PostgresLedger(url, layout, lease_s=cfg.lease_s, patience_s=30)
         try:
             copied = migrate(source, target)
             where = target.where
