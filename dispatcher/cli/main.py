@@ -212,6 +212,13 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
     source = open_ledger(cfg, layout, create=False)
     try:
+        live = [d for d in source.daemons() if d.alive]
+        if live:
+            names = ", ".join(f"{d.pid} on {d.host}" for d in live)
+            raise UsageError(
+                f"{layout.root}: ledger migrate: a daemon is running on this root ({names});"
+                " stop every daemon first, or ids it claims meanwhile are not copied"
+            )
         target = PostgresLedger(url, layout, lease_s=cfg.lease_s, patience_s=30)
         try:
             copied = migrate(source, target)
