@@ -164,6 +164,15 @@ def configure(*, log_file: Path | None = None, console: bool | None = None, leve
     root.setLevel(logging.WARNING)
 
 
+def configure_for_command() -> None:
+    """Log a command's warnings and errors on stderr in the console format of `run` and `logs`.
+
+    Its stdout is the command's answer (JSON for `--json`): log lines never go there.
+    """
+    SINK.console = sys.stderr
+    configure(console=True, level=logging.WARNING)
+
+
 def _quiet_watchdog_stop(record: logging.LogRecord) -> bool:
     """Drop watchdog's error about events queued while its thread stops (a clean stop, not a fault)."""
     return not (record.name.startswith("watchdog") and "called when the thread is inactive" in record.getMessage())

@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
         argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
     os.umask(UMASK)  # nothing the daemon or the CLI creates is world-readable
+    if args.command != "run":  # what a command logs (a ledger it waits for) is in the one console format
+        from dispatcher import logs
+
+        logs.configure_for_command()
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
@@ -208,9 +212,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     if cfg.ledger != "sqlite":
         raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
     from dispatcher.ledger.postgres import PostgresLedger, migrate
-    from dispatcher.store.ledgers import open_ledger
+    from dispatcher.store.ledgers import REACH_S, open_ledger
 
-    source = open_ledger(cfg, layout, create=False)
+    source = open_ledger(cfg, layout, create=False, patience_s=30.0)
     try:
         live = [d for d in source.daemons() if d.alive]
         if live:
@@ -219,7 +223,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                 f"{layout.root}: ledger migrate: a daemon is running on this root ({names});"
                 " stop every daemon first, or ids it claims meanwhile are not copied"
             )
-        target = PostgresLedger(url, layout, lease_s=cfg.lease_s, patience_s=30)
+        target = PostgresLedger(url, layout, lease_s=cfg.lease_s, patience_s=REACH_S, connect_timeout_s=int(REACH_S))
         try:
             copied = migrate(source, target)
             where = target.where

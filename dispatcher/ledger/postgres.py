@@ -104,20 +104,27 @@ class PostgresLedger(Ledger):
     """A handle on a PostgreSQL ledger; safe to share between threads (a small connection pool)."""
 
     def __init__(
-        self, url: str, layout: Layout | None = None, *, lease_s: float = 30.0, patience_s: float | None = None
+        self,
+        url: str,
+        layout: Layout | None = None,
+        *,
+        lease_s: float = 30.0,
+        patience_s: float | None = None,
+        connect_timeout_s: int | None = None,
     ) -> None:
         """Connect, create or check the schema; raise PostgresLedgerError (one line) if it cannot be used.
 
         ``layout`` is accepted for symmetry with the SQLite engine and not used.
         ``patience_s`` bounds how long a step waits for an unreachable database
-        (None: forever, as a daemon does; then ``LedgerUnavailable``).
+        (None: forever, as a daemon does; then ``LedgerUnavailable``); ``connect_timeout_s``
+        bounds each connection attempt (a command's; a daemon's follows the lease).
         """
         if not lease_s > 0:
             raise PostgresLedgerError(f"lease must be a positive number of seconds, not {lease_s}")
         self.where = describe(url)
         self.lease_s = float(lease_s)
         self.give_up: Callable[[], bool] = lambda: False
-        conninfo = make_conninfo(url, self.lease_s)
+        conninfo = make_conninfo(url, self.lease_s, connect_timeout_s)
         self._pool = Pool(conninfo, size=4)
         self._runner = Runner(self._pool, self.where, lambda: self.give_up(), patience_s)
         self._leases = Leases(self._runner, conninfo, self.lease_s)

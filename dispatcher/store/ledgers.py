@@ -15,6 +15,9 @@ from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
 from dispatcher.spec.config import Config
 
+#: how long a command tries to reach a PostgreSQL ledger (one connection attempt of 2 s, libpq's
+#: shortest, or quick retries of a refused one), so that it answers within 5 seconds
+REACH_S = 2.0
 REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebuild it from the job folders"
 
 
@@ -38,10 +41,18 @@ def open_ledger(
     if config.ledger.startswith(("postgresql://", "postgres://")):
         from dispatcher.ledger.postgres import PostgresLedger  # type: ignore[import-untyped,unused-ignore]
 
+        # a daemon waits for its ledger (patience None); a command answers within seconds
+        reach = None if patience_s is None else min(patience_s, REACH_S)
         try:
-            pg: Ledger = PostgresLedger(config.ledger, layout, lease_s=config.lease_s, patience_s=patience_s)
+            pg: Ledger = PostgresLedger(
+                config.ledger,
+                layout,
+                lease_s=config.lease_s,
+                patience_s=reach,
+                connect_timeout_s=None if reach is None else int(REACH_S),
+            )
         except LedgerUnavailable as exc:
-            raise LedgerUnreachable(f"the ledger cannot be reached: {exc}") from None
+            raise LedgerUnreachable(str(exc)) from None
         if pg.is_empty() and has_jobs(layout):
             pg.close()
             raise LedgerLost(
