@@ -7,6 +7,7 @@ boolean is `true`/`false` as in the config file.
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,3 +98,13 @@ def redact(text: str) -> str:
     if "assword" in text or "ASSWORD" in text:
         text = _KEY_SECRET.sub(r"\g<head>***", text)
     return text
+
+
+def exit_text(code: Any) -> str:
+    """Return how a process ended: `exit 3`, or `killed by SIGTERM` for a negative (signal) code."""
+    if isinstance(code, int) and not isinstance(code, bool) and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {plain(code)}"

@@ -15,23 +15,23 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState
+from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState, printable
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.ops.daemons import config_note
 from dispatcher.spec.config import (
+    CONFIG_ENV,
     DEFAULT_CONFIG,
     STARTER_CONFIG,
     SYSTEM_CONFIG,
     Config,
-    check_agents,
     default_config,
-    find_config,
     load_config,
     require_config,
     require_root,
 )
-from dispatcher.text import plural, redact
+from dispatcher.spec.programs import check_agents
+from dispatcher.text import plain, plural, redact
 
 
 def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
@@ -49,7 +49,8 @@ def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Make the dispatch root's folders and, when there is none, a starter config; change nothing else."""
-    path = find_config(args.config)
+    # never the system-wide config: `init` in an empty folder makes a local one (pass --config for another)
+    path = Path(args.config) if args.config else Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
     given = args.dir or args.root
     root = Path(given) if given else None
     cfg = load_config(path, root=root) if path.exists() else default_config(root)
@@ -72,6 +73,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(f"  root: {wrote}   (relative to {folder}, the config's folder: {cfg.root})")
         if path == DEFAULT_CONFIG:
             print(f"  `dispatcher` finds it when run from {Path.cwd()}; elsewhere pass --config {path.resolve()}")
+            if SYSTEM_CONFIG.exists():
+                print(f"  (it comes before {SYSTEM_CONFIG}, which commands run elsewhere still use)")
     for d in created:
         print(f"created {d}")
     if not created:
@@ -205,7 +208,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if ledger is not None:
             ledger.close()
     if found is None:
-        raise NotFound(f"{args.job_id}: no such job")
+        return _show_refused(cfg, layout, args.job_id, as_json=args.json)
     out, info = found
     if args.json:
         print(json.dumps(out, indent=2))
@@ -213,6 +216,30 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(render_tree(out["tree"], args.job_id))
     else:
         print(render_show(info))
+    return 0
+
+
+def _show_refused(cfg: Config, layout: Layout, name: str, *, as_json: bool) -> int:
+    """Print the refusals of a file (by job id or file stem) that never became a job; NotFound when none."""
+    from dispatcher.query.listing import list_jobs
+    from dispatcher.text import ago
+
+    rows = [
+        r
+        for r in list_jobs(cfg, layout, None, state="refused")
+        if r["job_id"] == name or Path(r["path"]).name.rpartition("@")[0] == name
+    ]
+    if not rows:
+        raise NotFound(f"{name}: no such job or refused file")
+    if as_json:
+        print(json.dumps(rows[0], indent=2))
+        return 0
+    r = rows[0]
+    print(f"{name}  refused  agent {plain(r['agent'])}  {ago(r['age_s'])} ago: the file never became a job")
+    print(f"  reason: {printable(plain(r['reason']))}")
+    print(f"  folder: {r['path']}")
+    if len(rows) > 1:
+        print(f"  ({len(rows) - 1} earlier refusal{'s' if len(rows) > 2 else ''}: `dispatcher list --state refused`)")
     return 0
 
 

@@ -181,8 +181,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if len(args.files) > 1:
             print(f"nothing was submitted: {bad} of {len(args.files)} files are invalid", file=sys.stderr)
         return 2
-    for job_id in submit(cfg, orders):
-        print(job_id, flush=True)
+    dropped = 0
+    try:
+        for job_id in submit(cfg, orders):
+            print(job_id, flush=True)
+            dropped += 1
+    except OrderError as exc:
+        if len(orders) > 1:  # say what happened to the others: none dropped, or those printed above
+            print(exc, file=sys.stderr)
+            what = "nothing was submitted" if dropped == 0 else f"only the {dropped} ids above were submitted"
+            raise OrderError(f"{what} ({len(orders)} files given)") from None
+        raise
     commands.note_config(cfg)
     return 0
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from dispatcher.core import announce
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper, has_leases
 from dispatcher.core.notify import Notifications
@@ -136,6 +137,8 @@ class Daemon:
             "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
             max_jobs=self.config.max_jobs, agents=sorted(self.config.agents), once=self.once, ledger=self.config.ledger,
         )  # fmt: skip
+        announce.config_findings(self.config)
+        announce.other_daemons(self.ledger, self.owner)
         self.watch = (
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
@@ -272,6 +275,7 @@ class Daemon:
         self.inbox.settle_s = new.settle_s
         self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
+        announce.config_findings(new)
 
     # -- helpers -------------------------------------------------------------------------------
     def _metrics(self, config: Config) -> Metrics | None:
