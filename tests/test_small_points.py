@@ -113,7 +113,7 @@ def test_init_in_an_empty_folder_makes_a_local_config_even_with_a_system_one(
 
 
 def test_an_agent_killed_by_a_signal_reads_killed_by_sigterm(env: Env) -> None:
-    """An agent ended by SIGTERM reads `killed by SIGTERM` in show and the reason; one stderr line is `the last line`."""
+    """An agent ended by SIGTERM reads `killed by SIGTERM` in show and its reason; one stderr line: `the last line`."""
     env.configure({"worker": {"command": ["sh", "-c", "echo oops >&2; kill -TERM $$"], "timeout": 30}})
     env.drop(order("SIG-1"))
     env.cli("run", "--once")
