@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState, printable
 from dispatcher.layout import Layout
@@ -116,7 +116,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     cfg = config_of(args, need_root=True)
     now = time.time()
     info = status(cfg, Layout(cfg.root), now)
-    note = config_note(cfg.digest, cfg.path, [_daemon(d) for d in info["daemons"]])
+    note = stale_config(cfg)
     if args.json:
         print(json.dumps(info, indent=2))
         if note:
@@ -126,10 +126,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         if note:
             print(note)
     return 0
-
-
-def _daemon(d: dict[str, Any]) -> DaemonInfo:
-    return DaemonInfo(d["owner"], d["pid"], d["host"], d["started"], d["alive"], d.get("config_digest"))
 
 
 def daemons_of(cfg: Config) -> list[DaemonInfo]:
@@ -145,12 +141,17 @@ def daemons_of(cfg: Config) -> list[DaemonInfo]:
         ledger.close()
 
 
-def note_config(cfg: Config) -> None:
-    """Print one line on stderr when a running daemon loaded another config than the file now holds."""
+def stale_config(cfg: Config) -> str | None:
+    """Return one line when a running daemon loaded another config than the file now holds, else None."""
     try:
-        note = config_note(cfg.digest, cfg.path, daemons_of(cfg))
+        return config_note(cfg.digest, cfg.path, daemons_of(cfg))
     except DispatchError:  # a note is a courtesy: the command itself has already answered
-        return
+        return None
+
+
+def note_config(cfg: Config) -> None:
+    """Print the stale-config line (if any) on stderr."""
+    note = stale_config(cfg)
     if note:
         print(note, file=sys.stderr)
 

@@ -66,15 +66,7 @@ def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None)
     return {
         "counts": counts,
         "daemons": [
-            {
-                "owner": d.owner,
-                "pid": d.pid,
-                "host": d.host,
-                "alive": d.alive,
-                "started": d.started,
-                "config_digest": d.config_digest,
-            }
-            for d in daemons
+            {"owner": d.owner, "pid": d.pid, "host": d.host, "alive": d.alive, "started": d.started} for d in daemons
         ],
         "active": active,
         "spend_24h": spend,
