@@ -8,6 +8,8 @@ from conftest import Env, order, wait_until
 
 from dispatcher.ops.daemons import unit_of_cgroup
 
+pytest_plugins = ["pg_fixtures"]
+
 
 def test_a_changed_config_is_noted_and_reload_makes_the_daemon_load_it(env: Env) -> None:
     """After an agent is added, status and submit say the daemon runs the old config; after reload its orders run."""
@@ -72,3 +74,26 @@ def test_a_daemon_under_systemd_is_named_with_its_unit() -> None:
     assert unit_of_cgroup("1:name=systemd:/system.slice/dispatcher.service\n4:memory:/x\n") == "dispatcher.service"
     assert unit_of_cgroup("0::/user.slice/user-1000.slice/user@1000.service/app.slice/x.scope\n") is None
     assert unit_of_cgroup("0::/\n") is None
+
+
+def test_the_postgresql_ledger_records_the_digest_also_in_a_ledger_made_before_it(pg_db: str) -> None:
+    """A daemons table without config_digest gets the column on open; register and record_config then keep it."""
+    import os
+    import time
+
+    import psycopg
+
+    from dispatcher.ledger.base import DaemonInfo
+    from dispatcher.ledger.postgres import PostgresLedger
+
+    PostgresLedger(pg_db).close()
+    with psycopg.connect(pg_db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE daemons DROP COLUMN config_digest")  # as a ledger made by an older dispatcher
+    ledger = PostgresLedger(pg_db)
+    try:
+        ledger.register(DaemonInfo("h-1-aa", os.getpid(), "h", time.time(), config_digest="0123456789abcdef"))
+        assert [d.config_digest for d in ledger.daemons()] == ["0123456789abcdef"]
+        ledger.record_config("fedcba9876543210")
+        assert [d.config_digest for d in ledger.daemons()] == ["fedcba9876543210"]
+    finally:
+        ledger.close()
