@@ -56,6 +56,8 @@ def test_the_wheel_holds_the_units_and_the_notify_examples(installed: tuple[Path
     assert f"ExecReload={command} --config /etc/dispatcher/dispatcher.yaml validate" in unit.stdout
     template = _run([command, "unit", "--template"], work, env)
     assert f"ExecStart={command} --config /etc/dispatcher/%i.yaml run" in template.stdout
+    web = _run([command, "unit", "--web"], work, env)
+    assert f"ExecStart={command} --config /etc/dispatcher/dispatcher.yaml web" in web.stdout
     rotate = _run([command, "unit", "--logrotate"], work, env)
     assert "/var/log/dispatcher/*.log" in rotate.stdout
     for name in ("append", "webhook"):

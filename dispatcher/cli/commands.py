@@ -341,7 +341,7 @@ def cmd_unit(args: argparse.Namespace) -> int:
     elif args.notify:
         text = unit.notify_text(args.notify)
     else:
-        text = unit.unit_text(template=args.template)
+        text = unit.unit_text(template=args.template, web=args.web)
     sys.stdout.write(text)
     return 0
 

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "unit")
     what = c.add_mutually_exclusive_group()
     what.add_argument("--template", action="store_true", help="dispatcher@.service: one daemon per config NAME")
+    what.add_argument("--web", action="store_true", help="dispatcher-web.service: the web view beside the daemon")
     what.add_argument("--logrotate", action="store_true", help="the file for /etc/logrotate.d/dispatcher")
     what.add_argument("--notify", choices=("append", "webhook"), help="an example notify script")
     c = _command(sub, "completion")

@@ -41,9 +41,10 @@ def installed_command(argv0: str | None = None) -> str:
     return f"{os.path.abspath(sys.executable)} -m dispatcher"
 
 
-def unit_text(*, template: bool = False, command: str | None = None) -> str:
-    """Return dispatcher.service (or dispatcher@.service) with the installed command in ExecStart= and ExecReload=."""
-    text = data_text("systemd", "dispatcher@.service" if template else "dispatcher.service")
+def unit_text(*, template: bool = False, web: bool = False, command: str | None = None) -> str:
+    """Return dispatcher.service (dispatcher@.service, dispatcher-web.service) naming the installed command."""
+    name = "dispatcher-web.service" if web else "dispatcher@.service" if template else "dispatcher.service"
+    text = data_text("systemd", name)
     command = command or installed_command()
     if " " in command and not command.endswith(" -m dispatcher"):
         command = f'"{command}"'
