@@ -92,9 +92,10 @@ class SqliteDb:
         self._liveness = Liveness(self._daemons)
         self._slots = FlockSlots(state_dir / "slots")
         self._life: FileLock | None = None
+        self._immutable = False  # a read-only snapshot taken while no daemon had the ledger open
         try:
             if readonly:
-                self._db = connect_readonly(path)
+                self._db, self._immutable = connect_readonly(path)
                 self._retrying(self._check_version)
                 return
             self._db = sqlite3.connect(
@@ -194,6 +195,9 @@ class SqliteDb:
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         def step() -> T:
             with self._lock:
+                if self._immutable and self.path.with_name(self.path.name + "-wal").exists():
+                    self._db.close()  # a daemon writes again: an immutable snapshot would go stale
+                    self._db, self._immutable = connect_readonly(self.path)
                 return body(self._db)
 
         return self._retrying(step)
@@ -203,13 +207,14 @@ class SqliteDb:
         return _entry(row) if row else None
 
 
-def connect_readonly(path: Path) -> sqlite3.Connection:
+def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
     """Open an existing ledger for reading only, as a user who may not write to its folder.
 
     While a daemon has it open, the WAL's ``-wal`` and ``-shm`` files exist and are
     readable by its group, and ``mode=ro`` reads through them. After the last daemon
     stopped they are gone and a reader without write access cannot make them: the
-    file is then complete on its own and is read as ``immutable``.
+    file is then complete on its own and is read as ``immutable`` (the second value
+    True), until a daemon opens it again.
     """
     uri = f"file:{quote(str(path.resolve()))}?mode=ro"
     try:
@@ -217,14 +222,14 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
             uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
         )
         db.execute("SELECT 1 FROM meta LIMIT 1").fetchall()
-        return db
+        return db, False
     except sqlite3.OperationalError as exc:
         text = str(exc).lower()
         wal = path.with_name(path.name + "-wal")
         if ("unable to open" not in text and "readonly" not in text) or wal.exists():
             raise
     db = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False)
-    return db
+    return db, True
 
 
 def _is_locked(exc: sqlite3.OperationalError) -> bool:
