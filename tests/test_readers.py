@@ -15,11 +15,14 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Env, order
 from helpers_faults import reap
 from helpers_users import GROUP, USER, as_user, interpreter
+
+pytest_plugins = ["pg_fixtures"]
 
 
 @pytest.fixture
@@ -69,3 +72,35 @@ def test_a_group_member_reads_status_list_and_show_without_write_access(shared: 
     touch = ["runuser", "-u", USER, "--", "touch", str(shared.root / "inbox" / "x")]
     write = subprocess.run(touch, capture_output=True)
     assert write.returncode != 0  # the reader really has no write access
+
+
+def test_a_postgresql_role_with_select_only_reads_status_list_and_show(env: Env, pg_server: Any, pg_db: str) -> None:
+    """On a shared ledger reading needs SELECT alone: nothing is created or written; a fresh ledger reads empty."""
+    import secrets
+
+    import psycopg
+
+    reader, password = f"reader_{secrets.token_hex(4)}", secrets.token_hex(8)
+    database = pg_db.rsplit("/", 1)[1]
+    pg_server._sql(f"CREATE ROLE {reader} LOGIN PASSWORD '{password}'")
+    reader_url = pg_db.replace(pg_db.split("//", 1)[1].split("@", 1)[0], f"{reader}:{password}")
+    env.configure(ledger=reader_url)
+    fresh = env.cli("status", "--json")  # no daemon has made the ledger yet: it reads as empty, creates nothing
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout)["daemons"] == []
+    with psycopg.connect(pg_db) as conn:
+        assert conn.execute("SELECT to_regclass('jobs')").fetchone() == (None,)
+    env.configure(ledger=pg_db)
+    env.drop(order("PGR-1"))
+    assert env.cli("run", "--once").returncode == 0
+    with psycopg.connect(pg_db, autocommit=True) as conn:
+        conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {reader}")
+    env.configure(ledger=reader_url)
+    status = env.cli("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["counts"]["done"] == 1
+    listed = env.cli("list")
+    assert listed.returncode == 0 and "PGR-1" in listed.stdout, listed.stderr
+    shown = env.cli("show", "PGR-1")
+    assert shown.returncode == 0 and shown.stdout.startswith("PGR-1  done"), shown.stderr
+    assert database  # the reader's URL names the same database

@@ -128,11 +128,12 @@ def connection_options(lease_s: float) -> dict[str, Any]:
     }
 
 
-def make_conninfo(url: str, lease_s: float, connect_timeout_s: int | None = None) -> str:
+def make_conninfo(url: str, lease_s: float, connect_timeout_s: int | None = None, *, readonly: bool = False) -> str:
     """Return the URL with the lease-bound options added (options already in the URL are kept first).
 
     ``connect_timeout_s`` (a command that must answer soon) replaces the lease-bound
-    connect timeout, also one given in the URL.
+    connect timeout, also one given in the URL; ``readonly`` makes every transaction
+    read-only on the server.
     """
     try:
         given = pg_conninfo.conninfo_to_dict(url)
@@ -145,6 +146,8 @@ def make_conninfo(url: str, lease_s: float, connect_timeout_s: int | None = None
     if given.get("options"):
         opts["options"] = f"{opts['options']} {given['options']}"
     opts.setdefault("application_name", given.get("application_name") or "dispatcher")
+    if readonly:  # the server refuses any write: a reader's role needs SELECT only
+        opts["options"] = f"{opts['options']} -c default_transaction_read_only=on"
     if connect_timeout_s is not None:
         opts["connect_timeout"] = max(2, connect_timeout_s)  # libpq's minimum is 2
     return pg_conninfo.make_conninfo(url, **opts)

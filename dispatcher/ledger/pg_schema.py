@@ -77,6 +77,25 @@ _TABLES = (
 )
 
 
+class NoSchema(PostgresLedgerError):
+    """The database holds no dispatcher ledger yet (a reader never creates one)."""
+
+
+def check(cur: Cur, where: str) -> int:
+    """Return the schema version of a ledger opened read-only; refuse a newer one; NoSchema when there is none."""
+    exists = cur.execute("SELECT to_regclass('schema_version') IS NOT NULL").fetchone()
+    if not (exists and exists[0]):
+        raise NoSchema(f"{where}: holds no dispatcher ledger yet (the first daemon to start creates it)")
+    row = cur.execute("SELECT max(version) FROM schema_version").fetchone()
+    version = int(row[0]) if row and row[0] is not None else 0
+    if version > SCHEMA_VERSION:
+        raise PostgresLedgerError(
+            f"{where}: ledger schema version {version} is newer than this dispatcher knows"
+            f" ({SCHEMA_VERSION}); upgrade dispatcher on this host"
+        )
+    return version
+
+
 def ensure(cur: Cur, where: str) -> int:
     """Create the schema if the database has none; refuse a newer one; return the version found."""
     cur.execute("SET LOCAL lock_timeout = 0")  # several daemons starting at once wait for the first

@@ -21,7 +21,7 @@ from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
 from dispatcher.store.counts import state_counts, visible_entries
 from dispatcher.store.jobstore import JobFolder
-from dispatcher.store.ledgers import open_ledger
+from dispatcher.store.ledgers import NoLedgerYet, open_ledger
 
 #: how long a command waits for a ledger another process is writing
 PATIENCE_S = 30.0
@@ -43,7 +43,10 @@ def open_reader(config: Config, layout: Layout) -> Ledger | None:
         missing = not path.exists() or path.stat().st_size == 0
         if missing and not has_jobs(layout):
             return None
-    return open_ledger(config, layout, patience_s=PATIENCE_S, create=False, readonly=True)
+    try:
+        return open_ledger(config, layout, patience_s=PATIENCE_S, create=False, readonly=True)
+    except NoLedgerYet:
+        return None
 
 
 def status(config: Config, layout: Layout, now: float | None = None) -> dict[str, Any]:

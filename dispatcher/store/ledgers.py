@@ -25,6 +25,10 @@ class LedgerLost(UsageError):
     """The ledger is missing or unreadable while job folders exist: nothing may start on it."""
 
 
+class NoLedgerYet(LedgerLost):
+    """A shared ledger no daemon has made yet, opened by a reader over a root without jobs."""
+
+
 class LedgerUnreachable(UsageError):
     """The ledger cannot be opened right now (a full disk, a read-only folder)."""
 
@@ -39,6 +43,7 @@ def open_ledger(
     ``readonly`` (implies not ``create``) opens the SQLite ledger for reading only.
     """
     if config.ledger.startswith(("postgresql://", "postgres://")):
+        from dispatcher.ledger.pg_schema import NoSchema  # type: ignore[import-untyped,unused-ignore]
         from dispatcher.ledger.postgres import PostgresLedger  # type: ignore[import-untyped,unused-ignore]
 
         # a daemon waits for its ledger (patience None); a command answers within seconds
@@ -50,9 +55,16 @@ def open_ledger(
                 lease_s=config.lease_s,
                 patience_s=reach,
                 connect_timeout_s=None if reach is None else int(REACH_S),
+                readonly=readonly,
             )
         except LedgerUnavailable as exc:
             raise LedgerUnreachable(str(exc)) from None
+        except NoSchema as exc:  # a reader before any daemon started: nothing recorded yet
+            if has_jobs(layout):
+                raise LedgerLost(
+                    f"{exc}; job folders exist: copy the SQLite ledger into it with `dispatcher ledger migrate URL`"
+                ) from None
+            raise NoLedgerYet(str(exc)) from None
         if pg.is_empty() and has_jobs(layout):
             pg.close()
             raise LedgerLost(
