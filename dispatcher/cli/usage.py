@@ -60,7 +60,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "show": (
         "one job: state, checks, attempts (argv, host, cost, stderr of a failure), its chain",
-        f"0 printed\n1 no such job\n2 {BAD}, a root that does not exist",
+        f"0 printed (a refused file too)\n1 no such job or refused file\n2 {BAD}, a root that does not exist",
         "dispatcher show JOB-001\ndispatcher show --tree JOB-001",
     ),
     "retry": (
