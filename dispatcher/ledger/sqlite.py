@@ -18,8 +18,6 @@ Liveness and slots are flocks (``flocks.py``): this engine is for one host.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -38,7 +36,7 @@ from dispatcher.ledger.base import (
     Row,
     now,
 )
-from dispatcher.ledger.flocks import make_lock
+from dispatcher.ledger.flocks import make_lock, read_infos, write_info
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, SqliteDb, _entry
 
 __all__ = ["LedgerError", "SqliteLedger"]
@@ -58,19 +56,13 @@ class SqliteLedger(SqliteDb, Ledger):
         self._life = make_lock(self._daemons / f"{info.owner}.lock")
         self._life.acquire()
         self._info = info
-        self._write_info(info)
+        write_info(self._daemons, info)
 
     def record_config(self, digest: str | None) -> None:
         """Rewrite this daemon's info file with the digest of the config it loaded."""
         if self._info is not None:
             self._info = dataclasses.replace(self._info, config_digest=digest)
-            self._write_info(self._info)
-
-    def _write_info(self, info: DaemonInfo) -> None:
-        body = {"pid": info.pid, "host": info.host, "started": info.started, "config_digest": info.config_digest}
-        tmp = self._daemons / f".{info.owner}.json.tmp"
-        tmp.write_bytes(json.dumps(body).encode())
-        os.rename(tmp, self._daemons / f"{info.owner}.json")
+            write_info(self._daemons, self._info)
 
     def alive(self, owner: str) -> bool:
         """Return True while the daemon ``owner`` holds its liveness flock."""
@@ -78,31 +70,7 @@ class SqliteLedger(SqliteDb, Ledger):
 
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon that ever registered on this root, newest first."""
-        out = []
-        try:
-            names = os.listdir(self._daemons)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            if not name.endswith(".json") or name.startswith("."):
-                continue
-            owner = name[: -len(".json")]
-            try:
-                info = json.loads((self._daemons / name).read_bytes())
-                digest = info.get("config_digest")
-                out.append(
-                    DaemonInfo(
-                        owner,
-                        int(info["pid"]),
-                        str(info["host"]),
-                        float(info["started"]),
-                        self.alive(owner),
-                        digest if isinstance(digest, str) else None,
-                    )
-                )
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        return sorted(out, key=lambda d: d.started, reverse=True)
+        return read_infos(self._daemons, self.alive)
 
     # -- reads --------------------------------------------------------------------------
     def get(self, job_id: str) -> Entry | None:
