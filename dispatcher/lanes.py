@@ -6,11 +6,15 @@ Two small fixed pools, both daemon-owned threads:
   it, in order. One thread because the ledger serialises writers anyway, and one
   writer in order is what makes group commit work: while one batch commits,
   the next one gathers (``GroupCommit``).
-- the *io pool*, ``IO_WORKERS`` threads: reading evidence from work/ (outputs up
-  to 256 MiB), writing results, walking /proc, searching inbox/ for a queued id,
-  running notify commands. Two, so that one slow check on a huge output does not
-  hold up every other job's finish, and no more, because the work is mostly
-  I/O-bound Python that shares one interpreter lock with the loop.
+- the *io pool*, ``IO_WORKERS`` threads: a job's own file work (reading evidence
+  from work/, outputs up to 256 MiB; moving leftovers aside). Two, so that one slow
+  check on a huge output does not hold up every other job's finish, and no more,
+  because the work is mostly I/O-bound Python that shares one interpreter lock
+  with the loop.
+- the *scan lane*, one thread: work that grows with the machine or the backlog
+  rather than with one job (walking /proc for open writers, listing or searching
+  inbox/, counting the queue, reading a large order), so that starting and
+  finishing a job never waits behind it.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ IO_WORKERS = 2
 
 
 class Lanes:
-    """The daemon's two pools: ``ledger`` (one ordered writer) and ``io``."""
+    """The daemon's pools: ``ledger`` (one ordered writer), ``io`` (a job's files) and ``scan``."""
 
     def __init__(self) -> None:
         self._ledger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._io = ThreadPoolExecutor(max_workers=IO_WORKERS, thread_name_prefix="io")
+        self._scan = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scan")
 
     async def ledger(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run fn in the ledger lane (with the caller's log context) and wait for it."""
@@ -43,6 +48,10 @@ class Lanes:
         """Run fn in the io pool (with the caller's log context) and wait for it."""
         return await self._run(self._io, fn, *args, **kwargs)
 
+    async def scan(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run fn in the scan lane (work that grows with the machine or the backlog) and wait for it."""
+        return await self._run(self._scan, fn, *args, **kwargs)
+
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(pool, call)
@@ -51,6 +60,7 @@ class Lanes:
         """Stop both pools; without wait, work still queued is dropped (its job stays where it is)."""
         self._ledger.shutdown(wait=wait, cancel_futures=not wait)
         self._io.shutdown(wait=wait, cancel_futures=not wait)
+        self._scan.shutdown(wait=wait, cancel_futures=not wait)
 
 
 class GroupCommit(Generic[T, R]):

@@ -2,74 +2,53 @@
 
 from __future__ import annotations
 
-import enum
 import os
 import stat
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from dispatcher.lifecycle import State
 
 UMASK = 0o027
 
 
-class State(enum.StrEnum):
-    """Where a job is; each state is a folder of the dispatch root."""
-
-    ACTIVE = "active"
-    REVIEW = "review"
-    DONE = "done"
-    FAILED = "failed"
-
-
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Every path of one dispatch root, in one place."""
+    """Every path of one dispatch root, in one place (made once: the hot path joins no paths again)."""
 
     root: Path
+    inbox: Path = field(init=False, repr=False, compare=False)
+    held: Path = field(init=False, repr=False, compare=False)  # orders an operator put on hold (never claimed)
+    state_dir: Path = field(init=False, repr=False, compare=False)  # ledger, locks, staging (not in the contract)
+    ledger: Path = field(init=False, repr=False, compare=False)
+    staging: Path = field(init=False, repr=False, compare=False)  # job and refusal folders built before one rename
+    daemons: Path = field(init=False, repr=False, compare=False)  # a lock file and an info file per daemon
+    slots: Path = field(init=False, repr=False, compare=False)  # lock files bounding each agent's concurrency
+    control: Path = field(init=False, repr=False, compare=False)  # hint files that wake a running daemon
+    _folders: dict[State, Path] = field(init=False, repr=False, compare=False)
 
-    @property
-    def inbox(self) -> Path:
-        return self.root / "inbox"
-
-    @property
-    def held(self) -> Path:
-        """Orders an operator put on hold (never claimed there)."""
-        return self.root / "held"
-
-    @property
-    def state_dir(self) -> Path:
-        """The daemon's own state: ledger, locks, staging (not part of the contract)."""
-        return self.root / ".state"
-
-    @property
-    def ledger(self) -> Path:
-        return self.state_dir / "ledger.sqlite3"
-
-    @property
-    def staging(self) -> Path:
-        """Where job and refusal folders are built before one rename puts them in place."""
-        return self.state_dir / "staging"
-
-    @property
-    def daemons(self) -> Path:
-        """One lock file (held while alive) and one info file per daemon process."""
-        return self.state_dir / "daemons"
-
-    @property
-    def slots(self) -> Path:
-        """Lock files that bound each agent's concurrency over all daemons."""
-        return self.state_dir / "slots"
-
-    @property
-    def control(self) -> Path:
-        """Hint files dropped by `retry` and `cancel` to wake a running daemon."""
-        return self.state_dir / "control"
+    def __post_init__(self) -> None:
+        root, state_dir = self.root, self.root / ".state"
+        for name, path in (
+            ("inbox", root / "inbox"),
+            ("held", root / "held"),
+            ("state_dir", state_dir),
+            ("ledger", state_dir / "ledger.sqlite3"),
+            ("staging", state_dir / "staging"),
+            ("daemons", state_dir / "daemons"),
+            ("slots", state_dir / "slots"),
+            ("control", state_dir / "control"),
+            ("_folders", {s: root / s.value for s in State}),
+        ):
+            object.__setattr__(self, name, path)
 
     def folder(self, state: State) -> Path:
-        return self.root / state.value
+        """Return the folder of a state (active/, review/, done/, failed/)."""
+        return self._folders[state]
 
     def job(self, state: State, job_id: str) -> Path:
-        return self.root / state.value / job_id
+        """Return the folder a job has in a state."""
+        return self._folders[state] / job_id
 
     def all_dirs(self) -> list[Path]:
         """Return every folder `run` and `init` create."""
@@ -100,22 +79,6 @@ class Layout:
             except OSError:
                 continue
         return None
-
-
-def utc_stamp(when: float | None = None) -> str:
-    """Return a refusal-folder timestamp such as 20261129T081600.123456Z."""
-    moment = datetime.fromtimestamp(when, UTC) if when is not None else datetime.now(UTC)
-    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
-
-
-def iso(when: float) -> str:
-    """Return an ISO 8601 UTC time with milliseconds, as result.json writes it."""
-    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(when * 1000) % 1000:03d}Z"
-
-
-def parse_iso(text: str) -> float:
-    """Return epoch seconds for an ``iso`` time."""
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def has_jobs(layout: Layout) -> bool:

@@ -14,9 +14,10 @@ import pytest
 from conftest import CHECK_NAMES
 
 from dispatcher.checks import builtin as checks
-from dispatcher.checks.builtin import CheckResult, Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
+from dispatcher.checks.builtin import Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
 from dispatcher.checks.summary import summarise
 from dispatcher.spec.orders import Order, validate_order
+from dispatcher.spec.result import CheckResult
 
 CONTRACT_ORDER = CHECK_NAMES
 IDS = ["R1", "R2", "R3"]

@@ -130,6 +130,7 @@ def test_approving_in_the_browser_needs_the_token(site: tuple[Env, Web], browser
     b.get(web.url + "/login")  # type: ignore[attr-defined]
     b.find_element(By.ID, "token").send_keys("not-the-token")  # type: ignore[attr-defined]
     b.find_element(By.ID, "login").click()  # type: ignore[attr-defined]
+    wait_until(lambda: b.find_elements(By.ID, "login-failed"), 15, "the failed login")  # type: ignore[attr-defined]
     assert "That is not the token" in text_of(b, "#login-failed")
 
     b.find_element(By.ID, "token").send_keys(web.token)  # type: ignore[attr-defined]

@@ -19,21 +19,10 @@ from typing import Any
 from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, listed, stored_key
 from dispatcher.errors import cut, printable
 from dispatcher.spec.order import Order
+from dispatcher.spec.result import CheckResult
 from dispatcher.text import exit_text
 
 DETAIL_MAX = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class CheckResult:
-    """One check's verdict, as result.json records it."""
-
-    name: str
-    ok: bool | None
-    detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail}
 
 
 @dataclass(frozen=True, slots=True)

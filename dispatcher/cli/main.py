@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher import __version__
-from dispatcher.cli import commands, run, usage
+from dispatcher.cli import commands, usage
 from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
 from dispatcher.spec.config import Config, require_config
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
         argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
-    os.umask(UMASK)  # nothing the daemon or the CLI creates is world-readable
+    os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
     if args.command != "run":  # what a command logs (a ledger it waits for) is in the one console format
         from dispatcher import logs
 
@@ -169,7 +169,6 @@ def _parse_file(name: str, cfg: Config | None) -> Any:
 def cmd_submit(args: argparse.Namespace) -> int:
     from dispatcher.ops.submit import read_order, submit
 
-    os.umask(UMASK)
     cfg = _config(args, need_root=True)
     orders, bad = [], 0
     for name in args.files:  # every file is checked, and every bad one named, before any is dropped
@@ -246,6 +245,13 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Run the daemon; imported only here, so the other commands start without the daemon's modules."""
+    from dispatcher.cli.run import cmd_run
+
+    return cmd_run(args)
+
+
 def cmd_web(args: argparse.Namespace) -> int:
     """Serve the web view of the root (section 17) until SIGTERM or SIGINT.
 
@@ -268,7 +274,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": commands.cmd_init,
-    "run": run.cmd_run,
+    "run": lambda args: _cmd_run(args),
     "submit": cmd_submit,
     "validate": cmd_validate,
     "status": commands.cmd_status,

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from dispatcher import logs
 from dispatcher.core.daemon import Daemon
 from dispatcher.errors import ConfigError
-from dispatcher.layout import UMASK
 from dispatcher.spec.config import load_config, require_config, require_root
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run the daemon on an existing root (its missing folders are made)."""
-    os.umask(UMASK)
+    """Run the daemon on an existing root (its missing folders are made; main() set the umask)."""
     path = require_config(args.config)
     cfg = load_config(path, root=Path(args.root) if args.root else None)
     require_root(cfg)

@@ -22,8 +22,9 @@ import structlog
 from dispatcher.job import intake, recovery
 from dispatcher.job.finish import Finisher
 from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started
-from dispatcher.layout import Layout, State
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
+from dispatcher.lifecycle import State
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order

@@ -25,7 +25,7 @@ import structlog
 
 from dispatcher.core import announce
 from dispatcher.core.housekeeping import Housekeeping
-from dispatcher.core.lease import LeaseKeeper, has_leases
+from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.notify import Notifications
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
@@ -34,10 +34,10 @@ from dispatcher.errors import ConfigError, UsageError
 from dispatcher.job.finish import Finisher
 from dispatcher.job.job import JobContext
 from dispatcher.lanes import Lanes
-from dispatcher.layout import UMASK, Layout
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
+from dispatcher.lifecycle import Stop
 from dispatcher.spec.config import Config, load_config
-from dispatcher.spec.jobspec import Stop
 from dispatcher.store.ledgers import open_ledger
 
 if TYPE_CHECKING:
@@ -88,7 +88,6 @@ class Daemon:
 
     async def startup(self) -> None:
         """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
-        os.umask(UMASK)
         _raise_fd_limit()
         self.loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -100,7 +99,7 @@ class Daemon:
         self.ledger.register(
             DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
         )
-        self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]
+        self.ledger.set_give_up(lambda: self.stopping and self.stop_deadline is None)
         self.lanes = Lanes()
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
@@ -127,8 +126,9 @@ class Daemon:
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup)
         self.lease: LeaseKeeper | None = None
-        if has_leases(self.ledger):
-            self.lease = LeaseKeeper(self.ledger, self.config.lease_s, self._hosts_lost)
+        leases = self.ledger.leases
+        if leases is not None:
+            self.lease = LeaseKeeper(leases, self.config.lease_s, self._hosts_lost)
             self.lease.start()
         self.house = Housekeeping(
             ctx, self.sched, self.inbox, check_watch=self._check_watch, wake=self.wakeup, shared=self.lease is not None
@@ -142,7 +142,7 @@ class Daemon:
         self.watch = (
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
-        self.inbox.merge(await self.lanes.io(list_inbox, self.layout.inbox))
+        self.inbox.merge(await self.lanes.scan(list_inbox, self.layout.inbox))
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
         await self.house.requests()
         self._next_rescan = time.monotonic() + self._rescan_interval()

@@ -25,8 +25,9 @@ from dispatcher.job import recovery
 from dispatcher.job.job import JobContext
 from dispatcher.job.review import settle_reviews
 from dispatcher.job.runner import end_group
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Request, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Request
+from dispatcher.lifecycle import State, is_landed
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
@@ -117,7 +118,7 @@ class Housekeeping:
         for job_id, _token, _agent in adopted:
             folder = JobFolder(self.ctx.layout.job(State.ACTIVE, job_id))
             n = max(folder.attempt_numbers(), default=0)
-            for pgid in await self.ctx.lanes.io(recovery.leftover_groups, folder, n) if n else []:
+            for pgid in await self.ctx.lanes.io(folder.leftover_groups, n) if n else []:
                 log.warning("agent.orphan_ended", job_id=job_id, pid=pgid)
                 ends.append(end_group(pgid, self.ctx.config().kill_grace_s))
         await asyncio.gather(*ends)
@@ -141,7 +142,7 @@ class Housekeeping:
 
     async def rescan(self) -> None:
         """List inbox/ again (events are hints), restart a dead watch, find dead daemons' work."""
-        self.inbox.merge(await self.ctx.lanes.io(list_inbox, self.ctx.layout.inbox))
+        self.inbox.merge(await self.ctx.lanes.scan(list_inbox, self.ctx.layout.inbox))
         self.check_watch()
         if not self.ctx.stopping():
             await self.recover(startup=False)
@@ -172,10 +173,10 @@ class Housekeeping:
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):
             entry = await lanes.io(ledger.get, job_id)
             if self.sched.cancel(job_id, entry.state if entry else None):
-                if entry is not None and entry.state in (Row.DONE, Row.FAILED, Row.REVIEW):
+                if entry is not None and is_landed(entry.state):
                     await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)
                 continue
-            found = await lanes.io(find_queued, layout.inbox, [job_id])
+            found = await lanes.scan(find_queued, layout.inbox, [job_id])
             if job_id in found:
                 self.sched.claim_now(found[job_id])  # the claim's transaction answers "cancelled"
             elif entry is None and not self.inbox.has_pending() and not self._other_daemons():
@@ -209,7 +210,7 @@ class Housekeeping:
 
     async def _check_writers(self, names: list[str]) -> None:
         inbox = self.ctx.layout.inbox
-        held = await self.ctx.lanes.io(procs.held_for_writing, {os.path.abspath(inbox / n) for n in names})
+        held = await self.ctx.lanes.scan(procs.held_for_writing, {os.path.abspath(inbox / n) for n in names})
         self.inbox.writers_checked(names, held)
 
     def next_due(self, now: float) -> float:
@@ -244,7 +245,7 @@ class Housekeeping:
         if metrics is None:
             return
         try:
-            await self.ctx.lanes.io(_write_metrics, metrics, self.ctx.layout)
+            await self.ctx.lanes.scan(_write_metrics, metrics, self.ctx.layout)
         except OSError as exc:
             log.warning("metrics.failed", file=str(metrics.path), error=exc.strerror)
         finally:

@@ -24,9 +24,8 @@ from dispatcher.core.claiming import Big, Claims, Dropped, Gone, Handover, Kind,
 from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake
 from dispatcher.job.job import Job, JobContext
-from dispatcher.ledger.base import Row
+from dispatcher.lifecycle import Outcome, Row, Stop
 from dispatcher.spec.config import Config
-from dispatcher.spec.jobspec import Outcome, Stop
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
@@ -209,7 +208,7 @@ class Scheduler:
 
     async def _read_big(self, name: str, *, cancel: bool) -> None:
         """Read a large order in the io pool, then park it (or refuse it in the ledger lane)."""
-        found = await self.ctx.lanes.io(intake.inspect, self.ctx.layout, name, self.config)
+        found = await self.ctx.lanes.scan(intake.inspect, self.ctx.layout, name, self.config)
         if found is None:
             self.inbox.forget(name)
         elif isinstance(found, Refusal):

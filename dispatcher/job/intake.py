@@ -19,7 +19,6 @@ folder (put in place by recovery), or a placed job.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import os
@@ -36,14 +35,23 @@ from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
 from dispatcher.job.finish import Finisher
 from dispatcher.job.runner import render
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger
+from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.spec.config import Agent, Config
-from dispatcher.spec.jobspec import JobSpec, Stop, prompt_values
+from dispatcher.spec.jobspec import JobSpec, prompt_values
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import order_format, parse_order, to_json
-from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, is_disk_full, new_stage, remove_stage
+from dispatcher.store.jobstore import (
+    JOB_FILE,
+    JobFolder,
+    build_result,
+    drop_inbox_twin,
+    is_disk_full,
+    new_stage,
+    remove_stage,
+)
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
@@ -250,7 +258,7 @@ def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
 
 
 def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
-    row = {State.DONE: Row.DONE, State.FAILED: Row.FAILED, State.REVIEW: Row.REVIEW}.get(state, Row.CLAIMED)
+    row = state_to_row(state)
     ledger.load_rows([Entry(job_id, row, None, None, 1, None, None, None, 0, None, None, time.time())])
     log.warning("ledger.repaired", job_id=job_id, state=row.value, reason="a job folder without a ledger row")
 
@@ -355,20 +363,7 @@ def _drop_twin(layout: Layout, item: Inspected) -> bool:
     found = layout.find(item.order.job_id)
     if found is None:
         return False
-    kept = found[1] / f"order{Path(item.name).suffix}"
-    if fsutil.same_file(layout.inbox / item.name, kept):
-        with contextlib.suppress(FileNotFoundError):  # the claiming daemon removed it first
-            os.unlink(layout.inbox / item.name)
-        log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
-        return True
-    return False
-
-
-def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> None:
-    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
-
-    Another daemon may have removed it first (it saw the placed job's folder): that is fine.
-    """
-    if name and fsutil.same_file(layout.inbox / name, kept):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(layout.inbox / name)
+    if not drop_inbox_twin(layout, item.name, found[1] / f"order{Path(item.name).suffix}"):
+        return False
+    log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
+    return True

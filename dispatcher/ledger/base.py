@@ -14,26 +14,11 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from dispatcher.errors import DispatchError
-
-
-class Row(enum.StrEnum):
-    """A ledger row's state. A row is never deleted, except a failed parent's reservations."""
-
-    RESERVED = "reserved"  # a follow-up waiting for its parent to be done
-    HELD = "held"  # a follow-up put in held/ (over budget); released by an operator
-    RELEASED = "released"  # its file is in inbox/
-    CLAIMED = "claimed"  # a daemon owns it: its folder is in active/ (or being built)
-    REVIEW = "review"  # passed its checks, waiting in review/ for a person
-    DONE = "done"
-    FAILED = "failed"
-
-
-OPEN = (Row.RESERVED, Row.HELD, Row.RELEASED, Row.CLAIMED)
-FINISHED = (Row.DONE, Row.FAILED)
+from dispatcher.lifecycle import Row
 
 
 class Request(enum.StrEnum):
@@ -147,6 +132,35 @@ class LedgerUnavailable(DispatchError):
     """
 
 
+class Leases(ABC):
+    """The lease side of an engine whose daemons' liveness is a lease (contract section 12).
+
+    A daemon on such an engine runs a lease keeper: it renews its own lease,
+    reaps daemons whose lease ran out, and fences itself while it cannot renew.
+    """
+
+    @abstractmethod
+    def renew(self) -> bool:
+        """Renew this daemon's lease (one try); return False when it could not."""
+
+    @abstractmethod
+    def reap(self) -> list[str]:
+        """Mark daemons whose lease ran out as dead; return the newly dead."""
+
+    @abstractmethod
+    def may_reap(self) -> bool:
+        """Return True once this daemon has renewed its own lease without a gap for a full lease."""
+
+    @abstractmethod
+    def lease_ok(self) -> bool:
+        """Return False while this daemon must fence itself: no renewal for lease/2."""
+
+    @property
+    @abstractmethod
+    def lost(self) -> bool:
+        """True once another daemon declared this one dead: it must stop."""
+
+
 class Ledger(ABC):
     """A durable set of job ids with their states, lineage, requests, slots and daemons."""
 
@@ -154,6 +168,8 @@ class Ledger(ABC):
     owner: str = ""
     #: True when free_slot never blocks (local flocks): the daemon may call it from its loop
     slots_local: bool = False
+    #: what ends every wait for the ledger early (see ``set_give_up``); None: nothing does
+    _give_up: Callable[[], bool] | None = None
 
     # -- lifecycle and liveness ---------------------------------------------------------
     @abstractmethod
@@ -168,10 +184,6 @@ class Ledger(ABC):
     def record_config(self, digest: str | None) -> None:
         """Record in this daemon's entry the digest of the config it has just loaded (a reload)."""
 
-    def renew(self) -> bool:
-        """Renew this daemon's lease; return False when it could not (engines with leases)."""
-        return True
-
     @abstractmethod
     def alive(self, owner: str) -> bool:
         """Return True while the daemon ``owner`` lives."""
@@ -180,18 +192,33 @@ class Ledger(ABC):
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon known on this ledger, live or dead, newest first."""
 
-    def reap(self) -> list[str]:
-        """Mark daemons whose lease ran out as dead; return the newly dead (engines with leases)."""
-        return []
+    @property
+    def leases(self) -> Leases | None:
+        """The engine's leases when a daemon's liveness is a lease; None when it is a local lock."""
+        return None
 
     def lease_ok(self) -> bool:
-        """Return False while this daemon must fence itself: no renewal for lease/2 (engines with leases)."""
-        return True
+        """Return False while this daemon must fence itself (always True without leases)."""
+        leases = self.leases
+        return leases is None or leases.lease_ok()
 
     @property
     def lost(self) -> bool:
-        """True once another daemon declared this one dead (engines with leases): it must stop."""
-        return False
+        """True once another daemon declared this one dead: it must stop (never without leases)."""
+        leases = self.leases
+        return leases is not None and leases.lost
+
+    def set_give_up(self, give_up: Callable[[], bool]) -> None:
+        """End every wait for a busy or unreachable ledger once ``give_up()`` is True.
+
+        The step waiting then raises ``LedgerUnavailable``. A daemon forced to
+        stop sets this; a command waits out its patience instead.
+        """
+        self._give_up = give_up
+
+    def giving_up(self) -> bool:
+        """Return True when a wait for the ledger must end now (see ``set_give_up``)."""
+        return self._give_up is not None and self._give_up()
 
     # -- reads --------------------------------------------------------------------------
     @abstractmethod
@@ -264,9 +291,16 @@ class Ledger(ABC):
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
 
+    @abstractmethod
     def set_state(self, job_id: str, state: Row, *, expect: Row) -> bool:
         """Move a row from one open state to another (a held follow-up released by an operator)."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def reconcile(self, job_id: str, agent: str | None, parent: str | None, hops: int) -> bool:
+        """Put back the claim row of a job found in active/ that the ledger lost; True if a row changed.
+
+        Only a missing, reserved or released row is changed (a power loss, a lost WAL).
+        """
 
     # -- requests -----------------------------------------------------------------------
     @abstractmethod

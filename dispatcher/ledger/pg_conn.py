@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar, cast
+from typing import Any, Final, Generic, Protocol, TypeVar, cast
 
 import psycopg
 import structlog
@@ -372,3 +372,15 @@ def _text(exc: BaseException) -> str:
     """Return an error as one short line (psycopg messages span lines)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text[:300]
+
+
+class Fence(Protocol):
+    """What a step asks of this daemon's lease before it writes (``pg_leases.Leases``)."""
+
+    owner: str
+
+    def check(self, cur: Cur, *, lease: bool) -> bool:
+        """Lock this daemon's row; may it act (with ``lease``: is its lease still running)?"""
+
+    def refusal(self) -> Exception:
+        """Return the error a claim raises when ``check(lease=True)`` said no."""

@@ -61,21 +61,13 @@ except ImportError:  # the optional extra is not installed: say so in one line (
         "ledger: postgresql:// needs psycopg 3; install folder-dispatcher[postgres] (pip install 'psycopg[binary]')"
     ) from None
 from dispatcher.ledger import pg_bulk, pg_schema
-from dispatcher.ledger.base import (
-    Child,
-    ClaimAnswer,
-    ClaimRequest,
-    DaemonInfo,
-    Entry,
-    Finish,
-    Ledger,
-    Request,
-    Row,
-)
+from dispatcher.ledger.base import Child, ClaimAnswer, ClaimRequest, DaemonInfo, Entry, Finish, Ledger, Request
+from dispatcher.ledger.base import Leases as LeasesInterface
 from dispatcher.ledger.pg_claims import Claims
 from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
 from dispatcher.ledger.pg_leases import LeaseLost, Leases
+from dispatcher.lifecycle import Row
 
 __all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError", "migrate"]
 
@@ -100,7 +92,7 @@ def _page(after: str | None, cur: Cur) -> list[tuple[Any, ...]]:
     return cur.execute(_SELECT + " WHERE job_id > %s ORDER BY job_id LIMIT %s", (after, _PAGE)).fetchall()
 
 
-class PostgresLedger(Ledger):
+class PostgresLedger(Ledger, LeasesInterface):
     """A handle on a PostgreSQL ledger; safe to share between threads (a small connection pool)."""
 
     def __init__(
@@ -127,10 +119,9 @@ class PostgresLedger(Ledger):
             raise PostgresLedgerError(f"lease must be a positive number of seconds, not {lease_s}")
         self.where = describe(url)
         self.lease_s = float(lease_s)
-        self.give_up: Callable[[], bool] = lambda: False
         conninfo = make_conninfo(url, self.lease_s, connect_timeout_s, readonly=readonly)
         self._pool = Pool(conninfo, size=4)
-        self._runner = Runner(self._pool, self.where, lambda: self.give_up(), patience_s)
+        self._runner = Runner(self._pool, self.where, self.giving_up, patience_s)
         self._leases = Leases(self._runner, conninfo, self.lease_s)
         self._claims = Claims(self._runner, self._leases)
         self._followups = Followups(self._runner, self._leases)
@@ -175,6 +166,11 @@ class PostgresLedger(Ledger):
         """Insert this daemon's row under a new identity with a lease of ``lease_s``; never reuse one."""
         self._leases.register(info)
         self.owner = info.owner
+
+    @property
+    def leases(self) -> LeasesInterface:
+        """This ledger itself: a daemon's liveness here is a lease renewed in the database."""
+        return self
 
     def renew(self) -> bool:
         """Renew the lease to the database's now() + lease (one try, own connection); False if it failed.

@@ -33,11 +33,11 @@ from dispatcher.ledger.base import (
     Known,
     Ledger,
     Request,
-    Row,
     now,
 )
 from dispatcher.ledger.flocks import make_lock, read_infos, write_info
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, SqliteDb, _entry
+from dispatcher.lifecycle import Row
 
 __all__ = ["LedgerError", "SqliteLedger"]
 

@@ -86,7 +86,7 @@ class SqliteDb:
         """
         self.path = path
         self.patience_s = patience_s
-        self.give_up: Callable[[], bool] = lambda: False
+        self._give_up: Callable[[], bool] | None = None  # set by Ledger.set_give_up
         self._lock = threading.Lock()
         self._daemons = state_dir / "daemons"
         self._liveness = Liveness(self._daemons)
@@ -159,7 +159,7 @@ class SqliteDb:
                 waited = time.monotonic() - started
                 if self.patience_s is not None and waited >= self.patience_s:
                     raise LedgerUnavailable(f"the ledger is locked by another process ({waited:.0f} s)") from None
-                if self.give_up():
+                if self._give_up is not None and self._give_up():
                     raise LedgerUnavailable("the ledger is locked by another process; gave up at stop") from None
                 if waited - logged >= _WAIT_LOG_S:
                     log.warning("ledger.waiting", waited_s=round(waited), error=str(exc))

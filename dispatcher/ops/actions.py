@@ -27,8 +27,9 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Ledger, Request, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Ledger, Request
+from dispatcher.lifecycle import Row, State, is_final
 from dispatcher.query.report import PATIENCE_S, read_order_file
 from dispatcher.spec.config import Config
 from dispatcher.store.ledgers import open_ledger
@@ -81,7 +82,7 @@ class Operator:
         """Record a cancel of a queued or running job for a running (or the next) daemon."""
         _check_id(job_id)
         entry = self.ledger.get(job_id)
-        if entry is not None and entry.state in (Row.DONE, Row.FAILED):
+        if entry is not None and is_final(entry.state):
             raise WrongState(f"{job_id}: is {entry.state}, only a queued or running job can be cancelled")
         if entry is None and not find_queued(self.layout.inbox, [job_id]):
             if find_queued(self.layout.held, [job_id]):

@@ -19,13 +19,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dispatcher.layout import Layout, State, is_ignored, parse_iso
-from dispatcher.ledger.base import Entry, Ledger, Row
+from dispatcher.clock import parse_iso
+from dispatcher.layout import Layout, is_ignored
+from dispatcher.ledger.base import Entry, Ledger
+from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import total_cost
+from dispatcher.spec.result import Result
 from dispatcher.store.counts import LIST_STATES, visible_entries
 from dispatcher.store.jobstore import JobFolder
+
+_NO_RESULT = Result(None, None, None, None)  # a folder whose result.json is missing or unreadable
 
 
 def _row(
@@ -91,15 +96,15 @@ def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None
         if entry is not None:
             yield _row(de.name, state.value, entry.agent, entry.updated, Path(de.path), cost_usd=entry.cost_usd)
             continue
-        result = JobFolder(Path(de.path)).result() or {}
+        result = JobFolder(Path(de.path)).result() or _NO_RESULT
         yield _row(
             de.name,
             state.value,
-            result.get("agent"),
-            _stamp(result.get("finished")),
+            result.agent,
+            _stamp(result.finished),
             Path(de.path),
-            reason=result.get("reason"),
-            cost_usd=result.get("cost_usd"),
+            reason=result.reason,
+            cost_usd=result.cost_usd,
         )
 
 
@@ -107,15 +112,14 @@ def _refused(layout: Layout) -> Iterator[dict[str, Any]]:
     for de in visible_entries(layout.folder(State.FAILED)):
         if "@" not in de.name:
             continue
-        result = JobFolder(Path(de.path)).result() or {}
-        job_id = result.get("job_id")
+        result = JobFolder(Path(de.path)).result() or _NO_RESULT
         yield _row(
-            job_id if isinstance(job_id, str) else None,
+            result.job_id,
             "refused",
-            result.get("agent"),
-            _refused_at(de.name) or _stamp(result.get("finished")),
+            result.agent,
+            _refused_at(de.name) or _stamp(result.finished),
             Path(de.path),
-            reason=result.get("reason"),
+            reason=result.reason,
         )
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from dispatcher import fsutil
 from dispatcher.errors import OrderError
-from dispatcher.layout import Layout, State, has_jobs
-from dispatcher.ledger.base import DaemonInfo, Ledger, Row
+from dispatcher.layout import Layout, has_jobs
+from dispatcher.ledger.base import DaemonInfo, Ledger
+from dispatcher.lifecycle import Row, State
 from dispatcher.spec.config import Config
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format

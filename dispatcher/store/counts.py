@@ -10,7 +10,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from dispatcher.layout import Layout, State, is_ignored
+from dispatcher.layout import Layout, is_ignored
+from dispatcher.lifecycle import State
 
 #: the states `status` counts; `failed` is failed jobs, `refused` refused files
 COUNTED = ("inbox", "held", "active", "review", "done", "failed", "refused")
