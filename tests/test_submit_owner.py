@@ -57,6 +57,23 @@ def test_a_file_submitted_by_root_is_run_by_a_daemon_running_as_the_service_user
         log.close()
 
 
+def test_a_first_submit_by_root_leaves_the_root_to_its_service_user(service: tuple[Env, str]) -> None:
+    """Root submits before any daemon ran: inbox/, .state/ and the new ledger get the root's owner; the job runs."""
+    env, python = service
+    (env.tmp / "o.json").write_text(json.dumps(order("FIRST-1")))
+    sub = env.cli("submit", str(env.tmp / "o.json"))
+    assert sub.returncode == 0, sub.stderr
+    owner = (env.root.stat().st_uid, env.root.stat().st_gid)
+    state = env.root / ".state"
+    for path in (env.root / "inbox", state, state / "submit.lock", state / "ledger.sqlite3"):
+        assert (path.stat().st_uid, path.stat().st_gid) == owner, path
+    run = subprocess.run(
+        as_user(python, "--config", str(env.config_path), "run", "--once"), capture_output=True, text=True, cwd=env.tmp
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (env.root / "done" / "FIRST-1" / "result.json").exists()
+
+
 def test_a_submit_the_daemon_could_not_read_fails_in_one_line(tmp_path: Path) -> None:
     """A user not in inbox/'s group (inbox/ writable by all) gets exit 2 and one line; nothing is dropped."""
     python = interpreter()

@@ -63,6 +63,7 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
     try:
         layout.inbox.mkdir(parents=True, exist_ok=True)
         layout.state_dir.mkdir(parents=True, exist_ok=True)
+        _hand_over_state(layout)  # inbox/ first: a dropped file takes inbox/'s owner
         with FileLock(lock_path, timeout=LOCK_TIMEOUT_S, thread_local=False, preserve_lock_file=True):
             _refuse_known(cfg, layout, orders)
             for name, order, data in orders:
@@ -73,6 +74,31 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
         raise UsageError(f"{lock_path}: another submit held the lock for {LOCK_TIMEOUT_S:g} s") from None
     except OSError as exc:
         raise OrderError(f"cannot submit: {exc.strerror or exc}", file=current) from None
+    finally:
+        _hand_over_state(layout)
+
+
+def _hand_over_state(layout: Layout) -> None:
+    """As root, give what this submit created (inbox/, .state/, its lock, a new ledger) the root's owner.
+
+    A root made for a service user (`dispatcher` under systemd) must stay writable by
+    its daemon even when root was the first to submit into it.
+    """
+    if os.geteuid() != 0:
+        return
+    try:
+        owner = os.stat(layout.root)
+    except OSError:
+        return
+    if owner.st_uid == 0:
+        return
+    ledger = layout.ledger
+    made = [layout.inbox, layout.state_dir, layout.state_dir / "submit.lock", ledger]
+    made += [ledger.with_name(ledger.name + suffix) for suffix in ("-wal", "-shm")]
+    for path in made:
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == 0:
+                os.lchown(path, owner.st_uid, owner.st_gid)
 
 
 def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
