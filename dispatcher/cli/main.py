@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
     os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
-    if args.command != "run":  # what a command logs (a ledger it waits for) is in the one console format
+    if args.command not in ("run", "web"):  # a command logs (a ledger it waits for) in the one console format
         from dispatcher import logs
 
         logs.configure_for_command()
