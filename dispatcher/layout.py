@@ -82,11 +82,15 @@ class Layout:
 
 
 def has_jobs(layout: Layout) -> bool:
-    """Return True if any job folder exists in active/, waiting/, review/, done/ or failed/."""
+    """Return True if any job folder exists in active/, waiting/, review/, done/ or failed/.
+
+    A refused file's folder (``<stem>@<time>`` in failed/) is not a job: it never made the
+    ledger lose anything (contract 13).
+    """
     for state in State:
         try:
             with os.scandir(layout.folder(state)) as it:
-                if any(not de.name.startswith(".") for de in it):
+                if any(not de.name.startswith(".") and "@" not in de.name for de in it):
                     return True
         except FileNotFoundError:
             continue

@@ -20,6 +20,7 @@ from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, listed,
 from dispatcher.errors import cut, printable
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult
+from dispatcher.text import exit_text
 
 DETAIL_MAX = 1000
 
@@ -106,7 +107,7 @@ def exit_ok(ev: Evidence) -> CheckResult:
     if e.code is None:
         return r(False, "no exit status")
     if e.code < 0:
-        return r(False, f"killed by signal {-e.code} after {e.seconds:.2f} s")
+        return r(False, f"{exit_text(e.code)} after {e.seconds:.2f} s")
     return r(e.code == 0, f"exit {e.code} in {e.seconds:.2f} s")
 
 

@@ -16,6 +16,7 @@ from dispatcher.layout import UMASK
 from dispatcher.spec.config import Config, require_config
 from dispatcher.spec.orders import parse_order
 from dispatcher.store.counts import LIST_STATES
+from dispatcher.text import redact
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("url", nargs="?", metavar="URL", help="for migrate: the postgresql://... ledger to fill")
     c = _command(sub, "web")
     c.add_argument("--listen", metavar="ADDR:PORT", help="where to listen (default 127.0.0.1:8700)")
+    c = _command(sub, "reload")
+    c = _command(sub, "unit")
+    what = c.add_mutually_exclusive_group()
+    what.add_argument("--template", action="store_true", help="dispatcher@.service: one daemon per config NAME")
+    what.add_argument("--web", action="store_true", help="dispatcher-web.service: the web view beside the daemon")
+    what.add_argument("--logrotate", action="store_true", help="the file for /etc/logrotate.d/dispatcher")
+    what.add_argument("--notify", choices=("append", "webhook"), help="an example notify script")
     c = _command(sub, "completion")
     c.add_argument("shell", choices=("bash", "zsh", "fish"))
     for name, sp in sub.choices.items():
@@ -110,10 +118,14 @@ def main(argv: list[str] | None = None) -> None:
         argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
     os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
+    if args.command not in ("run", "web"):  # a command logs (a ledger it waits for) in the one console format
+        from dispatcher import logs
+
+        logs.configure_for_command()
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
-        print(exc, file=sys.stderr)
+        print(redact(str(exc)), file=sys.stderr)
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
@@ -175,8 +187,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if len(args.files) > 1:
             print(f"nothing was submitted: {bad} of {len(args.files)} files are invalid", file=sys.stderr)
         return 2
-    for job_id in submit(cfg, orders):
-        print(job_id, flush=True)
+    dropped = 0
+    try:
+        for job_id in submit(cfg, orders):
+            print(job_id, flush=True)
+            dropped += 1
+    except OrderError as exc:
+        if len(orders) > 1:  # say what happened to the others: none dropped, or those printed above
+            print(exc, file=sys.stderr)
+            what = "nothing was submitted" if dropped == 0 else f"only the {dropped} ids above were submitted"
+            raise OrderError(f"{what} ({len(orders)} files given)") from None
+        raise
+    commands.note_config(cfg)
     return 0
 
 
@@ -196,14 +218,27 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         return 0
     if not args.url:
         raise UsageError("ledger migrate: give the postgresql://... URL of an empty ledger")
+    url = sys.stdin.readline().strip() if args.url == "-" else args.url
+    if args.url != "-" and redact(url) != url:
+        raise UsageError(
+            "ledger migrate: URL: a password on the command line shows in every process list;"
+            " put it in ~/.pgpass or $PGPASSWORD, or give - and the URL on stdin"
+        )
     if cfg.ledger != "sqlite":
         raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
     from dispatcher.ledger.postgres import PostgresLedger, migrate
-    from dispatcher.store.ledgers import open_ledger
+    from dispatcher.store.ledgers import REACH_S, open_ledger
 
-    source = open_ledger(cfg, layout, create=False)
+    source = open_ledger(cfg, layout, create=False, patience_s=30.0)
     try:
-        target = PostgresLedger(args.url, layout, lease_s=cfg.lease_s, patience_s=30)
+        live = [d for d in source.daemons() if d.alive]
+        if live:
+            names = ", ".join(f"{d.pid} on {d.host}" for d in live)
+            raise UsageError(
+                f"{layout.root}: ledger migrate: a daemon is running on this root ({names});"
+                " stop every daemon first, or ids it claims meanwhile are not copied"
+            )
+        target = PostgresLedger(url, layout, lease_s=cfg.lease_s, patience_s=REACH_S, connect_timeout_s=int(REACH_S))
         try:
             copied = migrate(source, target)
             where = target.where
@@ -259,6 +294,8 @@ COMMANDS = {
     "reject": lambda args: commands.for_each_id(args, "reject"),
     "logs": commands.cmd_logs,
     "ledger": cmd_ledger,
+    "reload": commands.cmd_reload,
+    "unit": commands.cmd_unit,
     "completion": commands.cmd_completion,
     "web": cmd_web,
 }

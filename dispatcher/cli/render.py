@@ -9,7 +9,7 @@ from typing import Any
 
 from dispatcher.errors import printable
 from dispatcher.query.jobinfo import tree_cost
-from dispatcher.text import ago, plain, usd
+from dispatcher.text import ago, exit_text, plain, usd
 
 #: stopped daemons `status` names besides those that own active jobs (`--json` lists all)
 DEAD_SHOWN = 3
@@ -45,7 +45,8 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
             )
         hidden = len(dead) - len(shown_dead)
         if hidden > 0:
-            lines.append(f"  ({hidden} older stopped daemons not shown; `dispatcher status --json` lists every one)")
+            older = "1 older stopped daemon" if hidden == 1 else f"{hidden} older stopped daemons"
+            lines.append(f"  ({older} not shown; `dispatcher status --json` lists every one)")
     if not alive:
         lines.append("no daemon is running: nothing is claimed until `dispatcher run` starts (it recovers active jobs)")
     if info["active"]:
@@ -90,7 +91,7 @@ def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
     elif a.get("interrupted"):
         code = "interrupted"
     else:
-        code = f"exit {plain(a.get('exit_code'))}"
+        code = exit_text(a.get("exit_code"))
     ms = a.get("duration_ms")
     head = f"    #{plain(a.get('n'))}  {plain(a.get('started'))}  {code}  {plain(ms)} ms"
     head += f"  host {printable(plain(a.get('host')))}  cost {usd(a.get('cost_usd'))}"
@@ -108,7 +109,7 @@ def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
         lines.append(f"        logs: {logs['stdout']}")
         lines.append(f"              {logs['stderr']}")
         if tail:
-            lines.append(f"        stderr, last {len(tail)} lines:")
+            lines.append(f"        stderr, {'the last line' if len(tail) == 1 else f'last {len(tail)} lines'}:")
             lines.extend(f"          | {line}" for line in tail)
         else:
             lines.append("        stderr: empty")

@@ -60,7 +60,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "show": (
         "one job: state, checks, attempts (argv, host, cost, stderr of a failure), its chain",
-        f"0 printed\n1 no such job\n2 {BAD}, a root that does not exist",
+        f"0 printed (a refused file too)\n1 no such job or refused file\n2 {BAD}, a root that does not exist",
         "dispatcher show JOB-001\ndispatcher show --tree JOB-001",
     ),
     "retry": (
@@ -110,6 +110,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         f"0 done\n1 the target is not empty, or it cannot be reached\n2 a daemon is running, {BAD}",
         "dispatcher ledger rebuild        # with every daemon stopped\n"
         "dispatcher ledger migrate postgresql://dispatcher@db/dispatcher",
+    ),
+    "reload": (
+        "ask this root's live daemons on this host to reload their config (SIGHUP), after checking it",
+        "0 every live daemon was asked\n1 no daemon of this root runs on this host, or one could not be asked "
+        f"(under systemd: use systemctl reload)\n2 the config is invalid, {BAD}",
+        "dispatcher reload\nsystemctl reload dispatcher      # for a daemon that systemd runs",
+    ),
+    "unit": (
+        "print the systemd unit for the installed command (or the template, logrotate file, notify examples)",
+        "0 printed\n2 bad usage",
+        "dispatcher unit > /etc/systemd/system/dispatcher.service\n"
+        "dispatcher unit --template > /etc/systemd/system/dispatcher@.service\n"
+        "dispatcher unit --logrotate > /etc/logrotate.d/dispatcher",
     ),
     "completion": (
         "print the shell completion script for bash, zsh or fish",

@@ -19,9 +19,11 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
+from dispatcher.core import announce
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.notify import Notifications
@@ -38,6 +40,9 @@ from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
 from dispatcher.spec.config import Config, load_config
 from dispatcher.store.ledgers import open_ledger
+
+if TYPE_CHECKING:
+    from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
 
@@ -92,16 +97,13 @@ class Daemon:
         except OSError as exc:
             raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
         self.ledger = open_ledger(self.config, self.layout)
-        self.ledger.register(DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time()))
+        self.ledger.register(
+            DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
+        )
         self.ledger.set_give_up(lambda: self.stopping and self.stop_deadline is None)
         self.lanes = Lanes()
         self.notify = Notifications(lambda: self.config, self.layout.root)
-        self.metrics = None
-        if self.config.metrics_file:
-            from dispatcher.metrics import Metrics  # prometheus_client only when it is used
-
-            host = socket.gethostname()
-            self.metrics = Metrics(self.config.metrics_file, host, os.getpid(), agents=self.config.agents)
+        self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
         finisher = Finisher(
             self.layout,
@@ -145,6 +147,8 @@ class Daemon:
             "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
             max_jobs=self.config.max_jobs, agents=sorted(self.config.agents), once=self.once, ledger=self.config.ledger,
         )  # fmt: skip
+        announce.config_findings(self.config)
+        announce.other_daemons(self.ledger, self.owner)
         self.watch = (
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
@@ -278,11 +282,24 @@ class Daemon:
         except (ConfigError, OSError) as exc:
             log.error("config.rejected", error=str(exc))
             return
+        if new.metrics_file != self.config.metrics_file:  # set, moved or unset: takes effect now
+            self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
+            self.house.metrics_now()
         self.config = new
         self.inbox.settle_s = new.settle_s
+        self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
+        announce.config_findings(new)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _metrics(self, config: Config) -> Metrics | None:
+        """Return the metrics of metrics_file (None when unset); its first write is due at once."""
+        if not config.metrics_file:
+            return None
+        from dispatcher.metrics import Metrics  # prometheus_client only when it is used
+
+        return Metrics(config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents)
+
     def _timeout(self) -> float:
         now = time.monotonic()
         waits = [self._next_rescan - now, self.house.next_due(now)]

@@ -224,8 +224,18 @@ class Housekeeping:
         self.inbox.writers_checked(names, held)
 
     def next_due(self, now: float) -> float:
-        """Return seconds until the next settle check (a large number when none is due)."""
-        return 3600.0 if self._settle_due is None else self._settle_due - now
+        """Return seconds until the next settle check or metrics write (a large number when none is due).
+
+        The metrics write is a timer of its own: an idle loop still turns for it (section 10).
+        """
+        due = 3600.0 if self._settle_due is None else self._settle_due - now
+        if self.ctx.metrics is not None and not self._writing:  # a write in flight wakes the loop when done
+            due = min(due, self._metrics_due - now)
+        return due
+
+    def metrics_now(self) -> None:
+        """Make the next metrics write due at once (metrics_file was just set by a reload)."""
+        self._metrics_due = 0.0
 
     def metrics_due(self) -> None:
         """Note the loop's turn; rewrite the metrics file when due (at least every 10 s; section 10)."""

@@ -141,6 +141,8 @@ class DaemonInfo:
     host: str
     started: float
     alive: bool = True
+    #: the digest of the config file the daemon loaded last (at start or reload)
+    config_digest: str | None = None
 
 
 class LedgerUnavailable(DispatchError):
@@ -197,6 +199,10 @@ class Ledger(ABC):
     @abstractmethod
     def register(self, info: DaemonInfo) -> None:
         """Announce a daemon start under a new identity (never reused)."""
+
+    @abstractmethod
+    def record_config(self, digest: str | None) -> None:
+        """Record in this daemon's entry the digest of the config it has just loaded (a reload)."""
 
     @abstractmethod
     def alive(self, owner: str) -> bool:

@@ -69,7 +69,8 @@ _TABLES = (
         lease_until timestamptz NOT NULL,
         ended       text CHECK (ended IN ('stopped', 'lost')),
         ended_at    timestamptz,
-        ended_by    text COLLATE "C"
+        ended_by    text COLLATE "C",
+        config_digest text
     )""",
     "CREATE INDEX daemons_live ON daemons (lease_until) WHERE ended IS NULL",
     "CREATE INDEX daemons_ended_by ON daemons (ended_by) WHERE ended_by IS NOT NULL",
@@ -89,6 +90,25 @@ _TABLES = (
 )
 
 
+class NoSchema(PostgresLedgerError):
+    """The database holds no dispatcher ledger yet (a reader never creates one)."""
+
+
+def check(cur: Cur, where: str) -> int:
+    """Return the schema version of a ledger opened read-only; refuse a newer one; NoSchema when there is none."""
+    exists = cur.execute("SELECT to_regclass('schema_version') IS NOT NULL").fetchone()
+    if not (exists and exists[0]):
+        raise NoSchema(f"{where}: holds no dispatcher ledger yet (the first daemon to start creates it)")
+    row = cur.execute("SELECT max(version) FROM schema_version").fetchone()
+    version = int(row[0]) if row and row[0] is not None else 0
+    if version > SCHEMA_VERSION:
+        raise PostgresLedgerError(
+            f"{where}: ledger schema version {version} is newer than this dispatcher knows"
+            f" ({SCHEMA_VERSION}); upgrade dispatcher on this host"
+        )
+    return version
+
+
 def ensure(cur: Cur, where: str) -> int:
     """Create the schema if the database has none; refuse a newer one; return the version found."""
     cur.execute("SET LOCAL lock_timeout = 0")  # several daemons starting at once wait for the first
@@ -104,6 +124,7 @@ def ensure(cur: Cur, where: str) -> int:
                 f" ({SCHEMA_VERSION}); upgrade dispatcher on this host"
             )
         if version == SCHEMA_VERSION:
+            _add_columns(cur)
             return version
         if version == 1:  # a ledger from before joins: add their table
             for statement in _WAITS:
@@ -126,3 +147,13 @@ def ensure(cur: Cur, where: str) -> int:
     cur.execute("CREATE TABLE schema_version (version integer NOT NULL)")
     cur.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
     return SCHEMA_VERSION
+
+
+def _add_columns(cur: Cur) -> None:
+    """Add the columns added since version 1 without a new version: older daemons never name them."""
+    found = cur.execute(
+        "SELECT 1 FROM information_schema.columns WHERE table_name = 'daemons' AND column_name = 'config_digest'"
+        " AND table_schema = current_schema()"
+    ).fetchone()
+    if found is None:
+        cur.execute("ALTER TABLE daemons ADD COLUMN IF NOT EXISTS config_digest text")

@@ -97,19 +97,30 @@ class PostgresLedger(Ledger, LeasesInterface):
     """A handle on a PostgreSQL ledger; safe to share between threads (a small connection pool)."""
 
     def __init__(
-        self, url: str, layout: Layout | None = None, *, lease_s: float = 30.0, patience_s: float | None = None
+        self,
+        url: str,
+        layout: Layout | None = None,
+        *,
+        lease_s: float = 30.0,
+        patience_s: float | None = None,
+        connect_timeout_s: int | None = None,
+        readonly: bool = False,
     ) -> None:
         """Connect, create or check the schema; raise PostgresLedgerError (one line) if it cannot be used.
 
         ``layout`` is accepted for symmetry with the SQLite engine and not used.
         ``patience_s`` bounds how long a step waits for an unreachable database
-        (None: forever, as a daemon does; then ``LedgerUnavailable``).
+        (None: forever, as a daemon does; then ``LedgerUnavailable``); ``connect_timeout_s``
+        bounds each connection attempt (a command's; a daemon's follows the lease).
+        ``readonly`` (`status`, `list`, `show`) never creates or changes the schema and
+        runs every transaction read-only: a role with SELECT alone is enough
+        (``pg_schema.NoSchema`` when no daemon has made the ledger yet).
         """
         if not lease_s > 0:
             raise PostgresLedgerError(f"lease must be a positive number of seconds, not {lease_s}")
         self.where = describe(url)
         self.lease_s = float(lease_s)
-        conninfo = make_conninfo(url, self.lease_s)
+        conninfo = make_conninfo(url, self.lease_s, connect_timeout_s, readonly=readonly)
         self._pool = Pool(conninfo, size=4)
         self._runner = Runner(self._pool, self.where, self.giving_up, patience_s)
         self._leases = Leases(self._runner, conninfo, self.lease_s)
@@ -117,9 +128,12 @@ class PostgresLedger(Ledger, LeasesInterface):
         self._followups = Followups(self._runner, self._leases)
         self._waits = Waits(self._runner, self._leases)
         try:
-            self._runner.run("schema", lambda cur: pg_schema.ensure(cur, self.where), fatal=permanent)
+            step = pg_schema.check if readonly else pg_schema.ensure
+            self._runner.run("schema", lambda cur: step(cur, self.where), fatal=permanent)
         except psycopg.Error as exc:  # not a wait: a missing privilege, an unusable database
             self._pool.close()
+            if readonly:
+                raise PostgresLedgerError(f"{self.where}: the ledger cannot be read: {_one_line(exc)}") from None
             text = " ".join(str(exc).split())
             raise PostgresLedgerError(f"{self.where}: the ledger schema cannot be set up: {text}") from None
         except BaseException:
@@ -198,6 +212,10 @@ class PostgresLedger(Ledger, LeasesInterface):
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon that ever registered on this ledger, newest first."""
         return self._leases.daemons()
+
+    def record_config(self, digest: str | None) -> None:
+        """Record the digest of the config this daemon loaded in its row."""
+        self._leases.record_config(digest)
 
     def take_slot(self, agent: str, concurrency: int) -> int | None:
         """Take a free slot of agent over every daemon (FOR UPDATE SKIP LOCKED); None if all are busy.
@@ -386,3 +404,7 @@ def migrate(sqlite_ledger: Ledger, target: PostgresLedger) -> int:
     copied = target.load_into_empty(entries, requests)
     log.info("ledger.migrated", rows=copied, requests=len(requests), target=target.where)
     return copied
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

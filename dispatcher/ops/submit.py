@@ -11,6 +11,8 @@ OSError (a full disk, a read-only folder) is one line naming the file.
 from __future__ import annotations
 
 import contextlib
+import errno
+import grp
 import os
 import secrets
 from collections.abc import Iterator
@@ -100,6 +102,7 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
     try:
         layout.inbox.mkdir(parents=True, exist_ok=True)
         layout.state_dir.mkdir(parents=True, exist_ok=True)
+        _hand_over_state(layout)  # inbox/ first: a dropped file takes inbox/'s owner
         with FileLock(lock_path, timeout=LOCK_TIMEOUT_S, thread_local=False, preserve_lock_file=True):
             _refuse_known(cfg, layout, orders)
             for name, order, data, ext in orders:
@@ -110,6 +113,31 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
         raise UsageError(f"{lock_path}: another submit held the lock for {LOCK_TIMEOUT_S:g} s") from None
     except OSError as exc:
         raise OrderError(f"cannot submit: {exc.strerror or exc}", file=current) from None
+    finally:
+        _hand_over_state(layout)
+
+
+def _hand_over_state(layout: Layout) -> None:
+    """As root, give what this submit created (inbox/, .state/, its lock, a new ledger) the root's owner.
+
+    A root made for a service user (`dispatcher` under systemd) must stay writable by
+    its daemon even when root was the first to submit into it.
+    """
+    if os.geteuid() != 0:
+        return
+    try:
+        owner = os.stat(layout.root)
+    except OSError:
+        return
+    if owner.st_uid == 0:
+        return
+    ledger = layout.ledger
+    made = [layout.inbox, layout.state_dir, layout.state_dir / "submit.lock", ledger]
+    made += [ledger.with_name(ledger.name + suffix) for suffix in ("-wal", "-shm")]
+    for path in made:
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == 0:
+                os.lchown(path, owner.st_uid, owner.st_gid)
 
 
 def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
@@ -145,6 +173,7 @@ def _drop(layout: Layout, job_id: str, ext: str, data: bytes) -> None:
     tmp = layout.inbox / f".submit-{job_id}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         fsutil.write_new(tmp, data, sync=True)
+        _hand_over(tmp, layout.inbox)
         n = 1
         while True:
             final = layout.inbox / (f"{job_id}{ext}" if n == 1 else f"{job_id}-{n}{ext}")
@@ -157,3 +186,31 @@ def _drop(layout: Layout, job_id: str, ext: str, data: bytes) -> None:
     finally:
         with contextlib.suppress(OSError):  # FileNotFoundError once renamed; nothing better to do otherwise
             tmp.unlink()
+
+
+def _hand_over(path: Path, inbox: Path) -> None:
+    """Give the file inbox/'s owner and group (root), or its group (a member), so the daemon can read it.
+
+    Raise OSError (one line for the caller) when neither is possible: a file the daemon
+    cannot read would only be refused later.
+    """
+    st = os.stat(inbox)
+    mine = os.lstat(path)
+    if os.geteuid() == 0:
+        os.chown(path, st.st_uid, st.st_gid)
+    elif mine.st_uid != st.st_uid and mine.st_gid != st.st_gid:
+        try:
+            os.chown(path, -1, st.st_gid)
+        except PermissionError:
+            raise PermissionError(
+                errno.EPERM,
+                f"inbox/ belongs to group {_group(st.st_gid)}, which you are not in: the daemon could not read it",
+            ) from None
+    os.chmod(path, 0o640)
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
