@@ -111,11 +111,18 @@ def validate_config(path: Path, cfg: Config) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Print counts per state, the daemons, the active jobs and the spend of 24 h (or all of it as JSON)."""
     from dispatcher.cli.render import render_status
-    from dispatcher.query.report import status
+    from dispatcher.query.report import status_with
+    from dispatcher.store.ledgers import open_reader
 
     cfg = config_of(args, need_root=True)
     now = time.time()
-    info = status(cfg, Layout(cfg.root), now)
+    layout = Layout(cfg.root)
+    ledger = open_reader(cfg, layout)
+    try:
+        info = status_with(layout, ledger, now)
+    finally:
+        if ledger is not None:
+            ledger.close()
     note = stale_config(cfg)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -130,7 +137,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def daemons_of(cfg: Config) -> list[DaemonInfo]:
     """Return the daemons of the root (a fresh root without a ledger has none)."""
-    from dispatcher.query.report import open_reader
+    from dispatcher.store.ledgers import open_reader
 
     ledger = open_reader(cfg, Layout(cfg.root))
     if ledger is None:
@@ -178,7 +185,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     """Print one line per job or refused file, newest first (or JSON lines)."""
     from dispatcher.cli.render import render_list
     from dispatcher.query.listing import list_jobs
-    from dispatcher.query.report import open_reader
+    from dispatcher.store.ledgers import open_reader
 
     cfg = config_of(args, need_root=True)
     layout = Layout(cfg.root)
@@ -198,7 +205,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     """Print one job: state, checks, attempts, cost and its chain (or JSON, or the tree)."""
     from dispatcher.cli.render import render_show, render_tree
     from dispatcher.query.jobinfo import show_json
-    from dispatcher.query.report import open_reader
+    from dispatcher.store.ledgers import open_reader
 
     cfg = config_of(args, need_root=True)
     layout = Layout(cfg.root)

@@ -13,7 +13,7 @@ from dispatcher import __version__
 from dispatcher.cli import commands, usage
 from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
-from dispatcher.spec.config import Config, require_config
+from dispatcher.spec.config import Config, load_config, require_config, require_root
 from dispatcher.spec.orders import parse_order
 from dispatcher.store.counts import LIST_STATES
 from dispatcher.text import redact
@@ -252,10 +252,22 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """Run the daemon; imported only here, so the other commands start without the daemon's modules."""
-    from dispatcher.cli.run import cmd_run
+    """Run the daemon on an existing root (its missing folders are made; main() set the umask).
 
-    return cmd_run(args)
+    The daemon is imported only here, so the other commands start without its modules.
+    """
+    from dispatcher import logs
+    from dispatcher.core.daemon import Daemon
+
+    path = require_config(args.config)
+    root = Path(args.root) if args.root else None
+    cfg = load_config(path, root=root)
+    require_root(cfg)
+    try:
+        logs.configure(log_file=cfg.log_file)
+    except OSError as exc:
+        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(path), field="log_file") from None
+    return Daemon(cfg, config_path=path, root_override=root, once=args.once).serve()
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -267,7 +279,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 
     cfg = commands.config_of(args, need_root=True)
     try:
-        from dispatcher.web.server import serve
+        from dispatcher.web.routes import serve
     except ImportError as exc:
         extra = "pip install 'folder-dispatcher[web]'"
         raise UsageError(f"web: needs the web extra ({exc.name} is missing): {extra}") from None

@@ -30,9 +30,9 @@ from dispatcher.errors import NotFound, WrongState, printable
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
-from dispatcher.query.report import PATIENCE_S, read_order_file
+from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import Config
-from dispatcher.store.ledgers import open_ledger
+from dispatcher.store.ledgers import PATIENCE_S, open_ledger
 from dispatcher.store.queued import find_queued
 
 log = structlog.get_logger("dispatcher")

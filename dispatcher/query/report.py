@@ -14,50 +14,16 @@ from typing import Any
 
 from dispatcher import fsutil
 from dispatcher.errors import OrderError
-from dispatcher.layout import Layout, has_jobs
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo, Ledger
 from dispatcher.lifecycle import Row, State
-from dispatcher.spec.config import Config
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
 from dispatcher.store.counts import state_counts, visible_entries
 from dispatcher.store.jobstore import JobFolder
-from dispatcher.store.ledgers import NoLedgerYet, open_ledger
 
-#: how long a command waits for a ledger another process is writing
-PATIENCE_S = 30.0
 #: the window of `status`'s spend per agent
 SPEND_WINDOW_S = 24 * 3600.0
-
-
-def open_reader(config: Config, layout: Layout) -> Ledger | None:
-    """Open the ledger read-only for a command that reads; None on a fresh root that has none yet.
-
-    Reading needs no write access anywhere in the root: anyone who can read it (the
-    service's group) may run `status`, `list` and `show`.
-
-    A ledger missing or unreadable while job folders exist raises ``LedgerLost``
-    (exit 2, naming `dispatcher ledger rebuild`), as for every command.
-    """
-    if config.ledger == "sqlite":
-        path = layout.ledger
-        missing = not path.exists() or path.stat().st_size == 0
-        if missing and not has_jobs(layout):
-            return None
-    try:
-        return open_ledger(config, layout, patience_s=PATIENCE_S, create=False, readonly=True)
-    except NoLedgerYet:
-        return None
-
-
-def status(config: Config, layout: Layout, now: float | None = None) -> dict[str, Any]:
-    """Return what `status --json` prints: counts, daemons, active jobs and the spend of the last 24 h."""
-    ledger = open_reader(config, layout)
-    try:
-        return status_with(layout, ledger, now)
-    finally:
-        if ledger:
-            ledger.close()
 
 
 def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None) -> dict[str, Any]:

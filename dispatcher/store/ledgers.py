@@ -18,6 +18,8 @@ from dispatcher.spec.config import Config
 #: how long a command tries to reach a PostgreSQL ledger (one connection attempt of 2 s, libpq's
 #: shortest, or quick retries of a refused one), so that it answers within 5 seconds
 REACH_S = 2.0
+#: how long a command waits for a ledger another process is writing
+PATIENCE_S = 30.0
 REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebuild it from the job folders"
 
 
@@ -101,3 +103,23 @@ def open_ledger(
         ledger.close()
         raise LedgerLost(f"{path}: the ledger is empty but job folders exist; {REBUILD_HINT}")
     return ledger
+
+
+def open_reader(config: Config, layout: Layout) -> Ledger | None:
+    """Open the ledger read-only for a command that reads; None on a fresh root that has none yet.
+
+    Reading needs no write access anywhere in the root: anyone who can read it (the
+    service's group) may run `status`, `list` and `show`.
+
+    A ledger missing or unreadable while job folders exist raises ``LedgerLost``
+    (exit 2, naming `dispatcher ledger rebuild`), as for every command.
+    """
+    if config.ledger == "sqlite":
+        path = layout.ledger
+        missing = not path.exists() or path.stat().st_size == 0
+        if missing and not has_jobs(layout):
+            return None
+    try:
+        return open_ledger(config, layout, patience_s=PATIENCE_S, create=False, readonly=True)
+    except NoLedgerYet:
+        return None
