@@ -132,7 +132,7 @@ def machine(argv: list[str] | None) -> dict[str, Any]:
         commit = ""
     return {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *(sys.argv if argv is None else ["bench.py", *argv])]),
+        "command": shlex.join([_from_checkout(sys.executable), *(sys.argv if argv is None else ["bench.py", *argv])]),
         "commit": commit or None,
         "nproc": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
@@ -201,3 +201,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _from_checkout(path: str) -> str:
+    """Return path relative to the checkout (`.venv/bin/python`) when inside it: reports hold no machine paths."""
+    checkout = Path(__file__).resolve().parent.parent
+    try:
+        return str(Path(path).relative_to(checkout))
+    except ValueError:
+        return os.path.basename(path)

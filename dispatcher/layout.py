@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import enum
 import os
 import stat
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
+from dispatcher.lifecycle import State
+
 UMASK = 0o027
-
-
-class State(enum.StrEnum):
-    """Where a job is; each state is a folder of the dispatch root."""
-
-    ACTIVE = "active"
-    REVIEW = "review"
-    DONE = "done"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,28 +81,16 @@ class Layout:
         return None
 
 
-def utc_stamp(when: float | None = None) -> str:
-    """Return a refusal-folder timestamp such as 20261129T081600.123456Z."""
-    moment = datetime.fromtimestamp(when, UTC) if when is not None else datetime.now(UTC)
-    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
-
-
-def iso(when: float) -> str:
-    """Return an ISO 8601 UTC time with milliseconds, as result.json writes it."""
-    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(when * 1000) % 1000:03d}Z"
-
-
-def parse_iso(text: str) -> float:
-    """Return epoch seconds for an ``iso`` time."""
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
 def has_jobs(layout: Layout) -> bool:
-    """Return True if any job folder exists in active/, review/, done/ or failed/."""
+    """Return True if any job folder exists in active/, waiting/, review/, done/ or failed/.
+
+    A refused file's folder (``<stem>@<time>`` in failed/) is not a job: it never made the
+    ledger lose anything (contract 13).
+    """
     for state in State:
         try:
             with os.scandir(layout.folder(state)) as it:
-                if any(not de.name.startswith(".") for de in it):
+                if any(not de.name.startswith(".") and "@" not in de.name for de in it):
                     return True
         except FileNotFoundError:
             continue

@@ -5,7 +5,8 @@ filelock's lines come out as the same JSON). JSON when stdout is not a
 terminal, and `logview.format_line` (the console format `dispatcher logs` also
 prints) when it is. When stdout is the journal, each JSON line starts with its
 syslog priority (`<3>` error ... `<7>` debug), which journald takes off and
-keeps as the entry's priority, so `journalctl -p err` finds errors. Exceptions
+keeps as the entry's priority, so `journalctl -p err` finds errors. A credential
+in any field (a ledger URL's password) is written as ``***``. Exceptions
 are rendered as dicts without local variables (``show_locals=False``), so no
 secret held in a local ends up in the journal.
 """
@@ -25,6 +26,7 @@ import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
 from dispatcher.logview import format_line
+from dispatcher.text import redact
 
 _lock = threading.Lock()
 
@@ -86,6 +88,17 @@ _SHARED: list[Any] = [
 _dicts = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
 
 
+def scrub(value: Any) -> Any:
+    """Return value with every credential in its strings shown as ``***`` (dicts and lists walked)."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: scrub(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [scrub(v) for v in value]
+    return value
+
+
 # syslog priorities (RFC 5424) for the journal's `<N>` line prefix (sd-daemon(3))
 PRIORITY = {"debug": 7, "info": 6, "notice": 5, "warning": 4, "warn": 4, "error": 3, "exception": 3, "critical": 2}
 
@@ -117,7 +130,7 @@ class _DualRenderer:
     def __call__(self, logger: Any, name: str, event: Any) -> str:
         event.pop("_record", None)
         event.pop("_from_structlog", None)
-        event = _dicts(logger, name, event)
+        event = scrub(_dicts(logger, name, event))
         as_json = str(self._json(logger, name, event))
         if self._console:
             line = format_line(event)
@@ -149,6 +162,15 @@ def configure(*, log_file: Path | None = None, console: bool | None = None, leve
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
+
+
+def configure_for_command() -> None:
+    """Log a command's warnings and errors on stderr in the console format of `run` and `logs`.
+
+    Its stdout is the command's answer (JSON for `--json`): log lines never go there.
+    """
+    SINK.console = sys.stderr
+    configure(console=True, level=logging.WARNING)
 
 
 def _quiet_watchdog_stop(record: logging.LogRecord) -> bool:

@@ -20,15 +20,20 @@ Metrics (labels in braces):
 
 from __future__ import annotations
 
+import contextlib
+import glob as globmod
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, write_to_textfile
 
+from dispatcher import procs
+
 FINISHED_STATES = ("done", "failed", "refused")
-QUEUE_STATES = ("inbox", "held", "active", "review")
+QUEUE_STATES = ("inbox", "held", "active", "waiting", "review")
 #: from a quick script to an agent that works for an hour or two
 DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
 
@@ -42,6 +47,37 @@ def metrics_path(template: str | os.PathLike[str], host: str, pid: int) -> Path:
     return Path(str(template).replace("{host}", host).replace("{pid}", str(pid)))
 
 
+def stale_files(template: str | os.PathLike[str], host: str, pid: int) -> list[Path]:
+    """Return the files of template's ``{pid}`` pattern on this host whose daemon has stopped.
+
+    A pid counts as a live daemon while its process runs (not a zombie) and its command
+    line names dispatcher; any other pid (gone, or reused by another program) left a
+    stale file, which node_exporter would keep serving.
+    """
+    text = str(template).replace("{host}", host)
+    if "{pid}" not in text:
+        return []
+    glob_pattern = text.replace("{pid}", "*")
+    pattern = re.compile(re.escape(text).replace(re.escape("{pid}"), r"(\d+)"))
+    out = []
+    for name in globmod.glob(glob_pattern):
+        found = pattern.fullmatch(name)
+        if found is None or int(found.group(1)) == pid or _is_daemon(int(found.group(1))):
+            continue
+        out.append(Path(name))
+    return sorted(out)
+
+
+def _is_daemon(pid: int) -> bool:
+    if not procs.is_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dispatcher" in f.read()
+    except OSError:
+        return False
+
+
 class Metrics:
     """One daemon's metrics, written to one file.
 
@@ -51,6 +87,7 @@ class Metrics:
 
     def __init__(self, path_template: str | os.PathLike[str], host: str, pid: int, agents: Iterable[str] = ()) -> None:
         self.path = metrics_path(path_template, host, pid)
+        self.template, self.host, self.pid = path_template, host, pid
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self._running_agents: set[str] = set()
@@ -145,8 +182,12 @@ class Metrics:
     def write(self) -> None:
         """Write the file atomically (a temporary file beside it, then a rename); raise OSError if it cannot.
 
-        Blocking (a file write): call it from a worker thread, never the loop.
+        Blocking (a file write): call it from a worker thread, never the loop. Then
+        remove the files that stopped daemons of this host left under the ``{pid}`` pattern.
         The file is created with the process's umask (the daemon's 027 leaves
         it readable by its group: put node_exporter's user in that group).
         """
         write_to_textfile(str(self.path), self.registry)
+        for stale in stale_files(self.template, self.host, self.pid):
+            with contextlib.suppress(FileNotFoundError):  # another daemon removed it first
+                stale.unlink()

@@ -6,8 +6,14 @@ boolean is `true`/`false` as in the config file.
 
 from __future__ import annotations
 
+import re
+import signal
 from collections.abc import Mapping
 from typing import Any
+
+# user:password@ in a URL (postgresql://u:secret@host/db), and password=... in a libpq keyword string
+_URL_SECRET = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^\s/]*(?=@)")
+_KEY_SECRET = re.compile(r"(?P<head>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s'&]+)", re.IGNORECASE)
 
 
 def number(value: float) -> str:
@@ -79,3 +85,26 @@ def ago(seconds: float | None) -> str:
 def usd(value: float | None) -> str:
     """Return a cost such as `0.1235 USD` (4 decimals); `-` when none was reported."""
     return "-" if value is None else f"{number(round(value, 4))} USD"
+
+
+def redact(text: str) -> str:
+    """Return text with every credential shown as ``***``: a URL's password, a ``password=`` value.
+
+    ``postgresql://dispatcher:s3cret@db/dispatcher`` becomes
+    ``postgresql://dispatcher:***@db/dispatcher``. Cheap when there is nothing to hide.
+    """
+    if "://" in text:
+        text = _URL_SECRET.sub(r"\g<head>***", text)
+    if "assword" in text or "ASSWORD" in text:
+        text = _KEY_SECRET.sub(r"\g<head>***", text)
+    return text
+
+
+def exit_text(code: Any) -> str:
+    """Return how a process ended: `exit 3`, or `killed by SIGTERM` for a negative (signal) code."""
+    if isinstance(code, int) and not isinstance(code, bool) and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {plain(code)}"

@@ -111,10 +111,13 @@ class Env:
         return self.config_path
 
     # -- commands ---------------------------------------------------------
-    def cli(self, *args: str, check: bool = False, timeout: float = DEADLINE) -> subprocess.CompletedProcess[str]:
-        """Run `dispatcher --config CFG ARGS` and return the finished process."""
+    def cli(
+        self, *args: str, check: bool = False, timeout: float = DEADLINE, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `dispatcher --config CFG ARGS` (with input on stdin, if given) and return the finished process."""
         proc = subprocess.run(
             [sys.executable, "-m", "dispatcher", "--config", str(self.config_path), *args],
+            input=input,
             capture_output=True,
             text=True,
             timeout=timeout,

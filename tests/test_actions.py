@@ -13,7 +13,8 @@ from typing import Any
 from conftest import Env, cli_env, order, wait_until
 
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import ClaimRequest, Row
+from dispatcher.ledger.base import ClaimRequest
+from dispatcher.lifecycle import Row
 from dispatcher.spec.config import load_config
 from dispatcher.store.ledgers import open_ledger
 

@@ -14,9 +14,10 @@ import pytest
 from conftest import CHECK_NAMES
 
 from dispatcher.checks import builtin as checks
-from dispatcher.checks.builtin import CheckResult, Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
+from dispatcher.checks.builtin import Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
 from dispatcher.checks.summary import summarise
 from dispatcher.spec.orders import Order, validate_order
+from dispatcher.spec.result import CheckResult
 
 CONTRACT_ORDER = CHECK_NAMES
 IDS = ["R1", "R2", "R3"]
@@ -116,7 +117,7 @@ CASES = [
     # exit_ok
     ("exit_ok", evidence(), True, "exit 0 in 0.41 s"),
     ("exit_ok", evidence(exit=Exit(code=3, seconds=1.5)), False, "exit 3 in 1.50 s"),
-    ("exit_ok", evidence(exit=Exit(code=-9, seconds=2)), False, "killed by signal 9"),
+    ("exit_ok", evidence(exit=Exit(code=-9, seconds=2)), False, "killed by SIGKILL"),
     ("exit_ok", evidence(exit=Exit(code=-15, timed_out=True, timeout_s=2)), False, "timed out after 2 s"),
     ("exit_ok", evidence(exit=Exit(code=0, timed_out=True, timeout_s=2)), False, "timed out"),
     ("exit_ok", evidence(exit=Exit(code=-15, aborted="cancelled", seconds=1)), False, "cancelled"),

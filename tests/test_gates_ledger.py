@@ -64,13 +64,13 @@ def test_a_pause_holds_until_lifted_and_expired_gates_are_lifted_once(engine: En
 
 
 def test_waits_and_the_window_of_costs(engine: Engine) -> None:
-    """set_wait/clear_wait are seen by every handle; costs_since gives the finished costs of the window."""
+    """set_gate_wait/clear_gate_wait are seen by every handle; costs_since gives the finished costs of the window."""
     a, b = engine.daemon("a"), engine.daemon("b")
-    a.set_wait("J1", "coder", 123.0)
-    a.set_wait("J2", "coder", None)
-    assert b.waits() == {"J1": 123.0, "J2": None}
-    b.clear_wait("J1")
-    assert a.waits() == {"J2": None}
+    a.set_gate_wait("J1", "coder", 123.0)
+    a.set_gate_wait("J2", "coder", None)
+    assert b.gate_waits() == {"J1": 123.0, "J2": None}
+    b.clear_gate_wait("J1")
+    assert a.gate_waits() == {"J2": None}
     (claimed,) = a.claim([ClaimRequest("J3", "coder", "J3.yaml", "d")])
     assert a.finish([Finish("J3", claimed.token, Row.DONE, 0.4, 0.4)]) == [True]  # type: ignore[union-attr]
     costs = b.costs_since(time.time() - 60)
@@ -108,7 +108,7 @@ def test_an_older_sqlite_ledger_gets_the_new_tables(tmp_path: Path) -> None:
     old.close()
     led = SqliteLedger(path, state, patience_s=30)
     try:
-        assert led.get("OLD-1") is not None and led.gates() == [] and led.waits() == {}
+        assert led.get("OLD-1") is not None and led.gates() == [] and led.gate_waits() == {}
         led.set_gate(Gate("coder", GateKind.PAUSE, None), at=time.time())
         assert len(led.gates()) == 1
     finally:
@@ -127,9 +127,9 @@ def test_an_older_postgres_ledger_gets_the_new_tables(pg_db: str, tmp_path: Path
         conn.execute("UPDATE schema_version SET version = 1")
     led = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
     try:
-        assert led.gates() == [] and led.waits() == {}
-        led.set_wait("J1", "coder", None)
-        assert led.waits() == {"J1": None}
+        assert led.gates() == [] and led.gate_waits() == {}
+        led.set_gate_wait("J1", "coder", None)
+        assert led.gate_waits() == {"J1": None}
     finally:
         led.close()
     with psycopg.connect(pg_db) as conn:

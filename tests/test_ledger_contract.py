@@ -16,21 +16,10 @@ from pathlib import Path
 import pytest
 
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import (
-    Busy,
-    Child,
-    Claimed,
-    ClaimRequest,
-    DaemonInfo,
-    Entry,
-    Finish,
-    Known,
-    Ledger,
-    Request,
-    Row,
-)
+from dispatcher.ledger.base import Busy, Child, Claimed, ClaimRequest, DaemonInfo, Entry, Finish, Known, Ledger, Request
 from dispatcher.ledger.postgres import PostgresLedger
 from dispatcher.ledger.sqlite import SqliteLedger
+from dispatcher.lifecycle import Row
 
 pytestmark = pytest.mark.postgres
 pytest_plugins = ["pg_fixtures"]

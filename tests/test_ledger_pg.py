@@ -39,10 +39,10 @@ from dispatcher.ledger.base import (
     Known,
     LedgerUnavailable,
     Request,
-    Row,
 )
 from dispatcher.ledger.postgres import LeaseLost, PostgresLedger, PostgresLedgerError, migrate
 from dispatcher.ledger.sqlite import SqliteLedger
+from dispatcher.lifecycle import Row
 
 pytestmark = pytest.mark.postgres
 pytest_plugins = ["pg_fixtures"]
@@ -314,8 +314,9 @@ HOST_DAEMON = """
 import json, os, sys, threading, time
 import structlog
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is for events
-from dispatcher.ledger.base import Child, ClaimRequest, DaemonInfo, Finish, LedgerUnavailable, Row
+from dispatcher.ledger.base import Child, ClaimRequest, DaemonInfo, Finish, LedgerUnavailable
 from dispatcher.ledger.postgres import PostgresLedger
+from dispatcher.lifecycle import Row
 dsn, lease = sys.argv[1], float(sys.argv[2])
 led = PostgresLedger(dsn, None, lease_s=lease, patience_s=None)
 led.register(DaemonInfo("A", os.getpid(), "host-a", time.time()))

@@ -20,6 +20,8 @@ def test_the_command_and_import_package_stay_dispatcher() -> None:
     assert PROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == ["dispatcher"]
 
 
-def test_readme_installs_it_by_that_name() -> None:
-    """The README tells you to `pipx install folder-dispatcher`."""
-    assert "pipx install folder-dispatcher" in (ROOT / "README.md").read_text()
+def test_readme_installs_it_from_the_clone_until_it_is_published() -> None:
+    """The README installs with `pipx install ./` (not yet on PyPI) and names the distribution folder-dispatcher."""
+    text = (ROOT / "README.md").read_text()
+    assert "pipx install ./" in text and "not published on PyPI yet" in text
+    assert "pipx install folder-dispatcher" in text

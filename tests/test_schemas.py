@@ -34,7 +34,8 @@ AGENTS = {"worker", "assigner"}
 # silently ignored by the daemon while editors enforce it.
 VALIDATION_KEYWORDS = {
     "type", "enum", "properties", "required", "additionalProperties", "propertyNames", "items",
-    "minItems", "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "$ref", "allOf", "anyOf",
+    "minItems", "maxItems", "uniqueItems",
+    "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "$ref", "allOf", "anyOf",
 }  # fmt: skip
 ANNOTATIONS = {"$schema", "$id", "$defs", "title", "description", "x-error"}
 

@@ -13,7 +13,7 @@ from conftest import Env, order, wait_until
 from dispatcher.layout import Layout
 from dispatcher.store.counts import queue_counts
 
-COUNT_KEYS = {"inbox", "held", "active", "waiting", "review", "done", "failed", "refused"}  # sections 14, 16
+COUNT_KEYS = {"inbox", "held", "active", "waiting", "review", "done", "failed", "refused"}
 
 
 def status(env: Env) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def test_status_text_has_no_python_notation(env: Env) -> None:
 
 
 def test_queue_counts_counts_orders_and_jobs_without_temp_names(tmp_path: Path) -> None:
-    """`queue_counts` counts orders in inbox/ and held/ (not hidden or temp names) and jobs in active/ and review/."""
+    """`queue_counts` counts orders in inbox/ and held/ (no hidden or temp name), jobs in active/, waiting/, review/."""
     layout = Layout(tmp_path)
     layout.create()
     for name in ("a.json", "b.yaml", ".c.json", "d.json.tmp", "e.part"):
@@ -117,4 +117,5 @@ def test_queue_counts_counts_orders_and_jobs_without_temp_names(tmp_path: Path) 
         (layout.root / "active" / job).mkdir()
     (layout.root / "review" / "J3").mkdir()
     os.mkdir(layout.root / "active" / ".staging-leftover")
-    assert queue_counts(layout) == {"inbox": 2, "held": 1, "active": 2, "review": 1}
+    (layout.root / "waiting" / "J4").mkdir()
+    assert queue_counts(layout) == {"inbox": 2, "held": 1, "active": 2, "waiting": 1, "review": 1}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
+SYSTEMD = Path(__file__).resolve().parent.parent / "dispatcher" / "data" / "systemd"
 UNITS = {"dispatcher.service": "dispatcher.service", "dispatcher@.service": "dispatcher@test.service"}
 #: the web view's unit (section 17): verified and scored like the others, checked on its own below
 WEB_UNIT = {"dispatcher-web.service": "dispatcher-web.service"}

@@ -72,7 +72,7 @@ def test_a_bare_program_name_is_looked_up_on_path(tmp_path: Path) -> None:
         tmp_path,
         {
             "nowhere": {"command": ["no-such-program-4f1c"]},
-            "fine": {"command": ["python3", "agent.py"], "probe": ["no-such-probe-4f1c", "{job_id}"]},
+            "fine": {"command": ["python3", "-c", "pass"], "probe": ["no-such-probe-4f1c", "{job_id}"]},
         },
     )
     proc = validate(cfg)

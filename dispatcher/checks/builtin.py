@@ -19,20 +19,10 @@ from typing import Any
 from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, listed, stored_key
 from dispatcher.errors import cut, printable
 from dispatcher.spec.order import Order
+from dispatcher.spec.result import CheckResult
+from dispatcher.text import exit_text
 
 DETAIL_MAX = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class CheckResult:
-    """One check's verdict, as result.json records it."""
-
-    name: str
-    ok: bool | None
-    detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail}
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +110,7 @@ def exit_ok(ev: Evidence) -> CheckResult:
     if e.code is None:
         return r(False, "no exit status")
     if e.code < 0:
-        return r(False, f"killed by signal {-e.code} after {e.seconds:.2f} s")
+        return r(False, f"{exit_text(e.code)} after {e.seconds:.2f} s")
     return r(e.code == 0, f"exit {e.code} in {e.seconds:.2f} s")
 
 
@@ -333,6 +323,9 @@ def followups_valid(ev: Evidence) -> CheckResult:
             return r(False, f"outbox/{f.name}: hops {ev.hops + 1} would exceed max_hops {ev.max_hops}")
         seen.add(o.job_id)
         to_count[o.to] += 1
+    cycle = _after_cycle({f.order.job_id: f.order.after for f in ev.followups if f.order is not None})
+    if cycle:
+        return r(False, "after would make a cycle: " + " -> ".join(cycle))
     if wanted is not None:
         for name in wanted:
             if to_count[name] != 1:
@@ -342,6 +335,24 @@ def followups_valid(ev: Evidence) -> CheckResult:
             return r(False, f"follow-ups to agents not in accept.followups: {', '.join(others)}")
     n = len(ev.followups)
     return r(True, f"{n} follow-up{'s' if n != 1 else ''} valid" if n else "no follow-ups")
+
+
+def _after_cycle(graph: Mapping[str, tuple[str, ...]]) -> list[str] | None:
+    """Return a cycle of ``after`` among sibling follow-ups (id -> the ids it waits for), or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        path, stack = [start], [iter(graph[start])]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                done.add(path.pop())
+                stack.pop()
+            elif nxt in path:
+                return [*path[path.index(nxt) :], nxt]
+            elif nxt in graph and nxt not in done:
+                path.append(nxt)
+                stack.append(iter(graph[nxt]))
+    return None
 
 
 CHECKS: tuple[Callable[[Evidence], CheckResult], ...] = (

@@ -15,21 +15,23 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState
+from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState, printable
 from dispatcher.layout import Layout
+from dispatcher.ledger.base import DaemonInfo
+from dispatcher.ops.daemons import config_note
 from dispatcher.spec.config import (
+    CONFIG_ENV,
     DEFAULT_CONFIG,
     STARTER_CONFIG,
     SYSTEM_CONFIG,
     Config,
-    check_agents,
     default_config,
-    find_config,
     load_config,
     require_config,
     require_root,
 )
-from dispatcher.text import plural
+from dispatcher.spec.programs import check_agents
+from dispatcher.text import plain, plural, redact
 
 
 def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
@@ -47,7 +49,8 @@ def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Make the dispatch root's folders and, when there is none, a starter config; change nothing else."""
-    path = find_config(args.config)
+    # never the system-wide config: `init` in an empty folder makes a local one (pass --config for another)
+    path = Path(args.config) if args.config else Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
     given = args.dir or args.root
     root = Path(given) if given else None
     cfg = load_config(path, root=root) if path.exists() else default_config(root)
@@ -70,6 +73,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(f"  root: {wrote}   (relative to {folder}, the config's folder: {cfg.root})")
         if path == DEFAULT_CONFIG:
             print(f"  `dispatcher` finds it when run from {Path.cwd()}; elsewhere pass --config {path.resolve()}")
+            if SYSTEM_CONFIG.exists():
+                print(f"  (it comes before {SYSTEM_CONFIG}, which commands run elsewhere still use)")
     for d in created:
         print(f"created {d}")
     if not created:
@@ -96,7 +101,7 @@ def validate_config(path: Path, cfg: Config) -> int:
     """
     findings = check_agents(cfg)
     for f in findings:
-        print(ConfigError(f.message, file=str(path), field=f.field), file=sys.stderr)
+        print(redact(str(ConfigError(f.message, file=str(path), field=f.field))), file=sys.stderr)
     if any(f.error for f in findings):
         return 2
     print(f"{path}: ok ({plural(len(cfg.agents), 'agent')})")
@@ -106,23 +111,81 @@ def validate_config(path: Path, cfg: Config) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Print counts per state, the daemons, the active jobs and the spend of 24 h (or all of it as JSON)."""
     from dispatcher.cli.render import render_status
-    from dispatcher.query.report import status
+    from dispatcher.query.report import status_with
+    from dispatcher.store.ledgers import open_reader
 
     cfg = config_of(args, need_root=True)
     now = time.time()
-    info = status(cfg, Layout(cfg.root), now)
+    layout = Layout(cfg.root)
+    ledger = open_reader(cfg, layout)
+    try:
+        info = status_with(layout, ledger, now)
+    finally:
+        if ledger is not None:
+            ledger.close()
+    note = stale_config(cfg)
     if args.json:
         print(json.dumps(info, indent=2))
+        if note:
+            print(note, file=sys.stderr)
     else:
         print(render_status(str(cfg.root), info, now))
+        if note:
+            print(note)
     return 0
+
+
+def daemons_of(cfg: Config) -> list[DaemonInfo]:
+    """Return the daemons of the root (a fresh root without a ledger has none)."""
+    from dispatcher.store.ledgers import open_reader
+
+    ledger = open_reader(cfg, Layout(cfg.root))
+    if ledger is None:
+        return []
+    try:
+        return ledger.daemons()
+    finally:
+        ledger.close()
+
+
+def stale_config(cfg: Config) -> str | None:
+    """Return one line when a running daemon loaded another config than the file now holds, else None."""
+    try:
+        return config_note(cfg.digest, cfg.path, daemons_of(cfg))
+    except DispatchError:  # a note is a courtesy: the command itself has already answered
+        return None
+
+
+def note_config(cfg: Config) -> None:
+    """Print the stale-config line (if any) on stderr."""
+    note = stale_config(cfg)
+    if note:
+        print(note, file=sys.stderr)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Check the config, then SIGHUP this root's live daemons on this host (systemd's: name `systemctl reload`)."""
+    from dispatcher.ops.daemons import live_here, reload
+
+    cfg = config_of(args, need_root=True)
+    errors = [f for f in check_agents(cfg) if f.error]
+    if errors:
+        raise ConfigError(errors[0].message, file=str(cfg.path), field=errors[0].field)
+    here = live_here(daemons_of(cfg))
+    if not here:
+        print(f"no daemon of {cfg.root} runs on this host: nothing to reload", file=sys.stderr)
+        return 1
+    done = reload(here)
+    for r in done:
+        print(r.line(), file=sys.stdout if r.signalled else sys.stderr, flush=True)
+    return 0 if all(r.signalled for r in done) else 1
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Print one line per job or refused file, newest first (or JSON lines)."""
     from dispatcher.cli.render import render_list
     from dispatcher.query.listing import list_jobs
-    from dispatcher.query.report import open_reader
+    from dispatcher.store.ledgers import open_reader
 
     cfg = config_of(args, need_root=True)
     layout = Layout(cfg.root)
@@ -142,7 +205,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     """Print one job: state, checks, attempts, cost and its chain (or JSON, or the tree)."""
     from dispatcher.cli.render import render_show, render_tree
     from dispatcher.query.jobinfo import show_json
-    from dispatcher.query.report import open_reader
+    from dispatcher.store.ledgers import open_reader
 
     cfg = config_of(args, need_root=True)
     layout = Layout(cfg.root)
@@ -153,7 +216,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if ledger is not None:
             ledger.close()
     if found is None:
-        raise NotFound(f"{args.job_id}: no such job")
+        return _show_refused(cfg, layout, args.job_id, as_json=args.json)
     out, info = found
     if args.json:
         print(json.dumps(out, indent=2))
@@ -161,6 +224,30 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(render_tree(out["tree"], args.job_id))
     else:
         print(render_show(info))
+    return 0
+
+
+def _show_refused(cfg: Config, layout: Layout, name: str, *, as_json: bool) -> int:
+    """Print the refusals of a file (by job id or file stem) that never became a job; NotFound when none."""
+    from dispatcher.query.listing import list_jobs
+    from dispatcher.text import ago
+
+    rows = [
+        r
+        for r in list_jobs(cfg, layout, None, state="refused")
+        if r["job_id"] == name or Path(r["path"]).name.rpartition("@")[0] == name
+    ]
+    if not rows:
+        raise NotFound(f"{name}: no such job or refused file")
+    if as_json:
+        print(json.dumps(rows[0], indent=2))
+        return 0
+    r = rows[0]
+    print(f"{name}  refused  agent {plain(r['agent'])}  {ago(r['age_s'])} ago: the file never became a job")
+    print(f"  reason: {printable(plain(r['reason']))}")
+    print(f"  folder: {r['path']}")
+    if len(rows) > 1:
+        print(f"  ({len(rows) - 1} earlier refusal{'s' if len(rows) > 2 else ''}: `dispatcher list --state refused`)")
     return 0
 
 
@@ -195,7 +282,7 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     op = Operator(cfg, Layout(cfg.root))
     op.reason = getattr(args, "reason", None)
     op.note = getattr(args, "note", None)
-    run = getattr(op, action)
+    run = op.cancel_tree if action == "cancel" and getattr(args, "tree", False) else getattr(op, action)
     failed = 0
     try:
         for job_id in ids:
@@ -206,6 +293,8 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
                 failed += 1
     finally:
         op.close()
+    if action == "retry" and failed < len(ids):
+        note_config(cfg)
     return 1 if failed else 0
 
 
@@ -251,6 +340,20 @@ def journal_unit(config: Path | None) -> str:
     if config is not None and config.parent == SYSTEM_CONFIG.parent and config.name != SYSTEM_CONFIG.name:
         return f"dispatcher@{config.stem}"
     return "dispatcher"
+
+
+def cmd_unit(args: argparse.Namespace) -> int:
+    """Print the systemd unit (or the template, the logrotate file, a notify example) of the installed package."""
+    from dispatcher.cli import unit
+
+    if args.logrotate:
+        text = unit.logrotate_text()
+    elif args.notify:
+        text = unit.notify_text(args.notify)
+    else:
+        text = unit.unit_text(template=args.template, web=args.web)
+    sys.stdout.write(text)
+    return 0
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

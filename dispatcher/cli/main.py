@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from dispatcher import __version__
-from dispatcher.cli import commands, run, usage
+from dispatcher.cli import commands, usage
 from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
-from dispatcher.spec.config import Config, require_config
+from dispatcher.spec.config import Config, load_config, require_config, require_root
 from dispatcher.spec.orders import parse_order
 from dispatcher.store.counts import LIST_STATES
+from dispatcher.text import redact
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--once", action="store_true", help="drain inbox/, wait for every job, then exit")
     c = _command(sub, "submit")
     c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("--at", metavar="TIME", help="not before this ISO 8601 time (sets not_before)")
+    c.add_argument("--in", dest="within", metavar="DURATION", help="not before this long from now: 90s, 15m, 2h, 1d")
     c = _command(sub, "validate")
     c.add_argument("files", nargs="*", metavar="FILE")
     c = _command(sub, "status")
@@ -76,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("retry", "cancel", "hold", "release", "approve", "reject", "revise"):
         c = _command(sub, name)
         c.add_argument("ids", nargs="+", metavar="ID", help="job ids, or - to read them from stdin, one a line")
+        if name == "cancel":
+            c.add_argument("--tree", action="store_true", help="also every descendant (follow-ups, recursively)")
         if name == "reject":
             c.add_argument("--reason", metavar="TEXT", help="why (the job's reason becomes `rejected: TEXT`)")
         if name == "revise":
@@ -93,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("url", nargs="?", metavar="URL", help="for migrate: the postgresql://... ledger to fill")
     c = _command(sub, "web")
     c.add_argument("--listen", metavar="ADDR:PORT", help="where to listen (default 127.0.0.1:8700)")
+    c = _command(sub, "reload")
+    c = _command(sub, "unit")
+    what = c.add_mutually_exclusive_group()
+    what.add_argument("--template", action="store_true", help="dispatcher@.service: one daemon per config NAME")
+    what.add_argument("--web", action="store_true", help="dispatcher-web.service: the web view beside the daemon")
+    what.add_argument("--logrotate", action="store_true", help="the file for /etc/logrotate.d/dispatcher")
+    what.add_argument("--notify", choices=("append", "webhook"), help="an example notify script")
     c = _command(sub, "completion")
     c.add_argument("shell", choices=("bash", "zsh", "fish"))
     for name, sp in sub.choices.items():
@@ -109,11 +122,15 @@ def main(argv: list[str] | None = None) -> None:
 
         argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
-    os.umask(UMASK)  # nothing the daemon or the CLI creates is world-readable
+    os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
+    if args.command not in ("run", "web"):  # a command logs (a ledger it waits for) in the one console format
+        from dispatcher import logs
+
+        logs.configure_for_command()
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
-        print(exc, file=sys.stderr)
+        print(redact(str(exc)), file=sys.stderr)
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
@@ -160,14 +177,14 @@ def _parse_file(name: str, cfg: Config | None) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from dispatcher.ops.submit import read_order, submit
+    from dispatcher.ops.submit import parse_when, read_order, submit
 
-    os.umask(UMASK)
     cfg = _config(args, need_root=True)
+    not_before = parse_when(args.at, args.within, time.time())
     orders, bad = [], 0
     for name in args.files:  # every file is checked, and every bad one named, before any is dropped
         try:
-            orders.append(read_order(name, cfg))
+            orders.append(read_order(name, cfg, not_before=not_before))
         except OrderError as exc:
             print(exc, file=sys.stderr)
             bad += 1
@@ -175,8 +192,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if len(args.files) > 1:
             print(f"nothing was submitted: {bad} of {len(args.files)} files are invalid", file=sys.stderr)
         return 2
-    for job_id in submit(cfg, orders):
-        print(job_id, flush=True)
+    dropped = 0
+    try:
+        for job_id in submit(cfg, orders):
+            print(job_id, flush=True)
+            dropped += 1
+    except OrderError as exc:
+        if len(orders) > 1:  # say what happened to the others: none dropped, or those printed above
+            print(exc, file=sys.stderr)
+            what = "nothing was submitted" if dropped == 0 else f"only the {dropped} ids above were submitted"
+            raise OrderError(f"{what} ({len(orders)} files given)") from None
+        raise
+    commands.note_config(cfg)
     return 0
 
 
@@ -196,14 +223,27 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         return 0
     if not args.url:
         raise UsageError("ledger migrate: give the postgresql://... URL of an empty ledger")
+    url = sys.stdin.readline().strip() if args.url == "-" else args.url
+    if args.url != "-" and redact(url) != url:
+        raise UsageError(
+            "ledger migrate: URL: a password on the command line shows in every process list;"
+            " put it in ~/.pgpass or $PGPASSWORD, or give - and the URL on stdin"
+        )
     if cfg.ledger != "sqlite":
         raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
     from dispatcher.ledger.postgres import PostgresLedger, migrate
-    from dispatcher.store.ledgers import open_ledger
+    from dispatcher.store.ledgers import REACH_S, open_ledger
 
-    source = open_ledger(cfg, layout, create=False)
+    source = open_ledger(cfg, layout, create=False, patience_s=30.0)
     try:
-        target = PostgresLedger(args.url, layout, lease_s=cfg.lease_s, patience_s=30)
+        live = [d for d in source.daemons() if d.alive]
+        if live:
+            names = ", ".join(f"{d.pid} on {d.host}" for d in live)
+            raise UsageError(
+                f"{layout.root}: ledger migrate: a daemon is running on this root ({names});"
+                " stop every daemon first, or ids it claims meanwhile are not copied"
+            )
+        target = PostgresLedger(url, layout, lease_s=cfg.lease_s, patience_s=REACH_S, connect_timeout_s=int(REACH_S))
         try:
             copied = migrate(source, target)
             where = target.where
@@ -216,6 +256,25 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Run the daemon on an existing root (its missing folders are made; main() set the umask).
+
+    The daemon is imported only here, so the other commands start without its modules.
+    """
+    from dispatcher import logs
+    from dispatcher.core.daemon import Daemon
+
+    path = require_config(args.config)
+    root = Path(args.root) if args.root else None
+    cfg = load_config(path, root=root)
+    require_root(cfg)
+    try:
+        logs.configure(log_file=cfg.log_file)
+    except OSError as exc:
+        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(path), field="log_file") from None
+    return Daemon(cfg, config_path=path, root_override=root, once=args.once).serve()
+
+
 def cmd_web(args: argparse.Namespace) -> int:
     """Serve the web view of the root (section 17) until SIGTERM or SIGINT.
 
@@ -225,7 +284,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 
     cfg = commands.config_of(args, need_root=True)
     try:
-        from dispatcher.web.server import serve
+        from dispatcher.web.routes import serve
     except ImportError as exc:
         extra = "pip install 'folder-dispatcher[web]'"
         raise UsageError(f"web: needs the web extra ({exc.name} is missing): {extra}") from None
@@ -238,7 +297,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": commands.cmd_init,
-    "run": run.cmd_run,
+    "run": lambda args: _cmd_run(args),
     "submit": cmd_submit,
     "validate": cmd_validate,
     "status": commands.cmd_status,
@@ -255,6 +314,8 @@ COMMANDS = {
     "resume": lambda args: commands.for_each_id(args, "resume"),
     "logs": commands.cmd_logs,
     "ledger": cmd_ledger,
+    "reload": commands.cmd_reload,
+    "unit": commands.cmd_unit,
     "completion": commands.cmd_completion,
     "web": cmd_web,
 }

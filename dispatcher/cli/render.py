@@ -9,7 +9,7 @@ from typing import Any
 
 from dispatcher.errors import printable
 from dispatcher.query.jobinfo import tree_cost
-from dispatcher.text import ago, plain, usd
+from dispatcher.text import ago, exit_text, plain, usd
 
 #: stopped daemons `status` names besides those that own active jobs (`--json` lists all)
 DEAD_SHOWN = 3
@@ -45,7 +45,8 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
             )
         hidden = len(dead) - len(shown_dead)
         if hidden > 0:
-            lines.append(f"  ({hidden} older stopped daemons not shown; `dispatcher status --json` lists every one)")
+            older = "1 older stopped daemon" if hidden == 1 else f"{hidden} older stopped daemons"
+            lines.append(f"  ({older} not shown; `dispatcher status --json` lists every one)")
     if not alive:
         lines.append("no daemon is running: nothing is claimed until `dispatcher run` starts (it recovers active jobs)")
     if info["active"]:
@@ -97,7 +98,7 @@ def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
     elif a.get("interrupted"):
         code = "interrupted"
     else:
-        code = f"exit {plain(a.get('exit_code'))}"
+        code = exit_text(a.get("exit_code"))
     ms = a.get("duration_ms")
     head = f"    #{plain(a.get('n'))}  {plain(a.get('started'))}  {code}  {plain(ms)} ms"
     head += f"  host {printable(plain(a.get('host')))}  cost {usd(a.get('cost_usd'))}"
@@ -115,7 +116,7 @@ def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
         lines.append(f"        logs: {logs['stdout']}")
         lines.append(f"              {logs['stderr']}")
         if tail:
-            lines.append(f"        stderr, last {len(tail)} lines:")
+            lines.append(f"        stderr, {'the last line' if len(tail) == 1 else f'last {len(tail)} lines'}:")
             lines.extend(f"          | {line}" for line in tail)
         else:
             lines.append("        stderr: empty")
@@ -137,6 +138,8 @@ def render_show(info: Mapping[str, Any]) -> str:
         lines.append(f"  task: {printable(plain(job.get('task')))}  items {plain(job.get('items'))}")
     if job.get("received"):
         lines.append(f"  received {job['received']}  finished {plain(job.get('finished'))}")
+    if job.get("after"):
+        lines.append(f"  after: {', '.join(job['after'])} ({job.get('after_rule') or 'all_done'})")
     if job.get("folder"):
         lines.append(f"  folder: {job['folder']}")
     lines.append(f"  cost: {usd(job.get('cost_usd'))}  chain cost: {usd(job.get('chain_cost_usd'))}")
@@ -174,7 +177,8 @@ def render_tree(root_tree: dict[str, Any], me: str) -> str:
     lines: list[str] = []
 
     def walk(node: Mapping[str, Any], prefix: str, last: bool, top: bool) -> None:
-        label = f"{node['job_id']} [{node['state']}] ({plain(node['agent'])}, {usd(node.get('cost_usd'))})"
+        state = f"{node['state']}, cancelled" if node.get("cancelled") else node["state"]
+        label = f"{node['job_id']} [{state}] ({plain(node['agent'])}, {usd(node.get('cost_usd'))})"
         label += "  <-" if node["job_id"] == me else ""
         lines.append(label if top else f"{prefix}{'└── ' if last else '├── '}{label}")
         kids = node["children"]

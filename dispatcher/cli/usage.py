@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "submit": (
         "validate orders and drop them into inbox/ atomically; print each job id",
         f"0 every order was dropped\n2 an invalid order, a job id already known, {BAD}",
-        "dispatcher submit orders/JOB-001.yaml",
+        "dispatcher submit orders/JOB-001.yaml\ndispatcher submit --in 2h orders/JOB-002.yaml",
     ),
     "validate": (
         "check orders (or, with no FILE, the config and its agents' programs) without submitting",
@@ -60,7 +60,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "show": (
         "one job: state, checks, attempts (argv, host, cost, stderr of a failure), its chain",
-        f"0 printed\n1 no such job\n2 {BAD}, a root that does not exist",
+        f"0 printed (a refused file too)\n1 no such job or refused file\n2 {BAD}, a root that does not exist",
         "dispatcher show JOB-001\ndispatcher show --tree JOB-001",
     ),
     "retry": (
@@ -73,7 +73,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         f"stop queued or running jobs; they fail with reason cancelled ({_IDS})",
         f"0 every cancel is recorded\n1 an id is unknown or finished (one line each on stderr)\n"
         f"2 {BAD}, a root that does not exist",
-        "dispatcher cancel JOB-001",
+        "dispatcher cancel JOB-001\ndispatcher cancel --tree PLAN-001   # the job and every descendant",
     ),
     "hold": (
         f"move queued orders from inbox/ into held/, where no daemon claims them ({_IDS})",
@@ -126,6 +126,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         f"0 done\n1 the target is not empty, or it cannot be reached\n2 a daemon is running, {BAD}",
         "dispatcher ledger rebuild        # with every daemon stopped\n"
         "dispatcher ledger migrate postgresql://dispatcher@db/dispatcher",
+    ),
+    "reload": (
+        "ask this root's live daemons on this host to reload their config (SIGHUP), after checking it",
+        "0 every live daemon was asked\n1 no daemon of this root runs on this host, or one could not be asked "
+        f"(under systemd: use systemctl reload)\n2 the config is invalid, {BAD}",
+        "dispatcher reload\nsystemctl reload dispatcher      # for a daemon that systemd runs",
+    ),
+    "unit": (
+        "print the systemd unit for the installed command (or the template, logrotate file, notify examples)",
+        "0 printed\n2 bad usage",
+        "dispatcher unit > /etc/systemd/system/dispatcher.service\n"
+        "dispatcher unit --template > /etc/systemd/system/dispatcher@.service\n"
+        "dispatcher unit --logrotate > /etc/logrotate.d/dispatcher",
     ),
     "completion": (
         "print the shell completion script for bash, zsh or fish",

@@ -13,6 +13,7 @@ data for the loop: ``Launch``, ``NoSlot``, ``Dropped``, ``Gone`` or ``Big``.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +22,11 @@ import structlog
 
 from dispatcher.job import intake, recovery, revise
 from dispatcher.job.finish import Finisher
-from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started
-from dispatcher.layout import Layout, State
+from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started, Waiting
+from dispatcher.job.joins import Joins
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
+from dispatcher.lifecycle import State
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
@@ -40,6 +43,7 @@ class Kind(enum.Enum):
     RECOVER = "recover"
     RETRY = "retry"
     REVISE = "revise"
+    JOINED = "joined"  # a job that waited for others (``after``), moved to active/ and taken by this daemon
 
 
 @dataclass
@@ -94,13 +98,22 @@ class Gone:
 
 
 @dataclass(frozen=True, slots=True)
+class Later:
+    """An order whose not_before is still to come: it waits unclaimed in inbox/ until ``due``."""
+
+    name: str
+    due: float
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
 class Big:
     """A name whose file is too large to read in the lane: the loop reads it in the io pool."""
 
     name: str
 
 
-Answer = Launch | NoSlot | Dropped | Gone | Big
+Answer = Launch | NoSlot | Dropped | Gone | Big | Later
 
 
 @dataclass
@@ -125,7 +138,9 @@ class Claims:
         config: Callable[[], Config],
         finisher: Finisher,
         on_refused: Callable[[Path, Refusal], None],
+        joins: Joins | None = None,
     ) -> None:
+        self.joins = joins  # a claimed order with `after` becomes a wait there
         self.layout = layout
         self.ledger = ledger
         self.config = config
@@ -151,7 +166,7 @@ class Claims:
         out: list[Answer] = []
         picks: list[tuple[Parked, int | None]] = []
         for work in batch:
-            p = self.read(work, cfg) if isinstance(work, str) else work
+            p = self.read(work, cfg, now=slotless) if isinstance(work, str) else work
             if not isinstance(p, Parked):
                 out.append(p)
                 continue
@@ -159,8 +174,9 @@ class Claims:
                 out.append(NoSlot(p))  # a gate holds its agent (section 14): it waits unclaimed
                 continue
             agent = cfg.agents.get(p.agent)
-            slot = None if slotless else handover.take(p.agent)
-            if slot is None and not slotless:
+            joins = p.kind is Kind.NEW and p.item is not None and bool(p.item.order.after)
+            slot = None if slotless or joins else handover.take(p.agent)
+            if slot is None and not slotless and not joins:  # a join is claimed at once, without a slot: it waits
                 if p.agent in blocked:
                     out.append(NoSlot(p))
                     continue
@@ -181,6 +197,8 @@ class Claims:
                     continue
                 if slot is not None:
                     ledger.free_slot(p.agent, slot)
+                if isinstance(answer, Waiting) and self.joins is not None:
+                    self.joins.record(answer.job_id, answer.token)
                 later = isinstance(answer, Skipped) and answer.retry_later
                 cancelled = isinstance(answer, Cancelled)
                 out.append(Dropped(p, refused=isinstance(answer, Refused), retry_later=later, cancelled=cancelled))
@@ -191,8 +209,12 @@ class Claims:
             handover.slots.clear()
         return out
 
-    def read(self, name: str, cfg: Config) -> Parked | Gone | Big:
-        """Read and validate inbox/<name>: parked work, a refusal carried out, or a name to drop."""
+    def read(self, name: str, cfg: Config, *, now: bool = False) -> Parked | Gone | Big | Later:
+        """Read and validate inbox/<name>: parked work, a refusal carried out, or a name to drop.
+
+        An order whose not_before is to come is ``Later`` (``now``, for a cancel: taken all
+        the same); one past its expires is refused as ``expired``.
+        """
         if _size(self.layout.inbox / name) > BIG_ORDER_BYTES:
             return Big(name)
         found = intake.inspect(self.layout, name, cfg)
@@ -202,7 +224,13 @@ class Claims:
             log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
             folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)
             return Gone(name, refused=folder is not None)
+        timing = when(found.order, name, now=now)
+        if isinstance(timing, Later):
+            return timing
         log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
+        if timing is not None:
+            folder = refuse(self.layout, timing, self.ledger.owner, self.on_refused)
+            return Gone(name, refused=folder is not None)
         return Parked(Kind.NEW, found.order.job_id, found.order.to, found)
 
     def reload(self, p: Parked, slot: int | None) -> Launch | Dropped:
@@ -216,6 +244,11 @@ class Claims:
                     raise LookupError("taken by another daemon")
                 spec, token = reopened
                 log.info("job.claimed", job_id=p.job_id, agent=spec.agent.name, retry=True, budget=spec.budget)
+                if spec.order.get("after") and self.joins is not None:  # a retried join waits again
+                    if slot is not None:
+                        ledger.free_slot(p.agent, slot)
+                    self.joins.rewait(p.job_id, token)
+                    return Dropped(p)
             else:
                 spec, token = JobFolder(layout.job(State.ACTIVE, p.job_id)).spec(), p.token
             folder = JobFolder(layout.job(State.ACTIVE, p.job_id))
@@ -228,6 +261,16 @@ class Claims:
                 if p.kind is Kind.RECOVER:
                     recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
             return Dropped(p)
+
+
+def when(order: Order, name: str = "", *, now: bool = False) -> Later | Refusal | None:
+    """Return ``Later`` for an order not due yet, a Refusal (``expired``) for one past its expires, else None."""
+    t = time.time()
+    if order.not_before is not None and order.not_before > t and not now:
+        return Later(name, order.not_before, order.priority)
+    if order.expires is not None and order.expires <= t:
+        return Refusal(name, "expired", order.job_id, agent=order.to)
+    return None
 
 
 def _size(path: Path) -> int:

@@ -19,12 +19,14 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
+from dispatcher.core import announce
 from dispatcher.core.gatekeeper import GateKeeper
 from dispatcher.core.housekeeping import Housekeeping
-from dispatcher.core.lease import LeaseKeeper, has_leases
+from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.notify import Notifications
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
@@ -32,12 +34,16 @@ from dispatcher.core.watcher import Inbox, list_inbox, start_watch
 from dispatcher.errors import ConfigError, UsageError
 from dispatcher.job.finish import Finisher
 from dispatcher.job.job import JobContext
+from dispatcher.job.joins import Joins
 from dispatcher.lanes import Lanes
-from dispatcher.layout import UMASK, Layout
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
+from dispatcher.lifecycle import Stop
 from dispatcher.spec.config import Config, load_config
-from dispatcher.spec.jobspec import Stop
 from dispatcher.store.ledgers import open_ledger
+
+if TYPE_CHECKING:
+    from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
 
@@ -84,7 +90,6 @@ class Daemon:
 
     async def startup(self) -> None:
         """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
-        os.umask(UMASK)
         _raise_fd_limit()
         self.loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -93,16 +98,13 @@ class Daemon:
         except OSError as exc:
             raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
         self.ledger = open_ledger(self.config, self.layout)
-        self.ledger.register(DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time()))
-        self.ledger.give_up = lambda: self.stopping and self.stop_deadline is None  # type: ignore[attr-defined]
+        self.ledger.register(
+            DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
+        )
+        self.ledger.set_give_up(lambda: self.stopping and self.stop_deadline is None)
         self.lanes = Lanes()
         self.notify = Notifications(lambda: self.config, self.layout.root)
-        self.metrics = None
-        if self.config.metrics_file:
-            from dispatcher.metrics import Metrics  # prometheus_client only when it is used
-
-            host = socket.gethostname()
-            self.metrics = Metrics(self.config.metrics_file, host, os.getpid(), agents=self.config.agents)
+        self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
         finisher = Finisher(
             self.layout,
@@ -114,6 +116,8 @@ class Daemon:
             metrics=self.metrics,
         )
         finisher.bind(self.loop)
+        joins = Joins(self.layout, self.ledger, finisher, self._config)
+        finisher.on_final = joins.on_final
         self.gatekeeper = GateKeeper(self.ledger, self.lanes, lambda: self.config.agents, self.wakeup, self.metrics)
         ctx = JobContext(
             layout=self.layout,
@@ -127,18 +131,28 @@ class Daemon:
             gates=self.gatekeeper.gates,
             note_gate=self.gatekeeper.note,
         )
-        self.sched = Scheduler(ctx, self.inbox, self.wakeup)
+        self.sched = Scheduler(ctx, self.inbox, self.wakeup, joins)
+        joins.ready = self._joined
         self.lease: LeaseKeeper | None = None
-        if has_leases(self.ledger):
-            self.lease = LeaseKeeper(self.ledger, self.config.lease_s, self._hosts_lost)
+        leases = self.ledger.leases
+        if leases is not None:
+            self.lease = LeaseKeeper(leases, self.config.lease_s, self._hosts_lost)
             self.lease.start()
         self.house = Housekeeping(
-            ctx, self.sched, self.inbox, check_watch=self._check_watch, wake=self.wakeup, shared=self.lease is not None
+            ctx,
+            self.sched,
+            self.inbox,
+            check_watch=self._check_watch,
+            wake=self.wakeup,
+            shared=self.lease is not None,
+            joins=joins,
         )
         log.info(
             "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
             max_jobs=self.config.max_jobs, agents=sorted(self.config.agents), once=self.once, ledger=self.config.ledger,
         )  # fmt: skip
+        announce.config_findings(self.config)
+        announce.other_daemons(self.ledger, self.owner)
         self.watch = (
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
@@ -218,6 +232,10 @@ class Daemon:
         if self._wake is not None:
             self._wake.set()
 
+    def _joined(self, job_id: str, token: int, agent: str) -> None:
+        """A waiting job was taken and moved to active/ (from the ledger lane): park it on the loop."""
+        self.loop.call_soon_threadsafe(self.sched.park_joined, job_id, token, agent)
+
     def hint(self, kind: str, name: str) -> None:
         """A filesystem hint from the watch (on the loop)."""
         if kind == "control":
@@ -271,14 +289,30 @@ class Daemon:
         except (ConfigError, OSError) as exc:
             log.error("config.rejected", error=str(exc))
             return
+        if new.metrics_file != self.config.metrics_file:  # set, moved or unset: takes effect now
+            self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
+            self.house.metrics_now()
         self.config = new
         self.inbox.settle_s = new.settle_s
+        self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
+        announce.config_findings(new)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _metrics(self, config: Config) -> Metrics | None:
+        """Return the metrics of metrics_file (None when unset); its first write is due at once."""
+        if not config.metrics_file:
+            return None
+        from dispatcher.metrics import Metrics  # prometheus_client only when it is used
+
+        return Metrics(config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents)
+
     def _timeout(self) -> float:
         now = time.monotonic()
         waits = [self._next_rescan - now, self.house.next_due(now)]
+        due = self.inbox.next_due_s()  # an order held back by not_before
+        if due is not None:
+            waits.append(due)
         if self.inbox.has_ready() and not self.stopping and self.sched.free_slots() > 0:
             return 0.0
         if self.notifier.watchdog_interval_s:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from dispatcher.clock import iso
 from dispatcher.lanes import Lanes
-from dispatcher.layout import iso
 from dispatcher.ledger.base import EVERY_AGENT, Gate, Ledger
 
 if TYPE_CHECKING:

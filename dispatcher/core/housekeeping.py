@@ -23,10 +23,12 @@ from dispatcher import procs
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.job import recovery
 from dispatcher.job.job import JobContext
+from dispatcher.job.joins import Joins
 from dispatcher.job.review import settle_reviews
 from dispatcher.job.runner import end_group
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Request, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Request
+from dispatcher.lifecycle import Row, State, is_landed
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
@@ -68,8 +70,10 @@ class Housekeeping:
         check_watch: Callable[[], None],
         wake: Callable[[], None],
         shared: bool = False,
+        joins: Joins | None = None,
     ) -> None:
         self.ctx = ctx
+        self.joins = joins  # waiting jobs: recovered and swept at every recovery pass
         self.sched = sched
         self.inbox = inbox
         self.check_watch = check_watch  # restarts the watch of inbox/ if it died
@@ -117,7 +121,7 @@ class Housekeeping:
         for job_id, _token, _agent in adopted:
             folder = JobFolder(self.ctx.layout.job(State.ACTIVE, job_id))
             n = max(folder.attempt_numbers(), default=0)
-            for pgid in await self.ctx.lanes.io(recovery.leftover_groups, folder, n) if n else []:
+            for pgid in await self.ctx.lanes.io(folder.leftover_groups, n) if n else []:
                 log.warning("agent.orphan_ended", job_id=job_id, pid=pgid)
                 ends.append(end_group(pgid, self.ctx.config().kill_grace_s))
         await asyncio.gather(*ends)
@@ -129,6 +133,9 @@ class Housekeeping:
         layout, ledger = self.ctx.layout, self.ctx.ledger
         recovery.finish_staging(layout, ledger, ledger.alive)
         recovery.settle_ledger(layout, ledger, ledger.alive)
+        if self.joins is not None:
+            self.joins.recover(ledger.alive)
+            self.joins.sweep()  # the backstop of the Finisher's hook: a parent finished by a command, max_wait
         settle_reviews(layout, ledger)
         if startup:
             recovery.reconcile_active(layout, ledger)
@@ -171,8 +178,12 @@ class Housekeeping:
         hints = await lanes.io(_hints, layout)
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):
             entry = await lanes.io(ledger.get, job_id)
+            if entry is not None and entry.state == Row.WAITING and self.joins is not None:
+                if await lanes.ledger(self.joins.cancel, job_id):
+                    await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)
+                continue
             if self.sched.cancel(job_id, entry.state if entry else None):
-                if entry is not None and entry.state in (Row.DONE, Row.FAILED, Row.REVIEW):
+                if entry is not None and is_landed(entry.state):
                     await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)
                 continue
             found = await lanes.scan(find_queued, layout.inbox, [job_id])
@@ -225,8 +236,18 @@ class Housekeeping:
         self.inbox.writers_checked(names, held)
 
     def next_due(self, now: float) -> float:
-        """Return seconds until the next settle check (a large number when none is due)."""
-        return 3600.0 if self._settle_due is None else self._settle_due - now
+        """Return seconds until the next settle check or metrics write (a large number when none is due).
+
+        The metrics write is a timer of its own: an idle loop still turns for it (section 10).
+        """
+        due = 3600.0 if self._settle_due is None else self._settle_due - now
+        if self.ctx.metrics is not None and not self._writing:  # a write in flight wakes the loop when done
+            due = min(due, self._metrics_due - now)
+        return due
+
+    def metrics_now(self) -> None:
+        """Make the next metrics write due at once (metrics_file was just set by a reload)."""
+        self._metrics_due = 0.0
 
     def metrics_due(self) -> None:
         """Note the loop's turn; rewrite the metrics file when due (at least every 10 s; section 10)."""

@@ -17,21 +17,16 @@ from collections.abc import Callable
 
 import structlog
 
-from dispatcher.ledger.base import Ledger
+from dispatcher.ledger.base import Leases
 
 log = structlog.get_logger("dispatcher")
-
-
-def has_leases(ledger: Ledger) -> bool:
-    """Return True for an engine whose liveness is a lease (it defines ``may_reap``)."""
-    return hasattr(ledger, "may_reap")
 
 
 class LeaseKeeper:
     """The thread that renews this daemon's lease and reaps dead daemons."""
 
-    def __init__(self, ledger: Ledger, lease_s: float, on_lost: Callable[[list[str]], None]) -> None:
-        self.ledger = ledger
+    def __init__(self, leases: Leases, lease_s: float, on_lost: Callable[[list[str]], None]) -> None:
+        self.leases = leases
         self.lease_s = lease_s
         self.on_lost = on_lost  # called (from this thread) with owners newly found dead
         self._stop = threading.Event()
@@ -43,24 +38,24 @@ class LeaseKeeper:
     @property
     def fenced(self) -> bool:
         """Return True while this daemon must not run agents or claim (no renewal for lease/2)."""
-        return not self.ledger.lease_ok()
+        return not self.leases.lease_ok()
 
     @property
     def lost(self) -> bool:
         """Return True once another daemon declared this one dead: it must stop for good."""
-        return self.ledger.lost
+        return self.leases.lost
 
     def _run(self) -> None:
         renew_every = self.lease_s / 6
         reap_every = self.lease_s / 3
         next_reap = time.monotonic() + reap_every
         while not self._stop.is_set():
-            ok = self.ledger.renew()
+            ok = self.leases.renew()
             now = time.monotonic()
             if ok and now >= next_reap:
                 next_reap = now + reap_every
                 try:
-                    dead = self.ledger.reap()
+                    dead = self.leases.reap()
                 except Exception as exc:  # noqa: BLE001 - a failed reap is tried again next time
                     log.warning("lease.reap_failed", error=str(exc))
                     dead = []

@@ -18,6 +18,7 @@ import structlog
 from dispatcher.errors import oneline
 from dispatcher.job.runner import AgentProcess, build_env
 from dispatcher.spec.config import Config
+from dispatcher.text import exit_text
 
 log = structlog.get_logger("dispatcher")
 NOTIFY_TIMEOUT_S = 30.0
@@ -78,7 +79,7 @@ class Notifications:
             return
         out = await proc.wait()
         if out.timed_out or out.exit_code != 0:
-            why = f"timed out after {NOTIFY_TIMEOUT_S:g} s" if out.timed_out else f"exit {out.exit_code}"
+            why = f"timed out after {NOTIFY_TIMEOUT_S:g} s" if out.timed_out else exit_text(out.exit_code)
             stderr = out.stderr_tail.decode("utf-8", "replace").strip().splitlines()[-3:]
             log.warning(
                 "notify.failed",

@@ -20,14 +20,14 @@ from typing import Any
 
 import structlog
 
-from dispatcher.core.claiming import Big, Claims, Dropped, Gone, Handover, Kind, Launch, NoSlot, Parked
+from dispatcher.core.claiming import Big, Claims, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked, when
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake
 from dispatcher.job.job import Job, JobContext
-from dispatcher.ledger.base import Row
+from dispatcher.job.joins import Joins
+from dispatcher.lifecycle import Outcome, Row, Stop
 from dispatcher.spec.config import Config
-from dispatcher.spec.jobspec import Outcome, Stop
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
@@ -52,9 +52,9 @@ class Stats:
 class Scheduler:
     """Start what may start; keep the running jobs; carry out cancel and retry requests."""
 
-    def __init__(self, ctx: JobContext, inbox: Inbox, wake: Callable[[], None]) -> None:
+    def __init__(self, ctx: JobContext, inbox: Inbox, wake: Callable[[], None], joins: Joins | None = None) -> None:
         self.ctx = ctx
-        self.claims = Claims(ctx.layout, ctx.ledger, ctx.config, ctx.finisher, self.log_refused)
+        self.claims = Claims(ctx.layout, ctx.ledger, ctx.config, ctx.finisher, self.log_refused, joins)
         self.inbox = inbox
         self.wake = wake
         self.running: dict[str, Running] = {}
@@ -110,6 +110,8 @@ class Scheduler:
             self.parked.remove(p)
             batch.append(p)
             free -= 1
+        while (join := self.inbox.pop_join()) is not None:
+            batch.append(join)  # an order naming `after` is claimed at once and takes no slot: it waits
         while free > 0 and len(self.parked) < PARK_LIMIT:
             ready = self.inbox.pop()
             if ready is None:
@@ -191,6 +193,8 @@ class Scheduler:
                         self.stats.finished["refused"] += 1
                 case Big(name=name):
                     self._background(self._read_big(name, cancel=cancel))
+                case Later(name=name, due=due, priority=priority):
+                    self.inbox.defer(name, due, priority)  # the glance at the file missed its not_before
                 case Launch(parked=p):
                     if p.item is not None:
                         self.inbox.forget(p.item.name)
@@ -218,6 +222,10 @@ class Scheduler:
         elif isinstance(found, Refusal):
             log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
             await self._refuse(found)
+        elif isinstance(timing := when(found.order, name, now=cancel), Later):
+            self.inbox.defer(name, timing.due, timing.priority)
+        elif timing is not None:
+            await self._refuse(timing)
         else:
             log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
             p = Parked(Kind.NEW, found.order.job_id, found.order.to, found)
@@ -312,3 +320,8 @@ class Scheduler:
     def _launch_now(self, p: Parked) -> None:
         self.inflight += 1
         self._background(self._launch([p], cancel=True))
+
+    def park_joined(self, job_id: str, token: int, agent: str) -> None:
+        """Queue a job whose wait is over (moved to active/ and taken by this daemon); it runs when a slot is free."""
+        self.parked.append(Parked(Kind.JOINED, job_id, agent, token=token))
+        self.wake()

@@ -20,6 +20,7 @@ find whatever events missed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import errno
 import heapq
@@ -31,7 +32,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dispatcher import fsutil
 from dispatcher.layout import is_ignored
+from dispatcher.spec.orders import Glance, peek_schedule
 
 # <sys/inotify.h>
 IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
@@ -39,6 +42,7 @@ IN_CREATE, IN_DELETE, IN_Q_OVERFLOW, IN_IGNORED = 0x100, 0x200, 0x4000, 0x8000
 _MASK = IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 _HEADER = struct.Struct("iIII")
 
+PEEK_BYTES = 1 << 20  # an order's priority and not_before are read at a glance from at most this much
 Hint = Callable[[str, str], None]  # (kind, name): kind is moved, closed, created, gone, control, rescan
 
 
@@ -196,12 +200,16 @@ class Inbox:
         self.settle_s = settle_s
         self.wait_for_writers = wait_for_writers  # off for `run --once`: at most settle s after the last change
         self._pending: dict[str, _Pending] = {}
-        self._ready: list[tuple[int, str]] = []
+        self._ready: list[tuple[int, int, str]] = []  # (-priority, mtime_ns, name): higher first, then older
         self._ready_names: set[str] = set()
+        self._later: list[tuple[float, int, int, str]] = []  # (due, -priority, mtime_ns, name): not_before
+        self._later_names: set[str] = set()
+        self._joins: collections.deque[str] = collections.deque()  # ready orders naming `after`
         self._known: set[str] = set()  # pending, ready, or being handled by the daemon
 
     def __len__(self) -> int:
-        return len(self._known)
+        """How many names wait to settle, are ready or are being handled (orders due later left out)."""
+        return len(self._known) - len(self._later_names)
 
     def hint(self, kind: str, name: str) -> None:
         """Take one filesystem event into account (and wake the loop)."""
@@ -241,7 +249,7 @@ class Inbox:
                 self.add(entry)
 
     def _make_ready(self, name: str) -> None:
-        if name in self._ready_names:
+        if name in self._ready_names or name in self._later_names:
             return
         try:
             st = os.lstat(self.inbox / name)
@@ -252,8 +260,53 @@ class Inbox:
         self._push(name, st.st_mtime_ns)
 
     def _push(self, name: str, mtime_ns: int) -> None:
+        glance = self._peek(name)
+        if glance.not_before is not None and glance.not_before > time.time():
+            self.defer(name, glance.not_before, glance.priority, mtime_ns)
+            return
         self._ready_names.add(name)
-        heapq.heappush(self._ready, (mtime_ns, name))
+        if glance.joins:
+            self._joins.append(name)
+        else:
+            heapq.heappush(self._ready, (-glance.priority, mtime_ns, name))
+
+    def _peek(self, name: str) -> Glance:
+        """Read an order's priority, not_before and `after` at a glance (a small bounded read; no link followed)."""
+        try:
+            data = fsutil.read_regular(self.inbox / name, PEEK_BYTES)
+        except (OSError, ValueError, fsutil.NotRegular):
+            return Glance()  # unreadable here: the daemon reads it as usual (and refuses it if need be)
+        return peek_schedule(data, name)
+
+    def pop_join(self) -> str | None:
+        """Return a ready order that names `after` (claimed at once, whatever slots are free), or None."""
+        while self._joins:
+            name = self._joins.popleft()
+            if name in self._ready_names:
+                self._ready_names.discard(name)
+                return name
+        return None
+
+    def defer(self, name: str, due: float, priority: int = 5, mtime_ns: int = 0) -> None:
+        """Keep an order unclaimed in inbox/ until its not_before time (``due``, epoch seconds)."""
+        self._ready_names.discard(name)
+        self._known.add(name)
+        self._later_names.add(name)
+        heapq.heappush(self._later, (due, -priority, mtime_ns, name))
+
+    def _promote_due(self) -> None:
+        now = time.time()
+        while self._later and self._later[0][0] <= now:
+            _due, _neg, mtime_ns, name = heapq.heappop(self._later)
+            if name in self._later_names:
+                self._later_names.discard(name)
+                self._push(name, mtime_ns)  # due now: a join goes to its own queue
+
+    def next_due_s(self) -> float | None:
+        """Return seconds until the next order held back by not_before is due (None: none is)."""
+        while self._later and self._later[0][3] not in self._later_names:
+            heapq.heappop(self._later)
+        return max(0.0, self._later[0][0] - time.time()) if self._later else None
 
     def promote_settled(self) -> tuple[list[str], float | None]:
         """Move settled names to ready; return (names that need the open-writer check, seconds to next check)."""
@@ -299,16 +352,18 @@ class Inbox:
 
     def has_ready(self) -> bool:
         """Return True if a file is ready to be read."""
-        return bool(self._ready)
+        self._promote_due()
+        return bool(self._ready or self._joins)
 
     def has_pending(self) -> bool:
         """Return True while some file waits to settle (it may still become an order)."""
         return bool(self._pending)
 
     def pop(self) -> str | None:
-        """Return the oldest ready name (by mtime, then name), or None."""
+        """Return the ready name of highest priority, then oldest (by mtime, then name), or None."""
+        self._promote_due()
         while self._ready:
-            name = heapq.heappop(self._ready)[1]
+            name = heapq.heappop(self._ready)[2]
             if name in self._ready_names:
                 self._ready_names.discard(name)
                 return name
@@ -324,3 +379,4 @@ class Inbox:
         self._known.discard(name)
         self._pending.pop(name, None)
         self._ready_names.discard(name)
+        self._later_names.discard(name)

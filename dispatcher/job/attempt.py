@@ -33,6 +33,7 @@ def values(spec: JobSpec, work: Path) -> dict[str, str]:
         "receipt": str(work / "receipt.json"),
         "prompt": rendered,
         "prompt_file": str(work / "prompt.md") if prompt is not None else "",
+        "parents": str(work / "parents.json"),
     }
 
 

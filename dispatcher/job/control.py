@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from dispatcher.job.runner import AgentProcess
-from dispatcher.spec.jobspec import Stop
+from dispatcher.lifecycle import Stop
 
 
 class Left(Exception):

@@ -23,26 +23,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from dispatcher import fsutil
 from dispatcher.job.followups import release_followups
 from dispatcher.lanes import GroupCommit, Lanes
-from dispatcher.layout import Layout, State, parse_iso
-from dispatcher.ledger.base import Entry, Finish, Ledger, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Entry, Finish, Ledger
+from dispatcher.lifecycle import Row, State, landed_state
 from dispatcher.spec.config import Config
+from dispatcher.spec.result import Result
 from dispatcher.store.jobstore import JobFolder
 
 if TYPE_CHECKING:
     from dispatcher.metrics import Metrics  # prometheus_client is imported only when metrics_file is set
 
 log = structlog.get_logger("dispatcher")
-_STATE_OF = {Row.DONE: State.DONE, Row.FAILED: State.FAILED, Row.REVIEW: State.REVIEW}
 
 
 class Notify(Protocol):
@@ -65,7 +66,7 @@ class Landing:
 
     folder: JobFolder
     finish: Finish
-    result: Mapping[str, Any]
+    result: Result
     staged: bool = False
 
 
@@ -92,8 +93,10 @@ class Finisher:
         self.metrics = metrics
         self._commit: GroupCommit[Landing, bool | OSError] = GroupCommit(lanes, self.commit)
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: called (ledger lane) with the ids that just reached done or failed: wakes the joins that name them
+        self.on_final: Callable[[Sequence[str]], None] | None = None
 
-    async def finish(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any], *, release: bool) -> bool:
+    async def finish(self, folder: JobFolder, finish: Finish, result: Result, *, release: bool) -> bool:
         """Steps 1 to 4: stage, commit, land, then notify or release; False when fenced.
 
         Raises the OSError that kept the result from being staged (a full disk: the job
@@ -102,7 +105,7 @@ class Finisher:
         """
         return await self._land(Landing(folder, finish, result), release=release)
 
-    async def land(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any], *, release: bool) -> bool:
+    async def land(self, folder: JobFolder, finish: Finish, result: Result, *, release: bool) -> bool:
         """Steps 2 to 4 for a result already staged or in place (a landing cut short by a crash)."""
         return await self._land(Landing(folder, finish, result, staged=True), release=release)
 
@@ -118,20 +121,20 @@ class Finisher:
         state = finish.state
         if state in (Row.FAILED, Row.REVIEW) and self.notify is not None:
             event = "job.failed" if state == Row.FAILED else "job.review"
-            target = self.layout.job(_STATE_OF[state], finish.job_id) / "result.json"
-            self.notify.fire(event, finish.job_id, str(result.get("agent") or ""), result.get("reason"), target)
+            target = self.layout.job(landed_state(state), finish.job_id) / "result.json"
+            self.notify.fire(event, finish.job_id, result.agent or "", result.reason, target)
         if state == Row.DONE and release:
             await self.lanes.io(self.release, finish.job_id)
         return True
 
-    def finish_now(self, folder: JobFolder, finish: Finish, result: Mapping[str, Any]) -> bool:
+    def finish_now(self, folder: JobFolder, finish: Finish, result: Result) -> bool:
         """Stage and commit one failed job from the ledger lane itself (a claim under a cancel)."""
         ok = self.commit([Landing(folder, finish, result)])[0]
         if isinstance(ok, OSError):
             raise ok
         if ok and self.notify is not None and self._loop is not None:
-            target = self.layout.job(_STATE_OF[finish.state], finish.job_id) / "result.json"
-            agent, reason = str(result.get("agent") or ""), result.get("reason")
+            target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
+            agent, reason = result.agent or "", result.reason
             self._loop.call_soon_threadsafe(self.notify.fire, "job.failed", finish.job_id, agent, reason, target)
         return ok
 
@@ -160,29 +163,36 @@ class Finisher:
             if not ok:
                 continue
             finish, result = landing.finish, landing.result
-            state = _STATE_OF[finish.state]
-            duration = _duration(result)
+            state = landed_state(finish.state)
+            duration = result.duration_s
             fields = {
                 "job_id": finish.job_id,
-                "agent": result.get("agent"),
-                "attempts": len(result.get("attempts") or ()),
+                "agent": result.agent,
+                "attempts": len(result.attempts),
                 "duration_s": duration,
-                "cost_usd": result.get("cost_usd"),
-                "chain_cost_usd": result.get("chain_cost_usd"),
+                "cost_usd": result.cost_usd,
+                "chain_cost_usd": result.chain_cost_usd,
             }
             if state is State.DONE:
-                log.info("job.done", children=result.get("children") or None, **fields)
+                log.info("job.done", children=list(result.children) or None, **fields)
             elif state is State.REVIEW:
-                log.info("job.review", children=result.get("children") or None, **fields)
+                log.info("job.review", children=list(result.children) or None, **fields)
             else:
-                log.warning("job.failed", reason=result.get("reason"), **fields)
+                log.warning("job.failed", reason=result.reason, **fields)
             if self.metrics is not None and state is not State.REVIEW:
-                self.metrics.job_finished(state.value, result.get("agent"), duration, result.get("cost_usd"))
+                self.metrics.job_finished(state.value, result.agent, duration, result.cost_usd)
             with contextlib.suppress(FileNotFoundError):  # landed already (a crash between land and this)
                 landing.folder.land(self.layout, state)
                 touched.add(state)
         for state in touched:
             fsutil.fsync_dir(self.layout.folder(state))
+        final = [batch[i].finish for i, ok in zip(ready, oks, strict=True) if ok]
+        final_ids = [f.job_id for f in final if f.state != Row.REVIEW]  # review is not final
+        if final_ids and self.on_final is not None:
+            try:
+                self.on_final(final_ids)
+            except Exception as exc:  # the periodic sweep finds the joins again
+                log.exception("daemon.error", step="joins", error=str(exc))
         return answers
 
     def release(self, parent: str) -> int:
@@ -215,10 +225,3 @@ class Finisher:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Name the loop that released follow-ups are hinted to (set at start, before any release)."""
         self._loop = loop
-
-
-def _duration(result: Mapping[str, Any]) -> float | None:
-    try:
-        return round(parse_iso(result["finished"]) - parse_iso(result["received"]), 3)
-    except (KeyError, TypeError, ValueError):
-        return None

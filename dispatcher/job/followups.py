@@ -19,8 +19,9 @@ import structlog
 from dispatcher import faults, fsutil
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
-from dispatcher.layout import Layout, State
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Ledger
+from dispatcher.lifecycle import State
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format, validate_order
 

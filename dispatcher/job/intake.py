@@ -19,7 +19,6 @@ folder (put in place by recovery), or a placed job.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import os
@@ -36,14 +35,23 @@ from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
 from dispatcher.job.finish import Finisher
 from dispatcher.job.runner import render
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, find_cycle
+from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.spec.config import Agent, Config
-from dispatcher.spec.jobspec import JobSpec, Stop, prompt_values
+from dispatcher.spec.jobspec import JobSpec, prompt_values
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import order_format, parse_order, to_json
-from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, is_disk_full, new_stage, remove_stage
+from dispatcher.store.jobstore import (
+    JOB_FILE,
+    JobFolder,
+    build_result,
+    drop_inbox_twin,
+    is_disk_full,
+    new_stage,
+    remove_stage,
+)
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
@@ -89,6 +97,15 @@ class Cancelled:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """A claimed job placed in waiting/ (its order names ``after``): the claim is to be turned into a wait."""
+
+    name: str
+    job_id: str
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
 class Refused:
     """A file that went to failed/<stem>@<time>/ (or vanished before it could)."""
 
@@ -104,7 +121,7 @@ class Skipped:
     retry_later: bool = False
 
 
-Claimed_ = Started | Cancelled | Refused | Skipped
+Claimed_ = Started | Waiting | Cancelled | Refused | Skipped
 
 
 def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | None:
@@ -184,6 +201,12 @@ def claim(
             _repair_row(ledger, item.order.job_id, found[0])
             out[i] = _refuse(layout, owner, item, found[0].value, on_refused)
             continue
+        cycle = find_cycle(ledger, item.order.job_id, item.order.after) if item.order.after else None
+        if cycle is not None:
+            reason = "after: would make a cycle (" + " -> ".join(cycle) + ")"
+            refuse(layout, Refusal(item.name, reason, item.order.job_id, agent=item.order.to), owner, on_refused)
+            out[i] = Refused(item.name, item.order.job_id)
+            continue
         try:
             stage = _stage(layout, owner, item)
         except OSError as exc:
@@ -209,12 +232,13 @@ def claim(
             for _, p, _ in staged
         ]
     )
-    placed = False
+    placed: set[State] = set()
     for (i, pick, stage), answer in zip(staged, answers, strict=True):
         match answer:
             case Claimed():
                 out[i] = _place(layout, ledger, pick, stage, answer)
-                placed = placed or isinstance(out[i], Started)
+                if isinstance(out[i], Started):
+                    placed.add(State.WAITING if pick.item.order.after else State.ACTIVE)
             case Known(entry=entry):
                 remove_stage(stage)
                 if _drop_twin(layout, pick.item):  # the claimed job's own file (a claim cut short)
@@ -224,11 +248,13 @@ def claim(
             case Busy():
                 remove_stage(stage)
                 out[i] = Skipped(pick.item.name)
-    if placed:
-        fsutil.fsync_dir(layout.folder(State.ACTIVE))  # the claim's durable point: before any agent starts
+    for state in sorted(placed):
+        fsutil.fsync_dir(layout.folder(state))  # the claim's durable point: before any agent starts
     for i, done in enumerate(out):
         if isinstance(done, Started) and done.cancelled:
             out[i] = _cancel(finisher, done, picks[i].item.name)
+        elif isinstance(done, Started) and done.order.after:
+            out[i] = Waiting(picks[i].item.name, done.spec.job_id, done.token)
     return [o if o is not None else Skipped("") for o in out]
 
 
@@ -250,7 +276,7 @@ def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
 
 
 def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
-    row = {State.DONE: Row.DONE, State.FAILED: Row.FAILED, State.REVIEW: Row.REVIEW}.get(state, Row.CLAIMED)
+    row = state_to_row(state)
     ledger.load_rows([Entry(job_id, row, None, None, 1, None, None, None, 0, None, None, time.time())])
     log.warning("ledger.repaired", job_id=job_id, state=row.value, reason="a job folder without a ledger row")
 
@@ -276,7 +302,7 @@ def _place(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Cla
     item, agent = pick.item, pick.agent
     try:
         spec, order = _write_job(layout, stage, item, agent, claimed)
-        target = layout.job(State.ACTIVE, item.order.job_id)
+        target = layout.job(State.WAITING if order.after else State.ACTIVE, item.order.job_id)
         fsutil.rename_noreplace(stage, target)
     except OSError as exc:
         # nothing ran: the id stays free (or goes back to the daemon it was taken over from)
@@ -355,20 +381,7 @@ def _drop_twin(layout: Layout, item: Inspected) -> bool:
     found = layout.find(item.order.job_id)
     if found is None:
         return False
-    kept = found[1] / f"order{Path(item.name).suffix}"
-    if fsutil.same_file(layout.inbox / item.name, kept):
-        with contextlib.suppress(FileNotFoundError):  # the claiming daemon removed it first
-            os.unlink(layout.inbox / item.name)
-        log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
-        return True
-    return False
-
-
-def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> None:
-    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
-
-    Another daemon may have removed it first (it saw the placed job's folder): that is fine.
-    """
-    if name and fsutil.same_file(layout.inbox / name, kept):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(layout.inbox / name)
+    if not drop_inbox_twin(layout, item.name, found[1] / f"order{Path(item.name).suffix}"):
+        return False
+    log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
+    return True

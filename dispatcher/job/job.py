@@ -23,21 +23,23 @@ from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
-from dispatcher.checks.builtin import CheckResult, Exit, verdict
+from dispatcher.checks.builtin import Exit, verdict
+from dispatcher.clock import iso
 from dispatcher.job import attempt, retry, user_checks, verify
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.control import Control, Left
 from dispatcher.job.finish import Finisher
-from dispatcher.job.recovery import leftover_groups
 from dispatcher.job.runner import AgentExit, end_group
 from dispatcher.job.waits import Waits, waited_s
 from dispatcher.lanes import Lanes
-from dispatcher.layout import Layout, iso
-from dispatcher.ledger.base import Child, Finish, Gate, Ledger, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Child, Finish, Gate, Ledger
+from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.spec.config import Config
-from dispatcher.spec.jobspec import Attempt, JobSpec, Outcome, Stop, total_cost
+from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.limits import LimitHit
 from dispatcher.spec.order import Order
+from dispatcher.spec.result import CheckResult, Result
 from dispatcher.store.jobstore import JobFolder, build_result, is_disk_full
 
 if TYPE_CHECKING:
@@ -148,11 +150,11 @@ class Job:
 
     async def _reland(self) -> Outcome:
         """Finish a job cut short while landing: its result is already written."""
-        result = self.folder.result() or {}
-        state = Row(result.get("state", "failed"))
+        result = self.folder.result() or Result(self.job_id, None, self.agent, None)
+        state = Row(result.state or "failed")
         log.info("job.recovered", step="finish")
         ok = await self.ctx.finisher.land(self.folder, Finish(self.job_id, self.token, state), result, release=True)
-        return Outcome(str(state)) if ok else Outcome.FENCED
+        return outcome_of(state) if ok else Outcome.FENCED
 
     # -- recovery ---------------------------------------------------------------------------
     async def _recover(self) -> Outcome | None:
@@ -184,8 +186,8 @@ class Job:
         return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
 
     async def _end_leftover(self, n: int) -> None:
-        """End an agent of attempt n still running from a dead daemon (``recovery.leftover_groups``)."""
-        for pgid in await self.ctx.lanes.io(leftover_groups, self.folder, n):
+        """End an agent of attempt n still running from a dead daemon (``JobFolder.leftover_groups``)."""
+        for pgid in await self.ctx.lanes.io(self.folder.leftover_groups, n):
             log.warning("agent.orphan_ended", pid=pgid)
             await end_group(pgid, self.ctx.config().kill_grace_s)
 
@@ -317,10 +319,8 @@ class Job:
             if why is None:
                 safe, why = await self._safe_to_retry()
                 if safe:
-                    data = retry.feedback(self.job_id, n, checks)
-                    await self._persist(functools.partial(self.folder.stash, n, feedback=True))
-                    await self._persist(self.folder.write_feedback, data)
-                    self.spec = self.spec.with_given("feedback.json", retry.digest(data))
+                    sha = await self._persist(self.folder.give_feedback, n, checks)
+                    self.spec = self.spec.with_given("feedback.json", sha)
                     await self._persist(self.folder.write_spec, self.spec)
                     return await self._schedule_retry(n, reason)
             return await self.finish(Row.FAILED, f"{reason}; not repaired: {why}", checks)
@@ -457,4 +457,4 @@ class Job:
                     raise Left from None
                 delay = min(delay * 2, _DISK_WAIT_MAX_S)
                 continue
-            return Outcome(str(state)) if ok else Outcome.FENCED
+            return outcome_of(state) if ok else Outcome.FENCED

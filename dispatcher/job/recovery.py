@@ -9,25 +9,23 @@ inbox/ (or was put back there).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
-from dispatcher import fsutil, procs
+from dispatcher import fsutil
 from dispatcher.errors import oneline
-from dispatcher.job.intake import drop_inbox_twin
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Finish, Ledger, Request, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Finish, Ledger, Request
+from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.store import refusals
-from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, remove_stage
+from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, drop_inbox_twin, remove_stage
 
 log = structlog.get_logger("dispatcher")
-_LANDED = {Row.DONE: State.DONE, Row.FAILED: State.FAILED, Row.REVIEW: State.REVIEW}
 
 
 def finish_staging(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:
@@ -58,9 +56,11 @@ def _finish_claim(layout: Layout, ledger: Ledger, owner: str, job_id: str, stage
     mine = entry is not None and entry.state == Row.CLAIMED and entry.owner == owner
     order = next((p for p in stage.iterdir() if p.name.startswith("order")), None)
     if mine and entry is not None and _complete(stage) and layout.find(job_id) is None and order:
-        os.rename(stage, layout.job(State.ACTIVE, job_id))
-        drop_inbox_twin(layout, entry.source or "", layout.job(State.ACTIVE, job_id) / order.name)
-        fsutil.fsync_dir(layout.folder(State.ACTIVE))
+        # a join goes to waiting/: its wait is recorded by the joins' recovery (``Joins.recover``)
+        state = State.WAITING if JobFolder(stage).spec().order.get("after") else State.ACTIVE
+        os.rename(stage, layout.job(state, job_id))
+        drop_inbox_twin(layout, entry.source or "", layout.job(state, job_id) / order.name)
+        fsutil.fsync_dir(layout.folder(state))
         log.info("job.recovered", job_id=job_id, agent=entry.agent, step="claim")
         return
     if mine and entry is not None:  # claimed, but its folder was never completed: nothing ran
@@ -86,21 +86,17 @@ def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) 
         if entry.owner is None or alive(entry.owner):
             continue
         found = layout.find(entry.job_id)
-        if found is None or found[0] is State.ACTIVE:
+        if found is None or found[0] in (State.ACTIVE, State.WAITING):  # waiting/: ``Joins.recover``
             continue
         state, folder = found
-        result = JobFolder(folder).result() or {}
-        row = Row.DONE if state is State.DONE else Row.REVIEW if state is State.REVIEW else Row.FAILED
-        if state is State.FAILED and result.get("state") == "done":
-            row = Row.DONE
-        ledger.finish([Finish(entry.job_id, entry.token, row, result.get("cost_usd"), result.get("chain_cost_usd"))])
+        result = JobFolder(folder).result()
+        row = state_to_row(state, result.state if result else None)
+        cost, chain = (result.cost_usd, result.chain_cost_usd) if result else (None, None)
+        ledger.finish([Finish(entry.job_id, entry.token, row, cost, chain)])
 
 
 def reconcile_active(layout: Layout, ledger: Ledger) -> None:
     """Put back the claim row of any active/ job the ledger lost (a power loss, a lost WAL)."""
-    reconcile = getattr(ledger, "reconcile", None)
-    if reconcile is None:
-        return
     for job_id in _active_ids(layout):
         entry = ledger.get(job_id)
         if entry is None or entry.state in (Row.RESERVED, Row.RELEASED):
@@ -109,7 +105,7 @@ def reconcile_active(layout: Layout, ledger: Ledger) -> None:
                 spec = folder.spec()
             except ValueError:
                 spec = None
-            if reconcile(
+            if ledger.reconcile(
                 job_id, spec.agent.name if spec else None, spec.parent if spec else None, spec.hops if spec else 0
             ):
                 log.warning("ledger.repaired", job_id=job_id, reason="active job without a claim row")
@@ -135,8 +131,8 @@ def orphans(
             continue
         if entry.owner != ledger.owner and entry.owner is not None and alive(entry.owner):
             continue
-        if entry.state in _LANDED:
-            _land(layout, job_id, _LANDED[Row(entry.state)])
+        if is_landed(entry.state):
+            _land(layout, job_id, landed_state(entry.state))
             continue
         if entry.state != Row.CLAIMED or not (layout.job(State.ACTIVE, job_id) / JOB_FILE).exists():
             continue
@@ -161,30 +157,6 @@ def _active_ids(layout: Layout) -> list[str]:
         return []
 
 
-def leftover_groups(folder: JobFolder, n: int) -> list[int]:
-    """Return the process groups still running from attempt n of a job whose daemon died.
-
-    With a pid record: the group, if its leader runs with the recorded start (on
-    the boot clock), or if the leader is gone but members remain (a pid is not
-    reused while its group lives). A live leader with another start is someone
-    else: left alone. Without a record (a crash between the spawn and the
-    record), the groups of processes whose working folder is this job's work/.
-    """
-    info = folder.pid_record(n)
-    if info is not None:
-        pid = int(info["pid"])
-        boot = info.get("boot_started")
-        ours = procs.is_alive(pid, info.get("started"), boot_started=float(boot) if boot is not None else None)
-        if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
-            return [pid]
-        return []
-    groups = []
-    for pid in procs.with_cwd(str(folder.work)):
-        with contextlib.suppress(ProcessLookupError):
-            groups.append(os.getpgid(pid))
-    return sorted(set(groups))
-
-
 def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, token: int, exc: Exception) -> None:
     """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file."""
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
@@ -199,7 +171,7 @@ def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, token: int, exc: E
     )
     folder.stage_result(result)
     if ledger.finish([Finish(job_id, token, Row.FAILED)])[0]:
-        log.warning("job.failed", job_id=job_id, agent=result["agent"], reason=reason)
+        log.warning("job.failed", job_id=job_id, agent=result.agent, reason=reason)
         folder.land(layout, State.FAILED)
         fsutil.fsync_dir(layout.folder(State.FAILED))
 
@@ -220,7 +192,8 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
         return None
     folder = JobFolder(layout.job(State.FAILED, job_id))
     spec = folder.spec()
-    failed_checks = [c for c in (folder.result() or {}).get("checks") or [] if c.get("ok") is False]
+    kept = folder.result()
+    failed_checks = kept.failed_checks() if kept else []
     folder.keep_result()
     last = max(folder.attempt_numbers(), default=0)
     agent = config.agents.get(spec.agent.name, spec.agent)
@@ -228,10 +201,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     spec = spec.with_agent(agent, last + max_attempts)
     if agent.repair and failed_checks and os.path.isdir(folder.work):
         # repair applies to the first new attempt too: it gets the checks the last one failed
-        data = fsutil.dump_json({"job_id": job_id, "attempt": last, "failed_checks": failed_checks})
-        folder.stash(last, feedback=True)
-        folder.write_feedback(data)
-        spec = spec.with_given("feedback.json", hashlib.sha256(data).hexdigest())
+        spec = spec.with_given("feedback.json", folder.give_feedback(last, failed_checks))
     folder.write_spec(spec, sync=True)
     fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))

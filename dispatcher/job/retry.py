@@ -6,14 +6,12 @@ returns a verdict, so the policy can be tested in milliseconds.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import replace
 
-from dispatcher import fsutil
-from dispatcher.checks.builtin import CheckResult
 from dispatcher.spec.config import MAX_RETRY_DELAY_S, Agent
 from dispatcher.spec.jobspec import Attempt, total_cost
+from dispatcher.spec.result import CheckResult
 
 
 def receipt_invalid(checks: Sequence[CheckResult]) -> bool:
@@ -51,17 +49,6 @@ def followups_taken(checks: Sequence[CheckResult], taken: Sequence[str]) -> list
     return [c if c.name != "followups_valid" else CheckResult(c.name, False, why) for c in checks]
 
 
-def feedback(job_id: str, n: int, checks: Sequence[CheckResult]) -> bytes:
-    """Return work/feedback.json for a repair attempt: the checks attempt n failed."""
-    failed = [c.to_json() for c in checks if c.ok is False]
-    return fsutil.dump_json({"job_id": job_id, "attempt": n, "failed_checks": failed})
-
-
 def mark_retry(attempt: Attempt) -> Attempt:
     """Return the attempt marked as followed by a retry (recovery then goes on with a new one)."""
     return replace(attempt, retry_next=True)
-
-
-def digest(data: bytes) -> str:
-    """Return the sha256 hex digest of data."""
-    return hashlib.sha256(data).hexdigest()

@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import structlog
 
 from dispatcher import faults, fsutil
-from dispatcher.errors import NotFound, WrongState, oneline
+from dispatcher.clock import iso
+from dispatcher.errors import NotFound, WrongState
 from dispatcher.job.followups import release_followups
-from dispatcher.layout import Layout, State, iso
-from dispatcher.ledger.base import Finish, Ledger, Row
-from dispatcher.store.jobstore import JobFolder, cut
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Finish, Ledger
+from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
+from dispatcher.spec.result import Result
+from dispatcher.store.jobstore import JobFolder, cut_reason
 
 log = structlog.get_logger("dispatcher")
 
@@ -47,24 +51,23 @@ def decide(
             raise NotFound(f"{job_id}: no such job")
         where = found[0].value if found else entry.state if entry else "unknown"
         raise WrongState(f"{job_id}: is {where}, not waiting for review")
-    if entry is None or entry.state not in (Row.REVIEW, Row.DONE, Row.FAILED):
+    if entry is None or not is_landed(entry.state):
         raise WrongState(f"{job_id}: its ledger row is {entry.state if entry else 'missing'}, not review")
-    result = dict(folder.result() or {})
+    result = folder.result() or Result(job_id, None, entry.agent, None)
     state = Row.DONE if approve else Row.FAILED
     if entry.state == Row.REVIEW:
-        result["state"] = str(state)
-        result["reason"] = None if approve else cut(oneline(f"rejected: {reason or 'no reason given'}"))
-        result["finished"] = iso(time.time())
+        why = None if approve else cut_reason(f"rejected: {reason or 'no reason given'}")
+        result = replace(result, state=str(state), reason=why, finished=iso(time.time()))
         folder.stage_result(result)
         faults.point("review.staged")
-        item = Finish(job_id, entry.token, state, result.get("cost_usd"), result.get("chain_cost_usd"))
+        item = Finish(job_id, entry.token, state, result.cost_usd, result.chain_cost_usd)
         if not ledger.finish([item])[0]:
             raise WrongState(f"{job_id}: was decided by someone else meanwhile")
         faults.point("review.decided")
     elif entry.state != state:
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
     event = "job.approved" if approve else "job.rejected"
-    log.info(event, job_id=job_id, agent=result.get("agent"), reason=result.get("reason"))
+    log.info(event, job_id=job_id, agent=result.agent, reason=result.reason)
     land(layout, folder, state)
     faults.point("review.landed")
     if approve:
@@ -75,7 +78,7 @@ def decide(
 
 def land(layout: Layout, folder: JobFolder, state: Row) -> None:
     """Move a decided review folder into done/ or failed/ (its staged result becomes result.json)."""
-    target = State.DONE if state == Row.DONE else State.FAILED
+    target = landed_state(state)
     folder.land(layout, target)
     fsutil.fsync_dir(layout.folder(target))
 
@@ -89,10 +92,10 @@ def settle_reviews(layout: Layout, ledger: Ledger) -> None:
     for job_id in names:
         entry = ledger.get(job_id)
         folder = JobFolder(layout.job(State.REVIEW, job_id))
-        if entry is None or entry.state not in (Row.DONE, Row.FAILED):
+        if entry is None or not is_final(entry.state):
             continue
-        staged = folder.read_json(".result.json.staged")
-        if not isinstance(staged, dict) or staged.get("state") != entry.state:
+        staged = folder.staged_result()
+        if staged is None or staged.state != entry.state:
             continue
         land(layout, folder, Row(entry.state))
         log.info("job.recovered", job_id=job_id, step="review", state=entry.state)

@@ -28,8 +28,9 @@ import structlog
 
 from dispatcher import faults, fsutil
 from dispatcher.errors import NotFound, WrongState, oneline
-from dispatcher.layout import Layout, State
+from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger, Request
+from dispatcher.lifecycle import State
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.store.jobstore import JobFolder
@@ -93,7 +94,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     data = fsutil.dump_json({"from": "review", "note": text or "", "checks": checks})
     if os.path.isdir(folder.work):
         folder.stash(last, feedback=True)
-        folder.write_feedback(data)
+        fsutil.write_new(folder.work / "feedback.json", data)
         spec = spec.with_given("feedback.json", _sha(data))
     faults.point("revise.feedback")
     kept = folder.attempts_dir / str(last) / KEPT_NOTE

@@ -35,9 +35,9 @@ from dispatcher.job.idle import IdleWatch, newest_change
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 ERR_TAIL_BYTES = 64 * 1024  # stderr kept in memory, for usage limits (section 14)
 PASSED_ENV = ("PATH", "HOME", "LANG")
-ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file")
+ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file", "parents")
 PROMPT_PLACEHOLDERS = (
-    "job_id", "from", "to", "task", "items_json", "writes", "accept_json", "order", "workspace", "receipt",
+    "job_id", "from", "to", "task", "items_json", "writes", "accept_json", "order", "workspace", "receipt", "parents",
 )  # fmt: skip
 _READ = 1 << 16
 _DRAIN_AFTER_EXIT_S = 1.0

@@ -17,16 +17,18 @@ from pathlib import Path
 
 import structlog
 
-from dispatcher.checks.builtin import DETAIL_MAX, CheckResult
+from dispatcher.checks.builtin import DETAIL_MAX
 from dispatcher.errors import cut, printable
 from dispatcher.job.attempt import argv as render_argv
 from dispatcher.job.attempt import dispatch_env
 from dispatcher.job.control import Control, Left
 from dispatcher.job.runner import AgentProcess, build_env
 from dispatcher.lanes import Lanes
+from dispatcher.lifecycle import Stop
 from dispatcher.spec.agent_rules import UserCheck
 from dispatcher.spec.config import Config
-from dispatcher.spec.jobspec import JobSpec, Stop
+from dispatcher.spec.jobspec import JobSpec
+from dispatcher.spec.result import CheckResult
 from dispatcher.store.jobstore import JobFolder
 
 log = structlog.get_logger("dispatcher")

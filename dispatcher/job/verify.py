@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import structlog
 
-from dispatcher.checks.builtin import CheckResult, Evidence, Exit, run_checks
+from dispatcher.checks.builtin import Evidence, Exit, run_checks
 from dispatcher.checks.evidence import gather
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Child, Ledger, Row
+from dispatcher.ledger.base import Child, Ledger
+from dispatcher.lifecycle import Row
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
+from dispatcher.spec.result import CheckResult
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import queued_ids
 

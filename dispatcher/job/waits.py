@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from dispatcher.clock import iso
 from dispatcher.lanes import Lanes
-from dispatcher.layout import iso
 from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger
 from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import Attempt
@@ -150,7 +150,7 @@ class Waits:
                     return Held(False)
                 if not waiting:
                     waiting = True
-                    await self.lanes.ledger(self.ledger.set_wait, self.job_id, agent.name, gate.until)
+                    await self.lanes.ledger(self.ledger.set_gate_wait, self.job_id, agent.name, gate.until)
                     log.info("job.waiting", job_id=self.job_id, agent=agent.name, kind=gate.kind,
                              until=iso(gate.until) if gate.until is not None else None, reason=gate.reason)  # fmt: skip
                 left = RECHECK_S if gate.until is None else gate.until - time.time()
@@ -158,7 +158,7 @@ class Waits:
                     return Held(True)
         finally:
             if waiting:
-                await self.lanes.ledger(self.ledger.clear_wait, self.job_id)
+                await self.lanes.ledger(self.ledger.clear_gate_wait, self.job_id)
 
     async def _holding(self, agent: Agent, *, fresh: bool) -> Gate | None:
         """Return the gate holding the agent now: the snapshot, this job's own limit, a daily cap."""

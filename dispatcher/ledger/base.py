@@ -14,26 +14,11 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from dispatcher.errors import DispatchError
-
-
-class Row(enum.StrEnum):
-    """A ledger row's state. A row is never deleted, except a failed parent's reservations."""
-
-    RESERVED = "reserved"  # a follow-up waiting for its parent to be done
-    HELD = "held"  # a follow-up put in held/ (over budget); released by an operator
-    RELEASED = "released"  # its file is in inbox/
-    CLAIMED = "claimed"  # a daemon owns it: its folder is in active/ (or being built)
-    REVIEW = "review"  # passed its checks, waiting in review/ for a person
-    DONE = "done"
-    FAILED = "failed"
-
-
-OPEN = (Row.RESERVED, Row.HELD, Row.RELEASED, Row.CLAIMED)
-FINISHED = (Row.DONE, Row.FAILED)
+from dispatcher.lifecycle import Row
 
 
 class Request(enum.StrEnum):
@@ -155,6 +140,26 @@ class Child:
 
 
 @dataclass(frozen=True, slots=True)
+class Wait:
+    """A job that waits for others (``after``): the ids it names, its rule and when it began to wait."""
+
+    job_id: str
+    after: tuple[str, ...]
+    rule: str
+    since: float
+
+
+def fold_waits(rows: Iterable[tuple[str, str, str, float]]) -> list[Wait]:
+    """Fold (job_id, parent, rule, since) rows into one ``Wait`` per job, in first-seen order."""
+    found: dict[str, list[str]] = {}
+    first: dict[str, tuple[str, float]] = {}
+    for job_id, parent, rule, since in rows:
+        found.setdefault(job_id, []).append(parent)
+        first.setdefault(job_id, (rule, float(since)))
+    return [Wait(j, tuple(sorted(ps)), first[j][0], first[j][1]) for j, ps in found.items()]
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonInfo:
     """One daemon process sharing the ledger, as `status` lists it."""
 
@@ -163,6 +168,8 @@ class DaemonInfo:
     host: str
     started: float
     alive: bool = True
+    #: the digest of the config file the daemon loaded last (at start or reload)
+    config_digest: str | None = None
 
 
 class LedgerUnavailable(DispatchError):
@@ -172,6 +179,35 @@ class LedgerUnavailable(DispatchError):
     """
 
 
+class Leases(ABC):
+    """The lease side of an engine whose daemons' liveness is a lease (contract section 12).
+
+    A daemon on such an engine runs a lease keeper: it renews its own lease,
+    reaps daemons whose lease ran out, and fences itself while it cannot renew.
+    """
+
+    @abstractmethod
+    def renew(self) -> bool:
+        """Renew this daemon's lease (one try); return False when it could not."""
+
+    @abstractmethod
+    def reap(self) -> list[str]:
+        """Mark daemons whose lease ran out as dead; return the newly dead."""
+
+    @abstractmethod
+    def may_reap(self) -> bool:
+        """Return True once this daemon has renewed its own lease without a gap for a full lease."""
+
+    @abstractmethod
+    def lease_ok(self) -> bool:
+        """Return False while this daemon must fence itself: no renewal for lease/2."""
+
+    @property
+    @abstractmethod
+    def lost(self) -> bool:
+        """True once another daemon declared this one dead: it must stop."""
+
+
 class Ledger(ABC):
     """A durable set of job ids with their states, lineage, requests, slots and daemons."""
 
@@ -179,6 +215,8 @@ class Ledger(ABC):
     owner: str = ""
     #: True when free_slot never blocks (local flocks): the daemon may call it from its loop
     slots_local: bool = False
+    #: what ends every wait for the ledger early (see ``set_give_up``); None: nothing does
+    _give_up: Callable[[], bool] | None = None
 
     # -- lifecycle and liveness ---------------------------------------------------------
     @abstractmethod
@@ -189,9 +227,9 @@ class Ledger(ABC):
     def register(self, info: DaemonInfo) -> None:
         """Announce a daemon start under a new identity (never reused)."""
 
-    def renew(self) -> bool:
-        """Renew this daemon's lease; return False when it could not (engines with leases)."""
-        return True
+    @abstractmethod
+    def record_config(self, digest: str | None) -> None:
+        """Record in this daemon's entry the digest of the config it has just loaded (a reload)."""
 
     @abstractmethod
     def alive(self, owner: str) -> bool:
@@ -201,18 +239,33 @@ class Ledger(ABC):
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon known on this ledger, live or dead, newest first."""
 
-    def reap(self) -> list[str]:
-        """Mark daemons whose lease ran out as dead; return the newly dead (engines with leases)."""
-        return []
+    @property
+    def leases(self) -> Leases | None:
+        """The engine's leases when a daemon's liveness is a lease; None when it is a local lock."""
+        return None
 
     def lease_ok(self) -> bool:
-        """Return False while this daemon must fence itself: no renewal for lease/2 (engines with leases)."""
-        return True
+        """Return False while this daemon must fence itself (always True without leases)."""
+        leases = self.leases
+        return leases is None or leases.lease_ok()
 
     @property
     def lost(self) -> bool:
-        """True once another daemon declared this one dead (engines with leases): it must stop."""
-        return False
+        """True once another daemon declared this one dead: it must stop (never without leases)."""
+        leases = self.leases
+        return leases is not None and leases.lost
+
+    def set_give_up(self, give_up: Callable[[], bool]) -> None:
+        """End every wait for a busy or unreachable ledger once ``give_up()`` is True.
+
+        The step waiting then raises ``LedgerUnavailable``. A daemon forced to
+        stop sets this; a command waits out its patience instead.
+        """
+        self._give_up = give_up
+
+    def giving_up(self) -> bool:
+        """Return True when a wait for the ledger must end now (see ``set_give_up``)."""
+        return self._give_up is not None and self._give_up()
 
     # -- reads --------------------------------------------------------------------------
     @abstractmethod
@@ -286,9 +339,36 @@ class Ledger(ABC):
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
 
+    # -- joins (``after``, contract section 16) ----------------------------------------------
+    @abstractmethod
+    def wait(self, job_id: str, token: int, after: Sequence[str], rule: str) -> bool:
+        """Turn this daemon's claim into a wait for ``after`` (no owner); False if the token moved on.
+
+        The ids and the rule are kept with the row, also once the job runs.
+        """
+
+    @abstractmethod
+    def waits(self, job_ids: Iterable[str] | None = None) -> list[Wait]:
+        """Return the waits recorded for these ids (None: of every job in state waiting)."""
+
+    @abstractmethod
+    def waiting_on(self, parents: Iterable[str]) -> list[str]:
+        """Return the ids of waiting jobs that name any of ``parents`` in ``after``."""
+
+    @abstractmethod
+    def take_waiting(self, job_id: str) -> int | None:
+        """Turn a waiting job into a claim by this daemon; return the new token, None if another won."""
+
+    @abstractmethod
     def set_state(self, job_id: str, state: Row, *, expect: Row) -> bool:
         """Move a row from one open state to another (a held follow-up released by an operator)."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def reconcile(self, job_id: str, agent: str | None, parent: str | None, hops: int) -> bool:
+        """Put back the claim row of a job found in active/ that the ledger lost; True if a row changed.
+
+        Only a missing, reserved or released row is changed (a power loss, a lost WAL).
+        """
 
     # -- requests -----------------------------------------------------------------------
     @abstractmethod
@@ -317,15 +397,15 @@ class Ledger(ABC):
         """Return every gate recorded, in force or not yet lifted, by agent."""
 
     @abstractmethod
-    def set_wait(self, job_id: str, agent: str, until: float | None) -> None:
+    def set_gate_wait(self, job_id: str, agent: str, until: float | None) -> None:
         """Record that a claimed job waits for a gate (shown as state ``waiting``)."""
 
     @abstractmethod
-    def clear_wait(self, job_id: str) -> None:
+    def clear_gate_wait(self, job_id: str) -> None:
         """Record that a job no longer waits."""
 
     @abstractmethod
-    def waits(self) -> dict[str, float | None]:
+    def gate_waits(self) -> dict[str, float | None]:
         """Return the waiting jobs with the time each waits for (None: until a gate is lifted)."""
 
     @abstractmethod
@@ -357,6 +437,31 @@ class Ledger(ABC):
     def is_empty(self) -> bool:
         """Return True if the ledger holds no job id at all."""
         return self.count() == 0
+
+
+def find_cycle(ledger: Ledger, job_id: str, after: Sequence[str]) -> list[str] | None:
+    """Return the path of a cycle that ``job_id`` waiting for ``after`` would close, or None.
+
+    A cycle is only possible through jobs that wait already (a running or finished
+    job waits for nothing): walk their recorded waits from ``after``.
+    """
+    seen: set[str] = set()
+    frontier = [(a, [job_id, a]) for a in after]
+    while frontier:
+        ids = [a for a, _ in frontier if a not in seen]
+        paths = {a: p for a, p in frontier}
+        seen.update(ids)
+        frontier = []
+        for w in ledger.waits(ids):
+            entry = ledger.get(w.job_id)
+            if entry is None or entry.state not in (Row.WAITING, Row.CLAIMED):
+                continue
+            for nxt in w.after:
+                if nxt == job_id:
+                    return [*paths[w.job_id], nxt]
+                if nxt not in seen:
+                    frontier.append((nxt, [*paths[w.job_id], nxt]))
+    return None
 
 
 def now() -> float:

@@ -8,10 +8,16 @@ lock otherwise, tox-dev/filelock #574) and never silently become soft locks.
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock, Timeout
+
+from dispatcher.ledger.base import DaemonInfo
 
 _ALIVE_TTL_S = 1.0
 
@@ -24,14 +30,16 @@ def make_lock(path: Path) -> FileLock:
 def owner_alive(folder: Path, owner: str) -> bool:
     """Return True while the daemon ``owner`` holds its liveness lock in folder."""
     path = folder / f"{owner}.lock"
-    if not path.exists():
+    try:  # read-only: a reader who may not write to the root can still ask (a flock needs no write access)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
         return False
-    lock = make_lock(path)
     try:
-        lock.acquire()
-    except Timeout:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    lock.release()
+    finally:
+        os.close(fd)  # closing drops the shared lock taken just now
     return False
 
 
@@ -99,3 +107,40 @@ class FlockSlots:
             for slot in list(mine):
                 self._locks[(agent, slot)].release()
             mine.clear()
+
+
+def write_info(folder: Path, info: DaemonInfo) -> None:
+    """Write (or rewrite) a daemon's info file ``<owner>.json`` beside its liveness lock, atomically."""
+    body = {"pid": info.pid, "host": info.host, "started": info.started, "config_digest": info.config_digest}
+    tmp = folder / f".{info.owner}.json.tmp"
+    tmp.write_bytes(json.dumps(body).encode())
+    os.rename(tmp, folder / f"{info.owner}.json")
+
+
+def read_infos(folder: Path, alive: Callable[[str], bool]) -> list[DaemonInfo]:
+    """Return the daemons whose info files are in folder, newest first (unreadable files are skipped)."""
+    out = []
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        owner = name[: -len(".json")]
+        try:
+            info = json.loads((folder / name).read_bytes())
+            digest = info.get("config_digest")
+            out.append(
+                DaemonInfo(
+                    owner,
+                    int(info["pid"]),
+                    str(info["host"]),
+                    float(info["started"]),
+                    alive(owner),
+                    digest if isinstance(digest, str) else None,
+                )
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(out, key=lambda d: d.started, reverse=True)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dispatcher.ledger.base import Busy, ClaimAnswer, Claimed, ClaimRequest, Entry, Known, Request, Row
-from dispatcher.ledger.pg_conn import Again, Cur, Found, Resolve, Runner
-from dispatcher.ledger.pg_leases import Leases
+from dispatcher.ledger.base import Busy, ClaimAnswer, Claimed, ClaimRequest, Entry, Known, Request
+from dispatcher.ledger.pg_conn import Again, Cur, Fence, Found, Resolve, Runner
+from dispatcher.lifecycle import Row
 
 _ROWS = (
     "SELECT j.job_id, j.state, j.agent, j.owner, j.token, j.source, j.digest, j.parent, j.hops, j.cost_usd,"
@@ -131,7 +131,7 @@ def _mark_cancelled(cur: Cur, answers: list[ClaimAnswer]) -> list[ClaimAnswer]:
 class Claims:
     """The steps that give this daemon a job row (or give one back)."""
 
-    def __init__(self, runner: Runner, leases: Leases) -> None:
+    def __init__(self, runner: Runner, leases: Fence) -> None:
         self.runner = runner
         self.leases = leases
 

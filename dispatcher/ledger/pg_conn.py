@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar, cast
+from typing import Any, Final, Generic, Protocol, TypeVar, cast
 
 import psycopg
 import structlog
@@ -128,8 +128,13 @@ def connection_options(lease_s: float) -> dict[str, Any]:
     }
 
 
-def make_conninfo(url: str, lease_s: float) -> str:
-    """Return the URL with the lease-bound options added (options already in the URL are kept first)."""
+def make_conninfo(url: str, lease_s: float, connect_timeout_s: int | None = None, *, readonly: bool = False) -> str:
+    """Return the URL with the lease-bound options added (options already in the URL are kept first).
+
+    ``connect_timeout_s`` (a command that must answer soon) replaces the lease-bound
+    connect timeout, also one given in the URL; ``readonly`` makes every transaction
+    read-only on the server.
+    """
     try:
         given = pg_conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
@@ -141,6 +146,10 @@ def make_conninfo(url: str, lease_s: float) -> str:
     if given.get("options"):
         opts["options"] = f"{opts['options']} {given['options']}"
     opts.setdefault("application_name", given.get("application_name") or "dispatcher")
+    if readonly:  # the server refuses any write: a reader's role needs SELECT only
+        opts["options"] = f"{opts['options']} -c default_transaction_read_only=on"
+    if connect_timeout_s is not None:
+        opts["connect_timeout"] = max(2, connect_timeout_s)  # libpq's minimum is 2
     return pg_conninfo.make_conninfo(url, **opts)
 
 
@@ -264,7 +273,8 @@ class Runner:
         patience = self.patience_s if patience_s is DEFAULT else patience_s
         write = write or resolve is not None
         started = time.monotonic()
-        delay, logged, failures, outage = 0.05, -_LOG_EVERY_S, 0, False
+        # a daemon says at once that it waits; a command (bounded patience) answers before it would
+        delay, logged, failures, outage = 0.05, (-_LOG_EVERY_S if patience is None else 0.0), 0, False
         unknown: tuple[int, T] | None = None  # (transaction id, answer) of a commit whose outcome is unknown
         while True:
             try:
@@ -304,7 +314,8 @@ class Runner:
                         "ledger.reconnecting", step=what, attempt=failures, waited_s=round(waited, 1), error=_text(exc)
                     )
                     logged = waited
-                time.sleep(delay * random.uniform(0.5, 1.0))
+                pause = delay * random.uniform(0.5, 1.0)
+                time.sleep(pause if patience is None else max(0.0, min(pause, patience - waited)))
                 delay = min(delay * 2, _MAX_DELAY_S)
 
     @staticmethod
@@ -361,3 +372,15 @@ def _text(exc: BaseException) -> str:
     """Return an error as one short line (psycopg messages span lines)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text[:300]
+
+
+class Fence(Protocol):
+    """What a step asks of this daemon's lease before it writes (``pg_leases.Leases``)."""
+
+    owner: str
+
+    def check(self, cur: Cur, *, lease: bool) -> bool:
+        """Lock this daemon's row; may it act (with ``lease``: is its lease still running)?"""
+
+    def refusal(self) -> Exception:
+        """Return the error a claim raises when ``check(lease=True)`` said no."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dispatcher.ledger.base import Child, Entry, Finish, Row
-from dispatcher.ledger.pg_conn import Cur, Found, Rollback, Runner
-from dispatcher.ledger.pg_leases import Leases
+from dispatcher.ledger.base import Child, Entry, Finish
+from dispatcher.ledger.pg_conn import Cur, Fence, Found, Rollback, Runner
+from dispatcher.lifecycle import Row
 
 _FINISH = (
     "UPDATE jobs SET state = %s, cost_usd = %s, chain_cost_usd = %s, updated = extract(epoch from now())::float8,"
@@ -38,7 +38,7 @@ _PENDING = (
 class Followups:
     """The steps that end a claim and hand its follow-ups on."""
 
-    def __init__(self, runner: Runner, leases: Leases) -> None:
+    def __init__(self, runner: Runner, leases: Fence) -> None:
         self.runner = runner
         self.leases = leases
 

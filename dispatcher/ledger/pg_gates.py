@@ -8,8 +8,9 @@ hand) and a wait per job that waits for one. Schema version 2 added the tables;
 
 from __future__ import annotations
 
-from dispatcher.ledger.base import Gate, GateKind, Row
+from dispatcher.ledger.base import Gate, GateKind
 from dispatcher.ledger.pg_conn import Cur, Runner
+from dispatcher.lifecycle import Row
 
 TABLES = (
     """
@@ -22,7 +23,7 @@ TABLES = (
         PRIMARY KEY (agent, kind)
     )""",
     """
-    CREATE TABLE IF NOT EXISTS waits (
+    CREATE TABLE IF NOT EXISTS gate_waits (
         job_id text COLLATE "C" PRIMARY KEY,
         agent  text NOT NULL,
         until  double precision,
@@ -81,27 +82,29 @@ class Gates:
         )
         return [Gate(*r) for r in rows]
 
-    def set_wait(self, job_id: str, agent: str, until: float | None) -> None:
+    def set_gate_wait(self, job_id: str, agent: str, until: float | None) -> None:
         """Record that a claimed job waits for a gate."""
         self.runner.run(
-            "set_wait",
+            "set_gate_wait",
             lambda cur: cur.execute(
-                f"INSERT INTO waits (job_id, agent, until, since) VALUES (%s, %s, %s, {_NOW})"  # noqa: S608
+                f"INSERT INTO gate_waits (job_id, agent, until, since) VALUES (%s, %s, %s, {_NOW})"  # noqa: S608
                 " ON CONFLICT (job_id) DO UPDATE SET agent = EXCLUDED.agent, until = EXCLUDED.until",
                 (job_id, agent, until),
             ),
             write=True,
         )
 
-    def clear_wait(self, job_id: str) -> None:
+    def clear_gate_wait(self, job_id: str) -> None:
         """Record that a job no longer waits."""
         self.runner.run(
-            "clear_wait", lambda cur: cur.execute("DELETE FROM waits WHERE job_id = %s", (job_id,)), write=True
+            "clear_gate_wait",
+            lambda cur: cur.execute("DELETE FROM gate_waits WHERE job_id = %s", (job_id,)),
+            write=True,
         )
 
-    def waits(self) -> dict[str, float | None]:
+    def gate_waits(self) -> dict[str, float | None]:
         """Return the waiting jobs with the time each waits for."""
-        rows = self.runner.run("waits", lambda cur: cur.execute("SELECT job_id, until FROM waits").fetchall())
+        rows = self.runner.run("gate_waits", lambda cur: cur.execute("SELECT job_id, until FROM gate_waits").fetchall())
         return {r[0]: r[1] for r in rows}
 
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:

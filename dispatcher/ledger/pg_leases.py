@@ -86,10 +86,10 @@ class Leases:
 
         def body(cur: Cur) -> None:
             row = cur.execute(
-                "INSERT INTO daemons (owner, pid, host, started, lease_s, lease_until)"
-                " VALUES (%s, %s, %s, %s, %s, now() + make_interval(secs => %s))"
+                "INSERT INTO daemons (owner, pid, host, started, lease_s, lease_until, config_digest)"
+                " VALUES (%s, %s, %s, %s, %s, now() + make_interval(secs => %s), %s)"
                 " ON CONFLICT (owner) DO NOTHING RETURNING 1",
-                (info.owner, info.pid, info.host, info.started, self.lease_s, self.lease_s),
+                (info.owner, info.pid, info.host, info.started, self.lease_s, self.lease_s, info.config_digest),
             ).fetchone()
             if row is None:
                 raise PostgresLedgerError(f"{self.where}: daemon identity {info.owner} was used before; never reused")
@@ -233,11 +233,20 @@ class Leases:
         rows = self.runner.run(
             "daemons",
             lambda cur: cur.execute(
-                "SELECT owner, pid, host, started, ended IS NULL AND lease_until > now() FROM daemons"
+                "SELECT owner, pid, host, started, ended IS NULL AND lease_until > now(), config_digest FROM daemons"
                 " ORDER BY started DESC, owner"
             ).fetchall(),
         )
-        return [DaemonInfo(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
+        return [DaemonInfo(r[0], r[1], r[2], r[3], bool(r[4]), r[5]) for r in rows]
+
+    def record_config(self, digest: str | None) -> None:
+        """Record the digest of the config this daemon loaded in its row."""
+        owner = self.owner
+        self.runner.run(
+            "record_config",
+            lambda cur: cur.execute("UPDATE daemons SET config_digest = %s WHERE owner = %s", (digest, owner)),
+            write=True,
+        )
 
     # -- slots ------------------------------------------------------------------------------
     def take_slot(self, agent: str, concurrency: int) -> int | None:

@@ -12,12 +12,24 @@ from __future__ import annotations
 from dispatcher.ledger import pg_gates
 from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError
 
-SCHEMA_VERSION = 2  # 2: gates and waits (contract section 14)
+SCHEMA_VERSION = 3  # 2: joins (section 16); 3: gates and gate waits (section 14)
 # pg_advisory_xact_lock key for schema changes: "disp" "ldgr" in ASCII
 _LOCK_KEY = 0x6469737000000000 | 0x6C646772
 
 # ids are compared and sorted byte by byte (COLLATE "C"), as SQLite does, whatever the
 # database's locale: `rows()` and `children()` come in the same order on both engines
+# version 2: the ids a waiting job waits for (`after`, contract section 16)
+_WAITS = (
+    """
+    CREATE TABLE waits (
+        job_id text COLLATE "C" NOT NULL,
+        parent text COLLATE "C" NOT NULL,
+        rule   text NOT NULL,
+        since  double precision NOT NULL,
+        PRIMARY KEY (job_id, parent)
+    )""",
+    "CREATE INDEX waits_parent ON waits (parent)",
+)
 _TABLES = (
     """
     CREATE TABLE jobs (
@@ -58,7 +70,8 @@ _TABLES = (
         lease_until timestamptz NOT NULL,
         ended       text CHECK (ended IN ('stopped', 'lost')),
         ended_at    timestamptz,
-        ended_by    text COLLATE "C"
+        ended_by    text COLLATE "C",
+        config_digest text
     )""",
     "CREATE INDEX daemons_live ON daemons (lease_until) WHERE ended IS NULL",
     "CREATE INDEX daemons_ended_by ON daemons (ended_by) WHERE ended_by IS NOT NULL",
@@ -74,7 +87,27 @@ _TABLES = (
         PRIMARY KEY (agent, n)
     )""",
     "CREATE INDEX slots_owner ON slots (owner) WHERE owner IS NOT NULL",
+    *_WAITS,
 )
+
+
+class NoSchema(PostgresLedgerError):
+    """The database holds no dispatcher ledger yet (a reader never creates one)."""
+
+
+def check(cur: Cur, where: str) -> int:
+    """Return the schema version of a ledger opened read-only; refuse a newer one; NoSchema when there is none."""
+    exists = cur.execute("SELECT to_regclass('schema_version') IS NOT NULL").fetchone()
+    if not (exists and exists[0]):
+        raise NoSchema(f"{where}: holds no dispatcher ledger yet (the first daemon to start creates it)")
+    row = cur.execute("SELECT max(version) FROM schema_version").fetchone()
+    version = int(row[0]) if row and row[0] is not None else 0
+    if version > SCHEMA_VERSION:
+        raise PostgresLedgerError(
+            f"{where}: ledger schema version {version} is newer than this dispatcher knows"
+            f" ({SCHEMA_VERSION}); upgrade dispatcher on this host"
+        )
+    return version
 
 
 def ensure(cur: Cur, where: str) -> int:
@@ -92,10 +125,15 @@ def ensure(cur: Cur, where: str) -> int:
                 f" ({SCHEMA_VERSION}); upgrade dispatcher on this host"
             )
         if version == SCHEMA_VERSION:
+            _add_columns(cur)
             return version
-        if version == 1:  # a ledger from before gates: add their tables
+        if version in (1, 2):  # older ledgers: 1 has no joins (section 16), 2 no gates (section 14)
+            if version == 1:
+                for statement in _WAITS:
+                    cur.execute(statement)  # fixed text only
             for statement in pg_gates.TABLES:
-                cur.execute(statement)
+                cur.execute(statement)  # fixed text only
+            _add_columns(cur)
             cur.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION,))
             return SCHEMA_VERSION
         raise PostgresLedgerError(f"{where}: ledger schema version {version} is unknown to this dispatcher")
@@ -114,3 +152,13 @@ def ensure(cur: Cur, where: str) -> int:
     cur.execute("CREATE TABLE schema_version (version integer NOT NULL)")
     cur.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
     return SCHEMA_VERSION
+
+
+def _add_columns(cur: Cur) -> None:
+    """Add the columns added since version 1 without a new version: older daemons never name them."""
+    found = cur.execute(
+        "SELECT 1 FROM information_schema.columns WHERE table_name = 'daemons' AND column_name = 'config_digest'"
+        " AND table_schema = current_schema()"
+    ).fetchone()
+    if found is None:
+        cur.execute("ALTER TABLE daemons ADD COLUMN IF NOT EXISTS config_digest text")

@@ -71,13 +71,16 @@ from dispatcher.ledger.base import (
     Gate,
     Ledger,
     Request,
-    Row,
+    Wait,
 )
+from dispatcher.ledger.base import Leases as LeasesInterface
 from dispatcher.ledger.pg_claims import Claims
 from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
 from dispatcher.ledger.pg_gates import Gates
 from dispatcher.ledger.pg_leases import LeaseLost, Leases
+from dispatcher.ledger.pg_waits import Waits
+from dispatcher.lifecycle import Row
 
 __all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError", "migrate"]
 
@@ -102,34 +105,48 @@ def _page(after: str | None, cur: Cur) -> list[tuple[Any, ...]]:
     return cur.execute(_SELECT + " WHERE job_id > %s ORDER BY job_id LIMIT %s", (after, _PAGE)).fetchall()
 
 
-class PostgresLedger(Ledger):
+class PostgresLedger(Ledger, LeasesInterface):
     """A handle on a PostgreSQL ledger; safe to share between threads (a small connection pool)."""
 
     def __init__(
-        self, url: str, layout: Layout | None = None, *, lease_s: float = 30.0, patience_s: float | None = None
+        self,
+        url: str,
+        layout: Layout | None = None,
+        *,
+        lease_s: float = 30.0,
+        patience_s: float | None = None,
+        connect_timeout_s: int | None = None,
+        readonly: bool = False,
     ) -> None:
         """Connect, create or check the schema; raise PostgresLedgerError (one line) if it cannot be used.
 
         ``layout`` is accepted for symmetry with the SQLite engine and not used.
         ``patience_s`` bounds how long a step waits for an unreachable database
-        (None: forever, as a daemon does; then ``LedgerUnavailable``).
+        (None: forever, as a daemon does; then ``LedgerUnavailable``); ``connect_timeout_s``
+        bounds each connection attempt (a command's; a daemon's follows the lease).
+        ``readonly`` (`status`, `list`, `show`) never creates or changes the schema and
+        runs every transaction read-only: a role with SELECT alone is enough
+        (``pg_schema.NoSchema`` when no daemon has made the ledger yet).
         """
         if not lease_s > 0:
             raise PostgresLedgerError(f"lease must be a positive number of seconds, not {lease_s}")
         self.where = describe(url)
         self.lease_s = float(lease_s)
-        self.give_up: Callable[[], bool] = lambda: False
-        conninfo = make_conninfo(url, self.lease_s)
+        conninfo = make_conninfo(url, self.lease_s, connect_timeout_s, readonly=readonly)
         self._pool = Pool(conninfo, size=4)
-        self._runner = Runner(self._pool, self.where, lambda: self.give_up(), patience_s)
+        self._runner = Runner(self._pool, self.where, self.giving_up, patience_s)
         self._leases = Leases(self._runner, conninfo, self.lease_s)
         self._claims = Claims(self._runner, self._leases)
         self._followups = Followups(self._runner, self._leases)
+        self._waits = Waits(self._runner, self._leases)
         self._gates = Gates(self._runner)
         try:
-            self._runner.run("schema", lambda cur: pg_schema.ensure(cur, self.where), fatal=permanent)
+            step = pg_schema.check if readonly else pg_schema.ensure
+            self._runner.run("schema", lambda cur: step(cur, self.where), fatal=permanent)
         except psycopg.Error as exc:  # not a wait: a missing privilege, an unusable database
             self._pool.close()
+            if readonly:
+                raise PostgresLedgerError(f"{self.where}: the ledger cannot be read: {_one_line(exc)}") from None
             text = " ".join(str(exc).split())
             raise PostgresLedgerError(f"{self.where}: the ledger schema cannot be set up: {text}") from None
         except BaseException:
@@ -164,6 +181,11 @@ class PostgresLedger(Ledger):
         """Insert this daemon's row under a new identity with a lease of ``lease_s``; never reuse one."""
         self._leases.register(info)
         self.owner = info.owner
+
+    @property
+    def leases(self) -> LeasesInterface:
+        """This ledger itself: a daemon's liveness here is a lease renewed in the database."""
+        return self
 
     def renew(self) -> bool:
         """Renew the lease to the database's now() + lease (one try, own connection); False if it failed.
@@ -203,6 +225,10 @@ class PostgresLedger(Ledger):
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon that ever registered on this ledger, newest first."""
         return self._leases.daemons()
+
+    def record_config(self, digest: str | None) -> None:
+        """Record the digest of the config this daemon loaded in its row."""
+        self._leases.record_config(digest)
 
     def take_slot(self, agent: str, concurrency: int) -> int | None:
         """Take a free slot of agent over every daemon (FOR UPDATE SKIP LOCKED); None if all are busy.
@@ -321,6 +347,23 @@ class PostgresLedger(Ledger):
         """Move a row from one open state to another (hold, release of a held follow-up)."""
         return self._followups.set_state(job_id, state, expect=expect)
 
+    # -- joins (pg_waits) ----------------------------------------------------------------------
+    def wait(self, job_id: str, token: int, after: Sequence[str], rule: str) -> bool:
+        """Turn this daemon's claim into a wait for ``after`` (no owner); False if the token moved on."""
+        return self._waits.wait(job_id, token, after, rule)
+
+    def waits(self, job_ids: Iterable[str] | None = None) -> list[Wait]:
+        """Return the waits recorded for these ids (None: of every job in state waiting)."""
+        return self._waits.waits(job_ids)
+
+    def waiting_on(self, parents: Iterable[str]) -> list[str]:
+        """Return the ids of waiting jobs that name any of ``parents``."""
+        return self._waits.waiting_on(parents)
+
+    def take_waiting(self, job_id: str) -> int | None:
+        """Turn a waiting job into a claim by this daemon; return the new token, None if another won."""
+        return self._waits.take_waiting(job_id)
+
     # -- requests -------------------------------------------------------------------------
     def request(self, job_id: str, kind: Request) -> None:
         """Record a request for a daemon to carry out."""
@@ -365,17 +408,17 @@ class PostgresLedger(Ledger):
         """Return every gate recorded, by agent."""
         return self._gates.gates()
 
-    def set_wait(self, job_id: str, agent: str, until: float | None) -> None:
+    def set_gate_wait(self, job_id: str, agent: str, until: float | None) -> None:
         """Record that a claimed job waits for a gate."""
-        self._gates.set_wait(job_id, agent, until)
+        self._gates.set_gate_wait(job_id, agent, until)
 
-    def clear_wait(self, job_id: str) -> None:
+    def clear_gate_wait(self, job_id: str) -> None:
         """Record that a job no longer waits."""
-        self._gates.clear_wait(job_id)
+        self._gates.clear_gate_wait(job_id)
 
-    def waits(self) -> dict[str, float | None]:
+    def gate_waits(self) -> dict[str, float | None]:
         """Return the waiting jobs with the time each waits for."""
-        return self._gates.waits()
+        return self._gates.gate_waits()
 
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:
         """Return (finished, agent, cost_usd) of the jobs that finished since ``since``."""
@@ -403,3 +446,7 @@ def migrate(sqlite_ledger: Ledger, target: PostgresLedger) -> int:
     copied = target.load_into_empty(entries, requests)
     log.info("ledger.migrated", rows=copied, requests=len(requests), target=target.where)
     return copied
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

@@ -17,8 +17,7 @@ Liveness and slots are flocks (``flocks.py``): this engine is for one host.
 
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -34,12 +33,12 @@ from dispatcher.ledger.base import (
     Known,
     Ledger,
     Request,
-    Row,
     now,
 )
-from dispatcher.ledger.flocks import make_lock
+from dispatcher.ledger.flocks import make_lock, read_infos, write_info
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
 from dispatcher.ledger.sqlite_gates import SqliteGates
+from dispatcher.lifecycle import Row
 
 __all__ = ["LedgerError", "SqliteLedger"]
 
@@ -48,6 +47,7 @@ class SqliteLedger(SqliteGates, Ledger):
     """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
 
     slots_local = True  # slots are flocks on this host
+    _info: DaemonInfo | None = None
 
     # -- liveness -------------------------------------------------------------------------
     def register(self, info: DaemonInfo) -> None:
@@ -56,10 +56,14 @@ class SqliteLedger(SqliteGates, Ledger):
         self._daemons.mkdir(parents=True, exist_ok=True)
         self._life = make_lock(self._daemons / f"{info.owner}.lock")
         self._life.acquire()
-        data = json.dumps({"pid": info.pid, "host": info.host, "started": info.started}).encode()
-        tmp = self._daemons / f".{info.owner}.json.tmp"
-        tmp.write_bytes(data)
-        os.rename(tmp, self._daemons / f"{info.owner}.json")
+        self._info = info
+        write_info(self._daemons, info)
+
+    def record_config(self, digest: str | None) -> None:
+        """Rewrite this daemon's info file with the digest of the config it loaded."""
+        if self._info is not None:
+            self._info = dataclasses.replace(self._info, config_digest=digest)
+            write_info(self._daemons, self._info)
 
     def alive(self, owner: str) -> bool:
         """Return True while the daemon ``owner`` holds its liveness flock."""
@@ -67,23 +71,7 @@ class SqliteLedger(SqliteGates, Ledger):
 
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon that ever registered on this root, newest first."""
-        out = []
-        try:
-            names = os.listdir(self._daemons)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            if not name.endswith(".json") or name.startswith("."):
-                continue
-            owner = name[: -len(".json")]
-            try:
-                info = json.loads((self._daemons / name).read_bytes())
-                out.append(
-                    DaemonInfo(owner, int(info["pid"]), str(info["host"]), float(info["started"]), self.alive(owner))
-                )
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        return sorted(out, key=lambda d: d.started, reverse=True)
+        return read_infos(self._daemons, self.alive)
 
     # -- reads --------------------------------------------------------------------------
     def get(self, job_id: str) -> Entry | None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import quote
 
 import structlog
 from filelock import FileLock
@@ -28,7 +29,7 @@ from dispatcher.ledger.flocks import FlockSlots, Liveness
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3  # 3: gates and waits (contract section 14)
+SCHEMA_VERSION = 4  # 3: joins (section 16); 4: gates and gate waits (section 14)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id  TEXT PRIMARY KEY,
@@ -46,13 +47,21 @@ CREATE TABLE IF NOT EXISTS jobs (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS jobs_parent ON jobs(parent) WHERE parent IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_open ON jobs(state)
-    WHERE state IN ('reserved', 'held', 'released', 'claimed', 'review');
+    WHERE state IN ('reserved', 'held', 'released', 'claimed', 'review', 'waiting');
 CREATE TABLE IF NOT EXISTS requests (
     job_id TEXT NOT NULL,
     kind   TEXT NOT NULL,
     at     REAL NOT NULL,
     PRIMARY KEY (job_id, kind)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS waits (
+    job_id TEXT NOT NULL,
+    parent TEXT NOT NULL,
+    rule   TEXT NOT NULL,
+    since  REAL NOT NULL,
+    PRIMARY KEY (job_id, parent)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS waits_parent ON waits(parent);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS gates (
     agent   TEXT NOT NULL,
@@ -62,7 +71,7 @@ CREATE TABLE IF NOT EXISTS gates (
     updated REAL NOT NULL,
     PRIMARY KEY (agent, kind)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS waits (
+CREATE TABLE IF NOT EXISTS gate_waits (
     job_id TEXT PRIMARY KEY,
     agent  TEXT NOT NULL,
     until  REAL,
@@ -89,21 +98,28 @@ def _entry(row: tuple[object, ...]) -> Entry:
 class SqliteDb:
     """The connection to ``<root>/.state/ledger.sqlite3``, shared by threads under one lock."""
 
-    def __init__(self, path: Path, state_dir: Path, *, patience_s: float | None = None) -> None:
+    def __init__(self, path: Path, state_dir: Path, *, patience_s: float | None = None, readonly: bool = False) -> None:
         """Open (creating if needed) the ledger; raise LedgerError if it cannot be used.
 
         ``patience_s`` bounds how long a write waits for a busy ledger (None: forever,
-        as a daemon does; a command gives up with a clear error).
+        as a daemon does; a command gives up with a clear error). ``readonly`` opens an
+        existing ledger for reading only (``mode=ro``): enough to read the root, no
+        write access needed (`status`, `list`, `show`).
         """
         self.path = path
         self.patience_s = patience_s
-        self.give_up: Callable[[], bool] = lambda: False
+        self._give_up: Callable[[], bool] | None = None  # set by Ledger.set_give_up
         self._lock = threading.Lock()
         self._daemons = state_dir / "daemons"
         self._liveness = Liveness(self._daemons)
         self._slots = FlockSlots(state_dir / "slots")
         self._life: FileLock | None = None
+        self._immutable = False  # a read-only snapshot taken while no daemon had the ledger open
         try:
+            if readonly:
+                self._db, self._immutable = connect_readonly(path)
+                self._retrying(self._check_version)
+                return
             self._db = sqlite3.connect(
                 path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
             )
@@ -127,13 +143,18 @@ class SqliteDb:
             ):
                 if name not in cols:  # a ledger from before fencing tokens and costs
                     db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
-            row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            version = int(row[0]) if row else 1
-            if version > SCHEMA_VERSION:
-                raise LedgerError(
-                    f"schema version {version} is newer than this dispatcher knows ({SCHEMA_VERSION}); upgrade it"
-                )
+            self._check_version(db)
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+    def _check_version(self, db: sqlite3.Connection | None = None) -> None:
+        """Raise LedgerError for a ledger whose schema is newer than this code knows."""
+        db = self._db if db is None else db
+        row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        version = int(row[0]) if row else 1
+        if version > SCHEMA_VERSION:
+            raise LedgerError(
+                f"schema version {version} is newer than this dispatcher knows ({SCHEMA_VERSION}); upgrade it"
+            )
 
     def close(self) -> None:
         """Close the connection, give slots back and end this daemon's liveness lock."""
@@ -160,7 +181,7 @@ class SqliteDb:
                 waited = time.monotonic() - started
                 if self.patience_s is not None and waited >= self.patience_s:
                     raise LedgerUnavailable(f"the ledger is locked by another process ({waited:.0f} s)") from None
-                if self.give_up():
+                if self._give_up is not None and self._give_up():
                     raise LedgerUnavailable("the ledger is locked by another process; gave up at stop") from None
                 if waited - logged >= _WAIT_LOG_S:
                     log.warning("ledger.waiting", waited_s=round(waited), error=str(exc))
@@ -196,6 +217,9 @@ class SqliteDb:
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         def step() -> T:
             with self._lock:
+                if self._immutable and self.path.with_name(self.path.name + "-wal").exists():
+                    self._db.close()  # a daemon writes again: an immutable snapshot would go stale
+                    self._db, self._immutable = connect_readonly(self.path)
                 return body(self._db)
 
         return self._retrying(step)
@@ -203,6 +227,31 @@ class SqliteDb:
     def _row(self, db: sqlite3.Connection, job_id: str) -> Entry | None:
         row = db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()  # noqa: S608
         return _entry(row) if row else None
+
+
+def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
+    """Open an existing ledger for reading only, as a user who may not write to its folder.
+
+    While a daemon has it open, the WAL's ``-wal`` and ``-shm`` files exist and are
+    readable by its group, and ``mode=ro`` reads through them. After the last daemon
+    stopped they are gone and a reader without write access cannot make them: the
+    file is then complete on its own and is read as ``immutable`` (the second value
+    True), until a daemon opens it again.
+    """
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+    try:
+        db = sqlite3.connect(
+            uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+        db.execute("SELECT 1 FROM meta LIMIT 1").fetchall()
+        return db, False
+    except sqlite3.OperationalError as exc:
+        text = str(exc).lower()
+        wal = path.with_name(path.name + "-wal")
+        if ("unable to open" not in text and "readonly" not in text) or wal.exists():
+            raise
+    db = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False)
+    return db, True
 
 
 def _is_locked(exc: sqlite3.OperationalError) -> bool:

@@ -4,18 +4,19 @@ A gate row says "no attempt of this agent starts before ``until``" (NULL: until
 lifted by hand); one row per agent and kind, so a usage limit, a pause and a
 daily cap can hold one agent at once. A wait row says that a claimed job waits
 for a gate, so that `status`, `list` and `show` can say ``waiting`` and until when.
-The tables came with schema version 3; an older ledger gets them when it is opened.
+The tables came with schema version 4; an older ledger gets them when it is opened.
 """
 
 from __future__ import annotations
 
 import sqlite3
 
-from dispatcher.ledger.base import Gate, GateKind, Row, now
-from dispatcher.ledger.sqlite_db import SqliteDb
+from dispatcher.ledger.base import Gate, GateKind, now
+from dispatcher.ledger.sqlite_waits import SqliteWaits
+from dispatcher.lifecycle import Row
 
 
-class SqliteGates(SqliteDb):
+class SqliteGates(SqliteWaits):
     """Gates and waits over the ``SqliteDb`` connection."""
 
     def set_gate(self, gate: Gate, *, at: float) -> bool:
@@ -58,22 +59,22 @@ class SqliteGates(SqliteDb):
         )
         return [Gate(*r) for r in rows]
 
-    def set_wait(self, job_id: str, agent: str, until: float | None) -> None:
+    def set_gate_wait(self, job_id: str, agent: str, until: float | None) -> None:
         """Record that a claimed job waits for a gate."""
         self._tx(
             lambda db: db.execute(
-                "INSERT OR REPLACE INTO waits (job_id, agent, until, since) VALUES (?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO gate_waits (job_id, agent, until, since) VALUES (?, ?, ?, ?)",
                 (job_id, agent, until, now()),
             )
         )
 
-    def clear_wait(self, job_id: str) -> None:
+    def clear_gate_wait(self, job_id: str) -> None:
         """Record that a job no longer waits."""
-        self._tx(lambda db: db.execute("DELETE FROM waits WHERE job_id = ?", (job_id,)))
+        self._tx(lambda db: db.execute("DELETE FROM gate_waits WHERE job_id = ?", (job_id,)))
 
-    def waits(self) -> dict[str, float | None]:
+    def gate_waits(self) -> dict[str, float | None]:
         """Return the waiting jobs with the time each waits for."""
-        rows = self._read(lambda db: db.execute("SELECT job_id, until FROM waits").fetchall())
+        rows = self._read(lambda db: db.execute("SELECT job_id, until FROM gate_waits").fetchall())
         return {r[0]: r[1] for r in rows}
 
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:

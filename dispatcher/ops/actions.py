@@ -27,11 +27,12 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Gate, GateKind, Ledger, Request, Row
-from dispatcher.query.report import PATIENCE_S, read_order_file
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Gate, GateKind, Ledger, Request
+from dispatcher.lifecycle import Row, State, is_final
+from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import Config
-from dispatcher.store.ledgers import open_ledger
+from dispatcher.store.ledgers import PATIENCE_S, open_ledger
 from dispatcher.store.queued import find_queued
 
 log = structlog.get_logger("dispatcher")
@@ -82,7 +83,7 @@ class Operator:
         """Record a cancel of a queued or running job for a running (or the next) daemon."""
         _check_id(job_id)
         entry = self.ledger.get(job_id)
-        if entry is not None and entry.state in (Row.DONE, Row.FAILED):
+        if entry is not None and is_final(entry.state):
             raise WrongState(f"{job_id}: is {entry.state}, only a queued or running job can be cancelled")
         if entry is None and not find_queued(self.layout.inbox, [job_id]):
             if find_queued(self.layout.held, [job_id]):
@@ -91,6 +92,32 @@ class Operator:
         self.ledger.request(job_id, Request.CANCEL)
         self._poke("cancel", job_id)
         return f"{job_id}: cancel requested"
+
+    def cancel_tree(self, job_id: str) -> str:
+        """Cancel a job and every descendant (its follow-ups, theirs...) still queued, waiting or running.
+
+        Lineage comes from the ledger; each id is asked once. One line per cancelled id;
+        finished ones are left as they are. NotFound if the job is unknown, WrongState
+        if nothing in the tree can be cancelled any more.
+        """
+        _check_id(job_id)
+        if self.ledger.get(job_id) is None:
+            return self.cancel(job_id)  # a queued order without a row yet: no descendant can exist
+        order, seen = [job_id], {job_id}
+        for current in order:
+            for child in self.ledger.children(current):
+                if child not in seen:
+                    seen.add(child)
+                    order.append(child)
+        lines = []
+        for entry in self.ledger.known(order).values():
+            if entry.state not in (Row.DONE, Row.FAILED):
+                self.ledger.request(entry.job_id, Request.CANCEL)
+                lines.append(f"{entry.job_id}: cancel requested")
+        if not lines:
+            raise WrongState(f"{job_id}: it and its {len(order) - 1} descendants are finished; nothing to cancel")
+        self._poke("cancel", job_id)
+        return "\n".join(sorted(lines, key=lambda line: order.index(line.split(":")[0])))
 
     def _poke(self, kind: str, job_id: str) -> None:
         """Drop a hint file so that a running daemon acts at once (the ledger is the truth)."""

@@ -16,18 +16,19 @@ import time
 from pathlib import Path
 
 from dispatcher import fsutil
+from dispatcher.clock import utc_stamp
 from dispatcher.errors import UsageError
 from dispatcher.fsutil import digest
-from dispatcher.layout import Layout, State, utc_stamp
-from dispatcher.ledger.base import Entry, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Entry
 from dispatcher.ledger.flocks import owner_alive
 from dispatcher.ledger.sqlite import SqliteLedger
+from dispatcher.lifecycle import Row, State, state_to_row
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
+from dispatcher.spec.result import Result
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
-
-_ROW = {State.ACTIVE: Row.CLAIMED, State.REVIEW: Row.REVIEW, State.DONE: Row.DONE, State.FAILED: Row.FAILED}
 
 
 def live_daemons(layout: Layout) -> list[str]:
@@ -93,26 +94,23 @@ def _job_ids(layout: Layout, state: State) -> list[str]:
 
 
 def _row(folder: JobFolder, state: State, now: float) -> Entry:
-    result = folder.result() or {}
+    result = folder.result() or Result(folder.job_id, None, None, None)
     try:
         spec = folder.spec()
         agent: str | None = spec.agent.name
         parent, hops = spec.parent, spec.hops
     except ValueError:
-        agent, parent, hops = result.get("agent"), result.get("parent"), 0
-    row = _ROW[state]
-    if state is State.FAILED and result.get("state") == "done":
-        row = Row.DONE
+        agent, parent, hops = result.agent, result.parent, 0
+    row = state_to_row(state, result.state)
     return Entry(
-        folder.job_id, row, agent, None, 1, None, None, parent, hops,
-        result.get("cost_usd"), result.get("chain_cost_usd"), now,
+        folder.job_id, row, agent, None, 1, None, None, parent, hops, result.cost_usd, result.chain_cost_usd, now,
     )  # fmt: skip
 
 
 def _children(parent: str, folder: JobFolder, known: set[str], now: float) -> list[Entry]:
     """Return reservations for a done parent's follow-ups that have no folder yet."""
-    result = folder.result() or {}
-    wanted = [c for c in result.get("children") or [] if isinstance(c, str) and c not in known]
+    result = folder.result()
+    wanted = [c for c in (result.children if result else ()) if c not in known]
     if not wanted:
         return []
     try:

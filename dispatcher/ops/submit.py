@@ -11,6 +11,8 @@ OSError (a full disk, a read-only folder) is one line naming the file.
 from __future__ import annotations
 
 import contextlib
+import errno
+import grp
 import os
 import secrets
 from collections.abc import Iterator
@@ -19,28 +21,67 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from dispatcher import fsutil
+from dispatcher.clock import iso
 from dispatcher.errors import OrderError, UsageError
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import LedgerUnavailable
 from dispatcher.spec.config import Config
 from dispatcher.spec.order import Order
-from dispatcher.spec.orders import parse_order
+from dispatcher.spec.orders import parse_order, parse_time, to_json
 from dispatcher.store.ledgers import LedgerUnreachable, open_ledger
 from dispatcher.store.queued import queued_ids
 
 LOCK_TIMEOUT_S = 30.0
 
-Submission = tuple[str, Order, bytes]
+Submission = tuple[str, Order, bytes, str]  # name as given, order, the bytes to drop, their suffix
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def read_order(name: str, cfg: Config) -> Submission:
-    """Read and validate one file; return (name as given, order, the bytes to drop)."""
+def read_order(name: str, cfg: Config, *, not_before: float | None = None) -> Submission:
+    """Read and validate one file; return (name as given, order, the bytes to drop, their suffix).
+
+    With ``not_before`` (``submit --at`` / ``--in``) the order is dropped as JSON
+    with that ``not_before`` set (any earlier one replaced).
+    """
     try:
         data = Path(name).read_bytes()
     except OSError as exc:
         raise OrderError(f"cannot read: {exc.strerror}", file=name) from None
-    order = parse_order(data, name, agents=cfg.agents, max_timeout_s=cfg.max_timeout_s, max_bytes=cfg.max_order_bytes)
-    return name, order, data
+    order = _parse(data, name, cfg)
+    if not_before is None:
+        return name, order, data, Path(name).suffix.lower()
+    data = to_json(dict(order.body) | {"not_before": iso(not_before)})
+    try:
+        order = _parse(data, "order.json", cfg)
+    except OrderError as exc:
+        raise OrderError(exc.message, file=name, field=exc.field) from None
+    return name, order, data, ".json"
+
+
+def _parse(data: bytes, name: str, cfg: Config) -> Order:
+    return parse_order(data, name, agents=cfg.agents, max_timeout_s=cfg.max_timeout_s, max_bytes=cfg.max_order_bytes)
+
+
+def parse_when(at: str | None, within: str | None, now: float) -> float | None:
+    """Return the epoch time of ``--at TIME`` (ISO 8601) or ``--in DURATION`` (90s, 15m, 2h, 1d); UsageError if bad."""
+    if at is not None and within is not None:
+        raise UsageError("submit: give --at or --in, not both")
+    if at is not None:
+        try:
+            return parse_time(at)
+        except ValueError:
+            raise UsageError(f"submit: --at: {at!r} is not an ISO 8601 time such as 2026-12-01T08:00:00Z") from None
+    if within is not None:
+        text = within.strip()
+        unit = _UNITS.get(text[-1:].lower())
+        try:
+            amount = float(text[:-1] if unit else text)
+        except ValueError:
+            amount = -1.0
+        if amount < 0 or amount != amount or amount == float("inf"):
+            raise UsageError(f"submit: --in: {within!r} is not a duration such as 90s, 15m, 2h or 1d")
+        return now + amount * (unit or 1)
+    return None
 
 
 def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
@@ -51,26 +92,52 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
     before a failure stay dropped (their ids were yielded).
     """
     layout = Layout(cfg.root)
-    ids = [o.job_id for _, o, _ in orders]
+    ids = [o.job_id for _, o, _, _ in orders]
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:
-        first, second = [name for name, o, _ in orders if o.job_id == dup][:2]
+        first, second = [name for name, o, _, _ in orders if o.job_id == dup][:2]
         raise OrderError(f"{dup} is given twice (also in {first}); nothing was submitted", file=second, field="job_id")
     lock_path = layout.state_dir / "submit.lock"
     current = orders[0][0]
     try:
         layout.inbox.mkdir(parents=True, exist_ok=True)
         layout.state_dir.mkdir(parents=True, exist_ok=True)
+        _hand_over_state(layout)  # inbox/ first: a dropped file takes inbox/'s owner
         with FileLock(lock_path, timeout=LOCK_TIMEOUT_S, thread_local=False, preserve_lock_file=True):
             _refuse_known(cfg, layout, orders)
-            for name, order, data in orders:
+            for name, order, data, ext in orders:
                 current = name
-                _drop(layout, order.job_id, Path(name).suffix.lower(), data)
+                _drop(layout, order.job_id, ext, data)
                 yield order.job_id
     except Timeout:
         raise UsageError(f"{lock_path}: another submit held the lock for {LOCK_TIMEOUT_S:g} s") from None
     except OSError as exc:
         raise OrderError(f"cannot submit: {exc.strerror or exc}", file=current) from None
+    finally:
+        _hand_over_state(layout)
+
+
+def _hand_over_state(layout: Layout) -> None:
+    """As root, give what this submit created (inbox/, .state/, its lock, a new ledger) the root's owner.
+
+    A root made for a service user (`dispatcher` under systemd) must stay writable by
+    its daemon even when root was the first to submit into it.
+    """
+    if os.geteuid() != 0:
+        return
+    try:
+        owner = os.stat(layout.root)
+    except OSError:
+        return
+    if owner.st_uid == 0:
+        return
+    ledger = layout.ledger
+    made = [layout.inbox, layout.state_dir, layout.state_dir / "submit.lock", ledger]
+    made += [ledger.with_name(ledger.name + suffix) for suffix in ("-wal", "-shm")]
+    for path in made:
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == 0:
+                os.lchown(path, owner.st_uid, owner.st_gid)
 
 
 def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
@@ -80,17 +147,17 @@ def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None
     except (LedgerUnreachable, LedgerUnavailable) as exc:
         raise OrderError(f"cannot submit: {exc}", file=orders[0][0]) from None
     try:
-        known = {o.job_id: e.state for _, o, _ in orders if (e := ledger.get(o.job_id)) is not None}
+        known = {o.job_id: e.state for _, o, _, _ in orders if (e := ledger.get(o.job_id)) is not None}
     except LedgerUnavailable as exc:
         raise OrderError(f"cannot submit: {exc}", file=orders[0][0]) from None
     finally:
         ledger.close()
-    for _, order, _ in orders:
+    for _, order, _, _ in orders:
         found = layout.find(order.job_id)  # a job folder the ledger lost still makes the id known
         if order.job_id not in known and found is not None:
             known[order.job_id] = found[0].value
-    queued = queued_ids(layout.inbox, {o.job_id for _, o, _ in orders} - set(known))
-    for name, order, _ in orders:
+    queued = queued_ids(layout.inbox, {o.job_id for _, o, _, _ in orders} - set(known))
+    for name, order, _, _ in orders:
         state = known.get(order.job_id) or ("queued in inbox/" if order.job_id in queued else None)
         if state is not None:
             raise OrderError(
@@ -106,6 +173,7 @@ def _drop(layout: Layout, job_id: str, ext: str, data: bytes) -> None:
     tmp = layout.inbox / f".submit-{job_id}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         fsutil.write_new(tmp, data, sync=True)
+        _hand_over(tmp, layout.inbox)
         n = 1
         while True:
             final = layout.inbox / (f"{job_id}{ext}" if n == 1 else f"{job_id}-{n}{ext}")
@@ -118,3 +186,31 @@ def _drop(layout: Layout, job_id: str, ext: str, data: bytes) -> None:
     finally:
         with contextlib.suppress(OSError):  # FileNotFoundError once renamed; nothing better to do otherwise
             tmp.unlink()
+
+
+def _hand_over(path: Path, inbox: Path) -> None:
+    """Give the file inbox/'s owner and group (root), or its group (a member), so the daemon can read it.
+
+    Raise OSError (one line for the caller) when neither is possible: a file the daemon
+    cannot read would only be refused later.
+    """
+    st = os.stat(inbox)
+    mine = os.lstat(path)
+    if os.geteuid() == 0:
+        os.chown(path, st.st_uid, st.st_gid)
+    elif mine.st_uid != st.st_uid and mine.st_gid != st.st_gid:
+        try:
+            os.chown(path, -1, st.st_gid)
+        except PermissionError:
+            raise PermissionError(
+                errno.EPERM,
+                f"inbox/ belongs to group {_group(st.st_gid)}, which you are not in: the daemon could not read it",
+            ) from None
+    os.chmod(path, 0o640)
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)

@@ -12,9 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dispatcher.clock import iso
 from dispatcher.errors import printable
-from dispatcher.layout import Layout, State, iso
-from dispatcher.ledger.base import Ledger, Row
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Ledger
+from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.jobspec import total_cost
 from dispatcher.store.jobstore import JobFolder
@@ -121,16 +123,18 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         return job | {"children": children, "cost_usd": entry.cost_usd, "chain_cost_usd": entry.chain_cost_usd}
     state, path = found
     folder = JobFolder(path)
-    result = folder.result() or {}
+    result = folder.result()
     try:
         spec = folder.spec()
         agent: str | None = spec.agent.name
         parent, hops, received = spec.parent, spec.hops, spec.received
+        after = {k: spec.order[k] for k in ("after", "after_rule") if k in spec.order}  # a join (section 16)
     except ValueError:
-        agent, parent, hops, received = None, result.get("parent"), 0, None
-    if result.get("attempts") is not None and state is not State.ACTIVE:
-        attempts = list(result["attempts"])
-        cost = result.get("cost_usd")
+        agent, parent, hops, received = None, result.parent if result else None, 0, None
+        after = {}
+    if result is not None and state is not State.ACTIVE:
+        attempts = [dict(a) for a in result.attempts]
+        cost = result.cost_usd
     else:  # running: what the attempts so far recorded
         records = folder.attempts()
         attempts = [a.to_json(internal=False) for a in records]
@@ -140,26 +144,26 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         "job_id": job_id,
         "state": "waiting" if until is not None else state.value,
         **({"until": until[0]} if until is not None else {}),
-        "agent": result.get("agent") or agent,
-        "reason": result.get("reason"),
-        "checks": result.get("checks", []),
+        "agent": (result.agent if result else None) or agent,
+        "reason": result.reason if result else None,
+        "checks": [c.to_json() for c in result.checks] if result else [],
         "attempts": _with_logs(folder, attempts, state is State.FAILED),
-        "received": result.get("received") or (iso(received) if received is not None else None),
-        "finished": result.get("finished"),
+        "received": (result.received if result else None) or (iso(received) if received is not None else None),
+        "finished": result.finished if result else None,
         "parent": parent,
-        "children": sorted(set(result.get("children") or []) | set(children)),
+        "children": sorted(set(result.children if result else ()) | set(children)),
         "hops": hops,
         "folder": str(path),
         "cost_usd": cost,
-        "chain_cost_usd": result.get("chain_cost_usd"),
-    }
+        "chain_cost_usd": result.chain_cost_usd if result else None,
+    } | after
 
 
 def _waiting(ledger: Ledger | None, job_id: str) -> tuple[str | None] | None:
     """Return (until,) when an active job waits for a gate (section 14), else None."""
     if ledger is None:
         return None
-    waits = ledger.waits()
+    waits = ledger.gate_waits()
     if job_id not in waits:
         return None
     until = waits[job_id]
@@ -215,7 +219,13 @@ def show_json(
 
 
 def _node(job: dict[str, Any]) -> dict[str, Any]:
-    return {"job_id": job["job_id"], "state": job["state"], "agent": job["agent"], "cost_usd": job.get("cost_usd")}
+    return {
+        "job_id": job["job_id"],
+        "state": job["state"],
+        "agent": job["agent"],
+        "cost_usd": job.get("cost_usd"),
+        "cancelled": job.get("reason") == "cancelled",
+    }
 
 
 def tree_root(info: dict[str, Any]) -> str:

@@ -19,13 +19,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dispatcher.layout import Layout, State, is_ignored, iso, parse_iso
-from dispatcher.ledger.base import Entry, Ledger, Row
+from dispatcher.clock import iso, parse_iso
+from dispatcher.layout import Layout, is_ignored
+from dispatcher.ledger.base import Entry, Ledger
+from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import total_cost
+from dispatcher.spec.orders import parse_time
+from dispatcher.spec.result import Result
 from dispatcher.store.counts import LIST_STATES, visible_entries
 from dispatcher.store.jobstore import JobFolder
+
+_NO_RESULT = Result(None, None, None, None)  # a folder whose result.json is missing or unreadable
 
 
 def _row(
@@ -67,27 +73,51 @@ def _orders(folder: Path, state: str, max_bytes: int) -> Iterator[dict[str, Any]
         except OSError:
             continue
         order = read_order_file(Path(de.path), max_bytes, mtime)
-        yield _row(order.job_id, state, order.agent, mtime, order.path)
+        yield _row(order.job_id, state, order.agent, mtime, order.path, reason=_due(order.body))
 
 
-def _active(layout: Layout, waits: dict[str, float | None], wanted: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """Rows of active/ jobs: ``waiting`` (with ``until``) for those the ledger says wait for a gate."""
-    for de in visible_entries(layout.folder(State.ACTIVE)):
-        state = "waiting" if de.name in waits else "active"
-        if state not in wanted:
+def _due(body: dict[str, Any] | None) -> str | None:
+    """Return "due <time>" for an order held back by a not_before still to come."""
+    text = body.get("not_before") if body else None
+    try:
+        due = parse_time(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    return f"due {iso(due)}" if due is not None and due > time.time() else None
+
+
+def _active(
+    layout: Layout, state: State = State.ACTIVE, held: dict[str, float | None] | None = None, *, gated: bool = False
+) -> Iterator[dict[str, Any]]:
+    """Rows of active/ (or waiting/: the reason says which jobs it waits for) jobs.
+
+    ``held`` are the active jobs that wait for a gate (section 14): with ``gated``
+    only those, as ``waiting`` with ``until``; without, only the others.
+    """
+    held = held or {}
+    for de in visible_entries(layout.folder(state)):
+        if state is State.ACTIVE and (de.name in held) != gated:
             continue
         folder = JobFolder(Path(de.path))
         try:
             spec = folder.spec()
         except ValueError:
-            yield _row(de.name, state, None, None, folder.path)
+            yield _row(de.name, state.value, None, None, folder.path)
+            continue
+        if state is State.WAITING:
+            after = ", ".join(spec.order.get("after") or ())
+            rule = spec.order.get("after_rule") or "all_done"
+            reason = f"waiting for {after} ({rule})"
+            yield _row(de.name, state.value, spec.agent.name, spec.received, folder.path, reason=reason)
             continue
         cost = total_cost(folder.attempts())
-        row = _row(de.name, state, spec.agent.name, spec.received, folder.path, cost_usd=cost)
-        if state == "waiting":
-            until = waits[de.name]
-            row["until"] = iso(until) if until is not None else None
-        yield row
+        if gated:
+            until = held[de.name]
+            shown = iso(until) if until is not None else None
+            row = _row(de.name, "waiting", spec.agent.name, spec.received, folder.path, cost_usd=cost)
+            yield row | {"until": shown, "reason": f"until {shown or 'resumed'}"}
+            continue
+        yield _row(de.name, state.value, spec.agent.name, spec.received, folder.path, cost_usd=cost)
 
 
 def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None) -> Iterator[dict[str, Any]]:
@@ -99,15 +129,15 @@ def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None
         if entry is not None:
             yield _row(de.name, state.value, entry.agent, entry.updated, Path(de.path), cost_usd=entry.cost_usd)
             continue
-        result = JobFolder(Path(de.path)).result() or {}
+        result = JobFolder(Path(de.path)).result() or _NO_RESULT
         yield _row(
             de.name,
             state.value,
-            result.get("agent"),
-            _stamp(result.get("finished")),
+            result.agent,
+            _stamp(result.finished),
             Path(de.path),
-            reason=result.get("reason"),
-            cost_usd=result.get("cost_usd"),
+            reason=result.reason,
+            cost_usd=result.cost_usd,
         )
 
 
@@ -115,15 +145,14 @@ def _refused(layout: Layout) -> Iterator[dict[str, Any]]:
     for de in visible_entries(layout.folder(State.FAILED)):
         if "@" not in de.name:
             continue
-        result = JobFolder(Path(de.path)).result() or {}
-        job_id = result.get("job_id")
+        result = JobFolder(Path(de.path)).result() or _NO_RESULT
         yield _row(
-            job_id if isinstance(job_id, str) else None,
+            result.job_id,
             "refused",
-            result.get("agent"),
-            _refused_at(de.name) or _stamp(result.get("finished")),
+            result.agent,
+            _refused_at(de.name) or _stamp(result.finished),
             Path(de.path),
-            reason=result.get("reason"),
+            reason=result.reason,
         )
 
 
@@ -148,8 +177,13 @@ def list_jobs(
         sources.append(_orders(layout.inbox, "inbox", config.max_order_bytes))
     if "held" in wanted:
         sources.append(_orders(layout.held, "held", config.max_order_bytes))
-    if "active" in wanted or "waiting" in wanted:
-        sources.append(_active(layout, ledger.waits() if ledger is not None else {}, wanted))
+    gate_waits = ledger.gate_waits() if ledger is not None else {}
+    if "active" in wanted:
+        sources.append(_active(layout, State.ACTIVE, gate_waits))
+    if "waiting" in wanted:
+        sources.append(_active(layout, State.WAITING))
+        if gate_waits:
+            sources.append(_active(layout, State.ACTIVE, gate_waits, gated=True))
     if "review" in wanted:
         sources.append(_finished(layout, State.REVIEW, None))
     if "done" in wanted:

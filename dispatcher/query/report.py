@@ -13,44 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher import fsutil
+from dispatcher.clock import iso
 from dispatcher.errors import OrderError
-from dispatcher.layout import Layout, State, has_jobs, iso
-from dispatcher.ledger.base import DaemonInfo, Ledger, Row
-from dispatcher.spec.config import Config
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import DaemonInfo, Ledger
+from dispatcher.lifecycle import Row, State
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
 from dispatcher.store.counts import state_counts, visible_entries
 from dispatcher.store.jobstore import JobFolder
-from dispatcher.store.ledgers import open_ledger
 
-#: how long a command waits for a ledger another process is writing
-PATIENCE_S = 30.0
 #: the window of `status`'s spend per agent
 SPEND_WINDOW_S = 24 * 3600.0
-
-
-def open_reader(config: Config, layout: Layout) -> Ledger | None:
-    """Open the ledger for a command that reads; None on a fresh root that has none yet.
-
-    A ledger missing or unreadable while job folders exist raises ``LedgerLost``
-    (exit 2, naming `dispatcher ledger rebuild`), as for every command.
-    """
-    if config.ledger == "sqlite":
-        path = layout.ledger
-        missing = not path.exists() or path.stat().st_size == 0
-        if missing and not has_jobs(layout):
-            return None
-    return open_ledger(config, layout, patience_s=PATIENCE_S, create=False)
-
-
-def status(config: Config, layout: Layout, now: float | None = None) -> dict[str, Any]:
-    """Return what `status --json` prints: counts, daemons, active jobs and the spend of the last 24 h."""
-    ledger = open_reader(config, layout)
-    try:
-        return status_with(layout, ledger, now)
-    finally:
-        if ledger:
-            ledger.close()
 
 
 def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None) -> dict[str, Any]:
@@ -60,15 +34,15 @@ def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None)
     daemons = ledger.daemons() if ledger else []
     active = active_jobs(layout, ledger, daemons, now)
     spend = spend_since(ledger, now - SPEND_WINDOW_S) if ledger else {}
-    waits = ledger.waits() if ledger else {}
+    gate_waits = ledger.gate_waits() if ledger else {}
     gates = ledger.gates() if ledger else []
     active_ids = {a["job_id"]: a for a in active}
     waiting = [
         {"job_id": j, "agent": active_ids[j]["agent"], "until": iso(u) if u is not None else None}
-        for j, u in sorted(waits.items())
+        for j, u in sorted(gate_waits.items())
         if j in active_ids
     ]
-    counts["waiting"] = len(waiting)
+    counts["waiting"] += len(waiting)  # waiting/ (section 16) and active jobs held by a gate (section 14)
     counts["active"] -= len(waiting)
     return {
         "counts": counts,

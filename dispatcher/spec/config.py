@@ -8,8 +8,9 @@ every error. Internal names carry units (``timeout_s``) where the file says
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +134,15 @@ class Config:
     lease_s: float = 30.0
     watch: str = "inotify"
     poll_interval_s: float = 1.0
+    max_wait_s: float = 604800.0
     agents: Mapping[str, Agent] = field(default_factory=dict)
+    #: a digest of the file's bytes (None: built-in defaults); a daemon records the one it loaded
+    digest: str | None = None
+
+
+def file_digest(data: bytes) -> str:
+    """Return the short digest of a config file's bytes that daemons record and commands compare."""
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 _TOP = {
@@ -151,6 +160,7 @@ _TOP = {
     "lease": ("lease_s", float),
     "poll_interval": ("poll_interval_s", float),
     "max_limit_wait": ("max_limit_wait_s", float),
+    "max_wait": ("max_wait_s", float),
 }
 
 
@@ -214,7 +224,7 @@ def load_config(path: Path, *, root: Path | None = None) -> Config:
         raise ConfigError(f"cannot read: {exc.strerror}", file=name) from None
     try:
         body = load_document(data, "json" if path.suffix == ".json" else "yaml", aliases=True)
-        return build_config(body, path, root=root)
+        return dataclasses.replace(build_config(body, path, root=root), digest=file_digest(data))
     except OrderError as exc:
         raise ConfigError(exc.message, file=name, field=exc.field) from None
 
@@ -312,65 +322,6 @@ def resolve_argv(argv: list[str], base: Path) -> tuple[str, ...]:
     return tuple(out)
 
 
-# Substituted per job (contract 3): a program path holding one is only known when the job runs.
-PLACEHOLDERS = ("{job_id}", "{order}", "{workspace}", "{receipt}", "{prompt}", "{prompt_file}")
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """One thing `validate` finds in a loaded config: an error (exit 2) or a warning."""
-
-    field: str
-    message: str
-    error: bool
-
-
-def check_agents(cfg: Config) -> list[Finding]:
-    """Return what a loaded config gets wrong that its schema cannot say.
-
-    A ``command`` or ``probe`` whose program is missing or not executable is an
-    error (the daemon would fail each job with ``config: agent NAME cannot
-    start``); ``repair`` without ``retry_safe`` or a ``probe`` is a warning,
-    since such an agent is never run again after failed checks. The daemon does
-    not refuse these at start: an agent installed later must still work.
-    """
-    base = cfg.path.parent if cfg.path is not None else Path.cwd()
-    out: list[Finding] = []
-    for name, agent in cfg.agents.items():
-        for key, argv in (("command", agent.command), ("probe", agent.probe)):
-            problem = program_problem(argv, agent.env, base) if argv else None
-            if problem is not None:
-                out.append(Finding(f"agents.{name}.{key}", problem, error=True))
-        if agent.repair and not agent.retry_safe and agent.probe is None:
-            out.append(Finding(f"agents.{name}.repair", "has no effect without retry_safe or probe", error=False))
-    return out
-
-
-def program_problem(argv: tuple[str, ...], env: Mapping[str, str], base: Path) -> str | None:
-    """Return why argv[0] cannot be run (not found, not executable), or None when it can.
-
-    A path is shown absolute (resolved against the config's folder) in both
-    messages; a bare name is looked up on the agent's PATH (its ``env`` PATH,
-    else the daemon's), the way the agent is started.
-    """
-    prog = argv[0]
-    if any(p in prog for p in PLACEHOLDERS):
-        return None
-    if "/" in prog:
-        path = os.path.normpath(base / prog)
-        if not os.path.exists(path):
-            return f"program '{path}' not found"
-        if os.path.isdir(path) or not os.access(path, os.X_OK):
-            return f"program '{path}' is not executable"
-        return None
-    search = env.get("PATH", os.environ.get("PATH", os.defpath))
-    if shutil.which(prog, path=search) is not None:
-        return None
-    if any(os.path.isfile(os.path.join(d or ".", prog)) for d in search.split(os.pathsep)):
-        return f"program '{prog}' is not executable"
-    return f"program '{prog}' not found"
-
-
 def default_config(root: Path | None) -> Config:
     """Return the built-in defaults (no agents), for commands that need no config file."""
     return Config(path=None, root=Path(os.path.abspath(root or "dispatch")))
@@ -403,6 +354,7 @@ ledger: sqlite             # or postgresql://... shared by daemons on many hosts
 lease: 30                  # seconds (PostgreSQL ledger): a host silent this long is dead
 watch: inotify             # or poll: find new files by listing inbox/ every poll_interval
 poll_interval: 1
+max_wait: 604800           # seconds a job waits for an `after` id no one knows yet, then it fails
 agents:
   echo:
     # argv, never run through a shell. Placeholders: {{job_id}} {{order}} {{workspace}}

@@ -1,4 +1,4 @@
-"""What a job is, as typed values: its frozen spec, its attempts, its outcome.
+"""What a job is, as typed values: its frozen spec and its attempts.
 
 ``JobSpec`` is what ``job.json`` holds: the validated order with its lineage,
 and the agent's settings frozen when the job was claimed (refreshed from the
@@ -8,32 +8,14 @@ config when an operator retries it). ``Attempt`` is one run of the agent as
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dispatcher.layout import iso, parse_iso
+from dispatcher.clock import iso, parse_iso
 from dispatcher.spec.config import Agent
-
-
-class Outcome(enum.StrEnum):
-    """How a job's run ended, for the daemon."""
-
-    DONE = "done"
-    FAILED = "failed"
-    REVIEW = "review"
-    LEFT = "left"  # stopped: stays in active/ and is recovered at the next start
-    FENCED = "fenced"  # its claim was taken over: nothing was changed
-
-
-class Stop(enum.StrEnum):
-    """Why a job was asked to end early (the one channel that stops a job)."""
-
-    CANCELLED = "cancelled"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,4 +200,5 @@ def prompt_values(order: Mapping[str, Any], writes: tuple[str, ...], work: Path)
         "order": str(work / "order.json"),
         "workspace": str(work),
         "receipt": str(work / "receipt.json"),
+        "parents": str(work / "parents.json"),
     }

@@ -34,6 +34,11 @@ class Order:
     timeout_s: float | None
     max_attempts: int | None
     body: Mapping[str, Any]
+    after: tuple[str, ...] = ()  # job ids this job waits for (contract section 16)
+    after_rule: str = "all_done"
+    priority: int = 5
+    not_before: float | None = None  # epoch seconds
+    expires: float | None = None  # epoch seconds
 
     @property
     def sets_lineage(self) -> bool:

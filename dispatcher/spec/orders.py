@@ -9,7 +9,10 @@ never choose a command to run: it only names an agent from the config.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Container, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -92,6 +95,9 @@ def validate_order(
         required=tuple(raw_accept.get("required", ())),
         followups=tuple(raw_accept["followups"]) if "followups" in raw_accept else None,
     )
+    after = tuple(body.get("after") or ())
+    if body["job_id"] in after:
+        raise OrderError(f"names the order's own job_id {body['job_id']} (a cycle)", field="after")
     writes = body.get("writes")
     return Order(
         job_id=body["job_id"],
@@ -104,7 +110,30 @@ def validate_order(
         timeout_s=float(timeout) if timeout is not None else None,
         max_attempts=body.get("max_attempts"),
         body=body,
+        after=after,
+        after_rule=body.get("after_rule", "all_done"),
+        priority=body.get("priority", 5),
+        not_before=_time(body, "not_before"),
+        expires=_time(body, "expires"),
     )
+
+
+def parse_time(text: str) -> float:
+    """Return epoch seconds for an ISO 8601 time; a time without a zone is UTC. Raise ValueError."""
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _time(body: Mapping[str, Any], key: str) -> float | None:
+    text = body.get(key)
+    if text is None:
+        return None
+    try:
+        return parse_time(text)
+    except ValueError:
+        raise OrderError("must be an ISO 8601 time such as 2026-12-01T08:00:00Z", field=key) from None
 
 
 def _with_hint(exc: OrderError, body: dict[str, Any]) -> OrderError:
@@ -117,3 +146,45 @@ def _with_hint(exc: OrderError, body: dict[str, Any]) -> OrderError:
 def to_json(body: Mapping[str, Any]) -> bytes:
     """Return an order body as the JSON bytes written to work/order.json."""
     return (json.dumps(body, ensure_ascii=False) + "\n").encode()
+
+
+_TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?$", re.M)
+_TOP_AFTER = re.compile(rb"^after:", re.M)
+_TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?$", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class Glance:
+    """What the inbox needs of an order before it is read for real: its priority, due time, and if it joins."""
+
+    priority: int = 5
+    not_before: float | None = None
+    joins: bool = False  # it names `after`: claimed at once, without waiting for a free slot
+
+
+def peek_schedule(data: bytes, name: str) -> Glance:
+    """Return an order file's priority, not_before and whether it names `after`, at a glance (never raises).
+
+    JSON is parsed; YAML is looked at line by line (top-level ``priority:``,
+    ``not_before:`` and ``after:`` in block style). Only ordering uses this: the
+    daemon checks the validated order again before it claims.
+    """
+    priority, due, joins = 5, None, False
+    try:
+        if order_format(name) == "json":
+            body = json.loads(data)
+            body = body if isinstance(body, dict) else {}
+            raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
+        else:
+            m = _TOP_PRIORITY.search(data)
+            raw_p = int(m.group(1)) if m else None
+            t = _TOP_NOT_BEFORE.search(data)
+            raw_t = t.group(1).decode() if t else None
+            joins = _TOP_AFTER.search(data) is not None
+        if isinstance(raw_p, int) and not isinstance(raw_p, bool) and 0 <= raw_p <= 9:
+            priority = raw_p
+        if isinstance(raw_t, str):
+            due = parse_time(raw_t)
+    except (ValueError, TypeError, RecursionError):
+        pass
+    return Glance(priority, due, joins)

@@ -3,7 +3,7 @@
 The schema files are the one definition of the work order, receipt and config
 shapes: editors use them for completion, and this module applies them. It
 implements the subset of JSON Schema 2020-12 those files use (type, enum,
-properties, required, additionalProperties, propertyNames, items, minItems,
+properties, required, additionalProperties, propertyNames, items, min/maxItems, uniqueItems,
 min/maxLength, pattern, minimum, maximum, exclusiveMinimum, $ref, allOf, anyOf), and
 stops at the first error so that a user gets one clear line naming the field.
 A schema may carry ``x-error``, the message to give when its ``pattern`` fails.
@@ -126,6 +126,14 @@ def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) 
     if isinstance(value, list):
         if len(value) < schema.get("minItems", 0):
             fail("must not be empty")
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            fail(f"has more than {schema['maxItems']} entries ({len(value)})")
+        if schema.get("uniqueItems"):
+            seen: list[Any] = []
+            for item in value:
+                if item in seen:
+                    fail(f"names {json.dumps(item)} twice")
+                seen.append(item)
         if "items" in schema:
             for i, item in enumerate(value):
                 _check(item, schema["items"], root, _join(path, i))

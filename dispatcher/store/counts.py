@@ -10,11 +10,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from dispatcher.layout import Layout, State, is_ignored
+from dispatcher.layout import Layout, is_ignored
+from dispatcher.lifecycle import State
 
 #: the states `status` counts; `failed` is failed jobs, `refused` refused files
 COUNTED = ("inbox", "held", "active", "waiting", "review", "done", "failed", "refused")
-#: `waiting` is a job in active/ that waits for a gate (section 14); only the ledger knows which
 #: the states `list --state` takes
 LIST_STATES = COUNTED
 
@@ -47,7 +47,7 @@ def jobs_and_refusals(folder: Path) -> tuple[int, int]:
 
 
 def queue_counts(layout: Layout) -> dict[str, int]:
-    """Return how many orders wait in inbox/ and held/ and how many jobs are in active/ and review/.
+    """Return how many orders wait in inbox/ and held/ and how many jobs are in active/, waiting/ and review/.
 
     Cheap (one directory listing each, no file opened), for the metrics'
     ``dispatcher_queue`` gauge; it still lists folders, so call it off the loop.
@@ -56,6 +56,7 @@ def queue_counts(layout: Layout) -> dict[str, int]:
         "inbox": orders_in(layout.inbox),
         "held": orders_in(layout.held),
         "active": jobs_and_refusals(layout.folder(State.ACTIVE))[0],
+        "waiting": jobs_and_refusals(layout.folder(State.WAITING))[0],
         "review": jobs_and_refusals(layout.folder(State.REVIEW))[0],
     }
 
@@ -65,5 +66,4 @@ def state_counts(layout: Layout) -> dict[str, int]:
     counts = queue_counts(layout)
     counts["done"] = jobs_and_refusals(layout.folder(State.DONE))[0]
     counts["failed"], counts["refused"] = jobs_and_refusals(layout.folder(State.FAILED))
-    counts["waiting"] = 0  # filled in from the ledger's waits by `status`
     return {k: counts[k] for k in COUNTED}

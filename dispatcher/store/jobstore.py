@@ -32,11 +32,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dispatcher import fsutil
-from dispatcher.checks.builtin import CheckResult
-from dispatcher.errors import oneline
-from dispatcher.layout import Layout, State, iso
+from dispatcher import fsutil, procs
+from dispatcher.clock import iso
+from dispatcher.errors import cut, oneline
+from dispatcher.layout import Layout
+from dispatcher.lifecycle import State
 from dispatcher.spec.jobspec import Attempt, JobSpec
+from dispatcher.spec.result import CheckResult, Result
 
 JOB_FILE = "job.json"
 RESULT = "result.json"
@@ -98,12 +100,40 @@ class JobFolder:
                 return data
         return None
 
-    def result(self) -> dict[str, Any] | None:
-        """Return result.json (or the staged result of a job cut short while landing)."""
+    def result(self) -> Result | None:
+        """Return result.json (or the staged result of a job cut short while landing), None if unreadable."""
         data = self.read_json(RESULT, SPEC_MAX)
         if data is None:
             data = self.read_json(STAGED, SPEC_MAX)
-        return data if isinstance(data, dict) else None
+        return Result.from_json(data) if isinstance(data, dict) else None
+
+    def staged_result(self) -> Result | None:
+        """Return the staged result only (a decision not landed yet), None if there is none."""
+        data = self.read_json(STAGED, SPEC_MAX)
+        return Result.from_json(data) if isinstance(data, dict) else None
+
+    def leftover_groups(self, n: int) -> list[int]:
+        """Return the process groups still running from attempt n of a job whose daemon died.
+
+        With a pid record: the group, if its leader runs with the recorded start (on
+        the boot clock), or if the leader is gone but members remain (a pid is not
+        reused while its group lives). A live leader with another start is someone
+        else: left alone. Without a record (a crash between the spawn and the
+        record), the groups of processes whose working folder is this job's work/.
+        """
+        info = self.pid_record(n)
+        if info is not None:
+            pid = int(info["pid"])
+            boot = info.get("boot_started")
+            ours = procs.is_alive(pid, info.get("started"), boot_started=float(boot) if boot is not None else None)
+            if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
+                return [pid]
+            return []
+        groups = []
+        for pid in procs.with_cwd(str(self.work)):
+            with contextlib.suppress(ProcessLookupError):
+                groups.append(os.getpgid(pid))
+        return sorted(set(groups))
 
     def has_kept_result(self, n: int) -> bool:
         """Return True if attempts/<n>/ keeps an earlier result.json (the job was retried)."""
@@ -179,9 +209,17 @@ class JobFolder:
                 dst, k = folder / f"{name}.{k}", k + 1
             os.rename(src, dst)
 
-    def write_feedback(self, data: bytes) -> None:
-        """Create work/feedback.json (an older one was stashed first: nothing is written through a link)."""
+    def give_feedback(self, n: int, checks: Sequence[CheckResult]) -> str:
+        """Give a repair attempt work/feedback.json: the checks attempt n failed; return its digest.
+
+        Attempt n's receipt, outbox/ and any older feedback.json are stashed first,
+        so nothing is written through a link the agent left.
+        """
+        failed = [c.to_json() for c in checks if c.ok is False]
+        data = fsutil.dump_json({"job_id": self.job_id, "attempt": n, "failed_checks": failed})
+        self.stash(n, feedback=True)
         fsutil.write_new(self.work / "feedback.json", data)
+        return fsutil.digest(data)
 
     def keep_result(self) -> None:
         """Move result.json into attempts/<last>/ (never over an older kept one), for a retry."""
@@ -196,9 +234,9 @@ class JobFolder:
             keep, k = keep_dir / f"result-{k}.json", k + 1
         os.rename(src, keep)
 
-    def stage_result(self, result: Mapping[str, Any]) -> None:
+    def stage_result(self, result: Result) -> None:
         """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
-        _write_in_place(self.path / STAGED, fsutil.dump_json(result), sync=True)
+        _write_in_place(self.path / STAGED, fsutil.dump_json(result.to_json()), sync=True)
 
     def land(self, layout: Layout, state: State) -> Path:
         """Step 3 of finishing: name the staged result result.json and move the folder to state's folder.
@@ -226,11 +264,9 @@ def _write_in_place(path: Path, data: bytes, *, sync: bool = False) -> None:
         os.close(fd)
 
 
-def cut(text: str, limit: int = DETAIL_MAX) -> str:
-    """Return text cut to limit characters, ending with a note of how much was cut."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... (cut, {len(text) - limit} more characters)"
+def cut_reason(reason: str) -> str:
+    """Return a reason as result.json records it: one line, cut to ``DETAIL_MAX`` characters."""
+    return cut(oneline(reason), DETAIL_MAX)
 
 
 def build_result(
@@ -247,25 +283,36 @@ def build_result(
     cost_usd: float | None = None,
     chain_cost_usd: float | None = None,
     extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Return a result.json body: the only place a result is built."""
-    out: dict[str, Any] = {
-        "job_id": job_id,
-        "state": state,
-        "agent": agent,
-        "reason": cut(oneline(reason)) if reason is not None else None,
-        "checks": [{"name": c.name, "ok": c.ok, "detail": cut(c.detail)} for c in checks],
-        "attempts": [a.to_json(internal=False) for a in attempts],
-        "received": iso(received),
-        "finished": iso(time.time()),
-        "parent": parent,
-        "children": list(children),
-        "cost_usd": cost_usd,
-        "chain_cost_usd": chain_cost_usd,
-    }
-    if extra:
-        out.update(extra)
-    return out
+) -> Result:
+    """Return a new job's (or refusal's) result: the only place a result is built."""
+    return Result(
+        job_id=job_id,
+        state=state,
+        agent=agent,
+        reason=cut_reason(reason) if reason is not None else None,
+        checks=tuple(CheckResult(c.name, c.ok, cut(c.detail, DETAIL_MAX)) for c in checks),
+        attempts=tuple(a.to_json(internal=False) for a in attempts),
+        received=iso(received),
+        finished=iso(time.time()),
+        parent=parent,
+        children=tuple(children),
+        cost_usd=cost_usd,
+        chain_cost_usd=chain_cost_usd,
+        extra=dict(extra or {}),
+    )
+
+
+def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> bool:
+    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
+
+    Return True if it was. Another daemon may have removed it first (it saw the
+    placed job's folder): that is fine.
+    """
+    if not name or not fsutil.same_file(layout.inbox / name, kept):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(layout.inbox / name)
+    return True
 
 
 def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> Path:

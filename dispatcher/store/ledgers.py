@@ -15,6 +15,11 @@ from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
 from dispatcher.spec.config import Config
 
+#: how long a command tries to reach a PostgreSQL ledger (one connection attempt of 2 s, libpq's
+#: shortest, or quick retries of a refused one), so that it answers within 5 seconds
+REACH_S = 2.0
+#: how long a command waits for a ledger another process is writing
+PATIENCE_S = 30.0
 REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebuild it from the job folders"
 
 
@@ -22,23 +27,46 @@ class LedgerLost(UsageError):
     """The ledger is missing or unreadable while job folders exist: nothing may start on it."""
 
 
+class NoLedgerYet(LedgerLost):
+    """A shared ledger no daemon has made yet, opened by a reader over a root without jobs."""
+
+
 class LedgerUnreachable(UsageError):
     """The ledger cannot be opened right now (a full disk, a read-only folder)."""
 
 
-def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = None, create: bool = True) -> Ledger:
+def open_ledger(
+    config: Config, layout: Layout, *, patience_s: float | None = None, create: bool = True, readonly: bool = False
+) -> Ledger:
     """Open the configured ledger; raise LedgerLost (a one-line error) if it cannot be trusted.
 
     ``patience_s`` bounds how long a write waits for a busy ledger (None: forever).
-    With ``create`` False a missing ledger raises instead of being created.
+    With ``create`` False a missing ledger raises instead of being created;
+    ``readonly`` (implies not ``create``) opens the SQLite ledger for reading only.
     """
     if config.ledger.startswith(("postgresql://", "postgres://")):
+        from dispatcher.ledger.pg_schema import NoSchema  # type: ignore[import-untyped,unused-ignore]
         from dispatcher.ledger.postgres import PostgresLedger  # type: ignore[import-untyped,unused-ignore]
 
+        # a daemon waits for its ledger (patience None); a command answers within seconds
+        reach = None if patience_s is None else min(patience_s, REACH_S)
         try:
-            pg: Ledger = PostgresLedger(config.ledger, layout, lease_s=config.lease_s, patience_s=patience_s)
+            pg: Ledger = PostgresLedger(
+                config.ledger,
+                layout,
+                lease_s=config.lease_s,
+                patience_s=reach,
+                connect_timeout_s=None if reach is None else int(REACH_S),
+                readonly=readonly,
+            )
         except LedgerUnavailable as exc:
-            raise LedgerUnreachable(f"the ledger cannot be reached: {exc}") from None
+            raise LedgerUnreachable(str(exc)) from None
+        except NoSchema as exc:  # a reader before any daemon started: nothing recorded yet
+            if has_jobs(layout):
+                raise LedgerLost(
+                    f"{exc}; job folders exist: copy the SQLite ledger into it with `dispatcher ledger migrate URL`"
+                ) from None
+            raise NoLedgerYet(str(exc)) from None
         if pg.is_empty() and has_jobs(layout):
             pg.close()
             raise LedgerLost(
@@ -59,11 +87,12 @@ def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = No
     missing = not path.exists() or os.path.getsize(path) == 0
     if missing and has_jobs(layout):
         raise LedgerLost(f"{path}: the ledger is missing but job folders exist; {REBUILD_HINT}")
-    if missing and not create:
+    if missing and (readonly or not create):
         raise LedgerLost(f"{path}: no ledger yet")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s)
+        if not readonly:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s, readonly=readonly)
     except LedgerError as exc:
         if exc.unreachable:  # a full disk, a read-only folder: the ledger itself may be fine
             raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({exc})") from None
@@ -74,3 +103,23 @@ def open_ledger(config: Config, layout: Layout, *, patience_s: float | None = No
         ledger.close()
         raise LedgerLost(f"{path}: the ledger is empty but job folders exist; {REBUILD_HINT}")
     return ledger
+
+
+def open_reader(config: Config, layout: Layout) -> Ledger | None:
+    """Open the ledger read-only for a command that reads; None on a fresh root that has none yet.
+
+    Reading needs no write access anywhere in the root: anyone who can read it (the
+    service's group) may run `status`, `list` and `show`.
+
+    A ledger missing or unreadable while job folders exist raises ``LedgerLost``
+    (exit 2, naming `dispatcher ledger rebuild`), as for every command.
+    """
+    if config.ledger == "sqlite":
+        path = layout.ledger
+        missing = not path.exists() or path.stat().st_size == 0
+        if missing and not has_jobs(layout):
+            return None
+    try:
+        return open_ledger(config, layout, patience_s=PATIENCE_S, create=False, readonly=True)
+    except NoLedgerYet:
+        return None

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dispatcher import fsutil
+from dispatcher.clock import utc_stamp
 from dispatcher.errors import printable
-from dispatcher.layout import Layout, State, utc_stamp
+from dispatcher.layout import Layout
+from dispatcher.lifecycle import State
 from dispatcher.store.jobstore import build_result, new_stage, remove_stage
 
 
@@ -54,7 +56,7 @@ def refuse(
         received=time.time(),
         extra={"file": printable(refusal.name)},
     )
-    (stage / "result.json").write_bytes(fsutil.dump_json(result))
+    (stage / "result.json").write_bytes(fsutil.dump_json(result.to_json()))
     try:
         fsutil.move_out(src, stage / inner)
     except FileNotFoundError:

@@ -32,6 +32,7 @@ OFFERED = {
     "inbox": ("cancel", "hold"),
     "held": ("release",),
     "active": ("cancel",),
+    "waiting": ("cancel",),
 }
 #: pages poll this often (milliseconds): one request every few seconds per open page
 POLL_MS = 3000

@@ -1,4 +1,6 @@
-"""Requests to answers: which path shows which page, which API call answers what, who may act.
+"""`dispatcher web`: requests to answers, and the view's lifecycle (``serve``).
+
+Which path shows which page, which API call answers what, who may act.
 
 ``App.handle`` takes a method, the raw path and the few headers it needs and
 returns a ``Reply``; it never touches the socket (``web.server`` does), so each
@@ -10,46 +12,32 @@ unknown job (404), never a path to open.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
-from dataclasses import dataclass, field
 from importlib import resources
+from types import FrameType
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from dispatcher.errors import DispatchError, printable
+import structlog
+
+from dispatcher.errors import DispatchError, UsageError, printable
 from dispatcher.layout import Layout
 from dispatcher.spec.config import Config
 from dispatcher.web import pages
 from dispatcher.web.actions import ACTIONS, Actions
-from dispatcher.web.auth import COOKIE, SESSION_S, Auth
+from dispatcher.web.auth import COOKIE, SESSION_S, Auth, is_loopback, load_token, parse_listen
 from dispatcher.web.reads import Reader, attempt_files
+from dispatcher.web.server import DEFAULT_LISTEN, Reply, Request, open_server
 
+log = structlog.get_logger("dispatcher")
 _STATIC = {"app.css": "text/css; charset=utf-8", "app.js": "text/javascript; charset=utf-8"}
 _HTML = "text/html; charset=utf-8"
 _JSON = "application/json"
 #: a wrong token at the login form costs this long, so guessing a short token by hand is slow
 _LOGIN_PAUSE_S = 0.3
 _MAX_FLASH = 1000
-
-
-@dataclass(slots=True)
-class Request:
-    """What a route needs of one HTTP request."""
-
-    method: str
-    target: str
-    headers: dict[str, str]
-    body: bytes = b""
-
-
-@dataclass(slots=True)
-class Reply:
-    """One HTTP answer."""
-
-    status: int
-    body: bytes
-    content_type: str = _HTML
-    headers: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _json(status: int, value: Any) -> Reply:
@@ -199,3 +187,49 @@ class App:
                 return self._page_error(outcome.status, outcome.message, req)
             return _redirect(f"/jobs/{quote(parts[1], safe='')}")
         return self._page_error(404, "no such action", req)
+
+
+def serve(config: Config, listen: str | None) -> int:
+    """Serve the web view of config's root on listen (ADDR:PORT) until SIGTERM or SIGINT; return 0.
+
+    A non-loopback address without ``web_token_file`` is refused (UsageError,
+    exit 2) before anything is bound.
+    """
+    address = listen or DEFAULT_LISTEN
+    host, port = parse_listen(address)
+    loopback = is_loopback(host)
+    if not loopback and config.web_token_file is None:
+        raise UsageError(
+            f"web: --listen {address} is not a loopback address: set web_token_file in the config to serve it"
+        )
+    token = load_token(config)
+    app = App(config, Layout(config.root), Auth(token.value))
+    try:
+        server = open_server(host, port, app, loopback_only=loopback)
+    except OSError as exc:
+        raise UsageError(f"web: cannot listen on {address}: {exc.strerror or exc}") from None
+    bound = server.server_address
+    bound_host, bound_port = str(bound[0]), int(bound[1])
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    print(f"dispatcher web: {config.root} on http://{shown}:{bound_port}/", flush=True)
+    if token.made:
+        print(f"action token (printed once; set web_token_file to keep one): {token.value}", flush=True)
+    log.info("web.started", root=str(config.root), listen=f"{shown}:{bound_port}", token_made=token.made)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, name="web", daemon=True)
+    thread.start()
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.close()
+        log.info("web.stopped", root=str(config.root))
+    return 0

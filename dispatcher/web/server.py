@@ -1,30 +1,22 @@
-"""`dispatcher web`: a small HTTP server in its own process, apart from the daemon.
+"""The HTTP side of `dispatcher web`: sockets in, ``Request`` to the app, ``Reply`` out.
 
 The standard library's ``ThreadingHTTPServer`` answers each request in a
 thread of its own; the work behind a request is blocking reads of folders and
-the ledger, which is what threads suit. The lifecycle fits on one screen:
-check the address and the token, bind, serve in a thread until SIGTERM or
-SIGINT, then shut down and close the ledger.
+the ledger, which is what threads suit. ``routes.serve`` holds the lifecycle.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
-import signal
 import socket
-import threading
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import FrameType
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import structlog
 
-from dispatcher.errors import UsageError
-from dispatcher.layout import Layout
-from dispatcher.spec.config import Config
-from dispatcher.web.auth import Auth, is_loopback, load_token, parse_listen
-from dispatcher.web.routes import App, Reply, Request
+from dispatcher.web.auth import is_loopback
 
 log = structlog.get_logger("dispatcher")
 
@@ -41,9 +33,36 @@ _SECURITY_HEADERS = (
 )
 
 
+@dataclass(slots=True)
+class Request:
+    """What a route needs of one HTTP request."""
+
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes = b""
+
+
+@dataclass(slots=True)
+class Reply:
+    """One HTTP answer."""
+
+    status: int
+    body: bytes
+    content_type: str = "text/html; charset=utf-8"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Handles(Protocol):
+    """What answers the requests (``routes.App``): a plain function of each request."""
+
+    def handle(self, req: Request) -> Reply:
+        """Return the answer to one request."""
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
-    app: App
+    app: Handles
     loopback_only: bool
 
     def __init__(self, address: tuple[str, int]) -> None:
@@ -98,49 +117,9 @@ class _Handler(BaseHTTPRequestHandler):
         """Say nothing per request (the journal would fill with polling)."""
 
 
-def serve(config: Config, listen: str | None) -> int:
-    """Serve the web view of config's root on listen (ADDR:PORT) until SIGTERM or SIGINT; return 0.
-
-    A non-loopback address without ``web_token_file`` is refused (UsageError,
-    exit 2) before anything is bound.
-    """
-    address = listen or DEFAULT_LISTEN
-    host, port = parse_listen(address)
-    loopback = is_loopback(host)
-    if not loopback and config.web_token_file is None:
-        raise UsageError(
-            f"web: --listen {address} is not a loopback address: set web_token_file in the config to serve it"
-        )
-    token = load_token(config)
-    app = App(config, Layout(config.root), Auth(token.value))
-    try:
-        server = _Server((host, port))
-    except OSError as exc:
-        raise UsageError(f"web: cannot listen on {address}: {exc.strerror or exc}") from None
+def open_server(host: str, port: int, app: Handles, *, loopback_only: bool) -> _Server:
+    """Bind host:port for app; raise OSError when the address cannot be bound."""
+    server = _Server((host, port))
     server.app = app
-    server.loopback_only = loopback
-    bound = server.server_address
-    bound_host, bound_port = str(bound[0]), int(bound[1])
-    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    print(f"dispatcher web: {config.root} on http://{shown}:{bound_port}/", flush=True)
-    if token.made:
-        print(f"action token (printed once; set web_token_file to keep one): {token.value}", flush=True)
-    log.info("web.started", root=str(config.root), listen=f"{shown}:{bound_port}", token_made=token.made)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, name="web", daemon=True)
-    thread.start()
-    try:
-        while not stop.wait(1.0):
-            pass
-    finally:
-        server.shutdown()
-        server.server_close()
-        app.close()
-        log.info("web.stopped", root=str(config.root))
-    return 0
+    server.loopback_only = loopback_only
+    return server

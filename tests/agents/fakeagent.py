@@ -58,6 +58,8 @@ def parse() -> argparse.Namespace:
         help="write a bad output on the first N attempts, unless feedback.json exists",
     )
     p.add_argument("--followup", action="append", default=[], help="write this JSON object (an order) into outbox/")
+    p.add_argument("--parents", help="a joined job: read this parents.json (exit 3 if it cannot be read)")
+    p.add_argument("--parents-log", help="append 'job_id <parents.json as one line>' to this file")
     p.add_argument("--field", action="append", default=[], help="NAME=VALUE: put this column in every output row")
     return p.parse_args()
 
@@ -83,6 +85,14 @@ def main() -> int:
     if a.count:
         with open(a.count, "a") as f:
             f.write(f"{job_id} {attempt} {os.getpid()}\n")
+    if a.parents:
+        try:
+            parents = json.loads(Path(a.parents).read_text())
+        except (OSError, ValueError):
+            return 3
+        if a.parents_log:
+            with open(a.parents_log, "a") as f:
+                f.write(f"{job_id} {json.dumps(parents)}\n")
     if a.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if a.fork_child:

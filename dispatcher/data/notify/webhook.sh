@@ -1,7 +1,8 @@
 #!/bin/sh
+# Installed with: dispatcher unit --notify webhook > /etc/dispatcher/notify-webhook.sh
 # A notify command that posts the event as JSON to a webhook (Slack, a chat bot, a pager).
 #
-#   notify: [sh, examples/notify/webhook.sh, "{event}", "{job_id}", "{agent}", "{reason}", "{result}"]
+#   notify: [sh, /etc/dispatcher/notify-webhook.sh, "{event}", "{job_id}", "{agent}", "{reason}", "{result}"]
 #   agents get no environment by default; the notify command gets PATH, HOME and LANG, so
 #   give it the URL through its own file, or wrap it: the URL is read from $NOTIFY_WEBHOOK_URL
 #   if set, else from the first line of ${NOTIFY_WEBHOOK_FILE:-/etc/dispatcher/webhook-url}.

@@ -1,7 +1,8 @@
 #!/bin/sh
+# Installed with: dispatcher unit --notify append > /etc/dispatcher/notify-append.sh
 # A notify command that appends one line per event to a file (the file named by $1).
 #
-#   notify: [sh, examples/notify/append.sh, /var/log/dispatcher/events.txt, "{event}", "{job_id}", "{agent}", "{reason}"]
+#   notify: [sh, /etc/dispatcher/notify-append.sh, /var/log/dispatcher/events.txt, "{event}", "{job_id}", "{agent}", "{reason}"]
 #
 # Each line: time, event, job id, agent, reason, tab-separated.
 set -eu

@@ -1,0 +1,240 @@
+"""Jobs that wait for others (``after``, contract section 16): when to run them, and how.
+
+A job whose order names ``after`` is claimed at once, put in ``waiting/<job_id>/``
+and its claim turned into a wait in the ledger (no owner: no daemon holds it,
+no thread or timer waits for it). It is looked at again only when something
+may have changed:
+
+- a job finished: the Finisher's commit hands the ids to ``on_final``, and the
+  ledger answers which waiting jobs name them;
+- a join was just recorded (its parents may be final already);
+- the periodic sweep (``sweep``, every rescan) catches what no hook saw: a
+  parent approved or rejected by a command, a ``max_wait`` running out.
+
+A ready join is *taken* in one conditional ledger step (of two daemons, on one
+host or two, exactly one wins), then ``work/parents.json`` is written and the
+folder renamed into active/, and the scheduler runs it like any claimed job. A
+join that must fail (a parent failed under ``all_done``, a parent never known
+within ``max_wait``, a cancel) is taken the same way and finished from
+waiting/. Every step here blocks and runs in the ledger lane.
+
+Crashes: a wait recorded in the ledger with no folder in waiting/ cannot
+happen (the folder is placed first). A claimed row of a dead daemon whose
+folder is in waiting/ is either a wait never recorded (no ``waits`` rows:
+recorded now) or a join taken but not moved (taken again by ``recover`` and
+decided again; the parents' states are final, so the answer is the same).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from dispatcher import faults, fsutil
+from dispatcher.job.finish import Finisher
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Entry, Finish, Ledger, Request, Wait
+from dispatcher.lifecycle import Row, State, Stop
+from dispatcher.spec.config import Config
+from dispatcher.spec.orders import parse_time
+from dispatcher.store.jobstore import JobFolder, build_result
+
+log = structlog.get_logger("dispatcher")
+PARENTS = "parents.json"
+ALL_DONE, ALL_FINAL = "all_done", "all_final"
+
+Ready = Callable[[str, int, str], None]  # (job_id, token, agent): a join moved to active/, to be run
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What becomes of a waiting job now: run it, fail it (``reason``), or go on waiting (neither)."""
+
+    run: bool = False
+    reason: str | None = None
+
+
+WAIT = Verdict()
+
+
+def decide(wait: Wait, parents: Mapping[str, Entry], now: float, max_wait_s: float) -> Verdict:
+    """Return the verdict for one wait, given the ledger rows of its parents (absent: unknown)."""
+    if wait.rule != ALL_FINAL:
+        for job_id in wait.after:
+            entry = parents.get(job_id)
+            if entry is not None and entry.state == Row.FAILED:
+                return Verdict(reason=f"after: {job_id} failed")
+    pending = False
+    for job_id in wait.after:
+        entry = parents.get(job_id)
+        if entry is None:
+            if now - wait.since >= max_wait_s:
+                return Verdict(reason=f"after: {job_id} never finished")
+            pending = True
+        elif entry.state not in (Row.DONE, Row.FAILED):
+            pending = True
+    return WAIT if pending else Verdict(run=True)
+
+
+def parents_record(layout: Layout, ledger: Ledger, after: Iterable[str]) -> list[dict[str, Any]]:
+    """Return work/parents.json's records: each parent's id, state, folder and result.json path."""
+    ids = list(after)
+    rows = ledger.known(ids)
+    out = []
+    for job_id in ids:
+        found = layout.find(job_id)
+        result = found[1] / "result.json" if found is not None else None
+        entry = rows.get(job_id)
+        out.append(
+            {
+                "job_id": job_id,
+                "state": entry.state if entry is not None else None,
+                "path": str(found[1]) if found is not None else None,
+                "result": str(result) if result is not None and result.exists() else None,
+            }
+        )
+    return out
+
+
+class Joins:
+    """Record, wake, take and recover the waiting jobs of one daemon (blocking: the ledger lane)."""
+
+    def __init__(self, layout: Layout, ledger: Ledger, finisher: Finisher, config: Callable[[], Config]) -> None:
+        self.layout = layout
+        self.ledger = ledger
+        self.finisher = finisher
+        self.config = config
+        self.ready: Ready | None = None  # set by the daemon: parks a join moved to active/
+
+    def on_final(self, job_ids: Sequence[str]) -> None:
+        """The Finisher's hook: jobs reached done or failed; look at the joins that name them."""
+        if job_ids:
+            waiting = self.ledger.waiting_on(job_ids)
+            if waiting:
+                self.check(self.ledger.waits(waiting))
+
+    def sweep(self) -> None:
+        """Look at every waiting job (the periodic backstop)."""
+        self.check(self.ledger.waits())
+
+    def check(self, waits: Iterable[Wait]) -> None:
+        """Decide each wait; take and run or fail those whose verdict is in."""
+        now = time.time()
+        max_wait = self.config().max_wait_s
+        for wait in waits:
+            verdict = decide(wait, self.ledger.known(wait.after), now, max_wait)
+            if verdict is WAIT:
+                continue
+            if wait.job_id in self.ledger.requests(Request.CANCEL):  # an open cancel wins (cancel --tree)
+                verdict = Verdict(reason=str(Stop.CANCELLED))
+            token = self.ledger.take_waiting(wait.job_id)
+            if token is not None:  # another daemon took it first otherwise
+                faults.point("join.taken")
+                self._carry_out(wait, token, verdict)
+
+    def cancel(self, job_id: str) -> bool:
+        """Fail a waiting job with reason ``cancelled``; False if it is not waiting (any more)."""
+        token = self.ledger.take_waiting(job_id)
+        if token is None:
+            return False
+        waits = self.ledger.waits([job_id])
+        wait = waits[0] if waits else Wait(job_id, (), ALL_DONE, time.time())
+        self._carry_out(wait, token, Verdict(reason=str(Stop.CANCELLED)))
+        return True
+
+    def recover(self, alive: Callable[[str], bool]) -> None:
+        """Make whole what a dead daemon left in waiting/: an unrecorded wait, a take cut short, a landing."""
+        try:
+            names = sorted(n for n in os.listdir(self.layout.folder(State.WAITING)) if not n.startswith("."))
+        except FileNotFoundError:
+            return
+        for job_id in names:
+            entry = self.ledger.get(job_id)
+            if entry is not None and entry.state == Row.WAITING and not self.ledger.waits([job_id]):
+                token = self.ledger.take_waiting(job_id)  # a wait whose ids were lost (a ledger migrate)
+                if token is not None:
+                    self.record(job_id, token)
+                continue
+            if entry is None or entry.state == Row.WAITING:
+                continue
+            if entry.state in (Row.DONE, Row.FAILED):  # its landing was cut short
+                folder = JobFolder(self.layout.job(State.WAITING, job_id))
+                folder.land(self.layout, State.DONE if entry.state == Row.DONE else State.FAILED)
+                continue
+            if entry.state != Row.CLAIMED or (entry.owner is not None and alive(entry.owner)):  # None: rebuilt
+                continue
+            token = self.ledger.adopt(job_id, entry.owner, entry.token)
+            if token is None:
+                continue
+            waits = self.ledger.waits([job_id])
+            if not waits:  # the claim was never turned into a wait
+                self.record(job_id, token)
+                continue
+            wait = waits[0]
+            cancelled = job_id in self.ledger.requests(Request.CANCEL)
+            verdict = (
+                Verdict(reason=str(Stop.CANCELLED))
+                if cancelled
+                else decide(wait, self.ledger.known(wait.after), time.time(), self.config().max_wait_s)
+            )
+            if verdict is WAIT:  # cannot be (it was taken because it was over): wait again
+                self.ledger.wait(job_id, token, wait.after, wait.rule)
+                continue
+            log.info("job.recovered", job_id=job_id, agent=entry.agent, step="join")
+            self._carry_out(wait, token, verdict)
+
+    def record(self, job_id: str, token: int) -> bool:
+        """Turn a fresh claim of a job in waiting/ into a wait, then decide it at once."""
+        faults.point("join.claimed")
+        spec = JobFolder(self.layout.job(State.WAITING, job_id)).spec()
+        after = tuple(spec.order.get("after") or ())
+        rule = str(spec.order.get("after_rule") or ALL_DONE)
+        if not self.ledger.wait(job_id, token, after, rule):
+            return False
+        log.info("job.waiting", job_id=job_id, agent=spec.agent.name, after=list(after), rule=rule)
+        self.check(self.ledger.waits([job_id]))  # a parent may have finished before the wait was recorded
+        return True
+
+    def rewait(self, job_id: str, token: int) -> None:
+        """Put a retried join (reopened into active/ by ``retry``) back in waiting/; it waits for its parents again."""
+        fsutil.rename_noreplace(self.layout.job(State.ACTIVE, job_id), self.layout.job(State.WAITING, job_id))
+        fsutil.fsync_dir(self.layout.folder(State.WAITING))
+        self.record(job_id, token)
+
+    def _carry_out(self, wait: Wait, token: int, verdict: Verdict) -> None:
+        folder = JobFolder(self.layout.job(State.WAITING, wait.job_id))
+        spec = folder.spec()
+        expires = spec.order.get("expires")
+        if verdict.run and isinstance(expires, str) and parse_time(expires) <= time.time():
+            verdict = Verdict(reason="expired")  # not started by then
+        if verdict.reason is not None:
+            result = build_result(
+                job_id=spec.job_id,
+                state=str(Row.FAILED),
+                agent=spec.agent.name,
+                reason=verdict.reason,
+                received=spec.received,
+                parent=spec.parent,
+                chain_cost_usd=spec.parent_chain_cost_usd,
+            )
+            finish = Finish(spec.job_id, token, Row.FAILED, None, spec.parent_chain_cost_usd)
+            self.finisher.finish_now(folder, finish, result)
+            return
+        data = fsutil.dump_json(parents_record(self.layout, self.ledger, wait.after))
+        tmp = folder.work / f".{PARENTS}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        os.replace(tmp, folder.work / PARENTS)
+        folder.write_spec(spec.with_given(PARENTS, fsutil.digest(data)), sync=True)
+        fsutil.rename_noreplace(folder.path, self.layout.job(State.ACTIVE, wait.job_id))
+        fsutil.fsync_dir(self.layout.folder(State.ACTIVE))
+        faults.point("join.moved")
+        log.info("job.joined", job_id=wait.job_id, agent=spec.agent.name, after=list(wait.after))
+        if self.ready is not None:
+            self.ready(wait.job_id, token, spec.agent.name)

@@ -1,0 +1,104 @@
+"""The daemons of a root as an operator meets them: reload them, and see whether they run the config on disk.
+
+``reload`` signals (SIGHUP) the live daemons of this root on this host, after the
+config has passed the checks the daemon itself applies; a daemon that systemd
+runs is named with the `systemctl reload` to use instead, since that reload
+validates the config and reports a failure where you look for it.
+``config_note`` compares the digest each live daemon recorded with the config
+file a command reads, for the one-line notes of `submit`, `retry` and `status`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from dispatcher.ledger.base import DaemonInfo
+
+
+def this_host() -> str:
+    """Return the host name daemons record in their entries."""
+    return socket.gethostname()
+
+
+def systemd_unit(pid: int) -> str | None:
+    """Return the systemd service that runs pid (from /proc/PID/cgroup, readable by anyone), or None."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return None
+    return unit_of_cgroup(text)
+
+
+def unit_of_cgroup(text: str) -> str | None:
+    """Return the innermost ``*.service`` of a /proc/PID/cgroup text (cgroup v2 or v1's name=systemd), or None.
+
+    ``user@UID.service`` is a user's service manager, not a unit that runs the daemon.
+    """
+    for line in text.splitlines():
+        hierarchy, _, path = line.partition(":")[2].partition(":")
+        if hierarchy not in ("", "name=systemd"):
+            continue
+        units = [p for p in path.split("/") if p.endswith(".service") and not p.startswith("user@")]
+        if units:
+            return units[-1]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Reloaded:
+    """What `reload` did for one live daemon: signalled, or why not (``advice``)."""
+
+    daemon: DaemonInfo
+    signalled: bool
+    advice: str | None = None
+
+    def line(self) -> str:
+        """Return the line that tells the operator."""
+        who = f"daemon {self.daemon.pid} on {self.daemon.host}"
+        if self.signalled:
+            return f"{who}: asked to reload its config (SIGHUP); it logs config.reloaded or config.rejected"
+        return f"{who}: {self.advice}"
+
+
+def live_here(daemons: list[DaemonInfo], host: str | None = None) -> list[DaemonInfo]:
+    """Return the live daemons of this host, oldest first."""
+    host = this_host() if host is None else host
+    return sorted((d for d in daemons if d.alive and d.host == host), key=lambda d: d.started)
+
+
+def reload(daemons: list[DaemonInfo]) -> list[Reloaded]:
+    """Send SIGHUP to each live daemon given, except those systemd runs; return what happened to each."""
+    out = []
+    for d in daemons:
+        unit = systemd_unit(d.pid)
+        if unit is not None:
+            out.append(Reloaded(d, False, f"runs under systemd as {unit}: use `systemctl reload {unit}`"))
+            continue
+        try:
+            os.kill(d.pid, signal.SIGHUP)
+        except ProcessLookupError:
+            out.append(Reloaded(d, False, "stopped meanwhile"))
+        except PermissionError:
+            out.append(Reloaded(d, False, "cannot be signalled by you (run `dispatcher reload` as its user or root)"))
+        else:
+            out.append(Reloaded(d, True))
+    return out
+
+
+def config_note(digest: str | None, path: Path | None, daemons: list[DaemonInfo]) -> str | None:
+    """Return one line when a live daemon loaded another config than the file at path now holds, else None."""
+    if digest is None or path is None:
+        return None
+    stale = [d for d in daemons if d.alive and d.config_digest is not None and d.config_digest != digest]
+    if not stale:
+        return None
+    who = ", ".join(f"{d.pid} on {d.host}" for d in stale)
+    many = "daemons" if len(stale) > 1 else "daemon"
+    return (
+        f"note: {path} has changed since the running {many} ({who}) loaded it;"
+        " `dispatcher reload` (or `systemctl reload`) makes them load it"
+    )

@@ -1,0 +1,107 @@
+"""What `validate --config` and a starting daemon check beyond the schema: can each agent be started?
+
+A program that is missing or not executable, or a script an interpreter is given
+that the agent will not find, is an error (each job would fail with ``config: agent
+NAME cannot start``, or the agent with a path inside its job folder); ``repair``
+that can never act is a warning. The daemon logs these at start and on reload but
+does not refuse them: an agent installed later must still work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from dispatcher.spec.config import Config
+
+# Substituted per job (contract 3): a program path holding one is only known when the job runs.
+PLACEHOLDERS = ("{job_id}", "{order}", "{workspace}", "{receipt}", "{prompt}", "{prompt_file}")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing `validate` finds in a loaded config: an error (exit 2) or a warning."""
+
+    field: str
+    message: str
+    error: bool
+
+
+def check_agents(cfg: Config) -> list[Finding]:
+    """Return what a loaded config gets wrong that its schema cannot say.
+
+    A ``command`` or ``probe`` whose program is missing or not executable is an
+    error (the daemon would fail each job with ``config: agent NAME cannot
+    start``); ``repair`` without ``retry_safe`` or a ``probe`` is a warning,
+    since such an agent is never run again after failed checks. The daemon does
+    not refuse these at start: an agent installed later must still work.
+    """
+    base = cfg.path.parent if cfg.path is not None else Path.cwd()
+    out: list[Finding] = []
+    for name, agent in cfg.agents.items():
+        for key, argv in (("command", agent.command), ("probe", agent.probe)):
+            problem = (program_problem(argv, agent.env, base) or script_problem(argv, base)) if argv else None
+            if problem is not None:
+                out.append(Finding(f"agents.{name}.{key}", problem, error=True))
+        if agent.repair and not agent.retry_safe and agent.probe is None:
+            out.append(Finding(f"agents.{name}.repair", "has no effect without retry_safe or probe", error=False))
+    return out
+
+
+def program_problem(argv: tuple[str, ...], env: Mapping[str, str], base: Path) -> str | None:
+    """Return why argv[0] cannot be run (not found, not executable), or None when it can.
+
+    A path is shown absolute (resolved against the config's folder) in both
+    messages; a bare name is looked up on the agent's PATH (its ``env`` PATH,
+    else the daemon's), the way the agent is started.
+    """
+    prog = argv[0]
+    if any(p in prog for p in PLACEHOLDERS):
+        return None
+    if "/" in prog:
+        path = os.path.normpath(base / prog)
+        if not os.path.exists(path):
+            return f"program '{path}' not found"
+        if os.path.isdir(path) or not os.access(path, os.X_OK):
+            return f"program '{path}' is not executable"
+        return None
+    search = env.get("PATH", os.environ.get("PATH", os.defpath))
+    if shutil.which(prog, path=search) is not None:
+        return None
+    if any(os.path.isfile(os.path.join(d or ".", prog)) for d in search.split(os.pathsep)):
+        return f"program '{prog}' is not executable"
+    return f"program '{prog}' not found"
+
+
+#: programs whose first argument is a script file they run
+INTERPRETERS = re.compile(r"(python[0-9.]*|pypy[0-9.]*|node|nodejs|deno|bun|bash|sh|dash|zsh|ruby|perl|php|Rscript)")
+SCRIPT_SUFFIXES = (".py", ".js", ".mjs", ".cjs", ".ts", ".sh", ".bash", ".rb", ".pl", ".php", ".r", ".R")
+
+
+def script_problem(argv: tuple[str, ...], base: Path) -> str | None:
+    """Return why the script an interpreter is given cannot be found as the agent will look for it, or None.
+
+    The loader makes a relative path absolute (against the config's folder) only when
+    something is there; one left relative is looked for in the job's ``work/``, where
+    it never is (``[python3, ../agents/shuot.py]``). Options (``-c``, ``-m``) and
+    placeholders are not scripts.
+    """
+    if len(argv) < 2 or not INTERPRETERS.fullmatch(os.path.basename(argv[0])):
+        return None
+    script = argv[1]
+    if script.startswith("-") or any(p in script for p in PLACEHOLDERS):
+        return None
+    if "/" not in script and not script.endswith(SCRIPT_SUFFIXES):
+        return None
+    if os.path.isabs(script):
+        return None if os.path.exists(script) else f"script '{script}' not found"
+    where = os.path.normpath(base / script)
+    hint = "" if "/" in script else f" (for a script beside the config, write ./{script})"
+    return (
+        f"script '{where}' not found: a relative path is resolved against the config's folder,"
+        f" else the agent would look for it in its job's work/{hint}"
+    )

@@ -1,0 +1,341 @@
+"""Chains that join (contract section 16): `after`, `after_rule`, parents.json, cycles, max_wait, cancel.
+
+Real daemons, real agents (the fake agent), real folders: a merger waits in
+waiting/<job_id>/ until the jobs it names are final, then runs once with
+work/parents.json; or fails with the reason the contract gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, order, wait_until
+from helpers_faults import env_daemon
+
+FAN = 20
+
+
+def join_agents(env: Env) -> dict[str, dict[str, Any]]:
+    """worker (does the job), bad (exits 1), merger (reads {parents} and logs it outside the root)."""
+    log = str(env.tmp / "parents.log")
+    return {
+        "worker": env.agent(),
+        "bad": env.agent("--exit", "1"),
+        "merger": env.agent("--parents", "{parents}", "--parents-log", log),
+    }
+
+
+def parents_log(env: Env) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Return (job_id, parents.json) for every start of the merger agent."""
+    path = env.tmp / "parents.log"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        job_id, _, data = line.partition(" ")
+        out.append((job_id, json.loads(data)))
+    return out
+
+
+def fan(n: int = FAN, bad: str | None = None) -> list[dict[str, Any]]:
+    """Return n worker orders w01..wNN; the one named ``bad`` goes to the failing agent."""
+    return [order(f"w{i:02d}", to="bad" if f"w{i:02d}" == bad else "worker") for i in range(1, n + 1)]
+
+
+def merger(job_id: str = "merge", after: list[str] | None = None, **extra: Any) -> dict[str, Any]:
+    return order(job_id, to="merger", after=after or [f"w{i:02d}" for i in range(1, FAN + 1)], **extra)
+
+
+def starts_of(env: Env, job_id: str) -> int:
+    return sum(1 for j, _ in env.starts() if j == job_id)
+
+
+def test_fan_out_all_done_fails_the_merger_when_one_worker_fails(env: Env) -> None:
+    """A merger waiting for 20 workers (all_done) fails with `after: w07 failed` and never starts."""
+    env.configure(join_agents(env), max_jobs=4)
+    env.drop(merger())
+    d = env.daemon()
+    wait_until(lambda: (env.root / "waiting" / "merge" / "order.json").exists(), what="merge in waiting/")
+    status = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert status["counts"]["waiting"] == 1
+    out = env.cli("list", "--state", "waiting", "--json", check=True).stdout
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert [r["job_id"] for r in listed] == ["merge"]
+    assert listed[0]["reason"] == "waiting for " + ", ".join(f"w{i:02d}" for i in range(1, FAN + 1)) + " (all_done)"
+    shown = env.cli("show", "merge", check=True).stdout
+    assert "merge  waiting  agent merger" in shown and "  after: w01, w02," in shown and "w20 (all_done)" in shown
+    for body in fan(bad="w07"):
+        env.drop(body)
+    result = env.wait_job("merge", "failed")
+    assert result["reason"] == "after: w07 failed"
+    assert starts_of(env, "merge") == 0
+    for i in range(1, FAN + 1):
+        env.wait_job(f"w{i:02d}", "failed" if i == 7 else "done")
+    assert d.stop() == 0
+    assert not (env.root / "waiting" / "merge").exists()
+
+
+def test_fan_out_all_final_runs_the_merger_once_with_every_parent(env: Env) -> None:
+    """A merger waiting for 20 workers (all_final) runs once when all are final; parents.json lists each."""
+    env.configure(join_agents(env), max_jobs=4)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(merger(after_rule="all_final"))
+    for body in fan(bad="w07"):
+        env.drop(body)
+    env.wait_job("merge", "done")
+    assert starts_of(env, "merge") == 1
+    [(job_id, parents)] = parents_log(env)
+    assert job_id == "merge"
+    assert [p["job_id"] for p in parents] == [f"w{i:02d}" for i in range(1, FAN + 1)]
+    states = {p["job_id"]: p["state"] for p in parents}
+    assert states.pop("w07") == "failed" and set(states.values()) == {"done"}
+    for p in parents:
+        assert Path(p["path"]).is_dir() and Path(p["result"]).name == "result.json"
+        assert json.loads(Path(p["result"]).read_text())["job_id"] == p["job_id"]
+    assert d.stop() == 0
+
+
+def follow(job_id: str, to: str, **extra: Any) -> str:
+    """Return a follow-up order (as the JSON text the planner writes into its outbox)."""
+    body = {"job_id": job_id, "from": "planner", "to": to, "task": "Part of the plan.", "items": [{"id": "R1"}]}
+    return json.dumps(body | {"accept": {"output": "out.csv"}} | extra)
+
+
+def test_planner_fans_out_three_workers_and_a_merger_from_one_outbox(env: Env) -> None:
+    """A planner's outbox holds 3 workers and a merger whose after names them; the merger runs last, once."""
+    parts = ["p-w1", "p-w2", "p-w3"]
+    flags = [f for p in parts for f in ("--followup", follow(p, "worker"))]
+    flags += ["--followup", follow("p-merge", "merger", after=parts)]
+    env.configure(join_agents(env) | {"planner": env.agent(*flags)}, max_jobs=3)
+    d = env.daemon()
+    env.drop(order("plan", to="planner"))
+    result = env.wait_job("p-merge", "done")
+    assert result["parent"] == "plan"
+    assert env.result("plan", "done")["checks"][-1]["ok"] is True
+    [(job_id, parents)] = parents_log(env)
+    assert job_id == "p-merge" and [(p["job_id"], p["state"]) for p in parents] == [(p, "done") for p in parts]
+    starts = [j for j, _ in env.starts()]
+    assert starts.count("p-merge") == 1 and starts.index("p-merge") > max(starts.index(p) for p in parts)
+    assert d.stop() == 0
+
+
+def test_outbox_with_a_cycle_of_after_fails_followups_valid(env: Env) -> None:
+    """Two follow-ups that wait for each other fail the planner's followups_valid check; none is released."""
+    flags = ["--followup", follow("c-a", "worker", after=["c-b"]), "--followup", follow("c-b", "worker", after=["c-a"])]
+    env.configure(join_agents(env) | {"planner": env.agent(*flags)})
+    d = env.daemon()
+    env.drop(order("cplan", to="planner"))
+    result = env.wait_job("cplan", "failed")
+    assert "after would make a cycle: c-a -> c-b -> c-a" in result["reason"]
+    assert d.stop() == 0
+    assert not (env.root / "waiting").exists() or not list((env.root / "waiting").iterdir())
+
+
+def test_cycle_through_a_waiting_job_is_refused(env: Env) -> None:
+    """`a` waits for `b`; an order `b` that waits for `a` closes a cycle and is refused; self-reference exits 2."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    env.drop(order("a", to="merger", after=["b"]))
+    wait_until(lambda: (env.root / "waiting" / "a").is_dir(), what="a in waiting/")
+    env.drop(order("b", to="merger", after=["a"]))
+    refused = env.wait_refused("b")
+    assert refused["reason"] == "after: would make a cycle (b -> a -> b)"
+    self_ref = env.tmp / "self.json"
+    self_ref.write_text(json.dumps(order("s", after=["s"])))
+    proc = env.cli("submit", str(self_ref))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"{self_ref}: after: names the order's own job_id s (a cycle)"
+    assert d.stop() == 0
+
+
+def test_unknown_parent_is_waited_for_max_wait_then_fails(env: Env) -> None:
+    """A merger naming an id no one knows fails with `after: ghost never finished` once max_wait ran out."""
+    env.configure(join_agents(env), max_wait=1, rescan_interval=0.5)
+    d = env.daemon()
+    env.drop(merger(after=["w01", "ghost"]))
+    env.drop(order("w01"))
+    result = env.wait_job("merge", "failed")
+    assert result["reason"] == "after: ghost never finished"
+    assert starts_of(env, "merge") == 0
+    assert d.stop() == 0
+
+
+def test_cancel_of_a_waiting_job(env: Env) -> None:
+    """`cancel` of a waiting merger fails it with reason cancelled; it never runs, even when its parents finish."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    env.drop(merger(after=["w01"]))
+    wait_until(lambda: (env.root / "waiting" / "merge").is_dir(), what="merge in waiting/")
+    assert env.cli("cancel", "merge").returncode == 0
+    assert env.wait_job("merge", "failed")["reason"] == "cancelled"
+    env.drop(order("w01"))
+    env.wait_job("w01", "done")
+    assert starts_of(env, "merge") == 0
+    assert d.stop() == 0
+
+
+def test_kill_9_while_the_merger_waits(env: Env) -> None:
+    """A daemon killed while the merger waits: the next daemon runs it once, when its parents are done."""
+    env.configure(join_agents(env))
+    first = env.daemon()
+    env.drop(merger(after=["w01", "w02", "w03"]))
+    wait_until(lambda: (env.root / "waiting" / "merge" / "job.json").exists(), what="merge in waiting/")
+    first.wait_event("job.waiting", job_id="merge")
+    first.kill()
+    for body in fan(3):
+        env.drop(body)
+    second = env.daemon()
+    env.wait_job("merge", "done")
+    assert starts_of(env, "merge") == 1
+    assert second.stop() == 0
+
+
+@pytest.mark.parametrize("fault", ["join.claimed", "join.taken", "join.moved"])
+def test_kill_9_while_the_last_parent_finishes(env: Env, fault: str) -> None:
+    """A daemon killed at each step between a wait and the merger's start: the merger runs exactly once."""
+    env.configure(join_agents(env))
+    first = env_daemon(env, {"DISPATCHER_FAULT": fault})
+    if fault == "join.claimed":
+        env.drop(merger(after=["w01"]))
+    else:
+        env.drop(merger(after=["w01", "w02"]))
+        wait_until(lambda: (env.root / "waiting" / "merge" / "job.json").exists(), what="merge in waiting/")
+        first.wait_event("job.waiting", job_id="merge")
+        for body in fan(2):
+            env.drop(body)
+    assert first.proc is not None
+    first.proc.wait(60)  # it died at the fault point
+    for body in fan(2) if fault == "join.claimed" else []:
+        env.drop(body)
+    second = env.daemon()
+    env.wait_job("merge", "done")
+    assert starts_of(env, "merge") == 1
+    assert [starts_of(env, w) for w in ("w01", "w02")] == [1, 1]
+    assert second.stop() == 0
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_waiting_jobs_cost_no_cpu_and_no_thread(env: Env) -> None:
+    """50 waiting mergers add no thread to the daemon, and it stays near idle while they wait."""
+    env.configure(join_agents(env), rescan_interval=30)
+    d = env.daemon()
+    d.wait_ready()
+    assert d.proc is not None
+    pid = d.proc.pid
+    time.sleep(1)  # startup work done (wait_ready returned): let the pools settle
+    before = _threads(pid)
+    for i in range(50):
+        env.drop(merger(f"m{i:02d}", after=["never"]))
+    wait_until(lambda: len(list((env.root / "waiting").iterdir())) == 50, what="50 jobs in waiting/")
+    time.sleep(1)
+    ticks = _cpu_ticks(pid)
+    time.sleep(5)
+    used = (_cpu_ticks(pid) - ticks) / os.sysconf("SC_CLK_TCK")
+    assert _threads(pid) <= before, f"threads: {before} before the waits, {_threads(pid)} with 50 waiting"
+    assert used < 0.1, f"the daemon used {used:.2f} s of CPU in 5 s with 50 waiting jobs"
+    assert d.stop() == 0
+
+
+def test_cancel_tree_racing_the_workers(env: Env) -> None:
+    """`cancel --tree` of a planner whose 6 follow-ups run, queue and wait: each ends cancelled once; show marks it."""
+    parts = [f"t-w{i}" for i in range(1, 6)]
+    flags = [f for p in parts for f in ("--followup", follow(p, "slow"))]
+    flags += ["--followup", follow("t-merge", "merger", after=parts)]
+    agents = join_agents(env) | {"planner": env.agent(*flags), "slow": env.agent("--sleep", "20", concurrency=5)}
+    env.configure(agents, max_jobs=2, kill_grace=0.5)
+    d = env.daemon()
+    env.drop(order("tplan", to="planner"))
+    wait_until(lambda: (env.root / "waiting" / "t-merge").is_dir(), what="t-merge in waiting/")
+    wait_until(lambda: len(env.starts()) >= 3, what="two workers running")  # the planner and two of five
+    proc = env.cli("cancel", "--tree", "tplan")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == sorted(f"{j}: cancel requested" for j in [*parts, "t-merge"])
+    for j in [*parts, "t-merge"]:
+        assert env.wait_job(j, "failed")["reason"] == "cancelled"
+    started = [j for j, _ in env.starts()]
+    assert all(started.count(j) <= 1 for j in parts) and "t-merge" not in started
+    tree = env.cli("show", "--tree", "t-w1", check=True).stdout
+    assert "tplan [done]" in tree and "t-w1 [failed, cancelled]" in tree and "t-merge [failed, cancelled]" in tree
+    again = env.cli("cancel", "--tree", "tplan")
+    assert again.returncode == 1 and "nothing to cancel" in again.stderr
+    assert d.stop() == 0
+
+
+def test_the_fan_out_example_runs(tmp_path: Path) -> None:
+    """`bash examples/fanout/run.sh` exits 0: three researchers, then one merger that read all three."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "fanout" / "run.sh"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISPATCHER_")}
+    proc = subprocess.run(
+        ["bash", str(script)],
+        env=env | {"FANOUT_DIR": str(tmp_path / "fanout"), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "├── PLAN-001.merge [done] (merger, -)  <-" in proc.stdout
+    assert "ok: the merger ran once, after its 3 parents" in proc.stdout
+
+
+def test_a_waiting_job_survives_a_ledger_rebuild(env: Env) -> None:
+    """`ledger rebuild` of a root with a waiting merger: the next daemon records its wait again and runs it once."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    env.drop(merger(after=["w01"]))
+    d.wait_event("job.waiting", job_id="merge")
+    assert d.stop() == 0
+    assert env.cli("ledger", "rebuild").returncode == 0
+    again = env.daemon()
+    again.wait_event("job.waiting", job_id="merge")
+    env.drop(order("w01"))
+    env.wait_job("merge", "done")
+    assert starts_of(env, "merge") == 1
+    assert again.stop() == 0
+
+
+def test_retry_of_a_failed_join_waits_for_its_parents_again(env: Env) -> None:
+    """A join failed by `after: w01 failed`, retried together with w01, waits for it again and runs once."""
+    log = str(env.tmp / "parents.log")
+    flaky = env.agent("--fail-attempts", "1", "--sleep", "0.5", max_attempts=1)
+    env.configure({"worker": flaky, "merger": env.agent("--parents", "{parents}", "--parents-log", log)})
+    d = env.daemon()
+    env.drop(merger(after=["w01"]))
+    env.drop(order("w01"))
+    assert env.wait_job("merge", "failed")["reason"] == "after: w01 failed"
+    assert env.cli("retry", "w01", "merge").returncode == 0
+    wait_until(lambda: len([e for e in d.events() if e.get("event") == "job.waiting"]) == 2, what="a second wait")
+    wait_until(lambda: (env.root / "done" / "merge" / "result.json").exists(), what="merge done")
+    assert starts_of(env, "merge") == 1 and starts_of(env, "w01") == 2
+    [(_, parents)] = parents_log(env)
+    assert [(p["job_id"], p["state"]) for p in parents] == [("w01", "done")]
+    assert d.stop() == 0
+
+
+def test_a_join_is_claimed_at_once_even_when_every_slot_is_busy(env: Env) -> None:
+    """With max_jobs 1 taken by a long job, a merger order (YAML) is still claimed into waiting/ at once."""
+    agents = join_agents(env) | {"slow": env.agent("--sleep", "3")}
+    env.configure(agents, max_jobs=1, kill_grace=0.5)
+    d = env.daemon()
+    env.drop(order("long", to="slow"))
+    wait_until(lambda: env.starts(), what="the long job running")
+    env.drop(merger(after=["long"]), name="merge.yaml")
+    wait_until(lambda: (env.root / "waiting" / "merge").is_dir(), timeout=10, what="merge in waiting/")
+    assert (env.root / "active" / "long").is_dir()
+    assert d.stop() == 0

@@ -1,0 +1,76 @@
+"""The metrics file of a running daemon: rewritten while idle, started by a reload, no stale {pid} files left."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import yaml
+from conftest import Env, wait_until
+
+
+def _loop_ts(path: Path) -> float:
+    for line in path.read_text().splitlines():
+        if line.startswith("dispatcher_last_loop_timestamp_seconds "):
+            return float(line.split()[1])
+    raise AssertionError(f"no dispatcher_last_loop_timestamp_seconds in {path}")
+
+
+def test_an_idle_daemon_rewrites_the_file_at_least_every_10_seconds(env: Env) -> None:
+    """With nothing to do (and rescans 60 s apart) the file is replaced and its loop time moves within 10 s."""
+    prom = env.tmp / "m.prom"
+    env.configure(metrics_file=str(prom), rescan_interval=60)
+    d = env.daemon()
+    d.wait_ready()
+    wait_until(prom.exists, what="the first metrics file")
+    for _ in range(2):
+        ino, ts = prom.stat().st_ino, _loop_ts(prom)
+        wait_until(lambda: prom.stat().st_ino != ino, timeout=10.5, what="a rewrite within 10 s")  # noqa: B023
+        assert _loop_ts(prom) > ts
+    assert d.stop() == 0
+
+
+def test_a_reload_that_sets_metrics_file_starts_it(env: Env) -> None:
+    """metrics_file added to the config and reloaded (SIGHUP): the file appears without a restart."""
+    prom = env.tmp / "late.prom"
+    d = env.daemon()
+    d.wait_ready()
+    body = yaml.safe_load(env.config_path.read_text()) | {"metrics_file": str(prom)}
+    env.config_path.write_text(yaml.safe_dump(body))
+    assert env.cli("reload").returncode == 0
+    d.wait_event("config.reloaded")
+    wait_until(prom.exists, timeout=10, what="the metrics file after the reload")
+    assert "dispatcher_queue" in prom.read_text()
+
+
+def test_a_daemon_removes_the_files_stopped_daemons_of_its_host_left(env: Env) -> None:
+    """Under {pid}, files of stopped daemons (and of pids reused by other programs) go; live daemons' files stay."""
+    host = socket.gethostname()
+    folder = env.tmp / "prom"
+    folder.mkdir()
+    env.configure(metrics_file=str(folder / "dispatcher-{host}-{pid}.prom"), rescan_interval=60)
+    other = subprocess.Popen(["sleep", "120"])  # a live pid that is not a daemon
+    try:
+        gone = folder / f"dispatcher-{host}-{other.pid}.prom"
+        gone.write_text("dispatcher_queue 1\n")
+        first = env.daemon()
+        first.wait_ready()
+        first_file = folder / f"dispatcher-{host}-{first.proc.pid}.prom"  # type: ignore[union-attr]
+        wait_until(lambda: first_file.exists() and not gone.exists(), timeout=10, what="the stale file removed")
+        second = env.daemon()
+        second.wait_ready()
+        second_file = folder / f"dispatcher-{host}-{second.proc.pid}.prom"  # type: ignore[union-attr]
+        wait_until(second_file.exists, timeout=10, what="the second daemon's file")
+        assert first_file.exists()  # a live daemon's file is never taken
+        assert first.stop() == 0
+        assert first_file.exists()  # rewritten at stop, with its last values
+        wait_until(lambda: not first_file.exists(), timeout=11, what="the stopped daemon's file removed")
+        assert sorted(p.name for p in folder.iterdir()) == [second_file.name]
+        unrelated = folder / "other.prom"
+        unrelated.write_text("x 1\n")
+        assert second.stop() == 0
+        assert unrelated.exists()
+    finally:
+        other.kill()
+        other.wait()

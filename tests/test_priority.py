@@ -1,0 +1,102 @@
+"""Time and priority (contract section 16): `priority`, `not_before` (`submit --at/--in`) and `expires`.
+
+Real daemons and folders: the claim order is read from the daemon's `job.claimed`
+log lines, due times from `list` and from each job's `received` time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import UTC, datetime
+
+import yaml
+from conftest import Env, order, wait_until
+
+
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def claimed(d: object) -> list[str]:
+    return [e["job_id"] for e in d.events() if e.get("event") == "job.claimed"]  # type: ignore[attr-defined]
+
+
+def test_priorities_under_a_backlog_of_1000(env: Env) -> None:
+    """1,000 queued orders: the 10 newest with priority 9 are claimed first, then the oldest of priority 5."""
+    env.configure({"worker": env.agent("--sleep", "0.2", concurrency=2)}, max_jobs=2)
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True)
+    base = time.time() - 5000
+    for i in range(1000):
+        if i >= 990:  # the newest, in YAML: their priority is read from the YAML text
+            body, name = order(f"hi{i}", priority=9), f"hi{i}.yaml"
+            (inbox / name).write_text(yaml.safe_dump(body))
+        else:
+            body, name = order(f"b{i:03d}", priority=1 if i % 2 else 5), f"b{i:03d}.json"
+            (inbox / name).write_text(json.dumps(body))
+        os.utime(inbox / name, (base + i, base + i))
+    d = env.daemon()
+    wait_until(lambda: len(claimed(d)) >= 20, 120, "20 claims")
+    assert d.stop() == 0
+    first = claimed(d)[:20]
+    assert sorted(first[:10]) == [f"hi{i}" for i in range(990, 1000)]
+    assert first[10:20] == [f"b{i:03d}" for i in range(0, 20, 2)]  # priority 5, oldest first; priority 1 after
+
+
+def test_not_before_waits_unclaimed_across_a_restart(env: Env) -> None:
+    """An order not due yet stays in inbox/ (list says when it is due), across a restart, and runs once due."""
+    d = env.daemon()
+    d.wait_ready()
+    due = time.time() + 4
+    env.drop(order("later", not_before=iso(due)))
+    env.drop(order("now"))
+    env.wait_job("now", "done")
+    listed = [
+        json.loads(line) for line in env.cli("list", "--state", "inbox", "--json", check=True).stdout.splitlines()
+    ]
+    assert [(r["job_id"], r["reason"]) for r in listed] == [("later", f"due {iso(due)[:23]}Z")]
+    assert d.stop() == 0
+    assert (env.root / "inbox" / "later.json").exists()
+    again = env.daemon()
+    result = env.wait_job("later", "done")
+    received = datetime.fromisoformat(result["received"].replace("Z", "+00:00")).timestamp()
+    assert received >= due - 0.01
+    assert again.stop() == 0
+
+
+def test_submit_in_and_at_set_not_before(env: Env) -> None:
+    """`submit --in 1h` drops the order as JSON with not_before an hour ahead; a bad --at exits 2."""
+    path = env.tmp / "o.yaml"
+    path.write_text(yaml.safe_dump(order("sub-in")))
+    before = time.time()
+    assert env.cli("submit", "--in", "1h", str(path), check=True).stdout == "sub-in\n"
+    body = json.loads((env.root / "inbox" / "sub-in.json").read_text())
+    due = datetime.fromisoformat(body["not_before"].replace("Z", "+00:00")).timestamp()
+    assert before + 3600 - 1 <= due <= time.time() + 3600 + 1
+    bad = env.cli("submit", "--at", "tomorrow", str(path))
+    assert bad.returncode == 2 and "--at" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_an_order_not_started_by_expires_is_refused_as_expired(env: Env) -> None:
+    """An order whose expires has passed is refused with reason `expired`; one due after it expired is too."""
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("stale", expires=iso(time.time() - 1)))
+    env.drop(order("too-late", not_before=iso(time.time() + 1), expires=iso(time.time() + 0.5)))
+    assert env.wait_refused("stale")["reason"] == "expired"
+    assert env.wait_refused("too-late")["reason"] == "expired"
+    assert [j for j, _ in env.starts()] == []
+    assert d.stop() == 0
+
+
+def test_cancel_of_an_order_not_due_yet_takes_effect_at_once(env: Env) -> None:
+    """`cancel` of an order held back by not_before fails it (cancelled) within seconds, not at its due time."""
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("far", not_before=iso(time.time() + 3600)))
+    wait_until(lambda: "far" in env.cli("list", "--state", "inbox").stdout, what="far listed")
+    assert env.cli("cancel", "far").returncode == 0
+    assert env.wait_job("far", "failed", timeout=15)["reason"] == "cancelled"
+    assert d.stop() == 0

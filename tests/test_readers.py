@@ -1,0 +1,106 @@
+"""Reading commands need no write access: a member of the service's group reads a root it cannot write.
+
+The root is made by root (the daemon runs as root here, umask 027) in a folder whose
+group is `nogroup` with the setgid bit, so every file the daemon makes is readable by
+that group and writable by nobody else. `status`, `list` and `show` then run as the
+user `nobody` (whose group is `nogroup`), while the daemon runs and after it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, order
+from helpers_faults import reap
+from helpers_users import GROUP, USER, as_user, interpreter
+
+pytest_plugins = ["pg_fixtures"]
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Iterator[Env]:
+    """A root in a world-traversable folder, group nogroup (setgid), with its config readable by that group."""
+    assert shutil.which("runuser"), "runuser not found: install util-linux"
+    base = Path(tempfile.mkdtemp(prefix="readers-", dir="/tmp"))
+    os.chmod(base, 0o755)  # noqa: S103 - the reader must reach the root
+    root = base / "dispatch"
+    root.mkdir()
+    shutil.chown(root, group=GROUP)
+    os.chmod(root, 0o2750)  # noqa: S103 - setgid: the daemon's files get the group
+    e = Env(tmp=base, root=root, config_path=base / "dispatcher.yaml", count_file=tmp_path / "starts.txt")
+    e.configure()
+    shutil.chown(e.config_path, group=GROUP)
+    os.chmod(e.config_path, 0o640)
+    yield e
+    reap(e)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _as_reader(env: Env, python: str, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = as_user(python, "--config", str(env.config_path), *args)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=env.tmp)
+
+
+def test_a_group_member_reads_status_list_and_show_without_write_access(shared: Env) -> None:
+    """status, list and show work as a group member who cannot write the root, daemon running or stopped."""
+    python = interpreter()
+    d = shared.daemon()
+    d.wait_ready()
+    shared.drop(order("READ-1"))
+    shared.wait_job("READ-1", "done")
+
+    for running in (True, False):
+        status = _as_reader(shared, python, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        info = json.loads(status.stdout)
+        assert info["counts"]["done"] == 1
+        assert [dm["alive"] for dm in info["daemons"]] == [running]
+        listed = _as_reader(shared, python, "list")
+        assert listed.returncode == 0 and "READ-1" in listed.stdout and "done" in listed.stdout, listed.stderr
+        shown = _as_reader(shared, python, "show", "READ-1")
+        assert shown.returncode == 0 and shown.stdout.startswith("READ-1  done"), shown.stderr
+        if running:
+            assert d.stop() == 0
+    touch = ["runuser", "-u", USER, "--", "touch", str(shared.root / "inbox" / "x")]
+    write = subprocess.run(touch, capture_output=True)
+    assert write.returncode != 0  # the reader really has no write access
+
+
+def test_a_postgresql_role_with_select_only_reads_status_list_and_show(env: Env, pg_server: Any, pg_db: str) -> None:
+    """On a shared ledger reading needs SELECT alone: nothing is created or written; a fresh ledger reads empty."""
+    import secrets
+
+    import psycopg
+
+    reader, password = f"reader_{secrets.token_hex(4)}", secrets.token_hex(8)
+    database = pg_db.rsplit("/", 1)[1]
+    pg_server._sql(f"CREATE ROLE {reader} LOGIN PASSWORD '{password}'")
+    reader_url = pg_db.replace(pg_db.split("//", 1)[1].split("@", 1)[0], f"{reader}:{password}")
+    env.configure(ledger=reader_url)
+    fresh = env.cli("status", "--json")  # no daemon has made the ledger yet: it reads as empty, creates nothing
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout)["daemons"] == []
+    with psycopg.connect(pg_db) as conn:
+        assert conn.execute("SELECT to_regclass('jobs')").fetchone() == (None,)
+    env.configure(ledger=pg_db)
+    env.drop(order("PGR-1"))
+    assert env.cli("run", "--once").returncode == 0
+    with psycopg.connect(pg_db, autocommit=True) as conn:
+        conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {reader}")
+    env.configure(ledger=reader_url)
+    status = env.cli("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["counts"]["done"] == 1
+    listed = env.cli("list")
+    assert listed.returncode == 0 and "PGR-1" in listed.stdout, listed.stderr
+    shown = env.cli("show", "PGR-1")
+    assert shown.returncode == 0 and shown.stdout.startswith("PGR-1  done"), shown.stderr
+    assert database  # the reader's URL names the same database

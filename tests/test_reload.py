@@ -1,0 +1,99 @@
+"""`dispatcher reload`, and the config digest each daemon records: a changed config is never invisible."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import Env, order, wait_until
+
+from dispatcher.ops.daemons import unit_of_cgroup
+
+pytest_plugins = ["pg_fixtures"]
+
+
+def test_a_changed_config_is_noted_and_reload_makes_the_daemon_load_it(env: Env) -> None:
+    """After an agent is added, status and submit say the daemon runs the old config; after reload its orders run."""
+    d = env.daemon()
+    d.wait_ready()
+    status = env.cli("status", "--json", check=True)
+    daemons = json.loads(status.stdout)["daemons"]
+    assert status.stderr == ""
+    info = json.loads(next((env.root / ".state" / "daemons").glob("*.json")).read_text())
+    assert len(info["config_digest"]) == 16  # the daemon's entry records the digest of the config it loaded
+    assert "has changed" not in env.cli("status", check=True).stdout
+
+    agents = {"worker": env.agent(), "split": env.agent()}
+    env.configure(agents)
+    note = env.cli("status", check=True).stdout.splitlines()[-1]
+    assert note.startswith(f"note: {env.config_path} has changed since the running daemon")
+    assert "`dispatcher reload`" in note and str(d.proc.pid) in note  # type: ignore[union-attr]
+    (env.tmp / "s.json").write_text(json.dumps(order("SPLIT-1", to="split")))
+    sub = env.cli("submit", str(env.tmp / "s.json"))
+    assert sub.returncode == 0 and sub.stdout == "SPLIT-1\n"
+    assert sub.stderr.startswith("note: ") and sub.stderr.count("\n") == 1
+
+    reload = env.cli("reload")
+    assert reload.returncode == 0, reload.stderr
+    assert reload.stdout == (
+        f"daemon {d.proc.pid} on {daemons[0]['host']}: asked to reload its config (SIGHUP);"  # type: ignore[union-attr]
+        " it logs config.reloaded or config.rejected\n"
+    )
+    d.wait_event("config.reloaded")
+    wait_until(lambda: "has changed" not in env.cli("status", check=True).stdout, what="the new digest recorded")
+    (env.tmp / "s2.json").write_text(json.dumps(order("SPLIT-2", to="split")))
+    sub = env.cli("submit", str(env.tmp / "s2.json"))
+    assert sub.returncode == 0 and sub.stderr == ""
+    env.wait_job("SPLIT-2", "done")
+
+
+def test_retry_says_the_daemon_runs_an_older_config(env: Env) -> None:
+    """`retry` after fixing an agent's command prints one note line: the fix needs a reload first."""
+    env.configure({"worker": env.agent("--exit", "3")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FIX-1"))
+    env.wait_job("FIX-1", "failed")
+    env.configure({"worker": env.agent()})
+    retry = env.cli("retry", "FIX-1")
+    assert retry.returncode == 0
+    assert retry.stderr.startswith(f"note: {env.config_path} has changed") and retry.stderr.count("\n") == 1
+
+
+def test_reload_with_no_daemon_and_with_a_bad_config(env: Env) -> None:
+    """No live daemon: exit 1 saying so; an invalid config: exit 2 and nothing is signalled."""
+    none = env.cli("reload")
+    assert none.returncode == 1 and none.stderr == f"no daemon of {env.root} runs on this host: nothing to reload\n"
+    env.configure({"worker": env.agent(command=["/no/such/program"])})
+    bad = env.cli("reload")
+    assert bad.returncode == 2 and "agents.worker.command" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_a_daemon_under_systemd_is_named_with_its_unit() -> None:
+    """The unit of a pid comes from /proc/PID/cgroup (v2, or v1 name=systemd); user managers are not units."""
+    assert unit_of_cgroup("0::/system.slice/dispatcher@billing.service\n") == "dispatcher@billing.service"
+    assert unit_of_cgroup("1:name=systemd:/system.slice/dispatcher.service\n4:memory:/x\n") == "dispatcher.service"
+    assert unit_of_cgroup("0::/user.slice/user-1000.slice/user@1000.service/app.slice/x.scope\n") is None
+    assert unit_of_cgroup("0::/\n") is None
+
+
+def test_the_postgresql_ledger_records_the_digest_also_in_a_ledger_made_before_it(pg_db: str) -> None:
+    """A daemons table without config_digest gets the column on open; register and record_config then keep it."""
+    import os
+    import time
+
+    import psycopg
+
+    from dispatcher.ledger.base import DaemonInfo
+    from dispatcher.ledger.postgres import PostgresLedger
+
+    PostgresLedger(pg_db).close()
+    with psycopg.connect(pg_db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE daemons DROP COLUMN config_digest")  # as a ledger made by an older dispatcher
+    ledger = PostgresLedger(pg_db)
+    try:
+        ledger.register(DaemonInfo("h-1-aa", os.getpid(), "h", time.time(), config_digest="0123456789abcdef"))
+        assert [d.config_digest for d in ledger.daemons()] == ["0123456789abcdef"]
+        ledger.record_config("fedcba9876543210")
+        assert [d.config_digest for d in ledger.daemons()] == ["fedcba9876543210"]
+    finally:
+        ledger.close()

@@ -1,0 +1,96 @@
+"""The lifecycle vocabulary and the typed result.json, as pure values.
+
+No daemon: the row/folder conversions every module uses, and a ``Result`` read
+from a result.json body and written back, are checked directly. The daemon tests
+(test_lifecycle.py, test_cost_review.py, ...) check the files a real job leaves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from dispatcher.lifecycle import (
+    Outcome,
+    Row,
+    State,
+    is_final,
+    is_landed,
+    landed_state,
+    outcome_of,
+    row_to_state,
+    state_to_row,
+)
+from dispatcher.spec.jobspec import Attempt
+from dispatcher.spec.result import CheckResult, Result
+from dispatcher.store.jobstore import DETAIL_MAX, JobFolder, build_result
+
+BODY = {
+    "job_id": "J1",
+    "state": "review",
+    "agent": "w",
+    "reason": None,
+    "checks": [{"name": "exit_zero", "ok": True, "detail": "exit code 0"}],
+    "attempts": [{"n": 1, "started": "2026-12-01T08:00:00.123Z", "exit_code": 0, "agent_result": {"x": 1}}],
+    "received": "2026-12-01T08:00:00.000Z",
+    "finished": "2026-12-01T08:00:02.500Z",
+    "parent": None,
+    "children": ["C1"],
+    "cost_usd": 1,
+    "chain_cost_usd": 1.5,
+    "file": "old-field.json",
+}
+
+
+def test_rows_and_folders_convert_both_ways() -> None:
+    """A claimed row lives in active/, a landed row in its own folder, a queued row in no folder."""
+    assert row_to_state(Row.CLAIMED) is State.ACTIVE
+    assert [row_to_state(r) for r in (Row.REVIEW, Row.DONE, Row.FAILED)] == [State.REVIEW, State.DONE, State.FAILED]
+    assert [row_to_state(r) for r in (Row.RESERVED, Row.HELD, Row.RELEASED)] == [None, None, None]
+    assert [state_to_row(s) for s in State] == [Row.CLAIMED, Row.REVIEW, Row.DONE, Row.FAILED]
+    assert state_to_row(State.FAILED, "done") is Row.DONE  # landed in failed/ by a crash, but its result says done
+    assert is_final("done") and is_final(Row.FAILED) and not is_final(Row.REVIEW)
+    assert is_landed(Row.REVIEW) and not is_landed(Row.CLAIMED)
+    assert outcome_of(Row.REVIEW) is Outcome.REVIEW
+    with pytest.raises(ValueError, match="claimed"):
+        landed_state(Row.CLAIMED)
+
+
+def test_result_round_trip_keeps_every_key_and_the_order() -> None:
+    """A result.json read and written back says the same, unknown keys included, in the same order."""
+    result = Result.from_json(BODY)
+    assert result.extra == {"file": "old-field.json"}
+    assert result.checks == (CheckResult("exit_zero", True, "exit code 0"),)
+    assert result.duration_s == 2.5
+    assert json.dumps(result.to_json()) == json.dumps(BODY)
+
+
+def test_a_decision_is_a_new_result() -> None:
+    """Deciding a review builds a new Result; the one read from the file is left as it was."""
+    read = Result.from_json(BODY)
+    decided = replace(read, state="failed", reason="rejected: no")
+    assert read.state == "review" and decided.to_json()["reason"] == "rejected: no"
+    assert list(decided.to_json()) == list(BODY)
+
+
+def test_a_damaged_result_reads_as_missing_fields() -> None:
+    """Values of the wrong type read as missing, never as an exception."""
+    result = Result.from_json({"job_id": 5, "checks": "x", "children": [1, "C"], "cost_usd": True})
+    assert (result.job_id, result.checks, result.children, result.cost_usd) == (None, (), ("C",), None)
+    assert result.duration_s is None
+
+
+def test_build_result_writes_the_contract_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A built result is staged with the contract's keys in order, its reason cut to one line."""
+    attempt = Attempt(n=1, started=1.0, ended=2.0, exit_code=0)
+    result = build_result(
+        job_id="J", state="failed", agent="w", reason="a\nb" + "x" * DETAIL_MAX, attempts=[attempt], received=1.0
+    )
+    folder = JobFolder(tmp_path)
+    folder.stage_result(result)
+    data = json.loads((tmp_path / ".result.json.staged").read_text())
+    assert list(data) == list(BODY)[:-1]
+    assert data["reason"].startswith("a\\nb") and data["reason"].endswith("more characters)")
+    assert folder.result() == result

@@ -1,0 +1,192 @@
+"""In-process tests of ``core.watcher.Inbox``: which inbox names are ready, when, and in what order."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dispatcher.core.watcher import Inbox, list_inbox
+
+SETTLE = 0.1
+
+
+def inbox_at(tmp_path: Path, *, settle: float = SETTLE, writers: bool = True) -> Inbox:
+    """Return an Inbox on tmp_path/inbox (made here)."""
+    (tmp_path / "inbox").mkdir()
+    return Inbox(tmp_path / "inbox", settle, wait_for_writers=writers)
+
+
+def write(inbox: Inbox, name: str, data: bytes = b"job_id: J1\n", *, age: float | None = None) -> None:
+    """Write inbox/<name>, with an mtime age seconds in the past if given."""
+    path = inbox.inbox / name
+    path.write_bytes(data)
+    if age is not None:
+        then = time.time() - age
+        os.utime(path, (then, then))
+
+
+def settle(inbox: Inbox, done: Callable[[list[str]], bool], timeout: float = 10.0) -> list[str]:
+    """Call promote_settled until done(names to check) holds; fail after timeout (polls, never a fixed sleep)."""
+    end = time.monotonic() + timeout
+    while True:
+        check, wait = inbox.promote_settled()
+        if done(check):
+            return check
+        assert time.monotonic() < end, f"nothing settled within {timeout} s"
+        time.sleep(min(wait or 0.01, 0.05))
+
+
+def drain(inbox: Inbox) -> list[str]:
+    """Pop every ready name, in order."""
+    out = []
+    while (name := inbox.pop()) is not None:
+        out.append(name)
+    return out
+
+
+def test_a_file_moved_or_closed_in_is_ready_at_once(tmp_path: Path) -> None:
+    """A rename into inbox/ or a close after writing makes the name ready without waiting to settle."""
+    inbox = inbox_at(tmp_path)
+    write(inbox, "a.json")
+    write(inbox, "b.json")
+    inbox.hint("moved", "a.json")
+    inbox.hint("closed", "b.json")
+    assert inbox.has_ready() and not inbox.has_pending()
+    assert sorted(drain(inbox)) == ["a.json", "b.json"]
+
+
+def test_hidden_and_temporary_names_are_never_ready(tmp_path: Path) -> None:
+    """Names starting with a dot or ending in .tmp or .part are ignored by hints and by listings."""
+    inbox = inbox_at(tmp_path)
+    for name in (".a.json.tmp", "b.json.tmp", "c.json.part", ".hidden.json"):
+        write(inbox, name, age=60)
+        inbox.hint("moved", name)
+    inbox.merge(list_inbox(inbox.inbox))
+    assert len(inbox) == 0
+    assert inbox.pop() is None
+
+
+def test_a_created_file_is_ready_only_after_it_settles_and_no_writer_holds_it(tmp_path: Path) -> None:
+    """A created file waits settle seconds unchanged, then the open-writer check; with no writer it is ready."""
+    inbox = inbox_at(tmp_path)
+    write(inbox, "a.json")
+    inbox.hint("created", "a.json")
+    check, wait = inbox.promote_settled()
+    assert check == [] and wait is not None and 0 < wait <= SETTLE
+    assert not inbox.has_ready() and inbox.has_pending()
+    check = settle(inbox, lambda names: names == ["a.json"])
+    assert not inbox.has_ready()  # until the check answers
+    inbox.writers_checked(check, held=set())
+    assert drain(inbox) == ["a.json"] and not inbox.has_pending()
+
+
+def test_a_file_still_held_open_for_writing_waits_another_settle_period(tmp_path: Path) -> None:
+    """When the open-writer check finds the file held, it stays pending and is checked again later."""
+    inbox = inbox_at(tmp_path)
+    write(inbox, "a.json")
+    inbox.hint("created", "a.json")
+    check = settle(inbox, lambda names: names == ["a.json"])
+    inbox.writers_checked(check, held={os.path.abspath(inbox.inbox / "a.json")})
+    assert not inbox.has_ready() and inbox.has_pending()
+    again = settle(inbox, lambda names: names == ["a.json"])
+    inbox.writers_checked(again, held=set())
+    assert drain(inbox) == ["a.json"]
+
+
+def test_a_write_while_settling_starts_the_settle_period_again(tmp_path: Path) -> None:
+    """A change of size or mtime while pending restarts the clock: the file waits a full settle from the change."""
+    inbox = inbox_at(tmp_path, settle=0.3)
+    write(inbox, "a.json")
+    inbox.hint("created", "a.json")
+    end = time.monotonic() + 10
+    while (left := inbox.promote_settled()[1]) is not None and left > 0.15:  # half the settle period has passed
+        assert time.monotonic() < end, "the settle clock never ran"
+        time.sleep(0.01)
+    write(inbox, "a.json", b"job_id: J1\nfrom: tester\n")  # grown
+    check, wait = inbox.promote_settled()
+    assert check == [] and wait is not None and wait > 0.25
+    assert not inbox.has_ready()
+
+
+def test_without_the_writer_check_a_settled_file_is_ready_directly(tmp_path: Path) -> None:
+    """With wait_for_writers off (`run --once`), a file is ready once it settled, with no check to make."""
+    inbox = inbox_at(tmp_path, writers=False)
+    write(inbox, "a.json")
+    inbox.hint("created", "a.json")
+    settle(inbox, lambda names: inbox.has_ready())
+    assert drain(inbox) == ["a.json"]
+
+
+def test_listed_files_are_ready_oldest_first_then_by_name(tmp_path: Path) -> None:
+    """Old files found by a listing are ready at once and pop by mtime, oldest first, ties by name."""
+    inbox = inbox_at(tmp_path)
+    write(inbox, "new.json", age=10)
+    write(inbox, "old.json", age=30)
+    write(inbox, "b-mid.json", age=20)
+    write(inbox, "a-mid.json")
+    mid = os.stat(inbox.inbox / "b-mid.json").st_mtime_ns
+    os.utime(inbox.inbox / "a-mid.json", ns=(mid, mid))  # the same mtime as b-mid.json
+    inbox.merge(list_inbox(inbox.inbox))
+    assert drain(inbox) == ["old.json", "a-mid.json", "b-mid.json", "new.json"]
+
+
+def test_a_fresh_file_found_by_a_listing_waits_to_settle(tmp_path: Path) -> None:
+    """A listing that finds a file younger than settle keeps it pending; a scan twice does not add it twice."""
+    inbox = inbox_at(tmp_path, settle=5)
+    write(inbox, "a.json")
+    inbox.merge(list_inbox(inbox.inbox))
+    inbox.merge(list_inbox(inbox.inbox))
+    assert inbox.has_pending() and not inbox.has_ready() and len(inbox) == 1
+
+
+def test_a_folder_or_link_is_ready_at_once_to_be_refused(tmp_path: Path) -> None:
+    """Entries that are not regular files skip settling: they are ready at once (and refused, never opened)."""
+    inbox = inbox_at(tmp_path, settle=5)
+    (inbox.inbox / "dir.json").mkdir()
+    os.symlink("/etc/passwd", inbox.inbox / "link.json")
+    inbox.hint("created", "dir.json")
+    inbox.hint("created", "link.json")
+    assert sorted(drain(inbox)) == ["dir.json", "link.json"]
+
+
+def test_a_pending_file_that_goes_away_is_forgotten(tmp_path: Path) -> None:
+    """A pending name whose file is removed (a gone hint, or found missing on promote) is dropped."""
+    inbox = inbox_at(tmp_path, settle=5)
+    write(inbox, "a.json")
+    write(inbox, "b.json")
+    inbox.hint("created", "a.json")
+    inbox.hint("created", "b.json")
+    os.unlink(inbox.inbox / "a.json")
+    os.unlink(inbox.inbox / "b.json")
+    inbox.hint("gone", "a.json")
+    assert inbox.promote_settled() == ([], None)
+    assert len(inbox) == 0 and not inbox.has_pending()
+
+
+def test_push_back_makes_a_name_ready_again_and_forget_drops_it(tmp_path: Path) -> None:
+    """push_back re-queues a name left in place; forget removes a ready name so pop no longer returns it."""
+    inbox = inbox_at(tmp_path)
+    write(inbox, "a.json")
+    write(inbox, "b.json")
+    inbox.hint("moved", "a.json")
+    assert inbox.pop() == "a.json"
+    inbox.push_back("a.json")
+    assert inbox.pop() == "a.json"
+    inbox.hint("moved", "b.json")
+    inbox.forget("b.json")
+    assert inbox.pop() is None
+    inbox.forget("a.json")
+    assert len(inbox) == 0
+
+
+def test_a_hint_wakes_the_loop(tmp_path: Path) -> None:
+    """Each hint for a real name calls wake; an ignored name does not."""
+    (tmp_path / "inbox").mkdir()
+    woken: list[int] = []
+    inbox = Inbox(tmp_path / "inbox", SETTLE, wake=lambda: woken.append(1))
+    write(inbox, "a.json")
+    inbox.hint("moved", ".a.json.tmp")
+    inbox.hint("moved", "a.json")
+    assert woken == [1]

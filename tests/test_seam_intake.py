@@ -1,0 +1,117 @@
+"""In-process tests of ``job.intake``: what becomes of an inbox file, decided against a real SQLite ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from seam_fixtures import open_seam, order
+
+from dispatcher.job import intake
+from dispatcher.job.intake import Cancelled, Inspected, Refused, Skipped, Started
+from dispatcher.ledger.base import Request
+from dispatcher.lifecycle import Row
+from dispatcher.store.refusals import Refusal
+
+
+def test_inspect_reads_a_valid_order_and_refuses_what_is_not_one(tmp_path: Path) -> None:
+    """inspect returns the parsed order, a Refusal (with the id when readable) for bad files, None when gone."""
+    with open_seam(tmp_path) as s:
+        good = intake.inspect(s.layout, s.drop(order("J1")), s.config)
+        wrong_name = intake.inspect(s.layout, s.drop(b"job_id: J2\n", "notes.txt"), s.config)
+        unknown_agent = intake.inspect(s.layout, s.drop(order("J3", to="nobody")), s.config)
+        gone = intake.inspect(s.layout, "never-there.json", s.config)
+    assert isinstance(good, Inspected) and good.order.job_id == "J1" and good.order.to == "worker"
+    assert isinstance(wrong_name, Refusal) and "must end in .yaml, .yml or .json" in wrong_name.reason
+    assert isinstance(unknown_agent, Refusal) and unknown_agent.job_id == "J3"
+    assert gone is None
+
+
+def test_a_new_id_is_claimed_into_active_and_its_inbox_file_is_gone(tmp_path: Path) -> None:
+    """A claim of a new id places active/<id> with job.json and work/order.json, and unlinks the inbox name."""
+    with open_seam(tmp_path) as s:
+        [answer] = s.claim(s.drop(order("J1")))
+        row = s.ledger.get("J1")
+    assert isinstance(answer, Started)
+    assert answer.folder.path == s.layout.root / "active" / "J1"
+    assert (answer.folder.path / "job.json").is_file()
+    assert json.loads((answer.folder.path / "work" / "order.json").read_text())["job_id"] == "J1"
+    assert os.listdir(s.layout.inbox) == []
+    assert row is not None and row.state == Row.CLAIMED and row.token == answer.token
+    assert os.listdir(s.layout.staging) == []
+
+
+def test_one_batch_claims_every_new_id_in_order(tmp_path: Path) -> None:
+    """A batch of three orders gives three answers, in the order of the picks, each in active/."""
+    with open_seam(tmp_path) as s:
+        names = [s.drop(order(f"J{i}")) for i in range(3)]
+        answers = s.claim(*names)
+    assert [a.spec.job_id for a in answers if isinstance(a, Started)] == ["J0", "J1", "J2"]
+    assert sorted(os.listdir(s.layout.root / "active")) == ["J0", "J1", "J2"]
+
+
+def test_a_known_id_is_refused_into_failed_with_a_timestamped_folder(tmp_path: Path) -> None:
+    """A second file with a claimed id is Refused: failed/<stem>@<time>/ says the id is already known."""
+    with open_seam(tmp_path) as s:
+        s.started("J1")
+        [answer] = s.claim(s.drop(order("J1"), "again.json"))
+        [folder] = [p for p in (s.layout.root / "failed").iterdir() if p.name.startswith("again@")]
+        result = json.loads((folder / "result.json").read_text())
+    assert answer == Refused("again.json", "J1")
+    assert "already known (state claimed)" in result["reason"]
+    assert [r.name for r in s.refused] == ["again.json"]
+    assert os.listdir(s.layout.inbox) == []
+
+
+def test_a_file_replaced_after_it_was_read_is_skipped_and_left_in_inbox(tmp_path: Path) -> None:
+    """A file whose name now holds another file (a new inode) is Skipped, stays in inbox/ and is not claimed."""
+    with open_seam(tmp_path) as s:
+        name = s.drop(order("J1"))
+        item = s.inspected(name)
+        s.drop(order("J1", task="Do it again."), name)  # a rename over the name: another inode
+        [answer] = intake.claim(
+            s.layout, s.ledger, [intake.Pick(item, s.config.agents["worker"])], on_refused=print, finisher=s.finisher
+        )
+        row = s.ledger.get("J1")
+    assert answer == Skipped(name)
+    assert os.listdir(s.layout.inbox) == [name]
+    assert row is None
+    assert os.listdir(s.layout.root / "active") == []
+
+
+def test_an_order_cancelled_before_its_claim_lands_in_failed_without_an_attempt(tmp_path: Path) -> None:
+    """With a cancel request open, the claim answers Cancelled: failed/<id> says cancelled, no attempt ran."""
+    with open_seam(tmp_path) as s:
+        s.ledger.request("J1", Request.CANCEL)
+        [answer] = s.claim(s.drop(order("J1")))
+        result = s.result("failed", "J1")
+        row = s.ledger.get("J1")
+        open_cancels = s.ledger.requests(Request.CANCEL)
+    assert answer == Cancelled("J1.json", "J1")
+    assert result["state"] == "failed" and result["reason"] == "cancelled"
+    assert result["attempts"] == []
+    assert os.listdir(s.layout.root / "failed" / "J1" / "attempts") == []
+    assert row is not None and row.state == Row.FAILED
+    assert open_cancels == []
+    assert os.listdir(s.layout.inbox) == [] and os.listdir(s.layout.root / "active") == []
+
+
+def test_a_cancel_for_one_id_leaves_the_rest_of_its_batch_claimed(tmp_path: Path) -> None:
+    """In a batch, only the id with the open cancel request is Cancelled; the others are Started."""
+    with open_seam(tmp_path) as s:
+        s.ledger.request("J1", Request.CANCEL)
+        answers = s.claim(s.drop(order("J0")), s.drop(order("J1")), s.drop(order("J2")))
+    assert [type(a) for a in answers] == [Started, Cancelled, Started]
+    assert sorted(os.listdir(s.layout.root / "active")) == ["J0", "J2"]
+
+
+def test_an_id_with_a_folder_but_no_ledger_row_is_refused_and_its_row_put_back(tmp_path: Path) -> None:
+    """A job folder the ledger does not know (a lost ledger) is never run again: refused, its row repaired."""
+    with open_seam(tmp_path) as s:
+        (s.layout.root / "done" / "J1").mkdir()
+        [answer] = s.claim(s.drop(order("J1")))
+        row = s.ledger.get("J1")
+    assert answer == Refused("J1.json", "J1")
+    assert row is not None and row.state == Row.DONE
+    assert "already known (state done)" in s.refused[0].reason

@@ -1,0 +1,148 @@
+"""In-process tests of ``lanes``: the ledger lane, the io pool and ``GroupCommit`` batching."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+from seam_fixtures import run, until
+
+from dispatcher.lanes import GroupCommit, Lanes
+
+REQUEST = contextvars.ContextVar("REQUEST", default="unset")
+
+
+@pytest.fixture
+def lanes() -> Iterator[Lanes]:
+    """Both pools, shut down after the test."""
+    pools = Lanes()
+    yield pools
+    pools.shutdown(wait=True)
+
+
+class Recorder:
+    """A commit function that records each batch and answers each item times ten."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, items: Sequence[int]) -> list[int]:
+        self.batches.append(list(items))
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        if -1 in items:
+            raise OSError("disk full")
+        return [i * 10 for i in items]
+
+
+def test_items_submitted_in_one_loop_turn_share_one_commit(lanes: Lanes) -> None:
+    """Five submits in the same turn make one commit call of five items; each waiter gets its own answer."""
+    rec = Recorder()
+    group: GroupCommit[int, int] = GroupCommit(lanes, rec)
+
+    async def body() -> list[int]:
+        return list(await asyncio.gather(*(group.submit(i) for i in range(5))))
+
+    assert run(body) == [0, 10, 20, 30, 40]
+    assert rec.batches == [[0, 1, 2, 3, 4]]
+
+
+def test_items_submitted_while_a_batch_commits_go_together_in_the_next(lanes: Lanes) -> None:
+    """While batch one is in the ledger lane, three more submits wait and then commit as one second batch."""
+    rec = Recorder()
+    rec.gate.clear()
+    group: GroupCommit[int, int] = GroupCommit(lanes, rec)
+
+    async def body() -> list[int]:
+        first = asyncio.create_task(group.submit(1))
+        await until(rec.entered.is_set, "the first batch to reach the commit")
+        later = [asyncio.create_task(group.submit(i)) for i in (2, 3, 4)]
+        await asyncio.sleep(0)  # let the three submits queue up behind the running batch
+        rec.gate.set()
+        return list(await asyncio.gather(first, *later))
+
+    assert run(body) == [10, 20, 30, 40]
+    assert rec.batches == [[1], [2, 3, 4]]
+
+
+def test_a_failing_commit_reaches_every_waiter_and_the_next_batch_still_runs(lanes: Lanes) -> None:
+    """A commit that raises fails each submit of its batch with that error; a later submit commits normally."""
+    rec = Recorder()
+    group: GroupCommit[int, int] = GroupCommit(lanes, rec)
+
+    async def body() -> tuple[list[object], int]:
+        failed = await asyncio.gather(group.submit(-1), group.submit(7), return_exceptions=True)
+        return list(failed), await group.submit(8)
+
+    failed, after = run(body)
+    assert [str(e) for e in failed] == ["disk full", "disk full"]
+    assert all(isinstance(e, OSError) for e in failed)
+    assert after == 80
+    assert rec.batches == [[-1, 7], [8]]
+
+
+def test_the_lanes_run_work_off_the_loop_with_the_callers_context(lanes: Lanes) -> None:
+    """lanes.ledger, lanes.io and lanes.scan run in their own threads and see the caller's context variables."""
+
+    def where() -> tuple[str, str]:
+        return threading.current_thread().name, REQUEST.get()
+
+    async def body() -> list[tuple[str, str]]:
+        REQUEST.set("job J1")
+        return [await lanes.ledger(where), await lanes.io(where), await lanes.scan(where)]
+
+    seen = run(body)
+    assert [name.split("_")[0] for name, _ in seen] == ["ledger", "io", "scan"]
+    assert [value for _, value in seen] == ["job J1"] * 3
+    assert REQUEST.get() == "unset"  # the test's own context never saw the task's value
+
+
+def test_the_ledger_lane_runs_calls_one_at_a_time_in_the_order_they_came(lanes: Lanes) -> None:
+    """Twenty calls queued at once on the ledger lane run in submission order, never two at a time."""
+    seen: list[int] = []
+    inside = threading.Lock()
+
+    def step(i: int) -> None:
+        assert inside.acquire(blocking=False), "two ledger calls ran at once"
+        seen.append(i)
+        inside.release()
+
+    async def body() -> None:
+        await asyncio.gather(*(lanes.ledger(step, i) for i in range(20)))
+
+    run(body)
+    assert seen == list(range(20))
+
+
+def test_an_error_in_a_lane_reaches_the_caller(lanes: Lanes) -> None:
+    """An exception raised in the io pool is raised again where the caller awaits it."""
+
+    def boom() -> None:
+        raise FileNotFoundError("gone")
+
+    async def body() -> None:
+        await lanes.io(boom)
+
+    with pytest.raises(FileNotFoundError, match="gone"):
+        run(body)
+
+
+def test_a_slow_scan_holds_up_neither_the_ledger_lane_nor_the_io_pool(lanes: Lanes) -> None:
+    """While a scan (a /proc walk, a big listing) is stuck, ledger and io calls still run at once."""
+    release = threading.Event()
+
+    async def body() -> list[str]:
+        stuck = asyncio.ensure_future(lanes.scan(release.wait, 10))
+        done = [await lanes.ledger(lambda: "ledger"), await lanes.io(lambda: "io")]
+        finished_early = stuck.done()
+        release.set()
+        await stuck
+        return [*done, "scan waited" if not finished_early else "scan was not stuck"]
+
+    assert run(body) == ["ledger", "io", "scan waited"]

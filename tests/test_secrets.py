@@ -1,0 +1,62 @@
+"""No credential in a log line, an output, an error or a process title: a ledger URL's password is `***`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from conftest import Env
+
+from dispatcher.text import redact
+
+pytest_plugins = ["pg_fixtures"]
+
+
+def _password(url: str) -> str:
+    found = re.match(r"postgresql://[^:]+:([^@]+)@", url)
+    assert found, f"the test server's URL has no password: {url}"
+    return found.group(1)
+
+
+def test_the_ledger_password_is_never_logged_printed_or_in_a_process_title(env: Env, pg_db: str) -> None:
+    """daemon.started shows the URL with `***` on stdout and in log_file; /proc cmdline and status hold no password."""
+    secret = _password(pg_db)
+    log_file = env.tmp / "d.log"
+    env.configure(ledger=pg_db, log_file=str(log_file))
+    d = env.daemon()
+    d.wait_ready()
+    started = d.wait_event("daemon.started")
+    assert started["ledger"] == pg_db.replace(f":{secret}@", ":***@")
+    cmdline = Path(f"/proc/{d.proc.pid}/cmdline").read_bytes()  # type: ignore[union-attr]
+    status = env.cli("status")
+    assert status.returncode == 0, status.stderr
+    assert d.stop() == 0
+    for text in (d.out.read_text(), log_file.read_text(), cmdline.decode(), status.stdout + status.stderr):
+        assert secret not in text
+    assert any(json.loads(line).get("event") == "daemon.started" for line in log_file.read_text().splitlines())
+
+
+def test_an_error_about_the_ledger_shows_no_password(env: Env) -> None:
+    """A ledger URL that cannot be reached is named in the one-line error with its password as `***`."""
+    env.configure(ledger="postgresql://disp:Hunter2Secret@127.0.0.1:1/ledger", lease=6)
+    status = env.cli("status")
+    assert status.returncode != 0 and status.stderr.count("\n") == 1
+    assert "Hunter2Secret" not in status.stderr + status.stdout
+
+
+def test_ledger_migrate_refuses_a_password_on_its_command_line(env: Env) -> None:
+    """`ledger migrate URL-with-password` is refused in one line (ps shows argv); `-` reads the URL from stdin."""
+    proc = env.cli("ledger", "migrate", "postgresql://disp:Hunter2Secret@127.0.0.1:1/ledger")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "ledger migrate: URL: a password on the command line shows in every process list;"
+        " put it in ~/.pgpass or $PGPASSWORD, or give - and the URL on stdin\n"
+    )
+
+
+def test_redact_hides_url_passwords_and_password_keywords() -> None:
+    """URL passwords (even with an unescaped @) and libpq password= values become ***; other text stays."""
+    assert redact("postgresql://u:p@ss@db:5432/x") == "postgresql://u:***@db:5432/x"
+    assert redact("host=db password='a b' user=u") == "host=db password=*** user=u"
+    assert redact("postgresql://u@db/x and http://h/a:b@c") == "postgresql://u@db/x and http://h/a:b@c"

@@ -1,0 +1,143 @@
+"""The smaller points of an operator's second day: checks at validate and start, clear words, exact counts."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Env, order
+
+import dispatcher.cli.commands as commands_mod
+import dispatcher.spec.config as config_mod
+from dispatcher.cli.main import main
+from dispatcher.cli.render import render_status
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def test_a_mistyped_script_for_an_interpreter_fails_validate_and_is_named_at_start(env: Env) -> None:
+    """`[python3, ../agents/shuot.py]`: validate exits 2 naming the resolved path; run logs config.problem for it."""
+    (env.tmp / "agents").mkdir()
+    (env.tmp / "agents" / "shout.py").write_text("print('hi')\n")
+    agents = {
+        "shout": {"command": ["python3", "agents/shuot.py", "{order}"], "writes": ["x"]},
+        "fixer": env.agent(repair=True),
+    }
+    env.configure(agents)
+    proc = env.cli("validate")
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert lines[0] == (
+        f"{env.config_path}: agents.shout.command: script '{env.tmp / 'agents' / 'shuot.py'}' not found:"
+        " a relative path is resolved against the config's folder, else the agent would look for it in its job's work/"
+    )
+    assert lines[1] == f"{env.config_path}: agents.fixer.repair: has no effect without retry_safe or probe"
+    d = env.daemon()
+    d.wait_ready()
+    problem = d.wait_event("config.problem", field="agents.shout.command")
+    assert problem["level"] == "error" and "shuot.py' not found" in problem["problem"]
+    assert d.wait_event("config.problem", field="agents.fixer.repair")["level"] == "warning"
+    agents["shout"]["command"] = ["python3", "agents/shout.py", "{order}"]
+    env.configure(agents)
+    assert "agents.shout" not in env.cli("validate").stderr
+
+
+def test_a_second_daemon_on_the_root_says_so(env: Env) -> None:
+    """The second daemon to start logs daemon.shared naming the first; the first logged none."""
+    first = env.daemon()
+    first.wait_ready()
+    second = env.daemon()
+    second.wait_ready()
+    shared = second.wait_event("daemon.shared")
+    assert shared["others"] == [f"{first.proc.pid} on {shared['others'][0].split(' on ')[1]}"]  # type: ignore[union-attr]
+    assert not [e for e in first.events() if e.get("event") == "daemon.shared"]
+
+
+def test_submit_of_several_files_with_one_known_id_says_nothing_was_submitted(env: Env) -> None:
+    """Three files, one with a known job id: that one is named, then `nothing was submitted (3 files given)`; exit 2."""
+    env.drop(order("OLD-1"))
+    assert env.cli("run", "--once").returncode == 0
+    names = []
+    for job_id in ("NEW-1", "OLD-1", "NEW-2"):
+        path = env.tmp / f"{job_id}.json"
+        path.write_text(json.dumps(order(job_id)))
+        names.append(str(path))
+    proc = env.cli("submit", *names)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"{names[1]}: job_id: OLD-1 is already known (done); a job id is never run twice",
+        "nothing was submitted (3 files given)",
+    ]
+    assert list((env.root / "inbox").iterdir()) == []
+
+
+def test_show_of_a_refused_file_shows_the_refusal(env: Env) -> None:
+    """`show` of an id that list shows as refused prints the refusal (reason, folder), exit 0; --json the list row."""
+    env.drop(order("REF-1", to="nobody"))
+    assert env.cli("run", "--once").returncode == 1
+    shown = env.cli("show", "REF-1")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert re.fullmatch(r"REF-1  refused  agent -  \d+ s ago: the file never became a job", lines[0]), lines[0]
+    assert lines[1].startswith("  reason: to: ") and lines[2].startswith(f"  folder: {env.root / 'failed'}/REF-1@")
+    as_json = json.loads(env.cli("show", "REF-1", "--json", check=True).stdout)
+    assert as_json["state"] == "refused" and as_json["job_id"] == "REF-1"
+    missing = env.cli("show", "NOPE-9")
+    assert missing.returncode == 1 and missing.stderr == "NOPE-9: no such job or refused file\n"
+
+
+def test_init_in_an_empty_folder_makes_a_local_config_even_with_a_system_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With /etc/dispatcher/dispatcher.yaml present, `init` in an empty folder writes ./config/dispatcher.yaml."""
+    system = tmp_path / "etc" / "dispatcher.yaml"
+    system.parent.mkdir()
+    system.write_text("root: /nonexistent/system-root\nagents: {}\n")
+    monkeypatch.setattr(config_mod, "SYSTEM_CONFIG", system)
+    monkeypatch.setattr(commands_mod, "SYSTEM_CONFIG", system)
+    monkeypatch.delenv("DISPATCHER_CONFIG", raising=False)
+    work = tmp_path / "empty"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(SystemExit) as done:
+        main(["init"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert (work / "config" / "dispatcher.yaml").is_file() and (work / "dispatch" / "inbox").is_dir()
+    assert f"wrote {work / 'config' / 'dispatcher.yaml'}" in out
+    assert f"(it comes before {system}, which commands run elsewhere still use)" in out
+
+
+def test_an_agent_killed_by_a_signal_reads_killed_by_sigterm(env: Env) -> None:
+    """An agent ended by SIGTERM reads `killed by SIGTERM` in show and its reason; one stderr line: `the last line`."""
+    env.configure({"worker": {"command": ["sh", "-c", "echo oops >&2; kill -TERM $$"], "timeout": 30}})
+    env.drop(order("SIG-1"))
+    env.cli("run", "--once")
+    result = env.result("SIG-1", "failed")
+    assert result["reason"].startswith("exit_ok: killed by SIGTERM after ")
+    shown = env.cli("show", "SIG-1", check=True).stdout
+    assert "killed by SIGTERM" in shown and "exit -15" not in shown
+    assert "stderr, the last line:" in shown and "last 1 lines" not in shown
+
+
+def test_one_hidden_stopped_daemon_is_counted_in_the_singular() -> None:
+    """Four stopped daemons (three shown): `(1 older stopped daemon not shown; ...)`."""
+    now = time.time()
+    daemons = [
+        {"owner": f"o{i}", "pid": 100 + i, "host": "h", "alive": False, "started": now - 60 * (i + 1)} for i in range(4)
+    ]
+    info = {"counts": {"inbox": 0}, "daemons": daemons, "active": [], "spend_24h": {}}
+    text = render_status("/r", info, now)
+    assert "  (1 older stopped daemon not shown; `dispatcher status --json` lists every one)" in text.splitlines()
+
+
+def test_the_benchmarks_readme_gives_commands_relative_to_the_checkout() -> None:
+    """benchmarks/README.md holds no machine's absolute paths (no /work/, /home/, /root/, /tmp/ in a command)."""
+    text = (CHECKOUT / "benchmarks" / "README.md").read_text()
+    assert not re.search(r"(^|\s)/(work|home|root)/", text)
+    assert ".venv/bin/python benchmarks/bench.py" in text
+    assert sys.executable  # the report's own command line is made relative the same way (bench.py)
