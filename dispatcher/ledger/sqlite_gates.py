@@ -12,11 +12,11 @@ from __future__ import annotations
 import sqlite3
 
 from dispatcher.ledger.base import Gate, GateKind, now
-from dispatcher.ledger.sqlite_waits import SqliteWaits
+from dispatcher.ledger.sqlite_db import SqliteDb
 from dispatcher.lifecycle import Row
 
 
-class SqliteGates(SqliteWaits):
+class SqliteGates(SqliteDb):
     """Gates and waits over the ``SqliteDb`` connection."""
 
     def set_gate(self, gate: Gate, *, at: float) -> bool:
