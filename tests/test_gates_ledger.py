@@ -91,7 +91,7 @@ def test_a_revise_request_takes_a_job_in_review(engine: Engine) -> None:
 
 
 def test_an_older_sqlite_ledger_gets_the_new_tables(tmp_path: Path) -> None:
-    """A version 2 SQLite ledger (no gates, no waits) is migrated when opened, its rows kept."""
+    """A version 2 SQLite ledger (no joins, no gates) is migrated when opened, its rows kept."""
     state = tmp_path / "state"
     (state / "slots").mkdir(parents=True)
     path = state / "l.sqlite3"
@@ -114,17 +114,17 @@ def test_an_older_sqlite_ledger_gets_the_new_tables(tmp_path: Path) -> None:
     finally:
         led.close()
     version = sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    assert version == ("3",)
+    assert version == ("4",)
 
 
 def test_an_older_postgres_ledger_gets_the_new_tables(pg_db: str, tmp_path: Path) -> None:
-    """A version 1 PostgreSQL ledger (no gates, no waits) is migrated to version 2 when opened."""
+    """A version 2 PostgreSQL ledger (joins, no gates) is migrated to version 3 when opened."""
     first = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
     first.close()
     with psycopg.connect(pg_db, autocommit=True) as conn:
         conn.execute("DROP TABLE gates")
-        conn.execute("DROP TABLE waits")
-        conn.execute("UPDATE schema_version SET version = 1")
+        conn.execute("DROP TABLE gate_waits")
+        conn.execute("UPDATE schema_version SET version = 2")
     led = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
     try:
         assert led.gates() == [] and led.gate_waits() == {}
@@ -133,4 +133,4 @@ def test_an_older_postgres_ledger_gets_the_new_tables(pg_db: str, tmp_path: Path
     finally:
         led.close()
     with psycopg.connect(pg_db) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchone() == (2,)
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (3,)

@@ -113,11 +113,12 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
 def _last_checks(folder: JobFolder) -> list[Any]:
     """Return the checks of the job's last result (result.json, or the one kept by an interrupted revision)."""
     result = folder.result()
-    if result is None:
-        last = max(folder.attempt_numbers(), default=0)
-        kept = sorted(p for p in _names(folder.attempts_dir / str(last)) if p.startswith("result"))
-        result = folder.read_json(f"attempts/{last}/{kept[-1]}") if kept else None
-    checks = result.get("checks") if isinstance(result, dict) else None
+    if result is not None:
+        return [c.to_json() for c in result.checks]
+    last = max(folder.attempt_numbers(), default=0)
+    kept = sorted(p for p in _names(folder.attempts_dir / str(last)) if p.startswith("result"))
+    data = folder.read_json(f"attempts/{last}/{kept[-1]}") if kept else None
+    checks = data.get("checks") if isinstance(data, dict) else None
     return checks if isinstance(checks, list) else []
 
 
