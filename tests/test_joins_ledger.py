@@ -77,9 +77,10 @@ def test_a_sqlite_ledger_from_before_joins_is_migrated(tmp_path: Path) -> None:
 
 
 def test_a_postgresql_ledger_from_before_joins_is_migrated(tmp_path: Path, pg_db: str) -> None:
-    """A version-1 PostgreSQL ledger (no waits table) opens, gains the table and version 2, keeps its rows."""
+    """A version-1 PostgreSQL ledger (no waits table) opens, gains the table and the current version, keeps its rows."""
     import psycopg
 
+    from dispatcher.ledger.pg_schema import SCHEMA_VERSION
     from dispatcher.ledger.postgres import PostgresLedger
 
     PostgresLedger(pg_db, lease_s=30, patience_s=30).close()
@@ -93,4 +94,4 @@ def test_a_postgresql_ledger_from_before_joins_is_migrated(tmp_path: Path, pg_db
     finally:
         led.close()
     with psycopg.connect(pg_db) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchone() == (2,)
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)  # 3: gates
