@@ -116,7 +116,7 @@ def test_approving_in_the_browser_needs_the_token(site: tuple[Env, Web], browser
     b = browser
     b.get(web.url + "/jobs/REV-A")  # type: ignore[attr-defined]
     assert not b.find_elements(By.ID, "do-approve")  # type: ignore[attr-defined]
-    assert "Log in with the action token to approve, reject" in text_of(b, "#actions")
+    assert "Log in with the action token to approve, revise, reject" in text_of(b, "#actions")
     forge = (
         "var f = document.createElement('form'); f.method = 'post'; f.action = '/jobs/REV-A/approve';"
         "document.body.appendChild(f); f.submit();"
