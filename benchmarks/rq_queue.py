@@ -36,7 +36,8 @@ from procfs import TICK_S, process_ticks
 from report import Result, Row
 from throughput import once, xargs_run
 
-WORKERS = {"default": None, "SimpleWorker": "rq.worker.SimpleWorker"}
+# key: (name in the table, --worker-class)
+WORKERS = {"default": ("default worker", None), "simple": ("SimpleWorker", "rq.worker.SimpleWorker")}
 
 
 def free_port() -> int:
@@ -144,8 +145,8 @@ def section_rq(base: Path, opts: argparse.Namespace) -> Result:
     runs: dict[str, dict[str, Any]] = {}
     sb = fresh_folder(base, "redis")
     with redis_server(sb) as (url, server):
-        for label, cls in WORKERS.items():
-            runs[label] = rq_run(fresh_folder(base, f"rq-{label}"), url, server.pid, cls, n, timeout)
+        for key, (_name, cls) in WORKERS.items():
+            runs[key] = rq_run(fresh_folder(base, f"rq-{key}"), url, server.pid, cls, n, timeout)
     rate_x, rate_d = n / wall_x, n / d.wall_s
     ms = 1000 / n
     res = Result()
@@ -153,12 +154,12 @@ def section_rq(base: Path, opts: argparse.Namespace) -> Result:
         Row("daemon_throughput_vs_xargs", f"throughput, daemon (max_jobs {mj}) vs xargs -P 2", rate_d, rate_x,
             "jobs/s", "-", None, 1)
     )  # fmt: skip
-    for label, r in runs.items():
-        rate = n / r["wall_s"]
+    for key, r in runs.items():
+        rate, label = n / r["wall_s"], WORKERS[key][0]
         res.rows += [
-            Row(f"rq_{label}_vs_xargs", f"throughput, RQ {label} worker x 2 vs xargs -P 2", rate, rate_x,
+            Row(f"rq_{key}_vs_xargs", f"throughput, RQ {label} x 2 vs xargs -P 2", rate, rate_x,
                 "jobs/s", "-", None, 1),
-            Row(f"daemon_vs_rq_{label}", f"throughput, daemon vs RQ {label} worker x 2", rate_d, rate,
+            Row(f"daemon_vs_rq_{key}", f"throughput, daemon vs RQ {label} x 2", rate_d, rate,
                 "jobs/s", "ahead of RQ", rate_d > rate, 1),
         ]  # fmt: skip
     res.notes += [
@@ -168,12 +169,12 @@ def section_rq(base: Path, opts: argparse.Namespace) -> Result:
         "to exit; xargs `-P 2`",
         f"CPU/job, agents included: daemon {d.cpu_s * ms:.3f} ms, xargs {cpu_x * ms:.3f} ms (= the agent's own), "
         + ", ".join(
-            f"RQ {k} {r['cpu_s'] * ms:.3f} ms + redis-server {r['server_cpu_s'] * ms:.3f} ms "
+            f"RQ {WORKERS[k][0]} {r['cpu_s'] * ms:.3f} ms + redis-server {r['server_cpu_s'] * ms:.3f} ms "
             f"({(r['cpu_s'] + r['server_cpu_s']) / cpu_x:.1f} x the agent)"
             for k, r in runs.items()
         ),
         "RQ between its first job's start and its last job's end: "
-        + ", ".join(f"{k} {n / r['span_s']:.1f} jobs/s" for k, r in runs.items() if r["span_s"]),
+        + ", ".join(f"{WORKERS[k][0]} {n / r['span_s']:.1f} jobs/s" for k, r in runs.items() if r["span_s"]),
         "RQ keeps no fsync, no folder per job, no receipt check: it stands for what a Python user would pick",
     ]
     res.data = {
