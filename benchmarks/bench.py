@@ -141,6 +141,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _from_checkout(path: str) -> str:
+    """Return path relative to the checkout (`.venv/bin/python`) when inside it: reports hold no machine paths."""
+    checkout = Path(__file__).resolve().parent.parent
+    try:
+        return str(Path(path).relative_to(checkout))
+    except ValueError:
+        return os.path.basename(path)
+
+
 def machine(argv: list[str] | None) -> dict[str, Any]:
     """Return what a reader needs to compare runs: when, what, on which machine."""
     sh = os.path.realpath(shutil.which("sh") or "sh")
@@ -231,12 +240,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _from_checkout(path: str) -> str:
-    """Return path relative to the checkout (`.venv/bin/python`) when inside it: reports hold no machine paths."""
-    checkout = Path(__file__).resolve().parent.parent
-    try:
-        return str(Path(path).relative_to(checkout))
-    except ValueError:
-        return os.path.basename(path)
