@@ -268,7 +268,9 @@ class AgentProcess:
         os.close(self._pidfd)
         self._pidfd = -1
         assert self._proc is not None  # noqa: S101
-        self._proc.poll()  # reap
+        if self._proc.poll() is None:  # not reapable yet (a tracer such as strace sees the exit first): poll
+            self._poll_exit()
+            return
         self._after_exit()
 
     def _after_exit(self) -> None:
