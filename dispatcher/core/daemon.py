@@ -38,6 +38,7 @@ from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
+from dispatcher.shortage import SHORT
 from dispatcher.spec.config import Config, load_config
 from dispatcher.store.ledgers import open_ledger
 
@@ -306,8 +307,10 @@ class Daemon:
         due = self.inbox.next_due_s()  # an order held back by not_before
         if due is not None:
             waits.append(due)
-        if self.inbox.has_ready() and not self.stopping and self.sched.free_slots() > 0:
+        if self.inbox.has_ready() and not self.stopping and self.sched.may_read():
             return 0.0
+        if SHORT.short():
+            waits.append(SHORT.wait_s())
         if self.notifier.watchdog_interval_s:
             waits.append(self._next_watchdog - now)
         if self.stop_deadline is not None:

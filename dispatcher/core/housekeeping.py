@@ -29,6 +29,7 @@ from dispatcher.job.runner import end_group
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Request
 from dispatcher.lifecycle import Row, State, is_landed
+from dispatcher.shortage import SHORT
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
@@ -102,7 +103,8 @@ class Housekeeping:
         try:
             await coro
         except Exception as exc:
-            log.exception("daemon.error", step="housekeeping", error=str(exc))
+            if not SHORT.note(exc, "housekeeping"):  # a shortage: the next turn or rescan does it again
+                log.exception("daemon.error", step="housekeeping", error=str(exc))
         finally:
             self.wake()
 

@@ -1,0 +1,98 @@
+"""Shortages and stops (contract section 13): a daemon short of something waits, never answers for good.
+
+Each test runs the real daemon as a process: with a low RLIMIT_NOFILE, with its
+PostgreSQL server stopped, with a reload that removes an agent, with a long
+queue for a busy agent, with many failing jobs and a notify command, and with
+two `approve -` commands racing on the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conftest import Env, cli_env
+from helpers_faults import tiny_order, write_script
+
+# A shell agent that holds its pipes open for a while: it records its start,
+# sleeps SECONDS ($2), then writes a good receipt atomically.
+HOLD_AGENT = r"""#!/bin/sh
+printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
+sleep "$2"
+printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
+  "$DISPATCH_JOB_ID" > .receipt.tmp
+mv .receipt.tmp receipt.json
+"""
+
+
+def hold_agent(env: Env, seconds: float, **settings: Any) -> dict[str, Any]:
+    """Return an agent definition running HOLD_AGENT for `seconds`."""
+    script = write_script(env.tmp, "hold_agent.sh", HOLD_AGENT)
+    spec: dict[str, Any] = {
+        "command": ["/bin/sh", str(script), str(env.count_file), str(seconds)],
+        "timeout": 60,
+        "writes": [".receipt.tmp"],
+    }
+    spec.update(settings)
+    return spec
+
+
+def nofile(limit: int) -> Callable[[], None]:
+    """Return a preexec function that caps the child's open files (soft and hard) at limit."""
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+def run_once(
+    env: Env, *, preexec: Callable[[], None] | None = None, timeout: float = 150
+) -> tuple[int, list[dict[str, Any]]]:
+    """Run `dispatcher run --once` to its end; return its exit code and its JSON log lines."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=env.tmp,
+        env=cli_env(),
+        preexec_fn=preexec,
+    )
+    lines = []
+    for line in proc.stdout.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return proc.returncode, lines
+
+
+def names(folder: Path) -> list[str]:
+    """Return the sorted entry names of a folder (none if it does not exist)."""
+    return sorted(os.listdir(folder)) if folder.exists() else []
+
+
+def test_out_of_file_descriptors_waits_and_finishes_every_job(env: Env) -> None:
+    """Short of open files (RLIMIT_NOFILE 40, 90 agents, 12 at once), nothing is refused or failed and --once ends."""
+    jobs = [f"fd{i:03d}" for i in range(90)]
+    # 12 copies at once need about 50 descriptors; a slot that stayed taken would stop the run for good
+    env.configure({"tiny": hold_agent(env, 0.3, concurrency=12)}, max_jobs=60)
+    for job_id in jobs:
+        env.drop(tiny_order(job_id))
+    code, lines = run_once(env, preexec=nofile(40))
+    problems = [e for e in lines if e.get("level") in ("error", "warning") and e["event"] != "daemon.short_of"]
+    assert code == 0 and problems == [], problems[:3]
+    assert names(env.root / "done") == jobs
+    assert names(env.root / "failed") == [], "no order refused and no job failed for a shortage"
+    assert names(env.root / "active") == [] and names(env.root / "inbox") == []
+    assert names(env.root / ".state" / "staging") == []
+    short = [e for e in lines if e["event"] == "daemon.short_of"]
+    assert len(short) == 1, "daemon.short_of is logged once"
+    assert "EMFILE" in short[0]["resource"]
+    starts = env.starts()
+    assert sorted(j for j, _a in starts) == jobs and all(a == 1 for _j, a in starts), "each agent ran once"
+    results = [json.loads((env.root / "done" / j / "result.json").read_text()) for j in jobs]
+    assert all(len(r["attempts"]) == 1 for r in results), "a start put off for a shortage is not an attempt"
