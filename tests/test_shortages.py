@@ -13,11 +13,12 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conftest import Env, cli_env
+from conftest import Env, cli_env, wait_until
 from helpers_faults import tiny_order, write_script
 
 # A shell agent that holds its pipes open for a while: it records its start,
@@ -96,3 +97,31 @@ def test_out_of_file_descriptors_waits_and_finishes_every_job(env: Env) -> None:
     assert sorted(j for j, _a in starts) == jobs and all(a == 1 for _j, a in starts), "each agent ran once"
     results = [json.loads((env.root / "done" / j / "result.json").read_text()) for j in jobs]
     assert all(len(r["attempts"]) == 1 for r in results), "a start put off for a shortage is not an attempt"
+
+
+def cpu_seconds(pid: int) -> float:
+    """Return the user + system CPU time a process has used so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(pid: int, seconds: float = 4.0) -> float:
+    """Return the CPU seconds the process used over the next `seconds` of wall time."""
+    before = cpu_seconds(pid)
+    time.sleep(seconds)  # a measurement window, not a wait for state
+    return cpu_seconds(pid) - before
+
+
+def test_long_queue_for_a_busy_agent_costs_no_cpu(env: Env) -> None:
+    """80 orders queued behind a busy agent (concurrency 1) with a free daemon slot: the daemon sleeps."""
+    env.configure({"tiny": hold_agent(env, 60, concurrency=1)}, max_jobs=2)
+    for i in range(80):
+        env.drop(tiny_order(f"q{i:03d}"))
+    d = env.daemon()
+    d.wait_ready()
+    wait_until(lambda: len(env.starts()) == 1, what="the one agent to start")
+    wait_until(lambda: len(names(env.root / "inbox")) == 79, what="the queue to settle")
+    assert d.proc is not None
+    used = idle_cpu(d.proc.pid)
+    assert used < 1.0, f"the idle daemon used {used:.2f} s of CPU in 4 s"
+    assert len(env.starts()) == 1 and names(env.root / "active") == ["q000"]

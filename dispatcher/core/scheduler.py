@@ -101,8 +101,12 @@ class Scheduler:
         return self.config.max_jobs - len(self.running) - self.inflight
 
     def may_read(self) -> bool:
-        """Return True if a turn would read a new order now (a slot is free, no shortage)."""
-        return self.free_slots() > 0 and not SHORT.short()
+        """Return True if a turn would read a new order now: a slot is free, room to park, no shortage.
+
+        With ``PARK_LIMIT`` orders parked for busy agents a turn reads nothing, so the
+        loop must not be woken for the orders still waiting in inbox/ (it would spin).
+        """
+        return self.free_slots() > 0 and len(self.parked) < PARK_LIMIT and not SHORT.short()
 
     def busy(self) -> bool:
         """Return True while anything runs, waits for a slot or is being claimed."""
