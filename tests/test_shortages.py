@@ -125,3 +125,32 @@ def test_long_queue_for_a_busy_agent_costs_no_cpu(env: Env) -> None:
     used = idle_cpu(d.proc.pid)
     assert used < 1.0, f"the idle daemon used {used:.2f} s of CPU in 4 s"
     assert len(env.starts()) == 1 and names(env.root / "active") == ["q000"]
+
+
+def test_agent_removed_by_reload_its_orders_wait_until_it_is_back(env: Env) -> None:
+    """Orders of an agent a reload removed wait in inbox/ (logged once); back in the config, they all run."""
+    import signal
+
+    slow = hold_agent(env, 1.5, concurrency=1)
+    env.configure({"slow": slow, "tiny": hold_agent(env, 0)}, max_jobs=4)
+    d = env.daemon()
+    d.wait_ready()
+    for job_id in ("s1", "s2", "s3"):
+        env.drop(tiny_order(job_id, to="slow"))
+    wait_until(lambda: [j for j, _a in env.starts()] == ["s1"], what="s1 to start")
+    env.configure({"tiny": hold_agent(env, 0)}, max_jobs=4)  # `slow` removed while s2, s3 wait for its slot
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(tiny_order("s4", to="slow"))  # an order for the removed agent, dropped while it is gone
+    env.drop(tiny_order("t1"))
+    env.wait_job("s1", "done")  # a running job goes on with the settings it started with
+    env.wait_job("t1", "done")
+    d.wait_event("order.waiting", agent="slow")
+    assert names(env.root / "inbox") == ["s2.json", "s3.json", "s4.json"], "its orders wait where they are"
+    assert env.refusals() == []
+    env.configure({"slow": slow, "tiny": hold_agent(env, 0)}, max_jobs=4)  # back again
+    d.signal(signal.SIGHUP)
+    for job_id in ("s2", "s3", "s4"):
+        env.wait_job(job_id, "done")
+    assert [e["event"] for e in d.events()].count("order.waiting") == 1, "the wait is logged once"
+    assert not [e for e in d.events() if e.get("level") == "error"]

@@ -12,6 +12,7 @@ data for the loop: ``Launch``, ``NoSlot``, ``Dropped``, ``Gone`` or ``Big``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
-from dispatcher.spec.config import Config
+from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import validate_order
@@ -158,6 +159,20 @@ class Claims:
         self.config = config
         self.finisher = finisher
         self.on_refused = on_refused
+        self._known: dict[str, Agent] = {}  # every agent the config has had since the daemon started
+        self._waiting: set[str] = set()  # removed agents whose waiting orders were logged
+
+    def _removed(self, cfg: Config) -> dict[str, Agent]:
+        """Return the agents a reload removed (as they were): their orders wait, never refused."""
+        self._known.update(cfg.agents)
+        removed = {name: a for name, a in self._known.items() if name not in cfg.agents}
+        self._waiting &= set(removed)  # back in the config: a later removal is logged again
+        return removed
+
+    def _wait_for(self, agent: str) -> None:
+        if agent not in self._waiting:
+            self._waiting.add(agent)
+            log.warning("order.waiting", agent=agent, reason="the agent was removed from the config by a reload")
 
     def run(
         self,
@@ -174,12 +189,18 @@ class Claims:
         other daemons may use them.
         """
         ledger, cfg = self.ledger, self.config()
+        removed = self._removed(cfg)
+        reading = dataclasses.replace(cfg, agents={**removed, **cfg.agents}) if removed else cfg
         out: list[Answer] = []
         picks: list[tuple[Parked, int | None]] = []
         for work in batch:
-            p = self.read(work, cfg, now=slotless) if isinstance(work, str) else work
+            p = self.read(work, reading, now=slotless) if isinstance(work, str) else work
             if not isinstance(p, Parked):
                 out.append(p)
+                continue
+            if p.kind is Kind.NEW and p.agent in removed and not slotless:
+                self._wait_for(p.agent)  # until a reload brings it back (a cancel still goes through)
+                out.append(NoSlot(p))
                 continue
             agent = cfg.agents.get(p.agent)
             joins = p.kind is Kind.NEW and p.item is not None and bool(p.item.order.after)
@@ -202,7 +223,8 @@ class Claims:
             else:
                 out.append(self.reload(p, slot))
         if picks:
-            chosen = [Pick(p.item, cfg.agents[p.agent]) for p, _ in picks if p.item is not None]
+            agents = reading.agents
+            chosen = [Pick(p.item, agents[p.agent]) for p, _ in picks if p.item is not None]
             try:
                 answers = intake.claim(self.layout, ledger, chosen, on_refused=self.on_refused, finisher=self.finisher)
             except Exception:
