@@ -154,3 +154,17 @@ def test_agent_removed_by_reload_its_orders_wait_until_it_is_back(env: Env) -> N
         env.wait_job(job_id, "done")
     assert [e["event"] for e in d.events()].count("order.waiting") == 1, "the wait is logged once"
     assert not [e for e in d.events() if e.get("level") == "error"]
+
+
+def test_a_refused_file_is_not_a_lost_ledger(env: Env) -> None:
+    """A fresh root whose only history is one refused file without a readable job id starts again."""
+    env.drop(b'job_id: "\\udc80"\nfrom: [unclosed\n', name="bad.yaml")
+    code, lines = run_once(env)
+    assert code == 1 and [e["event"] for e in lines].count("job.refused") == 1
+    assert len(env.refusals()) == 1
+    env.drop(tiny_order("after", to="worker") | {"accept": {"output": "out.csv"}, "items": [{"id": "R1"}]})
+    code, lines = run_once(env)
+    assert code == 0, [e for e in lines if e.get("level") == "error"] or lines[-1:]
+    assert names(env.root / "done") == ["after"]
+    status = env.cli("status")
+    assert status.returncode == 0, status.stderr
