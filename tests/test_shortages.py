@@ -168,3 +168,34 @@ def test_a_refused_file_is_not_a_lost_ledger(env: Env) -> None:
     assert names(env.root / "done") == ["after"]
     status = env.cli("status")
     assert status.returncode == 0, status.stderr
+
+
+def test_two_approve_at_once_each_id_one_line_no_traceback(env: Env) -> None:
+    """Two `approve -` racing on the same ids: each id is approved once, the loser says so, exit 1, no traceback."""
+    ids = [f"r{i:03d}" for i in range(100)]
+    env.configure({"tiny": hold_agent(env, 0, review=True, concurrency=8)}, max_jobs=8)
+    for job_id in ids:
+        env.drop(tiny_order(job_id))
+    code, _lines = run_once(env)
+    assert code == 0 and names(env.root / "review") == ids
+    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "approve", "-"]
+    id_file = env.tmp / "ids.txt"
+    id_file.write_text("\n".join(ids) + "\n")
+    with id_file.open() as first, id_file.open() as second:
+        procs = [
+            subprocess.Popen(argv, stdin=f, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=env.tmp, env=cli_env())
+            for f in (first, second)
+        ]  # fmt: skip
+        outs = [p.communicate(timeout=120) for p in procs]
+    for _out, err in outs:
+        assert "Traceback" not in err, err
+    approved = [line.split(":")[0] for out, _err in outs for line in out.splitlines()]
+    lost = [line.split(":")[0] for _out, err in outs for line in err.splitlines()]
+    assert sorted(approved) == ids, "each id approved by exactly one of the two"
+    assert sorted(lost) == ids, "and refused by the other, one line each"
+    errors = [line for _out, err in outs for line in err.splitlines()]
+    # lost while the other decided: "was already approved"; came after it had landed: "is done, not waiting"
+    assert all(line.endswith((": was already approved", ": is done, not waiting for review")) for line in errors)
+    assert sorted(p.returncode for p in procs) in ([0, 1], [1, 1]), "a command that lost an id exits 1"
+    assert names(env.root / "done") == ids and names(env.root / "review") == []
