@@ -199,3 +199,45 @@ def test_two_approve_at_once_each_id_one_line_no_traceback(env: Env) -> None:
     assert all(line.endswith((": was already approved", ": is done, not waiting for review")) for line in errors)
     assert sorted(p.returncode for p in procs) in ([0, 1], [1, 1]), "a command that lost an id exits 1"
     assert names(env.root / "done") == ids and names(env.root / "review") == []
+
+
+# A notify command that records its start and end (with the time) and takes a while.
+NOTIFY = r"""#!/bin/sh
+printf 'start %s %s %s\n' "$(date +%s.%N)" "$1" "$2" >> "$3"
+sleep 0.4
+printf 'end %s %s\n' "$(date +%s.%N)" "$2" >> "$3"
+"""
+
+
+def test_notifications_run_a_few_at_a_time_in_order_and_a_long_wait_is_summarised(env: Env) -> None:
+    """150 failed jobs: at most 4 notify commands at once (the default), in order, the excess in one notify.dropped."""
+    record = env.tmp / "notified.txt"
+    script = write_script(env.tmp, "notify.sh", NOTIFY)
+    failing = {"command": ["/bin/sh", "-c", "exit 1"], "timeout": 30, "writes": []}
+    env.configure({"tiny": failing}, max_jobs=8, notify=["/bin/sh", str(script), "{event}", "{job_id}", str(record)])
+    jobs = [f"n{i:03d}" for i in range(150)]
+    for job_id in jobs:
+        env.drop(tiny_order(job_id))
+    d = env.daemon()
+    d.wait_ready()
+    dropped = d.wait_event("notify.dropped", timeout=120)
+
+    def settled() -> bool:
+        lines = record.read_text().splitlines() if record.exists() else []
+        return sum(line.startswith("end ") for line in lines) == sum(line.startswith("start ") for line in lines) > 100
+
+    wait_until(settled, 120, "the queued notifications to run")
+    assert len(names(env.root / "failed")) == 150
+    lines = [line.split() for line in record.read_text().splitlines()]
+    starts = [(float(f[1]), f[2], f[3] if len(f) > 3 else "") for f in lines if f[0] == "start"]
+    ends = [float(f[1]) for f in lines if f[0] == "end"]
+    most = max(sum(1 for t, *_ in starts if t <= s) - sum(1 for e in ends if e <= s) for s, *_ in starts)
+    assert most <= 4, f"{most} notify commands ran at once"
+    failed_order = [e["job_id"] for e in d.events() if e["event"] == "job.failed"]
+    notified = [job for _t, event, job in starts if event == "job.failed"]
+    summaries = [s for s in starts if s[1] == "notify.dropped"]
+    assert len(summaries) == 1, "one notification stands for every event dropped while over 100 waited"
+    assert len(set(notified)) == len(notified) and len(notified) + dropped["count"] == 150
+    where = [failed_order.index(job) for job in notified]
+    # in order: 4 start together, so their own start lines may swap within that window
+    assert all(where[i] < where[i + 4] for i in range(len(where) - 4)), "notifications run in the order of events"
