@@ -11,15 +11,18 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import Env, cli_env, wait_until
+import pytest
+from conftest import Daemon, Env, cli_env, wait_until
 from helpers_faults import tiny_order, write_script
+from pgserver import PgServer, PgUnavailable
 
 # A shell agent that holds its pipes open for a while: it records its start,
 # sleeps SECONDS ($2), then writes a good receipt atomically.
@@ -129,8 +132,6 @@ def test_long_queue_for_a_busy_agent_costs_no_cpu(env: Env) -> None:
 
 def test_agent_removed_by_reload_its_orders_wait_until_it_is_back(env: Env) -> None:
     """Orders of an agent a reload removed wait in inbox/ (logged once); back in the config, they all run."""
-    import signal
-
     slow = hold_agent(env, 1.5, concurrency=1)
     env.configure({"slow": slow, "tiny": hold_agent(env, 0)}, max_jobs=4)
     d = env.daemon()
@@ -241,3 +242,81 @@ def test_notifications_run_a_few_at_a_time_in_order_and_a_long_wait_is_summarise
     where = [failed_order.index(job) for job in notified]
     # in order: 4 start together, so their own start lines may swap within that window
     assert all(where[i] < where[i + 4] for i in range(len(where) - 4)), "notifications run in the order of events"
+
+
+@pytest.fixture
+def own_pg() -> Iterator[PgServer]:
+    """A PostgreSQL server of this test's own (it is stopped on purpose); fails, never skips, without one."""
+    problem = ""
+    server = None
+    try:
+        server = PgServer()
+        server.start()
+    except PgUnavailable as exc:
+        problem = str(exc)
+    if problem:
+        if server is not None:
+            server.close()
+        pytest.fail(f"PostgreSQL test server unavailable: {problem}", pytrace=False)
+    assert server is not None
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def stopped_within(d: Daemon, sig: int, seconds: float) -> float:
+    """Send sig to the daemon; return how long it took to exit (fail if longer than seconds)."""
+    assert d.proc is not None
+    t0 = time.monotonic()
+    d.signal(sig)
+    try:
+        d.proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the daemon did not exit within {seconds} s of {signal.Signals(sig).name}") from None
+    return time.monotonic() - t0
+
+
+@pytest.mark.postgres
+def test_sigterm_while_postgresql_is_down_is_answered_within_stop_timeout(env: Env, own_pg: PgServer) -> None:
+    """PostgreSQL stops under running jobs: SIGTERM still ends the daemon within stop_timeout, the jobs are kept."""
+    env.configure(
+        {"tiny": hold_agent(env, 1, concurrency=2), "long": hold_agent(env, 60)},
+        ledger=own_pg.dsn, stop_timeout=3, kill_grace=1, lease=6, watch="poll", max_jobs=4,
+    )  # fmt: skip
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(tiny_order("pg1"))
+    env.drop(tiny_order("pg2", to="long"))
+    wait_until(lambda: len(env.starts()) == 2, what="the agents to start")
+    own_pg.stop("immediate")
+    env.drop(tiny_order("pg3"))  # its claim now waits for the database
+    # pg1's agent ends during the outage: its finish waits for the database too
+    wait_until(lambda: (env.root / "active" / "pg1" / "work" / "receipt.json").exists(), what="pg1's receipt")
+    time.sleep(1.0)  # let the daemon's finish, claim and lease meet the outage
+    took = stopped_within(d, signal.SIGTERM, 3 + 1 + 3)  # stop_timeout, kill_grace, a margin
+    assert names(env.root / "active") == ["pg1", "pg2"], "unfinished jobs stay for recovery"
+    assert "pg3.json" in names(env.root / "inbox"), "the order whose claim could not be made stays"
+    gave_up = [e for e in d.events() if e["event"] in ("daemon.error", "job.crashed")]
+    assert gave_up == [], "a wait given up for a stop is no error"
+    own_pg.start()
+    again = env.daemon()  # the stopped daemon's lease runs out, then its jobs are recovered
+    env.wait_job("pg1", "done", timeout=60)  # its receipt decides: done
+    env.wait_job("pg3", "done", timeout=60)
+    assert "interrupted" in env.wait_job("pg2", "failed", timeout=60)["reason"]
+    assert again.stop() == 0
+    print(f"stopped in {took:.1f} s")
+
+
+@pytest.mark.postgres
+def test_a_daemon_started_with_postgresql_down_can_be_stopped(env: Env, own_pg: PgServer) -> None:
+    """Started while PostgreSQL is down, the daemon waits without spinning and SIGTERM (or SIGINT) ends it."""
+    env.configure({"tiny": hold_agent(env, 0)}, ledger=own_pg.dsn, stop_timeout=3, watch="poll")
+    own_pg.stop("fast")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        d = env.daemon()
+        wait_until(lambda d=d: any(e["event"] == "ledger.reconnecting" for e in d.events()), what="the wait")
+        assert d.proc is not None
+        used = idle_cpu(d.proc.pid, 3.0)
+        assert used < 1.0, f"waiting for the database used {used:.2f} s of CPU in 3 s"
+        stopped_within(d, sig, 3 + 10)

@@ -38,6 +38,7 @@ from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake
 from dispatcher.job.job import Job, JobContext
 from dispatcher.job.joins import Joins
+from dispatcher.ledger.base import LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop
 from dispatcher.shortage import SHORT
 from dispatcher.spec.config import Config
@@ -199,7 +200,8 @@ class Scheduler:
                 claims.run, batch, handover or Handover(), blocked=blocked, slotless=cancel, last=last
             )
         except Exception as exc:
-            if not SHORT.note(exc, "claim"):
+            gave_up = isinstance(exc, LedgerUnavailable) and self.ctx.stopping()  # the order stays for later
+            if not gave_up and not SHORT.note(exc, "claim"):
                 log.exception("daemon.error", step="claim", error=str(exc))
             results = [_not_now(p) for p in batch]
             if handover is not None and last:  # give back what the failed trip did not use

@@ -29,7 +29,7 @@ from dispatcher.job.finish import Finisher
 from dispatcher.job.runner import AgentProcess, end_group
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Child, Finish, Ledger
+from dispatcher.ledger.base import Child, Finish, Ledger, LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.config import Config
@@ -101,6 +101,10 @@ class Job:
                 return await self._run()
             except Left:
                 return Outcome.LEFT
+            except LedgerUnavailable:
+                if not self.ctx.stopping():
+                    raise
+                return Outcome.LEFT  # a stop gave up a ledger wait: recovered at the next start
             except Exception as exc:
                 log.exception("job.crashed", error=str(exc))
                 try:
