@@ -26,11 +26,12 @@ from dispatcher.job import attempt, retry, verify
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.control import Control, Left
 from dispatcher.job.finish import Finisher
-from dispatcher.job.runner import end_group
+from dispatcher.job.runner import AgentProcess, end_group
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Child, Finish, Ledger
+from dispatcher.ledger.base import Child, Finish, Ledger, LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
+from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.order import Order
@@ -100,6 +101,10 @@ class Job:
                 return await self._run()
             except Left:
                 return Outcome.LEFT
+            except LedgerUnavailable:
+                if not self.ctx.stopping():
+                    raise
+                return Outcome.LEFT  # a stop gave up a ledger wait: recovered at the next start
             except Exception as exc:
                 log.exception("job.crashed", error=str(exc))
                 try:
@@ -180,14 +185,12 @@ class Job:
         """Run attempt n; return its Exit, or how the job ended when it never ran or was stopped."""
         agent = self.spec.agent
         argv = attempt.argv(self.spec, self.folder.work, agent.command)
-        log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)  # a folder, two empty logs
-        proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), log_dir)
-        try:
-            proc.start()
-        except OSError as exc:
-            await self.ctx.lanes.io(self.folder.drop_attempt, n)
-            why = exc.strerror or str(exc)
-            reason = f"config: agent {agent.name} cannot start: {why}" + (f": {exc.filename}" if exc.filename else "")
+        proc = await self._spawn(n, argv)
+        if isinstance(proc, Outcome):
+            return proc
+        if isinstance(proc, OSError):
+            why = proc.strerror or str(proc)
+            reason = f"config: agent {agent.name} cannot start: {why}" + (f": {proc.filename}" if proc.filename else "")
             log.error("agent.exited", attempt=n, error=reason)
             return await self.finish(Row.FAILED, reason, [])
         self.control.attach(proc)
@@ -224,6 +227,29 @@ class Job:
             return await self.finish(Row.FAILED, Stop.CANCELLED, [])
         return attempt.exit_of(record, self.spec.timeout_s)
 
+    async def _spawn(self, n: int, argv: list[str]) -> AgentProcess | OSError | Outcome:
+        """Begin attempt n and start its agent; return the error if its program cannot start.
+
+        A shortage (descriptors, processes, memory) is not an attempt: the attempt's
+        folder goes and the job returns ``Outcome.SHORT``, so that the scheduler
+        gives its slot back and starts it again once the shortage is over.
+        """
+        try:
+            log_dir = self.folder.begin_attempt(n)  # a folder, two empty logs: on the loop
+        except OSError as exc:
+            if SHORT.note(exc, "begin_attempt"):
+                self.folder.drop_attempt(n)
+                return Outcome.SHORT
+            log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)  # a full disk: wait
+        proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), log_dir)
+        try:
+            proc.start()
+        except OSError as exc:
+            await self.ctx.lanes.io(self.folder.drop_attempt, n)
+            return Outcome.SHORT if SHORT.note(exc, "agent.start") else exc
+        SHORT.ok()
+        return proc
+
     async def _persist(self, fn: Callable[..., T], *args: object, inline: bool = False) -> T:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is).
 
@@ -237,9 +263,13 @@ class Job:
             try:
                 return fn(*args) if inline else await self.ctx.lanes.io(fn, *args)
             except OSError as exc:
-                if not is_disk_full(exc):
+                if SHORT.note(exc, getattr(fn, "__name__", "write")):
+                    delay = max(SHORT.wait_s(), PAUSE_MIN_S)  # not now: the same step again after the pause
+                elif not is_disk_full(exc):
                     raise
-                log.warning("job.waiting", reason="disk full", step=getattr(fn, "__name__", "write"), retry_s=delay)
+                else:
+                    step = getattr(fn, "__name__", "write")
+                    log.warning("job.waiting", reason="disk full", step=step, retry_s=delay)
                 if await self.control.sleep(delay) or self.ctx.stopping():
                     raise Left from None
                 delay = min(delay * 2, _DISK_WAIT_MAX_S)
@@ -395,9 +425,12 @@ class Job:
             try:
                 ok = await self.ctx.finisher.finish(self.folder, finish, result, release=bool(children))
             except OSError as exc:
-                if not is_disk_full(exc):
+                if SHORT.note(exc, "finish"):
+                    delay = max(SHORT.wait_s(), PAUSE_MIN_S)
+                elif not is_disk_full(exc):
                     raise
-                log.warning("job.waiting", reason="disk full", step="stage_result", retry_s=delay)
+                else:
+                    log.warning("job.waiting", reason="disk full", step="stage_result", retry_s=delay)
                 if await self.control.sleep(delay) or self.ctx.stopping():
                     raise Left from None
                 delay = min(delay * 2, _DISK_WAIT_MAX_S)

@@ -106,6 +106,7 @@ class Config:
     log_file: Path | None = None
     metrics_file: str | None = None
     notify: tuple[str, ...] | None = None
+    notify_max_running: int = 4
     max_chain_cost_usd: float | None = None
     web_token_file: Path | None = None
     ledger: str = "sqlite"
@@ -135,6 +136,7 @@ _TOP = {
     "settle": ("settle_s", float),
     "kill_grace": ("kill_grace_s", float),
     "max_log_bytes": ("max_log_bytes", int),
+    "notify_max_running": ("notify_max_running", int),
     "lease": ("lease_s", float),
     "poll_interval": ("poll_interval_s", float),
     "max_wait": ("max_wait_s", float),
@@ -316,6 +318,7 @@ log_file: null             # also write JSON log lines here (for `dispatcher log
 metrics_file: null         # Prometheus text file, rewritten atomically; may hold {{host}} and {{pid}}
 notify: null               # argv run on job.failed, job.review, budget.held; placeholders {{event}}
                            # {{job_id}} {{agent}} {{reason}} {{result}}
+notify_max_running: 4      # notifications at once; more wait in order (over 100 waiting: one notify.dropped)
 web_token_file: null       # the web view's action token (`dispatcher web`); null: one is made and printed at start
 max_chain_cost_usd: null   # a follow-up whose chain already cost more is held
 ledger: sqlite             # or postgresql://... shared by daemons on many hosts
