@@ -26,9 +26,8 @@ def test_twenty_jobs_on_one_repository_two_at_once_each_get_their_own_branch_and
         result = env.result(job_id, "done")
         ws = result["workspace"]
         head = git(repo, "rev-parse", f"dispatch/{job_id}")
-        assert ws == {
-            "repo": str(repo), "branch": f"dispatch/{job_id}", "base": base, "head": head, "changed": [f"src/{job_id}.txt"]
-        }  # fmt: skip
+        want = {"repo": str(repo), "branch": f"dispatch/{job_id}", "base": base, "head": head}
+        assert ws == want | {"changed": [f"src/{job_id}.txt"]}
         assert git(repo, "rev-parse", f"{head}^") == base  # one commit on top of base: the job's own change
         assert git(repo, "show", f"{head}:src/{job_id}.txt") == f"{job_id} was here"
         folder = env.job_dir(job_id, "done")
@@ -138,7 +137,8 @@ def test_workspace_placeholders_and_environment_point_at_the_worktree(env: Env, 
         "import os, sys, json\n"
         f"open({str(seen)!r}, 'w').write(json.dumps(sys.argv[1:] + [os.environ['DISPATCH_WORKSPACE'], os.getcwd()]))\n"
         "o = json.load(open(sys.argv[2]))\n"
-        "json.dump({'job_id': o['job_id'], 'input_ids': ['R1'], 'output_ids': [], 'status': 'done'}, open(sys.argv[3], 'w'))\n"
+        "r = {'job_id': o['job_id'], 'input_ids': ['R1'], 'output_ids': [], 'status': 'done'}\n"
+        "json.dump(r, open(sys.argv[3], 'w'))\n"
     )
     agent = coder(env, repo, command=["python3", str(script), "{workspace}", "{order}", "{receipt}"])
     env.configure(agents={"coder": agent})

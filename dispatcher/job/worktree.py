@@ -149,6 +149,7 @@ def is_ready(ws: Workspace) -> bool:
 
 def clear(ws: Workspace) -> None:
     """Remove whatever is left at the worktree's path (a half-made worktree, a folder) and prune."""
+    _unlock_unfinished(ws)
     entry = worktrees(ws.repo).get(ws.path)
     if entry is not None and "locked" in entry:
         git(ws.repo, "worktree", "unlock", ws.path, check=False)
@@ -156,6 +157,34 @@ def clear(ws: Workspace) -> None:
         git(ws.repo, "worktree", "remove", "--force", "--force", ws.path, check=False)
     shutil.rmtree(ws.path, ignore_errors=True)
     git(ws.repo, "worktree", "prune")
+
+
+def _unlock_unfinished(ws: Workspace) -> None:
+    """Unlock this worktree's entry if an add died half-way (git locks it first, then writes the rest).
+
+    Such an entry can lack its ``gitdir`` file, which makes ``git worktree list``
+    fail for the whole repository; unlocked, ``git worktree prune`` removes it.
+    """
+    common = Path(git(ws.repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
+    try:
+        admins = list((common / "worktrees").iterdir())
+    except FileNotFoundError:
+        return
+    mine, name = os.path.join(ws.path, ".git"), os.path.basename(ws.path)
+    for admin in admins:
+        if not (admin.name == name or (admin.name.startswith(name) and admin.name[len(name) :].isdigit())):
+            continue  # git names the entry after the folder (a digit added when taken); others are not ours
+        try:
+            gitdir = (admin / "gitdir").read_text().strip()
+        except FileNotFoundError:
+            gitdir = None
+        except OSError:
+            continue
+        if (admin / "locked").exists() and gitdir in (None, mine):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(admin / "locked")
+            if gitdir is None:
+                shutil.rmtree(admin, ignore_errors=True)
 
 
 def create(ws: Workspace, *, from_branch: bool) -> None:
@@ -167,9 +196,13 @@ def create(ws: Workspace, *, from_branch: bool) -> None:
         args = ["worktree", "add", ws.path, ws.branch]
     else:
         args = ["worktree", "add", "-B", ws.branch, ws.path, ws.base]
-    if faults.armed("workspace.add"):  # a crash test: die while git is in the middle of the add
+    if faults.armed("workspace.add"):  # a crash test: git and the daemon die while the new worktree is locked
         proc = subprocess.Popen(["git", *_SAFE, *args], cwd=ws.repo, env=git_env())
-        time.sleep(0.02)
+        common = git(ws.repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip()
+        lock = Path(common) / "worktrees" / os.path.basename(ws.path) / "locked"
+        deadline = time.monotonic() + 10
+        while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
         faults.point("workspace.add")
