@@ -40,10 +40,10 @@ def make_repo(path: Path) -> Path:
     return path
 
 
-def coder(env: Env, repo: Path, *flags: str, **settings: Any) -> dict[str, Any]:
+def coder(e: Env, repo: Path, *flags: str, **settings: Any) -> dict[str, Any]:
     """Return an agent running the coding agent in a worktree of repo."""
     spec: dict[str, Any] = {
-        "command": [sys.executable, str(CODER), "--count", str(env.count_file), *flags],
+        "command": [sys.executable, str(CODER), "--count", str(e.count_file), *flags],
         "timeout": 30,
         "writes": ["src/**"],
         "workspace": {"git": str(repo), "base": "main"},
