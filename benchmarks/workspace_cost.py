@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dispatcher.job import sandbox, worktree  # noqa: E402
-from dispatcher.spec.repo import RepoSettings  # noqa: E402
+from dispatcher.job import sandbox, worktree
+from dispatcher.spec.repo import RepoSettings
 
 
 def _children_cpu() -> float:

@@ -299,7 +299,7 @@ def writes_scope(ev: Evidence) -> CheckResult:
         if outside:
             shown = ", ".join(outside[:20]) + (f" and {len(outside) - 20} more" if len(outside) > 20 else "")
             return r(False, f"changed outside writes ({', '.join(ev.writes) or 'none'}): {shown}")
-        return r(True, f"{len(ev.changed)} changed paths, every one inside writes")
+        return r(True, f"every changed path ({len(ev.changed)}) is inside writes")
     return r(True, "every change is inside writes")
 
 
