@@ -73,7 +73,7 @@ def main() -> int:
         wrapped = sandbox.wrap(
             argv,
             cwd=base,
-            writable=sandbox.writable_paths(RepoSettings(sandbox=True), base, None, None, "/root"),
+            writable=sandbox.writable_paths(RepoSettings(sandbox=True), base, None, (), "/root"),
             network=True,
             env=env,
         )

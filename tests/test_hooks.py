@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import Env, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
-from helpers_faults import count_events, env_daemon
+from helpers_faults import alive, count_events, env_daemon
 
 LAND = 'echo "{job_id} {branch} {head} $(pwd)" >> "$0"'
 
@@ -164,3 +164,21 @@ def test_land_waits_for_review_and_runs_once_after_approve(env: Env, tmp_path: P
     d.wait_event("job.landed", job_id="R1")
     d.stop()
     assert len(log.read_text().splitlines()) == 1
+
+
+def test_a_before_hook_has_its_own_timeout_and_a_cancel_ends_it(env: Env, tmp_path: Path) -> None:
+    """A hook given {command, timeout} is ended at its timeout; a cancel ends a running hook at once."""
+    repo = make_repo(tmp_path / "shop")
+    slow = {"command": ["sleep", "60"], "timeout": 1}
+    hang = ["sh", "-c", 'echo $$ > "$0"; exec sleep 60', str(tmp_path / "hook.pid")]
+    env.configure(agents={"coder": coder(env, repo, before=slow), "hang": coder(env, repo, before=hang)})
+    env.drop(code_order("H1"))
+    env.drop(code_order("H2", to="hang"))
+    d = env.daemon()
+    assert env.wait_job("H1", "failed")["reason"] == "before hook timed out; not retried: no attempts left"
+    pid = int(wait_until(lambda: (tmp_path / "hook.pid").exists() and (tmp_path / "hook.pid").read_text(), what="hook"))
+    env.cli("cancel", "H2", check=True)
+    assert env.wait_job("H2", "failed", timeout=15)["reason"] == "cancelled"
+    d.stop()
+    wait_until(lambda: not alive(pid), 10, "the hook to be ended")
+    assert starts(env) == []

@@ -54,8 +54,10 @@ def test_writes_outside_fail_inside_the_agent_and_workspace_writes_succeed(outsi
     out = env.tmp / "out"
     out.mkdir()
     strays = ["/etc/dispatcher-stray", str(env.root / "done" / "stray"), str(home / "stray")]
+    strays.append(str(repo / ".git" / "config"))  # the agent commits on its branch, never configures git
     flags = [f"--try-write={p}" for p in strays] + ["--try-write", str(home / ".agent" / "state")]
     flags += ["--try-write", "/tmp/private", "--write", "src/{job}.txt=inside", "--report", str(out / "report.json")]
+    flags += ["--commit"]
     agent = _sandboxed(env, repo, *flags, sandbox_writable=["~/.agent", str(out)], env={"HOME": str(home)})
     env.configure(agents={"coder": agent})
     env.drop(code_order("S1"))
@@ -64,10 +66,12 @@ def test_writes_outside_fail_inside_the_agent_and_workspace_writes_succeed(outsi
     d.stop()
     report = json.loads((out / "report.json").read_text())
     assert report == {p: EROFS for p in strays} | {str(home / ".agent" / "state"): "written", "/tmp/private": "written"}
-    assert [os.path.exists(p) for p in strays] == [False, False, False]
+    assert [os.path.exists(p) for p in strays[:3]] == [False, False, False]
+    assert "stray" not in (repo / ".git" / "config").read_text()
     assert not os.path.exists("/tmp/private")  # the agent's /tmp was its own
     assert result["workspace"]["changed"] == ["src/S1.txt"]
     assert git(repo, "show", f"{result['workspace']['head']}:src/S1.txt") == "inside"
+    assert git(repo, "log", "-1", "--format=%s", result["workspace"]["head"]) == "S1: work"  # its own commit
     assert result["attempts"][0]["argv"][:2] == [sys.executable, str(Path(__file__).parent / "agents" / "coder.py")]
 
 

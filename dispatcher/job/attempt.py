@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ def process(
     *,
     probe: bool = False,
     workspace: Workspace | None = None,
+    git_writable: Sequence[str] = (),
 ) -> AgentProcess:
     """Return the (not yet started) process of attempt n, or of its probe.
 
@@ -80,12 +81,8 @@ def process(
         cwd = ws_path
     env = build_env(agent.env, dispatch_env(spec.job_id, folder.work, n, ws_path), agent.pass_env)
     if agent.repo.sandbox:
-        git_dir = None
-        if workspace is not None:
-            git_dir = os.path.join(workspace.repo, ".git")
-            git_dir = git_dir if os.path.isdir(git_dir) else workspace.repo
         home = env.get("HOME") or os.path.expanduser("~")
-        writable = sandbox.writable_paths(agent.repo, folder.work, ws_path, git_dir, home)
+        writable = sandbox.writable_paths(agent.repo, folder.work, ws_path, git_writable, home)
         cmd = sandbox.wrap(cmd, cwd=cwd, writable=writable, network=agent.repo.sandbox_network, env=env)
     return AgentProcess(
         cmd,

@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dispatcher.clock import iso
 from dispatcher.job.runner import AgentProcess
-from dispatcher.layout import iso
 from dispatcher.spec.repo import Hook
 
 PLACEHOLDERS = ("job_id", "workspace", "branch", "head", "result")
@@ -85,8 +85,12 @@ async def run_hook(
     kill_grace_s: float,
     log_dir: Path | None,
     max_log_bytes: int,
+    attach: Callable[[AgentProcess | None], None] | None = None,
 ) -> HookRun:
-    """Run one hook to its end (own group, timeout, kill grace) and say how it ended."""
+    """Run one hook to its end (own group, timeout, kill grace) and say how it ended.
+
+    ``attach`` hands the running process to the job's stop channel (a cancel ends the hook too).
+    """
     argv = render(hook.command, values)
     proc = AgentProcess(
         argv,
@@ -110,7 +114,11 @@ async def run_hook(
         return HookRun(
             name, tuple(argv), None, False, started, time.time(), "", f"{why}: {exc.filename}" if exc.filename else why
         )
+    if attach is not None:
+        attach(proc)
     out = await proc.wait()
+    if attach is not None:
+        attach(None)
     err = _tail(log_dir / f"{name}-stderr.log") if log_dir is not None else out.stderr_tail
     tail = (err.strip() or out.stdout_tail[-4096:].strip()).decode(errors="replace").splitlines()
     last = tail[-1][:_LAST_LINE_MAX] if tail else ""

@@ -195,11 +195,24 @@ class Job:
         argv = attempt.argv(self.spec, self.folder.work, agent.command, self.repo.path)
         log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)  # a folder, two empty logs
         if agent.repo.before is not None:
-            why = await self.repo.before(n, self.ctx.config())
+            why = await self.repo.before(n, self.ctx.config(), self.control.attach)
+            if self.control.reason is Stop.STOPPED:
+                return Outcome.LEFT
+            if self.control.reason is Stop.CANCELLED:
+                return await self.finish(Row.FAILED, Stop.CANCELLED, [])
             if why is not None:
                 return await self._before_failed(n, why)
         try:
-            proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), log_dir, workspace=self.repo.ws)
+            proc = attempt.process(
+                self.spec,
+                self.folder,
+                n,
+                argv,
+                self.ctx.config(),
+                log_dir,
+                workspace=self.repo.ws,
+                git_writable=self.repo.git_writable,
+            )
             proc.start()
         except OSError as exc:
             await self.ctx.lanes.io(self.folder.drop_attempt, n)
@@ -336,7 +349,15 @@ class Job:
         folder = self.folder.attempts_dir / str(n)
         try:
             proc = attempt.process(
-                self.spec, self.folder, n, argv, self.ctx.config(), folder, probe=True, workspace=self.repo.ws
+                self.spec,
+                self.folder,
+                n,
+                argv,
+                self.ctx.config(),
+                folder,
+                probe=True,
+                workspace=self.repo.ws,
+                git_writable=self.repo.git_writable,
             )
             await self._persist(self.folder.begin_probe, n)
             proc.start()

@@ -24,11 +24,13 @@ from typing import Any, Protocol, TypeVar
 import structlog
 
 from dispatcher import faults, fsutil
+from dispatcher.clock import iso
 from dispatcher.job import hooks
 from dispatcher.job.attempt import dispatch_env
 from dispatcher.job.runner import build_env
 from dispatcher.job.worktree import read_record
-from dispatcher.layout import Layout, State, iso
+from dispatcher.layout import Layout
+from dispatcher.lifecycle import State
 from dispatcher.spec.config import Config
 from dispatcher.store.jobstore import JobFolder
 
@@ -139,8 +141,9 @@ async def land(layout: Layout, job_id: str, cfg: Config, io: Io, notify: Notify 
         await io(settle, layout, job_id)
         return True
     ws = await io(read_record, path)
-    result = await io(folder.result) or {}
-    wsr = result.get("workspace") or {}
+    result = await io(folder.result)
+    wsr = result.extra.get("workspace") if result is not None else None
+    wsr = wsr if isinstance(wsr, dict) else {}
     values = {
         "job_id": job_id,
         "workspace": ws.path if ws is not None else str(folder.work),

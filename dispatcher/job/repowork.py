@@ -14,8 +14,8 @@ one never holds a thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,11 @@ import structlog
 from dispatcher import faults
 from dispatcher.job import hooks, landing, worktree
 from dispatcher.job.attempt import dispatch_env
-from dispatcher.job.runner import build_env
+from dispatcher.job.runner import AgentProcess, build_env
 from dispatcher.job.worktree import GitError, Workspace
 from dispatcher.lanes import Lanes
-from dispatcher.layout import Layout, State
-from dispatcher.ledger.base import Row
+from dispatcher.layout import Layout
+from dispatcher.lifecycle import Row, State, landed_state
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.store.jobstore import JobFolder
@@ -56,7 +56,8 @@ def parent_head(layout: Layout, parent: str | None, repo: str) -> str:
         raise GitError("base: parent: the job has no parent")
     found = layout.find(parent)
     result = JobFolder(found[1]).result() if found is not None else None
-    ws = (result or {}).get("workspace") or {}
+    ws = result.extra.get("workspace") if result is not None else None
+    ws = ws if isinstance(ws, dict) else {}
     if not ws.get("head"):
         raise GitError(f"base: parent: job {parent} has no workspace head")
     if os.path.realpath(str(ws.get("repo"))) != os.path.realpath(repo):
@@ -73,6 +74,7 @@ class JobRepo:
         self.spec = spec
         self.folder = folder
         self.ws: Workspace | None = None
+        self.git_writable: list[str] = []  # what the agent may write in the repository under the sandbox
         self._opened = False
         self._sealed: dict[str, Any] | None = None
 
@@ -107,9 +109,9 @@ class JobRepo:
         if not worktree.is_ready(ws):
             worktree.create(ws, from_branch=keep and n > 1)
             faults.point("workspace.added")
-            return
-        if n > 1 and not keep and (self._opened or self.folder.attempt_numbers()):
+        elif n > 1 and not keep and (self._opened or self.folder.attempt_numbers()):
             worktree.reset_to_base(ws)
+        self.git_writable = worktree.git_paths(ws)
 
     async def load(self) -> None:
         """Read the job's workspace record (a recovered job, a retried one) before anything uses it."""
@@ -152,8 +154,7 @@ class JobRepo:
 
     async def after_final(self, state: Row, cfg: Config, notify: landing.Notify | None) -> None:
         """After the finish: run ``after``, remove the worktree (the branch stays), land a done job."""
-        target = {Row.DONE: State.DONE, Row.FAILED: State.FAILED, Row.REVIEW: State.REVIEW}[state]
-        job_path = self.layout.job(target, self.spec.job_id)
+        job_path = self.layout.job(landed_state(state), self.spec.job_id)
         after = self.spec.agent.repo.after
         if after is not None:
             run = await self._hook("after", after, job_path, cfg, job_path / "work")
@@ -171,18 +172,26 @@ class JobRepo:
             if await self.lanes.io(landing.claim, self.layout, self.spec.job_id):
                 await landing.land(self.layout, self.spec.job_id, cfg, self.lanes.io, notify)
 
-    async def before(self, n: int, cfg: Config) -> str | None:
+    async def before(self, n: int, cfg: Config, attach: Callable[[AgentProcess | None], None]) -> str | None:
         """Run the ``before`` hook of attempt n in the workspace; return why it failed, or None."""
         hook = self.spec.agent.repo.before
         if hook is None:
             return None
-        run = await self._hook("before", hook, self.folder.attempts_dir / str(n), cfg, self.folder.work)
+        run = await self._hook("before", hook, self.folder.attempts_dir / str(n), cfg, self.folder.work, attach)
         if run.ok:
             return None
         log.warning("hook.failed", hook="before", attempt=n, reason=run.why)
         return run.why
 
-    async def _hook(self, name: str, hook: Any, log_dir: Path, cfg: Config, work: Path) -> hooks.HookRun:
+    async def _hook(
+        self,
+        name: str,
+        hook: Any,
+        log_dir: Path,
+        cfg: Config,
+        work: Path,
+        attach: Callable[[AgentProcess | None], None] | None = None,
+    ) -> hooks.HookRun:
         ws = self.ws
         sealed = self._sealed or {}
         values = {
@@ -200,6 +209,7 @@ class JobRepo:
         return await hooks.run_hook(
             name, hook, values, cwd=cwd, env=env, kill_grace_s=cfg.kill_grace_s,
             log_dir=log_dir if name == "before" else log_dir / "hooks", max_log_bytes=cfg.max_log_bytes,
+            attach=attach,
         )  # fmt: skip
 
 
@@ -238,9 +248,8 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
 
 
 def _unfinished(layout: Layout) -> list[str]:
-    """Return the ids of jobs in active/ and waiting/ (their worktrees stay)."""
-    out: list[str] = []
-    for state in (State.ACTIVE, getattr(State, "WAITING", State.ACTIVE)):
-        with contextlib.suppress(FileNotFoundError):
-            out.extend(os.listdir(layout.folder(state)))
-    return out
+    """Return the ids of jobs in active/ (their worktrees stay; a job that never ran an attempt has none)."""
+    try:
+        return os.listdir(layout.folder(State.ACTIVE))
+    except FileNotFoundError:
+        return []

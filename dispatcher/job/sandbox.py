@@ -1,7 +1,8 @@
 """Run an agent under bubblewrap (contract section 15, ``sandbox: true``).
 
 The whole filesystem is mounted read-only; the job's workspace, its ``work/``, the
-repository's git folder (so that the agent can commit on its branch), a private
+repository's objects, refs and the worktree's own git folder (so that the agent can
+commit on its branch; never the repository's config or hooks), a private
 ``/tmp`` and the agent's ``sandbox_writable`` paths are writable. The pid namespace
 is the daemon's (no ``--unshare-pid``): bwrap leads the process group the daemon
 made, the agent inside stays in it, so ending the group ends the agent.
@@ -18,13 +19,14 @@ from pathlib import Path
 from dispatcher.spec.repo import BWRAP, RepoSettings
 
 
-def writable_paths(repo: RepoSettings, work: Path, workspace: Path | None, git_dir: str | None, home: str) -> list[str]:
+def writable_paths(
+    repo: RepoSettings, work: Path, workspace: Path | None, git_paths: Sequence[str], home: str
+) -> list[str]:
     """Return the paths writable inside the sandbox, ``~`` expanded against home."""
     paths = [str(work)]
     if workspace is not None:
         paths.append(str(workspace))
-    if git_dir is not None:
-        paths.append(git_dir)
+    paths.extend(git_paths)
     for p in repo.sandbox_writable:
         paths.append(home + p[1:] if p == "~" or p.startswith("~/") else p)
     return paths

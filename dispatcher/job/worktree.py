@@ -209,10 +209,45 @@ def create(ws: Workspace, *, from_branch: bool) -> None:
     git(ws.repo, *args)
 
 
+def common_dir(repo: str) -> Path:
+    """Return the repository's git folder (``.git``, or the repository itself when bare)."""
+    dot = Path(repo) / ".git"
+    return dot if dot.is_dir() else Path(repo)
+
+
+def admin_dir(ws: Workspace) -> Path:
+    """Return the worktree's own folder in the repository (``.git/worktrees/<name>``), found from the repository.
+
+    Never read from the worktree's ``.git`` file: the agent may have rewritten it.
+    """
+    mine = os.path.join(ws.path, ".git")
+    with contextlib.suppress(FileNotFoundError):
+        for admin in (common_dir(ws.repo) / "worktrees").iterdir():
+            with contextlib.suppress(OSError):
+                if (admin / "gitdir").read_text().strip() == mine:
+                    return admin
+    raise GitError(f"worktree {ws.path} is not registered in {ws.repo}")
+
+
+def git_paths(ws: Workspace) -> list[str]:
+    """Return the parts of the repository an agent needs to commit on its branch (writable under the sandbox).
+
+    Objects, refs and reflogs, and the worktree's own folder; never the config or the
+    hooks, which the daemon's own git calls would otherwise obey.
+    """
+    common = common_dir(ws.repo)
+    return [str(common / "objects"), str(common / "refs"), str(common / "logs"), str(admin_dir(ws))]
+
+
+def _tree_env(ws: Workspace, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return git_env({"GIT_DIR": str(admin_dir(ws)), "GIT_WORK_TREE": ws.path, **(extra or {})})
+
+
 def reset_to_base(ws: Workspace) -> None:
     """Put the branch and the worktree back at the base commit (a retry starts again from base)."""
-    git(ws.path, "reset", "-q", "--hard", ws.base)
-    git(ws.path, "clean", "-q", "-ffdx")
+    env = _tree_env(ws)
+    git(ws.path, "reset", "-q", "--hard", ws.base, env=env)
+    git(ws.path, "clean", "-q", "-ffdx", env=env)
 
 
 def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> list[str]:
@@ -222,15 +257,15 @@ def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> l
     its index (a temporary one: the agent's own index is untouched) and that tree is
     compared with the base commit. A patch above max_bytes is cut with a note saying so.
     """
+    admin = admin_dir(ws)
     with tempfile.TemporaryDirectory(prefix="dispatcher-index-") as tmp:
         index = os.path.join(tmp, "index")
-        real = git(ws.path, "rev-parse", "--path-format=absolute", "--git-path", "index").strip()
         with contextlib.suppress(FileNotFoundError):
-            shutil.copyfile(real, index)
-        env = git_env({"GIT_INDEX_FILE": index})
+            shutil.copyfile(admin / "index", index)
+        env = _tree_env(ws, {"GIT_INDEX_FILE": index})
         git(ws.path, "add", "-A", env=env)
         tree = git(ws.path, "write-tree", env=env).strip()
-    names = [n for n in git(ws.path, "diff", "--name-only", "-z", "--no-renames", ws.base, tree).split("\0") if n]
+    names = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, tree).split("\0") if n]
     _write_patch(ws, tree, out_dir / "diff.patch", max_bytes)
     fsutil.write_atomic(out_dir / "changed.txt", "".join(f"{n}\n" for n in names).encode(), sync=False, sync_dir=False)
     return names
@@ -238,7 +273,7 @@ def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> l
 
 def _write_patch(ws: Workspace, tree: str, path: Path, max_bytes: int) -> None:
     argv = ["git", *_SAFE, "diff", "--binary", "--no-ext-diff", "--no-textconv", "--no-renames", ws.base, tree]
-    proc = subprocess.Popen(argv, cwd=ws.path, env=git_env(), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, cwd=ws.repo, env=git_env(), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert proc.stdout is not None  # noqa: S101 - PIPE
     written, cut = 0, False
     with open(path, "wb") as out:
@@ -264,19 +299,21 @@ def seal(ws: Workspace, job_id: str) -> tuple[str, list[str]]:
     hooks. Safe to call again after a crash: a worktree already gone leaves the branch as it is.
     """
     if is_ready(ws):
-        git(ws.path, "add", "-A")
-        if _staged(ws):
-            git(ws.path, "commit", "-q", "--no-verify", "-m", f"dispatch {job_id}: changes left uncommitted")
+        env = _tree_env(ws)
+        git(ws.path, "add", "-A", env=env)
+        if _staged(ws, env):
+            message = f"dispatch {job_id}: changes left uncommitted"
+            git(ws.path, "commit", "-q", "--no-verify", "-m", message, env=env)
     head = git(ws.repo, "rev-parse", "--verify", f"refs/heads/{ws.branch}").strip()
     changed = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, head).split("\0") if n]
     return head, changed
 
 
-def _staged(ws: Workspace) -> bool:
+def _staged(ws: Workspace, env: dict[str, str]) -> bool:
     proc = subprocess.run(
         ["git", *_SAFE, "diff", "--cached", "--quiet"],
         cwd=ws.path,
-        env=git_env(),
+        env=env,
         capture_output=True,
         check=False,
     )

@@ -12,7 +12,8 @@ from typing import Any
 
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.job import landing
-from dispatcher.layout import Layout, State
+from dispatcher.layout import Layout
+from dispatcher.lifecycle import State
 from dispatcher.spec.config import Config
 from dispatcher.store.jobstore import JobFolder
 
