@@ -57,6 +57,10 @@ def test_a_change_outside_writes_fails_writes_scope_naming_the_paths(env: Env, t
     assert sorted(result["workspace"]["changed"]) == ["docs/notes.md", "src/ok.py", "top.txt"]
     changed = (env.job_dir("OUT-1", "failed") / "attempts" / "1" / "changed.txt").read_text().split()
     assert sorted(changed) == ["docs/notes.md", "src/ok.py", "top.txt"]
+    shown = env.cli("show", "OUT-1", check=True).stdout.splitlines()
+    head, base = result["workspace"]["head"][:12], result["workspace"]["base"][:12]
+    assert f"  workspace: dispatch/OUT-1 at {head} (from {base}) in {repo}" in shown
+    assert "    changed: docs/notes.md, src/ok.py, top.txt" in shown
 
 
 def test_a_chain_of_three_with_base_parent_ends_with_one_line_of_commits(env: Env, tmp_path: Path) -> None:
