@@ -144,6 +144,7 @@ class Job:
         log.info("job.recovered", step="finish")
         ok = await self.ctx.finisher.land(self.folder, Finish(self.job_id, self.token, state), result, release=True)
         if ok and state in (Row.DONE, Row.FAILED, Row.REVIEW):
+            self.repo.restore(result.extra.get("workspace"))
             await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
         return outcome_of(state) if ok else Outcome.FENCED
 

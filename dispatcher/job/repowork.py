@@ -147,6 +147,11 @@ class JobRepo:
         self._sealed = {"repo": ws.repo, "branch": ws.branch, "base": ws.base, "head": head, "changed": changed}
         return self._sealed
 
+    def restore(self, sealed: Any) -> None:
+        """Take the workspace a result already records (a finish cut short by a crash, completed now)."""
+        if isinstance(sealed, dict):
+            self._sealed = sealed
+
     async def owe_landing(self, state: Row) -> None:
         """Record the landing a done (or reviewed) job owes, durably, before its finish."""
         if self.spec.agent.repo.land is not None and state in (Row.DONE, Row.REVIEW):
