@@ -141,65 +141,71 @@ def worktrees(repo: str) -> dict[str, dict[str, str]]:
     return out
 
 
+def _entries(ws: Workspace) -> list[tuple[Path, str | None]]:
+    """Return the repository's worktree entries that may be this worktree's, with their ``gitdir`` (None: unwritten).
+
+    Git names an entry after the worktree's folder, with a digit added when the name is taken.
+    """
+    name = os.path.basename(ws.path)
+    out: list[tuple[Path, str | None]] = []
+    try:
+        admins = list((common_dir(ws.repo) / "worktrees").iterdir())
+    except FileNotFoundError:
+        return out
+    for admin in admins:
+        if not (admin.name == name or (admin.name.startswith(name) and admin.name[len(name) :].isdigit())):
+            continue
+        try:
+            out.append((admin, (admin / "gitdir").read_text().strip()))
+        except FileNotFoundError:
+            out.append((admin, None))
+        except OSError:
+            continue
+    return out
+
+
 def is_ready(ws: Workspace) -> bool:
-    """Return True when the worktree exists complete (listed, not locked by an unfinished add)."""
-    entry = worktrees(ws.repo).get(ws.path)
-    return entry is not None and "locked" not in entry and "prunable" not in entry and os.path.exists(ws.path)
+    """Return True when the worktree exists complete (registered, not locked by an unfinished add)."""
+    mine = os.path.join(ws.path, ".git")
+    entry = next((admin for admin, gitdir in _entries(ws) if gitdir == mine), None)
+    return entry is not None and not (entry / "locked").exists() and os.path.exists(mine)
 
 
 def clear(ws: Workspace) -> None:
-    """Remove whatever is left at the worktree's path (a half-made worktree, a folder) and prune."""
-    _unlock_unfinished(ws)
-    entry = worktrees(ws.repo).get(ws.path)
-    if entry is not None and "locked" in entry:
-        git(ws.repo, "worktree", "unlock", ws.path, check=False)
-    if entry is not None:
-        git(ws.repo, "worktree", "remove", "--force", "--force", ws.path, check=False)
-    shutil.rmtree(ws.path, ignore_errors=True)
-    git(ws.repo, "worktree", "prune")
+    """Remove whatever is left at the worktree's path (a worktree, a half-made one, a folder).
 
-
-def _unlock_unfinished(ws: Workspace) -> None:
-    """Unlock this worktree's entry if an add died half-way (git locks it first, then writes the rest).
-
-    Such an entry can lack its ``gitdir`` file, which makes ``git worktree list``
-    fail for the whole repository; unlocked, ``git worktree prune`` removes it.
+    An add that died half-way leaves its entry locked (git locks it first), maybe without
+    its ``gitdir`` file, which makes ``git worktree list`` fail for the whole repository:
+    such an entry of this worktree's is unlocked and removed. Entries of other worktrees,
+    locked or not, are never touched.
     """
-    common = Path(git(ws.repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
-    try:
-        admins = list((common / "worktrees").iterdir())
-    except FileNotFoundError:
-        return
-    mine, name = os.path.join(ws.path, ".git"), os.path.basename(ws.path)
-    for admin in admins:
-        if not (admin.name == name or (admin.name.startswith(name) and admin.name[len(name) :].isdigit())):
-            continue  # git names the entry after the folder (a digit added when taken); others are not ours
-        try:
-            gitdir = (admin / "gitdir").read_text().strip()
-        except FileNotFoundError:
-            gitdir = None
-        except OSError:
-            continue
-        if (admin / "locked").exists() and gitdir in (None, mine):
+    mine = os.path.join(ws.path, ".git")
+    registered = False
+    for admin, gitdir in _entries(ws):
+        if gitdir is None and (admin / "locked").exists():
+            shutil.rmtree(admin, ignore_errors=True)
+        elif gitdir == mine:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(admin / "locked")
-            if gitdir is None:
-                shutil.rmtree(admin, ignore_errors=True)
+            registered = True
+    if registered and os.path.isdir(ws.path):
+        git(ws.repo, "worktree", "remove", "--force", "--force", ws.path, check=False)
+    shutil.rmtree(ws.path, ignore_errors=True)
+    if registered and any(gitdir == mine for _admin, gitdir in _entries(ws)):
+        git(ws.repo, "worktree", "prune")
 
 
 def create(ws: Workspace, *, from_branch: bool) -> None:
     """Make the worktree on its branch: from the base commit, or (``from_branch``) from the branch's tip."""
     clear(ws)
     os.makedirs(os.path.dirname(ws.path), exist_ok=True)
-    has_branch = bool(git(ws.repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{ws.branch}", check=False).strip())
-    if from_branch and has_branch:
-        args = ["worktree", "add", ws.path, ws.branch]
-    else:
-        args = ["worktree", "add", "-B", ws.branch, ws.path, ws.base]
+    tip = ""
+    if from_branch:
+        tip = git(ws.repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{ws.branch}", check=False).strip()
+    args = ["worktree", "add", ws.path, ws.branch] if tip else ["worktree", "add", "-B", ws.branch, ws.path, ws.base]
     if faults.armed("workspace.add"):  # a crash test: git and the daemon die while the new worktree is locked
         proc = subprocess.Popen(["git", *_SAFE, *args], cwd=ws.repo, env=git_env())
-        common = git(ws.repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip()
-        lock = Path(common) / "worktrees" / os.path.basename(ws.path) / "locked"
+        lock = common_dir(ws.repo) / "worktrees" / os.path.basename(ws.path) / "locked"
         deadline = time.monotonic() + 10
         while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.0005)
