@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, cli_env, wait_until
+from conftest import Env, cli_env, order, wait_until
 from git_helpers import code_order, coder, git, make_repo, need
 from helpers_faults import alive, wait_start
 
@@ -147,3 +147,17 @@ def test_sandbox_without_bubblewrap_is_a_config_error_naming_the_package(env: En
         f"{env.config_path}: agents.coder.sandbox: sandbox: true needs bwrap, "
         "which is not installed (install the bubblewrap package)\n"
     )
+
+
+def test_a_sandboxed_agent_without_a_workspace_works_in_work(env: Env, tmp_path: Path) -> None:
+    """sandbox: true without a workspace: the agent writes its output in work/ and the job is done as before."""
+    need("bwrap", "bubblewrap")
+    env.count_file.touch()
+    env.configure(agents={"worker": env.agent(sandbox=True, sandbox_writable=[str(env.count_file)])})
+    env.drop(order("PLAIN"))
+    d = env.daemon()
+    result = env.wait_job("PLAIN", "done")
+    d.stop()
+    assert "workspace" not in result
+    assert (env.job_dir("PLAIN", "done") / "work" / "out.csv").exists()
+    assert env.starts() == [("PLAIN", 1)]
