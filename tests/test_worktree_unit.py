@@ -73,3 +73,9 @@ def test_validate_names_a_missing_repository_and_hook_program(env: Env, tmp_path
         f"{env.config_path}: agents.coder.land: program 'no-such-pusher' not found",
         f"{env.config_path}: agents.coder.workspace.git: repository {tmp_path / 'nowhere'} not found",
     ]
+
+
+def test_a_workspace_whose_change_cannot_be_read_fails_writes_scope() -> None:
+    """When the worktree is gone (or git failed), writes_scope fails with why instead of passing blind."""
+    res = writes_scope(evidence(writes=("src/**",), changed_unknown="the workspace is gone", entries=files()))
+    assert (res.ok, res.detail) == (False, "the workspace is gone")

@@ -89,6 +89,7 @@ class Evidence:
     max_hops: int = 5
     max_followups: int = 100
     changed: tuple[str, ...] | None = None  # paths the job changed in its git workspace (None: it has none)
+    changed_unknown: str | None = None  # why the workspace's change could not be read
 
 
 def _n(name: str) -> Callable[[bool | None, str], CheckResult]:
@@ -278,6 +279,8 @@ def writes_scope(ev: Evidence) -> CheckResult:
             return r(False, f"{path} was given and is deleted")
         if e.kind != "file" or e.digest != digest:
             return r(False, f"{path} was given and is changed")
+    if ev.changed_unknown is not None:
+        return r(False, ev.changed_unknown)
     for e in ev.entries:
         if e.kind == "dir" or e.path in ev.given:
             continue

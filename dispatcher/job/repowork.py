@@ -91,43 +91,48 @@ class JobRepo:
         keep = self.spec.agent.repair  # repair (and resume) go on from the last attempt's tree
         try:
             async with repo_lock(conf.git):
-                await self.lanes.io(self._open, n, keep)
+                self.ws, self.git_writable = await self.lanes.io(self._open, n, keep)
         except (GitError, OSError) as exc:
             raise WorkspaceFailed(f"workspace: {exc}") from None
         self._opened = True
 
-    def _open(self, n: int, keep: bool) -> None:
+    def _open(self, n: int, keep: bool) -> tuple[Workspace, list[str]]:
+        """Make or reset the worktree (io pool); return it and what the agent may write in the repository."""
         conf = self.spec.agent.repo.workspace
         assert conf is not None  # noqa: S101 - open() checked
         base_ref = conf.base
         if self.spec.order.get("base") == "parent":
             base_ref = parent_head(self.layout, self.spec.parent, conf.git)
         branch = conf.branch.replace("{job_id}", self.spec.job_id)
-        self.ws = ws = worktree.plan(
-            self.folder.path, conf.git, base_ref, branch, self.layout.worktree(self.spec.job_id)
-        )
+        ws = worktree.plan(self.folder.path, conf.git, base_ref, branch, self.layout.worktree(self.spec.job_id))
         if not worktree.is_ready(ws):
             worktree.create(ws, from_branch=keep and n > 1)
             faults.point("workspace.added")
         elif n > 1 and not keep and (self._opened or self.folder.attempt_numbers()):
             worktree.reset_to_base(ws)
-        self.git_writable = worktree.git_paths(ws)
+        return ws, worktree.git_paths(ws)
 
     async def load(self) -> None:
         """Read the job's workspace record (a recovered job, a retried one) before anything uses it."""
         if self.ws is None and self.spec.agent.repo.workspace is not None:
             self.ws = await self.lanes.io(worktree.read_record, self.folder.path)
 
-    async def snapshot(self, n: int) -> list[str] | None:
-        """Save attempt n's change against base; return the changed paths (None: no workspace)."""
-        if self.ws is None or n < 1 or not os.path.isdir(self.ws.path):
+    async def snapshot(self, n: int) -> list[str] | str | None:
+        """Save attempt n's change against base; return the changed paths, why they are unknown, or None.
+
+        None: the job has no workspace. A text: the change could not be read (the
+        worktree is gone, git failed), which writes_scope then fails with.
+        """
+        if self.ws is None or n < 1:
             return None
+        if not os.path.isdir(self.ws.path):
+            return "the workspace is gone"
         out = self.folder.attempts_dir / str(n)
         try:
             return await self.lanes.io(worktree.snapshot, self.ws, out)
         except (GitError, OSError) as exc:
             log.warning("workspace.diff_failed", attempt=n, error=str(exc))
-            return None
+            return f"the change could not be read: {exc}"
 
     async def seal(self) -> dict[str, Any] | None:
         """Commit what is left on the branch; return result.json's ``workspace`` (None: no workspace)."""

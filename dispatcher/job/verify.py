@@ -34,7 +34,7 @@ def collect(
     folder: JobFolder,
     exit_: Exit,
     record: Attempt | None = None,
-    changed: list[str] | None = None,
+    changed: list[str] | str | None = None,
 ) -> tuple[Evidence, list[Child]]:
     """Write the attempt's record (if given), then gather its evidence (blocking: the io pool).
 
