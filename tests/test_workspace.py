@@ -154,3 +154,24 @@ def test_workspace_placeholders_and_environment_point_at_the_worktree(env: Env, 
     work = str(env.root / "active" / "PH" / "work")
     assert json.loads(seen.read_text()) == [tree, f"{work}/order.json", f"{work}/receipt.json", tree, tree]
     wait_until(lambda: not Path(tree).exists(), what="the worktree to be removed")
+
+
+def test_dispatcher_retry_of_a_failed_job_starts_again_from_base(env: Env, tmp_path: Path) -> None:
+    """A failed job retried after its agent is fixed gets a new worktree at base: only the fix counts."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=a", "--write", "stray.txt=x")})
+    env.drop(code_order("RT"))
+    d = env.daemon()
+    first = env.wait_job("RT", "failed")
+    assert first["reason"] == "writes_scope: changed outside writes (src/**): stray.txt"
+    d.stop()
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=fixed")})
+    env.cli("retry", "RT", check=True)
+    d2 = env.daemon()
+    wait_until(lambda: (env.job_dir("RT", "done") / "result.json").exists(), what="the retried job to be done")
+    result = env.result("RT", "done")
+    d2.stop()
+    assert result["workspace"]["changed"] == ["src/a.txt"] and result["workspace"]["base"] == first["workspace"]["base"]
+    assert git(repo, "show", f"{result['workspace']['head']}:src/a.txt") == "fixed"
+    assert git(repo, "rev-parse", f"{result['workspace']['head']}^") == result["workspace"]["base"]
+    assert (env.job_dir("RT", "done") / "attempts" / "2" / "changed.txt").read_text() == "src/a.txt\n"
