@@ -15,7 +15,7 @@ from typing import Any
 
 from dispatcher.checks.builtin import Exit
 from dispatcher.job import sandbox
-from dispatcher.job.runner import AgentExit, AgentProcess, build_env, render
+from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env, render
 from dispatcher.job.worktree import Workspace
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, prompt_values
@@ -44,17 +44,6 @@ def argv(spec: JobSpec, work: Path, command: Iterable[str], workspace: Path | No
     """Return the command with its placeholders rendered."""
     vals = values(spec, work, workspace)
     return [render(a, vals) for a in command]
-
-
-def dispatch_env(job_id: str, work: Path, n: int, workspace: Path | None = None) -> dict[str, str]:
-    """Return the DISPATCH_* variables of attempt n."""
-    return {
-        "DISPATCH_JOB_ID": job_id,
-        "DISPATCH_ORDER": str(work / "order.json"),
-        "DISPATCH_WORKSPACE": str(workspace or work),
-        "DISPATCH_RECEIPT": str(work / "receipt.json"),
-        "DISPATCH_ATTEMPT": str(n),
-    }
 
 
 def process(

@@ -26,8 +26,7 @@ import structlog
 from dispatcher import faults, fsutil
 from dispatcher.clock import iso
 from dispatcher.job import hooks
-from dispatcher.job.attempt import dispatch_env
-from dispatcher.job.runner import build_env
+from dispatcher.job.runner import build_env, dispatch_env
 from dispatcher.job.worktree import read_record
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State

@@ -23,8 +23,7 @@ import structlog
 
 from dispatcher import faults
 from dispatcher.job import hooks, landing, worktree
-from dispatcher.job.attempt import dispatch_env
-from dispatcher.job.runner import AgentProcess, build_env
+from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
 from dispatcher.job.worktree import GitError, Workspace
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
