@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import Env, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
-from helpers_faults import env_daemon
+from helpers_faults import alive, env_daemon, wait_start
 
 
 def _stale(repo: Path) -> list[str]:
@@ -43,7 +43,7 @@ def test_kill_in_the_middle_of_worktree_add_then_restart_leaves_nothing_stale(en
 def test_kill_in_the_middle_of_a_job_then_restart_runs_it_again_from_base_once(env: Env, tmp_path: Path) -> None:
     """kill -9 while the agent works: the restart ends it, runs attempt 2 from base, and nothing is stuck or doubled."""
     repo = make_repo(tmp_path / "shop")
-    slow = coder(env, repo, "--write", "src/{job}.txt=x", "--sleep", "2", retry_safe=True, max_attempts=2)
+    slow = coder(env, repo, "--write", "src/{job}.txt=x", "--sleep-first", "60", retry_safe=True, max_attempts=2)
     env.configure(agents={"coder": slow})
     env.drop(code_order("K1"))
     d = env.daemon()
@@ -51,9 +51,11 @@ def test_kill_in_the_middle_of_a_job_then_restart_runs_it_again_from_base_once(e
     tree = env.root / ".state" / "worktrees" / "K1"
     (tree / "src" / "leftover.txt").write_text("from the killed attempt\n")
     d.kill()
+    first = wait_start(env, "K1")
     d2 = env.daemon()
     result = env.wait_job("K1", "done")
     d2.stop()
+    assert not alive(first)  # the killed daemon's agent was ended before attempt 2 ran
     assert [(j, n) for j, n, _ in starts(env)] == [("K1", 1), ("K1", 2)]
     assert result["workspace"]["changed"] == ["src/K1.txt"]  # the leftover went with the reset to base
     assert _stale(repo) == []

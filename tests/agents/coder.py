@@ -31,6 +31,7 @@ def main() -> int:
     p.add_argument("--report")
     p.add_argument("--commit", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--sleep-first", type=float, default=0.0, help="sleep this long in attempt 1 only")
     p.add_argument("--exit", type=int, default=0)
     p.add_argument("--fail-first", metavar="PATH", help="attempt 1 writes PATH and exits 1; later ones report it")
     p.add_argument("--handoff", metavar="AGENT", help="hand off <job_id>-next to AGENT with base: parent")
@@ -41,7 +42,7 @@ def main() -> int:
             f.write(f"{job} {os.environ['DISPATCH_ATTEMPT']} {os.getpid()}\n")
         with open(a.count + ".cwd", "a") as f:
             f.write(f"{job} {os.environ['DISPATCH_ATTEMPT']} {os.getcwd()}\n")
-    time.sleep(a.sleep)
+    time.sleep(a.sleep + (a.sleep_first if os.environ["DISPATCH_ATTEMPT"] == "1" else 0))
     report: dict[str, str] = {}
     for spec in a.write + a.append:
         path, _, text = spec.partition("=")
