@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 
 from dispatcher import fsutil
@@ -236,6 +236,7 @@ def gather(
     hops: int,
     max_hops: int,
     max_followups: int = 100,
+    changed: Sequence[str] | str | None = None,
 ) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
     """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
     work_exists = os.path.isdir(work) and not os.path.islink(work)
@@ -271,5 +272,7 @@ def gather(
         hops=hops,
         max_hops=max_hops,
         max_followups=max_followups,
+        changed=tuple(changed) if changed is not None and not isinstance(changed, str) else None,
+        changed_unknown=changed if isinstance(changed, str) else None,
     )
     return ev, followups

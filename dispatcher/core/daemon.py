@@ -31,6 +31,7 @@ from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox, start_watch
 from dispatcher.errors import ConfigError, UsageError
+from dispatcher.job import repowork
 from dispatcher.job.finish import Finisher
 from dispatcher.job.job import JobContext
 from dispatcher.job.joins import Joins
@@ -161,6 +162,7 @@ class Daemon:
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
         self.inbox.merge(await self.lanes.scan(list_inbox, self.layout.inbox))
+        await repowork.housekeep(self.layout, self.lanes, self.config, self.notify, startup=True)
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
         await self.house.requests()
         self._next_rescan = time.monotonic() + self._rescan_interval()

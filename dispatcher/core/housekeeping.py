@@ -21,7 +21,7 @@ import structlog
 
 from dispatcher import procs
 from dispatcher.core.watcher import Inbox, list_inbox
-from dispatcher.job import recovery
+from dispatcher.job import recovery, repowork
 from dispatcher.job.job import JobContext
 from dispatcher.job.joins import Joins
 from dispatcher.job.review import settle_reviews
@@ -157,6 +157,10 @@ class Housekeeping:
         self.check_watch()
         if not self.ctx.stopping():
             await self.recover(startup=False)
+            ctx = self.ctx  # land approved jobs (section 15), in the background: a hook may take minutes
+            self.start(
+                repowork.housekeep(ctx.layout, ctx.lanes, ctx.config(), ctx.finisher.notify, startup=False), "land"
+            )
         await self.requests()
 
     # -- requests -------------------------------------------------------------------------------

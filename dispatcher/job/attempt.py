@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dispatcher.checks.builtin import Exit
-from dispatcher.job.runner import AgentExit, AgentProcess, build_env, render
+from dispatcher.job import sandbox
+from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env, render
+from dispatcher.job.worktree import Workspace
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, prompt_values
 from dispatcher.store.jobstore import JobFolder
@@ -22,14 +24,15 @@ from dispatcher.store.jobstore import JobFolder
 HOST = socket.gethostname()
 
 
-def values(spec: JobSpec, work: Path) -> dict[str, str]:
-    """Return the argv placeholders' values for a job."""
+def values(spec: JobSpec, work: Path, workspace: Path | None = None) -> dict[str, str]:
+    """Return the argv placeholders' values for a job (``workspace``: its git worktree, else work/)."""
     prompt = spec.agent.prompt
-    rendered = render(prompt, prompt_values(spec.order, spec.writes, work), prompt=True) if prompt is not None else ""
+    vals = prompt_values(spec.order, spec.writes, work, workspace)
+    rendered = render(prompt, vals, prompt=True) if prompt is not None else ""
     return {
         "job_id": spec.job_id,
         "order": str(work / "order.json"),
-        "workspace": str(work),
+        "workspace": str(workspace or work),
         "receipt": str(work / "receipt.json"),
         "prompt": rendered,
         "prompt_file": str(work / "prompt.md") if prompt is not None else "",
@@ -37,33 +40,43 @@ def values(spec: JobSpec, work: Path) -> dict[str, str]:
     }
 
 
-def argv(spec: JobSpec, work: Path, command: Iterable[str]) -> list[str]:
+def argv(spec: JobSpec, work: Path, command: Iterable[str], workspace: Path | None = None) -> list[str]:
     """Return the command with its placeholders rendered."""
-    vals = values(spec, work)
+    vals = values(spec, work, workspace)
     return [render(a, vals) for a in command]
 
 
-def dispatch_env(job_id: str, work: Path, n: int) -> dict[str, str]:
-    """Return the DISPATCH_* variables of attempt n."""
-    return {
-        "DISPATCH_JOB_ID": job_id,
-        "DISPATCH_ORDER": str(work / "order.json"),
-        "DISPATCH_WORKSPACE": str(work),
-        "DISPATCH_RECEIPT": str(work / "receipt.json"),
-        "DISPATCH_ATTEMPT": str(n),
-    }
-
-
 def process(
-    spec: JobSpec, folder: JobFolder, n: int, cmd: list[str], cfg: Config, log_dir: Path, *, probe: bool = False
+    spec: JobSpec,
+    folder: JobFolder,
+    n: int,
+    cmd: list[str],
+    cfg: Config,
+    log_dir: Path,
+    *,
+    probe: bool = False,
+    workspace: Workspace | None = None,
+    git_writable: Sequence[str] = (),
 ) -> AgentProcess:
-    """Return the (not yet started) process of attempt n, or of its probe."""
+    """Return the (not yet started) process of attempt n, or of its probe.
+
+    With a workspace, the agent runs in its worktree; with ``sandbox``, under bubblewrap
+    (raises FileNotFoundError, "cannot start", when bwrap or the program is missing).
+    """
     agent = spec.agent
+    ws_path = Path(workspace.path) if workspace is not None else None
     cwd = folder.work if not probe or os.path.isdir(folder.work) else folder.path
+    if ws_path is not None and os.path.isdir(ws_path):
+        cwd = ws_path
+    env = build_env(agent.env, dispatch_env(spec.job_id, folder.work, n, ws_path), agent.pass_env)
+    if agent.repo.sandbox:
+        home = env.get("HOME") or os.path.expanduser("~")
+        writable = sandbox.writable_paths(agent.repo, folder.work, ws_path, git_writable, home)
+        cmd = sandbox.wrap(cmd, cwd=cwd, writable=writable, network=agent.repo.sandbox_network, env=env)
     return AgentProcess(
         cmd,
         cwd=cwd,
-        env=build_env(agent.env, dispatch_env(spec.job_id, folder.work, n), agent.pass_env),
+        env=env,
         timeout_s=spec.timeout_s,
         kill_grace_s=cfg.kill_grace_s,
         log_dir=log_dir,
@@ -96,3 +109,9 @@ def interrupted(n: int, running: Mapping[str, Any] | None) -> Attempt:
     """Return the record of attempt n found without its end (its daemon died, or a stop cut it)."""
     started = float((running or {}).get("started") or time.time())
     return Attempt(n=n, started=started, ended=time.time(), exit_code=None, interrupted=True, host=HOST)
+
+
+def hook_failed(n: int, why: str) -> Attempt:
+    """Return the record of attempt n whose before hook failed: the agent never ran."""
+    now = time.time()
+    return Attempt(n=n, started=now, ended=now, exit_code=None, host=HOST, extra={"before": why})

@@ -369,7 +369,8 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
     writes = tuple(order.writes if order.writes is not None else agent.writes)
     if agent.prompt is not None:
         final_work = layout.job(State.ACTIVE, order.job_id) / "work"
-        prompt = render(agent.prompt, prompt_values(body, writes, final_work), prompt=True).encode()
+        tree = layout.worktree(order.job_id) if agent.repo.workspace is not None else None
+        prompt = render(agent.prompt, prompt_values(body, writes, final_work, tree), prompt=True).encode()
         fsutil.write_new(work / "prompt.md", prompt)
         given["prompt.md"] = digest(prompt)
     max_attempts = order.max_attempts or agent.max_attempts

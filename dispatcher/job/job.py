@@ -26,6 +26,7 @@ from dispatcher.job import attempt, retry, verify
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.control import Control, Left
 from dispatcher.job.finish import Finisher
+from dispatcher.job.repowork import JobRepo, WorkspaceFailed
 from dispatcher.job.runner import AgentProcess, end_group
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
@@ -89,6 +90,7 @@ class Job:
         self._followups: list[Child] = []
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
         self._children: list[str] | None = None
+        self.repo = JobRepo(ctx.layout, ctx.lanes, spec, folder)  # section 15: worktree, diffs, hooks
 
     @property
     def agent(self) -> str:
@@ -116,6 +118,7 @@ class Job:
                     return Outcome.LEFT
 
     async def _run(self) -> Outcome:
+        await self.repo.load()
         if self.recovering and self.folder.result() is not None:  # a fresh claim has no result yet
             return await self._reland()
         if self.recovering:
@@ -133,6 +136,8 @@ class Job:
             ended = await self._attempt(n)
             if isinstance(ended, Outcome):
                 return ended
+            if ended is None:
+                continue  # the before hook failed and a retry is due
             outcome = await self._decide(n, ended)
             if outcome is not None:
                 return outcome
@@ -143,6 +148,9 @@ class Job:
         state = Row(result.state or "failed")
         log.info("job.recovered", step="finish")
         ok = await self.ctx.finisher.land(self.folder, Finish(self.job_id, self.token, state), result, release=True)
+        if ok and state in (Row.DONE, Row.FAILED, Row.REVIEW):
+            self.repo.restore(result.extra.get("workspace"))
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
         return outcome_of(state) if ok else Outcome.FENCED
 
     # -- recovery ---------------------------------------------------------------------------
@@ -181,12 +189,18 @@ class Job:
             await end_group(pgid, self.ctx.config().kill_grace_s)
 
     # -- one attempt --------------------------------------------------------------------------
-    async def _attempt(self, n: int) -> Exit | Outcome:
-        """Run attempt n; return its Exit, or how the job ended when it never ran or was stopped."""
+    async def _attempt(self, n: int) -> Exit | Outcome | None:
+        """Run attempt n; return its Exit, how the job ended when it never ran or was stopped, or None for a retry."""
         agent = self.spec.agent
-        argv = attempt.argv(self.spec, self.folder.work, agent.command)
+        try:
+            await self.repo.open(n)
+        except WorkspaceFailed as exc:
+            reason = f"config: agent {agent.name} cannot start: {exc}"
+            log.error("agent.exited", attempt=n, error=reason)
+            return await self.finish(Row.FAILED, reason, [])
+        argv = attempt.argv(self.spec, self.folder.work, agent.command, self.repo.path)
         proc = await self._spawn(n, argv)
-        if isinstance(proc, Outcome):
+        if proc is None or isinstance(proc, Outcome):
             return proc
         if isinstance(proc, OSError):
             why = proc.strerror or str(proc)
@@ -227,12 +241,13 @@ class Job:
             return await self.finish(Row.FAILED, Stop.CANCELLED, [])
         return attempt.exit_of(record, self.spec.timeout_s)
 
-    async def _spawn(self, n: int, argv: list[str]) -> AgentProcess | OSError | Outcome:
-        """Begin attempt n and start its agent; return the error if its program cannot start.
+    async def _spawn(self, n: int, argv: list[str]) -> AgentProcess | OSError | Outcome | None:
+        """Begin attempt n, run its before hook, and start its agent; return the error if it cannot start.
 
         A shortage (descriptors, processes, memory) is not an attempt: the attempt's
         folder goes and the job returns ``Outcome.SHORT``, so that the scheduler
-        gives its slot back and starts it again once the shortage is over.
+        gives its slot back and starts it again once the shortage is over. A failed
+        before hook fails the attempt (None: a retry was scheduled).
         """
         try:
             log_dir = self.folder.begin_attempt(n)  # a folder, two empty logs: on the loop
@@ -241,7 +256,18 @@ class Job:
                 self.folder.drop_attempt(n)
                 return Outcome.SHORT
             log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)  # a full disk: wait
-        proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), log_dir)
+        if self.spec.agent.repo.before is not None:
+            why = await self.repo.before(n, self.ctx.config(), self.control.attach)
+            if self.control.reason is Stop.STOPPED:
+                return Outcome.LEFT
+            if self.control.reason is Stop.CANCELLED:
+                return await self.finish(Row.FAILED, Stop.CANCELLED, [])
+            if why is not None:
+                return await self._before_failed(n, why)
+        cfg = self.ctx.config()
+        proc = attempt.process(
+            self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_writable=self.repo.git_writable
+        )
         try:
             proc.start()
         except OSError as exc:
@@ -249,6 +275,16 @@ class Job:
             return Outcome.SHORT if SHORT.note(exc, "agent.start") else exc
         SHORT.ok()
         return proc
+
+    async def _before_failed(self, n: int, why: str) -> Outcome | None:
+        """The before hook of attempt n failed: the attempt fails with its reason (retried if attempts remain)."""
+        record = attempt.hook_failed(n, why)
+        self.attempts.append(record)
+        await self._persist(self.folder.record_attempt, record)
+        why_not = self._no_more_attempts(n)
+        if why_not is not None:
+            return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", [])
+        return await self._schedule_retry(n, why)
 
     async def _persist(self, fn: Callable[..., T], *args: object, inline: bool = False) -> T:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is).
@@ -335,10 +371,20 @@ class Job:
 
     async def _run_probe(self) -> int | None:
         n = max(self.folder.attempt_numbers(), default=1)
-        argv = attempt.argv(self.spec, self.folder.work, self.spec.agent.probe or ())
+        argv = attempt.argv(self.spec, self.folder.work, self.spec.agent.probe or (), self.repo.path)
         folder = self.folder.attempts_dir / str(n)
-        proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), folder, probe=True)
         try:
+            proc = attempt.process(
+                self.spec,
+                self.folder,
+                n,
+                argv,
+                self.ctx.config(),
+                folder,
+                probe=True,
+                workspace=self.repo.ws,
+                git_writable=self.repo.git_writable,
+            )
             await self._persist(self.folder.begin_probe, n)
             proc.start()
         except OSError as exc:
@@ -371,8 +417,18 @@ class Job:
     async def _checks(self, exit_: Exit) -> list[CheckResult]:
         record, self._unsaved = self._unsaved, None
         ctx = self.ctx
+        changed = await self.repo.snapshot(max(self.folder.attempt_numbers(), default=0))
         collect = functools.partial(
-            verify.collect, ctx.config(), ctx.ledger, ctx.layout, self.spec, self.order, self.folder, exit_, record
+            verify.collect,
+            ctx.config(),
+            ctx.ledger,
+            ctx.layout,
+            self.spec,
+            self.order,
+            self.folder,
+            exit_,
+            record,
+            changed,
         )
         ev, self._followups = await self._persist(collect)
         return verify.check(ev)
@@ -403,6 +459,8 @@ class Job:
         cost = total_cost(self.attempts)
         parent_cost = self.spec.parent_chain_cost_usd
         chain = None if cost is None and parent_cost is None else round((cost or 0) + (parent_cost or 0), 10)
+        workspace = await self.repo.seal()
+        await self.repo.owe_landing(state)
         result = build_result(
             job_id=self.job_id,
             state=str(state),
@@ -415,6 +473,7 @@ class Job:
             children=children,
             cost_usd=cost,
             chain_cost_usd=chain,
+            extra={"workspace": workspace} if workspace is not None else None,
         )
         finish = Finish(self.job_id, self.token, state, cost, chain)
         delay = 0.5
@@ -435,4 +494,6 @@ class Job:
                     raise Left from None
                 delay = min(delay * 2, _DISK_WAIT_MAX_S)
                 continue
+            if ok:
+                await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
             return outcome_of(state) if ok else Outcome.FENCED

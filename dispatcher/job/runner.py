@@ -67,6 +67,17 @@ def build_env(
     return env
 
 
+def dispatch_env(job_id: str, work: Path, n: int, workspace: Path | None = None) -> dict[str, str]:
+    """Return the DISPATCH_* variables of attempt n."""
+    return {
+        "DISPATCH_JOB_ID": job_id,
+        "DISPATCH_ORDER": str(work / "order.json"),
+        "DISPATCH_WORKSPACE": str(workspace or work),
+        "DISPATCH_RECEIPT": str(work / "receipt.json"),
+        "DISPATCH_ATTEMPT": str(n),
+    }
+
+
 def boot_clock() -> float:
     """Return seconds since boot on the clock /proc's process start times use (it never steps)."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)

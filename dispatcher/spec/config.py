@@ -19,6 +19,7 @@ from typing import Any
 from dispatcher.errors import ConfigError, OrderError, UsageError
 from dispatcher.spec import schema
 from dispatcher.spec.loader import load_document
+from dispatcher.spec.repo import RepoSettings, build_repo_settings
 from dispatcher.text import describe, number
 
 DEFAULT_CONFIG = Path("config/dispatcher.yaml")
@@ -45,6 +46,7 @@ class Agent:
     pass_env: tuple[str, ...] = ()
     max_cost_usd: float | None = None
     review: bool = False
+    repo: RepoSettings = field(default_factory=RepoSettings)  # section 15: workspace, sandbox, hooks
 
     def to_json(self) -> dict[str, Any]:
         """Return the agent as plain JSON values (snapshotted into each job)."""
@@ -63,6 +65,7 @@ class Agent:
             "pass_env": list(self.pass_env),
             "max_cost_usd": self.max_cost_usd,
             "review": self.review,
+            **self.repo.to_json(),
         }
 
     @classmethod
@@ -83,6 +86,7 @@ class Agent:
             pass_env=tuple(data.get("pass_env", ())),
             max_cost_usd=data.get("max_cost_usd"),
             review=bool(data.get("review", False)),
+            repo=RepoSettings.from_json(data),
         )
 
 
@@ -266,6 +270,7 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
         pass_env=_pass_env(name, spec.get("pass_env", ())),
         max_cost_usd=spec.get("max_cost_usd"),
         review=bool(spec.get("review", False)),
+        repo=build_repo_settings(name, spec, base),
     )
 
 
@@ -340,4 +345,11 @@ agents:
     pass_env: []           # names of the daemon's environment variables it also gets (API keys)
     max_cost_usd: null     # no further attempt once the job's attempts cost more
     review: false          # a job that passes its checks waits in review/ for a person
+    workspace: null        # {{git: REPO, base: main, branch: "dispatch/{{job_id}}"}}: a git worktree per job
+    sandbox: false         # true: run under bubblewrap, read-only but the workspace, work/, /tmp, sandbox_writable
+    sandbox_writable: []   # more writable paths under the sandbox, e.g. ["~/.claude"]
+    sandbox_network: true  # false: no network under the sandbox
+    before: null           # argv run in the workspace before each attempt; a failure fails the attempt
+    after: null            # argv run once the job is final; recorded, never changes its state
+    land: null             # argv run exactly once after the job is done (and approved); `dispatcher land ID` reruns it
 """  # noqa: E501 - a starter agent on one line reads best in the file
