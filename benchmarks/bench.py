@@ -4,7 +4,8 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/bench.py [--only cpu,inotify,pickup,backlog,sleepers,idle]
-        [--orders 2000] [--max-jobs 2] [--tmp DIR] [--keep]
+        [--orders 2000] [--max-jobs 2] [--tmp DIR] [--tmpfs DIR] [--keep]
+    .venv/bin/python benchmarks/bench.py --only rq      # needs redis-server and the bench extra
     .venv/bin/python benchmarks/bench.py --only pg,hosts,roundtrips,takeover [--orders 1000]
         [--hosts 1,2,3] [--hosts-sleep 0.05] [--lease 2,30]
     .venv/bin/python benchmarks/bench.py --profile [--orders 2000]
@@ -35,17 +36,21 @@ from pathlib import Path
 from typing import Any
 
 from capacity import section_idle, section_sleepers
-from harness import BenchError
+from cpu import section_cpu
+from harness import BenchError, fresh_folder
 from latency import section_backlog, section_pickup
 from many_hosts import section_hosts, section_pg, section_roundtrips, section_takeover
 from profiling import run_profile
 from report import Result, table
-from throughput import section_cpu, section_inotify
+from rq_queue import section_rq
+from syscalls import section_syscalls
+from throughput import section_inotify
 
 Section = Callable[[Path, argparse.Namespace], Result]
 
 SECTIONS: dict[str, tuple[Section, str]] = {
-    "cpu": (section_cpu, "daemon CPU per job and throughput, `run --once` vs `xargs -P`"),
+    "cpu": (section_cpu, "daemon CPU per job (by thread) and throughput vs the floor loop and `xargs -P`"),
+    "syscalls": (section_syscalls, "system calls per job under strace: the daemon's threads vs the floor's"),
     "inotify": (section_inotify, "throughput, running daemon vs an `inotifywait -m` loop"),
     "pickup": (section_pickup, "rename into inbox/ -> agent start, idle daemon"),
     "backlog": (section_backlog, "orders waiting at start: `run` spawn -> first agent start"),
@@ -55,10 +60,12 @@ SECTIONS: dict[str, tuple[Section, str]] = {
     "hosts": (section_hosts, "one PostgreSQL ledger, daemons on 1, 2 and 3 hosts (namespaces)"),
     "roundtrips": (section_roundtrips, "the PostgreSQL ledger's transactions and statements per job"),
     "takeover": (section_takeover, "a host killed mid-job: time until another host takes it over"),
+    "rq": (section_rq, "throughput against RQ (2 workers, Redis without persistence) and `xargs -P`"),
 }
 # Run when --only is not given. The PostgreSQL sections need a server's binaries (and
-# `hosts` and `takeover` root, for network namespaces); they run when named.
-DEFAULT_SECTIONS = ("cpu", "inotify", "pickup", "backlog", "sleepers", "idle")
+# `hosts` and `takeover` root, for network namespaces), `rq` redis-server and the bench
+# extra; they run when named.
+DEFAULT_SECTIONS = ("cpu", "syscalls", "inotify", "pickup", "backlog", "sleepers", "idle")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -90,7 +97,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hosts-sleep", type=float, default=0.05, help="seconds the agent sleeps in hosts")
     ap.add_argument("--lease", default="2,30", help="comma-separated leases (seconds) for takeover")
     ap.add_argument("--timeout", type=float, default=None, help="limit per throughput run (default 120 + 0.5 s/order)")
-    ap.add_argument("--tmp", default=None, help="where to make the dispatch roots (default $TMPDIR)")
+    ap.add_argument(
+        "--tmp", default=None, help="folder on disk under which each run gets a fresh folder (default $TMPDIR)"
+    )
+    ap.add_argument(
+        "--tmpfs",
+        default="/dev/shm",
+        help="folder on tmpfs where `cpu` measures a second time, in fresh folders; 'none' to skip",
+    )
+    ap.add_argument("--strace-orders", type=int, default=300, help="orders for syscalls (each run under strace)")
     ap.add_argument("--keep", action="store_true", help="keep the dispatch roots and daemon logs")
     ap.add_argument("--profile", action="store_true", help="profile `run --once` over --orders orders instead")
     ap.add_argument("--profile-wall", action="store_true", help="with --profile: wall clock instead of CPU time")
@@ -111,11 +126,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--hosts, --lease and --hosts-sleep need positive values")
     args.pg_orders = args.orders or 1000
     args.orders = args.orders or 2000
-    counts = [args.orders, args.max_jobs, args.pickup_samples, args.sleepers, *args.backlog, *args.hosts]
+    counts = [
+        args.orders,
+        args.strace_orders,
+        args.max_jobs,
+        args.pickup_samples,
+        args.sleepers,
+        *args.backlog,
+        *args.hosts,
+    ]
     if min(counts) < 1:
         ap.error("counts must be >= 1")
     args.timeout = args.timeout or 120 + max(args.orders, args.pg_orders) * 0.5
     return args
+
+
+def _from_checkout(path: str) -> str:
+    """Return path relative to the checkout (`.venv/bin/python`) when inside it: reports hold no machine paths."""
+    checkout = Path(__file__).resolve().parent.parent
+    try:
+        return str(Path(path).relative_to(checkout))
+    except ValueError:
+        return os.path.basename(path)
 
 
 def machine(argv: list[str] | None) -> dict[str, Any]:
@@ -154,11 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     meta = machine(argv)
     tmp = Path(tempfile.mkdtemp(prefix="dispatcher-bench-", dir=args.tmp))
+    made = [tmp]
+
+    def tmpfs_base() -> Path:
+        top = Path(tempfile.mkdtemp(prefix="dispatcher-bench-", dir=args.tmpfs))
+        made.append(top)
+        return top
+
+    args.tmpfs_base = None if args.tmpfs.lower() in ("", "none") else tmpfs_base
     results: dict[str, Result] = {}
     try:
         if args.profile:
-            base = tmp / "profile"
-            base.mkdir()
+            base = fresh_folder(tmp, "profile")
             try:
                 print("\n".join(run_profile(base, args)))
             except BenchError as exc:
@@ -167,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for name in args.only:
             fn, _title = SECTIONS[name]
-            base = tmp / name
-            base.mkdir()
+            base = fresh_folder(tmp, name)
             print(f"running {name} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             try:
@@ -182,10 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        if args.keep:
-            print(f"kept {tmp}", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        for top in made:
+            if args.keep:
+                print(f"kept {top}", file=sys.stderr)
+            else:
+                shutil.rmtree(top, ignore_errors=True)
 
     print(f"dispatcher benchmark  {meta['date']}  (commit {meta['commit'] or '?'})")
     print(f"command: {meta['command']}")
@@ -201,12 +240,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _from_checkout(path: str) -> str:
-    """Return path relative to the checkout (`.venv/bin/python`) when inside it: reports hold no machine paths."""
-    checkout = Path(__file__).resolve().parent.parent
-    try:
-        return str(Path(path).relative_to(checkout))
-    except ValueError:
-        return os.path.basename(path)

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -74,6 +75,55 @@ def children_cpu_s() -> float:
     """Return user+sys CPU seconds of every reaped child of this process so far."""
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
+
+
+def children_ctx() -> int:
+    """Return voluntary+involuntary context switches of every reaped child of this process so far."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_nvcsw + ru.ru_nivcsw
+
+
+# -- fresh folders -------------------------------------------------------------------
+
+
+def fresh_folder(parent: Path, label: str) -> Path:
+    """Return a brand-new folder under parent for one run: no earlier run created or deleted anything in it.
+
+    ext4 skips recently deleted inodes when it allocates (`recently_deleted`), so a create
+    in a folder that saw many deletions costs 200-1,000 us of CPU instead of 27-45 us; a
+    run in such a folder measures the filesystem, not the program.
+    """
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{label}-", dir=parent))
+
+
+def create_cost_us(folder: Path, n: int = 200) -> float:
+    """Return the CPU (this thread's, in us) of creating one empty file in a new subfolder of folder.
+
+    The files stay: deleting them would make the next creates there slower.
+    """
+    probe = folder / "create-probe"
+    probe.mkdir()
+    t0 = time.thread_time()
+    for i in range(n):
+        os.close(os.open(probe / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    return (time.thread_time() - t0) / n * 1e6
+
+
+def filesystem(path: Path) -> str:
+    """Return the filesystem type that holds path (from /proc/mounts), or '?'."""
+    best, kind = "", "?"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                mnt = parts[1]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
 
 
 # -- environment, orders, config -----------------------------------------------------

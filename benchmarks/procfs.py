@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 
 
@@ -87,3 +88,45 @@ class Sampler:
                 self.hwm_kb = max(self.hwm_kb, st.get("VmHWM", 0))
             if self._stop.wait(self.interval):
                 return
+
+
+def thread_table(pid: int) -> list[dict[str, int | str]]:
+    """Return pid's live threads: tid, name (comm), utime and stime (ticks), voluntary and involuntary switches.
+
+    The main thread (tid == pid) is named `loop`; other names lose a trailing `_N`, so
+    that `io_0` and `io_1` add up under `io`.
+    """
+    rows: list[dict[str, int | str]] = []
+    with contextlib.suppress(FileNotFoundError):
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            task = f"/proc/{pid}/task/{tid}"
+            try:
+                with open(f"{task}/comm") as fh:
+                    comm = fh.read().strip()
+                with open(f"{task}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                vol = invol = 0
+                with open(f"{task}/status") as fh:
+                    for line in fh:
+                        if line.startswith("voluntary_ctxt_switches"):
+                            vol = int(line.split()[1])
+                        elif line.startswith("nonvoluntary_ctxt_switches"):
+                            invol = int(line.split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended meanwhile
+            name = "loop" if int(tid) == pid else re.sub(r"_\d+$", "", comm)
+            rows.append(
+                {"tid": int(tid), "name": name, "utime": int(fields[11]), "stime": int(fields[12]),
+                 "vol": vol, "invol": invol}
+            )  # fmt: skip
+    return rows
+
+
+def process_ticks(pid: int) -> dict[str, int]:
+    """Return utime, stime (every thread, ended ones included) and cutime, cstime (reaped children) in ticks."""
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
+    return {"utime": int(f[11]), "stime": int(f[12]), "cutime": int(f[13]), "cstime": int(f[14])}
+
+
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")

@@ -1,8 +1,7 @@
-"""Sections `cpu` and `inotify`: what a job costs the daemon, and how fast jobs go through.
+"""Section `inotify`, and the runs other sections share: `xargs -P` over the agent, `run --once`.
 
-Both compare the daemon with the cheapest ways to run the same agent over the same orders:
-`xargs -P` (parallel, nothing but spawns) and an `inotifywait -m` shell loop (a folder
-watcher that runs one agent per file, one at a time, with no checks and no ledger).
+`inotify` compares a running daemon with an `inotifywait -m` shell loop (a folder watcher
+that runs one agent per file, one at a time, with no checks and no ledger).
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -99,62 +97,6 @@ def once(base: Path, max_jobs: int, ids: list[str], timeout: float) -> Daemon:
     if code != 0 or done != len(ids):
         raise BenchError(f"run --once exited {code} with {done}/{len(ids)} jobs in done/\n{d.symptoms()}")
     return d
-
-
-def section_cpu(base: Path, opts: argparse.Namespace) -> Result:
-    """Daemon CPU per job beyond the agent's own, and throughput, against `xargs -P`."""
-    n, mj, timeout = opts.orders, opts.max_jobs, opts.timeout
-    res = Result()
-
-    xb = base / "xargs"
-    xb.mkdir()
-    ids = job_ids("XARG", n)
-    work = make_workdirs(xb, ids)
-    wall_x, cpu_x = xargs_run(xb, ["sh", str(AGENT)], [[j, str(work / j)] for j in ids], mj, timeout)
-    if missing := missing_receipts(work, ids):
-        raise BenchError(f"xargs baseline: {len(missing)} receipts missing, e.g. {work / missing[0]}")
-
-    # Start-up: interpreter, imports, config, ledger, watcher, first scan, stop.
-    startups = [once(base / f"startup-{k}", mj, [], 120) for k in range(STARTUP_RUNS)]
-    start_cpu = statistics.median(d.cpu_s or 0.0 for d in startups)
-    start_wall = statistics.median(d.wall_s or 0.0 for d in startups)
-
-    d = once(base / "once", mj, job_ids("ONCE", n), timeout)
-    assert d.cpu_s is not None and d.wall_s is not None
-    agent_ms = cpu_x / n * 1000
-    incl_ms = (d.cpu_s - cpu_x) / n * 1000
-    excl_ms = (d.cpu_s - start_cpu - cpu_x) / n * 1000
-    rate_d, rate_x = n / d.wall_s, n / wall_x
-    res.rows += [
-        Row("cpu_per_job_incl_startup", "daemon CPU/job beyond the agent, incl. start-up", incl_ms, agent_ms,
-            "ms", "<= 1.0 x agent", incl_ms <= agent_ms, 3),
-        Row("cpu_per_job_excl_startup", "daemon CPU/job beyond the agent, excl. start-up", excl_ms, agent_ms,
-            "ms", "<= 1.0 x agent", excl_ms <= agent_ms, 3),
-        Row("throughput_vs_xargs", f"throughput, run --once vs xargs -P {mj}", rate_d, rate_x,
-            "jobs/s", ">= 0.5 x xargs", rate_d >= 0.5 * rate_x, 1),
-    ]  # fmt: skip
-    steady = steady_rate(d, n)
-    res.notes += [
-        f"N = {n} orders, max_jobs {mj}, agent `sh agent.sh`; baseline `xargs -0 -P {mj} -n 2 sh agent.sh ID WORK`",
-        f"CPU user+sys, whole run: daemon {d.cpu_s:.2f} s (its agents included), xargs {cpu_x:.2f} s "
-        f"= the agent's cost, {agent_ms:.3f} ms/job",
-        f"daemon start-up (run --once, empty inbox, median of {STARTUP_RUNS}): {start_cpu * 1000:.0f} ms CPU, "
-        f"{start_wall * 1000:.0f} ms wall",
-        f"wall: daemon {d.wall_s:.2f} s spawn to exit, xargs {wall_x:.2f} s"
-        + (f"; daemon first agent.started -> last job.done: {steady:.1f} jobs/s" if steady else ""),
-    ]
-    res.data = {
-        "orders": n,
-        "max_jobs": mj,
-        "daemon_cpu_s": d.cpu_s,
-        "daemon_wall_s": d.wall_s,
-        "xargs_cpu_s": cpu_x,
-        "xargs_wall_s": wall_x,
-        "startup_cpu_s": start_cpu,
-        "startup_wall_s": start_wall,
-        "steady_jobs_per_s": steady,
-    }
-    return res
 
 
 # -- inotifywait ---------------------------------------------------------------------

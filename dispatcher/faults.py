@@ -18,3 +18,8 @@ def point(name: str) -> None:
     """Die here, at once and without cleanup, if $DISPATCHER_FAULT names this point."""
     if name == _WANTED:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def armed(name: str) -> bool:
+    """Return True if $DISPATCHER_FAULT names this point (for a step that must set up its own crash)."""
+    return name == _WANTED

@@ -42,6 +42,10 @@ class Layout:
         ):
             object.__setattr__(self, name, path)
 
+    def worktree(self, job_id: str) -> Path:
+        """Return where a job's git worktree lives (contract section 15): outside its folder, which moves."""
+        return self.state_dir / "worktrees" / job_id
+
     def folder(self, state: State) -> Path:
         """Return the folder of a state (active/, review/, done/, failed/)."""
         return self._folders[state]

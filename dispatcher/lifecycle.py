@@ -42,6 +42,7 @@ class Outcome(enum.StrEnum):
     REVIEW = "review"
     LEFT = "left"  # stopped: stays in active/ and is recovered at the next start
     FENCED = "fenced"  # its claim was taken over: nothing was changed
+    SHORT = "short"  # its agent could not start for a shortage: queued again, its slot given back
 
 
 class Stop(enum.StrEnum):

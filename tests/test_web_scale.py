@@ -19,7 +19,7 @@ def test_a_root_of_10000_jobs_pages_and_answers_its_overview_under_200_ms(env: E
     web = start_web(env)
     try:
         assert web.json("/api/status")["counts"] | {} == {
-            "inbox": 0, "held": 0, "active": 0, "review": 20, "done": 8982, "failed": 998, "refused": 0,
+            "inbox": 0, "held": 0, "active": 0, "waiting": 0, "review": 20, "done": 8982, "failed": 998, "refused": 0,
         }  # fmt: skip
         assert len(web.json("/api/jobs")) == N
         assert len(web.json("/api/jobs?state=failed&agent=agent-0")) == 998

@@ -180,7 +180,8 @@ def big_root(root: Path, n: int, *, now: float | None = None) -> None:
     Nine in ten are done, the rest failed, and up to 20 wait in review; each has
     a small result.json and a ledger row with its agent, cost and finish time.
     """
-    from dispatcher.layout import Layout, iso
+    from dispatcher.clock import iso
+    from dispatcher.layout import Layout
     from dispatcher.ledger.base import Entry
     from dispatcher.ledger.sqlite import SqliteLedger
 

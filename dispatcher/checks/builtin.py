@@ -89,6 +89,8 @@ class Evidence:
     hops: int = 0
     max_hops: int = 5
     max_followups: int = 100
+    changed: tuple[str, ...] | None = None  # paths the job changed in its git workspace (None: it has none)
+    changed_unknown: str | None = None  # why the workspace's change could not be read
 
 
 def _n(name: str) -> Callable[[bool | None, str], CheckResult]:
@@ -280,6 +282,8 @@ def writes_scope(ev: Evidence) -> CheckResult:
             return r(False, f"{path} was given and is deleted")
         if e.kind != "file" or e.digest != digest:
             return r(False, f"{path} was given and is changed")
+    if ev.changed_unknown is not None:
+        return r(False, ev.changed_unknown)
     for e in ev.entries:
         if e.kind == "dir" or e.path in ev.given:
             continue
@@ -291,8 +295,17 @@ def writes_scope(ev: Evidence) -> CheckResult:
             return r(False, f"{e.path} cannot be listed")
         if e.kind == "file" and e.nlink > 1:
             return r(False, f"{e.path} has {e.nlink} hard links")
-        if not in_scope(e.path, ev.writes):
+        if ev.changed is not None:  # writes are the workspace's; work/ takes the receipt, outbox and output
+            if not in_scope(e.path, (ev.order.accept.output,) if ev.order.accept.output else ()):
+                return r(False, f"work/{e.path} is outside the receipt, outbox/ and the output")
+        elif not in_scope(e.path, ev.writes):
             return r(False, f"{e.path} is outside writes ({', '.join(ev.writes) or 'none'})")
+    if ev.changed is not None:
+        outside = [p for p in ev.changed if not any(p == pat or fnmatchcase(p, pat) for pat in ev.writes)]
+        if outside:
+            shown = ", ".join(outside[:20]) + (f" and {len(outside) - 20} more" if len(outside) > 20 else "")
+            return r(False, f"changed outside writes ({', '.join(ev.writes) or 'none'}): {shown}")
+        return r(True, f"every changed path ({len(ev.changed)}) is inside writes")
     return r(True, "every change is inside writes")
 
 

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 
 from dispatcher import fsutil
@@ -20,6 +20,7 @@ from dispatcher.checks.stream import summarise_fd
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import NotRegular, kind_of
 from dispatcher.layout import is_ignored
+from dispatcher.shortage import resource_of
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import order_format, parse_order
 
@@ -32,6 +33,12 @@ _KINDS = {
     "FIFO": "fifo",
     "socket": "socket",
 }
+
+
+def _raise_if_short(exc: OSError) -> None:
+    """Raise a shortage (EMFILE, ENOMEM ...): it says nothing of the agent's files, the caller waits."""
+    if resource_of(exc) is not None:
+        raise exc
 
 
 def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
@@ -48,6 +55,7 @@ def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
     except OSError as exc:
         if exc.errno == errno.ENOTDIR:
             return Doc(missing=True), None
+        _raise_if_short(exc)
         return Doc(error=f"cannot be read: {exc.strerror}"), None
     st = os.fstat(fd)
     why = None
@@ -75,6 +83,7 @@ def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
                 return Doc(error=f"larger than {limit} bytes"), None
             chunks.append(chunk)
     except OSError as exc:
+        _raise_if_short(exc)
         return Doc(error=f"cannot be read: {exc.strerror}"), None
     finally:
         os.close(fd)
@@ -119,7 +128,8 @@ def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
         folder, prefix = stack.pop()
         try:
             it = os.scandir(folder)
-        except OSError:
+        except OSError as exc:
+            _raise_if_short(exc)
             if prefix:
                 out.append(Entry(prefix.rstrip("/"), "unreadable"))
             continue
@@ -151,7 +161,10 @@ def _digest_file(work: Path, rel: str) -> str | None:
     """Return the sha256 of work/<rel> read in chunks without following links, or None."""
     try:
         fd = fsutil.open_beneath(work, Path(rel))
-    except (OSError, NotRegular):
+    except NotRegular:
+        return None
+    except OSError as exc:
+        _raise_if_short(exc)
         return None
     h = hashlib.sha256()
     try:
@@ -159,7 +172,8 @@ def _digest_file(work: Path, rel: str) -> str | None:
             return None
         while chunk := os.read(fd, 1 << 20):
             h.update(chunk)
-    except OSError:
+    except OSError as exc:
+        _raise_if_short(exc)
         return None
     finally:
         os.close(fd)
@@ -222,6 +236,7 @@ def gather(
     hops: int,
     max_hops: int,
     max_followups: int = 100,
+    changed: Sequence[str] | str | None = None,
 ) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
     """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
     work_exists = os.path.isdir(work) and not os.path.islink(work)
@@ -257,5 +272,7 @@ def gather(
         hops=hops,
         max_hops=max_hops,
         max_followups=max_followups,
+        changed=tuple(changed) if changed is not None and not isinstance(changed, str) else None,
+        changed_unknown=changed if isinstance(changed, str) else None,
     )
     return ev, followups

@@ -298,6 +298,25 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     return 1 if failed else 0
 
 
+def cmd_land(args: argparse.Namespace) -> int:
+    """`land ID...`: run each done job's land hook again; 1 if any failed."""
+    from dispatcher.ops.land import land_again
+
+    cfg = config_of(args, need_root=True)
+    ids = read_ids(args.ids, sys.stdin)
+    if not ids:
+        raise UsageError("land: no job id given")
+    _log_to_file(cfg)
+    failed = 0
+    for job_id in ids:
+        try:
+            print(land_again(cfg, Layout(cfg.root), job_id), flush=True)
+        except (NotFound, WrongState) as exc:
+            print(exc, file=sys.stderr, flush=True)
+            failed += 1
+    return 1 if failed else 0
+
+
 def _log_to_file(cfg: Config) -> None:
     """Send log lines to the config's log_file only: stdout is for the person at the terminal."""
     from dispatcher import logs

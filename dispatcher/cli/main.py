@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("job_id")
     c.add_argument("--json", action="store_true")
     c.add_argument("--tree", action="store_true", help="draw the chain of follow-ups with each job's cost")
-    for name in ("retry", "cancel", "hold", "release", "approve", "reject", "revise"):
+    for name in ("retry", "cancel", "hold", "release", "approve", "reject", "land", "revise"):
         c = _command(sub, name)
         c.add_argument("ids", nargs="+", metavar="ID", help="job ids, or - to read them from stdin, one a line")
         if name == "cancel":
@@ -309,6 +309,7 @@ COMMANDS = {
     "release": lambda args: commands.for_each_id(args, "release"),
     "approve": lambda args: commands.for_each_id(args, "approve"),
     "reject": lambda args: commands.for_each_id(args, "reject"),
+    "land": commands.cmd_land,
     "revise": lambda args: commands.for_each_id(args, "revise"),
     "pause": lambda args: commands.for_each_id(args, "pause"),
     "resume": lambda args: commands.for_each_id(args, "resume"),

@@ -143,6 +143,12 @@ def render_show(info: Mapping[str, Any]) -> str:
     if job.get("folder"):
         lines.append(f"  folder: {job['folder']}")
     lines.append(f"  cost: {usd(job.get('cost_usd'))}  chain cost: {usd(job.get('chain_cost_usd'))}")
+    ws = job.get("workspace")
+    if isinstance(ws, dict):
+        changed = ws.get("changed") or []
+        head, base = str(ws.get("head") or "-")[:12], str(ws.get("base") or "-")[:12]
+        lines.append(f"  workspace: {plain(ws.get('branch'))} at {head} (from {base}) in {plain(ws.get('repo'))}")
+        lines.append(f"    changed: {printable(', '.join(map(str, changed))) if changed else '-'}")
     lines.append("  chain:")
     if job.get("parent") and not info["ancestors"]:
         lines.append(f"    parent    {job['parent']}  unknown")

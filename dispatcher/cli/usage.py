@@ -94,6 +94,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "dispatcher approve JOB-001.assign\n"
         "dispatcher list --state review --json | jq -r .job_id | dispatcher approve -",
     ),
+    "land": (
+        f"run the land hook of done jobs again, after it failed ({_IDS})",
+        f"0 every job landed\n1 an id is unknown, not done, has no land hook, or its hook failed (one line each)\n"
+        f"2 {BAD}, a root that does not exist",
+        "dispatcher land JOB-001",
+    ),
     "reject": (
         f"move jobs waiting in review/ to failed/ with reason `rejected: TEXT` ({_IDS})",
         f"0 every job is rejected\n1 an id is unknown or not waiting for review (one line each on stderr)\n"

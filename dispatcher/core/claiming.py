@@ -12,6 +12,7 @@ data for the loop: ``Launch``, ``NoSlot``, ``Dropped``, ``Gone`` or ``Big``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +28,8 @@ from dispatcher.job.joins import Joins
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import State
-from dispatcher.spec.config import Config
+from dispatcher.shortage import SHORT
+from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import validate_order
@@ -44,6 +46,17 @@ class Kind(enum.Enum):
     RETRY = "retry"
     REVISE = "revise"
     JOINED = "joined"  # a job that waited for others (``after``), moved to active/ and taken by this daemon
+    RESUME = "resume"  # a claimed job whose agent could not start for a shortage
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A claimed job whose agent could not start for a shortage, kept as it was (nothing is read again)."""
+
+    folder: JobFolder
+    spec: JobSpec
+    order: Order
+    attempts: list[Attempt]
 
 
 @dataclass
@@ -56,6 +69,7 @@ class Parked:
     item: Inspected | None = None
     token: int = 0
     host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
+    resume: Resume | None = None  # a claimed job queued again after a shortage, as it was
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +160,20 @@ class Claims:
         self.config = config
         self.finisher = finisher
         self.on_refused = on_refused
+        self._known: dict[str, Agent] = {}  # every agent the config has had since the daemon started
+        self._waiting: set[str] = set()  # removed agents whose waiting orders were logged
+
+    def _removed(self, cfg: Config) -> dict[str, Agent]:
+        """Return the agents a reload removed (as they were): their orders wait, never refused."""
+        self._known.update(cfg.agents)
+        removed = {name: a for name, a in self._known.items() if name not in cfg.agents}
+        self._waiting &= set(removed)  # back in the config: a later removal is logged again
+        return removed
+
+    def _wait_for(self, agent: str) -> None:
+        if agent not in self._waiting:
+            self._waiting.add(agent)
+            log.warning("order.waiting", agent=agent, reason="the agent was removed from the config by a reload")
 
     def run(
         self,
@@ -163,15 +191,20 @@ class Claims:
         other daemons may use them.
         """
         ledger, cfg = self.ledger, self.config()
+        removed = self._removed(cfg)
+        reading = dataclasses.replace(cfg, agents={**removed, **cfg.agents}) if removed else cfg
         out: list[Answer] = []
         picks: list[tuple[Parked, int | None]] = []
         for work in batch:
-            p = self.read(work, cfg, now=slotless) if isinstance(work, str) else work
+            p = self.read(work, reading, now=slotless) if isinstance(work, str) else work
             if not isinstance(p, Parked):
                 out.append(p)
                 continue
             if p.kind is Kind.NEW and p.agent in gated and not slotless:
                 out.append(NoSlot(p))  # a gate holds its agent (section 14): it waits unclaimed
+            if p.kind is Kind.NEW and p.agent in removed and not slotless:
+                self._wait_for(p.agent)  # until a reload brings it back (a cancel still goes through)
+                out.append(NoSlot(p))
                 continue
             agent = cfg.agents.get(p.agent)
             joins = p.kind is Kind.NEW and p.item is not None and bool(p.item.order.after)
@@ -180,7 +213,12 @@ class Claims:
                 if p.agent in blocked:
                     out.append(NoSlot(p))
                     continue
-                slot = ledger.take_slot(p.agent, agent.concurrency if agent else 1)
+                try:
+                    slot = ledger.take_slot(p.agent, agent.concurrency if agent else 1)
+                except OSError as exc:  # a slot's lock file cannot be opened now
+                    if not SHORT.note(exc, "slot"):
+                        _free(ledger, picks)
+                        raise
                 if slot is None:
                     out.append(NoSlot(p))
                     continue
@@ -189,8 +227,13 @@ class Claims:
             else:
                 out.append(self.reload(p, slot))
         if picks:
-            chosen = [Pick(p.item, cfg.agents[p.agent]) for p, _ in picks if p.item is not None]
-            answers = intake.claim(self.layout, ledger, chosen, on_refused=self.on_refused, finisher=self.finisher)
+            agents = reading.agents
+            chosen = [Pick(p.item, agents[p.agent]) for p, _ in picks if p.item is not None]
+            try:
+                answers = intake.claim(self.layout, ledger, chosen, on_refused=self.on_refused, finisher=self.finisher)
+            except Exception:
+                _free(ledger, picks)
+                raise
             for (p, slot), answer in zip(picks, answers, strict=True):
                 if isinstance(answer, Started) and not answer.cancelled:
                     out.append(Launch(p, answer.folder, answer.spec, answer.order, answer.token, slot))
@@ -217,13 +260,18 @@ class Claims:
         """
         if _size(self.layout.inbox / name) > BIG_ORDER_BYTES:
             return Big(name)
-        found = intake.inspect(self.layout, name, cfg)
+        try:
+            found = intake.inspect(self.layout, name, cfg)
+            if isinstance(found, Refusal):
+                log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
+                folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)
+                return Gone(name, refused=folder is not None)
+        except OSError as exc:
+            if not SHORT.note(exc, "read"):
+                raise
+            return Gone(name, later=True)  # the file stays in inbox/: read again after the pause
         if found is None:
             return Gone(name)
-        if isinstance(found, Refusal):
-            log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
-            folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)
-            return Gone(name, refused=folder is not None)
         timing = when(found.order, name, now=now)
         if isinstance(timing, Later):
             return timing
@@ -233,9 +281,12 @@ class Claims:
             return Gone(name, refused=folder is not None)
         return Parked(Kind.NEW, found.order.job_id, found.order.to, found)
 
-    def reload(self, p: Parked, slot: int | None) -> Launch | Dropped:
+    def reload(self, p: Parked, slot: int | None) -> Launch | NoSlot | Dropped:
         """Load a recovered job, or reopen a failed one for a retry (ledger lane)."""
         layout, ledger = self.layout, self.ledger
+        if p.resume is not None:  # queued again after a shortage: nothing to read again
+            r = p.resume
+            return Launch(p, r.folder, r.spec, r.order, p.token, slot, list(r.attempts))
         try:
             if p.kind in (Kind.RETRY, Kind.REVISE):
                 reopen = revise.reopen if p.kind is Kind.REVISE else recovery.reopen
@@ -256,6 +307,8 @@ class Claims:
         except Exception as exc:
             if slot is not None:
                 ledger.free_slot(p.agent, slot)
+            if SHORT.note(exc, p.kind.value):
+                return NoSlot(p)  # not now: it stays queued
             if not isinstance(exc, LookupError):
                 log.exception("daemon.error", job_id=p.job_id, step=p.kind.value, error=str(exc))
                 if p.kind is Kind.RECOVER:
@@ -271,6 +324,13 @@ def when(order: Order, name: str = "", *, now: bool = False) -> Later | Refusal 
     if order.expires is not None and order.expires <= t:
         return Refusal(name, "expired", order.job_id, agent=order.to)
     return None
+
+
+def _free(ledger: Ledger, picks: list[tuple[Parked, int | None]]) -> None:
+    """Give back the slots taken for a batch whose claim failed (ledger lane)."""
+    for p, slot in picks:
+        if slot is not None:
+            ledger.free_slot(p.agent, slot)
 
 
 def _size(path: Path) -> int:

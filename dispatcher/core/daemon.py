@@ -32,6 +32,7 @@ from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox, start_watch
 from dispatcher.errors import ConfigError, UsageError
+from dispatcher.job import repowork
 from dispatcher.job.finish import Finisher
 from dispatcher.job.job import JobContext
 from dispatcher.job.joins import Joins
@@ -39,6 +40,7 @@ from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
+from dispatcher.shortage import SHORT
 from dispatcher.spec.config import Config, load_config
 from dispatcher.store.ledgers import open_ledger
 
@@ -65,6 +67,7 @@ class Daemon:
         self._was_fenced = False
         self.stop_deadline: float | None = None
         self._signals: list[int] = []
+        self._ready = False
         self._wake: asyncio.Event | None = None
         self._next_rescan = 0.0
         self._next_watchdog = 0.0
@@ -79,7 +82,13 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self.handle_signal, sig)
         try:
-            await self.startup()
+            try:
+                await self.startup()
+            except Exception:
+                if not self._stop_asked():
+                    raise
+                log.info("daemon.stopped", reason="a stop came before the ledger could be reached")
+                return 0  # nothing was claimed: there is nothing to recover
             while not self.should_exit():
                 await self.wait()
                 self.tick()
@@ -97,11 +106,11 @@ class Daemon:
             self.layout.create()
         except OSError as exc:
             raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
-        self.ledger = open_ledger(self.config, self.layout)
-        self.ledger.register(
-            DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
-        )
-        self.ledger.set_give_up(lambda: self.stopping and self.stop_deadline is None)
+        # off the loop, so that a stop is heard while the ledger is out of reach (its waits check _give_up)
+        self.ledger = await asyncio.to_thread(open_ledger, self.config, self.layout, give_up=self._give_up)
+        self.ledger.set_give_up(self._give_up)
+        info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
+        await asyncio.to_thread(self.ledger.register, info)
         self.lanes = Lanes()
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
@@ -157,14 +166,29 @@ class Daemon:
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
         self.inbox.merge(await self.lanes.scan(list_inbox, self.layout.inbox))
+        await repowork.housekeep(self.layout, self.lanes, self.config, self.notify, startup=True)
         await self.gatekeeper.refresh()  # gates survive restarts: known before any job starts
         self.gatekeeper.start()
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
         await self.house.requests()
         self._next_rescan = time.monotonic() + self._rescan_interval()
         self.tick()
+        self._ready = True
         self.notifier.ready()
         log.info("daemon.ready", active=len(self.sched.running), inbox=len(self.inbox))
+
+    def _stop_asked(self) -> bool:
+        """Return True once SIGTERM or SIGINT came (noted by the handler, or already handled)."""
+        return self.stopping or any(sig != signal.SIGHUP for sig in self._signals)
+
+    def _give_up(self) -> bool:
+        """Should a ledger wait give up? Before READY at once on a stop; after, once the stop's deadline passed.
+
+        Called from the lanes' threads. Whatever could not be recorded is recovered at the next start.
+        """
+        if self._wake is None or not self._ready:
+            return self._stop_asked()
+        return self.stopping and self.stop_deadline is None
 
     def should_exit(self) -> bool:
         if self.stopping:
@@ -313,8 +337,10 @@ class Daemon:
         due = self.inbox.next_due_s()  # an order held back by not_before
         if due is not None:
             waits.append(due)
-        if self.inbox.has_ready() and not self.stopping and self.sched.free_slots() > 0:
+        if self.inbox.has_ready() and not self.stopping and self.sched.may_read():
             return 0.0
+        if SHORT.short():
+            waits.append(SHORT.wait_s())
         if self.notifier.watchdog_interval_s:
             waits.append(self._next_watchdog - now)
         if self.stop_deadline is not None:

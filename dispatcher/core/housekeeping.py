@@ -21,14 +21,15 @@ import structlog
 
 from dispatcher import procs
 from dispatcher.core.watcher import Inbox, list_inbox
-from dispatcher.job import recovery
+from dispatcher.job import recovery, repowork
 from dispatcher.job.job import JobContext
 from dispatcher.job.joins import Joins
 from dispatcher.job.review import settle_reviews
 from dispatcher.job.runner import end_group
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Request
+from dispatcher.ledger.base import LedgerUnavailable, Request
 from dispatcher.lifecycle import Row, State, is_landed
+from dispatcher.shortage import SHORT
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
@@ -101,8 +102,12 @@ class Housekeeping:
     async def _guard(self, coro: Coroutine[Any, Any, Any]) -> None:
         try:
             await coro
+        except LedgerUnavailable as exc:  # a stop gave up the wait: the next start does it again
+            if not self.ctx.stopping():
+                log.exception("daemon.error", step="housekeeping", error=str(exc))
         except Exception as exc:
-            log.exception("daemon.error", step="housekeeping", error=str(exc))
+            if not SHORT.note(exc, "housekeeping"):  # a shortage: the next turn or rescan does it again
+                log.exception("daemon.error", step="housekeeping", error=str(exc))
         finally:
             self.wake()
 
@@ -152,6 +157,10 @@ class Housekeeping:
         self.check_watch()
         if not self.ctx.stopping():
             await self.recover(startup=False)
+            ctx = self.ctx  # land approved jobs (section 15), in the background: a hook may take minutes
+            self.start(
+                repowork.housekeep(ctx.layout, ctx.lanes, ctx.config(), ctx.finisher.notify, startup=False), "land"
+            )
         await self.requests()
 
     # -- requests -------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import structlog
 from dispatcher.ledger.base import Leases
 
 log = structlog.get_logger("dispatcher")
+_JOIN_S = 2.0
 
 
 class LeaseKeeper:
@@ -65,4 +66,4 @@ class LeaseKeeper:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.lease_s)
+        self._thread.join(timeout=min(self.lease_s, _JOIN_S))  # a renewal hung on the network: not waited for

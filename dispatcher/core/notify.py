@@ -4,19 +4,27 @@ The command runs like an agent (never through a shell, in its own process group,
 with an agent's environment rules) on the daemon's event loop, with its own
 timeout of 30 s. Whatever it does, the job's state is already decided: a notify
 that fails, hangs or cannot start is logged as ``notify.failed`` and nothing else.
+
+At most ``notify_max_running`` run at once; the others wait in order. A wait longer
+than ``QUEUE_MAX`` is summarised: later events are counted, not queued, and one
+notification with the event ``notify.dropped`` (reason: the count) takes their place
+at the end of the queue; ``notify.dropped`` is logged with the count when it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from dispatcher.errors import oneline
 from dispatcher.job.runner import AgentProcess, build_env
+from dispatcher.shortage import SHORT
 from dispatcher.spec.config import Config
 from dispatcher.text import exit_text
 
@@ -25,6 +33,17 @@ NOTIFY_TIMEOUT_S = 30.0
 PLACEHOLDERS = ("event", "job_id", "agent", "reason", "result")
 _RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 _OUTPUT_MAX = 64 * 1024
+QUEUE_MAX = 100  # notifications waiting; beyond this they are counted into one notify.dropped
+
+
+@dataclass
+class _Event:
+    event: str
+    job_id: str | None
+    agent: str | None
+    reason: str | None
+    result: Path | None
+    dropped: int = 0  # a summary of this many dropped events (event notify.dropped)
 
 
 def render(text: str, values: Mapping[str, str]) -> str:
@@ -39,26 +58,55 @@ class Notifications:
         self._config = config
         self._cwd = cwd
         self._running: set[asyncio.Task[None]] = set()
+        self._queue: collections.deque[_Event] = collections.deque()
+        self._summary: _Event | None = None  # the queued notify.dropped that counts events dropped now
+        self._retry: asyncio.TimerHandle | None = None
 
     def fire(self, event: str, job_id: str | None, agent: str | None, reason: str | None, result: Path | None) -> None:
-        """Start the notify command for one event (on the loop; returns at once)."""
-        argv = self._config().notify
-        if not argv:
+        """Queue the notify command for one event and start what may start (on the loop; returns at once)."""
+        if not self._config().notify:
             return
-        values = {
-            "event": event,
-            "job_id": job_id or "",
-            "agent": agent or "",
-            "reason": oneline(reason or ""),
-            "result": str(result) if result is not None else "",
-        }
-        task = asyncio.get_running_loop().create_task(
-            self._run([render(a, values) for a in argv], event, job_id, agent)
-        )
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        if len(self._queue) < QUEUE_MAX:
+            self._queue.append(_Event(event, job_id, agent, reason, result))
+        elif self._summary is not None:
+            self._summary.dropped += 1
+        else:
+            self._summary = _Event("notify.dropped", None, None, None, None, dropped=1)
+            self._queue.append(self._summary)
+        self._pump()
 
-    async def _run(self, argv: list[str], event: str, job_id: str | None, agent: str | None) -> None:
+    def _pump(self) -> None:
+        """Start queued notifications, oldest first, while fewer than notify_max_running run."""
+        cfg = self._config()
+        while self._queue and len(self._running) < cfg.notify_max_running and cfg.notify and not SHORT.short():
+            ev = self._queue.popleft()
+            if ev is self._summary:
+                self._summary = None
+                log.warning("notify.dropped", count=ev.dropped, queue_max=QUEUE_MAX)
+                ev.reason = f"{ev.dropped} notifications dropped: more than {QUEUE_MAX} were waiting"
+            values = {
+                "event": ev.event,
+                "job_id": ev.job_id or "",
+                "agent": ev.agent or "",
+                "reason": oneline(ev.reason or ""),
+                "result": str(ev.result) if ev.result is not None else "",
+            }
+            task = asyncio.get_running_loop().create_task(self._run([render(a, values) for a in cfg.notify], ev))
+            self._running.add(task)
+            task.add_done_callback(self._ended)
+        if self._queue and SHORT.short() and self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(SHORT.wait_s(), self._after_pause)
+
+    def _after_pause(self) -> None:
+        self._retry = None
+        self._pump()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._pump()
+
+    async def _run(self, argv: list[str], ev: _Event) -> None:
+        event, job_id, agent = ev.event, ev.job_id, ev.agent
         cfg = self._config()
         env = build_env({}, {"DISPATCH_EVENT": event, "DISPATCH_JOB_ID": job_id or ""})
         proc = AgentProcess(
@@ -73,6 +121,9 @@ class Notifications:
         try:
             proc.start()
         except OSError as exc:
+            if SHORT.note(exc, "notify"):
+                self._queue.appendleft(ev)  # not now: first again once the shortage is over
+                return
             log.warning(
                 "notify.failed", event_name=event, job_id=job_id, agent=agent, error=f"cannot start: {exc.strerror}"
             )
@@ -91,6 +142,11 @@ class Notifications:
             )
 
     async def close(self) -> None:
-        """Let running notify commands end (each is bounded by its own timeout)."""
+        """Let running notify commands end (each is bounded by its own timeout); the queue is dropped."""
+        if self._queue:
+            log.warning("notify.dropped", count=len(self._queue), reason="the daemon stops")
+            self._queue.clear()
+        if self._retry is not None:
+            self._retry.cancel()
         if self._running:
             await asyncio.wait(set(self._running), timeout=NOTIFY_TIMEOUT_S + 10)

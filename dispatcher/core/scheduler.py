@@ -20,13 +20,28 @@ from typing import Any
 
 import structlog
 
-from dispatcher.core.claiming import Big, Claims, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked, when
+from dispatcher.core.claiming import (
+    Big,
+    Claims,
+    Dropped,
+    Gone,
+    Handover,
+    Kind,
+    Later,
+    Launch,
+    NoSlot,
+    Parked,
+    Resume,
+    when,
+)
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake
 from dispatcher.job.job import Job, JobContext
 from dispatcher.job.joins import Joins
+from dispatcher.ledger.base import LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop
+from dispatcher.shortage import SHORT
 from dispatcher.spec.config import Config
 from dispatcher.store.refusals import Refusal, refuse
 
@@ -87,6 +102,14 @@ class Scheduler:
         """Return how many more jobs this daemon may start now (``max_jobs`` minus what runs)."""
         return self.config.max_jobs - len(self.running) - self.inflight
 
+    def may_read(self) -> bool:
+        """Return True if a turn would read a new order now: a slot is free, room to park, no shortage.
+
+        With ``PARK_LIMIT`` orders parked for busy agents a turn reads nothing, so the
+        loop must not be woken for the orders still waiting in inbox/ (it would spin).
+        """
+        return self.free_slots() > 0 and len(self.parked) < PARK_LIMIT and not SHORT.short()
+
     def busy(self) -> bool:
         """Return True while anything runs, waits for a slot or is being claimed."""
         return bool(self.running or self.parked or self.inflight)
@@ -96,11 +119,14 @@ class Scheduler:
         """Launch parked work and read new orders while slots are free."""
         if self.ctx.stopping():
             return
+        if SHORT.short():  # short of descriptors, processes or memory: start nothing until the pause ends
+            self._free_idle()
+            return
         now = time.monotonic()
         self.blocked = {agent: until for agent, until in self.blocked.items() if until > now}
         self.slot_poll = bool(self.blocked)
         gated = frozenset(gated_agents(self.ctx.gates(), self.config.agents, time.time()))  # section 14
-        free = self.free_slots()
+        free = SHORT.allowance(self.free_slots())
         batch: list[Parked | str] = []
         for p in list(self.parked):
             if free <= 0:
@@ -177,8 +203,10 @@ class Scheduler:
                 claims.run, batch, handover or Handover(), blocked=blocked, gated=gated, slotless=cancel, last=last
             )
         except Exception as exc:
-            log.exception("daemon.error", step="claim", error=str(exc))
-            results = [Dropped(p, retry_later=True) if isinstance(p, Parked) else Gone(p, later=True) for p in batch]
+            gave_up = isinstance(exc, LedgerUnavailable) and self.ctx.stopping()  # the order stays for later
+            if not gave_up and not SHORT.note(exc, "claim"):
+                log.exception("daemon.error", step="claim", error=str(exc))
+            results = [_not_now(p) for p in batch]
             if handover is not None and last:  # give back what the failed trip did not use
                 self._background(self.ctx.lanes.ledger(claims.run, [], handover))
         self.inflight -= len(batch)
@@ -216,7 +244,13 @@ class Scheduler:
 
     async def _read_big(self, name: str, *, cancel: bool) -> None:
         """Read a large order in the io pool, then park it (or refuse it in the ledger lane)."""
-        found = await self.ctx.lanes.scan(intake.inspect, self.ctx.layout, name, self.config)
+        try:
+            found = await self.ctx.lanes.scan(intake.inspect, self.ctx.layout, name, self.config)
+        except OSError as exc:
+            if not SHORT.note(exc, "read"):
+                raise
+            asyncio.get_running_loop().call_later(RETRY_LATER_S, self._try_again, name)
+            return
         if found is None:
             self.inbox.forget(name)
         elif isinstance(found, Refusal):
@@ -264,6 +298,10 @@ class Scheduler:
         if r is not None and r.slot is not None:
             self.idle.setdefault(r.job.agent, []).append(r.slot)
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
+        if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():
+            job = r.job
+            resume = Resume(job.folder, job.spec, job.order, list(job.attempts))
+            self.parked.appendleft(Parked(Kind.RESUME, job_id, job.agent, token=job.token, resume=resume))
         if outcome in (Outcome.DONE, Outcome.FAILED, Outcome.REVIEW):
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
@@ -325,3 +363,10 @@ class Scheduler:
         """Queue a job whose wait is over (moved to active/ and taken by this daemon); it runs when a slot is free."""
         self.parked.append(Parked(Kind.JOINED, job_id, agent, token=token))
         self.wake()
+
+
+def _not_now(work: Parked | str) -> Dropped | NoSlot | Gone:
+    """Answer work whose claim trip failed as a whole: a file is tried again later, a job stays queued."""
+    if isinstance(work, str):
+        return Gone(work, later=True)
+    return Dropped(work, retry_later=True) if work.kind is Kind.NEW else NoSlot(work)

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.checks.builtin import Exit
-from dispatcher.job.runner import AgentExit, AgentProcess, build_env, render
+from dispatcher.job import sandbox
+from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env, render
+from dispatcher.job.worktree import Workspace
 from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, prompt_values
 from dispatcher.store.jobstore import JobFolder
@@ -22,14 +24,15 @@ from dispatcher.store.jobstore import JobFolder
 HOST = socket.gethostname()
 
 
-def values(spec: JobSpec, work: Path) -> dict[str, str]:
-    """Return the argv placeholders' values for a job."""
+def values(spec: JobSpec, work: Path, workspace: Path | None = None) -> dict[str, str]:
+    """Return the argv placeholders' values for a job (``workspace``: its git worktree, else work/)."""
     prompt = spec.agent.prompt
-    rendered = render(prompt, prompt_values(spec.order, spec.writes, work), prompt=True) if prompt is not None else ""
+    vals = prompt_values(spec.order, spec.writes, work, workspace)
+    rendered = render(prompt, vals, prompt=True) if prompt is not None else ""
     return {
         "job_id": spec.job_id,
         "order": str(work / "order.json"),
-        "workspace": str(work),
+        "workspace": str(workspace or work),
         "receipt": str(work / "receipt.json"),
         "prompt": rendered,
         "prompt_file": str(work / "prompt.md") if prompt is not None else "",
@@ -37,9 +40,11 @@ def values(spec: JobSpec, work: Path) -> dict[str, str]:
     }
 
 
-def argv(spec: JobSpec, work: Path, command: Iterable[str], session_id: str | None = None) -> list[str]:
+def argv(
+    spec: JobSpec, work: Path, command: Iterable[str], workspace: Path | None = None, session_id: str | None = None
+) -> list[str]:
     """Return the command with its placeholders rendered (``{session_id}`` too when resuming a session)."""
-    vals = values(spec, work)
+    vals = values(spec, work, workspace)
     out = [render(a, vals) for a in command]
     if session_id is not None:
         out = [a.replace("{session_id}", session_id) for a in out]
@@ -73,33 +78,47 @@ def session_before(session_id: str | None, earlier: Sequence[Attempt]) -> float 
     return None
 
 
-def dispatch_env(job_id: str, work: Path, n: int) -> dict[str, str]:
-    """Return the DISPATCH_* variables of attempt n."""
-    return {
-        "DISPATCH_JOB_ID": job_id,
-        "DISPATCH_ORDER": str(work / "order.json"),
-        "DISPATCH_WORKSPACE": str(work),
-        "DISPATCH_RECEIPT": str(work / "receipt.json"),
-        "DISPATCH_ATTEMPT": str(n),
-    }
-
-
 def process(
-    spec: JobSpec, folder: JobFolder, n: int, cmd: list[str], cfg: Config, log_dir: Path, *, probe: bool = False
+    spec: JobSpec,
+    folder: JobFolder,
+    n: int,
+    cmd: list[str],
+    cfg: Config,
+    log_dir: Path,
+    *,
+    probe: bool = False,
+    workspace: Workspace | None = None,
+    git_writable: Sequence[str] = (),
+    check: tuple[float, Path] | None = None,
 ) -> AgentProcess:
-    """Return the (not yet started) process of attempt n, or of its probe."""
+    """Return the (not yet started) process of attempt n, of its probe, or of a user check.
+
+    With a workspace, the agent runs in its worktree; with ``sandbox``, under bubblewrap
+    (raises FileNotFoundError, "cannot start", when bwrap or the program is missing).
+    ``check`` = (timeout, log file) runs a user check (section 14) the same way, its
+    stdout and stderr into that one file.
+    """
     agent = spec.agent
+    ws_path = Path(workspace.path) if workspace is not None else None
     cwd = folder.work if not probe or os.path.isdir(folder.work) else folder.path
+    if ws_path is not None and os.path.isdir(ws_path):
+        cwd = ws_path
+    env = build_env(agent.env, dispatch_env(spec.job_id, folder.work, n, ws_path), agent.pass_env)
+    if agent.repo.sandbox:
+        home = env.get("HOME") or os.path.expanduser("~")
+        writable = sandbox.writable_paths(agent.repo, folder.work, ws_path, git_writable, home)
+        cmd = sandbox.wrap(cmd, cwd=cwd, writable=writable, network=agent.repo.sandbox_network, env=env)
     return AgentProcess(
         cmd,
         cwd=cwd,
-        env=build_env(agent.env, dispatch_env(spec.job_id, folder.work, n), agent.pass_env),
-        timeout_s=spec.timeout_s,
+        env=env,
+        timeout_s=check[0] if check is not None else spec.timeout_s,
         kill_grace_s=cfg.kill_grace_s,
-        log_dir=log_dir,
+        log_dir=None if check is not None else log_dir,
         max_log_bytes=cfg.max_log_bytes,
         log_prefix="probe-" if probe else "",
-        idle_timeout_s=None if probe else agent.idle_timeout_s,
+        idle_timeout_s=None if probe or check is not None else agent.idle_timeout_s,
+        one_log=check[1] if check is not None else None,
     )
 
 
@@ -154,3 +173,9 @@ def interrupted(n: int, running: Mapping[str, Any] | None) -> Attempt:
     """Return the record of attempt n found without its end (its daemon died, or a stop cut it)."""
     started = float((running or {}).get("started") or time.time())
     return Attempt(n=n, started=started, ended=time.time(), exit_code=None, interrupted=True, host=HOST)
+
+
+def hook_failed(n: int, why: str) -> Attempt:
+    """Return the record of attempt n whose before hook failed: the agent never ran."""
+    now = time.time()
+    return Attempt(n=n, started=now, ended=now, exit_code=None, host=HOST, extra={"before": why})

@@ -19,6 +19,7 @@ folder (put in place by recovery), or a placed job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -38,6 +39,7 @@ from dispatcher.job.runner import render
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
+from dispatcher.shortage import SHORT, resource_of
 from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import JobSpec, prompt_values
 from dispatcher.spec.loader import load_document
@@ -55,6 +57,7 @@ from dispatcher.store.jobstore import (
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
+_LEFT_STAGES: list[Path] = []  # claim staging folders a shortage kept from going (only the ledger lane uses it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +128,10 @@ Claimed_ = Started | Waiting | Cancelled | Refused | Skipped
 
 
 def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | None:
-    """Read and validate inbox/<name>; None if it is gone (taken or removed) or changed while read."""
+    """Read and validate inbox/<name>; None if it is gone (taken or removed) or changed while read.
+
+    A shortage (``shortage.resource_of``) is raised, never turned into a refusal: the file waits.
+    """
     path = layout.inbox / name
     try:
         st = os.lstat(path)
@@ -146,6 +152,8 @@ def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | 
     except ValueError:
         return Refusal(name, f"larger than max_order_bytes ({st.st_size} > {config.max_order_bytes} bytes)")
     except OSError as exc:
+        if resource_of(exc) is not None:
+            raise
         return Refusal(name, f"cannot be read: {exc.strerror}")
     if (again.st_ino, again.st_size, again.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
         return None  # replaced or written to while being read: its own event brings it back
@@ -188,6 +196,7 @@ def claim(
     (``Cancelled``: its folder lands in failed/ with reason ``cancelled``, no attempt).
     """
     owner = ledger.owner
+    _drop_left_stages()
     out: list[Claimed_ | None] = [None] * len(picks)
     staged: list[tuple[int, Pick, Path]] = []
     for i, pick in enumerate(picks):
@@ -210,6 +219,9 @@ def claim(
         try:
             stage = _stage(layout, owner, item)
         except OSError as exc:
+            if SHORT.note(exc, "claim"):
+                out[i] = Skipped(item.name, retry_later=True)
+                continue
             if not is_disk_full(exc):
                 raise
             log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
@@ -240,16 +252,16 @@ def claim(
                 if isinstance(out[i], Started):
                     placed.add(State.WAITING if pick.item.order.after else State.ACTIVE)
             case Known(entry=entry):
-                remove_stage(stage)
+                _drop_stage(stage)
                 if _drop_twin(layout, pick.item):  # the claimed job's own file (a claim cut short)
                     out[i] = Skipped(pick.item.name)
                 else:
                     out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
             case Busy():
-                remove_stage(stage)
+                _drop_stage(stage)
                 out[i] = Skipped(pick.item.name)
     for state in sorted(placed):
-        fsutil.fsync_dir(layout.folder(state))  # the claim's durable point: before any agent starts
+        _fsync_dir(layout.folder(state))  # the claim's durable point: before any agent starts
     for i, done in enumerate(out):
         if isinstance(done, Started) and done.cancelled:
             out[i] = _cancel(finisher, done, picks[i].item.name)
@@ -273,6 +285,20 @@ def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
     finish = Finish(spec.job_id, started.token, Row.FAILED, None, spec.parent_chain_cost_usd)
     finisher.finish_now(started.folder, finish, result)
     return Cancelled(name, spec.job_id)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Fsync a folder of placed jobs; short of file descriptors, try again for a while (they are claimed)."""
+    delay = 0.01
+    while True:
+        try:
+            fsutil.fsync_dir(folder)
+            return
+        except OSError as exc:
+            if not SHORT.note(exc, "claim") or delay > 2.0:
+                raise
+        time.sleep(delay)  # in the ledger lane, never on the loop
+        delay *= 2
 
 
 def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
@@ -307,10 +333,12 @@ def _place(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Cla
     except OSError as exc:
         # nothing ran: the id stays free (or goes back to the daemon it was taken over from)
         ledger.unclaim(item.order.job_id, claimed.token, claimed.previous, claimed.previous_owner)
-        remove_stage(stage)
+        _drop_stage(stage)
         if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another daemon put its folder in place first
             log.info("order.skipped", file=item.name, job_id=item.order.job_id, reason="placed by another daemon")
             return Skipped(item.name)
+        if SHORT.note(exc, "claim"):  # not now: the order stays in inbox/ and its id free
+            return Skipped(item.name, retry_later=True)
         if not is_disk_full(exc):
             raise
         log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
@@ -341,7 +369,8 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
     writes = tuple(order.writes if order.writes is not None else agent.writes)
     if agent.prompt is not None:
         final_work = layout.job(State.ACTIVE, order.job_id) / "work"
-        prompt = render(agent.prompt, prompt_values(body, writes, final_work), prompt=True).encode()
+        tree = layout.worktree(order.job_id) if agent.repo.workspace is not None else None
+        prompt = render(agent.prompt, prompt_values(body, writes, final_work, tree), prompt=True).encode()
         fsutil.write_new(work / "prompt.md", prompt)
         given["prompt.md"] = digest(prompt)
     max_attempts = order.max_attempts or agent.max_attempts
@@ -366,10 +395,32 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
 
 def _refuse(
     layout: Layout, owner: str, item: Inspected, state: str, on_refused: Callable[[Path, Refusal], None]
-) -> Refused:
+) -> Refused | Skipped:
     refusal = Refusal(item.name, known_reason(item.order.job_id, state), item.order.job_id, agent=item.order.to)
-    refuse(layout, refusal, owner, on_refused)
+    try:
+        refuse(layout, refusal, owner, on_refused)
+    except OSError as exc:
+        if not SHORT.note(exc, "refuse"):
+            raise
+        return Skipped(item.name, retry_later=True)  # refused once the shortage is over
     return Refused(item.name, item.order.job_id)
+
+
+def _drop_stage(stage: Path) -> None:
+    """Remove a claim's staging folder; one that cannot go now (a shortage) goes with a later claim."""
+    try:
+        remove_stage(stage)
+    except OSError:  # only the daemon's own files and a second link to the order are in it
+        _LEFT_STAGES.append(stage)
+
+
+def _drop_left_stages() -> None:
+    """Remove the staging folders a shortage kept from going (ledger lane, at the next claim)."""
+    left = list(_LEFT_STAGES)
+    _LEFT_STAGES.clear()
+    for stage in left:
+        with contextlib.suppress(FileNotFoundError):
+            _drop_stage(stage)
 
 
 def _drop_twin(layout: Layout, item: Inspected) -> bool:

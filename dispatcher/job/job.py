@@ -29,12 +29,14 @@ from dispatcher.job import attempt, retry, user_checks, verify
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.control import Control, Left
 from dispatcher.job.finish import Finisher
-from dispatcher.job.runner import AgentExit, end_group
+from dispatcher.job.repowork import JobRepo, WorkspaceFailed
+from dispatcher.job.runner import AgentExit, AgentProcess, end_group
 from dispatcher.job.waits import Waits, waited_s
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Child, Finish, Gate, Ledger
+from dispatcher.ledger.base import Child, Finish, Gate, Ledger, LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
+from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.limits import LimitHit
@@ -99,6 +101,7 @@ class Job:
         self.waits = Waits(
             self.job_id, ctx.ledger, ctx.lanes, ctx.config, ctx.gates, self._notify_budget, note=ctx.note_gate
         )
+        self.repo = JobRepo(ctx.layout, ctx.lanes, spec, folder)  # section 15: worktree, diffs, hooks
 
     @property
     def agent(self) -> str:
@@ -112,6 +115,10 @@ class Job:
                 return await self._run()
             except Left:
                 return Outcome.LEFT
+            except LedgerUnavailable:
+                if not self.ctx.stopping():
+                    raise
+                return Outcome.LEFT  # a stop gave up a ledger wait: recovered at the next start
             except Exception as exc:
                 log.exception("job.crashed", error=str(exc))
                 try:
@@ -123,6 +130,7 @@ class Job:
                     return Outcome.LEFT
 
     async def _run(self) -> Outcome:
+        await self.repo.load()
         if self.recovering and self.folder.result() is not None:  # a fresh claim has no result yet
             return await self._reland()
         if self.recovering:
@@ -141,7 +149,7 @@ class Job:
                 continue  # a stop or a cancel came while the job waited for a gate
             ended = await self._attempt(n)
             if ended is None:
-                continue  # a usage limit: the attempt does not count, the job waits and runs again
+                continue  # a retry is due (the before hook failed), or a usage limit gave the attempt back
             if isinstance(ended, Outcome):
                 return ended
             outcome = await self._decide(n, ended)
@@ -154,6 +162,9 @@ class Job:
         state = Row(result.state or "failed")
         log.info("job.recovered", step="finish")
         ok = await self.ctx.finisher.land(self.folder, Finish(self.job_id, self.token, state), result, release=True)
+        if ok and state in (Row.DONE, Row.FAILED, Row.REVIEW):
+            self.repo.restore(result.extra.get("workspace"))
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
         return outcome_of(state) if ok else Outcome.FENCED
 
     # -- recovery ---------------------------------------------------------------------------
@@ -193,18 +204,23 @@ class Job:
 
     # -- one attempt --------------------------------------------------------------------------
     async def _attempt(self, n: int) -> Exit | Outcome | None:
-        """Run attempt n; return its Exit, how the job ended when it never ran or was stopped, or None after a limit."""
+        """Run attempt n; return its Exit, how the job ended when it never ran or was stopped, or None to go on
+        (a retry was scheduled, or a usage limit gave the attempt back)."""
         agent = self.spec.agent
-        command, session = attempt.command_for(agent, self.attempts)
-        argv = attempt.argv(self.spec, self.folder.work, command, session)
-        log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)  # a folder, two empty logs
-        proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), log_dir)
         try:
-            proc.start()
-        except OSError as exc:
-            await self.ctx.lanes.io(self.folder.drop_attempt, n)
-            why = exc.strerror or str(exc)
-            reason = f"config: agent {agent.name} cannot start: {why}" + (f": {exc.filename}" if exc.filename else "")
+            await self.repo.open(n)
+        except WorkspaceFailed as exc:
+            reason = f"config: agent {agent.name} cannot start: {exc}"
+            log.error("agent.exited", attempt=n, error=reason)
+            return await self.finish(Row.FAILED, reason, [])
+        command, session = attempt.command_for(agent, self.attempts)
+        argv = attempt.argv(self.spec, self.folder.work, command, self.repo.path, session)
+        proc = await self._spawn(n, argv)
+        if proc is None or isinstance(proc, Outcome):
+            return proc
+        if isinstance(proc, OSError):
+            why = proc.strerror or str(proc)
+            reason = f"config: agent {agent.name} cannot start: {why}" + (f": {proc.filename}" if proc.filename else "")
             log.error("agent.exited", attempt=n, error=reason)
             return await self.finish(Row.FAILED, reason, [])
         self.control.attach(proc)
@@ -276,6 +292,51 @@ class Job:
         if notify is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(notify.fire, "budget.gated", job_id, agent, reason, None)
 
+    async def _spawn(self, n: int, argv: list[str]) -> AgentProcess | OSError | Outcome | None:
+        """Begin attempt n, run its before hook, and start its agent; return the error if it cannot start.
+
+        A shortage (descriptors, processes, memory) is not an attempt: the attempt's
+        folder goes and the job returns ``Outcome.SHORT``, so that the scheduler
+        gives its slot back and starts it again once the shortage is over. A failed
+        before hook fails the attempt (None: a retry was scheduled).
+        """
+        try:
+            log_dir = self.folder.begin_attempt(n)  # a folder, two empty logs: on the loop
+        except OSError as exc:
+            if SHORT.note(exc, "begin_attempt"):
+                self.folder.drop_attempt(n)
+                return Outcome.SHORT
+            log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)  # a full disk: wait
+        if self.spec.agent.repo.before is not None:
+            why = await self.repo.before(n, self.ctx.config(), self.control.attach)
+            if self.control.reason is Stop.STOPPED:
+                return Outcome.LEFT
+            if self.control.reason is Stop.CANCELLED:
+                return await self.finish(Row.FAILED, Stop.CANCELLED, [])
+            if why is not None:
+                return await self._before_failed(n, why)
+        cfg = self.ctx.config()
+        proc = attempt.process(
+            self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_writable=self.repo.git_writable
+        )
+        try:
+            proc.start()
+        except OSError as exc:
+            await self.ctx.lanes.io(self.folder.drop_attempt, n)
+            return Outcome.SHORT if SHORT.note(exc, "agent.start") else exc
+        SHORT.ok()
+        return proc
+
+    async def _before_failed(self, n: int, why: str) -> Outcome | None:
+        """The before hook of attempt n failed: the attempt fails with its reason (retried if attempts remain)."""
+        record = attempt.hook_failed(n, why)
+        self.attempts.append(record)
+        await self._persist(self.folder.record_attempt, record)
+        why_not = self._no_more_attempts(n)
+        if why_not is not None:
+            return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", [])
+        return await self._schedule_retry(n, why)
+
     async def _persist(self, fn: Callable[..., T], *args: object, inline: bool = False) -> T:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is).
 
@@ -289,9 +350,13 @@ class Job:
             try:
                 return fn(*args) if inline else await self.ctx.lanes.io(fn, *args)
             except OSError as exc:
-                if not is_disk_full(exc):
+                if SHORT.note(exc, getattr(fn, "__name__", "write")):
+                    delay = max(SHORT.wait_s(), PAUSE_MIN_S)  # not now: the same step again after the pause
+                elif not is_disk_full(exc):
                     raise
-                log.warning("job.waiting", reason="disk full", step=getattr(fn, "__name__", "write"), retry_s=delay)
+                else:
+                    step = getattr(fn, "__name__", "write")
+                    log.warning("job.waiting", reason="disk full", step=step, retry_s=delay)
                 if await self.control.sleep(delay) or self.ctx.stopping():
                     raise Left from None
                 delay = min(delay * 2, _DISK_WAIT_MAX_S)
@@ -357,10 +422,20 @@ class Job:
 
     async def _run_probe(self) -> int | None:
         n = max(self.folder.attempt_numbers(), default=1)
-        argv = attempt.argv(self.spec, self.folder.work, self.spec.agent.probe or ())
+        argv = attempt.argv(self.spec, self.folder.work, self.spec.agent.probe or (), self.repo.path)
         folder = self.folder.attempts_dir / str(n)
-        proc = attempt.process(self.spec, self.folder, n, argv, self.ctx.config(), folder, probe=True)
         try:
+            proc = attempt.process(
+                self.spec,
+                self.folder,
+                n,
+                argv,
+                self.ctx.config(),
+                folder,
+                probe=True,
+                workspace=self.repo.ws,
+                git_writable=self.repo.git_writable,
+            )
             await self._persist(self.folder.begin_probe, n)
             proc.start()
         except OSError as exc:
@@ -393,14 +468,34 @@ class Job:
     async def _checks(self, exit_: Exit, n: int) -> list[CheckResult]:
         record, self._unsaved = self._unsaved, None
         ctx = self.ctx
+        changed = await self.repo.snapshot(max(self.folder.attempt_numbers(), default=0))
         collect = functools.partial(
-            verify.collect, ctx.config(), ctx.ledger, ctx.layout, self.spec, self.order, self.folder, exit_, record
+            verify.collect,
+            ctx.config(),
+            ctx.ledger,
+            ctx.layout,
+            self.spec,
+            self.order,
+            self.folder,
+            exit_,
+            record,
+            changed,
         )
         ev, self._followups = await self._persist(collect)
         checks = verify.check(ev)
         if not self.spec.agent.checks:
             return checks
-        return checks + await user_checks.run(self.spec, self.folder, n, ctx.config(), self.control, ctx.lanes, checks)
+        return checks + await user_checks.run(
+            self.spec,
+            self.folder,
+            n,
+            ctx.config(),
+            self.control,
+            ctx.lanes,
+            checks,
+            self.repo.ws,
+            self.repo.git_writable,
+        )
 
     # -- finishing ----------------------------------------------------------------------------
     async def _finish_passed(self, checks: list[CheckResult]) -> Outcome:
@@ -428,6 +523,8 @@ class Job:
         cost = total_cost(self.attempts)
         parent_cost = self.spec.parent_chain_cost_usd
         chain = None if cost is None and parent_cost is None else round((cost or 0) + (parent_cost or 0), 10)
+        workspace = await self.repo.seal()
+        await self.repo.owe_landing(state)
         result = build_result(
             job_id=self.job_id,
             state=str(state),
@@ -440,6 +537,7 @@ class Job:
             children=children,
             cost_usd=cost,
             chain_cost_usd=chain,
+            extra={"workspace": workspace} if workspace is not None else None,
         )
         finish = Finish(self.job_id, self.token, state, cost, chain)
         delay = 0.5
@@ -450,11 +548,16 @@ class Job:
             try:
                 ok = await self.ctx.finisher.finish(self.folder, finish, result, release=bool(children))
             except OSError as exc:
-                if not is_disk_full(exc):
+                if SHORT.note(exc, "finish"):
+                    delay = max(SHORT.wait_s(), PAUSE_MIN_S)
+                elif not is_disk_full(exc):
                     raise
-                log.warning("job.waiting", reason="disk full", step="stage_result", retry_s=delay)
+                else:
+                    log.warning("job.waiting", reason="disk full", step="stage_result", retry_s=delay)
                 if await self.control.sleep(delay) or self.ctx.stopping():
                     raise Left from None
                 delay = min(delay * 2, _DISK_WAIT_MAX_S)
                 continue
+            if ok:
+                await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
             return outcome_of(state) if ok else Outcome.FENCED

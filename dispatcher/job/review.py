@@ -19,11 +19,14 @@ whose owner is gone are released by the daemons' usual recovery.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import structlog
+from filelock import FileLock, Timeout
 
 from dispatcher import faults, fsutil
 from dispatcher.clock import iso
@@ -36,6 +39,7 @@ from dispatcher.spec.result import Result
 from dispatcher.store.jobstore import JobFolder, cut_reason
 
 log = structlog.get_logger("dispatcher")
+DECISION_WAIT_S = 30
 
 
 def decide(
@@ -51,6 +55,18 @@ def decide(
             raise NotFound(f"{job_id}: no such job")
         where = found[0].value if found else entry.state if entry else "unknown"
         raise WrongState(f"{job_id}: is {where}, not waiting for review")
+    with _one_decision(layout):
+        if not folder.path.is_dir():  # another command decided it while this one waited
+            raise WrongState(_lost(ledger, job_id))
+        return _decide(layout, ledger, folder, approve=approve, reason=reason, max_chain_cost_usd=max_chain_cost_usd)
+
+
+def _decide(
+    layout: Layout, ledger: Ledger, folder: JobFolder, *, approve: bool, reason: str | None,
+    max_chain_cost_usd: float | None,
+) -> str:  # fmt: skip
+    job_id = folder.job_id
+    entry = ledger.get(job_id)
     if entry is None or not is_landed(entry.state):
         raise WrongState(f"{job_id}: its ledger row is {entry.state if entry else 'missing'}, not review")
     result = folder.result() or Result(job_id, None, entry.agent, None)
@@ -68,12 +84,41 @@ def decide(
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
     event = "job.approved" if approve else "job.rejected"
     log.info(event, job_id=job_id, agent=result.agent, reason=result.reason)
-    land(layout, folder, state)
+    try:
+        land(layout, folder, state)
+    except (FileNotFoundError, FileExistsError):  # landed by a command on another host meanwhile
+        if folder.path.is_dir():
+            raise
+        raise WrongState(_lost(ledger, job_id)) from None
     faults.point("review.landed")
     if approve:
         release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd)
         return f"{job_id}: approved; done"
     return f"{job_id}: rejected; failed"
+
+
+@contextlib.contextmanager
+def _one_decision(layout: Layout) -> Iterator[None]:
+    """Hold the root's review lock: one decision at a time on this host (other hosts: the ledger's token)."""
+    layout.state_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(layout.state_dir / "review.lock", timeout=DECISION_WAIT_S, thread_local=False,
+                    preserve_lock_file=True)  # fmt: skip
+    try:
+        lock.acquire()
+    except Timeout:
+        raise WrongState(f"another decision on {layout.root} has held its lock for {DECISION_WAIT_S} s") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _lost(ledger: Ledger, job_id: str) -> str:
+    """Return the line for a decision that another command made first."""
+    entry = ledger.get(job_id)
+    if entry is not None and entry.state in (Row.DONE, Row.FAILED):
+        return f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}"
+    return f"{job_id}: was decided by someone else meanwhile"
 
 
 def land(layout: Layout, folder: JobFolder, state: Row) -> None:

@@ -69,6 +69,17 @@ def build_env(
     return env
 
 
+def dispatch_env(job_id: str, work: Path, n: int, workspace: Path | None = None) -> dict[str, str]:
+    """Return the DISPATCH_* variables of attempt n."""
+    return {
+        "DISPATCH_JOB_ID": job_id,
+        "DISPATCH_ORDER": str(work / "order.json"),
+        "DISPATCH_WORKSPACE": str(workspace or work),
+        "DISPATCH_RECEIPT": str(work / "receipt.json"),
+        "DISPATCH_ATTEMPT": str(n),
+    }
+
+
 def boot_clock() -> float:
     """Return seconds since boot on the clock /proc's process start times use (it never steps)."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)
@@ -296,7 +307,9 @@ class AgentProcess:
         os.close(self._pidfd)
         self._pidfd = -1
         assert self._proc is not None  # noqa: S101
-        self._proc.poll()  # reap
+        if self._proc.poll() is None:  # not reapable yet (a tracer such as strace sees the exit first): poll
+            self._poll_exit()
+            return
         self._after_exit()
 
     def _after_exit(self) -> None:

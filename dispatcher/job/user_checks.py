@@ -19,10 +19,9 @@ import structlog
 
 from dispatcher.checks.builtin import DETAIL_MAX
 from dispatcher.errors import cut, printable
-from dispatcher.job.attempt import argv as render_argv
-from dispatcher.job.attempt import dispatch_env
+from dispatcher.job import attempt
 from dispatcher.job.control import Control, Left
-from dispatcher.job.runner import AgentProcess, build_env
+from dispatcher.job.worktree import Workspace
 from dispatcher.lanes import Lanes
 from dispatcher.lifecycle import Stop
 from dispatcher.spec.agent_rules import UserCheck
@@ -54,14 +53,20 @@ async def run(
     control: Control,
     lanes: Lanes,
     builtin: Sequence[CheckResult],
+    workspace: Workspace | None = None,
+    git_writable: Sequence[str] = (),
 ) -> list[CheckResult]:
-    """Run the agent's checks in order for attempt n; return their results (all recorded, even after a failure)."""
+    """Run the agent's checks in order for attempt n; return their results (all recorded, even after a failure).
+
+    They run where the agent ran (its worktree when it has one), in its sandbox when it has one.
+    """
     checks = spec.agent.checks
     if not agent_passed(builtin):
         return not_run(checks, "the agent did not pass (exit_ok and receipt_present must be true)")
     logs = folder.attempts_dir / str(n) / "checks"
     await lanes.io(os.makedirs, logs, 0o750, True)
-    return [await _one(spec, folder, n, cfg, control, lanes, check, logs) for check in checks]
+    where = (workspace, git_writable)
+    return [await _one(spec, folder, n, cfg, control, lanes, check, logs, where) for check in checks]
 
 
 async def _one(
@@ -73,21 +78,18 @@ async def _one(
     lanes: Lanes,
     check: UserCheck,
     logs: Path,
+    where: tuple[Workspace | None, Sequence[str]],
 ) -> CheckResult:
     path = os.path.join(logs, f"{check.name}.log")
     await lanes.io(_create, path)
-    agent = spec.agent
-    proc = AgentProcess(
-        render_argv(spec, folder.work, check.command),
-        cwd=folder.work,
-        env=build_env(agent.env, dispatch_env(spec.job_id, folder.work, n), agent.pass_env),
-        timeout_s=check.timeout_s,
-        kill_grace_s=cfg.kill_grace_s,
-        log_dir=None,
-        max_log_bytes=cfg.max_log_bytes,
-        one_log=Path(path),
-    )
+    workspace, git_writable = where
+    ws_path = Path(workspace.path) if workspace is not None else None
+    argv = attempt.argv(spec, folder.work, check.command, ws_path)
     try:
+        proc = attempt.process(
+            spec, folder, n, argv, cfg, logs, workspace=workspace, git_writable=git_writable,
+            check=(check.timeout_s, Path(path)),
+        )  # fmt: skip
         proc.start()
     except OSError as exc:
         why = exc.strerror or str(exc)

@@ -34,6 +34,7 @@ def collect(
     folder: JobFolder,
     exit_: Exit,
     record: Attempt | None = None,
+    changed: list[str] | str | None = None,
 ) -> tuple[Evidence, list[Child]]:
     """Write the attempt's record (if given), then gather its evidence (blocking: the io pool).
 
@@ -63,6 +64,7 @@ def collect(
         hops=spec.hops,
         max_hops=cfg.max_hops,
         max_followups=cfg.max_followups,
+        changed=changed,
     )
     return ev, [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]
 

@@ -117,6 +117,7 @@ class PostgresLedger(Ledger, LeasesInterface):
         patience_s: float | None = None,
         connect_timeout_s: int | None = None,
         readonly: bool = False,
+        give_up: Callable[[], bool] | None = None,
     ) -> None:
         """Connect, create or check the schema; raise PostgresLedgerError (one line) if it cannot be used.
 
@@ -126,12 +127,15 @@ class PostgresLedger(Ledger, LeasesInterface):
         bounds each connection attempt (a command's; a daemon's follows the lease).
         ``readonly`` (`status`, `list`, `show`) never creates or changes the schema and
         runs every transaction read-only: a role with SELECT alone is enough
-        (``pg_schema.NoSchema`` when no daemon has made the ledger yet).
+        (``pg_schema.NoSchema`` when no daemon has made the ledger yet). ``give_up`` ends a wait
+        early (then ``LedgerUnavailable`` too), from the first step on.
         """
         if not lease_s > 0:
             raise PostgresLedgerError(f"lease must be a positive number of seconds, not {lease_s}")
         self.where = describe(url)
         self.lease_s = float(lease_s)
+        if give_up is not None:
+            self.set_give_up(give_up)
         conninfo = make_conninfo(url, self.lease_s, connect_timeout_s, readonly=readonly)
         self._pool = Pool(conninfo, size=4)
         self._runner = Runner(self._pool, self.where, self.giving_up, patience_s)

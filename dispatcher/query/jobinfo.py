@@ -156,6 +156,7 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         "folder": str(path),
         "cost_usd": cost,
         "chain_cost_usd": result.chain_cost_usd if result else None,
+        "workspace": result.extra.get("workspace") if result else None,  # section 15: repo, branch, head...
     } | after
 
 

@@ -21,6 +21,7 @@ from dispatcher.spec import schema
 from dispatcher.spec.agent_rules import UserCheck, build_checks, build_limits
 from dispatcher.spec.limits import LimitRule
 from dispatcher.spec.loader import load_document
+from dispatcher.spec.repo import RepoSettings, build_repo_settings
 from dispatcher.text import describe, number
 
 DEFAULT_CONFIG = Path("config/dispatcher.yaml")
@@ -53,6 +54,7 @@ class Agent:
     resume: tuple[str, ...] | None = None
     max_revisions: int = 5
     max_daily_cost_usd: float | None = None
+    repo: RepoSettings = field(default_factory=RepoSettings)  # section 15: workspace, sandbox, hooks
 
     def to_json(self) -> dict[str, Any]:
         """Return the agent as plain JSON values (snapshotted into each job)."""
@@ -77,6 +79,7 @@ class Agent:
             "resume": list(self.resume) if self.resume is not None else None,
             "max_revisions": self.max_revisions,
             "max_daily_cost_usd": self.max_daily_cost_usd,
+            **self.repo.to_json(),
         }
 
     @classmethod
@@ -103,6 +106,7 @@ class Agent:
             resume=tuple(data["resume"]) if data.get("resume") is not None else None,
             max_revisions=int(data.get("max_revisions", 5)),
             max_daily_cost_usd=data.get("max_daily_cost_usd"),
+            repo=RepoSettings.from_json(data),
         )
 
 
@@ -126,6 +130,7 @@ class Config:
     log_file: Path | None = None
     metrics_file: str | None = None
     notify: tuple[str, ...] | None = None
+    notify_max_running: int = 4
     max_chain_cost_usd: float | None = None
     max_daily_cost_usd: float | None = None
     max_limit_wait_s: float = 86400.0
@@ -157,6 +162,7 @@ _TOP = {
     "settle": ("settle_s", float),
     "kill_grace": ("kill_grace_s", float),
     "max_log_bytes": ("max_log_bytes", int),
+    "notify_max_running": ("notify_max_running", int),
     "lease": ("lease_s", float),
     "poll_interval": ("poll_interval_s", float),
     "max_limit_wait": ("max_limit_wait_s", float),
@@ -294,6 +300,7 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
         resume=resolve_argv(spec["resume"], base) if spec.get("resume") is not None else None,
         max_revisions=int(spec.get("max_revisions", 5)),
         max_daily_cost_usd=spec.get("max_daily_cost_usd"),
+        repo=build_repo_settings(name, spec, base),
     )
 
 
@@ -346,6 +353,7 @@ log_file: null             # also write JSON log lines here (for `dispatcher log
 metrics_file: null         # Prometheus text file, rewritten atomically; may hold {{host}} and {{pid}}
 notify: null               # argv run on job.failed, job.review, budget.held; placeholders {{event}}
                            # {{job_id}} {{agent}} {{reason}} {{result}}
+notify_max_running: 4      # notifications at once; more wait in order (over 100 waiting: one notify.dropped)
 web_token_file: null       # the web view's action token (`dispatcher web`); null: one is made and printed at start
 max_chain_cost_usd: null   # a follow-up whose chain already cost more is held
 max_daily_cost_usd: null   # the whole root: once the last 24 h's finished cost reaches it, new attempts wait
@@ -377,4 +385,11 @@ agents:
     resume: null           # argv used once an attempt reported a session_id; placeholder {{session_id}}
     max_revisions: 5       # `dispatcher revise` at most this often per job
     max_daily_cost_usd: null  # this agent: once its last 24 h's finished cost reaches it, new attempts wait
+    workspace: null        # {{git: REPO, base: main, branch: "dispatch/{{job_id}}"}}: a git worktree per job
+    sandbox: false         # true: run under bubblewrap, read-only but the workspace, work/, /tmp, sandbox_writable
+    sandbox_writable: []   # more writable paths under the sandbox, e.g. ["~/.claude"]
+    sandbox_network: true  # false: no network under the sandbox
+    before: null           # argv run in the workspace before each attempt; a failure fails the attempt
+    after: null            # argv run once the job is final; recorded, never changes its state
+    land: null             # argv run exactly once after the job is done (and approved); `dispatcher land ID` reruns it
 """  # noqa: E501 - a starter agent on one line reads best in the file

@@ -187,8 +187,10 @@ def total_cost(attempts: list[Attempt]) -> float | None:
     return round(sum(costs), 10) if costs else None
 
 
-def prompt_values(order: Mapping[str, Any], writes: tuple[str, ...], work: Path) -> dict[str, str]:
-    """Return the prompt template's placeholder values for one order in its work/ folder."""
+def prompt_values(
+    order: Mapping[str, Any], writes: tuple[str, ...], work: Path, workspace: Path | None = None
+) -> dict[str, str]:
+    """Return the prompt template's placeholder values for one order in its work/ folder (and worktree)."""
     return {
         "job_id": order["job_id"],
         "from": order["from"],
@@ -198,7 +200,7 @@ def prompt_values(order: Mapping[str, Any], writes: tuple[str, ...], work: Path)
         "writes": ", ".join(writes),
         "accept_json": json.dumps(order.get("accept") or {}, ensure_ascii=False),
         "order": str(work / "order.json"),
-        "workspace": str(work),
+        "workspace": str(workspace or work),
         "receipt": str(work / "receipt.json"),
         "parents": str(work / "parents.json"),
     }

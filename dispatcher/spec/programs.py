@@ -43,10 +43,16 @@ def check_agents(cfg: Config) -> list[Finding]:
     base = cfg.path.parent if cfg.path is not None else Path.cwd()
     out: list[Finding] = []
     for name, agent in cfg.agents.items():
-        for key, argv in (("command", agent.command), ("probe", agent.probe)):
+        r = agent.repo  # section 15: hooks are programs too, and the workspace's repository must exist
+        hooks = [
+            (key, h.command if h else None) for key, h in (("before", r.before), ("after", r.after), ("land", r.land))
+        ]
+        for key, argv in (("command", agent.command), ("probe", agent.probe), *hooks):
             problem = (program_problem(argv, agent.env, base) or script_problem(argv, base)) if argv else None
             if problem is not None:
                 out.append(Finding(f"agents.{name}.{key}", problem, error=True))
+        if r.workspace is not None and not os.path.isdir(r.workspace.git):
+            out.append(Finding(f"agents.{name}.workspace.git", f"repository {r.workspace.git} not found", error=True))
         if agent.repair and not agent.retry_safe and agent.probe is None:
             out.append(Finding(f"agents.{name}.repair", "has no effect without retry_safe or probe", error=False))
     return out

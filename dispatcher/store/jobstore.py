@@ -37,6 +37,7 @@ from dispatcher.clock import iso
 from dispatcher.errors import cut, oneline
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
+from dispatcher.shortage import resource_of
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.result import CheckResult, Result
 
@@ -58,16 +59,23 @@ class JobFolder:
         self.attempts_dir = path / "attempts"
 
     # -- reading ----------------------------------------------------------------------------
-    def read_json(self, rel: str, limit: int = RECORD_MAX) -> Any:
-        """Return a JSON file of the folder, or None if missing, unreadable, odd or torn."""
+    def read_json(self, rel: str, limit: int = RECORD_MAX, *, shortage_raises: bool = False) -> Any:
+        """Return a JSON file of the folder, or None if missing, unreadable, odd or torn.
+
+        With ``shortage_raises``, a shortage (EMFILE, ENOMEM ...) is raised: it says nothing of the file.
+        """
         try:
             return json.loads(fsutil.read_regular(self.path / rel, limit, base=self.path))
-        except (OSError, ValueError, fsutil.NotRegular, RecursionError):
+        except OSError as exc:
+            if shortage_raises and resource_of(exc) is not None:
+                raise
+            return None
+        except (ValueError, fsutil.NotRegular, RecursionError):
             return None
 
     def spec(self) -> JobSpec:
-        """Return the job's spec; raise ValueError if job.json is missing or damaged."""
-        data = self.read_json(JOB_FILE, SPEC_MAX)
+        """Return the job's spec; raise ValueError if job.json is missing or damaged, OSError for a shortage."""
+        data = self.read_json(JOB_FILE, SPEC_MAX, shortage_raises=True)
         try:
             return JobSpec.from_json(data)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

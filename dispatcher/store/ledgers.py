@@ -9,6 +9,7 @@ the refusal needs both.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from dispatcher.errors import UsageError
 from dispatcher.layout import Layout, has_jobs
@@ -36,11 +37,13 @@ class LedgerUnreachable(UsageError):
 
 
 def open_ledger(
-    config: Config, layout: Layout, *, patience_s: float | None = None, create: bool = True, readonly: bool = False
-) -> Ledger:
+    config: Config, layout: Layout, *, patience_s: float | None = None, create: bool = True, readonly: bool = False,
+    give_up: Callable[[], bool] | None = None,
+) -> Ledger:  # fmt: skip
     """Open the configured ledger; raise LedgerLost (a one-line error) if it cannot be trusted.
 
-    ``patience_s`` bounds how long a write waits for a busy ledger (None: forever).
+    ``patience_s`` bounds how long a write waits for a busy ledger (None: forever);
+    ``give_up`` ends such a wait early (a daemon asked to stop while the server is down).
     With ``create`` False a missing ledger raises instead of being created;
     ``readonly`` (implies not ``create``) opens the SQLite ledger for reading only.
     """
@@ -58,6 +61,7 @@ def open_ledger(
                 patience_s=reach,
                 connect_timeout_s=None if reach is None else int(REACH_S),
                 readonly=readonly,
+                give_up=give_up,
             )
         except LedgerUnavailable as exc:
             raise LedgerUnreachable(str(exc)) from None

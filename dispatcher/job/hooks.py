@@ -1,0 +1,134 @@
+"""Run a hook (``before``, ``after``, ``land``: contract section 15) like an agent.
+
+A hook is an argv from the config, never a shell, with the placeholders
+``{job_id}``, ``{workspace}``, ``{branch}``, ``{head}`` and ``{result}``; it runs in
+its own process group with its own timeout (300 s unless given), the agent's
+environment rules and the config's ``kill_grace``, its output kept in
+``<name>-stdout.log`` and ``<name>-stderr.log`` beside the attempt or job it serves.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dispatcher.clock import iso
+from dispatcher.job.runner import AgentProcess
+from dispatcher.spec.repo import Hook
+
+PLACEHOLDERS = ("job_id", "workspace", "branch", "head", "result")
+_RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
+_LAST_LINE_MAX = 200
+
+
+@dataclass(frozen=True, slots=True)
+class HookRun:
+    """How one hook run ended."""
+
+    name: str
+    argv: tuple[str, ...]
+    exit_code: int | None
+    timed_out: bool
+    started: float
+    ended: float
+    last_line: str
+    error: str | None = None  # it could not start
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out and self.exit_code == 0
+
+    @property
+    def why(self) -> str:
+        """Return one line saying how it failed (empty when it passed)."""
+        if self.error is not None:
+            return f"{self.name} hook cannot start: {self.error}"
+        if self.timed_out:
+            return f"{self.name} hook timed out"
+        if self.exit_code != 0:
+            tail = f": {self.last_line}" if self.last_line else ""
+            return f"{self.name} hook exited {self.exit_code}{tail}"
+        return ""
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the run as plain JSON values (recorded in the job folder)."""
+        return {
+            "hook": self.name,
+            "argv": list(self.argv),
+            "ok": self.ok,
+            "exit_code": self.exit_code,
+            "timed_out": self.timed_out,
+            "started": iso(self.started),
+            "ended": iso(self.ended),
+            "duration_ms": max(0, round((self.ended - self.started) * 1000)),
+            "detail": self.why or "exit 0",
+        }
+
+
+def render(argv: tuple[str, ...], values: Mapping[str, str]) -> list[str]:
+    """Replace the hook placeholders in each argv element; other braces pass unchanged."""
+    return [_RE.sub(lambda m: values.get(m.group(1), m.group(0)), a) for a in argv]
+
+
+async def run_hook(
+    name: str,
+    hook: Hook,
+    values: Mapping[str, str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    kill_grace_s: float,
+    log_dir: Path | None,
+    max_log_bytes: int,
+    attach: Callable[[AgentProcess | None], None] | None = None,
+) -> HookRun:
+    """Run one hook to its end (own group, timeout, kill grace) and say how it ended.
+
+    ``attach`` hands the running process to the job's stop channel (a cancel ends the hook too).
+    """
+    argv = render(hook.command, values)
+    proc = AgentProcess(
+        argv,
+        cwd=cwd,
+        env=env,
+        timeout_s=hook.timeout_s,
+        kill_grace_s=kill_grace_s,
+        log_dir=log_dir,
+        max_log_bytes=max_log_bytes,
+        log_prefix=f"{name}-",
+    )
+    started = time.time()
+    try:
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            for stream in ("stdout", "stderr"):
+                (log_dir / f"{name}-{stream}.log").touch()
+        proc.start()
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        return HookRun(
+            name, tuple(argv), None, False, started, time.time(), "", f"{why}: {exc.filename}" if exc.filename else why
+        )
+    if attach is not None:
+        attach(proc)
+    out = await proc.wait()
+    if attach is not None:
+        attach(None)
+    err = _tail(log_dir / f"{name}-stderr.log") if log_dir is not None else out.stderr_tail
+    tail = (err.strip() or out.stdout_tail[-4096:].strip()).decode(errors="replace").splitlines()
+    last = tail[-1][:_LAST_LINE_MAX] if tail else ""
+    return HookRun(name, tuple(argv), out.exit_code, out.timed_out, out.started, out.ended, last)
+
+
+def _tail(path: Path, size: int = 4096) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+            return f.read()
+    except OSError:
+        return b""

@@ -1,0 +1,264 @@
+"""One job's side of contract section 15: its worktree, its diffs, its hooks.
+
+``JobRepo`` is what ``Job`` calls: ``open`` before each attempt (the worktree is
+made at the first, a retry starts again from base unless the agent repairs),
+``snapshot`` before the checks (``attempts/<n>/diff.patch`` and ``changed.txt``),
+``seal`` before the finish (uncommitted changes are committed on the branch, its
+head is reported in result.json), ``after_final`` once the finish is committed
+(the ``after`` hook, the worktree removed, the ``land`` hook of a done job).
+The git work runs in the io pool; the calls that change a repository's worktree
+list are serialised per repository on the loop (``repo_lock``), so waiting for
+one never holds a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from dispatcher import faults
+from dispatcher.job import hooks, landing, worktree
+from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
+from dispatcher.job.worktree import GitError, Workspace
+from dispatcher.lanes import Lanes
+from dispatcher.layout import Layout
+from dispatcher.lifecycle import Row, State, landed_state
+from dispatcher.spec.config import Config
+from dispatcher.spec.jobspec import JobSpec
+from dispatcher.store.jobstore import JobFolder
+
+log = structlog.get_logger("dispatcher")
+_LOCKS: dict[str, asyncio.Lock] = {}
+
+
+def repo_lock(repo: str) -> asyncio.Lock:
+    """Return the loop's lock for one repository (worktree add, remove, prune)."""
+    key = os.path.realpath(repo)
+    lock = _LOCKS.get(key)
+    if lock is None:
+        lock = _LOCKS[key] = asyncio.Lock()
+    return lock
+
+
+class WorkspaceFailed(Exception):
+    """The job's worktree could not be made: the job fails with this reason (no attempt runs)."""
+
+
+def parent_head(layout: Layout, parent: str | None, repo: str) -> str:
+    """Return the final head of the parent's branch (``base: parent``); raise GitError saying why not."""
+    if parent is None:
+        raise GitError("base: parent: the job has no parent")
+    found = layout.find(parent)
+    result = JobFolder(found[1]).result() if found is not None else None
+    ws = result.extra.get("workspace") if result is not None else None
+    ws = ws if isinstance(ws, dict) else {}
+    if not ws.get("head"):
+        raise GitError(f"base: parent: job {parent} has no workspace head")
+    if os.path.realpath(str(ws.get("repo"))) != os.path.realpath(repo):
+        raise GitError(f"base: parent: job {parent} worked on {ws.get('repo')}, not {repo}")
+    return str(ws["head"])
+
+
+class JobRepo:
+    """The workspace, diffs and hooks of one job (absent parts do nothing)."""
+
+    def __init__(self, layout: Layout, lanes: Lanes, spec: JobSpec, folder: JobFolder) -> None:
+        self.layout = layout
+        self.lanes = lanes
+        self.spec = spec
+        self.folder = folder
+        self.ws: Workspace | None = None
+        self.git_writable: list[str] = []  # what the agent may write in the repository under the sandbox
+        self._opened = False
+        self._sealed: dict[str, Any] | None = None
+
+    @property
+    def path(self) -> Path | None:
+        """The worktree's folder (None: the job has no workspace)."""
+        return Path(self.ws.path) if self.ws is not None else None
+
+    async def open(self, n: int) -> None:
+        """Make the worktree before attempt n, or put it back at base for a retry; raise WorkspaceFailed."""
+        conf = self.spec.agent.repo.workspace
+        if conf is None:
+            return
+        keep = self.spec.agent.repair  # repair (and resume) go on from the last attempt's tree
+        try:
+            async with repo_lock(conf.git):
+                self.ws, self.git_writable = await self.lanes.io(self._open, n, keep)
+        except (GitError, OSError) as exc:
+            raise WorkspaceFailed(f"workspace: {exc}") from None
+        self._opened = True
+
+    def _open(self, n: int, keep: bool) -> tuple[Workspace, list[str]]:
+        """Make or reset the worktree (io pool); return it and what the agent may write in the repository."""
+        conf = self.spec.agent.repo.workspace
+        assert conf is not None  # noqa: S101 - open() checked
+        base_ref = conf.base
+        if self.spec.order.get("base") == "parent":
+            base_ref = parent_head(self.layout, self.spec.parent, conf.git)
+        branch = conf.branch.replace("{job_id}", self.spec.job_id)
+        ws = worktree.plan(self.folder.path, conf.git, base_ref, branch, self.layout.worktree(self.spec.job_id))
+        if not worktree.is_ready(ws):
+            worktree.create(ws, from_branch=keep and n > 1)
+            faults.point("workspace.added")
+        elif n > 1 and not keep and (self._opened or self.folder.attempt_numbers()):
+            worktree.reset_to_base(ws)
+        return ws, worktree.git_paths(ws)
+
+    async def load(self) -> None:
+        """Read the job's workspace record (a recovered job, a retried one) before anything uses it."""
+        if self.ws is None and self.spec.agent.repo.workspace is not None:
+            self.ws = await self.lanes.io(worktree.read_record, self.folder.path)
+
+    async def snapshot(self, n: int) -> list[str] | str | None:
+        """Save attempt n's change against base; return the changed paths, why they are unknown, or None.
+
+        None: the job has no workspace. A text: the change could not be read (the
+        worktree is gone, git failed), which writes_scope then fails with.
+        """
+        if self.ws is None or n < 1:
+            return None
+        if not os.path.isdir(self.ws.path):
+            return "the workspace is gone"
+        out = self.folder.attempts_dir / str(n)
+        try:
+            return await self.lanes.io(worktree.snapshot, self.ws, out)
+        except (GitError, OSError) as exc:
+            log.warning("workspace.diff_failed", attempt=n, error=str(exc))
+            return f"the change could not be read: {exc}"
+
+    async def seal(self) -> dict[str, Any] | None:
+        """Commit what is left on the branch; return result.json's ``workspace`` (None: no workspace)."""
+        if self._sealed is not None or self.spec.agent.repo.workspace is None:
+            return self._sealed
+        if self.ws is None:
+            self.ws = await self.lanes.io(worktree.read_record, self.folder.path)
+            if self.ws is None:
+                return None
+        ws = self.ws
+        try:
+            async with repo_lock(ws.repo):
+                head, changed = await self.lanes.io(worktree.seal, ws, self.spec.job_id)
+        except (GitError, OSError) as exc:
+            log.warning("workspace.seal_failed", error=str(exc))
+            head, changed = None, []
+        self._sealed = {"repo": ws.repo, "branch": ws.branch, "base": ws.base, "head": head, "changed": changed}
+        return self._sealed
+
+    def restore(self, sealed: Any) -> None:
+        """Take the workspace a result already records (a finish cut short by a crash, completed now)."""
+        if isinstance(sealed, dict):
+            self._sealed = sealed
+
+    async def owe_landing(self, state: Row) -> None:
+        """Record the landing a done (or reviewed) job owes, durably, before its finish."""
+        if self.spec.agent.repo.land is not None and state in (Row.DONE, Row.REVIEW):
+            await self.lanes.io(landing.owe, self.layout, self.spec.job_id)
+
+    async def after_final(self, state: Row, cfg: Config, notify: landing.Notify | None) -> None:
+        """After the finish: run ``after``, remove the worktree (the branch stays), land a done job."""
+        job_path = self.layout.job(landed_state(state), self.spec.job_id)
+        after = self.spec.agent.repo.after
+        if after is not None:
+            run = await self._hook("after", after, job_path, cfg, job_path / "work")
+            await self.lanes.io(landing.record_run, job_path, "hooks", "after-", run.to_json())
+            if not run.ok:
+                log.warning("hook.failed", hook="after", reason=run.why)
+        if self.ws is not None:
+            try:
+                async with repo_lock(self.ws.repo):
+                    await self.lanes.io(worktree.clear, self.ws)
+            except (GitError, OSError) as exc:
+                log.warning("workspace.remove_failed", error=str(exc))
+        if state == Row.DONE and self.spec.agent.repo.land is not None:
+            faults.point("land.before")
+            if await self.lanes.io(landing.claim, self.layout, self.spec.job_id):
+                await landing.land(self.layout, self.spec.job_id, cfg, self.lanes.io, notify)
+
+    async def before(self, n: int, cfg: Config, attach: Callable[[AgentProcess | None], None]) -> str | None:
+        """Run the ``before`` hook of attempt n in the workspace; return why it failed, or None."""
+        hook = self.spec.agent.repo.before
+        if hook is None:
+            return None
+        run = await self._hook("before", hook, self.folder.attempts_dir / str(n), cfg, self.folder.work, attach)
+        if run.ok:
+            return None
+        log.warning("hook.failed", hook="before", attempt=n, reason=run.why)
+        return run.why
+
+    async def _hook(
+        self,
+        name: str,
+        hook: Any,
+        log_dir: Path,
+        cfg: Config,
+        work: Path,
+        attach: Callable[[AgentProcess | None], None] | None = None,
+    ) -> hooks.HookRun:
+        ws = self.ws
+        sealed = self._sealed or {}
+        values = {
+            "job_id": self.spec.job_id,
+            "workspace": ws.path if ws is not None else str(work),
+            "branch": ws.branch if ws is not None else "",
+            "head": str(sealed.get("head") or ""),
+            "result": str(log_dir / "result.json") if name == "after" else "",
+        }
+        cwd = Path(values["workspace"])
+        if not cwd.is_dir():
+            cwd = log_dir
+        agent = self.spec.agent
+        env = build_env(agent.env, dispatch_env(self.spec.job_id, work, 0, Path(values["workspace"])), agent.pass_env)
+        return await hooks.run_hook(
+            name, hook, values, cwd=cwd, env=env, kill_grace_s=cfg.kill_grace_s,
+            log_dir=log_dir if name == "before" else log_dir / "hooks", max_log_bytes=cfg.max_log_bytes,
+            attach=attach,
+        )  # fmt: skip
+
+
+async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.Notify | None, *, startup: bool) -> None:
+    """Tidy after a crash (at start) and land what is owed: approved jobs, landings a crash postponed.
+
+    At start, each configured repository's worktrees are pruned (the locked ones are
+    named in one line: they must be unlocked on purpose), worktrees of jobs no longer
+    active are removed, and landings a crash cut short are recorded as failed.
+    """
+    if startup:
+        repos = sorted({a.repo.workspace.git for a in cfg.agents.values() if a.repo.workspace is not None})
+        for repo in repos:
+            try:
+                async with repo_lock(repo):
+                    locked = await lanes.io(worktree.prune, repo)
+            except (GitError, OSError) as exc:
+                log.warning("workspace.prune_failed", repo=repo, error=str(exc))
+                continue
+            if locked:
+                log.warning("workspace.locked", repo=repo, worktrees=locked, hint="git worktree unlock PATH")
+        keep = await lanes.io(_unfinished, layout)
+        removed = await lanes.io(worktree.sweep, layout.state_dir / "worktrees", keep)
+        if removed:
+            log.info("workspace.removed", jobs=removed)
+    owed = await lanes.io(landing.look, layout, startup=startup)
+    for job_id in owed.interrupted:
+        await lanes.io(landing.record_interrupted, layout, job_id)
+        why = "land hook interrupted by a stop or crash; `dispatcher land ID` runs it again"
+        log.warning("land.failed", job_id=job_id, reason=why)
+        if notify is not None:
+            notify.fire("land.failed", job_id, None, why, layout.job(State.DONE, job_id) / "result.json")
+    for job_id in owed.ready:
+        if await lanes.io(landing.claim, layout, job_id):
+            await landing.land(layout, job_id, cfg, lanes.io, notify)
+
+
+def _unfinished(layout: Layout) -> list[str]:
+    """Return the ids of jobs in active/ (their worktrees stay; a job that never ran an attempt has none)."""
+    try:
+        return os.listdir(layout.folder(State.ACTIVE))
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,60 @@
+"""Run an agent under bubblewrap (contract section 15, ``sandbox: true``).
+
+The whole filesystem is mounted read-only; the job's workspace, its ``work/``, the
+repository's objects, refs and the worktree's own git folder (so that the agent can
+commit on its branch; never the repository's config or hooks), a private
+``/tmp`` and the agent's ``sandbox_writable`` paths are writable. The pid namespace
+is the daemon's (no ``--unshare-pid``): bwrap leads the process group the daemon
+made, the agent inside stays in it, so ending the group ends the agent.
+``--die-with-parent`` ends the sandbox if the daemon dies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from dispatcher.spec.repo import BWRAP, RepoSettings
+
+
+def writable_paths(
+    repo: RepoSettings, work: Path, workspace: Path | None, git_paths: Sequence[str], home: str
+) -> list[str]:
+    """Return the paths writable inside the sandbox, ``~`` expanded against home."""
+    paths = [str(work)]
+    if workspace is not None:
+        paths.append(str(workspace))
+    paths.extend(git_paths)
+    for p in repo.sandbox_writable:
+        paths.append(home + p[1:] if p == "~" or p.startswith("~/") else p)
+    return paths
+
+
+def wrap(
+    argv: Sequence[str], *, cwd: Path, writable: Iterable[str], network: bool, env: Mapping[str, str]
+) -> list[str]:
+    """Return argv wrapped in bwrap; raise FileNotFoundError when bwrap or the agent's program is missing.
+
+    The agent's program is looked up here, on the agent's PATH, so that a missing one
+    is "cannot start" as it is without the sandbox, not an exit code of bwrap.
+    """
+    bwrap = shutil.which(BWRAP)
+    if bwrap is None:
+        raise FileNotFoundError(2, "bubblewrap is not installed (package bubblewrap)", BWRAP)
+    prog = argv[0]
+    if "/" not in prog:
+        found = shutil.which(prog, path=env.get("PATH", os.defpath))
+        if found is None:
+            raise FileNotFoundError(2, "No such file or directory", prog)
+    elif not os.access(cwd / prog if not os.path.isabs(prog) else prog, os.X_OK):
+        raise FileNotFoundError(2, "No such file or directory", prog)
+    out = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]  # noqa: S108 - a private /tmp
+    for path in writable:
+        out += ["--bind-try", path, path]
+    out.append("--die-with-parent")
+    if not network:
+        out.append("--unshare-net")
+    out += ["--chdir", str(cwd), "--", *argv]
+    return out

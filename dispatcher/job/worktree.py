@@ -1,0 +1,366 @@
+"""A job's git worktree (contract section 15), the blocking side: run in the io pool.
+
+Each job with ``workspace.git`` works in ``.state/worktrees/<job_id>``, a worktree of
+the repository on its own branch made from the base commit, resolved once and kept
+in the job folder's ``workspace.json`` (so a recovered job starts from the same
+commit even when ``main`` has moved). The caller serialises the calls that change
+the repository's worktree list per repository (``job.workspace``); git's own lock
+files cover other processes, and a call that finds one busy is tried again.
+
+The daemon's git calls never run anything the repository configures (hooks, an
+fsmonitor, diff or text-conversion drivers): an agent may have written its config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dispatcher import faults, fsutil
+
+RECORD = "workspace.json"
+DIFF_MAX_BYTES = 16 * 1024 * 1024
+GIT_TIMEOUT_S = 300.0
+_SAFE = ("-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "core.quotePath=false")
+_IDENTITY = {
+    "GIT_AUTHOR_NAME": "dispatcher",
+    "GIT_AUTHOR_EMAIL": "dispatcher@localhost",
+    "GIT_COMMITTER_NAME": "dispatcher",
+    "GIT_COMMITTER_EMAIL": "dispatcher@localhost",
+}
+_BUSY = ("index.lock", ".lock': File exists", "cannot lock ref", "Unable to create", "is locked")
+
+
+class GitError(Exception):
+    """A git call failed; the message is git's last line of error output."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workspace:
+    """One job's worktree: the repository, its branch, the base commit it started from, its folder."""
+
+    repo: str
+    branch: str
+    base: str  # the commit the branch started from
+    base_ref: str  # what the config or the order named (a ref, or "parent")
+    path: str
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the record as plain JSON values (``workspace.json``)."""
+        return {
+            "repo": self.repo,
+            "branch": self.branch,
+            "base": self.base,
+            "base_ref": self.base_ref,
+            "path": self.path,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Workspace:
+        """Rebuild a record (KeyError/TypeError if damaged)."""
+        return cls(str(data["repo"]), str(data["branch"]), str(data["base"]), str(data["base_ref"]), str(data["path"]))
+
+
+def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Return the environment of the daemon's git calls: the daemon's, without GIT_* overrides."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env["GIT_TERMINAL_PROMPT"] = "0"
+    env.update(_IDENTITY)
+    env.update(extra or {})
+    return env
+
+
+def git(cwd: str | Path, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
+    """Run git in cwd and return its stdout; raise GitError with git's message (busy locks are tried again)."""
+    delay = 0.05
+    for tries in range(12):
+        proc = subprocess.run(
+            ["git", *_SAFE, *args],
+            cwd=cwd,
+            env=env or git_env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
+        if proc.returncode == 0 or not check:
+            return proc.stdout.decode(errors="replace")
+        err = proc.stderr.decode(errors="replace").strip()
+        if tries < 11 and any(b in err for b in _BUSY):
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
+        last = err.splitlines()[-1] if err else f"exit {proc.returncode}"
+        raise GitError(f"git {args[0]}: {last}")
+    raise AssertionError("unreachable")
+
+
+def read_record(job_folder: Path) -> Workspace | None:
+    """Return the job's workspace record, or None when it has none yet."""
+    try:
+        return Workspace.from_json(json.loads((job_folder / RECORD).read_bytes()))
+    except (FileNotFoundError, KeyError, TypeError, ValueError):
+        return None
+
+
+def plan(job_folder: Path, repo: str, base_ref: str, branch: str, path: Path) -> Workspace:
+    """Resolve the base to a commit and write ``workspace.json`` durably (once: a recovered job keeps it)."""
+    found = read_record(job_folder)
+    if found is not None:
+        return found
+    if not os.path.isdir(repo):
+        raise GitError(f"repository {repo} does not exist")
+    base = git(repo, "rev-parse", "--verify", "--quiet", f"{base_ref}^{{commit}}", check=False).strip()
+    if not base:
+        raise GitError(f"base {base_ref} is not a commit of {repo}")
+    ws = Workspace(repo, branch, base, base_ref, str(path))
+    fsutil.write_atomic(job_folder / RECORD, fsutil.dump_json(ws.to_json()))
+    return ws
+
+
+def worktrees(repo: str) -> dict[str, dict[str, str]]:
+    """Return the repository's worktrees by path, each with its porcelain attributes (locked, prunable...)."""
+    out: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for line in git(repo, "worktree", "list", "--porcelain").splitlines():
+        key, _, value = line.partition(" ")
+        if key == "worktree":
+            current = out.setdefault(value, {})
+        elif current is not None and key:
+            current[key] = value
+    return out
+
+
+def _entries(ws: Workspace) -> list[tuple[Path, str | None]]:
+    """Return the repository's worktree entries that may be this worktree's, with their ``gitdir`` (None: unwritten).
+
+    Git names an entry after the worktree's folder, with a digit added when the name is taken.
+    """
+    name = os.path.basename(ws.path)
+    out: list[tuple[Path, str | None]] = []
+    try:
+        admins = list((common_dir(ws.repo) / "worktrees").iterdir())
+    except FileNotFoundError:
+        return out
+    for admin in admins:
+        if not (admin.name == name or (admin.name.startswith(name) and admin.name[len(name) :].isdigit())):
+            continue
+        try:
+            out.append((admin, (admin / "gitdir").read_text().strip()))
+        except FileNotFoundError:
+            out.append((admin, None))
+        except OSError:
+            continue
+    return out
+
+
+def is_ready(ws: Workspace) -> bool:
+    """Return True when the worktree exists complete (registered, not locked by an unfinished add)."""
+    mine = os.path.join(ws.path, ".git")
+    entry = next((admin for admin, gitdir in _entries(ws) if gitdir == mine), None)
+    return entry is not None and not (entry / "locked").exists() and os.path.exists(mine)
+
+
+def clear(ws: Workspace) -> None:
+    """Remove whatever is left at the worktree's path (a worktree, a half-made one, a folder).
+
+    An add that died half-way leaves its entry locked (git locks it first), maybe without
+    its ``gitdir`` file, which makes ``git worktree list`` fail for the whole repository:
+    such an entry of this worktree's is unlocked and removed. Entries of other worktrees,
+    locked or not, are never touched.
+    """
+    mine = os.path.join(ws.path, ".git")
+    registered = False
+    for admin, gitdir in _entries(ws):
+        if gitdir is None and (admin / "locked").exists():
+            shutil.rmtree(admin, ignore_errors=True)
+        elif gitdir == mine:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(admin / "locked")
+            registered = True
+    if registered and os.path.isdir(ws.path):
+        git(ws.repo, "worktree", "remove", "--force", "--force", ws.path, check=False)
+    shutil.rmtree(ws.path, ignore_errors=True)
+    if registered and any(gitdir == mine for _admin, gitdir in _entries(ws)):
+        git(ws.repo, "worktree", "prune")
+
+
+def create(ws: Workspace, *, from_branch: bool) -> None:
+    """Make the worktree on its branch: from the base commit, or (``from_branch``) from the branch's tip."""
+    clear(ws)
+    os.makedirs(os.path.dirname(ws.path), exist_ok=True)
+    tip = ""
+    if from_branch:
+        tip = git(ws.repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{ws.branch}", check=False).strip()
+    args = ["worktree", "add", ws.path, ws.branch] if tip else ["worktree", "add", "-B", ws.branch, ws.path, ws.base]
+    if faults.armed("workspace.add"):  # a crash test: git and the daemon die while the new worktree is locked
+        proc = subprocess.Popen(["git", *_SAFE, *args], cwd=ws.repo, env=git_env())
+        lock = common_dir(ws.repo) / "worktrees" / os.path.basename(ws.path) / "locked"
+        deadline = time.monotonic() + 10
+        while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        faults.point("workspace.add")
+    git(ws.repo, *args)
+
+
+def common_dir(repo: str) -> Path:
+    """Return the repository's git folder (``.git``, or the repository itself when bare)."""
+    dot = Path(repo) / ".git"
+    return dot if dot.is_dir() else Path(repo)
+
+
+def admin_dir(ws: Workspace) -> Path:
+    """Return the worktree's own folder in the repository (``.git/worktrees/<name>``), found from the repository.
+
+    Never read from the worktree's ``.git`` file: the agent may have rewritten it.
+    """
+    mine = os.path.join(ws.path, ".git")
+    with contextlib.suppress(FileNotFoundError):
+        for admin in (common_dir(ws.repo) / "worktrees").iterdir():
+            with contextlib.suppress(OSError):
+                if (admin / "gitdir").read_text().strip() == mine:
+                    return admin
+    raise GitError(f"worktree {ws.path} is not registered in {ws.repo}")
+
+
+def git_paths(ws: Workspace) -> list[str]:
+    """Return the parts of the repository an agent needs to commit on its branch (writable under the sandbox).
+
+    Objects, refs and reflogs, and the worktree's own folder; never the config or the
+    hooks, which the daemon's own git calls would otherwise obey.
+    """
+    common = common_dir(ws.repo)
+    return [str(common / "objects"), str(common / "refs"), str(common / "logs"), str(admin_dir(ws))]
+
+
+def _tree_env(ws: Workspace, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return git_env({"GIT_DIR": str(admin_dir(ws)), "GIT_WORK_TREE": ws.path, **(extra or {})})
+
+
+def reset_to_base(ws: Workspace) -> None:
+    """Put the branch and the worktree back at the base commit (a retry starts again from base)."""
+    env = _tree_env(ws)
+    git(ws.path, "reset", "-q", "--hard", ws.base, env=env)
+    git(ws.path, "clean", "-q", "-ffdx", env=env)
+
+
+def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> list[str]:
+    """Write ``diff.patch`` (binary-safe) and ``changed.txt`` of the worktree against base; return the paths.
+
+    Committed and uncommitted changes both count: the worktree is added to a copy of
+    its index (a temporary one: the agent's own index is untouched) and that tree is
+    compared with the base commit. A patch above max_bytes is cut with a note saying so.
+    """
+    admin = admin_dir(ws)
+    with tempfile.TemporaryDirectory(prefix="dispatcher-index-") as tmp:
+        index = os.path.join(tmp, "index")
+        with contextlib.suppress(FileNotFoundError):
+            shutil.copyfile(admin / "index", index)
+        env = _tree_env(ws, {"GIT_INDEX_FILE": index})
+        git(ws.path, "add", "-A", env=env)
+        tree = git(ws.path, "write-tree", env=env).strip()
+    names = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, tree).split("\0") if n]
+    _write_patch(ws, tree, out_dir / "diff.patch", max_bytes)
+    fsutil.write_atomic(out_dir / "changed.txt", "".join(f"{n}\n" for n in names).encode(), sync=False, sync_dir=False)
+    return names
+
+
+def _write_patch(ws: Workspace, tree: str, path: Path, max_bytes: int) -> None:
+    argv = ["git", *_SAFE, "diff", "--binary", "--no-ext-diff", "--no-textconv", "--no-renames", ws.base, tree]
+    proc = subprocess.Popen(argv, cwd=ws.repo, env=git_env(), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None  # noqa: S101 - PIPE
+    written, cut = 0, False
+    with open(path, "wb") as out:
+        while chunk := proc.stdout.read(1 << 16):
+            room = max_bytes - written
+            if len(chunk) > room:
+                out.write(chunk[:room])
+                cut = True
+                break
+            out.write(chunk)
+            written += len(chunk)
+        if cut:
+            out.write(f"\n[dispatcher: diff cut at {max_bytes} bytes]\n".encode())
+            proc.kill()
+    proc.stdout.close()
+    proc.wait()
+
+
+def seal(ws: Workspace, job_id: str) -> tuple[str, list[str]]:
+    """Commit what the job left uncommitted on its branch; return the branch's head and the changed paths.
+
+    The commit is the daemon's (author ``dispatcher``), made without the repository's
+    hooks. Safe to call again after a crash: a worktree already gone leaves the branch as it is.
+    """
+    if is_ready(ws):
+        env = _tree_env(ws)
+        git(ws.path, "add", "-A", env=env)
+        if _staged(ws, env):
+            message = f"dispatch {job_id}: changes left uncommitted"
+            git(ws.path, "commit", "-q", "--no-verify", "-m", message, env=env)
+    head = git(ws.repo, "rev-parse", "--verify", f"refs/heads/{ws.branch}").strip()
+    changed = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, head).split("\0") if n]
+    return head, changed
+
+
+def _staged(ws: Workspace, env: dict[str, str]) -> bool:
+    proc = subprocess.run(
+        ["git", *_SAFE, "diff", "--cached", "--quiet"],
+        cwd=ws.path,
+        env=env,
+        capture_output=True,
+        check=False,
+    )
+    return proc.returncode == 1
+
+
+def prune(repo: str) -> list[str]:
+    """Prune the repository's worktrees whose folder is gone; return the locked ones (path and reason)."""
+    git(repo, "worktree", "prune")
+    return [f"{p} ({e['locked'] or 'no reason'})" for p, e in worktrees(repo).items() if "locked" in e]
+
+
+def sweep(worktrees_dir: Path, keep: Sequence[str]) -> list[str]:
+    """Remove worktrees of jobs that are no longer active (a crash after their finish); return their ids."""
+    removed = []
+    try:
+        names = os.listdir(worktrees_dir)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if name in keep:
+            continue
+        path = worktrees_dir / name
+        repo = _repo_of(path)
+        if repo is not None:
+            git(repo, "worktree", "remove", "--force", "--force", str(path), check=False)
+        shutil.rmtree(path, ignore_errors=True)
+        if repo is not None:
+            git(repo, "worktree", "prune", check=False)
+        removed.append(name)
+    return removed
+
+
+def _repo_of(path: Path) -> str | None:
+    """Return the main repository of a worktree folder, from its .git file, or None."""
+    try:
+        text = (path / ".git").read_text().strip()
+    except OSError:
+        return None
+    if not text.startswith("gitdir: "):
+        return None
+    gitdir = Path(text[len("gitdir: ") :])  # <repo>/.git/worktrees/<name>
+    common = gitdir.parent.parent
+    return str(common.parent) if common.name == ".git" else str(common)

@@ -1,0 +1,49 @@
+"""`dispatcher land ID...`: run a done job's ``land`` hook again (contract section 15).
+
+The hook runs in the foreground, like the daemon runs it (own process group,
+timeout, environment rules), and its run is recorded in the job folder as the
+daemon records it; a landing a daemon is running now is not started twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from dispatcher.errors import NotFound, WrongState
+from dispatcher.job import landing
+from dispatcher.layout import Layout
+from dispatcher.lifecycle import State
+from dispatcher.spec.config import Config
+from dispatcher.store.jobstore import JobFolder
+
+
+async def _direct(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
+    """Run job_id's land hook now; return the line to print; raise NotFound or WrongState."""
+    found = layout.find(job_id)
+    if found is None:
+        raise NotFound(f"{job_id}: no such job")
+    state, path = found
+    if state is not State.DONE:
+        raise WrongState(f"{job_id}: is {state.value}, not done (only a done job lands)")
+    if JobFolder(path).spec().agent.repo.land is None:
+        raise WrongState(f"{job_id}: its agent has no land hook")
+    if (layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}").exists():
+        raise WrongState(f"{job_id}: is landing now")
+    landing.owe(layout, job_id)
+    if not landing.claim(layout, job_id):
+        raise WrongState(f"{job_id}: is landing now")
+    ok = asyncio.run(landing.land(layout, job_id, cfg, _direct))
+    if not ok:
+        last = JobFolder(path).read_json(_last_record(path)) or {}
+        raise WrongState(f"{job_id}: land failed: {last.get('detail') or 'see land/ in the job folder'}")
+    return f"{job_id}: landed"
+
+
+def _last_record(path: Any) -> str:
+    names = sorted((p.name for p in (path / "land").glob("*.json")), key=lambda n: int(n.split(".")[0]))
+    return f"land/{names[-1]}" if names else "land/1.json"

@@ -1,0 +1,90 @@
+"""Shortages of file descriptors, processes or memory: "not now", never a job's answer.
+
+EMFILE, ENFILE, EAGAIN (from fork) and ENOMEM say nothing about an order or an
+agent: they say the daemon is short of something that comes back once agents
+end. Code that meets one calls ``SHORT.note(exc)`` and leaves its order or job
+where it is; the scheduler claims and starts nothing until ``SHORT.until`` and
+then tries again, one job at first and twice as many after each agent that
+starts (like TCP's slow start): slots and claims hold descriptors too, so a
+daemon that took all it could at once would starve the agents it claimed for.
+``daemon.short_of`` is logged once per shortage of a resource: it is logged
+again only after a quiet spell without that shortage.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import structlog
+
+log = structlog.get_logger("dispatcher")
+
+RESOURCES = {
+    errno.EMFILE: "file descriptors (EMFILE)",
+    errno.ENFILE: "file descriptors of the system (ENFILE)",
+    errno.EAGAIN: "processes (EAGAIN)",
+    errno.ENOMEM: "memory (ENOMEM)",
+}
+PAUSE_MIN_S = 0.2
+PAUSE_MAX_S = 2.0
+WINDOW_MAX = 1024
+QUIET_S = 60.0  # a shortage of a resource not met again for this long is over
+
+
+def resource_of(exc: BaseException) -> str | None:
+    """Return the resource an error says the daemon is short of, or None for any other error."""
+    if isinstance(exc, MemoryError):
+        return RESOURCES[errno.ENOMEM]
+    if isinstance(exc, OSError) and exc.errno in RESOURCES:
+        return RESOURCES[exc.errno]
+    return None
+
+
+class Shortage:
+    """The daemon's view of its shortages: when to try again, what was logged."""
+
+    def __init__(self) -> None:
+        self.until = 0.0  # monotonic time before which nothing new is claimed or started
+        self._pause = PAUSE_MIN_S
+        self._window: int | None = None  # jobs that may be claimed or started per turn (None: no bound)
+        self._last_seen: dict[str, float] = {}  # resource -> when it was last short
+
+    def note(self, exc: BaseException, step: str) -> bool:
+        """Record a shortage if exc is one (log it once); return True if it was one."""
+        resource = resource_of(exc)
+        if resource is None:
+            return False
+        now = time.monotonic()
+        seen = self._last_seen.get(resource)
+        if seen is None or now - seen > QUIET_S:
+            log.warning("daemon.short_of", resource=resource, step=step, error=str(exc))
+        self._last_seen[resource] = now
+        self._window = 1
+        if now >= self.until:  # one pause per turn, however many steps met the shortage in it
+            self.until = now + self._pause
+            self._pause = min(self._pause * 2, PAUSE_MAX_S)
+        return True
+
+    def short(self) -> bool:
+        """Return True while claims and starts pause."""
+        return time.monotonic() < self.until
+
+    def wait_s(self) -> float:
+        """Return the seconds left in the pause (0 when none)."""
+        return max(0.0, self.until - time.monotonic())
+
+    def allowance(self, free: int) -> int:
+        """Return how many of ``free`` slots a turn may fill (all of them unless a shortage was met)."""
+        return free if self._window is None else min(free, self._window)
+
+    def ok(self) -> None:
+        """Note that an agent started: the next turn may start twice as many."""
+        self._pause = PAUSE_MIN_S
+        if self._window is not None:
+            self._window *= 2
+            if self._window > WINDOW_MAX:
+                self._window = None
+
+
+SHORT = Shortage()

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""A coding agent for the workspace tests: edits files in its folder (the worktree), maybe commits.
+
+Every start is appended to ``--count`` (``job_id attempt pid``), its folder to ``<count>.cwd``. ``--write PATH=TEXT``
+writes a file (relative to the working folder, or absolute); ``--append PATH=TEXT``
+appends a line; ``--try-write PATH`` tries to write and records in ``--report`` whether
+it could (a sandbox test); ``--connect PORT`` tries 127.0.0.1:PORT and records the
+outcome; ``--commit`` commits its changes; ``--sleep S`` sleeps first. It then writes
+its receipt to $DISPATCH_RECEIPT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--count")
+    p.add_argument("--write", action="append", default=[])
+    p.add_argument("--append", action="append", default=[])
+    p.add_argument("--binary", action="append", default=[], help="write 256 bytes 0..255 to this path")
+    p.add_argument("--try-write", action="append", default=[])
+    p.add_argument("--connect", type=int)
+    p.add_argument("--report")
+    p.add_argument("--commit", action="store_true")
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--sleep-first", type=float, default=0.0, help="sleep this long in attempt 1 only")
+    p.add_argument("--exit", type=int, default=0)
+    p.add_argument("--fail-first", metavar="PATH", help="attempt 1 writes PATH and exits 1; later ones report it")
+    p.add_argument("--handoff", metavar="AGENT", help="hand off <job_id>-next to AGENT with base: parent")
+    a = p.parse_args()
+    job = os.environ["DISPATCH_JOB_ID"]
+    if a.count:
+        with open(a.count, "a") as f:
+            f.write(f"{job} {os.environ['DISPATCH_ATTEMPT']} {os.getpid()}\n")
+        with open(a.count + ".cwd", "a") as f:
+            f.write(f"{job} {os.environ['DISPATCH_ATTEMPT']} {os.getcwd()}\n")
+    time.sleep(a.sleep + (a.sleep_first if os.environ["DISPATCH_ATTEMPT"] == "1" else 0))
+    report: dict[str, str] = {}
+    for spec in a.write + a.append:
+        path, _, text = spec.partition("=")
+        path = path.replace("{job}", job)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a" if spec in a.append else "w") as f:
+            f.write(text.replace("{job}", job) + "\n")
+    for path in a.binary:
+        Path(path).write_bytes(bytes(range(256)))
+    for path in a.try_write:
+        try:
+            Path(path).write_text("stray\n")
+            report[path] = "written"
+        except OSError as exc:
+            report[path] = exc.strerror or str(exc)
+    if a.connect:
+        try:
+            socket.create_connection(("127.0.0.1", a.connect), timeout=2).close()
+            report["connect"] = "connected"
+        except OSError as exc:
+            report["connect"] = exc.strerror or str(exc)
+    if a.fail_first:
+        if os.environ["DISPATCH_ATTEMPT"] == "1":
+            Path(a.fail_first).write_text("first attempt\n")
+            return 1
+        report["fail_first"] = "present" if os.path.exists(a.fail_first) else "absent"
+    if a.report:
+        Path(a.report).write_text(json.dumps(report))
+    if a.commit:
+        subprocess.run(["git", "add", "-A"], check=True)
+        subprocess.run(["git", "commit", "-q", "-m", f"{job}: work"], check=True)
+    order = json.loads(Path(os.environ["DISPATCH_ORDER"]).read_text())
+    if a.handoff:
+        outbox = Path(os.environ["DISPATCH_ORDER"]).parent / "outbox"
+        outbox.mkdir(exist_ok=True)
+        nxt = {"job_id": f"{job}-next", "from": order["to"], "to": a.handoff, "task": "Go on.", "items": order["items"]}
+        (outbox / f"{job}-next.json").write_text(json.dumps(nxt | {"base": "parent"}))
+    ids = [i["id"] for i in order["items"]]
+    receipt = {"job_id": job, "input_ids": ids, "output_ids": [], "status": "done", "outputs": []}
+    Path(os.environ["DISPATCH_RECEIPT"]).write_text(json.dumps(receipt))
+    return a.exit
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""Section 15 hooks: before (each attempt, in the workspace), after (once final), land (exactly once after done)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from conftest import Env, wait_until
+from git_helpers import code_order, coder, git, make_repo, starts
+from helpers_faults import alive, count_events, env_daemon
+
+LAND = 'echo "{job_id} {branch} {head} $(pwd)" >> "$0"'
+
+
+def _land(log: Path, *extra: str) -> list[str]:
+    """Return a land hook that appends `job_id branch head cwd` to log."""
+    return ["sh", "-c", LAND + "".join(extra), str(log)]
+
+
+def test_before_runs_in_the_workspace_each_attempt_and_its_failure_fails_the_attempt(env: Env, tmp_path: Path) -> None:
+    """A before hook that fails gives the attempt its reason; with attempts left the job runs again."""
+    repo = make_repo(tmp_path / "shop")
+    seen = tmp_path / "before.txt"
+    # fails on its first run (no mark yet), passes on the second; records where it ran
+    hook = ["sh", "-c", 'pwd >> "$0"; [ -e "$0.mark" ] || { touch "$0.mark"; echo "no deps" >&2; exit 3; }', str(seen)]
+    agent = coder(env, repo, "--write", "src/{job}.txt=x", before=hook, max_attempts=2)
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("B1"))
+    d = env.daemon()
+    result = env.wait_job("B1", "done")
+    d.stop()
+    tree = str(env.root / ".state" / "worktrees" / "B1")
+    assert seen.read_text().split() == [tree, tree]
+    assert [(j, n) for j, n, _ in starts(env)] == [("B1", 2)]  # the agent never ran in attempt 1
+    assert result["attempts"][0]["before"] == "before hook exited 3: no deps"
+    assert (env.job_dir("B1", "done") / "attempts" / "1" / "before-stderr.log").read_text() == "no deps\n"
+
+
+def test_a_before_hook_failure_with_no_attempt_left_fails_the_job_with_its_reason(env: Env, tmp_path: Path) -> None:
+    """With one attempt, a failing before hook fails the job; the reason says which hook and how."""
+    repo = make_repo(tmp_path / "shop")
+    agent = coder(env, repo, before=["sh", "-c", "echo missing tool >&2; exit 1"])
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("B2"))
+    d = env.daemon()
+    result = env.wait_job("B2", "failed")
+    d.wait_event("hook.failed", hook="before", job_id="B2")
+    d.stop()
+    assert result["reason"] == "before hook exited 1: missing tool; not retried: no attempts left"
+    assert starts(env) == []
+
+
+def test_after_runs_once_when_final_and_never_changes_the_state(env: Env, tmp_path: Path) -> None:
+    """An after hook that fails is recorded and logged (hook.failed); the job stays done."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "after.txt"
+    hook = ["sh", "-c", 'echo "{job_id} {branch} {head} {result} $(pwd)" >> "$0"; exit 4', str(log)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=hook)})
+    env.drop(code_order("A1"))
+    d = env.daemon()
+    result = env.wait_job("A1", "done")
+    record = wait_until(lambda: list((env.job_dir("A1", "done") / "hooks").glob("after-*.json")), what="after record")
+    d.wait_event("hook.failed", hook="after", job_id="A1")
+    d.stop()
+    head = result["workspace"]["head"]
+    done = env.job_dir("A1", "done")
+    tree = env.root / ".state" / "worktrees" / "A1"
+    assert log.read_text().split() == ["A1", "dispatch/A1", head, str(done / "result.json"), str(tree)]
+    assert [p.name for p in record] == ["after-1.json"]
+    assert json.loads(record[0].read_text())["detail"] == "after hook exited 4"
+    assert env.result("A1", "done")["state"] == "done"
+
+
+def test_land_runs_once_after_done_in_the_repository(env: Env, tmp_path: Path) -> None:
+    """A done job's land hook runs exactly once, in the repository, with the branch and head; job.landed is logged."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=_land(log))})
+    env.drop(code_order("L1"))
+    env.drop(code_order("L2", to="coder"))
+    d = env.daemon()
+    heads = {j: env.wait_job(j, "done")["workspace"]["head"] for j in ("L1", "L2")}
+    d.wait_event("job.landed", job_id="L1")
+    d.wait_event("job.landed", job_id="L2")
+    d.stop()
+    lines = sorted(log.read_text().splitlines())
+    assert lines == [f"{j} dispatch/{j} {heads[j]} {repo}" for j in ("L1", "L2")]
+    assert git(repo, "rev-parse", "dispatch/L1") == heads["L1"]
+
+
+def test_land_exactly_once_across_a_kill_between_done_and_landed(env: Env, tmp_path: Path) -> None:
+    """Killed after the job is done and before its land hook ran: the next start lands it, once, and never again."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=_land(log))})
+    env.drop(code_order("X1"))
+    d = env_daemon(env, {"DISPATCHER_FAULT": "land.before"})
+    assert d.wait() == -signal.SIGKILL
+    assert (env.job_dir("X1", "done") / "result.json").exists() and not log.exists()
+    d2 = env.daemon()
+    d2.wait_event("job.landed", job_id="X1")
+    d2.stop()
+    d3 = env.daemon()
+    d3.wait_ready()
+    d3.stop()
+    assert len(log.read_text().splitlines()) == 1
+    assert count_events(d3, "job.landed") == 0
+
+
+def test_a_land_cut_short_is_not_run_again_but_land_runs_it(env: Env, tmp_path: Path) -> None:
+    """Killed as the land hook starts: the restart records land.failed (never a second run); `land ID` runs it."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=_land(log))})
+    env.drop(code_order("X2"))
+    d = env_daemon(env, {"DISPATCHER_FAULT": "land.started"})
+    assert d.wait() == -signal.SIGKILL
+    d2 = env.daemon()
+    event = d2.wait_event("land.failed", job_id="X2")
+    d2.stop()
+    assert "interrupted" in event["reason"] and not log.exists()
+    proc = env.cli("land", "X2")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "X2: landed\n", "")
+    assert len(log.read_text().splitlines()) == 1
+
+
+def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, tmp_path: Path) -> None:
+    """A land hook that fails logs land.failed and notifies; once fixed, `dispatcher land ID` lands the job."""
+    repo = make_repo(tmp_path / "shop")
+    log, gate, notified = tmp_path / "land.txt", tmp_path / "fixed", tmp_path / "notify.txt"
+    hook = ["sh", "-c", f'[ -e {gate} ] || {{ echo "push rejected" >&2; exit 1; }}; ' + LAND, str(log)]
+    notify = ["sh", "-c", 'echo "{event} {job_id} {reason}" >> "$0"', str(notified)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)}, notify=notify)
+    env.drop(code_order("F1"))
+    d = env.daemon()
+    d.wait_event("land.failed", job_id="F1")
+    wait_until(lambda: notified.exists() and "land.failed" in notified.read_text(), what="the notification")
+    d.stop()
+    assert notified.read_text() == "land.failed F1 land hook exited 1: push rejected\n"
+    assert env.result("F1", "done")["state"] == "done"
+    proc = env.cli("land", "F1")
+    assert proc.returncode == 1 and proc.stderr == "F1: land failed: land hook exited 1: push rejected\n"
+    gate.touch()
+    proc = env.cli("land", "F1")
+    assert (proc.returncode, proc.stdout) == (0, "F1: landed\n")
+    assert len(log.read_text().splitlines()) == 1
+    assert sorted(p.name for p in (env.job_dir("F1", "done") / "land").glob("*.json")) == ["1.json", "2.json", "3.json"]
+    bad = env.cli("land", "NOPE")
+    assert bad.returncode == 1 and bad.stderr == "NOPE: no such job\n"
+
+
+def test_land_waits_for_review_and_runs_once_after_approve(env: Env, tmp_path: Path) -> None:
+    """A job with review lands only after approve, exactly once."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    agent = coder(env, repo, "--write", "src/a.txt=x", land=_land(log), review=True)
+    env.configure(agents={"coder": agent}, rescan_interval=0.5)
+    env.drop(code_order("R1"))
+    d = env.daemon()
+    wait_until(lambda: (env.root / "review" / "R1" / "result.json").exists(), what="the job in review/")
+    assert not log.exists()
+    env.cli("approve", "R1", check=True)
+    d.wait_event("job.landed", job_id="R1")
+    d.stop()
+    assert len(log.read_text().splitlines()) == 1
+
+
+def test_a_before_hook_has_its_own_timeout_and_a_cancel_ends_it(env: Env, tmp_path: Path) -> None:
+    """A hook given {command, timeout} is ended at its timeout; a cancel ends a running hook at once."""
+    repo = make_repo(tmp_path / "shop")
+    slow = {"command": ["sleep", "60"], "timeout": 1}
+    hang = ["sh", "-c", 'echo $$ > "$0"; exec sleep 60', str(tmp_path / "hook.pid")]
+    env.configure(agents={"coder": coder(env, repo, before=slow), "hang": coder(env, repo, before=hang)})
+    env.drop(code_order("H1"))
+    env.drop(code_order("H2", to="hang"))
+    d = env.daemon()
+    assert env.wait_job("H1", "failed")["reason"] == "before hook timed out; not retried: no attempts left"
+    pid = int(wait_until(lambda: (tmp_path / "hook.pid").exists() and (tmp_path / "hook.pid").read_text(), what="hook"))
+    env.cli("cancel", "H2", check=True)
+    assert env.wait_job("H2", "failed", timeout=15)["reason"] == "cancelled"
+    d.stop()
+    wait_until(lambda: not alive(pid), 10, "the hook to be ended")
+    assert starts(env) == []

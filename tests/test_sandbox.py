@@ -1,0 +1,163 @@
+"""Section 15 sandbox: bubblewrap keeps an agent's writes to its workspace, work/, /tmp and sandbox_writable."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Env, cli_env, order, wait_until
+from git_helpers import code_order, coder, git, make_repo, need
+from helpers_faults import alive, wait_start
+
+EROFS = "Read-only file system"
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Iterator[Env]:
+    """A dispatch root, config and home outside /tmp (under /var/tmp): the sandbox's /tmp is its own."""
+    base = Path(tempfile.mkdtemp(prefix="dispatcher-sandbox-", dir="/var/tmp"))
+    e = Env(tmp=base, root=base / "dispatch", config_path=base / "dispatcher.yaml", count_file=base / "starts.txt")
+    try:
+        yield e
+    finally:
+        from helpers_faults import reap
+
+        reap(e)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _sandboxed(e: Env, repo: Path, *flags: str, **settings: Any) -> dict[str, Any]:
+    """Return the coding agent under the sandbox; its start records (one file each) stay writable."""
+    need("bwrap", "bubblewrap")
+    counts = [e.count_file, Path(f"{e.count_file}.cwd")]
+    for f in counts:
+        f.touch()  # bound one file at a time: the test's folder holds the dispatch root
+    writable = [*map(str, counts), *settings.pop("sandbox_writable", [])]
+    return coder(e, repo, *flags, sandbox=True, sandbox_writable=writable, **settings)
+
+
+def test_writes_outside_fail_inside_the_agent_and_workspace_writes_succeed(outside: Env) -> None:
+    """Writes to /etc, the root's done/ and $HOME fail with EROFS and leave no file; workspace writes succeed."""
+    env = outside
+    repo = make_repo(env.tmp / "shop")
+    home = env.tmp / "home"
+    (home / ".agent").mkdir(parents=True)
+    out = env.tmp / "out"
+    out.mkdir()
+    strays = ["/etc/dispatcher-stray", str(env.root / "done" / "stray"), str(home / "stray")]
+    strays.append(str(repo / ".git" / "config"))  # the agent commits on its branch, never configures git
+    flags = [f"--try-write={p}" for p in strays] + ["--try-write", str(home / ".agent" / "state")]
+    flags += ["--try-write", "/tmp/private", "--write", "src/{job}.txt=inside", "--report", str(out / "report.json")]
+    flags += ["--commit"]
+    agent = _sandboxed(env, repo, *flags, sandbox_writable=["~/.agent", str(out)], env={"HOME": str(home)})
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("S1"))
+    d = env.daemon()
+    result = env.wait_job("S1", "done")
+    d.stop()
+    report = json.loads((out / "report.json").read_text())
+    assert report == {p: EROFS for p in strays} | {str(home / ".agent" / "state"): "written", "/tmp/private": "written"}
+    assert [os.path.exists(p) for p in strays[:3]] == [False, False, False]
+    assert "stray" not in (repo / ".git" / "config").read_text()
+    assert not os.path.exists("/tmp/private")  # the agent's /tmp was its own
+    assert result["workspace"]["changed"] == ["src/S1.txt"]
+    assert git(repo, "show", f"{result['workspace']['head']}:src/S1.txt") == "inside"
+    assert git(repo, "log", "-1", "--format=%s", result["workspace"]["head"]) == "S1: work"  # its own commit
+    assert result["attempts"][0]["argv"][:2] == [sys.executable, str(Path(__file__).parent / "agents" / "coder.py")]
+
+
+def test_sandbox_network_false_blocks_a_connection_to_a_local_listener(env: Env, tmp_path: Path) -> None:
+    """With sandbox_network: false the agent cannot reach a listener on 127.0.0.1; with the network it can."""
+    repo = make_repo(tmp_path / "shop")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    cut = _sandboxed(env, repo, "--connect", str(port), "--report", str(out / "cut.json"), sandbox_writable=[str(out)])
+    net = _sandboxed(env, repo, "--connect", str(port), "--report", str(out / "net.json"), sandbox_writable=[str(out)])
+    env.configure(agents={"cut": cut | {"sandbox_network": False}, "net": net})
+    env.drop(code_order("N1", to="cut"))
+    env.drop(code_order("N2", to="net"))
+    d = env.daemon()
+    env.wait_job("N1", "done")
+    env.wait_job("N2", "done")
+    d.stop()
+    listener.close()
+    assert json.loads((out / "cut.json").read_text())["connect"] in ("Connection refused", "Network is unreachable")
+    assert json.loads((out / "net.json").read_text())["connect"] == "connected"
+
+
+def test_the_probe_runs_under_the_sandbox_in_the_workspace(env: Env, tmp_path: Path) -> None:
+    """The probe (as the checks) sees the workspace as the agent left it and cannot write outside."""
+    repo = make_repo(tmp_path / "shop")
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = ["sh", "-c", 'pwd > "$0"; ls src >> "$0"; touch /etc/probe-stray 2>> "$0"; exit 1', str(out / "probe.txt")]
+    agent = _sandboxed(
+        env, repo, "--fail-first", "src/first.txt", probe=probe, max_attempts=2, sandbox_writable=[str(out)]
+    )
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("P1"))
+    d = env.daemon()
+    env.wait_job("P1", "done")
+    d.stop()
+    lines = (out / "probe.txt").read_text().splitlines()
+    assert lines[0] == str(env.root / ".state" / "worktrees" / "P1")
+    assert lines[1:3] == ["app.py", "first.txt"]
+    assert EROFS in lines[3] and not os.path.exists("/etc/probe-stray")
+
+
+def test_timeout_ends_the_agent_inside_the_sandbox(env: Env, tmp_path: Path) -> None:
+    """The agent's group is bwrap's: a timeout ends the agent inside it, and the job fails as timed out."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": _sandboxed(env, repo, "--sleep", "60", timeout=1)})
+    env.drop(code_order("T1"))
+    d = env.daemon()
+    pid = wait_start(env, "T1")
+    result = env.wait_job("T1", "failed")
+    d.stop()
+    assert result["reason"].startswith("exit_ok: timed out")
+    wait_until(lambda: not alive(pid), 10, "the sandboxed agent to be gone")
+
+
+def test_sandbox_without_bubblewrap_is_a_config_error_naming_the_package(env: Env, tmp_path: Path) -> None:
+    """A config with sandbox: true on a machine without bwrap is refused (exit 2), naming the bubblewrap package."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, sandbox=True)})
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "validate", "--config", str(env.config_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env() | {"PATH": str(empty)},
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"{env.config_path}: agents.coder.sandbox: sandbox: true needs bwrap, "
+        "which is not installed (install the bubblewrap package)\n"
+    )
+
+
+def test_a_sandboxed_agent_without_a_workspace_works_in_work(env: Env, tmp_path: Path) -> None:
+    """sandbox: true without a workspace: the agent writes its output in work/ and the job is done as before."""
+    need("bwrap", "bubblewrap")
+    env.count_file.touch()
+    env.configure(agents={"worker": env.agent(sandbox=True, sandbox_writable=[str(env.count_file)])})
+    env.drop(order("PLAIN"))
+    d = env.daemon()
+    result = env.wait_job("PLAIN", "done")
+    d.stop()
+    assert "workspace" not in result
+    assert (env.job_dir("PLAIN", "done") / "work" / "out.csv").exists()
+    assert env.starts() == [("PLAIN", 1)]

@@ -1,0 +1,322 @@
+"""Shortages and stops (contract section 13): a daemon short of something waits, never answers for good.
+
+Each test runs the real daemon as a process: with a low RLIMIT_NOFILE, with its
+PostgreSQL server stopped, with a reload that removes an agent, with a long
+queue for a busy agent, with many failing jobs and a notify command, and with
+two `approve -` commands racing on the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Daemon, Env, cli_env, wait_until
+from helpers_faults import tiny_order, write_script
+from pgserver import PgServer, PgUnavailable
+
+# A shell agent that holds its pipes open for a while: it records its start,
+# sleeps SECONDS ($2), then writes a good receipt atomically.
+HOLD_AGENT = r"""#!/bin/sh
+printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
+sleep "$2"
+printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
+  "$DISPATCH_JOB_ID" > .receipt.tmp
+mv .receipt.tmp receipt.json
+"""
+
+
+def hold_agent(env: Env, seconds: float, **settings: Any) -> dict[str, Any]:
+    """Return an agent definition running HOLD_AGENT for `seconds`."""
+    script = write_script(env.tmp, "hold_agent.sh", HOLD_AGENT)
+    spec: dict[str, Any] = {
+        "command": ["/bin/sh", str(script), str(env.count_file), str(seconds)],
+        "timeout": 60,
+        "writes": [".receipt.tmp"],
+    }
+    spec.update(settings)
+    return spec
+
+
+def nofile(limit: int) -> Callable[[], None]:
+    """Return a preexec function that caps the child's open files (soft and hard) at limit."""
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+def run_once(
+    env: Env, *, preexec: Callable[[], None] | None = None, timeout: float = 150
+) -> tuple[int, list[dict[str, Any]]]:
+    """Run `dispatcher run --once` to its end; return its exit code and its JSON log lines."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=env.tmp,
+        env=cli_env(),
+        preexec_fn=preexec,
+    )
+    lines = []
+    for line in proc.stdout.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return proc.returncode, lines
+
+
+def names(folder: Path) -> list[str]:
+    """Return the sorted entry names of a folder (none if it does not exist)."""
+    return sorted(os.listdir(folder)) if folder.exists() else []
+
+
+def test_out_of_file_descriptors_waits_and_finishes_every_job(env: Env) -> None:
+    """Short of open files (RLIMIT_NOFILE 40, 90 agents, 12 at once), nothing is refused or failed and --once ends."""
+    jobs = [f"fd{i:03d}" for i in range(90)]
+    # 12 copies at once need about 50 descriptors; a slot that stayed taken would stop the run for good
+    env.configure({"tiny": hold_agent(env, 0.3, concurrency=12)}, max_jobs=60)
+    for job_id in jobs:
+        env.drop(tiny_order(job_id))
+    code, lines = run_once(env, preexec=nofile(40))
+    problems = [e for e in lines if e.get("level") in ("error", "warning") and e["event"] != "daemon.short_of"]
+    assert code == 0 and problems == [], problems[:3]
+    assert names(env.root / "done") == jobs
+    assert names(env.root / "failed") == [], "no order refused and no job failed for a shortage"
+    assert names(env.root / "active") == [] and names(env.root / "inbox") == []
+    assert names(env.root / ".state" / "staging") == []
+    short = [e for e in lines if e["event"] == "daemon.short_of"]
+    assert len(short) == 1, "daemon.short_of is logged once"
+    assert "EMFILE" in short[0]["resource"]
+    starts = env.starts()
+    assert sorted(j for j, _a in starts) == jobs and all(a == 1 for _j, a in starts), "each agent ran once"
+    results = [json.loads((env.root / "done" / j / "result.json").read_text()) for j in jobs]
+    assert all(len(r["attempts"]) == 1 for r in results), "a start put off for a shortage is not an attempt"
+
+
+def cpu_seconds(pid: int) -> float:
+    """Return the user + system CPU time a process has used so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(pid: int, seconds: float = 4.0) -> float:
+    """Return the CPU seconds the process used over the next `seconds` of wall time."""
+    before = cpu_seconds(pid)
+    time.sleep(seconds)  # a measurement window, not a wait for state
+    return cpu_seconds(pid) - before
+
+
+def test_long_queue_for_a_busy_agent_costs_no_cpu(env: Env) -> None:
+    """80 orders queued behind a busy agent (concurrency 1) with a free daemon slot: the daemon sleeps."""
+    env.configure({"tiny": hold_agent(env, 60, concurrency=1)}, max_jobs=2)
+    for i in range(80):
+        env.drop(tiny_order(f"q{i:03d}"))
+    d = env.daemon()
+    d.wait_ready()
+    wait_until(lambda: len(env.starts()) == 1, what="the one agent to start")
+    wait_until(lambda: len(names(env.root / "inbox")) == 79, what="the queue to settle")
+    assert d.proc is not None
+    used = idle_cpu(d.proc.pid)
+    assert used < 1.0, f"the idle daemon used {used:.2f} s of CPU in 4 s"
+    assert len(env.starts()) == 1 and names(env.root / "active") == ["q000"]
+
+
+def test_agent_removed_by_reload_its_orders_wait_until_it_is_back(env: Env) -> None:
+    """Orders of an agent a reload removed wait in inbox/ (logged once); back in the config, they all run."""
+    slow = hold_agent(env, 1.5, concurrency=1)
+    env.configure({"slow": slow, "tiny": hold_agent(env, 0)}, max_jobs=4)
+    d = env.daemon()
+    d.wait_ready()
+    for job_id in ("s1", "s2", "s3"):
+        env.drop(tiny_order(job_id, to="slow"))
+    wait_until(lambda: [j for j, _a in env.starts()] == ["s1"], what="s1 to start")
+    env.configure({"tiny": hold_agent(env, 0)}, max_jobs=4)  # `slow` removed while s2, s3 wait for its slot
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(tiny_order("s4", to="slow"))  # an order for the removed agent, dropped while it is gone
+    env.drop(tiny_order("t1"))
+    env.wait_job("s1", "done")  # a running job goes on with the settings it started with
+    env.wait_job("t1", "done")
+    d.wait_event("order.waiting", agent="slow")
+    assert names(env.root / "inbox") == ["s2.json", "s3.json", "s4.json"], "its orders wait where they are"
+    assert env.refusals() == []
+    env.configure({"slow": slow, "tiny": hold_agent(env, 0)}, max_jobs=4)  # back again
+    d.signal(signal.SIGHUP)
+    for job_id in ("s2", "s3", "s4"):
+        env.wait_job(job_id, "done")
+    assert [e["event"] for e in d.events()].count("order.waiting") == 1, "the wait is logged once"
+    assert not [e for e in d.events() if e.get("level") == "error"]
+
+
+def test_a_refused_file_is_not_a_lost_ledger(env: Env) -> None:
+    """A fresh root whose only history is one refused file without a readable job id starts again."""
+    env.drop(b'job_id: "\\udc80"\nfrom: [unclosed\n', name="bad.yaml")
+    code, lines = run_once(env)
+    assert code == 1 and [e["event"] for e in lines].count("job.refused") == 1
+    assert len(env.refusals()) == 1
+    env.drop(tiny_order("after", to="worker") | {"accept": {"output": "out.csv"}, "items": [{"id": "R1"}]})
+    code, lines = run_once(env)
+    assert code == 0, [e for e in lines if e.get("level") == "error"] or lines[-1:]
+    assert names(env.root / "done") == ["after"]
+    status = env.cli("status")
+    assert status.returncode == 0, status.stderr
+
+
+def test_two_approve_at_once_each_id_one_line_no_traceback(env: Env) -> None:
+    """Two `approve -` racing on the same ids: each id is approved once, the loser says so, exit 1, no traceback."""
+    ids = [f"r{i:03d}" for i in range(100)]
+    env.configure({"tiny": hold_agent(env, 0, review=True, concurrency=8)}, max_jobs=8)
+    for job_id in ids:
+        env.drop(tiny_order(job_id))
+    code, _lines = run_once(env)
+    assert code == 0 and names(env.root / "review") == ids
+    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "approve", "-"]
+    id_file = env.tmp / "ids.txt"
+    id_file.write_text("\n".join(ids) + "\n")
+    with id_file.open() as first, id_file.open() as second:
+        procs = [
+            subprocess.Popen(argv, stdin=f, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=env.tmp, env=cli_env())
+            for f in (first, second)
+        ]  # fmt: skip
+        outs = [p.communicate(timeout=120) for p in procs]
+    for _out, err in outs:
+        assert "Traceback" not in err, err
+    approved = [line.split(":")[0] for out, _err in outs for line in out.splitlines()]
+    lost = [line.split(":")[0] for _out, err in outs for line in err.splitlines()]
+    assert sorted(approved) == ids, "each id approved by exactly one of the two"
+    assert sorted(lost) == ids, "and refused by the other, one line each"
+    errors = [line for _out, err in outs for line in err.splitlines()]
+    # lost while the other decided: "was already approved"; came after it had landed: "is done, not waiting"
+    assert all(line.endswith((": was already approved", ": is done, not waiting for review")) for line in errors)
+    assert sorted(p.returncode for p in procs) in ([0, 1], [1, 1]), "a command that lost an id exits 1"
+    assert names(env.root / "done") == ids and names(env.root / "review") == []
+
+
+# A notify command that records its start and end (with the time) and takes a while.
+NOTIFY = r"""#!/bin/sh
+printf 'start %s %s %s\n' "$(date +%s.%N)" "$1" "$2" >> "$3"
+sleep 0.4
+printf 'end %s %s\n' "$(date +%s.%N)" "$2" >> "$3"
+"""
+
+
+def test_notifications_run_a_few_at_a_time_in_order_and_a_long_wait_is_summarised(env: Env) -> None:
+    """150 failed jobs: at most 4 notify commands at once (the default), in order, the excess in one notify.dropped."""
+    record = env.tmp / "notified.txt"
+    script = write_script(env.tmp, "notify.sh", NOTIFY)
+    failing = {"command": ["/bin/sh", "-c", "exit 1"], "timeout": 30, "writes": []}
+    env.configure({"tiny": failing}, max_jobs=8, notify=["/bin/sh", str(script), "{event}", "{job_id}", str(record)])
+    jobs = [f"n{i:03d}" for i in range(150)]
+    for job_id in jobs:
+        env.drop(tiny_order(job_id))
+    d = env.daemon()
+    d.wait_ready()
+    dropped = d.wait_event("notify.dropped", timeout=120)
+
+    def settled() -> bool:
+        lines = record.read_text().splitlines() if record.exists() else []
+        return sum(line.startswith("end ") for line in lines) == sum(line.startswith("start ") for line in lines) > 100
+
+    wait_until(settled, 120, "the queued notifications to run")
+    assert len(names(env.root / "failed")) == 150
+    lines = [line.split() for line in record.read_text().splitlines()]
+    starts = [(float(f[1]), f[2], f[3] if len(f) > 3 else "") for f in lines if f[0] == "start"]
+    ends = [float(f[1]) for f in lines if f[0] == "end"]
+    most = max(sum(1 for t, *_ in starts if t <= s) - sum(1 for e in ends if e <= s) for s, *_ in starts)
+    assert most <= 4, f"{most} notify commands ran at once"
+    failed_order = [e["job_id"] for e in d.events() if e["event"] == "job.failed"]
+    notified = [job for _t, event, job in starts if event == "job.failed"]
+    summaries = [s for s in starts if s[1] == "notify.dropped"]
+    assert len(summaries) == 1, "one notification stands for every event dropped while over 100 waited"
+    assert len(set(notified)) == len(notified) and len(notified) + dropped["count"] == 150
+    where = [failed_order.index(job) for job in notified]
+    # in order: 4 start together, so their own start lines may swap within that window
+    assert all(where[i] < where[i + 4] for i in range(len(where) - 4)), "notifications run in the order of events"
+
+
+@pytest.fixture
+def own_pg() -> Iterator[PgServer]:
+    """A PostgreSQL server of this test's own (it is stopped on purpose); fails, never skips, without one."""
+    problem = ""
+    server = None
+    try:
+        server = PgServer()
+        server.start()
+    except PgUnavailable as exc:
+        problem = str(exc)
+    if problem:
+        if server is not None:
+            server.close()
+        pytest.fail(f"PostgreSQL test server unavailable: {problem}", pytrace=False)
+    assert server is not None
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def stopped_within(d: Daemon, sig: int, seconds: float) -> float:
+    """Send sig to the daemon; return how long it took to exit (fail if longer than seconds)."""
+    assert d.proc is not None
+    t0 = time.monotonic()
+    d.signal(sig)
+    try:
+        d.proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the daemon did not exit within {seconds} s of {signal.Signals(sig).name}") from None
+    return time.monotonic() - t0
+
+
+@pytest.mark.postgres
+def test_sigterm_while_postgresql_is_down_is_answered_within_stop_timeout(env: Env, own_pg: PgServer) -> None:
+    """PostgreSQL stops under running jobs: SIGTERM still ends the daemon within stop_timeout, the jobs are kept."""
+    env.configure(
+        {"tiny": hold_agent(env, 1, concurrency=2), "long": hold_agent(env, 60)},
+        ledger=own_pg.dsn, stop_timeout=3, kill_grace=1, lease=6, watch="poll", max_jobs=4,
+    )  # fmt: skip
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(tiny_order("pg1"))
+    env.drop(tiny_order("pg2", to="long"))
+    wait_until(lambda: len(env.starts()) == 2, what="the agents to start")
+    own_pg.stop("immediate")
+    env.drop(tiny_order("pg3"))  # its claim now waits for the database
+    # pg1's agent ends during the outage: its finish waits for the database too
+    wait_until(lambda: (env.root / "active" / "pg1" / "work" / "receipt.json").exists(), what="pg1's receipt")
+    time.sleep(1.0)  # let the daemon's finish, claim and lease meet the outage
+    took = stopped_within(d, signal.SIGTERM, 3 + 1 + 3)  # stop_timeout, kill_grace, a margin
+    assert names(env.root / "active") == ["pg1", "pg2"], "unfinished jobs stay for recovery"
+    assert "pg3.json" in names(env.root / "inbox"), "the order whose claim could not be made stays"
+    gave_up = [e for e in d.events() if e["event"] in ("daemon.error", "job.crashed")]
+    assert gave_up == [], "a wait given up for a stop is no error"
+    own_pg.start()
+    again = env.daemon()  # the stopped daemon's lease runs out, then its jobs are recovered
+    env.wait_job("pg1", "done", timeout=60)  # its receipt decides: done
+    env.wait_job("pg3", "done", timeout=60)
+    assert "interrupted" in env.wait_job("pg2", "failed", timeout=60)["reason"]
+    assert again.stop() == 0
+    print(f"stopped in {took:.1f} s")
+
+
+@pytest.mark.postgres
+def test_a_daemon_started_with_postgresql_down_can_be_stopped(env: Env, own_pg: PgServer) -> None:
+    """Started while PostgreSQL is down, the daemon waits without spinning and SIGTERM (or SIGINT) ends it."""
+    env.configure({"tiny": hold_agent(env, 0)}, ledger=own_pg.dsn, stop_timeout=3, watch="poll")
+    own_pg.stop("fast")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        d = env.daemon()
+        wait_until(lambda d=d: any(e["event"] == "ledger.reconnecting" for e in d.events()), what="the wait")
+        assert d.proc is not None
+        used = idle_cpu(d.proc.pid, 3.0)
+        assert used < 1.0, f"waiting for the database used {used:.2f} s of CPU in 3 s"
+        stopped_within(d, sig, 3 + 10)

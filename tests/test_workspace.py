@@ -1,0 +1,177 @@
+"""Contract section 15: a git worktree per job, diffs per attempt, writes_scope on changed paths, chains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import Env, wait_until
+from git_helpers import code_order, coder, git, make_repo, starts
+
+
+def test_twenty_jobs_on_one_repository_two_at_once_each_get_their_own_branch_and_diff(env: Env, tmp_path: Path) -> None:
+    """20 jobs, 2 at once, each changing its own file: every branch, diff and result names exactly that file."""
+    repo = make_repo(tmp_path / "shop")
+    base = git(repo, "rev-parse", "main")
+    agent = coder(env, repo, "--write", "src/{job}.txt={job} was here", concurrency=2)
+    env.configure(agents={"coder": agent}, max_jobs=2)
+    ids = [f"J{i:02d}" for i in range(20)]
+    for job_id in ids:
+        env.drop(code_order(job_id))
+    d = env.daemon()
+    for job_id in ids:
+        env.wait_job(job_id, "done")
+    d.stop()
+    for job_id in ids:
+        result = env.result(job_id, "done")
+        ws = result["workspace"]
+        head = git(repo, "rev-parse", f"dispatch/{job_id}")
+        want = {"repo": str(repo), "branch": f"dispatch/{job_id}", "base": base, "head": head}
+        assert ws == want | {"changed": [f"src/{job_id}.txt"]}
+        assert git(repo, "rev-parse", f"{head}^") == base  # one commit on top of base: the job's own change
+        assert git(repo, "show", f"{head}:src/{job_id}.txt") == f"{job_id} was here"
+        folder = env.job_dir(job_id, "done")
+        assert (folder / "attempts" / "1" / "changed.txt").read_text() == f"src/{job_id}.txt\n"
+        patch = (folder / "attempts" / "1" / "diff.patch").read_text()
+        assert f"+++ b/src/{job_id}.txt" in patch and f"+{job_id} was here" in patch
+        assert sorted(p.name for p in (folder / "work").iterdir()) == ["order.json", "receipt.json"]
+    worktree = env.root / ".state" / "worktrees"
+    assert [(job, cwd) for job, _n, cwd in starts(env)] == [(j, str(worktree / j)) for j, _n, _c in starts(env)]
+    assert sorted(j for j, _n, _c in starts(env)) == ids  # each ran once
+    assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1  # every worktree removed
+    assert git(repo, "rev-parse", "main") == base  # the repository's own branch is untouched
+
+
+def test_a_change_outside_writes_fails_writes_scope_naming_the_paths(env: Env, tmp_path: Path) -> None:
+    """A job that changes files outside its writes globs fails writes_scope, and the reason names them."""
+    repo = make_repo(tmp_path / "shop")
+    agent = coder(env, repo, "--write", "src/ok.py=fine", "--write", "docs/notes.md=stray", "--write", "top.txt=stray")
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("OUT-1"))
+    d = env.daemon()
+    result = env.wait_job("OUT-1", "failed")
+    d.stop()
+    assert result["reason"].startswith("writes_scope: changed outside writes (src/**): ")
+    assert "docs/notes.md" in result["reason"] and "top.txt" in result["reason"]
+    assert "src/ok.py" not in result["reason"]
+    assert sorted(result["workspace"]["changed"]) == ["docs/notes.md", "src/ok.py", "top.txt"]
+    changed = (env.job_dir("OUT-1", "failed") / "attempts" / "1" / "changed.txt").read_text().split()
+    assert sorted(changed) == ["docs/notes.md", "src/ok.py", "top.txt"]
+    shown = env.cli("show", "OUT-1", check=True).stdout.splitlines()
+    head, base = result["workspace"]["head"][:12], result["workspace"]["base"][:12]
+    assert f"  workspace: dispatch/OUT-1 at {head} (from {base}) in {repo}" in shown
+    assert "    changed: docs/notes.md, src/ok.py, top.txt" in shown
+
+
+def test_a_chain_of_three_with_base_parent_ends_with_one_line_of_commits(env: Env, tmp_path: Path) -> None:
+    """coder -> reviewer -> fixer, each from its parent's head: the last branch holds all three commits in a line."""
+    repo = make_repo(tmp_path / "shop")
+    line = ["--append", "src/chain.txt={job}"]
+    env.configure(
+        agents={
+            "coder": coder(env, repo, *line, "--commit", "--handoff", "reviewer"),
+            "reviewer": coder(env, repo, *line, "--handoff", "fixer"),  # leaves its change uncommitted
+            "fixer": coder(env, repo, *line, "--commit"),
+        }
+    )
+    env.drop(code_order("C1"))
+    d = env.daemon()
+    heads = [env.wait_job(j, "done")["workspace"]["head"] for j in ("C1", "C1-next", "C1-next-next")]
+    d.stop()
+    base = git(repo, "rev-parse", "main")
+    commits = git(repo, "rev-list", "--first-parent", f"{base}..{heads[2]}").split()
+    assert len(commits) == 3 and commits[::-1] == heads  # one line: base -> C1 -> C1-next -> C1-next-next
+    assert git(repo, "rev-list", "--merges", f"{base}..{heads[2]}") == ""
+    assert git(repo, "show", f"{heads[2]}:src/chain.txt").split() == ["C1", "C1-next", "C1-next-next"]
+    last = env.result("C1-next-next", "done")["workspace"]
+    assert last["base"] == heads[1] and last["changed"] == ["src/chain.txt"]
+
+
+def test_base_parent_without_a_parent_fails_without_an_attempt(env: Env, tmp_path: Path) -> None:
+    """An order from outside that says base: parent fails as a config error naming why: it has no parent."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo)})
+    env.drop(code_order("ORPHAN", base="parent"))
+    d = env.daemon()
+    result = env.wait_job("ORPHAN", "failed")
+    d.stop()
+    assert result["reason"] == "config: agent coder cannot start: workspace: base: parent: the job has no parent"
+    assert result["attempts"] == [] and starts(env) == []
+
+
+def test_a_retry_starts_again_from_base(env: Env, tmp_path: Path) -> None:
+    """After a failed attempt, the next one finds the worktree back at base: the first attempt's file is gone."""
+    repo = make_repo(tmp_path / "shop")
+    report = tmp_path / "report.json"
+    agent = coder(env, repo, "--fail-first", "src/first.txt", "--report", str(report), max_attempts=2, retry_safe=True)
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("AGAIN"))
+    d = env.daemon()
+    result = env.wait_job("AGAIN", "done")
+    d.stop()
+    assert json.loads(report.read_text()) == {"fail_first": "absent"}
+    folder = env.job_dir("AGAIN", "done")
+    assert (folder / "attempts" / "1" / "changed.txt").read_text() == "src/first.txt\n"
+    assert (folder / "attempts" / "2" / "changed.txt").read_text() == ""
+    assert result["workspace"]["changed"] == [] and result["workspace"]["head"] == result["workspace"]["base"]
+
+
+def test_a_binary_change_is_saved_whole_in_the_diff(env: Env, tmp_path: Path) -> None:
+    """A binary file the agent writes is in diff.patch as a git binary patch that applies to base."""
+    repo = make_repo(tmp_path / "shop")
+    agent = coder(env, repo, "--binary", "src/blob.bin")
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("BIN"))
+    d = env.daemon()
+    env.wait_job("BIN", "done")
+    d.stop()
+    patch = env.job_dir("BIN", "done") / "attempts" / "1" / "diff.patch"
+    assert b"GIT binary patch" in patch.read_bytes()
+    check = make_repo(tmp_path / "copy")
+    git(check, "apply", str(patch))
+    assert (check / "src" / "blob.bin").read_bytes() == bytes(range(256))
+
+
+def test_workspace_placeholders_and_environment_point_at_the_worktree(env: Env, tmp_path: Path) -> None:
+    """{workspace} and DISPATCH_WORKSPACE are the worktree; {order} and {receipt} stay in work/."""
+    repo = make_repo(tmp_path / "shop")
+    seen = tmp_path / "seen.txt"
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import os, sys, json\n"
+        f"open({str(seen)!r}, 'w').write(json.dumps(sys.argv[1:] + [os.environ['DISPATCH_WORKSPACE'], os.getcwd()]))\n"
+        "o = json.load(open(sys.argv[2]))\n"
+        "r = {'job_id': o['job_id'], 'input_ids': ['R1'], 'output_ids': [], 'status': 'done'}\n"
+        "json.dump(r, open(sys.argv[3], 'w'))\n"
+    )
+    agent = coder(env, repo, command=["python3", str(script), "{workspace}", "{order}", "{receipt}"])
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("PH"))
+    d = env.daemon()
+    env.wait_job("PH", "done")
+    d.stop()
+    tree = str(env.root / ".state" / "worktrees" / "PH")
+    work = str(env.root / "active" / "PH" / "work")
+    assert json.loads(seen.read_text()) == [tree, f"{work}/order.json", f"{work}/receipt.json", tree, tree]
+    wait_until(lambda: not Path(tree).exists(), what="the worktree to be removed")
+
+
+def test_dispatcher_retry_of_a_failed_job_starts_again_from_base(env: Env, tmp_path: Path) -> None:
+    """A failed job retried after its agent is fixed gets a new worktree at base: only the fix counts."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=a", "--write", "stray.txt=x")})
+    env.drop(code_order("RT"))
+    d = env.daemon()
+    first = env.wait_job("RT", "failed")
+    assert first["reason"] == "writes_scope: changed outside writes (src/**): stray.txt"
+    d.stop()
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=fixed")})
+    env.cli("retry", "RT", check=True)
+    d2 = env.daemon()
+    wait_until(lambda: (env.job_dir("RT", "done") / "result.json").exists(), what="the retried job to be done")
+    result = env.result("RT", "done")
+    d2.stop()
+    assert result["workspace"]["changed"] == ["src/a.txt"] and result["workspace"]["base"] == first["workspace"]["base"]
+    assert git(repo, "show", f"{result['workspace']['head']}:src/a.txt") == "fixed"
+    assert git(repo, "rev-parse", f"{result['workspace']['head']}^") == result["workspace"]["base"]
+    assert (env.job_dir("RT", "done") / "attempts" / "2" / "changed.txt").read_text() == "src/a.txt\n"

@@ -1,0 +1,81 @@
+"""Section 15 close to the units: writes_scope over a workspace's changed paths, the diff's bound, locked worktrees."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import Env
+from git_helpers import code_order, coder, git, make_repo
+from test_checks_unit import evidence, files
+
+from dispatcher.checks.builtin import writes_scope
+from dispatcher.job import worktree
+
+
+def test_writes_scope_checks_the_changed_paths_against_writes_globs() -> None:
+    """With a workspace, writes globs apply to the changed paths; every path outside is named."""
+    ok = writes_scope(evidence(writes=("src/**",), changed=("src/a.py", "src/b/c.py"), entries=files("receipt.json")))
+    assert (ok.ok, ok.detail) == (True, "every changed path (2) is inside writes")
+    bad = writes_scope(evidence(writes=("src/**",), changed=("src/a.py", "README.md", "docs/x"), entries=files()))
+    assert (bad.ok, bad.detail) == (False, "changed outside writes (src/**): README.md, docs/x")
+
+
+def test_with_a_workspace_work_takes_only_the_receipt_outbox_and_output() -> None:
+    """A file the agent leaves in work/ beside its receipt, outbox and output fails writes_scope."""
+    res = writes_scope(evidence(writes=("src/**",), changed=(), entries=files("out.csv", "receipt.json", "notes.txt")))
+    assert (res.ok, res.detail) == (False, "work/notes.txt is outside the receipt, outbox/ and the output")
+
+
+def test_a_large_diff_is_cut_with_a_note_and_the_paths_are_all_listed(tmp_path: Path) -> None:
+    """diff.patch stops at its bound and ends with a line saying so; changed.txt still lists every path."""
+    repo = make_repo(tmp_path / "shop")
+    job = tmp_path / "job"
+    job.mkdir()
+    ws = worktree.plan(job, str(repo), "main", "dispatch/BIG", tmp_path / "trees" / "BIG")
+    worktree.create(ws, from_branch=False)
+    Path(ws.path, "src", "big.txt").write_text("line\n" * 10_000)
+    Path(ws.path, "z.txt").write_text("z\n")
+    names = worktree.snapshot(ws, job, max_bytes=2000)
+    patch = (job / "diff.patch").read_bytes()
+    assert patch.endswith(b"\n[dispatcher: diff cut at 2000 bytes]\n") and len(patch) < 2100
+    assert names == ["src/big.txt", "z.txt"] and (job / "changed.txt").read_text() == "src/big.txt\nz.txt\n"
+    assert json.loads((job / "workspace.json").read_text())["base"] == git(repo, "rev-parse", "main")
+    worktree.clear(ws)
+    assert not Path(ws.path).exists() and git(repo, "rev-parse", "dispatch/BIG") == ws.base
+
+
+def test_a_locked_worktree_is_named_in_one_line_at_start_and_left_alone(env: Env, tmp_path: Path) -> None:
+    """At start the daemon prunes stale worktrees and names a locked one (workspace.locked); jobs still run."""
+    repo = make_repo(tmp_path / "shop")
+    git(repo, "worktree", "add", "-q", str(tmp_path / "mine"), "-b", "mine")
+    git(repo, "worktree", "lock", "--reason", "kept by hand", str(tmp_path / "mine"))
+    git(repo, "worktree", "add", "-q", str(tmp_path / "gone"), "-b", "gone")
+    (tmp_path / "gone" / ".git").unlink()  # its folder half-deleted: prunable
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/{job}.txt=x")})
+    env.drop(code_order("U1"))
+    d = env.daemon()
+    event = d.wait_event("workspace.locked")
+    env.wait_job("U1", "done")
+    d.stop()
+    assert event["worktrees"] == [f"{tmp_path / 'mine'} (kept by hand)"]
+    listed = git(repo, "worktree", "list", "--porcelain")
+    assert str(tmp_path / "mine") in listed and str(tmp_path / "gone") not in listed
+
+
+def test_validate_names_a_missing_repository_and_hook_program(env: Env, tmp_path: Path) -> None:
+    """`validate` with no file: a workspace repository that does not exist and a missing hook program are errors."""
+    agent = coder(env, tmp_path / "nowhere", land=["no-such-pusher", "{branch}"])
+    env.configure(agents={"coder": agent})
+    proc = env.cli("validate")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"{env.config_path}: agents.coder.land: program 'no-such-pusher' not found",
+        f"{env.config_path}: agents.coder.workspace.git: repository {tmp_path / 'nowhere'} not found",
+    ]
+
+
+def test_a_workspace_whose_change_cannot_be_read_fails_writes_scope() -> None:
+    """When the worktree is gone (or git failed), writes_scope fails with why instead of passing blind."""
+    res = writes_scope(evidence(writes=("src/**",), changed_unknown="the workspace is gone", entries=files()))
+    assert (res.ok, res.detail) == (False, "the workspace is gone")
