@@ -202,6 +202,7 @@ class Claims:
                 continue
             if p.kind is Kind.NEW and p.agent in gated and not slotless:
                 out.append(NoSlot(p))  # a gate holds its agent (section 14): it waits unclaimed
+                continue
             if p.kind is Kind.NEW and p.agent in removed and not slotless:
                 self._wait_for(p.agent)  # until a reload brings it back (a cancel still goes through)
                 out.append(NoSlot(p))
