@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Env, order, wait_until
+from git_helpers import code_order, coder, make_repo
 from helpers_faults import processes_with
 
 HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
@@ -112,3 +113,22 @@ def test_a_check_named_like_a_built_in_one_is_a_config_error(env: Env) -> None:
     proc = env.cli("validate")
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"{env.config_path}: agents.worker.checks[0].name: exit_ok is a built-in check's name"
+
+
+def test_checks_run_in_the_agents_worktree(env: Env, tmp_path: Path) -> None:
+    """With a git workspace, a check runs in the job's worktree (where the agent changed the files)."""
+    repo = make_repo(tmp_path / "shop")
+    script = "import os; print(os.getcwd()); raise SystemExit(0 if os.path.exists('src/C1.txt') else 1)"
+    agent = coder(
+        env,
+        repo,
+        "--write",
+        "src/{job}.txt=done",
+        checks=[{"name": "built", "command": [sys.executable, "-c", script]}],
+    )
+    env.configure(agents={"coder": agent})
+    env.daemon().wait_ready()
+    env.drop(code_order("C1"))
+    result = env.wait_job("C1", "done")
+    worktree = env.root / ".state" / "worktrees" / "C1"
+    assert by_name(result, "built")["detail"].endswith(f": {worktree}")
