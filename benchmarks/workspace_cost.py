@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dispatcher.job import sandbox, worktree
-from dispatcher.spec.repo import RepoSettings
+from dispatcher.spec.settings import RepoSettings
 
 
 def _children_cpu() -> float:

@@ -13,8 +13,8 @@ from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.job.waits import budget_gates, holding, window_until
 from dispatcher.ledger.base import Gate, GateKind
 from dispatcher.spec.agent_rules import BUILTIN_CHECKS
-from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.limits import LimitRule, clock_time, duration_s, find_limit, preset
+from dispatcher.spec.settings import Agent, Config
 
 NOW = datetime(2026, 12, 1, 10, 0, 0, tzinfo=UTC).timestamp()
 ALL = preset("claude") + preset("codex") + preset("http429")

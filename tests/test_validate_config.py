@@ -14,7 +14,8 @@ from conftest import cli_env, order
 
 from dispatcher.errors import OrderError
 from dispatcher.spec import schema
-from dispatcher.spec.config import STARTER_CONFIG, Agent, build_config, load_config
+from dispatcher.spec.config import STARTER_CONFIG, build_config, load_config
+from dispatcher.spec.settings import Agent
 
 
 def validate(cfg: Path, *files: str) -> subprocess.CompletedProcess[str]:

@@ -24,13 +24,13 @@ from dispatcher.spec.config import (
     DEFAULT_CONFIG,
     STARTER_CONFIG,
     SYSTEM_CONFIG,
-    Config,
     default_config,
     load_config,
     require_config,
     require_root,
 )
 from dispatcher.spec.programs import check_agents
+from dispatcher.spec.settings import Config
 from dispatcher.text import plain, plural, redact
 
 

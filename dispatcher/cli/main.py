@@ -13,8 +13,9 @@ from dispatcher import __version__
 from dispatcher.cli import commands, usage
 from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
-from dispatcher.spec.config import Config, load_config, require_config, require_root
+from dispatcher.spec.config import load_config, require_config, require_root
 from dispatcher.spec.orders import parse_order
+from dispatcher.spec.settings import Config
 from dispatcher.store.counts import LIST_STATES
 from dispatcher.text import redact
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import structlog
 
 from dispatcher.ledger.base import Ledger
-from dispatcher.spec.config import Config
 from dispatcher.spec.programs import check_agents
+from dispatcher.spec.settings import Config
 
 log = structlog.get_logger("dispatcher")
 

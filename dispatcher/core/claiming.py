@@ -29,10 +29,10 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
-from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import validate_order
+from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.refusals import Refusal, refuse
 

@@ -33,15 +33,16 @@ from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox, start_watch
 from dispatcher.errors import ConfigError, UsageError
 from dispatcher.job import repowork
+from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
-from dispatcher.job.job import JobContext
 from dispatcher.job.joins import Joins
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
 from dispatcher.shortage import SHORT
-from dispatcher.spec.config import Config, load_config
+from dispatcher.spec.config import load_config
+from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_ledger
 
 if TYPE_CHECKING:

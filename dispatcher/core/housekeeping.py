@@ -22,7 +22,7 @@ import structlog
 from dispatcher import procs
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.job import recovery, repowork
-from dispatcher.job.job import JobContext
+from dispatcher.job.context import JobContext
 from dispatcher.job.joins import Joins
 from dispatcher.job.review import settle_reviews
 from dispatcher.job.runner import end_group

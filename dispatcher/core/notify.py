@@ -25,7 +25,7 @@ import structlog
 from dispatcher.errors import oneline
 from dispatcher.job.runner import AgentProcess, build_env
 from dispatcher.shortage import SHORT
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 from dispatcher.text import exit_text
 
 log = structlog.get_logger("dispatcher")

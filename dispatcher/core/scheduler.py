@@ -37,12 +37,13 @@ from dispatcher.core.claiming import (
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake
-from dispatcher.job.job import Job, JobContext
+from dispatcher.job.context import JobContext
+from dispatcher.job.job import Job
 from dispatcher.job.joins import Joins
 from dispatcher.ledger.base import LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop
 from dispatcher.shortage import SHORT
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")

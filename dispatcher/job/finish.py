@@ -36,8 +36,8 @@ from dispatcher.lanes import GroupCommit, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger
 from dispatcher.lifecycle import Row, State, landed_state
-from dispatcher.spec.config import Config
 from dispatcher.spec.result import Result
+from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import Any
 
 from dispatcher.clock import iso
 from dispatcher.job.runner import AgentProcess
-from dispatcher.spec.repo import Hook
+from dispatcher.spec.settings import Hook
 
 PLACEHOLDERS = ("job_id", "workspace", "branch", "head", "result")
 _RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")

@@ -40,11 +40,11 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.shortage import SHORT, resource_of
-from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import JobSpec, prompt_values
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import order_format, parse_order, to_json
+from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import (
     JOB_FILE,
     JobFolder,

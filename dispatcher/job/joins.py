@@ -40,8 +40,8 @@ from dispatcher.job.finish import Finisher
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger, Request, Wait
 from dispatcher.lifecycle import Row, State, Stop
-from dispatcher.spec.config import Config
 from dispatcher.spec.orders import parse_time
+from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder, build_result
 
 log = structlog.get_logger("dispatcher")

@@ -30,7 +30,7 @@ from dispatcher.job.runner import build_env, dispatch_env
 from dispatcher.job.worktree import read_record
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 
 log = structlog.get_logger("dispatcher")

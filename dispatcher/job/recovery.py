@@ -20,8 +20,8 @@ from dispatcher.errors import oneline
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_row
-from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
+from dispatcher.spec.settings import Config
 from dispatcher.store import refusals
 from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, drop_inbox_twin, remove_stage
 

@@ -28,8 +28,8 @@ from dispatcher.job.worktree import GitError, Workspace
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import Row, State, landed_state
-from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
+from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 
 log = structlog.get_logger("dispatcher")

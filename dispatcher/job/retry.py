@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from dispatcher.spec.config import MAX_RETRY_DELAY_S, Agent
 from dispatcher.spec.jobspec import Attempt, total_cost
 from dispatcher.spec.result import CheckResult
+from dispatcher.spec.settings import MAX_RETRY_DELAY_S, Agent
 
 
 def receipt_invalid(checks: Sequence[CheckResult]) -> bool:

@@ -31,8 +31,8 @@ from dispatcher.errors import NotFound, WrongState, oneline
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger, Request
 from dispatcher.lifecycle import State
-from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
+from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 
 log = structlog.get_logger("dispatcher")

@@ -16,7 +16,8 @@ import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from dispatcher.spec.repo import BWRAP, RepoSettings
+from dispatcher.spec.repo import BWRAP
+from dispatcher.spec.settings import RepoSettings
 
 
 def writable_paths(

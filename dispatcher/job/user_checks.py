@@ -24,10 +24,9 @@ from dispatcher.job.control import Control, Left
 from dispatcher.job.worktree import Workspace
 from dispatcher.lanes import Lanes
 from dispatcher.lifecycle import Stop
-from dispatcher.spec.agent_rules import UserCheck
-from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.result import CheckResult
+from dispatcher.spec.settings import Config, UserCheck
 from dispatcher.store.jobstore import JobFolder
 
 log = structlog.get_logger("dispatcher")

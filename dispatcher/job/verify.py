@@ -15,10 +15,10 @@ from dispatcher.checks.evidence import gather
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Child, Ledger
 from dispatcher.lifecycle import Row
-from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult
+from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import queued_ids
 

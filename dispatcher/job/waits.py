@@ -24,9 +24,9 @@ import structlog
 from dispatcher.clock import iso
 from dispatcher.lanes import Lanes
 from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger
-from dispatcher.spec.config import Agent, Config
 from dispatcher.spec.jobspec import Attempt
 from dispatcher.spec.limits import TAIL_BYTES, LimitHit, find_limit
+from dispatcher.spec.settings import Agent, Config
 
 log = structlog.get_logger("dispatcher")
 RECHECK_S = 2.0  # a waiting job asks the ledger again this often

@@ -31,7 +31,7 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
 from dispatcher.query.report import read_order_file
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import PATIENCE_S, open_ledger
 from dispatcher.store.queued import find_queued
 

@@ -14,7 +14,7 @@ from dispatcher.errors import NotFound, WrongState
 from dispatcher.job import landing
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 
 

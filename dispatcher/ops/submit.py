@@ -25,9 +25,9 @@ from dispatcher.clock import iso
 from dispatcher.errors import OrderError, UsageError
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import LedgerUnavailable
-from dispatcher.spec.config import Config
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import parse_order, parse_time, to_json
+from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import LedgerUnreachable, open_ledger
 from dispatcher.store.queued import queued_ids
 

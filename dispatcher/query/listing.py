@@ -24,10 +24,10 @@ from dispatcher.layout import Layout, is_ignored
 from dispatcher.ledger.base import Entry, Ledger
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
-from dispatcher.spec.config import Config
 from dispatcher.spec.jobspec import total_cost
 from dispatcher.spec.orders import parse_time
 from dispatcher.spec.result import Result
+from dispatcher.spec.settings import Config
 from dispatcher.store.counts import LIST_STATES, visible_entries
 from dispatcher.store.jobstore import JobFolder
 

@@ -7,36 +7,19 @@ a check named like a built-in one. Both name the key in every error.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import ConfigError
 from dispatcher.spec.limits import KINDS, LimitRule, compile_rule, preset
+from dispatcher.spec.settings import DEFAULT_CHECK_TIMEOUT_S, UserCheck
 
-DEFAULT_CHECK_TIMEOUT_S = 600.0
 # the built-in checks of contract section 5 (checks.builtin.CHECKS): a user check may not take one's name
 BUILTIN_CHECKS = (
     "exit_ok", "receipt_present", "receipt_job_id", "receipt_status", "receipt_inputs", "output_rows",
     "receipt_outputs", "allowed_values", "writes_scope", "followups_valid",
 )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class UserCheck:
-    """A check of the user's own: a command run in the workspace after the agent passed."""
-
-    name: str
-    command: tuple[str, ...]
-    timeout_s: float = DEFAULT_CHECK_TIMEOUT_S
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "command": list(self.command), "timeout": self.timeout_s}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> UserCheck:
-        return cls(str(data["name"]), tuple(data["command"]), float(data.get("timeout", DEFAULT_CHECK_TIMEOUT_S)))
 
 
 def build_limits(agent: str, entries: list[dict[str, Any]]) -> tuple[LimitRule, ...]:

@@ -12,137 +12,20 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import ConfigError, OrderError, UsageError
 from dispatcher.spec import schema
-from dispatcher.spec.agent_rules import UserCheck, build_checks, build_limits
-from dispatcher.spec.limits import LimitRule
+from dispatcher.spec.agent_rules import build_checks, build_limits
 from dispatcher.spec.loader import load_document
-from dispatcher.spec.repo import RepoSettings, build_repo_settings
+from dispatcher.spec.repo import build_repo_settings
+from dispatcher.spec.settings import Agent, Config
 from dispatcher.text import describe, number
 
 DEFAULT_CONFIG = Path("config/dispatcher.yaml")
 SYSTEM_CONFIG = Path("/etc/dispatcher/dispatcher.yaml")
 CONFIG_ENV = "DISPATCHER_CONFIG"
-MAX_RETRY_DELAY_S = 300.0
-
-
-@dataclass(frozen=True, slots=True)
-class Agent:
-    """One agent of the config: how to run it and what it may do."""
-
-    name: str
-    command: tuple[str, ...]
-    prompt: str | None = None
-    timeout_s: float = 600.0
-    concurrency: int = 1
-    max_attempts: int = 1
-    retry_safe: bool = False
-    probe: tuple[str, ...] | None = None
-    repair: bool = False
-    writes: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    pass_env: tuple[str, ...] = ()
-    max_cost_usd: float | None = None
-    review: bool = False
-    idle_timeout_s: float | None = None
-    limits: tuple[LimitRule, ...] = ()
-    checks: tuple[UserCheck, ...] = ()
-    resume: tuple[str, ...] | None = None
-    max_revisions: int = 5
-    max_daily_cost_usd: float | None = None
-    repo: RepoSettings = field(default_factory=RepoSettings)  # section 15: workspace, sandbox, hooks
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the agent as plain JSON values (snapshotted into each job)."""
-        return {
-            "name": self.name,
-            "command": list(self.command),
-            "prompt": self.prompt,
-            "timeout": self.timeout_s,
-            "concurrency": self.concurrency,
-            "max_attempts": self.max_attempts,
-            "retry_safe": self.retry_safe,
-            "probe": list(self.probe) if self.probe is not None else None,
-            "repair": self.repair,
-            "writes": list(self.writes),
-            "env": dict(self.env),
-            "pass_env": list(self.pass_env),
-            "max_cost_usd": self.max_cost_usd,
-            "review": self.review,
-            "idle_timeout": self.idle_timeout_s,
-            "limits": [r.to_json() for r in self.limits],
-            "checks": [c.to_json() for c in self.checks],
-            "resume": list(self.resume) if self.resume is not None else None,
-            "max_revisions": self.max_revisions,
-            "max_daily_cost_usd": self.max_daily_cost_usd,
-            **self.repo.to_json(),
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Agent:
-        """Rebuild an agent from ``to_json`` output (snapshots older than ``pass_env`` included)."""
-        return cls(
-            name=data["name"],
-            command=tuple(data["command"]),
-            prompt=data["prompt"],
-            timeout_s=float(data["timeout"]),
-            concurrency=int(data["concurrency"]),
-            max_attempts=int(data["max_attempts"]),
-            retry_safe=bool(data["retry_safe"]),
-            probe=tuple(data["probe"]) if data["probe"] is not None else None,
-            repair=bool(data["repair"]),
-            writes=tuple(data["writes"]),
-            env=dict(data["env"]),
-            pass_env=tuple(data.get("pass_env", ())),
-            max_cost_usd=data.get("max_cost_usd"),
-            review=bool(data.get("review", False)),
-            idle_timeout_s=data.get("idle_timeout"),
-            limits=tuple(LimitRule.from_json(r) for r in data.get("limits") or ()),
-            checks=tuple(UserCheck.from_json(c) for c in data.get("checks") or ()),
-            resume=tuple(data["resume"]) if data.get("resume") is not None else None,
-            max_revisions=int(data.get("max_revisions", 5)),
-            max_daily_cost_usd=data.get("max_daily_cost_usd"),
-            repo=RepoSettings.from_json(data),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    """The whole config. ``path`` is the file it came from (None: built-in defaults)."""
-
-    path: Path | None
-    root: Path
-    max_jobs: int = 2
-    max_timeout_s: float = 3600.0
-    max_hops: int = 5
-    max_followups: int = 100
-    max_order_bytes: int = 1_048_576
-    stop_timeout_s: float = 60.0
-    retry_delay_s: float = 2.0
-    rescan_interval_s: float = 30.0
-    settle_s: float = 2.0
-    kill_grace_s: float = 5.0
-    max_log_bytes: int = 10_485_760
-    log_file: Path | None = None
-    metrics_file: str | None = None
-    notify: tuple[str, ...] | None = None
-    notify_max_running: int = 4
-    max_chain_cost_usd: float | None = None
-    max_daily_cost_usd: float | None = None
-    max_limit_wait_s: float = 86400.0
-    web_token_file: Path | None = None
-    ledger: str = "sqlite"
-    lease_s: float = 30.0
-    watch: str = "inotify"
-    poll_interval_s: float = 1.0
-    max_wait_s: float = 604800.0
-    agents: Mapping[str, Agent] = field(default_factory=dict)
-    #: a digest of the file's bytes (None: built-in defaults); a daemon records the one it loaded
-    digest: str | None = None
 
 
 def file_digest(data: bytes) -> str:

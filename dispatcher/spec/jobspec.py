@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.clock import iso, parse_iso
-from dispatcher.spec.config import Agent
+from dispatcher.spec.settings import Agent
 
 
 @dataclass(frozen=True, slots=True)

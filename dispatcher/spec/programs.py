@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 
 # Substituted per job (contract 3): a program path holding one is only known when the job runs.
 PLACEHOLDERS = ("{job_id}", "{order}", "{workspace}", "{receipt}", "{prompt}", "{prompt_file}")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dispatcher.errors import UsageError
 from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 
 #: how long a command tries to reach a PostgreSQL ledger (one connection attempt of 2 s, libpq's
 #: shortest, or quick retries of a refused one), so that it answers within 5 seconds

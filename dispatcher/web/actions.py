@@ -17,7 +17,7 @@ import structlog
 from dispatcher.errors import DispatchError, NotFound, WrongState, oneline
 from dispatcher.layout import Layout
 from dispatcher.ops.actions import Operator
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 
 log = structlog.get_logger("dispatcher")
 

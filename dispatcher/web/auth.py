@@ -19,7 +19,7 @@ from http.cookies import CookieError, SimpleCookie
 
 from dispatcher import fsutil
 from dispatcher.errors import ConfigError, UsageError
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 
 COOKIE = "dispatcher_session"
 SESSION_S = 12 * 3600.0

@@ -26,7 +26,7 @@ from dispatcher.ops.actions import JOB_ID
 from dispatcher.query.jobinfo import log_tail, show_json
 from dispatcher.query.listing import list_jobs
 from dispatcher.query.report import status_with
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_reader
 
 #: how long an overview is reused

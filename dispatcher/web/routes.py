@@ -24,7 +24,7 @@ import structlog
 
 from dispatcher.errors import DispatchError, UsageError, printable
 from dispatcher.layout import Layout
-from dispatcher.spec.config import Config
+from dispatcher.spec.settings import Config
 from dispatcher.web import pages
 from dispatcher.web.actions import ACTIONS, Actions
 from dispatcher.web.auth import COOKIE, SESSION_S, Auth, is_loopback, load_token, parse_listen
