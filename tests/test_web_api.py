@@ -221,3 +221,24 @@ def test_web_works_without_a_daemon_and_without_the_extra_says_so(env: Env) -> N
         capture_output=True, text=True, timeout=60, env=cli_env(),
     )  # fmt: skip
     assert proc.returncode == 2 and "folder-dispatcher[web]" in proc.stderr
+
+
+def test_the_overview_shows_a_gated_agent_until_it_is_resumed(env: Env) -> None:
+    """`pause AGENT` shows the agent under "Gated agents" on the overview and in /api/status; `resume` clears it."""
+    env.configure(agents={"worker": env.agent()})
+    web = start_web(env)
+    try:
+        _, page, _ = web.get("/")
+        assert b'id="no-gates"' in page
+        env.cli("pause", "worker", check=True)
+        wait_until(lambda: web.json("/api/status")["gates"], 15, "the gate in /api/status")
+        gate = web.json("/api/status")["gates"][0]
+        assert gate["agent"] == "worker"
+        wait_until(lambda: b'<table id="gates">' in web.get("/")[1], 15, "the gated agent on the overview")
+        _, page, _ = web.get("/")
+        assert b"<td>worker</td>" in page
+        env.cli("resume", "worker", check=True)
+        wait_until(lambda: not web.json("/api/status")["gates"], 15, "the gate lifted")
+        wait_until(lambda: b'id="no-gates"' in web.get("/")[1], 15, "no gated agent on the overview")
+    finally:
+        assert web.stop() == 0
