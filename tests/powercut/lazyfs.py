@@ -22,6 +22,7 @@ serves one JSON command per line on the unix socket:
 - ``{"cmd": "arm", "after": N, "kind": "any|fsync|rename|write"}``: cut just before the
   (N+1)th later operation of that kind (so ``after: 0`` cuts before the next one);
 - ``{"cmd": "cut"}``: cut now;
+- ``{"cmd": "sync"}``: make everything durable now, as sync(1) does;
 - ``{"cmd": "status"}``: ``{"frozen": bool, "ops": {...}, "cut_op": "..."}``;
 - ``{"cmd": "dump", "dest": PATH}``: write the durable model into PATH (a new folder).
 
@@ -98,7 +99,7 @@ class Model:
         self.dirs: dict[int, dict[str, Entry]] = {}  # folder identity -> entries at its last fsync
         self.dirty: set[str] = set()  # folders (paths relative to backing) changed since their last copy
         self.root_id = self.ident(os.lstat(backing))
-        self._copy_all()  # what is there at mount time is on disk already
+        self.copy_all()  # what is there at mount time is on disk already
 
     # -- identity -----------------------------------------------------------
     def ident(self, st: os.stat_result) -> int:
@@ -174,7 +175,7 @@ class Model:
         self.dirs[self.ident(st)] = self._entries(rel)
         self.dirty.discard(rel)
 
-    def _copy_all(self) -> None:
+    def copy_all(self) -> None:
         for here, _dirs, files in os.walk(self.backing):
             rel = os.path.relpath(here, self.backing)
             self.copy_dir("" if rel == "." else rel)
@@ -186,8 +187,12 @@ class Model:
 
     def synced_file(self, fd: int, ident: int) -> None:
         """The file behind fd was fsynced: its data is durable (and, gently, every folder)."""
-        size = os.fstat(fd).st_size
-        self.data[ident] = os.pread(fd, size, 0) if size else b""
+        rd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)  # fd itself may be write-only
+        try:
+            size = os.fstat(rd).st_size
+            self.data[ident] = os.pread(rd, size, 0) if size else b""
+        finally:
+            os.close(rd)
         if self.mode == "gentle":
             self.synced_all()
 
@@ -496,6 +501,9 @@ def serve_control(model: Model, sock_path: str) -> None:
             if cmd == "cut":
                 if not model.frozen:
                     model.freeze("cut")
+                return {"ok": True}
+            if cmd == "sync":
+                model.copy_all()
                 return {"ok": True}
             if cmd == "status":
                 return {"ok": True, "frozen": model.frozen, "cut_op": model.cut_op, "ops": dict(model.ops)}
