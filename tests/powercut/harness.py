@@ -13,6 +13,7 @@ start records break.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -85,7 +86,7 @@ def agents(count_file: Path) -> dict[str, dict[str, Any]]:
         "reviewer": agent("--followup", nxt, review=True),
         "sender": agent("--followup", child),
         "flaky": agent("--fail-attempts", "1"),
-        "slow": agent("--sleep", "3"),
+        "slow": agent("--sleep", "1.5"),
     }
 
 
@@ -105,7 +106,7 @@ class CutPoint:
 
     @property
     def name(self) -> str:
-        who = f"[{self.job}]" if self.job else ""
+        who = f"@{self.job}" if self.job else ""
         return f"{self.phase}:{self.anchor}{who}+{self.after}{'' if self.kind == 'any' else self.kind}"
 
 
@@ -201,6 +202,14 @@ class LazyMount:
                 self.proc.wait(10)
 
 
+TEMPLATES = Path(os.environ.get("TMPDIR", "/tmp")) / f"powercut-templates-{os.getpid()}"
+atexit.register(shutil.rmtree, TEMPLATES, True)
+
+
+def _no_orders(folder: str, names: list[str]) -> list[str]:
+    return [n for n in names if folder.endswith("inbox")]
+
+
 # -- processes -----------------------------------------------------------------------
 
 
@@ -287,11 +296,12 @@ class Trial:
         The orders are dropped the way a careful user does (temp name, fsync, rename,
         fsync inbox/), so that whatever is lost after the cut is the daemon's loss.
         """
-        self.root.mkdir()
-        first = self.cli("run", "--once")
-        if first.returncode != 0:
-            raise RuntimeError(f"`run --once` on the empty root exited {first.returncode}: {first.stderr}")
-        self.fs.cmd(cmd="sync")
+        if not (self.backing_template / "dispatch").exists():
+            self.root.mkdir()
+            first = self.cli("run", "--once")
+            if first.returncode != 0:
+                raise RuntimeError(f"`run --once` on the empty root exited {first.returncode}: {first.stderr}")
+            self.fs.cmd(cmd="sync")
         inbox = self.root / "inbox"
         for job_id, agent in ORDERS.items():
             tmp = inbox / f".{job_id}.tmp"
@@ -302,14 +312,30 @@ class Trial:
             os.rename(tmp, inbox / f"{job_id}.json")
         fsync_path(inbox)
 
+    def _keep_template(self) -> None:
+        """Copy the prepared root (before any order) for the next trials of this process."""
+        part = self.backing_template.with_name(self.backing_template.name + f".{os.getpid()}.tmp")
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir(parents=True)
+        shutil.copytree(self.fs.backing / "dispatch", part / "dispatch", symlinks=True, ignore=_no_orders)
+        for lock in (part / "dispatch" / ".state" / "daemons").glob("*"):
+            lock.unlink()  # the dead preparing daemon: nothing to recover from it
+        os.rename(part, self.backing_template)
+
     # -- the run before the cut --------------------------------------------------
     def run(self, deadline_s: float = 40) -> None:
         """Run the daemon on the mount until the cut, then cut, write the durable model back, recover."""
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.write_config()
+        # the root as the first `run --once` leaves it, made once per process and copied (all of it durable)
+        self.backing_template = TEMPLATES / self.mode
+        if (self.backing_template / "dispatch").exists():
+            shutil.copytree(self.backing_template, self.fs.backing, symlinks=True)
         self.fs.start()
         try:
             self.prepare()
+            if not (self.backing_template / "dispatch").exists():
+                self._keep_template()
             self._drive(deadline_s)
         finally:
             self._cut()
@@ -414,7 +440,7 @@ class Trial:
                 os.killpg(proc.pid, signal.SIGKILL)
         kill_marked(str(self.count))
         for proc in procs:
-            proc.wait(30)
+            proc.communicate(timeout=30)  # waits, and closes the commands' pipes
         durable = self.tmp / "durable"
         try:
             self.dump_counts = self.fs.cmd(cmd="dump", dest=str(durable))["counts"]
