@@ -21,7 +21,7 @@ from dispatcher.config import Config
 from dispatcher.errors import oneline
 from dispatcher.intake import drop_inbox_twin
 from dispatcher.jobspec import JobSpec
-from dispatcher.jobstore import JOB_FILE, JobFolder, build_result, remove_stage
+from dispatcher.jobstore import JobFolder, build_result, remove_stage
 from dispatcher.layout import Layout, State
 from dispatcher.ledger import Finish, Ledger, Request, Row
 
@@ -123,7 +123,8 @@ def orphans(
     taken back the same way once its lease is renewed.
 
     A job whose row already says done, failed or review (its daemon died while
-    landing it) is landed here and not returned.
+    landing it) is landed here and not returned. A folder whose job.json is
+    missing is returned too: it is failed with a reason when it is loaded.
     """
     out = []
     for job_id in _active_ids(layout):
@@ -137,8 +138,10 @@ def orphans(
         if entry.state in _LANDED:
             _land(layout, job_id, _LANDED[Row(entry.state)])
             continue
-        if entry.state != Row.CLAIMED or not (layout.job(State.ACTIVE, job_id) / JOB_FILE).exists():
+        if entry.state != Row.CLAIMED:
             continue
+        # a folder without a readable job.json (torn by a power cut) is adopted all the same:
+        # loading it fails, and the job is failed with that reason (fail_damaged), never skipped
         token = ledger.adopt(job_id, entry.owner, entry.token)
         if token is not None:
             out.append((job_id, token))
