@@ -127,6 +127,9 @@ class JobFolder:
         for name in ("stdout.log", "stderr.log"):
             fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
             os.close(fd)
+        # attempts/<n>/ is the durable proof that attempt n may have started: after a power cut
+        # recovery counts it as interrupted instead of starting an agent that is not retry-safe again
+        fsutil.fsync_dir(self.attempts_dir)
         return folder
 
     def begin_probe(self, n: int) -> Path:
