@@ -211,6 +211,7 @@ class JobFolder:
         staged = self.path / STAGED
         if os.path.lexists(staged):
             os.rename(staged, self.path / RESULT)
+            fsutil.fsync_dir(self.path)  # else a power cut can bring the folder back in done/ without result.json
         target = layout.job(state, self.job_id)
         if self.path != target:
             fsutil.rename_noreplace(self.path, target)
