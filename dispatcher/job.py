@@ -349,6 +349,7 @@ class Job:
     async def _finish_passed(self, checks: list[CheckResult]) -> Outcome:
         children = self._followups
         if children:
+            await self._persist(self.folder.sync_outbox, [c.source for c in children])
             taken = await self.ctx.lanes.ledger(
                 self.ctx.ledger.reserve, self.job_id, self.token, self.spec.hops + 1, children
             )

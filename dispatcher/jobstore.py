@@ -199,6 +199,22 @@ class JobFolder:
             keep, k = keep_dir / f"result-{k}.json", k + 1
         os.rename(src, keep)
 
+    def sync_outbox(self, names: list[str]) -> None:
+        """Make the follow-ups in work/outbox/ durable (their bytes, then the folders naming them).
+
+        The agent wrote them without fsync; the ledger is about to reserve them, and
+        their release after a power cut reads these very files.
+        """
+        outbox = self.work / "outbox"
+        for name in names:
+            fd = os.open(outbox / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsutil.fsync_dir(outbox)
+        fsutil.fsync_dir(self.work)
+
     def stage_result(self, result: Mapping[str, Any]) -> None:
         """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
         _write_in_place(self.path / STAGED, fsutil.dump_json(result), sync=True)
