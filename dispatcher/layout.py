@@ -118,9 +118,11 @@ def parse_iso(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def has_jobs(layout: Layout) -> bool:
-    """Return True if any job folder exists in active/, review/, done/ or failed/."""
+def has_jobs(layout: Layout, *, finished: bool = False) -> bool:
+    """Return True if any job folder exists in active/, review/, done/ or failed/ (not active/ when finished)."""
     for state in State:
+        if finished and state is State.ACTIVE:
+            continue
         try:
             with os.scandir(layout.folder(state)) as it:
                 if any(not de.name.startswith(".") for de in it):
