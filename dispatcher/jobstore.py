@@ -218,6 +218,7 @@ class JobFolder:
     def stage_result(self, result: Mapping[str, Any]) -> None:
         """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
         _write_in_place(self.path / STAGED, fsutil.dump_json(result), sync=True)
+        fsutil.fsync_dir(self.path)  # its name too: the ledger records the end next, and recovery lands from it
 
     def land(self, layout: Layout, state: State) -> Path:
         """Step 3 of finishing: name the staged result result.json and move the folder to state's folder.
