@@ -61,6 +61,8 @@ ORDERS = {
     "X1": "flaky",
     "C1": "slow",
 }
+#: the jobs whose end means the workload is over (X1 may end twice: failed, then done after its retry)
+SETTLED = {"P1", "P2", "S1", "F1", "F1.child", "V1.next", "C1", "X1"}
 #: follow-up id -> (parent, agent)
 FOLLOWUPS = {"F1.child": ("F1", "plain"), "V1.next": ("V1", "plain")}
 RETRY_SAFE = {"safe"}
@@ -140,7 +142,7 @@ def cut_points(long: bool = False) -> list[CutPoint]:
     for after in near:
         points.append(CutPoint("cancel", "cmd:cancel", "C1", after))
     if long:
-        for n in range(0, 400, 7):
+        for n in range(0, 160, 4):  # a whole run of the workload makes about 160 fsyncs
             points.append(CutPoint("any", "boot", None, n, "fsync"))
     return points
 
@@ -252,6 +254,7 @@ class Trial:
     cut_op: str = ""
     notes: list[str] = field(default_factory=list)
     dump_counts: dict[str, int] = field(default_factory=dict)
+    ops: dict[str, int] = field(default_factory=dict)  # the filesystem's operation counts at the cut
 
     def __post_init__(self) -> None:
         self.mnt = self.tmp / "mnt"
@@ -397,8 +400,9 @@ class Trial:
             if self.daemon.poll() is not None:
                 self.notes.append(f"the daemon exited {self.daemon.returncode} before the cut")
                 break
-            if point is None and {"P1", "P2", "S1", "F1", "F1.child", "V1.next"} <= finished and "C1" in finished:
-                break
+            self.ops = status["ops"]
+            if finished >= SETTLED and (point is None or point.anchor == "boot"):
+                break  # the workload is over: a later cut point cannot come
             time.sleep(0.01)
         if point is not None:
             self.notes.append(f"cut point {point.name} not reached; cut at the end instead")
