@@ -46,6 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# libfuse 3, even where libfuse 2 is installed too (bindfs brings it): mfusepy would take
+# libfuse 2 first, which has no config for use_ino and no flags for rename
+os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
+
 import mfusepy
 
 RENAME_NOREPLACE = 1
@@ -535,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", required=True, help="unix socket for the harness's commands")
     p.add_argument("--mode", choices=["strict", "gentle"], default="strict")
     a = p.parse_args(argv)
+    if mfusepy.fuse_version_major != 3:
+        p.error(f"needs libfuse 3 (Debian package fuse3), found {mfusepy.fuse_version_major}")
     model = Model(Path(a.backing).resolve(), a.mode)
     threading.Thread(target=serve_control, args=(model, a.control), daemon=True).start()
     LazyFUSE(LazyFS(model), a.mountpoint, foreground=True, fsname="lazyfs", subtype="lazyfs")
