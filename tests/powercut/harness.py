@@ -142,7 +142,7 @@ def cut_points(long: bool = False) -> list[CutPoint]:
     for after in near:
         points.append(CutPoint("cancel", "cmd:cancel", "C1", after))
     if long:
-        for n in range(0, 160, 4):  # a whole run of the workload makes about 160 fsyncs
+        for n in range(0, 132, 4):  # the workload makes about 135 fsyncs before it settles
             points.append(CutPoint("any", "boot", None, n, "fsync"))
     return points
 
