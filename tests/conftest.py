@@ -301,3 +301,13 @@ def env(tmp_path: Path) -> Iterator[Env]:
     from helpers_faults import reap  # imported late: helpers_faults imports this module
 
     reap(e)  # kill daemons still running, close their logs, end stray agents
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """--powercut-long: run tests/test_powercut.py over every cut point, in both filesystem modes."""
+    parser.addoption(
+        "--powercut-long",
+        action="store_true",
+        default=False,
+        help="power-cut suite: every cut point (several hundred), strict and gentle (README: Power cuts)",
+    )

@@ -231,7 +231,8 @@ class Deciding(abc.ABC):
     # -- finishing ----------------------------------------------------------------------------
     async def _finish_passed(self, checks: list[CheckResult]) -> Outcome:
         children = self._followups
-        if children:
+        if children:  # their bytes durable before the ledger reserves them (a power cut must not lose them)
+            await self._persist(self.folder.sync_outbox, [c.source for c in children])
             taken = await self.ctx.lanes.ledger(
                 self.ctx.ledger.reserve, self.job_id, self.token, self.spec.hops + 1, children
             )

@@ -7,8 +7,8 @@ ledger lane, each claim committing together with its job folder or not at all:
 1. a staging folder ``.state/staging/<owner>.claim-<id>-<rand>/`` is made and
    the inbox file is hard-linked into it (the inbox name stays);
 2. one ledger transaction claims every id of the batch;
-3. for each claimed id: ``work/``, ``job.json`` are written, the staging folder
-   is renamed to ``active/<id>`` and the inbox name is unlinked; an error on the
+3. for each claimed id: ``work/``, ``job.json`` are written and fsynced with
+   their folders, the staging folder is renamed to ``active/<id>`` and the inbox name is unlinked; an error on the
    way undoes the claim, leaving the file in inbox/ as it was;
 4. ``active/`` is fsynced once for the batch, before any agent starts.
 
@@ -364,14 +364,14 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
     body["parent"] = claimed.parent
     body["hops"] = claimed.hops
     order_json = to_json(body)
-    fsutil.write_new(work / "order.json", order_json)
+    fsutil.write_new(work / "order.json", order_json, sync=True)
     given = {"order.json": digest(order_json)}
     writes = tuple(order.writes if order.writes is not None else agent.writes)
     if agent.prompt is not None:
         final_work = layout.job(State.ACTIVE, order.job_id) / "work"
         tree = layout.worktree(order.job_id) if agent.repo.workspace is not None else None
         prompt = render(agent.prompt, prompt_values(body, writes, final_work, tree), prompt=True).encode()
-        fsutil.write_new(work / "prompt.md", prompt)
+        fsutil.write_new(work / "prompt.md", prompt, sync=True)
         given["prompt.md"] = digest(prompt)
     max_attempts = order.max_attempts or agent.max_attempts
     spec = JobSpec(
@@ -389,7 +389,11 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
         order=body,
         parent_chain_cost_usd=claimed.parent_chain_cost_usd,
     )
-    fsutil.write_new(stage / JOB_FILE, fsutil.dump_json(spec.to_json()))
+    fsutil.write_new(stage / JOB_FILE, fsutil.dump_json(spec.to_json()), sync=True)
+    # the folder is whole on disk before its rename into active/ (whose fsync is once per batch):
+    # a power cut must not leave active/<id> without its job.json, work/ or its link to the order
+    fsutil.fsync_dir(work)
+    fsutil.fsync_dir(stage)
     return spec, dataclasses.replace(order, body=body)
 
 

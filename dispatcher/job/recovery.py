@@ -23,7 +23,7 @@ from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_r
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.settings import Config
 from dispatcher.store import refusals
-from dispatcher.store.jobstore import JOB_FILE, JobFolder, build_result, drop_inbox_twin, remove_stage
+from dispatcher.store.jobstore import JobFolder, build_result, drop_inbox_twin, remove_stage
 
 log = structlog.get_logger("dispatcher")
 
@@ -120,7 +120,8 @@ def orphans(
     taken back the same way once its lease is renewed.
 
     A job whose row already says done, failed or review (its daemon died while
-    landing it) is landed here and not returned.
+    landing it) is landed here and not returned. A folder whose job.json is
+    missing is returned too: it is failed with a reason when it is loaded.
     """
     out = []
     for job_id in _active_ids(layout):
@@ -134,8 +135,10 @@ def orphans(
         if is_landed(entry.state):
             _land(layout, job_id, landed_state(entry.state))
             continue
-        if entry.state != Row.CLAIMED or not (layout.job(State.ACTIVE, job_id) / JOB_FILE).exists():
+        if entry.state != Row.CLAIMED:
             continue
+        # a folder without a readable job.json (torn by a power cut) is adopted all the same:
+        # loading it fails, and the job is failed with that reason (fail_damaged), never skipped
         token = ledger.adopt(job_id, entry.owner, entry.token)
         if token is not None:
             out.append((job_id, token))

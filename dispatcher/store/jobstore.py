@@ -165,6 +165,9 @@ class JobFolder:
         for name in ("stdout.log", "stderr.log"):
             fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
             os.close(fd)
+        # attempts/<n>/ is the durable proof that attempt n may have started: after a power cut
+        # recovery counts it as interrupted instead of starting an agent that is not retry-safe again
+        fsutil.fsync_dir(self.attempts_dir)
         return folder
 
     def begin_probe(self, n: int) -> Path:
@@ -242,9 +245,26 @@ class JobFolder:
             keep, k = keep_dir / f"result-{k}.json", k + 1
         os.rename(src, keep)
 
+    def sync_outbox(self, names: list[str]) -> None:
+        """Make the follow-ups in work/outbox/ durable (their bytes, then the folders naming them).
+
+        The agent wrote them without fsync; the ledger is about to reserve them, and
+        their release after a power cut reads these very files.
+        """
+        outbox = self.work / "outbox"
+        for name in names:
+            fd = os.open(outbox / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsutil.fsync_dir(outbox)
+        fsutil.fsync_dir(self.work)
+
     def stage_result(self, result: Result) -> None:
         """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
         _write_in_place(self.path / STAGED, fsutil.dump_json(result.to_json()), sync=True)
+        fsutil.fsync_dir(self.path)  # its name too: the ledger records the end next, and recovery lands from it
 
     def land(self, layout: Layout, state: State) -> Path:
         """Step 3 of finishing: name the staged result result.json and move the folder to state's folder.
@@ -254,6 +274,7 @@ class JobFolder:
         staged = self.path / STAGED
         if os.path.lexists(staged):
             os.rename(staged, self.path / RESULT)
+            fsutil.fsync_dir(self.path)  # else a power cut can bring the folder back in done/ without result.json
         target = layout.job(state, self.job_id)
         if self.path != target:
             fsutil.rename_noreplace(self.path, target)

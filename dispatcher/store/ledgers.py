@@ -103,7 +103,10 @@ def open_ledger(
         raise LedgerLost(f"{path}: the ledger cannot be read ({exc}); {REBUILD_HINT}") from None
     except OSError as exc:
         raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({exc.strerror})") from None
-    if (missing or ledger.is_empty()) and has_jobs(layout):
+    # Claims are committed without an fsync: after a power cut a young ledger can hold no row while
+    # active/ jobs exist. Their rows are put back at start (reconcile_active); only finished jobs
+    # beside an empty ledger mean the ledger itself was lost.
+    if (missing and has_jobs(layout)) or (not missing and ledger.is_empty() and has_jobs(layout, finished=True)):
         ledger.close()
         raise LedgerLost(f"{path}: the ledger is empty but job folders exist; {REBUILD_HINT}")
     return ledger
