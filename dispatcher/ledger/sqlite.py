@@ -17,10 +17,12 @@ Liveness and slots are flocks (``flocks.py``): this engine is for one host.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 
+from dispatcher.fsutil import fsync_dir
 from dispatcher.ledger.base import (
     Busy,
     Child,
@@ -355,12 +357,18 @@ class SqliteLedger(SqliteGates, SqliteWaits, Ledger):
 
     # -- requests -------------------------------------------------------------------------
     def request(self, job_id: str, kind: Request) -> None:
-        """Record a request for a daemon to carry out."""
+        """Record a request for a daemon to carry out, durably before the command says it was taken.
+
+        The commit fsyncs the WAL; the folder is fsynced too, so that a WAL file made by this
+        very write keeps its name through a power cut.
+        """
         self._tx(
             lambda db: db.execute(
                 "INSERT OR REPLACE INTO requests (job_id, kind, at) VALUES (?, ?, ?)", (job_id, str(kind), now())
             )
         )
+        with contextlib.suppress(OSError):
+            fsync_dir(self.path.parent)
 
     def requests(self, kind: Request) -> list[str]:
         """Return the job ids with an open request of this kind, oldest first."""
