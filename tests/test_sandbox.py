@@ -78,20 +78,22 @@ def test_writes_outside_fail_inside_the_agent_and_workspace_writes_succeed(outsi
 def test_sandbox_network_false_blocks_a_connection_to_a_local_listener(env: Env, tmp_path: Path) -> None:
     """With sandbox_network: false the agent cannot reach a listener on 127.0.0.1; with the network it can."""
     repo = make_repo(tmp_path / "shop")
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
     out = tmp_path / "out"
     out.mkdir()
-    cut = _sandboxed(env, repo, "--connect", str(port), "--report", str(out / "cut.json"), sandbox_writable=[str(out)])
-    net = _sandboxed(env, repo, "--connect", str(port), "--report", str(out / "net.json"), sandbox_writable=[str(out)])
-    env.configure(agents={"cut": cut | {"sandbox_network": False}, "net": net})
-    env.drop(code_order("N1", to="cut"))
-    env.drop(code_order("N2", to="net"))
-    d = env.daemon()
-    env.wait_job("N1", "done")
-    env.wait_job("N2", "done")
-    d.stop()
-    listener.close()
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # closed whatever the outcome
+        port = listener.getsockname()[1]
+        report = ("--report", str(out / "cut.json"))
+        cut = _sandboxed(env, repo, "--connect", str(port), *report, sandbox_writable=[str(out)])
+        net = _sandboxed(
+            env, repo, "--connect", str(port), "--report", str(out / "net.json"), sandbox_writable=[str(out)]
+        )
+        env.configure(agents={"cut": cut | {"sandbox_network": False}, "net": net})
+        env.drop(code_order("N1", to="cut"))
+        env.drop(code_order("N2", to="net"))
+        d = env.daemon()
+        env.wait_job("N1", "done")
+        env.wait_job("N2", "done")
+        d.stop()
     assert json.loads((out / "cut.json").read_text())["connect"] in ("Connection refused", "Network is unreachable")
     assert json.loads((out / "net.json").read_text())["connect"] == "connected"
 

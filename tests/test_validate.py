@@ -647,6 +647,7 @@ def test_config_limits_at_their_edges_are_fine(env: Env) -> None:
     """max_attempts 100 for an agent and max_followups 1 are inside the limits: `validate --config` exits 0."""
     agent = "    command: [python3, agent.py]\n    max_attempts: 100\n"
     env.config_path.write_text(f"root: {env.root}\nmax_followups: 1\nagents:\n  worker:\n{agent}")
+    (env.config_path.parent / "agent.py").write_text("")  # the script is checked too, resolved beside the config
     proc = env.cli("validate")
     assert proc.returncode == 0, proc.stderr
     assert "ok (1 agent)" in proc.stdout

@@ -101,7 +101,8 @@ class GateKeeper:
             try:
                 await self.refresh()
             except Exception as exc:  # noqa: BLE001 - a ledger that is away: try again next turn
-                log.warning("daemon.error", step="gates", error=str(exc))
+                if not self.ledger.giving_up():  # a wait a stop gave up is no error
+                    log.warning("daemon.error", step="gates", error=str(exc))
             await asyncio.sleep(POLL_S)
 
     async def stop(self) -> None:

@@ -49,9 +49,13 @@ def wrap(
         found = shutil.which(prog, path=env.get("PATH", os.defpath))
         if found is None:
             raise FileNotFoundError(2, "No such file or directory", prog)
-    elif not os.access(cwd / prog if not os.path.isabs(prog) else prog, os.X_OK):
-        raise FileNotFoundError(2, "No such file or directory", prog)
+    else:
+        found = str(cwd / prog) if not os.path.isabs(prog) else prog
+        if not os.access(found, os.X_OK):
+            raise FileNotFoundError(2, "No such file or directory", prog)
     out = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]  # noqa: S108 - a private /tmp
+    for kept in _own_tmp_folders([found, *argv[1:]]):  # the agent's own program stays visible, read-only
+        out += ["--ro-bind-try", kept, kept]
     for path in writable:
         out += ["--bind-try", path, path]
     out.append("--die-with-parent")
@@ -59,3 +63,22 @@ def wrap(
         out.append("--unshare-net")
     out += ["--chdir", str(cwd), "--", *argv]
     return out
+
+
+def _own_tmp_folders(paths: Iterable[str]) -> list[str]:
+    """Return the folders right under /tmp that hold the agent's program or its path arguments.
+
+    The sandbox's /tmp is private and empty; a program (or a virtualenv's interpreter, or a
+    script named in argv) that lives under /tmp would vanish with it, so its top folder there
+    is bound back read-only. The path as written and its real path both count (a venv's
+    ``python`` is a link whose own folder holds the environment).
+    """
+    tops: set[str] = set()
+    for path in paths:
+        if not os.path.isabs(path) or not os.path.exists(path):
+            continue
+        for candidate in (os.path.normpath(path), os.path.realpath(path)):
+            parts = candidate.split("/")
+            if len(parts) > 2 and parts[1] == "tmp" and parts[2]:
+                tops.add("/".join(parts[:3]))  # /tmp/<top>
+    return sorted(tops)
