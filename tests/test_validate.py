@@ -645,7 +645,7 @@ def test_config_value_errors_name_the_key(env: Env, agent_extra: str, top_extra:
 
 def test_config_limits_at_their_edges_are_fine(env: Env) -> None:
     """max_attempts 100 for an agent and max_followups 1 are inside the limits: `validate --config` exits 0."""
-    agent = "    command: [python3, agent.py]\n    max_attempts: 100\n"
+    agent = "    command: [python3, ./agent.py]\n    max_attempts: 100\n"
     env.config_path.write_text(f"root: {env.root}\nmax_followups: 1\nagents:\n  worker:\n{agent}")
     (env.config_path.parent / "agent.py").write_text("")  # the script is checked too, resolved beside the config
     proc = env.cli("validate")
