@@ -50,6 +50,11 @@ def write_atomic(path: Path, data: bytes, *, sync: bool = True, sync_dir: bool =
         fsync_dir(path.parent)
 
 
+def write_in_place(path: Path, data: bytes, *, sync: bool = False) -> None:
+    """Write path over whatever file it names, never through a link (a torn write reads as damaged)."""
+    _write(path, data, os.O_TRUNC | os.O_NOFOLLOW, sync)
+
+
 def write_new(path: Path, data: bytes, *, sync: bool = False) -> None:
     """Create path with data (fsynced when sync); fail if it exists."""
     _write(path, data, os.O_EXCL, sync)

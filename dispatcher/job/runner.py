@@ -415,27 +415,20 @@ def _spawn(argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, s
     name = argv[0] if argv else ""
     found = _which(name, env.get("PATH", os.defpath)) if name and "/" not in name else None
     try:
-        return subprocess.Popen(
-            list(argv),
-            executable=found,  # argv[0] stays as written: the agent sees the name it was given
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            close_fds=True,
-        )
+        return _popen(argv, cwd, env, found)
     except FileNotFoundError:
         if found is None:
             raise
         _which.cache_clear()  # the program moved since it was looked up: let Popen search again
-        return _spawn_plain(argv, cwd, env)
+        return _popen(argv, cwd, env, None)
 
 
-def _spawn_plain(argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+def _popen(
+    argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str], executable: str | None
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         list(argv),
+        executable=executable,  # argv[0] stays as written: the agent sees the name it was given
         cwd=cwd,
         env=env,
         stdin=subprocess.DEVNULL,

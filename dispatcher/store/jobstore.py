@@ -196,11 +196,11 @@ class JobFolder:
         interrupted attempt (and looks for the agent by its working folder).
         """
         data = fsutil.dump_json({"n": n, "pid": pid, "boot_started": boot_started, "started": started})
-        _write_in_place(self.attempts_dir / str(n) / "attempt.json", data)
+        fsutil.write_in_place(self.attempts_dir / str(n) / "attempt.json", data)
 
     def record_attempt(self, attempt: Attempt) -> None:
         """Write attempts/<n>/attempt.json (a torn one reads as missing: the attempt counts as interrupted)."""
-        _write_in_place(self.attempts_dir / str(attempt.n) / "attempt.json", fsutil.dump_json(attempt.to_json()))
+        fsutil.write_in_place(self.attempts_dir / str(attempt.n) / "attempt.json", fsutil.dump_json(attempt.to_json()))
 
     def stash(self, n: int, *, feedback: bool = False) -> None:
         """Move receipt.json and outbox/ (and feedback.json) of attempt n into attempts/<n>/ (idempotent).
@@ -263,7 +263,7 @@ class JobFolder:
 
     def stage_result(self, result: Result) -> None:
         """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
-        _write_in_place(self.path / STAGED, fsutil.dump_json(result.to_json()), sync=True)
+        fsutil.write_in_place(self.path / STAGED, fsutil.dump_json(result.to_json()), sync=True)
         fsutil.fsync_dir(self.path)  # its name too: the ledger records the end next, and recovery lands from it
 
     def land(self, layout: Layout, state: State) -> Path:
@@ -279,18 +279,6 @@ class JobFolder:
         if self.path != target:
             fsutil.rename_noreplace(self.path, target)
         return target
-
-
-def _write_in_place(path: Path, data: bytes, *, sync: bool = False) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def cut_reason(reason: str) -> str:
