@@ -20,7 +20,7 @@ from dispatcher.spec import schema
 from dispatcher.spec.agent_rules import build_checks, build_limits
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.repo import build_repo_settings
-from dispatcher.spec.settings import Agent, Config
+from dispatcher.spec.settings import Agent, Config, resolve_argv
 from dispatcher.text import describe, number
 
 DEFAULT_CONFIG = Path("config/dispatcher.yaml")
@@ -194,22 +194,6 @@ def _pass_env(agent: str, names: list[str]) -> tuple[str, ...]:
         if name == "NOTIFY_SOCKET" or name.startswith(("DISPATCH_", "WATCHDOG_")):
             raise ConfigError(f"{name} is never passed to agents", field=f"agents.{agent}.pass_env[{i}]")
     return tuple(names)
-
-
-def resolve_argv(argv: list[str], base: Path) -> tuple[str, ...]:
-    """Resolve path-like argv elements against the config's folder.
-
-    An element is resolved when it has no placeholder, is relative, contains a
-    ``/`` and names something that exists under ``base`` (so ``agents/a.py``
-    works from any working folder). Bare names such as ``python3`` are left for
-    PATH, and anything else passes unchanged.
-    """
-    out = []
-    for arg in argv:
-        if "/" in arg and "{" not in arg and not os.path.isabs(arg) and (base / arg).exists():
-            arg = os.path.normpath(base / arg)
-        out.append(arg)
-    return tuple(out)
 
 
 def default_config(root: Path | None) -> Config:

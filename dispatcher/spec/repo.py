@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import ConfigError
-from dispatcher.spec.settings import DEFAULT_BRANCH, HOOKS, Hook, RepoSettings, WorkspaceConf
+from dispatcher.spec.settings import DEFAULT_BRANCH, HOOKS, Hook, RepoSettings, WorkspaceConf, resolve_argv
 
 BWRAP = "bwrap"
 BWRAP_PACKAGE = "bubblewrap"
@@ -43,7 +43,7 @@ def build_repo_settings(name: str, spec: Mapping[str, Any], base: Path) -> RepoS
         value = spec.get(key)
         hook = Hook.from_json(value)
         if hook is not None:
-            hook = Hook(_resolve(hook.command, base), hook.timeout_s)
+            hook = Hook(resolve_argv(hook.command, base), hook.timeout_s)
         hooks[key] = hook
     return RepoSettings(
         workspace=workspace,
@@ -52,12 +52,3 @@ def build_repo_settings(name: str, spec: Mapping[str, Any], base: Path) -> RepoS
         sandbox_network=bool(spec.get("sandbox_network", True)),
         **hooks,
     )
-
-
-def _resolve(argv: tuple[str, ...], base: Path) -> tuple[str, ...]:
-    out = []
-    for arg in argv:
-        if "/" in arg and "{" not in arg and not os.path.isabs(arg) and (base / arg).exists():
-            arg = os.path.normpath(base / arg)
-        out.append(arg)
-    return tuple(out)

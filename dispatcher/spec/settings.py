@@ -7,7 +7,8 @@ build the parts of an agent from it. Internal names carry units (``timeout_s``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,3 +230,19 @@ class Config:
     agents: Mapping[str, Agent] = field(default_factory=dict)
     #: a digest of the file's bytes (None: built-in defaults); a daemon records the one it loaded
     digest: str | None = None
+
+
+def resolve_argv(argv: Sequence[str], base: Path) -> tuple[str, ...]:
+    """Resolve path-like argv elements against the config's folder.
+
+    An element is resolved when it has no placeholder, is relative, contains a
+    ``/`` and names something that exists under ``base`` (so ``agents/a.py``
+    works from any working folder). Bare names such as ``python3`` are left for
+    PATH, and anything else passes unchanged.
+    """
+    out = []
+    for arg in argv:
+        if "/" in arg and "{" not in arg and not os.path.isabs(arg) and (base / arg).exists():
+            arg = os.path.normpath(base / arg)
+        out.append(arg)
+    return tuple(out)
