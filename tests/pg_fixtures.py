@@ -20,9 +20,11 @@ from netns import Hosts, NetnsUnavailable
 from pgserver import PgServer, PgUnavailable
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[PgServer]:
-    """Yield one running :class:`PgServer` for the whole session; fails (never skips) without binaries."""
+def running_pg_server() -> Iterator[PgServer]:
+    """Start a PostgreSQL server of its own, yield it, stop it; fail (never skip) without binaries.
+
+    A generator for fixtures: the session's shared server and a test's own (one it stops on purpose).
+    """
     server: PgServer | None = None
     problem = ""
     try:
@@ -40,6 +42,12 @@ def pg_server() -> Iterator[PgServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """Yield one running :class:`PgServer` for the whole session; fails (never skips) without binaries."""
+    yield from running_pg_server()
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from conftest import Daemon, Env, cli_env, wait_until
 from helpers_faults import tiny_order, write_script
-from pgserver import PgServer, PgUnavailable
+from pg_fixtures import running_pg_server
+from pgserver import PgServer
 
 # A shell agent that holds its pipes open for a while: it records its start,
 # sleeps SECONDS ($2), then writes a good receipt atomically.
@@ -247,22 +248,7 @@ def test_notifications_run_a_few_at_a_time_in_order_and_a_long_wait_is_summarise
 @pytest.fixture
 def own_pg() -> Iterator[PgServer]:
     """A PostgreSQL server of this test's own (it is stopped on purpose); fails, never skips, without one."""
-    problem = ""
-    server = None
-    try:
-        server = PgServer()
-        server.start()
-    except PgUnavailable as exc:
-        problem = str(exc)
-    if problem:
-        if server is not None:
-            server.close()
-        pytest.fail(f"PostgreSQL test server unavailable: {problem}", pytrace=False)
-    assert server is not None
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from running_pg_server()
 
 
 def stopped_within(d: Daemon, sig: int, seconds: float) -> float:
