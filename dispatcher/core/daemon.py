@@ -128,7 +128,15 @@ class Daemon:
         finisher.bind(self.loop)
         joins = Joins(self.layout, self.ledger, finisher, self._config)
         finisher.on_final = joins.on_final
-        self.gatekeeper = GateKeeper(self.ledger, self.lanes, lambda: self.config.agents, self.wakeup, self.metrics)
+        self.gatekeeper = GateKeeper(
+            self.ledger,
+            self.lanes,
+            lambda: self.config.agents,
+            self.wakeup,
+            self.metrics,
+            shared=self.ledger.leases is not None,
+            idle_s=self._rescan_interval(),
+        )
         ctx = JobContext(
             layout=self.layout,
             ledger=self.ledger,
@@ -265,6 +273,7 @@ class Daemon:
         """A filesystem hint from the watch (on the loop)."""
         if kind == "control":
             self.house.start(self.house.requests(), "requests")
+            self.gatekeeper.kick()  # `pause` and `resume` drop hints too
         elif kind == "rescan":
             self._next_rescan = 0.0
         else:

@@ -1,8 +1,12 @@
 """The daemon's view of the agents' gates (contract section 14), kept fresh from the ledger.
 
-Every ``POLL_S`` seconds one trip to the ledger lane lifts the gates whose time
-has come (``agent.resumed`` is logged by the daemon that lifts one: each is
-lifted once, on any host) and reads the rest. The scheduler claims no new order
+While a gate is set, or when the ledger is shared by other hosts, one trip to the
+ledger lane every ``POLL_S`` seconds lifts the gates whose time has come
+(``agent.resumed`` is logged by the daemon that lifts one: each is lifted once, on
+any host) and reads the rest. With no gate on a ledger of this host alone, the
+snapshot changes only through this daemon (``note``) or a command (`pause`,
+`resume`, which drop a hint: ``kick``), so an idle daemon reads it only every
+``idle_s`` seconds and costs no CPU in between. The scheduler claims no new order
 of a gated agent; jobs read the snapshot before each attempt without a trip to
 the ledger. A change wakes the loop, and the metric ``dispatcher_agent_gated``
 follows the snapshot.
@@ -50,14 +54,20 @@ class GateKeeper:
         agents: Callable[[], Iterable[str]],
         wake: Callable[[], None],
         metrics: Metrics | None = None,
+        *,
+        shared: bool = False,
+        idle_s: float = 30.0,
     ) -> None:
         self.ledger = ledger
+        self.shared = shared  # other hosts may set gates: read them every POLL_S
+        self.idle_s = idle_s
         self.lanes = lanes
         self.agents = agents
         self.wake = wake
         self.metrics = metrics
         self.snapshot: tuple[Gate, ...] = ()
         self._task: asyncio.Task[None] | None = None
+        self._kicked: asyncio.Event | None = None
 
     def gates(self) -> tuple[Gate, ...]:
         """Return the latest snapshot (no trip to the ledger)."""
@@ -93,8 +103,14 @@ class GateKeeper:
         return self.ledger.lift_gates(expired_at=now), self.ledger.gates()
 
     def start(self) -> None:
-        """Refresh every POLL_S seconds until stopped."""
+        """Refresh in the background until stopped (see the module's docstring for how often)."""
+        self._kicked = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="gatekeeper")
+
+    def kick(self) -> None:
+        """Refresh now (a command changed the gates and dropped a hint)."""
+        if self._kicked is not None:
+            self._kicked.set()
 
     async def _run(self) -> None:
         while True:
@@ -103,7 +119,11 @@ class GateKeeper:
             except Exception as exc:  # noqa: BLE001 - a ledger that is away: try again next turn
                 if not self.ledger.giving_up():  # a wait a stop gave up is no error
                     log.warning("daemon.error", step="gates", error=str(exc))
-            await asyncio.sleep(POLL_S)
+            assert self._kicked is not None  # noqa: S101 - set by start()
+            wait = POLL_S if self.snapshot or self.shared else self.idle_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kicked.wait(), wait)
+            self._kicked.clear()
 
     async def stop(self) -> None:
         """End the background refresh."""

@@ -234,6 +234,7 @@ class Operator:
         self._agent(agent)
         if self.ledger.set_gate(Gate(agent, GateKind.PAUSE, None, "paused by hand"), at=time.time()):
             log.info("agent.gated", agent=agent, kind=str(GateKind.PAUSE), until=None)
+            self._poke("pause", agent)
             return f"{agent}: paused; running attempts go on, no new one starts"
         return f"{agent}: already paused"
 
