@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FAKE_AGENT, Env, order, wait_until
-from helpers_users import GROUP, USER, as_user, interpreter
+from helpers_users import GROUP, USER, as_user, interpreter, user_path
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def service(tmp_path: Path) -> Iterator[tuple[Env, str]]:
     shutil.chown(data, USER, GROUP)
     e = Env(tmp=base, root=base / "dispatch", config_path=base / "dispatcher.yaml", count_file=data / "starts.txt")
     agent = e.agent()
-    agent["command"] = [python, str(FAKE_AGENT), "--count", str(e.count_file)]
+    agent["command"] = [python, str(user_path(FAKE_AGENT)), "--count", str(e.count_file)]
     e.configure({"worker": agent})
     shutil.chown(e.root, USER, GROUP)
     os.chmod(e.config_path, 0o644)
