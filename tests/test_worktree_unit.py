@@ -79,3 +79,20 @@ def test_a_workspace_whose_change_cannot_be_read_fails_writes_scope() -> None:
     """When the worktree is gone (or git failed), writes_scope fails with why instead of passing blind."""
     res = writes_scope(evidence(writes=("src/**",), changed_unknown="the workspace is gone", entries=files()))
     assert (res.ok, res.detail) == (False, "the workspace is gone")
+
+
+def test_an_add_killed_before_git_wrote_gitdir_is_cleared_and_the_next_add_takes_its_name(tmp_path: Path) -> None:
+    """git killed between creating gitdir and writing it: the locked entry with an empty gitdir goes."""
+    repo = make_repo(tmp_path / "shop")
+    job = tmp_path / "job"
+    job.mkdir()
+    ws = worktree.plan(job, str(repo), "main", "dispatch/W1", tmp_path / "trees" / "W1")
+    admin = repo / ".git" / "worktrees" / "W1"
+    admin.mkdir(parents=True)
+    (admin / "locked").write_text("initializing")
+    (admin / "gitdir").write_text("")
+    worktree.create(ws, from_branch=False)
+    assert worktree.is_ready(ws) and not list((repo / ".git" / "worktrees").glob("*/locked"))
+    assert [p.name for p in (repo / ".git" / "worktrees").iterdir()] == ["W1"]
+    worktree.clear(ws)
+    assert "locked" not in git(repo, "worktree", "list", "--porcelain")

@@ -175,14 +175,14 @@ def clear(ws: Workspace) -> None:
     """Remove whatever is left at the worktree's path (a worktree, a half-made one, a folder).
 
     An add that died half-way leaves its entry locked (git locks it first), maybe without
-    its ``gitdir`` file, which makes ``git worktree list`` fail for the whole repository:
+    its ``gitdir`` file or with it still empty, which makes ``git worktree list`` fail for the whole repository:
     such an entry of this worktree's is unlocked and removed. Entries of other worktrees,
     locked or not, are never touched.
     """
     mine = os.path.join(ws.path, ".git")
     registered = False
     for admin, gitdir in _entries(ws):
-        if gitdir is None and (admin / "locked").exists():
+        if _half_written(gitdir, mine) and (admin / "locked").exists():
             shutil.rmtree(admin, ignore_errors=True)
         elif gitdir == mine:
             with contextlib.suppress(FileNotFoundError):
@@ -193,6 +193,11 @@ def clear(ws: Workspace) -> None:
     shutil.rmtree(ws.path, ignore_errors=True)
     if registered and any(gitdir == mine for _admin, gitdir in _entries(ws)):
         git(ws.repo, "worktree", "prune")
+
+
+def _half_written(gitdir: str | None, mine: str) -> bool:
+    """Return True when an entry's ``gitdir`` was never (or only partly) written: git died between lock and write."""
+    return gitdir is None or (gitdir != mine and mine.startswith(gitdir))
 
 
 def create(ws: Workspace, *, from_branch: bool) -> None:
