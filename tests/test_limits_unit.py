@@ -40,6 +40,20 @@ ALL = preset("claude") + preset("codex") + preset("http429")
         ),  # 00:50 PST is 08:50 UTC
         ("Claude usage limit reached. Your limit will reset at 5pm (Europe/Warsaw).", 6 * 3600),
         ("Session limit reached ∙ resets 4am", 18 * 3600),
+        (
+            "■ You\u2019ve hit your usage limit. Visit https://chatgpt.com/codex/settings/usage to purchase more"
+            " credits or try again at 4:05 PM.",
+            6 * 3600 + 5 * 60,
+        ),
+        (
+            "You've hit your usage limit for GPT-5.3-Codex-Spark. Switch to another model now, or try again at"
+            " Dec 9th, 2026 1:47 AM.",
+            7 * 86400 + 15 * 3600 + 47 * 60,
+        ),
+        (
+            "You've hit your usage limit. Add credits to continue, or try again at Dec 10, 2026, 11:12 AM.",
+            9 * 86400 + 4320,
+        ),
     ],
 )
 def test_the_real_clis_texts_are_read(text: str, wait_s: float) -> None:
@@ -53,6 +67,8 @@ def test_no_limit_in_ordinary_failures_or_past_times() -> None:
     assert find_limit("Error: ENOENT: no such file", ALL, NOW) is None
     assert find_limit("Retry-After: 30 (but all went fine)", ALL, NOW) is None
     assert find_limit(f"Claude AI usage limit reached|{int(NOW) - 5}", ALL, NOW) is None
+    assert find_limit("You've hit your usage limit. Try again at Jul 7th, 2026 12:25 PM.", ALL, NOW) is None
+    assert find_limit("You've hit your usage limit. Try again at Feb 30th, 2027 1:00 AM.", ALL, NOW) is None
 
 
 def test_a_custom_rule_and_the_last_match_wins() -> None:

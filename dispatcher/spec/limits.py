@@ -11,7 +11,9 @@ minutes``). The presets hold what the CLIs print, as their own trackers quote it
   session limit · resets 12:50am (America/Los_Angeles)`` and ``Claude usage limit
   reached. Your limit will reset at 5pm (Europe/Warsaw).``;
 - ``codex``: ``You've hit your usage limit. Upgrade to Pro (...) or try again in
-  4 days 20 hours 9 minutes.``, the API's ``"resets_in_seconds": 13872`` and
+  4 days 20 hours 9 minutes.``, its newer ``... or try again at 3:45 PM.`` and ``... try
+  again at Jul 9th, 2026 1:47 AM.`` (read as UTC, like every clock without a zone), the
+  API's ``"resets_in_seconds": 13872`` and
   ``Rate limit reached for ... Please try again in 1.5s``;
 - ``http429``: a ``429`` (or ``Too Many Requests``) with a ``Retry-After: 30`` header.
 
@@ -57,7 +59,9 @@ class LimitHit:
     text: str
 
 
-_CLOCK = r"(\d{1,2}(?::\d{2})?\s*(?:[ap]\.?m\.?)?(?:\s*\([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*\)|\s+UTC)?)"
+_DATE = r"(?:[A-Z][a-z]{2,8}\.?\s+\d{1,2}(?:st|nd|rd|th)?,?\s+\d{4},?\s+)"  # Codex: "Jul 9th, 2026 1:47 AM"
+_CLOCK = r"(" + _DATE + r"?\d{1,2}(?::\d{2})?\s*(?:[ap]\.?m\.?)?(?:\s*\([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*\)|\s+UTC)?)"
+_CODEX_HIT = r"(?is)You(?:'|\u2019)ve hit your usage limit\b.{0,300}?"  # a straight or a curly apostrophe
 _RESETS = r"\s*[∙·•|-]\s*resets\s+(?:at\s+)?"
 _DURATION = r"((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|h|minutes?|mins?|m|seconds?|secs?|s|ms)\b[\s,]*(?:and\s+)?)+)"
 PRESETS: dict[str, tuple[LimitRule, ...]] = {
@@ -68,7 +72,8 @@ PRESETS: dict[str, tuple[LimitRule, ...]] = {
         LimitRule(r"(?i)usage limit reached\.\s*Your limit will reset at\s+" + _CLOCK, "clock", "claude"),
     ),
     "codex": (
-        LimitRule(r"(?is)You've hit your usage limit\..{0,300}?try again in\s+" + _DURATION, "seconds", "codex"),
+        LimitRule(_CODEX_HIT + r"try again in\s+" + _DURATION, "seconds", "codex"),
+        LimitRule(_CODEX_HIT + r"try again at\s+" + _CLOCK, "clock", "codex"),
         LimitRule(r'(?i)"resets_in_seconds"\s*:\s*(\d+)', "seconds", "codex", needs=r"usage_limit_reached"),
         LimitRule(r"(?is)Rate limit reached for .{0,500}?try again in\s+" + _DURATION, "seconds", "codex"),
     ),
@@ -151,15 +156,24 @@ def duration_s(text: str) -> float | None:
     return total if found else None
 
 
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+
+
 def clock_time(text: str, now: float) -> float | None:
-    """Return the next moment after ``now`` that shows this time of day (UTC unless a zone is named)."""
+    """Return the next moment after ``now`` that shows this time of day (UTC unless a zone is named).
+
+    With a date before it (``Jul 9th, 2026 1:47 AM``, as Codex prints) it is that moment itself.
+    """
     m = re.fullmatch(
-        r"(\d{1,2})(?::(\d{2}))?\s*([ap])?\.?(?:m\.?)?\s*(?:\(([^)]+)\)|(UTC))?", text.strip(), re.IGNORECASE
+        r"(?:(?P<mon>[A-Za-z]{3})[a-z]*\.?\s+(?P<day>\d{1,2})(?:st|nd|rd|th)?,?\s+(?P<year>\d{4}),?\s+)?"
+        r"(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))?\s*(?P<half>[ap])?\.?(?:m\.?)?\s*(?:\((?P<zone>[^)]+)\)|UTC)?",
+        text.strip(),
+        re.IGNORECASE,
     )
     if m is None:
         return None
-    hour, minute = int(m.group(1)), int(m.group(2) or 0)
-    half = (m.group(3) or "").lower()
+    hour, minute = int(m["hour"]), int(m["minute"] or 0)
+    half = (m["half"] or "").lower()
     if half:
         if not 1 <= hour <= 12:
             return None
@@ -167,10 +181,16 @@ def clock_time(text: str, now: float) -> float | None:
     if hour > 23 or minute > 59:
         return None
     zone = UTC
-    if m.group(4):
+    if m["zone"]:
         try:
-            zone = ZoneInfo(m.group(4).strip())  # type: ignore[assignment]
+            zone = ZoneInfo(m["zone"].strip())  # type: ignore[assignment]
         except (ZoneInfoNotFoundError, ValueError):
+            return None
+    if m["mon"]:
+        month = _MONTHS.index(m["mon"].lower()) + 1 if m["mon"].lower() in _MONTHS else 0
+        try:
+            return datetime(int(m["year"]), month, int(m["day"]), hour, minute, tzinfo=zone).timestamp()
+        except ValueError:  # no such month or day
             return None
     here = datetime.fromtimestamp(now, zone)
     at = here.replace(hour=hour, minute=minute, second=0, microsecond=0)
