@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dispatcher.core.watcher import Inbox
-from dispatcher.job import intake
+from dispatcher.job import intake, placing
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
-from dispatcher.job.intake import Pick, Started
+from dispatcher.job.placing import Pick, Started
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
@@ -79,10 +79,10 @@ class Seam:
         os.rename(tmp, self.layout.inbox / name)
         return name
 
-    def inspected(self, name: str) -> intake.Inspected:
+    def inspected(self, name: str) -> placing.Inspected:
         """Return inbox/<name> read and validated (it must be a valid order)."""
         found = intake.inspect(self.layout, name, self.config)
-        assert isinstance(found, intake.Inspected), f"{name} was not a valid order: {found}"
+        assert isinstance(found, placing.Inspected), f"{name} was not a valid order: {found}"
         return found
 
     def claim(self, *names: str) -> list[intake.Claimed_]:

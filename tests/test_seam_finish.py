@@ -11,7 +11,7 @@ from typing import Any
 
 from seam_fixtures import Seam, open_seam, order, run, until
 
-from dispatcher.job.intake import Started
+from dispatcher.job.placing import Started
 from dispatcher.ledger.base import Child, Finish
 from dispatcher.lifecycle import Row
 from dispatcher.spec.result import Result

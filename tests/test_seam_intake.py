@@ -8,8 +8,9 @@ from pathlib import Path
 
 from seam_fixtures import open_seam, order
 
-from dispatcher.job import intake
-from dispatcher.job.intake import Cancelled, Inspected, Refused, Skipped, Started
+from dispatcher.job import intake, placing
+from dispatcher.job.intake import Cancelled, Refused
+from dispatcher.job.placing import Inspected, Skipped, Started
 from dispatcher.ledger.base import Request
 from dispatcher.lifecycle import Row
 from dispatcher.store.refusals import Refusal
@@ -71,7 +72,7 @@ def test_a_file_replaced_after_it_was_read_is_skipped_and_left_in_inbox(tmp_path
         item = s.inspected(name)
         s.drop(order("J1", task="Do it again."), name)  # a rename over the name: another inode
         [answer] = intake.claim(
-            s.layout, s.ledger, [intake.Pick(item, s.config.agents["worker"])], on_refused=print, finisher=s.finisher
+            s.layout, s.ledger, [placing.Pick(item, s.config.agents["worker"])], on_refused=print, finisher=s.finisher
         )
         row = s.ledger.get("J1")
     assert answer == Skipped(name)

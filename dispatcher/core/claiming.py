@@ -23,8 +23,9 @@ import structlog
 
 from dispatcher.job import intake, recovery, revise
 from dispatcher.job.finish import Finisher
-from dispatcher.job.intake import Cancelled, Inspected, Pick, Refused, Skipped, Started, Waiting
+from dispatcher.job.intake import Cancelled, Refused, Waiting
 from dispatcher.job.joins import Joins
+from dispatcher.job.placing import Inspected, Pick, Skipped, Started
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import State

@@ -4,11 +4,12 @@
 bounded by ``max_order_bytes``). ``claim`` takes a batch of valid orders in the
 ledger lane, each claim committing together with its job folder or not at all:
 
-1. a staging folder ``.state/staging/<owner>.claim-<id>-<rand>/`` is made and
+1. a staging folder ``.state/staging/<owner>.claim-<id>-<rand>/`` is made (``placing``) and
    the inbox file is hard-linked into it (the inbox name stays);
 2. one ledger transaction claims every id of the batch;
-3. for each claimed id: ``work/``, ``job.json`` are written and fsynced with
-   their folders, the staging folder is renamed to ``active/<id>`` and the inbox name is unlinked; an error on the
+3. for each claimed id: ``work/`` and ``job.json`` are written; then every file and
+   folder of the batch is fsynced at once (``fsutil.fsync_many``); then each staging
+   folder is renamed to ``active/<id>`` and the inbox name is unlinked; an error on the
    way undoes the claim, leaving the file in inbox/ as it was;
 4. ``active/`` is fsynced once for the batch, before any agent starts.
 
@@ -19,9 +20,6 @@ folder (put in place by recovery), or a placed job.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import errno
 import os
 import stat
 import time
@@ -34,61 +32,24 @@ import structlog
 from dispatcher import fsutil
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
+from dispatcher.job import placing
 from dispatcher.job.finish import Finisher
-from dispatcher.job.runner import render
+from dispatcher.job.placing import Inspected, Pick, Skipped, Started
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.shortage import SHORT, resource_of
-from dispatcher.spec.jobspec import JobSpec, prompt_values
 from dispatcher.spec.loader import load_document
-from dispatcher.spec.order import Order
-from dispatcher.spec.orders import order_format, parse_order, to_json
-from dispatcher.spec.settings import Agent, Config
+from dispatcher.spec.orders import order_format, parse_order
+from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import (
-    JOB_FILE,
-    JobFolder,
     build_result,
     drop_inbox_twin,
     is_disk_full,
-    new_stage,
-    remove_stage,
 )
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
-_LEFT_STAGES: list[Path] = []  # claim staging folders a shortage kept from going (only the ledger lane uses it)
-
-
-@dataclass(frozen=True, slots=True)
-class Inspected:
-    """A readable, valid order file waiting to be claimed."""
-
-    name: str
-    data: bytes
-    order: Order
-    digest: str
-    received: float
-    inode: tuple[int, int]  # (st_dev, st_ino) of the file that was read
-
-
-@dataclass(frozen=True, slots=True)
-class Pick:
-    """An inspected order chosen for a claim, with the agent settings it will run with."""
-
-    item: Inspected
-    agent: Agent
-
-
-@dataclass(frozen=True, slots=True)
-class Started:
-    """A claimed job, in place in active/: ready for its agent."""
-
-    folder: JobFolder
-    spec: JobSpec
-    order: Order
-    token: int
-    cancelled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +75,6 @@ class Refused:
 
     name: str
     job_id: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Skipped:
-    """A file left where it is: another daemon is claiming it, it changed, or the disk is full."""
-
-    name: str
-    retry_later: bool = False
 
 
 Claimed_ = Started | Waiting | Cancelled | Refused | Skipped
@@ -196,7 +149,7 @@ def claim(
     (``Cancelled``: its folder lands in failed/ with reason ``cancelled``, no attempt).
     """
     owner = ledger.owner
-    _drop_left_stages()
+    placing.drop_left_stages()
     out: list[Claimed_ | None] = [None] * len(picks)
     staged: list[tuple[int, Pick, Path]] = []
     for i, pick in enumerate(picks):
@@ -217,7 +170,7 @@ def claim(
             out[i] = Refused(item.name, item.order.job_id)
             continue
         try:
-            stage = _stage(layout, owner, item)
+            stage = placing.stage(layout, owner, item)
         except OSError as exc:
             if SHORT.note(exc, "claim"):
                 out[i] = Skipped(item.name, retry_later=True)
@@ -244,22 +197,33 @@ def claim(
             for _, p, _ in staged
         ]
     )
-    placed: set[State] = set()
+    written: list[tuple[int, Pick, Path, Claimed, placing.Written]] = []
     for (i, pick, stage), answer in zip(staged, answers, strict=True):
         match answer:
             case Claimed():
-                out[i] = _place(layout, ledger, pick, stage, answer)
-                if isinstance(out[i], Started):
-                    placed.add(State.WAITING if pick.item.order.after else State.ACTIVE)
+                made = placing.write(layout, ledger, pick, stage, answer)
+                if isinstance(made, Skipped):
+                    out[i] = made
+                else:
+                    written.append((i, pick, stage, answer, made))
             case Known(entry=entry):
-                _drop_stage(stage)
+                placing.drop_stage(stage)
                 if _drop_twin(layout, pick.item):  # the claimed job's own file (a claim cut short)
                     out[i] = Skipped(pick.item.name)
                 else:
                     out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
             case Busy():
-                _drop_stage(stage)
+                placing.drop_stage(stage)
                 out[i] = Skipped(pick.item.name)
+    # every claimed folder is whole on disk before any is renamed into active/ (whose fsync is
+    # once per batch): a power cut must not leave active/<id> without its job.json, work/ or order
+    errors = iter(fsutil.fsync_many([path for *_, w in written for path in w.sync]))
+    placed: set[State] = set()
+    for i, pick, stage, claimed, w in written:
+        error = next((e for e in [next(errors) for _ in w.sync] if e is not None), None)  # this job's own
+        out[i] = placing.place(layout, ledger, pick, stage, claimed, w, error)
+        if isinstance(out[i], Started):
+            placed.add(w.state)
     for state in sorted(placed):
         _fsync_dir(layout.folder(state))  # the claim's durable point: before any agent starts
     for i, done in enumerate(out):
@@ -307,96 +271,6 @@ def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
     log.warning("ledger.repaired", job_id=job_id, state=row.value, reason="a job folder without a ledger row")
 
 
-def _stage(layout: Layout, owner: str, item: Inspected) -> Path | None:
-    """Make the claim's staging folder holding a link to the inbox file; None if the file changed."""
-    stage = new_stage(layout, owner, "claim", item.order.job_id)
-    kept = stage / f"order{Path(item.name).suffix}"
-    try:
-        os.link(layout.inbox / item.name, kept, follow_symlinks=False)
-    except FileNotFoundError:
-        os.rmdir(stage)
-        return None
-    st = os.lstat(kept)
-    if (st.st_dev, st.st_ino) != item.inode:  # another file took the name since it was read
-        remove_stage(stage)
-        return None
-    return stage
-
-
-def _place(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Claimed) -> Started | Skipped:
-    """Complete the staging folder, rename it into active/ and drop the inbox name; undo on error."""
-    item, agent = pick.item, pick.agent
-    try:
-        spec, order = _write_job(layout, stage, item, agent, claimed)
-        target = layout.job(State.WAITING if order.after else State.ACTIVE, item.order.job_id)
-        fsutil.rename_noreplace(stage, target)
-    except OSError as exc:
-        # nothing ran: the id stays free (or goes back to the daemon it was taken over from)
-        ledger.unclaim(item.order.job_id, claimed.token, claimed.previous, claimed.previous_owner)
-        _drop_stage(stage)
-        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another daemon put its folder in place first
-            log.info("order.skipped", file=item.name, job_id=item.order.job_id, reason="placed by another daemon")
-            return Skipped(item.name)
-        if SHORT.note(exc, "claim"):  # not now: the order stays in inbox/ and its id free
-            return Skipped(item.name, retry_later=True)
-        if not is_disk_full(exc):
-            raise
-        log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
-        return Skipped(item.name, retry_later=True)
-    drop_inbox_twin(layout, item.name, target / f"order{Path(item.name).suffix}")
-    log.info(
-        "job.claimed",
-        job_id=item.order.job_id,
-        agent=agent.name,
-        file=item.name,
-        parent=claimed.parent,
-        hops=claimed.hops,
-    )
-    return Started(JobFolder(target), spec, order, claimed.token, claimed.cancelled)
-
-
-def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claimed: Claimed) -> tuple[JobSpec, Order]:
-    order = item.order
-    work = stage / "work"
-    os.mkdir(work)
-    os.mkdir(stage / "attempts")
-    body = dict(order.body)
-    body["parent"] = claimed.parent
-    body["hops"] = claimed.hops
-    order_json = to_json(body)
-    fsutil.write_new(work / "order.json", order_json, sync=True)
-    given = {"order.json": digest(order_json)}
-    writes = tuple(order.writes if order.writes is not None else agent.writes)
-    if agent.prompt is not None:
-        final_work = layout.job(State.ACTIVE, order.job_id) / "work"
-        tree = layout.worktree(order.job_id) if agent.repo.workspace is not None else None
-        prompt = render(agent.prompt, prompt_values(body, writes, final_work, tree), prompt=True).encode()
-        fsutil.write_new(work / "prompt.md", prompt, sync=True)
-        given["prompt.md"] = digest(prompt)
-    max_attempts = order.max_attempts or agent.max_attempts
-    spec = JobSpec(
-        job_id=order.job_id,
-        source=item.name,
-        received=item.received,
-        parent=claimed.parent,
-        hops=claimed.hops,
-        agent=agent,
-        timeout_s=order.timeout_s or agent.timeout_s,
-        max_attempts=max_attempts,
-        budget=max_attempts,
-        writes=writes,
-        given=given,
-        order=body,
-        parent_chain_cost_usd=claimed.parent_chain_cost_usd,
-    )
-    fsutil.write_new(stage / JOB_FILE, fsutil.dump_json(spec.to_json()), sync=True)
-    # the folder is whole on disk before its rename into active/ (whose fsync is once per batch):
-    # a power cut must not leave active/<id> without its job.json, work/ or its link to the order
-    fsutil.fsync_dir(work)
-    fsutil.fsync_dir(stage)
-    return spec, dataclasses.replace(order, body=body)
-
-
 def _refuse(
     layout: Layout, owner: str, item: Inspected, state: str, on_refused: Callable[[Path, Refusal], None]
 ) -> Refused | Skipped:
@@ -408,23 +282,6 @@ def _refuse(
             raise
         return Skipped(item.name, retry_later=True)  # refused once the shortage is over
     return Refused(item.name, item.order.job_id)
-
-
-def _drop_stage(stage: Path) -> None:
-    """Remove a claim's staging folder; one that cannot go now (a shortage) goes with a later claim."""
-    try:
-        remove_stage(stage)
-    except OSError:  # only the daemon's own files and a second link to the order are in it
-        _LEFT_STAGES.append(stage)
-
-
-def _drop_left_stages() -> None:
-    """Remove the staging folders a shortage kept from going (ledger lane, at the next claim)."""
-    left = list(_LEFT_STAGES)
-    _LEFT_STAGES.clear()
-    for stage in left:
-        with contextlib.suppress(FileNotFoundError):
-            _drop_stage(stage)
 
 
 def _drop_twin(layout: Layout, item: Inspected) -> bool:

@@ -1,0 +1,207 @@
+"""Make a claimed job's folder: staged beside the root, written, fsynced together, renamed into place.
+
+``stage`` links the inbox file into a staging folder under ``.state/staging/``;
+after the ledger's claim, ``write`` fills it (``work/order.json``, ``prompt.md``,
+``job.json``) without syncing; the claim fsyncs every written folder of its batch
+at once (``fsutil.fsync_many``) and ``place`` renames each into active/ (or
+waiting/). Any error undoes that job's claim (``undo``): the order stays in inbox/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from dispatcher import fsutil
+from dispatcher.fsutil import digest
+from dispatcher.job.runner import render
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Claimed, Ledger
+from dispatcher.lifecycle import State
+from dispatcher.shortage import SHORT
+from dispatcher.spec.jobspec import JobSpec, prompt_values
+from dispatcher.spec.order import Order
+from dispatcher.spec.orders import to_json
+from dispatcher.spec.settings import Agent
+from dispatcher.store.jobstore import JOB_FILE, JobFolder, drop_inbox_twin, is_disk_full, new_stage, remove_stage
+
+log = structlog.get_logger("dispatcher")
+_LEFT_STAGES: list[Path] = []  # claim staging folders a shortage kept from going (only the ledger lane uses it)
+
+
+@dataclass(frozen=True, slots=True)
+class Inspected:
+    """A readable, valid order file waiting to be claimed."""
+
+    name: str
+    data: bytes
+    order: Order
+    digest: str
+    received: float
+    inode: tuple[int, int]  # (st_dev, st_ino) of the file that was read
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """An inspected order chosen for a claim, with the agent settings it will run with."""
+
+    item: Inspected
+    agent: Agent
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A claimed job, in place in active/: ready for its agent."""
+
+    folder: JobFolder
+    spec: JobSpec
+    order: Order
+    token: int
+    cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A file left where it is: another daemon is claiming it, it changed, or the disk is full."""
+
+    name: str
+    retry_later: bool = False
+
+
+def stage(layout: Layout, owner: str, item: Inspected) -> Path | None:
+    """Make the claim's staging folder holding a link to the inbox file; None if the file changed."""
+    stage = new_stage(layout, owner, "claim", item.order.job_id)
+    kept = stage / f"order{Path(item.name).suffix}"
+    try:
+        os.link(layout.inbox / item.name, kept, follow_symlinks=False)
+    except FileNotFoundError:
+        os.rmdir(stage)
+        return None
+    st = os.lstat(kept)
+    if (st.st_dev, st.st_ino) != item.inode:  # another file took the name since it was read
+        remove_stage(stage)
+        return None
+    return stage
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A claimed job's folder written in its staging place: what to fsync before it moves into ``state``."""
+
+    spec: JobSpec
+    order: Order
+    state: State
+    sync: tuple[str, ...]
+
+
+def write(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Claimed) -> Written | Skipped:
+    """Write the claimed job's folder in its staging place (not yet fsynced); undo the claim on error."""
+    try:
+        return _write_job(layout, stage, pick.item, pick.agent, claimed)
+    except OSError as exc:
+        return undo(ledger, pick.item, stage, claimed, exc)
+
+
+def place(
+    layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Claimed, w: Written, error: OSError | None
+) -> Started | Skipped:
+    """Rename the synced staging folder into active/ (or waiting/) and drop the inbox name; undo on error."""
+    item, agent = pick.item, pick.agent
+    target = layout.job(w.state, item.order.job_id)
+    try:
+        if error is not None:
+            raise error
+        fsutil.rename_noreplace(stage, target)
+    except OSError as exc:
+        return undo(ledger, item, stage, claimed, exc)
+    drop_inbox_twin(layout, item.name, target / f"order{Path(item.name).suffix}")
+    log.info(
+        "job.claimed",
+        job_id=item.order.job_id,
+        agent=agent.name,
+        file=item.name,
+        parent=claimed.parent,
+        hops=claimed.hops,
+    )
+    return Started(JobFolder(target), w.spec, w.order, claimed.token, claimed.cancelled)
+
+
+def undo(ledger: Ledger, item: Inspected, stage: Path, claimed: Claimed, exc: OSError) -> Skipped:
+    """Give a claim back after its folder could not be made: nothing ran, the order stays in inbox/."""
+    # the id stays free (or goes back to the daemon it was taken over from)
+    ledger.unclaim(item.order.job_id, claimed.token, claimed.previous, claimed.previous_owner)
+    drop_stage(stage)
+    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another daemon put its folder in place first
+        log.info("order.skipped", file=item.name, job_id=item.order.job_id, reason="placed by another daemon")
+        return Skipped(item.name)
+    if SHORT.note(exc, "claim"):  # not now: the order stays in inbox/ and its id free
+        return Skipped(item.name, retry_later=True)
+    if not is_disk_full(exc):
+        raise exc
+    log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
+    return Skipped(item.name, retry_later=True)
+
+
+def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claimed: Claimed) -> Written:
+    order = item.order
+    work = stage / "work"
+    os.mkdir(work)
+    os.mkdir(stage / "attempts")
+    body = dict(order.body)
+    body["parent"] = claimed.parent
+    body["hops"] = claimed.hops
+    order_json = to_json(body)
+    fsutil.write_new(work / "order.json", order_json)
+    sync = [str(work / "order.json")]
+    given = {"order.json": digest(order_json)}
+    writes = tuple(order.writes if order.writes is not None else agent.writes)
+    if agent.prompt is not None:
+        final_work = layout.job(State.ACTIVE, order.job_id) / "work"
+        tree = layout.worktree(order.job_id) if agent.repo.workspace is not None else None
+        prompt = render(agent.prompt, prompt_values(body, writes, final_work, tree), prompt=True).encode()
+        fsutil.write_new(work / "prompt.md", prompt)
+        sync.append(str(work / "prompt.md"))
+        given["prompt.md"] = digest(prompt)
+    max_attempts = order.max_attempts or agent.max_attempts
+    spec = JobSpec(
+        job_id=order.job_id,
+        source=item.name,
+        received=item.received,
+        parent=claimed.parent,
+        hops=claimed.hops,
+        agent=agent,
+        timeout_s=order.timeout_s or agent.timeout_s,
+        max_attempts=max_attempts,
+        budget=max_attempts,
+        writes=writes,
+        given=given,
+        order=body,
+        parent_chain_cost_usd=claimed.parent_chain_cost_usd,
+    )
+    fsutil.write_new(stage / JOB_FILE, fsutil.dump_json(spec.to_json()))
+    sync += [str(stage / JOB_FILE), str(work), str(stage)]
+    state = State.WAITING if order.after else State.ACTIVE
+    return Written(spec, dataclasses.replace(order, body=body), state, tuple(sync))
+
+
+def drop_stage(stage: Path) -> None:
+    """Remove a claim's staging folder; one that cannot go now (a shortage) goes with a later claim."""
+    try:
+        remove_stage(stage)
+    except OSError:  # only the daemon's own files and a second link to the order are in it
+        _LEFT_STAGES.append(stage)
+
+
+def drop_left_stages() -> None:
+    """Remove the staging folders a shortage kept from going (ledger lane, at the next claim)."""
+    left = list(_LEFT_STAGES)
+    _LEFT_STAGES.clear()
+    for stage in left:
+        with contextlib.suppress(FileNotFoundError):
+            drop_stage(stage)
