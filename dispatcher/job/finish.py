@@ -145,18 +145,27 @@ class Finisher:
         """
         answers: list[bool | OSError] = [False] * len(batch)
         ready: list[int] = []
+        written: list[tuple[int, tuple[str, ...]]] = []
         for i, landing in enumerate(batch):
             if landing.staged:
                 ready.append(i)
                 continue
             try:
-                landing.folder.stage_result(landing.result)
+                written.append((i, landing.folder.write_staged(landing.result)))
             except OSError as exc:
                 answers[i] = exc
-                continue
-            ready.append(i)
+        # every staged result of the batch is fsynced at once, before the ledger records any end
+        errors = iter(fsutil.fsync_many([path for _, paths in written for path in paths]))
+        for i, paths in written:
+            error = next((e for e in [next(errors) for _ in paths] if e is not None), None)
+            if error is None:
+                ready.append(i)
+            else:
+                answers[i] = error
+        ready.sort()
         oks = self.ledger.finish([batch[i].finish for i in ready]) if ready else []
         touched: set[State] = set()
+        moves: list[tuple[Landing, State]] = []
         for i, ok in zip(ready, oks, strict=True):
             answers[i] = ok
             landing = batch[i]
@@ -181,9 +190,8 @@ class Finisher:
                 log.warning("job.failed", reason=result.reason, **fields)
             if self.metrics is not None and state is not State.REVIEW:
                 self.metrics.job_finished(state.value, result.agent, duration, result.cost_usd)
-            with contextlib.suppress(FileNotFoundError):  # landed already (a crash between land and this)
-                landing.folder.land(self.layout, state)
-                touched.add(state)
+            moves.append((landing, state))
+        self._move(moves, touched)
         for state in touched:
             fsutil.fsync_dir(self.layout.folder(state))
         final = [batch[i].finish for i, ok in zip(ready, oks, strict=True) if ok]
@@ -194,6 +202,27 @@ class Finisher:
             except Exception as exc:  # the periodic sweep finds the joins again
                 log.exception("daemon.error", step="joins", error=str(exc))
         return answers
+
+    def _move(self, moves: Sequence[tuple[Landing, State]], touched: set[State]) -> None:
+        """Name each staged result result.json, fsync those folders at once, then move each into its state."""
+        named: list[tuple[Landing, State]] = []
+        synced: list[str] = []
+        for landing, state in moves:
+            try:
+                folder = landing.folder.name_result()
+            except FileNotFoundError:  # landed already (a crash between land and this)
+                continue
+            named.append((landing, state))
+            if folder is not None:
+                synced.append(folder)
+        # else a power cut can bring a folder back in done/ without its result.json
+        for error in fsutil.fsync_many(synced):
+            if error is not None:
+                raise error
+        for landing, state in named:
+            with contextlib.suppress(FileNotFoundError):  # landed already (a crash between land and this)
+                landing.folder.move_to(self.layout, state)
+                touched.add(state)
 
     def release(self, parent: str) -> int:
         """Release a done parent's follow-ups (blocking: io pool); each new file hints the inbox."""

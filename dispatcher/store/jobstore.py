@@ -263,22 +263,39 @@ class JobFolder:
 
     def stage_result(self, result: Result) -> None:
         """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
-        fsutil.write_in_place(self.path / STAGED, fsutil.dump_json(result.to_json()), sync=True)
-        fsutil.fsync_dir(self.path)  # its name too: the ledger records the end next, and recovery lands from it
+        for error in fsutil.fsync_many(self.write_staged(result)):
+            if error is not None:
+                raise error
+
+    def write_staged(self, result: Result) -> tuple[str, str]:
+        """Step 1 without its fsyncs: write the staged result; return what the caller must fsync before the ledger
+        records the end (the file, and the folder for its name: recovery lands from it)."""
+        fsutil.write_in_place(self.path / STAGED, fsutil.dump_json(result.to_json()))
+        return str(self.path / STAGED), str(self.path)
+
+    def name_result(self) -> str | None:
+        """Step 3's first half: name the staged result result.json; return the folder to fsync (None: no staged one)."""
+        staged = self.path / STAGED
+        if not os.path.lexists(staged):
+            return None
+        os.rename(staged, self.path / RESULT)
+        return str(self.path)
+
+    def move_to(self, layout: Layout, state: State) -> Path:
+        """Step 3's second half: move the folder into state's folder (once its result.json is on disk)."""
+        target = layout.job(state, self.job_id)
+        if self.path != target:
+            fsutil.rename_noreplace(self.path, target)
+        return target
 
     def land(self, layout: Layout, state: State) -> Path:
         """Step 3 of finishing: name the staged result result.json and move the folder to state's folder.
 
         The caller fsyncs the state folder (once per batch).
         """
-        staged = self.path / STAGED
-        if os.path.lexists(staged):
-            os.rename(staged, self.path / RESULT)
+        if self.name_result() is not None:
             fsutil.fsync_dir(self.path)  # else a power cut can bring the folder back in done/ without result.json
-        target = layout.job(state, self.job_id)
-        if self.path != target:
-            fsutil.rename_noreplace(self.path, target)
-        return target
+        return self.move_to(layout, state)
 
 
 def cut_reason(reason: str) -> str:
