@@ -36,6 +36,8 @@ from dispatcher.ledger.base import (
     DaemonInfo,
     Entry,
     Finish,
+    Gate,
+    GateKind,
     Known,
     LedgerUnavailable,
     Request,
@@ -853,18 +855,32 @@ def _sqlite_with_history(tmp_path: Path) -> SqliteLedger:
     src.mark_released("C2", "C2@S.json", "s2", held=True)
     src.request("FAIL", Request.RETRY)
     src.request("RUN", Request.CANCEL)
+    src.claim([req("JOIN")])
+    src.wait("JOIN", 1, ["DONE", "RUN"], "all_final")
+    src.set_gate(Gate("w", GateKind.PAUSE, None, "paused by hand"), at=time.time())
+    src.set_gate(Gate("w", GateKind.LIMIT, time.time() + 600, "rate limited"), at=time.time())
+    src.set_gate_wait("RUN", "w", None)
     return src
 
 
 def test_migrate_copies_every_row_exactly(tmp_path: Path, ledgers: Ledgers) -> None:
-    """migrate copies ids, states, lineage, costs, tokens and open requests of a SQLite ledger as they are."""
+    """migrate copies ids, states, lineage, costs, tokens, requests, join waits, gates and gate waits as they are."""
     src = _sqlite_with_history(tmp_path)
     try:
         target = ledgers.open()
-        assert migrate(src, target) == src.count() == 8
+        moved = migrate(src, target)
+        assert moved.rows == src.count() == 9
+        assert moved.extras == {"requests": 2, "waits": 1, "gates": 2, "gate_waits": 1}
         assert list(target.rows()) == list(src.rows())
+        assert target.extras() == src.extras()
         for kind in Request:
             assert target.requests(kind) == src.requests(kind)
+        [join] = target.waits()
+        assert (join.job_id, join.after, join.rule) == ("JOIN", ("DONE", "RUN"), "all_final")
+        assert target.waiting_on(["RUN"]) == ["JOIN"]
+        gates = [(g.agent, g.kind, g.until is None) for g in target.gates()]
+        assert gates == [("w", "limit", False), ("w", "pause", True)]
+        assert target.gate_waits() == {"RUN": None}
         # the ids are refused again on the new ledger; the released follow-up can still be claimed
         b = ledgers.daemon("B")
         assert isinstance(b.claim([req("DONE")])[0], Known)
@@ -885,6 +901,7 @@ def test_migrate_refuses_a_target_that_is_not_empty(tmp_path: Path, ledgers: Led
             migrate(src, target)
         assert "not empty (1 job ids)" in str(caught.value) and "\n" not in str(caught.value)
         assert target.count() == 1 and target.requests(Request.RETRY) == []
+        assert target.waits(["JOIN"]) == [] and target.gates() == [] and target.gate_waits() == {}
     finally:
         src.close()
 

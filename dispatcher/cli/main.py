@@ -246,13 +246,23 @@ def cmd_ledger(args: argparse.Namespace) -> int:
             )
         target = PostgresLedger(url, layout, lease_s=cfg.lease_s, patience_s=REACH_S, connect_timeout_s=int(REACH_S))
         try:
-            copied = migrate(source, target)
+            moved = migrate(source, target)
             where = target.where
         finally:
             target.close()
     finally:
         source.close()
-    print(f"{where}: {copied} job ids copied from {layout.ledger}")
+    rest = moved.extras
+    also = ", ".join(
+        f"{rest[key]} {name}{'' if rest[key] == 1 else 's'}"
+        for key, name in (
+            ("waits", "join wait"),
+            ("gates", "gate"),
+            ("gate_waits", "gate wait"),
+            ("requests", "request"),
+        )
+    )
+    print(f"{where}: {moved.rows} job ids copied from {layout.ledger}, with {also}")
     print("now set `ledger:` in the config to this URL on every host, then start the daemons")
     return 0
 

@@ -156,7 +156,9 @@ class Joins:
         for job_id in names:
             entry = self.ledger.get(job_id)
             if entry is not None and entry.state == Row.WAITING and not self.ledger.waits([job_id]):
-                token = self.ledger.take_waiting(job_id)  # a wait whose ids were lost (a ledger migrate)
+                # a wait without its ids: a PostgreSQL ledger filled by an earlier `ledger migrate`, which did
+                # not copy waits; recorded again from the order in waiting/
+                token = self.ledger.take_waiting(job_id)
                 if token is not None:
                     self.record(job_id, token)
                 continue

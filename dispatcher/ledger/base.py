@@ -160,6 +160,40 @@ def fold_waits(rows: Iterable[tuple[str, str, str, float]]) -> list[Wait]:
 
 
 @dataclass(frozen=True, slots=True)
+class GateWait:
+    """A claimed job that waits for a gate of ``agent`` (``until`` None: until it is lifted), since ``since``."""
+
+    job_id: str
+    agent: str
+    until: float | None
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class Extras:
+    """What a ledger holds beside its rows, as `ledger migrate` copies it.
+
+    ``requests`` are (job_id, kind, at), oldest first; ``waits`` are every join's
+    recorded wait (also of jobs that run or ended: recovery reads them); ``gates``
+    and ``gate_waits`` are section 14's.
+    """
+
+    requests: tuple[tuple[str, Request, float], ...] = ()
+    waits: tuple[Wait, ...] = ()
+    gates: tuple[Gate, ...] = ()
+    gate_waits: tuple[GateWait, ...] = ()
+
+    def counts(self) -> dict[str, int]:
+        """Return how many of each there are, by name."""
+        return {
+            "requests": len(self.requests),
+            "waits": len(self.waits),
+            "gates": len(self.gates),
+            "gate_waits": len(self.gate_waits),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonInfo:
     """One daemon process sharing the ledger, as `status` lists it."""
 
@@ -425,6 +459,10 @@ class Ledger(ABC):
     @abstractmethod
     def rows(self) -> Iterator[Entry]:
         """Yield every row (for `ledger migrate`)."""
+
+    @abstractmethod
+    def extras(self) -> Extras:
+        """Return everything beside the rows: open requests, waits, gates, gate waits (for `ledger migrate`)."""
 
     @abstractmethod
     def load_rows(self, entries: Iterable[Entry]) -> int:

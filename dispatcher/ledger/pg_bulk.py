@@ -1,5 +1,8 @@
 """Bulk steps of the PostgreSQL ledger: load rows as they are (rebuild, migrate, benchmarks).
 
+``load_into_empty`` (`ledger migrate`) copies the rows and every ``Extras`` table
+(requests, join waits, gates, gate waits) in the same transaction.
+
 Each is one transaction, however many rows (statement timeout lifted for it).
 An unknown commit is settled by the server's record of the transaction
 (``pg_conn.Runner``), so a copy that did commit is not run again (it would count
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dispatcher.ledger.base import Entry, Request
+from dispatcher.ledger.base import Entry, Extras, Gate, GateWait, Request, fold_waits
 from dispatcher.ledger.pg_conn import Cur, Found, PostgresLedgerError, Runner
 
 COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
@@ -53,19 +56,40 @@ def load_rows(runner: Runner, entries: Iterable[Entry]) -> int:
     return runner.run("load_rows", body, write=True)
 
 
-def load_into_empty(runner: Runner, entries: Iterable[Entry], requests: Iterable[tuple[str, Request]] = ()) -> int:
-    """Copy rows and open requests into a ledger that holds no job id; return how many rows.
+def extras(runner: Runner) -> Extras:
+    """Return every open request, join wait, gate and gate wait, read in one transaction."""
 
-    Raise PostgresLedgerError (one line) if it holds any. The tables are locked
-    against writers for the copy, so no claim slips in between the check and it.
+    def body(cur: Cur) -> Extras:
+        requests = cur.execute("SELECT job_id, kind, at FROM requests ORDER BY at, job_id").fetchall()
+        waits = cur.execute("SELECT job_id, parent, rule, since FROM waits ORDER BY since, job_id, parent").fetchall()
+        gates = cur.execute("SELECT agent, kind, until, reason FROM gates ORDER BY agent, kind").fetchall()
+        held = cur.execute("SELECT job_id, agent, until, since FROM gate_waits ORDER BY since, job_id").fetchall()
+        return Extras(
+            requests=tuple((str(j), Request(k), float(at)) for j, k, at in requests),
+            waits=tuple(fold_waits(waits)),
+            gates=tuple(Gate(*g) for g in gates),
+            gate_waits=tuple(GateWait(*w) for w in held),
+        )
+
+    return runner.run("extras", body)
+
+
+def load_into_empty(runner: Runner, entries: Iterable[Entry], more: Extras | None = None) -> int:
+    """Copy rows, then requests, join waits, gates and gate waits into a ledger that holds no job id.
+
+    Return how many rows. Raise PostgresLedgerError (one line) if it holds any.
+    The tables are locked against writers for the copy, so no claim slips in
+    between the check and it. A gate the target already has (set there by hand
+    before the copy) is kept as it is.
     """
     batch = [values(e) for e in entries]
-    reqs = [(job_id, str(kind)) for job_id, kind in requests]
+    more = more or Extras()
+    waits = [(w.job_id, parent, w.rule, w.since) for w in more.waits for parent in w.after]
 
     def body(cur: Cur) -> int:
         _begin(cur)
         cur.execute("SET LOCAL lock_timeout = '30s'")
-        cur.execute("LOCK TABLE jobs, requests IN SHARE ROW EXCLUSIVE MODE")
+        cur.execute("LOCK TABLE jobs, requests, waits, gates, gate_waits IN SHARE ROW EXCLUSIVE MODE")
         held = cur.execute("SELECT count(*) FROM jobs").fetchone()
         if held and held[0]:
             raise PostgresLedgerError(
@@ -74,12 +98,25 @@ def load_into_empty(runner: Runner, entries: Iterable[Entry], requests: Iterable
         with cur.copy(_COPY) as copy:
             for row in batch:
                 copy.write_row(row)
-        for i, (job_id, kind) in enumerate(reqs):  # oldest first, as they were
-            cur.execute(
-                "INSERT INTO requests (job_id, kind, at) VALUES (%s, %s, extract(epoch from now())::float8 + %s)"
-                " ON CONFLICT (job_id, kind) DO NOTHING",
-                (job_id, kind, i * 1e-6),
-            )
+        cur.executemany(
+            "INSERT INTO requests (job_id, kind, at) VALUES (%s, %s, %s) ON CONFLICT (job_id, kind) DO NOTHING",
+            [(job_id, str(kind), at) for job_id, kind, at in more.requests],
+        )
+        cur.executemany(
+            "INSERT INTO waits (job_id, parent, rule, since) VALUES (%s, %s, %s, %s)"
+            " ON CONFLICT (job_id, parent) DO NOTHING",
+            waits,
+        )
+        cur.executemany(
+            "INSERT INTO gates (agent, kind, until, reason, updated)"
+            " VALUES (%s, %s, %s, %s, extract(epoch from now())::float8) ON CONFLICT (agent, kind) DO NOTHING",
+            [(g.agent, g.kind, g.until, g.reason) for g in more.gates],
+        )
+        cur.executemany(
+            "INSERT INTO gate_waits (job_id, agent, until, since) VALUES (%s, %s, %s, %s)"
+            " ON CONFLICT (job_id) DO NOTHING",
+            [(w.job_id, w.agent, w.until, w.since) for w in more.gate_waits],
+        )
         return len(batch)
 
     def resolve(cur: Cur) -> Found[int] | None:  # only if the server forgot the transaction

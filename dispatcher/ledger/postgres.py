@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -67,6 +68,7 @@ from dispatcher.ledger.base import (
     ClaimRequest,
     DaemonInfo,
     Entry,
+    Extras,
     Finish,
     Gate,
     Ledger,
@@ -433,23 +435,39 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Insert rows as they are, keeping rows the ledger already has; return how many were new."""
         return pg_bulk.load_rows(self._runner, entries)
 
-    def load_into_empty(self, entries: Iterable[Entry], requests: Iterable[tuple[str, Request]] = ()) -> int:
-        """Copy rows and open requests into this ledger if it holds no job id (else PostgresLedgerError)."""
-        return pg_bulk.load_into_empty(self._runner, entries, requests)
+    def load_into_empty(self, entries: Iterable[Entry], more: Extras | None = None) -> int:
+        """Copy rows and the rest (requests, waits, gates) into this ledger if it holds no job id (else error)."""
+        return pg_bulk.load_into_empty(self._runner, entries, more)
+
+    def extras(self) -> Extras:
+        """Return every open request, join wait, gate and gate wait."""
+        return pg_bulk.extras(self._runner)
 
 
-def migrate(sqlite_ledger: Ledger, target: PostgresLedger) -> int:
-    """Copy every row (ids, states, lineage, costs, tokens) and open request of a ledger into ``target``.
+@dataclass(frozen=True, slots=True)
+class Migrated:
+    """What `ledger migrate` copied: the rows, and how many of each kind beside them (``Extras.counts``)."""
 
-    ``target`` must hold no job id (PostgresLedgerError otherwise, one line). All
-    or nothing, in one transaction; return how many rows were copied. Run it with
-    no daemon working on either ledger.
+    rows: int
+    extras: dict[str, int]
+
+
+def migrate(sqlite_ledger: Ledger, target: PostgresLedger) -> Migrated:
+    """Copy every row (ids, states, lineage, costs, tokens) and everything beside it into ``target``.
+
+    Beside the rows: open requests, the waits of joins (so a join in waiting/
+    still waits for the ids it names), the gates (a paused agent stays paused)
+    and the jobs waiting for one. ``target`` must hold no job id
+    (PostgresLedgerError otherwise, one line). All or nothing, in one
+    transaction; return how many rows were copied and how many of the rest, by
+    name. Run it with no daemon working on either ledger.
     """
     entries = list(sqlite_ledger.rows())
-    requests = [(job_id, kind) for kind in Request for job_id in sqlite_ledger.requests(kind)]
-    copied = target.load_into_empty(entries, requests)
-    log.info("ledger.migrated", rows=copied, requests=len(requests), target=target.where)
-    return copied
+    more = sqlite_ledger.extras()
+    copied = target.load_into_empty(entries, more)
+    counts = more.counts()
+    log.info("ledger.migrated", rows=copied, **counts, target=target.where)
+    return Migrated(copied, counts)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -38,6 +38,7 @@ from dispatcher.ledger.base import (
     now,
 )
 from dispatcher.ledger.flocks import make_lock, read_infos, write_info
+from dispatcher.ledger.sqlite_bulk import SqliteBulk
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
 from dispatcher.ledger.sqlite_gates import SqliteGates
 from dispatcher.ledger.sqlite_waits import SqliteWaits
@@ -46,7 +47,7 @@ from dispatcher.lifecycle import Row
 __all__ = ["LedgerError", "SqliteLedger"]
 
 
-class SqliteLedger(SqliteGates, SqliteWaits, Ledger):
+class SqliteLedger(SqliteGates, SqliteWaits, SqliteBulk, Ledger):
     """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
 
     slots_local = True  # slots are flocks on this host
