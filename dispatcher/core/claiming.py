@@ -201,6 +201,11 @@ class Claims:
             if not isinstance(p, Parked):
                 out.append(p)
                 continue
+            late = None if slotless or not isinstance(work, Parked) else expiry(p, time.time())
+            if late is not None:  # read in time, but no slot or gate let it start before its expires
+                folder = refuse(self.layout, late, ledger.owner, self.on_refused)
+                out.append(Dropped(p, refused=folder is not None))
+                continue
             if p.kind is Kind.NEW and p.agent in gated and not slotless:
                 out.append(NoSlot(p))  # a gate holds its agent (section 14): it waits unclaimed
                 continue
@@ -326,6 +331,16 @@ def when(order: Order, name: str = "", *, now: bool = False) -> Later | Refusal 
     if order.expires is not None and order.expires <= t:
         return Refusal(name, "expired", order.job_id, agent=order.to)
     return None
+
+
+def expiry(p: Parked, at: float) -> Refusal | None:
+    """Return the ``expired`` refusal of a parked new order whose expires has come by ``at``, else None."""
+    if p.kind is not Kind.NEW or p.item is None:
+        return None
+    order = p.item.order
+    if order.expires is None or order.expires > at:
+        return None
+    return Refusal(p.item.name, "expired", order.job_id, agent=order.to)
 
 
 def _free(ledger: Ledger, picks: list[tuple[Parked, int | None]]) -> None:

@@ -32,6 +32,7 @@ from dispatcher.core.claiming import (
     NoSlot,
     Parked,
     Resume,
+    expiry,
     when,
 )
 from dispatcher.core.gatekeeper import gated_agents
@@ -129,10 +130,13 @@ class Scheduler:
         gated = frozenset(gated_agents(self.ctx.gates(), self.config.agents, time.time()))  # section 14
         free = SHORT.allowance(self.free_slots())
         batch: list[Parked | str] = []
+        wall = time.time()
         for p in list(self.parked):
-            if free <= 0:
-                break
-            if p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in gated):
+            if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
+                self.parked.remove(p)
+                batch.append(p)
+                continue
+            if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in gated):
                 continue
             self.parked.remove(p)
             batch.append(p)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -118,11 +119,16 @@ class Job(Deciding):
                 return Outcome.LEFT  # no new attempt once a stop began: recovered at the next start
             if self.control.reason is Stop.CANCELLED:
                 return await self.finish(Row.FAILED, Stop.CANCELLED, [])
-            n = max([a.n for a in self.attempts] + self.folder.attempt_numbers(), default=0) + 1
+            numbers = self.folder.attempt_numbers()
+            n = max([a.n for a in self.attempts] + numbers, default=0) + 1
             if n > 1:
                 await self._persist(self.folder.stash, n - 1)
-            if (await self.waits.hold(self.spec.agent, self.control.sleep)).stopped:
+            # only an order never started can expire (a retried one has attempts/0/ with its kept result)
+            expires = self.order.expires if not numbers and not self.attempts else None
+            if (await self.waits.hold(self.spec.agent, self.control.sleep, deadline=expires)).stopped:
                 continue  # a stop or a cancel came while the job waited for a gate
+            if expires is not None and expires <= time.time():  # it waited for a slot or a gate too long
+                return await self.finish(Row.FAILED, "expired", [])
             ended = await self._attempt(n)
             if ended is None:
                 continue  # a retry is due (the before hook failed), or a usage limit gave the attempt back

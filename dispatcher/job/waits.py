@@ -140,13 +140,17 @@ class Waits:
     def _set(self, gate: Gate, at: float) -> bool:
         return self.ledger.set_gate(gate, at=at)
 
-    async def hold(self, agent: Agent, sleep: Callable[[float], object]) -> Held:
-        """Wait while a gate holds the agent; ``sleep`` is the job's stoppable sleep (True: stopped)."""
+    async def hold(self, agent: Agent, sleep: Callable[[float], object], *, deadline: float | None = None) -> Held:
+        """Wait while a gate holds the agent; ``sleep`` is the job's stoppable sleep (True: stopped).
+
+        With ``deadline`` (the order's expires, before the first attempt) the wait
+        ends then, gate or not: the job then ends ``expired`` instead of starting.
+        """
         waiting = False
         try:
             while True:
                 gate = await self._holding(agent, fresh=waiting)
-                if gate is None:
+                if gate is None or (deadline is not None and deadline <= time.time()):
                     return Held(False)
                 if not waiting:
                     waiting = True
@@ -154,6 +158,8 @@ class Waits:
                     log.info("job.waiting", job_id=self.job_id, agent=agent.name, kind=gate.kind,
                              until=iso(gate.until) if gate.until is not None else None, reason=gate.reason)  # fmt: skip
                 left = RECHECK_S if gate.until is None else gate.until - time.time()
+                if deadline is not None:
+                    left = min(left, deadline - time.time())
                 if await sleep(min(max(left, 0.01), RECHECK_S)):  # type: ignore[misc]
                     return Held(True)
         finally:
