@@ -12,7 +12,7 @@ import time
 from datetime import UTC, datetime
 
 import pytest
-from conftest import Env, order
+from conftest import Env, order, wait_until
 
 SLOW_S = "5"
 
@@ -47,7 +47,7 @@ def test_an_order_that_expires_while_waiting_for_a_slot_ends_expired_and_never_s
 
 
 def test_a_job_waiting_for_a_paused_agent_past_its_expires_fails_expired_without_a_start(env: Env) -> None:
-    """A join whose agent is paused waits in active/; at its expires it fails `expired`, no attempt; later work runs."""
+    """A join whose agent is paused fails `expired` at its expires, no attempt; later work and a `retry` of it run."""
     env.configure({"worker": env.agent("--sleep", "2"), "merger": env.agent()})
     d = env.daemon()
     d.wait_ready()
@@ -63,4 +63,7 @@ def test_a_job_waiting_for_a_paused_agent_past_its_expires_fails_expired_without
     env.drop(order("M2", to="merger"))
     env.wait_job("M2", "done")
     assert sorted(j for j, _ in env.starts()) == ["M2", "W1"]
+    env.cli("retry", "M", check=True)  # asked for by hand: it runs, expires or not
+    wait_until(lambda: (env.root / "done" / "M" / "result.json").exists(), what="M done after retry")
+    assert sorted(j for j, _ in env.starts()) == ["M", "M2", "W1"]
     assert d.stop() == 0

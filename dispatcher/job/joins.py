@@ -212,7 +212,8 @@ class Joins:
         folder = JobFolder(self.layout.job(State.WAITING, wait.job_id))
         spec = folder.spec()
         expires = spec.order.get("expires")
-        if verdict.run and isinstance(expires, str) and parse_time(expires) <= time.time():
+        never_ran = not folder.attempt_numbers()  # a retried job keeps its earlier result in attempts/0/
+        if verdict.run and never_ran and isinstance(expires, str) and parse_time(expires) <= time.time():
             verdict = Verdict(reason="expired")  # not started by then
         if verdict.reason is not None:
             result = build_result(
