@@ -36,7 +36,8 @@ from dispatcher.job import placing
 from dispatcher.job.finish import Finisher
 from dispatcher.job.placing import Inspected, Pick, Skipped, Started
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger, find_cycle
+from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger
+from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.shortage import SHORT, resource_of
 from dispatcher.spec.loader import load_document
