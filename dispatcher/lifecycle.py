@@ -43,6 +43,7 @@ class Outcome(enum.StrEnum):
     LEFT = "left"  # stopped: stays in active/ and is recovered at the next start
     FENCED = "fenced"  # its claim was taken over: nothing was changed
     SHORT = "short"  # its agent could not start for a shortage: queued again, its slot given back
+    GATED = "gated"  # a gate holds its agent (section 14): set aside without slots until the gate lifts
 
 
 class Stop(enum.StrEnum):

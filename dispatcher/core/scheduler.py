@@ -5,6 +5,12 @@ go to the ledger lane in batches, where ``claiming.Claims`` reads the orders, ta
 slots and claims them in one trip; each claimed job becomes a ``Job`` task on the loop.
 Work that waits for a slot (a new order, a recovered job, a retry) is *parked*, oldest
 first, and reading ahead stops at ``PARK_LIMIT`` so memory stays flat with any backlog.
+
+A gate (section 14) holds no slot: an order of a gated agent is left unread in inbox/
+(``Inbox.set_aside``, its name only), so that other agents' orders are read past it,
+and a claimed job that meets a gate ends its run as ``Outcome.GATED`` and is *set
+aside* with its ``max_jobs`` and concurrency slots given back. When the gates let
+the agent go, both are taken back, oldest first, ahead of newer work.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ log = structlog.get_logger("dispatcher")
 PARK_LIMIT = 64  # orders read ahead while their agents are busy
 CLAIM_CHUNK = 32  # orders claimed in one ledger transaction (and one fsync of active/)
 SLOT_RETRY_S = 0.25
+GATE_RECHECK_S = 1.0  # a job set aside for a gate the daemon's snapshot did not show is tried again after this
 RETRY_LATER_S = 1.0  # a file whose claim could not be made now (a full disk) is tried again after this
 
 
@@ -82,6 +89,8 @@ class Scheduler:
         self.stats = Stats()
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
         self.idle: dict[str, list[int]] = {}
+        self.aside: dict[str, tuple[Job, float]] = {}  # job id -> a job a gate holds, not taken back before then
+        self.back: dict[str, Job] = {}  # jobs taken back from aside, parked until they get their slots
         self._tasks: set[asyncio.Task[Any]] = set()  # slots of ended jobs, kept for the next job of that agent
 
     @property
@@ -113,8 +122,8 @@ class Scheduler:
         return self.free_slots() > 0 and len(self.parked) < PARK_LIMIT and not SHORT.short()
 
     def busy(self) -> bool:
-        """Return True while anything runs, waits for a slot or is being claimed."""
-        return bool(self.running or self.parked or self.inflight)
+        """Return True while anything runs, waits for a slot or a gate, or is being claimed."""
+        return bool(self.running or self.parked or self.inflight or self.aside)
 
     # -- starting ---------------------------------------------------------------------------
     def start_work(self) -> None:
@@ -128,6 +137,7 @@ class Scheduler:
         self.blocked = {agent: until for agent, until in self.blocked.items() if until > now}
         self.slot_poll = bool(self.blocked)
         gated = frozenset(gated_agents(self.ctx.gates(), self.config.agents, time.time()))  # section 14
+        self._gates_changed(gated, now)
         free = SHORT.allowance(self.free_slots())
         batch: list[Parked | str] = []
         wall = time.time()
@@ -136,7 +146,7 @@ class Scheduler:
                 self.parked.remove(p)
                 batch.append(p)
                 continue
-            if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in gated):
+            if free <= 0 or p.agent in self.blocked:
                 continue
             self.parked.remove(p)
             batch.append(p)
@@ -160,6 +170,26 @@ class Scheduler:
         for i, chunk in enumerate(chunks):
             self.inflight += len(chunk)
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=i == len(chunks) - 1))
+
+    def _gates_changed(self, gated: frozenset[str], now: float) -> None:
+        """Leave new orders of gated agents unread; take back what the gates let go, oldest first."""
+        for p in [p for p in self.parked if p.kind is Kind.NEW and p.agent in gated]:
+            self.parked.remove(p)  # read before its agent was gated
+            self._leave_unread(p)
+        self.inbox.take_back(gated)
+        free = [job for job, due in self.aside.values() if job.agent not in gated and due <= now]
+        self.slot_poll |= len(free) < sum(job.agent not in gated for job, _ in self.aside.values())
+        if not free:
+            return
+        free.sort(key=lambda job: (job.spec.received, job.job_id))
+        for job in free:
+            del self.aside[job.job_id]
+            self.back[job.job_id] = job
+        self.parked.extendleft(reversed([_parked_again(job) for job in free]))
+
+    def _leave_unread(self, p: Parked) -> None:
+        if p.item is not None:
+            self.inbox.set_aside(p.item.name, p.agent)
 
     def _free_idle(self) -> None:
         """Give back slots no job took over this turn, so that other daemons may use them."""
@@ -215,6 +245,7 @@ class Scheduler:
             if handover is not None and last:  # give back what the failed trip did not use
                 self._background(self.ctx.lanes.ledger(claims.run, [], handover))
         self.inflight -= len(batch)
+        again: list[Parked] = []
         for r in results:
             match r:
                 case Gone(name=name, refused=refused, later=later):
@@ -232,8 +263,14 @@ class Scheduler:
                     if p.item is not None:
                         self.inbox.forget(p.item.name)
                     self._run(r, cancel=cancel)
+                case NoSlot(parked=p) if p.kind is Kind.NEW and p.agent in gated:
+                    self._leave_unread(p)  # a gate holds its agent: the file waits unread in inbox/
+                case NoSlot(parked=p) if p.kind is Kind.NEW:
+                    self._park_new(p)
+                    self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
+                    self.slot_poll = True
                 case NoSlot(parked=p):
-                    self.parked.appendleft(p)
+                    again.append(p)
                     self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
                     self.slot_poll = True
                 case Dropped(parked=p, refused=refused, retry_later=later, cancelled=cancelled):
@@ -245,7 +282,17 @@ class Scheduler:
                         self.stats.finished["refused"] += 1
                     if cancelled:
                         self.stats.finished["failed"] += 1
+        self.parked.extendleft(reversed(again))  # first again, in the order they had
         self.wake()
+
+    def _park_new(self, p: Parked) -> None:
+        """Park an order again among the other parked orders by priority, then by when it was read."""
+        rank = _rank(p)
+        for i, q in enumerate(self.parked):
+            if q.kind is Kind.NEW and _rank(q) > rank:
+                self.parked.insert(i, p)
+                return
+        self.parked.append(p)
 
     async def _read_big(self, name: str, *, cancel: bool) -> None:
         """Read a large order in the io pool, then park it (or refuse it in the ledger lane)."""
@@ -280,7 +327,8 @@ class Scheduler:
 
     def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         p = launch.parked
-        job = Job(
+        job = self.back.pop(p.job_id, None) if p.kind is Kind.RESUME else None  # set aside for a gate: as it was
+        job = job or Job(
             self.ctx,
             launch.folder,
             launch.spec,
@@ -304,9 +352,10 @@ class Scheduler:
             self.idle.setdefault(r.job.agent, []).append(r.slot)
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
         if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():
-            job = r.job
-            resume = Resume(job.folder, job.spec, job.order, list(job.attempts))
-            self.parked.appendleft(Parked(Kind.RESUME, job_id, job.agent, token=job.token, resume=resume))
+            self.parked.appendleft(_parked_again(r.job))
+        if outcome is Outcome.GATED and r is not None and not self.ctx.stopping():
+            held = r.job.agent in gated_agents(self.ctx.gates(), self.config.agents, time.time())
+            self.aside[job_id] = (r.job, 0.0 if held else time.monotonic() + GATE_RECHECK_S)
         if outcome in (Outcome.DONE, Outcome.FAILED, Outcome.REVIEW):
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
@@ -333,7 +382,7 @@ class Scheduler:
 
     def park_retry(self, job_id: str, agent: str, *, revise: bool = False) -> None:
         """Queue a failed job for `dispatcher retry` (or a job for `dispatcher revise`), once."""
-        if job_id in self.running or any(p.job_id == job_id for p in self.parked):
+        if job_id in self.running or job_id in self.aside or any(p.job_id == job_id for p in self.parked):
             return
         self.parked.append(Parked(Kind.REVISE if revise else Kind.RETRY, job_id, agent))
 
@@ -352,6 +401,11 @@ class Scheduler:
                 self.parked.remove(p)
                 self._launch_now(p)
                 return True
+        if job_id in self.aside:
+            job, _ = self.aside.pop(job_id)
+            self.back[job_id] = job
+            self._launch_now(_parked_again(job))
+            return True
         return entry_state in (Row.DONE, Row.FAILED, Row.CLAIMED, Row.REVIEW)
 
     def claim_now(self, name: str) -> None:
@@ -368,6 +422,17 @@ class Scheduler:
         """Queue a job whose wait is over (moved to active/ and taken by this daemon); it runs when a slot is free."""
         self.parked.append(Parked(Kind.JOINED, job_id, agent, token=token))
         self.wake()
+
+
+def _parked_again(job: Job) -> Parked:
+    """Return a claimed job as parked work again (a shortage, a gate): it needs slots, nothing is read again."""
+    resume = Resume(job.folder, job.spec, job.order, list(job.attempts))
+    return Parked(Kind.RESUME, job.job_id, job.agent, token=job.token, resume=resume)
+
+
+def _rank(p: Parked) -> tuple[int, float]:
+    """Return where a parked order goes among parked orders: higher priority first, then read first."""
+    return (-p.item.order.priority, p.item.received) if p.item is not None else (0, 0.0)
 
 
 def _not_now(work: Parked | str) -> Dropped | NoSlot | Gone:

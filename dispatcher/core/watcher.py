@@ -206,6 +206,9 @@ class Inbox:
         self._later_names: set[str] = set()
         self._joins: collections.deque[str] = collections.deque()  # ready orders naming `after`
         self._known: set[str] = set()  # pending, ready, or being handled by the daemon
+        self._taken: dict[str, tuple[int, int]] = {}  # names being handled -> (-priority, mtime_ns) they had
+        self._aside: dict[str, list[tuple[int, int, str]]] = {}  # agent -> its orders left unread (a gate)
+        self._aside_names: set[str] = set()
 
     def __len__(self) -> int:
         """How many names wait to settle, are ready or are being handled (orders due later left out)."""
@@ -249,6 +252,8 @@ class Inbox:
                 self.add(entry)
 
     def _make_ready(self, name: str) -> None:
+        self._aside_names.discard(name)  # a new event on an order set aside: it is read again
+        self._taken.pop(name, None)
         if name in self._ready_names or name in self._later_names:
             return
         try:
@@ -363,11 +368,41 @@ class Inbox:
         """Return the ready name of highest priority, then oldest (by mtime, then name), or None."""
         self._promote_due()
         while self._ready:
-            name = heapq.heappop(self._ready)[2]
+            neg, mtime_ns, name = heapq.heappop(self._ready)
             if name in self._ready_names:
                 self._ready_names.discard(name)
+                self._taken[name] = (neg, mtime_ns)
                 return name
         return None
+
+    def set_aside(self, name: str, agent: str) -> None:
+        """Leave an order of a gated agent unread in inbox/ (only its name is kept) until ``take_back``.
+
+        Orders set aside are never ready, so the daemon reads past them to other agents' orders.
+        """
+        if name not in self._known or name in self._aside_names:
+            return
+        self._ready_names.discard(name)
+        self._aside_names.add(name)
+        neg, mtime_ns = self._taken.pop(name, (0, 0))
+        self._aside.setdefault(agent, []).append((neg, mtime_ns, name))
+
+    def take_back(self, gated: frozenset[str]) -> None:
+        """Make the orders set aside for agents no longer in ``gated`` ready again, in their first order."""
+        for agent in [a for a in self._aside if a not in gated]:
+            for neg, mtime_ns, name in self._aside.pop(agent):
+                if name not in self._aside_names:
+                    continue  # forgotten (cancelled, held) or made ready by an event since
+                self._aside_names.discard(name)
+                if mtime_ns == 0:  # an order naming `after`: looked at again
+                    self._make_ready(name)
+                else:
+                    self._ready_names.add(name)
+                    heapq.heappush(self._ready, (neg, mtime_ns, name))
+
+    def aside(self) -> int:
+        """Return how many orders are left unread while a gate holds their agents."""
+        return len(self._aside_names)
 
     def push_back(self, name: str) -> None:
         """Make a name ready again (a file left in place to be tried later)."""
@@ -380,3 +415,5 @@ class Inbox:
         self._pending.pop(name, None)
         self._ready_names.discard(name)
         self._later_names.discard(name)
+        self._aside_names.discard(name)
+        self._taken.pop(name, None)

@@ -76,7 +76,14 @@ class Job(Deciding):
         self._children: list[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.waits = Waits(
-            self.job_id, ctx.ledger, ctx.lanes, ctx.config, ctx.gates, self._notify_budget, note=ctx.note_gate
+            self.job_id,
+            ctx.ledger,
+            ctx.lanes,
+            ctx.config,
+            ctx.gates,
+            self._notify_budget,
+            note=ctx.note_gate,
+            left_over=recovering,  # a wait row of the dead daemon's run is cleared once no gate holds the job
         )
         self.repo = JobRepo(ctx.layout, ctx.lanes, spec, folder)  # section 15: worktree, diffs, hooks
 
@@ -111,6 +118,7 @@ class Job(Deciding):
         if self.recovering and self.folder.result() is not None:  # a fresh claim has no result yet
             return await self._reland()
         if self.recovering:
+            self.recovering = False  # a job set aside for a gate runs again without a second recovery
             outcome = await self._recover()
             if outcome is not None:
                 return outcome
@@ -125,10 +133,10 @@ class Job(Deciding):
                 await self._persist(self.folder.stash, n - 1)
             # only an order never started can expire (a retried one has attempts/0/ with its kept result)
             expires = self.order.expires if not numbers and not self.attempts else None
-            if (await self.waits.hold(self.spec.agent, self.control.sleep, deadline=expires)).stopped:
-                continue  # a stop or a cancel came while the job waited for a gate
             if expires is not None and expires <= time.time():  # it waited for a slot or a gate too long
                 return await self.finish(Row.FAILED, "expired", [])
+            if await self.waits.hold(self.spec.agent) is not None:
+                return Outcome.GATED  # set aside by the scheduler, without slots, until the gate lifts (or it expires)
             ended = await self._attempt(n)
             if ended is None:
                 continue  # a retry is due (the before hook failed), or a usage limit gave the attempt back
@@ -325,6 +333,7 @@ class Job(Deciding):
         if children is None:
             children = []  # a job that does not end done has none: its reservations are dropped
         self._children = children
+        await self.waits.release()  # a job cancelled while it waited for a gate no longer waits
         cost = total_cost(self.attempts)
         parent_cost = self.spec.parent_chain_cost_usd
         chain = None if cost is None and parent_cost is None else round((cost or 0) + (parent_cost or 0), 10)

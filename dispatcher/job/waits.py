@@ -2,9 +2,11 @@
 
 A job asks ``Waits.hold`` before each attempt. While a gate holds its agent
 (a usage limit another attempt met, a hand-set pause, a daily cap reached) the
-job waits in active/, shown as ``waiting`` (a wait row in the ledger), and
-checks again every ``RECHECK_S`` seconds, so that `dispatcher resume` or a gate
-lifted on another host is seen soon. After an attempt that failed, ``limited``
+job waits in active/, shown as ``waiting`` (a wait row in the ledger): it ends
+its run as ``Outcome.GATED``, and the scheduler sets it aside without a slot
+until its snapshot of the gates lets the agent go, then runs it again; that
+``hold`` asks the ledger itself, and clears the wait row when no gate is left.
+After an attempt that failed, ``limited``
 reads the end of its output for the agent's ``limits:``; a match sets the
 agent's gate in the ledger (every host honours it) and the attempt does not
 count against ``max_attempts``.
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import structlog
 
@@ -29,7 +30,6 @@ from dispatcher.spec.limits import TAIL_BYTES, LimitHit, find_limit
 from dispatcher.spec.settings import Agent, Config
 
 log = structlog.get_logger("dispatcher")
-RECHECK_S = 2.0  # a waiting job asks the ledger again this often
 DAY_S = 24 * 3600.0
 
 
@@ -90,13 +90,6 @@ def waited_s(attempts: Sequence[Attempt]) -> float:
     return total
 
 
-@dataclass(frozen=True, slots=True)
-class Held:
-    """How a wait ended: ``stopped`` by a stop or a cancel, else the gate let go."""
-
-    stopped: bool
-
-
 class Waits:
     """One job's gates: wait before an attempt, record a usage limit after one."""
 
@@ -110,6 +103,7 @@ class Waits:
         notify: Callable[[str, str, str | None], None] | None = None,
         *,
         note: Callable[[Gate], None] = lambda gate: None,
+        left_over: bool = False,
     ) -> None:
         self.job_id = job_id
         self.ledger = ledger
@@ -120,6 +114,8 @@ class Waits:
         self.note = note  # tells the daemon's snapshot at once, so that no other attempt of the agent starts
         self.not_before_text: str | None = None
         self.not_before = 0.0  # a usage limit this job met itself: wait for it before the snapshot knows it
+        self.waiting = False  # this job's wait is recorded (and job.waiting logged)
+        self.left_over = left_over  # a wait row of an earlier run may be left (a recovered job): the ledger decides
 
     def limited(self, agent: Agent, stdout_tail: bytes, stderr_tail: bytes, at: float) -> LimitHit | None:
         """Return the agent's usage limit found in an attempt's output, or None (pure but for the text)."""
@@ -140,31 +136,32 @@ class Waits:
     def _set(self, gate: Gate, at: float) -> bool:
         return self.ledger.set_gate(gate, at=at)
 
-    async def hold(self, agent: Agent, sleep: Callable[[float], object], *, deadline: float | None = None) -> Held:
-        """Wait while a gate holds the agent; ``sleep`` is the job's stoppable sleep (True: stopped).
+    async def hold(self, agent: Agent) -> Gate | None:
+        """Return the gate that holds ``agent`` now, or None once none does.
 
-        With ``deadline`` (the order's expires, before the first attempt) the wait
-        ends then, gate or not: the job then ends ``expired`` instead of starting.
+        The first time a gate holds the job, its wait is recorded (``waiting`` in
+        `status`) and ``job.waiting`` is logged; the next call asks the ledger
+        itself, and clears the wait when the gate is gone. A gate the daemon's
+        snapshot does not know yet is noted there, so that the job stays aside.
         """
-        waiting = False
-        try:
-            while True:
-                gate = await self._holding(agent, fresh=waiting)
-                if gate is None or (deadline is not None and deadline <= time.time()):
-                    return Held(False)
-                if not waiting:
-                    waiting = True
-                    await self.lanes.ledger(self.ledger.set_gate_wait, self.job_id, agent.name, gate.until)
-                    log.info("job.waiting", job_id=self.job_id, agent=agent.name, kind=gate.kind,
-                             until=iso(gate.until) if gate.until is not None else None, reason=gate.reason)  # fmt: skip
-                left = RECHECK_S if gate.until is None else gate.until - time.time()
-                if deadline is not None:
-                    left = min(left, deadline - time.time())
-                if await sleep(min(max(left, 0.01), RECHECK_S)):  # type: ignore[misc]
-                    return Held(True)
-        finally:
-            if waiting:
-                await self.lanes.ledger(self.ledger.clear_gate_wait, self.job_id)
+        gate = await self._holding(agent, fresh=self.waiting or self.left_over)
+        if gate is None:
+            await self.release()
+            return None
+        if not self.waiting:
+            self.waiting = True
+            await self.lanes.ledger(self.ledger.set_gate_wait, self.job_id, agent.name, gate.until)
+            log.info("job.waiting", job_id=self.job_id, agent=agent.name, kind=gate.kind,
+                     until=iso(gate.until) if gate.until is not None else None, reason=gate.reason)  # fmt: skip
+        if holding(self.gates(), agent.name, time.time()) is None:
+            self.note(gate)
+        return gate
+
+    async def release(self) -> None:
+        """Clear this job's wait row if it may have one (the job runs or ends now)."""
+        if self.waiting or self.left_over:
+            await self.lanes.ledger(self.ledger.clear_gate_wait, self.job_id)
+            self.waiting = self.left_over = False
 
     async def _holding(self, agent: Agent, *, fresh: bool) -> Gate | None:
         """Return the gate holding the agent now: the snapshot, this job's own limit, a daily cap."""
