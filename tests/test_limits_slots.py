@@ -50,7 +50,7 @@ def test_a_job_waiting_for_a_pause_gives_its_slot_to_another_agent(env: Env) -> 
 
 
 def test_a_paused_agents_backlog_does_not_stop_other_agents(env: Env) -> None:
-    """A paused, 100 orders for A then 3 for B: B's three are done while A waits; after resume A's run oldest first."""
+    """A paused, 100 orders for A then 3 for B: B's are done while A waits; after resume A's run, oldest first."""
     env.configure(agents={"A": env.agent(), "B": env.agent()}, max_jobs=2)
     d = env.daemon()
     d.wait_ready()
@@ -69,8 +69,12 @@ def test_a_paused_agents_backlog_does_not_stop_other_agents(env: Env) -> None:
     assert not [s for s in env.starts() if s[0].startswith("A-")]
     queued = listed(env, "--state", "inbox", "--agent", "A")
     assert len(queued) == 100 and {r["state"] for r in queued} == {"inbox"}
+    env.cli("cancel", "A-050", check=True)  # a queued order of a paused agent is still cancelled at once
+    assert env.wait_job("A-050", "failed")["reason"] == "cancelled"
+    env.cli("hold", "A-051", check=True)
     env.cli("resume", "A", check=True)
-    for job_id in a_ids:
+    rest = [j for j in a_ids if j not in ("A-050", "A-051")]
+    for job_id in rest:
         env.wait_job(job_id, "done", timeout=240)
-    assert [s[0] for s in env.starts() if s[0].startswith("A-")] == a_ids
-    assert status(env)["counts"]["done"] == 103
+    assert [s[0] for s in env.starts() if s[0].startswith("A-")] == rest
+    assert status(env)["counts"] | {"done": 101, "held": 1, "inbox": 0} == status(env)["counts"]

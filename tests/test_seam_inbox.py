@@ -190,3 +190,22 @@ def test_a_hint_wakes_the_loop(tmp_path: Path) -> None:
     inbox.hint("moved", ".a.json.tmp")
     inbox.hint("moved", "a.json")
     assert woken == [1]
+
+
+def test_orders_set_aside_for_a_gate_are_skipped_and_come_back_in_their_order(tmp_path: Path) -> None:
+    """Names set aside for a gated agent are never ready; take_back makes them ready again, oldest first."""
+    inbox = inbox_at(tmp_path)
+    for i, name in enumerate(["a1.json", "a2.json", "b1.json", "a3.json"]):
+        write(inbox, name, age=10 - i)
+        inbox.hint("moved", name)
+    taken = [inbox.pop() for _ in range(4)]
+    assert taken == ["a1.json", "a2.json", "b1.json", "a3.json"]
+    for name in ("a3.json", "a1.json", "a2.json"):
+        inbox.set_aside(name, "A")  # read, and found to be orders of a gated agent
+    inbox.forget("b1.json")
+    assert not inbox.has_ready() and inbox.aside() == 3 and len(inbox) == 3
+    inbox.take_back(frozenset({"A"}))  # still gated: nothing comes back
+    assert inbox.pop() is None
+    inbox.forget("a2.json")  # cancelled or held meanwhile
+    inbox.take_back(frozenset())
+    assert drain(inbox) == ["a1.json", "a3.json"] and inbox.aside() == 0

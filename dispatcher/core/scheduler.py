@@ -6,11 +6,8 @@ slots and claims them in one trip; each claimed job becomes a ``Job`` task on th
 Work that waits for a slot (a new order, a recovered job, a retry) is *parked*, oldest
 first, and reading ahead stops at ``PARK_LIMIT`` so memory stays flat with any backlog.
 
-A gate (section 14) holds no slot: an order of a gated agent is left unread in inbox/
-(``Inbox.set_aside``, its name only), so that other agents' orders are read past it,
-and a claimed job that meets a gate ends its run as ``Outcome.GATED`` and is *set
-aside* with its ``max_jobs`` and concurrency slots given back. When the gates let
-the agent go, both are taken back, oldest first, ahead of newer work.
+A gate (section 14) holds no slot: a gated agent's orders stay unread in inbox/
+(``Inbox.set_aside``) and its claimed jobs are set aside without slots (``setaside``).
 """
 
 from __future__ import annotations
@@ -42,6 +39,7 @@ from dispatcher.core.claiming import (
     when,
 )
 from dispatcher.core.gatekeeper import gated_agents
+from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake
 from dispatcher.job.context import JobContext
@@ -57,7 +55,6 @@ log = structlog.get_logger("dispatcher")
 PARK_LIMIT = 64  # orders read ahead while their agents are busy
 CLAIM_CHUNK = 32  # orders claimed in one ledger transaction (and one fsync of active/)
 SLOT_RETRY_S = 0.25
-GATE_RECHECK_S = 1.0  # a job set aside for a gate the daemon's snapshot did not show is tried again after this
 RETRY_LATER_S = 1.0  # a file whose claim could not be made now (a full disk) is tried again after this
 
 
@@ -89,8 +86,7 @@ class Scheduler:
         self.stats = Stats()
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
         self.idle: dict[str, list[int]] = {}
-        self.aside: dict[str, tuple[Job, float]] = {}  # job id -> a job a gate holds, not taken back before then
-        self.back: dict[str, Job] = {}  # jobs taken back from aside, parked until they get their slots
+        self.aside: SetAside[Job] = SetAside()  # claimed jobs a gate holds, without slots
         self._tasks: set[asyncio.Task[Any]] = set()  # slots of ended jobs, kept for the next job of that agent
 
     @property
@@ -177,15 +173,9 @@ class Scheduler:
             self.parked.remove(p)  # read before its agent was gated
             self._leave_unread(p)
         self.inbox.take_back(gated)
-        free = [job for job, due in self.aside.values() if job.agent not in gated and due <= now]
-        self.slot_poll |= len(free) < sum(job.agent not in gated for job, _ in self.aside.values())
-        if not free:
-            return
-        free.sort(key=lambda job: (job.spec.received, job.job_id))
-        for job in free:
-            del self.aside[job.job_id]
-            self.back[job.job_id] = job
-        self.parked.extendleft(reversed([_parked_again(job) for job in free]))
+        back, later = self.aside.take_back(gated, now)
+        self.parked.extendleft(reversed([_parked_again(job) for job in back]))
+        self.slot_poll |= later
 
     def _leave_unread(self, p: Parked) -> None:
         if p.item is not None:
@@ -327,8 +317,7 @@ class Scheduler:
 
     def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         p = launch.parked
-        job = self.back.pop(p.job_id, None) if p.kind is Kind.RESUME else None  # set aside for a gate: as it was
-        job = job or Job(
+        job = (self.aside.launch(p.job_id) if p.kind is Kind.RESUME else None) or Job(
             self.ctx,
             launch.folder,
             launch.spec,
@@ -354,8 +343,8 @@ class Scheduler:
         if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():
             self.parked.appendleft(_parked_again(r.job))
         if outcome is Outcome.GATED and r is not None and not self.ctx.stopping():
-            held = r.job.agent in gated_agents(self.ctx.gates(), self.config.agents, time.time())
-            self.aside[job_id] = (r.job, 0.0 if held else time.monotonic() + GATE_RECHECK_S)
+            shown = r.job.agent in gated_agents(self.ctx.gates(), self.config.agents, time.time())
+            self.aside.put(job_id, r.job.agent, r.job.spec.received, r.job, shown=shown)
         if outcome in (Outcome.DONE, Outcome.FAILED, Outcome.REVIEW):
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
@@ -401,10 +390,8 @@ class Scheduler:
                 self.parked.remove(p)
                 self._launch_now(p)
                 return True
-        if job_id in self.aside:
-            job, _ = self.aside.pop(job_id)
-            self.back[job_id] = job
-            self._launch_now(_parked_again(job))
+        if (held := self.aside.take(job_id)) is not None:
+            self._launch_now(_parked_again(held))
             return True
         return entry_state in (Row.DONE, Row.FAILED, Row.CLAIMED, Row.REVIEW)
 
