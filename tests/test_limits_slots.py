@@ -11,7 +11,10 @@ import json
 import time
 from typing import Any
 
+import pytest
 from conftest import Env, order, wait_until
+
+pytest_plugins = ["pg_fixtures"]
 
 
 def status(env: Env) -> dict[str, Any]:
@@ -23,11 +26,16 @@ def listed(env: Env, *args: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def test_a_job_waiting_for_a_pause_gives_its_slot_to_another_agent(env: Env) -> None:
+@pytest.mark.parametrize("engine", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_job_waiting_for_a_pause_gives_its_slot_to_another_agent(
+    env: Env, engine: str, request: pytest.FixtureRequest
+) -> None:
     """max_jobs 1, A paused with a claimed job waiting: B's order is done; after `resume A` A's job runs once."""
+    ledger = {"ledger": request.getfixturevalue("pg_db")} if engine == "postgres" else {}
     env.configure(
         agents={"A": env.agent("--fail-attempts", "1", max_attempts=1, retry_safe=True), "B": env.agent()},
         max_jobs=1,
+        **ledger,
     )
     d = env.daemon()
     d.wait_ready()
