@@ -209,3 +209,22 @@ def test_orders_set_aside_for_a_gate_are_skipped_and_come_back_in_their_order(tm
     inbox.forget("a2.json")  # cancelled or held meanwhile
     inbox.take_back(frozenset())
     assert drain(inbox) == ["a1.json", "a3.json"] and inbox.aside() == 0
+
+
+def test_pop_sets_aside_unread_the_orders_a_glance_shows_for_a_gated_agent(tmp_path: Path) -> None:
+    """pop(gated) skips orders whose `to` (JSON or YAML) names a gated agent; take_back returns them in order."""
+    inbox = inbox_at(tmp_path)
+    bodies = {
+        "a1.json": b'{"job_id": "A1", "to": "A"}',
+        "b1.yaml": b"job_id: B1\nto: B\n",
+        "a2.yaml": b"job_id: A2\nto: 'A'  # paused\n",
+        "b2.json": b'{"job_id": "B2", "to": "B"}',
+    }
+    for i, (name, data) in enumerate(bodies.items()):
+        write(inbox, name, data, age=10 - i)
+        inbox.hint("moved", name)
+    gated = frozenset({"A"})
+    assert [inbox.pop(gated), inbox.pop(gated), inbox.pop(gated)] == ["b1.yaml", "b2.json", None]
+    assert inbox.aside() == 2 and len(inbox) == 4
+    inbox.take_back(frozenset())
+    assert drain(inbox) == ["a1.json", "a2.yaml"]

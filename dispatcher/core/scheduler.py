@@ -150,7 +150,7 @@ class Scheduler:
         while (join := self.inbox.pop_join()) is not None:
             batch.append(join)  # an order naming `after` is claimed at once and takes no slot: it waits
         while free > 0 and len(self.parked) < PARK_LIMIT:
-            ready = self.inbox.pop()
+            ready = self.inbox.pop(gated)  # a gated agent's orders are left unread (section 14)
             if ready is None:
                 break
             batch.append(ready)  # read in the claim's trip, off the loop

@@ -200,14 +200,14 @@ class Inbox:
         self.settle_s = settle_s
         self.wait_for_writers = wait_for_writers  # off for `run --once`: at most settle s after the last change
         self._pending: dict[str, _Pending] = {}
-        self._ready: list[tuple[int, int, str]] = []  # (-priority, mtime_ns, name): higher first, then older
+        self._ready: list[tuple[int, int, str, str]] = []  # (-priority, mtime_ns, name, agent): higher, then older
         self._ready_names: set[str] = set()
         self._later: list[tuple[float, int, int, str]] = []  # (due, -priority, mtime_ns, name): not_before
         self._later_names: set[str] = set()
         self._joins: collections.deque[str] = collections.deque()  # ready orders naming `after`
         self._known: set[str] = set()  # pending, ready, or being handled by the daemon
         self._taken: dict[str, tuple[int, int]] = {}  # names being handled -> (-priority, mtime_ns) they had
-        self._aside: dict[str, list[tuple[int, int, str]]] = {}  # agent -> its orders left unread (a gate)
+        self._aside: dict[str, list[tuple[int, int, str, str]]] = {}  # agent -> its orders left unread (a gate)
         self._aside_names: set[str] = set()
 
     def __len__(self) -> int:
@@ -273,7 +273,7 @@ class Inbox:
         if glance.joins:
             self._joins.append(name)
         else:
-            heapq.heappush(self._ready, (-glance.priority, mtime_ns, name))
+            heapq.heappush(self._ready, (-glance.priority, mtime_ns, name, glance.agent))
 
     def _peek(self, name: str) -> Glance:
         """Read an order's priority, not_before and `after` at a glance (a small bounded read; no link followed)."""
@@ -364,15 +364,24 @@ class Inbox:
         """Return True while some file waits to settle (it may still become an order)."""
         return bool(self._pending)
 
-    def pop(self) -> str | None:
-        """Return the ready name of highest priority, then oldest (by mtime, then name), or None."""
+    def pop(self, gated: frozenset[str] = frozenset()) -> str | None:
+        """Return the ready name of highest priority, then oldest (by mtime, then name), or None.
+
+        A name whose order names a ``gated`` agent at a glance is set aside on the way, unread.
+        """
         self._promote_due()
         while self._ready:
-            neg, mtime_ns, name = heapq.heappop(self._ready)
-            if name in self._ready_names:
-                self._ready_names.discard(name)
-                self._taken[name] = (neg, mtime_ns)
-                return name
+            entry = heapq.heappop(self._ready)
+            neg, mtime_ns, name, agent = entry
+            if name not in self._ready_names:
+                continue
+            self._ready_names.discard(name)
+            if agent in gated:
+                self._aside_names.add(name)
+                self._aside.setdefault(agent, []).append(entry)
+                continue
+            self._taken[name] = (neg, mtime_ns)
+            return name
         return None
 
     def set_aside(self, name: str, agent: str) -> None:
@@ -385,20 +394,21 @@ class Inbox:
         self._ready_names.discard(name)
         self._aside_names.add(name)
         neg, mtime_ns = self._taken.pop(name, (0, 0))
-        self._aside.setdefault(agent, []).append((neg, mtime_ns, name))
+        self._aside.setdefault(agent, []).append((neg, mtime_ns, name, agent))
 
     def take_back(self, gated: frozenset[str]) -> None:
         """Make the orders set aside for agents no longer in ``gated`` ready again, in their first order."""
         for agent in [a for a in self._aside if a not in gated]:
-            for neg, mtime_ns, name in self._aside.pop(agent):
+            for entry in self._aside.pop(agent):
+                name = entry[2]
                 if name not in self._aside_names:
                     continue  # forgotten (cancelled, held) or made ready by an event since
                 self._aside_names.discard(name)
-                if mtime_ns == 0:  # an order naming `after`: looked at again
+                if entry[1] == 0:  # an order naming `after`: looked at again
                     self._make_ready(name)
                 else:
                     self._ready_names.add(name)
-                    heapq.heappush(self._ready, (neg, mtime_ns, name))
+                    heapq.heappush(self._ready, entry)
 
     def aside(self) -> int:
         """Return how many orders are left unread while a gate holds their agents."""

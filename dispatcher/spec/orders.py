@@ -150,41 +150,47 @@ def to_json(body: Mapping[str, Any]) -> bytes:
 
 _TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?$", re.M)
 _TOP_AFTER = re.compile(rb"^after:", re.M)
+_TOP_TO = re.compile(rb"^to:[ \t]*[\"']?([^\s\"'#]+)[\"']?[ \t]*(?:#.*)?$", re.M)
 _TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?$", re.M)
 
 
 @dataclass(frozen=True, slots=True)
 class Glance:
-    """What the inbox needs of an order before it is read for real: its priority, due time, and if it joins."""
+    """What the inbox needs of an order before it is read for real: its priority, due time, if it joins, its agent."""
 
     priority: int = 5
     not_before: float | None = None
     joins: bool = False  # it names `after`: claimed at once, without waiting for a free slot
+    agent: str = ""  # `to` as it looks at a glance (a hint: a gated agent's order is left unread)
 
 
 def peek_schedule(data: bytes, name: str) -> Glance:
-    """Return an order file's priority, not_before and whether it names `after`, at a glance (never raises).
+    """Return an order file's priority, not_before, whether it names `after`, and `to`, at a glance (never raises).
 
     JSON is parsed; YAML is looked at line by line (top-level ``priority:``,
-    ``not_before:`` and ``after:`` in block style). Only ordering uses this: the
-    daemon checks the validated order again before it claims.
+    ``not_before:``, ``after:`` and ``to:`` in block style). Only ordering uses this:
+    the daemon checks the validated order again before it claims.
     """
-    priority, due, joins = 5, None, False
+    priority, due, joins, agent = 5, None, False, ""
     try:
         if order_format(name) == "json":
             body = json.loads(data)
             body = body if isinstance(body, dict) else {}
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
+            raw_to = body.get("to")
+            agent = raw_to if isinstance(raw_to, str) else ""
         else:
             m = _TOP_PRIORITY.search(data)
             raw_p = int(m.group(1)) if m else None
             t = _TOP_NOT_BEFORE.search(data)
             raw_t = t.group(1).decode() if t else None
             joins = _TOP_AFTER.search(data) is not None
+            to = _TOP_TO.search(data)
+            agent = to.group(1).decode("utf-8", "replace") if to else ""
         if isinstance(raw_p, int) and not isinstance(raw_p, bool) and 0 <= raw_p <= 9:
             priority = raw_p
         if isinstance(raw_t, str):
             due = parse_time(raw_t)
     except (ValueError, TypeError, RecursionError):
         pass
-    return Glance(priority, due, joins)
+    return Glance(priority, due, joins, agent)
