@@ -211,7 +211,7 @@ class Inbox:
         self._aside_names: set[str] = set()
 
     def __len__(self) -> int:
-        """How many names wait to settle, are ready or are being handled (orders due later left out)."""
+        """How many names wait to settle, are ready, set aside for a gate or being handled (not those due later)."""
         return len(self._known) - len(self._later_names)
 
     def hint(self, kind: str, name: str) -> None:
