@@ -86,3 +86,24 @@ def test_a_paused_agents_backlog_does_not_stop_other_agents(env: Env) -> None:
         env.wait_job(job_id, "done", timeout=240)
     assert [s[0] for s in env.starts() if s[0].startswith("A-")] == rest
     assert status(env)["counts"] | {"done": 101, "held": 1, "inbox": 0} == status(env)["counts"]
+
+
+def test_an_order_left_unread_for_a_paused_agent_is_refused_expired_at_its_expires(env: Env) -> None:
+    """Paused agent's orders (JSON, YAML) expiring 2 s ahead are refused `expired` while it stays paused, unstarted."""
+    env.configure(agents={"A": env.agent()})
+    d = env.daemon()
+    d.wait_ready()
+    env.cli("pause", "A", check=True)
+    wait_until(lambda: status(env)["gates"], what="the pause in the ledger")
+    expires = time.time() + 2
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(expires)) + f".{int(expires % 1 * 1e6):06d}Z"
+    env.drop(order("EXP-1", to="A", expires=stamp))
+    env.drop(order("EXP-2", to="A", expires=stamp), name="EXP-2.yaml")
+    env.drop(order("KEEP-1", to="A"))
+    for stem in ("EXP-1", "EXP-2"):
+        refused = env.wait_refused(stem)
+        assert (refused["job_id"], refused["reason"]) == (stem, "expired") and time.time() >= expires
+    assert status(env)["gates"] and env.starts() == []
+    env.cli("resume", "A", check=True)
+    env.wait_job("KEEP-1", "done")
+    assert env.starts() == [("KEEP-1", 1)]

@@ -173,13 +173,13 @@ class Scheduler:
             self.parked.remove(p)  # read before its agent was gated
             self._leave_unread(p)
         self.inbox.take_back(gated)
-        back, later = self.aside.take_back(gated, now)
+        back, later = self.aside.take_back(gated, now, time.time())
         self.parked.extendleft(reversed([_parked_again(job) for job in back]))
         self.slot_poll |= later
 
     def _leave_unread(self, p: Parked) -> None:
         if p.item is not None:
-            self.inbox.set_aside(p.item.name, p.agent)
+            self.inbox.set_aside(p.item.name, p.agent, p.item.order.expires)
 
     def _free_idle(self) -> None:
         """Give back slots no job took over this turn, so that other daemons may use them."""
@@ -343,8 +343,11 @@ class Scheduler:
         if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():
             self.parked.appendleft(_parked_again(r.job))
         if outcome is Outcome.GATED and r is not None and not self.ctx.stopping():
-            shown = r.job.agent in gated_agents(self.ctx.gates(), self.config.agents, time.time())
-            self.aside.put(job_id, r.job.agent, r.job.spec.received, r.job, shown=shown)
+            job = r.job
+            shown = job.agent in gated_agents(self.ctx.gates(), self.config.agents, time.time())
+            self.aside.put(job_id, job.agent, job.spec.received, job, shown=shown, expires=job.expires)
+            if job.expires is not None:  # it then ends expired, gate or not (section 16)
+                asyncio.get_running_loop().call_later(max(0.0, job.expires - time.time()) + 0.01, self.wake)
         if outcome in (Outcome.DONE, Outcome.FAILED, Outcome.REVIEW):
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():

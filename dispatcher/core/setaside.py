@@ -21,7 +21,7 @@ class SetAside(Generic[Job]):
     """The jobs a gate holds (``held``), and those taken back that wait for their slots (``back``)."""
 
     def __init__(self) -> None:
-        self.held: dict[str, tuple[Job, str, tuple[float, str], float]] = {}  # job id -> job, agent, age, due
+        self.held: dict[str, tuple[Job, str, tuple[float, str], float, float]] = {}  # job, agent, age, due, expires
         self.back: dict[str, Job] = {}
 
     def __len__(self) -> int:
@@ -30,15 +30,24 @@ class SetAside(Generic[Job]):
     def __contains__(self, job_id: object) -> bool:
         return job_id in self.held
 
-    def put(self, job_id: str, agent: str, received: float, job: Job, *, shown: bool) -> None:
-        """Keep a job a gate holds; ``shown``: the snapshot holds its agent (else look again in a while)."""
-        self.held[job_id] = (job, agent, (received, job_id), 0.0 if shown else time.monotonic() + RECHECK_S)
+    def put(
+        self, job_id: str, agent: str, received: float, job: Job, *, shown: bool, expires: float | None = None
+    ) -> None:
+        """Keep a job a gate holds until it lifts or ``expires`` (epoch seconds) comes.
 
-    def take_back(self, gated: frozenset[str], now: float) -> tuple[list[Job], bool]:
-        """Return the jobs the gates let go, oldest first, and whether others wait for a recheck."""
-        free = [(age, job) for job, agent, age, due in self.held.values() if agent not in gated and due <= now]
+        ``shown``: the daemon's snapshot holds the agent (else the job is looked at again in a while).
+        """
+        due = 0.0 if shown else time.monotonic() + RECHECK_S
+        self.held[job_id] = (job, agent, (received, job_id), due, float("inf") if expires is None else expires)
+
+    def take_back(self, gated: frozenset[str], now: float, wall: float) -> tuple[list[Job], bool]:
+        """Return the jobs the gates let go (or whose expires came), oldest first, and if others wait for a recheck.
+
+        ``now`` is the monotonic clock, ``wall`` the epoch time.
+        """
+        free = [(h[2], h[0]) for h in self.held.values() if (h[1] not in gated and h[3] <= now) or h[4] <= wall]
         free.sort(key=lambda x: x[0])
-        later = len(free) < sum(agent not in gated for _, agent, _, _ in self.held.values())
+        later = len(free) < sum(h[1] not in gated or h[4] <= wall for h in self.held.values())
         for (_, job_id), job in free:
             del self.held[job_id]
             self.back[job_id] = job

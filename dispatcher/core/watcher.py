@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from dispatcher import fsutil
 from dispatcher.layout import is_ignored
@@ -182,6 +183,16 @@ def list_inbox(inbox: Path) -> list[Listed]:
     return out
 
 
+class _Ready(NamedTuple):
+    """A ready name in the heap: higher priority first, then older; its agent and expires at a glance."""
+
+    neg_priority: int
+    mtime_ns: int
+    name: str
+    agent: str = ""
+    expires: float = float("inf")
+
+
 @dataclass
 class _Pending:
     size: int
@@ -200,15 +211,16 @@ class Inbox:
         self.settle_s = settle_s
         self.wait_for_writers = wait_for_writers  # off for `run --once`: at most settle s after the last change
         self._pending: dict[str, _Pending] = {}
-        self._ready: list[tuple[int, int, str, str]] = []  # (-priority, mtime_ns, name, agent): higher, then older
+        self._ready: list[_Ready] = []
         self._ready_names: set[str] = set()
         self._later: list[tuple[float, int, int, str]] = []  # (due, -priority, mtime_ns, name): not_before
         self._later_names: set[str] = set()
         self._joins: collections.deque[str] = collections.deque()  # ready orders naming `after`
         self._known: set[str] = set()  # pending, ready, or being handled by the daemon
-        self._taken: dict[str, tuple[int, int]] = {}  # names being handled -> (-priority, mtime_ns) they had
-        self._aside: dict[str, list[tuple[int, int, str, str]]] = {}  # agent -> its orders left unread (a gate)
+        self._taken: dict[str, _Ready] = {}  # names being handled -> their place when they were ready
+        self._aside: dict[str, list[_Ready]] = {}  # agent -> its orders left unread while a gate holds it
         self._aside_names: set[str] = set()
+        self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
 
     def __len__(self) -> int:
         """How many names wait to settle, are ready, set aside for a gate or being handled (not those due later)."""
@@ -273,7 +285,8 @@ class Inbox:
         if glance.joins:
             self._joins.append(name)
         else:
-            heapq.heappush(self._ready, (-glance.priority, mtime_ns, name, glance.agent))
+            expires = float("inf") if glance.expires is None else glance.expires
+            heapq.heappush(self._ready, _Ready(-glance.priority, mtime_ns, name, glance.agent, expires))
 
     def _peek(self, name: str) -> Glance:
         """Read an order's priority, not_before and `after` at a glance (a small bounded read; no link followed)."""
@@ -306,12 +319,21 @@ class Inbox:
             if name in self._later_names:
                 self._later_names.discard(name)
                 self._push(name, mtime_ns)  # due now: a join goes to its own queue
+        while self._aside_due and self._aside_due[0][0] <= now:
+            entry = heapq.heappop(self._aside_due)[1]
+            if entry.name in self._aside_names:  # expired while its agent was gated: read, and refused
+                self._aside_names.discard(entry.name)
+                self._ready_names.add(entry.name)
+                heapq.heappush(self._ready, entry._replace(agent=""))
 
     def next_due_s(self) -> float | None:
-        """Return seconds until the next order held back by not_before is due (None: none is)."""
+        """Return seconds until the next order held back by not_before is due, or one set aside expires (or None)."""
         while self._later and self._later[0][3] not in self._later_names:
             heapq.heappop(self._later)
-        return max(0.0, self._later[0][0] - time.time()) if self._later else None
+        while self._aside_due and self._aside_due[0][1].name not in self._aside_names:
+            heapq.heappop(self._aside_due)
+        due = min([h[0][0] for h in (self._later, self._aside_due) if h], default=None)
+        return None if due is None else max(0.0, due - time.time())
 
     def promote_settled(self) -> tuple[list[str], float | None]:
         """Move settled names to ready; return (names that need the open-writer check, seconds to next check)."""
@@ -372,39 +394,43 @@ class Inbox:
         self._promote_due()
         while self._ready:
             entry = heapq.heappop(self._ready)
-            neg, mtime_ns, name, agent = entry
+            name = entry.name
             if name not in self._ready_names:
                 continue
             self._ready_names.discard(name)
-            if agent in gated:
-                self._aside_names.add(name)
-                self._aside.setdefault(agent, []).append(entry)
+            if entry.agent in gated:
+                self._put_aside(entry, entry.agent)
                 continue
-            self._taken[name] = (neg, mtime_ns)
+            self._taken[name] = entry
             return name
         return None
 
-    def set_aside(self, name: str, agent: str) -> None:
-        """Leave an order of a gated agent unread in inbox/ (only its name is kept) until ``take_back``.
+    def set_aside(self, name: str, agent: str, expires: float | None = None) -> None:
+        """Leave an order of a gated agent unread in inbox/ (its name kept) until ``take_back`` or its expires.
 
         Orders set aside are never ready, so the daemon reads past them to other agents' orders.
         """
         if name not in self._known or name in self._aside_names:
             return
         self._ready_names.discard(name)
-        self._aside_names.add(name)
-        neg, mtime_ns = self._taken.pop(name, (0, 0))
-        self._aside.setdefault(agent, []).append((neg, mtime_ns, name, agent))
+        entry = self._taken.pop(name, _Ready(0, 0, name))  # 0: an order naming `after`, looked at again
+        self._put_aside(entry._replace(expires=float("inf") if expires is None else expires), agent)
+
+    def _put_aside(self, entry: _Ready, agent: str) -> None:
+        self._aside_names.add(entry.name)
+        self._aside.setdefault(agent, []).append(entry)
+        if entry.expires != float("inf"):
+            heapq.heappush(self._aside_due, (entry.expires, entry))
 
     def take_back(self, gated: frozenset[str]) -> None:
         """Make the orders set aside for agents no longer in ``gated`` ready again, in their first order."""
         for agent in [a for a in self._aside if a not in gated]:
             for entry in self._aside.pop(agent):
-                name = entry[2]
+                name = entry.name
                 if name not in self._aside_names:
                     continue  # forgotten (cancelled, held) or made ready by an event since
                 self._aside_names.discard(name)
-                if entry[1] == 0:  # an order naming `after`: looked at again
+                if entry.mtime_ns == 0:
                     self._make_ready(name)
                 else:
                     self._ready_names.add(name)

@@ -71,6 +71,7 @@ class Job(Deciding):
         self.host_lost = host_lost  # recovered from a daemon whose lease ran out (another host)
         self.control = Control()
         self.retries = 0
+        self.expires: float | None = None  # when the job ends expired if no attempt started by then (section 16)
         self._followups: list[Child] = []
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
         self._children: list[str] | None = None
@@ -132,7 +133,7 @@ class Job(Deciding):
             if n > 1:
                 await self._persist(self.folder.stash, n - 1)
             # only an order never started can expire (a retried one has attempts/0/ with its kept result)
-            expires = self.order.expires if not numbers and not self.attempts else None
+            expires = self.expires = self.order.expires if not numbers and not self.attempts else None
             if expires is not None and expires <= time.time():  # it waited for a slot or a gate too long
                 return await self.finish(Row.FAILED, "expired", [])
             if await self.waits.hold(self.spec.agent) is not None:

@@ -152,6 +152,7 @@ _TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?$", re.M)
 _TOP_AFTER = re.compile(rb"^after:", re.M)
 _TOP_TO = re.compile(rb"^to:[ \t]*[\"']?([^\s\"'#]+)[\"']?[ \t]*(?:#.*)?$", re.M)
 _TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?$", re.M)
+_TOP_EXPIRES = re.compile(rb"^expires:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?$", re.M)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,22 +163,23 @@ class Glance:
     not_before: float | None = None
     joins: bool = False  # it names `after`: claimed at once, without waiting for a free slot
     agent: str = ""  # `to` as it looks at a glance (a hint: a gated agent's order is left unread)
+    expires: float | None = None  # when an order left unread for a gate is read again, to be refused
 
 
 def peek_schedule(data: bytes, name: str) -> Glance:
-    """Return an order file's priority, not_before, whether it names `after`, and `to`, at a glance (never raises).
+    """Return an order file's priority, not_before, `after`, `to` and expires, at a glance (never raises).
 
     JSON is parsed; YAML is looked at line by line (top-level ``priority:``,
-    ``not_before:``, ``after:`` and ``to:`` in block style). Only ordering uses this:
-    the daemon checks the validated order again before it claims.
+    ``not_before:``, ``after:``, ``to:`` and ``expires:`` in block style). Only
+    ordering uses this: the daemon checks the validated order again before it claims.
     """
-    priority, due, joins, agent = 5, None, False, ""
+    priority, due, joins, agent, expires = 5, None, False, "", None
     try:
         if order_format(name) == "json":
             body = json.loads(data)
             body = body if isinstance(body, dict) else {}
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
-            raw_to = body.get("to")
+            raw_to, raw_e = body.get("to"), body.get("expires")
             agent = raw_to if isinstance(raw_to, str) else ""
         else:
             m = _TOP_PRIORITY.search(data)
@@ -187,10 +189,13 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             joins = _TOP_AFTER.search(data) is not None
             to = _TOP_TO.search(data)
             agent = to.group(1).decode("utf-8", "replace") if to else ""
+            e = _TOP_EXPIRES.search(data)
+            raw_e = e.group(1).decode() if e else None
         if isinstance(raw_p, int) and not isinstance(raw_p, bool) and 0 <= raw_p <= 9:
             priority = raw_p
+        expires = parse_time(raw_e) if isinstance(raw_e, str) else None
         if isinstance(raw_t, str):
             due = parse_time(raw_t)
     except (ValueError, TypeError, RecursionError):
         pass
-    return Glance(priority, due, joins, agent)
+    return Glance(priority, due, joins, agent, expires)
