@@ -86,7 +86,7 @@ def release_followups(
 
 def _place(layout: Layout, folder: Path, owner: str, job_id: str, data: bytes, sha: str) -> str:
     """Link the follow-up into folder under a name that replaces nothing; reuse our own copy."""
-    folder.mkdir(exist_ok=True)
+    fsutil.make_dirs(folder)  # held/ of a root made before it existed: its name durable before the link
     tmp = layout.staging / f"{owner}.release-{job_id}"
     tmp.unlink(missing_ok=True)
     fsutil.write_new(tmp, data, sync=True)

@@ -53,7 +53,7 @@ def _dir(layout: Layout) -> Path:
 def owe(layout: Layout, job_id: str) -> None:
     """Record durably that job_id owes a landing (before its finish is committed; blocking)."""
     folder = _dir(layout)
-    folder.mkdir(exist_ok=True)
+    fsutil.make_dirs(folder)  # the first landing of a root: the folder's name is part of the record
     if not (folder / job_id).exists():
         fsutil.write_atomic(folder / job_id, b"")
 

@@ -100,8 +100,7 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
     lock_path = layout.state_dir / "submit.lock"
     current = orders[0][0]
     try:
-        layout.inbox.mkdir(parents=True, exist_ok=True)
-        layout.state_dir.mkdir(parents=True, exist_ok=True)
+        fsutil.make_dirs(layout.inbox, layout.state_dir)  # durable: the drop's fsync of inbox/ needs its name kept
         _hand_over_state(layout)  # inbox/ first: a dropped file takes inbox/'s owner
         with FileLock(lock_path, timeout=LOCK_TIMEOUT_S, thread_local=False, preserve_lock_file=True):
             _refuse_known(cfg, layout, orders)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from dispatcher import fsutil
 from dispatcher.errors import UsageError
 from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
@@ -95,7 +96,7 @@ def open_ledger(
         raise LedgerLost(f"{path}: no ledger yet")
     try:
         if not readonly:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            fsutil.make_dirs(path.parent)  # durable: a power cut must not take the ledger's folder back
         ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s, readonly=readonly)
     except LedgerError as exc:
         if exc.unreachable:  # a full disk, a read-only folder: the ledger itself may be fine

@@ -1,0 +1,143 @@
+"""Power cuts at two moments the workload of tests/test_powercut.py does not reach.
+
+That suite prepares its roots with a synced run first; here the root is fresh, as a
+user's is at its very first start. The daemon runs on the strict lazyfs mount (only
+what was fsynced survives), the power is cut at a log event, the durable model is
+written back and looked at the way a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from powercut.harness import FAKE_AGENT, TESTS, LazyMount, fsync_path
+
+from dispatcher.layout import Layout
+
+DEADLINE = 60.0
+
+
+class Rig:
+    """A fresh dispatch root on a strict lazyfs mount, its config, and the daemon's log."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.mnt = tmp / "mnt"
+        self.root = self.mnt / "dispatch"
+        self.config = tmp / "dispatcher.yaml"
+        self.log = tmp / "daemon.log"
+        self.fs = LazyMount(tmp / "backing", self.mnt, "strict")
+        self.daemon: subprocess.Popen[bytes] | None = None
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DISPATCHER_", "NOTIFY_", "WATCHDOG_"))}
+        env["PYTHONPATH"] = str(TESTS.parent) + os.pathsep + env.get("PYTHONPATH", "")
+        env["DISPATCHER_LOCAL_FUSE"] = "lazyfs"  # the ledger's way past its network-filesystem refusal
+        return env
+
+    def start(self, agent: dict[str, Any]) -> None:
+        """Mount, make the root (durably: the user's part), write the config, start `dispatcher run`."""
+        self.fs.start()
+        self.root.mkdir()
+        fsync_path(self.mnt)
+        cfg = {"root": str(self.root), "settle": 0.1, "kill_grace": 1, "stop_timeout": 10, "agents": {"worker": agent}}
+        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        with self.log.open("wb") as out:
+            self.daemon = subprocess.Popen(
+                [sys.executable, "-m", "dispatcher", "--config", str(self.config), "run"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.tmp,
+                env=self.env(),
+                start_new_session=True,
+            )
+
+    def wait_event(self, event: str, **match: Any) -> dict[str, Any]:
+        """Wait for the daemon's log line with this event (and these values)."""
+        end = time.monotonic() + DEADLINE
+        while time.monotonic() < end:
+            for line in self.log.read_bytes().splitlines():
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()):
+                    return dict(ev)
+            assert self.daemon is not None and self.daemon.poll() is None, self.log.read_text(errors="replace")
+            time.sleep(0.01)
+        raise AssertionError(f"no {event} {match} within {DEADLINE} s: {self.log.read_text(errors='replace')[-2000:]}")
+
+    def cut(self) -> Path:
+        """Cut the power, kill the daemon and its agents, and put the durable model where the mount was."""
+        self.fs.cmd(cmd="cut")
+        if self.daemon is not None and self.daemon.poll() is None:
+            os.killpg(self.daemon.pid, signal.SIGKILL)
+            self.daemon.wait(DEADLINE)
+        durable = self.tmp / "durable"
+        try:
+            self.fs.cmd(cmd="dump", dest=str(durable))
+        finally:
+            self.fs.unmount()
+        for name in os.listdir(durable):
+            os.rename(durable / name, self.mnt / name)
+        return self.root
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "dispatcher", "--config", str(self.config), *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=self.tmp, env=self.env())
+
+    def close(self) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            os.killpg(self.daemon.pid, signal.SIGKILL)
+            self.daemon.wait(DEADLINE)
+        self.fs.unmount()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    """A fresh root on a strict lazyfs mount; the daemon killed and the mount gone at teardown."""
+    r = Rig(tmp_path)
+    yield r
+    r.close()
+
+
+def agent(**settings: Any) -> dict[str, Any]:
+    return {"command": [sys.executable, str(FAKE_AGENT)], "timeout": 30, "writes": ["reports/**"], **settings}
+
+
+def test_a_fresh_roots_folders_survive_a_cut_right_after_its_first_start(rig: Rig) -> None:
+    """A power cut just after a fresh root's first `run` logged daemon.ready keeps every folder of its layout."""
+    rig.start(agent())
+    rig.wait_event("daemon.ready")
+    root = rig.cut()
+    layout = Layout(root)
+    missing = [str(d.relative_to(root)) for d in layout.all_dirs() if not d.is_dir()]
+    assert missing == [], f"lost after the cut: {missing}"
+    for name in ("inbox", "active", "done", "failed", ".state"):
+        assert (root / name).is_dir(), name
+
+
+def test_making_the_layout_of_an_existing_root_fsyncs_nothing(tmp_path: Path) -> None:
+    """Layout.create on a root whose folders exist fsyncs nothing; on a fresh one, each new parent once."""
+    fs = LazyMount(tmp_path / "backing", tmp_path / "mnt", "strict")
+    fs.start()
+    try:
+        layout = Layout(fs.mountpoint / "dispatch")
+        before = fs.cmd(cmd="status")["ops"].get("fsyncdir", 0)
+        assert layout.create() is True
+        made = fs.cmd(cmd="status")["ops"].get("fsyncdir", 0) - before
+        assert made == 3, f"{made} folder fsyncs: the mount point, the root and .state/, each once"
+        assert layout.create() is False
+        assert fs.cmd(cmd="status")["ops"].get("fsyncdir", 0) - before == made
+    finally:
+        fs.unmount()
