@@ -8,6 +8,8 @@ written back and looked at the way a user would.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import signal
@@ -125,6 +127,40 @@ def test_a_fresh_roots_folders_survive_a_cut_right_after_its_first_start(rig: Ri
     assert missing == [], f"lost after the cut: {missing}"
     for name in ("inbox", "active", "done", "failed", ".state"):
         assert (root / name).is_dir(), name
+
+
+def test_a_done_jobs_output_and_receipt_survive_a_cut_just_after_job_done(rig: Rig) -> None:
+    """A power cut just after `job.done` leaves the done job's accept.output and receipt as the checks read them."""
+    rig.start(agent())
+    rig.wait_event("daemon.ready")
+    order = {
+        "job_id": "J1",
+        "from": "tester",
+        "to": "worker",
+        "task": "Assign each request to one team.",
+        "items": [{"id": f"R{i}", "summary": f"request {i}"} for i in (1, 2, 3)],
+        "accept": {"output": "reports/out.csv"},
+    }
+    inbox = rig.root / "inbox"
+    tmp = inbox / ".J1.tmp"
+    with tmp.open("wb") as f:  # dropped durably, as a careful user does: what is lost is the daemon's loss
+        f.write(json.dumps(order).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, inbox / "J1.json")
+    fsync_path(inbox)
+    rig.wait_event("job.done", job_id="J1")
+    root = rig.cut()
+    recovered = rig.cli("run", "--once")
+    assert recovered.returncode == 0, recovered.stderr
+    job = root / "done" / "J1"
+    result = json.loads((job / "result.json").read_bytes())
+    checks = {c["name"]: c["ok"] for c in result["checks"]}
+    assert result["state"] == "done" and checks["output_rows"] is True, result
+    rows = list(csv.DictReader(io.StringIO((job / "work" / "reports" / "out.csv").read_text())))
+    assert [r["id"] for r in rows] == ["R1", "R2", "R3"], rows
+    receipt = json.loads((job / "work" / "receipt.json").read_bytes())
+    assert receipt["job_id"] == "J1" and receipt["status"] == "done", receipt
 
 
 def test_making_the_layout_of_an_existing_root_fsyncs_nothing(tmp_path: Path) -> None:

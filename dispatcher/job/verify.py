@@ -2,8 +2,9 @@
 
 The evidence (``evidence.gather``: the receipt, the output streamed into a
 summary, a listing of work/, the outbox) is read in the io pool; which ids are
-already known asks the ledger and the orders queued in inbox/. The checks
-themselves (``checks.run_checks``) are pure functions.
+already known asks the ledger and the orders queued in inbox/; in the same trip
+the receipt and the accepted output are fsynced (their bytes are what result.json
+vouches for). The checks themselves (``checks.run_checks``) are pure functions.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def collect(
 ) -> tuple[Evidence, list[Child]]:
     """Write the attempt's record (if given), then gather its evidence (blocking: the io pool).
 
-    One trip off the loop for both: the record of an attempt that just ended and
-    what its checks read.
+    One trip off the loop for all three: the record of an attempt that just ended, what
+    its checks read, and the fsync of the files they vouch for (``vouched``).
     """
     if record is not None:
         folder.record_attempt(record)
@@ -66,7 +67,20 @@ def collect(
         max_followups=cfg.max_followups,
         changed=changed,
     )
+    folder.sync_work(vouched(ev))
     return ev, [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]
+
+
+def vouched(ev: Evidence) -> list[str]:
+    """Return the files of work/ the checks read and could pass: the receipt and ``accept.output``.
+
+    They are fsynced in the trip that read them, before any result names them (README, "Guarantees").
+    """
+    rels = [] if ev.receipt.missing or ev.receipt.error else ["receipt.json"]
+    out = ev.order.accept.output
+    if out is not None and ev.output is not None and not ev.output.missing and not ev.output.error:
+        rels.append(out)
+    return rels
 
 
 def check(ev: Evidence) -> list[CheckResult]:

@@ -27,6 +27,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -259,6 +260,41 @@ class JobFolder:
             finally:
                 os.close(fd)
         fsutil.fsync_dir(outbox)
+        fsutil.fsync_dir(self.work)
+
+    def sync_work(self, rels: Sequence[str]) -> None:
+        """Make files of work/ durable: their bytes, then each folder naming them, up to work/ itself.
+
+        For the files the checks vouch for (the receipt, ``accept.output``): the agent wrote
+        them without fsync, and result.json is about to say they passed. Every path is
+        opened one part at a time without following links; one that is gone or is not a
+        regular file is left out (the checks said so already).
+        """
+        if not rels:
+            return
+        folders: dict[Path, None] = {}
+        for rel in rels:
+            path = Path(rel)
+            try:
+                fd = fsutil.open_beneath(self.work, path)
+            except (FileNotFoundError, NotADirectoryError, fsutil.NotRegular):
+                continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            for parent in path.parents[:-1]:  # its folders below work/, the deepest first
+                folders[parent] = None
+        for rel_dir in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+            try:
+                fd = fsutil.open_beneath(self.work, rel_dir)
+            except (FileNotFoundError, fsutil.NotRegular):
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         fsutil.fsync_dir(self.work)
 
     def stage_result(self, result: Result) -> None:
