@@ -72,6 +72,44 @@ def test_after_runs_once_when_final_and_never_changes_the_state(env: Env, tmp_pa
     assert env.result("A1", "done")["state"] == "done"
 
 
+AFTER = 'echo "{job_id} [{branch}] [{head}] {result} $(pwd)" >> "$0"'
+
+
+def test_after_runs_in_work_for_a_job_cancelled_while_it_was_claimed(env: Env, tmp_path: Path) -> None:
+    """A job cancelled in its claim never gets a workspace, but its after hook still runs once, in its work/ folder."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "after.txt"
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=["sh", "-c", AFTER, str(log)])})
+    env.drop(code_order("C1"))
+    assert env.cli("cancel", "C1").returncode == 0  # no daemon yet: the claim's transaction meets the request
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    failed = env.job_dir("C1", "failed")
+    assert env.result("C1", "failed")["reason"] == "cancelled"
+    assert log.read_text().split() == ["C1", "[]", "[]", str(failed / "result.json"), str(failed / "work")]
+    record = sorted((failed / "hooks").glob("after-*.json"))
+    assert [p.name for p in record] == ["after-1.json"] and json.loads(record[0].read_text())["ok"] is True
+    assert starts(env) == [] and not (env.root / ".state" / "worktrees" / "C1").exists()
+    assert "dispatch/C1" not in git(repo, "branch", "--list")
+
+
+def test_after_runs_for_a_join_that_fails_because_its_parent_failed(env: Env, tmp_path: Path) -> None:
+    """A joined job failed in waiting/ (`after: P failed`) is final: its after hook runs once, in its work/ folder."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "after.txt"
+    agents = {
+        "worker": env.agent("--exit", "1"),
+        "coder": coder(env, repo, "--write", "src/a.txt=x", after=["sh", "-c", AFTER, str(log)]),
+    }
+    env.configure(agents=agents)
+    env.drop(code_order("J2", after=["P2"]))
+    env.drop({**code_order("P2", to="worker"), "accept": {"output": "out.csv"}})
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    failed = env.job_dir("J2", "failed")
+    assert env.result("J2", "failed")["reason"] == "after: P2 failed"
+    assert log.read_text().split() == ["J2", "[]", "[]", str(failed / "result.json"), str(failed / "work")]
+    assert [p.name for p in (failed / "hooks").glob("after-*.json")] == ["after-1.json"]
+
+
 def test_land_runs_once_after_done_in_the_repository(env: Env, tmp_path: Path) -> None:
     """A done job's land hook runs exactly once, in the repository, with the branch and head; job.landed is logged."""
     repo = make_repo(tmp_path / "shop")

@@ -118,6 +118,7 @@ class Daemon:
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
+        self.final_hooks = repowork.FinalHooks(self.layout, self.lanes, self._config, self.notify)
         finisher = Finisher(
             self.layout,
             self.ledger,
@@ -126,6 +127,7 @@ class Daemon:
             notify=self.notify,
             hints=self.inbox,
             metrics=self.metrics,
+            after_hooks=self.final_hooks,
         )
         finisher.bind(self.loop)
         joins = Joins(self.layout, self.ledger, finisher, self._config)
@@ -250,6 +252,7 @@ class Daemon:
         await self.gatekeeper.stop()
         await self.house.close()
         await self.sched.drain()
+        await self.final_hooks.drain()  # after hooks of jobs cancelled in their claim or failed in a join
         await self.notify.close()
         if self.metrics is not None:
             await self.house.write_metrics()

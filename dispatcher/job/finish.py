@@ -36,6 +36,7 @@ from dispatcher.lanes import GroupCommit, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger
 from dispatcher.lifecycle import Row, State, landed_state
+from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.result import Result
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
@@ -51,6 +52,13 @@ class Notify(Protocol):
 
     def fire(self, event: str, job_id: str | None, agent: str | None, reason: str | None, result: Path | None) -> None:
         """Queue the notify command for one event."""
+
+
+class AfterHooks(Protocol):
+    """Where the ``after`` hook of a job finished without a Job goes (``repowork.FinalHooks``), on the loop."""
+
+    def start(self, spec: JobSpec, state: Row) -> None:
+        """Run the job's after hook in the background (nothing when its agent has none)."""
 
 
 class Hints(Protocol):
@@ -83,6 +91,7 @@ class Finisher:
         notify: Notify | None = None,
         hints: Hints | None = None,
         metrics: Metrics | None = None,
+        after_hooks: AfterHooks | None = None,
     ) -> None:
         self.layout = layout
         self.ledger = ledger
@@ -91,6 +100,7 @@ class Finisher:
         self.notify = notify
         self.hints = hints
         self.metrics = metrics
+        self.after_hooks = after_hooks
         self._commit: GroupCommit[Landing, bool | OSError] = GroupCommit(lanes, self.commit)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: called (ledger lane) with the ids that just reached done or failed: wakes the joins that name them
@@ -127,8 +137,12 @@ class Finisher:
             await self.lanes.io(self.release, finish.job_id)
         return True
 
-    def finish_now(self, folder: JobFolder, finish: Finish, result: Result) -> bool:
-        """Stage and commit one failed job from the ledger lane itself (a claim under a cancel)."""
+    def finish_now(self, folder: JobFolder, finish: Finish, result: Result, spec: JobSpec | None = None) -> bool:
+        """Stage and commit one failed job from the ledger lane itself (a claim under a cancel, a failed join).
+
+        Such a job has no Job to run its agent's ``after`` hook, which is owed once the job
+        is final (contract 15): with ``spec``, ``after_hooks`` starts it on the loop.
+        """
         ok = self.commit([Landing(folder, finish, result)])[0]
         if isinstance(ok, OSError):
             raise ok
@@ -136,6 +150,8 @@ class Finisher:
             target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
             agent, reason = result.agent or "", result.reason
             self._loop.call_soon_threadsafe(self.notify.fire, "job.failed", finish.job_id, agent, reason, target)
+        if ok and spec is not None and self.after_hooks is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.after_hooks.start, spec, finish.state)
         return ok
 
     def commit(self, batch: Sequence[Landing]) -> list[bool | OSError]:

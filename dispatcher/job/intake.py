@@ -248,7 +248,7 @@ def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
         chain_cost_usd=spec.parent_chain_cost_usd,
     )
     finish = Finish(spec.job_id, started.token, Row.FAILED, None, spec.parent_chain_cost_usd)
-    finisher.finish_now(started.folder, finish, result)
+    finisher.finish_now(started.folder, finish, result, spec)  # spec: its after hook is owed too
     return Cancelled(name, spec.job_id)
 
 

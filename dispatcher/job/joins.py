@@ -226,7 +226,7 @@ class Joins:
                 chain_cost_usd=spec.parent_chain_cost_usd,
             )
             finish = Finish(spec.job_id, token, Row.FAILED, None, spec.parent_chain_cost_usd)
-            self.finisher.finish_now(folder, finish, result)
+            self.finisher.finish_now(folder, finish, result, spec)  # spec: its after hook is owed too
             return
         data = fsutil.dump_json(parents_record(self.layout, self.ledger, wait.after))
         tmp = folder.work / f".{PARENTS}.tmp"

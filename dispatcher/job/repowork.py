@@ -222,6 +222,45 @@ class JobRepo:
         )  # fmt: skip
 
 
+class FinalHooks:
+    """The ``after`` hooks of jobs that end without a Job: cancelled in their claim, a join that fails.
+
+    ``Finisher.finish_now`` hands each here (on the loop); it runs as a Job's own does
+    (``JobRepo.after_final``), in the job's work/ since such a job never got a workspace
+    (``{branch}`` and ``{head}`` empty), and ``drain`` waits for the ones still running.
+    """
+
+    def __init__(
+        self, layout: Layout, lanes: Lanes, config: Callable[[], Config], notify: landing.Notify | None
+    ) -> None:
+        self.layout = layout
+        self.lanes = lanes
+        self.config = config
+        self.notify = notify
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, spec: JobSpec, state: Row) -> None:
+        """Run the job's after hook in the background (nothing when its agent has none)."""
+        if spec.agent.repo.after is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._run(spec, state))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, spec: JobSpec, state: Row) -> None:
+        folder = JobFolder(self.layout.job(landed_state(state), spec.job_id))
+        with structlog.contextvars.bound_contextvars(job_id=spec.job_id, agent=spec.agent.name):
+            try:
+                await JobRepo(self.layout, self.lanes, spec, folder).after_final(state, self.config(), self.notify)
+            except Exception as exc:  # the job is final already: a hook never changes it
+                log.exception("daemon.error", step="after hook", error=str(exc))
+
+    async def drain(self) -> None:
+        """Wait for the hooks still running (at shutdown, before the lanes close)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
 async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.Notify | None, *, startup: bool) -> None:
     """Tidy after a crash (at start) and land what is owed: approved jobs, landings a crash postponed.
 
