@@ -67,19 +67,25 @@ def collect(
         max_followups=cfg.max_followups,
         changed=changed,
     )
-    folder.sync_work(vouched(ev))
+    folder.sync_work(vouched(ev, [f.name for f, data in followups if data is not None]))
     return ev, [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]
 
 
-def vouched(ev: Evidence) -> list[str]:
-    """Return the files of work/ the checks read and could pass: the receipt and ``accept.output``.
+def vouched(ev: Evidence, outbox: list[str]) -> list[str]:
+    """Return the files of work/ the checks read and could pass, the receipt last.
 
-    They are fsynced in the trip that read them, before any result names them (README, "Guarantees").
+    The follow-ups read from outbox/, ``accept.output`` and the receipt are fsynced in the
+    trip that read them, before any result names them (README, "Guarantees"). The receipt
+    comes last and work/ (which names it) after every file: a cut in between must not
+    leave a durable receipt beside lost follow-ups or a lost output, which a recovery
+    would then pass without them.
     """
-    rels = [] if ev.receipt.missing or ev.receipt.error else ["receipt.json"]
+    rels = [f"outbox/{name}" for name in outbox]
     out = ev.order.accept.output
     if out is not None and ev.output is not None and not ev.output.missing and not ev.output.error:
         rels.append(out)
+    if not ev.receipt.missing and not ev.receipt.error:
+        rels.append("receipt.json")
     return rels
 
 

@@ -265,8 +265,9 @@ class JobFolder:
     def sync_work(self, rels: Sequence[str]) -> None:
         """Make files of work/ durable: their bytes, then each folder naming them, up to work/ itself.
 
-        For the files the checks vouch for (the receipt, ``accept.output``): the agent wrote
-        them without fsync, and result.json is about to say they passed. Every path is
+        For the files the checks vouch for (the follow-ups, ``accept.output``, the receipt),
+        in the order given: the agent wrote them without fsync, and result.json is about to
+        say they passed. The folders come after every file, work/ last. Every path is
         opened one part at a time without following links; one that is gone or is not a
         regular file is left out (the checks said so already).
         """
