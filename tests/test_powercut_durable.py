@@ -177,3 +177,27 @@ def test_making_the_layout_of_an_existing_root_fsyncs_nothing(tmp_path: Path) ->
         assert fs.cmd(cmd="status")["ops"].get("fsyncdir", 0) - before == made
     finally:
         fs.unmount()
+
+
+def test_a_hold_survives_a_cut_right_after_the_command(rig: Rig) -> None:
+    """`hold` of a queued order, then a power cut: the order is in held/ and not back in inbox/, so it never runs."""
+    rig.start(agent())
+    rig.wait_event("daemon.ready")
+    assert rig.daemon is not None
+    rig.daemon.send_signal(signal.SIGTERM)
+    assert rig.daemon.wait(DEADLINE) == 0
+    order = {"job_id": "H1", "from": "tester", "to": "worker", "task": "Wait for a person.", "items": [{"id": "R1"}]}
+    inbox = rig.root / "inbox"
+    with (inbox / ".H1.tmp").open("wb") as f:  # dropped durably: what is lost is the command's loss
+        f.write(json.dumps(order).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(inbox / ".H1.tmp", inbox / "H1.json")
+    fsync_path(inbox)
+    held = rig.cli("hold", "H1")
+    assert held.returncode == 0, held.stderr
+    root = rig.cut()
+    assert (root / "held" / "H1.json").is_file() and not (root / "inbox" / "H1.json").exists()
+    listed = rig.cli("list", "--json")
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["job_id"], r["state"]) for r in rows] == [("H1", "held")], listed.stdout

@@ -274,14 +274,22 @@ def _word(state: str) -> str:
     return {"claimed": "active", "released": "queued", "reserved": "waiting for its parent"}.get(state, state)
 
 
+def _sync_move(src: Path, folder: Path) -> None:
+    """Make a rename out of src's folder into folder durable: the new name first."""
+    fsutil.fsync_dir(folder)
+    fsutil.fsync_dir(src.parent)
+
+
 def _move(src: Path, folder: Path, *, link: bool) -> Path | None:
     """Move src into folder under its name, or NAME-2.ext ... if taken; None if src is gone.
 
     With ``link``, by link + unlink: leaving a watched inbox/ by rename would hold
     up the watcher's later events (an unpaired move); otherwise by rename, which
-    a watcher of the target sees as a whole file arriving.
+    a watcher of the target sees as a whole file arriving. The new name is fsynced
+    before the old one goes, and the old one's going too: after a power cut the
+    order is in one folder (at worst in both, never in neither nor back where it was).
     """
-    folder.mkdir(exist_ok=True)
+    fsutil.make_dirs(folder)
     stem, suffix = os.path.splitext(src.name)
     for n in range(1, 10_000):
         dst = folder / (src.name if n == 1 else f"{stem}-{n}{suffix}")
@@ -293,11 +301,15 @@ def _move(src: Path, folder: Path, *, link: bool) -> Path | None:
                     if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.EACCES):
                         raise
                     fsutil.rename_noreplace(src, dst)  # hard links refused (fs.protected_hardlinks)
+                    _sync_move(src, folder)
                     return dst
+                fsutil.fsync_dir(folder)
                 with contextlib.suppress(FileNotFoundError):  # a daemon took it: the caller's race check decides
                     os.unlink(src)
+                fsutil.fsync_dir(src.parent)
                 return dst
             fsutil.rename_noreplace(src, dst)
+            _sync_move(src, folder)
             return dst
         except FileExistsError:
             continue
