@@ -287,7 +287,7 @@ def _move(src: Path, folder: Path, *, link: bool) -> Path | None:
     up the watcher's later events (an unpaired move); otherwise by rename, which
     a watcher of the target sees as a whole file arriving. The new name is fsynced
     before the old one goes, and the old one's going too: after a power cut the
-    order is in one folder (at worst in both, never in neither nor back where it was).
+    order is where the command put it (cut between the two steps: in both); never lost.
     """
     fsutil.make_dirs(folder)
     stem, suffix = os.path.splitext(src.name)
