@@ -418,7 +418,8 @@ class Daemon:
         if self.notifier.enabled:
             s = self.sched.stats.finished
             self.notifier.status(
-                f"running {len(self.sched.running)}, queued {len(self.sched.parked) + len(self.inbox)},"
+                f"running {len(self.sched.running)},"
+                f" queued {len(self.sched.parked) + len(self.sched.aside) + len(self.inbox)},"
                 f" done {s['done']}, failed {s['failed']}, refused {s['refused']}"
             )
 
