@@ -19,16 +19,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dispatcher.core.watcher import Inbox
-from dispatcher.job import intake, placing
+from dispatcher.job import intake
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
-from dispatcher.job.placing import Pick, Started
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.ledger.sqlite import SqliteLedger
 from dispatcher.spec.config import build_config
 from dispatcher.spec.settings import Config
+from dispatcher.store import placing
+from dispatcher.store.placing import Pick, Started
 from dispatcher.store.refusals import Refusal
 
 T = TypeVar("T")

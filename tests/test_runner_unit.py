@@ -22,7 +22,8 @@ import pytest
 
 from dispatcher import procs
 from dispatcher.job.agent_result import parse_agent_result
-from dispatcher.job.runner import AgentExit, AgentProcess, build_env, render
+from dispatcher.job.runner import AgentExit, AgentProcess, build_env
+from dispatcher.spec.jobspec import render
 
 ARGV_VALUES = {
     "job_id": "JOB-1",

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from seam_fixtures import open_seam, order
 
-from dispatcher.job import intake, placing
+from dispatcher.job import intake
 from dispatcher.job.intake import Cancelled, Refused
-from dispatcher.job.placing import Inspected, Skipped, Started
 from dispatcher.ledger.base import Request
 from dispatcher.lifecycle import Row
+from dispatcher.store import placing
+from dispatcher.store.placing import Inspected, Skipped, Started
 from dispatcher.store.refusals import Refusal
 
 

@@ -25,7 +25,6 @@ from dispatcher.job import intake, recovery, revise
 from dispatcher.job.finish import Finisher
 from dispatcher.job.intake import Cancelled, Refused, Waiting
 from dispatcher.job.joins import Joins
-from dispatcher.job.placing import Inspected, Pick, Skipped, Started
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import State
@@ -35,6 +34,7 @@ from dispatcher.spec.order import Order
 from dispatcher.spec.orders import validate_order
 from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.placing import Inspected, Pick, Skipped, Started
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")

@@ -15,9 +15,9 @@ from typing import Any
 
 from dispatcher.checks.builtin import Exit
 from dispatcher.job import sandbox
-from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env, render
+from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env
 from dispatcher.job.worktree import Workspace
-from dispatcher.spec.jobspec import Attempt, JobSpec, prompt_values
+from dispatcher.spec.jobspec import Attempt, JobSpec, prompt_values, render
 from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
 

@@ -4,7 +4,7 @@
 bounded by ``max_order_bytes``). ``claim`` takes a batch of valid orders in the
 ledger lane, each claim committing together with its job folder or not at all:
 
-1. a staging folder ``.state/staging/<owner>.claim-<id>-<rand>/`` is made (``placing``) and
+1. a staging folder ``.state/staging/<owner>.claim-<id>-<rand>/`` is made (``store.placing``) and
    the inbox file is hard-linked into it (the inbox name stays);
 2. one ledger transaction claims every id of the batch;
 3. for each claimed id: ``work/`` and ``job.json`` are written; then every file and
@@ -32,9 +32,7 @@ import structlog
 from dispatcher import fsutil
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
-from dispatcher.job import placing
 from dispatcher.job.finish import Finisher
-from dispatcher.job.placing import Inspected, Pick, Skipped, Started
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger
 from dispatcher.ledger.cycles import find_cycle
@@ -43,11 +41,13 @@ from dispatcher.shortage import SHORT, resource_of
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
+from dispatcher.store import placing
 from dispatcher.store.jobstore import (
     build_result,
     drop_inbox_twin,
     is_disk_full,
 )
+from dispatcher.store.placing import Inspected, Pick, Skipped, Started
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")

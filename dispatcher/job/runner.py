@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -35,28 +34,10 @@ from dispatcher.job.idle import IdleWatch, newest_change
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 ERR_TAIL_BYTES = 64 * 1024  # stderr kept in memory, for usage limits (section 14)
 PASSED_ENV = ("PATH", "HOME", "LANG")
-ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file", "parents")
-PROMPT_PLACEHOLDERS = (
-    "job_id", "from", "to", "task", "items_json", "writes", "accept_json", "order", "workspace", "receipt", "parents",
-)  # fmt: skip
 _READ = 1 << 16
 _DRAIN_AFTER_EXIT_S = 1.0
 _GROUP_POLL_S = 0.02
 _KILL_WAIT_S = 5.0
-
-
-def _pattern(names: tuple[str, ...]) -> re.Pattern[str]:
-    return re.compile(r"\{(" + "|".join(re.escape(n) for n in names) + r")\}")
-
-
-_ARGV_RE = _pattern(ARGV_PLACEHOLDERS)
-_PROMPT_RE = _pattern(PROMPT_PLACEHOLDERS)
-
-
-def render(text: str, values: Mapping[str, str], *, prompt: bool = False) -> str:
-    """Replace the contract's exact placeholders in text; leave every other brace alone."""
-    regex = _PROMPT_RE if prompt else _ARGV_RE
-    return regex.sub(lambda m: values.get(m.group(1), m.group(0)), text)
 
 
 def build_env(

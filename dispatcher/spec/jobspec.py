@@ -9,6 +9,7 @@ config when an operator retries it). ``Attempt`` is one run of the agent as
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -204,3 +205,23 @@ def prompt_values(
         "receipt": str(work / "receipt.json"),
         "parents": str(work / "parents.json"),
     }
+
+
+ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file", "parents")
+PROMPT_PLACEHOLDERS = (
+    "job_id", "from", "to", "task", "items_json", "writes", "accept_json", "order", "workspace", "receipt", "parents",
+)  # fmt: skip
+
+
+def _pattern(names: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile(r"\{(" + "|".join(re.escape(n) for n in names) + r")\}")
+
+
+_ARGV_RE = _pattern(ARGV_PLACEHOLDERS)
+_PROMPT_RE = _pattern(PROMPT_PLACEHOLDERS)
+
+
+def render(text: str, values: Mapping[str, str], *, prompt: bool = False) -> str:
+    """Replace the contract's exact placeholders in text; leave every other brace alone."""
+    regex = _PROMPT_RE if prompt else _ARGV_RE
+    return regex.sub(lambda m: values.get(m.group(1), m.group(0)), text)

@@ -20,12 +20,11 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.fsutil import digest
-from dispatcher.job.runner import render
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Claimed, Ledger
 from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
-from dispatcher.spec.jobspec import JobSpec, prompt_values
+from dispatcher.spec.jobspec import JobSpec, prompt_values, render
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import to_json
 from dispatcher.spec.settings import Agent
