@@ -64,3 +64,36 @@ def test_the_root_cap_holds_every_agent(env: Env) -> None:
     assert gated["reason"] == "0.6 USD in 24 h reached max_daily_cost_usd 0.5"
     time.sleep(1.5)
     assert [s[0] for s in env.starts()] == ["ROOT-1", "ROOT-2"]
+
+
+def test_the_24_hour_spend_reads_an_index_not_every_finished_job(tmp_path: Path) -> None:
+    """On 20,000 finished jobs, the last day's spend (caps, `status`, the web view) is summed from an index."""
+    import sqlite3
+
+    from dispatcher.ledger.base import Entry
+    from dispatcher.ledger.sqlite import SqliteLedger
+    from dispatcher.lifecycle import Row
+    from dispatcher.query.report import spend_since
+
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite3", tmp_path)
+    now = time.time()
+    old = [
+        Entry(f"O{i:05d}", Row.DONE, "a", None, 1, None, None, None, 0, 1.0, None, now - 90000 - i)
+        for i in range(20000)
+    ]
+    new = [
+        Entry(f"N{i}", Row.FAILED, "b" if i else None, None, 1, None, None, None, 0, 0.25, None, now - i)
+        for i in range(4)
+    ]
+    assert ledger.load_rows(old + new) == 20004
+    assert spend_since(ledger, now - 86400) == {"-": 0.25, "b": 0.75}
+    plan = (
+        sqlite3.connect(tmp_path / "ledger.sqlite3")
+        .execute(
+            "EXPLAIN QUERY PLAN SELECT updated, coalesce(agent, '-'), cost_usd FROM jobs WHERE state IN (?, ?, ?)"
+            " AND updated >= ? AND cost_usd IS NOT NULL ORDER BY updated",
+            ("done", "failed", "review", now - 86400),
+        )
+        .fetchall()
+    )
+    assert "USING INDEX jobs_spent" in str(plan), plan

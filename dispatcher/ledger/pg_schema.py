@@ -49,6 +49,7 @@ _TABLES = (
     "CREATE INDEX jobs_parent ON jobs (parent) WHERE parent IS NOT NULL",
     # a plain index: a partial one is not used by a generic plan of `state = ANY($1)`
     "CREATE INDEX jobs_state ON jobs (state)",
+    "CREATE INDEX jobs_spent ON jobs (updated) WHERE cost_usd IS NOT NULL",
     """
     CREATE TABLE requests (
         job_id text COLLATE "C" NOT NULL,
@@ -155,7 +156,9 @@ def ensure(cur: Cur, where: str) -> int:
 
 
 def _add_columns(cur: Cur) -> None:
-    """Add the columns added since version 1 without a new version: older daemons never name them."""
+    """Add the columns and indexes added since version 1 without a new version: older daemons never name them."""
+    # the spend of the last 24 hours (daily caps, `status`, the web view) without a full scan
+    cur.execute("CREATE INDEX IF NOT EXISTS jobs_spent ON jobs (updated) WHERE cost_usd IS NOT NULL")
     found = cur.execute(
         "SELECT 1 FROM information_schema.columns WHERE table_name = 'daemons' AND column_name = 'config_digest'"
         " AND table_schema = current_schema()"

@@ -143,6 +143,8 @@ class SqliteDb:
             ):
                 if name not in cols:  # a ledger from before fencing tokens and costs
                     db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+            # the spend of the last 24 hours (daily caps, `status`, the web view) without a full scan
+            db.execute("CREATE INDEX IF NOT EXISTS jobs_spent ON jobs(updated) WHERE cost_usd IS NOT NULL")
             self._check_version(db)
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
