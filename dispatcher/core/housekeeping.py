@@ -226,6 +226,10 @@ class Housekeeping:
                     continue
                 self.sched.park_retry(job_id, agent, revise=True)
         await lanes.io(_drop_hints, layout, hints)
+        if not self.ctx.stopping() and any(h.startswith(("approve-", "reject-")) for h in hints):
+            self.start(  # a decided review: its after hook and landing are owed now, not at the next rescan
+                repowork.housekeep(layout, lanes, self.ctx.config(), self.ctx.finisher.notify, startup=False), "land"
+            )
         self.wake()
 
     def _other_daemons(self) -> bool:

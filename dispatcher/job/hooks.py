@@ -6,10 +6,14 @@ its own process group with its own timeout (300 s unless given), the agent's
 environment rules and the config's ``kill_grace``, its output kept in
 ``<name>-stdout.log`` and ``<name>-stderr.log`` beside the attempt or job it serves.
 
-``after`` is owed to every job once it is final, whatever its state: also to one
-that never ran an attempt (cancelled in its claim, a join that failed), which never
-got a workspace; it then runs in the job's ``work/`` (``{workspace}`` names it,
-``{branch}`` and ``{head}`` are empty), as for an agent without ``workspace``.
+``after`` is owed to every job once it is final (done or failed), and runs once.
+A job entering review/ is not final: its hook waits for `approve` or `reject`
+(``afterowed``: a durable marker that a daemon carries out, at once on the
+decision's hint, else at its next rescan or start), and after `revise` for the
+job's next end. It is owed too to a job that never ran an attempt (cancelled in
+its claim, a join that failed), which never got a workspace; it then runs in the
+job's ``work/`` (``{workspace}`` names it, ``{branch}`` and ``{head}`` are empty),
+as for an agent without ``workspace``.
 """
 
 from __future__ import annotations

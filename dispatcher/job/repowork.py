@@ -5,7 +5,8 @@ made at the first, a retry starts again from base unless the agent repairs),
 ``snapshot`` before the checks (``attempts/<n>/diff.patch`` and ``changed.txt``),
 ``seal`` before the finish (uncommitted changes are committed on the branch, its
 head is reported in result.json), ``after_final`` once the finish is committed
-(the ``after`` hook, the worktree removed, the ``land`` hook of a done job).
+(the ``after`` hook of a final job, the worktree removed, the ``land`` hook of a
+done job; a job entering review/ owes its ``after`` hook: ``afterowed``).
 The git work runs in the io pool; the calls that change a repository's worktree
 list are serialised per repository on the loop (``repo_lock``), so waiting for
 one never holds a thread.
@@ -22,7 +23,7 @@ from typing import Any
 import structlog
 
 from dispatcher import faults
-from dispatcher.job import hooks, landing, worktree
+from dispatcher.job import afterowed, hooks, landing, worktree
 from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
 from dispatcher.job.worktree import GitError, Workspace
 from dispatcher.lanes import Lanes
@@ -157,17 +158,23 @@ class JobRepo:
             self._sealed = sealed
 
     async def owe_landing(self, state: Row) -> None:
-        """Record the landing a done (or reviewed) job owes, durably, before its finish."""
-        if self.spec.agent.repo.land is not None and state in (Row.DONE, Row.REVIEW):
+        """Record, durably and before its finish, the landing a done (or reviewed) job owes and the after
+        hook a reviewed job owes; a revised job that ends without review forgets the one its review owed."""
+        repo = self.spec.agent.repo
+        if repo.land is not None and state in (Row.DONE, Row.REVIEW):
             await self.lanes.io(landing.owe, self.layout, self.spec.job_id)
+        if repo.after is not None:
+            step = afterowed.owe if state == Row.REVIEW else afterowed.drop
+            await self.lanes.io(step, self.layout, self.spec.job_id)
 
     async def after_final(self, state: Row, cfg: Config, notify: landing.Notify | None) -> None:
-        """After the finish: run ``after``, remove the worktree (the branch stays), land a done job."""
+        """After the finish: run ``after`` (owed in review/), remove the worktree (branch kept), land a done job."""
         job_path = self.layout.job(landed_state(state), self.spec.job_id)
         after = self.spec.agent.repo.after
-        if after is not None:
+        if after is not None and state != Row.REVIEW:  # a job in review owes it until decided (``afterowed``)
             run = await self._hook("after", after, job_path, cfg, job_path / "work")
-            await self.lanes.io(landing.record_run, job_path, "hooks", "after-", run.to_json())
+            record = {**run.to_json(), "state": str(state)}
+            await self.lanes.io(landing.record_run, job_path, "hooks", "after-", record)
             if not run.ok:
                 log.warning("hook.failed", hook="after", reason=run.why)
         if self.ws is not None:
@@ -262,11 +269,12 @@ class FinalHooks:
 
 
 async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.Notify | None, *, startup: bool) -> None:
-    """Tidy after a crash (at start) and land what is owed: approved jobs, landings a crash postponed.
+    """Tidy after a crash (at start) and run what is owed: the after hooks of decided reviews, then
+    landings (approved jobs, landings a crash postponed).
 
     At start, each configured repository's worktrees are pruned (the locked ones are
     named in one line: they must be unlocked on purpose), worktrees of jobs no longer
-    active are removed, and landings a crash cut short are recorded as failed.
+    active are removed, and after hooks and landings a crash cut short are recorded as failed.
     """
     if startup:
         repos = sorted({a.repo.workspace.git for a in cfg.agents.values() if a.repo.workspace is not None})
@@ -283,6 +291,16 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
         removed = await lanes.io(worktree.sweep, layout.state_dir / "worktrees", keep)
         if removed:
             log.info("workspace.removed", jobs=removed)
+    afters = await lanes.io(afterowed.look, layout, startup=startup)
+    for job_id in afters.interrupted:
+        await lanes.io(afterowed.record_interrupted, layout, job_id)
+        log.warning("hook.failed", hook="after", job_id=job_id, reason=afterowed.INTERRUPTED)
+    for job_id in afters.ready:
+        if await lanes.io(afterowed.claim, layout, job_id):
+            try:
+                await afterowed.run(layout, job_id, cfg, lanes.io)
+            except Exception as exc:  # the job is final already: a hook never changes it, nor stops the landings
+                log.exception("daemon.error", step="after hook", job_id=job_id, error=str(exc))
     owed = await lanes.io(landing.look, layout, startup=startup)
     for job_id in owed.interrupted:
         await lanes.io(landing.record_interrupted, layout, job_id)

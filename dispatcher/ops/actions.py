@@ -210,14 +210,18 @@ class Operator:
         from dispatcher.job.review import decide
 
         _check_id(job_id)
-        return decide(self.layout, self.ledger, job_id, approve=True, max_chain_cost_usd=self.config.max_chain_cost_usd)
+        line = decide(self.layout, self.ledger, job_id, approve=True, max_chain_cost_usd=self.config.max_chain_cost_usd)
+        self._poke("approve", job_id)  # a running daemon lands it and runs its after hook at once
+        return line
 
     def reject(self, job_id: str) -> str:
         """Move a job waiting in review/ to failed/ with reason `rejected: TEXT`; its follow-ups are dropped."""
         from dispatcher.job.review import decide
 
         _check_id(job_id)
-        return decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
+        line = decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
+        self._poke("reject", job_id)  # a running daemon runs its after hook at once
+        return line
 
     def revise(self, job_id: str) -> str:
         """Send a job in review/ or failed/ back for one more attempt with the note (section 14)."""
