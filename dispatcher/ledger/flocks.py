@@ -17,7 +17,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from dispatcher.ledger.base import DaemonInfo
+from dispatcher.ledger.records import DaemonInfo
 
 _ALIVE_TTL_S = 1.0
 

@@ -40,7 +40,7 @@ from psycopg import conninfo as pg_conninfo
 from psycopg.rows import TupleRow
 
 from dispatcher.errors import UsageError, oneline
-from dispatcher.ledger.base import LedgerUnavailable
+from dispatcher.ledger.records import LedgerUnavailable
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")

@@ -8,8 +8,8 @@ hand) and a wait per job that waits for one. Schema version 2 added the tables;
 
 from __future__ import annotations
 
-from dispatcher.ledger.base import Gate, GateKind
 from dispatcher.ledger.pg_conn import Cur, Runner
+from dispatcher.ledger.records import Gate, GateKind
 from dispatcher.lifecycle import Row
 
 TABLES = (

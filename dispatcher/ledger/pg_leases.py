@@ -20,8 +20,8 @@ import time
 import psycopg
 import structlog
 
-from dispatcher.ledger.base import DaemonInfo, LedgerUnavailable
 from dispatcher.ledger.pg_conn import Conn, Cur, Found, PostgresLedgerError, Runner
+from dispatcher.ledger.records import DaemonInfo, LedgerUnavailable
 
 log = structlog.get_logger("dispatcher")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from dispatcher.ledger.base import Wait, fold_waits
 from dispatcher.ledger.pg_conn import Cur, Fence, Found, Runner
+from dispatcher.ledger.records import Wait, fold_waits
 from dispatcher.lifecycle import Row
 
 _WAITING = (

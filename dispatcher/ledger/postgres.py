@@ -62,7 +62,15 @@ except ImportError:  # the optional extra is not installed: say so in one line (
         "ledger: postgresql:// needs psycopg 3; install folder-dispatcher[postgres] (pip install 'psycopg[binary]')"
     ) from None
 from dispatcher.ledger import pg_bulk, pg_schema
-from dispatcher.ledger.base import (
+from dispatcher.ledger.base import Leases as LeasesInterface
+from dispatcher.ledger.base import Ledger
+from dispatcher.ledger.pg_claims import Claims
+from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
+from dispatcher.ledger.pg_finish import Followups
+from dispatcher.ledger.pg_gates import Gates
+from dispatcher.ledger.pg_leases import LeaseLost, Leases
+from dispatcher.ledger.pg_waits import Waits
+from dispatcher.ledger.records import (
     Child,
     ClaimAnswer,
     ClaimRequest,
@@ -71,17 +79,9 @@ from dispatcher.ledger.base import (
     Extras,
     Finish,
     Gate,
-    Ledger,
     Request,
     Wait,
 )
-from dispatcher.ledger.base import Leases as LeasesInterface
-from dispatcher.ledger.pg_claims import Claims
-from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
-from dispatcher.ledger.pg_finish import Followups
-from dispatcher.ledger.pg_gates import Gates
-from dispatcher.ledger.pg_leases import LeaseLost, Leases
-from dispatcher.ledger.pg_waits import Waits
 from dispatcher.lifecycle import Row
 
 __all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError", "migrate"]

@@ -23,7 +23,9 @@ import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 
 from dispatcher.fsutil import fsync_dir
-from dispatcher.ledger.base import (
+from dispatcher.ledger.base import Ledger, now
+from dispatcher.ledger.flocks import make_lock, read_infos, write_info
+from dispatcher.ledger.records import (
     Busy,
     Child,
     ClaimAnswer,
@@ -33,11 +35,8 @@ from dispatcher.ledger.base import (
     Entry,
     Finish,
     Known,
-    Ledger,
     Request,
-    now,
 )
-from dispatcher.ledger.flocks import make_lock, read_infos, write_info
 from dispatcher.ledger.sqlite_bulk import SqliteBulk
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
 from dispatcher.ledger.sqlite_gates import SqliteGates

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from dispatcher.ledger.base import Extras, Gate, GateWait, Request, fold_waits
+from dispatcher.ledger.records import Extras, Gate, GateWait, Request, fold_waits
 from dispatcher.ledger.sqlite_db import SqliteDb
 
 

@@ -20,11 +20,8 @@ from urllib.parse import quote
 import structlog
 from filelock import FileLock
 
-from dispatcher.ledger.base import (
-    Entry,
-    LedgerUnavailable,
-)
 from dispatcher.ledger.flocks import FlockSlots, Liveness
+from dispatcher.ledger.records import Entry, LedgerUnavailable
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from dispatcher.ledger.base import Gate, GateKind, now
+from dispatcher.ledger.base import now
+from dispatcher.ledger.records import Gate, GateKind
 from dispatcher.ledger.sqlite_db import SqliteDb
 from dispatcher.lifecycle import Row
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Sequence
 
-from dispatcher.ledger.base import Wait, fold_waits, now
+from dispatcher.ledger.base import now
+from dispatcher.ledger.records import Wait, fold_waits
 from dispatcher.ledger.sqlite_db import SqliteDb
 from dispatcher.lifecycle import Row
 
