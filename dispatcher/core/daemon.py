@@ -25,13 +25,14 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.core import announce
+from dispatcher.core.fsevents import start_watch
 from dispatcher.core.gatekeeper import GateKeeper
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.notify import Notifications
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
-from dispatcher.core.watcher import Inbox, list_inbox, start_watch
+from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.errors import ConfigError, UsageError
 from dispatcher.job import repowork
 from dispatcher.job.context import JobContext
