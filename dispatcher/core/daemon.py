@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from dispatcher import fsutil
 from dispatcher.core import announce
 from dispatcher.core.fsevents import start_watch
 from dispatcher.core.gatekeeper import GateKeeper
@@ -115,7 +114,6 @@ class Daemon:
         info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
         await asyncio.to_thread(self.ledger.register, info)
         self.lanes = Lanes()
-        fsutil.start_sync_threads()  # claims and finishes fsync their folders side by side
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
