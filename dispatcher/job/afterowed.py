@@ -19,113 +19,35 @@ runs never runs it twice: the run is recorded as failed ("interrupted").
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from dispatcher import faults, fsutil
 from dispatcher.clock import iso
-from dispatcher.job import hooks
-from dispatcher.job.runner import build_env, dispatch_env
-from dispatcher.job.worktree import read_record
+from dispatcher.job import owed
+from dispatcher.job.owed import RUNNING, Io, Owed, record_run
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 
+__all__ = ["INTERRUPTED", "RUNNING", "Owed", "claim", "drop", "look", "owe", "record", "record_interrupted", "run"]
+
 log = structlog.get_logger("dispatcher")
-RUNNING = ".running"
-Io = Callable[..., Awaitable[Any]]
 INTERRUPTED = "after hook interrupted by a stop or crash; it is not run again"
-
-
-def _dir(layout: Layout) -> Path:
-    return layout.state_dir / "after"
-
-
-def owe(layout: Layout, job_id: str) -> None:
-    """Record durably that job_id owes its after hook once decided (before its finish is committed; blocking)."""
-    folder = _dir(layout)
-    fsutil.make_dirs(folder)
-    if not (folder / job_id).exists():
-        fsutil.write_atomic(folder / job_id, b"")
-
-
-def drop(layout: Layout, job_id: str) -> None:
-    """Forget an owed hook whose review was revised away (the job runs its own hook; blocking)."""
-    folder = _dir(layout)
-    try:
-        os.unlink(folder / job_id)
-    except FileNotFoundError:
-        return
-    fsutil.fsync_dir(folder)
-
-
-def claim(layout: Layout, job_id: str) -> bool:
-    """Take the owed hook of job_id (one rename wins); False when it is not owed or another run holds it."""
-    folder = _dir(layout)
-    try:
-        os.rename(folder / job_id, folder / f"{job_id}{RUNNING}")
-    except FileNotFoundError:
-        return False
-    fsutil.fsync_dir(folder)
-    return True
-
-
-def settle(layout: Layout, job_id: str) -> None:
-    """Drop the marker of job_id (its record is written)."""
-    folder = _dir(layout)
-    for name in (job_id, f"{job_id}{RUNNING}"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(folder / name)
-    fsutil.fsync_dir(folder)
-
-
-@dataclass(frozen=True, slots=True)
-class Owed:
-    """What a pass over the markers found: decided jobs to run now, and runs a crash cut short."""
-
-    ready: list[str]
-    interrupted: list[str]
-
-
-def look(layout: Layout, *, startup: bool) -> Owed:
-    """Sort the markers (blocking): jobs in done/ or failed/ run now, others still wait; unknown ones are dropped.
-
-    At start, a ``.running`` marker is a run a crash cut short: it is not run again.
-    """
-    try:
-        names = sorted(os.listdir(_dir(layout)))
-    except FileNotFoundError:
-        return Owed([], [])
-    ready, interrupted = [], []
-    for name in names:
-        if name.endswith(RUNNING):
-            if startup:
-                interrupted.append(name[: -len(RUNNING)])
-            continue
-        found = layout.find(name)
-        if found is None:
-            settle(layout, name)
-        elif found[0] in (State.DONE, State.FAILED):
-            ready.append(name)
-    return Owed(ready, interrupted)
+MARKERS = owed.Markers("after", ready_in=frozenset({State.DONE, State.FAILED}), settled_in=frozenset())
+owe = MARKERS.owe
+drop = MARKERS.drop
+claim = MARKERS.claim
+settle = MARKERS.settle
+look = MARKERS.look
 
 
 def record(folder: Path, data: dict[str, Any]) -> None:
     """Write hooks/after-<k>.json in a job folder, never over an earlier one (blocking)."""
-    out = folder / "hooks"
-    out.mkdir(exist_ok=True)
-    k = 1
-    while (out / f"after-{k}.json").exists():
-        k += 1
-    fsutil.write_atomic(out / f"after-{k}.json", fsutil.dump_json(data))
+    record_run(folder, "hooks", "after-", data)
 
 
 def record_interrupted(layout: Layout, job_id: str) -> None:
@@ -150,26 +72,12 @@ async def run(layout: Layout, job_id: str, cfg: Config, io: Io) -> None:
     if hook is None:
         await io(settle, layout, job_id)
         return
-    ws = await io(read_record, path)
-    result = await io(folder.result)
-    wsr = result.extra.get("workspace") if result is not None else None
-    wsr = wsr if isinstance(wsr, dict) else {}
-    values = {
-        "job_id": job_id,
-        "workspace": ws.path if ws is not None else str(folder.work),
-        "branch": ws.branch if ws is not None else "",
-        "head": str(wsr.get("head") or ""),
-        "result": str(path / "result.json"),
-    }
     # the worktree was removed when the job entered review/: the hook runs in the repository, like land
-    cwd = next((Path(p) for p in (values["workspace"], ws.repo if ws else "") if p and os.path.isdir(p)), folder.work)
     agent = spec.agent
-    env = build_env(agent.env, dispatch_env(job_id, folder.work, 0, Path(values["workspace"])), agent.pass_env)
-    faults.point("after.started")
-    done = await hooks.run_hook(
-        "after", hook, values, cwd=cwd, env=env, kill_grace_s=cfg.kill_grace_s,
-        log_dir=path / "hooks", max_log_bytes=cfg.max_log_bytes,
-    )  # fmt: skip
+    result = await io(folder.result)
+    done, _values = await owed.run_hook(
+        "after", hook, path, job_id, agent, result, cfg, io, log_dir=path / "hooks", worktree_first=True
+    )
     await io(record, path, {**done.to_json(), "state": state.value})
     await io(settle, layout, job_id)
     if not done.ok:

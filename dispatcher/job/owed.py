@@ -1,0 +1,163 @@
+"""A hook a job owes once it is final, made exactly-once with a durable marker (contract section 15).
+
+Two hooks use it: ``land`` after a job is done (``job/landing.py``) and the
+``after`` hook of a job that waited in review/ (``job/afterowed.py``). The marker
+``.state/<kind>/<job_id>`` is written durably before the job's finish is
+committed; a daemon renames it to ``<job_id>.running`` to run the hook (one rename
+wins), records the run in the job folder and drops the marker. A ``.running``
+marker found at start is a run a crash cut short: recorded as failed, never run
+again by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dispatcher import faults, fsutil
+from dispatcher.job import hooks
+from dispatcher.job.runner import build_env, dispatch_env
+from dispatcher.job.worktree import Workspace, read_record
+from dispatcher.layout import Layout
+from dispatcher.lifecycle import State
+from dispatcher.spec.result import Result
+from dispatcher.spec.settings import Agent, Config, Hook
+
+RUNNING = ".running"
+Io = Callable[..., Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Owed:
+    """What a pass over the markers found: jobs to run the hook for now, and runs a crash cut short."""
+
+    ready: list[str]
+    interrupted: list[str]
+
+
+class Markers:
+    """The markers of one owed hook, in ``.state/<kind>/``; every method blocks (call it in a lane)."""
+
+    def __init__(self, kind: str, *, ready_in: frozenset[State], settled_in: frozenset[State]) -> None:
+        self.kind = kind
+        self.ready_in = ready_in  # a job in these states runs its hook now
+        self.settled_in = settled_in  # a job in these states owes nothing any more
+
+    def folder(self, layout: Layout) -> Path:
+        """Return the folder of the markers."""
+        return layout.state_dir / self.kind
+
+    def owe(self, layout: Layout, job_id: str) -> None:
+        """Record durably that job_id owes the hook (before its finish is committed)."""
+        folder = self.folder(layout)
+        fsutil.make_dirs(folder)  # the first marker of a root: the folder's name is part of the record
+        if not (folder / job_id).exists():
+            fsutil.write_atomic(folder / job_id, b"")
+
+    def drop(self, layout: Layout, job_id: str) -> None:
+        """Forget an owed hook the job no longer owes (it runs its own hook)."""
+        folder = self.folder(layout)
+        try:
+            os.unlink(folder / job_id)
+        except FileNotFoundError:
+            return
+        fsutil.fsync_dir(folder)
+
+    def claim(self, layout: Layout, job_id: str) -> bool:
+        """Take the owed hook of job_id (one rename wins); False when it is not owed or another run holds it."""
+        folder = self.folder(layout)
+        try:
+            os.rename(folder / job_id, folder / f"{job_id}{RUNNING}")
+        except FileNotFoundError:
+            return False
+        fsutil.fsync_dir(folder)
+        return True
+
+    def running(self, layout: Layout, job_id: str) -> bool:
+        """Return True while a run of job_id's hook holds its marker (or a crash left it so)."""
+        return (self.folder(layout) / f"{job_id}{RUNNING}").exists()
+
+    def settle(self, layout: Layout, job_id: str) -> None:
+        """Drop the marker of job_id (its record is written)."""
+        folder = self.folder(layout)
+        for name in (job_id, f"{job_id}{RUNNING}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / name)
+        fsutil.fsync_dir(folder)
+
+    def look(self, layout: Layout, *, startup: bool) -> Owed:
+        """Sort the markers: jobs in ``ready_in`` run now, gone or settled ones owe nothing, others wait.
+
+        At start, a ``.running`` marker is a run a crash cut short: it is not run again.
+        """
+        try:
+            names = sorted(os.listdir(self.folder(layout)))
+        except FileNotFoundError:
+            return Owed([], [])
+        ready, interrupted = [], []
+        for name in names:
+            if name.endswith(RUNNING):
+                if startup:
+                    interrupted.append(name[: -len(RUNNING)])
+                continue
+            found = layout.find(name)
+            if found is not None and found[0] in self.ready_in:
+                ready.append(name)
+            elif found is None or found[0] in self.settled_in:
+                self.settle(layout, name)
+        return Owed(ready, interrupted)
+
+
+def record_run(folder: Path, sub: str, prefix: str, data: dict[str, Any]) -> Path:
+    """Write <sub>/<prefix><k>.json in a job folder, never over an earlier one (blocking)."""
+    out = folder / sub
+    out.mkdir(exist_ok=True)
+    k = 1
+    while (out / f"{prefix}{k}.json").exists():
+        k += 1
+    fsutil.write_atomic(out / f"{prefix}{k}.json", fsutil.dump_json(data))
+    return out / f"{prefix}{k}.json"
+
+
+async def run_hook(
+    name: str,
+    hook: Hook,
+    path: Path,
+    job_id: str,
+    agent: Agent,
+    result: Result | None,
+    cfg: Config,
+    io: Io,
+    *,
+    log_dir: Path,
+    worktree_first: bool,
+) -> tuple[hooks.HookRun, dict[str, str]]:
+    """Run a final job's hook (``land``, an owed ``after``) with the job's placeholders; return it and them.
+
+    It runs in the repository (first in the worktree, if ``worktree_first`` and it is still
+    there), or in ``work/`` for a job without a workspace.
+    """
+    work = path / "work"
+    ws: Workspace | None = await io(read_record, path)
+    wsr = result.extra.get("workspace") if result is not None else None
+    wsr = wsr if isinstance(wsr, dict) else {}
+    values = {
+        "job_id": job_id,
+        "workspace": ws.path if ws is not None else str(work),
+        "branch": ws.branch if ws is not None else "",
+        "head": str(wsr.get("head") or ""),
+        "result": str(path / "result.json"),
+    }
+    places = (values["workspace"] if worktree_first else "", ws.repo if ws is not None else "")
+    cwd = next((Path(p) for p in places if p and os.path.isdir(p)), work)
+    env = build_env(agent.env, dispatch_env(job_id, work, 0, Path(values["workspace"])), agent.pass_env)
+    faults.point(f"{name}.started")
+    done = await hooks.run_hook(
+        name, hook, values, cwd=cwd, env=env, kill_grace_s=cfg.kill_grace_s, log_dir=log_dir,
+        max_log_bytes=cfg.max_log_bytes,
+    )  # fmt: skip
+    return done, values
