@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from powercut.harness import FAKE_AGENT, TESTS, LazyMount, fsync_path
+from powercut.harness import FAKE_AGENT, TESTS, LazyMount, fsync_path, start_run
 
 from dispatcher.layout import Layout
 
@@ -54,15 +54,7 @@ class Rig:
         fsync_path(self.mnt)
         cfg = {"root": str(self.root), "settle": 0.1, "kill_grace": 1, "stop_timeout": 10, "agents": {"worker": agent}}
         self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        with self.log.open("wb") as out:
-            self.daemon = subprocess.Popen(
-                [sys.executable, "-m", "dispatcher", "--config", str(self.config), "run"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=self.tmp,
-                env=self.env(),
-                start_new_session=True,
-            )
+        self.daemon = start_run(self.config, self.log, self.tmp, self.env())
 
     def wait_event(self, event: str, **match: Any) -> dict[str, Any]:
         """Wait for the daemon's log line with this event (and these values)."""

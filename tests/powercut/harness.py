@@ -116,35 +116,43 @@ def cut_points(long: bool = False) -> list[CutPoint]:
     """Return the cut points: each phase of a job's life, at several distances after its anchor."""
     near = (0, 2, 5, 12) if not long else (0, 1, 2, 3, 4, 5, 7, 9, 12, 16, 20, 25, 30, 40, 60)
     syncs = (0, 1, 3) if not long else (0, 1, 2, 3, 4, 5, 6, 8, 10)
-    points: list[CutPoint] = []
-    for after in near:
-        points.append(CutPoint("claim", "order.received", "P1", after))
-    for after in syncs:
-        points.append(CutPoint("claim", "job.claimed", "P1", after, "fsync"))
-    for after in near:
-        points.append(CutPoint("start", "agent.started", "P2", after))
-    for after in near:
-        points.append(CutPoint("finish", "agent.exited", "P1", after))
-    for after in syncs:
-        points.append(CutPoint("finish", "agent.exited", "S1", after, "fsync", nth=2))
-    for after in near:
-        points.append(CutPoint("followup", "job.done", "F1", after))
-    for after in syncs:
-        points.append(CutPoint("followup", "agent.exited", "F1", after, "fsync"))
-    for after in near:
-        points.append(CutPoint("review", "cmd:approve", "V1", after))
-    for after in syncs:
-        points.append(CutPoint("review", "agent.exited", "V1", after, "fsync"))
-    for after in near:
-        points.append(CutPoint("retry", "cmd:retry", "X1", after))
-    for after in syncs:
-        points.append(CutPoint("retry", "job.retrying", "S1", after, "fsync"))
-    for after in near:
-        points.append(CutPoint("cancel", "cmd:cancel", "C1", after))
+    # (phase, anchor, job, counted: every operation or fsyncs only, nth anchor), in the order they run
+    anchors = (
+        ("claim", "order.received", "P1", "any", 1),
+        ("claim", "job.claimed", "P1", "fsync", 1),
+        ("start", "agent.started", "P2", "any", 1),
+        ("finish", "agent.exited", "P1", "any", 1),
+        ("finish", "agent.exited", "S1", "fsync", 2),
+        ("followup", "job.done", "F1", "any", 1),
+        ("followup", "agent.exited", "F1", "fsync", 1),
+        ("review", "cmd:approve", "V1", "any", 1),
+        ("review", "agent.exited", "V1", "fsync", 1),
+        ("retry", "cmd:retry", "X1", "any", 1),
+        ("retry", "job.retrying", "S1", "fsync", 1),
+        ("cancel", "cmd:cancel", "C1", "any", 1),
+    )
+    points = [
+        CutPoint(phase, anchor, job, after, kind, nth)
+        for phase, anchor, job, kind, nth in anchors
+        for after in (syncs if kind == "fsync" else near)
+    ]
     if long:
         for n in range(0, 132, 4):  # the workload makes about 135 fsyncs before it settles
             points.append(CutPoint("any", "boot", None, n, "fsync"))
     return points
+
+
+def start_run(config: Path, log: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start `dispatcher run` in a session of its own, its stdout and stderr into log."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dispatcher", "--config", str(config), "run"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+        )
 
 
 # -- the filesystem ------------------------------------------------------------------
@@ -353,15 +361,7 @@ class Trial:
         if point is not None and point.anchor == "boot":
             self._arm()
         log = self.tmp / "daemon-0.log"
-        with log.open("wb") as out:
-            self.daemon = subprocess.Popen(
-                [sys.executable, "-m", "dispatcher", "--config", str(self.config), "run"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=self.tmp,
-                env=self.env(),
-                start_new_session=True,
-            )
+        self.daemon = start_run(self.config, log, self.tmp, self.env())
         self.commands: list[tuple[str, str, subprocess.Popen[str]]] = []
         seen: Counter[tuple[str, str | None]] = Counter()
         pos = 0
