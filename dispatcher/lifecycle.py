@@ -44,6 +44,7 @@ class Outcome(enum.StrEnum):
     FENCED = "fenced"  # its claim was taken over: nothing was changed
     SHORT = "short"  # its agent could not start for a shortage: queued again, its slot given back
     GATED = "gated"  # a gate holds its agent (section 14): set aside without slots until the gate lifts
+    AGAIN = "again"  # another attempt is due, and its slot went to other work when its agent exited: queued again
 
 
 class Stop(enum.StrEnum):

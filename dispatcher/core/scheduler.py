@@ -63,6 +63,7 @@ class Running:
     job: Job
     task: asyncio.Task[Outcome]
     slot: int | None
+    holds: bool = True  # counts against max_jobs and holds its agent's slot: until its agent exits
 
 
 @dataclass
@@ -79,6 +80,8 @@ class Scheduler:
         self.inbox = inbox
         self.wake = wake
         self.running: dict[str, Running] = {}
+        self.holding = 0  # running jobs that hold a slot (their agent runs, or has not started yet)
+        self.again: dict[str, Job] = {}  # jobs queued for another attempt after giving their slot back
         self.parked: collections.deque[Parked] = collections.deque()
         self.inflight = 0
         self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
@@ -106,8 +109,13 @@ class Scheduler:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def free_slots(self) -> int:
-        """Return how many more jobs this daemon may start now (``max_jobs`` minus what runs)."""
-        return self.config.max_jobs - len(self.running) - self.inflight
+        """Return how many more jobs this daemon may start now (``max_jobs`` minus what runs).
+
+        A job gives its slot back when its agent exits, so the next agent starts while
+        the job's checks and finish go on; at most ``max_jobs`` jobs more may be finishing.
+        """
+        most = self.config.max_jobs
+        return min(most - self.holding, 2 * most - len(self.running)) - self.inflight
 
     def may_read(self) -> bool:
         """Return True if a turn would read a new order now: a slot is free, room to park, no shortage.
@@ -317,7 +325,8 @@ class Scheduler:
 
     def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         p = launch.parked
-        job = (self.aside.launch(p.job_id) if p.kind is Kind.RESUME else None) or Job(
+        again = self.again.pop(p.job_id, None) if p.kind is Kind.RESUME else None
+        job = again or (self.aside.launch(p.job_id) if p.kind is Kind.RESUME else None) or Job(
             self.ctx,
             launch.folder,
             launch.spec,
@@ -329,18 +338,42 @@ class Scheduler:
         )
         if cancel:
             job.control.abort(Stop.CANCELLED)
+        job.gave_back = False
+        job.on_exit = functools.partial(self._agent_exited, job.job_id)
         task = asyncio.get_running_loop().create_task(job.run())
         self.running[job.job_id] = Running(job, task, launch.slot)
+        self.holding += 1
         self._count_running()
         task.add_done_callback(functools.partial(self._finished, job.job_id))
+
+    def _give_back(self, r: Running) -> None:
+        """Give back what a running job holds: its place in ``max_jobs`` and its agent's slot."""
+        if not r.holds:
+            return
+        r.holds = False
+        self.holding -= 1
+        if r.slot is not None:
+            self.idle.setdefault(r.job.agent, []).append(r.slot)  # handed to the next claim of that agent
+            r.slot = None
+        self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
+
+    def _agent_exited(self, job_id: str) -> None:
+        """A job's agent exited: its slot goes to the next job while its checks and finish go on."""
+        r = self.running.get(job_id)
+        if r is not None:
+            self._give_back(r)
+            self.wake()
 
     def _finished(self, job_id: str, task: asyncio.Task[Outcome]) -> None:
         r = self.running.pop(job_id, None)
         self._count_running()
-        if r is not None and r.slot is not None:
-            self.idle.setdefault(r.job.agent, []).append(r.slot)
+        if r is not None:
+            self._give_back(r)
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
         if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():
+            self.parked.appendleft(_parked_again(r.job))
+        if outcome is Outcome.AGAIN and r is not None and not self.ctx.stopping():
+            self.again[job_id] = r.job  # the same job runs its next attempt once a slot is free
             self.parked.appendleft(_parked_again(r.job))
         if outcome is Outcome.GATED and r is not None and not self.ctx.stopping():
             job = r.job
@@ -352,7 +385,6 @@ class Scheduler:
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
             self.left.add(job_id)
-        self.blocked.pop(r.job.agent if r else "", None)  # a slot of that agent is free again
         self.wake()
 
     def _count_running(self) -> None:

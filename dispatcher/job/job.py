@@ -76,6 +76,10 @@ class Job(Deciding):
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
         self._children: list[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # called when an agent exits: its slot goes to the next job while this one is checked and
+        # finished (the scheduler's); another attempt then queues for a slot again (Outcome.AGAIN)
+        self.on_exit: Callable[[], None] | None = None
+        self.gave_back = False
         self.waits = Waits(
             self.job_id,
             ctx.ledger,
@@ -128,6 +132,8 @@ class Job(Deciding):
                 return Outcome.LEFT  # no new attempt once a stop began: recovered at the next start
             if self.control.reason is Stop.CANCELLED:
                 return await self.finish(Row.FAILED, Stop.CANCELLED, [])
+            if self.gave_back:
+                return Outcome.AGAIN  # its slot went to other work when its agent exited: it queues for one
             numbers = self.folder.attempt_numbers()
             n = max([a.n for a in self.attempts] + numbers, default=0) + 1
             if n > 1:
@@ -222,6 +228,9 @@ class Job(Deciding):
             log.warning("job.bookkeeping_failed", step="pid", error=exc.strerror)
         out = await proc.wait()
         self.control.attach(None)
+        if self.on_exit is not None and not self.gave_back:
+            self.gave_back = True
+            self.on_exit()
         tail = out.stdout_tail
         small = len(tail) <= AGENT_RESULT_MAX
         result = parse_agent_result(tail) if small else await self.ctx.lanes.io(parse_agent_result, tail)
