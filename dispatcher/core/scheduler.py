@@ -326,15 +326,19 @@ class Scheduler:
     def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         p = launch.parked
         again = self.again.pop(p.job_id, None) if p.kind is Kind.RESUME else None
-        job = again or (self.aside.launch(p.job_id) if p.kind is Kind.RESUME else None) or Job(
-            self.ctx,
-            launch.folder,
-            launch.spec,
-            launch.order,
-            launch.token,
-            attempts=list(launch.attempts),
-            recovering=p.kind is Kind.RECOVER,
-            host_lost=p.host_lost,
+        job = (
+            again
+            or (self.aside.launch(p.job_id) if p.kind is Kind.RESUME else None)
+            or Job(
+                self.ctx,
+                launch.folder,
+                launch.spec,
+                launch.order,
+                launch.token,
+                attempts=list(launch.attempts),
+                recovering=p.kind is Kind.RECOVER,
+                host_lost=p.host_lost,
+            )
         )
         if cancel:
             job.control.abort(Stop.CANCELLED)
