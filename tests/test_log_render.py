@@ -9,6 +9,7 @@ clock readings taken around the call, then replaced by ``TS``.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import io
 import logging
@@ -406,3 +407,70 @@ def test_console_mode_prints_an_exception_as_traceback_lines(capture: Callable[.
         '    File "test_log_render.py", line N, in _inner',
         "  OSError: cannot reach postgresql://u:***@db/x",
     ]
+
+
+def test_log_and_async_methods_write_the_same_line(capture: Callable[..., Capture]) -> None:
+    """log.log(level, ...) and the async methods (ainfo) write what the level methods write."""
+    cap = capture(console=False)
+    log = _log()
+    assert _both(cap, lambda: log.log(logging.WARNING, "a.log", n=1)) == (
+        '{"n": 1, "event": "a.log", "level": "warning", "timestamp": "TS"}'
+    )
+
+    async def call() -> None:
+        with structlog.contextvars.bound_contextvars(job_id="J-5"):
+            await log.ainfo("an.ainfo", n=2)
+
+    assert _both(cap, lambda: asyncio.run(call())) == (
+        '{"n": 2, "event": "an.ainfo", "job_id": "J-5", "level": "info", "timestamp": "TS"}'
+    )
+    assert cap.lines(lambda: log.log(logging.DEBUG, "not.shown")) == ([], [])
+
+
+def test_a_circular_value_still_raises_as_json_dumps_does(capture: Callable[..., Capture]) -> None:
+    """A value that contains itself raises json's ValueError and writes nothing, as structlog's renderer did."""
+    cap = capture(console=False)
+    loop: list[Any] = []
+    loop.append(loop)
+
+    def call() -> None:
+        with pytest.raises((ValueError, RecursionError)):
+            _log().info("a.loop", value={"v": loop})
+
+    assert cap.lines(call) == ([], [])
+
+
+@pytest.mark.parametrize(
+    "ns",
+    [
+        0,
+        1,
+        999,
+        1_000,
+        999_999_999,
+        1_000_000_000,
+        1_764_600_000_000_000_000,
+        1_764_600_000_123_456_789,
+        1_709_164_800_000_001_000,
+        4_102_444_799_999_999_999,
+    ],
+)
+def test_the_timestamp_text_is_what_datetime_isoformat_gives(ns: int) -> None:
+    """The log timestamp for a clock reading is isoformat's UTC text with Z, whole seconds without a fraction."""
+    second, micro = divmod(ns // 1000, 1_000_000)
+    want = datetime.fromtimestamp(second, UTC).replace(microsecond=micro).isoformat().replace("+00:00", "Z")
+    assert logs._iso(ns) == want
+    assert logs._iso(ns) == want  # the second time from the cached seconds
+
+
+def test_the_timestamp_now_lies_between_structlogs_own_stamps() -> None:
+    """A timestamp taken now sorts between two of structlog's TimeStamper taken just before and after."""
+    stamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    for _ in range(1000):
+        before = stamper(None, "", {})["timestamp"]
+        now = logs._stamp()
+        after = stamper(None, "", {})["timestamp"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z", now), now
+        parse = datetime.fromisoformat
+        assert parse(before.replace("Z", "+00:00")) <= parse(now.replace("Z", "+00:00"))
+        assert parse(now.replace("Z", "+00:00")) <= parse(after.replace("Z", "+00:00"))
