@@ -1,7 +1,8 @@
 """Structured logs: one JSON object per line on stdout and in ``log_file``.
 
-One processor chain serves structlog and stdlib records (watchdog's and
-filelock's lines come out as the same JSON). JSON when stdout is not a
+One renderer serves structlog and stdlib records (watchdog's and filelock's
+lines come out as the same JSON); it does in one pass what a chain of structlog
+processors did, with the same bytes (tests/test_log_render.py pins them). JSON when stdout is not a
 terminal, and `logview.format_line` (the console format `dispatcher logs` also
 prints) when it is. When stdout is the journal, each JSON line starts with its
 syslog priority (`<3>` error ... `<7>` debug), which journald takes off and
@@ -30,7 +31,7 @@ from typing import Any, NoReturn, TextIO
 
 import structlog
 from structlog.contextvars import STRUCTLOG_KEY_PREFIX
-from structlog.processors import _json_fallback_handler
+from structlog.processors import _json_fallback_handler  # JSONRenderer's default= (__structlog__, else repr)
 from structlog.tracebacks import ExceptionDictTransformer
 
 from dispatcher.logview import format_line
@@ -222,6 +223,18 @@ def _interpolate(event: str, args: tuple[Any, ...]) -> str:
     return event % args
 
 
+def _level_method(renderer: _Renderer, name: str) -> Callable[..., None]:
+    """Return the logger method for one level: the event dict as structlog builds it, written by renderer."""
+
+    def method(self: Any, event: str, *args: Any, **kw: Any) -> None:
+        if args:
+            event = _interpolate(event, args)
+        renderer.emit(name, {**self._context, **kw, "event": event})  # bound keys, the call's keys, the event
+
+    method.__name__ = name
+    return method
+
+
 def _logger_class(renderer: _Renderer, level: int) -> type[Any]:
     """Return structlog's filtering logger for level with its enabled methods writing through renderer directly.
 
@@ -229,17 +242,11 @@ def _logger_class(renderer: _Renderer, level: int) -> type[Any]:
     that ends it; bind, new, log() and the async methods stay structlog's own.
     """
     base = structlog.make_filtering_bound_logger(level)
-    methods: dict[str, Any] = {}
-    for number, name in ((10, "debug"), (20, "info"), (30, "warning"), (40, "error"), (50, "critical")):
-        if number < level:
-            continue
-
-        def method(self: Any, event: str, *args: Any, _name: str = name, **kw: Any) -> None:
-            if args:
-                event = _interpolate(event, args)
-            renderer.emit(_name, {**self._context, **kw, "event": event})
-
-        methods[name] = method
+    methods = {
+        name: _level_method(renderer, name)
+        for number, name in ((10, "debug"), (20, "info"), (30, "warning"), (40, "error"), (50, "critical"))
+        if number >= level
+    }
     for alias, name in (("warn", "warning"), ("msg", "info"), ("fatal", "critical")):
         if name in methods:
             methods[alias] = methods[name]

@@ -474,3 +474,10 @@ def test_the_timestamp_now_lies_between_structlogs_own_stamps() -> None:
         parse = datetime.fromisoformat
         assert parse(before.replace("Z", "+00:00")) <= parse(now.replace("Z", "+00:00"))
         assert parse(now.replace("Z", "+00:00")) <= parse(after.replace("Z", "+00:00"))
+
+
+def test_keys_named_like_ours_keep_their_place_and_get_our_values(capture: Callable[..., Capture]) -> None:
+    """A call's own level or timestamp key keeps its place in the line but carries the real level and time."""
+    cap = capture(console=False)
+    line = _both(cap, lambda: _log().info("x", level="bogus", name="n", timestamp="never", logger="mine"))
+    assert line == '{"level": "info", "name": "n", "timestamp": "TS", "logger": "mine", "event": "x"}'
