@@ -223,13 +223,21 @@ def _interpolate(event: str, args: tuple[Any, ...]) -> str:
     return event % args
 
 
-def _level_method(renderer: _Renderer, name: str) -> Callable[..., None]:
-    """Return the logger method for one level: the event dict as structlog builds it, written by renderer."""
+def _level_method(renderer: _Renderer, name: str) -> Callable[..., Any]:
+    """Return the logger method for one level: the event dict as structlog builds it, written by renderer.
 
-    def method(self: Any, event: str, *args: Any, **kw: Any) -> None:
+    While the configured chain is not the renderer alone (a test's
+    ``capture_logs`` swaps it in place), the call runs that chain as structlog would.
+    """
+
+    def method(self: Any, event: str, *args: Any, **kw: Any) -> Any:
         if args:
             event = _interpolate(event, args)
+        procs = self._processors
+        if not procs or procs[0] is not renderer:  # the chain was changed (structlog.testing.capture_logs): run it
+            return self._proxy_to_logger(name, event, **kw)
         renderer.emit(name, {**self._context, **kw, "event": event})  # bound keys, the call's keys, the event
+        return None
 
     method.__name__ = name
     return method

@@ -481,3 +481,22 @@ def test_keys_named_like_ours_keep_their_place_and_get_our_values(capture: Calla
     cap = capture(console=False)
     line = _both(cap, lambda: _log().info("x", level="bogus", name="n", timestamp="never", logger="mine"))
     assert line == '{"level": "info", "name": "n", "timestamp": "TS", "logger": "mine", "event": "x"}'
+
+
+def test_capture_logs_still_captures_after_configure(capture: Callable[..., Capture]) -> None:
+    """structlog.testing.capture_logs, used by tests, gets the events and nothing is written meanwhile."""
+    cap = capture(console=False)
+    log = _log()
+    _both(cap, lambda: log.info("before"))  # the logger is bound and cached with the configured chain
+
+    def call() -> None:
+        with structlog.testing.capture_logs() as entries:
+            log.warning("captured", n=1)
+            logs.get(job_id="J-8").info("captured.too")
+        assert entries == [
+            {"n": 1, "event": "captured", "log_level": "warning"},
+            {"job_id": "J-8", "event": "captured.too", "log_level": "info"},
+        ]
+
+    assert cap.lines(call) == ([], [])
+    assert _both(cap, lambda: log.info("after")) == '{"event": "after", "level": "info", "timestamp": "TS"}'
