@@ -1,7 +1,8 @@
 """Structured logs: one JSON object per line on stdout and in ``log_file``.
 
-One processor chain serves structlog and stdlib records (watchdog's and
-filelock's lines come out as the same JSON). JSON when stdout is not a
+One renderer serves structlog and stdlib records (watchdog's and filelock's
+lines come out as the same JSON); it does in one pass what a chain of structlog
+processors did, with the same bytes (tests/test_log_render.py pins them). JSON when stdout is not a
 terminal, and `logview.format_line` (the console format `dispatcher logs` also
 prints) when it is. When stdout is the journal, each JSON line starts with its
 syslog priority (`<3>` error ... `<7>` debug), which journald takes off and
@@ -14,15 +15,23 @@ secret held in a local ends up in the journal.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
+import json
+import json.encoder
 import logging
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import structlog
+from structlog.contextvars import STRUCTLOG_KEY_PREFIX
+from structlog.processors import _json_fallback_handler  # JSONRenderer's default= (__structlog__, else repr)
 from structlog.tracebacks import ExceptionDictTransformer
 
 from dispatcher.logview import format_line
@@ -64,32 +73,47 @@ class _Sink:
 SINK = _Sink()
 
 
-def _timestamper() -> structlog.types.Processor:
-    return structlog.processors.TimeStamper(fmt="iso", utc=True)
-
-
 FIELD_MAX = 8192  # characters of one string field; journald splits lines over 48 KiB
 
-
-def _cut_fields(logger: Any, name: str, event: dict[str, Any]) -> dict[str, Any]:
-    """Cut any string field longer than FIELD_MAX, with a note saying how much was cut."""
-    for key, value in event.items():
-        if isinstance(value, str) and len(value) > FIELD_MAX:
-            event[key] = f"{value[:FIELD_MAX]}... (cut, {len(value) - FIELD_MAX} more characters)"
-    return event
+_stamped: tuple[int, str] = (-1, "")  # the last whole second and its ISO text, shared by all threads
 
 
-_SHARED: list[Any] = [
-    structlog.contextvars.merge_contextvars,
-    structlog.processors.add_log_level,
-    _timestamper(),
-    _cut_fields,
-]
+def _stamp() -> str:
+    """Return the time now as structlog's ``TimeStamper(fmt="iso", utc=True)`` writes it, for a fraction of the cost."""
+    return _iso(time.time_ns())
+
+
+def _iso(ns: int) -> str:
+    """Return a time in nanoseconds since the epoch as ``datetime.isoformat`` in UTC writes it, with ``Z``.
+
+    Like ``datetime.now`` the nanoseconds are floored to microseconds, and like
+    ``isoformat`` the fraction is left out when it is zero
+    (``2026-11-29T08:00:00Z``). The text up to the seconds is made once a second.
+    """
+    global _stamped
+    second, micro = divmod(ns // 1000, 1_000_000)
+    last = _stamped
+    if last[0] != second:
+        last = _stamped = (second, datetime.fromtimestamp(second, UTC).isoformat()[:19])
+    return f"{last[1]}.{micro:06d}Z" if micro else f"{last[1]}Z"
+
+
+def _cut(value: str) -> str:
+    """Return a string field cut to FIELD_MAX, with a note saying how much was cut."""
+    return f"{value[:FIELD_MAX]}... (cut, {len(value) - FIELD_MAX} more characters)"
+
+
 _dicts = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def scrub(value: Any) -> Any:
     """Return value with every credential in its strings shown as ``***`` (dicts and lists walked)."""
+    cls = value.__class__
+    if cls is str:
+        return redact(value)
+    if cls in _SCALARS:
+        return value
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, dict):
@@ -101,6 +125,8 @@ def scrub(value: Any) -> Any:
 
 # syslog priorities (RFC 5424) for the journal's `<N>` line prefix (sd-daemon(3))
 PRIORITY = {"debug": 7, "info": 6, "notice": 5, "warning": 4, "warn": 4, "error": 3, "exception": 3, "critical": 2}
+_LEVEL_NAMES = {"warn": "warning", "exception": "error"}  # structlog's add_log_level names these so
+_PREFIX = len(STRUCTLOG_KEY_PREFIX)
 
 
 def is_journal(stream: TextIO) -> bool:
@@ -119,19 +145,63 @@ def is_journal(stream: TextIO) -> bool:
     return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
-class _DualRenderer:
-    """Render the event as JSON for the file, and as JSON (journal: with its priority) or console text for stdout."""
+def _encoder() -> Callable[[Any], str]:
+    """Return what structlog's ``JSONRenderer`` calls, ``json.dumps(event, default=...)``, without its wrappers.
+
+    ``JSONEncoder.encode`` builds the same C encoder for each call; calling it
+    directly (with a fresh circular-reference memo each time) gives the same text.
+    """
+    make: Any = vars(json.encoder).get("c_make_encoder")  # not in typeshed; None without the C accelerator
+    if make is None:  # no C accelerator: the pure-Python encoder, as json.dumps would use
+        return json.JSONEncoder(default=_json_fallback_handler).encode
+    ascii_str = json.encoder.encode_basestring_ascii  # what JSONEncoder uses with ensure_ascii=True
+
+    def encode(event: Any) -> str:
+        return "".join(make({}, _json_fallback_handler, ascii_str, None, ": ", ", ", False, False, True)(event, 0))
+
+    return encode
+
+
+class _Renderer:
+    """Turn an event into its line: JSON for the file, and JSON (journal: with its priority) or console text for stdout.
+
+    One pass does what structlog's chain of merge_contextvars, add_log_level,
+    TimeStamper, a cut of long fields, ExceptionRenderer, a scrub and
+    JSONRenderer did, with the same keys in the same order and the same bytes.
+    """
 
     def __init__(self, console: bool, journal: bool) -> None:
-        self._json = structlog.processors.JSONRenderer(sort_keys=False)
         self._console = console
         self._journal = journal
+        self._encode = _encoder()
 
-    def __call__(self, logger: Any, name: str, event: Any) -> str:
+    def emit(self, level: str, event: MutableMapping[str, Any]) -> None:
+        """Write a structlog event: add the contextvars not already given, the level and the timestamp, cut, write."""
+        for var, value in contextvars.copy_context().items():
+            name = var.name
+            if value is not Ellipsis and name.startswith(STRUCTLOG_KEY_PREFIX) and name[_PREFIX:] not in event:
+                event[name[_PREFIX:]] = value
+        event["level"] = level
+        event["timestamp"] = _stamp()
+        self.write(event, cut=True)
+
+    def write(self, event: MutableMapping[str, Any], cut: bool) -> None:
+        """Render the exception if any, cut (when asked) and scrub every field, encode and write the line."""
         event.pop("_record", None)
         event.pop("_from_structlog", None)
-        event = scrub(_dicts(logger, name, event))
-        as_json = str(self._json(logger, name, event))
+        if "exc_info" in event:
+            event = _dicts(None, "", event)
+        for key, value in event.items():  # only values change: safe while iterating
+            cls = value.__class__
+            if cls is str:
+                if cut and len(value) > FIELD_MAX:
+                    value = _cut(value)
+                event[key] = redact(value)
+            elif cls not in _SCALARS:
+                if cut and isinstance(value, str) and len(value) > FIELD_MAX:
+                    value = _cut(value)
+                event[key] = scrub(value)
+        as_json = self._encode(event)
         if self._console:
             line = format_line(event)
         elif self._journal:
@@ -139,7 +209,56 @@ class _DualRenderer:
         else:
             line = as_json
         SINK.write(line, as_json)
+
+    def __call__(self, logger: Any, name: str, event: MutableMapping[str, Any]) -> NoReturn:
+        """Write the event as structlog's processor chain (``log()`` and the async methods come this way)."""
+        self.emit(_LEVEL_NAMES.get(name, name), event)
         raise structlog.DropEvent
+
+
+def _interpolate(event: str, args: tuple[Any, ...]) -> str:
+    """Return event % args as structlog's filtering logger does (one non-empty mapping: by name)."""
+    if len(args) == 1 and isinstance(args[0], Mapping) and args[0]:
+        return event % args[0]
+    return event % args
+
+
+def _level_method(renderer: _Renderer, name: str) -> Callable[..., Any]:
+    """Return the logger method for one level: the event dict as structlog builds it, written by renderer.
+
+    While the configured chain is not the renderer alone (a test's
+    ``capture_logs`` swaps it in place), the call runs that chain as structlog would.
+    """
+
+    def method(self: Any, event: str, *args: Any, **kw: Any) -> Any:
+        if args:
+            event = _interpolate(event, args)
+        procs = self._processors
+        if not procs or procs[0] is not renderer:  # the chain was changed (structlog.testing.capture_logs): run it
+            return self._proxy_to_logger(name, event, **kw)
+        renderer.emit(name, {**self._context, **kw, "event": event})  # bound keys, the call's keys, the event
+        return None
+
+    method.__name__ = name
+    return method
+
+
+def _logger_class(renderer: _Renderer, level: int) -> type[Any]:
+    """Return structlog's filtering logger for level with its enabled methods writing through renderer directly.
+
+    The methods skip building a processor chain's arguments and the DropEvent
+    that ends it; bind, new, log() and the async methods stay structlog's own.
+    """
+    base = structlog.make_filtering_bound_logger(level)
+    methods = {
+        name: _level_method(renderer, name)
+        for number, name in ((10, "debug"), (20, "info"), (30, "warning"), (40, "error"), (50, "critical"))
+        if number >= level
+    }
+    for alias, name in (("warn", "warning"), ("msg", "info"), ("fatal", "critical")):
+        if name in methods:
+            methods[alias] = methods[name]
+    return type(base.__name__, (base,), methods)
 
 
 def configure(*, log_file: Path | None = None, console: bool | None = None, level: int = logging.INFO) -> None:
@@ -150,10 +269,10 @@ def configure(*, log_file: Path | None = None, console: bool | None = None, leve
     SINK.open_file(log_file)  # first: a log_file that cannot be opened leaves logging as it was
     if console is None:
         console = SINK.console.isatty() and os.environ.get("DISPATCHER_LOG_FORMAT") != "json"
-    renderer = _DualRenderer(console, journal=not console and is_journal(SINK.console))
+    renderer = _Renderer(console, journal=not console and is_journal(SINK.console))
     structlog.configure(
-        processors=[*_SHARED, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
+        processors=[renderer],
+        wrapper_class=_logger_class(renderer, level),
         cache_logger_on_first_use=True,
     )
     handler = logging.Handler()
@@ -178,14 +297,13 @@ def _quiet_watchdog_stop(record: logging.LogRecord) -> bool:
     return not (record.name.startswith("watchdog") and "called when the thread is inactive" in record.getMessage())
 
 
-def _stdlib(record: logging.LogRecord, renderer: _DualRenderer) -> None:
+def _stdlib(record: logging.LogRecord, renderer: _Renderer) -> None:
     event: dict[str, Any] = {"event": record.getMessage(), "logger": record.name}
     event["level"] = record.levelname.lower()
     if record.exc_info:
         event["exc_info"] = record.exc_info
-    _timestamper()(None, "", event)
-    with contextlib.suppress(structlog.DropEvent):
-        renderer(None, record.levelname.lower(), event)
+    event["timestamp"] = _stamp()
+    renderer.write(event, cut=False)  # a library's line is not cut, as before
 
 
 def get(**bound: Any) -> Any:
