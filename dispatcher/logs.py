@@ -31,7 +31,6 @@ from typing import Any, NoReturn, TextIO
 
 import structlog
 from structlog.contextvars import STRUCTLOG_KEY_PREFIX
-from structlog.processors import _json_fallback_handler  # JSONRenderer's default= (__structlog__, else repr)
 from structlog.tracebacks import ExceptionDictTransformer
 
 from dispatcher.logview import format_line
@@ -143,6 +142,14 @@ def is_journal(stream: TextIO) -> bool:
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         return False
     return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+def _json_fallback_handler(obj: Any) -> Any:
+    """Return what JSONRenderer's default writes for a value JSON cannot hold: its ``__structlog__()``, else repr."""
+    try:
+        return obj.__structlog__()
+    except AttributeError:
+        return repr(obj)
 
 
 def _encoder() -> Callable[[Any], str]:
