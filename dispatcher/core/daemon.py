@@ -12,7 +12,6 @@ Signal handlers only set a flag and wake the loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import resource
 import signal
@@ -45,6 +44,7 @@ from dispatcher.shortage import SHORT
 from dispatcher.spec.config import load_config
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_ledger
+from dispatcher.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
@@ -70,7 +70,7 @@ class Daemon:
         self.stop_deadline: float | None = None
         self._signals: list[int] = []
         self._ready = False
-        self._wake: asyncio.Event | None = None
+        self._wake: Wakeup | None = None
         self._next_rescan = 0.0
         self._next_watchdog = 0.0
 
@@ -103,7 +103,7 @@ class Daemon:
         """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
         _raise_fd_limit()
         self.loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
+        self._wake = Wakeup(self.loop)
         try:
             self.layout.create()
         except OSError as exc:
@@ -214,8 +214,7 @@ class Daemon:
         assert self._wake is not None  # noqa: S101
         timeout = self._timeout()
         if timeout > 0 and not self._wake.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            await self._wake.wait(timeout)
         else:
             await asyncio.sleep(0)  # let callbacks that are ready run (pipes, lanes, timers)
         self._wake.clear()
