@@ -20,25 +20,126 @@ Two small fixed pools, both daemon-owned threads:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
-import functools
+import queue
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
 IO_WORKERS = 2
+_Work = tuple[
+    asyncio.AbstractEventLoop, "asyncio.Future[Any]", contextvars.Context, Callable[..., Any], tuple[Any, ...]
+]
+
+
+class _Pool:
+    """Threads that run calls from the loop and answer on an asyncio future of that loop.
+
+    What ``run_in_executor`` on a ``ThreadPoolExecutor`` does, without its second
+    future, the chaining between the two and their callbacks: a call is one
+    queue put on the way there and one ``call_soon_threadsafe`` on the way back.
+    Threads start on first use (named ``<prefix>_<n>``), up to ``workers``.
+    """
+
+    def __init__(self, workers: int, prefix: str) -> None:
+        self._workers = workers
+        self._prefix = prefix
+        self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[..., R], args: tuple[Any, ...]) -> asyncio.Future[R]:
+        """Queue fn(*args) (in the caller's log context); return the future of its answer."""
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise RuntimeError("cannot schedule new work after shutdown")
+        fut: asyncio.Future[R] = loop.create_future()
+        self._queue.put((loop, fut, contextvars.copy_context(), fn, args))
+        if self._idle == 0 and len(self._threads) < self._workers:
+            self._start()
+        return fut
+
+    def _start(self) -> None:
+        with self._lock:
+            if len(self._threads) >= self._workers:
+                return
+            thread = threading.Thread(target=self._serve, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
+        thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            work = self._queue.get()
+            with self._lock:
+                self._idle -= 1
+            if work is None:
+                return
+            _call(*work)
+
+    def shutdown(self, *, wait: bool) -> None:
+        """Stop the threads after the queued calls (wait), or now, cancelling what is still queued."""
+        self._closed = True
+        if not wait:
+            while True:
+                try:
+                    work = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if work is not None:
+                    work[0].call_soon_threadsafe(work[1].cancel)
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+
+def _call(
+    loop: asyncio.AbstractEventLoop,
+    fut: asyncio.Future[Any],
+    ctx: contextvars.Context,
+    fn: Callable[..., Any],
+    args: Any,
+) -> None:
+    """Run one queued call in its log context and hand its answer to the loop."""
+    try:
+        answer = ctx.run(fn, *args)
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
+        _answer(loop, fut, exc, failed=True)
+    else:
+        _answer(loop, fut, answer, failed=False)
+
+
+def _answer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], value: Any, *, failed: bool) -> None:
+    """Hand a call's answer (or its exception) to its future on the loop; a closed loop has no one waiting."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, fut, value, failed)
+
+
+def _settle(fut: asyncio.Future[Any], value: Any, failed: bool) -> None:
+    if fut.done():  # the caller was cancelled
+        return
+    if failed:
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
 
 
 class Lanes:
     """The daemon's pools: ``ledger`` (one ordered writer), ``io`` (a job's files) and ``scan``."""
 
     def __init__(self) -> None:
-        self._ledger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
-        self._io = ThreadPoolExecutor(max_workers=IO_WORKERS, thread_name_prefix="io")
-        self._scan = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scan")
+        self._ledger = _Pool(1, "ledger")
+        self._io = _Pool(IO_WORKERS, "io")
+        self._scan = _Pool(1, "scan")
 
     async def ledger(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run fn in the ledger lane (with the caller's log context) and wait for it."""
@@ -52,15 +153,16 @@ class Lanes:
         """Run fn in the scan lane (work that grows with the machine or the backlog) and wait for it."""
         return await self._run(self._scan, fn, *args, **kwargs)
 
-    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(pool, call)
+    async def _run(self, pool: _Pool, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        if kwargs:
+            return await pool.call(lambda: fn(*args, **kwargs), ())
+        return await pool.call(fn, args)
 
     def shutdown(self, *, wait: bool) -> None:
-        """Stop both pools; without wait, work still queued is dropped (its job stays where it is)."""
-        self._ledger.shutdown(wait=wait, cancel_futures=not wait)
-        self._io.shutdown(wait=wait, cancel_futures=not wait)
-        self._scan.shutdown(wait=wait, cancel_futures=not wait)
+        """Stop the pools; without wait, work still queued is dropped (its job stays where it is)."""
+        self._ledger.shutdown(wait=wait)
+        self._io.shutdown(wait=wait)
+        self._scan.shutdown(wait=wait)
 
 
 class GroupCommit(Generic[T, R]):
