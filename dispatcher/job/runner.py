@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ _READ = 1 << 16
 _DRAIN_AFTER_EXIT_S = 1.0
 _GROUP_POLL_S = 0.02
 _KILL_WAIT_S = 5.0
+_DEVNULL_LOCK = threading.Lock()
+_devnull_fd = -1  # /dev/null, opened once for every agent's stdin (Popen's DEVNULL opens and closes it per spawn)
 
 
 def build_env(
@@ -404,6 +407,16 @@ def _spawn(argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, s
         return _popen(argv, cwd, env, None)
 
 
+def _devnull() -> int:
+    """Return the daemon's one /dev/null descriptor (close-on-exec: the child gets it only as its stdin)."""
+    global _devnull_fd
+    if _devnull_fd < 0:
+        with _DEVNULL_LOCK:
+            if _devnull_fd < 0:
+                _devnull_fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)  # the mode Popen's DEVNULL uses
+    return _devnull_fd
+
+
 def _popen(
     argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str], executable: str | None
 ) -> subprocess.Popen[bytes]:
@@ -412,7 +425,7 @@ def _popen(
         executable=executable,  # argv[0] stays as written: the agent sees the name it was given
         cwd=cwd,
         env=env,
-        stdin=subprocess.DEVNULL,
+        stdin=_devnull(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
