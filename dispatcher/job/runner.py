@@ -55,11 +55,12 @@ def build_env(
 
 def dispatch_env(job_id: str, work: Path, n: int, workspace: Path | None = None) -> dict[str, str]:
     """Return the DISPATCH_* variables of attempt n."""
+    w = os.fspath(work)
     return {
         "DISPATCH_JOB_ID": job_id,
-        "DISPATCH_ORDER": str(work / "order.json"),
-        "DISPATCH_WORKSPACE": str(workspace or work),
-        "DISPATCH_RECEIPT": str(work / "receipt.json"),
+        "DISPATCH_ORDER": f"{w}/order.json",
+        "DISPATCH_WORKSPACE": os.fspath(workspace or work),
+        "DISPATCH_RECEIPT": f"{w}/receipt.json",
         "DISPATCH_ATTEMPT": str(n),
     }
 
