@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -265,7 +266,7 @@ class Claims:
         An order whose not_before is to come is ``Later`` (``now``, for a cancel: taken all
         the same); one past its expires is refused as ``expired``.
         """
-        if _size(self.layout.inbox / name) > BIG_ORDER_BYTES:
+        if _size(f"{os.fspath(self.layout.inbox)}/{name}") > BIG_ORDER_BYTES:
             return Big(name)
         try:
             found = intake.inspect(self.layout, name, cfg)
@@ -350,8 +351,8 @@ def _free(ledger: Ledger, picks: list[tuple[Parked, int | None]]) -> None:
             ledger.free_slot(p.agent, slot)
 
 
-def _size(path: Path) -> int:
+def _size(path: str) -> int:
     try:
-        return path.lstat().st_size
+        return os.lstat(path).st_size
     except OSError:
         return 0

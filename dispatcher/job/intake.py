@@ -86,7 +86,7 @@ def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | 
 
     A shortage (``shortage.resource_of``) is raised, never turned into a refusal: the file waits.
     """
-    path = layout.inbox / name
+    path = f"{os.fspath(layout.inbox)}/{name}"
     try:
         st = os.lstat(path)
     except FileNotFoundError:
