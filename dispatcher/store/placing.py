@@ -26,7 +26,7 @@ from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import JobSpec, prompt_values, render
 from dispatcher.spec.order import Order
-from dispatcher.spec.orders import to_json
+from dispatcher.spec.orders import suffix_of, to_json
 from dispatcher.spec.settings import Agent
 from dispatcher.store.jobstore import JOB_FILE, JobFolder, drop_inbox_twin, is_disk_full, new_stage, remove_stage
 
@@ -76,7 +76,7 @@ class Skipped:
 def stage(layout: Layout, owner: str, item: Inspected) -> Path | None:
     """Make the claim's staging folder holding a link to the inbox file; None if the file changed."""
     stage = new_stage(layout, owner, "claim", item.order.job_id)
-    kept = f"{os.fspath(stage)}/order{_suffix(item.name)}"
+    kept = f"{os.fspath(stage)}/order{suffix_of(item.name)}"
     try:
         os.link(f"{os.fspath(layout.inbox)}/{item.name}", kept, follow_symlinks=False)
     except FileNotFoundError:
@@ -119,7 +119,7 @@ def place(
         fsutil.rename_noreplace(stage, target)
     except OSError as exc:
         return undo(ledger, item, stage, claimed, exc)
-    drop_inbox_twin(layout, item.name, f"{os.fspath(target)}/order{_suffix(item.name)}")
+    drop_inbox_twin(layout, item.name, f"{os.fspath(target)}/order{suffix_of(item.name)}")
     log.info(
         "job.claimed",
         job_id=item.order.job_id,
@@ -188,11 +188,6 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
     sync += [f"{folder}/{JOB_FILE}", work, folder]
     state = State.WAITING if order.after else State.ACTIVE
     return Written(spec, dataclasses.replace(order, body=body), state, tuple(sync))
-
-
-def _suffix(name: str) -> str:
-    """Return an order file's extension as ``Path(name).suffix`` does (the name ends in .yaml, .yml or .json)."""
-    return name[name.rfind(".") :]
 
 
 def drop_stage(stage: Path) -> None:
