@@ -75,7 +75,7 @@ class _Stream:
     """One output pipe copied into a log file up to a cap; stdout's tail is kept in memory."""
 
     fd: int
-    path: Path | None  # None: the output is kept in memory only (its tail), never written
+    path: str | Path | None  # None: the output is kept in memory only (its tail), never written
     cap: int
     keep_tail: int  # bytes of the stream's end kept in memory
     log_fd: int = -1
@@ -164,8 +164,9 @@ class AgentProcess:
         self.env = dict(env)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
-        out_path = log_dir / f"{log_prefix}stdout.log" if log_dir is not None else one_log
-        err_path = log_dir / f"{log_prefix}stderr.log" if log_dir is not None else one_log
+        logs = os.fspath(log_dir) if log_dir is not None else None
+        out_path = f"{logs}/{log_prefix}stdout.log" if logs is not None else one_log
+        err_path = f"{logs}/{log_prefix}stderr.log" if logs is not None else one_log
         self._out = _Stream(-1, out_path, max_log_bytes, AGENT_TAIL_BYTES)
         self._err = _Stream(-1, err_path, max_log_bytes, ERR_TAIL_BYTES)
         self._idle = IdleWatch(cwd, idle_timeout_s) if idle_timeout_s else None

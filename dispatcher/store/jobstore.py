@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import secrets
@@ -56,12 +57,20 @@ class JobFolder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.job_id = path.name
-        self.work = path / "work"
-        self.attempts_dir = path / "attempts"
-        # the same paths as str: a job's per-attempt steps join strings (a Path per join costs more than the syscall)
+        # the paths as str: a job's per-attempt steps join strings (a Path per join costs more than the syscall)
         self._dir = os.fspath(path)
         self._work = f"{self._dir}/work"
         self._attempts = f"{self._dir}/attempts"
+
+    @functools.cached_property
+    def work(self) -> Path:
+        """Return work/ (the agent's working folder) as a Path, made once when first asked for."""
+        return self.path / "work"
+
+    @functools.cached_property
+    def attempts_dir(self) -> Path:
+        """Return attempts/ as a Path, made once when first asked for."""
+        return self.path / "attempts"
 
     # -- reading ----------------------------------------------------------------------------
     def read_json(self, rel: str, limit: int = RECORD_MAX, *, shortage_raises: bool = False) -> Any:
@@ -85,6 +94,10 @@ class JobFolder:
             return JobSpec.from_json(data)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{JOB_FILE} is missing or damaged ({type(exc).__name__})") from None
+
+    def has_receipt(self) -> bool:
+        """Return True if work/receipt.json exists as any entry (a link or FIFO too: it is never followed)."""
+        return os.path.lexists(f"{self._work}/receipt.json")
 
     def attempt_numbers(self) -> list[int]:
         """Return the numbers of attempts/<n>/ folders, in order."""
