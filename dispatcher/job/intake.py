@@ -81,14 +81,18 @@ class Refused:
 Claimed_ = Started | Waiting | Cancelled | Refused | Skipped
 
 
-def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | None:
+def inspect(
+    layout: Layout, name: str, config: Config, *, seen: os.stat_result | None = None
+) -> Inspected | Refusal | None:
     """Read and validate inbox/<name>; None if it is gone (taken or removed) or changed while read.
 
-    A shortage (``shortage.resource_of``) is raised, never turned into a refusal: the file waits.
+    ``seen``: the file's lstat the caller just took (it is not taken again); a change after it
+    still makes the read count as changed. A shortage (``shortage.resource_of``) is raised,
+    never turned into a refusal: the file waits.
     """
     path = f"{os.fspath(layout.inbox)}/{name}"
     try:
-        st = os.lstat(path)
+        st = seen if seen is not None else os.lstat(path)
     except FileNotFoundError:
         return None
     if not stat.S_ISREG(st.st_mode):
