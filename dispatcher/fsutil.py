@@ -15,13 +15,13 @@ import json
 import os
 import stat
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | Path) -> None:
     """Flush a directory's entries (a rename or create in it) to disk."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -83,7 +83,7 @@ def make_dirs(*paths: Path) -> bool:
     return bool(grown)
 
 
-def _write(path: Path, data: bytes, flags: int, sync: bool) -> None:
+def _write(path: str | Path, data: bytes, flags: int, sync: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o640)
     try:
         view = memoryview(data)
@@ -104,12 +104,12 @@ def write_atomic(path: Path, data: bytes, *, sync: bool = True, sync_dir: bool =
         fsync_dir(path.parent)
 
 
-def write_in_place(path: Path, data: bytes, *, sync: bool = False) -> None:
+def write_in_place(path: str | Path, data: bytes, *, sync: bool = False) -> None:
     """Write path over whatever file it names, never through a link (a torn write reads as damaged)."""
     _write(path, data, os.O_TRUNC | os.O_NOFOLLOW, sync)
 
 
-def write_new(path: Path, data: bytes, *, sync: bool = False) -> None:
+def write_new(path: str | Path, data: bytes, *, sync: bool = False) -> None:
     """Create path with data (fsynced when sync); fail if it exists."""
     _write(path, data, os.O_EXCL, sync)
 
@@ -188,7 +188,7 @@ def move_out(src: Path, dst: Path) -> None:
     os.unlink(src)
 
 
-def same_file(a: Path, b: Path) -> bool:
+def same_file(a: str | Path, b: str | Path) -> bool:
     """Return True if a and b are one inode (without following links)."""
     try:
         sa, sb = os.lstat(a), os.lstat(b)
@@ -222,7 +222,7 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
-def read_regular(path: Path, limit: int | None = None, *, base: Path | None = None) -> bytes:
+def read_regular(path: str | Path, limit: int | None = None, *, base: str | Path | None = None) -> bytes:
     """Read a regular file without following links or blocking on FIFOs.
 
     With ``base``, every part of ``path`` below ``base`` is opened with
@@ -231,7 +231,11 @@ def read_regular(path: Path, limit: int | None = None, *, base: Path | None = No
     it is missing, and ValueError when it is larger than ``limit``.
     """
     if base is not None:
-        fd = open_beneath(base, path.relative_to(base))
+        # two str paths: the part below base is what relative_to gives, without making two Paths
+        rest = path[len(base) + 1 :] if isinstance(path, str) and isinstance(base, str) else "/"
+        plain = path == f"{base}/{rest}" and not rest.startswith("/")
+        rel: str | PurePath = rest if plain else Path(path).relative_to(base)
+        fd = open_beneath(base, rel)
     else:
         try:
             fd = os.open(path, _OPEN_FLAGS)
@@ -258,10 +262,19 @@ def read_regular(path: Path, limit: int | None = None, *, base: Path | None = No
         os.close(fd)
 
 
-def open_beneath(base: Path, rel: Path) -> int:
+def rel_parts(rel: str | PurePath) -> tuple[str, ...]:
+    """Return the parts of a relative path as pathlib splits them (empty and ``.`` parts dropped), without a Path."""
+    if isinstance(rel, PurePath):
+        return rel.parts
+    if rel.startswith("/"):
+        return PurePosixPath(rel).parts
+    return tuple(p for p in rel.split("/") if p and p != ".")
+
+
+def open_beneath(base: str | Path, rel: str | PurePath) -> int:
     """Open base/rel one part at a time, refusing symlinks at every step."""
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    parts = rel.parts
+    parts = rel_parts(rel)
     try:
         for i, part in enumerate(parts):
             last = i == len(parts) - 1

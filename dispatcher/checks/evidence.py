@@ -47,7 +47,7 @@ def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
     The fd, when given, is a regular file of at most ``limit`` bytes; the caller closes it.
     """
     try:
-        fd = fsutil.open_beneath(work, Path(rel))
+        fd = fsutil.open_beneath(work, rel)
     except FileNotFoundError:
         return Doc(missing=True), None
     except NotRegular as exc:
@@ -160,7 +160,7 @@ def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
 def _digest_file(work: Path, rel: str) -> str | None:
     """Return the sha256 of work/<rel> read in chunks without following links, or None."""
     try:
-        fd = fsutil.open_beneath(work, Path(rel))
+        fd = fsutil.open_beneath(work, rel)
     except NotRegular:
         return None
     except OSError as exc:
@@ -192,7 +192,7 @@ def read_followups(
     ``max_followups + 1`` are read and parsed: one more than allowed already fails
     followups_valid, so 5,000 files cost 5,000 names, not 5,000 parses.
     """
-    outbox = work / "outbox"
+    outbox = os.path.join(work, "outbox")
     try:
         st = os.lstat(outbox)
     except OSError:

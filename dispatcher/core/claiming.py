@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -265,10 +266,11 @@ class Claims:
         An order whose not_before is to come is ``Later`` (``now``, for a cancel: taken all
         the same); one past its expires is refused as ``expired``.
         """
-        if _size(self.layout.inbox / name) > BIG_ORDER_BYTES:
+        st = _lstat(f"{os.fspath(self.layout.inbox)}/{name}")
+        if st is not None and st.st_size > BIG_ORDER_BYTES:
             return Big(name)
         try:
-            found = intake.inspect(self.layout, name, cfg)
+            found = intake.inspect(self.layout, name, cfg, seen=st)  # its lstat is not taken twice
             if isinstance(found, Refusal):
                 log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
                 folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)
@@ -350,8 +352,8 @@ def _free(ledger: Ledger, picks: list[tuple[Parked, int | None]]) -> None:
             ledger.free_slot(p.agent, slot)
 
 
-def _size(path: Path) -> int:
+def _lstat(path: str) -> os.stat_result | None:
     try:
-        return path.lstat().st_size
+        return os.lstat(path)
     except OSError:
-        return 0
+        return None

@@ -168,7 +168,7 @@ class Inbox:
     def _peek(self, name: str) -> Glance:
         """Read an order's priority, not_before and `after` at a glance (a small bounded read; no link followed)."""
         try:
-            data = fsutil.read_regular(self.inbox / name, PEEK_BYTES)
+            data = fsutil.read_regular(f"{os.fspath(self.inbox)}/{name}", PEEK_BYTES)
         except (OSError, ValueError, fsutil.NotRegular):
             return Glance()  # unreadable here: the daemon reads it as usual (and refuses it if need be)
         return peek_schedule(data, name)

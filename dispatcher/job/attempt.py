@@ -27,16 +27,17 @@ HOST = socket.gethostname()
 def values(spec: JobSpec, work: Path, workspace: Path | None = None) -> dict[str, str]:
     """Return the argv placeholders' values for a job (``workspace``: its git worktree, else work/)."""
     prompt = spec.agent.prompt
-    vals = prompt_values(spec.order, spec.writes, work, workspace)
-    rendered = render(prompt, vals, prompt=True) if prompt is not None else ""
+    # the prompt's own values (two JSON encodes among them) only when there is a prompt to render
+    rendered = render(prompt, prompt_values(spec.order, spec.writes, work, workspace), prompt=True) if prompt else ""
+    w = os.fspath(work)
     return {
         "job_id": spec.job_id,
-        "order": str(work / "order.json"),
-        "workspace": str(workspace or work),
-        "receipt": str(work / "receipt.json"),
+        "order": f"{w}/order.json",
+        "workspace": os.fspath(workspace or work),
+        "receipt": f"{w}/receipt.json",
         "prompt": rendered,
-        "prompt_file": str(work / "prompt.md") if prompt is not None else "",
-        "parents": str(work / "parents.json"),
+        "prompt_file": f"{w}/prompt.md" if prompt is not None else "",
+        "parents": f"{w}/parents.json",
     }
 
 

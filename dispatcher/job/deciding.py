@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import abc
 import functools
-import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -70,7 +69,7 @@ class Deciding(abc.ABC):
 
     def _limit_of(self, out: AgentExit) -> LimitHit | None:
         """Return the usage limit an attempt that did not pass met, or None."""
-        passed = out.exit_code == 0 and os.path.lexists(self.folder.work / "receipt.json")
+        passed = out.exit_code == 0 and self.folder.has_receipt()
         if passed or out.timed_out:
             return None
         return self.waits.limited(self.spec.agent, out.stdout_tail, out.stderr_tail, time.time())
@@ -95,7 +94,7 @@ class Deciding(abc.ABC):
 
     async def _decide(self, n: int, exit_: Exit) -> Outcome | None:
         """Check attempt n; finish the job, or return None to run attempt n + 1."""
-        receipt_missing = not os.path.lexists(self.folder.work / "receipt.json")
+        receipt_missing = not self.folder.has_receipt()
         if exit_.timed_out or exit_.code not in (0, None) or receipt_missing:
             checks = await self._checks(exit_, n)
             reason = verdict(checks) or "receipt_present: no receipt.json"

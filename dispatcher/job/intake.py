@@ -81,14 +81,18 @@ class Refused:
 Claimed_ = Started | Waiting | Cancelled | Refused | Skipped
 
 
-def inspect(layout: Layout, name: str, config: Config) -> Inspected | Refusal | None:
+def inspect(
+    layout: Layout, name: str, config: Config, *, seen: os.stat_result | None = None
+) -> Inspected | Refusal | None:
     """Read and validate inbox/<name>; None if it is gone (taken or removed) or changed while read.
 
-    A shortage (``shortage.resource_of``) is raised, never turned into a refusal: the file waits.
+    ``seen``: the file's lstat the caller just took (it is not taken again); a change after it
+    still makes the read count as changed. A shortage (``shortage.resource_of``) is raised,
+    never turned into a refusal: the file waits.
     """
-    path = layout.inbox / name
+    path = f"{os.fspath(layout.inbox)}/{name}"
     try:
-        st = os.lstat(path)
+        st = seen if seen is not None else os.lstat(path)
     except FileNotFoundError:
         return None
     if not stat.S_ISREG(st.st_mode):
@@ -152,11 +156,11 @@ def claim(
     owner = ledger.owner
     placing.drop_left_stages()
     out: list[Claimed_ | None] = [None] * len(picks)
-    staged: list[tuple[int, Pick, Path]] = []
+    staged: list[tuple[int, Pick, Path, bool]] = []  # the bool: no job folder of the id was found
     for i, pick in enumerate(picks):
         item = pick.item
-        found = layout.find(item.order.job_id)
-        if found is not None and _drop_twin(layout, item):
+        found = layout.find(item.order.job_id)  # once per order: the claim below reuses the answer
+        if found is not None and _drop_twin(layout, item, found[1]):
             out[i] = Skipped(item.name)
             continue
         if found is not None and ledger.get(item.order.job_id) is None:
@@ -184,7 +188,7 @@ def claim(
         if stage is None:
             out[i] = Skipped(item.name)
             continue
-        staged.append((i, pick, stage))
+        staged.append((i, pick, stage, found is None))
     answers = ledger.claim(
         [
             # a claim is only taken over from a dead daemon while no job folder of the id exists
@@ -193,13 +197,13 @@ def claim(
                 p.agent.name,
                 p.item.name,
                 p.item.digest,
-                may_take_over=layout.find(p.item.order.job_id) is None,
+                may_take_over=no_folder,
             )
-            for _, p, _ in staged
+            for _, p, _, no_folder in staged
         ]
     )
     written: list[tuple[int, Pick, Path, Claimed, placing.Written]] = []
-    for (i, pick, stage), answer in zip(staged, answers, strict=True):
+    for (i, pick, stage, _), answer in zip(staged, answers, strict=True):
         match answer:
             case Claimed():
                 made = placing.write(layout, ledger, pick, stage, answer)
@@ -285,16 +289,19 @@ def _refuse(
     return Refused(item.name, item.order.job_id)
 
 
-def _drop_twin(layout: Layout, item: Inspected) -> bool:
+def _drop_twin(layout: Layout, item: Inspected, folder: Path | None = None) -> bool:
     """Unlink inbox/<name> if it is the order file of the job folder of its id; return True if so.
 
     A daemon that died after putting a claimed job in place, before unlinking the
     inbox name, leaves that name behind: it is the job's own file, not a duplicate.
+    ``folder``: the job's folder when the caller just found it.
     """
-    found = layout.find(item.order.job_id)
-    if found is None:
-        return False
-    if not drop_inbox_twin(layout, item.name, found[1] / f"order{Path(item.name).suffix}"):
+    if folder is None:
+        found = layout.find(item.order.job_id)
+        if found is None:
+            return False
+        folder = found[1]
+    if not drop_inbox_twin(layout, item.name, folder / f"order{Path(item.name).suffix}"):
         return False
     log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
     return True

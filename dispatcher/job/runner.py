@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ _READ = 1 << 16
 _DRAIN_AFTER_EXIT_S = 1.0
 _GROUP_POLL_S = 0.02
 _KILL_WAIT_S = 5.0
+_DEVNULL_LOCK = threading.Lock()
+_devnull_fd = -1  # /dev/null, opened once for every agent's stdin (Popen's DEVNULL opens and closes it per spawn)
 
 
 def build_env(
@@ -52,11 +55,12 @@ def build_env(
 
 def dispatch_env(job_id: str, work: Path, n: int, workspace: Path | None = None) -> dict[str, str]:
     """Return the DISPATCH_* variables of attempt n."""
+    w = os.fspath(work)
     return {
         "DISPATCH_JOB_ID": job_id,
-        "DISPATCH_ORDER": str(work / "order.json"),
-        "DISPATCH_WORKSPACE": str(workspace or work),
-        "DISPATCH_RECEIPT": str(work / "receipt.json"),
+        "DISPATCH_ORDER": f"{w}/order.json",
+        "DISPATCH_WORKSPACE": os.fspath(workspace or work),
+        "DISPATCH_RECEIPT": f"{w}/receipt.json",
         "DISPATCH_ATTEMPT": str(n),
     }
 
@@ -71,7 +75,7 @@ class _Stream:
     """One output pipe copied into a log file up to a cap; stdout's tail is kept in memory."""
 
     fd: int
-    path: Path | None  # None: the output is kept in memory only (its tail), never written
+    path: str | Path | None  # None: the output is kept in memory only (its tail), never written
     cap: int
     keep_tail: int  # bytes of the stream's end kept in memory
     log_fd: int = -1
@@ -160,8 +164,9 @@ class AgentProcess:
         self.env = dict(env)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
-        out_path = log_dir / f"{log_prefix}stdout.log" if log_dir is not None else one_log
-        err_path = log_dir / f"{log_prefix}stderr.log" if log_dir is not None else one_log
+        logs = os.fspath(log_dir) if log_dir is not None else None
+        out_path = f"{logs}/{log_prefix}stdout.log" if logs is not None else one_log
+        err_path = f"{logs}/{log_prefix}stderr.log" if logs is not None else one_log
         self._out = _Stream(-1, out_path, max_log_bytes, AGENT_TAIL_BYTES)
         self._err = _Stream(-1, err_path, max_log_bytes, ERR_TAIL_BYTES)
         self._idle = IdleWatch(cwd, idle_timeout_s) if idle_timeout_s else None
@@ -404,6 +409,16 @@ def _spawn(argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, s
         return _popen(argv, cwd, env, None)
 
 
+def _devnull() -> int:
+    """Return the daemon's one /dev/null descriptor (close-on-exec: the child gets it only as its stdin)."""
+    global _devnull_fd
+    if _devnull_fd < 0:
+        with _DEVNULL_LOCK:
+            if _devnull_fd < 0:
+                _devnull_fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)  # the mode Popen's DEVNULL uses
+    return _devnull_fd
+
+
 def _popen(
     argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str], executable: str | None
 ) -> subprocess.Popen[bytes]:
@@ -412,7 +427,7 @@ def _popen(
         executable=executable,  # argv[0] stays as written: the agent sees the name it was given
         cwd=cwd,
         env=env,
-        stdin=subprocess.DEVNULL,
+        stdin=_devnull(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,

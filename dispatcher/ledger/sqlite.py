@@ -129,15 +129,18 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteBulk, Ledger):
         def body(db: sqlite3.Connection) -> list[ClaimAnswer]:
             out: list[ClaimAnswer] = []
             for req in requests:
-                entry = self._row(db, req.job_id)
-                if entry is None:
-                    db.execute(
-                        "INSERT INTO jobs (job_id, state, agent, owner, source, digest, hops, updated, token)"
-                        " VALUES (?, 'claimed', ?, ?, ?, ?, 0, ?, 1)",
-                        (req.job_id, req.agent, self.owner, req.source, req.digest, stamp),
-                    )
+                # a new id (the common case) is one statement: the row is read only when the id is known
+                cur = db.execute(
+                    "INSERT INTO jobs (job_id, state, agent, owner, source, digest, hops, updated, token)"
+                    " VALUES (?, 'claimed', ?, ?, ?, ?, 0, ?, 1) ON CONFLICT (job_id) DO NOTHING",
+                    (req.job_id, req.agent, self.owner, req.source, req.digest, stamp),
+                )
+                if cur.rowcount == 1:
                     out.append(Claimed(req.job_id, 1, cancelled=self._cancel_asked(db, req.job_id)))
                     continue
+                entry = self._row(db, req.job_id)
+                if entry is None:  # the insert met this row inside this very transaction
+                    raise sqlite3.IntegrityError(f"jobs: {req.job_id} conflicted but has no row")
                 same_file = entry.source == req.source and entry.digest == req.digest
                 released = entry.state in (Row.RESERVED, Row.RELEASED) and entry.digest == req.digest
                 if entry.state == Row.CLAIMED and same_file and entry.owner is not None:

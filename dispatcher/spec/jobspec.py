@@ -9,6 +9,7 @@ config when an operator retries it). ``Attempt`` is one run of the agent as
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -192,6 +193,7 @@ def prompt_values(
     order: Mapping[str, Any], writes: tuple[str, ...], work: Path, workspace: Path | None = None
 ) -> dict[str, str]:
     """Return the prompt template's placeholder values for one order in its work/ folder (and worktree)."""
+    w = os.fspath(work)
     return {
         "job_id": order["job_id"],
         "from": order["from"],
@@ -200,10 +202,10 @@ def prompt_values(
         "items_json": json.dumps(order["items"], ensure_ascii=False),
         "writes": ", ".join(writes),
         "accept_json": json.dumps(order.get("accept") or {}, ensure_ascii=False),
-        "order": str(work / "order.json"),
-        "workspace": str(workspace or work),
-        "receipt": str(work / "receipt.json"),
-        "parents": str(work / "parents.json"),
+        "order": f"{w}/order.json",
+        "workspace": os.fspath(workspace or work),
+        "receipt": f"{w}/receipt.json",
+        "parents": f"{w}/parents.json",
     }
 
 

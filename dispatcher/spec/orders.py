@@ -30,7 +30,15 @@ def order_format(name: str) -> str | None:
 
     The suffix is matched as the contract writes it (``x.JSON`` is not a work order).
     """
-    return ORDER_SUFFIXES.get(PurePosixPath(name).suffix)
+    return ORDER_SUFFIXES.get(suffix_of(name))
+
+
+def suffix_of(name: str) -> str:
+    """Return ``PurePosixPath(name).suffix``; a plain file name (no ``/``) is read without making a Path."""
+    if "/" in name:
+        return PurePosixPath(name).suffix
+    i = name.rfind(".")
+    return name[i:] if 0 < i < len(name) - 1 else ""
 
 
 def parse_order(

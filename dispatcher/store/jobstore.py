@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import secrets
@@ -56,8 +57,20 @@ class JobFolder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.job_id = path.name
-        self.work = path / "work"
-        self.attempts_dir = path / "attempts"
+        # the paths as str: a job's per-attempt steps join strings (a Path per join costs more than the syscall)
+        self._dir = os.fspath(path)
+        self._work = f"{self._dir}/work"
+        self._attempts = f"{self._dir}/attempts"
+
+    @functools.cached_property
+    def work(self) -> Path:
+        """Return work/ (the agent's working folder) as a Path, made once when first asked for."""
+        return self.path / "work"
+
+    @functools.cached_property
+    def attempts_dir(self) -> Path:
+        """Return attempts/ as a Path, made once when first asked for."""
+        return self.path / "attempts"
 
     # -- reading ----------------------------------------------------------------------------
     def read_json(self, rel: str, limit: int = RECORD_MAX, *, shortage_raises: bool = False) -> Any:
@@ -66,7 +79,7 @@ class JobFolder:
         With ``shortage_raises``, a shortage (EMFILE, ENOMEM ...) is raised: it says nothing of the file.
         """
         try:
-            return json.loads(fsutil.read_regular(self.path / rel, limit, base=self.path))
+            return json.loads(fsutil.read_regular(f"{self._dir}/{rel}", limit, base=self._dir))
         except OSError as exc:
             if shortage_raises and resource_of(exc) is not None:
                 raise
@@ -82,10 +95,14 @@ class JobFolder:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{JOB_FILE} is missing or damaged ({type(exc).__name__})") from None
 
+    def has_receipt(self) -> bool:
+        """Return True if work/receipt.json exists as any entry (a link or FIFO too: it is never followed)."""
+        return os.path.lexists(f"{self._work}/receipt.json")
+
     def attempt_numbers(self) -> list[int]:
         """Return the numbers of attempts/<n>/ folders, in order."""
         try:
-            names = os.listdir(self.attempts_dir)
+            names = os.listdir(self._attempts)
         except OSError:
             return []
         return sorted(int(n) for n in names if n.isdigit())
@@ -161,15 +178,15 @@ class JobFolder:
 
         Raises OSError (a full disk, say) before any agent starts: the job then waits.
         """
-        folder = self.attempts_dir / str(n)
+        folder = f"{self._attempts}/{n}"
         os.makedirs(folder, exist_ok=True)
         for name in ("stdout.log", "stderr.log"):
-            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
-            os.close(fd)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+            os.close(os.open(f"{folder}/{name}", flags, 0o640))
         # attempts/<n>/ is the durable proof that attempt n may have started: after a power cut
         # recovery counts it as interrupted instead of starting an agent that is not retry-safe again
-        fsutil.fsync_dir(self.attempts_dir)
-        return folder
+        fsutil.fsync_dir(self._attempts)
+        return Path(folder)
 
     def begin_probe(self, n: int) -> Path:
         """Make attempts/<n>/ with empty probe logs; return the folder."""
@@ -197,11 +214,11 @@ class JobFolder:
         interrupted attempt (and looks for the agent by its working folder).
         """
         data = fsutil.dump_json({"n": n, "pid": pid, "boot_started": boot_started, "started": started})
-        fsutil.write_in_place(self.attempts_dir / str(n) / "attempt.json", data)
+        fsutil.write_in_place(f"{self._attempts}/{n}/attempt.json", data)
 
     def record_attempt(self, attempt: Attempt) -> None:
         """Write attempts/<n>/attempt.json (a torn one reads as missing: the attempt counts as interrupted)."""
-        fsutil.write_in_place(self.attempts_dir / str(attempt.n) / "attempt.json", fsutil.dump_json(attempt.to_json()))
+        fsutil.write_in_place(f"{self._attempts}/{attempt.n}/attempt.json", fsutil.dump_json(attempt.to_json()))
 
     def stash(self, n: int, *, feedback: bool = False) -> None:
         """Move receipt.json and outbox/ (and feedback.json) of attempt n into attempts/<n>/ (idempotent).
@@ -273,11 +290,11 @@ class JobFolder:
         """
         if not rels:
             return
-        folders: dict[Path, None] = {}
+        folders: dict[tuple[str, ...], None] = {}  # the parts of each folder below work/
         for rel in rels:
-            path = Path(rel)
+            parts = fsutil.rel_parts(rel)
             try:
-                fd = fsutil.open_beneath(self.work, path)
+                fd = fsutil.open_beneath(self._work, rel)
             except (FileNotFoundError, NotADirectoryError, fsutil.NotRegular):
                 continue
             try:
@@ -285,18 +302,18 @@ class JobFolder:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            for parent in path.parents[:-1]:  # its folders below work/, the deepest first
-                folders[parent] = None
-        for rel_dir in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+            for k in range(len(parts) - 1, 0, -1):  # its folders below work/, the deepest first
+                folders[parts[:k]] = None
+        for rel_dir in sorted(folders, key=len, reverse=True):
             try:
-                fd = fsutil.open_beneath(self.work, rel_dir)
+                fd = fsutil.open_beneath(self._work, "/".join(rel_dir))
             except (FileNotFoundError, fsutil.NotRegular):
                 continue
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fsutil.fsync_dir(self.work)
+        fsutil.fsync_dir(self._work)
 
     def stage_result(self, result: Result) -> None:
         """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
@@ -307,16 +324,17 @@ class JobFolder:
     def write_staged(self, result: Result) -> tuple[str, str]:
         """Step 1 without its fsyncs: write the staged result; return what the caller must fsync before the ledger
         records the end (the file, and the folder for its name: recovery lands from it)."""
-        fsutil.write_in_place(self.path / STAGED, fsutil.dump_json(result.to_json()))
-        return str(self.path / STAGED), str(self.path)
+        staged = f"{self._dir}/{STAGED}"
+        fsutil.write_in_place(staged, fsutil.dump_json(result.to_json()))
+        return staged, self._dir
 
     def name_result(self) -> str | None:
         """Step 3's first half: name the staged result result.json; return the folder to fsync (None: no staged one)."""
-        staged = self.path / STAGED
+        staged = f"{self._dir}/{STAGED}"
         if not os.path.lexists(staged):
             return None
-        os.rename(staged, self.path / RESULT)
-        return str(self.path)
+        os.rename(staged, f"{self._dir}/{RESULT}")
+        return self._dir
 
     def move_to(self, layout: Layout, state: State) -> Path:
         """Step 3's second half: move the folder into state's folder (once its result.json is on disk)."""
@@ -373,16 +391,17 @@ def build_result(
     )
 
 
-def drop_inbox_twin(layout: Layout, name: str, kept: Path) -> bool:
+def drop_inbox_twin(layout: Layout, name: str, kept: str | Path) -> bool:
     """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
 
     Return True if it was. Another daemon may have removed it first (it saw the
     placed job's folder): that is fine.
     """
-    if not name or not fsutil.same_file(layout.inbox / name, kept):
+    inboxed = f"{os.fspath(layout.inbox)}/{name}"
+    if not name or not fsutil.same_file(inboxed, kept):
         return False
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(layout.inbox / name)
+        os.unlink(inboxed)
     return True
 
 

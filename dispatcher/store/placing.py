@@ -26,7 +26,7 @@ from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import JobSpec, prompt_values, render
 from dispatcher.spec.order import Order
-from dispatcher.spec.orders import to_json
+from dispatcher.spec.orders import suffix_of, to_json
 from dispatcher.spec.settings import Agent
 from dispatcher.store.jobstore import JOB_FILE, JobFolder, drop_inbox_twin, is_disk_full, new_stage, remove_stage
 
@@ -76,9 +76,9 @@ class Skipped:
 def stage(layout: Layout, owner: str, item: Inspected) -> Path | None:
     """Make the claim's staging folder holding a link to the inbox file; None if the file changed."""
     stage = new_stage(layout, owner, "claim", item.order.job_id)
-    kept = stage / f"order{Path(item.name).suffix}"
+    kept = f"{os.fspath(stage)}/order{suffix_of(item.name)}"
     try:
-        os.link(layout.inbox / item.name, kept, follow_symlinks=False)
+        os.link(f"{os.fspath(layout.inbox)}/{item.name}", kept, follow_symlinks=False)
     except FileNotFoundError:
         os.rmdir(stage)
         return None
@@ -119,7 +119,7 @@ def place(
         fsutil.rename_noreplace(stage, target)
     except OSError as exc:
         return undo(ledger, item, stage, claimed, exc)
-    drop_inbox_twin(layout, item.name, target / f"order{Path(item.name).suffix}")
+    drop_inbox_twin(layout, item.name, f"{os.fspath(target)}/order{suffix_of(item.name)}")
     log.info(
         "job.claimed",
         job_id=item.order.job_id,
@@ -149,23 +149,24 @@ def undo(ledger: Ledger, item: Inspected, stage: Path, claimed: Claimed, exc: OS
 
 def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claimed: Claimed) -> Written:
     order = item.order
-    work = stage / "work"
+    folder = os.fspath(stage)
+    work = f"{folder}/work"
     os.mkdir(work)
-    os.mkdir(stage / "attempts")
+    os.mkdir(f"{folder}/attempts")
     body = dict(order.body)
     body["parent"] = claimed.parent
     body["hops"] = claimed.hops
     order_json = to_json(body)
-    fsutil.write_new(work / "order.json", order_json)
-    sync = [str(work / "order.json")]
+    fsutil.write_new(f"{work}/order.json", order_json)
+    sync = [f"{work}/order.json"]
     given = {"order.json": digest(order_json)}
     writes = tuple(order.writes if order.writes is not None else agent.writes)
     if agent.prompt is not None:
         final_work = layout.job(State.ACTIVE, order.job_id) / "work"
         tree = layout.worktree(order.job_id) if agent.repo.workspace is not None else None
         prompt = render(agent.prompt, prompt_values(body, writes, final_work, tree), prompt=True).encode()
-        fsutil.write_new(work / "prompt.md", prompt)
-        sync.append(str(work / "prompt.md"))
+        fsutil.write_new(f"{work}/prompt.md", prompt)
+        sync.append(f"{work}/prompt.md")
         given["prompt.md"] = digest(prompt)
     max_attempts = order.max_attempts or agent.max_attempts
     spec = JobSpec(
@@ -183,8 +184,8 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
         order=body,
         parent_chain_cost_usd=claimed.parent_chain_cost_usd,
     )
-    fsutil.write_new(stage / JOB_FILE, fsutil.dump_json(spec.to_json()))
-    sync += [str(stage / JOB_FILE), str(work), str(stage)]
+    fsutil.write_new(f"{folder}/{JOB_FILE}", fsutil.dump_json(spec.to_json()))
+    sync += [f"{folder}/{JOB_FILE}", work, folder]
     state = State.WAITING if order.after else State.ACTIVE
     return Written(spec, dataclasses.replace(order, body=body), state, tuple(sync))
 
