@@ -5,9 +5,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import yaml
 from seam_fixtures import Seam, open_seam, order, sh
 
-from dispatcher.core.claiming import BIG_ORDER_BYTES, Big, Claims, Dropped, Gone, Handover, Kind, Launch, NoSlot, Parked
+from dispatcher.core.claiming import (
+    BIG_ORDER_BYTES,
+    BIG_YAML_BYTES,
+    Big,
+    Claims,
+    Dropped,
+    Gone,
+    Handover,
+    Kind,
+    Launch,
+    NoSlot,
+    Parked,
+)
 from dispatcher.ledger.base import Request
 
 ONE_AT_A_TIME = {"worker": sh("true", concurrency=1)}
@@ -73,13 +86,26 @@ def test_a_bad_file_is_refused_in_the_trip_and_a_vanished_name_is_gone(tmp_path:
 
 
 def test_an_order_too_large_for_the_lane_is_handed_back_unread(tmp_path: Path) -> None:
-    """A file above BIG_ORDER_BYTES comes back as Big, to be read in the io pool; nothing is claimed."""
+    """A file above BIG_ORDER_BYTES comes back as Big, to be read in the scan lane; nothing is claimed."""
     with open_seam(tmp_path) as s:
         name = s.drop(order("J1", meta={"notes": "x" * (BIG_ORDER_BYTES + 1)}))
         [answer] = claims_of(s).run([name], Handover())
         row = s.ledger.get("J1")
     assert answer == Big(name)
     assert os.listdir(s.layout.inbox) == [name] and row is None
+
+
+def test_a_yaml_order_above_big_yaml_bytes_is_handed_back_but_json_of_that_size_is_claimed(tmp_path: Path) -> None:
+    """A 20 KiB YAML order comes back as Big (YAML parses slowly); the same order as JSON is claimed in the trip."""
+    notes = "x" * (BIG_YAML_BYTES + 4096)
+    with open_seam(tmp_path) as s:
+        as_yaml = s.drop(yaml.safe_dump(order("Y1", meta={"notes": notes})).encode(), "Y1.yaml")
+        as_json = s.drop(order("J1", meta={"notes": notes}))
+        big, claimed = claims_of(s).run([as_yaml, as_json], Handover())
+        rows = s.ledger.get("Y1"), s.ledger.get("J1")
+    assert big == Big(as_yaml)
+    assert isinstance(claimed, Launch) and claimed.spec.job_id == "J1"
+    assert rows[0] is None and rows[1] is not None
 
 
 def test_a_slotless_claim_under_a_cancel_request_is_dropped_as_cancelled(tmp_path: Path) -> None:

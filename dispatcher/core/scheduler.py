@@ -293,7 +293,7 @@ class Scheduler:
         self.parked.append(p)
 
     async def _read_big(self, name: str, *, cancel: bool) -> None:
-        """Read a large order in the io pool, then park it (or refuse it in the ledger lane)."""
+        """Read a large order in the scan lane, then park it (or refuse it in the ledger lane)."""
         try:
             found = await self.ctx.lanes.scan(intake.inspect, self.ctx.layout, name, self.config)
         except OSError as exc:
