@@ -109,6 +109,9 @@ class Housekeeping:
             if not SHORT.note(exc, "housekeeping"):  # a shortage: the next turn or rescan does it again
                 log.exception("daemon.error", step="housekeeping", error=str(exc))
         finally:
+            task = asyncio.current_task()
+            if task is not None:
+                self._tasks.discard(task)  # not busy any more before the loop wakes to ask
             self.wake()
 
     async def close(self) -> None:
