@@ -1,9 +1,12 @@
 """Liveness and concurrency slots on one host: flocks the kernel drops when their holder dies.
 
-A daemon holds ``.state/daemons/<owner>.lock`` for its whole life; a slot of an
-agent is ``.state/slots/<agent>.<i>.lock``. Both use filelock with
-``preserve_lock_file=True``: lock files are never deleted (two holders of "one"
-lock otherwise, tox-dev/filelock #574) and never silently become soft locks.
+A daemon holds ``.state/daemons/<owner>.lock`` for its whole life, through filelock
+with ``preserve_lock_file=True``: lock files are never deleted (two holders of "one"
+lock otherwise, tox-dev/filelock #574) and never silently become soft locks. A slot of
+an agent is ``.state/slots/<agent>.<i>.lock``, taken and given back for every job:
+the same rules (never deleted, a real ``flock``, non-blocking) kept by ``SlotLock`` in
+a few system calls, since filelock's acquire and release cost about 78 us of CPU
+together against 1.3 us for open, flock and close.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from filelock import FileLock, Timeout
+from filelock import FileLock
 
 from dispatcher.ledger.records import DaemonInfo
 
@@ -67,12 +70,44 @@ class Liveness:
         return False
 
 
+class SlotLock:
+    """An exclusive, non-blocking ``flock`` on a file that is never deleted; held while its descriptor is open."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = os.fspath(path)
+        self._fd = -1
+
+    def acquire(self) -> bool:
+        """Take the lock; return False if another open file (any process, or this one) holds it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # its folder went (removed by hand): made again, as filelock does
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        """Give the lock back (closing its descriptor drops the flock)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class FlockSlots:
     """Hand out agent slots over every daemon of one host; remember which are ours."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._locks: dict[tuple[str, int], FileLock] = {}
+        self._locks: dict[tuple[str, int], SlotLock] = {}
         self._held: dict[str, set[int]] = {}
 
     def take(self, agent: str, concurrency: int) -> int | None:
@@ -85,10 +120,8 @@ class FlockSlots:
                 continue
             lock = self._locks.get((agent, i))
             if lock is None:
-                lock = self._locks[(agent, i)] = make_lock(self.folder / f"{agent}.{i}.lock")
-            try:
-                lock.acquire()
-            except Timeout:
+                lock = self._locks[(agent, i)] = SlotLock(self.folder / f"{agent}.{i}.lock")
+            if not lock.acquire():
                 continue
             mine.add(i)
             return i
