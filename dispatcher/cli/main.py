@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
 
         argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
+    del parser  # every command's parser, held for as long as the daemon runs otherwise
     os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
     if args.command not in ("run", "web"):  # a command logs (a ledger it waits for) in the one console format
         from dispatcher import logs

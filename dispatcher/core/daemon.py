@@ -12,6 +12,7 @@ Signal handlers only set a flag and wake the loop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import resource
 import signal
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from dispatcher import procs
 from dispatcher.core import announce
 from dispatcher.core.fsevents import start_watch
 from dispatcher.core.gatekeeper import GateKeeper
@@ -102,18 +104,22 @@ class Daemon:
     async def startup(self) -> None:
         """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
         _raise_fd_limit()
+        procs.one_malloc_arena()  # before the lanes' threads start
+        gc.collect()  # what start-up left (the command line's parsers): freed before the daemon settles
+        gc.freeze()  # and the rest kept out of every later collection's walk
         self.loop = asyncio.get_running_loop()
         self._wake = Wakeup(self.loop)
         try:
             self.layout.create()
         except OSError as exc:
             raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
-        # off the loop, so that a stop is heard while the ledger is out of reach (its waits check _give_up)
-        self.ledger = await asyncio.to_thread(open_ledger, self.config, self.layout, give_up=self._give_up)
+        # in the ledger lane, off the loop, so that a stop is heard while the ledger is out of reach (its
+        # waits check _give_up); not in asyncio's default pool, whose threads would then idle for good
+        self.lanes = Lanes()
+        self.ledger = await self.lanes.ledger(open_ledger, self.config, self.layout, give_up=self._give_up)
         self.ledger.set_give_up(self._give_up)
         info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
-        await asyncio.to_thread(self.ledger.register, info)
-        self.lanes = Lanes()
+        await self.lanes.ledger(self.ledger.register, info)
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
