@@ -35,6 +35,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bigorder import section_bigorder
 from capacity import section_idle, section_sleepers
 from cpu import section_cpu
 from harness import BenchError, fresh_folder
@@ -56,6 +57,7 @@ SECTIONS: dict[str, tuple[Section, str]] = {
     "backlog": (section_backlog, "orders waiting at start: `run` spawn -> first agent start"),
     "sleepers": (section_sleepers, "many agents waiting at once"),
     "idle": (section_idle, "idle daemon, empty inbox"),
+    "bigorder": (section_bigorder, "a 1 MB YAML order beside small ones: the small ones' pickup"),
     "pg": (section_pg, "PostgreSQL ledger vs SQLite, `run --once` on one host"),
     "hosts": (section_hosts, "one PostgreSQL ledger, daemons on 1, 2 and 3 hosts (namespaces)"),
     "roundtrips": (section_roundtrips, "the PostgreSQL ledger's transactions and statements per job"),
@@ -65,7 +67,7 @@ SECTIONS: dict[str, tuple[Section, str]] = {
 # Run when --only is not given. The PostgreSQL sections need a server's binaries (and
 # `hosts` and `takeover` root, for network namespaces), `rq` redis-server and the bench
 # extra; they run when named.
-DEFAULT_SECTIONS = ("cpu", "syscalls", "inotify", "pickup", "backlog", "sleepers", "idle")
+DEFAULT_SECTIONS = ("cpu", "syscalls", "inotify", "pickup", "backlog", "sleepers", "idle", "bigorder")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

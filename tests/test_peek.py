@@ -1,0 +1,53 @@
+"""The glance at a YAML order (priority, not_before, after, to, expires) is read by byte searches, same answers."""
+
+from __future__ import annotations
+
+import random
+
+from dispatcher.spec import orders
+from dispatcher.spec.orders import peek_schedule
+
+KEYS = [
+    (b"priority:", orders._TOP_PRIORITY),
+    (b"not_before:", orders._TOP_NOT_BEFORE),
+    (b"after:", orders._TOP_AFTER),
+    (b"to:", orders._TOP_TO),
+    (b"expires:", orders._TOP_EXPIRES),
+]
+LINES = [
+    b"to: a",
+    b"to: 'b c'",
+    b" to: d",
+    b"to: e # who",
+    b"toto: z",
+    b"to:f",
+    b"priority: 7",
+    b"priority: x",
+    b"priority: 3  ",
+    b"after: [A]",
+    b"expires: 2026-01-01",
+    b"not_before: '2026-01-01T00:00:00Z'",
+    b"#c",
+    b"",
+    b"\r",
+]
+
+
+def test_the_byte_search_finds_what_a_regex_scan_of_the_whole_file_finds() -> None:
+    """On 5,000 random documents (mixed line ends), each key's first matching top-level line is the same."""
+    rnd = random.Random(15)
+    docs = [b"", b"to: a", b"x: 1\nto: b\n", b"  to: x\nto: y"]
+    for _ in range(5000):
+        parts = [rnd.choice(LINES) for _ in range(rnd.randint(0, 7))]
+        docs.append(rnd.choice([b"\n", b"\r\n", b"\n\n"]).join(parts))
+    for doc in docs:
+        for key, pattern in KEYS:
+            want, got = pattern.search(doc), orders._top(doc, key, pattern)
+            assert (want and (want.group(0), want.groups())) == (got and (got.group(0), got.groups())), (doc, key)
+
+
+def test_a_large_yaml_order_is_glanced_at_whatever_follows_its_long_lists() -> None:
+    """A 1 MB order whose `to:` and `priority:` come after a long nested list still gives them."""
+    body = b"job_id: BIG\nmeta:\n  lines:\n" + b"    - one line of a long list\n" * 35000 + b"to: coder\npriority: 8\n"
+    glance = peek_schedule(body, "BIG.yaml")
+    assert (glance.agent, glance.priority, glance.joins) == ("coder", 8, False)
