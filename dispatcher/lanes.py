@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from dispatcher import fsutil
+
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
@@ -140,6 +142,32 @@ class Lanes:
         self._ledger = _Pool(1, "ledger")
         self._io = _Pool(IO_WORKERS, "io")
         self._scan = _Pool(1, "scan")
+        self._turn_syncs: list[tuple[str, asyncio.Future[None]]] = []
+
+    def sync_this_turn(self, folder: str) -> asyncio.Future[None]:
+        """Fsync folder on the loop at the end of this turn, with every other folder asked for in it.
+
+        Agents started in one turn (a burst of claims) make their attempt folders
+        first and have them synced together: the journal commits them in one go
+        (``fsutil.fsync_many``) instead of one commit per agent. The future fails
+        with the folder's OSError.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if not self._turn_syncs:
+            loop.call_soon(self._sync_turn)
+        self._turn_syncs.append((folder, fut))
+        return fut
+
+    def _sync_turn(self) -> None:
+        batch, self._turn_syncs = self._turn_syncs, []
+        for (_, fut), error in zip(batch, fsutil.fsync_many([folder for folder, _ in batch]), strict=True):
+            if fut.done():
+                continue
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
 
     async def ledger(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run fn in the ledger lane (with the caller's log context) and wait for it."""

@@ -276,7 +276,8 @@ class Job(Deciding):
         before hook fails the attempt (None: a retry was scheduled).
         """
         try:
-            log_dir = self.folder.begin_attempt(n)  # a folder, two empty logs: on the loop
+            log_dir = self.folder.begin_attempt(n, sync=False)  # a folder, two empty logs: on the loop
+            await self.ctx.lanes.sync_this_turn(self.folder.attempts_path)  # with the other agents of this turn
         except OSError as exc:
             if SHORT.note(exc, "begin_attempt"):
                 self.folder.drop_attempt(n)

@@ -173,10 +173,11 @@ class JobFolder:
         """Write job.json atomically."""
         fsutil.write_atomic(self.path / JOB_FILE, fsutil.dump_json(spec.to_json()), sync=sync, sync_dir=sync)
 
-    def begin_attempt(self, n: int) -> Path:
+    def begin_attempt(self, n: int, *, sync: bool = True) -> Path:
         """Make attempts/<n>/ with empty stdout.log and stderr.log; return the folder.
 
         Raises OSError (a full disk, say) before any agent starts: the job then waits.
+        Without ``sync`` the caller fsyncs ``attempts_path`` before the agent starts.
         """
         folder = f"{self._attempts}/{n}"
         os.makedirs(folder, exist_ok=True)
@@ -185,8 +186,14 @@ class JobFolder:
             os.close(os.open(f"{folder}/{name}", flags, 0o640))
         # attempts/<n>/ is the durable proof that attempt n may have started: after a power cut
         # recovery counts it as interrupted instead of starting an agent that is not retry-safe again
-        fsutil.fsync_dir(self._attempts)
+        if sync:
+            fsutil.fsync_dir(self._attempts)
         return Path(folder)
+
+    @property
+    def attempts_path(self) -> str:
+        """Return attempts/ as a plain path (what ``begin_attempt(sync=False)`` leaves to the caller to fsync)."""
+        return self._attempts
 
     def begin_probe(self, n: int) -> Path:
         """Make attempts/<n>/ with empty probe logs; return the folder."""
