@@ -361,12 +361,22 @@ class Scheduler:
             r.slot = None
         self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
 
-    def _agent_exited(self, job_id: str) -> None:
-        """A job's agent exited: its slot goes to the next job while its checks and finish go on."""
+    def _agent_exited(self, job_id: str) -> bool:
+        """A job's agent exited: its slot goes to the next job while its checks and finish go on.
+
+        Not under a daily cost cap (the agent's or the root's): the next attempt's check
+        must see this job's cost, recorded at its finish, so the job keeps its slot until then.
+        """
         r = self.running.get(job_id)
-        if r is not None:
-            self._give_back(r)
-            self.wake()
+        if r is None:
+            return False
+        cfg = self.config
+        agent = cfg.agents.get(r.job.agent)
+        if cfg.max_daily_cost_usd is not None or (agent is not None and agent.max_daily_cost_usd is not None):
+            return False
+        self._give_back(r)
+        self.wake()
+        return True
 
     def _finished(self, job_id: str, task: asyncio.Task[Outcome]) -> None:
         r = self.running.pop(job_id, None)

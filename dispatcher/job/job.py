@@ -76,9 +76,9 @@ class Job(Deciding):
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
         self._children: list[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # called when an agent exits: its slot goes to the next job while this one is checked and
-        # finished (the scheduler's); another attempt then queues for a slot again (Outcome.AGAIN)
-        self.on_exit: Callable[[], None] | None = None
+        # called when an agent exits: True if its slot went to the next job while this one is checked
+        # and finished (the scheduler's); another attempt then queues for a slot again (Outcome.AGAIN)
+        self.on_exit: Callable[[], bool] | None = None
         self.gave_back = False
         self.waits = Waits(
             self.job_id,
@@ -229,8 +229,7 @@ class Job(Deciding):
         out = await proc.wait()
         self.control.attach(None)
         if self.on_exit is not None and not self.gave_back:
-            self.gave_back = True
-            self.on_exit()
+            self.gave_back = self.on_exit()
         tail = out.stdout_tail
         small = len(tail) <= AGENT_RESULT_MAX
         result = parse_agent_result(tail) if small else await self.ctx.lanes.io(parse_agent_result, tail)
