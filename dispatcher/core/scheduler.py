@@ -365,14 +365,18 @@ class Scheduler:
         """A job's agent exited: its slot goes to the next job while its checks and finish go on.
 
         Not under a daily cost cap (the agent's or the root's): the next attempt's check
-        must see this job's cost, recorded at its finish, so the job keeps its slot until then.
+        must see this job's cost, recorded at its finish. Not for an agent with a workspace:
+        its next job's worktree starts from `base` after this one's `land` and `after`
+        hooks, as with one agent at a time. Those jobs keep their slots until they finish.
         """
         r = self.running.get(job_id)
         if r is None:
             return False
         cfg = self.config
         agent = cfg.agents.get(r.job.agent)
-        if cfg.max_daily_cost_usd is not None or (agent is not None and agent.max_daily_cost_usd is not None):
+        if cfg.max_daily_cost_usd is not None or agent is None or agent.max_daily_cost_usd is not None:
+            return False
+        if r.job.spec.agent.repo.workspace is not None:
             return False
         self._give_back(r)
         self.wake()
