@@ -39,6 +39,7 @@ from dispatcher.core.claiming import (
     when,
 )
 from dispatcher.core.gatekeeper import gated_agents
+from dispatcher.core.running import RunningJobs, keeps_slots
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
 from dispatcher.job import intake
@@ -59,14 +60,6 @@ RETRY_LATER_S = 1.0  # a file whose claim could not be made now (a full disk) is
 
 
 @dataclass
-class Running:
-    job: Job
-    task: asyncio.Task[Outcome]
-    slot: int | None
-    holds: bool = True  # counts against max_jobs and holds its agent's slot: until its agent exits
-
-
-@dataclass
 class Stats:
     finished: dict[str, int] = field(default_factory=lambda: {"done": 0, "failed": 0, "refused": 0, "review": 0})
 
@@ -79,8 +72,8 @@ class Scheduler:
         self.claims = Claims(ctx.layout, ctx.ledger, ctx.config, ctx.finisher, self.log_refused, joins)
         self.inbox = inbox
         self.wake = wake
-        self.running: dict[str, Running] = {}
-        self.holding = 0  # running jobs that hold a slot (their agent runs, or has not started yet)
+        self.slots: RunningJobs[Job] = RunningJobs(ctx.metrics)
+        self.running = self.slots.jobs  # the same dict, never replaced
         self.again: dict[str, Job] = {}  # jobs queued for another attempt after giving their slot back
         self.parked: collections.deque[Parked] = collections.deque()
         self.inflight = 0
@@ -88,7 +81,6 @@ class Scheduler:
         self.slot_poll = False
         self.stats = Stats()
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
-        self.idle: dict[str, list[int]] = {}
         self.aside: SetAside[Job] = SetAside()  # claimed jobs a gate holds, without slots
         self._tasks: set[asyncio.Task[Any]] = set()  # slots of ended jobs, kept for the next job of that agent
 
@@ -109,13 +101,8 @@ class Scheduler:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def free_slots(self) -> int:
-        """Return how many more jobs this daemon may start now (``max_jobs`` minus what runs).
-
-        A job gives its slot back when its agent exits, so the next agent starts while
-        the job's checks and finish go on; at most ``max_jobs`` jobs more may be finishing.
-        """
-        most = self.config.max_jobs
-        return min(most - self.holding, 2 * most - len(self.running)) - self.inflight
+        """Return how many more jobs this daemon may start now (``max_jobs`` minus what holds a slot)."""
+        return self.slots.free(self.config.max_jobs) - self.inflight
 
     def may_read(self) -> bool:
         """Return True if a turn would read a new order now: a slot is free, room to park, no shortage.
@@ -166,8 +153,8 @@ class Scheduler:
         if not batch:
             self._free_idle()
             return
-        handover = Handover(self.idle)  # the lane owns these slots now: it uses or frees them
-        self.idle = {}
+        handover = Handover(self.slots.idle)  # the lane owns these slots now: it uses or frees them
+        self.slots.idle = {}
         blocked = frozenset(self.blocked)
         # claimed in chunks: the first agents start while the lane still claims the rest
         chunks = [batch[i : i + CLAIM_CHUNK] for i in range(0, len(batch), CLAIM_CHUNK)]
@@ -192,13 +179,13 @@ class Scheduler:
     def _free_idle(self) -> None:
         """Give back slots no job took over this turn, so that other daemons may use them."""
         ledger = self.ctx.ledger
-        for agent, slots in self.idle.items():
+        for agent, slots in self.slots.idle.items():
             for slot in slots:
                 if ledger.slots_local:  # a flock on this host: released at once, no trip to the lane
                     ledger.free_slot(agent, slot)
                 else:
                     self._background(self.ctx.lanes.ledger(ledger.free_slot, agent, slot))
-        self.idle.clear()
+        self.slots.idle.clear()
 
     async def _refuse(self, refusal: Refusal) -> None:
         folder = await self.ctx.lanes.ledger(refuse, self.ctx.layout, refusal, self.ctx.ledger.owner, self.log_refused)
@@ -345,48 +332,25 @@ class Scheduler:
         job.gave_back = False
         job.on_exit = functools.partial(self._agent_exited, job.job_id)
         task = asyncio.get_running_loop().create_task(job.run())
-        self.running[job.job_id] = Running(job, task, launch.slot)
-        self.holding += 1
-        self._count_running()
+        self.slots.add(job, task, launch.slot)
         task.add_done_callback(functools.partial(self._finished, job.job_id))
 
-    def _give_back(self, r: Running) -> None:
-        """Give back what a running job holds: its place in ``max_jobs`` and its agent's slot."""
-        if not r.holds:
-            return
-        r.holds = False
-        self.holding -= 1
-        if r.slot is not None:
-            self.idle.setdefault(r.job.agent, []).append(r.slot)  # handed to the next claim of that agent
-            r.slot = None
-        self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
-
     def _agent_exited(self, job_id: str) -> bool:
-        """A job's agent exited: its slot goes to the next job while its checks and finish go on.
-
-        Not under a daily cost cap (the agent's or the root's): the next attempt's check
-        must see this job's cost, recorded at its finish. Not for an agent with a workspace:
-        its next job's worktree starts from `base` after this one's `land` and `after`
-        hooks, as with one agent at a time. Those jobs keep their slots until they finish.
-        """
+        """A job's agent exited: its slots go to the next job while its checks and finish go on (``running``)."""
         r = self.running.get(job_id)
         if r is None:
             return False
-        cfg = self.config
-        agent = cfg.agents.get(r.job.agent)
-        if cfg.max_daily_cost_usd is not None or agent is None or agent.max_daily_cost_usd is not None:
+        workspace = r.job.spec.agent.repo.workspace is not None
+        if keeps_slots(self.config, r.job.agent, workspace=workspace) or not self.slots.give_back(r):
             return False
-        if r.job.spec.agent.repo.workspace is not None:
-            return False
-        self._give_back(r)
+        self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
         self.wake()
         return True
 
     def _finished(self, job_id: str, task: asyncio.Task[Outcome]) -> None:
-        r = self.running.pop(job_id, None)
-        self._count_running()
-        if r is not None:
-            self._give_back(r)
+        r, held = self.slots.pop(job_id)
+        if held and r is not None:
+            self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
         if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():
             self.parked.appendleft(_parked_again(r.job))
@@ -404,10 +368,6 @@ class Scheduler:
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
             self.left.add(job_id)
         self.wake()
-
-    def _count_running(self) -> None:
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.set_running(collections.Counter(r.job.agent for r in self.running.values()))
 
     # -- stopping -----------------------------------------------------------------------------
     def abort_all(self, reason: Stop, *, only_waiting: bool = False, mute: bool = False) -> None:
