@@ -32,6 +32,7 @@ from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
+from dispatcher.spec.orderchild import APART_YAML_BYTES
 from dispatcher.spec.orders import order_format, validate_order
 from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
@@ -40,8 +41,8 @@ from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
 BIG_ORDER_BYTES = 64 * 1024  # orders above this are read in the scan lane, not in the claim's trip
-# YAML parses about 20 times slower than JSON even with libyaml (16 KiB: about 3 ms): above this, the scan lane
-BIG_YAML_BYTES = 16 * 1024
+# YAML parses about 20 times slower than JSON even with libyaml: above this, in the scan lane and a child process
+BIG_YAML_BYTES = APART_YAML_BYTES
 
 
 class Kind(enum.Enum):

@@ -39,6 +39,7 @@ from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.shortage import SHORT, resource_of
 from dispatcher.spec.loader import load_document
+from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
 from dispatcher.store import placing
@@ -115,9 +116,15 @@ def inspect(
         return Refusal(name, f"cannot be read: {exc.strerror}")
     if (again.st_ino, again.st_size, again.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
         return None  # replaced or written to while being read: its own event brings it back
+    apart = order_format(name) == "yaml" and len(data) > APART_YAML_BYTES  # a long parse: in a child process
     try:
         order = parse_order(
-            data, name, agents=config.agents, max_timeout_s=config.max_timeout_s, max_bytes=config.max_order_bytes
+            data,
+            name,
+            agents=config.agents,
+            max_timeout_s=config.max_timeout_s,
+            max_bytes=config.max_order_bytes,
+            load=load_apart if apart else load_document,
         )
     except OrderError as exc:
         return Refusal(name, exc.reason, job_id=best_job_id(data, name))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
@@ -48,12 +48,14 @@ def parse_order(
     agents: Container[str] | None = None,
     max_timeout_s: float | None = None,
     max_bytes: int | None = None,
+    load: Callable[[bytes, str], Any] = load_document,
 ) -> Order:
     """Parse and validate one work order; raise OrderError naming the file and field.
 
     ``name`` is the file name (it picks the format by its suffix and is named in
     errors). ``agents`` are the agent names of the config; with None, ``to`` is
-    not checked against it (``dispatcher validate`` without a config).
+    not checked against it (``dispatcher validate`` without a config). ``load``
+    parses the document (``orderchild.load_apart``: in a child process).
     """
     try:
         fmt = order_format(name)
@@ -61,7 +63,7 @@ def parse_order(
             raise OrderError("not a work order (the name must end in .yaml, .yml or .json)")
         if max_bytes is not None and len(data) > max_bytes:
             raise OrderError(f"larger than max_order_bytes ({len(data)} > {max_bytes} bytes)")
-        body = load_document(data, fmt)
+        body = load(data, fmt)
         return validate_order(body, agents=agents, max_timeout_s=max_timeout_s)
     except OrderError as exc:
         raise exc.with_file(name) from None
