@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from seam_fixtures import open_seam, order
 
@@ -117,3 +118,29 @@ def test_an_id_with_a_folder_but_no_ledger_row_is_refused_and_its_row_put_back(t
     assert answer == Refused("J1.json", "J1")
     assert row is not None and row.state == Row.DONE
     assert "already known (state done)" in s.refused[0].reason
+
+
+def test_an_invalid_order_is_refused_with_its_job_id_and_parsed_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """A small and a 40 KB YAML order missing `task` are refused naming the field, with their job_id, one parse each."""
+    from dispatcher.spec import orderchild
+
+    calls: list[str] = []
+
+    def counted(name: str, real: Any) -> Any:
+        def parse(data: bytes, fmt: str) -> Any:
+            calls.append(name)
+            return real(data, fmt)
+
+        return parse
+
+    monkeypatch.setattr(intake, "load_apart", counted("child", orderchild.load_apart))
+    monkeypatch.setattr(intake, "load_document", counted("here", intake.load_document))
+    small = b"job_id: BAD-1\nfrom: a\nto: worker\nitems: [{id: R1}]\n"
+    big = b"job_id: BAD-2\nfrom: a\nto: worker\nitems: [{id: R1}]\nmeta:\n  lines:\n" + b"    - a line\n" * 4000
+    with open_seam(tmp_path) as s:
+        one = intake.inspect(s.layout, s.drop(small, "BAD-1.yaml"), s.config)
+        two = intake.inspect(s.layout, s.drop(big, "BAD-2.yaml"), s.config)
+    assert isinstance(one, Refusal) and isinstance(two, Refusal)
+    assert (one.job_id, two.job_id) == ("BAD-1", "BAD-2")
+    assert "task" in one.reason and "task" in two.reason
+    assert calls == ["here", "child"]  # each parsed once (the large one in the child); job_ids come from those parses

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -117,6 +118,12 @@ def inspect(
     if (again.st_ino, again.st_size, again.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
         return None  # replaced or written to while being read: its own event brings it back
     apart = order_format(name) == "yaml" and len(data) > APART_YAML_BYTES  # a long parse: in a child process
+    loaded: list[Any] = []  # the document, once parsed: an invalid order's job_id is read from it, not parsed again
+
+    def load(data: bytes, fmt: str) -> Any:
+        loaded.append((load_apart if apart else load_document)(data, fmt))
+        return loaded[-1]
+
     try:
         order = parse_order(
             data,
@@ -124,19 +131,15 @@ def inspect(
             agents=config.agents,
             max_timeout_s=config.max_timeout_s,
             max_bytes=config.max_order_bytes,
-            load=load_apart if apart else load_document,
+            load=load,
         )
-    except OrderError as exc:
-        return Refusal(name, exc.reason, job_id=best_job_id(data, name))
+    except OrderError as exc:  # a document that did not parse has no job_id to read either
+        return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]) if loaded else None)
     return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino))
 
 
-def best_job_id(data: bytes, name: str) -> str | None:
-    """Return the job_id of an invalid order if one can be read, for the refusal's result."""
-    try:
-        body = load_document(data, order_format(name) or "yaml")
-    except (OrderError, RecursionError, ValueError):
-        return None
+def job_id_of(body: Any) -> str | None:
+    """Return the job_id of a parsed (perhaps invalid) order if it has a string one, for the refusal's result."""
     job_id = body.get("job_id") if isinstance(body, dict) else None
     return job_id if isinstance(job_id, str) else None
 
