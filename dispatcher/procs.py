@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -28,21 +29,6 @@ def _boot_time() -> float:
             if line.startswith("btime "):
                 return float(line.split()[1])
     return 0.0
-
-
-def with_cwd(path: str) -> list[int]:
-    """Return the pids of live processes whose working folder is path (or below it)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            cwd = os.readlink(f"/proc/{name}/cwd")
-        except OSError:
-            continue
-        if (cwd == path or cwd.startswith(path + "/")) and is_alive(int(name)):
-            found.append(int(name))
-    return found
 
 
 def start_boot_s(fields: list[str]) -> float:
@@ -112,6 +98,75 @@ def group_members(pgid: int) -> list[tuple[int, str, int]]:
         if fields is not None and int(fields[2]) == pgid:
             members.append((int(name), fields[0], int(fields[1])))
     return members
+
+
+def attempt_groups(attempts: Mapping[tuple[str, int], str]) -> dict[tuple[str, int], list[int]]:
+    """Return the process groups still running for attempts, in one walk of /proc.
+
+    ``attempts`` maps (job id, attempt number) to the job's work/ folder. A live process
+    is one of them when its environment says so: ``DISPATCH_JOB_ID``, ``DISPATCH_ATTEMPT``
+    and ``DISPATCH_ORDER`` in that work/ folder, which every agent, probe and hook gets
+    (and its children inherit). No pid or start time is compared, so neither a reused pid
+    nor a clock step can mistake someone else's process for an agent. A process that
+    cleared its environment is still found when its working folder is that work/ or
+    below it (it is then counted for every attempt of that job asked for).
+    """
+    found: dict[tuple[str, int], set[int]] = {key: set() for key in attempts}
+    ids = {job_id for job_id, _ in attempts}
+    works = {os.path.realpath(work): [k for k, w in attempts.items() if w == work] for work in set(attempts.values())}
+    real_of: dict[bytes, str] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        keys = _by_environ(pid, ids, real_of, attempts, works)
+        if keys is None:  # no DISPATCH_* variables: maybe an agent that cleared them, in its folder
+            try:
+                cwd = os.readlink(f"/proc/{name}/cwd")
+            except OSError:
+                continue
+            keys = next((ks for w, ks in works.items() if cwd == w or cwd.startswith(w + "/")), [])
+        if not keys or not is_alive(pid):
+            continue
+        try:
+            group = os.getpgid(pid)
+        except ProcessLookupError:
+            continue
+        for key in keys:
+            found[key].add(group)
+    return {key: sorted(groups) for key, groups in found.items()}
+
+
+def _by_environ(
+    pid: int,
+    ids: set[str],
+    real_of: dict[bytes, str],
+    attempts: Mapping[tuple[str, int], str],
+    works: Mapping[str, list[tuple[str, int]]],
+) -> list[tuple[str, int]] | None:
+    """Return the attempts pid's environment names, or None when it names none (or cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if b"DISPATCH_JOB_ID=" not in data:
+        return None
+    env = dict(e.split(b"=", 1) for e in data.split(b"\0") if e.startswith(b"DISPATCH_") and b"=" in e)
+    job_id = env.get(b"DISPATCH_JOB_ID", b"").decode(errors="replace")
+    order = env.get(b"DISPATCH_ORDER", b"")
+    if job_id not in ids or not order.endswith(b"/order.json"):
+        return []
+    try:
+        n = int(env.get(b"DISPATCH_ATTEMPT", b""))
+    except ValueError:
+        return []
+    if (job_id, n) not in attempts:
+        return []
+    work = real_of.get(order)
+    if work is None:
+        work = real_of[order] = os.path.realpath(os.fsdecode(order[: -len(b"/order.json")]))
+    return [(job_id, n)] if (job_id, n) in works.get(work, []) else []
 
 
 def one_malloc_arena() -> None:

@@ -300,18 +300,30 @@ def test_7_an_order_with_a_lone_surrogate_is_refused_in_inbox(env: Env) -> None:
 
 
 def test_8_a_clock_step_does_not_hide_an_orphaned_agent(env: Env) -> None:
-    """(8) the wall clock jumped since the agent started: its orphan is still ended before it could run twice."""
-    env.configure(agents={"worker": sleeper(env, 60)})
+    """(8) an orphan is found whatever the clocks did since it started, and wherever it moved to.
+
+    No pid, start time or clock is recorded when an agent starts: recovery finds the
+    orphan by the DISPATCH_* variables of its environment. This agent also leaves its
+    working folder (``cd /``), so a search by folder would miss it; and the wall clock's
+    view of its start plays no part (nothing to step).
+    """
+    script = write_script(
+        env.tmp,
+        "wanderer.py",
+        "import os, sys\nos.chdir('/')\n"
+        + SLEEPER.replace('open("receipt.json"', "open(os.environ['DISPATCH_RECEIPT']"),
+    )
+    env.configure(
+        agents={"worker": {"command": [sys.executable, str(script), str(env.count_file), "60"], "timeout": 60}}
+    )
     d = env.daemon()
     d.wait_ready()
     env.drop(plain("STEP-1"))
     pid = wait_start(env, "STEP-1")
+    wait_until(lambda: os.readlink(f"/proc/{pid}/cwd") == "/", 10, "the agent to leave its folder")
     record = env.root / "active" / "STEP-1" / "attempts" / "1" / "attempt.json"
-    wait_until(lambda: record.exists() and "pid" in record.read_text(), 10, "the running record")
+    assert not record.exists(), "a running record was written when the agent started"
     d.kill()
-    data = json.loads(record.read_text())
-    data["started"] -= 3600  # as if the wall clock had been stepped by an hour since the spawn
-    record.write_text(json.dumps(data))
     d = env.daemon()
     d.wait_ready()
     assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"

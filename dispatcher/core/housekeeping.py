@@ -32,6 +32,7 @@ from dispatcher.lifecycle import Row, State, is_landed
 from dispatcher.shortage import SHORT
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.orphans import leftover_groups
 from dispatcher.store.queued import find_queued
 
 if TYPE_CHECKING:
@@ -126,13 +127,10 @@ class Housekeeping:
         adopted, taken = await self.ctx.lanes.ledger(self._recover_in_lane, startup, frozenset(self.sched.left))
         self.sched.left -= taken
         ends = []
-        for job_id, _token, _agent in adopted:
-            folder = JobFolder(self.ctx.layout.job(State.ACTIVE, job_id))
-            n = max(folder.attempt_numbers(), default=0)
-            for pgid in await self.ctx.lanes.io(folder.leftover_groups, n) if n else []:
-                log.warning("agent.orphan_ended", job_id=job_id, pid=pgid)
-                ends.append(end_group(pgid, self.ctx.config().kill_grace_s))
-        await asyncio.gather(*ends)
+        for job_id, pgid in await self.ctx.lanes.scan(_leftovers, self.ctx.layout, adopted):
+            log.warning("agent.orphan_ended", job_id=job_id, pid=pgid)
+            ends.append(end_group(pgid, self.ctx.config().kill_grace_s))
+        await asyncio.gather(*ends)  # before any of these jobs is queued: none runs beside its orphan
         self.sched.park_recovered(adopted, host_lost=self.shared)
         await self.ctx.lanes.io(self.ctx.finisher.release_orphaned)
 
@@ -307,3 +305,14 @@ def _drop_hints(layout: Layout, names: list[str]) -> None:
     for name in names:
         with contextlib.suppress(OSError):
             os.unlink(layout.control / name)
+
+
+def _leftovers(layout: Layout, adopted: list[tuple[str, int, str]]) -> list[tuple[str, int]]:
+    """Return (job id, process group) of the agents the adopted jobs' last attempts left running (scan lane).
+
+    One walk of /proc for all of them: it grows with the machine's processes, not with one job.
+    """
+    folders = [JobFolder(layout.job(State.ACTIVE, job_id)) for job_id, _, _ in adopted]
+    last = [(folder, max(folder.attempt_numbers(), default=0)) for folder in folders]
+    groups = leftover_groups([(folder, n) for folder, n in last if n])
+    return [(job_id, pgid) for job_id, _, _ in adopted for pgid in groups.get(job_id, [])]

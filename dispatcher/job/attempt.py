@@ -170,9 +170,9 @@ def exit_of(rec: Attempt, timeout_s: float) -> Exit:
     )
 
 
-def interrupted(n: int, running: Mapping[str, Any] | None) -> Attempt:
+def interrupted(n: int, started: float | None) -> Attempt:
     """Return the record of attempt n found without its end (its daemon died, or a stop cut it)."""
-    started = float((running or {}).get("started") or time.time())
+    started = started if started is not None else time.time()
     return Attempt(n=n, started=started, ended=time.time(), exit_code=None, interrupted=True, host=HOST)
 
 

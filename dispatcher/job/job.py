@@ -28,7 +28,7 @@ from dispatcher.job.context import JobContext
 from dispatcher.job.control import Control, Left
 from dispatcher.job.deciding import DISK_WAIT_MAX_S, Deciding
 from dispatcher.job.repowork import JobRepo, WorkspaceFailed
-from dispatcher.job.runner import AgentProcess, end_group
+from dispatcher.job.runner import AgentProcess
 from dispatcher.job.waits import Waits
 from dispatcher.ledger.base import Child, Finish, LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
@@ -171,14 +171,13 @@ class Job(Deciding):
         numbers = self.folder.attempt_numbers()
         if not numbers:
             return None
-        n = numbers[-1]
-        await self._end_leftover(n)
+        n = numbers[-1]  # its agent's group was ended before the job was queued (``Housekeeping.recover``)
         if self.folder.has_kept_result(n):
             return None  # reopened by `dispatcher retry`: go on with a new attempt
         record = next((a for a in self.attempts if a.n == n), None)
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
             if record is None:
-                record = attempt.interrupted(n, self.folder.pid_record(n))
+                record = attempt.interrupted(n, self.folder.attempt_started(n))
                 self.attempts.append(record)
                 await self._persist(self.folder.record_attempt, record)
             if record.retry_next:
@@ -192,12 +191,6 @@ class Job(Deciding):
         if record.retry_next:
             return None
         return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
-
-    async def _end_leftover(self, n: int) -> None:
-        """End an agent of attempt n still running from a dead daemon (``JobFolder.leftover_groups``)."""
-        for pgid in await self.ctx.lanes.io(self.folder.leftover_groups, n):
-            log.warning("agent.orphan_ended", pid=pgid)
-            await end_group(pgid, self.ctx.config().kill_grace_s)
 
     # -- one attempt --------------------------------------------------------------------------
     async def _attempt(self, n: int) -> Exit | Outcome | None:
@@ -221,11 +214,7 @@ class Job(Deciding):
             log.error("agent.exited", attempt=n, error=reason)
             return await self.finish(Row.FAILED, reason, [])
         self.control.attach(proc)
-        log.info("agent.started", attempt=n, pid=proc.pid)
-        try:
-            self.folder.record_pid(n, proc.pid, proc.boot_started, proc.started)
-        except OSError as exc:  # the agent runs and stays supervised; recovery finds it by its folder
-            log.warning("job.bookkeeping_failed", step="pid", error=exc.strerror)
+        log.info("agent.started", attempt=n, pid=proc.pid)  # recovery finds it by its environment, unrecorded
         out = await proc.wait()
         self.control.attach(None)
         if self.on_exit is not None and not self.gave_back:

@@ -65,11 +65,6 @@ def dispatch_env(job_id: str, work: Path, n: int, workspace: Path | None = None)
     }
 
 
-def boot_clock() -> float:
-    """Return seconds since boot on the clock /proc's process start times use (it never steps)."""
-    return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
 @dataclass
 class _Stream:
     """One output pipe copied into a log file up to a cap; stdout's tail is kept in memory."""
@@ -172,7 +167,6 @@ class AgentProcess:
         self._idle = IdleWatch(cwd, idle_timeout_s) if idle_timeout_s else None
         self.pid = 0
         self.started = 0.0
-        self.boot_started = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
         self._pidfd = -1
         self._timed_out = False
@@ -190,7 +184,6 @@ class AgentProcess:
         self.started = time.time()
         self._proc = _spawn(self.argv, self.cwd, self.env)
         # from here on the agent runs: nothing below may turn into "cannot start"
-        self.boot_started = boot_clock()
         self.pid = self._proc.pid
         assert self._proc.stdout is not None and self._proc.stderr is not None  # noqa: S101 - PIPE gives both
         for stream, pipe in ((self._out, self._proc.stdout), (self._err, self._proc.stderr)):

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dispatcher import fsutil, procs
+from dispatcher import fsutil
 from dispatcher.clock import iso
 from dispatcher.errors import cut, oneline
 from dispatcher.layout import Layout
@@ -119,7 +119,7 @@ class JobFolder:
         return out
 
     def pid_record(self, n: int) -> dict[str, Any] | None:
-        """Return the running record of attempt n ({pid, boot_started, started}), or None."""
+        """Return the running record of attempt n ({pid, boot_started, started}) an older daemon wrote, or None."""
         for name in ("attempt.json", "pid"):  # "pid": jobs from before the record moved into attempt.json
             data = self.read_json(f"attempts/{n}/{name}")
             if isinstance(data, dict) and isinstance(data.get("pid"), int):
@@ -138,28 +138,15 @@ class JobFolder:
         data = self.read_json(STAGED, SPEC_MAX)
         return Result.from_json(data) if isinstance(data, dict) else None
 
-    def leftover_groups(self, n: int) -> list[int]:
-        """Return the process groups still running from attempt n of a job whose daemon died.
-
-        With a pid record: the group, if its leader runs with the recorded start (on
-        the boot clock), or if the leader is gone but members remain (a pid is not
-        reused while its group lives). A live leader with another start is someone
-        else: left alone. Without a record (a crash between the spawn and the
-        record), the groups of processes whose working folder is this job's work/.
-        """
+    def attempt_started(self, n: int) -> float | None:
+        """Return when attempt n started (wall clock): its running record's, else when attempts/<n>/ last changed."""
         info = self.pid_record(n)
-        if info is not None:
-            pid = int(info["pid"])
-            boot = info.get("boot_started")
-            ours = procs.is_alive(pid, info.get("started"), boot_started=float(boot) if boot is not None else None)
-            if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
-                return [pid]
-            return []
-        groups = []
-        for pid in procs.with_cwd(str(self.work)):
-            with contextlib.suppress(ProcessLookupError):
-                groups.append(os.getpgid(pid))
-        return sorted(set(groups))
+        if info is not None and isinstance(info.get("started"), int | float):
+            return float(info["started"])
+        try:
+            return os.stat(f"{self._attempts}/{n}").st_mtime  # its logs are made just before the agent starts
+        except OSError:
+            return None
 
     def has_kept_result(self, n: int) -> bool:
         """Return True if attempts/<n>/ keeps an earlier result.json (the job was retried)."""
@@ -212,16 +199,6 @@ class JobFolder:
                 os.unlink(folder / name)
         with contextlib.suppress(OSError):
             os.rmdir(folder)
-
-    def record_pid(self, n: int, pid: int, boot_started: float, started: float) -> None:
-        """Record the running agent's pid and start (boot clock and wall clock) in attempts/<n>/attempt.json.
-
-        Written in place, not renamed: the end of the attempt rewrites the same
-        file, and a torn record reads as missing, which recovery treats as an
-        interrupted attempt (and looks for the agent by its working folder).
-        """
-        data = fsutil.dump_json({"n": n, "pid": pid, "boot_started": boot_started, "started": started})
-        fsutil.write_in_place(f"{self._attempts}/{n}/attempt.json", data)
 
     def record_attempt(self, attempt: Attempt) -> None:
         """Write attempts/<n>/attempt.json (a torn one reads as missing: the attempt counts as interrupted)."""

@@ -1,0 +1,49 @@
+"""Agents a dead daemon left running: which process groups belong to which job's last attempt.
+
+Recovery ends these groups before it looks at a job's evidence (README, "Guarantees").
+An agent is found by the environment every agent, probe and hook of an attempt gets
+(``DISPATCH_JOB_ID``, ``DISPATCH_ATTEMPT``, ``DISPATCH_ORDER``), in one walk of /proc
+for all the jobs being recovered, so no running record has to be written when an agent
+starts. An attempt of an older version of the daemon may still hold such a record
+(``attempts/<n>/attempt.json`` with the pid and its start on the boot clock): it is used
+as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from dispatcher import procs
+from dispatcher.store.jobstore import JobFolder
+
+
+def leftover_groups(attempts: Sequence[tuple[JobFolder, int]]) -> dict[str, list[int]]:
+    """Return, by job id, the process groups still running from attempt n of each job (blocking: scan lane)."""
+    out: dict[str, list[int]] = {}
+    wanted: dict[tuple[str, int], str] = {}
+    for folder, n in attempts:
+        info = folder.pid_record(n)
+        if info is None:
+            wanted[(folder.job_id, n)] = os.fspath(folder.work)
+        else:
+            out[folder.job_id] = _recorded(info)
+    if wanted:
+        for (job_id, _), groups in procs.attempt_groups(wanted).items():
+            out[job_id] = groups
+    return out
+
+
+def _recorded(info: dict[str, object]) -> list[int]:
+    """The group of a recorded pid: if its leader runs with the recorded start, or is gone while members remain."""
+    pid = int(str(info["pid"]))
+    boot = info.get("boot_started")
+    started = info.get("started")
+    ours = procs.is_alive(
+        pid,
+        float(str(started)) if started is not None else None,
+        boot_started=float(str(boot)) if boot is not None else None,
+    )
+    if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
+        return [pid]
+    return []
