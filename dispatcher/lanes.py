@@ -32,10 +32,10 @@ from dispatcher import fsutil
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
+S = TypeVar("S")
 IO_WORKERS = 2
-_Work = tuple[
-    asyncio.AbstractEventLoop, "asyncio.Future[Any]", contextvars.Context, Callable[..., Any], tuple[Any, ...]
-]
+# (loop, its future, context, fn, args); a posted call has no loop, and what to do if it is dropped
+_Work = tuple[Any, Any, contextvars.Context, Callable[..., Any], tuple[Any, ...]]
 
 
 class _Pool:
@@ -67,6 +67,15 @@ class _Pool:
             self._start()
         return fut
 
+    def post(self, fn: Callable[[], None], dropped: Callable[[], None]) -> None:
+        """Queue fn() with no future (its own answers go to the loop); ``dropped`` runs instead if it never will."""
+        if self._closed:
+            dropped()
+            return
+        self._queue.put((None, dropped, contextvars.Context(), fn, ()))
+        if self._idle == 0 and len(self._threads) < self._workers:
+            self._start()
+
     def _start(self) -> None:
         with self._lock:
             if len(self._threads) >= self._workers:
@@ -95,7 +104,9 @@ class _Pool:
                     work = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if work is not None:
+                if work is not None and work[0] is None:
+                    work[1]()  # a posted call: it answers its waiters itself
+                elif work is not None:
                     work[0].call_soon_threadsafe(work[1].cancel)
         for _ in self._threads:
             self._queue.put(None)
@@ -105,19 +116,25 @@ class _Pool:
 
 
 def _call(
-    loop: asyncio.AbstractEventLoop,
-    fut: asyncio.Future[Any],
+    loop: asyncio.AbstractEventLoop | None,
+    fut: Any,
     ctx: contextvars.Context,
     fn: Callable[..., Any],
     args: Any,
 ) -> None:
-    """Run one queued call in its log context and hand its answer to the loop."""
+    """Run one queued call in its log context and hand its answer to the loop (or pass the future on)."""
+    if loop is None:  # posted: it answers its own waiters
+        ctx.run(fn)
+        return
     try:
         answer = ctx.run(fn, *args)
     except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
         _answer(loop, fut, exc, failed=True)
     else:
-        _answer(loop, fut, answer, failed=False)
+        if type(answer) is Handoff:
+            answer.start(loop, fut)  # another lane answers the caller
+        else:
+            _answer(loop, fut, answer, failed=False)
 
 
 def _answer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], value: Any, *, failed: bool) -> None:
@@ -133,6 +150,20 @@ def _settle(fut: asyncio.Future[Any], value: Any, failed: bool) -> None:
         fut.set_exception(value)
     else:
         fut.set_result(value)
+
+
+class Handoff(Generic[R]):
+    """What a call in one lane returns to pass its caller's future on to another lane.
+
+    The caller awaits one future and makes one trip: ``start(loop, fut)`` runs in the
+    thread that returned the handoff and queues the rest (``GroupCommit.handoff``), which
+    answers the future itself.
+    """
+
+    __slots__ = ("start",)
+
+    def __init__(self, start: Callable[[asyncio.AbstractEventLoop, asyncio.Future[R]], None]) -> None:
+        self.start = start
 
 
 class Lanes:
@@ -177,6 +208,14 @@ class Lanes:
         """Run fn in the io pool (with the caller's log context) and wait for it."""
         return await self._run(self._io, fn, *args, **kwargs)
 
+    async def io_then(self, fn: Callable[P, R | Handoff[R]], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run fn in the io pool; if it returns a ``Handoff``, the lane it hands over to answers."""
+        return await self._run(self._io, fn, *args, **kwargs)  # type: ignore[arg-type]
+
+    def post_ledger(self, fn: Callable[[], None], dropped: Callable[[], None]) -> None:
+        """Queue fn() in the ledger lane without a future; ``dropped`` runs if the lane shuts down first."""
+        self._ledger.post(fn, dropped)
+
     async def scan(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run fn in the scan lane (work that grows with the machine or the backlog) and wait for it."""
         return await self._run(self._scan, fn, *args, **kwargs)
@@ -196,44 +235,93 @@ class Lanes:
 class GroupCommit(Generic[T, R]):
     """Commit items submitted close together as one batch in the ledger lane.
 
-    Items submitted while a batch is committing wait and go together in the next
-    one, so a burst of finishing jobs shares one transaction and one fsync per
-    folder instead of paying for each.
+    Items submitted in one loop turn go together; items submitted while a batch
+    commits wait and go together in the next one, so a burst of finishing jobs shares
+    one transaction and one fsync per folder instead of paying for each. An item may
+    also come from another lane's thread (``handoff``): its caller's future is
+    answered from the ledger lane, with no stop on the loop in between.
     """
 
     def __init__(self, lanes: Lanes, commit: Callable[[Sequence[T]], Sequence[R]]) -> None:
         self._lanes = lanes
         self._commit = commit
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
-        self._busy = False
+        self._lock = threading.Lock()
+        self._pending: list[tuple[T, asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[R], Any] | None]] = []
+        self._busy = False  # a drain is queued or running in the ledger lane
+        self._kick_due = False  # a loop callback will queue the drain at the end of this turn
 
     async def submit(self, item: T) -> R:
         """Queue item for the next batch and wait for its answer."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[R] = loop.create_future()
-        self._pending.append((item, fut))
-        if not self._busy:
-            self._busy = True
-            # after this turn's other callbacks (they join the batch), in a clean log context
-            loop.call_soon(self._flush, context=contextvars.Context())
+        with self._lock:
+            self._pending.append((item, loop, fut, None))
+            kick = not self._busy and not self._kick_due
+            self._kick_due |= kick
+        if kick:  # after this turn's other callbacks (they join the batch)
+            loop.call_soon(self._kick, context=contextvars.Context())
         return await fut
 
-    def _flush(self) -> None:
-        batch, self._pending = self._pending, []
-        if not batch:
-            self._busy = False
-            return
-        asyncio.get_running_loop().create_task(self._run(batch), context=contextvars.Context())
+    def handoff(self, item: T, wrap: Callable[[R], S]) -> Handoff[S]:
+        """Return what a call in another lane hands back so that its caller gets ``wrap(answer)`` for item."""
 
-    async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
-        try:
-            answers = await self._lanes.ledger(self._commit, [item for item, _ in batch])
-        except BaseException as exc:  # noqa: BLE001 - every waiter learns of it; the next batch still runs
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
-        else:
-            for (_, fut), answer in zip(batch, answers, strict=True):
-                if not fut.done():
-                    fut.set_result(answer)
-        self._flush()
+        def start(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[S]) -> None:
+            with self._lock:
+                self._pending.append((item, loop, fut, wrap))
+                drain = not self._busy and not self._kick_due
+                self._busy |= drain
+            if drain:
+                self._lanes.post_ledger(self._drain, self._drop)
+
+        return Handoff(start)
+
+    def _kick(self) -> None:
+        with self._lock:
+            self._kick_due = False
+            drain = not self._busy and bool(self._pending)
+            self._busy |= drain
+        if drain:
+            self._lanes.post_ledger(self._drain, self._drop)
+
+    def _drain(self) -> None:
+        """Commit what is pending, batch after batch, until nothing is (ledger lane)."""
+        while True:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                if not batch:
+                    self._busy = False
+                    return
+            try:
+                answers: Sequence[Any] = self._commit([item for item, *_ in batch])
+            except BaseException as exc:  # noqa: BLE001 - every waiter learns of it; the next batch still runs
+                error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+                _answer_all([(loop, fut, error, True) for _, loop, fut, _ in batch])
+            else:
+                _answer_all(
+                    [
+                        (loop, fut, wrap(answer) if wrap is not None else answer, False)
+                        for (_, loop, fut, wrap), answer in zip(batch, answers, strict=True)
+                    ]
+                )
+
+    def _drop(self) -> None:
+        """The ledger lane shut down before the drain ran: every waiter learns of it."""
+        with self._lock:
+            batch, self._pending = self._pending, []
+            self._busy = False
+        _answer_all([(loop, fut, RuntimeError("the ledger lane shut down"), True) for _, loop, fut, _ in batch])
+
+
+def _answer_all(answers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Any, bool]]) -> None:
+    """Hand a batch's answers to their loops, one wake-up per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, bool]]] = {}
+    for loop, fut, value, failed in answers:
+        by_loop.setdefault(loop, []).append((fut, value, failed))
+    for loop, settles in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop has no one waiting
+            loop.call_soon_threadsafe(_settle_each, settles)
+
+
+def _settle_each(settles: list[tuple[asyncio.Future[Any], Any, bool]]) -> None:
+    for fut, value, failed in settles:
+        _settle(fut, value, failed)

@@ -146,3 +146,39 @@ def test_a_slow_scan_holds_up_neither_the_ledger_lane_nor_the_io_pool(lanes: Lan
         return [*done, "scan waited" if not finished_early else "scan was not stuck"]
 
     assert run(body) == ["ledger", "io", "scan waited"]
+
+
+def test_a_handoff_from_the_io_pool_is_answered_by_the_ledger_lane_in_one_await(lanes: Lanes) -> None:
+    """An io call that returns a handoff: its caller gets wrap(commit answer), committed in the ledger lane."""
+    rec = Recorder()
+    group: GroupCommit[int, int] = GroupCommit(lanes, rec)
+    where: list[str] = []
+
+    def in_io(i: int) -> object:
+        where.append(threading.current_thread().name.split("_")[0])
+        return group.handoff(i, lambda answer: f"landed {answer}")
+
+    async def body() -> list[object]:
+        return list(await asyncio.gather(*(lanes.io_then(in_io, i) for i in (1, 2, 3))))
+
+    assert run(body) == ["landed 10", "landed 20", "landed 30"]
+    assert where == ["io"] * 3
+    assert sorted(i for batch in rec.batches for i in batch) == [1, 2, 3]
+
+
+def test_a_handoff_after_the_lanes_shut_down_fails_its_caller(lanes: Lanes) -> None:
+    """The ledger lane is gone before the handoff reaches it: the caller gets an error, it does not hang."""
+    group: GroupCommit[int, int] = GroupCommit(lanes, Recorder())
+
+    async def body() -> BaseException | object:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[object] = loop.create_future()
+        lanes.shutdown(wait=True)
+        group.handoff(1, lambda a: a).start(loop, fut)
+        try:
+            return await asyncio.wait_for(fut, 5)
+        except RuntimeError as exc:
+            return exc
+
+    answer = run(body)
+    assert isinstance(answer, RuntimeError) and "shut down" in str(answer)

@@ -25,8 +25,11 @@ from dispatcher.job import attempt, retry, user_checks, verify
 from dispatcher.job.context import JobContext
 from dispatcher.job.control import Control
 from dispatcher.job.repowork import JobRepo
+from dispatcher.job.retry import Next
 from dispatcher.job.runner import AgentExit
+from dispatcher.job.settle import Ending, Settled, settle
 from dispatcher.job.waits import Waits, waited_s
+from dispatcher.lanes import Handoff
 from dispatcher.ledger.base import Child
 from dispatcher.lifecycle import Outcome, Row, Stop
 from dispatcher.spec.jobspec import Attempt, JobSpec
@@ -64,7 +67,7 @@ class Deciding(abc.ABC):
         """Run the finishing sequence."""
 
     @abc.abstractmethod
-    async def _persist(self, fn: Callable[..., T], *args: object, inline: bool = False) -> T:
+    async def _persist(self, fn: Callable[..., T | Handoff[T]], *args: object, inline: bool = False) -> T:
         """Run a bookkeeping write off the loop, waiting out a full disk."""
 
     def _limit_of(self, out: AgentExit) -> LimitHit | None:
@@ -92,45 +95,52 @@ class Deciding(abc.ABC):
         await self._persist(self.folder.record_attempt, record)
         return None
 
-    async def _decide(self, n: int, exit_: Exit) -> Outcome | None:
-        """Check attempt n; finish the job, or return None to run attempt n + 1."""
-        receipt_missing = not self.folder.has_receipt()
-        if exit_.timed_out or exit_.code not in (0, None) or receipt_missing:
-            checks = await self._checks(exit_, n)
-            reason = verdict(checks) or "receipt_present: no receipt.json"
-            if retry.receipt_invalid(checks):
-                return await self.finish(Row.FAILED, reason, checks)
-            return await self._retry_or_fail(n, reason, checks)
-        return await self._evaluate(n, exit_, final=False)
+    async def _decide(self, n: int, exit_: Exit, *, final: bool = False) -> Outcome | None:
+        """Check attempt n; finish the job, or return None to run attempt n + 1.
 
-    async def _evaluate(self, n: int, exit_: Exit, *, final: bool) -> Outcome | None:
-        checks = await self._checks(exit_, n)
-        reason = verdict(checks, exit_lost=exit_.lost)
-        if reason is None:
-            return await self._finish_passed(checks)
-        agent = self.spec.agent
-        if not final and agent.repair and not retry.receipt_invalid(checks):
-            why = self._no_more_attempts(n)
-            if why is None:
-                safe, why = await self._safe_to_retry()
-                if safe:
-                    sha = await self._persist(self.folder.give_feedback, n, checks)
-                    self.spec = self.spec.with_given("feedback.json", sha)
-                    await self._persist(self.folder.write_spec, self.spec)
-                    return await self._schedule_retry(n, reason)
-            return await self.finish(Row.FAILED, f"{reason}; not repaired: {why}", checks)
-        return await self.finish(Row.FAILED, reason, checks)
+        ``final``: a recovered job's receipt is judged once, without a repair.
+        """
+        settled = await self._settle(exit_, n, final=final)
+        if settled.landed is not None:  # it ended in the trip
+            return await self._landed(settled)
+        checks = settled.checks
+        judgement = settled.judgement
+        if judgement is None:  # the agent's own checks ran on the loop after the trip
+            receipt = self.folder.has_receipt()
+            judgement = retry.judge(self.spec, self.attempts, n, exit_, checks, receipt=receipt, final=final)
+        reason = judgement.reason or ""
+        match judgement.next:
+            case Next.PASS:
+                return await self._finish_passed(checks)
+            case Next.FAIL:
+                return await self.finish(Row.FAILED, reason, checks)
+            case Next.RETRY:
+                return await self._retry(n, reason, checks)
+            case Next.REPAIR:
+                return await self._repair(n, reason, checks)
+
+    async def _repair(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
+        """Run attempt n + 1 with the failed checks as feedback, if the probe or retry_safe says it is safe."""
+        safe, why = await self._safe_to_retry()
+        if safe:
+            sha = await self._persist(self.folder.give_feedback, n, checks)
+            self.spec = self.spec.with_given("feedback.json", sha)
+            await self._persist(self.folder.write_spec, self.spec)
+            return await self._schedule_retry(n, reason)
+        return await self.finish(Row.FAILED, f"{reason}; not repaired: {why}", checks)
 
     def _no_more_attempts(self, n: int) -> str | None:
         """Return why no further attempt may run, or None."""
-        if n >= self.spec.budget:
-            return "no attempts left"
-        return retry.over_budget(self.spec.agent, self.attempts)
+        return retry.no_more_attempts(self.spec, self.attempts, n)
 
     async def _retry_or_fail(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
         why = self._no_more_attempts(n)
         if why is not None:
             return await self.finish(Row.FAILED, f"{reason}; not retried: {why}", checks)
+        return await self._retry(n, reason, checks)
+
+    async def _retry(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
+        """Run attempt n + 1 if the probe or retry_safe says it is safe (attempts remain), else fail."""
         safe, why = await self._safe_to_retry()
         if self.control.reason is Stop.CANCELLED:
             return await self.finish(Row.FAILED, Stop.CANCELLED, checks)
@@ -196,11 +206,17 @@ class Deciding(abc.ABC):
         return None
 
     async def _checks(self, exit_: Exit, n: int) -> list[CheckResult]:
+        """Return attempt n's checks, the agent's own ``checks:`` included (no decision, no finish)."""
+        return (await self._settle(exit_, n, final=False, decide=False)).checks
+
+    async def _settle(self, exit_: Exit, n: int, *, final: bool, decide: bool = True) -> Settled:
+        """Make the post-exit trip (``settle``): the record, the evidence, the checks; the decision and the
+        finish too when the job may end there. The agent's own ``checks:`` then run on the loop."""
         record, self._unsaved = self._unsaved, None
         ctx = self.ctx
         changed = await self.repo.snapshot(max(self.folder.attempt_numbers(), default=0))
         collect = functools.partial(
-            verify.collect,
+            verify.collect_checked,
             ctx.config(),
             ctx.ledger,
             ctx.layout,
@@ -211,21 +227,38 @@ class Deciding(abc.ABC):
             record,
             changed,
         )
-        ev, self._followups = await self._persist(collect)
-        checks = verify.check(ev)
+        ending = self._ending(final) if decide and self._may_end_in_trip() else None
+        settled = await self._persist(settle, collect, self.spec, self.attempts, n, exit_, self.folder, ending)
+        self._followups = settled.followups
         if not self.spec.agent.checks:
-            return checks
-        return checks + await user_checks.run(
+            return settled
+        checks = settled.checks + await user_checks.run(
             self.spec,
             self.folder,
             n,
             ctx.config(),
             self.control,
             ctx.lanes,
-            checks,
+            settled.checks,
             self.repo.ws,
             self.repo.git_writable,
         )
+        return Settled(checks, settled.followups)
+
+    def _may_end_in_trip(self) -> bool:
+        """Return True if the job may finish inside the post-exit trip: nothing of its finish needs the loop."""
+        agent = self.spec.agent
+        repo = agent.repo
+        plain = repo.workspace is None and repo.after is None and repo.land is None
+        return plain and not agent.checks and not self.waits.waiting and not self.waits.left_over
+
+    @abc.abstractmethod
+    def _ending(self, final: bool) -> Ending:
+        """Return what the post-exit trip needs to build, stage and land this job's result."""
+
+    @abc.abstractmethod
+    async def _landed(self, settled: Settled) -> Outcome:
+        """Finish on the loop a job that ended in the post-exit trip (notify, after its landing)."""
 
     # -- finishing ----------------------------------------------------------------------------
     async def _finish_passed(self, checks: list[CheckResult]) -> Outcome:

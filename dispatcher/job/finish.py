@@ -26,13 +26,13 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import structlog
 
 from dispatcher import fsutil
 from dispatcher.job.followups import release_followups
-from dispatcher.lanes import GroupCommit, Lanes
+from dispatcher.lanes import GroupCommit, Handoff, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger
 from dispatcher.lifecycle import Row, State, landed_state
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from dispatcher.metrics import Metrics  # prometheus_client is imported only when metrics_file is set
 
 log = structlog.get_logger("dispatcher")
+S = TypeVar("S")
 
 
 class Notify(Protocol):
@@ -119,10 +120,23 @@ class Finisher:
         """Steps 2 to 4 for a result already staged or in place (a landing cut short by a crash)."""
         return await self._land(Landing(folder, finish, result, staged=True), release=release)
 
+    def handoff(
+        self, folder: JobFolder, finish: Finish, result: Result, wrap: Callable[[bool | OSError], S]
+    ) -> Handoff[S]:
+        """Steps 2 and 3 for a result the io pool just staged, from there: its caller gets wrap(answer).
+
+        The post-exit trip (``job.settle``) returns this, so that a job ending in it
+        makes one trip off the loop; the job then calls ``after_commit`` with the answer.
+        """
+        return self._commit.handoff(Landing(folder, finish, result, staged=True), wrap)
+
     async def _land(self, landing: Landing, *, release: bool) -> bool:
-        self._loop = asyncio.get_running_loop()
-        finish, result = landing.finish, landing.result
         ok = await self._commit.submit(landing)
+        return await self.after_commit(landing.finish, landing.result, ok, release=release)
+
+    async def after_commit(self, finish: Finish, result: Result, ok: bool | OSError, *, release: bool) -> bool:
+        """Step 4 on the loop once the ledger answered: notify, release follow-ups; False when fenced."""
+        self._loop = asyncio.get_running_loop()
         if isinstance(ok, OSError):
             raise ok
         if not ok:

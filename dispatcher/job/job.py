@@ -29,7 +29,9 @@ from dispatcher.job.control import Control, Left
 from dispatcher.job.deciding import DISK_WAIT_MAX_S, Deciding
 from dispatcher.job.repowork import JobRepo, WorkspaceFailed
 from dispatcher.job.runner import AgentProcess
+from dispatcher.job.settle import Ending, Settled
 from dispatcher.job.waits import Waits
+from dispatcher.lanes import Handoff
 from dispatcher.ledger.base import Child, Finish, LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.shortage import PAUSE_MIN_S, SHORT
@@ -74,7 +76,6 @@ class Job(Deciding):
         self.expires: float | None = None  # when the job ends expired if no attempt started by then (section 16)
         self._followups: list[Child] = []
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
-        self._children: list[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # called when an agent exits: True if its slot went to the next job while this one is checked
         # and finished (the scheduler's); another attempt then queues for a slot again (Outcome.AGAIN)
@@ -183,7 +184,7 @@ class Job(Deciding):
             if record.retry_next:
                 return None
             if os.path.lexists(self.folder.work / "receipt.json"):
-                return await self._evaluate(n, Exit(lost=True), final=True)
+                return await self._decide(n, Exit(lost=True), final=True)
             checks = await self._checks(Exit(lost=True), n)
             why = verdict(checks, exit_lost=True) or "receipt_present: no receipt.json"
             how = "its host was lost" if self.host_lost else "by a stop or crash"
@@ -301,7 +302,7 @@ class Job(Deciding):
             return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", [])
         return await self._schedule_retry(n, why)
 
-    async def _persist(self, fn: Callable[..., T], *args: object, inline: bool = False) -> T:
+    async def _persist(self, fn: Callable[..., T | Handoff[T]], *args: object, inline: bool = False) -> T:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is).
 
         ``inline`` runs it on the loop itself: for a few small creates, cheaper than a trip to a thread.
@@ -312,7 +313,11 @@ class Job(Deciding):
                 log.warning("job.fenced", step=getattr(fn, "__name__", "write"))
                 raise Left
             try:
-                return fn(*args) if inline else await self.ctx.lanes.io(fn, *args)
+                if inline:
+                    answer = fn(*args)
+                    assert not isinstance(answer, Handoff)  # noqa: S101 - only a lane's thread hands over
+                    return answer
+                return await self.ctx.lanes.io_then(fn, *args)
             except OSError as exc:
                 if SHORT.note(exc, getattr(fn, "__name__", "write")):
                     delay = max(SHORT.wait_s(), PAUSE_MIN_S)  # not now: the same step again after the pause
@@ -331,28 +336,13 @@ class Job(Deciding):
         """Run the finishing sequence (``jobstore``) and release follow-ups of a done job."""
         if children is None:
             children = []  # a job that does not end done has none: its reservations are dropped
-        self._children = children
         await self.waits.release()  # a job cancelled while it waited for a gate no longer waits
-        cost = total_cost(self.attempts)
-        parent_cost = self.spec.parent_chain_cost_usd
-        chain = None if cost is None and parent_cost is None else round((cost or 0) + (parent_cost or 0), 10)
         workspace = await self.repo.seal()
         await self.repo.owe_landing(state)
-        result = build_result(
-            job_id=self.job_id,
-            state=str(state),
-            agent=self.agent,
-            reason=reason,
-            checks=checks,
-            attempts=self.attempts,
-            received=self.spec.received,
-            parent=self.spec.parent,
-            children=children,
-            cost_usd=cost,
-            chain_cost_usd=chain,
-            extra={"workspace": workspace} if workspace is not None else None,
+        result = self._result(
+            state, reason, checks, children, {"workspace": workspace} if workspace is not None else None
         )
-        finish = Finish(self.job_id, self.token, state, cost, chain)
+        finish = self._finish(state)
         delay = 0.5
         while True:  # the result is staged in the same trip as the ledger's commit
             if self.ctx.fenced():
@@ -374,3 +364,51 @@ class Job(Deciding):
             if ok:
                 await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
             return outcome_of(state) if ok else Outcome.FENCED
+
+    def _ending(self, final: bool) -> Ending:
+        return Ending(final, self._result, self._finish, self.ctx.finisher.handoff)
+
+    async def _landed(self, settled: Settled) -> Outcome:
+        assert settled.finish is not None and settled.result is not None and settled.landed is not None  # noqa: S101
+        state = settled.finish.state
+        ok = await self.ctx.finisher.after_commit(settled.finish, settled.result, settled.landed, release=False)
+        if ok:
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
+        return outcome_of(state) if ok else Outcome.FENCED
+
+    def _result(
+        self,
+        state: Row,
+        reason: str | None,
+        checks: list[CheckResult],
+        children: list[str] | None = None,
+        extra: dict[str, object] | None = None,
+    ) -> Result:
+        """Return the job's result.json for its end in state (pure: the post-exit trip calls it in the io pool)."""
+        cost, chain = self._costs()
+        return build_result(
+            job_id=self.job_id,
+            state=str(state),
+            agent=self.agent,
+            reason=reason,
+            checks=checks,
+            attempts=self.attempts,
+            received=self.spec.received,
+            parent=self.spec.parent,
+            children=children or [],
+            cost_usd=cost,
+            chain_cost_usd=chain,
+            extra=extra,
+        )
+
+    def _finish(self, state: Row) -> Finish:
+        """Return the ledger's record of the job's end in state."""
+        cost, chain = self._costs()
+        return Finish(self.job_id, self.token, state, cost, chain)
+
+    def _costs(self) -> tuple[float | None, float | None]:
+        """Return the job's cost over its attempts and its chain's (the parents' included)."""
+        cost = total_cost(self.attempts)
+        parent_cost = self.spec.parent_chain_cost_usd
+        chain = None if cost is None and parent_cost is None else round((cost or 0) + (parent_cost or 0), 10)
+        return cost, chain

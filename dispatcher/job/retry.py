@@ -6,10 +6,12 @@ returns a verdict, so the policy can be tested in milliseconds.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from dispatcher.spec.jobspec import Attempt, total_cost
+from dispatcher.checks.builtin import Exit, verdict
+from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.result import CheckResult
 from dispatcher.spec.settings import MAX_RETRY_DELAY_S, Agent
 
@@ -52,3 +54,59 @@ def followups_taken(checks: Sequence[CheckResult], taken: Sequence[str]) -> list
 def mark_retry(attempt: Attempt) -> Attempt:
     """Return the attempt marked as followed by a retry (recovery then goes on with a new one)."""
     return replace(attempt, retry_next=True)
+
+
+class Next(enum.Enum):
+    """What follows an attempt's checks."""
+
+    PASS = "passed"  # noqa: S105 - every check passed: done (or review), once its follow-ups are reserved
+    FAIL = "fail"  # the job fails with the reason
+    RETRY = "retry"  # another attempt, if the probe or retry_safe says it is safe
+    REPAIR = "repair"  # another attempt with the failed checks as feedback, if it is safe
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """The decision after attempt n's checks, and the reason a job that did not pass gets."""
+
+    next: Next
+    reason: str | None = None
+
+
+def judge(
+    spec: JobSpec,
+    attempts: Sequence[Attempt],
+    n: int,
+    exit_: Exit,
+    checks: Sequence[CheckResult],
+    *,
+    receipt: bool,
+    final: bool = False,
+) -> Judgement:
+    """Decide what follows attempt n (contract, section 6) from its exit and every check's result.
+
+    ``receipt``: work/receipt.json exists. ``final``: no repair (a recovered job's receipt).
+    An agent that failed, timed out or left no receipt is retried if attempts remain; one
+    whose receipt is unusable is not. An agent that exited 0 with a receipt and failed a
+    check is repaired if its agent has ``repair``; otherwise it fails.
+    """
+    if exit_.timed_out or exit_.code not in (0, None) or not receipt:
+        reason = verdict(checks) or "receipt_present: no receipt.json"
+        if receipt_invalid(checks):
+            return Judgement(Next.FAIL, reason)
+        why = no_more_attempts(spec, attempts, n)
+        return Judgement(Next.FAIL, f"{reason}; not retried: {why}") if why else Judgement(Next.RETRY, reason)
+    failed = verdict(checks, exit_lost=exit_.lost)
+    if failed is None:
+        return Judgement(Next.PASS)
+    if final or not spec.agent.repair or receipt_invalid(checks):
+        return Judgement(Next.FAIL, failed)
+    why = no_more_attempts(spec, attempts, n)
+    return Judgement(Next.FAIL, f"{failed}; not repaired: {why}") if why else Judgement(Next.REPAIR, failed)
+
+
+def no_more_attempts(spec: JobSpec, attempts: Sequence[Attempt], n: int) -> str | None:
+    """Return why no attempt may follow attempt n (none left, or the cost budget spent), or None."""
+    if n >= spec.budget:
+        return "no attempts left"
+    return over_budget(spec.agent, attempts)

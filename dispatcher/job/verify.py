@@ -9,6 +9,8 @@ vouches for). The checks themselves (``checks.run_checks``) are pure functions.
 
 from __future__ import annotations
 
+from typing import Any
+
 import structlog
 
 from dispatcher.checks.builtin import Evidence, Exit, run_checks
@@ -94,3 +96,9 @@ def check(ev: Evidence) -> list[CheckResult]:
     results = run_checks(ev)
     log.info("job.verified", passed=sum(1 for c in results if c.ok), failed=[c.name for c in results if c.ok is False])
     return results
+
+
+def collect_checked(*args: Any) -> tuple[list[CheckResult], list[Child]]:
+    """``collect``, then ``check``: the checks and the follow-ups of an attempt (blocking: the io pool)."""
+    ev, followups = collect(*args)
+    return check(ev), followups
