@@ -189,11 +189,14 @@ class Claims:
         gated: frozenset[str] = frozenset(),
         slotless: bool = False,
         last: bool = True,
+        ahead: dict[str, int] | None = None,
     ) -> list[Answer]:
         """Read, take slots, claim (ledger lane); ``slotless`` for a cancel, which takes none.
 
         ``last`` gives back the handed-over slots no job of this batch took, so that
-        other daemons may use them.
+        other daemons may use them. ``ahead``: claim new orders without slots, at most
+        so many per agent (``core.ahead``); an order that may not be claimed ahead (another
+        agent, ``expires``, ``after``) answers ``NoSlot`` and waits as usual.
         """
         ledger, cfg = self.ledger, self.config()
         removed = self._removed(cfg)
@@ -216,6 +219,13 @@ class Claims:
             if p.kind is Kind.NEW and p.agent in removed and not slotless:
                 self._wait_for(p.agent)  # until a reload brings it back (a cancel still goes through)
                 out.append(NoSlot(p))
+                continue
+            if ahead is not None:
+                if p.kind is Kind.NEW and _may_claim_ahead(p, ahead):
+                    ahead[p.agent] -= 1
+                    picks.append((p, None))
+                else:
+                    out.append(NoSlot(p))
                 continue
             agent = cfg.agents.get(p.agent)
             joins = p.kind is Kind.NEW and p.item is not None and bool(p.item.order.after)
@@ -348,6 +358,12 @@ def expiry(p: Parked, at: float) -> Refusal | None:
     if order.expires is None or order.expires > at:
         return None
     return Refusal(p.item.name, "expired", order.job_id, agent=order.to)
+
+
+def _may_claim_ahead(p: Parked, ahead: dict[str, int]) -> bool:
+    """Return True if a new order may be claimed before its agent has a free slot (``core.ahead``)."""
+    order = p.item.order if p.item is not None else None
+    return order is not None and order.expires is None and not order.after and ahead.get(p.agent, 0) > 0
 
 
 def _free(ledger: Ledger, picks: list[tuple[Parked, int | None]]) -> None:

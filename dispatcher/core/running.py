@@ -39,6 +39,7 @@ class Running(Generic[J]):
     task: asyncio.Task[Any]
     slot: int | None
     holds: bool = True  # counts against max_jobs and holds its agent's slot
+    since: float = 0.0  # when its agent started (the loop's clock)
 
 
 class RunningJobs(Generic[J]):
@@ -56,7 +57,7 @@ class RunningJobs(Generic[J]):
 
     def add(self, job: J, task: asyncio.Task[Any], slot: int | None) -> None:
         """Count a job that starts, with the agent's slot it holds."""
-        self.jobs[job.job_id] = Running(job, task, slot)
+        self.jobs[job.job_id] = Running(job, task, slot, since=asyncio.get_running_loop().time())
         self.holding += 1
         self._count()
 
@@ -70,6 +71,10 @@ class RunningJobs(Generic[J]):
             self.idle.setdefault(r.job.agent, []).append(r.slot)
             r.slot = None
         return True
+
+    def running_s(self, agent: str, now: float) -> list[float]:
+        """Return how long each of agent's jobs that hold a slot has been running (``now``: the loop's clock)."""
+        return [now - r.since for r in self.jobs.values() if r.holds and r.job.agent == agent]
 
     def pop(self, job_id: str) -> tuple[Running[J] | None, bool]:
         """Forget a job that ended; return it and whether it still held its slots (now given back)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from dispatcher.core.ahead import Ahead
 from dispatcher.core.claiming import (
     Big,
     Claims,
@@ -83,6 +84,8 @@ class Scheduler:
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
         self.aside: SetAside[Job] = SetAside()  # claimed jobs a gate holds, without slots
         self._tasks: set[asyncio.Task[Any]] = set()  # slots of ended jobs, kept for the next job of that agent
+        self.ahead = Ahead()  # orders of quick agents claimed before a slot frees (``core.ahead``)
+        self.ahead_ids: set[str] = set()  # the parked jobs claimed ahead
 
     @property
     def config(self) -> Config:
@@ -114,7 +117,7 @@ class Scheduler:
 
     def busy(self) -> bool:
         """Return True while anything runs, waits for a slot or a gate, or is being claimed."""
-        return bool(self.running or self.parked or self.inflight or self.aside)
+        return bool(self.running or self.parked or self.inflight or self.aside or self.ahead.claiming.total())
 
     # -- starting ---------------------------------------------------------------------------
     def start_work(self) -> None:
@@ -132,19 +135,29 @@ class Scheduler:
         free = SHORT.allowance(self.free_slots())
         batch: list[Parked | str] = []
         wall = time.time()
+        # an agent whose next orders are in a claim made ahead: those go first, the orders behind them wait
+        behind = frozenset(agent for agent, n in self.ahead.claiming.items() if n > 0)
         for p in list(self.parked):
             if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
                 self.parked.remove(p)
                 batch.append(p)
                 continue
-            if free <= 0 or p.agent in self.blocked:
+            if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
             self.parked.remove(p)
-            batch.append(p)
             free -= 1
+            if p.resume is not None and p.job_id in self.ahead_ids:  # claimed ahead: its agent's slot is handed on
+                self.ahead_ids.discard(p.job_id)
+                self.ahead.started(p.agent)
+                if self._start_handed_over(p):
+                    continue
+            batch.append(p)
         while (join := self.inbox.pop_join()) is not None:
             batch.append(join)  # an order naming `after` is claimed at once and takes no slot: it waits
         while free > 0 and len(self.parked) < PARK_LIMIT:
+            upcoming = self.inbox.next_agent(gated) if behind else None
+            if upcoming is not None and upcoming[0] in behind:
+                break  # after the orders of its agent claimed ahead now
             ready = self.inbox.pop(gated)  # a gated agent's orders are left unread (section 14)
             if ready is None:
                 break
@@ -152,6 +165,10 @@ class Scheduler:
             free -= 1
         if not batch:
             self._free_idle()
+            # claimed ahead only in a turn that claims nothing else: orders in a claim's trip come first
+            ahead, agents = self._claim_ahead(gated)
+            if ahead:
+                self._background(self._launch(ahead, gated=gated, ahead=agents))
             return
         handover = Handover(self.slots.idle)  # the lane owns these slots now: it uses or frees them
         self.slots.idle = {}
@@ -161,6 +178,28 @@ class Scheduler:
         for i, chunk in enumerate(chunks):
             self.inflight += len(chunk)
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=i == len(chunks) - 1))
+
+    def _claim_ahead(self, gated: frozenset[str]) -> tuple[list[Parked | str], list[str]]:
+        """Take the next orders of quick agents whose slots are all busy, to be claimed ahead (``core.ahead``)."""
+        if self.inflight:  # orders in a claim's trip now come first (they may still need a slot)
+            return [], []
+        if self.ctx.starts.count:  # after the agents being started now (``job.starting``)
+            self.ctx.starts.on_quiet = self.wake
+            return [], []
+        self.ctx.starts.on_quiet = None
+        now = asyncio.get_running_loop().time()
+        return self.ahead.choose(
+            self.config, self.parked, self.inbox, gated, lambda agent: self.slots.running_s(agent, now)
+        )
+
+    def _start_handed_over(self, p: Parked) -> bool:
+        """Start a job claimed ahead with a slot its agent just gave back, on the loop; False if none is idle."""
+        free = self.slots.idle.get(p.agent)
+        if not free or p.resume is None:
+            return False
+        r = p.resume
+        self._run(Launch(p, r.folder, r.spec, r.order, p.token, free.pop(), list(r.attempts)))
+        return True
 
     def _gates_changed(self, gated: frozenset[str], now: float) -> None:
         """Leave new orders of gated agents unread; take back what the gates let go, oldest first."""
@@ -216,11 +255,21 @@ class Scheduler:
         gated: frozenset[str] = frozenset(),
         cancel: bool = False,
         last: bool = True,
+        ahead: list[str] | None = None,
     ) -> None:
         claims = self.claims
+        caps = dict(collections.Counter(ahead)) if ahead is not None else None
+        sent = time.monotonic()
         try:
             results = await self.ctx.lanes.ledger(
-                claims.run, batch, handover or Handover(), blocked=blocked, gated=gated, slotless=cancel, last=last
+                claims.run,
+                batch,
+                handover or Handover(),
+                blocked=blocked,
+                gated=gated,
+                slotless=cancel,
+                last=last,
+                ahead=caps,
             )
         except Exception as exc:
             gave_up = isinstance(exc, LedgerUnavailable) and self.ctx.stopping()  # the order stays for later
@@ -229,7 +278,12 @@ class Scheduler:
             results = [_not_now(p) for p in batch]
             if handover is not None and last:  # give back what the failed trip did not use
                 self._background(self.ctx.lanes.ledger(claims.run, [], handover))
-        self.inflight -= len(batch)
+        if not cancel and any(isinstance(r, Launch) for r in results):
+            self.ahead.claimed(time.monotonic() - sent)
+        if ahead is None:
+            self.inflight -= len(batch)
+        else:
+            self.ahead.claiming.subtract(ahead)
         again: list[Parked] = []
         for r in results:
             match r:
@@ -244,12 +298,18 @@ class Scheduler:
                     self._background(self._read_big(name, cancel=cancel))
                 case Later(name=name, due=due, priority=priority):
                     self.inbox.defer(name, due, priority)  # the glance at the file missed its not_before
+                case Launch(parked=p) if ahead is not None:
+                    if p.item is not None:
+                        self.inbox.forget(p.item.name)
+                    self._park_ready(r)
                 case Launch(parked=p):
                     if p.item is not None:
                         self.inbox.forget(p.item.name)
                     self._run(r, cancel=cancel)
                 case NoSlot(parked=p) if p.kind is Kind.NEW and p.agent in gated:
                     self._leave_unread(p)  # a gate holds its agent: the file waits unread in inbox/
+                case NoSlot(parked=p) if p.kind is Kind.NEW and ahead is not None:
+                    self._park_new(p)  # not to be claimed ahead after all: it waits for a slot
                 case NoSlot(parked=p) if p.kind is Kind.NEW:
                     self._park_new(p)
                     self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
@@ -269,6 +329,16 @@ class Scheduler:
                         self.stats.finished["failed"] += 1
         self.parked.extendleft(reversed(again))  # first again, in the order they had
         self.wake()
+
+    def _park_ready(self, launch: Launch) -> None:
+        """Queue a job claimed ahead: after the other claimed work, before every order not claimed yet."""
+        p = launch.parked
+        resume = Resume(launch.folder, launch.spec, launch.order, list(launch.attempts))
+        ready = Parked(Kind.RESUME, p.job_id, p.agent, token=launch.token, resume=resume)
+        self.ahead.ready[p.agent] += 1
+        self.ahead_ids.add(p.job_id)
+        at = next((i for i, q in enumerate(self.parked) if q.kind is Kind.NEW), len(self.parked))
+        self.parked.insert(at, ready)
 
     def _park_new(self, p: Parked) -> None:
         """Park an order again among the other parked orders by priority, then by when it was read."""
@@ -331,6 +401,9 @@ class Scheduler:
             job.control.abort(Stop.CANCELLED)
         job.gave_back = False
         job.on_exit = functools.partial(self._agent_exited, job.job_id)
+        if not job.counted_start:
+            job.counted_start = True
+            self.ctx.starts.begin()  # from now on: a start goes before checks and claims that can wait
         task = asyncio.get_running_loop().create_task(job.run())
         self.slots.add(job, task, launch.slot)
         task.add_done_callback(functools.partial(self._finished, job.job_id))
@@ -340,6 +413,7 @@ class Scheduler:
         r = self.running.get(job_id)
         if r is None:
             return False
+        self.ahead.ran(r.job.agent, asyncio.get_running_loop().time() - r.since)
         workspace = r.job.spec.agent.repo.workspace is not None
         if keeps_slots(self.config, r.job.agent, workspace=workspace) or not self.slots.give_back(r):
             return False
@@ -401,6 +475,9 @@ class Scheduler:
         for p in self.parked:
             if p.job_id == job_id:
                 self.parked.remove(p)
+                if job_id in self.ahead_ids:
+                    self.ahead_ids.discard(job_id)
+                    self.ahead.started(p.agent)
                 self._launch_now(p)
                 return True
         if (held := self.aside.take(job_id)) is not None:

@@ -282,6 +282,25 @@ class Inbox:
             return name
         return None
 
+    def next_agent(self, gated: frozenset[str] = frozenset()) -> tuple[str, bool] | None:
+        """Return the agent (at a glance) of the order ``pop`` would return next, and whether it has ``expires``.
+
+        Nothing is taken; gated agents' orders are set aside on the way, as ``pop`` does.
+        """
+        self._promote_due()
+        while self._ready:
+            entry = self._ready[0]
+            if entry.name not in self._ready_names:
+                heapq.heappop(self._ready)
+                continue
+            if entry.agent in gated:
+                heapq.heappop(self._ready)
+                self._ready_names.discard(entry.name)
+                self._put_aside(entry, entry.agent)
+                continue
+            return entry.agent, entry.expires != float("inf")
+        return None
+
     def set_aside(self, name: str, agent: str, expires: float | None = None) -> None:
         """Leave an order of a gated agent unread in inbox/ (its name kept) until ``take_back`` or its expires.
 

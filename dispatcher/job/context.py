@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dispatcher.job.finish import Finisher
+from dispatcher.job.starting import Starts
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Gate, Ledger
@@ -30,3 +31,4 @@ class JobContext:
     metrics: Metrics | None = None
     gates: Callable[[], Sequence[Gate]] = lambda: ()  # the daemon's snapshot of the ledger's gates
     note_gate: Callable[[Gate], None] = lambda gate: None  # a gate this daemon just set: into the snapshot now
+    starts: Starts = field(default_factory=Starts)  # agents being started now: work that can wait, waits

@@ -214,6 +214,7 @@ class Deciding(abc.ABC):
         finish too when the job may end there. The agent's own ``checks:`` then run on the loop."""
         record, self._unsaved = self._unsaved, None
         ctx = self.ctx
+        await ctx.starts.quiet()  # an agent being started (on the slot this one gave back) goes first
         changed = await self.repo.snapshot(max(self.folder.attempt_numbers(), default=0))
         collect = functools.partial(
             verify.collect_checked,

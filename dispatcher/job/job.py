@@ -17,6 +17,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import structlog
@@ -81,6 +82,8 @@ class Job(Deciding):
         # and finished (the scheduler's); another attempt then queues for a slot again (Outcome.AGAIN)
         self.on_exit: Callable[[], bool] | None = None
         self.gave_back = False
+        # counted in ``ctx.starts`` by the scheduler as it launched the job: the first start ends it
+        self.counted_start = False
         self.waits = Waits(
             self.job_id,
             ctx.ledger,
@@ -102,7 +105,10 @@ class Job(Deciding):
         self._loop = asyncio.get_running_loop()
         with structlog.contextvars.bound_contextvars(job_id=self.job_id, agent=self.agent):
             try:
-                return await self._run()
+                try:
+                    return await self._run()
+                finally:
+                    self._start_done()
             except Left:
                 return Outcome.LEFT
             except LedgerUnavailable:
@@ -264,22 +270,55 @@ class Job(Deciding):
         gives its slot back and starts it again once the shortage is over. A failed
         before hook fails the attempt (None: a retry was scheduled).
         """
+        starts = self.ctx.starts
+        if self.counted_start:
+            self.counted_start = False  # counted since the scheduler launched the job
+        else:
+            starts.begin()  # until the agent runs, a finished job's checks and claims made ahead wait
         try:
-            log_dir = self.folder.begin_attempt(n, sync=False)  # a folder, two empty logs: on the loop
-            await self.ctx.lanes.sync_this_turn(self.folder.attempts_path)  # with the other agents of this turn
-        except OSError as exc:
-            if SHORT.note(exc, "begin_attempt"):
-                self.folder.drop_attempt(n)
-                return Outcome.SHORT
-            log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)  # a full disk: wait
-        if self.spec.agent.repo.before is not None:
-            why = await self.repo.before(n, self.ctx.config(), self.control.attach)
-            if self.control.reason is Stop.STOPPED:
-                return Outcome.LEFT
-            if self.control.reason is Stop.CANCELLED:
-                return await self.finish(Row.FAILED, Stop.CANCELLED, [])
-            if why is not None:
-                return await self._before_failed(n, why)
+            try:
+                log_dir = self.folder.begin_attempt(n, sync=False)  # a folder, two empty logs: on the loop
+                await self.ctx.lanes.sync_this_turn(self.folder.attempts_path)  # with the other agents of this turn
+            except OSError as exc:
+                if SHORT.note(exc, "begin_attempt"):
+                    self.folder.drop_attempt(n)
+                    return Outcome.SHORT
+                starts.end()  # a full disk: nothing waits for this one
+                try:
+                    log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)
+                finally:
+                    starts.begin()
+            if self.spec.agent.repo.before is not None:
+                starts.end()  # a hook may run long: nothing waits for it
+                try:
+                    go_on, ended = await self._before(n)
+                finally:
+                    starts.begin()
+                if not go_on:
+                    return ended
+            return await self._start(n, argv, log_dir)
+        finally:
+            starts.end()
+
+    def _start_done(self) -> None:
+        """End the start the scheduler counted, if the job ended before it reached its agent's start."""
+        if self.counted_start:
+            self.counted_start = False
+            self.ctx.starts.end()
+
+    async def _before(self, n: int) -> tuple[bool, Outcome | None]:
+        """Run the before hook of attempt n; return (True, None) to start the agent, else (False, how it goes on)."""
+        why = await self.repo.before(n, self.ctx.config(), self.control.attach)
+        if self.control.reason is Stop.STOPPED:
+            return False, Outcome.LEFT
+        if self.control.reason is Stop.CANCELLED:
+            return False, await self.finish(Row.FAILED, Stop.CANCELLED, [])
+        if why is not None:
+            return False, await self._before_failed(n, why)
+        return True, None
+
+    async def _start(self, n: int, argv: list[str], log_dir: Path) -> AgentProcess | OSError | Outcome:
+        """Start attempt n's agent; return the error if it cannot start (a shortage: ``Outcome.SHORT``)."""
         cfg = self.ctx.config()
         proc = attempt.process(
             self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_writable=self.repo.git_writable

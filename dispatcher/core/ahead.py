@@ -1,0 +1,139 @@
+"""Claims made ahead of a free slot, for agents whose runs are short.
+
+Between an agent's exit and the next start on its slot, a new order's claim costs a
+trip to the ledger lane and its fsyncs (the claim row, the job folder, ``active/``): a
+few milliseconds on a disk. For an agent that runs for minutes that is nothing; for one
+that runs for 50 ms it is a tenth of the time. So while every slot of such an agent is
+busy, the scheduler claims its next orders ahead: they are claimed jobs in ``active/``
+without a slot, queued first, and each starts as soon as a slot is given back, with the
+slot handed over on the loop (no trip at all).
+
+Only where it pays and changes little:
+
+- the agent's last ``RUNS_KEPT`` runs each took under ``QUICK_S``, and none of its agents
+  running now has run that long (a long run in a quick agent's history stops it);
+- and each took at least twice as long as a claim takes now (``claimed``): a claim made
+  ahead must be done before the slot frees, or it only adds work beside the claim that
+  runs anyway (with agents of a millisecond, the ledger lane is what limits);
+- at most the agent's ``concurrency`` jobs are claimed ahead, and at most ``max_jobs``
+  for the whole daemon, so another daemon is never kept from work for longer than a
+  short run;
+- never an order with ``expires`` (it is refused, not failed, if it is not started in
+  time: contract 16) or with ``after`` (a join is claimed at once anyway).
+
+An order claimed ahead is claimed: ``hold`` no longer takes it, ``cancel`` fails it, and a
+higher-priority order that arrives later runs after it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+
+from dispatcher.core.claiming import Kind, Parked
+from dispatcher.core.watcher import Inbox
+from dispatcher.shortage import SHORT
+from dispatcher.spec.settings import Config
+
+QUICK_S = 0.5  # an agent whose runs take less than this gets its next orders claimed ahead
+RUNS_KEPT = 3  # how many of an agent's last runs decide
+
+
+class Ahead:
+    """How long each agent's recent runs took, and how many of its jobs are claimed ahead (on the loop)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, collections.deque[float]] = {}
+        self.ready: collections.Counter[str] = collections.Counter()  # claimed ahead, waiting for a slot
+        self.claiming: collections.Counter[str] = collections.Counter()  # in the claim's trip now
+        self.claim_s = 0.0  # how long a claim's trip takes, smoothed
+
+    def ran(self, agent: str, seconds: float) -> None:
+        """Note that one of agent's agents exited after running for seconds."""
+        runs = self._runs.get(agent)
+        if runs is None:
+            runs = self._runs[agent] = collections.deque(maxlen=RUNS_KEPT)
+        runs.append(seconds)
+
+    def claimed(self, seconds: float) -> None:
+        """Note how long a claim's trip took (from the loop's handing it over to its answer)."""
+        self.claim_s = seconds if self.claim_s == 0.0 else 0.8 * self.claim_s + 0.2 * seconds
+
+    def quick(self, agent: str, running_s: Iterable[float]) -> bool:
+        """Return True if agent's last runs were all short (but outlast a claim) and none running has run long."""
+        runs = self._runs.get(agent)
+        if runs is None or len(runs) < RUNS_KEPT or max(runs) >= QUICK_S or min(runs) < 2 * self.claim_s:
+            return False
+        return all(s < QUICK_S for s in running_s)
+
+    def room(self, agent: str, concurrency: int) -> int:
+        """Return how many more of agent's orders may be claimed ahead now."""
+        return max(0, concurrency - self.ready[agent] - self.claiming[agent])
+
+    def total(self) -> int:
+        """Return how many jobs are claimed ahead or being claimed ahead, for every agent."""
+        return self.ready.total() + self.claiming.total()
+
+    def started(self, agent: str) -> None:
+        """A job claimed ahead left the queue (it starts, is cancelled, or the daemon stops)."""
+        if self.ready[agent] > 0:
+            self.ready[agent] -= 1
+
+    def choose(
+        self,
+        cfg: Config,
+        parked: collections.deque[Parked],
+        inbox: Inbox,
+        gated: frozenset[str],
+        running_s: Callable[[str], list[float]],
+    ) -> tuple[list[Parked | str], list[str]]:
+        """Take the orders to claim ahead now: parked ones first, then inbox/'s, by priority and age.
+
+        Returns them and, for each, its agent (at a glance for a name not read yet), which
+        count as being claimed until ``claiming`` is given them back. ``running_s(agent)``:
+        how long each of its agents that hold a slot has been running. No order is passed
+        over: the first one that may not be claimed ahead stops its agent (and, in inbox/,
+        every agent).
+        """
+        room = cfg.max_jobs - self.total()
+        if room <= 0:
+            return [], []
+        rooms: dict[str, int] = {}
+
+        def room_of(agent: str) -> int:
+            if agent not in rooms:
+                a = cfg.agents.get(agent)
+                quick = a is not None and self.quick(agent, running_s(agent))
+                rooms[agent] = self.room(agent, a.concurrency) if quick and a is not None else 0
+            return rooms[agent]
+
+        out: list[Parked | str] = []
+        agents: list[str] = []
+        passed: set[str] = set()  # agents with an order not claimed ahead: none behind it is
+        for p in list(parked):  # read already, waiting for their agent's slot
+            if room <= 0:
+                break
+            if p.kind is not Kind.NEW or p.agent in passed:
+                continue
+            order = p.item.order if p.item is not None else None
+            if order is None or order.expires is not None or order.after or room_of(p.agent) <= 0:
+                passed.add(p.agent)
+                continue
+            parked.remove(p)
+            out.append(p)
+            agents.append(p.agent)
+            rooms[p.agent] -= 1
+            room -= 1
+        while room > 0 and not SHORT.short():  # then the next orders in inbox/, while their agent is quick
+            upcoming = inbox.next_agent(gated)
+            if upcoming is None or upcoming[1] or upcoming[0] in passed or room_of(upcoming[0]) <= 0:
+                break
+            name = inbox.pop(gated)
+            if name is None:
+                break
+            out.append(name)
+            agents.append(upcoming[0])
+            rooms[upcoming[0]] -= 1
+            room -= 1
+        self.claiming.update(agents)
+        return out, agents

@@ -1,0 +1,160 @@
+"""Claims made ahead of a free slot for quick agents (``core.ahead``): in-process, with a real root and ledger.
+
+The scheduler is driven the way the daemon's loop drives it (``test_seam_scheduler.Loop``);
+agents are tiny ``sh`` programs that note their start in a file and run about 50 ms.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from seam_fixtures import GOOD, Seam, open_seam, order, run, sh
+from test_seam_scheduler import Loop
+
+from dispatcher.clock import iso
+from dispatcher.core.ahead import QUICK_S, RUNS_KEPT, Ahead
+
+
+def quick_agent(tmp: Path, seconds: float = 0.05) -> dict[str, Any]:
+    """An agent that notes its job id in tmp/starts, runs `seconds`, and does its job right."""
+    return sh(f'echo "$DISPATCH_JOB_ID" >> "{tmp / "starts"}"; sleep {seconds}; {GOOD}', concurrency=1)
+
+
+def started(tmp: Path) -> list[str]:
+    path = tmp / "starts"
+    return path.read_text().split() if path.exists() else []
+
+
+class Watch:
+    """What a test sees at every turn: jobs claimed ahead, agents running at once, folders in active/."""
+
+    def __init__(self, loop: Loop, s: Seam) -> None:
+        self.loop, self.s = loop, s
+        self.ahead: set[str] = set()
+        self.most_running = 0
+        self.active_while_running: set[str] = set()  # in active/ without an agent while another agent ran
+
+    def look(self) -> None:
+        sched = self.loop.sched
+        self.ahead |= sched.ahead_ids
+        holding = [j for j, r in sched.running.items() if r.holds]
+        self.most_running = max(self.most_running, len(holding))
+        if holding:
+            idle = set(os.listdir(self.s.layout.root / "active")) - set(sched.running)
+            self.active_while_running |= idle
+
+    async def until_done(self, *job_ids: str) -> None:
+        def check() -> bool:
+            self.look()
+            return self.loop.landed("done", *job_ids)()
+
+        await self.loop.until(check, f"{job_ids} to be done", timeout=20)
+        await self.loop.settle()
+
+
+def drop_spaced(loop: Loop, s: Seam, job_ids: list[str], **extra: Any) -> None:
+    """Drop orders with distinct modification times, oldest first."""
+    base = time.time() - 100
+    for i, job_id in enumerate(job_ids):
+        name = s.drop(order(job_id, **extra))
+        os.utime(s.layout.inbox / name, (base + i, base + i))
+        loop.s.inbox.hint("moved", name)
+
+
+def test_a_quick_agents_next_order_is_claimed_while_its_slot_is_busy_and_starts_in_order(tmp_path: Path) -> None:
+    """After RUNS_KEPT quick runs, orders are claimed ahead; never more agents than max_jobs; starts keep order."""
+    with open_seam(tmp_path, {"worker": quick_agent(tmp_path)}, max_jobs=1) as s:
+
+        async def body() -> Watch:
+            loop = Loop(s)
+            watch = Watch(loop, s)
+            warm = [f"W{i}" for i in range(RUNS_KEPT)]
+            drop_spaced(loop, s, warm)
+            await watch.until_done(*warm)
+            assert not watch.ahead, "claimed ahead before the agent's runs were known"
+            jobs = [f"J{i}" for i in range(6)]
+            drop_spaced(loop, s, jobs)
+            await watch.until_done(*jobs)
+            return watch
+
+        watch = run(body, timeout=60)
+    assert watch.ahead, "no order was claimed ahead"
+    assert watch.active_while_running, "no job waited claimed in active/ while another ran"
+    assert watch.most_running == 1
+    assert started(tmp_path) == [f"W{i}" for i in range(RUNS_KEPT)] + [f"J{i}" for i in range(6)]
+
+
+def test_an_order_with_expires_is_never_claimed_ahead(tmp_path: Path) -> None:
+    """`expires` is refused (not failed) if it is not started in time: such an order waits unclaimed."""
+    with open_seam(tmp_path, {"worker": quick_agent(tmp_path)}, max_jobs=1) as s:
+
+        async def body() -> Watch:
+            loop = Loop(s)
+            watch = Watch(loop, s)
+            warm = [f"W{i}" for i in range(RUNS_KEPT)]
+            drop_spaced(loop, s, warm)
+            await watch.until_done(*warm)
+            jobs = [f"E{i}" for i in range(4)]
+            drop_spaced(loop, s, jobs, expires=iso(time.time() + 3600))
+            await watch.until_done(*jobs)
+            return watch
+
+        watch = run(body, timeout=60)
+    assert not watch.ahead and not watch.active_while_running
+    assert started(tmp_path)[RUNS_KEPT:] == [f"E{i}" for i in range(4)]
+
+
+def test_a_cancel_of_a_job_claimed_ahead_fails_it_without_an_attempt(tmp_path: Path) -> None:
+    with open_seam(tmp_path, {"worker": quick_agent(tmp_path, 0.3)}, max_jobs=1) as s:
+
+        async def body() -> dict[str, Any]:
+            loop = Loop(s)
+            watch = Watch(loop, s)
+            warm = [f"W{i}" for i in range(RUNS_KEPT)]
+            drop_spaced(loop, s, warm)
+            await watch.until_done(*warm)
+            drop_spaced(loop, s, ["C0", "C1"])
+
+            def c1_claimed_ahead() -> bool:
+                watch.look()
+                return "C1" in loop.sched.ahead_ids
+
+            await loop.until(c1_claimed_ahead, "C1 to be claimed ahead")
+            assert loop.sched.cancel("C1", "claimed")
+            await loop.until(loop.landed("failed", "C1"), "C1 to fail")
+            await watch.until_done("C0")
+            return s.result("failed", "C1")
+
+        result = run(body, timeout=60)
+    assert result["reason"] == "cancelled" and result["attempts"] == []
+    assert "C1" not in started(tmp_path)
+
+
+# -- the rule, pure ---------------------------------------------------------------------------------
+def test_quick_needs_enough_short_runs_that_outlast_a_claim() -> None:
+    ahead = Ahead()
+    for _ in range(RUNS_KEPT - 1):
+        ahead.ran("a", 0.05)
+    assert not ahead.quick("a", []), "too few runs known"
+    ahead.ran("a", 0.05)
+    assert ahead.quick("a", [0.01])
+    assert not ahead.quick("a", [QUICK_S]), "one of its agents has been running long"
+    ahead.claimed(0.03)  # a claim takes 30 ms: a 50 ms run does not outlast two
+    assert not ahead.quick("a", [])
+    ahead.ran("b", QUICK_S)
+    ahead.ran("b", 0.1)
+    ahead.ran("b", 0.1)
+    assert not ahead.quick("b", []), "a long run among the last ones"
+
+
+def test_room_counts_jobs_claimed_ahead_and_in_the_claim_trip() -> None:
+    ahead = Ahead()
+    assert ahead.room("a", 2) == 2
+    ahead.claiming["a"] += 1
+    ahead.ready["a"] += 1
+    assert ahead.room("a", 2) == 0 and ahead.total() == 2
+    ahead.started("a")
+    assert ahead.room("a", 2) == 1
