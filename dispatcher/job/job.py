@@ -277,8 +277,12 @@ class Job(Deciding):
             starts.begin()  # until the agent runs, a finished job's checks and claims made ahead wait
         try:
             try:
-                log_dir = self.folder.begin_attempt(n, sync=False)  # a folder, two empty logs: on the loop
-                await self.ctx.lanes.sync_this_turn(self.folder.attempts_path)  # with the other agents of this turn
+                # a folder, two empty logs, on the loop; fsynced at once when no other agent is being
+                # started, else at the end of the turn, with the other agents of this turn
+                alone = starts.count == 1
+                log_dir = self.folder.begin_attempt(n, sync=alone)
+                if not alone:
+                    await self.ctx.lanes.sync_this_turn(self.folder.attempts_path)
             except OSError as exc:
                 if SHORT.note(exc, "begin_attempt"):
                     self.folder.drop_attempt(n)
