@@ -40,6 +40,7 @@ from dispatcher.core.claiming import (
     when,
 )
 from dispatcher.core.gatekeeper import gated_agents
+from dispatcher.core.requests import Requests, parked_again
 from dispatcher.core.running import RunningJobs, keeps_slots
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
@@ -48,7 +49,7 @@ from dispatcher.job.context import JobContext
 from dispatcher.job.job import Job
 from dispatcher.job.joins import Joins
 from dispatcher.ledger.base import LedgerUnavailable
-from dispatcher.lifecycle import Outcome, Row, Stop
+from dispatcher.lifecycle import Outcome, Stop
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
 from dispatcher.store.refusals import Refusal, refuse
@@ -65,8 +66,8 @@ class Stats:
     finished: dict[str, int] = field(default_factory=lambda: {"done": 0, "failed": 0, "refused": 0, "review": 0})
 
 
-class Scheduler:
-    """Start what may start; keep the running jobs; carry out cancel and retry requests."""
+class Scheduler(Requests[Job]):
+    """Start what may start; keep the running jobs; carry out cancel and retry requests (``Requests``)."""
 
     def __init__(self, ctx: JobContext, inbox: Inbox, wake: Callable[[], None], joins: Joins | None = None) -> None:
         self.ctx = ctx
@@ -147,8 +148,7 @@ class Scheduler:
             self.parked.remove(p)
             free -= 1
             if p.resume is not None and p.job_id in self.ahead_ids:  # claimed ahead: its agent's slot is handed on
-                self.ahead_ids.discard(p.job_id)
-                self.ahead.started(p.agent)
+                self._unqueued(p)
                 if self._start_handed_over(p):
                     continue
             batch.append(p)
@@ -192,6 +192,11 @@ class Scheduler:
             self.config, self.parked, self.inbox, gated, lambda agent: self.slots.running_s(agent, now)
         )
 
+    def _unqueued(self, p: Parked) -> None:
+        if p.job_id in self.ahead_ids:
+            self.ahead_ids.discard(p.job_id)
+            self.ahead.started(p.agent)
+
     def _start_handed_over(self, p: Parked) -> bool:
         """Start a job claimed ahead with a slot its agent just gave back, on the loop; False if none is idle."""
         free = self.slots.idle.get(p.agent)
@@ -208,7 +213,7 @@ class Scheduler:
             self._leave_unread(p)
         self.inbox.take_back(gated)
         back, later = self.aside.take_back(gated, now, time.time())
-        self.parked.extendleft(reversed([_parked_again(job) for job in back]))
+        self.parked.extendleft(reversed([parked_again(job) for job in back]))
         self.slot_poll |= later
 
     def _leave_unread(self, p: Parked) -> None:
@@ -427,10 +432,10 @@ class Scheduler:
             self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
         if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():
-            self.parked.appendleft(_parked_again(r.job))
+            self.parked.appendleft(parked_again(r.job))
         if outcome is Outcome.AGAIN and r is not None and not self.ctx.stopping():
             self.again[job_id] = r.job  # the same job runs its next attempt once a slot is free
-            self.parked.appendleft(_parked_again(r.job))
+            self.parked.appendleft(parked_again(r.job))
         if outcome is Outcome.GATED and r is not None and not self.ctx.stopping():
             job = r.job
             shown = job.agent in gated_agents(self.ctx.gates(), self.config.agents, time.time())
@@ -442,69 +447,6 @@ class Scheduler:
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
             self.left.add(job_id)
         self.wake()
-
-    # -- stopping -----------------------------------------------------------------------------
-    def abort_all(self, reason: Stop, *, only_waiting: bool = False, mute: bool = False) -> None:
-        """Stop every running job (or only those waiting before a retry); ``mute`` their log writes too."""
-        for r in self.running.values():
-            if not only_waiting or r.job.control.waiting:
-                r.job.control.abort(reason, mute=mute)
-
-    # -- requests -----------------------------------------------------------------------------
-    def park_recovered(self, adopted: list[tuple[str, int, str]], *, host_lost: bool = False) -> None:
-        """Queue adopted jobs of dead daemons first (their agents were already ended)."""
-        for job_id, token, agent in reversed(adopted):
-            self.parked.appendleft(Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost))
-
-    def park_retry(self, job_id: str, agent: str, *, revise: bool = False) -> None:
-        """Queue a failed job for `dispatcher retry` (or a job for `dispatcher revise`), once."""
-        if job_id in self.running or job_id in self.aside or any(p.job_id == job_id for p in self.parked):
-            return
-        self.parked.append(Parked(Kind.REVISE if revise else Kind.RETRY, job_id, agent))
-
-    def cancel(self, job_id: str, entry_state: str | None) -> bool:
-        """Carry out a cancel request; return False when the order must first be found in inbox/.
-
-        A running job is stopped through its ``Control``; parked work is claimed (or
-        reloaded) at once without a slot, and the claim's transaction decides (``Cancelled``).
-        """
-        r = self.running.get(job_id)
-        if r is not None:
-            r.job.control.abort(Stop.CANCELLED)
-            return True
-        for p in self.parked:
-            if p.job_id == job_id:
-                self.parked.remove(p)
-                if job_id in self.ahead_ids:
-                    self.ahead_ids.discard(job_id)
-                    self.ahead.started(p.agent)
-                self._launch_now(p)
-                return True
-        if (held := self.aside.take(job_id)) is not None:
-            self._launch_now(_parked_again(held))
-            return True
-        return entry_state in (Row.DONE, Row.FAILED, Row.CLAIMED, Row.REVIEW)
-
-    def claim_now(self, name: str) -> None:
-        """Claim an order still unread in inbox/ at once, without a slot (a cancel was asked for it)."""
-        self.inbox.forget(name)
-        self.inflight += 1
-        self._background(self._launch([name], cancel=True))
-
-    def _launch_now(self, p: Parked) -> None:
-        self.inflight += 1
-        self._background(self._launch([p], cancel=True))
-
-    def park_joined(self, job_id: str, token: int, agent: str) -> None:
-        """Queue a job whose wait is over (moved to active/ and taken by this daemon); it runs when a slot is free."""
-        self.parked.append(Parked(Kind.JOINED, job_id, agent, token=token))
-        self.wake()
-
-
-def _parked_again(job: Job) -> Parked:
-    """Return a claimed job as parked work again (a shortage, a gate): it needs slots, nothing is read again."""
-    resume = Resume(job.folder, job.spec, job.order, list(job.attempts))
-    return Parked(Kind.RESUME, job.job_id, job.agent, token=job.token, resume=resume)
 
 
 def _rank(p: Parked) -> tuple[int, float]:
