@@ -284,25 +284,36 @@ class GroupCommit(Generic[T, R]):
             self._lanes.post_ledger(self._drain, self._drop)
 
     def _drain(self) -> None:
-        """Commit what is pending, batch after batch, until nothing is (ledger lane)."""
-        while True:
+        """Commit what is pending as one batch (ledger lane); queue another drain if more came meanwhile.
+
+        One batch per call, so that other work queued in the lane (claims, slots) runs
+        between two batches of a steady stream of finishes.
+        """
+        with self._lock:
+            batch, self._pending = self._pending, []
+        try:
+            if batch:
+                self._commit_batch(batch)
+        finally:
             with self._lock:
-                batch, self._pending = self._pending, []
-                if not batch:
-                    self._busy = False
-                    return
-            try:
-                answers: Sequence[Any] = self._commit([item for item, *_ in batch])
-            except BaseException as exc:  # noqa: BLE001 - every waiter learns of it; the next batch still runs
-                error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
-                _answer_all([(loop, fut, error, True) for _, loop, fut, _ in batch])
-            else:
-                _answer_all(
-                    [
-                        (loop, fut, wrap(answer) if wrap is not None else answer, False)
-                        for (_, loop, fut, wrap), answer in zip(batch, answers, strict=True)
-                    ]
-                )
+                again = bool(self._pending)
+                self._busy = again
+            if again:
+                self._lanes.post_ledger(self._drain, self._drop)
+
+    def _commit_batch(
+        self, batch: list[tuple[T, asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[R], Any] | None]]
+    ) -> None:
+        try:
+            answers: Sequence[Any] = self._commit([item for item, *_ in batch])
+            settles = [
+                (loop, fut, wrap(answer) if wrap is not None else answer, False)
+                for (_, loop, fut, wrap), answer in zip(batch, answers, strict=True)
+            ]
+        except BaseException as exc:  # noqa: BLE001 - every waiter learns of it; the next batch still runs
+            error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+            settles = [(loop, fut, error, True) for _, loop, fut, _ in batch]
+        _answer_all(settles)
 
     def _drop(self) -> None:
         """The ledger lane shut down before the drain ran: every waiter learns of it."""

@@ -100,51 +100,34 @@ def group_members(pgid: int) -> list[tuple[int, str, int]]:
     return members
 
 
-def attempt_groups(attempts: Mapping[tuple[str, int], str]) -> dict[tuple[str, int], list[int]]:
-    """Return the process groups still running for attempts, in one walk of /proc.
+def job_groups(jobs: Mapping[str, str]) -> dict[str, list[int]]:
+    """Return the process groups still running for jobs, in one walk of /proc.
 
-    ``attempts`` maps (job id, attempt number) to the job's work/ folder. A live process
-    is one of them when its environment says so: ``DISPATCH_JOB_ID``, ``DISPATCH_ATTEMPT``
-    and ``DISPATCH_ORDER`` in that work/ folder, which every agent, probe and hook gets
-    (and its children inherit). No pid or start time is compared, so neither a reused pid
-    nor a clock step can mistake someone else's process for an agent. A process that
-    cleared its environment is still found when its working folder is that work/ or
-    below it (it is then counted for every attempt of that job asked for).
+    ``jobs`` maps a job id to its work/ folder. A live process belongs to a job when its
+    environment says so: ``DISPATCH_JOB_ID`` and ``DISPATCH_ORDER`` in that work/ folder,
+    which every agent, probe and hook of the job gets (whatever its attempt) and its
+    children inherit. No pid, start time or working folder is compared: a reused pid, a
+    clock step or a person's shell in work/ never passes for one of the job's processes.
     """
-    found: dict[tuple[str, int], set[int]] = {key: set() for key in attempts}
-    ids = {job_id for job_id, _ in attempts}
-    works = {os.path.realpath(work): [k for k, w in attempts.items() if w == work] for work in set(attempts.values())}
+    found: dict[str, set[int]] = {job_id: set() for job_id in jobs}
+    works = {job_id: os.path.realpath(work) for job_id, work in jobs.items()}
     real_of: dict[bytes, str] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         pid = int(name)
-        keys = _by_environ(pid, ids, real_of, attempts, works)
-        if keys is None:  # no DISPATCH_* variables: maybe an agent that cleared them, in its folder
-            try:
-                cwd = os.readlink(f"/proc/{name}/cwd")
-            except OSError:
-                continue
-            keys = next((ks for w, ks in works.items() if cwd == w or cwd.startswith(w + "/")), [])
-        if not keys or not is_alive(pid):
+        job_id = _job_of(pid, works, real_of)
+        if job_id is None or not is_alive(pid):
             continue
         try:
-            group = os.getpgid(pid)
+            found[job_id].add(os.getpgid(pid))
         except ProcessLookupError:
             continue
-        for key in keys:
-            found[key].add(group)
-    return {key: sorted(groups) for key, groups in found.items()}
+    return {job_id: sorted(groups) for job_id, groups in found.items()}
 
 
-def _by_environ(
-    pid: int,
-    ids: set[str],
-    real_of: dict[bytes, str],
-    attempts: Mapping[tuple[str, int], str],
-    works: Mapping[str, list[tuple[str, int]]],
-) -> list[tuple[str, int]] | None:
-    """Return the attempts pid's environment names, or None when it names none (or cannot be read)."""
+def _job_of(pid: int, works: Mapping[str, str], real_of: dict[bytes, str]) -> str | None:
+    """Return the job (of works) whose DISPATCH_* variables pid's environment holds, or None."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             data = f.read()
@@ -155,18 +138,12 @@ def _by_environ(
     env = dict(e.split(b"=", 1) for e in data.split(b"\0") if e.startswith(b"DISPATCH_") and b"=" in e)
     job_id = env.get(b"DISPATCH_JOB_ID", b"").decode(errors="replace")
     order = env.get(b"DISPATCH_ORDER", b"")
-    if job_id not in ids or not order.endswith(b"/order.json"):
-        return []
-    try:
-        n = int(env.get(b"DISPATCH_ATTEMPT", b""))
-    except ValueError:
-        return []
-    if (job_id, n) not in attempts:
-        return []
+    if job_id not in works or not order.endswith(b"/order.json"):
+        return None
     work = real_of.get(order)
     if work is None:
         work = real_of[order] = os.path.realpath(os.fsdecode(order[: -len(b"/order.json")]))
-    return [(job_id, n)] if (job_id, n) in works.get(work, []) else []
+    return job_id if work == works[job_id] else None
 
 
 def one_malloc_arena() -> None:

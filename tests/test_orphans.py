@@ -1,4 +1,4 @@
-"""Finding a dead daemon's agents by their environment (``procs.attempt_groups``, ``store.orphans``)."""
+"""Finding a dead daemon's agents by their environment (``procs.job_groups``, ``store.orphans``)."""
 
 from __future__ import annotations
 
@@ -61,16 +61,17 @@ def job_folder(root: Path, job_id: str) -> JobFolder:
     return JobFolder(path)
 
 
-def test_the_attempt_is_found_by_its_environment_and_not_another_roots_namesake(
+def test_the_jobs_processes_are_found_by_their_environment_and_not_another_roots_namesake(
     tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
 ) -> None:
-    """Two roots hold a job J-1: only the agent of the root asked about is its orphan, wherever it runs."""
+    """Two roots hold a job J-1: only the processes of the root asked about are its orphans, wherever they run."""
     mine, other = job_folder(tmp_path / "a", "J-1"), job_folder(tmp_path / "b", "J-1")
     ours = agent(spawned, mine.work, "J-1", 1)
+    hook = agent(spawned, mine.work, "J-1", 0)  # a before hook gets DISPATCH_ATTEMPT=0: the job's all the same
     agent(spawned, other.work, "J-1", 1)
-    agent(spawned, mine.work, "J-1", 2)  # another attempt of the same job: not the one asked about
-    found = procs.attempt_groups({("J-1", 1): os.fspath(mine.work)})
-    assert found == {("J-1", 1): [ours.pid]}
+    agent(spawned, mine.work, "J-9", 1)  # another job id with this folder's path: not J-1's
+    found = procs.job_groups({"J-1": os.fspath(mine.work)})
+    assert found == {"J-1": sorted([ours.pid, hook.pid])}
 
 
 def test_a_work_folder_reached_through_a_link_is_the_same_folder(
@@ -80,17 +81,18 @@ def test_a_work_folder_reached_through_a_link_is_the_same_folder(
     folder = job_folder(tmp_path / "real", "J-2")
     (tmp_path / "link").symlink_to(tmp_path / "real")
     ours = agent(spawned, tmp_path / "link" / "active" / "J-2" / "work", "J-2", 1)
-    assert procs.attempt_groups({("J-2", 1): os.fspath(folder.work)}) == {("J-2", 1): [ours.pid]}
+    assert procs.job_groups({"J-2": os.fspath(folder.work)}) == {"J-2": [ours.pid]}
 
 
-def test_an_agent_that_cleared_its_environment_is_found_by_its_folder(
+def test_a_process_in_the_work_folder_without_the_variables_is_left_alone(
     tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
 ) -> None:
+    """A person's shell or editor in work/ is not one of the job's processes: recovery must not end it."""
     folder = job_folder(tmp_path, "J-3")
     (folder.work / "sub").mkdir()
-    ours = agent(spawned, folder.work, "J-3", 1, cwd=folder.work / "sub", clear=True)
-    agent(spawned, folder.work, "J-3", 1, cwd=tmp_path, clear=True)  # elsewhere, nothing names it: not found
-    assert leftover_groups([(folder, 1)]) == {"J-3": [ours.pid]}
+    agent(spawned, folder.work, "J-3", 1, cwd=folder.work / "sub", clear=True)
+    agent(spawned, folder.work, "J-3", 1, cwd=folder.work, clear=True)
+    assert leftover_groups([(folder, 1)]) == {"J-3": []}
 
 
 def test_an_ended_agent_is_not_found(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:

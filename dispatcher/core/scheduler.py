@@ -145,6 +145,8 @@ class Scheduler(Requests[Job]):
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
+            if p.job_id in self.ahead_ids and not self.slots.idle.get(p.agent) and self._holders(p.agent):
+                continue  # claimed ahead: it waits for the slot one of its agent's jobs here gives back
             self.parked.remove(p)
             free -= 1
             if p.resume is not None and p.job_id in self.ahead_ids:  # claimed ahead: its agent's slot is handed on
@@ -191,6 +193,10 @@ class Scheduler(Requests[Job]):
         return self.ahead.choose(
             self.config, self.parked, self.inbox, gated, lambda agent: self.slots.running_s(agent, now)
         )
+
+    def _holders(self, agent: str) -> bool:
+        """Return True if a job of agent here holds a slot (it gives it back when its agent exits)."""
+        return any(r.holds and r.job.agent == agent for r in self.running.values())
 
     def _unqueued(self, p: Parked) -> None:
         if p.job_id in self.ahead_ids:

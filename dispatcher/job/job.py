@@ -126,6 +126,8 @@ class Job(Deciding):
                     return Outcome.LEFT
 
     async def _run(self) -> Outcome:
+        if self.recovering:
+            self._start_done()  # recovery may probe, wait or finish first: counted again at its agent's start
         await self.repo.load()
         if self.recovering and self.folder.result() is not None:  # a fresh claim has no result yet
             return await self._reland()
@@ -204,6 +206,8 @@ class Job(Deciding):
         """Run attempt n; return its Exit, how the job ended when it never ran or was stopped, or None to go on
         (a retry was scheduled, or a usage limit gave the attempt back)."""
         agent = self.spec.agent
+        if agent.repo.workspace is not None:
+            self._start_done()  # a worktree may wait for its repository's lock: counted again at the spawn
         try:
             await self.repo.open(n)
         except WorkspaceFailed as exc:
@@ -377,6 +381,7 @@ class Job(Deciding):
         self, state: Row, reason: str | None, checks: list[CheckResult], children: list[str] | None = None
     ) -> Outcome:
         """Run the finishing sequence (``jobstore``) and release follow-ups of a done job."""
+        self._start_done()  # a job that finishes is not starting an agent (a cancel, an expiry)
         if children is None:
             children = []  # a job that does not end done has none: its reservations are dropped
         await self.waits.release()  # a job cancelled while it waited for a gate no longer waits

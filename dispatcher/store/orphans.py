@@ -1,10 +1,10 @@
 """Agents a dead daemon left running: which process groups belong to which job's last attempt.
 
 Recovery ends these groups before it looks at a job's evidence (README, "Guarantees").
-An agent is found by the environment every agent, probe and hook of an attempt gets
-(``DISPATCH_JOB_ID``, ``DISPATCH_ATTEMPT``, ``DISPATCH_ORDER``), in one walk of /proc
-for all the jobs being recovered, so no running record has to be written when an agent
-starts. An attempt of an older version of the daemon may still hold such a record
+A job's processes are found by the environment every agent, probe and hook of the job
+gets (``DISPATCH_JOB_ID``, and ``DISPATCH_ORDER`` in its work/ folder), whatever their
+attempt, in one walk of /proc for all the jobs being recovered, so no running record has
+to be written when an agent starts. An attempt of an older version of the daemon may still hold such a record
 (``attempts/<n>/attempt.json`` with the pid and its start on the boot clock): it is used
 as it was.
 """
@@ -19,18 +19,20 @@ from dispatcher.store.jobstore import JobFolder
 
 
 def leftover_groups(attempts: Sequence[tuple[JobFolder, int]]) -> dict[str, list[int]]:
-    """Return, by job id, the process groups still running from attempt n of each job (blocking: scan lane)."""
+    """Return, by job id, the process groups still running of each job (blocking: scan lane).
+
+    ``n``: the job's last attempt, whose running record an older daemon may have written.
+    """
     out: dict[str, list[int]] = {}
-    wanted: dict[tuple[str, int], str] = {}
+    wanted: dict[str, str] = {}
     for folder, n in attempts:
         info = folder.pid_record(n)
-        if info is None:
-            wanted[(folder.job_id, n)] = os.fspath(folder.work)
-        else:
+        if info is not None:
             out[folder.job_id] = _recorded(info)
+        wanted[folder.job_id] = os.fspath(folder.work)
     if wanted:
-        for (job_id, _), groups in procs.attempt_groups(wanted).items():
-            out[job_id] = groups
+        for job_id, groups in procs.job_groups(wanted).items():
+            out[job_id] = sorted(set(out.get(job_id, [])) | set(groups))
     return out
 
 
