@@ -64,17 +64,23 @@ def drop_spaced(loop: Loop, s: Seam, job_ids: list[str], **extra: Any) -> None:
         loop.s.inbox.hint("moved", name)
 
 
+async def warmed_up(s: Seam) -> tuple[Loop, Watch]:
+    """Run RUNS_KEPT jobs W0, W1, ... so that the agent's runs are known; nothing is claimed ahead meanwhile."""
+    loop = Loop(s)
+    watch = Watch(loop, s)
+    warm = [f"W{i}" for i in range(RUNS_KEPT)]
+    drop_spaced(loop, s, warm)
+    await watch.until_done(*warm)
+    assert not watch.ahead, "claimed ahead before the agent's runs were known"
+    return loop, watch
+
+
 def test_a_quick_agents_next_order_is_claimed_while_its_slot_is_busy_and_starts_in_order(tmp_path: Path) -> None:
     """After RUNS_KEPT quick runs, orders are claimed ahead; never more agents than max_jobs; starts keep order."""
     with open_seam(tmp_path, {"worker": quick_agent(tmp_path)}, max_jobs=1) as s:
 
         async def body() -> Watch:
-            loop = Loop(s)
-            watch = Watch(loop, s)
-            warm = [f"W{i}" for i in range(RUNS_KEPT)]
-            drop_spaced(loop, s, warm)
-            await watch.until_done(*warm)
-            assert not watch.ahead, "claimed ahead before the agent's runs were known"
+            loop, watch = await warmed_up(s)
             jobs = [f"J{i}" for i in range(6)]
             drop_spaced(loop, s, jobs)
             await watch.until_done(*jobs)
@@ -92,11 +98,7 @@ def test_an_order_with_expires_is_never_claimed_ahead(tmp_path: Path) -> None:
     with open_seam(tmp_path, {"worker": quick_agent(tmp_path)}, max_jobs=1) as s:
 
         async def body() -> Watch:
-            loop = Loop(s)
-            watch = Watch(loop, s)
-            warm = [f"W{i}" for i in range(RUNS_KEPT)]
-            drop_spaced(loop, s, warm)
-            await watch.until_done(*warm)
+            loop, watch = await warmed_up(s)
             jobs = [f"E{i}" for i in range(4)]
             drop_spaced(loop, s, jobs, expires=iso(time.time() + 3600))
             await watch.until_done(*jobs)
@@ -111,11 +113,7 @@ def test_a_cancel_of_a_job_claimed_ahead_fails_it_without_an_attempt(tmp_path: P
     with open_seam(tmp_path, {"worker": quick_agent(tmp_path, 0.3)}, max_jobs=1) as s:
 
         async def body() -> dict[str, Any]:
-            loop = Loop(s)
-            watch = Watch(loop, s)
-            warm = [f"W{i}" for i in range(RUNS_KEPT)]
-            drop_spaced(loop, s, warm)
-            await watch.until_done(*warm)
+            loop, watch = await warmed_up(s)
             drop_spaced(loop, s, ["C0", "C1"])
 
             def c1_claimed_ahead() -> bool:
