@@ -83,6 +83,9 @@ def test_a_failed_job_is_revised_and_max_revisions_bounds_it(env: Env) -> None:
     env.drop(order("REVISE-2"))
     env.wait_job("REVISE-2", "failed")
     env.cli("revise", "REVISE-2", "--note", "try again, the API is back", check=True)
+    # the running daemon carries the request out a moment after the command returns: until then
+    # failed/REVISE-2/ still holds the first result
+    wait_until(lambda: not (env.root / "failed" / "REVISE-2").exists(), 60, "the revision to reopen REVISE-2")
     result = env.wait_job("REVISE-2", "done")
     assert [a["n"] for a in result["attempts"]] == [1, 2]
     again = env.cli("revise", "REVISE-2", "--note", "once more")
