@@ -27,6 +27,7 @@ RESOURCES = {
     errno.ENOMEM: "memory (ENOMEM)",
 }
 PAUSE_MIN_S = 0.2
+DISK_WAIT_MAX_S = 30.0  # a full disk is waited out with backoff up to this between tries
 PAUSE_MAX_S = 2.0
 WINDOW_MAX = 1024
 QUIET_S = 60.0  # a shortage of a resource not met again for this long is over

@@ -40,7 +40,6 @@ from dispatcher.store.jobstore import JobFolder
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
-DISK_WAIT_MAX_S = 30.0
 
 
 class Deciding(abc.ABC):

@@ -1,0 +1,135 @@
+"""How a job ends: its result built, staged and landed (``Job.finish``), or landed by the post-exit trip.
+
+``Finishing`` is the part of ``Job`` (``job.py``) that ends a job: the finishing sequence
+from the loop (``finish``: the gate wait released, the workspace sealed, the landing owed,
+the result staged and committed by ``Finisher``, waiting out a full disk), what the
+post-exit trip needs to do the same in the io pool (``_ending``: the result and the
+ledger's record, both pure), and the loop's part once that trip landed it (``_landed``).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import structlog
+
+from dispatcher.job.context import JobContext
+from dispatcher.job.control import Control, Left
+from dispatcher.job.repowork import JobRepo
+from dispatcher.job.settle import Ending, Settled
+from dispatcher.job.waits import Waits
+from dispatcher.ledger.base import Finish
+from dispatcher.lifecycle import Outcome, Row, outcome_of
+from dispatcher.shortage import DISK_WAIT_MAX_S, PAUSE_MIN_S, SHORT
+from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
+from dispatcher.spec.result import CheckResult, Result
+from dispatcher.store.jobstore import JobFolder, build_result, is_disk_full
+
+log = structlog.get_logger("dispatcher")
+
+
+class Finishing(abc.ABC):
+    """The end of a job; ``Job`` supplies its state."""
+
+    ctx: JobContext
+    folder: JobFolder
+    spec: JobSpec
+    token: int
+    job_id: str
+    attempts: list[Attempt]
+    control: Control
+    waits: Waits
+    repo: JobRepo
+
+    @property
+    @abc.abstractmethod
+    def agent(self) -> str:
+        """The job's agent's name."""
+
+    @abc.abstractmethod
+    def _start_done(self) -> None:
+        """End the start the scheduler counted, if any."""
+
+    async def finish(
+        self, state: Row, reason: str | None, checks: list[CheckResult], children: list[str] | None = None
+    ) -> Outcome:
+        """Run the finishing sequence (``jobstore``) and release follow-ups of a done job."""
+        self._start_done()  # a job that finishes is not starting an agent (a cancel, an expiry)
+        if children is None:
+            children = []  # a job that does not end done has none: its reservations are dropped
+        await self.waits.release()  # a job cancelled while it waited for a gate no longer waits
+        workspace = await self.repo.seal()
+        await self.repo.owe_landing(state)
+        result = self._result(
+            state, reason, checks, children, {"workspace": workspace} if workspace is not None else None
+        )
+        finish = self._finish(state)
+        delay = 0.5
+        while True:  # the result is staged in the same trip as the ledger's commit
+            if self.ctx.fenced():
+                log.warning("job.fenced", step="finish")
+                raise Left
+            try:
+                ok = await self.ctx.finisher.finish(self.folder, finish, result, release=bool(children))
+            except OSError as exc:
+                if SHORT.note(exc, "finish"):
+                    delay = max(SHORT.wait_s(), PAUSE_MIN_S)
+                elif not is_disk_full(exc):
+                    raise
+                else:
+                    log.warning("job.waiting", reason="disk full", step="stage_result", retry_s=delay)
+                if await self.control.sleep(delay) or self.ctx.stopping():
+                    raise Left from None
+                delay = min(delay * 2, DISK_WAIT_MAX_S)
+                continue
+            if ok:
+                await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
+            return outcome_of(state) if ok else Outcome.FENCED
+
+    def _ending(self, final: bool) -> Ending:
+        return Ending(final, self._result, self._finish, self.ctx.finisher.handoff)
+
+    async def _landed(self, settled: Settled) -> Outcome:
+        assert settled.finish is not None and settled.result is not None and settled.landed is not None  # noqa: S101
+        state = settled.finish.state
+        ok = await self.ctx.finisher.after_commit(settled.finish, settled.result, settled.landed, release=False)
+        if ok:
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
+        return outcome_of(state) if ok else Outcome.FENCED
+
+    def _result(
+        self,
+        state: Row,
+        reason: str | None,
+        checks: list[CheckResult],
+        children: list[str] | None = None,
+        extra: dict[str, object] | None = None,
+    ) -> Result:
+        """Return the job's result.json for its end in state (pure: the post-exit trip calls it in the io pool)."""
+        cost, chain = self._costs()
+        return build_result(
+            job_id=self.job_id,
+            state=str(state),
+            agent=self.agent,
+            reason=reason,
+            checks=checks,
+            attempts=self.attempts,
+            received=self.spec.received,
+            parent=self.spec.parent,
+            children=children or [],
+            cost_usd=cost,
+            chain_cost_usd=chain,
+            extra=extra,
+        )
+
+    def _finish(self, state: Row) -> Finish:
+        """Return the ledger's record of the job's end in state."""
+        cost, chain = self._costs()
+        return Finish(self.job_id, self.token, state, cost, chain)
+
+    def _costs(self) -> tuple[float | None, float | None]:
+        """Return the job's cost over its attempts and its chain's (the parents' included)."""
+        cost = total_cost(self.attempts)
+        parent_cost = self.spec.parent_chain_cost_usd
+        chain = None if cost is None and parent_cost is None else round((cost or 0) + (parent_cost or 0), 10)
+        return cost, chain
