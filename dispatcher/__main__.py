@@ -1,5 +1,5 @@
 """Run `python -m dispatcher`."""
 
-from dispatcher.cli.main import main
+from dispatcher.cli import main
 
 main()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from dispatcher import procs
+from dispatcher import lean, procs
 from dispatcher.core import announce
 from dispatcher.core.fsevents import start_watch
 from dispatcher.core.gatekeeper import GateKeeper
@@ -346,6 +346,7 @@ class Daemon:
         """Return the metrics of metrics_file (None when unset); its first write is due at once."""
         if not config.metrics_file:
             return None
+        lean.with_openssl()  # prometheus_client imports ssl
         from dispatcher.metrics import Metrics  # prometheus_client only when it is used
 
         return Metrics(config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from dispatcher import fsutil
+from dispatcher import fsutil, lean
 from dispatcher.errors import UsageError
 from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
@@ -50,6 +50,8 @@ def open_ledger(
     """
     if config.ledger.startswith(("postgresql://", "postgres://")):
         from dispatcher.ledger.pg_schema import NoSchema  # type: ignore[import-untyped,unused-ignore]
+
+        lean.with_openssl()  # psycopg imports ssl
         from dispatcher.ledger.postgres import PostgresLedger  # type: ignore[import-untyped,unused-ignore]
 
         # a daemon waits for its ledger (patience None); a command answers within seconds
