@@ -156,3 +156,23 @@ def test_room_counts_jobs_claimed_ahead_and_in_the_claim_trip() -> None:
     assert ahead.room("a", 2) == 0 and ahead.total() == 2
     ahead.started("a")
     assert ahead.room("a", 2) == 1
+
+
+def test_when_max_jobs_limits_jobs_claimed_ahead_still_start_before_the_orders_behind_them(tmp_path: Path) -> None:
+    """max_jobs 2 binds (agent A may run 3 at once): A's orders still start oldest first, at most 2 agents."""
+    slow = sh(f'echo "$DISPATCH_JOB_ID" >> "{tmp_path / "starts"}"; sleep 0.3; {GOOD}')
+    agents = {"worker": {**quick_agent(tmp_path), "concurrency": 3}, "slow": slow}
+    with open_seam(tmp_path, agents, max_jobs=2) as s:
+
+        async def body() -> Watch:
+            loop, watch = await warmed_up(s)
+            drop_spaced(loop, s, ["B0"], to="slow")
+            jobs = [f"A{i}" for i in range(8)]
+            drop_spaced(loop, s, jobs)
+            await watch.until_done("B0", *jobs)
+            return watch
+
+        watch = run(body, timeout=60)
+    assert watch.ahead, "nothing was claimed ahead"
+    assert watch.most_running <= 2
+    assert [j for j in started(tmp_path) if j.startswith("A")] == [f"A{i}" for i in range(8)]

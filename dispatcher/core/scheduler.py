@@ -145,7 +145,7 @@ class Scheduler(Requests[Job]):
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
-            if p.job_id in self.ahead_ids and not self.slots.idle.get(p.agent) and self._holders(p.agent):
+            if p.job_id in self.ahead_ids and not self.slots.idle.get(p.agent) and self._at_concurrency(p.agent):
                 continue  # claimed ahead: it waits for the slot one of its agent's jobs here gives back
             self.parked.remove(p)
             free -= 1
@@ -194,9 +194,11 @@ class Scheduler(Requests[Job]):
             self.config, self.parked, self.inbox, gated, lambda agent: self.slots.running_s(agent, now)
         )
 
-    def _holders(self, agent: str) -> bool:
-        """Return True if a job of agent here holds a slot (it gives it back when its agent exits)."""
-        return any(r.holds and r.job.agent == agent for r in self.running.values())
+    def _at_concurrency(self, agent: str) -> bool:
+        """Return True if agent's jobs here hold all its slots (one comes back when one of its agents exits)."""
+        a = self.config.agents.get(agent)
+        holding = sum(1 for r in self.running.values() if r.holds and r.job.agent == agent)
+        return a is not None and holding >= a.concurrency
 
     def _unqueued(self, p: Parked) -> None:
         if p.job_id in self.ahead_ids:
