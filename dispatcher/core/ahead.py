@@ -27,11 +27,16 @@ higher-priority order that arrives later runs after it.
 
 from __future__ import annotations
 
+import abc
+import asyncio
 import collections
 from collections.abc import Callable, Iterable
+from typing import Any
 
-from dispatcher.core.claiming import Kind, Parked
+from dispatcher.core.claiming import Kind, Launch, Parked, Resume
+from dispatcher.core.running import Running, RunningJobs
 from dispatcher.core.watcher import Inbox
+from dispatcher.job.context import JobContext
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
 
@@ -137,3 +142,73 @@ class Ahead:
             room -= 1
         self.claiming.update(agents)
         return out, agents
+
+
+class ClaimsAhead(abc.ABC):
+    """The scheduler's part in claims made ahead: when to claim, where they queue, how they start.
+
+    ``core.scheduler.Scheduler`` supplies its queues and ``_run``; the rules are ``Ahead``'s.
+    """
+
+    ctx: JobContext
+    inbox: Inbox
+    parked: collections.deque[Parked]
+    slots: RunningJobs[Any]
+    running: dict[str, Running[Any]]
+    ahead: Ahead
+    ahead_ids: set[str]  # the parked jobs claimed ahead
+    inflight: int
+    wake: Callable[[], None]
+
+    @property
+    @abc.abstractmethod
+    def config(self) -> Config:
+        """The config in force."""
+
+    @abc.abstractmethod
+    def _run(self, launch: Launch, *, cancel: bool = False) -> None:
+        """Start a claimed job."""
+
+    def _claim_ahead(self, gated: frozenset[str]) -> tuple[list[Parked | str], list[str]]:
+        """Take the next orders of quick agents whose slots are all busy, to be claimed ahead (``core.ahead``)."""
+        if self.inflight:  # orders in a claim's trip now come first (they may still need a slot)
+            return [], []
+        if self.ctx.starts.count:  # after the agents being started now (``job.starting``)
+            self.ctx.starts.on_quiet = self.wake
+            return [], []
+        self.ctx.starts.on_quiet = None
+        now = asyncio.get_running_loop().time()
+        return self.ahead.choose(
+            self.config, self.parked, self.inbox, gated, lambda agent: self.slots.running_s(agent, now)
+        )
+
+    def _at_concurrency(self, agent: str) -> bool:
+        """Return True if agent's jobs here hold all its slots (one comes back when one of its agents exits)."""
+        a = self.config.agents.get(agent)
+        holding = sum(1 for r in self.running.values() if r.holds and r.job.agent == agent)
+        return a is not None and holding >= a.concurrency
+
+    def _unqueued(self, p: Parked) -> None:
+        """Note that p left the queue: a job claimed ahead is one fewer."""
+        if p.job_id in self.ahead_ids:
+            self.ahead_ids.discard(p.job_id)
+            self.ahead.started(p.agent)
+
+    def _start_handed_over(self, p: Parked) -> bool:
+        """Start a job claimed ahead with a slot its agent just gave back, on the loop; False if none is idle."""
+        free = self.slots.idle.get(p.agent)
+        if not free or p.resume is None:
+            return False
+        r = p.resume
+        self._run(Launch(p, r.folder, r.spec, r.order, p.token, free.pop(), list(r.attempts)))
+        return True
+
+    def _park_ready(self, launch: Launch) -> None:
+        """Queue a job claimed ahead: after the other claimed work, before every order not claimed yet."""
+        p = launch.parked
+        resume = Resume(launch.folder, launch.spec, launch.order, list(launch.attempts))
+        ready = Parked(Kind.RESUME, p.job_id, p.agent, token=launch.token, resume=resume)
+        self.ahead.ready[p.agent] += 1
+        self.ahead_ids.add(p.job_id)
+        at = next((i for i, q in enumerate(self.parked) if q.kind is Kind.NEW), len(self.parked))
+        self.parked.insert(at, ready)

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from dispatcher.core.ahead import Ahead
+from dispatcher.core.ahead import Ahead, ClaimsAhead
 from dispatcher.core.claiming import (
     Big,
     Claims,
@@ -35,7 +35,6 @@ from dispatcher.core.claiming import (
     Launch,
     NoSlot,
     Parked,
-    Resume,
     expiry,
     when,
 )
@@ -66,7 +65,7 @@ class Stats:
     finished: dict[str, int] = field(default_factory=lambda: {"done": 0, "failed": 0, "refused": 0, "review": 0})
 
 
-class Scheduler(Requests[Job]):
+class Scheduler(ClaimsAhead, Requests[Job]):
     """Start what may start; keep the running jobs; carry out cancel and retry requests (``Requests``)."""
 
     def __init__(self, ctx: JobContext, inbox: Inbox, wake: Callable[[], None], joins: Joins | None = None) -> None:
@@ -180,39 +179,6 @@ class Scheduler(Requests[Job]):
         for i, chunk in enumerate(chunks):
             self.inflight += len(chunk)
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=i == len(chunks) - 1))
-
-    def _claim_ahead(self, gated: frozenset[str]) -> tuple[list[Parked | str], list[str]]:
-        """Take the next orders of quick agents whose slots are all busy, to be claimed ahead (``core.ahead``)."""
-        if self.inflight:  # orders in a claim's trip now come first (they may still need a slot)
-            return [], []
-        if self.ctx.starts.count:  # after the agents being started now (``job.starting``)
-            self.ctx.starts.on_quiet = self.wake
-            return [], []
-        self.ctx.starts.on_quiet = None
-        now = asyncio.get_running_loop().time()
-        return self.ahead.choose(
-            self.config, self.parked, self.inbox, gated, lambda agent: self.slots.running_s(agent, now)
-        )
-
-    def _at_concurrency(self, agent: str) -> bool:
-        """Return True if agent's jobs here hold all its slots (one comes back when one of its agents exits)."""
-        a = self.config.agents.get(agent)
-        holding = sum(1 for r in self.running.values() if r.holds and r.job.agent == agent)
-        return a is not None and holding >= a.concurrency
-
-    def _unqueued(self, p: Parked) -> None:
-        if p.job_id in self.ahead_ids:
-            self.ahead_ids.discard(p.job_id)
-            self.ahead.started(p.agent)
-
-    def _start_handed_over(self, p: Parked) -> bool:
-        """Start a job claimed ahead with a slot its agent just gave back, on the loop; False if none is idle."""
-        free = self.slots.idle.get(p.agent)
-        if not free or p.resume is None:
-            return False
-        r = p.resume
-        self._run(Launch(p, r.folder, r.spec, r.order, p.token, free.pop(), list(r.attempts)))
-        return True
 
     def _gates_changed(self, gated: frozenset[str], now: float) -> None:
         """Leave new orders of gated agents unread; take back what the gates let go, oldest first."""
@@ -342,16 +308,6 @@ class Scheduler(Requests[Job]):
                         self.stats.finished["failed"] += 1
         self.parked.extendleft(reversed(again))  # first again, in the order they had
         self.wake()
-
-    def _park_ready(self, launch: Launch) -> None:
-        """Queue a job claimed ahead: after the other claimed work, before every order not claimed yet."""
-        p = launch.parked
-        resume = Resume(launch.folder, launch.spec, launch.order, list(launch.attempts))
-        ready = Parked(Kind.RESUME, p.job_id, p.agent, token=launch.token, resume=resume)
-        self.ahead.ready[p.agent] += 1
-        self.ahead_ids.add(p.job_id)
-        at = next((i for i, q in enumerate(self.parked) if q.kind is Kind.NEW), len(self.parked))
-        self.parked.insert(at, ready)
 
     def _park_new(self, p: Parked) -> None:
         """Park an order again among the other parked orders by priority, then by when it was read."""
