@@ -39,7 +39,7 @@ class Watch:
 
     def look(self) -> None:
         sched = self.loop.sched
-        self.ahead |= sched.ahead_ids
+        self.ahead |= set(sched.ahead.ready)
         holding = [j for j, r in sched.running.items() if r.holds]
         self.most_running = max(self.most_running, len(holding))
         if holding:
@@ -118,7 +118,7 @@ def test_a_cancel_of_a_job_claimed_ahead_fails_it_without_an_attempt(tmp_path: P
 
             def c1_claimed_ahead() -> bool:
                 watch.look()
-                return "C1" in loop.sched.ahead_ids
+                return "C1" in loop.sched.ahead.ready
 
             await loop.until(c1_claimed_ahead, "C1 to be claimed ahead")
             assert loop.sched.cancel("C1", "claimed")
@@ -152,9 +152,9 @@ def test_room_counts_jobs_claimed_ahead_and_in_the_claim_trip() -> None:
     ahead = Ahead()
     assert ahead.room("a", 2) == 2
     ahead.claiming["a"] += 1
-    ahead.ready["a"] += 1
+    ahead.queued("J-1", "a")
     assert ahead.room("a", 2) == 0 and ahead.total() == 2
-    ahead.started("a")
+    ahead.started("J-1")
     assert ahead.room("a", 2) == 1
 
 

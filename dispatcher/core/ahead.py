@@ -49,7 +49,7 @@ class Ahead:
 
     def __init__(self) -> None:
         self._runs: dict[str, collections.deque[float]] = {}
-        self.ready: collections.Counter[str] = collections.Counter()  # claimed ahead, waiting for a slot
+        self.ready: dict[str, str] = {}  # job id -> agent: claimed ahead, queued, waiting for a slot
         self.claiming: collections.Counter[str] = collections.Counter()  # in the claim's trip now
         self.claim_s = 0.0  # how long a claim's trip takes, smoothed
 
@@ -73,16 +73,20 @@ class Ahead:
 
     def room(self, agent: str, concurrency: int) -> int:
         """Return how many more of agent's orders may be claimed ahead now."""
-        return max(0, concurrency - self.ready[agent] - self.claiming[agent])
+        ready = sum(1 for of in self.ready.values() if of == agent)
+        return max(0, concurrency - ready - self.claiming[agent])
 
     def total(self) -> int:
         """Return how many jobs are claimed ahead or being claimed ahead, for every agent."""
-        return self.ready.total() + self.claiming.total()
+        return len(self.ready) + self.claiming.total()
 
-    def started(self, agent: str) -> None:
-        """A job claimed ahead left the queue (it starts, is cancelled, or the daemon stops)."""
-        if self.ready[agent] > 0:
-            self.ready[agent] -= 1
+    def queued(self, job_id: str, agent: str) -> None:
+        """Note a job of agent claimed ahead and queued."""
+        self.ready[job_id] = agent
+
+    def started(self, job_id: str) -> None:
+        """A job left the queue (it starts, or is cancelled); nothing if it was not claimed ahead."""
+        self.ready.pop(job_id, None)
 
     def choose(
         self,
@@ -156,7 +160,6 @@ class ClaimsAhead(abc.ABC):
     slots: RunningJobs[Any]
     running: dict[str, Running[Any]]
     ahead: Ahead
-    ahead_ids: set[str]  # the parked jobs claimed ahead
     inflight: int
     wake: Callable[[], None]
 
@@ -189,10 +192,8 @@ class ClaimsAhead(abc.ABC):
         return a is not None and holding >= a.concurrency
 
     def _unqueued(self, p: Parked) -> None:
-        """Note that p left the queue: a job claimed ahead is one fewer."""
-        if p.job_id in self.ahead_ids:
-            self.ahead_ids.discard(p.job_id)
-            self.ahead.started(p.agent)
+        """Note that p left the queue (if it was claimed ahead, one fewer is)."""
+        self.ahead.started(p.job_id)
 
     def _start_handed_over(self, p: Parked) -> bool:
         """Start a job claimed ahead with a slot its agent just gave back, on the loop; False if none is idle."""
@@ -208,7 +209,6 @@ class ClaimsAhead(abc.ABC):
         p = launch.parked
         resume = Resume(launch.folder, launch.spec, launch.order, list(launch.attempts))
         ready = Parked(Kind.RESUME, p.job_id, p.agent, token=launch.token, resume=resume)
-        self.ahead.ready[p.agent] += 1
-        self.ahead_ids.add(p.job_id)
+        self.ahead.queued(p.job_id, p.agent)
         at = next((i for i, q in enumerate(self.parked) if q.kind is Kind.NEW), len(self.parked))
         self.parked.insert(at, ready)

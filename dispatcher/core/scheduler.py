@@ -85,7 +85,6 @@ class Scheduler(ClaimsAhead, Requests[Job]):
         self.aside: SetAside[Job] = SetAside()  # claimed jobs a gate holds, without slots
         self._tasks: set[asyncio.Task[Any]] = set()  # slots of ended jobs, kept for the next job of that agent
         self.ahead = Ahead()  # orders of quick agents claimed before a slot frees (``core.ahead``)
-        self.ahead_ids: set[str] = set()  # the parked jobs claimed ahead
 
     @property
     def config(self) -> Config:
@@ -144,11 +143,12 @@ class Scheduler(ClaimsAhead, Requests[Job]):
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
-            if p.job_id in self.ahead_ids and not self.slots.idle.get(p.agent) and self._at_concurrency(p.agent):
+            claimed_ahead = p.job_id in self.ahead.ready
+            if claimed_ahead and not self.slots.idle.get(p.agent) and self._at_concurrency(p.agent):
                 continue  # claimed ahead: it waits for the slot one of its agent's jobs here gives back
             self.parked.remove(p)
             free -= 1
-            if p.resume is not None and p.job_id in self.ahead_ids:  # claimed ahead: its agent's slot is handed on
+            if claimed_ahead:  # its agent's slot is handed on
                 self._unqueued(p)
                 if self._start_handed_over(p):
                     continue
