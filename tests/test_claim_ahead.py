@@ -76,8 +76,12 @@ async def warmed_up(s: Seam) -> tuple[Loop, Watch]:
 
 
 def test_a_quick_agents_next_order_is_claimed_while_its_slot_is_busy_and_starts_in_order(tmp_path: Path) -> None:
-    """After RUNS_KEPT quick runs, orders are claimed ahead; never more agents than max_jobs; starts keep order."""
-    with open_seam(tmp_path, {"worker": quick_agent(tmp_path)}, max_jobs=1) as s:
+    """After RUNS_KEPT quick runs, orders are claimed ahead; never more agents than max_jobs; starts keep order.
+
+    Runs of 0.2 s: on a loaded machine a claim can take tens of milliseconds, and a run
+    must outlast two of them to be claimed ahead.
+    """
+    with open_seam(tmp_path, {"worker": quick_agent(tmp_path, 0.2)}, max_jobs=1) as s:
 
         async def body() -> Watch:
             loop, watch = await warmed_up(s)
@@ -161,7 +165,7 @@ def test_room_counts_jobs_claimed_ahead_and_in_the_claim_trip() -> None:
 def test_when_max_jobs_limits_jobs_claimed_ahead_still_start_before_the_orders_behind_them(tmp_path: Path) -> None:
     """max_jobs 2 binds (agent A may run 3 at once): A's orders still start oldest first, at most 2 agents."""
     slow = sh(f'echo "$DISPATCH_JOB_ID" >> "{tmp_path / "starts"}"; sleep 0.3; {GOOD}')
-    agents = {"worker": {**quick_agent(tmp_path), "concurrency": 3}, "slow": slow}
+    agents = {"worker": {**quick_agent(tmp_path, 0.2), "concurrency": 3}, "slow": slow}
     with open_seam(tmp_path, agents, max_jobs=2) as s:
 
         async def body() -> Watch:
