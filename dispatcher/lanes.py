@@ -34,8 +34,9 @@ R = TypeVar("R")
 T = TypeVar("T")
 S = TypeVar("S")
 IO_WORKERS = 2
-# (loop, its future, context, fn, args); a posted call has no loop, and what to do if it is dropped
-_Work = tuple[Any, Any, contextvars.Context, Callable[..., Any], tuple[Any, ...]]
+HOLD_S = 0.05  # how long a caller may wait in place for a held lane's answer (``_Pool.hold_s``)
+# (loop, its future, context, fn, args, the caller's hold); a posted call has no loop, and what to do if it is dropped
+_Work = tuple[Any, Any, contextvars.Context, Callable[..., Any], tuple[Any, ...], Any]
 
 
 class _Pool:
@@ -47,7 +48,8 @@ class _Pool:
     Threads start on first use (named ``<prefix>_<n>``), up to ``workers``.
     """
 
-    def __init__(self, workers: int, prefix: str) -> None:
+    def __init__(self, workers: int, prefix: str, *, hold_s: float = 0.0) -> None:
+        self.hold_s = hold_s
         self._workers = workers
         self._prefix = prefix
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
@@ -62,9 +64,11 @@ class _Pool:
         if self._closed:
             raise RuntimeError("cannot schedule new work after shutdown")
         fut: asyncio.Future[R] = loop.create_future()
-        self._queue.put((loop, fut, contextvars.copy_context(), fn, args))
+        hold = self._hold()
+        self._queue.put((loop, fut, contextvars.copy_context(), fn, args, hold))
         if self._idle == 0 and len(self._threads) < self._workers:
             self._start()
+        self._wait(hold)
         return fut
 
     def post(self, fn: Callable[[], None], dropped: Callable[[], None]) -> None:
@@ -72,9 +76,30 @@ class _Pool:
         if self._closed:
             dropped()
             return
-        self._queue.put((None, dropped, contextvars.Context(), fn, ()))
+        hold = self._hold()
+        self._queue.put((None, dropped, contextvars.Context(), fn, (), hold))
         if self._idle == 0 and len(self._threads) < self._workers:
             self._start()
+        self._wait(hold)
+
+    def _hold(self) -> Any:
+        """Return a lock taken for the worker to give back when the call is done, or None (no hold)."""
+        if not self.hold_s:
+            return None
+        hold = threading.Lock()
+        hold.acquire()
+        return hold
+
+    def _wait(self, hold: Any) -> None:
+        """Wait in place (the interpreter lock given up) until the worker is done, ``hold_s`` at most.
+
+        A held lane runs alone: the caller's thread and the worker do not take turns at
+        the interpreter lock at every system call, which costs more than the work itself
+        when the files are in memory. After ``hold_s`` the caller goes on as with any
+        lane, and the answer comes on its future as always.
+        """
+        if hold is not None:
+            hold.acquire(timeout=self.hold_s)
 
     def _start(self) -> None:
         with self._lock:
@@ -93,7 +118,11 @@ class _Pool:
                 self._idle -= 1
             if work is None:
                 return
-            _call(*work)
+            try:
+                _call(*work[:5])
+            finally:
+                if work[5] is not None:
+                    work[5].release()
 
     def shutdown(self, *, wait: bool) -> None:
         """Stop the threads after the queued calls (wait), or now, cancelling what is still queued."""
@@ -104,6 +133,8 @@ class _Pool:
                     work = self._queue.get_nowait()
                 except queue.Empty:
                     break
+                if work is not None and work[5] is not None:
+                    work[5].release()
                 if work is not None and work[0] is None:
                     work[1]()  # a posted call: it answers its waiters itself
                 elif work is not None:
@@ -137,6 +168,14 @@ def _call(
             _answer(loop, fut, answer, failed=False)
 
 
+async def handed_over(answer: Handoff[R]) -> R:
+    """Wait for the lane a call made on the loop handed its answer to (``Handoff``)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[R] = loop.create_future()
+    answer.start(loop, fut)
+    return await fut
+
+
 def _answer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], value: Any, *, failed: bool) -> None:
     """Hand a call's answer (or its exception) to its future on the loop; a closed loop has no one waiting."""
     with contextlib.suppress(RuntimeError):
@@ -167,10 +206,18 @@ class Handoff(Generic[R]):
 
 
 class Lanes:
-    """The daemon's pools: ``ledger`` (one ordered writer), ``io`` (a job's files) and ``scan``."""
+    """The daemon's pools: ``ledger`` (one ordered writer), ``io`` (a job's files) and ``scan``.
 
-    def __init__(self) -> None:
-        self._ledger = _Pool(1, "ledger")
+    ``files_in_memory``: the root lives on a filesystem held in memory (``storage.in_memory``),
+    where a job's small file work is cheaper on the loop than a trip to the io pool.
+    ``hold_ledger``: a call to the ledger lane waits in place for its answer, up to
+    ``HOLD_S`` (``_Pool._wait``); for an SQLite ledger held in memory, whose calls take
+    a fraction of a millisecond.
+    """
+
+    def __init__(self, *, files_in_memory: bool = False, hold_ledger: bool = False) -> None:
+        self.files_in_memory = files_in_memory
+        self._ledger = _Pool(1, "ledger", hold_s=HOLD_S if hold_ledger else 0.0)
         self._io = _Pool(IO_WORKERS, "io")
         self._scan = _Pool(1, "scan")
         self._turn_syncs: list[tuple[str, asyncio.Future[None]]] = []

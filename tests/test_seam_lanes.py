@@ -5,20 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
 from seam_fixtures import run, until
 
-from dispatcher.lanes import GroupCommit, Lanes
+from dispatcher.lanes import HOLD_S, GroupCommit, Lanes
 
 REQUEST = contextvars.ContextVar("REQUEST", default="unset")
 
 
-@pytest.fixture
-def lanes() -> Iterator[Lanes]:
-    """Both pools, shut down after the test."""
-    pools = Lanes()
+@pytest.fixture(params=[False, True], ids=["free", "held"])
+def lanes(request: pytest.FixtureRequest) -> Iterator[Lanes]:
+    """The pools, shut down after the test; once with a held ledger lane (its caller waits in place)."""
+    pools = Lanes(hold_ledger=request.param)
     yield pools
     pools.shutdown(wait=True)
 
@@ -182,3 +183,41 @@ def test_a_handoff_after_the_lanes_shut_down_fails_its_caller(lanes: Lanes) -> N
 
     answer = run(body)
     assert isinstance(answer, RuntimeError) and "shut down" in str(answer)
+
+
+def test_a_held_ledger_lane_runs_alone_while_its_caller_waits() -> None:
+    """Held: the loop runs nothing else until the call is done, so the two never take turns at the interpreter lock."""
+    pools = Lanes(hold_ledger=True)
+    marks: list[str] = []
+
+    def work() -> int:
+        time.sleep(HOLD_S / 5)
+        marks.append("lane")
+        return 7
+
+    async def body() -> int:
+        asyncio.get_running_loop().call_soon(marks.append, "loop")
+        return await pools.ledger(work)
+
+    try:
+        assert run(body) == 7
+    finally:
+        pools.shutdown(wait=True)
+    assert marks == ["lane", "loop"]
+
+
+def test_a_held_call_that_takes_long_lets_the_loop_go_on_after_the_hold() -> None:
+    pools = Lanes(hold_ledger=True)
+    seen: list[float] = []
+
+    async def body() -> str:
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        loop.call_soon(lambda: seen.append(time.monotonic() - t0))
+        return await pools.ledger(lambda: time.sleep(0.5) or "slow")
+
+    try:
+        assert run(body) == "slow"
+    finally:
+        pools.shutdown(wait=True)
+    assert seen and seen[0] < 0.3, f"the loop waited {seen} s for a call held {HOLD_S} s at most"

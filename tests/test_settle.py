@@ -8,6 +8,7 @@ the decision both the trip and the loop use.
 from __future__ import annotations
 
 import errno
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,36 @@ def test_a_job_that_fails_for_good_ends_in_one_trip_too(tmp_path: Path, monkeypa
         result = s.result("failed", "ONE-2")
     assert outcome is Outcome.FAILED
     assert "not retried: agent worker is not retry_safe and has no probe" in result["reason"]
+    assert seen == Counter({"io_then": 1}), f"trips after the claim: {dict(seen)}"
+
+
+def test_in_memory_a_small_job_ends_with_no_trip_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root held in memory: the same record, checks, result and landing, done on the loop (no io trip)."""
+    with open_seam(tmp_path) as s:
+        s.lanes.files_in_memory = True
+        job = job_of(s, "MEM-1")
+        seen = counted(s, monkeypatch)
+        outcome = run(job.run)
+        result = s.result("done", "MEM-1")
+        row = s.ledger.get("MEM-1")
+        record = json.loads((s.layout.root / "done" / "MEM-1" / "attempts" / "1" / "attempt.json").read_text())
+    assert outcome is Outcome.DONE
+    assert result["state"] == "done" and all(c["ok"] is not False for c in result["checks"])
+    assert row is not None and row.state == "done"
+    assert record["exit_code"] == 0
+    assert seen == Counter(), f"trips after the claim: {dict(seen)}"
+
+
+def test_in_memory_a_large_work_folder_still_goes_to_the_io_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over 1 MiB in work/ is read off the loop, wherever it lives: a large output never stalls pickup."""
+    big = f'head -c 2000000 /dev/zero > "$DISPATCH_WORKSPACE/out.csv"; {GOOD}'
+    with open_seam(tmp_path, {"worker": sh(big, writes=["out.csv"])}) as s:
+        s.lanes.files_in_memory = True
+        job = job_of(s, "MEM-2")
+        seen = counted(s, monkeypatch)
+        run(job.run)
     assert seen == Counter({"io_then": 1}), f"trips after the claim: {dict(seen)}"
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from dispatcher import lean, procs
+from dispatcher import lean, procs, storage
 from dispatcher.core import announce
 from dispatcher.core.fsevents import start_watch
 from dispatcher.core.gatekeeper import GateKeeper
@@ -115,7 +115,8 @@ class Daemon:
             raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
         # in the ledger lane, off the loop, so that a stop is heard while the ledger is out of reach (its
         # waits check _give_up); not in asyncio's default pool, whose threads would then idle for good
-        self.lanes = Lanes()
+        memory = storage.in_memory(self.layout.root)
+        self.lanes = Lanes(files_in_memory=memory, hold_ledger=memory and self.config.ledger == "sqlite")
         self.ledger = await self.lanes.ledger(open_ledger, self.config, self.layout, give_up=self._give_up)
         self.ledger.set_give_up(self._give_up)
         info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
@@ -177,6 +178,7 @@ class Daemon:
         log.info(
             "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
             max_jobs=self.config.max_jobs, agents=sorted(self.config.agents), once=self.once, ledger=self.config.ledger,
+            files="memory" if self.lanes.files_in_memory else "disk",
         )  # fmt: skip
         announce.config_findings(self.config)
         announce.other_daemons(self.ledger, self.owner)

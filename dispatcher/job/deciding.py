@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -19,6 +20,7 @@ from typing import TypeVar
 
 import structlog
 
+from dispatcher import storage
 from dispatcher.checks.builtin import Exit, verdict
 from dispatcher.clock import iso
 from dispatcher.job import attempt, retry, user_checks, verify
@@ -228,7 +230,10 @@ class Deciding(abc.ABC):
             changed,
         )
         ending = self._ending(final) if decide and self._may_end_in_trip() else None
-        settled = await self._persist(settle, collect, self.spec, self.attempts, n, exit_, self.folder, ending)
+        # in memory, a small work/ is read and synced on the loop: no fsync waits there, and the trip would cost more
+        inline = ctx.lanes.files_in_memory and storage.small_folder(os.fspath(self.folder.work))
+        args = (collect, self.spec, self.attempts, n, exit_, self.folder, ending)
+        settled = await self._persist(settle, *args, inline=inline)
         self._followups = settled.followups
         if not self.spec.agent.checks:
             return settled

@@ -32,7 +32,7 @@ from dispatcher.job.finishing import Finishing
 from dispatcher.job.repowork import JobRepo, WorkspaceFailed
 from dispatcher.job.runner import AgentProcess
 from dispatcher.job.waits import Waits
-from dispatcher.lanes import Handoff
+from dispatcher.lanes import Handoff, handed_over
 from dispatcher.ledger.base import Child, Finish, LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.shortage import DISK_WAIT_MAX_S, PAUSE_MIN_S, SHORT
@@ -352,7 +352,8 @@ class Job(Finishing, Deciding):
     async def _persist(self, fn: Callable[..., T | Handoff[T]], *args: object, inline: bool = False) -> T:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is).
 
-        ``inline`` runs it on the loop itself: for a few small creates, cheaper than a trip to a thread.
+        ``inline`` runs it on the loop itself: for a few small creates, cheaper than a trip to a thread
+        (a ``Handoff`` it returns is then started from the loop).
         """
         delay = 0.5
         while True:
@@ -362,8 +363,7 @@ class Job(Finishing, Deciding):
             try:
                 if inline:
                     answer = fn(*args)
-                    assert not isinstance(answer, Handoff)  # noqa: S101 - only a lane's thread hands over
-                    return answer
+                    return await handed_over(answer) if isinstance(answer, Handoff) else answer
                 return await self.ctx.lanes.io_then(fn, *args)
             except OSError as exc:
                 if SHORT.note(exc, getattr(fn, "__name__", "write")):
