@@ -34,6 +34,7 @@ R = TypeVar("R")
 T = TypeVar("T")
 S = TypeVar("S")
 IO_WORKERS = 2
+_IN_LANE = threading.local()  # .yes in the lanes' own threads
 HOLD_S = 0.05  # how long a caller may wait in place for a held lane's answer (``_Pool.hold_s``)
 # (loop, its future, context, fn, args, the caller's hold); a posted call has no loop, and what to do if it is dropped
 _Work = tuple[Any, Any, contextvars.Context, Callable[..., Any], tuple[Any, ...], Any]
@@ -83,8 +84,12 @@ class _Pool:
         self._wait(hold)
 
     def _hold(self) -> Any:
-        """Return a lock taken for the worker to give back when the call is done, or None (no hold)."""
-        if not self.hold_s:
+        """Return a lock taken for the worker to give back when the call is done, or None (no hold).
+
+        A lane's own thread is never held: a call it queues (a drain that finds more
+        pending) would otherwise wait for the thread that is waiting.
+        """
+        if not self.hold_s or getattr(_IN_LANE, "yes", False):
             return None
         hold = threading.Lock()
         hold.acquire()
@@ -110,6 +115,7 @@ class _Pool:
         thread.start()
 
     def _serve(self) -> None:
+        _IN_LANE.yes = True
         while True:
             with self._lock:
                 self._idle += 1

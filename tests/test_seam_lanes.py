@@ -221,3 +221,31 @@ def test_a_held_call_that_takes_long_lets_the_loop_go_on_after_the_hold() -> Non
     finally:
         pools.shutdown(wait=True)
     assert seen and seen[0] < 0.3, f"the loop waited {seen} s for a call held {HOLD_S} s at most"
+
+
+def test_a_held_lane_never_holds_its_own_thread() -> None:
+    """A call the ledger lane queues from inside a call (a drain that finds more pending) runs at once after it."""
+    pools = Lanes(hold_ledger=True)
+    done = threading.Event()
+    took: list[float] = []
+
+    def inner() -> None:
+        done.set()
+
+    def outer() -> float:
+        t0 = time.monotonic()
+        pools.post_ledger(inner, done.set)
+        took.append(time.monotonic() - t0)
+        return t0
+
+    async def body() -> float:
+        t0 = await pools.ledger(outer)
+        assert done.wait(5)
+        return time.monotonic() - t0
+
+    try:
+        total = run(body)
+    finally:
+        pools.shutdown(wait=True)
+    assert took[0] < HOLD_S / 2, f"queueing from the lane's own thread waited {took[0]:.3f} s"
+    assert total < HOLD_S, f"the inner call ran {total:.3f} s after the outer one started"
