@@ -86,11 +86,13 @@ class _Pool:
     def _hold(self) -> Any:
         """Return a lock taken for the worker to give back when the call is done, or None (no hold).
 
-        A lane's own thread is never held: a call it queues (a drain that finds more
-        pending) would otherwise wait for the thread that is waiting.
+        Only a call that an idle lane takes at once is held: behind other work (a ledger
+        another process holds locked, a full disk) the caller would only wait out the
+        hold. A lane's own thread is never held: a call it queues (a drain that finds
+        more pending) would otherwise wait for the thread that is waiting.
         """
-        if not self.hold_s or getattr(_IN_LANE, "yes", False):
-            return None
+        if not self.hold_s or getattr(_IN_LANE, "yes", False) or not (self._idle and self._queue.empty()):
+            return None  # a busy lane: waiting for it would stop the loop for nothing
         hold = threading.Lock()
         hold.acquire()
         return hold
@@ -216,14 +218,14 @@ class Lanes:
 
     ``files_in_memory``: the root lives on a filesystem held in memory (``storage.in_memory``),
     where a job's small file work is cheaper on the loop than a trip to the io pool.
-    ``hold_ledger``: a call to the ledger lane waits in place for its answer, up to
-    ``HOLD_S`` (``_Pool._wait``); for an SQLite ledger held in memory, whose calls take
-    a fraction of a millisecond.
+    ``hold_ledger_s``: a call to an idle ledger lane waits in place for its answer, so
+    long at most (``_Pool._wait``); ``HOLD_S`` for an SQLite ledger held in memory, whose
+    calls take a fraction of a millisecond.
     """
 
-    def __init__(self, *, files_in_memory: bool = False, hold_ledger: bool = False) -> None:
+    def __init__(self, *, files_in_memory: bool = False, hold_ledger_s: float = 0.0) -> None:
         self.files_in_memory = files_in_memory
-        self._ledger = _Pool(1, "ledger", hold_s=HOLD_S if hold_ledger else 0.0)
+        self._ledger = _Pool(1, "ledger", hold_s=hold_ledger_s)
         self._io = _Pool(IO_WORKERS, "io")
         self._scan = _Pool(1, "scan")
         self._turn_syncs: list[tuple[str, asyncio.Future[None]]] = []

@@ -19,14 +19,18 @@ SMALL_FOLDER_BYTES = 1 << 20  # a job's work/ up to 1 MiB is read in well under 
 SMALL_FOLDER_ENTRIES = 64
 
 
+_OCTAL = frozenset("01234567")
+
+
 def _unescape(field: str) -> str:
     """Undo mountinfo's octal escapes (``\\040`` for a space, ``\\011``, ``\\012``, ``\\134``)."""
     if "\\" not in field:
         return field
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
+        code = field[i + 1 : i + 4]
+        if field[i] == "\\" and len(code) == 3 and set(code) <= _OCTAL:
+            out.append(chr(int(code, 8)))
             i += 4
         else:
             out.append(field[i])
@@ -34,33 +38,51 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def filesystem_of(path: str, mountinfo: str) -> str | None:
-    """Return the type of the filesystem mounted where ``path`` (absolute, resolved) lives, per mountinfo's text.
-
-    The mount whose point is the longest prefix of the path wins; a later line of the
-    same point (mounted over it) wins over an earlier one.
-    """
-    best, best_len = None, -1
+def _mounts(mountinfo: str) -> list[tuple[str, str, str]]:
+    """Return (major:minor, mount point, filesystem type) for each well-formed line, in order."""
+    out = []
     for line in mountinfo.splitlines():
         fields = line.split(" ")
-        if len(fields) < 10 or "-" not in fields[6:]:
+        try:
+            sep = fields.index("-", 6)
+            out.append((fields[2], _unescape(fields[4]), fields[sep + 1]))
+        except (ValueError, IndexError):
             continue
-        point = _unescape(fields[4])
-        sep = fields.index("-", 6)
+    return out
+
+
+def filesystem_of(path: str, mountinfo: str, dev: str | None = None) -> str | None:
+    """Return the type of the filesystem that holds ``path`` (absolute, resolved), per mountinfo's text.
+
+    ``dev`` is the path's own device (``major:minor`` of its ``st_dev``): the mount of
+    that device is the one that holds it, whatever is mounted over or under it. Where
+    no line has it (a btrfs subvolume reports a device of its own), the mount whose
+    point is the longest prefix of the path wins, a later line of the same point (one
+    mounted over it) over an earlier one.
+    """
+    mounts = _mounts(mountinfo)
+    kinds = {kind for device, _, kind in mounts if device == dev}
+    if len(kinds) == 1:
+        return kinds.pop()
+    best, best_len = None, -1
+    for _, point, kind in mounts:
         inside = path == point or point == "/" or path.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= best_len:
-            best, best_len = fields[sep + 1], len(point)
+            best, best_len = kind, len(point)
     return best
 
 
 def in_memory(path: str | os.PathLike[str]) -> bool:
     """Return True if path lives on a filesystem held in memory (tmpfs, ramfs); False when unknown."""
     try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
         with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as fh:
             text = fh.read()
-        return filesystem_of(os.path.realpath(path), text) in MEMORY_FILESYSTEMS
     except OSError:
         return False
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    return filesystem_of(real, text, dev) in MEMORY_FILESYSTEMS
 
 
 def small_folder(path: str) -> bool:

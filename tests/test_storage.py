@@ -29,27 +29,37 @@ MOUNTINFO = "\n".join(
         "31 22 0:27 / /mnt/a rw shared:6 - xfs /dev/vdb rw",
         "32 22 0:28 / /mnt/a\\040b rw shared:7 - tmpfs none rw",
         "33 31 0:29 / /mnt/a/deep rw shared:8 master:2 - ramfs none rw",
-        "34 22 0:30 / /mnt/a rw shared:9 - tmpfs over rw",
+        # a tmpfs with a tmpfs under it, then an ext4 mounted over both: /srv/data is hidden
+        "40 22 0:40 / /srv rw - tmpfs none rw",
+        "41 40 0:41 / /srv/data rw - tmpfs none rw",
+        "42 40 252:2 / /srv rw - ext4 /dev/vdc rw",
         "garbage line",
+        "50 22 0:50 / /odd\\9zz rw - tmpfs none rw",
+        "51 22 0:51 / /broken rw -",
     ]
 )
 
 
 @pytest.mark.parametrize(
-    ("path", "kind"),
+    ("path", "dev", "kind"),
     [
-        ("/", "ext4"),
-        ("/home/me/dispatch", "ext4"),
-        ("/dev/shm", "tmpfs"),
-        ("/dev/shm/dispatch/inbox", "tmpfs"),
-        ("/dev/shmx/dispatch", "ext4"),  # a sibling whose name starts the same is not inside
-        ("/mnt/a b/dispatch", "tmpfs"),  # mountinfo writes a space as \040
-        ("/mnt/a/deep/x", "ramfs"),  # the longest mount point wins
-        ("/mnt/a/x", "tmpfs"),  # mounted over /mnt/a later: the later line wins
+        ("/", "252:1", "ext4"),
+        ("/home/me/dispatch", "252:1", "ext4"),
+        ("/dev/shm", "0:26", "tmpfs"),
+        ("/dev/shm/dispatch/inbox", "0:26", "tmpfs"),
+        ("/mnt/a b/dispatch", "0:28", "tmpfs"),  # mountinfo writes a space as \040
+        ("/mnt/a/deep/x", "0:29", "ramfs"),
+        ("/srv/data/dispatch", "252:2", "ext4"),  # the device decides: the tmpfs there is hidden
+        ("/odd\\9zz/x", "0:50", "tmpfs"),  # not an octal escape: kept as written
+        # no line has the device (a btrfs subvolume): the longest mount point, the last of equals
+        ("/dev/shmx/dispatch", None, "ext4"),  # a sibling whose name starts the same is not inside
+        ("/mnt/a/deep/x", None, "ramfs"),
+        ("/mnt/a/x", "9:9", "xfs"),
+        ("/srv/x", None, "ext4"),  # mounted over /srv later: the later line wins
     ],
 )
-def test_the_filesystem_of_a_path_is_its_longest_mount_point(path: str, kind: str) -> None:
-    assert storage.filesystem_of(path, MOUNTINFO) == kind
+def test_the_filesystem_of_a_path_is_its_devices_mount(path: str, dev: str | None, kind: str) -> None:
+    assert storage.filesystem_of(path, MOUNTINFO, dev) == kind
 
 
 def stat_type(path: Path) -> str:

@@ -38,7 +38,7 @@ from dispatcher.job import repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
 from dispatcher.job.joins import Joins
-from dispatcher.lanes import Lanes
+from dispatcher.lanes import HOLD_S, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
@@ -116,7 +116,8 @@ class Daemon:
         # in the ledger lane, off the loop, so that a stop is heard while the ledger is out of reach (its
         # waits check _give_up); not in asyncio's default pool, whose threads would then idle for good
         memory = storage.in_memory(self.layout.root)
-        self.lanes = Lanes(files_in_memory=memory, hold_ledger=memory and self.config.ledger == "sqlite")
+        hold = HOLD_S if memory and self.config.ledger == "sqlite" else 0.0
+        self.lanes = Lanes(files_in_memory=memory, hold_ledger_s=hold)
         self.ledger = await self.lanes.ledger(open_ledger, self.config, self.layout, give_up=self._give_up)
         self.ledger.set_give_up(self._give_up)
         info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)

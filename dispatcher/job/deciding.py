@@ -68,7 +68,9 @@ class Deciding(abc.ABC):
         """Run the finishing sequence."""
 
     @abc.abstractmethod
-    async def _persist(self, fn: Callable[..., T | Handoff[T]], *args: object, inline: bool = False) -> T:
+    async def _persist(
+        self, fn: Callable[..., T | Handoff[T]], *args: object, inline: bool | Callable[[], bool] = False
+    ) -> T:
         """Run a bookkeeping write off the loop, waiting out a full disk."""
 
     def _limit_of(self, out: AgentExit) -> LimitHit | None:
@@ -231,7 +233,8 @@ class Deciding(abc.ABC):
         )
         ending = self._ending(final) if decide and self._may_end_in_trip() else None
         # in memory, a small work/ is read and synced on the loop: no fsync waits there, and the trip would cost more
-        inline = ctx.lanes.files_in_memory and storage.small_folder(os.fspath(self.folder.work))
+        work = os.fspath(self.folder.work)
+        inline = functools.partial(storage.small_folder, work) if ctx.lanes.files_in_memory else False
         args = (collect, self.spec, self.attempts, n, exit_, self.folder, ending)
         settled = await self._persist(settle, *args, inline=inline)
         self._followups = settled.followups

@@ -349,11 +349,14 @@ class Job(Finishing, Deciding):
             return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", [])
         return await self._schedule_retry(n, why)
 
-    async def _persist(self, fn: Callable[..., T | Handoff[T]], *args: object, inline: bool = False) -> T:
+    async def _persist(
+        self, fn: Callable[..., T | Handoff[T]], *args: object, inline: bool | Callable[[], bool] = False
+    ) -> T:
         """Run a bookkeeping write off the loop; on a full disk, wait (a stop leaves the job where it is).
 
         ``inline`` runs it on the loop itself: for a few small creates, cheaper than a trip to a thread
-        (a ``Handoff`` it returns is then started from the loop).
+        (a ``Handoff`` it returns is then started from the loop). A callable is asked again at each
+        try, since a wait for room can be long.
         """
         delay = 0.5
         while True:
@@ -361,7 +364,7 @@ class Job(Finishing, Deciding):
                 log.warning("job.fenced", step=getattr(fn, "__name__", "write"))
                 raise Left
             try:
-                if inline:
+                if inline is True or (callable(inline) and inline()):
                     answer = fn(*args)
                     return await handed_over(answer) if isinstance(answer, Handoff) else answer
                 return await self.ctx.lanes.io_then(fn, *args)
