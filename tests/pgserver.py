@@ -64,6 +64,9 @@ DEFAULT_SETTINGS: dict[str, str] = {
     "max_connections": "100",
     # small, because the machine is shared and the data are tiny
     "shared_buffers": "'32MB'",
+    # dynamic shared memory in the data folder, removed with it: a server a test kills would
+    # otherwise leave a /dev/shm/PostgreSQL.* segment behind for good
+    "dynamic_shared_memory_type": "mmap",
     "log_min_messages": "warning",
     "log_line_prefix": "'%m [%p] %r %u@%d '",
 }

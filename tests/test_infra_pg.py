@@ -268,11 +268,14 @@ def test_a_server_of_a_crashed_run_is_stopped_and_removed() -> None:
         "print(s.base, (s.base / 'data' / 'postmaster.pid').read_text().split()[0], flush=True)\n"
         "time.sleep(300)\n"
     )
+    segments = set(Path("/dev/shm").glob("PostgreSQL.*"))
     base_text, pid = crashed_run(code).split()
     base, postmaster = Path(base_text), int(pid)
     pgserver_clean_leftovers()
     assert not base.exists()
     wait_for(lambda: state(postmaster) in (None, "Z"), what="the orphaned postmaster to die")
+    left = set(Path("/dev/shm").glob("PostgreSQL.*")) - segments
+    assert not left, f"the killed server left shared memory behind: {sorted(left)}"
 
 
 def test_missing_binaries_fail_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
