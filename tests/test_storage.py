@@ -93,12 +93,18 @@ def test_a_small_folder_holds_only_small_regular_files(tmp_path: Path) -> None:
     assert not storage.small_folder(str(tmp_path / "missing"))
 
 
+def env_in(top: Path) -> Env:
+    """An Env with its root and config in top (conftest's ``env`` fixture keeps them in tmp_path)."""
+    e = Env(tmp=top, root=top / "dispatch", config_path=top / "dispatcher.yaml", count_file=top / "starts.txt")
+    e.configure()
+    return e
+
+
 @pytest.fixture
 def shm_env() -> Iterator[Env]:
     """An Env whose root and config live on /dev/shm (tmpfs)."""
     top = Path(tempfile.mkdtemp(prefix="dispatcher-test-", dir=SHM))
-    e = Env(tmp=top, root=top / "dispatch", config_path=top / "dispatcher.yaml", count_file=top / "starts.txt")
-    e.configure()
+    e = env_in(top)
     try:
         yield e
     finally:
@@ -153,9 +159,8 @@ def on_disk(tmp_path: Path) -> Path:
 
 def test_a_root_on_disk_says_so(tmp_path: Path) -> None:
     top = on_disk(tmp_path)
-    e = Env(tmp=top, root=top / "dispatch", config_path=top / "dispatcher.yaml", count_file=top / "starts.txt")
     try:
-        e.configure()
+        e = env_in(top)
         e.drop(order("DISK-1"))
         proc = e.cli("run", "--once", check=True)
         started = next(x for x in events(proc.stdout) if x["event"] == "daemon.started")

@@ -33,7 +33,7 @@ import collections
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from dispatcher.core.claiming import Kind, Launch, Parked, Resume
+from dispatcher.core.claiming import Kind, Launch, Parked, Resume, claimable_ahead
 from dispatcher.core.running import Running, RunningJobs
 from dispatcher.core.watcher import Inbox
 from dispatcher.job.context import JobContext
@@ -124,8 +124,7 @@ class Ahead:
                 break
             if p.kind is not Kind.NEW or p.agent in passed:
                 continue
-            order = p.item.order if p.item is not None else None
-            if order is None or order.expires is not None or order.after or room_of(p.agent) <= 0:
+            if not claimable_ahead(p) or room_of(p.agent) <= 0:
                 passed.add(p.agent)
                 continue
             parked.remove(p)

@@ -221,7 +221,7 @@ class Claims:
                 out.append(NoSlot(p))
                 continue
             if ahead is not None:
-                if p.kind is Kind.NEW and _may_claim_ahead(p, ahead):
+                if _may_claim_ahead(p, ahead):
                     ahead[p.agent] -= 1
                     picks.append((p, None))
                 else:
@@ -360,10 +360,18 @@ def expiry(p: Parked, at: float) -> Refusal | None:
     return Refusal(p.item.name, "expired", order.job_id, agent=order.to)
 
 
+def claimable_ahead(p: Parked) -> bool:
+    """Return True if p is an order that may be claimed before its agent has a free slot (``core.ahead``).
+
+    Never one with ``expires`` (refused, not failed, if it does not start in time) or ``after``.
+    """
+    order = p.item.order if p.kind is Kind.NEW and p.item is not None else None
+    return order is not None and order.expires is None and not order.after
+
+
 def _may_claim_ahead(p: Parked, ahead: dict[str, int]) -> bool:
-    """Return True if a new order may be claimed before its agent has a free slot (``core.ahead``)."""
-    order = p.item.order if p.item is not None else None
-    return order is not None and order.expires is None and not order.after and ahead.get(p.agent, 0) > 0
+    """Return True if p may be claimed ahead now: its kind, and room left for its agent in this batch."""
+    return claimable_ahead(p) and ahead.get(p.agent, 0) > 0
 
 
 def _free(ledger: Ledger, picks: list[tuple[Parked, int | None]]) -> None:

@@ -268,37 +268,34 @@ class Inbox:
 
         A name whose order names a ``gated`` agent at a glance is set aside on the way, unread.
         """
-        self._promote_due()
-        while self._ready:
-            entry = heapq.heappop(self._ready)
-            name = entry.name
-            if name not in self._ready_names:
-                continue
-            self._ready_names.discard(name)
-            if entry.agent in gated:
-                self._put_aside(entry, entry.agent)
-                continue
-            self._taken[name] = entry
-            return name
-        return None
+        entry = self._head(gated)
+        if entry is None:
+            return None
+        heapq.heappop(self._ready)
+        self._ready_names.discard(entry.name)
+        self._taken[entry.name] = entry
+        return entry.name
 
     def next_agent(self, gated: frozenset[str] = frozenset()) -> tuple[str, bool] | None:
         """Return the agent (at a glance) of the order ``pop`` would return next, and whether it has ``expires``.
 
         Nothing is taken; gated agents' orders are set aside on the way, as ``pop`` does.
         """
+        entry = self._head(gated)
+        return None if entry is None else (entry.agent, entry.expires != float("inf"))
+
+    def _head(self, gated: frozenset[str]) -> _Ready | None:
+        """Return the entry ``pop`` takes next, left in place; names taken or forgotten are dropped and
+        gated agents' orders set aside on the way."""
         self._promote_due()
         while self._ready:
             entry = self._ready[0]
-            if entry.name not in self._ready_names:
-                heapq.heappop(self._ready)
-                continue
-            if entry.agent in gated:
-                heapq.heappop(self._ready)
+            if entry.name in self._ready_names and entry.agent not in gated:
+                return entry
+            heapq.heappop(self._ready)
+            if entry.name in self._ready_names:  # a gated agent's: unread in inbox/ until taken back
                 self._ready_names.discard(entry.name)
                 self._put_aside(entry, entry.agent)
-                continue
-            return entry.agent, entry.expires != float("inf")
         return None
 
     def set_aside(self, name: str, agent: str, expires: float | None = None) -> None:

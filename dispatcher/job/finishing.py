@@ -10,6 +10,8 @@ ledger's record, both pure), and the loop's part once that trip landed it (``_la
 from __future__ import annotations
 
 import abc
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import structlog
 
@@ -26,6 +28,7 @@ from dispatcher.spec.result import CheckResult, Result
 from dispatcher.store.jobstore import JobFolder, build_result, is_disk_full
 
 log = structlog.get_logger("dispatcher")
+T = TypeVar("T")
 
 
 class Finishing(abc.ABC):
@@ -64,27 +67,39 @@ class Finishing(abc.ABC):
             state, reason, checks, children, {"workspace": workspace} if workspace is not None else None
         )
         finish = self._finish(state)
+        ok = await self._until_written(  # the result is staged in the same trip as the ledger's commit
+            lambda: self.ctx.finisher.finish(self.folder, finish, result, release=bool(children)),
+            "finish",
+            full_step="stage_result",
+        )
+        if ok:
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
+        return outcome_of(state) if ok else Outcome.FENCED
+
+    async def _until_written(self, once: Callable[[], Awaitable[T]], step: str, *, full_step: str = "") -> T:
+        """Return once()'s answer, trying again while it fails for want of room or resources.
+
+        A shortage (``SHORT``) is waited out with its pause, a full disk with a backoff up to
+        ``DISK_WAIT_MAX_S``; any other error is raised. A stop, or a lease this daemon lost,
+        leaves the job where it is (``Left``).
+        """
         delay = 0.5
-        while True:  # the result is staged in the same trip as the ledger's commit
+        while True:
             if self.ctx.fenced():
-                log.warning("job.fenced", step="finish")
+                log.warning("job.fenced", step=step)
                 raise Left
             try:
-                ok = await self.ctx.finisher.finish(self.folder, finish, result, release=bool(children))
+                return await once()
             except OSError as exc:
-                if SHORT.note(exc, "finish"):
-                    delay = max(SHORT.wait_s(), PAUSE_MIN_S)
+                if SHORT.note(exc, step):
+                    delay = max(SHORT.wait_s(), PAUSE_MIN_S)  # not now: the same step again after the pause
                 elif not is_disk_full(exc):
                     raise
                 else:
-                    log.warning("job.waiting", reason="disk full", step="stage_result", retry_s=delay)
+                    log.warning("job.waiting", reason="disk full", step=full_step or step, retry_s=delay)
                 if await self.control.sleep(delay) or self.ctx.stopping():
                     raise Left from None
                 delay = min(delay * 2, DISK_WAIT_MAX_S)
-                continue
-            if ok:
-                await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
-            return outcome_of(state) if ok else Outcome.FENCED
 
     def _ending(self, final: bool) -> Ending:
         return Ending(final, self._result, self._finish, self.ctx.finisher.handoff)

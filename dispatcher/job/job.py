@@ -35,11 +35,11 @@ from dispatcher.job.waits import Waits
 from dispatcher.lanes import Handoff, handed_over
 from dispatcher.ledger.base import Child, Finish, LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
-from dispatcher.shortage import DISK_WAIT_MAX_S, PAUSE_MIN_S, SHORT
+from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import Result
-from dispatcher.store.jobstore import JobFolder, is_disk_full
+from dispatcher.store.jobstore import JobFolder
 
 if TYPE_CHECKING:
     pass  # prometheus_client is imported only when metrics_file is set
@@ -291,17 +291,11 @@ class Job(Finishing, Deciding):
                 if SHORT.note(exc, "begin_attempt"):
                     self.folder.drop_attempt(n)
                     return Outcome.SHORT
-                starts.end()  # a full disk: nothing waits for this one
-                try:
+                with starts.paused():  # a full disk: nothing waits for this one
                     log_dir = await self._persist(self.folder.begin_attempt, n, inline=True)
-                finally:
-                    starts.begin()
             if self.spec.agent.repo.before is not None:
-                starts.end()  # a hook may run long: nothing waits for it
-                try:
+                with starts.paused():  # a hook may run long: nothing waits for it
                     go_on, ended = await self._before(n)
-                finally:
-                    starts.begin()
                 if not go_on:
                     return ended
             return await self._start(n, argv, log_dir)
@@ -358,24 +352,11 @@ class Job(Finishing, Deciding):
         (a ``Handoff`` it returns is then started from the loop). A callable is asked again at each
         try, since a wait for room can be long.
         """
-        delay = 0.5
-        while True:
-            if self.ctx.fenced():
-                log.warning("job.fenced", step=getattr(fn, "__name__", "write"))
-                raise Left
-            try:
-                if inline is True or (callable(inline) and inline()):
-                    answer = fn(*args)
-                    return await handed_over(answer) if isinstance(answer, Handoff) else answer
-                return await self.ctx.lanes.io_then(fn, *args)
-            except OSError as exc:
-                if SHORT.note(exc, getattr(fn, "__name__", "write")):
-                    delay = max(SHORT.wait_s(), PAUSE_MIN_S)  # not now: the same step again after the pause
-                elif not is_disk_full(exc):
-                    raise
-                else:
-                    step = getattr(fn, "__name__", "write")
-                    log.warning("job.waiting", reason="disk full", step=step, retry_s=delay)
-                if await self.control.sleep(delay) or self.ctx.stopping():
-                    raise Left from None
-                delay = min(delay * 2, DISK_WAIT_MAX_S)
+
+        async def once() -> T:
+            if inline is True or (callable(inline) and inline()):
+                answer = fn(*args)
+                return await handed_over(answer) if isinstance(answer, Handoff) else answer
+            return await self.ctx.lanes.io_then(fn, *args)
+
+        return await self._until_written(once, getattr(fn, "__name__", "write"))

@@ -11,7 +11,8 @@ then; a start waits for nothing of theirs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 WAIT_MAX_S = 0.05  # a finished job's checks never wait longer than this for starts
 
@@ -38,6 +39,15 @@ class Starts:
             quiet.set_result(None)
         if self.on_quiet is not None:
             self.on_quiet()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not counted as starting meanwhile (a hook, a wait for room): nothing waits for that."""
+        self.end()
+        try:
+            yield
+        finally:
+            self.begin()
 
     async def quiet(self) -> None:
         """Wait until no agent is being started, or ``WAIT_MAX_S`` at most."""
