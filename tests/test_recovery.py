@@ -7,14 +7,18 @@ agent was started (recorded by the agents themselves, outside the dispatch root)
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import Env, order, wait_until
 from helpers_faults import (
+    FAKE_AGENT,
     SLOW_FIRST,
     LogTail,
     agent_starts,
@@ -251,18 +255,95 @@ def test_kill9_orphan_without_receipt_is_ended_before_the_retry(env: Env) -> Non
 
 def test_kill9_orphan_of_not_retry_safe_job_fails_without_rerun(env: Env) -> None:
     """An interrupted job of a not-retry-safe agent (attempts left) fails, says it was not retried."""
-    env.configure(agents={"worker": env.agent("--sleep", "30", max_attempts=3)}, kill_grace=1)
+    wrapper = write_script(env.tmp, "talk_first.py", TALK_FIRST)
+    agent = env.agent("--sleep", "30", max_attempts=3)
+    agent["command"] = [agent["command"][0], str(wrapper), *agent["command"][2:]]
+    env.configure(agents={"worker": agent}, kill_grace=1)
     d = env.daemon()
     d.wait_ready()
     env.drop(order("ORPH-3"))
     pid = wait_start(env, "ORPH-3")
+    logs = env.root / "active" / "ORPH-3" / "attempts" / "1"
+    wait_until(lambda: b"said on stderr" in (logs / "stderr.log").read_bytes(), 15, "the agent's first words")
     d.kill()
     d2 = env.daemon()
     result: dict[str, Any] = env.wait_job("ORPH-3", "failed", timeout=25)
+    kept = env.root / "failed" / "ORPH-3" / "attempts" / "1"
+    assert (kept / "stdout.log").read_bytes() == b"said on stdout\n", "recovery must keep what the agent wrote"
+    assert (kept / "stderr.log").read_bytes() == b"said on stderr\n"
     assert not alive(pid)
     assert "retr" in result["reason"].lower(), result["reason"]
     assert result["reason"].startswith(first_failing(result) or "?"), result["reason"]
     assert [j for j, _a, _p in agent_starts(env)] == ["ORPH-3"]
+    assert d2.stop() == 0
+
+
+# Says a line on stdout and one on stderr, then runs the fake agent.
+TALK_FIRST = f"""import os, sys
+print("said on stdout", flush=True)
+print("said on stderr", file=sys.stderr, flush=True)
+os.execv(sys.executable, [sys.executable, {str(FAKE_AGENT)!r}, *sys.argv[1:]])
+"""
+
+
+# Runs the fake agent; while the flag file exists it first sleeps 30 s.
+SLOW_WHILE_FLAG = f"""import os, sys
+flag, args = sys.argv[1], sys.argv[2:]
+if os.path.exists(flag):
+    args += ["--sleep", "30"]
+os.execv(sys.executable, [sys.executable, {str(FAKE_AGENT)!r}, *args])
+"""
+
+
+def crash_before_the_spawn(env: Env, job_id: str, **settings: Any) -> Path:
+    """Leave job_id as a kill -9 between its attempt folder and its agent's start leaves it.
+
+    A first daemon starts attempt 1 and is killed; its agent is ended; the attempt's logs,
+    which the daemon makes just before the spawn, are removed, and so is the agent's start.
+    Returns the job's folder in active/.
+    """
+    flag = env.tmp / "slow.flag"
+    flag.touch()
+    wrapper = write_script(env.tmp, "slow_while_flag.py", SLOW_WHILE_FLAG)
+    agent = env.agent(**settings)
+    agent["command"] = [agent["command"][0], str(wrapper), str(flag), *agent["command"][2:]]
+    env.configure(agents={"worker": agent}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order(job_id))
+    pid = wait_start(env, job_id)
+    d.kill()
+    os.killpg(pid, signal.SIGKILL)
+    wait_gone([pid], [pid])
+    folder = env.root / "active" / job_id
+    for name in ("stdout.log", "stderr.log"):
+        (folder / "attempts" / "1" / name).unlink()
+    assert sorted(p.name for p in (folder / "attempts").iterdir()) == ["1"]
+    env.count_file.write_text("")
+    flag.unlink()
+    return folder
+
+
+def test_kill9_before_the_spawn_gives_a_retry_safe_job_its_attempt_back(env: Env) -> None:
+    """A crash between a retry-safe job's attempt folder and its agent's start costs no attempt."""
+    crash_before_the_spawn(env, "NOSPAWN-1", retry_safe=True, max_attempts=1)
+    d2 = env.daemon()
+    result = env.wait_job("NOSPAWN-1", "done")
+    assert [a["n"] for a in result["attempts"]] == [1]
+    assert [(j, a) for j, a, _p in agent_starts(env)] == [("NOSPAWN-1", 1)]
+    assert (env.root / "done" / "NOSPAWN-1" / "attempts" / "1" / "stdout.log").is_file()
+    assert d2.stop() == 0
+
+
+def test_kill9_before_the_spawn_still_counts_for_a_job_not_retry_safe(env: Env) -> None:
+    """The same crash for an agent that is not retry-safe: the attempt counts as interrupted, nothing runs."""
+    crash_before_the_spawn(env, "NOSPAWN-2", max_attempts=3)
+    d2 = env.daemon()
+    result = env.wait_job("NOSPAWN-2", "failed")
+    assert "attempt 1 was interrupted" in result["reason"], result["reason"]
+    assert agent_starts(env) == []
+    logs = env.root / "failed" / "NOSPAWN-2" / "attempts" / "1"
+    assert (logs / "stdout.log").is_file() and (logs / "stderr.log").is_file()
     assert d2.stop() == 0
 
 

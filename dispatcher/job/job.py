@@ -17,6 +17,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -184,8 +185,14 @@ class Job(Finishing, Deciding):
         if self.folder.has_kept_result(n):
             return None  # reopened by `dispatcher retry`: go on with a new attempt
         record = next((a for a in self.attempts if a.n == n), None)
+        # its agent never started: attempt n runs as if the crash had come before it. Not for a job
+        # taken over from a lost host, whose daemon may still be about to start that agent there
+        unstarted = record is None and self.spec.agent.retry_safe and not self.host_lost
+        if unstarted and await self._persist(self._give_back_unstarted, n):
+            return None
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
             if record is None:
+                await self._persist(partial(self.folder.make_logs, n, keep=True))  # every attempt has two logs
                 record = attempt.interrupted(n, self.folder.attempt_started(n))
                 self.attempts.append(record)
                 await self._persist(self.folder.record_attempt, record)
@@ -200,6 +207,13 @@ class Job(Finishing, Deciding):
         if record.retry_next:
             return None
         return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
+
+    def _give_back_unstarted(self, n: int) -> bool:
+        """Remove attempts/<n>/ of an agent that never started; return True if it is gone."""
+        if not self.folder.never_started(n):
+            return False
+        self.folder.drop_attempt(n)
+        return n not in self.folder.attempt_numbers()  # a before hook's logs keep it: it counts
 
     # -- one attempt --------------------------------------------------------------------------
     async def _attempt(self, n: int) -> Exit | Outcome | None:
@@ -326,6 +340,7 @@ class Job(Finishing, Deciding):
             self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_writable=self.repo.git_writable
         )
         try:
+            self.folder.make_logs(n)  # the sign that this attempt's agent may have started
             proc.start()
         except OSError as exc:
             await self.ctx.lanes.io(self.folder.drop_attempt, n)

@@ -161,21 +161,38 @@ class JobFolder:
         fsutil.write_atomic(self.path / JOB_FILE, fsutil.dump_json(spec.to_json()), sync=sync, sync_dir=sync)
 
     def begin_attempt(self, n: int, *, sync: bool = True) -> Path:
-        """Make attempts/<n>/ with empty stdout.log and stderr.log; return the folder.
+        """Make attempts/<n>/ (its logs come just before its agent starts: ``make_logs``); return the folder.
 
         Raises OSError (a full disk, say) before any agent starts: the job then waits.
         Without ``sync`` the caller fsyncs ``attempts_path`` before the agent starts.
         """
         folder = f"{self._attempts}/{n}"
         os.makedirs(folder, exist_ok=True)
-        for name in ("stdout.log", "stderr.log"):
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
-            os.close(os.open(f"{folder}/{name}", flags, 0o640))
         # attempts/<n>/ is the durable proof that attempt n may have started: after a power cut
         # recovery counts it as interrupted instead of starting an agent that is not retry-safe again
         if sync:
             fsutil.fsync_dir(self._attempts)
         return Path(folder)
+
+    def make_logs(self, n: int, *, keep: bool = False) -> None:
+        """Create attempts/<n>/stdout.log and stderr.log empty, as the last step before its agent starts.
+
+        Until they exist, the agent of attempt n has certainly not started (see ``never_started``).
+        ``keep`` leaves a log that exists as it is (recovery: an interrupted attempt keeps what it wrote).
+        """
+        folder = f"{self._attempts}/{n}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | (0 if keep else os.O_TRUNC)
+        for name in ("stdout.log", "stderr.log"):
+            os.close(os.open(f"{folder}/{name}", flags, 0o640))
+
+    def never_started(self, n: int) -> bool:
+        """Return True if attempts/<n>/ exists without its logs: its agent was never started.
+
+        Exact after a crash of the daemon alone; after a power cut the logs' entries may be lost
+        although the agent ran, so only a job that may run again anyway (retry-safe) relies on it.
+        """
+        folder = f"{self._attempts}/{n}"
+        return os.path.isdir(folder) and not os.path.lexists(f"{folder}/stdout.log")
 
     @property
     def attempts_path(self) -> str:
