@@ -335,6 +335,17 @@ def test_kill9_before_the_spawn_gives_a_retry_safe_job_its_attempt_back(env: Env
     assert d2.stop() == 0
 
 
+def test_kill9_attempt_without_logs_but_with_a_receipt_is_checked_not_run_again(env: Env) -> None:
+    """Logs missing beside a receipt (a power cut can do that): the receipt is checked, the agent not run again."""
+    folder = crash_before_the_spawn(env, "NOSPAWN-3", retry_safe=True, max_attempts=3)
+    (folder / "work" / "receipt.json").write_text("{not json")
+    d2 = env.daemon()
+    result = env.wait_job("NOSPAWN-3", "failed")
+    assert result["reason"].startswith("receipt_present"), result["reason"]
+    assert agent_starts(env) == []
+    assert d2.stop() == 0
+
+
 def test_kill9_before_the_spawn_still_counts_for_a_job_not_retry_safe(env: Env) -> None:
     """The same crash for an agent that is not retry-safe: the attempt counts as interrupted, nothing runs."""
     crash_before_the_spawn(env, "NOSPAWN-2", max_attempts=3)

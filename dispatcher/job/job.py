@@ -186,8 +186,10 @@ class Job(Finishing, Deciding):
             return None  # reopened by `dispatcher retry`: go on with a new attempt
         record = next((a for a in self.attempts if a.n == n), None)
         # its agent never started: attempt n runs as if the crash had come before it. Not for a job
-        # taken over from a lost host, whose daemon may still be about to start that agent there
-        unstarted = record is None and self.spec.agent.retry_safe and not self.host_lost
+        # taken over from a lost host, whose daemon may still be about to start that agent there,
+        # nor with a receipt in work/ (a power cut lost the logs of an agent that ran: the checks decide)
+        receipt = os.path.lexists(self.folder.work / "receipt.json")
+        unstarted = record is None and self.spec.agent.retry_safe and not self.host_lost and not receipt
         if unstarted and await self._persist(self._give_back_unstarted, n):
             return None
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
@@ -198,7 +200,7 @@ class Job(Finishing, Deciding):
                 await self._persist(self.folder.record_attempt, record)
             if record.retry_next:
                 return None
-            if os.path.lexists(self.folder.work / "receipt.json"):
+            if receipt:
                 return await self._decide(n, Exit(lost=True), final=True)
             checks = await self._checks(Exit(lost=True), n)
             why = verdict(checks, exit_lost=True) or "receipt_present: no receipt.json"
