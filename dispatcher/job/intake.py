@@ -44,13 +44,10 @@ from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
 from dispatcher.store import placing
-from dispatcher.store.jobstore import (
-    build_result,
-    drop_inbox_twin,
-    is_disk_full,
-)
+from dispatcher.store.jobstore import build_result, is_disk_full
 from dispatcher.store.placing import Inspected, Pick, Skipped, Started
 from dispatcher.store.refusals import Refusal, refuse
+from dispatcher.store.staging import drop_inbox_twin
 
 log = structlog.get_logger("dispatcher")
 

@@ -27,7 +27,6 @@ import errno
 import functools
 import json
 import os
-import secrets
 import stat
 import time
 from collections.abc import Mapping, Sequence
@@ -390,41 +389,6 @@ def build_result(
         chain_cost_usd=chain_cost_usd,
         extra=dict(extra or {}),
     )
-
-
-def drop_inbox_twin(layout: Layout, name: str, kept: str | Path) -> bool:
-    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
-
-    Return True if it was. Another daemon may have removed it first (it saw the
-    placed job's folder): that is fine.
-    """
-    inboxed = f"{os.fspath(layout.inbox)}/{name}"
-    if not name or not fsutil.same_file(inboxed, kept):
-        return False
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(inboxed)
-    return True
-
-
-def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> Path:
-    """Make an empty staging folder named for its owner (so recovery knows whose it is)."""
-    stage = layout.staging / f"{owner}.{kind}-{job_id}-{secrets.token_hex(4)}"
-    os.mkdir(stage)
-    return stage
-
-
-def remove_stage(stage: Path) -> None:
-    """Remove a staging folder holding only the daemon's own files (and links to user files)."""
-    for root, dirs, files in os.walk(stage, topdown=False):
-        for name in files:
-            os.unlink(os.path.join(root, name))
-        for name in dirs:
-            path = os.path.join(root, name)
-            if os.path.islink(path):
-                os.unlink(path)
-            else:
-                os.rmdir(path)
-    os.rmdir(stage)
 
 
 def is_disk_full(exc: OSError) -> bool:

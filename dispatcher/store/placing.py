@@ -28,7 +28,8 @@ from dispatcher.spec.jobspec import JobSpec, prompt_values, render
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import suffix_of, to_json
 from dispatcher.spec.settings import Agent
-from dispatcher.store.jobstore import JOB_FILE, JobFolder, drop_inbox_twin, is_disk_full, new_stage, remove_stage
+from dispatcher.store.jobstore import JOB_FILE, JobFolder, is_disk_full
+from dispatcher.store.staging import drop_inbox_twin, new_stage, remove_stage
 
 log = structlog.get_logger("dispatcher")
 _LEFT_STAGES: list[Path] = []  # claim staging folders a shortage kept from going (only the ledger lane uses it)

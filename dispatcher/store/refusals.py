@@ -19,7 +19,8 @@ from dispatcher.clock import utc_stamp
 from dispatcher.errors import printable
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
-from dispatcher.store.jobstore import build_result, new_stage, remove_stage
+from dispatcher.store.jobstore import build_result
+from dispatcher.store.staging import new_stage, remove_stage
 
 
 @dataclass(frozen=True, slots=True)

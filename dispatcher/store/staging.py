@@ -1,0 +1,50 @@
+"""Staging folders, where a claim or a refusal is built before its rename, and the inbox twin it leaves.
+
+A claimed order is hard-linked into its staging folder; once the folder is renamed into
+place, the inbox name (the same inode) goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+from dispatcher import fsutil
+from dispatcher.layout import Layout
+
+
+def drop_inbox_twin(layout: Layout, name: str, kept: str | Path) -> bool:
+    """Remove inbox/<name> if it is the same inode as kept (the claimed file's second name).
+
+    Return True if it was. Another daemon may have removed it first (it saw the
+    placed job's folder): that is fine.
+    """
+    inboxed = f"{os.fspath(layout.inbox)}/{name}"
+    if not name or not fsutil.same_file(inboxed, kept):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(inboxed)
+    return True
+
+
+def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> Path:
+    """Make an empty staging folder named for its owner (so recovery knows whose it is)."""
+    stage = layout.staging / f"{owner}.{kind}-{job_id}-{secrets.token_hex(4)}"
+    os.mkdir(stage)
+    return stage
+
+
+def remove_stage(stage: Path) -> None:
+    """Remove a staging folder holding only the daemon's own files (and links to user files)."""
+    for root, dirs, files in os.walk(stage, topdown=False):
+        for name in files:
+            os.unlink(os.path.join(root, name))
+        for name in dirs:
+            path = os.path.join(root, name)
+            if os.path.islink(path):
+                os.unlink(path)
+            else:
+                os.rmdir(path)
+    os.rmdir(stage)
