@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from seam_fixtures import open_seam, order
 
 from dispatcher.job import intake
@@ -118,6 +120,59 @@ def test_an_id_with_a_folder_but_no_ledger_row_is_refused_and_its_row_put_back(t
     assert answer == Refused("J1.json", "J1")
     assert row is not None and row.state == Row.DONE
     assert "already known (state done)" in s.refused[0].reason
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "why"),
+    [
+        (
+            "date.yaml",
+            b"job_id: RG-1\nfrom: a\nto: worker\ntask: t\nitems: [{id: R1}]\nmeta: {d: 2024-01-01}\n",
+            "date",
+        ),
+        (
+            "dup.json",
+            b'{"job_id": "RG-2", "from": "a", "to": "worker", "task": "t", "items": [{"id": "R1"}], '
+            b'"meta": {"k": 1, "k": 2}}',
+            "duplicate key",
+        ),
+        (
+            "nan.json",
+            b'{"job_id": "RG-3", "from": "a", "to": "worker", "task": "t", "items": [{"id": "R1"}], '
+            b'"meta": {"x": NaN}}',
+            "NaN",
+        ),
+        (
+            "surrogate.json",
+            b'{"job_id": "RG-4", "from": "a", "to": "worker", "task": "t", "items": [{"id": "R1"}], '
+            b'"meta": {"x": "\\ud800"}}',
+            "surrogate",
+        ),
+        (
+            "anchor.yaml",
+            b"job_id: RG-5\nfrom: a\nto: worker\ntask: t\nitems: [{id: R1}]\nmeta: {a: &x 1, b: *x}\n",
+            "anchor",
+        ),
+    ],
+)
+def test_a_file_the_strict_parser_refuses_keeps_the_job_id_it_names(
+    tmp_path: Path, name: str, body: bytes, why: str
+) -> None:
+    """A date, a duplicate key, NaN, a lone surrogate or an anchor elsewhere: the refusal still names the job id."""
+    with open_seam(tmp_path) as s:
+        refused = intake.inspect(s.layout, s.drop(body, name), s.config)
+    assert isinstance(refused, Refusal)
+    assert why.lower() in refused.reason.lower(), refused.reason
+    assert refused.job_id == re.search(rb"RG-\d", body).group().decode()  # type: ignore[union-attr]
+
+
+def test_a_file_without_a_readable_job_id_is_refused_without_one(tmp_path: Path) -> None:
+    """Not JSON at all, or a job_id that is not a string: the refusal has no job id."""
+    with open_seam(tmp_path) as s:
+        broken = intake.inspect(s.layout, s.drop(b'{"job_id": "X-1", ', "broken.json"), s.config)
+        number = intake.inspect(s.layout, s.drop(b"job_id: 12\nmeta: {d: 2024-01-01}\n", "number.yaml"), s.config)
+    assert isinstance(broken, Refusal) and broken.job_id is None
+    assert isinstance(number, Refusal) and number.job_id is None
 
 
 def test_an_invalid_order_is_refused_with_its_job_id_and_parsed_once(tmp_path: Path, monkeypatch: Any) -> None:

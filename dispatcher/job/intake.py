@@ -39,7 +39,7 @@ from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, K
 from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.shortage import SHORT, resource_of
-from dispatcher.spec.loader import load_document
+from dispatcher.spec.loader import load_document, read_job_id
 from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
@@ -130,8 +130,11 @@ def inspect(
             max_bytes=config.max_order_bytes,
             load=load,
         )
-    except OrderError as exc:  # a document that did not parse has no job_id to read either
-        return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]) if loaded else None)
+    except OrderError as exc:  # refused by the strict rules: a plain parse may still read its job_id
+        if loaded:
+            return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]))
+        # a large YAML file is not parsed a second time, here on the claim's way
+        return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, order_format(name) or "json"))
     return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino))
 
 

@@ -222,3 +222,22 @@ def load_document(data: bytes, fmt: str, *, aliases: bool = False) -> Any:
     """Parse data as 'json' or 'yaml' into plain JSON values."""
     text = decode(data)
     return load_json(text) if fmt == "json" else load_yaml(text, aliases=aliases)
+
+
+def read_job_id(data: bytes, fmt: str) -> str | None:
+    """Return the top-level ``job_id`` string of a document the strict rules refused, if a plain parse reads one.
+
+    For a refused file's result.json: a date or a duplicate key elsewhere in the file
+    does not hide the id it names. None when the document does not parse even so.
+    """
+    try:
+        text = decode(data)
+        if fmt == "json":
+            body = json.loads(text)
+        else:
+            body = yaml.load(text, Loader=yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)  # noqa: S506
+    except (OrderError, ValueError, yaml.YAMLError, RecursionError):
+        return None
+    job_id = body.get("job_id") if isinstance(body, dict) else None
+    return job_id if isinstance(job_id, str) else None
+
