@@ -240,4 +240,3 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
         return None
     job_id = body.get("job_id") if isinstance(body, dict) else None
     return job_id if isinstance(job_id, str) else None
-
