@@ -201,6 +201,17 @@ def test_judge_follows_the_retry_rules(
     assert judge(s, [], n, exit_, results, receipt=receipt) == want
 
 
+def test_a_failed_exit_beside_an_unusable_receipt_says_why_it_is_not_retried(spec: Any) -> None:
+    """exit_ok leads the reason, so the reason adds why no attempt follows although attempts remain."""
+    bad = checks("exit_ok", "receipt_present", receipt_detail="not JSON")
+    got = judge(spec, [], 1, Exit(code=1), bad, receipt=True)
+    assert got.next is Next.FAIL
+    assert got.reason == (
+        "exit_ok: bad; not retried: its receipt.json is present but invalid (receipt_present), "
+        "and such a job is never retried"
+    )
+
+
 def test_an_unusable_receipt_is_never_retried_and_a_final_judgement_never_repairs(spec: Any) -> None:
     from dataclasses import replace
 

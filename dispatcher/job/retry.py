@@ -15,6 +15,8 @@ from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.result import CheckResult
 from dispatcher.spec.settings import MAX_RETRY_DELAY_S, Agent
 
+RECEIPT_INVALID = "its receipt.json is present but invalid (receipt_present), and such a job is never retried"
+
 
 def receipt_invalid(checks: Sequence[CheckResult]) -> bool:
     """Return True when a receipt is present but unusable: such a job is never retried."""
@@ -92,8 +94,9 @@ def judge(
     """
     if exit_.timed_out or exit_.code not in (0, None) or not receipt:
         reason = verdict(checks) or "receipt_present: no receipt.json"
-        if receipt_invalid(checks):
-            return Judgement(Next.FAIL, reason)
+        if receipt_invalid(checks):  # a reason led by another check (exit_ok) says why there is no retry
+            said = reason.startswith("receipt_present:")
+            return Judgement(Next.FAIL, reason if said else f"{reason}; not retried: {RECEIPT_INVALID}")
         why = no_more_attempts(spec, attempts, n)
         return Judgement(Next.FAIL, f"{reason}; not retried: {why}") if why else Judgement(Next.RETRY, reason)
     failed = verdict(checks, exit_lost=exit_.lost)
