@@ -141,6 +141,21 @@ def test_a_rejected_job_fails_and_its_follow_ups_never_run(env: Env) -> None:
     assert not (env.root / "done" / "CHILD-1").exists() and not list((env.root / "inbox").iterdir())
 
 
+def test_cancel_of_a_job_in_review_exits_1_and_leaves_it_waiting(env: Env) -> None:
+    """A job in review/ is neither queued nor running: `cancel` says to approve or reject it, exit 1."""
+    reviewed(env)
+    env.drop(simple("REV-3"))
+    env.cli("run", "--once", check=True)
+    assert (env.root / "review" / "REV-3" / "result.json").exists()
+    proc = decide(env, "cancel", "REV-3")
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "review" in proc.stderr, proc.stderr
+    env.cli("run", "--once", check=True)
+    assert env.result("REV-3", "review")["state"] == "review"
+    assert decide(env, "approve", "REV-3").returncode == 0
+    assert env.result("REV-3", "done")["state"] == "done"
+
+
 KILL_POINTS = [
     (True, "review.staged"),
     (True, "review.decided"),

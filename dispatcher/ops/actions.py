@@ -85,6 +85,10 @@ class Operator:
         entry = self.ledger.get(job_id)
         if entry is not None and is_final(entry.state):
             raise WrongState(f"{job_id}: is {entry.state}, only a queued or running job can be cancelled")
+        if entry is not None and entry.state == Row.REVIEW:  # its agent is done: a person decides
+            raise WrongState(
+                f"{job_id}: is in review, only a queued or running job can be cancelled: approve or reject it"
+            )
         if entry is None and not find_queued(self.layout.inbox, [job_id]):
             if find_queued(self.layout.held, [job_id]):
                 raise WrongState(f"{job_id}: is held; release it first, or remove its file from held/")
@@ -111,7 +115,7 @@ class Operator:
                     order.append(child)
         lines = []
         for entry in self.ledger.known(order).values():
-            if entry.state not in (Row.DONE, Row.FAILED):
+            if entry.state not in (Row.DONE, Row.FAILED, Row.REVIEW):
                 self.ledger.request(entry.job_id, Request.CANCEL)
                 lines.append(f"{entry.job_id}: cancel requested")
         if not lines:
