@@ -111,3 +111,16 @@ def test_agent_deleting_its_work_folder_fails_writes_scope(env: Env) -> None:
     assert result["reason"].startswith(first_failing(result) or "?"), result["reason"]
     assert_nothing_left(env)
     assert d.stop() == 0
+
+
+def test_a_retry_safe_agent_that_deleted_its_work_folder_is_not_retried(env: Env) -> None:
+    """With attempts left, no attempt can run without work/: the job fails with its checks and says why."""
+    env.configure(agents={"worker": env.agent("--delete-work", retry_safe=True, max_attempts=3)})
+    env.drop(order("GONE-2"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("GONE-2", "failed")
+    assert [a["n"] for a in result["attempts"]] == [1]
+    assert check(result, "writes_scope")["ok"] is False
+    assert result["reason"].startswith(first_failing(result) or "?"), result["reason"]
+    assert "not retried: work/ is gone" in result["reason"], result["reason"]
+    assert not result["reason"].startswith("config:"), result["reason"]

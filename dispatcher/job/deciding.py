@@ -124,6 +124,8 @@ class Deciding(abc.ABC):
 
     async def _repair(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
         """Run attempt n + 1 with the failed checks as feedback, if the probe or retry_safe says it is safe."""
+        if self._work_gone():
+            return await self.finish(Row.FAILED, f"{reason}; not repaired: {retry.WORK_GONE}", checks)
         safe, why = await self._safe_to_retry()
         if safe:
             sha = await self._persist(self.folder.give_feedback, n, checks)
@@ -144,6 +146,8 @@ class Deciding(abc.ABC):
 
     async def _retry(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
         """Run attempt n + 1 if the probe or retry_safe says it is safe (attempts remain), else fail."""
+        if self._work_gone():
+            return await self.finish(Row.FAILED, f"{reason}; not retried: {retry.WORK_GONE}", checks)
         safe, why = await self._safe_to_retry()
         if self.control.reason is Stop.CANCELLED:
             return await self.finish(Row.FAILED, Stop.CANCELLED, checks)
@@ -152,6 +156,11 @@ class Deciding(abc.ABC):
         if not safe:
             return await self.finish(Row.FAILED, f"{reason}; not retried: {why}", checks)
         return await self._schedule_retry(n, reason)
+
+    def _work_gone(self) -> bool:
+        """Return True if work/ is no longer a folder (its agent removed it): no attempt can run in it."""
+        work = os.fspath(self.folder.work)
+        return os.path.islink(work) or not os.path.isdir(work)
 
     async def _safe_to_retry(self) -> tuple[bool, str]:
         """Decide with the probe, else retry_safe; return (safe, why not)."""

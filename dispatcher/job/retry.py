@@ -15,6 +15,7 @@ from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.result import CheckResult
 from dispatcher.spec.settings import MAX_RETRY_DELAY_S, Agent
 
+WORK_GONE = "work/ is gone (its agent removed it), so no attempt can run in it"
 RECEIPT_INVALID = "its receipt.json is present but invalid (receipt_present), and such a job is never retried"
 
 
