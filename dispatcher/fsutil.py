@@ -306,6 +306,11 @@ def rel_parts(rel: str | PurePath) -> tuple[str, ...]:
     return tuple(p for p in rel.split("/") if p and p != ".")
 
 
+def plain_rel(rel: str) -> str:
+    """Return a relative path or pattern without empty and ``.`` parts (``./out/*.csv`` -> ``out/*.csv``)."""
+    return "/".join(rel_parts(rel)) if "." in rel or "//" in rel else rel
+
+
 def open_beneath(base: str | Path, rel: str | PurePath) -> int:
     """Open base/rel one part at a time, refusing symlinks at every step."""
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

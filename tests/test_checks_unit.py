@@ -555,3 +555,13 @@ def test_max_followups_defaults_to_100() -> None:
     assert checks.followups_valid(outbox(*(followup(f"N{i}") for i in range(100)))).ok is True
     result = checks.followups_valid(outbox(*(followup(f"N{i}") for i in range(101))))
     assert (result.ok, result.detail) == (False, "101 follow-ups, more than max_followups (100)")
+
+
+@pytest.mark.parametrize("pattern", ["./x.txt", "./sub/./*.csv", "sub//*.csv"])
+def test_writes_with_dot_or_empty_parts_match_what_they_name(pattern: str) -> None:
+    """`./x.txt` in an order's writes is x.txt: the agent may write what the pattern names."""
+    order = make_order(writes=[pattern])
+    path = "x.txt" if pattern == "./x.txt" else "sub/out.csv"
+    assert order.writes is not None
+    assert checks.in_scope(path, order.writes), order.writes
+    assert not checks.in_scope("other.txt", order.writes)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import ConfigError, OrderError, UsageError
+from dispatcher.fsutil import plain_rel
 from dispatcher.spec import schema
 from dispatcher.spec.agent_rules import build_checks, build_limits
 from dispatcher.spec.loader import load_document
@@ -172,7 +173,7 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
         retry_safe=bool(spec.get("retry_safe", False)),
         probe=resolve_argv(probe, base) if probe is not None else None,
         repair=bool(spec.get("repair", False)),
-        writes=tuple(spec.get("writes", ())),
+        writes=tuple(plain_rel(w) for w in spec.get("writes", ())),  # ./x.txt is x.txt
         env=dict(spec.get("env", {})),
         pass_env=_pass_env(name, spec.get("pass_env", ())),
         max_cost_usd=spec.get("max_cost_usd"),

@@ -17,6 +17,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from dispatcher.errors import OrderError
+from dispatcher.fsutil import plain_rel
 from dispatcher.spec import schema
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.order import Accept, Order
@@ -116,7 +117,7 @@ def validate_order(
         task=body["task"],
         item_ids=tuple(item["id"] for item in body["items"]),
         accept=accept,
-        writes=tuple(writes) if writes is not None else None,
+        writes=tuple(plain_rel(w) for w in writes) if writes is not None else None,  # ./x.txt is x.txt
         timeout_s=float(timeout) if timeout is not None else None,
         max_attempts=body.get("max_attempts"),
         body=body,
