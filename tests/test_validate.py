@@ -653,6 +653,21 @@ def test_config_limits_at_their_edges_are_fine(env: Env) -> None:
     assert "ok (1 agent)" in proc.stdout
 
 
+def test_a_bare_script_name_beside_the_config_is_resolved_there(env: Env) -> None:
+    """`[python3, agent.py]`: agent.py beside the config is the script, whatever the working folder."""
+    env.config_path.write_text(f"root: {env.root}\nagents:\n  worker:\n    command: [python3, agent.py]\n")
+    proc = env.cli("validate")
+    assert proc.returncode == 2 and "agent.py' not found" in proc.stderr, proc.stderr
+    (env.config_path.parent / "agent.py").write_text("")
+    proc = env.cli("validate")
+    assert proc.returncode == 0, proc.stderr
+    from dispatcher.spec.settings import resolve_argv
+
+    got = resolve_argv(("python3", "agent.py", "notes.txt"), env.config_path.parent)
+    assert got == ("python3", str(env.config_path.parent / "agent.py"), "notes.txt")
+    assert resolve_argv(("echo", "agent.py"), env.config_path.parent) == ("echo", "agent.py")
+
+
 @pytest.mark.parametrize("text", ["- a list\n", "just text\n", ""], ids=["list", "scalar", "empty"])
 def test_config_that_is_not_a_mapping_is_an_error(env: Env, text: str) -> None:
     """A config whose top level is not a mapping is refused with exit 2 and one line."""

@@ -10,13 +10,12 @@ does not refuse them: an agent installed later must still work.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dispatcher.spec.settings import Config
+from dispatcher.spec.settings import INTERPRETERS, SCRIPT_SUFFIXES, Config
 
 # Substituted per job (contract 3): a program path holding one is only known when the job runs.
 PLACEHOLDERS = ("{job_id}", "{order}", "{workspace}", "{receipt}", "{prompt}", "{prompt_file}")
@@ -83,11 +82,6 @@ def program_problem(argv: tuple[str, ...], env: Mapping[str, str], base: Path) -
     return f"program '{prog}' not found"
 
 
-#: programs whose first argument is a script file they run
-INTERPRETERS = re.compile(r"(python[0-9.]*|pypy[0-9.]*|node|nodejs|deno|bun|bash|sh|dash|zsh|ruby|perl|php|Rscript)")
-SCRIPT_SUFFIXES = (".py", ".js", ".mjs", ".cjs", ".ts", ".sh", ".bash", ".rb", ".pl", ".php", ".r", ".R")
-
-
 def script_problem(argv: tuple[str, ...], base: Path) -> str | None:
     """Return why the script an interpreter is given cannot be found as the agent will look for it, or None.
 
@@ -106,8 +100,7 @@ def script_problem(argv: tuple[str, ...], base: Path) -> str | None:
     if os.path.isabs(script):
         return None if os.path.exists(script) else f"script '{script}' not found"
     where = os.path.normpath(base / script)
-    hint = "" if "/" in script else f" (for a script beside the config, write ./{script})"
     return (
         f"script '{where}' not found: a relative path is resolved against the config's folder,"
-        f" else the agent would look for it in its job's work/{hint}"
+        " else the agent would look for it in its job's work/"
     )

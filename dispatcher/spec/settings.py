@@ -8,6 +8,7 @@ build the parts of an agent from it. Internal names carry units (``timeout_s``).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,17 +233,26 @@ class Config:
     digest: str | None = None
 
 
+#: programs whose first argument is a script file they run
+INTERPRETERS = re.compile(r"(python[0-9.]*|pypy[0-9.]*|node|nodejs|deno|bun|bash|sh|dash|zsh|ruby|perl|php|Rscript)")
+SCRIPT_SUFFIXES = (".py", ".js", ".mjs", ".cjs", ".ts", ".sh", ".bash", ".rb", ".pl", ".php", ".r", ".R")
+
+
 def resolve_argv(argv: Sequence[str], base: Path) -> tuple[str, ...]:
     """Resolve path-like argv elements against the config's folder.
 
     An element is resolved when it has no placeholder, is relative, contains a
     ``/`` and names something that exists under ``base`` (so ``agents/a.py``
-    works from any working folder). Bare names such as ``python3`` are left for
-    PATH, and anything else passes unchanged.
+    works from any working folder). So is an interpreter's script given by its
+    bare name (``[python3, agent.py]``) when that file is beside the config.
+    Other bare names such as ``python3`` are left for PATH, and anything else
+    passes unchanged.
     """
     out = []
-    for arg in argv:
-        if "/" in arg and "{" not in arg and not os.path.isabs(arg) and (base / arg).exists():
+    script = len(argv) > 1 and INTERPRETERS.fullmatch(os.path.basename(argv[0])) is not None
+    for i, arg in enumerate(argv):
+        pathlike = "/" in arg or (i == 1 and script and arg.endswith(SCRIPT_SUFFIXES) and (base / arg).is_file())
+        if pathlike and "{" not in arg and not os.path.isabs(arg) and (base / arg).exists():
             arg = os.path.normpath(base / arg)
         out.append(arg)
     return tuple(out)
