@@ -532,3 +532,19 @@ def test_14_a_feedback_link_to_a_folder_does_not_crash_a_repair(env: Env) -> Non
     result = env.wait_job("FEED-1", timeout=60)
     assert len(result["attempts"]) == 2
     assert "job.crashed" not in [e["event"] for e in d.events()]
+
+
+def test_an_impossible_timestamp_is_refused_and_the_order_beside_it_is_claimed(env: Env) -> None:
+    """`expires: 2026-13-01T00:00:00Z` goes to failed/ with a one-line reason; the other order runs."""
+    env.configure()
+    (env.root / "inbox").mkdir(parents=True, exist_ok=True)
+    bad = b"job_id: TS-1\nfrom: a\nto: worker\ntask: t\nitems: [{id: R1}]\nexpires: 2026-13-01T00:00:00Z\n"
+    (env.root / "inbox" / "TS-1.yaml").write_bytes(bad)
+    env.drop(order("TS-2"))
+    env.cli("run", "--once", timeout=60)  # exits 1: a file was refused
+    assert env.result("TS-2", "done")["state"] == "done"
+    (refused,) = [p for p in (env.root / "failed").iterdir() if p.name.startswith("TS-1@")]
+    result = json.loads((refused / "result.json").read_text())
+    assert result["job_id"] == "TS-1"
+    assert "2026-13-01T00:00:00Z is not a valid date or time" in result["reason"], result["reason"]
+    assert (refused / "order.yaml").read_bytes() == bad

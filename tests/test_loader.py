@@ -70,3 +70,26 @@ def test_proper_surrogate_pairs_and_other_text_pass(value: Any) -> None:
     text = json.dumps({"v": value})  # ensure_ascii writes the emoji as a \\ud83d\\ude00 pair
     assert load_document(text.encode(), "json") == {"v": value}
     check_json_value({"v": value})
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("expires: 2026-13-01T00:00:00Z\n", "2026-13-01T00:00:00Z is not a valid date or time"),
+        ("meta: {when: 2026-02-30}\n", "2026-02-30 is not a valid date or time"),
+    ],
+)
+def test_an_impossible_date_is_an_order_error_naming_it(text: str, shown: str) -> None:
+    """An unquoted timestamp with month 13 or February 30 is refused in one line, never a crash."""
+    with pytest.raises(OrderError) as err:
+        load_document(f"job_id: J-1\n{text}".encode(), "yaml")
+    assert shown in err.value.reason and "(line 2)" in err.value.reason, err.value.reason
+
+
+@pytest.mark.parametrize(("key", "shown"), [("~", "null"), ("yes", "true"), ("12", "12"), ("2024-01-01", "2024-01-01")])
+def test_a_key_that_is_not_a_string_is_shown_as_yaml_writes_it(key: str, shown: str) -> None:
+    """Error text shows a non-string key in YAML/JSON notation (null, true), never Python's (None, True)."""
+    with pytest.raises(OrderError) as err:
+        load_document(f"meta: {{{key}: 1}}\n".encode(), "yaml")
+    assert f"mapping key {shown} is" in err.value.reason, err.value.reason
+    assert "None" not in err.value.reason and "True" not in err.value.reason

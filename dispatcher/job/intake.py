@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 
 from dispatcher import fsutil
-from dispatcher.errors import OrderError
+from dispatcher.errors import OrderError, oneline
 from dispatcher.fsutil import digest
 from dispatcher.job.finish import Finisher
 from dispatcher.layout import Layout
@@ -135,6 +135,10 @@ def inspect(
             return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]))
         # a large YAML file is not parsed a second time, here on the claim's way
         return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, order_format(name) or "json"))
+    except (OSError, MemoryError):
+        raise  # a shortage: the file waits
+    except Exception as exc:  # noqa: BLE001 - a value no rule foresaw: refused, never holding up the orders behind it
+        return Refusal(name, oneline(f"cannot be read as a work order: {exc}"))
     return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino))
 
 

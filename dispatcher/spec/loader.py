@@ -8,6 +8,7 @@ OrderError that names the field, so that what an order says is what JSON says.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from typing import Any
@@ -68,13 +69,33 @@ def _construct_mapping(loader: yaml.constructor.SafeConstructor, node: yaml.Mapp
         key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, str):
             raise OrderError(
-                f"mapping key {key!r} is {describe(key)}, not a string (line {key_node.start_mark.line + 1})"
+                f"mapping key {_shown(key)} is {describe(key)}, not a string (line {key_node.start_mark.line + 1})"
             )
         if key in seen:
             raise OrderError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
         seen.add(key)
     mapping: dict[Any, Any] = yaml.constructor.SafeConstructor.construct_mapping(loader, node, deep=deep)
     return mapping
+
+
+def _timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    """SafeConstructor's timestamp, with an impossible date (month 13) refused as an OrderError."""
+    assert isinstance(node, yaml.ScalarNode)  # noqa: S101 - the timestamp tag is resolved on scalars only
+    try:
+        return yaml.constructor.SafeConstructor.construct_yaml_timestamp(loader, node)
+    except (ValueError, OverflowError) as exc:
+        raise OrderError(f"{node.value} is not a valid date or time: {exc} (line {node.start_mark.line + 1})") from None
+
+
+def _shown(key: Any) -> str:
+    """Return a mapping key as YAML or JSON writes it (null, true, 2024-01-01), never in Python notation."""
+    if isinstance(key, str):
+        return repr(key)
+    if key is None or isinstance(key, (bool, int, float)):
+        return json.dumps(key)
+    if isinstance(key, (datetime.date, datetime.datetime)):
+        return key.isoformat()
+    return json.dumps(key, default=str, ensure_ascii=False)
 
 
 def _line(event: yaml.Event) -> int:
@@ -232,11 +253,19 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
     """
     try:
         text = decode(data)
-        if fmt == "json":
-            body = json.loads(text)
-        else:
-            body = yaml.load(text, Loader=yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)  # noqa: S506
+        body = json.loads(text) if fmt == "json" else yaml.load(text, Loader=_PlainLoader)  # noqa: S506 - a safe loader
     except (OrderError, ValueError, yaml.YAMLError, RecursionError):
         return None
     job_id = body.get("job_id") if isinstance(body, dict) else None
     return job_id if isinstance(job_id, str) else None
+
+
+for _loader in (_StrictLoader, _StrictCLoader):
+    _loader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp)
+
+
+class _PlainLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]
+    """The safe loader with timestamps read as text: only used to find a refused file's job_id."""
+
+
+_PlainLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.constructor.SafeConstructor.construct_yaml_str)
