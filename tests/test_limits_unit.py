@@ -111,3 +111,11 @@ def test_the_daily_window() -> None:
 def test_user_checks_cannot_take_a_built_in_name() -> None:
     """The reserved names are exactly the built-in checks."""
     assert tuple(c.__name__ for c in CHECKS) == BUILTIN_CHECKS
+
+
+def test_a_daily_cap_is_reached_by_costs_whose_float_sum_falls_just_short() -> None:
+    """3 x 0.3 USD is 0.9 USD (0.8999999999999999 in floats): a cap of 0.9 is reached."""
+    costs = [(NOW - 300, 0.3), (NOW - 200, 0.3), (NOW - 100, 0.3)]
+    assert sum(c for _, c in costs) < 0.9  # the floats fall short
+    assert window_until(costs, 0.9, NOW) == NOW - 300 + 86400
+    assert window_until(costs, 0.91, NOW) is None

@@ -47,11 +47,11 @@ def window_until(costs: Sequence[tuple[float, float]], cap: float, at: float) ->
     ``costs`` are (finished, cost_usd), oldest first, all within the window at ``at``.
     """
     spent = sum(c for _, c in costs)
-    if spent < cap:
+    if round(spent, 10) < cap:  # rounded as every cost sum is: 3 x 0.3 USD reaches a cap of 0.9
         return None
     for finished, cost in costs:
         spent -= cost
-        if spent < cap:
+        if round(spent, 10) < cap:
             return finished + DAY_S
     return at + DAY_S
 
