@@ -182,6 +182,20 @@ def test_a_limit_beyond_max_limit_wait_fails_the_job(env: Env) -> None:
     assert "max_limit_wait (10 s)" in result["reason"]
 
 
+def test_attempts_that_meet_a_limit_still_spend_the_budget(env: Env) -> None:
+    """Each limited attempt reports 2 USD against max_cost_usd 1: the job fails at once, budget spent."""
+    limit = claude_limit(time.time() + 2)
+    costly = json.loads(limit["stdout"]) | {"total_cost_usd": 2}
+    limit = limit | {"stdout": json.dumps(costly), "times": 10}
+    env.configure(agents={"worker": headless(env, {"limit": limit}, max_cost_usd=1, max_attempts=3)})
+    env.drop(order("COST-1"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("COST-1", "failed")
+    assert result["reason"].startswith("limit: Claude AI usage limit reached|"), result["reason"]
+    assert "not retried: the budget is spent (2 USD of max_cost_usd 1)" in result["reason"], result["reason"]
+    assert len(result["attempts"]) == 1 and result["cost_usd"] == 2
+
+
 def test_pause_keeps_new_jobs_queued_and_resume_lets_them_run(env: Env) -> None:
     """`pause worker`: a new order stays in inbox/ and the gate shows in status; `resume worker`: it runs."""
     env.configure(agents={"worker": headless(env)}, metrics_file=str(env.tmp / "m.prom"))

@@ -87,6 +87,10 @@ class Deciding(abc.ABC):
         record = replace(record, retry_next=True, extra={**record.extra, "limited": limited})
         self.attempts.append(record)
         await self.waits.gate(self.spec.agent, hit)
+        spent = retry.over_budget(self.spec.agent, self.attempts)
+        if spent is not None:  # the attempts that met the limit cost too: max_cost_usd ends the job here
+            await self._persist(self.folder.record_attempt, replace(record, retry_next=False))
+            return await self.finish(Row.FAILED, f"limit: {hit.text}; not retried: {spent}", [])
         bound = self.ctx.config().max_limit_wait_s
         total = waited_s(self.attempts)
         if total > bound:
