@@ -132,6 +132,21 @@ def test_retry_after_and_codex_limits_wait_their_seconds(env: Env, name: str, li
     assert waited["until"] == first["limited"]["until"]
 
 
+def test_a_limit_is_lifted_at_its_time_not_at_the_next_rescan(env: Env) -> None:
+    """A 2 s Retry-After with rescan_interval 30: the agent resumes and runs again about 2 s later."""
+    limit = {"times": 1, "stderr": "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\n", "exit": 2}
+    env.configure(agents={"worker": headless(env, {"limit": limit})}, rescan_interval=30)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SOON-1"))
+    limited = d.wait_event("agent.limited", job_id="SOON-1")
+    resumed = d.wait_event("agent.resumed", agent="worker", timeout=20)
+    env.wait_job("SOON-1", "done")
+    until = datetime.fromisoformat(limited["until"].replace("Z", "+00:00")).timestamp()
+    lifted = datetime.fromisoformat(resumed["timestamp"].replace("Z", "+00:00")).timestamp()
+    assert 0 <= lifted - until < 5, (limited, resumed)  # a lift at the next rescan came 27 s late
+
+
 def test_two_jobs_meet_one_limit_and_the_agent_is_gated_once(env: Env) -> None:
     """Two jobs of one agent hit the limit at once: both wait for it, one gate, both done, no third start early."""
     until = int(time.time()) + 5

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("dispatcher")
 POLL_S = 1.0
+DUE_SLACK_S = 0.005  # a gate is lifted this long after its time, so that the time has surely passed
 
 
 def gated_agents(gates: Iterable[Gate], agents: Iterable[str], at: float) -> set[str]:
@@ -68,15 +69,35 @@ class GateKeeper:
         self.snapshot: tuple[Gate, ...] = ()
         self._task: asyncio.Task[None] | None = None
         self._kicked: asyncio.Event | None = None
+        self._due: float | None = None  # the time of the soonest gate this daemon set (``note``)
 
     def gates(self) -> tuple[Gate, ...]:
         """Return the latest snapshot (no trip to the ledger)."""
         return self.snapshot
 
     def note(self, gate: Gate) -> None:
-        """Add a gate this daemon just set to the snapshot (on the loop), before the ledger is read again."""
+        """Add a gate this daemon just set to the snapshot (on the loop), before the ledger is read again.
+
+        Its time is remembered apart from the snapshot (a read of the ledger made before the gate
+        is written there would drop it), so that the gate is lifted when its time comes.
+        """
         self.snapshot = (*self.snapshot, gate)
+        if gate.until is not None and (self._due is None or gate.until < self._due):
+            self._due = gate.until
         self.wake()
+        self.kick()  # the background wait is measured again: at most until this gate's time
+
+    def _wait_s(self, now: float) -> float:
+        """Return how long the background refresh sleeps: POLL_S while gates exist, never past the next one's time."""
+        wait = POLL_S if self.snapshot or self.shared else self.idle_s
+        if self._due is not None and self._due <= now:
+            self._due = None  # lifted by the refresh that just ran
+        dues = [g.until for g in self.snapshot if g.until is not None and g.until > now]
+        if self._due is not None:
+            dues.append(self._due)
+        if dues:
+            wait = min(wait, min(dues) - now + DUE_SLACK_S)
+        return max(wait, 0.0)
 
     def gated(self) -> set[str]:
         """Return the agents the snapshot holds now."""
@@ -120,7 +141,7 @@ class GateKeeper:
                 if not self.ledger.giving_up():  # a wait a stop gave up is no error
                     log.warning("daemon.error", step="gates", error=str(exc))
             assert self._kicked is not None  # noqa: S101 - set by start()
-            wait = POLL_S if self.snapshot or self.shared else self.idle_s
+            wait = self._wait_s(time.time())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kicked.wait(), wait)
             self._kicked.clear()
