@@ -89,6 +89,24 @@ def test_a_follow_up_over_the_chain_budget_is_held_until_released(env: Env) -> N
     assert child["parent"] == "BIG-1" and child["chain_cost_usd"] == pytest.approx(1.1)
 
 
+def test_a_follow_up_that_an_approval_holds_is_notified(env: Env) -> None:
+    """approve releases a follow-up over max_chain_cost_usd into held/: notify runs for its budget.held."""
+    events = env.tmp / "events.txt"
+    append = str(REPO / "examples" / "notify" / "append.sh")
+    worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP), review=True)
+    env.configure(
+        agents={"worker": worker, "next": costly(env, 0.1)},
+        max_chain_cost_usd=0.5,
+        notify=["sh", append, str(events), "{event}", "{job_id}", "{agent}", "{reason}"],
+    )
+    env.drop(simple("BIG-2"))
+    env.cli("run", "--once", timeout=60)
+    assert (env.root / "review" / "BIG-2").is_dir()
+    assert decide(env, "approve", "BIG-2").returncode == 0  # no daemon runs: the command notifies
+    assert (env.root / "held" / "CHILD-1.json").exists()
+    wait_until(lambda: events.exists() and "\tbudget.held\tCHILD-1\t" in events.read_text(), 20, "the notification")
+
+
 def reviewed(env: Env) -> Env:
     worker = env.agent("--followup", json.dumps(FOLLOWUP), review=True)
     env.configure(agents={"worker": worker, "next": env.agent()}, rescan_interval=0.5)

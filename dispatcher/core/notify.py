@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from dispatcher.errors import oneline
+from dispatcher.job.notice import argv_for
 from dispatcher.job.runner import AgentProcess, build_env
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
@@ -30,8 +29,6 @@ from dispatcher.text import exit_text
 
 log = structlog.get_logger("dispatcher")
 NOTIFY_TIMEOUT_S = 30.0
-PLACEHOLDERS = ("event", "job_id", "agent", "reason", "result")
-_RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 _OUTPUT_MAX = 64 * 1024
 QUEUE_MAX = 100  # notifications waiting; beyond this they are counted into one notify.dropped
 
@@ -44,11 +41,6 @@ class _Event:
     reason: str | None
     result: Path | None
     dropped: int = 0  # a summary of this many dropped events (event notify.dropped)
-
-
-def render(text: str, values: Mapping[str, str]) -> str:
-    """Replace the notify placeholders in one argv element; leave every other brace alone."""
-    return _RE.sub(lambda m: values.get(m.group(1), m.group(0)), text)
 
 
 class Notifications:
@@ -84,14 +76,8 @@ class Notifications:
                 self._summary = None
                 log.warning("notify.dropped", count=ev.dropped, queue_max=QUEUE_MAX)
                 ev.reason = f"{ev.dropped} notifications dropped: more than {QUEUE_MAX} were waiting"
-            values = {
-                "event": ev.event,
-                "job_id": ev.job_id or "",
-                "agent": ev.agent or "",
-                "reason": oneline(ev.reason or ""),
-                "result": str(ev.result) if ev.result is not None else "",
-            }
-            task = asyncio.get_running_loop().create_task(self._run([render(a, values) for a in cfg.notify], ev))
+            argv = argv_for(cfg.notify, ev.event, ev.job_id, ev.agent, ev.reason, ev.result)
+            task = asyncio.get_running_loop().create_task(self._run(argv, ev))
             self._running.add(task)
             task.add_done_callback(self._ended)
         if self._queue and SHORT.short() and self._retry is None:

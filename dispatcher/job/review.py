@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import structlog
@@ -32,8 +32,9 @@ from dispatcher import faults, fsutil
 from dispatcher.clock import iso
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.job.followups import release_followups
+from dispatcher.job.notice import start_detached
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Finish, Ledger
+from dispatcher.ledger.base import Entry, Finish, Ledger
 from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
 from dispatcher.spec.result import Result
 from dispatcher.store.jobstore import JobFolder, cut_reason
@@ -44,9 +45,13 @@ DECISION_WAIT_S = 30
 
 def decide(
     layout: Layout, ledger: Ledger, job_id: str, *, approve: bool, reason: str | None = None,
-    max_chain_cost_usd: float | None = None,
+    max_chain_cost_usd: float | None = None, notify: Sequence[str] = (),
 ) -> str:  # fmt: skip
-    """Approve or reject one job in review/; return the line to print. NotFound/WrongState otherwise."""
+    """Approve or reject one job in review/; return the line to print. NotFound/WrongState otherwise.
+
+    ``notify``: the config's notify argv, started (detached) for each follow-up an approval holds
+    over the chain budget (``budget.held``).
+    """
     folder = JobFolder(layout.job(State.REVIEW, job_id))
     entry = ledger.get(job_id)
     if not folder.path.is_dir():
@@ -58,12 +63,14 @@ def decide(
     with _one_decision(layout):
         if not folder.path.is_dir():  # another command decided it while this one waited
             raise WrongState(_lost(ledger, job_id))
-        return _decide(layout, ledger, folder, approve=approve, reason=reason, max_chain_cost_usd=max_chain_cost_usd)
+        return _decide(
+            layout, ledger, folder, approve=approve, reason=reason, max_chain_cost_usd=max_chain_cost_usd, notify=notify
+        )
 
 
 def _decide(
     layout: Layout, ledger: Ledger, folder: JobFolder, *, approve: bool, reason: str | None,
-    max_chain_cost_usd: float | None,
+    max_chain_cost_usd: float | None, notify: Sequence[str],
 ) -> str:  # fmt: skip
     job_id = folder.job_id
     entry = ledger.get(job_id)
@@ -92,7 +99,12 @@ def _decide(
         raise WrongState(_lost(ledger, job_id)) from None
     faults.point("review.landed")
     if approve:
-        release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd)
+
+        def held(entry: Entry, name: str) -> None:
+            why = f"chain cost {entry.chain_cost_usd} USD is above max_chain_cost_usd"
+            start_detached(notify, layout.root, "budget.held", entry.job_id, entry.agent, why)
+
+        release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd, held=held)
         return f"{job_id}: approved; done"
     return f"{job_id}: rejected; failed"
 

@@ -214,7 +214,15 @@ class Operator:
         from dispatcher.job.review import decide
 
         _check_id(job_id)
-        line = decide(self.layout, self.ledger, job_id, approve=True, max_chain_cost_usd=self.config.max_chain_cost_usd)
+        cfg = self.config
+        line = decide(
+            self.layout,
+            self.ledger,
+            job_id,
+            approve=True,
+            max_chain_cost_usd=cfg.max_chain_cost_usd,
+            notify=cfg.notify or (),
+        )
         self._poke("approve", job_id)  # a running daemon lands it and runs its after hook at once
         return line
 
