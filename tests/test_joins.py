@@ -166,6 +166,23 @@ def test_unknown_parent_is_waited_for_max_wait_then_fails(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_a_parent_queued_in_inbox_is_waited_for_past_max_wait(env: Env) -> None:
+    """A parent whose order sits in inbox/ (its agent paused) is known: the merger waits for it, then runs."""
+    env.configure(join_agents(env), max_wait=1, rescan_interval=0.5)
+    assert env.cli("pause", "worker").returncode == 0
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(merger(after=["w01"]))
+    env.drop(order("w01"))
+    time.sleep(3.0)  # max_wait three times over, with sweeps every 0.5 s
+    assert (env.root / "waiting" / "merge").is_dir(), "the merger gave up on a parent that is queued"
+    assert (env.root / "inbox" / "w01.json").exists()
+    assert env.cli("resume", "worker").returncode == 0
+    env.wait_job("w01", "done")
+    assert env.wait_job("merge", "done")["state"] == "done"
+    assert d.stop() == 0
+
+
 def test_cancel_of_a_waiting_job(env: Env) -> None:
     """`cancel` of a waiting merger fails it with reason cancelled; it never runs, even when its parents finish."""
     env.configure(join_agents(env))

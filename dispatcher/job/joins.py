@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from dispatcher.lifecycle import Row, State, Stop
 from dispatcher.spec.orders import parse_time
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder, build_result
+from dispatcher.store.queued import find_queued
 
 log = structlog.get_logger("dispatcher")
 PARENTS = "parents.json"
@@ -62,8 +63,14 @@ class Verdict:
 WAIT = Verdict()
 
 
-def decide(wait: Wait, parents: Mapping[str, Entry], now: float, max_wait_s: float) -> Verdict:
-    """Return the verdict for one wait, given the ledger rows of its parents (absent: unknown)."""
+def decide(
+    wait: Wait, parents: Mapping[str, Entry], now: float, max_wait_s: float, queued: Collection[str] = ()
+) -> Verdict:
+    """Return the verdict for one wait, given the ledger rows of its parents (absent: unknown).
+
+    ``queued``: parents without a row whose order waits in inbox/ or held/. They are known, not
+    yet claimed: the join goes on waiting for them past ``max_wait``.
+    """
     if wait.rule != ALL_FINAL:
         for job_id in wait.after:
             entry = parents.get(job_id)
@@ -73,7 +80,7 @@ def decide(wait: Wait, parents: Mapping[str, Entry], now: float, max_wait_s: flo
     for job_id in wait.after:
         entry = parents.get(job_id)
         if entry is None:
-            if now - wait.since >= max_wait_s:
+            if now - wait.since >= max_wait_s and job_id not in queued:
                 return Verdict(reason=f"after: {job_id} never finished")
             pending = True
         elif entry.state not in (Row.DONE, Row.FAILED):
@@ -127,7 +134,7 @@ class Joins:
         now = time.time()
         max_wait = self.config().max_wait_s
         for wait in waits:
-            verdict = decide(wait, self.ledger.known(wait.after), now, max_wait)
+            verdict = self._decide(wait, now, max_wait)
             if verdict is WAIT:
                 continue
             if wait.job_id in self.ledger.requests(Request.CANCEL):  # an open cancel wins (cancel --tree)
@@ -136,6 +143,16 @@ class Joins:
             if token is not None:  # another daemon took it first otherwise
                 faults.point("join.taken")
                 self._carry_out(wait, token, verdict)
+
+    def _decide(self, wait: Wait, now: float, max_wait_s: float) -> Verdict:
+        """Decide one wait; a parent given up as never finished is looked for in inbox/ and held/ first."""
+        parents = self.ledger.known(wait.after)
+        verdict = decide(wait, parents, now, max_wait_s)
+        if verdict.reason is None or not verdict.reason.endswith(" never finished"):
+            return verdict
+        unknown = [j for j in wait.after if j not in parents]
+        queued = {*find_queued(self.layout.inbox, unknown), *find_queued(self.layout.held, unknown)}
+        return decide(wait, parents, now, max_wait_s, queued) if queued else verdict
 
     def cancel(self, job_id: str) -> bool:
         """Fail a waiting job with reason ``cancelled``; False if it is not waiting (any more)."""
@@ -182,7 +199,7 @@ class Joins:
             verdict = (
                 Verdict(reason=str(Stop.CANCELLED))
                 if cancelled
-                else decide(wait, self.ledger.known(wait.after), time.time(), self.config().max_wait_s)
+                else self._decide(wait, time.time(), self.config().max_wait_s)
             )
             if verdict is WAIT:  # cannot be (it was taken because it was over): wait again
                 self.ledger.wait(job_id, token, wait.after, wait.rule)
