@@ -67,6 +67,8 @@ def test_fan_out_all_done_fails_the_merger_when_one_worker_fails(env: Env) -> No
     listed = [json.loads(line) for line in out.splitlines()]
     assert [r["job_id"] for r in listed] == ["merge"]
     assert listed[0]["reason"] == "waiting for " + ", ".join(f"w{i:02d}" for i in range(1, FAN + 1)) + " (all_done)"
+    text = env.cli("list", "--state", "waiting", check=True).stdout
+    assert "waiting for w01, w02," in text and "w20 (all_done)" in text and "until -" not in text, text
     shown = env.cli("show", "merge", check=True).stdout
     assert "merge  waiting  agent merger" in shown and "  after: w01, w02," in shown and "w20 (all_done)" in shown
     for body in fan(bad="w07"):

@@ -78,7 +78,7 @@ def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     yield f"{'JOB':<{width}}  {'STATE':<7}  {'AGENT':<{agent_w}}  {'AGE':>7}  {'COST':>12}  REASON"
     for r in rows:
         reason = printable(r["reason"]) if r["reason"] else ""
-        if r.get("state") == "waiting":
+        if r.get("state") == "waiting" and "until" in r:  # a gate's wait; a join's reason names its parents
             reason = f"until {plain(r.get('until'))}"
         yield (
             f"{_cell(r['job_id'], width):<{width}}  {r['state']:<7}  {_cell(r['agent'], agent_w):<{agent_w}}  "
