@@ -149,6 +149,17 @@ def test_submit_never_replaces_a_file_in_inbox(env: Env) -> None:
     assert inbox_names(env) == ["NAME-1-2.json", "NAME-1.json"]
 
 
+def test_submit_refuses_an_id_whose_order_is_held(env: Env) -> None:
+    """An order on hold in held/ is a submitted one: a second submit of its id exits 2, and nothing is dropped."""
+    assert submit_file(env, "a.json", order("HELD-1")).returncode == 0
+    assert env.cli("hold", "HELD-1").returncode == 0
+    proc = submit_file(env, "b.json", order("HELD-1"))
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stderr.strip() == "b.json: job_id: HELD-1 is already known (held in held/); a job id is never run twice"
+    assert inbox_names(env) == []
+    assert [p.name for p in (env.root / "held").iterdir()] == ["HELD-1.json"]
+
+
 # -- finding queued ids without parsing every inbox file ------------------------------------------
 
 

@@ -140,7 +140,7 @@ def _hand_over_state(layout: Layout) -> None:
 
 
 def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
-    """Raise OrderError for the first order whose job id the ledger knows or an inbox/ order holds."""
+    """Raise OrderError for the first order whose job id the ledger knows or an order in inbox/ or held/ holds."""
     try:
         ledger = open_ledger(cfg, layout, patience_s=LOCK_TIMEOUT_S)
     except (LedgerUnreachable, LedgerUnavailable) as exc:
@@ -155,9 +155,13 @@ def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None
         found = layout.find(order.job_id)  # a job folder the ledger lost still makes the id known
         if order.job_id not in known and found is not None:
             known[order.job_id] = found[0].value
-    queued = queued_ids(layout.inbox, {o.job_id for _, o, _, _ in orders} - set(known))
+    rest = {o.job_id for _, o, _, _ in orders} - set(known)
+    queued = queued_ids(layout.inbox, rest)
+    held = queued_ids(layout.held, rest - queued)  # a held order is a submitted one that an operator paused
     for name, order, _, _ in orders:
-        state = known.get(order.job_id) or ("queued in inbox/" if order.job_id in queued else None)
+        state = known.get(order.job_id) or (
+            "queued in inbox/" if order.job_id in queued else "held in held/" if order.job_id in held else None
+        )
         if state is not None:
             raise OrderError(
                 f"{order.job_id} is already known ({state}); a job id is never run twice", file=name, field="job_id"
