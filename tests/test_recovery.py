@@ -219,6 +219,7 @@ def test_kill9_orphan_with_receipt_is_ended_and_checked_without_rerun(env: Env) 
 
     d2 = env.daemon()
     result = env.wait_job("ORPH-1", "done", timeout=25)
+    assert d2.wait_event("agent.orphan_ended", job_id="ORPH-1")["agent"] == "worker"
     assert time.monotonic() - restarted < 20, "the daemon waited for the orphan to end by itself"
     assert not alive(pid), "the orphaned agent is still running after recovery"
     wait_gone(child, [pid], timeout=5)

@@ -150,6 +150,9 @@ def test_every_action_runs_the_commands_code(site: tuple[Env, Web]) -> None:
     assert status == 400
     via = {e["event"] for e in web.events() if e.get("via") == "web"}
     assert {"job.rejected", "job.held", "job.released", "web.action"} <= via
+    actions = [e for e in web.events() if e.get("event") == "web.action"]
+    assert all("job_id" in e and "agent" in e for e in actions), actions  # lines about a job name both
+    assert any(e["job_id"] == "REV-A" and e["agent"] for e in actions), actions
 
 
 def test_forms_need_a_login_and_their_csrf_token(site: tuple[Env, Web]) -> None:

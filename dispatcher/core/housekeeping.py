@@ -127,8 +127,9 @@ class Housekeeping:
         adopted, taken = await self.ctx.lanes.ledger(self._recover_in_lane, startup, frozenset(self.sched.left))
         self.sched.left -= taken
         ends = []
+        agents = {job_id: agent or None for job_id, _, agent in adopted}
         for job_id, pgid in await self.ctx.lanes.scan(_leftovers, self.ctx.layout, adopted):
-            log.warning("agent.orphan_ended", job_id=job_id, pid=pgid)
+            log.warning("agent.orphan_ended", job_id=job_id, agent=agents.get(job_id), pid=pgid)
             ends.append(end_group(pgid, self.ctx.config().kill_grace_s))
         await asyncio.gather(*ends)  # before any of these jobs is queued: none runs beside its orphan
         self.sched.park_recovered(adopted, host_lost=self.shared)

@@ -74,7 +74,8 @@ class Notifications:
             ev = self._queue.popleft()
             if ev is self._summary:
                 self._summary = None
-                log.warning("notify.dropped", count=ev.dropped, queue_max=QUEUE_MAX)
+                # about no one job, whichever job's context this runs in
+                log.warning("notify.dropped", count=ev.dropped, queue_max=QUEUE_MAX, job_id=None, agent=None)
                 ev.reason = f"{ev.dropped} notifications dropped: more than {QUEUE_MAX} were waiting"
             argv = argv_for(cfg.notify, ev.event, ev.job_id, ev.agent, ev.reason, ev.result)
             task = asyncio.get_running_loop().create_task(self._run(argv, ev))
@@ -130,7 +131,7 @@ class Notifications:
     async def close(self) -> None:
         """Let running notify commands end (each is bounded by its own timeout); the queue is dropped."""
         if self._queue:
-            log.warning("notify.dropped", count=len(self._queue), reason="the daemon stops")
+            log.warning("notify.dropped", count=len(self._queue), reason="the daemon stops", job_id=None, agent=None)
             self._queue.clear()
         if self._retry is not None:
             self._retry.cancel()

@@ -317,5 +317,5 @@ def _drop_twin(layout: Layout, item: Inspected, folder: Path | None = None) -> b
         folder = found[1]
     if not drop_inbox_twin(layout, item.name, folder / f"order{Path(item.name).suffix}"):
         return False
-    log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id)
+    log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id, agent=item.order.to)
     return True

@@ -16,7 +16,7 @@ import structlog
 
 from dispatcher.errors import DispatchError, NotFound, WrongState, oneline
 from dispatcher.layout import Layout
-from dispatcher.ops.actions import Operator
+from dispatcher.ops.actions import JOB_ID, Operator
 from dispatcher.spec.settings import Config
 
 log = structlog.get_logger("dispatcher")
@@ -70,6 +70,26 @@ class Actions:
             except DispatchError as exc:  # an unreachable ledger and the like: nothing was done
                 outcome = Outcome(503, str(exc))
             finally:
+                agent = _agent_of(op, job_id)
                 op.close()
-            log.info("web.action", action=action, job_id=job_id, status=outcome.status, message=outcome.message, by=who)
+            log.info(
+                "web.action",
+                action=action,
+                job_id=job_id,
+                agent=agent,
+                status=outcome.status,
+                message=outcome.message,
+                by=who,
+            )
         return outcome
+
+
+def _agent_of(op: Operator, job_id: str) -> str | None:
+    """Return the job's agent as the ledger knows it, or None (a queued order, an unknown id, a ledger away)."""
+    if not JOB_ID.fullmatch(job_id):
+        return None
+    try:
+        entry = op.ledger.get(job_id)
+    except (DispatchError, OSError):
+        return None
+    return entry.agent if entry is not None else None
