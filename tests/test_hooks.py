@@ -184,6 +184,9 @@ def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, t
     assert (proc.returncode, proc.stdout) == (0, "F1: landed\n")
     assert len(log.read_text().splitlines()) == 1
     assert sorted(p.name for p in (env.job_dir("F1", "done") / "land").glob("*.json")) == ["1.json", "2.json", "3.json"]
+    again = env.cli("land", "F1")  # landed: the hook runs once, again only after it failed
+    assert again.returncode == 1 and again.stderr.startswith("F1: landed already"), again.stderr
+    assert len(log.read_text().splitlines()) == 1
     bad = env.cli("land", "NOPE")
     assert bad.returncode == 1 and bad.stderr == "NOPE: no such job\n"
 

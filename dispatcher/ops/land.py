@@ -34,6 +34,9 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
         raise WrongState(f"{job_id}: its agent has no land hook")
     if (layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}").exists():
         raise WrongState(f"{job_id}: is landing now")
+    last = JobFolder(path).read_json(_last_record(path))
+    if isinstance(last, dict) and last.get("ok") is True:  # the hook runs once; again only after it failed
+        raise WrongState(f"{job_id}: landed already; `land` runs the hook again only after it failed")
     landing.owe(layout, job_id)
     if not landing.claim(layout, job_id):
         raise WrongState(f"{job_id}: is landing now")
