@@ -43,6 +43,7 @@ def test_an_error_about_the_ledger_shows_no_password(env: Env) -> None:
     status = env.cli("status")
     assert status.returncode != 0 and status.stderr.count("\n") == 1
     assert "Hunter2Secret" not in status.stderr + status.stdout
+    assert "postgresql://disp:***@127.0.0.1:1/ledger" in status.stderr, status.stderr
 
 
 def test_ledger_migrate_refuses_a_password_on_its_command_line(env: Env) -> None:

@@ -93,13 +93,15 @@ Resolve = Callable[[Cur], "Found[T] | None"]
 
 
 def describe(url: str) -> str:
-    """Return ``postgresql://host:port/db`` for messages: never the password."""
+    """Return ``postgresql://user:***@host:port/db`` for messages: the password shown as ``***``, never itself."""
     try:
         params = pg_conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError:
         return "postgresql://(unreadable URL)"
     host, port, db = params.get("host") or "localhost", params.get("port") or "5432", params.get("dbname") or ""
-    return f"postgresql://{host}:{port}/{db}"
+    user, secret = params.get("user"), ":***" if params.get("password") else ""
+    who = f"{user}{secret}@" if user else f"{secret[1:]}@" if secret else ""
+    return f"postgresql://{who}{host}:{port}/{db}"
 
 
 def _ms(seconds: float) -> int:
