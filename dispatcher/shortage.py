@@ -30,7 +30,7 @@ PAUSE_MIN_S = 0.2
 DISK_WAIT_MAX_S = 30.0  # a full disk is waited out with backoff up to this between tries
 PAUSE_MAX_S = 2.0
 WINDOW_MAX = 1024
-QUIET_S = 60.0  # a shortage of a resource not met again for this long is over
+QUIET_S = 10.0  # a shortage of a resource not met again for this long is over (retries come every 2 s at most)
 
 
 def resource_of(exc: BaseException) -> str | None:

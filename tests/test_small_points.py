@@ -141,3 +141,25 @@ def test_the_benchmarks_readme_gives_commands_relative_to_the_checkout() -> None
     assert not re.search(r"(^|\s)/(work|home|root)/", text)
     assert ".venv/bin/python benchmarks/bench.py" in text
     assert sys.executable  # the report's own command line is made relative the same way (bench.py)
+
+
+def test_a_shortage_is_logged_once_and_again_after_a_quiet_spell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """daemon.short_of: once while a shortage goes on (retries every 2 s at most), again for a later one."""
+    import errno
+
+    from structlog.testing import capture_logs
+
+    from dispatcher import shortage
+
+    now = [1000.0]
+    monkeypatch.setattr(shortage.time, "monotonic", lambda: now[0])
+    short = shortage.Shortage()
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    with capture_logs() as logs:
+        for _ in range(10):  # one shortage: a retry every 2 s for 20 s
+            assert short.note(emfile, "claim")
+            now[0] += 2.0
+        short.ok()
+        now[0] += shortage.QUIET_S + 1  # the agents ran; a later shortage is another one
+        assert short.note(emfile, "claim")
+    assert [e["event"] for e in logs] == ["daemon.short_of", "daemon.short_of"]
