@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,8 @@ def test_out_of_file_descriptors_waits_and_finishes_every_job(env: Env) -> None:
     assert names(env.root / ".state" / "staging") == []
     short = [e for e in lines if e["event"] == "daemon.short_of"]
     assert len(short) == 1, "daemon.short_of is logged once"
+    received = Counter(e["job_id"] for e in lines if e["event"] == "order.received")
+    assert sorted(received) == jobs and set(received.values()) == {1}, "a file read again is not received again"
     assert "EMFILE" in short[0]["resource"]
     starts = env.starts()
     assert sorted(j for j, _a in starts) == jobs and all(a == 1 for _j, a in starts), "each agent ran once"

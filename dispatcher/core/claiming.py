@@ -12,6 +12,7 @@ data for the loop: ``Launch``, ``NoSlot``, ``Dropped``, ``Gone`` or ``Big``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import os
@@ -40,6 +41,7 @@ from dispatcher.store.placing import Inspected, Pick, Skipped, Started
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
+RECEIVED_MAX = 4096  # files remembered as received (order.received is logged once per file)
 BIG_ORDER_BYTES = 64 * 1024  # orders above this are read in the scan lane, not in the claim's trip
 # YAML parses about 20 times slower than JSON even with libyaml: above this, in the scan lane and a child process
 BIG_YAML_BYTES = APART_YAML_BYTES
@@ -167,6 +169,9 @@ class Claims:
         self.on_refused = on_refused
         self._known: dict[str, Agent] = {}  # every agent the config has had since the daemon started
         self._waiting: set[str] = set()  # removed agents whose waiting orders were logged
+        # files whose order.received is logged: a file read again (its claim put off by a shortage,
+        # say) is not received again; the oldest are forgotten past RECEIVED_MAX
+        self._received: collections.OrderedDict[tuple[str, tuple[int, int], str], None] = collections.OrderedDict()
 
     def _removed(self, cfg: Config) -> dict[str, Agent]:
         """Return the agents a reload removed (as they were): their orders wait, never refused."""
@@ -299,7 +304,14 @@ class Claims:
         timing = when(found.order, name, now=now)
         if isinstance(timing, Later):
             return timing
-        log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
+        key = (name, found.inode, found.digest)
+        if key in self._received:
+            self._received.move_to_end(key)
+        else:
+            self._received[key] = None
+            if len(self._received) > RECEIVED_MAX:
+                self._received.popitem(last=False)
+            log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
         if timing is not None:
             folder = refuse(self.layout, timing, self.ledger.owner, self.on_refused)
             return Gone(name, refused=folder is not None)
