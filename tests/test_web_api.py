@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,6 +65,10 @@ def test_api_answers_have_the_shapes_of_status_list_and_show(site: tuple[Env, We
     }.items()  # fmt: skip
     for job_id in ("CHAIN-2", "FAIL-1", "REV-A", "QUEUED-1", "HELD-1", "SLOW-1"):
         assert web.json(f"/api/jobs/{job_id}") == cli_json(env, "show", job_id), job_id
+    (refused,) = [r for r in jobs if r["state"] == "refused"]
+    folder = Path(refused["path"]).name  # stem@time: `show` answers by the stem and by the folder's name
+    for name in (folder.rpartition("@")[0], folder):
+        assert without_ages(web.json(f"/api/jobs/{name}")) == without_ages(cli_json(env, "show", name)), name
 
 
 def test_api_list_takes_the_filters_of_list(site: tuple[Env, Web]) -> None:

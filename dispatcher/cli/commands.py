@@ -229,14 +229,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _show_refused(cfg: Config, layout: Layout, name: str, *, as_json: bool) -> int:
     """Print the refusals of a file (by job id or file stem) that never became a job; NotFound when none."""
-    from dispatcher.query.listing import list_jobs
+    from dispatcher.query.listing import refusals_of
     from dispatcher.text import ago
 
-    rows = [
-        r
-        for r in list_jobs(cfg, layout, None, state="refused")
-        if r["job_id"] == name or Path(r["path"]).name.rpartition("@")[0] == name
-    ]
+    rows = refusals_of(cfg, layout, name)
     if not rows:
         raise NotFound(f"{name}: no such job or refused file")
     if as_json:

@@ -200,3 +200,12 @@ def list_jobs(
         r["age_s"] = round(max(0.0, now - when), 1) if when is not None else None
     keys = ("job_id", "state", "agent", "age_s", "reason", "cost_usd", "path")
     return [{k: r[k] for k in keys} | ({"until": r["until"]} if "until" in r else {}) for r in rows]
+
+
+def refusals_of(cfg: Config, layout: Layout, name: str) -> list[dict[str, Any]]:
+    """Return the refused files (newest first, as `list --json` rows) a job id or a file stem names."""
+    return [
+        r
+        for r in list_jobs(cfg, layout, None, state="refused")
+        if r["job_id"] == name or Path(r["path"]).name.rpartition("@")[0] == name
+    ]

@@ -14,6 +14,7 @@ cost one read per turn, not one each.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -24,11 +25,13 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.ops.actions import JOB_ID
 from dispatcher.query.jobinfo import log_tail, show_json
-from dispatcher.query.listing import list_jobs
+from dispatcher.query.listing import list_jobs, refusals_of
 from dispatcher.query.report import status_with
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_reader
 
+#: a refused file's folder name in failed/: its stem, @, a UTC time, perhaps -2, -3...
+REFUSAL = re.compile(r"[^/\x00-\x1f]{1,200}@\d{8}T\d{6}(?:\.\d+)?Z(?:-\d+)?")
 #: how long an overview is reused
 CACHE_S = 1.0
 #: lines of each attempt's stdout and stderr a job page shows
@@ -77,13 +80,20 @@ class Reader:
             ledger = self._reader() if state in (None, "done") else None
             return list_jobs(self.config, self.layout, ledger, state=state, agent=agent)
 
-    def show(self, job_id: str, *, whole_tree: bool = False) -> dict[str, Any] | None:
-        """Return what `show --json` prints for job_id, or None for an unknown (or malformed) id."""
-        if not JOB_ID.fullmatch(job_id):
+    def show(self, job_id: str, *, whole_tree: bool = False, refused: bool = False) -> dict[str, Any] | None:
+        """Return what `show --json` prints for job_id, or None for an unknown (or malformed) id.
+
+        ``refused``: an id (or file stem) that never became a job answers with its newest refusal,
+        as `show --json` does; a refusal's folder name (``stem@time``) answers as a job folder.
+        """
+        if not JOB_ID.fullmatch(job_id) and not (refused and REFUSAL.fullmatch(job_id)):
             return None
         with self._lock:
             found = show_json(self.layout, self._reader(), job_id, self.config.max_order_bytes, whole_tree=whole_tree)
-        return found[0] if found is not None else None
+        if found is not None:
+            return found[0]
+        rows = refusals_of(self.config, self.layout, job_id) if refused else []
+        return rows[0] if rows else None
 
 
 def attempt_files(job: dict[str, Any]) -> list[dict[str, Any]]:

@@ -92,7 +92,7 @@ class App:
                 return _error(400, f"state: {printable(state)}: not one of {', '.join(pages.STATES)}")
             return _json(200, self.reader.jobs(state, query.get("agent") or None))
         if len(parts) == 2 and parts[0] == "jobs":
-            job = self.reader.show(parts[1])
+            job = self.reader.show(parts[1], refused=True)  # as `show --json`: a refused file's id answers too
             return _json(200, job) if job is not None else _error(404, f"{printable(parts[1])}: no such job")
         return _error(404, "no such API path (GET /api/status, /api/jobs, /api/jobs/ID)")
 
