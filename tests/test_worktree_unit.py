@@ -96,3 +96,20 @@ def test_an_add_killed_before_git_wrote_gitdir_is_cleared_and_the_next_add_takes
     assert [p.name for p in (repo / ".git" / "worktrees").iterdir()] == ["W1"]
     worktree.clear(ws)
     assert "locked" not in git(repo, "worktree", "list", "--porcelain")
+
+
+def test_leftovers_are_committed_on_the_jobs_branch_even_when_its_agent_moved_head(tmp_path: Path) -> None:
+    """An agent that points its worktree's HEAD at main: the daemon's commit still goes on dispatch/<id>."""
+    repo = make_repo(tmp_path / "shop")
+    main_before = git(repo, "rev-parse", "main")
+    job = tmp_path / "job"
+    job.mkdir()
+    ws = worktree.plan(job, str(repo), "main", "dispatch/Y1", tmp_path / "trees" / "Y1")
+    worktree.create(ws, from_branch=False)
+    git(Path(ws.path), "symbolic-ref", "HEAD", "refs/heads/main")
+    Path(ws.path, "src", "left.txt").write_text("left over\n")
+    head, changed = worktree.seal(ws, "Y1")
+    assert git(repo, "rev-parse", "main") == main_before, "the daemon committed onto main"
+    assert head == git(repo, "rev-parse", "dispatch/Y1") != ws.base
+    assert changed == ["src/left.txt"]
+    worktree.clear(ws)

@@ -311,6 +311,10 @@ def seal(ws: Workspace, job_id: str) -> tuple[str, list[str]]:
     """
     if is_ready(ws):
         env = _tree_env(ws)
+        branch = f"refs/heads/{ws.branch}"
+        if git(ws.path, "symbolic-ref", "-q", "HEAD", env=env, check=False).strip() != branch:
+            # the agent moved its HEAD (onto main, or detached): what it left goes on its branch all the same
+            git(ws.path, "symbolic-ref", "HEAD", branch, env=env)
         git(ws.path, "add", "-A", env=env)
         if _staged(ws, env):
             message = f"dispatch {job_id}: changes left uncommitted"
