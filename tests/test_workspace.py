@@ -99,6 +99,26 @@ def test_base_parent_without_a_parent_fails_without_an_attempt(env: Env, tmp_pat
     assert result["attempts"] == [] and starts(env) == []
 
 
+def test_a_branch_that_exists_already_is_never_taken_over(env: Env, tmp_path: Path) -> None:
+    """dispatch/<id> with a person's commit on it: the job fails without an attempt and the branch keeps its commit."""
+    repo = make_repo(tmp_path / "shop")
+    git(repo, "checkout", "-q", "-b", "dispatch/TAKEN")
+    (repo / "user.txt").write_text("user work\n")
+    git(repo, "add", "user.txt")
+    git(repo, "-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q", "-m", "user work")
+    tip = git(repo, "rev-parse", "HEAD")
+    git(repo, "checkout", "-q", "main")
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/c.py=x")})
+    env.drop(code_order("TAKEN"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("TAKEN", "failed")
+    assert result["reason"].startswith("config: agent coder cannot start: workspace: branch dispatch/TAKEN already"), (
+        result["reason"]
+    )
+    assert result["attempts"] == [] and starts(env) == []
+    assert git(repo, "rev-parse", "dispatch/TAKEN") == tip
+
+
 def test_a_retry_starts_again_from_base(env: Env, tmp_path: Path) -> None:
     """After a failed attempt, the next one finds the worktree back at base: the first attempt's file is gone."""
     repo = make_repo(tmp_path / "shop")

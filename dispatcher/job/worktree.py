@@ -123,6 +123,9 @@ def plan(job_folder: Path, repo: str, base_ref: str, branch: str, path: Path) ->
     base = git(repo, "rev-parse", "--verify", "--quiet", f"{base_ref}^{{commit}}", check=False).strip()
     if not base:
         raise GitError(f"base {base_ref} is not a commit of {repo}")
+    # a job works on a new branch: one that is there before its record was ever written is someone's
+    if git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False).strip():
+        raise GitError(f"branch {branch} already exists in {repo}: a job works on a new branch (delete or rename it)")
     ws = Workspace(repo, branch, base, base_ref, str(path))
     fsutil.write_atomic(job_folder / RECORD, fsutil.dump_json(ws.to_json()))
     return ws
