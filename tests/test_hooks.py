@@ -72,6 +72,28 @@ def test_after_runs_once_when_final_and_never_changes_the_state(env: Env, tmp_pa
     assert env.result("A1", "done")["state"] == "done"
 
 
+def test_an_after_hook_cut_short_by_a_kill_is_recorded_as_interrupted_and_not_run_again(
+    env: Env, tmp_path: Path
+) -> None:
+    """kill -9 while a done job's after hook runs: the next start records it as failed (interrupted), once."""
+    repo = make_repo(tmp_path / "shop")
+    count = tmp_path / "after.count"
+    hook = ["sh", "-c", 'echo run >> "$0"; sleep 5', str(count)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=hook)})
+    env.drop(code_order("K1"))
+    d = env.daemon()
+    env.wait_job("K1", "done")
+    wait_until(count.exists, 30, "the after hook to start")
+    d.kill()
+    proc = env.cli("run", "--once", timeout=60)
+    assert '"hook.failed"' in proc.stdout and "interrupted" in proc.stdout, proc.stdout[-2000:]
+    records = sorted((env.job_dir("K1", "done") / "hooks").glob("after-*.json"))
+    assert [p.name for p in records] == ["after-1.json"]
+    record = json.loads(records[0].read_text())
+    assert record["ok"] is False and "interrupted" in record["detail"] and record["state"] == "done", record
+    assert count.read_text() == "run\n", "the after hook ran twice"
+
+
 AFTER = 'echo "{job_id} [{branch}] [{head}] {result} $(pwd)" >> "$0"'
 
 

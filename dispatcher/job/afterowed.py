@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from dispatcher import fsutil
 from dispatcher.clock import iso
 from dispatcher.job import owed
 from dispatcher.job.owed import RUNNING, Io, Owed, record_run
@@ -33,7 +34,19 @@ from dispatcher.lifecycle import State
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 
-__all__ = ["INTERRUPTED", "RUNNING", "Owed", "claim", "drop", "look", "owe", "record", "record_interrupted", "run"]
+__all__ = [
+    "INTERRUPTED",
+    "RUNNING",
+    "Owed",
+    "claim",
+    "drop",
+    "look",
+    "owe",
+    "record",
+    "record_interrupted",
+    "run",
+    "running",
+]
 
 log = structlog.get_logger("dispatcher")
 INTERRUPTED = "after hook interrupted by a stop or crash; it is not run again"
@@ -43,6 +56,17 @@ drop = MARKERS.drop
 claim = MARKERS.claim
 settle = MARKERS.settle
 look = MARKERS.look
+
+
+def running(layout: Layout, job_id: str) -> None:
+    """Mark durably that a final job's own after hook runs now (blocking): a crash meanwhile is recorded as such.
+
+    The marker is made as a claimed one (``<job_id>.running``): a rescan never runs it, and the next
+    start records the run as interrupted. ``settle`` drops it once the run is recorded.
+    """
+    folder = MARKERS.folder(layout)
+    fsutil.make_dirs(folder)
+    fsutil.write_atomic(folder / f"{job_id}{RUNNING}", b"")
 
 
 def record(folder: Path, data: dict[str, Any]) -> None:

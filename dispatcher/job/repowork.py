@@ -172,9 +172,11 @@ class JobRepo:
         job_path = self.layout.job(landed_state(state), self.spec.job_id)
         after = self.spec.agent.repo.after
         if after is not None and state != Row.REVIEW:  # a job in review owes it until decided (``afterowed``)
+            await self.lanes.io(afterowed.running, self.layout, self.spec.job_id)  # a crash now is recorded
             run = await self._hook("after", after, job_path, cfg, job_path / "work")
             record = {**run.to_json(), "state": str(state)}
             await self.lanes.io(landing.record_run, job_path, "hooks", "after-", record)
+            await self.lanes.io(afterowed.settle, self.layout, self.spec.job_id)
             if not run.ok:
                 log.warning("hook.failed", hook="after", reason=run.why)
         if self.ws is not None:
