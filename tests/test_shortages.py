@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Daemon, Env, cli_env, wait_until
+from conftest import Daemon, Env, cli_env, order, wait_until
 from helpers_faults import tiny_order, write_script
 from pg_fixtures import running_pg_server
 from pgserver import PgServer
@@ -310,3 +310,26 @@ def test_a_daemon_started_with_postgresql_down_can_be_stopped(env: Env, own_pg: 
         used = idle_cpu(d.proc.pid, 3.0)
         assert used < 1.0, f"waiting for the database used {used:.2f} s of CPU in 3 s"
         stopped_within(d, sig, 3 + 10)
+
+
+@pytest.mark.postgres
+def test_after_an_outage_past_half_a_lease_a_stopped_job_is_taken_back_once(env: Env, own_pg: PgServer) -> None:
+    """PostgreSQL away past lease/2: the daemon fences itself, then runs its stopped jobs again, one copy each."""
+    env.configure(
+        {"safe": env.agent("--sleep", "30", retry_safe=True, max_attempts=3), "once": env.agent("--sleep", "30")},
+        ledger=own_pg.dsn, lease=10, rescan_interval=2, retry_delay=1, kill_grace=1, watch="poll", max_jobs=4,
+    )  # fmt: skip
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("OUT-1", to="safe"))
+    env.drop(order("OUT-2", to="once"))
+    wait_until(lambda: len(env.starts()) == 2, what="the agents to start")
+    own_pg.stop("fast")
+    time.sleep(7.0)  # past lease/2: the daemon fences itself and stops its jobs
+    own_pg.start()
+    wait_until(lambda: ("OUT-1", 2) in env.starts(), 60, "the retry-safe job to run again")
+    time.sleep(8.0)  # four rescans: a second recovery of the same job would start another copy
+    assert sorted(env.starts()) == [("OUT-1", 1), ("OUT-1", 2), ("OUT-2", 1)], env.starts()
+    assert "lease.fenced" in {e["event"] for e in d.events()}
+    assert "interrupted" in env.wait_job("OUT-2", "failed", timeout=30)["reason"]  # not retry-safe: not run again
+    d.stop()

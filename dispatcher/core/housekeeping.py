@@ -89,6 +89,9 @@ class Housekeeping:
         self._in_requests = False
         self._requests_again = False
         self._writing = False
+        # one recovery at a time: two at once (a rescan beside the one a renewed lease starts) would both
+        # adopt a job this daemon stopped while fenced, and run two copies of it
+        self._recovering: asyncio.Lock | None = None
 
     @property
     def busy(self) -> bool:
@@ -123,7 +126,13 @@ class Housekeeping:
 
     # -- recovery -------------------------------------------------------------------------------
     async def recover(self, *, startup: bool) -> None:
-        """Finish what dead daemons left: staging, claims, active jobs (their agents ended first)."""
+        """Finish what dead daemons left: staging, claims, active jobs (agents ended first); one pass at a time."""
+        if self._recovering is None:
+            self._recovering = asyncio.Lock()
+        async with self._recovering:
+            await self._recover(startup=startup)
+
+    async def _recover(self, *, startup: bool) -> None:
         adopted, taken = await self.ctx.lanes.ledger(self._recover_in_lane, startup, frozenset(self.sched.left))
         self.sched.left -= taken
         ends = []
