@@ -299,6 +299,21 @@ def test_sigterm_while_postgresql_is_down_is_answered_within_stop_timeout(env: E
 
 
 @pytest.mark.postgres
+def test_an_idle_daemon_with_a_long_lease_stops_at_once_while_postgresql_is_down(env: Env, own_pg: PgServer) -> None:
+    """lease 30, nothing running, the server gone: SIGTERM ends the daemon within stop_timeout, exit 0."""
+    env.configure({"tiny": hold_agent(env, 1)}, ledger=own_pg.dsn, lease=30, stop_timeout=5, kill_grace=1, watch="poll")
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(tiny_order("IDLE-1"))
+    env.wait_job("IDLE-1", "done")
+    own_pg.stop("fast")
+    time.sleep(2.0)  # its gate and lease reads now wait for the database
+    stopped_within(d, signal.SIGTERM, 5 + 1 + 5)
+    assert d.proc is not None and d.proc.returncode == 0
+    own_pg.start()
+
+
+@pytest.mark.postgres
 def test_a_daemon_started_with_postgresql_down_can_be_stopped(env: Env, own_pg: PgServer) -> None:
     """Started while PostgreSQL is down, the daemon waits without spinning and SIGTERM (or SIGINT) ends it."""
     env.configure({"tiny": hold_agent(env, 0)}, ledger=own_pg.dsn, stop_timeout=3, watch="poll")

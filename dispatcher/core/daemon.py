@@ -251,6 +251,8 @@ class Daemon:
 
     async def shutdown(self) -> int:
         """Stop watching, flush the ledger lane, release the ledger, exit 0 (1 for a failed --once)."""
+        if self.stopping:  # from here on a ledger wait gives up: what it could not record, the next start recovers
+            self.stop_deadline = None
         if self.watch is not None:
             self.watch.close()
         if self.lease is not None:
