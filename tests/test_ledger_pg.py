@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -835,6 +836,35 @@ def test_a_backend_killed_right_before_commit_is_a_commit_that_did_not_happen(le
         ("claim", False, "aborted")
     ]
     assert sql(ledgers.dsn, "SELECT owner, token FROM jobs") == [("A", 1)]
+
+
+def test_a_crash_before_commit_is_not_taken_for_the_commit_that_got_its_id(ledgers: Ledgers) -> None:
+    """A backend crash right before COMMIT: recovery hands its transaction id to the next claim.
+
+    The server then calls that id committed. The claim reads its row back, finds it
+    missing and runs again: J1 is claimed once, by A, and its row is there.
+    """
+    a, b = ledgers.daemon("A"), ledgers.daemon("B")
+    noted: list[int] = []
+
+    def crash(conn: psycopg.Connection[Any]) -> None:
+        if noted:
+            return
+        row = conn.execute("SELECT txid_current()").fetchone()
+        assert row is not None
+        noted.append(int(row[0]))
+        os.kill(conn.info.backend_pid, signal.SIGKILL)  # the server restarts every backend, in place
+        assert b.claim([req("J2")]) == [Claimed("J2", 1)]  # waits for recovery; the first id after it
+
+    a.before_commit = crash
+    with structlog.testing.capture_logs() as logs:
+        assert a.claim([req("J1")]) == [Claimed("J1", 1)]
+    a.before_commit = None
+    # the case meant: the lost transaction's id was given to B's claim, which committed
+    assert sql(ledgers.dsn, "SELECT txid_status(%s)", (noted[0],)) == [("committed",)]
+    assert sql(ledgers.dsn, "SELECT job_id, owner, token FROM jobs ORDER BY 1") == [("J1", "A", 1), ("J2", "B", 1)]
+    unknown = [e for e in logs if e["event"] == "ledger.commit_unknown"]
+    assert [(e["step"], e["committed"], e["crashed"], e["rows"]) for e in unknown] == [("claim", False, True, "absent")]
 
 
 # -- migrate --------------------------------------------------------------------------------

@@ -21,6 +21,14 @@ connection the step is settled by the server's own record, never by a guess
 - aborted, or never reached the WAL (a crash): the step runs again;
 - forgotten by the server (far too old; not seen in practice): the read-back
   alone decides, and a step without one is idempotent and runs again.
+
+A server crash voids the record: an id whose transaction never reached the disk
+is handed out again after crash recovery (also the in-place recovery after one
+backend died), so "committed" may be another transaction's verdict. The step
+therefore notes a crash marker with its id (the last checkpoint's position: crash
+recovery always ends with a checkpoint; the server's start time where that
+function is not granted). When the marker moved, the read-back alone decides, and
+a step without one runs again.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ Conn = psycopg.Connection[TupleRow]
 Cur = psycopg.Cursor[TupleRow]
 
 _LOG_EVERY_S = 5.0
+# what moves when the server crashed (crash recovery ends with a checkpoint) and what it falls back to
+CHECKPOINT_MARKER: Final = "(SELECT checkpoint_lsn::text FROM pg_control_checkpoint())"
+START_MARKER: Final = "pg_postmaster_start_time()::text"
 _MAX_DELAY_S = 2.0
 # connection errors that no retry fixes (checked at open only; later they are waited out)
 _PERMANENT = (
@@ -255,6 +266,16 @@ class Runner:
         self.patience_s = patience_s
         #: test hook, called with the connection just before COMMIT is sent
         self.before_commit: Callable[[Conn], None] | None = None
+        #: SQL for a value that changes when the server crashed (see the module docstring)
+        self.crash_marker: str = START_MARKER
+
+    def choose_crash_marker(self) -> None:
+        """Use the checkpoint position as the crash marker when this role may read it."""
+        try:
+            self.run("crash_marker", lambda cur: cur.execute(f"SELECT {CHECKPOINT_MARKER}").fetchone())
+        except psycopg.Error:  # not granted here: the server's start time misses only in-place recovery
+            return
+        self.crash_marker = CHECKPOINT_MARKER
 
     def run(
         self,
@@ -277,18 +298,18 @@ class Runner:
         started = time.monotonic()
         # a daemon says at once that it waits; a command (bounded patience) answers before it would
         delay, logged, failures, outage = 0.05, (-_LOG_EVERY_S if patience is None else 0.0), 0, False
-        unknown: tuple[int, T] | None = None  # (transaction id, answer) of a commit whose outcome is unknown
+        unknown: tuple[int, str, T] | None = None  # (transaction id, crash marker, answer) of an unknown commit
         while True:
             try:
                 with self.pool.connection() as conn:
                     if unknown is not None:
-                        found = self._settle(conn, what, unknown[0], unknown[1], resolve)
+                        found = self._settle(conn, what, unknown, resolve)
                         unknown = None
                         if found is not None:
                             self._recovered(what, outage, failures, started)
                             return found.value
-                    xid, value = self._once(conn, body, write)
-                    unknown = (xid, value) if xid is not None else None  # until COMMIT answers
+                    noted, value = self._once(conn, body, write)
+                    unknown = (*noted, value) if noted is not None else None  # until COMMIT answers
                     if self.before_commit is not None:
                         self.before_commit(conn)
                     conn.commit()
@@ -320,24 +341,27 @@ class Runner:
                 time.sleep(pause if patience is None else max(0.0, min(pause, patience - waited)))
                 delay = min(delay * 2, _MAX_DELAY_S)
 
-    @staticmethod
-    def _once(conn: Conn, body: Body[T], write: bool) -> tuple[int | None, T]:
-        """Run body in a new transaction; for a write, note the transaction's id first."""
+    def _once(self, conn: Conn, body: Body[T], write: bool) -> tuple[tuple[int, str] | None, T]:
+        """Run body in a new transaction; for a write, note the transaction's id and the crash marker first."""
         with conn.cursor() as cur:
-            xid = None
+            noted = None
             if write:
-                row = cur.execute("SELECT txid_current()").fetchone()
-                xid = int(row[0]) if row else None
+                row = cur.execute(f"SELECT txid_current(), {self.crash_marker}").fetchone()
+                noted = (int(row[0]), str(row[1])) if row else None
             try:
-                return xid, body(cur)
+                return noted, body(cur)
             except Rollback:
                 conn.rollback()
                 raise
 
-    @staticmethod
-    def _settle(conn: Conn, what: str, xid: int, value: T, resolve: Resolve[T] | None) -> Found[T] | None:
-        """Did transaction ``xid`` commit? Found(its answer) if so, None if not; Again while undecided."""
+    def _settle(
+        self, conn: Conn, what: str, unknown: tuple[int, str, T], resolve: Resolve[T] | None
+    ) -> Found[T] | None:
+        """Did the noted transaction commit? Found(its answer) if so, None if not; Again while undecided."""
+        xid, marker, value = unknown
         with conn.cursor() as cur:
+            row = cur.execute(f"SELECT {self.crash_marker}").fetchone()
+            crashed = row is None or str(row[0]) != marker  # its id may have been handed out again
             try:
                 row = cur.execute(
                     "SELECT txid_status(%s), txid_visible_in_snapshot(%s, txid_current_snapshot())", (xid, xid)
@@ -347,20 +371,27 @@ class Runner:
                 conn.rollback()
                 status, visible = "aborted", False
             if status == "in progress" or (status == "committed" and not visible):
-                raise Again  # its backend has not finished with it yet
+                raise Again  # its backend (or, after a crash, the one given its id) has not finished yet
             rows = resolve(cur) if resolve is not None else None
         conn.rollback()  # settling writes nothing
         seen = "not read" if resolve is None else "written" if rows is not None else "absent"
-        if status == "committed":
+        if crashed or status not in ("committed", "aborted"):
+            # after a crash the id proves nothing; when forgotten, neither: the rows decide
+            # (a step without a read-back is idempotent and runs again)
+            found = rows
+        elif status == "committed":
             if seen == "absent":
                 log.warning("ledger.readback_differs", step=what, detail="committed, but its rows changed since")
-            found: Found[T] | None = Found(value)
-        elif status == "aborted":
+            found = Found(value)
+        else:
             found = None
-        else:  # the server no longer remembers it: the rows decide (a step without a read-back is idempotent)
-            found = rows
         log.warning(
-            "ledger.commit_unknown", step=what, committed=found is not None, status=status or "forgotten", rows=seen
+            "ledger.commit_unknown",
+            step=what,
+            committed=found is not None,
+            status=status or "forgotten",
+            rows=seen,
+            crashed=crashed,
         )
         return found
 

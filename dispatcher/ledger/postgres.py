@@ -149,6 +149,8 @@ class PostgresLedger(Ledger, LeasesInterface):
         try:
             step = pg_schema.check if readonly else pg_schema.ensure
             self._runner.run("schema", lambda cur: step(cur, self.where), fatal=permanent)
+            if not readonly:
+                self._runner.choose_crash_marker()
         except psycopg.Error as exc:  # not a wait: a missing privilege, an unusable database
             self._pool.close()
             if readonly:
