@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dispatcher.ledger.pg_conn import Cur, Found, PostgresLedgerError, Runner
+from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError, Runner
+from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import Entry, Extras, Gate, GateWait, Request, fold_waits
 
 COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"

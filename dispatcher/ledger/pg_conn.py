@@ -7,28 +7,8 @@ fresh connection with backoff (``ledger.reconnecting`` is logged) until it
 succeeds, ``patience_s`` runs out or ``give_up()`` says so (then
 ``LedgerUnavailable``).
 
-An error while COMMIT is on its way leaves the outcome unknown (PITFALLS: the
-server may have committed and lost only its answer). Every write step therefore
-notes its transaction id (``txid_current()``) before COMMIT, and on the next
-connection the step is settled by the server's own record, never by a guess
-(``ledger.commit_unknown`` is logged with the verdict):
-
-- still in progress, or committed but not yet visible to a new snapshot (its
-  backend has not yet noticed that its client went away): wait and ask again;
-- committed and visible: the step's answer is the one its body computed; the
-  step's read-back (the rows it meant to write: this daemon's owner with the
-  fencing token or nonce it planned) is checked against it;
-- aborted, or never reached the WAL (a crash): the step runs again;
-- forgotten by the server (far too old; not seen in practice): the read-back
-  alone decides, and a step without one is idempotent and runs again.
-
-A server crash voids the record: an id whose transaction never reached the disk
-is handed out again after crash recovery (also the in-place recovery after one
-backend died), so "committed" may be another transaction's verdict. The step
-therefore notes a crash marker with its id (the last checkpoint's position: crash
-recovery always ends with a checkpoint; the server's start time where that
-function is not granted). When the marker moved, the read-back alone decides, and
-a step without one runs again.
+An error while COMMIT is on its way leaves the outcome unknown; ``pg_settle``
+settles it by the server's own record before anything runs again.
 """
 
 from __future__ import annotations
@@ -39,8 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Final, Generic, Protocol, TypeVar, cast
+from typing import Any, Final, Protocol, TypeVar, cast
 
 import psycopg
 import structlog
@@ -48,6 +27,7 @@ from psycopg import conninfo as pg_conninfo
 from psycopg.rows import TupleRow
 
 from dispatcher.errors import UsageError, oneline
+from dispatcher.ledger.pg_settle import CHECKPOINT_MARKER, START_MARKER, Again, Resolve, Unknown, settle
 from dispatcher.ledger.records import LedgerUnavailable
 
 log = structlog.get_logger("dispatcher")
@@ -56,9 +36,6 @@ Conn = psycopg.Connection[TupleRow]
 Cur = psycopg.Cursor[TupleRow]
 
 _LOG_EVERY_S = 5.0
-# what moves when the server crashed (crash recovery ends with a checkpoint) and what it falls back to
-CHECKPOINT_MARKER: Final = "(SELECT checkpoint_lsn::text FROM pg_control_checkpoint())"
-START_MARKER: Final = "pg_postmaster_start_time()::text"
 _MAX_DELAY_S = 2.0
 # connection errors that no retry fixes (checked at open only; later they are waited out)
 _PERMANENT = (
@@ -80,10 +57,6 @@ class PostgresLedgerError(UsageError):
         super().__init__(oneline(message))
 
 
-class Again(Exception):
-    """Raised inside a step to run it again from the start (a row vanished between two statements)."""
-
-
 class Rollback(Exception):
     """Raised inside a step to roll its transaction back and return ``value`` (nothing was done)."""
 
@@ -92,15 +65,7 @@ class Rollback(Exception):
         self.value = value
 
 
-@dataclass(frozen=True, slots=True)
-class Found(Generic[T]):
-    """A read-back's verdict: the step's transaction committed, and this is its answer."""
-
-    value: T
-
-
 Body = Callable[[Cur], T]
-Resolve = Callable[[Cur], "Found[T] | None"]
 
 
 def describe(url: str) -> str:
@@ -298,18 +263,18 @@ class Runner:
         started = time.monotonic()
         # a daemon says at once that it waits; a command (bounded patience) answers before it would
         delay, logged, failures, outage = 0.05, (-_LOG_EVERY_S if patience is None else 0.0), 0, False
-        unknown: tuple[int, str, T] | None = None  # (transaction id, crash marker, answer) of an unknown commit
+        unknown: Unknown[T] | None = None  # a commit whose outcome is unknown
         while True:
             try:
                 with self.pool.connection() as conn:
                     if unknown is not None:
-                        found = self._settle(conn, what, unknown, resolve)
+                        found = settle(conn, what, unknown, resolve, self.crash_marker)
                         unknown = None
                         if found is not None:
                             self._recovered(what, outage, failures, started)
                             return found.value
                     noted, value = self._once(conn, body, write)
-                    unknown = (*noted, value) if noted is not None else None  # until COMMIT answers
+                    unknown = Unknown(*noted, value) if noted is not None else None  # until COMMIT answers
                     if self.before_commit is not None:
                         self.before_commit(conn)
                     conn.commit()
@@ -353,47 +318,6 @@ class Runner:
             except Rollback:
                 conn.rollback()
                 raise
-
-    def _settle(
-        self, conn: Conn, what: str, unknown: tuple[int, str, T], resolve: Resolve[T] | None
-    ) -> Found[T] | None:
-        """Did the noted transaction commit? Found(its answer) if so, None if not; Again while undecided."""
-        xid, marker, value = unknown
-        with conn.cursor() as cur:
-            row = cur.execute(f"SELECT {self.crash_marker}").fetchone()
-            crashed = row is None or str(row[0]) != marker  # its id may have been handed out again
-            try:
-                row = cur.execute(
-                    "SELECT txid_status(%s), txid_visible_in_snapshot(%s, txid_current_snapshot())", (xid, xid)
-                ).fetchone()
-                status, visible = (row[0], bool(row[1])) if row else (None, False)
-            except psycopg.errors.InvalidParameterValue:  # "in the future": it never reached the WAL
-                conn.rollback()
-                status, visible = "aborted", False
-            if status == "in progress" or (status == "committed" and not visible):
-                raise Again  # its backend (or, after a crash, the one given its id) has not finished yet
-            rows = resolve(cur) if resolve is not None else None
-        conn.rollback()  # settling writes nothing
-        seen = "not read" if resolve is None else "written" if rows is not None else "absent"
-        if crashed or status not in ("committed", "aborted"):
-            # after a crash the id proves nothing; when forgotten, neither: the rows decide
-            # (a step without a read-back is idempotent and runs again)
-            found = rows
-        elif status == "committed":
-            if seen == "absent":
-                log.warning("ledger.readback_differs", step=what, detail="committed, but its rows changed since")
-            found = Found(value)
-        else:
-            found = None
-        log.warning(
-            "ledger.commit_unknown",
-            step=what,
-            committed=found is not None,
-            status=status or "forgotten",
-            rows=seen,
-            crashed=crashed,
-        )
-        return found
 
     @staticmethod
     def _recovered(what: str, outage: bool, failures: int, started: float) -> None:

@@ -20,7 +20,8 @@ import time
 import psycopg
 import structlog
 
-from dispatcher.ledger.pg_conn import Conn, Cur, Found, PostgresLedgerError, Runner
+from dispatcher.ledger.pg_conn import Conn, Cur, PostgresLedgerError, Runner
+from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import DaemonInfo, LedgerUnavailable
 
 log = structlog.get_logger("dispatcher")
