@@ -63,6 +63,30 @@ def test_a_change_outside_writes_fails_writes_scope_naming_the_paths(env: Env, t
     assert "    changed: docs/notes.md, src/ok.py, top.txt" in shown
 
 
+def test_links_out_of_the_worktree_hard_links_and_fifos_fail_writes_scope(env: Env, tmp_path: Path) -> None:
+    """The link, hard-link and FIFO rules of writes_scope hold in the worktree as they do in work/."""
+    repo = make_repo(tmp_path / "shop")
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not the job's\n")
+    cases = {
+        "L1": (["--symlink", f"src/link.txt={outside}"], "src/link.txt is a link that points outside the workspace"),
+        "L2": (["--symlink", "src/up=../../../.."], "src/up is a link that points outside the workspace"),
+        "L3": (["--hardlink", f"src/hard.txt={outside}"], "src/hard.txt has 2 hard links"),
+        "L4": (["--fifo", "src/fifo"], "src/fifo is a FIFO"),
+        "L5": (["--symlink", "src/ok.txt=../README.md"], None),  # a link that stays in the tree is fine
+    }
+    env.configure(agents={key: coder(env, repo, *flags) for key, (flags, _) in cases.items()})
+    for key in cases:
+        env.drop(code_order(key, to=key))
+    d = env.daemon()
+    results = {key: env.wait_job(key, "failed" if why else "done") for key, (_, why) in cases.items()}
+    d.stop()
+    for key, (_, why) in cases.items():
+        if why is not None:
+            assert results[key]["reason"] == f"writes_scope: {why}", key
+    assert git(repo, "ls-tree", "--name-only", "-r", "dispatch/L5").split() == ["README.md", "src/app.py", "src/ok.txt"]
+
+
 def test_a_chain_of_three_with_base_parent_ends_with_one_line_of_commits(env: Env, tmp_path: Path) -> None:
     """coder -> reviewer -> fixer, each from its parent's head: the last branch holds all three commits in a line."""
     repo = make_repo(tmp_path / "shop")

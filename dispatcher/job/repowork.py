@@ -25,6 +25,7 @@ import structlog
 from dispatcher import faults
 from dispatcher.job import afterowed, hooks, landing, worktree
 from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
+from dispatcher.job.treehazards import hazard
 from dispatcher.job.worktree import GitError, Workspace
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
@@ -48,6 +49,12 @@ def repo_lock(repo: str) -> asyncio.Lock:
 
 class WorkspaceFailed(Exception):
     """The job's worktree could not be made: the job fails with this reason (no attempt runs)."""
+
+
+def _snapshot(ws: Workspace, out: Path) -> list[str] | str:
+    """Save the worktree's change (io pool); return its paths, or the writes_scope rule it breaks."""
+    names = worktree.snapshot(ws, out)
+    return hazard(ws.path, names) or names
 
 
 def parent_head(layout: Layout, parent: str | None, repo: str) -> str:
@@ -121,7 +128,8 @@ class JobRepo:
         """Save attempt n's change against base; return the changed paths, why they are unknown, or None.
 
         None: the job has no workspace. A text: the change could not be read (the
-        worktree is gone, git failed), which writes_scope then fails with.
+        worktree is gone, git failed) or breaks a rule of writes_scope (a link out of
+        the worktree, a hard link, a FIFO: ``treehazards``), which writes_scope then fails with.
         """
         if self.ws is None or n < 1:
             return None
@@ -129,7 +137,7 @@ class JobRepo:
             return "the workspace is gone"
         out = self.folder.attempts_dir / str(n)
         try:
-            return await self.lanes.io(worktree.snapshot, self.ws, out)
+            return await self.lanes.io(_snapshot, self.ws, out)
         except (GitError, OSError) as exc:
             log.warning("workspace.diff_failed", attempt=n, error=str(exc))
             return f"the change could not be read: {exc}"

@@ -5,7 +5,8 @@ Every start is appended to ``--count`` (``job_id attempt pid``), its folder to `
 writes a file (relative to the working folder, or absolute); ``--append PATH=TEXT``
 appends a line; ``--try-write PATH`` tries to write and records in ``--report`` whether
 it could (a sandbox test); ``--connect PORT`` tries 127.0.0.1:PORT and records the
-outcome; ``--commit`` commits its changes; ``--sleep S`` sleeps first. It then writes
+outcome; ``--symlink PATH=TARGET``, ``--hardlink PATH=TARGET`` and ``--fifo PATH`` make
+a link or a FIFO; ``--commit`` commits its changes; ``--sleep S`` sleeps first. It then writes
 its receipt to $DISPATCH_RECEIPT.
 """
 
@@ -27,6 +28,9 @@ def main() -> int:
     p.add_argument("--append", action="append", default=[])
     p.add_argument("--binary", action="append", default=[], help="write 256 bytes 0..255 to this path")
     p.add_argument("--try-write", action="append", default=[])
+    p.add_argument("--symlink", action="append", default=[])
+    p.add_argument("--hardlink", action="append", default=[])
+    p.add_argument("--fifo", action="append", default=[])
     p.add_argument("--connect", type=int)
     p.add_argument("--report")
     p.add_argument("--commit", action="store_true")
@@ -50,6 +54,13 @@ def main() -> int:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a" if spec in a.append else "w") as f:
             f.write(text.replace("{job}", job) + "\n")
+    for spec in a.symlink + a.hardlink:
+        path, _, target = spec.partition("=")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        (os.symlink if spec in a.symlink else os.link)(target, path)
+    for path in a.fifo:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path)
     for path in a.binary:
         Path(path).write_bytes(bytes(range(256)))
     for path in a.try_write:

@@ -1,0 +1,64 @@
+"""The link, hard-link and special-file rules of ``writes_scope``, applied to a job's worktree.
+
+In ``work/`` the rules are checked on the walk that gathers the evidence. With a
+git workspace the agent works in its worktree instead, where git itself would take
+a link out of the tree onto the branch (and ``land`` would push it), and never
+lists a FIFO at all. So the worktree is walked too (its ``.git`` file aside):
+
+- a changed path that is a link pointing outside the worktree;
+- a changed regular file with more than one hard link;
+- a FIFO, socket or device anywhere (git tracks none, so each is the agent's).
+
+Links and files the job did not change (the repository's own) are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+
+from dispatcher.fsutil import kind_of
+
+
+def hazard(tree: str, changed: Iterable[str]) -> str | None:
+    """Return the first rule the worktree at ``tree`` breaks, in writes_scope's words; None if none."""
+    root = os.path.normpath(tree)
+    for rel in changed:
+        path = os.path.join(root, rel)
+        try:
+            st = os.lstat(path)
+        except OSError:  # deleted by the change
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            resolved = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+            if resolved != root and not resolved.startswith(root + os.sep):
+                return f"{rel} is a link that points outside the workspace"
+        elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            return f"{rel} has {st.st_nlink} hard links"
+    return _special(root)
+
+
+def _special(root: str) -> str | None:
+    """Return the first FIFO, socket or device under root (its top-level ``.git`` aside), described."""
+    stack = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
+        try:
+            it = os.scandir(folder)
+        except OSError:
+            continue
+        with it:
+            for de in it:
+                rel = prefix + de.name
+                if rel == ".git":
+                    continue
+                try:
+                    mode = de.stat(follow_symlinks=False).st_mode
+                except OSError:
+                    continue
+                if stat.S_ISDIR(mode):
+                    stack.append((de.path, rel + "/"))
+                elif not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                    return f"{rel} is a {kind_of(mode)}"
+    return None
