@@ -383,6 +383,21 @@ def test_10_a_lost_ledger_stops_the_daemon_until_it_is_rebuilt(env: Env) -> None
     assert starts(env, "LOST-1") == 1
 
 
+def test_10_rebuild_refuses_a_config_whose_ledger_is_postgresql(env: Env) -> None:
+    """`ledger rebuild` makes the SQLite ledger only: with a PostgreSQL ledger it refuses and leaves every file."""
+    env.drop(plain("PG-1"))
+    assert env.cli("run", "--once").returncode == 0
+    state = env.root / ".state"
+    before = {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()}
+    env.configure(ledger="postgresql://dispatcher@127.0.0.1:9/dispatcher")  # never reached: refused first
+    proc = env.cli("ledger", "rebuild")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"{env.config_path}: ledger: `ledger rebuild` makes the SQLite ledger again")
+    assert "dispatcher ledger migrate URL" in proc.stderr
+    assert {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()} == before
+
+
 def test_10_an_emptied_ledger_is_refused_like_a_lost_one(env: Env) -> None:
     """(10) a ledger truncated to nothing over existing jobs: the daemon refuses to start on it."""
     env.drop(plain("TRUNC-1"))

@@ -218,6 +218,13 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     if args.action == "rebuild":
         from dispatcher.ops.rebuild import rebuild
 
+        if cfg.ledger != "sqlite":  # its daemons may be alive on other hosts; the folders cannot stand in for it
+            raise UsageError(
+                f"{cfg.path}: ledger: `ledger rebuild` makes the SQLite ledger again, and this config's ledger"
+                " is PostgreSQL: restore its database, or rebuild with `ledger: sqlite` and copy that into an"
+                " empty PostgreSQL ledger with `dispatcher ledger migrate URL`"
+            )
+
         counts = rebuild(layout)
         total = sum(counts.values())
         detail = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"

@@ -78,7 +78,8 @@ def open_ledger(
             pg.close()
             raise LedgerLost(
                 f"{layout.root}: the PostgreSQL ledger is empty but job folders exist; copy the SQLite ledger"
-                " into it first with `dispatcher ledger migrate URL` (or rebuild it from the folders)"
+                " into it first with `dispatcher ledger migrate URL` (`ledger: sqlite` in the config meanwhile;"
+                " `dispatcher ledger rebuild` makes that one again from the folders if it is lost)"
             )
         return pg
     from dispatcher.ledger.netfs import filesystem_kind
