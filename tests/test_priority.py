@@ -91,6 +91,29 @@ def test_an_order_not_started_by_expires_is_refused_as_expired(env: Env) -> None
     assert d.stop() == 0
 
 
+def test_unquoted_yaml_times_and_the_basic_format_are_iso_8601_times(env: Env) -> None:
+    """`not_before:` and `expires:` written unquoted in YAML (the README's way) or in basic format are times.
+
+    The order keeps each as the text given; an unquoted date in any other field is still refused.
+    """
+    soon = datetime.fromtimestamp(time.time() + 2, UTC).replace(microsecond=0)
+    head = "from: tester\nto: worker\ntask: Copy the rows.\nitems:\n  - id: R1\n"
+    env.drop(f"job_id: plain\n{head}not_before: {soon:%Y-%m-%dT%H:%M:%S}Z\nexpires: 2999-01-01\n", name="plain.yaml")
+    env.drop(f"job_id: basic\n{head}not_before: '{soon:%Y%m%dT%H%M%S}Z'\n", name="basic.yaml")
+    env.drop(f"job_id: gone\n{head}expires: 2001-01-01 00:00:00\n", name="gone.yaml")
+    env.drop(f"job_id: dated\n{head}meta:\n  day: 2026-12-01\n", name="dated.yaml")
+    d = env.daemon()
+    for job_id in ("plain", "basic"):
+        result = env.wait_job(job_id, "done")
+        received = datetime.fromisoformat(result["received"].replace("Z", "+00:00"))
+        assert received.timestamp() >= soon.timestamp() - 0.01, job_id
+    assert env.wait_refused("gone")["reason"] == "expired"
+    assert env.wait_refused("dated")["reason"] == "meta.day: a date value is not allowed (quote it to make it a string)"
+    assert d.stop() == 0
+    body = json.loads((env.job_dir("plain", "done") / "work" / "order.json").read_text())
+    assert (body["not_before"], body["expires"]) == (f"{soon:%Y-%m-%dT%H:%M:%S}Z", "2999-01-01")
+
+
 def test_cancel_of_an_order_not_due_yet_takes_effect_at_once(env: Env) -> None:
     """`cancel` of an order held back by not_before fails it (cancelled) within seconds, not at its due time."""
     d = env.daemon()

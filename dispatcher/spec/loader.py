@@ -67,6 +67,8 @@ def _construct_mapping(loader: yaml.constructor.SafeConstructor, node: yaml.Mapp
     seen: set[Any] = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, YamlTime):
+            raise OrderError(f"mapping key {key} is {key.kind}, not a string (line {key_node.start_mark.line + 1})")
         if not isinstance(key, str):
             raise OrderError(
                 f"mapping key {_shown(key)} is {describe(key)}, not a string (line {key_node.start_mark.line + 1})"
@@ -78,13 +80,26 @@ def _construct_mapping(loader: yaml.constructor.SafeConstructor, node: yaml.Mapp
     return mapping
 
 
+class YamlTime(str):
+    """An unquoted YAML date or time, kept as its text: a value only where the contract takes a time."""
+
+    kind: str  # "date" or "datetime", as YAML read it
+
+
+#: top-level order fields that take an ISO 8601 time, where an unquoted YAML time is welcome
+TIME_FIELDS = frozenset({"not_before", "expires"})
+
+
 def _timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
-    """SafeConstructor's timestamp, with an impossible date (month 13) refused as an OrderError."""
+    """An unquoted YAML date or time as its text (YamlTime); an impossible one (month 13) is an OrderError."""
     assert isinstance(node, yaml.ScalarNode)  # noqa: S101 - the timestamp tag is resolved on scalars only
     try:
-        return yaml.constructor.SafeConstructor.construct_yaml_timestamp(loader, node)
+        moment = yaml.constructor.SafeConstructor.construct_yaml_timestamp(loader, node)
     except (ValueError, OverflowError) as exc:
         raise OrderError(f"{node.value} is not a valid date or time: {exc} (line {node.start_mark.line + 1})") from None
+    text = YamlTime(node.value)
+    text.kind = type(moment).__name__
+    return text
 
 
 def _shown(key: Any) -> str:
@@ -215,6 +230,8 @@ def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
         for i, item in enumerate(value):
             check_json_value(item, f"{path}[{i}]", depth + 1)
     elif isinstance(value, str):
+        if isinstance(value, YamlTime) and path not in TIME_FIELDS:
+            raise OrderError(f"a {value.kind} value is not allowed (quote it to make it a string)", field=path or None)
         if (bad := _lone_surrogate(value)) is not None:
             raise OrderError(_SURROGATE.format(bad), field=path or None)
     elif isinstance(value, float):
