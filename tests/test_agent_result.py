@@ -242,3 +242,13 @@ def test_log_line_led_by_a_brace_after_the_result_hides_it() -> None:
     """A line printed after the result, even one starting with `{`, means stdout does not end with it."""
     text = json.dumps(RESULT) + "\n{ not json }"
     assert parse_agent_result(text.encode()) is None
+
+
+def test_a_number_beyond_a_float_and_the_non_json_constants_read_as_null() -> None:
+    """1e400 is valid JSON but no float; NaN and Infinity are not JSON: each is null, never inf or nan."""
+    assert parse_agent_result(b'{"total_cost_usd": 1e400, "n": -1e999, "ok": 0.5}') == {
+        "total_cost_usd": None,
+        "n": None,
+        "ok": 0.5,
+    }
+    assert parse_agent_result(b'{"a": NaN, "b": Infinity, "c": -Infinity}') == {"a": None, "b": None, "c": None}

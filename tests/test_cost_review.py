@@ -58,6 +58,30 @@ def test_costs_are_summed_over_attempts_and_the_chain(env: Env) -> None:
     assert {r["job_id"]: r["cost_usd"] for r in listed}["PARENT-1"] == pytest.approx(0.5)
 
 
+def test_a_cost_beyond_a_float_or_below_zero_is_no_cost_and_every_file_stays_json(env: Env) -> None:
+    """total_cost_usd of 1e400 (valid JSON, no float) or -5 is not a cost: null, and result.json and logs parse."""
+
+    def strict(text: str) -> Any:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text[:200]}"))
+
+    report = {"huge": '{"type": "result", "total_cost_usd": 1e400}', "negative": '{"total_cost_usd": -5}'}
+    env.configure(agents={name: env.agent("--json-result", text) for name, text in report.items()})
+    d = env.daemon()
+    for name in report:
+        env.drop(order(f"{name}-1", to=name))
+    results = {name: env.wait_job(f"{name}-1", "done") for name in report}
+    assert d.stop() == 0
+    for name, result in results.items():
+        assert result["cost_usd"] is None and result["attempts"][0]["cost_usd"] is None, name
+        strict((env.job_dir(f"{name}-1", "done") / "result.json").read_text())
+    lines = [line for line in d.out.read_text().splitlines() if line.startswith("{")]
+    assert any('"agent.exited"' in line for line in lines)
+    for line in lines:
+        strict(line)
+    shown = strict(env.cli("show", "huge-1", "--json", check=True).stdout)
+    assert shown["cost_usd"] is None
+
+
 def test_max_cost_usd_stops_further_attempts(env: Env) -> None:
     """Once a job's attempts cost more than max_cost_usd it gets no further attempt; the reason says so."""
     agent = costly(env, 0.25, "--exit", "1", retry_safe=True, max_attempts=5, max_cost_usd=0.3)

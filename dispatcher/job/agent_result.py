@@ -12,6 +12,7 @@ failed parses, not a million.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import deque
 from typing import Any
@@ -27,7 +28,16 @@ AGENT_RESULT_KEYS = (
 )
 # Each try parses at most the rest of the tail, so the work is at most this many passes over it.
 MAX_TRIES = 8
-_DECODER = json.JSONDecoder()
+
+
+def _finite(text: str) -> float | None:
+    """A JSON number beyond a float's range (1e400) is no number to record: null."""
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+# NaN and Infinity are not JSON, and a number that overflows would print as one: both read as null
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=lambda _name: None)
 
 
 def parse_agent_result(tail: bytes) -> dict[str, Any] | None:

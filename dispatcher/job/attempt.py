@@ -17,7 +17,7 @@ from dispatcher.checks.builtin import Exit
 from dispatcher.job import sandbox
 from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env
 from dispatcher.job.worktree import Workspace
-from dispatcher.spec.jobspec import Attempt, JobSpec, prompt_values, render
+from dispatcher.spec.jobspec import Attempt, JobSpec, is_cost, prompt_values, render
 from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
 
@@ -74,7 +74,7 @@ def session_before(session_id: str | None, earlier: Sequence[Attempt]) -> float 
     for a in reversed(earlier):
         if session_of(a) == session_id and a.agent_result is not None:
             total = a.agent_result.get("total_cost_usd")
-            if isinstance(total, (int, float)) and not isinstance(total, bool):
+            if is_cost(total):
                 return float(total)
     return None
 

@@ -9,12 +9,13 @@ config when an operator retries it). ``Attempt`` is one run of the agent as
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from dispatcher.clock import iso, parse_iso
 from dispatcher.spec.settings import Agent
@@ -95,6 +96,11 @@ class JobSpec:
         return replace(self, given={**self.given, name: sha})
 
 
+def is_cost(value: Any) -> TypeGuard[int | float]:
+    """Is value a cost an agent may report: a finite number, 0 or more (never true or false)?"""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+
+
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """One run of the agent (``attempts/<n>/attempt.json``)."""
@@ -126,7 +132,7 @@ class Attempt:
         """
         ar = self.agent_result
         cost = ar.get("total_cost_usd") if isinstance(ar, Mapping) else None
-        if not isinstance(cost, (int, float)) or isinstance(cost, bool):
+        if not is_cost(cost):
             return None
         before = self.extra.get("session_cost_before_usd")
         if isinstance(before, (int, float)) and not isinstance(before, bool):
