@@ -50,6 +50,27 @@ def test_an_agent_cap_reached_mid_run_holds_the_next_attempts(env: Env) -> None:
     assert len([e for e in d.events() if e.get("event") == "budget.gated"]) == 1
 
 
+def test_a_retry_after_the_cap_is_reached_waits_and_its_spend_stays_counted(env: Env) -> None:
+    """1 USD an attempt, cap 1.5, F1 and G1 failed: `retry F1` waits gated; the 24 h spend stays 2 USD."""
+    cost = json.dumps({"type": "result", "total_cost_usd": 1.0})
+    worker = env.agent("--json-result", cost, "--fail-attempts", "1", max_daily_cost_usd=1.5, max_attempts=1)
+    env.configure(agents={"worker": worker}, max_jobs=1)
+    env.drop(order("F1"))
+    env.drop(order("G1"))
+    assert env.cli("run", "--once").returncode == 1
+    assert [env.result(j, "failed")["cost_usd"] for j in ("F1", "G1")] == [1.0, 1.0]
+    d = env.daemon()
+    d.wait_ready()
+    assert env.cli("retry", "F1").returncode == 0
+    gated = d.wait_event("budget.gated", agent="worker")
+    assert gated["reason"] == "2 USD in 24 h reached max_daily_cost_usd 1.5"
+    time.sleep(1.5)
+    assert len(env.starts()) == 2  # F1's retry did not start
+    info = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert info["spend_24h"] == {"worker": 2.0}
+    assert d.stop() == 0
+
+
 def test_the_root_cap_holds_every_agent(env: Env) -> None:
     """max_daily_cost_usd at the root, 0.5: after a 0.3 and a 0.3 job of two agents, neither starts again."""
     env.configure(agents={"a": agent(env, "a", 0.3), "b": agent(env, "b", 0.3)}, max_daily_cost_usd=0.5, max_jobs=1)
@@ -90,9 +111,9 @@ def test_the_24_hour_spend_reads_an_index_not_every_finished_job(tmp_path: Path)
     plan = (
         sqlite3.connect(tmp_path / "ledger.sqlite3")
         .execute(
-            "EXPLAIN QUERY PLAN SELECT updated, coalesce(agent, '-'), cost_usd FROM jobs WHERE state IN (?, ?, ?)"
+            "EXPLAIN QUERY PLAN SELECT updated, coalesce(agent, '-'), cost_usd FROM jobs WHERE state IN (?, ?, ?, ?)"
             " AND updated >= ? AND cost_usd IS NOT NULL ORDER BY updated",
-            ("done", "failed", "review", now - 86400),
+            ("done", "failed", "review", "claimed", now - 86400),
         )
         .fetchall()
     )

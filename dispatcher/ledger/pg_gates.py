@@ -108,8 +108,12 @@ class Gates:
         return {r[0]: r[1] for r in rows}
 
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:
-        """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first."""
-        states = [str(Row.DONE), str(Row.FAILED), str(Row.REVIEW)]
+        """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first.
+
+        A job run again (``retry``, ``revise``) is claimed again with the cost of its
+        earlier attempts: that spend stays counted, from the moment it was taken back.
+        """
+        states = [str(Row.DONE), str(Row.FAILED), str(Row.REVIEW), str(Row.CLAIMED)]
         rows = self.runner.run(
             "costs_since",
             lambda cur: cur.execute(

@@ -79,11 +79,15 @@ class SqliteGates(SqliteDb):
         return {r[0]: r[1] for r in rows}
 
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:
-        """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first."""
-        states = (str(Row.DONE), str(Row.FAILED), str(Row.REVIEW))
+        """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first.
+
+        A job run again (``retry``, ``revise``) is claimed again with the cost of its
+        earlier attempts: that spend stays counted, from the moment it was taken back.
+        """
+        states = (str(Row.DONE), str(Row.FAILED), str(Row.REVIEW), str(Row.CLAIMED))
         rows = self._read(
             lambda db: db.execute(
-                "SELECT updated, coalesce(agent, '-'), cost_usd FROM jobs WHERE state IN (?, ?, ?)"
+                "SELECT updated, coalesce(agent, '-'), cost_usd FROM jobs WHERE state IN (?, ?, ?, ?)"
                 " AND updated >= ? AND cost_usd IS NOT NULL ORDER BY updated",
                 (*states, since),
             ).fetchall()

@@ -109,8 +109,9 @@ def spend_since(ledger: Ledger, since: float) -> dict[str, float]:
 
     Read from the ledger: each finished row (done, failed, review) carries its
     job's ``cost_usd`` (the sum over its attempts) and ``updated``, the time it
-    finished. A job counts whole in the window it finished in, so a retried
-    job's earlier attempts count again when it finishes again.
+    finished. A job counts whole in the window it finished in; a job run again
+    (retry, revise) keeps its earlier attempts' cost counted while it runs, from
+    the time it was taken back, and counts whole again when it finishes.
     """
     spend: dict[str, float] = {}
     for _finished, agent, cost_usd in ledger.costs_since(since):  # an index on the finish time: no full scan
