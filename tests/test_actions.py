@@ -126,6 +126,18 @@ def test_retry_of_several_ids_from_stdin_retries_the_failed_ones(env: Env) -> No
     assert sorted(job for job, attempt in env.starts() if attempt == 2) == ["R-1", "R-2"]
 
 
+def test_run_once_ends_after_a_retried_job_fails_again(env: Env) -> None:
+    """`retry` of a job that fails again: the next `run --once` runs it once more and exits 1, not hangs."""
+    env.configure(agents={"worker": env.agent("--exit", "1")}, rescan_interval=300)
+    env.drop(order("AGAIN-1"))
+    assert run_once(env) == 1
+    assert env.cli("retry", "AGAIN-1").returncode == 0
+    started = time.monotonic()
+    assert env.cli("run", "--once", timeout=60).returncode == 1
+    assert time.monotonic() - started < 30  # it ended with its work, not at a rescan
+    assert [attempt for job, attempt in env.starts() if job == "AGAIN-1"] == [1, 2]
+
+
 def test_cancel_of_several_ids_cancels_each_queued_one(env: Env) -> None:
     """`cancel A B C` cancels each queued job; a finished one fails on its own with exit 1."""
     env.drop(order("DONE-1"))

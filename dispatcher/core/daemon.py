@@ -215,7 +215,7 @@ class Daemon:
         if self.stopping:
             return not (self.sched.running or self.sched.inflight)
         if self.once:
-            return not (self.sched.busy() or len(self.inbox) or self.house.retry_pending or self.house.busy)
+            return not (self.sched.busy() or len(self.inbox) or self.house.busy)
         return False
 
     async def wait(self) -> None:

@@ -81,7 +81,6 @@ class Housekeeping:
         self.check_watch = check_watch  # restarts the watch of inbox/ if it died
         self.wake = wake
         self.shared = shared  # a ledger with leases: a dead daemon's jobs were lost with their host
-        self.retry_pending = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._checking = False
         self._settle_due: float | None = None
@@ -213,10 +212,8 @@ class Housekeeping:
                 # no order with this id is left anywhere: a later order reusing the id is not cancelled
                 await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)
                 log.info("cancel.dropped", job_id=job_id, reason="no queued order has this job id")
-        retries = await lanes.io(ledger.requests, Request.RETRY)
-        self.retry_pending = bool(retries)
-        if not self.ctx.stopping():
-            for job_id in retries:
+        if not self.ctx.stopping():  # a request parked here keeps `run --once` going (scheduler.busy)
+            for job_id in await lanes.io(ledger.requests, Request.RETRY):
                 folder = JobFolder(layout.job(State.FAILED, job_id))
                 try:
                     agent = (await lanes.io(folder.spec)).agent.name
