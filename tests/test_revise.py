@@ -75,6 +75,39 @@ def test_a_reviewed_job_is_revised_with_the_note_and_the_last_checks(env: Env) -
     assert json.loads((env.root / "done" / "REVISE-1" / "result.json").read_text())["state"] == "done"
 
 
+def test_approve_after_revisions_releases_only_the_last_attempts_follow_ups(env: Env) -> None:
+    """Each attempt hands off `<id>-c<attempt>`: after two revisions, approve releases V1-c3 alone, once."""
+    script = env.tmp / "parent.sh"
+    script.write_text(
+        "#!/bin/sh\nmkdir -p outbox\n"
+        'printf \'{"job_id":"%s-c%s","from":"parent","to":"child","task":"t","items":[{"id":"R1"}]}\' '
+        '"$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" > outbox/next.json\n'
+        'printf \'{"job_id":"%s","input_ids":["A"],"output_ids":[],"status":"done"}\' "$DISPATCH_JOB_ID"'
+        ' > "$DISPATCH_RECEIPT"\n'
+    )
+    script.chmod(0o755)
+    log_file = env.tmp / "events.jsonl"
+    env.configure(
+        agents={"parent": {"command": [str(script)], "review": True}, "child": env.agent()}, log_file=str(log_file)
+    )
+    d = env.daemon()
+    env.drop({"job_id": "V1", "from": "tester", "to": "parent", "task": "Hand on.", "items": [{"id": "A"}]})
+    in_review(env, "V1", 1)
+    for n in (2, 3):
+        env.cli("revise", "V1", "--note", f"round {n}", check=True)
+        in_review(env, "V1", n)
+    approved = env.cli("approve", "V1", check=True)
+    env.wait_job("V1-c3", "done")
+    assert d.stop() == 0
+    assert approved.stdout == "V1: approved; done\n"
+    events = [json.loads(line) for line in log_file.read_text().splitlines()]
+    assert [e["job_id"] for e in events if e["event"] == "followup.released"] == ["V1-c3"]
+    assert [e for e in events if e["event"] == "job.refused"] == []
+    assert json.loads(env.cli("show", "V1-c3", "--json", check=True).stdout)["state"] == "done"
+    for stale in ("V1-c1", "V1-c2"):
+        assert env.cli("show", stale).returncode == 1  # never a job, never reserved
+
+
 def test_a_failed_job_is_revised_and_max_revisions_bounds_it(env: Env) -> None:
     """revise from failed/ runs it once more; past max_revisions, and for a done job, revise exits 1."""
     plan = {"limit": {"times": 1, "stderr": "Error: the API answered 500", "exit": 1}}

@@ -238,6 +238,8 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteBulk, Ledger):
                 "UPDATE jobs SET state = 'claimed', owner = ?, token = ?, updated = ? WHERE job_id = ?",
                 (self.owner, entry.token + 1, now(), job_id),
             )
+            # the reviewed attempt's follow-ups go with it: the new attempt writes its own outbox
+            db.execute("DELETE FROM jobs WHERE parent = ? AND state = 'reserved'", (job_id,))
             return entry.token + 1
 
         return self._tx(body)
