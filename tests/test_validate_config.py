@@ -132,6 +132,18 @@ def test_timeout_errors_show_numbers_as_written_not_as_floats(tmp_path: Path) ->
     assert stderr_lines(proc) == ["o.json: timeout: 4000 is above max_timeout (3600)"]
 
 
+def test_a_max_timeout_below_the_default_agent_timeout_is_one_line(tmp_path: Path) -> None:
+    """An agent without a timeout has 600 s: `max_timeout: 100` refuses it in one line, exit 2, no traceback."""
+    cfg = config(tmp_path, {"w": {"command": ["python3"]}}, max_timeout=100)
+    (tmp_path / "dispatch").mkdir()
+    for args in (["validate", "--config", cfg.name], ["--config", cfg.name, "status"], ["--config", cfg.name, "list"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "dispatcher", *args], capture_output=True, text=True, cwd=tmp_path, env=cli_env()
+        )
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert stderr_lines(proc) == ["dispatcher.yaml: agents.w.timeout: 600 (the default) is above max_timeout (100)"]
+
+
 def test_order_errors_quote_values_without_python_escapes(tmp_path: Path) -> None:
     """An unknown agent or a repeated item id is quoted plainly, even when it holds a quote character."""
     cfg = config(tmp_path, {"w": {"command": ["python3"]}})

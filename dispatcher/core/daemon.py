@@ -337,6 +337,9 @@ class Daemon:
         except (ConfigError, OSError) as exc:
             log.error("config.rejected", error=str(exc))
             return
+        except Exception as exc:  # a fault in reading it must not end a running daemon: the old config stays
+            log.exception("config.rejected", error=f"{type(exc).__name__}: {exc}")
+            return
         if new.metrics_file != self.config.metrics_file:  # set, moved or unset: takes effect now
             self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
             self.house.metrics_now()

@@ -138,7 +138,8 @@ def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> C
         agent = _build_agent(agent_name, spec, base)
         if agent.timeout_s > max_timeout:
             raise ConfigError(
-                f"{number(spec['timeout'])} is above max_timeout ({number(max_timeout)})",
+                f"{number(agent.timeout_s)}{'' if 'timeout' in spec else ' (the default)'}"
+                f" is above max_timeout ({number(max_timeout)})",
                 field=f"agents.{agent_name}.timeout",
             )
         agents[agent_name] = agent
