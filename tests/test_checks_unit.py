@@ -133,7 +133,8 @@ CASES = [
     # receipt_job_id
     ("receipt_job_id", evidence(), True, "J-1"),
     ("receipt_job_id", evidence(receipt=receipt(job_id="J-2")), False, "'J-2', expected 'J-1'"),
-    ("receipt_job_id", evidence(receipt=receipt(job_id=None)), False, "None"),
+    ("receipt_job_id", evidence(receipt=receipt(job_id=None)), False, "job_id is missing, expected 'J-1'"),
+    ("receipt_job_id", evidence(receipt=receipt(job_id=True)), False, "job_id is true, expected 'J-1'"),
     ("receipt_job_id", evidence(order=make_order(job_id="123"), receipt=receipt(job_id=123)), False, "123"),
     ("receipt_job_id", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
     ("receipt_job_id", evidence(receipt=Doc(value=[1])), None, "no usable receipt"),
@@ -142,7 +143,8 @@ CASES = [
     ("receipt_status", evidence(receipt=receipt(status="failed", reason="no data")), False, "no data"),
     ("receipt_status", evidence(receipt=receipt(status="failed")), False, "status is failed"),
     ("receipt_status", evidence(receipt=receipt(status="ok")), False, "'ok'"),
-    ("receipt_status", evidence(receipt=receipt(status=None)), False, "None"),
+    ("receipt_status", evidence(receipt=receipt(status=None)), False, "status is missing, expected"),
+    ("receipt_status", evidence(receipt=receipt(status=["done"])), False, 'status is ["done"], expected'),
     ("receipt_status", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
     # receipt_inputs
     ("receipt_inputs", evidence(receipt=receipt(input_ids=["R3", "R1", "R2"])), True, "3 input ids"),
@@ -188,6 +190,13 @@ CASES = [
     ("allowed_values", evidence(order=make_order(accept={"output": "out.csv"})), None, "no accept.allowed"),
     ("allowed_values", evidence(output=Doc(missing=True)), None, "no usable output"),
     ("allowed_values", evidence(output=rows(*IDS, team="bakery")), False, "R1: team 'bakery' is not allowed"),
+    ("allowed_values", evidence(output=rows(*IDS, team=True)), False, "record R1: team true is not allowed"),
+    (
+        "allowed_values",
+        evidence(order=make_order(accept={"output": "out.csv", "allowed": {"w": ["1"]}}), output=rows(*IDS)),
+        False,
+        "record R1: w is missing",
+    ),
     ("allowed_values", evidence(output=rows(*IDS, team="")), False, "required field 'team' is empty"),
     ("allowed_values", evidence(output=rows(*IDS, team=None)), False, "required field 'team' is empty"),
     ("allowed_values", evidence(output=[{"id": i} for i in IDS]), False, "'team' is empty"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, listed, stored_key
+from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, listed, shown, stored_key
 from dispatcher.errors import cut, printable
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult
@@ -140,7 +140,7 @@ def receipt_job_id(ev: Evidence) -> CheckResult:
     got = rec.get("job_id")
     if got == ev.order.job_id:
         return r(True, f"job_id is {got}")
-    return r(False, f"job_id is {got!r}, expected {ev.order.job_id!r}")
+    return r(False, f"job_id is {_got(got)}, expected {ev.order.job_id!r}")
 
 
 def receipt_status(ev: Evidence) -> CheckResult:
@@ -154,7 +154,12 @@ def receipt_status(ev: Evidence) -> CheckResult:
     if status == "failed":
         why = rec.get("reason")
         return r(False, f"the agent reported failure: {why}" if why else "status is failed")
-    return r(False, f"status is {status!r}, expected 'done' or 'failed'")
+    return r(False, f"status is {_got(status)}, expected 'done' or 'failed'")
+
+
+def _got(value: Any) -> str:
+    """A receipt field as a detail shows it: missing, 'text', 12, true, null (never Python's None)."""
+    return "missing" if value is None else shown(value)
 
 
 def _compare_ids(got: Sequence[Any], want: Sequence[str], what: str) -> str | None:

@@ -71,8 +71,10 @@ def listed(texts: Sequence[str], unknown: int = 0) -> str:
 
 
 def shown(value: Any) -> str:
-    """Return repr(value) cut to a length fit for a check's detail."""
-    return cut(repr(value), _SHOWN_MAX)
+    """Return a value as a check's detail shows it, cut to fit: 'text', 12, true, null, [1, 2] (never Python's)."""
+    if isinstance(value, str):
+        return cut(repr(value), _SHOWN_MAX)
+    return cut(json.dumps(value, ensure_ascii=False, default=str), _SHOWN_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,8 @@ class BadValue:
         """Return the allowed_values detail for this record."""
         if self.required:
             return f"record {self.record_id}: required field {self.field!r} is empty"
+        if self.value == "missing":
+            return f"record {self.record_id}: {self.field} is missing"
         return f"record {self.record_id}: {self.field} {self.value} is not allowed"
 
 
@@ -196,7 +200,8 @@ class Summariser:
         for name, allowed in self._allowed.items():
             value = record.get(name)
             if (value if value.__class__ is str else id_key(value)) not in allowed:
-                return BadValue(cut(f"{rid}", _SHOWN_MAX), name, shown(value), required=False)
+                seen = "missing" if name not in record else shown(value)
+                return BadValue(cut(f"{rid}", _SHOWN_MAX), name, seen, required=False)
         return None
 
     def result(self) -> OutputSummary:
