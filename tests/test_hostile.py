@@ -563,3 +563,25 @@ def test_an_impossible_timestamp_is_refused_and_the_order_beside_it_is_claimed(e
     assert result["job_id"] == "TS-1"
     assert "2026-13-01T00:00:00Z is not a valid date or time" in result["reason"], result["reason"]
     assert (refused / "order.yaml").read_bytes() == bad
+
+
+def test_a_valid_order_whose_file_name_is_not_utf8_is_refused_with_its_bytes(env: Env) -> None:
+    """inbox/bad<0xff>.json holding a good order: refused at once (the name cannot be recorded), bytes kept."""
+    data = json.dumps(plain("NAME-1")).encode()
+    inbox = os.fsencode(env.root / "inbox")
+    os.makedirs(inbox, exist_ok=True)
+    with open(inbox + b"/.tmp", "wb") as fh:
+        fh.write(data)
+    os.rename(inbox + b"/.tmp", inbox + b"/bad\xff.json")
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 1  # a refused file
+    assert os.listdir(inbox) == []
+    refused = [p for p in os.listdir(os.fsencode(env.root / "failed")) if p.startswith(b"bad\xff@")]
+    assert len(refused) == 1
+    folder = os.fsencode(env.root / "failed") + b"/" + refused[0]
+    with open(folder + b"/order.json", "rb") as fh:
+        assert fh.read() == data
+    with open(folder + b"/result.json", "rb") as fh:
+        result = json.loads(fh.read())
+    assert result["reason"].startswith("the file name is not valid UTF-8")
+    assert starts(env, "NAME-1") == 0

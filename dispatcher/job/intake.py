@@ -99,6 +99,8 @@ def inspect(
         return Refusal(name, f"a {kind} is not a work order; it was not opened", entry_kind=kind)
     if order_format(name) is None:
         return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
+    if not name.isascii() and not _utf8(name):  # the ledger records a job's file name as text
+        return Refusal(name, "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`")
     try:
         data = fsutil.read_regular(path, config.max_order_bytes)
         again = os.lstat(path)
@@ -140,6 +142,15 @@ def inspect(
     except Exception as exc:  # noqa: BLE001 - a value no rule foresaw: refused, never holding up the orders behind it
         return Refusal(name, oneline(f"cannot be read as a work order: {exc}"))
     return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino))
+
+
+def _utf8(name: str) -> bool:
+    """Is a file name (bytes the OS gave, surrogate-escaped where they were not UTF-8) valid UTF-8?"""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def job_id_of(body: Any) -> str | None:
