@@ -8,7 +8,9 @@ then tries again, one job at first and twice as many after each agent that
 starts (like TCP's slow start): slots and claims hold descriptors too, so a
 daemon that took all it could at once would starve the agents it claimed for.
 ``daemon.short_of`` is logged once per shortage of a resource: it is logged
-again only after a quiet spell without that shortage.
+again after a quiet spell without that shortage, or when an agent started
+since and the resource was not short for a pause's length (a new shortage,
+not the same one met again on the edge).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Shortage:
         self._pause = PAUSE_MIN_S
         self._window: int | None = None  # jobs that may be claimed or started per turn (None: no bound)
         self._last_seen: dict[str, float] = {}  # resource -> when it was last short
+        self._ok_at = 0.0  # when an agent last started
 
     def note(self, exc: BaseException, step: str) -> bool:
         """Record a shortage if exc is one (log it once); return True if it was one."""
@@ -58,7 +61,8 @@ class Shortage:
             return False
         now = time.monotonic()
         seen = self._last_seen.get(resource)
-        if seen is None or now - seen > QUIET_S:
+        over = seen is not None and self._ok_at > seen and now - seen > PAUSE_MAX_S  # it ended, this is new
+        if seen is None or now - seen > QUIET_S or over:
             log.warning("daemon.short_of", resource=resource, step=step, error=str(exc))
         self._last_seen[resource] = now
         self._window = 1
@@ -81,6 +85,7 @@ class Shortage:
 
     def ok(self) -> None:
         """Note that an agent started: the next turn may start twice as many."""
+        self._ok_at = time.monotonic()
         self._pause = PAUSE_MIN_S
         if self._window is not None:
             self._window *= 2

@@ -163,3 +163,29 @@ def test_a_shortage_is_logged_once_and_again_after_a_quiet_spell(monkeypatch: py
         now[0] += shortage.QUIET_S + 1  # the agents ran; a later shortage is another one
         assert short.note(emfile, "claim")
     assert [e["event"] for e in logs] == ["daemon.short_of", "daemon.short_of"]
+
+
+def test_a_new_shortage_soon_after_an_agent_started_is_logged_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short, over (an agent started), short again 3 s later: two lines; met again on the edge: one."""
+    import errno
+
+    from structlog.testing import capture_logs
+
+    from dispatcher import shortage
+
+    now = [1000.0]
+    monkeypatch.setattr(shortage.time, "monotonic", lambda: now[0])
+    short = shortage.Shortage()
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    with capture_logs() as logs:
+        for _ in range(5):  # a shortage met on every retry for 10 s
+            assert short.note(emfile, "claim")
+            now[0] += 2.0
+        short.ok()  # the limit was raised: an agent started
+        now[0] += 1.0
+        assert short.note(emfile, "claim")  # a second shortage, 3 s after the first was last met
+        now[0] += 1.0
+        short.ok()
+        now[0] += 0.5
+        assert short.note(emfile, "claim")  # on the edge: met again 1.5 s later, the same shortage
+    assert [e["event"] for e in logs] == ["daemon.short_of", "daemon.short_of"]
