@@ -113,6 +113,25 @@ def test_a_follow_up_over_the_chain_budget_is_held_until_released(env: Env) -> N
     assert child["parent"] == "BIG-1" and child["chain_cost_usd"] == pytest.approx(1.1)
 
 
+@pytest.mark.parametrize("how", [["cancel", "--tree", "BIG-2"], ["cancel", "CHILD-1"]])
+def test_a_follow_up_held_by_the_chain_budget_is_cancelled_at_once(env: Env, how: list[str]) -> None:
+    """`cancel --tree` of its parent (or `cancel` of it) fails a held follow-up as cancelled; its agent never runs."""
+    worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP))
+    env.configure(agents={"worker": worker, "next": costly(env, 0.1)}, max_chain_cost_usd=0.5)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("BIG-2"))
+    env.wait_job("BIG-2", "done")
+    wait_until((env.root / "held" / "CHILD-1.json").exists, 20, "the held follow-up")
+    proc = env.cli(*how)
+    assert (proc.returncode, proc.stdout) == (0, "CHILD-1: cancel requested\n"), proc.stderr
+    child = env.wait_job("CHILD-1", "failed")
+    assert child["reason"] == "cancelled" and child["attempts"] == []
+    assert list((env.root / "held").iterdir()) == []
+    assert [j for j, _ in env.starts() if j == "CHILD-1"] == []
+    assert d.stop() == 0
+
+
 def test_a_follow_up_that_an_approval_holds_is_notified(env: Env) -> None:
     """approve releases a follow-up over max_chain_cost_usd into held/: notify runs for its budget.held."""
     events = env.tmp / "events.txt"

@@ -94,8 +94,19 @@ class Operator:
                 raise WrongState(f"{job_id}: is held; release it first, or remove its file from held/")
             raise NotFound(f"{job_id}: no such job")
         self.ledger.request(job_id, Request.CANCEL)
+        if entry is not None and entry.state == Row.HELD:
+            self._unhold(job_id)
         self._poke("cancel", job_id)
         return f"{job_id}: cancel requested"
+
+    def _unhold(self, job_id: str) -> None:
+        """Put a follow-up held by budget, asked to be cancelled, back in inbox/: its claim answers "cancelled".
+
+        The request is in the ledger first, so whichever daemon claims the file fails it
+        (reason ``cancelled``) and no agent runs.
+        """
+        with contextlib.suppress(WrongState, NotFound):  # released or gone meanwhile: the request stands
+            self.release(job_id)
 
     def cancel_tree(self, job_id: str) -> str:
         """Cancel a job and every descendant (its follow-ups, theirs...) still queued, waiting or running.
@@ -117,6 +128,8 @@ class Operator:
         for entry in self.ledger.known(order).values():
             if entry.state not in (Row.DONE, Row.FAILED, Row.REVIEW):
                 self.ledger.request(entry.job_id, Request.CANCEL)
+                if entry.state == Row.HELD:
+                    self._unhold(entry.job_id)
                 lines.append(f"{entry.job_id}: cancel requested")
         if not lines:
             raise WrongState(f"{job_id}: it and its {len(order) - 1} descendants are finished; nothing to cancel")
