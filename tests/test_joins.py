@@ -349,6 +349,23 @@ def test_retry_of_a_failed_join_waits_for_its_parents_again(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_retry_or_revise_of_a_join_whose_parent_failed_is_refused_until_the_parent_is_retried(env: Env) -> None:
+    """`after: w01 failed`: retry and revise of the join exit 1 (no revision spent); after `retry w01` they go."""
+    env.configure({"worker": env.agent("--exit", "1", max_attempts=1), "merger": env.agent()})
+    env.drop(merger(after=["w01"]))
+    env.drop(order("w01"))
+    assert env.cli("run", "--once").returncode == 1
+    assert env.result("merge", "failed")["reason"] == "after: w01 failed"
+    for args, done in ((["retry", "merge"], "retried"), (["revise", "merge", "--note", "run it anyway"], "revised")):
+        proc = env.cli(*args)
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert proc.stderr == (
+            f"merge: waits for w01, which failed, so {done} now it would fail again at once: retry w01 first\n"
+        )
+    assert env.cli("retry", "w01", "merge").stdout == "w01: retry requested\nmerge: retry requested\n"
+    assert starts_of(env, "merge") == 0
+
+
 def test_a_join_is_claimed_at_once_even_when_every_slot_is_busy(env: Env) -> None:
     """With max_jobs 1 taken by a long job, a merger order (YAML) is still claimed into waiting/ at once."""
     agents = join_agents(env) | {"slow": env.agent("--sleep", "3")}

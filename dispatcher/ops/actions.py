@@ -75,9 +75,35 @@ class Operator:
             raise NotFound(f"{job_id}: no such job")
         if found[0] is not State.FAILED:
             raise WrongState(f"{job_id}: is {found[0].value}, only a failed job can be retried")
+        self._refuse_blocked_join(job_id, found[1], "retried")
         self.ledger.request(job_id, Request.RETRY)
         self._poke("retry", job_id)
         return f"{job_id}: retry requested"
+
+    def _refuse_blocked_join(self, job_id: str, folder: Path, done: str) -> None:
+        """Refuse to run a failed join again (it waits again) while a job it needs done has failed for good.
+
+        Waiting again would fail it at once (``after: X failed``), spending the request
+        (and a revision) without an attempt; the operator is told what to run first.
+        """
+        from dispatcher.job.joins import ALL_FINAL
+        from dispatcher.store.jobstore import JobFolder
+
+        try:
+            order = JobFolder(folder).spec().order
+        except (OSError, ValueError):
+            return
+        after = order.get("after")
+        if not after or order.get("after_rule") == ALL_FINAL:
+            return
+        failed = {j for j, e in self.ledger.known(list(after)).items() if e.state == Row.FAILED}
+        failed -= {*self.ledger.requests(Request.RETRY), *self.ledger.requests(Request.REVISE)}  # run again soon
+        if failed:
+            names = sorted(failed)
+            raise WrongState(
+                f"{job_id}: waits for {', '.join(names)}, which failed, so {done} now it would fail again at"
+                f" once: retry {' and '.join(names)} first"
+            )
 
     def cancel(self, job_id: str) -> str:
         """Record a cancel of a queued or running job for a running (or the next) daemon."""
@@ -253,6 +279,9 @@ class Operator:
         from dispatcher.job.revise import request
 
         _check_id(job_id)
+        found = self.layout.find(job_id)
+        if found is not None and found[0] is State.FAILED:
+            self._refuse_blocked_join(job_id, found[1], "revised")
         line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
         self._poke("revise", job_id)
         return line
