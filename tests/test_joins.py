@@ -168,6 +168,22 @@ def test_unknown_parent_is_waited_for_max_wait_then_fails(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_a_released_follow_up_that_was_refused_ends_the_wait_after_max_wait(env: Env) -> None:
+    """planner hands off C (already expired); C is refused, so the merger waiting for C fails after max_wait."""
+    agents = join_agents(env)
+    child = order("C", to="worker", expires="2020-01-01T00:00:00Z")
+    child["from"] = "planner"
+    agents["planner"] = env.agent("--followup", json.dumps(child))
+    env.configure(agents, max_wait=1, rescan_interval=0.5)
+    d = env.daemon()
+    env.drop(order("P", to="planner", accept={"output": "out.csv", "followups": ["worker"]}))
+    env.drop(merger(after=["C"]))
+    assert env.wait_refused("C")["reason"] == "expired"
+    assert env.wait_job("merge", "failed")["reason"] == "after: C never finished"
+    assert starts_of(env, "merge") == 0 and starts_of(env, "C") == 0
+    assert d.stop() == 0
+
+
 def test_a_parent_queued_in_inbox_is_waited_for_past_max_wait(env: Env) -> None:
     """A parent whose order sits in inbox/ (its agent paused) is known: the merger waits for it, then runs."""
     env.configure(join_agents(env), max_wait=1, rescan_interval=0.5)

@@ -148,11 +148,23 @@ class Joins:
         """Decide one wait; a parent given up as never finished is looked for in inbox/ and held/ first."""
         parents = self.ledger.known(wait.after)
         verdict = decide(wait, parents, now, max_wait_s)
+        if verdict is WAIT and now - wait.since >= max_wait_s:
+            return self._released_gone(wait, parents)
         if verdict.reason is None or not verdict.reason.endswith(" never finished"):
             return verdict
         unknown = [j for j in wait.after if j not in parents]
         queued = {*find_queued(self.layout.inbox, unknown), *find_queued(self.layout.held, unknown)}
         return decide(wait, parents, now, max_wait_s, queued) if queued else verdict
+
+    def _released_gone(self, wait: Wait, parents: Mapping[str, Entry]) -> Verdict:
+        """Past max_wait, a parent released as a follow-up whose order is in neither inbox/ nor held/ never
+        finishes (its file was refused, say as expired, or removed): the join fails, as for an unknown one."""
+        released = [j for j in wait.after if j in parents and parents[j].state in (Row.RELEASED, Row.HELD)]
+        if not released:
+            return WAIT
+        queued = {*find_queued(self.layout.inbox, released), *find_queued(self.layout.held, released)}
+        gone = [j for j in released if j not in queued]
+        return Verdict(reason=f"after: {gone[0]} never finished") if gone else WAIT
 
     def cancel(self, job_id: str) -> bool:
         """Fail a waiting job with reason ``cancelled``; False if it is not waiting (any more)."""
