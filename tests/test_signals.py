@@ -222,9 +222,12 @@ def test_systemd_ready_comes_after_recovery_has_ended_orphans(env: Env) -> None:
         listener.wait_line(lambda line: line == "READY=1", 30)
         assert not alive(orphan), "READY=1 came before recovery ended the orphaned agent"
         assert group_members(orphan) == []
-        env.wait_job("NOTE-0", "done")
+        # and after its recovery decided: the receipt it left was checked and the job landed
+        assert (env.root / "done" / "NOTE-0" / "result.json").exists(), "READY=1 came before NOTE-0 was recovered"
+        assert not (env.root / "active" / "NOTE-0").exists()
         d.wait_event("job.recovered", job_id="NOTE-0")
         assert d.stop() == 0
+        assert len(listener.times("READY=1")) == 1
 
 
 def test_systemd_notify_status_watchdog_stopping_and_clean_agent_env(env: Env) -> None:
@@ -255,6 +258,8 @@ def test_systemd_notify_status_watchdog_stopping_and_clean_agent_env(env: Env) -
         d.signal(signal.SIGTERM)
         assert d.wait(30) == 0
         listener.wait_line(lambda line: line == "STOPPING=1", 5)
+        time.sleep(0.2)
+        assert len(listener.times("STOPPING=1")) == 1  # said once, by the signal, not again at the end
 
     agent_env = json.loads(env_out.read_text().splitlines()[0])
     leaked = [k for k in agent_env if k.startswith(("NOTIFY_", "WATCHDOG_"))]

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
+READY_WAIT_S = 10.0  # the longest READY=1 waits for the recovery of jobs adopted at start
 
 
 class Daemon:
@@ -159,6 +160,7 @@ class Daemon:
             metrics=self.metrics,
             gates=self.gatekeeper.gates,
             note_gate=self.gatekeeper.note,
+            recovered=self._recovered,
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup, joins)
         joins.ready = self._joined
@@ -194,9 +196,30 @@ class Daemon:
         await self.house.requests()
         self._next_rescan = time.monotonic() + self._rescan_interval()
         self.tick()
+        await self._recovery_decided()
         self._ready = True
-        self.notifier.ready()
+        if not self.stopping:  # a stop during start-up said STOPPING=1 already: never READY=1 after it
+            self.notifier.ready()
         log.info("daemon.ready", active=len(self.sched.running), inbox=len(self.inbox))
+
+    async def _recovery_decided(self) -> None:
+        """Run the loop until every job adopted at start has its recovery decided (READY=1 comes after).
+
+        Bounded by READY_WAIT_S: a recovered job that waits for a slot (more of them than
+        ``max_jobs``) is decided when it gets one, after READY=1.
+        """
+        ctx = self.house.ctx
+        deadline = time.monotonic() + READY_WAIT_S
+        while ctx.unrecovered and not self.stopping and time.monotonic() < deadline:
+            await self.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            self.tick()
+        ctx.unrecovered.clear()
+
+    def _recovered(self, job_id: str) -> None:
+        ctx = self.house.ctx
+        if job_id in ctx.unrecovered:
+            ctx.unrecovered.discard(job_id)
+            self.wakeup()
 
     def _stop_asked(self) -> bool:
         """Return True once SIGTERM or SIGINT came (noted by the handler, or already handled)."""
@@ -218,10 +241,10 @@ class Daemon:
             return not (self.sched.busy() or len(self.inbox) or self.house.busy)
         return False
 
-    async def wait(self) -> None:
-        """Wait for a wake-up or the next timer."""
+    async def wait(self, at_most: float | None = None) -> None:
+        """Wait for a wake-up or the next timer (or ``at_most`` seconds)."""
         assert self._wake is not None  # noqa: S101
-        timeout = self._timeout()
+        timeout = self._timeout() if at_most is None else min(at_most, self._timeout())
         if timeout > 0 and not self._wake.is_set():
             await self._wake.wait(timeout)
         else:

@@ -140,6 +140,8 @@ class Housekeeping:
             log.warning("agent.orphan_ended", job_id=job_id, agent=agents.get(job_id), pid=pgid)
             ends.append(end_group(pgid, self.ctx.config().kill_grace_s))
         await asyncio.gather(*ends)  # before any of these jobs is queued: none runs beside its orphan
+        if startup:
+            self.ctx.unrecovered.update(job_id for job_id, _, _ in adopted)  # READY=1 waits for their decisions
         self.sched.park_recovered(adopted, host_lost=self.shared)
         await self.ctx.lanes.io(self.ctx.finisher.release_orphaned)
 

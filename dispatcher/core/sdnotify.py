@@ -20,6 +20,7 @@ class Notifier:
         usec = os.environ.get("WATCHDOG_USEC")
         pid = os.environ.get("WATCHDOG_PID")
         self.watchdog_interval_s: float | None = None
+        self._stopping = False
         if usec and usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
             self.watchdog_interval_s = int(usec) / 2_000_000
 
@@ -44,4 +45,7 @@ class Notifier:
         self.send("WATCHDOG=1")
 
     def stopping(self) -> None:
-        self.send("STOPPING=1")
+        """Say STOPPING=1, once."""
+        if not self._stopping:
+            self._stopping = True
+            self.send("STOPPING=1")

@@ -32,3 +32,6 @@ class JobContext:
     gates: Callable[[], Sequence[Gate]] = lambda: ()  # the daemon's snapshot of the ledger's gates
     note_gate: Callable[[Gate], None] = lambda gate: None  # a gate this daemon just set: into the snapshot now
     starts: Starts = field(default_factory=Starts)  # agents being started now: work that can wait, waits
+    #: ids of jobs adopted at start whose recovery has not decided yet (READY=1 waits for them)
+    unrecovered: set[str] = field(default_factory=set)
+    recovered: Callable[[str], None] = lambda job_id: None  # a job's recovery decided (or it ended)

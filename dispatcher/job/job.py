@@ -110,6 +110,7 @@ class Job(Finishing, Deciding):
                     return await self._run()
                 finally:
                     self._start_done()
+                    self.ctx.recovered(self.job_id)
             except Left:
                 return Outcome.LEFT
             except LedgerUnavailable:
@@ -135,6 +136,7 @@ class Job(Finishing, Deciding):
         if self.recovering:
             self.recovering = False  # a job set aside for a gate runs again without a second recovery
             outcome = await self._recover()
+            self.ctx.recovered(self.job_id)  # decided: it ended, or it goes on with a new attempt
             if outcome is not None:
                 return outcome
         while True:
