@@ -45,6 +45,8 @@ class _Sink:
     def __init__(self) -> None:
         self.console: TextIO = sys.stdout
         self.file: TextIO | None = None
+        #: a command's lines are also handed to the running daemon, for its stdout (the journal)
+        self.relay: Callable[[str], None] | None = None
 
     def open_file(self, path: Path | None) -> None:
         """(Re)open the log file, for logrotate on SIGHUP; raise OSError and keep the old one on failure."""
@@ -67,9 +69,19 @@ class _Sink:
             if self.file is not None:
                 with contextlib.suppress(OSError):
                     self.file.write(json_line + "\n")
+            if self.relay is not None:
+                with contextlib.suppress(OSError):
+                    self.relay(json_line)
+
+    def write_console(self, line: str) -> None:
+        """Write a line on stdout only (a command's line relayed by the daemon: the command wrote log_file)."""
+        with _lock, contextlib.suppress(OSError, ValueError):
+            self.console.write(line + "\n")
+            self.console.flush()
 
 
 SINK = _Sink()
+_renderer: _Renderer | None = None  # the one configure() set up: relayed lines take its format
 
 
 FIELD_MAX = 8192  # characters of one string field; journald splits lines over 48 KiB
@@ -209,18 +221,30 @@ class _Renderer:
                     value = _cut(value)
                 event[key] = scrub(value)
         as_json = self._encode(event)
+        SINK.write(self.line(event, as_json), as_json)
+
+    def line(self, event: Mapping[str, Any], as_json: str) -> str:
+        """Return the stdout line of an event: console text, JSON with the journal's priority, or JSON."""
         if self._console:
-            line = format_line(event)
-        elif self._journal:
-            line = f"<{PRIORITY.get(str(event.get('level')), 6)}>{as_json}"
-        else:
-            line = as_json
-        SINK.write(line, as_json)
+            return format_line(event)
+        if self._journal:
+            return f"<{PRIORITY.get(str(event.get('level')), 6)}>{as_json}"
+        return as_json
 
     def __call__(self, logger: Any, name: str, event: MutableMapping[str, Any]) -> NoReturn:
         """Write the event as structlog's processor chain (``log()`` and the async methods come this way)."""
         self.emit(_LEVEL_NAMES.get(name, name), event)
         raise structlog.DropEvent
+
+
+def relay(json_line: str) -> None:
+    """Write a command's JSON log line on this daemon's stdout, in its format (the command wrote log_file)."""
+    try:
+        event = json.loads(json_line)
+    except ValueError:
+        return
+    if isinstance(event, dict) and _renderer is not None:
+        SINK.write_console(_renderer.line(event, json_line.strip()))
 
 
 def _interpolate(event: str, args: tuple[Any, ...]) -> str:
@@ -276,7 +300,8 @@ def configure(*, log_file: Path | None = None, console: bool | None = None, leve
     SINK.open_file(log_file)  # first: a log_file that cannot be opened leaves logging as it was
     if console is None:
         console = SINK.console.isatty() and os.environ.get("DISPATCHER_LOG_FORMAT") != "json"
-    renderer = _Renderer(console, journal=not console and is_journal(SINK.console))
+    global _renderer
+    renderer = _renderer = _Renderer(console, journal=not console and is_journal(SINK.console))
     structlog.configure(
         processors=[renderer],
         wrapper_class=_logger_class(renderer, level),

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import Env, cli_env, order, wait_until
 
 from dispatcher.layout import Layout
@@ -66,6 +67,37 @@ def test_held_order_is_never_claimed_until_released(env: Env) -> None:
     got = [(e["event"], e["job_id"], e["agent"]) for e in events(log_file) if e["event"].startswith("job.")]
     assert ("job.held", "HOLD-1", "worker") in got and ("job.released", "HOLD-1", "worker") in got, got
     assert got.index(("job.held", "HOLD-1", "worker")) < got.index(("job.released", "HOLD-1", "worker"))
+
+
+@pytest.mark.parametrize("with_file", [False, True])
+def test_an_operators_actions_reach_the_daemons_log_with_or_without_log_file(env: Env, with_file: bool) -> None:
+    """hold and release: each event once on the running daemon's stdout (the journal), and once in
+    log_file when one is set (the command writes it there, the daemon does not again)."""
+    log_file = env.tmp / "dispatcher.log"
+    slow = env.agent("--sleep", "30")
+    env.configure(
+        agents={"worker": slow},
+        max_jobs=1,
+        log_file=str(log_file) if with_file else None,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BUSY"))
+    wait_until(lambda: ("BUSY", 1) in env.starts(), 30, "BUSY to start")
+    env.drop(order("Q1"))
+    env.cli("hold", "Q1", check=True)
+    env.cli("release", "Q1", check=True)
+    wanted = [("job.held", "Q1"), ("job.released", "Q1")]
+    seen = lambda: [(e["event"], e.get("job_id")) for e in d.events() if e["event"] in ("job.held", "job.released")]  # noqa: E731
+    wait_until(lambda: seen() == wanted, 30, "the actions on the daemon's stdout")
+    time.sleep(1.0)
+    assert seen() == wanted  # once each
+    if with_file:
+        in_file = [
+            (e["event"], e.get("job_id")) for e in events(log_file) if e["event"] in ("job.held", "job.released")
+        ]
+        assert in_file == wanted
+    assert d.stop() == 0
 
 
 def test_hold_of_ids_not_queued_fails_for_each_and_still_holds_the_others(env: Env) -> None:

@@ -314,14 +314,20 @@ def cmd_land(args: argparse.Namespace) -> int:
 
 
 def _log_to_file(cfg: Config) -> None:
-    """Send log lines to the config's log_file only: stdout is for the person at the terminal."""
+    """Send log lines to the config's log_file, and to a running daemon's stdout: not to the terminal.
+
+    The daemon's stdout is the journal under systemd, which has no other record of an
+    operator's hold, release, approve or reject (``Relay``).
+    """
     from dispatcher import logs
+    from dispatcher.store.relay import Relay
 
     logs.SINK.console = open(os.devnull, "w")  # noqa: SIM115 - the sink keeps it for the process's life
     try:
         logs.configure(log_file=cfg.log_file, console=False)
     except OSError as exc:
         raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
+    logs.SINK.relay = Relay(Layout(cfg.root)).send
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
-from dispatcher import procs
+from dispatcher import logs, procs
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.job import recovery, repowork
 from dispatcher.job.context import JobContext
@@ -34,6 +34,7 @@ from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.orphans import leftover_groups
 from dispatcher.store.queued import find_queued
+from dispatcher.store.relay import read_relayed
 
 if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
@@ -197,6 +198,8 @@ class Housekeeping:
     async def _requests(self) -> None:
         lanes, ledger, layout = self.ctx.lanes, self.ctx.ledger, self.ctx.layout
         hints = await lanes.io(_hints, layout)
+        for line in await lanes.io(read_relayed, layout, hints):  # a command's log lines: onto this stdout
+            logs.relay(line)
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):
             entry = await lanes.io(ledger.get, job_id)
             if entry is not None and entry.state == Row.WAITING and self.joins is not None:

@@ -1,0 +1,49 @@
+"""A command's log lines handed to the running daemon, which writes them on its stdout (the journal).
+
+`hold`, `release`, `approve`, `reject` and the other operator actions log their
+events (``job.held``, ``job.approved`` ...) into ``log_file`` themselves. Under
+systemd the daemon's stdout is the journal, and the command's is the operator's
+terminal: so each line is also dropped, one file per line, into
+``.state/control/`` as ``log-<ns>-<pid>-<n>``, written aside and renamed in whole.
+The daemon wakes on it, writes the line on its stdout in its own format (never
+into ``log_file``, which has it already) and removes the file, as it does every hint.
+A line dropped while no daemon runs is written by the next one to start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+from dispatcher.layout import Layout
+
+PREFIX = "log-"
+
+
+class Relay:
+    """Drops each log line of one command into the control folder (see the module docstring)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._seq = itertools.count(1)
+
+    def send(self, json_line: str) -> None:
+        """Drop one JSON line for the daemon; raise OSError if it cannot be written (the caller ignores it)."""
+        name = f"{PREFIX}{time.time_ns()}-{os.getpid()}-{next(self._seq)}"
+        tmp = self.layout.state_dir / f".{name}.tmp"  # beside, not in, control/: a daemon never sees it half written
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(json_line + "\n")
+        self.layout.control.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, self.layout.control / name)
+
+
+def read_relayed(layout: Layout, names: list[str]) -> list[str]:
+    """Return the JSON lines of the relay files among hint names, oldest first (a file gone is skipped)."""
+    out: list[str] = []
+    for name in sorted(n for n in names if n.startswith(PREFIX)):
+        try:
+            out.extend(line for line in (layout.control / name).read_text(encoding="utf-8").splitlines() if line)
+        except OSError:
+            continue
+    return out
