@@ -16,6 +16,8 @@ not the same one met again on the edge).
 from __future__ import annotations
 
 import errno
+import os
+import resource
 import time
 
 import structlog
@@ -42,6 +44,16 @@ def resource_of(exc: BaseException) -> str | None:
     if isinstance(exc, OSError) and exc.errno in RESOURCES:
         return RESOURCES[exc.errno]
     return None
+
+
+def fds_exhausted() -> bool:
+    """Is this process at its limit of open files (an error that hides EMFILE, such as SQLite's, is then one)?"""
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:
+        return exc.errno in (errno.EMFILE, errno.ENFILE)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft != resource.RLIM_INFINITY and used + 2 >= soft
 
 
 class Shortage:

@@ -106,6 +106,41 @@ def test_out_of_file_descriptors_waits_and_finishes_every_job(env: Env) -> None:
     assert all(len(r["attempts"]) == 1 for r in results), "a start put off for a shortage is not an attempt"
 
 
+@pytest.mark.parametrize("limit", [6, 8, 10])
+def test_out_of_file_descriptors_at_start_is_a_shortage_not_a_crash(env: Env, limit: int) -> None:
+    """RLIMIT_NOFILE 6, 8 or 10 (hard too): the daemon cannot make its folders, open its ledger or register.
+    It logs daemon.short_of once (no traceback, no exit 1 or 2) and waits; SIGTERM ends it with exit 0."""
+    env.configure({"tiny": hold_agent(env, 0)})
+    out = env.tmp / f"run-{limit}.out"
+    with out.open("wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=env.tmp,
+            env=cli_env(),
+            preexec_fn=nofile(limit),
+        )
+    try:
+
+        def events() -> list[dict[str, Any]]:
+            return [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+
+        wait_until(lambda: any(e["event"] == "daemon.short_of" for e in events()), 60, "daemon.short_of")
+        time.sleep(2.5)  # retries go on meanwhile
+        assert proc.poll() is None, out.read_text()[-2000:]
+        text = out.read_text()
+        assert "Traceback" not in text and "daemon.ready" not in text
+        short = [e for e in events() if e["event"] == "daemon.short_of"]
+        assert len(short) == 1 and short[0]["step"] == "start" and "EMFILE" in short[0]["resource"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def cpu_seconds(pid: int) -> float:
     """Return the user + system CPU time a process has used so far, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

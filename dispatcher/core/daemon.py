@@ -12,14 +12,16 @@ Signal handlers only set a flag and wake the loop.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import os
 import resource
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
@@ -42,7 +44,7 @@ from dispatcher.lanes import HOLD_S, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
-from dispatcher.shortage import SHORT
+from dispatcher.shortage import PAUSE_MIN_S, SHORT, fds_exhausted, resource_of
 from dispatcher.spec.config import load_config
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_ledger
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
+T = TypeVar("T")
 READY_WAIT_S = 10.0  # the longest READY=1 waits for the recovery of jobs adopted at start
 
 
@@ -110,19 +113,26 @@ class Daemon:
         gc.freeze()  # and the rest kept out of every later collection's walk
         self.loop = asyncio.get_running_loop()
         self._wake = Wakeup(self.loop)
-        try:
-            self.layout.create()
-        except OSError as exc:
-            raise UsageError(f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})") from None
+        while True:
+            try:
+                self.layout.create()
+                break
+            except OSError as exc:
+                if resource_of(exc) is None or self._stop_asked():
+                    raise UsageError(
+                        f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})"
+                    ) from None
+                SHORT.note(exc, "start")  # not now: the folders are made once the resource is back
+                await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
         # in the ledger lane, off the loop, so that a stop is heard while the ledger is out of reach (its
         # waits check _give_up); not in asyncio's default pool, whose threads would then idle for good
         memory = storage.in_memory(self.layout.root)
         hold = HOLD_S if memory and self.config.ledger == "sqlite" else 0.0
         self.lanes = Lanes(files_in_memory=memory, hold_ledger_s=hold)
-        self.ledger = await self.lanes.ledger(open_ledger, self.config, self.layout, give_up=self._give_up)
+        self.ledger = await self._while_short(open_ledger, self.config, self.layout, give_up=self._give_up)
         self.ledger.set_give_up(self._give_up)
         info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
-        await self.lanes.ledger(self.ledger.register, info)
+        await self._while_short(self.ledger.register, info)
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
@@ -220,6 +230,22 @@ class Daemon:
         if job_id in ctx.unrecovered:
             ctx.unrecovered.discard(job_id)
             self.wakeup()
+
+    async def _while_short(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Run a start-up step in the ledger lane; while files, processes or memory run short, wait and try again.
+
+        A shortage is never an answer (section 13): ``daemon.short_of`` is logged and the
+        step waits, with backoff, until the resource is back or a stop comes.
+        """
+        while True:
+            try:
+                return await self.lanes.ledger(fn, *args, **kw)
+            except Exception as exc:
+                short = resource_of(exc) is not None or (isinstance(exc, UsageError) and fds_exhausted())
+                if not short or self._stop_asked():
+                    raise
+                SHORT.note(exc if resource_of(exc) else OSError(errno.EMFILE, str(exc)), "start")
+                await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
 
     def _stop_asked(self) -> bool:
         """Return True once SIGTERM or SIGINT came (noted by the handler, or already handled)."""
