@@ -12,21 +12,18 @@ Signal handlers only set a flag and wake the loop.
 from __future__ import annotations
 
 import asyncio
-import errno
 import gc
 import os
-import resource
 import signal
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
 from dispatcher import lean, procs, storage
-from dispatcher.core import announce
+from dispatcher.core import announce, startup
 from dispatcher.core.fsevents import start_watch
 from dispatcher.core.gatekeeper import GateKeeper
 from dispatcher.core.housekeeping import Housekeeping
@@ -35,7 +32,7 @@ from dispatcher.core.notify import Notifications
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox
-from dispatcher.errors import ConfigError, UsageError
+from dispatcher.errors import ConfigError
 from dispatcher.job import repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
@@ -44,7 +41,7 @@ from dispatcher.lanes import HOLD_S, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
-from dispatcher.shortage import PAUSE_MIN_S, SHORT, fds_exhausted, resource_of
+from dispatcher.shortage import SHORT
 from dispatcher.spec.config import load_config
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_ledger
@@ -107,32 +104,24 @@ class Daemon:
 
     async def startup(self) -> None:
         """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
-        _raise_fd_limit()
+        startup.raise_fd_limit()
         procs.one_malloc_arena()  # before the lanes' threads start
         gc.collect()  # what start-up left (the command line's parsers): freed before the daemon settles
         gc.freeze()  # and the rest kept out of every later collection's walk
         self.loop = asyncio.get_running_loop()
         self._wake = Wakeup(self.loop)
-        while True:
-            try:
-                self.layout.create()
-                break
-            except OSError as exc:
-                if resource_of(exc) is None or self._stop_asked():
-                    raise UsageError(
-                        f"{self.layout.root}: cannot make the folders of the root ({exc.strerror})"
-                    ) from None
-                SHORT.note(exc, "start")  # not now: the folders are made once the resource is back
-                await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
+        await startup.make_folders(self.layout, self._stop_asked)
         # in the ledger lane, off the loop, so that a stop is heard while the ledger is out of reach (its
         # waits check _give_up); not in asyncio's default pool, whose threads would then idle for good
         memory = storage.in_memory(self.layout.root)
         hold = HOLD_S if memory and self.config.ledger == "sqlite" else 0.0
         self.lanes = Lanes(files_in_memory=memory, hold_ledger_s=hold)
-        self.ledger = await self._while_short(open_ledger, self.config, self.layout, give_up=self._give_up)
+        self.ledger = await startup.while_short(
+            lambda: self.lanes.ledger(open_ledger, self.config, self.layout, give_up=self._give_up), self._stop_asked
+        )
         self.ledger.set_give_up(self._give_up)
         info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
-        await self._while_short(self.ledger.register, info)
+        await startup.while_short(lambda: self.lanes.ledger(self.ledger.register, info), self._stop_asked)
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
@@ -230,22 +219,6 @@ class Daemon:
         if job_id in ctx.unrecovered:
             ctx.unrecovered.discard(job_id)
             self.wakeup()
-
-    async def _while_short(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        """Run a start-up step in the ledger lane; while files, processes or memory run short, wait and try again.
-
-        A shortage is never an answer (section 13): ``daemon.short_of`` is logged and the
-        step waits, with backoff, until the resource is back or a stop comes.
-        """
-        while True:
-            try:
-                return await self.lanes.ledger(fn, *args, **kw)
-            except Exception as exc:
-                short = resource_of(exc) is not None or (isinstance(exc, UsageError) and fds_exhausted())
-                if not short or self._stop_asked():
-                    raise
-                SHORT.note(exc if resource_of(exc) else OSError(errno.EMFILE, str(exc)), "start")
-                await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
 
     def _stop_asked(self) -> bool:
         """Return True once SIGTERM or SIGINT came (noted by the handler, or already handled)."""
@@ -484,10 +457,3 @@ class Daemon:
                 f" queued {len(self.sched.parked) + len(self.sched.aside) + len(self.inbox)},"
                 f" done {s['done']}, failed {s['failed']}, refused {s['refused']}"
             )
-
-
-def _raise_fd_limit() -> None:
-    """Raise the soft limit on open files to the hard one: each running agent holds three fds."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -1,0 +1,62 @@
+"""Start-up steps of the daemon that may meet a shortage: the open-files limit, the folders, the ledger.
+
+A shortage of file descriptors, processes or memory is never an answer (contract
+section 13), at start-up either: each step logs ``daemon.short_of`` once
+(``step: start``) and is tried again with the shortage's backoff until the
+resource is back or a stop comes (then the step's error is raised, and the
+daemon, asked to stop, ends with exit 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import resource
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from dispatcher.errors import UsageError
+from dispatcher.layout import Layout
+from dispatcher.shortage import PAUSE_MIN_S, SHORT, fds_exhausted, resource_of
+
+T = TypeVar("T")
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft limit on open files to the hard one: each running agent holds three fds."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+async def make_folders(layout: Layout, stop_asked: Callable[[], bool]) -> None:
+    """Make the root's folders; raise UsageError (one line) when they cannot be made for another reason."""
+    while True:
+        try:
+            layout.create()
+            return
+        except OSError as exc:
+            if resource_of(exc) is None or stop_asked():
+                raise UsageError(f"{layout.root}: cannot make the folders of the root ({exc.strerror})") from None
+            await _pause(exc)
+
+
+async def while_short(step: Callable[[], Awaitable[T]], stop_asked: Callable[[], bool]) -> T:
+    """Await step() until it gets past a shortage; other errors (and any once a stop came) are raised.
+
+    An error SQLite words as "unable to open" (a UsageError here) counts as a shortage
+    when the process is at its open-files limit.
+    """
+    while True:
+        try:
+            return await step()
+        except Exception as exc:
+            short = resource_of(exc) is not None or (isinstance(exc, UsageError) and fds_exhausted())
+            if not short or stop_asked():
+                raise
+            await _pause(exc if resource_of(exc) else OSError(errno.EMFILE, str(exc)))
+
+
+async def _pause(exc: BaseException) -> None:
+    SHORT.note(exc, "start")
+    await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
