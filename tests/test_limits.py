@@ -199,7 +199,7 @@ def test_a_limit_beyond_max_limit_wait_fails_the_job(env: Env) -> None:
 
 def test_attempts_that_meet_a_limit_still_spend_the_budget(env: Env) -> None:
     """Each limited attempt reports 2 USD against max_cost_usd 1: the job fails at once, budget spent."""
-    limit = claude_limit(time.time() + 2)
+    limit = claude_limit(time.time() + 300)  # far enough ahead on a loaded machine: never "already past"
     costly = json.loads(limit["stdout"]) | {"total_cost_usd": 2}
     limit = limit | {"stdout": json.dumps(costly), "times": 10}
     env.configure(agents={"worker": headless(env, {"limit": limit}, max_cost_usd=1, max_attempts=3)})
