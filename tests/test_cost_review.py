@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, cli_env, order, wait_until
+from conftest import Daemon, Env, cli_env, order, wait_until
 from helpers_faults import write_script
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -94,16 +94,21 @@ def test_max_cost_usd_stops_further_attempts(env: Env) -> None:
     assert "budget is spent" in result["reason"] and "max_cost_usd" in result["reason"]
 
 
-def test_a_follow_up_over_the_chain_budget_is_held_until_released(env: Env) -> None:
-    """A follow-up whose chain already cost more than max_chain_cost_usd waits in held/; release lets it run."""
+def held_follow_up(env: Env, parent: str) -> Daemon:
+    """Run `parent` (1 USD, chain budget 0.5) under a daemon until its follow-up CHILD-1 waits in held/."""
     worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP))
     env.configure(agents={"worker": worker, "next": costly(env, 0.1)}, max_chain_cost_usd=0.5)
     d = env.daemon()
     d.wait_ready()
-    env.drop(simple("BIG-1"))
-    env.wait_job("BIG-1", "done")
-    held = env.root / "held" / "CHILD-1.json"
-    wait_until(held.exists, 20, "the held follow-up")
+    env.drop(simple(parent))
+    env.wait_job(parent, "done")
+    wait_until((env.root / "held" / "CHILD-1.json").exists, 20, "the held follow-up")
+    return d
+
+
+def test_a_follow_up_over_the_chain_budget_is_held_until_released(env: Env) -> None:
+    """A follow-up whose chain already cost more than max_chain_cost_usd waits in held/; release lets it run."""
+    d = held_follow_up(env, "BIG-1")
     event = d.wait_event("budget.held", job_id="CHILD-1")
     assert event["chain_cost_usd"] == pytest.approx(1.0)
     time.sleep(1.0)
@@ -116,13 +121,7 @@ def test_a_follow_up_over_the_chain_budget_is_held_until_released(env: Env) -> N
 @pytest.mark.parametrize("how", [["cancel", "--tree", "BIG-2"], ["cancel", "CHILD-1"]])
 def test_a_follow_up_held_by_the_chain_budget_is_cancelled_at_once(env: Env, how: list[str]) -> None:
     """`cancel --tree` of its parent (or `cancel` of it) fails a held follow-up as cancelled; its agent never runs."""
-    worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP))
-    env.configure(agents={"worker": worker, "next": costly(env, 0.1)}, max_chain_cost_usd=0.5)
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(simple("BIG-2"))
-    env.wait_job("BIG-2", "done")
-    wait_until((env.root / "held" / "CHILD-1.json").exists, 20, "the held follow-up")
+    d = held_follow_up(env, "BIG-2")
     proc = env.cli(*how)
     assert (proc.returncode, proc.stdout) == (0, "CHILD-1: cancel requested\n"), proc.stderr
     child = env.wait_job("CHILD-1", "failed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import sys
@@ -10,9 +11,11 @@ from pathlib import Path
 
 import pytest
 from conftest import Env, order
+from structlog.testing import capture_logs
 
 import dispatcher.cli.commands as commands_mod
 import dispatcher.spec.config as config_mod
+from dispatcher import shortage
 from dispatcher.cli.main import main
 from dispatcher.cli.render import render_status
 
@@ -143,18 +146,20 @@ def test_the_benchmarks_readme_gives_commands_relative_to_the_checkout() -> None
     assert sys.executable  # the report's own command line is made relative the same way (bench.py)
 
 
-def test_a_shortage_is_logged_once_and_again_after_a_quiet_spell(monkeypatch: pytest.MonkeyPatch) -> None:
-    """daemon.short_of: once while a shortage goes on (retries every 2 s at most), again for a later one."""
-    import errno
+EMFILE = OSError(errno.EMFILE, "Too many open files")
 
-    from structlog.testing import capture_logs
 
-    from dispatcher import shortage
-
+def clocked_shortage(monkeypatch: pytest.MonkeyPatch) -> tuple[shortage.Shortage, list[float]]:
+    """Return a Shortage whose monotonic clock is the returned list's one value (moved by hand)."""
     now = [1000.0]
     monkeypatch.setattr(shortage.time, "monotonic", lambda: now[0])
-    short = shortage.Shortage()
-    emfile = OSError(errno.EMFILE, "Too many open files")
+    return shortage.Shortage(), now
+
+
+def test_a_shortage_is_logged_once_and_again_after_a_quiet_spell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """daemon.short_of: once while a shortage goes on (retries every 2 s at most), again for a later one."""
+    short, now = clocked_shortage(monkeypatch)
+    emfile = EMFILE
     with capture_logs() as logs:
         for _ in range(10):  # one shortage: a retry every 2 s for 20 s
             assert short.note(emfile, "claim")
@@ -167,16 +172,8 @@ def test_a_shortage_is_logged_once_and_again_after_a_quiet_spell(monkeypatch: py
 
 def test_a_new_shortage_soon_after_an_agent_started_is_logged_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Short, over (an agent started), short again 3 s later: two lines; met again on the edge: one."""
-    import errno
-
-    from structlog.testing import capture_logs
-
-    from dispatcher import shortage
-
-    now = [1000.0]
-    monkeypatch.setattr(shortage.time, "monotonic", lambda: now[0])
-    short = shortage.Shortage()
-    emfile = OSError(errno.EMFILE, "Too many open files")
+    short, now = clocked_shortage(monkeypatch)
+    emfile = EMFILE
     with capture_logs() as logs:
         for _ in range(5):  # a shortage met on every retry for 10 s
             assert short.note(emfile, "claim")

@@ -18,7 +18,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
-T = TypeVar("T")
 READY_WAIT_S = 10.0  # the longest READY=1 waits for the recovery of jobs adopted at start
 
 

@@ -152,9 +152,12 @@ class Joins:
             return self._released_gone(wait, parents)
         if verdict.reason is None or not verdict.reason.endswith(" never finished"):
             return verdict
-        unknown = [j for j in wait.after if j not in parents]
-        queued = {*find_queued(self.layout.inbox, unknown), *find_queued(self.layout.held, unknown)}
+        queued = self._queued([j for j in wait.after if j not in parents])
         return decide(wait, parents, now, max_wait_s, queued) if queued else verdict
+
+    def _queued(self, ids: list[str]) -> set[str]:
+        """Return the ids among these whose order waits in inbox/ or held/."""
+        return {*find_queued(self.layout.inbox, ids), *find_queued(self.layout.held, ids)}
 
     def _released_gone(self, wait: Wait, parents: Mapping[str, Entry]) -> Verdict:
         """Past max_wait, a parent released as a follow-up whose order is in neither inbox/ nor held/ never
@@ -162,7 +165,7 @@ class Joins:
         released = [j for j in wait.after if j in parents and parents[j].state in (Row.RELEASED, Row.HELD)]
         if not released:
             return WAIT
-        queued = {*find_queued(self.layout.inbox, released), *find_queued(self.layout.held, released)}
+        queued = self._queued(released)
         gone = [j for j in released if j not in queued]
         return Verdict(reason=f"after: {gone[0]} never finished") if gone else WAIT
 
