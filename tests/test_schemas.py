@@ -438,3 +438,48 @@ def test_example_order_validates(path: Path) -> None:
     got = parse_order(path.read_bytes(), path.name, agents=cfg.agents, max_timeout_s=cfg.max_timeout_s)
     assert got.job_id == path.stem
     reference("order").validate(load_document(path.read_bytes(), "yaml"))
+
+
+# -- the compiled checks against the schema walk ----------------------------------------------
+
+
+def _verdict(check: Any, body: Any, name: str) -> tuple[str | None, str] | None:
+    try:
+        check(body, name)
+    except OrderError as exc:
+        return (exc.field, exc.message)
+    return None
+
+
+ODD_VALUES: list[Any] = [None, True, False, 0, -1, 1.5, 10**20, "", "x", "a\nb", " ", [], [1], ["a", "a"], {}, {"id": 1}]
+
+
+def _mutations(body: Any) -> list[Any]:
+    """Return body with each field, list entry and nested value replaced by odd values, dropped, or extended."""
+    out: list[Any] = []
+    if isinstance(body, dict):
+        for key, value in body.items():
+            for odd in ODD_VALUES:
+                out.append({**body, key: odd})
+            out.append({k: v for k, v in body.items() if k != key})
+            out.extend({**body, key: sub} for sub in _mutations(value))
+        out.append({**body, "zz_unknown": 1})
+    elif isinstance(body, list):
+        for i, value in enumerate(body):
+            out.extend([*body[:i], sub, *body[i + 1 :]] for sub in _mutations(value))
+            out.extend([*body[:i], odd, *body[i + 1 :]] for odd in ODD_VALUES)
+        out.append([*body, *body])
+    return out
+
+
+def test_compiled_checks_say_what_the_schema_walk_says() -> None:
+    """Every corpus document and thousands of mutations of it: the same field and message, or both accept."""
+    compared = refused = 0
+    for case in CORPUS:
+        for body in [case.body, *_mutations(case.body)]:
+            walked = _verdict(schema.check_interpreted, body, case.kind)
+            compiled = _verdict(schema.validate, body, case.kind)
+            assert compiled == walked, (case.kind, case.name, body)
+            compared += 1
+            refused += walked is not None
+    assert compared > 5000 and refused > 2000

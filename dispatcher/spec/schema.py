@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import OrderError
 from dispatcher.text import describe
+
+_Check = Callable[[Any, str], None]
 
 SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
 
@@ -75,6 +78,17 @@ def _join(path: str, key: str | int) -> str:
 
 def validate(value: Any, schema_name: str) -> None:
     """Raise OrderError at the first place value breaks the named schema."""
+    _compiled(schema_name)(value, "")
+
+
+@cache
+def _compiled(schema_name: str) -> _Check:
+    root = load(schema_name)
+    return _Compiler(root).compile(root)
+
+
+def check_interpreted(value: Any, schema_name: str) -> None:
+    """Walk the named schema for value as written (the compiled checks' reference; tests compare the two)."""
     root = load(schema_name)
     _check(value, root, root, "")
 
@@ -155,3 +169,200 @@ def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) 
                 _check(item, props[key], root, _join(path, key))
             elif isinstance(extra, dict):
                 _check(item, extra, root, _join(path, key))
+
+
+def _fail(message: str, path: str) -> None:
+    raise OrderError(message, field=path or None)
+
+
+class _Compiler:
+    """Turn a schema into nested closures that make only the checks its keywords ask for.
+
+    The checks, their order and their messages are those of ``_check``: a compiled
+    check walks the value as ``_check`` walks it, without looking up at every node
+    the keywords a schema does not have. Each schema node is compiled once; a
+    ``$ref`` is resolved on its first use, so that a schema may refer to itself.
+    """
+
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.done: dict[int, _Check] = {}
+
+    def compile(self, schema: dict[str, Any]) -> _Check:
+        """Return the check of one schema node (compiled once per node)."""
+        key = id(schema)
+        if key not in self.done:
+            self.done[key] = self._lazy(schema)
+            self.done[key] = self._build(schema)
+        return self.done[key]
+
+    def _lazy(self, schema: dict[str, Any]) -> _Check:
+        def check(value: Any, path: str) -> None:
+            self.done[id(schema)](value, path)
+
+        return check
+
+    def _ref(self, ref: str) -> _Check:
+        target: Any = self.root
+        for part in ref.lstrip("#/").split("/"):
+            target = target[part]
+        return self.compile(target)
+
+    def _build(self, schema: dict[str, Any]) -> _Check:
+        steps: list[_Check] = []
+        if "$ref" in schema:
+            steps.append(self._ref(schema["$ref"]))
+        steps.extend(self.compile(sub) for sub in schema.get("allOf", ()))
+        if "anyOf" in schema:
+            steps.append(_any_of([self.compile(sub) for sub in schema["anyOf"]]))
+        if "type" in schema:
+            steps.append(_type_step(schema["type"]))
+        if "enum" in schema:
+            steps.append(_enum_step(schema["enum"]))
+        if any(k in schema for k in ("minLength", "maxLength", "pattern")):
+            steps.append(_string_step(schema))
+        if any(k in schema for k in ("minimum", "exclusiveMinimum", "maximum")):
+            steps.append(_number_step(schema))
+        if any(k in schema for k in ("minItems", "maxItems", "uniqueItems", "items")):
+            steps.append(_list_step(schema, self.compile(schema["items"]) if "items" in schema else None))
+        if any(k in schema for k in ("properties", "additionalProperties", "required", "propertyNames")):
+            steps.append(self._dict_step(schema))
+        if not steps:
+            return _nothing
+        if len(steps) == 1:
+            return steps[0]
+
+        def check(value: Any, path: str) -> None:
+            for step in steps:
+                step(value, path)
+
+        return check
+
+    def _dict_step(self, schema: dict[str, Any]) -> _Check:
+        props: dict[str, _Check] = {k: self.compile(v) for k, v in schema.get("properties", {}).items()}
+        extra = schema.get("additionalProperties", True)
+        closed = extra is False
+        extra_check = self.compile(extra) if isinstance(extra, dict) else None
+        required = tuple(schema.get("required", ()))
+        key_check = self.compile(schema["propertyNames"]) if "propertyNames" in schema else None
+
+        def check(value: Any, path: str) -> None:
+            if not isinstance(value, dict):
+                return
+            if closed:
+                for key in value:
+                    if key not in props:
+                        raise OrderError("unknown key", field=_join(path, key))
+            for key in required:
+                if key not in value:
+                    raise OrderError("is required", field=_join(path, key))
+            for key, item in value.items():
+                if key_check is not None:
+                    key_check(key, _join(path, key))
+                sub = props.get(key, extra_check)
+                if sub is not None:
+                    sub(item, _join(path, key))
+
+        return check
+
+
+def _nothing(value: Any, path: str) -> None:
+    """The check of a schema without keywords that constrain: every value passes."""
+
+
+def _any_of(subs: list[_Check]) -> _Check:
+    def check(value: Any, path: str) -> None:
+        errors: list[OrderError] = []
+        for sub in subs:
+            try:
+                sub(value, path)
+                return
+            except OrderError as exc:
+                errors.append(exc)
+        raise errors[-1]
+
+    return check
+
+
+def _type_step(spec: Any) -> _Check:
+    names = spec if isinstance(spec, list) else [spec]
+    wanted = " or ".join(_TYPE_WORDS[n] for n in names)
+    plain = tuple(t for n in names if n not in ("integer", "number") for t in _TYPES[n])
+    numeric = [n for n in names if n in ("integer", "number")]
+
+    def check(value: Any, path: str) -> None:
+        if type(value) in plain or any(_is_type(value, n) for n in numeric) or isinstance(value, plain):
+            return
+        _fail(f"must be {wanted}, not {describe(value)}", path)
+
+    return check
+
+
+def _enum_step(allowed: list[Any]) -> _Check:
+    message = "must be one of " + ", ".join(json.dumps(v) for v in allowed)
+
+    def check(value: Any, path: str) -> None:
+        if value not in allowed:
+            _fail(message, path)
+
+    return check
+
+
+def _string_step(schema: dict[str, Any]) -> _Check:
+    min_length = schema.get("minLength", 0)
+    max_length = schema.get("maxLength")
+    regex = _regex(schema["pattern"]) if "pattern" in schema else None
+    mismatch = schema.get("x-error", f"must match {schema.get('pattern')}")
+
+    def check(value: Any, path: str) -> None:
+        if not isinstance(value, str):
+            return
+        if len(value) < min_length:
+            _fail("must not be empty" if min_length == 1 else "is too short", path)
+        if max_length is not None and len(value) > max_length:
+            _fail(f"is longer than {max_length} characters ({len(value)})", path)
+        if regex is not None and not regex.fullmatch(value):
+            _fail(mismatch, path)
+
+    return check
+
+
+def _number_step(schema: dict[str, Any]) -> _Check:
+    low, above, high = schema.get("minimum"), schema.get("exclusiveMinimum"), schema.get("maximum")
+
+    def check(value: Any, path: str) -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return
+        if low is not None and value < low:
+            _fail(f"must be at least {low}", path)
+        if above is not None and value <= above:
+            _fail(f"must be greater than {above}", path)
+        if high is not None and value > high:
+            _fail(f"must be at most {high}", path)
+
+    return check
+
+
+def _list_step(schema: dict[str, Any], items: _Check | None) -> _Check:
+    min_items = schema.get("minItems", 0)
+    max_items = schema.get("maxItems")
+    unique = bool(schema.get("uniqueItems"))
+
+    def check(value: Any, path: str) -> None:
+        if not isinstance(value, list):
+            return
+        if len(value) < min_items:
+            _fail("must not be empty", path)
+        if max_items is not None and len(value) > max_items:
+            _fail(f"has more than {max_items} entries ({len(value)})", path)
+        if unique:
+            seen: list[Any] = []
+            for item in value:
+                if item in seen:
+                    _fail(f"names {json.dumps(item)} twice", path)
+                seen.append(item)
+        if items is not None:
+            for i, item in enumerate(value):
+                items(item, f"{path}[{i}]")
+
+    return check
