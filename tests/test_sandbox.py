@@ -75,6 +75,66 @@ def test_writes_outside_fail_inside_the_agent_and_workspace_writes_succeed(outsi
     assert result["attempts"][0]["argv"][:2] == [sys.executable, str(Path(__file__).parent / "agents" / "coder.py")]
 
 
+def test_a_sandboxed_agent_moves_only_its_own_branch(outside: Env) -> None:
+    """Its commit lands on its branch; main, another branch, the objects folder and the tags stay as they were."""
+    env = outside
+    repo = make_repo(env.tmp / "shop")
+    git(repo, "branch", "keep-me")
+    main, kept = git(repo, "rev-parse", "main"), git(repo, "rev-parse", "keep-me")
+    objects = sorted(p.name for p in (repo / ".git" / "objects").iterdir())
+    out = env.tmp / "out"
+    out.mkdir()
+    moves = ["update-ref refs/heads/main HEAD", "branch -D keep-me", "tag stray HEAD", "update-ref -d refs/heads/main"]
+    stray = str(repo / ".git" / "objects" / "stray")
+    flags = ["--write", "src/{job}.txt=inside", "--commit", "--try-write", stray, "--report", str(out / "r.json")]
+    flags += [arg for move in moves for arg in ("--git", move)]
+    env.configure(agents={"coder": _sandboxed(env, repo, *flags, sandbox_writable=[str(out)])})
+    env.drop(code_order("S2"))
+    d = env.daemon()
+    result = env.wait_job("S2", "done")
+    d.stop()
+    report = json.loads((out / "r.json").read_text())
+    # in its own view the agent may move refs and write objects (deleting one needs packed-refs, which stays read-only)
+    assert [report[stray], report[f"git {moves[0]}"], report[f"git {moves[2]}"]] == ["written", "ok", "ok"]
+    assert git(repo, "rev-parse", "main") == main
+    assert git(repo, "rev-parse", "keep-me") == kept
+    assert git(repo, "tag", "--list") == ""
+    assert sorted(p.name for p in (repo / ".git" / "objects").iterdir() if len(p.name) != 2) == [
+        n for n in objects if len(n) != 2
+    ]  # no stray file there: only the commit's objects came in, in their folders
+    head = result["workspace"]["head"]
+    assert git(repo, "rev-parse", "dispatch/S2") == head != main
+    assert git(repo, "show", f"{head}:src/S2.txt") == "inside"
+    assert git(repo, "log", "-1", "--format=%s", head) == "S2: work"
+    assert git(repo, "fsck", "--no-dangling").strip() == ""
+    assert not list((env.root / ".state" / "worktrees").glob("*.gitview*"))
+
+
+def test_a_commit_made_in_the_sandbox_before_a_daemon_crash_reaches_the_branch(outside: Env) -> None:
+    """kill -9 while the sandboxed agent has committed in its view: the next daemon takes the commit onto the branch."""
+    env = outside
+    repo = make_repo(env.tmp / "shop")
+    out = env.tmp / "out"
+    out.mkdir()
+    flags = ["--write", "src/{job}.txt=inside", "--commit", "--report", str(out / "r.json"), "--sleep-after", "60"]
+    env.configure(agents={"coder": _sandboxed(env, repo, *flags, sandbox_writable=[str(out)])})
+    env.drop(code_order("S3"))
+    d = env.daemon()
+    wait_until(lambda: (out / "r.json").exists(), 60, "the agent's commit")
+    view = env.root / ".state" / "worktrees" / "S3.gitview"
+    assert view.is_dir() and git(repo, "rev-parse", "dispatch/S3") == git(repo, "rev-parse", "main")
+    d.kill()
+    d2 = env.daemon()
+    result = env.wait_job("S3")
+    d2.stop()
+    head = result["workspace"]["head"]
+    assert git(repo, "rev-parse", "dispatch/S3") == head
+    assert git(repo, "log", "--format=%s", f"main..{head}").splitlines()[-1] == "S3: work"  # the agent's own commit
+    assert git(repo, "show", f"{head}:src/S3.txt") == "inside"
+    assert git(repo, "fsck", "--no-dangling").strip() == ""
+    assert not view.exists()
+
+
 def test_sandbox_network_false_blocks_a_connection_to_a_local_listener(env: Env, tmp_path: Path) -> None:
     """With sandbox_network: false the agent cannot reach a listener on 127.0.0.1; with the network it can."""
     repo = make_repo(tmp_path / "shop")

@@ -10,7 +10,7 @@ from git_helpers import code_order, coder, git, make_repo
 from test_checks_unit import evidence, files
 
 from dispatcher.checks.builtin import writes_scope
-from dispatcher.job import worktree
+from dispatcher.job import gitview, worktree
 
 
 def test_writes_scope_checks_the_changed_paths_against_writes_globs() -> None:
@@ -113,3 +113,38 @@ def test_leftovers_are_committed_on_the_jobs_branch_even_when_its_agent_moved_he
     assert head == git(repo, "rev-parse", "dispatch/Y1") != ws.base
     assert changed == ["src/left.txt"]
     worktree.clear(ws)
+
+
+def _commit_on(repo: Path, parent: str, text: str) -> str:
+    """Return a new commit object on parent (no ref moves), as an agent's commit in its view would be."""
+    tree = git(repo, "rev-parse", f"{parent}^{{tree}}")
+    return git(repo, "commit-tree", tree, "-p", parent, "-m", text)
+
+
+def test_a_view_is_taken_back_by_compare_and_swap_of_the_jobs_branch_only(tmp_path: Path) -> None:
+    """absorb moves the branch from the view's commit; one moved meanwhile fails and keeps the view; once is enough."""
+    repo = make_repo(tmp_path / "shop")
+    job = tmp_path / "job"
+    job.mkdir()
+    ws = worktree.plan(job, str(repo), "main", "dispatch/V1", tmp_path / "trees" / "V1")
+    worktree.create(ws, from_branch=False)
+    view = gitview.make(ws)
+    assert Path(view.path, "refs", "heads", "dispatch", "V1").read_text().strip() == ws.base
+    assert Path(view.path, "objects", "info", "alternates").read_text().splitlines() == [gitview.OBJECTS_MOUNT]
+    mine, theirs = _commit_on(repo, ws.base, "agent"), _commit_on(repo, ws.base, "someone else")
+    Path(view.path, "refs", "heads", "main").write_text(mine + "\n")  # the agent moved main in its view
+    Path(view.path, "refs", "heads", "dispatch", "V1").write_text(mine + "\n")
+    git(repo, "update-ref", "refs/heads/dispatch/V1", theirs)  # and someone moved the branch outside
+    try:
+        gitview.absorb(ws)
+    except worktree.GitError as exc:
+        assert "moved outside the sandbox" in str(exc)
+    else:
+        raise AssertionError("a branch moved meanwhile was overwritten")
+    assert Path(view.path).is_dir() and git(repo, "rev-parse", "dispatch/V1") == theirs
+    git(repo, "update-ref", "refs/heads/dispatch/V1", ws.base)
+    gitview.absorb(ws)
+    assert git(repo, "rev-parse", "dispatch/V1") == mine and git(repo, "rev-parse", "main") == ws.base
+    assert not Path(view.path).exists()
+    gitview.absorb(ws)  # nothing left to take: a no-op
+    assert git(repo, "rev-parse", "dispatch/V1") == mine

@@ -15,6 +15,7 @@ from typing import Any
 
 from dispatcher.checks.builtin import Exit
 from dispatcher.job import sandbox
+from dispatcher.job.gitview import GitView
 from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env
 from dispatcher.job.worktree import Workspace
 from dispatcher.spec.jobspec import Attempt, JobSpec, is_cost, prompt_values, render
@@ -89,7 +90,7 @@ def process(
     *,
     probe: bool = False,
     workspace: Workspace | None = None,
-    git_writable: Sequence[str] = (),
+    git_view: GitView | None = None,
     check: tuple[float, Path] | None = None,
 ) -> AgentProcess:
     """Return the (not yet started) process of attempt n, of its probe, or of a user check.
@@ -97,7 +98,9 @@ def process(
     With a workspace, the agent runs in its worktree; with ``sandbox``, under bubblewrap
     (raises FileNotFoundError, "cannot start", when bwrap or the program is missing).
     ``check`` = (timeout, log file) runs a user check (section 14) the same way, its
-    stdout and stderr into that one file.
+    stdout and stderr into that one file. ``git_view``: the attempt's own view of the
+    repository under the sandbox (``gitview``); without it, a sandboxed probe or check
+    sees the repository read-only.
     """
     agent = spec.agent
     ws_path = Path(workspace.path) if workspace is not None else None
@@ -107,8 +110,9 @@ def process(
     env = build_env(agent.env, dispatch_env(spec.job_id, folder.work, n, ws_path), agent.pass_env)
     if agent.repo.sandbox:
         home = env.get("HOME") or os.path.expanduser("~")
-        writable = sandbox.writable_paths(agent.repo, folder.work, ws_path, git_writable, home)
-        cmd = sandbox.wrap(cmd, cwd=cwd, writable=writable, network=agent.repo.sandbox_network, env=env)
+        writable = sandbox.writable_paths(agent.repo, folder.work, ws_path, home)
+        binds = git_view.binds() if git_view is not None else ()
+        cmd = sandbox.wrap(cmd, cwd=cwd, writable=writable, network=agent.repo.sandbox_network, env=env, binds=binds)
     return AgentProcess(
         cmd,
         cwd=cwd,

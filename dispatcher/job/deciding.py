@@ -190,7 +190,6 @@ class Deciding(abc.ABC):
                 folder,
                 probe=True,
                 workspace=self.repo.ws,
-                git_writable=self.repo.git_writable,
             )
             await self._persist(self.folder.begin_probe, n)
             proc.start()
@@ -262,7 +261,6 @@ class Deciding(abc.ABC):
             ctx.lanes,
             settled.checks,
             self.repo.ws,
-            self.repo.git_writable,
         )
         return Settled(checks, settled.followups)
 

@@ -341,7 +341,7 @@ class Job(Finishing, Deciding):
         """Start attempt n's agent; return the error if it cannot start (a shortage: ``Outcome.SHORT``)."""
         cfg = self.ctx.config()
         proc = attempt.process(
-            self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_writable=self.repo.git_writable
+            self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_view=self.repo.git_view
         )
         try:
             self.folder.make_logs(n)  # the sign that this attempt's agent may have started

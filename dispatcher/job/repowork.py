@@ -23,7 +23,8 @@ from typing import Any
 import structlog
 
 from dispatcher import faults
-from dispatcher.job import afterowed, hooks, landing, worktree
+from dispatcher.job import afterowed, gitview, hooks, landing, worktree
+from dispatcher.job.gitview import GitView
 from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
 from dispatcher.job.treehazards import hazard
 from dispatcher.job.worktree import GitError, Workspace
@@ -53,8 +54,15 @@ class WorkspaceFailed(Exception):
 
 def _snapshot(ws: Workspace, out: Path) -> list[str] | str:
     """Save the worktree's change (io pool); return its paths, or the writes_scope rule it breaks."""
+    gitview.absorb(ws)  # a sandboxed agent's commits first
     names = worktree.snapshot(ws, out)
     return hazard(ws.path, names) or names
+
+
+def _seal(ws: Workspace, job_id: str) -> tuple[str, list[str]]:
+    """Take a sandboxed agent's commits, then seal the worktree (io pool): ``worktree.seal``."""
+    gitview.absorb(ws)
+    return worktree.seal(ws, job_id)
 
 
 def parent_head(layout: Layout, parent: str | None, repo: str) -> str:
@@ -81,7 +89,7 @@ class JobRepo:
         self.spec = spec
         self.folder = folder
         self.ws: Workspace | None = None
-        self.git_writable: list[str] = []  # what the agent may write in the repository under the sandbox
+        self.git_view: GitView | None = None  # the next attempt's view of the repository under the sandbox
         self._opened = False
         self._sealed: dict[str, Any] | None = None
 
@@ -98,13 +106,13 @@ class JobRepo:
         keep = self.spec.agent.repair  # repair (and resume) go on from the last attempt's tree
         try:
             async with repo_lock(conf.git):
-                self.ws, self.git_writable = await self.lanes.io(self._open, n, keep)
+                self.ws, self.git_view = await self.lanes.io(self._open, n, keep)
         except (GitError, OSError) as exc:
             raise WorkspaceFailed(f"workspace: {exc}") from None
         self._opened = True
 
-    def _open(self, n: int, keep: bool) -> tuple[Workspace, list[str]]:
-        """Make or reset the worktree (io pool); return it and what the agent may write in the repository."""
+    def _open(self, n: int, keep: bool) -> tuple[Workspace, GitView | None]:
+        """Make or reset the worktree (io pool); return it and, under the sandbox, its view of the repository."""
         conf = self.spec.agent.repo.workspace
         assert conf is not None  # noqa: S101 - open() checked
         base_ref = conf.base
@@ -112,12 +120,13 @@ class JobRepo:
             base_ref = parent_head(self.layout, self.spec.parent, conf.git)
         branch = conf.branch.replace("{job_id}", self.spec.job_id)
         ws = worktree.plan(self.folder.path, conf.git, base_ref, branch, self.layout.worktree(self.spec.job_id))
+        gitview.absorb(ws)  # the last attempt's commits, if a crash came before they were taken
         if not worktree.is_ready(ws):
             worktree.create(ws, from_branch=keep and n > 1)
             faults.point("workspace.added")
         elif n > 1 and not keep and (self._opened or self.folder.attempt_numbers()):
             worktree.reset_to_base(ws)
-        return ws, worktree.git_paths(ws)
+        return ws, gitview.make(ws) if self.spec.agent.repo.sandbox else None
 
     async def load(self) -> None:
         """Read the job's workspace record (a recovered job, a retried one) before anything uses it."""
@@ -153,7 +162,7 @@ class JobRepo:
         ws = self.ws
         try:
             async with repo_lock(ws.repo):
-                head, changed = await self.lanes.io(worktree.seal, ws, self.spec.job_id)
+                head, changed = await self.lanes.io(_seal, ws, self.spec.job_id)
         except (GitError, OSError) as exc:
             log.warning("workspace.seal_failed", error=str(exc))
             head, changed = None, []

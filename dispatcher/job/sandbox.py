@@ -1,9 +1,11 @@
 """Run an agent under bubblewrap (contract section 15, ``sandbox: true``).
 
-The whole filesystem is mounted read-only; the job's workspace, its ``work/``, the
-repository's objects, refs and the worktree's own git folder (so that the agent can
-commit on its branch; never the repository's config or hooks), a private
-``/tmp`` and the agent's ``sandbox_writable`` paths are writable. The pid namespace
+The whole filesystem is mounted read-only; the job's workspace, its ``work/``, a private
+``/tmp`` and the agent's ``sandbox_writable`` paths are writable. An agent with a
+workspace commits on its branch through a view of the repository (``gitview``): its
+own refs, reflogs and new objects, taken back after the attempt, of which only the
+job's branch moves in the repository. Its probe and user checks see the repository
+read-only. The pid namespace
 is the daemon's (no ``--unshare-pid``): bwrap leads the process group the daemon
 made, the agent inside stays in it, so ending the group ends the agent.
 ``--die-with-parent`` ends the sandbox if the daemon dies.
@@ -20,23 +22,29 @@ from dispatcher.spec.repo import BWRAP
 from dispatcher.spec.settings import RepoSettings
 
 
-def writable_paths(
-    repo: RepoSettings, work: Path, workspace: Path | None, git_paths: Sequence[str], home: str
-) -> list[str]:
+def writable_paths(repo: RepoSettings, work: Path, workspace: Path | None, home: str) -> list[str]:
     """Return the paths writable inside the sandbox, ``~`` expanded against home."""
     paths = [str(work)]
     if workspace is not None:
         paths.append(str(workspace))
-    paths.extend(git_paths)
     for p in repo.sandbox_writable:
         paths.append(home + p[1:] if p == "~" or p.startswith("~/") else p)
     return paths
 
 
 def wrap(
-    argv: Sequence[str], *, cwd: Path, writable: Iterable[str], network: bool, env: Mapping[str, str]
+    argv: Sequence[str],
+    *,
+    cwd: Path,
+    writable: Iterable[str],
+    network: bool,
+    env: Mapping[str, str],
+    binds: Sequence[tuple[str, str, bool]] = (),
 ) -> list[str]:
     """Return argv wrapped in bwrap; raise FileNotFoundError when bwrap or the agent's program is missing.
+
+    ``binds`` (source, destination, writable) come last, in order: a view of the
+    repository over its folders (``gitview.GitView.binds``).
 
     The agent's program is looked up here, on the agent's PATH, so that a missing one
     is "cannot start" as it is without the sandbox, not an exit code of bwrap.
@@ -58,6 +66,8 @@ def wrap(
         out += ["--ro-bind-try", kept, kept]
     for path in writable:
         out += ["--bind-try", path, path]
+    for source, dest, rw in binds:
+        out += ["--bind" if rw else "--ro-bind", source, dest]
     out.append("--die-with-parent")
     if not network:
         out.append("--unshare-net")

@@ -53,19 +53,18 @@ async def run(
     lanes: Lanes,
     builtin: Sequence[CheckResult],
     workspace: Workspace | None = None,
-    git_writable: Sequence[str] = (),
 ) -> list[CheckResult]:
     """Run the agent's checks in order for attempt n; return their results (all recorded, even after a failure).
 
-    They run where the agent ran (its worktree when it has one), in its sandbox when it has one.
+    They run where the agent ran (its worktree when it has one), in its sandbox when it has one
+    (where the repository is read-only to them).
     """
     checks = spec.agent.checks
     if not agent_passed(builtin):
         return not_run(checks, "the agent did not pass (exit_ok and receipt_present must be true)")
     logs = folder.attempts_dir / str(n) / "checks"
     await lanes.io(os.makedirs, logs, 0o750, True)
-    where = (workspace, git_writable)
-    return [await _one(spec, folder, n, cfg, control, lanes, check, logs, where) for check in checks]
+    return [await _one(spec, folder, n, cfg, control, lanes, check, logs, workspace) for check in checks]
 
 
 async def _one(
@@ -77,17 +76,15 @@ async def _one(
     lanes: Lanes,
     check: UserCheck,
     logs: Path,
-    where: tuple[Workspace | None, Sequence[str]],
+    workspace: Workspace | None,
 ) -> CheckResult:
     path = os.path.join(logs, f"{check.name}.log")
     await lanes.io(_create, path)
-    workspace, git_writable = where
     ws_path = Path(workspace.path) if workspace is not None else None
     argv = attempt.argv(spec, folder.work, check.command, ws_path)
     try:
         proc = attempt.process(
-            spec, folder, n, argv, cfg, logs, workspace=workspace, git_writable=git_writable,
-            check=(check.timeout_s, Path(path)),
+            spec, folder, n, argv, cfg, logs, workspace=workspace, check=(check.timeout_s, Path(path)),
         )  # fmt: skip
         proc.start()
     except OSError as exc:

@@ -32,6 +32,7 @@ RECORD = "workspace.json"
 DIFF_MAX_BYTES = 16 * 1024 * 1024
 GIT_TIMEOUT_S = 300.0
 _SAFE = ("-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "core.quotePath=false")
+VIEW_SUFFIX = ".gitview"  # a sandboxed attempt's view of the repository (gitview), beside its worktree
 _IDENTITY = {
     "GIT_AUTHOR_NAME": "dispatcher",
     "GIT_AUTHOR_EMAIL": "dispatcher@localhost",
@@ -243,14 +244,9 @@ def admin_dir(ws: Workspace) -> Path:
     raise GitError(f"worktree {ws.path} is not registered in {ws.repo}")
 
 
-def git_paths(ws: Workspace) -> list[str]:
-    """Return the parts of the repository an agent needs to commit on its branch (writable under the sandbox).
-
-    Objects, refs and reflogs, and the worktree's own folder; never the config or the
-    hooks, which the daemon's own git calls would otherwise obey.
-    """
-    common = common_dir(ws.repo)
-    return [str(common / "objects"), str(common / "refs"), str(common / "logs"), str(admin_dir(ws))]
+def view_path(ws: Workspace) -> str:
+    """Return where a sandboxed attempt's view of the repository lives (``gitview``): beside the worktree."""
+    return ws.path + VIEW_SUFFIX
 
 
 def _tree_env(ws: Workspace, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -352,7 +348,7 @@ def sweep(worktrees_dir: Path, keep: Sequence[str]) -> list[str]:
     except FileNotFoundError:
         return []
     for name in names:
-        if name in keep:
+        if name in keep or name.removesuffix(VIEW_SUFFIX) in keep:
             continue
         path = worktrees_dir / name
         repo = _repo_of(path)

@@ -6,8 +6,9 @@ writes a file (relative to the working folder, or absolute); ``--append PATH=TEX
 appends a line; ``--try-write PATH`` tries to write and records in ``--report`` whether
 it could (a sandbox test); ``--connect PORT`` tries 127.0.0.1:PORT and records the
 outcome; ``--symlink PATH=TARGET``, ``--hardlink PATH=TARGET`` and ``--fifo PATH`` make
-a link or a FIFO; ``--commit`` commits its changes; ``--sleep S`` sleeps first. It then writes
-its receipt to $DISPATCH_RECEIPT.
+a link or a FIFO; ``--commit`` commits its changes; ``--git ARGS`` then runs ``git ARGS`` in
+its folder and records in ``--report`` whether git succeeded; ``--sleep S`` sleeps first,
+``--sleep-after S`` after the report. It then writes its receipt to $DISPATCH_RECEIPT.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import time
@@ -34,7 +36,9 @@ def main() -> int:
     p.add_argument("--connect", type=int)
     p.add_argument("--report")
     p.add_argument("--commit", action="store_true")
+    p.add_argument("--git", action="append", default=[], help="git arguments to run after the commit")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--sleep-after", type=float, default=0.0)
     p.add_argument("--sleep-first", type=float, default=0.0, help="sleep this long in attempt 1 only")
     p.add_argument("--exit", type=int, default=0)
     p.add_argument("--fail-first", metavar="PATH", help="attempt 1 writes PATH and exits 1; later ones report it")
@@ -80,11 +84,15 @@ def main() -> int:
             Path(a.fail_first).write_text("first attempt\n")
             return 1
         report["fail_first"] = "present" if os.path.exists(a.fail_first) else "absent"
-    if a.report:
-        Path(a.report).write_text(json.dumps(report))
     if a.commit:
         subprocess.run(["git", "add", "-A"], check=True)
         subprocess.run(["git", "commit", "-q", "-m", f"{job}: work"], check=True)
+    for args in a.git:
+        done = subprocess.run(["git", *shlex.split(args)], capture_output=True, check=False)
+        report[f"git {args}"] = "ok" if done.returncode == 0 else "failed"
+    if a.report:
+        Path(a.report).write_text(json.dumps(report))
+    time.sleep(a.sleep_after)
     order = json.loads(Path(os.environ["DISPATCH_ORDER"]).read_text())
     if a.handoff:
         outbox = Path(os.environ["DISPATCH_ORDER"]).parent / "outbox"
