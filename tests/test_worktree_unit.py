@@ -27,13 +27,19 @@ def test_with_a_workspace_work_takes_only_the_receipt_outbox_and_output() -> Non
     assert (res.ok, res.detail) == (False, "work/notes.txt is outside the receipt, outbox/ and the output")
 
 
-def test_a_large_diff_is_cut_with_a_note_and_the_paths_are_all_listed(tmp_path: Path) -> None:
-    """diff.patch stops at its bound and ends with a line saying so; changed.txt still lists every path."""
+def _worktree(tmp_path: Path, job_id: str) -> tuple[Path, Path, worktree.Workspace]:
+    """Return a repository, a job folder and the job's worktree on dispatch/<job_id>, made from main."""
     repo = make_repo(tmp_path / "shop")
     job = tmp_path / "job"
     job.mkdir()
-    ws = worktree.plan(job, str(repo), "main", "dispatch/BIG", tmp_path / "trees" / "BIG")
+    ws = worktree.plan(job, str(repo), "main", f"dispatch/{job_id}", tmp_path / "trees" / job_id)
     worktree.create(ws, from_branch=False)
+    return repo, job, ws
+
+
+def test_a_large_diff_is_cut_with_a_note_and_the_paths_are_all_listed(tmp_path: Path) -> None:
+    """diff.patch stops at its bound and ends with a line saying so; changed.txt still lists every path."""
+    repo, job, ws = _worktree(tmp_path, "BIG")
     Path(ws.path, "src", "big.txt").write_text("line\n" * 10_000)
     Path(ws.path, "z.txt").write_text("z\n")
     names = worktree.snapshot(ws, job, max_bytes=2000)
@@ -123,11 +129,7 @@ def _commit_on(repo: Path, parent: str, text: str) -> str:
 
 def test_a_view_is_taken_back_by_compare_and_swap_of_the_jobs_branch_only(tmp_path: Path) -> None:
     """absorb moves the branch from the view's commit; one moved meanwhile fails and keeps the view; once is enough."""
-    repo = make_repo(tmp_path / "shop")
-    job = tmp_path / "job"
-    job.mkdir()
-    ws = worktree.plan(job, str(repo), "main", "dispatch/V1", tmp_path / "trees" / "V1")
-    worktree.create(ws, from_branch=False)
+    repo, _, ws = _worktree(tmp_path, "V1")
     view = gitview.make(ws)
     assert Path(view.path, "refs", "heads", "dispatch", "V1").read_text().strip() == ws.base
     assert Path(view.path, "objects", "info", "alternates").read_text().splitlines() == [gitview.OBJECTS_MOUNT]
