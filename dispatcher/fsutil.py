@@ -240,6 +240,18 @@ class NotRegular(Exception):
         self.kind = kind
 
 
+def link_stays_inside(link: str, root: str) -> bool:
+    """Return True if the symlink at ``link`` resolves inside ``root``, every link on the way followed.
+
+    The link's text alone is not enough: ``d/../x`` climbs out of root when ``d`` is
+    itself a link to ``.``. A link that resolves nowhere (dangling, a loop) is judged by
+    how far it resolves.
+    """
+    real_root = os.path.realpath(root)
+    resolved = os.path.realpath(link)
+    return resolved == real_root or resolved.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
 def kind_of(mode: int) -> str:
     """Return a word for the file type in a stat mode."""
     if stat.S_ISREG(mode):

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.checks.builtin import Exit, followups_valid
-from dispatcher.checks.evidence import gather, read_followups
+from dispatcher.checks.evidence import gather, list_entries, read_followups
+from dispatcher.job.treehazards import hazard
 from dispatcher.spec.orders import Order, parse_order, validate_order
 
 
@@ -69,3 +70,25 @@ def test_gather_passes_max_followups_to_the_check(tmp_path: Path) -> None:
     assert len(followups) == 3
     ev, _ = gather(**common)
     assert ev.max_followups == 100
+
+
+def test_a_link_that_climbs_out_through_another_link_is_outside(tmp_path: Path) -> None:
+    """`d -> .` then `x -> d/../order.json` leaves work/: links are judged by where they resolve, not by their text."""
+    work = tmp_path / "job" / "work"
+    (work / "sub" / "p" / "p").mkdir(parents=True)
+    (tmp_path / "job" / "order.json").write_text("{}")
+    links = {
+        "d": ".",  # a link to its own folder: inside
+        "x": "d/../order.json",  # through d, then up: the job folder's order.json
+        "sub/up": "..",  # back to work/: inside
+        "y": "sub/up/../order.json",
+        "sub/p/p/l": "../../../..",  # work/'s parent: outside itself
+        "z": "sub/p/p/l/../../etc/passwd",
+        "in": "sub/up/sub/p",  # through a link, yet inside
+    }
+    for name, target in links.items():
+        (work / name).symlink_to(target)
+    found = {e.path: e.target_inside for e in list_entries(work, {}) if e.kind == "symlink"}
+    assert found == {"d": True, "x": False, "sub/up": True, "y": False, "sub/p/p/l": False, "z": False, "in": True}
+    assert hazard(str(work), ["d", "in"]) is None
+    assert hazard(str(work), ["x"]) == "x is a link that points outside the workspace"

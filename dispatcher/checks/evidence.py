@@ -145,10 +145,7 @@ def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
                     out.append(Entry(rel, "dir"))
                     stack.append((de.path, rel + "/"))
                 elif kind == "symlink":
-                    target = os.readlink(de.path)
-                    resolved = os.path.normpath(os.path.join(folder, target))
-                    inside = resolved == root or resolved.startswith(root + os.sep)
-                    out.append(Entry(rel, "symlink", target_inside=inside))
+                    out.append(Entry(rel, "symlink", target_inside=fsutil.link_stays_inside(de.path, root)))
                 elif kind == "file":
                     sha = _digest_file(work, rel) if rel in given else None
                     out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))

@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Iterable
 
-from dispatcher.fsutil import kind_of
+from dispatcher.fsutil import kind_of, link_stays_inside
 
 
 def hazard(tree: str, changed: Iterable[str]) -> str | None:
@@ -31,8 +31,7 @@ def hazard(tree: str, changed: Iterable[str]) -> str | None:
         except OSError:  # deleted by the change
             continue
         if stat.S_ISLNK(st.st_mode):
-            resolved = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
-            if resolved != root and not resolved.startswith(root + os.sep):
+            if not link_stays_inside(path, root):
                 return f"{rel} is a link that points outside the workspace"
         elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
             return f"{rel} has {st.st_nlink} hard links"
