@@ -223,3 +223,29 @@ def test_a_sandboxed_agent_without_a_workspace_works_in_work(env: Env, tmp_path:
     assert "workspace" not in result
     assert (env.job_dir("PLAIN", "done") / "work" / "out.csv").exists()
     assert env.starts() == [("PLAIN", 1)]
+
+
+def test_a_sandboxed_agent_cannot_point_the_daemons_git_at_its_own_config(outside: Env) -> None:
+    """commondir and gitdir are read-only to it; a config.worktree it writes (a filter) is gone before git runs."""
+    env = outside
+    repo = make_repo(env.tmp / "shop")
+    git(repo, "config", "core.repositoryformatversion", "1")
+    git(repo, "config", "extensions.worktreeConfig", "true")  # git reads the worktree's config.worktree
+    marker = env.tmp / "filter-ran"
+    admin = repo / ".git" / "worktrees" / "S4"
+    out = env.tmp / "out"
+    out.mkdir()
+    evil = f'[filter "x"]\n\tclean = sh -c "echo ran >> {marker}; cat"\n'
+    flags = ["--write", f"{admin}/config.worktree={evil}", "--write", "src/.gitattributes=* filter=x"]
+    flags += ["--write", "src/{job}.txt=inside", "--report", str(out / "r.json")]
+    flags += ["--try-write", f"{admin}/commondir", "--try-write", f"{admin}/gitdir"]
+    env.configure(agents={"coder": _sandboxed(env, repo, *flags, sandbox_writable=[str(out)])})
+    env.drop(code_order("S4"))
+    d = env.daemon()
+    result = env.wait_job("S4", "done")
+    d.stop()
+    report = json.loads((out / "r.json").read_text())
+    assert report == {f"{admin}/commondir": EROFS, f"{admin}/gitdir": EROFS}
+    assert not marker.exists()  # the daemon's seal (git add -A) ran no filter of the agent's
+    assert not (admin / "config.worktree").exists()
+    assert sorted(result["workspace"]["changed"]) == ["src/.gitattributes", "src/S4.txt"]

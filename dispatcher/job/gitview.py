@@ -15,6 +15,13 @@ the sandbox only:
   bound read-only at ``/tmp/.dispatcher-objects`` in the sandbox's own ``/tmp``: the
   objects the agent makes land in the view.
 
+The worktree's own folder (``.git/worktrees/<name>``: its HEAD, index and reflog) stays
+writable, but for what tells the daemon's own git calls which repository and config they
+work in: ``commondir`` and ``gitdir`` are bound read-only, and a ``config.worktree`` the
+agent writes there (read when the repository has ``extensions.worktreeConfig``: a clean
+filter in it would run outside the sandbox at the daemon's next ``git add``) is put back
+as it was by ``absorb``, first.
+
 ``absorb`` takes the attempt's work back: the new objects are copied into the
 repository (each under a temporary name, then renamed; a pack's index last), and only
 the job's branch is moved, from the commit it had when the view was made (compare and
@@ -35,6 +42,7 @@ from dispatcher.job.worktree import GitError, Workspace
 
 OBJECTS_MOUNT = "/tmp/.dispatcher-objects"  # noqa: S108 - inside the sandbox's own /tmp
 _META = "view.json"
+_WORKTREE_CONFIG = "config.worktree"
 _PACK_ORDER = {".pack": 0, ".rev": 1, ".idx": 2}  # git finds a pack by its index: that comes last
 
 
@@ -75,8 +83,9 @@ def make(ws: Workspace) -> GitView:
     _copy_refs(str(common / "refs"), f"{tmp}/refs")
     with open(f"{tmp}/objects/info/alternates", "w", encoding="utf-8") as fh:
         fh.write("".join(f"{line}\n" for line in [OBJECTS_MOUNT, *_alternates(common / "objects")]))
+    config = _read_text(admin / _WORKTREE_CONFIG)
     with open(f"{tmp}/{_META}", "w", encoding="utf-8") as fh:
-        json.dump({"ref": ref, "before": before}, fh)
+        json.dump({"ref": ref, "before": before, "admin": str(admin), "worktree_config": config}, fh)
     os.rename(tmp, final)  # a half-made view is never taken for one
     return GitView(final, str(common), str(admin))
 
@@ -96,6 +105,7 @@ def absorb(ws: Workspace) -> None:
         shutil.rmtree(view, ignore_errors=True)
         return
     ref, before = str(meta["ref"]), str(meta["before"])
+    _put_back(Path(meta["admin"]) / _WORKTREE_CONFIG, meta["worktree_config"])
     _copy_objects(Path(view, "objects"), worktree.common_dir(ws.repo) / "objects")
     after = _loose_ref(Path(view, "refs"), ref)
     if after and after != before:
@@ -105,6 +115,26 @@ def absorb(ws: Workspace) -> None:
         elif now != after:  # moved by someone else while the agent ran
             raise GitError(f"{ref} moved outside the sandbox while the agent ran ({before[:12]} -> {now[:12]})")
     shutil.rmtree(view, ignore_errors=True)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8", errors="surrogateescape")
+    except FileNotFoundError:
+        return None
+
+
+def _put_back(path: Path, text: str | None) -> None:
+    """Make path hold text again (None: no such file), whatever the agent left there."""
+    plain = not path.is_symlink()
+    if plain and ((path.is_file() and _read_text(path) == text) or (text is None and not path.exists())):
+        return
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    if text is not None:
+        path.write_text(text, encoding="utf-8", errors="surrogateescape")
 
 
 def _alternates(objects: Path) -> list[str]:
