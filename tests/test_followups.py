@@ -864,3 +864,18 @@ def test_without_repair_no_feedback_and_checks_failures_are_not_retried(env: Env
     assert len(crashy["attempts"]) == 2
     assert not (env.job_dir("CRASHY-1", "done") / "work" / "feedback.json").exists()
     assert d.stop() == 0
+
+
+def test_followup_with_the_id_of_a_held_order_fails(env: Env) -> None:
+    """An order an operator holds in held/ is known: a follow-up reusing its id fails, the held order stays."""
+    env.configure(agents={"worker": handing_off(env, followup("HELD-ID", to="worker", sender="worker"))})
+    (env.root / "held").mkdir(parents=True, exist_ok=True)
+    held = json.dumps(order("HELD-ID"))
+    (env.root / "held" / "HELD-ID.json").write_text(held)
+    env.drop(order("HANDS-1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    result = env.result("HANDS-1", "failed")
+    assert check(result, "followups_valid")["ok"] is False
+    assert "job_id HELD-ID is already known" in detail_text(result, "followups_valid")
+    assert (env.root / "held" / "HELD-ID.json").read_text() == held
+    assert not (env.root / "done" / "HELD-ID").exists()

@@ -315,3 +315,19 @@ def test_cancel_of_an_order_removed_before_any_daemon_does_not_outlive_it(env: E
     assert code == 0, "the order that reuses the id must not be cancelled by the old request"
     assert env.result("GONE-1", "done")["reason"] is None
     assert starts_of(env, "GONE-1") == [1]
+
+
+def test_cancel_of_a_running_job_whose_daemon_died_holds_even_with_a_receipt(env: Env) -> None:
+    """kill -9 while the agent has written its receipt: `cancel` exits 0, and recovery fails the job as cancelled."""
+    env.configure(agents={"worker": env.agent("--sleep-after", "60")})
+    d = env.daemon()
+    env.drop(order("DEAD-1"))
+    wait_until(lambda: (env.root / "active" / "DEAD-1" / "work" / "receipt.json").exists(), 30, "the receipt")
+    d.kill()
+    proc = env.cli("cancel", "DEAD-1")
+    assert proc.returncode == 0, proc.stderr
+    code, _ = run_once(env)
+    assert code == 1
+    result = env.result("DEAD-1", "failed")
+    assert result["reason"] == "cancelled"
+    assert not (env.root / "done" / "DEAD-1").exists()

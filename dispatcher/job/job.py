@@ -35,6 +35,7 @@ from dispatcher.job.runner import AgentProcess
 from dispatcher.job.waits import Waits
 from dispatcher.lanes import Handoff, handed_over
 from dispatcher.ledger.base import Child, Finish, LedgerUnavailable
+from dispatcher.ledger.records import Request
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import Attempt, JobSpec
@@ -186,6 +187,8 @@ class Job(Finishing, Deciding):
         n = numbers[-1]  # its agent's group was ended before the job was queued (``Housekeeping.recover``)
         if self.folder.has_kept_result(n):
             return None  # reopened by `dispatcher retry`: go on with a new attempt
+        if await self.ctx.lanes.io(self._cancel_asked):  # while no daemon ran: it ends as a live cancel does
+            return await self.finish(Row.FAILED, Stop.CANCELLED, [])
         record = next((a for a in self.attempts if a.n == n), None)
         # its agent never started: attempt n runs as if the crash had come before it. Not for a job
         # taken over from a lost host, whose daemon may still be about to start that agent there,
@@ -211,6 +214,10 @@ class Job(Finishing, Deciding):
         if record.retry_next:
             return None
         return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
+
+    def _cancel_asked(self) -> bool:
+        """Return True if `dispatcher cancel` asked for this job and the request is still open (io pool)."""
+        return self.spec.job_id in self.ctx.ledger.requests(Request.CANCEL)
 
     def _give_back_unstarted(self, n: int) -> bool:
         """Remove attempts/<n>/ of an agent that never started; return True if it is gone."""

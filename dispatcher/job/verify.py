@@ -2,7 +2,7 @@
 
 The evidence (``evidence.gather``: the receipt, the output streamed into a
 summary, a listing of work/, the outbox) is read in the io pool; which ids are
-already known asks the ledger and the orders queued in inbox/; in the same trip
+already known asks the ledger and the orders queued in inbox/ or held in held/; in the same trip
 the receipt and the accepted output are fsynced (their bytes are what result.json
 vouches for). The checks themselves (``checks.run_checks``) are pure functions.
 """
@@ -51,7 +51,10 @@ def collect(
     def known(ids: list[str]) -> frozenset[str]:
         found = ledger.known(ids)
         mine = {i for i, e in found.items() if e.parent == me and e.state in (Row.RESERVED, Row.RELEASED, Row.HELD)}
-        return frozenset((set(found) - mine) | queued_ids(layout.inbox, [i for i in ids if i not in found]))
+        rest = [i for i in ids if i not in found]
+        queued = queued_ids(layout.inbox, rest)
+        held = queued_ids(layout.held, [i for i in rest if i not in queued])  # an operator's paused order
+        return frozenset((set(found) - mine) | queued | held)
 
     ev, followups = gather(
         order=order,
