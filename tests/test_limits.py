@@ -197,6 +197,20 @@ def test_a_limit_beyond_max_limit_wait_fails_the_job(env: Env) -> None:
     assert "max_limit_wait (10 s)" in result["reason"]
 
 
+@pytest.mark.parametrize("wait", ["99999999999999999999", "1e400"])
+def test_a_limit_too_far_to_name_fails_like_one_beyond_max_limit_wait(env: Env, wait: str) -> None:
+    """`retry in 1e400 s`: the job fails with the limit's reason and its attempt recorded, not as a crash."""
+    plan = {"limit": {"times": 1, "stderr": f"rate limited, retry in {wait} s", "exit": 1}}
+    rule = {"match": r"retry in (\S+) s", "until": "seconds"}
+    env.configure(agents={"worker": headless(env, plan, limits=[rule])}, max_limit_wait=10)
+    env.drop(order("HUGE-1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    result = env.result("HUGE-1", "failed")
+    assert result["reason"].startswith(f"limit: retry in {wait} s; waiting until 9999-12-31T23:59:59"), result["reason"]
+    assert "max_limit_wait (10 s)" in result["reason"]
+    assert [a["n"] for a in result["attempts"]] == [1]
+
+
 def test_attempts_that_meet_a_limit_still_spend_the_budget(env: Env) -> None:
     """Each limited attempt reports 2 USD against max_cost_usd 1: the job fails at once, budget spent."""
     limit = claude_limit(time.time() + 300)  # far enough ahead on a loaded machine: never "already past"

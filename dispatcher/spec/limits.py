@@ -22,6 +22,7 @@ Pure: the caller passes the text and the time; nothing here reads a clock or a f
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -121,19 +122,30 @@ def find_limit(text: str, rules: tuple[LimitRule, ...], now: float) -> LimitHit 
     return None
 
 
+LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()  # the latest time a record can name
+
+
 def read_time(value: str, kind: str, now: float) -> float | None:
-    """Read a matched time as epoch seconds (None when it cannot be read)."""
+    """Read a matched time as epoch seconds (None when it cannot be read).
+
+    A time beyond what a record can name (``retry in 1e400 s``, an epoch of 30 digits)
+    reads as ``LATEST``: a wait that long is beyond any ``max_limit_wait``.
+    """
     value = value.strip()
     if kind == "epoch":
         try:
             t = float(value)
         except ValueError:
             return None
-        return t / 1000 if t > 1e11 else t  # milliseconds
+        return _bounded(t / 1000 if t > 1e11 else t)  # milliseconds
     if kind == "seconds":
         seconds = duration_s(value)
-        return None if seconds is None else now + seconds
+        return None if seconds is None else _bounded(now + seconds)
     return clock_time(value, now)
+
+
+def _bounded(t: float) -> float | None:
+    return None if math.isnan(t) else min(t, LATEST)
 
 
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
