@@ -252,3 +252,11 @@ def test_a_number_beyond_a_float_and_the_non_json_constants_read_as_null() -> No
         "ok": 0.5,
     }
     assert parse_agent_result(b'{"a": NaN, "b": Infinity, "c": -Infinity}') == {"a": None, "b": None, "c": None}
+
+
+def test_a_lone_surrogate_is_recorded_as_the_replacement_character() -> None:
+    """`"\\ud800"` in a string or key cannot be written as UTF-8: it becomes U+FFFD; a real pair stays one emoji."""
+    out = b'{"s": "a\\ud800", "usage": {"n\\udc00te": ["\\ud83d\\ude00"]}, "total_cost_usd": 1.2}\n'
+    value = parse_agent_result(out)
+    assert value == {"s": "a\ufffd", "usage": {"n\ufffdte": ["\U0001f600"]}, "total_cost_usd": 1.2}
+    json.dumps(value, ensure_ascii=False).encode("utf-8")  # writable: no UnicodeEncodeError

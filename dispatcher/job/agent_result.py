@@ -62,7 +62,23 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
         except (ValueError, RecursionError):
             continue
         if end == len(text) and isinstance(value, dict):
+            if "\\u" in text[pos:]:  # an escape may spell a lone surrogate, which no UTF-8 file can hold
+                value = {_whole(k): _whole(v) for k, v in value.items()}
             if len(text[pos:].encode()) > AGENT_RESULT_MAX:
                 return {k: value[k] for k in AGENT_RESULT_KEYS if k in value}
             return value
     return None
+
+
+_LONE = re.compile("[\ud800-\udfff]")
+
+
+def _whole(value: Any) -> Any:
+    """Return value with every lone surrogate (``"\\ud800"``) in its strings and keys made U+FFFD."""
+    if isinstance(value, str):
+        return _LONE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_whole(k): _whole(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole(v) for v in value]
+    return value
