@@ -144,6 +144,10 @@ def test_every_action_runs_the_commands_code(site: tuple[Env, Web]) -> None:
     assert web.act("FAIL-1", "retry", tok)[0] == 200
     wait_until(lambda: len(env.result("FAIL-1", "failed")["attempts"]) == 2 if (
         env.root / "failed" / "FAIL-1" / "result.json").exists() else False, 60, "FAIL-1 retried")  # fmt: skip
+    for nothing in ({}, {"note": None}):  # as `dispatcher revise` without --note: refused, nothing recorded
+        status, answer = web.act("REV-A", "revise", tok, **nothing)
+        assert (status, answer["ok"]) == (400, False) and "needs a note" in answer["message"], answer
+    assert not (env.root / "review" / "REV-A" / "revise.json").exists()
     status, answer = web.act("REV-A", "revise", tok, note="again, with team B")
     assert (status, answer["message"]) == (200, "REV-A: revision requested")
     # the note, in review/ until the running daemon carries the revision out, then kept in the attempt it reopened

@@ -55,6 +55,8 @@ class Actions:
             return Outcome(404, f"{action}: no such action (one of {', '.join(ACTIONS)})")
         if action in NOT_BUILT:
             return Outcome(501, NOT_BUILT[action])
+        if action == "revise" and note is None:  # as `dispatcher revise ID --note TEXT`, which requires it
+            return Outcome(400, 'revise needs a note: what the next attempt should change (give {"note": TEXT})')
         text = oneline(note)[:_MAX_TEXT] if note else None
         with self._lock, structlog.contextvars.bound_contextvars(via="web"):
             op = Operator(self.config, self.layout)
