@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from dataclasses import dataclass, field
@@ -74,6 +75,18 @@ class Layout:
         Return True if any was made; an existing root costs a stat per folder.
         """
         return fsutil.make_dirs(*self.all_dirs())
+
+    def elsewhere(self) -> Path | None:
+        """Return the first folder of the layout on another filesystem than the root (a mount), or None.
+
+        A job moves between the folders by rename, which only works inside one filesystem.
+        """
+        device = os.stat(self.root).st_dev
+        for path in self.all_dirs():
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_dev != device:
+                    return path
+        return None
 
     def find(self, job_id: str) -> tuple[State, Path] | None:
         """Return the state and folder of a job, or None if it has no folder."""

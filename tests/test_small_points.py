@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -186,3 +189,24 @@ def test_a_new_shortage_soon_after_an_agent_started_is_logged_again(monkeypatch:
         now[0] += 0.5
         assert short.note(emfile, "claim")  # on the edge: met again 1.5 s later, the same shortage
     assert [e["event"] for e in logs] == ["daemon.short_of", "daemon.short_of"]
+
+
+def test_a_root_folder_on_another_filesystem_is_refused_at_start_in_one_line(env: Env) -> None:
+    """done/ linked to another filesystem: `run` exits 2 naming it, before any order is claimed."""
+    here = os.stat(env.tmp).st_dev
+    other = next(p for p in ("/dev/shm", "/var/tmp", "/tmp", "/run") if os.path.isdir(p) and os.stat(p).st_dev != here)
+    away = Path(tempfile.mkdtemp(prefix="dispatcher-done-", dir=other))
+    try:
+        env.root.mkdir(parents=True, exist_ok=True)
+        (env.root / "done").symlink_to(away)
+        env.drop(order("FS-1"))
+        proc = env.cli("run", "--once", timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        line = proc.stderr.strip()
+        assert len(line.splitlines()) == 1 and "Traceback" not in proc.stdout + proc.stderr
+        assert line.endswith("on another filesystem than the root " + str(env.root) + "; a dispatch root must be"
+                             " on one filesystem (jobs move between its folders by rename)"), line  # fmt: skip
+        assert str(env.root / "done") in line
+        assert (env.root / "inbox" / "FS-1.json").exists() and not list((env.root / "active").iterdir())
+    finally:
+        shutil.rmtree(away, ignore_errors=True)

@@ -30,10 +30,17 @@ def raise_fd_limit() -> None:
 
 
 async def make_folders(layout: Layout, stop_asked: Callable[[], bool]) -> None:
-    """Make the root's folders; raise UsageError (one line) when they cannot be made for another reason."""
+    """Make the root's folders; raise UsageError (one line) when they cannot be made for another reason,
+    or when one of them is on another filesystem than the root."""
     while True:
         try:
             layout.create()
+            other = layout.elsewhere()
+            if other is not None:
+                raise UsageError(
+                    f"{other}: on another filesystem than the root {layout.root}; a dispatch root must be"
+                    " on one filesystem (jobs move between its folders by rename)"
+                )
             return
         except OSError as exc:
             if resource_of(exc) is None or stop_asked():
