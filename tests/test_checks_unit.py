@@ -132,9 +132,9 @@ CASES = [
     ("receipt_present", evidence(receipt=Doc(value=None)), False, "not a JSON object"),
     # receipt_job_id
     ("receipt_job_id", evidence(), True, "J-1"),
-    ("receipt_job_id", evidence(receipt=receipt(job_id="J-2")), False, "'J-2', expected 'J-1'"),
-    ("receipt_job_id", evidence(receipt=receipt(job_id=None)), False, "job_id is missing, expected 'J-1'"),
-    ("receipt_job_id", evidence(receipt=receipt(job_id=True)), False, "job_id is true, expected 'J-1'"),
+    ("receipt_job_id", evidence(receipt=receipt(job_id="J-2")), False, '"J-2", expected "J-1"'),
+    ("receipt_job_id", evidence(receipt=receipt(job_id=None)), False, 'job_id is missing, expected "J-1"'),
+    ("receipt_job_id", evidence(receipt=receipt(job_id=True)), False, 'job_id is true, expected "J-1"'),
     ("receipt_job_id", evidence(order=make_order(job_id="123"), receipt=receipt(job_id=123)), False, "123"),
     ("receipt_job_id", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
     ("receipt_job_id", evidence(receipt=Doc(value=[1])), None, "no usable receipt"),
@@ -142,15 +142,15 @@ CASES = [
     ("receipt_status", evidence(), True, "done"),
     ("receipt_status", evidence(receipt=receipt(status="failed", reason="no data")), False, "no data"),
     ("receipt_status", evidence(receipt=receipt(status="failed")), False, "status is failed"),
-    ("receipt_status", evidence(receipt=receipt(status="ok")), False, "'ok'"),
+    ("receipt_status", evidence(receipt=receipt(status="ok")), False, '"ok"'),
     ("receipt_status", evidence(receipt=receipt(status=None)), False, "status is missing, expected"),
     ("receipt_status", evidence(receipt=receipt(status=["done"])), False, 'status is ["done"], expected'),
     ("receipt_status", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
     # receipt_inputs
     ("receipt_inputs", evidence(receipt=receipt(input_ids=["R3", "R1", "R2"])), True, "3 input ids"),
     ("receipt_inputs", evidence(receipt=receipt(input_ids=["R1", "R2"])), False, "missing R3"),
-    ("receipt_inputs", evidence(receipt=receipt(input_ids=[*IDS, "R4"])), False, "extra 'R4'"),
-    ("receipt_inputs", evidence(receipt=receipt(input_ids=[*IDS, "R1"])), False, "repeated 'R1'"),
+    ("receipt_inputs", evidence(receipt=receipt(input_ids=[*IDS, "R4"])), False, "extra R4"),
+    ("receipt_inputs", evidence(receipt=receipt(input_ids=[*IDS, "R1"])), False, "repeated R1"),
     ("receipt_inputs", evidence(receipt=receipt(input_ids=[])), False, "missing R1, R2, R3"),
     ("receipt_inputs", evidence(receipt=receipt(input_ids="R1,R2,R3")), False, "not a list"),
     ("receipt_inputs", evidence(receipt=receipt(input_ids=[1, "R2", "R3"])), False, "missing R1; extra 1"),
@@ -161,9 +161,9 @@ CASES = [
     ("output_rows", evidence(output=Doc(missing=True)), False, "out.csv is missing"),
     ("output_rows", evidence(output=Doc(error="cannot be parsed (x)")), False, "out.csv cannot be parsed"),
     ("output_rows", evidence(output=rows("R1", "R2")), False, "missing R3"),
-    ("output_rows", evidence(output=rows(*IDS, "R9")), False, "extra 'R9'"),
-    ("output_rows", evidence(output=rows(*IDS, "R2")), False, "repeated 'R2'"),
-    ("output_rows", evidence(output=[{"team": "orders"}, *rows(*IDS)]), False, "extra None"),
+    ("output_rows", evidence(output=rows(*IDS, "R9")), False, "extra R9"),
+    ("output_rows", evidence(output=rows(*IDS, "R2")), False, "repeated R2"),
+    ("output_rows", evidence(output=[{"team": "orders"}, *rows(*IDS)]), False, "none in 1 record"),
     (
         "output_rows",
         evidence(
@@ -180,8 +180,8 @@ CASES = [
     ("receipt_outputs", evidence(order=NO_ACCEPT, output=None), None, "no accept.output"),
     ("receipt_outputs", evidence(receipt=NO_RECEIPT), None, "no usable receipt"),
     ("receipt_outputs", evidence(output=Doc(missing=True)), None, "no usable output"),
-    ("receipt_outputs", evidence(receipt=receipt(output_ids=["R1", "R2"])), False, "missing 'R3'"),
-    ("receipt_outputs", evidence(receipt=receipt(output_ids=[*IDS, "R9"])), False, "extra 'R9'"),
+    ("receipt_outputs", evidence(receipt=receipt(output_ids=["R1", "R2"])), False, "missing R3"),
+    ("receipt_outputs", evidence(receipt=receipt(output_ids=[*IDS, "R9"])), False, "extra R9"),
     ("receipt_outputs", evidence(receipt=receipt(output_ids=[*IDS, "R1"])), False, "counts differ"),
     ("receipt_outputs", evidence(receipt=receipt(output_ids="R1")), False, "not a list"),
     ("receipt_outputs", evidence(output=rows("R1"), receipt=receipt(output_ids=["R1"])), True, "1 output ids"),
@@ -189,7 +189,7 @@ CASES = [
     ("allowed_values", evidence(), True, "3 records"),
     ("allowed_values", evidence(order=make_order(accept={"output": "out.csv"})), None, "no accept.allowed"),
     ("allowed_values", evidence(output=Doc(missing=True)), None, "no usable output"),
-    ("allowed_values", evidence(output=rows(*IDS, team="bakery")), False, "R1: team 'bakery' is not allowed"),
+    ("allowed_values", evidence(output=rows(*IDS, team="bakery")), False, 'R1: team "bakery" is not allowed'),
     ("allowed_values", evidence(output=rows(*IDS, team=True)), False, "record R1: team true is not allowed"),
     (
         "allowed_values",
@@ -197,14 +197,14 @@ CASES = [
         False,
         "record R1: w is missing",
     ),
-    ("allowed_values", evidence(output=rows(*IDS, team="")), False, "required field 'team' is empty"),
-    ("allowed_values", evidence(output=rows(*IDS, team=None)), False, "required field 'team' is empty"),
-    ("allowed_values", evidence(output=[{"id": i} for i in IDS]), False, "'team' is empty"),
+    ("allowed_values", evidence(output=rows(*IDS, team="")), False, "required field team is empty"),
+    ("allowed_values", evidence(output=rows(*IDS, team=None)), False, "required field team is empty"),
+    ("allowed_values", evidence(output=[{"id": i} for i in IDS]), False, "field team is empty"),
     (
         "allowed_values",
         evidence(order=make_order(accept={"output": "o.json", "required": ["n"]}), output=rows(*IDS, n=[])),
         False,
-        "'n' is empty",
+        "field n is empty",
     ),
     (
         "allowed_values",
@@ -246,7 +246,7 @@ CASES = [
     ("followups_valid", outbox(followup("J-1")), False, "this job's own"),
     ("followups_valid", outbox(followup("A"), Followup("B.json", order=followup("A").order)), False, "repeated"),
     ("followups_valid", outbox(followup("OLD"), known_ids=frozenset({"OLD"})), False, "OLD is already known"),
-    ("followups_valid", outbox(followup("A", sender="tester")), False, "from is 'tester', expected 'worker'"),
+    ("followups_valid", outbox(followup("A", sender="tester")), False, 'from is "tester", expected "worker"'),
     ("followups_valid", outbox(followup("A", parent="J-1")), False, "parent and hops are set by the daemon"),
     ("followups_valid", outbox(followup("A", hops=0)), False, "parent and hops"),
     ("followups_valid", outbox(followup("A"), hops=5, max_hops=5), False, "hops 6 would exceed max_hops 5"),
@@ -399,7 +399,7 @@ def test_details_are_one_printable_line(ev: Evidence) -> None:
 def test_lone_surrogate_in_an_output_id_is_shown_escaped() -> None:
     """An output id holding a lone surrogate (valid JSON, not UTF-8) is shown as an escape, not a crashed check."""
     result = checks.allowed_values(evidence(output=[{"id": "\ud800", "team": "bakery"}]))
-    assert (result.ok, result.detail) == (False, "record \\ud800: team 'bakery' is not allowed")
+    assert (result.ok, result.detail) == (False, 'record \\ud800: team "bakery" is not allowed')
 
 
 # -- verdict ------------------------------------------------------------------------------------
@@ -461,9 +461,9 @@ def test_output_with_thousands_of_other_ids_names_some_and_counts_the_rest() -> 
     assert len(summary.others) == 1000 and summary.uncounted == 4000 and summary.records == 5004
     result = checks.output_rows(ev)
     assert result.ok is False
-    assert result.detail.startswith("out.csv id: extra 'X0', 'X1', 'X10', ")
+    assert result.detail.startswith("out.csv id: extra X0, X1, X10, ")
     assert "(cut, " in result.detail and "and 4000 more records with other ids)" in result.detail
-    assert result.detail.endswith("; repeated 'R2'")
+    assert result.detail.endswith("; repeated R2")
     assert len(result.detail) < checks.DETAIL_MAX
 
 
@@ -472,9 +472,9 @@ def test_output_with_thousands_of_other_ids_names_some_and_counts_the_rest() -> 
     [
         ([*IDS, *(f"X{i}" for i in range(5000))], "cannot be compared in full"),
         ([*IDS, *(f"X{i}" for i in range(4999))], "counts differ"),
-        ([*IDS, *(f"X{i}" for i in range(1, 5001))], "missing 'X0'"),
+        ([*IDS, *(f"X{i}" for i in range(1, 5001))], "missing X0"),
         ([*IDS, "R1", *(f"X{i}" for i in range(4999))], "counts differ"),
-        (["R1", "R2", "R4", *(f"X{i}" for i in range(5000))], "missing 'R3'"),
+        (["R1", "R2", "R4", *(f"X{i}" for i in range(5000))], "missing R3"),
     ],
     ids=["same-ids", "one-fewer", "one-kept-id-missing", "item-repeated", "item-swapped"],
 )
@@ -492,7 +492,7 @@ def test_receipt_outputs_names_an_item_id_no_record_carries_even_when_ids_were_n
         output=[*rows("R1", "R2"), *many(2000)], receipt=receipt(output_ids=[*IDS, *(f"X{i}" for i in range(1999))])
     )
     result = checks.receipt_outputs(ev)
-    assert result.ok is False and "extra 'R3'" in result.detail, result.detail
+    assert result.ok is False and "extra R3" in result.detail, result.detail
 
 
 def test_long_ids_are_compared_exactly() -> None:
@@ -508,7 +508,7 @@ def test_allowed_values_reports_the_first_bad_record_of_a_long_output() -> None:
     """The first record breaking accept.allowed is found however far into the output it is."""
     out = [*rows(*IDS), *many(3000), {"id": "X9", "team": "bakery"}, {"id": "X8", "team": ""}]
     result = checks.allowed_values(evidence(output=out))
-    assert (result.ok, result.detail) == (False, "record X9: team 'bakery' is not allowed")
+    assert (result.ok, result.detail) == (False, 'record X9: team "bakery" is not allowed')
 
 
 def test_receipt_with_100000_extra_input_ids_gives_a_short_detail_that_says_it_was_cut() -> None:
@@ -516,7 +516,7 @@ def test_receipt_with_100000_extra_input_ids_gives_a_short_detail_that_says_it_w
     ev = evidence(receipt=receipt(input_ids=[*IDS, *(f"EXTRA-{i}" for i in range(100_000))]))
     result = checks.receipt_inputs(ev)
     assert result.ok is False
-    assert result.detail.startswith("input_ids: extra 'EXTRA-0', 'EXTRA-1', ")
+    assert result.detail.startswith("input_ids: extra EXTRA-0, EXTRA-1, ")
     assert "(cut, " in result.detail and "more)" in result.detail
     assert len(result.detail) <= checks.DETAIL_MAX
     reason = verdict(run_checks(ev))
@@ -574,3 +574,18 @@ def test_writes_with_dot_or_empty_parts_match_what_they_name(pattern: str) -> No
     assert order.writes is not None
     assert checks.in_scope(path, order.writes), order.writes
     assert not checks.in_scope("other.txt", order.writes)
+
+
+def test_details_never_show_python_notation() -> None:
+    """Records without an id, a number where a string id was, a string where a number was allowed: plain or JSON."""
+    no_ids = evidence(output=[{"ID": i} for i in IDS], receipt=receipt(output_ids=["A", "B"]))
+    details = {c.name: c.detail for c in run_checks(no_ids)}
+    assert details["output_rows"] == "out.csv id: missing R1, R2, R3; none in 3 records"
+    assert details["receipt_outputs"] == "output_ids differ from out.csv: missing null; extra A, B"
+    numeric = {c.name: c.detail for c in run_checks(evidence(output=[*rows("R1", "R2"), {"id": 1}]))}
+    assert numeric["output_rows"] == "out.csv id: missing R3; extra 1"
+    allowed = make_order(accept={"output": "out.csv", "allowed": {"n": [1, 2]}})
+    typed = {c.name: c.detail for c in run_checks(evidence(order=allowed, output=rows(*IDS, n="1")))}
+    assert typed["allowed_values"] == 'record R1: n "1" is not allowed'
+    for text in (*details.values(), *numeric.values(), *typed.values()):
+        assert "None" not in text and "'" not in text, text

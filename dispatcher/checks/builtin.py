@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, listed, shown, stored_key
+from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, id_shown, listed, shown, stored_key
 from dispatcher.errors import cut, printable
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult
@@ -140,7 +140,7 @@ def receipt_job_id(ev: Evidence) -> CheckResult:
     got = rec.get("job_id")
     if got == ev.order.job_id:
         return r(True, f"job_id is {got}")
-    return r(False, f"job_id is {_got(got)}, expected {ev.order.job_id!r}")
+    return r(False, f"job_id is {_got(got)}, expected {shown(ev.order.job_id)}")
 
 
 def receipt_status(ev: Evidence) -> CheckResult:
@@ -154,18 +154,18 @@ def receipt_status(ev: Evidence) -> CheckResult:
     if status == "failed":
         why = rec.get("reason")
         return r(False, f"the agent reported failure: {why}" if why else "status is failed")
-    return r(False, f"status is {_got(status)}, expected 'done' or 'failed'")
+    return r(False, f'status is {_got(status)}, expected "done" or "failed"')
 
 
 def _got(value: Any) -> str:
-    """A receipt field as a detail shows it: missing, 'text', 12, true, null (never Python's None)."""
+    """A receipt field as a detail shows it: missing, "text", 12, true, null (never Python's None)."""
     return "missing" if value is None else shown(value)
 
 
 def _compare_ids(got: Sequence[Any], want: Sequence[str], what: str) -> str | None:
     """Return what is wrong between two id lists (missing, extra, repeated), or None."""
     have = Counter(id_key(i) for i in got)
-    shown = {id_key(i): repr(i) for i in got}
+    shown = {id_key(i): id_shown(i) for i in got}
     need = set(want)
     problems = []
     missing = [i for i in want if i not in have]
@@ -240,7 +240,7 @@ def receipt_outputs(ev: Evidence) -> CheckResult:
     # Without every id of the output known, only ids known to be in it or known to be absent
     # (item ids no record carries) can be named; the rest is compared by count.
     absent = {k for k in have if k not in want and (summary.complete or k in summary.item_counts)}
-    extra = sorted({repr(i) for i in got if stored_key(i) in absent})
+    extra = sorted({id_shown(i) for i in got if stored_key(i) in absent})
     parts = [f"missing {listed(missing)}" if missing else "", f"extra {listed(extra)}" if extra else ""]
     text = "; ".join(p for p in parts if p)
     if not text and not summary.complete:
@@ -334,7 +334,7 @@ def followups_valid(ev: Evidence) -> CheckResult:
         if o.job_id in ev.known_ids:
             return r(False, f"outbox/{f.name}: job_id {o.job_id} is already known")
         if o.sender != ev.agent:
-            return r(False, f"outbox/{f.name}: from is {o.sender!r}, expected {ev.agent!r}")
+            return r(False, f"outbox/{f.name}: from is {shown(o.sender)}, expected {shown(ev.agent)}")
         if o.sets_lineage:
             return r(False, f"outbox/{f.name}: parent and hops are set by the daemon, not the agent")
         if ev.hops + 1 > ev.max_hops:

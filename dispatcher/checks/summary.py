@@ -71,10 +71,18 @@ def listed(texts: Sequence[str], unknown: int = 0) -> str:
 
 
 def shown(value: Any) -> str:
-    """Return a value as a check's detail shows it, cut to fit: 'text', 12, true, null, [1, 2] (never Python's)."""
-    if isinstance(value, str):
-        return cut(repr(value), _SHOWN_MAX)
-    return cut(json.dumps(value, ensure_ascii=False, default=str), _SHOWN_MAX)
+    """Return a value as a detail shows it, cut to fit: in JSON ("text", 12, true, null, [1, 2]), never Python's."""
+    return _writable(cut(json.dumps(value, ensure_ascii=False, default=str), _SHOWN_MAX))
+
+
+def id_shown(value: Any) -> str:
+    """Return an id as a list in a detail names it: a string as it is (A, B), any other value as JSON (1, null)."""
+    return _writable(cut(value, _SHOWN_MAX)) if isinstance(value, str) else shown(value)
+
+
+def _writable(text: str) -> str:
+    """Return text with each lone surrogate written as its escape (``\\ud800``): a detail is written as UTF-8."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +97,7 @@ class BadValue:
     def describe(self) -> str:
         """Return the allowed_values detail for this record."""
         if self.required:
-            return f"record {self.record_id}: required field {self.field!r} is empty"
+            return f"record {self.record_id}: required field {self.field} is empty"
         if self.value == "missing":
             return f"record {self.record_id}: {self.field} is missing"
         return f"record {self.record_id}: {self.field} {self.value} is not allowed"
@@ -127,21 +135,20 @@ class OutputSummary:
         return have
 
     def shown_ids(self) -> dict[Hashable, str]:
-        """Return the shown form of each known id, by stored key."""
-        out: dict[Hashable, str] = {k: repr(k) for k, n in self.item_counts.items() if n}
+        """Return the shown form of each known id, by stored key (a record without one: null)."""
+        out: dict[Hashable, str] = {k: id_shown(k) for k, n in self.item_counts.items() if n}
         out.update({k: text for k, (text, _) in self.others.items()})
         if self.no_id:
-            out[stored_key(None)] = "None"
+            out[stored_key(None)] = "null"
         return out
 
     def problems(self, want: Sequence[str]) -> list[str]:
-        """Return what is wrong against the item ids: missing, extra and repeated ids (empty: nothing)."""
+        """Return what is wrong against the item ids: missing, extra and repeated ids, records without one."""
         missing = [i for i in want if not self.item_counts.get(i)]
-        extra = sorted([text for text, _ in self.others.values()] + (["None"] if self.no_id else []))
+        extra = sorted(text for text, _ in self.others.values())
         repeated = sorted(
-            [repr(i) for i, n in self.item_counts.items() if n > 1]
+            [id_shown(i) for i, n in self.item_counts.items() if n > 1]
             + [text for text, n in self.others.values() if n > 1]
-            + (["None"] if self.no_id > 1 else [])
         )
         out = []
         if missing:
@@ -150,6 +157,8 @@ class OutputSummary:
             out.append("extra " + listed(extra, self.uncounted))
         if repeated:
             out.append("repeated " + listed(repeated))
+        if self.no_id:
+            out.append(f"none in {self.no_id} record{'s' if self.no_id != 1 else ''}")
         return out
 
 
@@ -189,19 +198,19 @@ class Summariser:
         if seen is not None:
             self._others[key] = (seen[0], seen[1] + 1)
         elif len(self._others) < OTHERS_MAX:
-            self._others[key] = (shown(rid), 1)
+            self._others[key] = (id_shown(rid), 1)
         else:
             self._uncounted += 1
 
     def _check(self, rid: Any, record: Mapping[Any, Any]) -> BadValue | None:
         for name in self._required:
             if is_empty(record.get(name)):
-                return BadValue(cut(f"{rid}", _SHOWN_MAX), name, "", required=True)
+                return BadValue(id_shown(rid), name, "", required=True)
         for name, allowed in self._allowed.items():
             value = record.get(name)
             if (value if value.__class__ is str else id_key(value)) not in allowed:
                 seen = "missing" if name not in record else shown(value)
-                return BadValue(cut(f"{rid}", _SHOWN_MAX), name, seen, required=False)
+                return BadValue(id_shown(rid), name, seen, required=False)
         return None
 
     def result(self) -> OutputSummary:
