@@ -244,6 +244,18 @@ def test_pause_keeps_new_jobs_queued_and_resume_lets_them_run(env: Env) -> None:
     wait_until(lambda: 'dispatcher_agent_gated{agent="worker"} 0.0' in _read(env.tmp / "m.prom"), what="gauge 0")
 
 
+def test_run_once_leaves_the_orders_of_an_agent_paused_by_hand(env: Env) -> None:
+    """`pause gated` then `run --once`: the other agent's job is done, the paused agent's order stays, exit 0."""
+    env.configure(agents={"worker": headless(env), "gated": headless(env)})
+    env.cli("pause", "gated", check=True)
+    env.drop(order("FREE-1"))
+    env.drop(order("PAUSED-2", to="gated"))
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env.result("FREE-1", "done")
+    assert (env.root / "inbox" / "PAUSED-2.json").exists() and env.starts() == [("FREE-1", 1)]
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()

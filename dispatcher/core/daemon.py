@@ -25,7 +25,7 @@ import structlog
 from dispatcher import lean, procs, storage
 from dispatcher.core import announce, startup
 from dispatcher.core.fsevents import start_watch
-from dispatcher.core.gatekeeper import GateKeeper
+from dispatcher.core.gatekeeper import GateKeeper, gated_agents
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.notify import Notifications
@@ -236,8 +236,16 @@ class Daemon:
         if self.stopping:
             return not (self.sched.running or self.sched.inflight)
         if self.once:
-            return not (self.sched.busy() or len(self.inbox) or self.house.busy)
+            left = self.inbox.aside_for(self._held_for_long())  # `run --once` leaves them, as orders due later
+            return not (self.sched.busy() or len(self.inbox) - left or self.house.busy)
         return False
+
+    def _held_for_long(self) -> set[str]:
+        """Return the agents a gate holds that will not lift within max_limit_wait (a pause by hand: never)."""
+        bound = time.time() + self.config.max_limit_wait_s
+        return gated_agents(
+            [g for g in self.gatekeeper.gates() if g.until is None or g.until > bound], self.config.agents, time.time()
+        )
 
     async def wait(self, at_most: float | None = None) -> None:
         """Wait for a wake-up or the next timer (or ``at_most`` seconds)."""
