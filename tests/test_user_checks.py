@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Env, order, wait_until
-from git_helpers import code_order, coder, make_repo
+from git_helpers import code_order, coder, git, make_repo
 from helpers_faults import processes_with
 
 HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
@@ -132,3 +132,18 @@ def test_checks_run_in_the_agents_worktree(env: Env, tmp_path: Path) -> None:
     result = env.wait_job("C1", "done")
     worktree = env.root / ".state" / "worktrees" / "C1"
     assert by_name(result, "built")["detail"].endswith(f": {worktree}")
+
+
+def test_files_a_check_leaves_in_the_worktree_are_not_the_jobs_work(env: Env, tmp_path: Path) -> None:
+    """A check that writes a cache outside writes: the branch and `changed` hold only what writes_scope judged."""
+    repo = make_repo(tmp_path / "shop")
+    script = "open('OUTSIDE.txt', 'w').write('cache'); open('src/C2.txt', 'a').write('more')"
+    check = {"name": "t", "command": [sys.executable, "-c", script]}
+    agent = coder(env, repo, "--write", "src/{job}.txt=done", checks=[check])
+    env.configure(agents={"coder": agent})
+    env.daemon().wait_ready()
+    env.drop(code_order("C2"))
+    result = env.wait_job("C2", "done")
+    assert result["workspace"]["changed"] == ["src/C2.txt"]
+    assert git(repo, "diff", "--name-only", "main", "dispatch/C2") == "src/C2.txt"
+    assert git(repo, "show", "dispatch/C2:src/C2.txt") == "done"  # as the agent left it, before the check

@@ -42,7 +42,7 @@ def test_a_large_diff_is_cut_with_a_note_and_the_paths_are_all_listed(tmp_path: 
     repo, job, ws = _worktree(tmp_path, "BIG")
     Path(ws.path, "src", "big.txt").write_text("line\n" * 10_000)
     Path(ws.path, "z.txt").write_text("z\n")
-    names = worktree.snapshot(ws, job, max_bytes=2000)
+    names, _ = worktree.snapshot(ws, job, max_bytes=2000)
     patch = (job / "diff.patch").read_bytes()
     assert patch.endswith(b"\n[dispatcher: diff cut at 2000 bytes]\n") and len(patch) < 2100
     assert names == ["src/big.txt", "z.txt"] and (job / "changed.txt").read_text() == "src/big.txt\nz.txt\n"

@@ -52,17 +52,17 @@ class WorkspaceFailed(Exception):
     """The job's worktree could not be made: the job fails with this reason (no attempt runs)."""
 
 
-def _snapshot(ws: Workspace, out: Path) -> list[str] | str:
-    """Save the worktree's change (io pool); return its paths, or the writes_scope rule it breaks."""
+def _snapshot(ws: Workspace, out: Path) -> tuple[list[str] | str, str]:
+    """Save the worktree's change (io pool); return its paths (or the writes_scope rule it breaks) and its tree."""
     gitview.absorb(ws)  # a sandboxed agent's commits first
-    names = worktree.snapshot(ws, out)
-    return hazard(ws.path, names) or names
+    names, tree = worktree.snapshot(ws, out)
+    return hazard(ws.path, names) or names, tree
 
 
-def _seal(ws: Workspace, job_id: str) -> tuple[str, list[str]]:
+def _seal(ws: Workspace, job_id: str, tree: str | None) -> tuple[str, list[str]]:
     """Take a sandboxed agent's commits, then seal the worktree (io pool): ``worktree.seal``."""
     gitview.absorb(ws)
-    return worktree.seal(ws, job_id)
+    return worktree.seal(ws, job_id, tree)
 
 
 def parent_head(layout: Layout, parent: str | None, repo: str) -> str:
@@ -92,6 +92,7 @@ class JobRepo:
         self.git_view: GitView | None = None  # the next attempt's view of the repository under the sandbox
         self._opened = False
         self._sealed: dict[str, Any] | None = None
+        self._tree: str | None = None  # the last snapshot's tree: what seal puts on the branch
 
     @property
     def path(self) -> Path | None:
@@ -145,8 +146,10 @@ class JobRepo:
         if not os.path.isdir(self.ws.path):
             return "the workspace is gone"
         out = self.folder.attempts_dir / str(n)
+        self._tree = None
         try:
-            return await self.lanes.io(_snapshot, self.ws, out)
+            changed, self._tree = await self.lanes.io(_snapshot, self.ws, out)
+            return changed
         except (GitError, OSError) as exc:
             log.warning("workspace.diff_failed", attempt=n, error=str(exc))
             return f"the change could not be read: {exc}"
@@ -162,7 +165,7 @@ class JobRepo:
         ws = self.ws
         try:
             async with repo_lock(ws.repo):
-                head, changed = await self.lanes.io(_seal, ws, self.spec.job_id)
+                head, changed = await self.lanes.io(_seal, ws, self.spec.job_id, self._tree)
         except (GitError, OSError) as exc:
             log.warning("workspace.seal_failed", error=str(exc))
             head, changed = None, []

@@ -260,12 +260,13 @@ def reset_to_base(ws: Workspace) -> None:
     git(ws.path, "clean", "-q", "-ffdx", env=env)
 
 
-def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> list[str]:
-    """Write ``diff.patch`` (binary-safe) and ``changed.txt`` of the worktree against base; return the paths.
+def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> tuple[list[str], str]:
+    """Write ``diff.patch`` (binary-safe) and ``changed.txt`` of the worktree against base; return the paths and tree.
 
     Committed and uncommitted changes both count: the worktree is added to a copy of
     its index (a temporary one: the agent's own index is untouched) and that tree is
     compared with the base commit. A patch above max_bytes is cut with a note saying so.
+    The tree (its id) is what ``seal`` puts on the branch: what the checks saw.
     """
     admin = admin_dir(ws)
     with tempfile.TemporaryDirectory(prefix="dispatcher-index-") as tmp:
@@ -278,7 +279,7 @@ def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> l
     names = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, tree).split("\0") if n]
     _write_patch(ws, tree, out_dir / "diff.patch", max_bytes)
     fsutil.write_atomic(out_dir / "changed.txt", "".join(f"{n}\n" for n in names).encode(), sync=False, sync_dir=False)
-    return names
+    return names, tree
 
 
 def _write_patch(ws: Workspace, tree: str, path: Path, max_bytes: int) -> None:
@@ -302,23 +303,33 @@ def _write_patch(ws: Workspace, tree: str, path: Path, max_bytes: int) -> None:
     proc.wait()
 
 
-def seal(ws: Workspace, job_id: str) -> tuple[str, list[str]]:
+def seal(ws: Workspace, job_id: str, tree: str | None = None) -> tuple[str, list[str]]:
     """Commit what the job left uncommitted on its branch; return the branch's head and the changed paths.
 
-    The commit is the daemon's (author ``dispatcher``), made without the repository's
-    hooks. Safe to call again after a crash: a worktree already gone leaves the branch as it is.
+    With ``tree`` (the last ``snapshot``'s), the branch gets exactly that tree: what the
+    checks saw and writes_scope judged; files a user check left after it are not the
+    job's work. Without it (no snapshot was taken in this daemon's life), whatever the
+    worktree holds. The commit is the daemon's (author ``dispatcher``), made without the
+    repository's hooks. Safe to call again after a crash: a worktree already gone leaves
+    the branch as it is.
     """
+    branch = f"refs/heads/{ws.branch}"
+    message = f"dispatch {job_id}: changes left uncommitted"
     if is_ready(ws):
         env = _tree_env(ws)
-        branch = f"refs/heads/{ws.branch}"
         if git(ws.path, "symbolic-ref", "-q", "HEAD", env=env, check=False).strip() != branch:
             # the agent moved its HEAD (onto main, or detached): what it left goes on its branch all the same
             git(ws.path, "symbolic-ref", "HEAD", branch, env=env)
-        git(ws.path, "add", "-A", env=env)
-        if _staged(ws, env):
-            message = f"dispatch {job_id}: changes left uncommitted"
-            git(ws.path, "commit", "-q", "--no-verify", "-m", message, env=env)
-    head = git(ws.repo, "rev-parse", "--verify", f"refs/heads/{ws.branch}").strip()
+        if tree is not None:
+            tip = git(ws.repo, "rev-parse", "--verify", branch).strip()
+            if git(ws.repo, "rev-parse", f"{tip}^{{tree}}").strip() != tree:
+                commit = git(ws.repo, "commit-tree", tree, "-p", tip, "-m", message).strip()
+                git(ws.repo, "update-ref", "-m", message, branch, commit, tip)
+        else:
+            git(ws.path, "add", "-A", env=env)
+            if _staged(ws, env):
+                git(ws.path, "commit", "-q", "--no-verify", "-m", message, env=env)
+    head = git(ws.repo, "rev-parse", "--verify", branch).strip()
     changed = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, head).split("\0") if n]
     return head, changed
 
