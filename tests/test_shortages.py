@@ -196,6 +196,25 @@ def test_agent_removed_by_reload_its_orders_wait_until_it_is_back(env: Env) -> N
     assert not [e for e in d.events() if e.get("level") == "error"]
 
 
+def test_an_agent_removed_before_any_of_its_orders_came_is_waited_for_too(env: Env) -> None:
+    """Nothing read for `gone` before a reload removes it: its orders still wait, unrefused, until it is back."""
+    env.configure({"gone": hold_agent(env, 0), "tiny": hold_agent(env, 0)})
+    d = env.daemon()
+    d.wait_ready()
+    env.configure({"tiny": hold_agent(env, 0)})
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(tiny_order("g1", to="gone"))
+    env.drop(tiny_order("t2"))
+    env.wait_job("t2", "done")
+    d.wait_event("order.waiting", agent="gone")
+    assert names(env.root / "inbox") == ["g1.json"] and env.refusals() == []
+    env.configure({"gone": hold_agent(env, 0), "tiny": hold_agent(env, 0)})
+    d.signal(signal.SIGHUP)
+    env.wait_job("g1", "done")
+    assert not [e for e in d.events() if e.get("level") == "error"]
+
+
 def test_a_refused_file_is_not_a_lost_ledger(env: Env) -> None:
     """A fresh root whose only history is one refused file without a readable job id starts again."""
     env.drop(b'job_id: "\\udc80"\nfrom: [unclosed\n', name="bad.yaml")

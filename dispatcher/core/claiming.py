@@ -167,11 +167,15 @@ class Claims:
         self.config = config
         self.finisher = finisher
         self.on_refused = on_refused
-        self._known: dict[str, Agent] = {}  # every agent the config has had since the daemon started
+        self._known: dict[str, Agent] = dict(config().agents)  # every agent the config has had since the start
         self._waiting: set[str] = set()  # removed agents whose waiting orders were logged
         # files whose order.received is logged: a file read again (its claim put off by a shortage,
         # say) is not received again; the oldest are forgotten past RECEIVED_MAX
         self._received: collections.OrderedDict[tuple[str, tuple[int, int], str], None] = collections.OrderedDict()
+
+    def note_config(self, cfg: Config) -> None:
+        """Remember the agents of a config just loaded: one a later reload removes is waited for, never refused."""
+        self._known.update(cfg.agents)
 
     def _removed(self, cfg: Config) -> dict[str, Agent]:
         """Return the agents a reload removed (as they were): their orders wait, never refused."""

@@ -373,6 +373,7 @@ class Daemon:
             self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
             self.house.metrics_now()
         self.config = new
+        self.sched.claims.note_config(new)  # its agents: if a later reload removes one, its orders wait
         self.inbox.settle_s = new.settle_s
         self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
