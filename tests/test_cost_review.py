@@ -147,6 +147,7 @@ def test_a_follow_up_that_an_approval_holds_is_notified(env: Env) -> None:
     assert decide(env, "approve", "BIG-2").returncode == 0  # no daemon runs: the command notifies
     assert (env.root / "held" / "CHILD-1.json").exists()
     wait_until(lambda: events.exists() and "\tbudget.held\tCHILD-1\t" in events.read_text(), 20, "the notification")
+    assert "\tchain cost 1 USD is above max_chain_cost_usd" in events.read_text()  # a person's number: 1, not 1.0
 
 
 def reviewed(env: Env) -> Env:

@@ -46,6 +46,22 @@ def test_an_error_about_the_ledger_shows_no_password(env: Env) -> None:
     assert "postgresql://disp:***@127.0.0.1:1/ledger" in status.stderr, status.stderr
 
 
+def test_a_ledger_url_libpq_cannot_read_is_refused_without_quoting_its_password(env: Env) -> None:
+    """A space or a bad % in the password: validate, status and run exit 2 in one line that does not quote it."""
+    for url in (
+        "postgresql://alice:my secretpw@db.example/dispatch",
+        "postgresql://alice@db.example/dispatch?password=my secretpw",
+        "postgresql://alice:my%zzsecretpw@db.example/dispatch",
+    ):
+        env.configure(ledger=url)
+        for args in (("validate",), ("status",), ("run", "--once")):
+            proc = env.cli(*args, timeout=60)
+            out = proc.stdout + proc.stderr
+            assert proc.returncode == 2, (url, args, out)
+            assert "secretpw" not in out and "\\n" not in out, (url, args, out)
+            assert proc.stderr.count("\n") == 1 and "ledger URL cannot be read" in proc.stderr, (url, args, out)
+
+
 def test_ledger_migrate_refuses_a_password_on_its_command_line(env: Env) -> None:
     """`ledger migrate URL-with-password` is refused in one line (ps shows argv); `-` reads the URL from stdin."""
     proc = env.cli("ledger", "migrate", "postgresql://disp:Hunter2Secret@127.0.0.1:1/ledger")

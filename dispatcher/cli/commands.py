@@ -29,7 +29,7 @@ from dispatcher.spec.config import (
     require_config,
     require_root,
 )
-from dispatcher.spec.programs import check_agents
+from dispatcher.spec.programs import Finding, check_agents
 from dispatcher.spec.settings import Config
 from dispatcher.text import plain, plural, redact
 
@@ -99,13 +99,28 @@ def validate_config(path: Path, cfg: Config) -> int:
     Errors and warnings are one line each on stderr; `ok (N agents)` goes to stdout
     when there is no error.
     """
-    findings = check_agents(cfg)
+    findings = check_agents(cfg) + _check_ledger_url(cfg)
     for f in findings:
         print(redact(str(ConfigError(f.message, file=str(path), field=f.field))), file=sys.stderr)
     if any(f.error for f in findings):
         return 2
     print(f"{path}: ok ({plural(len(cfg.agents), 'agent')})")
     return 0
+
+
+def _check_ledger_url(cfg: Config) -> list[Finding]:
+    """Return an error when the PostgreSQL ledger's URL cannot be read (as `run` would say it, never quoting it)."""
+    if not cfg.ledger.startswith(("postgresql://", "postgres://")):
+        return []
+    try:
+        from dispatcher.ledger.pg_conn import read_url
+    except ImportError:  # without the postgres extra `run` says so itself
+        return []
+    try:
+        read_url(cfg.ledger)
+    except DispatchError as exc:
+        return [Finding("ledger", str(exc), error=True)]
+    return []
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.result import Result
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.text import usd
 
 if TYPE_CHECKING:
     from dispatcher.metrics import Metrics  # prometheus_client is imported only when metrics_file is set
@@ -278,7 +279,7 @@ class Finisher:
 
     def _held(self, entry: Entry, name: str) -> None:
         if self.notify is not None and self._loop is not None:
-            reason = f"chain cost {entry.chain_cost_usd} USD is above max_chain_cost_usd"
+            reason = f"chain cost {usd(entry.chain_cost_usd)} is above max_chain_cost_usd"
             self._loop.call_soon_threadsafe(self.notify.fire, "budget.held", entry.job_id, entry.agent, reason, None)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -38,6 +38,7 @@ from dispatcher.ledger.base import Entry, Finish, Ledger
 from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
 from dispatcher.spec.result import Result
 from dispatcher.store.jobstore import JobFolder, cut_reason
+from dispatcher.text import usd
 
 log = structlog.get_logger("dispatcher")
 DECISION_WAIT_S = 30
@@ -101,7 +102,7 @@ def _decide(
     if approve:
 
         def held(entry: Entry, name: str) -> None:
-            why = f"chain cost {entry.chain_cost_usd} USD is above max_chain_cost_usd"
+            why = f"chain cost {usd(entry.chain_cost_usd)} is above max_chain_cost_usd"
             start_detached(notify, layout.root, "budget.held", entry.job_id, entry.agent, why)
 
         release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd, held=held)

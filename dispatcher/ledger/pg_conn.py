@@ -106,6 +106,23 @@ def connection_options(lease_s: float) -> dict[str, Any]:
     }
 
 
+URL_UNREADABLE = (
+    "ledger URL cannot be read: write it as postgresql://USER:PASSWORD@HOST/DB, with a space,"
+    " @, :, / or % in a part percent-encoded (%20, %40, %3A, %2F, %25)"
+)
+
+
+def read_url(url: str) -> dict[str, Any]:
+    """Return the URL's parts as libpq reads them; raise PostgresLedgerError, never quoting them.
+
+    libpq's own message quotes the part it could not read, which may be the password.
+    """
+    try:
+        return dict(pg_conninfo.conninfo_to_dict(url))
+    except psycopg.ProgrammingError:
+        raise PostgresLedgerError(URL_UNREADABLE) from None
+
+
 def make_conninfo(url: str, lease_s: float, connect_timeout_s: int | None = None, *, readonly: bool = False) -> str:
     """Return the URL with the lease-bound options added (options already in the URL are kept first).
 
@@ -113,10 +130,7 @@ def make_conninfo(url: str, lease_s: float, connect_timeout_s: int | None = None
     connect timeout, also one given in the URL; ``readonly`` makes every transaction
     read-only on the server.
     """
-    try:
-        given = pg_conninfo.conninfo_to_dict(url)
-    except psycopg.ProgrammingError as exc:
-        raise PostgresLedgerError(f"ledger URL cannot be read: {exc}") from None
+    given = read_url(url)
     opts = connection_options(lease_s)
     for key in ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"):
         if given.get(key) is not None:
