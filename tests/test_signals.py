@@ -117,6 +117,34 @@ def test_second_sigterm_ends_agents_at_once(env: Env) -> None:
     assert (env.root / "active" / "FORCE-1").is_dir()
 
 
+@pytest.mark.parametrize("second", [False, True])
+def test_a_hanging_notification_does_not_hold_a_stop_past_stop_timeout(env: Env, second: bool) -> None:
+    """A notify command that hangs: SIGTERM ends it at stop_timeout (a second SIGTERM: at once), logged."""
+    marker = "time.sleep(100.7)"
+    env.configure(
+        agents={"worker": env.agent("--exit", "3")},
+        notify=[sys.executable, "-c", f"import time; {marker}"],
+        stop_timeout=4,
+        kill_grace=1,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("NOTE-1"))
+    env.wait_job("NOTE-1", "failed")
+    wait_until(lambda: processes_with(marker), 15, "the notify command")
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    d.wait_event("daemon.stopping")
+    if second:
+        d.signal(signal.SIGTERM)
+    assert d.wait(30) == 0
+    took = time.monotonic() - sent
+    assert took < (1 + 3 if second else 4 + 1 + 3), took  # within stop_timeout (and kill_grace), not 30 s
+    assert not processes_with(marker)
+    failed = [e for e in d.events() if e.get("event") == "notify.failed"]
+    assert [e["error"] for e in failed] == ["ended: the daemon stopped"], failed
+
+
 def test_sighup_reload_applies_to_new_jobs_only(env: Env) -> None:
     """SIGHUP logs config.reloaded; a changed agent applies to new jobs, not claimed ones."""
     old = env.agent(

@@ -280,6 +280,8 @@ class Daemon:
 
     async def shutdown(self) -> int:
         """Stop watching, flush the ledger lane, release the ledger, exit 0 (1 for a failed --once)."""
+        # notifications may run until the stop's deadline, or end at once after a second stop (a forced one)
+        notify_until = (self.stop_deadline or time.monotonic()) if self.stopping else None
         if self.stopping:  # from here on a ledger wait gives up: what it could not record, the next start recovers
             self.stop_deadline = None
         if self.watch is not None:
@@ -291,7 +293,7 @@ class Daemon:
         await self.house.close()
         await self.sched.drain()
         await self.final_hooks.drain()  # after hooks of jobs cancelled in their claim or failed in a join
-        await self.notify.close()
+        await self.notify.close(notify_until, hurry=lambda: any(sig != signal.SIGHUP for sig in self._signals))
         if self.metrics is not None:
             await self.house.write_metrics()
         self.lanes.shutdown(wait=True)

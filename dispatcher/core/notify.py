@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from dispatcher.text import exit_text
 
 log = structlog.get_logger("dispatcher")
 NOTIFY_TIMEOUT_S = 30.0
+_HURRY_POLL_S = 0.2  # how often a stop waiting for notifications looks for a second stop
 _OUTPUT_MAX = 64 * 1024
 QUEUE_MAX = 100  # notifications waiting; beyond this they are counted into one notify.dropped
 
@@ -50,6 +52,7 @@ class Notifications:
         self._config = config
         self._cwd = cwd
         self._running: set[asyncio.Task[None]] = set()
+        self._procs: set[AgentProcess] = set()  # the notify commands running now
         self._queue: collections.deque[_Event] = collections.deque()
         self._summary: _Event | None = None  # the queued notify.dropped that counts events dropped now
         self._retry: asyncio.TimerHandle | None = None
@@ -107,6 +110,7 @@ class Notifications:
         )
         try:
             proc.start()
+            self._procs.add(proc)
         except OSError as exc:
             if SHORT.note(exc, "notify"):
                 self._queue.appendleft(ev)  # not now: first again once the shortage is over
@@ -115,9 +119,15 @@ class Notifications:
                 "notify.failed", event_name=event, job_id=job_id, agent=agent, error=f"cannot start: {exc.strerror}"
             )
             return
-        out = await proc.wait()
-        if out.timed_out or out.exit_code != 0:
-            why = f"timed out after {NOTIFY_TIMEOUT_S:g} s" if out.timed_out else exit_text(out.exit_code)
+        try:
+            out = await proc.wait()
+        finally:
+            self._procs.discard(proc)
+        if out.timed_out or out.aborted or out.exit_code != 0:
+            if out.aborted:
+                why = "ended: the daemon stopped"
+            else:
+                why = f"timed out after {NOTIFY_TIMEOUT_S:g} s" if out.timed_out else exit_text(out.exit_code)
             stderr = out.stderr_tail.decode("utf-8", "replace").strip().splitlines()[-3:]
             log.warning(
                 "notify.failed",
@@ -128,12 +138,23 @@ class Notifications:
                 stderr=" | ".join(stderr) or None,
             )
 
-    async def close(self) -> None:
-        """Let running notify commands end (each is bounded by its own timeout); the queue is dropped."""
+    async def close(self, until: float | None = None, hurry: Callable[[], bool] = lambda: False) -> None:
+        """Let running notify commands end; the queue is dropped.
+
+        Each is bounded by its own timeout; a stop bounds them all by its deadline
+        (``until``, on the monotonic clock) or at once when ``hurry()`` says a second
+        stop came: then their groups are ended (``kill_grace``) and each is logged
+        as ``notify.failed``.
+        """
         if self._queue:
             log.warning("notify.dropped", count=len(self._queue), reason="the daemon stops", job_id=None, agent=None)
             self._queue.clear()
         if self._retry is not None:
             self._retry.cancel()
+        end = time.monotonic() + NOTIFY_TIMEOUT_S + 10 if until is None else until
+        while self._running and time.monotonic() < end and not hurry():
+            await asyncio.wait(set(self._running), timeout=min(_HURRY_POLL_S, max(0.0, end - time.monotonic())))
         if self._running:
-            await asyncio.wait(set(self._running), timeout=NOTIFY_TIMEOUT_S + 10)
+            for proc in list(self._procs):
+                proc.abort("the daemon stopped")
+            await asyncio.wait(set(self._running), timeout=self._config().kill_grace_s + 5)
