@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import yaml
-from conftest import Env, wait_until
+from conftest import Env, order, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def _loop_ts(path: Path) -> float:
@@ -74,3 +77,52 @@ def test_a_daemon_removes_the_files_stopped_daemons_of_its_host_left(env: Env) -
     finally:
         other.kill()
         other.wait()
+
+
+def _samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(path.read_text()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_review_decisions_and_retries_are_counted_once_each(env: Env) -> None:
+    """approve/reject count as done/failed with their cost; a retried job's earlier cost and wait count once."""
+    prom = env.tmp / "m.prom"
+    cost = json.dumps({"total_cost_usd": 0.25})
+    env.configure(
+        agents={
+            "rev": env.agent("--json-result", cost, review=True),
+            "costly": env.agent("--exit", "1", "--json-result", json.dumps({"total_cost_usd": 1.0})),
+        },
+        metrics_file=str(prom),
+        rescan_interval=0.5,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    for job_id in ("R1", "R2"):
+        env.drop(order(job_id, to="rev"))
+    env.drop(order("F1", to="costly"))
+    wait_until(lambda: (env.root / "review" / "R1").is_dir() and (env.root / "review" / "R2").is_dir(), 30, "review")
+    env.wait_job("F1", "failed")
+    time.sleep(3)  # F1 sits in failed/: no work, not counted as its duration
+    assert env.cli("approve", "R1").returncode == 0 and env.cli("reject", "R2", "--reason", "no").returncode == 0
+    assert env.cli("retry", "F1").returncode == 0
+    again = env.root / "failed" / "F1" / "result.json"
+    wait_until(lambda: again.exists() and len(env.result("F1", "failed")["attempts"]) == 2, 60, "F1 again")
+
+    def counted() -> bool:
+        s = _samples(prom) if prom.exists() else {}
+        return s.get(("dispatcher_jobs_finished_total", (("agent", "costly"), ("state", "failed")))) == 2 and s.get(
+            ("dispatcher_jobs_finished_total", (("agent", "rev"), ("state", "failed")))
+        ) == 1
+
+    wait_until(counted, 30, "the decisions and the retry in the metrics")
+    s = _samples(prom)
+    assert s[("dispatcher_jobs_finished_total", (("agent", "rev"), ("state", "done")))] == 1
+    assert s[("dispatcher_cost_usd_total", (("agent", "rev"),))] == 0.5
+    assert s[("dispatcher_job_duration_seconds_count", (("agent", "rev"),))] == 2
+    assert s[("dispatcher_cost_usd_total", (("agent", "costly"),))] == 2.0  # 1 USD per attempt, each once
+    assert s[("dispatcher_job_duration_seconds_sum", (("agent", "costly"),))] < 3, "the wait in failed/ was counted"
+    assert d.stop() == 0

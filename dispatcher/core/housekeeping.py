@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable, Coroutine
@@ -30,6 +31,7 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import LedgerUnavailable, Request
 from dispatcher.lifecycle import Row, State, is_landed
 from dispatcher.shortage import SHORT
+from dispatcher.spec.jobspec import is_cost
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.orphans import leftover_groups
@@ -200,6 +202,8 @@ class Housekeeping:
         hints = await lanes.io(_hints, layout)
         for line in await lanes.io(read_relayed, layout, hints):  # a command's log lines: onto this stdout
             logs.relay(line)
+            if self.ctx.metrics is not None:
+                count_decision(self.ctx.metrics, line)
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):
             entry = await lanes.io(ledger.get, job_id)
             if entry is not None and entry.state == Row.WAITING and self.joins is not None:
@@ -298,6 +302,28 @@ class Housekeeping:
             log.warning("metrics.failed", file=str(metrics.path), error=exc.strerror)
         finally:
             self._writing = False
+
+
+_DECIDED = {"job.approved": "done", "job.rejected": "failed"}
+
+
+def count_decision(metrics: Metrics, line: str) -> None:
+    """Count a review decision a command made (its relayed ``job.approved``/``job.rejected``) as the finish it is."""
+    if '"job.approved"' not in line and '"job.rejected"' not in line:
+        return
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return
+    state = _DECIDED.get(str(event.get("event"))) if isinstance(event, dict) else None
+    if state is not None:
+        duration, cost = event.get("duration_s"), event.get("cost_usd")
+        metrics.job_finished(
+            state,
+            event.get("agent") if isinstance(event.get("agent"), str) else None,
+            duration if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,
+            cost if is_cost(cost) else None,
+        )
 
 
 def _write_metrics(metrics: Metrics, layout: Layout) -> None:

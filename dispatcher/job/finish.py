@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import structlog
 
 from dispatcher import fsutil
+from dispatcher.clock import parse_iso
 from dispatcher.job.followups import release_followups
 from dispatcher.lanes import GroupCommit, Handoff, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger
 from dispatcher.lifecycle import Row, State, landed_state
-from dispatcher.spec.jobspec import JobSpec
+from dispatcher.spec.jobspec import JobSpec, is_cost
 from dispatcher.spec.result import Result
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
@@ -78,6 +79,30 @@ class Landing:
     finish: Finish
     result: Result
     staged: bool = False
+
+
+def this_claim(folder: JobFolder, result: Result) -> tuple[float | None, float | None]:
+    """Return the seconds and the cost of the job since it was last claimed: what the metrics count.
+
+    A job that `dispatcher retry` or `revise` reopened keeps its earlier attempts, whose
+    cost was counted when it finished before, and the time it then sat in failed/ or
+    review/ is no work: only attempts after the last one that keeps that earlier
+    ``result.json`` count, from the start of the first of them.
+    """
+    duration = result.duration_s
+    numbers = sorted((a["n"] for a in result.attempts if isinstance(a.get("n"), int)), reverse=True)
+    if len(numbers) < 2:
+        return duration, result.cost_usd
+    kept = next((n for n in numbers if folder.has_kept_result(n)), None)
+    if kept is None:
+        return duration, result.cost_usd
+    mine = [a for a in result.attempts if isinstance(a.get("n"), int) and a["n"] > kept]
+    costs = [a["cost_usd"] for a in mine if is_cost(a.get("cost_usd")) and a["cost_usd"] > 0]
+    try:
+        duration = round(parse_iso(result.finished or "") - min(parse_iso(a["started"]) for a in mine), 3)
+    except (KeyError, TypeError, ValueError):  # no attempt since: the reopened job ended without one
+        duration = None
+    return duration, sum(costs) if costs else None
 
 
 class Finisher:
@@ -220,7 +245,7 @@ class Finisher:
             else:
                 log.warning("job.failed", reason=result.reason, **fields)
             if self.metrics is not None and state is not State.REVIEW:
-                self.metrics.job_finished(state.value, result.agent, duration, result.cost_usd)
+                self.metrics.job_finished(state.value, result.agent, *this_claim(landing.folder, result))
             moves.append((landing, state))
         self._move(moves, touched)
         for state in touched:

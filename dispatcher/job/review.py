@@ -31,6 +31,7 @@ from filelock import FileLock, Timeout
 from dispatcher import faults, fsutil
 from dispatcher.clock import iso
 from dispatcher.errors import NotFound, WrongState
+from dispatcher.job.finish import this_claim
 from dispatcher.job.followups import release_followups
 from dispatcher.job.notice import start_detached
 from dispatcher.layout import Layout
@@ -91,7 +92,8 @@ def _decide(
     elif entry.state != state:
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
     event = "job.approved" if approve else "job.rejected"
-    log.info(event, job_id=job_id, agent=result.agent, reason=result.reason)
+    duration, cost = this_claim(folder, result)  # what a daemon's metrics count for it (the relayed line)
+    log.info(event, job_id=job_id, agent=result.agent, reason=result.reason, duration_s=duration, cost_usd=cost)
     try:
         land(layout, folder, state)
     except (FileNotFoundError, FileExistsError):  # landed by a command on another host meanwhile
