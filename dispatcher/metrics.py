@@ -179,6 +179,19 @@ class Metrics:
         """Record a turn of the daemon's loop at Unix time ts (cheap: call it every turn)."""
         self.last_loop.set(ts)
 
+    def move_to(self, path_template: str | os.PathLike[str]) -> None:
+        """Write to another file from now on (a reload moved metrics_file): the counters go on; the old file goes."""
+        old = self.path
+        self.path = metrics_path(path_template, self.host, self.pid)
+        self.template = path_template
+        if old != self.path:
+            self.remove_file(old)
+
+    def remove_file(self, path: Path | None = None) -> None:
+        """Remove the file this daemon kept (a reload unset metrics_file): nothing serves frozen values."""
+        with contextlib.suppress(OSError):
+            (path or self.path).unlink()
+
     def write(self) -> None:
         """Write the file atomically (a temporary file beside it, then a rename); raise OSError if it cannot.
 
@@ -187,7 +200,10 @@ class Metrics:
         The file is created with the process's umask (the daemon's 027 leaves
         it readable by its group: put node_exporter's user in that group).
         """
-        write_to_textfile(str(self.path), self.registry)
+        path = self.path
+        write_to_textfile(str(path), self.registry)
+        if path != self.path:  # moved by a reload while this write ran: the old file goes
+            self.remove_file(path)
         for stale in stale_files(self.template, self.host, self.pid):
             with contextlib.suppress(FileNotFoundError):  # another daemon removed it first
                 stale.unlink()

@@ -47,6 +47,26 @@ def test_a_reload_that_sets_metrics_file_starts_it(env: Env) -> None:
     assert "dispatcher_queue" in prom.read_text()
 
 
+def test_a_reload_that_moves_or_unsets_metrics_file_leaves_no_frozen_file(env: Env) -> None:
+    """Moved: the counters go on in the new file and the old one goes; unset: the file goes."""
+    first, second = env.tmp / "a.prom", env.tmp / "b.prom"
+    env.configure(metrics_file=str(first))
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("M1"))
+    env.wait_job("M1", "done")
+    done = ("dispatcher_jobs_finished_total", (("agent", "worker"), ("state", "done")))
+    wait_until(lambda: first.exists() and _samples(first).get(done) == 1, 15, "M1 counted")
+    env.configure(metrics_file=str(second))
+    assert env.cli("reload").returncode == 0
+    wait_until(lambda: second.exists() and not first.exists(), 15, "the move")
+    assert _samples(second)[done] == 1  # since this daemon started, not since the reload
+    env.configure()
+    assert env.cli("reload").returncode == 0
+    wait_until(lambda: not second.exists(), 15, "the file gone with metrics_file unset")
+    assert d.stop() == 0 and not first.exists() and not second.exists()
+
+
 def test_a_daemon_removes_the_files_stopped_daemons_of_its_host_left(env: Env) -> None:
     """Under {pid}, files of stopped daemons (and of pids reused by other programs) go; live daemons' files stay."""
     host = socket.gethostname()
@@ -114,9 +134,10 @@ def test_review_decisions_and_retries_are_counted_once_each(env: Env) -> None:
 
     def counted() -> bool:
         s = _samples(prom) if prom.exists() else {}
-        return s.get(("dispatcher_jobs_finished_total", (("agent", "costly"), ("state", "failed")))) == 2 and s.get(
-            ("dispatcher_jobs_finished_total", (("agent", "rev"), ("state", "failed")))
-        ) == 1
+        return (
+            s.get(("dispatcher_jobs_finished_total", (("agent", "costly"), ("state", "failed")))) == 2
+            and s.get(("dispatcher_jobs_finished_total", (("agent", "rev"), ("state", "failed")))) == 1
+        )
 
     wait_until(counted, 30, "the decisions and the retry in the metrics")
     s = _samples(prom)

@@ -372,7 +372,12 @@ class Daemon:
             log.exception("config.rejected", error=f"{type(exc).__name__}: {exc}")
             return
         if new.metrics_file != self.config.metrics_file:  # set, moved or unset: takes effect now
-            self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
+            if self.metrics is not None and new.metrics_file:
+                self.metrics.move_to(new.metrics_file)  # the counters carry on, since this daemon started
+            else:
+                if self.metrics is not None:
+                    self.metrics.remove_file()
+                self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
             self.house.metrics_now()
         self.config = new
         self.sched.claims.note_config(new)  # its agents: if a later reload removes one, its orders wait
