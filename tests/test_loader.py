@@ -93,3 +93,19 @@ def test_a_key_that_is_not_a_string_is_shown_as_yaml_writes_it(key: str, shown: 
         load_document(f"meta: {{{key}: 1}}\n".encode(), "yaml")
     assert f"mapping key {shown} is" in err.value.reason, err.value.reason
     assert "None" not in err.value.reason and "True" not in err.value.reason
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "message"),
+    [
+        ('{"meta": {"k": 1, "k": 2}}', "meta.k", "is a duplicate key"),
+        ('{"meta": {"x": [1, {"y": NaN}]}}', "meta.x[1].y", "NaN is not a JSON value"),
+        ('{"timeout": Infinity}', "timeout", "Infinity is not a JSON value"),
+        ('{"meta": -Infinity}', "meta", "-Infinity is not a JSON value"),
+    ],
+)
+def test_a_duplicate_key_or_a_constant_in_json_names_its_field(text: str, field: str, message: str) -> None:
+    """The JSON parser's hooks do not know where they are: the walk after the parse names the field."""
+    with pytest.raises(OrderError) as err:
+        load_document(text.encode(), "json")
+    assert (err.value.field, err.value.message) == (field, message)

@@ -187,17 +187,28 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return str(problem)
 
 
+class _Refused:
+    """A value the strict JSON parse met but may not keep: its message, raised with the field by ``check_json_value``.
+
+    The parser's hooks see a mapping or a constant without knowing where it is, so they
+    leave this mark in its place and the walk after the parse names the field.
+    """
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
-        if key in out:
-            raise OrderError(f"duplicate key {key!r}")
-        out[key] = value
+        out[key] = _Refused("is a duplicate key") if key in out else value
     return out
 
 
 def _no_constant(name: str) -> Any:
-    raise OrderError(f"{name} is not a JSON value")
+    return _Refused(f"{name} is not a JSON value")
 
 
 def load_json(text: str) -> Any:
@@ -220,6 +231,8 @@ def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
     """
     if depth > MAX_DEPTH:
         raise OrderError(f"nesting deeper than {MAX_DEPTH} levels")
+    if type(value) is _Refused:
+        raise OrderError(value.message, field=path or None)
     if isinstance(value, dict):
         for key, item in value.items():
             if isinstance(key, str) and (bad := _lone_surrogate(key)) is not None:
