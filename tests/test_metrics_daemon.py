@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 from conftest import Env, order, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from test_metrics import samples
 
 
 def _loop_ts(path: Path) -> float:
@@ -56,11 +56,11 @@ def test_a_reload_that_moves_or_unsets_metrics_file_leaves_no_frozen_file(env: E
     env.drop(order("M1"))
     env.wait_job("M1", "done")
     done = ("dispatcher_jobs_finished_total", (("agent", "worker"), ("state", "done")))
-    wait_until(lambda: first.exists() and _samples(first).get(done) == 1, 15, "M1 counted")
+    wait_until(lambda: first.exists() and samples(first).get(done) == 1, 15, "M1 counted")
     env.configure(metrics_file=str(second))
     assert env.cli("reload").returncode == 0
     wait_until(lambda: second.exists() and not first.exists(), 15, "the move")
-    assert _samples(second)[done] == 1  # since this daemon started, not since the reload
+    assert samples(second)[done] == 1  # since this daemon started, not since the reload
     env.configure()
     assert env.cli("reload").returncode == 0
     wait_until(lambda: not second.exists(), 15, "the file gone with metrics_file unset")
@@ -99,14 +99,6 @@ def test_a_daemon_removes_the_files_stopped_daemons_of_its_host_left(env: Env) -
         other.wait()
 
 
-def _samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for family in text_string_to_metric_families(path.read_text()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def test_review_decisions_and_retries_are_counted_once_each(env: Env) -> None:
     """approve/reject count as done/failed with their cost; a retried job's earlier cost and wait count once."""
     prom = env.tmp / "m.prom"
@@ -133,14 +125,14 @@ def test_review_decisions_and_retries_are_counted_once_each(env: Env) -> None:
     wait_until(lambda: again.exists() and len(env.result("F1", "failed")["attempts"]) == 2, 60, "F1 again")
 
     def counted() -> bool:
-        s = _samples(prom) if prom.exists() else {}
+        s = samples(prom) if prom.exists() else {}
         return (
             s.get(("dispatcher_jobs_finished_total", (("agent", "costly"), ("state", "failed")))) == 2
             and s.get(("dispatcher_jobs_finished_total", (("agent", "rev"), ("state", "failed")))) == 1
         )
 
     wait_until(counted, 30, "the decisions and the retry in the metrics")
-    s = _samples(prom)
+    s = samples(prom)
     assert s[("dispatcher_jobs_finished_total", (("agent", "rev"), ("state", "done")))] == 1
     assert s[("dispatcher_cost_usd_total", (("agent", "rev"),))] == 0.5
     assert s[("dispatcher_job_duration_seconds_count", (("agent", "rev"),))] == 2

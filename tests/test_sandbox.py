@@ -45,6 +45,17 @@ def _sandboxed(e: Env, repo: Path, *flags: str, **settings: Any) -> dict[str, An
     return coder(e, repo, *flags, sandbox=True, sandbox_writable=writable, **settings)
 
 
+def _one_job(env: Env, repo: Path, job_id: str, flags: list[str], out: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Run one job of the sandboxed coding agent with flags (its report in out/, writable); return result and report."""
+    report = out / "r.json"
+    env.configure(agents={"coder": _sandboxed(env, repo, *flags, "--report", str(report), sandbox_writable=[str(out)])})
+    env.drop(code_order(job_id))
+    d = env.daemon()
+    result = env.wait_job(job_id, "done")
+    d.stop()
+    return result, json.loads(report.read_text())
+
+
 def test_writes_outside_fail_inside_the_agent_and_workspace_writes_succeed(outside: Env) -> None:
     """Writes to /etc, the root's done/ and $HOME fail with EROFS and leave no file; workspace writes succeed."""
     env = outside
@@ -86,14 +97,9 @@ def test_a_sandboxed_agent_moves_only_its_own_branch(outside: Env) -> None:
     out.mkdir()
     moves = ["update-ref refs/heads/main HEAD", "branch -D keep-me", "tag stray HEAD", "update-ref -d refs/heads/main"]
     stray = str(repo / ".git" / "objects" / "stray")
-    flags = ["--write", "src/{job}.txt=inside", "--commit", "--try-write", stray, "--report", str(out / "r.json")]
+    flags = ["--write", "src/{job}.txt=inside", "--commit", "--try-write", stray]
     flags += [arg for move in moves for arg in ("--git", move)]
-    env.configure(agents={"coder": _sandboxed(env, repo, *flags, sandbox_writable=[str(out)])})
-    env.drop(code_order("S2"))
-    d = env.daemon()
-    result = env.wait_job("S2", "done")
-    d.stop()
-    report = json.loads((out / "r.json").read_text())
+    result, report = _one_job(env, repo, "S2", flags, out)
     # in its own view the agent may move refs and write objects (deleting one needs packed-refs, which stays read-only)
     assert [report[stray], report[f"git {moves[0]}"], report[f"git {moves[2]}"]] == ["written", "ok", "ok"]
     assert git(repo, "rev-parse", "main") == main
@@ -237,14 +243,9 @@ def test_a_sandboxed_agent_cannot_point_the_daemons_git_at_its_own_config(outsid
     out.mkdir()
     evil = f'[filter "x"]\n\tclean = sh -c "echo ran >> {marker}; cat"\n'
     flags = ["--write", f"{admin}/config.worktree={evil}", "--write", "src/.gitattributes=* filter=x"]
-    flags += ["--write", "src/{job}.txt=inside", "--report", str(out / "r.json")]
+    flags += ["--write", "src/{job}.txt=inside"]
     flags += ["--try-write", f"{admin}/commondir", "--try-write", f"{admin}/gitdir"]
-    env.configure(agents={"coder": _sandboxed(env, repo, *flags, sandbox_writable=[str(out)])})
-    env.drop(code_order("S4"))
-    d = env.daemon()
-    result = env.wait_job("S4", "done")
-    d.stop()
-    report = json.loads((out / "r.json").read_text())
+    result, report = _one_job(env, repo, "S4", flags, out)
     assert report == {f"{admin}/commondir": EROFS, f"{admin}/gitdir": EROFS}
     assert not marker.exists()  # the daemon's seal (git add -A) ran no filter of the agent's
     assert not (admin / "config.worktree").exists()
