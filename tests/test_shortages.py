@@ -215,6 +215,26 @@ def test_an_agent_removed_before_any_of_its_orders_came_is_waited_for_too(env: E
     assert not [e for e in d.events() if e.get("level") == "error"]
 
 
+def test_a_follow_up_to_an_agent_a_reload_removed_waits_for_it(env: Env) -> None:
+    """A kept agent hands off to a removed one: the parent is done, the follow-up waits in inbox/ until it is back."""
+    follow = tiny_order("X1", to="gone") | {"from": "keep"}
+    agents = {"keep": env.agent("--followup", json.dumps(follow)), "gone": hold_agent(env, 0)}
+    env.configure(agents)
+    d = env.daemon()
+    d.wait_ready()
+    env.configure({"keep": agents["keep"]})
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(order("P1", to="keep"))
+    assert env.wait_job("P1", "done")["children"] == ["X1"]
+    d.wait_event("order.waiting", agent="gone")
+    assert names(env.root / "inbox") == ["X1.json"] and env.refusals() == []
+    env.configure(agents)
+    d.signal(signal.SIGHUP)
+    env.wait_job("X1", "done")
+    assert not [e for e in d.events() if e.get("level") == "error"]
+
+
 def test_a_refused_file_is_not_a_lost_ledger(env: Env) -> None:
     """A fresh root whose only history is one refused file without a readable job id starts again."""
     env.drop(b'job_id: "\\udc80"\nfrom: [unclosed\n', name="bad.yaml")

@@ -12,6 +12,7 @@ Signal handlers only set a flag and wake the loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import signal
@@ -379,7 +380,8 @@ class Daemon:
                     self.metrics.remove_file()
                 self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
             self.house.metrics_now()
-        self.config = new
+        gone = frozenset({*self.config.agents, *self.config.retired} - set(new.agents))
+        self.config = new = dataclasses.replace(new, retired=gone)  # follow-ups to them wait, as their orders do
         self.sched.claims.note_config(new)  # its agents: if a later reload removes one, its orders wait
         self.inbox.settle_s = new.settle_s
         self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`

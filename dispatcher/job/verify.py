@@ -63,7 +63,7 @@ def collect(
         exit=exit_,
         work=folder.work,
         given=spec.given,
-        agents=cfg.agents,
+        agents=cfg.agent_names(),  # a follow-up to an agent a reload removed waits for it, as its orders do
         max_timeout_s=cfg.max_timeout_s,
         max_order_bytes=cfg.max_order_bytes,
         known=known,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,6 +231,12 @@ class Config:
     agents: Mapping[str, Agent] = field(default_factory=dict)
     #: a digest of the file's bytes (None: built-in defaults); a daemon records the one it loaded
     digest: str | None = None
+    #: agents a reload removed from the running daemon's config: orders for them wait, follow-ups to them too
+    retired: frozenset[str] = frozenset()
+
+    def agent_names(self) -> Container[str]:
+        """Return the names an order may give in ``to``: the agents, and those a reload retired."""
+        return self.agents if not self.retired else {*self.agents, *self.retired}
 
 
 #: programs whose first argument is a script file they run
