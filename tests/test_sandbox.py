@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -141,6 +142,20 @@ def test_a_commit_made_in_the_sandbox_before_a_daemon_crash_reaches_the_branch(o
     assert not view.exists()
 
 
+def test_a_sandboxed_agent_commits_in_a_worktree_of_a_bare_repository(outside: Env) -> None:
+    """A bare repository keeps no logs/: the view still gives the agent one, and its commit lands on its branch."""
+    env = outside
+    src = make_repo(env.tmp / "src")
+    subprocess.run(["git", "clone", "-q", "--bare", str(src), str(env.tmp / "shop.git")], check=True)
+    repo = env.tmp / "shop.git"
+    out = env.tmp / "out"
+    out.mkdir()
+    result, _ = _one_job(env, repo, "S5", ["--write", "src/{job}.txt=inside", "--commit"], out)
+    head = result["workspace"]["head"]
+    assert git(repo, "log", "-1", "--format=%s", head) == "S5: work"
+    assert git(repo, "show", f"{head}:src/S5.txt") == "inside"
+
+
 def test_sandbox_network_false_blocks_a_connection_to_a_local_listener(env: Env, tmp_path: Path) -> None:
     """With sandbox_network: false the agent cannot reach a listener on 127.0.0.1; with the network it can."""
     repo = make_repo(tmp_path / "shop")
@@ -241,12 +256,14 @@ def test_a_sandboxed_agent_cannot_point_the_daemons_git_at_its_own_config(outsid
     admin = repo / ".git" / "worktrees" / "S4"
     out = env.tmp / "out"
     out.mkdir()
-    evil = f'[filter "x"]\n\tclean = sh -c "echo ran >> {marker}; cat"\n'
-    flags = ["--write", f"{admin}/config.worktree={evil}", "--write", "src/.gitattributes=* filter=x"]
-    flags += ["--write", "src/{job}.txt=inside"]
-    flags += ["--try-write", f"{admin}/commondir", "--try-write", f"{admin}/gitdir"]
+    clean = f"sh -c 'echo ran >> {marker}; cat'"
+    flags = ["--write", "src/.gitattributes=* filter=x", "--write", "src/{job}.txt=inside"]
+    flags += [arg for name in ("commondir", "gitdir", "config.worktree") for arg in ("--try-write", f"{admin}/{name}")]
+    flags += ["--git", f"config --file {admin}/config.worktree filter.x.clean {shlex.quote(clean)}"]
     result, report = _one_job(env, repo, "S4", flags, out)
-    assert report == {f"{admin}/commondir": EROFS, f"{admin}/gitdir": EROFS}
+    assert {k: v for k, v in report.items() if not k.startswith("git ")} == dict.fromkeys(
+        (f"{admin}/commondir", f"{admin}/gitdir", f"{admin}/config.worktree"), EROFS
+    )
     assert not marker.exists()  # the daemon's seal (git add -A) ran no filter of the agent's
     assert not (admin / "config.worktree").exists()
     assert sorted(result["workspace"]["changed"]) == ["src/.gitattributes", "src/S4.txt"]

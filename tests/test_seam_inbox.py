@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dispatcher.core.watcher import Inbox, list_inbox
+from dispatcher.core.watcher import Inbox, Listed, list_inbox
 
 SETTLE = 0.1
 
@@ -228,3 +229,16 @@ def test_pop_sets_aside_unread_the_orders_a_glance_shows_for_a_gated_agent(tmp_p
     assert inbox.aside() == 2 and len(inbox) == 4
     inbox.take_back(frozenset())
     assert drain(inbox) == ["a1.json", "a2.yaml"]
+
+
+def test_an_order_set_aside_twice_counts_once(tmp_path: Path) -> None:
+    """A set-aside order written again and set aside again is one order for `run --once`, not two."""
+    (tmp_path / "a1.json").write_text(json.dumps({"job_id": "a1", "to": "A", "items": []}))
+    old = time.time_ns() - 10**11
+    os.utime(tmp_path / "a1.json", ns=(old, old))
+    inbox = Inbox(tmp_path, settle_s=2.0)
+    inbox.merge([Listed("a1.json", 10, old, True)])
+    assert inbox.pop(frozenset({"A"})) is None and inbox.aside_for({"A"}) == 1
+    inbox.hint("closed", "a1.json")  # written again (a touch, an editor's save): ready, then set aside again
+    assert inbox.pop(frozenset({"A"})) is None
+    assert inbox.aside_for({"A"}) == 1 == len(inbox)

@@ -150,3 +150,29 @@ def test_a_view_is_taken_back_by_compare_and_swap_of_the_jobs_branch_only(tmp_pa
     assert not Path(view.path).exists()
     gitview.absorb(ws)  # nothing left to take: a no-op
     assert git(repo, "rev-parse", "dispatch/V1") == mine
+
+
+def test_absorb_makes_the_worktrees_folder_safe_and_copies_no_file_of_the_view(tmp_path: Path) -> None:
+    """HEAD pointed at main, a reflog linked to a file outside, a forged pack in the view: none of it survives."""
+    repo, _, ws = _worktree(tmp_path, "V2")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "main moves on")
+    main = git(repo, "rev-parse", "main")
+    view = gitview.make(ws)
+    admin = Path(view.admin)
+    victim = tmp_path / "victim.yaml"
+    victim.write_text("root: /srv\n")
+    (admin / "HEAD").write_text("ref: refs/heads/main\n")  # what `git symbolic-ref HEAD refs/heads/main` leaves
+    (admin / "logs").mkdir(exist_ok=True)
+    (admin / "logs" / "HEAD").unlink(missing_ok=True)
+    (admin / "logs" / "HEAD").symlink_to(victim)
+    forged = Path(view.path, "objects", "pack")
+    forged.mkdir(parents=True)
+    (forged / "pack-forged.idx").write_bytes(b"not an index")
+    mine = _commit_on(repo, ws.base, "agent")
+    Path(view.path, "refs", "heads", "dispatch", "V2").write_text(mine + "\n")
+    gitview.absorb(ws)
+    assert (admin / "HEAD").read_text() == "ref: refs/heads/dispatch/V2\n" and not (admin / "logs").exists()
+    assert not list((repo / ".git" / "objects" / "pack").glob("pack-forged*"))
+    worktree.reset_to_base(ws)  # the daemon's own git, through the worktree's folder
+    assert victim.read_text() == "root: /srv\n"
+    assert git(repo, "rev-parse", "main") == main != ws.base and git(repo, "rev-parse", "dispatch/V2") == ws.base

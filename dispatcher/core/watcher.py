@@ -317,7 +317,7 @@ class Inbox:
 
     def aside_for(self, agents: set[str]) -> int:
         """Return how many orders are set aside, unread, for these agents."""
-        return sum(1 for agent in agents for e in self._aside.get(agent, ()) if e.name in self._aside_names)
+        return len({e.name for agent in agents for e in self._aside.get(agent, ()) if e.name in self._aside_names})
 
     def take_back(self, gated: frozenset[str]) -> None:
         """Make the orders set aside for agents no longer in ``gated`` ready again, in their first order."""

@@ -31,9 +31,11 @@ the seal, the next attempt's worktree), so a view a crash left is absorbed as we
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +45,6 @@ from dispatcher.job.worktree import GitError, Workspace
 OBJECTS_MOUNT = "/tmp/.dispatcher-objects"  # noqa: S108 - inside the sandbox's own /tmp
 _META = "view.json"
 _WORKTREE_CONFIG = "config.worktree"
-_PACK_ORDER = {".pack": 0, ".rev": 1, ".idx": 2}  # git finds a pack by its index: that comes last
 
 
 @dataclass(frozen=True)
@@ -56,16 +57,14 @@ class GitView:
 
     def binds(self) -> list[tuple[str, str, bool]]:
         """Return bubblewrap's binds, in order: (source, destination, writable)."""
-        return [
-            (f"{self.common}/objects", OBJECTS_MOUNT, False),
-            (f"{self.path}/objects", f"{self.common}/objects", True),
-            (f"{self.path}/refs", f"{self.common}/refs", True),
-            (f"{self.path}/logs", f"{self.common}/logs", True),
-            (self.admin, self.admin, True),  # HEAD, index and reflog of the worktree itself
-            # which repository the worktree belongs to: the daemon's own git calls read these
-            (f"{self.admin}/commondir", f"{self.admin}/commondir", False),
-            (f"{self.admin}/gitdir", f"{self.admin}/gitdir", False),
-        ]
+        out = [(f"{self.common}/objects", OBJECTS_MOUNT, False)]
+        for name in ("objects", "refs", "logs"):
+            out.append((f"{self.path}/{name}", f"{self.common}/{name}", True))
+        out.append((self.admin, self.admin, True))  # HEAD, index and reflog of the worktree itself
+        # what the daemon's own git calls in the worktree obey: which repository, which config
+        for name in ("commondir", "gitdir", _WORKTREE_CONFIG):
+            out.append((f"{self.admin}/{name}", f"{self.admin}/{name}", False))
+        return out
 
 
 def make(ws: Workspace) -> GitView:
@@ -75,6 +74,7 @@ def make(ws: Workspace) -> GitView:
     admin = worktree.admin_dir(ws)
     ref = f"refs/heads/{ws.branch}"
     before = worktree.git(ws.repo, "rev-parse", "--verify", "--quiet", ref, check=False).strip()
+    os.makedirs(common / "logs", exist_ok=True)  # a bare repository has none: its worktree's commits log there
     final = worktree.view_path(ws)
     tmp = f"{final}.new"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -86,35 +86,93 @@ def make(ws: Workspace) -> GitView:
     config = _read_text(admin / _WORKTREE_CONFIG)
     with open(f"{tmp}/{_META}", "w", encoding="utf-8") as fh:
         json.dump({"ref": ref, "before": before, "admin": str(admin), "worktree_config": config}, fh)
+    if config is None:  # an empty one, bound read-only, so that the agent cannot make one (absorb removes it)
+        (admin / _WORKTREE_CONFIG).write_text("", encoding="utf-8")
     os.rename(tmp, final)  # a half-made view is never taken for one
     return GitView(final, str(common), str(admin))
 
 
 def absorb(ws: Workspace) -> None:
-    """Copy a view's new objects into the repository and move the job's branch as the agent did; remove the view.
+    """Take a view's work back: the objects of the job's new branch tip, then the branch itself; remove the view.
 
+    First the worktree's own folder is made safe for the daemon's git calls again: its
+    HEAD names the job's branch, its reflogs go (a reflog that is a link would make git
+    append outside the sandbox), its ``config.worktree`` is as it was. The objects come
+    in through git (``pack-objects`` from the view, ``index-pack --strict`` into the
+    repository), which names each object by its content: no file of the view is copied.
     Raise GitError when the branch moved outside the view meanwhile (the view is kept).
     """
     view = worktree.view_path(ws)
-    shutil.rmtree(f"{view}.new", ignore_errors=True)
+    for leftover in (f"{view}.new", f"{view}.old"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if not os.path.isdir(view):
+        return
     try:
         meta = json.loads(Path(view, _META).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return
-    except ValueError:  # a view never finished: nothing ran in it
-        shutil.rmtree(view, ignore_errors=True)
+    except (OSError, ValueError):  # half removed by a crash: it was taken already
+        _retire(view)
         return
     ref, before = str(meta["ref"]), str(meta["before"])
-    _put_back(Path(meta["admin"]) / _WORKTREE_CONFIG, meta["worktree_config"])
-    _copy_objects(Path(view, "objects"), worktree.common_dir(ws.repo) / "objects")
+    _make_safe(Path(meta["admin"]), ref, meta["worktree_config"])
     after = _loose_ref(Path(view, "refs"), ref)
     if after and after != before:
         now = worktree.git(ws.repo, "rev-parse", "--verify", "--quiet", ref, check=False).strip()
         if now == before:
+            _import(ws, view, after, before)
             worktree.git(ws.repo, "update-ref", "-m", "dispatcher: the sandboxed agent's commits", ref, after, before)
         elif now != after:  # moved by someone else while the agent ran
             raise GitError(f"{ref} moved outside the sandbox while the agent ran ({before[:12]} -> {now[:12]})")
-    shutil.rmtree(view, ignore_errors=True)
+    _retire(view)
+
+
+def _retire(view: str) -> None:
+    """Remove a view: renamed aside first, so that a crash half-way never leaves one that looks whole."""
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(view, f"{view}.old")
+    shutil.rmtree(f"{view}.old", ignore_errors=True)
+
+
+def _make_safe(admin: Path, ref: str, config: str | None) -> None:
+    """Put the worktree's own folder back as the daemon's git calls need it, whatever the agent left there."""
+    _put_back(admin / "HEAD", f"ref: {ref}\n")
+    logs = admin / "logs"
+    if logs.is_symlink() or logs.exists():
+        if logs.is_dir() and not logs.is_symlink():
+            shutil.rmtree(logs)
+        else:
+            logs.unlink()
+    _put_back(admin / _WORKTREE_CONFIG, config)
+
+
+def _import(ws: Workspace, view: str, after: str, before: str) -> None:
+    """Bring the objects of ``after`` the repository lacks in from the view, checked by git (io pool)."""
+    objects = str(worktree.common_dir(ws.repo) / "objects")
+    Path(view, "objects", "info", "alternates").write_text("", encoding="utf-8")  # only what the env names
+    env = worktree.git_env({"GIT_OBJECT_DIRECTORY": f"{view}/objects", "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects})
+    packed = subprocess.run(
+        ["git", *worktree.SAFE, "pack-objects", "--revs", "--stdout", "-q"],
+        input=f"{after}\n^{before}\n".encode(),
+        cwd=ws.repo,
+        env=env,
+        capture_output=True,
+        timeout=worktree.GIT_TIMEOUT_S,
+        check=False,
+    )
+    if packed.returncode != 0:
+        why = packed.stderr.decode(errors="replace").strip()
+        raise GitError(f"the sandboxed agent's commits cannot be read: {why}")
+    taken = subprocess.run(
+        ["git", *worktree.SAFE, "index-pack", "--stdin", "--strict", "--fix-thin"],
+        input=packed.stdout,
+        cwd=ws.repo,
+        env=worktree.git_env(),
+        capture_output=True,
+        timeout=worktree.GIT_TIMEOUT_S,
+        check=False,
+    )
+    if taken.returncode != 0:
+        why = taken.stderr.decode(errors="replace").strip()
+        raise GitError(f"the sandboxed agent's commits were refused: {why}")
 
 
 def _read_text(path: Path) -> str | None:
@@ -169,24 +227,3 @@ def _loose_ref(refs: Path, ref: str) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None
     return text if text and not text.startswith("ref:") else None
-
-
-def _copy_objects(src: Path, dst: Path) -> None:
-    """Copy the objects and packs made in the view into the repository, never over one it has."""
-    for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name == "info" or not entry.is_dir(follow_symlinks=False):
-            continue
-        names = [e.name for e in os.scandir(entry.path) if e.is_file(follow_symlinks=False)]
-        if entry.name == "pack":
-            names.sort(key=lambda n: _PACK_ORDER.get(os.path.splitext(n)[1], -1))
-        for name in names:
-            if name.startswith("tmp"):  # git's own half-written file
-                continue
-            target = dst / entry.name / name
-            if target.exists():
-                continue
-            target.parent.mkdir(exist_ok=True)
-            part = target.with_name(f".{name}.dispatcher-part")
-            shutil.copyfile(os.path.join(entry.path, name), part)
-            os.chmod(part, 0o444)
-            os.replace(part, target)

@@ -104,6 +104,7 @@ class JobRepo:
         conf = self.spec.agent.repo.workspace
         if conf is None:
             return
+        self._tree = None  # a new attempt: the last one's snapshot is no longer what the job leaves
         keep = self.spec.agent.repair  # repair (and resume) go on from the last attempt's tree
         try:
             async with repo_lock(conf.git):

@@ -31,7 +31,14 @@ from dispatcher import faults, fsutil
 RECORD = "workspace.json"
 DIFF_MAX_BYTES = 16 * 1024 * 1024
 GIT_TIMEOUT_S = 300.0
-_SAFE = ("-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "core.quotePath=false")
+SAFE = (  # every git call of the daemon: never the repository's hooks or fsmonitor
+    "-c",
+    "core.hooksPath=/dev/null",
+    "-c",
+    "core.fsmonitor=false",
+    "-c",
+    "core.quotePath=false",
+)
 VIEW_SUFFIX = ".gitview"  # a sandboxed attempt's view of the repository (gitview), beside its worktree
 _IDENTITY = {
     "GIT_AUTHOR_NAME": "dispatcher",
@@ -86,7 +93,7 @@ def git(cwd: str | Path, *args: str, env: dict[str, str] | None = None, check: b
     delay = 0.05
     for tries in range(12):
         proc = subprocess.run(
-            ["git", *_SAFE, *args],
+            ["git", *SAFE, *args],
             cwd=cwd,
             env=env or git_env(),
             stdin=subprocess.DEVNULL,
@@ -213,7 +220,7 @@ def create(ws: Workspace, *, from_branch: bool) -> None:
         tip = git(ws.repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{ws.branch}", check=False).strip()
     args = ["worktree", "add", ws.path, ws.branch] if tip else ["worktree", "add", "-B", ws.branch, ws.path, ws.base]
     if faults.armed("workspace.add"):  # a crash test: git and the daemon die while the new worktree is locked
-        proc = subprocess.Popen(["git", *_SAFE, *args], cwd=ws.repo, env=git_env())
+        proc = subprocess.Popen(["git", *SAFE, *args], cwd=ws.repo, env=git_env())
         lock = common_dir(ws.repo) / "worktrees" / os.path.basename(ws.path) / "locked"
         deadline = time.monotonic() + 10
         while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -283,7 +290,7 @@ def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> t
 
 
 def _write_patch(ws: Workspace, tree: str, path: Path, max_bytes: int) -> None:
-    argv = ["git", *_SAFE, "diff", "--binary", "--no-ext-diff", "--no-textconv", "--no-renames", ws.base, tree]
+    argv = ["git", *SAFE, "diff", "--binary", "--no-ext-diff", "--no-textconv", "--no-renames", ws.base, tree]
     proc = subprocess.Popen(argv, cwd=ws.repo, env=git_env(), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert proc.stdout is not None  # noqa: S101 - PIPE
     written, cut = 0, False
@@ -336,7 +343,7 @@ def seal(ws: Workspace, job_id: str, tree: str | None = None) -> tuple[str, list
 
 def _staged(ws: Workspace, env: dict[str, str]) -> bool:
     proc = subprocess.run(
-        ["git", *_SAFE, "diff", "--cached", "--quiet"],
+        ["git", *SAFE, "diff", "--cached", "--quiet"],
         cwd=ws.path,
         env=env,
         capture_output=True,
@@ -359,7 +366,7 @@ def sweep(worktrees_dir: Path, keep: Sequence[str]) -> list[str]:
     except FileNotFoundError:
         return []
     for name in names:
-        if name in keep or name.removesuffix(VIEW_SUFFIX) in keep:
+        if name.split(VIEW_SUFFIX)[0] in keep:  # a job's worktree, its view (being made or removed too)
             continue
         path = worktrees_dir / name
         repo = _repo_of(path)
