@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from dispatcher.job.finish import this_claim
 from dispatcher.lifecycle import (
     Outcome,
     Row,
@@ -94,3 +96,40 @@ def test_build_result_writes_the_contract_keys(tmp_path) -> None:  # type: ignor
     assert list(data) == list(BODY)[:-1]
     assert data["reason"].startswith("a\\nb") and data["reason"].endswith("more characters)")
     assert folder.result() == result
+
+
+def _attempt(n: int, started: str, cost: float) -> dict[str, object]:
+    return {"n": n, "started": started, "ended": started, "exit_code": 1, "cost_usd": cost}
+
+
+@pytest.mark.parametrize(
+    ("kept", "attempts", "counted"),
+    [
+        ({}, [_attempt(1, "2026-12-02T10:00:00.000Z", 1.0)], (60.0, 1.0)),  # claimed once: all of it
+        ({1: "failed"}, [_attempt(1, "2026-12-02T10:00:00.000Z", 1.0)], (None, None)),  # reopened, no new attempt
+        (
+            {1: "failed"},
+            [_attempt(1, "2026-12-02T10:00:00.000Z", 1.0), _attempt(2, "2026-12-02T10:00:50.000Z", 2.0)],
+            (10.0, 2.0),  # retried: its new attempt, from its start
+        ),
+        (
+            {1: "review"},
+            [_attempt(1, "2026-12-02T10:00:00.000Z", 1.0), _attempt(2, "2026-12-02T10:00:50.000Z", 2.0)],
+            (60.0, 3.0),  # revised from review/, whose entry was never counted: both attempts
+        ),
+    ],
+)
+def test_the_metrics_count_each_attempt_once(
+    tmp_path: Path, kept: dict[int, str], attempts: list[dict[str, object]], counted: tuple[object, object]
+) -> None:
+    """this_claim: the seconds and cost a finish adds to the metrics, for jobs claimed once and reopened."""
+    folder = JobFolder(tmp_path / "J")
+    for a in attempts:
+        (folder.attempts_dir / str(a["n"])).mkdir(parents=True)
+    for n, state in kept.items():
+        (folder.attempts_dir / str(n) / "result.json").write_text(json.dumps({"state": state}))
+    result = Result(
+        "J", "failed", "w", None, attempts=tuple(attempts), received="2026-12-02T10:00:00.000Z",
+        finished="2026-12-02T10:01:00.000Z", cost_usd=sum(float(a["cost_usd"]) for a in attempts),  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert this_claim(folder, result) == counted

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,13 +89,12 @@ def this_claim(folder: JobFolder, result: Result) -> tuple[float | None, float |
     A job that `dispatcher retry` or `revise` reopened keeps its earlier attempts, whose
     cost was counted when it finished before, and the time it then sat in failed/ or
     review/ is no work: only attempts after the last one that keeps that earlier
-    ``result.json`` count, from the start of the first of them.
+    ``result.json`` count, from the start of the first of them. A kept result of a job
+    that entered review/ was never counted (review is not a finish): its attempts count.
     """
     duration = result.duration_s
     numbers = sorted((a["n"] for a in result.attempts if isinstance(a.get("n"), int)), reverse=True)
-    if len(numbers) < 2:
-        return duration, result.cost_usd
-    kept = next((n for n in numbers if folder.has_kept_result(n)), None)
+    kept = next((n for n in numbers if _kept_state(folder, n) not in (None, "review")), None)
     if kept is None:
         return duration, result.cost_usd
     mine = [a for a in result.attempts if isinstance(a.get("n"), int) and a["n"] > kept]
@@ -103,6 +104,18 @@ def this_claim(folder: JobFolder, result: Result) -> tuple[float | None, float |
     except (KeyError, TypeError, ValueError):  # no attempt since: the reopened job ended without one
         duration = None
     return duration, sum(costs) if costs else None
+
+
+def _kept_state(folder: JobFolder, n: int) -> str | None:
+    """Return the state of the earlier result attempts/<n>/ keeps (None: it keeps none; unreadable: done)."""
+    if not folder.has_kept_result(n):
+        return None
+    try:
+        names = sorted(p for p in os.listdir(folder.attempts_dir / str(n)) if p.startswith("result"))
+        state = json.loads((folder.attempts_dir / str(n) / names[-1]).read_bytes()).get("state")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return "done"  # counted, as far as anyone can tell: never twice
+    return state if isinstance(state, str) else "done"
 
 
 class Finisher:
