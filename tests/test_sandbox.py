@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import Env, cli_env, order, wait_until
 from git_helpers import code_order, coder, git, make_repo, need
-from helpers_faults import alive, wait_start
+from helpers_faults import alive, processes_with, wait_start
 
 EROFS = "Read-only file system"
 
@@ -205,11 +206,35 @@ def test_timeout_ends_the_agent_inside_the_sandbox(env: Env, tmp_path: Path) -> 
     env.configure(agents={"coder": _sandboxed(env, repo, "--sleep", "60", timeout=1)})
     env.drop(code_order("T1"))
     d = env.daemon()
-    pid = wait_start(env, "T1")
+    wait_start(env, "T1")  # the pid it records is its own pid namespace's: found by its command line instead
+    pids = processes_with(str(env.count_file))
+    assert pids, "the sandboxed agent is not running"
     result = env.wait_job("T1", "failed")
     d.stop()
     assert result["reason"].startswith("exit_ok: timed out")
-    wait_until(lambda: not alive(pid), 10, "the sandboxed agent to be gone")
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "the sandboxed agent to be gone")
+
+
+def test_a_process_the_agent_left_behind_in_another_session_ends_with_it(outside: Env) -> None:
+    """`setsid` takes a child out of the agent's group, not out of its sandbox: it ends when the agent ends."""
+    env = outside
+    repo = make_repo(env.tmp / "shop")
+    marker = "time.sleep(91.3)"
+    stray = [sys.executable, "-c", f"import time; {marker}"]  # in a session of its own (start_new_session)
+    leave = f"import subprocess; subprocess.Popen({stray!r}, start_new_session=True)"
+    agent = _sandboxed(env, repo, "--write", "src/{job}.txt=x")
+    agent["before"] = None
+    agent["command"] = ["sh", "-c", f'{sys.executable} -c {shlex.quote(leave)}; exec "$@"', "sh", *agent["command"]]
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("T2"))
+    d = env.daemon()
+    try:
+        env.wait_job("T2", "done")
+        d.stop()
+        wait_until(lambda: not processes_with(marker), 10, "the process left behind to be gone")
+    finally:
+        for pid in processes_with(marker):  # never outlive the test, whatever it found
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_sandbox_without_bubblewrap_is_a_config_error_naming_the_package(env: Env, tmp_path: Path) -> None:

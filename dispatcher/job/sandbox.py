@@ -5,10 +5,11 @@ The whole filesystem is mounted read-only; the job's workspace, its ``work/``, a
 workspace commits on its branch through a view of the repository (``gitview``): its
 own refs, reflogs and new objects, taken back after the attempt, of which only the
 job's branch moves in the repository. Its probe and user checks see the repository
-read-only. The pid namespace
-is the daemon's (no ``--unshare-pid``): bwrap leads the process group the daemon
-made, the agent inside stays in it, so ending the group ends the agent.
-``--die-with-parent`` ends the sandbox if the daemon dies.
+read-only. bwrap leads the process group the daemon made and the agent inside stays in
+it, so ending the group ends the agent. The agent has a pid namespace of its own
+(``--unshare-pid``): when it ends, whatever it left behind ends with it, even a process
+that left its group (``setsid``), which would otherwise keep its writable mounts while
+the daemon works on the worktree. ``--die-with-parent`` ends the sandbox if the daemon dies.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def wrap(
         out += ["--bind-try", path, path]
     for source, dest, rw in binds:
         out += ["--bind" if rw else "--ro-bind", source, dest]
-    out.append("--die-with-parent")
+    out += ["--unshare-pid", "--die-with-parent"]
     if not network:
         out.append("--unshare-net")
     out += ["--chdir", str(cwd), "--", *argv]
