@@ -243,9 +243,10 @@ class Daemon:
 
     def _held_for_long(self) -> set[str]:
         """Return the agents a gate holds that will not lift within max_limit_wait (a pause by hand: never)."""
-        bound = time.time() + self.config.max_limit_wait_s
+        now = time.time()
+        bound = now + self.config.max_limit_wait_s
         return gated_agents(
-            [g for g in self.gatekeeper.gates() if g.until is None or g.until > bound], self.config.agents, time.time()
+            [g for g in self.gatekeeper.gates() if g.until is None or g.until > bound], self.config.agents, now
         )
 
     async def wait(self, at_most: float | None = None) -> None:

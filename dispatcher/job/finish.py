@@ -108,12 +108,15 @@ def this_claim(folder: JobFolder, result: Result) -> tuple[float | None, float |
 
 def _kept_state(folder: JobFolder, n: int) -> str | None:
     """Return the state of the earlier result attempts/<n>/ keeps (None: it keeps none; unreadable: done)."""
-    if not folder.has_kept_result(n):
-        return None
     try:
         names = sorted(p for p in os.listdir(folder.attempts_dir / str(n)) if p.startswith("result"))
+    except OSError:
+        return None
+    if not names:
+        return None
+    try:
         state = json.loads((folder.attempts_dir / str(n) / names[-1]).read_bytes()).get("state")
-    except (OSError, ValueError, IndexError, AttributeError):
+    except (OSError, ValueError, AttributeError):
         return "done"  # counted, as far as anyone can tell: never twice
     return state if isinstance(state, str) else "done"
 

@@ -68,8 +68,7 @@ class GitView:
 
 
 def make(ws: Workspace) -> GitView:
-    """Make a fresh view for the next sandboxed attempt (a view a crash left is absorbed first)."""
-    absorb(ws)
+    """Make a fresh view for the next sandboxed attempt (after ``absorb``, which takes a view a crash left)."""
     common = worktree.common_dir(ws.repo)
     admin = worktree.admin_dir(ws)
     ref = f"refs/heads/{ws.branch}"
@@ -149,30 +148,26 @@ def _import(ws: Workspace, view: str, after: str, before: str) -> None:
     objects = str(worktree.common_dir(ws.repo) / "objects")
     Path(view, "objects", "info", "alternates").write_text("", encoding="utf-8")  # only what the env names
     env = worktree.git_env({"GIT_OBJECT_DIRECTORY": f"{view}/objects", "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects})
-    packed = subprocess.run(
-        ["git", *worktree.SAFE, "pack-objects", "--revs", "--stdout", "-q"],
-        input=f"{after}\n^{before}\n".encode(),
-        cwd=ws.repo,
+    packed = _piped(["pack-objects", "--revs", "--stdout", "-q"], f"{after}\n^{before}\n".encode(), ws.repo, env)
+    if isinstance(packed, str):
+        raise GitError(f"the sandboxed agent's commits cannot be read: {packed}")
+    taken = _piped(["index-pack", "--stdin", "--strict", "--fix-thin"], packed, ws.repo, worktree.git_env())
+    if isinstance(taken, str):
+        raise GitError(f"the sandboxed agent's commits were refused: {taken}")
+
+
+def _piped(args: list[str], data: bytes, cwd: str, env: dict[str, str]) -> bytes | str:
+    """Run git with data on its stdin; return its stdout, or what it said on stderr when it failed."""
+    proc = subprocess.run(
+        ["git", *worktree.SAFE, *args],
+        input=data,
+        cwd=cwd,
         env=env,
         capture_output=True,
         timeout=worktree.GIT_TIMEOUT_S,
         check=False,
     )
-    if packed.returncode != 0:
-        why = packed.stderr.decode(errors="replace").strip()
-        raise GitError(f"the sandboxed agent's commits cannot be read: {why}")
-    taken = subprocess.run(
-        ["git", *worktree.SAFE, "index-pack", "--stdin", "--strict", "--fix-thin"],
-        input=packed.stdout,
-        cwd=ws.repo,
-        env=worktree.git_env(),
-        capture_output=True,
-        timeout=worktree.GIT_TIMEOUT_S,
-        check=False,
-    )
-    if taken.returncode != 0:
-        why = taken.stderr.decode(errors="replace").strip()
-        raise GitError(f"the sandboxed agent's commits were refused: {why}")
+    return proc.stdout if proc.returncode == 0 else proc.stderr.decode(errors="replace").strip()
 
 
 def _read_text(path: Path) -> str | None:
