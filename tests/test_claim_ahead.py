@@ -6,12 +6,15 @@ agents are tiny ``sh`` programs that note their start in a file and run about 50
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+import structlog
 from seam_fixtures import GOOD, Seam, open_seam, order, run, sh
+from structlog.testing import capture_logs
 from test_seam_scheduler import Loop
 
 from dispatcher.clock import iso
@@ -95,6 +98,37 @@ def test_a_quick_agents_next_order_is_claimed_while_its_slot_is_busy_and_starts_
     assert watch.active_while_running, "no job waited claimed in active/ while another ran"
     assert watch.most_running == 1
     assert started(tmp_path) == [f"W{i}" for i in range(RUNS_KEPT)] + [f"J{i}" for i in range(6)]
+
+
+def test_a_job_claimed_ahead_starts_on_the_slot_before_the_job_that_gave_it_back_is_checked(tmp_path: Path) -> None:
+    """The agent's exit hands its slot on at once: the next agent starts, then the ended job is checked.
+
+    The root's small file work runs on the loop here (as for a root held in memory), where the
+    ended job's checks would otherwise run to their end before the scheduler's next turn.
+    """
+    with open_seam(tmp_path, {"worker": quick_agent(tmp_path, 0.2)}, max_jobs=1) as s:
+        s.lanes.files_in_memory = True
+
+        async def body() -> None:
+            loop, _ = await warmed_up(s)
+            jobs = [f"H{i}" for i in range(5)]
+            drop_spaced(loop, s, jobs)
+            await loop.until(loop.landed("done", *jobs), "the jobs to be done", timeout=20)
+            await loop.settle()
+
+        with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:  # job_id is bound
+            run(body, timeout=60)
+    events = [(str(e["event"]), str(e.get("job_id"))) for e in logs]
+    at = {pair: i for i, pair in enumerate(events)}
+    handed = [
+        (prev, nxt)
+        for prev, nxt in itertools.pairwise([f"H{i}" for i in range(5)])
+        if at[("job.claimed", nxt)] < at[("agent.exited", prev)]  # claimed ahead, waiting for prev's slot
+    ]
+    assert handed, f"no job was claimed ahead: {events}"
+    for prev, nxt in handed:
+        assert at[("agent.exited", prev)] < at[("agent.started", nxt)] < at[("job.verified", prev)], (prev, nxt, events)
+    assert started(tmp_path)[RUNS_KEPT:] == [f"H{i}" for i in range(5)]
 
 
 def test_an_order_with_expires_is_never_claimed_ahead(tmp_path: Path) -> None:

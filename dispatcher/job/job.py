@@ -81,8 +81,9 @@ class Job(Finishing, Deciding):
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
         self._loop: asyncio.AbstractEventLoop | None = None
         # called when an agent exits: True if its slot went to the next job while this one is checked
-        # and finished (the scheduler's); another attempt then queues for a slot again (Outcome.AGAIN)
-        self.on_exit: Callable[[], bool] | None = None
+        # and finished (the scheduler's); another attempt then queues for a slot again (Outcome.AGAIN).
+        # Its argument: whether a job claimed ahead may start on that slot at once (no usage limit hit)
+        self.on_exit: Callable[[bool], bool] | None = None
         self.gave_back = False
         # counted in ``ctx.starts`` by the scheduler as it launched the job: the first start ends it
         self.counted_start = False
@@ -253,8 +254,6 @@ class Job(Finishing, Deciding):
         log.info("agent.started", attempt=n, pid=proc.pid)  # recovery finds it by its environment, unrecorded
         out = await proc.wait()
         self.control.attach(None)
-        if self.on_exit is not None and not self.gave_back:
-            self.gave_back = self.on_exit()
         tail = out.stdout_tail
         small = len(tail) <= AGENT_RESULT_MAX
         result = parse_agent_result(tail) if small else await self.ctx.lanes.io(parse_agent_result, tail)
@@ -272,6 +271,8 @@ class Job(Finishing, Deciding):
             logs_lost=out.logs_lost or None,
             limited=hit is not None or None,
         )
+        if self.on_exit is not None and not self.gave_back:  # the slot goes on (to a job claimed ahead: it starts)
+            self.gave_back = self.on_exit(hit is None)
         if hit is not None:
             return await self._limited(record, hit)
         self.attempts.append(record)
