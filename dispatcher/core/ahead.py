@@ -30,10 +30,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from dispatcher.core.claiming import Kind, Launch, Parked, Resume, claimable_ahead
+from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.running import Running, RunningJobs
 from dispatcher.core.watcher import Inbox
 from dispatcher.job.context import JobContext
@@ -160,6 +162,7 @@ class ClaimsAhead(abc.ABC):
     running: dict[str, Running[Any]]
     ahead: Ahead
     inflight: int
+    blocked: dict[str, float]
     wake: Callable[[], None]
 
     @property
@@ -170,6 +173,10 @@ class ClaimsAhead(abc.ABC):
     @abc.abstractmethod
     def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         """Start a claimed job."""
+
+    @abc.abstractmethod
+    def free_slots(self) -> int:
+        """How many more jobs may start now."""
 
     def _claim_ahead(self, gated: frozenset[str]) -> tuple[list[Parked | str], list[str]]:
         """Take the next orders of quick agents whose slots are all busy, to be claimed ahead (``core.ahead``)."""
@@ -202,6 +209,25 @@ class ClaimsAhead(abc.ABC):
         r = p.resume
         self._run(Launch(p, r.folder, r.spec, r.order, p.token, free.pop(), list(r.attempts)))
         return True
+
+    def _hand_on(self, agent: str) -> None:
+        """Start the job claimed ahead at the head of the queue on the slot agent just gave back, now.
+
+        Started here, the next agent runs before the job that just ended is checked and
+        finished (that job's post-exit trip waits for starts under way, ``job.starting``),
+        instead of after it, at the scheduler's next turn. Anything else (no such job at
+        the head, a stop, a shortage, a fenced lease) is left to that turn.
+        """
+        if not self.parked or self.ctx.stopping() or self.ctx.fenced() or SHORT.short() or agent in self.blocked:
+            return
+        if self.free_slots() <= 0 or agent in gated_agents(self.ctx.gates(), (agent,), time.time()):
+            return
+        p = self.parked[0]
+        if p.agent != agent or p.job_id not in self.ahead.ready or not self.slots.idle.get(agent):
+            return
+        self.parked.popleft()
+        self._unqueued(p)
+        self._start_handed_over(p)
 
     def _park_ready(self, launch: Launch) -> None:
         """Queue a job claimed ahead: after the other claimed work, before every order not claimed yet."""

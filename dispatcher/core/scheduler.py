@@ -395,25 +395,6 @@ class Scheduler(ClaimsAhead, Requests[Job]):
         self.wake()
         return True
 
-    def _hand_on(self, agent: str) -> None:
-        """Start the job claimed ahead at the head of the queue on the slot agent just gave back, now.
-
-        Started here, the next agent runs before the job that just ended is checked and
-        finished (that job's post-exit trip waits for starts under way, ``job.starting``),
-        instead of after it, at the scheduler's next turn. Anything else (no such job at
-        the head, a stop, a shortage, a fenced lease) is left to that turn.
-        """
-        if not self.parked or self.ctx.stopping() or self.ctx.fenced() or SHORT.short() or agent in self.blocked:
-            return
-        if self.free_slots() <= 0 or agent in gated_agents(self.ctx.gates(), (agent,), time.time()):
-            return
-        p = self.parked[0]
-        if p.agent != agent or p.job_id not in self.ahead.ready or not self.slots.idle.get(agent):
-            return
-        self.parked.popleft()
-        self._unqueued(p)
-        self._start_handed_over(p)
-
     def _finished(self, job_id: str, task: asyncio.Task[Outcome]) -> None:
         r, held = self.slots.pop(job_id)
         if held and r is not None:
