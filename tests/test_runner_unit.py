@@ -389,3 +389,52 @@ def test_many_agents_share_one_thread(tmp_path: Path) -> None:
     assert [o.exit_code for o in outs] == [0] * 200
     assert all((logs / f"{i}-stdout.log").read_bytes() == b"done\n" for i in range(200))
     assert counts[0] - before < 3, (before, counts[0])
+
+
+# -- notifications at a stop ------------------------------------------------------------------
+def _notifications(tmp_path: Path) -> tuple[Any, Path]:
+    """Notifications whose command marks its start in tmp/started-<event> and then hangs."""
+    from dispatcher.core.notify import Notifications
+    from dispatcher.spec.config import build_config
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hang = f'import pathlib, sys, time; pathlib.Path("{marks}", sys.argv[1]).touch(); time.sleep(60)'
+    body = {
+        "kill_grace": 1,
+        "notify": [sys.executable, "-c", hang, "{event}"],
+        "agents": {"worker": {"command": ["true"], "writes": []}},
+    }
+    config = build_config(body, None, root=tmp_path / "root")
+    return Notifications(lambda: config, tmp_path), marks
+
+
+def test_a_notification_not_yet_started_when_the_stop_deadline_comes_never_starts(tmp_path: Path) -> None:
+    """Fired, then the stop's deadline at once: its command is not started after the daemon gave up on it."""
+    notes, marks = _notifications(tmp_path)
+
+    async def body() -> float:
+        notes.fire("job.failed", "N1", "worker", "exit 1", None)  # queued as a task, not started yet
+        began = time.monotonic()
+        await notes.close(until=time.monotonic())  # the stop's deadline has come
+        return time.monotonic() - began
+
+    took = asyncio.run(body())
+    time.sleep(0.5)  # a command started late would mark itself by now
+    assert list(marks.iterdir()) == [], "a notify command started after the stop gave up on it"
+    assert took < 3, took
+
+
+def test_an_event_fired_while_notifications_close_is_dropped(tmp_path: Path) -> None:
+    """An event of the stop's last moments starts no command: it would outlive the daemon."""
+    notes, marks = _notifications(tmp_path)
+
+    async def body() -> None:
+        closing = asyncio.get_running_loop().create_task(notes.close(until=time.monotonic() + 0.3))
+        await asyncio.sleep(0)  # close() has begun
+        notes.fire("job.done", "N2", "worker", None, None)
+        await closing
+
+    asyncio.run(body())
+    time.sleep(0.5)
+    assert list(marks.iterdir()) == []

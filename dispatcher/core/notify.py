@@ -56,10 +56,15 @@ class Notifications:
         self._queue: collections.deque[_Event] = collections.deque()
         self._summary: _Event | None = None  # the queued notify.dropped that counts events dropped now
         self._retry: asyncio.TimerHandle | None = None
+        self._closing = False  # the daemon stops: nothing more is queued
+        self._ending = False  # the stop's deadline came: nothing more starts, what runs is ended
 
     def fire(self, event: str, job_id: str | None, agent: str | None, reason: str | None, result: Path | None) -> None:
         """Queue the notify command for one event and start what may start (on the loop; returns at once)."""
         if not self._config().notify:
+            return
+        if self._closing:  # an event of the stop's last moments: its command would outlive the daemon
+            log.warning("notify.dropped", count=1, reason="the daemon stops", job_id=None, agent=None)
             return
         if len(self._queue) < QUEUE_MAX:
             self._queue.append(_Event(event, job_id, agent, reason, result))
@@ -108,11 +113,16 @@ class Notifications:
             log_dir=None,
             max_log_bytes=_OUTPUT_MAX,
         )
+        if self._ending:  # queued before the stop's deadline, not started by then: it never is
+            log.warning(
+                "notify.failed", event_name=event, job_id=job_id, agent=agent, error="not run: the daemon stopped"
+            )
+            return
         try:
             proc.start()
             self._procs.add(proc)
         except OSError as exc:
-            if SHORT.note(exc, "notify"):
+            if SHORT.note(exc, "notify") and not self._closing:
                 self._queue.appendleft(ev)  # not now: first again once the shortage is over
                 return
             log.warning(
@@ -146,6 +156,7 @@ class Notifications:
         stop came: then their groups are ended (``kill_grace``) and each is logged
         as ``notify.failed``.
         """
+        self._closing = True
         if self._queue:
             log.warning("notify.dropped", count=len(self._queue), reason="the daemon stops", job_id=None, agent=None)
             self._queue.clear()
@@ -155,6 +166,7 @@ class Notifications:
         while self._running and time.monotonic() < end and not hurry():
             await asyncio.wait(set(self._running), timeout=min(_HURRY_POLL_S, max(0.0, end - time.monotonic())))
         if self._running:
+            self._ending = True
             for proc in list(self._procs):
                 proc.abort("the daemon stopped")
             await asyncio.wait(set(self._running), timeout=self._config().kill_grace_s + 5)
