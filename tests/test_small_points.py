@@ -210,3 +210,21 @@ def test_a_root_folder_on_another_filesystem_is_refused_at_start_in_one_line(env
         assert (env.root / "inbox" / "FS-1.json").exists() and not list((env.root / "active").iterdir())
     finally:
         shutil.rmtree(away, ignore_errors=True)
+
+
+def test_a_relayed_log_line_is_taken_once(tmp_path: Path) -> None:
+    """A command's relayed line is handed over once: a daemon pass that fails after taking it does not repeat it."""
+    from dispatcher.layout import Layout
+    from dispatcher.store.relay import Relay, take_relayed
+
+    layout = Layout(tmp_path / "root")
+    layout.create()
+    Relay(layout).send('{"event": "job.approved", "job_id": "R1"}')
+    Relay(layout).send('{"event": "job.held", "job_id": "R2"}')
+    hints = os.listdir(layout.control)
+    assert take_relayed(layout, hints) == [
+        '{"event": "job.approved", "job_id": "R1"}',
+        '{"event": "job.held", "job_id": "R2"}',
+    ]
+    assert take_relayed(layout, hints) == [], "the same lines were handed over twice"
+    assert os.listdir(layout.control) == []

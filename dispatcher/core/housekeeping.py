@@ -36,7 +36,7 @@ from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.orphans import leftover_groups
 from dispatcher.store.queued import find_queued
-from dispatcher.store.relay import read_relayed
+from dispatcher.store.relay import take_relayed
 
 if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
@@ -200,7 +200,7 @@ class Housekeeping:
     async def _requests(self) -> None:
         lanes, ledger, layout = self.ctx.lanes, self.ctx.ledger, self.ctx.layout
         hints = await lanes.io(_hints, layout)
-        for line in await lanes.io(read_relayed, layout, hints):  # a command's log lines: onto this stdout
+        for line in await lanes.io(take_relayed, layout, hints):  # a command's log lines: onto this stdout
             logs.relay(line)
             if self.ctx.metrics is not None:
                 count_decision(self.ctx.metrics, line)

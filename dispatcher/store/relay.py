@@ -5,8 +5,8 @@ events (``job.held``, ``job.approved`` ...) into ``log_file`` themselves. Under
 systemd the daemon's stdout is the journal, and the command's is the operator's
 terminal: so each line is also dropped, one file per line, into
 ``.state/control/`` as ``log-<ns>-<pid>-<n>``, written aside and renamed in whole.
-The daemon wakes on it, writes the line on its stdout in its own format (never
-into ``log_file``, which has it already) and removes the file, as it does every hint.
+The daemon wakes on it, takes the file (reads and removes it) and writes the line on its
+stdout in its own format (never into ``log_file``, which has it already).
 A line dropped while no daemon runs is written by the next one to start.
 """
 
@@ -38,12 +38,18 @@ class Relay:
         os.rename(tmp, self.layout.control / name)
 
 
-def read_relayed(layout: Layout, names: list[str]) -> list[str]:
-    """Return the JSON lines of the relay files among hint names, oldest first (a file gone is skipped)."""
+def take_relayed(layout: Layout, names: list[str]) -> list[str]:
+    """Return the JSON lines of the relay files among hint names, oldest first, and remove those files.
+
+    Taken once: a pass of the daemon that fails after this (a ledger gone) does not write
+    or count the same lines again at its next try. A file gone is skipped.
+    """
     out: list[str] = []
     for name in sorted(n for n in names if n.startswith(PREFIX)):
+        path = layout.control / name
         try:
-            out.extend(line for line in (layout.control / name).read_text(encoding="utf-8").splitlines() if line)
+            out.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line)
+            os.unlink(path)
         except OSError:
             continue
     return out
