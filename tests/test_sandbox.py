@@ -157,6 +157,59 @@ def test_a_sandboxed_agent_commits_in_a_worktree_of_a_bare_repository(outside: E
     assert git(repo, "show", f"{head}:src/S5.txt") == "inside"
 
 
+def test_a_view_half_removed_by_a_crash_does_not_stop_the_jobs_next_attempt(outside: Env) -> None:
+    """kill -9 mid-attempt, the view then left half removed (as a crash in its removal leaves it): the
+    restart still runs attempt 2 in a fresh view, and the job is done with that attempt's commit."""
+    env = outside
+    repo = make_repo(env.tmp / "shop")
+    flags = ["--sleep-first", "60", "--write", "src/{job}.txt=inside", "--commit"]
+    env.configure(agents={"coder": _sandboxed(env, repo, *flags, retry_safe=True, max_attempts=2)})
+    env.drop(code_order("S6"))
+    d = env.daemon()
+    wait_until(env.starts, what="the agent to start")
+    view = env.root / ".state" / "worktrees" / "S6.gitview"
+    d.kill()
+    # the agent slept: nothing to take back; its removal then stopped half-way, the folder still there
+    (view / "view.json").unlink()
+    shutil.rmtree(view / "refs")
+    assert view.is_dir() and (view / "objects").is_dir()
+    d2 = env.daemon()
+    result = env.wait_job("S6", "done")
+    d2.stop()
+    assert env.starts() == [("S6", 1), ("S6", 2)]
+    head = result["workspace"]["head"]
+    assert git(repo, "rev-parse", "dispatch/S6") == head
+    assert git(repo, "log", "-1", "--format=%s", head) == "S6: work"  # attempt 2's own commit, from its view
+    assert git(repo, "show", f"{head}:src/S6.txt") == "inside"
+    assert not list(view.parent.glob("*.gitview*"))
+
+
+def test_a_cancelled_retry_keeps_its_commit_not_the_first_attempts_tree(outside: Env) -> None:
+    """Attempt 1 fails and leaves src/first.txt; attempt 2 starts from base, commits, and is cancelled:
+    the branch ends at attempt 2's commit, with no commit of attempt 1's files over it."""
+    env = outside
+    repo = make_repo(env.tmp / "shop")
+    out = env.tmp / "out"
+    out.mkdir()
+    flags = ["--fail-first", "src/first.txt", "--write", "src/{job}.txt=second", "--commit"]
+    flags += ["--report", str(out / "r.json"), "--sleep-after", "60"]
+    agent = _sandboxed(env, repo, *flags, retry_safe=True, max_attempts=2, sandbox_writable=[str(out)])
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("S7"))
+    d = env.daemon()
+    wait_until(lambda: (out / "r.json").exists(), 60, "attempt 2's commit")
+    assert json.loads((out / "r.json").read_text()) == {"fail_first": "absent"}  # attempt 2 started from base
+    env.cli("cancel", "S7", check=True)
+    result = env.wait_job("S7", "failed")
+    d.stop()
+    assert env.starts() == [("S7", 1), ("S7", 2)]
+    head = result["workspace"]["head"]
+    assert git(repo, "rev-parse", "dispatch/S7") == head
+    assert result["workspace"]["changed"] == ["src/S7.txt"]  # not src/first.txt, attempt 1's
+    assert git(repo, "log", "--format=%s", f"main..{head}").splitlines() == ["S7: work"]
+    assert git(repo, "show", f"{head}:src/S7.txt") == "second"
+
+
 def test_sandbox_network_false_blocks_a_connection_to_a_local_listener(env: Env, tmp_path: Path) -> None:
     """With sandbox_network: false the agent cannot reach a listener on 127.0.0.1; with the network it can."""
     repo = make_repo(tmp_path / "shop")

@@ -176,3 +176,16 @@ def test_absorb_makes_the_worktrees_folder_safe_and_copies_no_file_of_the_view(t
     worktree.reset_to_base(ws)  # the daemon's own git, through the worktree's folder
     assert victim.read_text() == "root: /srv\n"
     assert git(repo, "rev-parse", "main") == main != ws.base and git(repo, "rev-parse", "dispatch/V2") == ws.base
+
+
+def test_the_start_up_sweep_keeps_an_active_jobs_view_being_made_or_removed(tmp_path: Path) -> None:
+    """sweep(keep=[J1]): J1's worktree and every form of its view stay; a finished job's go."""
+    folder = tmp_path / "worktrees"
+    kept = ["J1", "J1.gitview", "J1.gitview.new", "J1.gitview.old"]
+    gone = ["J2", "J2.gitview.new", "J2.gitview.old"]
+    for name in kept + gone:
+        (folder / name).mkdir(parents=True)
+        (folder / name / "f").write_text("x")
+    removed = worktree.sweep(folder, keep=["J1"])
+    assert sorted(removed) == sorted(gone)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
