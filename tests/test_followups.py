@@ -268,6 +268,21 @@ def test_dropped_file_cannot_set_its_own_lineage(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_lineage_a_dropped_file_sets_to_any_value_is_not_a_reason_to_refuse_it(env: Env) -> None:
+    """`hops: -1`, `hops: null`, `parent: 5`: lineage comes from the ledger, so the job runs with hops 0."""
+    env.configure(agents={"worker": env.agent()})
+    d = started(env)
+    weird = {"LIN-A": {"hops": -1}, "LIN-B": {"hops": None}, "LIN-C": {"parent": 5, "hops": "many"}}
+    for job_id, lineage in weird.items():
+        env.drop(order(job_id, **lineage))
+    for job_id in weird:
+        result = env.wait_job(job_id, "done")
+        assert result["parent"] is None
+        given = json.loads((env.root / "done" / job_id / "work" / "order.json").read_text())
+        assert (given["parent"], given["hops"]) == (None, 0)
+    assert d.stop() == 0
+
+
 def test_release_never_replaces_a_users_file_in_inbox(env: Env) -> None:
     """A user's file still being written in inbox/ under the child's name survives the release."""
     env.configure(

@@ -249,8 +249,9 @@ ORDERS = [
     Case("order", "accept.key empty", order(accept={"key": ""}), False),
     Case("order", "accept.followups empty name", order(accept={"followups": [""]}), False),
     Case("order", "meta a list", order(meta=[1]), False),
-    Case("order", "hops negative", order(hops=-1), False),
-    Case("order", "parent a number", order(parent=1), False),
+    # lineage in a dropped file changes nothing (contract section 2), whatever its value
+    Case("order", "hops negative", order(hops=-1), True),
+    Case("order", "parent a number", order(parent=1), True),
     Case("order", "top level a list", [order()], False),
     # deliberate difference: the whole string must match
     Case("order", "job_id with a trailing newline", order(job_id="JOB-1\n"), False, True, why=TRAILING_NL),

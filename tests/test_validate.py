@@ -293,6 +293,10 @@ ORDER_CASES: list[Case] = [
     good("ok-surrogate-pair", js({"task": "coffee \U0001f600", "items": [{"id": "R1", "note": "\U0001f600"}]})),
     good("ok-optional-fields", js({"for": "Aina", "meta": {"a": [1, {"b": None}]}})),
     good("ok-lineage-in-file", js({"parent": "OTHER-1", "hops": 3})),
+    # lineage comes from the ledger, never from the file: whatever the file sets there changes nothing
+    good("ok-lineage-hops-null", js({"hops": None})),
+    good("ok-lineage-hops-negative", js({"hops": -1})),
+    good("ok-lineage-parent-number", js({"parent": 5, "hops": "many"})),
     good("ok-writes-patterns", js({"writes": ["reports/*.csv", "notes/*", "a/b/c.txt"]})),
     good("ok-output-nested", js({"writes": []}, output="reports/final.jsonl")),
     good("ok-accept-full", js(key="ref", allowed={"team": ["orders", "bakery"]}, required=["team"])),
