@@ -12,13 +12,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import structlog
 from seam_fixtures import GOOD, Seam, open_seam, order, run, sh
 from structlog.testing import capture_logs
 from test_seam_scheduler import Loop
 
 from dispatcher.clock import iso
-from dispatcher.core.ahead import QUICK_S, RUNS_KEPT, Ahead
+from dispatcher.core.ahead import QUICK_S, RUNS_KEPT, Ahead, ClaimsAhead
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.ledger.records import Gate, GateKind
 
 
 def quick_agent(tmp: Path, seconds: float = 0.05) -> dict[str, Any]:
@@ -214,3 +217,79 @@ def test_when_max_jobs_limits_jobs_claimed_ahead_still_start_before_the_orders_b
     assert watch.ahead, "nothing was claimed ahead"
     assert watch.most_running <= 2
     assert [j for j in started(tmp_path) if j.startswith("A")] == [f"A{i}" for i in range(8)]
+
+
+def test_a_job_set_aside_whose_gate_just_lifted_goes_before_the_hand_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B1, held by a gate, is let go as a `worker` agent exits: that slot goes to B1, as a turn would give it.
+
+    The gate's time passes in the few milliseconds between the gate's `until` and the daemon's look at
+    its gates; a job claimed ahead for `worker` waits at the head of the queue meanwhile.
+    """
+    gates: list[Gate] = []
+    worker = sh(f'echo "$DISPATCH_JOB_ID" >> "{tmp_path / "starts"}"; sleep 0.2; {GOOD}', concurrency=1)
+    other = sh(f'echo "$DISPATCH_JOB_ID" >> "{tmp_path / "starts"}"; {GOOD}', concurrency=1)
+    run_job, agent_exited = Scheduler._run, Scheduler._agent_exited
+    lifted: list[str] = []
+
+    def launched(self: Scheduler, launch: Any, *, cancel: bool = False) -> None:
+        if launch.parked.job_id == "B1" and not gates:
+            gates.append(Gate("b", GateKind.PAUSE, None, "paused"))  # B1 meets it before its attempt
+        run_job(self, launch, cancel=cancel)
+
+    def exited(self: Scheduler, job_id: str, hand_on: bool) -> bool:
+        ready = self.parked and self.parked[0].job_id in self.ahead.ready
+        if self.running[job_id].job.agent == "worker" and len(self.aside) and ready and not lifted:
+            gates[:] = [Gate("b", GateKind.LIMIT, time.time() - 0.001, "lifted")]  # its time just passed
+            lifted.append(job_id)
+        return agent_exited(self, job_id, hand_on)
+
+    monkeypatch.setattr(Scheduler, "_run", launched)
+    monkeypatch.setattr(Scheduler, "_agent_exited", exited)
+    with open_seam(tmp_path, {"worker": worker, "b": other}, max_jobs=1) as s:
+        s.ctx.gates = lambda: tuple(gates)
+
+        async def body() -> None:
+            loop, _ = await warmed_up(s)
+            loop.drop(order("B1", to="b"))
+            await loop.until(lambda: len(loop.sched.aside) == 1, "B1 to be set aside")
+            jobs = [f"J{i}" for i in range(6)]
+            drop_spaced(loop, s, jobs)
+            await loop.until(loop.landed("done", *jobs, "B1"), "the jobs to be done", timeout=30)
+            await loop.settle()
+
+        run(body, timeout=60)
+    assert lifted, "no job was claimed ahead when the gate lifted"
+    starts = started(tmp_path)[RUNS_KEPT:]
+    assert starts.index("B1") == starts.index(lifted[0]) + 1, (lifted, starts)
+
+
+def test_a_hand_on_that_fails_leaves_the_job_to_the_next_turn_and_the_ended_job_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start at an agent's exit raises once: logged; the job claimed ahead starts at the next turn; none fails."""
+    failed: list[str] = []
+    start = ClaimsAhead._start_handed_over
+
+    def once(self: ClaimsAhead, p: Any) -> bool:
+        if not failed:  # the first start of a job claimed ahead: at an exit (a turn would raise it to the test)
+            failed.append(p.job_id)
+            raise RuntimeError("no start now")
+        return start(self, p)
+
+    monkeypatch.setattr(ClaimsAhead, "_start_handed_over", once)
+    with open_seam(tmp_path, {"worker": quick_agent(tmp_path, 0.2)}, max_jobs=1) as s:
+
+        async def body() -> None:
+            loop, _ = await warmed_up(s)
+            jobs = [f"F{i}" for i in range(4)]
+            drop_spaced(loop, s, jobs)
+            await loop.until(loop.landed("done", *jobs), "the jobs to be done", timeout=20)
+            await loop.settle()
+
+        with capture_logs() as logs:
+            run(body, timeout=60)
+    assert failed, "no start at an exit was tried"
+    assert [e.get("step") for e in logs if e["event"] == "daemon.error"] == ["hand_on"]
+    assert started(tmp_path)[RUNS_KEPT:] == [f"F{i}" for i in range(4)]

@@ -34,13 +34,18 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import structlog
+
 from dispatcher.core.claiming import Kind, Launch, Parked, Resume, claimable_ahead
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.running import Running, RunningJobs
+from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
 from dispatcher.job.context import JobContext
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
+
+log = structlog.get_logger("dispatcher")
 
 QUICK_S = 0.5  # an agent whose runs take less than this gets its next orders claimed ahead
 RUNS_KEPT = 3  # how many of an agent's last runs decide
@@ -163,6 +168,7 @@ class ClaimsAhead(abc.ABC):
     ahead: Ahead
     inflight: int
     blocked: dict[str, float]
+    aside: SetAside[Any]
     wake: Callable[[], None]
 
     @property
@@ -216,18 +222,29 @@ class ClaimsAhead(abc.ABC):
         Started here, the next agent runs before the job that just ended is checked and
         finished (that job's post-exit trip waits for starts under way, ``job.starting``),
         instead of after it, at the scheduler's next turn. Anything else (no such job at
-        the head, a stop, a shortage, a fenced lease) is left to that turn.
+        the head, a stop, a shortage, a fenced lease, a gated agent, a job set aside that
+        its gate now lets go and that goes first) is left to that turn.
         """
         if not self.parked or self.ctx.stopping() or self.ctx.fenced() or SHORT.short() or agent in self.blocked:
-            return
-        if self.free_slots() <= 0 or agent in gated_agents(self.ctx.gates(), (agent,), time.time()):
             return
         p = self.parked[0]
         if p.agent != agent or p.job_id not in self.ahead.ready or not self.slots.idle.get(agent):
             return
+        wall = time.time()
+        gated = gated_agents(self.ctx.gates(), self.config.agents, wall)
+        if self.free_slots() <= 0 or agent in gated or self.aside.due(gated, time.monotonic(), wall):
+            return
         self.parked.popleft()
         self._unqueued(p)
-        self._start_handed_over(p)
+        try:
+            started = self._start_handed_over(p)
+        except Exception:
+            log.exception("daemon.error", step="hand_on", job_id=p.job_id)
+            started = False
+        if not started:  # the next turn starts it
+            self.parked.appendleft(p)
+            self.ahead.queued(p.job_id, p.agent)
+            self.wake()
 
     def _park_ready(self, launch: Launch) -> None:
         """Queue a job claimed ahead: after the other claimed work, before every order not claimed yet."""

@@ -11,6 +11,7 @@ own usage limit and retry count kept), and it asks the ledger before its attempt
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 from typing import Generic, TypeVar
 
 Job = TypeVar("Job")
@@ -52,6 +53,10 @@ class SetAside(Generic[Job]):
             del self.held[job_id]
             self.back[job_id] = job
         return [job for _, job in free], later
+
+    def due(self, gated: Container[str], now: float, wall: float) -> bool:
+        """Return True if ``take_back`` would give a job back now (its gate lifted, or its expires came)."""
+        return any((h[1] not in gated and h[3] <= now) or h[4] <= wall for h in self.held.values())
 
     def take(self, job_id: str) -> Job | None:
         """Take one held job back at once (a cancel); None if it is not held."""
