@@ -250,15 +250,21 @@ def test_cancel_running_job_ends_its_group_and_finished_or_unknown_exit_1(env: E
     assert d.stop() == 0
 
 
-def test_cancel_of_an_order_waiting_in_inbox_with_no_daemon(env: Env) -> None:
-    """A job is queued once its order is in inbox/: cancel works before any daemon sees it."""
-    env.drop(order("INBOX-1"))
-    proc = env.cli("cancel", "INBOX-1")
+def cancelled_while_no_daemon_runs(env: Env, job_id: str) -> dict[str, Any]:
+    """`cancel` with no daemon running exits 0; the next `run --once` fails the job as cancelled (exit 1)."""
+    proc = env.cli("cancel", job_id)
     assert proc.returncode == 0, proc.stderr
     code, _ = run_once(env)
     assert code == 1
-    result = env.result("INBOX-1", "failed")
+    result = env.result(job_id, "failed")
     assert result["reason"] == "cancelled"
+    return result
+
+
+def test_cancel_of_an_order_waiting_in_inbox_with_no_daemon(env: Env) -> None:
+    """A job is queued once its order is in inbox/: cancel works before any daemon sees it."""
+    env.drop(order("INBOX-1"))
+    result = cancelled_while_no_daemon_runs(env, "INBOX-1")
     assert result["attempts"] == []
     assert starts_of(env, "INBOX-1") == []
 
@@ -324,10 +330,5 @@ def test_cancel_of_a_running_job_whose_daemon_died_holds_even_with_a_receipt(env
     env.drop(order("DEAD-1"))
     wait_until(lambda: (env.root / "active" / "DEAD-1" / "work" / "receipt.json").exists(), 30, "the receipt")
     d.kill()
-    proc = env.cli("cancel", "DEAD-1")
-    assert proc.returncode == 0, proc.stderr
-    code, _ = run_once(env)
-    assert code == 1
-    result = env.result("DEAD-1", "failed")
-    assert result["reason"] == "cancelled"
+    cancelled_while_no_daemon_runs(env, "DEAD-1")
     assert not (env.root / "done" / "DEAD-1").exists()
