@@ -133,6 +133,51 @@ def test_an_agent_at_its_concurrency_waits_parked_without_blocking_other_agents(
         assert done == ["H1", "W1", "W2"]
 
 
+def test_a_slot_given_back_goes_to_the_agents_parked_order_before_a_newer_one(tmp_path: Path) -> None:
+    """An agent blocked by a claim's late "no slot" answer still gives its slot back to its oldest order.
+
+    W1 runs, W2 waits parked. As W1's agent exits, the answer of a claim trip sent before
+    the exit blocks the agent again, and W3 arrives in inbox/. The slot W1 gave back goes
+    to W2, the older order, not to W3 read after it.
+    """
+    gate = tmp_path / "go"
+    with open_seam(tmp_path, {"worker": sh(gated(gate))}, max_jobs=2) as s:
+
+        async def body() -> list[str]:
+            loop = Loop(s)
+            sched = loop.sched
+            started: list[str] = []
+            exited = sched._agent_exited
+
+            def exit_then_late_answer(job_id: str, hand_on: bool) -> bool:
+                gave_back = exited(job_id, hand_on)
+                if job_id == "W1":  # a "no slot" answer of a trip sent before the exit, and a new order
+                    sched.blocked["worker"] = time.monotonic() + 30
+                    loop.drop(order("W3"))
+                return gave_back
+
+            sched._agent_exited = exit_then_late_answer  # type: ignore[method-assign]
+            launch = sched._run
+
+            def run_and_note(*args: Any, **kwargs: Any) -> None:
+                started.append(args[0].parked.job_id)
+                launch(*args, **kwargs)
+
+            sched._run = run_and_note  # type: ignore[method-assign]
+            loop.drop(order("W1"))
+            await loop.until(lambda: "W1" in sched.running, "W1 to run")
+            loop.drop(order("W2"))
+            await loop.until(lambda: [p.job_id for p in sched.parked] == ["W2"], "W2 to be parked")
+            gate.touch()
+            await loop.until(lambda: len(started) >= 2, "a second job to start", timeout=20)
+            sched.blocked.clear()
+            await loop.until(loop.landed("done", "W1", "W2", "W3"), "every job to be done", timeout=20)
+            await loop.settle()
+            return started
+
+        assert run(body) == ["W1", "W2", "W3"]
+
+
 def test_finished_jobs_are_counted_by_how_they_ended(tmp_path: Path) -> None:
     """stats.finished counts done, failed and refused jobs (a bad file and a second file with a known id)."""
     agents = {"worker": sh(GOOD), "failer": sh("exit 2")}

@@ -127,7 +127,9 @@ class Scheduler(ClaimsAhead, Requests[Job]):
             self._free_idle()
             return
         now = time.monotonic()
-        self.blocked = {agent: until for agent, until in self.blocked.items() if until > now}
+        idle = self.slots.idle  # an agent with a slot given back is not blocked, whatever a late answer said:
+        # its oldest parked order takes that slot before a newer one read from inbox/ in this turn
+        self.blocked = {agent: until for agent, until in self.blocked.items() if until > now and not idle.get(agent)}
         self.slot_poll = bool(self.blocked)
         gated = frozenset(gated_agents(self.ctx.gates(), self.config.agents, time.time()))  # section 14
         self._gates_changed(gated, now)
