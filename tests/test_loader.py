@@ -109,3 +109,34 @@ def test_a_duplicate_key_or_a_constant_in_json_names_its_field(text: str, field:
     with pytest.raises(OrderError) as err:
         load_document(text.encode(), "json")
     assert (err.value.field, err.value.message) == (field, message)
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "message"),
+    [
+        ("task: a\ntask: b\n", "task", "is a duplicate key (line 2)"),
+        ("meta:\n  k: 1\n  k: 2\n", "meta.k", "is a duplicate key (line 3)"),
+        ("items:\n  - id: a\n  - id: b\n    id: c\n", "items[1].id", "is a duplicate key (line 4)"),
+        ("meta:\n  1: a\n", "meta", "mapping key 1 is an integer, not a string (line 2)"),
+        (
+            "meta: {x: [2026-02-30]}\n",
+            "meta.x[0]",
+            "2026-02-30 is not a valid date or time: day is out of range for month (line 1)",
+        ),
+        ("task: &t a\n", "task", "YAML anchors are not allowed (&t, line 1)"),
+        ("items:\n  - id: a\n  - &i {id: b}\n", "items[1]", "YAML anchors are not allowed (&i, line 3)"),
+        ("meta: {a: [1, {b: 2}], c: *z}\n", "meta.c", "YAML aliases are not allowed (*z, line 1)"),
+        ("meta:\n  ? [1]\n  : v\n  w: &w 1\n", "meta.w", "YAML anchors are not allowed (&w, line 4)"),
+        ("meta:\n  ? [1]\n  : v\n", "meta", "mapping key [1] is a list, not a string (line 2)"),
+        ('task: "caf\\u00e9"\nmeta: {x: 1, x: 2}\n', "meta.x", "is a duplicate key (line 2)"),
+        ('task: "caf\\u00e9"\nmeta: {x: &q 1}\n', "meta.x", "YAML anchors are not allowed (&q, line 2)"),
+        ("&top\njob_id: J-1\n", None, "YAML anchors are not allowed (&top, line 1)"),
+    ],
+)
+def test_a_duplicate_key_an_anchor_or_a_bad_key_in_yaml_names_its_field(
+    text: str, field: str | None, message: str
+) -> None:
+    """YAML's errors name the field at fault as JSON's do (its line too); one at the top level names none."""
+    with pytest.raises(OrderError) as err:
+        load_document(text.encode(), "yaml")
+    assert (err.value.field, err.value.message) == (field, message)

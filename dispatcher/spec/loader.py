@@ -62,19 +62,30 @@ class _StrictLoader(yaml.SafeLoader):
         return _construct_mapping(self, node, deep)
 
 
+class _AtNode(OrderError):
+    """An error met while building the value of ``node``, raised again by ``load_yaml`` with its field.
+
+    ``key``: the duplicate key of the mapping ``node``, which is the field at fault.
+    """
+
+    def __init__(self, message: str, node: yaml.Node, key: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.key = key
+
+
 def _construct_mapping(loader: yaml.constructor.SafeConstructor, node: yaml.MappingNode, deep: bool) -> dict[Any, Any]:
     """SafeConstructor.construct_mapping, refusing duplicate keys and keys that are not strings."""
     seen: set[Any] = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
         if isinstance(key, YamlTime):
-            raise OrderError(f"mapping key {key} is {key.kind}, not a string (line {key_node.start_mark.line + 1})")
+            raise _AtNode(f"mapping key {key} is {key.kind}, not a string (line {line})", node)
         if not isinstance(key, str):
-            raise OrderError(
-                f"mapping key {_shown(key)} is {describe(key)}, not a string (line {key_node.start_mark.line + 1})"
-            )
+            raise _AtNode(f"mapping key {_shown(key)} is {describe(key)}, not a string (line {line})", node)
         if key in seen:
-            raise OrderError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+            raise _AtNode(f"is a duplicate key (line {line})", node, key)
         seen.add(key)
     mapping: dict[Any, Any] = yaml.constructor.SafeConstructor.construct_mapping(loader, node, deep=deep)
     return mapping
@@ -96,7 +107,9 @@ def _timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
     try:
         moment = yaml.constructor.SafeConstructor.construct_yaml_timestamp(loader, node)
     except (ValueError, OverflowError) as exc:
-        raise OrderError(f"{node.value} is not a valid date or time: {exc} (line {node.start_mark.line + 1})") from None
+        raise _AtNode(
+            f"{node.value} is not a valid date or time: {exc} (line {node.start_mark.line + 1})", node
+        ) from None
     text = YamlTime(node.value)
     text.kind = type(moment).__name__
     return text
@@ -125,22 +138,71 @@ class _StrictCLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoa
         return _construct_mapping(self, node, deep)
 
 
-def _check_events(text: str, *, aliases: bool) -> None:
-    """Refuse anchors, aliases and deep nesting by scanning libyaml's events (no tree is built)."""
+def _check_events(text: str, *, aliases: bool, loader: Any = yaml.SafeLoader) -> None:
+    """Refuse anchors, aliases and deep nesting by scanning the parser's events (no tree is built).
+
+    The field of an anchor or alias is named (``_field_at``, a second scan made only then).
+    """
     depth = 0
-    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+    for n, event in enumerate(yaml.parse(text, Loader=loader)):
         if not aliases:
             if isinstance(event, yaml.AliasEvent):
-                raise OrderError(f"YAML aliases are not allowed (*{event.anchor}, line {_line(event)})")
+                message = f"YAML aliases are not allowed (*{event.anchor}, line {_line(event)})"
+                raise OrderError(message, field=_field_at(text, loader, n))
             anchor = getattr(event, "anchor", None)
             if anchor is not None:
-                raise OrderError(f"YAML anchors are not allowed (&{anchor}, line {_line(event)})")
+                message = f"YAML anchors are not allowed (&{anchor}, line {_line(event)})"
+                raise OrderError(message, field=_field_at(text, loader, n))
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_DEPTH:
                 raise OrderError(f"nesting deeper than {MAX_DEPTH} levels (line {_line(event)})")
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
+
+
+def _field_at(text: str, loader: Any, target: int) -> str | None:
+    """Return the field path of the value the parser's event number ``target`` stands on (None: the top level).
+
+    An event on a mapping's key names that mapping: the key itself is no field yet.
+    """
+    # one frame per open collection: [its path, index or key of the next value, True while a key is expected]
+    frames: list[list[Any]] = []
+    for n, event in enumerate(yaml.parse(text, Loader=loader)):
+        if isinstance(event, (yaml.StreamStartEvent, yaml.StreamEndEvent, yaml.DocumentStartEvent)):
+            continue
+        if isinstance(event, yaml.DocumentEndEvent):
+            frames.clear()
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            frames.pop()
+            top = frames[-1] if frames else None
+        else:
+            top = frames[-1] if frames else None
+            if top is None:
+                path = ""
+            elif isinstance(top[1], int):
+                path = f"{top[0]}[{top[1]}]"
+            elif top[2]:  # a key: what is wrong with it is the mapping's
+                path = top[0]
+            else:
+                path = f"{top[0]}.{top[1]}" if top[0] else top[1]
+            if n == target:
+                return path or None
+            if isinstance(event, yaml.CollectionStartEvent):
+                key_of = isinstance(event, yaml.MappingStartEvent)
+                frames.append([path, "" if key_of else 0, key_of])
+                continue
+        if top is None:
+            continue
+        if isinstance(top[1], int):  # the next item of a sequence
+            top[1] += 1
+        elif top[2]:  # a key read: its value comes next (a key that is not a plain string names no field)
+            top[1] = event.value if isinstance(event, yaml.ScalarEvent) else "?"
+            top[2] = False
+        else:  # a value read: a key comes next
+            top[2] = True
+    return None
 
 
 def load_yaml(text: str, *, aliases: bool = False) -> Any:
@@ -152,14 +214,12 @@ def load_yaml(text: str, *, aliases: bool = False) -> Any:
     PyYAML's own parser, which reads an escaped lone surrogate as text, so that the
     error names the field that holds it.
     """
-    if yaml.__with_libyaml__ and "\\u" not in text and "\\U" not in text:
-        try:
-            _check_events(text, aliases=aliases)
-        except yaml.YAMLError as exc:
-            raise OrderError(f"not valid YAML: {_yaml_problem(exc)}") from None
-        loader: yaml.SafeLoader = _StrictCLoader(text)
-    else:
-        loader = _StrictLoader(text, aliases=aliases)
+    fast = yaml.__with_libyaml__ and "\\u" not in text and "\\U" not in text
+    try:
+        _check_events(text, aliases=aliases, loader=yaml.CSafeLoader if fast else yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        raise OrderError(f"not valid YAML: {_yaml_problem(exc)}") from None
+    loader: yaml.SafeLoader = _StrictCLoader(text) if fast else _StrictLoader(text, aliases=aliases)
     try:
         if not loader.check_node():
             raise OrderError("empty document")
@@ -168,7 +228,13 @@ def load_yaml(text: str, *, aliases: bool = False) -> Any:
             raise OrderError("more than one YAML document")
         if node is None:
             raise OrderError("empty document")
-        value = loader.construct_document(node)
+        try:
+            value = loader.construct_document(node)
+        except _AtNode as exc:
+            field = _path_of(node, exc.node)
+            if exc.key is not None:
+                field = f"{field}.{exc.key}" if field else exc.key
+            raise OrderError(exc.message, field=field or None) from None
     except yaml.YAMLError as exc:
         raise OrderError(f"not valid YAML: {_yaml_problem(exc)}") from None
     except RecursionError:
@@ -177,6 +243,24 @@ def load_yaml(text: str, *, aliases: bool = False) -> Any:
         loader.dispose()
     check_json_value(value)
     return value
+
+
+def _path_of(root: yaml.Node, target: yaml.Node) -> str:
+    """Return the field path of target in the tree under root ("" for root, or when target is a key)."""
+    todo: list[tuple[yaml.Node, str]] = [(root, "")]
+    while todo:
+        node, path = todo.pop()
+        if node is target:
+            return path
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if key_node is target:
+                    return path
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                todo.append((value_node, f"{path}.{key}" if path else key))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+    return ""
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
