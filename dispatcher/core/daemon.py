@@ -12,7 +12,6 @@ Signal handlers only set a flag and wake the loop.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import os
 import signal
@@ -23,17 +22,18 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from dispatcher import lean, procs, storage
+from dispatcher import procs, storage
 from dispatcher.core import announce, startup
+from dispatcher.core.fencing import Fencing
 from dispatcher.core.fsevents import start_watch
 from dispatcher.core.gatekeeper import GateKeeper, gated_agents
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.notify import Notifications
+from dispatcher.core.reloading import Reloading
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox
-from dispatcher.errors import ConfigError
 from dispatcher.job import repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
@@ -43,20 +43,21 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.lifecycle import Stop
 from dispatcher.shortage import SHORT
-from dispatcher.spec.config import load_config
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_ledger
 from dispatcher.wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from dispatcher.metrics import Metrics
+    pass
 
 log = structlog.get_logger("dispatcher")
 READY_WAIT_S = 10.0  # the longest READY=1 waits for the recovery of jobs adopted at start
 
 
-class Daemon:
+class Daemon(Reloading, Fencing):
     """`dispatcher run`: watch inbox/, claim, run, verify, move; recover what others left."""
+
+    sched: Scheduler
 
     def __init__(self, config: Config, *, config_path: Path | None, root_override: Path | None, once: bool) -> None:
         self.config = config
@@ -162,6 +163,7 @@ class Daemon:
             recovered=self._recovered,
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup, joins)
+        self.claims = self.sched.claims
         joins.ready = self._joined
         self.lease: LeaseKeeper | None = None
         leases = self.ledger.leases
@@ -349,56 +351,7 @@ class Daemon:
         self.stop_deadline = time.monotonic() + self.config.stop_timeout_s
         self.sched.abort_all(Stop.STOPPED, only_waiting=True)
 
-    def reload(self) -> None:
-        """Reload the config (SIGHUP); keep the old one if the new one is bad or moves the root."""
-        from dispatcher import logs
-
-        try:
-            logs.SINK.open_file(self.config.log_file)  # reopen for logrotate, whatever the new config says
-        except OSError as exc:
-            log.error("log_file.reopen_failed", error=str(exc))
-        try:
-            if self.config_path is None:
-                raise ConfigError("no config file to reload")
-            new = load_config(self.config_path, root=self.root_override)
-            if new.root != self.config.root:
-                raise ConfigError("root: cannot change while running", file=str(self.config_path))
-            if new.ledger != self.config.ledger:
-                raise ConfigError("ledger: cannot change while running", file=str(self.config_path))
-            if new.log_file != self.config.log_file:
-                logs.SINK.open_file(new.log_file)
-        except (ConfigError, OSError) as exc:
-            log.error("config.rejected", error=str(exc))
-            return
-        except Exception as exc:  # a fault in reading it must not end a running daemon: the old config stays
-            log.exception("config.rejected", error=f"{type(exc).__name__}: {exc}")
-            return
-        if new.metrics_file != self.config.metrics_file:  # set, moved or unset: takes effect now
-            if self.metrics is not None and new.metrics_file:
-                self.metrics.move_to(new.metrics_file)  # the counters carry on, since this daemon started
-            else:
-                if self.metrics is not None:
-                    self.metrics.remove_file()
-                self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
-            self.house.metrics_now()
-        gone = frozenset({*self.config.agents, *self.config.retired} - set(new.agents))
-        self.config = new = dataclasses.replace(new, retired=gone)  # follow-ups to them wait, as their orders do
-        self.sched.claims.note_config(new)  # its agents: if a later reload removes one, its orders wait
-        self.inbox.settle_s = new.settle_s
-        self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
-        log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
-        announce.config_findings(new)
-
     # -- helpers -------------------------------------------------------------------------------
-    def _metrics(self, config: Config) -> Metrics | None:
-        """Return the metrics of metrics_file (None when unset); its first write is due at once."""
-        if not config.metrics_file:
-            return None
-        lean.with_openssl()  # prometheus_client imports ssl
-        from dispatcher.metrics import Metrics  # prometheus_client only when it is used
-
-        return Metrics(config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents)
-
     def _timeout(self) -> float:
         now = time.monotonic()
         waits = [self._next_rescan - now, self.house.next_due(now)]
@@ -417,37 +370,6 @@ class Daemon:
             waits.append(SLOT_RETRY_S)
         return max(0.0, min(waits))
 
-    def _fence(self) -> bool:
-        """Keep the lease's rules: fenced, end every agent and claim nothing; lost, stop for good."""
-        assert self.lease is not None  # noqa: S101
-        if self.lease.lost and not self.stopping:
-            log.error("daemon.stopping", reason="this daemon was declared lost by another; it stops")
-            self.lost = True
-            self._signal(signal.SIGTERM)
-            self.sched.abort_all(Stop.STOPPED, mute=True)
-            return True
-        if self.lease.fenced:
-            if not self._was_fenced:
-                log.error("lease.fenced", running=len(self.sched.running), lease_s=self.config.lease_s)
-            self._was_fenced = True
-            self.sched.abort_all(Stop.STOPPED, mute=True)
-            return True
-        if self._was_fenced:
-            log.info("lease.renewed")
-            self._was_fenced = False
-            self.house.start(self.house.recover(startup=False), "recover")  # take our own stopped jobs back
-        return False
-
-    def _hosts_lost(self, owners: list[str]) -> None:
-        """Daemons whose lease ran out (from the lease thread): log each once, recover their jobs."""
-        for owner in owners:
-            log.warning("host.lost", owner=owner)
-        self.loop.call_soon_threadsafe(self._recover_lost)
-
-    def _recover_lost(self) -> None:
-        if not self.stopping:
-            self.house.start(self.house.recover(startup=False), "recover")
-
     def _rescan_interval(self) -> float:
         return self.config.poll_interval_s if self.config.watch == "poll" else self.config.rescan_interval_s
 
@@ -456,10 +378,6 @@ class Daemon:
 
     def _stopping(self) -> bool:
         return self.stopping
-
-    def _fenced(self) -> bool:
-        """No lease renewal for lease / 2: write nothing more into job folders."""
-        return self.lease is not None and (self.lease.fenced or self.lease.lost)
 
     def _check_watch(self) -> None:
         """Restart the watch of inbox/ if it died (the rescan's check)."""

@@ -1,0 +1,94 @@
+"""The daemon's config reload (SIGHUP) and its metrics file, which a reload may set, move or unset.
+
+A reload keeps the old config when the new one is bad, or when it would move the
+root or the ledger; the log file is reopened whatever it says (logrotate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from dispatcher import lean
+from dispatcher.core import announce
+from dispatcher.core.claiming import Claims
+from dispatcher.core.housekeeping import Housekeeping
+from dispatcher.core.watcher import Inbox
+from dispatcher.errors import ConfigError
+from dispatcher.lanes import Lanes
+from dispatcher.ledger.base import Ledger
+from dispatcher.spec.config import load_config
+from dispatcher.spec.settings import Config
+
+if TYPE_CHECKING:
+    from dispatcher.metrics import Metrics
+
+log = structlog.get_logger("dispatcher")
+
+
+class Reloading:
+    """``core.daemon.Daemon``'s part that reads its config again and keeps its metrics file."""
+
+    config: Config
+    config_path: Path | None
+    root_override: Path | None
+    metrics: Metrics | None
+    house: Housekeeping
+    claims: Claims  # the scheduler's: which agents a reload removed
+    inbox: Inbox
+    lanes: Lanes
+    ledger: Ledger
+
+    def reload(self) -> None:
+        """Reload the config (SIGHUP); keep the old one if the new one is bad or moves the root."""
+        from dispatcher import logs
+
+        try:
+            logs.SINK.open_file(self.config.log_file)  # reopen for logrotate, whatever the new config says
+        except OSError as exc:
+            log.error("log_file.reopen_failed", error=str(exc))
+        try:
+            if self.config_path is None:
+                raise ConfigError("no config file to reload")
+            new = load_config(self.config_path, root=self.root_override)
+            if new.root != self.config.root:
+                raise ConfigError("root: cannot change while running", file=str(self.config_path))
+            if new.ledger != self.config.ledger:
+                raise ConfigError("ledger: cannot change while running", file=str(self.config_path))
+            if new.log_file != self.config.log_file:
+                logs.SINK.open_file(new.log_file)
+        except (ConfigError, OSError) as exc:
+            log.error("config.rejected", error=str(exc))
+            return
+        except Exception as exc:  # a fault in reading it must not end a running daemon: the old config stays
+            log.exception("config.rejected", error=f"{type(exc).__name__}: {exc}")
+            return
+        if new.metrics_file != self.config.metrics_file:  # set, moved or unset: takes effect now
+            if self.metrics is not None and new.metrics_file:
+                self.metrics.move_to(new.metrics_file)  # the counters carry on, since this daemon started
+            else:
+                if self.metrics is not None:
+                    self.metrics.remove_file()
+                self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
+            self.house.metrics_now()
+        gone = frozenset({*self.config.agents, *self.config.retired} - set(new.agents))
+        self.config = new = dataclasses.replace(new, retired=gone)  # follow-ups to them wait, as their orders do
+        self.claims.note_config(new)  # its agents: if a later reload removes one, its orders wait
+        self.inbox.settle_s = new.settle_s
+        self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
+        log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
+        announce.config_findings(new)
+
+    def _metrics(self, config: Config) -> Metrics | None:
+        """Return the metrics of metrics_file (None when unset); its first write is due at once."""
+        if not config.metrics_file:
+            return None
+        lean.with_openssl()  # prometheus_client imports ssl
+        from dispatcher.metrics import Metrics  # prometheus_client only when it is used
+
+        return Metrics(config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents)
