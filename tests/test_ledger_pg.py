@@ -43,7 +43,8 @@ from dispatcher.ledger.base import (
     LedgerUnavailable,
     Request,
 )
-from dispatcher.ledger.postgres import LeaseLost, PostgresLedger, PostgresLedgerError, migrate
+from dispatcher.ledger.migrate import migrate
+from dispatcher.ledger.postgres import LeaseLost, PostgresLedger, PostgresLedgerError
 from dispatcher.ledger.sqlite import SqliteLedger
 from dispatcher.lifecycle import Row
 

@@ -240,7 +240,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         )
     if cfg.ledger != "sqlite":
         raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
-    from dispatcher.ledger.postgres import PostgresLedger, migrate
+    from dispatcher.ledger.migrate import migrate
+    from dispatcher.ledger.postgres import PostgresLedger
     from dispatcher.store.ledgers import REACH_S, open_ledger
 
     source = open_ledger(cfg, layout, create=False, patience_s=30.0)

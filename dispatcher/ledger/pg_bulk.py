@@ -12,12 +12,19 @@ An unknown commit is settled by the server's record of the transaction
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError, Runner
 from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import Entry, Extras, Gate, GateWait, Request, fold_waits
 
 COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
+# every SELECT of whole rows: the Entry fields in order (fixed text, never user input)
+SELECT = (
+    "SELECT job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
+    " FROM jobs"
+)
+PAGE = 5000  # rows per page of ``PostgresLedger.rows``
 _CHUNK = 5000
 _INSERT = (
     "INSERT INTO jobs (job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd,"
@@ -125,3 +132,15 @@ def load_into_empty(runner: Runner, entries: Iterable[Entry], more: Extras | Non
         return Found(len(batch)) if row and row[0] == len(batch) and batch else None
 
     return runner.run("load_into_empty", body, resolve)
+
+
+def entry(row: tuple[object, ...]) -> Entry:
+    """Return a row of ``SELECT`` as an Entry."""
+    return Entry(*row)  # type: ignore[arg-type]
+
+
+def page(after: str | None, cur: Cur) -> list[tuple[Any, ...]]:
+    """One page of rows in id order, after the id ``after`` (None: from the start); an index range scan."""
+    if after is None:
+        return cur.execute(SELECT + " ORDER BY job_id LIMIT %s", (PAGE,)).fetchall()
+    return cur.execute(SELECT + " WHERE job_id > %s ORDER BY job_id LIMIT %s", (after, PAGE)).fetchall()

@@ -9,6 +9,30 @@ final: a lost daemon can never renew again (its jobs are someone else's now).
 Local clocks only ever make this daemon more careful: ``lease_ok()`` measures
 lease/2 from the *send* time of the last successful renewal on the monotonic
 clock, which is never later than the database's view of it.
+
+What the daemon must call on its ``PostgresLedger`` (``lease_s`` is the config's ``lease``):
+
+- ``register(info)`` once at start (a new identity every start);
+- ``renew()`` every lease/6 seconds (at least every lease/3, as the contract
+  says; more often, so that one failed renewal does not cost the lease/2 of
+  ``lease_ok``), right away again after it returned False; from its own thread
+  or timer, not the ledger lane (it has its own connection and never waits
+  behind other steps; one try is bounded by the connection timeouts, < lease/2);
+- ``lease_ok()`` before claiming and while agents run: False once the last
+  successful renewal is lease/2 old by the local monotonic clock; then end the
+  agents' groups and claim nothing until it is True again. ``lost`` is True once
+  another daemon declared this one lost: its identity is dead for good, so the
+  daemon should stop (and be restarted under a new identity);
+- ``reap()`` every lease/3 or so: returns the owners newly declared lost (log
+  ``host.lost`` for each; exactly one reaper gets each owner) and frees their
+  slots; it returns [] until ``may_reap()``, i.e. until this daemon has renewed
+  its own lease without a gap for a full lease (after a database outage nobody
+  reaps anybody before every live daemon had the time to renew). Adopting a
+  dead daemon's jobs is safe right after ``alive()`` turns False (the fencing
+  token decides), but gating it on ``may_reap()`` too spares churn after an outage;
+- ``close()`` at a clean stop: the daemon is marked stopped (alive no more, its
+  slots free, never reported lost), so that the next start recovers its jobs
+  at once instead of after a lease.
 """
 
 from __future__ import annotations

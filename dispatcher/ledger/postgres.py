@@ -18,37 +18,13 @@ reference); what differs is how it is made safe across hosts:
   an unknown commit outcome is settled by the server's record of the
   transaction, checked against the rows the step meant to write.
 
-What the daemon must call (``lease_s`` is the config's ``lease``):
-
-- ``register(info)`` once at start (a new identity every start);
-- ``renew()`` every lease/6 seconds (at least every lease/3, as the contract
-  says; more often, so that one failed renewal does not cost the lease/2 of
-  ``lease_ok``), right away again after it returned False; from its own thread
-  or timer, not the ledger lane (it has its own connection and never waits
-  behind other steps; one try is bounded by the connection timeouts, < lease/2);
-- ``lease_ok()`` before claiming and while agents run: False once the last
-  successful renewal is lease/2 old by the local monotonic clock; then end the
-  agents' groups and claim nothing until it is True again. ``lost`` is True once
-  another daemon declared this one lost: its identity is dead for good, so the
-  daemon should stop (and be restarted under a new identity);
-- ``reap()`` every lease/3 or so: returns the owners newly declared lost (log
-  ``host.lost`` for each; exactly one reaper gets each owner) and frees their
-  slots; it returns [] until ``may_reap()``, i.e. until this daemon has renewed
-  its own lease without a gap for a full lease (after a database outage nobody
-  reaps anybody before every live daemon had the time to renew). Adopting a
-  dead daemon's jobs is safe right after ``alive()`` turns False (the fencing
-  token decides), but gating it on ``may_reap()`` too spares churn after an outage;
-- ``close()`` at a clean stop: the daemon is marked stopped (alive no more, its
-  slots free, never reported lost), so that the next start recovers its jobs
-  at once instead of after a lease.
+What the daemon must call for its lease: ``pg_leases``.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
@@ -65,10 +41,11 @@ from dispatcher.ledger import pg_bulk, pg_schema
 from dispatcher.ledger.base import Leases as LeasesInterface
 from dispatcher.ledger.base import Ledger
 from dispatcher.ledger.pg_claims import Claims
-from dispatcher.ledger.pg_conn import Conn, Cur, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
+from dispatcher.ledger.pg_conn import Conn, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
 from dispatcher.ledger.pg_gates import Gates
 from dispatcher.ledger.pg_leases import LeaseLost, Leases
+from dispatcher.ledger.pg_requests import Requests
 from dispatcher.ledger.pg_waits import Waits
 from dispatcher.ledger.records import (
     Child,
@@ -84,27 +61,9 @@ from dispatcher.ledger.records import (
 )
 from dispatcher.lifecycle import Row
 
-__all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError", "migrate"]
+__all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError"]
 
 log = structlog.get_logger("dispatcher")
-
-# every SELECT of whole rows: the Entry fields in order (fixed text, never user input)
-_SELECT = (
-    "SELECT job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
-    " FROM jobs"
-)
-_PAGE = 5000
-
-
-def _entry(row: tuple[object, ...]) -> Entry:
-    return Entry(*row)  # type: ignore[arg-type]
-
-
-def _page(after: str | None, cur: Cur) -> list[tuple[Any, ...]]:
-    """One page of rows in id order, after the id ``after`` (None: from the start); an index range scan."""
-    if after is None:
-        return cur.execute(_SELECT + " ORDER BY job_id LIMIT %s", (_PAGE,)).fetchall()
-    return cur.execute(_SELECT + " WHERE job_id > %s ORDER BY job_id LIMIT %s", (after, _PAGE)).fetchall()
 
 
 class PostgresLedger(Ledger, LeasesInterface):
@@ -146,6 +105,7 @@ class PostgresLedger(Ledger, LeasesInterface):
         self._followups = Followups(self._runner, self._leases)
         self._waits = Waits(self._runner, self._leases)
         self._gates = Gates(self._runner)
+        self._requests = Requests(self._runner)
         try:
             step = pg_schema.check if readonly else pg_schema.ensure
             self._runner.run("schema", lambda cur: step(cur, self.where), fatal=permanent)
@@ -154,7 +114,8 @@ class PostgresLedger(Ledger, LeasesInterface):
         except psycopg.Error as exc:  # not a wait: a missing privilege, an unusable database
             self._pool.close()
             if readonly:
-                raise PostgresLedgerError(f"{self.where}: the ledger cannot be read: {_one_line(exc)}") from None
+                text = " ".join(str(exc).split())
+                raise PostgresLedgerError(f"{self.where}: the ledger cannot be read: {text}") from None
             text = " ".join(str(exc).split())
             raise PostgresLedgerError(f"{self.where}: the ledger schema cannot be set up: {text}") from None
         except BaseException:
@@ -255,8 +216,10 @@ class PostgresLedger(Ledger, LeasesInterface):
     # -- reads --------------------------------------------------------------------------
     def get(self, job_id: str) -> Entry | None:
         """Return the row of job_id, or None if the id was never seen."""
-        row = self._runner.run("get", lambda cur: cur.execute(_SELECT + " WHERE job_id = %s", (job_id,)).fetchone())
-        return _entry(row) if row else None
+        row = self._runner.run(
+            "get", lambda cur: cur.execute(pg_bulk.SELECT + " WHERE job_id = %s", (job_id,)).fetchone()
+        )
+        return pg_bulk.entry(row) if row else None
 
     def known(self, job_ids: Iterable[str]) -> dict[str, Entry]:
         """Return the rows of those ids that the ledger knows."""
@@ -265,9 +228,9 @@ class PostgresLedger(Ledger, LeasesInterface):
             return {}
         rows = self._runner.run(
             "known",
-            lambda cur: cur.execute(_SELECT + " WHERE job_id = ANY(%s)", (ids,)).fetchall(),
+            lambda cur: cur.execute(pg_bulk.SELECT + " WHERE job_id = ANY(%s)", (ids,)).fetchall(),
         )
-        return {r[0]: _entry(r) for r in rows}
+        return {r[0]: pg_bulk.entry(r) for r in rows}
 
     def children(self, job_id: str) -> list[str]:
         """Return the follow-up ids whose parent is job_id, in id order."""
@@ -282,9 +245,9 @@ class PostgresLedger(Ledger, LeasesInterface):
         names = [str(s) for s in states]
         rows = self._runner.run(
             "in_state",
-            lambda cur: cur.execute(_SELECT + " WHERE state = ANY(%s)", (names,)).fetchall(),
+            lambda cur: cur.execute(pg_bulk.SELECT + " WHERE state = ANY(%s)", (names,)).fetchall(),
         )
-        return [_entry(r) for r in rows]
+        return [pg_bulk.entry(r) for r in rows]
 
     def count(self) -> int:
         """Return how many job ids the ledger holds."""
@@ -299,9 +262,9 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Yield every row, in id order (pages of a few thousand; no connection held between pages)."""
         after: str | None = None
         while True:
-            page = self._runner.run("rows", functools.partial(_page, after))
-            yield from (_entry(r) for r in page)
-            if len(page) < _PAGE:
+            page = self._runner.run("rows", functools.partial(pg_bulk.page, after))
+            yield from (pg_bulk.entry(r) for r in page)
+            if len(page) < pg_bulk.PAGE:
                 return
             after = page[-1][0]
 
@@ -372,36 +335,18 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Turn a waiting job into a claim by this daemon; return the new token, None if another won."""
         return self._waits.take_waiting(job_id)
 
-    # -- requests -------------------------------------------------------------------------
+    # -- requests (pg_requests) ----------------------------------------------------------------
     def request(self, job_id: str, kind: Request) -> None:
         """Record a request for a daemon to carry out."""
-        self._runner.run(
-            "request",
-            lambda cur: cur.execute(
-                "INSERT INTO requests (job_id, kind, at) VALUES (%s, %s, extract(epoch from now())::float8)"
-                " ON CONFLICT (job_id, kind) DO UPDATE SET at = EXCLUDED.at",
-                (job_id, str(kind)),
-            ),
-            write=True,
-        )
+        self._requests.request(job_id, kind)
 
     def requests(self, kind: Request) -> list[str]:
         """Return the job ids with an open request of this kind, oldest first."""
-        rows = self._runner.run(
-            "requests",
-            lambda cur: cur.execute(
-                "SELECT job_id FROM requests WHERE kind = %s ORDER BY at, job_id", (str(kind),)
-            ).fetchall(),
-        )
-        return [r[0] for r in rows]
+        return self._requests.requests(kind)
 
     def clear_request(self, job_id: str, kind: Request) -> None:
         """Mark a request as carried out."""
-        self._runner.run(
-            "clear_request",
-            lambda cur: cur.execute("DELETE FROM requests WHERE job_id = %s AND kind = %s", (job_id, str(kind))),
-            write=True,
-        )
+        self._requests.clear_request(job_id, kind)
 
     # -- gates and waits (pg_gates) ----------------------------------------------------------
     def set_gate(self, gate: Gate, *, at: float) -> bool:
@@ -444,33 +389,3 @@ class PostgresLedger(Ledger, LeasesInterface):
     def extras(self) -> Extras:
         """Return every open request, join wait, gate and gate wait."""
         return pg_bulk.extras(self._runner)
-
-
-@dataclass(frozen=True, slots=True)
-class Migrated:
-    """What `ledger migrate` copied: the rows, and how many of each kind beside them (``Extras.counts``)."""
-
-    rows: int
-    extras: dict[str, int]
-
-
-def migrate(sqlite_ledger: Ledger, target: PostgresLedger) -> Migrated:
-    """Copy every row (ids, states, lineage, costs, tokens) and everything beside it into ``target``.
-
-    Beside the rows: open requests, the waits of joins (so a join in waiting/
-    still waits for the ids it names), the gates (a paused agent stays paused)
-    and the jobs waiting for one. ``target`` must hold no job id
-    (PostgresLedgerError otherwise, one line). All or nothing, in one
-    transaction; return how many rows were copied and how many of the rest, by
-    name. Run it with no daemon working on either ledger.
-    """
-    entries = list(sqlite_ledger.rows())
-    more = sqlite_ledger.extras()
-    copied = target.load_into_empty(entries, more)
-    counts = more.counts()
-    log.info("ledger.migrated", rows=copied, **counts, target=target.where)
-    return Migrated(copied, counts)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
