@@ -17,8 +17,6 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -36,14 +34,13 @@ from dispatcher.core.claiming import (
     NoSlot,
     Parked,
     expiry,
-    when,
 )
 from dispatcher.core.gatekeeper import gated_agents
+from dispatcher.core.readaside import RETRY_LATER_S, ReadAside, Stats
 from dispatcher.core.requests import Requests, parked_again
 from dispatcher.core.running import RunningJobs, keeps_slots
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
-from dispatcher.job import intake
 from dispatcher.job.context import JobContext
 from dispatcher.job.job import Job
 from dispatcher.job.joins import Joins
@@ -51,21 +48,14 @@ from dispatcher.ledger.base import LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Stop
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
-from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
 PARK_LIMIT = 64  # orders read ahead while their agents are busy
 CLAIM_CHUNK = 32  # orders claimed in one ledger transaction (and one fsync of active/)
 SLOT_RETRY_S = 0.25
-RETRY_LATER_S = 1.0  # a file whose claim could not be made now (a full disk) is tried again after this
 
 
-@dataclass
-class Stats:
-    finished: dict[str, int] = field(default_factory=lambda: {"done": 0, "failed": 0, "refused": 0, "review": 0})
-
-
-class Scheduler(ClaimsAhead, Requests[Job]):
+class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
     """Start what may start; keep the running jobs; carry out cancel and retry requests (``Requests``)."""
 
     def __init__(self, ctx: JobContext, inbox: Inbox, wake: Callable[[], None], joins: Joins | None = None) -> None:
@@ -207,26 +197,6 @@ class Scheduler(ClaimsAhead, Requests[Job]):
                     self._background(self.ctx.lanes.ledger(ledger.free_slot, agent, slot))
         self.slots.idle.clear()
 
-    async def _refuse(self, refusal: Refusal) -> None:
-        folder = await self.ctx.lanes.ledger(refuse, self.ctx.layout, refusal, self.ctx.ledger.owner, self.log_refused)
-        self.inbox.forget(refusal.name)
-        if folder is not None:
-            self.stats.finished["refused"] += 1
-        self.wake()
-
-    def log_refused(self, folder: Path, refusal: Refusal) -> None:
-        """Log a refusal as its folder lands (before the folder's fsync)."""
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.job_finished("refused", refusal.agent, None, None)
-        log.warning(
-            "job.refused",
-            agent=refusal.agent,
-            file=refusal.name,
-            job_id=refusal.job_id,
-            reason=refusal.reason,
-            folder=folder.name,
-        )
-
     async def _launch(
         self,
         batch: list[Parked | str],
@@ -319,37 +289,6 @@ class Scheduler(ClaimsAhead, Requests[Job]):
                 self.parked.insert(i, p)
                 return
         self.parked.append(p)
-
-    async def _read_big(self, name: str, *, cancel: bool) -> None:
-        """Read a large order in the scan lane, then park it (or refuse it in the ledger lane)."""
-        try:
-            found = await self.ctx.lanes.scan(intake.inspect, self.ctx.layout, name, self.config)
-        except OSError as exc:
-            if not SHORT.note(exc, "read"):
-                raise
-            asyncio.get_running_loop().call_later(RETRY_LATER_S, self._try_again, name)
-            return
-        if found is None:
-            self.inbox.forget(name)
-        elif isinstance(found, Refusal):
-            log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
-            await self._refuse(found)
-        elif isinstance(timing := when(found.order, name, now=cancel), Later):
-            self.inbox.defer(name, timing.due, timing.priority)
-        elif timing is not None:
-            await self._refuse(timing)
-        else:
-            log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
-            p = Parked(Kind.NEW, found.order.job_id, found.order.to, found)
-            if cancel:
-                self._launch_now(p)
-            else:
-                self.parked.append(p)
-        self.wake()
-
-    def _try_again(self, name: str) -> None:
-        self.inbox.push_back(name)
-        self.wake()
 
     def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         p = launch.parked
