@@ -7,9 +7,15 @@ ticks since boot, compared with the one recorded when the process started.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import os
+import signal
 from collections.abc import Mapping
+
+_GROUP_POLL_S = 0.02  # how often a group being ended is looked at
+_KILL_WAIT_S = 5.0  # how long the SIGKILL of a group is waited for
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -162,3 +168,45 @@ def one_malloc_arena() -> None:
 
 
 _M_ARENA_MAX = -8  # malloc.h
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send sig to the group; return False if no process is left in it."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+async def end_group(pgid: int, grace_s: float, *, already_termed: bool = False) -> None:
+    """End a process group without blocking the loop: SIGTERM, wait up to grace_s, SIGKILL.
+
+    Group members that are our own zombies are reaped on the way; members that are
+    someone else's zombies count as gone after the SIGKILL wait.
+    """
+    if not already_termed and not signal_group(pgid, signal.SIGTERM):
+        return
+    loop = asyncio.get_running_loop()
+    if await _emptied(pgid, loop.time() + grace_s):
+        return
+    signal_group(pgid, signal.SIGKILL)
+    await _emptied(pgid, loop.time() + _KILL_WAIT_S)
+
+
+async def _emptied(pgid: int, deadline: float) -> bool:
+    """Wait until no live process is left in the group (True) or the deadline passes (False)."""
+    loop = asyncio.get_running_loop()
+    polls = 0
+    while True:
+        with contextlib.suppress(ChildProcessError, OSError):
+            while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
+                pass  # reap our own zombies in the group
+        if not signal_group(pgid, 0):
+            return True
+        polls += 1
+        if polls % 5 == 0 and not any(state not in ("Z", "X") for _pid, state, _ppid in group_members(pgid)):
+            return True  # only zombies left, waiting for their parent (or init) to reap them
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(_GROUP_POLL_S)

@@ -26,10 +26,10 @@ from dispatcher.job import recovery, repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.joins import Joins
 from dispatcher.job.review import settle_reviews
-from dispatcher.job.runner import end_group
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import LedgerUnavailable, Request
 from dispatcher.lifecycle import Row, State, is_landed
+from dispatcher.procs import end_group
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import is_cost
 from dispatcher.store.counts import queue_counts

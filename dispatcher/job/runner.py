@@ -29,16 +29,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dispatcher import procs
 from dispatcher.job.idle import IdleWatch, newest_change
+from dispatcher.procs import end_group, signal_group
 
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 ERR_TAIL_BYTES = 64 * 1024  # stderr kept in memory, for usage limits (section 14)
 PASSED_ENV = ("PATH", "HOME", "LANG")
 _READ = 1 << 16
 _DRAIN_AFTER_EXIT_S = 1.0
-_GROUP_POLL_S = 0.02
-_KILL_WAIT_S = 5.0
 _DEVNULL_LOCK = threading.Lock()
 _devnull_fd = -1  # /dev/null, opened once for every agent's stdin (Popen's DEVNULL opens and closes it per spawn)
 
@@ -266,10 +264,10 @@ class AgentProcess:
         self._timers.append(loop.call_later(idle.every_s, self._check_idle))
 
     def _terminate(self) -> None:
-        _signal_group(self.pid, signal.SIGTERM)
+        signal_group(self.pid, signal.SIGTERM)
         self._signalled = True
         loop = asyncio.get_running_loop()
-        self._timers.append(loop.call_later(self.kill_grace_s, _signal_group, self.pid, signal.SIGKILL))
+        self._timers.append(loop.call_later(self.kill_grace_s, signal_group, self.pid, signal.SIGKILL))
 
     def _poll_exit(self) -> None:
         assert self._proc is not None  # noqa: S101
@@ -282,7 +280,7 @@ class AgentProcess:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._pidfd)
         # the leader is an unreaped zombie: its pgid is still ours to signal
-        _signal_group(self.pid, signal.SIGTERM)
+        signal_group(self.pid, signal.SIGTERM)
         os.close(self._pidfd)
         self._pidfd = -1
         assert self._proc is not None  # noqa: S101
@@ -336,48 +334,6 @@ class AgentProcess:
                 idle_s=self._idle_s,
             )
         )
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send sig to the group; return False if no process is left in it."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-async def end_group(pgid: int, grace_s: float, *, already_termed: bool = False) -> None:
-    """End a process group without blocking the loop: SIGTERM, wait up to grace_s, SIGKILL.
-
-    Group members that are our own zombies are reaped on the way; members that are
-    someone else's zombies count as gone after the SIGKILL wait.
-    """
-    if not already_termed and not _signal_group(pgid, signal.SIGTERM):
-        return
-    loop = asyncio.get_running_loop()
-    if await _emptied(pgid, loop.time() + grace_s):
-        return
-    _signal_group(pgid, signal.SIGKILL)
-    await _emptied(pgid, loop.time() + _KILL_WAIT_S)
-
-
-async def _emptied(pgid: int, deadline: float) -> bool:
-    """Wait until no live process is left in the group (True) or the deadline passes (False)."""
-    loop = asyncio.get_running_loop()
-    polls = 0
-    while True:
-        with contextlib.suppress(ChildProcessError, OSError):
-            while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
-                pass  # reap our own zombies in the group
-        if not _signal_group(pgid, 0):
-            return True
-        polls += 1
-        if polls % 5 == 0 and not any(state not in ("Z", "X") for _pid, state, _ppid in procs.group_members(pgid)):
-            return True  # only zombies left, waiting for their parent (or init) to reap them
-        if loop.time() >= deadline:
-            return False
-        await asyncio.sleep(_GROUP_POLL_S)
 
 
 @functools.lru_cache(maxsize=256)
