@@ -27,7 +27,6 @@ from dispatcher.ledger.base import Ledger, now
 from dispatcher.ledger.flocks import make_lock, read_infos, write_info
 from dispatcher.ledger.records import (
     Busy,
-    Child,
     ClaimAnswer,
     Claimed,
     ClaimRequest,
@@ -39,6 +38,7 @@ from dispatcher.ledger.records import (
 )
 from dispatcher.ledger.sqlite_bulk import SqliteBulk
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
+from dispatcher.ledger.sqlite_followups import SqliteFollowups
 from dispatcher.ledger.sqlite_gates import SqliteGates
 from dispatcher.ledger.sqlite_waits import SqliteWaits
 from dispatcher.lifecycle import Row
@@ -46,7 +46,7 @@ from dispatcher.lifecycle import Row
 __all__ = ["LedgerError", "SqliteLedger"]
 
 
-class SqliteLedger(SqliteGates, SqliteWaits, SqliteBulk, Ledger):
+class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger):
     """A handle on ``<root>/.state/ledger.sqlite3``; safe to share between threads."""
 
     slots_local = True  # slots are flocks on this host
@@ -283,70 +283,6 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteBulk, Ledger):
             return out
 
         return self._tx(body)
-
-    def reserve(self, parent: str, token: int, hops: int, children: Sequence[Child]) -> list[str] | None:
-        """Reserve follow-ups of parent; return the ids already taken, or None if fenced."""
-        stamp = now()
-
-        def body(db: sqlite3.Connection) -> list[str] | None:
-            row = db.execute("SELECT token FROM jobs WHERE job_id = ?", (parent,)).fetchone()
-            if row is None or row[0] != token:
-                return None
-            taken, fresh = [], []
-            for child in children:
-                entry = self._row(db, child.job_id)
-                if entry is None:
-                    fresh.append(child)
-                elif entry.parent != parent or entry.state not in (Row.RESERVED, Row.RELEASED, Row.HELD):
-                    taken.append(child.job_id)
-            if taken:
-                return taken
-            db.executemany(
-                "INSERT INTO jobs (job_id, state, agent, source, parent, hops, updated)"
-                " VALUES (?, 'reserved', ?, ?, ?, ?, ?)",
-                [(c.job_id, c.agent, c.source, parent, hops, stamp) for c in fresh],
-            )
-            return []
-
-        return self._tx(body)
-
-    def pending_releases(self, parent: str | None = None) -> list[Entry]:
-        """Return reserved follow-ups whose parent is done; ``owner`` is the parent's owner."""
-        cols = (
-            "c.job_id, c.state, c.agent, p.owner, c.token, c.source, c.digest, c.parent, c.hops, c.cost_usd,"
-            " p.chain_cost_usd, c.updated"
-        )
-        sql = (
-            f"SELECT {cols} FROM jobs c JOIN jobs p ON p.job_id = c.parent"  # noqa: S608 - fixed text only
-            " WHERE c.state = 'reserved' AND p.state = 'done'"
-        )
-        if parent is None:
-            rows = self._read(lambda db: db.execute(sql).fetchall())
-        else:
-            rows = self._read(lambda db: db.execute(sql + " AND c.parent = ? ORDER BY c.job_id", (parent,)).fetchall())
-        return [_entry(r) for r in rows]
-
-    def set_digest(self, job_id: str, digest: str) -> None:
-        """Record the digest a reserved follow-up will be released with (before its file exists)."""
-        self._tx(
-            lambda db: db.execute(
-                "UPDATE jobs SET digest = ? WHERE job_id = ? AND state = 'reserved'", (digest, job_id)
-            )
-        )
-
-    def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
-        """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
-        state = Row.HELD if held else Row.RELEASED
-
-        def body(db: sqlite3.Connection) -> bool:
-            cur = db.execute(
-                "UPDATE jobs SET state = ?, source = ?, digest = ?, updated = ?"
-                " WHERE job_id = ? AND state = 'reserved'",
-                (str(state), source, digest, now(), job_id),
-            )
-            return cur.rowcount == 1
-
-        return self._tx(body, durable=False)
 
     def set_state(self, job_id: str, state: Row, *, expect: Row) -> bool:
         """Move a row from one open state to another (hold, release of a held follow-up)."""
