@@ -14,7 +14,8 @@ import pytest
 from conftest import CHECK_NAMES
 
 from dispatcher.checks import builtin as checks
-from dispatcher.checks.builtin import Doc, Entry, Evidence, Exit, Followup, run_checks, verdict
+from dispatcher.checks.builtin import run_checks, verdict
+from dispatcher.checks.facts import Doc, Entry, Evidence, Exit, Followup
 from dispatcher.checks.summary import summarise
 from dispatcher.spec.orders import Order, validate_order
 from dispatcher.spec.result import CheckResult

@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dispatcher.checks.builtin import Exit, followups_valid
+from dispatcher.checks.builtin import followups_valid
 from dispatcher.checks.evidence import gather, list_entries, read_followups
+from dispatcher.checks.facts import Exit
 from dispatcher.job.treehazards import hazard
 from dispatcher.spec.orders import Order, parse_order, validate_order
 

@@ -188,7 +188,8 @@ MEASURE = textwrap.dedent(
     """
     import json, resource, sys
     from pathlib import Path
-    from dispatcher.checks.builtin import Exit, run_checks
+    from dispatcher.checks.builtin import run_checks
+    from dispatcher.checks.facts import Exit
     from dispatcher.checks.evidence import gather
     from dispatcher.spec.orders import validate_order
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from seam_fixtures import GOOD, Seam, open_seam, run, sh
 
-from dispatcher.checks.builtin import Exit
+from dispatcher.checks.facts import Exit
 from dispatcher.job.job import Job
 from dispatcher.job.retry import Judgement, Next, judge
 from dispatcher.lifecycle import Outcome

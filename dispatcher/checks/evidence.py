@@ -15,7 +15,7 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 
 from dispatcher import fsutil
-from dispatcher.checks.builtin import Doc, Entry, Evidence, Exit, Followup
+from dispatcher.checks.facts import Doc, Entry, Evidence, Exit, Followup
 from dispatcher.checks.stream import summarise_fd
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import NotRegular, kind_of

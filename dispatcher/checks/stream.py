@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from dispatcher.checks.builtin import Doc
+from dispatcher.checks.facts import Doc
 from dispatcher.checks.summary import Summariser
 from dispatcher.spec.order import Order
 

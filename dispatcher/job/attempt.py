@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dispatcher.checks.builtin import Exit
+from dispatcher.checks.facts import Exit
 from dispatcher.job import sandbox
 from dispatcher.job.gitview import GitView
 from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env

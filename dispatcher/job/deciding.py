@@ -21,7 +21,8 @@ from typing import TypeVar
 import structlog
 
 from dispatcher import storage
-from dispatcher.checks.builtin import Exit, verdict
+from dispatcher.checks.builtin import verdict
+from dispatcher.checks.facts import Exit
 from dispatcher.clock import iso
 from dispatcher.job import attempt, retry, user_checks, verify
 from dispatcher.job.context import JobContext

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
-from dispatcher.checks.builtin import Exit, verdict
+from dispatcher.checks.builtin import verdict
+from dispatcher.checks.facts import Exit
 from dispatcher.job import attempt
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
 from dispatcher.job.context import JobContext

@@ -10,7 +10,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from dispatcher.checks.builtin import Exit, verdict
+from dispatcher.checks.builtin import verdict
+from dispatcher.checks.facts import Exit
 from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.result import CheckResult
 from dispatcher.spec.settings import MAX_RETRY_DELAY_S, Agent

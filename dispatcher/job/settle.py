@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dispatcher import fsutil
-from dispatcher.checks.builtin import Exit
+from dispatcher.checks.facts import Exit
 from dispatcher.job.retry import Judgement, Next, judge
 from dispatcher.lanes import Handoff
 from dispatcher.ledger.base import Child, Finish

@@ -13,8 +13,9 @@ from typing import Any
 
 import structlog
 
-from dispatcher.checks.builtin import Evidence, Exit, run_checks
+from dispatcher.checks.builtin import run_checks
 from dispatcher.checks.evidence import gather
+from dispatcher.checks.facts import Evidence, Exit
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Child, Ledger
 from dispatcher.lifecycle import Row
