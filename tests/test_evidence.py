@@ -93,3 +93,55 @@ def test_a_link_that_climbs_out_through_another_link_is_outside(tmp_path: Path) 
     assert found == {"d": True, "x": False, "sub/up": True, "y": False, "sub/p/p/l": False, "z": False, "in": True}
     assert hazard(str(work), ["d", "in"]) is None
     assert hazard(str(work), ["x"]) == "x is a link that points outside the workspace"
+
+
+def _gathered(work: Path, **order: Any) -> Any:
+    """Return the Evidence of work/ for an order J-1 (items R1, R2) of `worker`, with the given fields."""
+    body = {"job_id": "J-1", "from": "tester", "to": "worker", "task": "Go.", "items": [{"id": "R1"}, {"id": "R2"}]}
+    ev, _ = gather(
+        order=validate_order({**body, **order}),
+        agent="worker",
+        writes=(),
+        exit=Exit(code=0),
+        work=work,
+        given={},
+        agents={"worker"},
+        max_timeout_s=60.0,
+        max_order_bytes=1 << 20,
+        known=lambda ids: frozenset(),
+        hops=0,
+        max_hops=5,
+    )
+    return ev
+
+
+def test_an_output_named_with_dot_slash_or_a_double_slash_is_the_file_it_names(tmp_path: Path) -> None:
+    """accept.output `./o.csv` or `res//o.csv` is read, and writing it stays inside writes (none given)."""
+    from dispatcher.checks.builtin import run_checks
+
+    for output, path in (("./o.csv", "o.csv"), ("res//o.csv", "res/o.csv")):
+        work = tmp_path / output.replace("/", "_")
+        (work / path).parent.mkdir(parents=True)
+        (work / path).write_text("id\nR1\nR2\n")
+        receipt = {"job_id": "J-1", "input_ids": ["R1", "R2"], "output_ids": ["R1", "R2"], "status": "done"}
+        (work / "receipt.json").write_text(json.dumps(receipt))
+        ev = _gathered(work, accept={"output": output})
+        failed = [(c.name, c.detail) for c in run_checks(ev) if c.ok is False]
+        assert failed == [], (output, failed)
+
+
+def test_a_receipt_with_nan_a_key_twice_or_not_in_utf8_is_not_valid_json(tmp_path: Path) -> None:
+    """receipt_present passes only for JSON as the contract means it: no NaN, no key given twice, UTF-8."""
+    from dispatcher.checks.builtin import receipt_present
+
+    cases = {
+        b'{"job_id": "J-1", "status": "done", "x": NaN}': "receipt.json is not valid JSON (x: NaN is not a JSON value)",
+        b'{"job_id": "J-1", "status": "failed", "status": "done"}': (
+            "receipt.json is not valid JSON (status: is a duplicate key)"
+        ),
+        '{"job_id": "J-1"}'.encode("utf-16"): "receipt.json is not valid JSON (not UTF-8 text (byte 0xff at offset 0))",
+        b'\xef\xbb\xbf{"job_id": "J-1"}': "receipt.json is a JSON object",
+    }
+    for body, detail in cases.items():
+        (tmp_path / "receipt.json").write_bytes(body)
+        assert receipt_present(_gathered(tmp_path)).detail == detail, body

@@ -140,3 +140,18 @@ def test_a_duplicate_key_an_anchor_or_a_bad_key_in_yaml_names_its_field(
     with pytest.raises(OrderError) as err:
         load_document(text.encode(), "yaml")
     assert (err.value.field, err.value.message) == (field, message)
+
+
+def test_sixty_four_levels_of_mappings_and_lists_hold_values_at_the_last() -> None:
+    """64 nested mappings or lists (the top one counted) are allowed whatever the last holds; 65 are not."""
+
+    def nested(levels: int, inner: Any) -> Any:
+        value = inner
+        for _ in range(levels - 1):
+            value = {"k": value}
+        return value
+
+    for inner in ({"k": "v"}, ["v"], {}, []):
+        assert load_document(json.dumps(nested(64, inner)).encode(), "json")
+        with pytest.raises(OrderError, match="nesting deeper than 64 levels"):
+            load_document(json.dumps(nested(65, inner)).encode(), "json")

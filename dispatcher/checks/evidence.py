@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import stat
 from collections.abc import Callable, Container, Mapping, Sequence
@@ -21,6 +20,7 @@ from dispatcher.errors import OrderError
 from dispatcher.fsutil import NotRegular, kind_of
 from dispatcher.layout import is_ignored
 from dispatcher.shortage import resource_of
+from dispatcher.spec.loader import decode, load_json
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import order_format, parse_order
 
@@ -95,10 +95,10 @@ def read_receipt(work: Path) -> Doc:
     doc, data = read_doc(work, "receipt.json", RECEIPT_MAX)
     if data is None:
         return doc
-    try:
-        return Doc(value=json.loads(data))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        return Doc(error=f"is not valid JSON ({exc})")
+    try:  # strictly, as an order: no NaN or Infinity, no key twice (which one would count?), UTF-8
+        return Doc(value=load_json(decode(data)))
+    except OrderError as exc:
+        return Doc(error=f"is not valid JSON ({exc.reason.removeprefix('not valid JSON: ')})")
 
 
 def read_output(work: Path, rel: str, order: Order) -> Doc:

@@ -313,7 +313,7 @@ def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
     A string or mapping key holding a lone surrogate (``"\\ud800"`` in JSON) is
     refused: it cannot be written as UTF-8, so no job could ever record it.
     """
-    if depth > MAX_DEPTH:
+    if depth > MAX_DEPTH and isinstance(value, (dict, list)):  # levels are mappings and lists, the top one first
         raise OrderError(f"nesting deeper than {MAX_DEPTH} levels")
     if type(value) is _Refused:
         raise OrderError(value.message, field=path or None)

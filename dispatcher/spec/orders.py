@@ -99,8 +99,9 @@ def validate_order(
             if name not in agents:
                 raise OrderError(f"no agent '{name}' is defined in the config", field=f"accept.followups[{i}]")
     allowed = raw_accept.get("allowed")
+    output = raw_accept.get("output")
     accept = Accept(
-        output=raw_accept.get("output"),
+        output=plain_rel(output) if output is not None else None,  # ./out.csv is out.csv, as in writes
         key=raw_accept.get("key", "id"),
         allowed={k: tuple(v) for k, v in allowed.items()} if allowed is not None else None,
         required=tuple(raw_accept.get("required", ())),
