@@ -7,6 +7,7 @@ agent was started (recorded by the agents themselves, outside the dispatch root)
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -276,6 +277,9 @@ def test_kill9_orphan_of_not_retry_safe_job_fails_without_rerun(env: Env) -> Non
     assert "retr" in result["reason"].lower(), result["reason"]
     assert result["reason"].startswith(first_failing(result) or "?"), result["reason"]
     assert [j for j, _a, _p in agent_starts(env)] == ["ORPH-3"]
+    # the attempt the crash cut short still says what it ran (contract section 6)
+    assert [a["argv"] for a in result["attempts"]] == [agent["command"]], result["attempts"]
+    assert json.loads((kept / "attempt.json").read_text())["argv"] == agent["command"]
     assert d2.stop() == 0
 
 

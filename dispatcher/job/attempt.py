@@ -174,10 +174,16 @@ def exit_of(rec: Attempt, timeout_s: float) -> Exit:
     )
 
 
-def interrupted(n: int, started: float | None) -> Attempt:
-    """Return the record of attempt n found without its end (its daemon died, or a stop cut it)."""
+def interrupted(n: int, started: float | None, argv: Sequence[str] = ()) -> Attempt:
+    """Return the record of attempt n found without its end (its daemon died, or a stop cut it).
+
+    ``argv``: what it ran, rendered again from the job's frozen spec (the record that would
+    have held it is written at an attempt's end).
+    """
     started = started if started is not None else time.time()
-    return Attempt(n=n, started=started, ended=time.time(), exit_code=None, interrupted=True, host=HOST)
+    return Attempt(
+        n=n, started=started, ended=time.time(), exit_code=None, interrupted=True, host=HOST, argv=tuple(argv)
+    )
 
 
 def hook_failed(n: int, why: str) -> Attempt:

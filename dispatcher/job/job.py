@@ -202,7 +202,9 @@ class Job(Finishing, Deciding):
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
             if record is None:
                 await self._persist(partial(self.folder.make_logs, n, keep=True))  # every attempt has two logs
-                record = attempt.interrupted(n, self.folder.attempt_started(n))
+                command, session = attempt.command_for(self.spec.agent, [a for a in self.attempts if a.n < n])
+                ran = attempt.argv(self.spec, self.folder.work, command, self.repo.path, session)
+                record = attempt.interrupted(n, self.folder.attempt_started(n), ran)
                 self.attempts.append(record)
                 await self._persist(self.folder.record_attempt, record)
             if record.retry_next:
