@@ -184,6 +184,8 @@ def test_a_reviewed_job_waits_and_its_follow_ups_wait_with_it(env: Env) -> None:
     assert status["counts"]["review"] == 1
     assert decide(env, "approve", "REV-1").returncode == 0
     assert env.result("REV-1", "done")["state"] == "done"
+    line = d.wait_event("job.approved", job_id="REV-1")  # the job's end: the figures job.done would carry
+    assert {"duration_s", "cost_usd", "chain_cost_usd"} <= line.keys(), line
     env.wait_job("CHILD-1", "done")
     assert decide(env, "approve", "REV-1").returncode == 1  # not waiting any more
 
@@ -198,6 +200,8 @@ def test_a_rejected_job_fails_and_its_follow_ups_never_run(env: Env) -> None:
     assert decide(env, "reject", "REV-2", "--reason", "wrong team").returncode == 0
     result = env.result("REV-2", "failed")
     assert result["reason"] == "rejected: wrong team"
+    line = d.wait_event("job.rejected", job_id="REV-2")  # the job's end: the figures job.failed would carry
+    assert {"duration_s", "cost_usd", "chain_cost_usd"} <= line.keys(), line
     time.sleep(2.0)
     assert not (env.root / "done" / "CHILD-1").exists() and not list((env.root / "inbox").iterdir())
 

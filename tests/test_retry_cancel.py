@@ -183,6 +183,22 @@ def test_retry_recorded_while_no_daemon_runs_is_done_at_next_start(env: Env) -> 
     assert starts_of(env, "AGAIN-2") == [1, 2]
 
 
+def test_cancel_after_a_retry_withdraws_the_retry_and_the_job_stays_failed(env: Env) -> None:
+    """A failed job queued to run again by `retry` is queued: `cancel` takes the retry back (exit 0)."""
+    env.configure(agents={"worker": env.agent("--fail-attempts", "1")})
+    env.drop(order("AGAIN-3"))
+    assert run_once(env)[0] == 1
+    before = env.result("AGAIN-3", "failed")
+    assert env.cli("retry", "AGAIN-3").returncode == 0
+    proc = env.cli("cancel", "AGAIN-3")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "AGAIN-3: retry withdrawn; it stays failed"), proc
+    assert run_once(env)[0] == 0  # nothing to do
+    assert env.result("AGAIN-3", "failed") == before
+    assert starts_of(env, "AGAIN-3") == [1]
+    proc = env.cli("cancel", "AGAIN-3")  # failed, nothing queued: as for any finished job
+    assert proc.returncode == 1 and "only a queued or running job can be cancelled" in proc.stderr, proc
+
+
 def test_retry_of_done_or_unknown_job_exits_1(env: Env) -> None:
     """`retry` of a done job or an unknown id exits 1 with a one-line error."""
     env.drop(order("FINE-1"))

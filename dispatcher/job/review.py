@@ -93,7 +93,10 @@ def _decide(
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
     event = "job.approved" if approve else "job.rejected"
     duration, cost = this_claim(folder, result)  # what a daemon's metrics count for it (the relayed line)
-    log.info(event, job_id=job_id, agent=result.agent, reason=result.reason, duration_s=duration, cost_usd=cost)
+    log.info(  # a decision ends the job as job.done or job.failed would: the same figures
+        event, job_id=job_id, agent=result.agent, reason=result.reason, duration_s=duration, cost_usd=cost,
+        chain_cost_usd=result.chain_cost_usd,
+    )  # fmt: skip
     try:
         land(layout, folder, state)
     except (FileNotFoundError, FileExistsError):  # landed by a command on another host meanwhile

@@ -109,6 +109,12 @@ class Operator:
         """Record a cancel of a queued or running job for a running (or the next) daemon."""
         _check_id(job_id)
         entry = self.ledger.get(job_id)
+        if entry is not None and entry.state == Row.FAILED and job_id in self.ledger.requests(Request.RETRY):
+            self.ledger.clear_request(job_id, Request.RETRY)  # queued to run again: it runs no more
+            entry = self.ledger.get(job_id)
+            if entry is not None and entry.state == Row.FAILED:
+                return f"{job_id}: retry withdrawn; it stays failed"
+            # a daemon reopened it first: it is queued or running now, and cancelled as such
         if entry is not None and is_final(entry.state):
             raise WrongState(f"{job_id}: is {entry.state}, only a queued or running job can be cancelled")
         if entry is not None and entry.state == Row.REVIEW:  # its agent is done: a person decides
