@@ -88,6 +88,30 @@ def test_clock_and_duration_readings() -> None:
     assert duration_s("2 hours 5 minutes") == 7500 and duration_s("250ms") == 0.25 and duration_s("soon") is None
 
 
+@pytest.mark.parametrize(
+    ("output", "utc"),
+    [
+        ("busy until 12:00 (Europe/Berlin)", (11, 0)),  # the zone right after what the group took
+        ("busy until 12:00 Europe/Berlin", (11, 0)),
+        ("busy until 12:00\nlater: (Europe/Berlin)", (12, 0)),  # on another line: not this time's zone
+        ("busy until 12:00", (12, 0)),
+    ],
+)
+def test_a_clock_rule_reads_the_zone_the_text_names_after_its_group(output: str, utc: tuple[int, int]) -> None:
+    """until: clock is UTC unless the text names a zone, even one the rule's group did not take."""
+    hit = find_limit(output, (LimitRule(match=r"busy until (\d\d:\d\d)", until="clock"),), NOW)
+    assert hit is not None
+    at = datetime.fromtimestamp(hit.until, UTC)
+    assert (at.hour, at.minute) == utc
+
+
+def test_clock_times_with_seconds_a_bare_zone_name_or_z() -> None:
+    """17:30:00, 17:30Z and 17:30 Europe/Berlin are clock times too."""
+    berlin = datetime.fromtimestamp(clock_time("17:30 Europe/Berlin", NOW) or 0, ZoneInfo("Europe/Berlin"))
+    assert (berlin.hour, berlin.minute) == (17, 30)
+    assert clock_time("17:30:00", NOW) == clock_time("17:30Z", NOW) == clock_time("17:30 UTC", NOW) == NOW + 7.5 * 3600
+
+
 def test_which_gate_holds() -> None:
     """A pause holds longest; an expired gate holds no one; the root's gate holds every agent."""
     gates = [Gate("a", GateKind.LIMIT, NOW + 10), Gate("a", GateKind.PAUSE, None), Gate("b", GateKind.LIMIT, NOW - 1)]

@@ -116,10 +116,25 @@ def find_limit(text: str, rules: tuple[LimitRule, ...], now: float) -> LimitHit 
             last = m
         if last is None:
             continue
-        until = read_time(last.group(1) or "", rule.until, now)
+        value = last.group(1) or ""
+        if rule.until == "clock" and last.end(1) >= 0:
+            value += _zone_after(text, last.end(1), value)
+        until = read_time(value, rule.until, now)
         if until is not None and until > now:
             return LimitHit(until, _cut(last.group(0)))
     return None
+
+
+_ZONE_NAME = r"[A-Za-z]+/[A-Za-z_+\-]+(?:/[A-Za-z_+\-]+)?"  # Europe/Berlin, America/Argentina/Buenos_Aires
+_ZONE_AFTER = re.compile(rf"[ \t]*(\([^)\n]{{1,64}}\)|{_ZONE_NAME})")
+
+
+def _zone_after(text: str, end: int, value: str) -> str:
+    """Return the zone the text names right after a clock time the rule's group took without one ("" if none)."""
+    if "(" in value or re.search(r"(?i)utc|z\s*$|/", value):
+        return ""
+    m = _ZONE_AFTER.match(text, end)
+    return f" {m.group(1)}" if m is not None else ""
 
 
 LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()  # the latest time a record can name
@@ -178,7 +193,8 @@ def clock_time(text: str, now: float) -> float | None:
     """
     m = re.fullmatch(
         r"(?:(?P<mon>[A-Za-z]{3})[a-z]*\.?\s+(?P<day>\d{1,2})(?:st|nd|rd|th)?,?\s+(?P<year>\d{4}),?\s+)?"
-        r"(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))?\s*(?P<half>[ap])?\.?(?:m\.?)?\s*(?:\((?P<zone>[^)]+)\)|UTC)?",
+        r"(?P<hour>\d{1,2})(?::(?P<minute>\d{2})(?::\d{2})?)?\s*(?P<half>[ap])?\.?(?:m\.?)?"
+        rf"\s*(?:\((?P<zone>[^)]+)\)|(?P<named>{_ZONE_NAME})|UTC|Z)?",
         text.strip(),
         re.IGNORECASE,
     )
@@ -193,9 +209,9 @@ def clock_time(text: str, now: float) -> float | None:
     if hour > 23 or minute > 59:
         return None
     zone = UTC
-    if m["zone"]:
+    if m["zone"] or m["named"]:
         try:
-            zone = ZoneInfo(m["zone"].strip())  # type: ignore[assignment]
+            zone = ZoneInfo((m["zone"] or m["named"]).strip())  # type: ignore[assignment]
         except (ZoneInfoNotFoundError, ValueError):
             return None
     if m["mon"]:
