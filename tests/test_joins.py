@@ -157,14 +157,41 @@ def test_cycle_through_a_waiting_job_is_refused(env: Env) -> None:
 
 
 def test_unknown_parent_is_waited_for_max_wait_then_fails(env: Env) -> None:
-    """A merger naming an id no one knows fails with `after: ghost never finished` once max_wait ran out."""
-    env.configure(join_agents(env), max_wait=1, rescan_interval=0.5)
+    """A merger naming an id no one knows fails with `after: ghost never finished` once max_wait ran out.
+
+    At max_wait, not at the next rescan (a minute away here).
+    """
+    env.configure(join_agents(env), max_wait=2, rescan_interval=60)
     d = env.daemon()
+    d.wait_ready()
     env.drop(merger(after=["w01", "ghost"]))
     env.drop(order("w01"))
-    result = env.wait_job("merge", "failed")
+    result = env.wait_job("merge", "failed", timeout=30)
     assert result["reason"] == "after: ghost never finished"
     assert starts_of(env, "merge") == 0
+    waited = d.wait_event("job.failed", job_id="merge")["duration_s"]
+    assert 2 <= waited < 10, waited
+    assert d.stop() == 0
+
+
+def test_a_join_waiting_for_a_job_in_review_moves_on_when_a_person_decides(env: Env) -> None:
+    """approve or reject ends the parent: the merger waiting for it runs (or fails) then, not at the next rescan."""
+    agents = join_agents(env)
+    agents["checked"] = env.agent(review=True)
+    env.configure(agents, rescan_interval=60)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("R1", to="checked"))
+    env.drop(order("R2", to="checked"))
+    env.drop(merger("m1", after=["R1"]))
+    env.drop(merger("m2", after=["R2"]))
+    for job_id in ("R1", "R2"):
+        wait_until((env.root / "review" / job_id / "result.json").exists, 30, f"{job_id} in review/")
+    wait_until(lambda: (env.root / "waiting" / "m1").is_dir() and (env.root / "waiting" / "m2").is_dir(), 30, "joins")
+    assert env.cli("approve", "R1").returncode == 0
+    assert env.wait_job("m1", "done", timeout=15)["state"] == "done"
+    assert env.cli("reject", "R2", "--reason", "no").returncode == 0
+    assert env.wait_job("m2", "failed", timeout=15)["reason"] == "after: R2 failed"
     assert d.stop() == 0
 
 

@@ -279,6 +279,7 @@ class Daemon(Reloading, Fencing):
         if self.lease is not None and self._fence():
             return
         self.sched.start_work()
+        self.house.joins_due()
         self.house.metrics_due()
         self._status()
 

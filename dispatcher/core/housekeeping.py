@@ -243,7 +243,10 @@ class Housekeeping:
                     continue
                 self.sched.park_retry(job_id, agent, revise=True)
         await lanes.io(_drop_hints, layout, hints)
-        if not self.ctx.stopping() and any(h.startswith(("approve-", "reject-")) for h in hints):
+        decided = [_job_of_hint(h) for h in hints if h.startswith(("approve-", "reject-"))]
+        if decided and self.joins is not None and not self.ctx.stopping():  # joins waiting for them: now
+            await lanes.ledger(self.joins.on_final, decided)
+        if not self.ctx.stopping() and decided:
             self.start(  # a decided review: its after hook and landing are owed now, not at the next rescan
                 repowork.housekeep(layout, lanes, self.ctx.config(), self.ctx.finisher.notify, startup=False), "land"
             )
@@ -271,9 +274,18 @@ class Housekeeping:
         The metrics write is a timer of its own: an idle loop still turns for it (section 10).
         """
         due = 3600.0 if self._settle_due is None else self._settle_due - now
+        if self.joins is not None and self.joins.due is not None:  # a wait reaches max_wait
+            due = min(due, self.joins.due - time.time())
         if self.ctx.metrics is not None and not self._writing:  # a write in flight wakes the loop when done
             due = min(due, self._metrics_due - now)
         return due
+
+    def joins_due(self) -> None:
+        """Sweep the waiting jobs when the first of them reaches max_wait (section 16)."""
+        joins = self.joins
+        if joins is not None and joins.due is not None and time.time() >= joins.due and not self.ctx.stopping():
+            joins.due = None  # the sweep sets it again
+            self.start(self.ctx.lanes.ledger(joins.sweep), "joins")
 
     def metrics_now(self) -> None:
         """Make the next metrics write due at once (metrics_file was just set by a reload)."""
@@ -354,3 +366,8 @@ def _leftovers(layout: Layout, adopted: list[tuple[str, int, str]]) -> list[tupl
     last = [(folder, max(folder.attempt_numbers(), default=0)) for folder in folders]
     groups = leftover_groups([(folder, n) for folder, n in last if n])
     return [(job_id, pgid) for job_id, _, _ in adopted for pgid in groups.get(job_id, [])]
+
+
+def _job_of_hint(name: str) -> str:
+    """Return the job id of a command's hint file, ``<kind>-<job id>-<ns>`` (ids hold no dot, may hold ``-``)."""
+    return name.split("-", 1)[1].rsplit("-", 1)[0]

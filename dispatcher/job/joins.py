@@ -117,6 +117,9 @@ class Joins:
         self.finisher = finisher
         self.config = config
         self.ready: Ready | None = None  # set by the daemon: parks a join moved to active/
+        # when the first wait still short of max_wait reaches it (wall clock; None: no such wait). Set
+        # here, read by the loop, which sweeps then: a wait fails at max_wait, not at the next rescan
+        self.due: float | None = None
 
     def on_final(self, job_ids: Sequence[str]) -> None:
         """The Finisher's hook: jobs reached done or failed; look at the joins that name them."""
@@ -126,7 +129,8 @@ class Joins:
                 self.check(self.ledger.waits(waiting))
 
     def sweep(self) -> None:
-        """Look at every waiting job (the periodic backstop)."""
+        """Look at every waiting job (the periodic backstop, and each time ``due`` comes)."""
+        self.due = None
         self.check(self.ledger.waits())
 
     def check(self, waits: Iterable[Wait]) -> None:
@@ -136,6 +140,8 @@ class Joins:
         for wait in waits:
             verdict = self._decide(wait, now, max_wait)
             if verdict is WAIT:
+                if (ends := wait.since + max_wait) > now and (self.due is None or ends < self.due):
+                    self.due = ends  # a wait past max_wait that still waits (its parent queued): the rescan's
                 continue
             if wait.job_id in self.ledger.requests(Request.CANCEL):  # an open cancel wins (cancel --tree)
                 verdict = Verdict(reason=str(Stop.CANCELLED))
