@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from dispatcher.errors import DispatchError, NotFound, WrongState, oneline
+from dispatcher.errors import ConfigError, DispatchError, NotFound, WrongState
 from dispatcher.layout import Layout
 from dispatcher.ops.actions import JOB_ID, Operator
+from dispatcher.spec.config import load_config
 from dispatcher.spec.settings import Config
 
 log = structlog.get_logger("dispatcher")
@@ -25,7 +26,6 @@ log = structlog.get_logger("dispatcher")
 ACTIONS = ("approve", "revise", "reject", "retry", "cancel", "hold", "release")
 #: the actions this dispatcher cannot do yet (none left: `revise` came with section 14)
 NOT_BUILT: dict[str, str] = {}
-_MAX_TEXT = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,15 @@ class Actions:
         self.layout = layout
         self._lock = threading.Lock()
 
+    def _config(self) -> Config:
+        """Read the config again, as each command does (``max_revisions``, ``notify`` may have changed)."""
+        if self.config.path is None:
+            return self.config
+        config = load_config(self.config.path, root=self.config.root)
+        if config.root != self.config.root:
+            raise ConfigError("root: changed since `dispatcher web` started; restart it", file=str(config.path))
+        return config
+
     def run(self, action: str, job_id: str, *, note: str | None = None, who: str = "token") -> Outcome:
         """Run one action on one job and return its outcome (404 unknown, 409 wrong state, 501 not built)."""
         if action not in ACTIONS:
@@ -57,9 +66,14 @@ class Actions:
             return Outcome(501, NOT_BUILT[action])
         if action == "revise" and note is None:  # as `dispatcher revise ID --note TEXT`, which requires it
             return Outcome(400, 'revise needs a note: what the next attempt should change (give {"note": TEXT})')
-        text = oneline(note)[:_MAX_TEXT] if note else None
+        text = note or None  # cut and made one line by the commands' own code, as for `--note` and `--reason`
         with self._lock, structlog.contextvars.bound_contextvars(via="web"):
-            op = Operator(self.config, self.layout)
+            try:
+                config = self._config()
+            except DispatchError as exc:  # the config is bad now: nothing is done, as a command would exit 2
+                log.error("web.action", action=action, job_id=job_id, status=503, message=str(exc), by=who)
+                return Outcome(503, str(exc))
+            op = Operator(config, self.layout)
             op.reason = text
             op.note = text
             try:

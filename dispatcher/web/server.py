@@ -8,6 +8,7 @@ the ledger, which is what threads suit. ``routes.serve`` holds the lifecycle.
 from __future__ import annotations
 
 import contextlib
+import io
 import ipaddress
 import socket
 from dataclasses import dataclass, field
@@ -79,14 +80,12 @@ class _Handler(BaseHTTPRequestHandler):
     _METHODS: ClassVar[tuple[str, ...]] = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH")
 
     def _answer(self) -> None:
-        length = self.headers.get("Content-Length", "0")
-        size = int(length) if length.isdigit() else -1
-        if size < 0 or size > MAX_BODY:
+        body = self._body()
+        if body is None:
             self._send(Reply(413, b'{"error": "request body too large or unreadable"}\n', "application/json"))
             self.close_connection = True
             return
-        body = self.rfile.read(size) if size else b""
-        host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
+        host = _host_name(self.headers.get("Host") or "")
         if self.server.loopback_only and host and not is_loopback(host):
             # a page of another site that rebinds its name to 127.0.0.1 would otherwise read this view
             self._send(Reply(421, b"this view answers only to a loopback host name\n", "text/plain; charset=utf-8"))
@@ -98,6 +97,16 @@ class _Handler(BaseHTTPRequestHandler):
             log.error("web.error", path=self.path[:200], error=f"{type(exc).__name__}: {exc}")
             reply = Reply(500, b"internal error; see the log\n", "text/plain; charset=utf-8")
         self._send(reply)
+
+    def _body(self) -> bytes | None:
+        """Return the request's body (a Content-Length one or a chunked one), or None if too large or unreadable."""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            return _read_chunked(self.rfile)
+        length = self.headers.get("Content-Length", "0")
+        size = int(length) if length.isdigit() else -1
+        if size < 0 or size > MAX_BODY:
+            return None
+        return self.rfile.read(size) if size else b""
 
     def _send(self, reply: Reply) -> None:
         self.send_response(reply.status)
@@ -115,6 +124,34 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         """Say nothing per request (the journal would fill with polling)."""
+
+
+def _host_name(header: str) -> str:
+    """Return the host name of a Host header, without its port: ``[::1]:8700`` and ``[::1]`` are ``::1``."""
+    header = header.strip()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _read_chunked(stream: io.BufferedIOBase) -> bytes | None:
+    """Read a chunked body (RFC 9112, 7.1) of at most MAX_BODY bytes; None if longer or malformed."""
+    out = bytearray()
+    while True:
+        line = stream.readline(1024)
+        try:
+            size = int(line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            return None
+        if size < 0 or len(out) + size > MAX_BODY:
+            return None
+        if size == 0:
+            while stream.readline(1024) not in (b"\r\n", b"\n", b""):  # trailer fields, up to the blank line
+                pass
+            return bytes(out)
+        out += stream.read(size)
+        if stream.readline(1024) not in (b"\r\n", b"\n"):
+            return None
 
 
 def open_server(host: str, port: int, app: Handles, *, loopback_only: bool) -> _Server:
