@@ -296,6 +296,7 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     run = op.cancel_tree if action == "cancel" and getattr(args, "tree", False) else getattr(op, action)
     failed = 0
     try:
+        _ = op.ledger  # opened first: a lost ledger stops the command (exit 2) whatever the folders say
         for job_id in ids:
             try:
                 print(run(job_id), flush=True)
@@ -312,11 +313,15 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
 def cmd_land(args: argparse.Namespace) -> int:
     """`land ID...`: run each done job's land hook again; 1 if any failed."""
     from dispatcher.ops.land import land_again
+    from dispatcher.store.ledgers import open_reader
 
     cfg = config_of(args, need_root=True)
     ids = read_ids(args.ids, sys.stdin)
     if not ids:
         raise UsageError("land: no job id given")
+    ledger = open_reader(cfg, Layout(cfg.root))  # a lost ledger stops this command as every other (exit 2)
+    if ledger is not None:
+        ledger.close()
     _log_to_file(cfg)
     failed = 0
     for job_id in ids:
