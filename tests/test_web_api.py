@@ -321,3 +321,27 @@ def test_a_chunked_body_is_read_and_an_ipv6_loopback_host_is_answered(env: Env) 
         conn.close()
     finally:
         web.stop()
+
+
+def test_methods_a_path_does_not_take_are_405_with_allow_and_a_refused_file_has_a_page(env: Env) -> None:
+    """GET on an action, POST on a read, PUT anywhere: 405 naming what is allowed; OPTIONS says it too."""
+    populate(env)
+    web = start_web(env)
+    try:
+        for method, path, allowed in (
+            ("GET", "/api/jobs/REV-A/approve", "POST"),
+            ("POST", "/api/status", "GET, HEAD"),
+            ("PUT", "/api/jobs/REV-A", "GET, HEAD"),
+            ("DELETE", "/jobs/REV-A", "GET, HEAD"),
+            ("GET", "/logout", "POST"),
+        ):
+            status, body, headers = web.request(method, path, b"" if method != "GET" else None, None)
+            assert (status, headers.get("Allow")) == (405, allowed), (method, path, status, body[:200])
+        status, _, headers = web.request("OPTIONS", "/api/jobs/REV-A/approve", None, None)
+        assert (status, headers.get("Allow")) == (204, "POST")
+        assert headers.get("X-Content-Type-Options") == "nosniff"  # the security headers of every answer
+        refused = web.json("/api/jobs/broken")  # a file that never became a job: its refusal, as `show`
+        status, page, _ = web.get("/jobs/broken")
+        assert status == 200 and refused["reason"].split(":")[0].encode() in page, page[:300]
+    finally:
+        web.stop()

@@ -155,7 +155,7 @@ def job_page(
     return render(
         "job.html",
         partial=partial,
-        title=str(job["job_id"]),
+        title=str(job["job_id"] or job.get("file") or "refused file"),
         job=job,
         attempts=attempts,
         message=message,

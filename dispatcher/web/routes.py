@@ -72,12 +72,17 @@ class App:
         parts = [unquote(p, errors="replace") for p in split.path.split("/")[1:]]
         query = {k: v[0] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
         api = parts[:1] == ["api"]
+        allowed = _allowed(parts)
+        if req.method == "OPTIONS":
+            return Reply(204, b"", _JSON, [("Allow", allowed)])
+        if req.method not in allowed.split(", "):
+            message = f"{req.method}: not allowed here (allowed: {allowed})"
+            reply = _error(405, message) if api else self._page_error(405, message, req)
+            return Reply(reply.status, reply.body, reply.content_type, [("Allow", allowed)])
         try:
             if req.method in ("GET", "HEAD"):
                 return self._api_get(parts[1:], query) if api else self._page(parts, query, req)
-            if req.method == "POST":
-                return self._api_post(parts[1:], req) if api else self._form(parts, req)
-            return _error(405, f"{req.method}: not allowed here")
+            return self._api_post(parts[1:], req) if api else self._form(parts, req)
         except DispatchError as exc:
             message = f"the root cannot be read right now: {exc}"
             return _error(503, message) if api else self._page_error(503, message, req)
@@ -146,7 +151,7 @@ class App:
             return Reply(200, html.encode())
         if parts[0] == "jobs" and len(parts) in (2, 3) and parts[2:] in ([], ["chain"]):
             chain = parts[2:] == ["chain"]
-            job = self.reader.show(parts[1], whole_tree=chain)
+            job = self.reader.show(parts[1], whole_tree=chain, refused=not chain)  # a refused file's too, as `show`
             if job is None:
                 return self._page_error(404, f"{printable(parts[1])}: no such job", req)
             if chain:
@@ -187,6 +192,17 @@ class App:
                 return self._page_error(outcome.status, outcome.message, req)
             return _redirect(f"/jobs/{quote(parts[1], safe='')}")
         return self._page_error(404, "no such action", req)
+
+
+def _allowed(parts: list[str]) -> str:
+    """Return the methods a path answers to, as its ``Allow`` header says them."""
+    if parts[:1] == ["api"]:
+        return "POST" if len(parts) == 4 and parts[1] == "jobs" else "GET, HEAD"
+    if parts == ["login"]:
+        return "GET, HEAD, POST"
+    if parts == ["logout"] or (len(parts) == 3 and parts[0] == "jobs" and parts[2] != "chain"):
+        return "POST"
+    return "GET, HEAD"
 
 
 def serve(config: Config, listen: str | None) -> int:

@@ -77,7 +77,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "dispatcher-web"
     sys_version = ""
     protocol_version = "HTTP/1.1"
-    _METHODS: ClassVar[tuple[str, ...]] = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH")
+    _METHODS: ClassVar[tuple[str, ...]] = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
 
     def _answer(self) -> None:
         body = self._body()
@@ -120,7 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(reply.body)
 
-    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = _answer
+    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _answer
 
     def log_message(self, format: str, *args: object) -> None:
         """Say nothing per request (the journal would fill with polling)."""
