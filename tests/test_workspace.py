@@ -143,6 +143,19 @@ def test_a_branch_that_exists_already_is_never_taken_over(env: Env, tmp_path: Pa
     assert git(repo, "rev-parse", "dispatch/TAKEN") == tip
 
 
+def test_an_id_git_refuses_as_a_branch_fails_without_a_workspace_to_name(env: Env, tmp_path: Path) -> None:
+    """`A..B` is a valid job id but not a branch name: the job fails without an attempt, and without a branch."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/c.py=x")})
+    env.drop(code_order("A..B"))
+    proc = env.cli("run", "--once", timeout=60)
+    result = env.result("A..B", "failed")
+    assert result["reason"].startswith("config: agent coder cannot start: workspace: git worktree:"), result["reason"]
+    assert result["attempts"] == [] and starts(env) == []
+    assert "workspace" not in result or result["workspace"] is None, result.get("workspace")
+    assert "job.failed" in proc.stdout and "workspace.seal_failed" not in proc.stdout + proc.stderr, proc.stdout
+
+
 def test_a_retry_starts_again_from_base(env: Env, tmp_path: Path) -> None:
     """After a failed attempt, the next one finds the worktree back at base: the first attempt's file is gone."""
     repo = make_repo(tmp_path / "shop")

@@ -59,8 +59,14 @@ def _snapshot(ws: Workspace, out: Path) -> tuple[list[str] | str, str]:
     return hazard(ws.path, names) or names, tree
 
 
-def _seal(ws: Workspace, job_id: str, tree: str | None) -> tuple[str, list[str]]:
-    """Take a sandboxed agent's commits, then seal the worktree (io pool): ``worktree.seal``."""
+def _seal(ws: Workspace, job_id: str, tree: str | None) -> tuple[str, list[str]] | None:
+    """Take a sandboxed agent's commits, then seal the worktree (io pool): ``worktree.seal``.
+
+    None when the worktree was never made: git refused its branch (``A..B`` is a valid id,
+    not a valid branch name), so there is nothing to seal and no branch to name.
+    """
+    if not worktree.is_ready(ws) and not worktree.has_branch(ws):
+        return None
     gitview.absorb(ws)
     return worktree.seal(ws, job_id, tree)
 
@@ -166,7 +172,10 @@ class JobRepo:
         ws = self.ws
         try:
             async with repo_lock(ws.repo):
-                head, changed = await self.lanes.io(_seal, ws, self.spec.job_id, self._tree)
+                sealed = await self.lanes.io(_seal, ws, self.spec.job_id, self._tree)
+            if sealed is None:
+                return None
+            head, changed = sealed
         except (GitError, OSError) as exc:
             log.warning("workspace.seal_failed", error=str(exc))
             head, changed = None, []

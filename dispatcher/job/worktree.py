@@ -182,6 +182,12 @@ def is_ready(ws: Workspace) -> bool:
     return entry is not None and not (entry / "locked").exists() and os.path.exists(mine)
 
 
+def has_branch(ws: Workspace) -> bool:
+    """Return True if the job's branch exists in the repository."""
+    ref = f"refs/heads/{ws.branch}"
+    return bool(git(ws.repo, "rev-parse", "--verify", "--quiet", ref, check=False).strip())
+
+
 def clear(ws: Workspace) -> None:
     """Remove whatever is left at the worktree's path (a worktree, a half-made one, a folder).
 
