@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -171,6 +172,49 @@ def test_a_slot_given_back_goes_to_the_agents_parked_order_before_a_newer_one(tm
             gate.touch()
             await loop.until(lambda: len(started) >= 2, "a second job to start", timeout=20)
             sched.blocked.clear()
+            await loop.until(loop.landed("done", "W1", "W2", "W3"), "every job to be done", timeout=20)
+            await loop.settle()
+            return started
+
+        assert run(body) == ["W1", "W2", "W3"]
+
+
+def test_a_parked_order_in_a_claims_trip_keeps_its_place_when_a_slot_comes_back_meanwhile(tmp_path: Path) -> None:
+    """W2 goes on a claim's trip while W1 still runs (it will answer "no slot"); W1 exits meanwhile.
+
+    The slot W1 gives back goes to W2 once its trip is back, not to W3 sent after it.
+    """
+    gate = tmp_path / "go"
+    with open_seam(tmp_path, {"worker": sh(gated(gate))}, max_jobs=2) as s:
+
+        async def body() -> list[str]:
+            loop = Loop(s)
+            sched = loop.sched
+            started: list[str] = []
+            launch = sched._run
+
+            def run_and_note(*args: Any, **kwargs: Any) -> None:
+                started.append(args[0].parked.job_id)
+                launch(*args, **kwargs)
+
+            sched._run = run_and_note  # type: ignore[method-assign]
+            loop.drop(order("W1"))
+            await loop.until(lambda: "W1" in sched.running, "W1 to run")
+            loop.drop(order("W2"))
+            loop.drop(order("W3"))
+            await loop.until(lambda: [p.job_id for p in sched.parked] == ["W2", "W3"], "W2 and W3 parked")
+            lane_free = threading.Event()
+            hold = asyncio.ensure_future(s.lanes.ledger(lane_free.wait, 30))  # trips queue behind it
+            sched.blocked.clear()  # the 0.25 s "no slot" wait ran out while W1 still runs
+            sched.start_work()  # W2 is sent; it will answer "no slot"
+            assert [p.job_id for p in sched.parked] == ["W3"]
+            gate.touch()
+            await loop.until(lambda: sched.slots.idle.get("worker"), "W1's slot to come back")
+            for _ in range(5):  # turns while W2's trip waits in the lane
+                sched.start_work()
+                await asyncio.sleep(0.02)
+            lane_free.set()
+            await hold
             await loop.until(loop.landed("done", "W1", "W2", "W3"), "every job to be done", timeout=20)
             await loop.settle()
             return started

@@ -68,6 +68,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.again: dict[str, Job] = {}  # jobs queued for another attempt after giving their slot back
         self.parked: collections.deque[Parked] = collections.deque()
         self.inflight = 0
+        self.sending: collections.Counter[str] = collections.Counter()  # agents of parked orders in a claim's trip
         self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
         self.slot_poll = False
         self.stats = Stats()
@@ -126,8 +127,9 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         free = SHORT.allowance(self.free_slots())
         batch: list[Parked | str] = []
         wall = time.time()
-        # an agent whose next orders are in a claim made ahead: those go first, the orders behind them wait
-        behind = frozenset(agent for agent, n in self.ahead.claiming.items() if n > 0)
+        # an agent whose next orders are in a claim's trip (made ahead, or parked orders sent by an earlier
+        # turn that may come back without a slot): those go first, the orders behind them wait
+        behind = frozenset(agent for agent, n in (*self.ahead.claiming.items(), *self.sending.items()) if n > 0)
         for p in list(self.parked):
             if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
                 self.parked.remove(p)
@@ -170,7 +172,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         chunks = [batch[i : i + CLAIM_CHUNK] for i in range(0, len(batch), CLAIM_CHUNK)]
         for i, chunk in enumerate(chunks):
             self.inflight += len(chunk)
-            self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=i == len(chunks) - 1))
+            sent = collections.Counter(p.agent for p in chunk if isinstance(p, Parked) and p.kind is Kind.NEW)
+            self.sending.update(sent)
+            last = i == len(chunks) - 1
+            self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=last, parked_new=sent))
 
     def _gates_changed(self, gated: frozenset[str], now: float) -> None:
         """Leave new orders of gated agents unread; take back what the gates let go, oldest first."""
@@ -207,6 +212,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         cancel: bool = False,
         last: bool = True,
         ahead: list[str] | None = None,
+        parked_new: collections.Counter[str] | None = None,
     ) -> None:
         claims = self.claims
         caps = dict(collections.Counter(ahead)) if ahead is not None else None
@@ -235,6 +241,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self.inflight -= len(batch)
         else:
             self.ahead.claiming.subtract(ahead)
+        if parked_new:
+            self.sending.subtract(parked_new)
         again: list[Parked] = []
         for r in results:
             match r:
