@@ -64,6 +64,19 @@ class Loop:
         return lambda: all((self.s.layout.root / state / j / "result.json").exists() for j in job_ids)
 
 
+def note_starts(sched: Scheduler) -> list[str]:
+    """Return a list that gets the job id of each job the scheduler starts, in order."""
+    started: list[str] = []
+    launch = sched._run
+
+    def run_and_note(*args: Any, **kwargs: Any) -> None:
+        started.append(args[0].parked.job_id)
+        launch(*args, **kwargs)
+
+    sched._run = run_and_note  # type: ignore[method-assign]
+    return started
+
+
 def test_a_fresh_scheduler_has_max_jobs_free_slots_and_nothing_to_do(tmp_path: Path) -> None:
     """free_slots is max_jobs with nothing running; start_work with an empty inbox starts nothing."""
     with open_seam(tmp_path, max_jobs=3) as s:
@@ -147,7 +160,6 @@ def test_a_slot_given_back_goes_to_the_agents_parked_order_before_a_newer_one(tm
         async def body() -> list[str]:
             loop = Loop(s)
             sched = loop.sched
-            started: list[str] = []
             exited = sched._agent_exited
 
             def exit_then_late_answer(job_id: str, hand_on: bool) -> bool:
@@ -158,13 +170,7 @@ def test_a_slot_given_back_goes_to_the_agents_parked_order_before_a_newer_one(tm
                 return gave_back
 
             sched._agent_exited = exit_then_late_answer  # type: ignore[method-assign]
-            launch = sched._run
-
-            def run_and_note(*args: Any, **kwargs: Any) -> None:
-                started.append(args[0].parked.job_id)
-                launch(*args, **kwargs)
-
-            sched._run = run_and_note  # type: ignore[method-assign]
+            started = note_starts(sched)
             loop.drop(order("W1"))
             await loop.until(lambda: "W1" in sched.running, "W1 to run")
             loop.drop(order("W2"))
@@ -190,14 +196,7 @@ def test_a_parked_order_in_a_claims_trip_keeps_its_place_when_a_slot_comes_back_
         async def body() -> list[str]:
             loop = Loop(s)
             sched = loop.sched
-            started: list[str] = []
-            launch = sched._run
-
-            def run_and_note(*args: Any, **kwargs: Any) -> None:
-                started.append(args[0].parked.job_id)
-                launch(*args, **kwargs)
-
-            sched._run = run_and_note  # type: ignore[method-assign]
+            started = note_starts(sched)
             loop.drop(order("W1"))
             await loop.until(lambda: "W1" in sched.running, "W1 to run")
             loop.drop(order("W2"))
