@@ -61,7 +61,7 @@ def status(env: Env) -> dict[str, Any]:
 
 def test_an_epoch_limit_waits_then_runs_again_without_spending_an_attempt(env: Env) -> None:
     """A Claude limit with an epoch a few seconds ahead: the job waits (shown), reruns at T, and is done."""
-    until = int(time.time()) + 5
+    until = int(time.time()) + 12  # room for the four commands below on a loaded machine, before T
     env.configure(agents={"worker": headless(env, {"limit": claude_limit(until)}, max_attempts=1)})
     d = env.daemon()
     d.wait_ready()
