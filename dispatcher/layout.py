@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,3 +125,13 @@ def has_jobs(layout: Layout, *, finished: bool = False) -> bool:
 def is_ignored(name: str) -> bool:
     """Return True for hidden and temporary names in inbox/ (never picked up)."""
     return name.startswith(".") or name.endswith((".tmp", ".part"))
+
+
+def hint_name(kind: str, job_id: str) -> str:
+    """Return the name of a command's hint file in control/: ``<kind>-<job id>-<ns>`` (unique per call)."""
+    return f"{kind}-{job_id}-{time.time_ns()}"
+
+
+def job_of_hint(name: str) -> str:
+    """Return the job id a hint file names (``hint_name``'s; ids hold no dot, may hold ``-``)."""
+    return name.split("-", 1)[1].rsplit("-", 1)[0]

@@ -270,78 +270,77 @@ def test_the_overview_shows_a_gated_agent_until_it_is_resumed(env: Env) -> None:
         assert web.stop() == 0
 
 
-def test_actions_read_the_config_as_it_is_now_and_keep_the_commands_note_lengths(env: Env) -> None:
+@pytest.fixture
+def sqlite_site(env: Env) -> Iterator[tuple[Env, Web]]:
+    """A populated root on the SQLite ledger, with `dispatcher web` serving it."""
+    populate(env)
+    web = start_web(env)
+    yield env, web
+    web.stop()
+
+
+def test_actions_read_the_config_as_it_is_now_and_keep_the_commands_note_lengths(sqlite_site: tuple[Env, Web]) -> None:
     """An action reads the config again, as a command does; a note is cut where the command cuts it, not before."""
-    populate(env)
-    web = start_web(env)
-    try:
-        tok = web.token
-        long_note = "n" * 5000  # `revise --note` keeps up to 10,000 characters
-        assert web.act("REV-B", "revise", tok, note=long_note)[0] == 200
-        assert wait_until(lambda: revision_note(env, "REV-B"), 30, "REV-B's note") == long_note
-        cfg = yaml.safe_load(env.config_path.read_text())
-        cfg["agents"]["reviewer"]["max_revisions"] = 0  # changed after `dispatcher web` started
-        env.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        command = env.cli("revise", "REV-A", "--note", "from the command")
-        status, answer = web.act("REV-A", "revise", tok, note="from the web")
-        assert command.returncode == 1 and "max_revisions 0" in command.stderr, command
-        assert (status, answer["message"]) == (409, command.stderr.strip()), answer
-        env.config_path.write_text("agents: [")  # broken: nothing is done, as a command would exit 2
-        status, answer = web.act("REV-A", "reject", tok, note="no")
-        assert status == 503 and "dispatcher.yaml" in answer["message"], answer
-        assert (env.root / "review" / "REV-A").is_dir()
-    finally:
-        web.stop()
+    env, web = sqlite_site
+    tok = web.token
+    long_note = "n" * 5000  # `revise --note` keeps up to 10,000 characters
+    assert web.act("REV-B", "revise", tok, note=long_note)[0] == 200
+    assert wait_until(lambda: revision_note(env, "REV-B"), 30, "REV-B's note") == long_note
+    cfg = yaml.safe_load(env.config_path.read_text())
+    cfg["agents"]["reviewer"]["max_revisions"] = 0  # changed after `dispatcher web` started
+    env.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    command = env.cli("revise", "REV-A", "--note", "from the command")
+    status, answer = web.act("REV-A", "revise", tok, note="from the web")
+    assert command.returncode == 1 and "max_revisions 0" in command.stderr, command
+    assert (status, answer["message"]) == (409, command.stderr.strip()), answer
+    env.config_path.write_text("agents: [")  # broken: nothing is done, as a command would exit 2
+    status, answer = web.act("REV-A", "reject", tok, note="no")
+    assert status == 503 and "dispatcher.yaml" in answer["message"], answer
+    assert (env.root / "review" / "REV-A").is_dir()
 
 
-def test_a_chunked_body_is_read_and_an_ipv6_loopback_host_is_answered(env: Env) -> None:
+def test_a_chunked_body_is_read_and_an_ipv6_loopback_host_is_answered(sqlite_site: tuple[Env, Web]) -> None:
     """A JSON body sent with Transfer-Encoding: chunked counts; `Host: [::1]` is a loopback host name."""
-    populate(env)
-    web = start_web(env)
-    try:
-        host, port = web.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        headers = {"Authorization": f"Bearer {web.token}", "Content-Type": "application/json"}
-        conn.request("POST", "/api/jobs/REV-B/reject", body=iter([b'{"reason": ', b'"chunky"}']), headers=headers,
-                     encode_chunked=True)  # fmt: skip
+    env, web = sqlite_site
+    host, port = web.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {"Authorization": f"Bearer {web.token}", "Content-Type": "application/json"}
+    conn.request("POST", "/api/jobs/REV-B/reject", body=iter([b'{"reason": ', b'"chunky"}']), headers=headers,
+                 encode_chunked=True)  # fmt: skip
+    reply = conn.getresponse()
+    assert reply.status == 200, reply.read()
+    reply.read()
+    result = json.loads((env.root / "failed" / "REV-B" / "result.json").read_text())
+    assert result["reason"] == "rejected: chunky"
+    for name in ("[::1]", f"[::1]:{port}", "localhost", f"127.0.0.1:{port}"):
+        conn.request("GET", "/api/status", headers={"Host": name})
         reply = conn.getresponse()
-        assert reply.status == 200, reply.read()
+        assert reply.status == 200, (name, reply.read())
         reply.read()
-        result = json.loads((env.root / "failed" / "REV-B" / "result.json").read_text())
-        assert result["reason"] == "rejected: chunky"
-        for name in ("[::1]", f"[::1]:{port}", "localhost", f"127.0.0.1:{port}"):
-            conn.request("GET", "/api/status", headers={"Host": name})
-            reply = conn.getresponse()
-            assert reply.status == 200, (name, reply.read())
-            reply.read()
-        conn.request("GET", "/api/status", headers={"Host": "evil.example:80"})
-        reply = conn.getresponse()
-        assert reply.status == 421
-        reply.read()
-        conn.close()
-    finally:
-        web.stop()
+    conn.request("GET", "/api/status", headers={"Host": "evil.example:80"})
+    reply = conn.getresponse()
+    assert reply.status == 421
+    reply.read()
+    conn.close()
 
 
-def test_methods_a_path_does_not_take_are_405_with_allow_and_a_refused_file_has_a_page(env: Env) -> None:
+def test_methods_a_path_does_not_take_are_405_with_allow_and_a_refused_file_has_a_page(
+    sqlite_site: tuple[Env, Web],
+) -> None:
     """GET on an action, POST on a read, PUT anywhere: 405 naming what is allowed; OPTIONS says it too."""
-    populate(env)
-    web = start_web(env)
-    try:
-        for method, path, allowed in (
-            ("GET", "/api/jobs/REV-A/approve", "POST"),
-            ("POST", "/api/status", "GET, HEAD"),
-            ("PUT", "/api/jobs/REV-A", "GET, HEAD"),
-            ("DELETE", "/jobs/REV-A", "GET, HEAD"),
-            ("GET", "/logout", "POST"),
-        ):
-            status, body, headers = web.request(method, path, b"" if method != "GET" else None, None)
-            assert (status, headers.get("Allow")) == (405, allowed), (method, path, status, body[:200])
-        status, _, headers = web.request("OPTIONS", "/api/jobs/REV-A/approve", None, None)
-        assert (status, headers.get("Allow")) == (204, "POST")
-        assert headers.get("X-Content-Type-Options") == "nosniff"  # the security headers of every answer
-        refused = web.json("/api/jobs/broken")  # a file that never became a job: its refusal, as `show`
-        status, page, _ = web.get("/jobs/broken")
-        assert status == 200 and refused["reason"].split(":")[0].encode() in page, page[:300]
-    finally:
-        web.stop()
+    _, web = sqlite_site
+    for method, path, allowed in (
+        ("GET", "/api/jobs/REV-A/approve", "POST"),
+        ("POST", "/api/status", "GET, HEAD"),
+        ("PUT", "/api/jobs/REV-A", "GET, HEAD"),
+        ("DELETE", "/jobs/REV-A", "GET, HEAD"),
+        ("GET", "/logout", "POST"),
+    ):
+        status, body, headers = web.request(method, path, b"" if method != "GET" else None, None)
+        assert (status, headers.get("Allow")) == (405, allowed), (method, path, status, body[:200])
+    status, _, headers = web.request("OPTIONS", "/api/jobs/REV-A/approve", None, None)
+    assert (status, headers.get("Allow")) == (204, "POST")
+    assert headers.get("X-Content-Type-Options") == "nosniff"  # the security headers of every answer
+    refused = web.json("/api/jobs/broken")  # a file that never became a job: its refusal, as `show`
+    status, page, _ = web.get("/jobs/broken")
+    assert status == 200 and refused["reason"].split(":")[0].encode() in page, page[:300]

@@ -26,7 +26,7 @@ from dispatcher.job import recovery, repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.joins import Joins
 from dispatcher.job.review import settle_reviews
-from dispatcher.layout import Layout
+from dispatcher.layout import Layout, job_of_hint
 from dispatcher.ledger.base import LedgerUnavailable, Request
 from dispatcher.lifecycle import Row, State, is_landed
 from dispatcher.procs import end_group
@@ -243,7 +243,7 @@ class Housekeeping:
                     continue
                 self.sched.park_retry(job_id, agent, revise=True)
         await lanes.io(_drop_hints, layout, hints)
-        decided = [_job_of_hint(h) for h in hints if h.startswith(("approve-", "reject-"))]
+        decided = [job_of_hint(h) for h in hints if h.startswith(("approve-", "reject-"))]
         if decided and self.joins is not None and not self.ctx.stopping():  # joins waiting for them: now
             await lanes.ledger(self.joins.on_final, decided)
         if not self.ctx.stopping() and decided:
@@ -366,8 +366,3 @@ def _leftovers(layout: Layout, adopted: list[tuple[str, int, str]]) -> list[tupl
     last = [(folder, max(folder.attempt_numbers(), default=0)) for folder in folders]
     groups = leftover_groups([(folder, n) for folder, n in last if n])
     return [(job_id, pgid) for job_id, _, _ in adopted for pgid in groups.get(job_id, [])]
-
-
-def _job_of_hint(name: str) -> str:
-    """Return the job id of a command's hint file, ``<kind>-<job id>-<ns>`` (ids hold no dot, may hold ``-``)."""
-    return name.split("-", 1)[1].rsplit("-", 1)[0]

@@ -53,6 +53,12 @@ def argv(
     return out
 
 
+def argv_after(spec: JobSpec, work: Path, earlier: Sequence[Attempt], workspace: Path | None = None) -> list[str]:
+    """Return the argv of the attempt after ``earlier``: its command (or ``resume``) with placeholders rendered."""
+    command, session = command_for(spec.agent, earlier)
+    return argv(spec, work, command, workspace, session)
+
+
 def session_of(rec: Attempt) -> str | None:
     """Return the session_id an attempt's agent reported, if any."""
     ar = rec.agent_result

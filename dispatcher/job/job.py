@@ -202,8 +202,8 @@ class Job(Finishing, Deciding):
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
             if record is None:
                 await self._persist(partial(self.folder.make_logs, n, keep=True))  # every attempt has two logs
-                command, session = attempt.command_for(self.spec.agent, [a for a in self.attempts if a.n < n])
-                ran = attempt.argv(self.spec, self.folder.work, command, self.repo.path, session)
+                earlier = [a for a in self.attempts if a.n < n]
+                ran = attempt.argv_after(self.spec, self.folder.work, earlier, self.repo.path)
                 record = attempt.interrupted(n, self.folder.attempt_started(n), ran)
                 self.attempts.append(record)
                 await self._persist(self.folder.record_attempt, record)
@@ -243,8 +243,7 @@ class Job(Finishing, Deciding):
             reason = f"config: agent {agent.name} cannot start: {exc}"
             log.error("agent.exited", attempt=n, error=reason)
             return await self.finish(Row.FAILED, reason, [])
-        command, session = attempt.command_for(agent, self.attempts)
-        argv = attempt.argv(self.spec, self.folder.work, command, self.repo.path, session)
+        argv = attempt.argv_after(self.spec, self.folder.work, self.attempts, self.repo.path)
         proc = await self._spawn(n, argv)
         if proc is None or isinstance(proc, Outcome):
             return proc

@@ -27,7 +27,7 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
-from dispatcher.layout import Layout
+from dispatcher.layout import Layout, hint_name
 from dispatcher.ledger.base import Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
 from dispatcher.query.report import read_order_file
@@ -171,7 +171,7 @@ class Operator:
     def _poke(self, kind: str, job_id: str) -> None:
         """Drop a hint file so that a running daemon acts at once (the ledger is the truth)."""
         self.layout.control.mkdir(parents=True, exist_ok=True)
-        (self.layout.control / f"{kind}-{job_id}-{time.time_ns()}").write_bytes(b"")
+        (self.layout.control / hint_name(kind, job_id)).write_bytes(b"")
 
     # -- hold and release -----------------------------------------------------------------
     def hold(self, job_id: str) -> str:
