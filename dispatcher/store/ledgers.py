@@ -17,9 +17,11 @@ from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
 from dispatcher.spec.settings import Config
 
-#: how long a command tries to reach a PostgreSQL ledger (one connection attempt of 2 s, libpq's
-#: shortest, or quick retries of a refused one), so that it answers within 5 seconds
-REACH_S = 2.0
+#: how long a command tries to reach a PostgreSQL ledger: one connection attempt (CONNECT_S, libpq's
+#: shortest), or quick retries of a refused one for REACH_S, so that it answers within 5 seconds even
+#: when the machine is busy and the interpreter's start takes a second or two
+CONNECT_S = 2
+REACH_S = 1.0
 #: how long a command waits for a ledger another process is writing
 PATIENCE_S = 30.0
 REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebuild it from the job folders"
@@ -62,7 +64,7 @@ def open_ledger(
                 layout,
                 lease_s=config.lease_s,
                 patience_s=reach,
-                connect_timeout_s=None if reach is None else int(REACH_S),
+                connect_timeout_s=None if reach is None else CONNECT_S,
                 readonly=readonly,
                 give_up=give_up,
             )
