@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--keep", action="store_true", help="keep the dispatch roots and daemon logs")
     ap.add_argument("--profile", action="store_true", help="profile `run --once` over --orders orders instead")
     ap.add_argument("--profile-wall", action="store_true", help="with --profile: wall clock instead of CPU time")
+    ap.add_argument(
+        "--from-source",
+        action="store_true",
+        help="do not byte-compile the package first (an editable install under PYTHONDONTWRITEBYTECODE; remove "
+        "dispatcher/**/__pycache__ to measure it)",
+    )
     args = ap.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     if unknown := [s for s in args.only if s not in SECTIONS]:
@@ -177,6 +183,20 @@ def machine(argv: list[str] | None) -> dict[str, Any]:
     }
 
 
+def byte_compile() -> str:
+    """Byte-compile the package the daemons import, as a wheel install has it; say how it was.
+
+    An editable install leaves only sources, and with PYTHONDONTWRITEBYTECODE set every start
+    of the daemon would compile its modules again (about 0.2 s of CPU): a cost of that
+    install, not of the daemon, and it would land in every start-up and backlog figure.
+    """
+    package = Path(__file__).resolve().parent.parent / "dispatcher"  # what harness.py puts first on PYTHONPATH
+    done = subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "-j", "0", str(package)], capture_output=True, check=False
+    )
+    return "byte-compiled first" if done.returncode == 0 else f"compileall failed ({done.returncode}): from source"
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -187,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     # A SIGTERM to the benchmark unwinds through the finally blocks that stop the daemons.
     signal.signal(signal.SIGTERM, _interrupt)
     meta = machine(argv)
+    meta["bytecode"] = "not byte-compiled first (--from-source)" if args.from_source else byte_compile()
     tmp = Path(tempfile.mkdtemp(prefix="dispatcher-bench-", dir=args.tmp))
     made = [tmp]
 
@@ -232,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {meta['command']}")
     print(
         f"machine: nproc {meta['nproc']} (usable {meta['cpus_usable']}), load {meta['loadavg']:.2f} at start, "
-        f"{meta['platform']}, python {meta['python']}, sh -> {meta['sh']}"
+        f"{meta['platform']}, python {meta['python']}, sh -> {meta['sh']}; the package {meta['bytecode']}"
     )
     print()
     print("\n".join(table(results, {k: v[1] for k, v in SECTIONS.items()})))

@@ -66,6 +66,9 @@ if ! "$PY" -c 'import dispatcher.cli, watchdog, filelock, structlog, yaml' 2>/de
     "$PY" -m pip install --quiet --disable-pip-version-check -e "$REPO" ||
         die "pip install -e . failed (it needs the network the first time)"
 fi
+# byte-compiled once, as a wheel install is: with PYTHONDONTWRITEBYTECODE set, each command
+# would otherwise compile the package again at its start
+"$PY" -m compileall -q "$REPO/dispatcher" >/dev/null 2>&1 || true
 # The agents' `python3` is the venv's, so they run on the same Python 3.11+.
 export PATH="$VENV/bin:$PATH"
 unset DISPATCHER_CONFIG NOTIFY_SOCKET WATCHDOG_USEC WATCHDOG_PID
