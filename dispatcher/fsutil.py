@@ -269,11 +269,14 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
-def read_regular(path: str | Path, limit: int | None = None, *, base: str | Path | None = None) -> bytes:
+def read_regular(
+    path: str | Path, limit: int | None = None, *, base: str | Path | None = None, dir_fd: int | None = None
+) -> bytes:
     """Read a regular file without following links or blocking on FIFOs.
 
     With ``base``, every part of ``path`` below ``base`` is opened with
-    O_NOFOLLOW, so no symlinked folder on the way is followed either. Raises
+    O_NOFOLLOW, so no symlinked folder on the way is followed either; with
+    ``dir_fd``, ``path`` is a name in the folder open as that descriptor. Raises
     NotRegular for anything that is not a regular file, FileNotFoundError if
     it is missing, and ValueError when it is larger than ``limit``.
     """
@@ -285,7 +288,7 @@ def read_regular(path: str | Path, limit: int | None = None, *, base: str | Path
         fd = open_beneath(base, rel)
     else:
         try:
-            fd = os.open(path, _OPEN_FLAGS)
+            fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise NotRegular("symlink") from None
@@ -296,15 +299,21 @@ def read_regular(path: str | Path, limit: int | None = None, *, base: str | Path
             raise NotRegular(kind_of(st.st_mode))
         if limit is not None and st.st_size > limit:
             raise ValueError(f"larger than {limit} bytes")
-        chunks = []
+        size, chunks, total = st.st_size, [], 0
         while True:
-            chunk = os.read(fd, 1 << 20)
+            # a byte more than fstat's size is asked for: a short read that reaches that size is the end,
+            # without one more read to see it empty; a file that grew since goes on to its real end
+            want = min(size - total + 1, 1 << 20) if total <= size else 1 << 20
+            chunk = os.read(fd, want)
             if not chunk:
                 break
             chunks.append(chunk)
-            if limit is not None and sum(map(len, chunks)) > limit:
+            total += len(chunk)
+            if limit is not None and total > limit:
                 raise ValueError(f"larger than {limit} bytes")
-        return b"".join(chunks)
+            if len(chunk) < want and total >= size:
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
 

@@ -51,3 +51,14 @@ def test_a_large_yaml_order_is_glanced_at_whatever_follows_its_long_lists() -> N
     body = b"job_id: BIG\nmeta:\n  lines:\n" + b"    - one line of a long list\n" * 35000 + b"to: coder\npriority: 8\n"
     glance = peek_schedule(body, "BIG.yaml")
     assert (glance.agent, glance.priority, glance.joins) == ("coder", 8, False)
+
+
+def test_a_json_order_is_glanced_at_as_its_validating_read_parses_it() -> None:
+    """A byte-order mark, leading white space and every field the glance gives; anything else is the default."""
+    body = b'{"job_id": "J", "to": "coder", "priority": 8, "after": ["P"], "not_before": "2030-01-01T00:00:00Z"}'
+    for data in (body, b"\xef\xbb\xbf" + body, b" \r\n\t" + body):
+        glance = peek_schedule(data, "J.json")
+        assert (glance.agent, glance.priority, glance.joins) == ("coder", 8, True), data
+        assert glance.not_before == 1893456000.0
+    for data in (b"", b"[1, 2]", b"{", b"\xff\xfe{}", b'{"priority": 10, "to": 3}', b'{"priority": true}'):
+        assert peek_schedule(data, "J.json") == orders.Glance(), data

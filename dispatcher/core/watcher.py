@@ -32,9 +32,8 @@ from dispatcher.spec.orders import Glance, peek_schedule
 PEEK_BYTES = 1 << 20  # an order's priority and not_before are read at a glance from at most this much
 
 
-@dataclass(frozen=True, slots=True)
-class Listed:
-    """One inbox entry as a listing saw it."""
+class Listed(NamedTuple):
+    """One inbox entry as a listing saw it (a tuple: a backlog's listing makes one per file)."""
 
     name: str
     size: int
@@ -45,16 +44,18 @@ class Listed:
 def list_inbox(inbox: Path) -> list[Listed]:
     """List inbox/ with each entry's size and mtime, without following links (blocking: io pool)."""
     out = []
+    is_reg = stat.S_ISREG
     try:
         with os.scandir(inbox) as it:
             for de in it:
-                if is_ignored(de.name):
+                name = de.name
+                if is_ignored(name):
                     continue
                 try:
                     st = de.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                out.append(Listed(de.name, st.st_size, st.st_mtime_ns, stat.S_ISREG(st.st_mode)))
+                out.append(Listed(name, st.st_size, st.st_mtime_ns, is_reg(st.st_mode)))
     except FileNotFoundError:
         pass
     return out
@@ -135,10 +136,29 @@ class Inbox:
         self._pending[name] = _Pending(entry.size, entry.mtime_ns, time.monotonic())
 
     def merge(self, listing: Iterable[Listed]) -> None:
-        """Track every listed entry not known yet (a scan, a rescan, a poll)."""
-        for entry in listing:
-            if entry.name not in self._known:
-                self.add(entry)
+        """Track every listed entry not known yet (a scan, a rescan, a poll).
+
+        A backlog of thousands is read here at start, each order at a glance for its
+        priority: one descriptor of inbox/ for all of them, and ``add``'s steps inline.
+        """
+        known, pending = self._known, self._pending
+        now, now_mono, settle_ns = time.time_ns(), time.monotonic(), int(self.settle_s * 1e9)
+        try:
+            dir_fd: int | None = os.open(self.inbox, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            dir_fd = None  # inbox/ is gone or unreadable: each name is looked at by its path, as add does
+        try:
+            for name, size, mtime_ns, regular in listing:
+                if name in known:
+                    continue
+                known.add(name)
+                if not regular or now - mtime_ns >= settle_ns:
+                    self._push(name, mtime_ns, dir_fd)
+                else:
+                    pending[name] = _Pending(size, mtime_ns, now_mono)
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
 
     def _make_ready(self, name: str) -> None:
         self._aside_names.discard(name)  # a new event on an order set aside: it is read again
@@ -153,8 +173,8 @@ class Inbox:
         self._known.add(name)
         self._push(name, st.st_mtime_ns)
 
-    def _push(self, name: str, mtime_ns: int) -> None:
-        glance = self._peek(name)
+    def _push(self, name: str, mtime_ns: int, dir_fd: int | None = None) -> None:
+        glance = self._peek(name, dir_fd)
         if glance.not_before is not None and glance.not_before > time.time():
             self.defer(name, glance.not_before, glance.priority, mtime_ns)
             return
@@ -165,10 +185,13 @@ class Inbox:
             expires = float("inf") if glance.expires is None else glance.expires
             heapq.heappush(self._ready, _Ready(-glance.priority, mtime_ns, name, glance.agent, expires))
 
-    def _peek(self, name: str) -> Glance:
+    def _peek(self, name: str, dir_fd: int | None = None) -> Glance:
         """Read an order's priority, not_before and `after` at a glance (a small bounded read; no link followed)."""
         try:
-            data = fsutil.read_regular(f"{os.fspath(self.inbox)}/{name}", PEEK_BYTES)
+            if dir_fd is None:
+                data = fsutil.read_regular(f"{os.fspath(self.inbox)}/{name}", PEEK_BYTES)
+            else:
+                data = fsutil.read_regular(name, PEEK_BYTES, dir_fd=dir_fd)
         except (OSError, ValueError, fsutil.NotRegular):
             return Glance()  # unreadable here: the daemon reads it as usual (and refuses it if need be)
         return peek_schedule(data, name)

@@ -9,6 +9,7 @@ never choose a command to run: it only names an agent from the config.
 from __future__ import annotations
 
 import json
+import json.scanner
 import re
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from dispatcher.spec.order import Accept, Order
 from dispatcher.text import describe
 
 ORDER_SUFFIXES = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
+# (text, index) -> (value, end), StopIteration where no value starts: json.loads without its wrappers
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 
 
 def order_format(name: str) -> str | None:
@@ -208,8 +211,9 @@ def peek_schedule(data: bytes, name: str) -> Glance:
     """
     priority, due, joins, agent, expires = 5, None, False, "", None
     try:
-        if order_format(name) == "json":
-            body = json.loads(data)
+        if name.endswith(".json"):
+            text = data.decode()  # a glance: the JSON scanner alone, without json.loads's wrappers
+            body = _scan_json(text, len(text) - len(text.lstrip("\ufeff \t\r\n")))[0]  # a BOM, as decode()
             body = body if isinstance(body, dict) else {}
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
             raw_to, raw_e = body.get("to"), body.get("expires")
@@ -229,6 +233,6 @@ def peek_schedule(data: bytes, name: str) -> Glance:
         expires = parse_time(raw_e) if isinstance(raw_e, str) else None
         if isinstance(raw_t, str):
             due = parse_time(raw_t)
-    except (ValueError, TypeError, RecursionError):
+    except (ValueError, TypeError, RecursionError, StopIteration):
         pass
     return Glance(priority, due, joins, agent, expires)
