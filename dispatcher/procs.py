@@ -42,6 +42,17 @@ def start_boot_s(fields: list[str]) -> float:
     return int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
+def age_s() -> float:
+    """Return how long this process has run, from its start in /proc (0.0 where that cannot be read)."""
+    fields = stat_fields(os.getpid())
+    try:
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_boot_s(fields)) if fields else 0.0
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def is_alive(
     pid: int, started: float | None = None, *, boot_started: float | None = None, tolerance_s: float = 1.5
 ) -> bool:

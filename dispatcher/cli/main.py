@@ -242,7 +242,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
     from dispatcher.ledger.migrate import migrate
     from dispatcher.ledger.postgres import PostgresLedger
-    from dispatcher.store.ledgers import CONNECT_S, REACH_S, open_ledger
+    from dispatcher.store.ledgers import CONNECT_S, REACH_S, answer_by, open_ledger
 
     source = open_ledger(cfg, layout, create=False, patience_s=30.0)
     try:
@@ -253,7 +253,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                 f"{layout.root}: ledger migrate: a daemon is running on this root ({names});"
                 " stop every daemon first, or ids it claims meanwhile are not copied"
             )
-        target = PostgresLedger(url, layout, lease_s=cfg.lease_s, patience_s=REACH_S, connect_timeout_s=CONNECT_S)
+        target = PostgresLedger(
+            url, layout, lease_s=cfg.lease_s, patience_s=REACH_S, connect_timeout_s=CONNECT_S, answer_by=answer_by()
+        )
         try:
             moved = migrate(source, target)
             where = target.where

@@ -159,12 +159,53 @@ def permanent(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError) and any(p in text for p in _PERMANENT)
 
 
-class Pool:
-    """A few connections shared by threads: one per step at a time; a broken one is dropped."""
+def connect_by(conninfo: str, deadline: float) -> Conn:
+    """Connect as ``psycopg.connect`` does, but give up at ``deadline`` (monotonic seconds).
 
-    def __init__(self, conninfo: str, size: int = 4) -> None:
+    libpq's shortest connect timeout is 2 s, and a command must answer within the contract's
+    5 s however long its own start took on a busy machine. The attempt runs in a thread; one
+    given up is closed by that thread if it ever connects.
+    """
+    lock = threading.Lock()
+    box: list[Conn | BaseException] = []
+    abandoned = False
+
+    def attempt() -> None:
+        try:
+            got: Conn | BaseException = psycopg.connect(conninfo, autocommit=False)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            got = exc
+        with lock:
+            if not abandoned:
+                box.append(got)
+                return
+        if not isinstance(got, BaseException):
+            got.close()
+
+    thread = threading.Thread(target=attempt, name="connect", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    with lock:
+        if not box:
+            abandoned = True
+            raise psycopg.OperationalError("connection timeout expired (no answer in time)")
+    got = box[0]
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+class Pool:
+    """A few connections shared by threads: one per step at a time; a broken one is dropped.
+
+    With ``deadline`` (a command's, monotonic seconds), connection attempts give up then, until
+    one succeeds: later ones are not hurried.
+    """
+
+    def __init__(self, conninfo: str, size: int = 4, deadline: float | None = None) -> None:
         self.conninfo = conninfo
         self.size = size
+        self.deadline = deadline
         self._idle: list[Conn] = []
         self._count = 0
         self._closed = False
@@ -182,7 +223,11 @@ class Pool:
                     break
                 self._cond.wait()
         try:
-            return psycopg.connect(self.conninfo, autocommit=False)
+            if self.deadline is None:
+                return psycopg.connect(self.conninfo, autocommit=False)
+            conn = connect_by(self.conninfo, self.deadline)
+            self.deadline = None
+            return conn
         except BaseException:
             with self._cond:
                 self._count -= 1

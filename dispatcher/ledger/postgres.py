@@ -77,6 +77,7 @@ class PostgresLedger(Ledger, LeasesInterface):
         lease_s: float = 30.0,
         patience_s: float | None = None,
         connect_timeout_s: int | None = None,
+        answer_by: float | None = None,
         readonly: bool = False,
         give_up: Callable[[], bool] | None = None,
     ) -> None:
@@ -85,7 +86,8 @@ class PostgresLedger(Ledger, LeasesInterface):
         ``layout`` is accepted for symmetry with the SQLite engine and not used.
         ``patience_s`` bounds how long a step waits for an unreachable database
         (None: forever, as a daemon does; then ``LedgerUnavailable``); ``connect_timeout_s``
-        bounds each connection attempt (a command's; a daemon's follows the lease).
+        bounds each connection attempt (a command's; a daemon's follows the lease), and
+        ``answer_by`` (monotonic seconds) ends the attempts before the first connection there.
         ``readonly`` (`status`, `list`, `show`) never creates or changes the schema and
         runs every transaction read-only: a role with SELECT alone is enough
         (``pg_schema.NoSchema`` when no daemon has made the ledger yet). ``give_up`` ends a wait
@@ -98,7 +100,7 @@ class PostgresLedger(Ledger, LeasesInterface):
         if give_up is not None:
             self.set_give_up(give_up)
         conninfo = make_conninfo(url, self.lease_s, connect_timeout_s, readonly=readonly)
-        self._pool = Pool(conninfo, size=4)
+        self._pool = Pool(conninfo, size=4, deadline=answer_by)
         self._runner = Runner(self._pool, self.where, self.giving_up, patience_s)
         self._leases = Leases(self._runner, conninfo, self.lease_s)
         self._claims = Claims(self._runner, self._leases)

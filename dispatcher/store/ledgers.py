@@ -9,9 +9,10 @@ the refusal needs both.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
-from dispatcher import fsutil, lean
+from dispatcher import fsutil, lean, procs
 from dispatcher.errors import UsageError
 from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
@@ -22,6 +23,10 @@ from dispatcher.spec.settings import Config
 #: when the machine is busy and the interpreter's start takes a second or two
 CONNECT_S = 2
 REACH_S = 1.0
+#: a command gives up reaching PostgreSQL this long after its process started (the contract: an answer
+#: within 5 s), however long the interpreter's start took; at least MIN_REACH_S is left to the attempt
+ANSWER_S = 4.0
+MIN_REACH_S = 0.5
 #: how long a command waits for a ledger another process is writing
 PATIENCE_S = 30.0
 REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebuild it from the job folders"
@@ -37,6 +42,11 @@ class NoLedgerYet(LedgerLost):
 
 class LedgerUnreachable(UsageError):
     """The ledger cannot be opened right now (a full disk, a read-only folder)."""
+
+
+def answer_by() -> float:
+    """Return when (monotonic seconds) a command stops trying to reach its PostgreSQL ledger."""
+    return time.monotonic() + max(MIN_REACH_S, ANSWER_S - procs.age_s())
 
 
 def open_ledger(
@@ -65,6 +75,7 @@ def open_ledger(
                 lease_s=config.lease_s,
                 patience_s=reach,
                 connect_timeout_s=None if reach is None else CONNECT_S,
+                answer_by=None if reach is None else answer_by(),
                 readonly=readonly,
                 give_up=give_up,
             )
