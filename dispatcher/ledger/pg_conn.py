@@ -159,6 +159,10 @@ def permanent(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError) and any(p in text for p in _PERMANENT)
 
 
+class TooLate(psycopg.OperationalError):
+    """A command's connection attempt given up at its deadline: no retry follows."""
+
+
 def connect_by(conninfo: str, deadline: float) -> Conn:
     """Connect as ``psycopg.connect`` does, but give up at ``deadline`` (monotonic seconds).
 
@@ -188,7 +192,7 @@ def connect_by(conninfo: str, deadline: float) -> Conn:
     with lock:
         if not box:
             abandoned = True
-            raise psycopg.OperationalError("connection timeout expired (no answer in time)")
+            raise TooLate("connection timeout expired")
     got = box[0]
     if isinstance(got, BaseException):
         raise got
@@ -349,7 +353,7 @@ class Runner:
                 failures += 1
                 waited = time.monotonic() - started
                 doubt = " (the last commit's outcome is unknown)" if unknown is not None else ""
-                if patience is not None and waited >= patience:
+                if patience is not None and (waited >= patience or isinstance(exc, TooLate)):
                     raise LedgerUnavailable(
                         f"{self.where}: the ledger cannot be reached ({waited:.0f} s): {_text(exc)}{doubt}"
                     ) from None
