@@ -8,9 +8,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import Env, cli_env, order
+
+from dispatcher.ledger.base import LedgerUnavailable
+from dispatcher.ledger.postgres import PostgresLedger
+from dispatcher.store.ledgers import CONNECT_S, REACH_S
 
 LIMIT_S = 5.0
 
@@ -56,33 +61,29 @@ def test_status_with_the_ledger_down_answers_in_one_line_within_5_s(env: Env, si
         assert not proc.stderr.startswith("{") and "ledger.reconnecting" not in proc.stderr
 
 
-@pytest.mark.parametrize("args", [("status",), ("ledger", "migrate", "-")])
-def test_a_command_whose_own_start_was_slow_still_answers_within_5_s(
-    env: Env, silent_server: int, args: tuple[str, ...]
-) -> None:
-    """A busy machine: 2.5 s pass before the command's code runs (as a slow interpreter start), then a silent server.
+def test_a_command_that_started_late_leaves_its_connection_less_time(tmp_path: Path) -> None:
+    """`answer_by`: 4 s after the process started, however long the start took; at least 0.25 s is left.
 
-    libpq's shortest connect timeout (2 s) on top would end past 5 s; the command gives up in time instead.
+    The process sleeps 2 s and then becomes Python (the same process, so its age counts from the sleep).
     """
-    url = f"postgresql://disp@127.0.0.1:{silent_server}/ledger"
-    if args[0] == "ledger":
-        env.configure()
-        env.cli("run", "--once", check=True)  # a SQLite ledger to copy
-    else:
-        env.configure(ledger=url)
-    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), *args]
-    started = time.monotonic()
-    # the same process sleeps, then becomes the command: its age counts from the sleep's start
-    proc = subprocess.run(
-        ["sh", "-c", 'sleep 2.5; exec "$@"', "sh", *argv],
-        input=url + "\n",
+    code = "import time; from dispatcher.store.ledgers import answer_by; print(answer_by() - time.monotonic())"
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), check=True)
+    late = subprocess.run(
+        ["sh", "-c", 'sleep 2; exec "$@"', "sh", sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=60,
-        cwd=env.tmp,
         env=cli_env(),
+        check=True,
     )
+    left_fresh, left_late = float(fresh.stdout), float(late.stdout)
+    assert 0.25 <= left_late <= 2.0 < left_fresh <= 4.0, (left_fresh, left_late)
+
+
+def test_a_connection_given_up_at_its_deadline_ends_the_wait_at_once(silent_server: int) -> None:
+    """A silent server: libpq waits 2 s at least; the command's deadline (0.5 s) ends it, and no retry follows."""
+    url = f"postgresql://disp@127.0.0.1:{silent_server}/ledger"
+    started = time.monotonic()
+    with pytest.raises(LedgerUnavailable, match=r"cannot be reached .*: connection timeout expired"):
+        PostgresLedger(url, patience_s=REACH_S, connect_timeout_s=CONNECT_S, answer_by=started + 0.5)
     took = time.monotonic() - started
-    assert took < LIMIT_S, f"{args} took {took:.1f} s"
-    assert proc.returncode != 0 and proc.stdout == "", proc.stdout
-    assert proc.stderr.count("\n") == 1 and "cannot be reached" in proc.stderr, proc.stderr
+    assert 0.5 <= took < 1.5, took  # not the 2 s attempt, nor REACH_S of retries after it
