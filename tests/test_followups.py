@@ -9,7 +9,9 @@ any other file there first.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sys
 import threading
@@ -22,6 +24,13 @@ from typing import Any
 import pytest
 import yaml
 from conftest import DEADLINE, Daemon, Env, order, wait_until
+
+from dispatcher.job.followups import release_followups
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Entry
+from dispatcher.ledger.records import Child, Claimed, ClaimRequest, DaemonInfo, Finish, Row
+from dispatcher.ledger.sqlite import SqliteLedger
+from dispatcher.lifecycle import State
 
 # A wrapper agent: writes NAME=TEXT files into work/, then execs the fake agent after `--`.
 # A name "@N:PATH" is written on attempt N only; "link:PATH=TARGET" makes a symlink and
@@ -894,3 +903,55 @@ def test_followup_with_the_id_of_a_held_order_fails(env: Env) -> None:
     assert "job_id HELD-ID is already known" in detail_text(result, "followups_valid")
     assert (env.root / "held" / "HELD-ID.json").read_text() == held
     assert not (env.root / "done" / "HELD-ID").exists()
+
+
+def test_two_releases_of_one_parent_at_once_link_its_followup_once(tmp_path: Path) -> None:
+    """A daemon finishing a decision and its housekeeping release one parent together; a claim takes the file between.
+
+    The first release's link is claimed (unlinked) at once; the second release, which had read the
+    same reserved row, must not link the follow-up into inbox/ again (it would be refused as known).
+    """
+    layout = Layout(tmp_path / "root")
+    layout.create()
+    ledger = SqliteLedger(layout.ledger, layout.state_dir, patience_s=30)
+    try:
+        ledger.register(DaemonInfo(f"t-{os.getpid()}", os.getpid(), "localhost", time.time()))
+        (claimed,) = ledger.claim([ClaimRequest("P-1", "worker", "P-1.json", "d")])
+        assert isinstance(claimed, Claimed)
+        assert ledger.reserve("P-1", claimed.token, 0, [Child("C-1", "worker", "C-1.json")]) == []
+        assert ledger.finish([Finish("P-1", claimed.token, Row.DONE)]) == [True]
+        outbox = layout.job(State.DONE, "P-1") / "work" / "outbox"
+        outbox.mkdir(parents=True)
+        (outbox / "C-1.json").write_text(json.dumps(order("C-1")))
+
+        read = ledger.pending_releases
+        both_read = threading.Barrier(2, timeout=2)
+
+        def slow_read(parent: str | None = None) -> list[Entry]:
+            rows = read(parent)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_read.wait()  # the code before: both threads hold the reserved row here
+            return rows
+
+        ledger.pending_releases = slow_read  # type: ignore[method-assign]
+        linked: list[str] = []
+
+        def claimed_at_once(name: str) -> None:
+            linked.append(name)
+            (layout.inbox / name).unlink(missing_ok=True)  # a daemon's claim takes the file
+
+        counts: list[int] = []
+        threads = [
+            threading.Thread(
+                target=lambda: counts.append(release_followups(layout, ledger, "P-1", released=claimed_at_once))
+            )
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert sorted(counts) == [0, 1] and linked == ["C-1.json"], (counts, linked)
+        assert list(layout.inbox.iterdir()) == []
+    finally:
+        ledger.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format, validate_order
 
 log = structlog.get_logger("dispatcher")
+# one release at a time in a process: a daemon finishing a decision and its housekeeping's release of
+# orphaned follow-ups may take the same parent at once, and the second must see the first's marks
+_RELEASING = threading.Lock()
 
 
 def release_followups(
@@ -42,7 +46,22 @@ def release_followups(
     Each is the outbox order with ``parent`` and ``hops`` from the ledger, as JSON,
     linked in under a name that replaces nothing; the same bytes found there
     already (a release cut short by a crash) count as released. Returns how many.
+    Releases in one process take turns: the pending rows are read under the turn, so a
+    follow-up another thread released (and a daemon may have claimed already) is not
+    linked into inbox/ a second time.
     """
+    with _RELEASING:
+        return _release(layout, ledger, parent, max_chain_cost_usd, released, held)
+
+
+def _release(
+    layout: Layout,
+    ledger: Ledger,
+    parent: str,
+    max_chain_cost_usd: float | None,
+    released: Callable[[str], None],
+    held: Callable[[Entry, str], None],
+) -> int:
     done = layout.job(State.DONE, parent)
     count = 0
     for entry in ledger.pending_releases(parent):
