@@ -125,40 +125,35 @@ class Inbox:
 
     def add(self, entry: Listed, *, fresh: bool = False) -> None:
         """Track a listed entry: ready now if it is old enough or not a regular file, else pending."""
-        name = entry.name
-        if name in self._known:
-            return
-        self._known.add(name)
-        age = time.time() - entry.mtime_ns / 1e9
-        if not entry.regular or (not fresh and age >= self.settle_s):
-            self._push(name, entry.mtime_ns)  # links, FIFOs, folders: refused at once, never opened
-            return
-        self._pending[name] = _Pending(entry.size, entry.mtime_ns, time.monotonic())
+        self._track(entry, fresh, time.time_ns(), time.monotonic(), None)
 
     def merge(self, listing: Iterable[Listed]) -> None:
         """Track every listed entry not known yet (a scan, a rescan, a poll).
 
         A backlog of thousands is read here at start, each order at a glance for its
-        priority: one descriptor of inbox/ for all of them, and ``add``'s steps inline.
+        priority: one clock reading and one descriptor of inbox/ serve them all.
         """
-        known, pending = self._known, self._pending
-        now, now_mono, settle_ns = time.time_ns(), time.monotonic(), int(self.settle_s * 1e9)
+        now_ns, now_mono = time.time_ns(), time.monotonic()
         try:
             dir_fd: int | None = os.open(self.inbox, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
-            dir_fd = None  # inbox/ is gone or unreadable: each name is looked at by its path, as add does
+            dir_fd = None  # inbox/ is gone or unreadable: each name is looked at by its path
         try:
-            for name, size, mtime_ns, regular in listing:
-                if name in known:
-                    continue
-                known.add(name)
-                if not regular or now - mtime_ns >= settle_ns:
-                    self._push(name, mtime_ns, dir_fd)
-                else:
-                    pending[name] = _Pending(size, mtime_ns, now_mono)
+            for entry in listing:
+                self._track(entry, False, now_ns, now_mono, dir_fd)
         finally:
             if dir_fd is not None:
                 os.close(dir_fd)
+
+    def _track(self, entry: Listed, fresh: bool, now_ns: int, now_mono: float, dir_fd: int | None) -> None:
+        name = entry.name
+        if name in self._known:
+            return
+        self._known.add(name)
+        if not entry.regular or (not fresh and now_ns - entry.mtime_ns >= self.settle_s * 1e9):
+            self._push(name, entry.mtime_ns, dir_fd)  # links, FIFOs, folders: refused at once, never opened
+            return
+        self._pending[name] = _Pending(entry.size, entry.mtime_ns, now_mono)
 
     def _make_ready(self, name: str) -> None:
         self._aside_names.discard(name)  # a new event on an order set aside: it is read again
