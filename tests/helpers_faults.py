@@ -114,6 +114,18 @@ def alive(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X", "x")
 
 
+def started_s(pid: int) -> float:
+    """Return when the process started, in seconds since boot (field 22 of /proc/PID/stat)."""
+    fields = _stat(pid)
+    assert fields is not None, f"process {pid} is gone"
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def uptime_s() -> float:
+    """Return seconds since boot, on the clock /proc/PID/stat's start times use."""
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
 def _pids() -> list[int]:
     return [int(n) for n in os.listdir("/proc") if n.isdigit()]
 

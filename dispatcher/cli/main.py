@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dispatcher import __version__
 from dispatcher.cli import commands, usage
@@ -139,7 +141,24 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # `dispatcher show X --json | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    if argv is None and args.command not in ("run", "web"):
+        _leave(code)
     sys.exit(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """End a command at once: its output flushed and exit handlers run, without the interpreter's teardown.
+
+    Tearing down the ~150 modules a command imported costs about 0.1 s of CPU, over a second on a
+    busy machine, and nothing is left to do by then: ledgers are closed, files written and synced.
+    A connection attempt given up at its deadline (a PostgreSQL server that never answers) ends
+    with the process instead of being waited on.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (`dispatcher list | head`): nothing to say
+            stream.flush()
+    atexit._run_exitfuncs()  # logging's flush of a command's log_file lines, among others
+    os._exit(code)
 
 
 def _config(args: argparse.Namespace, *, required: bool = True, need_root: bool = False) -> Config:

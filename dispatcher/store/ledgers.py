@@ -25,7 +25,7 @@ CONNECT_S = 2
 REACH_S = 1.0
 #: a command gives up reaching PostgreSQL this long after its process started (the contract: an answer
 #: within 5 s), however long the interpreter's start took; at least MIN_REACH_S is left to the attempt
-ANSWER_S = 4.0
+ANSWER_S = 3.5
 MIN_REACH_S = 0.25
 #: how long a command waits for a ledger another process is writing
 PATIENCE_S = 30.0
