@@ -76,7 +76,7 @@ def test_a_command_that_started_late_leaves_its_connection_less_time(tmp_path: P
         check=True,
     )
     left_fresh, left_late = float(fresh.stdout), float(late.stdout)
-    # fresh: ANSWER_S less its own short start; late: 2 s less again, or the 0.25 s floor (read a moment after it was set)
+    # fresh: ANSWER_S less its short start; late: 2 s less again, or the 0.25 s floor (read a moment after it was set)
     assert left_fresh <= ANSWER_S and 0.2 <= left_late <= max(0.25, left_fresh - 1.5), (left_fresh, left_late)
 
 
