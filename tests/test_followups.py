@@ -905,25 +905,30 @@ def test_followup_with_the_id_of_a_held_order_fails(env: Env) -> None:
     assert not (env.root / "done" / "HELD-ID").exists()
 
 
+def _done_parent_with_a_followup(tmp_path: Path) -> tuple[Layout, SqliteLedger]:
+    """A root whose ledger holds P-1 done and its follow-up C-1 reserved, C-1's order in P-1's outbox."""
+    layout = Layout(tmp_path / "root")
+    layout.create()
+    ledger = SqliteLedger(layout.ledger, layout.state_dir, patience_s=30)
+    ledger.register(DaemonInfo(f"t-{os.getpid()}", os.getpid(), "localhost", time.time()))
+    (claimed,) = ledger.claim([ClaimRequest("P-1", "worker", "P-1.json", "d")])
+    assert isinstance(claimed, Claimed)
+    assert ledger.reserve("P-1", claimed.token, 0, [Child("C-1", "worker", "C-1.json")]) == []
+    assert ledger.finish([Finish("P-1", claimed.token, Row.DONE)]) == [True]
+    outbox = layout.job(State.DONE, "P-1") / "work" / "outbox"
+    outbox.mkdir(parents=True)
+    (outbox / "C-1.json").write_text(json.dumps(order("C-1")))
+    return layout, ledger
+
+
 def test_two_releases_of_one_parent_at_once_link_its_followup_once(tmp_path: Path) -> None:
     """A daemon finishing a decision and its housekeeping release one parent together; a claim takes the file between.
 
     The first release's link is claimed (unlinked) at once; the second release, which had read the
     same reserved row, must not link the follow-up into inbox/ again (it would be refused as known).
     """
-    layout = Layout(tmp_path / "root")
-    layout.create()
-    ledger = SqliteLedger(layout.ledger, layout.state_dir, patience_s=30)
+    layout, ledger = _done_parent_with_a_followup(tmp_path)
     try:
-        ledger.register(DaemonInfo(f"t-{os.getpid()}", os.getpid(), "localhost", time.time()))
-        (claimed,) = ledger.claim([ClaimRequest("P-1", "worker", "P-1.json", "d")])
-        assert isinstance(claimed, Claimed)
-        assert ledger.reserve("P-1", claimed.token, 0, [Child("C-1", "worker", "C-1.json")]) == []
-        assert ledger.finish([Finish("P-1", claimed.token, Row.DONE)]) == [True]
-        outbox = layout.job(State.DONE, "P-1") / "work" / "outbox"
-        outbox.mkdir(parents=True)
-        (outbox / "C-1.json").write_text(json.dumps(order("C-1")))
-
         read = ledger.pending_releases
         both_read = threading.Barrier(2, timeout=2)
 
@@ -955,3 +960,67 @@ def test_two_releases_of_one_parent_at_once_link_its_followup_once(tmp_path: Pat
         assert list(layout.inbox.iterdir()) == []
     finally:
         ledger.close()
+
+
+# One release in its own process: it reads the pending rows, waits until the other process has
+# read them too (a file each), then releases; a claim takes each copy it links at once.
+_RELEASER = """
+import os, sys, time
+from pathlib import Path
+from dispatcher.job.followups import release_followups
+from dispatcher.layout import Layout
+from dispatcher.ledger.sqlite import SqliteLedger
+
+root, me, other = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+layout = Layout(root)
+ledger = SqliteLedger(layout.ledger, layout.state_dir, patience_s=30)
+read = ledger.pending_releases
+
+def slow_read(parent=None):
+    rows = read(parent)
+    (root / me).touch()
+    end = time.monotonic() + 10
+    while not (root / other).exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    return rows
+
+def claimed_at_once(name):
+    with open(root / "linked", "a") as f:
+        f.write(name + "\\n")
+    (layout.inbox / name).unlink(missing_ok=True)
+
+ledger.pending_releases = slow_read
+print(release_followups(layout, ledger, "P-1", released=claimed_at_once))
+ledger.close()
+"""
+
+
+def test_two_processes_releasing_one_parent_at_once_link_its_followup_once(tmp_path: Path) -> None:
+    """A command approving a parent and a daemon's housekeeping (or two daemons) release it together.
+
+    Both read the reserved row; a claim takes the first copy from inbox/ at once. The second process
+    must not link the follow-up again (it would be refused as known): the ledger's turn is taken.
+    """
+    import subprocess
+
+    from conftest import cli_env
+
+    layout, ledger = _done_parent_with_a_followup(tmp_path)
+    ledger.close()
+    root = str(layout.root)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RELEASER, root, me, other],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(),
+        )
+        for me, other in (("read-a", "read-b"), ("read-b", "read-a"))
+    ]
+    outs = [p.communicate(timeout=DEADLINE) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    counts = sorted(int(out.strip().splitlines()[-1]) for out, _ in outs)
+    linked = (layout.root / "linked").read_text().split()
+    assert counts == [0, 1] and linked == ["C-1.json"], (counts, linked)
+    assert list(layout.inbox.iterdir()) == []

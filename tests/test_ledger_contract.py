@@ -161,6 +161,50 @@ def test_a_released_followup_is_claimed_with_its_lineage_when_the_digest_matches
     assert got == Claimed("C1", 1, parent="P", hops=1, previous="released", parent_chain_cost_usd=0.75)
 
 
+def test_a_release_turn_is_taken_once_while_its_holder_lives(engine: Engine) -> None:
+    """take_release: one live process at a time per reserved row; taken over from a daemon that died."""
+    a, b = engine.daemon("A"), engine.daemon("B")
+    claimed_token(a.claim([req("P")])[0])
+    assert a.reserve("P", 1, 1, [Child("C1", "w2", "C1.json")]) == []
+    assert a.finish([Finish("P", 1, Row.DONE)]) == [True]
+    assert a.take_release("C1", "sha-1", "A") is True
+    assert b.take_release("C1", "sha-1", "B") is False  # A lives and holds it
+    assert a.take_release("C1", "sha-1", "A") is True  # its own turn again (a retried step)
+    assert a.get("C1").digest == "sha-1"  # type: ignore[union-attr]
+    a.close()
+    engine.made.remove(a)
+    deadline = time.monotonic() + 10  # a live daemon's lease may be remembered for up to a second
+    while not b.take_release("C1", "sha-1", "B"):
+        assert time.monotonic() < deadline, "the turn of a dead daemon was never taken over"
+        time.sleep(0.1)
+    assert b.mark_released("C1", "C1.json", "sha-1") is True
+    assert b.take_release("C1", "sha-1", "B") is False  # released: no turn is left to take
+
+
+def test_a_commands_release_turn_is_kept_while_its_process_lives(engine: Engine) -> None:
+    """A command (no daemon) takes the turn under its host, pid and start; a daemon takes it once that process ended."""
+    import subprocess
+    import sys
+
+    from dispatcher.ledger.releasers import releaser
+
+    a = engine.daemon("A")
+    claimed_token(a.claim([req("P")])[0])
+    assert a.reserve("P", 1, 1, [Child("C1", "w2", "C1.json")]) == []
+    assert a.finish([Finish("P", 1, Row.DONE)]) == [True]
+    code = "from dispatcher.ledger.releasers import releaser; print(releaser(''), flush=True); input()"
+    argv = [sys.executable, "-c", code]
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as cmd:
+        assert cmd.stdout is not None and cmd.stdin is not None
+        command_id = cmd.stdout.readline().strip()
+        assert command_id.startswith("cmd:") and command_id != releaser("")
+        assert a.take_release("C1", "sha", command_id) is True
+        assert a.take_release("C1", "sha", "A") is False  # the command lives
+        cmd.stdin.close()
+    assert a.take_release("C1", "sha", "A") is True  # it ended: its turn is taken over
+    assert a.get("C1").owner == "A"  # type: ignore[union-attr]
+
+
 def test_a_reserved_followup_can_be_held_and_set_state_moves_it(engine: Engine) -> None:
     """mark_released(held=True) puts the row in held; set_state moves it only from the expected state."""
     a = engine.daemon("A")

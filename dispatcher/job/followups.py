@@ -22,6 +22,7 @@ from dispatcher.errors import OrderError
 from dispatcher.fsutil import digest
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Ledger
+from dispatcher.ledger.releasers import releaser
 from dispatcher.lifecycle import State
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format, validate_order
@@ -48,7 +49,9 @@ def release_followups(
     already (a release cut short by a crash) count as released. Returns how many.
     Releases in one process take turns: the pending rows are read under the turn, so a
     follow-up another thread released (and a daemon may have claimed already) is not
-    linked into inbox/ a second time.
+    linked into inbox/ a second time. Between processes, on any host, each follow-up's
+    turn is taken in the ledger first (``Ledger.take_release``): one that another live
+    process holds is left to it.
     """
     with _RELEASING:
         return _release(layout, ledger, parent, max_chain_cost_usd, released, held)
@@ -76,7 +79,8 @@ def _release(
         body["hops"] = entry.hops
         out = fsutil.dump_json(body)
         sha = digest(out)
-        ledger.set_digest(entry.job_id, sha)
+        if not ledger.take_release(entry.job_id, sha, releaser(ledger.owner)):
+            continue  # released by another process (or being released by one that lives): once is enough
         chain = entry.chain_cost_usd  # the parent's chain cost
         over = max_chain_cost_usd is not None and chain is not None and chain > max_chain_cost_usd
         folder = layout.held if over else layout.inbox

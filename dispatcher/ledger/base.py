@@ -219,6 +219,14 @@ class Ledger(ABC):
         """Record the digest a reserved follow-up will be released with (before its file exists)."""
 
     @abstractmethod
+    def take_release(self, job_id: str, digest: str, releaser: str) -> bool:
+        """Take the turn to release a reserved follow-up, recording its digest; False if not ours to place.
+
+        False when the row is no longer reserved, or another live process holds the turn
+        (``releasers.holder_gone``). Taking it again under the same ``releaser`` succeeds.
+        """
+
+    @abstractmethod
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
 

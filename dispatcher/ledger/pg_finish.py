@@ -112,6 +112,28 @@ class Followups:
 
         self.runner.run("set_digest", body, write=True)
 
+    def release_holder(self, job_id: str) -> tuple[str | None, float] | None:
+        """Return who holds a reserved follow-up's release turn and since when, or None if it is not reserved."""
+        sql = "SELECT owner, updated FROM jobs WHERE job_id = %s AND state = 'reserved'"
+        row = self.runner.run("release_holder", lambda cur: cur.execute(sql, (job_id,)).fetchone())
+        return None if row is None else (row[0], float(row[1]))
+
+    def take_release(self, job_id: str, digest: str, releaser: str, holder: str | None) -> bool:
+        """Take a reserved follow-up's release turn from ``holder`` (or keep our own: a retried commit)."""
+
+        def body(cur: Cur) -> bool:
+            if not self.leases.check(cur, lease=False):
+                return False
+            row = cur.execute(
+                "UPDATE jobs SET digest = %s, owner = %s, updated = extract(epoch from now())::float8"
+                " WHERE job_id = %s AND state = 'reserved' AND (owner IS NOT DISTINCT FROM %s OR owner = %s)"
+                " RETURNING 1",
+                (digest, releaser, job_id, holder, releaser),
+            ).fetchone()
+            return row is not None
+
+        return self.runner.run("take_release", body, write=True)
+
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
         state = str(Row.HELD if held else Row.RELEASED)

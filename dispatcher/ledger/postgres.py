@@ -24,6 +24,7 @@ What the daemon must call for its lease: ``pg_leases``.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import structlog
@@ -59,6 +60,7 @@ from dispatcher.ledger.records import (
     Request,
     Wait,
 )
+from dispatcher.ledger.releasers import holder_gone
 from dispatcher.lifecycle import Row
 
 __all__ = ["LeaseLost", "PostgresLedger", "PostgresLedgerError"]
@@ -311,6 +313,16 @@ class PostgresLedger(Ledger, LeasesInterface):
     def set_digest(self, job_id: str, digest: str) -> None:
         """Record the digest a reserved follow-up will be released with (before its file exists)."""
         self._followups.set_digest(job_id, digest)
+
+    def take_release(self, job_id: str, digest: str, releaser: str) -> bool:
+        """Take the turn to release a reserved follow-up (see ``Ledger.take_release``)."""
+        held = self._followups.release_holder(job_id)
+        if held is None:
+            return False
+        holder, since = held
+        if holder not in (None, releaser) and not holder_gone(holder, self.alive, since, time.time()):
+            return False
+        return self._followups.take_release(job_id, digest, releaser, holder)
 
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""

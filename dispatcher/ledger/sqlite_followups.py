@@ -9,10 +9,12 @@ once the file is in inbox/ (or held/) under a name that replaces nothing.
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Sequence
 
 from dispatcher.ledger.base import now
 from dispatcher.ledger.records import Child, Entry
+from dispatcher.ledger.releasers import holder_gone
 from dispatcher.ledger.sqlite_db import SqliteDb, _entry
 from dispatcher.lifecycle import Row
 
@@ -69,6 +71,26 @@ class SqliteFollowups(SqliteDb):
                 "UPDATE jobs SET digest = ? WHERE job_id = ? AND state = 'reserved'", (digest, job_id)
             )
         )
+
+    def take_release(self, job_id: str, digest: str, releaser: str) -> bool:
+        """Take the turn to release a reserved follow-up (see ``Ledger.take_release``)."""
+
+        def body(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT owner, updated FROM jobs WHERE job_id = ? AND state = 'reserved'", (job_id,))
+            found = row.fetchone()
+            if found is None:
+                return False
+            holder, since = found
+            alive = self._liveness.alive
+            if holder not in (None, releaser) and not holder_gone(holder, alive, since, time.time()):
+                return False
+            db.execute(
+                "UPDATE jobs SET digest = ?, owner = ?, updated = ? WHERE job_id = ? AND state = 'reserved'",
+                (digest, releaser, now(), job_id),
+            )
+            return True
+
+        return self._tx(body)
 
     def mark_released(self, job_id: str, source: str, digest: str, *, held: bool = False) -> bool:
         """Record that a reserved follow-up's file is in inbox/ (or held/) under source."""
