@@ -162,17 +162,25 @@ class Env:
         """Read result.json of a finished job."""
         return json.loads((self.job_dir(job_id, state) / "result.json").read_text())
 
-    def wait_job(self, job_id: str, state: str | None = None, timeout: float = DEADLINE) -> dict[str, Any]:
-        """Wait until the job has a result.json in done/ or failed/; check its state."""
+    def wait_job(
+        self, job_id: str, state: str | None = None, timeout: float = DEADLINE, *, after: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Wait until the job has a result.json in done/ or failed/; check its state.
+
+        ``after``: a result the job had before a `retry` (which the daemon carries out later):
+        wait for one with more attempts, not that one still in failed/.
+        """
+        before = -1 if after is None else len(after.get("attempts") or [])
 
         def finished() -> tuple[str, dict[str, Any]] | None:
             for s in ("done", "failed"):
                 path = self.root / s / job_id / "result.json"
                 if path.exists():
                     try:
-                        return s, json.loads(path.read_text())
+                        result = json.loads(path.read_text())
                     except json.JSONDecodeError:
                         return None
+                    return (s, result) if len(result.get("attempts") or []) > before else None
             return None
 
         where, result = wait_until(finished, timeout, f"job {job_id} to finish")

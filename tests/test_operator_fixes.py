@@ -30,7 +30,7 @@ def test_retry_after_fixing_the_agent_command_runs_the_fixed_command(env: Env) -
     d = env.daemon()
     d.wait_ready()
     assert env.cli("retry", "FIX-1").returncode == 0
-    done = env.wait_job("FIX-1", "done")
+    done = env.wait_job("FIX-1", "done", after=failed)  # the daemon carries the retry out
     assert done["attempts"][-1]["argv"][0] == sys.executable
 
 

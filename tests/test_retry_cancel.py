@@ -156,7 +156,7 @@ def test_retry_command_reruns_a_failed_job_with_attempts_numbered_on(env: Env) -
     assert [a["n"] for a in first["attempts"]] == [1, 2]
     proc = env.cli("retry", "AGAIN-1")
     assert proc.returncode == 0, proc.stderr
-    result = env.wait_job("AGAIN-1", "done")
+    result = env.wait_job("AGAIN-1", "done", after=first)
     job = env.root / "done" / "AGAIN-1"
     kept = json.loads((job / "attempts" / "2" / "result.json").read_text())
     assert kept["state"] == "failed"

@@ -18,6 +18,7 @@ from dispatcher.ledger.postgres import PostgresLedger
 from dispatcher.store.ledgers import ANSWER_S, CONNECT_S, REACH_S
 
 LIMIT_S = 5.0
+pytestmark = pytest.mark.timing  # .ci/run: alone, after the parallel run
 
 
 @pytest.fixture
