@@ -93,7 +93,7 @@ nowhere() { ! compgen -G "$ROOT/*/$1" >/dev/null; }
 unknown_job() { dispatcher show "$1" >/dev/null 2>&1; [ $? -eq 1 ]; }
 run_once() {  # run_once N: the daemon until the inbox is drained, one short line per event
     shows "dispatcher run --once"
-    dispatcher run --once 2>&1 | tee "$WORK/run-$1.log" | "$PY" -m dispatcher logs -
+    dispatcher run --once 2>&1 | tee "$WORK/run-$1.log" | dispatcher logs -
     return "${PIPESTATUS[0]}"
 }
 

@@ -75,6 +75,9 @@ COMMANDS = [
     ("retry", "JOB-1"),
     ("cancel", "JOB-1"),
     ("logs",),
+    ("logs", "-"),
+    ("logs", "order.json"),
+    ("unit",),
 ]
 
 

@@ -46,9 +46,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     return venv / "bin", work, env
 
 
+def _with_config(work: Path, env: dict[str, str]) -> dict[str, str]:
+    """Return env naming a config file (every command but init needs one; `unit` only that it exists)."""
+    config = work / "unit-config.yaml"
+    config.write_text("root: /srv/dispatch\nagents: {}\n")
+    return {**env, "DISPATCHER_CONFIG": str(config)}
+
+
 def test_the_wheel_holds_the_units_and_the_notify_examples(installed: tuple[Path, Path, dict[str, str]]) -> None:
     """`dispatcher unit` (and --template, --logrotate, --notify) print the shipped files from the installed wheel."""
     bindir, work, env = installed
+    env = _with_config(work, env)  # as the README's steps: the config is in place before the units
     command = str(bindir / "dispatcher")
     unit = _run([command, "unit"], work, env)
     assert unit.returncode == 0, unit.stderr
@@ -70,6 +78,7 @@ def test_the_printed_units_verify(installed: tuple[Path, Path, dict[str, str]]) 
     tool = shutil.which("systemd-analyze")
     assert tool, "systemd-analyze not found: install Debian's systemd package (.ci/run does)"
     bindir, work, env = installed
+    env = _with_config(work, env)
     units = work / "units"
     units.mkdir(exist_ok=True)
     for name, extra in (("dispatcher.service", []), ("dispatcher@.service", ["--template"])):

@@ -53,7 +53,11 @@ def run_once(env: Env, out: Path, extra: dict[str, str]) -> int:
 
 
 def logs_cmd(cwd: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `dispatcher logs ARGS` (no config unless args name one) and return the finished process."""
+    """Run `dispatcher logs ARGS` in cwd, which gets a config (every command but init needs one)."""
+    config = cwd / "config" / "dispatcher.yaml"
+    if not config.exists():
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text("root: ../dispatch\nagents: {}\n")
     return subprocess.run(
         [sys.executable, "-m", "dispatcher", "logs", *args],
         input=stdin,
@@ -225,7 +229,7 @@ def test_run_on_a_terminal_prints_what_logs_prints(env: Env) -> None:
 
 
 def test_logs_reads_stdin_and_takes_off_the_priority_prefix(tmp_path: Path) -> None:
-    """`dispatcher logs -` reads `<N>`-prefixed or plain JSON lines from stdin, with no config, readably."""
+    """`dispatcher logs -` reads `<N>`-prefixed or plain JSON lines from stdin, readably."""
     lines = [
         "<6>" + json.dumps(entry("daemon.started", pid=7)),
         json.dumps(entry("job.claimed", job_id="J-1", agent="worker")),
@@ -280,8 +284,10 @@ class Follower:
     """A real `dispatcher logs -f FILE` process, read line by line with a deadline."""
 
     def __init__(self, path: Path) -> None:
+        config = path.parent / "follower.yaml"  # every command but init needs a config
+        config.write_text("root: ./dispatch\nagents: {}\n")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher", "logs", "-f", str(path)],
+            [sys.executable, "-m", "dispatcher", "--config", str(config), "logs", "-f", str(path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             cwd=path.parent,

@@ -75,7 +75,7 @@ def test_submit_of_several_files_with_one_known_id_says_nothing_was_submitted(en
     proc = env.cli("submit", *names)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        f"{names[1]}: job_id: OLD-1 is already known (done); a job id is never run twice",
+        f"{names[1]}: job_id: OLD-1 is already known (state done); a job id is never run twice",
         "nothing was submitted (3 files given)",
     ]
     assert list((env.root / "inbox").iterdir()) == []

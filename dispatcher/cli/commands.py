@@ -357,6 +357,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     def show(lines: Iterable[str]) -> int:
         return logview.show(lines, job=args.job, as_json=args.json, flush=args.follow)
 
+    require_config(args.config)  # every command but init needs one, also to read a FILE or stdin
     if args.source == "-":
         return show(logview.read_stream(sys.stdin.buffer))
     if args.source is not None:
@@ -387,6 +388,7 @@ def cmd_unit(args: argparse.Namespace) -> int:
     """Print the systemd unit (or the template, the logrotate file, a notify example) of the installed package."""
     from dispatcher.cli import unit
 
+    require_config(args.config)  # every command but init needs one (the unit runs it: install it first)
     if args.logrotate:
         text = unit.logrotate_text()
     elif args.notify:

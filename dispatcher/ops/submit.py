@@ -159,9 +159,10 @@ def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None
     queued = queued_ids(layout.inbox, rest)
     held = queued_ids(layout.held, rest - queued)  # a held order is a submitted one that an operator paused
     for name, order, _, _ in orders:
-        state = known.get(order.job_id) or (
+        recorded = known.get(order.job_id)  # worded as a refusal from inbox/ words it: the same text
+        state = f"state {recorded}" if recorded else (
             "queued in inbox/" if order.job_id in queued else "held in held/" if order.job_id in held else None
-        )
+        )  # fmt: skip
         if state is not None:
             raise OrderError(
                 f"{order.job_id} is already known ({state}); a job id is never run twice", file=name, field="job_id"
