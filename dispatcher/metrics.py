@@ -132,6 +132,13 @@ class Metrics:
         for agent in agents:
             self._touch(agent)
 
+    def add_agents(self, agents: Iterable[str]) -> None:
+        """Make the per-agent series of agents a reload added exist (at 0); known ones are left as they are."""
+        with self._lock:
+            new = [a for a in agents if a not in self._running_agents]
+        for agent in new:
+            self._touch(agent)
+
     def _touch(self, agent: str) -> None:
         """Make every per-agent series of agent exist (at 0)."""
         for state in FINISHED_STATES:

@@ -47,6 +47,30 @@ def test_a_reload_that_sets_metrics_file_starts_it(env: Env) -> None:
     assert "dispatcher_queue" in prom.read_text()
 
 
+def test_an_agent_added_after_metrics_started_by_a_reload_has_its_series_and_its_gate(env: Env) -> None:
+    """metrics_file set by one reload, agent `late` (then paused) added by another: its gauges are in the file."""
+    prom = env.tmp / "later.prom"
+    d = env.daemon()
+    d.wait_ready()
+    body = yaml.safe_load(env.config_path.read_text()) | {"metrics_file": str(prom)}
+    env.config_path.write_text(yaml.safe_dump(body))
+    assert env.cli("reload").returncode == 0
+    wait_until(prom.exists, timeout=10, what="the metrics file after the reload")
+    body["agents"]["late"] = body["agents"]["worker"]
+    env.config_path.write_text(yaml.safe_dump(body))
+    assert env.cli("reload").returncode == 0
+    wait_until(lambda: len([e for e in d.events() if e.get("event") == "config.reloaded"]) == 2)
+    assert env.cli("pause", "late").returncode == 0
+    late = (("agent", "late"),)
+
+    def gated() -> bool:
+        got = samples(prom)
+        return got.get(("dispatcher_agent_gated", late)) == 1 and ("dispatcher_agents_running", late) in got
+
+    wait_until(gated, timeout=15, what="dispatcher_agent_gated{agent=late} 1 and its running series")
+    assert samples(prom)[("dispatcher_agent_gated", (("agent", "worker"),))] == 0
+
+
 def test_a_reload_that_moves_or_unsets_metrics_file_leaves_no_frozen_file(env: Env) -> None:
     """Moved: the counters go on in the new file and the old one goes; unset: the file goes."""
     first, second = env.tmp / "a.prom", env.tmp / "b.prom"

@@ -120,7 +120,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "resume": (
         "lift the gates of agents: a pause, a usage limit or a daily cap",
         f"0 every gate is lifted\n1 an agent is unknown or not gated (one line each on stderr)\n2 {BAD}",
-        "dispatcher resume coder",
+        "dispatcher resume coder\ndispatcher resume '*'   # the root's daily cap, which holds every agent",
     ),
     "logs": (
         "read JSON log lines (log_file, FILE, or - for stdin) as lines a person reads",

@@ -38,6 +38,7 @@ from dispatcher.job import repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
 from dispatcher.job.joins import Joins
+from dispatcher.job.waits import unsupported_budget_gates
 from dispatcher.lanes import HOLD_S, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
@@ -148,6 +149,7 @@ class Daemon(Reloading, Fencing):
             self.metrics,
             shared=self.ledger.leases is not None,
             idle_s=self._rescan_interval(),
+            stale=lambda gates, now: unsupported_budget_gates(gates, self.config, self.ledger.costs_since, now),
         )
         ctx = JobContext(
             layout=self.layout,

@@ -58,8 +58,10 @@ class GateKeeper:
         *,
         shared: bool = False,
         idle_s: float = 30.0,
+        stale: Callable[[list[Gate], float], list[Gate]] | None = None,
     ) -> None:
         self.ledger = ledger
+        self.stale = stale  # gates the config no longer holds up (a daily cap removed or raised): lifted
         self.shared = shared  # other hosts may set gates: read them every POLL_S
         self.idle_s = idle_s
         self.lanes = lanes
@@ -117,11 +119,17 @@ class GateKeeper:
             self.wake()
 
     def _read(self, now: float) -> tuple[list[Gate], list[Gate]]:
-        """Read the gates; lift the expired ones (a write) only when there are some (ledger lane)."""
+        """Read the gates; lift the expired and stale ones (a write) only when there are some (ledger lane)."""
         gates = self.ledger.gates()
-        if not any(g.until is not None and g.until <= now for g in gates):
+        stale = self.stale(gates, now) if self.stale is not None else []
+        expired = any(g.until is not None and g.until <= now for g in gates)
+        if not expired and not stale:
             return [], gates
-        return self.ledger.lift_gates(expired_at=now), self.ledger.gates()
+        lifted = self.ledger.lift_gates(expired_at=now) if expired else []
+        for g in stale:
+            if all((g.agent, g.kind) != (x.agent, x.kind) for x in lifted):
+                lifted += self.ledger.lift_gates(g.agent, kind=g.kind)
+        return lifted, self.ledger.gates()
 
     def start(self) -> None:
         """Refresh in the background until stopped (see the module's docstring for how often)."""

@@ -17,6 +17,7 @@ import structlog
 from dispatcher import lean
 from dispatcher.core import announce
 from dispatcher.core.claiming import Claims
+from dispatcher.core.gatekeeper import GateKeeper
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.watcher import Inbox
 from dispatcher.errors import ConfigError
@@ -43,6 +44,7 @@ class Reloading:
     inbox: Inbox
     lanes: Lanes
     ledger: Ledger
+    gatekeeper: GateKeeper
 
     def reload(self) -> None:
         """Reload the config (SIGHUP); keep the old one if the new one is bad or moves the root."""
@@ -75,13 +77,17 @@ class Reloading:
                 if self.metrics is not None:
                     self.metrics.remove_file()
                 self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
+                self.gatekeeper.metrics = self.metrics  # dispatcher_agent_gated follows the gates' snapshot
             self.house.metrics_now()
+        if self.metrics is not None:
+            self.metrics.add_agents(new.agents)  # an agent a reload adds has its series (at 0) at once
         gone = frozenset({*self.config.agents, *self.config.retired} - set(new.agents))
         self.config = new = dataclasses.replace(new, retired=gone)  # follow-ups to them wait, as their orders do
         self.claims.note_config(new)  # its agents: if a later reload removes one, its orders wait
         self.inbox.settle_s = new.settle_s
         self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
+        self.gatekeeper.kick()  # gates read again: a daily cap removed or raised lifts its gate, metrics follow
         announce.config_findings(new)
 
     def _metrics(self, config: Config) -> Metrics | None:

@@ -73,6 +73,30 @@ def budget_gates(costs: Sequence[tuple[float, str, float]], cfg: Config, agent: 
     return out
 
 
+def unsupported_budget_gates(
+    gates: Sequence[Gate], cfg: Config, costs_since: Callable[[float], Sequence[tuple[float, str, float]]], at: float
+) -> list[Gate]:
+    """Return the daily-cap gates the config no longer holds up: its cap removed or raised, so the window allows.
+
+    ``costs_since`` reads the window's (finished, agent, cost) rows; it is asked only when a daily-cap gate exists.
+    """
+    budget = [g for g in gates if g.kind == GateKind.BUDGET]
+    if not budget:
+        return []
+    window = costs_since(at - DAY_S)
+    out = []
+    for g in budget:
+        if g.agent == EVERY_AGENT:
+            cap, rows = cfg.max_daily_cost_usd, [(t, c) for t, _, c in window]
+        else:
+            agent = cfg.agents.get(g.agent)
+            cap = agent.max_daily_cost_usd if agent is not None else None
+            rows = [(t, c) for t, a, c in window if a == g.agent]
+        if cap is None or window_until(rows, cap, at) is None:
+            out.append(g)
+    return out
+
+
 def limit_text(stdout_tail: bytes, stderr_tail: bytes) -> str:
     """Return the text limits are matched on: the last 64 KiB of stdout and of stderr."""
     out = stdout_tail[-TAIL_BYTES:].decode("utf-8", "replace")
@@ -169,6 +193,7 @@ class Waits:
         if not fresh and self.not_before > now:  # the snapshot may not know it yet; the ledger does
             return Gate(agent.name, GateKind.LIMIT, self.not_before, self.not_before_text)
         cfg = self.config()
+        agent = cfg.agents.get(agent.name, agent)  # a cap a reload set, raised or removed counts from now on
         capped = agent.max_daily_cost_usd is not None or cfg.max_daily_cost_usd is not None
         if not fresh and not capped:
             return holding(self.gates(), agent.name, now)

@@ -280,8 +280,11 @@ class Ledger(ABC):
         """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held at ``at``."""
 
     @abstractmethod
-    def lift_gates(self, agent: str | None = None, *, expired_at: float | None = None) -> list[Gate]:
-        """Remove gates: every gate of ``agent``, or (``expired_at``) those whose time has come; return them."""
+    def lift_gates(
+        self, agent: str | None = None, *, kind: str | None = None, expired_at: float | None = None
+    ) -> list[Gate]:
+        """Remove gates: every gate of ``agent`` (only of ``kind`` if given), or (``expired_at``) those whose
+        time has come; return them."""
 
     @abstractmethod
     def gates(self) -> list[Gate]:

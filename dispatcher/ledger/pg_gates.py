@@ -60,11 +60,15 @@ class Gates:
 
         return self.runner.run("set_gate", body, write=True)
 
-    def lift_gates(self, agent: str | None = None, *, expired_at: float | None = None) -> list[Gate]:
-        """Remove every gate of ``agent``, or those whose time has come at ``expired_at``; return them."""
+    def lift_gates(
+        self, agent: str | None = None, *, kind: str | None = None, expired_at: float | None = None
+    ) -> list[Gate]:
+        """Remove every gate of ``agent`` (of ``kind``), or those whose time has come at ``expired_at``; return them."""
         args: tuple[object, ...]
         if expired_at is not None:
             sql, args = "DELETE FROM gates WHERE until IS NOT NULL AND until <= %s", (expired_at,)
+        elif kind is not None:
+            sql, args = "DELETE FROM gates WHERE agent = %s AND kind = %s", (agent, kind)
         else:
             sql, args = "DELETE FROM gates WHERE agent = %s", (agent,)
 

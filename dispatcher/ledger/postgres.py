@@ -367,9 +367,11 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held."""
         return self._gates.set_gate(gate, at=at)
 
-    def lift_gates(self, agent: str | None = None, *, expired_at: float | None = None) -> list[Gate]:
-        """Remove every gate of ``agent``, or those whose time has come; return them."""
-        return self._gates.lift_gates(agent, expired_at=expired_at)
+    def lift_gates(
+        self, agent: str | None = None, *, kind: str | None = None, expired_at: float | None = None
+    ) -> list[Gate]:
+        """Remove every gate of ``agent`` (of ``kind``), or those whose time has come; return them."""
+        return self._gates.lift_gates(agent, kind=kind, expired_at=expired_at)
 
     def gates(self) -> list[Gate]:
         """Return every gate recorded, by agent."""

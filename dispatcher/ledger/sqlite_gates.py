@@ -37,11 +37,15 @@ class SqliteGates(SqliteDb):
 
         return self._tx(body)
 
-    def lift_gates(self, agent: str | None = None, *, expired_at: float | None = None) -> list[Gate]:
-        """Remove every gate of ``agent``, or those whose time has come at ``expired_at``; return them."""
+    def lift_gates(
+        self, agent: str | None = None, *, kind: str | None = None, expired_at: float | None = None
+    ) -> list[Gate]:
+        """Remove every gate of ``agent`` (of ``kind``), or those whose time has come at ``expired_at``; return them."""
         args: tuple[object, ...]
         if expired_at is not None:
             where, args = "until IS NOT NULL AND until <= ?", (expired_at,)
+        elif kind is not None:
+            where, args = "agent = ? AND kind = ?", (agent, kind)
         else:
             where, args = "agent = ?", (agent,)
 

@@ -28,7 +28,7 @@ import structlog
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
 from dispatcher.layout import Layout, hint_name
-from dispatcher.ledger.base import Gate, GateKind, Ledger, Request
+from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.settings import Config
@@ -303,8 +303,12 @@ class Operator:
         return f"{agent}: already paused"
 
     def resume(self, agent: str) -> str:
-        """Lift every gate of an agent: a pause, a usage limit or a daily cap (which is set again if still reached)."""
-        self._agent(agent)
+        """Lift every gate of an agent: a pause, a usage limit or a daily cap (which is set again if still reached).
+
+        ``*`` lifts the gates of every agent at once: the root's daily cap.
+        """
+        if agent != EVERY_AGENT:
+            self._agent(agent)
         lifted = self.ledger.lift_gates(agent)
         if not lifted:
             raise WrongState(f"{agent}: is not gated")
