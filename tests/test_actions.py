@@ -132,6 +132,15 @@ def test_release_of_an_order_that_is_not_held_exits_1(env: Env) -> None:
     assert (env.root / "inbox" / "Q-3.json").exists()
 
 
+def test_release_of_a_done_job_with_nothing_held_says_it_is_not_held(env: Env) -> None:
+    """`release` of a finished job: exit 1, "is done, not held"; no word of a held order when none is there."""
+    env.drop(order("FIN-1"))
+    assert env.cli("run", "--once").returncode == 0
+    proc = env.cli("release", "FIN-1")
+    assert proc.returncode == 1
+    assert proc.stderr == "FIN-1: is done, not held\n"
+
+
 def test_ids_are_read_from_stdin_with_a_dash(env: Env) -> None:
     """`hold -` and `release -` take one id a line from stdin (blank lines skipped)."""
     for job_id in ("S-1", "S-2", "S-3"):

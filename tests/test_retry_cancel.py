@@ -223,6 +223,18 @@ def slow_and_worker(env: Env) -> None:
     )
 
 
+CONTRACT_CHECKS = [
+    "exit_ok", "receipt_present", "receipt_job_id", "receipt_status", "receipt_inputs", "output_rows",
+    "receipt_outputs", "allowed_values", "writes_scope", "followups_valid",
+]  # fmt: skip
+
+
+def assert_not_run(result: dict[str, Any]) -> None:
+    """Every check of section 5 is recorded by name, in order, as null "not run" (no attempt was checked)."""
+    assert [c["name"] for c in result["checks"]] == CONTRACT_CHECKS
+    assert all(c["ok"] is None and c["detail"].startswith("not run") for c in result["checks"]), result["checks"]
+
+
 def test_cancel_queued_job_with_no_free_slot(env: Env) -> None:
     """cancel of a queued job while the only slot is busy: failed `cancelled` within seconds."""
     slow_and_worker(env)
@@ -238,6 +250,7 @@ def test_cancel_queued_job_with_no_free_slot(env: Env) -> None:
     assert time.monotonic() - sent < 10
     assert result["reason"] == "cancelled"
     assert result["attempts"] == []
+    assert_not_run(result)
     assert starts_of(env, "QUEUED-1") == []
     assert alive(pid), "cancelling the queued job touched the running one"
 
@@ -300,6 +313,7 @@ def test_agent_that_cannot_start_fails_as_config_error_without_attempt(env: Env,
     result = env.wait_job("BROKEN-1", "failed")
     assert result["reason"].startswith("config: agent broken cannot start: "), result["reason"]
     assert result["attempts"] == []
+    assert_not_run(result)
     env.drop(order("AFTER-1"))
     env.wait_job("AFTER-1", "done")
     assert d.stop() == 0

@@ -228,6 +228,8 @@ class Operator:
         _check_id(job_id)
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state not in (Row.HELD, Row.RELEASED):
+            if find_queued(self.layout.held, [job_id]).get(job_id) is None:
+                raise WrongState(f"{job_id}: is {_word(entry.state)}, not held")
             raise WrongState(
                 f"{job_id}: is {_word(entry.state)}; released, its held order would be refused (it stays in held/)"
             )

@@ -39,6 +39,7 @@ from dispatcher.errors import cut, oneline
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
 from dispatcher.shortage import resource_of
+from dispatcher.spec.agent_rules import BUILTIN_CHECKS
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.result import CheckResult, Result
 
@@ -358,6 +359,9 @@ def cut_reason(reason: str) -> str:
     return cut(oneline(reason), DETAIL_MAX)
 
 
+NOT_RUN = tuple(CheckResult(name, None, "not run: no attempt of the agent was checked") for name in BUILTIN_CHECKS)
+
+
 def build_result(
     *,
     job_id: str | None,
@@ -373,7 +377,14 @@ def build_result(
     chain_cost_usd: float | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Result:
-    """Return a new job's (or refusal's) result: the only place a result is built."""
+    """Return a new job's (or refusal's) result: the only place a result is built.
+
+    Every built-in check is recorded by name (contract section 5): a job that ended before any
+    attempt was checked (cancelled while queued, an agent that could not start, a refused
+    file) records each as ``"ok": null``, "not run".
+    """
+    if not checks:
+        checks = NOT_RUN
     return Result(
         job_id=job_id,
         state=state,
