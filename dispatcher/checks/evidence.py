@@ -41,6 +41,20 @@ def _raise_if_short(exc: OSError) -> None:
         raise exc
 
 
+def _relative_inside(link: str, root: str) -> bool:
+    """Return True if a link in work/ stays inside it: a relative text that resolves inside.
+
+    An absolute text names work/ by where the job is now (active/<id>/work): once the job
+    moves to done/ or failed/ it points outside, at a folder that is gone.
+    """
+    try:
+        if os.path.isabs(os.readlink(link)):
+            return False
+    except OSError:
+        return False
+    return fsutil.link_stays_inside(link, root)
+
+
 def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
     """Open work/<rel> without following links or blocking; return (Doc saying why not, fd).
 
@@ -145,7 +159,7 @@ def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
                     out.append(Entry(rel, "dir"))
                     stack.append((de.path, rel + "/"))
                 elif kind == "symlink":
-                    out.append(Entry(rel, "symlink", target_inside=fsutil.link_stays_inside(de.path, root)))
+                    out.append(Entry(rel, "symlink", target_inside=_relative_inside(de.path, root)))
                 elif kind == "file":
                     sha = _digest_file(work, rel) if rel in given else None
                     out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))
