@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import pytest
 from conftest import Env, order, wait_until
 
-SLOW_S = "5"
+SLOW_S = "8"
 
 
 def iso(t: float) -> str:
@@ -29,15 +29,18 @@ def iso(t: float) -> str:
 def test_an_order_that_expires_while_waiting_for_a_slot_ends_expired_and_never_starts(
     env: Env, max_jobs: int, to: str
 ) -> None:
-    """A slow job holds the only slot: an order expiring 2 s ahead is refused `expired`; one without expires runs."""
+    """A slow job holds the only slot: an order expiring 2 s ahead is refused `expired` then; a plain one runs."""
     env.configure({"slow": env.agent("--sleep", SLOW_S, concurrency=1), "worker": env.agent()}, max_jobs=max_jobs)
     d = env.daemon()
     d.wait_ready()
     env.drop(order("slow1", to="slow"))
     d.wait_event("agent.started", job_id="slow1")
-    env.drop(order("exp", to=to, expires=iso(time.time() + 2)))
+    expires = time.time() + 2
+    env.drop(order("exp", to=to, expires=iso(expires)))
     env.drop(order("plain", to=to))
     refused = env.wait_refused("exp")
+    late = datetime.fromisoformat(refused["finished"].replace("Z", "+00:00")).timestamp() - expires
+    assert late < 3, f"refused {late:.1f} s after its expires: at the busy slot's end, not its time"
     assert (refused["state"], refused["job_id"], refused["reason"]) == ("failed", "exp", "expired")
     env.wait_job("plain", "done")
     assert not (env.root / "failed" / "exp").exists() and not (env.root / "inbox" / "exp.json").exists()

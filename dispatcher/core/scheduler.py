@@ -70,6 +70,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.inflight = 0
         self.sending: collections.Counter[str] = collections.Counter()  # agents of parked orders in a claim's trip
         self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
+        self._expiry_turn: float | None = None  # when a turn is due for the next ready order's expires
         self.slot_poll = False
         self.stats = Stats()
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
@@ -158,6 +159,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 break
             batch.append(ready)  # read in the claim's trip, off the loop
             free -= 1
+        batch.extend(self.inbox.pop_expired(wall))  # refused `expired` in the claim's trip: no slot needed
+        self._turn_at_expiry(wall)
         if not batch:
             self._free_idle()
             # claimed ahead only in a turn that claims nothing else: orders in a claim's trip come first
@@ -176,6 +179,14 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self.sending.update(sent)
             last = i == len(chunks) - 1
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=last, parked_new=sent))
+
+    def _turn_at_expiry(self, wall: float) -> None:
+        """Take a turn when the next order waiting unread in inbox/ expires: it is refused then, not at a free slot."""
+        soon = self.inbox.next_expiry()
+        if soon is None or (self._expiry_turn is not None and wall < self._expiry_turn <= soon):
+            return
+        self._expiry_turn = soon
+        asyncio.get_running_loop().call_later(max(0.0, soon - wall) + 0.01, self.wake)
 
     def _gates_changed(self, gated: frozenset[str], now: float) -> None:
         """Leave new orders of gated agents unread; take back what the gates let go, oldest first."""

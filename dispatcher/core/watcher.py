@@ -98,6 +98,7 @@ class Inbox:
         self._taken: dict[str, _Ready] = {}  # names being handled -> their place when they were ready
         self._aside: dict[str, list[_Ready]] = {}  # agent -> its orders left unread while a gate holds it
         self._aside_names: set[str] = set()
+        self._expiring: list[tuple[float, _Ready]] = []  # (expires, entry) of ready orders with expires
         self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
 
     def __len__(self) -> int:
@@ -178,7 +179,10 @@ class Inbox:
             self._joins.append(name)
         else:
             expires = float("inf") if glance.expires is None else glance.expires
-            heapq.heappush(self._ready, _Ready(-glance.priority, mtime_ns, name, glance.agent, expires))
+            entry = _Ready(-glance.priority, mtime_ns, name, glance.agent, expires)
+            heapq.heappush(self._ready, entry)
+            if glance.expires is not None:
+                heapq.heappush(self._expiring, (expires, entry))
 
     def _peek(self, name: str, dir_fd: int | None = None) -> Glance:
         """Read an order's priority, not_before and `after` at a glance (a small bounded read; no link followed)."""
@@ -293,6 +297,23 @@ class Inbox:
         self._ready_names.discard(entry.name)
         self._taken[entry.name] = entry
         return entry.name
+
+    def pop_expired(self, at: float) -> list[str]:
+        """Take the ready names whose order expired by ``at`` (at a glance), slot or not: each is refused then."""
+        out = []
+        while self._expiring and self._expiring[0][0] <= at:
+            _, entry = heapq.heappop(self._expiring)
+            if entry.name in self._ready_names:
+                self._ready_names.discard(entry.name)  # its place in the ready heap is skipped from now on
+                self._taken[entry.name] = entry
+                out.append(entry.name)
+        return out
+
+    def next_expiry(self) -> float | None:
+        """Return when the next ready order expires (at a glance), or None."""
+        while self._expiring and self._expiring[0][1].name not in self._ready_names:
+            heapq.heappop(self._expiring)  # taken, forgotten or set aside meanwhile
+        return self._expiring[0][0] if self._expiring else None
 
     def next_agent(self, gated: frozenset[str] = frozenset()) -> tuple[str, bool] | None:
         """Return the agent (at a glance) of the order ``pop`` would return next, and whether it has ``expires``.
