@@ -51,11 +51,12 @@ def test_an_order_that_expires_while_waiting_for_a_slot_ends_expired_and_never_s
 
 def test_a_job_waiting_for_a_paused_agent_past_its_expires_fails_expired_without_a_start(env: Env) -> None:
     """A join whose agent is paused fails `expired` at its expires, no attempt; later work and a `retry` of it run."""
-    env.configure({"worker": env.agent("--sleep", "2"), "merger": env.agent()})
+    # W1 runs 6 s: the `pause` below must land before it ends (a command's start takes seconds on a busy machine)
+    env.configure({"worker": env.agent("--sleep", "6"), "merger": env.agent()})
     d = env.daemon()
     d.wait_ready()
     env.drop(order("W1"))
-    env.drop(order("M", to="merger", after=["W1"], expires=iso(time.time() + 6)))
+    env.drop(order("M", to="merger", after=["W1"], expires=iso(time.time() + 12)))
     d.wait_event("job.waiting", job_id="M", rule="all_done")  # claimed, in waiting/ until W1 is done
     env.cli("pause", "merger", check=True)
     d.wait_event("job.waiting", job_id="M", kind="pause")  # W1 is done: now it waits for the gate, in active/
