@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import Env, order, wait_until
+from conftest import Daemon, Env, order, wait_until
 
 HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
 
@@ -120,16 +120,22 @@ def test_the_24_hour_spend_reads_an_index_not_every_finished_job(tmp_path: Path)
     assert "USING INDEX jobs_spent" in str(plan), plan
 
 
+def cap_reached(env: Env, first: str, second: str, to: str, gated: str) -> Daemon:
+    """Start a daemon; `first` (to `to`) runs and spends; `second` then waits, gated on `gated`'s cap."""
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order(first, to=to))
+    env.wait_job(first, "done")
+    env.drop(order(second, to=to))
+    d.wait_event("budget.gated", agent=gated)
+    return d
+
+
 def test_a_root_cap_removed_by_a_reload_lifts_its_gate_and_the_waiting_job_runs(env: Env) -> None:
     """Cap 0.1 reached; the config drops it and the daemon reloads: the window allows, ROOT-B runs."""
     agents = {"a": agent(env, "a", 0.2), "b": agent(env, "b", 0.0)}
     env.configure(agents=agents, max_daily_cost_usd=0.1, max_jobs=1)
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("ROOT-A", to="a"))
-    env.wait_job("ROOT-A", "done")
-    env.drop(order("ROOT-B", to="b"))
-    d.wait_event("budget.gated", agent="*")
+    d = cap_reached(env, "ROOT-A", "ROOT-B", "a", "*")
     env.configure(agents=agents, max_jobs=1)  # no cap any more
     assert env.cli("reload").returncode == 0
     lifted = d.wait_event("agent.resumed", agent="*")
@@ -144,12 +150,7 @@ def test_a_root_cap_removed_by_a_reload_lifts_its_gate_and_the_waiting_job_runs(
 def test_an_agent_cap_raised_by_a_reload_lets_its_waiting_job_run(env: Env) -> None:
     """Agent cap 0.5 reached by one 0.5 job; raised to 5 and reloaded: the waiting job runs at once."""
     env.configure(agents={"worker": agent(env, "w", 0.5, max_daily_cost_usd=0.5)})
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("RAISE-1"))
-    env.wait_job("RAISE-1", "done")
-    env.drop(order("RAISE-2"))
-    d.wait_event("budget.gated", agent="worker")
+    d = cap_reached(env, "RAISE-1", "RAISE-2", "worker", "worker")
     env.configure(agents={"worker": agent(env, "w", 0.5, max_daily_cost_usd=5.0)})
     assert env.cli("reload").returncode == 0
     env.wait_job("RAISE-2", "done")
@@ -160,12 +161,7 @@ def test_an_agent_cap_raised_by_a_reload_lets_its_waiting_job_run(env: Env) -> N
 def test_resume_star_lifts_the_root_cap_by_hand(env: Env) -> None:
     """`resume '*'` lifts the root's daily-cap gate (set again only if a later check still finds it reached)."""
     env.configure(agents={"a": agent(env, "a", 0.2)}, max_daily_cost_usd=0.1)
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("STAR-1", to="a"))
-    env.wait_job("STAR-1", "done")
-    env.drop(order("STAR-2", to="a"))
-    d.wait_event("budget.gated", agent="*")
+    d = cap_reached(env, "STAR-1", "STAR-2", "a", "*")
     proc = env.cli("resume", "*")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "*: resumed (budget gate lifted)"

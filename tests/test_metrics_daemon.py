@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 from conftest import Env, order, wait_until
@@ -34,16 +35,22 @@ def test_an_idle_daemon_rewrites_the_file_at_least_every_10_seconds(env: Env) ->
     assert d.stop() == 0
 
 
+def metrics_by_reload(env: Env, prom: Path) -> dict[str, Any]:
+    """Set metrics_file in the running daemon's config, reload, wait for the file; return the config written."""
+    body: dict[str, Any] = yaml.safe_load(env.config_path.read_text()) | {"metrics_file": str(prom)}
+    env.config_path.write_text(yaml.safe_dump(body))
+    assert env.cli("reload").returncode == 0
+    wait_until(prom.exists, timeout=10, what="the metrics file after the reload")
+    return body
+
+
 def test_a_reload_that_sets_metrics_file_starts_it(env: Env) -> None:
     """metrics_file added to the config and reloaded (SIGHUP): the file appears without a restart."""
     prom = env.tmp / "late.prom"
     d = env.daemon()
     d.wait_ready()
-    body = yaml.safe_load(env.config_path.read_text()) | {"metrics_file": str(prom)}
-    env.config_path.write_text(yaml.safe_dump(body))
-    assert env.cli("reload").returncode == 0
+    metrics_by_reload(env, prom)
     d.wait_event("config.reloaded")
-    wait_until(prom.exists, timeout=10, what="the metrics file after the reload")
     assert "dispatcher_queue" in prom.read_text()
 
 
@@ -52,10 +59,7 @@ def test_an_agent_added_after_metrics_started_by_a_reload_has_its_series_and_its
     prom = env.tmp / "later.prom"
     d = env.daemon()
     d.wait_ready()
-    body = yaml.safe_load(env.config_path.read_text()) | {"metrics_file": str(prom)}
-    env.config_path.write_text(yaml.safe_dump(body))
-    assert env.cli("reload").returncode == 0
-    wait_until(prom.exists, timeout=10, what="the metrics file after the reload")
+    body = metrics_by_reload(env, prom)
     body["agents"]["late"] = body["agents"]["worker"]
     env.config_path.write_text(yaml.safe_dump(body))
     assert env.cli("reload").returncode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -50,5 +51,5 @@ def test_a_command_on_another_host_keeps_its_turn_for_the_grace() -> None:
 def test_a_daemon_releases_under_its_owner_id_and_a_command_under_its_own() -> None:
     assert releaser("vm-1-abc") == "vm-1-abc"
     mine = releaser("")
-    assert mine == _command_id(__import__("os").getpid())
+    assert mine == _command_id(os.getpid())
     assert holder_gone(mine, lambda owner: False, time.time(), time.time()) is False  # this very process

@@ -56,16 +56,26 @@ def window_until(costs: Sequence[tuple[float, float]], cap: float, at: float) ->
     return at + DAY_S
 
 
+def _cap(cfg: Config, name: str) -> float | None:
+    """Return the daily cap the config in force sets for ``name`` (an agent, or ``*`` for the root), or None."""
+    if name == EVERY_AGENT:
+        return cfg.max_daily_cost_usd
+    agent = cfg.agents.get(name)
+    return agent.max_daily_cost_usd if agent is not None else None
+
+
+def _spent(costs: Sequence[tuple[float, str, float]], name: str) -> list[tuple[float, float]]:
+    """Return the (finished, cost) rows of the window that count against ``name``'s cap (``*``: all of them)."""
+    return [(t, c) for t, a, c in costs if name in (a, EVERY_AGENT)]
+
+
 def budget_gates(costs: Sequence[tuple[float, str, float]], cfg: Config, agent: Agent, at: float) -> list[Gate]:
     """Return the daily-cap gates that hold ``agent`` (its own cap, the root's), from the window's costs."""
     out = []
-    mine = [(t, c) for t, a, c in costs if a == agent.name]
-    for name, cap, rows in (
-        (agent.name, agent.max_daily_cost_usd, mine),
-        (EVERY_AGENT, cfg.max_daily_cost_usd, [(t, c) for t, _, c in costs]),
-    ):
+    for name, cap in ((agent.name, agent.max_daily_cost_usd), (EVERY_AGENT, cfg.max_daily_cost_usd)):
         if cap is None:
             continue
+        rows = _spent(costs, name)
         until = window_until(rows, cap, at)
         if until is not None:
             spent = round(sum(c for _, c in rows), 6)
@@ -86,13 +96,8 @@ def unsupported_budget_gates(
     window = costs_since(at - DAY_S)
     out = []
     for g in budget:
-        if g.agent == EVERY_AGENT:
-            cap, rows = cfg.max_daily_cost_usd, [(t, c) for t, _, c in window]
-        else:
-            agent = cfg.agents.get(g.agent)
-            cap = agent.max_daily_cost_usd if agent is not None else None
-            rows = [(t, c) for t, a, c in window if a == g.agent]
-        if cap is None or window_until(rows, cap, at) is None:
+        cap = _cap(cfg, g.agent)
+        if cap is None or window_until(_spent(window, g.agent), cap, at) is None:
             out.append(g)
     return out
 
