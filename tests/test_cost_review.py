@@ -242,7 +242,10 @@ def test_a_decision_killed_at_any_step_ends_in_one_place(env: Env, approve: bool
     wait_until((env.root / "review" / "KILL-1").exists, 30, "the job in review/")
     action = ["approve", "KILL-1"] if approve else ["reject", "KILL-1", "--reason", "no"]
     killed = decide(env, *action, fault=fault)
-    assert killed.returncode == -9
+    # the daemon's housekeeping (rescans 0.5 s apart) may take the follow-up's release turn first: the
+    # approve then places nothing, never reaches followup.placed, and ends as a whole approve does
+    daemon_released = fault == "followup.placed" and killed.stdout == "KILL-1: approved; done\n"
+    assert killed.returncode == -9 or (daemon_released and killed.returncode == 0), (killed.returncode, killed.stdout)
     again = decide(env, *action)  # what the person does next: the same command again
     assert again.returncode in (0, 1), again.stderr
     want = "done" if approve else "failed"
