@@ -7,7 +7,6 @@ symlink, FIFO or device can neither redirect nor block the daemon.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from collections.abc import Callable, Container, Mapping, Sequence
@@ -19,6 +18,7 @@ from dispatcher.checks.stream import summarise_fd
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import NotRegular, kind_of
 from dispatcher.layout import is_ignored
+from dispatcher.lean import sha256_for
 from dispatcher.shortage import resource_of
 from dispatcher.spec.loader import decode, load_json
 from dispatcher.spec.order import Order
@@ -177,10 +177,11 @@ def _digest_file(work: Path, rel: str) -> str | None:
     except OSError as exc:
         _raise_if_short(exc)
         return None
-    h = hashlib.sha256()
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             return None
+        h = sha256_for(st.st_size)()
         while chunk := os.read(fd, 1 << 20):
             h.update(chunk)
     except OSError as exc:
