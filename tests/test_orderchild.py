@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dispatcher.errors import OrderError
@@ -65,3 +67,19 @@ def test_a_child_that_cannot_start_leaves_the_parse_to_the_daemon(monkeypatch: p
     """With no interpreter to start (a shortage, say), the order is parsed in process: the same value."""
     monkeypatch.setattr(orderchild.sys, "executable", "/nonexistent/python3")
     assert load_apart(GOOD, "yaml") == load_document(GOOD, "yaml")
+
+
+def test_the_child_also_gives_the_values_json_text_byte_for_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_apart_text: the value, and exactly json.dumps(value, ensure_ascii=False), non-ASCII text kept as is."""
+    _no_fallback(monkeypatch)
+    value, text = orderchild.load_apart_text(GOOD, "yaml")
+    assert value == load_document(GOOD, "yaml")
+    assert text == json.dumps(value, ensure_ascii=False)
+    assert "é" in text
+
+
+def test_a_parse_in_process_gives_no_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the child cannot run, the value still comes, and no text: the claim encodes it itself."""
+    monkeypatch.setattr(orderchild.sys, "executable", "/nonexistent/python3")
+    value, text = orderchild.load_apart_text(GOOD, "yaml")
+    assert value == load_document(GOOD, "yaml") and text is None

@@ -188,7 +188,7 @@ def test_an_invalid_order_is_refused_with_its_job_id_and_parsed_once(tmp_path: P
 
         return parse
 
-    monkeypatch.setattr(intake, "load_apart", counted("child", orderchild.load_apart))
+    monkeypatch.setattr(intake, "load_apart_text", counted("child", orderchild.load_apart_text))
     monkeypatch.setattr(intake, "load_document", counted("here", intake.load_document))
     small = b"job_id: BAD-1\nfrom: a\nto: worker\nitems: [{id: R1}]\n"
     big = b"job_id: BAD-2\nfrom: a\nto: worker\nitems: [{id: R1}]\nmeta:\n  lines:\n" + b"    - a line\n" * 4000

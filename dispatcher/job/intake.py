@@ -40,12 +40,12 @@ from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.shortage import SHORT, resource_of
 from dispatcher.spec.loader import load_document, read_job_id
-from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart
+from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart_text
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
 from dispatcher.store import placing
 from dispatcher.store.jobstore import build_result, is_disk_full
-from dispatcher.store.placing import Inspected, Pick, Skipped, Started
+from dispatcher.store.placing import AHEAD_TEXT_BYTES, Inspected, Pick, Skipped, Started, body_text
 from dispatcher.store.refusals import Refusal, refuse
 from dispatcher.store.staging import drop_inbox_twin
 
@@ -118,10 +118,15 @@ def inspect(
         return None  # replaced or written to while being read: its own event brings it back
     apart = order_format(name) == "yaml" and len(data) > APART_YAML_BYTES  # a long parse: in a child process
     loaded: list[Any] = []  # the document, once parsed: an invalid order's job_id is read from it, not parsed again
+    texts: list[str | None] = [None]  # its JSON text, when the child wrote it
 
     def load(data: bytes, fmt: str) -> Any:
-        loaded.append((load_apart if apart else load_document)(data, fmt))
-        return loaded[-1]
+        if apart:
+            doc, texts[0] = load_apart_text(data, fmt)
+        else:
+            doc = load_document(data, fmt)
+        loaded.append(doc)
+        return doc
 
     try:
         order = parse_order(
@@ -141,7 +146,10 @@ def inspect(
         raise  # a shortage: the file waits
     except Exception as exc:  # noqa: BLE001 - a value no rule foresaw: refused, never holding up the orders behind it
         return Refusal(name, oneline(f"cannot be read as a work order: {exc}"))
-    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino))
+    text = texts[0]
+    if text is None and len(data) > AHEAD_TEXT_BYTES:  # a large JSON order: encoded here, not in the claim
+        text = body_text(order.body)
+    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text)
 
 
 def _utf8(name: str) -> bool:
