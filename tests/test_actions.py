@@ -307,7 +307,8 @@ def test_hold_and_release_of_a_released_followup_keep_the_ledger_in_step(env: En
         finally:
             ledger.close()
 
-    assert row() == Row.RELEASED
+    # the file is renamed into inbox/ first, then its row goes from reserved to released
+    wait_until(lambda: row() == Row.RELEASED, 30, "the ledger to record the release")
     assert env.cli("hold", "FUP-B").returncode == 0
     assert row() == Row.HELD
     assert os.listdir(env.root / "held") == ["FUP-B.json"]

@@ -324,6 +324,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 attempts=list(launch.attempts),
                 recovering=p.kind is Kind.RECOVER,
                 host_lost=p.host_lost,
+                fresh=p.kind is Kind.NEW,
             )
         )
         if cancel:

@@ -231,7 +231,9 @@ class Deciding(abc.ABC):
         record, self._unsaved = self._unsaved, None
         ctx = self.ctx
         await ctx.starts.quiet()  # an agent being started (on the slot this one gave back) goes first
-        changed = await self.repo.snapshot(max(self.folder.attempt_numbers(), default=0))
+        changed = None  # a job without a workspace has no change to save: its attempts/ is not listed
+        if self.repo.ws is not None:
+            changed = await self.repo.snapshot(max(self.folder.attempt_numbers(), default=0))
         collect = functools.partial(
             verify.collect_checked,
             ctx.config(),

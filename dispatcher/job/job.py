@@ -65,6 +65,7 @@ class Job(Finishing, Deciding):
         attempts: list[Attempt] | None = None,
         recovering: bool = False,
         host_lost: bool = False,
+        fresh: bool = False,
     ) -> None:
         self.ctx = ctx
         self.folder = folder
@@ -74,6 +75,7 @@ class Job(Finishing, Deciding):
         self.job_id = spec.job_id
         self.attempts = attempts or []
         self.recovering = recovering
+        self.fresh = fresh  # claimed just now from inbox/: its attempts/ is known to be empty (not listed)
         self.host_lost = host_lost  # recovered from a daemon whose lease ran out (another host)
         self.control = Control()
         self.retries = 0
@@ -149,7 +151,8 @@ class Job(Finishing, Deciding):
                 return await self.finish(Row.FAILED, Stop.CANCELLED, [])
             if self.gave_back:
                 return Outcome.AGAIN  # its slot went to other work when its agent exited: it queues for one
-            numbers = self.folder.attempt_numbers()
+            numbers = [] if self.fresh else self.folder.attempt_numbers()
+            self.fresh = False
             n = max([a.n for a in self.attempts] + numbers, default=0) + 1
             if n > 1:
                 await self._persist(self.folder.stash, n - 1)

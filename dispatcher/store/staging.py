@@ -7,6 +7,7 @@ place, the inbox name (the same inode) goes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 from pathlib import Path
@@ -29,10 +30,17 @@ def drop_inbox_twin(layout: Layout, name: str, kept: str | Path) -> bool:
     return True
 
 
+_serial = itertools.count(1)  # the owner names the process (host, pid, a random part): a count makes the rest unique
+
+
 def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> Path:
     """Make an empty staging folder named for its owner (so recovery knows whose it is)."""
-    stage = layout.staging / f"{owner}.{kind}-{job_id}-{secrets.token_hex(4)}"
-    os.mkdir(stage)
+    stage = layout.staging / f"{owner}.{kind}-{job_id}-{next(_serial):x}"
+    try:
+        os.mkdir(stage)
+    except FileExistsError:  # an owner shared with another process: a random part instead
+        stage = layout.staging / f"{owner}.{kind}-{job_id}-{secrets.token_hex(4)}"
+        os.mkdir(stage)
     return stage
 
 
