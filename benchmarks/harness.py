@@ -13,6 +13,7 @@ import math
 import os
 import resource
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -483,3 +484,32 @@ def running_daemon(config: Path, base: Path, args: list[str], **kw: Any) -> Iter
         yield d
     finally:
         d.stop()
+
+
+def ensure_program(program: str, package: str) -> tuple[str | None, str]:
+    """Return (the path of program or None, a note saying what was done).
+
+    A missing program is installed from Debian's package when the benchmark runs as
+    root where `apt-get` exists (the package lists are updated once if the first try
+    fails), so that every section runs on a fresh machine from one command.
+    """
+    path = shutil.which(program)
+    if path:
+        return path, ""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return None, f"{program} not found (Debian package {package}), and not root with apt-get to install it"
+    print(f"installing {package} with apt-get ...", file=sys.stderr, flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", package]
+    last = ""
+    # The package lists may be missing or stale on a fresh machine: update once, then retry.
+    for cmd in (install, ["apt-get", "update", "-q"], install):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, env=env, timeout=600, check=False)
+        except subprocess.TimeoutExpired:
+            return None, f"`{' '.join(cmd)}` timed out"
+        lines = (proc.stderr or proc.stdout).decode(errors="replace").strip().splitlines()
+        last = lines[-1] if lines else f"exit {proc.returncode}"
+        if cmd is install and proc.returncode == 0 and (path := shutil.which(program)):
+            return path, f"{package} installed with apt-get for this run"
+    return None, f"{program} not found and `apt-get install {package}` failed: {last}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from harness import (
     BenchError,
     agent_env,
     children_cpu_s,
+    ensure_program,
     fresh_folder,
     job_ids,
     make_workdirs,
@@ -48,11 +48,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def redis_server(base: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start a Redis server without persistence on a free port; yield (url, process); always stop it."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise BenchError("needs redis-server (Debian: apt-get install redis-server)")
+def redis_server(base: Path, exe: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start the Redis server exe without persistence on a free port; yield (url, process); always stop it."""
     port = free_port()
     log = open(base / "redis.log", "wb")  # noqa: SIM115 - closed below
     cmd = [exe, "--save", "", "--appendonly", "no", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(base)]
@@ -135,6 +132,9 @@ def section_rq(base: Path, opts: argparse.Namespace) -> Result:
         import rq  # noqa: F401
     except ImportError:
         raise BenchError("needs rq: .venv/bin/pip install -e '.[bench]'") from None
+    exe, installed = ensure_program("redis-server", "redis-server")
+    if exe is None:
+        raise BenchError(f"needs redis-server: {installed}")
     n, mj, timeout = opts.orders, opts.max_jobs, opts.timeout
     xb = fresh_folder(base, "xargs")
     ids = job_ids("XARG", n)
@@ -144,7 +144,7 @@ def section_rq(base: Path, opts: argparse.Namespace) -> Result:
     assert d.cpu_s is not None and d.wall_s is not None
     runs: dict[str, dict[str, Any]] = {}
     sb = fresh_folder(base, "redis")
-    with redis_server(sb) as (url, server):
+    with redis_server(sb, exe) as (url, server):
         for key, (_name, cls) in WORKERS.items():
             runs[key] = rq_run(fresh_folder(base, f"rq-{key}"), url, server.pid, cls, n, timeout)
     rate_x, rate_d = n / wall_x, n / d.wall_s
@@ -162,6 +162,8 @@ def section_rq(base: Path, opts: argparse.Namespace) -> Result:
             Row(f"daemon_vs_rq_{key}", f"throughput, daemon vs RQ {label} x 2", rate_d, rate,
                 "jobs/s", "ahead of RQ", rate_d > rate, 1),
         ]  # fmt: skip
+    if installed:
+        res.notes.append(installed)
     res.notes += [
         f"N = {n}; RQ: one redis-server (--save '' --appendonly no) on 127.0.0.1, jobs enqueued up front (one "
         "pipeline), each `subprocess.run(['sh', 'agent.sh', ID, WORK])`; 2 x `rq worker --burst` spawned together, "

@@ -26,6 +26,7 @@ from harness import (
     AGENT,
     BenchError,
     agent_env,
+    ensure_program,
     fresh_folder,
     job_ids,
     order_bytes,
@@ -202,8 +203,9 @@ def per_job(full: Counter[str], empty: Counter[str], n: int) -> dict[str, float]
 
 def section_syscalls(base: Path, opts: argparse.Namespace) -> Result:
     """System calls per job: the daemon's threads against the floor loop's, and the agents' own."""
-    if shutil.which("strace") is None:
-        return Result(skipped="needs strace (Debian: apt-get install strace)")
+    tool, installed = ensure_program("strace", "strace")
+    if tool is None:
+        return Result(skipped=f"needs strace: {installed}")
     n, mj, timeout = opts.strace_orders, opts.max_jobs, opts.timeout * 4
     d_all, traced_threads, later = daemon(fresh_folder(base, "daemon"), mj, n, timeout)
     f_full = floor(fresh_folder(base, "floor"), mj, job_ids("FLOOR", n), timeout)
@@ -217,6 +219,8 @@ def section_syscalls(base: Path, opts: argparse.Namespace) -> Result:
             Row(f"{kind}_per_job", f"{kind} per job, daemon's threads vs floor's", d_own[kind], f_own[kind],
                 "", "-", None, 1)
         )  # fmt: skip
+    if installed:
+        res.notes.append(installed)
     res.notes += [
         f"N = {n} orders (--strace-orders), max_jobs {mj}, agent `sh agent.sh`; calls traced: {TRACE}; "
         f"each run's root in a fresh folder under {base}",

@@ -7,10 +7,8 @@ that runs one agent per file, one at a time, with no checks and no ledger).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from harness import (
     Daemon,
     agent_env,
     children_cpu_s,
+    ensure_program,
     job_ids,
     make_workdirs,
     missing_receipts,
@@ -113,30 +112,6 @@ done
 """
 
 
-def ensure_inotifywait() -> tuple[str | None, str]:
-    """Return (path of inotifywait or None, a note saying what was done)."""
-    path = shutil.which("inotifywait")
-    if path:
-        return path, ""
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return None, "inotifywait not found (Debian package inotify-tools), and not root with apt-get to install it"
-    print("installing inotify-tools with apt-get ...", file=sys.stderr, flush=True)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "inotify-tools"]
-    last = ""
-    # The package lists may be missing or stale on a fresh machine: update once, then retry.
-    for cmd in (install, ["apt-get", "update", "-q"], install):
-        try:
-            proc = subprocess.run(cmd, capture_output=True, env=env, timeout=600, check=False)
-        except subprocess.TimeoutExpired:
-            return None, f"`{' '.join(cmd)}` timed out"
-        lines = (proc.stderr or proc.stdout).decode(errors="replace").strip().splitlines()
-        last = lines[-1] if lines else f"exit {proc.returncode}"
-        if cmd is install and proc.returncode == 0 and (path := shutil.which("inotifywait")):
-            return path, "inotify-tools installed with apt-get for this run"
-    return None, f"inotifywait not found and `apt-get install inotify-tools` failed: {last}"
-
-
 def inotify_loop(base: Path, tool: str, n: int, timeout: float) -> tuple[float, float]:
     """Run the inotifywait loop while n orders are safe-dropped; return (wall s, CPU s)."""
     inbox = base / "inbox"
@@ -200,7 +175,7 @@ def inotify_loop(base: Path, tool: str, n: int, timeout: float) -> tuple[float, 
 def section_inotify(base: Path, opts: argparse.Namespace) -> Result:
     """Throughput of a running daemon against an `inotifywait -m` loop, both fed by safe drops."""
     n, mj, timeout = opts.orders, opts.max_jobs, opts.timeout
-    tool, note = ensure_inotifywait()
+    tool, note = ensure_program("inotifywait", "inotify-tools")
     if tool is None:
         return Result(skipped=note)
     res = Result(notes=[note] if note else [])
