@@ -199,10 +199,10 @@ def test_two_daemons_racing_for_200_ids_claim_each_exactly_once(ledgers: Ledgers
 
 def test_a_daemon_that_stops_renewing_is_reaped_after_the_lease(ledgers: Ledgers) -> None:
     """A silent daemon is alive until its lease runs out, then one reap marks it lost; its slots are freed."""
+    started = time.monotonic()  # before A's one and only renewal: its lease counts from there
     a = ledgers.daemon("A", lease_s=LEASE)
     b = ledgers.daemon("B", lease_s=LEASE)
     assert a.take_slot("w", 1) == 0
-    started = time.monotonic()
     with Renewer(b):
         assert b.alive("A")
         assert b.take_slot("w", 1) is None
