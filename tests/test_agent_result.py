@@ -28,8 +28,20 @@ RESULT = {"type": "result", "is_error": False, "total_cost_usd": 0.01, "session_
         "   " + json.dumps(RESULT) + "   ",
         "\xff\xfe not utf-8 \n" + json.dumps(RESULT),
         '{"half": \n' + json.dumps(RESULT, indent=4),
+        "{" + ",\n ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in RESULT.items()) + "}\n",
+        "log line\n{" + ",\n   ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in RESULT.items()) + "}\n\n  \n",
     ],
-    ids=["alone", "after-text", "pretty", "crlf", "indented", "bad-bytes-before", "broken-object-before"],
+    ids=[
+        "alone",
+        "after-text",
+        "pretty",
+        "crlf",
+        "indented",
+        "bad-bytes-before",
+        "broken-object-before",
+        "opened-at-column-0-rest-indented",
+        "opened-at-column-0-after-text",
+    ],
 )
 def test_final_object_is_taken_whole(stdout: str) -> None:
     """When the last non-blank text is one JSON object, on one line or many, it is returned whole."""

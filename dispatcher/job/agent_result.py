@@ -4,8 +4,8 @@ Headless agent CLIs end their stdout with one JSON object, on one line
 (``claude -p --output-format json``) or pretty-printed over many. The tail an
 attempt keeps is up to a few MiB of text the agent controls, so the search is
 bounded: only lines that start with ``{`` at the indentation of the last line
-(column 0 for every CLI we know) can open the object, and only the last few of
-them are tried. Stdout made of a million ``{"a":[`` lines then costs a few
+(column 0 for every CLI we know) or at column 0 can open the object, and only the
+last few of each are tried. Stdout made of a million ``{"a":[`` lines then costs a few
 failed parses, not a million.
 """
 
@@ -54,9 +54,13 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
     indent = last_line[: len(last_line) - len(last_line.lstrip(" \t"))]
     # An object's closing brace sits at the indentation of the line that opens it (pretty
     # printers), or on that very line (one-line objects): inner objects are never candidates.
-    opener = re.compile(r"(?m)^" + re.escape(indent) + r"\{")
-    starts = deque((m.end() - 1 for m in opener.finditer(text)), maxlen=MAX_TRIES)
-    for pos in reversed(starts):
+    # An object opened at column 0 whose later lines are indented (``{"a": 1,\n "b": 2}``) is
+    # tried too: its last line's indentation says nothing of where it began.
+    starts: set[int] = set()
+    for lead in {indent, ""}:
+        opener = re.compile(r"(?m)^" + re.escape(lead) + r"\{")
+        starts.update(deque((m.end() - 1 for m in opener.finditer(text)), maxlen=MAX_TRIES))
+    for pos in sorted(starts, reverse=True):
         try:
             value, end = _DECODER.raw_decode(text, pos)
         except (ValueError, RecursionError):
