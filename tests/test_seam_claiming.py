@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 from seam_fixtures import Seam, open_seam, order, sh
 
+from dispatcher.core import claiming
 from dispatcher.core.claiming import (
     BIG_ORDER_BYTES,
     BIG_YAML_BYTES,
@@ -21,7 +24,9 @@ from dispatcher.core.claiming import (
     NoSlot,
     Parked,
 )
+from dispatcher.job import intake
 from dispatcher.ledger.base import Request
+from dispatcher.shortage import Shortage
 
 ONE_AT_A_TIME = {"worker": sh("true", concurrency=1)}
 
@@ -130,3 +135,35 @@ def test_a_retry_without_an_open_request_is_dropped(tmp_path: Path) -> None:
         free = s.ledger.take_slot("worker", 1)
     assert isinstance(answer, Dropped) and not answer.cancelled
     assert free is not None  # the slot the retry took was given back
+
+
+def test_a_shortage_met_in_the_trip_claims_nothing_more_and_every_order_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Section 13: the second read is short of descriptors; the first order, read, is not claimed either.
+
+    Every order stays in inbox/ to be read again after the pause (the daemon stops claiming
+    while short), no slot stays taken, and the ledger has no row of any of them.
+    """
+    monkeypatch.setattr(claiming, "SHORT", Shortage())  # this test's shortage, not the process's
+    real = intake.inspect
+
+    def inspect(layout, name, config, **kw):  # type: ignore[no-untyped-def]
+        if name == "J2.json":
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(layout, name, config, **kw)
+
+    monkeypatch.setattr(intake, "inspect", inspect)
+    with open_seam(tmp_path, {"worker": sh("true", concurrency=3)}) as s:
+        names = [s.drop(order(f"J{i}")) for i in (1, 2, 3)]
+        answers = claims_of(s).run(names, Handover())
+        rows = [s.ledger.get(f"J{i}") for i in (1, 2, 3)]
+        slot = s.ledger.take_slot("worker", 1)
+    assert not any(isinstance(a, Launch) for a in answers), answers
+    assert [a.name for a in answers if isinstance(a, Gone)] == ["J2.json", "J3.json"]
+    assert all(a.later for a in answers if isinstance(a, Gone)), "read again after the pause"
+    assert [a.parked.job_id for a in answers if isinstance(a, Dropped) and a.retry_later] == ["J1"]
+    assert sorted(os.listdir(s.layout.inbox)) == ["J1.json", "J2.json", "J3.json"]
+    assert os.listdir(s.layout.root / "active") == []
+    assert rows == [None, None, None]
+    assert slot == 0, "the slot J1 took was given back"

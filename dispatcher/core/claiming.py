@@ -213,6 +213,9 @@ class Claims:
         out: list[Answer] = []
         picks: list[tuple[Parked, int | None]] = []
         for work in batch:
+            if not slotless and SHORT.short():  # a shortage met in this trip: nothing more is claimed (section 13)
+                out.append(not_now(work))
+                continue
             p = self.read(work, reading, now=slotless) if isinstance(work, str) else work
             if not isinstance(p, Parked):
                 out.append(p)
@@ -256,6 +259,12 @@ class Claims:
                 picks.append((p, slot))
             else:
                 out.append(self.reload(p, slot))
+        if picks and not slotless and SHORT.short():  # short since these were read: none is claimed now
+            for p, slot in picks:
+                if slot is not None:
+                    ledger.free_slot(p.agent, slot)
+                out.append(not_now(p))
+            picks = []
         if picks:
             agents = reading.agents
             chosen = [Pick(p.item, agents[p.agent]) for p, _ in picks if p.item is not None]
@@ -354,6 +363,13 @@ class Claims:
                 if p.kind is Kind.RECOVER:
                     recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
             return Dropped(p)
+
+
+def not_now(work: Parked | str) -> Dropped | NoSlot | Gone:
+    """Answer work left unclaimed for now (a shortage, a failed trip): a file is read again, a job stays queued."""
+    if isinstance(work, str):
+        return Gone(work, later=True)
+    return Dropped(work, retry_later=True) if work.kind is Kind.NEW else NoSlot(work)
 
 
 def when(order: Order, name: str = "", *, now: bool = False) -> Later | Refusal | None:

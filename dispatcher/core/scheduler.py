@@ -34,6 +34,7 @@ from dispatcher.core.claiming import (
     NoSlot,
     Parked,
     expiry,
+    not_now,
 )
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.readaside import RETRY_LATER_S, ReadAside, Stats
@@ -243,7 +244,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             gave_up = isinstance(exc, LedgerUnavailable) and self.ctx.stopping()  # the order stays for later
             if not gave_up and not SHORT.note(exc, "claim"):
                 log.exception("daemon.error", step="claim", error=str(exc))
-            results = [_not_now(p) for p in batch]
+            results = [not_now(p) for p in batch]
             if handover is not None and last:  # give back what the failed trip did not use
                 self._background(self.ctx.lanes.ledger(claims.run, [], handover))
         if not cancel and any(isinstance(r, Launch) for r in results):
@@ -382,10 +383,3 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
 def _rank(p: Parked) -> tuple[int, float]:
     """Return where a parked order goes among parked orders: higher priority first, then read first."""
     return (-p.item.order.priority, p.item.received) if p.item is not None else (0, 0.0)
-
-
-def _not_now(work: Parked | str) -> Dropped | NoSlot | Gone:
-    """Answer work whose claim trip failed as a whole: a file is tried again later, a job stays queued."""
-    if isinstance(work, str):
-        return Gone(work, later=True)
-    return Dropped(work, retry_later=True) if work.kind is Kind.NEW else NoSlot(work)
