@@ -67,6 +67,25 @@ def test_retries_wait_retry_delay_doubling_and_number_attempts(env: Env) -> None
     assert d.stop() == 0
 
 
+def test_the_retry_wait_goes_on_doubling_after_the_daemon_is_started_again(env: Env) -> None:
+    """Stopped during its first retry wait and started again, the job waits 2 and 4 x retry_delay, not 1 x again."""
+    env.configure(
+        agents={"worker": env.agent("--fail-attempts", "3", retry_safe=True, max_attempts=4)},
+        retry_delay=1,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RETRY-R"))
+    wait_until(lambda: any(e.get("event") == "job.retrying" for e in d.events()), 60, "the first retry wait")
+    assert d.stop() == 0  # the wait is cut; attempt 2 runs at the next start
+    d2 = env.daemon()
+    d2.wait_ready()
+    env.wait_job("RETRY-R", "done")
+    delays = [e["delay_s"] for e in d.events() + d2.events() if e.get("event") == "job.retrying"]
+    assert delays == [1, 2, 4], f"retry waits {delays}: the back-off started over after the restart"
+    assert d2.stop() == 0
+
+
 def test_receipt_and_outbox_of_previous_attempt_move_to_attempts_folder(env: Env) -> None:
     """Before attempt 2, attempt 1's receipt.json and outbox/ move into attempts/1/."""
     follow = json.dumps(order("RETRY-FU-1", to="sink", **{"from": "worker"}))

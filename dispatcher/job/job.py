@@ -32,6 +32,7 @@ from dispatcher.job.control import Control, Left
 from dispatcher.job.deciding import Deciding
 from dispatcher.job.finishing import Finishing
 from dispatcher.job.repowork import JobRepo, WorkspaceFailed
+from dispatcher.job.retry import retries_so_far
 from dispatcher.job.runner import AgentProcess
 from dispatcher.job.waits import Waits
 from dispatcher.lanes import Handoff, handed_over
@@ -78,7 +79,7 @@ class Job(Finishing, Deciding):
         self.fresh = fresh  # claimed just now from inbox/: its attempts/ is known to be empty (not listed)
         self.host_lost = host_lost  # recovered from a daemon whose lease ran out (another host)
         self.control = Control()
-        self.retries = 0
+        self.retries = retries_so_far(self.attempts)  # a recovered job's back-off goes on where it was
         self.expires: float | None = None  # when the job ends expired if no attempt started by then (section 16)
         self._followups: list[Child] = []
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written

@@ -55,6 +55,22 @@ def followups_taken(checks: Sequence[CheckResult], taken: Sequence[str]) -> list
     return [c if c.name != "followups_valid" else CheckResult(c.name, False, why) for c in checks]
 
 
+def retries_so_far(attempts: Sequence[Attempt]) -> int:
+    """Return how many retries the job's latest run of attempts made: each was followed by one.
+
+    Counted back from the last attempt, over attempts cut short by a stop or crash (they
+    decided nothing), up to one that ended the job (before a `dispatcher retry`), so that a
+    daemon started again waits as long as the one that stopped would have.
+    """
+    n = 0
+    for a in reversed(attempts):
+        if a.retry_next:
+            n += 1
+        elif not (a.interrupted or a.aborted):
+            break
+    return n
+
+
 def mark_retry(attempt: Attempt) -> Attempt:
     """Return the attempt marked as followed by a retry (recovery then goes on with a new one)."""
     return replace(attempt, retry_next=True)
