@@ -420,3 +420,22 @@ def test_a_join_is_claimed_at_once_even_when_every_slot_is_busy(env: Env) -> Non
     wait_until(lambda: (env.root / "waiting" / "merge").is_dir(), timeout=10, what="merge in waiting/")
     assert (env.root / "active" / "long").is_dir()
     assert d.stop() == 0
+
+
+def test_a_join_for_a_paused_agent_is_claimed_at_once_and_waits_max_wait(env: Env) -> None:
+    """Section 16: an order with `after` is claimed at once into waiting/, its agent paused or not.
+
+    Its wait for an unknown parent then ends at max_wait, as any join's does; the agent
+    stays paused and never starts.
+    """
+    env.configure(join_agents(env), max_wait=2)
+    d = env.daemon()
+    d.wait_ready()
+    assert env.cli("pause", "merger").returncode == 0
+    env.drop(merger(after=["ghost"]))
+    wait_until(lambda: (env.root / "waiting" / "merge").is_dir(), timeout=10, what="merge in waiting/")
+    assert not (env.root / "inbox" / "merge.json").exists()
+    result = env.wait_job("merge", "failed", timeout=30)
+    assert result["reason"] == "after: ghost never finished"
+    assert starts_of(env, "merge") == 0
+    assert d.stop() == 0

@@ -225,9 +225,10 @@ class Claims:
                 folder = refuse(self.layout, late, ledger.owner, self.on_refused)
                 out.append(Dropped(p, refused=folder is not None))
                 continue
-            if p.kind is Kind.NEW and p.agent in gated and not slotless:
+            joins = p.kind is Kind.NEW and p.item is not None and bool(p.item.order.after)
+            if p.kind is Kind.NEW and p.agent in gated and not slotless and not joins:
                 out.append(NoSlot(p))  # a gate holds its agent (section 14): it waits unclaimed
-                continue
+                continue  # (a join is claimed at once all the same: it waits in waiting/, section 16)
             if p.kind is Kind.NEW and p.agent in removed and not slotless:
                 self._wait_for(p.agent)  # until a reload brings it back (a cancel still goes through)
                 out.append(NoSlot(p))
@@ -240,7 +241,6 @@ class Claims:
                     out.append(NoSlot(p))
                 continue
             agent = cfg.agents.get(p.agent)
-            joins = p.kind is Kind.NEW and p.item is not None and bool(p.item.order.after)
             slot = None if slotless or joins else handover.take(p.agent)
             if slot is None and not slotless and not joins:  # a join is claimed at once, without a slot: it waits
                 if p.agent in blocked:
