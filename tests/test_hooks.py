@@ -149,6 +149,20 @@ def test_land_runs_once_after_done_in_the_repository(env: Env, tmp_path: Path) -
     assert git(repo, "rev-parse", "dispatch/L1") == heads["L1"]
 
 
+def test_land_names_the_repository_as_its_workspace(env: Env, tmp_path: Path) -> None:
+    """The worktree is gone when land runs in the repository: {workspace} and DISPATCH_WORKSPACE name the repository."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    hook = ["sh", "-c", 'echo "$1 $DISPATCH_WORKSPACE $(pwd)" >> "$0"', str(log), "{workspace}"]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)})
+    env.drop(code_order("L1"))
+    d = env.daemon()
+    env.wait_job("L1", "done")
+    d.wait_event("job.landed", job_id="L1")
+    d.stop()
+    assert log.read_text().split() == [str(repo)] * 3
+
+
 def test_land_exactly_once_across_a_kill_between_done_and_landed(env: Env, tmp_path: Path) -> None:
     """Killed after the job is done and before its land hook ran: the next start lands it, once, and never again."""
     repo = make_repo(tmp_path / "shop")

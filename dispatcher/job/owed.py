@@ -139,21 +139,24 @@ async def run_hook(
     """Run a final job's hook (``land``, an owed ``after``) with the job's placeholders; return it and them.
 
     It runs in the repository (first in the worktree, if ``worktree_first`` and it is still
-    there), or in ``work/`` for a job without a workspace.
+    there), or in ``work/`` for a job without a workspace; ``{workspace}`` names where it runs.
     """
     work = path / "work"
     ws: Workspace | None = await io(read_record, path)
     wsr = result.extra.get("workspace") if result is not None else None
     wsr = wsr if isinstance(wsr, dict) else {}
+    workspace = ws.path if ws is not None else str(work)
+    places = (workspace if worktree_first else "", ws.repo if ws is not None else "")
+    cwd = next((Path(p) for p in places if p and os.path.isdir(p)), work)
+    if ws is not None and cwd == Path(ws.repo):
+        workspace = ws.repo  # the worktree is gone (or never the place): the hook's workspace is the repository
     values = {
         "job_id": job_id,
-        "workspace": ws.path if ws is not None else str(work),
+        "workspace": workspace,
         "branch": ws.branch if ws is not None else "",
         "head": str(wsr.get("head") or ""),
         "result": str(path / "result.json"),
     }
-    places = (values["workspace"] if worktree_first else "", ws.repo if ws is not None else "")
-    cwd = next((Path(p) for p in places if p and os.path.isdir(p)), work)
     env = build_env(agent.env, dispatch_env(job_id, work, 0, Path(values["workspace"])), agent.pass_env)
     faults.point(f"{name}.started")
     done = await hooks.run_hook(
