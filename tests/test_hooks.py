@@ -23,7 +23,9 @@ def test_before_runs_in_the_workspace_each_attempt_and_its_failure_fails_the_att
     repo = make_repo(tmp_path / "shop")
     seen = tmp_path / "before.txt"
     # fails on its first run (no mark yet), passes on the second; records where it ran
-    hook = ["sh", "-c", 'pwd >> "$0"; [ -e "$0.mark" ] || { touch "$0.mark"; echo "no deps" >&2; exit 3; }', str(seen)]
+    script = 'pwd >> "$0"; echo "$DISPATCH_ATTEMPT" >> "$0.n"; '
+    script += '[ -e "$0.mark" ] || { touch "$0.mark"; echo "no deps" >&2; exit 3; }'
+    hook = ["sh", "-c", script, str(seen)]
     agent = coder(env, repo, "--write", "src/{job}.txt=x", before=hook, max_attempts=2)
     env.configure(agents={"coder": agent})
     env.drop(code_order("B1"))
@@ -32,6 +34,7 @@ def test_before_runs_in_the_workspace_each_attempt_and_its_failure_fails_the_att
     d.stop()
     tree = str(env.root / ".state" / "worktrees" / "B1")
     assert seen.read_text().split() == [tree, tree]
+    assert Path(f"{seen}.n").read_text().split() == ["1", "2"], "DISPATCH_ATTEMPT is the attempt the hook serves"
     assert [(j, n) for j, n, _ in starts(env)] == [("B1", 2)]  # the agent never ran in attempt 1
     assert result["attempts"][0]["before"] == "before hook exited 3: no deps"
     assert (env.job_dir("B1", "done") / "attempts" / "1" / "before-stderr.log").read_text() == "no deps\n"

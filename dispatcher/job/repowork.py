@@ -225,7 +225,7 @@ class JobRepo:
         hook = self.spec.agent.repo.before
         if hook is None:
             return None
-        run = await self._hook("before", hook, self.folder.attempts_dir / str(n), cfg, self.folder.work, attach)
+        run = await self._hook("before", hook, self.folder.attempts_dir / str(n), cfg, self.folder.work, attach, n=n)
         if run.ok:
             return None
         log.warning("hook.failed", hook="before", attempt=n, reason=run.why)
@@ -239,7 +239,10 @@ class JobRepo:
         cfg: Config,
         work: Path,
         attach: Callable[[AgentProcess | None], None] | None = None,
+        *,
+        n: int = 0,
     ) -> hooks.HookRun:
+        """Run a hook of this job (``before`` of attempt n, or ``after``: n 0) with its placeholders."""
         ws = self.ws
         sealed = self._sealed or {}
         values = {
@@ -253,7 +256,7 @@ class JobRepo:
         if not cwd.is_dir():
             cwd = log_dir
         agent = self.spec.agent
-        env = build_env(agent.env, dispatch_env(self.spec.job_id, work, 0, Path(values["workspace"])), agent.pass_env)
+        env = build_env(agent.env, dispatch_env(self.spec.job_id, work, n, Path(values["workspace"])), agent.pass_env)
         return await hooks.run_hook(
             name, hook, values, cwd=cwd, env=env, kill_grace_s=cfg.kill_grace_s,
             log_dir=log_dir if name == "before" else log_dir / "hooks", max_log_bytes=cfg.max_log_bytes,
