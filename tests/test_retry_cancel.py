@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, order, wait_until
+from conftest import Daemon, Env, order, wait_until
 from helpers_faults import (
     agent_starts,
     alive,
@@ -42,15 +42,21 @@ def run_once(env: Env) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_retries_wait_retry_delay_doubling_and_number_attempts(env: Env) -> None:
-    """A retry-safe agent failing 3 times is retried with 0.3, 0.6, 1.2 s waits, attempts 1..4."""
+def failing_three_times(env: Env, job_id: str, retry_delay: float) -> Daemon:
+    """Start a daemon whose retry-safe agent fails its first 3 attempts (of 4), and drop job_id for it."""
     env.configure(
         agents={"worker": env.agent("--fail-attempts", "3", retry_safe=True, max_attempts=4)},
-        retry_delay=0.3,
+        retry_delay=retry_delay,
     )
     d = env.daemon()
     d.wait_ready()
-    env.drop(order("RETRY-1"))
+    env.drop(order(job_id))
+    return d
+
+
+def test_retries_wait_retry_delay_doubling_and_number_attempts(env: Env) -> None:
+    """A retry-safe agent failing 3 times is retried with 0.3, 0.6, 1.2 s waits, attempts 1..4."""
+    d = failing_three_times(env, "RETRY-1", 0.3)
     result = env.wait_job("RETRY-1", "done")
     attempts = result["attempts"]
     assert [a["n"] for a in attempts] == [1, 2, 3, 4]
@@ -69,13 +75,7 @@ def test_retries_wait_retry_delay_doubling_and_number_attempts(env: Env) -> None
 
 def test_the_retry_wait_goes_on_doubling_after_the_daemon_is_started_again(env: Env) -> None:
     """Stopped during its first retry wait and started again, the job waits 2 and 4 x retry_delay, not 1 x again."""
-    env.configure(
-        agents={"worker": env.agent("--fail-attempts", "3", retry_safe=True, max_attempts=4)},
-        retry_delay=1,
-    )
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("RETRY-R"))
+    d = failing_three_times(env, "RETRY-R", 1)
     wait_until(lambda: any(e.get("event") == "job.retrying" for e in d.events()), 60, "the first retry wait")
     assert d.stop() == 0  # the wait is cut; attempt 2 runs at the next start
     d2 = env.daemon()
