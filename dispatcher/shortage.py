@@ -7,6 +7,9 @@ where it is; the scheduler claims and starts nothing until ``SHORT.until`` and
 then tries again, one job at first and twice as many after each agent that
 starts (like TCP's slow start): slots and claims hold descriptors too, so a
 daemon that took all it could at once would starve the agents it claimed for.
+Before a new order is claimed then (and until the first agent starts),
+``room`` looks whether the descriptors a start needs are free, so that no
+order leaves inbox/ to wait in active/ for a start that could not happen.
 ``daemon.short_of`` is logged once per shortage of a resource: it is logged
 again after a quiet spell without that shortage, or when an agent started
 since and the resource was not short for a pause's length (a new shortage,
@@ -35,6 +38,7 @@ DISK_WAIT_MAX_S = 30.0  # a full disk is waited out with backoff up to this betw
 PAUSE_MAX_S = 2.0
 WINDOW_MAX = 1024
 QUIET_S = 10.0  # a shortage of a resource not met again for this long is over (retries come every 2 s at most)
+START_FDS = 7  # descriptors a job's start holds at its peak: its slot's lock, two output pipes, the exec check's pipe
 
 
 def resource_of(exc: BaseException) -> str | None:
@@ -65,27 +69,76 @@ class Shortage:
         self._window: int | None = None  # jobs that may be claimed or started per turn (None: no bound)
         self._last_seen: dict[str, float] = {}  # resource -> when it was last short
         self._ok_at = 0.0  # when an agent last started
+        self._claims_until = 0.0  # monotonic time before which no new order is claimed (``room``)
 
     def note(self, exc: BaseException, step: str) -> bool:
         """Record a shortage if exc is one (log it once); return True if it was one."""
+        now = time.monotonic()
+        if not self._met(exc, step, now):
+            return False
+        if now >= self.until:  # one pause per turn, however many steps met the shortage in it
+            self.until = self._paused_until(now)
+        return True
+
+    def _met(self, exc: BaseException, step: str, now: float) -> bool:
+        """Log a shortage once and bound the next turns (``allowance``); return False if exc is none."""
         resource = resource_of(exc)
         if resource is None:
             return False
-        now = time.monotonic()
         seen = self._last_seen.get(resource)
         over = seen is not None and self._ok_at > seen and now - seen > PAUSE_MAX_S  # it ended, this is new
         if seen is None or now - seen > QUIET_S or over:
             log.warning("daemon.short_of", resource=resource, step=step, error=str(exc))
         self._last_seen[resource] = now
         self._window = 1
-        if now >= self.until:  # one pause per turn, however many steps met the shortage in it
-            self.until = now + self._pause
-            self._pause = min(self._pause * 2, PAUSE_MAX_S)
         return True
+
+    def _paused_until(self, now: float) -> float:
+        """Return the end of a pause that begins now; the next one is twice as long (up to PAUSE_MAX_S)."""
+        until = now + self._pause
+        self._pause = min(self._pause * 2, PAUSE_MAX_S)
+        return until
 
     def short(self) -> bool:
         """Return True while claims and starts pause."""
         return time.monotonic() < self.until
+
+    def room(self) -> bool:
+        """Return False if no new order may be claimed now: the descriptors its agent's start needs are short.
+
+        A claim takes fewer descriptors than a start: without this look, the first turn
+        and the turn after each pause would claim an order into active/ that could not
+        start there. Only until the first agent starts, and while the daemon comes back
+        from a shortage (``allowance`` bounded), are START_FDS descriptors opened and
+        closed again. A shortage met so is logged as one and holds new claims for a
+        pause (``claims_wait_s``); jobs claimed before go on starting, since their
+        agents need no more than the look asked for. Processes and memory cannot be
+        looked at so cheaply: for them the first start after a pause is the look.
+        """
+        now = time.monotonic()
+        if now < self._claims_until:
+            return False
+        if self._window is None and self._ok_at:
+            return True
+        fds: list[int] = []
+        try:
+            for _ in range(START_FDS // 2):
+                fds.extend(os.pipe())
+            if START_FDS % 2:
+                fds.append(os.dup(fds[0]))
+        except OSError as exc:
+            if not self._met(exc, "claim", now):
+                raise
+            self._claims_until = self._paused_until(now)
+            return False
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return True
+
+    def claims_wait_s(self) -> float:
+        """Return the seconds left before new orders may be claimed again (0 when they may)."""
+        return max(0.0, self._claims_until - time.monotonic())
 
     def wait_s(self) -> float:
         """Return the seconds left in the pause (0 when none)."""

@@ -141,6 +141,35 @@ def test_out_of_file_descriptors_at_start_is_a_shortage_not_a_crash(env: Env, li
             proc.wait()
 
 
+def test_short_of_descriptors_to_start_an_agent_claims_nothing_until_they_are_back(env: Env) -> None:
+    """RLIMIT_NOFILE 16 (set from outside): the daemon goes on, but no agent could start. No order leaves inbox/
+    for active/ to wait there (the first one neither), daemon.short_of is logged once; the limit raised, every
+    job runs once."""
+    jobs = [f"few{i}" for i in range(5)]
+    env.configure({"tiny": hold_agent(env, 0, concurrency=4)}, max_jobs=4)
+    d = env.daemon()
+    d.wait_ready()
+    assert d.proc is not None
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (16, 256))  # its own start would raise a soft limit
+
+    def events(name: str) -> list[dict[str, Any]]:
+        return [e for e in d.events() if e["event"] == name]
+
+    for job_id in jobs:
+        env.drop(tiny_order(job_id))
+    d.wait_event("daemon.short_of")
+    time.sleep(4)  # several pauses: each look after one finds the descriptors still short
+    assert names(env.root / "inbox") == [f"{j}.json" for j in jobs], "every order stays where it is"
+    assert names(env.root / "active") == [] and events("job.claimed") == [] and env.starts() == []
+    short = events("daemon.short_of")
+    assert len(short) == 1 and "EMFILE" in short[0]["resource"], short
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (256, 256))  # the descriptors are back
+    wait_until(lambda: names(env.root / "done") == jobs, 60, "every job done")
+    assert sorted(j for j, _a in env.starts()) == jobs and names(env.root / "failed") == []
+    assert len(events("daemon.short_of")) == 1
+    assert d.stop() == 0
+
+
 def cpu_seconds(pid: int) -> float:
     """Return the user + system CPU time a process has used so far, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -192,6 +192,8 @@ class ClaimsAhead(abc.ABC):
             self.ctx.starts.on_quiet = self.wake
             return [], []
         self.ctx.starts.on_quiet = None
+        if not (self.parked or self.inbox.has_ready()) or not SHORT.room():
+            return [], []  # nothing to claim, or an agent could not start now (section 13)
         now = asyncio.get_running_loop().time()
         return self.ahead.choose(
             self.config, self.parked, self.inbox, gated, lambda agent: self.slots.running_s(agent, now)

@@ -365,6 +365,8 @@ class Daemon(Reloading, Fencing):
             return 0.0
         if SHORT.short():
             waits.append(SHORT.wait_s())
+        elif self.inbox.has_ready() and (held := SHORT.claims_wait_s()):
+            waits.append(held)  # new orders wait for descriptors to start their agents (``SHORT.room``)
         if self.notifier.watchdog_interval_s:
             waits.append(self._next_watchdog - now)
         if self.stop_deadline is not None:

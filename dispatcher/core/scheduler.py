@@ -105,7 +105,9 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         With ``PARK_LIMIT`` orders parked for busy agents a turn reads nothing, so the
         loop must not be woken for the orders still waiting in inbox/ (it would spin).
         """
-        return self.free_slots() > 0 and len(self.parked) < PARK_LIMIT and not SHORT.short()
+        return (
+            self.free_slots() > 0 and len(self.parked) < PARK_LIMIT and not SHORT.short() and not SHORT.claims_wait_s()
+        )
 
     def busy(self) -> bool:
         """Return True while anything runs, waits for a slot or a gate, or is being claimed."""
@@ -132,6 +134,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         # an agent whose next orders are in a claim's trip (made ahead, or parked orders sent by an earlier
         # turn that may come back without a slot): those go first, the orders behind them wait
         behind = frozenset(agent for agent, n in (*self.ahead.claiming.items(), *self.sending.items()) if n > 0)
+        room: bool | None = None  # may new orders be claimed (``SHORT.room``): asked once, when one would be
         for p in list(self.parked):
             if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
                 self.parked.remove(p)
@@ -140,6 +143,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
             claimed_ahead = p.job_id in self.ahead.ready
+            if p.kind is Kind.NEW and not claimed_ahead and not (room := SHORT.room() if room is None else room):
+                continue  # read, not claimed: it waits until an agent could start (section 13)
             if claimed_ahead and not self.slots.idle.get(p.agent) and self._at_concurrency(p.agent):
                 continue  # claimed ahead: it waits for the slot one of its agent's jobs here gives back
             self.parked.remove(p)
@@ -151,7 +156,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             batch.append(p)
         while (join := self.inbox.pop_join()) is not None:
             batch.append(join)  # an order naming `after` is claimed at once and takes no slot: it waits
-        while free > 0 and len(self.parked) < PARK_LIMIT:
+        fresh = free > 0 and len(self.parked) < PARK_LIMIT and self.inbox.has_ready()
+        if fresh and not (SHORT.room() if room is None else room):
+            fresh = False  # nothing new is claimed while an agent could not start (section 13)
+        while fresh and free > 0 and len(self.parked) < PARK_LIMIT:
             upcoming = self.inbox.next_agent(gated) if behind else None
             if upcoming is not None and upcoming[0] in behind:
                 break  # after the orders of its agent claimed ahead now
