@@ -11,19 +11,8 @@ import yaml
 from seam_fixtures import Seam, open_seam, order, sh
 
 from dispatcher.core import claiming
-from dispatcher.core.claiming import (
-    BIG_ORDER_BYTES,
-    BIG_YAML_BYTES,
-    Big,
-    Claims,
-    Dropped,
-    Gone,
-    Handover,
-    Kind,
-    Launch,
-    NoSlot,
-    Parked,
-)
+from dispatcher.core.claiming import BIG_ORDER_BYTES, BIG_YAML_BYTES, Claims
+from dispatcher.core.work import Big, Dropped, Gone, Handover, Kind, Launch, NoSlot, Parked
 from dispatcher.job import intake
 from dispatcher.ledger.base import Request
 from dispatcher.shortage import Shortage

@@ -18,8 +18,9 @@ from typing import Any
 
 from seam_fixtures import GOOD, Seam, open_seam, order, run, sh
 
-from dispatcher.core.claiming import BIG_ORDER_BYTES, Kind
+from dispatcher.core.claiming import BIG_ORDER_BYTES
 from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.work import Kind
 from dispatcher.ledger.base import Request
 from dispatcher.lifecycle import Outcome, Row, Stop
 

@@ -36,11 +36,12 @@ from typing import Any
 
 import structlog
 
-from dispatcher.core.claiming import Kind, Launch, Parked, Resume, claimable_ahead
+from dispatcher.core.claiming import claimable_ahead
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.running import Running, RunningJobs
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
+from dispatcher.core.work import Kind, Launch, Parked, Resume
 from dispatcher.job.context import JobContext
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config

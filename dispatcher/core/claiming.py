@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
+from dispatcher.core.work import Answer, Big, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked
 from dispatcher.job import intake, recovery, revise
 from dispatcher.job.finish import Finisher
 from dispatcher.job.intake import Cancelled, Refused, Waiting
@@ -31,13 +30,12 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
-from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.orderchild import APART_YAML_BYTES
 from dispatcher.spec.orders import order_format, validate_order
 from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
-from dispatcher.store.placing import Inspected, Pick, Skipped, Started
+from dispatcher.store.placing import Pick, Skipped, Started
 from dispatcher.store.refusals import Refusal, refuse
 
 log = structlog.get_logger("dispatcher")
@@ -45,108 +43,6 @@ RECEIVED_MAX = 4096  # files remembered as received (order.received is logged on
 BIG_ORDER_BYTES = 64 * 1024  # orders above this are read in the scan lane, not in the claim's trip
 # YAML parses about 20 times slower than JSON even with libyaml: above this, in the scan lane and a child process
 BIG_YAML_BYTES = APART_YAML_BYTES
-
-
-class Kind(enum.Enum):
-    NEW = "new"
-    RECOVER = "recover"
-    RETRY = "retry"
-    REVISE = "revise"
-    JOINED = "joined"  # a job that waited for others (``after``), moved to active/ and taken by this daemon
-    RESUME = "resume"  # a claimed job whose agent could not start for a shortage
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    """A claimed job whose agent could not start for a shortage, kept as it was (nothing is read again)."""
-
-    folder: JobFolder
-    spec: JobSpec
-    order: Order
-    attempts: list[Attempt]
-
-
-@dataclass
-class Parked:
-    """Work that waits for a slot."""
-
-    kind: Kind
-    job_id: str
-    agent: str
-    item: Inspected | None = None
-    token: int = 0
-    host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
-    resume: Resume | None = None  # a claimed job queued again after a shortage, as it was
-
-
-@dataclass(frozen=True, slots=True)
-class Launch:
-    """A job ready to run, with the slot it holds."""
-
-    parked: Parked
-    folder: JobFolder
-    spec: JobSpec
-    order: Order
-    token: int
-    slot: int | None
-    attempts: list[Attempt] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class NoSlot:
-    """Its agent has no free slot: the work waits, parked."""
-
-    parked: Parked
-
-
-@dataclass(frozen=True, slots=True)
-class Dropped:
-    """Work that will not run now: refused, cancelled, taken by another daemon, or to try again later."""
-
-    parked: Parked
-    refused: bool = False
-    retry_later: bool = False
-    cancelled: bool = False  # claimed under a cancel request: it went to failed/ without a Job
-
-
-@dataclass(frozen=True, slots=True)
-class Gone:
-    """A name that is no order to claim: it vanished, changed while read, or was refused."""
-
-    name: str
-    refused: bool = False
-    later: bool = False  # the claim failed as a whole (a full disk, an error): try the file again later
-
-
-@dataclass(frozen=True, slots=True)
-class Later:
-    """An order whose not_before is still to come: it waits unclaimed in inbox/ until ``due``."""
-
-    name: str
-    due: float
-    priority: int
-
-
-@dataclass(frozen=True, slots=True)
-class Big:
-    """A name whose file is too large to read in the ledger lane: the loop reads it in the scan lane."""
-
-    name: str
-
-
-Answer = Launch | NoSlot | Dropped | Gone | Big | Later
-
-
-@dataclass
-class Handover:
-    """Slots of jobs that just ended, by agent, for the next job of the same agent (lane-owned)."""
-
-    slots: dict[str, list[int]] = field(default_factory=dict)
-
-    def take(self, agent: str) -> int | None:
-        """Return a handed-over slot of agent, if one is left."""
-        free = self.slots.get(agent)
-        return free.pop() if free else None
 
 
 class Claims:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import structlog
 
-from dispatcher.core.claiming import Kind, Later, Parked, when
+from dispatcher.core.claiming import when
 from dispatcher.core.watcher import Inbox
+from dispatcher.core.work import Kind, Later, Parked
 from dispatcher.job import intake
 from dispatcher.job.context import JobContext
 from dispatcher.shortage import SHORT

@@ -13,10 +13,10 @@ import collections
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
-from dispatcher.core.claiming import Kind, Parked, Resume
 from dispatcher.core.running import Running
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
+from dispatcher.core.work import Kind, Parked, Resume
 from dispatcher.job.control import Control
 from dispatcher.lifecycle import Row, Stop
 from dispatcher.spec.jobspec import Attempt, JobSpec

@@ -22,26 +22,14 @@ from typing import Any
 import structlog
 
 from dispatcher.core.ahead import Ahead, ClaimsAhead
-from dispatcher.core.claiming import (
-    Big,
-    Claims,
-    Dropped,
-    Gone,
-    Handover,
-    Kind,
-    Later,
-    Launch,
-    NoSlot,
-    Parked,
-    expiry,
-    not_now,
-)
+from dispatcher.core.claiming import Claims, expiry, not_now
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.readaside import RETRY_LATER_S, ReadAside, Stats
 from dispatcher.core.requests import Requests, parked_again
 from dispatcher.core.running import RunningJobs, keeps_slots
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
+from dispatcher.core.work import Big, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked
 from dispatcher.job.context import JobContext
 from dispatcher.job.job import Job
 from dispatcher.job.joins import Joins
