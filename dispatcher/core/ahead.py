@@ -252,7 +252,7 @@ class ClaimsAhead(abc.ABC):
     def _park_ready(self, launch: Launch) -> None:
         """Queue a job claimed ahead: after the other claimed work, before every order not claimed yet."""
         p = launch.parked
-        resume = Resume(launch.folder, launch.spec, launch.order, list(launch.attempts))
+        resume = Resume(launch.folder, launch.spec, launch.order, list(launch.attempts), fresh=p.kind is Kind.NEW)
         ready = Parked(Kind.RESUME, p.job_id, p.agent, token=launch.token, resume=resume)
         self.ahead.queued(p.job_id, p.agent)
         at = next((i for i, q in enumerate(self.parked) if q.kind is Kind.NEW), len(self.parked))

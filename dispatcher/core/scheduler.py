@@ -321,7 +321,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 attempts=list(launch.attempts),
                 recovering=p.kind is Kind.RECOVER,
                 host_lost=p.host_lost,
-                fresh=p.kind is Kind.NEW,
+                fresh=p.kind is Kind.NEW or (p.resume is not None and p.resume.fresh),
             )
         )
         if cancel:

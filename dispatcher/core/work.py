@@ -24,17 +24,18 @@ class Kind(enum.Enum):
     RETRY = "retry"
     REVISE = "revise"
     JOINED = "joined"  # a job that waited for others (``after``), moved to active/ and taken by this daemon
-    RESUME = "resume"  # a claimed job whose agent could not start for a shortage
+    RESUME = "resume"  # a claimed job waiting for its start: claimed ahead, or its agent could not start for a shortage
 
 
 @dataclass(frozen=True, slots=True)
 class Resume:
-    """A claimed job whose agent could not start for a shortage, kept as it was (nothing is read again)."""
+    """A claimed job waiting for its start (claimed ahead, or put off for a shortage), kept as it was."""
 
     folder: JobFolder
     spec: JobSpec
     order: Order
     attempts: list[Attempt]
+    fresh: bool = False  # claimed ahead from inbox/ just now: its attempts/ is known to be empty
 
 
 @dataclass
