@@ -135,7 +135,8 @@ class Housekeeping:
             await self._recover(startup=startup)
 
     async def _recover(self, *, startup: bool) -> None:
-        adopted, taken = await self.ctx.lanes.ledger(self._recover_in_lane, startup, frozenset(self.sched.left))
+        left = frozenset(self.sched.left)
+        adopted, taken = await self.ctx.lanes.ledger(self._recover_in_lane, startup, left)
         self.sched.left -= taken
         ends = []
         agents = {job_id: agent or None for job_id, _, agent in adopted}
@@ -145,7 +146,9 @@ class Housekeeping:
         await asyncio.gather(*ends)  # before any of these jobs is queued: none runs beside its orphan
         if startup:
             self.ctx.unrecovered.update(job_id for job_id, _, _ in adopted)  # READY=1 waits for their decisions
-        self.sched.park_recovered(adopted, host_lost=self.shared)
+        # this daemon's own jobs, stopped while its lease went unrenewed: it knows no other host ran them
+        self.sched.park_recovered([a for a in adopted if a[0] not in left], host_lost=self.shared)
+        self.sched.park_recovered([a for a in adopted if a[0] in left], host_lost=False)
         await self.ctx.lanes.io(self.ctx.finisher.release_orphaned)
 
     def _recover_in_lane(self, startup: bool, left: frozenset[str]) -> tuple[list[tuple[str, int, str]], set[str]]:

@@ -357,6 +357,9 @@ class Job(Finishing, Deciding):
         proc = attempt.process(
             self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_view=self.repo.git_view
         )
+        if self.ctx.fenced():  # its lease went unrenewed for lease/2 (section 12): no agent starts now;
+            await self.ctx.lanes.io(self.folder.drop_attempt, n)  # recovery takes the job back once it is renewed
+            return Outcome.LEFT  # (a claim that was on its way to the ledger during an outage lands here)
         try:
             self.folder.make_logs(n)  # the sign that this attempt's agent may have started
             proc.start()

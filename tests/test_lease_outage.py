@@ -1,0 +1,120 @@
+"""A short ledger outage (contract section 12): a daemon that cannot renew its lease starts no agent.
+
+The daemon reaches a real PostgreSQL server through a TCP proxy that can go silent
+(every byte held, both ways) and speak again, as a stalled network path does. An
+order dropped just after the silence begins has its claim on the way to the ledger
+when the daemon fences itself at lease / 2; that claim lands when the path comes
+back, before the lease is renewed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import Env
+from helpers_faults import tiny_order, write_script
+from pgserver import PgServer
+
+pytest_plugins = ["pg_fixtures"]
+pytestmark = pytest.mark.postgres
+
+LEASE = 3.0
+
+# Records "job attempt pid" at its start, then writes a good receipt atomically.
+AGENT = r"""#!/bin/sh
+printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
+printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
+  "$DISPATCH_JOB_ID" > .receipt.tmp
+mv .receipt.tmp receipt.json
+"""
+
+
+class Stall:
+    """A TCP proxy in front of the server: ``silent()`` holds every byte both ways, ``speak()`` lets them through."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self._open = threading.Event()
+        self._open.set()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def silent(self) -> None:
+        self._open.clear()
+
+    def speak(self) -> None:
+        self._open.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.upstream)
+            self._socks += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                self._open.wait()
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.server.close()
+        for s in self._socks:
+            s.close()
+
+
+@pytest.fixture
+def stall(pg_server: PgServer) -> Iterator[Stall]:
+    proxy = Stall(pg_server.host, pg_server.port)
+    try:
+        yield proxy
+    finally:
+        proxy.speak()
+        proxy.close()
+
+
+def via(dsn: str, port: int) -> str:
+    """The DSN with its port replaced (to go through the proxy)."""
+    head, tail = dsn.rsplit(":", 1)
+    return f"{head}:{port}/{tail.split('/', 1)[1]}"
+
+
+def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed(
+    env: Env, stall: Stall, pg_db: str
+) -> None:
+    """Silent for about lease / 2 + 1 s, then back: the order's claim lands while the daemon is still fenced.
+    Its agent (not retry-safe) is not started then, only after `lease.renewed`; the job runs once and is done."""
+    script = write_script(env.tmp, "agent.sh", AGENT)
+    tiny = {"command": ["/bin/sh", str(script), str(env.count_file)], "timeout": 60, "writes": [".receipt.tmp"]}
+    env.configure({"tiny": tiny}, ledger=via(pg_db, stall.port), lease=LEASE, max_jobs=2)
+    d = env.daemon()
+    d.wait_ready()
+    stall.silent()
+    time.sleep(0.3)
+    env.drop(tiny_order("blip"))
+    d.wait_event("lease.fenced", timeout=30)
+    time.sleep(0.5)
+    stall.speak()
+    result = env.wait_job("blip", timeout=60)
+    events = [e["event"] for e in d.events()]
+    assert result["state"] == "done", result.get("reason")
+    assert env.starts() == [("blip", 1)], "its agent ran once"
+    assert "job.fenced" not in events
+    started = events.index("agent.started")
+    assert "lease.renewed" in events[:started], "no agent starts before the lease is renewed"
+    assert d.stop() == 0
