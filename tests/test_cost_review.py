@@ -190,6 +190,25 @@ def test_a_reviewed_job_waits_and_its_follow_ups_wait_with_it(env: Env) -> None:
     assert decide(env, "approve", "REV-1").returncode == 1  # not waiting any more
 
 
+def test_a_reviewed_job_keeps_its_follow_ups_through_a_ledger_rebuild(env: Env) -> None:
+    """The ledger lost while a job waits in review/: `ledger rebuild`, then approve releases its follow-up once."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("REV-R"))
+    d.wait_event("job.review", job_id="REV-R")
+    assert d.stop() == 0
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{env.root}/.state/ledger.sqlite3{suffix}").unlink(missing_ok=True)
+    rebuilt = env.cli("ledger", "rebuild", check=True)
+    assert "1 review" in rebuilt.stdout, rebuilt.stdout
+    assert decide(env, "approve", "REV-R").returncode == 0
+    again = env.daemon()
+    env.wait_job("CHILD-1", "done")
+    assert [e["job_id"] for e in again.events() if e["event"] == "followup.released"] == ["CHILD-1"]
+    assert again.stop() == 0
+
+
 def test_a_rejected_job_fails_and_its_follow_ups_never_run(env: Env) -> None:
     """reject --reason: the job ends in failed/ with reason `rejected: TEXT`; its follow-ups are never released."""
     reviewed(env)

@@ -2,8 +2,9 @@
 
 Every job folder in active/, review/, done/ and failed/ gives back its row (its
 state, agent, lineage and cost), so that every job id found there is refused
-again; a done parent's follow-ups that were never released are reserved again
-(their files are still in its outbox), and one already waiting in inbox/ is
+again; the follow-ups of a done parent that were never released, and those of a
+job waiting in review/, are reserved again (their files are still in its outbox;
+`approve` releases a reviewed job's), and one already waiting in inbox/ is
 recorded as released. The damaged files are kept beside the new ledger, renamed,
 never deleted. Nothing may run while it happens: a live daemon makes it refuse.
 """
@@ -57,7 +58,7 @@ def rebuild(layout: Layout) -> dict[str, int]:
             for job_id in _job_ids(layout, state):
                 folder = JobFolder(layout.job(state, job_id))
                 rows.append(_row(folder, state, now))
-                if state is State.DONE:
+                if state in (State.DONE, State.REVIEW):  # a reviewed job's follow-ups wait for its approval
                     pending.append((job_id, folder))
         known = {r.job_id for r in rows}
         children = [c for parent, folder in pending for c in _children(parent, folder, known, now)]
@@ -108,7 +109,7 @@ def _row(folder: JobFolder, state: State, now: float) -> Entry:
 
 
 def _children(parent: str, folder: JobFolder, known: set[str], now: float) -> list[Entry]:
-    """Return reservations for a done parent's follow-ups that have no folder yet."""
+    """Return reservations for the follow-ups of a done (or reviewed) parent that have no folder yet."""
     result = folder.result()
     wanted = [c for c in (result.children if result else ()) if c not in known]
     if not wanted:
