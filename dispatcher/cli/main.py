@@ -261,13 +261,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         raise UsageError(f"{cfg.path}: ledger: migrate copies the SQLite ledger; this config already names another")
     from dispatcher.ledger.migrate import migrate
     from dispatcher.ledger.postgres import PostgresLedger
+    from dispatcher.ops.rebuild import live_daemons
     from dispatcher.store.ledgers import CONNECT_S, REACH_S, answer_by, open_ledger
 
     source = open_ledger(cfg, layout, create=False, patience_s=30.0)
     try:
         live = [d for d in source.daemons() if d.alive]
-        if live:
-            names = ", ".join(f"{d.pid} on {d.host}" for d in live)
+        seen = {d.owner for d in live}  # and daemons on another ledger (PostgreSQL) whose flock the root holds
+        others = [owner for owner in live_daemons(layout) if owner not in seen]
+        if live or others:
+            names = ", ".join([f"{d.pid} on {d.host}" for d in live] + others)
             raise UsageError(
                 f"{layout.root}: ledger migrate: a daemon is running on this root ({names});"
                 " stop every daemon first, or ids it claims meanwhile are not copied"

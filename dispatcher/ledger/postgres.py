@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import structlog
+from filelock import FileLock, Timeout
 
 from dispatcher.errors import UsageError
 from dispatcher.layout import Layout
@@ -41,6 +42,7 @@ except ImportError:  # the optional extra is not installed: say so in one line (
 from dispatcher.ledger import pg_bulk, pg_schema
 from dispatcher.ledger.base import Leases as LeasesInterface
 from dispatcher.ledger.base import Ledger
+from dispatcher.ledger.flocks import make_lock
 from dispatcher.ledger.pg_claims import Claims
 from dispatcher.ledger.pg_conn import Conn, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
@@ -85,7 +87,8 @@ class PostgresLedger(Ledger, LeasesInterface):
     ) -> None:
         """Connect, create or check the schema; raise PostgresLedgerError (one line) if it cannot be used.
 
-        ``layout`` is accepted for symmetry with the SQLite engine and not used.
+        ``layout``: a daemon that registers also holds its liveness flock in the root's
+        ``.state/daemons/``, so that `ledger migrate` and `rebuild` there see it alive.
         ``patience_s`` bounds how long a step waits for an unreachable database
         (None: forever, as a daemon does; then ``LedgerUnavailable``); ``connect_timeout_s``
         bounds each connection attempt (a command's; a daemon's follows the lease), and
@@ -99,6 +102,8 @@ class PostgresLedger(Ledger, LeasesInterface):
             raise PostgresLedgerError(f"lease must be a positive number of seconds, not {lease_s}")
         self.where = describe(url)
         self.lease_s = float(lease_s)
+        self._layout = layout
+        self._root_life: FileLock | None = None
         if give_up is not None:
             self.set_give_up(give_up)
         conninfo = make_conninfo(url, self.lease_s, connect_timeout_s, readonly=readonly)
@@ -148,12 +153,22 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Give this daemon's slots back, mark it stopped (alive no more) and close the connections."""
         self._leases.stop()
         self._pool.close()
+        if self._root_life is not None:
+            self._root_life.release()
 
     # -- liveness (pg_leases) ---------------------------------------------------------------
     def register(self, info: DaemonInfo) -> None:
         """Insert this daemon's row under a new identity with a lease of ``lease_s``; never reuse one."""
         self._leases.register(info)
         self.owner = info.owner
+        if self._layout is not None:  # seen on the root by commands that read no PostgreSQL (section 12)
+            lock = make_lock(self._layout.daemons / f"{info.owner}.lock")
+            try:
+                self._layout.daemons.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
+            except (OSError, Timeout):  # a root whose filesystem gives no locks: the lease alone tells
+                return
+            self._root_life = lock
 
     @property
     def leases(self) -> LeasesInterface:
