@@ -21,13 +21,14 @@ from pathlib import Path
 
 import structlog
 
+from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.work import Answer, Big, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked
 from dispatcher.job import intake, recovery, revise
 from dispatcher.job.finish import Finisher
 from dispatcher.job.intake import Cancelled, Refused, Waiting
 from dispatcher.job.joins import Joins
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Ledger
+from dispatcher.ledger.base import EVERY_AGENT, Gate, Ledger
 from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
 from dispatcher.spec.order import Order
@@ -56,8 +57,10 @@ class Claims:
         finisher: Finisher,
         on_refused: Callable[[Path, Refusal], None],
         joins: Joins | None = None,
+        on_gate: Callable[[Gate], None] | None = None,
     ) -> None:
         self.joins = joins  # a claimed order with `after` becomes a wait there
+        self.on_gate = on_gate  # a gate the ledger has and the loop's snapshot may not (called from this lane)
         self.layout = layout
         self.ledger = ledger
         self.config = config
@@ -105,6 +108,8 @@ class Claims:
         """
         ledger, cfg = self.ledger, self.config()
         removed = self._removed(cfg)
+        if ledger.leases is not None and not slotless and any(_new(work) for work in batch):
+            gated = self._gated_now(gated, cfg)
         reading = dataclasses.replace(cfg, agents={**removed, **cfg.agents}) if removed else cfg
         out: list[Answer] = []
         picks: list[tuple[Parked, int | None]] = []
@@ -187,6 +192,24 @@ class Claims:
             handover.slots.clear()
         return out
 
+    def _gated_now(self, gated: frozenset[str], cfg: Config) -> frozenset[str]:
+        """Return the agents gated now as the shared ledger has it, beside the loop's snapshot (``gated``).
+
+        On a ledger other hosts share, a `pause` made there reaches this daemon's snapshot
+        only at its next refresh (up to a second, more with ``watch: poll``); read here, in
+        the trip that would claim the order, no order of an agent paused a moment ago on
+        any host is claimed. A gate the snapshot lacks is handed to the loop (``on_gate``).
+        """
+        now = time.time()
+        gates = self.ledger.gates()
+        fresh = frozenset(gated_agents(gates, cfg.agents, now))
+        missing = fresh - gated
+        if missing and self.on_gate is not None:
+            for gate in gates:
+                if (gate.until is None or gate.until > now) and (gate.agent == EVERY_AGENT or gate.agent in missing):
+                    self.on_gate(gate)
+        return gated | fresh
+
     def read(self, name: str, cfg: Config, *, now: bool = False) -> Parked | Gone | Big | Later:
         """Read and validate inbox/<name>: parked work, a refusal carried out, or a name to drop.
 
@@ -259,6 +282,11 @@ class Claims:
                 if p.kind is Kind.RECOVER:
                     recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
             return Dropped(p)
+
+
+def _new(work: Parked | str) -> bool:
+    """Return True for work that would be a new claim: a name in inbox/, or an order read and not claimed."""
+    return isinstance(work, str) or work.kind is Kind.NEW
 
 
 def not_now(work: Parked | str) -> Dropped | NoSlot | Gone:

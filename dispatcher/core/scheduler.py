@@ -33,7 +33,7 @@ from dispatcher.core.work import Big, Dropped, Gone, Handover, Kind, Later, Laun
 from dispatcher.job.context import JobContext
 from dispatcher.job.job import Job
 from dispatcher.job.joins import Joins
-from dispatcher.ledger.base import LedgerUnavailable
+from dispatcher.ledger.base import Gate, LedgerUnavailable
 from dispatcher.lifecycle import Outcome, Stop
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
@@ -49,7 +49,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
 
     def __init__(self, ctx: JobContext, inbox: Inbox, wake: Callable[[], None], joins: Joins | None = None) -> None:
         self.ctx = ctx
-        self.claims = Claims(ctx.layout, ctx.ledger, ctx.config, ctx.finisher, self.log_refused, joins)
+        self.claims = Claims(ctx.layout, ctx.ledger, ctx.config, ctx.finisher, self.log_refused, joins, self._gate_seen)
         self.inbox = inbox
         self.wake = wake
         self.slots: RunningJobs[Job] = RunningJobs(ctx.metrics)
@@ -57,6 +57,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.again: dict[str, Job] = {}  # jobs queued for another attempt after giving their slot back
         self.parked: collections.deque[Parked] = collections.deque()
         self.inflight = 0
+        self._loop: asyncio.AbstractEventLoop | None = None  # set at the first turn
         self.sending: collections.Counter[str] = collections.Counter()  # agents of parked orders in a claim's trip
         self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
         self._expiry_turn: float | None = None  # when a turn is due for the next ready order's expires
@@ -106,6 +107,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         """Launch parked work and read new orders while slots are free."""
         if self.ctx.stopping():
             return
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
         if SHORT.short():  # short of descriptors, processes or memory: start nothing until the pause ends
             self._free_idle()
             return
@@ -176,6 +179,11 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self.sending.update(sent)
             last = i == len(chunks) - 1
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=last, parked_new=sent))
+
+    def _gate_seen(self, gate: Gate) -> None:
+        """A claim's trip read a gate the snapshot may lack (from the ledger lane): note it on the loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.ctx.note_gate, gate)
 
     def _turn_at_expiry(self, wall: float) -> None:
         """Take a turn when the next order waiting unread in inbox/ expires: it is refused then, not at a free slot."""
