@@ -25,9 +25,10 @@ pytestmark = pytest.mark.postgres
 
 LEASE = 3.0
 
-# Records "job attempt pid" at its start, then writes a good receipt atomically.
+# Records "job attempt pid" at its start, sleeps $2 seconds, then writes a good receipt atomically.
 AGENT = r"""#!/bin/sh
 printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
+sleep "$2"
 printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
   "$DISPATCH_JOB_ID" > .receipt.tmp
 mv .receipt.tmp receipt.json
@@ -98,12 +99,19 @@ def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed
     env: Env, stall: Stall, pg_db: str
 ) -> None:
     """Silent for about lease / 2 + 1 s, then back: the order's claim lands while the daemon is still fenced.
-    Its agent (not retry-safe) is not started then, only after `lease.renewed`; the job runs once and is done."""
+    Its agent (not retry-safe) is not started then, only after `lease.renewed`; the job runs once and is done.
+    The job whose agent the fence ended fails as interrupted by a stop, not as a lost host's."""
     script = write_script(env.tmp, "agent.sh", AGENT)
-    tiny = {"command": ["/bin/sh", str(script), str(env.count_file)], "timeout": 60, "writes": [".receipt.tmp"]}
-    env.configure({"tiny": tiny}, ledger=via(pg_db, stall.port), lease=LEASE, max_jobs=2)
+
+    def agent(seconds: float) -> dict[str, object]:
+        command = ["/bin/sh", str(script), str(env.count_file), str(seconds)]
+        return {"command": command, "timeout": 60, "writes": [".receipt.tmp"]}
+
+    env.configure({"tiny": agent(0), "long": agent(30)}, ledger=via(pg_db, stall.port), lease=LEASE, max_jobs=2)
     d = env.daemon()
     d.wait_ready()
+    env.drop(tiny_order("long", to="long"))  # running when the daemon fences itself: its agent is ended
+    d.wait_event("agent.started", job_id="long")
     stall.silent()
     time.sleep(0.3)
     env.drop(tiny_order("blip"))
@@ -111,10 +119,13 @@ def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed
     time.sleep(0.5)
     stall.speak()
     result = env.wait_job("blip", timeout=60)
-    events = [e["event"] for e in d.events()]
+    events = [(e["event"], e.get("job_id")) for e in d.events()]
     assert result["state"] == "done", result.get("reason")
-    assert env.starts() == [("blip", 1)], "its agent ran once"
-    assert "job.fenced" not in events
-    started = events.index("agent.started")
-    assert "lease.renewed" in events[:started], "no agent starts before the lease is renewed"
+    assert [j for j, _a in env.starts()] == ["long", "blip"], "each agent ran once"
+    assert ("job.fenced", "blip") not in events
+    started = events.index(("agent.started", "blip"))
+    assert ("lease.renewed", None) in events[:started], "no agent starts before the lease is renewed"
+    # the job its own fence stopped is taken back by this daemon: no host was lost
+    reason = env.wait_job("long", "failed", timeout=60)["reason"]
+    assert "interrupted: by a stop or crash" in reason and "host was lost" not in reason, reason
     assert d.stop() == 0
