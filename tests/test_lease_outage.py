@@ -9,9 +9,6 @@ back, before the lease is renewed.
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -19,6 +16,7 @@ import pytest
 from conftest import Env
 from helpers_faults import tiny_order, write_script
 from pgserver import PgServer
+from tcp_proxy import Proxy
 
 pytest_plugins = ["pg_fixtures"]
 pytestmark = pytest.mark.postgres
@@ -35,68 +33,17 @@ mv .receipt.tmp receipt.json
 """
 
 
-class Stall:
-    """A TCP proxy in front of the server: ``silent()`` holds every byte both ways, ``speak()`` lets them through."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.upstream = (host, port)
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self._open = threading.Event()
-        self._open.set()
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def silent(self) -> None:
-        self._open.clear()
-
-    def speak(self) -> None:
-        self._open.set()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.upstream)
-            self._socks += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                self._open.wait()
-                dst.sendall(data)
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.server.close()
-        for s in self._socks:
-            s.close()
-
-
 @pytest.fixture
-def stall(pg_server: PgServer) -> Iterator[Stall]:
-    proxy = Stall(pg_server.host, pg_server.port)
+def stall(pg_server: PgServer) -> Iterator[Proxy]:
+    proxy = Proxy(pg_server.host, pg_server.port)
     try:
         yield proxy
     finally:
-        proxy.speak()
         proxy.close()
 
 
-def via(dsn: str, port: int) -> str:
-    """The DSN with its port replaced (to go through the proxy)."""
-    head, tail = dsn.rsplit(":", 1)
-    return f"{head}:{port}/{tail.split('/', 1)[1]}"
-
-
 def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed(
-    env: Env, stall: Stall, pg_db: str
+    env: Env, stall: Proxy, pg_db: str
 ) -> None:
     """Silent for about lease / 2 + 1 s, then back: the order's claim lands while the daemon is still fenced.
     Its agent (not retry-safe) is not started then, only after `lease.renewed`; the job runs once and is done.
@@ -107,7 +54,7 @@ def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed
         command = ["/bin/sh", str(script), str(env.count_file), str(seconds)]
         return {"command": command, "timeout": 60, "writes": [".receipt.tmp"]}
 
-    env.configure({"tiny": agent(0), "long": agent(30)}, ledger=via(pg_db, stall.port), lease=LEASE, max_jobs=2)
+    env.configure({"tiny": agent(0), "long": agent(30)}, ledger=stall.via(pg_db), lease=LEASE, max_jobs=2)
     d = env.daemon()
     d.wait_ready()
     env.drop(tiny_order("long", to="long"))  # running when the daemon fences itself: its agent is ended

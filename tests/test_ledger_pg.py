@@ -26,6 +26,7 @@ import pytest
 import structlog
 from netns import Hosts
 from pgserver import PgServer
+from tcp_proxy import Proxy
 
 from dispatcher.errors import UsageError
 from dispatcher.ledger import pg_schema
@@ -594,7 +595,7 @@ def test_renew_fails_fast_when_the_server_is_down_and_recovers(pg_server: PgServ
 # -- unknown commits ------------------------------------------------------------------------
 
 
-class CommitCutter:
+class CommitCutter(Proxy):
     """A TCP proxy in front of the server that can lose the next COMMIT, or only its answer.
 
     ``arm("drop")``: the next COMMIT never reaches the server (it rolls back when the
@@ -609,28 +610,19 @@ class CommitCutter:
     READY = b"Z\x00\x00\x00\x05"
 
     def __init__(self, host: str, port: int) -> None:
-        self.upstream = (host, port)
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
         self.mode: str | None = None
         self.cuts: list[str] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(host, port)
 
     def arm(self, mode: str) -> None:
         with self._lock:
             self.mode = mode
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.upstream)
-            swallow = threading.Event()
-            threading.Thread(target=self._up, args=(client, upstream, swallow), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, swallow), daemon=True).start()
+    def _serve(self, client: socket.socket, upstream: socket.socket) -> None:
+        swallow = threading.Event()
+        threading.Thread(target=self._up, args=(client, upstream, swallow), daemon=True).start()
+        threading.Thread(target=self._down, args=(upstream, client, swallow), daemon=True).start()
 
     @staticmethod
     def _cut(*socks: socket.socket) -> None:
@@ -671,9 +663,6 @@ class CommitCutter:
                     continue
                 client.sendall(data)
         self._cut(client, upstream)
-
-    def close(self) -> None:
-        self.server.close()
 
 
 @pytest.fixture

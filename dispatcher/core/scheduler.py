@@ -57,6 +57,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.again: dict[str, Job] = {}  # jobs queued for another attempt after giving their slot back
         self.parked: collections.deque[Parked] = collections.deque()
         self.inflight = 0
+        self._held_back = False  # ready orders left unread for a claim's trip under way: its answer wakes the loop
         self._loop: asyncio.AbstractEventLoop | None = None  # set at the first turn
         self.sending: collections.Counter[str] = collections.Counter()  # agents of parked orders in a claim's trip
         self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
@@ -95,7 +96,11 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         loop must not be woken for the orders still waiting in inbox/ (it would spin).
         """
         return (
-            self.free_slots() > 0 and len(self.parked) < PARK_LIMIT and not SHORT.short() and not SHORT.claims_wait_s()
+            self.free_slots() > 0
+            and len(self.parked) < PARK_LIMIT
+            and not self._held_back
+            and not SHORT.short()
+            and not SHORT.claims_wait_s()
         )
 
     def busy(self) -> bool:
@@ -105,6 +110,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
     # -- starting ---------------------------------------------------------------------------
     def start_work(self) -> None:
         """Launch parked work and read new orders while slots are free."""
+        self._held_back = False
         if self.ctx.stopping():
             return
         if self._loop is None:
@@ -153,6 +159,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         while fresh and free > 0 and len(self.parked) < PARK_LIMIT:
             upcoming = self.inbox.next_agent(gated) if behind else None
             if upcoming is not None and upcoming[0] in behind:
+                self._held_back = True  # not read again at every turn until that trip answers (a spin)
                 break  # after the orders of its agent claimed ahead now
             ready = self.inbox.pop(gated)  # a gated agent's orders are left unread (section 14)
             if ready is None:
