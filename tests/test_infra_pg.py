@@ -52,7 +52,7 @@ def state(pid: int) -> str | None:
     """Return the one-letter state of ``pid`` from /proc, or None when it is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # it ended between the listing and the read
         return None
     return raw[raw.rindex(")") + 2]
 
@@ -307,6 +307,6 @@ def test_close_stops_every_server_process_and_removes_the_data() -> None:
             try:
                 if str(base).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
                     mine.append(int(entry))
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):
                 continue
     assert mine == []
