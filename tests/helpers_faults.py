@@ -70,6 +70,29 @@ def write_script(folder: Path, name: str, text: str) -> Path:
     return path
 
 
+# A shell agent that holds its pipes open for a while: it records its start,
+# sleeps SECONDS ($2), then writes a good receipt atomically.
+HOLD_AGENT = r"""#!/bin/sh
+printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
+sleep "$2"
+printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
+  "$DISPATCH_JOB_ID" > .receipt.tmp
+mv .receipt.tmp receipt.json
+"""
+
+
+def hold_agent(env: Env, seconds: float, **settings: Any) -> dict[str, Any]:
+    """Return an agent definition running HOLD_AGENT for `seconds`."""
+    script = write_script(env.tmp, "hold_agent.sh", HOLD_AGENT)
+    spec: dict[str, Any] = {
+        "command": ["/bin/sh", str(script), str(env.count_file), str(seconds)],
+        "timeout": 60,
+        "writes": [".receipt.tmp"],
+    }
+    spec.update(settings)
+    return spec
+
+
 def tiny_agent(env: Env, handoff: tuple[str, str] | None = None, **settings: Any) -> dict[str, Any]:
     """Return an agent definition running TINY_AGENT (orders without accept).
 

@@ -16,20 +16,12 @@ from pathlib import Path
 
 import pytest
 from conftest import Env, wait_until
-from helpers_faults import tiny_order, write_script
+from helpers_faults import hold_agent, tiny_order
 from pgserver import PgServer
 from tcp_proxy import Proxy
 
 pytest_plugins = ["pg_fixtures"]
 pytestmark = pytest.mark.postgres
-
-AGENT = r"""#!/bin/sh
-printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
-sleep 0.1
-printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
-  "$DISPATCH_JOB_ID" > .receipt.tmp
-mv .receipt.tmp receipt.json
-"""
 
 
 @pytest.fixture
@@ -50,8 +42,7 @@ def cpu_seconds(pid: int) -> float:
 def test_orders_behind_a_claim_made_ahead_wait_without_spinning(env: Env, slow: Proxy, pg_db: str) -> None:
     """max_jobs 4, a 100 ms agent of concurrency 1, 12 orders: every job runs once, and the daemon's own CPU
     stays well under half a CPU over the run (a loop turning while claims travel takes most of one)."""
-    script = write_script(env.tmp, "quick.sh", AGENT)
-    quick = {"command": ["/bin/sh", str(script), str(env.count_file)], "timeout": 60, "concurrency": 1}
+    quick = hold_agent(env, 0.1, concurrency=1)
     env.configure({"quick": quick}, ledger=slow.via(pg_db), max_jobs=4)
     d = env.daemon()
     d.wait_ready()

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import Env
-from helpers_faults import tiny_order, write_script
+from helpers_faults import hold_agent, tiny_order
 from pgserver import PgServer
 from tcp_proxy import Proxy
 
@@ -22,15 +22,6 @@ pytest_plugins = ["pg_fixtures"]
 pytestmark = pytest.mark.postgres
 
 LEASE = 3.0
-
-# Records "job attempt pid" at its start, sleeps $2 seconds, then writes a good receipt atomically.
-AGENT = r"""#!/bin/sh
-printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
-sleep "$2"
-printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
-  "$DISPATCH_JOB_ID" > .receipt.tmp
-mv .receipt.tmp receipt.json
-"""
 
 
 @pytest.fixture
@@ -48,13 +39,9 @@ def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed
     """Silent for about lease / 2 + 1 s, then back: the order's claim lands while the daemon is still fenced.
     Its agent (not retry-safe) is not started then, only after `lease.renewed`; the job runs once and is done.
     The job whose agent the fence ended fails as interrupted by a stop, not as a lost host's."""
-    script = write_script(env.tmp, "agent.sh", AGENT)
-
-    def agent(seconds: float) -> dict[str, object]:
-        command = ["/bin/sh", str(script), str(env.count_file), str(seconds)]
-        return {"command": command, "timeout": 60, "writes": [".receipt.tmp"]}
-
-    env.configure({"tiny": agent(0), "long": agent(30)}, ledger=stall.via(pg_db), lease=LEASE, max_jobs=2)
+    env.configure(
+        {"tiny": hold_agent(env, 0), "long": hold_agent(env, 30)}, ledger=stall.via(pg_db), lease=LEASE, max_jobs=2
+    )
     d = env.daemon()
     d.wait_ready()
     env.drop(tiny_order("long", to="long"))  # running when the daemon fences itself: its agent is ended
