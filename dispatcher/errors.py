@@ -9,6 +9,8 @@ _BREAKS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 def oneline(text: str) -> str:
     """Return text with every control character and line break escaped (\\n, \\u2028, ...)."""
+    if text.isascii() and text.isprintable():  # the usual case: nothing to escape
+        return text
     return _BREAKS.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
 
 
@@ -21,6 +23,8 @@ def cut(text: str, limit: int = 1000) -> str:
 
 def printable(name: str) -> str:
     """Return a file name that may hold undecodable bytes as displayable text."""
+    if name.isascii() and name.isprintable():  # the usual case: nothing to decode or escape
+        return name
     try:
         text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # a lone surrogate that stands for no byte (JSON's "\ud800"): show it escaped

@@ -91,6 +91,17 @@ def fsync_many(paths: Sequence[str | Path]) -> list[OSError | None]:
     return errors
 
 
+def make_dir(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` in one system call when the parent exists (the usual case)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    except FileNotFoundError:
+        os.makedirs(path, exist_ok=True)
+
+
 def make_dirs(*paths: Path) -> bool:
     """Create the missing folders among paths (and their missing parents), durably; return True if any was made.
 

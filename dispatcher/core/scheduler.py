@@ -202,6 +202,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
 
     def _gates_changed(self, gated: frozenset[str], now: float) -> None:
         """Leave new orders of gated agents unread; take back what the gates let go, oldest first."""
+        if not gated and not self.aside.held and not self.inbox.any_aside():  # the usual turn: no gate, nothing held
+            return
         for p in [p for p in self.parked if p.kind is Kind.NEW and p.agent in gated]:
             self.parked.remove(p)  # read before its agent was gated
             self._leave_unread(p)

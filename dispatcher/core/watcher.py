@@ -372,6 +372,10 @@ class Inbox:
                     self._ready_names.add(name)
                     heapq.heappush(self._ready, entry)
 
+    def any_aside(self) -> bool:
+        """Return True if orders of some agent were left unread for a gate (``take_back`` has work)."""
+        return bool(self._aside)
+
     def aside(self) -> int:
         """Return how many orders are left unread while a gate holds their agents."""
         return len(self._aside_names)

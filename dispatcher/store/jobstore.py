@@ -167,7 +167,7 @@ class JobFolder:
         Without ``sync`` the caller fsyncs ``attempts_path`` before the agent starts.
         """
         folder = f"{self._attempts}/{n}"
-        os.makedirs(folder, exist_ok=True)
+        fsutil.make_dir(folder)
         # attempts/<n>/ is the durable proof that attempt n may have started: after a power cut
         # recovery counts it as interrupted instead of starting an agent that is not retry-safe again
         if sync:
