@@ -334,6 +334,8 @@ def rel_parts(rel: str | PurePath) -> tuple[str, ...]:
     """Return the parts of a relative path as pathlib splits them (empty and ``.`` parts dropped), without a Path."""
     if isinstance(rel, PurePath):
         return rel.parts
+    if "/" not in rel:  # one name, the usual case (``receipt.json``)
+        return (rel,) if rel and rel != "." else ()
     if rel.startswith("/"):
         return PurePosixPath(rel).parts
     return tuple(p for p in rel.split("/") if p and p != ".")

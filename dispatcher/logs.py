@@ -116,6 +116,7 @@ def _cut(value: str) -> str:
 
 _dicts = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
 _SCALARS = frozenset({int, float, bool, type(None)})
+_OWN = frozenset({"event", "level", "timestamp"})  # written by the daemon itself: short, nothing to cut or hide
 
 
 def scrub(value: Any) -> Any:
@@ -212,6 +213,8 @@ class _Renderer:
             event = _dicts(None, "", event)
         for key, value in event.items():  # only values change: safe while iterating
             cls = value.__class__
+            if cls is str and cut and key in _OWN:  # a library's line (not cut) may carry anything in its event
+                continue
             if cls is str:
                 if cut and len(value) > FIELD_MAX:
                     value = _cut(value)

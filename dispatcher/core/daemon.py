@@ -241,7 +241,8 @@ class Daemon(Reloading, Fencing):
         if self.stopping:
             return not (self.sched.running or self.sched.inflight)
         if self.once:
-            left = self.inbox.aside_for(self._held_for_long())  # `run --once` leaves them, as orders due later
+            # `run --once` leaves them, as orders due later
+            left = self.inbox.aside_for(self._held_for_long()) if self.inbox.any_aside() else 0
             return not (self.sched.busy() or len(self.inbox) - left or self.house.busy)
         return False
 
