@@ -193,6 +193,25 @@ def test_a_hint_wakes_the_loop(tmp_path: Path) -> None:
     assert woken == [1]
 
 
+def test_a_name_gone_wakes_the_loop_only_while_it_settles(tmp_path: Path) -> None:
+    """A gone hint wakes for a name that was settling; not for one already taken (each claim removes its order)."""
+    (tmp_path / "inbox").mkdir()
+    woken: list[str] = []
+    inbox = Inbox(tmp_path / "inbox", 5.0, wake=lambda: woken.append("woken"))
+    write(inbox, "a.json")
+    inbox.hint("created", "a.json")
+    os.unlink(inbox.inbox / "a.json")
+    inbox.hint("gone", "a.json")
+    assert woken == ["woken", "woken"] and len(inbox) == 0
+    write(inbox, "b.json")
+    inbox.hint("moved", "b.json")
+    assert inbox.pop() == "b.json" and len(woken) == 3
+    os.unlink(inbox.inbox / "b.json")  # what a claim does
+    inbox.hint("gone", "b.json")
+    inbox.hint("created", ".c.json.tmp")
+    assert len(woken) == 3
+
+
 def test_orders_set_aside_for_a_gate_are_skipped_and_come_back_in_their_order(tmp_path: Path) -> None:
     """Names set aside for a gated agent are never ready; take_back makes them ready again, oldest first."""
     inbox = inbox_at(tmp_path)

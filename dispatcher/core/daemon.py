@@ -330,7 +330,8 @@ class Daemon(Reloading, Fencing):
         elif kind == "rescan":
             self._next_rescan = 0.0
         else:
-            self.inbox.hint(kind, name)
+            self.inbox.hint(kind, name)  # it wakes the loop when the event is one a turn may act on
+            return
         self.wakeup()
 
     def handle_signal(self, signum: int, frame: object = None) -> None:

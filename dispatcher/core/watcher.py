@@ -106,11 +106,11 @@ class Inbox:
         return len(self._known) - len(self._later_names)
 
     def hint(self, kind: str, name: str) -> None:
-        """Take one filesystem event into account (and wake the loop)."""
+        """Take one filesystem event into account; wake the loop when a turn may act on it.
+
+        Not for an ignored name (``.tmp``), nor one gone without settling (each claim removes its order)."""
         if not name or is_ignored(name):
             return
-        if self.wake is not None:
-            self.wake()
         if kind in ("moved", "closed"):
             self._pending.pop(name, None)
             self._make_ready(name)
@@ -123,6 +123,10 @@ class Inbox:
         elif kind == "gone" and name in self._pending:
             del self._pending[name]
             self._known.discard(name)
+        else:
+            return
+        if self.wake is not None:
+            self.wake()
 
     def add(self, entry: Listed, *, fresh: bool = False) -> None:
         """Track a listed entry: ready now if it is old enough or not a regular file, else pending."""
