@@ -55,6 +55,10 @@ class RunningJobs(Generic[J]):
         """Return how many more jobs may start: ``max_jobs`` less the holders, at most ``max_jobs`` finishing."""
         return min(max_jobs - self.holding, 2 * max_jobs - len(self.jobs))
 
+    def freed_room(self, max_jobs: int) -> bool:
+        """Return True if the job just popped, holding no slot, was over the cap of ``free`` (one more may start)."""
+        return len(self.jobs) + 1 > max_jobs + self.holding
+
     def add(self, job: J, task: asyncio.Task[Any], slot: int | None) -> None:
         """Count a job that starts, with the agent's slot it holds."""
         self.jobs[job.job_id] = Running(job, task, slot, since=asyncio.get_running_loop().time())

@@ -29,7 +29,7 @@ from dispatcher.core.requests import Requests, parked_again
 from dispatcher.core.running import RunningJobs, keeps_slots
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
-from dispatcher.core.work import Big, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked
+from dispatcher.core.work import Big, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked, parked_rank
 from dispatcher.job.context import JobContext
 from dispatcher.job.job import Job
 from dispatcher.job.joins import Joins
@@ -316,9 +316,9 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
 
     def _park_new(self, p: Parked) -> None:
         """Park an order again among the other parked orders by priority, then by when it was read."""
-        rank = _rank(p)
+        rank = parked_rank(p)
         for i, q in enumerate(self.parked):
-            if q.kind is Kind.NEW and _rank(q) > rank:
+            if q.kind is Kind.NEW and parked_rank(q) > rank:
                 self.parked.insert(i, p)
                 return
         self.parked.append(p)
@@ -386,13 +386,13 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self.aside.put(job_id, job.agent, job.spec.received, job, shown=shown, expires=job.expires)
             if job.expires is not None:  # it then ends expired, gate or not (section 16)
                 asyncio.get_running_loop().call_later(max(0.0, job.expires - time.time()) + 0.01, self.wake)
-        if outcome in (Outcome.DONE, Outcome.FAILED, Outcome.REVIEW):
+        ended = outcome in (Outcome.DONE, Outcome.FAILED, Outcome.REVIEW)
+        if ended:
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
             self.left.add(job_id)
-        self.wake()
-
-
-def _rank(p: Parked) -> tuple[int, float]:
-    """Return where a parked order goes among parked orders: higher priority first, then read first."""
-    return (-p.item.order.priority, p.item.received) if p.item is not None else (0, 0.0)
+        # a job that gave its slot back at its agent's exit and ended changes nothing a turn acts on, unless it was
+        # the last one running (an exit or a stop may be due) or the cap on finishing jobs held a start back
+        quiet = not held and ended and self.running and not self.ctx.stopping()
+        if not quiet or self.slots.freed_room(self.config.max_jobs):
+            self.wake()

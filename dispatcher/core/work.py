@@ -119,3 +119,8 @@ class Handover:
         """Return a handed-over slot of agent, if one is left."""
         free = self.slots.get(agent)
         return free.pop() if free else None
+
+
+def parked_rank(p: Parked) -> tuple[int, float]:
+    """Return where a parked order goes among parked orders: higher priority first, then read first."""
+    return (-p.item.order.priority, p.item.received) if p.item is not None else (0, 0.0)
