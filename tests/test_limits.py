@@ -197,6 +197,22 @@ def test_a_limit_beyond_max_limit_wait_fails_the_job(env: Env) -> None:
     assert "max_limit_wait (10 s)" in result["reason"]
 
 
+def test_max_limit_wait_counts_a_wait_resume_cut_short_as_it_was(env: Env) -> None:
+    """Two limits of 6 s each, max_limit_wait 10: resume ends the first after about a second, so the job waits
+    about 7 s in all and ends done (the two planned waits, 12 s, would have failed it)."""
+    plan = {"limit": {"times": 2, "stderr": "rate limited, retry in 6 s", "exit": 1}}
+    rule = {"match": r"retry in (\d+) s", "until": "seconds"}
+    env.configure(agents={"worker": headless(env, plan, limits=[rule])}, max_limit_wait=10)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CUT-1"))
+    d.wait_event("agent.gated", agent="worker")
+    assert env.cli("resume", "worker").returncode == 0
+    result = env.wait_job("CUT-1", "done", timeout=60)
+    assert [a["n"] for a in result["attempts"]] == [1, 2, 3]
+    assert [bool(a.get("limited")) for a in result["attempts"]] == [True, True, False]
+
+
 @pytest.mark.parametrize("wait", ["99999999999999999999", "1e400"])
 def test_a_limit_too_far_to_name_fails_like_one_beyond_max_limit_wait(env: Env, wait: str) -> None:
     """`retry in 1e400 s`: the job fails with the limit's reason and its attempt recorded, not as a crash."""

@@ -110,12 +110,21 @@ def limit_text(stdout_tail: bytes, stderr_tail: bytes) -> str:
 
 
 def waited_s(attempts: Sequence[Attempt]) -> float:
-    """Return how long this job has been sent to wait for usage limits so far, in all."""
+    """Return how long this job has waited for usage limits in all, the wait its last attempt was sent on included.
+
+    A wait that ended early (``dispatcher resume``, a gate lifted) counts until the next
+    attempt started; a next attempt that started late (no slot) counts no more than the wait.
+    """
     total = 0.0
-    for a in attempts:
+    ordered = sorted(attempts, key=lambda a: a.n)
+    for i, a in enumerate(ordered):
         limited = a.extra.get("limited")
-        if isinstance(limited, dict) and isinstance(limited.get("wait_s"), (int, float)):
-            total += float(limited["wait_s"])
+        if not (isinstance(limited, dict) and isinstance(limited.get("wait_s"), (int, float))):
+            continue
+        wait = float(limited["wait_s"])
+        if i + 1 < len(ordered):
+            wait = min(wait, max(0.0, ordered[i + 1].started - a.ended))
+        total += wait
     return total
 
 
