@@ -392,20 +392,36 @@ def test_retry_of_a_failed_join_waits_for_its_parents_again(env: Env) -> None:
     assert d.stop() == 0
 
 
-def test_retry_or_revise_of_a_join_whose_parent_failed_is_refused_until_the_parent_is_retried(env: Env) -> None:
-    """`after: w01 failed`: retry and revise of the join exit 1 (no revision spent); after `retry w01` they go."""
+def test_run_once_exits_1_when_a_join_fails_at_once_in_it(env: Env) -> None:
+    """w01 failed in an earlier run; a join on it dropped now fails at once (`after: w01 failed`): exit 1."""
+    env.configure({"worker": env.agent("--exit", "1", max_attempts=1), "merger": env.agent()})
+    env.drop(order("w01"))
+    assert env.cli("run", "--once").returncode == 1
+    env.drop(merger(after=["w01"]))
+    assert env.cli("run", "--once").returncode == 1
+    assert env.result("merge", "failed")["reason"] == "after: w01 failed"
+
+
+def test_retry_or_revise_of_a_join_whose_parent_failed_is_done_with_a_note_and_it_fails_again(env: Env) -> None:
+    """`after: w01 failed`: retry and revise of the join exit 0 (section 6) with a note on stderr; the join
+    waits again and fails again at once, no agent run. Retried together with w01, no note."""
     env.configure({"worker": env.agent("--exit", "1", max_attempts=1), "merger": env.agent()})
     env.drop(merger(after=["w01"]))
     env.drop(order("w01"))
     assert env.cli("run", "--once").returncode == 1
     assert env.result("merge", "failed")["reason"] == "after: w01 failed"
-    for args, done in ((["retry", "merge"], "retried"), (["revise", "merge", "--note", "run it anyway"], "revised")):
+    note = "merge: note: it waits for w01, which failed: it fails again at once unless w01 is retried too\n"
+    for args, line in (
+        (["retry", "merge"], "merge: retry requested\n"),
+        (["revise", "merge", "--note", "run it anyway"], None),
+    ):
         proc = env.cli(*args)
-        assert proc.returncode == 1 and proc.stdout == ""
-        assert proc.stderr == (
-            f"merge: waits for w01, which failed, so {done} now it would fail again at once: retry w01 first\n"
-        )
-    assert env.cli("retry", "w01", "merge").stdout == "w01: retry requested\nmerge: retry requested\n"
+        assert proc.returncode == 0 and proc.stderr.endswith(note), proc.stderr
+        assert line is None or proc.stdout == line
+        assert env.cli("run", "--once").returncode == 1  # it failed again under this run: exit 1
+        assert env.result("merge", "failed")["reason"] == "after: w01 failed"
+    proc = env.cli("retry", "w01", "merge")
+    assert proc.stdout == "w01: retry requested\nmerge: retry requested\n" and "note" not in proc.stderr
     assert starts_of(env, "merge") == 0
 
 

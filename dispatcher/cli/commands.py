@@ -303,6 +303,8 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
             except (NotFound, WrongState) as exc:
                 print(exc, file=sys.stderr, flush=True)
                 failed += 1
+            while op.notes:  # a warning that goes with an action done (a join that fails again at once)
+                print(op.notes.pop(0), file=sys.stderr, flush=True)
     finally:
         op.close()
     if action == "retry" and failed < len(ids):

@@ -166,7 +166,7 @@ class Daemon(Reloading, Fencing):
         )
         self.sched = Scheduler(ctx, self.inbox, self.wakeup, joins)
         self.claims = self.sched.claims
-        joins.ready = self._joined
+        joins.ready, joins.failed = self._joined, self.sched.join_failed
         self.lease: LeaseKeeper | None = None
         leases = self.ledger.leases
         if leases is not None:

@@ -60,6 +60,11 @@ class ReadAside(abc.ABC):
             self.stats.finished["refused"] += 1
         self.wake()
 
+    def join_failed(self) -> None:
+        """Count a waiting job that failed without a slot (``after: X failed``): `run --once` then exits 1."""
+        self.stats.finished["failed"] += 1
+        self.wake()
+
     def log_refused(self, folder: Path, refusal: Refusal) -> None:
         """Log a refusal as its folder lands (before the folder's fsync)."""
         if self.ctx.metrics is not None:

@@ -193,11 +193,19 @@ class Finisher:
             await self.lanes.io(self.release, finish.job_id)
         return True
 
-    def finish_now(self, folder: JobFolder, finish: Finish, result: Result, spec: JobSpec | None = None) -> bool:
+    def finish_now(
+        self,
+        folder: JobFolder,
+        finish: Finish,
+        result: Result,
+        spec: JobSpec | None = None,
+        landed: Callable[[], None] | None = None,
+    ) -> bool:
         """Stage and commit one failed job from the ledger lane itself (a claim under a cancel, a failed join).
 
         Such a job has no Job to run its agent's ``after`` hook, which is owed once the job
-        is final (contract 15): with ``spec``, ``after_hooks`` starts it on the loop.
+        is final (contract 15): with ``spec``, ``after_hooks`` starts it on the loop. ``landed``
+        is called on the loop once it is in failed/.
         """
         ok = self.commit([Landing(folder, finish, result)])[0]
         if isinstance(ok, OSError):
@@ -208,6 +216,8 @@ class Finisher:
             self._loop.call_soon_threadsafe(self.notify.fire, "job.failed", finish.job_id, agent, reason, target)
         if ok and spec is not None and self.after_hooks is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.after_hooks.start, spec, finish.state)
+        if ok and landed is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(landed)
         return ok
 
     def commit(self, batch: Sequence[Landing]) -> list[bool | OSError]:

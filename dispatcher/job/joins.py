@@ -117,6 +117,7 @@ class Joins:
         self.finisher = finisher
         self.config = config
         self.ready: Ready | None = None  # set by the daemon: parks a join moved to active/
+        self.failed: Callable[[], None] | None = None  # set by the daemon: counts a failed join, on the loop
         # when the first wait still short of max_wait reaches it (wall clock; None: no such wait). Set
         # here, read by the loop, which sweeps then: a wait fails at max_wait, not at the next rescan
         self.due: float | None = None
@@ -264,7 +265,7 @@ class Joins:
                 chain_cost_usd=spec.parent_chain_cost_usd,
             )
             finish = Finish(spec.job_id, token, Row.FAILED, None, spec.parent_chain_cost_usd)
-            self.finisher.finish_now(folder, finish, result, spec)  # spec: its after hook is owed too
+            self.finisher.finish_now(folder, finish, result, spec, self.failed)  # spec: its after hook is owed too
             return
         data = fsutil.dump_json(parents_record(self.layout, self.ledger, wait.after))
         tmp = folder.work / f".{PARENTS}.tmp"

@@ -53,6 +53,7 @@ class Operator:
         self._ledger: Ledger | None = None
         self.reason: str | None = None  # the text of a reject
         self.note: str | None = None  # the text of a revise
+        self.notes: list[str] = []  # lines for stderr that go with an action that was done (a warning)
 
     @property
     def ledger(self) -> Ledger:
@@ -75,16 +76,16 @@ class Operator:
             raise NotFound(f"{job_id}: no such job")
         if found[0] is not State.FAILED:
             raise WrongState(f"{job_id}: is {found[0].value}, only a failed job can be retried")
-        self._refuse_blocked_join(job_id, found[1], "retried")
         self.ledger.request(job_id, Request.RETRY)
+        self._note_blocked_join(job_id, found[1])
         self._poke("retry", job_id)
         return f"{job_id}: retry requested"
 
-    def _refuse_blocked_join(self, job_id: str, folder: Path, done: str) -> None:
-        """Refuse to run a failed join again (it waits again) while a job it needs done has failed for good.
+    def _note_blocked_join(self, job_id: str, folder: Path) -> None:
+        """Note (``notes``) that a failed join run again waits for a job that failed and is not run again.
 
-        Waiting again would fail it at once (``after: X failed``), spending the request
-        (and a revision) without an attempt; the operator is told what to run first.
+        Its wait then fails it at once (``after: X failed``), without an attempt; the
+        operator is told what to run first. The request is made all the same (section 6).
         """
         from dispatcher.job.joins import ALL_FINAL
         from dispatcher.store.jobstore import JobFolder
@@ -100,9 +101,9 @@ class Operator:
         failed -= {*self.ledger.requests(Request.RETRY), *self.ledger.requests(Request.REVISE)}  # run again soon
         if failed:
             names = sorted(failed)
-            raise WrongState(
-                f"{job_id}: waits for {', '.join(names)}, which failed, so {done} now it would fail again at"
-                f" once: retry {' and '.join(names)} first"
+            self.notes.append(
+                f"{job_id}: note: it waits for {', '.join(names)}, which failed: it fails again at once"
+                f" unless {' and '.join(names)} {'is' if len(names) == 1 else 'are'} retried too"
             )
 
     def cancel(self, job_id: str) -> str:
@@ -288,9 +289,9 @@ class Operator:
 
         _check_id(job_id)
         found = self.layout.find(job_id)
-        if found is not None and found[0] is State.FAILED:
-            self._refuse_blocked_join(job_id, found[1], "revised")
         line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
+        if found is not None and found[0] is State.FAILED:
+            self._note_blocked_join(job_id, found[1])
         self._poke("revise", job_id)
         return line
 
