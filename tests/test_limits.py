@@ -213,6 +213,18 @@ def test_max_limit_wait_counts_a_wait_resume_cut_short_as_it_was(env: Env) -> No
     assert [bool(a.get("limited")) for a in result["attempts"]] == [True, True, False]
 
 
+def test_a_rule_anchored_at_the_end_matches_the_end_of_stdout(env: Env) -> None:
+    """`in (.+)\\.$` on a stdout that ends `in 2 seconds.` and a newline: a limit, not a failure (each stream is
+    matched on its own too, so `$` may sit at the end of stdout although stderr follows it)."""
+    plan = {"limit": {"times": 1, "stdout": "rate limited, try again in 2 seconds.", "exit": 1}}
+    env.configure(agents={"worker": headless(env, plan, limits=[{"match": r"in (.+)\.$", "until": "seconds"}])})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("END-1"))
+    result = env.wait_job("END-1", "done", timeout=60)
+    assert [bool(a.get("limited")) for a in result["attempts"]] == [True, False]
+
+
 @pytest.mark.parametrize("wait", ["99999999999999999999", "1e400"])
 def test_a_limit_too_far_to_name_fails_like_one_beyond_max_limit_wait(env: Env, wait: str) -> None:
     """`retry in 1e400 s`: the job fails with the limit's reason and its attempt recorded, not as a crash."""

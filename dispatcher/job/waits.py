@@ -102,11 +102,9 @@ def unsupported_budget_gates(
     return out
 
 
-def limit_text(stdout_tail: bytes, stderr_tail: bytes) -> str:
-    """Return the text limits are matched on: the last 64 KiB of stdout and of stderr."""
-    out = stdout_tail[-TAIL_BYTES:].decode("utf-8", "replace")
-    err = stderr_tail[-TAIL_BYTES:].decode("utf-8", "replace")
-    return out + "\n" + err
+def limit_texts(stdout_tail: bytes, stderr_tail: bytes) -> tuple[str, str]:
+    """Return the texts limits are matched on: the last 64 KiB of stdout and of stderr."""
+    return stdout_tail[-TAIL_BYTES:].decode("utf-8", "replace"), stderr_tail[-TAIL_BYTES:].decode("utf-8", "replace")
 
 
 def waited_s(attempts: Sequence[Attempt]) -> float:
@@ -159,7 +157,8 @@ class Waits:
         """Return the agent's usage limit found in an attempt's output, or None (pure but for the text)."""
         if not agent.limits:
             return None
-        return find_limit(limit_text(stdout_tail, stderr_tail), agent.limits, at)
+        out, err = limit_texts(stdout_tail, stderr_tail)
+        return find_limit(out + "\n" + err, agent.limits, at, (out, err))
 
     async def gate(self, agent: Agent, hit: LimitHit) -> None:
         """Gate ``agent`` until the limit's time on every host; log agent.limited (and agent.gated)."""

@@ -102,27 +102,35 @@ def compile_rule(rule: LimitRule) -> re.Pattern[str]:
     return pattern
 
 
-def find_limit(text: str, rules: tuple[LimitRule, ...], now: float) -> LimitHit | None:
+def find_limit(text: str, rules: tuple[LimitRule, ...], now: float, streams: tuple[str, ...] = ()) -> LimitHit | None:
     """Return the first rule's hit on text (the last match of that rule), or None.
 
+    ``streams`` (stdout, stderr) are tried one by one after text (both of them) for
+    each rule, so that a pattern anchored at the end (``$``) matches the end of either.
     A match whose time cannot be read, or lies in the past, is no hit: the
     attempt then counts as the failure it is.
     """
     for rule in rules:
-        if rule.needs is not None and re.search(rule.needs, text) is None:
-            continue
-        last = None
-        for m in compile_rule(rule).finditer(text):
-            last = m
-        if last is None:
-            continue
-        value = last.group(1) or ""
-        if rule.until == "clock" and last.end(1) >= 0:
-            value += _zone_after(text, last.end(1), value)
-        until = read_time(value, rule.until, now)
-        if until is not None and until > now:
-            return LimitHit(until, _cut(last.group(0)))
+        for where in (text, *streams):
+            hit = _hit(where, rule, now)
+            if hit is not None:
+                return hit
     return None
+
+
+def _hit(text: str, rule: LimitRule, now: float) -> LimitHit | None:
+    if rule.needs is not None and re.search(rule.needs, text) is None:
+        return None
+    last = None
+    for m in compile_rule(rule).finditer(text):
+        last = m
+    if last is None:
+        return None
+    value = last.group(1) or ""
+    if rule.until == "clock" and last.end(1) >= 0:
+        value += _zone_after(text, last.end(1), value)
+    until = read_time(value, rule.until, now)
+    return LimitHit(until, _cut(last.group(0))) if until is not None and until > now else None
 
 
 _ZONE_NAME = r"[A-Za-z]+/[A-Za-z_+\-]+(?:/[A-Za-z_+\-]+)?"  # Europe/Berlin, America/Argentina/Buenos_Aires
