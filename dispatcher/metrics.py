@@ -150,6 +150,11 @@ class Metrics:
         with self._lock:
             self._running_agents.add(agent)
 
+    def seed_finished(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Start ``dispatcher_jobs_finished_total`` from what this daemon finished before these metrics existed."""
+        for (state, agent), n in counts.items():
+            self.finished.labels(state=state, agent=agent).inc(n)
+
     def job_finished(self, state: str, agent: str | None, duration_s: float | None, cost_usd: float | None) -> None:
         """Count one job done or failed (with its claim-to-finish seconds and cost), or one file refused.
 

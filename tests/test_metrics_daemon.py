@@ -54,6 +54,27 @@ def test_a_reload_that_sets_metrics_file_starts_it(env: Env) -> None:
     assert "dispatcher_queue" in prom.read_text()
 
 
+def test_a_reload_that_sets_metrics_file_counts_since_the_start_and_the_agents_running_now(env: Env) -> None:
+    """R1 done before metrics_file is set, R2 running when it is: the file counts R1 (since this daemon
+    started) and shows the agent running, then counts R2 too."""
+    prom = env.tmp / "started.prom"
+    env.configure({"worker": env.agent("--sleep", "3")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("R1"))
+    env.wait_job("R1", "done")
+    env.drop(order("R2"))
+    wait_until(lambda: ("R2", 1) in env.starts(), what="R2 running")
+    metrics_by_reload(env, prom)
+    done = ("dispatcher_jobs_finished_total", (("agent", "worker"), ("state", "done")))
+    running = ("dispatcher_agents_running", (("agent", "worker"),))
+    assert samples(prom)[done] == 1
+    assert samples(prom)[running] == 1
+    env.wait_job("R2", "done")
+    wait_until(lambda: samples(prom)[done] == 2 and samples(prom)[running] == 0, 15, "R2 counted")
+    assert d.stop() == 0
+
+
 def test_an_agent_added_after_metrics_started_by_a_reload_has_its_series_and_its_gate(env: Env) -> None:
     """metrics_file set by one reload, agent `late` (then paused) added by another: its gauges are in the file."""
     prom = env.tmp / "later.prom"

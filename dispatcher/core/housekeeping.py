@@ -22,6 +22,7 @@ import structlog
 
 from dispatcher import logs, procs
 from dispatcher.core.watcher import Inbox, list_inbox
+from dispatcher.finished import FinishedCounts
 from dispatcher.job import recovery, repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.joins import Joins
@@ -205,8 +206,7 @@ class Housekeeping:
         hints = await lanes.io(_hints, layout)
         for line in await lanes.io(take_relayed, layout, hints):  # a command's log lines: onto this stdout
             logs.relay(line)
-            if self.ctx.metrics is not None:
-                count_decision(self.ctx.metrics, line)
+            count_decision(self.ctx.metrics, self.ctx.finisher.finished, line)
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):
             entry = await lanes.io(ledger.get, job_id)
             if entry is not None and entry.state == Row.WAITING and self.joins is not None:
@@ -322,7 +322,7 @@ class Housekeeping:
 _DECIDED = {"job.approved": "done", "job.rejected": "failed"}
 
 
-def count_decision(metrics: Metrics, line: str) -> None:
+def count_decision(metrics: Metrics | None, finished: FinishedCounts, line: str) -> None:
     """Count a review decision a command made (its relayed ``job.approved``/``job.rejected``) as the finish it is."""
     if '"job.approved"' not in line and '"job.rejected"' not in line:
         return
@@ -331,11 +331,15 @@ def count_decision(metrics: Metrics, line: str) -> None:
     except ValueError:
         return
     state = _DECIDED.get(str(event.get("event"))) if isinstance(event, dict) else None
-    if state is not None:
+    if state is None:
+        return
+    agent = event.get("agent") if isinstance(event.get("agent"), str) else None
+    finished.add(state, agent)
+    if metrics is not None:
         duration, cost = event.get("duration_s"), event.get("cost_usd")
         metrics.job_finished(
             state,
-            event.get("agent") if isinstance(event.get("agent"), str) else None,
+            agent,
             duration if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,
             cost if is_cost(cost) else None,
         )

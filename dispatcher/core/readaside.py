@@ -67,6 +67,7 @@ class ReadAside(abc.ABC):
 
     def log_refused(self, folder: Path, refusal: Refusal) -> None:
         """Log a refusal as its folder lands (before the folder's fsync)."""
+        self.ctx.finisher.finished.add("refused", refusal.agent)
         if self.ctx.metrics is not None:
             self.ctx.metrics.job_finished("refused", refusal.agent, None, None)
         log.warning(

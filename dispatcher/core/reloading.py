@@ -10,7 +10,7 @@ import dataclasses
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -19,6 +19,7 @@ from dispatcher.core import announce
 from dispatcher.core.claiming import Claims
 from dispatcher.core.gatekeeper import GateKeeper
 from dispatcher.core.housekeeping import Housekeeping
+from dispatcher.core.running import RunningJobs
 from dispatcher.core.watcher import Inbox
 from dispatcher.errors import ConfigError
 from dispatcher.lanes import Lanes
@@ -30,6 +31,12 @@ if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
+
+
+class _Scheduling(Protocol):
+    """What a reload needs of ``core.scheduler.Scheduler``: its running jobs (``dispatcher_agents_running``)."""
+
+    slots: RunningJobs[Any]
 
 
 class Reloading:
@@ -45,6 +52,7 @@ class Reloading:
     lanes: Lanes
     ledger: Ledger
     gatekeeper: GateKeeper
+    sched: _Scheduling
 
     def reload(self) -> None:
         """Reload the config (SIGHUP); keep the old one if the new one is bad or moves the root."""
@@ -78,6 +86,9 @@ class Reloading:
                     self.metrics.remove_file()
                 self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
                 self.gatekeeper.metrics = self.metrics  # dispatcher_agent_gated follows the gates' snapshot
+                self.sched.slots.set_metrics(self.metrics)  # dispatcher_agents_running: the agents running now
+                if self.metrics is not None:  # counted since this daemon started, not since the reload
+                    self.metrics.seed_finished(self.house.ctx.finisher.finished.snapshot())
             self.house.metrics_now()
         if self.metrics is not None:
             self.metrics.add_agents(new.agents)  # an agent a reload adds has its series (at 0) at once

@@ -51,6 +51,11 @@ class RunningJobs(Generic[J]):
         self.idle: dict[str, list[int]] = {}
         self._metrics = metrics
 
+    def set_metrics(self, metrics: Metrics | None) -> None:
+        """Report to these metrics from now on (a reload set or unset ``metrics_file``), the running agents at once."""
+        self._metrics = metrics
+        self._count()
+
     def free(self, max_jobs: int) -> int:
         """Return how many more jobs may start: ``max_jobs`` less the holders, at most ``max_jobs`` finishing."""
         return min(max_jobs - self.holding, 2 * max_jobs - len(self.jobs))

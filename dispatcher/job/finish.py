@@ -34,6 +34,7 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.clock import parse_iso
+from dispatcher.finished import FinishedCounts
 from dispatcher.job.followups import release_followups
 from dispatcher.lanes import GroupCommit, Handoff, Lanes
 from dispatcher.layout import Layout
@@ -143,6 +144,7 @@ class Finisher:
         self.notify = notify
         self.hints = hints
         self.metrics = metrics
+        self.finished = FinishedCounts()  # since this daemon started, metrics file or not
         self.after_hooks = after_hooks
         self._commit: GroupCommit[Landing, bool | OSError] = GroupCommit(lanes, self.commit)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -270,8 +272,10 @@ class Finisher:
                 log.info("job.review", children=list(result.children) or None, **fields)
             else:
                 log.warning("job.failed", reason=result.reason, **fields)
-            if self.metrics is not None and state is not State.REVIEW:
-                self.metrics.job_finished(state.value, result.agent, *this_claim(landing.folder, result))
+            if state is not State.REVIEW:
+                self.finished.add(state.value, result.agent)
+                if self.metrics is not None:
+                    self.metrics.job_finished(state.value, result.agent, *this_claim(landing.folder, result))
             moves.append((landing, state))
         self._move(moves, touched)
         for state in touched:
