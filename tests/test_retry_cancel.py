@@ -333,6 +333,8 @@ def test_agent_that_cannot_start_fails_as_config_error_without_attempt(env: Env,
     assert result["reason"].startswith("config: agent broken cannot start: "), result["reason"]
     assert result["attempts"] == []
     assert_not_run(result)
+    [exited] = [e for e in d.events() if e.get("event") == "agent.exited" and e.get("job_id") == "BROKEN-1"]
+    assert exited["level"] == "error" and "attempt" not in exited, exited  # not an attempt
     env.drop(order("AFTER-1"))
     env.wait_job("AFTER-1", "done")
     assert d.stop() == 0

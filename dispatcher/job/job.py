@@ -245,7 +245,7 @@ class Job(Finishing, Deciding):
             await self.repo.open(n)
         except WorkspaceFailed as exc:
             reason = f"config: agent {agent.name} cannot start: {exc}"
-            log.error("agent.exited", attempt=n, error=reason)
+            log.error("agent.exited", error=reason)  # no attempt (section 6)
             return await self.finish(Row.FAILED, reason, [])
         argv = attempt.argv_after(self.spec, self.folder.work, self.attempts, self.repo.path)
         proc = await self._spawn(n, argv)
@@ -254,7 +254,7 @@ class Job(Finishing, Deciding):
         if isinstance(proc, OSError):
             why = proc.strerror or str(proc)
             reason = f"config: agent {agent.name} cannot start: {why}" + (f": {proc.filename}" if proc.filename else "")
-            log.error("agent.exited", attempt=n, error=reason)
+            log.error("agent.exited", error=reason)  # no attempt (section 6)
             return await self.finish(Row.FAILED, reason, [])
         self.control.attach(proc)
         log.info("agent.started", attempt=n, pid=proc.pid)  # recovery finds it by its environment, unrecorded

@@ -359,7 +359,9 @@ def cut_reason(reason: str) -> str:
     return cut(oneline(reason), DETAIL_MAX)
 
 
-NOT_RUN = tuple(CheckResult(name, None, "not run: no attempt of the agent was checked") for name in BUILTIN_CHECKS)
+NOT_RUN = tuple(
+    CheckResult(name, None, "not run: the job ended before any attempt was checked") for name in BUILTIN_CHECKS
+)
 
 
 def build_result(
