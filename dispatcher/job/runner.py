@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dispatcher.job.idle import IdleWatch, newest_change
-from dispatcher.procs import end_group, group_gone, signal_group
+from dispatcher.procs import end_group, signal_group
 
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 ERR_TAIL_BYTES = 64 * 1024  # stderr kept in memory, for usage limits (section 14)
@@ -293,16 +293,10 @@ class AgentProcess:
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
-        if group_gone(self.pid):  # the usual case: nothing outlived the leader, so no task and no wait
-            self._group_ended_now()
-            return
         asyncio.get_running_loop().create_task(self._end_group_then_drain())
 
     async def _end_group_then_drain(self) -> None:
         await end_group(self.pid, self.kill_grace_s, already_termed=True)
-        self._group_ended_now()
-
-    def _group_ended_now(self) -> None:
         self._group_ended = True
         self._maybe_complete()
         if self._done is not None and not self._done.done():
