@@ -205,20 +205,15 @@ async def end_group(pgid: int, grace_s: float, *, already_termed: bool = False) 
     await _emptied(pgid, loop.time() + _KILL_WAIT_S)
 
 
-def group_gone(pgid: int) -> bool:
-    """Reap our own zombies in the group; return True if no process is left in it (no wait)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
-            pass
-    return not signal_group(pgid, 0)
-
-
 async def _emptied(pgid: int, deadline: float) -> bool:
     """Wait until no live process is left in the group (True) or the deadline passes (False)."""
     loop = asyncio.get_running_loop()
     polls = 0
     while True:
-        if group_gone(pgid):
+        with contextlib.suppress(ChildProcessError, OSError):
+            while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
+                pass  # reap our own zombies in the group
+        if not signal_group(pgid, 0):
             return True
         polls += 1
         if polls % 5 == 0 and not any(state not in ("Z", "X") for _pid, state, _ppid in group_members(pgid)):
