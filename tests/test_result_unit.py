@@ -27,7 +27,8 @@ from dispatcher.lifecycle import (
 )
 from dispatcher.spec.jobspec import Attempt
 from dispatcher.spec.result import CheckResult, Result
-from dispatcher.store.jobstore import DETAIL_MAX, JobFolder, build_result
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.results import DETAIL_MAX, build_result
 
 BODY = {
     "job_id": "J1",

@@ -14,8 +14,8 @@ from seam_fixtures import Seam, open_seam, order, run, until
 from dispatcher.ledger.base import Child, Finish
 from dispatcher.lifecycle import Row
 from dispatcher.spec.result import Result
-from dispatcher.store.jobstore import build_result
 from dispatcher.store.placing import Started
+from dispatcher.store.results import build_result
 
 
 def result_of(started: Started, state: Row, reason: str | None = None, **extra: Any) -> Result:

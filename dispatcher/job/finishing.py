@@ -25,7 +25,8 @@ from dispatcher.lifecycle import Outcome, Row, outcome_of
 from dispatcher.shortage import DISK_WAIT_MAX_S, PAUSE_MIN_S, SHORT
 from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.result import CheckResult, Result
-from dispatcher.store.jobstore import JobFolder, build_result, is_disk_full
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.results import build_result, is_disk_full
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")

@@ -44,9 +44,9 @@ from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart_text
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
 from dispatcher.store import placing
-from dispatcher.store.jobstore import build_result, is_disk_full
 from dispatcher.store.placing import AHEAD_TEXT_BYTES, Inspected, Pick, Skipped, Started, body_text
 from dispatcher.store.refusals import Refusal, refuse
+from dispatcher.store.results import build_result, is_disk_full
 from dispatcher.store.staging import drop_inbox_twin
 
 log = structlog.get_logger("dispatcher")

@@ -42,8 +42,9 @@ from dispatcher.ledger.base import Entry, Finish, Ledger, Request, Wait
 from dispatcher.lifecycle import Row, State, Stop
 from dispatcher.spec.orders import parse_time
 from dispatcher.spec.settings import Config
-from dispatcher.store.jobstore import JobFolder, build_result
+from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
+from dispatcher.store.results import build_result
 
 log = structlog.get_logger("dispatcher")
 PARENTS = "parents.json"

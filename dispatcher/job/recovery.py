@@ -23,7 +23,8 @@ from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_r
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.settings import Config
 from dispatcher.store import refusals
-from dispatcher.store.jobstore import JobFolder, build_result
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.results import build_result
 from dispatcher.store.staging import drop_inbox_twin, remove_stage
 
 log = structlog.get_logger("dispatcher")

@@ -38,7 +38,8 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger
 from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
 from dispatcher.spec.result import Result
-from dispatcher.store.jobstore import JobFolder, cut_reason
+from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.results import cut_reason
 from dispatcher.text import usd
 
 log = structlog.get_logger("dispatcher")

@@ -5,7 +5,7 @@
 
 Each is one transaction, however many rows (statement timeout lifted for it).
 An unknown commit is settled by the server's record of the transaction
-(``pg_conn.Runner``), so a copy that did commit is not run again (it would count
+(``pg_runner.Runner``), so a copy that did commit is not run again (it would count
 0 new rows, or find the target no longer empty).
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError, Runner
+from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError
+from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import Entry, Extras, Gate, GateWait, Request, fold_waits
 

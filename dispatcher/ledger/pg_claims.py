@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dispatcher.ledger.pg_conn import Cur, Fence, Runner
+from dispatcher.ledger.pg_conn import Cur, Fence
+from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.pg_settle import Again, Found, Resolve
 from dispatcher.ledger.records import Busy, ClaimAnswer, Claimed, ClaimRequest, Entry, Known, Request
 from dispatcher.lifecycle import Row

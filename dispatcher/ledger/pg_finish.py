@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dispatcher.ledger.pg_conn import Cur, Fence, Rollback, Runner
+from dispatcher.ledger.pg_conn import Cur, Fence
+from dispatcher.ledger.pg_runner import Rollback, Runner
 from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import Child, Entry, Finish
 from dispatcher.lifecycle import Row

@@ -2,34 +2,17 @@
 
 Same rows as the SQLite engine's (``sqlite_gates``): a gate per agent and kind
 ("no attempt of this agent starts before ``until``", NULL: until lifted by
-hand) and a wait per job that waits for one. Schema version 2 added the tables;
-``pg_schema.ensure`` adds them to a version 1 ledger.
+hand) and a wait per job that waits for one. Schema version 2 added the tables
+(``pg_schema.GATE_TABLES``); ``pg_schema.ensure`` adds them to a version 1 ledger.
 """
 
 from __future__ import annotations
 
-from dispatcher.ledger.pg_conn import Cur, Runner
+from dispatcher.ledger.pg_conn import Cur
+from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.records import Gate, GateKind
 from dispatcher.lifecycle import Row
 
-TABLES = (
-    """
-    CREATE TABLE IF NOT EXISTS gates (
-        agent   text COLLATE "C" NOT NULL,
-        kind    text NOT NULL,
-        until   double precision,
-        reason  text,
-        updated double precision NOT NULL,
-        PRIMARY KEY (agent, kind)
-    )""",
-    """
-    CREATE TABLE IF NOT EXISTS gate_waits (
-        job_id text COLLATE "C" PRIMARY KEY,
-        agent  text NOT NULL,
-        until  double precision,
-        since  double precision NOT NULL
-    )""",
-)
 _NOW = "extract(epoch from now())::float8"
 
 

@@ -44,7 +44,8 @@ import time
 import psycopg
 import structlog
 
-from dispatcher.ledger.pg_conn import Conn, Cur, PostgresLedgerError, Runner
+from dispatcher.ledger.pg_conn import Conn, Cur, PostgresLedgerError
+from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import DaemonInfo, LedgerUnavailable
 

@@ -5,7 +5,7 @@ One row per job and kind; asking again refreshes its time; a daemon clears it on
 
 from __future__ import annotations
 
-from dispatcher.ledger.pg_conn import Runner
+from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.records import Request
 
 

@@ -9,7 +9,6 @@ one-line error (an older dispatcher must never write to a newer ledger).
 
 from __future__ import annotations
 
-from dispatcher.ledger import pg_gates
 from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError
 
 SCHEMA_VERSION = 3  # 2: joins (section 16); 3: gates and gate waits (section 14)
@@ -30,6 +29,26 @@ _WAITS = (
     )""",
     "CREATE INDEX waits_parent ON waits (parent)",
 )
+#: the gates and their waits (section 14, ``pg_gates``): schema version 2 added them
+GATE_TABLES = (
+    """
+    CREATE TABLE IF NOT EXISTS gates (
+        agent   text COLLATE "C" NOT NULL,
+        kind    text NOT NULL,
+        until   double precision,
+        reason  text,
+        updated double precision NOT NULL,
+        PRIMARY KEY (agent, kind)
+    )""",
+    """
+    CREATE TABLE IF NOT EXISTS gate_waits (
+        job_id text COLLATE "C" PRIMARY KEY,
+        agent  text NOT NULL,
+        until  double precision,
+        since  double precision NOT NULL
+    )""",
+)
+
 _TABLES = (
     """
     CREATE TABLE jobs (
@@ -132,7 +151,7 @@ def ensure(cur: Cur, where: str) -> int:
             if version == 1:
                 for statement in _WAITS:
                     cur.execute(statement)  # fixed text only
-            for statement in pg_gates.TABLES:
+            for statement in GATE_TABLES:
                 cur.execute(statement)  # fixed text only
             _add_columns(cur)
             cur.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION,))
@@ -148,7 +167,7 @@ def ensure(cur: Cur, where: str) -> int:
             f"{where}: the database holds tables ({taken[0]}) but no dispatcher schema_version;"
             " use an empty database for the ledger"
         )
-    for statement in (*_TABLES, *pg_gates.TABLES):
+    for statement in (*_TABLES, *GATE_TABLES):
         cur.execute(statement)  # fixed text only
     cur.execute("CREATE TABLE schema_version (version integer NOT NULL)")
     cur.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from dispatcher.ledger.pg_conn import Cur, Fence, Runner
+from dispatcher.ledger.pg_conn import Cur, Fence
+from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import Wait, fold_waits
 from dispatcher.lifecycle import Row

@@ -14,7 +14,7 @@ reference); what differs is how it is made safe across hosts:
   (False / None) when the token moved on or this daemon was declared lost.
   Steps that take something new (claim, adopt, retry, slot) also need this
   daemon's lease to be running in the database's eyes.
-- Connection loss, timeouts and conflicts are waited out (``pg_conn.Runner``);
+- Connection loss, timeouts and conflicts are waited out (``pg_runner.Runner``);
   an unknown commit outcome is settled by the server's record of the
   transaction, checked against the rows the step meant to write.
 
@@ -44,11 +44,12 @@ from dispatcher.ledger.base import Leases as LeasesInterface
 from dispatcher.ledger.base import Ledger
 from dispatcher.ledger.flocks import make_lock
 from dispatcher.ledger.pg_claims import Claims
-from dispatcher.ledger.pg_conn import Conn, Pool, PostgresLedgerError, Runner, describe, make_conninfo, permanent
+from dispatcher.ledger.pg_conn import Conn, Pool, PostgresLedgerError, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
 from dispatcher.ledger.pg_gates import Gates
 from dispatcher.ledger.pg_leases import LeaseLost, Leases
 from dispatcher.ledger.pg_requests import Requests
+from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.pg_waits import Waits
 from dispatcher.ledger.records import (
     Child,

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from dispatcher.errors import OrderError
+from dispatcher.spec.yamlfields import field_at, path_of
 from dispatcher.text import describe
 
 MAX_DEPTH = 64
@@ -141,68 +142,24 @@ class _StrictCLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoa
 def _check_events(text: str, *, aliases: bool, loader: Any = yaml.SafeLoader) -> None:
     """Refuse anchors, aliases and deep nesting by scanning the parser's events (no tree is built).
 
-    The field of an anchor or alias is named (``_field_at``, a second scan made only then).
+    The field of an anchor or alias is named (``yamlfields.field_at``, a second scan made only then).
     """
     depth = 0
     for n, event in enumerate(yaml.parse(text, Loader=loader)):
         if not aliases:
             if isinstance(event, yaml.AliasEvent):
                 message = f"YAML aliases are not allowed (*{event.anchor}, line {_line(event)})"
-                raise OrderError(message, field=_field_at(text, loader, n))
+                raise OrderError(message, field=field_at(text, loader, n))
             anchor = getattr(event, "anchor", None)
             if anchor is not None:
                 message = f"YAML anchors are not allowed (&{anchor}, line {_line(event)})"
-                raise OrderError(message, field=_field_at(text, loader, n))
+                raise OrderError(message, field=field_at(text, loader, n))
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_DEPTH:
                 raise OrderError(f"nesting deeper than {MAX_DEPTH} levels (line {_line(event)})")
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
-
-
-def _field_at(text: str, loader: Any, target: int) -> str | None:
-    """Return the field path of the value the parser's event number ``target`` stands on (None: the top level).
-
-    An event on a mapping's key names that mapping: the key itself is no field yet.
-    """
-    # one frame per open collection: [its path, index or key of the next value, True while a key is expected]
-    frames: list[list[Any]] = []
-    for n, event in enumerate(yaml.parse(text, Loader=loader)):
-        if isinstance(event, (yaml.StreamStartEvent, yaml.StreamEndEvent, yaml.DocumentStartEvent)):
-            continue
-        if isinstance(event, yaml.DocumentEndEvent):
-            frames.clear()
-            continue
-        if isinstance(event, yaml.CollectionEndEvent):
-            frames.pop()
-            top = frames[-1] if frames else None
-        else:
-            top = frames[-1] if frames else None
-            if top is None:
-                path = ""
-            elif isinstance(top[1], int):
-                path = f"{top[0]}[{top[1]}]"
-            elif top[2]:  # a key: what is wrong with it is the mapping's
-                path = top[0]
-            else:
-                path = f"{top[0]}.{top[1]}" if top[0] else top[1]
-            if n == target:
-                return path or None
-            if isinstance(event, yaml.CollectionStartEvent):
-                key_of = isinstance(event, yaml.MappingStartEvent)
-                frames.append([path, "" if key_of else 0, key_of])
-                continue
-        if top is None:
-            continue
-        if isinstance(top[1], int):  # the next item of a sequence
-            top[1] += 1
-        elif top[2]:  # a key read: its value comes next (a key that is not a plain string names no field)
-            top[1] = event.value if isinstance(event, yaml.ScalarEvent) else "?"
-            top[2] = False
-        else:  # a value read: a key comes next
-            top[2] = True
-    return None
 
 
 def load_yaml(text: str, *, aliases: bool = False) -> Any:
@@ -231,7 +188,7 @@ def load_yaml(text: str, *, aliases: bool = False) -> Any:
         try:
             value = loader.construct_document(node)
         except _AtNode as exc:
-            field = _path_of(node, exc.node)
+            field = path_of(node, exc.node)
             if exc.key is not None:
                 field = f"{field}.{exc.key}" if field else exc.key
             raise OrderError(exc.message, field=field or None) from None
@@ -243,24 +200,6 @@ def load_yaml(text: str, *, aliases: bool = False) -> Any:
         loader.dispose()
     check_json_value(value)
     return value
-
-
-def _path_of(root: yaml.Node, target: yaml.Node) -> str:
-    """Return the field path of target in the tree under root ("" for root, or when target is a key)."""
-    todo: list[tuple[yaml.Node, str]] = [(root, "")]
-    while todo:
-        node, path = todo.pop()
-        if node is target:
-            return path
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                if key_node is target:
-                    return path
-                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
-                todo.append((value_node, f"{path}.{key}" if path else key))
-        elif isinstance(node, yaml.SequenceNode):
-            todo.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
-    return ""
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

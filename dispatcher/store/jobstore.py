@@ -23,23 +23,18 @@ recovery lands it from its staged result.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import os
 import stat
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dispatcher import fsutil
-from dispatcher.clock import iso
-from dispatcher.errors import cut, oneline
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
 from dispatcher.shortage import resource_of
-from dispatcher.spec.agent_rules import BUILTIN_CHECKS
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.result import CheckResult, Result
 
@@ -48,7 +43,6 @@ RESULT = "result.json"
 STAGED = ".result.json.staged"
 SPEC_MAX = 8 * 1024 * 1024
 RECORD_MAX = 1024 * 1024
-DETAIL_MAX = 2000
 
 
 class JobFolder:
@@ -352,58 +346,3 @@ class JobFolder:
         if self.name_result() is not None:
             fsutil.fsync_dir(self.path)  # else a power cut can bring the folder back in done/ without result.json
         return self.move_to(layout, state)
-
-
-def cut_reason(reason: str) -> str:
-    """Return a reason as result.json records it: one line, cut to ``DETAIL_MAX`` characters."""
-    return cut(oneline(reason), DETAIL_MAX)
-
-
-NOT_RUN = tuple(
-    CheckResult(name, None, "not run: the job ended before any attempt was checked") for name in BUILTIN_CHECKS
-)
-
-
-def build_result(
-    *,
-    job_id: str | None,
-    state: str,
-    agent: str | None,
-    reason: str | None,
-    checks: Sequence[CheckResult] = (),
-    attempts: Sequence[Attempt] = (),
-    received: float,
-    parent: str | None = None,
-    children: Sequence[str] = (),
-    cost_usd: float | None = None,
-    chain_cost_usd: float | None = None,
-    extra: Mapping[str, Any] | None = None,
-) -> Result:
-    """Return a new job's (or refusal's) result: the only place a result is built.
-
-    Every built-in check is recorded by name (contract section 5): a job that ended before any
-    attempt was checked (cancelled while queued, an agent that could not start, a refused
-    file) records each as ``"ok": null``, "not run".
-    """
-    if not checks:
-        checks = NOT_RUN
-    return Result(
-        job_id=job_id,
-        state=state,
-        agent=agent,
-        reason=cut_reason(reason) if reason is not None else None,
-        checks=tuple(CheckResult(c.name, c.ok, cut(c.detail, DETAIL_MAX)) for c in checks),
-        attempts=tuple(a.to_json(internal=False) for a in attempts),
-        received=iso(received),
-        finished=iso(time.time()),
-        parent=parent,
-        children=tuple(children),
-        cost_usd=cost_usd,
-        chain_cost_usd=chain_cost_usd,
-        extra=dict(extra or {}),
-    )
-
-
-def is_disk_full(exc: OSError) -> bool:
-    """Return True for the errors that mean "wait and try again": a full disk or quota."""
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT)

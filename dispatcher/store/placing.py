@@ -31,7 +31,8 @@ from dispatcher.spec.jobspec import JobSpec, prompt_values, render
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import suffix_of, to_json
 from dispatcher.spec.settings import Agent
-from dispatcher.store.jobstore import JOB_FILE, JobFolder, is_disk_full
+from dispatcher.store.jobstore import JOB_FILE, JobFolder
+from dispatcher.store.results import is_disk_full
 from dispatcher.store.staging import drop_inbox_twin, new_stage, remove_stage
 
 log = structlog.get_logger("dispatcher")

@@ -19,7 +19,7 @@ from dispatcher.clock import utc_stamp
 from dispatcher.errors import printable
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
-from dispatcher.store.jobstore import build_result
+from dispatcher.store.results import build_result
 from dispatcher.store.staging import new_stage, remove_stage
 
 
