@@ -10,6 +10,9 @@ from conftest import Env, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
 from helpers_faults import alive, count_events, env_daemon
 
+from dispatcher.job import afterowed, landing
+from dispatcher.layout import Layout
+
 LAND = 'echo "{job_id} {branch} {head} $(pwd)" >> "$0"'
 
 
@@ -24,7 +27,7 @@ def test_before_runs_in_the_workspace_each_attempt_and_its_failure_fails_the_att
     seen = tmp_path / "before.txt"
     # fails on its first run (no mark yet), passes on the second; records where it ran
     script = 'pwd >> "$0"; echo "$DISPATCH_ATTEMPT" >> "$0.n"; '
-    script += '[ -e "$0.mark" ] || { touch "$0.mark"; echo "no deps" >&2; exit 3; }'
+    script += '[ -e "$0.mark" ] || { touch "$0.mark" src/hooked.txt; echo "no deps" >&2; exit 3; }'
     hook = ["sh", "-c", script, str(seen)]
     agent = coder(env, repo, "--write", "src/{job}.txt=x", before=hook, max_attempts=2)
     env.configure(agents={"coder": agent})
@@ -37,7 +40,12 @@ def test_before_runs_in_the_workspace_each_attempt_and_its_failure_fails_the_att
     assert Path(f"{seen}.n").read_text().split() == ["1", "2"], "DISPATCH_ATTEMPT is the attempt the hook serves"
     assert [(j, n) for j, n, _ in starts(env)] == [("B1", 2)]  # the agent never ran in attempt 1
     assert result["attempts"][0]["before"] == "before hook exited 3: no deps"
-    assert (env.job_dir("B1", "done") / "attempts" / "1" / "before-stderr.log").read_text() == "no deps\n"
+    first = env.job_dir("B1", "done") / "attempts" / "1"
+    assert (first / "before-stderr.log").read_text() == "no deps\n"
+    # an attempt like any other (sections 1 and 15): its two logs (empty: no agent ran) and its change
+    assert (first / "stdout.log").read_text() == (first / "stderr.log").read_text() == ""
+    assert (first / "changed.txt").read_text().split() == ["src/hooked.txt"]
+    assert "src/hooked.txt" in (first / "diff.patch").read_text()
 
 
 def test_a_before_hook_failure_with_no_attempt_left_fails_the_job_with_its_reason(env: Env, tmp_path: Path) -> None:
@@ -202,6 +210,31 @@ def test_a_land_cut_short_is_not_run_again_but_land_runs_it(env: Env, tmp_path: 
     assert len(log.read_text().splitlines()) == 1
 
 
+def test_a_land_hook_a_crash_left_running_is_ended_before_land_can_run_it_again(env: Env, tmp_path: Path) -> None:
+    """kill -9 while the land hook runs: the next start ends its group first, so `land ID` never runs beside it."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    first = 'echo "start $$" >> "$0"; [ -e "$0.once" ] && exit 0; : > "$0.once"; sleep 60; echo end >> "$0"'
+    hook = ["sh", "-c", first, str(log)]  # the first run sleeps, a later one ends at once
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)})
+    env.drop(code_order("X4"))
+    d = env.daemon()
+    wait_until(lambda: log.exists() and log.read_text().startswith("start "))
+    pid = int(log.read_text().split()[1])
+    d.kill()
+    assert alive(pid)  # the hook outlived its daemon
+    d2 = env.daemon()
+    ended = d2.wait_event("hook.orphan_ended", job_id="X4")
+    d2.wait_event("land.failed", job_id="X4")
+    d2.stop()
+    assert (ended["hook"], ended["agent"], ended["pid"]) == ("land", "coder", pid)
+    assert not alive(pid)
+    proc = env.cli("land", "X4")
+    assert (proc.returncode, proc.stdout) == (0, "X4: landed\n")
+    lines = log.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["start", "start"], lines  # the first run never went on to its end
+
+
 def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, tmp_path: Path) -> None:
     """A land hook that fails logs land.failed and notifies; once fixed, `dispatcher land ID` lands the job."""
     repo = make_repo(tmp_path / "shop")
@@ -262,3 +295,22 @@ def test_a_before_hook_has_its_own_timeout_and_a_cancel_ends_it(env: Env, tmp_pa
     d.stop()
     wait_until(lambda: not alive(pid), 10, "the hook to be ended")
     assert starts(env) == []
+
+
+def test_a_marker_being_written_is_left_alone_by_a_pass_over_the_markers(tmp_path: Path) -> None:
+    """A pass over the owed hooks' markers never takes a marker's temp name (``.<id>.running.<pid>.tmp``) for a job.
+
+    Such a pass runs whenever a daemon finishes a review or is told to look; one that dropped the
+    temp file of a marker being written made that job's after hook fail to start (a lost rename).
+    """
+    layout = Layout(tmp_path / "dispatch")
+    layout.create()
+    for markers in (afterowed, landing):
+        folder = markers.MARKERS.folder(layout)
+        folder.mkdir(parents=True, exist_ok=True)
+        temp = folder / ".CX5.running.4242.tmp"
+        temp.write_bytes(b"")
+        for startup in (False, True):
+            owed = markers.look(layout, startup=startup)
+            assert (owed.ready, owed.interrupted) == ([], [])
+            assert temp.exists()

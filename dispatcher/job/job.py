@@ -374,6 +374,10 @@ class Job(Finishing, Deciding):
         record = attempt.hook_failed(n, why)
         self.attempts.append(record)
         await self._persist(self.folder.record_attempt, record)
+        # an attempt like any other (sections 1 and 15): two logs, empty since no agent ran (made after the
+        # record, so a crash never makes it look started), and what the hook changed in the workspace
+        await self._persist(partial(self.folder.make_logs, n, keep=True))
+        await self.repo.snapshot(n)
         why_not = self._no_more_attempts(n)
         if why_not is not None:
             return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", [])

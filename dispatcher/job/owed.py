@@ -100,6 +100,8 @@ class Markers:
             return Owed([], [])
         ready, interrupted = [], []
         for name in names:
+            if name.startswith("."):  # a marker being written (``write_atomic``'s temp name): no job id starts so
+                continue
             if name.endswith(RUNNING):
                 if startup:
                     interrupted.append(name[: -len(RUNNING)])

@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from dispatcher import faults
+from dispatcher import faults, procs
 from dispatcher.job import afterowed, gitview, hooks, landing, worktree
 from dispatcher.job.gitview import GitView
 from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
@@ -327,6 +327,7 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
         if removed:
             log.info("workspace.removed", jobs=removed)
     afters = await lanes.io(afterowed.look, layout, startup=startup)
+    await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     for job_id in afters.interrupted:
         await lanes.io(afterowed.record_interrupted, layout, job_id)
         log.warning("hook.failed", hook="after", job_id=job_id, reason=afterowed.INTERRUPTED)
@@ -337,6 +338,7 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
             except Exception as exc:  # the job is final already: a hook never changes it, nor stops the landings
                 log.exception("daemon.error", step="after hook", job_id=job_id, error=str(exc))
     owed = await lanes.io(landing.look, layout, startup=startup)
+    await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
         await lanes.io(landing.record_interrupted, layout, job_id)
         why = "land hook interrupted by a stop or crash; `dispatcher land ID` runs it again"
@@ -346,6 +348,42 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
     for job_id in owed.ready:
         if await lanes.io(landing.claim, layout, job_id):
             await landing.land(layout, job_id, cfg, lanes.io, notify)
+
+
+async def _end_leftovers(layout: Layout, lanes: Lanes, cfg: Config, job_ids: list[str], hook: str) -> None:
+    """End what the hook runs a dead daemon left still run (their groups), before each run is recorded as cut short.
+
+    A hook runs like an agent (section 15), so the rule for a dead daemon's agents holds
+    for it (section 6): nothing of it runs on while the job is looked at, and ``dispatcher
+    land`` never runs beside a landing still in flight. Its processes are found as an
+    agent's are: by the ``DISPATCH_*`` variables every hook of the job gets.
+    """
+    if not job_ids:
+        return
+    places = await lanes.io(_works_of, layout, job_ids)
+    groups = await lanes.scan(procs.job_groups, {job_id: work for job_id, (work, _) in places.items()})
+    ends = []
+    for job_id, pgids in groups.items():
+        for pgid in pgids:
+            log.warning("hook.orphan_ended", hook=hook, job_id=job_id, agent=places[job_id][1], pid=pgid)
+            ends.append(procs.end_group(pgid, cfg.kill_grace_s))
+    await asyncio.gather(*ends)
+
+
+def _works_of(layout: Layout, job_ids: list[str]) -> dict[str, tuple[str, str | None]]:
+    """Return the work/ folder and agent of each final job found (blocking)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for job_id in job_ids:
+        found = layout.find(job_id)
+        if found is None:
+            continue
+        folder = JobFolder(found[1])
+        try:
+            agent: str | None = folder.spec().agent.name
+        except (OSError, ValueError):
+            agent = None
+        out[job_id] = (os.fspath(folder.work), agent)
+    return out
 
 
 def _unfinished(layout: Layout) -> list[str]:
