@@ -94,6 +94,29 @@ def test_max_cost_usd_stops_further_attempts(env: Env) -> None:
     assert "budget is spent" in result["reason"] and "max_cost_usd" in result["reason"]
 
 
+def test_a_retry_of_a_job_whose_budget_is_spent_gets_no_further_attempt(env: Env) -> None:
+    """`dispatcher retry` of a job whose attempts cost more than max_cost_usd runs no attempt: it fails again at
+    once, its reason led by its last failing check; once the budget is raised, the next retry runs."""
+    agent = costly(env, 0.4, "--exit", "1", retry_safe=True, max_cost_usd=0.5)
+    env.configure(agents={"worker": agent})
+    env.drop(simple("SPENT-1"))
+    env.cli("run", "--once", timeout=60)
+    assert env.result("SPENT-1", "failed")["cost_usd"] == 0.4  # not over the budget yet
+    env.cli("retry", "SPENT-1", check=True)
+    env.cli("run", "--once", timeout=60)
+    assert len(env.result("SPENT-1", "failed")["attempts"]) == 2  # 0.8 USD now: over it
+    env.cli("retry", "SPENT-1", check=True)
+    env.cli("run", "--once", timeout=60)
+    result = env.result("SPENT-1", "failed")
+    assert len(result["attempts"]) == 2, "an attempt ran after the budget was spent"
+    assert result["reason"].startswith("exit_ok: exit 1 in "), result["reason"]
+    assert result["reason"].endswith("; not retried: the budget is spent (0.8 USD of max_cost_usd 0.5)")
+    env.configure(agents={"worker": costly(env, 0.4, "--exit", "1", retry_safe=True, max_cost_usd=2)})
+    env.cli("retry", "SPENT-1", check=True)
+    env.cli("run", "--once", timeout=60)
+    assert len(env.result("SPENT-1", "failed")["attempts"]) == 3
+
+
 def held_follow_up(env: Env, parent: str) -> Daemon:
     """Run `parent` (1 USD, chain budget 0.5) under a daemon until its follow-up CHILD-1 waits in held/."""
     worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP))

@@ -103,6 +103,10 @@ def test_an_after_hook_cut_short_by_a_kill_is_recorded_as_interrupted_and_not_ru
     record = json.loads(records[0].read_text())
     assert record["ok"] is False and "interrupted" in record["detail"] and record["state"] == "done", record
     assert count.read_text() == "run\n", "the after hook ran twice"
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    failed = next(e for e in lines if e["event"] == "hook.failed")
+    ended = next(e for e in lines if e["event"] == "hook.orphan_ended")  # its sleep ended, not left to run on
+    assert (failed["agent"], ended["hook"], ended["agent"]) == ("coder", "after", "coder")
 
 
 AFTER = 'echo "{job_id} [{branch}] [{head}] {result} $(pwd)" >> "$0"'
@@ -228,6 +232,8 @@ def test_a_land_hook_a_crash_left_running_is_ended_before_land_can_run_it_again(
     d2.wait_event("land.failed", job_id="X4")
     d2.stop()
     assert (ended["hook"], ended["agent"], ended["pid"]) == ("land", "coder", pid)
+    mine = [e for e in d2.events() if e.get("job_id") == "X4"]
+    assert all(e.get("agent") == "coder" for e in mine), mine  # section 8: lines about a job carry its agent
     assert not alive(pid)
     proc = env.cli("land", "X4")
     assert (proc.returncode, proc.stdout) == (0, "X4: landed\n")

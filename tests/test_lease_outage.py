@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import Env
-from helpers_faults import hold_agent, tiny_order
+from helpers_faults import alive, hold_agent, tiny_order
 from pgserver import PgServer
 from tcp_proxy import Proxy
 
@@ -62,4 +62,32 @@ def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed
     # the job its own fence stopped is taken back by this daemon: no host was lost
     reason = env.wait_job("long", "failed", timeout=60)["reason"]
     assert "interrupted: by a stop or crash" in reason and "host was lost" not in reason, reason
+    assert d.stop() == 0
+
+
+def test_an_idle_daemon_fences_itself_within_the_lease_and_ends_its_agent(env: Env, stall: Proxy, pg_db: str) -> None:
+    """Nothing happening but one running agent (inotify, the 30 s rescan): the path goes silent and the daemon
+    still logs `lease.fenced` and ends its agent's group well before a full lease, when another daemon may take
+    the job over. (An idle loop used to notice only at its next wake-up: the rescan, or the agent's exit.)"""
+    env.configure({"long": hold_agent(env, 60)}, ledger=stall.via(pg_db), lease=LEASE, max_jobs=1, rescan_interval=30)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(tiny_order("idle", to="long"))
+    d.wait_event("agent.started", job_id="idle")
+    pid = int(env.count_file.read_text().split()[2])
+    time.sleep(1.0)  # the loop settles into its wait
+    stall.silent()
+    silent_at = time.monotonic()
+    try:
+        d.wait_event("lease.fenced", timeout=30)
+        fenced_after = time.monotonic() - silent_at
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended_after = time.monotonic() - silent_at
+    finally:
+        stall.speak()
+    assert fenced_after < 2 * LEASE, f"lease.fenced came {fenced_after:.1f} s after the silence began"
+    assert not alive(pid) and ended_after < 2 * LEASE + 1, f"the agent ran on {ended_after:.1f} s"
+    d.wait_event("lease.renewed", timeout=30)
     assert d.stop() == 0

@@ -242,7 +242,7 @@ class ClaimsAhead(abc.ABC):
         try:
             started = self._start_handed_over(p)
         except Exception:
-            log.exception("daemon.error", step="hand_on", job_id=p.job_id)
+            log.exception("daemon.error", step="hand_on", job_id=p.job_id, agent=p.agent)
             started = False
         if not started:  # the next turn starts it
             self.parked.appendleft(p)

@@ -278,7 +278,7 @@ class Claims:
             if SHORT.note(exc, p.kind.value):
                 return NoSlot(p)  # not now: it stays queued
             if not isinstance(exc, LookupError):
-                log.exception("daemon.error", job_id=p.job_id, step=p.kind.value, error=str(exc))
+                log.exception("daemon.error", job_id=p.job_id, agent=p.agent, step=p.kind.value, error=str(exc))
                 if p.kind is Kind.RECOVER:
                     recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
             return Dropped(p)

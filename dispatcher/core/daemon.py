@@ -170,7 +170,9 @@ class Daemon(Reloading, Fencing):
         self.lease: LeaseKeeper | None = None
         leases = self.ledger.leases
         if leases is not None:
-            self.lease = LeaseKeeper(leases, self.config.lease_s, self._hosts_lost)
+            self.lease = LeaseKeeper(
+                leases, self.config.lease_s, self._hosts_lost, lambda: self.loop.call_soon_threadsafe(self.wakeup)
+            )
             self.lease.start()
         self.house = Housekeeping(
             ctx,
@@ -375,6 +377,8 @@ class Daemon(Reloading, Fencing):
             waits.append(self.stop_deadline - now)
         if self.sched.slot_poll:
             waits.append(SLOT_RETRY_S)
+        if self.lease is not None and (fence_in := self.lease.next_check_s()) is not None:
+            waits.append(fence_in)  # an idle loop still fences itself at lease/2 (section 12)
         return max(0.0, min(waits))
 
     def _rescan_interval(self) -> float:

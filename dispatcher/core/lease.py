@@ -6,7 +6,11 @@ its flock and none of it runs. A dedicated thread renews the lease every lease/6
 reaps daemons whose lease ran out every lease/3. The loop reads ``fenced``: a
 daemon that has not renewed for lease/2 ends its agents' groups and claims
 nothing until it renews again, so that by the time another daemon may take its
-jobs over (a full lease), nothing of it runs any more.
+jobs over (a full lease), nothing of it runs any more. An idle loop may sleep for
+a whole rescan interval, so it is woken for this: at the moment the lease would
+turn fenced (``next_check_s``, a deadline of the loop's own, which holds while a
+renewal hangs on the network), and by this thread when a renewal changes what the
+loop reads (fenced again, renewed, declared lost: ``on_change``).
 """
 
 from __future__ import annotations
@@ -26,10 +30,17 @@ _JOIN_S = 2.0
 class LeaseKeeper:
     """The thread that renews this daemon's lease and reaps dead daemons."""
 
-    def __init__(self, leases: Leases, lease_s: float, on_lost: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self,
+        leases: Leases,
+        lease_s: float,
+        on_lost: Callable[[list[str]], None],
+        on_change: Callable[[], object] | None = None,
+    ) -> None:
         self.leases = leases
         self.lease_s = lease_s
         self.on_lost = on_lost  # called (from this thread) with owners newly found dead
+        self.on_change = on_change  # called (from this thread) when fenced or lost changed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
 
@@ -46,12 +57,25 @@ class LeaseKeeper:
         """Return True once another daemon declared this one dead: it must stop for good."""
         return self.leases.lost
 
+    def next_check_s(self) -> float | None:
+        """Return when the loop must look at ``fenced`` again at the latest, in seconds (None: no need).
+
+        While the lease is good: when it turns fenced if no renewal succeeds. While fenced,
+        this thread's ``on_change`` says when a renewal ends it.
+        """
+        return self.leases.ok_for_s()
+
     def _run(self) -> None:
         renew_every = self.lease_s / 6
         reap_every = self.lease_s / 3
         next_reap = time.monotonic() + reap_every
+        seen = (self.fenced, self.lost)
         while not self._stop.is_set():
             ok = self.leases.renew()
+            now_seen = (self.fenced, self.lost)
+            if now_seen != seen and self.on_change is not None:
+                self.on_change()
+            seen = now_seen
             now = time.monotonic()
             if ok and now >= next_reap:
                 next_reap = now + reap_every

@@ -143,6 +143,20 @@ class Deciding(abc.ABC):
         """Return why no further attempt may run, or None."""
         return retry.no_more_attempts(self.spec, self.attempts, n)
 
+    async def _if_budget_spent(self) -> Outcome | None:
+        """Fail the job before a further attempt once its attempts cost more than ``max_cost_usd`` (section 11).
+
+        The decisions after an attempt never ask for another then; this holds the rule for the
+        attempts they do not decide: a `dispatcher retry`'s (with the config's budget at that
+        time: raise it, reload, then retry) and one a usage limit gave back. None: it may run.
+        """
+        spent = retry.over_budget(self.spec.agent, self.attempts) if self.attempts else None
+        if spent is None:
+            return None
+        kept = await self.ctx.lanes.io(self.folder.kept_reason)
+        lead = kept.split("; ", 1)[0] if kept else None  # the first failing check of its last decision
+        return await self.finish(Row.FAILED, f"{lead}; not retried: {spent}" if lead else f"not retried: {spent}", [])
+
     async def _retry_or_fail(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
         why = self._no_more_attempts(n)
         if why is not None:

@@ -73,7 +73,7 @@ def _release(
             data = fsutil.read_regular(work / "outbox" / (entry.source or ""), 1 << 24, base=work)
             body = dict(validate_order(load_document(data, order_format(entry.source or "") or "json")).body)
         except (OSError, OrderError, ValueError, fsutil.NotRegular) as exc:
-            log.error("followup.lost", job_id=entry.job_id, parent=parent, error=str(exc))
+            log.error("followup.lost", job_id=entry.job_id, agent=entry.agent, parent=parent, error=str(exc))
             continue
         body["parent"] = parent
         body["hops"] = entry.hops

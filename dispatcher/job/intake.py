@@ -215,7 +215,9 @@ def claim(
                 continue
             if not is_disk_full(exc):
                 raise
-            log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
+            log.warning(
+                "order.waiting", file=item.name, job_id=item.order.job_id, agent=item.order.to, reason=exc.strerror
+            )
             out[i] = Skipped(item.name, retry_later=True)
             continue
         if stage is None:

@@ -161,6 +161,8 @@ class Job(Finishing, Deciding):
             expires = self.expires = self.order.expires if not numbers and not self.attempts else None
             if expires is not None and expires <= time.time():  # it waited for a slot or a gate too long
                 return await self.finish(Row.FAILED, "expired", [])
+            if (spent := await self._if_budget_spent()) is not None:
+                return spent
             if await self.waits.hold(self.spec.agent) is not None:
                 return Outcome.GATED  # set aside by the scheduler, without slots, until the gate lifts (or it expires)
             ended = await self._attempt(n)

@@ -110,7 +110,12 @@ def reconcile_active(layout: Layout, ledger: Ledger) -> None:
             if ledger.reconcile(
                 job_id, spec.agent.name if spec else None, spec.parent if spec else None, spec.hops if spec else 0
             ):
-                log.warning("ledger.repaired", job_id=job_id, reason="active job without a claim row")
+                log.warning(
+                    "ledger.repaired",
+                    job_id=job_id,
+                    agent=spec.agent.name if spec else None,
+                    reason="active job without a claim row",
+                )
 
 
 def orphans(
@@ -135,7 +140,7 @@ def orphans(
         if entry.owner != ledger.owner and entry.owner is not None and alive(entry.owner):
             continue
         if is_landed(entry.state):
-            _land(layout, job_id, landed_state(entry.state))
+            _land(layout, job_id, landed_state(entry.state), entry.agent)
             continue
         if entry.state != Row.CLAIMED:
             continue
@@ -147,12 +152,12 @@ def orphans(
     return out
 
 
-def _land(layout: Layout, job_id: str, state: State) -> None:
+def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> None:
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
     with contextlib.suppress(FileExistsError, FileNotFoundError):
         folder.land(layout, state)
         fsutil.fsync_dir(layout.folder(state))
-        log.info("job.recovered", job_id=job_id, step="land", state=state.value)
+        log.info("job.recovered", job_id=job_id, agent=agent, step="land", state=state.value)
 
 
 def _active_ids(layout: Layout) -> list[str]:

@@ -162,4 +162,4 @@ def settle_reviews(layout: Layout, ledger: Ledger) -> None:
         if staged is None or staged.state != entry.state:
             continue
         land(layout, folder, Row(entry.state))
-        log.info("job.recovered", job_id=job_id, step="review", state=entry.state)
+        log.info("job.recovered", job_id=job_id, agent=entry.agent, step="review", state=entry.state)

@@ -85,6 +85,10 @@ class Leases(ABC):
     def lease_ok(self) -> bool:
         """Return False while this daemon must fence itself: no renewal for lease/2."""
 
+    @abstractmethod
+    def ok_for_s(self) -> float | None:
+        """Return how long ``lease_ok`` stays True if no renewal succeeds meanwhile (None: not ok now)."""
+
     @property
     @abstractmethod
     def lost(self) -> bool:

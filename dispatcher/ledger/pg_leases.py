@@ -167,6 +167,13 @@ class Leases:
         at = self._renewed_at
         return bool(self.owner) and not self.lost and at is not None and time.monotonic() - at < self.lease_s / 2
 
+    def ok_for_s(self) -> float | None:
+        """Return how long ``lease_ok`` stays True if no renewal succeeds meanwhile (None: not ok now)."""
+        if not self.lease_ok():
+            return None
+        at = self._renewed_at
+        return None if at is None else at + self.lease_s / 2 - time.monotonic()
+
     def may_reap(self) -> bool:
         """True once this daemon has renewed its own lease without a gap for a full lease."""
         since = self._streak_since

@@ -190,6 +190,10 @@ class PostgresLedger(Ledger, LeasesInterface):
         """
         return self._leases.lease_ok()
 
+    def ok_for_s(self) -> float | None:
+        """Return how long ``lease_ok`` stays True if no renewal succeeds meanwhile (None: not ok now)."""
+        return self._leases.ok_for_s()
+
     @property
     def lost(self) -> bool:
         """True once another daemon declared this one lost: its identity is dead for good (restart)."""

@@ -258,6 +258,17 @@ class JobFolder:
             keep, k = keep_dir / f"result-{k}.json", k + 1
         os.rename(src, keep)
 
+    def kept_reason(self) -> str | None:
+        """Return the reason of the newest result ``keep_result`` kept (a retried job's last end), or None."""
+        for n in reversed(self.attempt_numbers()):
+            folder = self.attempts_dir / str(n)
+            kept = sorted((p for p in folder.glob("result*.json")), key=lambda p: int(p.stem.partition("-")[2] or 1))
+            if kept:
+                data = self.read_json(f"attempts/{n}/{kept[-1].name}")
+                reason = data.get("reason") if isinstance(data, dict) else None
+                return reason if isinstance(reason, str) else None
+        return None
+
     def sync_outbox(self, names: list[str]) -> None:
         """Make the follow-ups in work/outbox/ durable (their bytes, then the folders naming them).
 

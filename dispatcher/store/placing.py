@@ -147,13 +147,19 @@ def undo(ledger: Ledger, item: Inspected, stage: Path, claimed: Claimed, exc: OS
     ledger.unclaim(item.order.job_id, claimed.token, claimed.previous, claimed.previous_owner)
     drop_stage(stage)
     if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another daemon put its folder in place first
-        log.info("order.skipped", file=item.name, job_id=item.order.job_id, reason="placed by another daemon")
+        log.info(
+            "order.skipped",
+            file=item.name,
+            job_id=item.order.job_id,
+            agent=item.order.to,
+            reason="placed by another daemon",
+        )
         return Skipped(item.name)
     if SHORT.note(exc, "claim"):  # not now: the order stays in inbox/ and its id free
         return Skipped(item.name, retry_later=True)
     if not is_disk_full(exc):
         raise exc
-    log.warning("order.waiting", file=item.name, job_id=item.order.job_id, reason=exc.strerror)
+    log.warning("order.waiting", file=item.name, job_id=item.order.job_id, agent=item.order.to, reason=exc.strerror)
     return Skipped(item.name, retry_later=True)
 
 
