@@ -330,6 +330,26 @@ def test_notify_runs_for_failures_and_its_own_failures_change_nothing(env: Env) 
         assert d.stop() == 0
 
 
+def test_run_once_runs_every_queued_notification_before_it_exits(env: Env) -> None:
+    """`run --once` is not a stop: notifications beyond notify_max_running wait and then run, in order, before it
+    exits (section 13); none is dropped."""
+    events = env.tmp / "events.txt"
+    slow = write_script(env.tmp, "slow_notify.sh", '#!/bin/sh\nsleep 1\necho "$2" >> "$1"\n')
+    env.configure(
+        agents={"worker": env.agent("--exit", "2", concurrency=4)},
+        notify=["sh", str(slow), str(events), "{job_id}"],
+        notify_max_running=2,
+        max_jobs=4,
+    )
+    jobs = [f"QUEUED-{i}" for i in range(6)]
+    for job in jobs:
+        env.drop(simple(job))
+    proc = env.cli("run", "--once", timeout=120)
+    assert proc.returncode == 1  # its jobs failed
+    assert "notify.dropped" not in proc.stdout, proc.stdout[-2000:]
+    assert sorted(events.read_text().split()) == jobs
+
+
 def test_metrics_file_parses_while_jobs_run(env: Env) -> None:
     """metrics_file: a Prometheus text file, rewritten while jobs run, that prometheus_client parses."""
     env.configure(agents={"worker": env.agent("--sleep", "3")}, metrics_file=str(env.tmp / "m-{pid}.prom"))

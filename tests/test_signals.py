@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import json
 import signal
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -62,6 +63,31 @@ def test_stop_signal_lets_running_agent_finish_and_claims_nothing_new(env: Env, 
     assert env.result("STOP-1", "done")["state"] == "done"
     assert (env.root / "inbox" / "STOP-2.json").exists(), "a job was claimed after the stop signal"
     assert [j for j, _a, _p in agent_starts(env)] == ["STOP-1"]
+
+
+def test_a_stop_while_another_process_holds_the_ledger_locked_ends_within_stop_timeout(env: Env) -> None:
+    """A job finishes during a stop while another process holds the SQLite ledger locked: the daemon still
+    exits 0 within stop_timeout (section 13), and the next start records the job, done."""
+    env.configure(agents={"worker": env.agent("--sleep", "1")}, stop_timeout=4, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LOCKED-1"))
+    d.wait_event("agent.started", job_id="LOCKED-1")
+    db = sqlite3.connect(env.root / ".state" / "ledger.sqlite3", isolation_level=None, timeout=10)
+    db.execute("BEGIN EXCLUSIVE")  # as `sqlite3` in a shell, or a backup, would hold it
+    try:
+        sent = time.monotonic()
+        d.signal(signal.SIGTERM)
+        code = d.wait(30)
+        took = time.monotonic() - sent
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+    assert code == 0
+    assert took < 4, f"the stop took {took:.1f} s with stop_timeout 4"
+    d2 = env.daemon()
+    assert env.wait_job("LOCKED-1", "done")["state"] == "done"
+    assert d2.stop() == 0
 
 
 def test_sigterm_ends_agent_that_outlives_stop_timeout_and_next_start_recovers(env: Env) -> None:

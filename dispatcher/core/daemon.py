@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("dispatcher")
 READY_WAIT_S = 10.0  # the longest READY=1 waits for the recovery of jobs adopted at start
+GIVE_UP_EARLY_S = 1.5  # ledger waits end this long before a stop's deadline
 
 
 class Daemon(Reloading, Fencing):
@@ -231,13 +232,17 @@ class Daemon(Reloading, Fencing):
         return self.stopping or any(sig != signal.SIGHUP for sig in self._signals)
 
     def _give_up(self) -> bool:
-        """Should a ledger wait give up? Before READY at once on a stop; after, once the stop's deadline passed.
+        """Should a ledger wait give up? Before READY at once on a stop; after, ``GIVE_UP_EARLY_S`` before its deadline.
 
-        Called from the lanes' threads. Whatever could not be recorded is recovered at the next start.
+        Called from the lanes' threads. A wait checks this between tries (SQLite's at most
+        about half a second apart), and the shutdown that follows takes a moment too: ending
+        the waits early keeps the stop within ``stop_timeout`` while the ledger is locked or
+        out of reach (section 13). Whatever could not be recorded is recovered at the next start.
         """
         if self._wake is None or not self._ready:
             return self._stop_asked()
-        return self.stopping and self.stop_deadline is None
+        deadline = self.stop_deadline
+        return self.stopping and (deadline is None or time.monotonic() >= deadline - GIVE_UP_EARLY_S)
 
     def should_exit(self) -> bool:
         if self.stopping:
@@ -303,7 +308,11 @@ class Daemon(Reloading, Fencing):
         await self.house.close()
         await self.sched.drain()
         await self.final_hooks.drain()  # after hooks of jobs cancelled in their claim or failed in a join
-        await self.notify.close(notify_until, hurry=lambda: any(sig != signal.SIGHUP for sig in self._signals))
+        await self.notify.close(
+            notify_until,
+            hurry=lambda: any(sig != signal.SIGHUP for sig in self._signals),
+            drain=self.once and not self.stopping,  # `run --once` ran out of work: its notifications all run
+        )
         if self.metrics is not None:
             await self.house.write_metrics()
         self.lanes.shutdown(wait=True)

@@ -148,15 +148,24 @@ class Notifications:
                 stderr=" | ".join(stderr) or None,
             )
 
-    async def close(self, until: float | None = None, hurry: Callable[[], bool] = lambda: False) -> None:
-        """Let running notify commands end; the queue is dropped.
+    async def close(
+        self, until: float | None = None, hurry: Callable[[], bool] = lambda: False, *, drain: bool = False
+    ) -> None:
+        """Let running notify commands end; the queue is dropped (with ``drain``: run first, in order).
 
+        ``drain`` is the end of `run --once`, which no one asked to stop: every notification
+        queued runs, ``notify_max_running`` at a time, until ``hurry()`` says a stop came.
         Each is bounded by its own timeout; a stop bounds them all by its deadline
         (``until``, on the monotonic clock) or at once when ``hurry()`` says a second
         stop came: then their groups are ended (``kill_grace``) and each is logged
         as ``notify.failed``.
         """
         self._closing = True
+        while drain and (self._queue or self._running) and not hurry():
+            if self._running:  # as each ends, ``_ended`` starts the next queued one
+                await asyncio.wait(set(self._running), timeout=_HURRY_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(_HURRY_POLL_S)  # queued behind a shortage: ``_after_pause`` starts them
         if self._queue:
             log.warning("notify.dropped", count=len(self._queue), reason="the daemon stops", job_id=None, agent=None)
             self._queue.clear()

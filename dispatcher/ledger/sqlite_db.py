@@ -76,7 +76,9 @@ CREATE TABLE IF NOT EXISTS gate_waits (
 ) WITHOUT ROWID;
 """
 _COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
-_BUSY_TIMEOUT_MS = 1000
+# SQLite's own wait for a lock, per try: short, so that a stop's deadline is heard between tries
+_BUSY_TIMEOUT_MS = 250
+_RETRY_MAX_S = 0.25  # the longest pause between tries
 _WAIT_LOG_S = 5.0
 
 
@@ -186,7 +188,7 @@ class SqliteDb:
                     log.warning("ledger.waiting", waited_s=round(waited), error=str(exc))
                     logged = waited
                 time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                delay = min(delay * 2, _RETRY_MAX_S)
 
     @contextmanager
     def _write(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
