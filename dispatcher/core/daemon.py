@@ -18,7 +18,6 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -47,9 +46,6 @@ from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_ledger
 from dispatcher.wakeup import Wakeup
-
-if TYPE_CHECKING:
-    pass
 
 log = structlog.get_logger("dispatcher")
 READY_WAIT_S = 10.0  # the longest READY=1 waits for the recovery of jobs adopted at start
