@@ -138,6 +138,12 @@ def test_streamed_summary_equals_reading_the_file_whole(
         ("o.csv", b"id,team\nR1,a\n" + b'"a\n",' * 400_000 + b"x\n", "record 2 is larger than 1 MiB"),
         ("o.csv", b"id" + b",x" * (1024 * 1024) + b"\nR1\n", "the header row is larger than 1 MiB"),
         ("o.csv", b"id\n\xff\xfe\n", "cannot be parsed ('utf-8' codec can't decode byte 0xff"),
+        (
+            "o.json",
+            b'[{"id": "R1", "n": ' + b"9" * 5000 + b"}]",
+            "cannot be parsed (a number has more than 4300 digits",
+        ),
+        ("o.jsonl", b'{"id": "R1", "n": ' + b"9" * 5000 + b"}\n", "cannot be parsed (line 1: a number has more than"),
     ],
     ids=[
         "json-empty",
@@ -156,6 +162,8 @@ def test_streamed_summary_equals_reading_the_file_whole(
         "csv-many-quoted-lines",
         "csv-huge-header",
         "csv-not-utf8",
+        "json-int-too-long",
+        "jsonl-int-too-long",
     ],
 )
 def test_unusable_output_says_why(tmp_path: Path, rel: str, data: bytes, error: str) -> None:

@@ -13,7 +13,7 @@ from conftest import Env, cli_env, order, wait_until
 from helpers_faults import env_daemon
 
 HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
-NOTE = "Use team B for R2, as agreed on Monday."
+NOTE = "Use team B for R2,\nas agreed on Monday."  # a line break is part of the text (section 14)
 
 
 def agent(env: Env, plan: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:

@@ -692,3 +692,28 @@ def test_suffix_is_matched_as_written(env: Env) -> None:
     proc = env.cli("validate", str(path))
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"{path}: not a work order (the name must end in .yaml, .yml or .json)"
+
+
+def test_an_integer_longer_than_int_converts_is_refused_in_one_line_naming_it(env: Env) -> None:
+    """A 5,000-digit integer (int() converts 4,300): `validate` and `submit` exit 2 with one line naming the field,
+    and the daemon refuses the dropped file with that reason and its job_id, never a traceback or Python's advice."""
+    env.configure()
+    huge = "9" * 5000
+    (env.root / "inbox").mkdir(parents=True, exist_ok=True)
+    (env.tmp / "huge-j.json").write_text(
+        json.dumps(BASE | {"job_id": "HUGE-J"})[:-1] + ', "meta": {"x": ' + huge + "}}"
+    )
+    (env.tmp / "huge-y.yaml").write_bytes(yl(job_id="HUGE-Y", extra=f"meta:\n  x: {huge}\n"))
+    for name in ("huge-j.json", "huge-y.yaml"):
+        for command in ("validate", "submit"):
+            proc = env.cli(command, str(env.tmp / name))
+            assert proc.returncode == 2, (command, proc.stderr)
+            lines = proc.stderr.splitlines()
+            assert len(lines) == 1 and "meta.x: a number of 5000 digits is too long (at most 4300)" in lines[0], lines
+        (env.root / "inbox" / name).write_bytes((env.tmp / name).read_bytes())
+    env.cli("run", "--once", timeout=60)
+    for name, job_id in (("huge-j.json", "HUGE-J"), ("huge-y.yaml", "HUGE-Y")):
+        (folder,) = (env.root / "failed").glob(f"{name.split('.')[0]}@*")
+        result = json.loads((folder / "result.json").read_text())
+        assert result["job_id"] == job_id and "meta.x: a number of 5000 digits" in result["reason"], result
+        assert "sys.set_int_max_str_digits" not in result["reason"]

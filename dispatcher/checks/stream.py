@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,11 +80,18 @@ def summarise_fd(fd: int, fmt: str, order: Order, limit: int) -> Doc:
         return Doc(error=str(exc))
     except (UnicodeDecodeError, json.JSONDecodeError, csv.Error, RecursionError) as exc:
         return Doc(error=f"cannot be parsed ({exc})")
+    except ValueError as exc:  # an integer longer than int() converts (sys.get_int_max_str_digits)
+        return Doc(error=f"cannot be parsed ({_int_too_long(exc)})")
     except OSError as exc:
         return Doc(error=f"cannot be read: {exc.strerror}")
     finally:
         raw.close()
     return Doc(value=summariser.result())
+
+
+def _int_too_long(exc: ValueError) -> str:
+    """Say what int() refused, without its advice to the Python programmer."""
+    return f"a number has more than {sys.get_int_max_str_digits()} digits" if "digits" in str(exc) else str(exc)
 
 
 def _too_large(n: int) -> Unusable:
@@ -140,6 +148,8 @@ def _jsonl_records(text: io.TextIOBase) -> Iterator[dict[Any, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise Unusable(f"cannot be parsed (line {lineno}: {exc.msg}, column {exc.colno})") from None
+        except ValueError as exc:
+            raise Unusable(f"cannot be parsed (line {lineno}: {_int_too_long(exc)})") from None
         if not isinstance(record, dict):
             raise Unusable("holds a record that is not an object")
         yield record
@@ -205,6 +215,8 @@ class _Chars:
                     raise self.fail(exc.msg, exc.pos) from None
                 self._refill(n)
                 continue
+            except ValueError as exc:
+                raise self.fail(_int_too_long(exc)) from None
             if end == len(self.buf) and not self.eof:  # a number or literal may go on
                 self._refill(n)
                 continue

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from dispatcher import faults, fsutil
-from dispatcher.errors import NotFound, WrongState, oneline
+from dispatcher.errors import NotFound, WrongState
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger, Request
 from dispatcher.lifecycle import State
@@ -65,7 +65,7 @@ def request(config: Config, layout: Layout, ledger: Ledger, job_id: str, note: s
         raise WrongState(f"{job_id}: has had {done} revisions (max_revisions {agent.max_revisions})")
     if job_id in ledger.requests(Request.REVISE):
         raise WrongState(f"{job_id}: a revision is already requested")
-    text = oneline(note)[:NOTE_MAX]
+    text = note[:NOTE_MAX]  # as written (line breaks kept: section 14's TEXT), at most NOTE_MAX characters
     fsutil.write_atomic(path / NOTE_FILE, fsutil.dump_json({"note": text}), sync=True, sync_dir=True)
     faults.point("revise.noted")
     ledger.request(job_id, Request.REVISE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import sys
 from typing import Any
 
 import yaml
@@ -20,6 +21,7 @@ from dispatcher.spec.yamlfields import field_at, path_of
 from dispatcher.text import describe
 
 MAX_DEPTH = 64
+_INT_DIGITS_MAX = sys.get_int_max_str_digits() or 4300  # what int() converts (0: no limit set)
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -114,6 +116,19 @@ def _timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
     text = YamlTime(node.value)
     text.kind = type(moment).__name__
     return text
+
+
+def _integer(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    """A YAML integer; one with more digits than Python converts (``sys.get_int_max_str_digits``) is an OrderError."""
+    assert isinstance(node, yaml.ScalarNode)  # noqa: S101 - the int tag is resolved on scalars only
+    digits = sum(c.isdigit() for c in str(node.value))
+    if digits > _INT_DIGITS_MAX:
+        raise _AtNode(f"{_too_long(digits)} (line {node.start_mark.line + 1})", node)
+    return yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+
+
+def _too_long(digits: int) -> str:
+    return f"a number of {digits} digits is too long (at most {_INT_DIGITS_MAX})"
 
 
 def _shown(key: Any) -> str:
@@ -257,8 +272,17 @@ def load_json(text: str) -> Any:
         marked = marked or not math.isfinite(value)  # 1e999
         return value
 
+    def integer(digits: str) -> Any:
+        nonlocal marked
+        if len(digits) <= _INT_DIGITS_MAX:
+            return int(digits)
+        marked = True
+        return _Refused(_too_long(len(digits.lstrip("-"))))
+
     try:
-        value = json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
+        value = json.loads(
+            text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number, parse_int=integer
+        )
     except json.JSONDecodeError as exc:
         raise OrderError(f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:
@@ -330,7 +354,7 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
     """
     try:
         text = decode(data)
-        body = json.loads(text) if fmt == "json" else yaml.load(text, Loader=_PlainLoader)  # noqa: S506 - a safe loader
+        body = json.loads(text, parse_int=str) if fmt == "json" else yaml.load(text, Loader=_PlainLoader)  # noqa: S506
     except (OrderError, ValueError, yaml.YAMLError, RecursionError):
         return None
     job_id = body.get("job_id") if isinstance(body, dict) else None
@@ -339,6 +363,7 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
 
 for _loader in (_StrictLoader, _StrictCLoader):
     _loader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp)
+    _loader.add_constructor("tag:yaml.org,2002:int", _integer)
 
 
 class _PlainLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]
@@ -346,3 +371,4 @@ class _PlainLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoade
 
 
 _PlainLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.constructor.SafeConstructor.construct_yaml_str)
+_PlainLoader.add_constructor("tag:yaml.org,2002:int", yaml.constructor.SafeConstructor.construct_yaml_str)
