@@ -27,7 +27,7 @@ import structlog
 from conftest import DEADLINE, Env, cli_env, order
 
 from dispatcher import logs
-from dispatcher.cli.commands import journal_unit
+from dispatcher.cli.printing import journal_unit
 from dispatcher.logview import format_line
 
 PRIORITY = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}

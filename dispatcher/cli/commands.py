@@ -1,4 +1,4 @@
-"""The commands an operator runs around the daemon: init, run, status, list, show, logs, the id actions.
+"""The commands an operator runs around the daemon: init, run, status, list, show, the id actions (logs: ``printing``).
 
 Each takes the parsed arguments and returns an exit code; errors are raised
 as `DispatchError`s for `cli.main` to print as one line.
@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
@@ -350,60 +349,3 @@ def _log_to_file(cfg: Config) -> None:
     except OSError as exc:
         raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
     logs.SINK.relay = Relay(Layout(cfg.root)).send
-
-
-def cmd_logs(args: argparse.Namespace) -> int:
-    """Print log lines from stdin (-), FILE or the config's log_file, for a person or as JSON."""
-    from dispatcher import logview
-
-    def show(lines: Iterable[str]) -> int:
-        return logview.show(lines, job=args.job, as_json=args.json, flush=args.follow)
-
-    require_config(args.config)  # every command but init needs one, also to read a FILE or stdin
-    if args.source == "-":
-        return show(logview.read_stream(sys.stdin.buffer))
-    if args.source is not None:
-        source = Path(args.source)
-        if not args.follow and not source.is_file():
-            raise UsageError(f"{args.source}: no such log file")
-        return show(logview.read_file(source, follow=args.follow))
-    cfg = config_of(args)
-    if cfg.log_file is None:
-        unit = journal_unit(cfg.path)
-        raise ConfigError(
-            f"not set, so the log is on stdout (the journal under systemd): "
-            f"journalctl -o cat -u {unit} | dispatcher logs -",
-            file=str(cfg.path),
-            field="log_file",
-        )
-    return show(logview.read_file(cfg.log_file, follow=args.follow))
-
-
-def journal_unit(config: Path | None) -> str:
-    """Return the systemd unit that runs this config: dispatcher@NAME for /etc/dispatcher/NAME.yaml."""
-    if config is not None and config.parent == SYSTEM_CONFIG.parent and config.name != SYSTEM_CONFIG.name:
-        return f"dispatcher@{config.stem}"
-    return "dispatcher"
-
-
-def cmd_unit(args: argparse.Namespace) -> int:
-    """Print the systemd unit (or the template, the logrotate file, a notify example) of the installed package."""
-    from dispatcher.cli import unit
-
-    require_config(args.config)  # every command but init needs one (the unit runs it: install it first)
-    if args.logrotate:
-        text = unit.logrotate_text()
-    elif args.notify:
-        text = unit.notify_text(args.notify)
-    else:
-        text = unit.unit_text(template=args.template, web=args.web)
-    sys.stdout.write(text)
-    return 0
-
-
-def cmd_completion(args: argparse.Namespace) -> int:
-    """Print the completion script for a shell; sourcing it completes commands and options."""
-    from argcomplete.shell_integration import shellcode
-
-    sys.stdout.write(shellcode(["dispatcher"], shell=args.shell))
-    return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dispatcher import __version__
-from dispatcher.cli import commands, usage
+from dispatcher.cli import commands, printing, usage
 from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError
 from dispatcher.layout import UMASK
 from dispatcher.spec.config import load_config, require_config, require_root
@@ -357,10 +357,10 @@ COMMANDS = {
     "revise": lambda args: commands.for_each_id(args, "revise"),
     "pause": lambda args: commands.for_each_id(args, "pause"),
     "resume": lambda args: commands.for_each_id(args, "resume"),
-    "logs": commands.cmd_logs,
+    "logs": printing.cmd_logs,
     "ledger": cmd_ledger,
     "reload": commands.cmd_reload,
-    "unit": commands.cmd_unit,
-    "completion": commands.cmd_completion,
+    "unit": printing.cmd_unit,
+    "completion": printing.cmd_completion,
     "web": cmd_web,
 }
