@@ -79,6 +79,30 @@ def test_submit_in_and_at_set_not_before(env: Env) -> None:
     assert bad.returncode == 2 and "--at" in bad.stderr and bad.stderr.count("\n") == 1
 
 
+def test_a_time_beyond_the_year_9999_in_utc_is_refused_in_one_line(env: Env) -> None:
+    """9999-12-31T23:59:59-12:00 is in the year 10000 in UTC: `validate` and `submit` refuse it (exit 2, one line
+    naming the field), as do `submit --at` with it and `--in` that far ahead; a file dropped by hand with it
+    leaves `list` working, and the daemon refuses it."""
+    far = "9999-12-31T23:59:59-12:00"
+    path = env.tmp / "far.json"
+    path.write_text(json.dumps(order("far", not_before=far)))
+    for command in ("validate", "submit"):
+        proc = env.cli(command, str(path))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (command, proc.stderr)
+        assert "not_before: 9999-12-31T23:59:59-12:00 is later than 9999-12-31T23:59:59Z" in proc.stderr
+    plain = env.tmp / "plain.json"
+    plain.write_text(json.dumps(order("plain")))
+    for flags in (("--at", far), ("--in", "99999999999d")):
+        proc = env.cli("submit", *flags, str(plain))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (flags, proc.stderr)
+        assert "later than 9999-12-31T23:59:59Z" in proc.stderr and "Traceback" not in proc.stderr
+    env.drop(order("by-hand", not_before=far))
+    listed = env.cli("list", "--state", "inbox")
+    assert listed.returncode == 0 and "by-hand" in listed.stdout, listed.stderr
+    env.cli("run", "--once", timeout=60)
+    assert "later than 9999-12-31T23:59:59Z" in env.wait_refused("by-hand")["reason"]
+
+
 def test_an_order_not_started_by_expires_is_refused_as_expired(env: Env) -> None:
     """An order whose expires has passed is refused with reason `expired`; one due after it expired is too."""
     d = env.daemon()

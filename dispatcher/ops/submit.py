@@ -26,7 +26,7 @@ from dispatcher.errors import OrderError, UsageError
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import LedgerUnavailable
 from dispatcher.spec.order import Order
-from dispatcher.spec.orders import parse_order, parse_time, to_json
+from dispatcher.spec.orders import LATEST_S, LATEST_TIME, TimeOutOfRange, parse_order, parse_time, to_json
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import LedgerUnreachable, open_ledger
 from dispatcher.store.queued import queued_ids
@@ -69,6 +69,8 @@ def parse_when(at: str | None, within: str | None, now: float) -> float | None:
     if at is not None:
         try:
             return parse_time(at)
+        except TimeOutOfRange as exc:
+            raise UsageError(f"submit: --at: {at!r} {exc}") from None
         except ValueError:
             raise UsageError(f"submit: --at: {at!r} is not an ISO 8601 time such as 2026-12-01T08:00:00Z") from None
     if within is not None:
@@ -80,7 +82,10 @@ def parse_when(at: str | None, within: str | None, now: float) -> float | None:
             amount = -1.0
         if amount < 0 or amount != amount or amount == float("inf"):
             raise UsageError(f"submit: --in: {within!r} is not a duration such as 90s, 15m, 2h or 1d")
-        return now + amount * (unit or 1)
+        when = now + amount * (unit or 1)
+        if when > LATEST_S:
+            raise UsageError(f"submit: --in: {within!r} from now is later than {LATEST_TIME}")
+        return when
     return None
 
 

@@ -354,7 +354,7 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
     """
     try:
         text = decode(data)
-        body = json.loads(text, parse_int=str) if fmt == "json" else yaml.load(text, Loader=_PlainLoader)  # noqa: S506
+        body = json.loads(text, parse_int=_plain_int) if fmt == "json" else yaml.load(text, Loader=_PlainLoader)  # noqa: S506
     except (OrderError, ValueError, yaml.YAMLError, RecursionError):
         return None
     job_id = body.get("job_id") if isinstance(body, dict) else None
@@ -366,9 +366,16 @@ for _loader in (_StrictLoader, _StrictCLoader):
     _loader.add_constructor("tag:yaml.org,2002:int", _integer)
 
 
+def _plain_int(digits: str, loader: Any = None, node: Any = None) -> Any:
+    """An integer as the plain parse reads it; one longer than int() converts is 0 (never a job_id either way)."""
+    if sum(c.isdigit() for c in digits) > _INT_DIGITS_MAX:
+        return 0
+    return int(digits) if loader is None else yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+
+
 class _PlainLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]
     """The safe loader with timestamps read as text: only used to find a refused file's job_id."""
 
 
 _PlainLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.constructor.SafeConstructor.construct_yaml_str)
-_PlainLoader.add_constructor("tag:yaml.org,2002:int", yaml.constructor.SafeConstructor.construct_yaml_str)
+_PlainLoader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: _plain_int(str(node.value), loader, node))

@@ -133,12 +133,28 @@ def validate_order(
     )
 
 
+#: the latest time an order may name: what every later step can still write as an ISO 8601 UTC time
+LATEST_TIME = "9999-12-31T23:59:59Z"
+LATEST_S = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
+
+
+class TimeOutOfRange(ValueError):
+    """An ISO 8601 time that is valid text but lies beyond ``LATEST_TIME`` in UTC."""
+
+
 def parse_time(text: str) -> float:
-    """Return epoch seconds for an ISO 8601 time; a time without a zone is UTC. Raise ValueError."""
+    """Return epoch seconds for an ISO 8601 time; a time without a zone is UTC. Raise ValueError.
+
+    A time whose UTC moment lies beyond ``LATEST_TIME`` (9999-12-31T23:59:59-12:00 is in the
+    year 10000 there) raises ``TimeOutOfRange``: no listing or result could write it.
+    """
     moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
+    seconds = moment.timestamp()
+    if seconds > LATEST_S + 1:
+        raise TimeOutOfRange(f"is later than {LATEST_TIME}")
+    return seconds
 
 
 def _time(body: Mapping[str, Any], key: str) -> float | None:
@@ -147,6 +163,8 @@ def _time(body: Mapping[str, Any], key: str) -> float | None:
         return None
     try:
         return parse_time(text)
+    except TimeOutOfRange as exc:
+        raise OrderError(f"{text} {exc}", field=key) from None
     except ValueError:
         raise OrderError("must be an ISO 8601 time such as 2026-12-01T08:00:00Z", field=key) from None
 
