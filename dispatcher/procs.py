@@ -125,6 +125,8 @@ def job_groups(jobs: Mapping[str, str]) -> dict[str, list[int]]:
     which every agent, probe and hook of the job gets (whatever its attempt) and its
     children inherit. No pid, start time or working folder is compared: a reused pid, a
     clock step or a person's shell in work/ never passes for one of the job's processes.
+    (An agent that cleared its environment is found by the pid noted at its start:
+    ``store.orphans``.)
     """
     found: dict[str, set[int]] = {job_id: set() for job_id in jobs}
     works = {job_id: os.path.realpath(work) for job_id, work in jobs.items()}

@@ -95,6 +95,24 @@ def test_a_process_in_the_work_folder_without_the_variables_is_left_alone(
     assert leftover_groups([(folder, 1)]) == {"J-3": []}
 
 
+def test_an_agent_that_cleared_its_environment_is_found_by_the_pid_noted_at_its_start(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """`env -i` leaves no DISPATCH_* variable; the pid noted on attempts/<n>/stdout.log at its start finds it.
+
+    A note whose process has ended, or whose pid now names another process (started later), finds nothing.
+    """
+    folder = job_folder(tmp_path, "J-5")
+    folder.make_logs(1)
+    cleared = agent(spawned, folder.work, "J-5", 1, clear=True)
+    folder.note_agent(1, cleared.pid)
+    assert leftover_groups([(folder, 1)]) == {"J-5": [cleared.pid]}
+    other = job_folder(tmp_path, "J-6")
+    other.make_logs(1)
+    os.setxattr(other.path / "attempts" / "1" / "stdout.log", "user.dispatcher.agent", f"{cleared.pid} 1.000".encode())
+    assert leftover_groups([(other, 1)]) == {"J-6": []}  # started long after boot + 1 s: another process
+
+
 def test_an_ended_agent_is_not_found(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
     folder = job_folder(tmp_path, "J-4")
     p = agent(spawned, folder.work, "J-4", 1)

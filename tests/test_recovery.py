@@ -232,6 +232,28 @@ def test_kill9_orphan_with_receipt_is_ended_and_checked_without_rerun(env: Env) 
     assert d2.stop() == 0
 
 
+def test_kill9_orphan_that_cleared_its_environment_is_ended_before_the_retry(env: Env) -> None:
+    """An agent run through `env -i` (no DISPATCH_* variable left) is still found after kill -9, by its logs, and
+    ended before attempt 2 starts: two copies of the job never run at once (section 6)."""
+    spans = env.tmp / "spans.txt"
+    script = f'echo "start $$" >> {spans}; sleep 40; echo "end $$" >> {spans}'
+    agent = {"command": ["env", "-i", "/bin/sh", "-c", script], "retry_safe": True, "max_attempts": 2, "timeout": 100}
+    env.configure(agents={"worker": agent}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CLEARED-1"))
+    wait_until(lambda: spans.exists() and spans.read_text().startswith("start "), 30, "the agent's start")
+    first = int(spans.read_text().split()[1])
+    d.kill()
+    assert alive(first), "the agent should outlive its daemon (own process group)"
+    d2 = env.daemon()
+    ended = d2.wait_event("agent.orphan_ended", job_id="CLEARED-1")
+    wait_until(lambda: len(spans.read_text().split("start ")) > 2, 30, "attempt 2's start")
+    assert not alive(first), "attempt 2 started while the first copy still ran"
+    assert ended["pid"] == first
+    d2.stop()
+
+
 def test_kill9_orphan_without_receipt_is_ended_before_the_retry(env: Env) -> None:
     """A retry of an interrupted job starts only after the orphaned first copy is gone."""
     wrapper = write_script(env.tmp, "slow_first.py", SLOW_FIRST)

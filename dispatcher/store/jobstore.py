@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from dispatcher.spec.result import CheckResult, Result
 JOB_FILE = "job.json"
 RESULT = "result.json"
 STAGED = ".result.json.staged"
+AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED" of the attempt's agent
 SPEC_MAX = 8 * 1024 * 1024
 RECORD_MAX = 1024 * 1024
 
@@ -113,12 +115,33 @@ class JobFolder:
         return out
 
     def pid_record(self, n: int) -> dict[str, Any] | None:
-        """Return the running record of attempt n ({pid, boot_started, started}) an older daemon wrote, or None."""
+        """Return the running record of attempt n ({pid, boot_started[, started]}), or None.
+
+        The agent's pid and start on the boot clock, noted on its stdout.log (``note_agent``);
+        else one an older daemon wrote in attempt.json (or ``pid``).
+        """
+        try:
+            pid, boot = os.getxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR).split()
+            return {"pid": int(pid), "boot_started": float(boot)}
+        except (OSError, ValueError):
+            pass
         for name in ("attempt.json", "pid"):  # "pid": jobs from before the record moved into attempt.json
             data = self.read_json(f"attempts/{n}/{name}")
             if isinstance(data, dict) and isinstance(data.get("pid"), int):
                 return data
         return None
+
+    def note_agent(self, n: int, pid: int) -> None:
+        """Note attempt n's agent (its pid and start on the boot clock) on its stdout.log, as an extended attribute.
+
+        One system call, no file and no fsync (a power cut ends the agent too): after a crash
+        of the daemon, recovery finds the agent's group by it even when the agent cleared the
+        environment that names its job (``env -i``). A filesystem without user attributes
+        keeps nothing; the environment then remains the only sign.
+        """
+        with contextlib.suppress(OSError):
+            boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+            os.setxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR, f"{pid} {boot:.3f}".encode())
 
     def result(self) -> Result | None:
         """Return result.json (or the staged result of a job cut short while landing), None if unreadable."""

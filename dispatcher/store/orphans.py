@@ -3,10 +3,10 @@
 Recovery ends these groups before it looks at a job's evidence (README, "Guarantees").
 A job's processes are found by the environment every agent, probe and hook of the job
 gets (``DISPATCH_JOB_ID``, and ``DISPATCH_ORDER`` in its work/ folder), whatever their
-attempt, in one walk of /proc for all the jobs being recovered, so no running record has
-to be written when an agent starts. An attempt of an older version of the daemon may still hold such a record
-(``attempts/<n>/attempt.json`` with the pid and its start on the boot clock): it is used
-as it was.
+attempt, in one walk of /proc for all the jobs being recovered, and by the agent's pid
+and start noted on its stdout.log (``JobFolder.note_agent``: an agent that cleared its
+environment). An attempt of an older version of the daemon may hold that record in
+``attempts/<n>/attempt.json``: it is used as it was.
 """
 
 from __future__ import annotations
