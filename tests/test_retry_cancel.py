@@ -374,6 +374,22 @@ def test_cancel_of_an_order_removed_before_any_daemon_does_not_outlive_it(env: E
     assert starts_of(env, "GONE-1") == [1]
 
 
+def test_a_cancel_whose_order_was_removed_does_not_fail_the_next_submit_of_its_id(env: Env) -> None:
+    """No daemon runs between: cancel of a queued order, the file removed by hand, then `submit` of a new order
+    with that id (accepted: the id is unknown). The new order runs; the old request does not cancel it."""
+    dropped = env.drop(order("GONE-2"))
+    assert env.cli("cancel", "GONE-2").returncode == 0
+    dropped.unlink()
+    assert env.cli("cancel", "GONE-2").returncode == 1  # no such job now
+    path = env.tmp / "GONE-2.json"
+    path.write_text(json.dumps(order("GONE-2")))
+    assert env.cli("submit", str(path), check=True).stdout == "GONE-2\n"
+    code, _ = run_once(env)
+    assert code == 0, "the submitted order was cancelled by the request of the removed one"
+    assert env.result("GONE-2", "done")["reason"] is None
+    assert starts_of(env, "GONE-2") == [1]
+
+
 def test_cancel_of_a_running_job_whose_daemon_died_holds_even_with_a_receipt(env: Env) -> None:
     """kill -9 while the agent has written its receipt: `cancel` exits 0, and recovery fails the job as cancelled."""
     env.configure(agents={"worker": env.agent("--sleep-after", "60")})

@@ -25,6 +25,7 @@ from dispatcher.clock import iso
 from dispatcher.errors import OrderError, UsageError
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import LedgerUnavailable
+from dispatcher.ledger.records import Request
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import LATEST_S, LATEST_TIME, TimeOutOfRange, parse_order, parse_time, to_json
 from dispatcher.spec.settings import Config
@@ -145,17 +146,28 @@ def _hand_over_state(layout: Layout) -> None:
 
 
 def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
-    """Raise OrderError for the first order whose job id the ledger knows or an order in inbox/ or held/ holds."""
+    """Raise OrderError for the first order whose job id the ledger knows or an order in inbox/ or held/ holds.
+
+    A cancel still open for a new id is dropped: its order is gone (removed by hand, or
+    refused), and the request must not fail the unrelated order submitted now.
+    """
     try:
         ledger = open_ledger(cfg, layout, patience_s=LOCK_TIMEOUT_S)
     except (LedgerUnreachable, LedgerUnavailable) as exc:
         raise OrderError(f"cannot submit: {exc}", file=orders[0][0]) from None
     try:
         known = {o.job_id: e.state for _, o, _, _ in orders if (e := ledger.get(o.job_id)) is not None}
+        _refuse_queued(layout, orders, known)
+        for job_id in set(ledger.requests(Request.CANCEL)) & {o.job_id for _, o, _, _ in orders}:
+            ledger.clear_request(job_id, Request.CANCEL)
     except LedgerUnavailable as exc:
         raise OrderError(f"cannot submit: {exc}", file=orders[0][0]) from None
     finally:
         ledger.close()
+
+
+def _refuse_queued(layout: Layout, orders: list[Submission], known: dict[str, str]) -> None:
+    """Raise OrderError for the first order whose id ``known`` (the ledger), a job folder, inbox/ or held/ holds."""
     for _, order, _, _ in orders:
         found = layout.find(order.job_id)  # a job folder the ledger lost still makes the id known
         if order.job_id not in known and found is not None:
