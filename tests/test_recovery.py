@@ -244,6 +244,15 @@ def test_kill9_orphan_that_cleared_its_environment_is_ended_before_the_retry(env
     env.drop(order("CLEARED-1"))
     wait_until(lambda: spans.exists() and spans.read_text().startswith("start "), 30, "the agent's start")
     first = int(spans.read_text().split()[1])
+    log = env.root / "active" / "CLEARED-1" / "attempts" / "1" / "stdout.log"
+
+    def noted() -> bool:  # the daemon notes the agent just after its start: a busy machine may run the agent first
+        try:
+            return os.getxattr(log, "user.dispatcher.agent").split()[0] == str(first).encode()
+        except OSError:
+            return False
+
+    wait_until(noted, 30, "the agent's note on its stdout.log")
     d.kill()
     assert alive(first), "the agent should outlive its daemon (own process group)"
     d2 = env.daemon()
