@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import Env
+from conftest import Env, wait_until
 from helpers_faults import alive, hold_agent, tiny_order
 from pgserver import PgServer
 from tcp_proxy import Proxy
@@ -74,6 +74,7 @@ def test_an_idle_daemon_fences_itself_within_the_lease_and_ends_its_agent(env: E
     d.wait_ready()
     env.drop(tiny_order("idle", to="long"))
     d.wait_event("agent.started", job_id="idle")
+    wait_until(lambda: env.count_file.exists() and len(env.count_file.read_text().split()) >= 3, 30, "the agent")
     pid = int(env.count_file.read_text().split()[2])
     time.sleep(1.0)  # the loop settles into its wait
     stall.silent()
