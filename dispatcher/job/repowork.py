@@ -327,11 +327,10 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
         if removed:
             log.info("workspace.removed", jobs=removed)
     afters = await lanes.io(afterowed.look, layout, startup=startup)
-    places = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
+    agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     for job_id in afters.interrupted:
         await lanes.io(afterowed.record_interrupted, layout, job_id)
-        agent = places.get(job_id, ("", None))[1]
-        log.warning("hook.failed", hook="after", job_id=job_id, agent=agent, reason=afterowed.INTERRUPTED)
+        log.warning("hook.failed", hook="after", job_id=job_id, agent=agents.get(job_id), reason=afterowed.INTERRUPTED)
     for job_id in afters.ready:
         if await lanes.io(afterowed.claim, layout, job_id):
             try:
@@ -339,16 +338,16 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
             except Exception as exc:  # the job is final already: a hook never changes it, nor stops the landings
                 log.exception("daemon.error", step="after hook", job_id=job_id, error=str(exc))
     owed = await lanes.io(landing.look, layout, startup=startup)
-    places = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
+    agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
         await lanes.io(landing.record_interrupted, layout, job_id)
         why = "land hook interrupted by a stop or crash; `dispatcher land ID` runs it again"
-        log.warning("land.failed", job_id=job_id, agent=places.get(job_id, ("", None))[1], reason=why)
+        log.warning("land.failed", job_id=job_id, agent=agents.get(job_id), reason=why)
         if notify is not None:
             notify.fire(
                 "land.failed",
                 job_id,
-                places.get(job_id, ("", None))[1],
+                agents.get(job_id),
                 why,
                 layout.job(State.DONE, job_id) / "result.json",
             )
@@ -359,10 +358,10 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
 
 async def _end_leftovers(
     layout: Layout, lanes: Lanes, cfg: Config, job_ids: list[str], hook: str
-) -> dict[str, tuple[str, str | None]]:
+) -> dict[str, str | None]:
     """End what the hook runs a dead daemon left still run (their groups), before each run is recorded as cut short.
 
-    Return the work/ folder and agent of each job found (``_works_of``).
+    Return the agent of each job found, for the lines that record the runs.
 
     A hook runs like an agent (section 15), so the rule for a dead daemon's agents holds
     for it (section 6): nothing of it runs on while the job is looked at, and ``dispatcher
@@ -379,7 +378,7 @@ async def _end_leftovers(
             log.warning("hook.orphan_ended", hook=hook, job_id=job_id, agent=places[job_id][1], pid=pgid)
             ends.append(procs.end_group(pgid, cfg.kill_grace_s))
     await asyncio.gather(*ends)
-    return places
+    return {job_id: agent for job_id, (_, agent) in places.items()}
 
 
 def _works_of(layout: Layout, job_ids: list[str]) -> dict[str, tuple[str, str | None]]:

@@ -121,14 +121,18 @@ def _timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
 def _integer(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
     """A YAML integer; one with more digits than Python converts (``sys.get_int_max_str_digits``) is an OrderError."""
     assert isinstance(node, yaml.ScalarNode)  # noqa: S101 - the int tag is resolved on scalars only
-    digits = sum(c.isdigit() for c in str(node.value))
-    if digits > _INT_DIGITS_MAX:
-        raise _AtNode(f"{_too_long(digits)} (line {node.start_mark.line + 1})", node)
+    why = _too_long(str(node.value))
+    if why is not None:
+        raise _AtNode(f"{why} (line {node.start_mark.line + 1})", node)
     return yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
 
 
-def _too_long(digits: int) -> str:
-    return f"a number of {digits} digits is too long (at most {_INT_DIGITS_MAX})"
+def _too_long(number: str) -> str | None:
+    """Say why an integer's text is more than int() converts, or None: the one length rule of every parse here."""
+    if len(number) <= _INT_DIGITS_MAX:
+        return None  # the usual case: no count
+    digits = sum(c.isdigit() for c in number)
+    return f"a number of {digits} digits is too long (at most {_INT_DIGITS_MAX})" if digits > _INT_DIGITS_MAX else None
 
 
 def _shown(key: Any) -> str:
@@ -274,10 +278,11 @@ def load_json(text: str) -> Any:
 
     def integer(digits: str) -> Any:
         nonlocal marked
-        if len(digits) <= _INT_DIGITS_MAX:
+        why = _too_long(digits)
+        if why is None:
             return int(digits)
         marked = True
-        return _Refused(_too_long(len(digits.lstrip("-"))))
+        return _Refused(why)
 
     try:
         value = json.loads(
@@ -366,11 +371,15 @@ for _loader in (_StrictLoader, _StrictCLoader):
     _loader.add_constructor("tag:yaml.org,2002:int", _integer)
 
 
-def _plain_int(digits: str, loader: Any = None, node: Any = None) -> Any:
-    """An integer as the plain parse reads it; one longer than int() converts is 0 (never a job_id either way)."""
-    if sum(c.isdigit() for c in digits) > _INT_DIGITS_MAX:
-        return 0
-    return int(digits) if loader is None else yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+def _plain_int(digits: str) -> Any:
+    """A JSON integer as the plain parse reads it; one longer than int() converts is 0 (never a job_id either way)."""
+    return 0 if _too_long(digits) else int(digits)
+
+
+def _plain_yaml_int(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    """A YAML integer as the plain parse reads it (``_plain_int``'s rule)."""
+    assert isinstance(node, yaml.ScalarNode)  # noqa: S101 - the int tag is resolved on scalars only
+    return 0 if _too_long(str(node.value)) else yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
 
 
 class _PlainLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]
@@ -378,4 +387,4 @@ class _PlainLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoade
 
 
 _PlainLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.constructor.SafeConstructor.construct_yaml_str)
-_PlainLoader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: _plain_int(str(node.value), loader, node))
+_PlainLoader.add_constructor("tag:yaml.org,2002:int", _plain_yaml_int)
