@@ -127,6 +127,17 @@ def is_ignored(name: str) -> bool:
     return name.startswith(".") or name.endswith((".tmp", ".part"))
 
 
+def name_is_utf8(name: str) -> bool:
+    """Is a file name (bytes the OS gave, surrogate-escaped where they were not UTF-8) valid UTF-8?"""
+    if name.isascii():
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def hint_name(kind: str, job_id: str) -> str:
     """Return the name of a command's hint file in control/: ``<kind>-<job id>-<ns>`` (unique per call)."""
     return f"{kind}-{job_id}-{time.time_ns()}"

@@ -34,7 +34,7 @@ from dispatcher.lifecycle import State
 
 # A wrapper agent: writes NAME=TEXT files into work/, then execs the fake agent after `--`.
 # A name "@N:PATH" is written on attempt N only; "link:PATH=TARGET" makes a symlink and
-# "fifo:PATH=" a FIFO.
+# "fifo:PATH=" a FIFO; "bytes:PATH=TEXT" a file whose PATH holds \\xNN escapes for bytes that are not UTF-8.
 WRITER = """\
 import os, sys
 args = sys.argv[1:]
@@ -47,8 +47,10 @@ for spec in args[:cut]:
         if attempt != os.environ["DISPATCH_ATTEMPT"]:
             continue
     kind, _, rest = name.partition(":")
-    if rest and kind in ("link", "fifo"):
+    if rest and kind in ("link", "fifo", "bytes"):
         name = rest
+    if kind == "bytes":
+        name = os.fsdecode(name.encode().decode("unicode_escape").encode("latin-1"))
     path = os.path.join(work, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if kind == "link":
@@ -387,6 +389,8 @@ def outbox_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             env, {"out.json": fu("OB-LINKER-C", "linker"), "link:outbox/OB-LINKER-C.json": "../out.json"}
         ),
         "piper": writing_agent(env, {"fifo:outbox/OB-PIPER-C.json": ""}),
+        # a valid order under a file name that is not UTF-8 (inbox/ refuses such a name too)
+        "badname": writing_agent(env, {"bytes:outbox/next\\xff.json": fu("OB-BADNAME-C", "badname")}),
         # two parents running at once hand off the same new id: only one can have it
         "racer1": handing_off(env, fu("OB-RACE-C", "racer1"), flags=("--sleep", "0.5")),
         "racer2": handing_off(env, fu("OB-RACE-C", "racer2"), flags=("--sleep", "0.5")),
@@ -514,6 +518,12 @@ def test_symlink_in_outbox_is_not_an_order(outbox_run: Env) -> None:
     """A symlink in outbox/ (even to a valid order inside work/) fails followups_valid."""
     rejected(outbox_run, "linker", "OB-LINKER-C.json")
     assert_not_released(outbox_run, "OB-LINKER-C")
+
+
+def test_an_order_under_a_file_name_that_is_not_utf8_fails_followups_valid(outbox_run: Env) -> None:
+    """A valid follow-up whose outbox/ name is not UTF-8 fails its check, named, beside the others' real results."""
+    rejected(outbox_run, "badname", "outbox/next\\xff.json", "not valid UTF-8")
+    assert_not_released(outbox_run, "OB-BADNAME-C")
 
 
 def test_fifo_in_outbox_fails_without_hanging(outbox_run: Env) -> None:

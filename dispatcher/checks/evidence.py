@@ -15,9 +15,9 @@ from pathlib import Path
 from dispatcher import fsutil
 from dispatcher.checks.facts import Doc, Entry, Evidence, Exit, Followup
 from dispatcher.checks.stream import summarise_fd
-from dispatcher.errors import OrderError
+from dispatcher.errors import OrderError, printable
 from dispatcher.fsutil import NotRegular, kind_of
-from dispatcher.layout import is_ignored
+from dispatcher.layout import is_ignored, name_is_utf8
 from dispatcher.lean import sha256_for
 from dispatcher.shortage import resource_of
 from dispatcher.spec.loader import decode, load_json
@@ -219,7 +219,10 @@ def read_followups(
             found.append((Followup(name, error=f"not read: more than max_followups ({max_followups})"), None))
             continue
         if order_format(name) is None:
-            found.append((Followup(name, error="not a work order (.yaml, .yml or .json)"), None))
+            found.append((Followup(printable(name), error="not a work order (.yaml, .yml or .json)"), None))
+            continue
+        if not name_is_utf8(name):  # no follow-up could keep this name (inbox/ refuses it too)
+            found.append((Followup(printable(name), error="the file name is not valid UTF-8"), None))
             continue
         doc, data = read_doc(work, f"outbox/{name}", max_bytes)
         if data is None:

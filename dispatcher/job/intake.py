@@ -34,7 +34,7 @@ from dispatcher import fsutil
 from dispatcher.errors import OrderError, oneline
 from dispatcher.fsutil import digest
 from dispatcher.job.finish import Finisher
-from dispatcher.layout import Layout
+from dispatcher.layout import Layout, name_is_utf8
 from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger
 from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
@@ -99,7 +99,7 @@ def inspect(
         return Refusal(name, f"a {kind} is not a work order; it was not opened", entry_kind=kind)
     if order_format(name) is None:
         return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
-    if not name.isascii() and not _utf8(name):  # the ledger records a job's file name as text
+    if not name_is_utf8(name):  # the ledger records a job's file name as text
         return Refusal(name, "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`")
     try:
         data = fsutil.read_regular(path, config.max_order_bytes)
@@ -150,15 +150,6 @@ def inspect(
     if text is None and len(data) > AHEAD_TEXT_BYTES:  # a large JSON order: encoded here, not in the claim
         text = body_text(order.body)
     return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text)
-
-
-def _utf8(name: str) -> bool:
-    """Is a file name (bytes the OS gave, surrogate-escaped where they were not UTF-8) valid UTF-8?"""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def job_id_of(body: Any) -> str | None:
