@@ -16,6 +16,9 @@ Metrics (labels in braces):
 - ``dispatcher_job_duration_seconds{agent}``: claim to finish, a histogram;
 - ``dispatcher_cost_usd_total{agent}``: the cost the agents reported;
 - ``dispatcher_last_loop_timestamp_seconds``: the loop's last turn (a stuck loop shows).
+
+``metrics_labels`` (config) adds labels to every series, so that node_exporter can serve
+the files of several daemons at once: it refuses a series that two files repeat.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import glob as globmod
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, write_to_textfile
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from dispatcher import procs
 
@@ -44,7 +49,24 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in pro
 
 def metrics_path(template: str | os.PathLike[str], host: str, pid: int) -> Path:
     """Return the metrics file's path: ``{host}`` and ``{pid}`` in the template replaced."""
-    return Path(str(template).replace("{host}", host).replace("{pid}", str(pid)))
+    return Path(expand(str(template), host, pid))
+
+
+def expand(text: str, host: str, pid: int) -> str:
+    """Return text with ``{host}`` and ``{pid}`` replaced."""
+    return text.replace("{host}", host).replace("{pid}", str(pid))
+
+
+class _Labelled(Collector):
+    """A registry's series with labels of the whole file added (``metrics_labels``)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str]) -> None:
+        self.registry, self.labels = registry, dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples]
+            yield family
 
 
 def stale_files(template: str | os.PathLike[str], host: str, pid: int) -> list[Path]:
@@ -85,9 +107,18 @@ class Metrics:
     so that a rate over the first finished job is not lost.
     """
 
-    def __init__(self, path_template: str | os.PathLike[str], host: str, pid: int, agents: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        path_template: str | os.PathLike[str],
+        host: str,
+        pid: int,
+        agents: Iterable[str] = (),
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
         self.path = metrics_path(path_template, host, pid)
         self.template, self.host, self.pid = path_template, host, pid
+        self.labels: dict[str, str] = {}
+        self.set_labels(labels or {})
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self._running_agents: set[str] = set()
@@ -191,6 +222,10 @@ class Metrics:
         """Record a turn of the daemon's loop at Unix time ts (cheap: call it every turn)."""
         self.last_loop.set(ts)
 
+    def set_labels(self, labels: Mapping[str, str]) -> None:
+        """Add these labels (values may hold ``{host}`` and ``{pid}``) to every series from the next write on."""
+        self.labels = {name: expand(value, self.host, self.pid) for name, value in labels.items()}
+
     def move_to(self, path_template: str | os.PathLike[str]) -> None:
         """Write to another file from now on (a reload moved metrics_file): the counters go on; the old file goes."""
         old = self.path
@@ -213,7 +248,7 @@ class Metrics:
         it readable by its group: put node_exporter's user in that group).
         """
         path = self.path
-        write_to_textfile(str(path), self.registry)
+        write_to_textfile(str(path), _Labelled(self.registry, self.labels) if self.labels else self.registry)
         if path != self.path:  # moved by a reload while this write ran: the old file goes
             self.remove_file(path)
         for stale in stale_files(self.template, self.host, self.pid):

@@ -113,3 +113,21 @@ def test_path_template_replaces_host_and_pid() -> None:
         "/var/lib/node_exporter/web-1-4711.prom"
     )
     assert metrics_path("/m/{other}.prom", "h", 1) == Path("/m/{other}.prom")
+
+
+def test_metrics_labels_are_added_to_every_series_so_two_daemons_files_never_repeat_one(tmp_path: Path) -> None:
+    """Two daemons' files under one {pid} pattern, each with metrics_labels {daemon: "{host}-{pid}"}: no series
+    of one file is repeated in the other (node_exporter refuses a repeated one), and each keeps its own labels."""
+    files = []
+    for pid in (41, 42):
+        m = Metrics(str(tmp_path / "d-{pid}.prom"), "box", pid, agents=["a"], labels={"daemon": "{host}-{pid}"})
+        m.job_finished("done", "a", 1.0, None)
+        m.loop_turn(1_800_000_000.0)
+        m.write()
+        files.append(samples(tmp_path / f"d-{pid}.prom"))
+    assert not set(files[0]) & set(files[1])
+    for pid, got in zip((41, 42), files, strict=True):
+        assert all(("daemon", f"box-{pid}") in labels for _, labels in got), got
+        assert got[("dispatcher_last_loop_timestamp_seconds", (("daemon", f"box-{pid}"),))] == 1_800_000_000.0
+        key = ("dispatcher_jobs_finished_total", (("agent", "a"), ("daemon", f"box-{pid}"), ("state", "done")))
+        assert got[key] == 1

@@ -188,3 +188,44 @@ def test_review_decisions_and_retries_are_counted_once_each(env: Env) -> None:
     assert s[("dispatcher_cost_usd_total", (("agent", "costly"),))] == 2.0  # 1 USD per attempt, each once
     assert s[("dispatcher_job_duration_seconds_sum", (("agent", "costly"),))] < 3, "the wait in failed/ was counted"
     assert d.stop() == 0
+
+
+def test_job_duration_counts_from_the_claim_not_the_wait_in_inbox(env: Env) -> None:
+    """Three orders for an agent of concurrency 1 wait their turn in inbox/; each job counts only its own run."""
+    prom = env.tmp / "m.prom"
+    env.configure(agents={"slow": env.agent("--sleep", "1.5", concurrency=1)}, metrics_file=str(prom), max_jobs=2)
+    d = env.daemon()
+    d.wait_ready()
+    for job_id in ("W1", "W2", "W3"):
+        env.drop(order(job_id, to="slow"))
+    for job_id in ("W1", "W2", "W3"):
+        env.wait_job(job_id, "done", timeout=60)
+    count = ("dispatcher_job_duration_seconds_count", (("agent", "slow"),))
+    wait_until(lambda: prom.exists() and samples(prom).get(count) == 3, 30, "three durations in the metrics")
+    total = samples(prom)[("dispatcher_job_duration_seconds_sum", (("agent", "slow"),))]
+    # each job runs about 1.5 s; counted from inbox/ the last two would add their 1.5 s and 3 s of waiting
+    assert 3 * 1.5 <= total < 3 * 1.5 + 2.5, f"durations sum to {total} s"
+    assert d.stop() == 0
+
+
+def test_metrics_labels_from_the_config_are_on_every_series_and_follow_a_reload(env: Env) -> None:
+    """metrics_labels {daemon: "{host}-{pid}"} labels each series with this daemon; a reload can change it."""
+    prom = env.tmp / "m-{pid}.prom"
+    env.configure(metrics_file=str(prom), metrics_labels={"daemon": "{host}-{pid}"})
+    d = env.daemon()
+    d.wait_ready()
+    assert d.proc is not None
+    path = env.tmp / f"m-{d.proc.pid}.prom"
+    mine = ("daemon", f"{socket.gethostname()}-{d.proc.pid}")
+    wait_until(path.exists, 30, "the metrics file")
+    assert all(mine in labels for _, labels in samples(path)), samples(path)
+    body: dict[str, Any] = yaml.safe_load(env.config_path.read_text()) | {"metrics_labels": {"site": "north"}}
+    env.config_path.write_text(yaml.safe_dump(body))
+    assert env.cli("reload").returncode == 0
+
+    def relabelled() -> bool:
+        got = samples(path)
+        return bool(got) and all(("site", "north") in labels and mine not in labels for _, labels in got)
+
+    wait_until(relabelled, 30, "the new labels after the reload")
+    assert d.stop() == 0

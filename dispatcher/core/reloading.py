@@ -91,6 +91,7 @@ class Reloading:
                     self.metrics.seed_finished(self.house.ctx.finisher.finished.snapshot())
             self.house.metrics_now()
         if self.metrics is not None:
+            self.metrics.set_labels(new.metrics_labels)
             self.metrics.add_agents(new.agents)  # an agent a reload adds has its series (at 0) at once
         gone = frozenset({*self.config.agents, *self.config.retired} - set(new.agents))
         self.config = new = dataclasses.replace(new, retired=gone)  # follow-ups to them wait, as their orders do
@@ -108,4 +109,6 @@ class Reloading:
         lean.with_openssl()  # prometheus_client imports ssl
         from dispatcher.metrics import Metrics  # prometheus_client only when it is used
 
-        return Metrics(config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents)
+        return Metrics(
+            config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents, labels=config.metrics_labels
+        )

@@ -94,6 +94,9 @@ def this_claim(folder: JobFolder, result: Result) -> tuple[float | None, float |
     that entered review/ was never counted (review is not a finish): its attempts count.
     """
     duration = result.duration_s
+    if folder.claimed is not None:  # claim to finish, not the time the order waited in inbox/ or held/
+        with contextlib.suppress(TypeError, ValueError):
+            duration = round(parse_iso(result.finished or "") - folder.claimed, 3)
     numbers = sorted((a["n"] for a in result.attempts if isinstance(a.get("n"), int)), reverse=True)
     kept = next((n for n in numbers if _kept_state(folder, n) not in (None, "review")), None)
     if kept is None:

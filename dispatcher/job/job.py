@@ -70,6 +70,8 @@ class Job(Finishing, Deciding):
     ) -> None:
         self.ctx = ctx
         self.folder = folder
+        if folder.claimed is None:
+            folder.claimed = spec.claimed
         self.spec = spec
         self.order = order
         self.token = token

@@ -80,6 +80,8 @@ def _decide(
     if entry is None or not is_landed(entry.state):
         raise WrongState(f"{job_id}: its ledger row is {entry.state if entry else 'missing'}, not review")
     result = folder.result() or Result(job_id, None, entry.agent, None)
+    with contextlib.suppress(OSError, ValueError):  # its claim (unknown: counted from when its order came in)
+        folder.claimed = folder.spec().claimed
     state = Row.DONE if approve else Row.FAILED
     if entry.state == Row.REVIEW:
         why = None if approve else cut_reason(f"rejected: {reason or 'no reason given'}")

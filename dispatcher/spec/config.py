@@ -151,6 +151,7 @@ def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> C
         root=Path(os.path.abspath(root)),
         log_file=Path(os.path.abspath(base / log_file)) if log_file else None,
         metrics_file=os.path.abspath(base / metrics) if metrics else None,
+        metrics_labels=dict(body.get("metrics_labels") or {}),
         notify=resolve_argv(notify, base) if notify else None,
         max_chain_cost_usd=body.get("max_chain_cost_usd"),
         max_daily_cost_usd=body.get("max_daily_cost_usd"),
@@ -220,6 +221,7 @@ kill_grace: 5              # seconds between SIGTERM and SIGKILL for an agent's 
 max_log_bytes: 10485760    # per stream and attempt
 log_file: null             # also write JSON log lines here (for `dispatcher logs`)
 metrics_file: null         # Prometheus text file, rewritten atomically; may hold {{host}} and {{pid}}
+metrics_labels: {{}}         # labels on every series (values may hold {{host}} and {{pid}}): several daemons' files
 notify: null               # argv run on job.failed, job.review, budget.held; placeholders {{event}}
                            # {{job_id}} {{agent}} {{reason}} {{result}}
 notify_max_running: 4      # notifications at once; more wait in order (over 100 waiting: one notify.dropped)

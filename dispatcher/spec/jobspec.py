@@ -38,6 +38,7 @@ class JobSpec:
     given: Mapping[str, str]  # files given to the agent in work/ -> sha256
     order: Mapping[str, Any]  # the validated order, with parent and hops
     parent_chain_cost_usd: float | None = None
+    claimed: float | None = None  # Unix time of the claim that placed the job (None in a job.json from before)
 
     def to_json(self) -> dict[str, Any]:
         """Return the spec as plain JSON values."""
@@ -55,6 +56,7 @@ class JobSpec:
             "given": dict(self.given),
             "order": dict(self.order),
             "parent_chain_cost_usd": self.parent_chain_cost_usd,
+            "claimed": self.claimed,
         }
 
     @classmethod
@@ -74,6 +76,7 @@ class JobSpec:
             given=dict(data.get("given") or {}),
             order=dict(data.get("order") or {}),
             parent_chain_cost_usd=data.get("parent_chain_cost_usd"),
+            claimed=_time_or_none(data.get("claimed")),
         )
 
     def with_agent(self, agent: Agent, budget: int) -> JobSpec:
@@ -233,3 +236,7 @@ def render(text: str, values: Mapping[str, str], *, prompt: bool = False) -> str
     """Replace the contract's exact placeholders in text; leave every other brace alone."""
     regex = _PROMPT_RE if prompt else _ARGV_RE
     return regex.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def _time_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -217,6 +217,7 @@ class Config:
     max_log_bytes: int = 10_485_760
     log_file: Path | None = None
     metrics_file: str | None = None
+    metrics_labels: Mapping[str, str] = field(default_factory=dict)
     notify: tuple[str, ...] | None = None
     notify_max_running: int = 4
     max_chain_cost_usd: float | None = None

@@ -50,9 +50,10 @@ RECORD_MAX = 1024 * 1024
 class JobFolder:
     """One job's folder wherever it is; every read bounded and link-safe."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, claimed: float | None = None) -> None:
         self.path = path
         self.job_id = path.name
+        self.claimed = claimed  # Unix time of the job's claim, when known (the metrics count from it)
         # the paths as str: a job's per-attempt steps join strings (a Path per join costs more than the syscall)
         self._dir = os.fspath(path)
         self._work = f"{self._dir}/work"

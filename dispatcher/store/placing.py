@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +139,7 @@ def place(
         parent=claimed.parent,
         hops=claimed.hops,
     )
-    return Started(JobFolder(target), w.spec, w.order, claimed.token, claimed.cancelled)
+    return Started(JobFolder(target, claimed=w.spec.claimed), w.spec, w.order, claimed.token, claimed.cancelled)
 
 
 def undo(ledger: Ledger, item: Inspected, stage: Path, claimed: Claimed, exc: OSError) -> Skipped:
@@ -200,6 +201,7 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
         given=given,
         order=body,
         parent_chain_cost_usd=claimed.parent_chain_cost_usd,
+        claimed=time.time(),
     )
     fsutil.write_new(
         f"{folder}/{JOB_FILE}", fsutil.dump_json(spec.to_json()) if text is None else _spec_json(spec, text)
