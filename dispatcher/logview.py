@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from dispatcher.errors import oneline
+from dispatcher.errors import DispatchError, oneline
 from dispatcher.text import plain
 
 _FIRST = ("timestamp", "level", "event", "job_id", "agent", "exception")
@@ -169,10 +169,13 @@ def read_file(path: Path, *, follow: bool) -> Iterator[str]:
 
 
 def _open(path: Path) -> IO[bytes] | None:
+    """Open the log file; None while it is missing. DispatchError (one line) when it cannot be read."""
     try:
         return path.open("rb")
     except FileNotFoundError:
         return None
+    except OSError as exc:  # not readable by this user, a folder: said in one line, not a traceback
+        raise DispatchError(f"{path}: cannot read: {exc.strerror}") from None
 
 
 def _change(f: IO[bytes], path: Path) -> str | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import Env, order
 from helpers_faults import reap
 from helpers_users import GROUP, USER, as_user, interpreter
@@ -104,3 +105,17 @@ def test_a_postgresql_role_with_select_only_reads_status_list_and_show(env: Env,
     shown = env.cli("show", "PGR-1")
     assert shown.returncode == 0 and shown.stdout.startswith("PGR-1  done"), shown.stderr
     assert database  # the reader's URL names the same database
+
+
+def test_logs_of_a_file_the_reader_cannot_read_is_one_line_not_a_traceback(shared: Env) -> None:
+    """`logs FILE` and `logs` of a log_file the user may not read: one line naming the file, exit 1."""
+    private = shared.tmp / "private.log"
+    private.write_text('{"event": "x"}\n')
+    os.chmod(private, 0o600)
+    body = yaml.safe_load(shared.config_path.read_text()) | {"log_file": str(private)}
+    shared.config_path.write_text(yaml.safe_dump(body))
+    for args in (("logs", str(private)), ("logs",)):
+        got = _as_reader(shared, interpreter(), *args)
+        assert got.returncode == 1, (args, got.returncode, got.stderr)
+        assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr, got.stderr
+        assert str(private) in got.stderr and "Permission denied" in got.stderr, got.stderr
