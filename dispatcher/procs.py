@@ -29,7 +29,8 @@ def stat_fields(pid: int) -> list[str] | None:
     return data[data.rindex(b")") + 2 :].decode().split()
 
 
-def _boot_time() -> float:
+def boot_time() -> float:
+    """Return this host's last boot as Unix time (``btime`` of /proc/stat)."""
     with open("/proc/stat") as f:
         for line in f:
             if line.startswith("btime "):
@@ -70,7 +71,7 @@ def is_alive(
         return abs(start_boot_s(fields) - boot_started) <= tolerance_s
     if started is None:
         return True
-    return abs(_boot_time() + start_boot_s(fields) - started) <= tolerance_s
+    return abs(boot_time() + start_boot_s(fields) - started) <= tolerance_s
 
 
 def held_for_writing(paths: set[str]) -> set[str]:

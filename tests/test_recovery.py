@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from collections import Counter
@@ -437,3 +438,27 @@ def test_live_daemon_recovers_the_jobs_of_a_dead_one(env: Env) -> None:
     assert [j for j, _a, _p in agent_starts(env)] == ["DEAD-1"]
     assert second.proc is not None and second.proc.poll() is None
     assert second.stop() == 0
+
+
+def test_a_claimed_job_whose_folder_was_removed_by_hand_is_never_run_again_by_its_file(env: Env) -> None:
+    """kill -9 of the daemon while X1 runs, its agent ended, active/X1 removed by hand, the same file dropped
+    again: no power cut lost that folder (the dead daemon ran since this boot), so the file is refused as
+    known and the agent never starts a second time (section 6: never run again by a new file)."""
+    agent = env.agent("--sleep", "60")
+    env.configure(agents={"worker": agent}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    body = order("GONE-1")
+    env.drop(body)
+    pid = wait_start(env, "GONE-1")
+    d.kill()
+    os.killpg(pid, signal.SIGKILL)
+    wait_gone([pid], [pid])
+    shutil.rmtree(env.root / "active" / "GONE-1")
+    d2 = env.daemon()
+    d2.wait_ready()
+    env.drop(body)
+    refused = env.wait_refused("GONE-1")
+    assert "already known" in refused["reason"], refused["reason"]
+    assert [a for job, a, _ in agent_starts(env) if job == "GONE-1"] == [1], "the agent ran again"
+    assert d2.stop() == 0

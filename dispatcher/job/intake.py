@@ -47,7 +47,7 @@ from dispatcher.store import placing
 from dispatcher.store.placing import AHEAD_TEXT_BYTES, Inspected, Pick, Skipped, Started, body_text
 from dispatcher.store.refusals import Refusal, refuse
 from dispatcher.store.results import build_result, is_disk_full
-from dispatcher.store.staging import drop_inbox_twin
+from dispatcher.store.staging import claim_stages, drop_inbox_twin
 
 log = structlog.get_logger("dispatcher")
 
@@ -241,6 +241,9 @@ def claim(
                 placing.drop_stage(stage)
                 if _drop_twin(layout, pick.item):  # the claimed job's own file (a claim cut short)
                     out[i] = Skipped(pick.item.name)
+                elif entry.state == Row.CLAIMED and claim_stages(layout, entry.job_id):
+                    # a dead daemon's claim whose folder recovery has yet to put in place: then its twin goes
+                    out[i] = Skipped(pick.item.name, retry_later=True)
                 else:
                     out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
             case Busy():

@@ -65,8 +65,12 @@ def _finish_claim(layout: Layout, ledger: Ledger, owner: str, job_id: str, stage
         fsutil.fsync_dir(layout.folder(state))
         log.info("job.recovered", job_id=job_id, agent=entry.agent, step="claim")
         return
-    if mine and entry is not None:  # claimed, but its folder was never completed: nothing ran
-        ledger.unclaim(job_id, entry.token, Row.RELEASED if entry.parent else None)
+    if mine and entry is not None and layout.find(job_id) is None:  # claimed, its folder never completed: nothing ran
+        # undone as the dead daemon would have: its claim made this daemon's first, then given back, so that the
+        # file put back below is claimed again (a dead daemon of this boot lost no folder: its claim is not taken over)
+        token = ledger.adopt(job_id, owner, entry.token)
+        if token is not None:
+            ledger.unclaim(job_id, token, Row.RELEASED if entry.parent else None)
     if order is not None and entry is not None and entry.source and os.lstat(order).st_nlink == 1:
         with contextlib.suppress(FileExistsError):  # the inbox name is gone: put the user's file back
             os.link(order, layout.inbox / entry.source)

@@ -150,6 +150,15 @@ def write_info(folder: Path, info: DaemonInfo) -> None:
     os.rename(tmp, folder / f"{info.owner}.json")
 
 
+def read_info(folder: Path, owner: str) -> DaemonInfo | None:
+    """Return one daemon's info (``alive`` not looked up: True), None when its file is missing or unreadable."""
+    try:
+        info = json.loads((folder / f"{owner}.json").read_bytes())
+        return DaemonInfo(owner, int(info["pid"]), str(info["host"]), float(info["started"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def read_infos(folder: Path, alive: Callable[[str], bool]) -> list[DaemonInfo]:
     """Return the daemons whose info files are in folder, newest first (unreadable files are skipped)."""
     out = []

@@ -24,19 +24,31 @@ against that, and decide alone should the server have forgotten it).
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Sequence
 
+from dispatcher import procs
 from dispatcher.ledger.pg_conn import Cur, Fence
 from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.pg_settle import Again, Found, Resolve
-from dispatcher.ledger.records import Busy, ClaimAnswer, Claimed, ClaimRequest, Entry, Known, Request
+from dispatcher.ledger.records import (
+    Busy,
+    ClaimAnswer,
+    Claimed,
+    ClaimRequest,
+    Entry,
+    Known,
+    Request,
+    folder_may_be_lost,
+)
 from dispatcher.lifecycle import Row
 
 _ROWS = (
     "SELECT j.job_id, j.state, j.agent, j.owner, j.token, j.source, j.digest, j.parent, j.hops, j.cost_usd,"
     " j.chain_cost_usd, j.updated,"
     " EXISTS (SELECT 1 FROM daemons d WHERE d.owner = j.owner AND d.ended IS NULL AND d.lease_until > now()),"
-    " (SELECT p.chain_cost_usd FROM jobs p WHERE p.job_id = j.parent)"
+    " (SELECT p.chain_cost_usd FROM jobs p WHERE p.job_id = j.parent),"
+    " (SELECT d.host FROM daemons d WHERE d.owner = j.owner), (SELECT d.started FROM daemons d WHERE d.owner = j.owner)"
     " FROM jobs j WHERE j.job_id = ANY(%s) ORDER BY j.job_id FOR UPDATE OF j"
 )
 _INSERT = (
@@ -77,8 +89,8 @@ def claim_body(cur: Cur, owner: str, reqs: Sequence[ClaimRequest], plan: dict[st
     rest = sorted({r.job_id for i, r in enumerate(reqs) if answers[i] is None})
     if not rest:
         return _mark_cancelled(cur, [a for a in answers if a is not None])
-    rows: dict[str, tuple[Entry, bool, float | None]] = {
-        r[0]: (Entry(*r[:12]), bool(r[12]), r[13]) for r in cur.execute(_ROWS, (rest,))
+    rows: dict[str, tuple[Entry, bool, float | None, tuple[str | None, float | None]]] = {
+        r[0]: (Entry(*r[:12]), bool(r[12]), r[13], (r[14], r[15])) for r in cur.execute(_ROWS, (rest,))
     }
     if len(rows) < len(rest):
         raise Again  # a row the insert saw was deleted since (an unclaim): start over
@@ -86,7 +98,7 @@ def claim_body(cur: Cur, owner: str, reqs: Sequence[ClaimRequest], plan: dict[st
     for i, req in enumerate(reqs):
         if answers[i] is not None:
             continue
-        entry, owner_alive, parent_cost = rows[req.job_id]
+        entry, owner_alive, parent_cost, (owner_host, owner_started) = rows[req.job_id]
         same_file = entry.source == req.source and entry.digest == req.digest
         released = entry.state in (Row.RESERVED, Row.RELEASED) and entry.digest == req.digest
         taken_over = False
@@ -94,7 +106,8 @@ def claim_body(cur: Cur, owner: str, reqs: Sequence[ClaimRequest], plan: dict[st
             if entry.owner == owner or owner_alive:
                 answers[i] = Busy(entry)
                 continue
-            taken_over = req.may_take_over
+            here, booted = socket.gethostname(), procs.boot_time()
+            taken_over = req.may_take_over and folder_may_be_lost(owner_host, owner_started, here, booted)
         if not (released or taken_over):
             answers[i] = Known(entry)
             continue
@@ -107,7 +120,7 @@ def claim_body(cur: Cur, owner: str, reqs: Sequence[ClaimRequest], plan: dict[st
         taken = dataclasses.replace(
             entry, state="claimed", agent=req.agent, owner=owner, source=req.source, token=token
         )
-        rows[req.job_id] = (taken, True, parent_cost)  # what a later request of this id in the batch sees
+        rows[req.job_id] = (taken, True, parent_cost, (None, None))  # what a later request of this id in the batch sees
     if updates:
         cur.execute(_TAKE, (owner, *(list(col) for col in zip(*updates, strict=True))))
         if cur.rowcount != len(updates):  # cannot happen under FOR UPDATE; never answer a guess

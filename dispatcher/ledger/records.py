@@ -204,3 +204,19 @@ class LedgerUnavailable(DispatchError):
 
     A command that meets it (its patience ran out) prints this one line and exits 1.
     """
+
+
+def folder_may_be_lost(host: str | None, started: float | None, this_host: str, booted: float) -> bool:
+    """Could a dead daemon have lost the folder of a claim it committed? Only then is its claim taken over.
+
+    A claim's folder is made before its claim commits and fsynced after: a crash of the
+    daemon leaves it for recovery to put in place, and only a power cut or a crash of the
+    system between the two loses it; both boot the host again. A daemon that ran on this
+    host (``host``) after its last boot (``started`` later than ``booted``) lost nothing:
+    a claim of it without any folder of the id was removed by hand, and a new file of that
+    id is refused (contract 6: never run again by a new file). Another host's daemon, or
+    one whose start is unknown, may have lost it.
+    """
+    if host is None or started is None or host != this_host:
+        return True
+    return started < booted

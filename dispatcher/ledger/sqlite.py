@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import socket
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 
+from dispatcher import procs
 from dispatcher.fsutil import fsync_dir
 from dispatcher.ledger.base import Ledger, now
-from dispatcher.ledger.flocks import make_lock, read_infos, write_info
+from dispatcher.ledger.flocks import make_lock, read_info, read_infos, write_info
 from dispatcher.ledger.records import (
     Busy,
     ClaimAnswer,
@@ -35,6 +37,7 @@ from dispatcher.ledger.records import (
     Finish,
     Known,
     Request,
+    folder_may_be_lost,
 )
 from dispatcher.ledger.sqlite_bulk import SqliteBulk
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
@@ -71,6 +74,12 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
     def alive(self, owner: str) -> bool:
         """Return True while the daemon ``owner`` holds its liveness flock."""
         return owner == self.owner or self._liveness.alive(owner)
+
+    def _folder_may_be_lost(self, owner: str) -> bool:
+        """Could the dead daemon ``owner`` have lost a claim's folder (``folder_may_be_lost``)?"""
+        info = read_info(self._daemons, owner)
+        host, started = (info.host, info.started) if info is not None else (None, None)
+        return folder_may_be_lost(host, started, socket.gethostname(), procs.boot_time())
 
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon that ever registered on this root, newest first."""
@@ -147,7 +156,7 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
                     if entry.owner == self.owner or self.alive(entry.owner):
                         out.append(Busy(entry))
                         continue
-                    taken_over = req.may_take_over
+                    taken_over = req.may_take_over and self._folder_may_be_lost(entry.owner)
                 else:
                     taken_over = False
                 if not (released or taken_over):

@@ -44,6 +44,16 @@ def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> Path:
     return stage
 
 
+def claim_stages(layout: Layout, job_id: str) -> list[str]:
+    """Return the names of the claim staging folders of job_id (any daemon's) in ``.state/staging/``."""
+    try:
+        names = os.listdir(layout.staging)
+    except FileNotFoundError:
+        return []
+    mark = f".claim-{job_id}"
+    return [n for n in names if mark in n and n.rsplit("-", 1)[0].endswith(mark)]
+
+
 def remove_stage(stage: Path) -> None:
     """Remove a staging folder holding only the daemon's own files (and links to user files)."""
     for root, dirs, files in os.walk(stage, topdown=False):
