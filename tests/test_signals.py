@@ -374,3 +374,30 @@ def test_sigterm_during_startup_exits_0_and_loses_nothing(env: Env) -> None:
     for i in range(40):
         assert env.result(f"EARLY-{i:02d}", "done")["state"] == "done"
     assert sorted(j for j, _a, _p in agent_starts(env)) == [f"EARLY-{i:02d}" for i in range(40)]
+
+
+def test_a_job_recovered_at_its_finish_keeps_its_cost_in_the_ledger(env: Env) -> None:
+    """A job whose result was written but not recorded (the ledger locked, then a stop) is recorded at the
+    next start with its cost, so that `list` and the daily caps count it (sections 11 and 14)."""
+    cost = json.dumps({"total_cost_usd": 0.1})
+    env.configure(agents={"worker": env.agent("--sleep", "1", "--json-result", cost)}, stop_timeout=4, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PAID-1"))
+    d.wait_event("agent.started", job_id="PAID-1")
+    db = sqlite3.connect(env.root / ".state" / "ledger.sqlite3", isolation_level=None, timeout=10)
+    db.execute("BEGIN EXCLUSIVE")
+    try:
+        wait_until((env.root / "active" / "PAID-1" / ".result.json.staged").exists, 30, "the staged result")
+        d.signal(signal.SIGTERM)
+        assert d.wait(30) == 0
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+    d2 = env.daemon()
+    assert env.wait_job("PAID-1", "done")["cost_usd"] == 0.1
+    d2.wait_event("job.recovered", job_id="PAID-1")
+    listed = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    (row,) = [j for j in listed if j["job_id"] == "PAID-1"]
+    assert row["cost_usd"] == 0.1, row
+    assert d2.stop() == 0

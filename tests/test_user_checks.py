@@ -147,3 +147,18 @@ def test_files_a_check_leaves_in_the_worktree_are_not_the_jobs_work(env: Env, tm
     assert result["workspace"]["changed"] == ["src/C2.txt"]
     assert git(repo, "diff", "--name-only", "main", "dispatch/C2") == "src/C2.txt"
     assert git(repo, "show", "dispatch/C2:src/C2.txt") == "done"  # as the agent left it, before the check
+
+
+def test_a_job_cancelled_before_any_attempt_records_its_checks_not_run(env: Env) -> None:
+    """Paused agent, order queued, then cancelled: result.json names every check, the agent's own too, ok null."""
+    env.configure(agents={"worker": agent(env, [{"name": "tests", "command": ["true"]}])})
+    d = env.daemon()
+    d.wait_ready()
+    env.cli("pause", "worker", check=True)
+    env.drop(order("CHK-CANCEL"))
+    env.cli("cancel", "CHK-CANCEL", check=True)
+    result = env.wait_job("CHK-CANCEL", "failed")
+    assert result["reason"] == "cancelled"
+    check = by_name(result, "tests")
+    assert check["ok"] is None and check["detail"].startswith("not run"), check
+    assert result["checks"][-1]["name"] == "tests"

@@ -112,11 +112,15 @@ class GateKeeper:
             log.info("agent.resumed", agent=g.agent, kind=g.kind, until=iso(g.until) if g.until else None)
         changed = tuple(gates) != self.snapshot
         self.snapshot = tuple(gates)
+        self.publish()
+        if changed or lifted:
+            self.wake()
+
+    def publish(self) -> None:
+        """Set ``dispatcher_agent_gated`` from the snapshot (at each refresh, and when metrics start)."""
         if self.metrics is not None:
             held = self.gated()
             self.metrics.set_gated({a: int(a in held) for a in self.agents()})
-        if changed or lifted:
-            self.wake()
 
     def _read(self, now: float) -> tuple[list[Gate], list[Gate]]:
         """Read the gates; lift the expired and stale ones (a write) only when there are some (ledger lane)."""

@@ -86,6 +86,7 @@ class Reloading:
                     self.metrics.remove_file()
                 self.metrics = self.house.ctx.metrics = self.house.ctx.finisher.metrics = self._metrics(new)
                 self.gatekeeper.metrics = self.metrics  # dispatcher_agent_gated follows the gates' snapshot
+                self.gatekeeper.publish()  # from its first write, not from the next refresh
                 self.sched.slots.set_metrics(self.metrics)  # dispatcher_agents_running: the agents running now
                 if self.metrics is not None:  # counted since this daemon started, not since the reload
                     self.metrics.seed_finished(self.house.ctx.finisher.finished.snapshot())

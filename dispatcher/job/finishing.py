@@ -136,6 +136,7 @@ class Finishing(abc.ABC):
             cost_usd=cost,
             chain_cost_usd=chain,
             extra=extra,
+            user_checks=[c.name for c in self.spec.agent.checks],
         )
 
     def _finish(self, state: Row) -> Finish:

@@ -279,6 +279,7 @@ def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
         received=spec.received,
         parent=spec.parent,
         chain_cost_usd=spec.parent_chain_cost_usd,
+        user_checks=[c.name for c in spec.agent.checks],
     )
     finish = Finish(spec.job_id, started.token, Row.FAILED, None, spec.parent_chain_cost_usd)
     finisher.finish_now(started.folder, finish, result, spec)  # spec: its after hook is owed too

@@ -181,7 +181,8 @@ class Job(Finishing, Deciding):
         result = self.folder.result() or Result(self.job_id, None, self.agent, None)
         state = Row(result.state or "failed")
         log.info("job.recovered", step="finish")
-        ok = await self.ctx.finisher.land(self.folder, Finish(self.job_id, self.token, state), result, release=True)
+        finish = Finish(self.job_id, self.token, state, result.cost_usd, result.chain_cost_usd)  # its cost counts
+        ok = await self.ctx.finisher.land(self.folder, finish, result, release=True)
         if ok and state in (Row.DONE, Row.FAILED, Row.REVIEW):
             self.repo.restore(result.extra.get("workspace"))
             await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)

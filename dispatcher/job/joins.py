@@ -264,6 +264,7 @@ class Joins:
                 received=spec.received,
                 parent=spec.parent,
                 chain_cost_usd=spec.parent_chain_cost_usd,
+                user_checks=[c.name for c in spec.agent.checks],
             )
             finish = Finish(spec.job_id, token, Row.FAILED, None, spec.parent_chain_cost_usd)
             self.finisher.finish_now(folder, finish, result, spec, self.failed)  # spec: its after hook is owed too

@@ -25,9 +25,8 @@ def cut_reason(reason: str) -> str:
     return cut(oneline(reason), DETAIL_MAX)
 
 
-NOT_RUN = tuple(
-    CheckResult(name, None, "not run: the job ended before any attempt was checked") for name in BUILTIN_CHECKS
-)
+_NOT_RUN_DETAIL = "not run: the job ended before any attempt was checked"
+NOT_RUN = tuple(CheckResult(name, None, _NOT_RUN_DETAIL) for name in BUILTIN_CHECKS)
 
 
 def build_result(
@@ -44,15 +43,16 @@ def build_result(
     cost_usd: float | None = None,
     chain_cost_usd: float | None = None,
     extra: Mapping[str, Any] | None = None,
+    user_checks: Sequence[str] = (),
 ) -> Result:
     """Return a new job's (or refusal's) result: the only place a result is built.
 
     Every built-in check is recorded by name (contract section 5): a job that ended before any
     attempt was checked (cancelled while queued, an agent that could not start, a refused
-    file) records each as ``"ok": null``, "not run".
+    file) records each as ``"ok": null``, "not run", and so each of the agent's own ``user_checks``.
     """
     if not checks:
-        checks = NOT_RUN
+        checks = NOT_RUN + tuple(CheckResult(name, None, _NOT_RUN_DETAIL) for name in user_checks)
     return Result(
         job_id=job_id,
         state=state,
