@@ -462,3 +462,23 @@ def test_a_claimed_job_whose_folder_was_removed_by_hand_is_never_run_again_by_it
     assert "already known" in refused["reason"], refused["reason"]
     assert [a for job, a, _ in agent_starts(env) if job == "GONE-1"] == [1], "the agent ran again"
     assert d2.stop() == 0
+
+
+def test_the_cost_an_agent_reported_before_its_daemon_died_is_counted_at_recovery(env: Env) -> None:
+    """The agent prints its final JSON (with its cost), then its daemon is killed -9 while it still runs:
+    the interrupted attempt keeps that agent_result, and the job's cost counts it (sections 5 and 14)."""
+    printed = env.tmp / "printed"
+    script = f'echo \'{{"total_cost_usd": 0.1, "session_id": "s-1"}}\'; touch {printed}; sleep 60'
+    env.configure(agents={"worker": {"command": ["sh", "-c", script], "timeout": 100}}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PAID-9"))
+    wait_until(printed.exists, 30, "the agent's final JSON")
+    d.kill()
+    d2 = env.daemon()
+    result = env.wait_job("PAID-9", "failed")
+    assert "interrupted" in result["reason"], result["reason"]
+    (first,) = result["attempts"]
+    assert first["agent_result"]["total_cost_usd"] == 0.1, first
+    assert result["cost_usd"] == 0.1
+    assert d2.stop() == 0

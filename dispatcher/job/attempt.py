@@ -142,12 +142,9 @@ def record(
     attempt too) records that session's earlier total, so that its cost is the
     difference: a resumed CLI reports the whole session's running cost.
     """
-    extra: dict[str, Any] = {}
+    extra = _session_extra(result, earlier)
     if out.idle_s is not None:
         extra["idle_s"] = out.idle_s
-    before = session_before(session_of_result(result), earlier)
-    if before is not None:
-        extra["session_cost_before_usd"] = before
     return Attempt(
         n=n,
         started=out.started,
@@ -160,6 +157,12 @@ def record(
         aborted=out.aborted,
         extra=extra,
     )
+
+
+def _session_extra(result: Mapping[str, Any] | None, earlier: Sequence[Attempt]) -> dict[str, Any]:
+    """Return the record's note of a resumed session's earlier total (its cost is the difference)."""
+    before = session_before(session_of_result(result), earlier)
+    return {} if before is None else {"session_cost_before_usd": before}
 
 
 def session_of_result(result: Mapping[str, Any] | None) -> str | None:
@@ -180,15 +183,30 @@ def exit_of(rec: Attempt, timeout_s: float) -> Exit:
     )
 
 
-def interrupted(n: int, started: float | None, argv: Sequence[str] = ()) -> Attempt:
+def interrupted(
+    n: int,
+    started: float | None,
+    argv: Sequence[str] = (),
+    result: Mapping[str, Any] | None = None,
+    earlier: Sequence[Attempt] = (),
+) -> Attempt:
     """Return the record of attempt n found without its end (its daemon died, or a stop cut it).
 
     ``argv``: what it ran, rendered again from the job's frozen spec (the record that would
-    have held it is written at an attempt's end).
+    have held it is written at an attempt's end). ``result``: the final JSON its stdout.log
+    ends with, if the agent printed one before its daemon died (its cost counts).
     """
     started = started if started is not None else time.time()
     return Attempt(
-        n=n, started=started, ended=time.time(), exit_code=None, interrupted=True, host=HOST, argv=tuple(argv)
+        n=n,
+        started=started,
+        ended=time.time(),
+        exit_code=None,
+        interrupted=True,
+        host=HOST,
+        argv=tuple(argv),
+        agent_result=result,
+        extra=_session_extra(result, earlier),
     )
 
 

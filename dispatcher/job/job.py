@@ -33,7 +33,7 @@ from dispatcher.job.deciding import Deciding
 from dispatcher.job.finishing import Finishing
 from dispatcher.job.repowork import JobRepo, WorkspaceFailed
 from dispatcher.job.retry import retries_so_far
-from dispatcher.job.runner import AgentProcess
+from dispatcher.job.runner import AGENT_TAIL_BYTES, AgentProcess
 from dispatcher.job.waits import Waits
 from dispatcher.lanes import Handoff, handed_over
 from dispatcher.ledger.base import Child, Finish, LedgerUnavailable
@@ -213,7 +213,9 @@ class Job(Finishing, Deciding):
                 await self._persist(partial(self.folder.make_logs, n, keep=True))  # every attempt has two logs
                 earlier = [a for a in self.attempts if a.n < n]
                 ran = attempt.argv_after(self.spec, self.folder.work, earlier, self.repo.path)
-                record = attempt.interrupted(n, self.folder.attempt_started(n), ran)
+                tail = await self.ctx.lanes.io(self.folder.stdout_tail, n, AGENT_TAIL_BYTES)
+                result = await self.ctx.lanes.io(parse_agent_result, tail) if tail.strip() else None
+                record = attempt.interrupted(n, self.folder.attempt_started(n), ran, result, earlier)
                 self.attempts.append(record)
                 await self._persist(self.folder.record_attempt, record)
             if record.retry_next:
