@@ -94,6 +94,20 @@ def test_max_cost_usd_stops_further_attempts(env: Env) -> None:
     assert "budget is spent" in result["reason"] and "max_cost_usd" in result["reason"]
 
 
+def test_a_session_id_repeated_without_resume_costs_each_attempt_what_it_reported(env: Env) -> None:
+    """An agent without `resume` that names the same session_id in each attempt: each attempt costs the
+    total it reported (only a resumed session's total is a running one), so max_cost_usd stops it after two."""
+    final = json.dumps({"type": "result", "total_cost_usd": 1.5, "session_id": "s-1"})
+    agent = env.agent("--json-result", final, "--exit", "1", retry_safe=True, max_attempts=3, max_cost_usd=2.5)
+    env.configure(agents={"worker": agent})
+    env.drop(simple("SAME-SESSION"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("SAME-SESSION", "failed")
+    assert [a["cost_usd"] for a in result["attempts"]] == [1.5, 1.5], result["attempts"]
+    assert result["cost_usd"] == 3.0
+    assert result["reason"].endswith("not retried: the budget is spent (3 USD of max_cost_usd 2.5)"), result["reason"]
+
+
 def test_a_retry_of_a_job_whose_budget_is_spent_gets_no_further_attempt(env: Env) -> None:
     """`dispatcher retry` of a job whose attempts cost more than max_cost_usd runs no attempt: it fails again at
     once, its reason led by its last failing check; once the budget is raised, the next retry runs."""

@@ -134,15 +134,21 @@ def process(
 
 
 def record(
-    n: int, out: AgentExit, cmd: list[str], result: Mapping[str, Any] | None, earlier: Sequence[Attempt] = ()
+    n: int,
+    out: AgentExit,
+    cmd: list[str],
+    result: Mapping[str, Any] | None,
+    earlier: Sequence[Attempt] = (),
+    resumed: str | None = None,
 ) -> Attempt:
     """Return the record of an attempt that ran.
 
-    An attempt that resumed a session (its session_id reported by an earlier
-    attempt too) records that session's earlier total, so that its cost is the
-    difference: a resumed CLI reports the whole session's running cost.
+    An attempt that resumed a session (``resumed``: the session_id its ``resume`` argv was
+    given, and the one it reported) records that session's earlier total, so that its cost
+    is the difference: a resumed CLI reports the whole session's running cost. An attempt
+    that did not resume one costs what it reported, whatever session_id it names.
     """
-    extra = _session_extra(result, earlier)
+    extra = _session_extra(result, earlier, resumed)
     if out.idle_s is not None:
         extra["idle_s"] = out.idle_s
     return Attempt(
@@ -159,9 +165,12 @@ def record(
     )
 
 
-def _session_extra(result: Mapping[str, Any] | None, earlier: Sequence[Attempt]) -> dict[str, Any]:
+def _session_extra(result: Mapping[str, Any] | None, earlier: Sequence[Attempt], resumed: str | None) -> dict[str, Any]:
     """Return the record's note of a resumed session's earlier total (its cost is the difference)."""
-    before = session_before(session_of_result(result), earlier)
+    session = session_of_result(result)
+    if resumed is None or session != resumed:
+        return {}
+    before = session_before(session, earlier)
     return {} if before is None else {"session_cost_before_usd": before}
 
 
@@ -189,6 +198,7 @@ def interrupted(
     argv: Sequence[str] = (),
     result: Mapping[str, Any] | None = None,
     earlier: Sequence[Attempt] = (),
+    resumed: str | None = None,
 ) -> Attempt:
     """Return the record of attempt n found without its end (its daemon died, or a stop cut it).
 
@@ -206,7 +216,7 @@ def interrupted(
         host=HOST,
         argv=tuple(argv),
         agent_result=result,
-        extra=_session_extra(result, earlier),
+        extra=_session_extra(result, earlier, resumed),
     )
 
 

@@ -215,7 +215,8 @@ class Job(Finishing, Deciding):
                 ran = attempt.argv_after(self.spec, self.folder.work, earlier, self.repo.path)
                 tail = await self.ctx.lanes.io(self.folder.stdout_tail, n, AGENT_TAIL_BYTES)
                 result = await self.ctx.lanes.io(parse_agent_result, tail) if tail.strip() else None
-                record = attempt.interrupted(n, self.folder.attempt_started(n), ran, result, earlier)
+                resumed = attempt.command_for(self.spec.agent, earlier)[1]
+                record = attempt.interrupted(n, self.folder.attempt_started(n), ran, result, earlier, resumed)
                 self.attempts.append(record)
                 await self._persist(self.folder.record_attempt, record)
             if record.retry_next:
@@ -270,7 +271,7 @@ class Job(Finishing, Deciding):
         tail = out.stdout_tail
         small = len(tail) <= AGENT_RESULT_MAX
         result = parse_agent_result(tail) if small else await self.ctx.lanes.io(parse_agent_result, tail)
-        record = attempt.record(n, out, argv, result, self.attempts)
+        record = attempt.record(n, out, argv, result, self.attempts, attempt.command_for(agent, self.attempts)[1])
         hit = None if out.aborted else self._limit_of(out)
         log.info(
             "agent.exited",
