@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 from conftest import Env, wait_until
@@ -320,3 +321,27 @@ def test_a_marker_being_written_is_left_alone_by_a_pass_over_the_markers(tmp_pat
             owed = markers.look(layout, startup=startup)
             assert (owed.ready, owed.interrupted) == ([], [])
             assert temp.exists()
+
+
+def test_a_stop_ends_a_running_after_hook_at_stop_timeout_as_it_ends_agents(env: Env, tmp_path: Path) -> None:
+    """SIGTERM while a done job's after hook sleeps 120 s: the daemon ends the hook's group at stop_timeout
+    (plus kill_grace) and exits 0, instead of waiting out the hook's own 300 s; the run is recorded failed."""
+    repo = make_repo(tmp_path / "shop")
+    started = tmp_path / "after.started"
+    hook = ["sh", "-c", 'echo $$ > "$0"; sleep 120', str(started)]
+    env.configure(
+        agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=hook)}, stop_timeout=2, kill_grace=1
+    )
+    d = env.daemon()
+    env.drop(code_order("S1"))
+    env.wait_job("S1", "done")
+    wait_until(lambda: started.exists() and started.read_text().strip(), 30, "the after hook to start")
+    pid = int(started.read_text())
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(60) == 0
+    took = time.monotonic() - sent
+    assert took < 2 + 1 + 5, f"the stop took {took:.1f} s with stop_timeout 2 and kill_grace 1"
+    assert not alive(pid), "the after hook's shell outlived the stop"
+    (record,) = [json.loads(p.read_text()) for p in (env.job_dir("S1", "done") / "hooks").glob("after-*.json")]
+    assert record["ok"] is False, record

@@ -33,7 +33,7 @@ from dispatcher.core.reloading import Reloading
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox
-from dispatcher.job import repowork
+from dispatcher.job import hooks, repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
 from dispatcher.job.joins import Joins
@@ -280,6 +280,7 @@ class Daemon(Reloading, Fencing):
             self.house.start(self.house.rescan(), "rescan")
         if self.stop_deadline is not None and now >= self.stop_deadline:
             self.sched.abort_all(Stop.STOPPED)
+            hooks.RUNNING.stop_all()  # hooks run like agents: ended at the stop's deadline too
             self.stop_deadline = None
         self.house.promote_settled()
         if self.lease is not None and self._fence():
@@ -353,6 +354,7 @@ class Daemon(Reloading, Fencing):
         if self.stopping:
             log.warning("daemon.stopping", forced=True)
             self.sched.abort_all(Stop.STOPPED)
+            hooks.RUNNING.stop_all()
             return
         self.stopping = True
         self.notifier.stopping()

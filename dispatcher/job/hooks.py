@@ -28,6 +28,7 @@ from typing import Any
 
 from dispatcher.clock import iso
 from dispatcher.job.runner import AgentProcess
+from dispatcher.lifecycle import Stop
 from dispatcher.spec.settings import Hook
 
 PLACEHOLDERS = ("job_id", "workspace", "branch", "head", "result")
@@ -84,6 +85,37 @@ def render(argv: tuple[str, ...], values: Mapping[str, str]) -> list[str]:
     return [_RE.sub(lambda m: values.get(m.group(1), m.group(0)), a) for a in argv]
 
 
+class RunningHooks:
+    """The hooks of this process that run now, so that a stop can end them as it ends agents (contract 9, 15).
+
+    Hooks run like agents: a stop lets them run until its ``stop_timeout``, then ends their
+    groups, and a second stop ends them at once. A hook that starts after that ends at once
+    too; a cut ``after`` or ``land`` hook is recorded as failed (``dispatcher land`` runs a
+    landing again).
+    """
+
+    def __init__(self) -> None:
+        self._procs: set[AgentProcess] = set()
+        self.stopped = False
+
+    def add(self, proc: AgentProcess) -> None:
+        self._procs.add(proc)
+        if self.stopped:
+            proc.abort(Stop.STOPPED)
+
+    def discard(self, proc: AgentProcess) -> None:
+        self._procs.discard(proc)
+
+    def stop_all(self) -> None:
+        """End every running hook's group now, and each one that starts from now on."""
+        self.stopped = True
+        for proc in list(self._procs):
+            proc.abort(Stop.STOPPED)
+
+
+RUNNING = RunningHooks()
+
+
 async def run_hook(
     name: str,
     hook: Hook,
@@ -125,7 +157,11 @@ async def run_hook(
         )
     if attach is not None:
         attach(proc)
-    out = await proc.wait()
+    RUNNING.add(proc)
+    try:
+        out = await proc.wait()
+    finally:
+        RUNNING.discard(proc)
     if attach is not None:
         attach(None)
     err = _tail(log_dir / f"{name}-stderr.log") if log_dir is not None else out.stderr_tail
