@@ -345,3 +345,22 @@ def test_a_stop_ends_a_running_after_hook_at_stop_timeout_as_it_ends_agents(env:
     assert not alive(pid), "the after hook's shell outlived the stop"
     (record,) = [json.loads(p.read_text()) for p in (env.job_dir("S1", "done") / "hooks").glob("after-*.json")]
     assert record["ok"] is False, record
+
+
+def test_a_rescan_during_the_after_hook_does_not_land_before_the_worktree_is_gone(env: Env, tmp_path: Path) -> None:
+    """rescan_interval 0.5 and an after hook of 3 s: land still runs once, after the after hook and after the
+    worktree's removal (the land hook checks that the worktree is gone), never from a rescan beside the hook."""
+    repo = make_repo(tmp_path / "shop")
+    order_of = tmp_path / "order.txt"
+    after = ["sh", "-c", 'sleep 3; echo after >> "$0"', str(order_of)]
+    tree = env.root / ".state" / "worktrees" / "{job_id}"
+    land = ["sh", "-c", f'test ! -e "{tree}" && echo land >> "$0"', str(order_of)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land)
+    env.configure(agents={"coder": agent}, rescan_interval=0.5)
+    d = env.daemon()
+    env.drop(code_order("R1"))
+    env.wait_job("R1", "done")
+    d.wait_event("job.landed", job_id="R1", timeout=60)
+    assert order_of.read_text().split() == ["after", "land"]
+    assert count_events(d, "land.failed") == 0
+    d.stop()

@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
@@ -50,6 +50,10 @@ class Parking(Protocol):
     """What housekeeping asks of the scheduler (``core.scheduler.Scheduler``): park, cancel, take back."""
 
     left: set[str]  # jobs stopped while the daemon went on (fenced): taken back by recovery
+
+    @property
+    def running(self) -> Mapping[str, object]:
+        """The jobs this daemon runs now, by id."""
 
     def park_recovered(self, adopted: list[tuple[str, int, str]], *, host_lost: bool = False) -> None:
         """Queue adopted jobs of dead daemons first."""
@@ -178,7 +182,10 @@ class Housekeeping:
             await self.recover(startup=False)
             ctx = self.ctx  # land approved jobs (section 15), in the background: a hook may take minutes
             self.start(
-                repowork.housekeep(ctx.layout, ctx.lanes, ctx.config(), ctx.finisher.notify, startup=False), "land"
+                repowork.housekeep(
+                    ctx.layout, ctx.lanes, ctx.config(), ctx.finisher.notify, startup=False, busy=self.sched.running
+                ),
+                "land",
             )
         await self.requests()
 
@@ -251,7 +258,10 @@ class Housekeeping:
             await lanes.ledger(self.joins.on_final, decided)
         if not self.ctx.stopping() and decided:
             self.start(  # a decided review: its after hook and landing are owed now, not at the next rescan
-                repowork.housekeep(layout, lanes, self.ctx.config(), self.ctx.finisher.notify, startup=False), "land"
+                repowork.housekeep(
+                    layout, lanes, self.ctx.config(), self.ctx.finisher.notify, startup=False, busy=self.sched.running
+                ),
+                "land",
             )
         self.wake()
 

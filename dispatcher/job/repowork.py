@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
@@ -303,13 +303,22 @@ class FinalHooks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.Notify | None, *, startup: bool) -> None:
+async def housekeep(
+    layout: Layout,
+    lanes: Lanes,
+    cfg: Config,
+    notify: landing.Notify | None,
+    *,
+    startup: bool,
+    busy: Container[str] = (),
+) -> None:
     """Tidy after a crash (at start) and run what is owed: the after hooks of decided reviews, then
     landings (approved jobs, landings a crash postponed).
 
     At start, each configured repository's worktrees are pruned (the locked ones are
     named in one line: they must be unlocked on purpose), worktrees of jobs no longer
     active are removed, and after hooks and landings a crash cut short are recorded as failed.
+    ``busy``: the jobs this daemon runs now, whose Job runs its own after hook and landing.
     """
     if startup:
         repos = sorted({a.repo.workspace.git for a in cfg.agents.values() if a.repo.workspace is not None})
@@ -332,6 +341,8 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
         await lanes.io(afterowed.record_interrupted, layout, job_id)
         log.warning("hook.failed", hook="after", job_id=job_id, agent=agents.get(job_id), reason=afterowed.INTERRUPTED)
     for job_id in afters.ready:
+        if job_id in busy:  # its Job runs it itself (a revised review that ended again)
+            continue
         if await lanes.io(afterowed.claim, layout, job_id):
             try:
                 await afterowed.run(layout, job_id, cfg, lanes.io)
@@ -352,6 +363,8 @@ async def housekeep(layout: Layout, lanes: Lanes, cfg: Config, notify: landing.N
                 layout.job(State.DONE, job_id) / "result.json",
             )
     for job_id in owed.ready:
+        if job_id in busy:  # its Job lands it itself, after its after hook and the worktree's removal
+            continue
         if await lanes.io(landing.claim, layout, job_id):
             await landing.land(layout, job_id, cfg, lanes.io, notify)
 
