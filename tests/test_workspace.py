@@ -232,3 +232,20 @@ def test_dispatcher_retry_of_a_failed_job_starts_again_from_base(env: Env, tmp_p
     assert git(repo, "show", f"{result['workspace']['head']}:src/a.txt") == "fixed"
     assert git(repo, "rev-parse", f"{result['workspace']['head']}^") == result["workspace"]["base"]
     assert (env.job_dir("RT", "done") / "attempts" / "2" / "changed.txt").read_text() == "src/a.txt\n"
+
+
+def test_an_attempt_a_cancel_cut_keeps_its_diff_and_changed_files(env: Env, tmp_path: Path) -> None:
+    """A running attempt that wrote a file, then a cancel: attempts/1/ keeps diff.patch and changed.txt (section 15)."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/new.txt=x", "--sleep-after", "60")})
+    d = env.daemon()
+    env.drop(code_order("CUT-1"))
+    written = env.root / ".state" / "worktrees" / "CUT-1" / "src" / "new.txt"
+    wait_until(written.exists, 30, "the agent's file in its worktree")
+    assert env.cli("cancel", "CUT-1").returncode == 0
+    result = env.wait_job("CUT-1", "failed")
+    assert result["reason"] == "cancelled"
+    attempt = env.job_dir("CUT-1", "failed") / "attempts" / "1"
+    assert (attempt / "changed.txt").read_text().split() == ["src/new.txt"]
+    assert "src/new.txt" in (attempt / "diff.patch").read_text()
+    d.stop()

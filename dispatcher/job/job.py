@@ -297,6 +297,7 @@ class Job(Finishing, Deciding):
         if out.aborted == Stop.STOPPED:
             return Outcome.LEFT
         if out.aborted == Stop.CANCELLED:
+            await self.repo.snapshot(n)  # diff.patch and changed.txt of the attempt a cancel cut (section 15)
             return await self.finish(Row.FAILED, Stop.CANCELLED, [])
         return attempt.exit_of(record, self.spec.timeout_s)
 
