@@ -146,7 +146,7 @@ def test_second_sigterm_ends_agents_at_once(env: Env) -> None:
 @pytest.mark.parametrize("second", [False, True])
 def test_a_hanging_notification_does_not_hold_a_stop_past_stop_timeout(env: Env, second: bool) -> None:
     """A notify command that hangs: SIGTERM ends it at stop_timeout (a second SIGTERM: at once), logged."""
-    marker = "time.sleep(100.7)"
+    marker = f"time.sleep(100.7)  # {env.tmp}"  # this test's own: the other variant may run at once (xdist)
     env.configure(
         agents={"worker": env.agent("--exit", "3")},
         notify=[sys.executable, "-c", f"import time; {marker}"],
