@@ -18,7 +18,6 @@ as for an agent without ``workspace``.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dispatcher import fsutil
 from dispatcher.clock import iso
 from dispatcher.job.runner import AgentProcess
 from dispatcher.lifecycle import Stop
@@ -164,16 +164,7 @@ async def run_hook(
         RUNNING.discard(proc)
     if attach is not None:
         attach(None)
-    err = _tail(log_dir / f"{name}-stderr.log") if log_dir is not None else out.stderr_tail
+    err = fsutil.read_tail(log_dir / f"{name}-stderr.log", 4096) if log_dir is not None else out.stderr_tail
     tail = (err.strip() or out.stdout_tail[-4096:].strip()).decode(errors="replace").splitlines()
     last = tail[-1][:_LAST_LINE_MAX] if tail else ""
     return HookRun(name, tuple(argv), out.exit_code, out.timed_out, out.started, out.ended, last)
-
-
-def _tail(path: Path, size: int = 4096) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - size))
-            return f.read()
-    except OSError:
-        return b""

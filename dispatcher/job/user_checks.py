@@ -17,6 +17,7 @@ from pathlib import Path
 
 import structlog
 
+from dispatcher import fsutil
 from dispatcher.checks.builtin import DETAIL_MAX
 from dispatcher.errors import cut, printable
 from dispatcher.job import attempt
@@ -128,13 +129,6 @@ def _create(path: str) -> None:
 
 def _last_line(path: str) -> str:
     """Return the last non-blank line of a check's log (its last 4 KiB)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - _LAST_LINE_READ))
-            data = f.read()
-    except OSError:
-        return ""
+    data = fsutil.read_tail(path, _LAST_LINE_READ)
     lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
     return lines[-1] if lines else ""

@@ -8,10 +8,10 @@ following links (``JobFolder``, ``fsutil``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
+from dispatcher import fsutil
 from dispatcher.clock import iso
 from dispatcher.errors import printable
 from dispatcher.layout import Layout
@@ -31,19 +31,7 @@ _MAX_DEPTH = 64
 
 def log_tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
     """Return the last lines of a log as printable text (control characters escaped); [] if unreadable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return []
-    try:
-        size = os.fstat(fd).st_size
-        os.lseek(fd, max(0, size - _TAIL_BYTES), os.SEEK_SET)
-        data = os.read(fd, _TAIL_BYTES)
-    except OSError:
-        return []
-    finally:
-        os.close(fd)
-    text = data.decode("utf-8", "replace")
+    text = fsutil.read_tail(path, _TAIL_BYTES).decode("utf-8", "replace")
     kept = [line for line in text.splitlines() if line.strip()][-lines:]
     return [printable(line if len(line) <= _LINE_MAX else line[:_LINE_MAX] + "...") for line in kept]
 

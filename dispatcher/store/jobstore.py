@@ -168,17 +168,7 @@ class JobFolder:
 
     def stdout_tail(self, n: int, limit: int) -> bytes:
         """Return the last ``limit`` bytes of attempts/<n>/stdout.log (b"" when it cannot be read)."""
-        try:
-            fd = os.open(f"{self._attempts}/{n}/stdout.log", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            return b""
-        try:
-            st = os.fstat(fd)
-            return os.pread(fd, limit, max(0, st.st_size - limit)) if stat.S_ISREG(st.st_mode) else b""
-        except OSError:
-            return b""
-        finally:
-            os.close(fd)
+        return fsutil.read_tail(f"{self._attempts}/{n}/stdout.log", limit)
 
     def has_kept_result(self, n: int) -> bool:
         """Return True if attempts/<n>/ keeps an earlier result.json (the job was retried)."""
