@@ -156,6 +156,30 @@ def test_cycle_through_a_waiting_job_is_refused(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_orders_that_wait_for_each_other_read_together_are_not_both_claimed(env: Env) -> None:
+    """Three orders closing a cycle, all in inbox/ at start, are claimed in one batch: the last is refused.
+
+    The earlier ones' waits are not in the ledger yet when the last is checked; without them
+    all three would wait for each other for ever (max_wait never ends a wait for a known job).
+    """
+    env.configure(join_agents(env), max_wait=2)
+    env.drop(order("ca", to="merger", after=["cc"]))
+    env.drop(order("cb", to="merger", after=["ca"]))
+    env.drop(order("cc", to="merger", after=["cb"]))
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 1, proc.stderr  # a file was refused
+    [refused] = env.refusals()
+    result = json.loads((refused / "result.json").read_text())
+    stem = refused.name.split("@")[0]
+    assert result["reason"].startswith("after: would make a cycle (" + stem + " -> "), result["reason"]
+    left = sorted(p.name for p in (env.root / "waiting").iterdir())
+    assert stem not in left and len(left) == 2  # the other two wait, on the refused one: a daemon's max_wait ends that
+    d = env.daemon()
+    for job_id in left:
+        env.wait_job(job_id, "failed")
+    assert d.stop() == 0
+
+
 def test_unknown_parent_is_waited_for_max_wait_then_fails(env: Env) -> None:
     """A merger naming an id no one knows fails with `after: ghost never finished` once max_wait ran out.
 

@@ -181,6 +181,7 @@ def claim(
     placing.drop_left_stages()
     out: list[Claimed_ | None] = [None] * len(picks)
     staged: list[tuple[int, Pick, Path, bool]] = []  # the bool: no job folder of the id was found
+    pending: dict[str, Sequence[str]] = {}  # the waits of this batch's joins, recorded only once claimed
     for i, pick in enumerate(picks):
         item = pick.item
         found = layout.find(item.order.job_id)  # once per order: the claim below reuses the answer
@@ -192,7 +193,8 @@ def claim(
             _repair_row(ledger, item.order.job_id, found[0])
             out[i] = _refuse(layout, owner, item, found[0].value, on_refused)
             continue
-        cycle = find_cycle(ledger, item.order.job_id, item.order.after) if item.order.after else None
+        after = item.order.after
+        cycle = find_cycle(ledger, item.order.job_id, after, pending) if after else None
         if cycle is not None:
             reason = "after: would make a cycle (" + " -> ".join(cycle) + ")"
             refuse(layout, Refusal(item.name, reason, item.order.job_id, agent=item.order.to), owner, on_refused)
@@ -215,6 +217,8 @@ def claim(
             out[i] = Skipped(item.name)
             continue
         staged.append((i, pick, stage, found is None))
+        if after:
+            pending[item.order.job_id] = after
     answers = ledger.claim(
         [
             # a claim is only taken over from a dead daemon while no job folder of the id exists
