@@ -108,6 +108,36 @@ def test_approve_after_revisions_releases_only_the_last_attempts_follow_ups(env:
         assert env.cli("show", stale).returncode == 1  # never a job, never reserved
 
 
+@pytest.mark.parametrize("decision", ["reject", "approve"])
+def test_a_decision_after_a_revise_request_withdraws_it(env: Env, decision: str) -> None:
+    """revise, then reject (or approve) before any daemon carried it out: the decision stands, no revision runs.
+
+    A rejected job's follow-ups are never released (section 11), not even by a revision asked before.
+    """
+    script = env.tmp / "parent.sh"
+    script.write_text(
+        "#!/bin/sh\nmkdir -p outbox\n"
+        'printf \'{"job_id":"%s-c","from":"parent","to":"child","task":"t","items":[{"id":"R1"}]}\' '
+        '"$DISPATCH_JOB_ID" > outbox/next.json\n'
+        'printf \'{"job_id":"%s","input_ids":["A"],"output_ids":[],"status":"done"}\' "$DISPATCH_JOB_ID"'
+        ' > "$DISPATCH_RECEIPT"\n'
+    )
+    script.chmod(0o755)
+    env.configure(agents={"parent": {"command": [str(script)], "review": True}, "child": env.agent()})
+    env.drop({"job_id": "W1", "from": "tester", "to": "parent", "task": "Hand on.", "items": [{"id": "A"}]})
+    env.cli("run", "--once", timeout=60)
+    assert (env.root / "review" / "W1").is_dir()
+    env.cli("revise", "W1", "--note", "again", check=True)
+    decided = env.cli(decision, "W1", check=True)
+    state = "failed" if decision == "reject" else "done"
+    assert decided.stdout == f"W1: {decision.rstrip('e')}ed; {state}; its requested revision is withdrawn\n"
+    env.cli("run", "--once", timeout=60)
+    result = json.loads((env.root / state / "W1" / "result.json").read_text())
+    assert result["state"] == state and len(result["attempts"]) == 1  # no revision ran
+    assert (env.root / "done" / "W1-c").is_dir() is (decision == "approve")  # released once only when approved
+    assert not (env.root / "review" / "W1").exists()
+
+
 def test_a_failed_job_is_revised_and_max_revisions_bounds_it(env: Env) -> None:
     """revise from failed/ runs it once more; past max_revisions, and for a done job, revise exits 1."""
     plan = {"limit": {"times": 1, "stderr": "Error: the API answered 500", "exit": 1}}

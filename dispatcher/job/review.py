@@ -35,7 +35,7 @@ from dispatcher.job.finish import this_claim
 from dispatcher.job.followups import release_followups
 from dispatcher.job.notice import start_detached
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Entry, Finish, Ledger
+from dispatcher.ledger.base import Entry, Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
 from dispatcher.spec.result import Result
 from dispatcher.store.jobstore import JobFolder
@@ -83,6 +83,7 @@ def _decide(
     with contextlib.suppress(OSError, ValueError):  # its claim (unknown: counted from when its order came in)
         folder.claimed = folder.spec().claimed
     state = Row.DONE if approve else Row.FAILED
+    withdrawn = False  # a revision asked for before this decision and not carried out yet
     if entry.state == Row.REVIEW:
         why = None if approve else cut_reason(f"rejected: {reason or 'no reason given'}")
         result = replace(result, state=str(state), reason=why, finished=iso(time.time()))
@@ -92,6 +93,9 @@ def _decide(
         if not ledger.finish([item])[0]:
             raise WrongState(f"{job_id}: was decided by someone else meanwhile")
         faults.point("review.decided")
+        withdrawn = job_id in ledger.requests(Request.REVISE)
+        if withdrawn:  # the decision is the later word: the job is not revised after it
+            ledger.clear_request(job_id, Request.REVISE)
     elif entry.state != state:
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
     event = "job.approved" if approve else "job.rejected"
@@ -114,8 +118,8 @@ def _decide(
             start_detached(notify, layout.root, "budget.held", entry.job_id, entry.agent, why)
 
         release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd, held=held)
-        return f"{job_id}: approved; done"
-    return f"{job_id}: rejected; failed"
+        return f"{job_id}: approved; done" + ("; its requested revision is withdrawn" if withdrawn else "")
+    return f"{job_id}: rejected; failed" + ("; its requested revision is withdrawn" if withdrawn else "")
 
 
 @contextlib.contextmanager
