@@ -173,6 +173,39 @@ def test_a_retry_starts_again_from_base(env: Env, tmp_path: Path) -> None:
     assert result["workspace"]["changed"] == [] and result["workspace"]["head"] == result["workspace"]["base"]
 
 
+def test_a_revision_of_a_reviewed_job_goes_on_from_the_reviewed_tree(env: Env, tmp_path: Path) -> None:
+    """revise: the next attempt finds the work a person reviewed, not base; its branch keeps both attempts' lines."""
+    repo = make_repo(tmp_path / "shop")
+    agent = coder(env, repo, "--append", "src/log.txt=an attempt", review=True)
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("REV"))
+    d = env.daemon()
+    wait_until(lambda: (env.root / "review" / "REV" / "result.json").exists(), what="REV in review/")
+    env.cli("revise", "REV", "--note", "add one more line", check=True)
+    revised = env.root / "review" / "REV" / "result.json"
+    wait_until(lambda: len(env.starts()) == 2 and revised.exists(), what="the revision")
+    env.cli("approve", "REV", check=True)
+    result = env.wait_job("REV", "done")
+    d.stop()
+    assert git(repo, "show", f"{result['workspace']['head']}:src/log.txt") == "an attempt\nan attempt"
+    assert (env.job_dir("REV", "done") / "attempts" / "2" / "changed.txt").read_text() == "src/log.txt\n"
+
+
+def test_an_attempt_that_resumes_the_session_goes_on_from_the_last_tree(env: Env, tmp_path: Path) -> None:
+    """With resume: a retry that resumes the agent's session keeps the tree that session made (not base)."""
+    repo = make_repo(tmp_path / "shop")
+    report = tmp_path / "report.json"
+    flags = ["--fail-first", "src/first.txt", "--report", str(report), "--session", "S-1"]
+    agent = coder(env, repo, *flags, max_attempts=2, retry_safe=True)
+    agent["resume"] = [*agent["command"], "--resumed", "{session_id}"]
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("RES"))
+    d = env.daemon()
+    env.wait_job("RES", "done")
+    d.stop()
+    assert json.loads(report.read_text()) == {"fail_first": "present"}
+
+
 def test_a_binary_change_is_saved_whole_in_the_diff(env: Env, tmp_path: Path) -> None:
     """A binary file the agent writes is in diff.patch as a git binary patch that applies to base."""
     repo = make_repo(tmp_path / "shop")

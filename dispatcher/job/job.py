@@ -250,7 +250,9 @@ class Job(Finishing, Deciding):
         if agent.repo.workspace is not None:
             self._start_done()  # a worktree may wait for its repository's lock: counted again at the spawn
         try:
-            await self.repo.open(n)
+            resumes = attempt.command_for(agent, self.attempts)[1] is not None
+            revised = "feedback.json" in self.spec.given  # a revision (or a repair) gave it: it goes on from the work
+            await self.repo.open(n, goes_on=resumes or revised)
         except WorkspaceFailed as exc:
             reason = f"config: agent {agent.name} cannot start: {exc}"
             log.error("agent.exited", error=reason)  # no attempt (section 6)

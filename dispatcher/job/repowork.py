@@ -105,13 +105,18 @@ class JobRepo:
         """The worktree's folder (None: the job has no workspace)."""
         return Path(self.ws.path) if self.ws is not None else None
 
-    async def open(self, n: int) -> None:
-        """Make the worktree before attempt n, or put it back at base for a retry; raise WorkspaceFailed."""
+    async def open(self, n: int, *, goes_on: bool = False) -> None:
+        """Make the worktree before attempt n, or put it back at base for a retry; raise WorkspaceFailed.
+
+        ``goes_on``: the attempt goes on from the last one's work (it resumes the agent's
+        session, or it is a revision of a reviewed or failed job): its tree is kept, as
+        with ``repair``.
+        """
         conf = self.spec.agent.repo.workspace
         if conf is None:
             return
         self._tree = None  # a new attempt: the last one's snapshot is no longer what the job leaves
-        keep = self.spec.agent.repair  # repair (and resume) go on from the last attempt's tree
+        keep = self.spec.agent.repair or goes_on
         try:
             async with repo_lock(conf.git):
                 self.ws, self.git_view = await self.lanes.io(self._open, n, keep)

@@ -43,6 +43,8 @@ def main() -> int:
     p.add_argument("--exit", type=int, default=0)
     p.add_argument("--fail-first", metavar="PATH", help="attempt 1 writes PATH and exits 1; later ones report it")
     p.add_argument("--handoff", metavar="AGENT", help="hand off <job_id>-next to AGENT with base: parent")
+    p.add_argument("--session", help="end with the final JSON line of a headless CLI naming this session_id")
+    p.add_argument("--resumed", help="the session resumed (the agent's resume argv passes it)")
     a = p.parse_args()
     job = os.environ["DISPATCH_JOB_ID"]
     if a.count:
@@ -82,7 +84,7 @@ def main() -> int:
     if a.fail_first:
         if os.environ["DISPATCH_ATTEMPT"] == "1":
             Path(a.fail_first).write_text("first attempt\n")
-            return 1
+            return _said(a, 1)
         report["fail_first"] = "present" if os.path.exists(a.fail_first) else "absent"
     if a.commit:
         subprocess.run(["git", "add", "-A"], check=True)
@@ -102,7 +104,14 @@ def main() -> int:
     ids = [i["id"] for i in order["items"]]
     receipt = {"job_id": job, "input_ids": ids, "output_ids": [], "status": "done", "outputs": []}
     Path(os.environ["DISPATCH_RECEIPT"]).write_text(json.dumps(receipt))
-    return a.exit
+    return _said(a, a.exit)
+
+
+def _said(a: argparse.Namespace, code: int) -> int:
+    """Print the final JSON line a headless CLI prints (with --session), then return code."""
+    if a.session:
+        print(json.dumps({"type": "result", "session_id": a.session, "total_cost_usd": 0.01}))
+    return code
 
 
 if __name__ == "__main__":
