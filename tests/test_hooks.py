@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 from conftest import Env, wait_until
@@ -213,6 +214,29 @@ def test_a_land_cut_short_is_not_run_again_but_land_runs_it(env: Env, tmp_path: 
     proc = env.cli("land", "X2")
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "X2: landed\n", "")
     assert len(log.read_text().splitlines()) == 1
+
+
+def test_an_attempt_a_crash_cut_in_its_before_hook_keeps_its_start_and_ran_no_argv(env: Env, tmp_path: Path) -> None:
+    """kill -9 while the before hook runs: attempt 1 is interrupted, started when its hook did, and ran no agent."""
+    repo = make_repo(tmp_path / "shop")
+    mark = tmp_path / "before.txt"
+    hook = ["sh", "-c", 'date +%s.%N >> "$0"; [ "$DISPATCH_ATTEMPT" = 1 ] && sleep 60; exit 0', str(mark)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", before=hook, max_attempts=2, retry_safe=True)
+    env.configure(agents={"coder": agent}, retry_delay=0.1)
+    env.drop(code_order("BC"))
+    d = env.daemon()
+    wait_until(lambda: mark.exists() and mark.read_text().strip(), what="the before hook's start")
+    hook_started = float(mark.read_text().split()[0])
+    time.sleep(2.0)  # the restart comes well after the hook's start
+    d.kill()
+    d2 = env.daemon()
+    result = env.wait_job("BC", "done")
+    d2.stop()
+    first = result["attempts"][0]
+    assert first["interrupted"] is True and first["argv"] == []  # its agent never ran
+    at = datetime.fromisoformat(first["started"].replace("Z", "+00:00")).timestamp()
+    assert abs(at - hook_started) < 1.0, (first["started"], hook_started)
+    assert [(j, n) for j, n, _ in starts(env)] == [("BC", 2)]
 
 
 def test_a_land_hook_a_crash_left_running_is_ended_before_land_can_run_it_again(env: Env, tmp_path: Path) -> None:

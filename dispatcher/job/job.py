@@ -210,13 +210,15 @@ class Job(Finishing, Deciding):
             return None
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
             if record is None:
+                started = self.folder.attempt_started(n)  # before its logs are made below, which would move it
+                agent_ran = not self.folder.never_started(n)  # without logs, only its before hook ran (if any)
                 await self._persist(partial(self.folder.make_logs, n, keep=True))  # every attempt has two logs
                 earlier = [a for a in self.attempts if a.n < n]
-                ran = attempt.argv_after(self.spec, self.folder.work, earlier, self.repo.path)
+                ran = attempt.argv_after(self.spec, self.folder.work, earlier, self.repo.path) if agent_ran else []
                 tail = await self.ctx.lanes.io(self.folder.stdout_tail, n, AGENT_TAIL_BYTES)
                 result = await self.ctx.lanes.io(parse_agent_result, tail) if tail.strip() else None
                 resumed = attempt.command_for(self.spec.agent, earlier)[1]
-                record = attempt.interrupted(n, self.folder.attempt_started(n), ran, result, earlier, resumed)
+                record = attempt.interrupted(n, started, ran, result, earlier, resumed)
                 self.attempts.append(record)
                 await self._persist(self.folder.record_attempt, record)
             if record.retry_next:
