@@ -164,6 +164,8 @@ def test_every_action_runs_the_commands_code(site: tuple[Env, Web]) -> None:
     actions = [e for e in web.events() if e.get("event") == "web.action"]
     assert all("job_id" in e and "agent" in e for e in actions), actions  # lines about a job name both
     assert any(e["job_id"] == "REV-A" and e["agent"] for e in actions), actions
+    queued = [e for e in actions if e["job_id"] == "QUEUED-1" and e["action"] in ("hold", "release")]
+    assert len(queued) == 2 and all(e["agent"] for e in queued), queued  # a queued order's agent is its `to`
 
 
 def test_forms_need_a_login_and_their_csrf_token(site: tuple[Env, Web]) -> None:

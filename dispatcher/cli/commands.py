@@ -341,11 +341,22 @@ def _log_to_file(cfg: Config) -> None:
     operator's hold, release, approve or reject (``Relay``).
     """
     from dispatcher import logs
-    from dispatcher.store.relay import Relay
 
     logs.SINK.console = open(os.devnull, "w")  # noqa: SIM115 - the sink keeps it for the process's life
     try:
         logs.configure(log_file=cfg.log_file, console=False)
     except OSError as exc:
         raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
+    relay_to_daemon(cfg)
+
+
+def relay_to_daemon(cfg: Config) -> None:
+    """Hand this process's log lines to a running daemon too (``Relay``): an operator's, from a command or the web view.
+
+    The daemon writes them on its stdout (the journal under systemd) and counts an
+    approve's or a reject's ``job.approved``/``job.rejected`` in its metrics.
+    """
+    from dispatcher import logs
+    from dispatcher.store.relay import Relay
+
     logs.SINK.relay = Relay(Layout(cfg.root)).send

@@ -336,6 +336,7 @@ def cmd_web(args: argparse.Namespace) -> int:
         logs.configure(log_file=cfg.log_file)
     except OSError as exc:
         raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
+    commands.relay_to_daemon(cfg)  # its approve and reject count in the daemon's metrics, as the commands' do
     return serve(cfg, args.listen)
 
 
