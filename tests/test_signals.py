@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import signal
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Env, order, wait_until
+from conftest import Env, cli_env, order, wait_until
 from helpers_faults import (
     ENV_DUMP,
     SLOW_FIRST,
@@ -374,6 +376,32 @@ def test_sigterm_during_startup_exits_0_and_loses_nothing(env: Env) -> None:
     for i in range(40):
         assert env.result(f"EARLY-{i:02d}", "done")["state"] == "done"
     assert sorted(j for j, _a, _p in agent_starts(env)) == [f"EARLY-{i:02d}" for i in range(40)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_before_the_daemon_has_read_its_config_still_exits_0(env: Env, sig: int) -> None:
+    """A stop signal while `run` is still starting (here: its config a FIFO nobody has written yet) is graceful.
+
+    Section 9: SIGTERM and SIGINT stop the daemon with exit 0, also in the first moments of
+    the process, before its loop has handlers (not exit -15, or 130 with a traceback).
+    """
+    env.configure(agents={"tiny": tiny_agent(env)})
+    fifo = env.tmp / "late.yaml"
+    os.mkfifo(fifo)
+    argv = [sys.executable, "-m", "dispatcher", "--config", str(fifo), "run"]
+    proc = subprocess.Popen(argv, cwd=env.tmp, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3.0)  # well into its start: blocked on reading the config
+        proc.send_signal(sig)
+        fifo.write_text(env.config_path.read_text())  # then the config comes, and the noted stop is carried out
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    events = [json.loads(line)["event"] for line in out.splitlines() if line.startswith("{")]
+    assert "daemon.stopping" in events and events[-1] == "daemon.stopped", events
+    assert "Traceback" not in err
 
 
 def test_a_job_recovered_at_its_finish_keeps_its_cost_in_the_ledger(env: Env) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import structlog
 
-from dispatcher import procs, storage
+from dispatcher import early, procs, storage
 from dispatcher.core import announce, startup
 from dispatcher.core.fencing import Fencing
 from dispatcher.core.fsevents import start_watch
@@ -83,8 +83,10 @@ class Daemon(Reloading, Fencing):
 
     async def _serve(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in early.CAUGHT:
             loop.add_signal_handler(sig, self.handle_signal, sig)
+        for signum in early.taken():  # came while the process started
+            self.handle_signal(signum)
         try:
             try:
                 await self.startup()
