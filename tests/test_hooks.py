@@ -322,7 +322,13 @@ def test_a_before_hook_has_its_own_timeout_and_a_cancel_ends_it(env: Env, tmp_pa
     assert env.wait_job("H1", "failed")["reason"] == "before hook timed out; not retried: no attempts left"
     pid = int(wait_until(lambda: (tmp_path / "hook.pid").exists() and (tmp_path / "hook.pid").read_text(), what="hook"))
     env.cli("cancel", "H2", check=True)
-    assert env.wait_job("H2", "failed", timeout=15)["reason"] == "cancelled"
+    cancelled = env.wait_job("H2", "failed", timeout=15)
+    assert cancelled["reason"] == "cancelled"
+    # the attempt the cancel cut is recorded as one (section 5), with its two logs (section 1)
+    [cut] = cancelled["attempts"]
+    assert (cut["n"], cut["aborted"], cut["before"]) == (1, "cancelled", "cut by a cancel"), cut
+    first = env.job_dir("H2", "failed") / "attempts" / "1"
+    assert (first / "stdout.log").read_text() == (first / "stderr.log").read_text() == ""
     d.stop()
     wait_until(lambda: not alive(pid), 10, "the hook to be ended")
     assert starts(env) == []

@@ -17,6 +17,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -358,7 +359,8 @@ class Job(Finishing, Deciding):
         why = await self.repo.before(n, self.ctx.config(), self.control.attach)
         if self.control.reason is Stop.STOPPED:
             return False, Outcome.LEFT
-        if self.control.reason is Stop.CANCELLED:
+        if self.control.reason is Stop.CANCELLED:  # an attempt like any other: recorded, with its two logs
+            await self._record_hook_attempt(replace(attempt.hook_failed(n, "cut by a cancel"), aborted=Stop.CANCELLED))
             return False, await self.finish(Row.FAILED, Stop.CANCELLED, [])
         if why is not None:
             return False, await self._before_failed(n, why)
@@ -385,17 +387,23 @@ class Job(Finishing, Deciding):
 
     async def _before_failed(self, n: int, why: str) -> Outcome | None:
         """The before hook of attempt n failed: the attempt fails with its reason (retried if attempts remain)."""
-        record = attempt.hook_failed(n, why)
-        self.attempts.append(record)
-        await self._persist(self.folder.record_attempt, record)
-        # an attempt like any other (sections 1 and 15): two logs, empty since no agent ran (made after the
-        # record, so a crash never makes it look started), and what the hook changed in the workspace
-        await self._persist(partial(self.folder.make_logs, n, keep=True))
-        await self.repo.snapshot(n)
+        await self._record_hook_attempt(attempt.hook_failed(n, why))
         why_not = self._no_more_attempts(n)
         if why_not is not None:
             return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", [])
         return await self._schedule_retry(n, why)
+
+    async def _record_hook_attempt(self, record: Attempt) -> None:
+        """Record an attempt that ended in its before hook, its agent never started.
+
+        An attempt like any other (sections 1 and 15): two logs, empty since no agent ran (made
+        after the record, so a crash never makes it look started), and what the hook changed in
+        the workspace.
+        """
+        self.attempts.append(record)
+        await self._persist(self.folder.record_attempt, record)
+        await self._persist(partial(self.folder.make_logs, record.n, keep=True))
+        await self.repo.snapshot(record.n)
 
     async def _persist(
         self, fn: Callable[..., T | Handoff[T]], *args: object, inline: bool | Callable[[], bool] = False
