@@ -449,6 +449,23 @@ def test_retry_or_revise_of_a_join_whose_parent_failed_is_done_with_a_note_and_i
     assert starts_of(env, "merge") == 0
 
 
+def test_retry_of_a_join_named_before_its_failed_parent_runs_both(env: Env) -> None:
+    """`retry merge w01` works as `retry w01 merge` (section 7): w01 is handled first, no note, both done."""
+    flaky = env.agent("--fail-attempts", "1", max_attempts=1)
+    env.configure({"worker": flaky, "merger": env.agent()}, max_jobs=1)
+    env.drop(merger(after=["w01"]))
+    env.drop(order("w01"))
+    assert env.cli("run", "--once").returncode == 1
+    assert env.result("merge", "failed")["reason"] == "after: w01 failed"
+    proc = env.cli("retry", "merge", "w01")
+    assert proc.returncode == 0 and proc.stdout == "w01: retry requested\nmerge: retry requested\n"
+    assert "note" not in proc.stderr, proc.stderr
+    assert env.cli("run", "--once").returncode == 0
+    env.result("w01", "done")
+    env.result("merge", "done")
+    assert starts_of(env, "merge") == 1 and starts_of(env, "w01") == 2
+
+
 def test_a_join_is_claimed_at_once_even_when_every_slot_is_busy(env: Env) -> None:
     """With max_jobs 1 taken by a long job, a merger order (YAML) is still claimed into waiting/ at once."""
     agents = join_agents(env) | {"slow": env.agent("--sleep", "3")}

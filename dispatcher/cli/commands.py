@@ -278,7 +278,8 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     Returns 1 if any failed.
 
     Each id is handled on its own: a failure is one line on stderr and the
-    others are still handled. Hold and release write `job.held` and
+    others are still handled; a retry or revise takes a join's parents named with it
+    first (``Operator.parents_first``). Hold and release write `job.held` and
     `job.released` into the config's `log_file` when one is set.
     """
     from dispatcher.ops.actions import Operator
@@ -296,6 +297,8 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     failed = 0
     try:
         _ = op.ledger  # opened first: a lost ledger stops the command (exit 2) whatever the folders say
+        if action in ("retry", "revise"):  # a join's failed parent named too is run again first
+            ids = op.parents_first(ids)
         for job_id in ids:
             try:
                 print(run(job_id), flush=True)

@@ -81,6 +81,49 @@ class Operator:
         self._poke("retry", job_id)
         return f"{job_id}: retry requested"
 
+    def parents_first(self, ids: list[str]) -> list[str]:
+        """Return ids with each failed join moved after those of its ``after`` parents that are among them.
+
+        For a retry or revise of several ids: the parent's request is then recorded before
+        its join's, so the join's note leaves the parent out and a daemon, which takes
+        requests oldest first, runs the parent again before the join waits for it. The
+        order of the ids on the command line does not matter; ids unrelated keep theirs.
+        """
+        at: dict[str, list[int]] = {}
+        for i, job_id in enumerate(ids):
+            at.setdefault(job_id, []).append(i)
+        parents = [[k for p in self._after(job_id) for k in at.get(p, ())] for job_id in ids]
+        placed: set[int] = set()
+        out: list[str] = []
+        for first in range(len(ids)):
+            stack = [first]
+            while stack:
+                i = stack[-1]
+                todo = [k for k in parents[i] if k not in placed and k not in stack]
+                if todo:
+                    stack.append(todo[0])
+                    continue
+                stack.pop()
+                if i not in placed:
+                    placed.add(i)
+                    out.append(ids[i])
+        return out
+
+    def _after(self, job_id: str) -> list[str]:
+        """Return the ``after`` of a failed job's order (empty for anything else)."""
+        if not JOB_ID.fullmatch(job_id):
+            return []
+        found = self.layout.find(job_id)
+        if found is None or found[0] is not State.FAILED:
+            return []
+        from dispatcher.store.jobstore import JobFolder
+
+        try:
+            after = JobFolder(found[1]).spec().order.get("after")
+        except (OSError, ValueError):
+            return []
+        return [str(p) for p in after] if isinstance(after, (list, tuple)) else []
+
     def _note_blocked_join(self, job_id: str, folder: Path) -> None:
         """Note (``notes``) that a failed join run again waits for a job that failed and is not run again.
 
