@@ -374,7 +374,16 @@ def test_10_a_lost_ledger_stops_the_daemon_until_it_is_rebuilt(env: Env) -> None
     assert proc.stderr.count("\n") == 1 and "dispatcher ledger rebuild" in proc.stderr
     sub = env.cli("submit", str(_write(env, plain("LOST-1"), "again.json")))
     assert sub.returncode == 2
-    for command in (["land", "LOST-1"], ["status"], ["show", "LOST-1"], ["cancel", "LOST-1"], ["retry", "LOST-1"]):
+    states = ("inbox", "held", "active", "waiting", "review", "done", "failed", "refused")
+    listing = [["list"], *(["list", "--state", s] for s in states)]
+    for command in (
+        ["land", "LOST-1"],
+        ["status"],
+        ["show", "LOST-1"],
+        ["cancel", "LOST-1"],
+        ["retry", "LOST-1"],
+        *listing,
+    ):
         proc = env.cli(*command)  # every command: one line naming the rebuild, nothing done
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (command, proc)
         assert "dispatcher ledger rebuild" in proc.stderr, (command, proc.stderr)

@@ -203,7 +203,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     cfg = config_of(args, need_root=True)
     layout = Layout(cfg.root)
-    ledger = open_reader(cfg, layout) if args.state in (None, "done", "active", "waiting") else None
+    ledger = open_reader(cfg, layout)  # for every state: a lost ledger stops `list` as every command (exit 2)
     try:
         rows = list_jobs(cfg, layout, ledger, state=args.state, agent=args.agent)
     finally:
