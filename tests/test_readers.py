@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Env, order
+from conftest import Env, order, wait_until
 from helpers_faults import reap
 from helpers_users import GROUP, USER, as_user, interpreter
 
@@ -119,3 +119,48 @@ def test_logs_of_a_file_the_reader_cannot_read_is_one_line_not_a_traceback(share
         assert got.returncode == 1, (args, got.returncode, got.stderr)
         assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr, got.stderr
         assert str(private) in got.stderr and "Permission denied" in got.stderr, got.stderr
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[Env]:
+    """A root of root's own group made readable by all (`chmod -R o+rX`) before a daemon starts on it."""
+    assert shutil.which("runuser"), "runuser not found: install util-linux"
+    base = Path(tempfile.mkdtemp(prefix="readers-", dir="/tmp"))
+    os.chmod(base, 0o755)  # noqa: S103 - the reader must reach the root
+    root = base / "dispatch"
+    root.mkdir()
+    e = Env(tmp=base, root=root, config_path=base / "dispatcher.yaml", count_file=tmp_path / "starts.txt")
+    e.configure({"worker": e.agent("--sleep", "30")}, kill_grace=0.5)
+    os.chmod(e.config_path, 0o644)
+    yield e
+    reap(e)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_status_of_a_reader_who_cannot_open_the_daemons_lock_tells_by_its_process(world: Env) -> None:
+    """A daemon's lock and info closed to the reader (640, made after `chmod -R o+rX`): status tells by its process."""
+    python = interpreter()
+    assert world.cli("run", "--once").returncode == 0  # the ledger exists before the root is opened to all
+    subprocess.run(["chmod", "-R", "o+rX", str(world.root)], check=True)
+    d = world.daemon()
+    d.wait_ready()
+    assert d.proc is not None
+    lock = next((world.root / ".state" / "daemons").glob(f"*-{d.proc.pid}-*.lock"))
+    assert lock.stat().st_mode & 0o004 == 0  # closed to the reader
+    for running in (False, True):
+        if running:
+            world.drop(order("SLOW-1"))
+            wait_until(lambda: world.starts(), what="the job running")
+        status = _as_reader(world, python, "status", "--json")
+        assert status.returncode == 0 and status.stderr == "", status.stderr
+        info = json.loads(status.stdout)
+        mine = [dm for dm in info["daemons"] if dm["pid"] == d.proc.pid]
+        assert [dm["alive"] for dm in mine] == [True], info["daemons"]
+        assert [a["daemon_alive"] for a in info["active"]] == ([True] if running else [])
+        text = _as_reader(world, python, "status")
+        assert text.returncode == 0 and "no daemon is running" not in text.stdout, text.stdout + text.stderr
+        assert f"running  pid {d.proc.pid}" in text.stdout, text.stdout
+    assert d.stop() == 0
+    info = json.loads(_as_reader(world, python, "status", "--json").stdout)
+    assert [dm["alive"] for dm in info["daemons"] if dm["pid"] == d.proc.pid] == [False]
+    assert "no daemon is running" in _as_reader(world, python, "status").stdout

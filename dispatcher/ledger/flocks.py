@@ -11,18 +11,23 @@ together against 1.3 us for open, flock and close.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
 
+from dispatcher import procs
 from dispatcher.ledger.records import DaemonInfo
 
 _ALIVE_TTL_S = 1.0
+#: a daemon's process starts before it makes its lock file; this covers /proc's boot time, kept in whole seconds
+_START_SLACK_S = 1.0
 
 
 def make_lock(path: Path) -> FileLock:
@@ -30,13 +35,20 @@ def make_lock(path: Path) -> FileLock:
     return FileLock(path, timeout=0, blocking=False, thread_local=False, preserve_lock_file=True)
 
 
-def owner_alive(folder: Path, owner: str) -> bool:
-    """Return True while the daemon ``owner`` holds its liveness lock in folder."""
+def owner_alive(folder: Path, owner: str) -> bool | None:
+    """Return True while the daemon ``owner`` holds its liveness lock in folder.
+
+    A lock this user may not open (made 640 for a reader outside the daemon's group) is
+    decided by the daemon's process instead (``_alive_by_process``); None when that
+    cannot tell either.
+    """
     path = folder / f"{owner}.lock"
     try:  # read-only: a reader who may not write to the root can still ask (a flock needs no write access)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
+    except PermissionError:
+        return _alive_by_process(path, owner)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -46,8 +58,71 @@ def owner_alive(folder: Path, owner: str) -> bool:
     return False
 
 
+def _owner_parts(owner: str) -> tuple[str, int] | None:
+    """Return the host and pid an owner id names (``HOST-PID-RANDOM``, dots of HOST as '_'), or None."""
+    parts = owner.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def _local_host() -> str:
+    """Return this host's name as an owner id spells it."""
+    return socket.gethostname().replace(".", "_")
+
+
+def _alive_by_process(lock: Path, owner: str) -> bool | None:
+    """Tell whether ``owner`` lives by its process, for a user who may not open its lock (by state, as ``procs``).
+
+    The owner id names the daemon's host and pid; on this host, that pid must run (not a
+    zombie) and have started before the lock file was made: a process started later only
+    reuses the pid. None (this user cannot tell): a daemon of another host, or a process
+    this user may not see (/proc mounted with ``hidepid``).
+    """
+    parts = _owner_parts(owner)
+    if parts is None or parts[0] != _local_host():
+        return None
+    pid = parts[1]
+    try:
+        made = os.stat(lock).st_mtime  # a stat needs no read access to the file
+    except OSError:
+        return None
+    fields = procs.stat_fields(pid)
+    if fields is None:  # gone, or hidden from this user: signal 0 tells them apart, never "alive"
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return None
+    if fields[0] in ("Z", "X"):
+        return False
+    return procs.boot_time() + procs.start_boot_s(fields) <= made + _START_SLACK_S
+
+
+def info_of_owner(folder: Path, owner: str) -> DaemonInfo | None:
+    """Return what a user who may not open ``<owner>.json`` still knows of a daemon (``alive`` not looked up).
+
+    The owner id names its host and pid; it started about when its lock file was made.
+    """
+    parts = _owner_parts(owner)
+    if parts is None:
+        return None
+    host, pid = parts
+    try:
+        started = os.stat(folder / f"{owner}.lock").st_mtime
+    except OSError:
+        return None
+    return DaemonInfo(owner, pid, socket.gethostname() if host == _local_host() else host, started)
+
+
 class Liveness:
-    """Answer "is this daemon alive?" by its flock; a dead owner stays dead (ids are never reused)."""
+    """Answer "is this daemon alive?" by its flock; a dead owner stays dead (ids are never reused).
+
+    An owner this process cannot tell about (``owner_alive`` None) counts as alive:
+    nothing of a daemon that may run is taken over, and no one is told that none runs.
+    """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -62,7 +137,7 @@ class Liveness:
         now = time.monotonic()
         if seen is not None and now - seen < _ALIVE_TTL_S:
             return True
-        if owner_alive(self.folder, owner):
+        if owner_alive(self.folder, owner) is not False:
             self._alive[owner] = now
             return True
         self._alive.pop(owner, None)
@@ -160,7 +235,10 @@ def read_info(folder: Path, owner: str) -> DaemonInfo | None:
 
 
 def read_infos(folder: Path, alive: Callable[[str], bool]) -> list[DaemonInfo]:
-    """Return the daemons whose info files are in folder, newest first (unreadable files are skipped)."""
+    """Return the daemons whose info files are in folder, newest first (damaged files are skipped).
+
+    An info file this user may not open is read from its name and lock (``info_of_owner``).
+    """
     out = []
     try:
         names = os.listdir(folder)
@@ -172,6 +250,14 @@ def read_infos(folder: Path, alive: Callable[[str], bool]) -> list[DaemonInfo]:
         owner = name[: -len(".json")]
         try:
             info = json.loads((folder / name).read_bytes())
+        except PermissionError:  # a reader outside the daemon's group: what the names and the lock tell
+            known = info_of_owner(folder, owner)
+            if known is not None:
+                out.append(dataclasses.replace(known, alive=alive(owner)))
+            continue
+        except (OSError, ValueError):
+            continue
+        try:
             digest = info.get("config_digest")
             out.append(
                 DaemonInfo(
@@ -183,6 +269,6 @@ def read_infos(folder: Path, alive: Callable[[str], bool]) -> list[DaemonInfo]:
                     digest if isinstance(digest, str) else None,
                 )
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             continue
     return sorted(out, key=lambda d: d.started, reverse=True)

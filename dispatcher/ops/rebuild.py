@@ -33,13 +33,13 @@ from dispatcher.store.queued import find_queued
 
 
 def live_daemons(layout: Layout) -> list[str]:
-    """Return the owners of the daemons alive on this root (their liveness flock is held)."""
+    """Return the owners of the daemons alive on this root (their liveness flock is held), or that may be."""
     try:
         names = os.listdir(layout.daemons)
     except FileNotFoundError:
         return []
     owners = [n[: -len(".lock")] for n in names if n.endswith(".lock")]
-    return [o for o in owners if owner_alive(layout.daemons, o)]
+    return [o for o in owners if owner_alive(layout.daemons, o) is not False]  # None: this user cannot tell
 
 
 def rebuild(layout: Layout) -> dict[str, int]:
