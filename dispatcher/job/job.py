@@ -253,9 +253,10 @@ class Job(Finishing, Deciding):
         if agent.repo.workspace is not None:
             self._start_done()  # a worktree may wait for its repository's lock: counted again at the spawn
         try:
-            resumes = attempt.command_for(agent, self.attempts)[1] is not None
-            revised = "feedback.json" in self.spec.given  # a revision (or a repair) gave it: it goes on from the work
-            await self.repo.open(n, goes_on=resumes or revised)
+            if agent.repo.workspace is not None:
+                resumes = attempt.command_for(agent, self.attempts)[1] is not None
+                revised = "feedback.json" in self.spec.given  # a revision (or a repair) gave it: go on from the work
+                await self.repo.open(n, goes_on=resumes or revised)
         except WorkspaceFailed as exc:
             reason = f"config: agent {agent.name} cannot start: {exc}"
             log.error("agent.exited", error=reason)  # no attempt (section 6)
