@@ -70,7 +70,7 @@ def test_fan_out_all_done_fails_the_merger_when_one_worker_fails(env: Env) -> No
     text = env.cli("list", "--state", "waiting", check=True).stdout
     assert "waiting for w01, w02," in text and "w20 (all_done)" in text and "until -" not in text, text
     shown = env.cli("show", "merge", check=True).stdout
-    assert "merge  waiting  agent merger" in shown and "  after: w01, w02," in shown and "w20 (all_done)" in shown
+    assert "merge  waiting  agent merger" in shown and "  waiting for w01, w02," in shown and "w20 (all_done)" in shown
     for body in fan(bad="w07"):
         env.drop(body)
     result = env.wait_job("merge", "failed")
@@ -195,6 +195,19 @@ def test_unknown_parent_is_waited_for_max_wait_then_fails(env: Env) -> None:
     assert starts_of(env, "merge") == 0
     waited = d.wait_event("job.failed", job_id="merge")["duration_s"]
     assert 2 <= waited < 10, waited
+    assert d.stop() == 0
+
+
+def test_show_of_a_waiting_join_says_what_it_waits_for_and_names_no_gate(env: Env) -> None:
+    """`show` of a join in waiting/ says `waiting for A1 (all_done)`, as `list` does; no gate holds it."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(merger("W1", after=["A1"]))
+    wait_until((env.root / "waiting" / "W1" / "order.json").exists, 30, "W1 in waiting/")
+    shown = env.cli("show", "W1", check=True).stdout.splitlines()
+    assert shown[:2] == ["W1  waiting  agent merger  hops 0", "  waiting for A1 (all_done)"], shown
+    assert not [line for line in shown if "gate" in line or "until" in line], shown
     assert d.stop() == 0
 
 

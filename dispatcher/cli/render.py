@@ -127,10 +127,12 @@ def render_show(info: Mapping[str, Any]) -> str:
     """Return `show` text: state, reason, cost, its chain (parent, children), checks, attempts (argv, host, logs)."""
     job = info["job"]
     lines = [f"{job['job_id']}  {job['state']}  agent {plain(job['agent'])}  hops {plain(job.get('hops', 0))}"]
-    if job["state"] == "waiting":
-        lines.append(
-            f"waiting until {plain(job.get('until'))} (a gate holds its agent: a usage limit, a pause or a cap)"
-        )
+    after = f"{', '.join(job.get('after') or ())} ({job.get('after_rule') or 'all_done'})"  # a join (section 16)
+    joining = job["state"] == "waiting" and "until" not in job and bool(job.get("after"))  # its parents hold it
+    if "until" in job:
+        lines.append(f"  waiting until {plain(job['until'])} (a gate holds its agent: a usage limit, a pause or a cap)")
+    elif joining:
+        lines.append(f"  waiting for {after}")
     if job.get("reason"):
         lines.append(f"  reason: {printable(job['reason'])}")
     if job.get("file"):
@@ -138,8 +140,8 @@ def render_show(info: Mapping[str, Any]) -> str:
         lines.append(f"  task: {printable(plain(job.get('task')))}  items {plain(job.get('items'))}")
     if job.get("received"):
         lines.append(f"  received {job['received']}  finished {plain(job.get('finished'))}")
-    if job.get("after"):
-        lines.append(f"  after: {', '.join(job['after'])} ({job.get('after_rule') or 'all_done'})")
+    if job.get("after") and not joining:
+        lines.append(f"  after: {after}")
     if job.get("folder"):
         lines.append(f"  folder: {job['folder']}")
     lines.append(f"  cost: {usd(job.get('cost_usd'))}  chain cost: {usd(job.get('chain_cost_usd'))}")
