@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dispatcher import fsutil
+from dispatcher.errors import NotFound, printable
 from dispatcher.lifecycle import State
 
 UMASK = 0o027
+#: a job id (the order schema's pattern): never a path, a refused file's ``stem@time`` or a control character
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,12 @@ def name_is_utf8(name: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def check_id(job_id: str) -> None:
+    """Raise NotFound (the id shown escaped) unless job_id is a job id, before it names a folder or a ledger row."""
+    if not JOB_ID.fullmatch(job_id):
+        raise NotFound(f"{printable(job_id)}: not a job id (letters, digits, '.', '_', '-'; at most 128)")
 
 
 def hint_name(kind: str, job_id: str) -> str:

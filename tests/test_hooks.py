@@ -294,6 +294,24 @@ def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, t
     assert bad.returncode == 1 and bad.stderr == "NOPE: no such job\n"
 
 
+def test_land_of_what_is_no_job_id_is_one_escaped_line_and_exit_1_as_retry(env: Env, tmp_path: Path) -> None:
+    """`land` checks the id as `retry` does: a path to a done job, an odd byte or an escape is one line, exit 1."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    hook = ["sh", "-c", 'echo "$0" >> "$0"; exit 1', str(log)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)})
+    env.drop(code_order("L1"))
+    d = env.daemon()
+    d.wait_event("land.failed", job_id="L1")
+    d.stop()
+    for bad in ("L1/../../done/L1", ".", "\udcff", "a\x1b[31mred"):
+        retry = env.cli("retry", bad)
+        proc = env.cli("land", bad)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", retry.stderr), bad
+        assert retry.returncode == 1 and "not a job id" in retry.stderr and "\x1b[" not in retry.stderr, retry.stderr
+    assert len(log.read_text().splitlines()) == 1, "the hook ran only once, by the daemon"
+
+
 def test_land_waits_for_review_and_runs_once_after_approve(env: Env, tmp_path: Path) -> None:
     """A job with review lands only after approve, exactly once."""
     repo = make_repo(tmp_path / "shop")

@@ -197,6 +197,27 @@ def test_show_of_a_queued_or_held_order(root: Env, job_id: str, state: str, fold
     assert text.startswith(f"{job_id}  {state}  agent worker"), text
 
 
+@pytest.mark.parametrize("bad", [".", "../done/OK-1", "OK-1/", "\udcff", "a\x1b[31mred"])
+def test_show_of_what_is_no_job_id_is_one_escaped_line_and_exit_1_as_retry(root: Env, bad: str) -> None:
+    """`show` of a path, an undecodable byte or a control character is `retry`'s one escaped line, exit 1."""
+    retry = root.cli("retry", bad)
+    assert retry.returncode == 1 and retry.stderr.endswith(
+        ": not a job id (letters, digits, '.', '_', '-'; at most 128)\n"
+    )
+    for args in (("show", bad), ("show", bad, "--json"), ("show", "--tree", bad)):
+        proc = root.cli(*args)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", retry.stderr), args
+
+
+def test_show_of_a_refused_files_folder_name_shows_the_refusal_not_a_failed_job(root: Env) -> None:
+    """`failed/<stem>@<time>/` is a refused file, never a job (contract 1): `show` of that name shows the refusal."""
+    (name,) = [p.name for p in (root.root / "failed").iterdir() if "@" in p.name]
+    text = root.cli("show", name, check=True).stdout
+    assert text.startswith(f"{name}  refused  agent -  "), text
+    data = show_json(root, name)
+    assert data["state"] == "refused" and data["path"] == str(root.root / "failed" / name), data
+
+
 @pytest.mark.parametrize("job_id", ["OK-1", "BAD-1", "CHAIN-A", "CHAIN-B", "QUEUED-1", "HELD-1"])
 def test_show_text_has_no_python_notation(root: Env, job_id: str) -> None:
     """`show` and `show --tree` text never shows None, True/False, a Python list or a needless `.0`."""

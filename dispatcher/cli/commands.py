@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO
 
 from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState, printable
-from dispatcher.layout import Layout
+from dispatcher.layout import Layout, check_id
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.ops.daemons import config_note
 from dispatcher.spec.config import (
@@ -242,18 +242,22 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _show_refused(cfg: Config, layout: Layout, name: str, *, as_json: bool) -> int:
-    """Print the refusals of a file (by job id or file stem) that never became a job; NotFound when none."""
+    """Print the refusals of a file (by job id, file stem or folder name) that never became a job.
+
+    Raises NotFound when none: for what is not a job id either, the line every id command gives.
+    """
     from dispatcher.query.listing import refusals_of
     from dispatcher.text import ago
 
     rows = refusals_of(cfg, layout, name)
     if not rows:
+        check_id(name)
         raise NotFound(f"{name}: no such job or refused file")
     if as_json:
         print(json.dumps(rows[0], indent=2))
         return 0
     r = rows[0]
-    print(f"{name}  refused  agent {plain(r['agent'])}  {ago(r['age_s'])} ago: the file never became a job")
+    print(f"{printable(name)}  refused  agent {plain(r['agent'])}  {ago(r['age_s'])} ago: the file never became a job")
     print(f"  reason: {printable(plain(r['reason']))}")
     print(f"  folder: {r['path']}")
     if len(rows) > 1:

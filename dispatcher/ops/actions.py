@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
-from dispatcher.layout import Layout, hint_name
+from dispatcher.layout import Layout, check_id, hint_name
 from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
 from dispatcher.query.report import read_order_file
@@ -37,7 +36,6 @@ from dispatcher.store.queued import find_queued
 
 log = structlog.get_logger("dispatcher")
 
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: how long a hold waits for a daemon that is claiming the same file to finish or let go
 CLAIM_WAIT_S = 2.0
 #: at most this many files carrying one job id are moved by one hold or release
@@ -70,7 +68,7 @@ class Operator:
     # -- retry and cancel -----------------------------------------------------------------
     def retry(self, job_id: str) -> str:
         """Record a retry of a failed job for a running (or the next) daemon."""
-        _check_id(job_id)
+        check_id(job_id)
         found = self.layout.find(job_id)
         if found is None:
             raise NotFound(f"{job_id}: no such job")
@@ -151,7 +149,7 @@ class Operator:
 
     def cancel(self, job_id: str) -> str:
         """Record a cancel of a queued or running job for a running (or the next) daemon."""
-        _check_id(job_id)
+        check_id(job_id)
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state == Row.FAILED and job_id in self.ledger.requests(Request.RETRY):
             self.ledger.clear_request(job_id, Request.RETRY)  # queued to run again: it runs no more
@@ -191,7 +189,7 @@ class Operator:
         finished ones are left as they are. NotFound if the job is unknown, WrongState
         if nothing in the tree can be cancelled any more.
         """
-        _check_id(job_id)
+        check_id(job_id)
         if self.ledger.get(job_id) is None:
             return self.cancel(job_id)  # a queued order without a row yet: no descendant can exist
         order, seen = [job_id], {job_id}
@@ -220,7 +218,7 @@ class Operator:
     # -- hold and release -----------------------------------------------------------------
     def hold(self, job_id: str) -> str:
         """Move the queued order(s) of job_id from inbox/ into held/, where no daemon claims them."""
-        _check_id(job_id)
+        check_id(job_id)
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state not in (Row.RELEASED,):
             raise WrongState(f"{job_id}: is {_word(entry.state)}, only a queued order can be held")
@@ -269,7 +267,7 @@ class Operator:
 
         The ledger row goes first: a daemon refuses a file whose row still says held.
         """
-        _check_id(job_id)
+        check_id(job_id)
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state not in (Row.HELD, Row.RELEASED):
             if find_queued(self.layout.held, [job_id]).get(job_id) is None:
@@ -304,7 +302,7 @@ class Operator:
         """Move a job waiting in review/ to done/ and release its follow-ups (once)."""
         from dispatcher.job.review import decide
 
-        _check_id(job_id)
+        check_id(job_id)
         cfg = self.config
         line = decide(
             self.layout,
@@ -321,7 +319,7 @@ class Operator:
         """Move a job waiting in review/ to failed/ with reason `rejected: TEXT`; its follow-ups are dropped."""
         from dispatcher.job.review import decide
 
-        _check_id(job_id)
+        check_id(job_id)
         line = decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
         self._poke("reject", job_id)  # a running daemon runs its after hook at once
         return line
@@ -330,7 +328,7 @@ class Operator:
         """Send a job in review/ or failed/ back for one more attempt with the note (section 14)."""
         from dispatcher.job.revise import request
 
-        _check_id(job_id)
+        check_id(job_id)
         found = self.layout.find(job_id)
         line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
         if found is not None and found[0] is State.FAILED:
@@ -376,11 +374,6 @@ class Operator:
         if find_queued(elsewhere, [job_id]):
             raise WrongState(f"{job_id}: is {other}, not {wanted}")
         raise NotFound(f"{job_id}: no {wanted} order with this job id in {folder}/")
-
-
-def _check_id(job_id: str) -> None:
-    if not JOB_ID.fullmatch(job_id):
-        raise NotFound(f"{printable(job_id)}: not a job id (letters, digits, '.', '_', '-'; at most 128)")
 
 
 def _word(state: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.job import landing
-from dispatcher.layout import Layout
+from dispatcher.layout import Layout, check_id
 from dispatcher.lifecycle import State
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
@@ -24,6 +24,7 @@ async def _direct(fn: Any, *args: Any) -> Any:
 
 def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
     """Run job_id's land hook now; return the line to print; raise NotFound or WrongState."""
+    check_id(job_id)  # before it names a folder or a file
     found = layout.find(job_id)
     if found is None:
         raise NotFound(f"{job_id}: no such job")

@@ -14,7 +14,7 @@ from typing import Any
 from dispatcher import fsutil
 from dispatcher.clock import iso
 from dispatcher.errors import printable
-from dispatcher.layout import Layout
+from dispatcher.layout import JOB_ID, Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
@@ -95,7 +95,13 @@ def _bare(job_id: str, state: str, agent: str | None, parent: str | None, hops: 
 
 
 def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1 << 20) -> dict[str, Any] | None:
-    """Return what is known of one job: state, folder, checks, attempts, cost, lineage; None if unknown."""
+    """Return what is known of one job: state, folder, checks, attempts, cost, lineage; None if unknown.
+
+    What is not a job id is unknown: never a path (``.``, ``../done/X``, a refused file's
+    ``stem@time`` folder) nor a ledger key.
+    """
+    if not JOB_ID.fullmatch(job_id):
+        return None
     found = layout.find(job_id)
     children = ledger.children(job_id) if ledger else []
     if found is None:

@@ -203,9 +203,9 @@ def list_jobs(
 
 
 def refusals_of(cfg: Config, layout: Layout, name: str) -> list[dict[str, Any]]:
-    """Return the refused files (newest first, as `list --json` rows) a job id or a file stem names."""
+    """Return the refused files (newest first, as `list --json` rows) a job id, a file stem or a folder name names."""
     return [
         r
         for r in list_jobs(cfg, layout, None, state="refused")
-        if r["job_id"] == name or Path(r["path"]).name.rpartition("@")[0] == name
+        if r["job_id"] == name or name in (Path(r["path"]).name.rpartition("@")[0], Path(r["path"]).name)
     ]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import structlog
 
 from dispatcher.errors import ConfigError, DispatchError, NotFound, WrongState
-from dispatcher.layout import Layout
-from dispatcher.ops.actions import JOB_ID, Operator
+from dispatcher.layout import JOB_ID, Layout
+from dispatcher.ops.actions import Operator
 from dispatcher.spec.config import load_config
 from dispatcher.spec.settings import Config
 

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import printable
-from dispatcher.layout import Layout
+from dispatcher.layout import JOB_ID, Layout
 from dispatcher.ledger.base import Ledger
-from dispatcher.ops.actions import JOB_ID
 from dispatcher.query.jobinfo import log_tail, show_json
 from dispatcher.query.listing import list_jobs, refusals_of
 from dispatcher.query.report import status_with
