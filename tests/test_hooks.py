@@ -50,6 +50,31 @@ def test_before_runs_in_the_workspace_each_attempt_and_its_failure_fails_the_att
     assert "src/hooked.txt" in (first / "diff.patch").read_text()
 
 
+def test_show_gives_an_attempt_its_before_hook_failed_its_reason_the_hooks_logs_and_stderr(
+    env: Env, tmp_path: Path
+) -> None:
+    """`show` counts an attempt whose before hook failed as failed: the hook's reason, its log paths, its stderr."""
+    repo = make_repo(tmp_path / "shop")
+    hook = ["sh", "-c", '[ "$DISPATCH_ATTEMPT" = 1 ] || exit 0; echo "no deps" >&2; exit 1']
+    agent = coder(env, repo, "--write", "src/{job}.txt=x", before=hook, max_attempts=2, retry_safe=True)
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("S1"))
+    d = env.daemon()
+    env.wait_job("S1", "done")
+    d.stop()
+    first = env.job_dir("S1", "done") / "attempts" / "1"
+    one, two = json.loads(env.cli("show", "S1", "--json", check=True).stdout)["attempts"]
+    assert one["before"] == "before hook exited 1: no deps"
+    assert one["logs"]["before_stderr"] == str(first / "before-stderr.log")
+    assert one["logs"]["before_stdout"] == str(first / "before-stdout.log")
+    assert one["stderr_tail"] == ["no deps"]
+    assert "stderr_tail" not in two and "before_stderr" not in two["logs"]
+    text = env.cli("show", "S1", check=True).stdout
+    assert "        before: before hook exited 1: no deps\n" in text, text
+    assert f"        logs: {first / 'before-stdout.log'}\n              {first / 'before-stderr.log'}\n" in text, text
+    assert "        before hook's stderr, the last line:\n          | no deps\n" in text, text
+
+
 def test_a_before_hook_failure_with_no_attempt_left_fails_the_job_with_its_reason(env: Env, tmp_path: Path) -> None:
     """With one attempt, a failing before hook fails the job; the reason says which hook and how."""
     repo = make_repo(tmp_path / "shop")

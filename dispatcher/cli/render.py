@@ -110,16 +110,20 @@ def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
     lines = [head, f"        argv: {_argv(a.get('argv'))}"]
     if a.get("aborted"):
         lines.append(f"        aborted: {printable(plain(a['aborted']))}")
+    if a.get("before"):  # its before hook failed: the agent never ran (section 15)
+        lines.append(f"        before: {printable(plain(a['before']))}")
     logs = a.get("logs")
     tail = a.get("stderr_tail")
     if tail is not None and isinstance(logs, Mapping):
-        lines.append(f"        logs: {logs['stdout']}")
-        lines.append(f"              {logs['stderr']}")
+        hook = "before_stderr" in logs
+        what = "before hook's stderr" if hook else "stderr"
+        lines.append(f"        logs: {logs['before_stdout' if hook else 'stdout']}")
+        lines.append(f"              {logs['before_stderr' if hook else 'stderr']}")
         if tail:
-            lines.append(f"        stderr, {'the last line' if len(tail) == 1 else f'last {len(tail)} lines'}:")
+            lines.append(f"        {what}, {'the last line' if len(tail) == 1 else f'last {len(tail)} lines'}:")
             lines.extend(f"          | {line}" for line in tail)
         else:
-            lines.append("        stderr: empty")
+            lines.append(f"        {what}: empty")
     return lines
 
 

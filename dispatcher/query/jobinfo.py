@@ -37,14 +37,20 @@ def log_tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
 
 
 def _failed_attempt(attempt: dict[str, Any], last: bool, job_failed: bool) -> bool:
-    """Return True for an attempt that did not exit 0 in time, or the last attempt of a failed job."""
+    """Return True for an attempt that did not exit 0 in time (or whose before hook failed), or a failed job's last."""
     code = attempt.get("exit_code")
-    broke = bool(attempt.get("timed_out") or attempt.get("interrupted") or attempt.get("aborted"))
+    broke = bool(
+        attempt.get("timed_out") or attempt.get("interrupted") or attempt.get("aborted") or attempt.get("before")
+    )
     return broke or (code is not None and code != 0) or (last and job_failed)
 
 
 def _with_logs(folder: JobFolder, attempts: list[dict[str, Any]], job_failed: bool) -> list[dict[str, Any]]:
-    """Return the attempts with the paths of their logs, and the stderr tail of each failed one."""
+    """Return the attempts with the paths of their logs, and the stderr tail of each failed one.
+
+    An attempt whose before hook failed (section 15) never ran its agent: its logs
+    add the hook's, and its stderr tail is the hook's.
+    """
     out = []
     for i, a in enumerate(attempts):
         a = dict(a)
@@ -52,8 +58,12 @@ def _with_logs(folder: JobFolder, attempts: list[dict[str, Any]], job_failed: bo
         if isinstance(n, int):
             where = folder.attempts_dir / str(n)
             a["logs"] = {"stdout": str(where / "stdout.log"), "stderr": str(where / "stderr.log")}
+            err = where / "stderr.log"
+            if a.get("before"):
+                err = where / "before-stderr.log"
+                a["logs"] |= {"before_stdout": str(where / "before-stdout.log"), "before_stderr": str(err)}
             if _failed_attempt(a, i == len(attempts) - 1, job_failed):
-                a["stderr_tail"] = log_tail(where / "stderr.log")
+                a["stderr_tail"] = log_tail(err)
         out.append(a)
     return out
 
