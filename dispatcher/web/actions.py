@@ -17,8 +17,10 @@ import structlog
 from dispatcher.errors import ConfigError, DispatchError, NotFound, WrongState
 from dispatcher.layout import JOB_ID, Layout
 from dispatcher.ops.actions import Operator
+from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import load_config
 from dispatcher.spec.settings import Config
+from dispatcher.store.queued import find_queued
 
 log = structlog.get_logger("dispatcher")
 
@@ -101,11 +103,17 @@ class Actions:
 
 
 def _agent_of(op: Operator, job_id: str) -> str | None:
-    """Return the job's agent as the ledger knows it, or None (a queued order, an unknown id, a ledger away)."""
+    """Return the job's agent as the ledger knows it, else as its queued or held order names it, else None."""
     if not JOB_ID.fullmatch(job_id):
         return None
     try:
         entry = op.ledger.get(job_id)
     except (DispatchError, OSError):
-        return None
-    return entry.agent if entry is not None else None
+        entry = None
+    if entry is not None:
+        return entry.agent
+    for folder in (op.layout.held, op.layout.inbox):  # a queued order (held, released, cancel asked)
+        name = find_queued(folder, [job_id]).get(job_id)
+        if name is not None:
+            return read_order_file(folder / name, op.config.max_order_bytes).agent
+    return None
