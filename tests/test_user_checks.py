@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import Env, order, wait_until
 from git_helpers import code_order, coder, git, make_repo
 from helpers_faults import processes_with
@@ -162,3 +163,30 @@ def test_a_job_cancelled_before_any_attempt_records_its_checks_not_run(env: Env)
     check = by_name(result, "tests")
     assert check["ok"] is None and check["detail"].startswith("not run"), check
     assert result["checks"][-1]["name"] == "tests"
+
+
+@pytest.mark.parametrize("settings", [{}, {"repair": True, "retry_safe": True, "max_attempts": 2}])
+def test_a_job_cancelled_while_its_check_runs_fails_cancelled_and_is_not_retried(
+    env: Env, settings: dict[str, Any]
+) -> None:
+    """Cancel during a check: reason exactly `cancelled`, no job.retrying even with repair, the check ok null."""
+    script = "import time; print('running tests', flush=True); time.sleep(30)"
+    checks = [
+        {"name": "tests", "command": [sys.executable, "-c", script], "timeout": 60},
+        {"name": "lint", "command": ["true"]},
+    ]
+    env.configure(agents={"worker": agent(env, checks, **settings)}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CHK-CUT"))
+    log = env.root / "active" / "CHK-CUT" / "attempts" / "1" / "checks" / "tests.log"
+    wait_until(lambda: log.exists() and log.read_text() == "running tests\n", what="the check to run")
+    env.cli("cancel", "CHK-CUT", check=True)
+    result = env.wait_job("CHK-CUT", "failed")
+    assert result["reason"] == "cancelled"
+    tests, lint = by_name(result, "tests"), by_name(result, "lint")
+    assert tests["ok"] is None and tests["detail"].startswith("cancelled after "), tests
+    assert tests["detail"].endswith(": running tests"), tests
+    assert lint["ok"] is None and lint["detail"] == "not run: the job was cancelled", lint
+    assert [a["n"] for a in result["attempts"]] == [1]
+    assert not [e for e in d.events() if e.get("event") == "job.retrying"]

@@ -112,6 +112,8 @@ class Deciding(abc.ABC):
         if settled.landed is not None:  # it ended in the trip
             return await self._landed(settled)
         checks = settled.checks
+        if self._checks_cancelled():
+            return await self.finish(Row.FAILED, Stop.CANCELLED, checks)
         judgement = settled.judgement
         if judgement is None:  # the agent's own checks ran on the loop after the trip
             receipt = self.folder.has_receipt()
@@ -158,6 +160,8 @@ class Deciding(abc.ABC):
         return await self.finish(Row.FAILED, f"{lead}; not retried: {spent}" if lead else f"not retried: {spent}", [])
 
     async def _retry_or_fail(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
+        if self._checks_cancelled():
+            return await self.finish(Row.FAILED, Stop.CANCELLED, checks)
         why = self._no_more_attempts(n)
         if why is not None:
             return await self.finish(Row.FAILED, f"{reason}; not retried: {why}", checks)
@@ -280,6 +284,10 @@ class Deciding(abc.ABC):
             self.repo.ws,
         )
         return Settled(checks, settled.followups)
+
+    def _checks_cancelled(self) -> bool:
+        """Return True if a cancel came while the agent's own checks ran (or before them): the job ends cancelled."""
+        return bool(self.spec.agent.checks) and self.control.reason is Stop.CANCELLED
 
     def _may_end_in_trip(self) -> bool:
         """Return True if the job may finish inside the post-exit trip: nothing of its finish needs the loop."""

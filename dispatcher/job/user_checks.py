@@ -6,7 +6,9 @@ own timeout, ended with the agent's kill grace. Its output (stdout and stderr
 as they come) goes to ``attempts/<n>/checks/<name>.log``; its result is a named
 check whose detail holds the exit code, the duration and the output's last line.
 When the agent did not pass (``exit_ok`` or ``receipt_present`` not true) the
-checks do not run and record ``ok: null``.
+checks do not run and record ``ok: null``. A cancel cuts them: the check it ends records
+``ok: null`` ("cancelled after ..."), the ones after it "not run", and the job ends
+``cancelled`` (``Deciding``); a stop leaves the job for the next start (``Left``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,12 @@ async def run(
         return not_run(checks, "the agent did not pass (exit_ok and receipt_present must be true)")
     logs = folder.attempts_dir / str(n) / "checks"
     await lanes.io(os.makedirs, logs, 0o750, True)
-    return [await _one(spec, folder, n, cfg, control, lanes, check, logs, workspace) for check in checks]
+    results: list[CheckResult] = []
+    for i, check in enumerate(checks):
+        if control.reason is Stop.CANCELLED:
+            return results + not_run(checks[i:], "the job was cancelled")
+        results.append(await _one(spec, folder, n, cfg, control, lanes, check, logs, workspace))
+    return results
 
 
 async def _one(
@@ -99,8 +106,9 @@ async def _one(
     last = await lanes.io(_last_line, path)
     secs = out.duration_ms / 1000
     tail = f": {last}" if last else ""
-    if out.aborted:
-        ok, detail = False, f"{out.aborted} after {secs:.2f} s{tail}"
+    ok: bool | None
+    if out.aborted:  # a cancel: neither passed nor failed, the job ends cancelled
+        ok, detail = None, f"{out.aborted} after {secs:.2f} s{tail}"
     elif out.timed_out:
         ok, detail = False, f"timed out after {check.timeout_s:g} s{tail}"
     elif out.exit_code is None or out.exit_code < 0:
