@@ -281,15 +281,19 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
-def read_tail(path: str | Path, limit: int) -> bytes:
-    """Return the last ``limit`` bytes of a regular file (a log); b"" when it is missing, a link or unreadable."""
+def read_tail(path: str | Path, limit: int, *, start: int = 0) -> bytes:
+    """Return the last ``limit`` bytes of a regular file (a log), none before byte ``start``.
+
+    b"" when it is missing, a link or unreadable.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return b""
     try:
         st = os.fstat(fd)
-        return os.pread(fd, limit, max(0, st.st_size - limit)) if stat.S_ISREG(st.st_mode) else b""
+        at = max(start, st.st_size - limit)
+        return os.pread(fd, st.st_size - at, at) if stat.S_ISREG(st.st_mode) and at < st.st_size else b""
     except OSError:
         return b""
     finally:

@@ -190,3 +190,27 @@ def test_a_job_cancelled_while_its_check_runs_fails_cancelled_and_is_not_retried
     assert lint["ok"] is None and lint["detail"] == "not run: the job was cancelled", lint
     assert [a["n"] for a in result["attempts"]] == [1]
     assert not [e for e in d.events() if e.get("event") == "job.retrying"]
+
+
+def test_a_check_run_again_after_a_crash_keeps_the_interrupted_runs_log(env: Env) -> None:
+    """kill -9 during a check, restart: it runs again; its log keeps the first run, the detail is the new run's."""
+    flag = env.tmp / "first-run"
+    script = (
+        "import os, sys, time; p = sys.argv[1]\n"
+        "if os.path.exists(p): sys.exit(0)\n"
+        "open(p, 'w').close(); print('first run', flush=True); time.sleep(60)"
+    )
+    checks = [{"name": "tests", "command": [sys.executable, "-c", script, str(flag)], "timeout": 90}]
+    env.configure(agents={"worker": agent(env, checks)}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CHK-CRASH"))
+    log = env.root / "active" / "CHK-CRASH" / "attempts" / "1" / "checks" / "tests.log"
+    wait_until(lambda: log.exists() and log.read_text() == "first run\n", what="the check's first run")
+    d.kill()
+    env.daemon()
+    result = env.wait_job("CHK-CRASH", "done")
+    log = env.root / "done" / "CHK-CRASH" / "attempts" / "1" / "checks" / "tests.log"
+    assert log.read_text() == "first run\n"
+    detail = by_name(result, "tests")["detail"]
+    assert detail.startswith("exit 0 in ") and "first run" not in detail, detail

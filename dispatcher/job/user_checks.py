@@ -3,8 +3,9 @@
 Each is a command from the config (never from an order), run in the workspace
 like the agent itself: the same environment rules, its own process group, its
 own timeout, ended with the agent's kill grace. Its output (stdout and stderr
-as they come) goes to ``attempts/<n>/checks/<name>.log``; its result is a named
-check whose detail holds the exit code, the duration and the output's last line.
+as they come) goes to ``attempts/<n>/checks/<name>.log``, appended to when the check
+runs again for the same attempt (after a crash); its result is a named check whose
+detail holds the exit code, the duration and the last line of this run's output.
 When the agent did not pass (``exit_ok`` or ``receipt_present`` not true) the
 checks do not run and record ``ok: null``. A cancel cuts them: the check it ends records
 ``ok: null`` ("cancelled after ..."), the ones after it "not run", and the job ends
@@ -87,7 +88,7 @@ async def _one(
     workspace: Workspace | None,
 ) -> CheckResult:
     path = os.path.join(logs, f"{check.name}.log")
-    await lanes.io(_create, path)
+    start = await lanes.io(_create, path)
     ws_path = Path(workspace.path) if workspace is not None else None
     argv = attempt.argv(spec, folder.work, check.command, ws_path)
     try:
@@ -103,7 +104,7 @@ async def _one(
     control.attach(None)
     if out.aborted == Stop.STOPPED:
         raise Left
-    last = await lanes.io(_last_line, path)
+    last = await lanes.io(_last_line, path, start)
     secs = out.duration_ms / 1000
     tail = f": {last}" if last else ""
     ok: bool | None
@@ -130,13 +131,20 @@ def _result(name: str, ok: bool | None, detail: str) -> CheckResult:
     return CheckResult(name, ok, cut(printable(detail), DETAIL_MAX))
 
 
-def _create(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
-    os.close(fd)
+def _create(path: str) -> int:
+    """Create a check's log if it is missing and return its size: where this run's output starts.
+
+    A run again after a crash appends: the interrupted run's output is kept (contract section 1).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
-def _last_line(path: str) -> str:
-    """Return the last non-blank line of a check's log (its last 4 KiB)."""
-    data = fsutil.read_tail(path, _LAST_LINE_READ)
+def _last_line(path: str, start: int) -> str:
+    """Return the last non-blank line this run wrote to a check's log (from byte start; its last 4 KiB)."""
+    data = fsutil.read_tail(path, _LAST_LINE_READ, start=start)
     lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
     return lines[-1] if lines else ""
