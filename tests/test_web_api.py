@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Env, cli_env, wait_until
+from conftest import Env, cli_env, order, wait_until
+from test_metrics import samples
 from web_helpers import Web, populate, start_web
 
 pytest_plugins = ["pg_fixtures"]
@@ -346,3 +347,32 @@ def test_methods_a_path_does_not_take_are_405_with_allow_and_a_refused_file_has_
     refused = web.json("/api/jobs/broken")  # a file that never became a job: its refusal, as `show`
     status, page, _ = web.get("/jobs/broken")
     assert status == 200 and refused["reason"].split(":")[0].encode() in page, page[:300]
+
+
+def test_approve_and_reject_in_the_web_view_count_in_the_daemons_metrics(env: Env) -> None:
+    """Approve and reject through the web API: the running daemon counts them (done, failed, cost) and logs them."""
+    prom = env.tmp / "m.prom"
+    cost = json.dumps({"total_cost_usd": 0.25})
+    env.configure(agents={"rev": env.agent("--json-result", cost, review=True)}, metrics_file=str(prom))
+    d = env.daemon()
+    d.wait_ready()
+    for job_id in ("WR1", "WR2"):
+        env.drop(order(job_id, to="rev"))
+    wait_until(lambda: all((env.root / "review" / j / "result.json").exists() for j in ("WR1", "WR2")), 30, "review")
+    web = start_web(env)
+    try:
+        assert web.act("WR1", "approve", web.token)[0] == 200
+        assert web.act("WR2", "reject", web.token, reason="no")[0] == 200
+    finally:
+        web.stop()
+
+    def counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        s = samples(prom) if prom.exists() else {}
+        failed = s.get(("dispatcher_jobs_finished_total", (("agent", "rev"), ("state", "failed"))))
+        return s if failed == 1 else None
+
+    s = wait_until(counted, 30, "the web's decisions in the metrics")
+    assert s[("dispatcher_jobs_finished_total", (("agent", "rev"), ("state", "done")))] == 1
+    assert s[("dispatcher_cost_usd_total", (("agent", "rev"),))] == 0.5
+    assert d.wait_event("job.approved", job_id="WR1")["via"] == "web"
+    assert d.stop() == 0
