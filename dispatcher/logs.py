@@ -33,6 +33,7 @@ import structlog
 from structlog.contextvars import STRUCTLOG_KEY_PREFIX
 from structlog.tracebacks import ExceptionDictTransformer
 
+from dispatcher import fsutil
 from dispatcher.logview import format_line
 from dispatcher.text import redact
 
@@ -52,7 +53,7 @@ class _Sink:
         """(Re)open the log file, for logrotate on SIGHUP; raise OSError and keep the old one on failure."""
         new: TextIO | None = None
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            fsutil.make_dir(os.fspath(path.parent))  # a missing folder is made, as metrics_file's
             new = path.open("a", buffering=1, encoding="utf-8")
         with _lock:
             old, self.file = self.file, new

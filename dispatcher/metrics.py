@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from dispatcher import procs
+from dispatcher import fsutil, procs
 
 FINISHED_STATES = ("done", "failed", "refused")
 QUEUE_STATES = ("inbox", "held", "active", "waiting", "review")
@@ -245,9 +245,11 @@ class Metrics:
         Blocking (a file write): call it from a worker thread, never the loop. Then
         remove the files that stopped daemons of this host left under the ``{pid}`` pattern.
         The file is created with the process's umask (the daemon's 027 leaves
-        it readable by its group: put node_exporter's user in that group).
+        it readable by its group: put node_exporter's user in that group). A missing
+        folder is made, as log_file's is.
         """
         path = self.path
+        fsutil.make_dir(os.fspath(path.parent))
         write_to_textfile(str(path), _Labelled(self.registry, self.labels) if self.labels else self.registry)
         if path != self.path:  # moved by a reload while this write ran: the old file goes
             self.remove_file(path)

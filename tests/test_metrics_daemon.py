@@ -35,6 +35,18 @@ def test_an_idle_daemon_rewrites_the_file_at_least_every_10_seconds(env: Env) ->
     assert d.stop() == 0
 
 
+def test_a_missing_folder_of_metrics_file_is_made(env: Env) -> None:
+    """metrics_file: prom/m.prom (relative, no prom/ yet): the daemon makes the folder and writes the file."""
+    env.configure(metrics_file="prom/m.prom")
+    d = env.daemon()
+    d.wait_ready()
+    prom = env.config_path.parent / "prom" / "m.prom"
+    wait_until(prom.exists, timeout=15, what="the metrics file in its new folder")
+    assert _loop_ts(prom) > 0
+    assert not [e for e in d.events() if e.get("event") == "metrics.failed"]
+    assert d.stop() == 0
+
+
 def metrics_by_reload(env: Env, prom: Path) -> dict[str, Any]:
     """Set metrics_file in the running daemon's config, reload, wait for the file; return the config written."""
     body: dict[str, Any] = yaml.safe_load(env.config_path.read_text()) | {"metrics_file": str(prom)}
