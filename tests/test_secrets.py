@@ -52,6 +52,7 @@ def test_a_ledger_url_libpq_cannot_read_is_refused_without_quoting_its_password(
         "postgresql://alice:my secretpw@db.example/dispatch",
         "postgresql://alice@db.example/dispatch?password=my secretpw",
         "postgresql://alice:my%zzsecretpw@db.example/dispatch",
+        "postgresql://alice:my@secretpw@db.example/dispatch",  # an @ not percent-encoded
     ):
         env.configure(ledger=url)
         for args in (("validate",), ("status",), ("run", "--once")):

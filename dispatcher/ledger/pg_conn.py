@@ -93,8 +93,13 @@ URL_UNREADABLE = (
 def read_url(url: str) -> dict[str, Any]:
     """Return the URL's parts as libpq reads them; raise PostgresLedgerError, never quoting them.
 
-    libpq's own message quotes the part it could not read, which may be the password.
+    libpq's own message quotes the part it could not read, which may be the password. An
+    unencoded ``@`` in the user or password is refused too: libpq ends the user part at the
+    first one and would try to reach the rest of the password as the host, naming it.
     """
+    authority = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0]
+    if authority.count("@") > 1:
+        raise PostgresLedgerError(URL_UNREADABLE)
     try:
         return dict(pg_conninfo.conninfo_to_dict(url))
     except psycopg.ProgrammingError:
