@@ -26,23 +26,28 @@ from helpers_users import GROUP, USER, as_user, interpreter
 pytest_plugins = ["pg_fixtures"]
 
 
-@pytest.fixture
-def shared(tmp_path: Path) -> Iterator[Env]:
-    """A root in a world-traversable folder, group nogroup (setgid), with its config readable by that group."""
+def _reachable_env(tmp_path: Path) -> Env:
+    """Return an Env whose root lies in a new folder under /tmp that every user may pass through."""
     assert shutil.which("runuser"), "runuser not found: install util-linux"
     base = Path(tempfile.mkdtemp(prefix="readers-", dir="/tmp"))
     os.chmod(base, 0o755)  # noqa: S103 - the reader must reach the root
     root = base / "dispatch"
     root.mkdir()
-    shutil.chown(root, group=GROUP)
-    os.chmod(root, 0o2750)  # noqa: S103 - setgid: the daemon's files get the group
-    e = Env(tmp=base, root=root, config_path=base / "dispatcher.yaml", count_file=tmp_path / "starts.txt")
+    return Env(tmp=base, root=root, config_path=base / "dispatcher.yaml", count_file=tmp_path / "starts.txt")
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Iterator[Env]:
+    """A root in a world-traversable folder, group nogroup (setgid), with its config readable by that group."""
+    e = _reachable_env(tmp_path)
+    shutil.chown(e.root, group=GROUP)
+    os.chmod(e.root, 0o2750)  # noqa: S103 - setgid: the daemon's files get the group
     e.configure()
     shutil.chown(e.config_path, group=GROUP)
     os.chmod(e.config_path, 0o640)
     yield e
     reap(e)
-    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(e.tmp, ignore_errors=True)
 
 
 def _as_reader(env: Env, python: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -124,17 +129,12 @@ def test_logs_of_a_file_the_reader_cannot_read_is_one_line_not_a_traceback(share
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[Env]:
     """A root of root's own group made readable by all (`chmod -R o+rX`) before a daemon starts on it."""
-    assert shutil.which("runuser"), "runuser not found: install util-linux"
-    base = Path(tempfile.mkdtemp(prefix="readers-", dir="/tmp"))
-    os.chmod(base, 0o755)  # noqa: S103 - the reader must reach the root
-    root = base / "dispatch"
-    root.mkdir()
-    e = Env(tmp=base, root=root, config_path=base / "dispatcher.yaml", count_file=tmp_path / "starts.txt")
+    e = _reachable_env(tmp_path)
     e.configure({"worker": e.agent("--sleep", "30")}, kill_grace=0.5)
     os.chmod(e.config_path, 0o644)
     yield e
     reap(e)
-    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(e.tmp, ignore_errors=True)
 
 
 def test_status_of_a_reader_who_cannot_open_the_daemons_lock_tells_by_its_process(world: Env) -> None:
