@@ -11,8 +11,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import quote
@@ -133,19 +132,22 @@ class SqliteDb:
 
     def _migrate(self) -> None:
         self._db.executescript(_SCHEMA)  # CREATE ... IF NOT EXISTS: safe when daemons start together
-        with self._write() as db:
-            cols = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
-            for name, kind in (
-                ("token", "INTEGER NOT NULL DEFAULT 0"),
-                ("cost_usd", "REAL"),
-                ("chain_cost_usd", "REAL"),
-            ):
-                if name not in cols:  # a ledger from before fencing tokens and costs
-                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
-            # the spend of the last 24 hours (daily caps, `status`, the web view) without a full scan
-            db.execute("CREATE INDEX IF NOT EXISTS jobs_spent ON jobs(updated) WHERE cost_usd IS NOT NULL")
-            self._check_version(db)
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        self._write(self._upgrade)
+
+    def _upgrade(self, db: sqlite3.Connection) -> None:
+        """Bring an older ledger's tables up to this version (inside ``_migrate``'s transaction)."""
+        cols = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
+        for name, kind in (
+            ("token", "INTEGER NOT NULL DEFAULT 0"),
+            ("cost_usd", "REAL"),
+            ("chain_cost_usd", "REAL"),
+        ):
+            if name not in cols:  # a ledger from before fencing tokens and costs
+                db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+        # the spend of the last 24 hours (daily caps, `status`, the web view) without a full scan
+        db.execute("CREATE INDEX IF NOT EXISTS jobs_spent ON jobs(updated) WHERE cost_usd IS NOT NULL")
+        self._check_version(db)
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
     def _check_version(self, db: sqlite3.Connection | None = None) -> None:
         """Raise LedgerError for a ledger whose schema is newer than this code knows."""
@@ -190,30 +192,28 @@ class SqliteDb:
                 time.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
 
-    @contextmanager
-    def _write(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
-        """A write transaction that holds the database's write lock from its start."""
+    def _write(self, body: Callable[[sqlite3.Connection], T], durable: bool = True) -> T:
+        """Run body once in a write transaction that holds the database's write lock from its start."""
         with self._lock:
+            db = self._db
             if not durable:
-                self._db.execute("PRAGMA synchronous=NORMAL")
+                db.execute("PRAGMA synchronous=NORMAL")
             try:
-                self._db.execute("BEGIN IMMEDIATE")
+                db.execute("BEGIN IMMEDIATE")
                 try:
-                    yield self._db
+                    out = body(db)
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    db.execute("ROLLBACK")
                     raise
-                self._db.execute("COMMIT")
+                db.execute("COMMIT")
+                return out
             finally:
                 if not durable:
-                    self._db.execute("PRAGMA synchronous=FULL")
+                    db.execute("PRAGMA synchronous=FULL")
 
     def _tx(self, body: Callable[[sqlite3.Connection], T], *, durable: bool = True) -> T:
-        def step() -> T:
-            with self._write(durable=durable) as db:
-                return body(db)
-
-        return self._retrying(step)
+        """Run body in a write transaction; while the database is busy, wait and run it again."""
+        return self._retrying(lambda: self._write(body, durable))
 
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         def step() -> T:
