@@ -215,12 +215,15 @@ class _Compiler:
         steps.extend(self.compile(sub) for sub in schema.get("allOf", ()))
         if "anyOf" in schema:
             steps.append(_any_of([self.compile(sub) for sub in schema["anyOf"]]))
-        if "type" in schema:
+        strings = any(k in schema for k in ("minLength", "maxLength", "pattern"))
+        # `type: string` right before the string keywords: one step that checks both
+        typed = strings and schema.get("type") == "string" and "enum" not in schema
+        if "type" in schema and not typed:
             steps.append(_type_step(schema["type"]))
         if "enum" in schema:
             steps.append(_enum_step(schema["enum"]))
-        if any(k in schema for k in ("minLength", "maxLength", "pattern")):
-            steps.append(_string_step(schema))
+        if strings:
+            steps.append(_string_step(schema, _type_step("string") if typed else None))
         if any(k in schema for k in ("minimum", "exclusiveMinimum", "maximum")):
             steps.append(_number_step(schema))
         if any(k in schema for k in ("minItems", "maxItems", "uniqueItems", "items")):
@@ -257,11 +260,13 @@ class _Compiler:
                 if key not in value:
                     raise OrderError("is required", field=_join(path, key))
             for key, item in value.items():
+                # _join(path, key), without its two calls for a string key
+                field = (f"{path}.{key}" if path else key) if type(key) is str else _join(path, key)
                 if key_check is not None:
-                    key_check(key, _join(path, key))
+                    key_check(key, field)
                 sub = props.get(key, extra_check)
                 if sub is not None:
-                    sub(item, _join(path, key))
+                    sub(item, field)
 
         return check
 
@@ -308,19 +313,24 @@ def _enum_step(allowed: list[Any]) -> _Check:
     return check
 
 
-def _string_step(schema: dict[str, Any]) -> _Check:
+def _string_step(schema: dict[str, Any], typed: _Check | None = None) -> _Check:
+    """Return the check of the string keywords; ``typed``: the ``type: string`` check made first."""
     min_length = schema.get("minLength", 0)
     max_length = schema.get("maxLength")
     regex = _regex(schema["pattern"]) if "pattern" in schema else None
     mismatch = schema.get("x-error", f"must match {schema.get('pattern')}")
 
     def check(value: Any, path: str) -> None:
-        if not isinstance(value, str):
-            return
-        if len(value) < min_length:
+        if type(value) is not str:
+            if typed is not None:
+                typed(value, path)
+            if not isinstance(value, str):
+                return
+        length = len(value)
+        if length < min_length:
             _fail("must not be empty" if min_length == 1 else "is too short", path)
-        if max_length is not None and len(value) > max_length:
-            _fail(f"is longer than {max_length} characters ({len(value)})", path)
+        if max_length is not None and length > max_length:
+            _fail(f"is longer than {max_length} characters ({length})", path)
         if regex is not None and not regex.fullmatch(value):
             _fail(mismatch, path)
 
