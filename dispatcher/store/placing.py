@@ -10,7 +10,6 @@ waiting/). Any error undoes that job's claim (``undo``): the order stays in inbo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -208,7 +207,7 @@ def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claim
     )
     sync += [f"{folder}/{JOB_FILE}", work, folder]
     state = State.WAITING if order.after else State.ACTIVE
-    return Written(spec, dataclasses.replace(order, body=body), state, tuple(sync))
+    return Written(spec, order.with_body(body), state, tuple(sync))
 
 
 def body_text(body: Mapping[str, Any]) -> str:
