@@ -97,7 +97,8 @@ def inspect(
     if not stat.S_ISREG(st.st_mode):
         kind = fsutil.kind_of(st.st_mode)
         return Refusal(name, f"a {kind} is not a work order; it was not opened", entry_kind=kind)
-    if order_format(name) is None:
+    fmt = order_format(name)
+    if fmt is None:
         return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
     if not name_is_utf8(name):  # the ledger records a job's file name as text
         return Refusal(name, "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`")
@@ -116,7 +117,7 @@ def inspect(
         return Refusal(name, f"cannot be read: {exc.strerror}")
     if (again.st_ino, again.st_size, again.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
         return None  # replaced or written to while being read: its own event brings it back
-    apart = order_format(name) == "yaml" and len(data) > APART_YAML_BYTES  # a long parse: in a child process
+    apart = fmt == "yaml" and len(data) > APART_YAML_BYTES  # a long parse: in a child process
     loaded: list[Any] = []  # the document, once parsed: an invalid order's job_id is read from it, not parsed again
     texts: list[str | None] = [None]  # its JSON text, when the child wrote it
 
@@ -136,12 +137,13 @@ def inspect(
             max_timeout_s=config.max_timeout_s,
             max_bytes=config.max_order_bytes,
             load=load,
+            fmt=fmt,
         )
     except OrderError as exc:  # refused by the strict rules: a plain parse may still read its job_id
         if loaded:
             return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]))
         # a large YAML file is not parsed a second time, here on the claim's way
-        return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, order_format(name) or "json"))
+        return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, fmt))
     except (OSError, MemoryError):
         raise  # a shortage: the file waits
     except Exception as exc:  # noqa: BLE001 - a value no rule foresaw: refused, never holding up the orders behind it

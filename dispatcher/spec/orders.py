@@ -53,16 +53,18 @@ def parse_order(
     max_timeout_s: float | None = None,
     max_bytes: int | None = None,
     load: Callable[[bytes, str], Any] = load_document,
+    fmt: str | None = None,
 ) -> Order:
     """Parse and validate one work order; raise OrderError naming the file and field.
 
     ``name`` is the file name (it picks the format by its suffix and is named in
-    errors). ``agents`` are the agent names of the config; with None, ``to`` is
-    not checked against it (``dispatcher validate`` without a config). ``load``
-    parses the document (``orderchild.load_apart``: in a child process).
+    errors; ``fmt``: its ``order_format``, when the caller has it). ``agents`` are the
+    agent names of the config; with None, ``to`` is not checked against it
+    (``dispatcher validate`` without a config). ``load`` parses the document
+    (``orderchild.load_apart``: in a child process).
     """
     try:
-        fmt = order_format(name)
+        fmt = fmt or order_format(name)
         if fmt is None:
             raise OrderError("not a work order (the name must end in .yaml, .yml or .json)")
         if max_bytes is not None and len(data) > max_bytes:
