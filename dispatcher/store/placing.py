@@ -33,7 +33,7 @@ from dispatcher.spec.orders import suffix_of, to_json
 from dispatcher.spec.settings import Agent
 from dispatcher.store.jobstore import JOB_FILE, JobFolder
 from dispatcher.store.results import is_disk_full
-from dispatcher.store.staging import drop_inbox_twin, new_stage, remove_stage
+from dispatcher.store.staging import drop_inbox_inode, new_stage, remove_stage
 
 log = structlog.get_logger("dispatcher")
 #: orders larger than this come with their body's JSON text made ahead (the YAML child writes it, the
@@ -129,7 +129,7 @@ def place(
         fsutil.rename_noreplace(stage, target)
     except OSError as exc:
         return undo(ledger, item, stage, claimed, exc)
-    drop_inbox_twin(layout, item.name, f"{os.fspath(target)}/order{suffix_of(item.name)}")
+    drop_inbox_inode(layout, item.name, item.inode)  # the inode linked into the job's folder by stage()
     log.info(
         "job.claimed",
         job_id=item.order.job_id,

@@ -6,13 +6,11 @@ place, the inbox name (the same inode) goes.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import secrets
 from pathlib import Path
 
-from dispatcher import fsutil
 from dispatcher.layout import Layout
 
 
@@ -22,11 +20,33 @@ def drop_inbox_twin(layout: Layout, name: str, kept: str | Path) -> bool:
     Return True if it was. Another daemon may have removed it first (it saw the
     placed job's folder): that is fine.
     """
-    inboxed = f"{os.fspath(layout.inbox)}/{name}"
-    if not name or not fsutil.same_file(inboxed, kept):
+    if not name:
         return False
-    with contextlib.suppress(FileNotFoundError):
+    try:
+        st = os.lstat(kept)
+    except OSError:
+        return False
+    return drop_inbox_inode(layout, name, (st.st_dev, st.st_ino))
+
+
+def drop_inbox_inode(layout: Layout, name: str, inode: tuple[int, int]) -> bool:
+    """Remove inbox/<name> if it is the inode ``(st_dev, st_ino)``: ``drop_inbox_twin`` when the caller knows it.
+
+    A claim knows it: the inbox file it read, linked into the job's folder and checked there.
+    """
+    if not name:
+        return False
+    inboxed = f"{os.fspath(layout.inbox)}/{name}"
+    try:
+        st = os.lstat(inboxed)
+    except OSError:
+        return False
+    if (st.st_dev, st.st_ino) != inode:
+        return False
+    try:
         os.unlink(inboxed)
+    except FileNotFoundError:
+        return True  # another daemon removed it first (it saw the placed folder): as good
     return True
 
 
