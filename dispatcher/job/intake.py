@@ -257,11 +257,13 @@ def claim(
                 out[i] = Skipped(pick.item.name)
     # every claimed folder is whole on disk before any is renamed into active/ (whose fsync is
     # once per batch): a power cut must not leave active/<id> without its job.json, work/ or order
-    errors = iter(fsutil.fsync_many([path for *_, w in written for path in w.sync]))
+    errors = fsutil.fsync_many([path for *_, w in written for path in w.sync])
     placed: set[State] = set()
+    end = 0
     for i, pick, stage, claimed, w in written:
-        error = next((e for e in [next(errors) for _ in w.sync] if e is not None), None)  # this job's own
-        out[i] = placing.place(layout, ledger, pick, stage, claimed, w, error)
+        start, end = end, end + len(w.sync)
+        failed = [e for e in errors[start:end] if e is not None]  # this job's own
+        out[i] = placing.place(layout, ledger, pick, stage, claimed, w, failed[0] if failed else None)
         if isinstance(out[i], Started):
             placed.add(w.state)
     for state in sorted(placed):
