@@ -264,7 +264,7 @@ class _Compiler:
                 field = (f"{path}.{key}" if path else key) if type(key) is str else _join(path, key)
                 if key_check is not None:
                     key_check(key, field)
-                sub = props.get(key, extra_check)
+                sub = props[key] if closed else props.get(key, extra_check)  # closed: every key is in props
                 if sub is not None:
                     sub(item, field)
 
