@@ -41,14 +41,14 @@ class JobSpec:
     claimed: float | None = None  # Unix time of the claim that placed the job (None in a job.json from before)
 
     def to_json(self) -> dict[str, Any]:
-        """Return the spec as plain JSON values."""
+        """Return the spec as plain JSON values (to be encoded: its agent's part is shared, never change it)."""
         return {
             "job_id": self.job_id,
             "source": self.source,
             "received": self.received,
             "parent": self.parent,
             "hops": self.hops,
-            "agent": self.agent.to_json(),
+            "agent": _agent_json(self.agent),
             "timeout": self.timeout_s,
             "max_attempts": self.max_attempts,
             "budget": self.budget,
@@ -97,6 +97,23 @@ class JobSpec:
     def with_given(self, name: str, sha: str) -> JobSpec:
         """Return the spec with one more file given to the agent."""
         return replace(self, given={**self.given, name: sha})
+
+
+_SNAPSHOTS: dict[int, tuple[Agent, dict[str, Any]]] = {}  # id(agent) -> (agent, agent.to_json())
+_SNAPSHOTS_MAX = 64
+
+
+def _agent_json(agent: Agent) -> dict[str, Any]:
+    """Return ``agent.to_json()``, made once per Agent: every job of a config's agent snapshots the same values.
+
+    The agent is kept beside its values, so an id reused by another object never matches.
+    """
+    known = _SNAPSHOTS.get(id(agent))
+    if known is None or known[0] is not agent:
+        if len(_SNAPSHOTS) >= _SNAPSHOTS_MAX:  # agents of configs reloaded since
+            _SNAPSHOTS.clear()
+        known = _SNAPSHOTS[id(agent)] = (agent, agent.to_json())
+    return known[1]
 
 
 def is_cost(value: Any) -> TypeGuard[int | float]:
