@@ -216,6 +216,8 @@ class Inbox:
         heapq.heappush(self._later, (due, -priority, mtime_ns, name))
 
     def _promote_due(self) -> None:
+        if not self._later and not self._aside_due:  # nothing held back (most turns): no clock reading
+            return
         now = time.time()
         while self._later and self._later[0][0] <= now:
             _due, _neg, mtime_ns, name = heapq.heappop(self._later)
