@@ -216,13 +216,14 @@ class Claims:
         An order whose not_before is to come is ``Later`` (``now``, for a cancel: taken all
         the same); one past its expires is refused as ``expired``.
         """
-        st = _lstat(f"{os.fspath(self.layout.inbox)}/{name}")
+        path = f"{os.fspath(self.layout.inbox)}/{name}"
+        st = _lstat(path)
         if st is not None and (
             st.st_size > BIG_ORDER_BYTES or (st.st_size > BIG_YAML_BYTES and order_format(name) == "yaml")
         ):
             return Big(name)
         try:
-            found = intake.inspect(self.layout, name, cfg, seen=st)  # its lstat is not taken twice
+            found = intake.inspect(self.layout, name, cfg, seen=st, path=path)  # its lstat is not taken twice
             if isinstance(found, Refusal):
                 log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
                 folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)

@@ -81,15 +81,15 @@ Claimed_ = Started | Waiting | Cancelled | Refused | Skipped
 
 
 def inspect(
-    layout: Layout, name: str, config: Config, *, seen: os.stat_result | None = None
+    layout: Layout, name: str, config: Config, *, seen: os.stat_result | None = None, path: str | None = None
 ) -> Inspected | Refusal | None:
     """Read and validate inbox/<name>; None if it is gone (taken or removed) or changed while read.
 
     ``seen``: the file's lstat the caller just took (it is not taken again); a change after it
-    still makes the read count as changed. A shortage (``shortage.resource_of``) is raised,
-    never turned into a refusal: the file waits.
+    still makes the read count as changed; ``path``: inbox/<name> as the caller joined it. A
+    shortage (``shortage.resource_of``) is raised, never turned into a refusal: the file waits.
     """
-    path = f"{os.fspath(layout.inbox)}/{name}"
+    path = path or f"{os.fspath(layout.inbox)}/{name}"
     try:
         st = seen if seen is not None else os.lstat(path)
     except FileNotFoundError:
@@ -151,7 +151,7 @@ def inspect(
     text = texts[0]
     if text is None and len(data) > AHEAD_TEXT_BYTES:  # a large JSON order: encoded here, not in the claim
         text = body_text(order.body)
-    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text)
+    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text, path)
 
 
 def job_id_of(body: Any) -> str | None:

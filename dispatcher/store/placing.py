@@ -54,6 +54,12 @@ class Inspected:
     received: float
     inode: tuple[int, int]  # (st_dev, st_ino) of the file that was read
     text: str | None = None  # a large order's ``body_text``, made off the ledger lane (see ``AHEAD_TEXT_BYTES``)
+    path: str = ""  # inbox/<name> as it was read ("": joined from the layout when needed)
+
+
+def inbox_path(layout: Layout, item: Inspected) -> str:
+    """Return the path of the inbox file an item was read from."""
+    return item.path or f"{os.fspath(layout.inbox)}/{item.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +94,7 @@ def stage(layout: Layout, owner: str, item: Inspected) -> Path | None:
     stage = new_stage(layout, owner, "claim", item.order.job_id)
     kept = f"{os.fspath(stage)}/order{suffix_of(item.name)}"
     try:
-        os.link(f"{os.fspath(layout.inbox)}/{item.name}", kept, follow_symlinks=False)
+        os.link(inbox_path(layout, item), kept, follow_symlinks=False)
     except FileNotFoundError:
         os.rmdir(stage)
         return None
@@ -129,7 +135,7 @@ def place(
         fsutil.rename_noreplace(stage, target)
     except OSError as exc:
         return undo(ledger, item, stage, claimed, exc)
-    drop_inbox_inode(layout, item.name, item.inode)  # the inode linked into the job's folder by stage()
+    drop_inbox_inode(inbox_path(layout, item), item.inode)  # the inode linked into the job's folder by stage()
     log.info(
         "job.claimed",
         job_id=item.order.job_id,

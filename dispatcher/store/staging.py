@@ -26,17 +26,15 @@ def drop_inbox_twin(layout: Layout, name: str, kept: str | Path) -> bool:
         st = os.lstat(kept)
     except OSError:
         return False
-    return drop_inbox_inode(layout, name, (st.st_dev, st.st_ino))
+    return drop_inbox_inode(f"{os.fspath(layout.inbox)}/{name}", (st.st_dev, st.st_ino))
 
 
-def drop_inbox_inode(layout: Layout, name: str, inode: tuple[int, int]) -> bool:
-    """Remove inbox/<name> if it is the inode ``(st_dev, st_ino)``: ``drop_inbox_twin`` when the caller knows it.
+def drop_inbox_inode(inboxed: str, inode: tuple[int, int]) -> bool:
+    """Remove the inbox file at ``inboxed`` if it is the inode ``(st_dev, st_ino)``; return True if it was.
 
-    A claim knows it: the inbox file it read, linked into the job's folder and checked there.
+    ``drop_inbox_twin`` for a caller that knows the inode: a claim, which linked the inbox
+    file it read into the job's folder and checked it there.
     """
-    if not name:
-        return False
-    inboxed = f"{os.fspath(layout.inbox)}/{name}"
     try:
         st = os.lstat(inboxed)
     except OSError:
