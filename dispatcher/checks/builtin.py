@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
+from functools import partial
 from typing import Any
 
 from dispatcher.checks.facts import Evidence
@@ -24,13 +25,19 @@ from dispatcher.text import exit_text
 DETAIL_MAX = 1000
 
 
-def _n(name: str) -> Callable[[bool | None, str], CheckResult]:
-    """Return a maker of this check's results; details are kept to one short printable line."""
-    return lambda ok, detail: CheckResult(name, ok, cut(printable(detail), DETAIL_MAX))
+def _made(name: str, ok: bool | None, detail: str) -> CheckResult:
+    """Return a result of check ``name``; its detail is kept to one short printable line.
+
+    Each check binds its name once (``r = partial(_made, "exit_ok")``). A detail that is
+    short, ASCII and printable (the usual one) is kept as it is without a further call.
+    """
+    if len(detail) > DETAIL_MAX or not detail.isascii() or not detail.isprintable():
+        detail = cut(printable(detail), DETAIL_MAX)
+    return CheckResult(name, ok, detail)
 
 
 def exit_ok(ev: Evidence) -> CheckResult:
-    r = _n("exit_ok")
+    r = partial(_made, "exit_ok")
     e = ev.exit
     if e.lost:
         return r(None, "exit status lost: the daemon stopped while the agent ran")
@@ -53,7 +60,7 @@ def _receipt(ev: Evidence) -> dict[str, Any] | None:
 
 
 def receipt_present(ev: Evidence) -> CheckResult:
-    r = _n("receipt_present")
+    r = partial(_made, "receipt_present")
     if ev.receipt.missing:
         return r(False, "no receipt.json")
     if ev.receipt.error is not None:
@@ -64,7 +71,7 @@ def receipt_present(ev: Evidence) -> CheckResult:
 
 
 def receipt_job_id(ev: Evidence) -> CheckResult:
-    r = _n("receipt_job_id")
+    r = partial(_made, "receipt_job_id")
     rec = _receipt(ev)
     if rec is None:
         return r(None, "no usable receipt")
@@ -75,7 +82,7 @@ def receipt_job_id(ev: Evidence) -> CheckResult:
 
 
 def receipt_status(ev: Evidence) -> CheckResult:
-    r = _n("receipt_status")
+    r = partial(_made, "receipt_status")
     rec = _receipt(ev)
     if rec is None:
         return r(None, "no usable receipt")
@@ -112,7 +119,7 @@ def _compare_ids(got: Sequence[Any], want: Sequence[str], what: str) -> str | No
 
 
 def receipt_inputs(ev: Evidence) -> CheckResult:
-    r = _n("receipt_inputs")
+    r = partial(_made, "receipt_inputs")
     rec = _receipt(ev)
     if rec is None:
         return r(None, "no usable receipt")
@@ -131,7 +138,7 @@ def _summary(ev: Evidence) -> OutputSummary | None:
 
 
 def output_rows(ev: Evidence) -> CheckResult:
-    r = _n("output_rows")
+    r = partial(_made, "output_rows")
     out = ev.order.accept.output
     if out is None or ev.output is None:
         return r(None, "no accept.output")
@@ -149,7 +156,7 @@ def output_rows(ev: Evidence) -> CheckResult:
 
 
 def receipt_outputs(ev: Evidence) -> CheckResult:
-    r = _n("receipt_outputs")
+    r = partial(_made, "receipt_outputs")
     out = ev.order.accept.output
     if out is None:
         return r(None, "no accept.output")
@@ -188,7 +195,7 @@ def receipt_outputs(ev: Evidence) -> CheckResult:
 
 
 def allowed_values(ev: Evidence) -> CheckResult:
-    r = _n("allowed_values")
+    r = partial(_made, "allowed_values")
     acc = ev.order.accept
     if acc.allowed is None and not acc.required:
         return r(None, "no accept.allowed or accept.required")
@@ -208,7 +215,7 @@ def in_scope(path: str, writes: Sequence[str]) -> bool:
 
 
 def writes_scope(ev: Evidence) -> CheckResult:
-    r = _n("writes_scope")
+    r = partial(_made, "writes_scope")
     if not ev.work_exists:
         return r(False, "work/ is gone")
     present = {e.path: e for e in ev.entries}
@@ -246,7 +253,7 @@ def writes_scope(ev: Evidence) -> CheckResult:
 
 
 def followups_valid(ev: Evidence) -> CheckResult:
-    r = _n("followups_valid")
+    r = partial(_made, "followups_valid")
     wanted = ev.order.accept.followups
     if not ev.outbox_exists and not ev.followups and wanted is None:
         return r(None, "no outbox/")
@@ -325,6 +332,14 @@ def run_checks(ev: Evidence) -> list[CheckResult]:
     A check that raises on input nobody foresaw is recorded as failed, with the
     error as its detail, rather than losing the other checks.
     """
+    try:
+        return [check(ev) for check in CHECKS]
+    except Exception:  # noqa: BLE001 - the checks are pure: run them again one by one, the others kept
+        return _run_each(ev)
+
+
+def _run_each(ev: Evidence) -> list[CheckResult]:
+    """Run every check in contract order, one that raises recorded as failed with the error as its detail."""
     results = []
     for check in CHECKS:
         try:
