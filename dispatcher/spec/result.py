@@ -77,7 +77,7 @@ class Result:
             "state": self.state,
             "agent": self.agent,
             "reason": self.reason,
-            "checks": [c.to_json() for c in self.checks],
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],  # as CheckResult.to_json
             "attempts": [dict(a) for a in self.attempts],
             "received": self.received,
             "finished": self.finished,

@@ -58,8 +58,10 @@ def build_result(
         state=state,
         agent=agent,
         reason=cut_reason(reason) if reason is not None else None,
-        checks=tuple(CheckResult(c.name, c.ok, cut(c.detail, DETAIL_MAX)) for c in checks),
-        attempts=tuple(a.to_json(internal=False) for a in attempts),
+        checks=tuple(
+            [c if len(c.detail) <= DETAIL_MAX else CheckResult(c.name, c.ok, cut(c.detail, DETAIL_MAX)) for c in checks]
+        ),
+        attempts=tuple([a.to_json(internal=False) for a in attempts]),
         received=iso(received),
         finished=iso(time.time()),
         parent=parent,
