@@ -98,7 +98,9 @@ def vouched(ev: Evidence, outbox: list[str]) -> list[str]:
 def check(ev: Evidence) -> list[CheckResult]:
     """Run the pure checks on gathered evidence and log the verdict."""
     results = run_checks(ev)
-    log.info("job.verified", passed=sum(1 for c in results if c.ok), failed=[c.name for c in results if c.ok is False])
+    log.info(
+        "job.verified", passed=len([c for c in results if c.ok]), failed=[c.name for c in results if c.ok is False]
+    )
     return results
 
 
