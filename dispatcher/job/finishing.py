@@ -67,7 +67,7 @@ class Finishing(abc.ABC):
         result = self._result(
             state, reason, checks, children, {"workspace": workspace} if workspace is not None else None
         )
-        finish = self._finish(state)
+        finish = self._finish(state, result)
         ok = await self._until_written(  # the result is staged in the same trip as the ledger's commit
             lambda: self.ctx.finisher.finish(self.folder, finish, result, release=bool(children)),
             "finish",
@@ -139,10 +139,9 @@ class Finishing(abc.ABC):
             user_checks=[c.name for c in self.spec.agent.checks],
         )
 
-    def _finish(self, state: Row) -> Finish:
-        """Return the ledger's record of the job's end in state."""
-        cost, chain = self._costs()
-        return Finish(self.job_id, self.token, state, cost, chain)
+    def _finish(self, state: Row, result: Result) -> Finish:
+        """Return the ledger's record of the job's end in state, with the costs its result (``_result``) holds."""
+        return Finish(self.job_id, self.token, state, result.cost_usd, result.chain_cost_usd)
 
     def _costs(self) -> tuple[float | None, float | None]:
         """Return the job's cost over its attempts and its chain's (the parents' included)."""

@@ -48,7 +48,7 @@ class Ending:
 
     final: bool  # a recovered job's receipt: no repair
     result_of: Callable[[Row, str | None, list[CheckResult]], Result]
-    finish_of: Callable[[Row], Finish]
+    finish_of: Callable[[Row, Result], Finish]
     land: Callable[[JobFolder, Finish, Result, Callable[[bool | OSError], Settled]], Handoff[Settled]]
 
 
@@ -76,7 +76,7 @@ def settle(
         errors = [OSError("not staged")]
     if any(e is not None for e in errors):
         return Settled(checks, followups, judgement)  # the loop finishes it, waiting for room
-    finish = ending.finish_of(state)
+    finish = ending.finish_of(state, result)
     return ending.land(
         folder, finish, result, lambda ok: Settled(checks, followups, judgement, finish, result, landed=ok)
     )
