@@ -27,7 +27,6 @@ from dispatcher.spec.orders import order_format, parse_order
 RECEIPT_MAX = 4 * 1024 * 1024  # ids of items and outputs: orders are at most a few MiB
 OUTPUT_MAX = 256 * 1024 * 1024
 _KINDS = {
-    "regular file": "file",
     "folder": "dir",
     "symlink": "symlink",
     "FIFO": "fifo",
@@ -55,7 +54,7 @@ def _relative_inside(link: str, root: str) -> bool:
     return fsutil.link_stays_inside(link, root)
 
 
-def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
+def open_doc(work: str | Path, rel: str, limit: int) -> tuple[Doc, int | None]:
     """Open work/<rel> without following links or blocking; return (Doc saying why not, fd).
 
     The fd, when given, is a regular file of at most ``limit`` bytes; the caller closes it.
@@ -83,7 +82,7 @@ def open_doc(work: Path, rel: str, limit: int) -> tuple[Doc, int | None]:
     return Doc(), fd
 
 
-def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
+def read_doc(work: str | Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
     """Read work/<rel> as bytes; return a Doc saying missing/error, and the bytes."""
     doc, fd = open_doc(work, rel, limit)
     if fd is None:
@@ -104,7 +103,7 @@ def read_doc(work: Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
     return Doc(), b"".join(chunks)
 
 
-def read_receipt(work: Path) -> Doc:
+def read_receipt(work: str | Path) -> Doc:
     """Read and parse work/receipt.json."""
     doc, data = read_doc(work, "receipt.json", RECEIPT_MAX)
     if data is None:
@@ -115,7 +114,7 @@ def read_receipt(work: Path) -> Doc:
         return Doc(error=f"is not valid JSON ({exc.reason.removeprefix('not valid JSON: ')})")
 
 
-def read_output(work: Path, rel: str, order: Order) -> Doc:
+def read_output(work: str | Path, rel: str, order: Order) -> Doc:
     """Summarise accept.output (csv with header, json list, jsonl) for the checks, streamed.
 
     Returns ``Doc(value=OutputSummary)``; memory stays bounded whatever the file's size.
@@ -127,7 +126,7 @@ def read_output(work: Path, rel: str, order: Order) -> Doc:
     return summarise_fd(fd, fmt, order, OUTPUT_MAX)
 
 
-def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
+def list_entries(work: str | Path, given: Mapping[str, str]) -> list[Entry]:
     """Walk work/ without following links; describe every entry.
 
     The walk is iterative (no recursion limit for deep trees). A folder that
@@ -154,21 +153,22 @@ def list_entries(work: Path, given: Mapping[str, str]) -> list[Entry]:
                     st = de.stat(follow_symlinks=False)
                 except OSError:
                     continue
+                if stat.S_ISREG(st.st_mode):  # the usual entry
+                    sha = _digest_file(root, rel) if rel in given else None
+                    out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))
+                    continue
                 kind = _KINDS.get(kind_of(st.st_mode), "device")
                 if kind == "dir":
                     out.append(Entry(rel, "dir"))
                     stack.append((de.path, rel + "/"))
                 elif kind == "symlink":
                     out.append(Entry(rel, "symlink", target_inside=_relative_inside(de.path, root)))
-                elif kind == "file":
-                    sha = _digest_file(work, rel) if rel in given else None
-                    out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))
                 else:
                     out.append(Entry(rel, kind))
     return out
 
 
-def _digest_file(work: Path, rel: str) -> str | None:
+def _digest_file(work: str | Path, rel: str) -> str | None:
     """Return the sha256 of work/<rel> read in chunks without following links, or None."""
     try:
         fd = fsutil.open_beneath(work, rel)
@@ -193,7 +193,7 @@ def _digest_file(work: Path, rel: str) -> str | None:
 
 
 def read_followups(
-    work: Path,
+    work: str | Path,
     parse: Callable[[bytes, str], Order],
     max_bytes: int,
     max_followups: int = 100,
@@ -204,7 +204,7 @@ def read_followups(
     ``max_followups + 1`` are read and parsed: one more than allowed already fails
     followups_valid, so 5,000 files cost 5,000 names, not 5,000 parses.
     """
-    outbox = os.path.join(work, "outbox")
+    outbox = f"{work}/outbox"
     try:
         st = os.lstat(outbox)
     except OSError:
@@ -254,9 +254,13 @@ def gather(
     changed: Sequence[str] | str | None = None,
 ) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
     """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
-    work_exists = os.path.isdir(work) and not os.path.islink(work)
+    root = os.fspath(work)  # every read joins this str, not a Path
+    try:
+        work_exists = stat.S_ISDIR(os.lstat(root).st_mode)  # a folder, not a link to one
+    except OSError:
+        work_exists = False
     accept_out = order.accept.output
-    output = read_output(work, accept_out, order) if accept_out is not None and work_exists else None
+    output = read_output(root, accept_out, order) if accept_out is not None and work_exists else None
     if accept_out is not None and output is None:
         output = Doc(missing=True)
 
@@ -266,7 +270,7 @@ def gather(
     outbox_exists = False
     followups: list[tuple[Followup, bytes | None]] = []
     if work_exists:
-        outbox_exists, followups = read_followups(work, parse, max_order_bytes, max_followups)
+        outbox_exists, followups = read_followups(root, parse, max_order_bytes, max_followups)
     ids = [f.order.job_id for f, _ in followups if f.order is not None]
     scope = list(writes)
     if accept_out is not None:
@@ -276,10 +280,10 @@ def gather(
         agent=agent,
         writes=tuple(scope),
         exit=exit,
-        receipt=read_receipt(work) if work_exists else Doc(missing=True),
+        receipt=read_receipt(root) if work_exists else Doc(missing=True),
         output=output,
         work_exists=work_exists,
-        entries=tuple(list_entries(work, given)) if work_exists else (),
+        entries=tuple(list_entries(root, given)) if work_exists else (),
         given=given,
         outbox_exists=outbox_exists,
         followups=tuple(f for f, _ in followups),
