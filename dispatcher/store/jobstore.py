@@ -23,6 +23,7 @@ recovery lands it from its staged result.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -45,6 +46,8 @@ STAGED = ".result.json.staged"
 AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED" of the attempt's agent
 SPEC_MAX = 8 * 1024 * 1024
 RECORD_MAX = 1024 * 1024
+_WORK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # as ``fsutil.open_beneath`` opens a file
 
 
 class JobFolder:
@@ -319,35 +322,56 @@ class JobFolder:
         For the files the checks vouch for (the follow-ups, ``accept.output``, the receipt),
         in the order given: the agent wrote them without fsync, and result.json is about to
         say they passed. The folders come after every file, work/ last. Every path is
-        opened one part at a time without following links; one that is gone or is not a
-        regular file is left out (the checks said so already).
+        opened one part at a time without following links, a name of work/ itself from
+        work/ opened once; one that is gone or is not a regular file is left out (the
+        checks said so already).
         """
         if not rels:
             return
         folders: dict[tuple[str, ...], None] = {}  # the parts of each folder below work/
-        for rel in rels:
-            parts = fsutil.rel_parts(rel)
-            try:
-                fd = fsutil.open_beneath(self._work, rel)
-            except (FileNotFoundError, NotADirectoryError, fsutil.NotRegular):
-                continue
-            try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
+        work = os.open(self._work, _WORK_FLAGS)
+        try:
+            for rel in rels:
+                fd = self._open_in_work(work, rel, folders)
+                if fd is None:
+                    continue
+                try:
+                    if stat.S_ISREG(os.fstat(fd).st_mode):
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            for rel_dir in sorted(folders, key=len, reverse=True):
+                try:
+                    fd = fsutil.open_beneath(self._work, "/".join(rel_dir))
+                except (FileNotFoundError, fsutil.NotRegular):
+                    continue
+                try:
                     os.fsync(fd)
-            finally:
-                os.close(fd)
-            for k in range(len(parts) - 1, 0, -1):  # its folders below work/, the deepest first
-                folders[parts[:k]] = None
-        for rel_dir in sorted(folders, key=len, reverse=True):
+                finally:
+                    os.close(fd)
+            os.fsync(work)
+        finally:
+            os.close(work)
+
+    def _open_in_work(self, work: int, rel: str, folders: dict[tuple[str, ...], None]) -> int | None:
+        """Open work/<rel> for ``sync_work`` without following links (None: gone or not a file); note its folders."""
+        if "/" not in rel:  # a name in work/ (the receipt, the usual output): one open from work/'s fd
             try:
-                fd = fsutil.open_beneath(self._work, "/".join(rel_dir))
-            except (FileNotFoundError, fsutil.NotRegular):
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsutil.fsync_dir(self._work)
+                return os.open(rel, _FILE_FLAGS, dir_fd=work)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # a link (``fsutil.open_beneath`` says NotRegular)
+                    return None
+                raise
+        parts = fsutil.rel_parts(rel)
+        try:
+            fd = fsutil.open_beneath(self._work, rel)
+        except (FileNotFoundError, NotADirectoryError, fsutil.NotRegular):
+            return None
+        for k in range(len(parts) - 1, 0, -1):  # its folders below work/, the deepest first
+            folders[parts[:k]] = None
+        return fd
 
     def stage_result(self, result: Result) -> None:
         """Step 1 of finishing: write the result under its staging name, fsynced (a torn one is rewritten)."""
