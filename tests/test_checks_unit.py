@@ -590,3 +590,14 @@ def test_details_never_show_python_notation() -> None:
     assert typed["allowed_values"] == 'record R1: n "1" is not allowed'
     for text in (*details.values(), *numeric.values(), *typed.values()):
         assert "None" not in text and "'" not in text, text
+
+
+def test_ids_in_another_order_pass_with_the_same_details_as_ids_in_item_order() -> None:
+    """The item ids in order (the usual receipt and output) and the same ids shuffled pass alike."""
+    shuffled = list(reversed(IDS))
+    in_order = {c.name: c for c in run_checks(evidence())}
+    other = {c.name: c for c in run_checks(evidence(receipt=receipt(input_ids=shuffled, output_ids=shuffled)))}
+    moved = {c.name: c for c in run_checks(evidence(output=rows(*shuffled)))}
+    for name in ("receipt_inputs", "output_rows", "receipt_outputs"):
+        assert in_order[name].ok is True, in_order[name]
+        assert other[name] == in_order[name] == moved[name], name

@@ -126,6 +126,13 @@ class OutputSummary:
         """Return True when every id of the output is known (none was only counted)."""
         return self.uncounted == 0
 
+    @property
+    def one_per_item(self) -> bool:
+        """Return True when every item id is in exactly one record and no record holds another id or none."""
+        counts = self.item_counts
+        plain = not self.others and not self.uncounted and not self.no_id  # every record holds an item id
+        return plain and self.records == len(counts) and 0 not in counts.values()
+
     def id_counts(self) -> Counter[Hashable]:
         """Return the known ids of the output as a multiset of stored keys."""
         have: Counter[Hashable] = Counter({k: n for k, n in self.item_counts.items() if n})
