@@ -11,9 +11,25 @@ def utc_stamp(when: float | None = None) -> str:
     return moment.strftime("%Y%m%dT%H%M%S.%fZ")
 
 
+_second: tuple[int, str] = (-1, "")  # the last whole second iso() wrote and its text up to the seconds
+
+
 def iso(when: float) -> str:
-    """Return an ISO 8601 UTC time with milliseconds, as result.json writes it."""
-    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(when * 1000) % 1000:03d}Z"
+    """Return an ISO 8601 UTC time with milliseconds, as result.json writes it.
+
+    The text up to the seconds is made once a second (a job writes six such
+    times); a time so close to the next second that ``fromtimestamp`` rounds it
+    up is made in full, as before.
+    """
+    global _second
+    second = int(when)
+    last = _second
+    if last[0] != second or not 0 <= when - second < 0.999999:
+        head = datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+        if not 0 <= when - second < 0.999999:  # rounded up, or before 1970: not the text of ``second``
+            return head + f"{int(when * 1000) % 1000:03d}Z"
+        last = _second = (second, head)
+    return last[1] + f"{int(when * 1000) % 1000:03d}Z"
 
 
 def parse_iso(text: str) -> float:

@@ -193,10 +193,10 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     (ENOTEMPTY); for files, link + unlink gives the same guarantee.
     """
     if _RENAMEAT2 is not None:
-        import ctypes
-
         if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
             return
+        import ctypes
+
         err = ctypes.get_errno()
         if err == errno.EEXIST:
             raise FileExistsError(errno.EEXIST, "exists", str(dst))

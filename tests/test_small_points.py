@@ -228,3 +228,23 @@ def test_a_relayed_log_line_is_taken_once(tmp_path: Path) -> None:
     ]
     assert take_relayed(layout, hints) == [], "the same lines were handed over twice"
     assert os.listdir(layout.control) == []
+
+
+@pytest.mark.parametrize(
+    "when",
+    [0.0, 1e-7, 0.5, 0.9999994, 0.9999995, 0.9999996, 1764800000.0, 1764800000.123, 1764800000.9999996,
+     1764800001.0004, 1764800001.9994999, 4102444799.999],
+)  # fmt: skip
+def test_result_times_are_strftimes_text_whether_or_not_their_second_was_seen_before(when: float) -> None:
+    """`iso` (result.json's times) gives datetime's text for a time, alone and after a time in the same second."""
+    from datetime import UTC, datetime
+
+    from dispatcher.clock import iso
+
+    def want(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(t * 1000) % 1000:03d}Z"
+
+    assert iso(when) == want(when)
+    earlier = float(int(when)) + 0.25
+    assert iso(earlier) == want(earlier)
+    assert iso(when) == want(when)  # the second's text cached by the time before it
