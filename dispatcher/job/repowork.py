@@ -204,9 +204,9 @@ class JobRepo:
 
     async def after_final(self, state: Row, cfg: Config, notify: landing.Notify | None) -> None:
         """After the finish: run ``after`` (owed in review/), remove the worktree (branch kept), land a done job."""
-        job_path = self.layout.job(landed_state(state), self.spec.job_id)
         after = self.spec.agent.repo.after
         if after is not None and state != Row.REVIEW:  # a job in review owes it until decided (``afterowed``)
+            job_path = self.layout.job(landed_state(state), self.spec.job_id)
             await self.lanes.io(afterowed.running, self.layout, self.spec.job_id)  # a crash now is recorded
             run = await self._hook("after", after, job_path, cfg, job_path / "work")
             record = {**run.to_json(), "state": str(state)}
