@@ -166,7 +166,10 @@ def dump_json(value: Any) -> bytes:
 
     Undecodable bytes of file names (surrogate escapes) become JSON \\u escapes.
     """
-    return (json.dumps(value, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+    return (_ENCODE(value) + "\n").encode("utf-8", "backslashreplace")
+
+
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(value, ensure_ascii=False), its encoder made once
 
 
 def _renameat2() -> Any:
@@ -184,7 +187,7 @@ _RENAMEAT2 = _renameat2()
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 
 
-def rename_noreplace(src: Path, dst: Path) -> None:
+def rename_noreplace(src: str | Path, dst: str | Path) -> None:
     """Rename src to dst, raising FileExistsError if dst exists.
 
     Uses renameat2(RENAME_NOREPLACE) where the C library has it (a real rename:

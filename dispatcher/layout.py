@@ -33,6 +33,7 @@ class Layout:
     slots: Path = field(init=False, repr=False, compare=False)  # lock files bounding each agent's concurrency
     control: Path = field(init=False, repr=False, compare=False)  # hint files that wake a running daemon
     _folders: dict[State, Path] = field(init=False, repr=False, compare=False)
+    _prefixes: tuple[tuple[State, str], ...] = field(init=False, repr=False, compare=False)  # "ROOT/STATE/"
 
     def __post_init__(self) -> None:
         root, state_dir = self.root, self.root / ".state"
@@ -46,6 +47,7 @@ class Layout:
             ("slots", state_dir / "slots"),
             ("control", state_dir / "control"),
             ("_folders", {s: root / s.value for s in State}),
+            ("_prefixes", tuple((s, f"{os.fspath(root)}/{s.value}/") for s in State)),
         ):
             object.__setattr__(self, name, path)
 
@@ -95,11 +97,11 @@ class Layout:
 
     def find(self, job_id: str) -> tuple[State, Path] | None:
         """Return the state and folder of a job, or None if it has no folder."""
-        root = os.fspath(self.root)
-        for state in State:
-            path = f"{root}/{state.value}/{job_id}"
+        is_dir, lstat = stat.S_ISDIR, os.lstat
+        for state, prefix in self._prefixes:
+            path = prefix + job_id
             try:
-                if stat.S_ISDIR(os.lstat(path).st_mode):
+                if is_dir(lstat(path).st_mode):
                     return state, Path(path)
             except OSError:
                 continue
