@@ -2,13 +2,17 @@
 
 ``asyncio.wait_for(event.wait(), timeout)`` makes a task, a coroutine and a
 timer at every wait, and the loop waits several times per job; this costs one
-future and one timer. Set it only from the loop's thread (other threads go
-through ``loop.call_soon_threadsafe``), as with ``asyncio.Event``.
+future, and a timer only when the wait ends at another time than the last one
+(the next rescan is the usual end, the same from one wait to the next). Set it
+only from the loop's thread (other threads go through ``loop.call_soon_threadsafe``),
+as with ``asyncio.Event``.
 """
 
 from __future__ import annotations
 
 import asyncio
+
+_SAME_S = 0.001  # a timer this close to a wait's end serves it
 
 
 class Wakeup:
@@ -18,6 +22,7 @@ class Wakeup:
         self._loop = loop
         self._set = False
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the end of the waits, kept from one to the next
 
     def set(self) -> None:
         """Wake the loop's wait (now, or the next one if none is waiting)."""
@@ -38,15 +43,21 @@ class Wakeup:
         """Return at the next wake-up, or after timeout seconds (at once if one already came)."""
         if self._set:
             return
-        waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(timeout, _end, waiter)
+        loop = self._loop
+        end = loop.time() + timeout
+        timer = self._timer
+        if timer is None or abs(timer.when() - end) > _SAME_S:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(end, self._timed_out)
+        waiter = self._waiter = loop.create_future()
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
 
-
-def _end(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+    def _timed_out(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
