@@ -391,6 +391,47 @@ def test_many_agents_share_one_thread(tmp_path: Path) -> None:
     assert counts[0] - before < 3, (before, counts[0])
 
 
+def test_a_reader_that_fails_is_reported_and_the_others_still_run() -> None:
+    """Agents' readers share one epoll: one that raises goes to the loop's handler, the next one still runs."""
+    import contextvars
+
+    from dispatcher.job.readers import readers
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="none")
+    heard: list[str] = []
+    reported: list[BaseException] = []
+
+    def failing(fd: int) -> None:
+        os.read(fd, 10)
+        raise RuntimeError("boom")
+
+    def reading(fd: int) -> None:
+        heard.append(f"{os.read(fd, 10).decode()} in {var.get()}")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx["exception"]))
+        (r1, w1), (r2, w2) = os.pipe(), os.pipe()
+        watch = readers()
+        watch.add(r1, failing, r1)
+        var.set("its context")
+        watch.add(r2, reading, r2)
+        os.write(w1, b"x")
+        os.write(w2, b"y")
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if heard and reported:
+                break
+        for fd in (r1, r2):
+            watch.remove(fd)
+        for fd in (r1, w1, r2, w2):
+            os.close(fd)
+
+    asyncio.run(main())
+    assert heard == ["y in its context"]
+    assert [str(e) for e in reported] == ["boom"]
+
+
 # -- notifications at a stop ------------------------------------------------------------------
 def _notifications(tmp_path: Path) -> tuple[Any, Path]:
     """Notifications whose command marks its start in tmp/started-<event> and then hangs."""

@@ -2,8 +2,8 @@
 
 Like rq's work horse: ``Popen(argv, cwd=work, start_new_session=True, env=...,
 stdin=DEVNULL)``. Instead of a thread per agent, every agent is watched by the
-one event loop: its pidfd and its two output pipes are readers on the loop's
-selector, its timeout and kill grace are the loop's timers. asyncio's own
+one event loop: its pidfd and its two output pipes are readers on one epoll the
+loop watches (``readers``), its timeout and kill grace are the loop's timers. asyncio's own
 subprocess layer is not used: on Python 3.11 it needs a child watcher (a thread
 per child by default, PITFALLS) and builds transports and stream protocols per
 pipe; a pidfd reader is all that is needed to learn of an exit.
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dispatcher.job.idle import IdleWatch, newest_change
+from dispatcher.job.readers import Readers, readers
 from dispatcher.procs import end_group, group_gone, signal_group
 
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
@@ -138,6 +139,8 @@ class AgentExit:
 class AgentProcess:
     """One agent process supervised by the event loop."""
 
+    _readers: Readers  # its pipes' and pidfd's, from ``start``
+
     def __init__(
         self,
         argv: list[str],
@@ -185,13 +188,14 @@ class AgentProcess:
         # from here on the agent runs: nothing below may turn into "cannot start"
         self.pid = self._proc.pid
         assert self._proc.stdout is not None and self._proc.stderr is not None  # noqa: S101 - PIPE gives both
+        watch = self._readers = readers()
         for stream, pipe in ((self._out, self._proc.stdout), (self._err, self._proc.stderr)):
             stream.fd = pipe.fileno()
             os.set_blocking(stream.fd, False)
-            loop.add_reader(stream.fd, self._pump, stream)
+            watch.add(stream.fd, self._pump, stream)
         try:
             self._pidfd = os.pidfd_open(self.pid)
-            loop.add_reader(self._pidfd, self._on_exit)
+            watch.add(self._pidfd, self._on_exit)
         except OSError:  # no pidfds (old kernel): fall back to polling the child
             self._timers.append(loop.call_later(0.05, self._poll_exit))
         self._timers.append(loop.call_later(self.timeout_s, self._on_timeout))
@@ -237,7 +241,7 @@ class AgentProcess:
     def _close_stream(self, stream: _Stream) -> None:
         if stream.open:
             stream.open = False
-            asyncio.get_running_loop().remove_reader(stream.fd)
+            self._readers.remove(stream.fd)
         self._maybe_complete()
 
     def _maybe_complete(self) -> None:
@@ -280,8 +284,7 @@ class AgentProcess:
         self._after_exit()
 
     def _on_exit(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._pidfd)
+        self._readers.remove(self._pidfd)
         # the leader is an unreaped zombie: its pgid is still ours to signal
         signal_group(self.pid, signal.SIGTERM)
         os.close(self._pidfd)
@@ -322,11 +325,10 @@ class AgentProcess:
 
     def _stop_draining(self) -> None:
         """A process that left the group still holds a pipe: stop reading it."""
-        loop = asyncio.get_running_loop()
         for stream in (self._out, self._err):
             if stream.open:
                 stream.open = False
-                loop.remove_reader(stream.fd)
+                self._readers.remove(stream.fd)
         self._maybe_complete()
 
     def _complete(self) -> None:
