@@ -47,7 +47,8 @@ def build_env(
     agent_env: Mapping[str, str], dispatch: Mapping[str, str], pass_env: tuple[str, ...] = ()
 ) -> dict[str, str]:
     """Return the agent's environment: PATH, HOME, LANG, the pass_env names, its own env, then DISPATCH_*."""
-    env = {k: os.environ[k] for k in (*PASSED_ENV, *pass_env) if k in os.environ}
+    environ = os.environ  # each lookup in it is several Python calls: one per name
+    env = {k: v for k in (*PASSED_ENV, *pass_env) if (v := environ.get(k)) is not None}
     env.update(agent_env)
     env.update(dispatch)
     return env
