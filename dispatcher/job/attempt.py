@@ -92,7 +92,7 @@ def process(
     n: int,
     cmd: list[str],
     cfg: Config,
-    log_dir: Path,
+    log_dir: str | Path,
     *,
     probe: bool = False,
     workspace: Workspace | None = None,

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import structlog
@@ -367,7 +366,7 @@ class Job(Finishing, Deciding):
             return False, await self._before_failed(n, why)
         return True, None
 
-    async def _start(self, n: int, argv: list[str], log_dir: Path) -> AgentProcess | OSError | Outcome:
+    async def _start(self, n: int, argv: list[str], log_dir: str) -> AgentProcess | OSError | Outcome:
         """Start attempt n's agent; return the error if it cannot start (a shortage: ``Outcome.SHORT``)."""
         cfg = self.ctx.config()
         proc = attempt.process(

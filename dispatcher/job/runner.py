@@ -150,7 +150,7 @@ class AgentProcess:
         env: Mapping[str, str],
         timeout_s: float,
         kill_grace_s: float,
-        log_dir: Path | None,
+        log_dir: str | Path | None,
         max_log_bytes: int,
         log_prefix: str = "",
         idle_timeout_s: float | None = None,

@@ -185,8 +185,8 @@ class JobFolder:
         """Write job.json atomically."""
         fsutil.write_atomic(self.path / JOB_FILE, fsutil.dump_json(spec.to_json()), sync=sync, sync_dir=sync)
 
-    def begin_attempt(self, n: int, *, sync: bool = True) -> Path:
-        """Make attempts/<n>/ (its logs come just before its agent starts: ``make_logs``); return the folder.
+    def begin_attempt(self, n: int, *, sync: bool = True) -> str:
+        """Make attempts/<n>/ (its logs come just before its agent starts: ``make_logs``); return its path.
 
         Raises OSError (a full disk, say) before any agent starts: the job then waits.
         Without ``sync`` the caller fsyncs ``attempts_path`` before the agent starts.
@@ -197,7 +197,7 @@ class JobFolder:
         # recovery counts it as interrupted instead of starting an agent that is not retry-safe again
         if sync:
             fsutil.fsync_dir(self._attempts)
-        return Path(folder)
+        return folder
 
     def make_logs(self, n: int, *, keep: bool = False) -> None:
         """Create attempts/<n>/stdout.log and stderr.log empty, as the last step before its agent starts.
