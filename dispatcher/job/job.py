@@ -112,28 +112,32 @@ class Job(Finishing, Deciding):
     async def run(self) -> Outcome:
         """Drive the job to its end and return how it ended; a bug fails the job, never the daemon."""
         self._loop = asyncio.get_running_loop()
-        with structlog.contextvars.bound_contextvars(job_id=self.job_id, agent=self.agent):
+        # the job's log context, bound and reset by hand: ``bound_contextvars`` costs a context manager and a
+        # walk of every context variable at each job
+        tokens = structlog.contextvars.bind_contextvars(job_id=self.job_id, agent=self.agent)
+        try:
             try:
-                try:
-                    return await self._run()
-                finally:
-                    self._start_done()
-                    self.ctx.recovered(self.job_id)
+                return await self._run()
+            finally:
+                self._start_done()
+                self.ctx.recovered(self.job_id)
+        except Left:
+            return Outcome.LEFT
+        except LedgerUnavailable:
+            if not self.ctx.stopping():
+                raise
+            return Outcome.LEFT  # a stop gave up a ledger wait: recovered at the next start
+        except Exception as exc:
+            log.exception("job.crashed", error=str(exc))
+            try:
+                return await self.finish(Row.FAILED, f"crashed: {type(exc).__name__}: {exc}", [])
             except Left:
                 return Outcome.LEFT
-            except LedgerUnavailable:
-                if not self.ctx.stopping():
-                    raise
-                return Outcome.LEFT  # a stop gave up a ledger wait: recovered at the next start
-            except Exception as exc:
-                log.exception("job.crashed", error=str(exc))
-                try:
-                    return await self.finish(Row.FAILED, f"crashed: {type(exc).__name__}: {exc}", [])
-                except Left:
-                    return Outcome.LEFT
-                except Exception:
-                    log.exception("job.crashed", step="finish")
-                    return Outcome.LEFT
+            except Exception:
+                log.exception("job.crashed", step="finish")
+                return Outcome.LEFT
+        finally:
+            structlog.contextvars.reset_contextvars(**tokens)
 
     async def _run(self) -> Outcome:
         if self.recovering:
