@@ -369,16 +369,17 @@ class Daemon(Reloading, Fencing):
 
     # -- helpers -------------------------------------------------------------------------------
     def _timeout(self) -> float:
+        ready = self.inbox.has_ready()  # (orders held back by not_before and due now are ready from here on)
+        if ready and not self.stopping and self.sched.may_read():
+            return 0.0
         now = time.monotonic()
         waits = [self._next_rescan - now, self.house.next_due(now)]
         due = self.inbox.next_due_s()  # an order held back by not_before
         if due is not None:
             waits.append(due)
-        if self.inbox.has_ready() and not self.stopping and self.sched.may_read():
-            return 0.0
         if SHORT.short():
             waits.append(SHORT.wait_s())
-        elif self.inbox.has_ready() and (held := SHORT.claims_wait_s()):
+        elif ready and (held := SHORT.claims_wait_s()):
             waits.append(held)  # new orders wait for descriptors to start their agents (``SHORT.room``)
         if self.notifier.watchdog_interval_s:
             waits.append(self._next_watchdog - now)

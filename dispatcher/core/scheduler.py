@@ -182,8 +182,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         chunks = [batch[i : i + CLAIM_CHUNK] for i in range(0, len(batch), CLAIM_CHUNK)]
         for i, chunk in enumerate(chunks):
             self.inflight += len(chunk)
-            sent = collections.Counter(p.agent for p in chunk if isinstance(p, Parked) and p.kind is Kind.NEW)
-            self.sending.update(sent)
+            new = [p.agent for p in chunk if isinstance(p, Parked) and p.kind is Kind.NEW]
+            sent = collections.Counter(new) if new else None  # none in the usual chunk: names new in inbox/
+            if sent is not None:
+                self.sending.update(sent)
             last = i == len(chunks) - 1
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=last, parked_new=sent))
 
