@@ -308,6 +308,18 @@ def test_leftover_children_in_the_group_are_ended(spawn: Any, tmp_path: Path) ->
     assert time.monotonic() - t0 < 5
 
 
+def test_a_process_that_left_the_group_holding_a_pipe_delays_the_end_by_the_drain_only(
+    spawn: Any, tmp_path: Path
+) -> None:
+    """An agent's child in a session of its own keeps stdout open: the output before the exit is kept,
+    and the agent ends a second after its exit (the drain), not when that child does."""
+    t0 = time.monotonic()
+    out = spawn(["sh", "-c", "setsid sleep 5 & sleep 0.3; echo before-exit; exit 0"])
+    assert out.exit_code == 0 and not out.timed_out
+    assert log(tmp_path, "stdout.log") == b"before-exit\n"
+    assert 1.2 < time.monotonic() - t0 < 4
+
+
 def test_abort_ends_the_agent_at_once(spawn: Any) -> None:
     """An abort wakes the attempt: the group is ended and the outcome names the reason."""
     t0 = time.monotonic()
