@@ -121,7 +121,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         now = time.monotonic()
         idle = self.slots.idle  # an agent with a slot given back is not blocked, whatever a late answer said:
         # its oldest parked order takes that slot before a newer one read from inbox/ in this turn
-        self.blocked = {agent: until for agent, until in self.blocked.items() if until > now and not idle.get(agent)}
+        if self.blocked:
+            self.blocked = {a: until for a, until in self.blocked.items() if until > now and not idle.get(a)}
         self.slot_poll = bool(self.blocked)
         gated = frozenset(gated_agents(self.ctx.gates(), self.config.agents, time.time()))  # section 14
         self._gates_changed(gated, now)
@@ -130,7 +131,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         wall = time.time()
         # an agent whose next orders are in a claim's trip (made ahead, or parked orders sent by an earlier
         # turn that may come back without a slot): those go first, the orders behind them wait
-        behind = frozenset(agent for agent, n in (*self.ahead.claiming.items(), *self.sending.items()) if n > 0)
+        behind = {agent for agent, n in (*self.ahead.claiming.items(), *self.sending.items()) if n > 0}
         room: bool | None = None  # may new orders be claimed (``SHORT.room``): asked once, when one would be
         for p in list(self.parked):
             if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
