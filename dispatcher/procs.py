@@ -8,6 +8,7 @@ ticks since boot, compared with the one recorded when the process started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -192,16 +193,6 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def group_gone(pgid: int) -> bool:
-    """Reap our own zombies in the group; return True if no process is left in it."""
-    try:
-        while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
-            pass
-    except OSError:  # ChildProcessError among them: none of our children is in the group
-        pass
-    return not signal_group(pgid, 0)
-
-
 async def end_group(pgid: int, grace_s: float, *, already_termed: bool = False) -> None:
     """End a process group without blocking the loop: SIGTERM, wait up to grace_s, SIGKILL.
 
@@ -222,7 +213,10 @@ async def _emptied(pgid: int, deadline: float) -> bool:
     loop = asyncio.get_running_loop()
     polls = 0
     while True:
-        if group_gone(pgid):
+        with contextlib.suppress(ChildProcessError, OSError):
+            while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
+                pass  # reap our own zombies in the group
+        if not signal_group(pgid, 0):
             return True
         polls += 1
         if polls % 5 == 0 and not any(state not in ("Z", "X") for _pid, state, _ppid in group_members(pgid)):

@@ -31,14 +31,13 @@ from pathlib import Path
 
 from dispatcher.job.idle import IdleWatch, newest_change
 from dispatcher.job.readers import Readers, readers
-from dispatcher.procs import end_group, group_gone, signal_group
+from dispatcher.procs import end_group, signal_group
 
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 ERR_TAIL_BYTES = 64 * 1024  # stderr kept in memory, for usage limits (section 14)
 PASSED_ENV = ("PATH", "HOME", "LANG")
 _READ = 1 << 16
 _DRAIN_AFTER_EXIT_S = 1.0
-_LAST_READS = 4  # reads of a pipe at once when the group ended before its end of file
 _DEVNULL_LOCK = threading.Lock()
 _devnull_fd = -1  # /dev/null, opened once for every agent's stdin (Popen's DEVNULL opens and closes it per spawn)
 
@@ -223,12 +222,11 @@ class AgentProcess:
         return self._proc is not None and self._proc.returncode is not None
 
     # -- loop callbacks -----------------------------------------------------------------------
-    def _pump(self, stream: _Stream) -> bool:
-        """Read the pipe once (its reader's callback); return False if it had nothing to read yet."""
+    def _pump(self, stream: _Stream) -> None:
         try:
             data = os.read(stream.fd, _READ)
         except BlockingIOError:
-            return False
+            return
         except OSError:
             data = b""
         if data:
@@ -237,7 +235,6 @@ class AgentProcess:
                 self._idle.heard()
         else:
             self._close_stream(stream)
-        return True
 
     def _close_stream(self, stream: _Stream) -> None:
         if stream.open:
@@ -300,29 +297,14 @@ class AgentProcess:
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
-        if group_gone(self.pid):  # the usual end: nothing of the agent's outlived it, no task needed
-            self._read_last_output()
-            self._group_ended_then_drain()
-        else:
-            asyncio.get_running_loop().create_task(self._end_group_then_drain())
-
-    def _read_last_output(self) -> None:
-        """Read what the pipes still hold, to their end of file if it came (a few reads at most: a process
-        that left the group may still write), instead of waiting a turn for their readers."""
-        for stream in (self._out, self._err):
-            reads = 0
-            while stream.open and reads < _LAST_READS and self._pump(stream):
-                reads += 1
+        asyncio.get_running_loop().create_task(self._end_group_then_drain())
 
     async def _end_group_then_drain(self) -> None:
         await end_group(self.pid, self.kill_grace_s, already_termed=True)
-        self._group_ended_then_drain()
-
-    def _group_ended_then_drain(self) -> None:
         self._group_ended = True
         self._maybe_complete()
         if self._done is not None and not self._done.done():
-            self._timers.append(asyncio.get_running_loop().call_later(_DRAIN_AFTER_EXIT_S, self._stop_draining))
+            asyncio.get_running_loop().call_later(_DRAIN_AFTER_EXIT_S, self._stop_draining)
 
     def _stop_draining(self) -> None:
         """A process that left the group still holds a pipe: stop reading it."""
@@ -334,8 +316,6 @@ class AgentProcess:
 
     def _complete(self) -> None:
         assert self._proc is not None and self._done is not None  # noqa: S101
-        for timer in self._timers:  # the wait for the pipes to drain, if the group ended before them
-            timer.cancel()
         self._out.close("stdout")
         self._err.close("stderr")
         for pipe in (self._proc.stdout, self._proc.stderr):
