@@ -32,11 +32,19 @@ class Layout:
     daemons: Path = field(init=False, repr=False, compare=False)  # a lock file and an info file per daemon
     slots: Path = field(init=False, repr=False, compare=False)  # lock files bounding each agent's concurrency
     control: Path = field(init=False, repr=False, compare=False)  # hint files that wake a running daemon
+    # the hot path's folders as plain paths, the same text as the Paths: a job's steps join str (a Path per
+    # join, and its conversion at each system call, cost more than the call)
+    inbox_str: str = field(init=False, repr=False, compare=False)
+    staging_str: str = field(init=False, repr=False, compare=False)
     _folders: dict[State, Path] = field(init=False, repr=False, compare=False)
+    _folder_strs: dict[State, str] = field(init=False, repr=False, compare=False)
+    _job_prefixes: dict[State, str] = field(init=False, repr=False, compare=False)  # "ROOT/STATE/"
     _prefixes: tuple[tuple[State, str], ...] = field(init=False, repr=False, compare=False)  # "ROOT/STATE/"
 
     def __post_init__(self) -> None:
         root, state_dir = self.root, self.root / ".state"
+        folders = {s: root / s.value for s in State}
+        prefixes = {s: f"{os.fspath(p)}/" for s, p in folders.items()}
         for name, path in (
             ("inbox", root / "inbox"),
             ("held", root / "held"),
@@ -46,8 +54,12 @@ class Layout:
             ("daemons", state_dir / "daemons"),
             ("slots", state_dir / "slots"),
             ("control", state_dir / "control"),
-            ("_folders", {s: root / s.value for s in State}),
-            ("_prefixes", tuple((s, f"{os.fspath(root)}/{s.value}/") for s in State)),
+            ("inbox_str", os.fspath(root / "inbox")),
+            ("staging_str", os.fspath(state_dir / "staging")),
+            ("_folders", folders),
+            ("_folder_strs", {s: os.fspath(p) for s, p in folders.items()}),
+            ("_job_prefixes", prefixes),
+            ("_prefixes", tuple(prefixes.items())),
         ):
             object.__setattr__(self, name, path)
 
@@ -62,6 +74,14 @@ class Layout:
     def job(self, state: State, job_id: str) -> Path:
         """Return the folder a job has in a state."""
         return self._folders[state] / job_id
+
+    def folder_str(self, state: State) -> str:
+        """Return ``folder(state)`` as a plain path (for the hot path: no Path made or converted)."""
+        return self._folder_strs[state]
+
+    def job_str(self, state: State, job_id: str) -> str:
+        """Return ``job(state, job_id)`` as a plain path (for the hot path: no Path made or converted)."""
+        return self._job_prefixes[state] + job_id
 
     def all_dirs(self) -> list[Path]:
         """Return every folder `run` and `init` create."""

@@ -216,7 +216,7 @@ class Claims:
         An order whose not_before is to come is ``Later`` (``now``, for a cancel: taken all
         the same); one past its expires is refused as ``expired``.
         """
-        path = f"{os.fspath(self.layout.inbox)}/{name}"
+        path = f"{self.layout.inbox_str}/{name}"
         st = _lstat(path)
         if st is not None and (
             st.st_size > BIG_ORDER_BYTES or (st.st_size > BIG_YAML_BYTES and order_format(name) == "yaml")

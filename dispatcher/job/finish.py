@@ -282,7 +282,7 @@ class Finisher:
             moves.append((landing, state))
         self._move(moves, touched)
         for state in touched:
-            fsutil.fsync_dir(self.layout.folder(state))
+            fsutil.fsync_dir(self.layout.folder_str(state))
         final = [batch[i].finish for i, ok in zip(ready, oks, strict=True) if ok]
         final_ids = [f.job_id for f in final if f.state != Row.REVIEW]  # review is not final
         if final_ids and self.on_final is not None:

@@ -89,7 +89,7 @@ def inspect(
     still makes the read count as changed; ``path``: inbox/<name> as the caller joined it. A
     shortage (``shortage.resource_of``) is raised, never turned into a refusal: the file waits.
     """
-    path = path or f"{os.fspath(layout.inbox)}/{name}"
+    path = path or f"{layout.inbox_str}/{name}"
     try:
         st = seen if seen is not None else os.lstat(path)
     except FileNotFoundError:
@@ -182,7 +182,7 @@ def claim(
     owner = ledger.owner
     placing.drop_left_stages()
     out: list[Claimed_ | None] = [None] * len(picks)
-    staged: list[tuple[int, Pick, Path, bool]] = []  # the bool: no job folder of the id was found
+    staged: list[tuple[int, Pick, str, bool]] = []  # the bool: no job folder of the id was found
     pending: dict[str, Sequence[str]] = {}  # the waits of this batch's joins, recorded only once claimed
     for i, pick in enumerate(picks):
         item = pick.item
@@ -234,7 +234,7 @@ def claim(
             for _, p, _, no_folder in staged
         ]
     )
-    written: list[tuple[int, Pick, Path, Claimed, placing.Written]] = []
+    written: list[tuple[int, Pick, str, Claimed, placing.Written]] = []
     for (i, pick, stage, _), answer in zip(staged, answers, strict=True):
         match answer:
             case Claimed():
@@ -267,7 +267,7 @@ def claim(
         if isinstance(out[i], Started):
             placed.add(w.state)
     for state in sorted(placed):
-        _fsync_dir(layout.folder(state))  # the claim's durable point: before any agent starts
+        _fsync_dir(layout.folder_str(state))  # the claim's durable point: before any agent starts
     for i, done in enumerate(out):
         if isinstance(done, Started) and done.cancelled:
             out[i] = _cancel(finisher, done, picks[i].item.name)
@@ -294,7 +294,7 @@ def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
     return Cancelled(name, spec.job_id)
 
 
-def _fsync_dir(folder: Path) -> None:
+def _fsync_dir(folder: str) -> None:
     """Fsync a folder of placed jobs; short of file descriptors, try again for a while (they are claimed)."""
     delay = 0.01
     while True:

@@ -53,24 +53,28 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # as `
 class JobFolder:
     """One job's folder wherever it is; every read bounded and link-safe."""
 
-    def __init__(self, path: Path, *, claimed: float | None = None) -> None:
-        self.path = path
-        self.job_id = path.name
-        self.claimed = claimed  # Unix time of the job's claim, when known (the metrics count from it)
+    def __init__(self, path: str | Path, *, claimed: float | None = None) -> None:
         # the paths as str: a job's per-attempt steps join strings (a Path per join costs more than the syscall)
         self._dir = os.fspath(path)
+        self.job_id = self._dir.rpartition("/")[2]
+        self.claimed = claimed  # Unix time of the job's claim, when known (the metrics count from it)
         self._work = f"{self._dir}/work"
         self._attempts = f"{self._dir}/attempts"
 
     @functools.cached_property
+    def path(self) -> Path:
+        """Return the folder as a Path, made once when first asked for."""
+        return Path(self._dir)
+
+    @functools.cached_property
     def work(self) -> Path:
         """Return work/ (the agent's working folder) as a Path, made once when first asked for."""
-        return self.path / "work"
+        return Path(self._work)
 
     @functools.cached_property
     def attempts_dir(self) -> Path:
         """Return attempts/ as a Path, made once when first asked for."""
-        return self.path / "attempts"
+        return Path(self._attempts)
 
     # -- reading ----------------------------------------------------------------------------
     def read_json(self, rel: str, limit: int = RECORD_MAX, *, shortage_raises: bool = False) -> Any:
@@ -396,18 +400,18 @@ class JobFolder:
         os.rename(staged, f"{self._dir}/{RESULT}")
         return self._dir
 
-    def move_to(self, layout: Layout, state: State) -> Path:
-        """Step 3's second half: move the folder into state's folder (once its result.json is on disk)."""
-        target = layout.job(state, self.job_id)
-        if self.path != target:
-            fsutil.rename_noreplace(self.path, target)
+    def move_to(self, layout: Layout, state: State) -> str:
+        """Step 3's second half: move the folder into state's folder (once its result.json is on disk); return it."""
+        target = layout.job_str(state, self.job_id)
+        if self._dir != target:
+            fsutil.rename_noreplace(self._dir, target)
         return target
 
-    def land(self, layout: Layout, state: State) -> Path:
+    def land(self, layout: Layout, state: State) -> str:
         """Step 3 of finishing: name the staged result result.json and move the folder to state's folder.
 
         The caller fsyncs the state folder (once per batch).
         """
         if self.name_result() is not None:
-            fsutil.fsync_dir(self.path)  # else a power cut can bring the folder back in done/ without result.json
+            fsutil.fsync_dir(self._dir)  # else a power cut can bring the folder back in done/ without result.json
         return self.move_to(layout, state)

@@ -16,7 +16,6 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -40,7 +39,7 @@ log = structlog.get_logger("dispatcher")
 #: scan lane encodes a JSON one): a 1 MB body took 10 to 20 ms to encode, twice per claim, in the ledger
 #: lane with the interpreter lock held, while every other claim and finish waited
 AHEAD_TEXT_BYTES = 64 * 1024
-_LEFT_STAGES: list[Path] = []  # claim staging folders a shortage kept from going (only the ledger lane uses it)
+_LEFT_STAGES: list[str] = []  # claim staging folders a shortage kept from going (only the ledger lane uses it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +58,7 @@ class Inspected:
 
 def inbox_path(layout: Layout, item: Inspected) -> str:
     """Return the path of the inbox file an item was read from."""
-    return item.path or f"{os.fspath(layout.inbox)}/{item.name}"
+    return item.path or f"{layout.inbox_str}/{item.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +88,10 @@ class Skipped:
     retry_later: bool = False
 
 
-def stage(layout: Layout, owner: str, item: Inspected) -> Path | None:
-    """Make the claim's staging folder holding a link to the inbox file; None if the file changed."""
+def stage(layout: Layout, owner: str, item: Inspected) -> str | None:
+    """Make the claim's staging folder holding a link to the inbox file; return its path, None if the file changed."""
     stage = new_stage(layout, owner, "claim", item.order.job_id)
-    kept = f"{os.fspath(stage)}/order{suffix_of(item.name)}"
+    kept = f"{stage}/order{suffix_of(item.name)}"
     try:
         os.link(inbox_path(layout, item), kept, follow_symlinks=False)
     except FileNotFoundError:
@@ -115,7 +114,7 @@ class Written:
     sync: tuple[str, ...]
 
 
-def write(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Claimed) -> Written | Skipped:
+def write(layout: Layout, ledger: Ledger, pick: Pick, stage: str, claimed: Claimed) -> Written | Skipped:
     """Write the claimed job's folder in its staging place (not yet fsynced); undo the claim on error."""
     try:
         return _write_job(layout, stage, pick.item, pick.agent, claimed)
@@ -124,11 +123,11 @@ def write(layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Clai
 
 
 def place(
-    layout: Layout, ledger: Ledger, pick: Pick, stage: Path, claimed: Claimed, w: Written, error: OSError | None
+    layout: Layout, ledger: Ledger, pick: Pick, stage: str, claimed: Claimed, w: Written, error: OSError | None
 ) -> Started | Skipped:
     """Rename the synced staging folder into active/ (or waiting/) and drop the inbox name; undo on error."""
     item, agent = pick.item, pick.agent
-    target = layout.job(w.state, item.order.job_id)
+    target = layout.job_str(w.state, item.order.job_id)
     try:
         if error is not None:
             raise error
@@ -147,7 +146,7 @@ def place(
     return Started(JobFolder(target, claimed=w.spec.claimed), w.spec, w.order, claimed.token, claimed.cancelled)
 
 
-def undo(ledger: Ledger, item: Inspected, stage: Path, claimed: Claimed, exc: OSError) -> Skipped:
+def undo(ledger: Ledger, item: Inspected, stage: str, claimed: Claimed, exc: OSError) -> Skipped:
     """Give a claim back after its folder could not be made: nothing ran, the order stays in inbox/."""
     # the id stays free (or goes back to the daemon it was taken over from)
     ledger.unclaim(item.order.job_id, claimed.token, claimed.previous, claimed.previous_owner)
@@ -169,9 +168,8 @@ def undo(ledger: Ledger, item: Inspected, stage: Path, claimed: Claimed, exc: OS
     return Skipped(item.name, retry_later=True)
 
 
-def _write_job(layout: Layout, stage: Path, item: Inspected, agent: Agent, claimed: Claimed) -> Written:
+def _write_job(layout: Layout, folder: str, item: Inspected, agent: Agent, claimed: Claimed) -> Written:
     order = item.order
-    folder = os.fspath(stage)
     work = f"{folder}/work"
     os.mkdir(work)
     os.mkdir(f"{folder}/attempts")
@@ -244,7 +242,7 @@ def _spec_json(spec: JobSpec, text: str) -> bytes:
     return ("{" + ", ".join(items) + "}\n").encode("utf-8", "backslashreplace")
 
 
-def drop_stage(stage: Path) -> None:
+def drop_stage(stage: str) -> None:
     """Remove a claim's staging folder; one that cannot go now (a shortage) goes with a later claim."""
     try:
         remove_stage(stage)

@@ -44,7 +44,7 @@ def refuse(
     """
     src = layout.inbox / refusal.name
     stem = Path(refusal.name).stem or "entry"
-    stage = new_stage(layout, owner, "refuse", "x")
+    stage = Path(new_stage(layout, owner, "refuse", "x"))
     base = f"{_cut(stem, 180)}@{utc_stamp()}"
     (stage / ".target").write_bytes(os.fsencode(base))
     (stage / ".source").write_bytes(os.fsencode(refusal.name))

@@ -26,7 +26,7 @@ def drop_inbox_twin(layout: Layout, name: str, kept: str | Path) -> bool:
         st = os.lstat(kept)
     except OSError:
         return False
-    return drop_inbox_inode(f"{os.fspath(layout.inbox)}/{name}", (st.st_dev, st.st_ino))
+    return drop_inbox_inode(f"{layout.inbox_str}/{name}", (st.st_dev, st.st_ino))
 
 
 def drop_inbox_inode(inboxed: str, inode: tuple[int, int]) -> bool:
@@ -51,13 +51,13 @@ def drop_inbox_inode(inboxed: str, inode: tuple[int, int]) -> bool:
 _serial = itertools.count(1)  # the owner names the process (host, pid, a random part): a count makes the rest unique
 
 
-def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> Path:
-    """Make an empty staging folder named for its owner (so recovery knows whose it is)."""
-    stage = layout.staging / f"{owner}.{kind}-{job_id}-{next(_serial):x}"
+def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> str:
+    """Make an empty staging folder named for its owner (so recovery knows whose it is); return its path."""
+    stage = f"{layout.staging_str}/{owner}.{kind}-{job_id}-{next(_serial):x}"
     try:
         os.mkdir(stage)
     except FileExistsError:  # an owner shared with another process: a random part instead
-        stage = layout.staging / f"{owner}.{kind}-{job_id}-{secrets.token_hex(4)}"
+        stage = f"{layout.staging_str}/{owner}.{kind}-{job_id}-{secrets.token_hex(4)}"
         os.mkdir(stage)
     return stage
 
@@ -72,7 +72,7 @@ def claim_stages(layout: Layout, job_id: str) -> list[str]:
     return [n for n in names if mark in n and n.rsplit("-", 1)[0].endswith(mark)]
 
 
-def remove_stage(stage: Path) -> None:
+def remove_stage(stage: str | Path) -> None:
     """Remove a staging folder holding only the daemon's own files (and links to user files)."""
     for root, dirs, files in os.walk(stage, topdown=False):
         for name in files:
