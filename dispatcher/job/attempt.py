@@ -25,11 +25,13 @@ from dispatcher.store.jobstore import JobFolder
 HOST = socket.gethostname()
 
 
-def values(spec: JobSpec, work: Path, workspace: Path | None = None) -> dict[str, str]:
+def values(spec: JobSpec, work: str | Path, workspace: Path | None = None) -> dict[str, str]:
     """Return the argv placeholders' values for a job (``workspace``: its git worktree, else work/)."""
     prompt = spec.agent.prompt
     # the prompt's own values (two JSON encodes among them) only when there is a prompt to render
-    rendered = render(prompt, prompt_values(spec.order, spec.writes, work, workspace), prompt=True) if prompt else ""
+    rendered = (
+        render(prompt, prompt_values(spec.order, spec.writes, Path(work), workspace), prompt=True) if prompt else ""
+    )
     w = os.fspath(work)
     return {
         "job_id": spec.job_id,
@@ -43,7 +45,11 @@ def values(spec: JobSpec, work: Path, workspace: Path | None = None) -> dict[str
 
 
 def argv(
-    spec: JobSpec, work: Path, command: Iterable[str], workspace: Path | None = None, session_id: str | None = None
+    spec: JobSpec,
+    work: str | Path,
+    command: Iterable[str],
+    workspace: Path | None = None,
+    session_id: str | None = None,
 ) -> list[str]:
     """Return the command with its placeholders rendered (``{session_id}`` too when resuming a session)."""
     vals = values(spec, work, workspace)
@@ -53,7 +59,7 @@ def argv(
     return out
 
 
-def argv_after(spec: JobSpec, work: Path, earlier: Sequence[Attempt], workspace: Path | None = None) -> list[str]:
+def argv_after(spec: JobSpec, work: str | Path, earlier: Sequence[Attempt], workspace: Path | None = None) -> list[str]:
     """Return the argv of the attempt after ``earlier``: its command (or ``resume``) with placeholders rendered."""
     command, session = command_for(spec.agent, earlier)
     return argv(spec, work, command, workspace, session)
@@ -110,15 +116,17 @@ def process(
     """
     agent = spec.agent
     ws_path = Path(workspace.path) if workspace is not None else None
-    cwd = folder.work if not probe or os.path.isdir(folder.work) else folder.path
+    cwd: str | Path = folder.work_dir if not probe or os.path.isdir(folder.work_dir) else folder.path
     if ws_path is not None and os.path.isdir(ws_path):
         cwd = ws_path
-    env = build_env(agent.env, dispatch_env(spec.job_id, folder.work, n, ws_path), agent.pass_env)
+    env = build_env(agent.env, dispatch_env(spec.job_id, folder.work_dir, n, ws_path), agent.pass_env)
     if agent.repo.sandbox:
         home = env.get("HOME") or os.path.expanduser("~")
         writable = sandbox.writable_paths(agent.repo, folder.work, ws_path, home)
         binds = git_view.binds() if git_view is not None else ()
-        cmd = sandbox.wrap(cmd, cwd=cwd, writable=writable, network=agent.repo.sandbox_network, env=env, binds=binds)
+        cmd = sandbox.wrap(
+            cmd, cwd=Path(cwd), writable=writable, network=agent.repo.sandbox_network, env=env, binds=binds
+        )
     return AgentProcess(
         cmd,
         cwd=cwd,

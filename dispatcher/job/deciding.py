@@ -182,7 +182,7 @@ class Deciding(abc.ABC):
 
     def _work_gone(self) -> bool:
         """Return True if work/ is no longer a folder (its agent removed it): no attempt can run in it."""
-        work = os.fspath(self.folder.work)
+        work = self.folder.work_dir
         return os.path.islink(work) or not os.path.isdir(work)
 
     async def _safe_to_retry(self) -> tuple[bool, str]:
@@ -266,7 +266,7 @@ class Deciding(abc.ABC):
         )
         ending = self._ending(final) if decide and self._may_end_in_trip() else None
         # in memory, a small work/ is read and synced on the loop: no fsync waits there, and the trip would cost more
-        work = os.fspath(self.folder.work)
+        work = self.folder.work_dir
         inline = functools.partial(storage.small_folder, work) if ctx.lanes.files_in_memory else False
         args = (collect, self.spec, self.attempts, n, exit_, self.folder, ending)
         settled = await self._persist(settle, *args, inline=inline)

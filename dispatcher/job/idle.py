@@ -23,7 +23,7 @@ class IdleWatch:
 
     SCAN_MAX = 100_000
 
-    def __init__(self, folder: Path, timeout_s: float) -> None:
+    def __init__(self, folder: str | Path, timeout_s: float) -> None:
         self.folder = folder
         self.timeout_s = timeout_s
         self.every_s = max(0.05, min(timeout_s / 4, 10.0))
@@ -50,7 +50,7 @@ class IdleWatch:
             self._last = max(self._last, time.monotonic() - max(0.0, time.time() - newest))
 
 
-def newest_change(folder: Path, limit: int) -> float:
+def newest_change(folder: str | Path, limit: int) -> float:
     """Return the newest mtime or ctime of any entry under folder (links not followed)."""
     newest = 0.0
     stack = [str(folder)]

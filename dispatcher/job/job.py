@@ -264,7 +264,7 @@ class Job(Finishing, Deciding):
             reason = f"config: agent {agent.name} cannot start: {exc}"
             log.error("agent.exited", error=reason)  # no attempt (section 6)
             return await self.finish(Row.FAILED, reason, [])
-        argv = attempt.argv_after(self.spec, self.folder.work, self.attempts, self.repo.path)
+        argv = attempt.argv_after(self.spec, self.folder.work_dir, self.attempts, self.repo.path)
         proc = await self._spawn(n, argv)
         if proc is None or isinstance(proc, Outcome):
             return proc

@@ -53,7 +53,7 @@ def build_env(
     return env
 
 
-def dispatch_env(job_id: str, work: Path, n: int, workspace: Path | None = None) -> dict[str, str]:
+def dispatch_env(job_id: str, work: str | Path, n: int, workspace: Path | None = None) -> dict[str, str]:
     """Return the DISPATCH_* variables of attempt n."""
     w = os.fspath(work)
     return {
@@ -145,7 +145,7 @@ class AgentProcess:
         self,
         argv: list[str],
         *,
-        cwd: Path,
+        cwd: str | Path,
         env: Mapping[str, str],
         timeout_s: float,
         kill_grace_s: float,

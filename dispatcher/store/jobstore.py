@@ -58,7 +58,7 @@ class JobFolder:
         self._dir = os.fspath(path)
         self.job_id = self._dir.rpartition("/")[2]
         self.claimed = claimed  # Unix time of the job's claim, when known (the metrics count from it)
-        self._work = f"{self._dir}/work"
+        self.work_dir = f"{self._dir}/work"  # work/ as a plain path (the hot path's: no Path made or converted)
         self._attempts = f"{self._dir}/attempts"
 
     @functools.cached_property
@@ -69,7 +69,7 @@ class JobFolder:
     @functools.cached_property
     def work(self) -> Path:
         """Return work/ (the agent's working folder) as a Path, made once when first asked for."""
-        return Path(self._work)
+        return Path(self.work_dir)
 
     @functools.cached_property
     def attempts_dir(self) -> Path:
@@ -101,7 +101,7 @@ class JobFolder:
 
     def has_receipt(self) -> bool:
         """Return True if work/receipt.json exists as any entry (a link or FIFO too: it is never followed)."""
-        return os.path.lexists(f"{self._work}/receipt.json")
+        return os.path.lexists(f"{self.work_dir}/receipt.json")
 
     def attempt_numbers(self) -> list[int]:
         """Return the numbers of attempts/<n>/ folders, in order."""
@@ -335,7 +335,7 @@ class JobFolder:
         if not rels:
             return
         folders: dict[tuple[str, ...], None] = {}  # the parts of each folder below work/
-        work = os.open(self._work, _WORK_FLAGS)
+        work = os.open(self.work_dir, _WORK_FLAGS)
         try:
             for rel in rels:
                 fd = self._open_in_work(work, rel, folders)
@@ -348,7 +348,7 @@ class JobFolder:
                     os.close(fd)
             for rel_dir in sorted(folders, key=len, reverse=True):
                 try:
-                    fd = fsutil.open_beneath(self._work, "/".join(rel_dir))
+                    fd = fsutil.open_beneath(self.work_dir, "/".join(rel_dir))
                 except (FileNotFoundError, fsutil.NotRegular):
                     continue
                 try:
@@ -372,7 +372,7 @@ class JobFolder:
                 raise
         parts = fsutil.rel_parts(rel)
         try:
-            fd = fsutil.open_beneath(self._work, rel)
+            fd = fsutil.open_beneath(self.work_dir, rel)
         except (FileNotFoundError, NotADirectoryError, fsutil.NotRegular):
             return None
         for k in range(len(parts) - 1, 0, -1):  # its folders below work/, the deepest first
