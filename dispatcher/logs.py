@@ -342,6 +342,28 @@ def _stdlib(record: logging.LogRecord, renderer: _Renderer) -> None:
     renderer.write(event, cut=False)  # a library's line is not cut, as before
 
 
+_PROXY = type(structlog.get_logger())  # what structlog.get_logger gives: a lazy proxy
+_LEVEL_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "msg", "log")
+
+
+def settle(package: str = "dispatcher") -> None:
+    """Resolve the logger of each imported module of package now: its lines then skip structlog's lazy proxy.
+
+    A module's ``log = structlog.get_logger(...)`` is a proxy that looks the logger up at every
+    line (``__getattr__``, then ``bind``); the level methods of the configured logger go on the
+    proxy itself. For a process configured once (the daemon), after ``configure``: the loggers
+    keep this configuration, as ``cache_logger_on_first_use`` keeps it after a first line.
+    A module imported later keeps its proxy as it is.
+    """
+    prefix = package + "."
+    for name, module in list(sys.modules.items()):
+        proxy: Any = getattr(module, "log", None) if name.startswith(prefix) else None
+        if type(proxy) is _PROXY:
+            logger = proxy.bind()
+            for method in _LEVEL_METHODS:
+                setattr(proxy, method, getattr(logger, method))
+
+
 def get(**bound: Any) -> Any:
     """Return a structlog logger with these keys bound."""
     return structlog.get_logger("dispatcher").bind(**bound)

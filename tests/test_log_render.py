@@ -14,6 +14,8 @@ import enum
 import io
 import logging
 import re
+import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -500,3 +502,35 @@ def test_capture_logs_still_captures_after_configure(capture: Callable[..., Capt
 
     assert cap.lines(call) == ([], [])
     assert _both(cap, lambda: log.info("after")) == '{"event": "after", "level": "info", "timestamp": "TS"}'
+
+
+@pytest.mark.parametrize("console", [False, True])
+def test_a_settled_module_logger_writes_what_its_proxy_did(
+    capture: Callable[..., Capture], monkeypatch: pytest.MonkeyPatch, console: bool
+) -> None:
+    """logs.settle gives a module's logger the configured methods: same lines, bound keys, capture_logs too."""
+    cap = capture(console=console)
+    module = types.ModuleType("settled_pkg.mod")
+    module.log = _log()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "settled_pkg.mod", module)
+    logs.settle("settled_pkg")
+    settled = module.log  # type: ignore[attr-defined]
+    assert "info" in vars(settled)  # looked up once, not at every line
+
+    def call(log: Any) -> Callable[[], None]:
+        def run() -> None:
+            with structlog.contextvars.bound_contextvars(job_id="J-9", agent="worker"):
+                log.info("job.done", n=1, cost_usd=None)
+                log.warning("agent.exited", exit_code=3)
+            log.bind(k="v").error("x", path=Path("/a/b"))
+
+        return run
+
+    def lines(log: Any) -> tuple[list[str], list[str]]:
+        console, written = cap.lines(call(log))
+        return [line.split(" ", 1)[1] for line in console], written  # the console's own timestamp differs
+
+    assert lines(settled) == lines(_log())
+    with structlog.testing.capture_logs() as entries:
+        settled.info("captured", n=1)
+    assert entries == [{"n": 1, "event": "captured", "log_level": "info"}]

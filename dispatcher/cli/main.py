@@ -316,6 +316,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         logs.configure(log_file=cfg.log_file)
     except OSError as exc:
         raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(path), field="log_file") from None
+    logs.settle()  # configured once: its modules' loggers are looked up now, not at every line
     return Daemon(cfg, config_path=path, root_override=root, once=args.once).serve()
 
 
