@@ -368,11 +368,17 @@ def plain_rel(rel: str) -> str:
     return "/".join(rel_parts(rel)) if "." in rel or "//" in rel else rel
 
 
-def open_beneath(base: str | Path, rel: str | PurePath) -> int:
-    """Open base/rel one part at a time, refusing symlinks at every step."""
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def open_beneath(base: str | Path, rel: str | PurePath, dir_fd: int | None = None) -> int:
+    """Open base/rel one part at a time, refusing symlinks at every step.
+
+    ``dir_fd``: base opened already, as this opens it (a folder, not through a link); rel is
+    opened under it, and it stays open (the caller's). The fd returned is always a new one.
+    """
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC) if dir_fd is None else dir_fd
     parts = rel_parts(rel)
     try:
+        if not parts and fd == dir_fd:
+            return os.dup(fd)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             flags = _OPEN_FLAGS if last else os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -382,11 +388,13 @@ def open_beneath(base: str | Path, rel: str | PurePath) -> int:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise NotRegular("symlink" if exc.errno == errno.ELOOP else "not a folder") from None
                 raise
-            os.close(fd)
+            if fd != dir_fd:
+                os.close(fd)
             fd = nfd
         return fd
     except BaseException:
-        os.close(fd)
+        if fd != dir_fd:
+            os.close(fd)
         raise
 
 

@@ -7,6 +7,7 @@ parse function that counts its calls, so that a cost bound is a number a test ca
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,26 @@ def test_a_receipt_with_nan_a_key_twice_or_not_in_utf8_is_not_valid_json(tmp_pat
     for body, detail in cases.items():
         (tmp_path / "receipt.json").write_bytes(body)
         assert receipt_present(_gathered(tmp_path)).detail == detail, body
+
+
+def test_work_is_read_only_as_a_folder_of_its_own_and_no_fd_is_left_open(tmp_path: Path) -> None:
+    """A work/ that is a link to a folder, a file or missing has no evidence; a folder's files are read under it."""
+    real = tmp_path / "real"
+    (real / "res").mkdir(parents=True)
+    (real / "res" / "o.csv").write_text("id\nR1\n")
+    (real / "receipt.json").write_text('{"job_id": "J-1"}')
+    (tmp_path / "link").symlink_to(real)
+    (tmp_path / "file").write_text("x")
+    before = len(os.listdir("/proc/self/fd"))
+    ev = _gathered(real, accept={"output": "res/o.csv"})
+    assert ev.work_exists and ev.receipt.value == {"job_id": "J-1"} and ev.output is not None
+    assert ev.output.error is None and not ev.output.missing
+    assert sorted(e.path for e in ev.entries) == ["receipt.json", "res", "res/o.csv"]
+    for name in ("link", "file", "gone"):
+        ev = _gathered(tmp_path / name, accept={"output": "res/o.csv"})
+        assert (ev.work_exists, ev.receipt.missing, ev.entries) == (False, True, ()), name
+        assert ev.output is not None and ev.output.missing, name
+    (real / "receipt.json").unlink()
+    (real / "receipt.json").symlink_to(real / "res" / "o.csv")
+    assert _gathered(real).receipt.error == "is a symlink, not a regular file"
+    assert len(os.listdir("/proc/self/fd")) == before

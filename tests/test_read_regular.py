@@ -46,3 +46,26 @@ def test_a_file_is_read_whole_whatever_its_size_or_what_fstat_said(tmp_path: Pat
     assert fsutil.read_regular(str(tmp_path / "big"), base=str(tmp_path)) == big
     (tmp_path / "empty").write_bytes(b"")
     assert fsutil.read_regular(tmp_path / "empty") == b""
+
+
+def test_open_beneath_under_a_folder_opened_already_keeps_it_open_and_refuses_links(tmp_path: Path) -> None:
+    """open_beneath(..., dir_fd=) opens rel under dir_fd, leaves dir_fd open, and refuses a link at any step."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "f").write_text("x")
+    (tmp_path / "ln").symlink_to(tmp_path / "sub")
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for rel in ("sub/f", "./sub//f"):
+            fd = fsutil.open_beneath(tmp_path, rel, dir_fd)
+            assert os.read(fd, 10) == b"x"
+            os.close(fd)
+        with pytest.raises(fsutil.NotRegular):
+            fsutil.open_beneath(tmp_path, "ln/f", dir_fd)
+        with pytest.raises(FileNotFoundError):
+            fsutil.open_beneath(tmp_path, "sub/none", dir_fd)
+        fd = fsutil.open_beneath(tmp_path, ".", dir_fd)  # no part: a new fd on the folder itself
+        assert fd != dir_fd
+        os.close(fd)
+        os.fstat(dir_fd)  # still open
+    finally:
+        os.close(dir_fd)

@@ -1,7 +1,8 @@
 """Gather what the checks look at from a job's work/ folder, safely.
 
-Every read goes through ``fsutil.read_regular`` with ``base=work``: an agent's
-symlink, FIFO or device can neither redirect nor block the daemon.
+Every read goes through ``fsutil.open_beneath`` under work/ (opened once by ``gather``,
+not through a link): an agent's symlink, FIFO or device can neither redirect nor block
+the daemon.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dispatcher.spec.orders import order_format, parse_order
 
 RECEIPT_MAX = 4 * 1024 * 1024  # ids of items and outputs: orders are at most a few MiB
 OUTPUT_MAX = 256 * 1024 * 1024
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # as fsutil.open_beneath opens a folder
+_NOT_A_FOLDER = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # missing, not a folder, a link
 _KINDS = {
     "folder": "dir",
     "symlink": "symlink",
@@ -38,6 +41,14 @@ def _raise_if_short(exc: OSError) -> None:
     """Raise a shortage (EMFILE, ENOMEM ...): it says nothing of the agent's files, the caller waits."""
     if resource_of(exc) is not None:
         raise exc
+
+
+def _is_folder(path: str) -> bool:
+    """Return True if path is a folder, not a link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _relative_inside(link: str, root: str) -> bool:
@@ -54,13 +65,14 @@ def _relative_inside(link: str, root: str) -> bool:
     return fsutil.link_stays_inside(link, root)
 
 
-def open_doc(work: str | Path, rel: str, limit: int) -> tuple[Doc, int | None]:
+def open_doc(work: str | Path, rel: str, limit: int, dir_fd: int | None = None) -> tuple[Doc, int | None]:
     """Open work/<rel> without following links or blocking; return (Doc saying why not, fd).
 
     The fd, when given, is a regular file of at most ``limit`` bytes; the caller closes it.
+    ``dir_fd``: work/ opened already (``fsutil.open_beneath``).
     """
     try:
-        fd = fsutil.open_beneath(work, rel)
+        fd = fsutil.open_beneath(work, rel, dir_fd)
     except FileNotFoundError:
         return Doc(missing=True), None
     except NotRegular as exc:
@@ -82,9 +94,9 @@ def open_doc(work: str | Path, rel: str, limit: int) -> tuple[Doc, int | None]:
     return Doc(), fd
 
 
-def read_doc(work: str | Path, rel: str, limit: int) -> tuple[Doc, bytes | None]:
+def read_doc(work: str | Path, rel: str, limit: int, dir_fd: int | None = None) -> tuple[Doc, bytes | None]:
     """Read work/<rel> as bytes; return a Doc saying missing/error, and the bytes."""
-    doc, fd = open_doc(work, rel, limit)
+    doc, fd = open_doc(work, rel, limit, dir_fd)
     if fd is None:
         return doc, None
     chunks: list[bytes] = []
@@ -103,9 +115,9 @@ def read_doc(work: str | Path, rel: str, limit: int) -> tuple[Doc, bytes | None]
     return Doc(), b"".join(chunks)
 
 
-def read_receipt(work: str | Path) -> Doc:
+def read_receipt(work: str | Path, dir_fd: int | None = None) -> Doc:
     """Read and parse work/receipt.json."""
-    doc, data = read_doc(work, "receipt.json", RECEIPT_MAX)
+    doc, data = read_doc(work, "receipt.json", RECEIPT_MAX, dir_fd)
     if data is None:
         return doc
     try:  # strictly, as an order: no NaN or Infinity, no key twice (which one would count?), UTF-8
@@ -114,25 +126,26 @@ def read_receipt(work: str | Path) -> Doc:
         return Doc(error=f"is not valid JSON ({exc.reason.removeprefix('not valid JSON: ')})")
 
 
-def read_output(work: str | Path, rel: str, order: Order) -> Doc:
+def read_output(work: str | Path, rel: str, order: Order, dir_fd: int | None = None) -> Doc:
     """Summarise accept.output (csv with header, json list, jsonl) for the checks, streamed.
 
     Returns ``Doc(value=OutputSummary)``; memory stays bounded whatever the file's size.
     """
-    doc, fd = open_doc(work, rel, OUTPUT_MAX)
+    doc, fd = open_doc(work, rel, OUTPUT_MAX, dir_fd)
     if fd is None:
         return doc
     fmt = "csv" if rel.endswith(".csv") else "jsonl" if rel.endswith(".jsonl") else "json"
     return summarise_fd(fd, fmt, order, OUTPUT_MAX)
 
 
-def list_entries(work: str | Path, given: Mapping[str, str]) -> list[Entry]:
+def list_entries(work: str | Path, given: Mapping[str, str], dir_fd: int | None = None) -> list[Entry]:
     """Walk work/ without following links; describe every entry.
 
     The walk is iterative (no recursion limit for deep trees). A folder that
     cannot be listed is reported as an ``unreadable`` entry, which writes_scope
     refuses. Given files are hashed in chunks, and only when their size could
-    still match, so a huge file cannot exhaust the daemon's memory.
+    still match, so a huge file cannot exhaust the daemon's memory (opened under
+    ``dir_fd``, work/ opened already, when given).
     """
     out: list[Entry] = []
     root = os.fspath(work)
@@ -154,7 +167,7 @@ def list_entries(work: str | Path, given: Mapping[str, str]) -> list[Entry]:
                 except OSError:
                     continue
                 if stat.S_ISREG(st.st_mode):  # the usual entry
-                    sha = _digest_file(root, rel) if rel in given else None
+                    sha = _digest_file(root, rel, dir_fd) if rel in given else None
                     out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))
                     continue
                 kind = _KINDS.get(kind_of(st.st_mode), "device")
@@ -168,10 +181,10 @@ def list_entries(work: str | Path, given: Mapping[str, str]) -> list[Entry]:
     return out
 
 
-def _digest_file(work: str | Path, rel: str) -> str | None:
+def _digest_file(work: str | Path, rel: str, dir_fd: int | None = None) -> str | None:
     """Return the sha256 of work/<rel> read in chunks without following links, or None."""
     try:
-        fd = fsutil.open_beneath(work, rel)
+        fd = fsutil.open_beneath(work, rel, dir_fd)
     except NotRegular:
         return None
     except OSError as exc:
@@ -197,6 +210,7 @@ def read_followups(
     parse: Callable[[bytes, str], Order],
     max_bytes: int,
     max_followups: int = 100,
+    dir_fd: int | None = None,
 ) -> tuple[bool, list[tuple[Followup, bytes | None]]]:
     """Parse the orders in work/outbox/; return (outbox exists, [(follow-up, bytes)]).
 
@@ -224,7 +238,7 @@ def read_followups(
         if not name_is_utf8(name):  # no follow-up could keep this name (inbox/ refuses it too)
             found.append((Followup(printable(name), error="the file name is not valid UTF-8"), None))
             continue
-        doc, data = read_doc(work, f"outbox/{name}", max_bytes)
+        doc, data = read_doc(work, f"outbox/{name}", max_bytes, dir_fd)
         if data is None:
             why = "is missing" if doc.missing else doc.error
             found.append((Followup(name, error=f"{why}"), None))
@@ -253,45 +267,54 @@ def gather(
     max_followups: int = 100,
     changed: Sequence[str] | str | None = None,
 ) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
-    """Collect the Evidence for one attempt; also return the follow-ups with their bytes."""
+    """Collect the Evidence for one attempt; also return the follow-ups with their bytes.
+
+    work/ is opened once, as ``fsutil.open_beneath`` opens a folder, and every read opens under it.
+    """
     root = os.fspath(work)  # every read joins this str, not a Path
+    dir_fd: int | None = None
+    try:  # a folder, not a link to one
+        dir_fd = os.open(root, _DIR_FLAGS)
+        work_exists = True
+    except OSError as exc:  # not opened for another reason (EACCES ...): each read says why, as ever
+        work_exists = exc.errno not in _NOT_A_FOLDER and _is_folder(root)
     try:
-        work_exists = stat.S_ISDIR(os.lstat(root).st_mode)  # a folder, not a link to one
-    except OSError:
-        work_exists = False
-    accept_out = order.accept.output
-    output = read_output(root, accept_out, order) if accept_out is not None and work_exists else None
-    if accept_out is not None and output is None:
-        output = Doc(missing=True)
+        accept_out = order.accept.output
+        output = read_output(root, accept_out, order, dir_fd) if accept_out is not None and work_exists else None
+        if accept_out is not None and output is None:
+            output = Doc(missing=True)
 
-    def parse(data: bytes, name: str) -> Order:
-        return parse_order(data, name, agents=agents, max_timeout_s=max_timeout_s, max_bytes=max_order_bytes)
+        def parse(data: bytes, name: str) -> Order:
+            return parse_order(data, name, agents=agents, max_timeout_s=max_timeout_s, max_bytes=max_order_bytes)
 
-    outbox_exists = False
-    followups: list[tuple[Followup, bytes | None]] = []
-    if work_exists:
-        outbox_exists, followups = read_followups(root, parse, max_order_bytes, max_followups)
-    ids = [f.order.job_id for f, _ in followups if f.order is not None]
-    scope = list(writes)
-    if accept_out is not None:
-        scope.append(accept_out)
-    ev = Evidence(
-        order=order,
-        agent=agent,
-        writes=tuple(scope),
-        exit=exit,
-        receipt=read_receipt(root) if work_exists else Doc(missing=True),
-        output=output,
-        work_exists=work_exists,
-        entries=tuple(list_entries(root, given)) if work_exists else (),
-        given=given,
-        outbox_exists=outbox_exists,
-        followups=tuple(f for f, _ in followups),
-        known_ids=known(ids) if ids else frozenset(),
-        hops=hops,
-        max_hops=max_hops,
-        max_followups=max_followups,
-        changed=tuple(changed) if changed is not None and not isinstance(changed, str) else None,
-        changed_unknown=changed if isinstance(changed, str) else None,
-    )
+        outbox_exists = False
+        followups: list[tuple[Followup, bytes | None]] = []
+        if work_exists:
+            outbox_exists, followups = read_followups(root, parse, max_order_bytes, max_followups, dir_fd)
+        ids = [f.order.job_id for f, _ in followups if f.order is not None]
+        scope = list(writes)
+        if accept_out is not None:
+            scope.append(accept_out)
+        ev = Evidence(
+            order=order,
+            agent=agent,
+            writes=tuple(scope),
+            exit=exit,
+            receipt=read_receipt(root, dir_fd) if work_exists else Doc(missing=True),
+            output=output,
+            work_exists=work_exists,
+            entries=tuple(list_entries(root, given, dir_fd)) if work_exists else (),
+            given=given,
+            outbox_exists=outbox_exists,
+            followups=tuple(f for f, _ in followups),
+            known_ids=known(ids) if ids else frozenset(),
+            hops=hops,
+            max_hops=max_hops,
+            max_followups=max_followups,
+            changed=tuple(changed) if changed is not None and not isinstance(changed, str) else None,
+            changed_unknown=changed if isinstance(changed, str) else None,
+        )
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
     return ev, followups
