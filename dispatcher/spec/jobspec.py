@@ -137,6 +137,8 @@ class Attempt:
     interrupted: bool = False
     retry_next: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: the record as result.json keeps it, made once (attempt.json and result.json hold the same values)
+    _record: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def duration_ms(self) -> int:
@@ -160,7 +162,16 @@ class Attempt:
         return float(cost)
 
     def to_json(self, *, internal: bool = True) -> dict[str, Any]:
-        """Return the record; ``internal`` keeps the retry mark that result.json leaves out."""
+        """Return the record (a new dict); ``internal`` keeps the retry mark that result.json leaves out."""
+        if internal and self.retry_next:
+            return self._build(internal=True)
+        record = self._record
+        if record is None:
+            record = self._build(internal=False)
+            object.__setattr__(self, "_record", record)
+        return dict(record)
+
+    def _build(self, *, internal: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
             "n": self.n,
             "started": iso(self.started),
