@@ -81,11 +81,16 @@ def row_to_state(row: str) -> State | None:
     return State(row) if row in LANDED else None
 
 
+_LANDED_STATE: dict[str, State] = {Row.REVIEW: State.REVIEW, Row.DONE: State.DONE, Row.FAILED: State.FAILED}
+_OUTCOME: dict[str, Outcome] = {Row.REVIEW: Outcome.REVIEW, Row.DONE: Outcome.DONE, Row.FAILED: Outcome.FAILED}
+
+
 def landed_state(row: str) -> State:
     """Return the folder a job lands in when its row is review, done or failed (ValueError otherwise)."""
-    if row not in LANDED:
-        raise ValueError(f"row {row} has no landed folder")
-    return State(row)
+    try:
+        return _LANDED_STATE[row]  # a str equal to a Row finds it too
+    except KeyError:
+        raise ValueError(f"row {row} has no landed folder") from None
 
 
 def state_to_row(state: State, result_state: str | None = None) -> Row:
@@ -103,4 +108,7 @@ def state_to_row(state: State, result_state: str | None = None) -> Row:
 
 def outcome_of(row: Row) -> Outcome:
     """Return the outcome of a run that ended with this row recorded (done, failed or review)."""
-    return Outcome(landed_state(row).value)
+    try:
+        return _OUTCOME[row]
+    except KeyError:
+        raise ValueError(f"row {row} has no landed folder") from None
