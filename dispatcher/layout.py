@@ -39,7 +39,6 @@ class Layout:
     _folders: dict[State, Path] = field(init=False, repr=False, compare=False)
     _folder_strs: dict[State, str] = field(init=False, repr=False, compare=False)
     _job_prefixes: dict[State, str] = field(init=False, repr=False, compare=False)  # "ROOT/STATE/"
-    _prefixes: tuple[tuple[State, str], ...] = field(init=False, repr=False, compare=False)  # "ROOT/STATE/"
 
     def __post_init__(self) -> None:
         root, state_dir = self.root, self.root / ".state"
@@ -59,7 +58,6 @@ class Layout:
             ("_folders", folders),
             ("_folder_strs", {s: os.fspath(p) for s, p in folders.items()}),
             ("_job_prefixes", prefixes),
-            ("_prefixes", tuple(prefixes.items())),
         ):
             object.__setattr__(self, name, path)
 
@@ -118,7 +116,7 @@ class Layout:
     def find(self, job_id: str) -> tuple[State, Path] | None:
         """Return the state and folder of a job, or None if it has no folder."""
         is_dir, lstat = stat.S_ISDIR, os.lstat
-        for state, prefix in self._prefixes:
+        for state, prefix in self._job_prefixes.items():
             path = prefix + job_id
             try:
                 if is_dir(lstat(path).st_mode):

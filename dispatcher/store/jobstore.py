@@ -23,7 +23,6 @@ recovery lands it from its staged result.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import os
@@ -47,7 +46,6 @@ AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_S
 SPEC_MAX = 8 * 1024 * 1024
 RECORD_MAX = 1024 * 1024
 _WORK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # as ``fsutil.open_beneath`` opens a file
 
 
 class JobFolder:
@@ -328,9 +326,9 @@ class JobFolder:
         For the files the checks vouch for (the follow-ups, ``accept.output``, the receipt),
         in the order given: the agent wrote them without fsync, and result.json is about to
         say they passed. The folders come after every file, work/ last. Every path is
-        opened one part at a time without following links, a name of work/ itself from
-        work/ opened once; one that is gone or is not a regular file is left out (the
-        checks said so already).
+        opened one part at a time without following links, from work/ opened once
+        (``fsutil.open_beneath``); one that is gone or is not a regular file is left out
+        (the checks said so already).
         """
         if not rels:
             return
@@ -348,7 +346,7 @@ class JobFolder:
                     os.close(fd)
             for rel_dir in sorted(folders, key=len, reverse=True):
                 try:
-                    fd = fsutil.open_beneath(self.work_dir, "/".join(rel_dir))
+                    fd = fsutil.open_beneath(self.work_dir, "/".join(rel_dir), dir_fd=work)
                 except (FileNotFoundError, fsutil.NotRegular):
                     continue
                 try:
@@ -361,22 +359,14 @@ class JobFolder:
 
     def _open_in_work(self, work: int, rel: str, folders: dict[tuple[str, ...], None]) -> int | None:
         """Open work/<rel> for ``sync_work`` without following links (None: gone or not a file); note its folders."""
-        if "/" not in rel:  # a name in work/ (the receipt, the usual output): one open from work/'s fd
-            try:
-                return os.open(rel, _FILE_FLAGS, dir_fd=work)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:  # a link (``fsutil.open_beneath`` says NotRegular)
-                    return None
-                raise
-        parts = fsutil.rel_parts(rel)
         try:
-            fd = fsutil.open_beneath(self.work_dir, rel)
+            fd = fsutil.open_beneath(self.work_dir, rel, dir_fd=work)
         except (FileNotFoundError, NotADirectoryError, fsutil.NotRegular):
             return None
-        for k in range(len(parts) - 1, 0, -1):  # its folders below work/, the deepest first
-            folders[parts[:k]] = None
+        if "/" in rel:
+            parts = fsutil.rel_parts(rel)
+            for k in range(len(parts) - 1, 0, -1):  # its folders below work/, the deepest first
+                folders[parts[:k]] = None
         return fd
 
     def stage_result(self, result: Result) -> None:
