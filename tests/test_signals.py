@@ -6,6 +6,7 @@ the agents' processes (read from /proc) and what arrives on a bound notify socke
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -429,3 +430,37 @@ def test_a_job_recovered_at_its_finish_keeps_its_cost_in_the_ledger(env: Env) ->
     (row,) = [j for j in listed if j["job_id"] == "PAID-1"]
     assert row["cost_usd"] == 0.1, row
     assert d2.stop() == 0
+
+
+def test_a_stop_in_the_same_turn_as_a_gate_command_ends_the_gates_refresh(tmp_path: Path) -> None:
+    """A pause/resume hint (kick) and SIGTERM's stop in one loop turn: the refresh ends, the stop does not hang.
+
+    The kick completes the refresh's wait in the turn the stop cancels it; a wait that
+    swallowed that cancel would sleep until the next idle read (here an hour) and hold the
+    daemon's exit past its stop_timeout.
+    """
+    from dispatcher.core.gatekeeper import GateKeeper
+    from dispatcher.lanes import Lanes
+    from dispatcher.layout import Layout
+    from dispatcher.ledger.sqlite import SqliteLedger
+
+    layout = Layout(tmp_path / "root")
+    layout.create()
+    ledger = SqliteLedger(layout.ledger, layout.state_dir, patience_s=30)
+    lanes = Lanes()
+
+    async def scenario() -> bool:
+        keeper = GateKeeper(ledger, lanes, lambda: ["worker"], lambda: None, idle_s=3600.0)
+        keeper.start()
+        await asyncio.sleep(0.5)  # the first refresh has read the ledger; the refresh now waits
+        keeper.kick()
+        await asyncio.sleep(0)  # the kick's wake-up runs: the wait is complete, not yet resumed
+        stopping = asyncio.ensure_future(keeper.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        return bool(done)
+
+    try:
+        assert asyncio.run(scenario()), "the gates' refresh did not end within 10 s of the stop"
+    finally:
+        lanes.shutdown(wait=True)
+        ledger.close()

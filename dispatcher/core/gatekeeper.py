@@ -153,14 +153,16 @@ class GateKeeper:
                 if not self.ledger.giving_up():  # a wait a stop gave up is no error
                     log.warning("daemon.error", step="gates", error=str(exc))
             assert self._kicked is not None  # noqa: S101 - set by start()
-            wait = self._wait_s(time.time())
+            # not asyncio.wait_for: on 3.11 it drops a cancel that comes in the turn a kick ends the wait
+            # (python/cpython#86296), and the stop then waits for the next idle read
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kicked.wait(), wait)
+                async with asyncio.timeout(self._wait_s(time.time())):
+                    await self._kicked.wait()
             self._kicked.clear()
 
     async def stop(self) -> None:
         """End the background refresh."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        task = self._task
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})  # the refresh's end, not its CancelledError; a cancel of the stop itself goes on
