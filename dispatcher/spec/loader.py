@@ -253,8 +253,64 @@ def _no_constant(name: str) -> Any:
     return _Refused(f"{name} is not a JSON value")
 
 
+class _Marked(Exception):
+    """Raised by the shared decoder's hooks where the full parse of ``load_json`` must judge the document."""
+
+
+def _pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(items)
+    if len(out) != len(items):
+        raise _Marked
+    return out
+
+
+def _constant(name: str) -> Any:
+    raise _Marked
+
+
+def _number(digits: str) -> float:
+    value = float(digits)
+    if not math.isfinite(value):
+        raise _Marked
+    return value
+
+
+def _integer_digits(digits: str) -> int:
+    if len(digits) > _INT_DIGITS_MAX:
+        raise _Marked
+    return int(digits)
+
+
+#: one decoder for every document: its hooks stop at anything the full parse would mark (a duplicate key,
+#: a constant, an infinite float, a number too long)
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_number, parse_int=_integer_digits
+)
+
+
 def load_json(text: str) -> Any:
-    """Parse JSON strictly: no duplicate keys, no NaN or Infinity, bounded nesting."""
+    """Parse JSON strictly: no duplicate keys, no NaN or Infinity, bounded nesting.
+
+    The usual document (no leading white space, nothing refused) is read once by a decoder
+    made at import; anything else is parsed again by ``_load_json_marked``, which words
+    every error.
+    """
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except (_Marked, ValueError, RecursionError):
+        return _load_json_marked(text)
+    rest = text[end:]
+    if rest and rest.strip(" \t\n\r"):
+        return _load_json_marked(text)  # Extra data
+    # the walk finds nothing in ASCII text without escapes that could make a lone surrogate and fewer
+    # brackets than MAX_DEPTH: it runs only where it could name a field
+    if not text.isascii() or "\\u" in text or text.count("[") + text.count("{") > MAX_DEPTH:
+        check_json_value(value)
+    return value
+
+
+def _load_json_marked(text: str) -> Any:
+    """Parse JSON strictly as ``load_json`` does, with a decoder made for this text that marks what it refuses."""
     marked = False  # a hook left a mark (a duplicate key, a constant) or met a float too large to keep
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
