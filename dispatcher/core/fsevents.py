@@ -14,6 +14,7 @@ import ctypes
 import errno
 import os
 import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,8 @@ IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
 IN_CREATE, IN_DELETE, IN_Q_OVERFLOW, IN_IGNORED = 0x100, 0x200, 0x4000, 0x8000
 _MASK = IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 _HEADER = struct.Struct("iIII")
+_HEADER_SIZE = _HEADER.size
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()  # os.fsdecode's
 
 Hint = Callable[[str, str], None]  # (kind, name): kind is moved, closed, created, gone, control, rescan
 
@@ -57,11 +60,12 @@ class InotifyWatch:
                 if exc.errno == errno.EINTR:
                     continue
                 raise
-            pos = 0
-            while pos + _HEADER.size <= len(buf):
+            pos, end = 0, len(buf) - _HEADER_SIZE
+            while pos <= end:
                 wd, mask, _cookie, size = _HEADER.unpack_from(buf, pos)
-                raw = buf[pos + _HEADER.size : pos + _HEADER.size + size].rstrip(b"\0")
-                pos += _HEADER.size + size
+                pos += _HEADER_SIZE
+                raw = buf[pos : pos + size].rstrip(b"\0")
+                pos += size
                 if mask & IN_Q_OVERFLOW:
                     self._hint("rescan", "")
                     continue
@@ -70,7 +74,8 @@ class InotifyWatch:
                     if mask & (IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE):
                         self._hint("control", "")
                 elif where == "inbox":
-                    self._hint(_kind(mask), os.fsdecode(raw))
+                    # _kind from its table and os.fsdecode written out: this runs for every event of inbox/
+                    self._hint(_KINDS[mask & _MASK], raw.decode(_FS_ENCODING, _FS_ERRORS))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -87,6 +92,9 @@ def _kind(mask: int) -> str:
     if mask & IN_CREATE:
         return "created"
     return "gone"
+
+
+_KINDS = {m: _kind(m) for m in range(_MASK + 1) if not m & ~_MASK}  # every mask's kind, made once
 
 
 class ObserverWatch:
