@@ -85,6 +85,7 @@ class Inbox:
         self, inbox: Path, settle_s: float, *, wait_for_writers: bool = True, wake: Callable[[], None] | None = None
     ) -> None:
         self.inbox = inbox
+        self._inbox_str = os.fspath(inbox)  # a name's path is joined as text: inbox/ is read per event
         self.wake = wake  # called after each hint: the loop takes a turn
         self.settle_s = settle_s
         self.wait_for_writers = wait_for_writers  # off for `run --once`: at most settle s after the last change
@@ -109,20 +110,22 @@ class Inbox:
         """Take one filesystem event into account; wake the loop when a turn may act on it.
 
         Not for an ignored name (``.tmp``), nor one gone without settling (each claim removes its order)."""
-        if not name or is_ignored(name):
+        if kind == "gone":  # an ignored name is never pending: nothing to ask of it
+            if name not in self._pending:
+                return
+            del self._pending[name]
+            self._known.discard(name)
+        elif not name or is_ignored(name):
             return
-        if kind in ("moved", "closed"):
+        elif kind in ("moved", "closed"):
             self._pending.pop(name, None)
             self._make_ready(name)
         elif kind == "created" and name not in self._known:
             try:
-                st = os.lstat(self.inbox / name)
+                st = os.lstat(f"{self._inbox_str}/{name}")
             except FileNotFoundError:
                 return
             self.add(Listed(name, st.st_size, st.st_mtime_ns, stat.S_ISREG(st.st_mode)), fresh=True)
-        elif kind == "gone" and name in self._pending:
-            del self._pending[name]
-            self._known.discard(name)
         else:
             return
         if self.wake is not None:
@@ -166,7 +169,7 @@ class Inbox:
         if name in self._ready_names or name in self._later_names:
             return
         try:
-            st = os.lstat(self.inbox / name)
+            st = os.lstat(f"{self._inbox_str}/{name}")
         except FileNotFoundError:
             self._known.discard(name)
             return
@@ -192,7 +195,7 @@ class Inbox:
         """Read an order's priority, not_before and `after` at a glance (a small bounded read; no link followed)."""
         try:
             if dir_fd is None:
-                data = fsutil.read_regular(f"{os.fspath(self.inbox)}/{name}", PEEK_BYTES)
+                data = fsutil.read_regular(f"{self._inbox_str}/{name}", PEEK_BYTES)
             else:
                 data = fsutil.read_regular(name, PEEK_BYTES, dir_fd=dir_fd)
         except (OSError, ValueError, fsutil.NotRegular):
@@ -249,7 +252,7 @@ class Inbox:
         check = []
         for name, p in list(self._pending.items()):
             try:
-                st = os.lstat(self.inbox / name)
+                st = os.lstat(f"{self._inbox_str}/{name}")
             except FileNotFoundError:
                 del self._pending[name]
                 self._known.discard(name)
