@@ -216,20 +216,28 @@ class _Compiler:
         if "anyOf" in schema:
             steps.append(_any_of([self.compile(sub) for sub in schema["anyOf"]]))
         strings = any(k in schema for k in ("minLength", "maxLength", "pattern"))
-        # `type: string` right before the string keywords: one step that checks both
-        typed = strings and schema.get("type") == "string" and "enum" not in schema
+        numbers = any(k in schema for k in ("minimum", "exclusiveMinimum", "maximum"))
+        lists = any(k in schema for k in ("minItems", "maxItems", "uniqueItems", "items"))
+        dicts = any(k in schema for k in ("properties", "additionalProperties", "required", "propertyNames"))
+        # `type: string`, `array` or `object` right before the step of its own keywords: one step checks both
+        kind = schema.get("type") if "enum" not in schema else None
+        typed = (kind == "string" and strings) or (
+            not strings and not numbers and ((kind == "array" and lists) or (kind == "object" and dicts and not lists))
+        )
         if "type" in schema and not typed:
             steps.append(_type_step(schema["type"]))
+        type_check = _type_step(kind) if typed else None
         if "enum" in schema:
             steps.append(_enum_step(schema["enum"]))
         if strings:
-            steps.append(_string_step(schema, _type_step("string") if typed else None))
-        if any(k in schema for k in ("minimum", "exclusiveMinimum", "maximum")):
+            steps.append(_string_step(schema, type_check if kind == "string" else None))
+        if numbers:
             steps.append(_number_step(schema))
-        if any(k in schema for k in ("minItems", "maxItems", "uniqueItems", "items")):
-            steps.append(_list_step(schema, self.compile(schema["items"]) if "items" in schema else None))
-        if any(k in schema for k in ("properties", "additionalProperties", "required", "propertyNames")):
-            steps.append(self._dict_step(schema))
+        if lists:
+            items = self.compile(schema["items"]) if "items" in schema else None
+            steps.append(_list_step(schema, items, type_check if kind == "array" else None))
+        if dicts:
+            steps.append(self._dict_step(schema, type_check if kind == "object" else None))
         if not steps:
             return _nothing
         if len(steps) == 1:
@@ -241,7 +249,8 @@ class _Compiler:
 
         return check
 
-    def _dict_step(self, schema: dict[str, Any]) -> _Check:
+    def _dict_step(self, schema: dict[str, Any], typed: _Check | None = None) -> _Check:
+        """Return the check of the mapping keywords; ``typed``: the ``type: object`` check made first."""
         props: dict[str, _Check] = {k: self.compile(v) for k, v in schema.get("properties", {}).items()}
         extra = schema.get("additionalProperties", True)
         closed = extra is False
@@ -250,8 +259,11 @@ class _Compiler:
         key_check = self.compile(schema["propertyNames"]) if "propertyNames" in schema else None
 
         def check(value: Any, path: str) -> None:
-            if not isinstance(value, dict):
-                return
+            if type(value) is not dict:
+                if typed is not None:
+                    typed(value, path)
+                if not isinstance(value, dict):
+                    return
             if closed:
                 for key in value:
                     if key not in props:
@@ -353,14 +365,18 @@ def _number_step(schema: dict[str, Any]) -> _Check:
     return check
 
 
-def _list_step(schema: dict[str, Any], items: _Check | None) -> _Check:
+def _list_step(schema: dict[str, Any], items: _Check | None, typed: _Check | None = None) -> _Check:
+    """Return the check of the list keywords; ``typed``: the ``type: array`` check made first."""
     min_items = schema.get("minItems", 0)
     max_items = schema.get("maxItems")
     unique = bool(schema.get("uniqueItems"))
 
     def check(value: Any, path: str) -> None:
-        if not isinstance(value, list):
-            return
+        if type(value) is not list:
+            if typed is not None:
+                typed(value, path)
+            if not isinstance(value, list):
+                return
         if len(value) < min_items:
             _fail("must not be empty", path)
         if max_items is not None and len(value) > max_items:
