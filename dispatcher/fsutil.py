@@ -303,6 +303,9 @@ def read_tail(path: str | Path, limit: int, *, start: int = 0) -> bytes:
         os.close(fd)
 
 
+_READ_CHUNK = 1 << 20  # read_regular's largest read
+
+
 def read_regular(
     path: str | Path, limit: int | None = None, *, base: str | Path | None = None, dir_fd: int | None = None
 ) -> bytes:
@@ -333,20 +336,27 @@ def read_regular(
             raise NotRegular(kind_of(st.st_mode))
         if limit is not None and st.st_size > limit:
             raise ValueError(f"larger than {limit} bytes")
-        size, chunks, total = st.st_size, [], 0
+        size, total = st.st_size, 0
+        chunks: list[bytes] = []
         while True:
             # a byte more than fstat's size is asked for: a short read that reaches that size is the end,
             # without one more read to see it empty; a file that grew since goes on to its real end
-            want = min(size - total + 1, 1 << 20) if total <= size else 1 << 20
+            want = size - total + 1 if total <= size else _READ_CHUNK
+            if want > _READ_CHUNK:
+                want = _READ_CHUNK
             chunk = os.read(fd, want)
-            if not chunk:
+            got = len(chunk)
+            if not got:
                 break
-            chunks.append(chunk)
-            total += len(chunk)
+            total += got
             if limit is not None and total > limit:
                 raise ValueError(f"larger than {limit} bytes")
-            if len(chunk) < want and total >= size:
+            if got < want and total >= size:
+                if not chunks:
+                    return chunk  # the whole file in one read (the usual case)
+                chunks.append(chunk)
                 break
+            chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
