@@ -364,7 +364,7 @@ def read_regular(
 
 def rel_parts(rel: str | PurePath) -> tuple[str, ...]:
     """Return the parts of a relative path as pathlib splits them (empty and ``.`` parts dropped), without a Path."""
-    if isinstance(rel, PurePath):
+    if type(rel) is not str and isinstance(rel, PurePath):  # a plain str, the usual case: no isinstance
         return rel.parts
     if "/" not in rel:  # one name, the usual case (``receipt.json``)
         return (rel,) if rel and rel != "." else ()
