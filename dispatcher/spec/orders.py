@@ -234,10 +234,10 @@ def peek_schedule(data: bytes, name: str) -> Glance:
         if name.endswith(".json"):
             text = data.decode()  # a glance: the JSON scanner alone, without json.loads's wrappers
             body = _scan_json(text, len(text) - len(text.lstrip("\ufeff \t\r\n")))[0]  # a BOM, as decode()
-            body = body if isinstance(body, dict) else {}
+            body = body if type(body) is dict else {}  # the scanner makes plain dicts, str and int: type tells
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
             raw_to, raw_e = body.get("to"), body.get("expires")
-            agent = raw_to if isinstance(raw_to, str) else ""
+            agent = raw_to if type(raw_to) is str else ""
         else:
             m = _top(data, b"priority:", _TOP_PRIORITY)
             raw_p = int(m.group(1)) if m else None
@@ -248,10 +248,10 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             agent = to.group(1).decode("utf-8", "replace") if to else ""
             e = _top(data, b"expires:", _TOP_EXPIRES)
             raw_e = e.group(1).decode() if e else None
-        if isinstance(raw_p, int) and not isinstance(raw_p, bool) and 0 <= raw_p <= 9:
+        if type(raw_p) is int and 0 <= raw_p <= 9:  # not a bool
             priority = raw_p
-        expires = parse_time(raw_e) if isinstance(raw_e, str) else None
-        if isinstance(raw_t, str):
+        expires = parse_time(raw_e) if type(raw_e) is str else None
+        if type(raw_t) is str:
             due = parse_time(raw_t)
     except (ValueError, TypeError, RecursionError, StopIteration):
         pass
