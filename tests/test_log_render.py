@@ -172,6 +172,17 @@ def test_a_long_string_field_is_cut_at_field_max(capture: Callable[..., Capture]
     )
 
 
+def test_short_fields_longer_than_field_max_together_are_written_whole(capture: Callable[..., Capture]) -> None:
+    """A line longer than FIELD_MAX made of short fields, some non-ASCII, keeps every field as given."""
+    cap = capture(console=False)
+    half = logs.FIELD_MAX // 2 + 1
+    line = _both(cap, lambda: _log().info("two.halves", a="a" * half, b="\u00e9" * half, n=1))
+    assert line == (
+        '{"a": "' + "a" * half + '", "b": "' + "\\u00e9" * half + '", "n": 1, '
+        '"event": "two.halves", "level": "info", "timestamp": "TS"}'
+    )
+
+
 def test_a_cut_happens_before_redaction(capture: Callable[..., Capture]) -> None:
     """A credential after the cut is gone with the cut; one before it is still shown as ***."""
     cap = capture(console=False)

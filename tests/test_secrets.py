@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import Env
 
-from dispatcher.text import redact
+from dispatcher.text import may_hold_secret, redact
 
 pytest_plugins = ["pg_fixtures"]
 
@@ -71,6 +71,16 @@ def test_ledger_migrate_refuses_a_password_on_its_command_line(env: Env) -> None
         "ledger migrate: URL: a password on the command line shows in every process list;"
         " put it in ~/.pgpass or $PGPASSWORD, or give - and the URL on stdin\n"
     )
+
+
+def test_may_hold_secret_is_false_only_where_redact_changes_nothing() -> None:
+    """Text may_hold_secret passes, and any part of it, comes out of redact unchanged; a credential never passes."""
+    for text in ("", "job PROF-1 (bench)", "pässword=x p@ss:w0rd@db", "host=db passwd=abc"):
+        assert not may_hold_secret(text)
+        parts = {text[i:j] for i in range(len(text) + 1) for j in range(i, len(text) + 1)}
+        assert all(redact(part) == part for part in parts)
+    for text in ("postgresql://u:p@db/x", "host=db password=abc", "PASSWORD='a b'", "https://u:pw@h/x"):
+        assert may_hold_secret(text) and redact(text) != text
 
 
 def test_redact_hides_url_passwords_and_password_keywords() -> None:
