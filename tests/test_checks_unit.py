@@ -397,6 +397,13 @@ def test_details_are_one_printable_line(ev: Evidence) -> None:
     assert reason is not None and not BREAKS.search(reason)
 
 
+def test_a_printable_detail_beyond_ascii_is_kept_as_written() -> None:
+    """Printable text beyond ASCII (a receipt's reason in German, a CJK name) is a detail as it is, not escaped."""
+    reason = "Bäckerei geschlossen 東京 \u00a0 ✓"
+    result = checks.receipt_status(evidence(receipt=receipt(status="failed", reason=reason)))
+    assert (result.ok, result.detail) == (False, f"the agent reported failure: {reason}")
+
+
 def test_lone_surrogate_in_an_output_id_is_shown_escaped() -> None:
     """An output id holding a lone surrogate (valid JSON, not UTF-8) is shown as an escape, not a crashed check."""
     result = checks.allowed_values(evidence(output=[{"id": "\ud800", "team": "bakery"}]))

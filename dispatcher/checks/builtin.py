@@ -29,9 +29,10 @@ def _made(name: str, ok: bool | None, detail: str) -> CheckResult:
     """Return a result of check ``name``; its detail is kept to one short printable line.
 
     Each check binds its name once (``r = partial(_made, "exit_ok")``). A detail that is
-    short, ASCII and printable (the usual one) is kept as it is without a further call.
+    short and printable (the usual one) is kept as it is without a further call: ``printable``
+    and its ``oneline`` leave such text as it is (no control character, line break or surrogate).
     """
-    if len(detail) > DETAIL_MAX or not detail.isascii() or not detail.isprintable():
+    if len(detail) > DETAIL_MAX or not detail.isprintable():
         detail = cut(printable(detail), DETAIL_MAX)
     return CheckResult(name, ok, detail)
 
