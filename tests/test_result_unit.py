@@ -99,6 +99,23 @@ def test_build_result_writes_the_contract_keys(tmp_path) -> None:  # type: ignor
     assert folder.result() == result
 
 
+def test_build_result_cuts_only_the_check_details_over_detail_max() -> None:
+    """A check detail over DETAIL_MAX is cut with a note; the others, one of exactly DETAIL_MAX too, are kept."""
+    checks = [
+        CheckResult("a", True, "fine"),
+        CheckResult("b", False, "y" * (DETAIL_MAX + 7)),
+        CheckResult("c", None, "z" * DETAIL_MAX),
+    ]
+    result = build_result(job_id="J", state="failed", agent="w", reason="b", checks=checks, received=1.0)
+    assert result.checks == (
+        checks[0],
+        CheckResult("b", False, "y" * DETAIL_MAX + "… (cut, 7 more characters)"),
+        checks[2],
+    )
+    plain = build_result(job_id="J", state="done", agent="w", reason=None, checks=checks[::2], received=1.0)
+    assert plain.checks == tuple(checks[::2])
+
+
 def _attempt(n: int, started: str, cost: float) -> dict[str, object]:
     return {"n": n, "started": started, "ended": started, "exit_code": 1, "cost_usd": cost}
 

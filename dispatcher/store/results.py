@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from dispatcher.clock import iso
@@ -27,6 +28,7 @@ def cut_reason(reason: str) -> str:
 
 _NOT_RUN_DETAIL = "not run: the job ended before any attempt was checked"
 NOT_RUN = tuple(CheckResult(name, None, _NOT_RUN_DETAIL) for name in BUILTIN_CHECKS)
+_DETAIL = attrgetter("detail")
 
 
 def build_result(
@@ -53,14 +55,16 @@ def build_result(
     """
     if not checks:
         checks = NOT_RUN + tuple(CheckResult(name, None, _NOT_RUN_DETAIL) for name in user_checks)
+    if max(map(len, map(_DETAIL, checks)), default=0) > DETAIL_MAX:  # one C loop: the usual details all fit
+        checks = [
+            c if len(c.detail) <= DETAIL_MAX else CheckResult(c.name, c.ok, cut(c.detail, DETAIL_MAX)) for c in checks
+        ]
     return Result(
         job_id=job_id,
         state=state,
         agent=agent,
         reason=cut_reason(reason) if reason is not None else None,
-        checks=tuple(
-            [c if len(c.detail) <= DETAIL_MAX else CheckResult(c.name, c.ok, cut(c.detail, DETAIL_MAX)) for c in checks]
-        ),
+        checks=tuple(checks),
         attempts=tuple([a.to_json(internal=False) for a in attempts]),
         received=iso(received),
         finished=iso(time.time()),
