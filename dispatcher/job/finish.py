@@ -242,7 +242,7 @@ class Finisher:
             except OSError as exc:
                 answers[i] = exc
         # every staged result of the batch is fsynced at once, before the ledger records any end
-        errors = iter(fsutil.fsync_many([path for _, paths in written for path in paths]))
+        errors = iter(fsutil.fsync_many([path for _, paths in written for path in paths]) if written else ())
         for i, paths in written:
             error = next((e for e in [next(errors) for _ in paths] if e is not None), None)
             if error is None:
@@ -283,8 +283,11 @@ class Finisher:
         self._move(moves, touched)
         for state in touched:
             fsutil.fsync_dir(self.layout.folder_str(state))
-        final = [batch[i].finish for i, ok in zip(ready, oks, strict=True) if ok]
-        final_ids = [f.job_id for f in final if f.state != Row.REVIEW]  # review is not final
+        final_ids = [  # review is not final
+            batch[i].finish.job_id
+            for i, ok in zip(ready, oks, strict=True)
+            if ok and batch[i].finish.state != Row.REVIEW
+        ]
         if final_ids and self.on_final is not None:
             try:
                 self.on_final(final_ids)
@@ -309,9 +312,11 @@ class Finisher:
             if error is not None:
                 raise error
         for landing, state in named:
-            with contextlib.suppress(FileNotFoundError):  # landed already (a crash between land and this)
+            try:
                 landing.folder.move_to(self.layout, state)
-                touched.add(state)
+            except FileNotFoundError:  # landed already (a crash between land and this)
+                continue
+            touched.add(state)
 
     def release(self, parent: str) -> int:
         """Release a done parent's follow-ups (blocking: io pool); each new file hints the inbox."""
