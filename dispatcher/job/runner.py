@@ -184,13 +184,11 @@ class AgentProcess:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self.started = time.time()
-        self._proc = _spawn(self.argv, self.cwd, self.env)
+        self._proc, self._out.fd, self._err.fd = _spawn(self.argv, self.cwd, self.env)
         # from here on the agent runs: nothing below may turn into "cannot start"
         self.pid = self._proc.pid
-        assert self._proc.stdout is not None and self._proc.stderr is not None  # noqa: S101 - PIPE gives both
         watch = self._readers = readers()
-        for stream, pipe in ((self._out, self._proc.stdout), (self._err, self._proc.stderr)):
-            stream.fd = pipe.fileno()
+        for stream in (self._out, self._err):
             os.set_blocking(stream.fd, False)
             watch.add(stream.fd, self._pump, stream)
         try:
@@ -318,9 +316,8 @@ class AgentProcess:
         assert self._proc is not None and self._done is not None  # noqa: S101
         self._out.close("stdout")
         self._err.close("stderr")
-        for pipe in (self._proc.stdout, self._proc.stderr):
-            if pipe is not None:
-                pipe.close()
+        for stream in (self._out, self._err):
+            os.close(stream.fd)
         self._done.set_result(
             AgentExit(
                 exit_code=self._proc.returncode,
@@ -344,21 +341,42 @@ def _which(name: str, path: str) -> str | None:
     return shutil.which(name, path=path)
 
 
-def _spawn(argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    """Start argv in its own session with piped output; a bare program name is looked up on PATH once.
+def _spawn(
+    argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str]
+) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Start argv in its own session; return it and the read ends of its stdout and stderr pipes.
 
-    Popen would try every folder of PATH with its own execve at each start; the lookup
-    is cached per (name, PATH), and a cached path that has gone is looked up again.
+    A bare program name is looked up on PATH once: Popen would try every folder of PATH
+    with its own execve at each start; the lookup is cached per (name, PATH), and a cached
+    path that has gone is looked up again. The pipes are made here and handed to Popen as
+    descriptors (close-on-exec, as ``PIPE``'s): Popen makes no file objects of them and no
+    callbacks to close them; the write ends are closed once the child has them.
     """
     name = argv[0] if argv else ""
     found = _which(name, env.get("PATH", os.defpath)) if name and "/" not in name else None
+    out_r, out_w = os.pipe()
     try:
-        return _popen(argv, cwd, env, found)
-    except FileNotFoundError:
-        if found is None:
-            raise
-        _which.cache_clear()  # the program moved since it was looked up: let Popen search again
-        return _popen(argv, cwd, env, None)
+        err_r, err_w = os.pipe()
+    except OSError:
+        os.close(out_r)
+        os.close(out_w)
+        raise
+    try:
+        try:
+            proc = _popen(argv, cwd, env, found, out_w, err_w)
+        except FileNotFoundError:
+            if found is None:
+                raise
+            _which.cache_clear()  # the program moved since it was looked up: let Popen search again
+            proc = _popen(argv, cwd, env, None, out_w, err_w)
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    return proc, out_r, err_r
 
 
 def _devnull() -> int:
@@ -372,7 +390,12 @@ def _devnull() -> int:
 
 
 def _popen(
-    argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str], executable: str | None
+    argv: Sequence[str],
+    cwd: str | os.PathLike[str],
+    env: Mapping[str, str],
+    executable: str | None,
+    stdout: int,
+    stderr: int,
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         list(argv),
@@ -380,8 +403,8 @@ def _popen(
         cwd=cwd,
         env=env,
         stdin=_devnull(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=stdout,
+        stderr=stderr,
         start_new_session=True,
         close_fds=True,
     )
