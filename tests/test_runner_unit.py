@@ -22,7 +22,7 @@ import pytest
 
 from dispatcher import procs
 from dispatcher.job.agent_result import parse_agent_result
-from dispatcher.job.runner import AgentExit, AgentProcess, build_env
+from dispatcher.job.runner import AgentExit, AgentProcess, attempt_env, build_env, dispatch_env, encode_env
 from dispatcher.spec.jobspec import render
 
 ARGV_VALUES = {
@@ -179,6 +179,26 @@ def test_dispatch_variables_win_over_agent_env() -> None:
     got = build_env({"DISPATCH_JOB_ID": "OTHER", "PATH": "/opt/agent/bin"}, DISPATCH)
     assert got["DISPATCH_JOB_ID"] == "JOB-1"
     assert got["PATH"] == "/opt/agent/bin"
+
+
+@pytest.mark.usefixtures("daemon_env")
+@pytest.mark.parametrize(
+    ("agent_env", "pass_env", "workspace"),
+    [
+        ({}, (), None),
+        ({"DISPATCH_JOB_ID": "OTHER", "PATH": "/opt/agent/bin", "T\u00e9": "\udcff"}, ("TERM", "NOPE", "HOME"), None),
+        ({"TOKEN": "abc"}, (), Path("/r/ws/JOB-1")),
+    ],
+)
+def test_attempt_env_is_build_env_as_popen_encodes_it(
+    agent_env: dict[str, str], pass_env: tuple[str, ...], workspace: Path | None
+) -> None:
+    """An attempt's environment made as bytes is what build_env makes, in its order, each name and value fsencoded."""
+    work = "/r/active/JOB-1/w\u00f6rk"
+    want = build_env(agent_env, dispatch_env("JOB-1", work, 3, workspace), pass_env)
+    got = attempt_env(agent_env, "JOB-1", work, 3, workspace, pass_env)
+    assert list(got.items()) == [(os.fsencode(k), os.fsencode(v)) for k, v in want.items()]
+    assert got == encode_env(want)
 
 
 @dataclass

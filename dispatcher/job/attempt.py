@@ -16,7 +16,7 @@ from typing import Any
 from dispatcher.checks.facts import Exit
 from dispatcher.job import sandbox
 from dispatcher.job.gitview import GitView
-from dispatcher.job.runner import AgentExit, AgentProcess, build_env, dispatch_env
+from dispatcher.job.runner import AgentExit, AgentProcess, EnvB, attempt_env, build_env, dispatch_env
 from dispatcher.job.worktree import Workspace
 from dispatcher.spec.jobspec import Attempt, JobSpec, is_cost, prompt_values, render
 from dispatcher.spec.settings import Agent, Config
@@ -119,14 +119,17 @@ def process(
     cwd: str | Path = folder.work_dir if not probe or os.path.isdir(folder.work_dir) else folder.path
     if ws_path is not None and os.path.isdir(ws_path):
         cwd = ws_path
-    env = build_env(agent.env, dispatch_env(spec.job_id, folder.work_dir, n, ws_path), agent.pass_env)
+    env: dict[str, str] | EnvB
     if agent.repo.sandbox:
+        env = build_env(agent.env, dispatch_env(spec.job_id, folder.work_dir, n, ws_path), agent.pass_env)
         home = env.get("HOME") or os.path.expanduser("~")
         writable = sandbox.writable_paths(agent.repo, folder.work, ws_path, home)
         binds = git_view.binds() if git_view is not None else ()
         cmd = sandbox.wrap(
             cmd, cwd=Path(cwd), writable=writable, network=agent.repo.sandbox_network, env=env, binds=binds
         )
+    else:  # as bytes already: nothing of it is read here, and the process is given bytes
+        env = attempt_env(agent.env, spec.job_id, folder.work_dir, n, ws_path, agent.pass_env)
     return AgentProcess(
         cmd,
         cwd=cwd,

@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,44 @@ def build_env(
     env = {k: v for k in (*PASSED_ENV, *pass_env) if (v := environ.get(k)) is not None}
     env.update(agent_env)
     env.update(dispatch)
+    return env
+
+
+class EnvB(dict[bytes, bytes]):
+    """An agent's environment as ``Popen`` gets it: each name and value ``os.fsencode``d, in order."""
+
+
+_FS_ENCODING = sys.getfilesystemencoding()  # what os.fsencode encodes with
+_FS_ERRORS = sys.getfilesystemencodeerrors()
+_PASSED_ENVB = tuple(os.fsencode(k) for k in PASSED_ENV)
+
+
+def encode_env(env: Mapping[str, str]) -> EnvB:
+    """Return env as bytes, as ``Popen`` would encode it."""
+    enc, errors = _FS_ENCODING, _FS_ERRORS
+    return EnvB({k.encode(enc, errors): v.encode(enc, errors) for k, v in env.items()})
+
+
+def attempt_env(
+    agent_env: Mapping[str, str], job_id: str, work: str, n: int, workspace: Path | None, pass_env: tuple[str, ...]
+) -> EnvB:
+    """Return ``build_env(agent_env, dispatch_env(job_id, work, n, workspace), pass_env)`` as bytes (``EnvB``).
+
+    Made as bytes from the start: the passed names are read from ``os.environb`` (no
+    decoding), and ``Popen`` encodes nothing (about 25 Python calls fewer a start).
+    """
+    enc, errors = _FS_ENCODING, _FS_ERRORS
+    environ = os.environb
+    names = (*_PASSED_ENVB, *(k.encode(enc, errors) for k in pass_env)) if pass_env else _PASSED_ENVB
+    env = EnvB({k: v for k in names if (v := environ.get(k)) is not None})
+    if agent_env:
+        env.update(encode_env(agent_env))
+    w = work.encode(enc, errors)
+    env[b"DISPATCH_JOB_ID"] = job_id.encode(enc, errors)
+    env[b"DISPATCH_ORDER"] = w + b"/order.json"
+    env[b"DISPATCH_WORKSPACE"] = os.fsencode(workspace) if workspace else w
+    env[b"DISPATCH_RECEIPT"] = w + b"/receipt.json"
+    env[b"DISPATCH_ATTEMPT"] = b"%d" % n
     return env
 
 
@@ -146,7 +185,7 @@ class AgentProcess:
         argv: list[str],
         *,
         cwd: str | Path,
-        env: Mapping[str, str],
+        env: Mapping[str, str] | EnvB,
         timeout_s: float,
         kill_grace_s: float,
         log_dir: str | Path | None,
@@ -155,10 +194,11 @@ class AgentProcess:
         idle_timeout_s: float | None = None,
         one_log: Path | None = None,
     ) -> None:
-        """``one_log``: write stdout and stderr, as they come, into this one file (a user check's log)."""
+        """``env``: names and values as text, or as bytes already (``EnvB``); ``one_log``: write stdout and
+        stderr, as they come, into this one file (a user check's log)."""
         self.argv = argv
         self.cwd = cwd
-        self.env = dict(env)
+        self.env = env if isinstance(env, EnvB) else encode_env(env)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
         logs = os.fspath(log_dir) if log_dir is not None else None
@@ -337,13 +377,11 @@ class AgentProcess:
 
 
 @functools.lru_cache(maxsize=256)
-def _which(name: str, path: str) -> str | None:
-    return shutil.which(name, path=path)
+def _which(name: str, path: bytes | None) -> str | None:
+    return shutil.which(name, path=os.defpath if path is None else os.fsdecode(path))
 
 
-def _spawn(
-    argv: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str]
-) -> tuple[subprocess.Popen[bytes], int, int]:
+def _spawn(argv: Sequence[str], cwd: str | os.PathLike[str], env: EnvB) -> tuple[subprocess.Popen[bytes], int, int]:
     """Start argv in its own session; return it and the read ends of its stdout and stderr pipes.
 
     A bare program name is looked up on PATH once: Popen would try every folder of PATH
@@ -353,7 +391,7 @@ def _spawn(
     callbacks to close them; the write ends are closed once the child has them.
     """
     name = argv[0] if argv else ""
-    found = _which(name, env.get("PATH", os.defpath)) if name and "/" not in name else None
+    found = _which(name, env.get(b"PATH")) if name and "/" not in name else None
     out_r, out_w = os.pipe()
     try:
         err_r, err_w = os.pipe()
@@ -392,7 +430,7 @@ def _devnull() -> int:
 def _popen(
     argv: Sequence[str],
     cwd: str | os.PathLike[str],
-    env: Mapping[str, str],
+    env: EnvB,
     executable: str | None,
     stdout: int,
     stderr: int,
