@@ -42,6 +42,7 @@ log = structlog.get_logger("dispatcher")
 PARK_LIMIT = 64  # orders read ahead while their agents are busy
 CLAIM_CHUNK = 32  # orders claimed in one ledger transaction (and one fsync of active/)
 SLOT_RETRY_S = 0.25
+_NOT_GATED: frozenset[str] = frozenset()
 
 
 class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
@@ -124,9 +125,11 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         if self.blocked:
             self.blocked = {a: until for a, until in self.blocked.items() if until > now and not idle.get(a)}
         self.slot_poll = bool(self.blocked)
-        gated = frozenset(gated_agents(self.ctx.gates(), self.config.agents, time.time()))  # section 14
+        cfg = self.config
+        gates = self.ctx.gates()  # section 14; none in the usual turn: no agent gated
+        gated = frozenset(gated_agents(gates, cfg.agents, time.time())) if gates else _NOT_GATED
         self._gates_changed(gated, now)
-        free = SHORT.allowance(self.free_slots())
+        free = SHORT.allowance(self.slots.free(cfg.max_jobs) - self.inflight)  # (``free_slots``)
         batch: list[Parked | str] = []
         wall = time.time()
         # an agent whose next orders are in a claim's trip (made ahead, or parked orders sent by an earlier
@@ -363,13 +366,14 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         r = self.running.get(job_id)
         if r is None:
             return False
-        self.ahead.ran(r.job.agent, asyncio.get_running_loop().time() - r.since)
+        agent = r.job.agent
+        self.ahead.ran(agent, asyncio.get_running_loop().time() - r.since)
         workspace = r.job.spec.agent.repo.workspace is not None
-        if keeps_slots(self.config, r.job.agent, workspace=workspace) or not self.slots.give_back(r):
+        if keeps_slots(self.config, agent, workspace=workspace) or not self.slots.give_back(r):
             return False
-        self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
+        self.blocked.pop(agent, None)  # a slot of that agent is free again
         if hand_on:
-            self._hand_on(r.job.agent)
+            self._hand_on(agent)
         self.wake()
         return True
 
