@@ -55,6 +55,8 @@ T = TypeVar("T")
 class Job(Finishing, Deciding):
     """One job in active/<job_id>, driven to done/, failed/ or review/ (or left there on stop)."""
 
+    agent: str = ""  # its agent's name, a plain attribute: asked several times a job (set in __init__)
+
     def __init__(
         self,
         ctx: JobContext,
@@ -73,6 +75,7 @@ class Job(Finishing, Deciding):
         if folder.claimed is None:
             folder.claimed = spec.claimed
         self.spec = spec
+        self.agent = spec.agent.name  # a revision or a budget replaces spec, never its agent
         self.order = order
         self.token = token
         self.job_id = spec.job_id
@@ -104,10 +107,6 @@ class Job(Finishing, Deciding):
             left_over=recovering,  # a wait row of the dead daemon's run is cleared once no gate holds the job
         )
         self.repo = JobRepo(ctx.layout, ctx.lanes, spec, folder)  # section 15: worktree, diffs, hooks
-
-    @property
-    def agent(self) -> str:
-        return self.spec.agent.name
 
     async def run(self) -> Outcome:
         """Drive the job to its end and return how it ended; a bug fails the job, never the daemon."""
