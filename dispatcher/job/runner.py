@@ -335,10 +335,27 @@ class AgentProcess:
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
-        asyncio.get_running_loop().create_task(self._end_group_then_drain())
+        # the group is looked at in the loop's next round, where a task's first step would be (not here at the exit:
+        # that delays the next start), and a task ends it only if something is left in it
+        asyncio.get_running_loop().call_soon(self._group_look)
+
+    def _group_look(self) -> None:
+        """Look at the group once, as ``end_group`` first does: gone (most agents), or left to a task to end."""
+        try:
+            while os.waitid(os.P_PGID, self.pid, os.WEXITED | os.WNOHANG) is not None:
+                pass  # reap our own zombies in the group
+        except OSError:  # ChildProcessError: none of ours is left in it
+            pass
+        if signal_group(self.pid, 0):
+            asyncio.get_running_loop().create_task(self._end_group_then_drain())
+        else:
+            self._group_gone()
 
     async def _end_group_then_drain(self) -> None:
         await end_group(self.pid, self.kill_grace_s, already_termed=True)
+        self._group_gone()
+
+    def _group_gone(self) -> None:
         self._group_ended = True
         self._maybe_complete()
         if self._done is not None and not self._done.done():
