@@ -35,8 +35,9 @@ S = TypeVar("S")
 IO_WORKERS = 2
 _IN_LANE = threading.local()  # .yes in the lanes' own threads
 HOLD_S = 0.05  # how long a caller may wait in place for a held lane's answer (``_Pool.hold_s``)
-# (loop, its future, context, fn, args, the caller's hold); a posted call has no loop, and what to do if it is dropped
-_Work = tuple[Any, Any, contextvars.Context, Callable[..., Any], tuple[Any, ...], Any]
+# (loop, its future, context, fn, args, the caller's hold, where a held caller takes the answer (``_Pool.call``));
+# a posted call has no loop, and what to do if it is dropped
+_Work = tuple[Any, Any, contextvars.Context, Callable[..., Any], tuple[Any, ...], Any, list[Any] | None]
 
 
 class _Pool:
@@ -65,10 +66,17 @@ class _Pool:
             raise RuntimeError("cannot schedule new work after shutdown")
         fut: asyncio.Future[R] = loop.create_future()
         hold = self._hold()
-        self._queue.put((loop, fut, contextvars.copy_context(), fn, args, hold))
+        if hold is not None:  # an idle lane (its thread is there): the answer is likely back within the hold
+            cell: list[Any] = []  # the worker appends its answer, the caller None when it goes on: the first one wins
+            self._queue.put((loop, fut, contextvars.copy_context(), fn, args, hold, cell))
+            self._wait(hold)
+            cell.append(None)
+            if cell[0] is not None:  # in the loop's next round, as the worker's call_soon_threadsafe would
+                loop.call_soon(_settle, fut, *cell[0])
+            return fut
+        self._queue.put((loop, fut, contextvars.copy_context(), fn, args, None, None))
         if self._idle == 0 and len(self._threads) < self._workers:
             self._start()
-        self._wait(hold)
         return fut
 
     def post(self, fn: Callable[[], None], dropped: Callable[[], None]) -> None:
@@ -77,7 +85,7 @@ class _Pool:
             dropped()
             return
         hold = self._hold()
-        self._queue.put((None, dropped, contextvars.Context(), fn, (), hold))
+        self._queue.put((None, dropped, contextvars.Context(), fn, (), hold, None))
         if self._idle == 0 and len(self._threads) < self._workers:
             self._start()
         self._wait(hold)
@@ -126,7 +134,7 @@ class _Pool:
             if work is None:
                 return
             try:
-                _call(*work[:5])
+                _call(*work[:5], work[6])
             finally:
                 if work[5] is not None:
                     work[5].release()
@@ -159,20 +167,31 @@ def _call(
     ctx: contextvars.Context,
     fn: Callable[..., Any],
     args: Any,
+    cell: list[Any] | None,
 ) -> None:
-    """Run one queued call in its log context and hand its answer to the loop (or pass the future on)."""
+    """Run one queued call in its log context and hand its answer to the loop (or pass the future on).
+
+    ``cell``: its caller waits in place (``_Pool.call``, held) and hands the answer to the loop
+    itself if it still waits when the answer is there (appended before it goes on): no
+    ``call_soon_threadsafe``, so no write to the loop's self-pipe and no read of it.
+    """
     if loop is None:  # posted: it answers its own waiters
         ctx.run(fn)
         return
     try:
         answer = ctx.run(fn, *args)
     except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
-        _answer(loop, fut, exc, failed=True)
+        reply: tuple[Any, bool] = (exc, True)
     else:
         if type(answer) is Handoff:
             answer.start(loop, fut)  # another lane answers the caller
-        else:
-            _answer(loop, fut, answer, failed=False)
+            return
+        reply = (answer, False)
+    if cell is not None:
+        cell.append(reply)
+        if cell[0] is reply:  # its caller still waits: it hands the answer on
+            return
+    _answer(loop, fut, reply[0], failed=reply[1])
 
 
 async def handed_over(answer: Handoff[R]) -> R:
