@@ -33,7 +33,16 @@ R = TypeVar("R")
 T = TypeVar("T")
 S = TypeVar("S")
 IO_WORKERS = 2
-_IN_LANE = threading.local()  # .yes in the lanes' own threads
+
+
+class _Lane(threading.local):
+    """What a thread knows of itself: whether it is a lane's, and a posted call's held caller (``_call``)."""
+
+    yes = False  # True in the lanes' own threads
+    cell: list[Any] | None = None
+
+
+_IN_LANE = _Lane()
 HOLD_S = 0.05  # how long a caller may wait in place for a held lane's answer (``_Pool.hold_s``)
 # (loop, its future, context, fn, args, the caller's hold, where a held caller takes the answer (``_Pool.call``));
 # a posted call has no loop, and what to do if it is dropped
@@ -85,6 +94,20 @@ class _Pool:
             dropped()
             return
         hold = self._hold()
+        loop = None
+        if hold is not None:
+            try:  # (not contextlib.suppress: three calls more)
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not called on a loop
+                loop = None
+        if loop is not None:  # held on a loop: answers fn gives that loop come back through this caller (``_call``)
+            cell: list[Any] = [loop]
+            self._queue.put((None, dropped, contextvars.Context(), fn, (), hold, cell))
+            self._wait(hold)
+            cell.append(None)
+            if cell[1] is not None:
+                loop.call_soon(_settle_each, cell[1])
+            return
         self._queue.put((None, dropped, contextvars.Context(), fn, (), hold, None))
         if self._idle == 0 and len(self._threads) < self._workers:
             self._start()
@@ -98,7 +121,7 @@ class _Pool:
         hold. A lane's own thread is never held: a call it queues (a drain that finds
         more pending) would otherwise wait for the thread that is waiting.
         """
-        if not self.hold_s or getattr(_IN_LANE, "yes", False) or not (self._idle and self._queue.empty()):
+        if not self.hold_s or _IN_LANE.yes or not (self._idle and self._queue.empty()):
             return None  # a busy lane: waiting for it would stop the loop for nothing
         hold = threading.Lock()
         hold.acquire()
@@ -173,10 +196,18 @@ def _call(
 
     ``cell``: its caller waits in place (``_Pool.call``, held) and hands the answer to the loop
     itself if it still waits when the answer is there (appended before it goes on): no
-    ``call_soon_threadsafe``, so no write to the loop's self-pipe and no read of it.
+    ``call_soon_threadsafe``, so no write to the loop's self-pipe and no read of it. A posted
+    call's cell holds its caller's loop, and the answers fn gives that loop (``_answer_all``).
     """
     if loop is None:  # posted: it answers its own waiters
-        ctx.run(fn)
+        if cell is None:
+            ctx.run(fn)
+            return
+        _IN_LANE.cell = cell
+        try:
+            ctx.run(fn)
+        finally:
+            _IN_LANE.cell = None
         return
     try:
         answer = ctx.run(fn, *args)
@@ -403,6 +434,11 @@ def _answer_all(answers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[An
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, bool]]] = {}
     for loop, fut, value, failed in answers:
         by_loop.setdefault(loop, []).append((fut, value, failed))
+    cell = _IN_LANE.cell  # a posted call whose caller waits in place on its loop (``_call``)
+    if cell is not None and len(by_loop) == 1 and (settles := by_loop.get(cell[0])) is not None:
+        cell.append(settles)
+        if cell[1] is settles:  # the caller still waits: it hands them to its loop
+            return
     for loop, settles in by_loop.items():
         try:
             loop.call_soon_threadsafe(_settle_each, settles)
