@@ -39,22 +39,23 @@ class Wakeup:
         """Forget the wake-ups so far."""
         self._set = False
 
-    async def wait(self, timeout: float) -> None:
-        """Return at the next wake-up, or after timeout seconds (at once if one already came)."""
-        if self._set:
-            return
+    def wait(self, timeout: float) -> asyncio.Future[None]:
+        """Return a future done at the next wake-up, or after timeout seconds (done at once if one already came).
+
+        A future to await, not a coroutine: no frame made and resumed at every wait.
+        """
         loop = self._loop
+        waiter = self._waiter = loop.create_future()
+        if self._set:
+            waiter.set_result(None)
+            return waiter
         end = loop.time() + timeout
         timer = self._timer
         if timer is None or abs(timer.when() - end) > _SAME_S:
             if timer is not None:
                 timer.cancel()
             self._timer = loop.call_at(end, self._timed_out)
-        waiter = self._waiter = loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
+        return waiter
 
     def _timed_out(self) -> None:
         self._timer = None

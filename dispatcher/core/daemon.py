@@ -290,7 +290,8 @@ class Daemon(Reloading, Fencing):
         self.sched.start_work()
         self.house.joins_due()
         self.house.metrics_due()
-        self._status()
+        if self.notifier.enabled:
+            self._status()
 
     async def shutdown(self) -> int:
         """Stop watching, flush the ledger lane, release the ledger, exit 0 (1 for a failed --once)."""
@@ -407,10 +408,10 @@ class Daemon(Reloading, Fencing):
             self.watch = start_watch(self.layout.inbox, self.layout.control, self.hint)
 
     def _status(self) -> None:
-        if self.notifier.enabled:
-            s = self.sched.stats.finished
-            self.notifier.status(
-                f"running {len(self.sched.running)},"
-                f" queued {len(self.sched.parked) + len(self.sched.aside) + len(self.inbox)},"
-                f" done {s['done']}, failed {s['failed']}, refused {s['refused']}"
-            )
+        """Tell systemd what runs and waits (asked only when it listens: ``notifier.enabled``)."""
+        s = self.sched.stats.finished
+        self.notifier.status(
+            f"running {len(self.sched.running)},"
+            f" queued {len(self.sched.parked) + len(self.sched.aside) + len(self.inbox)},"
+            f" done {s['done']}, failed {s['failed']}, refused {s['refused']}"
+        )

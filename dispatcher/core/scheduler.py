@@ -97,7 +97,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         loop must not be woken for the orders still waiting in inbox/ (it would spin).
         """
         return (
-            self.free_slots() > 0
+            self.slots.free(self.config.max_jobs) > self.inflight  # (``free_slots``)
             and len(self.parked) < PARK_LIMIT
             and not self._held_back
             and not SHORT.short()
