@@ -54,7 +54,8 @@ class _Pool:
 
     What ``run_in_executor`` on a ``ThreadPoolExecutor`` does, without its second
     future, the chaining between the two and their callbacks: a call is one
-    queue put on the way there and one ``call_soon_threadsafe`` on the way back.
+    queue put on the way there and one ``call_soon_threadsafe`` on the way back (or,
+    for a held call whose answer is back within the hold, its caller's ``call_soon``).
     Threads start on first use (named ``<prefix>_<n>``), up to ``workers``.
     """
 
