@@ -138,14 +138,16 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         def body(db: sqlite3.Connection) -> list[ClaimAnswer]:
             out: list[ClaimAnswer] = []
             for req in requests:
-                # a new id (the common case) is one statement: the row is read only when the id is known
-                cur = db.execute(
+                # a new id (the common case) is one statement, which also tells whether a cancel is open
+                # for it (the insert returns a row only when it made one): the row is read only when known
+                made = db.execute(
                     "INSERT INTO jobs (job_id, state, agent, owner, source, digest, hops, updated, token)"
-                    " VALUES (?, 'claimed', ?, ?, ?, ?, 0, ?, 1) ON CONFLICT (job_id) DO NOTHING",
+                    " VALUES (?, 'claimed', ?, ?, ?, ?, 0, ?, 1) ON CONFLICT (job_id) DO NOTHING"
+                    " RETURNING EXISTS (SELECT 1 FROM requests WHERE job_id = jobs.job_id AND kind = 'cancel')",
                     (req.job_id, req.agent, self.owner, req.source, req.digest, stamp),
-                )
-                if cur.rowcount == 1:
-                    out.append(Claimed(req.job_id, 1, cancelled=self._cancel_asked(db, req.job_id)))
+                ).fetchone()
+                if made is not None:
+                    out.append(Claimed(req.job_id, 1, cancelled=made[0] == 1))
                     continue
                 entry = self._row(db, req.job_id)
                 if entry is None:  # the insert met this row inside this very transaction
@@ -277,14 +279,16 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         def body(db: sqlite3.Connection) -> list[bool]:
             out = []
             for it in items:
-                cur = db.execute(
+                # the update returns a row only when it was made, telling whether a cancel is open for the job
+                ended = db.execute(
                     "UPDATE jobs SET state = ?, cost_usd = ?, chain_cost_usd = ?, updated = ?,"
                     " owner = CASE WHEN state = 'review' THEN NULL ELSE owner END"  # a person decided
-                    " WHERE job_id = ? AND token = ? AND state IN ('claimed', 'review', ?)",
+                    " WHERE job_id = ? AND token = ? AND state IN ('claimed', 'review', ?)"
+                    " RETURNING EXISTS (SELECT 1 FROM requests WHERE job_id = jobs.job_id AND kind = 'cancel')",
                     (str(it.state), it.cost_usd, it.chain_cost_usd, stamp, it.job_id, it.token, str(it.state)),
-                )
-                ok = cur.rowcount == 1
-                if ok:  # a cancel asked for a job that has now ended is spent
+                ).fetchone()
+                ok = ended is not None
+                if ok and ended[0] == 1:  # a cancel asked for a job that has now ended is spent
                     db.execute("DELETE FROM requests WHERE job_id = ? AND kind = 'cancel'", (it.job_id,))
                 if ok and it.state == Row.FAILED:  # its follow-ups were never released
                     db.execute("DELETE FROM jobs WHERE parent = ? AND state = 'reserved'", (it.job_id,))

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 from urllib.parse import quote
 
 import structlog
@@ -24,6 +24,7 @@ from dispatcher.ledger.records import Entry, LedgerUnavailable
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
+P = ParamSpec("P")
 
 SCHEMA_VERSION = 4  # 3: joins (section 16); 4: gates and gate waits (section 14)
 _SCHEMA = """
@@ -168,13 +169,13 @@ class SqliteDb:
             self._life.release()
 
     # -- plumbing -----------------------------------------------------------------------
-    def _retrying(self, step: Callable[[], T]) -> T:
-        """Run step; while the database is locked by someone else, wait and run it again."""
+    def _retrying(self, step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run step(*args); while the database is locked by someone else, wait and run it again."""
         started = time.monotonic()
         delay, logged = 0.05, 0.0
         while True:
             try:
-                return step()
+                return step(*args, **kwargs)
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
@@ -213,7 +214,7 @@ class SqliteDb:
 
     def _tx(self, body: Callable[[sqlite3.Connection], T], *, durable: bool = True) -> T:
         """Run body in a write transaction; while the database is busy, wait and run it again."""
-        return self._retrying(lambda: self._write(body, durable))
+        return self._retrying(self._write, body, durable)
 
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         def step() -> T:
