@@ -71,16 +71,26 @@ class Claims:
         # files whose order.received is logged: a file read again (its claim put off by a shortage,
         # say) is not received again; the oldest are forgotten past RECEIVED_MAX
         self._received: collections.OrderedDict[tuple[str, tuple[int, int], str], None] = collections.OrderedDict()
+        self._notes = 0  # configs note_config took: the answer _removed keeps is for one config and count
+        self._removed_for: tuple[Config, int, dict[str, Agent]] | None = None
 
     def note_config(self, cfg: Config) -> None:
         """Remember the agents of a config just loaded: one a later reload removes is waited for, never refused."""
         self._known.update(cfg.agents)
+        self._notes += 1
 
     def _removed(self, cfg: Config) -> dict[str, Agent]:
-        """Return the agents a reload removed (as they were): their orders wait, never refused."""
+        """Return the agents a reload removed (as they were): their orders wait, never refused.
+
+        The answer is kept and given again while the config and the agents known stay the same.
+        """
+        kept, notes = self._removed_for, self._notes  # the count before _known is read (note_config runs on the loop)
+        if kept is not None and kept[0] is cfg and kept[1] == notes:
+            return kept[2]
         self._known.update(cfg.agents)
         removed = {name: a for name, a in self._known.items() if name not in cfg.agents}
         self._waiting &= set(removed)  # back in the config: a later removal is logged again
+        self._removed_for = (cfg, notes, removed)
         return removed
 
     def _wait_for(self, agent: str) -> None:
@@ -117,11 +127,15 @@ class Claims:
             if not slotless and SHORT.short():  # a shortage met in this trip: nothing more is claimed (section 13)
                 out.append(not_now(work))
                 continue
-            p = self.read(work, reading, now=slotless) if isinstance(work, str) else work
-            if not isinstance(p, Parked):
-                out.append(p)
-                continue
-            late = None if slotless or not isinstance(work, Parked) else expiry(p, time.time())
+            if isinstance(work, str):
+                p = self.read(work, reading, now=slotless)
+                if not isinstance(p, Parked):
+                    out.append(p)
+                    continue
+                late = None
+            else:
+                p = work
+                late = None if slotless else expiry(p, time.time())
             if late is not None:  # read in time, but no slot or gate let it start before its expires
                 folder = refuse(self.layout, late, ledger.owner, self.on_refused)
                 out.append(Dropped(p, refused=folder is not None))

@@ -259,19 +259,26 @@ def claim(
     # once per batch): a power cut must not leave active/<id> without its job.json, work/ or order
     errors = fsutil.fsync_many([path for *_, w in written for path in w.sync])
     placed: set[State] = set()
+    later: list[tuple[int, Started]] = []  # placed under a cancel, or a join: carried on once all are durable
     end = 0
     for i, pick, stage, claimed, w in written:
         start, end = end, end + len(w.sync)
-        failed = [e for e in errors[start:end] if e is not None]  # this job's own
-        out[i] = placing.place(layout, ledger, pick, stage, claimed, w, failed[0] if failed else None)
-        if isinstance(out[i], Started):
+        failed = None
+        for error in errors[start:end]:  # this job's own
+            if error is not None:
+                failed = error
+                break
+        done = out[i] = placing.place(layout, ledger, pick, stage, claimed, w, failed)
+        if isinstance(done, Started):
             placed.add(w.state)
+            if done.cancelled or done.order.after:
+                later.append((i, done))
     for state in sorted(placed):
         _fsync_dir(layout.folder_str(state))  # the claim's durable point: before any agent starts
-    for i, done in enumerate(out):
-        if isinstance(done, Started) and done.cancelled:
+    for i, done in later:
+        if done.cancelled:
             out[i] = _cancel(finisher, done, picks[i].item.name)
-        elif isinstance(done, Started) and done.order.after:
+        else:
             out[i] = Waiting(picks[i].item.name, done.spec.job_id, done.token)
     return [o if o is not None else Skipped("") for o in out]
 
