@@ -166,10 +166,26 @@ def dump_json(value: Any) -> bytes:
 
     Undecodable bytes of file names (surrogate escapes) become JSON \\u escapes.
     """
-    return (_ENCODE(value) + "\n").encode("utf-8", "backslashreplace")
+    if _MAKE is None:
+        return (json_text(value) + "\n").encode("utf-8", "backslashreplace")
+    text = "".join(_MAKE({}, _DEFAULT, _STR, None, ": ", ", ", False, False, True)(value, 0))  # json_text, inline
+    return (text + "\n").encode("utf-8", "backslashreplace")
 
 
-_ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(value, ensure_ascii=False), its encoder made once
+def json_text(value: Any) -> str:
+    """Return ``json.dumps(value, ensure_ascii=False)``: the same text and errors, without its wrappers.
+
+    ``JSONEncoder.encode`` builds this C encoder (with a fresh circular-reference memo)
+    for each call after four calls of its own; this builds it directly.
+    """
+    if _MAKE is None:  # no C accelerator: the pure-Python encoder, as json.dumps would use
+        return json.JSONEncoder(ensure_ascii=False).encode(value)
+    return "".join(_MAKE({}, _DEFAULT, _STR, None, ": ", ", ", False, False, True)(value, 0))
+
+
+_MAKE: Any = vars(json.encoder).get("c_make_encoder")  # not in typeshed; None without the C accelerator
+_DEFAULT = json.JSONEncoder().default  # raises TypeError for a value JSON cannot hold, as json.dumps does
+_STR = json.encoder.encode_basestring  # what JSONEncoder uses with ensure_ascii=False
 
 
 def _renameat2() -> Any:
