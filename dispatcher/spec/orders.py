@@ -18,7 +18,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from dispatcher.errors import OrderError
-from dispatcher.fsutil import plain_rel
+from dispatcher.fsutil import json_text, plain_rel
 from dispatcher.spec import schema
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.order import Accept, Order
@@ -180,7 +180,7 @@ def _with_hint(exc: OrderError, body: dict[str, Any]) -> OrderError:
 
 def to_json(body: Mapping[str, Any]) -> bytes:
     """Return an order body as the JSON bytes written to work/order.json."""
-    return (json.dumps(body, ensure_ascii=False) + "\n").encode()
+    return (json_text(body) + "\n").encode()  # json.dumps(body, ensure_ascii=False), its encoder made directly
 
 
 _TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?$", re.M)

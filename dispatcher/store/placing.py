@@ -216,7 +216,7 @@ def _write_job(layout: Layout, folder: str, item: Inspected, agent: Agent, claim
 
 def body_text(body: Mapping[str, Any]) -> str:
     """Return an order body's JSON text as ``to_json`` writes it, without the final newline."""
-    return json.dumps(body, ensure_ascii=False)
+    return fsutil.json_text(body)
 
 
 def _with_lineage(item: Inspected, claimed: Claimed) -> str | None:
