@@ -8,7 +8,6 @@ ticks since boot, compared with the one recorded when the process started.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import os
 import signal
@@ -193,6 +192,24 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def group_gone(pgid: int) -> bool:
+    """Reap our own zombies in the group, then return True if no process is left in it (signal 0).
+
+    A group's first look, which most agents' groups pass: ``end_group`` looks this way
+    at each of its polls, and an agent's exit once before a task is made to end its group.
+    """
+    try:
+        while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
+            pass  # reap our own zombies in the group
+    except OSError:  # ChildProcessError: none of ours is left in it
+        pass
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return True
+    return False
+
+
 async def end_group(pgid: int, grace_s: float, *, already_termed: bool = False) -> None:
     """End a process group without blocking the loop: SIGTERM, wait up to grace_s, SIGKILL.
 
@@ -213,10 +230,7 @@ async def _emptied(pgid: int, deadline: float) -> bool:
     loop = asyncio.get_running_loop()
     polls = 0
     while True:
-        with contextlib.suppress(ChildProcessError, OSError):
-            while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
-                pass  # reap our own zombies in the group
-        if not signal_group(pgid, 0):
+        if group_gone(pgid):
             return True
         polls += 1
         if polls % 5 == 0 and not any(state not in ("Z", "X") for _pid, state, _ppid in group_members(pgid)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -326,6 +327,23 @@ def test_leftover_children_in_the_group_are_ended(spawn: Any, tmp_path: Path) ->
     child = int(log(tmp_path, "stdout.log").split()[0])
     assert not procs.is_alive(child)
     assert time.monotonic() - t0 < 5
+
+
+def test_group_gone_reaps_our_zombie_and_sees_a_live_group() -> None:
+    """procs.group_gone: False while a process of the group runs; True once it exited, our zombie reaped."""
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert not procs.group_gone(proc.pid)
+        proc.kill()
+        deadline = time.monotonic() + 5
+        while procs.is_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert procs.group_gone(proc.pid)
+        with pytest.raises(ChildProcessError):  # reaped by group_gone
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_process_that_left_the_group_holding_a_pipe_delays_the_end_by_the_drain_only(

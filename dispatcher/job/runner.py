@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dispatcher.job.idle import IdleWatch, newest_change
 from dispatcher.job.readers import Readers, readers
-from dispatcher.procs import end_group, signal_group
+from dispatcher.procs import end_group, group_gone, signal_group
 
 AGENT_TAIL_BYTES = 4 * 1024 * 1024  # stdout kept in memory for the agent's final JSON
 ERR_TAIL_BYTES = 64 * 1024  # stderr kept in memory, for usage limits (section 14)
@@ -341,15 +341,10 @@ class AgentProcess:
 
     def _group_look(self) -> None:
         """Look at the group once, as ``end_group`` first does: gone (most agents), or left to a task to end."""
-        try:
-            while os.waitid(os.P_PGID, self.pid, os.WEXITED | os.WNOHANG) is not None:
-                pass  # reap our own zombies in the group
-        except OSError:  # ChildProcessError: none of ours is left in it
-            pass
-        if signal_group(self.pid, 0):
-            asyncio.get_running_loop().create_task(self._end_group_then_drain())
-        else:
+        if group_gone(self.pid):
             self._group_gone()
+        else:
+            asyncio.get_running_loop().create_task(self._end_group_then_drain())
 
     async def _end_group_then_drain(self) -> None:
         await end_group(self.pid, self.kill_grace_s, already_termed=True)
