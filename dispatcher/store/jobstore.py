@@ -384,10 +384,10 @@ class JobFolder:
 
     def name_result(self) -> str | None:
         """Step 3's first half: name the staged result result.json; return the folder to fsync (None: no staged one)."""
-        staged = f"{self._dir}/{STAGED}"
-        if not os.path.lexists(staged):
+        try:  # no lexists first: the rename says whether a staged result is there (one system call, not two)
+            os.rename(f"{self._dir}/{STAGED}", f"{self._dir}/{RESULT}")
+        except FileNotFoundError:
             return None
-        os.rename(staged, f"{self._dir}/{RESULT}")
         return self._dir
 
     def move_to(self, layout: Layout, state: State) -> str:
