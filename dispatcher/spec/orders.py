@@ -112,9 +112,16 @@ def validate_order(
         required=tuple(raw_accept.get("required", ())),
         followups=tuple(raw_accept["followups"]) if "followups" in raw_accept else None,
     )
-    after = tuple(body.get("after") or ())
-    if body["job_id"] in after:
-        raise OrderError(f"names the order's own job_id {body['job_id']} (a cycle)", field="after")
+    after: tuple[str, ...] = ()
+    after_rule, priority, not_before, expires = "all_done", 5, None, None
+    if not _SCHEDULE_KEYS.isdisjoint(body):  # section 16's fields, which most orders leave out: one ask, not seven
+        after = tuple(body.get("after") or ())
+        if body["job_id"] in after:
+            raise OrderError(f"names the order's own job_id {body['job_id']} (a cycle)", field="after")
+        after_rule = body.get("after_rule", "all_done")
+        priority = body.get("priority", 5)
+        not_before = _time(body, "not_before")
+        expires = _time(body, "expires")
     writes = body.get("writes")
     return Order(
         job_id=body["job_id"],
@@ -128,11 +135,14 @@ def validate_order(
         max_attempts=body.get("max_attempts"),
         body=body,
         after=after,
-        after_rule=body.get("after_rule", "all_done"),
-        priority=body.get("priority", 5),
-        not_before=_time(body, "not_before"),
-        expires=_time(body, "expires"),
+        after_rule=after_rule,
+        priority=priority,
+        not_before=not_before,
+        expires=expires,
     )
+
+
+_SCHEDULE_KEYS = frozenset(("after", "after_rule", "priority", "not_before", "expires"))
 
 
 #: the latest time an order may name: what every later step can still write as an ISO 8601 UTC time
