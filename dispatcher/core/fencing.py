@@ -72,5 +72,9 @@ class Fencing(abc.ABC):
             self.house.start(self.house.recover(startup=False), "recover")
 
     def _fenced(self) -> bool:
-        """No lease renewal for lease / 2: write nothing more into job folders."""
-        return self.lease is not None and (self.lease.fenced or self.lease.lost)
+        """No lease renewal for lease / 2: write nothing more into job folders.
+
+        It stays fenced until the loop has seen the renewal and logged ``lease.renewed``
+        (``_fence``): a job that looked between the two would start its agent before that line.
+        """
+        return self.lease is not None and (self._was_fenced or self.lease.fenced or self.lease.lost)
