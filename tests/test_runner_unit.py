@@ -23,7 +23,7 @@ import pytest
 
 from dispatcher import procs
 from dispatcher.job.agent_result import parse_agent_result
-from dispatcher.job.runner import AgentExit, AgentProcess, attempt_env, build_env, dispatch_env, encode_env
+from dispatcher.job.runner import AgentExit, AgentProcess, agent_environ, build_env, dispatch_env, encode_env
 from dispatcher.spec.jobspec import render
 
 ARGV_VALUES = {
@@ -191,13 +191,13 @@ def test_dispatch_variables_win_over_agent_env() -> None:
         ({"TOKEN": "abc"}, (), Path("/r/ws/JOB-1")),
     ],
 )
-def test_attempt_env_is_build_env_as_popen_encodes_it(
+def test_the_bytes_popen_gets_are_build_env_fsencoded(
     agent_env: dict[str, str], pass_env: tuple[str, ...], workspace: Path | None
 ) -> None:
     """An attempt's environment made as bytes is what build_env makes, in its order, each name and value fsencoded."""
     work = "/r/active/JOB-1/w\u00f6rk"
     want = build_env(agent_env, dispatch_env("JOB-1", work, 3, workspace), pass_env)
-    got = attempt_env(agent_env, "JOB-1", work, 3, workspace, pass_env)
+    got = agent_environ(agent_env, dispatch_env("JOB-1", work, 3, workspace), pass_env)
     assert list(got.items()) == [(os.fsencode(k), os.fsencode(v)) for k, v in want.items()]
     assert got == encode_env(want)
 

@@ -16,7 +16,7 @@ from typing import Any
 from dispatcher.checks.facts import Exit
 from dispatcher.job import sandbox
 from dispatcher.job.gitview import GitView
-from dispatcher.job.runner import AgentExit, AgentProcess, EnvB, attempt_env, build_env, dispatch_env
+from dispatcher.job.runner import AgentExit, AgentProcess, EnvB, agent_environ, build_env, dispatch_env
 from dispatcher.job.worktree import Workspace
 from dispatcher.spec.jobspec import Attempt, JobSpec, is_cost, prompt_values, render
 from dispatcher.spec.settings import Agent, Config
@@ -129,7 +129,7 @@ def process(
             cmd, cwd=Path(cwd), writable=writable, network=agent.repo.sandbox_network, env=env, binds=binds
         )
     else:  # as bytes already: nothing of it is read here, and the process is given bytes
-        env = attempt_env(agent.env, spec.job_id, folder.work_dir, n, ws_path, agent.pass_env)
+        env = agent_environ(agent.env, dispatch_env(spec.job_id, folder.work_dir, n, ws_path), agent.pass_env)
     return AgentProcess(
         cmd,
         cwd=cwd,
