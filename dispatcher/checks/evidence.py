@@ -256,7 +256,7 @@ def gather(
     agent: str,
     writes: tuple[str, ...],
     exit: Exit,
-    work: Path,
+    work: str | os.PathLike[str],
     given: Mapping[str, str],
     agents: Container[str],
     max_timeout_s: float,

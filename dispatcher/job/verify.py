@@ -62,7 +62,7 @@ def collect(
         agent=spec.agent.name,
         writes=tuple(spec.writes),
         exit=exit_,
-        work=folder.work,
+        work=folder.work_dir,  # the plain path: no Path made for it
         given=spec.given,
         agents=cfg.agent_names(),  # a follow-up to an agent a reload removed waits for it, as its orders do
         max_timeout_s=cfg.max_timeout_s,
