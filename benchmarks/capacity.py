@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import subprocess
@@ -17,6 +18,7 @@ from harness import (
     make_workdirs,
     missing_receipts,
     order_bytes,
+    parse_ts,
     running_daemon,
     write_config,
 )
@@ -70,12 +72,13 @@ def section_sleepers(base: Path, opts: argparse.Namespace) -> Result:
         for job_id in ids:
             (inbox / f".{job_id}.json.tmp").write_bytes(order_bytes(job_id))
         with Sampler(d.pid) as sampler:
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             for job_id in ids:
                 os.rename(inbox / f".{job_id}.json.tmp", inbox / f"{job_id}.json")
             t_end = d.wait_finished(n, timeout, interval=0.1)
             hwm = proc_status(d.pid).get("VmHWM", 0)
     wall_d = t_end - t0
+    phases = sleeper_phases(d.log_path, wall0)
     if missing := [j for j in ids if not (root / "done" / j).is_dir()]:
         raise BenchError(f"{len(missing)} jobs logged done but not in done/, e.g. {missing[0]}")
     peak_mb = max(sampler.peak_rss_kb, hwm) / 1024
@@ -96,6 +99,8 @@ def section_sleepers(base: Path, opts: argparse.Namespace) -> Result:
         f"threads and RSS: /proc/PID/status read {sampler.samples} times, every 50 ms (VmHWM at the end "
         f"{hwm / 1024:.1f} MB); their baseline is the same daemon, idle, just before the drop",
         f"CPU user+sys: daemon {d.cpu_s or 0:.2f} s (agents, start-up and stop included), xargs {cpu_x:.2f} s",
+        "phases, seconds after the first rename (log timestamps): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()),
         nofile,
     ]
     res.data = {
@@ -110,8 +115,40 @@ def section_sleepers(base: Path, opts: argparse.Namespace) -> Result:
         "idle_rss_mb": idle_mb,
         "daemon_cpu_s": d.cpu_s,
         "xargs_cpu_s": cpu_x,
+        "phases_s": phases,
     }
     return res
+
+
+def sleeper_phases(log_path: Path, t0: float) -> dict[str, float]:
+    """Return when the sleepers' phases ended, in seconds after t0 (wall clock), from the daemon's log.
+
+    The first and last ``agent.started``, the first ``agent.exited`` and the last ``job.done``:
+    the starts' spread and the finishes' spread are the daemon's share of the wall time beyond
+    the agents' own sleep.
+    """
+    seen: dict[str, list[float]] = {"agent.started": [], "agent.exited": [], "job.done": []}
+    with open(log_path, "rb") as fh:
+        for line in fh:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(event, dict) or event.get("event") not in seen:
+                continue
+            ts = parse_ts(event.get("timestamp"))
+            if ts is not None:
+                seen[event["event"]].append(ts - t0)
+    out: dict[str, float] = {}
+    if seen["agent.started"]:
+        out["first start"] = min(seen["agent.started"])
+        out["last start"] = max(seen["agent.started"])
+    if seen["agent.exited"]:
+        out["first exit"] = min(seen["agent.exited"])
+        out["last exit"] = max(seen["agent.exited"])
+    if seen["job.done"]:
+        out["last done"] = max(seen["job.done"])
+    return out
 
 
 def section_idle(base: Path, opts: argparse.Namespace) -> Result:

@@ -69,13 +69,16 @@ class _Pool:
         self._closed = False
         self._lock = threading.Lock()
 
-    def call(self, fn: Callable[..., R], args: tuple[Any, ...]) -> asyncio.Future[R]:
-        """Queue fn(*args) (in the caller's log context); return the future of its answer."""
+    def call(self, fn: Callable[..., R], args: tuple[Any, ...], *, held: bool = True) -> asyncio.Future[R]:
+        """Queue fn(*args) (in the caller's log context); return the future of its answer.
+
+        ``held=False``: never wait in place, whatever the lane's state (work known to be long).
+        """
         loop = asyncio.get_running_loop()
         if self._closed:
             raise RuntimeError("cannot schedule new work after shutdown")
         fut: asyncio.Future[R] = loop.create_future()
-        hold = self._hold()
+        hold = self._hold() if held else None
         if hold is not None:  # an idle lane (its thread is there): the answer is likely back within the hold
             cell: list[Any] = []  # the worker appends its answer, the caller None when it goes on: the first one wins
             self._queue.put((loop, fut, contextvars.copy_context(), fn, args, hold, cell))
@@ -310,6 +313,15 @@ class Lanes:
     async def ledger(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run fn in the ledger lane (with the caller's log context) and wait for it."""
         return await self._run(self._ledger, fn, *args, **kwargs)
+
+    async def ledger_long(self, fn: Callable[[], R]) -> R:
+        """``ledger`` for a call that may be long (a burst's claims): the loop never waits in place for it.
+
+        A held call stops the loop until its answer is back; a burst of claims sent in one turn
+        would then be claimed one chunk after another with the loop stopped, and no agent of the
+        first chunk would start until the last chunk was claimed.
+        """
+        return await self._ledger.call(fn, (), held=False)
 
     async def io(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run fn in the io pool (with the caller's log context) and wait for it."""

@@ -41,6 +41,7 @@ from dispatcher.spec.settings import Config
 log = structlog.get_logger("dispatcher")
 PARK_LIMIT = 64  # orders read ahead while their agents are busy
 CLAIM_CHUNK = 32  # orders claimed in one ledger transaction (and one fsync of active/)
+HELD_CLAIMS = 2  # a claim's trip with more orders never stops the loop in place (``Lanes.ledger_long``)
 SLOT_RETRY_S = 0.25
 _NOT_GATED: frozenset[str] = frozenset()
 
@@ -248,17 +249,19 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         claims = self.claims
         caps = dict(collections.Counter(ahead)) if ahead is not None else None
         sent = time.monotonic()
-        try:
-            results = await self.ctx.lanes.ledger(
-                claims.run,
-                batch,
-                handover or Handover(),
-                blocked=blocked,
-                gated=gated,
-                slotless=cancel,
-                last=last,
-                ahead=caps,
-            )
+        run = functools.partial(
+            claims.run,
+            batch,
+            handover or Handover(),
+            blocked=blocked,
+            gated=gated,
+            slotless=cancel,
+            last=last,
+            ahead=caps,
+        )
+        lanes = self.ctx.lanes
+        try:  # a few orders: the loop may wait in place for the answer; a burst's chunks: never
+            results = await (lanes.ledger(run) if len(batch) <= HELD_CLAIMS else lanes.ledger_long(run))
         except Exception as exc:
             gave_up = isinstance(exc, LedgerUnavailable) and self.ctx.stopping()  # the order stays for later
             if not gave_up and not SHORT.note(exc, "claim"):
