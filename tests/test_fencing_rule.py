@@ -25,6 +25,7 @@ class _Lease:
 class _Sched:
     def __init__(self) -> None:
         self.running: dict[str, object] = {}
+        self.left_new = False
         self.aborted: list[Stop] = []
 
     def abort_all(self, reason: Stop, mute: bool = False) -> None:
@@ -72,5 +73,22 @@ def test_a_renewal_the_loop_has_not_seen_yet_still_reads_as_fenced() -> None:
         assert d._fence() is False  # logs lease.renewed, takes the stopped jobs back
         assert not d._fenced()
         assert d.house.started == ["recover"]  # type: ignore[attr-defined]
+    finally:
+        d.loop.close()
+
+
+def test_a_job_stopped_after_the_renewal_is_taken_back_without_waiting_for_the_rescan() -> None:
+    """A job that saw the fence an instant before the renewal stops after the renewal's recovery began:
+    the next turn starts another recovery for it, and only one."""
+    d = _Daemon()
+    try:
+        sched: Any = d.sched
+        assert d._fence() is False
+        assert d.house.started == []  # type: ignore[attr-defined]
+        sched.left_new = True  # the scheduler added a job to `left`
+        assert d._fence() is False
+        assert d._fence() is False
+        assert d.house.started == ["recover"]  # type: ignore[attr-defined]
+        assert sched.left_new is False
     finally:
         d.loop.close()

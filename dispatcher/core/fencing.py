@@ -55,10 +55,15 @@ class Fencing(abc.ABC):
             self._was_fenced = True
             self.sched.abort_all(Stop.STOPPED, mute=True)
             return True
-        if self._was_fenced:
+        renewed = self._was_fenced
+        if renewed:
             log.info("lease.renewed")
             self._was_fenced = False
-            self.house.start(self.house.recover(startup=False), "recover")  # take our own stopped jobs back
+        # take our own stopped jobs back: at the renewal, and for a job that stopped after it (one that saw
+        # the fence an instant before the renewal and dropped its attempt while this recovery began)
+        if renewed or self.sched.left_new:
+            self.sched.left_new = False
+            self.house.start(self.house.recover(startup=False), "recover")
         return False
 
     def _hosts_lost(self, owners: list[str]) -> None:

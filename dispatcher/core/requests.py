@@ -51,6 +51,7 @@ class Requests(abc.ABC, Generic[J]):
     inflight: int
     inbox: Inbox
     wake: Callable[[], None]
+    left_new: bool  # a job was stopped while the daemon went on since the last recovery began (``Fencing``)
 
     @abc.abstractmethod
     def _unqueued(self, p: Parked) -> None:

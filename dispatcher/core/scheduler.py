@@ -67,6 +67,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.slot_poll = False
         self.stats = Stats()
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
+        self.left_new = False  # one joined ``left`` since the last recovery began
         self.aside: SetAside[Job] = SetAside()  # claimed jobs a gate holds, without slots
         self._tasks: set[asyncio.Task[Any]] = set()  # slots of ended jobs, kept for the next job of that agent
         self.ahead = Ahead()  # orders of quick agents claimed before a slot frees (``core.ahead``)
@@ -401,6 +402,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self.stats.finished[outcome.value] += 1
         elif outcome is Outcome.LEFT and not self.ctx.stopping():
             self.left.add(job_id)
+            self.left_new = True
         # a job that gave its slot back at its agent's exit and ended changes nothing a turn acts on, unless it was
         # the last one running (an exit or a stop may be due) or the cap on finishing jobs held a start back
         quiet = not held and ended and self.running and not self.ctx.stopping()
