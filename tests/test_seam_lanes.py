@@ -234,6 +234,28 @@ def test_a_held_call_that_takes_long_lets_the_loop_go_on_after_the_hold() -> Non
     assert seen and seen[0] < 0.6, f"the loop waited {seen} s for a call held {HOLD_S} s at most"
 
 
+def test_a_long_ledger_call_never_holds_the_loop_even_on_an_idle_held_lane() -> None:
+    """``ledger_long`` (a burst's claims): the loop goes on at once, where ``ledger`` would wait up to the hold."""
+    pools = Lanes(hold_ledger_s=LONG_HOLD_S)
+    marks: list[str] = []
+
+    def work() -> str:
+        time.sleep(0.2)
+        marks.append("lane")
+        return "claimed"
+
+    async def body() -> str:
+        await warm(pools)
+        asyncio.get_running_loop().call_soon(marks.append, "loop")
+        return await pools.ledger_long(work)
+
+    try:
+        assert run(body) == "claimed"
+    finally:
+        pools.shutdown(wait=True)
+    assert marks == ["loop", "lane"], "the loop waited in place for a call that may be long"
+
+
 def test_a_call_behind_other_work_is_not_held() -> None:
     """A busy lane (a ledger locked by another process, say): the caller does not wait out the hold."""
     hold_s = 1.0
