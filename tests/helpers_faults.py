@@ -9,14 +9,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +226,23 @@ def kill_strays(env: Env) -> None:
             continue  # a reused group id: not ours
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def env_under(folder: str, prefix: str, side: Path | None = None) -> Iterator[Env]:
+    """An Env whose dispatch root lives in a fresh folder under ``folder`` (another filesystem than tmp_path's).
+
+    Its config and count file are there too, or in ``side`` if given. Afterwards its daemons
+    are reaped and the folder is removed.
+    """
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
+    home = side or base
+    e = Env(tmp=home, root=base / "dispatch", config_path=home / "dispatcher.yaml", count_file=home / "starts.txt")
+    try:
+        yield e
+    finally:
+        reap(e)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def reap(env: Env) -> None:

@@ -10,15 +10,13 @@ the loop, so the first chunk's agents start while the lane claims the next.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 from conftest import Env
-from helpers_faults import hold_agent, tiny_order
+from helpers_faults import env_under, hold_agent, tiny_order
 
 from dispatcher.core.scheduler import CLAIM_CHUNK
 from dispatcher.storage import in_memory
@@ -29,15 +27,8 @@ ORDERS = 6 * CLAIM_CHUNK
 @pytest.fixture
 def shm_env(tmp_path: Path) -> Iterator[Env]:
     """An Env whose dispatch root lives on /dev/shm (tmpfs), its config and scripts on tmp_path."""
-    base = Path(tempfile.mkdtemp(prefix="dispatcher-burst-", dir="/dev/shm"))
-    e = Env(tmp=tmp_path, root=base / "dispatch", config_path=tmp_path / "dispatcher.yaml", count_file=tmp_path / "n")
-    try:
+    with env_under("/dev/shm", "dispatcher-burst-", side=tmp_path) as e:
         yield e
-    finally:
-        from helpers_faults import reap
-
-        reap(e)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def _at(event: dict[str, object]) -> float:

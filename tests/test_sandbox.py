@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import Env, cli_env, order, wait_until
 from git_helpers import code_order, coder, git, make_repo, need
-from helpers_faults import alive, processes_with, wait_start
+from helpers_faults import alive, env_under, processes_with, wait_start
 
 EROFS = "Read-only file system"
 
@@ -26,15 +25,8 @@ EROFS = "Read-only file system"
 @pytest.fixture
 def outside(tmp_path: Path) -> Iterator[Env]:
     """A dispatch root, config and home outside /tmp (under /var/tmp): the sandbox's /tmp is its own."""
-    base = Path(tempfile.mkdtemp(prefix="dispatcher-sandbox-", dir="/var/tmp"))
-    e = Env(tmp=base, root=base / "dispatch", config_path=base / "dispatcher.yaml", count_file=base / "starts.txt")
-    try:
+    with env_under("/var/tmp", "dispatcher-sandbox-") as e:
         yield e
-    finally:
-        from helpers_faults import reap
-
-        reap(e)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def _sandboxed(e: Env, repo: Path, *flags: str, **settings: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import asyncio
 import contextvars
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import pytest
 from seam_fixtures import run, until
@@ -194,26 +194,34 @@ async def warm(pools: Lanes) -> None:
     await until(lambda: pools._ledger._idle, "the ledger lane to be idle")
 
 
-def test_a_held_ledger_lane_runs_alone_while_its_caller_waits() -> None:
-    """Held: the loop runs nothing else until the call is done, so the two never take turns at the interpreter lock."""
+def _marks_on_an_idle_lane(call: Callable[[Lanes, Callable[[], str]], Awaitable[str]], work_s: float) -> list[str]:
+    """Make one call that takes work_s on an idle ledger lane held LONG_HOLD_S, a loop callback queued just before.
+
+    Returns the order in which the lane's work and that callback ran.
+    """
     pools = Lanes(hold_ledger_s=LONG_HOLD_S)
     marks: list[str] = []
 
-    def work() -> int:
-        time.sleep(0.02)
+    def work() -> str:
+        time.sleep(work_s)
         marks.append("lane")
-        return 7
+        return "answer"
 
-    async def body() -> int:
+    async def body() -> str:
         await warm(pools)
         asyncio.get_running_loop().call_soon(marks.append, "loop")
-        return await pools.ledger(work)
+        return await call(pools, work)
 
     try:
-        assert run(body) == 7
+        assert run(body) == "answer"
     finally:
         pools.shutdown(wait=True)
-    assert marks == ["lane", "loop"]
+    return marks
+
+
+def test_a_held_ledger_lane_runs_alone_while_its_caller_waits() -> None:
+    """Held: the loop runs nothing else until the call is done, so the two never take turns at the interpreter lock."""
+    assert _marks_on_an_idle_lane(lambda pools, work: pools.ledger(work), 0.02) == ["lane", "loop"]
 
 
 def test_a_held_call_that_takes_long_lets_the_loop_go_on_after_the_hold() -> None:
@@ -236,23 +244,7 @@ def test_a_held_call_that_takes_long_lets_the_loop_go_on_after_the_hold() -> Non
 
 def test_a_long_ledger_call_never_holds_the_loop_even_on_an_idle_held_lane() -> None:
     """``ledger_long`` (a burst's claims): the loop goes on at once, where ``ledger`` would wait up to the hold."""
-    pools = Lanes(hold_ledger_s=LONG_HOLD_S)
-    marks: list[str] = []
-
-    def work() -> str:
-        time.sleep(0.2)
-        marks.append("lane")
-        return "claimed"
-
-    async def body() -> str:
-        await warm(pools)
-        asyncio.get_running_loop().call_soon(marks.append, "loop")
-        return await pools.ledger_long(work)
-
-    try:
-        assert run(body) == "claimed"
-    finally:
-        pools.shutdown(wait=True)
+    marks = _marks_on_an_idle_lane(lambda pools, work: pools.ledger_long(work), 0.2)
     assert marks == ["loop", "lane"], "the loop waited in place for a call that may be long"
 
 
