@@ -123,7 +123,7 @@ def section_sleepers(base: Path, opts: argparse.Namespace) -> Result:
 def sleeper_phases(log_path: Path, t0: float) -> dict[str, float]:
     """Return when the sleepers' phases ended, in seconds after t0 (wall clock), from the daemon's log.
 
-    The first and last ``agent.started``, the first ``agent.exited`` and the last ``job.done``:
+    The first and last ``agent.started``, the first and last ``agent.exited`` and the last ``job.done``:
     the starts' spread and the finishes' spread are the daemon's share of the wall time beyond
     the agents' own sleep.
     """

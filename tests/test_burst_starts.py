@@ -11,12 +11,11 @@ the loop, so the first chunk's agents start while the lane claims the next.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 
 import pytest
 from conftest import Env
-from helpers_faults import env_under, hold_agent, tiny_order
+from helpers_faults import env_under, hold_agent, tiny_order, ts
 
 from dispatcher.core.scheduler import CLAIM_CHUNK
 from dispatcher.storage import in_memory
@@ -31,10 +30,6 @@ def shm_env(tmp_path: Path) -> Iterator[Env]:
         yield e
 
 
-def _at(event: dict[str, object]) -> float:
-    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
 def test_the_first_agents_of_a_burst_start_before_its_last_order_is_claimed(shm_env: Env) -> None:
     env = shm_env
     env.configure({"tiny": hold_agent(env, 0, concurrency=ORDERS)}, max_jobs=ORDERS)
@@ -46,8 +41,8 @@ def test_the_first_agents_of_a_burst_start_before_its_last_order_is_claimed(shm_
     for i in range(ORDERS):
         env.wait_job(f"B-{i:04d}", "done", timeout=120)
     events = d.events()
-    claims = [_at(e) for e in events if e.get("event") == "job.claimed"]
-    starts = [_at(e) for e in events if e.get("event") == "agent.started"]
+    claims = [ts(e["timestamp"]) for e in events if e.get("event") == "job.claimed"]
+    starts = [ts(e["timestamp"]) for e in events if e.get("event") == "agent.started"]
     assert len(claims) == len(starts) == ORDERS
     assert min(starts) < max(claims), (
         f"the first agent started {min(starts) - min(claims):.3f} s after the first claim, "
