@@ -108,6 +108,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="folder on tmpfs where `cpu` measures a second time, in fresh folders; 'none' to skip",
     )
     ap.add_argument("--strace-orders", type=int, default=300, help="orders for syscalls (each run under strace)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of `cpu`, its contenders taking turns (xargs, floor, daemon); each figure is the median",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the dispatch roots and daemon logs")
     ap.add_argument("--profile", action="store_true", help="profile `run --once` over --orders orders instead")
     ap.add_argument("--profile-wall", action="store_true", help="with --profile: wall clock instead of CPU time")
@@ -138,6 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.orders,
         args.strace_orders,
         args.max_jobs,
+        args.rounds,
         args.pickup_samples,
         args.sleepers,
         *args.backlog,

@@ -5,6 +5,10 @@ same four runs over N orders, each in a folder of its own that saw no earlier ru
 `xargs -P` (the agent's own cost), the floor loop (benchmarks/floor.py), three
 `run --once` on an empty inbox (start-up), and the daemon as `run` on a backlog of N,
 sampled from /proc at its last `job.done` and then stopped.
+
+With ``--rounds K`` the three contenders take turns K times (xargs, floor, daemon, then
+again), so that a machine whose disk or CPU slows during the run slows all three alike;
+each figure is then the median of its K values, and a note gives every round's.
 """
 
 from __future__ import annotations
@@ -107,6 +111,19 @@ def run_daemon(base: Path, mj: int, ids: list[str], timeout: float) -> Run:
     return Run(d.cpu_s, t_end - t0, children_ctx() - ctx0, extra)
 
 
+def median_run(runs: list[Run]) -> Run:
+    """Return a run whose CPU, wall and switches are each the median over runs (its details: the median-CPU run's)."""
+    if len(runs) == 1:
+        return runs[0]
+    middle = sorted(runs, key=lambda r: r.cpu_s)[len(runs) // 2]
+    return Run(
+        statistics.median(r.cpu_s for r in runs),
+        statistics.median(r.wall_s for r in runs),
+        round(statistics.median(r.ctx for r in runs)),
+        middle.extra,
+    )
+
+
 def by_thread(threads: list[dict[str, Any]], ticks: dict[str, int], n: int) -> list[str]:
     """Return note lines: the daemon's CPU and context switches per job, by thread name."""
     groups: dict[str, dict[str, int]] = {}
@@ -139,12 +156,17 @@ def place(label: str, base: Path, opts: argparse.Namespace, res: Result) -> None
     """Measure one place (disk or tmpfs): add its rows, notes and data to res."""
     n, mj, timeout = opts.orders, opts.max_jobs, opts.timeout
     create_us = create_cost_us(fresh_folder(base, "probe"))
-    x = run_xargs(fresh_folder(base, "xargs"), mj, job_ids("XARG", n), timeout)
-    f = run_floor(fresh_folder(base, "floor"), mj, job_ids("FLOOR", n), timeout)
     startups = [once(fresh_folder(base, f"startup-{k}"), mj, [], 120) for k in range(STARTUP_RUNS)]
     start_cpu = statistics.median(d.cpu_s or 0.0 for d in startups)
     start_wall = statistics.median(d.wall_s or 0.0 for d in startups)
-    d = run_daemon(fresh_folder(base, "daemon"), mj, job_ids("RUN", n), timeout)
+    xs: list[Run] = []
+    fs: list[Run] = []
+    ds: list[Run] = []
+    for _ in range(opts.rounds):  # taking turns: a machine that drifts moves all three alike
+        xs.append(run_xargs(fresh_folder(base, "xargs"), mj, job_ids("XARG", n), timeout))
+        fs.append(run_floor(fresh_folder(base, "floor"), mj, job_ids("FLOOR", n), timeout))
+        ds.append(run_daemon(fresh_folder(base, "daemon"), mj, job_ids("RUN", n), timeout))
+    x, f, d = median_run(xs), median_run(fs), median_run(ds)
 
     ms = 1000 / n
     agent = x.cpu_s * ms
@@ -187,6 +209,20 @@ def place(label: str, base: Path, opts: argparse.Namespace, res: Result) -> None
         + (f"; daemon from its first agent.started to its last job.done: {steady:.1f} jobs/s" if steady else ""),
         *(f"{tag} {line}" for line in by_thread(threads, ticks, n)),
     ]
+    if opts.rounds > 1:
+        res.notes.append(
+            f"{tag} {opts.rounds} rounds, each figure their median (the daemon's by-thread lines: its median run); "
+            "CPU/job beyond the agent, daemon / floor, by round: "
+            + ", ".join(
+                f"{(r.cpu_s - start_cpu - a.cpu_s) * ms:.3f} / {(fl.cpu_s - a.cpu_s) * ms:.3f} ms"
+                for a, fl, r in zip(xs, fs, ds, strict=True)
+            )
+            + "; jobs/s, daemon / floor / xargs: "
+            + ", ".join(
+                f"{n / r.wall_s:.0f} / {n / fl.wall_s:.0f} / {n / a.wall_s:.0f}"
+                for a, fl, r in zip(xs, fs, ds, strict=True)
+            )
+        )
     res.data[label] = {
         "root_parent": str(base.parent),
         "filesystem": filesystem(base),
@@ -206,6 +242,10 @@ def place(label: str, base: Path, opts: argparse.Namespace, res: Result) -> None
         "startup_cpu_s": start_cpu,
         "startup_wall_s": start_wall,
         "daemon_steady_jobs_per_s": steady,
+        "rounds": [
+            {"xargs": [a.cpu_s, a.wall_s], "floor": [fl.cpu_s, fl.wall_s], "daemon": [r.cpu_s, r.wall_s]}
+            for a, fl, r in zip(xs, fs, ds, strict=True)
+        ],
     }
 
 
