@@ -6,8 +6,11 @@ a person can look at what the test saw.
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import Env, wait_until
@@ -25,21 +28,34 @@ def chromium() -> tuple[str, str]:
 
 @pytest.fixture
 def browser() -> Iterator[object]:
-    """A headless Chromium of the system's packages (Selenium is never let to download one)."""
+    """A headless Chromium of the system's packages (Selenium is never let to download one).
+
+    Its profile and every temporary folder it and its driver make live in one folder of
+    its own, removed after the test, so that no run leaves an ``org.chromium.Chromium.*``
+    folder in /tmp. The folder's path stays short: Chromium puts a Unix socket in it,
+    whose path may not exceed 107 bytes (pytest's tmp_path can).
+    """
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     binary, driver = chromium()
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,640"):
-        options.add_argument(arg)
-    b = webdriver.Chrome(service=Service(executable_path=driver), options=options)
-    b.set_page_load_timeout(60)
+    scratch = Path(tempfile.mkdtemp(prefix="dispatcher-chromium-"))
     try:
-        yield b
+        (scratch / "tmp").mkdir()
+        options = webdriver.ChromeOptions()
+        options.binary_location = binary
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,640"):
+            options.add_argument(arg)
+        options.add_argument(f"--user-data-dir={scratch / 'profile'}")
+        service = Service(executable_path=driver, env={**os.environ, "TMPDIR": str(scratch / "tmp")})
+        b = webdriver.Chrome(service=service, options=options)
+        b.set_page_load_timeout(60)
+        try:
+            yield b
+        finally:
+            b.quit()
     finally:
-        b.quit()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.fixture
