@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from conftest import Env, wait_until
@@ -39,23 +38,19 @@ def browser() -> Iterator[object]:
     from selenium.webdriver.chrome.service import Service
 
     binary, driver = chromium()
-    scratch = Path(tempfile.mkdtemp(prefix="dispatcher-chromium-"))
-    try:
-        (scratch / "tmp").mkdir()
+    with tempfile.TemporaryDirectory(prefix="dispatcher-chromium-", ignore_cleanup_errors=True) as scratch:
         options = webdriver.ChromeOptions()
         options.binary_location = binary
         for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,640"):
             options.add_argument(arg)
-        options.add_argument(f"--user-data-dir={scratch / 'profile'}")
-        service = Service(executable_path=driver, env={**os.environ, "TMPDIR": str(scratch / "tmp")})
+        options.add_argument(f"--user-data-dir={scratch}/profile")
+        service = Service(executable_path=driver, env={**os.environ, "TMPDIR": scratch})
         b = webdriver.Chrome(service=service, options=options)
         b.set_page_load_timeout(60)
         try:
             yield b
         finally:
             b.quit()
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.fixture
