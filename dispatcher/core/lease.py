@@ -11,6 +11,12 @@ a whole rescan interval, so it is woken for this: at the moment the lease would
 turn fenced (``next_check_s``, a deadline of the loop's own, which holds while a
 renewal hangs on the network), and by this thread when a renewal changes what the
 loop reads (fenced again, renewed, declared lost: ``on_change``).
+
+A renewal counts from the moment it was sent, so one sent just before an outage and
+answered when the network came back may leave the lease good for a few milliseconds
+only. Such a renewal does not end a fence (an agent started then would be ended again at
+once, and fail as interrupted if it is not retry-safe): ``fenced`` holds until a renewal
+leaves the lease good for a renewal period at least, and the thread renews again at once.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class LeaseKeeper:
         self.lease_s = lease_s
         self.on_lost = on_lost  # called (from this thread) with owners newly found dead
         self.on_change = on_change  # called (from this thread) when fenced or lost changed
+        self.renew_every = lease_s / 6
+        self._fenced = False  # what ``fenced`` last said: once True, a renewal must leave renew_every to end it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
 
@@ -49,8 +57,17 @@ class LeaseKeeper:
 
     @property
     def fenced(self) -> bool:
-        """Return True while this daemon must not run agents or claim (no renewal for lease/2)."""
-        return not self.leases.lease_ok()
+        """Return True while this daemon must not run agents or claim.
+
+        Fenced once no renewal succeeded for lease/2; no longer fenced once a renewal leaves
+        the lease good for ``renew_every`` at least (not one that is about to run out again).
+        """
+        left = self.leases.ok_for_s()
+        if left is None:
+            self._fenced = True
+        elif self._fenced and left >= self.renew_every:
+            self._fenced = False
+        return self._fenced
 
     @property
     def lost(self) -> bool:
@@ -66,7 +83,7 @@ class LeaseKeeper:
         return self.leases.ok_for_s()
 
     def _run(self) -> None:
-        renew_every = self.lease_s / 6
+        renew_every = self.renew_every
         reap_every = self.lease_s / 3
         next_reap = time.monotonic() + reap_every
         seen = (self.fenced, self.lost)
@@ -86,6 +103,8 @@ class LeaseKeeper:
                     dead = []
                 if dead:
                     self.on_lost(dead)
+            if ok and (self.leases.ok_for_s() or 0.0) < renew_every:
+                continue  # sent long before it was answered (an outage): good for too short a time, renew again now
             self._stop.wait(renew_every if ok else min(1.0, renew_every))
 
     def stop(self) -> None:
