@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import yaml
 from conftest import Env, cli_env, wait_until
@@ -141,6 +142,47 @@ class Cluster:
 
         return all(ended(j) or (j.endswith("-fu") and (root / "failed" / j[: -len("-fu")]).is_dir()) for j in ids)
 
+    def wait_settled(self, ids: list[str], timeout: float, what: str) -> None:
+        """Wait for settled(ids); on a timeout, fail with where each unsettled job is and what the daemons said.
+
+        The wait ends well inside pytest's own timeout (180 s), so that the message is printed.
+        """
+        end = time.monotonic() + timeout
+        while not self.settled(ids):
+            if time.monotonic() > end:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.explain(ids)}")
+            time.sleep(0.05)
+
+    def explain(self, ids: list[str]) -> str:
+        """Describe the unsettled jobs: their folders, their ledger rows and every log line that names them."""
+        root = self.env.root
+        lines = []
+        stuck = [j for j in ids if not self.settled([j])]
+        for j in stuck[:10]:
+            places = [s for s in ("inbox", "active", "review", "done", "failed") if (root / s / j).exists()]
+            places += ["inbox (file)"] if (root / "inbox" / f"{j}.json").exists() else []
+            lines.append(f"{j}: in {places}")
+            for host, runs in self.daemons.items():
+                for proc, log in runs:
+                    said = [ln for ln in log.read_text(errors="replace").splitlines() if j in ln]
+                    lines += [f"  {host} pid {proc.pid} (rc {proc.poll()}): {ln[:400]}" for ln in said[-12:]]
+        try:
+            with psycopg.connect(self.server.dsn_for(self.server.host, self.database), connect_timeout=5) as conn:
+                rows = conn.execute(
+                    "SELECT job_id, state, owner, token FROM jobs WHERE job_id = ANY(%s)", (stuck[:10],)
+                ).fetchall()
+                lines += [f"ledger row: {r}" for r in rows]
+                lines += [
+                    f"daemon row: {r}" for r in conn.execute("SELECT owner, host, lease_until, ended FROM daemons")
+                ]
+        except psycopg.Error as exc:
+            lines.append(f"ledger not read: {exc}")
+        for host, runs in self.daemons.items():
+            for proc, log in runs:
+                tail = log.read_text(errors="replace").splitlines()[-8:]
+                lines += [f"{host} pid {proc.pid} last lines:"] + [f"  {ln[:400]}" for ln in tail]
+        return "\n".join(lines)
+
     def stop_all(self) -> None:
         for runs in self.daemons.values():
             for proc, _ in runs:
@@ -232,7 +274,7 @@ def test_crashes_of_whole_hosts_lose_nothing_and_run_nothing_twice(cluster: Clus
             time.sleep(rng.uniform(0.2, 0.8))
             victim.kill_all()
             cluster.start(victim)
-    wait_until(lambda: cluster.settled(ids), 240, "every job to end")
+    cluster.wait_settled(ids, 165, "every job to end")
     cluster.stop_all()
     # follow-ups of chain jobs that failed never existed: only check those whose parent is done
     done_parents = {j for j in ids if j.endswith("-fu") is False and (cluster.env.root / "done" / j).is_dir()}
@@ -259,7 +301,7 @@ def test_a_partitioned_host_fences_itself_and_another_takes_over(cluster: Cluste
     a.partition()
     time.sleep(LEASE * 3)
     a.heal()
-    wait_until(lambda: cluster.settled(ids), 60, "both jobs to end")
+    cluster.wait_settled(ids, 60, "both jobs to end")
     time.sleep(LEASE)
     cluster.stop_all()
     cluster.check(ids, retry_safe={"P-SAFE"})
@@ -303,7 +345,7 @@ def test_a_database_restart_in_the_middle_of_claims_loses_nothing(cluster: Clust
         ids.append(f"D{i:03d}")
         if i == 40:
             cluster.server.restart("immediate")
-    wait_until(lambda: cluster.settled(ids), 180, "every job to end")
+    cluster.wait_settled(ids, 150, "every job to end")
     cluster.stop_all()
     cluster.check(ids, retry_safe={j for i, j in enumerate(ids) if i % 2 == 0})
     assert any(e.get("event") in ("ledger.reconnecting", "ledger.reconnected") for e in cluster.events())
