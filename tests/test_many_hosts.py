@@ -12,6 +12,7 @@ released twice, `concurrency: 1` never exceeded across hosts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -107,7 +108,7 @@ class Cluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=self.env.tmp,
-                env=cli_env(),
+                env=cli_env() | {"PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread (explain)
             )
         self.daemons.setdefault(host.name, []).append((proc, log))
         wait_until(lambda: "daemon.ready" in log.read_text(errors="replace"), 60, f"{host.name} ready")
@@ -181,6 +182,13 @@ class Cluster:
             for proc, log in runs:
                 tail = log.read_text(errors="replace").splitlines()[-8:]
                 lines += [f"{host} pid {proc.pid} last lines:"] + [f"  {ln[:400]}" for ln in tail]
+                if proc.poll() is None:  # what each thread of a live daemon is doing (it ends with the dump)
+                    before = len(log.read_text(errors="replace").splitlines())
+                    proc.send_signal(signal.SIGABRT)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(10)
+                    dump = log.read_text(errors="replace").splitlines()[before:]
+                    lines += [f"{host} pid {proc.pid} threads at SIGABRT:"] + [f"  {ln[:300]}" for ln in dump[:200]]
         return "\n".join(lines)
 
     def stop_all(self) -> None:
