@@ -178,6 +178,7 @@ class Cluster:
                 ]
         except psycopg.Error as exc:
             lines.append(f"ledger not read: {exc}")
+        lines.append(self.server._log_tail(20))  # crash recovery, refused logins, too many clients
         for host, runs in self.daemons.items():
             for proc, log in runs:
                 tail = log.read_text(errors="replace").splitlines()[-8:]
