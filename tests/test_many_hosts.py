@@ -67,6 +67,7 @@ class Cluster:
         self.script = write_script(env.tmp, "host_agent.sh", AGENT)
         self.starts_file = env.tmp / "host_starts.txt"  # job attempt pid address, one line a start
         self.daemons: dict[str, list[tuple[subprocess.Popen[bytes], Path]]] = {}
+        self.created = time.monotonic()  # wait_settled ends in time for its message, inside pytest's limit
         env.root.mkdir(parents=True, exist_ok=True)
 
     def agents(self, sleep: float) -> dict[str, Any]:
@@ -146,9 +147,10 @@ class Cluster:
     def wait_settled(self, ids: list[str], timeout: float, what: str) -> None:
         """Wait for settled(ids); on a timeout, fail with where each unsettled job is and what the daemons said.
 
-        The wait ends well inside pytest's own timeout (180 s), so that the message is printed.
+        The wait ends by 150 s after the cluster was made, well inside pytest's own timeout
+        (180 s for the whole test), so that the message is printed.
         """
-        end = time.monotonic() + timeout
+        end = min(time.monotonic() + timeout, self.created + 150)
         while not self.settled(ids):
             if time.monotonic() > end:
                 raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.explain(ids)}")
@@ -179,17 +181,19 @@ class Cluster:
         except psycopg.Error as exc:
             lines.append(f"ledger not read: {exc}")
         lines.append(self.server._log_tail(20))  # crash recovery, refused logins, too many clients
+        live = []
         for host, runs in self.daemons.items():
             for proc, log in runs:
                 tail = log.read_text(errors="replace").splitlines()[-8:]
                 lines += [f"{host} pid {proc.pid} last lines:"] + [f"  {ln[:400]}" for ln in tail]
                 if proc.poll() is None:  # what each thread of a live daemon is doing (it ends with the dump)
-                    before = len(log.read_text(errors="replace").splitlines())
+                    live.append((host, proc, log, len(log.read_text(errors="replace").splitlines())))
                     proc.send_signal(signal.SIGABRT)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(10)
-                    dump = log.read_text(errors="replace").splitlines()[before:]
-                    lines += [f"{host} pid {proc.pid} threads at SIGABRT:"] + [f"  {ln[:300]}" for ln in dump[:200]]
+        for host, proc, log, before in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            dump = log.read_text(errors="replace").splitlines()[before:]
+            lines += [f"{host} pid {proc.pid} threads at SIGABRT:"] + [f"  {ln[:300]}" for ln in dump[:200]]
         return "\n".join(lines)
 
     def stop_all(self) -> None:
