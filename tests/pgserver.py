@@ -228,10 +228,10 @@ class PgServer:
             cwd=self.base,
         )
         if proc.returncode != 0:
-            raise PgUnavailable(f"{what} failed ({proc.returncode}): {proc.stdout}{proc.stderr}{self._log_tail()}")
+            raise PgUnavailable(f"{what} failed ({proc.returncode}): {proc.stdout}{proc.stderr}{self.log_tail()}")
         return proc.stdout
 
-    def _log_tail(self, lines: int = 30) -> str:
+    def log_tail(self, lines: int = 30) -> str:
         """Return the end of the server log, for error messages."""
         if self.log_path is None or not self.log_path.exists():
             return ""
@@ -322,7 +322,7 @@ class PgServer:
                 break
             except PgUnavailable:
                 # another process took the port between the probe and the server's bind
-                if attempt + 1 < attempts and "already in use" in self._log_tail():
+                if attempt + 1 < attempts and "already in use" in self.log_tail():
                     continue
                 raise
         if first:
@@ -401,7 +401,7 @@ class PgServer:
             if not _wait_gone(procs, 10.0):
                 problem += f" processes {sorted(procs)} survive SIGKILL"
         if problem:
-            raise RuntimeError(problem + self._log_tail())
+            raise RuntimeError(problem + self.log_tail())
 
     def restart(self, mode: str = "immediate") -> None:
         """Stop with ``mode`` (immediate: like a crash, every connection dropped), then start.

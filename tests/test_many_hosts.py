@@ -180,7 +180,7 @@ class Cluster:
                 ]
         except psycopg.Error as exc:
             lines.append(f"ledger not read: {exc}")
-        lines.append(self.server._log_tail(20))  # crash recovery, refused logins, too many clients
+        lines.append(self.server.log_tail(20))  # crash recovery, refused logins, too many clients
         live = []
         for host, runs in self.daemons.items():
             for proc, log in runs:
