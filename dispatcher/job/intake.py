@@ -235,7 +235,7 @@ def claim(
         ]
     )
     written: list[tuple[int, Pick, str, Claimed, placing.Written]] = []
-    for (i, pick, stage, _), answer in zip(staged, answers, strict=True):
+    for (i, pick, stage, no_folder), answer in zip(staged, answers, strict=True):
         match answer:
             case Claimed():
                 made = placing.write(layout, ledger, pick, stage, answer)
@@ -252,9 +252,10 @@ def claim(
                     out[i] = Skipped(pick.item.name, retry_later=True)
                 else:
                     out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
-            case Busy():
+            case Busy(entry=entry):
                 placing.drop_stage(stage)
-                out[i] = Skipped(pick.item.name)
+                orphan = no_folder and entry.owner == owner and _give_back_orphan(layout, ledger, pick.item, entry)
+                out[i] = Skipped(pick.item.name, retry_later=orphan)  # given back: claimed again in a moment
     # every claimed folder is whole on disk before any is renamed into active/ (whose fsync is
     # once per batch): a power cut must not leave active/<id> without its job.json, work/ or order
     errors = fsutil.fsync_many([path for *_, w in written for path in w.sync])
@@ -332,6 +333,32 @@ def _refuse(
             raise
         return Skipped(item.name, retry_later=True)  # refused once the shortage is over
     return Refused(item.name, item.order.job_id)
+
+
+def _give_back_orphan(layout: Layout, ledger: Ledger, item: Inspected, entry: Entry) -> bool:
+    """Give back this daemon's own claim of this very file if nothing of it is on disk; return True if given back.
+
+    Claims run one after another in the ledger lane, so when a claim meets a claim of this
+    same daemon for the same file, that earlier claim's trip has ended: with no job folder
+    and no staging folder of the id, it ended before the folder was made and the claim was
+    never undone (its trip cut short). Left alone, the file would wait in inbox/ for as
+    long as this daemon runs and be refused as known by the next one. The row goes back
+    to what it was (a follow-up's row, with its lineage, to ``released``; a new id's is
+    removed) and the file is claimed again.
+    """
+    job_id = item.order.job_id
+    if layout.find(job_id) is not None or claim_stages(layout, job_id):
+        return False
+    ledger.unclaim(job_id, entry.token, Row.RELEASED if entry.parent is not None else None)
+    log.warning(
+        "job.claim_returned",
+        job_id=job_id,
+        agent=entry.agent,
+        file=item.name,
+        token=entry.token,
+        reason="this daemon's own claim of the file, with no job folder: given back and claimed again",
+    )
+    return True
 
 
 def _drop_twin(layout: Layout, item: Inspected, folder: Path | None = None) -> bool:
