@@ -187,6 +187,47 @@ def test_a_follow_up_that_an_approval_holds_is_notified(env: Env) -> None:
     assert "\tchain cost 1 USD is above max_chain_cost_usd" in events.read_text()  # a person's number: 1, not 1.0
 
 
+@pytest.mark.parametrize("how", ["fails", "hangs"])
+def test_an_approvals_notify_that_fails_or_hangs_is_logged_and_ended(env: Env, how: str) -> None:
+    """The budget.held notify an approve starts gets the daemon's rules: 30 s, then ended; notify.failed logged."""
+    marks = env.tmp / "marks.txt"
+    script = {
+        "fails": '#!/bin/sh\necho "start $1" >> "$2"\necho boom >&2\nexit 7\n',
+        "hangs": '#!/bin/sh\necho "start $1" >> "$2"\nsleep 40\necho "end $1" >> "$2"\n',
+    }[how]
+    script = '#!/bin/sh\n[ "$1" = CHILD-1 ] || exit 0\n' + script.removeprefix("#!/bin/sh\n")  # the review's own: fine
+    notify = write_script(env.tmp, "notify.sh", script)
+    log_file = env.tmp / "dispatcher.jsonl"
+    worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP), review=True)
+    env.configure(
+        agents={"worker": worker, "next": costly(env, 0.1)},
+        max_chain_cost_usd=0.5,
+        notify=["sh", str(notify), "{job_id}", str(marks)],
+        log_file=str(log_file),
+    )
+    env.drop(simple("BIG-3"))
+    env.cli("run", "--once", timeout=60)
+    began = time.monotonic()
+    approved = decide(env, "approve", "BIG-3")
+    assert approved.returncode == 0 and time.monotonic() - began < 10  # the command does not wait for it
+
+    def failed() -> dict[str, Any] | None:
+        lines = [json.loads(line) for line in log_file.read_text().splitlines()]
+        return next((e for e in lines if e["event"] == "notify.failed" and e["job_id"] == "CHILD-1"), None)
+
+    line = wait_until(failed, 60, "notify.failed in log_file")
+    took = time.monotonic() - began
+    assert (line["event_name"], line["job_id"], line["level"]) == ("budget.held", "CHILD-1", "warning")
+    if how == "fails":
+        assert (line["error"], line["stderr"]) == ("exit 7", "boom")
+    else:
+        assert line["error"] == "timed out after 30 s" and 29 < took < 50
+        time.sleep(12)  # past the 40 s the script asked for: it was ended, its last line never written
+        assert marks.read_text() == "start CHILD-1\n"
+    assert (env.root / "held" / "CHILD-1.json").exists()  # the notify changes nothing about the job
+    assert (env.root / "done" / "BIG-3").is_dir()
+
+
 def reviewed(env: Env) -> Env:
     worker = env.agent("--followup", json.dumps(FOLLOWUP), review=True)
     env.configure(agents={"worker": worker, "next": env.agent()}, rescan_interval=0.5)

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
 from dispatcher.job.notice import argv_for
 from dispatcher.job.runner import AgentProcess, build_env
 from dispatcher.shortage import SHORT
-from dispatcher.spec.settings import Config
 from dispatcher.text import exit_text
 
 log = structlog.get_logger("dispatcher")
@@ -33,6 +33,19 @@ NOTIFY_TIMEOUT_S = 30.0
 _HURRY_POLL_S = 0.2  # how often a stop waiting for notifications looks for a second stop
 _OUTPUT_MAX = 64 * 1024
 QUEUE_MAX = 100  # notifications waiting; beyond this they are counted into one notify.dropped
+
+
+class NotifySettings(Protocol):
+    """What notifications read of the config (``Config`` has it; so does a command's ``notify_apart``)."""
+
+    @property
+    def notify(self) -> tuple[str, ...] | None: ...
+
+    @property
+    def notify_max_running(self) -> int: ...
+
+    @property
+    def kill_grace_s(self) -> float: ...
 
 
 @dataclass
@@ -48,7 +61,7 @@ class _Event:
 class Notifications:
     """Run the config's notify command for events, off the loop's critical path."""
 
-    def __init__(self, config: Callable[[], Config], cwd: Path) -> None:
+    def __init__(self, config: Callable[[], NotifySettings], cwd: Path) -> None:
         self._config = config
         self._cwd = cwd
         self._running: set[asyncio.Task[None]] = set()

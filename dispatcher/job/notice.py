@@ -2,21 +2,25 @@
 
 The daemon runs notifications on its loop (``core.notify``). A command that raises an
 event itself (``approve`` holding a follow-up over the chain budget: ``budget.held``)
-starts the same argv, with the same environment, detached: in its own process group,
-its output discarded, not waited for, so that the command returns at once.
+returns at once and leaves the notification to a process of its own, started detached
+(``start_detached``): ``python -m dispatcher.core.notify_apart`` runs it as the daemon
+would, with the 30 s timeout, and logs ``notify.failed`` into ``log_file`` and to a
+running daemon's stdout when it fails, hangs or cannot start.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from dispatcher.errors import oneline
-from dispatcher.job.runner import build_env
 
 log = structlog.get_logger("dispatcher")
 PLACEHOLDERS = ("event", "job_id", "agent", "reason", "result")
@@ -42,19 +46,39 @@ def argv_for(
     return [render(a, values) for a in notify]
 
 
+@dataclass(frozen=True, slots=True)
+class Apart:
+    """What a notification run apart from a command needs of the config."""
+
+    notify: tuple[str, ...]
+    kill_grace_s: float
+    log_file: Path | None
+
+
 def start_detached(
-    notify: Sequence[str], cwd: Path, event: str, job_id: str | None, agent: str | None, reason: str | None
+    apart: Apart, root: Path, event: str, job_id: str | None, agent: str | None, reason: str | None
 ) -> None:
-    """Start the notify command for one event and return at once (a command's own event); log if it cannot start."""
-    if not notify:
+    """Start the notify command for one event apart from this command and return at once; log if it cannot start.
+
+    A process of its own (``core.notify_apart``), in a session of its own with its output
+    discarded, runs it as the daemon would and logs ``notify.failed`` itself.
+    """
+    if not apart.notify:
         return
-    argv = argv_for(notify, event, job_id, agent, reason, None)
-    env = build_env({}, {"DISPATCH_EVENT": event, "DISPATCH_JOB_ID": job_id or ""})
+    spec = {
+        "notify": list(apart.notify),
+        "kill_grace_s": apart.kill_grace_s,
+        "log_file": str(apart.log_file) if apart.log_file is not None else None,
+        "root": str(root),
+        "event": event,
+        "job_id": job_id,
+        "agent": agent,
+        "reason": reason,
+    }
     try:
         subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
+            [sys.executable, "-m", "dispatcher.core.notify_apart", json.dumps(spec)],
+            cwd=root,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 
 import structlog
@@ -33,7 +33,7 @@ from dispatcher.clock import iso
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.job.finish import this_claim
 from dispatcher.job.followups import release_followups
-from dispatcher.job.notice import start_detached
+from dispatcher.job.notice import Apart, start_detached
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
@@ -48,12 +48,12 @@ DECISION_WAIT_S = 30
 
 def decide(
     layout: Layout, ledger: Ledger, job_id: str, *, approve: bool, reason: str | None = None,
-    max_chain_cost_usd: float | None = None, notify: Sequence[str] = (),
+    max_chain_cost_usd: float | None = None, notify: Apart | None = None,
 ) -> str:  # fmt: skip
     """Approve or reject one job in review/; return the line to print. NotFound/WrongState otherwise.
 
-    ``notify``: the config's notify argv, started (detached) for each follow-up an approval holds
-    over the chain budget (``budget.held``).
+    ``notify``: the config's notify command, run apart from this command for each follow-up an
+    approval holds over the chain budget (``budget.held``).
     """
     folder = JobFolder(layout.job(State.REVIEW, job_id))
     entry = ledger.get(job_id)
@@ -73,7 +73,7 @@ def decide(
 
 def _decide(
     layout: Layout, ledger: Ledger, folder: JobFolder, *, approve: bool, reason: str | None,
-    max_chain_cost_usd: float | None, notify: Sequence[str],
+    max_chain_cost_usd: float | None, notify: Apart | None,
 ) -> str:  # fmt: skip
     job_id = folder.job_id
     entry = ledger.get(job_id)
@@ -115,7 +115,8 @@ def _decide(
 
         def held(entry: Entry, name: str) -> None:
             why = f"chain cost {usd(entry.chain_cost_usd)} is above max_chain_cost_usd"
-            start_detached(notify, layout.root, "budget.held", entry.job_id, entry.agent, why)
+            if notify is not None:
+                start_detached(notify, layout.root, "budget.held", entry.job_id, entry.agent, why)
 
         release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd, held=held)
         return f"{job_id}: approved; done" + ("; its requested revision is withdrawn" if withdrawn else "")

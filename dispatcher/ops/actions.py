@@ -300,6 +300,7 @@ class Operator:
     # -- review ---------------------------------------------------------------------------
     def approve(self, job_id: str) -> str:
         """Move a job waiting in review/ to done/ and release its follow-ups (once)."""
+        from dispatcher.job.notice import Apart
         from dispatcher.job.review import decide
 
         check_id(job_id)
@@ -310,7 +311,7 @@ class Operator:
             job_id,
             approve=True,
             max_chain_cost_usd=cfg.max_chain_cost_usd,
-            notify=cfg.notify or (),
+            notify=Apart(cfg.notify or (), cfg.kill_grace_s, cfg.log_file),
         )
         self._poke("approve", job_id)  # a running daemon lands it and runs its after hook at once
         return line
