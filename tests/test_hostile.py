@@ -411,6 +411,18 @@ def test_10_rebuild_refuses_a_config_whose_ledger_is_postgresql(env: Env) -> Non
     assert {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()} == before
 
 
+def test_10_rebuild_with_an_argument_is_bad_usage_and_changes_nothing(env: Env) -> None:
+    """`ledger rebuild URL` (an argument only migrate takes) exits 2 with one line; the ledger stays as it was."""
+    env.drop(plain("ARG-1"))
+    assert env.cli("run", "--once").returncode == 0
+    state = env.root / ".state"
+    before = {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()}
+    proc = env.cli("ledger", "rebuild", "extra")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == "ledger rebuild: takes no argument, got extra; it rebuilds from the job folders\n"
+    assert {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()} == before
+
+
 def test_10_an_emptied_ledger_is_refused_like_a_lost_one(env: Env) -> None:
     """(10) a ledger truncated to nothing over existing jobs: the daemon refuses to start on it."""
     env.drop(plain("TRUNC-1"))

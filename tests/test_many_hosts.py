@@ -374,7 +374,7 @@ def test_ledger_migrate_keeps_every_refusal_when_switching_to_postgresql(env: En
     assert moved.returncode == 0, moved.stderr
     assert "3 job ids copied" in moved.stdout
     again = env.cli("ledger", "migrate", "-", input=pg_db + "\n")
-    assert again.returncode != 0 and again.stderr.count("\n") == 1 and "not empty" in again.stderr
+    assert again.returncode == 1 and again.stderr.count("\n") == 1 and "not empty" in again.stderr
     env.configure(ledger=pg_db)
     path = env.tmp / "dup.json"
     path.write_text(json.dumps(env_order("MIG-1")))

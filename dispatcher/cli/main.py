@@ -237,6 +237,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     if args.action == "rebuild":
         from dispatcher.ops.rebuild import rebuild
 
+        if args.url is not None:  # a slip (`ledger rebuild URL`) must not rebuild anything
+            raise UsageError(f"ledger rebuild: takes no argument, got {args.url}; it rebuilds from the job folders")
+
         if cfg.ledger != "sqlite":  # its daemons may be alive on other hosts; the folders cannot stand in for it
             raise UsageError(
                 f"{cfg.path}: ledger: `ledger rebuild` makes the SQLite ledger again, and this config's ledger"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from dispatcher.ledger.pg_conn import Cur, PostgresLedgerError
+from dispatcher.ledger.pg_conn import Cur, TargetNotEmpty
 from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import Entry, Extras, Gate, GateWait, Request, fold_waits
@@ -86,7 +86,7 @@ def extras(runner: Runner) -> Extras:
 def load_into_empty(runner: Runner, entries: Iterable[Entry], more: Extras | None = None) -> int:
     """Copy rows, then requests, join waits, gates and gate waits into a ledger that holds no job id.
 
-    Return how many rows. Raise PostgresLedgerError (one line) if it holds any.
+    Return how many rows. Raise TargetNotEmpty (one line; the command exits 1) if it holds any.
     The tables are locked against writers for the copy, so no claim slips in
     between the check and it. A gate the target already has (set there by hand
     before the copy) is kept as it is.
@@ -101,7 +101,7 @@ def load_into_empty(runner: Runner, entries: Iterable[Entry], more: Extras | Non
         cur.execute("LOCK TABLE jobs, requests, waits, gates, gate_waits IN SHARE ROW EXCLUSIVE MODE")
         held = cur.execute("SELECT count(*) FROM jobs").fetchone()
         if held and held[0]:
-            raise PostgresLedgerError(
+            raise TargetNotEmpty(
                 f"{runner.where}: the target ledger is not empty ({held[0]} job ids); migrate only into an empty one"
             )
         with cur.copy(_COPY) as copy:

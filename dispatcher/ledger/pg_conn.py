@@ -46,6 +46,12 @@ class PostgresLedgerError(UsageError):
         super().__init__(oneline(message))
 
 
+class TargetNotEmpty(PostgresLedgerError):
+    """``ledger migrate`` found job ids in the target: it copies only into an empty ledger (the operation fails: 1)."""
+
+    exit_code = 1
+
+
 def describe(url: str) -> str:
     """Return ``postgresql://user:***@host:port/db`` for messages: the password shown as ``***``, never itself."""
     try:
