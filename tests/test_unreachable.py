@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from conftest import Env, cli_env, order
 
@@ -19,6 +20,7 @@ from dispatcher.store.ledgers import ANSWER_S, CONNECT_S, REACH_S
 
 LIMIT_S = 5.0
 pytestmark = pytest.mark.timing  # .ci/run: alone, after the parallel run
+pytest_plugins = ["pg_fixtures"]
 
 
 @pytest.fixture
@@ -60,6 +62,28 @@ def test_status_with_the_ledger_down_answers_in_one_line_within_5_s(env: Env, si
         assert proc.returncode != 0 and proc.stdout == "", (args, proc.stdout)
         assert proc.stderr.count("\n") == 1 and "cannot be reached" in proc.stderr, (args, proc.stderr)
         assert not proc.stderr.startswith("{") and "ledger.reconnecting" not in proc.stderr
+
+
+def test_commands_answer_within_5_s_while_another_session_holds_the_ledger_locked(env: Env, pg_db: str) -> None:
+    """A server that answers but a jobs table someone holds locked (a long migration, a `LOCK TABLE` by hand):
+    status, list, submit and cancel still answer in one line within 5 s, and work again once it is let go."""
+    env.configure(ledger=pg_db)
+    env.drop(order("L-1"))
+    env.cli("run", "--once", check=True)  # the schema, and one job
+    (env.tmp / "o.json").write_text(json.dumps(order("L-2")))
+    with psycopg.connect(pg_db) as locker:
+        locker.execute("SET idle_in_transaction_session_timeout = 0")  # the server may end an idle holder
+        locker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")  # held until the rollback below
+        for args in (("status",), ("list",), ("submit", str(env.tmp / "o.json")), ("cancel", "L-1")):
+            started = time.monotonic()
+            proc = env.cli(*args)
+            took = time.monotonic() - started
+            assert took < LIMIT_S, f"{args} took {took:.1f} s"
+            assert proc.returncode != 0 and proc.stdout == "", (args, proc.stdout)
+            assert proc.stderr.count("\n") == 1 and "cannot be reached" in proc.stderr, (args, proc.stderr)
+        locker.rollback()
+    submitted = env.cli("submit", str(env.tmp / "o.json"))
+    assert (submitted.returncode, submitted.stdout) == (0, "L-2\n"), submitted.stderr
 
 
 def test_a_command_that_started_late_leaves_its_connection_less_time(tmp_path: Path) -> None:

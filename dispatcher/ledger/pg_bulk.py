@@ -97,7 +97,7 @@ def load_into_empty(runner: Runner, entries: Iterable[Entry], more: Extras | Non
 
     def body(cur: Cur) -> int:
         _begin(cur)
-        cur.execute("SET LOCAL lock_timeout = '30s'")
+        cur.execute("SET LOCAL lock_timeout = '2s'")  # a command: a table held locked is a ledger that does not answer
         cur.execute("LOCK TABLE jobs, requests, waits, gates, gate_waits IN SHARE ROW EXCLUSIVE MODE")
         held = cur.execute("SELECT count(*) FROM jobs").fetchone()
         if held and held[0]:

@@ -68,14 +68,16 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def connection_options(lease_s: float) -> dict[str, Any]:
+def connection_options(lease_s: float, lock_s: float | None = None) -> dict[str, Any]:
     """Return libpq options that keep every wait well below the lease (PITFALLS: PostgreSQL).
 
     A dead peer is noticed within about lease/2 (keepalives, ``tcp_user_timeout``);
-    a stuck statement or lock wait ends within lease/3 and lease/6; a session
-    cut off inside a transaction loses its locks after lease/3 on the server.
+    a stuck statement or lock wait ends within lease/3 and lease/6 (``lock_s`` at most,
+    for a command that must answer soon); a session cut off inside a transaction loses
+    its locks after lease/3 on the server.
     """
     third = max(1.0, lease_s / 3)
+    lock = max(0.5, lease_s / 6) if lock_s is None else min(lock_s, max(0.5, lease_s / 6))
     return {
         "connect_timeout": max(2, int(lease_s / 6)),  # libpq's minimum is 2
         "keepalives": 1,
@@ -84,7 +86,7 @@ def connection_options(lease_s: float) -> dict[str, Any]:
         "keepalives_count": 3,
         "tcp_user_timeout": _ms(third),
         "options": (
-            f"-c statement_timeout={_ms(third)} -c lock_timeout={_ms(max(0.5, lease_s / 6))}"
+            f"-c statement_timeout={_ms(third)} -c lock_timeout={_ms(lock)}"
             f" -c idle_in_transaction_session_timeout={_ms(third)}"
         ),
     }
@@ -112,15 +114,19 @@ def read_url(url: str) -> dict[str, Any]:
         raise PostgresLedgerError(URL_UNREADABLE) from None
 
 
+COMMAND_LOCK_S = 1.0  # a command's longest lock wait: with its retries it still answers within 5 s
+
+
 def make_conninfo(url: str, lease_s: float, connect_timeout_s: int | None = None, *, readonly: bool = False) -> str:
     """Return the URL with the lease-bound options added (options already in the URL are kept first).
 
     ``connect_timeout_s`` (a command that must answer soon) replaces the lease-bound
-    connect timeout, also one given in the URL; ``readonly`` makes every transaction
-    read-only on the server.
+    connect timeout, also one given in the URL, and bounds a lock wait by ``COMMAND_LOCK_S``
+    (a table another session holds locked is met as a ledger that does not answer);
+    ``readonly`` makes every transaction read-only on the server.
     """
     given = read_url(url)
-    opts = connection_options(lease_s)
+    opts = connection_options(lease_s, None if connect_timeout_s is None else COMMAND_LOCK_S)
     for key in ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"):
         if given.get(key) is not None:
             opts.pop(key)

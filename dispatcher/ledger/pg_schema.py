@@ -130,10 +130,16 @@ def check(cur: Cur, where: str) -> int:
     return version
 
 
-def ensure(cur: Cur, where: str) -> int:
-    """Create the schema if the database has none; refuse a newer one; return the version found."""
-    cur.execute("SET LOCAL lock_timeout = 0")  # several daemons starting at once wait for the first
-    cur.execute("SET LOCAL statement_timeout = '5min'")
+def ensure(cur: Cur, where: str, *, patient: bool = True) -> int:
+    """Create the schema if the database has none; refuse a newer one; return the version found.
+
+    ``patient`` (a daemon): wait as long as it takes for another daemon setting the schema
+    up. A command is not patient: its session's lock and statement timeouts stay, so that
+    a table another session holds locked makes it answer within its time, not wait.
+    """
+    if patient:
+        cur.execute("SET LOCAL lock_timeout = 0")  # several daemons starting at once wait for the first
+        cur.execute("SET LOCAL statement_timeout = '5min'")
     cur.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
     exists = cur.execute("SELECT to_regclass('schema_version') IS NOT NULL").fetchone()
     if exists and exists[0]:
@@ -176,8 +182,11 @@ def ensure(cur: Cur, where: str) -> int:
 
 def _add_columns(cur: Cur) -> None:
     """Add the columns and indexes added since version 1 without a new version: older daemons never name them."""
-    # the spend of the last 24 hours (daily caps, `status`, the web view) without a full scan
-    cur.execute("CREATE INDEX IF NOT EXISTS jobs_spent ON jobs (updated) WHERE cost_usd IS NOT NULL")
+    # the spend of the last 24 hours (daily caps, `status`, the web view) without a full scan; looked up
+    # first: CREATE INDEX takes a lock on jobs even when the index is there, and waits behind its writers
+    index = cur.execute("SELECT to_regclass('jobs_spent') IS NOT NULL").fetchone()
+    if not (index and index[0]):
+        cur.execute("CREATE INDEX IF NOT EXISTS jobs_spent ON jobs (updated) WHERE cost_usd IS NOT NULL")
     found = cur.execute(
         "SELECT 1 FROM information_schema.columns WHERE table_name = 'daemons' AND column_name = 'config_digest'"
         " AND table_schema = current_schema()"

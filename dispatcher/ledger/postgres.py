@@ -117,7 +117,8 @@ class PostgresLedger(Ledger, LeasesInterface):
         self._gates = Gates(self._runner)
         self._requests = Requests(self._runner)
         try:
-            step = pg_schema.check if readonly else pg_schema.ensure
+            patient = patience_s is None  # a daemon; a command answers in its time (section 12)
+            step = pg_schema.check if readonly else functools.partial(pg_schema.ensure, patient=patient)
             self._runner.run("schema", lambda cur: step(cur, self.where), fatal=permanent)
             if not readonly:
                 self._runner.choose_crash_marker()
