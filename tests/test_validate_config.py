@@ -199,6 +199,33 @@ def test_pass_env_rejects_what_is_not_a_variable_name_it_may_pass(value: Any, wo
     assert words in info.value.message
 
 
+@pytest.mark.parametrize(
+    ("env", "field", "words"),
+    [
+        ({"A=B": "y"}, "agents.w.env.A=B", "environment variable name"),
+        ({"": "y"}, "agents.w.env.", "environment variable name"),
+        ({"1A": "y"}, "agents.w.env.1A", "environment variable name"),
+        ({"A": "x\0y"}, "agents.w.env.A", "NUL"),
+    ],
+)
+def test_env_that_no_process_could_get_is_a_config_error(
+    tmp_path: Path, env: dict[str, str], field: str, words: str
+) -> None:
+    """An `env:` name or value an agent could never be started with fails `validate` (exit 2, the field named),
+    not every job of the agent later."""
+    path = tmp_path / "dispatcher.yaml"
+    path.write_text(json.dumps({"root": "dispatch", "agents": {"w": {"command": ["/bin/true"], "env": env}}}))
+    proc = validate(path)
+    assert proc.returncode == 2
+    (line,) = stderr_lines(proc)
+    assert line.startswith(f"dispatcher.yaml: {field}: ") and words in line
+
+
+def test_env_with_usual_names_and_values_loads(tmp_path: Path) -> None:
+    path = config(tmp_path, {"w": {"command": ["/bin/true"], "env": {"HOME": "/h", "_X1": "a=b c", "lower": ""}}})
+    assert load_config(path).agents["w"].env == {"HOME": "/h", "_X1": "a=b c", "lower": ""}
+
+
 def test_schema_file_declares_pass_env() -> None:
     """The published config schema (for editors) has pass_env as a list of variable-name strings."""
     spec = schema.load("config")["$defs"]["agent"]["properties"]["pass_env"]
