@@ -11,7 +11,7 @@ import asyncio
 import ctypes
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 _GROUP_POLL_S = 0.02  # how often a group being ended is looked at
 _KILL_WAIT_S = 5.0  # how long the SIGKILL of a group is waited for
@@ -210,23 +210,26 @@ def group_gone(pgid: int) -> bool:
     return False
 
 
-async def end_group(pgid: int, grace_s: float, *, already_termed: bool = False) -> None:
+async def end_group(
+    pgid: int, grace_s: float, *, already_termed: bool = False, hurry: Callable[[], bool] | None = None
+) -> None:
     """End a process group without blocking the loop: SIGTERM, wait up to grace_s, SIGKILL.
 
     Group members that are our own zombies are reaped on the way; members that are
-    someone else's zombies count as gone after the SIGKILL wait.
+    someone else's zombies count as gone after the SIGKILL wait. ``hurry`` (a stop came)
+    cuts the grace short: SIGKILL then, not at its end.
     """
     if not already_termed and not signal_group(pgid, signal.SIGTERM):
         return
     loop = asyncio.get_running_loop()
-    if await _emptied(pgid, loop.time() + grace_s):
+    if await _emptied(pgid, loop.time() + grace_s, hurry):
         return
     signal_group(pgid, signal.SIGKILL)
     await _emptied(pgid, loop.time() + _KILL_WAIT_S)
 
 
-async def _emptied(pgid: int, deadline: float) -> bool:
-    """Wait until no live process is left in the group (True) or the deadline passes (False)."""
+async def _emptied(pgid: int, deadline: float, hurry: Callable[[], bool] | None = None) -> bool:
+    """Wait until no live process is left in the group (True), or the deadline passes or ``hurry()`` (False)."""
     loop = asyncio.get_running_loop()
     polls = 0
     while True:
@@ -235,6 +238,6 @@ async def _emptied(pgid: int, deadline: float) -> bool:
         polls += 1
         if polls % 5 == 0 and not any(state not in ("Z", "X") for _pid, state, _ppid in group_members(pgid)):
             return True  # only zombies left, waiting for their parent (or init) to reap them
-        if loop.time() >= deadline:
+        if loop.time() >= deadline or (hurry is not None and hurry()):
             return False
         await asyncio.sleep(_GROUP_POLL_S)

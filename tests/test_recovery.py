@@ -287,6 +287,30 @@ def test_kill9_orphan_without_receipt_is_ended_before_the_retry(env: Env) -> Non
     assert d2.stop() == 0
 
 
+def test_a_stop_while_start_up_ends_an_orphan_is_answered_within_stop_timeout(env: Env) -> None:
+    """kill_grace above stop_timeout, an orphan that ignores SIGTERM: a stop during the start's recovery
+    does not wait out kill_grace (the orphan is killed at once), says STOPPING, and never says ready."""
+    env.configure(agents={"worker": env.agent("--ignore-term", "--sleep", "60")}, kill_grace=15, stop_timeout=2)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("ORPH-S"))
+    pid = wait_start(env, "ORPH-S")
+    d.kill()
+    assert alive(pid)
+
+    d2 = env.daemon()
+    d2.wait_event("agent.orphan_ended", job_id="ORPH-S", timeout=30)
+    began = time.monotonic()
+    d2.signal(signal.SIGTERM)
+    assert d2.wait(timeout=30) == 0
+    took = time.monotonic() - began
+    assert took < 8, f"the stop took {took:.1f} s (stop_timeout 2, kill_grace 15)"
+    assert not alive(pid) and group_members(pid) == []
+    events = [e["event"] for e in d2.events()]
+    assert "daemon.stopping" in events and "daemon.ready" not in events
+    assert (env.root / "active" / "ORPH-S").is_dir()  # recovered by the next start, as any stopped job
+
+
 def test_kill9_orphan_of_not_retry_safe_job_fails_without_rerun(env: Env) -> None:
     """An interrupted job of a not-retry-safe agent (attempts left) fails, says it was not retried."""
     wrapper = write_script(env.tmp, "talk_first.py", TALK_FIRST)

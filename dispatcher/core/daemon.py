@@ -181,6 +181,7 @@ class Daemon(Reloading, Fencing):
             wake=self.wakeup,
             shared=self.lease is not None,
             joins=joins,
+            stop_asked=self._stop_asked,
         )
         log.info(
             "daemon.started", root=str(self.layout.root), pid=os.getpid(), owner=self.owner,
@@ -202,8 +203,9 @@ class Daemon(Reloading, Fencing):
         self.tick()
         await self._recovery_decided()
         self._ready = True
-        if not self.stopping:  # a stop during start-up said STOPPING=1 already: never READY=1 after it
-            self.notifier.ready()
+        if self.stopping:  # a stop during start-up said STOPPING=1 already: never READY=1 (or its line) after it
+            return
+        self.notifier.ready()
         log.info("daemon.ready", active=len(self.sched.running), inbox=len(self.inbox))
 
     async def _recovery_decided(self) -> None:

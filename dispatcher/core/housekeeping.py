@@ -81,8 +81,10 @@ class Housekeeping:
         wake: Callable[[], None],
         shared: bool = False,
         joins: Joins | None = None,
+        stop_asked: Callable[[], bool] = lambda: False,
     ) -> None:
         self.ctx = ctx
+        self.stop_asked = stop_asked  # a stop came, handled or not yet (start-up handles signals after READY)
         self.joins = joins  # waiting jobs: recovered and swept at every recovery pass
         self.sched = sched
         self.inbox = inbox
@@ -147,7 +149,7 @@ class Housekeeping:
         agents = {job_id: agent or None for job_id, _, agent in adopted}
         for job_id, pgid in await self.ctx.lanes.scan(_leftovers, self.ctx.layout, adopted):
             log.warning("agent.orphan_ended", job_id=job_id, agent=agents.get(job_id), pid=pgid)
-            ends.append(end_group(pgid, self.ctx.config().kill_grace_s))
+            ends.append(end_group(pgid, self.ctx.config().kill_grace_s, hurry=self.stop_asked))  # a stop: SIGKILL
         await asyncio.gather(*ends)  # before any of these jobs is queued: none runs beside its orphan
         if startup:
             self.ctx.unrecovered.update(job_id for job_id, _, _ in adopted)  # READY=1 waits for their decisions
