@@ -284,6 +284,24 @@ def test_run_once_leaves_the_orders_of_an_agent_paused_by_hand(env: Env) -> None
     assert (env.root / "inbox" / "PAUSED-2.json").exists() and env.starts() == [("FREE-1", 1)]
 
 
+@pytest.mark.parametrize("how", ["retry", "revise"])
+def test_run_once_leaves_a_retried_job_of_an_agent_paused_by_hand(env: Env, how: str) -> None:
+    """A `retry` (or `revise`) of a job whose agent is paused: `run --once` claims it, sets it aside in active/
+    and exits instead of waiting for a `resume` no one will give; after the resume it runs."""
+    env.configure(agents={"worker": env.agent("--exit", "3")})
+    env.drop(order("AGAIN-1"))
+    assert env.cli("run", "--once", timeout=60).returncode == 1  # it failed
+    env.cli("pause", "worker", check=True)
+    env.cli(how, "AGAIN-1", *(("--note", "once more") if how == "revise" else ()), check=True)
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    assert (env.root / "active" / "AGAIN-1").is_dir() and env.starts() == [("AGAIN-1", 1)]
+    env.cli("resume", "worker", check=True)
+    assert env.cli("run", "--once", timeout=60).returncode == 1  # it ran, and failed again
+    assert env.starts() == [("AGAIN-1", 1), ("AGAIN-1", 2)]
+    assert [a["n"] for a in env.result("AGAIN-1", "failed")["attempts"]] == [1, 2]
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()

@@ -248,9 +248,15 @@ class Daemon(Reloading, Fencing):
         if self.stopping:
             return not (self.sched.running or self.sched.inflight)
         if self.once:
-            # `run --once` leaves them, as orders due later
-            left = self.inbox.aside_for(self._held_for_long()) if self.inbox.any_aside() else 0
-            return not (self.sched.busy() or len(self.inbox) - left or self.house.busy)
+            # `run --once` leaves them, as orders due later: unread orders, and claimed jobs (a retry, a
+            # revision, a recovered job) set aside in active/ for a pause or a gate beyond max_limit_wait
+            aside = self.sched.aside
+            if not (self.inbox.any_aside() or aside):
+                return not (self.sched.busy() or len(self.inbox) or self.house.busy)
+            held = self._held_for_long()
+            left = self.inbox.aside_for(held) if self.inbox.any_aside() else 0
+            busy = self.sched.busy(aside=False) or len(aside) > aside.held_for(held)
+            return not (busy or len(self.inbox) - left or self.house.busy)
         return False
 
     def _held_for_long(self) -> set[str]:

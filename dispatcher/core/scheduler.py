@@ -106,9 +106,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             and not SHORT.claims_wait_s()
         )
 
-    def busy(self) -> bool:
-        """Return True while anything runs, waits for a slot or a gate, or is being claimed."""
-        return bool(self.running or self.parked or self.inflight or self.aside or self.ahead.claiming.total())
+    def busy(self, *, aside: bool = True) -> bool:
+        """Return True while anything runs, waits for a slot or a gate (``aside`` False: not a gate), or is claimed."""
+        held = aside and bool(self.aside)
+        return bool(self.running or self.parked or self.inflight or held or self.ahead.claiming.total())
 
     # -- starting ---------------------------------------------------------------------------
     def start_work(self) -> None:

@@ -58,6 +58,10 @@ class SetAside(Generic[Job]):
         """Return True if ``take_back`` would give a job back now (its gate lifted, or its expires came)."""
         return any((h[1] not in gated and h[3] <= now) or h[4] <= wall for h in self.held.values())
 
+    def held_for(self, agents: Container[str]) -> int:
+        """Return how many held jobs a gate of one of these agents holds."""
+        return sum(h[1] in agents for h in self.held.values())
+
     def take(self, job_id: str) -> Job | None:
         """Take one held job back at once (a cancel); None if it is not held."""
         held = self.held.pop(job_id, None)
