@@ -218,6 +218,17 @@ def test_show_of_a_refused_files_folder_name_shows_the_refusal_not_a_failed_job(
     assert data["state"] == "refused" and data["path"] == str(root.root / "failed" / name), data
 
 
+@pytest.mark.parametrize("name", ["notes.txt", "notes"])
+def test_show_finds_a_refused_file_by_its_file_name_and_its_stem(root: Env, name: str) -> None:
+    """`show notes.txt` (the name it was dropped as) and `show notes` both show the refusal of notes.txt."""
+    (folder,) = [p for p in (root.root / "failed").iterdir() if "@" in p.name]
+    data = show_json(root, name)
+    assert data["state"] == "refused" and data["path"] == str(folder), data
+    assert root.cli("show", name, check=True).stdout.startswith(f"{name}  refused  agent -  ")
+    other = root.cli("show", "notes.json")  # another file of the same stem was never refused
+    assert other.returncode == 1 and other.stderr == "notes.json: no such job or refused file\n"
+
+
 @pytest.mark.parametrize("job_id", ["OK-1", "BAD-1", "CHAIN-A", "CHAIN-B", "QUEUED-1", "HELD-1"])
 def test_show_text_has_no_python_notation(root: Env, job_id: str) -> None:
     """`show` and `show --tree` text never shows None, True/False, a Python list or a needless `.0`."""

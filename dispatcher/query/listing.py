@@ -203,9 +203,21 @@ def list_jobs(
 
 
 def refusals_of(cfg: Config, layout: Layout, name: str) -> list[dict[str, Any]]:
-    """Return the refused files (newest first, as `list --json` rows) a job id, a file stem or a folder name names."""
-    return [
-        r
-        for r in list_jobs(cfg, layout, None, state="refused")
-        if r["job_id"] == name or name in (Path(r["path"]).name.rpartition("@")[0], Path(r["path"]).name)
-    ]
+    """Return the refused files (newest first, as `list --json` rows) a job id, a file's name or stem or a folder's
+    name names."""
+    stem = Path(name).stem  # a file's name: its folder is <stem>@<time>, and its result.json names the file
+
+    def names(r: dict[str, Any]) -> bool:
+        folder = Path(r["path"]).name
+        if r["job_id"] == name or name in (folder.rpartition("@")[0], folder):
+            return True
+        return stem != name and folder.rpartition("@")[0] == stem and _refused_file(Path(r["path"])) == name
+
+    return [r for r in list_jobs(cfg, layout, None, state="refused") if names(r)]
+
+
+def _refused_file(folder: Path) -> str | None:
+    """Return the name of the file a refusal folder holds, as its result.json says (None if unreadable)."""
+    result = JobFolder(folder).result()
+    file = result.extra.get("file") if result is not None else None
+    return file if isinstance(file, str) else None
