@@ -209,7 +209,7 @@ STARTER_CONFIG = """\
 # Relative paths resolve against the folder that holds this file.
 root: {root}
 max_jobs: 2                # agents running at once in this daemon process
-max_timeout: 3600          # ceiling for any timeout, in seconds
+max_timeout: 3600          # ceiling for an agent's timeout and an order's, in seconds
 max_hops: 5                # longest chain of follow-ups
 max_followups: 100         # most follow-ups one job may hand off (more fails followups_valid)
 max_order_bytes: 1048576   # larger orders are refused
