@@ -315,7 +315,7 @@ def test_a_chunked_body_is_read_and_an_ipv6_loopback_host_is_answered(sqlite_sit
     reply.read()
     result = json.loads((env.root / "failed" / "REV-B" / "result.json").read_text())
     assert result["reason"] == "rejected: chunky"
-    for name in ("[::1]", f"[::1]:{port}", "localhost", f"127.0.0.1:{port}"):
+    for name in ("[::1]", f"[::1]:{port}", "localhost", "LOCALHOST", f"LocalHost.:{port}", f"127.0.0.1:{port}"):
         conn.request("GET", "/api/status", headers={"Host": name})
         reply = conn.getresponse()
         assert reply.status == 200, (name, reply.read())

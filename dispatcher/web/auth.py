@@ -65,8 +65,8 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    """Return True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
+    """Return True for an address only this machine can reach (127.0.0.0/8, ::1, localhost in any case)."""
+    if host.lower().removesuffix(".") == "localhost":  # DNS names know no case; `localhost.` is the same name
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
