@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 # user:password@ in a URL (postgresql://u:secret@host/db), and password=... in a libpq keyword string
@@ -26,7 +27,8 @@ def number(value: float) -> str:
         return str(value)
     if value.is_integer() and abs(value) < 1e16:
         return str(int(value))
-    return f"{value:.15g}"
+    text = f"{value:.15g}"
+    return f"{Decimal(text):f}" if "e" in text else text  # 1.234e-05 is 0.00001234 for a person
 
 
 def plain(value: Any) -> str:
@@ -83,8 +85,10 @@ def ago(seconds: float | None) -> str:
 
 
 def usd(value: float | None) -> str:
-    """Return a cost such as `0.1235 USD` (4 decimals); `-` when none was reported."""
-    return "-" if value is None else f"{number(round(value, 4))} USD"
+    """Return a cost such as `0.1235 USD` (4 decimals, or all a cost below that has); `-` when none was reported."""
+    if value is None:
+        return "-"
+    return f"{number(value if 0 < abs(value) < 0.00005 else round(value, 4))} USD"  # never 0 USD for a cost
 
 
 def redact(text: str) -> str:
