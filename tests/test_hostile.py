@@ -610,3 +610,52 @@ def test_a_valid_order_whose_file_name_is_not_utf8_is_refused_with_its_bytes(env
         result = json.loads(fh.read())
     assert result["reason"].startswith("the file name is not valid UTF-8")
     assert starts(env, "NAME-1") == 0
+
+
+# -- one file that cannot be taken -------------------------------------------------------------
+
+
+def test_a_name_whose_extension_fills_the_name_limit_is_refused_and_holds_up_nothing(env: Env) -> None:
+    """`x.yyy...` (a 251-byte extension): refused as not a work order, its bytes kept under a cut `order.yyy...`
+    name; an older valid order runs, `run --once` ends (exit 1), and no staging folder is left."""
+    ok = env.drop(plain("OLDER-1"))
+    os.utime(ok, (1_600_000_000, 1_600_000_000))  # the oldest: claimed first
+    name = "x." + "y" * 250
+    (env.root / "inbox" / name).write_bytes(b"hi\n")  # no daemon runs yet (a hidden temp name would be too long)
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr
+    assert env.result("OLDER-1", "done")["state"] == "done"
+    (folder,) = env.refusals()
+    assert folder.name.startswith("x@")
+    kept = folder / ("order." + "y" * 199)
+    assert kept.read_bytes() == b"hi\n" and sorted(p.name for p in folder.iterdir()) == sorted(
+        [kept.name, "result.json"]
+    )
+    result = json.loads((folder / "result.json").read_text())
+    assert result["file"] == name and "not a work order" in result["reason"]
+    assert list((env.root / ".state" / "staging").iterdir()) == []
+    assert "daemon.error" not in proc.stdout
+
+
+def test_one_file_the_daemon_cannot_move_does_not_hold_up_the_others(env: Env) -> None:
+    """An order made immutable (`chattr +i`: it can be neither linked nor moved) stays in inbox/ and its error is
+    logged, without a line every second; every other order runs. Once it can be moved, it is claimed."""
+    stuck = env.drop(plain("STUCK-1"))
+    os.utime(stuck, (1_600_000_000, 1_600_000_000))  # the oldest, first in every batch
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    try:
+        d = env.daemon()
+        d.wait_ready()
+        for i in range(3):
+            env.drop(plain(f"FREE-{i}"))
+        for i in range(3):
+            env.wait_job(f"FREE-{i}", "done", timeout=60)
+        time.sleep(3.5)  # three retries or so of the stuck file
+        errors = [e for e in d.events() if e["event"] == "daemon.error"]
+        assert errors and all(e["file"] == "STUCK-1.json" and e["step"] == "claim" for e in errors), errors
+        assert [e["tries"] for e in errors] in ([1, 2], [1, 2, 4]), errors  # not one a second
+        assert stuck.exists() and not (env.root / "active" / "STUCK-1").exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    env.wait_job("STUCK-1", "done", timeout=60)
+    assert d.stop() == 0

@@ -244,7 +244,7 @@ class Claims:
                 return Gone(name, refused=folder is not None)
         except OSError as exc:
             if not SHORT.note(exc, "read"):
-                raise
+                intake.cannot_take(name, "read", exc)  # this one file: the others of the trip go on
             return Gone(name, later=True)  # the file stays in inbox/: read again after the pause
         if found is None:
             return Gone(name)

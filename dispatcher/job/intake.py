@@ -208,8 +208,9 @@ def claim(
             if SHORT.note(exc, "claim"):
                 out[i] = Skipped(item.name, retry_later=True)
                 continue
-            if not is_disk_full(exc):
-                raise
+            if not is_disk_full(exc):  # this one file (made immutable, say): the others of the batch go on
+                out[i] = cannot_take(item.name, "claim", exc)
+                continue
             log.warning(
                 "order.waiting", file=item.name, job_id=item.order.job_id, agent=item.order.to, reason=exc.strerror
             )
@@ -330,9 +331,28 @@ def _refuse(
         refuse(layout, refusal, owner, on_refused)
     except OSError as exc:
         if not SHORT.note(exc, "refuse"):
-            raise
+            return cannot_take(item.name, "refuse", exc)
         return Skipped(item.name, retry_later=True)  # refused once the shortage is over
     return Refused(item.name, item.order.job_id)
+
+
+_FAILED: dict[str, int] = {}  # inbox name -> tries in a row that met an error (logged at 1, 2, 4, 8 ...)
+_FAILED_MAX = 1000
+
+
+def cannot_take(name: str, step: str, exc: OSError) -> Skipped:
+    """Answer an inbox file that met an error of its own (not a shortage): tried again later, alone.
+
+    One file the daemon cannot link, move or read (made immutable, a name too long for a
+    refusal's folder) never stops the other orders of its batch. Its error is logged at
+    the 1st, 2nd, 4th, 8th ... try in a row, with the count, not once a second.
+    """
+    if len(_FAILED) >= _FAILED_MAX and name not in _FAILED:
+        _FAILED.clear()
+    n = _FAILED[name] = _FAILED.get(name, 0) + 1
+    if n & (n - 1) == 0:
+        log.error("daemon.error", step=step, file=name, error=oneline(str(exc)), tries=n)
+    return Skipped(name, retry_later=True)
 
 
 def _give_back_orphan(layout: Layout, ledger: Ledger, item: Inspected, entry: Entry) -> bool:

@@ -48,7 +48,8 @@ def refuse(
     base = f"{_cut(stem, 180)}@{utc_stamp()}"
     (stage / ".target").write_bytes(os.fsencode(base))
     (stage / ".source").write_bytes(os.fsencode(refusal.name))
-    inner = "entry" if refusal.entry_kind is not None else f"order{Path(refusal.name).suffix}"
+    # a file name may be 255 bytes: its extension alone may not fit beside `order` (cut, as the stem is)
+    inner = "entry" if refusal.entry_kind is not None else f"order{_cut(Path(refusal.name).suffix, 200)}"
     result = build_result(
         job_id=refusal.job_id,
         state="failed",
@@ -63,6 +64,9 @@ def refuse(
     except FileNotFoundError:
         remove_stage(stage)
         return None
+    except OSError:
+        remove_stage(stage)  # the file stays in inbox/ as it was, and no staging folder is left behind
+        raise
     return place(layout, stage, base, lambda folder: on_placed(folder, refusal) if on_placed else None)
 
 
