@@ -404,6 +404,17 @@ def test_a_printable_detail_beyond_ascii_is_kept_as_written() -> None:
     assert (result.ok, result.detail) == (False, f"the agent reported failure: {reason}")
 
 
+@pytest.mark.parametrize(
+    ("reason", "shown_as"),
+    [(3600.0, "3600"), (True, "true"), (["a", "b"], "a, b"), ({"why": None, "l": ["a"]}, '{"why": null, "l": ["a"]}')],
+)
+def test_a_reason_that_is_not_text_is_shown_without_python_notation(reason: Any, shown_as: str) -> None:
+    """A receipt's `reason` of another JSON type reads as a person would write it (contract 7), never `3600.0`,
+    `True`, `['a']` or `None`."""
+    result = checks.receipt_status(evidence(receipt=receipt(status="failed", reason=reason)))
+    assert (result.ok, result.detail) == (False, f"the agent reported failure: {shown_as}")
+
+
 def test_lone_surrogate_in_an_output_id_is_shown_escaped() -> None:
     """An output id holding a lone surrogate (valid JSON, not UTF-8) is shown as an escape, not a crashed check."""
     result = checks.allowed_values(evidence(output=[{"id": "\ud800", "team": "bakery"}]))

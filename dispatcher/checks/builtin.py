@@ -20,7 +20,7 @@ from dispatcher.checks.facts import Evidence
 from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, id_shown, listed, shown, stored_key
 from dispatcher.errors import cut, printable
 from dispatcher.spec.result import CheckResult
-from dispatcher.text import exit_text
+from dispatcher.text import exit_text, plain
 
 DETAIL_MAX = 1000
 
@@ -92,7 +92,9 @@ def receipt_status(ev: Evidence) -> CheckResult:
         return r(True, "status is done")
     if status == "failed":
         why = rec.get("reason")
-        return r(False, f"the agent reported failure: {why}" if why else "status is failed")
+        # a reason that is not text is shown as a person reads it, never in Python notation: 3600, true, a, b, {...}
+        text = why if isinstance(why, str) else shown(why) if isinstance(why, dict) else plain(why)
+        return r(False, f"the agent reported failure: {text}" if why else "status is failed")
     return r(False, f'status is {_got(status)}, expected "done" or "failed"')
 
 
