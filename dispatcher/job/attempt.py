@@ -81,11 +81,15 @@ def command_for(agent: Agent, earlier: Sequence[Attempt]) -> tuple[tuple[str, ..
 
 
 def session_before(session_id: str | None, earlier: Sequence[Attempt]) -> float | None:
-    """Return the latest running total an earlier attempt reported for this session (``total_cost_usd``)."""
+    """Return the latest running total an earlier attempt reported for this session (``total_cost_usd``).
+
+    An attempt that resumed the session and named none in its final JSON counts as that session's.
+    """
     if session_id is None:
         return None
     for a in reversed(earlier):
-        if session_of(a) == session_id and a.agent_result is not None:
+        of = session_of(a) or a.extra.get("resumed_session")
+        if of == session_id and a.agent_result is not None:
             total = a.agent_result.get("total_cost_usd")
             if is_cost(total):
                 return float(total)
@@ -155,9 +159,9 @@ def record(
     """Return the record of an attempt that ran.
 
     An attempt that resumed a session (``resumed``: the session_id its ``resume`` argv was
-    given, and the one it reported) records that session's earlier total, so that its cost
-    is the difference: a resumed CLI reports the whole session's running cost. An attempt
-    that did not resume one costs what it reported, whatever session_id it names.
+    given; it reported that one, or none) records that session's earlier total, so that its
+    cost is the difference: a resumed CLI reports the whole session's running cost. An attempt
+    that did not resume one, or reported another session, costs what it reported.
     """
     extra = _session_extra(result, earlier, resumed)
     if out.idle_s is not None:
@@ -177,12 +181,19 @@ def record(
 
 
 def _session_extra(result: Mapping[str, Any] | None, earlier: Sequence[Attempt], resumed: str | None) -> dict[str, Any]:
-    """Return the record's note of a resumed session's earlier total (its cost is the difference)."""
+    """Return the record's note of a resumed session's earlier total (its cost is the difference).
+
+    An attempt started with ``resume`` resumed that session: its total is the session's running
+    total unless it names another session (the CLI started a new one), also when it names none.
+    """
     session = session_of_result(result)
-    if resumed is None or session != resumed:
+    if resumed is None or session not in (None, resumed):
         return {}
-    before = session_before(session, earlier)
-    return {} if before is None else {"session_cost_before_usd": before}
+    extra: dict[str, Any] = {} if session is not None else {"resumed_session": resumed}
+    before = session_before(resumed, earlier)
+    if before is not None:
+        extra["session_cost_before_usd"] = before
+    return extra
 
 
 def session_of_result(result: Mapping[str, Any] | None) -> str | None:
