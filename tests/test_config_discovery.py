@@ -197,6 +197,15 @@ def test_a_second_init_changes_nothing_and_exits_0(tmp_path: Path) -> None:
     assert "wrote" not in again.stdout and "created" not in again.stdout
 
 
+def test_init_of_a_root_that_is_a_file_is_bad_input(tmp_path: Path) -> None:
+    """`init DIR` where DIR is a file: exit 2 with one line naming it; the file and the folder stay as they were."""
+    (tmp_path / "spool").write_text("a file\n")
+    proc = dispatcher(tmp_path, "init", "spool")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"{tmp_path / 'spool'}: is not a folder; init makes the dispatch root there\n"
+    assert (tmp_path / "spool").read_text() == "a file\n" and sorted(p.name for p in tmp_path.iterdir()) == ["spool"]
+
+
 def test_init_never_overwrites_a_config_and_says_when_its_root_differs(tmp_path: Path) -> None:
     """`init OTHER` with an existing config makes OTHER, leaves the config byte for byte, and says its root differs."""
     cfg = write_config(tmp_path / "etc" / "dispatcher.yaml", "../spool")

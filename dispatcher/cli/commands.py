@@ -53,6 +53,8 @@ def cmd_init(args: argparse.Namespace) -> int:
     given = args.dir or args.root
     root = Path(given) if given else None
     cfg = load_config(path, root=root) if path.exists() else default_config(root)
+    if cfg.root.exists() and not cfg.root.is_dir():  # bad input, not a failed operation: exit 2
+        raise UsageError(f"{cfg.root}: is not a folder; init makes the dispatch root there")
     layout = Layout(cfg.root)
     # the daemon's own .state/ folders are made too, but are no news to the user
     created = [d for d in layout.all_dirs() if not d.exists() and d.parent == cfg.root and not d.name.startswith(".")]
@@ -66,7 +68,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(f"config {path.resolve()} exists: left as it is")
         configured = load_config(path).root
         if root is not None and configured != cfg.root:
-            print(f"note: its root: is {configured}; pass --root {cfg.root} or edit root: to use this one")
+            print(f"note: its root: is {configured}; pass --root {cfg.root} to every command, or edit root:")
     else:
         print(f"wrote {path.resolve()}")
         print(f"  root: {wrote}   (relative to {folder}, the config's folder: {cfg.root})")
