@@ -336,7 +336,7 @@ def _refuse(
     return Refused(item.name, item.order.job_id)
 
 
-_FAILED: dict[str, int] = {}  # inbox name -> tries in a row that met an error (logged at 1, 2, 4, 8 ...)
+_FAILED: dict[str, int] = {}  # inbox name -> tries that met an error (logged at 1, 2, 4, 8 ...)
 _FAILED_MAX = 1000
 
 
@@ -345,7 +345,7 @@ def cannot_take(name: str, step: str, exc: OSError) -> Skipped:
 
     One file the daemon cannot link, move or read (made immutable, a name too long for a
     refusal's folder) never stops the other orders of its batch. Its error is logged at
-    the 1st, 2nd, 4th, 8th ... try in a row, with the count, not once a second.
+    the 1st, 2nd, 4th, 8th ... try of that name, with the count, not once a second.
     """
     if len(_FAILED) >= _FAILED_MAX and name not in _FAILED:
         _FAILED.clear()
