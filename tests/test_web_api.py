@@ -85,6 +85,8 @@ def test_api_list_takes_the_filters_of_list(site: tuple[Env, Web]) -> None:
     assert [r["job_id"] for r in web.json("/api/jobs?state=refused")] == [None]
     status, body, _ = web.get("/api/jobs?state=bogus")
     assert status == 400 and "bogus" in json.loads(body)["error"]
+    assert without_ages(web.json("/api/jobs/?state=review")) == without_ages(review)  # a trailing slash: the same
+    assert without_ages(web.json("/api/jobs/REV-A/")) == without_ages(web.json("/api/jobs/REV-A"))
 
 
 ODD_IDS = [

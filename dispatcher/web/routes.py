@@ -70,6 +70,8 @@ class App:
         """Answer one request; a ledger that cannot be read is a 503 with its one-line reason."""
         split = urlsplit(req.target)
         parts = [unquote(p, errors="replace") for p in split.path.split("/")[1:]]
+        if len(parts) > 1 and parts[-1] == "":  # /api/jobs/ is /api/jobs, /jobs/ID/ is /jobs/ID (not / itself)
+            parts.pop()
         query = {k: v[0] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
         api = parts[:1] == ["api"]
         allowed = _allowed(parts)
