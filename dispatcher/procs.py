@@ -78,10 +78,19 @@ def held_for_writing(paths: set[str]) -> set[str]:
 
     One walk of /proc/*/fd (and the open flags in /proc/*/fdinfo) answers for
     every path at once. It is slow with many processes, so the daemon asks it
-    from its io pool, only about files that have already stopped changing.
+    from its io pool, only about files that have already stopped changing. A file
+    is known by its inode, not its name: a writer that opened it through a symlinked
+    folder or under another hard-link name holds it all the same.
     """
     found: set[str] = set()
-    if not paths:
+    by_inode: dict[tuple[int, int], list[str]] = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        by_inode.setdefault((st.st_dev, st.st_ino), []).append(path)
+    if not by_inode:
         return found
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -93,15 +102,16 @@ def held_for_writing(paths: set[str]) -> set[str]:
             continue
         for fd in fds:
             try:
-                target = os.readlink(f"{fd_dir}/{fd}")
-                if target not in paths or target in found:
+                st = os.stat(f"{fd_dir}/{fd}")  # the open file itself, whatever name it was opened by
+                names = by_inode.get((st.st_dev, st.st_ino))
+                if names is None or names[0] in found:
                     continue
                 with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                     flags = next((int(line.split()[1], 8) for line in f if line.startswith("flags:")), 0)
             except (OSError, ValueError):
                 continue
             if flags & (os.O_WRONLY | os.O_RDWR):
-                found.add(target)
+                found.update(names)
     return found
 
 

@@ -813,6 +813,33 @@ def test_file_written_slowly_in_place_is_taken_once_whole(env: Env) -> None:
     assert daemon.stop() == 0
 
 
+def test_a_writer_holding_the_file_open_is_seen_through_a_symlinked_root(env: Env) -> None:
+    """The root named through a symlink: a writer that keeps an order open (written in place) still holds it back
+    past settle, and the job takes the whole file once it is closed."""
+    real, via = env.tmp / "real", env.tmp / "via"
+    (real / "dispatch").mkdir(parents=True)
+    via.symlink_to(real)
+    env.configure(root=str(via / "dispatch"), settle=0.5, rescan_interval=1)
+    daemon = env.daemon()
+    daemon.wait_ready()
+    first = b'job_id: "HELD-1"\nfrom: tester\nto: worker\ntask: Held open.\n'
+    first += b"accept:\n  output: out.csv\nitems:\n  - id: R1\n"
+    rest = b"  - id: R2\n  - id: R3\n"
+    fd = os.open(via / "dispatch" / "inbox" / "held.yaml", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, first)  # a valid order already, with one item of three
+        time.sleep(3.0)  # six settle periods and three rescans with the writer holding it open
+        assert not any((real / "dispatch" / s / "HELD-1").exists() for s in ("active", "done", "failed"))
+        os.write(fd, rest)
+    finally:
+        os.close(fd)
+    done = real / "dispatch" / "done" / "HELD-1"
+    wait_until(lambda: (done / "result.json").exists(), 60, "HELD-1 done")
+    assert (done / "order.yaml").read_bytes() == first + rest
+    assert [i["id"] for i in json.loads((done / "work" / "order.json").read_text())["items"]] == ["R1", "R2", "R3"]
+    assert daemon.stop() == 0
+
+
 def test_files_left_while_down_are_taken_oldest_first(env: Env) -> None:
     """Files that arrived while no daemon ran are claimed at start by mtime, then name."""
     env.configure(max_jobs=1)
