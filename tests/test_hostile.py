@@ -659,3 +659,31 @@ def test_one_file_the_daemon_cannot_move_does_not_hold_up_the_others(env: Env) -
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
     env.wait_job("STUCK-1", "done", timeout=60)
     assert d.stop() == 0
+
+
+# -- orders that arrive by hard link ---------------------------------------------------------------
+
+
+def test_an_order_dropped_by_hard_link_keeps_its_own_bytes_and_a_relinked_record_is_refused(env: Env) -> None:
+    """`ln draft.json inbox/` : the job keeps the bytes it read, so editing the draft later changes nothing of it;
+    `ln done/ID/order.json inbox/again.json` is a known id dropped again: refused, the record untouched."""
+    d = env.daemon()
+    d.wait_ready()
+    draft = env.tmp / "draft.json"
+    data = json.dumps(plain("LINKED-1")).encode()
+    draft.write_bytes(data)
+    os.link(draft, env.root / "inbox" / "LINKED-1.json")
+    env.wait_job("LINKED-1", "done")
+    record = env.root / "done" / "LINKED-1" / "order.json"
+    assert record.read_bytes() == data and record.stat().st_ino != draft.stat().st_ino
+    with draft.open("ab") as fh:  # the user goes on editing the draft in place
+        fh.write(b"  ")
+    assert record.read_bytes() == data and draft.stat().st_nlink == 1
+
+    os.link(record, env.root / "inbox" / "again.json")
+    refusal = env.wait_refused("again")
+    assert "already known" in refusal["reason"] and refusal["file"] == "again.json"
+    (folder,) = [p for p in env.refusals() if p.name.startswith("again@")]
+    assert (folder / "order.json").read_bytes() == data and record.read_bytes() == data
+    assert not (env.root / "inbox" / "again.json").exists()
+    assert d.stop() == 0

@@ -44,6 +44,7 @@ from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart_text
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
 from dispatcher.store import placing
+from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.placing import AHEAD_TEXT_BYTES, Inspected, Pick, Skipped, Started, body_text
 from dispatcher.store.refusals import Refusal, refuse
 from dispatcher.store.results import build_result, is_disk_full
@@ -386,14 +387,27 @@ def _drop_twin(layout: Layout, item: Inspected, folder: Path | None = None) -> b
 
     A daemon that died after putting a claimed job in place, before unlinking the
     inbox name, leaves that name behind: it is the job's own file, not a duplicate.
-    ``folder``: the job's folder when the caller just found it.
+    Only under the name the job was claimed from: the job's order linked into inbox/
+    under another name (`ln done/J/order.json inbox/again.json`) is a new drop of a
+    known id, refused as any other. ``folder``: the job's folder when the caller just found it.
     """
     if folder is None:
         found = layout.find(item.order.job_id)
         if found is None:
             return False
         folder = found[1]
-    if not drop_inbox_twin(layout, item.name, folder / f"order{Path(item.name).suffix}"):
+    kept = folder / f"order{Path(item.name).suffix}"
+    try:
+        st = os.lstat(kept)
+    except OSError:
+        return False
+    if (st.st_dev, st.st_ino) != item.inode:
+        return False
+    try:
+        source: str | None = JobFolder(folder).spec().source
+    except (OSError, ValueError):  # job.json damaged: recovery fails the job; its twin goes as before
+        source = None
+    if source not in (None, "", item.name) or not drop_inbox_twin(layout, item.name, kept):
         return False
     log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id, agent=item.order.to)
     return True

@@ -101,6 +101,9 @@ def stage(layout: Layout, owner: str, item: Inspected) -> str | None:
     if (st.st_dev, st.st_ino) != item.inode:  # another file took the name since it was read
         remove_stage(stage)
         return None
+    if st.st_nlink > 2:  # a name outside inbox/ too (dropped by `ln`): the job keeps the bytes read, not that name
+        os.unlink(kept)
+        fsutil.write_new(kept, item.data, sync=True)
     return stage
 
 
