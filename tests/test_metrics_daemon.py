@@ -241,3 +241,22 @@ def test_metrics_labels_from_the_config_are_on_every_series_and_follow_a_reload(
 
     wait_until(relabelled, 30, "the new labels after the reload")
     assert d.stop() == 0
+
+
+def test_a_second_daemon_with_the_same_metrics_file_says_so_at_start(env: Env) -> None:
+    """Two daemons on one root, `metrics_file` without {pid}: the second says at start that the file is the first's
+    too (they would overwrite each other's figures); with {pid} in it, nothing is said."""
+    for template, shared in (("m.prom", True), ("m-{pid}.prom", False)):
+        env.configure(metrics_file=str(env.tmp / template))
+        first = env.daemon()
+        first.wait_ready()
+        second = env.daemon()
+        second.wait_ready()
+        problems = [e for e in second.events() if e["event"] == "config.problem" and e["field"] == "metrics_file"]
+        if shared:
+            (line,) = problems
+            assert line["level"] == "warning" and f"{first.proc.pid} on {socket.gethostname()}" in line["problem"]
+            assert "{pid}" in line["problem"]
+        else:
+            assert problems == []
+        assert second.stop() == 0 and first.stop() == 0

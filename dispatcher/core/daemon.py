@@ -189,7 +189,7 @@ class Daemon(Reloading, Fencing):
             files="memory" if self.lanes.files_in_memory else "disk",
         )  # fmt: skip
         announce.config_findings(self.config)
-        announce.other_daemons(self.ledger, self.owner)
+        announce.other_daemons(self.ledger, self.owner, self.config.metrics_file)
         self.watch = (
             None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
         )
