@@ -171,4 +171,7 @@ def test_work_is_read_only_as_a_folder_of_its_own_and_no_fd_is_left_open(tmp_pat
     (real / "receipt.json").unlink()
     (real / "receipt.json").symlink_to(real / "res" / "o.csv")
     assert _gathered(real).receipt.error == "is a symlink, not a regular file"
+    (real / "via").symlink_to(real / "res")  # the output named through a linked folder: never followed
+    ev = _gathered(real, accept={"output": "via/o.csv"})
+    assert ev.output is not None and ev.output.error == "is under a path part that is not a folder, not a regular file"
     assert len(os.listdir("/proc/self/fd")) == before

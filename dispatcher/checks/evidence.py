@@ -75,8 +75,9 @@ def open_doc(work: str | Path, rel: str, limit: int, dir_fd: int | None = None) 
         fd = fsutil.open_beneath(work, rel, dir_fd)
     except FileNotFoundError:
         return Doc(missing=True), None
-    except NotRegular as exc:
-        return Doc(error=f"is a {exc.kind}, not a regular file"), None
+    except NotRegular as exc:  # a part of the path on the way that is not a folder says so; the file itself its kind
+        why = "is under a path part that is not a folder" if exc.kind == "not a folder" else f"is a {exc.kind}"
+        return Doc(error=f"{why}, not a regular file"), None
     except OSError as exc:
         if exc.errno == errno.ENOTDIR:
             return Doc(missing=True), None
