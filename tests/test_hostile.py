@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, order, wait_until
+from conftest import Env, cli_env, order, wait_until
 from helpers_faults import NotifyListener, env_daemon, wait_start, write_script
 
 # An agent that, on attempt 1, replaces a file it was given with something hostile, then fails
@@ -655,6 +655,7 @@ def test_one_file_the_daemon_cannot_move_does_not_hold_up_the_others(env: Env) -
         assert errors and all(e["file"] == "STUCK-1.json" and e["step"] == "claim" for e in errors), errors
         assert [e["tries"] for e in errors] in ([1, 2], [1, 2, 4]), errors  # not one a second
         assert stuck.exists() and not (env.root / "active" / "STUCK-1").exists()
+        assert list((env.root / ".state" / "staging").iterdir()) == []  # no folder left by each try
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
     env.wait_job("STUCK-1", "done", timeout=60)
@@ -687,3 +688,24 @@ def test_an_order_dropped_by_hard_link_keeps_its_own_bytes_and_a_relinked_record
     assert (folder / "order.json").read_bytes() == data and record.read_bytes() == data
     assert not (env.root / "inbox" / "again.json").exists()
     assert d.stop() == 0
+
+
+def test_a_crash_before_a_hard_linked_orders_inbox_name_goes_drops_that_twin_at_the_next_start(env: Env) -> None:
+    """kill -9 right after the job folder is placed, before the inbox name is unlinked (an order dropped with `ln`):
+    the next start runs the job once and drops the name left in inbox/ as the claimed file's twin, refusing nothing."""
+    draft = env.tmp / "draft.json"
+    data = json.dumps(plain("TWIN-1")).encode()
+    draft.write_bytes(data)
+    (env.root / "inbox").mkdir(parents=True, exist_ok=True)
+    os.link(draft, env.root / "inbox" / "TWIN-1.json")
+    run = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"]
+    crashed = subprocess.run(
+        run, env={**cli_env(), "DISPATCHER_FAULT": "claim.placed"}, capture_output=True, timeout=60
+    )
+    assert crashed.returncode == -signal.SIGKILL
+    assert (env.root / "active" / "TWIN-1").is_dir() and (env.root / "inbox" / "TWIN-1.json").exists()
+    again = env.cli("run", "--once", timeout=60)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr
+    assert env.result("TWIN-1", "done")["state"] == "done" and env.refusals() == []
+    assert not (env.root / "inbox" / "TWIN-1.json").exists() and draft.read_bytes() == data
+    assert [e for e in again.stdout.splitlines() if "order.twin_dropped" in e]

@@ -76,8 +76,8 @@ def open_doc(work: str | Path, rel: str, limit: int, dir_fd: int | None = None) 
     except FileNotFoundError:
         return Doc(missing=True), None
     except NotRegular as exc:  # a part of the path on the way that is not a folder says so; the file itself its kind
-        why = "is under a path part that is not a folder" if exc.kind == "not a folder" else f"is a {exc.kind}"
-        return Doc(error=f"{why}, not a regular file"), None
+        what = "is under a path part that is not a folder" if exc.kind == "not a folder" else f"is a {exc.kind}"
+        return Doc(error=f"{what}, not a regular file"), None
     except OSError as exc:
         if exc.errno == errno.ENOTDIR:
             return Doc(missing=True), None

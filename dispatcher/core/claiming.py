@@ -70,7 +70,7 @@ class Claims:
         self._waiting: set[str] = set()  # removed agents whose waiting orders were logged
         # files whose order.received is logged: a file read again (its claim put off by a shortage,
         # say) is not received again; the oldest are forgotten past RECEIVED_MAX
-        self._received: collections.OrderedDict[tuple[str, tuple[int, int], str], None] = collections.OrderedDict()
+        self._received: collections.OrderedDict[tuple[str, object, object], None] = collections.OrderedDict()
         self._notes = 0  # configs note_config took: the answer _removed keeps is for one config and count
         self._removed_for: tuple[Config, int, dict[str, Agent]] | None = None
 
@@ -239,7 +239,9 @@ class Claims:
         try:
             found = intake.inspect(self.layout, name, cfg, seen=st, path=path)  # its lstat is not taken twice
             if isinstance(found, Refusal):
-                log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
+                seen = (st.st_dev, st.st_ino) if st is not None else None
+                if self._first_sight((name, seen, found.reason)):  # once a file, however often its refusal is tried
+                    log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
                 folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)
                 return Gone(name, refused=folder is not None)
         except OSError as exc:
@@ -251,18 +253,22 @@ class Claims:
         timing = when(found.order, name, now=now)
         if isinstance(timing, Later):
             return timing
-        key = (name, found.inode, found.digest)
-        if key in self._received:
-            self._received.move_to_end(key)
-        else:
-            self._received[key] = None
-            if len(self._received) > RECEIVED_MAX:
-                self._received.popitem(last=False)
+        if self._first_sight((name, found.inode, found.digest)):
             log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
         if timing is not None:
             folder = refuse(self.layout, timing, self.ledger.owner, self.on_refused)
             return Gone(name, refused=folder is not None)
         return Parked(Kind.NEW, found.order.job_id, found.order.to, found)
+
+    def _first_sight(self, key: tuple[str, object, object]) -> bool:
+        """Return True the first time a file (by name and what identifies its content) is read: its order.received."""
+        if key in self._received:
+            self._received.move_to_end(key)
+            return False
+        self._received[key] = None
+        if len(self._received) > RECEIVED_MAX:
+            self._received.popitem(last=False)
+        return True
 
     def reload(self, p: Parked, slot: int | None) -> Launch | NoSlot | Dropped:
         """Load a recovered job, or reopen a failed one for a retry (ledger lane)."""
