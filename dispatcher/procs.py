@@ -78,19 +78,20 @@ def held_for_writing(paths: set[str]) -> set[str]:
 
     One walk of /proc/*/fd (and the open flags in /proc/*/fdinfo) answers for
     every path at once. It is slow with many processes, so the daemon asks it
-    from its io pool, only about files that have already stopped changing. A file
-    is known by its inode, not its name: a writer that opened it through a symlinked
-    folder or under another hard-link name holds it all the same.
+    from its io pool, only about files that have already stopped changing. A path
+    is also known by its real path, as /proc shows an open file: a writer that
+    opened it through a symlinked folder holds it all the same. The walk reads
+    links only (`readlink`), never the files behind them: a descriptor on a hung
+    network mount cannot stop it.
     """
     found: set[str] = set()
-    by_inode: dict[tuple[int, int], list[str]] = {}
+    names: dict[str, list[str]] = {}
     for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        by_inode.setdefault((st.st_dev, st.st_ino), []).append(path)
-    if not by_inode:
+        names.setdefault(path, []).append(path)
+        real = os.path.realpath(path)
+        if real != path:
+            names.setdefault(real, []).append(path)
+    if not names:
         return found
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -102,16 +103,15 @@ def held_for_writing(paths: set[str]) -> set[str]:
             continue
         for fd in fds:
             try:
-                st = os.stat(f"{fd_dir}/{fd}")  # the open file itself, whatever name it was opened by
-                names = by_inode.get((st.st_dev, st.st_ino))
-                if names is None or names[0] in found:
+                held = names.get(os.readlink(f"{fd_dir}/{fd}"))
+                if held is None or held[0] in found:
                     continue
                 with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                     flags = next((int(line.split()[1], 8) for line in f if line.startswith("flags:")), 0)
             except (OSError, ValueError):
                 continue
             if flags & (os.O_WRONLY | os.O_RDWR):
-                found.update(names)
+                found.update(held)
     return found
 
 
