@@ -372,7 +372,9 @@ def test_cancel_tree_racing_the_workers(env: Env) -> None:
     tree = env.cli("show", "--tree", "t-w1", check=True).stdout
     assert "tplan [done]" in tree and "t-w1 [failed, cancelled]" in tree and "t-merge [failed, cancelled]" in tree
     again = env.cli("cancel", "--tree", "tplan")
-    assert again.returncode == 1 and "nothing to cancel" in again.stderr
+    assert again.returncode == 1 and again.stderr == "tplan: it and its 6 descendants are finished; nothing to cancel\n"
+    alone = env.cli("cancel", "--tree", "t-merge")  # a job with no descendant is named as one
+    assert alone.returncode == 1 and alone.stderr == "t-merge: it is finished; nothing to cancel\n"
     assert d.stop() == 0
 
 

@@ -33,6 +33,7 @@ from dispatcher.query.report import read_order_file
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import PATIENCE_S, open_ledger
 from dispatcher.store.queued import find_queued
+from dispatcher.text import plural
 
 log = structlog.get_logger("dispatcher")
 
@@ -206,7 +207,9 @@ class Operator:
                     self._unhold(entry.job_id)
                 lines.append(f"{entry.job_id}: cancel requested")
         if not lines:
-            raise WrongState(f"{job_id}: it and its {len(order) - 1} descendants are finished; nothing to cancel")
+            others = len(order) - 1
+            what = "it is" if not others else f"it and its {plural(others, 'descendant')} are"
+            raise WrongState(f"{job_id}: {what} finished; nothing to cancel")
         self._poke("cancel", job_id)
         return "\n".join(sorted(lines, key=lambda line: order.index(line.split(":")[0])))
 
