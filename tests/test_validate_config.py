@@ -221,6 +221,18 @@ def test_env_that_no_process_could_get_is_a_config_error(
     assert line.startswith(f"dispatcher.yaml: {field}: ") and words in line
 
 
+@pytest.mark.parametrize(
+    ("branch", "words"), [("work/x", "must hold {job_id}"), ("-x{job_id}", "must not start with -")]
+)
+def test_a_workspace_branch_git_could_not_take_is_a_config_error(tmp_path: Path, branch: str, words: str) -> None:
+    """A branch template without {job_id}, or one git would read as an option, fails `validate` naming the field."""
+    path = config(tmp_path, {"c": {"command": ["/bin/true"], "workspace": {"git": str(tmp_path), "branch": branch}}})
+    proc = validate(path)
+    assert proc.returncode == 2
+    (line,) = stderr_lines(proc)
+    assert line.startswith("dispatcher.yaml: agents.c.workspace.branch: ") and words in line
+
+
 def test_env_with_usual_names_and_values_loads(tmp_path: Path) -> None:
     path = config(tmp_path, {"w": {"command": ["/bin/true"], "env": {"HOME": "/h", "_X1": "a=b c", "lower": ""}}})
     assert load_config(path).agents["w"].env == {"HOME": "/h", "_X1": "a=b c", "lower": ""}

@@ -123,6 +123,37 @@ def test_base_parent_without_a_parent_fails_without_an_attempt(env: Env, tmp_pat
     assert result["attempts"] == [] and starts(env) == []
 
 
+def test_an_agent_that_deletes_its_worktrees_git_file_still_has_its_work_committed(env: Env, tmp_path: Path) -> None:
+    """The agent writes src/g.py and removes the worktree's .git file: the daemon, which finds the worktree from the
+    repository, still commits what it left on the job's branch."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/g.py=left", "--remove", ".git")})
+    env.drop(code_order("GONE-GIT"))
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    result = env.result("GONE-GIT", "done")
+    assert result["workspace"]["changed"] == ["src/g.py"], result["workspace"]
+    assert git(repo, "show", "dispatch/GONE-GIT:src/g.py") == "left"
+    assert result["workspace"]["head"] == git(repo, "rev-parse", "dispatch/GONE-GIT")
+
+
+def test_a_folder_inside_a_repository_is_refused_without_an_attempt(env: Env, tmp_path: Path) -> None:
+    """`workspace.git` naming a subfolder of a repository: the job fails as a config error, no worktree is left."""
+    repo = make_repo(tmp_path / "shop")
+    inner = repo / "src"
+    inner.mkdir(exist_ok=True)
+    env.configure(agents={"coder": coder(env, inner, "--write", "src/c.py=x")})
+    env.drop(code_order("INNER"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("INNER", "failed")
+    assert result["reason"] == (
+        f"config: agent coder cannot start: workspace: {inner} is a folder inside the repository {repo}:"
+        " name the repository itself"
+    ), result["reason"]
+    assert result["attempts"] == [] and starts(env) == []
+    assert git(repo, "worktree", "list").count("\n") == 0  # the main worktree alone
+
+
 def test_a_branch_that_exists_already_is_never_taken_over(env: Env, tmp_path: Path) -> None:
     """dispatch/<id> with a person's commit on it: the job fails without an attempt and the branch keeps its commit."""
     repo = make_repo(tmp_path / "shop")

@@ -113,6 +113,18 @@ def git(cwd: str | Path, *args: str, env: dict[str, str] | None = None, check: b
     raise AssertionError("unreachable")
 
 
+def _check_top(repo: str) -> None:
+    """Refuse a folder that is not a repository's own (a subfolder of one, or no repository at all)."""
+    bare = git(repo, "rev-parse", "--is-bare-repository", check=False).strip()
+    if bare == "true":
+        return
+    top = git(repo, "rev-parse", "--show-toplevel", check=False).strip()
+    if not top:
+        raise GitError(f"{repo} is not a git repository")
+    if os.path.realpath(top) != os.path.realpath(repo):
+        raise GitError(f"{repo} is a folder inside the repository {top}: name the repository itself")
+
+
 def read_record(job_folder: Path) -> Workspace | None:
     """Return the job's workspace record, or None when it has none yet."""
     try:
@@ -128,6 +140,7 @@ def plan(job_folder: Path, repo: str, base_ref: str, branch: str, path: Path) ->
         return found
     if not os.path.isdir(repo):
         raise GitError(f"repository {repo} does not exist")
+    _check_top(repo)
     base = git(repo, "rev-parse", "--verify", "--quiet", f"{base_ref}^{{commit}}", check=False).strip()
     if not base:
         raise GitError(f"base {base_ref} is not a commit of {repo}")
@@ -175,11 +188,25 @@ def _entries(ws: Workspace) -> list[tuple[Path, str | None]]:
     return out
 
 
-def is_ready(ws: Workspace) -> bool:
-    """Return True when the worktree exists complete (registered, not locked by an unfinished add)."""
+def _registered(ws: Workspace) -> bool:
+    """Return True when the repository holds the worktree's entry, not locked by an unfinished add."""
     mine = os.path.join(ws.path, ".git")
     entry = next((admin for admin, gitdir in _entries(ws) if gitdir == mine), None)
-    return entry is not None and not (entry / "locked").exists() and os.path.exists(mine)
+    return entry is not None and not (entry / "locked").exists()
+
+
+def is_ready(ws: Workspace) -> bool:
+    """Return True when the worktree exists complete (registered, not locked by an unfinished add)."""
+    return _registered(ws) and os.path.exists(os.path.join(ws.path, ".git"))
+
+
+def _sealable(ws: Workspace) -> bool:
+    """Return True when the worktree's folder is there and registered: its ``.git`` file is not needed.
+
+    The daemon's git calls name the worktree's own folder in the repository (``admin_dir``), so
+    an agent that deleted or rewrote its ``.git`` file still has what it left committed.
+    """
+    return _registered(ws) and os.path.isdir(ws.path)
 
 
 def has_branch(ws: Workspace) -> bool:
@@ -328,7 +355,7 @@ def seal(ws: Workspace, job_id: str, tree: str | None = None) -> tuple[str, list
     """
     branch = f"refs/heads/{ws.branch}"
     message = f"dispatch {job_id}: changes left uncommitted"
-    if is_ready(ws):
+    if _sealable(ws):
         env = _tree_env(ws)
         if git(ws.path, "symbolic-ref", "-q", "HEAD", env=env, check=False).strip() != branch:
             # the agent moved its HEAD (onto main, or detached): what it left goes on its branch all the same

@@ -29,6 +29,10 @@ def build_repo_settings(name: str, spec: Mapping[str, Any], base: Path) -> RepoS
             raise ConfigError(
                 "must hold {job_id}: each job needs a branch of its own", field=f"agents.{name}.workspace.branch"
             )
+        if branch.startswith("-"):  # git would read it as an option
+            raise ConfigError(
+                "must not start with -: git reads that as an option", field=f"agents.{name}.workspace.branch"
+            )
         workspace = WorkspaceConf(
             os.path.normpath(base / os.path.expanduser(ws["git"])), ws.get("base", "HEAD"), branch
         )

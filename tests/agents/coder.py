@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--symlink", action="append", default=[])
     p.add_argument("--hardlink", action="append", default=[])
     p.add_argument("--fifo", action="append", default=[])
+    p.add_argument("--remove", action="append", default=[], help="unlink this path last (its worktree's .git, say)")
     p.add_argument("--connect", type=int)
     p.add_argument("--report")
     p.add_argument("--commit", action="store_true")
@@ -103,6 +104,8 @@ def main() -> int:
         (outbox / f"{job}-next.json").write_text(json.dumps(nxt | {"base": "parent"}))
     ids = [i["id"] for i in order["items"]]
     receipt = {"job_id": job, "input_ids": ids, "output_ids": [], "status": "done", "outputs": []}
+    for path in a.remove:
+        os.unlink(path)
     Path(os.environ["DISPATCH_RECEIPT"]).write_text(json.dumps(receipt))
     return _said(a, a.exit)
 
