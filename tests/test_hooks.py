@@ -134,6 +134,8 @@ def test_an_after_hook_cut_short_by_a_kill_is_recorded_as_interrupted_and_not_ru
     failed = next(e for e in lines if e["event"] == "hook.failed")
     ended = next(e for e in lines if e["event"] == "hook.orphan_ended")  # its sleep ended, not left to run on
     assert (failed["agent"], ended["hook"], ended["agent"]) == ("coder", "after", "coder")
+    events = [e["event"] for e in lines]  # the worktree it ran in goes only once the hook is ended
+    assert "workspace.removed" in events and events.index("hook.orphan_ended") < events.index("workspace.removed")
 
 
 AFTER = 'echo "{job_id} [{branch}] [{head}] {result} $(pwd)" >> "$0"'

@@ -336,12 +336,13 @@ async def housekeep(
                 continue
             if locked:
                 log.warning("workspace.locked", repo=repo, worktrees=locked, hint="git worktree unlock PATH")
+    afters = await lanes.io(afterowed.look, layout, startup=startup)
+    agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
+    if startup:  # after the hooks a crash left running are ended: an after hook runs in the worktree it would lose
         keep = await lanes.io(_unfinished, layout)
         removed = await lanes.io(worktree.sweep, layout.state_dir / "worktrees", keep)
         if removed:
             log.info("workspace.removed", jobs=removed)
-    afters = await lanes.io(afterowed.look, layout, startup=startup)
-    agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     for job_id in afters.interrupted:
         await lanes.io(afterowed.record_interrupted, layout, job_id)
         log.warning("hook.failed", hook="after", job_id=job_id, agent=agents.get(job_id), reason=afterowed.INTERRUPTED)
