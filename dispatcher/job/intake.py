@@ -152,7 +152,7 @@ def inspect(
     text = texts[0]
     if text is None and len(data) > AHEAD_TEXT_BYTES:  # a large JSON order: encoded here, not in the claim
         text = body_text(order.body)
-    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text, path, again.st_nlink)
+    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text, path)
 
 
 def job_id_of(body: Any) -> str | None:

@@ -54,7 +54,6 @@ class Inspected:
     inode: tuple[int, int]  # (st_dev, st_ino) of the file that was read
     text: str | None = None  # a large order's ``body_text``, made off the ledger lane (see ``AHEAD_TEXT_BYTES``)
     path: str = ""  # inbox/<name> as it was read ("": joined from the layout when needed)
-    links: int = 1  # its names when read: more than one, it was dropped with `ln` (``place`` keeps a copy)
 
 
 def inbox_path(layout: Layout, item: Inspected) -> str:
@@ -140,8 +139,6 @@ def place(
         return undo(ledger, item, stage, claimed, exc)
     faults.point("claim.placed")  # a crash here leaves the inbox name beside the job: its twin, dropped later
     drop_inbox_inode(inbox_path(layout, item), item.inode)  # the inode linked into the job's folder by stage()
-    if item.links > 1:  # dropped with `ln`: the user's other name stays theirs to edit, the job keeps what it read
-        _own_copy(f"{target}/order{suffix_of(item.name)}", item.data)
     log.info(
         "job.claimed",
         job_id=item.order.job_id,
@@ -151,22 +148,6 @@ def place(
         hops=claimed.hops,
     )
     return Started(JobFolder(target, claimed=w.spec.claimed), w.spec, w.order, claimed.token, claimed.cancelled)
-
-
-def _own_copy(path: str, data: bytes) -> None:
-    """Put a file of its own with ``data`` in place of ``path`` (one rename); keep the link if it cannot be made now.
-
-    Done once the inbox name is gone, so that a crash before leaves the link that recovery
-    knows as the claimed file's twin (by its inode); the bytes are the ones the claim read.
-    """
-    tmp = f"{path}.{os.getpid()}.copy"
-    try:
-        fsutil.write_new(tmp, data, sync=True)
-        os.rename(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        log.warning("order.linked", file=os.path.basename(path), reason=f"kept as a link: {exc.strerror}")
 
 
 def undo(ledger: Ledger, item: Inspected, stage: str, claimed: Claimed, exc: OSError) -> Skipped:
