@@ -662,6 +662,33 @@ def test_one_file_the_daemon_cannot_move_does_not_hold_up_the_others(env: Env) -
     assert d.stop() == 0
 
 
+def test_run_once_ends_without_a_file_it_can_never_take(env: Env) -> None:
+    """`run --once` with an immutable order beside a valid one: the valid one runs, and after a few tries the
+    daemon gives the stuck file up, logs `order.stuck` naming it, and exits 1; the file is left in inbox/ whole."""
+    stuck = env.drop(plain("STUCK-2"))
+    data = stuck.read_bytes()
+    env.drop(plain("FREE-9"))
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    try:
+        t0 = time.monotonic()
+        proc = env.cli("run", "--once", timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr
+    assert took < 30, took
+    assert env.result("FREE-9", "done")["state"] == "done"
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (given_up,) = [e for e in events if e["event"] == "order.stuck"]
+    assert given_up["file"] == "STUCK-2.json" and given_up["level"] == "error" and given_up["tries"] >= 4
+    assert stuck.read_bytes() == data and not (env.root / "active" / "STUCK-2").exists()
+    assert list((env.root / ".state" / "staging").iterdir()) == []
+    # taken once it can be: a second run claims it
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    assert env.result("STUCK-2", "done")["state"] == "done"
+
+
 # -- orders that arrive by hard link ---------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ from dispatcher.core.reloading import Reloading
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox
-from dispatcher.job import hooks, repowork
+from dispatcher.job import hooks, intake, repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
 from dispatcher.job.joins import Joins
@@ -250,13 +250,16 @@ class Daemon(Reloading, Fencing):
         if self.once:
             # `run --once` leaves them, as orders due later: unread orders, and claimed jobs (a retry, a
             # revision, a recovered job) set aside in active/ for a pause or a gate beyond max_limit_wait
+            # and files it can never take (made immutable, unreadable): logged at the exit, which is then 1
             aside = self.sched.aside
+            names = intake.stuck_names()
+            stuck = len(self.inbox.tracked(names)) if names else 0
             if not (self.inbox.any_aside() or aside):
-                return not (self.sched.busy() or len(self.inbox) or self.house.busy)
+                return not (self.sched.busy() or len(self.inbox) - stuck or self.house.busy)
             held = self._held_for_long()
             left = self.inbox.aside_for(held) if self.inbox.any_aside() else 0
             busy = self.sched.busy(aside=False) or len(aside) > aside.held_for(held)
-            return not (busy or len(self.inbox) - left or self.house.busy)
+            return not (busy or len(self.inbox) - left - stuck or self.house.busy)
         return False
 
     def _held_for_long(self) -> set[str]:
@@ -326,10 +329,24 @@ class Daemon(Reloading, Fencing):
         self.lanes.shutdown(wait=True)
         self.ledger.close()
         s = self.sched.stats.finished
+        given_up = self._given_up() if self.once and not self.stopping else {}
         log.info("daemon.stopped", **s)
         if self.once:
-            return 0 if s["failed"] == 0 and s["refused"] == 0 else 1
+            return 0 if s["failed"] == 0 and s["refused"] == 0 and not given_up else 1
         return 1 if self.lost else 0
+
+    def _given_up(self) -> dict[str, int]:
+        """Log each file `run --once` ends without (it could never take it); return them with their tries."""
+        stuck = intake.stuck_names()
+        left = {name: stuck[name] for name in self.inbox.tracked(stuck)}
+        for name, tries in sorted(left.items()):
+            log.error(
+                "order.stuck",
+                file=name,
+                tries=tries,
+                reason="the daemon could not take this file (its daemon.error says why); it is left in inbox/",
+            )
+        return left
 
     # -- events ----------------------------------------------------------------------------------
     def wakeup(self) -> None:

@@ -106,6 +106,10 @@ class Inbox:
         """How many names wait to settle, are ready, set aside for a gate or being handled (not those due later)."""
         return len(self._known) - len(self._later_names)
 
+    def tracked(self, names: Iterable[str]) -> list[str]:
+        """Return those of names this inbox still tracks (waiting, ready or being handled)."""
+        return [name for name in names if name in self._known]
+
     def hint(self, kind: str, name: str) -> None:
         """Take one filesystem event into account; wake the loop when a turn may act on it.
 

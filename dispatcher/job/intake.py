@@ -220,6 +220,8 @@ def claim(
         if stage is None:
             out[i] = Skipped(item.name)
             continue
+        if _FAILED:
+            _FAILED.pop(item.name, None)  # taken now: a later error of this name counts from 1 again
         staged.append((i, pick, stage, found is None))
         if after:
             pending[item.order.job_id] = after
@@ -339,6 +341,16 @@ def _refuse(
 
 _FAILED: dict[str, int] = {}  # inbox name -> tries that met an error (logged at 1, 2, 4, 8 ...)
 _FAILED_MAX = 1000
+GIVE_UP_TRIES = 4  # `run --once` leaves a file that met an error of its own this often (about 3 s of tries)
+
+
+def stuck_names() -> dict[str, int]:
+    """Return the inbox names that met an error of their own at least ``GIVE_UP_TRIES`` times, with the count.
+
+    `run --once` ends without them (exit 1): a file it can never take (made immutable, or
+    unreadable to the daemon's user) would keep it running for ever.
+    """
+    return {name: n for name, n in _FAILED.copy().items() if n >= GIVE_UP_TRIES}  # copied whole: lanes write it
 
 
 def cannot_take(name: str, step: str, exc: OSError) -> Skipped:
