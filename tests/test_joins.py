@@ -156,6 +156,29 @@ def test_cycle_through_a_waiting_job_is_refused(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_submit_refuses_an_after_that_closes_a_cycle(env: Env) -> None:
+    """`submit` of an order whose `after` closes a cycle through a waiting job, or through another order of the
+    same submit, exits 2 naming the file and the field, with the claim's words; nothing is dropped."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    env.drop(order("wa", to="merger", after=["wb"]))
+    wait_until(lambda: (env.root / "waiting" / "wa").is_dir(), what="wa in waiting/")
+    closing = env.tmp / "wb.json"
+    closing.write_text(json.dumps(order("wb", to="merger", after=["wa"])))
+    proc = env.cli("submit", str(closing))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"{closing}: after: would make a cycle (wb -> wa -> wb)"
+    first, second = env.tmp / "x1.json", env.tmp / "x2.json"
+    first.write_text(json.dumps(order("x1", to="merger", after=["x2"])))
+    second.write_text(json.dumps(order("x2", to="merger", after=["x1"])))
+    proc = env.cli("submit", str(first), str(second))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[0] == f"{first}: after: would make a cycle (x1 -> x2 -> x1)"
+    assert "nothing was submitted" in proc.stderr and proc.stdout == ""
+    assert sorted(p.name for p in (env.root / "inbox").iterdir()) == []
+    assert d.stop() == 0
+
+
 def test_orders_that_wait_for_each_other_read_together_are_not_both_claimed(env: Env) -> None:
     """Three orders closing a cycle, all in inbox/ at start, are claimed in one batch: the last is refused.
 

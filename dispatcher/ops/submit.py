@@ -24,7 +24,8 @@ from dispatcher import fsutil
 from dispatcher.clock import iso
 from dispatcher.errors import OrderError, UsageError
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import LedgerUnavailable
+from dispatcher.ledger.base import Ledger, LedgerUnavailable
+from dispatcher.ledger.cycles import find_cycle
 from dispatcher.ledger.records import Request
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import LATEST_S, LATEST_TIME, TimeOutOfRange, parse_order, parse_time, to_json
@@ -158,6 +159,7 @@ def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None
     try:
         known = {o.job_id: e.state for _, o, _, _ in orders if (e := ledger.get(o.job_id)) is not None}
         _refuse_queued(layout, orders, known)
+        _refuse_cycles(ledger, orders)
         for job_id in set(ledger.requests(Request.CANCEL)) & {o.job_id for _, o, _, _ in orders}:
             ledger.clear_request(job_id, Request.CANCEL)
     except LedgerUnavailable as exc:
@@ -184,6 +186,20 @@ def _refuse_queued(layout: Layout, orders: list[Submission], known: dict[str, st
             raise OrderError(
                 f"{order.job_id} is already known ({state}); a job id is never run twice", file=name, field="job_id"
             )
+
+
+def _refuse_cycles(ledger: Ledger, orders: list[Submission]) -> None:
+    """Raise OrderError for the first order whose ``after`` would close a cycle, as its claim would refuse it.
+
+    Through the jobs that wait in the ledger and the other orders of this submit.
+    """
+    pending = {o.job_id: o.after for _, o, _, _ in orders if o.after}
+    for name, order, _, _ in orders:
+        if order.after:
+            others = {job_id: after for job_id, after in pending.items() if job_id != order.job_id}
+            cycle = find_cycle(ledger, order.job_id, order.after, others)
+            if cycle is not None:
+                raise OrderError(f"would make a cycle ({' -> '.join(cycle)})", file=name, field="after")
 
 
 def _drop(layout: Layout, job_id: str, ext: str, data: bytes) -> None:
