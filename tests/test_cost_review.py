@@ -59,12 +59,19 @@ def test_costs_are_summed_over_attempts_and_the_chain(env: Env) -> None:
 
 
 def test_a_cost_beyond_a_float_or_below_zero_is_no_cost_and_every_file_stays_json(env: Env) -> None:
-    """total_cost_usd of 1e400 (valid JSON, no float) or -5 is not a cost: null, and result.json and logs parse."""
+    """total_cost_usd of 1e400 (valid JSON, no float), an integer of 1,100 bits, 1.7e308 (a float, but two of them
+    overflow a chain's sum) or -5 is not a cost: null, the job is checked as any other, and result.json and logs
+    parse."""
 
     def strict(text: str) -> Any:
         return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text[:200]}"))
 
-    report = {"huge": '{"type": "result", "total_cost_usd": 1e400}', "negative": '{"total_cost_usd": -5}'}
+    report = {
+        "huge": '{"type": "result", "total_cost_usd": 1e400}',
+        "bigint": '{"type": "result", "total_cost_usd": ' + str(2**1100) + "}",
+        "absurd": '{"type": "result", "total_cost_usd": 1.7e308}',
+        "negative": '{"total_cost_usd": -5}',
+    }
     env.configure(agents={name: env.agent("--json-result", text) for name, text in report.items()})
     d = env.daemon()
     for name in report:
@@ -73,6 +80,7 @@ def test_a_cost_beyond_a_float_or_below_zero_is_no_cost_and_every_file_stays_jso
     assert d.stop() == 0
     for name, result in results.items():
         assert result["cost_usd"] is None and result["attempts"][0]["cost_usd"] is None, name
+        assert all(c["ok"] is not False for c in result["checks"]) and result["attempts"][0]["exit_code"] == 0, name
         strict((env.job_dir(f"{name}-1", "done") / "result.json").read_text())
     lines = [line for line in d.out.read_text().splitlines() if line.startswith("{")]
     assert any('"agent.exited"' in line for line in lines)

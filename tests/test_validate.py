@@ -217,6 +217,9 @@ ORDER_CASES: list[Case] = [
     bad("timeout-above-max", js({"timeout": MAX_TIMEOUT + 1}), field="timeout"),
     bad("timeout-inf-yaml", yl(extra="timeout: .inf\n"), field="timeout", ext="yaml"),
     bad("timeout-nan-yaml", yl(extra="timeout: .nan\n"), ext="yaml"),
+    bad("timeout-int-beyond-float", js({"timeout": 2**1100}), field="timeout", mention="is too large (1101 bits)"),
+    bad("priority-int-beyond-float", js({"priority": 2**1100}), field="priority", mention="is too large"),
+    bad("max-attempts-int-beyond-float", js({"max_attempts": -(2**1100)}), field="max_attempts", mention="too large"),
     bad("attempts-zero", js({"max_attempts": 0}), field="max_attempts"),
     bad("attempts-negative", js({"max_attempts": -2}), field="max_attempts"),
     bad("attempts-float", js({"max_attempts": 1.5}), field="max_attempts"),
@@ -633,6 +636,8 @@ CONFIG_CASES = [
     ("max-followups-0", "", "max_followups: 0\n", "max_followups: must be at least 1"),
     ("max-followups-string", "", "max_followups: many\n", "max_followups"),
     ("settle-negative", "", "settle: -1\n", "settle"),
+    ("max-timeout-int-beyond-float", "", f"max_timeout: {2**1100}\n", "max_timeout: is too large (1101 bits)"),
+    ("agent-timeout-int-beyond-float", f"    timeout: {2**1100}\n", "", "timeout: is too large"),
     ("duplicate-key", "", "max_jobs: 1\nmax_jobs: 2\n", "max_jobs"),
 ]
 

@@ -9,7 +9,6 @@ config when an operator retries it). ``Attempt`` is one run of the agent as
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -116,9 +115,12 @@ def _agent_json(agent: Agent) -> dict[str, Any]:
     return known[1]
 
 
+MAX_COST_USD = 1e12  # a reported cost above this is no cost (a float would overflow in a chain's sum, or at once)
+
+
 def is_cost(value: Any) -> TypeGuard[int | float]:
-    """Is value a cost an agent may report: a finite number, 0 or more (never true or false)?"""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+    """Is value a cost an agent may report: a number from 0 to ``MAX_COST_USD`` (never true or false)?"""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_COST_USD
 
 
 @dataclass(frozen=True, slots=True)

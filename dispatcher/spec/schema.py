@@ -62,6 +62,9 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern, re.DOTALL)
 
 
+MAX_INT_BITS = 1000  # an integer in a number field beyond this is refused: as a float it would overflow
+
+
 def _is_type(value: Any, name: str) -> bool:
     if isinstance(value, bool) and name in ("integer", "number"):
         return False
@@ -308,7 +311,13 @@ def _type_step(spec: Any) -> _Check:
     numeric = [n for n in names if n in ("integer", "number")]
 
     def check(value: Any, path: str) -> None:
-        if type(value) in plain or any(_is_type(value, n) for n in numeric) or isinstance(value, plain):
+        if type(value) in plain:
+            return
+        if any(_is_type(value, n) for n in numeric):
+            if type(value) is int and value.bit_length() > MAX_INT_BITS:  # no float holds it: every use would fail
+                _fail(f"is too large ({value.bit_length()} bits)", path)
+            return
+        if isinstance(value, plain):
             return
         _fail(f"must be {wanted}, not {describe(value)}", path)
 
