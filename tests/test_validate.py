@@ -722,3 +722,27 @@ def test_an_integer_longer_than_int_converts_is_refused_in_one_line_naming_it(en
         result = json.loads((folder / "result.json").read_text())
         assert result["job_id"] == job_id and "meta.x: a number of 5000 digits" in result["reason"], result
         assert "sys.set_int_max_str_digits" not in result["reason"]
+
+
+def test_a_refused_yaml_order_that_no_parse_reads_keeps_its_job_id(env: Env) -> None:
+    """YAML that even a plain parse cannot read (the escape of a lone surrogate, an alias never defined) is
+    refused with the job_id its one top-level `job_id:` line names, in result.json and in `list --json`."""
+    env.configure()
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True, exist_ok=True)
+    files = {
+        "SUR-1": 'job_id: SUR-1\nfrom: me\nto: worker\ntask: "a\\ud800"\nitems: [{id: A}]\n',
+        "ALIAS-1": "job_id: 'ALIAS-1'  # quoted\nfrom: me\nto: worker\ntask: t\nitems: [{id: A}]\nmeta: {a: *x}\n",
+        "TWICE-1": "job_id: TWICE-1\njob_id: TWICE-2\nfrom: me\nto: worker\ntask: t\nitems: [{id: A}]\nmeta: *x\n",
+    }
+    for stem, text in files.items():
+        (inbox / f"{stem}.yaml").write_text(text)
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    want = {"SUR-1": "SUR-1", "ALIAS-1": "ALIAS-1", "TWICE-1": None}  # two job_id lines: no one id is read
+    for stem, job_id in want.items():
+        (folder,) = (env.root / "failed").glob(f"{stem}@*")
+        assert json.loads((folder / "result.json").read_text())["job_id"] == job_id, stem
+        assert (folder / "order.yaml").read_text() == files[stem]
+    listed = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    assert sorted(r["job_id"] or "-" for r in listed if r["state"] == "refused") == ["-", "ALIAS-1", "SUR-1"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import re
 import sys
 from typing import Any
 
@@ -415,11 +416,20 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
     """
     try:
         text = decode(data)
+    except (OrderError, ValueError):
+        return None
+    try:
         body = json.loads(text, parse_int=_plain_int) if fmt == "json" else yaml.load(text, Loader=_PlainLoader)  # noqa: S506
     except (OrderError, ValueError, yaml.YAMLError, RecursionError):
-        return None
+        # YAML that no parse reads (an escape of a lone surrogate, an alias never defined): its one
+        # top-level `job_id:` line, if it holds a plain id, still says which job was refused
+        found = _JOB_ID_LINE.findall(text) if fmt == "yaml" else []
+        return found[0][1] if len(found) == 1 else None
     job_id = body.get("job_id") if isinstance(body, dict) else None
     return job_id if isinstance(job_id, str) else None
+
+
+_JOB_ID_LINE = re.compile(r"""^job_id:[ \t]*(["']?)([A-Za-z0-9][A-Za-z0-9._-]{0,127})\1[ \t]*(?:#.*)?$""", re.MULTILINE)
 
 
 for _loader in (_StrictLoader, _StrictCLoader):
