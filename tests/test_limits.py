@@ -89,6 +89,25 @@ def test_an_epoch_limit_waits_then_runs_again_without_spending_an_attempt(env: E
     assert status(env)["counts"]["waiting"] == 0
 
 
+@pytest.mark.parametrize("ended_by", ["timeout", "idle_timeout"])
+def test_a_limit_printed_by_an_agent_that_then_hangs_is_a_limit_not_an_attempt(env: Env, ended_by: str) -> None:
+    """An agent prints its usage limit and hangs until its timeout (or idle_timeout) ends it: a limit all the
+    same, so the job waits, runs again, and is done with max_attempts 1."""
+    until = int(time.time()) + 4
+    limit = {"times": 1, "stdout": f"Claude AI usage limit reached|{until}", "exit": 1, "hang_s": 60}
+    settings: dict[str, Any] = {"timeout": 2} if ended_by == "timeout" else {"idle_timeout": 2}
+    env.configure(agents={"worker": headless(env, {"limit": limit}, max_attempts=1, **settings)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("HANG-1"))
+    result = env.wait_job("HANG-1", "done", timeout=90)
+    first, second = result["attempts"]
+    assert first["timed_out"] is True and first["limited"]["text"] == f"Claude AI usage limit reached|{until}"
+    assert second["exit_code"] == 0
+    assert len(events(d, "agent.limited", job_id="HANG-1")) == 1
+    assert d.stop() == 0
+
+
 def test_a_clock_limit_is_read_in_its_zone_and_resume_lifts_it(env: Env) -> None:
     """'5-hour limit reached ∙ resets 3pm (Europe/Stockholm)': until is the next 3 pm there; resume lifts it."""
     text = "5-hour limit reached ∙ resets 3pm (Europe/Stockholm) · /upgrade to Max 20x or turn on /extra-usage"

@@ -75,9 +75,13 @@ class Deciding(abc.ABC):
         """Run a bookkeeping write off the loop, waiting out a full disk."""
 
     def _limit_of(self, out: AgentExit) -> LimitHit | None:
-        """Return the usage limit an attempt that did not pass met, or None."""
+        """Return the usage limit an attempt that did not pass met, or None.
+
+        An attempt its timeout (or ``idle_timeout``) ended counts too: a CLI that prints its
+        limit and then hangs has met the limit, and its attempt is not spent on it.
+        """
         passed = out.exit_code == 0 and self.folder.has_receipt()
-        if passed or out.timed_out:
+        if passed:
             return None
         return self.waits.limited(self.spec.agent, out.stdout_tail, out.stderr_tail, time.time())
 

@@ -7,8 +7,8 @@ prints the CLI's final JSON (``"type": "result"`` with ``session_id`` and
 FILE``, outside the dispatch root) is a JSON object read and updated under a
 lock, so that jobs running at once share it:
 
-- ``"limit": {"times": N, "stdout": TEXT, "stderr": TEXT, "exit": 1}``: the next N
-  starts print exactly what the real CLI prints at a usage limit, and exit;
+- ``"limit": {"times": N, "stdout": TEXT, "stderr": TEXT, "exit": 1, "hang_s": S}``: the next N
+  starts print exactly what the real CLI prints at a usage limit, and exit (after S seconds);
 - ``"limit_on_start": {"n": N, "after_s": S}``: the N-th start of all (counted in
   ``--count``) prints Claude's ``Claude AI usage limit reached|<now + S>`` and exits 1;
 - ``"work_s"``: take this long over the job (quietly);
@@ -82,6 +82,7 @@ def main() -> int:
                 sys.stderr.write(limit["stderr"] + "\n")
             sys.stdout.flush()
             sys.stderr.flush()
+            time.sleep(float(limit.get("hang_s", 0)))  # a CLI that prints its limit, then hangs
             return int(limit.get("exit", 1))
 
     on_start = plan.get("limit_on_start")
