@@ -174,17 +174,34 @@ def test_a_branch_that_exists_already_is_never_taken_over(env: Env, tmp_path: Pa
     assert git(repo, "rev-parse", "dispatch/TAKEN") == tip
 
 
-def test_an_id_git_refuses_as_a_branch_fails_without_a_workspace_to_name(env: Env, tmp_path: Path) -> None:
-    """`A..B` is a valid job id but not a branch name: the job fails without an attempt, and without a branch."""
+def test_ids_git_refuses_as_branch_names_run_on_a_branch_made_safe(env: Env, tmp_path: Path) -> None:
+    """`A..B`, `X.lock` and `E.` are valid job ids but no branch names: each runs on its own branch, `+` put
+    between two dots and after such an ending (never in a job id, so no two jobs share one); `Z_-.1` is as given."""
     repo = make_repo(tmp_path / "shop")
-    env.configure(agents={"coder": coder(env, repo, "--write", "src/c.py=x")})
-    env.drop(code_order("A..B"))
-    proc = env.cli("run", "--once", timeout=60)
-    result = env.result("A..B", "failed")
-    assert result["reason"].startswith("config: agent coder cannot start: workspace: git worktree:"), result["reason"]
-    assert result["attempts"] == [] and starts(env) == []
-    assert "workspace" not in result or result["workspace"] is None, result.get("workspace")
-    assert "job.failed" in proc.stdout and "workspace.seal_failed" not in proc.stdout + proc.stderr, proc.stdout
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/{job}.txt={job} was here")})
+    want = {"A..B": "dispatch/A.+.B", "X.lock": "dispatch/X.lock+", "E.": "dispatch/E.+", "Z_-.1": "dispatch/Z_-.1"}
+    for job_id in want:
+        env.drop(code_order(job_id))
+    proc = env.cli("run", "--once", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    for job_id, branch in want.items():
+        result = env.result(job_id, "done")
+        assert result["workspace"]["branch"] == branch, result["workspace"]
+        assert git(repo, "cat-file", "-p", f"{branch}:src/{job_id}.txt") == f"{job_id} was here"  # not read as a range
+    assert sorted(j for j, _n, _c in starts(env)) == sorted(want)
+
+
+def test_a_branch_template_that_makes_no_branch_name_is_a_config_error(env: Env, tmp_path: Path) -> None:
+    """`branch: 'a b/{job_id}'` can never name a branch: `validate` exits 2 naming the field."""
+    repo = make_repo(tmp_path / "shop")
+    agent = coder(env, repo, "--write", "src/c.py=x")
+    agent["workspace"] = {**agent["workspace"], "branch": "a b/{job_id}"}
+    env.configure(agents={"coder": agent})
+    proc = env.cli("validate")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("agents.coder.workspace.branch: makes no valid git branch name: holds ' '"), (
+        proc.stderr
+    )
 
 
 def test_a_retry_starts_again_from_base(env: Env, tmp_path: Path) -> None:

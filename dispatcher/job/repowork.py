@@ -32,6 +32,7 @@ from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import Row, State, landed_state
 from dispatcher.spec.jobspec import JobSpec
+from dispatcher.spec.repo import branch_for
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 
@@ -131,7 +132,7 @@ class JobRepo:
         base_ref = conf.base
         if self.spec.order.get("base") == "parent":
             base_ref = parent_head(self.layout, self.spec.parent, conf.git)
-        branch = conf.branch.replace("{job_id}", self.spec.job_id)
+        branch = branch_for(conf.branch, self.spec.job_id)
         ws = worktree.plan(self.folder.path, conf.git, base_ref, branch, self.layout.worktree(self.spec.job_id))
         gitview.absorb(ws)  # the last attempt's commits, if a crash came before they were taken
         if not worktree.is_ready(ws):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -168,16 +169,17 @@ def worktrees(repo: str) -> dict[str, dict[str, str]]:
 def _entries(ws: Workspace) -> list[tuple[Path, str | None]]:
     """Return the repository's worktree entries that may be this worktree's, with their ``gitdir`` (None: unwritten).
 
-    Git names an entry after the worktree's folder, with a digit added when the name is taken.
+    Git names an entry after the worktree's folder made a ref name's part (``_git_entry_name``),
+    with a digit added when the name is taken.
     """
-    name = os.path.basename(ws.path)
+    names = {os.path.basename(ws.path), _git_entry_name(os.path.basename(ws.path))}
     out: list[tuple[Path, str | None]] = []
     try:
         admins = list((common_dir(ws.repo) / "worktrees").iterdir())
     except FileNotFoundError:
         return out
     for admin in admins:
-        if not (admin.name == name or (admin.name.startswith(name) and admin.name[len(name) :].isdigit())):
+        if not any(admin.name == n or (admin.name.startswith(n) and admin.name[len(n) :].isdigit()) for n in names):
             continue
         try:
             out.append((admin, (admin / "gitdir").read_text().strip()))
@@ -186,6 +188,18 @@ def _entries(ws: Workspace) -> list[tuple[Path, str | None]]:
         except OSError:
             continue
     return out
+
+
+def _git_entry_name(folder: str) -> str:
+    """Return the name git gives the entry of a worktree folder named like a job id (``A..B`` -> ``A.B``).
+
+    As git's ``sanitize_refname_component`` does for the characters of a job id: a run of dots
+    is one dot, and a ``.lock`` ending goes, again and again (``X.lock`` -> ``X``).
+    """
+    name = re.sub(r"\.\.+", ".", folder)
+    while name.endswith(".lock"):
+        name = name[: -len(".lock")]
+    return name or "worktree"
 
 
 def _registered(ws: Workspace) -> bool:

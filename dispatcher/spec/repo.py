@@ -19,6 +19,40 @@ BWRAP = "bwrap"
 BWRAP_PACKAGE = "bubblewrap"
 
 
+_REF_BAD_CHARS = frozenset(" ~^:?*[\\\x7f")
+
+
+def branch_for(template: str, job_id: str) -> str:
+    """Return a job's branch: ``template`` with ``{job_id}`` made safe for a git ref name.
+
+    Every job id is a valid ref part but three kinds: with ``..``, or ending in ``.`` or
+    ``.lock``. ``+`` (never in a job id) goes between two dots and after such an ending:
+    ``A..B`` -> ``A.+.B``, ``X.lock`` -> ``X.lock+``; no two ids share a branch.
+    """
+    safe = job_id
+    while ".." in safe:
+        safe = safe.replace("..", ".+.")
+    if safe.endswith((".", ".lock")):
+        safe += "+"
+    return template.replace("{job_id}", safe)
+
+
+def branch_problem(name: str) -> str | None:
+    """Return why name is not a valid git branch name (``git check-ref-format --branch``), or None."""
+    if not name or name == "@":
+        return "empty" if not name else "@ alone"
+    if bad := sorted({c for c in name if c in _REF_BAD_CHARS or ord(c) < 32}):
+        return "holds " + ", ".join(repr(c) for c in bad)
+    for part, why in (("..", ".."), ("@{", "@{"), ("//", "//")):
+        if part in name:
+            return f"holds {why}"
+    if name.startswith("/") or name.endswith(("/", ".")):
+        return "starts with / or ends with / or ."
+    if any(p.startswith(".") or p.endswith(".lock") for p in name.split("/")):
+        return "a part starts with . or ends with .lock"
+    return None
+
+
 def build_repo_settings(name: str, spec: Mapping[str, Any], base: Path) -> RepoSettings:
     """Build an agent's section 15 settings from its config mapping; raise ConfigError naming the key."""
     ws = spec.get("workspace")
@@ -33,6 +67,9 @@ def build_repo_settings(name: str, spec: Mapping[str, Any], base: Path) -> RepoS
             raise ConfigError(
                 "must not start with -: git reads that as an option", field=f"agents.{name}.workspace.branch"
             )
+        problem = branch_problem(branch_for(branch, "X"))
+        if problem is not None:
+            raise ConfigError(f"makes no valid git branch name: {problem}", field=f"agents.{name}.workspace.branch")
         workspace = WorkspaceConf(
             os.path.normpath(base / os.path.expanduser(ws["git"])), ws.get("base", "HEAD"), branch
         )
