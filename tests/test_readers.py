@@ -164,3 +164,16 @@ def test_status_of_a_reader_who_cannot_open_the_daemons_lock_tells_by_its_proces
     info = json.loads(_as_reader(world, python, "status", "--json").stdout)
     assert [dm["alive"] for dm in info["daemons"] if dm["pid"] == d.proc.pid] == [False]
     assert "no daemon is running" in _as_reader(world, python, "status").stdout
+
+
+def test_a_user_who_may_not_read_the_ledger_gets_one_line_not_a_traceback(shared: Env) -> None:
+    """The root is reachable but its .state/ is not: `status`, `list`, `show` and `retry` each say so in one line
+    naming the file, never with a traceback."""
+    shared.drop(order("PRIV-1"))
+    assert shared.cli("run", "--once", timeout=60).returncode == 0
+    os.chmod(shared.root / ".state", 0o700)  # as a root made before the group was given: .state/ out of reach
+    for args in (("status",), ("list",), ("show", "PRIV-1"), ("retry", "PRIV-1")):
+        got = _as_reader(shared, interpreter(), *args)
+        assert got.returncode == 1, (args, got.returncode, got.stderr)
+        assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr, (args, got.stderr)
+        assert "ledger.sqlite3: Permission denied" in got.stderr, (args, got.stderr)

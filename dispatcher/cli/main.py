@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # `dispatcher show X --json | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    except OSError as exc:  # a file of the root this user may not read, say: one line, never a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(redact(f"{where}{exc.strerror or exc}"), file=sys.stderr)
+        code = 1
     if argv is None and args.command not in ("run", "web"):
         _leave(code)
     sys.exit(code)
