@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from conftest import Env
+from conftest import Env, order
 
 from dispatcher.text import may_hold_secret, redact
 
@@ -44,6 +44,23 @@ def test_an_error_about_the_ledger_shows_no_password(env: Env) -> None:
     assert status.returncode != 0 and status.stderr.count("\n") == 1
     assert "Hunter2Secret" not in status.stderr + status.stdout
     assert "postgresql://disp:***@127.0.0.1:1/ledger" in status.stderr, status.stderr
+
+
+def test_a_password_in_an_agents_command_is_never_shown(env: Env) -> None:
+    """An agent's argv with `https://bob:PASS@host` in it: result.json, attempt.json, `show` and `show --json`
+    (the argv and the failed attempt's stderr lines) name the URL with the password as `***`; the agent itself
+    gets it as written, and its stderr.log keeps what it wrote."""
+    secret = "TopSecretArg"  # noqa: S105 - the test's own secret
+    url = f"https://bob:{secret}@example.com/hook"
+    env.configure(agents={"worker": env.agent() | {"command": ["sh", "-c", 'echo "got $1" >&2; exit 2', "sh", url]}})
+    env.drop(order("SEC-1"))
+    env.cli("run", "--once", timeout=60)
+    folder = env.job_dir("SEC-1", "failed")
+    assert (folder / "attempts" / "1" / "stderr.log").read_text().strip() == f"got {url}"  # run as written
+    shown = env.cli("show", "SEC-1").stdout + env.cli("show", "SEC-1", "--json").stdout
+    for text in (shown, (folder / "result.json").read_text(), (folder / "attempts" / "1" / "attempt.json").read_text()):
+        assert secret not in text
+    assert "https://bob:***@example.com/hook" in shown
 
 
 def test_a_ledger_url_libpq_cannot_read_is_refused_without_quoting_its_password(env: Env) -> None:

@@ -30,6 +30,7 @@ from dispatcher.clock import iso
 from dispatcher.job.runner import AgentProcess
 from dispatcher.lifecycle import Stop
 from dispatcher.spec.settings import Hook
+from dispatcher.text import redact
 
 PLACEHOLDERS = ("job_id", "workspace", "branch", "head", "result")
 _RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
@@ -69,7 +70,7 @@ class HookRun:
         """Return the run as plain JSON values (recorded in the job folder)."""
         return {
             "hook": self.name,
-            "argv": list(self.argv),
+            "argv": [redact(a) for a in self.argv],  # a password in a URL of the command is shown as ***
             "ok": self.ok,
             "exit_code": self.exit_code,
             "timed_out": self.timed_out,

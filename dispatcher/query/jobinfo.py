@@ -21,6 +21,7 @@ from dispatcher.query.report import read_order_file
 from dispatcher.spec.jobspec import total_cost
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
+from dispatcher.text import redact
 
 #: lines of a failed attempt's stderr that `show` prints
 TAIL_LINES = 10
@@ -30,10 +31,10 @@ _MAX_DEPTH = 64
 
 
 def log_tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
-    """Return the last lines of a log as printable text (control characters escaped); [] if unreadable."""
+    """Return the last lines of a log as printable text (control characters escaped, passwords ``***``), or []."""
     text = fsutil.read_tail(path, _TAIL_BYTES).decode("utf-8", "replace")
     kept = [line for line in text.splitlines() if line.strip()][-lines:]
-    return [printable(line if len(line) <= _LINE_MAX else line[:_LINE_MAX] + "...") for line in kept]
+    return [redact(printable(line if len(line) <= _LINE_MAX else line[:_LINE_MAX] + "...")) for line in kept]
 
 
 def _failed_attempt(attempt: dict[str, Any], last: bool, job_failed: bool) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, TypeGuard
 
 from dispatcher.clock import iso, parse_iso
 from dispatcher.spec.settings import Agent
+from dispatcher.text import redact
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ class Attempt:
             "exit_code": self.exit_code,
             "timed_out": self.timed_out,
             "duration_ms": self.duration_ms,
-            "argv": list(self.argv),
+            "argv": [redact(a) for a in self.argv],  # a password in a URL of the command is shown as ***
             "host": self.host,
             "cost_usd": self.cost_usd,
         }
