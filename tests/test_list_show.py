@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, order
+from conftest import Env, order, wait_until
 from test_lifecycle import make_env
 
 from dispatcher.layout import Layout
@@ -236,3 +237,26 @@ def test_show_text_has_no_python_notation(root: Env, job_id: str) -> None:
         text = root.cli(*args, check=True).stdout
         for python in PYTHON_NOTATION:
             assert python not in text, text
+
+
+def test_a_retried_job_back_in_active_is_as_old_as_its_return_not_its_first_claim(env: Env) -> None:
+    """A job claimed ten minutes ago, failed, then retried: in active/ again, `list` and `status` give it the age
+    of its return (seconds), not of its first claim, and `list` sorts it as new."""
+    env.configure(agents={"worker": env.agent("--exit", "1")})
+    env.drop(order("OLD-1"))
+    env.cli("run", "--once", timeout=60)
+    folder = env.job_dir("OLD-1", "failed")
+    spec = json.loads((folder / "job.json").read_text())
+    spec["received"] -= 600  # as if claimed ten minutes ago
+    (folder / "job.json").write_text(json.dumps(spec))
+    old = spec["received"]
+    os.utime(folder / "job.json", (old, old))
+    env.configure(agents={"worker": env.agent("--sleep", "30")}, kill_grace=0.5)
+    assert env.cli("retry", "OLD-1").returncode == 0
+    d = env.daemon()
+    wait_until(lambda: (env.root / "active" / "OLD-1" / "attempts" / "2").is_dir(), what="attempt 2")
+    rows = [json.loads(x) for x in env.cli("list", "--state", "active", "--json", check=True).stdout.splitlines()]
+    assert [r["job_id"] for r in rows] == ["OLD-1"] and rows[0]["age_s"] < 60, rows
+    active = json.loads(env.cli("status", "--json", check=True).stdout)["active"]
+    assert [a["job_id"] for a in active] == ["OLD-1"] and active[0]["age_s"] < 60, active
+    d.stop()

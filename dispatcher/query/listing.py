@@ -7,8 +7,9 @@ from the ledger (agent, cost and the time they finished) without opening their
 is only there), refused files from theirs.
 
 A row's age is the time since it entered its state: an order's modification
-time in inbox/ or held/, a job's claim in active/, its finish in review/,
-done/ or failed/, a file's refusal.
+time in inbox/ or held/, a job's claim in active/ (or its return there: a retry,
+a revision, a join let go, a usage limit's wait), its finish in review/, done/ or
+failed/, a file's refusal.
 """
 
 from __future__ import annotations
@@ -111,13 +112,14 @@ def _active(
             yield _row(de.name, state.value, spec.agent.name, spec.received, folder.path, reason=reason)
             continue
         cost = total_cost(folder.attempts())
+        since = folder.in_state_since(spec)  # a retried, revised or joined job: since it came back
         if gated:
             until = held[de.name]
             shown = iso(until) if until is not None else None
-            row = _row(de.name, "waiting", spec.agent.name, spec.received, folder.path, cost_usd=cost)
+            row = _row(de.name, "waiting", spec.agent.name, since, folder.path, cost_usd=cost)
             yield row | {"until": shown, "reason": f"until {shown or 'resumed'}"}
             continue
-        yield _row(de.name, state.value, spec.agent.name, spec.received, folder.path, cost_usd=cost)
+        yield _row(de.name, state.value, spec.agent.name, since, folder.path, cost_usd=cost)
 
 
 def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None) -> Iterator[dict[str, Any]]:

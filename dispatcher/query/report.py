@@ -81,7 +81,7 @@ def active_jobs(layout: Layout, ledger: Ledger | None, daemons: list[DaemonInfo]
         try:
             spec = folder.spec()
             agent: str | None = spec.agent.name
-            received: float | None = spec.received
+            received: float | None = folder.in_state_since(spec)
         except ValueError:
             agent, received = None, None
         entry = rows.get(job_id)

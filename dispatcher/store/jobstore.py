@@ -97,6 +97,17 @@ class JobFolder:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{JOB_FILE} is missing or damaged ({type(exc).__name__})") from None
 
+    def in_state_since(self, spec: JobSpec) -> float:
+        """Return when the job entered its state: its claim, or the last time its spec was written since.
+
+        ``job.json`` is written again when a retry, a revision or a join's release puts the job
+        back in active/, and when a usage limit makes it wait: its age counts from then.
+        """
+        try:
+            return max(spec.received, os.stat(f"{self.path}/{JOB_FILE}").st_mtime)
+        except OSError:
+            return spec.received
+
     def has_receipt(self) -> bool:
         """Return True if work/receipt.json exists as any entry (a link or FIFO too: it is never followed)."""
         return os.path.lexists(f"{self.work_dir}/receipt.json")
