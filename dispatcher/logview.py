@@ -24,6 +24,7 @@ _FIRST = ("timestamp", "level", "event", "job_id", "agent", "exception")
 _PRIORITY = re.compile(r"<[0-7]>")
 POLL_S = 0.2
 SWITCH_QUIET_S = 1.0  # a rotated file this long without a new line is done with
+HEAD_BYTES = 256  # how much of a followed file's first line is kept to see it rewritten
 
 
 def format_line(event: Mapping[str, Any]) -> str:
@@ -135,6 +136,7 @@ def read_file(path: Path, *, follow: bool) -> Iterator[str]:
     if f is None and not follow:
         return
     partial = b""
+    head = b""  # the file's first line as read from its top: another one there later means truncated and rewritten
     last_data = time.monotonic()
     try:
         while True:
@@ -142,9 +144,12 @@ def read_file(path: Path, *, follow: bool) -> Iterator[str]:
                 time.sleep(POLL_S)
                 f = _open(path)
                 continue
+            top = f.tell() == 0
             chunk = f.readline()
             if chunk:
                 last_data = time.monotonic()
+            if top and chunk.endswith(b"\n"):
+                head = chunk[:HEAD_BYTES]
             if chunk.endswith(b"\n"):
                 yield (partial + chunk).decode("utf-8", "replace")
                 partial = b""
@@ -154,15 +159,18 @@ def read_file(path: Path, *, follow: bool) -> Iterator[str]:
                 if partial:
                     yield partial.decode("utf-8", "replace")
                 return
-            change = _change(f, path)
+            change = _change(f, path, head)
             if change == "replaced" and time.monotonic() - last_data >= SWITCH_QUIET_S:
                 f.close()
-                f, partial = _open(path), b""
+                f, partial, head = _open(path), b"", b""
             elif change == "truncated":
                 f.seek(0)
-                partial = b""
+                partial, head = b"", b""
             else:
                 time.sleep(POLL_S)
+                if head and os.pread(f.fileno(), len(head), 0) != head:  # truncated and written again meanwhile
+                    f.seek(0)
+                    partial, head = b"", b""
     finally:
         if f is not None:
             f.close()
@@ -178,8 +186,9 @@ def _open(path: Path) -> IO[bytes] | None:
         raise DispatchError(f"{path}: cannot read: {exc.strerror}") from None
 
 
-def _change(f: IO[bytes], path: Path) -> str | None:
-    """Return 'replaced' (a new file at path), 'truncated' (this file shrank) or None."""
+def _change(f: IO[bytes], path: Path, head: bytes = b"") -> str | None:
+    """Return 'replaced' (a new file at path), 'truncated' (this file shrank, or its first line is not ``head``
+    any more: truncated and written past where it was read to between two looks) or None."""
     mine = os.fstat(f.fileno())
     try:
         now = os.stat(path)
@@ -187,6 +196,6 @@ def _change(f: IO[bytes], path: Path) -> str | None:
         return None  # renamed away and not made again yet: the writer may still append to the old one
     if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
         return "replaced"
-    if mine.st_size < f.tell():
+    if mine.st_size < f.tell() or (head and os.pread(f.fileno(), len(head), 0) != head):
         return "truncated"
     return None

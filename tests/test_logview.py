@@ -374,6 +374,24 @@ def test_logs_follow_starts_over_after_copytruncate(tmp_path: Path) -> None:
         f.close()
 
 
+def test_logs_follow_loses_nothing_when_a_truncated_file_grows_back_past_where_it_was_read(tmp_path: Path) -> None:
+    """copytruncate, then more bytes written at once than were read before, all between two looks: every new
+    line is printed, the first included (the file's first line is not the one read from its top any more)."""
+    path = tmp_path / "d.log"
+    append(path, "e1")
+    f = Follower(path)
+    try:
+        assert "e1" in f.line()
+        time.sleep(0.5)  # at the end of the file, looking every 0.2 s
+        with path.open("r+b") as fh:  # truncated and written again in one go, between two looks
+            fh.truncate(0)
+            fh.write("".join(json.dumps(entry(e)) + "\n" for e in ("e2", "e3")).encode())
+        assert "e2" in f.line()
+        assert "e3" in f.line()
+    finally:
+        f.close()
+
+
 def test_a_log_file_that_cannot_be_opened_stops_run_with_one_line(env: Env) -> None:
     """`run` with an unusable log_file exits 2 with one line naming log_file, no traceback, and runs no agent."""
     blocker = env.tmp / "not-a-folder"
