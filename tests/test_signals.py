@@ -260,6 +260,22 @@ def notify_socket() -> Iterator[tuple[NotifyListener, dict[str, str]]]:
         sock_dir.rmdir()
 
 
+def test_a_stop_while_start_up_waits_for_the_ledger_says_stopping_and_never_ready(env: Env) -> None:
+    """SIGTERM while start-up waits for a ledger out of reach: STOPPING=1 and `daemon.stopping` as for any
+    stop, never READY=1, and exit 0 (nothing was claimed)."""
+    env.configure(ledger="postgresql://disp@127.0.0.1:1/ledger", lease=6)
+    with notify_socket() as (listener, extra):
+        d = env_daemon(env, extra)
+        time.sleep(2)  # start-up waits for the ledger
+        d.signal(signal.SIGTERM)
+        assert d.wait(30) == 0
+        listener.wait_line(lambda line: line == "STOPPING=1", 10)
+        assert not listener.times("READY=1")
+    names = [e["event"] for e in d.events()]
+    assert "daemon.stopping" in names and names.index("daemon.stopping") < names.index("daemon.stopped"), names
+    assert "daemon.ready" not in names
+
+
 def test_systemd_ready_comes_after_recovery_has_ended_orphans(env: Env) -> None:
     """READY=1 is sent only once recovery has ended an agent orphaned by kill -9."""
     env.configure(

@@ -93,7 +93,11 @@ class Daemon(Reloading, Fencing):
             except Exception:
                 if not self._stop_asked():
                     raise
-                log.info("daemon.stopped", reason="a stop came before the ledger could be reached")
+                # a stop given up start-up (the ledger out of reach, a shortage): said as any stop is, no READY=1
+                signum = next((sig for sig in self._signals if sig != signal.SIGHUP), signal.SIGTERM)
+                self.notifier.stopping()
+                log.info("daemon.stopping", signal=signal.Signals(signum).name, running=0)
+                log.info("daemon.stopped", reason="a stop came during start-up, before any job was claimed")
                 return 0  # nothing was claimed: there is nothing to recover
             while not self.should_exit():
                 await self.wait()
