@@ -145,3 +145,18 @@ def test_when_an_attempt_started_without_a_record(tmp_path: Path) -> None:
     started = folder.attempt_started(2)
     assert started is not None and before - 1 <= started <= time.time() + 1
     assert folder.attempt_started(9) is None
+
+
+def test_an_attempt_noted_at_its_start_keeps_that_start_when_its_folder_changes_later(tmp_path: Path) -> None:
+    """The boot-clock start noted on stdout.log is read back as wall time: a file added to attempts/<n>/ later
+    (the attempt's record written after a full disk let it) does not move the start to then."""
+    folder = job_folder(tmp_path, "J-7")
+    folder.begin_attempt(1)
+    folder.make_logs(1)
+    noted_at = time.time()
+    folder.note_agent(1, os.getpid())
+    assert folder.pid_record(1) is not None, "tmp_path's filesystem keeps no user extended attributes"
+    time.sleep(1.5)
+    (folder.path / "attempts" / "1" / "attempt.json").write_text("{}")  # the folder changes 1.5 s later
+    started = folder.attempt_started(1)
+    assert started is not None and abs(started - noted_at) < 0.3, (started, noted_at)

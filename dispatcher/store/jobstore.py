@@ -175,10 +175,24 @@ class JobFolder:
         return Result.from_json(data) if isinstance(data, dict) else None
 
     def attempt_started(self, n: int) -> float | None:
-        """Return when attempt n started (wall clock): its running record's, else when attempts/<n>/ last changed."""
+        """Return when attempt n started (wall clock): its running record's, else when attempts/<n>/ last changed.
+
+        The record noted on stdout.log holds the start on the boot clock: it is read back as wall
+        time when it is of this boot (never later than the log's last change); attempts/<n>/ may
+        have changed long after the start (a full disk held the attempt's record back).
+        """
         info = self.pid_record(n)
         if info is not None and isinstance(info.get("started"), int | float):
             return float(info["started"])
+        boot = info.get("boot_started") if info is not None else None
+        if isinstance(boot, int | float):
+            wall = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - boot)
+            try:
+                noted = os.stat(f"{self._attempts}/{n}/stdout.log").st_ctime  # the note's own change, or a later one
+            except OSError:
+                noted = None
+            if noted is not None and wall <= noted + 1.0:  # of an earlier boot it would come after every change
+                return wall
         try:
             return os.stat(f"{self._attempts}/{n}").st_mtime  # its logs are made just before the agent starts
         except OSError:
