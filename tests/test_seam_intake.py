@@ -69,6 +69,23 @@ def test_a_known_id_is_refused_into_failed_with_a_timestamped_folder(tmp_path: P
     assert os.listdir(s.layout.inbox) == []
 
 
+def test_the_same_order_dropped_again_under_its_name_while_its_job_runs_is_refused(tmp_path: Path) -> None:
+    """The very bytes under the very name the running job was claimed from, as a new file: not the job's own
+    (another inode), so refused as known at once, never left in inbox/ as a claim under way."""
+    with open_seam(tmp_path) as s:
+        started = s.started("J1")
+        data = (started.folder.path / "order.json").read_bytes()
+        name = s.drop(data, "J1.json")  # same name, same bytes, a new inode
+        [answer] = s.claim(name)
+        [folder] = [p for p in (s.layout.root / "failed").iterdir() if p.name.startswith("J1@")]
+        result = json.loads((folder / "result.json").read_text())
+    assert answer == Refused("J1.json", "J1")
+    assert "already known (state claimed)" in result["reason"]
+    assert (folder / "order.json").read_bytes() == data
+    assert os.listdir(s.layout.inbox) == []
+    assert (s.layout.root / "active" / "J1" / "order.json").read_bytes() == data  # the job's own untouched
+
+
 def test_a_file_replaced_after_it_was_read_is_skipped_and_left_in_inbox(tmp_path: Path) -> None:
     """A file whose name now holds another file (a new inode) is Skipped, stays in inbox/ and is not claimed."""
     with open_seam(tmp_path) as s:

@@ -256,9 +256,14 @@ def claim(
                     out[i] = Skipped(pick.item.name, retry_later=True)
                 else:
                     out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
+            case Busy(entry=entry) if not no_folder:
+                # claimed under this very name with these very bytes, but its job folder is in place and this
+                # file is not the one it holds (``_drop_twin`` said so): the same order dropped again, refused
+                placing.drop_stage(stage)
+                out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
             case Busy(entry=entry):
                 placing.drop_stage(stage)
-                orphan = no_folder and entry.owner == owner and _give_back_orphan(layout, ledger, pick.item, entry)
+                orphan = entry.owner == owner and _give_back_orphan(layout, ledger, pick.item, entry)
                 out[i] = Skipped(pick.item.name, retry_later=orphan)  # given back: claimed again in a moment
     # every claimed folder is whole on disk before any is renamed into active/ (whose fsync is
     # once per batch): a power cut must not leave active/<id> without its job.json, work/ or order
