@@ -90,9 +90,9 @@ def test_an_epoch_limit_waits_then_runs_again_without_spending_an_attempt(env: E
 
 
 @pytest.mark.parametrize("ended_by", ["timeout", "idle_timeout"])
-def test_a_limit_printed_by_an_agent_that_then_hangs_is_a_limit_not_an_attempt(env: Env, ended_by: str) -> None:
-    """An agent prints its usage limit and hangs until its timeout (or idle_timeout) ends it: a limit all the
-    same, so the job waits, runs again, and is done with max_attempts 1."""
+def test_an_attempt_its_timeout_ended_is_timed_out_whatever_limit_its_output_names(env: Env, ended_by: str) -> None:
+    """An agent prints a usage limit and hangs until its timeout (or idle_timeout) ends it: the limit did not end
+    the attempt, so it is judged as timed out (it may have worked until then) and spent, not waited out."""
     until = int(time.time()) + 4
     limit = {"times": 1, "stdout": f"Claude AI usage limit reached|{until}", "exit": 1, "hang_s": 60}
     settings: dict[str, Any] = {"timeout": 2} if ended_by == "timeout" else {"idle_timeout": 2}
@@ -100,11 +100,11 @@ def test_a_limit_printed_by_an_agent_that_then_hangs_is_a_limit_not_an_attempt(e
     d = env.daemon()
     d.wait_ready()
     env.drop(order("HANG-1"))
-    result = env.wait_job("HANG-1", "done", timeout=90)
-    first, second = result["attempts"]
-    assert first["timed_out"] is True and first["limited"]["text"] == f"Claude AI usage limit reached|{until}"
-    assert second["exit_code"] == 0
-    assert len(events(d, "agent.limited", job_id="HANG-1")) == 1
+    result = env.wait_job("HANG-1", "failed", timeout=90)
+    [first] = result["attempts"]
+    assert first["timed_out"] is True and "limited" not in first, first
+    assert result["reason"].startswith("exit_ok: timed out") and "not retried" in result["reason"], result["reason"]
+    assert not events(d, "agent.limited", job_id="HANG-1")
     assert d.stop() == 0
 
 

@@ -77,11 +77,12 @@ class Deciding(abc.ABC):
     def _limit_of(self, out: AgentExit) -> LimitHit | None:
         """Return the usage limit an attempt that did not pass met, or None.
 
-        An attempt its timeout (or ``idle_timeout``) ended counts too: a CLI that prints its
-        limit and then hangs has met the limit, and its attempt is not spent on it.
+        Not for an attempt its timeout (or ``idle_timeout``) ended: the limit did not end it, it
+        may have worked until then (a rerun needs ``retry_safe`` or the probe), and an old
+        "try again in N s" in its output would make every such attempt free, for ever.
         """
         passed = out.exit_code == 0 and self.folder.has_receipt()
-        if passed:
+        if passed or out.timed_out:
             return None
         return self.waits.limited(self.spec.agent, out.stdout_tail, out.stderr_tail, time.time())
 
