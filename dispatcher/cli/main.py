@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
     except OSError as exc:  # a file of the root this user may not read, say: one line, never a traceback
+        if args.command in ("run", "web"):
+            raise  # a daemon's own: its traceback is what tells what went wrong
         where = f"{exc.filename}: " if exc.filename else ""
         print(redact(f"{where}{exc.strerror or exc}"), file=sys.stderr)
         code = 1

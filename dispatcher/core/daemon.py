@@ -254,7 +254,7 @@ class Daemon(Reloading, Fencing):
         if self.once:
             # `run --once` leaves them, as orders due later: unread orders, and claimed jobs (a retry, a
             # revision, a recovered job) set aside in active/ for a pause or a gate beyond max_limit_wait
-            # and files it can never take (made immutable, unreadable): logged at the exit, which is then 1
+            # and files it can never take (made immutable): logged at the exit, which is then 1
             aside = self.sched.aside
             names = intake.stuck_names()
             stuck = len(self.inbox.tracked(names)) if names else 0

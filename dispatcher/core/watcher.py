@@ -107,8 +107,13 @@ class Inbox:
         return len(self._known) - len(self._later_names)
 
     def tracked(self, names: Iterable[str]) -> list[str]:
-        """Return those of names this inbox still tracks (waiting, ready or being handled)."""
-        return [name for name in names if name in self._known]
+        """Return those of names ``len(self)`` counts: waiting to settle, ready or being handled (not due later
+        and not set aside for a gate, which callers count on their own)."""
+        return [
+            name
+            for name in names
+            if name in self._known and name not in self._later_names and name not in self._aside_names
+        ]
 
     def hint(self, kind: str, name: str) -> None:
         """Take one filesystem event into account; wake the loop when a turn may act on it.

@@ -103,7 +103,7 @@ class Deciding(abc.ABC):
             await self._persist(self.folder.record_attempt, replace(record, retry_next=False))
             reason = f"limit: {hit.text}; waiting until {iso(hit.until)} is beyond max_limit_wait ({bound:g} s)"
             return await self.finish(Row.FAILED, reason, [])
-        self.spec = replace(self.spec, budget=self.spec.budget + 1)  # this attempt is not counted
+        self.spec = replace(self.spec, budget=self.spec.budget + 1, since=time.time())  # not counted; waits from now
         await self._persist(self.folder.write_spec, self.spec)
         await self._persist(self.folder.record_attempt, record)
         return None

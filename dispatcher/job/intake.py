@@ -352,8 +352,8 @@ GIVE_UP_TRIES = 4  # `run --once` leaves a file that met an error of its own thi
 def stuck_names() -> dict[str, int]:
     """Return the inbox names that met an error of their own at least ``GIVE_UP_TRIES`` times, with the count.
 
-    `run --once` ends without them (exit 1): a file it can never take (made immutable, or
-    unreadable to the daemon's user) would keep it running for ever.
+    `run --once` ends without them (exit 1): a file it can never take (made immutable: it can be
+    neither linked nor moved) would keep it running for ever.
     """
     return {name: n for name, n in _FAILED.copy().items() if n >= GIVE_UP_TRIES}  # copied whole: lanes write it
 

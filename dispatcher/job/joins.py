@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -275,7 +275,7 @@ class Joins:
             f.write(data)
             os.fsync(f.fileno())
         os.replace(tmp, folder.work / PARENTS)
-        folder.write_spec(spec.with_given(PARENTS, fsutil.digest(data)), sync=True)
+        folder.write_spec(replace(spec.with_given(PARENTS, fsutil.digest(data)), since=time.time()), sync=True)
         fsutil.rename_noreplace(folder.path, self.layout.job(State.ACTIVE, wait.job_id))
         fsutil.fsync_dir(self.layout.folder(State.ACTIVE))
         faults.point("join.moved")

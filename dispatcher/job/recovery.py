@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -216,6 +218,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     if agent.repair and failed_checks and os.path.isdir(folder.work):
         # repair applies to the first new attempt too: it gets the checks the last one failed
         spec = spec.with_given("feedback.json", folder.give_feedback(last, failed_checks))
+    spec = replace(spec, since=time.time())  # back in active/ from now: its age
     folder.write_spec(spec, sync=True)
     fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -100,7 +102,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     kept = folder.attempts_dir / str(last) / KEPT_NOTE
     if not os.path.lexists(kept):
         fsutil.write_atomic(kept, data, sync=True)
-    folder.write_spec(spec, sync=True)
+    folder.write_spec(replace(spec, since=time.time()), sync=True)  # back in active/ from now: its age
     fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))
     faults.point("revise.moved")

@@ -39,6 +39,7 @@ class JobSpec:
     order: Mapping[str, Any]  # the validated order, with parent and hops
     parent_chain_cost_usd: float | None = None
     claimed: float | None = None  # Unix time of the claim that placed the job (None in a job.json from before)
+    since: float | None = None  # when it last came back to active/: a retry, a revision, a join let go, a limit's wait
 
     def to_json(self) -> dict[str, Any]:
         """Return the spec as plain JSON values (to be encoded: its agent's part is shared, never change it)."""
@@ -57,6 +58,7 @@ class JobSpec:
             "order": dict(self.order),
             "parent_chain_cost_usd": self.parent_chain_cost_usd,
             "claimed": self.claimed,
+            "since": self.since,
         }
 
     @classmethod
@@ -77,6 +79,7 @@ class JobSpec:
             order=dict(data.get("order") or {}),
             parent_chain_cost_usd=data.get("parent_chain_cost_usd"),
             claimed=_time_or_none(data.get("claimed")),
+            since=_time_or_none(data.get("since")),
         )
 
     def with_agent(self, agent: Agent, budget: int) -> JobSpec:

@@ -97,16 +97,10 @@ class JobFolder:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{JOB_FILE} is missing or damaged ({type(exc).__name__})") from None
 
-    def in_state_since(self, spec: JobSpec) -> float:
-        """Return when the job entered its state: its claim, or the last time its spec was written since.
-
-        ``job.json`` is written again when a retry, a revision or a join's release puts the job
-        back in active/, and when a usage limit makes it wait: its age counts from then.
-        """
-        try:
-            return max(spec.received, os.stat(f"{self.path}/{JOB_FILE}").st_mtime)
-        except OSError:
-            return spec.received
+    @staticmethod
+    def in_state_since(spec: JobSpec) -> float:
+        """Return when the job entered its state: its claim, or its last return to active/ since (``spec.since``)."""
+        return spec.since if spec.since is not None else spec.received
 
     def has_receipt(self) -> bool:
         """Return True if work/receipt.json exists as any entry (a link or FIFO too: it is never followed)."""
@@ -134,12 +128,16 @@ class JobFolder:
     def pid_record(self, n: int) -> dict[str, Any] | None:
         """Return the running record of attempt n ({pid, boot_started[, started]}), or None.
 
-        The agent's pid and start on the boot clock, noted on its stdout.log (``note_agent``);
+        The agent's pid and start on the boot clock (and on the wall clock: ``started``), noted on its
+        stdout.log as an extended attribute (``note_agent``);
         else one an older daemon wrote in attempt.json (or ``pid``).
         """
         try:
-            pid, boot = os.getxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR).split()
-            return {"pid": int(pid), "boot_started": float(boot)}
+            pid, boot, *wall = os.getxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR).split()
+            record: dict[str, Any] = {"pid": int(pid), "boot_started": float(boot)}
+            if wall:  # noted since the wall clock was added: the start as attempt.json would have it
+                record["started"] = float(wall[0])
+            return record
         except (OSError, ValueError):
             pass
         for name in ("attempt.json", "pid"):  # "pid": jobs from before the record moved into attempt.json
@@ -149,7 +147,7 @@ class JobFolder:
         return None
 
     def note_agent(self, n: int, pid: int) -> None:
-        """Note attempt n's agent (its pid and start on the boot clock) on its stdout.log, as an extended attribute.
+        """Note attempt n's agent (its pid, its start on the boot clock and on the wall clock) on its stdout.log.
 
         One system call, no file and no fsync (a power cut ends the agent too): after a crash
         of the daemon, recovery finds the agent's group by it even when the agent cleared the
@@ -158,7 +156,8 @@ class JobFolder:
         """
         try:  # (not contextlib.suppress: three calls more at every agent's start)
             boot = time.clock_gettime(time.CLOCK_BOOTTIME)
-            os.setxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR, f"{pid} {boot:.3f}".encode())
+            note = f"{pid} {boot:.3f} {time.time():.3f}"
+            os.setxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR, note.encode())
         except OSError:
             return
 
@@ -177,22 +176,12 @@ class JobFolder:
     def attempt_started(self, n: int) -> float | None:
         """Return when attempt n started (wall clock): its running record's, else when attempts/<n>/ last changed.
 
-        The record noted on stdout.log holds the start on the boot clock: it is read back as wall
-        time when it is of this boot (never later than the log's last change); attempts/<n>/ may
-        have changed long after the start (a full disk held the attempt's record back).
+        The record noted on stdout.log at the spawn holds the start on the wall clock (on any host);
+        attempts/<n>/ may have changed long after it (a full disk held the attempt's record back).
         """
         info = self.pid_record(n)
         if info is not None and isinstance(info.get("started"), int | float):
             return float(info["started"])
-        boot = info.get("boot_started") if info is not None else None
-        if isinstance(boot, int | float):
-            wall = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - boot)
-            try:
-                noted = os.stat(f"{self._attempts}/{n}/stdout.log").st_ctime  # the note's own change, or a later one
-            except OSError:
-                noted = None
-            if noted is not None and wall <= noted + 1.0:  # of an earlier boot it would come after every change
-                return wall
         try:
             return os.stat(f"{self._attempts}/{n}").st_mtime  # its logs are made just before the agent starts
         except OSError:
