@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -729,3 +730,33 @@ def test_a_crash_before_a_hard_linked_orders_inbox_name_goes_drops_that_twin_at_
     assert env.result("TWIN-1", "done")["state"] == "done" and env.refusals() == []
     assert not (env.root / "inbox" / "TWIN-1.json").exists() and draft.read_bytes() == data
     assert [e for e in again.stdout.splitlines() if "order.twin_dropped" in e]
+
+
+# -- inbox/ itself removed or moved away ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["removed and made again", "moved away and made again", "removed"])
+def test_inbox_removed_or_moved_away_is_watched_again_at_once(env: Env, how: str) -> None:
+    """inbox/ removed (and made again by hand, or not) or moved away under a running daemon: the watch says so
+    (`watcher.restarted`), inbox/ is there again, and an order renamed in is picked up in seconds, not at the
+    next rescan (30 s here); a file written into the folder moved away is never taken for one in inbox/."""
+    env.configure(rescan_interval=30)
+    d = env.daemon()
+    d.wait_ready()
+    inbox = env.root / "inbox"
+    if how == "moved away and made again":
+        inbox.rename(env.root / "inbox.old")
+        inbox.mkdir()
+    else:
+        shutil.rmtree(inbox)
+        if how == "removed and made again":
+            inbox.mkdir()
+    wait_until(inbox.is_dir, 10, "inbox/ made again")
+    d.wait_event("watcher.restarted", timeout=10)
+    if how == "moved away and made again":
+        (env.root / "inbox.old" / "WATCH-1.json").write_text("junk\n")  # an event of the old folder: no file here
+    t0 = time.monotonic()
+    env.drop(plain("WATCH-1"))
+    env.wait_job("WATCH-1", "done", timeout=60)
+    assert time.monotonic() - t0 < 10, "picked up only by a rescan"
+    assert d.stop() == 0

@@ -24,7 +24,7 @@ import structlog
 from dispatcher import early, procs, storage
 from dispatcher.core import announce, startup
 from dispatcher.core.fencing import Fencing
-from dispatcher.core.fsevents import start_watch
+from dispatcher.core.fsevents import InotifyWatch, ObserverWatch, start_watch
 from dispatcher.core.gatekeeper import GateKeeper, gated_agents
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper
@@ -75,6 +75,8 @@ class Daemon(Reloading, Fencing):
         self._wake: Wakeup | None = None
         self._next_rescan = 0.0
         self._next_watchdog = 0.0
+        self.watch: InotifyWatch | ObserverWatch | None = None  # None: `watch: poll`, or inotify out of reach
+        self._watch_error: str | None = None  # why the watch of inbox/ could not start, once logged
 
     # -- lifecycle -------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -194,9 +196,7 @@ class Daemon(Reloading, Fencing):
         )  # fmt: skip
         announce.config_findings(self.config)
         announce.other_daemons(self.ledger, self.owner, self.config.metrics_file)
-        self.watch = (
-            None if self.config.watch == "poll" else start_watch(self.layout.inbox, self.layout.control, self.hint)
-        )
+        self._check_watch(first=True)  # inotify (or, short of it, the rescans every poll_interval)
         self.inbox.merge(await self.lanes.scan(list_inbox, self.layout.inbox))
         await repowork.housekeep(self.layout, self.lanes, self.config, self.notify, startup=True)
         await self.gatekeeper.refresh()  # gates survive restarts: known before any job starts
@@ -422,7 +422,8 @@ class Daemon(Reloading, Fencing):
         return max(0.0, min(waits))
 
     def _rescan_interval(self) -> float:
-        return self.config.poll_interval_s if self.config.watch == "poll" else self.config.rescan_interval_s
+        polled = self.config.watch == "poll" or self.watch is None  # (a watch that could not start: polled)
+        return self.config.poll_interval_s if polled else self.config.rescan_interval_s
 
     def _config(self) -> Config:
         return self.config
@@ -430,11 +431,29 @@ class Daemon(Reloading, Fencing):
     def _stopping(self) -> bool:
         return self.stopping
 
-    def _check_watch(self) -> None:
-        """Restart the watch of inbox/ if it died (the rescan's check)."""
-        if self.watch is not None and not self.watch.alive():
-            log.error("watcher.restarted")
+    def _check_watch(self, *, first: bool = False) -> None:
+        """Start (``first``) or restart the watch of inbox/: it died, or inbox/ was removed or moved away.
+
+        The rescan's check. A missing inbox/ is made again. A watch that cannot start (no inotify instance left) leaves
+        the rescans, every ``poll_interval``, to notice files until it can.
+        """
+        if self.config.watch == "poll" or (self.watch is not None and self.watch.alive()):
+            return
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        try:
+            for folder in (self.layout.inbox, self.layout.control):
+                os.makedirs(folder, exist_ok=True)
             self.watch = start_watch(self.layout.inbox, self.layout.control, self.hint)
+        except OSError as exc:
+            if self._watch_error != exc.strerror:
+                log.error("watcher.failed", error=exc.strerror or str(exc), poll_interval=self.config.poll_interval_s)
+            self._watch_error = exc.strerror
+            return
+        if not first or self._watch_error is not None:
+            log.error("watcher.restarted", reason="inbox/ was removed, moved away or its watch died: watched again")
+        self._watch_error = None
 
     def _status(self) -> None:
         """Tell systemd what runs and waits (asked only when it listens: ``notifier.enabled``)."""

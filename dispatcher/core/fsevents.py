@@ -21,7 +21,9 @@ from pathlib import Path
 # <sys/inotify.h>
 IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
 IN_CREATE, IN_DELETE, IN_Q_OVERFLOW, IN_IGNORED = 0x100, 0x200, 0x4000, 0x8000
+IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
 _MASK = IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED  # the watched folder itself was removed or moved away
 _HEADER = struct.Struct("iIII")
 _HEADER_SIZE = _HEADER.size
 _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()  # os.fsdecode's
@@ -38,8 +40,9 @@ class InotifyWatch:
         if self._fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1 failed")
         self._wds: dict[int, str] = {}
+        self.lost = False  # inbox/ or the control folder was removed or moved away: the watch sees it no more
         for path, name in ((inbox, "inbox"), (control, "control")):
-            wd = libc.inotify_add_watch(self._fd, os.fsencode(path), _MASK)
+            wd = libc.inotify_add_watch(self._fd, os.fsencode(path), _MASK | IN_DELETE_SELF | IN_MOVE_SELF)
             if wd < 0:
                 os.close(self._fd)
                 raise OSError(ctypes.get_errno(), f"inotify_add_watch {path} failed")
@@ -48,7 +51,7 @@ class InotifyWatch:
         asyncio.get_running_loop().add_reader(self._fd, self._read)
 
     def alive(self) -> bool:
-        return self._fd >= 0
+        return self._fd >= 0 and not self.lost
 
     def _read(self) -> None:
         while True:
@@ -69,7 +72,13 @@ class InotifyWatch:
                 if mask & IN_Q_OVERFLOW:
                     self._hint("rescan", "")
                     continue
+                if self.lost:
+                    continue  # events of a folder moved away name files that are not in inbox/
                 where = self._wds.get(wd)
+                if where is not None and mask & _GONE:
+                    self.lost = True  # the rescan it asks for watches the folder now at the path again
+                    self._hint("rescan", "")
+                    continue
                 if where == "control":
                     if mask & (IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE):
                         self._hint("control", "")

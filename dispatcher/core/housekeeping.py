@@ -178,8 +178,8 @@ class Housekeeping:
 
     async def rescan(self) -> None:
         """List inbox/ again (events are hints), restart a dead watch, find dead daemons' work."""
+        self.check_watch()  # first: a file that arrives while inbox/ is listed is then seen by the new watch
         self.inbox.merge(await self.ctx.lanes.scan(list_inbox, self.ctx.layout.inbox))
-        self.check_watch()
         if not self.ctx.stopping():
             await self.recover(startup=False)
             ctx = self.ctx  # land approved jobs (section 15), in the background: a hook may take minutes
