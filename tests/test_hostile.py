@@ -760,3 +760,38 @@ def test_inbox_removed_or_moved_away_is_watched_again_at_once(env: Env, how: str
     env.wait_job("WATCH-1", "done", timeout=60)
     assert time.monotonic() - t0 < 10, "picked up only by a rescan"
     assert d.stop() == 0
+
+
+HOG = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while (fd := libc.inotify_init1(os.O_CLOEXEC)) >= 0:
+    fds.append(fd)
+print(len(fds), flush=True)
+sys.stdin.read()  # held until the test closes stdin
+"""
+
+
+@pytest.mark.alone  # every inotify instance of the user is taken: another test's daemon would poll meanwhile
+def test_a_daemon_short_of_inotify_instances_lists_inbox_every_poll_interval(env: Env) -> None:
+    """Every inotify instance of the user taken: `run` logs `watcher.failed` once and picks orders up by listing
+    inbox/ every poll_interval, instead of exiting; once instances are free again, it watches (`watcher.restarted`)."""
+    env.configure(poll_interval=0.5)
+    hog = subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout is not None and int(hog.stdout.readline()) > 0
+        d = env.daemon()
+        d.wait_ready()
+        failed = [e for e in d.events() if e["event"] == "watcher.failed"]
+        assert len(failed) == 1 and failed[0]["level"] == "error", failed
+        env.drop(plain("POLLED-1"))
+        env.wait_job("POLLED-1", "done", timeout=60)
+    finally:
+        assert hog.stdin is not None and hog.stdout is not None
+        hog.stdin.close()
+        hog.stdout.close()
+        hog.wait(10)
+    d.wait_event("watcher.restarted", timeout=30)
+    assert len([e for e in d.events() if e["event"] == "watcher.failed"]) == 1  # said once, not at every rescan
+    assert d.stop() == 0
