@@ -272,3 +272,23 @@ def test_a_lone_surrogate_is_recorded_as_the_replacement_character() -> None:
     value = parse_agent_result(out)
     assert value == {"s": "a\ufffd", "usage": {"n\ufffdte": ["\U0001f600"]}, "total_cost_usd": 1.2}
     json.dumps(value, ensure_ascii=False).encode("utf-8")  # writable: no UnicodeEncodeError
+
+
+def test_a_final_object_longer_than_the_tail_kept_still_gives_its_cost_and_session() -> None:
+    """A final JSON of 5 MB (a long `result`): only its last 4 MiB are kept, its start cut off, yet the keys kept
+    of a large object are read where they stand; a key spelled inside a string is not one."""
+    final = {
+        "type": "result",
+        "is_error": False,
+        "result": "b" * 5_000_000 + ' and then "total_cost_usd": 99, "session_id": "no"',
+        "session_id": "s-1",
+        "total_cost_usd": 0.5,
+        "usage": {"input_tokens": 3, "output_tokens": 4},
+    }
+    tail = json.dumps(final).encode()[-4 * 1024 * 1024 :]
+    assert parse_agent_result(tail) == {
+        "session_id": "s-1",
+        "total_cost_usd": 0.5,
+        "usage": {"input_tokens": 3, "output_tokens": 4},
+    }
+    assert parse_agent_result(b"x" * 70_000 + b"}") is None  # no key of a final JSON: nothing

@@ -71,7 +71,34 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
             if len(text[pos:].encode()) > AGENT_RESULT_MAX:
                 return {k: value[k] for k in AGENT_RESULT_KEYS if k in value}
             return value
+    if len(last_line) > AGENT_RESULT_MAX:  # one object longer than the tail kept: its start is cut off
+        return _keys_of_cut_object(last_line)
     return None
+
+
+_KEY_AT = {key: re.compile(r'"' + key + r'"\s*:\s*') for key in AGENT_RESULT_KEYS}
+
+
+def _keys_of_cut_object(line: str) -> dict[str, Any] | None:
+    """Return ``AGENT_RESULT_KEYS`` read from the end of an object whose start was cut off, or None.
+
+    A CLI's final JSON of many MB (a long ``result``) keeps its cost all the same: each key's
+    last occurrence is decoded where it stands (a key inside a string would have its quotes
+    escaped, so it never matches).
+    """
+    out: dict[str, Any] = {}
+    for key, pattern in _KEY_AT.items():
+        found = None
+        for found in pattern.finditer(line):
+            pass
+        if found is None:
+            continue
+        try:
+            value, _end = _DECODER.raw_decode(line, found.end())
+        except (ValueError, RecursionError):
+            continue
+        out[key] = _whole(value)
+    return out or None
 
 
 _LONE = re.compile("[\ud800-\udfff]")
