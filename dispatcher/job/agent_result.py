@@ -88,13 +88,11 @@ def _keys_of_cut_object(line: str) -> dict[str, Any] | None:
     """
     out: dict[str, Any] = {}
     for key, pattern in _KEY_AT.items():
-        found = None
-        for found in pattern.finditer(line):
-            pass
-        if found is None:
+        found = deque(pattern.finditer(line), maxlen=1)  # its last occurrence
+        if not found:
             continue
         try:
-            value, _end = _DECODER.raw_decode(line, found.end())
+            value, _end = _DECODER.raw_decode(line, found[0].end())
         except (ValueError, RecursionError):
             continue
         out[key] = _whole(value)
