@@ -86,6 +86,29 @@ def test_the_same_order_dropped_again_under_its_name_while_its_job_runs_is_refus
     assert (s.layout.root / "active" / "J1" / "order.json").read_bytes() == data  # the job's own untouched
 
 
+def test_a_file_written_to_in_place_after_it_was_read_is_skipped_and_read_again(tmp_path: Path) -> None:
+    """An editor's in-place save between the read and the claim (same inode, new bytes): Skipped to be read
+    again, never claimed with bytes it did not read (order.<ext> would hold the edit, order.json the old order)."""
+    with open_seam(tmp_path) as s:
+        name = s.drop(order("J1"))
+        item = s.inspected(name)
+        assert item.stamp is not None
+        edited = json.dumps(order("J1X")).encode()
+        path = s.layout.inbox / name
+        with open(path, "r+b") as fh:  # truncate and write, as `vim` or `printf > file` saves
+            fh.truncate(0)
+            fh.write(edited)
+        os.utime(path, ns=(item.stamp[1] + 1_000_000, item.stamp[1] + 1_000_000))  # a later save, whatever the clock
+        [answer] = intake.claim(
+            s.layout, s.ledger, [placing.Pick(item, s.config.agents["worker"])], on_refused=print, finisher=s.finisher
+        )
+        row = s.ledger.get("J1")
+        staged = os.listdir(s.layout.staging)
+    assert answer == Skipped(name, retry_later=True)
+    assert path.read_bytes() == edited and row is None and staged == []
+    assert not (s.layout.root / "active" / "J1").exists()
+
+
 def test_a_file_replaced_after_it_was_read_is_skipped_and_left_in_inbox(tmp_path: Path) -> None:
     """A file whose name now holds another file (a new inode) is Skipped, stays in inbox/ and is not claimed."""
     with open_seam(tmp_path) as s:
@@ -96,7 +119,7 @@ def test_a_file_replaced_after_it_was_read_is_skipped_and_left_in_inbox(tmp_path
             s.layout, s.ledger, [placing.Pick(item, s.config.agents["worker"])], on_refused=print, finisher=s.finisher
         )
         row = s.ledger.get("J1")
-    assert answer == Skipped(name)
+    assert answer == Skipped(name, retry_later=True)  # read again in a moment: the new file is the order now
     assert os.listdir(s.layout.inbox) == [name]
     assert row is None
     assert os.listdir(s.layout.root / "active") == []

@@ -152,7 +152,8 @@ def inspect(
     text = texts[0]
     if text is None and len(data) > AHEAD_TEXT_BYTES:  # a large JSON order: encoded here, not in the claim
         text = body_text(order.body)
-    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text, path)
+    stamp = (again.st_size, again.st_mtime_ns)
+    return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text, path, stamp)
 
 
 def job_id_of(body: Any) -> str | None:
@@ -217,8 +218,8 @@ def claim(
             )
             out[i] = Skipped(item.name, retry_later=True)
             continue
-        if stage is None:
-            out[i] = Skipped(item.name)
+        if stage is None:  # gone, replaced or written to since it was read: read again in a moment
+            out[i] = Skipped(item.name, retry_later=True)
             continue
         if _FAILED:
             _FAILED.pop(item.name, None)  # taken now: a later error of this name counts from 1 again

@@ -54,6 +54,7 @@ class Inspected:
     inode: tuple[int, int]  # (st_dev, st_ino) of the file that was read
     text: str | None = None  # a large order's ``body_text``, made off the ledger lane (see ``AHEAD_TEXT_BYTES``)
     path: str = ""  # inbox/<name> as it was read ("": joined from the layout when needed)
+    stamp: tuple[int, int] | None = None  # (st_size, st_mtime_ns) of the file as it was read
 
 
 def inbox_path(layout: Layout, item: Inspected) -> str:
@@ -102,6 +103,11 @@ def stage(layout: Layout, owner: str, item: Inspected) -> str | None:
         raise
     st = os.lstat(kept)
     if (st.st_dev, st.st_ino) != item.inode:  # another file took the name since it was read
+        remove_stage(stage)
+        return None
+    if item.stamp is not None and (st.st_size, st.st_mtime_ns) != item.stamp:
+        # written to in place since it was read (an editor's save): the job would keep bytes it never read;
+        # the write's own event brings the file back, read again
         remove_stage(stage)
         return None
     return stage
