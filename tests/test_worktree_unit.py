@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import Env
 from git_helpers import code_order, coder, git, make_repo
 from test_checks_unit import evidence, files
 
 from dispatcher.checks.builtin import writes_scope
 from dispatcher.job import gitview, worktree
+from dispatcher.spec.repo import branch_for
 
 
 def test_writes_scope_checks_the_changed_paths_against_writes_globs() -> None:
@@ -189,3 +192,22 @@ def test_the_start_up_sweep_keeps_an_active_jobs_view_being_made_or_removed(tmp_
     removed = worktree.sweep(folder, keep=["J1"])
     assert sorted(removed) == sorted(gone)
     assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
+
+
+@pytest.mark.parametrize(
+    ("template", "job_id", "branch"),
+    [
+        ("dispatch/{job_id}", "Z_-.1", "dispatch/Z_-.1"),
+        ("dispatch/{job_id}", "A..B", "dispatch/A.+.B"),
+        ("dispatch/{job_id}", "A...B", "dispatch/A.+.+.B"),
+        ("dispatch/{job_id}", "X.lock", "dispatch/X.lock+"),
+        ("dispatch/{job_id}", "E.", "dispatch/E.+"),
+        ("{job_id}", "HEAD", "HEAD+"),
+        ("dispatch/{job_id}k", "A.loc", "dispatch/A.lock+"),
+        ("dispatch/{job_id}k", "A.lock", "dispatch/A.lock+k"),
+    ],
+)
+def test_every_job_id_gets_a_branch_git_takes(template: str, job_id: str, branch: str, tmp_path: Path) -> None:
+    """The branch a job id gets is one `git check-ref-format --branch` accepts, and no other id gets it."""
+    assert branch_for(template, job_id) == branch
+    assert subprocess.run(["git", "check-ref-format", "--branch", branch], capture_output=True).returncode == 0

@@ -34,13 +34,16 @@ def branch_for(template: str, job_id: str) -> str:
         safe = safe.replace("..", ".+.")
     if safe.endswith((".", ".lock")):
         safe += "+"
-    return template.replace("{job_id}", safe)
+    branch = template.replace("{job_id}", safe)
+    if branch_problem(branch) is not None and branch_problem(branch + "+") is None:
+        branch += "+"  # the id with what follows it in the template (`{job_id}k`: `A.loc` -> `A.lock`), or `HEAD`
+    return branch
 
 
 def branch_problem(name: str) -> str | None:
     """Return why name is not a valid git branch name (``git check-ref-format --branch``), or None."""
-    if not name or name == "@":
-        return "empty" if not name else "@ alone"
+    if not name or name in ("@", "HEAD"):
+        return "empty" if not name else f"{name} alone"
     if bad := sorted({c for c in name if c in _REF_BAD_CHARS or ord(c) < 32}):
         return "holds " + ", ".join(repr(c) for c in bad)
     for part, why in (("..", ".."), ("@{", "@{"), ("//", "//")):
