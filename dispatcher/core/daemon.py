@@ -443,8 +443,9 @@ class Daemon(Reloading, Fencing):
             self.watch.close()
             self.watch = None
         try:
-            for folder in (self.layout.inbox, self.layout.control):
-                os.makedirs(folder, exist_ok=True)
+            if not first:  # (at start the folders were just made)
+                for folder in (self.layout.inbox, self.layout.control):
+                    os.makedirs(folder, exist_ok=True)
             self.watch = start_watch(self.layout.inbox, self.layout.control, self.hint)
         except OSError as exc:
             if self._watch_error != exc.strerror:
