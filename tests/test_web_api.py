@@ -19,7 +19,7 @@ import pytest
 import yaml
 from conftest import Env, cli_env, order, wait_until
 from test_metrics import samples
-from web_helpers import Web, populate, start_web
+from web_helpers import Web, costing, populate, start_web
 
 pytest_plugins = ["pg_fixtures"]
 
@@ -378,3 +378,30 @@ def test_approve_and_reject_in_the_web_view_count_in_the_daemons_metrics(env: En
     assert s[("dispatcher_cost_usd_total", (("agent", "rev"),))] == 0.5
     assert d.wait_event("job.approved", job_id="WR1")["via"] == "web"
     assert d.stop() == 0
+
+
+def test_a_deleted_or_rebuilt_ledger_is_read_again_not_the_file_the_view_held(env: Env) -> None:
+    """After the ledger is deleted the view answers 503 as `status` exits 2; after a rebuild it agrees with `status`."""
+    env.configure(agents={"worker": env.agent(*costing(0.12))})
+    env.drop(order("LED-1"))
+    assert env.cli("run", "--once").returncode == 0
+    web = start_web(env)
+    try:
+        assert web.json("/api/status")["spend_24h"] == {"worker": 0.12}
+        for f in env.root.glob(".state/ledger.sqlite3*"):
+            f.unlink()
+        assert env.cli("status", "--json").returncode == 2
+        wait_until(lambda: web.get("/api/status")[0] == 503, 15, "a 503 once the overview's cache is out of date")
+        _, body, _ = web.get("/api/status")
+        assert "ledger rebuild" in json.loads(body)["error"], body[:300]
+        env.cli("ledger", "rebuild", check=True)
+        env.drop(order("LED-2"))
+        assert env.cli("run", "--once").returncode == 0
+        env.cli("pause", "worker", check=True)
+        cli = json.loads(env.cli("status", "--json", check=True).stdout)
+        assert cli["spend_24h"] == {"worker": 0.24}
+        wait_until(lambda: web.json("/api/status")["spend_24h"] == cli["spend_24h"], 15, "the rebuilt ledger's spend")
+        assert [g["agent"] for g in web.json("/api/status")["gates"]] == ["worker"]
+        assert web.json("/api/jobs/LED-2")["state"] == "done"
+    finally:
+        assert web.stop() == 0

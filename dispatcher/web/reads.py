@@ -5,7 +5,10 @@ The ledger is opened once, on first use, the way the reading commands open it
 open), and kept: opening a SQLite ledger takes its write lock for a moment, so
 opening it per request would slow the daemon. Calls are serialised by a lock
 (the engines' connections are shared). A root that has no ledger yet is read
-from its folders alone until one appears.
+from its folders alone until one appears. An SQLite ledger is looked at again
+before each read (one ``stat``): one deleted or rebuilt since it was opened is
+opened again, so the view answers as the commands do (a 503 while it is missing
+beside jobs), never from the deleted file it still holds.
 
 The overview is cached for ``CACHE_S``: many open pages, or a page that polls,
 cost one read per turn, not one each.
@@ -46,20 +49,42 @@ class Reader:
         self.config = config
         self.layout = layout
         self._ledger: Ledger | None = None
+        self._opened: tuple[int, int] | None = None  # (st_dev, st_ino) of the SQLite ledger file it opened
         self._lock = threading.Lock()
         self._cached: tuple[float, dict[str, Any]] | None = None
 
     def close(self) -> None:
         """Close the ledger if it was opened."""
         with self._lock:
-            if self._ledger is not None:
-                self._ledger.close()
-                self._ledger = None
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
+        self._opened = None
+
+    def _file_id(self) -> tuple[int, int] | None:
+        """Return (st_dev, st_ino) of the SQLite ledger file, None if it is missing (or not SQLite)."""
+        if self.config.ledger != "sqlite":
+            return None
+        try:
+            st = os.stat(self.layout.ledger)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
 
     def _reader(self) -> Ledger | None:
-        """Return the kept ledger, opening it on first use; None while the root has none (call under the lock)."""
+        """Return the kept ledger, opening it on first use; None while the root has none (call under the lock).
+
+        A kept SQLite ledger whose file was deleted or replaced since is closed and opened again.
+        """
+        if self._ledger is not None and self.config.ledger == "sqlite" and self._file_id() != self._opened:
+            self._drop()
         if self._ledger is None:
+            opened = self._file_id()
             self._ledger = open_reader(self.config, self.layout)
+            self._opened = opened if self._ledger is not None else None
         return self._ledger
 
     def status(self) -> dict[str, Any]:
