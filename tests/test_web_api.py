@@ -345,6 +345,9 @@ def test_methods_a_path_does_not_take_are_405_with_allow_and_a_refused_file_has_
         assert (status, headers.get("Allow")) == (405, allowed), (method, path, status, body[:200])
     status, _, headers = web.request("OPTIONS", "/api/jobs/REV-A/approve", None, None)
     assert (status, headers.get("Allow")) == (204, "POST")
+    for method, path in (("POST", "/api/nope"), ("POST", "/nope"), ("PUT", "/jobs/REV-A/chain/x"), ("GET", "/api")):
+        status, body, headers = web.request(method, path, b"" if method != "GET" else None, None)
+        assert status == 404 and "Allow" not in headers, (method, path, status, body[:200])  # no such path at all
     assert headers.get("X-Content-Type-Options") == "nosniff"  # the security headers of every answer
     refused = web.json("/api/jobs/broken")  # a file that never became a job: its refusal, as `show`
     status, page, _ = web.get("/jobs/broken")

@@ -75,6 +75,10 @@ class App:
         query = {k: v[0] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
         api = parts[:1] == ["api"]
         allowed = _allowed(parts)
+        if not allowed:  # no such path, whatever the method
+            message = "no such API path (GET /api/status, /api/jobs, /api/jobs/ID; POST /api/jobs/ID/ACTION)"
+            message = message if api else "no such page"
+            return _error(404, message) if api else self._page_error(404, message, req)
         if req.method == "OPTIONS":
             return Reply(204, b"", _JSON, [("Allow", allowed)])
         if req.method not in allowed.split(", "):
@@ -197,14 +201,20 @@ class App:
 
 
 def _allowed(parts: list[str]) -> str:
-    """Return the methods a path answers to, as its ``Allow`` header says them."""
+    """Return the methods a path answers to, as its ``Allow`` header says them ("" for no such path)."""
+    n = len(parts)
     if parts[:1] == ["api"]:
-        return "POST" if len(parts) == 4 and parts[1] == "jobs" else "GET, HEAD"
+        if n == 4 and parts[1] == "jobs":
+            return "POST"
+        known = parts[1:] in (["status"], ["jobs"]) or (n == 3 and parts[1] == "jobs")
+        return "GET, HEAD" if known else ""
     if parts == ["login"]:
         return "GET, HEAD, POST"
-    if parts == ["logout"] or (len(parts) == 3 and parts[0] == "jobs" and parts[2] != "chain"):
+    if parts == ["logout"] or (n == 3 and parts[0] == "jobs" and parts[2] != "chain"):
         return "POST"
-    return "GET, HEAD"
+    if parts in ([], [""], ["jobs"], ["review"]) or (parts[:1] in (["jobs"], ["static"]) and n == 2):
+        return "GET, HEAD"
+    return "GET, HEAD" if n == 3 and parts[0] == "jobs" else ""
 
 
 def serve(config: Config, listen: str | None) -> int:
