@@ -619,3 +619,14 @@ def test_ids_in_another_order_pass_with_the_same_details_as_ids_in_item_order() 
     for name in ("receipt_inputs", "output_rows", "receipt_outputs"):
         assert in_order[name].ok is True, in_order[name]
         assert other[name] == in_order[name] == moved[name], name
+
+
+def test_ids_that_differ_only_in_type_are_told_apart_in_the_detail() -> None:
+    """Item ids "1", "2" against receipt ids 1, 2: the detail quotes the strings, so the two lists never read alike."""
+    order = make_order(items=[{"id": "1"}, {"id": "2"}], accept=None)
+    ev = evidence(order=order, receipt=receipt(input_ids=[1, 2], output_ids=[1, 2]), output=None)
+    [inputs] = [c for c in run_checks(ev) if c.name == "receipt_inputs"]
+    assert (inputs.ok, inputs.detail) == (False, 'input_ids: missing "1", "2"; extra 1, 2')
+    empty = evidence(receipt=receipt(input_ids=[*IDS, ""]))
+    [inputs] = [c for c in run_checks(empty) if c.name == "receipt_inputs"]
+    assert inputs.detail == 'input_ids: extra ""'

@@ -113,7 +113,7 @@ def _compare_ids(got: Sequence[Any], want: Sequence[str], what: str) -> str | No
     extra = sorted({shown[k] for k in have if k not in need})
     repeated = sorted({shown[k] for k, n in have.items() if n > 1})
     if missing:
-        problems.append("missing " + listed(missing))
+        problems.append("missing " + listed([id_shown(i) for i in missing]))
     if extra:
         problems.append("extra " + listed(extra))
     if repeated:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,8 +77,18 @@ def shown(value: Any) -> str:
 
 
 def id_shown(value: Any) -> str:
-    """Return an id as a list in a detail names it: a string as it is (A, B), any other value as JSON (1, null)."""
-    return _writable(cut(value, _SHOWN_MAX)) if isinstance(value, str) else shown(value)
+    """Return an id as a list in a detail names it: a string as it is (A, B), any other value as JSON (1, null).
+
+    A string that would read as another value or as nothing ("1", "true", "", " R1") is quoted,
+    so that the id 1 and the id "1" never look alike in one detail.
+    """
+    if not isinstance(value, str):
+        return shown(value)
+    return shown(value) if _AMBIGUOUS.fullmatch(value) or value != value.strip() else _writable(cut(value, _SHOWN_MAX))
+
+
+#: strings an id list would show as a JSON number, a literal, or nothing
+_AMBIGUOUS = re.compile(r"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
 
 
 def _writable(text: str) -> str:
@@ -159,7 +170,7 @@ class OutputSummary:
         )
         out = []
         if missing:
-            out.append("missing " + listed(missing))
+            out.append("missing " + listed([id_shown(i) for i in missing]))
         if extra or self.uncounted:
             out.append("extra " + listed(extra, self.uncounted))
         if repeated:
