@@ -102,6 +102,19 @@ def test_max_cost_usd_stops_further_attempts(env: Env) -> None:
     assert "budget is spent" in result["reason"] and "max_cost_usd" in result["reason"]
 
 
+def test_a_last_attempt_over_the_budget_says_so_beside_no_attempts_left(env: Env) -> None:
+    """A job whose one allowed attempt costs more than max_cost_usd fails saying both: none left, budget spent."""
+    agent = costly(env, 1.0, "--exit", "1", retry_safe=True, max_attempts=1, max_cost_usd=0.5)
+    env.configure(agents={"worker": agent})
+    env.drop(simple("LAST-SPEND"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("LAST-SPEND", "failed")
+    assert result["reason"].startswith("exit_ok: "), result["reason"]
+    assert result["reason"].endswith(
+        "not retried: no attempts left, and the budget is spent (1 USD of max_cost_usd 0.5)"
+    ), result["reason"]
+
+
 def test_a_session_id_repeated_without_resume_costs_each_attempt_what_it_reported(env: Env) -> None:
     """An agent without `resume` that names the same session_id in each attempt: each attempt costs the
     total it reported (only a resumed session's total is a running one), so max_cost_usd stops it after two."""

@@ -127,7 +127,12 @@ def judge(
 
 
 def no_more_attempts(spec: JobSpec, attempts: Sequence[Attempt], n: int) -> str | None:
-    """Return why no attempt may follow attempt n (none left, or the cost budget spent), or None."""
+    """Return why no attempt may follow attempt n (none left, or the cost budget spent), or None.
+
+    Both may hold: a job whose last attempt also spent its budget says both (section 11: the
+    reason of a job that failed over its budget says the budget was spent).
+    """
+    spent = over_budget(spec.agent, attempts)
     if n >= spec.budget:
-        return "no attempts left"
-    return over_budget(spec.agent, attempts)
+        return f"no attempts left, and {spent}" if spent else "no attempts left"
+    return spent
