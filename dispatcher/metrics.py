@@ -41,6 +41,8 @@ FINISHED_STATES = ("done", "failed", "refused")
 QUEUE_STATES = ("inbox", "held", "active", "waiting", "review")
 #: from a quick script to an agent that works for an hour or two
 DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
+#: how much later than its metrics file's last write a process may look started and still be its writer
+_START_TOLERANCE_S = 1.5
 
 # `_created` series (one per counter and label set) say when this daemon started
 # counting; node_exporter has no use for them and they double the file.
@@ -72,9 +74,11 @@ class _Labelled(Collector):
 def stale_files(template: str | os.PathLike[str], host: str, pid: int) -> list[Path]:
     """Return the files of template's ``{pid}`` pattern on this host whose daemon has stopped.
 
-    A pid counts as a live daemon while its process runs (not a zombie) and its command
-    line names dispatcher; any other pid (gone, or reused by another program) left a
-    stale file, which node_exporter would keep serving.
+    A pid counts as a live daemon while its process runs (not a zombie), its command
+    line names dispatcher, and it started before the file was last written (a daemon
+    writes its file after its start; a pid reused since, even by ``tail -f
+    dispatcher.log``, started after); any other pid left a stale file, which
+    node_exporter would keep serving.
     """
     text = str(template).replace("{host}", host)
     if "{pid}" not in text:
@@ -84,20 +88,26 @@ def stale_files(template: str | os.PathLike[str], host: str, pid: int) -> list[P
     out = []
     for name in globmod.glob(glob_pattern):
         found = pattern.fullmatch(name)
-        if found is None or int(found.group(1)) == pid or _is_daemon(int(found.group(1))):
+        if found is None or int(found.group(1)) == pid or _is_daemon(int(found.group(1)), name):
             continue
         out.append(Path(name))
     return sorted(out)
 
 
-def _is_daemon(pid: int) -> bool:
-    if not procs.is_alive(pid):
+def _is_daemon(pid: int, path: str) -> bool:
+    """Return True if pid may be the live daemon that wrote the metrics file at path."""
+    fields = procs.stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"dispatcher" in f.read()
+            if b"dispatcher" not in f.read():
+                return False
+        written = os.stat(path).st_mtime
     except OSError:
         return False
+    # /proc/stat's boot time has whole seconds: a start within that of the last write is given the benefit
+    return procs.boot_time() + procs.start_boot_s(fields) <= written + _START_TOLERANCE_S
 
 
 class Metrics:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -135,13 +136,21 @@ def test_a_daemon_removes_the_files_stopped_daemons_of_its_host_left(env: Env) -
     folder.mkdir()
     env.configure(metrics_file=str(folder / "dispatcher-{host}-{pid}.prom"), rescan_interval=60)
     other = subprocess.Popen(["sleep", "120"])  # a live pid that is not a daemon
+    log = env.tmp / "dispatcher.log"
+    log.touch()
+    tail = subprocess.Popen(["tail", "-f", str(log)], stdout=subprocess.DEVNULL)  # names dispatcher, is no daemon
     try:
         gone = folder / f"dispatcher-{host}-{other.pid}.prom"
         gone.write_text("dispatcher_queue 1\n")
+        reused = folder / f"dispatcher-{host}-{tail.pid}.prom"  # left by a daemon whose pid tail got later
+        reused.write_text("dispatcher_queue 1\n")
+        hour_ago = time.time() - 3600
+        os.utime(reused, (hour_ago, hour_ago))
         first = env.daemon()
         first.wait_ready()
         first_file = folder / f"dispatcher-{host}-{first.proc.pid}.prom"  # type: ignore[union-attr]
         wait_until(lambda: first_file.exists() and not gone.exists(), timeout=10, what="the stale file removed")
+        assert not reused.exists()
         second = env.daemon()
         second.wait_ready()
         second_file = folder / f"dispatcher-{host}-{second.proc.pid}.prom"  # type: ignore[union-attr]
@@ -156,8 +165,9 @@ def test_a_daemon_removes_the_files_stopped_daemons_of_its_host_left(env: Env) -
         assert second.stop() == 0
         assert unrelated.exists()
     finally:
-        other.kill()
-        other.wait()
+        for proc in (other, tail):
+            proc.kill()
+            proc.wait()
 
 
 def test_review_decisions_and_retries_are_counted_once_each(env: Env) -> None:
