@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -298,6 +299,26 @@ def test_7_an_order_with_a_lone_surrogate_is_refused_in_inbox(env: Env) -> None:
     env.drop(json.dumps(order("SURR-1")).replace("Assign", "\\ud800 Assign"), name="surr.json")
     refused = env.wait_refused("surr")
     assert refused["reason"].startswith("task:") and "surrogate" in refused["reason"]
+
+
+def test_a_refused_orders_unwritable_id_is_null_and_a_named_agent_is_kept(env: Env) -> None:
+    """A refused file whose job_id is a lone surrogate records job_id null (result.json stays UTF-8); one that names
+    a configured agent in `to` is logged and counted under it, one naming an unknown agent under none."""
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(json.dumps(order("X")).replace('"X"', '"\\ud800"'), name="surrid.json")
+    refused = env.wait_refused("surrid")
+    assert refused["job_id"] is None and refused["reason"].startswith("job_id:"), refused
+    [folder] = (env.root / "failed").glob("surrid@*")
+    (folder / "result.json").read_bytes().decode("utf-8")  # strict UTF-8, no escaped lone surrogate
+    assert not re.search(r"(?<!\\)\\ud800", (folder / "result.json").read_text())  # as a JSON escape
+    env.drop(json.dumps({**order("NO-ITEMS"), "items": []}), name="noitems.json")
+    env.drop(json.dumps({**order("ELSEWHERE", to="nobody"), "items": []}), name="nobody.json")
+    env.wait_refused("noitems")
+    env.wait_refused("nobody")
+    d.stop()
+    agents = {e["job_id"]: e["agent"] for e in d.events() if e.get("event") == "job.refused"}
+    assert agents["NO-ITEMS"] == "worker" and agents["ELSEWHERE"] is None, agents
 
 
 def test_8_a_clock_step_does_not_hide_an_orphaned_agent(env: Env) -> None:

@@ -142,7 +142,7 @@ def inspect(
         )
     except OrderError as exc:  # refused by the strict rules: a plain parse may still read its job_id
         if loaded:
-            return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]))
+            return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]), agent=agent_of(loaded[0], config))
         # a large YAML file is not parsed a second time, here on the claim's way
         return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, fmt))
     except (OSError, MemoryError):
@@ -157,9 +157,31 @@ def inspect(
 
 
 def job_id_of(body: Any) -> str | None:
-    """Return the job_id of a parsed (perhaps invalid) order if it has a string one, for the refusal's result."""
+    """Return the job_id of a parsed (perhaps invalid) order if it has a string one, for the refusal's result.
+
+    A string that is not text (a lone surrogate, from a JSON escape) is none: result.json stays valid UTF-8.
+    """
     job_id = body.get("job_id") if isinstance(body, dict) else None
-    return job_id if isinstance(job_id, str) else None
+    return job_id if isinstance(job_id, str) and is_text(job_id) else None
+
+
+def agent_of(body: Any, config: Config) -> str | None:
+    """Return the agent a parsed (perhaps invalid) order names in ``to``, if the config has it, else None.
+
+    For the refusal's log line and metrics: only configured names, so that a label never
+    takes whatever text a dropped file holds.
+    """
+    to = body.get("to") if isinstance(body, dict) else None
+    return to if isinstance(to, str) and to in config.agents else None
+
+
+def is_text(value: str) -> bool:
+    """Return True if value encodes as UTF-8 (it holds no lone surrogate)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def known_reason(job_id: str, state: str) -> str:

@@ -426,7 +426,7 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
         found = _JOB_ID_LINE.findall(text) if fmt == "yaml" else []
         return found[0][1] if len(found) == 1 else None
     job_id = body.get("job_id") if isinstance(body, dict) else None
-    return job_id if isinstance(job_id, str) else None
+    return job_id if isinstance(job_id, str) and _lone_surrogate(job_id) is None else None
 
 
 _JOB_ID_LINE = re.compile(r"""^job_id:[ \t]*(["']?)([A-Za-z0-9][A-Za-z0-9._-]{0,127})\1[ \t]*(?:#.*)?$""", re.MULTILINE)
