@@ -252,3 +252,14 @@ def test_starter_config_has_pass_env_and_loads(tmp_path: Path) -> None:
     assert "pass_env: []" in STARTER_CONFIG
     cfg = load_config(path)
     assert [a.pass_env for a in cfg.agents.values()] == [()]
+
+
+def test_relative_sandbox_writable_paths_resolve_against_the_configs_folder(tmp_path: Path) -> None:
+    """sandbox_writable: a relative path is the config folder's (as every path of the config); ~ and absolute stay."""
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    path = folder / "dispatcher.yaml"
+    writable = ["state", "../shared/out", "~/.claude", "/srv/cache"]
+    path.write_text(yaml.safe_dump({"agents": {"coder": {"command": ["true"], "sandbox_writable": writable}}}))
+    got = load_config(path).agents["coder"].repo.sandbox_writable
+    assert got == (str(folder / "state"), str(tmp_path / "shared" / "out"), "~/.claude", "/srv/cache")

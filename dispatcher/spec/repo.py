@@ -92,7 +92,14 @@ def build_repo_settings(name: str, spec: Mapping[str, Any], base: Path) -> RepoS
     return RepoSettings(
         workspace=workspace,
         sandbox=sandbox,
-        sandbox_writable=tuple(spec.get("sandbox_writable") or ()),
+        sandbox_writable=tuple(_writable(p, base) for p in spec.get("sandbox_writable") or ()),
         sandbox_network=bool(spec.get("sandbox_network", True)),
         **hooks,
     )
+
+
+def _writable(path: str, base: Path) -> str:
+    """Return a sandbox_writable entry resolved against the config's folder (``~`` stays, for the agent's home)."""
+    if path == "~" or path.startswith("~/") or os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(base, path))
