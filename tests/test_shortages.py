@@ -399,6 +399,37 @@ def test_an_idle_daemon_with_a_long_lease_stops_at_once_while_postgresql_is_down
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_stop_is_answered_while_postgresql_is_silent(env: Env, own_pg: PgServer, busy: bool) -> None:
+    """The server's processes stopped (SIGSTOP: its kernel still answers TCP, no query returns): SIGTERM still
+    ends the daemon within stop_timeout and a margin, exit 0, idle or with an agent running; the work is kept."""
+    env.configure(
+        {"tiny": hold_agent(env, 1), "long": hold_agent(env, 60)},
+        ledger=own_pg.dsn, lease=6, stop_timeout=4, kill_grace=1, watch="poll", max_jobs=4,
+    )  # fmt: skip
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(tiny_order("QUIET-1"))
+    env.wait_job("QUIET-1", "done")
+    if busy:
+        env.drop(tiny_order("QUIET-2", to="long"))
+        wait_until(lambda: len(env.starts()) == 2, what="the long agent to start")
+    frozen = list(own_pg._processes())
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.0)  # its lease renewal and gate reads now hang in the server's silence
+        took = stopped_within(d, signal.SIGTERM, 4 + 1 + 5)
+        assert d.proc is not None and d.proc.returncode == 0
+        print(f"stopped in {took:.1f} s")
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    if busy:
+        assert names(env.root / "active") == ["QUIET-2"], "the unfinished job stays for recovery"
+
+
+@pytest.mark.postgres
 def test_a_daemon_started_with_postgresql_down_can_be_stopped(env: Env, own_pg: PgServer) -> None:
     """Started while PostgreSQL is down, the daemon waits without spinning and SIGTERM (or SIGINT) ends it."""
     env.configure({"tiny": hold_agent(env, 0)}, ledger=own_pg.dsn, stop_timeout=3, watch="poll")

@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from dispatcher import early, procs, storage
-from dispatcher.core import announce, startup
+from dispatcher.core import announce, startup, stopwatch
 from dispatcher.core.fencing import Fencing
 from dispatcher.core.fsevents import InotifyWatch, ObserverWatch, start_watch
 from dispatcher.core.gatekeeper import GateKeeper, gated_agents
@@ -72,6 +72,7 @@ class Daemon(Reloading, Fencing):
         self.stop_deadline: float | None = None
         self._signals: list[int] = []
         self._ready = False
+        self._watching = False  # the stop's watch (core.stopwatch) was started
         self._wake: Wakeup | None = None
         self._next_rescan = 0.0
         self._next_watchdog = 0.0
@@ -375,7 +376,12 @@ class Daemon(Reloading, Fencing):
         self.wakeup()
 
     def handle_signal(self, signum: int, frame: object = None) -> None:
-        """Signal handler: only note the signal and wake the loop."""
+        """Signal handler: note the signal and wake the loop; at the first stop, start the stop's watch."""
+        if signum != signal.SIGHUP and not self._watching:
+            self._watching = True
+            # from when the ledger's waits give up (at once before READY=1): calls hung on a silent server are cut
+            wait_s = max(0.0, self.config.stop_timeout_s - GIVE_UP_EARLY_S) if self._ready else 0.0
+            stopwatch.watch(lambda: getattr(self, "ledger", None), time.monotonic() + wait_s)
         self._signals.append(signum)
         self.wakeup()
 

@@ -110,6 +110,15 @@ class Ledger(ABC):
     def close(self) -> None:
         """Release the connection and anything held for this process."""
 
+    def sever_stuck(self, older_than_s: float) -> int:
+        """Cut the connections of calls hung for longer than older_than_s on a silent server; return how many.
+
+        Called from a thread of its own while a stop waits (``core.stopwatch``): a call that
+        blocks in a read never gets back to its wait's ``give_up``. An embedded ledger has
+        no connection to cut.
+        """
+        return 0
+
     @abstractmethod
     def register(self, info: DaemonInfo) -> None:
         """Announce a daemon start under a new identity (never reused)."""

@@ -6,6 +6,8 @@ Every ledger step is one short transaction on a connection of the ``Pool``, run 
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -209,6 +211,7 @@ class Pool:
         self._count = 0
         self._closed = False
         self._cond = threading.Condition()
+        self._busy: dict[int, tuple[Conn, float]] = {}  # lent connections by id(), with when they were lent
 
     def _take(self) -> Conn:
         with self._cond:
@@ -253,12 +256,28 @@ class Pool:
     def connection(self) -> Iterator[Conn]:
         """Lend a connection for one step; it goes back rolled back if the step failed."""
         conn = self._take()
+        with self._cond:
+            self._busy[id(conn)] = (conn, time.monotonic())
         clean = False
         try:
             yield conn
             clean = True
         finally:
+            with self._cond:
+                self._busy.pop(id(conn), None)
             self._give(conn, clean)
+
+    def sever(self, older_than_s: float) -> int:
+        """Cut the sockets of connections lent for longer than older_than_s; return how many.
+
+        For a stop while the server is silent (stopped, not gone: its kernel still answers
+        TCP, so no keepalive or timeout of ours ends a read): the step blocked in it then
+        fails as a lost connection, and its caller's wait gives up at the stop.
+        """
+        now = time.monotonic()
+        with self._cond:
+            stuck = [conn for conn, since in self._busy.values() if now - since >= older_than_s]
+            return sum(cut_socket(conn) for conn in stuck)
 
     def close(self) -> None:
         """Close idle connections now and busy ones when they come back."""
@@ -269,6 +288,22 @@ class Pool:
             self._cond.notify_all()
         for conn in idle:
             conn.close()
+
+
+def cut_socket(conn: Conn) -> bool:
+    """Shut a connection's socket down both ways, from any thread (its descriptor stays open); True if cut.
+
+    A read blocked on it returns at once with end of file, and libpq reports a lost
+    connection. ``shutdown`` acts on the socket, not the descriptor, so this dup is safe.
+    """
+    try:
+        if conn.closed:
+            return False
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, psycopg.Error):
+        return False
+    return True
 
 
 class Fence(Protocol):

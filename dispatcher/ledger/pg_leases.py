@@ -44,7 +44,7 @@ import time
 import psycopg
 import structlog
 
-from dispatcher.ledger.pg_conn import Conn, Cur, PostgresLedgerError
+from dispatcher.ledger.pg_conn import Conn, Cur, PostgresLedgerError, cut_socket
 from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.pg_settle import Found
 from dispatcher.ledger.records import DaemonInfo, LedgerUnavailable
@@ -67,6 +67,8 @@ class Leases:
         self._conninfo = conninfo
         self._lock = threading.Lock()  # the renewal connection
         self._conn: Conn | None = None
+        self._renewing: tuple[Conn, float] | None = None  # the renewal in flight: its connection, since when
+        self.silent = False  # a stop cut calls hung on a silent server: no last step is sent at stop
         self._renewed_at: float | None = None  # monotonic send time of the last successful renewal
         self._streak_since: float | None = None  # start of the current gap-free run of renewals
         self.lost = False
@@ -139,12 +141,14 @@ class Leases:
                 conn = self._conn
                 if conn is None or conn.closed or conn.broken:
                     conn = self._conn = psycopg.connect(self._conninfo, autocommit=True)
+                self._renewing = (conn, sent)
                 row = conn.execute(
                     "UPDATE daemons SET lease_until = now() + make_interval(secs => %s), renewed = now()"
                     " WHERE owner = %s AND ended IS NULL RETURNING 1",
                     (self.lease_s, self.owner),
                 ).fetchone()
             except psycopg.Error as exc:
+                self._renewing = None
                 if self._conn is not None:
                     self._conn.close()
                     self._conn = None
@@ -152,6 +156,7 @@ class Leases:
                     log.warning("ledger.renew_failed", owner=self.owner, error=" ".join(str(exc).split())[:300])
                 self._failing = True
                 return False
+            self._renewing = None
         self._failing = False
         if row is None:
             self.lost = True
@@ -161,6 +166,13 @@ class Leases:
             self._streak_since = sent  # the lease may have lapsed in between: the gap-free run starts again
         self._renewed_at = sent
         return True
+
+    def sever(self, older_than_s: float) -> int:
+        """Cut the socket of a renewal in flight for longer than older_than_s (see ``Pool.sever``); 1 if cut."""
+        found = self._renewing  # read without the lock, which the hung renewal holds
+        if found is None or time.monotonic() - found[1] < older_than_s:
+            return 0
+        return int(cut_socket(found[0]))
 
     def lease_ok(self) -> bool:
         """True while the last successful renewal is younger than lease/2 (local monotonic clock)."""
@@ -213,7 +225,7 @@ class Leases:
         if self.closed:
             return
         self.closed = True
-        if self.owner and not self.lost:
+        if self.owner and not self.lost and not self.silent:
 
             def body(cur: Cur) -> None:
                 cur.execute("UPDATE slots SET owner = NULL, nonce = NULL, taken = NULL WHERE owner = %s", (self.owner,))

@@ -158,6 +158,18 @@ class PostgresLedger(Ledger, LeasesInterface):
         if self._root_life is not None:
             self._root_life.release()
 
+    def sever_stuck(self, older_than_s: float) -> int:
+        """Cut the steps and the lease renewal hung for longer than older_than_s (``Pool.sever``).
+
+        Once a call was cut, ``close`` no longer marks this daemon stopped in the database:
+        a silent server would hold that last step too (a connect waits out its timeout, more
+        than once). Its lease then runs out, and it is treated as a daemon that died.
+        """
+        cut = self._pool.sever(older_than_s) + self._leases.sever(older_than_s)
+        if cut:
+            self._leases.silent = True
+        return cut
+
     # -- liveness (pg_leases) ---------------------------------------------------------------
     def register(self, info: DaemonInfo) -> None:
         """Insert this daemon's row under a new identity with a lease of ``lease_s``; never reuse one."""
