@@ -68,3 +68,22 @@ def test_a_migrated_join_still_waits_and_a_paused_agent_stays_paused(env: Env, p
     parents = json.loads((env.root / "done" / "M" / "work" / "parents.json").read_text())
     assert [(p["job_id"], p["state"]) for p in parents] == [("W1", "done"), ("W2", "done")]
     assert second.stop() == 0
+
+
+def test_a_join_that_went_on_is_no_join_wait_in_the_copy(env: Env, pg_db: str) -> None:
+    """A join already done keeps no wait: `ledger migrate` copies and counts only the join still in waiting/."""
+    env.configure({"worker": env.agent(), "merger": env.agent()})
+    first = env.daemon()
+    first.wait_ready()
+    env.drop(order("P1"))
+    env.drop(order("DONE-JOIN", to="merger", after=["P1"]))
+    env.wait_job("DONE-JOIN", "done")
+    env.cli("pause", "worker", check=True)
+    env.drop(order("P2"))
+    env.drop(order("OPEN-JOIN", to="merger", after=["P2"]))
+    first.wait_event("job.waiting", job_id="OPEN-JOIN")
+    assert first.stop() == 0
+    moved = env.cli("ledger", "migrate", "-", input=pg_db + "\n")
+    assert moved.returncode == 0, moved.stderr
+    assert "with 1 join wait," in moved.stdout, moved.stdout
+    assert _waits(pg_db) == [("OPEN-JOIN", "P2", "all_done")]

@@ -22,7 +22,11 @@ class SqliteBulk(SqliteDb):
 
         def body(db: sqlite3.Connection) -> Extras:
             requests = db.execute("SELECT job_id, kind, at FROM requests ORDER BY at, job_id").fetchall()
-            waits = db.execute("SELECT job_id, parent, rule, since FROM waits ORDER BY since, job_id, parent")
+            # the waits of joins still in waiting/: a join that went on keeps its rows, but waits no more
+            waits = db.execute(
+                "SELECT w.job_id, w.parent, w.rule, w.since FROM waits w JOIN jobs j ON j.job_id = w.job_id"
+                " WHERE j.state = 'waiting' ORDER BY w.since, w.job_id, w.parent"
+            )
             gates = db.execute("SELECT agent, kind, until, reason FROM gates ORDER BY agent, kind").fetchall()
             held = db.execute("SELECT job_id, agent, until, since FROM gate_waits ORDER BY since, job_id").fetchall()
             return Extras(
