@@ -418,6 +418,19 @@ def test_10_a_lost_ledger_stops_the_daemon_until_it_is_rebuilt(env: Env) -> None
     assert starts(env, "LOST-1") == 1
 
 
+def test_10_a_rebuilt_ledger_keeps_a_finished_jobs_age_and_says_one_job_id(env: Env) -> None:
+    """After `ledger rebuild` a done job's age in `list` still counts from its finish, not from the rebuild."""
+    env.drop(plain("AGED-1"))
+    assert env.cli("run", "--once").returncode == 0
+    time.sleep(3.0)
+    for f in env.root.glob(".state/ledger.sqlite3*"):
+        f.unlink()
+    rebuilt = env.cli("ledger", "rebuild", check=True)
+    assert "rebuilt with 1 job id (" in rebuilt.stdout, rebuilt.stdout
+    [row] = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    assert row["job_id"] == "AGED-1" and row["state"] == "done" and row["age_s"] >= 3.0, row
+
+
 def test_10_rebuild_refuses_a_config_whose_ledger_is_postgresql(env: Env) -> None:
     """`ledger rebuild` makes the SQLite ledger only: with a PostgreSQL ledger it refuses and leaves every file."""
     env.drop(plain("PG-1"))

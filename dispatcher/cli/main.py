@@ -256,7 +256,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         counts = rebuild(layout)
         total = sum(counts.values())
         detail = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"
-        print(f"{layout.ledger}: rebuilt with {total} job ids ({detail})")
+        print(f"{layout.ledger}: rebuilt with {total} job id{'' if total == 1 else 's'} ({detail})")
         return 0
     if not args.url:
         raise UsageError("ledger migrate: give the postgresql://... URL of an empty ledger")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from dispatcher import fsutil
-from dispatcher.clock import utc_stamp
+from dispatcher.clock import parse_iso, utc_stamp
 from dispatcher.errors import UsageError
 from dispatcher.fsutil import digest
 from dispatcher.layout import Layout
@@ -103,8 +103,12 @@ def _row(folder: JobFolder, state: State, now: float) -> Entry:
     except ValueError:
         agent, parent, hops = result.agent, result.parent, 0
     row = state_to_row(state, result.state)
+    try:  # a finished job's row changed last at its finish (its age in `list`, the 24 h spend): not at this rebuild
+        updated = parse_iso(result.finished) if result.finished else now
+    except ValueError:
+        updated = now
     return Entry(
-        folder.job_id, row, agent, None, 1, None, None, parent, hops, result.cost_usd, result.chain_cost_usd, now,
+        folder.job_id, row, agent, None, 1, None, None, parent, hops, result.cost_usd, result.chain_cost_usd, updated,
     )  # fmt: skip
 
 
