@@ -263,3 +263,19 @@ def test_relative_sandbox_writable_paths_resolve_against_the_configs_folder(tmp_
     path.write_text(yaml.safe_dump({"agents": {"coder": {"command": ["true"], "sandbox_writable": writable}}}))
     got = load_config(path).agents["coder"].repo.sandbox_writable
     assert got == (str(folder / "state"), str(tmp_path / "shared" / "out"), "~/.claude", "/srv/cache")
+
+
+@pytest.mark.parametrize(
+    ("hook", "field", "message"),
+    [
+        (["sleep", 1], "agents.w.before[1]", "must be a string, not an integer"),
+        ({"command": ["git", 2]}, "agents.w.before.command[1]", "must be a string, not an integer"),
+        ({"command": ["true"], "timeout": "x"}, "agents.w.before.timeout", "must be a number, not a string"),
+        (7, "agents.w.before", "not an integer"),
+    ],
+)
+def test_a_bad_hook_is_named_where_it_went_wrong(tmp_path: Path, hook: Any, field: str, message: str) -> None:
+    """A hook (argv, or {command, timeout}) with a bad part names that part, not the form it did not take."""
+    path = config(tmp_path, {"w": {"command": ["true"], "before": hook}})
+    proc = validate(path)
+    assert proc.returncode == 2 and f"{field}: " in proc.stderr and message in proc.stderr, proc.stderr

@@ -114,7 +114,7 @@ def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) 
             except OrderError as exc:
                 errors.append(exc)
         else:
-            raise errors[-1]
+            raise _closest(errors)
 
     def fail(message: str) -> None:
         raise OrderError(message, field=path or None)
@@ -299,9 +299,18 @@ def _any_of(subs: list[_Check]) -> _Check:
                 return
             except OrderError as exc:
                 errors.append(exc)
-        raise errors[-1]
+        raise _closest(errors)
 
     return check
+
+
+def _closest(errors: list[OrderError]) -> OrderError:
+    """Return the error of the alternative the value came closest to: the one that failed deepest inside it.
+
+    ``before: [sleep, 1]`` is an argv with a number in it (``before[1]: must be a string``),
+    not a mapping that is a list (the last alternative's complaint). Among equals, the last.
+    """
+    return max(reversed(errors), key=lambda e: len(e.field or ""))
 
 
 def _type_step(spec: Any) -> _Check:
