@@ -279,3 +279,12 @@ def test_a_bad_hook_is_named_where_it_went_wrong(tmp_path: Path, hook: Any, fiel
     path = config(tmp_path, {"w": {"command": ["true"], "before": hook}})
     proc = validate(path)
     assert proc.returncode == 2 and f"{field}: " in proc.stderr and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name", ["DISPATCH_JOB_ID", "NOTIFY_SOCKET", "WATCHDOG_USEC"])
+def test_env_may_not_set_what_the_daemon_sets_or_never_passes(tmp_path: Path, name: str) -> None:
+    """An agent's env naming DISPATCH_* (set per attempt) or the daemon's systemd variables is an error naming it."""
+    path = config(tmp_path, {"w": {"command": ["true"], "env": {name: "x"}}})
+    proc = validate(path)
+    assert proc.returncode == 2 and f"agents.w.env.{name}: " in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1

@@ -176,7 +176,7 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
         probe=resolve_argv(probe, base) if probe is not None else None,
         repair=bool(spec.get("repair", False)),
         writes=tuple(plain_rel(w) for w in spec.get("writes", ())),  # ./x.txt is x.txt
-        env=dict(spec.get("env", {})),
+        env=_env(name, spec.get("env", {})),
         pass_env=_pass_env(name, spec.get("pass_env", ())),
         max_cost_usd=spec.get("max_cost_usd"),
         review=bool(spec.get("review", False)),
@@ -194,9 +194,27 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
 # an agent never gets the daemon's values of these, so naming them in pass_env is a mistake.
 def _pass_env(agent: str, names: list[str]) -> tuple[str, ...]:
     for i, name in enumerate(names):
-        if name == "NOTIFY_SOCKET" or name.startswith(("DISPATCH_", "WATCHDOG_")):
+        if _daemons_own(name):
             raise ConfigError(f"{name} is never passed to agents", field=f"agents.{agent}.pass_env[{i}]")
     return tuple(names)
+
+
+def _env(agent: str, values: Mapping[str, str]) -> dict[str, str]:
+    """Return an agent's ``env``; a name the daemon sets itself, or never passes, is an error naming it."""
+    for name in values:
+        if name.startswith("DISPATCH_"):
+            raise ConfigError(
+                "set by the daemon for each attempt, never by the config", field=f"agents.{agent}.env.{name}"
+            )
+        if _daemons_own(name):
+            raise ConfigError(
+                "never passed to agents (the daemon's own line to systemd)", field=f"agents.{agent}.env.{name}"
+            )
+    return dict(values)
+
+
+def _daemons_own(name: str) -> bool:
+    return name == "NOTIFY_SOCKET" or name.startswith(("DISPATCH_", "WATCHDOG_"))
 
 
 def default_config(root: Path | None) -> Config:
