@@ -326,3 +326,19 @@ def _read(path: Path) -> str:
         return path.read_text()
     except FileNotFoundError:
         return ""
+
+
+def test_a_job_waiting_out_a_limit_is_listed_once_in_status_as_waiting(env: Env) -> None:
+    """`status` counts a job a gate holds as waiting and lists it there only: not also in its active table."""
+    until = int(time.time()) + 30
+    env.configure(agents={"worker": headless(env, {"limit": claude_limit(until)}, max_attempts=1)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("ONCE-1"))
+    d.wait_event("job.waiting", job_id="ONCE-1")
+    info = status(env)
+    assert (info["counts"]["active"], info["counts"]["waiting"]) == (0, 1)
+    assert [w["job_id"] for w in info["waiting"]] == ["ONCE-1"] and info["active"] == [], info
+    text = env.cli("status", check=True).stdout
+    assert text.count("ONCE-1") == 1, text
+    assert d.stop() == 0

@@ -81,6 +81,15 @@ def test_spend_of_the_last_24_hours_per_agent(env: Env) -> None:
     assert "worker 0.5 USD" in text and "other 0.125 USD" in text, text
 
 
+def test_a_tiny_reported_spend_is_not_rounded_away(env: Env) -> None:
+    """A cost of 1e-10 USD is spend: `status` shows it as `list` and `show` do, never as 0."""
+    env.configure(agents={"worker": costing(env, 1e-10)})
+    env.drop(order("TINY-1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert status(env)["spend_24h"] == {"worker": 1e-10}
+    assert "worker 0.0000000001 USD" in env.cli("status", check=True).stdout
+
+
 def test_held_orders_and_jobs_in_review_are_counted(env: Env) -> None:
     """Orders in held/ count as `held` (not inbox), job folders in review/ as `review`."""
     env.drop(order("DONE-1"))
@@ -119,3 +128,19 @@ def test_queue_counts_counts_orders_and_jobs_without_temp_names(tmp_path: Path) 
     os.mkdir(layout.root / "active" / ".staging-leftover")
     (layout.root / "waiting" / "J4").mkdir()
     assert queue_counts(layout) == {"inbox": 2, "held": 1, "active": 2, "waiting": 1, "review": 1}
+
+
+def test_a_file_name_with_control_characters_never_reaches_the_terminal_raw(env: Env) -> None:
+    """`show` and `hold` of a queued order, and `show` of a refused file, print a name's ESC and BEL escaped."""
+    title = "\x1b]0;OWNED\x07"
+    (env.root / "inbox").mkdir(parents=True, exist_ok=True)
+    (env.root / "inbox" / f"q{title}.json").write_text(json.dumps(order("QUEUED-1")))  # no daemon: it stays queued
+    outputs = [env.cli("show", "QUEUED-1", check=True).stdout, env.cli("hold", "QUEUED-1", check=True).stdout]
+    outputs.append(env.cli("show", "QUEUED-1", check=True).stdout)  # now in held/
+    env.drop(b"{not json", name=f"r{title}.json")
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    [refused] = [p.name for p in (env.root / "failed").iterdir()]
+    outputs.append(env.cli("show", refused, check=True).stdout)
+    for text in outputs:
+        assert "\x1b" not in text and "\x07" not in text, text
+        assert "\\x1b]0;OWNED\\x07" in text, text

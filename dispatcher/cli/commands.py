@@ -261,7 +261,7 @@ def _show_refused(cfg: Config, layout: Layout, name: str, *, as_json: bool) -> i
     r = rows[0]
     print(f"{printable(name)}  refused  agent {plain(r['agent'])}  {ago(r['age_s'])} ago: the file never became a job")
     print(f"  reason: {printable(plain(r['reason']))}")
-    print(f"  folder: {r['path']}")
+    print(f"  folder: {printable(r['path'])}")
     if len(rows) > 1:
         print(f"  ({len(rows) - 1} earlier refusal{'s' if len(rows) > 2 else ''}: `dispatcher list --state refused`)")
     return 0

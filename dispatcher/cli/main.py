@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from dispatcher import __version__
 from dispatcher.cli import commands, printing, usage
-from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError
+from dispatcher.errors import ConfigError, DispatchError, OrderError, UsageError, printable
 from dispatcher.layout import UMASK
 from dispatcher.spec.config import load_config, require_config, require_root
 from dispatcher.spec.orders import parse_order
@@ -182,7 +182,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for name in args.files:
         try:
             order = _parse_file(name, cfg)
-            print(f"{name}: ok ({order.job_id})")
+            print(f"{printable(name)}: ok ({order.job_id})")
         except OrderError as exc:
             print(exc, file=sys.stderr)
             bad += 1

@@ -140,20 +140,21 @@ def render_show(info: Mapping[str, Any]) -> str:
     if job.get("reason"):
         lines.append(f"  reason: {printable(job['reason'])}")
     if job.get("file"):
-        lines.append(f"  file: {job['file']}")
+        lines.append(f"  file: {printable(job['file'])}")
         lines.append(f"  task: {printable(plain(job.get('task')))}  items {plain(job.get('items'))}")
     if job.get("received"):
         lines.append(f"  received {job['received']}  finished {plain(job.get('finished'))}")
     if job.get("after") and not joining:
         lines.append(f"  after: {after}")
     if job.get("folder"):
-        lines.append(f"  folder: {job['folder']}")
+        lines.append(f"  folder: {printable(job['folder'])}")
     lines.append(f"  cost: {usd(job.get('cost_usd'))}  chain cost: {usd(job.get('chain_cost_usd'))}")
     ws = job.get("workspace")
     if isinstance(ws, dict):
         changed = ws.get("changed") or []
         head, base = str(ws.get("head") or "-")[:12], str(ws.get("base") or "-")[:12]
-        lines.append(f"  workspace: {plain(ws.get('branch'))} at {head} (from {base}) in {plain(ws.get('repo'))}")
+        repo = printable(plain(ws.get("repo")))
+        lines.append(f"  workspace: {plain(ws.get('branch'))} at {head} (from {base}) in {repo}")
         lines.append(f"    changed: {printable(', '.join(map(str, changed))) if changed else '-'}")
     lines.append("  chain:")
     if job.get("parent") and not info["ancestors"]:

@@ -242,7 +242,7 @@ class Operator:
             self.ledger.set_state(job_id, Row.HELD, expect=Row.RELEASED)
         agent = read_order_file(self.layout.held / held[0], self.config.max_order_bytes).agent
         log.info("job.held", job_id=job_id, agent=agent, file=", ".join(held))
-        return f"{job_id}: held (held/{', held/'.join(held)})"
+        return f"{job_id}: held (held/{printable(', held/'.join(held))})"
 
     def _keep_held(self, job_id: str, path: Path) -> bool:
         """Settle the race with a daemon claiming the file now at path; True if it stays held."""

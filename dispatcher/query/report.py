@@ -44,6 +44,8 @@ def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None)
     ]
     counts["waiting"] += len(waiting)  # waiting/ (section 16) and active jobs held by a gate (section 14)
     counts["active"] -= len(waiting)
+    held = {w["job_id"] for w in waiting}
+    active = [a for a in active if a["job_id"] not in held]  # listed once, as waiting, as they are counted
     return {
         "counts": counts,
         "waiting": waiting,
@@ -116,7 +118,8 @@ def spend_since(ledger: Ledger, since: float) -> dict[str, float]:
     spend: dict[str, float] = {}
     for _finished, agent, cost_usd in ledger.costs_since(since):  # an index on the finish time: no full scan
         spend[agent] = spend.get(agent, 0.0) + cost_usd
-    return {agent: round(usd, 6) for agent, usd in sorted(spend.items())}
+    # 12 significant digits: a sum's float noise goes (0.1 + 0.2 is 0.3), a tiny reported cost stays (1e-10)
+    return {agent: float(f"{usd:.12g}") for agent, usd in sorted(spend.items())}
 
 
 @dataclass(frozen=True, slots=True)
