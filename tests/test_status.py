@@ -57,6 +57,11 @@ def test_live_daemon_is_listed_and_a_killed_one_flags_its_active_job(env: Env) -
     assert (job["job_id"], job["agent"], job["pid"], job["daemon_alive"]) == ("SLOW-1", "slow", pid, True)
     text = env.cli("status", check=True).stdout
     assert "no daemon is running" not in text and "not running" not in text, text
+    shown = json.loads(env.cli("show", "SLOW-1", "--json", check=True).stdout)
+    [under_way] = shown["attempts"]  # no record yet: it is written when the attempt ends
+    assert (under_way["n"], under_way["running"]) == (1, True) and under_way["started"].endswith("Z"), under_way
+    assert under_way["logs"]["stderr"].endswith("/attempts/1/stderr.log")
+    assert f"#1  {under_way['started']}  running as pid {under_way['pid']}" in env.cli("show", "SLOW-1").stdout
 
     d.kill()
     dead = status(env)

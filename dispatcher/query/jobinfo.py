@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dispatcher import fsutil
+from dispatcher import fsutil, procs
 from dispatcher.clock import iso
 from dispatcher.errors import printable
 from dispatcher.layout import JOB_ID, Layout
@@ -140,9 +140,9 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
     if result is not None and state is not State.ACTIVE:
         attempts = [dict(a) for a in result.attempts]
         cost = result.cost_usd
-    else:  # running: what the attempts so far recorded
+    else:  # running: what the attempts so far recorded, and the one under way
         records = folder.attempts()
-        attempts = [a.to_json(internal=False) for a in records]
+        attempts = [a.to_json(internal=False) for a in records] + _under_way(folder, {a.n for a in records})
         cost = total_cost(records)
     until = _waiting(ledger, job_id) if state is State.ACTIVE else None
     return {
@@ -163,6 +163,33 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         "chain_cost_usd": result.chain_cost_usd if result else None,
         "workspace": result.extra.get("workspace") if result else None,  # section 15: repo, branch, head...
     } | after
+
+
+def _under_way(folder: JobFolder, recorded: set[int]) -> list[dict[str, Any]]:
+    """Return the attempts begun but not yet recorded: n, started, pid, and whether its agent still runs.
+
+    Its record (attempt.json) is written once, when it ends; until then the agent's note on its
+    stdout.log says when it started and as which process.
+    """
+    out = []
+    for n in folder.attempt_numbers():
+        if n in recorded:
+            continue
+        note = folder.pid_record(n)
+        if note is None:  # its agent has not started (or a before hook runs)
+            continue
+        started = note.get("started")
+        boot = note.get("boot_started")
+        alive = procs.is_alive(int(note["pid"]), boot_started=float(boot) if boot is not None else None)
+        out.append(
+            {
+                "n": n,
+                "started": iso(started) if isinstance(started, float) else None,
+                "pid": note["pid"],
+                "running": alive,
+            }
+        )
+    return out
 
 
 def _waiting(ledger: Ledger | None, job_id: str) -> tuple[str | None] | None:
