@@ -257,3 +257,18 @@ def test_a_retried_job_back_in_active_is_as_old_as_its_return_not_its_first_clai
     active = json.loads(env.cli("status", "--json", check=True).stdout)["active"]
     assert [a["job_id"] for a in active] == ["OLD-1"] and active[0]["age_s"] < 60, active
     d.stop()
+
+
+def test_show_explains_an_invalid_order_no_daemon_has_read_yet(env: Env) -> None:
+    """An invalid order waiting unread in inbox/ (no daemon runs): `list` shows it, and `show` says why it will be
+    refused instead of calling it unknown."""
+    (env.root / "inbox").mkdir(parents=True, exist_ok=True)
+    bad = {**order("BAD-FROM"), "from": "t\x1bx"}
+    (env.root / "inbox" / "BAD-FROM.json").write_text(json.dumps(bad))
+    listed = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    assert [(r["job_id"], r["state"]) for r in listed] == [("BAD-FROM", "inbox")]
+    shown = json.loads(env.cli("show", "BAD-FROM", "--json", check=True).stdout)
+    assert shown["state"] == "inbox" and shown["reason"].startswith("not a valid order"), shown
+    assert "from:" in shown["reason"], shown
+    text = env.cli("show", "BAD-FROM", check=True).stdout
+    assert "BAD-FROM  inbox" in text and "reason: not a valid order" in text, text

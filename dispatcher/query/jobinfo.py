@@ -13,12 +13,14 @@ from typing import Any
 
 from dispatcher import fsutil, procs
 from dispatcher.clock import iso
-from dispatcher.errors import printable
-from dispatcher.layout import JOB_ID, Layout
+from dispatcher.errors import OrderError, printable
+from dispatcher.layout import JOB_ID, Layout, is_ignored
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.jobspec import total_cost
+from dispatcher.spec.orders import order_format, parse_order
+from dispatcher.store.counts import visible_entries
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
 from dispatcher.text import redact
@@ -85,6 +87,41 @@ def _queued(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int) 
             "task": body.get("task"),
             "items": len(body.get("items") or ()),
         }
+    return _invalid_queued(layout, job_id, max_bytes)
+
+
+def _invalid_queued(layout: Layout, job_id: str, max_bytes: int) -> dict[str, Any] | None:
+    """Return an invalid order carrying job_id that waits unread in inbox/ or held/, as `list` shows it.
+
+    No daemon has read it yet (none runs, or a gate holds its agent): it is refused when one
+    does, and the reason says why now. Only files whose bytes hold the id are parsed.
+    """
+    needle = job_id.encode()
+    for state, folder in (("inbox", layout.inbox), ("held", layout.held)):
+        for de in visible_entries(folder):
+            if is_ignored(de.name) or order_format(de.name) is None:
+                continue
+            try:
+                data = fsutil.read_regular(Path(de.path), max_bytes)
+            except (OSError, fsutil.NotRegular):
+                continue
+            if needle not in data and b"\\" not in data:
+                continue
+            order = read_order_file(Path(de.path), max_bytes)
+            if order.job_id != job_id:
+                continue
+            try:
+                parse_order(data, de.name)
+                continue  # valid after all (written since it was looked for): not this case
+            except OrderError as exc:
+                why = exc.reason
+            body = order.body or {}
+            return _bare(job_id, state, order.agent, None, 0) | {
+                "reason": f"not a valid order, refused when a daemon reads it: {why}",
+                "file": str(order.path),
+                "task": body.get("task"),
+                "items": len(body.get("items") or ()) if isinstance(body.get("items"), list) else 0,
+            }
     return None
 
 
