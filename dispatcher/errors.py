@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 
-# control characters, line breaks, and the bidirectional controls that can make shown text read otherwise
-_BREAKS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_BREAKS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def oneline(text: str) -> str:
-    """Return text with every control character, line break and bidirectional control escaped (\\n, \\u202e...)."""
+    """Return text with every control character and line break escaped (\\n, \\u2028, ...)."""
     if text.isascii() and text.isprintable():  # the usual case: nothing to escape
         return text
     return _BREAKS.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
