@@ -146,6 +146,7 @@ def test_a_file_name_with_control_characters_never_reaches_the_terminal_raw(env:
     assert env.cli("run", "--once", timeout=120).returncode == 1
     [refused] = [p.name for p in (env.root / "failed").iterdir()]
     outputs.append(env.cli("show", refused, check=True).stdout)
+    outputs.append(env.cli("show", f"r{title}.json", check=True).stdout)  # by its file's name, as given
     for text in outputs:
         assert "\x1b" not in text and "\x07" not in text, text
         assert "\\x1b]0;OWNED\\x07" in text, text

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.clock import iso, parse_iso
+from dispatcher.errors import printable
 from dispatcher.layout import Layout, is_ignored
 from dispatcher.ledger.base import Entry, Ledger
 from dispatcher.lifecycle import Row, State
@@ -213,7 +214,9 @@ def refusals_of(cfg: Config, layout: Layout, name: str) -> list[dict[str, Any]]:
         folder = Path(r["path"]).name
         if r["job_id"] == name or name in (folder.rpartition("@")[0], folder):
             return True
-        return stem != name and folder.rpartition("@")[0] == stem and _refused_file(Path(r["path"])) == name
+        if stem == name or folder.rpartition("@")[0] != stem:
+            return False
+        return _refused_file(Path(r["path"])) in (name, printable(name))  # result.json keeps the name shown escaped
 
     return [r for r in list_jobs(cfg, layout, None, state="refused") if names(r)]
 
