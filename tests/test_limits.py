@@ -341,4 +341,9 @@ def test_a_job_waiting_out_a_limit_is_listed_once_in_status_as_waiting(env: Env)
     assert [w["job_id"] for w in info["waiting"]] == ["ONCE-1"] and info["active"] == [], info
     text = env.cli("status", check=True).stdout
     assert text.count("ONCE-1") == 1, text
-    assert d.stop() == 0
+    assert info["waiting"][0]["daemon_alive"] is True and "daemon not running" not in text
+    d.kill()  # its daemon dies while the job waits: the waiting row flags it, as an active job's would be
+    after = status(env)
+    assert [(w["job_id"], w["daemon_alive"]) for w in after["waiting"]] == [("ONCE-1", False)], after
+    line = next(x for x in env.cli("status", check=True).stdout.splitlines() if "ONCE-1" in x)
+    assert "daemon not running" in line, line

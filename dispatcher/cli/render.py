@@ -30,7 +30,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
     """Return `status` text: counts, daemons, whether one runs, active jobs and the spend of 24 h."""
     lines = [f"root {root}", "  ".join(f"{k} {v}" for k, v in info["counts"].items())]
     daemons = info["daemons"]
-    owners_of_active = {(a["pid"], a["host"]) for a in info["active"]}
+    owners_of_active = {(a["pid"], a["host"]) for a in [*info["active"], *(info.get("waiting") or [])] if "pid" in a}
     alive = [d for d in daemons if d["alive"]]
     dead = [d for d in daemons if not d["alive"]]
     shown_dead = [d for d in dead if (d["pid"], d["host"]) in owners_of_active]
@@ -58,7 +58,10 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
                 f"{_cell(row['host'], 16):<16} {ago(row['age_s']):>7}{flag}"
             )
     for row in info.get("waiting") or []:
-        lines.append(f"waiting  {_cell(row['job_id'], 28)}  {_cell(row['agent'], 14)}  until {plain(row['until'])}")
+        flag = "  daemon not running" if row.get("daemon_alive") is False else ""
+        lines.append(
+            f"waiting  {_cell(row['job_id'], 28)}  {_cell(row['agent'], 14)}  until {plain(row['until'])}{flag}"
+        )
     for g in info.get("gates") or []:
         until = f"until {g['until']}" if g["until"] else "until resumed"
         lines.append(f"gated    {_cell(g['agent'], 14)}  {g['kind']}  {until}  {printable(g['reason'] or '')}".rstrip())

@@ -38,7 +38,13 @@ def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None)
     gates = ledger.gates() if ledger else []
     active_ids = {a["job_id"]: a for a in active}
     waiting = [
-        {"job_id": j, "agent": active_ids[j]["agent"], "until": iso(u) if u is not None else None}
+        {
+            "job_id": j,
+            "agent": active_ids[j]["agent"],
+            "until": iso(u) if u is not None else None,
+            # whose it is, as for an active job: a gate-held job of a dead daemon is flagged too
+            **{k: active_ids[j][k] for k in ("pid", "host", "daemon_alive")},
+        }
         for j, u in sorted(gate_waits.items())
         if j in active_ids
     ]
