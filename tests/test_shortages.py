@@ -399,13 +399,13 @@ def test_an_idle_daemon_with_a_long_lease_stops_at_once_while_postgresql_is_down
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("busy", [False, True])
-def test_a_stop_is_answered_while_postgresql_is_silent(env: Env, own_pg: PgServer, busy: bool) -> None:
+@pytest.mark.parametrize(("busy", "lease"), [(False, 6), (True, 6), (True, 30)])
+def test_a_stop_is_answered_while_postgresql_is_silent(env: Env, own_pg: PgServer, busy: bool, lease: int) -> None:
     """The server's processes stopped (SIGSTOP: its kernel still answers TCP, no query returns): SIGTERM still
     ends the daemon within stop_timeout and a margin, exit 0, idle or with an agent running; the work is kept."""
     env.configure(
         {"tiny": hold_agent(env, 1), "long": hold_agent(env, 60)},
-        ledger=own_pg.dsn, lease=6, stop_timeout=4, kill_grace=1, watch="poll", max_jobs=4,
+        ledger=own_pg.dsn, lease=lease, stop_timeout=4, kill_grace=1, watch="poll", max_jobs=4,
     )  # fmt: skip
     d = env.daemon()
     d.wait_ready()

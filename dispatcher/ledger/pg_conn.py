@@ -277,7 +277,10 @@ class Pool:
         now = time.monotonic()
         with self._cond:
             stuck = [conn for conn, since in self._busy.values() if now - since >= older_than_s]
-            return sum(cut_socket(conn) for conn in stuck)
+            cut = sum(cut_socket(conn) for conn in stuck)
+            if cut:
+                self.deadline = now  # and a new connection to that silent server is given up at once
+            return cut
 
     def close(self) -> None:
         """Close idle connections now and busy ones when they come back."""

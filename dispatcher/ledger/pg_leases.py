@@ -239,10 +239,14 @@ class Leases:
                 self.runner.run("close", body, write=True, patience_s=min(5.0, self.lease_s / 3))
             except (LedgerUnavailable, psycopg.Error) as exc:
                 log.warning("ledger.close_failed", error=str(exc), owner=self.owner)
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        # a renewal hung in a connect to a silent server holds the lock until its timeout: not waited for
+        if self._lock.acquire(timeout=1.0 if self.silent else -1):
+            try:
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+            finally:
+                self._lock.release()
 
     # -- others -----------------------------------------------------------------------------
     def alive(self, owner: str) -> bool:
