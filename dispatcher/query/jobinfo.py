@@ -217,7 +217,11 @@ def _under_way(folder: JobFolder, recorded: set[int]) -> list[dict[str, Any]]:
             continue
         started = note.get("started")
         boot = note.get("boot_started")
-        alive = procs.is_alive(int(note["pid"]), boot_started=float(boot) if boot is not None else None)
+        alive = procs.is_alive(  # on its start time, so that a pid reused since never reads as its agent
+            int(note["pid"]),
+            float(started) if isinstance(started, (int, float)) else None,
+            boot_started=float(boot) if boot is not None else None,
+        )
         out.append(
             {
                 "n": n,

@@ -202,15 +202,19 @@ def _pass_env(agent: str, names: list[str]) -> tuple[str, ...]:
 def _env(agent: str, values: Mapping[str, str]) -> dict[str, str]:
     """Return an agent's ``env``; a name the daemon sets itself, or never passes, is an error naming it."""
     for name in values:
-        if name.startswith("DISPATCH_"):
+        if name in SET_PER_ATTEMPT:
             raise ConfigError(
                 "set by the daemon for each attempt, never by the config", field=f"agents.{agent}.env.{name}"
             )
-        if _daemons_own(name):
+        if name == "NOTIFY_SOCKET" or name.startswith("WATCHDOG_"):
             raise ConfigError(
                 "never passed to agents (the daemon's own line to systemd)", field=f"agents.{agent}.env.{name}"
             )
     return dict(values)
+
+
+#: what the daemon puts in an agent's (or a hook's, or a notify command's) environment itself
+SET_PER_ATTEMPT = frozenset(f"DISPATCH_{n}" for n in ("JOB_ID", "ORDER", "WORKSPACE", "RECEIPT", "ATTEMPT", "EVENT"))
 
 
 def _daemons_own(name: str) -> bool:
