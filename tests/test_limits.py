@@ -329,7 +329,8 @@ def _read(path: Path) -> str:
 
 
 def test_a_job_waiting_out_a_limit_is_listed_once_in_status_as_waiting(env: Env) -> None:
-    """`status` counts a job a gate holds as waiting and lists it there only: not also in its active table."""
+    """`status` counts a job a gate holds as waiting; its text lists it once, in the active table, saying it waits
+    (and, once its daemon died, that too), and the JSON keeps it among the active jobs with its owner."""
     until = int(time.time()) + 30
     env.configure(agents={"worker": headless(env, {"limit": claude_limit(until)}, max_attempts=1)})
     d = env.daemon()
@@ -338,12 +339,14 @@ def test_a_job_waiting_out_a_limit_is_listed_once_in_status_as_waiting(env: Env)
     d.wait_event("job.waiting", job_id="ONCE-1")
     info = status(env)
     assert (info["counts"]["active"], info["counts"]["waiting"]) == (0, 1)
-    assert [w["job_id"] for w in info["waiting"]] == ["ONCE-1"] and info["active"] == [], info
+    assert [w["job_id"] for w in info["waiting"]] == ["ONCE-1"]
+    assert [(a["job_id"], a["daemon_alive"]) for a in info["active"]] == [("ONCE-1", True)], info
     text = env.cli("status", check=True).stdout
     assert text.count("ONCE-1") == 1, text
-    assert info["waiting"][0]["daemon_alive"] is True and "daemon not running" not in text
-    d.kill()  # its daemon dies while the job waits: the waiting row flags it, as an active job's would be
+    line = next(x for x in text.splitlines() if "ONCE-1" in x)
+    assert "waiting for a gate until" in line and "daemon not running" not in line, line
+    d.kill()  # its daemon dies while the job waits: flagged, as any active job's would be
     after = status(env)
-    assert [(w["job_id"], w["daemon_alive"]) for w in after["waiting"]] == [("ONCE-1", False)], after
+    assert [(a["job_id"], a["daemon_alive"]) for a in after["active"]] == [("ONCE-1", False)], after
     line = next(x for x in env.cli("status", check=True).stdout.splitlines() if "ONCE-1" in x)
-    assert "daemon not running" in line, line
+    assert "daemon not running" in line and "waiting for a gate" in line, line

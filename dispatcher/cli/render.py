@@ -30,7 +30,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
     """Return `status` text: counts, daemons, whether one runs, active jobs and the spend of 24 h."""
     lines = [f"root {root}", "  ".join(f"{k} {v}" for k, v in info["counts"].items())]
     daemons = info["daemons"]
-    owners_of_active = {(a["pid"], a["host"]) for a in [*info["active"], *(info.get("waiting") or [])] if "pid" in a}
+    owners_of_active = {(a["pid"], a["host"]) for a in info["active"]}
     alive = [d for d in daemons if d["alive"]]
     dead = [d for d in daemons if not d["alive"]]
     shown_dead = [d for d in dead if (d["pid"], d["host"]) in owners_of_active]
@@ -49,19 +49,22 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
             lines.append(f"  ({older} not shown; `dispatcher status --json` lists every one)")
     if not alive:
         lines.append("no daemon is running: nothing is claimed until `dispatcher run` starts (it recovers active jobs)")
+    # a job a gate holds is in active/ but counted as waiting: one line, in the table, that says so
+    gated = {w["job_id"]: w for w in info.get("waiting") or []}
     if info["active"]:
         lines.append(f"{'JOB':<28} {'AGENT':<14} {'PID':>8} {'HOST':<16} {'AGE':>7}")
         for row in info["active"]:
             flag = "" if row["daemon_alive"] else "  daemon not running"
+            if row["job_id"] in gated:
+                flag += f"  waiting for a gate until {plain(gated[row['job_id']]['until'])}"
             lines.append(
                 f"{_cell(row['job_id'], 28):<28} {_cell(row['agent'], 14):<14} {plain(row['pid']):>8} "
                 f"{_cell(row['host'], 16):<16} {ago(row['age_s']):>7}{flag}"
             )
+    shown = {row["job_id"] for row in info["active"]}
     for row in info.get("waiting") or []:
-        flag = "  daemon not running" if row.get("daemon_alive") is False else ""
-        lines.append(
-            f"waiting  {_cell(row['job_id'], 28)}  {_cell(row['agent'], 14)}  until {plain(row['until'])}{flag}"
-        )
+        if row["job_id"] not in shown:
+            lines.append(f"waiting  {_cell(row['job_id'], 28)}  {_cell(row['agent'], 14)}  until {plain(row['until'])}")
     for g in info.get("gates") or []:
         until = f"until {g['until']}" if g["until"] else "until resumed"
         lines.append(f"gated    {_cell(g['agent'], 14)}  {g['kind']}  {until}  {printable(g['reason'] or '')}".rstrip())

@@ -38,20 +38,12 @@ def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None)
     gates = ledger.gates() if ledger else []
     active_ids = {a["job_id"]: a for a in active}
     waiting = [
-        {
-            "job_id": j,
-            "agent": active_ids[j]["agent"],
-            "until": iso(u) if u is not None else None,
-            # whose it is, as for an active job: a gate-held job of a dead daemon is flagged too
-            **{k: active_ids[j][k] for k in ("pid", "host", "daemon_alive")},
-        }
+        {"job_id": j, "agent": active_ids[j]["agent"], "until": iso(u) if u is not None else None}
         for j, u in sorted(gate_waits.items())
         if j in active_ids
     ]
     counts["waiting"] += len(waiting)  # waiting/ (section 16) and active jobs held by a gate (section 14)
     counts["active"] -= len(waiting)
-    held = {w["job_id"] for w in waiting}
-    active = [a for a in active if a["job_id"] not in held]  # listed once, as waiting, as they are counted
     return {
         "counts": counts,
         "waiting": waiting,
