@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,31 @@ def test_a_file_name_with_control_characters_never_reaches_the_terminal_raw(env:
     for text in outputs:
         assert "\x1b" not in text and "\x07" not in text, text
         assert "\\x1b]0;OWNED\\x07" in text, text
+
+
+def test_lock_files_deleted_under_a_running_daemon_are_locked_again(env: Env) -> None:
+    """Its liveness lock and a slot's lock deleted (by hand, a tmp cleaner): at its next rescan the daemon locks
+    both again and logs lock.lost; `status` still sees it alive, and a second daemon neither takes its running
+    job over nor runs a second agent past `concurrency: 1`."""
+    env.configure(agents={"slow": env.agent("--sleep", "8", concurrency=1)}, rescan_interval=0.5)
+    first = env.daemon()
+    first.wait_ready()
+    env.drop(order("HELD-ON", to="slow"))
+    wait_until(lambda: any(job == "HELD-ON" for job, _ in env.starts()), 30, "the slow agent to start")
+    state = env.root / ".state"
+    [life] = (state / "daemons").glob("*.lock")
+    [slot] = (state / "slots").glob("slow.*.lock")
+    life.unlink()
+    slot.unlink()
+    wait_until(lambda: len([e for e in first.events() if e.get("event") == "lock.lost"]) == 2, 15, "both locks again")
+    assert life.exists() and slot.exists()
+    assert [d["alive"] for d in status(env)["daemons"]] == [True]
+    second = env.daemon()
+    second.wait_ready()
+    env.drop(order("NEXT-ONE", to="slow"))
+    time.sleep(2.0)  # both daemons' turns: a slot past concurrency would start NEXT-ONE now
+    assert [job for job, _ in env.starts()] == ["HELD-ON"]
+    assert not [e for e in second.events() if e.get("event") in ("agent.orphan_ended", "job.recovered")]
+    env.wait_job("HELD-ON", "done")
+    env.wait_job("NEXT-ONE", "done")
+    assert first.stop() == 0 and second.stop() == 0

@@ -179,6 +179,9 @@ class Housekeeping:
     async def rescan(self) -> None:
         """List inbox/ again (events are hints), restart a dead watch, find dead daemons' work."""
         self.check_watch()  # first: a file that arrives while inbox/ is listed is then seen by the new watch
+        for path in self.ctx.ledger.take_back_locks():
+            why = "its lock file was deleted or replaced under the running daemon; locked again at its path"
+            log.error("lock.lost", path=path, reason=why)
         self.inbox.merge(await self.ctx.lanes.scan(list_inbox, self.ctx.layout.inbox))
         if not self.ctx.stopping():
             await self.recover(startup=False)

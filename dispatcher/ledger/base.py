@@ -110,6 +110,14 @@ class Ledger(ABC):
     def close(self) -> None:
         """Release the connection and anything held for this process."""
 
+    def take_back_locks(self) -> list[str]:
+        """Lock again this daemon's lock files found deleted or replaced (by hand, a tmp cleaner); return them.
+
+        Called by the daemon at each rescan, on its loop: a few ``stat`` calls. A ledger
+        whose liveness and slots are not lock files has none.
+        """
+        return []
+
     def sever_stuck(self, older_than_s: float) -> int:
         """Cut the connections of calls hung for longer than older_than_s on a silent server; return how many.
 

@@ -176,6 +176,10 @@ class SlotLock:
         if fd >= 0:
             os.close(fd)
 
+    def intact(self) -> bool:
+        """Return False if the lock is held but its file is no longer at its path (deleted or replaced)."""
+        return self._fd < 0 or same_file(self.path, self._fd)
+
 
 class FlockSlots:
     """Hand out agent slots over every daemon of one host; remember which are ours."""
@@ -209,12 +213,40 @@ class FlockSlots:
             mine.discard(slot)
             self._locks[(agent, slot)].release()
 
+    def take_back_lost(self) -> list[str]:
+        """Lock again, at its path, each held slot whose file was deleted or replaced; return their paths.
+
+        Another daemon could otherwise take the slot through a new file at that path. A slot
+        another daemon took meanwhile stays ours until its job ends; that is said in the path
+        returned, and the caller logs it.
+        """
+        lost = []
+        for agent, mine in self._held.items():
+            for slot in sorted(mine):
+                lock = self._locks[(agent, slot)]
+                if lock.intact():
+                    continue
+                lock.release()
+                again = lock.acquire()
+                lost.append(lock.path if again else f"{lock.path} (taken meanwhile by another daemon)")
+        return lost
+
     def release_all(self) -> None:
         """Give every slot back (at stop)."""
         for agent, mine in self._held.items():
             for slot in list(mine):
                 self._locks[(agent, slot)].release()
             mine.clear()
+
+
+def same_file(path: str | Path, fd: int) -> bool:
+    """Return True if path names the file open at fd (a lock file still in place)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def write_info(folder: Path, info: DaemonInfo) -> None:

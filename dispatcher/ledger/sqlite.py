@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 from dispatcher import procs
 from dispatcher.fsutil import fsync_dir
@@ -62,8 +64,30 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         self._daemons.mkdir(parents=True, exist_ok=True)
         self._life = make_lock(self._daemons / f"{info.owner}.lock")
         self._life.acquire()
+        self._life_id = _file_id(self._daemons / f"{info.owner}.lock")
         self._info = info
         write_info(self._daemons, info)
+
+    def take_back_locks(self) -> list[str]:
+        """Lock again each lock file of this daemon found deleted or replaced; return their paths.
+
+        Its liveness lock gone, other daemons and `status` would take it for dead and recover its
+        running jobs; a slot's gone, another daemon could exceed the agent's ``concurrency``.
+        """
+        lost = self._slots.take_back_lost()
+        if self._life is None or not self.owner:
+            return lost
+        path = self._daemons / f"{self.owner}.lock"
+        if _file_id(path) == self._life_id:
+            return lost
+        self._life.release(force=True)
+        self._daemons.mkdir(parents=True, exist_ok=True)
+        self._life = make_lock(path)
+        self._life.acquire()
+        self._life_id = _file_id(path)
+        if self._info is not None and not (self._daemons / f"{self.owner}.json").exists():
+            write_info(self._daemons, self._info)
+        return [str(path), *lost]
 
     def record_config(self, digest: str | None) -> None:
         """Rewrite this daemon's info file with the digest of the config it loaded."""
@@ -371,3 +395,11 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
             return db.total_changes - before
 
         return self._tx(body)
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)

@@ -113,6 +113,7 @@ class SqliteDb:
         self._liveness = Liveness(self._daemons)
         self._slots = FlockSlots(state_dir / "slots")
         self._life: FileLock | None = None
+        self._life_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the liveness lock file it holds
         self._immutable = False  # a read-only snapshot taken while no daemon had the ledger open
         try:
             if readonly:
