@@ -121,3 +121,36 @@ def exit_text(code: Any) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit {plain(code)}"
+
+
+#: bidirectional controls: printed as they are, they make the text around them read in another order
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_bidi(text: str) -> str:
+    """Return text with each bidirectional control written as its escape (``\\u202e``)."""
+    return text if text.isascii() else _BIDI.sub(lambda m: f"\\u{ord(m.group(0)):04x}", text)
+
+
+class BidiSafe:
+    """A text stream that writes bidirectional controls escaped, for output meant for a person.
+
+    Stored text keeps them (a reason in Hebrew or Arabic may need them); only what a command
+    shows is escaped, so that a task or reason holding U+202E cannot make a line read otherwise.
+    Everything but writing is the wrapped stream's.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        """Write text, its bidirectional controls escaped."""
+        return int(self._stream.write(escape_bidi(text)))
+
+    def writelines(self, lines: Any) -> None:
+        """Write each line, as ``write`` does."""
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

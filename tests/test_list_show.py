@@ -272,3 +272,13 @@ def test_show_explains_an_invalid_order_no_daemon_has_read_yet(env: Env) -> None
     assert "from:" in shown["reason"], shown
     text = env.cli("show", "BAD-FROM", check=True).stdout
     assert "BAD-FROM  inbox" in text and "reason: not a valid order" in text, text
+
+
+def test_bidirectional_controls_are_shown_escaped_and_kept_in_json(env: Env) -> None:
+    """A task holding U+202E: `show` and `list` print it escaped (it cannot reorder the line), `--json` keeps it."""
+    (env.root / "inbox").mkdir(parents=True, exist_ok=True)
+    task = "Pay the \u202eeciovni\u202c today."
+    (env.root / "inbox" / "RTL-1.json").write_text(json.dumps({**order("RTL-1"), "task": task}))
+    text = env.cli("show", "RTL-1", check=True).stdout
+    assert "\u202e" not in text and "\\u202eeciovni\\u202c" in text, text
+    assert json.loads(env.cli("show", "RTL-1", "--json", check=True).stdout)["task"] == task

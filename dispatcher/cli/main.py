@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO, cast
 
 from dispatcher import __version__
 from dispatcher.cli import commands, printing, usage
@@ -19,7 +19,7 @@ from dispatcher.spec.config import load_config, require_config, require_root
 from dispatcher.spec.orders import parse_order
 from dispatcher.spec.settings import Config
 from dispatcher.store.counts import LIST_STATES
-from dispatcher.text import redact
+from dispatcher.text import BidiSafe, redact
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     del parser  # every command's parser, held for as long as the daemon runs otherwise
     os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
+    if args.command not in ("run", "web") and not getattr(args, "json", False):  # output for a person
+        sys.stdout = cast(TextIO, BidiSafe(sys.stdout))
+        sys.stderr = cast(TextIO, BidiSafe(sys.stderr))
     if args.command not in ("run", "web"):  # a command logs (a ledger it waits for) in the one console format
         from dispatcher import logs
 
