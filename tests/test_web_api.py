@@ -408,3 +408,17 @@ def test_a_deleted_or_rebuilt_ledger_is_read_again_not_the_file_the_view_held(en
         assert web.json("/api/jobs/LED-2")["state"] == "done"
     finally:
         assert web.stop() == 0
+
+
+def test_a_job_page_shows_bidirectional_controls_escaped(env: Env) -> None:
+    """A refused order whose reason quotes a U+202E: its page shows the control escaped; the API keeps it as is."""
+    env.drop(json.dumps({**order("RTL-2"), "to": "gh\u202etso"}), name="RTL-2.json")
+    assert env.cli("run", "--once").returncode == 1
+    web = start_web(env)
+    try:
+        reason = web.json("/api/jobs/RTL-2")["reason"]
+        assert "gh\u202etso" in reason, reason
+        status, page, _ = web.get("/jobs/RTL-2")
+        assert status == 200 and "\u202e".encode() not in page and b"gh\\u202etso" in page, page[:300]
+    finally:
+        assert web.stop() == 0

@@ -19,7 +19,7 @@ import jinja2
 from dispatcher.errors import printable
 from dispatcher.query.jobinfo import tree_cost
 from dispatcher.store.counts import LIST_STATES
-from dispatcher.text import ago, plain, usd
+from dispatcher.text import ago, escape_bidi, plain, usd
 
 #: rows on one page of the job list
 PAGE_ROWS = 200
@@ -61,8 +61,12 @@ _ENV = _env()
 
 
 def render(template: str, *, partial: bool, title: str, **values: Any) -> str:
-    """Return a whole page (or, with partial, its ``<main>`` content only)."""
-    main = _ENV.get_template(template).render(**values)
+    """Return a whole page (or, with partial, its ``<main>`` content only).
+
+    Bidirectional controls in what the page shows are written escaped (``\\u202e``), as the
+    commands print them: a task holding U+202E cannot make a line of the page read otherwise.
+    """
+    main = escape_bidi(_ENV.get_template(template).render(**values))
     if partial:
         return main
     return _ENV.get_template("base.html").render(
