@@ -23,6 +23,15 @@ from dispatcher.lean import sha256_for
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+def file_id(path: str | Path) -> tuple[int, int] | None:
+    """Return (st_dev, st_ino) of the file at path, or None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 def fsync_dir(path: str | Path) -> None:
     """Flush a directory's entries (a rename or create in it) to disk."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

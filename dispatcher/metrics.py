@@ -107,7 +107,7 @@ def _is_daemon(pid: int, path: str) -> bool:
     except OSError:
         return False
     # /proc/stat's boot time has whole seconds: a start within that of the last write is given the benefit
-    return procs.boot_time() + procs.start_boot_s(fields) <= written + _START_TOLERANCE_S
+    return procs.started_at(fields) <= written + _START_TOLERANCE_S
 
 
 class Metrics:

@@ -42,6 +42,11 @@ def start_boot_s(fields: list[str]) -> float:
     return int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
+def started_at(fields: list[str]) -> float:
+    """Return a process's start as Unix time, from its /proc/PID/stat fields (good to about a second: btime)."""
+    return boot_time() + start_boot_s(fields)
+
+
 def age_s() -> float:
     """Return how long this process has run, from its start in /proc (0.0 where that cannot be read)."""
     fields = stat_fields(os.getpid())
@@ -70,7 +75,7 @@ def is_alive(
         return abs(start_boot_s(fields) - boot_started) <= tolerance_s
     if started is None:
         return True
-    return abs(boot_time() + start_boot_s(fields) - started) <= tolerance_s
+    return abs(started_at(fields) - started) <= tolerance_s
 
 
 def held_for_writing(paths: set[str]) -> set[str]:

@@ -49,7 +49,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
             lines.append(f"  ({older} not shown; `dispatcher status --json` lists every one)")
     if not alive:
         lines.append("no daemon is running: nothing is claimed until `dispatcher run` starts (it recovers active jobs)")
-    # a job a gate holds is in active/ but counted as waiting: one line, in the table, that says so
+    # a job a gate holds is in active/ (every waiting row is one of them) but counted as waiting: its table line says so
     gated = {w["job_id"]: w for w in info.get("waiting") or []}
     if info["active"]:
         lines.append(f"{'JOB':<28} {'AGENT':<14} {'PID':>8} {'HOST':<16} {'AGE':>7}")
@@ -61,10 +61,6 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
                 f"{_cell(row['job_id'], 28):<28} {_cell(row['agent'], 14):<14} {plain(row['pid']):>8} "
                 f"{_cell(row['host'], 16):<16} {ago(row['age_s']):>7}{flag}"
             )
-    shown = {row["job_id"] for row in info["active"]}
-    for row in info.get("waiting") or []:
-        if row["job_id"] not in shown:
-            lines.append(f"waiting  {_cell(row['job_id'], 28)}  {_cell(row['agent'], 14)}  until {plain(row['until'])}")
     for g in info.get("gates") or []:
         until = f"until {g['until']}" if g["until"] else "until resumed"
         lines.append(f"gated    {_cell(g['agent'], 14)}  {g['kind']}  {until}  {printable(g['reason'] or '')}".rstrip())

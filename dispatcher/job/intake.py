@@ -39,7 +39,7 @@ from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, K
 from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.shortage import SHORT, resource_of
-from dispatcher.spec.loader import load_document, read_job_id
+from dispatcher.spec.loader import load_document, lone_surrogate, read_job_id
 from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart_text
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
@@ -162,7 +162,7 @@ def job_id_of(body: Any) -> str | None:
     A string that is not text (a lone surrogate, from a JSON escape) is none: result.json stays valid UTF-8.
     """
     job_id = body.get("job_id") if isinstance(body, dict) else None
-    return job_id if isinstance(job_id, str) and is_text(job_id) else None
+    return job_id if isinstance(job_id, str) and lone_surrogate(job_id) is None else None
 
 
 def agent_of(body: Any, config: Config) -> str | None:
@@ -173,15 +173,6 @@ def agent_of(body: Any, config: Config) -> str | None:
     """
     to = body.get("to") if isinstance(body, dict) else None
     return to if isinstance(to, str) and to in config.agents else None
-
-
-def is_text(value: str) -> bool:
-    """Return True if value encodes as UTF-8 (it holds no lone surrogate)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def known_reason(job_id: str, state: str) -> str:

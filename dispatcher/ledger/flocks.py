@@ -23,6 +23,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from dispatcher import procs
+from dispatcher.fsutil import file_id
 from dispatcher.ledger.records import DaemonInfo
 
 _ALIVE_TTL_S = 1.0
@@ -98,7 +99,7 @@ def _alive_by_process(lock: Path, owner: str) -> bool | None:
         return None
     if fields[0] in ("Z", "X"):
         return False
-    return procs.boot_time() + procs.start_boot_s(fields) <= made + _START_SLACK_S
+    return procs.started_at(fields) <= made + _START_SLACK_S
 
 
 def info_of_owner(folder: Path, owner: str) -> DaemonInfo | None:
@@ -241,12 +242,8 @@ class FlockSlots:
 
 def same_file(path: str | Path, fd: int) -> bool:
     """Return True if path names the file open at fd (a lock file still in place)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
     held = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+    return file_id(path) == (held.st_dev, held.st_ino)
 
 
 def write_info(folder: Path, info: DaemonInfo) -> None:

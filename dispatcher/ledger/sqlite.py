@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import socket
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
 from dispatcher import procs
-from dispatcher.fsutil import fsync_dir
+from dispatcher.fsutil import file_id, fsync_dir
 from dispatcher.ledger.base import Ledger, now
 from dispatcher.ledger.flocks import make_lock, read_info, read_infos, write_info
 from dispatcher.ledger.records import (
@@ -64,7 +62,7 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         self._daemons.mkdir(parents=True, exist_ok=True)
         self._life = make_lock(self._daemons / f"{info.owner}.lock")
         self._life.acquire()
-        self._life_id = _file_id(self._daemons / f"{info.owner}.lock")
+        self._life_id = file_id(self._daemons / f"{info.owner}.lock")
         self._info = info
         write_info(self._daemons, info)
 
@@ -78,13 +76,13 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         if self._life is None or not self.owner:
             return lost
         path = self._daemons / f"{self.owner}.lock"
-        if _file_id(path) == self._life_id:
+        if file_id(path) == self._life_id:
             return lost
         self._life.release(force=True)
         self._daemons.mkdir(parents=True, exist_ok=True)
         self._life = make_lock(path)
         self._life.acquire()
-        self._life_id = _file_id(path)
+        self._life_id = file_id(path)
         if self._info is not None and not (self._daemons / f"{self.owner}.json").exists():
             write_info(self._daemons, self._info)
         return [str(path), *lost]
@@ -395,11 +393,3 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
             return db.total_changes - before
 
         return self._tx(body)
-
-
-def _file_id(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)

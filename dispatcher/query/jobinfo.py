@@ -19,6 +19,7 @@ from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.jobspec import total_cost
+from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.store.counts import visible_entries
 from dispatcher.store.jobstore import JobFolder
@@ -99,28 +100,29 @@ def _invalid_queued(layout: Layout, job_id: str, max_bytes: int) -> dict[str, An
     needle = job_id.encode()
     for state, folder in (("inbox", layout.inbox), ("held", layout.held)):
         for de in visible_entries(folder):
-            if is_ignored(de.name) or order_format(de.name) is None:
+            fmt = None if is_ignored(de.name) else order_format(de.name)
+            if fmt is None:
                 continue
             try:
                 data = fsutil.read_regular(Path(de.path), max_bytes)
-            except (OSError, fsutil.NotRegular):
+                if needle not in data and b"\\" not in data:
+                    continue
+                body = load_document(data, fmt)  # as `list` reads it: no rule applied
+            except (OSError, fsutil.NotRegular, OrderError, ValueError, RecursionError):
                 continue
-            if needle not in data and b"\\" not in data:
-                continue
-            order = read_order_file(Path(de.path), max_bytes)
-            if order.job_id != job_id:
+            if not isinstance(body, dict) or body.get("job_id") != job_id:
                 continue
             try:
                 parse_order(data, de.name)
                 continue  # valid after all (written since it was looked for): not this case
             except OrderError as exc:
                 why = exc.reason
-            body = order.body or {}
-            return _bare(job_id, state, order.agent, None, 0) | {
+            agent, items = body.get("to"), body.get("items")
+            return _bare(job_id, state, agent if isinstance(agent, str) else None, None, 0) | {
                 "reason": f"not a valid order, refused when a daemon reads it: {why}",
-                "file": str(order.path),
+                "file": de.path,
                 "task": body.get("task"),
-                "items": len(body.get("items") or ()) if isinstance(body.get("items"), list) else 0,
+                "items": len(items) if isinstance(items, list) else 0,
             }
     return None
 

@@ -368,7 +368,7 @@ def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
         raise OrderError(value.message, field=path or None)
     if isinstance(value, dict):
         for key, item in value.items():
-            if isinstance(key, str) and (bad := _lone_surrogate(key)) is not None:
+            if isinstance(key, str) and (bad := lone_surrogate(key)) is not None:
                 shown = key.encode("utf-8", "backslashreplace").decode("ascii")
                 raise OrderError(f"key '{shown}' {_SURROGATE.format(bad)}", field=path or None)
             check_json_value(item, f"{path}.{key}" if path else key, depth + 1)
@@ -378,7 +378,7 @@ def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
     elif isinstance(value, str):
         if isinstance(value, YamlTime) and path not in TIME_FIELDS:
             raise OrderError(f"a {value.kind} value is not allowed (quote it to make it a string)", field=path or None)
-        if (bad := _lone_surrogate(value)) is not None:
+        if (bad := lone_surrogate(value)) is not None:
             raise OrderError(_SURROGATE.format(bad), field=path or None)
     elif isinstance(value, float):
         if not math.isfinite(value):
@@ -391,7 +391,7 @@ def check_json_value(value: Any, path: str = "", depth: int = 1) -> None:
 _SURROGATE = "holds a lone surrogate ({}), which cannot be written as UTF-8"
 
 
-def _lone_surrogate(text: str) -> str | None:
+def lone_surrogate(text: str) -> str | None:
     """Return the first lone surrogate of text as an escape (``\\ud800``), or None."""
     if text.isascii():
         return None
@@ -426,7 +426,7 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
         found = _JOB_ID_LINE.findall(text) if fmt == "yaml" else []
         return found[0][1] if len(found) == 1 else None
     job_id = body.get("job_id") if isinstance(body, dict) else None
-    return job_id if isinstance(job_id, str) and _lone_surrogate(job_id) is None else None
+    return job_id if isinstance(job_id, str) and lone_surrogate(job_id) is None else None
 
 
 _JOB_ID_LINE = re.compile(r"""^job_id:[ \t]*(["']?)([A-Za-z0-9][A-Za-z0-9._-]{0,127})\1[ \t]*(?:#.*)?$""", re.MULTILINE)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import printable
+from dispatcher.fsutil import file_id
 from dispatcher.layout import JOB_ID, Layout
 from dispatcher.ledger.base import Ledger
 from dispatcher.query.jobinfo import log_tail, show_json
@@ -66,13 +67,7 @@ class Reader:
 
     def _file_id(self) -> tuple[int, int] | None:
         """Return (st_dev, st_ino) of the SQLite ledger file, None if it is missing (or not SQLite)."""
-        if self.config.ledger != "sqlite":
-            return None
-        try:
-            st = os.stat(self.layout.ledger)
-        except OSError:
-            return None
-        return (st.st_dev, st.st_ino)
+        return file_id(self.layout.ledger) if self.config.ledger == "sqlite" else None
 
     def _reader(self) -> Ledger | None:
         """Return the kept ledger, opening it on first use; None while the root has none (call under the lock).
