@@ -9,9 +9,10 @@ ledger lane, each claim committing together with its job folder or not at all:
 2. one ledger transaction claims every id of the batch;
 3. for each claimed id: ``work/`` and ``job.json`` are written; then every file and
    folder of the batch is fsynced at once (``fsutil.fsync_many``); then each staging
-   folder is renamed to ``active/<id>`` and the inbox name is unlinked; an error on the
-   way undoes the claim, leaving the file in inbox/ as it was;
-4. ``active/`` is fsynced once for the batch, before any agent starts.
+   folder is renamed to ``active/<id>``; an error on the way undoes the claim, leaving
+   the file in inbox/ as it was;
+4. ``active/`` is fsynced once for the batch, before any agent starts; then the inbox
+   names are unlinked.
 
 A daemon that dies at any point leaves either a staging folder without a claim
 (removed by recovery; the file is still in inbox/), or a claim with its staging
@@ -284,6 +285,7 @@ def claim(
     errors = fsutil.fsync_many([path for *_, w in written for path in w.sync])
     placed: set[State] = set()
     later: list[tuple[int, Started]] = []  # placed under a cancel, or a join: carried on once all are durable
+    moved: list[tuple[Pick, Claimed]] = []  # placed: their inbox names go once their state folder is fsynced
     end = 0
     for i, pick, stage, claimed, w in written:
         start, end = end, end + len(w.sync)
@@ -295,10 +297,13 @@ def claim(
         done = out[i] = placing.place(layout, ledger, pick, stage, claimed, w, failed)
         if isinstance(done, Started):
             placed.add(w.state)
+            moved.append((pick, claimed))
             if done.cancelled or done.order.after:
                 later.append((i, done))
     for state in sorted(placed):
         _fsync_dir(layout.folder_str(state))  # the claim's durable point: before any agent starts
+    for pick, claimed in moved:
+        placing.announce(layout, pick, claimed)
     for i, done in later:
         if done.cancelled:
             out[i] = _cancel(finisher, done, picks[i].item.name)

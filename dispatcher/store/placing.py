@@ -134,8 +134,11 @@ def write(layout: Layout, ledger: Ledger, pick: Pick, stage: str, claimed: Claim
 def place(
     layout: Layout, ledger: Ledger, pick: Pick, stage: str, claimed: Claimed, w: Written, error: OSError | None
 ) -> Started | Skipped:
-    """Rename the synced staging folder into active/ (or waiting/) and drop the inbox name; undo on error."""
-    item, agent = pick.item, pick.agent
+    """Rename the synced staging folder into active/ (or waiting/); undo on error.
+
+    Its inbox name goes once the state folder is fsynced (``announce``).
+    """
+    item = pick.item
     target = layout.job_str(w.state, item.order.job_id)
     try:
         if error is not None:
@@ -143,17 +146,26 @@ def place(
         fsutil.rename_noreplace(stage, target)
     except OSError as exc:
         return undo(ledger, item, stage, claimed, exc)
+    return Started(JobFolder(target, claimed=w.spec.claimed), w.spec, w.order, claimed.token, claimed.cancelled)
+
+
+def announce(layout: Layout, pick: Pick, claimed: Claimed) -> None:
+    """Drop a placed job's inbox name and log ``job.claimed`` (after its state folder's fsync).
+
+    Unlinked after the fsync, not before: the unlink wakes the loop (inotify), which then
+    waits for the interpreter lock while this lane still fsyncs.
+    """
+    item = pick.item
     faults.point("claim.placed")  # a crash here leaves the inbox name beside the job: its twin, dropped later
     drop_inbox_inode(inbox_path(layout, item), item.inode)  # the inode linked into the job's folder by stage()
     log.info(
         "job.claimed",
         job_id=item.order.job_id,
-        agent=agent.name,
+        agent=pick.agent.name,
         file=item.name,
         parent=claimed.parent,
         hops=claimed.hops,
     )
-    return Started(JobFolder(target, claimed=w.spec.claimed), w.spec, w.order, claimed.token, claimed.cancelled)
 
 
 def undo(ledger: Ledger, item: Inspected, stage: str, claimed: Claimed, exc: OSError) -> Skipped:
