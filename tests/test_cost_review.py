@@ -454,3 +454,27 @@ def test_metrics_file_parses_while_jobs_run(env: Env) -> None:
     assert finished[("done", "worker")] == 4
     assert seen_running, "never saw an agent running in the file"
     assert os.stat(path).st_mode & 0o007 == 0
+
+
+def test_a_stop_counts_every_dropped_notification_the_summary_included(env: Env) -> None:
+    """At a stop, notify.dropped counts each waiting event, those counted into the queued summary too (section 13):
+    every event is either notified or counted as dropped, none vanishes."""
+    started = env.tmp / "started.txt"
+    hang = write_script(env.tmp, "hang_notify.sh", '#!/bin/sh\necho "$1" >> "$2"\nsleep 100\n')
+    env.configure(
+        agents={"worker": env.agent("--exit", "2", concurrency=4)},
+        notify=["sh", str(hang), "{job_id}", str(started)],
+        notify_max_running=1,
+        max_jobs=4,
+        stop_timeout=3,
+    )
+    jobs = [f"DROP-{i:03d}" for i in range(110)]
+    for job in jobs:
+        env.drop(simple(job))
+    d = env.daemon()
+    d.wait_ready()
+    wait_until(lambda: len(list((env.root / "failed").iterdir())) == len(jobs), 120, "every job failed")
+    assert d.stop() == 0
+    ran = started.read_text().split()
+    dropped = sum(e["count"] for e in d.events() if e.get("event") == "notify.dropped")
+    assert len(ran) + dropped == len(jobs), (len(ran), dropped)

@@ -180,8 +180,11 @@ class Notifications:
             else:
                 await asyncio.sleep(_HURRY_POLL_S)  # queued behind a shortage: ``_after_pause`` starts them
         if self._queue:
-            log.warning("notify.dropped", count=len(self._queue), reason="the daemon stops", job_id=None, agent=None)
+            # a queued summary stands for the events counted into it: each is dropped here too
+            count = sum(ev.dropped or 1 for ev in self._queue)
+            log.warning("notify.dropped", count=count, reason="the daemon stops", job_id=None, agent=None)
             self._queue.clear()
+            self._summary = None
         if self._retry is not None:
             self._retry.cancel()
         end = time.monotonic() + NOTIFY_TIMEOUT_S + 10 if until is None else until
