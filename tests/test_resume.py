@@ -77,3 +77,28 @@ def test_the_real_claude_accepts_resume_in_its_argv(env: Env, monkeypatch: pytes
     stderr = (env.root / "failed" / "REAL-RESUME" / "attempts" / "2" / "stderr.log").read_text()
     assert "unknown option" not in stderr, stderr
     assert result["reason"].startswith("exit_ok: exit 1")
+
+
+def test_session_id_is_replaced_in_the_resume_argv_only_not_inside_the_prompt(env: Env) -> None:
+    """`{session_id}` is a placeholder of the `resume` argv (section 14): a task that says `{session_id}` reaches
+    attempt 2 in its `{prompt}` as written, as in prompt.md (section 3: other text passes unchanged)."""
+    agent = env.tmp / "once.py"
+    agent.write_text('import json\nprint(json.dumps({"session_id": "abc123"}))\nraise SystemExit(1)\n')
+    base = [sys.executable, str(agent)]
+    spec: dict[str, Any] = {
+        "command": [*base, "{prompt}"],
+        "resume": [*base, "--resume", "{session_id}", "{prompt}"],
+        "prompt": "{task}",
+        "timeout": 30,
+        "retry_safe": True,
+        "max_attempts": 2,
+    }
+    env.configure(agents={"worker": spec})
+    env.daemon().wait_ready()
+    task = "print the text {session_id} literally"
+    env.drop(order("SESSION-TEXT", task=task))
+    result = env.wait_job("SESSION-TEXT", "failed")
+    first, second = result["attempts"]
+    assert first["argv"] == [*base, task]
+    assert second["argv"] == [*base, "--resume", "abc123", task]
+    assert (env.job_dir("SESSION-TEXT", "failed") / "work" / "prompt.md").read_text() == task

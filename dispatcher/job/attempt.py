@@ -53,10 +53,11 @@ def argv(
 ) -> list[str]:
     """Return the command with its placeholders rendered (``{session_id}`` too when resuming a session)."""
     vals = values(spec, work, workspace)
-    out = [render(a, vals) for a in command]
-    if session_id is not None:
-        out = [a.replace("{session_id}", session_id) for a in out]
-    return out
+    if session_id is None:
+        return [render(a, vals) for a in command]
+    # one pass: a {session_id} inside another placeholder's value (the order's task in {prompt}) stays as it is
+    vals["session_id"] = session_id
+    return [render(a, vals, resume=True) for a in command]
 
 
 def argv_after(spec: JobSpec, work: str | Path, earlier: Sequence[Attempt], workspace: Path | None = None) -> list[str]:

@@ -264,11 +264,15 @@ def _pattern(names: tuple[str, ...]) -> re.Pattern[str]:
 
 _ARGV_RE = _pattern(ARGV_PLACEHOLDERS)
 _PROMPT_RE = _pattern(PROMPT_PLACEHOLDERS)
+_RESUME_RE = _pattern((*ARGV_PLACEHOLDERS, "session_id"))
 
 
-def render(text: str, values: Mapping[str, str], *, prompt: bool = False) -> str:
-    """Replace the contract's exact placeholders in text; leave every other brace alone."""
-    regex = _PROMPT_RE if prompt else _ARGV_RE
+def render(text: str, values: Mapping[str, str], *, prompt: bool = False, resume: bool = False) -> str:
+    """Replace the contract's exact placeholders in text, in one pass; leave every other brace alone.
+
+    ``resume``: an argv of the agent's ``resume`` command, where ``{session_id}`` is one of them.
+    """
+    regex = _PROMPT_RE if prompt else _RESUME_RE if resume else _ARGV_RE
     return regex.sub(lambda m: values.get(m.group(1), m.group(0)), text)
 
 
