@@ -48,6 +48,20 @@ def test_a_passing_check_is_recorded_with_its_last_line_and_log(env: Env) -> Non
     assert log.read_text() == "collected 3 items\n3 passed in 0.01s CHK-OK\n"
 
 
+def test_a_check_whose_log_was_cut_keeps_its_own_last_line_in_the_detail(env: Env) -> None:
+    """A check printing past max_log_bytes: its detail ends with the last line it printed (section 14), not with
+    the daemon's cut notice; the log itself is cut and says so."""
+    script = "import sys\nfor i in range(1000): print(i)\nprint('3 failed, 997 passed')\nsys.exit(1)"
+    checks = [{"name": "tests", "command": [sys.executable, "-c", script]}]
+    env.configure(agents={"worker": agent(env, checks)}, max_log_bytes=1000)
+    env.daemon().wait_ready()
+    env.drop(order("CHK-CUT"))
+    result = env.wait_job("CHK-CUT", "failed")
+    assert result["reason"].startswith("tests: exit 1 in ") and result["reason"].endswith(": 3 failed, 997 passed")
+    log = (env.root / "failed" / "CHK-CUT" / "attempts" / "1" / "checks" / "tests.log").read_text()
+    assert "3 failed" not in log and log.rstrip().endswith("cut at 1000 bytes (max_log_bytes)]")
+
+
 def test_a_failing_check_fails_the_job_and_feeds_the_repair(env: Env) -> None:
     """A check that exits 1 fails the attempt; with repair the next attempt gets it in feedback.json, then passes."""
     flag = env.tmp / "second-time"

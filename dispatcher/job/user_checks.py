@@ -5,7 +5,8 @@ like the agent itself: the same environment rules, its own process group, its
 own timeout, ended with the agent's kill grace. Its output (stdout and stderr
 as they come) goes to ``attempts/<n>/checks/<name>.log``, appended to when the check
 runs again for the same attempt (after a crash); its result is a named check whose
-detail holds the exit code, the duration and the last line of this run's output.
+detail holds the exit code, the duration and the last line of this run's output (past a
+``max_log_bytes`` cut too: the last line of its stdout, else of its stderr).
 When the agent did not pass (``exit_ok`` or ``receipt_present`` not true) the
 checks do not run and record ``ok: null``. A cancel cuts them: the check it ends records
 ``ok: null`` ("cancelled after ..."), the ones after it "not run", and the job ends
@@ -104,7 +105,10 @@ async def _one(
     control.attach(None)
     if out.aborted == Stop.STOPPED:
         raise Left
-    last = await lanes.io(_last_line, path, start)
+    if out.stdout_cut or out.stderr_cut:  # the log ends at max_log_bytes: its last line is the daemon's notice
+        last = _tail_line(out.stdout_tail) or _tail_line(out.stderr_tail)
+    else:
+        last = await lanes.io(_last_line, path, start)
     secs = out.duration_ms / 1000
     tail = f": {last}" if last else ""
     ok: bool | None
@@ -145,6 +149,10 @@ def _create(path: str) -> int:
 
 def _last_line(path: str, start: int) -> str:
     """Return the last non-blank line this run wrote to a check's log (from byte start; its last 4 KiB)."""
-    data = fsutil.read_tail(path, _LAST_LINE_READ, start=start)
-    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return _tail_line(fsutil.read_tail(path, _LAST_LINE_READ, start=start))
+
+
+def _tail_line(data: bytes) -> str:
+    """Return the last non-blank line of output (its last 4 KiB): what the check printed last."""
+    lines = [ln.strip() for ln in data[-_LAST_LINE_READ:].decode("utf-8", "replace").splitlines() if ln.strip()]
     return lines[-1] if lines else ""
