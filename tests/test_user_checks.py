@@ -62,6 +62,36 @@ def test_a_check_whose_log_was_cut_keeps_its_own_last_line_in_the_detail(env: En
     assert "3 failed" not in log and log.rstrip().endswith("cut at 1000 bytes (max_log_bytes)]")
 
 
+def test_files_a_check_left_in_work_are_not_charged_to_the_next_attempt(env: Env) -> None:
+    """A check that leaves a cache in work/ (as pytest does) and fails once: the repaired attempt passes
+    writes_scope (section 14: the checks are not the agent's work); a leftover the agent rewrites is its own."""
+    flag = env.tmp / "second-time"
+    script = (
+        "import os, sys; os.makedirs('.cache/v', exist_ok=True)\n"
+        "open('.cache/v/lastfailed', 'w').write(str(os.path.exists(sys.argv[1])))\n"
+        "if os.path.exists(sys.argv[1]): print('1 passed'); sys.exit(0)\n"
+        "open(sys.argv[1], 'w').close(); print('1 failed'); sys.exit(1)"
+    )
+    checks = [{"name": "tests", "command": [sys.executable, "-c", script, str(flag)]}]
+    env.configure(agents={"worker": agent(env, checks, repair=True, retry_safe=True, max_attempts=2)})
+    env.daemon().wait_ready()
+    env.drop(order("CHK-LEFT"))
+    result = env.wait_job("CHK-LEFT", "done")
+    assert len(result["attempts"]) == 2
+    assert by_name(result, "writes_scope")["ok"] is True and by_name(result, "tests")["ok"] is True
+    assert (env.root / "done" / "CHK-LEFT" / "work" / ".cache" / "v" / "lastfailed").read_text() == "True"
+
+    flag.unlink()  # the same, but the agent rewrites the check's cache on its second attempt
+    touch = "import pathlib; p = pathlib.Path('.cache/v/lastfailed'); p.exists() and p.write_text('agent')"
+    spec = agent(env, checks, repair=True, retry_safe=True, max_attempts=2, before=None)
+    spec["command"] = ["sh", "-c", f'{sys.executable} -c "{touch}"; exec "$0" "$@"', *spec["command"]]
+    env.configure(agents={"worker": spec})
+    env.daemon().wait_ready()
+    env.drop(order("CHK-LEFT-2"))
+    result = env.wait_job("CHK-LEFT-2", "failed")
+    assert result["reason"].startswith("writes_scope: .cache/v/lastfailed is outside writes"), result["reason"]
+
+
 def test_a_failing_check_fails_the_job_and_feeds_the_repair(env: Env) -> None:
     """A check that exits 1 fails the attempt; with repair the next attempt gets it in feedback.json, then passes."""
     flag = env.tmp / "second-time"

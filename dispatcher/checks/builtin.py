@@ -239,6 +239,8 @@ def writes_scope(ev: Evidence) -> CheckResult:
     for e in ev.entries:
         if e.kind == "dir" or e.path in ev.given:
             continue
+        if e.stamp is not None and e.stamp == ev.left.get(e.path):
+            continue  # left by the agent's own checks, untouched since: not the agent's work
         if e.kind == "symlink" and not e.target_inside:
             return r(False, f"{e.path} is a link that points outside work/")
         if e.kind in ("fifo", "socket", "device"):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dispatcher import fsutil
 from dispatcher.checks.facts import Doc, Entry, Evidence, Exit, Followup
+from dispatcher.checks.leftovers import stamp_of
 from dispatcher.checks.stream import summarise_fd
 from dispatcher.errors import OrderError, printable
 from dispatcher.fsutil import NotRegular, kind_of
@@ -139,7 +140,9 @@ def read_output(work: str | Path, rel: str, order: Order, dir_fd: int | None = N
     return summarise_fd(fd, fmt, order, OUTPUT_MAX)
 
 
-def list_entries(work: str | Path, given: Mapping[str, str], dir_fd: int | None = None) -> list[Entry]:
+def list_entries(
+    work: str | Path, given: Mapping[str, str], dir_fd: int | None = None, left: Mapping[str, str] | None = None
+) -> list[Entry]:
     """Walk work/ without following links; describe every entry.
 
     The walk is iterative (no recursion limit for deep trees). A folder that
@@ -169,7 +172,8 @@ def list_entries(work: str | Path, given: Mapping[str, str], dir_fd: int | None 
                     continue
                 if stat.S_ISREG(st.st_mode):  # the usual entry
                     sha = _digest_file(root, rel, dir_fd) if rel in given else None
-                    out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha))
+                    mark = stamp_of(st) if left and rel in left else None
+                    out.append(Entry(rel, "file", nlink=st.st_nlink, digest=sha, stamp=mark))
                     continue
                 kind = _KINDS.get(kind_of(st.st_mode), "device")
                 if kind == "dir":
@@ -267,6 +271,7 @@ def gather(
     max_hops: int,
     max_followups: int = 100,
     changed: Sequence[str] | str | None = None,
+    left: Mapping[str, str] | None = None,
 ) -> tuple[Evidence, list[tuple[Followup, bytes | None]]]:
     """Collect the Evidence for one attempt; also return the follow-ups with their bytes.
 
@@ -304,7 +309,7 @@ def gather(
             receipt=read_receipt(root, dir_fd) if work_exists else Doc(missing=True),
             output=output,
             work_exists=work_exists,
-            entries=tuple(list_entries(root, given, dir_fd)) if work_exists else (),
+            entries=tuple(list_entries(root, given, dir_fd, left)) if work_exists else (),
             given=given,
             outbox_exists=outbox_exists,
             followups=tuple(f for f, _ in followups),
@@ -314,6 +319,7 @@ def gather(
             max_followups=max_followups,
             changed=tuple(changed) if changed is not None and not isinstance(changed, str) else None,
             changed_unknown=changed if isinstance(changed, str) else None,
+            left=left or {},
         )
     finally:
         if dir_fd is not None:

@@ -47,6 +47,7 @@ class Entry:
     nlink: int = 1
     target_inside: bool = True
     digest: str | None = None
+    stamp: str | None = None  # a file the agent's checks left: its stamp now (``checks.leftovers``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +80,4 @@ class Evidence:
     max_followups: int = 100
     changed: tuple[str, ...] | None = None  # paths the job changed in its git workspace (None: it has none)
     changed_unknown: str | None = None  # why the workspace's change could not be read
+    left: Mapping[str, str] = field(default_factory=dict)  # files earlier checks left in work/ -> stamp

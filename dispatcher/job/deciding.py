@@ -21,6 +21,7 @@ from typing import TypeVar
 import structlog
 
 from dispatcher import storage
+from dispatcher.checks import leftovers
 from dispatcher.checks.builtin import verdict
 from dispatcher.checks.facts import Exit
 from dispatcher.clock import iso
@@ -278,6 +279,9 @@ class Deciding(abc.ABC):
         self._followups = settled.followups
         if not self.spec.agent.checks:
             return settled
+        # what the checks write in work/ is not the agent's work at the next attempt (``checks.leftovers``)
+        stamped = self.repo.ws is None and user_checks.agent_passed(settled.checks)
+        before = await ctx.lanes.io(leftovers.stamps, work) if stamped else None
         checks = settled.checks + await user_checks.run(
             self.spec,
             self.folder,
@@ -288,6 +292,12 @@ class Deciding(abc.ABC):
             settled.checks,
             self.repo.ws,
         )
+        if before is not None:
+            after = await ctx.lanes.io(leftovers.stamps, work)
+            left = leftovers.left_by_checks(before, after, self.spec.checks_left)
+            if left != self.spec.checks_left:
+                self.spec = replace(self.spec, checks_left=left)
+                await self._persist(self.folder.write_spec, self.spec)
         return Settled(checks, settled.followups)
 
     def _checks_cancelled(self) -> bool:

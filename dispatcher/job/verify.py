@@ -72,6 +72,7 @@ def collect(
         max_hops=cfg.max_hops,
         max_followups=cfg.max_followups,
         changed=changed,
+        left=spec.checks_left,
     )
     folder.sync_work(vouched(ev, [f.name for f, data in followups if data is not None]))
     return ev, [Child(f.order.job_id, f.order.to, f.name) for f, _ in followups if f.order is not None]

@@ -40,6 +40,7 @@ class JobSpec:
     parent_chain_cost_usd: float | None = None
     claimed: float | None = None  # Unix time of the claim that placed the job (None in a job.json from before)
     since: float | None = None  # when it last came back to active/: a retry, a revision, a join let go, a limit's wait
+    checks_left: Mapping[str, str] = field(default_factory=dict)  # files its user checks left in work/ -> stamp
 
     def to_json(self) -> dict[str, Any]:
         """Return the spec as plain JSON values (to be encoded: its agent's part is shared, never change it)."""
@@ -59,6 +60,7 @@ class JobSpec:
             "parent_chain_cost_usd": self.parent_chain_cost_usd,
             "claimed": self.claimed,
             "since": self.since,
+            **({"checks_left": dict(self.checks_left)} if self.checks_left else {}),
         }
 
     @classmethod
@@ -80,6 +82,7 @@ class JobSpec:
             parent_chain_cost_usd=data.get("parent_chain_cost_usd"),
             claimed=_time_or_none(data.get("claimed")),
             since=_time_or_none(data.get("since")),
+            checks_left=dict(data.get("checks_left") or {}),
         )
 
     def with_agent(self, agent: Agent, budget: int) -> JobSpec:
