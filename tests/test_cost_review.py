@@ -342,12 +342,36 @@ def test_cancel_of_a_job_in_review_exits_1_and_leaves_it_waiting(env: Env) -> No
 KILL_POINTS = [
     (True, "review.staged"),
     (True, "review.decided"),
+    (True, "review.named"),
     (True, "review.landed"),
     (True, "followup.placed"),
     (False, "review.staged"),
     (False, "review.decided"),
+    (False, "review.named"),
     (False, "review.landed"),  # a reject releases nothing: it has no followup.placed step
 ]
+
+
+@pytest.mark.parametrize("approve", [True, False])
+def test_a_decision_killed_after_naming_its_result_is_landed_by_the_daemon(env: Env, approve: bool) -> None:
+    """approve/reject killed between naming result.json and moving the folder: with no command run again, the
+    daemon's rescan lands the job in done/ (releasing its follow-up once) or failed/ (section 11)."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("KILL-1"))
+    wait_until((env.root / "review" / "KILL-1").exists, 30, "the job in review/")
+    action = ["approve", "KILL-1"] if approve else ["reject", "KILL-1", "--reason", "no"]
+    assert decide(env, *action, fault="review.named").returncode == -9
+    want = "done" if approve else "failed"
+    wait_until(lambda: (env.root / want / "KILL-1" / "result.json").exists(), 30, f"KILL-1 landed in {want}/")
+    assert not (env.root / "review" / "KILL-1").exists()
+    assert env.result("KILL-1", want)["state"] == want
+    if approve:
+        env.wait_job("CHILD-1", "done")
+    time.sleep(1.5)
+    assert [j for j, _ in env.starts() if j == "CHILD-1"] == (["CHILD-1"] if approve else [])
+    assert not [e for e in d.events() if e.get("event") == "followup.lost"]
 
 
 @pytest.mark.parametrize(("approve", "fault"), KILL_POINTS)

@@ -13,7 +13,8 @@ The same finishing sequence as a job's own end, each step safe to interrupt:
 
 A command killed between steps leaves work that ``settle_reviews`` (run by every
 daemon at start and at each rescan) completes: a review folder whose ledger row
-is already decided lands with its staged result, and follow-ups of a done job
+is already decided lands with its staged result (or its result.json, when the command
+was cut between naming it and moving the folder), and follow-ups of a done job
 whose owner is gone are released by the daemons' usual recovery.
 """
 
@@ -150,7 +151,10 @@ def _lost(ledger: Ledger, job_id: str) -> str:
 def land(layout: Layout, folder: JobFolder, state: Row) -> None:
     """Move a decided review folder into done/ or failed/ (its staged result becomes result.json)."""
     target = landed_state(state)
-    folder.land(layout, target)
+    if folder.name_result() is not None:
+        fsutil.fsync_dir(folder.path)  # else a power cut can bring the folder back in done/ without result.json
+    faults.point("review.named")  # result.json names the decision; the folder is still in review/
+    folder.move_to(layout, target)
     fsutil.fsync_dir(layout.folder(target))
 
 
@@ -165,8 +169,9 @@ def settle_reviews(layout: Layout, ledger: Ledger) -> None:
         folder = JobFolder(layout.job(State.REVIEW, job_id))
         if entry is None or not is_final(entry.state):
             continue
-        staged = folder.staged_result()
-        if staged is None or staged.state != entry.state:
+        # staged, or already named result.json (cut between that rename and the folder's)
+        decided = folder.staged_result() or folder.result()
+        if decided is None or decided.state != entry.state:
             continue
         land(layout, folder, Row(entry.state))
         log.info("job.recovered", job_id=job_id, agent=entry.agent, step="review", state=entry.state)
