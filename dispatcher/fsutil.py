@@ -244,14 +244,15 @@ def rename_noreplace(src: str | Path, dst: str | Path) -> None:
     os.unlink(src)
 
 
-def move_out(src: Path, dst: Path) -> None:
-    """Move an entry out of a watched folder by link + unlink (rename for folders).
+def link_out(src: Path, dst: Path) -> bool:
+    """Give an entry of a watched folder a second name, to be unlinked from there later (rename for folders).
 
-    A rename out of a watched folder is an unpaired IN_MOVED_FROM, which
-    watchdog holds for half a second while it looks for the matching half,
-    and every later event of that folder waits behind it. A link + unlink is
-    an IN_DELETE, delivered at once. A crash between the two leaves the same
-    inode under both names; recovery removes the inbox name (``same_file``).
+    Returns True when linked (the caller unlinks ``src`` once ``dst`` is durable), False
+    when moved. A rename out of a watched folder is an unpaired IN_MOVED_FROM, which
+    watchdog holds for half a second while it looks for the matching half, and every
+    later event of that folder waits behind it. A link + unlink is an IN_DELETE,
+    delivered at once. A crash between the two leaves the same inode under both names;
+    recovery removes the inbox name (``same_file``).
     """
     try:
         os.link(src, dst, follow_symlinks=False)
@@ -259,8 +260,8 @@ def move_out(src: Path, dst: Path) -> None:
         if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.EACCES):
             raise
         os.rename(src, dst)  # a folder, or hard links refused (fs.protected_hardlinks)
-        return
-    os.unlink(src)
+        return False
+    return True
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:

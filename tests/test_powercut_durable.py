@@ -193,3 +193,33 @@ def test_a_hold_survives_a_cut_right_after_the_command(rig: Rig) -> None:
     listed = rig.cli("list", "--json")
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
     assert [(r["job_id"], r["state"]) for r in rows] == [("H1", "held")], listed.stdout
+
+
+REFUSED = [("junk.txt", b"not an order\n"), ("bad.json", b'{"job_id": "BAD1", "from": "x"}')]
+
+
+@pytest.mark.parametrize(("name", "data"), REFUSED)
+def test_a_refusal_survives_a_cut_right_after_it_was_logged(rig: Rig, name: str, data: bytes) -> None:
+    """A refused file, then a power cut just after `job.refused`: after recovery it is refused exactly once, its
+    folder holding the original bytes and a whole result.json with the reason; it is not back in inbox/."""
+    rig.start(agent())
+    rig.wait_event("daemon.ready")
+    inbox = rig.root / "inbox"
+    with (inbox / f".{name}.tmp").open("wb") as f:  # dropped durably: what is lost is the daemon's loss
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(inbox / f".{name}.tmp", inbox / name)
+    fsync_path(inbox)
+    rig.wait_event("job.refused", file=name)
+    root = rig.cut()
+    recovered = rig.cli("run", "--once")
+    assert recovered.returncode in (0, 1), recovered.stderr
+    stem = name.rsplit(".", 1)[0]
+    folders = [p for p in (root / "failed").iterdir() if p.name.startswith(f"{stem}@")]
+    assert len(folders) == 1, [p.name for p in (root / "failed").iterdir()]
+    kept = [p for p in folders[0].iterdir() if p.name.startswith("order")]
+    assert [p.read_bytes() for p in kept] == [data]
+    result = json.loads((folders[0] / "result.json").read_bytes())
+    assert result["state"] == "failed" and result["reason"], result
+    assert not (inbox / name).exists()

@@ -3,7 +3,9 @@
 The folder holds the file's original bytes as ``order.<ext>`` (or, for a symlink,
 FIFO, device or folder, the entry itself as ``entry``, never opened) and a
 ``result.json`` saying why. It is built in staging and put in place by one
-rename, so a crash leaves either the file in inbox/ or a whole refusal.
+rename, so a crash leaves either the file in inbox/ or a whole refusal; its files and
+folder are fsynced before the inbox name goes, and inbox/ before the rename, so a power
+cut does too.
 """
 
 from __future__ import annotations
@@ -60,13 +62,22 @@ def refuse(
     )
     (stage / "result.json").write_bytes(fsutil.dump_json(result.to_json()))
     try:
-        fsutil.move_out(src, stage / inner)
+        linked = fsutil.link_out(src, stage / inner)
     except FileNotFoundError:
         remove_stage(stage)
         return None
     except OSError:
         remove_stage(stage)  # the file stays in inbox/ as it was, and no staging folder is left behind
         raise
+    # the folder whole on disk before the inbox name goes, that gone before the folder is placed: after a power
+    # cut the file is in inbox/, or in a staging folder that recovery places (``finish_stage``), or refused once
+    synced = [stage / "result.json", stage / ".target", stage / ".source", stage, layout.staging]
+    for error in fsutil.fsync_many(synced):
+        if error is not None:
+            raise error  # the staging folder stays: recovery places it (its file is inside, or still in inbox/)
+    if linked:
+        os.unlink(src)
+    fsutil.fsync_dir(layout.inbox)
     return place(layout, stage, base, lambda folder: on_placed(folder, refusal) if on_placed else None)
 
 
