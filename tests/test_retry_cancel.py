@@ -399,3 +399,32 @@ def test_cancel_of_a_running_job_whose_daemon_died_holds_even_with_a_receipt(env
     d.kill()
     cancelled_while_no_daemon_runs(env, "DEAD-1")
     assert not (env.root / "done" / "DEAD-1").exists()
+
+
+def test_a_retry_or_revision_of_an_agent_no_longer_in_the_config_waits_for_it(env: Env) -> None:
+    """retry and revise of a job whose agent the config no longer has: nothing runs (section 6: the agent's settings
+    as the config has them; section 13: a removed agent's work waits, logged once); with the agent back, it runs."""
+    ran = env.tmp / "ran.txt"
+    gone = {"command": ["sh", "-c", f"echo ran >> {ran}; exit 1"], "timeout": 30}
+    env.configure(agents={"gone": gone, "other": env.agent()})
+    env.drop(order("GONE-1", to="gone"))
+    assert env.cli("run", "--once").returncode == 1
+    assert ran.read_text() == "ran\n"
+    env.configure(agents={"other": env.agent()})
+    assert env.cli("retry", "GONE-1").returncode == 0
+    once = env.cli("run", "--once")
+    assert once.returncode == 0, once.stderr
+    assert ran.read_text() == "ran\n"  # the removed agent's old command did not run
+    waiting = [json.loads(line) for line in once.stdout.splitlines() if '"order.waiting"' in line]
+    assert [(w["job_id"], w["agent"]) for w in waiting] == [("GONE-1", "gone")]
+    assert (env.root / "failed" / "GONE-1").is_dir()
+    env.configure(agents={"gone": gone, "other": env.agent()})
+    assert env.cli("run", "--once").returncode == 1  # the agent is back: the retry runs, and fails again
+    assert ran.read_text() == "ran\nran\n"
+    assert len(env.result("GONE-1", "failed")["attempts"]) == 2
+    env.configure(agents={"other": env.agent()})
+    assert env.cli("revise", "GONE-1", "--note", "once more").returncode == 0
+    once = env.cli("run", "--once")
+    assert once.returncode == 0, once.stderr
+    assert ran.read_text() == "ran\nran\n" and (env.root / "failed" / "GONE-1").is_dir()
+    assert '"order.waiting"' in once.stdout

@@ -101,6 +101,7 @@ class Housekeeping:
         # one recovery at a time: two at once (a rescan beside the one a renewed lease starts) would both
         # adopt a job this daemon stopped while fenced, and run two copies of it
         self._recovering: asyncio.Lock | None = None
+        self._no_agent: set[tuple[str, str]] = set()  # (job, request) waiting for its agent: logged once
 
     @property
     def busy(self) -> bool:
@@ -244,7 +245,8 @@ class Housekeeping:
                 except ValueError:
                     await lanes.ledger(ledger.clear_request, job_id, Request.RETRY)
                     continue
-                self.sched.park_retry(job_id, agent)
+                if self._agent_here(job_id, agent, "retry"):
+                    self.sched.park_retry(job_id, agent)
             for job_id in await lanes.io(ledger.requests, Request.REVISE):
                 where = await lanes.io(layout.find, job_id)
                 if where is None or where[0] not in (State.REVIEW, State.FAILED):
@@ -256,7 +258,8 @@ class Housekeeping:
                 except ValueError:
                     await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
                     continue
-                self.sched.park_retry(job_id, agent, revise=True)
+                if self._agent_here(job_id, agent, "revision"):
+                    self.sched.park_retry(job_id, agent, revise=True)
         await lanes.io(_drop_hints, layout, hints)
         decided = [job_of_hint(h) for h in hints if h.startswith(("approve-", "reject-"))]
         if decided and self.joins is not None and not self.ctx.stopping():  # joins waiting for them: now
@@ -269,6 +272,22 @@ class Housekeeping:
                 "land",
             )
         self.wake()
+
+    def _agent_here(self, job_id: str, agent: str, what: str) -> bool:
+        """Return True if the config has the job's agent; else its retry or revision waits (logged once).
+
+        A retried or revised job runs with its agent's settings as the config has them
+        (section 6); an agent no longer in the config has none: the request stays in the
+        ledger, as a queued order of that agent stays in inbox/, until a reload brings it back.
+        """
+        if agent in self.ctx.config().agents:
+            self._no_agent.discard((job_id, what))
+            return True
+        if (job_id, what) not in self._no_agent:
+            self._no_agent.add((job_id, what))
+            reason = f"its agent is not in the config: the {what} waits until a reload brings it back"
+            log.warning("order.waiting", job_id=job_id, agent=agent, reason=reason)
+        return False
 
     def _other_daemons(self) -> bool:
         return any(d.alive and d.owner != self.ctx.ledger.owner for d in self.ctx.ledger.daemons())
