@@ -121,7 +121,7 @@ def test_a_commit_made_in_the_sandbox_before_a_daemon_crash_reaches_the_branch(o
     env.drop(code_order("S3"))
     d = env.daemon()
     wait_until(lambda: (out / "r.json").exists(), 60, "the agent's commit")
-    view = env.root / ".state" / "worktrees" / "S3.gitview"
+    view = env.root / ".state" / "worktrees" / ".S3.gitview"
     assert view.is_dir() and git(repo, "rev-parse", "dispatch/S3") == git(repo, "rev-parse", "main")
     d.kill()
     d2 = env.daemon()
@@ -159,7 +159,7 @@ def test_a_view_half_removed_by_a_crash_does_not_stop_the_jobs_next_attempt(outs
     env.drop(code_order("S6"))
     d = env.daemon()
     wait_until(env.starts, what="the agent to start")
-    view = env.root / ".state" / "worktrees" / "S6.gitview"
+    view = env.root / ".state" / "worktrees" / ".S6.gitview"
     d.kill()
     # the agent slept: nothing to take back; its removal then stopped half-way, the folder still there
     (view / "view.json").unlink()
@@ -337,3 +337,22 @@ def test_a_sandboxed_agent_cannot_point_the_daemons_git_at_its_own_config(outsid
     assert not marker.exists()  # the daemon's seal (git add -A) ran no filter of the agent's
     assert not (admin / "config.worktree").exists()
     assert sorted(result["workspace"]["changed"]) == ["src/.gitattributes", "src/S4.txt"]
+
+
+def test_a_job_named_like_another_jobs_view_keeps_its_own_worktree(env: Env, tmp_path: Path) -> None:
+    """Jobs X.gitview (a plain worktree, a valid job id) and X (sandboxed) at once on one repository: X's view of the
+    repository is not X.gitview's worktree, so neither job disturbs the other (section 15)."""
+    repo = make_repo(tmp_path / "shop")
+    plain = coder(env, repo, "--write", "src/{job}.txt=mine", "--sleep-after", "3")
+    sandboxed = _sandboxed(env, repo, "--write", "src/{job}.txt=boxed", "--commit")
+    env.configure(agents={"coder": plain, "boxed": sandboxed}, max_jobs=2)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(code_order("X.gitview"))
+    wait_until(lambda: any(j == "X.gitview" for j, _a in env.starts()), 60, "X.gitview's agent")
+    env.drop(code_order("X", to="boxed"))
+    for job in ("X.gitview", "X"):
+        result = env.wait_job(job, "done")
+        assert result["workspace"]["changed"] == [f"src/{job}.txt"], result
+    assert git(repo, "show", "dispatch/X.gitview:src/X.gitview.txt") == "mine"
+    assert git(repo, "show", "dispatch/X:src/X.txt") == "boxed"

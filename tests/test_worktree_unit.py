@@ -182,10 +182,11 @@ def test_absorb_makes_the_worktrees_folder_safe_and_copies_no_file_of_the_view(t
 
 
 def test_the_start_up_sweep_keeps_an_active_jobs_view_being_made_or_removed(tmp_path: Path) -> None:
-    """sweep(keep=[J1]): J1's worktree and every form of its view stay; a finished job's go."""
+    """sweep(keep=[J1]): J1's worktree and every form of its view stay; a finished job's go, also the worktree of
+    a job named J1.gitview (a valid job id, not J1's view) and a name that only starts like J1's view."""
     folder = tmp_path / "worktrees"
-    kept = ["J1", "J1.gitview", "J1.gitview.new", "J1.gitview.old"]
-    gone = ["J2", "J2.gitview.new", "J2.gitview.old"]
+    kept = ["J1", ".J1.gitview", ".J1.gitview.new", ".J1.gitview.old"]
+    gone = ["J2", ".J2.gitview.new", ".J2.gitview.old", "J1.gitview", "J1.gitviewfoo"]
     for name in kept + gone:
         (folder / name).mkdir(parents=True)
         (folder / name / "f").write_text("x")

@@ -5,7 +5,7 @@ the repository may change. Git moves a ref by renaming a lock file in the ref's 
 and writes objects into the shared object folder, so the repository's ``refs/``,
 ``logs/`` and ``objects/`` cannot be opened to the agent one file at a time. Each
 sandboxed attempt gets a view instead, made next to its worktree
-(``.state/worktrees/<job_id>.gitview``) and bound over the repository's folders inside
+(``.state/worktrees/.<job_id>.gitview``) and bound over the repository's folders inside
 the sandbox only:
 
 - ``refs/``: a copy of the repository's loose refs (``packed-refs`` stays read-only):
@@ -104,6 +104,9 @@ def absorb(ws: Workspace) -> None:
     view = worktree.view_path(ws)
     for leftover in (f"{view}.new", f"{view}.old"):
         shutil.rmtree(leftover, ignore_errors=True)
+    legacy = worktree.legacy_view_path(ws)  # made by an earlier version under a name a job id can have
+    if not os.path.isdir(view) and os.path.isfile(os.path.join(legacy, _META)):
+        view = legacy
     if not os.path.isdir(view):
         return
     try:

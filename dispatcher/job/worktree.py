@@ -299,8 +299,29 @@ def admin_dir(ws: Workspace) -> Path:
 
 
 def view_path(ws: Workspace) -> str:
-    """Return where a sandboxed attempt's view of the repository lives (``gitview``): beside the worktree."""
+    """Return where a sandboxed attempt's view of the repository lives (``gitview``): beside the worktree.
+
+    Its name starts with a dot, which no job id does: job ``X``'s view is ``.X.gitview``,
+    never the worktree of a job named ``X.gitview``.
+    """
+    head, _, name = ws.path.rpartition("/")
+    return f"{head}/.{name}{VIEW_SUFFIX}"
+
+
+def legacy_view_path(ws: Workspace) -> str:
+    """Return where a view made before views were hidden names lived (``X.gitview``): taken back once."""
     return ws.path + VIEW_SUFFIX
+
+
+def _job_of(name: str) -> str:
+    """Return the job id a name in the worktrees' folder belongs to: a worktree's own, or a view's (made, kept)."""
+    if not name.startswith("."):
+        return name
+    base = name[1:]
+    for tail in (".new", ".old"):
+        if base.endswith(VIEW_SUFFIX + tail):
+            base = base[: -len(tail)]
+    return base[: -len(VIEW_SUFFIX)] if base.endswith(VIEW_SUFFIX) else base
 
 
 def _tree_env(ws: Workspace, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -413,7 +434,7 @@ def sweep(worktrees_dir: Path, keep: Sequence[str]) -> list[str]:
     except FileNotFoundError:
         return []
     for name in names:
-        if name.split(VIEW_SUFFIX)[0] in keep:  # a job's worktree, its view (being made or removed too)
+        if _job_of(name) in keep:  # a job's worktree, its view (being made or removed too)
             continue
         path = worktrees_dir / name
         repo = _repo_of(path)
