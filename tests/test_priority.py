@@ -147,3 +147,43 @@ def test_cancel_of_an_order_not_due_yet_takes_effect_at_once(env: Env) -> None:
     assert env.cli("cancel", "far").returncode == 0
     assert env.wait_job("far", "failed", timeout=15)["reason"] == "cancelled"
     assert d.stop() == 0
+
+
+def test_priority_and_after_are_read_from_yaml_in_any_style(env: Env) -> None:
+    """YAML saved with CRLF line ends, as a flow mapping, or with quoted keys: its priority orders the claims as in
+    plain block style (section 16), and its `after` is seen before the file is read for real."""
+    env.configure({"worker": env.agent(concurrency=1)}, max_jobs=1)
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True)
+    base = time.time() - 500
+    items = "[{id: R1}]"
+    files = {
+        "LF5.yaml": (f"job_id: LF5\nfrom: t\nto: worker\ntask: t\nitems: {items}\n", 0),
+        "CRLF9.yaml": (f"job_id: CRLF9\r\nfrom: t\r\nto: worker\r\ntask: t\r\nitems: {items}\r\npriority: 9\r\n", 1),
+        "FLOW9.yaml": (f"{{job_id: FLOW9, from: t, to: worker, task: t, items: {items}, priority: 9}}\n", 2),
+        "QK9.yaml": (f'"job_id": QK9\n"from": t\n"to": worker\n"task": t\n"items": {items}\n"priority": 9\n', 3),
+        "J9.yaml": (f"job_id: J9\nfrom: t\nto: worker\ntask: t\nitems: {items}\npriority: 9\n", 4),
+    }
+    for name, (text, age) in files.items():
+        (inbox / name).write_bytes(text.encode())
+        os.utime(inbox / name, (base + age, base + age))
+    once = env.cli("run", "--once")
+    assert once.returncode == 0, once.stderr
+    started = [json.loads(line)["job_id"] for line in once.stdout.splitlines() if '"agent.started"' in line]
+    assert started == ["CRLF9", "FLOW9", "QK9", "J9", "LF5"]
+
+
+def test_a_flow_style_yaml_order_naming_after_is_claimed_at_once_into_waiting(env: Env) -> None:
+    """A flow-style YAML order with `after`, dropped while the only slot is busy: claimed at once into waiting/
+    (section 16), as the same order in block style is; it runs once its parent is done."""
+    env.configure({"worker": env.agent("--sleep", "3", concurrency=1)}, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BUSY"))
+    wait_until(lambda: (env.root / "active" / "BUSY").is_dir(), 30, "BUSY running")
+    flow = "{job_id: FJ, from: t, to: worker, task: t, items: [{id: R1}], after: [BUSY]}\n"
+    env.drop(flow, name="FJ.yaml")
+    wait_until(lambda: (env.root / "waiting" / "FJ").is_dir(), 2.5, "FJ in waiting/ while BUSY runs")
+    assert (env.root / "active" / "BUSY").is_dir()
+    env.wait_job("FJ", "done")
+    assert d.stop() == 0

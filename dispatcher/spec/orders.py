@@ -20,7 +20,7 @@ from typing import Any
 from dispatcher.errors import OrderError
 from dispatcher.fsutil import json_text, plain_rel
 from dispatcher.spec import schema
-from dispatcher.spec.loader import load_document
+from dispatcher.spec.loader import decode, load_document, load_yaml
 from dispatcher.spec.order import Accept, Order
 from dispatcher.text import describe
 
@@ -193,11 +193,14 @@ def to_json(body: Mapping[str, Any]) -> bytes:
     return (json_text(body) + "\n").encode()  # json.dumps(body, ensure_ascii=False), its encoder made directly
 
 
-_TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?$", re.M)
+# a line of a block-style top-level key (``\r?``: a file saved with CRLF line ends)
+_TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?\r?$", re.M)
 _TOP_AFTER = re.compile(rb"^after:", re.M)
-_TOP_TO = re.compile(rb"^to:[ \t]*[\"']?([^\s\"'#]+)[\"']?[ \t]*(?:#.*)?$", re.M)
-_TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?$", re.M)
-_TOP_EXPIRES = re.compile(rb"^expires:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?$", re.M)
+_TOP_TO = re.compile(rb"^to:[ \t]*[\"']?([^\s\"'#]+)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
+_TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
+_TOP_EXPIRES = re.compile(rb"^expires:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
+_NOT_BLOCK = re.compile(rb"^[\"'{]", re.M)  # a line that opens a quoted key or a flow mapping: parsed instead
+GLANCE_PARSE_MAX = 16 * 1024  # such a YAML order is parsed for its glance up to this size (about 3 ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,12 +235,22 @@ def _top(data: bytes, key: bytes, pattern: re.Pattern[bytes]) -> re.Match[bytes]
             return None
 
 
+def _yaml_glance(data: bytes) -> dict[str, Any] | None:
+    """Return a small YAML order's top-level mapping (strictly parsed: no aliases), or None."""
+    try:
+        body = load_yaml(decode(data))
+    except (OrderError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def peek_schedule(data: bytes, name: str) -> Glance:
     """Return an order file's priority, not_before, `after`, `to` and expires, at a glance (never raises).
 
     JSON is parsed; YAML is looked at line by line (top-level ``priority:``,
-    ``not_before:``, ``after:``, ``to:`` and ``expires:`` in block style). Only
-    ordering uses this: the daemon checks the validated order again before it claims.
+    ``not_before:``, ``after:``, ``to:`` and ``expires:`` in block style), or parsed when
+    it is small and written otherwise (a flow mapping, quoted keys). Only ordering uses
+    this: the daemon checks the validated order again before it claims.
     """
     priority, due, joins, agent, expires = 5, None, False, "", None
     try:
@@ -245,6 +258,10 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             text = data.decode()  # a glance: the JSON scanner alone, without json.loads's wrappers
             body = _scan_json(text, len(text) - len(text.lstrip("\ufeff \t\r\n")))[0]  # a BOM, as decode()
             body = body if type(body) is dict else {}  # the scanner makes plain dicts, str and int: type tells
+            raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
+            raw_to, raw_e = body.get("to"), body.get("expires")
+            agent = raw_to if type(raw_to) is str else ""
+        elif len(data) <= GLANCE_PARSE_MAX and _NOT_BLOCK.search(data) and (body := _yaml_glance(data)) is not None:
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
             raw_to, raw_e = body.get("to"), body.get("expires")
             agent = raw_to if type(raw_to) is str else ""
@@ -260,9 +277,9 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             raw_e = e.group(1).decode() if e else None
         if type(raw_p) is int and 0 <= raw_p <= 9:  # not a bool
             priority = raw_p
-        expires = parse_time(raw_e) if type(raw_e) is str else None
-        if type(raw_t) is str:
-            due = parse_time(raw_t)
+        expires = parse_time(str(raw_e)) if isinstance(raw_e, str) else None  # str: an unquoted YAML time too
+        if isinstance(raw_t, str):
+            due = parse_time(str(raw_t))
     except (ValueError, TypeError, RecursionError, StopIteration):
         pass
     return Glance(priority, due, joins, agent, expires)
