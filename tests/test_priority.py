@@ -45,6 +45,26 @@ def test_priorities_under_a_backlog_of_1000(env: Env) -> None:
     assert first[10:20] == [f"b{i:03d}" for i in range(0, 20, 2)]  # priority 5, oldest first; priority 1 after
 
 
+def test_the_last_microsecond_of_the_year_9999_is_refused_too(env: Env) -> None:
+    """9999-12-31T23:59:59.999999Z rounds to the year 10000 as a time: refused in one line like a later one, and a
+    file dropped by hand with it leaves `list` working (it exited 1 with a traceback)."""
+    last = "9999-12-31T23:59:59.999999Z"
+    path = env.tmp / "last.json"
+    path.write_text(json.dumps(order("last", not_before=last)))
+    for command in ("validate", "submit"):
+        proc = env.cli(command, str(path))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (command, proc.stderr)
+        assert f"not_before: {last} is later than 9999-12-31T23:59:59Z" in proc.stderr
+    plain = env.tmp / "plain.json"
+    plain.write_text(json.dumps(order("plain")))
+    proc = env.cli("submit", "--at", "9999-12-31T23:59:59.9999999Z", str(plain))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    env.drop(order("by-hand", not_before=last))
+    for flags in ((), ("--json",)):
+        listed = env.cli("list", *flags)
+        assert listed.returncode == 0 and "by-hand" in listed.stdout, listed.stderr
+
+
 def test_not_before_waits_unclaimed_across_a_restart(env: Env) -> None:
     """An order not due yet stays in inbox/ (list says when it is due), across a restart, and runs once due."""
     d = env.daemon()

@@ -164,7 +164,7 @@ def parse_time(text: str) -> float:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     seconds = moment.timestamp()
-    if seconds > LATEST_S + 1:
+    if seconds >= LATEST_S + 1:  # 23:59:59.999999 of the last day is a float that rounds to the year 10000
         raise TimeOutOfRange(f"is later than {LATEST_TIME}")
     return seconds
 
