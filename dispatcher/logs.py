@@ -86,6 +86,7 @@ _renderer: _Renderer | None = None  # the one configure() set up: relayed lines 
 
 
 FIELD_MAX = 8192  # characters of one string field; journald splits lines over 48 KiB
+NESTED_MAX = 4 * FIELD_MAX  # characters of a mapping's or list's JSON (an agent's usage): beyond, its cut text
 
 _stamped: tuple[int, str] = (-1, "")  # the last whole second and its ISO text, shared by all threads
 
@@ -111,9 +112,9 @@ def _iso(ns: int) -> str:
     return f"{last[1]}.{micro:06d}Z" if micro else f"{last[1]}Z"
 
 
-def _cut(value: str) -> str:
-    """Return a string field cut to FIELD_MAX, with a note saying how much was cut."""
-    return f"{value[:FIELD_MAX]}... (cut, {len(value) - FIELD_MAX} more characters)"
+def _cut(value: str, limit: int = FIELD_MAX) -> str:
+    """Return a string field cut to limit, with a note saying how much was cut."""
+    return f"{value[:limit]}... (cut, {len(value) - limit} more characters)"
 
 
 _dicts = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
@@ -238,7 +239,12 @@ class _Renderer:
             elif cls not in _SCALARS:
                 if cut and isinstance(value, str) and len(value) > FIELD_MAX:
                     value = _cut(value)
-                event[key] = scrub(value)
+                value = scrub(value)
+                if cut and not isinstance(value, str):  # a mapping or list (an agent's usage): cut as its JSON text
+                    text = self._encode(value)
+                    if len(text) > NESTED_MAX:
+                        value = _cut(text, NESTED_MAX)
+                event[key] = value
         return self._encode(event)
 
     def line(self, event: Mapping[str, Any], as_json: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import io
+import json
 import logging
 import re
 import sys
@@ -545,3 +546,17 @@ def test_a_settled_module_logger_writes_what_its_proxy_did(
     with structlog.testing.capture_logs() as entries:
         settled.info("captured", n=1)
     assert entries == [{"n": 1, "event": "captured", "log_level": "info"}]
+
+
+def test_a_huge_nested_field_is_cut_as_its_json_text(capture: Callable[..., Capture]) -> None:
+    """A mapping whose JSON passes NESTED_MAX (an agent's `usage` of 60 long keys) becomes its JSON text cut there:
+    the line stays far below journald's 48 KiB, where journalctl would split it; a smaller one stays a mapping."""
+    cap = capture(console=False)
+    usage = {f"k{i}": "x" * 1000 for i in range(60)}
+    small = {"input_tokens": 10}
+    line = _both(cap, lambda: _log().info("agent.exited", usage=usage, small=small))
+    assert len(line) < 40_000, len(line)
+    text = json.dumps(usage)
+    cut = text[: logs.NESTED_MAX] + f"... (cut, {len(text) - logs.NESTED_MAX} more characters)"
+    assert json.loads(line) == {"usage": cut, "small": small, "event": "agent.exited", "level": "info",
+                                "timestamp": "TS"}  # fmt: skip
