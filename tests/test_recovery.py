@@ -506,3 +506,27 @@ def test_the_cost_an_agent_reported_before_its_daemon_died_is_counted_at_recover
     assert first["agent_result"]["total_cost_usd"] == 0.1, first
     assert result["cost_usd"] == 0.1
     assert d2.stop() == 0
+
+
+def test_a_job_whose_folder_cannot_be_read_back_fails_like_any_failed_job(env: Env) -> None:
+    """kill -9, then job.json torn: at restart the job fails saying why, with job.failed's figures (section 8), the
+    finished count of the metrics (section 10) and the notification (section 11), and no traceback."""
+    events = env.tmp / "events.txt"
+    notify = ["sh", "-c", 'echo "$0 $1" >> "$2"', "{event}", "{job_id}", str(events)]
+    metrics = env.tmp / "m.prom"
+    env.configure(agents={"worker": env.agent("--sleep", "30")}, notify=notify, metrics_file=str(metrics))
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("TORN-1"))
+    wait_start(env, "TORN-1")
+    d.kill()
+    (env.root / "active" / "TORN-1" / "job.json").write_text("{")
+    d2 = env.daemon()
+    result = env.wait_job("TORN-1", "failed", timeout=30)
+    assert result["reason"].startswith("recovery: the job folder cannot be read back: "), result["reason"]
+    failed = d2.wait_event("job.failed", job_id="TORN-1")
+    assert failed["agent"] == "worker" and {"duration_s", "cost_usd", "chain_cost_usd"} <= set(failed), failed
+    wait_until(lambda: events.exists() and "job.failed TORN-1" in events.read_text(), 20, "the notification")
+    assert d2.stop() == 0
+    assert 'dispatcher_jobs_finished_total{agent="worker",state="failed"} 1.0' in metrics.read_text()
+    assert not [e for e in d2.events() if e.get("event") == "daemon.error"]

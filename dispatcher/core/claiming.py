@@ -299,9 +299,10 @@ class Claims:
             if SHORT.note(exc, p.kind.value):
                 return NoSlot(p)  # not now: it stays queued
             if not isinstance(exc, LookupError):
-                log.exception("daemon.error", job_id=p.job_id, agent=p.agent, step=p.kind.value, error=str(exc))
-                if p.kind is Kind.RECOVER:
-                    recovery.fail_damaged(layout, ledger, p.job_id, p.token, exc)
+                if p.kind is Kind.RECOVER:  # a folder it cannot read back: the job fails, saying why
+                    recovery.fail_damaged(layout, ledger, self.finisher, p.job_id, p.token, exc)
+                else:
+                    log.exception("daemon.error", job_id=p.job_id, agent=p.agent, step=p.kind.value, error=str(exc))
             return Dropped(p)
 
 

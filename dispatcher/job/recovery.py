@@ -19,6 +19,7 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.errors import oneline
+from dispatcher.job.finish import Finisher
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_row
@@ -173,8 +174,12 @@ def _active_ids(layout: Layout) -> list[str]:
         return []
 
 
-def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, token: int, exc: Exception) -> None:
-    """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file."""
+def fail_damaged(layout: Layout, ledger: Ledger, finisher: Finisher, job_id: str, token: int, exc: Exception) -> None:
+    """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file.
+
+    It finishes as any failed job does (``Finisher.finish_now``): ``job.failed`` with its
+    figures, the finished count, the notification.
+    """
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
     entry = ledger.get(job_id)
     reason = oneline(f"recovery: the job folder cannot be read back: {type(exc).__name__}: {exc}")
@@ -185,11 +190,7 @@ def fail_damaged(layout: Layout, ledger: Ledger, job_id: str, token: int, exc: E
         reason=reason,
         received=os.path.getmtime(folder.path),
     )
-    folder.stage_result(result)
-    if ledger.finish([Finish(job_id, token, Row.FAILED)])[0]:
-        log.warning("job.failed", job_id=job_id, agent=result.agent, reason=reason)
-        folder.land(layout, State.FAILED)
-        fsutil.fsync_dir(layout.folder(State.FAILED))
+    finisher.finish_now(folder, Finish(job_id, token, Row.FAILED), result)
 
 
 def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple[JobSpec, int] | None:
