@@ -54,7 +54,10 @@ class _Sink:
         new: TextIO | None = None
         if path is not None:
             fsutil.make_dir(os.fspath(path.parent))  # a missing folder is made, as metrics_file's
-            new = path.open("a", buffering=1, encoding="utf-8")
+            # never blocking: a named pipe without a reader is an error (ENXIO), not a daemon stuck in open()
+            # that no signal ends; a full one drops lines instead of stopping the loop
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o640)
+            new = open(fd, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - kept open: the sink's file
         with _lock:
             old, self.file = self.file, new
         if old is not None:

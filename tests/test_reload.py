@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
-from conftest import Env, order, wait_until
+from conftest import Env, cli_env, order, wait_until
 
 from dispatcher.ops.daemons import unit_of_cgroup
 
@@ -97,3 +101,58 @@ def test_the_postgresql_ledger_records_the_digest_also_in_a_ledger_made_before_i
         assert [d.config_digest for d in ledger.daemons()] == ["fedcba9876543210"]
     finally:
         ledger.close()
+
+
+def validate_for(env: Env, pid: str) -> subprocess.CompletedProcess[str]:
+    """Run `validate` as systemd's ExecReload= does: with the reloaded daemon's pid in $MAINPID."""
+    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "validate"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=cli_env() | {"MAINPID": pid})
+
+
+def test_validate_refuses_what_a_reload_would_refuse(env: Env) -> None:
+    """`validate` (what `systemctl reload` runs before its SIGHUP) exits 2 for a log_file that is a folder or a named
+    pipe no one reads, and, given the reloaded daemon's $MAINPID, for another root or ledger kind."""
+    d = env.daemon()
+    d.wait_ready()
+    pid = str(d.proc.pid)  # type: ignore[union-attr]
+    folder = env.tmp / "logs"
+    folder.mkdir()
+    pipe = env.tmp / "log.fifo"
+    os.mkfifo(pipe)
+    for log_file, why in ((folder, "it is a folder"), (pipe, "a named pipe no process reads")):
+        env.configure(log_file=str(log_file))
+        proc = env.cli("validate")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"log_file: cannot open {log_file}: {why}" in proc.stderr
+    other = env.tmp / "other-root"
+    other.mkdir()
+    env.configure(root=str(other))
+    assert env.cli("validate").returncode == 0  # nothing names the running daemon: the file alone is fine
+    proc = validate_for(env, pid)
+    assert proc.returncode == 2 and f"root: cannot change while the daemon (pid {pid}) runs with root" in proc.stderr
+    env.configure(ledger="postgresql://dispatcher@127.0.0.1:1/x")
+    proc = validate_for(env, pid)
+    assert proc.returncode == 2 and "ledger: cannot change while the daemon" in proc.stderr, proc.stderr
+    env.configure()
+    assert validate_for(env, pid).returncode == 0
+    assert d.stop() == 0
+
+
+def test_a_log_file_that_is_a_pipe_no_one_reads_never_hangs_the_daemon(env: Env) -> None:
+    """log_file naming a FIFO without a reader: `run` exits 2 at once; set by a reload, it is rejected (naming the
+    file and the field) and the daemon goes on and stops on SIGTERM (section 9)."""
+    pipe = env.tmp / "log.fifo"
+    os.mkfifo(pipe)
+    env.configure(log_file=str(pipe))
+    proc = env.cli("run", "--once", timeout=20)
+    assert proc.returncode == 2 and "log_file" in proc.stderr, proc.stderr
+    env.configure()
+    d = env.daemon()
+    d.wait_ready()
+    env.configure(log_file=str(pipe))
+    d.signal(signal.SIGHUP)
+    rejected = d.wait_event("config.rejected", timeout=20)
+    assert f"log_file: cannot open {pipe}" in rejected["error"], rejected
+    env.drop(order("AFTER-FIFO"))
+    env.wait_job("AFTER-FIFO", "done")
+    assert d.stop(timeout=20) == 0

@@ -17,6 +17,7 @@ from typing import IO
 from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState, printable
 from dispatcher.layout import Layout, check_id
 from dispatcher.ledger.base import DaemonInfo
+from dispatcher.ops import preflight
 from dispatcher.ops.daemons import config_note
 from dispatcher.spec.config import (
     CONFIG_ENV,
@@ -100,7 +101,7 @@ def validate_config(path: Path, cfg: Config) -> int:
     Errors and warnings are one line each on stderr; `ok (N agents)` goes to stdout
     when there is no error.
     """
-    findings = check_agents(cfg) + _check_ledger_url(cfg)
+    findings = check_agents(cfg) + _check_ledger_url(cfg) + preflight.check_log_file(cfg) + preflight.check_running(cfg)
     for f in findings:
         print(redact(str(ConfigError(f.message, file=str(path), field=f.field))), file=sys.stderr)
     if any(f.error for f in findings):

@@ -71,7 +71,11 @@ class Reloading:
             if new.ledger != self.config.ledger:
                 raise ConfigError("ledger: cannot change while running", file=str(self.config_path))
             if new.log_file != self.config.log_file:
-                logs.SINK.open_file(new.log_file)
+                try:
+                    logs.SINK.open_file(new.log_file)
+                except OSError as exc:
+                    why = f"cannot open {new.log_file}: {exc.strerror or exc}"
+                    raise ConfigError(why, file=str(self.config_path), field="log_file") from None
         except (ConfigError, OSError) as exc:
             log.error("config.rejected", error=str(exc))
             return

@@ -1,0 +1,81 @@
+"""What `validate` checks beyond the schema that a reload would otherwise refuse: the log file, the running daemon.
+
+``systemctl reload`` runs `validate` before it sends SIGHUP, so a config the daemon would
+reject on reload must fail here, where the operator sees it: a ``log_file`` it cannot open
+(a folder, a path it may not write, a named pipe no one reads), and, when systemd names the
+daemon being reloaded (``$MAINPID`` in the environment of ``ExecReload=``), a ``root`` or a
+kind of ``ledger`` other than the ones that daemon runs with.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+
+from dispatcher.spec.programs import Finding
+from dispatcher.spec.settings import Config
+
+_LOCK = re.compile(r"^(?P<root>/.*)/\.state/daemons/[^/]+\.lock$")
+_SQLITE_FILE = "/.state/ledger.sqlite3"
+
+
+def check_log_file(cfg: Config) -> list[Finding]:
+    """Return an error when the config's log_file could not be opened for appending; nothing is created."""
+    path = cfg.log_file
+    if path is None:
+        return []
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        folder = path.parent
+        while not folder.exists() and folder != folder.parent:  # the daemon makes the missing folders
+            folder = folder.parent
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return [Finding("log_file", f"cannot create {path}: {folder} is not writable", error=True)]
+        return []
+    except OSError as exc:
+        return [Finding("log_file", f"cannot open {path}: {exc.strerror}", error=True)]
+    if stat.S_ISDIR(st.st_mode):
+        return [Finding("log_file", f"cannot open {path}: it is a folder", error=True)]
+    if not os.access(path, os.W_OK):
+        return [Finding("log_file", f"cannot open {path}: not writable", error=True)]
+    if stat.S_ISFIFO(st.st_mode):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError as exc:
+            why = "a named pipe no process reads" if exc.errno == errno.ENXIO else exc.strerror
+            return [Finding("log_file", f"cannot open {path}: {why}", error=True)]
+    return []
+
+
+def check_running(cfg: Config, environ: dict[str, str] | None = None) -> list[Finding]:
+    """Return errors for what the daemon named by ``$MAINPID`` would refuse on reload: another root or ledger kind.
+
+    Its root is read from the daemon's own open files (its liveness lock in
+    ``<root>/.state/daemons/``); its ledger is SQLite when it has the root's ledger file open.
+    Nothing is said when ``$MAINPID`` is unset or names no dispatcher daemon this user can see.
+    """
+    env = os.environ if environ is None else environ
+    pid = env.get("MAINPID", "")
+    if not pid.isdigit():
+        return []
+    try:
+        targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return []
+    roots = [m.group("root") for t in targets if (m := _LOCK.match(t))]
+    if not roots:
+        return []
+    running = roots[0]
+    out = []
+    if os.path.realpath(running) != os.path.realpath(cfg.root):
+        why = f"cannot change while the daemon (pid {pid}) runs with root {running}: restart it instead"
+        out.append(Finding("root", why, error=True))
+    on_sqlite = any(t == running + _SQLITE_FILE for t in targets)
+    if on_sqlite != (cfg.ledger == "sqlite"):
+        running_kind = "sqlite" if on_sqlite else "postgresql"
+        why = f"cannot change while the daemon (pid {pid}) runs with the {running_kind} ledger: restart it instead"
+        out.append(Finding("ledger", why, error=True))
+    return out
