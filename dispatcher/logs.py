@@ -46,22 +46,40 @@ class _Sink:
     def __init__(self) -> None:
         self.console: TextIO = sys.stdout
         self.file: TextIO | None = None
+        self.path: Path | None = None
+        #: look at log_file's path before each line and open it again once it was moved or removed (a
+        #: process no one sends SIGHUP to at a rotation: the web view); the daemon reopens on SIGHUP
+        self.follow = False
         #: a command's lines are also handed to the running daemon, for its stdout (the journal)
         self.relay: Callable[[str], None] | None = None
 
     def open_file(self, path: Path | None) -> None:
         """(Re)open the log file, for logrotate on SIGHUP; raise OSError and keep the old one on failure."""
-        new: TextIO | None = None
-        if path is not None:
-            fsutil.make_dir(os.fspath(path.parent))  # a missing folder is made, as metrics_file's
-            # never blocking: a named pipe without a reader is an error (ENXIO), not a daemon stuck in open()
-            # that no signal ends; a full one drops lines instead of stopping the loop
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o640)
-            new = open(fd, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - kept open: the sink's file
+        new = _open_log(path) if path is not None else None
         with _lock:
-            old, self.file = self.file, new
+            old, self.file, self.path = self.file, new, path
         if old is not None:
             old.close()
+
+    def _moved(self) -> None:
+        """Open log_file again if its path no longer names the open file (rotated); keep the old one on failure."""
+        if self.file is None or self.path is None:
+            return
+        try:
+            st = os.stat(self.path)
+            now = os.fstat(self.file.fileno())
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError):
+            return
+        try:
+            new = _open_log(self.path)
+        except OSError:
+            return
+        old, self.file = self.file, new
+        old.close()
 
     def write(self, line: str, json_line: str) -> None:
         with _lock:
@@ -70,6 +88,8 @@ class _Sink:
                 self.console.flush()
             except (OSError, ValueError):
                 pass
+            if self.follow:
+                self._moved()
             if self.file is not None:
                 with contextlib.suppress(OSError):
                     self.file.write(json_line + "\n")
@@ -82,6 +102,17 @@ class _Sink:
         with _lock, contextlib.suppress(OSError, ValueError):
             self.console.write(line + "\n")
             self.console.flush()
+
+
+def _open_log(path: Path) -> TextIO:
+    """Open log_file for appending, making its folder; never blocking.
+
+    A named pipe without a reader is an error (ENXIO), not a process stuck in open()
+    that no signal ends; a full one drops lines instead of stopping the loop.
+    """
+    fsutil.make_dir(os.fspath(path.parent))  # a missing folder is made, as metrics_file's
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o640)
+    return open(fd, "a", buffering=1, encoding="utf-8")
 
 
 SINK = _Sink()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -420,5 +421,26 @@ def test_a_job_page_shows_bidirectional_controls_escaped(env: Env) -> None:
         assert "gh\u202etso" in reason, reason
         status, page, _ = web.get("/jobs/RTL-2")
         assert status == 200 and "\u202e".encode() not in page and b"gh\\u202etso" in page, page[:300]
+    finally:
+        assert web.stop() == 0
+
+
+def test_web_lines_follow_log_file_through_a_rotation_and_sighup(env: Env) -> None:
+    """log_file moved aside (logrotate's rename and create): the web view's next action lines land in the new file,
+    as `dispatcher logs` reads it (section 8); a SIGHUP, as a rotation may send, does not end it."""
+    log_file = env.tmp / "log" / "d.log"
+    env.configure(log_file=str(log_file))
+    env.drop(order("ROT-1"))  # no daemon: it stays queued in inbox/
+    web = start_web(env)
+    try:
+        assert web.act("ROT-1", "hold", web.token)[0] == 200
+        wait_until(lambda: "job.held" in log_file.read_text(), 10, "job.held in log_file")
+        log_file.rename(log_file.with_suffix(".log.1"))
+        log_file.touch()
+        web.proc.send_signal(signal.SIGHUP)
+        assert web.act("ROT-1", "release", web.token)[0] == 200
+        wait_until(lambda: "job.released" in log_file.read_text(), 10, "job.released in the new log_file")
+        assert web.proc.poll() is None
+        assert "job.released" not in log_file.with_suffix(".log.1").read_text()
     finally:
         assert web.stop() == 0

@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import structlog
 
+from dispatcher import logs
 from dispatcher.errors import DispatchError, UsageError, printable
 from dispatcher.layout import Layout
 from dispatcher.spec.settings import Config
@@ -250,6 +251,8 @@ def serve(config: Config, listen: str | None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a rotation's SIGHUP: log_file is followed (below), not a stop
+    logs.SINK.follow = True  # no one signals this process at a log rotation: its lines follow log_file's path
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, name="web", daemon=True)
     thread.start()
     try:
