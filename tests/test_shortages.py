@@ -119,6 +119,35 @@ def test_out_of_file_descriptors_at_start_is_a_shortage_not_a_crash(env: Env, li
             proc.wait()
 
 
+STARTED = ("daemon.short_of", "daemon.ready")  # a start that waits, or one that got through
+
+
+def test_every_low_descriptor_limit_at_start_waits_or_starts_never_crashes(env: Env) -> None:
+    """RLIMIT_NOFILE from 9 to 16, each with an order queued: wherever the start-up meets the limit (its folders, the
+    ledger, the first scan of inbox/, the worktrees' housekeeping), the daemon logs daemon.short_of or gets ready;
+    never a traceback or an exit before the SIGTERM, which it answers with exit 0 (section 13)."""
+    env.configure({"tiny": hold_agent(env, 0)})
+    env.drop(order("FD-1", to="tiny"))
+    for limit in range(9, 17):
+        out = env.tmp / f"run-{limit}.out"
+        with out.open("wb") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"],
+                stdout=fh, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env(), preexec_fn=nofile(limit),
+            )  # fmt: skip
+        try:
+            wait_until(lambda o=out: any(f'"{e}"' in o.read_text() for e in STARTED), 60, f"start at limit {limit}")
+            time.sleep(1.0)
+            assert proc.poll() is None, (limit, out.read_text()[-2000:])
+            assert "Traceback" not in out.read_text(), (limit, out.read_text()[-2000:])
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, (limit, out.read_text()[-2000:])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_short_of_descriptors_to_start_an_agent_claims_nothing_until_they_are_back(env: Env) -> None:
     """RLIMIT_NOFILE 16 (set from outside): the daemon goes on, but no agent could start. No order leaves inbox/
     for active/ to wait there (the first one neither), daemon.short_of is logged once; the limit raised, every

@@ -198,9 +198,14 @@ class Daemon(Reloading, Fencing):
         announce.config_findings(self.config)
         announce.other_daemons(self.ledger, self.owner, self.config.metrics_file)
         self._check_watch(first=True)  # inotify (or, short of it, the rescans every poll_interval)
-        self.inbox.merge(await self.lanes.scan(list_inbox, self.layout.inbox))
-        await repowork.housekeep(self.layout, self.lanes, self.config, self.notify, startup=True)
-        await self.gatekeeper.refresh()  # gates survive restarts: known before any job starts
+        # short of descriptors here too (ulimit -n 12): daemon.short_of, step start, and again, as above
+        listed = await startup.while_short(lambda: self.lanes.scan(list_inbox, self.layout.inbox), self._stop_asked)
+        self.inbox.merge(listed)
+        await startup.while_short(
+            lambda: repowork.housekeep(self.layout, self.lanes, self.config, self.notify, startup=True),
+            self._stop_asked,
+        )
+        await startup.while_short(self.gatekeeper.refresh, self._stop_asked)  # gates survive restarts
         self.gatekeeper.start()
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
         await self.house.requests()
