@@ -115,6 +115,22 @@ def test_a_last_attempt_over_the_budget_says_so_beside_no_attempts_left(env: Env
     ), result["reason"]
 
 
+@pytest.mark.parametrize("repair", [False, True])
+def test_a_job_failed_by_its_checks_over_the_budget_says_the_budget_was_spent(env: Env, repair: bool) -> None:
+    """Exit 0, a receipt saying `failed`, and attempts that cost more than max_cost_usd: whether or not a repair was
+    possible, the reason says the budget was spent (section 11: if it then fails, its reason says so)."""
+    settings: dict[str, Any] = {"max_attempts": 3, "max_cost_usd": 0.5}
+    if repair:
+        settings.update(repair=True, retry_safe=True)
+    env.configure(agents={"worker": costly(env, 0.7, "--status", "failed", **settings)})
+    env.drop(simple("CHECK-SPEND"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("CHECK-SPEND", "failed")
+    assert len(result["attempts"]) == 1
+    assert result["reason"].startswith("receipt_status: "), result["reason"]
+    assert "the budget is spent (0.7 USD of max_cost_usd 0.5)" in result["reason"], result["reason"]
+
+
 def test_a_session_id_repeated_without_resume_costs_each_attempt_what_it_reported(env: Env) -> None:
     """An agent without `resume` that names the same session_id in each attempt: each attempt costs the
     total it reported (only a resumed session's total is a running one), so max_cost_usd stops it after two."""

@@ -114,14 +114,20 @@ def judge(
         reason = verdict(checks) or "receipt_present: no receipt.json"
         if receipt_invalid(checks):  # a reason led by another check (exit_ok) says why there is no retry
             said = reason.startswith("receipt_present:")
-            return Judgement(Next.FAIL, reason if said else f"{reason}; not retried: {RECEIPT_INVALID}")
+            over = over_budget(spec.agent, attempts)
+            if said:
+                return Judgement(Next.FAIL, f"{reason}; {over}" if over else reason)
+            unusable = f"{RECEIPT_INVALID}, and {over}" if over else RECEIPT_INVALID
+            return Judgement(Next.FAIL, f"{reason}; not retried: {unusable}")
         why = no_more_attempts(spec, attempts, n)
         return Judgement(Next.FAIL, f"{reason}; not retried: {why}") if why else Judgement(Next.RETRY, reason)
     failed = verdict(checks, exit_lost=exit_.lost)
     if failed is None:
         return Judgement(Next.PASS)
     if final or not spec.agent.repair or receipt_invalid(checks):
-        return Judgement(Next.FAIL, failed)
+        # no further attempt either way; its reason still says when the budget was spent (section 11)
+        over = over_budget(spec.agent, attempts)
+        return Judgement(Next.FAIL, f"{failed}; {over}" if over else failed)
     why = no_more_attempts(spec, attempts, n)
     return Judgement(Next.FAIL, f"{failed}; not repaired: {why}") if why else Judgement(Next.REPAIR, failed)
 
