@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import Env, order, wait_until
+from git_helpers import code_order, coder, git, make_repo
 from helpers_faults import env_daemon
 
 FAN = 20
@@ -533,4 +534,25 @@ def test_a_join_for_a_paused_agent_is_claimed_at_once_and_waits_max_wait(env: En
     result = env.wait_job("merge", "failed", timeout=30)
     assert result["reason"] == "after: ghost never finished"
     assert starts_of(env, "merge") == 0
+    assert d.stop() == 0
+
+
+def test_a_joins_branch_starts_from_base_as_it_was_at_the_claim(env: Env, tmp_path: Path) -> None:
+    """A join claimed into waiting/ while main is at A, then main moves to B before its parent is done: its branch is
+    made from A (section 15: a new branch made from `base` at claim time)."""
+    repo = make_repo(tmp_path / "shop")
+    at_claim = git(repo, "rev-parse", "main")
+    env.configure(agents={"slow": env.agent("--sleep", "3"), "coder": coder(env, repo, "--write", "src/{job}.txt=x")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BP", to="slow"))
+    env.drop(code_order("BJ", after=["BP"]))
+    wait_until(lambda: (env.root / "waiting" / "BJ").is_dir(), 30, "BJ waiting")
+    (repo / "later.txt").write_text("moved on\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "later")
+    assert git(repo, "rev-parse", "main") != at_claim
+    result = env.wait_job("BJ", "done")
+    assert result["workspace"]["base"] == at_claim
+    assert git(repo, "merge-base", "dispatch/BJ", "main") == at_claim
     assert d.stop() == 0

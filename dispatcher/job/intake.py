@@ -25,7 +25,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ import structlog
 from dispatcher import fsutil
 from dispatcher.errors import OrderError, oneline
 from dispatcher.fsutil import digest
+from dispatcher.job import worktree
 from dispatcher.job.finish import Finisher
 from dispatcher.layout import Layout, name_is_utf8
 from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger
@@ -257,6 +258,7 @@ def claim(
     for (i, pick, stage, no_folder), answer in zip(staged, answers, strict=True):
         match answer:
             case Claimed():
+                pick = _with_base(pick)
                 made = placing.write(layout, ledger, pick, stage, answer)
                 if isinstance(made, Skipped):
                     out[i] = made
@@ -310,6 +312,14 @@ def claim(
         else:
             out[i] = Waiting(picks[i].item.name, done.spec.job_id, done.token)
     return [o if o is not None else Skipped("") for o in out]
+
+
+def _with_base(pick: Pick) -> Pick:
+    """Resolve a workspace's base to a commit now, at the claim (section 15); not ``base: parent`` (not known yet)."""
+    conf = pick.agent.repo.workspace
+    if conf is None or pick.item.order.body.get("base") == "parent":
+        return pick
+    return replace(pick, base_commit=worktree.base_at_claim(conf.git, conf.base))
 
 
 def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:

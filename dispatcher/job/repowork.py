@@ -129,11 +129,12 @@ class JobRepo:
         """Make or reset the worktree (io pool); return it and, under the sandbox, its view of the repository."""
         conf = self.spec.agent.repo.workspace
         assert conf is not None  # noqa: S101 - open() checked
-        base_ref = conf.base
+        base_ref, commit = conf.base, self.spec.base_commit  # the commit base named when the job was claimed
         if self.spec.order.get("base") == "parent":
-            base_ref = parent_head(self.layout, self.spec.parent, conf.git)
+            base_ref, commit = parent_head(self.layout, self.spec.parent, conf.git), None
         branch = branch_for(conf.branch, self.spec.job_id)
-        ws = worktree.plan(self.folder.path, conf.git, base_ref, branch, self.layout.worktree(self.spec.job_id))
+        path = self.layout.worktree(self.spec.job_id)
+        ws = worktree.plan(self.folder.path, conf.git, base_ref, branch, path, commit)
         gitview.absorb(ws)  # the last attempt's commits, if a crash came before they were taken
         if not worktree.is_ready(ws):
             worktree.create(ws, from_branch=keep and n > 1)

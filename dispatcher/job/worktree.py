@@ -134,15 +134,34 @@ def read_record(job_folder: Path) -> Workspace | None:
         return None
 
 
-def plan(job_folder: Path, repo: str, base_ref: str, branch: str, path: Path) -> Workspace:
-    """Resolve the base to a commit and write ``workspace.json`` durably (once: a recovered job keeps it)."""
+def base_at_claim(repo: str, base_ref: str) -> str | None:
+    """Return the commit base_ref names in repo now (section 15: a job's branch starts from base at claim time).
+
+    None when it cannot be told (no repository, no such ref, git failing): the first attempt
+    then resolves it and fails the job with the reason, as without this.
+    """
+    try:
+        if not os.path.isdir(repo):
+            return None
+        found = git(repo, "rev-parse", "--verify", "--quiet", f"{base_ref}^{{commit}}", check=False).strip()
+    except (GitError, OSError):
+        return None
+    return found or None
+
+
+def plan(job_folder: Path, repo: str, base_ref: str, branch: str, path: Path, commit: str | None = None) -> Workspace:
+    """Resolve the base to a commit and write ``workspace.json`` durably (once: a recovered job keeps it).
+
+    ``commit``: the base as the claim resolved it, used instead of what base_ref names now.
+    """
     found = read_record(job_folder)
     if found is not None:
         return found
     if not os.path.isdir(repo):
         raise GitError(f"repository {repo} does not exist")
     _check_top(repo)
-    base = git(repo, "rev-parse", "--verify", "--quiet", f"{base_ref}^{{commit}}", check=False).strip()
+    wanted = commit or base_ref
+    base = git(repo, "rev-parse", "--verify", "--quiet", f"{wanted}^{{commit}}", check=False).strip()
     if not base:
         raise GitError(f"base {base_ref} is not a commit of {repo}")
     # a job works on a new branch: one that is there before its record was ever written is someone's

@@ -41,6 +41,7 @@ class JobSpec:
     claimed: float | None = None  # Unix time of the claim that placed the job (None in a job.json from before)
     since: float | None = None  # when it last came back to active/: a retry, a revision, a join let go, a limit's wait
     checks_left: Mapping[str, str] = field(default_factory=dict)  # files its user checks left in work/ -> stamp
+    base_commit: str | None = None  # its workspace's base, resolved to a commit at the claim (section 15)
 
     def to_json(self) -> dict[str, Any]:
         """Return the spec as plain JSON values (to be encoded: its agent's part is shared, never change it)."""
@@ -61,6 +62,7 @@ class JobSpec:
             "claimed": self.claimed,
             "since": self.since,
             **({"checks_left": dict(self.checks_left)} if self.checks_left else {}),
+            **({"base_commit": self.base_commit} if self.base_commit else {}),
         }
 
     @classmethod
@@ -83,6 +85,7 @@ class JobSpec:
             claimed=_time_or_none(data.get("claimed")),
             since=_time_or_none(data.get("since")),
             checks_left=dict(data.get("checks_left") or {}),
+            base_commit=str(data["base_commit"]) if data.get("base_commit") else None,
         )
 
     def with_agent(self, agent: Agent, budget: int) -> JobSpec:

@@ -68,6 +68,7 @@ class Pick:
 
     item: Inspected
     agent: Agent
+    base_commit: str | None = None  # its workspace's base as a commit, resolved now (section 15: at claim time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ class Written:
 def write(layout: Layout, ledger: Ledger, pick: Pick, stage: str, claimed: Claimed) -> Written | Skipped:
     """Write the claimed job's folder in its staging place (not yet fsynced); undo the claim on error."""
     try:
-        return _write_job(layout, stage, pick.item, pick.agent, claimed)
+        return _write_job(layout, stage, pick.item, pick.agent, claimed, pick.base_commit)
     except OSError as exc:
         return undo(ledger, pick.item, stage, claimed, exc)
 
@@ -190,7 +191,9 @@ def undo(ledger: Ledger, item: Inspected, stage: str, claimed: Claimed, exc: OSE
     return Skipped(item.name, retry_later=True)
 
 
-def _write_job(layout: Layout, folder: str, item: Inspected, agent: Agent, claimed: Claimed) -> Written:
+def _write_job(
+    layout: Layout, folder: str, item: Inspected, agent: Agent, claimed: Claimed, base_commit: str | None = None
+) -> Written:
     order = item.order
     work = f"{folder}/work"
     os.mkdir(work)
@@ -227,6 +230,7 @@ def _write_job(layout: Layout, folder: str, item: Inspected, agent: Agent, claim
         order=body,
         parent_chain_cost_usd=claimed.parent_chain_cost_usd,
         claimed=time.time(),
+        base_commit=base_commit,
     )
     fsutil.write_new(
         f"{folder}/{JOB_FILE}", fsutil.dump_json(spec.to_json()) if text is None else _spec_json(spec, text)
