@@ -74,13 +74,15 @@ def test_files_a_check_left_in_work_are_not_charged_to_the_next_attempt(env: Env
     )
     checks = [{"name": "tests", "command": [sys.executable, "-c", script, str(flag)]}]
     env.configure(agents={"worker": agent(env, checks, repair=True, retry_safe=True, max_attempts=2)})
-    env.daemon().wait_ready()
+    d = env.daemon()
+    d.wait_ready()
     env.drop(order("CHK-LEFT"))
     result = env.wait_job("CHK-LEFT", "done")
     assert len(result["attempts"]) == 2
     assert by_name(result, "writes_scope")["ok"] is True and by_name(result, "tests")["ok"] is True
     assert (env.root / "done" / "CHK-LEFT" / "work" / ".cache" / "v" / "lastfailed").read_text() == "True"
 
+    assert d.stop() == 0
     flag.unlink()  # the same, but the agent rewrites the check's cache on its second attempt
     touch = "import pathlib; p = pathlib.Path('.cache/v/lastfailed'); p.exists() and p.write_text('agent')"
     spec = agent(env, checks, repair=True, retry_safe=True, max_attempts=2, before=None)
@@ -258,3 +260,27 @@ def test_a_check_run_again_after_a_crash_keeps_the_interrupted_runs_log(env: Env
     assert log.read_text() == "first run\n"
     detail = by_name(result, "tests")["detail"]
     assert detail.startswith("exit 0 in ") and "first run" not in detail, detail
+
+
+def test_files_a_check_left_in_the_worktree_are_not_charged_to_the_repaired_attempt(env: Env, tmp_path: Path) -> None:
+    """A check that writes a cache in the worktree (not ignored) and fails once, and changes a tracked file: the
+    repaired attempt passes writes_scope (section 14), and the branch holds only the agent's change."""
+    repo = make_repo(tmp_path / "shop")
+    flag = env.tmp / "second-time"
+    script = (
+        "import os, sys; open('chk_cache.txt', 'w').write(str(os.path.exists(sys.argv[1])))\n"
+        "open('README.md', 'a').write('formatted\\n')\n"
+        "if os.path.exists(sys.argv[1]): print('1 passed'); sys.exit(0)\n"
+        "open(sys.argv[1], 'w').close(); print('1 failed'); sys.exit(1)"
+    )
+    check = {"name": "t", "command": [sys.executable, "-c", script, str(flag)]}
+    agent = coder(env, repo, "--write", "src/{job}.txt=done", checks=[check], repair=True, retry_safe=True,
+                  max_attempts=2)  # fmt: skip
+    env.configure(agents={"coder": agent})
+    env.daemon().wait_ready()
+    env.drop(code_order("CL2"))
+    result = env.wait_job("CL2", "done")
+    assert len(result["attempts"]) == 2
+    assert by_name(result, "writes_scope")["ok"] is True, result["checks"]
+    assert result["workspace"]["changed"] == ["src/CL2.txt"]
+    assert git(repo, "diff", "--name-only", "main", "dispatch/CL2") == "src/CL2.txt"

@@ -257,7 +257,7 @@ class Deciding(abc.ABC):
         await ctx.starts.quiet()  # an agent being started (on the slot this one gave back) goes first
         changed = None  # a job without a workspace has no change to save: its attempts/ is not listed
         if self.repo.ws is not None:
-            changed = await self.repo.snapshot(max(self.folder.attempt_numbers(), default=0))
+            changed = await self.repo.snapshot(max(self.folder.attempt_numbers(), default=0), self.spec.tree_left)
         collect = functools.partial(
             verify.collect_checked,
             ctx.config(),
@@ -297,6 +297,11 @@ class Deciding(abc.ABC):
             left = leftovers.left_by_checks(before, after, self.spec.checks_left)
             if left != self.spec.checks_left:
                 self.spec = replace(self.spec, checks_left=left)
+                await self._persist(self.folder.write_spec, self.spec)
+        elif self.repo.ws is not None and user_checks.agent_passed(settled.checks):  # in the worktree: by git
+            in_tree = await self.repo.checks_left(self.spec.tree_left)
+            if in_tree != self.spec.tree_left:
+                self.spec = replace(self.spec, tree_left=in_tree)
                 await self._persist(self.folder.write_spec, self.spec)
         return Settled(checks, settled.followups)
 

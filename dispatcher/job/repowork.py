@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Container
+import subprocess
+from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,10 @@ class WorkspaceFailed(Exception):
     """The job's worktree could not be made: the job fails with this reason (no attempt runs)."""
 
 
-def _snapshot(ws: Workspace, out: Path) -> tuple[list[str] | str, str]:
+def _snapshot(ws: Workspace, out: Path, left: Mapping[str, str] | None) -> tuple[list[str] | str, str]:
     """Save the worktree's change (io pool); return its paths (or the writes_scope rule it breaks) and its tree."""
     gitview.absorb(ws)  # a sandboxed agent's commits first
-    names, tree = worktree.snapshot(ws, out)
+    names, tree = worktree.snapshot(ws, out, left=left)
     return hazard(ws.path, names) or names, tree
 
 
@@ -148,7 +149,7 @@ class JobRepo:
         if self.ws is None and self.spec.agent.repo.workspace is not None:
             self.ws = await self.lanes.io(worktree.read_record, self.folder.path)
 
-    async def snapshot(self, n: int) -> list[str] | str | None:
+    async def snapshot(self, n: int, left: Mapping[str, str] | None = None) -> list[str] | str | None:
         """Save attempt n's change against base; return the changed paths, why they are unknown, or None.
 
         None: the job has no workspace. A text: the change could not be read (the
@@ -162,11 +163,21 @@ class JobRepo:
         out = self.folder.attempts_dir / str(n)
         self._tree = None
         try:
-            changed, self._tree = await self.lanes.io(_snapshot, self.ws, out)
+            changed, self._tree = await self.lanes.io(_snapshot, self.ws, out, left)
             return changed
         except (GitError, OSError) as exc:
             log.warning("workspace.diff_failed", attempt=n, error=str(exc))
             return f"the change could not be read: {exc}"
+
+    async def checks_left(self, earlier: Mapping[str, str]) -> Mapping[str, str]:
+        """Return what the user checks that just ran left in the worktree, beside ``earlier`` (``worktree``)."""
+        if self.ws is None or self._tree is None:
+            return earlier
+        try:
+            return await self.lanes.io(worktree.left_by_checks, self.ws, self._tree, earlier)
+        except (GitError, OSError, subprocess.SubprocessError) as exc:
+            log.warning("workspace.diff_failed", error=str(exc))
+            return earlier
 
     async def seal(self) -> dict[str, Any] | None:
         """Commit what is left on the branch; return result.json's ``workspace`` (None: no workspace)."""

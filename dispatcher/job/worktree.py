@@ -22,7 +22,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -354,26 +354,76 @@ def reset_to_base(ws: Workspace) -> None:
     git(ws.path, "clean", "-q", "-ffdx", env=env)
 
 
-def snapshot(ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES) -> tuple[list[str], str]:
+def snapshot(
+    ws: Workspace, out_dir: Path, max_bytes: int = DIFF_MAX_BYTES, left: Mapping[str, str] | None = None
+) -> tuple[list[str], str]:
     """Write ``diff.patch`` (binary-safe) and ``changed.txt`` of the worktree against base; return the paths and tree.
 
     Committed and uncommitted changes both count: the worktree is added to a copy of
     its index (a temporary one: the agent's own index is untouched) and that tree is
     compared with the base commit. A patch above max_bytes is cut with a note saying so.
-    The tree (its id) is what ``seal`` puts on the branch: what the checks saw.
+    The tree (its id) is what ``seal`` puts on the branch: what the checks saw. ``left``:
+    what earlier attempts' user checks left (``left_by_checks``); a path still as they
+    left it is taken as it was before them, so it is neither a change nor on the branch.
     """
+    tree = worktree_tree(ws, left)
+    names = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, tree).split("\0") if n]
+    _write_patch(ws, tree, out_dir / "diff.patch", max_bytes)
+    fsutil.write_atomic(out_dir / "changed.txt", "".join(f"{n}\n" for n in names).encode(), sync=False, sync_dir=False)
+    return names, tree
+
+
+def worktree_tree(ws: Workspace, left: Mapping[str, str] | None = None) -> str:
+    """Return the tree of everything in the worktree now (in a temporary index), less the checks' leftovers."""
     admin = admin_dir(ws)
     with tempfile.TemporaryDirectory(prefix="dispatcher-index-") as tmp:
         index = os.path.join(tmp, "index")
         with contextlib.suppress(FileNotFoundError):
             shutil.copyfile(admin / "index", index)
-        env = _tree_env(ws, {"GIT_INDEX_FILE": index})
+        env = _tree_env(ws, {"GIT_INDEX_FILE": index, "GIT_LITERAL_PATHSPECS": "1"})
         git(ws.path, "add", "-A", env=env)
-        tree = git(ws.path, "write-tree", env=env).strip()
-    names = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, tree).split("\0") if n]
-    _write_patch(ws, tree, out_dir / "diff.patch", max_bytes)
-    fsutil.write_atomic(out_dir / "changed.txt", "".join(f"{n}\n" for n in names).encode(), sync=False, sync_dir=False)
-    return names, tree
+        if left:
+            _put_back(ws, env, left)
+        return git(ws.path, "write-tree", env=env).strip()
+
+
+def _put_back(ws: Workspace, env: dict[str, str], left: Mapping[str, str]) -> None:
+    """In the index of ``env``, put each path the checks left, and nobody changed since, back as it was before them."""
+    listed = git(ws.path, "ls-files", "-s", "-z", "--", *left, env=env)
+    now: dict[str, str] = {}
+    for record in listed.split("\0"):
+        meta, tab, path = record.partition("\t")
+        if tab:
+            now[path] = meta.split(" ")[1]
+    records = []
+    for path, mark in left.items():
+        new, mode, old = mark.split(":")
+        if now.get(path, "") != (new if new.strip("0") else ""):
+            continue  # changed since the checks left it: the agent's, judged as such
+        records.append(f"{mode if old.strip('0') else '0'} {old}\t{path}\0")  # mode 0: not in the tree before
+    if records:
+        argv = ["git", *SAFE, "update-index", "-z", "--index-info"]
+        data = "".join(records).encode()
+        subprocess.run(argv, cwd=ws.path, env=env, input=data, capture_output=True, timeout=GIT_TIMEOUT_S, check=True)
+
+
+def left_by_checks(ws: Workspace, before: str, earlier: Mapping[str, str]) -> dict[str, str]:
+    """Return what the user checks left in the worktree: each path they changed since the tree ``before``.
+
+    Each is kept as ``new:mode:old`` (the object they left, and the mode and object before
+    them; all zeros for none), beside ``earlier`` attempts' entries, for ``snapshot``.
+    """
+    after = worktree_tree(ws)
+    raw = git(ws.repo, "diff-tree", "-r", "-z", "--no-renames", before, after).split("\0")
+    left = dict(earlier)
+    for meta, path in zip(raw[0::2], raw[1::2], strict=False):
+        if not meta.startswith(":"):
+            continue
+        old_mode, _new_mode, old, new = meta[1:].split(" ")[:4]
+        if path in left:  # changed again by these checks: it was left before, and goes back as it was then
+            _, old_mode, old = left[path].split(":")
+        left[path] = f"{new}:{old_mode}:{old}"
+    return left
 
 
 def _write_patch(ws: Workspace, tree: str, path: Path, max_bytes: int) -> None:

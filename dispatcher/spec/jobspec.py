@@ -42,6 +42,7 @@ class JobSpec:
     since: float | None = None  # when it last came back to active/: a retry, a revision, a join let go, a limit's wait
     checks_left: Mapping[str, str] = field(default_factory=dict)  # files its user checks left in work/ -> stamp
     base_commit: str | None = None  # its workspace's base, resolved to a commit at the claim (section 15)
+    tree_left: Mapping[str, str] = field(default_factory=dict)  # what its checks left in its worktree (``worktree``)
 
     def to_json(self) -> dict[str, Any]:
         """Return the spec as plain JSON values (to be encoded: its agent's part is shared, never change it)."""
@@ -63,6 +64,7 @@ class JobSpec:
             "since": self.since,
             **({"checks_left": dict(self.checks_left)} if self.checks_left else {}),
             **({"base_commit": self.base_commit} if self.base_commit else {}),
+            **({"tree_left": dict(self.tree_left)} if self.tree_left else {}),
         }
 
     @classmethod
@@ -86,6 +88,7 @@ class JobSpec:
             since=_time_or_none(data.get("since")),
             checks_left=dict(data.get("checks_left") or {}),
             base_commit=str(data["base_commit"]) if data.get("base_commit") else None,
+            tree_left=dict(data.get("tree_left") or {}),
         )
 
     def with_agent(self, agent: Agent, budget: int) -> JobSpec:
