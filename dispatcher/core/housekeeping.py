@@ -163,11 +163,11 @@ class Housekeeping:
         """Recovery's blocking steps (ledger lane); return the adopted jobs and the left ids taken back."""
         layout, ledger = self.ctx.layout, self.ctx.ledger
         recovery.finish_staging(layout, ledger, ledger.alive)
+        settle_reviews(layout, ledger)  # decided reviews land first: their follow-ups are released from done/
         recovery.settle_ledger(layout, ledger, ledger.alive)
         if self.joins is not None:
             self.joins.recover(ledger.alive)
             self.joins.sweep()  # the backstop of the Finisher's hook: a parent finished by a command, max_wait
-        settle_reviews(layout, ledger)
         if startup:
             recovery.reconcile_active(layout, ledger)
         out, taken = [], set()

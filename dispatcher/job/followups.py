@@ -66,6 +66,8 @@ def _release(
     held: Callable[[Entry, str], None],
 ) -> int:
     done = layout.job(State.DONE, parent)
+    if not done.is_dir() and layout.job(State.REVIEW, parent).is_dir():
+        return 0  # approved, not yet moved into done/ (by the command, or by settle_reviews): released then
     count = 0
     for entry in ledger.pending_releases(parent):
         work = done / "work"
