@@ -172,6 +172,20 @@ def test_every_action_runs_the_commands_code(site: tuple[Env, Web]) -> None:
     assert len(queued) == 2 and all(e["agent"] for e in queued), queued  # a queued order's agent is its `to`
 
 
+def test_an_empty_revise_note_is_refused_by_the_view_and_the_command(site: tuple[Env, Web]) -> None:
+    """A note that is empty or blank is no note (README: without a note revise is refused): 400 from the view, with
+    its web.action line, and exit 2 from `dispatcher revise`; nothing is recorded."""
+    env, web = site
+    for note in ("", "   "):
+        status, answer = web.act("REV-A", "revise", web.token, note=note)
+        assert (status, answer["ok"]) == (400, False) and "needs a note" in answer["message"], answer
+        proc = env.cli("revise", "REV-A", "--note", note)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--note" in proc.stderr, proc.stderr
+    assert not (env.root / "review" / "REV-A" / "revise.json").exists()
+    refused = [e for e in web.events() if e.get("event") == "web.action" and e.get("status") == 400]
+    assert len(refused) == 2 and all(e["job_id"] == "REV-A" and e["via"] == "web" for e in refused), refused
+
+
 def test_forms_need_a_login_and_their_csrf_token(site: tuple[Env, Web]) -> None:
     """A form post without a session is 401, a forged one (no or wrong CSRF token) 403; a real one approves."""
     env, web = site

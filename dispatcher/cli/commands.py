@@ -292,6 +292,8 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     from dispatcher.ops.actions import Operator
 
     cfg = config_of(args, need_root=True)
+    if action == "revise" and not (args.note or "").strip():
+        raise UsageError("revise: --note: say what the next attempt should change (the note is empty)")
     ids = read_ids(args.ids, sys.stdin)
     if not ids:
         raise UsageError(f"{action}: no job id given")

@@ -66,8 +66,13 @@ class Actions:
             return Outcome(404, f"{action}: no such action (one of {', '.join(ACTIONS)})")
         if action in NOT_BUILT:
             return Outcome(501, NOT_BUILT[action])
-        if action == "revise" and note is None:  # as `dispatcher revise ID --note TEXT`, which requires it
-            return Outcome(400, 'revise needs a note: what the next attempt should change (give {"note": TEXT})')
+        if action == "revise" and not (note or "").strip():  # as `dispatcher revise ID --note TEXT`, which needs one
+            outcome = Outcome(400, 'revise needs a note: what the next attempt should change (give {"note": TEXT})')
+            log.info(  # nothing was done; the line says so, as for any other outcome
+                "web.action", action=action, job_id=job_id, agent=None, status=400, message=outcome.message, by=who,
+                via="web",
+            )  # fmt: skip
+            return outcome
         text = note or None  # cut and made one line by the commands' own code, as for `--note` and `--reason`
         with self._lock, structlog.contextvars.bound_contextvars(via="web"):
             try:
