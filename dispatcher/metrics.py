@@ -10,8 +10,8 @@ Metrics (labels in braces):
 
 - ``dispatcher_jobs_finished_total{state,agent}``: jobs done or failed and files
   refused, since this daemon started;
-- ``dispatcher_queue{state}``: orders in inbox/ and held/, jobs in active/ and
-  review/, over the whole root (every daemon's);
+- ``dispatcher_queue{state}``: orders in inbox/ and held/, jobs in active/,
+  waiting/ and review/, over the whole root (every daemon's);
 - ``dispatcher_agents_running{agent}``: agents this daemon runs now;
 - ``dispatcher_job_duration_seconds{agent}``: claim to finish, a histogram;
 - ``dispatcher_cost_usd_total{agent}``: the cost the agents reported;
@@ -140,7 +140,7 @@ class Metrics:
         )
         self.queue = Gauge(
             "dispatcher_queue",
-            "Orders in inbox/ and held/, jobs in active/ and review/, over the whole root.",
+            "Orders in inbox/ and held/, jobs in active/, waiting/ and review/, over the whole root.",
             ("state",),
             registry=self.registry,
         )

@@ -212,3 +212,13 @@ def test_every_job_id_gets_a_branch_git_takes(template: str, job_id: str, branch
     """The branch a job id gets is one `git check-ref-format --branch` accepts, and no other id gets it."""
     assert branch_for(template, job_id) == branch
     assert subprocess.run(["git", "check-ref-format", "--branch", branch], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("bound", [2000, 65536 + 10, 65536 * 2])
+def test_a_cut_diff_with_its_note_is_exactly_its_bound(tmp_path: Path, bound: int) -> None:
+    """A cut diff.patch, its closing note included, is exactly max_bytes long: at most 16 MiB means at most."""
+    _repo, job, ws = _worktree(tmp_path, "EDGE")
+    Path(ws.path, "src", "big.txt").write_text("line of text\n" * 40_000)
+    worktree.snapshot(ws, job, max_bytes=bound)
+    patch = (job / "diff.patch").read_bytes()
+    assert len(patch) == bound and patch.endswith(f"\n[dispatcher: diff cut at {bound} bytes]\n".encode())

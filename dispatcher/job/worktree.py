@@ -430,18 +430,24 @@ def _write_patch(ws: Workspace, tree: str, path: Path, max_bytes: int) -> None:
     argv = ["git", *SAFE, "diff", "--binary", "--no-ext-diff", "--no-textconv", "--no-renames", ws.base, tree]
     proc = subprocess.Popen(argv, cwd=ws.repo, env=git_env(), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert proc.stdout is not None  # noqa: S101 - PIPE
+    note = f"\n[dispatcher: diff cut at {max_bytes} bytes]\n".encode()
     written, cut = 0, False
     with open(path, "wb") as out:
         while chunk := proc.stdout.read(1 << 16):
             room = max_bytes - written
             if len(chunk) > room:
-                out.write(chunk[:room])
+                end = max_bytes - len(note)  # the note too fits in max_bytes
+                if written <= end:
+                    out.write(chunk[: end - written])
+                else:
+                    out.truncate(end)
+                    out.seek(end)
                 cut = True
                 break
             out.write(chunk)
             written += len(chunk)
         if cut:
-            out.write(f"\n[dispatcher: diff cut at {max_bytes} bytes]\n".encode())
+            out.write(note)
             proc.kill()
     proc.stdout.close()
     proc.wait()
