@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -159,3 +160,32 @@ def test_approving_in_the_browser_needs_the_token(site: tuple[Env, Web], browser
     assert text_of(b, "#message") == "REV-A: approved; done" and text_of(b, "#job-state") == "done"
     assert (env.root / "done" / "REV-A" / "result.json").exists()
     shot(b, "job-approved.png")
+
+
+def test_a_note_typed_and_left_is_not_wiped_by_the_pages_refresh(site: tuple[Env, Web], browser: object) -> None:
+    """A revise note typed, then its field left without sending it: the page's refresh leaves it in place (README:
+    not while you type in a form); once the field is empty again, the page refreshes as before."""
+    from selenium.webdriver.common.by import By
+
+    _env, web = site
+    b = browser
+    b.get(web.url + "/login")  # type: ignore[attr-defined]
+    b.find_element(By.ID, "token").send_keys(web.token)  # type: ignore[attr-defined]
+    b.find_element(By.ID, "login").click()  # type: ignore[attr-defined]
+    wait_until(lambda: b.find_elements(By.ID, "count-review"), 15, "the overview after login")  # type: ignore[attr-defined]
+    b.get(web.url + "/jobs/REV-A")  # type: ignore[attr-defined]
+
+    def refreshed() -> str:
+        return str(b.find_element(By.ID, "main").get_attribute("data-refreshed") or "")  # type: ignore[attr-defined]
+
+    wait_until(refreshed, 15, "a first refresh")
+    note = b.find_element(By.CSS_SELECTOR, "form[action$='/revise'] input[name=note]")  # type: ignore[attr-defined]
+    note.send_keys("use the 2026 rates")
+    b.find_element(By.TAG_NAME, "h1").click()  # type: ignore[attr-defined]  # the field is left, its text unsent
+    before = refreshed()
+    time.sleep(7)  # two refresh periods and more
+    assert refreshed() == before
+    kept = b.find_element(By.CSS_SELECTOR, "form[action$='/revise'] input[name=note]")  # type: ignore[attr-defined]
+    assert kept.get_attribute("value") == "use the 2026 rates"
+    b.execute_script("arguments[0].value = ''", kept)  # type: ignore[attr-defined]
+    wait_until(lambda: refreshed() != before, 15, "a refresh once the note is gone")

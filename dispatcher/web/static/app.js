@@ -1,5 +1,5 @@
 // Refresh the page's <main> every few seconds (one request each time), unless the person is
-// typing in it or the tab is hidden. No library: nothing is loaded from outside the package.
+// typing in it, has typed in one of its fields without sending it, or the tab is hidden. No library: nothing is loaded from outside the package.
 (function () {
   "use strict";
   var main = document.getElementById("main");
@@ -8,7 +8,15 @@
   var busy = false;
   function typing() {
     var el = document.activeElement;
-    return el && main.contains(el) && (el.tagName === "INPUT" || el.tagName === "TEXTAREA" || el.tagName === "SELECT");
+    if (el && main.contains(el) && (el.tagName === "INPUT" || el.tagName === "TEXTAREA" || el.tagName === "SELECT")) {
+      return true;
+    }
+    // a note or reason typed and not sent yet, its field left: a refresh would wipe it
+    var fields = main.querySelectorAll("input[type=text], input:not([type]), textarea");
+    for (var i = 0; i < fields.length; i++) {
+      if (fields[i].value !== fields[i].defaultValue) { return true; }
+    }
+    return false;
   }
   function refresh() {
     if (busy || document.hidden || typing()) { return; }
