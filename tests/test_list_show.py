@@ -274,6 +274,20 @@ def test_show_explains_an_invalid_order_no_daemon_has_read_yet(env: Env) -> None
     assert "BAD-FROM  inbox" in text and "reason: not a valid order" in text, text
 
 
+def test_show_explains_a_queued_order_for_an_agent_the_config_lacks(env: Env) -> None:
+    """A queued order whose `to` names no agent of the config: `show` gives the reason it will be refused for, as
+    `validate` does (it showed a queued job with no reason); the same order for a known agent has none."""
+    (env.root / "inbox").mkdir(parents=True, exist_ok=True)
+    (env.root / "inbox" / "Q3.json").write_text(json.dumps(order("Q3", to="nobody")))
+    (env.root / "inbox" / "Q4.json").write_text(json.dumps(order("Q4")))
+    shown = json.loads(env.cli("show", "Q3", "--json", check=True).stdout)
+    assert shown["state"] == "inbox" and shown["reason"] == (
+        "not a valid order, refused when a daemon reads it: to: no agent 'nobody' is defined in the config"
+    ), shown
+    assert json.loads(env.cli("show", "Q4", "--json", check=True).stdout)["reason"] is None
+    assert "reason: not a valid order" in env.cli("show", "Q3", check=True).stdout
+
+
 def test_bidirectional_controls_are_shown_escaped_and_kept_in_json(env: Env) -> None:
     """A task holding U+202E: `show` and `list` print it escaped (it cannot reorder the line), `--json` keeps it."""
     (env.root / "inbox").mkdir(parents=True, exist_ok=True)

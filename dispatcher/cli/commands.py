@@ -228,7 +228,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     layout = Layout(cfg.root)
     ledger = open_reader(cfg, layout)
     try:
-        found = show_json(layout, ledger, args.job_id, cfg.max_order_bytes, whole_tree=args.tree)
+        found = show_json(layout, ledger, args.job_id, cfg.max_order_bytes, whole_tree=args.tree, agents=cfg.agents)
     finally:
         if ledger is not None:
             ledger.close()

@@ -8,6 +8,7 @@ following links (``JobFolder``, ``fsutil``).
 
 from __future__ import annotations
 
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -276,7 +277,13 @@ def chain(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1
 
 
 def show_json(
-    layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1 << 20, *, whole_tree: bool = False
+    layout: Layout,
+    ledger: Ledger | None,
+    job_id: str,
+    max_bytes: int = 1 << 20,
+    *,
+    whole_tree: bool = False,
+    agents: Container[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """Return (what `show --json` prints, the chain) for one job; None if unknown.
 
@@ -287,6 +294,12 @@ def show_json(
     info = chain(layout, ledger, job_id, max_bytes)
     if info is None:
         return None
+    job = info["job"]
+    agent = job.get("agent")
+    if agents is not None and job["state"] in ("inbox", "held") and job.get("reason") is None and agent not in agents:
+        # as the daemon reads it with this config: refused (an order's `to` must name a configured agent)
+        why = f"to: no agent '{agent}' is defined in the config"
+        job["reason"] = f"not a valid order, refused when a daemon reads it: {why}"
     root = (chain(layout, ledger, tree_root(info), max_bytes) or info) if whole_tree else info
     out = dict(info["job"])
     out["ancestors"] = info["ancestors"]

@@ -108,7 +108,14 @@ class Reader:
         if not JOB_ID.fullmatch(job_id) and not (refused and REFUSAL.fullmatch(job_id)):
             return None
         with self._lock:
-            found = show_json(self.layout, self._reader(), job_id, self.config.max_order_bytes, whole_tree=whole_tree)
+            found = show_json(
+                self.layout,
+                self._reader(),
+                job_id,
+                self.config.max_order_bytes,
+                whole_tree=whole_tree,
+                agents=self.config.agents,
+            )
         if found is not None:
             return found[0]
         rows = refusals_of(self.config, self.layout, job_id) if refused else []
