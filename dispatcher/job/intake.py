@@ -255,10 +255,11 @@ def claim(
         ]
     )
     written: list[tuple[int, Pick, str, Claimed, placing.Written]] = []
+    bases: dict[tuple[str, str], str | None] = {}  # (repository, base) -> its commit now: one git call a batch
     for (i, pick, stage, no_folder), answer in zip(staged, answers, strict=True):
         match answer:
             case Claimed():
-                pick = _with_base(pick)
+                pick = _with_base(pick, bases)
                 made = placing.write(layout, ledger, pick, stage, answer)
                 if isinstance(made, Skipped):
                     out[i] = made
@@ -314,12 +315,15 @@ def claim(
     return [o if o is not None else Skipped("") for o in out]
 
 
-def _with_base(pick: Pick) -> Pick:
+def _with_base(pick: Pick, bases: dict[tuple[str, str], str | None]) -> Pick:
     """Resolve a workspace's base to a commit now, at the claim (section 15); not ``base: parent`` (not known yet)."""
     conf = pick.agent.repo.workspace
     if conf is None or pick.item.order.body.get("base") == "parent":
         return pick
-    return replace(pick, base_commit=worktree.base_at_claim(conf.git, conf.base))
+    key = (conf.git, conf.base)
+    if key not in bases:
+        bases[key] = worktree.base_at_claim(conf.git, conf.base)
+    return replace(pick, base_commit=bases[key])
 
 
 def _cancel(finisher: Finisher, started: Started, name: str) -> Cancelled:
