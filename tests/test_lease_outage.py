@@ -92,3 +92,20 @@ def test_an_idle_daemon_fences_itself_within_the_lease_and_ends_its_agent(env: E
     assert not alive(pid) and ended_after < 2 * LEASE + 1, f"the agent ran on {ended_after:.1f} s"
     d.wait_event("lease.renewed", timeout=30)
     assert d.stop() == 0
+
+
+def test_a_job_a_clean_stop_interrupted_is_not_said_to_have_lost_its_host(env: Env, pg_db: str) -> None:
+    """A daemon on the PostgreSQL ledger stopped by SIGTERM past stop_timeout (its agent ended, the job left in
+    active/), then started again: the job fails as interrupted by a stop, not as a lost host's (its daemon's row
+    says it stopped cleanly)."""
+    env.configure({"long": hold_agent(env, 30)}, ledger=pg_db, lease=LEASE, stop_timeout=1, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(tiny_order("halted", to="long"))
+    d.wait_event("agent.started", job_id="halted")
+    assert d.stop() == 0
+    assert (env.root / "active" / "halted").is_dir()
+    d2 = env.daemon()
+    reason = env.wait_job("halted", "failed", timeout=60)["reason"]
+    assert "interrupted: by a stop or crash" in reason and "host was lost" not in reason, reason
+    assert d2.stop() == 0

@@ -144,7 +144,7 @@ class Housekeeping:
 
     async def _recover(self, *, startup: bool) -> None:
         left = frozenset(self.sched.left)
-        adopted, taken = await self.ctx.lanes.ledger(self._recover_in_lane, startup, left)
+        adopted, taken, lost = await self.ctx.lanes.ledger(self._recover_in_lane, startup, left)
         self.sched.left -= taken
         ends = []
         agents = {job_id: agent or None for job_id, _, agent in adopted}
@@ -154,13 +154,17 @@ class Housekeeping:
         await asyncio.gather(*ends)  # before any of these jobs is queued: none runs beside its orphan
         if startup:
             self.ctx.unrecovered.update(job_id for job_id, _, _ in adopted)  # READY=1 waits for their decisions
-        # this daemon's own jobs, stopped while its lease went unrenewed: it knows no other host ran them
-        self.sched.park_recovered([a for a in adopted if a[0] not in left], host_lost=self.shared)
-        self.sched.park_recovered([a for a in adopted if a[0] in left], host_lost=False)
+        # a host lost: a shared ledger's dead daemon that did not stop cleanly. Not this daemon's own jobs, stopped
+        # while its lease went unrenewed (it knows no other host ran them), nor those of a daemon that stopped
+        self.sched.park_recovered([a for a in adopted if a[0] in lost and a[0] not in left], host_lost=True)
+        self.sched.park_recovered([a for a in adopted if a[0] not in lost or a[0] in left], host_lost=False)
         await self.ctx.lanes.io(self.ctx.finisher.release_orphaned)
 
-    def _recover_in_lane(self, startup: bool, left: frozenset[str]) -> tuple[list[tuple[str, int, str]], set[str]]:
-        """Recovery's blocking steps (ledger lane); return the adopted jobs and the left ids taken back."""
+    def _recover_in_lane(
+        self, startup: bool, left: frozenset[str]
+    ) -> tuple[list[tuple[str, int, str]], set[str], set[str]]:
+        """Recovery's blocking steps (ledger lane); return the adopted jobs, the left ids taken back, and the jobs
+        whose host was lost (their daemon's lease ran out on a shared ledger; not one that stopped cleanly)."""
         layout, ledger = self.ctx.layout, self.ctx.ledger
         recovery.finish_staging(layout, ledger, ledger.alive)
         settle_reviews(layout, ledger)  # decided reviews land first: their follow-ups are released from done/
@@ -170,12 +174,14 @@ class Housekeeping:
             self.joins.sweep()  # the backstop of the Finisher's hook: a parent finished by a command, max_wait
         if startup:
             recovery.reconcile_active(layout, ledger)
-        out, taken = [], set()
-        for job_id, token in recovery.orphans(layout, ledger, ledger.alive, left):
+        out, taken, lost = [], set(), set()
+        for job_id, token, owner in recovery.orphans(layout, ledger, ledger.alive, left):
             taken.add(job_id)
             entry = ledger.get(job_id)
             out.append((job_id, token, (entry.agent if entry else None) or ""))
-        return out, taken
+            if self.shared and not (owner and ledger.stopped_cleanly(owner)):
+                lost.add(job_id)
+        return out, taken, lost
 
     async def rescan(self) -> None:
         """List inbox/ again (events are hints), restart a dead watch, find dead daemons' work."""

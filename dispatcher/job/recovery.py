@@ -127,8 +127,8 @@ def reconcile_active(layout: Layout, ledger: Ledger) -> None:
 
 def orphans(
     layout: Layout, ledger: Ledger, alive: Callable[[str], bool], left: frozenset[str] = frozenset()
-) -> list[tuple[str, int]]:
-    """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token).
+) -> list[tuple[str, int, str | None]]:
+    """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token, its dead owner).
 
     ``left`` are jobs of this very daemon that it stopped while fenced: they are
     taken back the same way once its lease is renewed.
@@ -155,7 +155,7 @@ def orphans(
         # loading it fails, and the job is failed with that reason (fail_damaged), never skipped
         token = ledger.adopt(job_id, entry.owner, entry.token)
         if token is not None:
-            out.append((job_id, token))
+            out.append((job_id, token, entry.owner))
     return out
 
 

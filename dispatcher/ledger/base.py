@@ -143,6 +143,13 @@ class Ledger(ABC):
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon known on this ledger, live or dead, newest first."""
 
+    def stopped_cleanly(self, owner: str) -> bool:
+        """Return True if the dead daemon ``owner`` ended by a clean stop (not declared lost with its host).
+
+        Only a ledger shared by hosts tells them apart; on one host a dead daemon was never a lost host.
+        """
+        return False
+
     @property
     def leases(self) -> Leases | None:
         """The engine's leases when a daemon's liveness is a lease; None when it is a local lock."""

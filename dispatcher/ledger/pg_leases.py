@@ -277,6 +277,13 @@ class Leases:
         self._live_seen.pop(owner, None)
         return False
 
+    def stopped_cleanly(self, owner: str) -> bool:
+        """True if ``owner``'s row says it ended by a clean stop ('stopped'), not declared lost."""
+        row = self.runner.run(
+            "stopped", lambda cur: cur.execute("SELECT ended FROM daemons WHERE owner = %s", (owner,)).fetchone()
+        )
+        return row is not None and row[0] == "stopped"
+
     def daemons(self) -> list[DaemonInfo]:
         """Every daemon that ever registered, newest first, alive by the database's clock."""
         rows = self.runner.run(

@@ -228,6 +228,10 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Return True while ``owner``'s lease runs (database clock) and it was not marked ended."""
         return self._leases.alive(owner)
 
+    def stopped_cleanly(self, owner: str) -> bool:
+        """Return True if ``owner`` marked itself stopped at a clean stop (its row's ``ended``), not lost."""
+        return self._leases.stopped_cleanly(owner)
+
     def daemons(self) -> list[DaemonInfo]:
         """Return every daemon that ever registered on this ledger, newest first."""
         return self._leases.daemons()
