@@ -340,6 +340,23 @@ def test_a_rejected_job_fails_and_its_follow_ups_never_run(env: Env) -> None:
     assert not (env.root / "done" / "CHILD-1").exists() and not list((env.root / "inbox").iterdir())
 
 
+def test_a_job_reusing_a_rejected_follow_ups_id_is_not_shown_as_its_child(env: Env) -> None:
+    """After a reject, its follow-up's id is free: a person's own order with that id runs, and `show --tree` of the
+    rejected job lists no child, while `show` of the new job names no parent (one story, not two)."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("REV-5"))
+    wait_until((env.root / "review" / "REV-5").exists, 30, "the job in review/")
+    assert decide(env, "reject", "REV-5").returncode == 0
+    env.drop(simple("CHILD-1", to="next"))
+    env.wait_job("CHILD-1", "done")
+    tree = json.loads(env.cli("show", "REV-5", "--tree", "--json", check=True).stdout)["tree"]
+    assert tree["job_id"] == "REV-5" and tree["children"] == [], tree
+    assert json.loads(env.cli("show", "CHILD-1", "--json", check=True).stdout)["parent"] is None
+    assert d.stop() == 0
+
+
 def test_cancel_of_a_job_in_review_exits_1_and_leaves_it_waiting(env: Env) -> None:
     """A job in review/ is neither queued nor running: `cancel` says to approve or reject it, exit 1."""
     reviewed(env)

@@ -268,7 +268,8 @@ def chain(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1
         if depth < _MAX_DEPTH:
             for cid in j.get("children", []):
                 c = find_job(layout, ledger, cid, max_bytes)
-                if c is not None and cid not in seen:
+                # a follow-up dropped with its parent (a reject) leaves its id free: a job reusing it is no child
+                if c is not None and cid not in seen and c.get("parent") == j["job_id"]:
                     seen.add(cid)
                     node["children"].append(tree(c, depth + 1))
         return node
