@@ -192,6 +192,16 @@ def test_a_follow_up_over_the_chain_budget_is_held_until_released(env: Env) -> N
     assert child["parent"] == "BIG-1" and child["chain_cost_usd"] == pytest.approx(1.1)
 
 
+def test_show_of_a_held_follow_up_gives_the_chain_cost_that_held_it(env: Env) -> None:
+    """A follow-up held by max_chain_cost_usd: `show` gives its chain's cost so far, the one budget.held reported,
+    not `-` (section 11: a chain of paid agents shows its cost)."""
+    d = held_follow_up(env, "BIG-4")
+    event = d.wait_event("budget.held", job_id="CHILD-1")
+    shown = json.loads(env.cli("show", "CHILD-1", "--json", check=True).stdout)
+    assert shown["state"] == "held" and shown["chain_cost_usd"] == pytest.approx(event["chain_cost_usd"]), shown
+    assert "chain cost: -" not in env.cli("show", "CHILD-1", check=True).stdout
+
+
 @pytest.mark.parametrize("how", [["cancel", "--tree", "BIG-2"], ["cancel", "CHILD-1"]])
 def test_a_follow_up_held_by_the_chain_budget_is_cancelled_at_once(env: Env, how: list[str]) -> None:
     """`cancel --tree` of its parent (or `cancel` of it) fails a held follow-up as cancelled; its agent never runs."""

@@ -88,8 +88,16 @@ def _queued(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int) 
             "file": str(order.path),
             "task": body.get("task"),
             "items": len(body.get("items") or ()),
+            # a follow-up not yet run: the chain's cost so far is its parent's (what held it, budget.held)
+            "chain_cost_usd": _parent_chain_cost(ledger, entry.parent if entry else None),
         }
     return _invalid_queued(layout, job_id, max_bytes)
+
+
+def _parent_chain_cost(ledger: Ledger | None, parent: str | None) -> float | None:
+    """Return the chain cost of a follow-up's parent (what a released or held follow-up's chain has cost so far)."""
+    found = ledger.get(parent) if ledger is not None and parent else None
+    return found.chain_cost_usd if found is not None else None
 
 
 def _invalid_queued(layout: Layout, job_id: str, max_bytes: int) -> dict[str, Any] | None:
