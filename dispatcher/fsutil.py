@@ -14,7 +14,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
@@ -291,6 +291,33 @@ def link_stays_inside(link: str, root: str) -> bool:
     real_root = os.path.realpath(root)
     resolved = os.path.realpath(link)
     return resolved == real_root or resolved.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def walk(root: str, skip: str | None = None) -> Iterator[tuple[str, os.stat_result]]:
+    """Yield every entry below root as (POSIX relative path, its lstat), links never followed.
+
+    Iterative (no recursion limit); a folder that cannot be listed, or an entry that
+    vanished, is passed over. ``skip``: a top-level name neither yielded nor entered.
+    """
+    stack = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
+        try:
+            it = os.scandir(folder)
+        except OSError:
+            continue
+        with it:
+            for de in it:
+                rel = prefix + de.name
+                if rel == skip:
+                    continue
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                yield rel, st
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append((de.path, rel + "/"))
 
 
 def kind_of(mode: int) -> str:

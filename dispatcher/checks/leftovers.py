@@ -18,6 +18,8 @@ import os
 import stat
 from collections.abc import Mapping
 
+from dispatcher import fsutil
+
 
 def stamp_of(st: os.stat_result) -> str:
     """Return a regular file's stamp: size, mtime and ctime (ns), inode."""
@@ -26,25 +28,7 @@ def stamp_of(st: os.stat_result) -> str:
 
 def stamps(work: str) -> dict[str, str]:
     """Return every regular file below work/ (POSIX relative path) with its stamp; links are not followed."""
-    out: dict[str, str] = {}
-    stack = [(work, "")]
-    while stack:
-        folder, prefix = stack.pop()
-        try:
-            it = os.scandir(folder)
-        except OSError:
-            continue
-        with it:
-            for de in it:
-                try:
-                    st = de.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    out[prefix + de.name] = stamp_of(st)
-                elif stat.S_ISDIR(st.st_mode):
-                    stack.append((de.path, f"{prefix}{de.name}/"))
-    return out
+    return {rel: stamp_of(st) for rel, st in fsutil.walk(work) if stat.S_ISREG(st.st_mode)}
 
 
 def left_by_checks(before: Mapping[str, str], after: Mapping[str, str], earlier: Mapping[str, str]) -> dict[str, str]:

@@ -18,6 +18,7 @@ import os
 import stat
 from collections.abc import Iterable
 
+from dispatcher import fsutil
 from dispatcher.fsutil import kind_of, link_stays_inside
 
 
@@ -40,24 +41,8 @@ def hazard(tree: str, changed: Iterable[str]) -> str | None:
 
 def _special(root: str) -> str | None:
     """Return the first FIFO, socket or device under root (its top-level ``.git`` aside), described."""
-    stack = [(root, "")]
-    while stack:
-        folder, prefix = stack.pop()
-        try:
-            it = os.scandir(folder)
-        except OSError:
-            continue
-        with it:
-            for de in it:
-                rel = prefix + de.name
-                if rel == ".git":
-                    continue
-                try:
-                    mode = de.stat(follow_symlinks=False).st_mode
-                except OSError:
-                    continue
-                if stat.S_ISDIR(mode):
-                    stack.append((de.path, rel + "/"))
-                elif not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                    return f"{rel} is a {kind_of(mode)}"
+    for rel, st in fsutil.walk(root, skip=".git"):
+        mode = st.st_mode
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            return f"{rel} is a {kind_of(mode)}"
     return None
