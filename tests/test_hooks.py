@@ -8,6 +8,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 from conftest import Env, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
 from helpers_faults import alive, count_events, env_daemon
@@ -224,6 +225,25 @@ def test_land_exactly_once_across_a_kill_between_done_and_landed(env: Env, tmp_p
     d3.stop()
     assert len(log.read_text().splitlines()) == 1
     assert count_events(d3, "job.landed") == 0
+
+
+@pytest.mark.parametrize("point", ["landing.ended", "landing.recorded"])
+def test_a_kill_after_the_land_hook_ended_keeps_its_one_record(env: Env, tmp_path: Path, point: str) -> None:
+    """Killed once the land hook ended, before its marker went: the restart keeps the one ok landing record,
+    lands nothing again and logs no land.failed."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=_land(log))})
+    env.drop(code_order("X3"))
+    d = env_daemon(env, {"DISPATCHER_FAULT": point})
+    assert d.wait() == -signal.SIGKILL
+    d2 = env.daemon()
+    d2.wait_ready()
+    d2.stop()
+    records = sorted((env.job_dir("X3", "done") / "land").glob("*.json"))
+    assert [json.loads(r.read_text())["ok"] for r in records] == [True]
+    assert count_events(d2, "land.failed") == 0 and len(log.read_text().splitlines()) == 1
+    assert list((env.root / ".state" / "landing").iterdir()) == []
 
 
 def test_a_land_cut_short_is_not_run_again_but_land_runs_it(env: Env, tmp_path: Path) -> None:

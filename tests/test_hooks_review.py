@@ -7,9 +7,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import Env, wait_until
 from git_helpers import code_order, coder, make_repo
-from helpers_faults import env_daemon
+from helpers_faults import count_events, env_daemon
 
 AFTER = 'echo "{job_id} {branch} {head} {result}" >> "$0"'
 
@@ -121,3 +122,24 @@ def test_an_after_hook_cut_short_after_approve_is_recorded_and_never_run_twice(e
     assert [(r["ok"], r["state"]) for r in records] == [(False, "done")]
     assert "interrupted" in records[0]["detail"] and not log.exists()
     assert len(_records(done)) == 1
+
+
+@pytest.mark.parametrize("point", ["after.ended", "after.recorded"])
+def test_a_kill_after_the_after_hook_ended_keeps_its_one_record(env: Env, tmp_path: Path, point: str) -> None:
+    """Killed once the approved job's after hook ended, before its marker went: the restart keeps the one
+    ok record (put in place if missing), runs nothing again and logs no hook.failed."""
+    log = _setup(env, tmp_path)
+    env.drop(code_order("AR5"))
+    d = env_daemon(env, {"DISPATCHER_FAULT": point})
+    _in_review(env, "AR5", 1)
+    env.cli("approve", "AR5", check=True)
+    assert d.wait() == -signal.SIGKILL
+    done = env.root / "done" / "AR5"
+    assert len(log.read_text().splitlines()) == 1
+    d2 = env.daemon()
+    d2.wait_ready()
+    records = _wait_records(done)
+    d2.stop()
+    assert [(r["hook"], r["ok"], r["state"]) for r in records] == [("after", True, "done")]
+    assert count_events(d2, "hook.failed") == 0 and len(log.read_text().splitlines()) == 1
+    assert list((env.root / ".state" / "after").iterdir()) == []

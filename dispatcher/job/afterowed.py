@@ -40,6 +40,7 @@ __all__ = [
     "Owed",
     "claim",
     "drop",
+    "finish",
     "look",
     "owe",
     "record",
@@ -50,11 +51,14 @@ __all__ = [
 
 log = structlog.get_logger("dispatcher")
 INTERRUPTED = "after hook interrupted by a stop or crash; it is not run again"
-MARKERS = owed.Markers("after", ready_in=frozenset({State.DONE, State.FAILED}), settled_in=frozenset())
+MARKERS = owed.Markers(
+    "after", ready_in=frozenset({State.DONE, State.FAILED}), settled_in=frozenset(), records=("hooks", "after-")
+)
 owe = MARKERS.owe
 drop = MARKERS.drop
 claim = MARKERS.claim
 settle = MARKERS.settle
+finish = MARKERS.finish
 look = MARKERS.look
 
 
@@ -102,7 +106,6 @@ async def run(layout: Layout, job_id: str, cfg: Config, io: Io) -> None:
     done, _values = await owed.run_hook(
         "after", hook, path, job_id, agent, result, cfg, io, log_dir=path / "hooks", worktree_first=True
     )
-    await io(record, path, {**done.to_json(), "state": state.value})
-    await io(settle, layout, job_id)
+    await io(finish, layout, job_id, path, {**done.to_json(), "state": state.value})
     if not done.ok:
         log.warning("hook.failed", hook="after", job_id=job_id, agent=agent.name, reason=done.why)

@@ -42,7 +42,9 @@ __all__ = [
 ]
 
 log = structlog.get_logger("dispatcher")
-MARKERS = owed.Markers("landing", ready_in=frozenset({State.DONE}), settled_in=frozenset({State.FAILED}))
+MARKERS = owed.Markers(
+    "landing", ready_in=frozenset({State.DONE}), settled_in=frozenset({State.FAILED}), records=("land", "")
+)
 owe = MARKERS.owe
 claim = MARKERS.claim
 settle = MARKERS.settle
@@ -80,8 +82,7 @@ async def land(layout: Layout, job_id: str, cfg: Config, io: Io, notify: Notify 
     run, values = await owed.run_hook(
         "land", hook, path, job_id, agent, result, cfg, io, log_dir=path / "land", worktree_first=False
     )
-    await io(record_run, path, "land", "", run.to_json())
-    await io(settle, layout, job_id)
+    await io(MARKERS.finish, layout, job_id, path, run.to_json())
     if run.ok:
         log.info("job.landed", job_id=job_id, agent=agent.name, head=values["head"] or None)
         return True

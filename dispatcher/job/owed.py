@@ -4,9 +4,10 @@ Two hooks use it: ``land`` after a job is done (``job/landing.py``) and the
 ``after`` hook of a job that waited in review/ (``job/afterowed.py``). The marker
 ``.state/<kind>/<job_id>`` is written durably before the job's finish is
 committed; a daemon renames it to ``<job_id>.running`` to run the hook (one rename
-wins), records the run in the job folder and drops the marker. A ``.running``
-marker found at start is a run a crash cut short: recorded as failed, never run
-again by itself.
+wins), writes the run's record into that marker, then into the job folder, and
+drops the marker. A ``.running`` marker found at start is a run a stop or crash
+cut short: an empty one is recorded as failed, never run again by itself; one
+holding its record was run to its end, and only its record is put in place (once).
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ class Owed:
 class Markers:
     """The markers of one owed hook, in ``.state/<kind>/``; every method blocks (call it in a lane)."""
 
-    def __init__(self, kind: str, *, ready_in: frozenset[State], settled_in: frozenset[State]) -> None:
+    def __init__(
+        self, kind: str, *, ready_in: frozenset[State], settled_in: frozenset[State], records: tuple[str, str]
+    ) -> None:
         self.kind = kind
+        self.records = records  # (sub-folder, file prefix) of the run records in a job folder
         self.ready_in = ready_in  # a job in these states runs its hook now
         self.settled_in = settled_in  # a job in these states owes nothing any more
 
@@ -81,6 +85,20 @@ class Markers:
         """Return True while a run of job_id's hook holds its marker (or a crash left it so)."""
         return (self.folder(layout) / f"{job_id}{RUNNING}").exists()
 
+    def finish(self, layout: Layout, job_id: str, path: Path, data: dict[str, Any]) -> None:
+        """Record the claimed run of job_id's hook in its job folder at path, then drop the marker.
+
+        The record goes into the ``.running`` marker first: a stop or crash before the marker
+        is dropped then leaves a run known to have ended, whose record is put in place once at
+        the next start, never a second record saying it was cut short.
+        """
+        body = fsutil.dump_json(data)
+        fsutil.write_atomic(self.folder(layout) / f"{job_id}{RUNNING}", body)
+        faults.point(f"{self.kind}.ended")
+        _put_record(path / self.records[0], self.records[1], body)
+        faults.point(f"{self.kind}.recorded")
+        self.settle(layout, job_id)
+
     def settle(self, layout: Layout, job_id: str) -> None:
         """Drop the marker of job_id (its record is written)."""
         folder = self.folder(layout)
@@ -103,7 +121,7 @@ class Markers:
             if name.startswith("."):  # a marker being written (``write_atomic``'s temp name): no job id starts so
                 continue
             if name.endswith(RUNNING):
-                if startup:
+                if startup and not self._ended(layout, name[: -len(RUNNING)]):
                     interrupted.append(name[: -len(RUNNING)])
                 continue
             found = layout.find(name)
@@ -113,15 +131,36 @@ class Markers:
                 self.settle(layout, name)
         return Owed(ready, interrupted)
 
+    def _ended(self, layout: Layout, job_id: str) -> bool:
+        """At start: True when job_id's ``.running`` marker holds the record of a run that ended,
+        which is then put in the job folder unless it is there already, and the marker dropped."""
+        try:
+            body = (self.folder(layout) / f"{job_id}{RUNNING}").read_bytes()
+        except FileNotFoundError:
+            return True  # another daemon settled it meanwhile
+        if not body:
+            return False
+        found = layout.find(job_id)
+        if found is not None:
+            _put_record(found[1] / self.records[0], self.records[1], body)
+        self.settle(layout, job_id)
+        return True
+
 
 def record_run(folder: Path, sub: str, prefix: str, data: dict[str, Any]) -> Path:
     """Write <sub>/<prefix><k>.json in a job folder, never over an earlier one (blocking)."""
-    out = folder / sub
+    return _put_record(folder / sub, prefix, fsutil.dump_json(data), always=True)
+
+
+def _put_record(out: Path, prefix: str, body: bytes, *, always: bool = False) -> Path:
+    """Write body as the next <prefix><k>.json in out; unless always, not when a record already holds it."""
     out.mkdir(exist_ok=True)
     k = 1
     while (out / f"{prefix}{k}.json").exists():
+        if not always and (out / f"{prefix}{k}.json").read_bytes() == body:
+            return out / f"{prefix}{k}.json"
         k += 1
-    fsutil.write_atomic(out / f"{prefix}{k}.json", fsutil.dump_json(data))
+    fsutil.write_atomic(out / f"{prefix}{k}.json", body)
     return out / f"{prefix}{k}.json"
 
 

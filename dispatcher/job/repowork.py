@@ -223,8 +223,7 @@ class JobRepo:
             await self.lanes.io(afterowed.running, self.layout, self.spec.job_id)  # a crash now is recorded
             run = await self._hook("after", after, job_path, cfg, job_path / "work")
             record = {**run.to_json(), "state": str(state)}
-            await self.lanes.io(landing.record_run, job_path, "hooks", "after-", record)
-            await self.lanes.io(afterowed.settle, self.layout, self.spec.job_id)
+            await self.lanes.io(afterowed.finish, self.layout, self.spec.job_id, job_path, record)
             if not run.ok:
                 log.warning("hook.failed", hook="after", reason=run.why)
         if self.ws is not None:
