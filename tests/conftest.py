@@ -8,6 +8,7 @@ patching time; waits poll folder state with a generous deadline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -238,7 +239,7 @@ class Daemon:
             stdout=self._fh,
             stderr=subprocess.STDOUT,
             cwd=self.env.tmp,
-            env=cli_env(),
+            env=cli_env() | {"PYTHONFAULTHANDLER": "1"},  # stacks on SIGABRT, for ``post_mortem``
         )
 
     def events(self) -> list[dict[str, Any]]:
@@ -260,7 +261,21 @@ class Daemon:
                     return e
             return None
 
-        return wait_until(seen, timeout, f"log event {event} {match}")
+        try:
+            return wait_until(seen, timeout, f"log event {event} {match}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.post_mortem()}") from None
+
+    def post_mortem(self) -> str:
+        """Return the end of the daemon's output; a daemon still running first dumps its threads' stacks
+        (SIGABRT, with PYTHONFAULTHANDLER set), so that a test that timed out says where it hung."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        lines = self.out.read_text(errors="replace").splitlines()
+        return f"daemon exit code {self.proc.poll()}; its last output lines:\n" + "\n".join(lines[-60:])
 
     def wait_ready(self) -> None:
         self.wait_event("daemon.ready")
