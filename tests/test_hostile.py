@@ -496,6 +496,32 @@ def test_10_a_lost_wal_after_kill_still_recovers_the_active_job(env: Env) -> Non
     assert any(e.get("event") == "ledger.repaired" and e.get("job_id") == "WAL-1" for e in d.events())
 
 
+def test_10b_a_done_job_whose_row_was_lost_is_refused_again_and_its_row_repaired(env: Env) -> None:
+    """(10b) kill -9, then the WAL lost with a done job's rows: the same id dropped again is refused (never run
+    twice), and ``ledger.repaired`` names the job's agent, as lines about a job do (section 8)."""
+    env.configure(agents={"quick": sleeper(env, 0)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("WAL-A", to="quick"))
+    env.wait_job("WAL-A", "done")
+    db = sqlite3.connect(env.root / ".state" / "ledger.sqlite3")
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # WAL-B's rows will be in the WAL only
+    db.close()
+    env.drop(plain("WAL-B", to="quick"))
+    env.wait_job("WAL-B", "done")
+    d.kill()
+    (env.root / ".state" / "ledger.sqlite3-wal").unlink(missing_ok=True)
+    (env.root / ".state" / "ledger.sqlite3-shm").unlink(missing_ok=True)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(plain("WAL-B", to="quick"), name="again.json")
+    refused = env.wait_refused("again")
+    repaired = d.wait_event("ledger.repaired", job_id="WAL-B")
+    d.stop()
+    assert "WAL-B" in refused["reason"] and starts(env, "WAL-B") == 1
+    assert (repaired["agent"], repaired["state"]) == ("quick", "done")
+
+
 def _write(env: Env, body: dict[str, Any], name: str | None = None) -> Path:
     path = env.tmp / (name or f"{body['job_id']}.json")
     path.write_text(json.dumps(body))

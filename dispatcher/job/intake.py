@@ -209,7 +209,7 @@ def claim(
             continue
         if found is not None and ledger.get(item.order.job_id) is None:
             # a job folder the ledger does not know (a lost ledger): put its row back, never run it again
-            _repair_row(ledger, item.order.job_id, found[0])
+            _repair_row(ledger, item.order.job_id, *found)
             out[i] = _refuse(layout, owner, item, found[0].value, on_refused)
             continue
         after = item.order.after
@@ -358,10 +358,16 @@ def _fsync_dir(folder: str) -> None:
         delay *= 2
 
 
-def _repair_row(ledger: Ledger, job_id: str, state: State) -> None:
+def _repair_row(ledger: Ledger, job_id: str, state: State, folder: Path) -> None:
     row = state_to_row(state)
-    ledger.load_rows([Entry(job_id, row, None, None, 1, None, None, None, 0, None, None, time.time())])
-    log.warning("ledger.repaired", job_id=job_id, state=row.value, reason="a job folder without a ledger row")
+    try:  # the agent of the job that ran, for the row and the line (a torn job.json: none)
+        agent: str | None = JobFolder(folder).spec().agent.name
+    except (ValueError, OSError):
+        agent = None
+    ledger.load_rows([Entry(job_id, row, agent, None, 1, None, None, None, 0, None, None, time.time())])
+    log.warning(
+        "ledger.repaired", job_id=job_id, agent=agent, state=row.value, reason="a job folder without a ledger row"
+    )
 
 
 def _refuse(
