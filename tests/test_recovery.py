@@ -339,6 +339,23 @@ def test_kill9_orphan_of_not_retry_safe_job_fails_without_rerun(env: Env) -> Non
     assert d2.stop() == 0
 
 
+def test_job_recovered_counts_the_attempt_a_kill_cut_short(env: Env) -> None:
+    """kill -9 during attempt 1 (not retry-safe): ``job.recovered`` says 1 attempt, as ``job.failed`` and
+    result.json then do (it said 0: the cut attempt had no record yet)."""
+    env.configure(agents={"worker": env.agent("--sleep", "30")}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("ORPH-4"))
+    wait_start(env, "ORPH-4")
+    d.kill()
+    d2 = env.daemon()
+    result = env.wait_job("ORPH-4", "failed", timeout=25)
+    recovered = d2.wait_event("job.recovered", job_id="ORPH-4")
+    failed = d2.wait_event("job.failed", job_id="ORPH-4")
+    assert d2.stop() == 0
+    assert recovered["attempts"] == failed["attempts"] == len(result["attempts"]) == 1
+
+
 # Says a line on stdout and one on stderr, then runs the fake agent.
 TALK_FIRST = f"""import os, sys
 print("said on stdout", flush=True)

@@ -194,8 +194,9 @@ class Job(Finishing, Deciding):
     # -- recovery ---------------------------------------------------------------------------
     async def _recover(self) -> Outcome | None:
         """Pick up a job whose daemon died: end its agent, then let the evidence decide."""
-        log.info("job.recovered", attempts=len(self.attempts))
         numbers = self.folder.attempt_numbers()
+        # one attempt a folder (a cut one has no record yet; attempts/0/ is a retry's kept result)
+        log.info("job.recovered", attempts=sum(1 for k in numbers if k))
         if not numbers:
             return None
         n = numbers[-1]  # its agent's group was ended before the job was queued (``Housekeeping.recover``)
