@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 from conftest import Env, wait_until
 from helpers_faults import alive, hold_agent, tiny_order
@@ -109,3 +110,21 @@ def test_a_job_a_clean_stop_interrupted_is_not_said_to_have_lost_its_host(env: E
     reason = env.wait_job("halted", "failed", timeout=60)["reason"]
     assert "interrupted: by a stop or crash" in reason and "host was lost" not in reason, reason
     assert d2.stop() == 0
+
+
+def test_a_daemon_declared_lost_says_daemon_stopping_once_and_why(env: Env, pg_db: str) -> None:
+    """Another daemon's reaper marks this one lost: it stops for good with one ``daemon.stopping`` line, an error
+    saying why (it logged a second one, as if a SIGTERM had come), and ends its running agent."""
+    env.configure({"long": hold_agent(env, 60)}, ledger=pg_db, lease=LEASE, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(tiny_order("held", to="long"))
+    d.wait_event("agent.started", job_id="held")
+    owner = d.wait_event("daemon.started")["owner"]
+    with psycopg.connect(pg_db, autocommit=True) as conn:  # what a reaper on another host writes
+        conn.execute("UPDATE daemons SET ended = 'lost', ended_at = now() WHERE owner = %s", (owner,))
+    d.wait(30)
+    stopping = [e for e in d.events() if e.get("event") == "daemon.stopping"]
+    assert len(stopping) == 1, stopping
+    assert stopping[0]["level"] == "error" and "declared lost" in stopping[0]["reason"]
+    assert "signal" not in stopping[0]

@@ -390,7 +390,7 @@ class Daemon(Reloading, Fencing):
         self._signals.append(signum)
         self.wakeup()
 
-    def _signal(self, signum: int) -> None:
+    def _signal(self, signum: int, reason: str | None = None) -> None:
         if signum == signal.SIGHUP:
             self.reload()
             return
@@ -401,10 +401,12 @@ class Daemon(Reloading, Fencing):
             return
         self.stopping = True
         self.notifier.stopping()
-        log.info(
-            "daemon.stopping", signal=signal.Signals(signum).name, running=len(self.sched.running),
-            stop_timeout=self.config.stop_timeout_s,
-        )  # fmt: skip
+        running, stop_timeout = len(self.sched.running), self.config.stop_timeout_s
+        if reason is not None:  # its own stop (declared lost): one line, an error, saying why and no signal
+            log.error("daemon.stopping", reason=reason, running=running, stop_timeout=stop_timeout)
+        else:
+            name = signal.Signals(signum).name
+            log.info("daemon.stopping", signal=name, running=running, stop_timeout=stop_timeout)
         self.stop_deadline = time.monotonic() + self.config.stop_timeout_s
         self.sched.abort_all(Stop.STOPPED, only_waiting=True)
 

@@ -37,16 +37,15 @@ class Fencing(abc.ABC):
     loop: asyncio.AbstractEventLoop
 
     @abc.abstractmethod
-    def _signal(self, signum: int) -> None:
-        """Act on a signal as its handler would (here: SIGTERM, a stop)."""
+    def _signal(self, signum: int, reason: str | None = None) -> None:
+        """Act on a signal as its handler would (here: SIGTERM, a stop); ``reason``: a stop of its own, said so."""
 
     def _fence(self) -> bool:
         """Keep the lease's rules: fenced, end every agent and claim nothing; lost, stop for good."""
         assert self.lease is not None  # noqa: S101
         if self.lease.lost and not self.stopping:
-            log.error("daemon.stopping", reason="this daemon was declared lost by another; it stops")
             self.lost = True
-            self._signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM, reason="this daemon was declared lost by another; it stops")
             self.sched.abort_all(Stop.STOPPED, mute=True)
             return True
         if self.lease.fenced:
