@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import Env, wait_until
 from git_helpers import code_order, coder, make_repo
-from helpers_faults import count_events, env_daemon
+from helpers_faults import alive, count_events, env_daemon
 
 AFTER = 'echo "{job_id} {branch} {head} {result}" >> "$0"'
 
@@ -143,3 +144,48 @@ def test_a_kill_after_the_after_hook_ended_keeps_its_one_record(env: Env, tmp_pa
     assert [(r["hook"], r["ok"], r["state"]) for r in records] == [("after", True, "done")]
     assert count_events(d2, "hook.failed") == 0 and len(log.read_text().splitlines()) == 1
     assert list((env.root / ".state" / "after").iterdir()) == []
+
+
+def _stop_during_the_after_hook(env: Env, tmp_path: Path, sleep: float, **settings: Any) -> tuple[Path, int, float]:
+    """Approve a reviewed job whose after hook sleeps, stop the daemon while it runs; return the hook's log,
+    the daemon's exit code and how long the stop took."""
+    repo = make_repo(tmp_path / "shop")
+    log, started = tmp_path / "after.txt", tmp_path / "started"
+    hook = ["sh", "-c", f'echo $$ > "$1"; sleep {sleep}; echo ran >> "$0"', str(log), str(started)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=hook, review=True)}, **settings)
+    env.drop(code_order("AS1"))
+    d = env.daemon()
+    _in_review(env, "AS1", 1)
+    env.cli("approve", "AS1", check=True)
+    wait_until(lambda: started.exists() and started.read_text().strip(), 30, "the after hook's start")
+    sent = time.monotonic()
+    code = d.stop()
+    return log, code, time.monotonic() - sent
+
+
+def test_a_stop_lets_an_approved_jobs_after_hook_finish(env: Env, tmp_path: Path) -> None:
+    """SIGTERM while the after hook of an approved job runs: the stop waits for it as for an agent (section 9), so
+    it runs to its end and is recorded ok; the next start finds nothing cut short (it was left running, cut off,
+    and recorded as interrupted at the next start)."""
+    log, code, took = _stop_during_the_after_hook(env, tmp_path, 2, stop_timeout=30)
+    assert code == 0 and log.read_text() == "ran\n" and took >= 1.0
+    d2 = env.daemon()
+    d2.wait_ready()
+    d2.stop()
+    records = _records(env.root / "done" / "AS1")
+    assert [(r["ok"], r["state"]) for r in records] == [(True, "done")]
+    assert count_events(d2, "hook.failed") == 0 and count_events(d2, "hook.orphan_ended") == 0
+
+
+def test_a_stop_ends_an_after_hook_that_outlasts_stop_timeout(env: Env, tmp_path: Path) -> None:
+    """An after hook still running at the stop's deadline is ended with its group, as an agent is, and recorded as
+    failed by this daemon: no process is left behind for the next start to find."""
+    log, code, took = _stop_during_the_after_hook(env, tmp_path, 60, stop_timeout=2, kill_grace=1)
+    pid = int((tmp_path / "started").read_text())
+    assert code == 0 and took < 2 + 1 + 5 and not alive(pid) and not log.exists()
+    records = _records(env.root / "done" / "AS1")
+    assert [(r["ok"], r["state"]) for r in records] == [(False, "done")]
+    d2 = env.daemon()
+    d2.wait_ready()
+    d2.stop()
+    assert count_events(d2, "hook.orphan_ended") == 0 and len(_records(env.root / "done" / "AS1")) == 1

@@ -255,8 +255,8 @@ class Daemon(Reloading, Fencing):
         return self.stopping and (deadline is None or time.monotonic() >= deadline - GIVE_UP_EARLY_S)
 
     def should_exit(self) -> bool:
-        if self.stopping:
-            return not (self.sched.running or self.sched.inflight)
+        if self.stopping:  # an owed after or land hook runs like an agent: until the stop's deadline
+            return not (self.sched.running or self.sched.inflight or self.house.hooks_busy)
         if self.once:
             # `run --once` leaves them, as orders due later: unread orders, and claimed jobs (a retry, a
             # revision, a recovered job) set aside in active/ for a pause or a gate beyond max_limit_wait

@@ -92,6 +92,7 @@ class Housekeeping:
         self.wake = wake
         self.shared = shared  # a ledger with leases: a dead daemon's jobs were lost with their host
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._hooks: set[asyncio.Task[Any]] = set()  # the "land" tasks: owed after and land hooks run there
         self._checking = False
         self._settle_due: float | None = None
         self._metrics_due = 0.0
@@ -107,11 +108,19 @@ class Housekeeping:
     def busy(self) -> bool:
         return bool(self._tasks)
 
+    @property
+    def hooks_busy(self) -> bool:
+        """True while an owed after or land hook may run: a stop waits for it as for an agent (section 9)."""
+        return bool(self._hooks)
+
     def start(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run a housekeeping coroutine as the named task (errors are logged, never fatal)."""
         task = asyncio.get_running_loop().create_task(self._guard(coro), name=f"housekeeping.{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if name == "land":
+            self._hooks.add(task)
+            task.add_done_callback(self._hooks.discard)
 
     async def _guard(self, coro: Coroutine[Any, Any, Any]) -> None:
         try:
@@ -126,10 +135,11 @@ class Housekeeping:
             task = asyncio.current_task()
             if task is not None:
                 self._tasks.discard(task)  # not busy any more before the loop wakes to ask
+                self._hooks.discard(task)
             self.wake()
 
     async def close(self) -> None:
-        """Wait for housekeeping in flight (cancelled when the stop is forced)."""
+        """End housekeeping in flight (the hooks' tasks ended first: the stop waited for them until its deadline)."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -195,7 +205,13 @@ class Housekeeping:
             ctx = self.ctx  # land approved jobs (section 15), in the background: a hook may take minutes
             self.start(
                 repowork.housekeep(
-                    ctx.layout, ctx.lanes, ctx.config(), ctx.finisher.notify, startup=False, busy=self.sched.running
+                    ctx.layout,
+                    ctx.lanes,
+                    ctx.config(),
+                    ctx.finisher.notify,
+                    startup=False,
+                    busy=self.sched.running,
+                    stopping=self.ctx.stopping,
                 ),
                 "land",
             )
@@ -273,7 +289,13 @@ class Housekeeping:
         if not self.ctx.stopping() and decided:
             self.start(  # a decided review: its after hook and landing are owed now, not at the next rescan
                 repowork.housekeep(
-                    layout, lanes, self.ctx.config(), self.ctx.finisher.notify, startup=False, busy=self.sched.running
+                    layout,
+                    lanes,
+                    self.ctx.config(),
+                    self.ctx.finisher.notify,
+                    startup=False,
+                    busy=self.sched.running,
+                    stopping=self.ctx.stopping,
                 ),
                 "land",
             )

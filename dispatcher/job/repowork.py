@@ -328,9 +328,13 @@ async def housekeep(
     *,
     startup: bool,
     busy: Container[str] = (),
+    stopping: Callable[[], bool] = lambda: False,
 ) -> None:
     """Tidy after a crash (at start) and run what is owed: the after hooks of decided reviews, then
     landings (approved jobs, landings a crash postponed).
+
+    Once ``stopping`` says a stop began, no further owed hook is taken (the next start runs it);
+    one that runs goes on until the stop's deadline, as an agent does.
 
     At start, each configured repository's worktrees are pruned (the locked ones are
     named in one line: they must be unlocked on purpose), worktrees of jobs no longer
@@ -361,6 +365,8 @@ async def housekeep(
     for job_id in afters.ready:
         if job_id in busy:  # its Job runs it itself (a revised review that ended again)
             continue
+        if stopping():
+            return
         if await lanes.io(afterowed.claim, layout, job_id):
             try:
                 await afterowed.run(layout, job_id, cfg, lanes.io)
@@ -383,6 +389,8 @@ async def housekeep(
     for job_id in owed.ready:
         if job_id in busy:  # its Job lands it itself, after its after hook and the worktree's removal
             continue
+        if stopping():
+            return
         if await lanes.io(landing.claim, layout, job_id):
             await landing.land(layout, job_id, cfg, lanes.io, notify)
 
