@@ -459,3 +459,29 @@ def test_a_rescan_during_the_after_hook_does_not_land_before_the_worktree_is_gon
     assert order_of.read_text().split() == ["after", "land"]
     assert count_events(d, "land.failed") == 0
     d.stop()
+
+
+@pytest.mark.parametrize("kind", ["after", "land"])
+def test_a_daemon_starting_beside_a_running_hook_leaves_it_alone(env: Env, tmp_path: Path, kind: str) -> None:
+    """A second daemon started on the root while the first runs a done job's after (or land) hook: it neither
+    ends that hook as a dead daemon's leftover nor records it as interrupted; the hook runs once, recorded ok."""
+    repo = make_repo(tmp_path / "shop")
+    log, started = tmp_path / "hook.txt", tmp_path / "hook.started"
+    hook = ["sh", "-c", 'echo $$ > "$1"; sleep 4; echo ran >> "$0"', str(log), str(started)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", **{kind: hook})})
+    env.drop(code_order("B1"))
+    first = env.daemon()
+    wait_until(lambda: started.exists() and started.read_text().strip(), 60, f"the {kind} hook's start")
+    pid = int(started.read_text())
+    second = env.daemon()
+    second.wait_ready()
+    assert alive(pid), f"the second daemon ended the first one's {kind} hook"
+    wait_until(lambda: log.exists(), 30, f"the {kind} hook's end")
+    wait_until(lambda: not list((env.root / ".state" / ("after" if kind == "after" else "landing")).iterdir()), 30)
+    second.stop()
+    first.stop()
+    records = sorted((env.job_dir("B1", "done") / ("hooks" if kind == "after" else "land")).glob("*.json"))
+    assert [json.loads(r.read_text())["ok"] for r in records] == [True] and log.read_text() == "ran\n"
+    for d in (first, second):
+        assert count_events(d, "hook.orphan_ended") == count_events(d, "hook.failed") == 0
+        assert count_events(d, "land.failed") == 0

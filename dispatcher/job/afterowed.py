@@ -25,7 +25,6 @@ from typing import Any
 
 import structlog
 
-from dispatcher import fsutil
 from dispatcher.clock import iso
 from dispatcher.job import owed
 from dispatcher.job.owed import RUNNING, Io, Owed, record_run
@@ -65,12 +64,10 @@ look = MARKERS.look
 def running(layout: Layout, job_id: str) -> None:
     """Mark durably that a final job's own after hook runs now (blocking): a crash meanwhile is recorded as such.
 
-    The marker is made as a claimed one (``<job_id>.running``): a rescan never runs it, and the next
-    start records the run as interrupted. ``settle`` drops it once the run is recorded.
+    The marker is made as a claimed one (``<job_id>.running``, locked): a rescan never runs it, and
+    the next start records the run as interrupted. ``settle`` drops it once the run is recorded.
     """
-    folder = MARKERS.folder(layout)
-    fsutil.make_dirs(folder)
-    fsutil.write_atomic(folder / f"{job_id}{RUNNING}", b"")
+    MARKERS.start(layout, job_id)
 
 
 def record(folder: Path, data: dict[str, Any]) -> None:

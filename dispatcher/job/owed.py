@@ -5,15 +5,20 @@ Two hooks use it: ``land`` after a job is done (``job/landing.py``) and the
 ``.state/<kind>/<job_id>`` is written durably before the job's finish is
 committed; a daemon renames it to ``<job_id>.running`` to run the hook (one rename
 wins), writes the run's record into that marker, then into the job folder, and
-drops the marker. A ``.running`` marker found at start is a run a stop or crash
-cut short: an empty one is recorded as failed, never run again by itself; one
-holding its record was run to its end, and only its record is put in place (once).
+drops the marker. The process that runs a hook holds an exclusive ``flock`` on its
+``.running`` marker from before the rename until the marker is gone, so a daemon
+that starts on the same root meanwhile leaves it alone. An unlocked ``.running``
+marker found at start is a run a stop or crash cut short: an empty one is recorded
+as failed, never run again by itself; one holding its record was run to its end,
+and only its record is put in place (once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +55,8 @@ class Markers:
         self.records = records  # (sub-folder, file prefix) of the run records in a job folder
         self.ready_in = ready_in  # a job in these states runs its hook now
         self.settled_in = settled_in  # a job in these states owes nothing any more
+        self._held: dict[str, int] = {}  # job id -> the locked descriptor of its ``.running`` marker
+        self._lock = threading.Lock()
 
     def folder(self, layout: Layout) -> Path:
         """Return the folder of the markers."""
@@ -72,18 +79,49 @@ class Markers:
         fsutil.fsync_dir(folder)
 
     def claim(self, layout: Layout, job_id: str) -> bool:
-        """Take the owed hook of job_id (one rename wins); False when it is not owed or another run holds it."""
+        """Take the owed hook of job_id (one rename wins); False when it is not owed or another run holds it.
+
+        The marker is locked before it is renamed, and stays locked until ``settle``.
+        """
         folder = self.folder(layout)
+        path = folder / job_id
         try:
-            os.rename(folder / job_id, folder / f"{job_id}{RUNNING}")
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino != os.lstat(path).st_ino:  # renamed away (and owed again) meanwhile
+                raise FileNotFoundError(path)
+            os.rename(path, folder / f"{job_id}{RUNNING}")
+        except (BlockingIOError, FileNotFoundError):
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._hold(job_id, fd)
         fsutil.fsync_dir(folder)
         return True
 
-    def running(self, layout: Layout, job_id: str) -> bool:
-        """Return True while a run of job_id's hook holds its marker (or a crash left it so)."""
-        return (self.folder(layout) / f"{job_id}{RUNNING}").exists()
+    def start(self, layout: Layout, job_id: str) -> None:
+        """Mark durably that a final job's own hook runs now (no claim: nothing was owed), locked as a claim's."""
+        folder = self.folder(layout)
+        fsutil.make_dirs(folder)
+        self._hold(job_id, _write_locked(folder / f"{job_id}{RUNNING}", b""))
+
+    def _hold(self, job_id: str, fd: int) -> None:
+        with self._lock:
+            old = self._held.pop(job_id, None)
+            self._held[job_id] = fd
+        if old is not None:
+            os.close(old)
+
+    def _release(self, job_id: str) -> None:
+        with self._lock:
+            fd = self._held.pop(job_id, None)
+        if fd is not None:
+            os.close(fd)
 
     def finish(self, layout: Layout, job_id: str, path: Path, data: dict[str, Any]) -> None:
         """Record the claimed run of job_id's hook in its job folder at path, then drop the marker.
@@ -93,24 +131,28 @@ class Markers:
         the next start, never a second record saying it was cut short.
         """
         body = fsutil.dump_json(data)
-        fsutil.write_atomic(self.folder(layout) / f"{job_id}{RUNNING}", body)
+        self._hold(job_id, _write_locked(self.folder(layout) / f"{job_id}{RUNNING}", body))
         faults.point(f"{self.kind}.ended")
         _put_record(path / self.records[0], self.records[1], body)
         faults.point(f"{self.kind}.recorded")
         self.settle(layout, job_id)
 
     def settle(self, layout: Layout, job_id: str) -> None:
-        """Drop the marker of job_id (its record is written)."""
+        """Drop the marker of job_id (its record is written), then its lock."""
         folder = self.folder(layout)
-        for name in (job_id, f"{job_id}{RUNNING}"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(folder / name)
-        fsutil.fsync_dir(folder)
+        try:
+            for name in (job_id, f"{job_id}{RUNNING}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(folder / name)
+            fsutil.fsync_dir(folder)
+        finally:
+            self._release(job_id)
 
     def look(self, layout: Layout, *, startup: bool) -> Owed:
         """Sort the markers: jobs in ``ready_in`` run now, gone or settled ones owe nothing, others wait.
 
-        At start, a ``.running`` marker is a run a crash cut short: it is not run again.
+        At start, an unlocked ``.running`` marker is a run a crash cut short: it is not run again
+        (a locked one runs now, in another daemon on this root or a `dispatcher land`).
         """
         try:
             names = sorted(os.listdir(self.folder(layout)))
@@ -132,19 +174,61 @@ class Markers:
         return Owed(ready, interrupted)
 
     def _ended(self, layout: Layout, job_id: str) -> bool:
-        """At start: True when job_id's ``.running`` marker holds the record of a run that ended,
-        which is then put in the job folder unless it is there already, and the marker dropped."""
+        """At start: False when job_id's ``.running`` marker is a run cut short (unlocked and empty).
+
+        True when another process runs it now (the marker is locked), or when the marker holds the
+        record of a run that ended: that record is then put in the job folder unless it is there
+        already, and the marker dropped.
+        """
+        path = self.folder(layout) / f"{job_id}{RUNNING}"
         try:
-            body = (self.folder(layout) / f"{job_id}{RUNNING}").read_bytes()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return True  # another daemon settled it meanwhile
-        if not body:
-            return False
-        found = layout.find(job_id)
-        if found is not None:
-            _put_record(found[1] / self.records[0], self.records[1], body)
-        self.settle(layout, job_id)
-        return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return True  # its run goes on in a live process
+        try:
+            body = _read_all(fd)
+            if not body:
+                return False
+            found = layout.find(job_id)
+            if found is not None:
+                _put_record(found[1] / self.records[0], self.records[1], body)
+            self.settle(layout, job_id)
+            return True
+        finally:
+            os.close(fd)  # held until the marker is gone: a daemon starting beside this one waits its turn
+
+
+def _write_locked(path: Path, body: bytes) -> int:
+    """Write body to path through a temporary file locked (``flock``) before its rename; return the locked fd.
+
+    The file and its folder are fsynced, as ``fsutil.write_atomic`` does.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a file of its own: no one else holds it
+        view = memoryview(body)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    fsutil.fsync_dir(path.parent)
+    return fd
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def record_run(folder: Path, sub: str, prefix: str, data: dict[str, Any]) -> Path:
