@@ -255,11 +255,20 @@ class Daemon:
     def wait_event(self, event: str, timeout: float = DEADLINE, **match: Any) -> dict[str, Any]:
         """Wait for a log line with this event (and these key values)."""
 
-        def seen() -> dict[str, Any] | None:
+        def found() -> dict[str, Any] | None:
             for e in self.events():
                 if e.get("event") == event and all(e.get(k) == v for k, v in match.items()):
                     return e
             return None
+
+        def seen() -> dict[str, Any] | None:
+            exited = self.proc is not None and self.proc.poll() is not None
+            line = found()  # after the exit check: once it exited, its output is whole
+            if line is None and exited:
+                raise AssertionError(
+                    f"the daemon exited without logging {event} {match}"
+                )  # the end of its output: below
+            return line
 
         try:
             return wait_until(seen, timeout, f"log event {event} {match}")

@@ -105,8 +105,12 @@ def open_ledger(
             f"{layout.root}: is on a network filesystem ({kind}); the SQLite ledger needs a local disk:"
             " use `ledger: postgresql://...` (and `watch: poll`) for a root shared between hosts"
         )
+    # job folders first, then the file: a daemon makes the ledger (and commits to it) before any job folder, so
+    # folders seen before the file was found missing mean it was lost, while folders seen after may be those of
+    # another daemon that made the ledger meanwhile (three daemons starting together on a fresh root)
+    jobs = has_jobs(layout)
     missing = not path.exists() or os.path.getsize(path) == 0
-    if missing and has_jobs(layout):
+    if missing and jobs:
         raise LedgerLost(f"{path}: the ledger is missing but job folders exist; {REBUILD_HINT}")
     if missing and (readonly or not create):
         raise LedgerLost(f"{path}: no ledger yet")
@@ -123,7 +127,8 @@ def open_ledger(
     # Claims are committed without an fsync: after a power cut a young ledger can hold no row while
     # active/ jobs exist. Their rows are put back at start (reconcile_active); only finished jobs
     # beside an empty ledger mean the ledger itself was lost.
-    if (missing and has_jobs(layout)) or (not missing and ledger.is_empty() and has_jobs(layout, finished=True)):
+    # (not "missing" as seen before the open: another daemon may have made the ledger and its first jobs since)
+    if ledger.is_empty() and has_jobs(layout, finished=True):
         ledger.close()
         raise LedgerLost(f"{path}: the ledger is empty but job folders exist; {REBUILD_HINT}")
     return ledger
