@@ -466,8 +466,10 @@ def test_a_daemon_starting_beside_a_running_hook_leaves_it_alone(env: Env, tmp_p
     """A second daemon started on the root while the first runs a done job's after (or land) hook: it neither
     ends that hook as a dead daemon's leftover nor records it as interrupted; the hook runs once, recorded ok."""
     repo = make_repo(tmp_path / "shop")
-    log, started = tmp_path / "hook.txt", tmp_path / "hook.started"
-    hook = ["sh", "-c", 'echo $$ > "$1"; sleep 4; echo ran >> "$0"', str(log), str(started)]
+    log, started, go = tmp_path / "hook.txt", tmp_path / "hook.started", tmp_path / "go"
+    # runs until the test says go (at most 60 s): the second daemon's start, however slow, falls within it
+    wait = 'i=0; while [ ! -e "$2" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'
+    hook = ["sh", "-c", f'echo $$ > "$1"; {wait}; echo ran >> "$0"', str(log), str(started), str(go)]
     env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", **{kind: hook})})
     env.drop(code_order("B1"))
     first = env.daemon()
@@ -476,6 +478,7 @@ def test_a_daemon_starting_beside_a_running_hook_leaves_it_alone(env: Env, tmp_p
     second = env.daemon()
     second.wait_ready()
     assert alive(pid), f"the second daemon ended the first one's {kind} hook"
+    go.touch()
     wait_until(lambda: log.exists(), 30, f"the {kind} hook's end")
     wait_until(lambda: not list((env.root / ".state" / ("after" if kind == "after" else "landing")).iterdir()), 30)
     second.stop()
