@@ -507,8 +507,8 @@ def test_retry_of_a_join_named_before_its_failed_parent_runs_both(env: Env) -> N
 
 def test_a_join_is_claimed_at_once_even_when_every_slot_is_busy(env: Env) -> None:
     """With max_jobs 1 taken by a long job, a merger order (YAML) is still claimed into waiting/ at once."""
-    agents = join_agents(env) | {"slow": env.agent("--sleep", "3")}
-    env.configure(agents, max_jobs=1, kill_grace=0.5)
+    agents = join_agents(env) | {"slow": env.agent("--sleep", "30")}  # busy for the whole test
+    env.configure(agents, max_jobs=1, kill_grace=0.5, stop_timeout=1)
     d = env.daemon()
     env.drop(order("long", to="slow"))
     wait_until(lambda: env.starts(), what="the long job running")

@@ -196,14 +196,15 @@ def test_priority_and_after_are_read_from_yaml_in_any_style(env: Env) -> None:
 def test_a_flow_style_yaml_order_naming_after_is_claimed_at_once_into_waiting(env: Env) -> None:
     """A flow-style YAML order with `after`, dropped while the only slot is busy: claimed at once into waiting/
     (section 16), as the same order in block style is; it runs once its parent is done."""
-    env.configure({"worker": env.agent("--sleep", "3", concurrency=1)}, max_jobs=1)
+    # BUSY runs 8 s: FJ's claim, at once, comes well within it even on a loaded machine
+    env.configure({"worker": env.agent("--sleep", "8", concurrency=1)}, max_jobs=1)
     d = env.daemon()
     d.wait_ready()
     env.drop(order("BUSY"))
     wait_until(lambda: (env.root / "active" / "BUSY").is_dir(), 30, "BUSY running")
     flow = "{job_id: FJ, from: t, to: worker, task: t, items: [{id: R1}], after: [BUSY]}\n"
     env.drop(flow, name="FJ.yaml")
-    wait_until(lambda: (env.root / "waiting" / "FJ").is_dir(), 2.5, "FJ in waiting/ while BUSY runs")
+    wait_until(lambda: (env.root / "waiting" / "FJ").is_dir(), 5, "FJ in waiting/ while BUSY runs")
     assert (env.root / "active" / "BUSY").is_dir()
     env.wait_job("FJ", "done")
     assert d.stop() == 0
