@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import Env, cli_env, order, wait_until
+from helpers_faults import env_daemon
 
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import ClaimRequest
@@ -316,3 +318,21 @@ def test_hold_and_release_of_a_released_followup_keep_the_ledger_in_step(env: En
     assert row() in (Row.RELEASED, Row.CLAIMED)
     assert (env.root / "inbox" / "FUP-B.json").exists() or (env.root / "active" / "FUP-B").exists()
     d.stop()
+
+
+def test_an_operators_line_read_by_a_daemon_killed_before_writing_it_is_written_at_the_next_start(env: Env) -> None:
+    """kill -9 after the daemon read a command's relayed line, before it wrote it: the next daemon writes it
+    (the file was removed as it was read, and the line was lost to the journal)."""
+    env.configure(agents={"worker": env.agent("--sleep", "30")}, max_jobs=1)
+    d = env_daemon(env, {"DISPATCHER_FAULT": "relay.read"})
+    d.wait_ready()
+    env.drop(order("BUSY"))
+    wait_until(lambda: ("BUSY", 1) in env.starts(), 30, "BUSY to start")
+    env.drop(order("Q2"))
+    env.cli("hold", "Q2", check=True)
+    assert d.wait(30) == -signal.SIGKILL
+    assert not [e for e in d.events() if e["event"] == "job.held"]
+    d2 = env.daemon()
+    d2.wait_event("job.held", job_id="Q2")
+    d2.stop()
+    assert [e["job_id"] for e in d2.events() if e["event"] == "job.held"] == ["Q2"]

@@ -5,16 +5,19 @@ events (``job.held``, ``job.approved`` ...) into ``log_file`` themselves. Under
 systemd the daemon's stdout is the journal, and the command's is the operator's
 terminal: so each line is also dropped, one file per line, into
 ``.state/control/`` as ``log-<ns>-<pid>-<n>``, written aside and renamed in whole.
-The daemon wakes on it, takes the file (reads and removes it) and writes the line on its
-stdout in its own format (never into ``log_file``, which has it already).
+The daemon wakes on it, reads the file, writes the line on its stdout in its own format
+(never into ``log_file``, which has it already), and only then removes the file: a stop
+or crash in between leaves it for the next start, never a line lost.
 A line dropped while no daemon runs is written by the next one to start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
+from pathlib import Path
 
 from dispatcher.layout import Layout
 
@@ -38,18 +41,36 @@ class Relay:
         os.rename(tmp, self.layout.control / name)
 
 
-def take_relayed(layout: Layout, names: list[str]) -> list[str]:
-    """Return the JSON lines of the relay files among hint names, oldest first, and remove those files.
+def read_relayed(layout: Layout, names: list[str]) -> tuple[list[str], list[Path]]:
+    """Return the JSON lines of the relay files among hint names, oldest first, and those files.
 
-    Taken once: a pass of the daemon that fails after this (a ledger gone) does not write
-    or count the same lines again at its next try. A file gone is skipped.
+    The files stay: ``drop_relayed`` removes them once their lines are written. A file gone is skipped.
     """
     out: list[str] = []
+    read: list[Path] = []
     for name in sorted(n for n in names if n.startswith(PREFIX)):
         path = layout.control / name
         try:
             out.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line)
-            os.unlink(path)
         except OSError:
             continue
-    return out
+        read.append(path)
+    return out, read
+
+
+def drop_relayed(paths: list[Path]) -> None:
+    """Remove relay files whose lines were written."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def take_relayed(layout: Layout, names: list[str]) -> list[str]:
+    """Return the JSON lines of the relay files among hint names, oldest first, and remove those files.
+
+    Taken once: a pass that fails after this (a ledger gone) does not write or count the
+    same lines again at its next try.
+    """
+    lines, paths = read_relayed(layout, names)
+    drop_relayed(paths)
+    return lines
