@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
-from dispatcher import faults, logs, procs
+from dispatcher import logs, procs
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.finished import FinishedCounts
 from dispatcher.job import recovery, repowork
@@ -37,7 +37,7 @@ from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.orphans import leftover_groups
 from dispatcher.store.queued import find_queued
-from dispatcher.store.relay import drop_relayed, read_relayed
+from dispatcher.store.relay import pass_on
 
 if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
@@ -239,15 +239,8 @@ class Housekeeping:
     async def _requests(self) -> None:
         lanes, ledger, layout = self.ctx.lanes, self.ctx.ledger, self.ctx.layout
         hints = await lanes.io(_hints, layout)
-        # a command's log lines: onto this stdout, then their files go (a stop or crash before: the next start)
-        lines, relayed = await lanes.io(read_relayed, layout, hints)
-        if lines:
-            faults.point("relay.read")
-        for line in lines:
-            logs.relay(line)
+        for line in await lanes.io(pass_on, layout, hints, logs.relay):  # a command's log lines: onto this stdout
             count_decision(self.ctx.metrics, self.ctx.finisher.finished, line)
-        if relayed:  # at once, before any ledger call: a pass that fails later does not write them twice
-            await lanes.io(drop_relayed, relayed)
         for job_id in await lanes.io(ledger.requests, Request.CANCEL):
             entry = await lanes.io(ledger.get, job_id)
             if entry is not None and entry.state == Row.WAITING and self.joins is not None:

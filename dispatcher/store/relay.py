@@ -6,8 +6,8 @@ systemd the daemon's stdout is the journal, and the command's is the operator's
 terminal: so each line is also dropped, one file per line, into
 ``.state/control/`` as ``log-<ns>-<pid>-<n>``, written aside and renamed in whole.
 The daemon wakes on it, reads the file, writes the line on its stdout in its own format
-(never into ``log_file``, which has it already), and only then removes the file: a stop
-or crash in between leaves it for the next start, never a line lost.
+(never into ``log_file``, which has it already), and only then removes the file
+(``pass_on``): a crash in between leaves it for the next start, never a line lost.
 A line dropped while no daemon runs is written by the next one to start.
 """
 
@@ -17,8 +17,9 @@ import contextlib
 import itertools
 import os
 import time
-from pathlib import Path
+from collections.abc import Callable
 
+from dispatcher import faults
 from dispatcher.layout import Layout
 
 PREFIX = "log-"
@@ -41,36 +42,33 @@ class Relay:
         os.rename(tmp, self.layout.control / name)
 
 
-def read_relayed(layout: Layout, names: list[str]) -> tuple[list[str], list[Path]]:
-    """Return the JSON lines of the relay files among hint names, oldest first, and those files.
+def pass_on(layout: Layout, names: list[str], write: Callable[[str], None]) -> list[str]:
+    """Write the lines of the relay files among hint names with ``write``, oldest first; return them.
 
-    The files stay: ``drop_relayed`` removes them once their lines are written. A file gone is skipped.
+    Each file is removed once its lines are written, in this one call (a daemon's worker
+    thread runs it to its end even when a stop cancels the pass that asked): a kill before
+    the write leaves the file for the next start, never a line lost. A file gone is skipped
+    (another daemon on the root wrote it).
     """
     out: list[str] = []
-    read: list[Path] = []
     for name in sorted(n for n in names if n.startswith(PREFIX)):
         path = layout.control / name
         try:
-            out.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line)
+            lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line]
         except OSError:
             continue
-        read.append(path)
-    return out, read
-
-
-def drop_relayed(paths: list[Path]) -> None:
-    """Remove relay files whose lines were written."""
-    for path in paths:
+        faults.point("relay.read")
+        for line in lines:
+            write(line)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+        out.extend(lines)
+    return out
 
 
 def take_relayed(layout: Layout, names: list[str]) -> list[str]:
     """Return the JSON lines of the relay files among hint names, oldest first, and remove those files.
 
-    Taken once: a pass that fails after this (a ledger gone) does not write or count the
-    same lines again at its next try.
+    Taken once, as by ``pass_on``, for a caller that writes them itself.
     """
-    lines, paths = read_relayed(layout, names)
-    drop_relayed(paths)
-    return lines
+    return pass_on(layout, names, lambda _line: None)
