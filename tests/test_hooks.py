@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Env, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
 from helpers_faults import alive, count_events, env_daemon
 
-from dispatcher.job import afterowed, landing
+from dispatcher.job import afterowed, landing, owed
 from dispatcher.layout import Layout
 
 LAND = 'echo "{job_id} {branch} {head} $(pwd)" >> "$0"'
@@ -488,3 +490,72 @@ def test_a_daemon_starting_beside_a_running_hook_leaves_it_alone(env: Env, tmp_p
     for d in (first, second):
         assert count_events(d, "hook.orphan_ended") == count_events(d, "hook.failed") == 0
         assert count_events(d, "land.failed") == 0
+
+
+def test_a_stop_ends_the_after_hook_of_a_job_cancelled_in_its_claim_at_stop_timeout(env: Env, tmp_path: Path) -> None:
+    """The after hook of a job failed without ever running (cancelled in its claim) runs like an agent: SIGTERM
+    while it sleeps 120 s ends it at stop_timeout (plus kill_grace), as for any job's hook. The stop waited for
+    the hook's own 300 s timeout."""
+    repo = make_repo(tmp_path / "shop")
+    started = tmp_path / "after.started"
+    hook = ["sh", "-c", 'echo $$ > "$0"; sleep 120', str(started)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=hook)
+    env.configure(agents={"coder": agent}, stop_timeout=2, kill_grace=1)
+    env.drop(code_order("C2"))
+    assert env.cli("cancel", "C2").returncode == 0  # no daemon yet: the claim's transaction meets the request
+    d = env.daemon()
+    wait_until(lambda: started.exists() and started.read_text().strip(), 30, "the after hook to start")
+    pid = int(started.read_text())
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(60) == 0
+    took = time.monotonic() - sent
+    assert took < 2 + 1 + 5, f"the stop took {took:.1f} s with stop_timeout 2 and kill_grace 1"
+    assert not alive(pid) and env.result("C2", "failed")["reason"] == "cancelled"
+
+
+def test_a_run_that_ends_while_a_starting_daemon_looks_at_its_marker_is_not_taken_for_one_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A starting daemon opens a `.running` marker just as the run's own process renames its record over it and lets
+    the old, empty file go: the marker at the path is the one to judge (it took the old file for a run cut short)."""
+    layout = Layout(tmp_path / "dispatch")
+    layout.create()
+    markers = landing.MARKERS
+    folder = markers.folder(layout)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "R1").write_bytes(b"")
+    assert markers.claim(layout, "R1")  # the live run: its empty marker, locked
+    marker = folder / "R1.running"
+    real_open = os.open
+
+    def open_as_the_run_ends(path: Any, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, *args, **kwargs)
+        if os.fspath(path) == os.fspath(marker) and marker.read_bytes() == b"":
+            monkeypatch.setattr(owed.os, "open", real_open)
+            markers._hold("R1", owed._write_locked(marker, b'{"ok": true}\n'))  # its record, and the old file let go
+        return fd
+
+    monkeypatch.setattr(owed.os, "open", open_as_the_run_ends)
+    other = owed.Markers("landing", ready_in=markers.ready_in, settled_in=markers.settled_in, records=markers.records)
+    assert other.look(layout, startup=True).interrupted == []
+    assert marker.read_bytes() == b'{"ok": true}\n'
+    markers.settle(layout, "R1")
+
+
+def test_a_run_cut_short_stays_locked_until_it_is_recorded(tmp_path: Path) -> None:
+    """Two daemons starting together find one run a crash cut short: the first keeps its marker locked until it
+    records the run, so the second leaves it alone (both recorded it as interrupted)."""
+    layout = Layout(tmp_path / "dispatch")
+    layout.create()
+    markers = landing.MARKERS
+    folder = markers.folder(layout)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "R2.running").write_bytes(b"")  # a dead daemon's run: empty, no lock
+    first = owed.Markers("landing", ready_in=markers.ready_in, settled_in=markers.settled_in, records=markers.records)
+    second = owed.Markers("landing", ready_in=markers.ready_in, settled_in=markers.settled_in, records=markers.records)
+    assert first.look(layout, startup=True).interrupted == ["R2"]
+    assert second.look(layout, startup=True).interrupted == []
+    first.settle(layout, "R2")  # recorded (``record_interrupted``): the marker and its lock go
+    assert not (folder / "R2.running").exists()
+    assert second.look(layout, startup=True).interrupted == []

@@ -256,7 +256,7 @@ class Daemon(Reloading, Fencing):
 
     def should_exit(self) -> bool:
         if self.stopping:  # an owed after or land hook runs like an agent: until the stop's deadline
-            return not (self.sched.running or self.sched.inflight or self.house.hooks_busy)
+            return not (self.sched.running or self.sched.inflight or self.house.hooks_busy or self.final_hooks.busy)
         if self.once:
             # `run --once` leaves them, as orders due later: unread orders, and claimed jobs (a retry, a
             # revision, a recovered job) set aside in active/ for a pause or a gate beyond max_limit_wait

@@ -18,6 +18,7 @@ import structlog
 from dispatcher.core.housekeeping import Housekeeping
 from dispatcher.core.lease import LeaseKeeper
 from dispatcher.core.requests import Requests
+from dispatcher.job import hooks
 from dispatcher.lifecycle import Stop
 from dispatcher.spec.settings import Config
 
@@ -47,6 +48,7 @@ class Fencing(abc.ABC):
             self.lost = True
             self._signal(signal.SIGTERM, reason="this daemon was declared lost by another; it stops")
             self.sched.abort_all(Stop.STOPPED, mute=True)
+            hooks.RUNNING.stop_all()  # its hooks end with its agents: another daemon owns its work now
             return True
         if self.lease.fenced:
             if not self._was_fenced:

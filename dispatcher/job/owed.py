@@ -181,18 +181,14 @@ class Markers:
         already, and the marker dropped.
         """
         path = self.folder(layout) / f"{job_id}{RUNNING}"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return True  # another daemon settled it meanwhile
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return True  # its run goes on in a live process
+        fd = _lock_current(path)
+        if fd is None:
+            return True  # settled meanwhile, or its run goes on in a live process
         try:
             body = _read_all(fd)
-            if not body:
+            if not body:  # cut short: the lock is kept until ``record_interrupted`` settles it
+                self._hold(job_id, fd)
+                fd = -1
                 return False
             found = layout.find(job_id)
             if found is not None:
@@ -200,7 +196,37 @@ class Markers:
             self.settle(layout, job_id)
             return True
         finally:
-            os.close(fd)  # held until the marker is gone: a daemon starting beside this one waits its turn
+            if fd >= 0:
+                os.close(fd)  # held until the marker is gone: a daemon starting beside this one waits its turn
+
+
+def _lock_current(path: Path) -> int | None:
+    """Lock the file at path (``flock``, not waiting) and return its fd; None when it is gone or locked.
+
+    The file locked must be the one still at path: a run that ends renames its record over
+    its empty marker and then lets the old one go, which a plain open-then-lock would take
+    for a marker no one holds.
+    """
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.lstat(path).st_ino:
+                return fd
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except FileNotFoundError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # replaced meanwhile: look at the new one
+    return None  # replaced again and again: a live run writes it
 
 
 def _write_locked(path: Path, body: bytes) -> int:
@@ -216,11 +242,17 @@ def _write_locked(path: Path, body: bytes) -> int:
         while view:
             view = view[os.write(fd, view) :]
         os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    try:
         os.rename(tmp, path)
+        fsutil.fsync_dir(path.parent)
     except BaseException:
         os.close(fd)
         raise
-    fsutil.fsync_dir(path.parent)
     return fd
 
 

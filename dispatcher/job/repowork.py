@@ -314,6 +314,11 @@ class FinalHooks:
             except Exception as exc:  # the job is final already: a hook never changes it
                 log.exception("daemon.error", step="after hook", error=str(exc))
 
+    @property
+    def busy(self) -> bool:
+        """True while an after hook of a job finished without a Job runs: a stop waits for it (section 9)."""
+        return bool(self._tasks)
+
     async def drain(self) -> None:
         """Wait for the hooks still running (at shutdown, before the lanes close)."""
         while self._tasks:
