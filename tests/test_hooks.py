@@ -420,6 +420,18 @@ def test_a_marker_being_written_is_left_alone_by_a_pass_over_the_markers(tmp_pat
             assert temp.exists()
 
 
+def _sigterm_while_the_hook_runs(d: Any, started: Path) -> tuple[int, float]:
+    """Wait for the hook to write its pid into started, SIGTERM the daemon, wait for its exit 0.
+
+    Return the hook's pid and how long the stop took."""
+    wait_until(lambda: started.exists() and started.read_text().strip(), 30, "the after hook to start")
+    pid = int(started.read_text())
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(60) == 0
+    return pid, time.monotonic() - sent
+
+
 def test_a_stop_ends_a_running_after_hook_at_stop_timeout_as_it_ends_agents(env: Env, tmp_path: Path) -> None:
     """SIGTERM while a done job's after hook sleeps 120 s: the daemon ends the hook's group at stop_timeout
     (plus kill_grace) and exits 0, instead of waiting out the hook's own 300 s; the run is recorded failed."""
@@ -432,12 +444,7 @@ def test_a_stop_ends_a_running_after_hook_at_stop_timeout_as_it_ends_agents(env:
     d = env.daemon()
     env.drop(code_order("S1"))
     env.wait_job("S1", "done")
-    wait_until(lambda: started.exists() and started.read_text().strip(), 30, "the after hook to start")
-    pid = int(started.read_text())
-    sent = time.monotonic()
-    d.signal(signal.SIGTERM)
-    assert d.wait(60) == 0
-    took = time.monotonic() - sent
+    pid, took = _sigterm_while_the_hook_runs(d, started)
     assert took < 2 + 1 + 5, f"the stop took {took:.1f} s with stop_timeout 2 and kill_grace 1"
     assert not alive(pid), "the after hook's shell outlived the stop"
     (record,) = [json.loads(p.read_text()) for p in (env.job_dir("S1", "done") / "hooks").glob("after-*.json")]
@@ -504,12 +511,7 @@ def test_a_stop_ends_the_after_hook_of_a_job_cancelled_in_its_claim_at_stop_time
     env.drop(code_order("C2"))
     assert env.cli("cancel", "C2").returncode == 0  # no daemon yet: the claim's transaction meets the request
     d = env.daemon()
-    wait_until(lambda: started.exists() and started.read_text().strip(), 30, "the after hook to start")
-    pid = int(started.read_text())
-    sent = time.monotonic()
-    d.signal(signal.SIGTERM)
-    assert d.wait(60) == 0
-    took = time.monotonic() - sent
+    pid, took = _sigterm_while_the_hook_runs(d, started)
     assert took < 2 + 1 + 5, f"the stop took {took:.1f} s with stop_timeout 2 and kill_grace 1"
     assert not alive(pid) and env.result("C2", "failed")["reason"] == "cancelled"
 

@@ -84,21 +84,15 @@ class Markers:
         The marker is locked before it is renamed, and stays locked until ``settle``.
         """
         folder = self.folder(layout)
-        path = folder / job_id
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        fd = _lock_current(folder / job_id)
+        if fd is None:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(fd).st_ino != os.lstat(path).st_ino:  # renamed away (and owed again) meanwhile
-                raise FileNotFoundError(path)
-            os.rename(path, folder / f"{job_id}{RUNNING}")
-        except (BlockingIOError, FileNotFoundError):
+            os.rename(folder / job_id, folder / f"{job_id}{RUNNING}")
+        except BaseException as exc:
             os.close(fd)
-            return False
-        except BaseException:
-            os.close(fd)
+            if isinstance(exc, FileNotFoundError):  # taken meanwhile by a claim that locked it first and let go
+                return False
             raise
         self._hold(job_id, fd)
         fsutil.fsync_dir(folder)

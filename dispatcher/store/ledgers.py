@@ -105,11 +105,12 @@ def open_ledger(
             f"{layout.root}: is on a network filesystem ({kind}); the SQLite ledger needs a local disk:"
             " use `ledger: postgresql://...` (and `watch: poll`) for a root shared between hosts"
         )
-    # job folders first, then the file: a daemon makes the ledger (and commits to it) before any job folder, so
-    # folders seen before the file was found missing mean it was lost, while folders seen after may be those of
-    # another daemon that made the ledger meanwhile (three daemons starting together on a fresh root)
-    jobs = has_jobs(layout)
+    # a daemon makes the ledger (and commits to it) before any job folder: so folders seen before the file was
+    # found missing mean it was lost, while folders seen after may be those of another daemon that made the
+    # ledger meanwhile (three daemons starting together on a fresh root). Missing: the folders, then the file again
     missing = not path.exists() or os.path.getsize(path) == 0
+    jobs = missing and has_jobs(layout)
+    missing = missing and (not path.exists() or os.path.getsize(path) == 0)
     if missing and jobs:
         raise LedgerLost(f"{path}: the ledger is missing but job folders exist; {REBUILD_HINT}")
     if missing and (readonly or not create):
