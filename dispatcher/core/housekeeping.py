@@ -122,6 +122,15 @@ class Housekeeping:
             self._hooks.add(task)
             task.add_done_callback(self._hooks.discard)
 
+    def run_owed(self) -> None:
+        """Run the owed after hooks and landings in the background (the "land" task a stop waits for)."""
+        ctx = self.ctx
+        owed = repowork.housekeep(
+            ctx.layout, ctx.lanes, ctx.config(), ctx.finisher.notify, startup=False, busy=self.sched.running,
+            stopping=ctx.stopping,
+        )  # fmt: skip
+        self.start(owed, "land")
+
     async def _guard(self, coro: Coroutine[Any, Any, Any]) -> None:
         try:
             await coro
@@ -202,19 +211,7 @@ class Housekeeping:
         self.inbox.merge(await self.ctx.lanes.scan(list_inbox, self.ctx.layout.inbox))
         if not self.ctx.stopping():
             await self.recover(startup=False)
-            ctx = self.ctx  # land approved jobs (section 15), in the background: a hook may take minutes
-            self.start(
-                repowork.housekeep(
-                    ctx.layout,
-                    ctx.lanes,
-                    ctx.config(),
-                    ctx.finisher.notify,
-                    startup=False,
-                    busy=self.sched.running,
-                    stopping=self.ctx.stopping,
-                ),
-                "land",
-            )
+            self.run_owed()  # land approved jobs (section 15), in the background: a hook may take minutes
         await self.requests()
 
     # -- requests -------------------------------------------------------------------------------
@@ -286,18 +283,7 @@ class Housekeeping:
         if decided and self.joins is not None and not self.ctx.stopping():  # joins waiting for them: now
             await lanes.ledger(self.joins.on_final, decided)
         if not self.ctx.stopping() and decided:
-            self.start(  # a decided review: its after hook and landing are owed now, not at the next rescan
-                repowork.housekeep(
-                    layout,
-                    lanes,
-                    self.ctx.config(),
-                    self.ctx.finisher.notify,
-                    startup=False,
-                    busy=self.sched.running,
-                    stopping=self.ctx.stopping,
-                ),
-                "land",
-            )
+            self.run_owed()  # a decided review: its after hook and landing are owed now, not at the next rescan
         self.wake()
 
     def _agent_here(self, job_id: str, agent: str, what: str) -> bool:
