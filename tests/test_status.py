@@ -75,6 +75,30 @@ def test_live_daemon_is_listed_and_a_killed_one_flags_its_active_job(env: Env) -
     assert "daemon not running" in job_line and str(pid) in job_line, text
 
 
+def test_show_of_a_running_attempt_gives_the_argv_it_runs_and_its_host(env: Env) -> None:
+    """`show` lists each attempt with the argv it ran (section 7), the one under way too: the resumed session's."""
+    base = env.agent()["command"]
+    spec = env.agent("--fail-attempts", "1", "--json-result", json.dumps({"session_id": "S-7"}))
+    spec |= {"resume": [*base, "--sleep", "60", "--field", "session={session_id}"], "max_attempts": 2}
+    spec |= {"retry_safe": True}
+    env.configure(agents={"worker": spec}, stop_timeout=1)
+    env.daemon().wait_ready()
+    env.drop(order("ARGV-1"))
+    wait_until(lambda: ("ARGV-1", 2) in env.starts(), 30, "the second attempt to start")
+    agent_pid = int(env.count_file.read_text().splitlines()[-1].split()[2])
+    ran = Path(f"/proc/{agent_pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+    shown = json.loads(env.cli("show", "ARGV-1", "--json", check=True).stdout)
+    first, under_way = shown["attempts"]
+    assert first["argv"] == spec["command"] and first["host"] == socket.gethostname()
+    assert under_way["running"] is True and under_way["pid"] == agent_pid
+    assert under_way["argv"] == ran == [*base, "--sleep", "60", "--field", "session=S-7"], under_way
+    assert under_way["host"] == socket.gethostname()
+    text = env.cli("show", "ARGV-1").stdout
+    assert f"running as pid {agent_pid}  host {socket.gethostname()}" in text, text
+    assert "argv: " + " ".join([*base, "--sleep", "60", "--field", "session=S-7"]) in text, text
+
+
 def test_spend_of_the_last_24_hours_per_agent(env: Env) -> None:
     """`status` sums the cost the agents reported for jobs finished in the last 24 h, per agent."""
     env.configure(agents={"worker": costing(env, 0.25), "other": costing(env, 0.125)})

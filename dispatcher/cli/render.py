@@ -98,7 +98,10 @@ def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
     if "running" in a:  # under way: no record yet (section 7)
         state = f"running as pid {a.get('pid')}" if a["running"] else "under way, its agent gone (recovered at start)"
         where = a.get("logs") or {}
-        lines = [f"    #{plain(a.get('n'))}  {plain(a.get('started'))}  {state}"]
+        lines = [
+            f"    #{plain(a.get('n'))}  {plain(a.get('started'))}  {state}  host {printable(plain(a.get('host')))}"
+        ]
+        lines.append(f"        argv: {_argv(a.get('argv'))}")
         if where:
             lines.append(f"        logs: {where.get('stdout')}")
             lines.append(f"              {where.get('stderr')}")

@@ -15,11 +15,12 @@ from typing import Any
 from dispatcher import fsutil, procs
 from dispatcher.clock import iso
 from dispatcher.errors import OrderError, printable
+from dispatcher.job.attempt import argv_after
 from dispatcher.layout import JOB_ID, Layout, is_ignored
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
-from dispatcher.spec.jobspec import total_cost
+from dispatcher.spec.jobspec import Attempt, total_cost
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.store.counts import visible_entries
@@ -190,7 +191,8 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         cost = result.cost_usd
     else:  # running: what the attempts so far recorded, and the one under way
         records = folder.attempts()
-        attempts = [a.to_json(internal=False) for a in records] + _under_way(folder, {a.n for a in records})
+        begun = _under_way(folder, {a.n for a in records}, _argv_next(layout, folder, records))
+        attempts = [a.to_json(internal=False) for a in records] + begun
         cost = total_cost(records)
     until = _waiting(ledger, job_id) if state is State.ACTIVE else None
     return {
@@ -213,11 +215,27 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
     } | after
 
 
-def _under_way(folder: JobFolder, recorded: set[int]) -> list[dict[str, Any]]:
-    """Return the attempts begun but not yet recorded: n, started, pid, and whether its agent still runs.
+def _argv_next(layout: Layout, folder: JobFolder, records: list[Attempt]) -> list[str] | None:
+    """Return the argv of the attempt after ``records``, rendered as the daemon rendered it; None if unknown.
+
+    The same function the daemon runs before a start (``attempt.argv_after``), on the job's
+    own settings (``job.json``) and the attempts recorded so far (the session a ``resume``
+    goes on with). A password in it is shown as ``***``.
+    """
+    try:
+        spec = folder.spec()
+    except (ValueError, OSError):
+        return None
+    workspace = layout.worktree(spec.job_id) if spec.agent.repo.workspace is not None else None
+    return [redact(a) for a in argv_after(spec, folder.work_dir, records, workspace)]
+
+
+def _under_way(folder: JobFolder, recorded: set[int], argv: list[str] | None) -> list[dict[str, Any]]:
+    """Return the attempts begun but not yet recorded: n, started, pid, host, argv, and whether its agent runs.
 
     Its record (attempt.json) is written once, when it ends; until then the agent's note on its
-    stdout.log says when it started and as which process.
+    stdout.log says when it started, as which process and on which host. Its argv is the one
+    rendered for the attempt after the recorded ones (``argv``).
     """
     out = []
     for n in folder.attempt_numbers():
@@ -238,6 +256,8 @@ def _under_way(folder: JobFolder, recorded: set[int]) -> list[dict[str, Any]]:
                 "n": n,
                 "started": iso(started) if isinstance(started, float) else None,
                 "pid": note["pid"],
+                "host": note.get("host"),
+                "argv": argv if n > max(recorded, default=0) else None,
                 "running": alive,
             }
         )

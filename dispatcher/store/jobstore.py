@@ -26,6 +26,7 @@ import contextlib
 import functools
 import json
 import os
+import socket
 import stat
 import time
 from collections.abc import Sequence
@@ -42,7 +43,8 @@ from dispatcher.spec.result import CheckResult, Result
 JOB_FILE = "job.json"
 RESULT = "result.json"
 STAGED = ".result.json.staged"
-AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED" of the attempt's agent
+AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED WALL_STARTED HOST"
+_HOST = socket.gethostname()  # the host an attempt started on, as its record will say
 SPEC_MAX = 8 * 1024 * 1024
 RECORD_MAX = 1024 * 1024
 _WORK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -126,17 +128,19 @@ class JobFolder:
         return out
 
     def pid_record(self, n: int) -> dict[str, Any] | None:
-        """Return the running record of attempt n ({pid, boot_started[, started]}), or None.
+        """Return the running record of attempt n ({pid, boot_started[, started, host]}), or None.
 
-        The agent's pid and start on the boot clock (and on the wall clock: ``started``), noted on its
-        stdout.log as an extended attribute (``note_agent``);
+        The agent's pid and start on the boot clock (and on the wall clock: ``started``, and the
+        host it runs on), noted on its stdout.log as an extended attribute (``note_agent``);
         else one an older daemon wrote in attempt.json (or ``pid``).
         """
         try:
-            pid, boot, *wall = os.getxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR).split()
+            pid, boot, *rest = os.getxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR).decode().split()
             record: dict[str, Any] = {"pid": int(pid), "boot_started": float(boot)}
-            if wall:  # noted since the wall clock was added: the start as attempt.json would have it
-                record["started"] = float(wall[0])
+            if rest:  # noted since the wall clock was added: the start as attempt.json would have it
+                record["started"] = float(rest[0])
+            if len(rest) > 1:  # noted since the host was added
+                record["host"] = rest[1]
             return record
         except (OSError, ValueError):
             pass
@@ -147,7 +151,7 @@ class JobFolder:
         return None
 
     def note_agent(self, n: int, pid: int) -> None:
-        """Note attempt n's agent (its pid, its start on the boot clock and on the wall clock) on its stdout.log.
+        """Note attempt n's agent (its pid, its start on the boot and the wall clock, its host) on its stdout.log.
 
         One system call, no file and no fsync (a power cut ends the agent too): after a crash
         of the daemon, recovery finds the agent's group by it even when the agent cleared the
@@ -156,7 +160,7 @@ class JobFolder:
         """
         try:  # (not contextlib.suppress: three calls more at every agent's start)
             boot = time.clock_gettime(time.CLOCK_BOOTTIME)
-            note = f"{pid} {boot:.3f} {time.time():.3f}"
+            note = f"{pid} {boot:.3f} {time.time():.3f} {_HOST}"
             os.setxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR, note.encode())
         except OSError:
             return
