@@ -84,6 +84,40 @@ def test_a_bare_program_name_is_looked_up_on_path(tmp_path: Path) -> None:
     ]
 
 
+def test_resume_user_checks_and_notify_programs_are_checked_too(tmp_path: Path) -> None:
+    """A missing program of `resume`, of a user check or of `notify` is an error naming its field; a check's
+    relative path is the workspace's own, where it runs, so it is not looked for beside the config."""
+    cfg = config(
+        tmp_path,
+        {
+            "coder": {
+                "command": ["python3", "-c", "pass"],
+                "resume": ["no-such-resume-4f1c", "--resume", "{session_id}"],
+                "checks": [
+                    {"name": "tests", "command": ["no-such-check-4f1c", "-q"]},
+                    {"name": "lint", "command": ["scripts/lint.sh"]},
+                    {"name": "fine", "command": ["python3", "-c", "pass"]},
+                ],
+            }
+        },
+        notify=["/no/such/notify-4f1c", "{event}", "{job_id}"],
+    )
+    proc = validate(cfg)
+    assert proc.returncode == 2
+    assert sorted(stderr_lines(proc)) == [
+        "dispatcher.yaml: agents.coder.checks[0].command: program 'no-such-check-4f1c' not found",
+        "dispatcher.yaml: agents.coder.resume: program 'no-such-resume-4f1c' not found",
+        "dispatcher.yaml: notify: program '/no/such/notify-4f1c' not found",
+    ]
+    fixed = yaml.safe_load(cfg.read_text())
+    fixed["agents"]["coder"]["resume"][0] = "python3"
+    fixed["agents"]["coder"]["checks"][0]["command"][0] = "python3"
+    fixed["notify"][0] = sys.executable
+    cfg.write_text(yaml.safe_dump(fixed))
+    proc = validate(cfg)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_an_executable_program_and_a_placeholder_pass(tmp_path: Path) -> None:
     """An executable script path and a program built from a placeholder are not errors."""
     script = tmp_path / "run.sh"

@@ -1,6 +1,7 @@
 """What `validate --config` and a starting daemon check beyond the schema: can each agent be started?
 
-A program that is missing or not executable, or a script an interpreter is given
+A program that is missing or not executable (an agent's, its resume's, probe's, hooks'
+and user checks', or ``notify``'s), or a script an interpreter is given
 that the agent will not find, is an error (each job would fail with ``config: agent
 NAME cannot start``, or the agent with a path inside its job folder); ``repair``
 that can never act is a warning. The daemon logs these at start and on reload but
@@ -33,23 +34,33 @@ class Finding:
 def check_agents(cfg: Config) -> list[Finding]:
     """Return what a loaded config gets wrong that its schema cannot say.
 
-    A ``command`` or ``probe`` whose program is missing or not executable is an
-    error (the daemon would fail each job with ``config: agent NAME cannot
-    start``); ``repair`` without ``retry_safe`` or a ``probe`` is a warning,
-    since such an agent is never run again after failed checks. The daemon does
-    not refuse these at start: an agent installed later must still work.
+    A ``command``, ``resume`` or ``probe`` whose program is missing or not
+    executable is an error (the daemon would fail each job with ``config: agent
+    NAME cannot start``), and so is a hook's, a user check's or ``notify``'s;
+    ``repair`` without ``retry_safe`` or a ``probe`` is a warning, since such an
+    agent is never run again after failed checks. The daemon does not refuse
+    these at start: an agent installed later must still work.
     """
     base = cfg.path.parent if cfg.path is not None else Path.cwd()
     out: list[Finding] = []
+    if cfg.notify and (problem := program_problem(cfg.notify, {}, base) or script_problem(cfg.notify, base)):
+        out.append(Finding("notify", problem, error=True))  # run with the daemon's PATH
     for name, agent in cfg.agents.items():
         r = agent.repo  # section 15: hooks are programs too, and the workspace's repository must exist
         hooks = [
             (key, h.command if h else None) for key, h in (("before", r.before), ("after", r.after), ("land", r.land))
         ]
-        for key, argv in (("command", agent.command), ("probe", agent.probe), *hooks):
+        own = [("command", agent.command), ("resume", agent.resume), ("probe", agent.probe), *hooks]
+        for key, argv in own:
             problem = (program_problem(argv, agent.env, base) or script_problem(argv, base)) if argv else None
             if problem is not None:
                 out.append(Finding(f"agents.{name}.{key}", problem, error=True))
+        for i, check in enumerate(agent.checks):  # run in the workspace: a relative path is the workspace's own
+            argv = check.command
+            if not argv or ("/" in argv[0] and not os.path.isabs(argv[0])):
+                continue
+            if (problem := program_problem(argv, agent.env, base)) is not None:
+                out.append(Finding(f"agents.{name}.checks[{i}].command", problem, error=True))
         if r.workspace is not None and not os.path.isdir(r.workspace.git):
             out.append(Finding(f"agents.{name}.workspace.git", f"repository {r.workspace.git} not found", error=True))
         if agent.repair and not agent.retry_safe and agent.probe is None:
