@@ -54,6 +54,21 @@ def test_a_large_diff_is_cut_with_a_note_and_the_paths_are_all_listed(tmp_path: 
     assert not Path(ws.path).exists() and git(repo, "rev-parse", "dispatch/BIG") == ws.base
 
 
+def test_changed_txt_holds_one_path_a_line_even_for_a_name_with_a_newline(tmp_path: Path) -> None:
+    """A path holding a newline or a tab, or starting with a quote, is one line of changed.txt, quoted as JSON."""
+    _, job, ws = _worktree(tmp_path, "ODD")
+    odd = ["src/two\nlines.txt", "src/tab\there.txt", '"quoted".txt', "src/plain é.txt"]
+    for name in odd:
+        Path(ws.path, name).write_text("x\n")
+    names, _ = worktree.snapshot(ws, job)
+    assert sorted(names) == sorted(odd)
+    lines = (job / "changed.txt").read_text().splitlines()
+    assert len(lines) == len(odd)
+    back = [json.loads(line) if line.startswith('"') else line for line in lines]
+    assert sorted(back) == sorted(odd)
+    assert "src/plain é.txt" in lines  # an ordinary name stays as it is
+
+
 def test_a_locked_worktree_is_named_in_one_line_at_start_and_left_alone(env: Env, tmp_path: Path) -> None:
     """At start the daemon prunes stale worktrees and names a locked one (workspace.locked); jobs still run."""
     repo = make_repo(tmp_path / "shop")

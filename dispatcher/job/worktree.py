@@ -369,8 +369,21 @@ def snapshot(
     tree = worktree_tree(ws, left)
     names = [n for n in git(ws.repo, "diff", "--name-only", "-z", "--no-renames", ws.base, tree).split("\0") if n]
     _write_patch(ws, tree, out_dir / "diff.patch", max_bytes)
-    fsutil.write_atomic(out_dir / "changed.txt", "".join(f"{n}\n" for n in names).encode(), sync=False, sync_dir=False)
+    text = "".join(f"{changed_line(n)}\n" for n in names)
+    fsutil.write_atomic(out_dir / "changed.txt", text.encode(), sync=False, sync_dir=False)
     return names, tree
+
+
+def changed_line(path: str) -> str:
+    """Return a changed path as its line in ``changed.txt``: as it is, or quoted when it would not read back.
+
+    A path holding a newline or another control character, or starting with a double quote,
+    is written as a JSON string (quoted, escaped), as git quotes such names, so that each line
+    of the file is one path.
+    """
+    if path.startswith('"') or any(c < " " or c == "\x7f" for c in path):
+        return json.dumps(path, ensure_ascii=False)
+    return path
 
 
 def worktree_tree(ws: Workspace, left: Mapping[str, str] | None = None) -> str:
