@@ -293,18 +293,22 @@ def link_stays_inside(link: str, root: str) -> bool:
     return resolved == real_root or resolved.startswith(real_root.rstrip(os.sep) + os.sep)
 
 
-def walk(root: str, skip: str | None = None) -> Iterator[tuple[str, os.stat_result]]:
+def walk(root: str, skip: str | None = None, unseen: list[str] | None = None) -> Iterator[tuple[str, os.stat_result]]:
     """Yield every entry below root as (POSIX relative path, its lstat), links never followed.
 
     Iterative (no recursion limit); a folder that cannot be listed, or an entry that
-    vanished, is passed over. ``skip``: a top-level name neither yielded nor entered.
+    cannot be looked at, is passed over (and added to ``unseen`` unless it vanished: a
+    path longer than the system can name, say). ``skip``: a top-level name neither
+    yielded nor entered.
     """
     stack = [(root, "")]
     while stack:
         folder, prefix = stack.pop()
         try:
             it = os.scandir(folder)
-        except OSError:
+        except OSError as exc:
+            if unseen is not None and prefix and exc.errno != errno.ENOENT:
+                unseen.append(prefix.rstrip("/"))
             continue
         with it:
             for de in it:
@@ -313,7 +317,9 @@ def walk(root: str, skip: str | None = None) -> Iterator[tuple[str, os.stat_resu
                     continue
                 try:
                     st = de.stat(follow_symlinks=False)
-                except OSError:
+                except OSError as exc:
+                    if unseen is not None and exc.errno != errno.ENOENT:
+                        unseen.append(rel)
                     continue
                 yield rel, st
                 if stat.S_ISDIR(st.st_mode):

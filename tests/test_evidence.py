@@ -99,6 +99,50 @@ def test_a_link_that_climbs_out_through_another_link_is_outside(tmp_path: Path) 
     assert hazard(str(work), ["x"]) == "x is a link that points outside the workspace"
 
 
+def test_a_relative_link_out_of_work_and_back_through_the_job_folder_points_outside(tmp_path: Path) -> None:
+    """`../../../../active/J/work/order.json` resolves inside work/ while the job is in active/, but names it by
+    that path, as an absolute link does: gone once the job moves. A climb that stays below work/ is inside."""
+    work = tmp_path / "active" / "J" / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "order.json").write_text("{}")
+    (work / "data" / "out").symlink_to("../../../../active/J/work/order.json")
+    (work / "data" / "ok").symlink_to("../order.json")
+    found = {e.path: e.target_inside for e in list_entries(work, {}) if e.kind == "symlink"}
+    assert found == {"data/out": False, "data/ok": True}
+
+
+def _deep(top: Path) -> Path:
+    """Make top and, below it, a chain of folders longer than a path the system can name; return top."""
+    top.mkdir(exist_ok=True)
+    here = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(18):  # 18 x 251 bytes: past PATH_MAX (4096), made through folder descriptors
+            os.mkdir("d" * 250, dir_fd=here)
+            below = os.open("d" * 250, os.O_RDONLY | os.O_DIRECTORY, dir_fd=here)
+            os.close(here)
+            here = below
+        fd = os.open("secret.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=here)
+        os.close(fd)
+        os.mkfifo("pipe", dir_fd=here)
+    finally:
+        os.close(here)
+    return top
+
+
+def test_an_entry_below_a_path_too_long_to_name_is_refused_not_passed_over(tmp_path: Path) -> None:
+    """A file (or a FIFO) below a path longer than PATH_MAX cannot be looked at by path: it is an `unreadable`
+    entry, which writes_scope refuses, in work/ and in a worktree alike, never an entry that is not there."""
+    work = tmp_path / "work"
+    work.mkdir()
+    _deep(work)
+    unreadable = [e.path for e in list_entries(work, {}) if e.kind == "unreadable"]
+    assert len(unreadable) == 1 and unreadable[0].startswith("d" * 250 + "/"), unreadable
+    tree = _deep(tmp_path / "tree")
+    (tree / "tree-only").mkdir()  # the worktree's walk
+    why = hazard(str(tree), [])
+    assert why is not None and why.endswith(" cannot be listed") and why.startswith("d" * 250 + "/"), why
+
+
 def _gathered(work: Path, **order: Any) -> Any:
     """Return the Evidence of work/ for an order J-1 (items R1, R2) of `worker`, with the given fields."""
     body = {"job_id": "J-1", "from": "tester", "to": "worker", "task": "Go.", "items": [{"id": "R1"}, {"id": "R2"}]}

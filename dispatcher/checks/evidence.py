@@ -53,15 +53,22 @@ def _is_folder(path: str) -> bool:
 
 
 def _relative_inside(link: str, root: str) -> bool:
-    """Return True if a link in work/ stays inside it: a relative text that resolves inside.
+    """Return True if a link in work/ stays inside it: a relative text that stays below work/ and resolves inside.
 
     An absolute text names work/ by where the job is now (active/<id>/work): once the job
-    moves to done/ or failed/ it points outside, at a folder that is gone.
+    moves to done/ or failed/ it points outside, at a folder that is gone. So does a
+    relative one that climbs out of work/ and comes back through the job's folder.
     """
     try:
-        if os.path.isabs(os.readlink(link)):
-            return False
+        text = os.readlink(link)
     except OSError:
+        return False
+    if os.path.isabs(text):
+        return False
+    # a text that climbs out of work/ and back in (../../../active/<id>/work/x) names where the job is
+    # now, as an absolute one does: read without the links on the way, it must stay below work/
+    rel = os.path.relpath(os.path.dirname(link), root)
+    if os.path.normpath(os.path.join(rel, text)).split(os.sep)[0] == os.pardir:
         return False
     return fsutil.link_stays_inside(link, root)
 
@@ -146,8 +153,9 @@ def list_entries(
     """Walk work/ without following links; describe every entry.
 
     The walk is iterative (no recursion limit for deep trees). A folder that
-    cannot be listed is reported as an ``unreadable`` entry, which writes_scope
-    refuses. Given files are hashed in chunks, and only when their size could
+    cannot be listed, or an entry that cannot be looked at (below a path longer
+    than the system can name), is reported as an ``unreadable`` entry, which
+    writes_scope refuses. Given files are hashed in chunks, and only when their size could
     still match, so a huge file cannot exhaust the daemon's memory (opened under
     ``dir_fd``, work/ opened already, when given).
     """
@@ -168,7 +176,10 @@ def list_entries(
                 rel = prefix + de.name
                 try:
                     st = de.stat(follow_symlinks=False)
-                except OSError:
+                except OSError as exc:
+                    _raise_if_short(exc)
+                    if exc.errno != errno.ENOENT:  # not gone: unseen (a path too long to name), so refused
+                        out.append(Entry(rel, "unreadable"))
                     continue
                 if stat.S_ISREG(st.st_mode):  # the usual entry
                     sha = _digest_file(root, rel, dir_fd) if rel in given else None

@@ -40,9 +40,14 @@ def hazard(tree: str, changed: Iterable[str]) -> str | None:
 
 
 def _special(root: str) -> str | None:
-    """Return the first FIFO, socket or device under root (its top-level ``.git`` aside), described."""
-    for rel, st in fsutil.walk(root, skip=".git"):
+    """Return the first FIFO, socket or device under root (its top-level ``.git`` aside), described.
+
+    An entry the walk cannot look at (below a path longer than the system can name, which
+    git does not see either) is refused as well: what it holds cannot be judged.
+    """
+    unseen: list[str] = []
+    for rel, st in fsutil.walk(root, skip=".git", unseen=unseen):
         mode = st.st_mode
         if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
             return f"{rel} is a {kind_of(mode)}"
-    return None
+    return f"{unseen[0]} cannot be listed" if unseen else None
