@@ -223,6 +223,18 @@ def test_pretty_object_with_indented_inner_objects_is_taken_whole() -> None:
     assert seconds < 2.0
 
 
+@pytest.mark.parametrize("inner", [8, 12, 1000])
+def test_an_object_whose_inner_objects_open_at_column_0_is_taken_whole(inner: int) -> None:
+    """`json.dumps(indent=0)` opens every inner object at column 0 too: they are tried and passed over, however
+    many, and the object that ends stdout is taken whole (its cost kept)."""
+    value = {"total_cost_usd": 0.25, "session_id": "s1", "list": [{"x": i} for i in range(inner)]}
+    text = "working\n" + json.dumps(value, indent=0) + "\n"
+    assert text.count("\n{") == inner + 1
+    got, seconds = timed(text.encode())
+    assert got == value
+    assert seconds < 2.0
+
+
 def test_claude_style_result_after_lots_of_log_text_is_found() -> None:
     """One claude-style result line after 2 MB of log lines (some JSON, some starting with `{`) is taken."""
     claude = {

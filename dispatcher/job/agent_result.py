@@ -6,7 +6,11 @@ attempt keeps is up to a few MiB of text the agent controls, so the search is
 bounded: only lines that start with ``{`` at the indentation of the last line
 (column 0 for every CLI we know) or at column 0 can open the object, and only the
 last few of each are tried. Stdout made of a million ``{"a":[`` lines then costs a few
-failed parses, not a million.
+failed parses, not a million. A line whose ``{`` follows a ``[`` or a ``,`` (the text
+before it, blanks aside) is an element of a list far more often than the start of the
+final object: such lines are tried after the others, so that an object printed with
+its inner objects at column 0 too (``json.dumps(indent=0)``) is found whatever their
+number.
 """
 
 from __future__ import annotations
@@ -59,8 +63,12 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
     starts: set[int] = set()
     for lead in {indent, ""}:
         opener = re.compile(r"(?m)^" + re.escape(lead) + r"\{")
-        starts.update(deque((m.end() - 1 for m in opener.finditer(text)), maxlen=MAX_TRIES))
-    for pos in sorted(starts, reverse=True):
+        starts.update(m.end() - 1 for m in opener.finditer(text))
+    tops: deque[int] = deque(maxlen=MAX_TRIES)
+    elements: deque[int] = deque(maxlen=MAX_TRIES)
+    for pos in sorted(starts):  # the text looked back at between two starts is theirs alone: linear
+        (elements if _char_before(text, pos) in ("[", ",") else tops).append(pos)
+    for pos in [*reversed(tops), *reversed(elements)]:
         try:
             value, end = _DECODER.raw_decode(text, pos)
         except (ValueError, RecursionError):
@@ -74,6 +82,14 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
     if len(last_line) > AGENT_RESULT_MAX:  # one object longer than the tail kept: its start is cut off
         return _keys_of_cut_object(last_line)
     return None
+
+
+def _char_before(text: str, pos: int) -> str:
+    """Return the last character before ``pos`` that is not a blank, or "" at the start."""
+    i = pos - 1
+    while i >= 0 and text[i] in " \t\r\n":
+        i -= 1
+    return text[i] if i >= 0 else ""
 
 
 _KEY_AT = {key: re.compile(r'"' + key + r'"\s*:\s*') for key in AGENT_RESULT_KEYS}
