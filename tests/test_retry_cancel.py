@@ -397,8 +397,13 @@ def test_cancel_of_a_running_job_whose_daemon_died_holds_even_with_a_receipt(env
     env.drop(order("DEAD-1"))
     wait_until(lambda: (env.root / "active" / "DEAD-1" / "work" / "receipt.json").exists(), 30, "the receipt")
     d.kill()
-    cancelled_while_no_daemon_runs(env, "DEAD-1")
+    result = cancelled_while_no_daemon_runs(env, "DEAD-1")
     assert not (env.root / "done" / "DEAD-1").exists()
+    # its agent ran: the attempt the crash cut is in the record, as a live cancel's is (section 5: every attempt)
+    [cut] = result["attempts"]
+    assert (cut["n"], cut["interrupted"], cut["argv"]) == (1, True, env.agent("--sleep-after", "60")["command"])
+    shown = json.loads(env.cli("show", "DEAD-1", "--json", check=True).stdout)
+    assert [a["n"] for a in shown["attempts"]] == [1]
 
 
 def test_a_retry_or_revision_of_an_agent_no_longer_in_the_config_waits_for_it(env: Env) -> None:

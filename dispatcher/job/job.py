@@ -202,9 +202,11 @@ class Job(Finishing, Deciding):
         n = numbers[-1]  # its agent's group was ended before the job was queued (``Housekeeping.recover``)
         if self.folder.has_kept_result(n):
             return None  # reopened by `dispatcher retry`: go on with a new attempt
-        if await self.ctx.lanes.io(self._cancel_asked):  # while no daemon ran: it ends as a live cancel does
-            return await self.finish(Row.FAILED, Stop.CANCELLED, [])
         record = next((a for a in self.attempts if a.n == n), None)
+        if await self.ctx.lanes.io(self._cancel_asked):  # while no daemon ran: it ends as a live cancel does
+            if record is None and not self.folder.never_started(n):  # its cut attempt is recorded all the same
+                await self._record_cut(n)
+            return await self.finish(Row.FAILED, Stop.CANCELLED, [])
         # its agent never started: attempt n runs as if the crash had come before it. Not for a job
         # taken over from a lost host, whose daemon may still be about to start that agent there,
         # nor with a receipt in work/ (a power cut lost the logs of an agent that ran: the checks decide)
@@ -214,17 +216,7 @@ class Job(Finishing, Deciding):
             return None
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
             if record is None:
-                started = self.folder.attempt_started(n)  # before its logs are made below, which would move it
-                agent_ran = not self.folder.never_started(n)  # without logs, only its before hook ran (if any)
-                await self._persist(partial(self.folder.make_logs, n, keep=True))  # every attempt has two logs
-                earlier = [a for a in self.attempts if a.n < n]
-                ran = attempt.argv_after(self.spec, self.folder.work, earlier, self.repo.path) if agent_ran else []
-                tail = await self.ctx.lanes.io(self.folder.stdout_tail, n, AGENT_TAIL_BYTES)
-                result = await self.ctx.lanes.io(parse_agent_result, tail) if tail.strip() else None
-                resumed = attempt.command_for(self.spec.agent, earlier)[1]
-                record = attempt.interrupted(n, started, ran, result, earlier, resumed)
-                self.attempts.append(record)
-                await self._persist(self.folder.record_attempt, record)
+                record = await self._record_cut(n)
             if record.retry_next:
                 return None
             if receipt:
@@ -236,6 +228,21 @@ class Job(Finishing, Deciding):
         if record.retry_next:
             return None
         return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
+
+    async def _record_cut(self, n: int) -> Attempt:
+        """Record attempt n, cut short by the crash of its daemon, as interrupted; return its record."""
+        started = self.folder.attempt_started(n)  # before its logs are made below, which would move it
+        agent_ran = not self.folder.never_started(n)  # without logs, only its before hook ran (if any)
+        await self._persist(partial(self.folder.make_logs, n, keep=True))  # every attempt has two logs
+        earlier = [a for a in self.attempts if a.n < n]
+        ran = attempt.argv_after(self.spec, self.folder.work, earlier, self.repo.path) if agent_ran else []
+        tail = await self.ctx.lanes.io(self.folder.stdout_tail, n, AGENT_TAIL_BYTES)
+        result = await self.ctx.lanes.io(parse_agent_result, tail) if tail.strip() else None
+        resumed = attempt.command_for(self.spec.agent, earlier)[1]
+        record = attempt.interrupted(n, started, ran, result, earlier, resumed)
+        self.attempts.append(record)
+        await self._persist(self.folder.record_attempt, record)
+        return record
 
     def _cancel_asked(self) -> bool:
         """Return True if `dispatcher cancel` asked for this job and the request is still open (io pool)."""
