@@ -417,6 +417,60 @@ def test_a_decision_killed_after_naming_its_result_is_landed_by_the_daemon(env: 
     assert not [e for e in d.events() if e.get("event") == "followup.lost"]
 
 
+@pytest.mark.parametrize("rescan_gets_there_first", [False, True])
+def test_a_rescan_during_a_live_decision_leaves_the_landing_to_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch, rescan_gets_there_first: bool
+) -> None:
+    """A daemon's rescan that comes between an approve's ledger write and its move does not land the job (the
+    approve holds the review lock): the approve lands it and says `approved; done`. Where the job is landed
+    meanwhile all the same (a rescan on another host, which this host's lock does not hold off), the approve
+    still says `approved; done`: the decision was its own. It said `was already approved` under load."""
+    import threading
+
+    from dispatcher import faults
+    from dispatcher.job import review
+    from dispatcher.layout import Layout
+    from dispatcher.lifecycle import Row
+    from dispatcher.spec.config import load_config
+    from dispatcher.store.jobstore import JobFolder
+    from dispatcher.store.ledgers import open_ledger
+
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("RACE-1"))
+    wait_until((env.root / "review" / "RACE-1").exists, 30, "the job in review/")
+    assert d.stop() == 0
+    cfg = load_config(env.config_path)
+    layout = Layout(cfg.root)
+    ledger = open_ledger(cfg, layout, patience_s=10)
+    decided, go_on = threading.Event(), threading.Event()
+    point = faults.point
+
+    def pause_at_the_decision(name: str) -> None:
+        point(name)
+        if name == "review.decided":
+            decided.set()
+            assert go_on.wait(30)
+
+    monkeypatch.setattr(faults, "point", pause_at_the_decision)
+    said: list[str] = []
+    approve = threading.Thread(target=lambda: said.append(review.decide(layout, ledger, "RACE-1", approve=True)))
+    approve.start()
+    try:
+        assert decided.wait(30), "the approve never wrote its decision"
+        review.settle_reviews(layout, open_ledger(cfg, layout, patience_s=10))  # a daemon's rescan, this host
+        assert (env.root / "review" / "RACE-1").is_dir(), "the rescan landed a decision under way"
+        if rescan_gets_there_first:  # as a rescan on another host would
+            review.land(layout, JobFolder(env.root / "review" / "RACE-1"), Row.DONE)
+    finally:
+        go_on.set()
+        approve.join(30)
+    assert said == ["RACE-1: approved; done"]
+    assert env.result("RACE-1", "done")["state"] == "done"
+    assert not (env.root / "review" / "RACE-1").exists()
+
+
 @pytest.mark.parametrize(("approve", "fault"), KILL_POINTS)
 def test_a_decision_killed_at_any_step_ends_in_one_place(env: Env, approve: bool, fault: str) -> None:
     """kill -9 of approve/reject at each step: the job ends in exactly one place; follow-ups run at most once."""

@@ -110,7 +110,9 @@ def _decide(
     except (FileNotFoundError, FileExistsError):  # landed by a command on another host meanwhile
         if folder.path.is_dir():
             raise
-        raise WrongState(_lost(ledger, job_id)) from None
+        if entry.state != Row.REVIEW:  # it was decided before this command: someone else's decision
+            raise WrongState(_lost(ledger, job_id)) from None
+        # this command's decision (its ledger write), landed by a daemon's rescan meanwhile: done all the same
     faults.point("review.landed")
     if approve:
 
@@ -124,12 +126,16 @@ def _decide(
     return f"{job_id}: rejected; failed" + ("; its requested revision is withdrawn" if withdrawn else "")
 
 
+def _review_lock(layout: Layout, timeout: float) -> FileLock:
+    """Return the root's review lock (``.state/review.lock``), held by each decision and by ``settle_reviews``."""
+    return FileLock(layout.state_dir / "review.lock", timeout=timeout, thread_local=False, preserve_lock_file=True)
+
+
 @contextlib.contextmanager
 def _one_decision(layout: Layout) -> Iterator[None]:
     """Hold the root's review lock: one decision at a time on this host (other hosts: the ledger's token)."""
     layout.state_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(layout.state_dir / "review.lock", timeout=DECISION_WAIT_S, thread_local=False,
-                    preserve_lock_file=True)  # fmt: skip
+    lock = _review_lock(layout, DECISION_WAIT_S)
     try:
         lock.acquire()
     except Timeout:
@@ -159,11 +165,30 @@ def land(layout: Layout, folder: JobFolder, state: Row) -> None:
 
 
 def settle_reviews(layout: Layout, ledger: Ledger) -> None:
-    """Land review folders whose decision the ledger already holds (a command killed midway)."""
+    """Land review folders whose decision the ledger already holds (a command killed midway).
+
+    Not while a decision holds the review lock on this host: that command lands its own
+    job (a decision between its ledger write and its move is no command killed midway).
+    The next rescan looks again.
+    """
     try:
         names = [n for n in os.listdir(layout.folder(State.REVIEW)) if not n.startswith(".")]
     except FileNotFoundError:
         return
+    if not names:
+        return
+    lock = _review_lock(layout, 0)
+    try:
+        lock.acquire()
+    except (Timeout, OSError):  # a decision is under way (or the lock cannot be made): the next rescan
+        return
+    try:
+        _land_decided(layout, ledger, names)
+    finally:
+        lock.release()
+
+
+def _land_decided(layout: Layout, ledger: Ledger, names: list[str]) -> None:
     for job_id in names:
         entry = ledger.get(job_id)
         folder = JobFolder(layout.job(State.REVIEW, job_id))
