@@ -335,7 +335,7 @@ def expiry(p: Parked, at: float) -> Refusal | None:
     order = p.item.order
     if order.expires is None or order.expires > at:
         return None
-    return Refusal(p.item.name, "expired", order.job_id, agent=order.to)
+    return Refusal(p.item.name, "expired", order.job_id, agent=order.to, inode=p.item.inode)
 
 
 def claimable_ahead(p: Parked) -> bool:

@@ -97,27 +97,32 @@ def inspect(
         st = seen if seen is not None else os.lstat(path)
     except FileNotFoundError:
         return None
+    judged = (st.st_dev, st.st_ino)  # a refusal takes this entry only, never one renamed over it since
     if not stat.S_ISREG(st.st_mode):
         kind = fsutil.kind_of(st.st_mode)
-        return Refusal(name, f"a {kind} is not a work order; it was not opened", entry_kind=kind)
+        return Refusal(name, f"a {kind} is not a work order; it was not opened", entry_kind=kind, inode=judged)
     fmt = order_format(name)
     if fmt is None:
-        return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
+        return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)", inode=judged)
     if not name_is_utf8(name):  # the ledger records a job's file name as text
-        return Refusal(name, "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`")
+        return Refusal(
+            name, "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`", inode=judged
+        )
     try:
         data = fsutil.read_regular(path, config.max_order_bytes)
         again = os.lstat(path)
     except FileNotFoundError:
         return None
     except fsutil.NotRegular as exc:
-        return Refusal(name, f"a {exc.kind} is not a work order; it was not opened", entry_kind=exc.kind)
+        return Refusal(name, f"a {exc.kind} is not a work order; it was not opened", entry_kind=exc.kind, inode=judged)
     except ValueError:
-        return Refusal(name, f"larger than max_order_bytes ({st.st_size} > {config.max_order_bytes} bytes)")
+        return Refusal(
+            name, f"larger than max_order_bytes ({st.st_size} > {config.max_order_bytes} bytes)", inode=judged
+        )
     except OSError as exc:
         if resource_of(exc) is not None:
             raise
-        return Refusal(name, f"cannot be read: {exc.strerror}")
+        return Refusal(name, f"cannot be read: {exc.strerror}", inode=judged)
     if (again.st_ino, again.st_size, again.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
         return None  # replaced or written to while being read: its own event brings it back
     apart = fmt == "yaml" and len(data) > APART_YAML_BYTES  # a long parse: in a child process
@@ -144,13 +149,14 @@ def inspect(
         )
     except OrderError as exc:  # refused by the strict rules: a plain parse may still read its job_id
         if loaded:
-            return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]), agent=agent_of(loaded[0], config))
+            job_id, agent = job_id_of(loaded[0]), agent_of(loaded[0], config)
+            return Refusal(name, exc.reason, job_id=job_id, agent=agent, inode=judged)
         # a large YAML file is not parsed a second time, here on the claim's way
-        return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, fmt))
+        return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, fmt), inode=judged)
     except (OSError, MemoryError):
         raise  # a shortage: the file waits
     except Exception as exc:  # noqa: BLE001 - a value no rule foresaw: refused, never holding up the orders behind it
-        return Refusal(name, oneline(f"cannot be read as a work order: {exc}"))
+        return Refusal(name, oneline(f"cannot be read as a work order: {exc}"), inode=judged)
     text = texts[0]
     if text is None and len(data) > AHEAD_TEXT_BYTES:  # a large JSON order: encoded here, not in the claim
         text = body_text(order.body)
@@ -216,7 +222,8 @@ def claim(
         cycle = find_cycle(ledger, item.order.job_id, after, pending) if after else None
         if cycle is not None:
             reason = "after: would make a cycle (" + " -> ".join(cycle) + ")"
-            refuse(layout, Refusal(item.name, reason, item.order.job_id, agent=item.order.to), owner, on_refused)
+            refusal = Refusal(item.name, reason, item.order.job_id, agent=item.order.to, inode=item.inode)
+            refuse(layout, refusal, owner, on_refused)
             out[i] = Refused(item.name, item.order.job_id)
             continue
         try:
@@ -373,7 +380,8 @@ def _repair_row(ledger: Ledger, job_id: str, state: State, folder: Path) -> None
 def _refuse(
     layout: Layout, owner: str, item: Inspected, state: str, on_refused: Callable[[Path, Refusal], None]
 ) -> Refused | Skipped:
-    refusal = Refusal(item.name, known_reason(item.order.job_id, state), item.order.job_id, agent=item.order.to)
+    why = known_reason(item.order.job_id, state)
+    refusal = Refusal(item.name, why, item.order.job_id, agent=item.order.to, inode=item.inode)
     try:
         refuse(layout, refusal, owner, on_refused)
     except OSError as exc:

@@ -5,11 +5,14 @@ FIFO, device or folder, the entry itself as ``entry``, never opened) and a
 ``result.json`` saying why. It is built in staging and put in place by one
 rename, so a crash leaves either the file in inbox/ or a whole refusal; its files and
 folder are fsynced before the inbox name goes, and inbox/ before the rename, so a power
-cut does too.
+cut does too. Only the entry that was judged is refused, and only its own name is
+removed: a new drop renamed over it meanwhile stays in inbox/, judged on its own, and of
+two daemons refusing one file, the one that removes its name places the refusal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +37,7 @@ class Refusal:
     job_id: str | None = None
     entry_kind: str | None = None  # set for symlinks, FIFOs, devices, folders
     agent: str | None = None
+    inode: tuple[int, int] | None = None  # (st_dev, st_ino) of the entry that was judged, when known
 
 
 def refuse(
@@ -61,24 +65,61 @@ def refuse(
         extra={"file": printable(refusal.name)},
     )
     (stage / "result.json").write_bytes(fsutil.dump_json(result.to_json()))
+    kept = stage / inner
     try:
-        linked = fsutil.link_out(src, stage / inner)
+        linked = fsutil.link_out(src, kept)
     except FileNotFoundError:
         remove_stage(stage)
         return None
     except OSError:
         remove_stage(stage)  # the file stays in inbox/ as it was, and no staging folder is left behind
         raise
+    if refusal.inode is not None and _identity(kept) != refusal.inode:
+        # the name holds another entry now (a new drop renamed over the judged one): judged on its own event
+        if not linked:
+            with contextlib.suppress(OSError):
+                fsutil.rename_noreplace(kept, src)
+        remove_stage(stage)
+        return None
     # the folder whole on disk before the inbox name goes, that gone before the folder is placed: after a power
     # cut the file is in inbox/, or in a staging folder that recovery places (``finish_stage``), or refused once
     synced = [stage / "result.json", stage / ".target", stage / ".source", stage, layout.staging]
     for error in fsutil.fsync_many(synced):
         if error is not None:
             raise error  # the staging folder stays: recovery places it (its file is inside, or still in inbox/)
-    if linked:
-        os.unlink(src)
+    if linked and not _take_name(src, kept):
+        remove_stage(stage)  # another daemon on this root refuses the same file: its folder keeps the bytes
+        return None
     fsutil.fsync_dir(layout.inbox)
     return place(layout, stage, base, lambda folder: on_placed(folder, refusal) if on_placed else None)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _take_name(src: Path, kept: Path) -> bool:
+    """Remove the inbox name of the file kept in the refusal; return False when the refusal is not this one's.
+
+    Only the same file's name goes: a name that holds another file now (a new drop renamed
+    over it) is left alone. A name gone already was taken by another daemon refusing the same
+    file (the file then has a second link, in that daemon's folder), or removed by a person
+    (it has none: this refusal keeps its bytes).
+    """
+    if fsutil.same_file(src, kept):
+        try:
+            os.unlink(src)
+            return True
+        except FileNotFoundError:
+            pass
+    try:
+        return os.lstat(kept).st_nlink <= 1
+    except OSError:
+        return False
 
 
 def place(layout: Layout, stage: Path, base: str, on_placed: Callable[[Path], None] | None = None) -> Path:
