@@ -139,11 +139,20 @@ def has_jobs(layout: Layout, *, finished: bool = False) -> bool:
             continue
         try:
             with os.scandir(layout.folder(state)) as it:
-                if any(not de.name.startswith(".") and "@" not in de.name for de in it):
+                if any(is_job_entry(de) and "@" not in de.name for de in it):
                     return True
         except FileNotFoundError:
             continue
     return False
+
+
+def is_job_entry(de: os.DirEntry[str]) -> bool:
+    """Return True for an entry of a state folder that may be a job (or a refusal): a folder, not hidden.
+
+    A job is always a folder; a file or link put there by hand (a README, an editor's
+    backup) is no job: never recovered, counted, listed or taken for a lost ledger.
+    """
+    return not de.name.startswith(".") and de.is_dir(follow_symlinks=False)
 
 
 def is_ignored(name: str) -> bool:

@@ -99,6 +99,28 @@ def test_show_of_a_running_attempt_gives_the_argv_it_runs_and_its_host(env: Env)
     assert "argv: " + " ".join([*base, "--sleep", "60", "--field", "session=S-7"]) in text, text
 
 
+def test_a_stray_file_in_a_state_folder_is_no_job(env: Env) -> None:
+    """A file put by hand into active/ (or review/, done/, failed/) is no job (section 1: those folders hold jobs):
+    `run --once` neither recovers nor waits for it, its name is not claimed in the ledger, and `status` and `list`
+    count and list none of them. A job folder beside them is all they show."""
+    env.drop(order("REAL-1"))
+    assert env.cli("run", "--once", timeout=60).returncode == 0
+    strays = {state: env.root / state / "README.txt" for state in ("active", "review", "done", "failed")}
+    for path in strays.values():
+        path.write_text("a note\n")
+    once = env.cli("run", "--once", timeout=60)
+    assert once.returncode == 0, once.stdout + once.stderr
+    assert "README.txt" not in once.stdout, once.stdout
+    assert all(path.read_text() == "a note\n" for path in strays.values())
+    data = status(env)
+    assert data["counts"]["active"] == 0 and data["counts"]["done"] == 1 and data["active"] == []
+    assert data["counts"]["failed"] == 0 and data["counts"]["refused"] == 0 and data["counts"]["review"] == 0
+    listed = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    assert [(row["job_id"], row["state"]) for row in listed] == [("REAL-1", "done")]
+    unknown = env.cli("show", "README.txt")  # the stray's name was never claimed as a job id in the ledger
+    assert unknown.returncode == 1 and "no such job" in unknown.stderr, (unknown.stdout, unknown.stderr)
+
+
 def test_spend_of_the_last_24_hours_per_agent(env: Env) -> None:
     """`status` sums the cost the agents reported for jobs finished in the last 24 h, per agent."""
     env.configure(agents={"worker": costing(env, 0.25), "other": costing(env, 0.125)})

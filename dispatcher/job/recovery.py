@@ -26,6 +26,7 @@ from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_r
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.settings import Config
 from dispatcher.store import refusals
+from dispatcher.store.counts import job_entries
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.results import build_result
 from dispatcher.store.staging import drop_inbox_twin, remove_stage
@@ -168,10 +169,8 @@ def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> None:
 
 
 def _active_ids(layout: Layout) -> list[str]:
-    try:
-        return sorted(n for n in os.listdir(layout.folder(State.ACTIVE)) if not n.startswith("."))
-    except FileNotFoundError:
-        return []
+    """Return the ids of the job folders in active/ (a stray file there is no job)."""
+    return sorted(de.name for de in job_entries(layout.folder(State.ACTIVE)))
 
 
 def fail_damaged(layout: Layout, ledger: Ledger, finisher: Finisher, job_id: str, token: int, exc: Exception) -> None:

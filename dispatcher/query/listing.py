@@ -30,7 +30,7 @@ from dispatcher.spec.jobspec import total_cost
 from dispatcher.spec.orders import parse_time
 from dispatcher.spec.result import Result
 from dispatcher.spec.settings import Config
-from dispatcher.store.counts import LIST_STATES, visible_entries
+from dispatcher.store.counts import LIST_STATES, job_entries, visible_entries
 from dispatcher.store.jobstore import JobFolder
 
 _NO_RESULT = Result(None, None, None, None)  # a folder whose result.json is missing or unreadable
@@ -97,7 +97,7 @@ def _active(
     only those, as ``waiting`` with ``until``; without, only the others.
     """
     held = held or {}
-    for de in visible_entries(layout.folder(state)):
+    for de in job_entries(layout.folder(state)):
         if state is State.ACTIVE and (de.name in held) != gated:
             continue
         folder = JobFolder(Path(de.path))
@@ -125,7 +125,7 @@ def _active(
 
 def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None) -> Iterator[dict[str, Any]]:
     """Rows of review/, done/ or failed/ jobs (refusals left out); with ledger_rows, no result.json is read."""
-    for de in visible_entries(layout.folder(state)):
+    for de in job_entries(layout.folder(state)):
         if "@" in de.name:
             continue
         entry = ledger_rows.get(de.name) if ledger_rows is not None else None
@@ -145,7 +145,7 @@ def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None
 
 
 def _refused(layout: Layout) -> Iterator[dict[str, Any]]:
-    for de in visible_entries(layout.folder(State.FAILED)):
+    for de in job_entries(layout.folder(State.FAILED)):
         if "@" not in de.name:
             continue
         result = JobFolder(Path(de.path)).result() or _NO_RESULT

@@ -20,7 +20,7 @@ from dispatcher.ledger.base import DaemonInfo, Ledger
 from dispatcher.lifecycle import State
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
-from dispatcher.store.counts import state_counts, visible_entries
+from dispatcher.store.counts import job_entries, state_counts
 from dispatcher.store.jobstore import JobFolder
 
 #: the window of `status`'s spend per agent
@@ -73,7 +73,7 @@ def active_jobs(layout: Layout, ledger: Ledger | None, daemons: list[DaemonInfo]
     start, or a live one, recovers it).
     """
     by_owner = {d.owner: d for d in daemons}
-    names = sorted(de.name for de in visible_entries(layout.folder(State.ACTIVE)))
+    names = sorted(de.name for de in job_entries(layout.folder(State.ACTIVE)))
     rows = ledger.known(names) if ledger and names else {}
     out = []
     for job_id in names:

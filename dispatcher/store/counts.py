@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from dispatcher.layout import Layout, is_ignored
+from dispatcher.layout import Layout, is_ignored, is_job_entry
 from dispatcher.lifecycle import State
 
 #: the states `status` counts; `failed` is failed jobs, `refused` refused files
@@ -35,10 +35,15 @@ def orders_in(folder: Path) -> int:
     return sum(1 for de in visible_entries(folder) if not is_ignored(de.name))
 
 
+def job_entries(folder: Path) -> Iterator[os.DirEntry[str]]:
+    """Yield the job (and refusal) folders of a state folder: its folders not hidden, no stray file."""
+    return (de for de in visible_entries(folder) if is_job_entry(de))
+
+
 def jobs_and_refusals(folder: Path) -> tuple[int, int]:
     """Return (jobs, refused files) in a state folder: refusal folders have '@' in their names."""
     jobs = refused = 0
-    for de in visible_entries(folder):
+    for de in job_entries(folder):
         if "@" in de.name:
             refused += 1
         else:
