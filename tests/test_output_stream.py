@@ -173,6 +173,15 @@ def test_unusable_output_says_why(tmp_path: Path, rel: str, data: bytes, error: 
     assert got.error is not None and got.error.startswith(error), got.error
 
 
+@pytest.mark.parametrize("size", [131_073, 500_000, 1_040_000])
+def test_a_csv_record_under_1_mib_is_read_whatever_its_one_field(tmp_path: Path, size: int) -> None:
+    """A record may be up to 1 MiB (README limits), in one CSV field too: the csv module's own 128 KiB bound on a
+    field does not refuse it."""
+    (tmp_path / "o.csv").write_bytes(b"id,team\nR1," + b"x" * size + b"\n")
+    got = read_output(tmp_path, "o.csv", make_order("o.csv", n=1))
+    assert got.error is None, got.error
+
+
 def test_file_that_grows_past_the_limit_while_read_is_refused(tmp_path: Path) -> None:
     """The size limit holds even when the file is larger than it said when opened."""
     (tmp_path / "o.jsonl").write_bytes(b'{"id": "R1"}\n' * 1000)

@@ -130,6 +130,20 @@ def test_an_agent_killed_by_a_signal_reads_killed_by_sigterm(env: Env) -> None:
     assert "stderr, the last line:" in shown and "last 1 lines" not in shown
 
 
+def test_show_json_keeps_the_stderr_tail_as_it_is_and_the_text_escapes_it(env: Env) -> None:
+    """`--json` keeps text as it is: ESC and U+202E of an agent's stderr reach it as they were written (JSON's
+    own escapes); the text for a person shows both escaped (section 7: no control character reaches a terminal)."""
+    script = "import sys; sys.stderr.write('\\x1b[31mred\\x1b[0m \\u202erev\\n'); sys.exit(3)"
+    env.configure({"worker": {"command": [sys.executable, "-c", script], "timeout": 30}})
+    env.drop(order("ESC-1"))
+    env.cli("run", "--once")
+    shown = json.loads(env.cli("show", "ESC-1", "--json", check=True).stdout)
+    assert shown["attempts"][0]["stderr_tail"] == ["\x1b[31mred\x1b[0m \u202erev"]
+    text = env.cli("show", "ESC-1", check=True).stdout
+    assert "| \\x1b[31mred\\x1b[0m \\u202erev" in text, text
+    assert "\x1b" not in text and "\u202e" not in text
+
+
 def test_one_hidden_stopped_daemon_is_counted_in_the_singular() -> None:
     """Four stopped daemons (three shown): `(1 older stopped daemon not shown; ...)`."""
     now = time.time()
@@ -139,6 +153,21 @@ def test_one_hidden_stopped_daemon_is_counted_in_the_singular() -> None:
     info = {"counts": {"inbox": 0}, "daemons": daemons, "active": [], "spend_24h": {}}
     text = render_status("/r", info, now)
     assert "  (1 older stopped daemon not shown; `dispatcher status --json` lists every one)" in text.splitlines()
+
+
+def test_the_stopped_owner_of_an_active_job_is_shown_beside_the_three_latest_others() -> None:
+    """README: the text names the stopped daemons that own active jobs *and* the three latest others; the owner
+    (here the oldest of five) does not take one of those three places."""
+    now = time.time()
+    daemons = [
+        {"owner": f"o{i}", "pid": 100 + i, "host": "h", "alive": False, "started": now - 60 * (i + 1)} for i in range(5)
+    ]
+    active = [{"job_id": "J-1", "agent": "w", "pid": 104, "host": "h", "age_s": 5.0, "daemon_alive": False}]
+    info = {"counts": {"inbox": 0}, "daemons": daemons, "active": active, "spend_24h": {}}
+    lines = render_status("/r", info, now).splitlines()
+    shown = [int(line.split()[2]) for line in lines if line.startswith("  stopped ")]
+    assert shown == [104, 100, 101, 102], lines
+    assert "  (1 older stopped daemon not shown; `dispatcher status --json` lists every one)" in lines
 
 
 def test_the_benchmarks_readme_gives_commands_relative_to_the_checkout() -> None:

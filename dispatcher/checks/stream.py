@@ -27,6 +27,8 @@ from dispatcher.spec.order import Order
 
 RECORD_MAX = 1 << 20
 _RECORD_MAX_TEXT = "1 MiB"
+# the csv module's own bound on a field is 128 KiB: a record's bound is RECORD_MAX, counted as it is read
+csv.field_size_limit(max(csv.field_size_limit(), RECORD_MAX + 1))
 CHUNK = 1 << 16
 _WS = re.compile(r"[ \t\n\r]*")
 _VALUE_STARTS = frozenset('{"-0123456789tfnNI')

@@ -34,7 +34,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
     alive = [d for d in daemons if d["alive"]]
     dead = [d for d in daemons if not d["alive"]]
     shown_dead = [d for d in dead if (d["pid"], d["host"]) in owners_of_active]
-    shown_dead += [d for d in dead if d not in shown_dead][: max(0, DEAD_SHOWN - len(shown_dead))]
+    shown_dead += [d for d in dead if d not in shown_dead][:DEAD_SHOWN]  # the owners, then the latest others
     if daemons:
         lines.append("daemons:")
         for d in alive + shown_dead:
@@ -134,7 +134,7 @@ def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
         lines.append(f"              {logs['before_stderr' if hook else 'stderr']}")
         if tail:
             lines.append(f"        {what}, {'the last line' if len(tail) == 1 else f'last {len(tail)} lines'}:")
-            lines.extend(f"          | {line}" for line in tail)
+            lines.extend(f"          | {printable(line)}" for line in tail)
         else:
             lines.append(f"        {what}: empty")
     return lines

@@ -14,7 +14,7 @@ from typing import Any
 
 from dispatcher import fsutil, procs
 from dispatcher.clock import iso
-from dispatcher.errors import OrderError, printable
+from dispatcher.errors import OrderError
 from dispatcher.job.attempt import argv_after
 from dispatcher.layout import JOB_ID, Layout, is_ignored
 from dispatcher.ledger.base import Ledger
@@ -36,10 +36,13 @@ _MAX_DEPTH = 64
 
 
 def log_tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
-    """Return the last lines of a log as printable text (control characters escaped, passwords ``***``), or []."""
+    """Return the last lines of a log as they are (passwords ``***``, long lines cut), or [].
+
+    ``--json`` keeps text as it is; what prints them for a person escapes control characters.
+    """
     text = fsutil.read_tail(path, _TAIL_BYTES).decode("utf-8", "replace")
     kept = [line for line in text.splitlines() if line.strip()][-lines:]
-    return [redact(printable(line if len(line) <= _LINE_MAX else line[:_LINE_MAX] + "...")) for line in kept]
+    return [redact(line if len(line) <= _LINE_MAX else line[:_LINE_MAX] + "...") for line in kept]
 
 
 def _failed_attempt(attempt: dict[str, Any], last: bool, job_failed: bool) -> bool:
