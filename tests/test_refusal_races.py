@@ -13,10 +13,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from dispatcher import fsutil
+from dispatcher.job.recovery import finish_staging
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
+from dispatcher.store import refusals
 from dispatcher.store.refusals import Refusal, refuse
 
 
@@ -117,3 +120,46 @@ def test_a_name_removed_by_a_person_meanwhile_leaves_the_refusal_its_bytes(
     monkeypatch.setattr(fsutil, "fsync_many", removed)
     assert refuse(layout, Refusal("gone.txt", "not an order", inode=judged), "vm-1") is not None
     assert list(_refused(layout).values()) == [b"keep me\n"]
+
+
+class _Cut(Exception):
+    """The daemon's death, between a refusal's durable folder and its inbox name's removal."""
+
+
+def _cut_before_the_name_goes(layout: Layout, name: str, judged: tuple[int, int], owner: str) -> None:
+    """Run a refusal that dies just before it removes the inbox name: its staging folder stays."""
+    with pytest.MonkeyPatch.context() as mp:
+
+        def dies(src: Path, kept: Path) -> bool:
+            raise _Cut
+
+        mp.setattr(refusals, "_take_name", dies)
+        with pytest.raises(_Cut):
+            refuse(layout, Refusal(name, "not a work order", job_id="J-9", inode=judged), owner)
+
+
+def test_a_refusal_cut_before_its_name_went_is_placed_at_start_and_logged(tmp_path: Path) -> None:
+    """The next start places the dead daemon's refusal, removes the inbox name, and logs the `job.refused` line the
+    dead daemon never wrote (it logs as the folder lands)."""
+    layout = _layout(tmp_path)
+    judged = _drop(layout, "junk.txt", b"junk\n")
+    _cut_before_the_name_goes(layout, "junk.txt", judged, "vm-dead")
+    with capture_logs() as logs:
+        finish_staging(layout, None, alive=lambda owner: False)  # type: ignore[arg-type]
+    assert list(_refused(layout).values()) == [b"junk\n"]
+    assert not (layout.inbox / "junk.txt").exists() and list(layout.staging.iterdir()) == []
+    [line] = [e for e in logs if e["event"] == "job.refused"]
+    assert (line["file"], line["job_id"], line["reason"]) == ("junk.txt", "J-9", "not a work order")
+    assert line["folder"] == next(layout.folder(State.FAILED).iterdir()).name
+
+
+def test_a_dead_daemons_refusal_of_a_file_another_daemon_refused_is_dropped(tmp_path: Path) -> None:
+    """Daemon X died holding a refusal; daemon Y refused the same file whole meanwhile: the next start drops X's
+    staging folder instead of placing the file a second time."""
+    layout = _layout(tmp_path)
+    judged = _drop(layout, "n2.txt", b"x\n")
+    _cut_before_the_name_goes(layout, "n2.txt", judged, "vm-dead")
+    assert refuse(layout, Refusal("n2.txt", "not a work order", inode=judged), "vm-live") is not None
+    finish_staging(layout, None, alive=lambda owner: owner == "vm-live")  # type: ignore[arg-type]
+    assert len(_refused(layout)) == 1
+    assert list(layout.staging.iterdir()) == []

@@ -13,11 +13,14 @@ two daemons refusing one file, the one that removes its name places the refusal.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import structlog
 
 from dispatcher import fsutil
 from dispatcher.clock import utc_stamp
@@ -26,6 +29,8 @@ from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
 from dispatcher.store.results import build_result
 from dispatcher.store.staging import new_stage, remove_stage
+
+log = structlog.get_logger("dispatcher")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,15 +146,34 @@ def place(layout: Layout, stage: Path, base: str, on_placed: Callable[[Path], No
 
 
 def finish_stage(layout: Layout, stage: Path) -> None:
-    """Put in place a refusal a dead daemon built but did not rename (its file is inside)."""
+    """Put in place a refusal a dead daemon built but did not rename (its file is inside), and log it.
+
+    Its ``job.refused`` line was never written: the dead daemon logs it as the folder lands.
+    A refusal whose file another daemon refused meanwhile (its inbox name gone, the file
+    linked there too) is dropped instead: that refusal holds the bytes.
+    """
     target, source = stage / ".target", stage / ".source"
     base = os.fsdecode(target.read_bytes()) if target.exists() else stage.name
-    if source.exists():
-        kept = next(p for p in stage.iterdir() if p.name.startswith("order") or p.name == "entry")
-        name = os.fsdecode(source.read_bytes())
-        if name and fsutil.same_file(layout.inbox / name, kept):
-            os.unlink(layout.inbox / name)
-    place(layout, stage, base)
+    kept = next(p for p in stage.iterdir() if p.name.startswith("order") or p.name == "entry")
+    name = os.fsdecode(source.read_bytes()) if source.exists() else ""
+    if name and not _take_name(layout.inbox / name, kept):
+        remove_stage(stage)
+        return
+    placed = place(layout, stage, base)
+    try:
+        said = json.loads(fsutil.read_regular(placed / "result.json", 1 << 20))
+    except (OSError, ValueError, fsutil.NotRegular):
+        said = {}
+    said = said if isinstance(said, dict) else {}
+    log.warning(
+        "job.refused",
+        agent=said.get("agent"),
+        file=said.get("file", name),
+        job_id=said.get("job_id"),
+        reason=said.get("reason"),
+        folder=placed.name,
+        step="recovered",
+    )
 
 
 def _cut(text: str, limit: int) -> str:
