@@ -17,6 +17,7 @@ import pytest
 from conftest import Env, order, wait_until
 from helpers_faults import (
     agent_starts,
+    alive,
     assert_running,
     job_states,
     refusals,
@@ -237,3 +238,29 @@ def test_three_daemons_with_kills_never_run_a_job_twice(env: Env) -> None:
         if state == "failed":
             reason = json.loads((env.root / "failed" / job_id / "result.json").read_text())["reason"]
             assert "retr" in reason.lower(), reason
+
+
+def test_a_killed_daemons_agent_keeps_its_slot_until_it_is_ended(env: Env) -> None:
+    """`concurrency: 1` over the whole root (section 3): daemon A is killed while its agent runs; daemon B does not
+    start a second copy of that agent beside the one A left running (its slot stays taken while it lives), and
+    starts the queued job once the orphan has been ended (section 6)."""
+    env.configure(
+        agents={"one": env.agent("--sleep", "60", concurrency=1)}, max_jobs=2, rescan_interval=2, kill_grace=1
+    )
+    a, b = env.daemon(), env.daemon()
+    a.wait_ready()
+    b.wait_ready()
+    env.drop(order("SLOT-1", to="one"))
+    wait_until(lambda: [j for j, _ in env.starts()] == ["SLOT-1"], 30, "the first agent to start")
+    env.drop(order("SLOT-2", to="one"))
+    time.sleep(1.0)  # SLOT-2 is claimed or read, and waits for the one slot
+    assert [j for j, _ in env.starts()] == ["SLOT-1"]
+    first_pid = int(env.count_file.read_text().split()[2])
+    owner = json.loads(env.cli("status", "--json", check=True).stdout)["active"]
+    [row] = [r for r in owner if r["job_id"] == "SLOT-1"]
+    killed, survivor = (a, b) if a.proc is not None and row["pid"] == a.proc.pid else (b, a)
+    killed.kill()
+    wait_until(lambda: "SLOT-2" in [j for j, _ in env.starts()], 60, "the queued job to start on the survivor")
+    assert not alive(first_pid), "a second copy started beside the dead daemon's agent"
+    assert any(e.get("event") == "agent.orphan_ended" for e in survivor.events())
+    assert survivor.stop() == 0

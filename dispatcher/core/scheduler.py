@@ -56,6 +56,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.wake = wake
         self.slots: RunningJobs[Job] = RunningJobs(ctx.metrics)
         self.running = self.slots.jobs  # the same dict, never replaced
+        ctx.slot_fd = self._slot_fd
         self.again: dict[str, Job] = {}  # jobs queued for another attempt after giving their slot back
         self.parked: collections.deque[Parked] = collections.deque()
         self.inflight = 0
@@ -87,6 +88,11 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self._free_idle()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _slot_fd(self, job_id: str, agent: str) -> int | None:
+        """Return the descriptor of the agent slot the running job holds (its agent inherits it), or None."""
+        r = self.running.get(job_id)
+        return self.ctx.ledger.slot_fd(agent, r.slot) if r is not None and r.slot is not None else None
 
     def free_slots(self) -> int:
         """Return how many more jobs this daemon may start now (``max_jobs`` minus what holds a slot)."""

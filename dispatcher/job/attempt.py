@@ -109,6 +109,7 @@ def process(
     workspace: Workspace | None = None,
     git_view: GitView | None = None,
     check: tuple[float, Path] | None = None,
+    slot_fd: int | None = None,
 ) -> AgentProcess:
     """Return the (not yet started) process of attempt n, of its probe, or of a user check.
 
@@ -117,7 +118,8 @@ def process(
     ``check`` = (timeout, log file) runs a user check (section 14) the same way, its
     stdout and stderr into that one file. ``git_view``: the attempt's own view of the
     repository under the sandbox (``gitview``); without it, a sandboxed probe or check
-    sees the repository read-only.
+    sees the repository read-only. ``slot_fd``: the descriptor of the agent's slot, which the
+    agent inherits (its slot stays taken while it lives, whatever happens to its daemon).
     """
     agent = spec.agent
     ws_path = Path(workspace.path) if workspace is not None else None
@@ -146,6 +148,7 @@ def process(
         log_prefix="probe-" if probe else "",
         idle_timeout_s=None if probe or check is not None else agent.idle_timeout_s,
         one_log=check[1] if check is not None else None,
+        keep_fd=slot_fd,
     )
 
 

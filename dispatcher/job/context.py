@@ -35,3 +35,5 @@ class JobContext:
     #: ids of jobs adopted at start whose recovery has not decided yet (READY=1 waits for them)
     unrecovered: set[str] = field(default_factory=set)
     recovered: Callable[[str], None] = lambda job_id: None  # a job's recovery decided (or it ended)
+    # the descriptor of the agent slot a job holds (job_id, agent), for its agent to inherit (``Ledger.slot_fd``)
+    slot_fd: Callable[[str, str], int | None] = lambda job_id, agent: None

@@ -381,8 +381,9 @@ class Job(Finishing, Deciding):
         """Start attempt n's agent; return the error if it cannot start (a shortage: ``Outcome.SHORT``)."""
         cfg = self.ctx.config()
         proc = attempt.process(
-            self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_view=self.repo.git_view
-        )
+            self.spec, self.folder, n, argv, cfg, log_dir, workspace=self.repo.ws, git_view=self.repo.git_view,
+            slot_fd=self.ctx.slot_fd(self.job_id, self.agent),
+        )  # fmt: skip
         if self.ctx.fenced():  # its lease went unrenewed for lease/2 (section 12): no agent starts now;
             await self.ctx.lanes.io(self.folder.drop_attempt, n)  # recovery takes the job back once it is renewed
             return Outcome.LEFT  # (a claim that was on its way to the ledger during an outage lands here)

@@ -183,14 +183,17 @@ class AgentProcess:
         log_prefix: str = "",
         idle_timeout_s: float | None = None,
         one_log: Path | None = None,
+        keep_fd: int | None = None,
     ) -> None:
         """``env``: names and values as text, or as bytes already (``EnvB``); ``one_log``: write stdout and
-        stderr, as they come, into this one file (a user check's log)."""
+        stderr, as they come, into this one file (a user check's log); ``keep_fd``: a descriptor the agent
+        inherits (its slot's lock)."""
         self.argv = argv
         self.cwd = cwd
         self.env = env if isinstance(env, EnvB) else encode_env(env)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
+        self.keep_fd = keep_fd
         logs = os.fspath(log_dir) if log_dir is not None else None
         out_path = f"{logs}/{log_prefix}stdout.log" if logs is not None else one_log
         err_path = f"{logs}/{log_prefix}stderr.log" if logs is not None else one_log
@@ -214,7 +217,7 @@ class AgentProcess:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self.started = time.time()
-        self._proc, self._out.fd, self._err.fd = _spawn(self.argv, self.cwd, self.env)
+        self._proc, self._out.fd, self._err.fd = _spawn(self.argv, self.cwd, self.env, self.keep_fd)
         # from here on the agent runs: nothing below may turn into "cannot start"
         self.pid = self._proc.pid
         watch = self._readers = readers()
@@ -383,8 +386,12 @@ def _which(name: str, path: bytes | None) -> str | None:
     return shutil.which(name, path=os.defpath if path is None else os.fsdecode(path))
 
 
-def _spawn(argv: Sequence[str], cwd: str | os.PathLike[str], env: EnvB) -> tuple[subprocess.Popen[bytes], int, int]:
+def _spawn(
+    argv: Sequence[str], cwd: str | os.PathLike[str], env: EnvB, keep_fd: int | None = None
+) -> tuple[subprocess.Popen[bytes], int, int]:
     """Start argv in its own session; return it and the read ends of its stdout and stderr pipes.
+
+    ``keep_fd``: a descriptor the child inherits (open in it under the same number).
 
     A bare program name is looked up on PATH once: Popen would try every folder of PATH
     with its own execve at each start; the lookup is cached per (name, PATH), and a cached
@@ -403,12 +410,12 @@ def _spawn(argv: Sequence[str], cwd: str | os.PathLike[str], env: EnvB) -> tuple
         raise
     try:
         try:
-            proc = _popen(argv, cwd, env, found, out_w, err_w)
+            proc = _popen(argv, cwd, env, found, out_w, err_w, keep_fd)
         except FileNotFoundError:
             if found is None:
                 raise
             _which.cache_clear()  # the program moved since it was looked up: let Popen search again
-            proc = _popen(argv, cwd, env, None, out_w, err_w)
+            proc = _popen(argv, cwd, env, None, out_w, err_w, keep_fd)
     except BaseException:
         os.close(out_r)
         os.close(err_r)
@@ -436,6 +443,7 @@ def _popen(
     executable: str | None,
     stdout: int,
     stderr: int,
+    keep_fd: int | None = None,
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         list(argv),
@@ -447,4 +455,5 @@ def _popen(
         stderr=stderr,
         start_new_session=True,
         close_fds=True,
+        pass_fds=() if keep_fd is None else (keep_fd,),
     )

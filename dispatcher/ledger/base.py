@@ -343,6 +343,15 @@ class Ledger(ABC):
     def free_slot(self, agent: str, slot: int) -> None:
         """Give a slot back."""
 
+    def slot_fd(self, agent: str, slot: int) -> int | None:
+        """Return a descriptor that holds one of this daemon's slots while open, for its agent to inherit; or None.
+
+        An agent that inherits it keeps its slot taken after its daemon died (``kill -9``), until
+        it is ended, so that no daemon starts another copy of it beside it (section 3:
+        ``concurrency`` over the whole root). Slots kept in a shared ledger have none.
+        """
+        return None
+
     # -- bulk (migrate, rebuild, benchmarks) --------------------------------------------
     @abstractmethod
     def rows(self) -> Iterator[Entry]:

@@ -11,6 +11,7 @@ together against 1.3 us for open, flock and close.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -172,10 +173,17 @@ class SlotLock:
         return True
 
     def release(self) -> None:
-        """Give the lock back (closing its descriptor drops the flock)."""
+        """Give the lock back, whoever else holds its descriptor (an agent that inherited it), and close it."""
         fd, self._fd = self._fd, -1
         if fd >= 0:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+    @property
+    def fd(self) -> int | None:
+        """The descriptor that holds the lock, while held."""
+        return self._fd if self._fd >= 0 else None
 
     def intact(self) -> bool:
         """Return False if the lock is held but its file is no longer at its path (deleted or replaced)."""
@@ -206,6 +214,12 @@ class FlockSlots:
             mine.add(i)
             return i
         return None
+
+    def fd(self, agent: str, slot: int) -> int | None:
+        """Return the descriptor that holds one of our slots (its agent inherits it), or None."""
+        if slot not in self._held.get(agent, ()):
+            return None
+        return self._locks[(agent, slot)].fd
 
     def free(self, agent: str, slot: int) -> None:
         """Give a slot back so that any daemon may take it."""

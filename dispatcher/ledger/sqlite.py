@@ -366,6 +366,10 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         """Give a slot back."""
         self._slots.free(agent, slot)
 
+    def slot_fd(self, agent: str, slot: int) -> int | None:
+        """Return the descriptor of the slot's flock: an agent that inherits it holds the slot while it lives."""
+        return self._slots.fd(agent, slot)
+
     # -- bulk ---------------------------------------------------------------------------------
     def load_rows(self, entries: Iterable[Entry]) -> int:
         """Insert rows as they are, keeping rows the ledger already has; return how many were new."""
