@@ -451,6 +451,30 @@ def test_a_stop_ends_a_running_after_hook_at_stop_timeout_as_it_ends_agents(env:
     assert record["ok"] is False, record
 
 
+def test_a_stop_during_the_after_hook_leaves_the_landing_owed_for_the_next_start(env: Env, tmp_path: Path) -> None:
+    """SIGTERM while a done job's after hook runs: the hook is ended at stop_timeout, and the land hook, not started
+    yet, is not started then (it would be ended at once and recorded failed, never to run on its own): it stays
+    owed, and the next start lands the job, once (section 15: exactly once after done)."""
+    repo = make_repo(tmp_path / "shop")
+    started = tmp_path / "after.started"
+    log = tmp_path / "land.txt"
+    after = ["sh", "-c", 'echo $$ > "$0"; sleep 120', str(started)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=_land(log))
+    env.configure(agents={"coder": agent}, stop_timeout=2, kill_grace=1)
+    d = env.daemon()
+    env.drop(code_order("S2"))
+    env.wait_job("S2", "done")
+    _sigterm_while_the_hook_runs(d, started)
+    assert not log.exists(), "the land hook ran during the stop"
+    records = env.job_dir("S2", "done") / "land"
+    assert not records.exists() or not any(records.iterdir()), "a landing was recorded during the stop"
+    assert count_events(d, "land.failed") == 0
+    d2 = env.daemon()
+    d2.wait_event("job.landed", job_id="S2")
+    d2.stop()
+    assert len(log.read_text().splitlines()) == 1
+
+
 def test_a_rescan_during_the_after_hook_does_not_land_before_the_worktree_is_gone(env: Env, tmp_path: Path) -> None:
     """rescan_interval 0.5 and an after hook of 3 s: land still runs once, after the after hook and after the
     worktree's removal (the land hook checks that the worktree is gone), never from a rescan beside the hook."""

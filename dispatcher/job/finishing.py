@@ -74,7 +74,7 @@ class Finishing(abc.ABC):
             full_step="stage_result",
         )
         if ok:
-            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
         return outcome_of(state) if ok else Outcome.FENCED
 
     async def _until_written(self, once: Callable[[], Awaitable[T]], step: str, *, full_step: str = "") -> T:
@@ -110,7 +110,7 @@ class Finishing(abc.ABC):
         state = settled.finish.state
         ok = await self.ctx.finisher.after_commit(settled.finish, settled.result, settled.landed, release=False)
         if ok:
-            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
         return outcome_of(state) if ok else Outcome.FENCED
 
     def _result(

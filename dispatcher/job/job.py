@@ -188,7 +188,7 @@ class Job(Finishing, Deciding):
         ok = await self.ctx.finisher.land(self.folder, finish, result, release=True)
         if ok and state in (Row.DONE, Row.FAILED, Row.REVIEW):
             self.repo.restore(result.extra.get("workspace"))
-            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify)
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
         return outcome_of(state) if ok else Outcome.FENCED
 
     # -- recovery ---------------------------------------------------------------------------

@@ -215,8 +215,15 @@ class JobRepo:
             step = afterowed.owe if state == Row.REVIEW else afterowed.drop
             await self.lanes.io(step, self.layout, self.spec.job_id)
 
-    async def after_final(self, state: Row, cfg: Config, notify: landing.Notify | None) -> None:
-        """After the finish: run ``after`` (owed in review/), remove the worktree (branch kept), land a done job."""
+    async def after_final(
+        self, state: Row, cfg: Config, notify: landing.Notify | None, stopping: Callable[[], bool] = lambda: False
+    ) -> None:
+        """After the finish: run ``after`` (owed in review/), remove the worktree (branch kept), land a done job.
+
+        Once a stop has begun (``stopping``) no landing starts: it stays owed, and the next start
+        lands the job (a landing started now would be ended at the stop's deadline, and recorded
+        failed, never to run again on its own).
+        """
         after = self.spec.agent.repo.after
         if after is not None and state != Row.REVIEW:  # a job in review owes it until decided (``afterowed``)
             job_path = self.layout.job(landed_state(state), self.spec.job_id)
@@ -233,6 +240,9 @@ class JobRepo:
             except (GitError, OSError) as exc:
                 log.warning("workspace.remove_failed", error=str(exc))
         if state == Row.DONE and self.spec.agent.repo.land is not None:
+            if stopping():
+                log.info("land.deferred", reason="a stop began: the next start lands the job")
+                return
             faults.point("land.before")
             if await self.lanes.io(landing.claim, self.layout, self.spec.job_id):
                 await landing.land(self.layout, self.spec.job_id, cfg, self.lanes.io, notify)
