@@ -7,10 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from conftest import Env, cli_env, order, wait_until
 
-from dispatcher.ops.daemons import unit_of_cgroup
+from dispatcher.ops.daemons import systemd_unit, unit_of_cgroup
 
 pytest_plugins = ["pg_fixtures"]
 
@@ -78,6 +80,36 @@ def test_a_daemon_under_systemd_is_named_with_its_unit() -> None:
     assert unit_of_cgroup("1:name=systemd:/system.slice/dispatcher.service\n4:memory:/x\n") == "dispatcher.service"
     assert unit_of_cgroup("0::/user.slice/user-1000.slice/user@1000.service/app.slice/x.scope\n") is None
     assert unit_of_cgroup("0::/\n") is None
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "parent", "advice"),
+    [
+        ("0::/system.slice/dispatcher.service\n", "systemd", "systemctl reload dispatcher.service"),
+        ("0::/system.slice/cron.service\n", "cron", None),  # started by cron: signalled, never `reload cron`
+        ("1:name=systemd:/system.slice/ssh.service\n", "bash", None),  # an ssh session without pam_systemd
+        ("0::/system.slice/jenkins.service\n", "java", None),  # a CI job
+        (
+            "0::/user.slice/user-1000.slice/user@1000.service/app.slice/dispatcher.service\n",
+            "systemd",
+            "systemctl --user reload dispatcher.service",
+        ),
+        ("0::/user.slice/user-1000.slice/session-3.scope\n", "bash", None),
+    ],
+    ids=["system-unit", "cron", "ssh", "ci-job", "user-unit", "session"],
+)
+def test_only_a_daemon_systemd_started_is_sent_to_systemctl(
+    tmp_path: Path, cgroup: str, parent: str, advice: str | None
+) -> None:
+    """A daemon in a service's cgroup is that unit's own only when a systemd is its parent: one started by cron, in
+    an ssh session or by a CI job is signalled (section 7: reload asks the daemons, as SIGHUP); a user unit is
+    named with `systemctl --user`. Read from a /proc laid out as the kernel lays it out."""
+    (tmp_path / "4711").mkdir()
+    (tmp_path / "4711" / "cgroup").write_text(cgroup)
+    (tmp_path / "4711" / "stat").write_text("4711 (python3 -m dis) S 812 4711 4711 0 -1 4194560 0 0\n")
+    (tmp_path / "812").mkdir()
+    (tmp_path / "812" / "comm").write_text(parent + "\n")
+    assert systemd_unit(4711, proc=tmp_path) == advice
 
 
 def test_the_postgresql_ledger_records_the_digest_also_in_a_ledger_made_before_it(pg_db: str) -> None:

@@ -24,13 +24,37 @@ def this_host() -> str:
     return socket.gethostname()
 
 
-def systemd_unit(pid: int) -> str | None:
-    """Return the systemd service that runs pid (from /proc/PID/cgroup, readable by anyone), or None."""
+def systemd_unit(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """Return how to reload the systemd service whose main process pid is, or None if systemd does not run it.
+
+    A daemon is a unit's own process when systemd started it: its parent is a systemd
+    (the system's, or a user's service manager). A daemon started by hand, by cron, from
+    an ssh session or a CI job sits in that service's cgroup too, but its parent is another
+    program: it is signalled like any other. Read from /proc, readable by anyone.
+    """
     try:
-        text = Path(f"/proc/{pid}/cgroup").read_text()
+        text = (proc / str(pid) / "cgroup").read_text()
     except OSError:
         return None
-    return unit_of_cgroup(text)
+    unit = unit_of_cgroup(text)
+    if unit is None or not _started_by_systemd(pid, proc):
+        return None
+    return f"systemctl --user reload {unit}" if _under_user_manager(text) else f"systemctl reload {unit}"
+
+
+def _started_by_systemd(pid: int, proc: Path) -> bool:
+    """Return True if pid's parent is a systemd (PID 1's, or a user's service manager)."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        return (proc / str(ppid) / "comm").read_text().strip() == "systemd"
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _under_user_manager(text: str) -> bool:
+    """Return True if a /proc/PID/cgroup text puts the process under a user's service manager (user@UID.service)."""
+    return any("/user@" in line for line in text.splitlines())
 
 
 def unit_of_cgroup(text: str) -> str | None:
@@ -74,9 +98,10 @@ def reload(daemons: list[DaemonInfo]) -> list[Reloaded]:
     """Send SIGHUP to each live daemon given, except those systemd runs; return what happened to each."""
     out = []
     for d in daemons:
-        unit = systemd_unit(d.pid)
-        if unit is not None:
-            out.append(Reloaded(d, False, f"runs under systemd as {unit}: use `systemctl reload {unit}`"))
+        command = systemd_unit(d.pid)
+        if command is not None:
+            unit = command.rpartition(" ")[2]
+            out.append(Reloaded(d, False, f"runs under systemd as {unit}: use `{command}`"))
             continue
         try:
             os.kill(d.pid, signal.SIGHUP)
