@@ -135,6 +135,23 @@ def test_an_order_not_started_by_expires_is_refused_as_expired(env: Env) -> None
     assert d.stop() == 0
 
 
+def test_an_order_that_expires_before_it_is_due_is_refused_at_its_expires(env: Env) -> None:
+    """`expires` before `not_before`: refused as `expired` when its expires comes (section 16: not started by then),
+    not 30 s later when it would have been due."""
+    d = env.daemon()
+    d.wait_ready()
+    t0 = time.time()
+    env.drop(order("early-end", not_before=iso(t0 + 30), expires=iso(t0 + 2)))
+    refused = env.wait_refused("early-end", timeout=20)
+    assert refused["reason"] == "expired"
+    assert time.time() - t0 < 15, "refused only when it was due"
+    stamp = next(p.name for p in (env.root / "failed").iterdir() if p.name.startswith("early-end@"))
+    at = datetime.strptime(stamp.split("@")[1][:15], "%Y%m%dT%H%M%S").replace(tzinfo=UTC).timestamp()
+    assert t0 + 1 <= at <= t0 + 15, (stamp, t0)
+    assert [j for j, _ in env.starts()] == []
+    assert d.stop() == 0
+
+
 def test_unquoted_yaml_times_and_the_basic_format_are_iso_8601_times(env: Env) -> None:
     """`not_before:` and `expires:` written unquoted in YAML (the README's way) or in basic format are times.
 

@@ -321,10 +321,11 @@ def not_now(work: Parked | str) -> Dropped | NoSlot | Gone:
 def when(order: Order, name: str = "", *, now: bool = False) -> Later | Refusal | None:
     """Return ``Later`` for an order not due yet, a Refusal (``expired``) for one past its expires, else None."""
     t = time.time()
-    if order.not_before is not None and order.not_before > t and not now:
-        return Later(name, order.not_before, order.priority)
-    if order.expires is not None and order.expires <= t:
+    if order.expires is not None and order.expires <= t:  # expired before it was due, too: refused at its expires
         return Refusal(name, "expired", order.job_id, agent=order.to)
+    if order.not_before is not None and order.not_before > t and not now:
+        due = order.not_before if order.expires is None else min(order.not_before, order.expires)
+        return Later(name, due, order.priority)
     return None
 
 

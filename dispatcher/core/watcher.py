@@ -187,9 +187,10 @@ class Inbox:
 
     def _push(self, name: str, mtime_ns: int, dir_fd: int | None = None) -> None:
         glance = self._peek(name, dir_fd)
-        if glance.not_before is not None and glance.not_before > time.time():
-            self.defer(name, glance.not_before, glance.priority, mtime_ns)
-            return
+        due, expires = glance.not_before, glance.expires
+        if due is not None and (now := time.time()) < due and (expires is None or expires > now):
+            self.defer(name, due if expires is None else min(due, expires), glance.priority, mtime_ns)
+            return  # (one that expires before it is due is read then, and refused)
         self._ready_names.add(name)
         if glance.joins:
             self._joins.append(name)
