@@ -556,3 +556,48 @@ def test_a_joins_branch_starts_from_base_as_it_was_at_the_claim(env: Env, tmp_pa
     assert result["workspace"]["base"] == at_claim
     assert git(repo, "merge-base", "dispatch/BJ", "main") == at_claim
     assert d.stop() == 0
+
+
+def test_two_daemons_never_both_take_the_halves_of_an_after_cycle(env: Env) -> None:
+    """A0 after B0 and B0 after A0, renamed in together under two daemons, ten pairs: no pair ends with both
+    halves waiting for each other for good (section 16: an `after` that would make a cycle is refused). Each claim
+    looked for a cycle before the other's wait was recorded; the one recorded later now sees it and fails. (The
+    half that is not cut waits for its parent until max_wait, as for any parent refused.)"""
+    env.configure(agents={"worker": env.agent()}, max_wait=600)
+    daemons = [env.daemon(), env.daemon()]
+    for d in daemons:
+        d.wait_ready()
+    stage = env.tmp / "stage"
+    stage.mkdir()
+    for i in range(10):
+        for a, b in ((f"A{i}", f"B{i}"), (f"B{i}", f"A{i}")):
+            (stage / f"{a}.json").write_text(json.dumps(order(a, after=[b])))
+        os.rename(stage / f"A{i}.json", env.root / "inbox" / f"A{i}.json")
+        os.rename(stage / f"B{i}.json", env.root / "inbox" / f"B{i}.json")
+        time.sleep(0.3)
+
+    def ends(job_id: str) -> list[str]:
+        """Where the one file of job_id ended: its job folder's state, or `refused`."""
+        found = [s for s in ("waiting", "active", "done", "failed") if (env.root / s / job_id).is_dir()]
+        return found + ["refused" for p in (env.root / "failed").iterdir() if p.name.startswith(f"{job_id}@")]
+
+    def decided() -> bool:
+        inbox = [p for p in (env.root / "inbox").iterdir() if not p.name.startswith(".")]
+        pairs = [(ends(f"A{i}"), ends(f"B{i}")) for i in range(10)]
+        return not inbox and all(a and b and not (a == b == ["waiting"]) for a, b in pairs)
+
+    wait_until(decided, 30, "each pair decided: no two halves waiting for each other")
+    time.sleep(1.0)  # nothing changes its mind later
+    for d in daemons:
+        assert d.stop() == 0
+    for i in range(10):
+        a, b = ends(f"A{i}"), ends(f"B{i}")
+        assert len(a) == 1 and len(b) == 1, (i, a, b)  # one file: one end, never a job and a refusal
+        assert not (a == b == ["waiting"]), (i, a, b)
+        reasons = {
+            j: json.loads((env.root / "failed" / j / "result.json").read_text())["reason"]
+            for j, e in ((f"A{i}", a), (f"B{i}", b))
+            if e == ["failed"]
+        }
+        cut = [j for j, e in ((f"A{i}", a), (f"B{i}", b)) if e == ["refused"] or "cycle" in reasons.get(j, "")]
+        assert cut, (i, a, b, reasons)

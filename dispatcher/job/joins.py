@@ -39,6 +39,7 @@ from dispatcher import faults, fsutil
 from dispatcher.job.finish import Finisher
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger, Request, Wait
+from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop
 from dispatcher.spec.orders import parse_time
 from dispatcher.spec.settings import Config
@@ -239,7 +240,14 @@ class Joins:
         if not self.ledger.wait(job_id, token, after, rule):
             return False
         log.info("job.waiting", job_id=job_id, agent=spec.agent.name, after=list(after), rule=rule)
-        self.check(self.ledger.waits([job_id]))  # a parent may have finished before the wait was recorded
+        waits = self.ledger.waits([job_id])
+        # the claim looked for a cycle before this wait was recorded: another daemon may have claimed the other
+        # half of one meanwhile, each claim blind to the other's wait. Looked for again now, the later one sees it
+        cycle = find_cycle(self.ledger, job_id, after) if after else None
+        if cycle is not None and waits and (taken := self.ledger.take_waiting(job_id)) is not None:
+            self._carry_out(waits[0], taken, Verdict(reason="after: would make a cycle (" + " -> ".join(cycle) + ")"))
+            return True
+        self.check(waits)  # a parent may have finished before the wait was recorded
         return True
 
     def rewait(self, job_id: str, token: int) -> None:
