@@ -205,8 +205,12 @@ def test_a_daemon_killed_while_carrying_out_a_revise(env: Env, fault: str) -> No
     crashing.wait_ready()
     env.cli("revise", "CRASH-2", "--note", NOTE, check=True)
     assert crashing.wait(60) == -9
-    env.daemon().wait_ready()
+    again = env.daemon()
+    again.wait_ready()
     result = in_review(env, "CRASH-2", 2)
+    # one job.revised line for the revision, whichever daemon carried it out (section 14: job.revised is logged)
+    revised = [e for e in crashing.events() + again.events() if e.get("event") == "job.revised"]
+    assert [(e["job_id"], e["note"]) for e in revised] == [("CRASH-2", NOTE)], revised
     assert [a["n"] for a in result["attempts"]] == [1, 2]
     assert [s for s in env.starts() if s[0] == "CRASH-2"] == [("CRASH-2", 1), ("CRASH-2", 2)]
     folder = env.root / "review" / "CRASH-2"

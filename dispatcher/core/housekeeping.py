@@ -23,7 +23,7 @@ import structlog
 from dispatcher import logs, procs
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.finished import FinishedCounts
-from dispatcher.job import recovery, repowork
+from dispatcher.job import recovery, repowork, revise
 from dispatcher.job.context import JobContext
 from dispatcher.job.joins import Joins
 from dispatcher.job.review import settle_reviews
@@ -270,6 +270,7 @@ class Housekeeping:
                 if where is None or where[0] not in (State.REVIEW, State.FAILED):
                     if where is not None and where[0] is State.ACTIVE:  # moved, the request not cleared: a crash
                         await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
+                        await lanes.io(revise.log_cut_revision, layout, job_id)  # its job.revised line too
                     continue
                 try:
                     agent = (await lanes.io(JobFolder(where[1]).spec)).agent.name

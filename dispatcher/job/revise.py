@@ -112,6 +112,23 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     return spec, token
 
 
+def log_cut_revision(layout: Layout, job_id: str) -> None:
+    """Log ``job.revised`` for a revision a crash cut between its move into active/ and its line (io pool).
+
+    The request was carried out (the job is in active/ with its feedback); only its clearing
+    and its line were lost. The attempt it runs may have begun already: the line says
+    ``step: recovered`` and no attempt number.
+    """
+    folder = JobFolder(layout.job(State.ACTIVE, job_id))
+    note = folder.read_json(NOTE_FILE)
+    try:
+        agent: str | None = folder.spec().agent.name
+    except ValueError:
+        agent = None
+    text = note.get("note") if isinstance(note, dict) else None
+    log.info("job.revised", job_id=job_id, agent=agent, note=text, revision=revisions(folder), step="recovered")
+
+
 def _last_checks(folder: JobFolder) -> list[Any]:
     """Return the checks of the job's last result (result.json, or the one kept by an interrupted revision)."""
     result = folder.result()
