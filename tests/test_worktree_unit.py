@@ -57,7 +57,7 @@ def test_a_large_diff_is_cut_with_a_note_and_the_paths_are_all_listed(tmp_path: 
 def test_changed_txt_holds_one_path_a_line_even_for_a_name_with_a_newline(tmp_path: Path) -> None:
     """A path holding a newline or a tab, or starting with a quote, is one line of changed.txt, quoted as JSON."""
     _, job, ws = _worktree(tmp_path, "ODD")
-    odd = ["src/two\nlines.txt", "src/tab\there.txt", '"quoted".txt', "src/plain é.txt"]
+    odd = ["src/two\nlines.txt", "src/tab\there.txt", '"quoted".txt', "src/plain é.txt", "src/sep\u2028.txt"]
     for name in odd:
         Path(ws.path, name).write_text("x\n")
     names, _ = worktree.snapshot(ws, job)
@@ -67,6 +67,7 @@ def test_changed_txt_holds_one_path_a_line_even_for_a_name_with_a_newline(tmp_pa
     back = [json.loads(line) if line.startswith('"') else line for line in lines]
     assert sorted(back) == sorted(odd)
     assert "src/plain é.txt" in lines  # an ordinary name stays as it is
+    assert '"src/sep\\u2028.txt"' in lines  # a line separator for some readers is escaped
 
 
 def test_a_locked_worktree_is_named_in_one_line_at_start_and_left_alone(env: Env, tmp_path: Path) -> None:

@@ -377,12 +377,13 @@ def snapshot(
 def changed_line(path: str) -> str:
     """Return a changed path as its line in ``changed.txt``: as it is, or quoted when it would not read back.
 
-    A path holding a newline or another control character, or starting with a double quote,
-    is written as a JSON string (quoted, escaped), as git quotes such names, so that each line
-    of the file is one path.
+    A path holding a newline or another control character (C0, DEL, C1), a Unicode line or
+    paragraph separator, or starting with a double quote, is written as a JSON string (quoted,
+    escaped; those characters as ``\\uXXXX``), as git quotes such names, so that each line of
+    the file is one path for any reader.
     """
-    if path.startswith('"') or any(c < " " or c == "\x7f" for c in path):
-        return json.dumps(path, ensure_ascii=False)
+    if path.startswith('"') or any(c < " " or "\x7f" <= c <= "\x9f" or c in "\u2028\u2029" for c in path):
+        return json.dumps(path)
     return path
 
 
