@@ -77,13 +77,19 @@ def test_proper_surrogate_pairs_and_other_text_pass(value: Any) -> None:
     [
         ("expires: 2026-13-01T00:00:00Z\n", "2026-13-01T00:00:00Z is not a valid date or time"),
         ("meta: {when: 2026-02-30}\n", "2026-02-30 is not a valid date or time"),
+        (
+            "not_before: 2026-12-05T10:00:00+25:00\n",
+            "2026-12-05T10:00:00+25:00 is not a valid date or time (an offset from UTC is at most 23:59)",
+        ),
     ],
 )
 def test_an_impossible_date_is_an_order_error_naming_it(text: str, shown: str) -> None:
-    """An unquoted timestamp with month 13 or February 30 is refused in one line, never a crash."""
+    """An unquoted timestamp with month 13, February 30 or an offset of 25 hours is refused in one line, never a
+    crash, and in words a person reads (section 7: no Python notation such as `datetime.timedelta(...)`)."""
     with pytest.raises(OrderError) as err:
         load_document(f"job_id: J-1\n{text}".encode(), "yaml")
     assert shown in err.value.reason and "(line 2)" in err.value.reason, err.value.reason
+    assert "timedelta" not in err.value.reason
 
 
 @pytest.mark.parametrize(("key", "shown"), [("~", "null"), ("yes", "true"), ("12", "12"), ("2024-01-01", "2024-01-01")])

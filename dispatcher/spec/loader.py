@@ -111,9 +111,11 @@ def _timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
     try:
         moment = yaml.constructor.SafeConstructor.construct_yaml_timestamp(loader, node)
     except (ValueError, OverflowError) as exc:
-        raise _AtNode(
-            f"{node.value} is not a valid date or time: {exc} (line {node.start_mark.line + 1})", node
-        ) from None
+        # Python's own words may hold its notation (``datetime.timedelta(days=1, ...)``): not for a person
+        said = str(exc)
+        why = f": {said}" if "(" not in said else " (an offset from UTC is at most 23:59)" if "offset" in said else ""
+        line = node.start_mark.line + 1
+        raise _AtNode(f"{node.value} is not a valid date or time{why} (line {line})", node) from None
     text = YamlTime(node.value)
     text.kind = type(moment).__name__
     return text
