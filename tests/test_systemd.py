@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from dispatcher.cli.unit import unit_text
+
 SYSTEMD = Path(__file__).resolve().parent.parent / "dispatcher" / "data" / "systemd"
 UNITS = {"dispatcher.service": "dispatcher.service", "dispatcher@.service": "dispatcher@test.service"}
 #: the web view's unit (section 17): verified and scored like the others, checked on its own below
@@ -147,3 +149,20 @@ def test_web_unit_serves_the_view_on_loopback_with_write_access_to_the_root() ->
     assert keys["User"] == "dispatcher" and keys["StateDirectory"] == "dispatcher dispatcher/dispatch"
     assert keys["RestartPreventExitStatus"] == "2" and keys["MemoryDenyWriteExecute"] == "yes"
     assert "web_token_file" in comments(text)
+
+
+@pytest.mark.parametrize(
+    ("command", "exec_start"),
+    [
+        ("/opt/dispatcher/bin/dispatcher", "/opt/dispatcher/bin/dispatcher"),
+        ("/opt/my tools/bin/dispatcher", '"/opt/my tools/bin/dispatcher"'),
+        ("/opt/50%i/bin/dispatcher", "/opt/50%%i/bin/dispatcher"),
+        ("/opt/my env/bin/python3 -m dispatcher", '"/opt/my env/bin/python3" -m dispatcher'),
+    ],
+    ids=["plain", "space", "percent", "interpreter-with-space"],
+)
+def test_the_printed_unit_names_any_installed_path_as_systemd_reads_it(command: str, exec_start: str) -> None:
+    """`dispatcher unit` writes the command so that systemd runs that very path: a space is quoted (for `-m`, the
+    interpreter's path only), and `%` is doubled, since systemd reads `%i` and the like as specifiers."""
+    text = unit_text(command=command)
+    assert f"ExecStart={exec_start} " in text, text

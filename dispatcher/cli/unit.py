@@ -45,10 +45,13 @@ def unit_text(*, template: bool = False, web: bool = False, command: str | None 
     """Return dispatcher.service (dispatcher@.service, dispatcher-web.service) naming the installed command."""
     name = "dispatcher-web.service" if web else "dispatcher@.service" if template else "dispatcher.service"
     text = data_text("systemd", name)
-    command = command or installed_command()
-    if " " in command and not command.endswith(" -m dispatcher"):
-        command = f'"{command}"'
-    return text.replace(PLACEHOLDER, command)
+    command = (command or installed_command()).replace("%", "%%")  # systemd reads %x as a specifier
+    program, module = command, ""
+    if command.endswith(" -m dispatcher"):  # an interpreter with -m: only its path may need quotes
+        program, module = command[: -len(" -m dispatcher")], " -m dispatcher"
+    if " " in program:
+        program = f'"{program}"'
+    return text.replace(PLACEHOLDER, program + module)
 
 
 def logrotate_text() -> str:
