@@ -264,3 +264,44 @@ def test_a_killed_daemons_agent_keeps_its_slot_until_it_is_ended(env: Env) -> No
     assert not alive(first_pid), "a second copy started beside the dead daemon's agent"
     assert any(e.get("event") == "agent.orphan_ended" for e in survivor.events())
     assert survivor.stop() == 0
+
+
+TIMED_AGENT = r"""#!/bin/sh
+printf '%s %s %s\n' "$DISPATCH_JOB_ID" "$DISPATCH_ATTEMPT" "$$" >> "$1"
+case "$DISPATCH_JOB_ID" in Q*) sleep 0.05 ;; *) sleep 2 ;; esac
+printf '{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done", "outputs": []}' \
+  "$DISPATCH_JOB_ID" > .receipt.tmp
+mv .receipt.tmp receipt.json
+"""
+
+
+def test_claims_made_ahead_stay_within_the_agents_concurrency_on_each_daemon(env: Env) -> None:
+    """README (claims made ahead): at most the agent's concurrency is claimed ahead by a daemon. Three daemons share
+    a concurrency-1 agent whose runs were quick: a daemon whose claimed-ahead job found the one slot held by
+    another daemon did not count it any more, and claimed more ahead behind it (3 where 1 is the bound)."""
+    script = env.tmp / "timed.sh"
+    script.write_text(TIMED_AGENT)
+    agent = {"command": ["/bin/sh", str(script), str(env.count_file)], "timeout": 30, "writes": [".receipt.tmp"]}
+    env.configure(agents={"b": agent | {"concurrency": 1}}, max_jobs=2, settle=1, rescan_interval=5)
+    daemons = [env.daemon() for _ in range(3)]
+    for d in daemons:
+        d.wait_ready()
+    for i in range(4):  # quick runs first: the daemons that ran them claim that agent's next orders ahead
+        env.drop(tiny_order(f"Q{i}", to="b"))
+    time.sleep(3)
+    for i in range(1, 9):
+        env.drop(tiny_order(f"BQ{i}", to="b"))
+    pids = {d.proc.pid for d in daemons if d.proc is not None}
+    worst = 0
+    for _ in range(30):
+        time.sleep(0.25)
+        active = json.loads(env.cli("status", "--json", check=True).stdout)["active"]
+        unstarted = Counter(
+            r["pid"]
+            for r in active
+            if r["pid"] in pids and not (env.root / "active" / r["job_id"] / "attempts" / "1").exists()
+        )
+        worst = max(worst, *unstarted.values(), 0)
+    assert worst <= 1, f"a daemon held {worst} jobs claimed ahead of a concurrency-1 agent"
+    for d in daemons:
+        assert d.stop() == 0

@@ -317,6 +317,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                     self.slot_poll = True
                 case NoSlot(parked=p):
                     again.append(p)
+                    if p.kind is Kind.RESUME and p.job_id not in self.again:  # claimed ahead: counted so again,
+                        self.ahead.queued(p.job_id, p.agent)  # or more would be claimed ahead behind it
                     self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
                     self.slot_poll = True
                 case Dropped(parked=p, refused=refused, retry_later=later, cancelled=cancelled):
