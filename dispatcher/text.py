@@ -17,6 +17,15 @@ _URL_SECRET = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^\s/
 _KEY_SECRET = re.compile(r"(?P<head>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s'&]+)", re.IGNORECASE)
 
 
+def is_utf8_text(text: str) -> bool:
+    """Return True if text can be written as UTF-8: no lone surrogate (argv bytes that were no UTF-8, ``"\\udcff"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def number(value: float) -> str:
     """Return a number without a needless `.0` and without float noise (`0.1 + 0.2` is `0.3`)."""
     if isinstance(value, bool):

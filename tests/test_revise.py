@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +219,27 @@ def test_a_daemon_killed_while_carrying_out_a_revise(env: Env, fault: str) -> No
     assert json.loads((folder / "work" / "feedback.json").read_text())["note"] == NOTE
     assert (folder / "attempts" / "1" / "revision.json").exists()
     assert cli(env, "revise", "CRASH-2", "--note", "x").returncode == 0  # max_revisions 5: one more is fine
+
+
+@pytest.mark.parametrize(("action", "option"), [("revise", "--note"), ("reject", "--reason")])
+def test_a_note_or_reason_that_is_no_utf8_is_refused_in_one_line(env: Env, action: str, option: str) -> None:
+    """`--note $'\\xff'` (bytes that are no UTF-8) is bad input: exit 2, one line naming the option, and nothing
+    recorded: it would reach feedback.json and the log as a lone surrogate no UTF-8 reader takes (section 2)."""
+    env.configure(agents={"worker": agent(env)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BYTES-1"))
+    in_review(env, "BYTES-1", 1)
+    argv = [os.fsencode(sys.executable), b"-m", b"dispatcher", b"--config", os.fsencode(env.config_path)]
+    proc = subprocess.run(
+        [*argv, action.encode(), b"BYTES-1", option.encode(), b"bad \xff byte"],
+        capture_output=True,
+        timeout=60,
+        cwd=env.tmp,
+        env=cli_env(),
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode() == f"{action}: {option}: is not valid UTF-8 text\n"
+    time.sleep(1.0)
+    assert (env.root / "review" / "BYTES-1").is_dir()  # nothing was done
+    assert not [e for e in d.events() if e.get("event") in ("job.revised", "job.rejected")]

@@ -186,6 +186,17 @@ def test_an_empty_revise_note_is_refused_by_the_view_and_the_command(site: tuple
     assert len(refused) == 2 and all(e["job_id"] == "REV-A" and e["via"] == "web" for e in refused), refused
 
 
+def test_a_note_with_a_lone_surrogate_is_refused_by_the_view(site: tuple[Env, Web]) -> None:
+    """A JSON body may escape a lone surrogate (`"\\udcff"`), which no UTF-8 file holds: a revise note or a reject
+    reason so made is a 400 naming it, as `--note` of such bytes exits 2; nothing is recorded."""
+    env, web = site
+    for action in ("revise", "reject"):
+        status, answer = web.act("REV-A", action, web.token, note="bad \udcff byte")
+        assert (status, answer["ok"]) == (400, False), answer
+        assert answer["message"] == f"{action}: the note is not valid UTF-8 text", answer
+    assert (env.root / "review" / "REV-A").is_dir() and not (env.root / "review" / "REV-A" / "revise.json").exists()
+
+
 def test_forms_need_a_login_and_their_csrf_token(site: tuple[Env, Web]) -> None:
     """A form post without a session is 401, a forged one (no or wrong CSRF token) 403; a real one approves."""
     env, web = site

@@ -31,7 +31,7 @@ from dispatcher.spec.config import (
 )
 from dispatcher.spec.programs import Finding, check_agents
 from dispatcher.spec.settings import Config
-from dispatcher.text import plain, plural, redact
+from dispatcher.text import is_utf8_text, plain, plural, redact
 
 
 def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
@@ -294,6 +294,9 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     cfg = config_of(args, need_root=True)
     if action == "revise" and not (args.note or "").strip():
         raise UsageError("revise: --note: say what the next attempt should change (the note is empty)")
+    for option, text in (("--note", getattr(args, "note", None)), ("--reason", getattr(args, "reason", None))):
+        if text is not None and not is_utf8_text(text):  # bytes from argv that are no UTF-8 (section 2)
+            raise UsageError(f"{action}: {option}: is not valid UTF-8 text")
     ids = read_ids(args.ids, sys.stdin)
     if not ids:
         raise UsageError(f"{action}: no job id given")

@@ -21,6 +21,7 @@ from dispatcher.query.report import read_order_file
 from dispatcher.spec.config import load_config
 from dispatcher.spec.settings import Config
 from dispatcher.store.queued import find_queued
+from dispatcher.text import is_utf8_text
 
 log = structlog.get_logger("dispatcher")
 
@@ -66,8 +67,13 @@ class Actions:
             return Outcome(404, f"{action}: no such action (one of {', '.join(ACTIONS)})")
         if action in NOT_BUILT:
             return Outcome(501, NOT_BUILT[action])
+        bad = None
         if action == "revise" and not (note or "").strip():  # as `dispatcher revise ID --note TEXT`, which needs one
-            outcome = Outcome(400, 'revise needs a note: what the next attempt should change (give {"note": TEXT})')
+            bad = 'revise needs a note: what the next attempt should change (give {"note": TEXT})'
+        elif note is not None and not is_utf8_text(note):  # a lone surrogate escaped in the JSON body
+            bad = f"{action}: the note is not valid UTF-8 text"
+        if bad is not None:
+            outcome = Outcome(400, bad)
             log.info(  # nothing was done; the line says so, as for any other outcome
                 "web.action", action=action, job_id=job_id, agent=None, status=400, message=outcome.message, by=who,
                 via="web",
