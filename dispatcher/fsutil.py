@@ -23,10 +23,10 @@ from dispatcher.lean import sha256_for
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def file_id(path: str | Path) -> tuple[int, int] | None:
-    """Return (st_dev, st_ino) of the file at path, or None if there is none."""
+def file_id(path: str | Path, *, follow_symlinks: bool = True) -> tuple[int, int] | None:
+    """Return (st_dev, st_ino) of the file at path (of a link itself without ``follow_symlinks``), or None."""
     try:
-        st = os.stat(path)
+        st = os.stat(path, follow_symlinks=follow_symlinks)
     except OSError:
         return None
     return (st.st_dev, st.st_ino)

@@ -33,7 +33,7 @@ from dispatcher.lifecycle import State
 from dispatcher.shortage import SHORT
 from dispatcher.spec.order import Order
 from dispatcher.spec.orderchild import APART_YAML_BYTES
-from dispatcher.spec.orders import order_format, validate_order
+from dispatcher.spec.orders import deferred_until, order_format, validate_order
 from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.placing import Pick, Skipped, Started
@@ -323,9 +323,8 @@ def when(order: Order, name: str = "", *, now: bool = False) -> Later | Refusal 
     t = time.time()
     if order.expires is not None and order.expires <= t:  # expired before it was due, too: refused at its expires
         return Refusal(name, "expired", order.job_id, agent=order.to)
-    if order.not_before is not None and order.not_before > t and not now:
-        due = order.not_before if order.expires is None else min(order.not_before, order.expires)
-        return Later(name, due, order.priority)
+    if not now and (until := deferred_until(order.not_before, order.expires, t)) is not None:
+        return Later(name, until, order.priority)
     return None
 
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from dispatcher import fsutil
 from dispatcher.layout import is_ignored
-from dispatcher.spec.orders import Glance, peek_schedule
+from dispatcher.spec.orders import Glance, deferred_until, peek_schedule
 
 PEEK_BYTES = 1 << 20  # an order's priority and not_before are read at a glance from at most this much
 
@@ -187,10 +187,9 @@ class Inbox:
 
     def _push(self, name: str, mtime_ns: int, dir_fd: int | None = None) -> None:
         glance = self._peek(name, dir_fd)
-        due, expires = glance.not_before, glance.expires
-        if due is not None and (now := time.time()) < due and (expires is None or expires > now):
-            self.defer(name, due if expires is None else min(due, expires), glance.priority, mtime_ns)
-            return  # (one that expires before it is due is read then, and refused)
+        if (until := deferred_until(glance.not_before, glance.expires, time.time())) is not None:
+            self.defer(name, until, glance.priority, mtime_ns)
+            return
         self._ready_names.add(name)
         if glance.joins:
             self._joins.append(name)

@@ -97,32 +97,35 @@ def inspect(
         st = seen if seen is not None else os.lstat(path)
     except FileNotFoundError:
         return None
-    judged = (st.st_dev, st.st_ino)  # a refusal takes this entry only, never one renamed over it since
+    found = _read(name, config, st, path)
+    if isinstance(found, Refusal):  # a refusal takes this entry only, never one renamed over it since
+        return replace(found, inode=(st.st_dev, st.st_ino))
+    return found
+
+
+def _read(name: str, config: Config, st: os.stat_result, path: str) -> Inspected | Refusal | None:
+    """Read and validate the entry inbox/<name> whose lstat is ``st`` (``inspect``)."""
     if not stat.S_ISREG(st.st_mode):
         kind = fsutil.kind_of(st.st_mode)
-        return Refusal(name, f"a {kind} is not a work order; it was not opened", entry_kind=kind, inode=judged)
+        return Refusal(name, f"a {kind} is not a work order; it was not opened", entry_kind=kind)
     fmt = order_format(name)
     if fmt is None:
-        return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)", inode=judged)
+        return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
     if not name_is_utf8(name):  # the ledger records a job's file name as text
-        return Refusal(
-            name, "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`", inode=judged
-        )
+        return Refusal(name, "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`")
     try:
         data = fsutil.read_regular(path, config.max_order_bytes)
         again = os.lstat(path)
     except FileNotFoundError:
         return None
     except fsutil.NotRegular as exc:
-        return Refusal(name, f"a {exc.kind} is not a work order; it was not opened", entry_kind=exc.kind, inode=judged)
+        return Refusal(name, f"a {exc.kind} is not a work order; it was not opened", entry_kind=exc.kind)
     except ValueError:
-        return Refusal(
-            name, f"larger than max_order_bytes ({st.st_size} > {config.max_order_bytes} bytes)", inode=judged
-        )
+        return Refusal(name, f"larger than max_order_bytes ({st.st_size} > {config.max_order_bytes} bytes)")
     except OSError as exc:
         if resource_of(exc) is not None:
             raise
-        return Refusal(name, f"cannot be read: {exc.strerror}", inode=judged)
+        return Refusal(name, f"cannot be read: {exc.strerror}")
     if (again.st_ino, again.st_size, again.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
         return None  # replaced or written to while being read: its own event brings it back
     apart = fmt == "yaml" and len(data) > APART_YAML_BYTES  # a long parse: in a child process
@@ -149,14 +152,13 @@ def inspect(
         )
     except OrderError as exc:  # refused by the strict rules: a plain parse may still read its job_id
         if loaded:
-            job_id, agent = job_id_of(loaded[0]), agent_of(loaded[0], config)
-            return Refusal(name, exc.reason, job_id=job_id, agent=agent, inode=judged)
+            return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]), agent=agent_of(loaded[0], config))
         # a large YAML file is not parsed a second time, here on the claim's way
-        return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, fmt), inode=judged)
+        return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, fmt))
     except (OSError, MemoryError):
         raise  # a shortage: the file waits
     except Exception as exc:  # noqa: BLE001 - a value no rule foresaw: refused, never holding up the orders behind it
-        return Refusal(name, oneline(f"cannot be read as a work order: {exc}"), inode=judged)
+        return Refusal(name, oneline(f"cannot be read as a work order: {exc}"))
     text = texts[0]
     if text is None and len(data) > AHEAD_TEXT_BYTES:  # a large JSON order: encoded here, not in the claim
         text = body_text(order.body)

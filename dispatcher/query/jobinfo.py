@@ -20,7 +20,7 @@ from dispatcher.layout import JOB_ID, Layout, is_ignored
 from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
-from dispatcher.spec.jobspec import Attempt, total_cost
+from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.store.counts import visible_entries
@@ -181,6 +181,7 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
     state, path = found
     folder = JobFolder(path)
     result = folder.result()
+    spec: JobSpec | None = None
     try:
         spec = folder.spec()
         agent: str | None = spec.agent.name
@@ -194,7 +195,8 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         cost = result.cost_usd
     else:  # running: what the attempts so far recorded, and the one under way
         records = folder.attempts()
-        begun = _under_way(folder, {a.n for a in records}, _argv_next(layout, folder, records))
+        argv = _argv_next(layout, spec, folder, records) if spec is not None else None
+        begun = _under_way(folder, {a.n for a in records}, argv)
         attempts = [a.to_json(internal=False) for a in records] + begun
         cost = total_cost(records)
     until = _waiting(ledger, job_id) if state is State.ACTIVE else None
@@ -218,17 +220,13 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
     } | after
 
 
-def _argv_next(layout: Layout, folder: JobFolder, records: list[Attempt]) -> list[str] | None:
-    """Return the argv of the attempt after ``records``, rendered as the daemon rendered it; None if unknown.
+def _argv_next(layout: Layout, spec: JobSpec, folder: JobFolder, records: list[Attempt]) -> list[str]:
+    """Return the argv of the attempt after ``records``, rendered as the daemon rendered it.
 
     The same function the daemon runs before a start (``attempt.argv_after``), on the job's
     own settings (``job.json``) and the attempts recorded so far (the session a ``resume``
     goes on with). A password in it is shown as ``***``.
     """
-    try:
-        spec = folder.spec()
-    except (ValueError, OSError):
-        return None
     workspace = layout.worktree(spec.job_id) if spec.agent.repo.workspace is not None else None
     return [redact(a) for a in argv_after(spec, folder.work_dir, records, workspace)]
 

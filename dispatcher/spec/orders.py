@@ -203,6 +203,14 @@ _NOT_BLOCK = re.compile(rb"^[\"'{]", re.M)  # a line that opens a quoted key or 
 GLANCE_PARSE_MAX = 16 * 1024  # such a YAML order is parsed for its glance up to this size (about 3 ms)
 
 
+def deferred_until(not_before: float | None, expires: float | None, now: float) -> float | None:
+    """Return when an order not due yet is looked at again: its not_before, or its expires when that comes first
+    (it is refused then, section 16); None for an order due now, or one already expired (refused now)."""
+    if not_before is None or not_before <= now or (expires is not None and expires <= now):
+        return None
+    return not_before if expires is None else min(not_before, expires)
+
+
 @dataclass(frozen=True, slots=True)
 class Glance:
     """What the inbox needs of an order before it is read for real: its priority, due time, if it joins, its agent."""

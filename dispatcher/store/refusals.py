@@ -13,7 +13,6 @@ two daemons refusing one file, the one that removes its name places the refusal.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from dispatcher.clock import utc_stamp
 from dispatcher.errors import printable
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
+from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.results import build_result
 from dispatcher.store.staging import new_stage, remove_stage
 
@@ -79,7 +79,7 @@ def refuse(
     except OSError:
         remove_stage(stage)  # the file stays in inbox/ as it was, and no staging folder is left behind
         raise
-    if refusal.inode is not None and _identity(kept) != refusal.inode:
+    if refusal.inode is not None and fsutil.file_id(kept, follow_symlinks=False) != refusal.inode:
         # the name holds another entry now (a new drop renamed over the judged one): judged on its own event
         if not linked:
             with contextlib.suppress(OSError):
@@ -97,14 +97,6 @@ def refuse(
         return None
     fsutil.fsync_dir(layout.inbox)
     return place(layout, stage, base, lambda folder: on_placed(folder, refusal) if on_placed else None)
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def _take_name(src: Path, kept: Path) -> bool:
@@ -160,17 +152,13 @@ def finish_stage(layout: Layout, stage: Path) -> None:
         remove_stage(stage)
         return
     placed = place(layout, stage, base)
-    try:
-        said = json.loads(fsutil.read_regular(placed / "result.json", 1 << 20))
-    except (OSError, ValueError, fsutil.NotRegular):
-        said = {}
-    said = said if isinstance(said, dict) else {}
+    said = JobFolder(placed).result()
     log.warning(
         "job.refused",
-        agent=said.get("agent"),
-        file=said.get("file", name),
-        job_id=said.get("job_id"),
-        reason=said.get("reason"),
+        agent=said.agent if said else None,
+        file=said.extra.get("file", name) if said else name,
+        job_id=said.job_id if said else None,
+        reason=said.reason if said else None,
         folder=placed.name,
         step="recovered",
     )
