@@ -13,7 +13,8 @@ from decimal import Decimal
 from typing import Any
 
 # user:password@ in a URL (postgresql://u:secret@host/db), and password=... in a libpq keyword string
-_URL_SECRET = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^\s/]*(?=@)")
+# the password runs to the `@` that starts the host: a raw `/` or `@` in it is still hidden
+_URL_SECRET = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)\S*?(?=@[^\s@]*(?:[\s/?#]|$))")
 _KEY_SECRET = re.compile(r"(?P<head>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s'&]+)", re.IGNORECASE)
 
 

@@ -105,3 +105,7 @@ def test_redact_hides_url_passwords_and_password_keywords() -> None:
     assert redact("postgresql://u:p@ss@db:5432/x") == "postgresql://u:***@db:5432/x"
     assert redact("host=db password='a b' user=u") == "host=db password=*** user=u"
     assert redact("postgresql://u@db/x and http://h/a:b@c") == "postgresql://u@db/x and http://h/a:b@c"
+    # a raw `/` in the password (a base64 one): the whole of it is hidden, up to the host's `@`
+    assert redact("postgresql://u:Sup3r/Se/cret@127.0.0.1:5/d: cannot") == "postgresql://u:***@127.0.0.1:5/d: cannot"
+    assert redact("postgresql://u:a/b@c@h?x=1") == "postgresql://u:***@h?x=1"
+    assert redact("postgresql://u:p@h/db?opt=x@y") == "postgresql://u:***@h/db?opt=x@y"
