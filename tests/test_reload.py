@@ -170,6 +170,25 @@ def test_validate_refuses_what_a_reload_would_refuse(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_validate_refuses_another_postgresql_url_as_the_daemon_does(env: Env, pg_db: str) -> None:
+    """Given $MAINPID, `validate` exits 2 for a ledger URL of the same kind that differs from the running daemon's
+    (the daemon refuses any change of `ledger:` on reload), and passes the URL it runs with."""
+    env.configure(ledger=pg_db)
+    d = env.daemon()
+    d.wait_ready()
+    pid = str(d.proc.pid)  # type: ignore[union-attr]
+    assert validate_for(env, pid).returncode == 0
+    env.configure(ledger=pg_db + ("&" if "?" in pg_db else "?") + "application_name=other")
+    proc = validate_for(env, pid)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"ledger: cannot change while the daemon (pid {pid}) runs with another ledger" in proc.stderr
+    d.signal(signal.SIGHUP)  # what the daemon does with it: the same refusal
+    assert "ledger: cannot change while running" in d.wait_event("config.rejected", timeout=20)["error"]
+    env.configure(ledger=pg_db)
+    assert validate_for(env, pid).returncode == 0
+    assert d.stop() == 0
+
+
 def test_a_log_file_that_is_a_pipe_no_one_reads_never_hangs_the_daemon(env: Env) -> None:
     """log_file naming a FIFO without a reader: `run` exits 2 at once; set by a reload, it is rejected (naming the
     file and the field) and the daemon goes on and stops on SIGTERM (section 9)."""

@@ -41,6 +41,7 @@ from dispatcher.job.waits import unsupported_budget_gates
 from dispatcher.lanes import HOLD_S, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo
+from dispatcher.ledger.flocks import note_ledger
 from dispatcher.lifecycle import Stop
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
@@ -130,6 +131,7 @@ class Daemon(Reloading, Fencing):
         self.ledger.set_give_up(self._give_up)
         info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
         await startup.while_short(lambda: self.lanes.ledger(self.ledger.register, info), self._stop_asked)
+        note_ledger(self.layout.daemons, self.owner, self.config.ledger)  # what `validate` compares before a reload
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)

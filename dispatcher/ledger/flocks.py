@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -258,6 +259,28 @@ def same_file(path: str | Path, fd: int) -> bool:
     """Return True if path names the file open at fd (a lock file still in place)."""
     held = os.fstat(fd)
     return file_id(path) == (held.st_dev, held.st_ino)
+
+
+LEDGER_XATTR = "user.dispatcher.ledger"  # on a daemon's liveness lock: a digest of the `ledger:` it runs with
+
+
+def ledger_digest(ledger: str) -> str:
+    """Return a short digest of a `ledger:` value (never the value itself, which may hold a password)."""
+    return hashlib.sha256(ledger.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
+def note_ledger(folder: Path, owner: str, ledger: str) -> None:
+    """Note on the daemon's liveness lock which ledger it runs with, for `validate` before a reload (best effort)."""
+    with contextlib.suppress(OSError):  # a filesystem without user xattrs: validate then tells the kind only
+        os.setxattr(folder / f"{owner}.lock", LEDGER_XATTR, ledger_digest(ledger).encode())
+
+
+def noted_ledger(lock_path: str) -> str | None:
+    """Return the ledger digest a daemon noted on its liveness lock, or None when there is none to read."""
+    try:
+        return os.getxattr(lock_path, LEDGER_XATTR).decode("ascii", "replace")
+    except OSError:
+        return None
 
 
 def write_info(folder: Path, info: DaemonInfo) -> None:

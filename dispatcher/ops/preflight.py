@@ -4,7 +4,7 @@
 reject on reload must fail here, where the operator sees it: a ``log_file`` it cannot open
 (a folder, a path it may not write, a named pipe no one reads), and, when systemd names the
 daemon being reloaded (``$MAINPID`` in the environment of ``ExecReload=``), a ``root`` or a
-kind of ``ledger`` other than the ones that daemon runs with.
+``ledger`` other than the ones that daemon runs with (its kind, and its URL as noted on the daemon's lock).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import re
 import stat
 
+from dispatcher.ledger.flocks import ledger_digest, noted_ledger
 from dispatcher.spec.programs import Finding
 from dispatcher.spec.settings import Config
 
@@ -74,8 +75,12 @@ def check_running(cfg: Config, environ: dict[str, str] | None = None) -> list[Fi
         why = f"cannot change while the daemon (pid {pid}) runs with root {running}: restart it instead"
         out.append(Finding("root", why, error=True))
     on_sqlite = any(t == running + _SQLITE_FILE for t in targets)
+    noted = next((noted_ledger(t) for t in targets if _LOCK.match(t)), None)  # None: not noted (no xattrs there)
     if on_sqlite != (cfg.ledger == "sqlite"):
         running_kind = "sqlite" if on_sqlite else "postgresql"
         why = f"cannot change while the daemon (pid {pid}) runs with the {running_kind} ledger: restart it instead"
+        out.append(Finding("ledger", why, error=True))
+    elif noted is not None and noted != ledger_digest(cfg.ledger):  # the same kind, another URL: refused on reload
+        why = f"cannot change while the daemon (pid {pid}) runs with another ledger: restart it instead"
         out.append(Finding("ledger", why, error=True))
     return out
