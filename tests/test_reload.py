@@ -170,9 +170,9 @@ def test_validate_refuses_what_a_reload_would_refuse(env: Env) -> None:
     assert d.stop() == 0
 
 
-def test_validate_refuses_another_postgresql_url_as_the_daemon_does(env: Env, pg_db: str) -> None:
-    """Given $MAINPID, `validate` exits 2 for a ledger URL of the same kind that differs from the running daemon's
-    (the daemon refuses any change of `ledger:` on reload), and passes the URL it runs with."""
+def test_validate_refuses_another_postgresql_url_or_lease_as_the_daemon_does(env: Env, pg_db: str) -> None:
+    """Given $MAINPID, `validate` exits 2 for a ledger URL of the same kind, or a lease, that differs from the running
+    daemon's (the daemon refuses either on reload, with `config.rejected`), and passes the ones it runs with."""
     env.configure(ledger=pg_db)
     d = env.daemon()
     d.wait_ready()
@@ -184,6 +184,16 @@ def test_validate_refuses_another_postgresql_url_as_the_daemon_does(env: Env, pg
     assert f"ledger: cannot change while the daemon (pid {pid}) runs with another ledger" in proc.stderr
     d.signal(signal.SIGHUP)  # what the daemon does with it: the same refusal
     assert "ledger: cannot change while running" in d.wait_event("config.rejected", timeout=20)["error"]
+    env.configure(ledger=pg_db, lease=45)  # the daemons sharing the ledger judge this one by its lease
+    proc = validate_for(env, pid)
+    assert (
+        proc.returncode == 2 and f"lease: cannot change while the daemon (pid {pid}) runs with lease 30" in proc.stderr
+    )
+    d.signal(signal.SIGHUP)
+    wait_until(lambda: len([e for e in d.events() if e["event"] == "config.rejected"]) == 2, timeout=20)
+    assert (
+        "lease: cannot change while running" in [e for e in d.events() if e["event"] == "config.rejected"][1]["error"]
+    )
     env.configure(ledger=pg_db)
     assert validate_for(env, pid).returncode == 0
     assert d.stop() == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -46,3 +47,28 @@ def test_sqlite_ledger_refuses_a_network_filesystem(env: Env) -> None:
     finally:
         subprocess.run(["fusermount", "-u", str(mounted)], check=False)
         subprocess.run(["umount", "-l", str(mounted)], check=False)
+
+
+def test_a_reloaded_poll_interval_and_watch_take_effect_at_once(env: Env) -> None:
+    """A reload that shortens poll_interval is followed at once, not at the old listing's time; one that turns
+    `watch: poll` into inotify watches from then on (`watcher.changed`, no error line), and back again."""
+    env.configure(watch="poll", poll_interval=600, rescan_interval=600, settle=0.3)
+    d = env.daemon()
+    d.wait_ready()
+    env.configure(watch="poll", poll_interval=0.2, rescan_interval=600, settle=0.3)
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(order("POLL-FAST"))
+    env.wait_job("POLL-FAST", "done", timeout=30)  # the old interval would list inbox/ again in ten minutes
+    env.configure(watch="inotify", poll_interval=600, rescan_interval=600, settle=0.3)
+    d.signal(signal.SIGHUP)
+    assert d.wait_event("watcher.changed", watch="inotify")["level"] == "info"
+    env.drop(order("WATCHED"))
+    env.wait_job("WATCHED", "done", timeout=30)
+    env.configure(watch="poll", poll_interval=0.2, rescan_interval=600, settle=0.3)
+    d.signal(signal.SIGHUP)
+    d.wait_event("watcher.changed", watch="poll")
+    env.drop(order("POLLED-AGAIN"))
+    env.wait_job("POLLED-AGAIN", "done", timeout=30)
+    assert not [e for e in d.events() if e["level"] == "error"]
+    assert d.stop() == 0

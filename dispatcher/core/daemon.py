@@ -131,7 +131,9 @@ class Daemon(Reloading, Fencing):
         self.ledger.set_give_up(self._give_up)
         info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
         await startup.while_short(lambda: self.lanes.ledger(self.ledger.register, info), self._stop_asked)
-        note_ledger(self.layout.daemons, self.owner, self.config.ledger)  # what `validate` compares before a reload
+        note_ledger(
+            self.layout.daemons, self.owner, self.config.ledger, self.config.lease_s
+        )  # what `validate` compares before a reload
         self.notify = Notifications(lambda: self.config, self.layout.root)
         self.metrics = self._metrics(self.config)
         self.inbox = Inbox(self.layout.inbox, self.config.settle_s, wait_for_writers=not self.once, wake=self.wakeup)
@@ -394,7 +396,10 @@ class Daemon(Reloading, Fencing):
 
     def _signal(self, signum: int, reason: str | None = None) -> None:
         if signum == signal.SIGHUP:
+            before = self.config
             self.reload()
+            if self.config is not before:
+                self._watch_reloaded(before)
             return
         if self.stopping:
             log.warning("daemon.stopping", forced=True)
@@ -439,6 +444,18 @@ class Daemon(Reloading, Fencing):
     def _rescan_interval(self) -> float:
         polled = self.config.watch == "poll" or self.watch is None  # (a watch that could not start: polled)
         return self.config.poll_interval_s if polled else self.config.rescan_interval_s
+
+    def _watch_reloaded(self, before: Config) -> None:
+        """Apply a reloaded `watch`, `poll_interval` and `rescan_interval` now, not at the old listing's time."""
+        if before.watch != self.config.watch:
+            if self.config.watch == "poll" and self.watch is not None:
+                self.watch.close()
+                self.watch = None
+            else:
+                self._check_watch(first=True)  # inotify from now on (the rescans stay its safety net)
+            log.info("watcher.changed", watch=self.config.watch, poll_interval=self.config.poll_interval_s)
+        self._next_rescan = min(self._next_rescan, time.monotonic() + self._rescan_interval())
+        self.wakeup()
 
     def _config(self) -> Config:
         return self.config

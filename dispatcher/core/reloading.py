@@ -70,6 +70,8 @@ class Reloading:
                 raise ConfigError("root: cannot change while running", file=str(self.config_path))
             if new.ledger != self.config.ledger:
                 raise ConfigError("ledger: cannot change while running", file=str(self.config_path))
+            if self.ledger.leases is not None and new.lease_s != self.config.lease_s:  # the others judge it by it
+                raise ConfigError("lease: cannot change while running: restart the daemon", file=str(self.config_path))
             if new.log_file != self.config.log_file:
                 try:
                     logs.SINK.open_file(new.log_file)

@@ -269,17 +269,21 @@ def ledger_digest(ledger: str) -> str:
     return hashlib.sha256(ledger.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
-def note_ledger(folder: Path, owner: str, ledger: str) -> None:
-    """Note on the daemon's liveness lock which ledger it runs with, for `validate` before a reload (best effort)."""
-    with contextlib.suppress(OSError):  # a filesystem without user xattrs: validate then tells the kind only
-        os.setxattr(folder / f"{owner}.lock", LEDGER_XATTR, ledger_digest(ledger).encode())
+def note_ledger(folder: Path, owner: str, ledger: str, lease_s: float) -> None:
+    """Note on the daemon's liveness lock what a reload may not change (its ledger, its lease), for `validate`.
+
+    Best effort: on a filesystem without user xattrs `validate` tells the ledger's kind only.
+    """
+    with contextlib.suppress(OSError):
+        os.setxattr(folder / f"{owner}.lock", LEDGER_XATTR, f"{ledger_digest(ledger)} {lease_s!r}".encode())
 
 
-def noted_ledger(lock_path: str) -> str | None:
-    """Return the ledger digest a daemon noted on its liveness lock, or None when there is none to read."""
+def noted_ledger(lock_path: str) -> tuple[str, float] | None:
+    """Return (ledger digest, lease) as a daemon noted them on its liveness lock, or None when there is no note."""
     try:
-        return os.getxattr(lock_path, LEDGER_XATTR).decode("ascii", "replace")
-    except OSError:
+        digest, lease = os.getxattr(lock_path, LEDGER_XATTR).decode("ascii").split()
+        return digest, float(lease)
+    except (OSError, ValueError):
         return None
 
 

@@ -4,7 +4,7 @@
 reject on reload must fail here, where the operator sees it: a ``log_file`` it cannot open
 (a folder, a path it may not write, a named pipe no one reads), and, when systemd names the
 daemon being reloaded (``$MAINPID`` in the environment of ``ExecReload=``), a ``root`` or a
-``ledger`` other than the ones that daemon runs with (its kind, and its URL as noted on the daemon's lock).
+``ledger`` (or, shared, a ``lease``) other than the ones that daemon runs with, as noted on its lock.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import stat
 from dispatcher.ledger.flocks import ledger_digest, noted_ledger
 from dispatcher.spec.programs import Finding
 from dispatcher.spec.settings import Config
+from dispatcher.text import number
 
 _LOCK = re.compile(r"^(?P<root>/.*)/\.state/daemons/[^/]+\.lock$")
 _SQLITE_FILE = "/.state/ledger.sqlite3"
@@ -80,7 +81,10 @@ def check_running(cfg: Config, environ: dict[str, str] | None = None) -> list[Fi
         running_kind = "sqlite" if on_sqlite else "postgresql"
         why = f"cannot change while the daemon (pid {pid}) runs with the {running_kind} ledger: restart it instead"
         out.append(Finding("ledger", why, error=True))
-    elif noted is not None and noted != ledger_digest(cfg.ledger):  # the same kind, another URL: refused on reload
+    elif noted is not None and noted[0] != ledger_digest(cfg.ledger):  # the same kind, another URL
         why = f"cannot change while the daemon (pid {pid}) runs with another ledger: restart it instead"
         out.append(Finding("ledger", why, error=True))
+    elif noted is not None and not on_sqlite and noted[1] != cfg.lease_s:  # the daemons sharing it judge it by it
+        why = f"cannot change while the daemon (pid {pid}) runs with lease {number(noted[1])}: restart it instead"
+        out.append(Finding("lease", why, error=True))
     return out
