@@ -1023,6 +1023,8 @@ def test_run_once_exit_code(env: Env, files: dict[str, Any], code: int) -> None:
     for spec in files.values():
         if spec is not None and spec[1] != "nobody":
             assert finished(env, spec[0]) is not None, f"{spec[0]} not finished after run --once"
+    events = [json.loads(line)["event"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert events[0] == "daemon.started" and events[-2:] == ["daemon.stopping", "daemon.stopped"], events
 
 
 # -- init -------------------------------------------------------------------------------------------

@@ -480,3 +480,15 @@ def test_a_stop_in_the_same_turn_as_a_gate_command_ends_the_gates_refresh(tmp_pa
     finally:
         lanes.shutdown(wait=True)
         ledger.close()
+
+
+def test_a_stop_timeout_too_long_for_a_timer_still_stops_cleanly(env: Env) -> None:
+    """stop_timeout: 1e300 (valid: a positive number) stops an idle daemon with exit 0 and nothing on stderr but
+    its JSON lines: no traceback of a timer that cannot wait that long."""
+    env.configure(stop_timeout=1.0e300)
+    d = env.daemon()
+    d.wait_ready()
+    assert d.stop() == 0
+    text = d.out.read_text()
+    assert "Traceback" not in text and "Error" not in text, text
+    assert all(line.startswith("{") for line in text.splitlines()), text

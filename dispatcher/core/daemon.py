@@ -320,6 +320,8 @@ class Daemon(Reloading, Fencing):
 
     async def shutdown(self) -> int:
         """Stop watching, flush the ledger lane, release the ledger, exit 0 (1 for a failed --once)."""
+        if self.once and not self.stopping:  # no signal: `run --once` ran out of work, and stops as a daemon does
+            log.info("daemon.stopping", reason="run --once: no work left", running=0)
         # notifications may run until the stop's deadline, or end at once after a second stop (a forced one)
         notify_until = (self.stop_deadline or time.monotonic()) if self.stopping else None
         if self.stopping:  # from here on a ledger wait gives up: what it could not record, the next start recovers

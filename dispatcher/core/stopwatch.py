@@ -33,7 +33,8 @@ def watch(ledger: Callable[[], Ledger | None], start_at: float) -> None:
 
 
 def _run(ledger: Callable[[], Ledger | None], start_at: float) -> None:
-    time.sleep(max(0.0, start_at - time.monotonic()))
+    while (left := start_at - time.monotonic()) > 0:
+        time.sleep(min(left, 3600.0))  # in steps: time.sleep refuses a stop_timeout of 1e300 (OverflowError)
     said = False
     while True:
         found = ledger()
