@@ -202,6 +202,24 @@ def test_show_of_a_held_follow_up_gives_the_chain_cost_that_held_it(env: Env) ->
     assert "chain cost: -" not in env.cli("show", "CHILD-1", check=True).stdout
 
 
+def test_a_held_follow_up_stays_held_through_a_ledger_rebuild(env: Env) -> None:
+    """The ledger lost while a follow-up waits in held/ over the chain budget: `ledger rebuild` records it held, so
+    `release` runs it, once, and no daemon releases it a second time (section 12: ids, states, lineage)."""
+    d = held_follow_up(env, "BIG-5")
+    assert d.stop() == 0
+    for path in (env.root / ".state").glob("ledger.sqlite3*"):
+        path.unlink()
+    assert "1 held" in env.cli("ledger", "rebuild", check=True).stdout
+    assert json.loads(env.cli("show", "CHILD-1", "--json", check=True).stdout)["state"] == "held"
+    assert env.cli("run", "--once", timeout=60).returncode == 0  # held stays held: nothing released again
+    assert sorted(p.name for p in (env.root / "held").iterdir()) == ["CHILD-1.json"]
+    assert not (env.root / "done" / "CHILD-1").exists()
+    assert env.cli("release", "CHILD-1").returncode == 0
+    env.cli("run", "--once", timeout=60)
+    assert env.result("CHILD-1", "done")["parent"] == "BIG-5"
+    assert list((env.root / "held").iterdir()) == [] and [j for j, _ in env.starts() if j == "CHILD-1"] == ["CHILD-1"]
+
+
 @pytest.mark.parametrize("how", [["cancel", "--tree", "BIG-2"], ["cancel", "CHILD-1"]])
 def test_a_follow_up_held_by_the_chain_budget_is_cancelled_at_once(env: Env, how: list[str]) -> None:
     """`cancel --tree` of its parent (or `cancel` of it) fails a held follow-up as cancelled; its agent never runs."""

@@ -4,9 +4,10 @@ Every job folder in active/, review/, done/ and failed/ gives back its row (its
 state, agent, lineage and cost), so that every job id found there is refused
 again; the follow-ups of a done parent that were never released, and those of a
 job waiting in review/, are reserved again (their files are still in its outbox;
-`approve` releases a reviewed job's), and one already waiting in inbox/ is
-recorded as released. The damaged files are kept beside the new ledger, renamed,
-never deleted. Nothing may run while it happens: a live daemon makes it refuse.
+`approve` releases a reviewed job's), one already waiting in inbox/ is recorded as
+released, and one in held/ (over a chain's budget, or held by hand) as held. The
+damaged files are kept beside the new ledger, renamed, never deleted. Nothing may run
+while it happens: a live daemon makes it refuse.
 """
 
 from __future__ import annotations
@@ -62,12 +63,16 @@ def rebuild(layout: Layout) -> dict[str, int]:
                     pending.append((job_id, folder))
         known = {r.job_id for r in rows}
         children = [c for parent, folder in pending for c in _children(parent, folder, known, now)]
-        queued = find_queued(layout.inbox, [c.job_id for c in children])
+        ids = [c.job_id for c in children]
+        placed = [(layout.inbox, Row.RELEASED, find_queued(layout.inbox, ids))]
+        placed.append((layout.held, Row.HELD, find_queued(layout.held, ids)))  # over budget, or held by hand
         for child in children:
-            name = queued.get(child.job_id)
-            if name is not None:  # released before the ledger was lost: its file waits in inbox/
-                data = fsutil.read_regular(layout.inbox / name, 1 << 24)
-                child = dataclasses.replace(child, state=Row.RELEASED, source=name, digest=digest(data))
+            for where, row, found in placed:
+                name = found.get(child.job_id)
+                if name is not None:  # released before the ledger was lost: its file waits in inbox/ (or held/)
+                    data = fsutil.read_regular(where / name, 1 << 24)
+                    child = dataclasses.replace(child, state=row, source=name, digest=digest(data))
+                    break
             rows.append(child)
         ledger.load_rows(rows)
         for r in rows:
