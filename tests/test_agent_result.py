@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.job.agent_result import AGENT_RESULT_KEYS, AGENT_RESULT_MAX, parse_agent_result
+from dispatcher.job.agent_result import AGENT_RESULT_KEYS, AGENT_RESULT_MAX, parse_agent_result, with_cut_start
 
 RESULT = {"type": "result", "is_error": False, "total_cost_usd": 0.01, "session_id": "s-1", "usage": {"in": 3}}
 
@@ -304,3 +304,23 @@ def test_a_final_object_longer_than_the_tail_kept_still_gives_its_cost_and_sessi
         "usage": {"input_tokens": 3, "output_tokens": 4},
     }
     assert parse_agent_result(b"x" * 70_000 + b"}") is None  # no key of a final JSON: nothing
+
+
+def test_the_start_of_an_object_longer_than_the_tail_is_read_from_the_log_only_when_the_log_ends_with_it(
+    tmp_path: Any,
+) -> None:
+    """The keys before the kept tail come from stdout.log's last line; a log that does not end with the tail (cut by
+    max_log_bytes) or a last line that is no object gives nothing more; keys the tail holds win."""
+    line = json.dumps(
+        {"total_cost_usd": 0.5, "is_error": True, "pad": "x" * 5000, "total_cost_usd_": 1, "num_turns": 2}
+    )
+    log = tmp_path / "stdout.log"
+    log.write_text("some progress\n" + line + "\n")
+    tail = line.encode()[-1000:] + b"\n"
+    tail_keys = {"num_turns": 2}  # what the tail alone gives (a real one is 4 MiB: its keys read where they stand)
+    assert with_cut_start(tail, tail_keys, str(log), 1001) == {"total_cost_usd": 0.5, "is_error": True, "num_turns": 2}
+    assert with_cut_start(tail, tail_keys, str(log), 5000) == tail_keys  # the tail held the whole line: as it was
+    log.write_text("some progress\n" + line + "\n[cut: max_log_bytes]\n")
+    assert with_cut_start(tail, tail_keys, str(log), 1001) == tail_keys
+    log.write_text("x" * 6000 + line[5050:] + "\n")
+    assert with_cut_start(tail, tail_keys, str(log), 1001) == tail_keys

@@ -29,6 +29,22 @@ def costly(env: Env, cost: float, *flags: str, **settings: Any) -> dict[str, Any
     return env.agent("--json-result", json.dumps({"type": "result", "total_cost_usd": cost}), *flags, **settings)
 
 
+def test_the_cost_of_a_final_json_longer_than_the_stdout_kept_is_recorded(env: Env) -> None:
+    """A final JSON of 4.5 MB whose cost and is_error come before a long field: only its last 4 MiB are kept in
+    memory, and its start is read from stdout.log, so the attempt's cost and is_error are recorded (section 5)."""
+    big = {"total_cost_usd": 0.5, "is_error": False, "padding": "x" * 4_500_000, "num_turns": 3}
+    work = env.agent()["command"]  # the fake agent does the job; the wrapper then prints the long final JSON
+    text = f"import json, subprocess\nsubprocess.run({work!r}, check=True)\nprint(json.dumps({big!r}))\n"
+    wrapper = write_script(env.tmp, "big-final.py", text)
+    env.configure(agents={"worker": {**env.agent(), "command": [sys.executable, str(wrapper)]}})
+    env.drop(simple("BIG-FINAL"))
+    assert env.cli("run", "--once", timeout=90).returncode == 0
+    result = env.result("BIG-FINAL", "done")
+    assert result["cost_usd"] == 0.5, result
+    kept = result["attempts"][0]["agent_result"]
+    assert kept == {"total_cost_usd": 0.5, "is_error": False, "num_turns": 3}, kept
+
+
 def simple(job_id: str, to: str = "worker") -> dict[str, Any]:
     body = order(job_id, to=to)
     body.pop("accept")

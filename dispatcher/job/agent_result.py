@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections import deque
 from typing import Any
@@ -84,6 +85,60 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
     return None
 
 
+def with_cut_start(tail: bytes, result: dict[str, Any] | None, log_path: str, kept: int) -> dict[str, Any] | None:
+    """Return result with the keys its object holds before the kept tail, when that object's start was cut off.
+
+    An object longer than the ``kept`` bytes of stdout held in memory (``tail``) starts in
+    stdout.log only: ``{"total_cost_usd": 0.5, "padding": "<5 MB>"}`` has its cost there. Its
+    start is read from the log (``keys_before_tail``) when the log holds the whole stream; keys
+    the tail has win. Anything else: ``result`` as it is.
+    """
+    if len(tail) < kept or b"\n" in tail.rstrip() or not tail.rstrip().endswith(b"}"):
+        return result  # the tail holds the whole last line: nothing was cut off
+    head = keys_before_tail(log_path, tail)
+    if not head:
+        return result
+    return {**head, **(result or {})}
+
+
+def keys_before_tail(log_path: str, tail: bytes, head_max: int = AGENT_RESULT_MAX) -> dict[str, Any] | None:
+    """Return ``AGENT_RESULT_KEYS`` from the start of stdout.log's last line, which began before ``tail``, or None.
+
+    Only when the log ends with ``tail`` (the log was not cut by ``max_log_bytes``). The line's
+    start is found by reading back from the tail a MiB at a time; its first ``head_max`` bytes
+    are read for the keys.
+    """
+    try:
+        fd = os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        end = size - len(tail)
+        if end <= 0 or os.pread(fd, len(tail[-256:]), size - len(tail[-256:])) != tail[-256:]:
+            return None
+        start = 0
+        pos = end
+        while pos > 0:
+            at = max(0, pos - _BACK_CHUNK)
+            newline = os.pread(fd, pos - at, at).rfind(b"\n")
+            if newline >= 0:
+                start = at + newline + 1
+                break
+            pos = at
+        head = os.pread(fd, min(head_max, end - start), start)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not head.lstrip(b" \t").startswith(b"{"):
+        return None
+    return _keys_of_cut_object(head.decode("utf-8", errors="replace"), first=True)
+
+
+_BACK_CHUNK = 1 << 20
+
+
 def _char_before(text: str, pos: int) -> str:
     """Return the last character before ``pos`` that is not a blank, or "" at the start."""
     i = pos - 1
@@ -95,16 +150,21 @@ def _char_before(text: str, pos: int) -> str:
 _KEY_AT = {key: re.compile(r'"' + key + r'"\s*:\s*') for key in AGENT_RESULT_KEYS}
 
 
-def _keys_of_cut_object(line: str) -> dict[str, Any] | None:
+def _keys_of_cut_object(line: str, *, first: bool = False) -> dict[str, Any] | None:
     """Return ``AGENT_RESULT_KEYS`` read from the end of an object whose start was cut off, or None.
 
     A CLI's final JSON of many MB (a long ``result``) keeps its cost all the same: each key's
     last occurrence is decoded where it stands (a key inside a string would have its quotes
-    escaped, so it never matches).
+    escaped, so it never matches). ``first``: each key's first occurrence, for the object's
+    start read apart (``keys_before_tail``).
     """
     out: dict[str, Any] = {}
     for key, pattern in _KEY_AT.items():
-        found = deque(pattern.finditer(line), maxlen=1)  # its last occurrence
+        if first:
+            hit = pattern.search(line)
+            found = deque([hit] if hit else [])
+        else:
+            found = deque(pattern.finditer(line), maxlen=1)  # its last occurrence
         if not found:
             continue
         try:

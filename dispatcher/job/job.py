@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
 from dispatcher.checks.builtin import verdict
 from dispatcher.checks.facts import Exit
 from dispatcher.job import attempt
-from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result
+from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result, with_cut_start
 from dispatcher.job.context import JobContext
 from dispatcher.job.control import Control, Left
 from dispatcher.job.deciding import Deciding
@@ -237,12 +237,17 @@ class Job(Finishing, Deciding):
         earlier = [a for a in self.attempts if a.n < n]
         ran = attempt.argv_after(self.spec, self.folder.work, earlier, self.repo.path) if agent_ran else []
         tail = await self.ctx.lanes.io(self.folder.stdout_tail, n, AGENT_TAIL_BYTES)
-        result = await self.ctx.lanes.io(parse_agent_result, tail) if tail.strip() else None
+        result = await self.ctx.lanes.io(self._agent_result, n, tail) if tail.strip() else None
         resumed = attempt.command_for(self.spec.agent, earlier)[1]
         record = attempt.interrupted(n, started, ran, result, earlier, resumed)
         self.attempts.append(record)
         await self._persist(self.folder.record_attempt, record)
         return record
+
+    def _agent_result(self, n: int, tail: bytes) -> dict[str, Any] | None:
+        """Return attempt n's agent_result from its stdout tail (an object longer than it: its start from the log)."""
+        result = parse_agent_result(tail)
+        return with_cut_start(tail, result, self.folder.stdout_path(n), AGENT_TAIL_BYTES)
 
     def _cancel_asked(self) -> bool:
         """Return True if `dispatcher cancel` asked for this job and the request is still open (io pool)."""
@@ -286,7 +291,7 @@ class Job(Finishing, Deciding):
         self.control.attach(None)
         tail = out.stdout_tail
         small = len(tail) <= AGENT_RESULT_MAX
-        result = parse_agent_result(tail) if small else await self.ctx.lanes.io(parse_agent_result, tail)
+        result = parse_agent_result(tail) if small else await self.ctx.lanes.io(self._agent_result, n, tail)
         record = attempt.record(n, out, argv, result, self.attempts, attempt.command_for(agent, self.attempts)[1])
         hit = None if out.aborted else self._limit_of(out)
         log.info(

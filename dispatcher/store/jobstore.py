@@ -191,6 +191,10 @@ class JobFolder:
         except OSError:
             return None
 
+    def stdout_path(self, n: int) -> str:
+        """Return the path of attempts/<n>/stdout.log."""
+        return f"{self._attempts}/{n}/stdout.log"
+
     def stdout_tail(self, n: int, limit: int) -> bytes:
         """Return the last ``limit`` bytes of attempts/<n>/stdout.log (b"" when it cannot be read)."""
         return fsutil.read_tail(f"{self._attempts}/{n}/stdout.log", limit)
