@@ -384,6 +384,15 @@ def test_a_rejected_job_fails_and_its_follow_ups_never_run(env: Env) -> None:
     assert not (env.root / "done" / "CHILD-1").exists() and not list((env.root / "inbox").iterdir())
 
 
+def test_a_blank_reject_reason_reads_as_no_reason_given(env: Env) -> None:
+    """reject --reason '   ' (blanks only) records `rejected: no reason given`, as no --reason does."""
+    reviewed(env)
+    env.drop(simple("REV-BLANK"))
+    env.cli("run", "--once", timeout=60)
+    assert decide(env, "reject", "REV-BLANK", "--reason", "   ").returncode == 0
+    assert env.result("REV-BLANK", "failed")["reason"] == "rejected: no reason given"
+
+
 def test_a_job_reusing_a_rejected_follow_ups_id_is_not_shown_as_its_child(env: Env) -> None:
     """After a reject, its follow-up's id is free: a person's own order with that id runs, and `show --tree` of the
     rejected job lists no child, while `show` of the new job names no parent (one story, not two)."""

@@ -86,7 +86,7 @@ def _decide(
     state = Row.DONE if approve else Row.FAILED
     withdrawn = False  # a revision asked for before this decision and not carried out yet
     if entry.state == Row.REVIEW:
-        why = None if approve else cut_reason(f"rejected: {reason or 'no reason given'}")
+        why = None if approve else cut_reason(f"rejected: {(reason or '').strip() or 'no reason given'}")
         result = replace(result, state=str(state), reason=why, finished=iso(time.time()))
         folder.stage_result(result)
         faults.point("review.staged")
