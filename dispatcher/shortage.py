@@ -144,9 +144,15 @@ class Shortage:
         """Return the seconds left in the pause (0 when none)."""
         return max(0.0, self.until - time.monotonic())
 
-    def allowance(self, free: int) -> int:
-        """Return how many of ``free`` slots a turn may fill (all of them unless a shortage was met)."""
-        return free if self._window is None else min(free, self._window)
+    def allowance(self, free: int, starting: int = 0) -> int:
+        """Return how many of ``free`` slots a turn may fill (all of them unless a shortage was met).
+
+        ``starting``: jobs launched by earlier turns whose agents have not started yet. They
+        count against the window, so that after a shortage one start is tried at a time, not
+        one per turn: two starts that cannot both fit would otherwise fail together again
+        after every pause.
+        """
+        return free if self._window is None else min(free, max(0, self._window - starting))
 
     def ok(self) -> None:
         """Note that an agent started: the next turn may start twice as many."""

@@ -8,6 +8,7 @@ two `approve -` commands racing on the same ids.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -17,6 +18,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,25 @@ def test_out_of_file_descriptors_waits_and_finishes_every_job(env: Env) -> None:
     assert sorted(j for j, _a in starts) == jobs and all(a == 1 for _j, a in starts), "each agent ran once"
     results = [json.loads((env.root / "done" / j / "result.json").read_text()) for j in jobs]
     assert all(len(r["attempts"]) == 1 for r in results), "a start put off for a shortage is not an attempt"
+
+
+def test_after_a_descriptor_shortage_one_start_is_tried_at_a_time_in_claim_order(env: Env) -> None:
+    """RLIMIT_NOFILE 24, 8 slots, 20 agents of 0.5 s: room for one agent at a time. Starts after a shortage go one
+    at a time (two that cannot both fit never fail together after every pause, which stalled the daemon for up to
+    46 s), so the run never sits idle for long, and jobs put off for a shortage start in the order of their claims."""
+    jobs = [f"fdw{i:02d}" for i in range(20)]
+    env.configure({"tiny": hold_agent(env, 0.5, concurrency=8)}, max_jobs=8)
+    for job_id in jobs:
+        env.drop(tiny_order(job_id))
+    code, lines = run_once(env, preexec=nofile(24))
+    assert code == 0 and names(env.root / "done") == jobs
+    stamps = [datetime.fromisoformat(e["timestamp"]) for e in lines]
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(stamps)]
+    assert max(gaps) < 8.0, f"the daemon sat idle for {max(gaps):.1f} s with work left"
+    claimed = [e["job_id"] for e in lines if e["event"] == "job.claimed"]
+    last_claim = max(i for i, e in enumerate(lines) if e["event"] == "job.claimed")
+    waited = [e["job_id"] for e in lines[last_claim:] if e["event"] == "agent.started"]  # claimed, then put off
+    assert waited == [j for j in claimed if j in waited], f"claimed {claimed}, started after the last claim {waited}"
 
 
 @pytest.mark.parametrize("limit", [6, 8, 10])

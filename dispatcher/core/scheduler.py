@@ -138,7 +138,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         gates = self.ctx.gates()  # section 14; none in the usual turn: no agent gated
         gated = frozenset(gated_agents(gates, cfg.agents, time.time())) if gates else _NOT_GATED
         self._gates_changed(gated, now)
-        free = SHORT.allowance(self.slots.free(cfg.max_jobs) - self.inflight)  # (``free_slots``)
+        # (``free_slots``); after a shortage, the starts still on their way count against its window
+        free = SHORT.allowance(self.slots.free(cfg.max_jobs) - self.inflight, self.inflight + self.ctx.starts.count)
         batch: list[Parked | str] = []
         wall = time.time()
         # an agent whose next orders are in a claim's trip (made ahead, or parked orders sent by an earlier
@@ -390,13 +391,28 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.wake()
         return True
 
+    def _park_in_claim_order(self, p: Parked, claimed: float | None) -> None:
+        """Queue a claimed job whose start met a shortage again, ahead of new orders and of jobs claimed after it.
+
+        Put first, as before, unless jobs put back the same way before it were claimed earlier:
+        those keep their turn, so that the starts after a shortage go in the order of the claims.
+        """
+        at = 0
+        for i, q in enumerate(self.parked):
+            if q.kind is not Kind.RESUME or q.resume is None:
+                break
+            if claimed is None or (q.resume.spec.claimed or 0.0) > claimed:
+                break
+            at = i + 1
+        self.parked.insert(at, p)
+
     def _finished(self, job_id: str, task: asyncio.Task[Outcome]) -> None:
         r, held = self.slots.pop(job_id)
         if held and r is not None:
             self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
         if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():
-            self.parked.appendleft(parked_again(r.job))
+            self._park_in_claim_order(parked_again(r.job), r.job.spec.claimed)
         if outcome is Outcome.AGAIN and r is not None and not self.ctx.stopping():
             self.again[job_id] = r.job  # the same job runs its next attempt once a slot is free
             self.parked.appendleft(parked_again(r.job))
