@@ -433,6 +433,32 @@ def rejected(env: Env, agent: str, *words: str) -> dict[str, Any]:
     return result
 
 
+def test_a_follow_up_too_large_once_released_fails_followups_valid_and_one_that_fits_runs(env: Env) -> None:
+    """max_order_bytes 2000: a follow-up written in 1,990 bytes grows past it once released (JSON with parent and
+    hops), so followups_valid fails the parent and says so, instead of the daemon refusing its own release and the
+    chain being lost; one of 1,900 bytes is released and runs (sections 2, 5, 6)."""
+    fits = followup("FIT-2", to="worker", sender="intake")
+    fits["meta"] = {"pad": ""}
+    fits["meta"]["pad"] = "x" * (1900 - len(json.dumps(fits)))
+    big = followup("BIG-2", to="worker", sender="bigger")
+    big["meta"] = {"pad": ""}
+    big["meta"]["pad"] = "x" * (1990 - len(json.dumps(big)))
+    assert (len(json.dumps(fits)), len(json.dumps(big))) == (1900, 1990)
+    env.configure(
+        agents={"intake": handing_off(env, fits), "bigger": handing_off(env, big), "worker": env.agent()},
+        max_order_bytes=2000,
+    )
+    env.drop(order("FIT-1", to="intake"))
+    env.drop(order("BIG-1", to="bigger"))
+    env.cli("run", "--once", timeout=90)
+    assert env.result("FIT-2", "done")["parent"] == "FIT-1"
+    failed = env.result("BIG-1", "failed")
+    check = next(c for c in failed["checks"] if c["name"] == "followups_valid")
+    assert check["ok"] is False and "once released as JSON with parent and hops" in check["detail"], check
+    assert "(2" in check["detail"] and "> 2000 bytes)" in check["detail"]
+    assert not [p for p in (env.root / "failed").iterdir() if "@" in p.name], "the daemon refused its own release"
+
+
 def test_followup_reusing_a_known_job_id_fails_and_the_job_never_runs_again(
     outbox_run: Env,
 ) -> None:

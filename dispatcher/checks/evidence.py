@@ -302,7 +302,15 @@ def gather(
             output = Doc(missing=True)
 
         def parse(data: bytes, name: str) -> Order:
-            return parse_order(data, name, agents=agents, max_timeout_s=max_timeout_s, max_bytes=max_order_bytes)
+            found = parse_order(data, name, agents=agents, max_timeout_s=max_timeout_s, max_bytes=max_order_bytes)
+            # released as JSON with `parent` and `hops` (job.followups): that file must not be refused for its size
+            size = len(fsutil.dump_json({**found.body, "parent": order.job_id, "hops": hops + 1}))
+            if size > max_order_bytes:
+                raise OrderError(
+                    f"larger than max_order_bytes once released as JSON with parent and hops"
+                    f" ({size} > {max_order_bytes} bytes)"
+                )
+            return found
 
         outbox_exists = False
         followups: list[tuple[Followup, bytes | None]] = []
