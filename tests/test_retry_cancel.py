@@ -356,6 +356,9 @@ def test_cancel_cuts_a_retry_wait(env: Env) -> None:
     assert time.monotonic() - sent < 10
     assert result["reason"] == "cancelled"
     assert starts_of(env, "PAUSE-2") == [1]
+    checks = {c["name"]: c for c in result["checks"]}  # attempt 1's checks, as they ran: not "not run"
+    assert checks["exit_ok"]["ok"] is False and checks["receipt_present"]["ok"] is not None, checks
+    assert not [c for c in result["checks"] if "not run" in (c["detail"] or "")], result["checks"]
     assert d.stop() == 0
 
 

@@ -58,6 +58,7 @@ class Deciding(abc.ABC):
     attempts: list[Attempt]
     control: Control
     retries: int
+    checked: list[CheckResult]
     waits: Waits
     repo: JobRepo
     _followups: list[Child]
@@ -184,7 +185,7 @@ class Deciding(abc.ABC):
             return Outcome.LEFT
         if not safe:
             return await self.finish(Row.FAILED, f"{reason}; not retried: {why}", checks)
-        return await self._schedule_retry(n, reason)
+        return await self._schedule_retry(n, reason, checks)
 
     def _work_gone(self) -> bool:
         """Return True if work/ is no longer a folder (its agent removed it): no attempt can run in it."""
@@ -229,20 +230,21 @@ class Deciding(abc.ABC):
             return None
         return out.exit_code
 
-    async def _schedule_retry(self, n: int, reason: str) -> Outcome | None:
+    async def _schedule_retry(self, n: int, reason: str, checks: list[CheckResult] | None = None) -> Outcome | None:
         last = next((a for a in reversed(self.attempts) if a.n == n), None)
         if last is not None:
             marked = retry.mark_retry(last)
             self.attempts[self.attempts.index(last)] = marked
             await self._persist(self.folder.record_attempt, marked)
         await self._persist(self.folder.stash, n)
+        self.checked = checks or []  # a cancel during the wait ends the job with these, not with "not run"
         self.retries += 1
         delay = retry.delay(self.ctx.config().retry_delay_s, self.retries)
         log.info("job.retrying", attempt=n + 1, delay_s=delay, reason=reason)
         if await self.control.sleep(delay):
             if self.control.reason is Stop.STOPPED:
                 return Outcome.LEFT
-            return await self.finish(Row.FAILED, Stop.CANCELLED, [])
+            return await self.finish(Row.FAILED, Stop.CANCELLED, self.checked)
         return None
 
     async def _checks(self, exit_: Exit, n: int) -> list[CheckResult]:

@@ -42,7 +42,7 @@ from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
-from dispatcher.spec.result import Result
+from dispatcher.spec.result import CheckResult, Result
 from dispatcher.store.jobstore import JobFolder
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class Job(Finishing, Deciding):
         self.gave_back = False
         # counted in ``ctx.starts`` by the scheduler as it launched the job: the first start ends it
         self.counted_start = False
+        self.checked: list[CheckResult] = []  # the last attempt's checks while its retry waits: a cancel keeps them
         self.waits = Waits(
             self.job_id,
             ctx.ledger,
@@ -154,7 +155,7 @@ class Job(Finishing, Deciding):
             if self.control.reason is Stop.STOPPED or self.ctx.stopping():
                 return Outcome.LEFT  # no new attempt once a stop began: recovered at the next start
             if self.control.reason is Stop.CANCELLED:
-                return await self.finish(Row.FAILED, Stop.CANCELLED, [])
+                return await self.finish(Row.FAILED, Stop.CANCELLED, self.checked)
             if self.gave_back:
                 return Outcome.AGAIN  # its slot went to other work when its agent exited: it queues for one
             numbers = [] if self.fresh else self.folder.attempt_numbers()
