@@ -459,6 +459,22 @@ def test_a_follow_up_too_large_once_released_fails_followups_valid_and_one_that_
     assert not [p for p in (env.root / "failed").iterdir() if "@" in p.name], "the daemon refused its own release"
 
 
+def test_show_of_a_released_follow_up_that_was_refused_says_refused(env: Env) -> None:
+    """A follow-up released into inbox/ and then refused (its `expires` had passed) is shown `refused`, with the
+    refusal's reason and folder, by `show` of it and of its parent; not `inbox`, where nothing is (section 7)."""
+    late = followup("LATE-2", to="worker", sender="intake", expires="2000-01-01T00:00:00Z")
+    env.configure(agents={"intake": handing_off(env, late), "worker": env.agent()})
+    env.drop(order("LATE-1", to="intake"))
+    env.cli("run", "--once", timeout=90)
+    shown = json.loads(env.cli("show", "LATE-2", "--json", check=True).stdout)
+    assert shown["state"] == "refused" and shown["reason"] == "expired", shown
+    assert "@" in Path(shown["folder"]).name and Path(shown["folder"]).parent.name == "failed"
+    text = env.cli("show", "LATE-2", check=True).stdout
+    assert text.startswith("LATE-2  refused") and "inbox" not in text, text
+    parent = env.cli("show", "LATE-1", check=True).stdout
+    assert "LATE-2" in parent and "inbox" not in parent, parent
+
+
 def test_followup_reusing_a_known_job_id_fails_and_the_job_never_runs_again(
     outbox_run: Env,
 ) -> None:

@@ -8,6 +8,7 @@ following links (``JobFolder``, ``fsutil``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Container
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,26 @@ def _bare(job_id: str, state: str, agent: str | None, parent: str | None, hops: 
     }
 
 
+def _refusal_of(layout: Layout, job_id: str, source: str | None) -> dict[str, Any] | None:
+    """Return state, reason and folder of the refusal of a released follow-up's file, or None if there is none.
+
+    The daemon released it under ``source``; a refusal of that file is ``failed/<stem>@<time>/``,
+    and its result.json names the job id.
+    """
+    if not source:
+        return None
+    stem, failed = Path(source).stem, layout.folder(State.FAILED)
+    try:
+        names = sorted((n for n in os.listdir(failed) if n.rpartition("@")[0] == stem), reverse=True)
+    except OSError:
+        return None
+    for name in names:  # the newest first
+        result = JobFolder(failed / name).result()
+        if result is not None and result.job_id == job_id:
+            return {"state": "refused", "reason": result.reason, "folder": str(failed / name)}
+    return None
+
+
 def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int = 1 << 20) -> dict[str, Any] | None:
     """Return what is known of one job: state, folder, checks, attempts, cost, lineage; None if unknown.
 
@@ -177,6 +198,8 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
             return None
         state = {"released": "inbox", "claimed": "active"}.get(entry.state, entry.state)
         job = _bare(job_id, state, entry.agent, entry.parent, entry.hops)
+        if entry.state == Row.RELEASED and (refused := _refusal_of(layout, job_id, entry.source)) is not None:
+            job |= refused  # released, then refused as it left inbox/ (expired, say): it never ran
         return job | {"children": children, "cost_usd": entry.cost_usd, "chain_cost_usd": entry.chain_cost_usd}
     state, path = found
     folder = JobFolder(path)
