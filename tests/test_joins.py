@@ -600,3 +600,27 @@ def test_two_daemons_never_both_take_the_halves_of_an_after_cycle(env: Env) -> N
         }
         cut = [j for j, e in ((f"A{i}", a), (f"B{i}", b)) if "refused" in e or "cycle" in reasons.get(j, "")]
         assert cut, (i, a, b, reasons)
+
+
+def test_a_ready_join_takes_its_place_by_priority_then_age(env: Env) -> None:
+    """One slot: while the parent P runs, a join J (priority 9, after P), then orders M1..M4 (priority 0) and a join
+    J0 (priority 0, after P) come. Once P is done and J has joined, J starts before every M still waiting, and J0
+    after the M orders older than it: priority, then age, as for orders read from inbox/ (section 16)."""
+    slow = env.agent("--sleep", "1.5")
+    env.configure({"worker": {**slow, "concurrency": 1}}, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("P"))
+    d.wait_event("agent.started", job_id="P")
+    env.drop(order("J", after=["P"], priority=9))
+    time.sleep(0.3)
+    for i in range(1, 5):
+        env.drop(order(f"M{i}", priority=0))
+        time.sleep(0.05)
+    env.drop(order("J0", after=["P"], priority=0))
+    for job_id in ("J", "J0", "M4"):
+        env.wait_job(job_id, "done", timeout=60)
+    started = [e["job_id"] for e in d.events() if e["event"] == "agent.started"]
+    assert started.index("J") < started.index("M2"), started  # M1 may take P's slot as P ends, before J joins
+    assert started.index("J0") > started.index("M4"), started  # the M orders are older than J0
+    assert d.stop() == 0

@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from dispatcher.core.running import Running
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
-from dispatcher.core.work import Kind, Parked, Resume
+from dispatcher.core.work import Kind, Parked, Resume, parked_rank
 from dispatcher.job.control import Control
 from dispatcher.lifecycle import Row, Stop
 from dispatcher.spec.jobspec import Attempt, JobSpec
@@ -115,9 +115,20 @@ class Requests(abc.ABC, Generic[J]):
         self.inflight += 1
         self._background(self._launch([p], cancel=True))
 
-    def park_joined(self, job_id: str, token: int, agent: str) -> None:
-        """Queue a job whose wait is over (moved to active/ and taken by this daemon); it runs when a slot is free."""
-        self.parked.append(Parked(Kind.JOINED, job_id, agent, token=token))
+    def park_joined(self, job_id: str, token: int, agent: str, rank: tuple[int, float] = (0, 0.0)) -> None:
+        """Queue a job whose wait is over (moved to active/ and taken by this daemon); it runs when a slot is free.
+
+        Among the orders parked for a slot it takes its place by priority, then age, as an order
+        read from inbox/ would (``parked_rank``): not behind every order read before it.
+        """
+        p = Parked(Kind.JOINED, job_id, agent, token=token, rank=rank)
+        for i, q in enumerate(self.parked):
+            ranked = q.kind is Kind.NEW or (q.kind is Kind.JOINED and q.rank is not None)
+            if ranked and parked_rank(q) > rank:
+                self.parked.insert(i, p)
+                break
+        else:
+            self.parked.append(p)
         self.wake()
 
 

@@ -146,6 +146,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         # turn that may come back without a slot): those go first, the orders behind them wait
         behind = {agent for agent, n in (*self.ahead.claiming.items(), *self.sending.items()) if n > 0}
         room: bool | None = None  # may new orders be claimed (``SHORT.room``): asked once, when one would be
+        joined_rank: tuple[int, float] | None = None  # the best ready join left for an order of higher rank
         for p in list(self.parked):
             if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
                 self.parked.remove(p)
@@ -153,6 +154,11 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
+            if p.kind is Kind.JOINED and p.rank is not None and len(self.parked) < PARK_LIMIT:
+                head = self.inbox.head_rank(gated)
+                if head is not None and head < p.rank:  # an order of higher priority (or as high and older) first
+                    joined_rank = p.rank if joined_rank is None else min(joined_rank, p.rank)
+                    continue
             claimed_ahead = p.job_id in self.ahead.ready
             if p.kind is Kind.NEW and not claimed_ahead and not (room := SHORT.room() if room is None else room):
                 continue  # read, not claimed: it waits until an agent could start (section 13)
@@ -175,6 +181,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             if upcoming is not None and upcoming[0] in behind:
                 self._held_back = True  # not read again at every turn until that trip answers (a spin)
                 break  # after the orders of its agent claimed ahead now
+            if joined_rank is not None and ((head := self.inbox.head_rank(gated)) is None or head > joined_rank):
+                break  # the ready join left above goes before this order, at the next turn
             ready = self.inbox.pop(gated)  # a gated agent's orders are left unread (section 14)
             if ready is None:
                 break
@@ -335,10 +343,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.wake()
 
     def _park_new(self, p: Parked) -> None:
-        """Park an order again among the other parked orders by priority, then by when it was read."""
+        """Park an order again among the other parked orders (and ready joins) by priority, then by age."""
         rank = parked_rank(p)
         for i, q in enumerate(self.parked):
-            if q.kind is Kind.NEW and parked_rank(q) > rank:
+            if (q.kind is Kind.NEW or (q.kind is Kind.JOINED and q.rank is not None)) and parked_rank(q) > rank:
                 self.parked.insert(i, p)
                 return
         self.parked.append(p)

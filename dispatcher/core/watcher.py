@@ -341,6 +341,11 @@ class Inbox:
         entry = self._head(gated)
         return None if entry is None else (entry.agent, entry.expires != float("inf"))
 
+    def head_rank(self, gated: frozenset[str] = frozenset()) -> tuple[int, float] | None:
+        """Return (-priority, mtime in epoch seconds) of the order ``pop`` would return next (as ``parked_rank``)."""
+        entry = self._head(gated)
+        return None if entry is None else (entry.neg_priority, entry.mtime_ns / 1e9)
+
     def _head(self, gated: frozenset[str]) -> _Ready | None:
         """Return the entry ``pop`` takes next, left in place; names taken or forgotten are dropped and
         gated agents' orders set aside on the way."""

@@ -49,6 +49,7 @@ class Parked:
     token: int = 0
     host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
     resume: Resume | None = None  # a claimed job queued again after a shortage, as it was
+    rank: tuple[int, float] | None = None  # a join ready to run: (-priority, received), as parked orders rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,5 +123,7 @@ class Handover:
 
 
 def parked_rank(p: Parked) -> tuple[int, float]:
-    """Return where a parked order goes among parked orders: higher priority first, then read first."""
-    return (-p.item.order.priority, p.item.received) if p.item is not None else (0, 0.0)
+    """Return where a parked order (or ready join) goes among parked orders: higher priority first, then older."""
+    if p.item is not None:
+        return (-p.item.order.priority, p.item.received)
+    return p.rank if p.rank is not None else (0, 0.0)

@@ -51,7 +51,8 @@ log = structlog.get_logger("dispatcher")
 PARENTS = "parents.json"
 ALL_DONE, ALL_FINAL = "all_done", "all_final"
 
-Ready = Callable[[str, int, str], None]  # (job_id, token, agent): a join moved to active/, to be run
+# (job_id, token, agent, rank): a join moved to active/, to be run; rank (-priority, received) orders it among orders
+Ready = Callable[[str, int, str, tuple[int, float]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,4 +290,6 @@ class Joins:
         faults.point("join.moved")
         log.info("job.joined", job_id=wait.job_id, agent=spec.agent.name, after=list(wait.after))
         if self.ready is not None:
-            self.ready(wait.job_id, token, spec.agent.name)
+            priority = spec.order.get("priority", 5)
+            rank = (-priority if isinstance(priority, int) else -5, spec.received)
+            self.ready(wait.job_id, token, spec.agent.name, rank)
