@@ -350,3 +350,38 @@ def test_a_job_waiting_out_a_limit_is_listed_once_in_status_as_waiting(env: Env)
     assert [(a["job_id"], a["daemon_alive"]) for a in after["active"]] == [("ONCE-1", False)], after
     line = next(x for x in env.cli("status", check=True).stdout.splitlines() if "ONCE-1" in x)
     assert "daemon not running" in line and "waiting for a gate" in line, line
+
+
+LIMIT_THEN_WORK = """import os, subprocess, sys, time
+job, attempt = os.environ["DISPATCH_JOB_ID"], os.environ["DISPATCH_ATTEMPT"]
+plan = {"LONG-B": (1.0, 600), "SHORT-A": (0.0, 2)}
+if attempt == "1" and job in plan:
+    pause, ahead = plan[job]
+    time.sleep(pause)
+    print("Claude AI usage limit reached|%d" % int(time.time() + ahead))
+    sys.exit(1)
+sys.exit(subprocess.run(sys.argv[1:]).returncode)
+"""
+
+
+def test_a_job_held_past_max_limit_wait_by_a_limit_another_job_met_fails(env: Env) -> None:
+    """max_limit_wait 8: A meets a limit 2 s away and waits; B meets one 600 s away a second later, which moves the
+    agent's gate. B fails at once; A fails once its limit waits reach 8 s, with the reason saying so, instead of
+    waiting the 600 s of B's limit (section 14: a job waits for usage limits at most max_limit_wait in all)."""
+    script = env.tmp / "limit_then_work.py"
+    script.write_text(LIMIT_THEN_WORK)
+    work = env.agent()["command"]
+    agent = {**env.agent(), "command": [sys.executable, str(script), *work], "limits": [{"preset": "claude"}]}
+    env.configure(agents={"worker": {**agent, "concurrency": 2}}, max_limit_wait=8)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SHORT-A"))
+    env.drop(order("LONG-B"))
+    b = env.wait_job("LONG-B", "failed", timeout=30)
+    assert "is beyond max_limit_wait (8 s)" in b["reason"], b["reason"]
+    a = env.wait_job("SHORT-A", "failed", timeout=40)
+    assert a["reason"].startswith("limit: Claude AI usage limit reached|") and "max_limit_wait (8 s)" in a["reason"]
+    waited = d.wait_event("job.failed", job_id="SHORT-A")["duration_s"]
+    assert 7 <= waited < 30, waited
+    assert env.cli("status", "--json", check=True).stdout.count("SHORT-A") == 0  # no wait left behind
+    assert d.stop() == 0

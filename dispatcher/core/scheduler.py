@@ -427,9 +427,12 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         if outcome is Outcome.GATED and r is not None and not self.ctx.stopping():
             job = r.job
             shown = job.agent in gated_agents(self.ctx.gates(), self.config.agents, time.time())
-            self.aside.put(job_id, job.agent, job.spec.received, job, shown=shown, expires=job.expires)
-            if job.expires is not None:  # it then ends expired, gate or not (section 16)
-                asyncio.get_running_loop().call_later(max(0.0, job.expires - time.time()) + 0.01, self.wake)
+            # taken back at its expires (it ends expired, gate or not: section 16), or when its usage-limit
+            # waits reach max_limit_wait (it fails then, if the limit was moved beyond that meanwhile)
+            back_at = min((t for t in (job.expires, job.limit_until) if t is not None), default=None)
+            self.aside.put(job_id, job.agent, job.spec.received, job, shown=shown, expires=back_at)
+            if back_at is not None:
+                asyncio.get_running_loop().call_later(max(0.0, back_at - time.time()) + 0.01, self.wake)
         ended = outcome in (Outcome.DONE, Outcome.FAILED, Outcome.REVIEW)
         if ended:
             self.stats.finished[outcome.value] += 1

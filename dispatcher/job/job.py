@@ -25,6 +25,7 @@ import structlog
 
 from dispatcher.checks.builtin import verdict
 from dispatcher.checks.facts import Exit
+from dispatcher.clock import iso
 from dispatcher.job import attempt
 from dispatcher.job.agent_result import AGENT_RESULT_MAX, parse_agent_result, with_cut_start
 from dispatcher.job.context import JobContext
@@ -34,10 +35,10 @@ from dispatcher.job.finishing import Finishing
 from dispatcher.job.repowork import JobRepo, WorkspaceFailed
 from dispatcher.job.retry import retries_so_far
 from dispatcher.job.runner import AGENT_TAIL_BYTES, AgentProcess
-from dispatcher.job.waits import Waits
+from dispatcher.job.waits import Waits, waited_s
 from dispatcher.lanes import Handoff, handed_over
 from dispatcher.ledger.base import Child, Finish, LedgerUnavailable
-from dispatcher.ledger.records import Request
+from dispatcher.ledger.records import Gate, GateKind, Request
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import Attempt, JobSpec
@@ -86,6 +87,8 @@ class Job(Finishing, Deciding):
         self.control = Control()
         self.retries = retries_so_far(self.attempts)  # a recovered job's back-off goes on where it was
         self.expires: float | None = None  # when the job ends expired if no attempt started by then (section 16)
+        # while a usage limit holds it: when its limit waits add up to max_limit_wait (set aside until then at most)
+        self.limit_until: float | None = None
         self._followups: list[Child] = []
         self._unsaved: Attempt | None = None  # the record of the attempt that just ended, not yet written
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,8 +172,12 @@ class Job(Finishing, Deciding):
                 return await self.finish(Row.FAILED, "expired", [])
             if (spent := await self._if_budget_spent()) is not None:
                 return spent
-            if await self.waits.hold(self.spec.agent) is not None:
+            if (gate := await self.waits.hold(self.spec.agent)) is not None:
+                self.limit_until = self._limit_deadline() if gate.kind == GateKind.LIMIT else None
+                if gate.until is not None and self.limit_until is not None and gate.until > self.limit_until:
+                    return await self._limit_wait_over(gate)
                 return Outcome.GATED  # set aside by the scheduler, without slots, until the gate lifts (or it expires)
+            self.limit_until = None
             ended = await self._attempt(n)
             if ended is None:
                 continue  # a retry is due (the before hook failed), or a usage limit gave the attempt back
@@ -179,6 +186,30 @@ class Job(Finishing, Deciding):
             outcome = await self._decide(n, ended)
             if outcome is not None:
                 return outcome
+
+    def _limit_deadline(self) -> float | None:
+        """Return when this job's usage-limit waits add up to max_limit_wait (epoch seconds); None for a fresh claim.
+
+        Its own limits count as ``waited_s`` counts them (the last one in full); a wait at a gate
+        another attempt's limit set or moved counts from when this job began to wait at it.
+        """
+        if not self.attempts:
+            return None  # never ran: it waits as an order in inbox/ does
+        last = max(self.attempts, key=lambda a: a.n)
+        limited = last.extra.get("limited")
+        if isinstance(limited, dict) and isinstance(limited.get("wait_s"), (int, float)):
+            start = last.ended + float(limited["wait_s"])
+        else:
+            start = self.waits.waiting_since or time.time()
+        return start + max(0.0, self.ctx.config().max_limit_wait_s - waited_s(self.attempts))
+
+    async def _limit_wait_over(self, gate: Gate) -> Outcome:
+        """Fail the job: the usage limit that holds its agent lasts beyond what max_limit_wait leaves it."""
+        await self.waits.release()
+        until, bound = iso(gate.until or time.time()), self.ctx.config().max_limit_wait_s
+        text = gate.reason or "a usage limit"
+        reason = f"limit: {text}; waiting until {until} is beyond max_limit_wait ({bound:g} s)"
+        return await self.finish(Row.FAILED, reason, self.checked)
 
     async def _reland(self) -> Outcome:
         """Finish a job cut short while landing: its result is already written."""

@@ -151,6 +151,8 @@ class Waits:
         self.not_before_text: str | None = None
         self.not_before = 0.0  # a usage limit this job met itself: wait for it before the snapshot knows it
         self.waiting = False  # this job's wait is recorded (and job.waiting logged)
+        self.waiting_until: float | None = None  # the gate's until as recorded (a later limit may move it)
+        self.waiting_since: float | None = None  # when this wait began (epoch seconds)
         self.left_over = left_over  # a wait row of an earlier run may be left (a recovered job): the ledger decides
 
     def limited(self, agent: Agent, stdout_tail: bytes, stderr_tail: bytes, at: float) -> LimitHit | None:
@@ -186,10 +188,13 @@ class Waits:
             await self.release()
             return None
         if not self.waiting:
-            self.waiting = True
+            self.waiting, self.waiting_until, self.waiting_since = True, gate.until, time.time()
             await self.lanes.ledger(self.ledger.set_gate_wait, self.job_id, agent.name, gate.until)
             log.info("job.waiting", job_id=self.job_id, agent=agent.name, kind=gate.kind,
                      until=iso(gate.until) if gate.until is not None else None, reason=gate.reason)  # fmt: skip
+        elif gate.until != self.waiting_until:  # another attempt's limit moved the gate: `status` shows the new time
+            self.waiting_until = gate.until
+            await self.lanes.ledger(self.ledger.set_gate_wait, self.job_id, agent.name, gate.until)
         if holding(self.gates(), agent.name, time.time()) is None:
             self.note(gate)
         return gate
@@ -199,6 +204,7 @@ class Waits:
         if self.waiting or self.left_over:
             await self.lanes.ledger(self.ledger.clear_gate_wait, self.job_id)
             self.waiting = self.left_over = False
+            self.waiting_since = None
 
     async def _holding(self, agent: Agent, *, fresh: bool) -> Gate | None:
         """Return the gate holding the agent now: the snapshot, this job's own limit, a daily cap."""

@@ -68,7 +68,8 @@ class SqliteGates(SqliteDb):
         """Record that a claimed job waits for a gate."""
         self._tx(
             lambda db: db.execute(
-                "INSERT OR REPLACE INTO gate_waits (job_id, agent, until, since) VALUES (?, ?, ?, ?)",
+                "INSERT INTO gate_waits (job_id, agent, until, since) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (job_id) DO UPDATE SET agent = excluded.agent, until = excluded.until",  # since kept
                 (job_id, agent, until, now()),
             )
         )
