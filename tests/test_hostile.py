@@ -652,7 +652,8 @@ def test_an_impossible_timestamp_is_refused_and_the_order_beside_it_is_claimed(e
 
 
 def test_a_valid_order_whose_file_name_is_not_utf8_is_refused_with_its_bytes(env: Env) -> None:
-    """inbox/bad<0xff>.json holding a good order: refused at once (the name cannot be recorded), bytes kept."""
+    """inbox/bad<0xff>.json holding a good order: refused at once (the name cannot be recorded), bytes kept, and its
+    result.json names the job id the order holds, so that `show ID` finds it."""
     data = json.dumps(plain("NAME-1")).encode()
     inbox = os.fsencode(env.root / "inbox")
     os.makedirs(inbox, exist_ok=True)
@@ -670,7 +671,10 @@ def test_a_valid_order_whose_file_name_is_not_utf8_is_refused_with_its_bytes(env
     with open(folder + b"/result.json", "rb") as fh:
         result = json.loads(fh.read())
     assert result["reason"].startswith("the file name is not valid UTF-8")
+    assert result["job_id"] == "NAME-1"  # read from the order inside: the refusal is found by its id
     assert starts(env, "NAME-1") == 0
+    shown = env.cli("show", "NAME-1")
+    assert shown.returncode == 0 and shown.stdout.startswith("NAME-1  refused"), shown.stdout + shown.stderr
 
 
 # -- one file that cannot be taken -------------------------------------------------------------

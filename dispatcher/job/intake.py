@@ -112,7 +112,8 @@ def _read(name: str, config: Config, st: os.stat_result, path: str) -> Inspected
     if fmt is None:
         return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
     if not name_is_utf8(name):  # the ledger records a job's file name as text
-        return Refusal(name, "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`")
+        why = "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`"
+        return Refusal(name, why, job_id=_job_id_inside(path, fmt, config.max_order_bytes))
     try:
         data = fsutil.read_regular(path, config.max_order_bytes)
         again = os.lstat(path)
@@ -164,6 +165,14 @@ def _read(name: str, config: Config, st: os.stat_result, path: str) -> Inspected
         text = body_text(order.body)
     stamp = (again.st_size, again.st_mtime_ns)
     return Inspected(name, data, order, digest(data), time.time(), (st.st_dev, st.st_ino), text, path, stamp)
+
+
+def _job_id_inside(path: str, fmt: str, max_bytes: int) -> str | None:
+    """Return the job_id a refused file's order names, if it can be read (for its result.json), else None."""
+    try:
+        return read_job_id(fsutil.read_regular(path, max_bytes), fmt)
+    except (OSError, ValueError, fsutil.NotRegular):
+        return None
 
 
 def job_id_of(body: Any) -> str | None:
