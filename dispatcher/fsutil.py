@@ -365,6 +365,24 @@ def read_tail(path: str | Path, limit: int, *, start: int = 0) -> bytes:
 _READ_CHUNK = 1 << 20  # read_regular's largest read
 
 
+def read_given(path: str | Path) -> bytes:
+    """Read a file a user named on the command line (a link to it followed); NotRegular for a FIFO, a folder...
+
+    Opened without blocking, so a named pipe no one writes is an error, not a hang.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(kind_of(st.st_mode))
+        chunks = []
+        while chunk := os.read(fd, _READ_CHUNK):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_regular(
     path: str | Path, limit: int | None = None, *, base: str | Path | None = None, dir_fd: int | None = None
 ) -> bytes:

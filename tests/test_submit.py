@@ -185,3 +185,19 @@ def test_queued_ids_parse_only_files_that_can_hold_them(tmp_path: Path, monkeypa
     found = queued.queued_ids(layout.inbox, {"WANT-1", "WANT-2", "WANT-3", "WANT-4"})
     assert found == {"WANT-1", "WANT-2"}
     assert sorted(parsed) == ["escaped.json", "mention.json", "plain.yaml"]
+
+
+def test_submit_and_validate_of_a_named_pipe_answer_at_once(env: Env) -> None:
+    """`submit` or `validate` of a FIFO named like an order exits 2 at once with one line naming the file, instead
+    of waiting for a writer that never comes; a link to a real order is followed (the user named it)."""
+    env.configure()
+    pipe = env.tmp / "pipe.json"
+    os.mkfifo(pipe)
+    for command in ("submit", "validate"):
+        proc = env.cli(command, str(pipe), timeout=20)
+        assert (proc.returncode, proc.stderr) == (2, f"{pipe}: a FIFO is not a work order\n"), proc
+    real = env.tmp / "real.json"
+    real.write_text(json.dumps(order("LINKED-1")))
+    link = env.tmp / "link.json"
+    link.symlink_to(real)
+    assert env.cli("submit", str(link)).stdout == "LINKED-1\n"

@@ -193,10 +193,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _parse_file(name: str, cfg: Config | None) -> Any:
+    from dispatcher import fsutil
+
     try:
-        data = Path(name).read_bytes()
+        data = fsutil.read_given(name)
     except OSError as exc:
         raise OrderError(f"cannot read: {exc.strerror}", file=name) from None
+    except fsutil.NotRegular as exc:
+        raise OrderError(f"a {exc.kind} is not a work order", file=name) from None
     return parse_order(
         data,
         name,

@@ -46,9 +46,11 @@ def read_order(name: str, cfg: Config, *, not_before: float | None = None) -> Su
     with that ``not_before`` set (any earlier one replaced).
     """
     try:
-        data = Path(name).read_bytes()
+        data = fsutil.read_given(name)
     except OSError as exc:
         raise OrderError(f"cannot read: {exc.strerror}", file=name) from None
+    except fsutil.NotRegular as exc:
+        raise OrderError(f"a {exc.kind} is not a work order", file=name) from None
     order = _parse(data, name, cfg)
     if not_before is None:
         return name, order, data, Path(name).suffix.lower()
