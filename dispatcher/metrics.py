@@ -83,7 +83,7 @@ def stale_files(template: str | os.PathLike[str], host: str, pid: int) -> list[P
     text = str(template).replace("{host}", host)
     if "{pid}" not in text:
         return []
-    glob_pattern = text.replace("{pid}", "*")
+    glob_pattern = "*".join(globmod.escape(part) for part in text.split("{pid}"))  # a `[` in the path is itself
     pattern = re.compile(re.escape(text).replace(re.escape("{pid}"), r"(\d+)"))
     out = []
     for name in globmod.glob(glob_pattern):

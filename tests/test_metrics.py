@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dispatcher.metrics import Metrics, metrics_path
+from dispatcher.metrics import Metrics, metrics_path, stale_files
 
 
 def samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -131,3 +132,15 @@ def test_metrics_labels_are_added_to_every_series_so_two_daemons_files_never_rep
         assert got[("dispatcher_last_loop_timestamp_seconds", (("daemon", f"box-{pid}"),))] == 1_800_000_000.0
         key = ("dispatcher_jobs_finished_total", (("agent", "a"), ("daemon", f"box-{pid}"), ("state", "done")))
         assert got[key] == 1
+
+
+def test_a_stopped_daemons_file_is_found_under_a_path_holding_glob_characters(tmp_path: Path) -> None:
+    """metrics_file `met[1]/m-{pid}.prom`: the file a stopped daemon left there is found for removal (the `[` is part
+    of the path, not a pattern), the live daemon's own file is not, nor a name the pattern does not give."""
+    folder = tmp_path / "met[1]"
+    folder.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that ran and ended: no daemon has it now
+    for name in (f"m-{gone.pid}.prom", f"m-{os.getpid()}.prom", "m-abc.prom"):
+        (folder / name).write_text("")
+    assert stale_files(str(folder / "m-{pid}.prom"), "box", os.getpid()) == [folder / f"m-{gone.pid}.prom"]
