@@ -547,3 +547,25 @@ def test_a_job_whose_folder_cannot_be_read_back_fails_like_any_failed_job(env: E
     assert d2.stop() == 0
     assert 'dispatcher_jobs_finished_total{agent="worker",state="failed"} 1.0' in metrics.read_text()
     assert not [e for e in d2.events() if e.get("event") == "daemon.error"]
+
+
+def test_an_attempt_cut_by_its_daemons_death_keeps_the_host_it_ran_on(env: Env) -> None:
+    """A daemon dies while its agent runs; the next one records that attempt as interrupted with the host noted at
+    its spawn (the dead daemon's: another host on a shared ledger), not its own, so `show` names where it ran."""
+    env.configure(agents={"worker": env.agent("--sleep", "60")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("HOST-1"))
+    pid = wait_start(env, "HOST-1")
+    log = env.root / "active" / "HOST-1" / "attempts" / "1" / "stdout.log"
+    d.kill()
+    os.killpg(pid, signal.SIGKILL)  # no orphan left: only the record is recovered
+    wait_gone([pid], [pid], timeout=10)
+    note = os.getxattr(log, "user.dispatcher.agent").decode().split()
+    assert len(note) == 4, note  # pid, start on the boot clock, start on the wall clock, host
+    os.setxattr(log, "user.dispatcher.agent", " ".join([*note[:3], "other-host"]).encode())  # as another host notes
+    d2 = env.daemon()
+    result = env.wait_job("HOST-1", "failed", timeout=30)
+    assert [(a["n"], a["host"], a.get("interrupted")) for a in result["attempts"]] == [(1, "other-host", True)]
+    assert "host other-host" in env.cli("show", "HOST-1", check=True).stdout
+    assert d2.stop() == 0

@@ -225,8 +225,12 @@ def interrupted(
     result: Mapping[str, Any] | None = None,
     earlier: Sequence[Attempt] = (),
     resumed: str | None = None,
+    host: str | None = None,
 ) -> Attempt:
     """Return the record of attempt n found without its end (its daemon died, or a stop cut it).
+
+    ``host``: the host its agent ran on, as noted at its spawn (a daemon of another host that died);
+    this host when none was noted.
 
     ``argv``: what it ran, rendered again from the job's frozen spec (the record that would
     have held it is written at an attempt's end). ``result``: the final JSON its stdout.log
@@ -239,7 +243,7 @@ def interrupted(
         ended=time.time(),
         exit_code=None,
         interrupted=True,
-        host=HOST,
+        host=host or HOST,
         argv=tuple(argv),
         agent_result=result,
         extra=_session_extra(result, earlier, resumed),

@@ -264,6 +264,8 @@ class Job(Finishing, Deciding):
     async def _record_cut(self, n: int) -> Attempt:
         """Record attempt n, cut short by the crash of its daemon, as interrupted; return its record."""
         started = self.folder.attempt_started(n)  # before its logs are made below, which would move it
+        noted = self.folder.pid_record(n)  # the host its agent ran on: the dead daemon's, not this one's
+        host = noted.get("host") if noted is not None and isinstance(noted.get("host"), str) else None
         agent_ran = not self.folder.never_started(n)  # without logs, only its before hook ran (if any)
         await self._persist(partial(self.folder.make_logs, n, keep=True))  # every attempt has two logs
         earlier = [a for a in self.attempts if a.n < n]
@@ -271,7 +273,7 @@ class Job(Finishing, Deciding):
         tail = await self.ctx.lanes.io(self.folder.stdout_tail, n, AGENT_TAIL_BYTES)
         result = await self.ctx.lanes.io(self._agent_result, n, tail) if tail.strip() else None
         resumed = attempt.command_for(self.spec.agent, earlier)[1]
-        record = attempt.interrupted(n, started, ran, result, earlier, resumed)
+        record = attempt.interrupted(n, started, ran, result, earlier, resumed, host)
         self.attempts.append(record)
         await self._persist(self.folder.record_attempt, record)
         return record
