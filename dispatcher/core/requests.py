@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from dispatcher.core.running import Running
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
-from dispatcher.core.work import Kind, Parked, Resume, parked_rank
+from dispatcher.core.work import Kind, Parked, Resume, park_ranked
 from dispatcher.job.control import Control
 from dispatcher.lifecycle import Row, Stop
 from dispatcher.spec.jobspec import Attempt, JobSpec
@@ -121,14 +121,7 @@ class Requests(abc.ABC, Generic[J]):
         Among the orders parked for a slot it takes its place by priority, then age, as an order
         read from inbox/ would (``parked_rank``): not behind every order read before it.
         """
-        p = Parked(Kind.JOINED, job_id, agent, token=token, rank=rank)
-        for i, q in enumerate(self.parked):
-            ranked = q.kind is Kind.NEW or (q.kind is Kind.JOINED and q.rank is not None)
-            if ranked and parked_rank(q) > rank:
-                self.parked.insert(i, p)
-                break
-        else:
-            self.parked.append(p)
+        park_ranked(self.parked, Parked(Kind.JOINED, job_id, agent, token=token, rank=rank))
         self.wake()
 
 

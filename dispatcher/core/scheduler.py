@@ -29,7 +29,7 @@ from dispatcher.core.requests import Requests, parked_again
 from dispatcher.core.running import RunningJobs, keeps_slots
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
-from dispatcher.core.work import Big, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked, parked_rank
+from dispatcher.core.work import Big, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked, park_ranked
 from dispatcher.job.context import JobContext
 from dispatcher.job.job import Job
 from dispatcher.job.joins import Joins
@@ -319,9 +319,9 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 case NoSlot(parked=p) if p.kind is Kind.NEW and p.agent in gated:
                     self._leave_unread(p)  # a gate holds its agent: the file waits unread in inbox/
                 case NoSlot(parked=p) if p.kind is Kind.NEW and ahead is not None:
-                    self._park_new(p)  # not to be claimed ahead after all: it waits for a slot
+                    park_ranked(self.parked, p)  # not to be claimed ahead after all: it waits for a slot
                 case NoSlot(parked=p) if p.kind is Kind.NEW:
-                    self._park_new(p)
+                    park_ranked(self.parked, p)
                     self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
                     self.slot_poll = True
                 case NoSlot(parked=p):
@@ -341,15 +341,6 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                         self.stats.finished["failed"] += 1
         self.parked.extendleft(reversed(again))  # first again, in the order they had
         self.wake()
-
-    def _park_new(self, p: Parked) -> None:
-        """Park an order again among the other parked orders (and ready joins) by priority, then by age."""
-        rank = parked_rank(p)
-        for i, q in enumerate(self.parked):
-            if (q.kind is Kind.NEW or (q.kind is Kind.JOINED and q.rank is not None)) and parked_rank(q) > rank:
-                self.parked.insert(i, p)
-                return
-        self.parked.append(p)
 
     def _run(self, launch: Launch, *, cancel: bool = False) -> None:
         p = launch.parked

@@ -9,6 +9,7 @@ trip, for the next job of the same agent.
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass, field
 
@@ -120,6 +121,16 @@ class Handover:
         """Return a handed-over slot of agent, if one is left."""
         free = self.slots.get(agent)
         return free.pop() if free else None
+
+
+def park_ranked(parked: collections.deque[Parked], p: Parked) -> None:
+    """Queue p before the first parked order (or ready join) of lower rank (``parked_rank``); others keep their turn."""
+    rank = parked_rank(p)
+    for i, q in enumerate(parked):
+        if (q.kind is Kind.NEW or (q.kind is Kind.JOINED and q.rank is not None)) and parked_rank(q) > rank:
+            parked.insert(i, p)
+            return
+    parked.append(p)
 
 
 def parked_rank(p: Parked) -> tuple[int, float]:

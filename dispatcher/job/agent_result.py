@@ -93,8 +93,9 @@ def with_cut_start(tail: bytes, result: dict[str, Any] | None, log_path: str, ke
     start is read from the log (``keys_before_tail``) when the log holds the whole stream; keys
     the tail has win. Anything else: ``result`` as it is.
     """
-    if len(tail) < kept or b"\n" in tail.rstrip() or not tail.rstrip().endswith(b"}"):
-        return result  # the tail holds the whole last line: nothing was cut off
+    end = tail.rstrip()
+    if len(tail) < kept or not end.endswith(b"}") or b"\n" in end:
+        return result  # the tail holds the whole last line (or no object ends it): nothing was cut off
     head = keys_before_tail(log_path, tail)
     if not head:
         return result
