@@ -259,6 +259,14 @@ def test_logs_shows_text_lines_from_the_journal_and_skips_torn_json(tmp_path: Pa
     assert proc.stdout.splitlines()[1:] == ["Traceback (most recent call last):"]
 
 
+def test_logs_job_that_is_not_a_job_id_exits_2(tmp_path: Path) -> None:
+    """`logs --job` with what cannot be a job id is bad usage: exit 2 and one line, not an empty listing."""
+    text = json.dumps(entry("job.claimed", job_id="J-1", agent="w")) + "\n"
+    proc = logs_cmd(tmp_path, "--job", "../J-1", "-", stdin=text)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "--job: ../J-1: not a job id (letters, digits, '.', '_', '-'; at most 128)"
+
+
 def test_logs_of_a_missing_file_exits_2(tmp_path: Path) -> None:
     """`dispatcher logs FILE` with no such file exits 2 with one line naming it."""
     proc = logs_cmd(tmp_path, "nope.log")

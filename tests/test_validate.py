@@ -162,6 +162,8 @@ ORDER_CASES: list[Case] = [
     bad("to-unknown-agent", js({"to": "nobody"}), field="to", mention="nobody"),
     # -- task ---------------------------------------------------------------------------
     bad("task-empty", js({"task": ""}), field="task"),
+    bad("task-blank", js({"task": "   "}), field="task"),
+    bad("task-ideographic-space", js({"task": "\u3000"}), field="task"),
     bad("task-cr", js({"task": "one\rtwo"}), field="task"),
     bad("task-lf", js({"task": "one\ntwo"}), field="task"),
     bad("task-crlf", js({"task": "one\r\ntwo"}), field="task"),

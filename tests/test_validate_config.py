@@ -322,3 +322,12 @@ def test_env_may_not_set_what_the_daemon_sets_or_never_passes(tmp_path: Path, na
     proc = validate(path)
     assert proc.returncode == 2 and f"agents.w.env.{name}: " in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("key", ["log_file", "metrics_file"])
+def test_an_empty_file_path_is_an_error_not_none(tmp_path: Path, key: str) -> None:
+    """`log_file: ''` names no file: an error naming the field, not a silent "no log file" (null says that)."""
+    cfg = config(tmp_path, {"a": {"command": ["true"]}}, **{key: ""})
+    proc = validate(cfg)
+    assert proc.returncode == 2
+    assert stderr_lines(proc) == [f"dispatcher.yaml: {key}: must not be empty"]

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dispatcher.cli.commands import config_of
-from dispatcher.errors import ConfigError, UsageError
+from dispatcher.errors import ConfigError, UsageError, printable
+from dispatcher.layout import JOB_ID
 from dispatcher.spec.config import SYSTEM_CONFIG, require_config
 
 
@@ -24,6 +25,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
         return logview.show(lines, job=args.job, as_json=args.json, flush=args.follow)
 
     require_config(args.config)  # every command but init needs one, also to read a FILE or stdin
+    if args.job is not None and not JOB_ID.fullmatch(args.job):
+        raise UsageError(f"--job: {printable(args.job)}: not a job id (letters, digits, '.', '_', '-'; at most 128)")
     if args.source == "-":
         return show(logview.read_stream(sys.stdin.buffer))
     if args.source is not None:

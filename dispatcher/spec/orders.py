@@ -88,6 +88,8 @@ def validate_order(
         schema.validate(body, "order")
     except OrderError as exc:
         raise _with_hint(exc, body) from None
+    if not body["task"].strip():
+        raise OrderError("must not be blank", field="task")
     seen: set[str] = set()
     for i, item in enumerate(body["items"]):
         if item["id"] in seen:
