@@ -216,6 +216,12 @@ def test_show_of_a_refused_files_folder_name_shows_the_refusal_not_a_failed_job(
     assert text.startswith(f"{name}  refused  agent -  "), text
     data = show_json(root, name)
     assert data["state"] == "refused" and data["path"] == str(root.root / "failed" / name), data
+    # the shape of every `show --json`: a job's keys, for a file that never ran and has no lineage or chain
+    assert show_json(root, "OK-1").keys() <= data.keys(), data
+    assert data["folder"] == data["path"] and data["attempts"] == [] and data["children"] == []
+    assert (data["parent"], data["cost_usd"], data["tree"]) == (None, None, None)
+    assert [c["name"] for c in data["checks"]][:3] == ["exit_ok", "receipt_present", "receipt_job_id"]
+    assert all(c["ok"] is None for c in data["checks"]) and data["received"] and data["reason"]
 
 
 @pytest.mark.parametrize("name", ["notes.txt", "notes"])

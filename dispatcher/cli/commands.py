@@ -249,6 +249,7 @@ def _show_refused(cfg: Config, layout: Layout, name: str, *, as_json: bool) -> i
 
     Raises NotFound when none: for what is not a job id either, the line every id command gives.
     """
+    from dispatcher.query.jobinfo import refusal_json
     from dispatcher.query.listing import refusals_of
     from dispatcher.text import ago
 
@@ -256,10 +257,10 @@ def _show_refused(cfg: Config, layout: Layout, name: str, *, as_json: bool) -> i
     if not rows:
         check_id(name)
         raise NotFound(f"{name}: no such job or refused file")
-    if as_json:
-        print(json.dumps(rows[0], indent=2))
-        return 0
     r = rows[0]
+    if as_json:
+        print(json.dumps(refusal_json(r), indent=2))
+        return 0
     print(f"{printable(name)}  refused  agent {plain(r['agent'])}  {ago(r['age_s'])} ago: the file never became a job")
     print(f"  reason: {printable(plain(r['reason']))}")
     print(f"  folder: {printable(r['path'])}")

@@ -360,6 +360,33 @@ def show_json(
     return out, info
 
 
+def refusal_json(row: dict[str, Any]) -> dict[str, Any]:
+    """Return `show --json` of a refused file (its `list --json` row): the shape of a job's, state ``refused``.
+
+    It never ran: no attempts, no lineage, no chain (``tree`` null); its checks are those its result.json
+    recorded (all not run). ``age_s`` and ``path`` stay as the row has them.
+    """
+    result = JobFolder(Path(row["path"])).result()
+    job: dict[str, Any] = {
+        "job_id": row["job_id"],
+        "state": "refused",
+        "agent": row["agent"],
+        "reason": row["reason"],
+        "checks": [c.to_json() for c in result.checks] if result is not None else [],
+        "attempts": [],
+        "received": result.received if result is not None else None,
+        "finished": result.finished if result is not None else None,
+        "parent": None,
+        "children": [],
+        "hops": None,
+        "folder": row["path"],
+        "cost_usd": None,
+        "chain_cost_usd": None,
+        "workspace": None,
+    }
+    return job | {"ancestors": [], "tree": None, "age_s": row["age_s"], "path": row["path"]}  # no chain: never a job
+
+
 def _node(job: dict[str, Any]) -> dict[str, Any]:
     return {
         "job_id": job["job_id"],

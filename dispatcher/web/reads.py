@@ -27,7 +27,7 @@ from dispatcher.errors import printable
 from dispatcher.fsutil import file_id
 from dispatcher.layout import JOB_ID, Layout
 from dispatcher.ledger.base import Ledger
-from dispatcher.query.jobinfo import log_tail, show_json
+from dispatcher.query.jobinfo import log_tail, refusal_json, show_json
 from dispatcher.query.listing import list_jobs, refusals_of
 from dispatcher.query.report import status_with
 from dispatcher.spec.settings import Config
@@ -119,7 +119,7 @@ class Reader:
         if found is not None:
             return found[0]
         rows = refusals_of(self.config, self.layout, job_id) if refused else []
-        return rows[0] if rows else None
+        return refusal_json(rows[0]) if rows else None
 
 
 def attempt_files(job: dict[str, Any]) -> list[dict[str, Any]]:
