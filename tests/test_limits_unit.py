@@ -40,6 +40,12 @@ ALL = preset("claude") + preset("codex") + preset("http429")
         ),  # 00:50 PST is 08:50 UTC
         ("Claude usage limit reached. Your limit will reset at 5pm (Europe/Warsaw).", 6 * 3600),
         ("Session limit reached ∙ resets 4am", 18 * 3600),
+        ("You've hit your limit · resets 1pm (Europe/Lisbon)", 3 * 3600),  # what claude -p prints today
+        ("You\u2019ve hit your limit · resets 10pm", 12 * 3600),
+        ("You've hit your weekly limit · resets Dec 3 at 7pm", 2 * 86400 + 9 * 3600),  # a date without a year
+        ("Opus weekly limit reached ∙ resets Dec 6, 1pm", 5 * 86400 + 3 * 3600),
+        ("You've hit your limit · resets Jan 30, 11:30am (Asia/Calcutta)", 60 * 86400 - 4 * 3600),  # 06:00 UTC
+        ("You've hit your limit · resets Nov 30, 1pm", 364 * 86400 + 3 * 3600),  # passed this year: the next one
         (
             "■ You\u2019ve hit your usage limit. Visit https://chatgpt.com/codex/settings/usage to purchase more"
             " credits or try again at 4:05 PM.",
@@ -93,6 +99,10 @@ def test_clock_and_duration_readings() -> None:
     [
         ("busy until 12:00 (Europe/Berlin)", (11, 0)),  # the zone right after what the group took
         ("busy until 12:00 Europe/Berlin", (11, 0)),
+        ("busy until 12:00 America/New_York", (17, 0)),  # a zone starting with A or P is no "am" or "pm"
+        ("busy until 12:00 Asia/Tokyo", (3, 0)),
+        ("busy until 12:00 Pacific/Auckland", (23, 0)),
+        ("busy until 12:00 Africa/Cairo", (10, 0)),
         ("busy until 12:00\nlater: (Europe/Berlin)", (12, 0)),  # on another line: not this time's zone
         ("busy until 12:00", (12, 0)),
     ],
@@ -109,6 +119,7 @@ def test_clock_times_with_seconds_a_bare_zone_name_or_z() -> None:
     """17:30:00, 17:30Z and 17:30 Europe/Berlin are clock times too."""
     berlin = datetime.fromtimestamp(clock_time("17:30 Europe/Berlin", NOW) or 0, ZoneInfo("Europe/Berlin"))
     assert (berlin.hour, berlin.minute) == (17, 30)
+    assert clock_time("9:30am America/New_York", NOW) == clock_time("09:30 America/New_York", NOW) == NOW + 4.5 * 3600
     assert clock_time("17:30:00", NOW) == clock_time("17:30Z", NOW) == clock_time("17:30 UTC", NOW) == NOW + 7.5 * 3600
 
 

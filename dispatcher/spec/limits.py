@@ -8,8 +8,10 @@ minutes``). The presets hold what the CLIs print, as their own trackers quote it
 
 - ``claude``: ``Claude AI usage limit reached|1760000400`` (headless mode),
   ``5-hour limit reached ∙ resets 3pm (Europe/Stockholm)``, ``You've hit your
-  session limit · resets 12:50am (America/Los_Angeles)`` and ``Claude usage limit
-  reached. Your limit will reset at 5pm (Europe/Warsaw).``;
+  session limit · resets 12:50am (America/Los_Angeles)``, ``You've hit your limit ·
+  resets 1pm (Europe/Lisbon)``, ``You've hit your weekly limit · resets Sep 15 at 7pm``,
+  ``Opus weekly limit reached ∙ resets Oct 6, 1pm`` (a date without a year is its next
+  coming) and ``Claude usage limit reached. Your limit will reset at 5pm (Europe/Warsaw).``;
 - ``codex``: ``You've hit your usage limit. Upgrade to Pro (...) or try again in
   4 days 20 hours 9 minutes.``, its newer ``... or try again at 3:45 PM.`` and ``... try
   again at Jul 9th, 2026 1:47 AM.`` (read as UTC, like every clock without a zone), the
@@ -60,8 +62,10 @@ class LimitHit:
     text: str
 
 
-_DATE = r"(?:[A-Z][a-z]{2,8}\.?\s+\d{1,2}(?:st|nd|rd|th)?,?\s+\d{4},?\s+)"  # Codex: "Jul 9th, 2026 1:47 AM"
-_CLOCK = r"(" + _DATE + r"?\d{1,2}(?::\d{2})?\s*(?:[ap]\.?m\.?)?(?:\s*\([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*\)|\s+UTC)?)"
+# a date before the time: Codex's "Jul 9th, 2026 1:47 AM", Claude's "Jan 30, 11:30am", "Sep 15 at 7pm"
+_DATE = r"(?:[A-Z][a-z]{2,8}\.?\s+\d{1,2}(?:st|nd|rd|th)?(?:,?\s+\d{4})?(?:,?\s+at|,)?\s+)"
+_HALF = r"(?:[ap]\.?m\.?(?![A-Za-z]))"  # am, p.m.; never the start of a word ("9:46 America/New_York")
+_CLOCK = r"(" + _DATE + r"?\d{1,2}(?::\d{2})?\s*" + _HALF + r"?(?:\s*\([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*\)|\s+UTC)?)"
 _CODEX_HIT = r"(?is)You(?:'|\u2019)ve hit your usage limit\b.{0,300}?"  # a straight or a curly apostrophe
 _RESETS = r"\s*[∙·•|-]\s*resets\s+(?:at\s+)?"
 _DURATION = r"((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|h|minutes?|mins?|m|seconds?|secs?|s|ms)\b[\s,]*(?:and\s+)?)+)"
@@ -69,7 +73,7 @@ PRESETS: dict[str, tuple[LimitRule, ...]] = {
     "claude": (
         LimitRule(r"Claude AI usage limit reached\|(\d{9,13})", "epoch", "claude"),
         LimitRule(r"(?i)limit reached" + _RESETS + _CLOCK, "clock", "claude"),
-        LimitRule(r"(?i)hit your (?:session|weekly|usage) limit" + _RESETS + _CLOCK, "clock", "claude"),
+        LimitRule(r"(?i)hit your (?:[\w-]+\s+){0,2}limit" + _RESETS + _CLOCK, "clock", "claude"),
         LimitRule(r"(?i)usage limit reached\.\s*Your limit will reset at\s+" + _CLOCK, "clock", "claude"),
     ),
     "codex": (
@@ -200,8 +204,9 @@ def clock_time(text: str, now: float) -> float | None:
     With a date before it (``Jul 9th, 2026 1:47 AM``, as Codex prints) it is that moment itself.
     """
     m = re.fullmatch(
-        r"(?:(?P<mon>[A-Za-z]{3})[a-z]*\.?\s+(?P<day>\d{1,2})(?:st|nd|rd|th)?,?\s+(?P<year>\d{4}),?\s+)?"
-        r"(?P<hour>\d{1,2})(?::(?P<minute>\d{2})(?::\d{2})?)?\s*(?P<half>[ap])?\.?(?:m\.?)?"
+        r"(?:(?P<mon>[A-Za-z]{3})[a-z]*\.?\s+(?P<day>\d{1,2})(?:st|nd|rd|th)?(?:,?\s+(?P<year>\d{4}))?"
+        r"(?:,?\s+at|,)?\s+)?"
+        r"(?P<hour>\d{1,2})(?::(?P<minute>\d{2})(?::\d{2})?)?\s*(?:(?P<half>[ap])\.?(?:m\.?)?(?![a-z]))?"
         rf"\s*(?:\((?P<zone>[^)]+)\)|(?P<named>{_ZONE_NAME})|UTC|Z)?",
         text.strip(),
         re.IGNORECASE,
@@ -222,13 +227,18 @@ def clock_time(text: str, now: float) -> float | None:
             zone = ZoneInfo((m["zone"] or m["named"]).strip())  # type: ignore[assignment]
         except (ZoneInfoNotFoundError, ValueError):
             return None
+    here = datetime.fromtimestamp(now, zone)
     if m["mon"]:
         month = _MONTHS.index(m["mon"].lower()) + 1 if m["mon"].lower() in _MONTHS else 0
-        try:
-            return datetime(int(m["year"]), month, int(m["day"]), hour, minute, tzinfo=zone).timestamp()
-        except ValueError:  # no such month or day
-            return None
-    here = datetime.fromtimestamp(now, zone)
+        years = (int(m["year"]),) if m["year"] else (here.year, here.year + 1)  # no year: the next such day
+        for year in years:
+            try:
+                moment = datetime(year, month, int(m["day"]), hour, minute, tzinfo=zone).timestamp()
+            except ValueError:  # no such month or day
+                return None
+            if moment > now or m["year"]:
+                return moment
+        return None
     at = here.replace(hour=hour, minute=minute, second=0, microsecond=0)
     if at.timestamp() <= now:
         at += timedelta(days=1)
