@@ -284,3 +284,23 @@ def test_files_a_check_left_in_the_worktree_are_not_charged_to_the_repaired_atte
     assert by_name(result, "writes_scope")["ok"] is True, result["checks"]
     assert result["workspace"]["changed"] == ["src/CL2.txt"]
     assert git(repo, "diff", "--name-only", "main", "dispatch/CL2") == "src/CL2.txt"
+
+
+def test_a_job_recovered_with_its_receipt_runs_its_checks_and_a_failing_one_fails_it(env: Env) -> None:
+    """kill -9 after the receipt: the next daemon checks the receipt with exit_ok null ("exit status lost", section
+    6) and the agent's own checks run too and decide: a crash never lets work pass that a check fails."""
+    fails = [{"name": "tests", "command": [sys.executable, "-c", "print('1 failed'); raise SystemExit(1)"]}]
+    env.configure(agents={"worker": env.agent("--sleep-after", "30", checks=fails)}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CHK-REC"))
+    receipt = env.root / "active" / "CHK-REC" / "work" / "receipt.json"
+    wait_until(receipt.exists, 30, "the agent's receipt")
+    d.kill()
+    d2 = env.daemon()
+    result = env.wait_job("CHK-REC", "failed", timeout=40)
+    assert by_name(result, "exit_ok")["ok"] is None and "lost" in by_name(result, "exit_ok")["detail"]
+    tests = by_name(result, "tests")
+    assert tests["ok"] is False and tests["detail"].endswith(": 1 failed"), tests
+    assert result["reason"].startswith("tests: exit 1 in "), result["reason"]
+    assert d2.stop() == 0

@@ -44,9 +44,14 @@ def not_run(checks: Sequence[UserCheck], why: str) -> list[CheckResult]:
 
 
 def agent_passed(builtin: Sequence[CheckResult]) -> bool:
-    """Return True when exit_ok and receipt_present are true: only then do user checks run."""
+    """Return True when receipt_present is true and exit_ok is too: only then do user checks run.
+
+    An ``exit_ok`` of null is a job recovered with its receipt after its daemon died ("exit status
+    lost", section 6): its checks decide, the user's included, so that a crash never lets work pass
+    that the user's checks would fail.
+    """
     ok = {c.name: c.ok for c in builtin}
-    return ok.get("exit_ok") is True and ok.get("receipt_present") is True
+    return ok.get("exit_ok") in (True, None) and ok.get("receipt_present") is True
 
 
 async def run(
