@@ -9,7 +9,10 @@ stops at the first error so that a user gets one clear line naming the field.
 A schema may carry ``x-error``, the message to give when its ``pattern`` fails.
 
 Patterns are matched against the whole string (``^``/``$`` anchored patterns are
-applied with ``re.fullmatch``), so a trailing newline never slips past ``$``.
+applied with ``re.fullmatch``), so a trailing newline never slips past ``$``. An
+``integer`` is written as one: ``2.0`` is a number, not an integer (JSON Schema
+would take it), so that ``max_attempts: 1.0`` is refused like ``1.5`` and no
+float reaches a count.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ MAX_INT_BITS = 1000  # an integer in a number field beyond this is refused: as a
 def _is_type(value: Any, name: str) -> bool:
     if isinstance(value, bool) and name in ("integer", "number"):
         return False
-    if name == "integer" and isinstance(value, float):
-        return value.is_integer()
+    if name == "integer":
+        return isinstance(value, int)  # 2.0 is a number written as one: the contract's integers are written as such
     return isinstance(value, _TYPES[name])
 
 
