@@ -71,6 +71,26 @@ def test_held_order_is_never_claimed_until_released(env: Env) -> None:
     assert got.index(("job.held", "HOLD-1", "worker")) < got.index(("job.released", "HOLD-1", "worker"))
 
 
+def test_a_copy_of_a_held_order_dropped_into_inbox_is_refused_and_the_held_one_still_runs(env: Env) -> None:
+    """A held id is known, to the daemon as to `submit`: a copy dropped by hand is refused (one job per id), and
+    the held order stays releasable and runs once released."""
+    env.configure()
+    env.drop(order("HOLD-2"))
+    env.cli("hold", "HOLD-2", check=True)
+    copy = env.root / "inbox" / "copy-of-hold-2.json"
+    copy.write_bytes((env.root / "held" / "HOLD-2.json").read_bytes())
+    assert run_once(env) == 1  # a refused file
+    (refused,) = [p for p in (env.root / "failed").iterdir() if p.name.startswith("copy-of-hold-2@")]
+    result = json.loads((refused / "result.json").read_text())
+    assert result["reason"] == "job_id: HOLD-2 is already known (held in held/); a job id is never run twice"
+    assert (refused / "order.json").read_bytes() == (env.root / "held" / "HOLD-2.json").read_bytes()
+    assert env.starts() == [] and not (env.root / "done" / "HOLD-2").exists()
+    env.cli("release", "HOLD-2", check=True)
+    assert run_once(env) == 0
+    env.wait_job("HOLD-2", "done")
+    assert env.starts() == [("HOLD-2", 1)]
+
+
 @pytest.mark.parametrize("with_file", [False, True])
 def test_an_operators_actions_reach_the_daemons_log_with_or_without_log_file(env: Env, with_file: bool) -> None:
     """hold and release: each event once on the running daemon's stdout (the journal), and once in

@@ -48,6 +48,7 @@ from dispatcher.spec.settings import Config
 from dispatcher.store import placing
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.placing import AHEAD_TEXT_BYTES, Inspected, Pick, Skipped, Started, body_text
+from dispatcher.store.queued import held_ids
 from dispatcher.store.refusals import Refusal, refuse
 from dispatcher.store.results import build_result, is_disk_full
 from dispatcher.store.staging import claim_stages, drop_inbox_twin
@@ -194,9 +195,9 @@ def agent_of(body: Any, config: Config) -> str | None:
     return to if isinstance(to, str) and to in config.agents else None
 
 
-def known_reason(job_id: str, state: str) -> str:
-    """Return the refusal reason of a job id seen before."""
-    return f"job_id: {job_id} is already known (state {state}); a job id is never run twice"
+def known_reason(job_id: str, state: str, where: str | None = None) -> str:
+    """Return the refusal reason of a job id seen before (``where`` instead of its state: ``held in held/``)."""
+    return f"job_id: {job_id} is already known ({where or f'state {state}'}); a job id is never run twice"
 
 
 def claim(
@@ -228,6 +229,9 @@ def claim(
             # a job folder the ledger does not know (a lost ledger): put its row back, never run it again
             _repair_row(ledger, item.order.job_id, *found)
             out[i] = _refuse(layout, owner, item, found[0].value, on_refused)
+            continue
+        if item.order.job_id in held_ids(layout.held):  # an operator paused it: this copy may not run in its place
+            out[i] = _refuse(layout, owner, item, "held", on_refused, where="held in held/")
             continue
         after = item.order.after
         cycle = find_cycle(ledger, item.order.job_id, after, pending) if after else None
@@ -389,9 +393,15 @@ def _repair_row(ledger: Ledger, job_id: str, state: State, folder: Path) -> None
 
 
 def _refuse(
-    layout: Layout, owner: str, item: Inspected, state: str, on_refused: Callable[[Path, Refusal], None]
+    layout: Layout,
+    owner: str,
+    item: Inspected,
+    state: str,
+    on_refused: Callable[[Path, Refusal], None],
+    *,
+    where: str | None = None,
 ) -> Refused | Skipped:
-    why = known_reason(item.order.job_id, state)
+    why = known_reason(item.order.job_id, state, where)
     refusal = Refusal(item.name, why, item.order.job_id, agent=item.order.to, inode=item.inode)
     try:
         refuse(layout, refusal, owner, on_refused)

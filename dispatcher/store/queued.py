@@ -73,6 +73,48 @@ def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
     return found
 
 
+_held: tuple[tuple[int, int], frozenset[str]] | None = None  # held/'s (inode, mtime) and the ids it held then
+
+
+def held_ids(held: Path) -> frozenset[str]:
+    """Return the job ids that valid orders in held/ carry (read again only once held/ changed).
+
+    A held order is a submitted one an operator paused: its id is known, so that a copy
+    dropped into inbox/ meanwhile is refused rather than run in its place. Costs one stat
+    while held/ is unchanged.
+    """
+    global _held
+    try:
+        st = os.stat(held)
+    except FileNotFoundError:
+        return frozenset()
+    key = (st.st_ino, st.st_mtime_ns)
+    cached = _held
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    ids: set[str] = set()
+    try:
+        entries = list(os.scandir(held))
+    except OSError:
+        entries = []
+    for de in entries:
+        if is_ignored(de.name) or order_format(de.name) is None:
+            continue
+        try:
+            est = de.stat(follow_symlinks=False)
+            entry = (est.st_ino, est.st_size, est.st_mtime_ns)
+            with _lock:
+                job_id = _cache.get(entry, "")
+            if job_id == "":
+                job_id = _job_id(Path(de.path), entry, fsutil.read_regular(Path(de.path), _MAX_BYTES))
+        except (OSError, ValueError, fsutil.NotRegular):
+            continue
+        if job_id is not None:
+            ids.add(job_id)
+    _held = (key, frozenset(ids))
+    return _held[1]
+
+
 def queued_ids(inbox: Path, job_ids: Iterable[str]) -> set[str]:
     """Return those of job_ids that a valid order waiting in inbox/ carries."""
     return set(find_queued(inbox, job_ids))
