@@ -7,7 +7,9 @@ The end-to-end counterpart, with a real daemon and real agents, is test_checks_e
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from conftest import CHECK_NAMES
 from dispatcher.checks import builtin as checks
 from dispatcher.checks.builtin import run_checks, verdict
 from dispatcher.checks.facts import Doc, Entry, Evidence, Exit, Followup
+from dispatcher.checks.stream import summarise_fd
 from dispatcher.checks.summary import summarise
 from dispatcher.spec.orders import Order, validate_order
 from dispatcher.spec.result import CheckResult
@@ -630,3 +633,31 @@ def test_ids_that_differ_only_in_type_are_told_apart_in_the_detail() -> None:
     empty = evidence(receipt=receipt(input_ids=[*IDS, ""]))
     [inputs] = [c for c in run_checks(empty) if c.name == "receipt_inputs"]
     assert inputs.detail == 'input_ids: extra ""'
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "allowed", "ok"),
+    [
+        ("csv", "id,level\nR1,2\nR2,3\nR3,1\n", [1, 2, 3], True),  # a CSV cell is text: 2 allows "2"
+        ("csv", "id,level\nR1,2.5\nR2,1\nR3,1\n", [1, 2.5], True),
+        ("csv", "id,level\nR1,true\nR2,false\nR3,true\n", [True, False], True),
+        ("csv", "id,level\nR1,4\nR2,1\nR3,1\n", [1, 2, 3], False),
+        ("csv", "id,level\nR1,2\nR2,1\nR3,1\n", ["1", "2"], True),
+        ("json", '[{"id": "R1", "level": 1.0}, {"id": "R2", "level": 2}, {"id": "R3", "level": 2}]', [1, 2], True),
+        ("json", '[{"id": "R1", "level": "1"}, {"id": "R2", "level": 2}, {"id": "R3", "level": 2}]', [1, 2], False),
+        ("jsonl", '{"id": "R1", "level": true}\n{"id": "R2", "level": 1}\n{"id": "R3", "level": 1}\n', [1], False),
+    ],
+    ids=["csv-ints", "csv-float", "csv-bools", "csv-not-allowed", "csv-strings", "json-1.0-is-1", "json-str-not-1",
+         "jsonl-true-not-1"],
+)  # fmt: skip
+def test_allowed_values_of_an_output_file_compare_as_its_format_writes_them(
+    tmp_path: Path, fmt: str, text: str, allowed: list[Any], ok: bool
+) -> None:
+    """An output file is read as the user wrote it: in CSV every cell is text, so an allowed number or boolean
+    allows the cell that writes it (`2`, `2.5`, `true`); in JSON a number equals itself written otherwise (1.0)."""
+    path = tmp_path / f"out.{fmt}"
+    path.write_text(text)
+    order = make_order(accept={"output": path.name, "allowed": {"level": allowed}})
+    doc = summarise_fd(os.open(path, os.O_RDONLY), fmt, order, 1 << 20)
+    result = checks.allowed_values(evidence(order=order, output=doc))
+    assert result.ok is ok, result

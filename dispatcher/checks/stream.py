@@ -71,7 +71,7 @@ def summarise_fd(fd: int, fmt: str, order: Order, limit: int) -> Doc:
     file cannot be used (its detail follows the file's name).
     """
     raw = _Capped(fd, limit)
-    summariser = Summariser(order.item_ids, order.accept)
+    summariser = Summariser(order.item_ids, order.accept, text=fmt == "csv")
     newline = None if fmt == "jsonl" else ""  # JSON Lines: any line ending; CSV: the csv module's own
     try:
         with io.TextIOWrapper(io.BufferedReader(raw, CHUNK), encoding="utf-8-sig", newline=newline) as text:

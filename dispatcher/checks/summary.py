@@ -36,6 +36,27 @@ def id_key(value: Any) -> Any:
     return (type(value).__name__, json.dumps(value, sort_keys=True))
 
 
+def value_key(value: Any) -> Any:
+    """Return a hashable key for a value of a record checked against accept.allowed.
+
+    Like ``id_key``, but a number equals the same number written otherwise (``1`` and ``1.0``),
+    never ``true`` or ``"1"``.
+    """
+    if value.__class__ is str:
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ("number", value)  # 1 == 1.0 and they hash alike
+    return id_key(value)
+
+
+def text_forms(values: Sequence[Any]) -> set[str]:
+    """Return how a CSV cell writes each allowed value that is no string: ``2``, ``1.5``, ``true``, ``null``.
+
+    A CSV file holds only text; an order's ``allowed: {level: [1, 2]}`` allows the cell ``2``.
+    """
+    return {v if isinstance(v, str) else json.dumps(v, sort_keys=True) for v in values}
+
+
 def stored_key(value: Any) -> Hashable:
     """Return ``id_key(value)``, or a digest of it when it is long; equal values give equal keys."""
     key = id_key(value)
@@ -183,11 +204,15 @@ class OutputSummary:
 class Summariser:
     """Take an output's records one at a time; ``result()`` gives the OutputSummary."""
 
-    def __init__(self, item_ids: Sequence[str], accept: Accept) -> None:
+    def __init__(self, item_ids: Sequence[str], accept: Accept, *, text: bool = False) -> None:
+        """``text``: the records are CSV rows, every value text (an allowed ``2`` allows the cell ``2``)."""
         self._key = accept.key
         self._items = dict.fromkeys(item_ids, 0)
         self._required = accept.required
-        self._allowed = {name: frozenset(map(id_key, values)) for name, values in (accept.allowed or {}).items()}
+        self._allowed = {
+            name: frozenset(text_forms(values) if text else map(value_key, values))
+            for name, values in (accept.allowed or {}).items()
+        }
         self._others: dict[Hashable, tuple[str, int]] = {}
         self._records = 0
         self._uncounted = 0
@@ -226,7 +251,7 @@ class Summariser:
                 return BadValue(id_shown(rid), name, "", required=True)
         for name, allowed in self._allowed.items():
             value = record.get(name)
-            if (value if value.__class__ is str else id_key(value)) not in allowed:
+            if (value if value.__class__ is str else value_key(value)) not in allowed:
                 seen = "missing" if name not in record else shown(value)
                 return BadValue(id_shown(rid), name, seen, required=False)
         return None
