@@ -7,6 +7,7 @@ ends the way the contract says.
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 from conftest import Env, order, wait_until
@@ -126,3 +127,32 @@ def test_a_retry_safe_agent_that_deleted_its_work_folder_is_not_retried(env: Env
     assert result["reason"].startswith(first_failing(result) or "?"), result["reason"]
     assert "not retried: work/ is gone" in result["reason"], result["reason"]
     assert not result["reason"].startswith("config:"), result["reason"]
+
+
+SWAP_WORK = """
+import json, os, shutil
+work, moved = os.getcwd(), os.environ["MOVED"]
+job = os.environ["DISPATCH_JOB_ID"]
+with open("receipt.json", "w") as f:
+    json.dump({"job_id": job, "input_ids": [], "output_ids": [], "status": "done", "outputs": []}, f)
+shutil.copytree(work, moved)
+os.chdir("/")
+shutil.rmtree(work)
+os.symlink(moved, work)
+"""
+
+
+def test_a_retry_safe_agent_that_replaced_its_work_folder_by_a_link_is_not_retried_and_says_why(env: Env) -> None:
+    """work/ swapped for a link to a copy holding a receipt is gone like a removed one: the receipt behind the
+    link is not the job's, and the reason says why no attempt followed."""
+    moved = env.tmp / "moved"
+    agent = {"command": [sys.executable, "-c", SWAP_WORK], "env": {"MOVED": str(moved)}, "timeout": 30}
+    env.configure(agents={"worker": {**agent, "retry_safe": True, "max_attempts": 3}})
+    env.drop(order("SWAP-1"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("SWAP-1", "failed")
+    assert [a["n"] for a in result["attempts"]] == [1]
+    assert check(result, "writes_scope")["ok"] is False
+    assert result["reason"].startswith("receipt_present: "), result["reason"]
+    assert "not retried: work/ is gone" in result["reason"], result["reason"]
+    assert (moved / "receipt.json").exists()  # what the link pointed at is left alone

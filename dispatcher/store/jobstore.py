@@ -105,8 +105,11 @@ class JobFolder:
         return spec.since if spec.since is not None else spec.received
 
     def has_receipt(self) -> bool:
-        """Return True if work/receipt.json exists as any entry (a link or FIFO too: it is never followed)."""
-        return os.path.lexists(f"{self.work_dir}/receipt.json")
+        """Return True if work/receipt.json exists as any entry (a link or FIFO too: it is never followed).
+
+        Never through a work/ that is itself a link (its agent replaced it): that work/ is gone.
+        """
+        return os.path.lexists(f"{self.work_dir}/receipt.json") and not os.path.islink(self.work_dir)
 
     def attempt_numbers(self) -> list[int]:
         """Return the numbers of attempts/<n>/ folders, in order."""
