@@ -215,3 +215,49 @@ def test_init_never_overwrites_a_config_and_says_when_its_root_differs(tmp_path:
     assert cfg.read_bytes() == before
     assert (tmp_path / "other" / "inbox").is_dir()
     assert str(tmp_path / "spool") in proc.stdout, "the note names the root the config really uses"
+
+
+@pytest.mark.parametrize("name", ["my root #1", "a: b", "yes", "1234", "[x]", "it's"])
+def test_init_of_a_root_with_a_yaml_minded_name_writes_a_config_that_reads_it_back(tmp_path: Path, name: str) -> None:
+    """A root named `my root #1`, `a: b` or `yes`: the starter config says that very folder (quoted where YAML
+    would read it otherwise), and the next command finds the root."""
+    proc = dispatcher(tmp_path, "init", name)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load((tmp_path / "config" / "dispatcher.yaml").read_text())["root"] == f"../{name}"
+    status = dispatcher(tmp_path, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert (tmp_path / name / "inbox").is_dir()
+
+
+@needs_no_system_config
+def test_init_with_a_json_config_path_writes_a_json_starter(tmp_path: Path) -> None:
+    """`init --config X.json` writes a config X.json reads as (JSON, by its name), with the starter's values."""
+    proc = dispatcher(tmp_path, "--config", "cfg/dispatcher.json", "init", "spool")
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads((tmp_path / "cfg" / "dispatcher.json").read_text())
+    assert body["root"] == "../spool" and body["max_jobs"] == 2 and body["agents"]
+    status = dispatcher(tmp_path, "--config", "cfg/dispatcher.json", "status", "--json")
+    assert status.returncode == 0, status.stderr
+
+
+def test_init_without_a_local_config_makes_the_system_configs_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With only the system-wide config, `init` makes the root it names (the configured root) and writes no second
+    config in the current folder: every other command would use that config too."""
+    from dispatcher.cli.main import main
+    from dispatcher.spec import config
+
+    system = write_config(tmp_path / "etc" / "dispatcher.yaml", str(tmp_path / "srv" / "dispatch"))
+    monkeypatch.setattr(config, "SYSTEM_CONFIG", system)
+    monkeypatch.delenv("DISPATCHER_CONFIG", raising=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (tmp_path / "srv").mkdir()
+    with pytest.raises(SystemExit) as done:
+        main(["init"])
+    assert done.value.code in (0, None)
+    assert (tmp_path / "srv" / "dispatch" / "inbox").is_dir()
+    assert list(work.iterdir()) == []  # no ./config/dispatcher.yaml beside it
+    assert f"config {system} exists: left as it is" in capsys.readouterr().out

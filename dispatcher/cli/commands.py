@@ -14,17 +14,18 @@ import time
 from pathlib import Path
 from typing import IO
 
+import yaml
+
 from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState, printable
 from dispatcher.layout import Layout, check_id
 from dispatcher.ledger.base import DaemonInfo
 from dispatcher.ops import preflight
 from dispatcher.ops.daemons import config_note
 from dispatcher.spec.config import (
-    CONFIG_ENV,
     DEFAULT_CONFIG,
     STARTER_CONFIG,
-    SYSTEM_CONFIG,
     default_config,
+    find_config,
     load_config,
     require_config,
     require_root,
@@ -49,8 +50,7 @@ def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Make the dispatch root's folders and, when there is none, a starter config; change nothing else."""
-    # never the system-wide config: `init` in an empty folder makes a local one (pass --config for another)
-    path = Path(args.config) if args.config else Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
+    path = find_config(args.config)  # the config every other command would use; none yet: ./config/dispatcher.yaml
     given = args.dir or args.root
     root = Path(given) if given else None
     cfg = load_config(path, root=root) if path.exists() else default_config(root)
@@ -75,8 +75,6 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(f"  root: {wrote}   (relative to {folder}, the config's folder: {cfg.root})")
         if path == DEFAULT_CONFIG:
             print(f"  `dispatcher` finds it when run from {Path.cwd()}; elsewhere pass --config {path.resolve()}")
-            if SYSTEM_CONFIG.exists():
-                print(f"  (it comes before {SYSTEM_CONFIG}, which commands run elsewhere still use)")
     for d in created:
         print(f"created {d}")
     if not created:
@@ -89,10 +87,22 @@ def _write_starter(path: Path, root: Path) -> str:
     folder = path.resolve().parent
     folder.mkdir(parents=True, exist_ok=True)
     rel = os.path.relpath(root, folder)
+    text = STARTER_CONFIG.format(root=_yaml_scalar(rel))
+    if path.suffix == ".json":  # read as JSON by its name: the same config without the comments
+        text = json.dumps(yaml.safe_load(text), indent=2) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
     with os.fdopen(fd, "w") as f:
-        f.write(STARTER_CONFIG.format(root=rel))
+        f.write(text)
     return rel
+
+
+def _yaml_scalar(text: str) -> str:
+    """Return text as a YAML value that reads back as this very string: plain where it can be, else quoted."""
+    try:
+        plain_ok = yaml.safe_load(f"k: {text}   # c") == {"k": text}
+    except yaml.YAMLError:
+        plain_ok = False
+    return text if plain_ok else json.dumps(text)
 
 
 def validate_config(path: Path, cfg: Config) -> int:
