@@ -93,6 +93,28 @@ def test_a_stop_while_another_process_holds_the_ledger_locked_ends_within_stop_t
     assert d2.stop() == 0
 
 
+def test_a_stop_while_the_ledger_is_locked_at_start_up_ends_at_once(env: Env) -> None:
+    """A daemon that starts while another process holds the SQLite ledger locked waits for it; a stop ends that
+    wait at once (it has not become ready: nothing was claimed), exit 0 and no READY."""
+    env.configure(stop_timeout=30)
+    assert env.cli("run", "--once", timeout=60).returncode == 0  # the ledger exists
+    db = sqlite3.connect(env.root / ".state" / "ledger.sqlite3", isolation_level=None, timeout=10)
+    db.execute("BEGIN EXCLUSIVE")
+    try:
+        d = env.daemon()
+        d.wait_event("ledger.waiting")  # the open waits for the lock (said after 5 s)
+        sent = time.monotonic()
+        d.signal(signal.SIGTERM)
+        code = d.wait(40)
+        took = time.monotonic() - sent
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+    assert code == 0
+    assert took < 5, f"the stop took {took:.1f} s while the ledger was locked at start-up"
+    assert d.wait_event("daemon.stopped")["reason"].startswith("a stop came during start-up")
+
+
 def test_sigterm_ends_agent_that_outlives_stop_timeout_and_next_start_recovers(env: Env) -> None:
     """An agent still running at stop_timeout is ended, its job stays in active/ and recovers."""
     wrapper = write_script(env.tmp, "slow_first.py", SLOW_FIRST)

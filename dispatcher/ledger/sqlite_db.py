@@ -97,17 +97,26 @@ def _entry(row: tuple[object, ...]) -> Entry:
 class SqliteDb:
     """The connection to ``<root>/.state/ledger.sqlite3``, shared by threads under one lock."""
 
-    def __init__(self, path: Path, state_dir: Path, *, patience_s: float | None = None, readonly: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        state_dir: Path,
+        *,
+        patience_s: float | None = None,
+        readonly: bool = False,
+        give_up: Callable[[], bool] | None = None,
+    ) -> None:
         """Open (creating if needed) the ledger; raise LedgerError if it cannot be used.
 
         ``patience_s`` bounds how long a write waits for a busy ledger (None: forever,
         as a daemon does; a command gives up with a clear error). ``readonly`` opens an
         existing ledger for reading only (``mode=ro``): enough to read the root, no
-        write access needed (`status`, `list`, `show`).
+        write access needed (`status`, `list`, `show`). ``give_up`` ends the open's own waits
+        for a ledger another process holds locked (a daemon stopped while it starts).
         """
         self.path = path
         self.patience_s = patience_s
-        self._give_up: Callable[[], bool] | None = None  # set by Ledger.set_give_up
+        self._give_up: Callable[[], bool] | None = give_up  # later set by Ledger.set_give_up
         self._lock = threading.Lock()
         self._daemons = state_dir / "daemons"
         self._liveness = Liveness(self._daemons)

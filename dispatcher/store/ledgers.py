@@ -118,7 +118,7 @@ def open_ledger(
     try:
         if not readonly:
             fsutil.make_dirs(path.parent)  # durable: a power cut must not take the ledger's folder back
-        ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s, readonly=readonly)
+        ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s, readonly=readonly, give_up=give_up)
     except LedgerError as exc:
         if exc.unreachable:  # a full disk, a read-only folder: the ledger itself may be fine
             raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({exc})") from None
