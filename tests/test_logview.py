@@ -101,6 +101,19 @@ def test_lines_on_the_journal_start_with_their_syslog_priority(env: Env) -> None
     ], "log_file gets the same JSON without the prefix"
 
 
+def test_a_config_the_daemon_refuses_at_start_is_an_error_line_on_the_journal(env: Env) -> None:
+    """`run` that stops at once on a bad config (exit 2, one line): on the journal that line is `<3>`, so that
+    `journalctl -p err` finds why the service did not start; off the journal it stays plain."""
+    env.config_path.write_text(env.config_path.read_text() + "bogus: 1\n")
+    out = env.tmp / "journal.out"
+    out.touch()
+    assert run_once(env, out, journal_env(out)) == 2
+    assert out.read_text() == f"<3>{env.config_path}: bogus: unknown key\n"
+    plain = env.tmp / "plain.out"
+    assert run_once(env, plain, journal_env(out)) == 2
+    assert plain.read_text() == f"{env.config_path}: bogus: unknown key\n"
+
+
 def test_journal_stream_of_another_file_adds_no_prefix(env: Env) -> None:
     """$JOURNAL_STREAM inherited with stdout sent elsewhere is not the journal: lines stay plain JSON."""
     other = env.tmp / "elsewhere"

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
-        print(redact(str(exc)), file=sys.stderr)
+        print(_err_prefix(args.command) + redact(str(exc)), file=sys.stderr)
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
@@ -153,6 +153,15 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None and args.command not in ("run", "web"):
         _leave(code)
     sys.exit(code)
+
+
+def _err_prefix(command: str) -> str:
+    """Return ``<3>`` when a daemon's error line goes to the journal (section 8: `journalctl -p err` finds it)."""
+    if command not in ("run", "web"):
+        return ""
+    from dispatcher import logs
+
+    return "<3>" if logs.is_journal(sys.stderr) else ""
 
 
 def _leave(code: int) -> NoReturn:
