@@ -469,3 +469,52 @@ def test_web_lines_follow_log_file_through_a_rotation_and_sighup(env: Env) -> No
         assert "job.released" not in log_file.with_suffix(".log.1").read_text()
     finally:
         assert web.stop() == 0
+
+
+def test_actions_on_a_queued_or_held_order_are_the_wrong_state_not_an_unknown_job(sqlite_site: tuple[Env, Web]) -> None:
+    """approve, reject, retry and revise of an order still in inbox/ or held/: the job is known (`show` shows it),
+    only in the wrong state: 409 as the command's exit 1 says, never 404 "no such job"."""
+    env, web = sqlite_site
+    for job_id, state in (("QUEUED-1", "queued"), ("HELD-1", "held")):
+        for action, only in (
+            ("approve", "not waiting for review"),
+            ("reject", "not waiting for review"),
+            ("retry", "only a failed job can be retried"),
+            ("revise", "only a job in review or failed can be revised"),
+        ):
+            status, answer = web.act(job_id, action, web.token, note="x")
+            assert (status, answer["message"]) == (409, f"{job_id}: is {state}, {only}"), (action, answer)
+            args = ("--note", "x") if action == "revise" else ()
+            command = env.cli(action, job_id, *args)
+            assert (command.returncode, command.stderr) == (1, f"{job_id}: is {state}, {only}\n"), command
+
+
+def test_a_refused_file_named_like_no_job_id_is_found_by_its_stem_as_show_finds_it(env: Env) -> None:
+    """`my order.json` refused: `/api/jobs/my%20order` answers what `show "my order" --json` prints."""
+    env.configure()
+    env.drop(b"job_id: [", "my order.json")
+    env.cli("run", "--once", timeout=60)
+    web = start_web(env)
+    try:
+        shown = json.loads(env.cli("show", "my order", "--json", check=True).stdout)
+        got = web.json("/api/jobs/my%20order")
+        assert without_ages(got) == without_ages(shown) and got["state"] == "refused", got
+        assert web.get("/jobs/my%20order")[0] == 200
+        assert web.get("/api/jobs/your%20order")[0] == 404
+    finally:
+        assert web.stop() == 0
+
+
+def test_web_over_a_lost_ledger_exits_2_naming_ledger_rebuild_as_every_command(env: Env) -> None:
+    """Job folders with no ledger: `dispatcher web` exits 2 with the one line `status` gives, before it listens."""
+    env.configure()
+    env.drop(order("LOST-1"))
+    env.cli("run", "--once", timeout=60)
+    (env.root / ".state" / "ledger.sqlite3").unlink()
+    status = env.cli("status")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "web", "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, cwd=env.tmp, env=cli_env(), timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 2 and "dispatcher ledger rebuild" in status.stderr
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", status.stderr), proc

@@ -21,6 +21,7 @@ import errno
 import os
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 
@@ -72,7 +73,7 @@ class Operator:
         check_id(job_id)
         found = self.layout.find(job_id)
         if found is None:
-            raise NotFound(f"{job_id}: no such job")
+            self._still_an_order(job_id, NotFound(f"{job_id}: no such job"), "only a failed job can be retried")
         if found[0] is not State.FAILED:
             raise WrongState(f"{job_id}: is {found[0].value}, only a failed job can be retried")
         self.ledger.request(job_id, Request.RETRY)
@@ -308,14 +309,17 @@ class Operator:
 
         check_id(job_id)
         cfg = self.config
-        line = decide(
-            self.layout,
-            self.ledger,
-            job_id,
-            approve=True,
-            max_chain_cost_usd=cfg.max_chain_cost_usd,
-            notify=Apart(cfg.notify or (), cfg.kill_grace_s, cfg.log_file),
-        )
+        try:
+            line = decide(
+                self.layout,
+                self.ledger,
+                job_id,
+                approve=True,
+                max_chain_cost_usd=cfg.max_chain_cost_usd,
+                notify=Apart(cfg.notify or (), cfg.kill_grace_s, cfg.log_file),
+            )
+        except NotFound as exc:
+            self._still_an_order(job_id, exc, "not waiting for review")
         self._poke("approve", job_id)  # a running daemon lands it and runs its after hook at once
         return line
 
@@ -324,7 +328,10 @@ class Operator:
         from dispatcher.job.review import decide
 
         check_id(job_id)
-        line = decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
+        try:
+            line = decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
+        except NotFound as exc:
+            self._still_an_order(job_id, exc, "not waiting for review")
         self._poke("reject", job_id)  # a running daemon runs its after hook at once
         return line
 
@@ -334,7 +341,10 @@ class Operator:
 
         check_id(job_id)
         found = self.layout.find(job_id)
-        line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
+        try:
+            line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
+        except NotFound as exc:
+            self._still_an_order(job_id, exc, "only a job in review or failed can be revised")
         if found is not None and found[0] is State.FAILED:
             self._note_blocked_join(job_id, found[1])
         self._poke("revise", job_id)
@@ -368,6 +378,18 @@ class Operator:
     def _agent(self, agent: str) -> None:
         if agent not in self.config.agents:
             raise NotFound(f"{printable(agent)}: no such agent in {self.config.path or 'the config'}")
+
+    def _still_an_order(self, job_id: str, unknown: NotFound, only: str) -> NoReturn:
+        """Raise WrongState for an id that is still an order (queued in inbox/, or held), else ``unknown``.
+
+        Such a job is known (`show` shows it) but in no state these actions take: exit 1 as
+        either way, and 409 rather than 404 in the web view.
+        """
+        if find_queued(self.layout.inbox, [job_id]):
+            raise WrongState(f"{job_id}: is queued, {only}")
+        if find_queued(self.layout.held, [job_id]):
+            raise WrongState(f"{job_id}: is held, {only}")
+        raise unknown
 
     def _not_in(self, job_id: str, folder: str, wanted: str, other: str) -> None:
         """Raise the error for an id whose order is not in folder."""

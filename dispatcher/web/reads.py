@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dispatcher.errors import printable
+from dispatcher.errors import DispatchError, printable
 from dispatcher.fsutil import file_id
 from dispatcher.layout import JOB_ID, Layout
 from dispatcher.ledger.base import Ledger
@@ -31,7 +31,7 @@ from dispatcher.query.jobinfo import log_tail, refusal_json, show_json
 from dispatcher.query.listing import list_jobs, refusals_of
 from dispatcher.query.report import status_with
 from dispatcher.spec.settings import Config
-from dispatcher.store.ledgers import open_reader
+from dispatcher.store.ledgers import LedgerLost, NoLedgerYet, open_reader
 
 #: a refused file's folder name in failed/: its stem, @, a UTC time, perhaps -2, -3...
 REFUSAL = re.compile(r"[^/\x00-\x1f]{1,200}@\d{8}T\d{6}(?:\.\d+)?Z(?:-\d+)?")
@@ -82,6 +82,20 @@ class Reader:
             self._opened = opened if self._ledger is not None else None
         return self._ledger
 
+    def check(self) -> None:
+        """Open the ledger now; raise LedgerLost as every command does when it is lost beside job folders.
+
+        A ledger out of reach (a PostgreSQL server down) is not raised: the view answers 503 until it is back.
+        """
+        with self._lock:
+            try:
+                self._reader()
+            except LedgerLost as exc:
+                if not isinstance(exc, NoLedgerYet):
+                    raise
+            except DispatchError:
+                pass
+
     def status(self) -> dict[str, Any]:
         """Return what `status --json` prints (cached for CACHE_S)."""
         now = time.time()
@@ -106,7 +120,9 @@ class Reader:
         as `show --json` does; a refusal's folder name (``stem@time``) answers as a job folder.
         """
         if not JOB_ID.fullmatch(job_id) and not (refused and REFUSAL.fullmatch(job_id)):
-            return None
+            # no job: perhaps the stem of a refused file named like no job id (`my order.json`), as `show` finds it
+            rows = refusals_of(self.config, self.layout, job_id) if refused and job_id.isprintable() else []
+            return refusal_json(rows[0]) if rows else None
         with self._lock:
             found = show_json(
                 self.layout,

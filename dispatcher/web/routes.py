@@ -222,7 +222,7 @@ def serve(config: Config, listen: str | None) -> int:
     """Serve the web view of config's root on listen (ADDR:PORT) until SIGTERM or SIGINT; return 0.
 
     A non-loopback address without ``web_token_file`` is refused (UsageError,
-    exit 2) before anything is bound.
+    exit 2) before anything is bound, and so is a ledger lost beside job folders (LedgerLost).
     """
     address = listen or DEFAULT_LISTEN
     host, port = parse_listen(address)
@@ -233,6 +233,7 @@ def serve(config: Config, listen: str | None) -> int:
         )
     token = load_token(config)
     app = App(config, Layout(config.root), Auth(token.value))
+    app.reader.check()  # a ledger lost beside job folders: exit 2 naming `ledger rebuild`, as every command
     try:
         server = open_server(host, port, app, loopback_only=loopback)
     except OSError as exc:
