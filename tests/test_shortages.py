@@ -424,6 +424,8 @@ def test_sigterm_while_postgresql_is_down_is_answered_within_stop_timeout(env: E
     assert "pg3.json" in names(env.root / "inbox"), "the order whose claim could not be made stays"
     gave_up = [e for e in d.events() if e["event"] in ("daemon.error", "job.crashed")]
     assert gave_up == [], "a wait given up for a stop is no error"
+    errors = [e["event"] for e in d.events() if e.get("level") == "error" and e["event"] != "lease.fenced"]
+    assert errors == [], errors  # nor any other error line ("Task exception was never retrieved")
     own_pg.start()
     again = env.daemon()  # the stopped daemon's lease runs out, then its jobs are recovered
     env.wait_job("pg1", "done", timeout=60)  # its receipt decides: done

@@ -81,7 +81,16 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         """Run a step of the scheduler's own in the background; shutdown waits for it (``drain``)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._step_done)
+
+    def _step_done(self, task: asyncio.Task[Any]) -> None:
+        """Forget a finished background step; say what failed, but not a ledger wait a stop gave up."""
+        self._tasks.discard(task)
+        exc = None if task.cancelled() else task.exception()
+        if exc is None or (isinstance(exc, LedgerUnavailable) and self.ctx.stopping()):
+            return  # given up at a stop: what it did not record is recovered at the next start
+        if not SHORT.note(exc, "background"):
+            log.error("daemon.error", step="background", error=str(exc), exc_info=exc)
 
     async def drain(self) -> None:
         """Wait for the scheduler's background steps (claims, refusals, slots given back)."""
