@@ -102,3 +102,35 @@ def test_a_submit_the_daemon_could_not_read_fails_in_one_line(tmp_path: Path) ->
         assert sorted(os.listdir(env.root / "inbox")) == []
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_order_another_user_moved_into_inbox_is_claimed_though_it_cannot_be_linked(
+    service: tuple[Env, str],
+) -> None:
+    """Root `mv`s its own 0644 order into the inbox of a daemon running as nobody (the safe drop, not `submit`):
+    fs.protected_hardlinks refuses the daemon a link to a file it neither owns nor may write, so the claim keeps
+    a copy of the bytes it read; the job runs to done with its order byte for byte, and the inbox name goes."""
+    env, python = service
+    assert Path("/proc/sys/fs/protected_hardlinks").read_text().strip() == "1", "the case needs protected_hardlinks"
+    init = subprocess.run(as_user(python, "--config", str(env.config_path), "init"), capture_output=True, text=True)
+    assert init.returncode == 0, init.stderr
+    log = (env.tmp / "daemon.log").open("wb")
+    daemon = subprocess.Popen(
+        as_user(python, "--config", str(env.config_path), "run"), stdout=log, stderr=subprocess.STDOUT, cwd=env.tmp
+    )
+    try:
+        wait_until(lambda: b"daemon.ready" in (env.tmp / "daemon.log").read_bytes(), what="the daemon to be ready")
+        data = json.dumps(order("MOVED-1")).encode()
+        (env.tmp / "o.json").write_bytes(data)
+        os.chmod(env.tmp / "o.json", 0o644)
+        os.rename(env.tmp / "o.json", env.root / "inbox" / "MOVED-1.json")  # root's file, owned by root
+        wait_until(lambda: (env.root / "done" / "MOVED-1").exists() or env.refusals(), what="MOVED-1 to finish")
+        text = (env.tmp / "daemon.log").read_text()
+        assert (env.root / "done" / "MOVED-1" / "result.json").exists(), text[-2000:]
+        assert (env.root / "done" / "MOVED-1" / "order.json").read_bytes() == data
+        assert not (env.root / "inbox" / "MOVED-1.json").exists()
+        assert "daemon.error" not in text, text[-2000:]
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+        log.close()

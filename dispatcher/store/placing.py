@@ -99,7 +99,16 @@ def stage(layout: Layout, owner: str, item: Inspected) -> str | None:
     except FileNotFoundError:
         os.rmdir(stage)
         return None
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EACCES, errno.EMLINK):  # another user's file (fs.protected_hardlinks)
+            try:
+                copied = _copy_in(inbox_path(layout, item), kept, item)
+            except OSError:
+                remove_stage(stage)
+                raise
+            if not copied:
+                remove_stage(stage)
+            return stage if copied else None
         os.rmdir(stage)  # (an immutable file, a full disk): no empty staging folder left at each try
         raise
     st = os.lstat(kept)
@@ -112,6 +121,32 @@ def stage(layout: Layout, owner: str, item: Inspected) -> str | None:
         remove_stage(stage)
         return None
     return stage
+
+
+def _copy_in(src: str, kept: str, item: Inspected) -> bool:
+    """Write the bytes read from src into kept, fsynced; False if src is no longer the file read.
+
+    For an order the daemon may read but not link: a file another user owns and the daemon may
+    not write, where ``fs.protected_hardlinks`` (the Debian and Ubuntu default) refuses the link.
+    The inbox name still goes only once the job is in place (``announce``, by the inode read).
+    """
+    try:
+        st = os.lstat(src)
+    except FileNotFoundError:
+        return False
+    if (st.st_dev, st.st_ino) != item.inode or st.st_size != len(item.data):
+        return False
+    if item.stamp is not None and (st.st_size, st.st_mtime_ns) != item.stamp:
+        return False
+    fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+    try:
+        view = memoryview(item.data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
