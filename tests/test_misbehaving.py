@@ -10,6 +10,7 @@ import re
 import sys
 import time
 
+import pytest
 from conftest import Env, order, wait_until
 from helpers_faults import (
     agent_starts,
@@ -156,3 +157,45 @@ def test_a_retry_safe_agent_that_replaced_its_work_folder_by_a_link_is_not_retri
     assert result["reason"].startswith("receipt_present: "), result["reason"]
     assert "not retried: work/ is gone" in result["reason"], result["reason"]
     assert (moved / "receipt.json").exists()  # what the link pointed at is left alone
+
+
+TAKES_RESULT = """
+import json, os, sys
+o = json.load(open(os.environ["DISPATCH_ORDER"]))
+if sys.argv[1] == "result":
+    os.mkdir("../result.json")  # the job folder's own result.json, taken by a folder
+else:
+    for state in ("done", "failed"):  # its place in done/ (and failed/), taken
+        os.mkdir(os.path.join("..", "..", "..", state, o["job_id"]))
+ids = [i["id"] for i in o["items"]]
+json.dump({"job_id": o["job_id"], "input_ids": ids, "output_ids": [], "status": "done", "outputs": []},
+          open("receipt.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("takes", ["result", "done"])
+def test_an_agent_that_takes_its_jobs_own_names_outside_work_leaves_it_stuck_not_the_daemon(
+    env: Env, takes: str
+) -> None:
+    """An agent without a sandbox that makes `../result.json` (or `done/<id>`) a folder: its job cannot land and
+    stays in active/ with one `job.stuck` error saying why; nothing is removed, and the daemon goes on: the next
+    order runs, and a restart starts and runs orders too (it used to crash at start-up or claim nothing)."""
+    env.configure(agents={"bad": {"command": [sys.executable, "-c", TAKES_RESULT, takes], "timeout": 30},
+                          "worker": env.agent()})  # fmt: skip
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("TAKE-1", to="bad"))
+    stuck = d.wait_event("job.stuck", job_id="TAKE-1")
+    assert stuck["level"] == "error" and stuck["agent"] == "bad", stuck
+    env.drop(order("AFTER-1"))
+    env.wait_job("AFTER-1", "done")
+    assert (env.root / "active" / "TAKE-1").is_dir()
+    assert d.stop() == 0
+    d2 = env.daemon()
+    d2.wait_ready()
+    env.drop(order("AFTER-2"))
+    env.wait_job("AFTER-2", "done")
+    assert d2.wait_event("job.stuck", job_id="TAKE-1")["agent"] == "bad"
+    assert (env.root / "active" / "TAKE-1").is_dir()
+    assert not [e for e in d.events() + d2.events() if e["event"] in ("job.crashed", "daemon.error")]
+    assert d2.stop() == 0

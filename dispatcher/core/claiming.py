@@ -300,7 +300,7 @@ class Claims:
                 return NoSlot(p)  # not now: it stays queued
             if not isinstance(exc, LookupError):
                 if p.kind is Kind.RECOVER:  # a folder it cannot read back: the job fails, saying why
-                    recovery.fail_damaged(layout, ledger, self.finisher, p.job_id, p.token, exc)
+                    recovery.fail_damaged(layout, ledger, self.finisher, p.job_id, p.token, exc, agent=p.agent)
                 else:
                     log.exception("daemon.error", job_id=p.job_id, agent=p.agent, step=p.kind.value, error=str(exc))
             return Dropped(p)

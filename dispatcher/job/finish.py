@@ -34,6 +34,7 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.clock import parse_iso
+from dispatcher.errors import oneline
 from dispatcher.finished import FinishedCounts
 from dispatcher.job.followups import release_followups
 from dispatcher.lanes import GroupCommit, Handoff, Lanes
@@ -304,6 +305,9 @@ class Finisher:
                 folder = landing.folder.name_result()
             except FileNotFoundError:  # landed already (a crash between land and this)
                 continue
+            except OSError as exc:  # its result's name taken (an agent wrote outside work/): it stays in active/
+                stuck(landing.finish.job_id, landing.result.agent, f"its result cannot be named result.json: {exc}")
+                continue
             named.append((landing, state))
             if folder is not None:
                 synced.append(folder)
@@ -315,6 +319,9 @@ class Finisher:
             try:
                 landing.folder.move_to(self.layout, state)
             except FileNotFoundError:  # landed already (a crash between land and this)
+                continue
+            except OSError as exc:  # done/<id> taken by something else: recovered at a start once it is free
+                stuck(landing.finish.job_id, landing.result.agent, f"cannot move it into {state.value}/: {exc}")
                 continue
             touched.add(state)
 
@@ -348,3 +355,13 @@ class Finisher:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Name the loop that released follow-ups are hinted to (set at start, before any release)."""
         self._loop = loop
+
+
+def stuck(job_id: str, agent: str | None, why: str) -> None:
+    """Say that a job cannot be finished and stays in active/ as it is, for a person to look at; the daemon goes on.
+
+    Only what no agent may do makes one: the daemon's own files of the job folder, or its
+    place in done/ or failed/, taken by something else (an agent without a sandbox writing
+    outside work/, a person). Nothing is removed or overwritten to get past it.
+    """
+    log.error("job.stuck", job_id=job_id, agent=agent, reason=oneline(why))

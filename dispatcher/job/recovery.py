@@ -19,7 +19,7 @@ import structlog
 
 from dispatcher import fsutil
 from dispatcher.errors import oneline
-from dispatcher.job.finish import Finisher
+from dispatcher.job.finish import Finisher, stuck
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_row
@@ -162,10 +162,15 @@ def orphans(
 
 def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> None:
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
-    with contextlib.suppress(FileExistsError, FileNotFoundError):
+    try:
         folder.land(layout, state)
         fsutil.fsync_dir(layout.folder(state))
-        log.info("job.recovered", job_id=job_id, agent=agent, step="land", state=state.value)
+    except FileNotFoundError:  # landed meanwhile (another daemon)
+        return
+    except OSError as exc:  # its files or its target taken by something else (an agent outside work/)
+        stuck(job_id, agent, f"cannot move it into {state.value}/: {exc}")
+        return
+    log.info("job.recovered", job_id=job_id, agent=agent, step="land", state=state.value)
 
 
 def _active_ids(layout: Layout) -> list[str]:
@@ -173,12 +178,29 @@ def _active_ids(layout: Layout) -> list[str]:
     return sorted(de.name for de in job_entries(layout.folder(State.ACTIVE)))
 
 
-def fail_damaged(layout: Layout, ledger: Ledger, finisher: Finisher, job_id: str, token: int, exc: Exception) -> None:
+def fail_damaged(
+    layout: Layout,
+    ledger: Ledger,
+    finisher: Finisher,
+    job_id: str,
+    token: int,
+    exc: Exception,
+    *,
+    agent: str | None = None,
+) -> None:
     """Fail a job whose folder cannot be read back (say, torn by a power loss); keep every file.
 
     It finishes as any failed job does (``Finisher.finish_now``): ``job.failed`` with its
-    figures, the finished count, the notification.
+    figures, the finished count, the notification. One that cannot even be failed (its
+    result's place taken) is ``stuck``: it stays in active/ and the daemon goes on.
     """
+    try:
+        _fail_damaged(layout, ledger, finisher, job_id, token, exc)
+    except OSError as err:
+        stuck(job_id, agent, f"recovery: it cannot be read back ({exc}) nor failed: {err}")
+
+
+def _fail_damaged(layout: Layout, ledger: Ledger, finisher: Finisher, job_id: str, token: int, exc: Exception) -> None:
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
     entry = ledger.get(job_id)
     reason = oneline(f"recovery: the job folder cannot be read back: {type(exc).__name__}: {exc}")
