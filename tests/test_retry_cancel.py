@@ -20,6 +20,13 @@ from helpers_faults import (
     wait_gone,
     wait_start,
 )
+from seam_fixtures import GOOD, sh
+from seam_fixtures import order as seam_order
+
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import Request
+from dispatcher.ops.actions import Operator
+from dispatcher.spec.config import load_config
 
 
 def starts_of(env: Env, job_id: str) -> list[int]:
@@ -436,3 +443,35 @@ def test_a_retry_or_revision_of_an_agent_no_longer_in_the_config_waits_for_it(en
     assert once.returncode == 0, once.stderr
     assert ran.read_text() == "ran\nran\n" and (env.root / "failed" / "GONE-1").is_dir()
     assert '"order.waiting"' in once.stdout
+
+
+def test_cancels_recorded_together_never_hand_a_freed_slot_to_a_job_claimed_ahead(env: Env) -> None:
+    """Two cancels in the ledger at once (as `cancel --tree` records them): the running job and the one claimed
+    ahead behind it. Ending the first gives its slot back; the second must not start on it: it fails `cancelled`
+    with no attempt, its agent never run."""
+    starts = env.tmp / "starts"
+    script = f'echo "$DISPATCH_JOB_ID" >> "{starts}"; case "$DISPATCH_JOB_ID" in S*) sleep 20;; *) sleep 0.1;; esac; '
+    env.configure(agents={"worker": sh(script + GOOD, concurrency=1)}, max_jobs=1, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    for i in range(4):  # quick runs: the agent's next orders are claimed ahead of a free slot
+        env.drop(seam_order(f"Q{i}"))
+        env.wait_job(f"Q{i}", "done")
+    env.drop(seam_order("S1"))
+    d.wait_event("agent.started", job_id="S1")
+    env.drop(seam_order("S2"))
+    wait_until(lambda: (env.root / "active" / "S2" / "job.json").exists(), 30, "S2 to be claimed ahead")
+    cfg = load_config(env.config_path)
+    op = Operator(cfg, Layout(cfg.root))
+    try:
+        # both recorded before the daemon hears of either, with others between them (a tree's joins, say)
+        for job_id in ("S1", *[f"S1-{i:02}" for i in range(20)], "S2"):
+            op.ledger.request(job_id, Request.CANCEL)
+        op._poke("cancel", "S1")
+    finally:
+        op.close()
+    for job_id in ("S1", "S2"):
+        assert env.wait_job(job_id, "failed")["reason"] == "cancelled"
+    assert env.result("S2", "failed")["attempts"] == []
+    assert "S2" not in starts.read_text().split(), starts.read_text()
+    assert d.stop() == 0

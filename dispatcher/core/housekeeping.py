@@ -238,7 +238,13 @@ class Housekeeping:
         hints = await lanes.io(_hints, layout)
         for line in await lanes.io(pass_on, layout, hints, logs.relay):  # a command's log lines: onto this stdout
             count_decision(self.ctx.metrics, self.ctx.finisher.finished, line)
-        for job_id in await lanes.io(ledger.requests, Request.CANCEL):
+        cancels = await lanes.io(ledger.requests, Request.CANCEL)
+        # jobs running or queued here are stopped in this very step, all of them: a slot an ended one gives back
+        # is never handed on to a job claimed ahead whose cancel comes later in the list (``core.ahead``)
+        acted = {job_id for job_id in cancels if self.sched.cancel(job_id, None)}
+        for job_id in cancels:
+            if job_id in acted:
+                continue
             entry = await lanes.io(ledger.get, job_id)
             if entry is not None and entry.state == Row.WAITING and self.joins is not None:
                 if await lanes.ledger(self.joins.cancel, job_id):
