@@ -642,3 +642,31 @@ def test_a_stop_counts_every_dropped_notification_the_summary_included(env: Env)
     ran = started.read_text().split()
     dropped = sum(e["count"] for e in d.events() if e.get("event") == "notify.dropped")
     assert len(ran) + dropped == len(jobs), (len(ran), dropped)
+
+
+@pytest.mark.parametrize("fault", ["review.landed", "followup.placed"])
+def test_an_approve_cut_short_is_finished_by_the_same_command_again_without_a_daemon(env: Env, fault: str) -> None:
+    """approve killed once the job is in done/ but before its follow-ups are all out, no daemon running: the same
+    command again releases what is left (README: "run the same command again") and says so; a third says the job
+    is done; the follow-up then runs once."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("CUT-1"))
+    wait_until((env.root / "review" / "CUT-1").exists, 30, "the job in review/")
+    assert d.stop() == 0
+    assert decide(env, "approve", "CUT-1", fault=fault).returncode == -9
+    assert (env.root / "done" / "CUT-1").is_dir()
+    again = decide(env, "approve", "CUT-1")
+    if fault == "review.landed":  # nothing was released yet
+        assert (again.returncode, again.stdout) == (
+            0, "CUT-1: approved; done; 1 follow-up released now (the approval was cut short)\n"
+        ), again  # fmt: skip
+    assert [p.name for p in (env.root / "inbox").iterdir()] == ["CHILD-1.json"]
+    third = decide(env, "approve", "CUT-1")
+    assert (third.returncode, third.stderr) == (1, "CUT-1: is done, not waiting for review\n"), third
+    d2 = env.daemon()
+    env.wait_job("CHILD-1", "done")
+    time.sleep(1.0)
+    assert [j for j, _ in env.starts() if j == "CHILD-1"] == ["CHILD-1"]
+    assert d2.stop() == 0

@@ -41,7 +41,7 @@ from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
 from dispatcher.spec.result import Result
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.results import cut_reason
-from dispatcher.text import usd
+from dispatcher.text import plural, usd
 
 log = structlog.get_logger("dispatcher")
 DECISION_WAIT_S = 30
@@ -62,6 +62,10 @@ def decide(
         found = layout.find(job_id)
         if found is None and entry is None:
             raise NotFound(f"{job_id}: no such job")
+        if approve and found is not None and found[0] is State.DONE and entry is not None and entry.state == Row.DONE:
+            line = _finish_approval(layout, ledger, JobFolder(found[1]), max_chain_cost_usd, notify)
+            if line is not None:
+                return line
         where = found[0].value if found else entry.state if entry else "unknown"
         raise WrongState(f"{job_id}: is {where}, not waiting for review")
     with _one_decision(layout):
@@ -115,15 +119,43 @@ def _decide(
         # this command's decision (its ledger write), landed by a daemon's rescan meanwhile: done all the same
     faults.point("review.landed")
     if approve:
-
-        def held(entry: Entry, name: str) -> None:
-            why = f"chain cost {usd(entry.chain_cost_usd)} is above max_chain_cost_usd"
-            if notify is not None:
-                start_detached(notify, layout.root, "budget.held", entry.job_id, entry.agent, why)
-
-        release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd, held=held)
+        _release(layout, ledger, job_id, max_chain_cost_usd, notify)
         return f"{job_id}: approved; done" + ("; its requested revision is withdrawn" if withdrawn else "")
     return f"{job_id}: rejected; failed" + ("; its requested revision is withdrawn" if withdrawn else "")
+
+
+def _release(
+    layout: Layout, ledger: Ledger, job_id: str, max_chain_cost_usd: float | None, notify: Apart | None
+) -> int:
+    """Release an approved job's follow-ups, each once (or into held/ over the chain budget); return how many."""
+
+    def held(entry: Entry, name: str) -> None:
+        why = f"chain cost {usd(entry.chain_cost_usd)} is above max_chain_cost_usd"
+        if notify is not None:
+            start_detached(notify, layout.root, "budget.held", entry.job_id, entry.agent, why)
+
+    return release_followups(layout, ledger, job_id, max_chain_cost_usd=max_chain_cost_usd, held=held)
+
+
+def _finish_approval(
+    layout: Layout, ledger: Ledger, folder: JobFolder, max_chain_cost_usd: float | None, notify: Apart | None
+) -> str | None:
+    """Release what an approval cut short by a crash left reserved (README: "run the same command again").
+
+    Only for a job of an agent with review, landed in done/: its follow-ups still waiting are
+    released once. None when there is nothing left to do (the job is plainly done).
+    """
+    try:
+        reviewed = folder.spec().agent.review
+    except (OSError, ValueError):
+        return None
+    if not reviewed:
+        return None
+    with _one_decision(layout):
+        count = _release(layout, ledger, folder.job_id, max_chain_cost_usd, notify)
+    if not count:
+        return None
+    return f"{folder.job_id}: approved; done; {plural(count, 'follow-up')} released now (the approval was cut short)"
 
 
 def _review_lock(layout: Layout, timeout: float) -> FileLock:
