@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,3 +114,73 @@ def test_a_connection_given_up_at_its_deadline_ends_the_wait_at_once(silent_serv
         PostgresLedger(url, patience_s=REACH_S, connect_timeout_s=CONNECT_S, answer_by=started + 0.5)
     took = time.monotonic() - started
     assert 0.5 <= took < 1.5, took  # not the 2 s attempt, nor REACH_S of retries after it
+
+
+READY_FOR_QUERY = b"Z\x00\x00\x00\x05I"  # the server's ReadyForQuery (idle): the login is complete
+
+
+class HangsAfterLogin:
+    """Forward to a server until its login completes, then pass nothing more either way: a server that stopped
+    (SIGSTOP, a hung host) after a command reached it. Its kernel still answers TCP, as this proxy does."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            hung = threading.Event()
+            threading.Thread(target=self._pipe, args=(client, upstream, hung, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, hung, True), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, hung: threading.Event, from_server: bool) -> None:
+        seen = b""
+        try:
+            while data := src.recv(65536):
+                if hung.is_set():
+                    continue  # swallowed
+                if from_server:
+                    seen += data
+                    if READY_FOR_QUERY in seen:  # pass the login's last message, then nothing
+                        end = len(data) - (len(seen) - seen.index(READY_FOR_QUERY) - len(READY_FOR_QUERY))
+                        dst.sendall(data[:end])
+                        hung.set()
+                        continue
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize(
+    "args", [("status",), ("list",), ("show", "X-1"), ("cancel", "X-1"), ("hold", "X-1"), ("pause", "worker")]
+)
+def test_a_command_answers_within_5_s_when_the_server_hangs_after_the_login(
+    env: Env, pg_db: str, args: tuple[str, ...]
+) -> None:
+    """The server stops answering once a command has logged in: no keepalive or libpq timeout ends that read,
+    so the command cuts a step silent for 2 s and answers in one line (section 12), never hangs."""
+    env.configure(ledger=pg_db)
+    (env.tmp / "o.json").write_text(json.dumps(order("X-1")))
+    env.cli("submit", str(env.tmp / "o.json"), check=True)  # the schema, and a queued order
+    port = int(pg_db.rsplit(":", 1)[1].split("/")[0])
+    proxy = HangsAfterLogin(port)
+    try:
+        env.configure(ledger=pg_db.replace(f":{port}/", f":{proxy.port}/"))
+        started = time.monotonic()
+        proc = env.cli(*args, timeout=30)
+        took = time.monotonic() - started
+    finally:
+        proxy.close()
+    assert took < LIMIT_S, f"{args} took {took:.1f} s"
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "cannot be reached" in proc.stderr, proc

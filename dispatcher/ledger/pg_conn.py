@@ -156,6 +156,11 @@ def permanent(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError) and any(p in text for p in _PERMANENT)
 
 
+SILENT_S = 2.0  # a command's step that hears nothing from the server for this long is cut (``Pool``)
+SILENCE_POLL_S = 0.25
+HURRY_S = 0.5  # after such a cut, how long each new connection may take: a server that answers does at once
+
+
 class TooLate(psycopg.OperationalError):
     """A command's connection attempt given up at its deadline: no retry follows."""
 
@@ -203,7 +208,10 @@ class Pool:
     one succeeds: later ones are not hurried.
     """
 
-    def __init__(self, conninfo: str, size: int = 4, deadline: float | None = None) -> None:
+    def __init__(
+        self, conninfo: str, size: int = 4, deadline: float | None = None, silent_s: float | None = None
+    ) -> None:
+        """``silent_s`` (a command's): a step that hears nothing for this long is cut (``watch_silence``)."""
         self.conninfo = conninfo
         self.size = size
         self.deadline = deadline
@@ -212,6 +220,27 @@ class Pool:
         self._closed = False
         self._cond = threading.Condition()
         self._busy: dict[int, tuple[Conn, float]] = {}  # lent connections by id(), with when they were lent
+        self._hurry = False  # a silent server was cut off: the next connections get HURRY_S each
+        if silent_s is not None:
+            threading.Thread(target=self.watch_silence, args=(silent_s,), name="silence", daemon=True).start()
+
+    def watch_silence(self, silent_s: float) -> None:
+        """Cut every step lent for longer than silent_s, until the pool is closed (a thread of its own).
+
+        For a command, which answers within 5 s (section 12): a server that stopped after the login
+        (SIGSTOP, a hung host) still has its kernel answer TCP, so no keepalive or timeout of libpq
+        ends a read; the step cut fails as a lost connection, and its caller answers in one line.
+        A command's lock waits end at ``COMMAND_LOCK_S``: a step silent for longer is no lock wait.
+        """
+        while not self._closed:
+            time.sleep(SILENCE_POLL_S)
+            now = time.monotonic()
+            with self._cond:
+                stuck = [conn for conn, since in self._busy.values() if now - since >= silent_s]
+                if stuck:
+                    self._hurry = True
+            for conn in stuck:
+                cut_socket(conn)
 
     def _take(self) -> Conn:
         with self._cond:
@@ -225,10 +254,11 @@ class Pool:
                     break
                 self._cond.wait()
         try:
-            if self.deadline is None:
+            if self.deadline is None and not self._hurry:
                 return psycopg.connect(self.conninfo, autocommit=False)
-            conn = connect_by(self.conninfo, self.deadline)
+            conn = connect_by(self.conninfo, self.deadline or time.monotonic() + HURRY_S)
             self.deadline = None
+            self._hurry = False
             return conn
         except BaseException:
             with self._cond:

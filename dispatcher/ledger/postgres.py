@@ -44,7 +44,7 @@ from dispatcher.ledger.base import Leases as LeasesInterface
 from dispatcher.ledger.base import Ledger
 from dispatcher.ledger.flocks import make_lock
 from dispatcher.ledger.pg_claims import Claims
-from dispatcher.ledger.pg_conn import Conn, Pool, PostgresLedgerError, describe, make_conninfo, permanent
+from dispatcher.ledger.pg_conn import SILENT_S, Conn, Pool, PostgresLedgerError, describe, make_conninfo, permanent
 from dispatcher.ledger.pg_finish import Followups
 from dispatcher.ledger.pg_gates import Gates
 from dispatcher.ledger.pg_leases import LeaseLost, Leases
@@ -108,7 +108,8 @@ class PostgresLedger(Ledger, LeasesInterface):
         if give_up is not None:
             self.set_give_up(give_up)
         conninfo = make_conninfo(url, self.lease_s, connect_timeout_s, readonly=readonly)
-        self._pool = Pool(conninfo, size=4, deadline=answer_by)
+        # a command's steps are cut once the server is silent for SILENT_S: it answers within 5 s (section 12)
+        self._pool = Pool(conninfo, size=4, deadline=answer_by, silent_s=SILENT_S if answer_by is not None else None)
         self._runner = Runner(self._pool, self.where, self.giving_up, patience_s)
         self._leases = Leases(self._runner, conninfo, self.lease_s)
         self._claims = Claims(self._runner, self._leases)
