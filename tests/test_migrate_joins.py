@@ -32,8 +32,9 @@ def _waits(dsn: str) -> list[tuple[str, str, str]]:
 def test_a_migrated_join_still_waits_and_a_paused_agent_stays_paused(env: Env, pg_db: str) -> None:
     """After `ledger migrate` a join waits for its queued parent and a paused agent stays paused until `resume`."""
     metrics = env.tmp / "m.prom"
+    log_file = env.tmp / "d.log"
     agents = {"worker": env.agent(), "merger": env.agent()}
-    env.configure(agents, metrics_file=str(metrics))
+    env.configure(agents, metrics_file=str(metrics), log_file=str(log_file))
     first = env.daemon()
     first.wait_ready()
     env.drop(order("W1"))
@@ -50,6 +51,9 @@ def test_a_migrated_join_still_waits_and_a_paused_agent_stays_paused(env: Env, p
     assert moved.returncode == 0, moved.stderr
     assert "2 job ids copied" in moved.stdout and "with 1 join wait, 1 gate, 0 gate waits, 0 requests" in moved.stdout
     assert _waits(pg_db) == [("M", "W1", "all_done"), ("M", "W2", "all_done")]
+    (line,) = [json.loads(x) for x in log_file.read_text().splitlines() if '"ledger.migrated"' in x]
+    assert (line["rows"], line["waits"], line["gates"], line["requests"]) == (2, 1, 1, 0), line  # README: the counts
+    assert line["target"].startswith("postgresql://")
 
     env.configure(agents, metrics_file=str(metrics), ledger=pg_db)
     second = env.daemon()

@@ -312,7 +312,7 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     if not ids:
         raise UsageError(f"{action}: no job id given")
     if action in ("hold", "release", "approve", "reject", "revise", "pause", "resume"):
-        _log_to_file(cfg)
+        log_to_file(cfg)
     op = Operator(cfg, Layout(cfg.root))
     op.reason = getattr(args, "reason", None)
     op.note = getattr(args, "note", None)
@@ -349,7 +349,7 @@ def cmd_land(args: argparse.Namespace) -> int:
     ledger = open_reader(cfg, Layout(cfg.root))  # a lost ledger stops this command as every other (exit 2)
     if ledger is not None:
         ledger.close()
-    _log_to_file(cfg)
+    log_to_file(cfg)
     failed = 0
     for job_id in ids:
         try:
@@ -360,7 +360,7 @@ def cmd_land(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _log_to_file(cfg: Config) -> None:
+def log_to_file(cfg: Config) -> None:
     """Send log lines to the config's log_file, and to a running daemon's stdout: not to the terminal.
 
     The daemon's stdout is the journal under systemd, which has no other record of an

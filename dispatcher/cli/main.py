@@ -301,8 +301,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                 " stop every daemon first, or ids it claims meanwhile are not copied"
             )
         target = PostgresLedger(
-            url, layout, lease_s=cfg.lease_s, patience_s=REACH_S, connect_timeout_s=CONNECT_S, answer_by=answer_by()
+            url,
+            layout,
+            lease_s=cfg.lease_s,
+            patience_s=REACH_S,
+            connect_timeout_s=CONNECT_S,
+            answer_by=answer_by(),
+            cut_silent=False,  # one long transaction copies every row: never cut for its length
         )
+        if cfg.log_file is not None:
+            commands.log_to_file(cfg)  # the `ledger.migrated` line, with its counts
         try:
             moved = migrate(source, target)
             where = target.where

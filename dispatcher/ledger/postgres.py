@@ -85,6 +85,7 @@ class PostgresLedger(Ledger, LeasesInterface):
         answer_by: float | None = None,
         readonly: bool = False,
         give_up: Callable[[], bool] | None = None,
+        cut_silent: bool = True,
     ) -> None:
         """Connect, create or check the schema; raise PostgresLedgerError (one line) if it cannot be used.
 
@@ -97,7 +98,8 @@ class PostgresLedger(Ledger, LeasesInterface):
         ``readonly`` (`status`, `list`, `show`) never creates or changes the schema and
         runs every transaction read-only: a role with SELECT alone is enough
         (``pg_schema.NoSchema`` when no daemon has made the ledger yet). ``give_up`` ends a wait
-        early (then ``LedgerUnavailable`` too), from the first step on.
+        early (then ``LedgerUnavailable`` too), from the first step on. A command's (``answer_by``)
+        step that hears nothing from the server for ``SILENT_S`` is cut, unless ``cut_silent`` is False.
         """
         if not lease_s > 0:
             raise PostgresLedgerError(f"lease must be a positive number of seconds, not {lease_s}")
@@ -109,7 +111,9 @@ class PostgresLedger(Ledger, LeasesInterface):
             self.set_give_up(give_up)
         conninfo = make_conninfo(url, self.lease_s, connect_timeout_s, readonly=readonly)
         # a command's steps are cut once the server is silent for SILENT_S: it answers within 5 s (section 12)
-        self._pool = Pool(conninfo, size=4, deadline=answer_by, silent_s=SILENT_S if answer_by is not None else None)
+        self._pool = Pool(
+            conninfo, size=4, deadline=answer_by, silent_s=SILENT_S if answer_by is not None and cut_silent else None
+        )
         self._runner = Runner(self._pool, self.where, self.giving_up, patience_s)
         self._leases = Leases(self._runner, conninfo, self.lease_s)
         self._claims = Claims(self._runner, self._leases)
