@@ -243,3 +243,44 @@ def test_a_note_or_reason_that_is_no_utf8_is_refused_in_one_line(env: Env, actio
     time.sleep(1.0)
     assert (env.root / "review" / "BYTES-1").is_dir()  # nothing was done
     assert not [e for e in d.events() if e.get("event") in ("job.revised", "job.rejected")]
+
+
+def test_a_revision_under_way_on_a_slow_disk_logs_job_revised_once(env: Env) -> None:
+    """Revisions carried out while every fsync takes 100 ms (a slow disk, by strace's fault injection): the
+    daemon's own revision, moved into active/ but its request not yet cleared, is not taken for one a crash cut
+    short: one `job.revised` line per revision (section 14), never a second `step: recovered` one."""
+    env.configure(agents={"worker": agent(env)}, rescan_interval=1)
+    d = env.daemon()
+    d.wait_ready()
+    jobs = [f"SLOW-{i}" for i in range(6)]
+    for job_id in jobs:
+        env.drop(order(job_id))
+    for job_id in jobs:
+        in_review(env, job_id, 1)
+    assert d.stop() == 0
+    out = env.tmp / "slow.log"
+    with out.open("wb") as fh:
+        slow = subprocess.Popen(
+            ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=fsync,fdatasync",
+             "-e", "inject=fsync,fdatasync:delay_exit=100000",
+             sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"],
+            stdout=fh, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env(),
+        )  # fmt: skip
+
+    def events() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+
+    try:
+        wait_until(lambda: any(e["event"] == "daemon.ready" for e in events()), 60, "the slow daemon")
+        for job_id in jobs:
+            env.cli("revise", job_id, "--note", NOTE, check=True)
+            time.sleep(0.3)
+        for job_id in jobs:
+            in_review(env, job_id, 2)
+    finally:
+        daemon = subprocess.run(["pgrep", "-P", str(slow.pid)], capture_output=True, text=True).stdout.split()
+        for pid in daemon:
+            os.kill(int(pid), 15)  # the daemon under strace
+        slow.wait(60)
+    revised = [e["job_id"] for e in events() if e["event"] == "job.revised"]
+    assert sorted(revised) == jobs, revised

@@ -274,7 +274,12 @@ class Housekeeping:
             for job_id in await lanes.io(ledger.requests, Request.REVISE):
                 where = await lanes.io(layout.find, job_id)
                 if where is None or where[0] not in (State.REVIEW, State.FAILED):
-                    if where is not None and where[0] is State.ACTIVE:  # moved, the request not cleared: a crash
+                    if where is not None and where[0] is State.ACTIVE:  # moved, the request not cleared
+                        entry = await lanes.io(ledger.get, job_id)
+                        owner = entry.owner if entry is not None else None
+                        if owner is not None and (owner == ledger.owner or await lanes.io(ledger.alive, owner)):
+                            continue  # a live daemon's revision under way (this one's too): it clears its request
+                        # its daemon died between the move and clearing the request: the revision was carried out
                         await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
                         await lanes.io(revise.log_cut_revision, layout, job_id)  # its job.revised line too
                     continue
