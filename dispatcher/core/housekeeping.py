@@ -98,6 +98,7 @@ class Housekeeping:
         self._metrics_due = 0.0
         self._in_requests = False
         self._requests_again = False
+        self._revising: set[str] = set()  # revisions this daemon took on, until their requests are cleared
         self._writing = False
         # one recovery at a time: two at once (a rescan beside the one a renewed lease starts) would both
         # adopt a job this daemon stopped while fenced, and run two copies of it
@@ -271,14 +272,18 @@ class Housekeeping:
                     continue
                 if self._agent_here(job_id, agent, "retry"):
                     self.sched.park_retry(job_id, agent)
-            for job_id in await lanes.io(ledger.requests, Request.REVISE):
+            revisions = await lanes.io(ledger.requests, Request.REVISE)
+            self._revising.intersection_update(revisions)  # carried out: their requests are cleared
+            for job_id in revisions:
                 where = await lanes.io(layout.find, job_id)
                 if where is None or where[0] not in (State.REVIEW, State.FAILED):
                     if where is not None and where[0] is State.ACTIVE:  # moved, the request not cleared
+                        if job_id in self._revising:
+                            continue  # this daemon's revision under way: it clears its request
                         entry = await lanes.io(ledger.get, job_id)
                         owner = entry.owner if entry is not None else None
-                        if owner is not None and (owner == ledger.owner or await lanes.io(ledger.alive, owner)):
-                            continue  # a live daemon's revision under way (this one's too): it clears its request
+                        if owner is not None and owner != ledger.owner and await lanes.io(ledger.alive, owner):
+                            continue  # another live daemon's, under way
                         # its daemon died between the move and clearing the request: the revision was carried out
                         await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
                         await lanes.io(revise.log_cut_revision, layout, job_id)  # its job.revised line too
@@ -289,6 +294,7 @@ class Housekeeping:
                     await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
                     continue
                 if self._agent_here(job_id, agent, "revision"):
+                    self._revising.add(job_id)
                     self.sched.park_retry(job_id, agent, revise=True)
         await lanes.io(_drop_hints, layout, hints)
         decided = [job_of_hint(h) for h in hints if h.startswith(("approve-", "reject-"))]
