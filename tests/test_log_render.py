@@ -560,3 +560,26 @@ def test_a_huge_nested_field_is_cut_as_its_json_text(capture: Callable[..., Capt
     cut = text[: logs.NESTED_MAX] + f"... (cut, {len(text) - logs.NESTED_MAX} more characters)"
     assert json.loads(line) == {"usage": cut, "small": small, "event": "agent.exited", "level": "info",
                                 "timestamp": "TS"}  # fmt: skip
+
+
+def test_list_columns_line_up_as_a_terminal_shows_them() -> None:
+    """`list` pads by what a terminal shows: an escaped bidi control (`\\u202e`, six columns), a wide CJK id (two
+    columns a character) and costs longer than the usual column keep STATE, COST and REASON in their columns."""
+    from dispatcher.cli.render import columns, render_list
+
+    rows = [
+        {"job_id": "X\u202eY", "state": "refused", "agent": None, "age_s": 1, "cost_usd": None, "reason": "r"},
+        {"job_id": "日本語", "state": "refused", "agent": None, "age_s": 1, "cost_usd": None, "reason": "r"},
+        {"job_id": "CF-2", "state": "failed", "agent": "c", "age_s": 1, "cost_usd": 12345.6789, "reason": "x"},
+        {"job_id": "CF-1", "state": "failed", "agent": "c", "age_s": 1, "cost_usd": 0.00001234, "reason": "x"},
+        {"job_id": "OK-1", "state": "done", "agent": "c", "age_s": 1, "cost_usd": 0.5, "reason": None},
+    ]
+    lines = list(render_list(rows))
+    assert "\u202e" not in "".join(lines) and "X\\u202eY" in lines[1]
+    state_at = columns(lines[0][: lines[0].index("STATE")])
+    starts = {columns(line[: line.index(" " + r["state"]) + 1]) for line, r in zip(lines[1:], rows, strict=True)}
+    assert starts == {state_at}, lines
+    reasons = [columns(line[: line.rindex(" ") + 1]) for line in lines[1:4]]
+    assert len(set(reasons)) == 1, lines  # REASON starts in one column
+    costs = [columns(line[: line.index("USD") + 3]) for line in lines if "USD" in line]
+    assert len(set(costs)) == 1, lines  # costs end in one column

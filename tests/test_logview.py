@@ -217,6 +217,7 @@ def test_run_on_a_terminal_prints_what_logs_prints(env: Env) -> None:
     env.configure(agents={"worker": env.agent(), "broken": env.agent("--exit", "3")}, log_file=str(log_file))
     env.drop(order("TTY-OK"))
     env.drop(order("TTY-BAD", to="broken"))
+    (env.root / "inbox" / "a\u202eb.txt").write_text("x")  # a name that would read backwards: refused, escaped
     master, slave = pty.openpty()
     try:
         proc = subprocess.Popen(
@@ -236,6 +237,7 @@ def test_run_on_a_terminal_prints_what_logs_prints(env: Env) -> None:
     assert terminal.splitlines() == shown.stdout.splitlines()
     assert any("job.failed" in line and "TTY-BAD (broken)" in line for line in terminal.splitlines())
     assert not re.search(r"\bNone\b|\['|\b\d+\.0\b", terminal), terminal
+    assert "\u202e" not in terminal and "file=a\\u202eb.txt" in terminal, terminal  # as `logs` shows it too
 
 
 # -- dispatcher logs -------------------------------------------------------------------------------

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import shlex
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from dispatcher.errors import printable
 from dispatcher.query.jobinfo import tree_cost
-from dispatcher.text import ago, exit_text, plain, usd
+from dispatcher.text import ago, escape_bidi, exit_text, plain, usd
 
 #: stopped daemons `status` names besides those that own active jobs (`--json` lists all)
 DEAD_SHOWN = 3
@@ -22,8 +23,20 @@ def when(epoch: float) -> str:
 
 
 def _cell(value: Any, width: int) -> str:
-    text = printable(plain(value))
-    return text if len(text) <= width else text[: width - 3] + "..."
+    """Return value as shown (escaped), cut to width terminal columns and padded to them."""
+    text = escape_bidi(printable(plain(value)))
+    if columns(text) > width:
+        while columns(text) > width - 3:
+            text = text[:-1]
+        text += "..."
+    return text + " " * (width - columns(text))
+
+
+def columns(text: str) -> int:
+    """Return how many terminal columns text takes: two for a wide (CJK) character, none for a combining one."""
+    if text.isascii():
+        return len(text)
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 
 def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
@@ -75,16 +88,17 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
 def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     """Yield `list` text: a header, then one line per job or refused file."""
     rows = list(rows)
-    width = min(_ID_WIDTH, max([len(plain(r["job_id"])) for r in rows] + [3]))
-    agent_w = min(20, max([len(plain(r["agent"])) for r in rows] + [5]))
-    yield f"{'JOB':<{width}}  {'STATE':<7}  {'AGENT':<{agent_w}}  {'AGE':>7}  {'COST':>12}  REASON"
+    width = min(_ID_WIDTH, max([columns(escape_bidi(printable(plain(r["job_id"])))) for r in rows] + [3]))
+    agent_w = min(20, max([columns(escape_bidi(printable(plain(r["agent"])))) for r in rows] + [5]))
+    cost_w = max([len(usd(r["cost_usd"])) for r in rows] + [12])
+    yield f"{'JOB':<{width}}  {'STATE':<7}  {'AGENT':<{agent_w}}  {'AGE':>7}  {'COST':>{cost_w}}  REASON"
     for r in rows:
         reason = printable(r["reason"]) if r["reason"] else ""
         if r.get("state") == "waiting" and "until" in r:  # a gate's wait; a join's reason names its parents
             reason = f"until {plain(r.get('until'))}"
         yield (
-            f"{_cell(r['job_id'], width):<{width}}  {r['state']:<7}  {_cell(r['agent'], agent_w):<{agent_w}}  "
-            f"{ago(r['age_s']):>7}  {usd(r['cost_usd']):>12}  {reason}"
+            f"{_cell(r['job_id'], width)}  {r['state']:<7}  {_cell(r['agent'], agent_w)}  "
+            f"{ago(r['age_s']):>7}  {usd(r['cost_usd']):>{cost_w}}  {reason}"
         ).rstrip()
 
 
