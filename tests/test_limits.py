@@ -385,3 +385,34 @@ def test_a_job_held_past_max_limit_wait_by_a_limit_another_job_met_fails(env: En
     assert 7 <= waited < 30, waited
     assert env.cli("status", "--json", check=True).stdout.count("SHORT-A") == 0  # no wait left behind
     assert d.stop() == 0
+
+
+LIMIT_THEN_FAIL = """
+import os, sys, time
+count = os.path.join(os.environ["STATE"], "starts")
+n = len(open(count).read().split()) if os.path.exists(count) else 0
+open(count, "a").write("x\\n")
+if n == 0:  # its first run meets a usage limit 2 s ahead
+    print("Claude AI usage limit reached|%d" % int(time.time() + 2))
+sys.exit(1)  # later runs: a plain failure, retried after retry_delay, doubling
+"""
+
+
+def test_a_restart_during_a_limit_wait_leaves_the_retry_delays_doubling_from_retry_delay(env: Env) -> None:
+    """A daemon stopped while a job waits at a usage limit: the attempt the limit gave back is no retry, so the
+    next daemon's retries wait retry_delay, then twice that (as without the restart), not twice and four times."""
+    state = env.tmp / "state"
+    state.mkdir()
+    agent = {"command": [sys.executable, "-c", LIMIT_THEN_FAIL], "env": {"STATE": str(state)}, "timeout": 30,
+             "limits": [{"preset": "claude"}], "retry_safe": True, "max_attempts": 3}  # fmt: skip
+    env.configure(agents={"worker": agent}, retry_delay=0.5)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BACKOFF-1"))
+    d.wait_event("job.waiting", job_id="BACKOFF-1")
+    assert d.stop() == 0
+    d2 = env.daemon()
+    result = env.wait_job("BACKOFF-1", "failed", timeout=60)
+    assert [a["n"] for a in result["attempts"]] == [1, 2, 3, 4]  # the limited one did not count
+    assert [e["delay_s"] for e in events(d2, "job.retrying", job_id="BACKOFF-1")] == [0.5, 1.0]
+    assert d2.stop() == 0

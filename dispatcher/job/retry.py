@@ -59,11 +59,14 @@ def retries_so_far(attempts: Sequence[Attempt]) -> int:
     """Return how many retries the job's latest run of attempts made: each was followed by one.
 
     Counted back from the last attempt, over attempts cut short by a stop or crash (they
-    decided nothing), up to one that ended the job (before a `dispatcher retry`), so that a
-    daemon started again waits as long as the one that stopped would have.
+    decided nothing) and attempts a usage limit gave back (they are not retries), up to one
+    that ended the job (before a `dispatcher retry`), so that a daemon started again waits as
+    long as the one that stopped would have.
     """
     n = 0
     for a in reversed(attempts):
+        if a.retry_next and "limited" in a.extra:
+            continue  # given back at a usage limit: followed by an attempt, but no retry (no delay doubled)
         if a.retry_next:
             n += 1
         elif not (a.interrupted or a.aborted):
