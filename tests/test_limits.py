@@ -416,3 +416,29 @@ def test_a_restart_during_a_limit_wait_leaves_the_retry_delays_doubling_from_ret
     assert [a["n"] for a in result["attempts"]] == [1, 2, 3, 4]  # the limited one did not count
     assert [e["delay_s"] for e in events(d2, "job.retrying", job_id="BACKOFF-1")] == [0.5, 1.0]
     assert d2.stop() == 0
+
+
+LIMIT_LATE = """
+import sys, time
+time.sleep(1.5)
+print("Claude AI usage limit reached|%d" % int(time.time() + 120))
+sys.exit(1)
+"""
+
+
+def test_a_limit_met_while_the_daemon_stops_leaves_the_job_shown_waiting_with_its_until(env: Env) -> None:
+    """SIGTERM while the agent runs; it ends at a usage limit within stop_timeout: the daemon exits 0 and the job
+    is `waiting` with `until` in list, show and status (and job.waiting was logged), not `active`."""
+    agent = {"command": [sys.executable, "-c", LIMIT_LATE], "timeout": 30, "limits": [{"preset": "claude"}]}
+    env.configure(agents={"worker": agent}, stop_timeout=10)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LATE-1"))
+    d.wait_event("agent.started", job_id="LATE-1")
+    assert d.stop() == 0
+    assert events(d, "agent.limited", job_id="LATE-1") and events(d, "job.waiting", job_id="LATE-1")
+    (row,) = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    assert (row["job_id"], row["state"]) == ("LATE-1", "waiting") and row["until"], row
+    shown = json.loads(env.cli("show", "LATE-1", "--json", check=True).stdout)
+    assert (shown["state"], shown["until"]) == ("waiting", row["until"]), shown
+    assert status(env)["counts"]["waiting"] == 1

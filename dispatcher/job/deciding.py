@@ -108,6 +108,9 @@ class Deciding(abc.ABC):
         self.spec = replace(self.spec, budget=self.spec.budget + 1, since=time.time())  # not counted; waits from now
         await self._persist(self.folder.write_spec, self.spec)
         await self._persist(self.folder.record_attempt, record)
+        # its wait recorded now (`waiting`, with until, and job.waiting): so a stop that comes before the next
+        # attempt's turn leaves it shown waiting, not active
+        await self.waits.hold(self.spec.agent)
         return None
 
     async def _decide(self, n: int, exit_: Exit, *, final: bool = False) -> Outcome | None:
