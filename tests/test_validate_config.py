@@ -331,3 +331,26 @@ def test_an_empty_file_path_is_an_error_not_none(tmp_path: Path, key: str) -> No
     proc = validate(cfg)
     assert proc.returncode == 2
     assert stderr_lines(proc) == [f"dispatcher.yaml: {key}: must not be empty"]
+
+
+@pytest.mark.parametrize(
+    ("top", "agent", "field"),
+    [
+        ({"log_file": "d\0.log"}, {}, "log_file"),
+        ({"metrics_file": "m\0.prom"}, {}, "metrics_file"),
+        ({"notify": ["true", "a\0b"]}, {}, "notify[1]"),
+        ({}, {"command": ["true", "a\0b"]}, "agents.a.command[1]"),
+        ({}, {"prompt": "hi\0"}, "agents.a.prompt"),
+        ({}, {"checks": [{"name": "t", "command": ["true", "\0"]}]}, "agents.a.checks[0].command[1]"),
+    ],
+)
+def test_a_nul_in_a_path_argv_or_prompt_is_a_config_error(
+    tmp_path: Path, top: dict[str, Any], agent: dict[str, Any], field: str
+) -> None:
+    """A NUL no path, argument or prompt can hold: one line naming the field, exit 2 (it crashed a job, the
+    daemon's stop or the log's opening before)."""
+    cfg = tmp_path / "dispatcher.json"
+    cfg.write_text(json.dumps({"root": "dispatch", "agents": {"a": {"command": ["true"], **agent}}, **top}))
+    proc = validate(cfg)
+    assert proc.returncode == 2
+    assert stderr_lines(proc) == [f"dispatcher.json: {field}: must not hold a NUL character"], proc.stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import os
 import shutil
@@ -416,6 +417,8 @@ def _spawn(
                 raise
             _which.cache_clear()  # the program moved since it was looked up: let Popen search again
             proc = _popen(argv, cwd, env, None, out_w, err_w, keep_fd)
+        except ValueError as exc:  # an argument with a NUL in it (an order's text put into {prompt}): no exec takes it
+            raise OSError(errno.EINVAL, f"an argument cannot be passed: {exc}") from None
     except BaseException:
         os.close(out_r)
         os.close(err_r)
