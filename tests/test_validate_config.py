@@ -166,16 +166,22 @@ def test_timeout_errors_show_numbers_as_written_not_as_floats(tmp_path: Path) ->
     assert stderr_lines(proc) == ["o.json: timeout: 4000 is above max_timeout (3600)"]
 
 
-def test_a_max_timeout_below_the_default_agent_timeout_is_one_line(tmp_path: Path) -> None:
-    """An agent without a timeout has 600 s: `max_timeout: 100` refuses it in one line, exit 2, no traceback."""
+def test_a_max_timeout_below_the_default_agent_timeout_caps_it_and_an_explicit_one_above_is_one_line(
+    tmp_path: Path,
+) -> None:
+    """An agent without a timeout has 600 s, at most max_timeout: `max_timeout: 100` gives it 100 s and the config
+    loads; an agent's own `timeout: 600` above it is refused in one line, exit 2, no traceback (section 3)."""
     cfg = config(tmp_path, {"w": {"command": ["python3"]}}, max_timeout=100)
     (tmp_path / "dispatch").mkdir()
+    assert validate(cfg).returncode == 0
+    assert load_config(cfg).agents["w"].timeout_s == 100
+    cfg = config(tmp_path, {"w": {"command": ["python3"], "timeout": 600}}, max_timeout=100)
     for args in (["validate", "--config", cfg.name], ["--config", cfg.name, "status"], ["--config", cfg.name, "list"]):
         proc = subprocess.run(
             [sys.executable, "-m", "dispatcher", *args], capture_output=True, text=True, cwd=tmp_path, env=cli_env()
         )
         assert proc.returncode == 2, (args, proc.stderr)
-        assert stderr_lines(proc) == ["dispatcher.yaml: agents.w.timeout: 600 (the default) is above max_timeout (100)"]
+        assert stderr_lines(proc) == ["dispatcher.yaml: agents.w.timeout: 600 is above max_timeout (100)"]
 
 
 def test_order_errors_quote_values_without_python_escapes(tmp_path: Path) -> None:

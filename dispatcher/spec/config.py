@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +137,11 @@ def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> C
     agents = {}
     for agent_name, spec in body.get("agents", {}).items():
         agent = _build_agent(agent_name, spec, base)
-        if agent.timeout_s > max_timeout:
+        if "timeout" not in spec:  # the default, 600 s, is at most max_timeout: never an error of its own
+            agent = replace(agent, timeout_s=min(agent.timeout_s, max_timeout))
+        elif agent.timeout_s > max_timeout:
             raise ConfigError(
-                f"{number(agent.timeout_s)}{'' if 'timeout' in spec else ' (the default)'}"
-                f" is above max_timeout ({number(max_timeout)})",
+                f"{number(agent.timeout_s)} is above max_timeout ({number(max_timeout)})",
                 field=f"agents.{agent_name}.timeout",
             )
         agents[agent_name] = agent
