@@ -518,3 +518,39 @@ def test_web_over_a_lost_ledger_exits_2_naming_ledger_rebuild_as_every_command(e
     )  # fmt: skip
     assert status.returncode == 2 and "dispatcher ledger rebuild" in status.stderr
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", status.stderr), proc
+
+
+def test_fifty_requests_at_once_are_all_answered(sqlite_site: tuple[Env, Web]) -> None:
+    """50 clients at the same moment, 25 reading the overview and 25 acting on a job in the wrong state: every one
+    gets its answer (200 and 409), none a reset connection (a listen backlog of 5 reset most of them)."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    _, web = sqlite_site
+    start = threading.Barrier(50)
+    answers: list[object] = []
+
+    def one(i: int) -> None:
+        if i % 2:
+            req = urllib.request.Request(web.url + "/api/status")  # noqa: S310 - the test's own server
+        else:
+            req = urllib.request.Request(  # noqa: S310 - the test's own server
+                web.url + "/api/jobs/DONE-1/approve", data=b"{}", method="POST",
+                headers={"Authorization": f"Bearer {web.token}", "Content-Type": "application/json"},
+            )  # fmt: skip
+        start.wait()
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - the test's own server
+                answers.append(r.status)
+        except urllib.error.HTTPError as exc:
+            answers.append(exc.code)
+        except OSError as exc:
+            answers.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(answers, key=str) == [200] * 25 + [409] * 25, answers

@@ -63,6 +63,7 @@ class Handles(Protocol):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = socket.SOMAXCONN  # the listen backlog: socketserver's 5 reset a burst of 50 requests
     app: Handles
     loopback_only: bool
 
