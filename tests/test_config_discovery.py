@@ -238,26 +238,3 @@ def test_init_with_a_json_config_path_writes_a_json_starter(tmp_path: Path) -> N
     assert body["root"] == "../spool" and body["max_jobs"] == 2 and body["agents"]
     status = dispatcher(tmp_path, "--config", "cfg/dispatcher.json", "status", "--json")
     assert status.returncode == 0, status.stderr
-
-
-def test_init_without_a_local_config_makes_the_system_configs_root(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """With only the system-wide config, `init` makes the root it names (the configured root) and writes no second
-    config in the current folder: every other command would use that config too."""
-    from dispatcher.cli.main import main
-    from dispatcher.spec import config
-
-    system = write_config(tmp_path / "etc" / "dispatcher.yaml", str(tmp_path / "srv" / "dispatch"))
-    monkeypatch.setattr(config, "SYSTEM_CONFIG", system)
-    monkeypatch.delenv("DISPATCHER_CONFIG", raising=False)
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    (tmp_path / "srv").mkdir()
-    with pytest.raises(SystemExit) as done:
-        main(["init"])
-    assert done.value.code in (0, None)
-    assert (tmp_path / "srv" / "dispatch" / "inbox").is_dir()
-    assert list(work.iterdir()) == []  # no ./config/dispatcher.yaml beside it
-    assert f"config {system} exists: left as it is" in capsys.readouterr().out

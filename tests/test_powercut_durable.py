@@ -223,3 +223,57 @@ def test_a_refusal_survives_a_cut_right_after_it_was_logged(rig: Rig, name: str,
     result = json.loads((folders[0] / "result.json").read_bytes())
     assert result["state"] == "failed" and result["reason"], result
     assert not (inbox / name).exists()
+
+
+def drop_durably(rig: Rig, order: dict[str, Any]) -> None:
+    """Drop an order as a careful user does (fsynced, renamed, inbox/ fsynced): what is lost is the daemon's loss."""
+    inbox = rig.root / "inbox"
+    tmp = inbox / f".{order['job_id']}.tmp"
+    with tmp.open("wb") as f:
+        f.write(json.dumps(order).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, inbox / f"{order['job_id']}.json")
+    fsync_path(inbox)
+
+
+def test_a_revision_survives_a_cut_right_after_job_revised(rig: Rig) -> None:
+    """A power cut just after the daemon carried out a `revise`: the job's given feedback.json is durable with its
+    name, so its next attempt is not failed by writes_scope ("feedback.json was given and is deleted")."""
+    rig.start(agent(review=True, retry_safe=True, max_attempts=3))  # an attempt the cut interrupts runs again
+    rig.wait_event("daemon.ready")
+    drop_durably(rig, {"job_id": "V1", "from": "tester", "to": "worker", "task": "Do it.", "items": [{"id": "R1"}]})
+    rig.wait_event("job.review", job_id="V1")
+    revised = rig.cli("revise", "V1", "--note", "once more")
+    assert revised.returncode == 0, revised.stderr
+    rig.wait_event("job.revised", job_id="V1")
+    root = rig.cut()
+    rig.cli("run", "--once")
+    failed = root / "failed" / "V1" / "result.json"
+    assert not failed.exists(), failed.read_text()
+    result = json.loads((root / "review" / "V1" / "result.json").read_bytes())
+    checks = {c["name"]: (c["ok"], c["detail"]) for c in result["checks"]}
+    assert result["state"] == "review" and checks["writes_scope"][0] is True, result
+    assert result["attempts"][0]["n"] == 2, result["attempts"]  # the revision's attempts, from the second
+    feedback = json.loads((root / "review" / "V1" / "work" / "feedback.json").read_bytes())
+    assert feedback["note"] == "once more", feedback
+
+
+def test_a_join_survives_a_cut_right_after_job_joined(rig: Rig) -> None:
+    """A power cut just after a join moved into active/: its parents.json is durable with its name, so the join
+    runs and is done, not failed by writes_scope ("parents.json was given and is deleted")."""
+    rig.start(agent(retry_safe=True, max_attempts=3))  # an attempt the cut interrupts runs again
+    rig.wait_event("daemon.ready")
+    drop_durably(rig, {"job_id": "JN", "from": "t", "to": "worker", "task": "Join.", "items": [{"id": "R1"}],
+                       "after": ["P1"]})  # fmt: skip
+    rig.wait_event("job.waiting", job_id="JN")
+    drop_durably(rig, {"job_id": "P1", "from": "t", "to": "worker", "task": "Parent.", "items": [{"id": "R1"}]})
+    rig.wait_event("job.joined", job_id="JN")
+    root = rig.cut()
+    rig.cli("run", "--once")
+    failed = root / "failed" / "JN" / "result.json"
+    assert not failed.exists(), failed.read_text()
+    result = json.loads((root / "done" / "JN" / "result.json").read_bytes())
+    assert result["state"] == "done", result
+    parents = json.loads((root / "done" / "JN" / "work" / "parents.json").read_bytes())
+    assert [p["job_id"] for p in parents] == ["P1"], parents

@@ -22,10 +22,11 @@ from dispatcher.ledger.base import DaemonInfo
 from dispatcher.ops import preflight
 from dispatcher.ops.daemons import config_note
 from dispatcher.spec.config import (
+    CONFIG_ENV,
     DEFAULT_CONFIG,
     STARTER_CONFIG,
+    SYSTEM_CONFIG,
     default_config,
-    find_config,
     load_config,
     require_config,
     require_root,
@@ -50,7 +51,8 @@ def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Make the dispatch root's folders and, when there is none, a starter config; change nothing else."""
-    path = find_config(args.config)  # the config every other command would use; none yet: ./config/dispatcher.yaml
+    # never the system-wide config: `init` in an empty folder makes a local one (pass --config for another)
+    path = Path(args.config) if args.config else Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
     given = args.dir or args.root
     root = Path(given) if given else None
     cfg = load_config(path, root=root) if path.exists() else default_config(root)
@@ -75,6 +77,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(f"  root: {wrote}   (relative to {folder}, the config's folder: {cfg.root})")
         if path == DEFAULT_CONFIG:
             print(f"  `dispatcher` finds it when run from {Path.cwd()}; elsewhere pass --config {path.resolve()}")
+            if SYSTEM_CONFIG.exists():
+                print(f"  (it comes before {SYSTEM_CONFIG}, which commands run elsewhere still use)")
     for d in created:
         print(f"created {d}")
     if not created:

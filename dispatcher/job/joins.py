@@ -279,11 +279,8 @@ class Joins:
             self.finisher.finish_now(folder, finish, result, spec, self.failed)  # spec: its after hook is owed too
             return
         data = fsutil.dump_json(parents_record(self.layout, self.ledger, wait.after))
-        tmp = folder.work / f".{PARENTS}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            os.fsync(f.fileno())
-        os.replace(tmp, folder.work / PARENTS)
+        # its bytes and its name durable before the job moves: a given file, which writes_scope checks
+        fsutil.write_atomic(folder.work / PARENTS, data, sync=True)
         folder.write_spec(replace(spec.with_given(PARENTS, fsutil.digest(data)), since=time.time()), sync=True)
         fsutil.rename_noreplace(folder.path, self.layout.job(State.ACTIVE, wait.job_id))
         fsutil.fsync_dir(self.layout.folder(State.ACTIVE))

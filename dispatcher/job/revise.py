@@ -96,7 +96,8 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     data = fsutil.dump_json({"from": "review", "note": text or "", "checks": checks})
     if os.path.isdir(folder.work):
         folder.stash(last, feedback=True)
-        fsutil.write_new(folder.work / "feedback.json", data)
+        fsutil.write_new(folder.work / "feedback.json", data, sync=True)
+        fsutil.fsync_dir(folder.work)  # its name too: a power cut must not leave the given file missing
         spec = spec.with_given("feedback.json", _sha(data))
     faults.point("revise.feedback")
     kept = folder.attempts_dir / str(last) / KEPT_NOTE

@@ -284,6 +284,7 @@ class JobFolder:
         """
         folder = self.attempts_dir / str(n)
         os.makedirs(folder, exist_ok=True)
+        moved = False
         for name in ("receipt.json", "outbox", "feedback.json")[: 3 if feedback else 2]:
             src = self.work / name
             if not os.path.lexists(src):
@@ -292,6 +293,9 @@ class JobFolder:
             while os.path.lexists(dst):
                 dst, k = folder / f"{name}.{k}", k + 1
             os.rename(src, dst)
+            moved = True
+        if moved:  # durable before the next attempt starts: after a power cut no old receipt is back in work/
+            _sync_dirs(self.work, folder)
 
     def give_feedback(self, n: int, checks: Sequence[CheckResult]) -> str:
         """Give a repair attempt work/feedback.json: the checks attempt n failed; return its digest.
@@ -302,7 +306,8 @@ class JobFolder:
         failed = [c.to_json() for c in checks if c.ok is False]
         data = fsutil.dump_json({"job_id": self.job_id, "attempt": n, "failed_checks": failed})
         self.stash(n, feedback=True)
-        fsutil.write_new(self.work / "feedback.json", data)
+        fsutil.write_new(self.work / "feedback.json", data, sync=True)
+        fsutil.fsync_dir(self.work)  # given to the next attempt: a power cut must not take it back
         return fsutil.digest(data)
 
     def keep_result(self) -> None:
@@ -317,6 +322,7 @@ class JobFolder:
         while os.path.lexists(keep):
             keep, k = keep_dir / f"result-{k}.json", k + 1
         os.rename(src, keep)
+        _sync_dirs(keep_dir, self.path)  # both names durable before the job leaves failed/ or review/
 
     def kept_reason(self) -> str | None:
         """Return the reason of the newest result ``keep_result`` kept (a retried job's last end), or None."""
@@ -430,3 +436,10 @@ class JobFolder:
         if self.name_result() is not None:
             fsutil.fsync_dir(self._dir)  # else a power cut can bring the folder back in done/ without result.json
         return self.move_to(layout, state)
+
+
+def _sync_dirs(*folders: str | Path) -> None:
+    """Fsync these folders at once (a rename between them is durable in both); raise the first error."""
+    for error in fsutil.fsync_many([str(f) for f in folders]):
+        if error is not None:
+            raise error

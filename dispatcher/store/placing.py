@@ -128,12 +128,15 @@ def _copy_in(src: str, kept: str, item: Inspected) -> bool:
 
     For an order the daemon may read but not link: a file another user owns and the daemon may
     not write, where ``fs.protected_hardlinks`` (the Debian and Ubuntu default) refuses the link.
+    Its own file refused a link (immutable) raises PermissionError, as the link did.
     The inbox name still goes only once the job is in place (``announce``, by the inode read).
     """
     try:
         st = os.lstat(src)
     except FileNotFoundError:
         return False
+    if st.st_uid == os.geteuid():  # the daemon's own file refused a link: immutable (chattr +i), not another's
+        raise PermissionError(errno.EPERM, "cannot be linked", src)
     if (st.st_dev, st.st_ino) != item.inode or st.st_size != len(item.data):
         return False
     if item.stamp is not None and (st.st_size, st.st_mtime_ns) != item.stamp:
