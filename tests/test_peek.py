@@ -62,3 +62,19 @@ def test_a_json_order_is_glanced_at_as_its_validating_read_parses_it() -> None:
         assert glance.not_before == 1893456000.0
     for data in (b"", b"[1, 2]", b"{", b"\xff\xfe{}", b'{"priority": 10, "to": 3}', b'{"priority": true}'):
         assert peek_schedule(data, "J.json") == orders.Glance(), data
+
+
+def test_priority_is_seen_in_the_yaml_forms_an_order_may_be_written_in() -> None:
+    """The glance that ranks inbox/ reads the priority the validated order holds (section 16: "higher is claimed
+    first"): in JSON saved as .yaml of any size, after a byte-order mark, written `+9` or `!!int 9`."""
+    import json
+
+    big = json.dumps({"job_id": "BIG", "from": "a", "to": "w", "task": "t", "priority": 9,
+                      "items": [{"id": f"R{i}", "pad": "x" * 100} for i in range(300)]}).encode()  # fmt: skip
+    assert len(big) > orders.GLANCE_PARSE_MAX
+    assert peek_schedule(big, "big.yaml").priority == 9
+    assert peek_schedule(b"priority: +9\njob_id: A\n", "a.yaml").priority == 9
+    assert peek_schedule(b"job_id: A\npriority: !!int 8\n", "a.yaml").priority == 8
+    assert peek_schedule(b"\xef\xbb\xbfpriority: 7\njob_id: A\n", "a.yaml").priority == 7
+    expires = peek_schedule(b'{"expires": "2030-01-01T00:00:00Z", "to": "w"}' + b" " * 20000, "x.yml")
+    assert expires.expires is not None and expires.agent == "w"

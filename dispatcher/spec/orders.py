@@ -196,7 +196,7 @@ def to_json(body: Mapping[str, Any]) -> bytes:
 
 
 # a line of a block-style top-level key (``\r?``: a file saved with CRLF line ends)
-_TOP_PRIORITY = re.compile(rb"^priority:[ \t]*([0-9])[ \t]*(?:#.*)?\r?$", re.M)
+_TOP_PRIORITY = re.compile(rb"^priority:[ \t]*(?:!!int[ \t]+)?[\"']?\+?([0-9])[\"']?[ \t]*(?:#.*)?\r?$", re.M)
 _TOP_AFTER = re.compile(rb"^after:", re.M)
 _TOP_TO = re.compile(rb"^to:[ \t]*[\"']?([^\s\"'#]+)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
 _TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
@@ -254,6 +254,21 @@ def _yaml_glance(data: bytes) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+def _json_glance(data: bytes, *, strict: bool = False) -> dict[str, Any] | None:
+    """Return the JSON object data holds, scanned alone (without json.loads's wrappers), or None.
+
+    ``strict``: a .json file, whose errors go to the caller (the glance then keeps its defaults).
+    """
+    try:
+        text = data.decode()  # a glance: the JSON scanner alone, without json.loads's wrappers
+        body = _scan_json(text, len(text) - len(text.lstrip(" \t\r\n")))[0]
+    except (ValueError, StopIteration, RecursionError):
+        if strict:
+            raise
+        return None
+    return body if type(body) is dict else None  # the scanner makes plain dicts, str and int: type tells
+
+
 def peek_schedule(data: bytes, name: str) -> Glance:
     """Return an order file's priority, not_before, `after`, `to` and expires, at a glance (never raises).
 
@@ -263,15 +278,17 @@ def peek_schedule(data: bytes, name: str) -> Glance:
     this: the daemon checks the validated order again before it claims.
     """
     priority, due, joins, agent, expires = 5, None, False, "", None
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]  # a byte-order mark, as decode() takes it off
     try:
-        if name.endswith(".json"):
-            text = data.decode()  # a glance: the JSON scanner alone, without json.loads's wrappers
-            body = _scan_json(text, len(text) - len(text.lstrip("\ufeff \t\r\n")))[0]  # a BOM, as decode()
-            body = body if type(body) is dict else {}  # the scanner makes plain dicts, str and int: type tells
+        flow = None if name.endswith(".json") or data.lstrip(b" \t\r\n")[:1] != b"{" else _json_glance(data)
+        if name.endswith(".json") or flow is not None:  # JSON saved as .yaml too (a flow mapping of any size)
+            body = flow if flow is not None else _json_glance(data, strict=True) or {}
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
             raw_to, raw_e = body.get("to"), body.get("expires")
             agent = raw_to if type(raw_to) is str else ""
-        elif len(data) <= GLANCE_PARSE_MAX and _NOT_BLOCK.search(data) and (body := _yaml_glance(data)) is not None:
+        elif len(data) <= GLANCE_PARSE_MAX and _NOT_BLOCK.search(data) and (small := _yaml_glance(data)) is not None:
+            body = small
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
             raw_to, raw_e = body.get("to"), body.get("expires")
             agent = raw_to if type(raw_to) is str else ""
