@@ -91,6 +91,21 @@ def test_a_copy_of_a_held_order_dropped_into_inbox_is_refused_and_the_held_one_s
     assert env.starts() == [("HOLD-2", 1)]
 
 
+def test_a_hold_cut_between_its_two_steps_leaves_the_order_held_and_refuses_nothing(env: Env) -> None:
+    """`hold` links the order into held/, then unlinks its inbox name; a crash between the two leaves one file under
+    both names. The daemon finishes the hold (the inbox name goes): no refusal, no run, the order stays held."""
+    env.configure()
+    queued = env.drop(order("HALF-1"))
+    (env.root / "held").mkdir(exist_ok=True)
+    os.link(queued, env.root / "held" / "HALF-1.json")  # the hold's first step, as the crash left it
+    assert run_once(env) == 0
+    assert not queued.exists() and (env.root / "held" / "HALF-1.json").exists()
+    assert env.refusals() == [] and env.starts() == []
+    env.cli("release", "HALF-1", check=True)
+    assert run_once(env) == 0
+    env.wait_job("HALF-1", "done")
+
+
 @pytest.mark.parametrize("with_file", [False, True])
 def test_an_operators_actions_reach_the_daemons_log_with_or_without_log_file(env: Env, with_file: bool) -> None:
     """hold and release: each event once on the running daemon's stdout (the journal), and once in

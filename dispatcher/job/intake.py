@@ -51,7 +51,7 @@ from dispatcher.store.placing import AHEAD_TEXT_BYTES, Inspected, Pick, Skipped,
 from dispatcher.store.queued import held_ids
 from dispatcher.store.refusals import Refusal, refuse
 from dispatcher.store.results import build_result, is_disk_full
-from dispatcher.store.staging import claim_stages, drop_inbox_twin
+from dispatcher.store.staging import claim_stages, drop_inbox_inode, drop_inbox_twin
 
 log = structlog.get_logger("dispatcher")
 
@@ -230,7 +230,13 @@ def claim(
             _repair_row(ledger, item.order.job_id, *found)
             out[i] = _refuse(layout, owner, item, found[0].value, on_refused)
             continue
-        if item.order.job_id in held_ids(layout.held):  # an operator paused it: this copy may not run in its place
+        held = held_ids(layout.held).get(item.order.job_id)
+        if held is not None and item.inode in held:  # the held file itself: a hold (or release) cut short
+            drop_inbox_inode(placing.inbox_path(layout, item), item.inode)  # as held: the name the command made
+            log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id, agent=item.order.to, held=True)
+            out[i] = Skipped(item.name)
+            continue
+        if held is not None:  # an operator paused it: this copy may not run in its place
             out[i] = _refuse(layout, owner, item, "held", on_refused, where="held in held/")
             continue
         after = item.order.after

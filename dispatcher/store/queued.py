@@ -73,26 +73,27 @@ def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
     return found
 
 
-_held: tuple[tuple[int, int], frozenset[str]] | None = None  # held/'s (inode, mtime) and the ids it held then
+_held: tuple[tuple[int, int], dict[str, frozenset[tuple[int, int]]]] | None = None  # held/'s (inode, mtime), ids
 
 
-def held_ids(held: Path) -> frozenset[str]:
-    """Return the job ids that valid orders in held/ carry (read again only once held/ changed).
+def held_ids(held: Path) -> dict[str, frozenset[tuple[int, int]]]:
+    """Return the job ids that valid orders in held/ carry, each with its files' (st_dev, st_ino).
 
     A held order is a submitted one an operator paused: its id is known, so that a copy
-    dropped into inbox/ meanwhile is refused rather than run in its place. Costs one stat
-    while held/ is unchanged.
+    dropped into inbox/ meanwhile is refused rather than run in its place (the very file
+    under both names is a hold or release cut short, not a copy). Read again only once
+    held/ changed: one stat while it is unchanged.
     """
     global _held
     try:
         st = os.stat(held)
     except FileNotFoundError:
-        return frozenset()
+        return {}
     key = (st.st_ino, st.st_mtime_ns)
     cached = _held
     if cached is not None and cached[0] == key:
         return cached[1]
-    ids: set[str] = set()
+    ids: dict[str, set[tuple[int, int]]] = {}
     try:
         entries = list(os.scandir(held))
     except OSError:
@@ -110,9 +111,10 @@ def held_ids(held: Path) -> frozenset[str]:
         except (OSError, ValueError, fsutil.NotRegular):
             continue
         if job_id is not None:
-            ids.add(job_id)
-    _held = (key, frozenset(ids))
-    return _held[1]
+            ids.setdefault(job_id, set()).add((est.st_dev, est.st_ino))
+    found = {job_id: frozenset(inodes) for job_id, inodes in ids.items()}
+    _held = (key, found)
+    return found
 
 
 def queued_ids(inbox: Path, job_ids: Iterable[str]) -> set[str]:
