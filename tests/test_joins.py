@@ -624,3 +624,28 @@ def test_a_ready_join_takes_its_place_by_priority_then_age(env: Env) -> None:
     assert started.index("J") < started.index("M2"), started  # M1 may take P's slot as P ends, before J joins
     assert started.index("J0") > started.index("M4"), started  # the M orders are older than J0
     assert d.stop() == 0
+
+
+def test_a_join_whose_ledger_rows_were_lost_runs_once_its_parents_are_done(env: Env) -> None:
+    """A join in waiting/ whose claim and wait rows the ledger lost (a power cut before they were durable): the next
+    daemon puts them back from its order, and the join runs once its parents are done, never waits for ever."""
+    import sqlite3
+
+    env.configure()
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LOST-J", after=["LOST-A"]))
+    d.wait_event("job.waiting", job_id="LOST-J")
+    assert d.stop() == 0
+    db = sqlite3.connect(env.root / ".state" / "ledger.sqlite3")
+    with db:
+        db.execute("DELETE FROM jobs WHERE job_id = 'LOST-J'")
+        db.execute("DELETE FROM waits WHERE job_id = 'LOST-J'")
+    db.close()
+    d2 = env.daemon()
+    d2.wait_ready()
+    env.drop(order("LOST-A"))
+    env.wait_job("LOST-A", "done")
+    assert env.wait_job("LOST-J", "done", timeout=60)["state"] == "done"
+    assert [j for j, _ in env.starts()].count("LOST-J") == 1
+    assert d2.stop() == 0

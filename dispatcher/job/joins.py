@@ -189,6 +189,17 @@ class Joins:
         self._carry_out(wait, token, Verdict(reason=str(Stop.CANCELLED)))
         return True
 
+    def _put_back(self, job_id: str) -> bool:
+        """Put back the claim row of a join in waiting/ its ledger lost; False if its folder cannot be read."""
+        try:
+            spec = JobFolder(self.layout.job(State.WAITING, job_id)).spec()
+        except (OSError, ValueError):
+            return False
+        if self.ledger.reconcile(job_id, spec.agent.name, spec.parent, spec.hops):
+            why = "waiting job without a claim row"
+            log.warning("ledger.repaired", job_id=job_id, agent=spec.agent.name, reason=why)
+        return True
+
     def recover(self, alive: Callable[[str], bool]) -> None:
         """Make whole what a dead daemon left in waiting/: an unrecorded wait, a take cut short, a landing."""
         try:
@@ -204,7 +215,15 @@ class Joins:
                 if token is not None:
                     self.record(job_id, token)
                 continue
-            if entry is None or entry.state == Row.WAITING:
+            if entry is None or entry.state in (Row.RESERVED, Row.RELEASED):
+                # a folder in waiting/ the ledger lost (a power cut before its claim's commit was durable): its
+                # claim is put back, then adopted and its wait recorded from its order, as for a claim cut short
+                if not self._put_back(job_id):
+                    continue
+                entry = self.ledger.get(job_id)
+                if entry is None:
+                    continue
+            if entry.state == Row.WAITING:
                 continue
             if entry.state in (Row.DONE, Row.FAILED):  # its landing was cut short
                 folder = JobFolder(self.layout.job(State.WAITING, job_id))
