@@ -277,3 +277,28 @@ def test_result_times_are_strftimes_text_whether_or_not_their_second_was_seen_be
     earlier = float(int(when)) + 0.25
     assert iso(earlier) == want(earlier)
     assert iso(when) == want(when)  # the second's text cached by the time before it
+
+
+def test_a_relayed_log_file_is_passed_on_by_one_daemon_only(tmp_path: Path) -> None:
+    """Two daemons woken by one hint: the one that holds the relay file passes its lines on; the other, finding it
+    held (or gone), writes nothing, so a command's `job.approved` is one line and counted once (sections 8, 10)."""
+    import fcntl
+
+    from dispatcher.layout import Layout
+    from dispatcher.store.relay import pass_on
+
+    layout = Layout(tmp_path / "dispatch")
+    layout.control.mkdir(parents=True)
+    name = "log-0001-approve"
+    (layout.control / name).write_text('{"event": "job.approved"}\n')
+    held = os.open(layout.control / name, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the first daemon at work on it
+        other: list[str] = []
+        assert pass_on(layout, [name], other.append) == [] and other == []
+    finally:
+        os.close(held)
+    first: list[str] = []
+    assert pass_on(layout, [name], first.append) == ['{"event": "job.approved"}'] == first
+    assert not (layout.control / name).exists()
+    assert pass_on(layout, [name], first.append) == []  # gone: nothing twice

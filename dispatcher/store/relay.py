@@ -14,6 +14,7 @@ A line dropped while no daemon runs is written by the next one to start.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import time
@@ -54,15 +55,28 @@ def pass_on(layout: Layout, names: list[str], write: Callable[[str], None]) -> l
     for name in sorted(n for n in names if n.startswith(PREFIX)):
         path = layout.control / name
         try:
-            lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             continue
-        faults.point("relay.read")
-        for line in lines:
-            write(line)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        out.extend(lines)
+        try:
+            try:  # one daemon passes a file on: another woken by the same hint leaves it (or finds it gone)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            if os.fstat(fd).st_nlink == 0:  # passed on and removed while this one waited to open it
+                continue
+            with os.fdopen(os.dup(fd), encoding="utf-8") as f:
+                lines = [line for line in f.read().splitlines() if line]
+            faults.point("relay.read")
+            for line in lines:
+                write(line)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            out.extend(lines)
+        except (OSError, ValueError):
+            continue
+        finally:
+            os.close(fd)
     return out
 
 
