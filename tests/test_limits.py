@@ -442,3 +442,35 @@ def test_a_limit_met_while_the_daemon_stops_leaves_the_job_shown_waiting_with_it
     shown = json.loads(env.cli("show", "LATE-1", "--json", check=True).stdout)
     assert (shown["state"], shown["until"]) == ("waiting", row["until"]), shown
     assert status(env)["counts"]["waiting"] == 1
+
+
+LIMIT_FIRST = """
+import os, sys, time
+count = os.path.join(os.environ["STATE"], "starts")
+n = len(open(count).read().split()) if os.path.exists(count) else 0
+open(count, "a").write(os.environ["DISPATCH_JOB_ID"] + "\\n")
+if n == 0:
+    print("Claude AI usage limit reached|%d" % int(time.time() + 60))
+    sys.exit(1)
+"""
+
+
+def test_a_gate_one_daemon_sets_holds_the_other_daemons_on_the_root_at_once(env: Env) -> None:
+    """Two daemons on one root and its SQLite ledger: one meets a usage limit and gates the agent; orders dropped
+    right after are claimed by neither, "no attempt of it starts on any host" (section 14), not even by the
+    daemon whose snapshot of the gates has not been refreshed yet."""
+    state = env.tmp / "state"
+    state.mkdir()
+    agent = {"command": [sys.executable, "-c", LIMIT_FIRST], "env": {"STATE": str(state)}, "timeout": 30,
+             "limits": [{"preset": "claude"}]}  # fmt: skip
+    env.configure(agents={"worker": agent})
+    first, second = env.daemon(), env.daemon()
+    first.wait_ready()
+    second.wait_ready()
+    env.drop(order("GATE-1"))
+    wait_until(lambda: events(first, "agent.gated") or events(second, "agent.gated"), 30, "the gate")
+    for i in range(6):
+        env.drop(order(f"AFTER-{i}"))
+    time.sleep(3)
+    assert (state / "starts").read_text().split() == ["GATE-1"]
+    assert first.stop() == 0 and second.stop() == 0

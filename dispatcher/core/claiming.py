@@ -67,6 +67,8 @@ class Claims:
         self.finisher = finisher
         self.on_refused = on_refused
         self._known: dict[str, Agent] = dict(config().agents)  # every agent the config has had since the start
+        self._others_key: tuple[int, int] | None = None  # .state/daemons/ as last seen (``_others_here``)
+        self._others = False
         self._waiting: set[str] = set()  # removed agents whose waiting orders were logged
         # files whose order.received is logged: a file read again (its claim put off by a shortage,
         # say) is not received again; the oldest are forgotten past RECEIVED_MAX
@@ -118,7 +120,7 @@ class Claims:
         """
         ledger, cfg = self.ledger, self.config()
         removed = self._removed(cfg)
-        if ledger.leases is not None and not slotless and any(_new(work) for work in batch):
+        if (ledger.leases is not None or self._others_here()) and not slotless and any(_new(work) for work in batch):
             gated = self._gated_now(gated, cfg)
         reading = dataclasses.replace(cfg, agents={**removed, **cfg.agents}) if removed else cfg
         out: list[Answer] = []
@@ -205,6 +207,21 @@ class Claims:
                     ledger.free_slot(name, kept)
             handover.slots.clear()
         return out
+
+    def _others_here(self) -> bool:
+        """Return True if other daemons run on this root's SQLite ledger: they may set gates this one's snapshot lacks.
+
+        Asked again only once ``.state/daemons/`` changed (one stat a claim otherwise).
+        """
+        try:
+            st = os.stat(self.layout.daemons)
+        except OSError:
+            return False
+        key = (st.st_ino, st.st_mtime_ns)
+        if self._others_key != key:
+            self._others_key = key
+            self._others = any(d.alive and d.owner != self.ledger.owner for d in self.ledger.daemons())
+        return self._others
 
     def _gated_now(self, gated: frozenset[str], cfg: Config) -> frozenset[str]:
         """Return the agents gated now as the shared ledger has it, beside the loop's snapshot (``gated``).
