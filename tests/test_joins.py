@@ -649,3 +649,21 @@ def test_a_join_whose_ledger_rows_were_lost_runs_once_its_parents_are_done(env: 
     assert env.wait_job("LOST-J", "done", timeout=60)["state"] == "done"
     assert [j for j, _ in env.starts()].count("LOST-J") == 1
     assert d2.stop() == 0
+
+
+def test_a_join_not_started_by_its_expires_fails_then_not_when_its_wait_ends(env: Env) -> None:
+    """A join claimed at once waits for a parent that does not come; its `expires` passes: it fails `expired` at
+    that time, with no attempt (section 16: an order not started by then), not a week later at `max_wait`."""
+    from dispatcher.clock import iso
+
+    env.configure()
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("EXP-J", after=["NEVER-1"], expires=iso(time.time() + 3)))
+    d.wait_event("job.waiting", job_id="EXP-J")
+    started = time.monotonic()
+    result = env.wait_job("EXP-J", "failed", timeout=30)
+    assert result["reason"] == "expired" and result["attempts"] == [], result
+    assert time.monotonic() - started < 15
+    assert env.starts() == []
+    assert d.stop() == 0

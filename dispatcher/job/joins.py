@@ -49,6 +49,7 @@ from dispatcher.store.results import build_result
 
 log = structlog.get_logger("dispatcher")
 PARENTS = "parents.json"
+_EXPIRY_MAX = 100_000  # waiting joins whose `expires` is remembered; past it, read again
 ALL_DONE, ALL_FINAL = "all_done", "all_final"
 
 # (job_id, token, agent, rank): a join moved to active/, to be run; rank (-priority, received) orders it among orders
@@ -124,6 +125,7 @@ class Joins:
         # when the first wait still short of max_wait reaches it (wall clock; None: no such wait). Set
         # here, read by the loop, which sweeps then: a wait fails at max_wait, not at the next rescan
         self.due: float | None = None
+        self._expiry: dict[str, float | None] = {}  # waiting joins' `expires` (``_expires``), read once a job
 
     def on_final(self, job_ids: Sequence[str]) -> None:
         """The Finisher's hook: jobs reached done or failed; look at the joins that name them."""
@@ -143,6 +145,11 @@ class Joins:
         max_wait = self.config().max_wait_s
         for wait in waits:
             verdict = self._decide(wait, now, max_wait)
+            if verdict is WAIT and (expires := self._expires(wait.job_id)) is not None:
+                if expires <= now:  # not started by its `expires`: it fails at that time, not when its wait ends
+                    verdict = Verdict(reason="expired")
+                elif self.due is None or expires < self.due:
+                    self.due = expires
             if verdict is WAIT:
                 if (ends := wait.since + max_wait) > now and (self.due is None or ends < self.due):
                     self.due = ends  # a wait past max_wait that still waits (its parent queued): the rescan's
@@ -153,6 +160,20 @@ class Joins:
             if token is not None:  # another daemon took it first otherwise
                 faults.point("join.taken")
                 self._carry_out(wait, token, verdict)
+
+    def _expires(self, job_id: str) -> float | None:
+        """Return when a waiting join that never ran expires (its order's `expires`), or None; read once a job."""
+        if job_id not in self._expiry:
+            folder = JobFolder(self.layout.job(State.WAITING, job_id))
+            try:
+                raw = folder.spec().order.get("expires")
+                at = parse_time(raw) if isinstance(raw, str) and not folder.attempt_numbers() else None
+            except (OSError, ValueError):
+                at = None  # unreadable here: its wait decides, as before
+            if len(self._expiry) >= _EXPIRY_MAX:
+                self._expiry.clear()
+            self._expiry[job_id] = at
+        return self._expiry[job_id]
 
     def _decide(self, wait: Wait, now: float, max_wait_s: float) -> Verdict:
         """Decide one wait; a parent given up as never finished is looked for in inbox/ and held/ first."""
