@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dispatcher import fsutil
@@ -40,17 +40,19 @@ def _job_id(path: Path, key: tuple[int, int, int], data: bytes) -> str | None:
     return job_id
 
 
-def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
-    """Return {job_id: file name} for the wanted ids that a valid order in inbox/ carries."""
-    wanted = set(job_ids)
-    found: dict[str, str] = {}
-    if not wanted:
-        return found
-    needles = [j.encode() for j in wanted]
+def _orders_in(
+    folder: Path, needles: list[bytes] | None = None
+) -> Iterator[tuple[os.DirEntry[str], os.stat_result, str | None]]:
+    """Yield each order file of folder with its stat and the job id it carries (None: not a valid order).
+
+    With ``needles``, a file not parsed before whose bytes hold none of them (nor a backslash,
+    behind which an id can hide) is skipped unread into a job id. What was parsed is remembered
+    by (inode, size, mtime).
+    """
     try:
-        entries = list(os.scandir(inbox))
-    except FileNotFoundError:
-        return found
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
     for de in entries:
         if is_ignored(de.name) or order_format(de.name) is None:
             continue
@@ -58,16 +60,26 @@ def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
             st = de.stat(follow_symlinks=False)
             key = (st.st_ino, st.st_size, st.st_mtime_ns)
             with _lock:
-                cached = _cache.get(key, "")
-            if cached == "":
+                job_id = _cache.get(key, "")
+            if job_id == "":
                 data = fsutil.read_regular(Path(de.path), _MAX_BYTES)
-                if b"\\" not in data and not any(n in data for n in needles):
+                if needles is not None and b"\\" not in data and not any(n in data for n in needles):
                     continue
-                cached = _job_id(Path(de.path), key, data)
+                job_id = _job_id(Path(de.path), key, data)
         except (OSError, ValueError, fsutil.NotRegular):
             continue
-        if cached in wanted and cached not in found:
-            found[cached] = de.name
+        yield de, st, job_id
+
+
+def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
+    """Return {job_id: file name} for the wanted ids that a valid order in inbox/ carries."""
+    wanted = set(job_ids)
+    found: dict[str, str] = {}
+    if not wanted:
+        return found
+    for de, _, job_id in _orders_in(inbox, [j.encode() for j in wanted]):
+        if job_id in wanted and job_id not in found:
+            found[job_id] = de.name
             if len(found) == len(wanted):
                 break
     return found
@@ -94,22 +106,7 @@ def held_ids(held: Path) -> dict[str, frozenset[tuple[int, int]]]:
     if cached is not None and cached[0] == key:
         return cached[1]
     ids: dict[str, set[tuple[int, int]]] = {}
-    try:
-        entries = list(os.scandir(held))
-    except OSError:
-        entries = []
-    for de in entries:
-        if is_ignored(de.name) or order_format(de.name) is None:
-            continue
-        try:
-            est = de.stat(follow_symlinks=False)
-            entry = (est.st_ino, est.st_size, est.st_mtime_ns)
-            with _lock:
-                job_id = _cache.get(entry, "")
-            if job_id == "":
-                job_id = _job_id(Path(de.path), entry, fsutil.read_regular(Path(de.path), _MAX_BYTES))
-        except (OSError, ValueError, fsutil.NotRegular):
-            continue
+    for _, est, job_id in _orders_in(held):
         if job_id is not None:
             ids.setdefault(job_id, set()).add((est.st_dev, est.st_ino))
     found = {job_id: frozenset(inodes) for job_id, inodes in ids.items()}
