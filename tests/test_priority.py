@@ -99,6 +99,25 @@ def test_submit_in_and_at_set_not_before(env: Env) -> None:
     assert bad.returncode == 2 and "--at" in bad.stderr and bad.stderr.count("\n") == 1
 
 
+def test_submit_at_takes_the_time_forms_an_order_takes_and_no_other(env: Env) -> None:
+    """`--at` and an order's not_before agree: calendar dates (extended or basic) pass both; a week date or an
+    ordinal date, which the order refuses, is refused by `--at` too (exit 2), and nothing is dropped."""
+    path = env.tmp / "o.yaml"
+    for n, (when, ok) in enumerate(
+        [("2099-01-05T08:00Z", True), ("20990105T0800Z", True), ("2099-W02-1", False), ("2099-005", False)]
+    ):
+        body = order(f"at-{n}", not_before=when)
+        path.write_text(yaml.safe_dump(body))
+        assert (env.cli("validate", str(path)).returncode == 0) is ok, when
+        del body["not_before"]
+        path.write_text(yaml.safe_dump(body))
+        proc = env.cli("submit", "--at", when, str(path))
+        assert (proc.returncode == 0) is ok, (when, proc.stderr)
+        assert (env.root / "inbox" / f"at-{n}.json").exists() is ok
+        if not ok:
+            assert proc.returncode == 2 and "--at" in proc.stderr and proc.stderr.count("\n") == 1
+
+
 def test_a_time_beyond_the_year_9999_in_utc_is_refused_in_one_line(env: Env) -> None:
     """9999-12-31T23:59:59-12:00 is in the year 10000 in UTC: `validate` and `submit` refuse it (exit 2, one line
     naming the field), as do `submit --at` with it and `--in` that far ahead; a file dropped by hand with it

@@ -28,7 +28,15 @@ from dispatcher.ledger.base import Ledger, LedgerUnavailable
 from dispatcher.ledger.cycles import find_cycle
 from dispatcher.ledger.records import Request
 from dispatcher.spec.order import Order
-from dispatcher.spec.orders import LATEST_S, LATEST_TIME, TimeOutOfRange, parse_order, parse_time, to_json
+from dispatcher.spec.orders import (
+    LATEST_S,
+    LATEST_TIME,
+    TimeOutOfRange,
+    parse_order,
+    parse_time,
+    time_text_ok,
+    to_json,
+)
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import LedgerUnreachable, open_ledger
 from dispatcher.store.queued import queued_ids
@@ -72,6 +80,8 @@ def parse_when(at: str | None, within: str | None, now: float) -> float | None:
         raise UsageError("submit: give --at or --in, not both")
     if at is not None:
         try:
+            if not time_text_ok(at):  # the forms an order's not_before takes, no other (week dates are not)
+                raise ValueError(at)
             return parse_time(at)
         except TimeOutOfRange as exc:
             raise UsageError(f"submit: --at: {at!r} {exc}") from None

@@ -65,6 +65,11 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern, re.DOTALL)
 
 
+def matches(pattern: str, text: str) -> bool:
+    """Return True if a schema's ``pattern`` matches text, as the validator reads it."""
+    return _regex(pattern).fullmatch(text) is not None
+
+
 MAX_INT_BITS = 1000  # an integer in a number field beyond this is refused: as a float it would overflow
 
 
