@@ -241,8 +241,12 @@ def read_followups(
         return False, []
     if not stat.S_ISDIR(st.st_mode):
         return True, [(Followup("", error=f"outbox is a {kind_of(st.st_mode)}, not a folder"), None)]
+    try:
+        names = sorted(os.listdir(outbox))
+    except OSError as exc:  # an agent left it unreadable: no follow-up can be read from it
+        return True, [(Followup("", error=f"outbox cannot be listed: {exc.strerror}"), None)]
     found: list[tuple[Followup, bytes | None]] = []
-    for name in sorted(os.listdir(outbox)):
+    for name in names:
         if is_ignored(name):
             continue
         if len(found) > max_followups:

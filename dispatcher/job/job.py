@@ -133,7 +133,8 @@ class Job(Finishing, Deciding):
         except Exception as exc:
             log.exception("job.crashed", error=str(exc))
             try:
-                return await self.finish(Row.FAILED, f"crashed: {type(exc).__name__}: {exc}", [])
+                # the checks of an attempt that was checked before the crash are kept, not shown as "not run"
+                return await self.finish(Row.FAILED, f"crashed: {type(exc).__name__}: {exc}", self.checked)
             except Left:
                 return Outcome.LEFT
             except Exception:

@@ -285,6 +285,7 @@ class JobFolder:
         folder = self.attempts_dir / str(n)
         os.makedirs(folder, exist_ok=True)
         moved = False
+        _own_writable(self.work)  # left read-only by the agent: the moves and the feedback below need it
         for name in ("receipt.json", "outbox", "feedback.json")[: 3 if feedback else 2]:
             src = self.work / name
             if not os.path.lexists(src):
@@ -292,6 +293,7 @@ class JobFolder:
             dst, k = folder / name, 2
             while os.path.lexists(dst):
                 dst, k = folder / f"{name}.{k}", k + 1
+            _own_writable(src)  # a folder moved to another parent must be writable itself (its "..")
             os.rename(src, dst)
             moved = True
         if moved:  # durable before the next attempt starts: after a power cut no old receipt is back in work/
@@ -443,3 +445,18 @@ def _sync_dirs(*folders: str | Path) -> None:
     for error in fsutil.fsync_many([str(f) for f in folders]):
         if error is not None:
             raise error
+
+
+def _own_writable(path: Path) -> None:
+    """Give a folder of the daemon's own user back its owner's rights when an agent took them away.
+
+    An agent runs as that user and may leave ``work/`` or ``work/outbox/`` read-only; a daemon
+    that is not root could then not set a receipt aside for the next attempt. Files, links and
+    folders of another user are left as they are (a rename then fails as before).
+    """
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+        os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)

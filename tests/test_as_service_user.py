@@ -1,0 +1,92 @@
+"""A daemon that runs as a service user, not root (the shipped unit's `User=dispatcher`).
+
+Root ignores file modes; a service user does not. An agent runs as the daemon's user
+and may leave its own folders without write or read access: the checks still run and are
+recorded (section 5), and a retry still gets its next attempt (section 6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import order
+from helpers_users import USER, as_user, interpreter
+
+# attempt 1 writes its receipt, then takes a right away from a folder it owns; attempt 2 works
+AGENT = """\
+import json, os, sys
+order = json.load(open(os.environ["DISPATCH_ORDER"]))
+ids = [i["id"] for i in order["items"]]
+receipt = {"job_id": order["job_id"], "input_ids": ids, "output_ids": [], "status": "done", "outputs": []}
+json.dump(receipt, open("receipt.json", "w"))
+mode, attempt = order["meta"]["mode"], int(os.environ["DISPATCH_ATTEMPT"])
+if mode == "outbox-unreadable":
+    os.mkdir("outbox")
+    os.chmod("outbox", 0)
+elif mode == "work-read-only" and attempt == 1:
+    os.chmod(".", 0o555)
+    sys.exit(1)
+elif mode == "outbox-read-only" and attempt == 1:
+    os.mkdir("outbox")
+    os.chmod("outbox", 0o555)
+    sys.exit(1)
+"""
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    """A folder under /tmp that the service user owns, with the agent in it."""
+    assert shutil.which("runuser"), "runuser not found: install util-linux"
+    folder = Path(tempfile.mkdtemp(prefix="service-user-", dir="/tmp"))
+    os.chmod(folder, 0o755)  # noqa: S103 - the service user must reach it
+    (folder / "agent.py").write_text(AGENT)
+    (folder / "dispatch").mkdir()
+    yield folder
+    subprocess.run(["chmod", "-R", "u+rwx", str(folder)], check=False)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_an_agent_that_takes_rights_from_its_own_folders_still_gets_its_checks_and_its_retry(base: Path) -> None:
+    """An unreadable work/outbox/ fails writes_scope and followups_valid (every check recorded); a work/ or outbox/ left
+    read-only by attempt 1 does not stop attempt 2: both jobs end as the checks say, none as `crashed`."""
+    python = interpreter()
+    config = base / "dispatcher.yaml"
+    agent = {"command": [python, str(base / "agent.py")], "writes": [], "retry_safe": True, "max_attempts": 2}
+    config.write_text(
+        yaml.safe_dump({"root": str(base / "dispatch"), "settle": 0.2, "retry_delay": 0.1, "agents": {"ro": agent}})
+    )
+    modes = ("outbox-unreadable", "work-read-only", "outbox-read-only")
+    for mode in modes:
+        body = order(mode, to="ro", meta={"mode": mode})
+        del body["accept"]  # no output file: only the receipt and the folders are in play
+        (base / f"{mode}.json").write_text(json.dumps(body))
+    subprocess.run(["chown", "-R", f"{USER}:", str(base)], check=True)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = as_user(python, "--config", str(config), *args)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=base)
+
+    submitted = run("submit", *(str(base / f"{m}.json") for m in modes))
+    assert submitted.returncode == 0, submitted.stderr
+    ran = run("run", "--once")
+    assert "job.crashed" not in ran.stdout, ran.stdout
+
+    unreadable = json.loads((base / "dispatch" / "failed" / "outbox-unreadable" / "result.json").read_text())
+    checks = {c["name"]: c for c in unreadable["checks"]}
+    # writes_scope comes first in the checks' order: what is in an unlistable folder cannot be vouched for
+    assert unreadable["reason"].startswith("writes_scope: outbox cannot be listed"), unreadable["reason"]
+    assert checks["followups_valid"]["ok"] is False and "Permission denied" in checks["followups_valid"]["detail"]
+    assert checks["exit_ok"]["ok"] is True and checks["receipt_status"]["ok"] is True
+    for mode in ("work-read-only", "outbox-read-only"):
+        done = json.loads((base / "dispatch" / "done" / mode / "result.json").read_text())
+        assert done["state"] == "done" and len(done["attempts"]) == 2, done
+        kept = base / "dispatch" / "done" / mode / "attempts" / "1" / "receipt.json"
+        assert json.loads(kept.read_text())["job_id"] == mode  # attempt 1's receipt set aside, not lost
