@@ -198,6 +198,30 @@ def test_file_still_being_written_is_not_taken_by_the_rescan(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_a_file_written_again_in_place_just_after_its_first_write_loses_neither_order(env: Env) -> None:
+    """Two writers write one inbox name one after the other (`cp a inbox/X.json; cp b inbox/X.json`): each
+    closed write runs as its own job (or the second replaced the first before any claim), a job's order.json
+    is the bytes it ran, and no order vanishes."""
+    env.configure(rescan_interval=1)
+    d = env.daemon()
+    d.wait_ready()
+    inbox = env.root / "inbox"
+    rounds = 12
+    for n in range(rounds):
+        (inbox / f"CP{n}.json").write_bytes(json.dumps(order(f"CP{n}-a")).encode())
+        time.sleep(0.002)
+        (inbox / f"CP{n}.json").write_bytes(json.dumps(order(f"CP{n}-b")).encode())
+        time.sleep(0.3)
+    for n in range(rounds):
+        env.wait_job(f"CP{n}-b", "done")  # the second write is never lost
+    wait_until(lambda: not any(inbox.iterdir()), what="an empty inbox/")
+    assert refusals(env.root) == []
+    for folder in (env.root / "done").iterdir():
+        kept = json.loads((folder / "order.json").read_text())["job_id"]
+        assert kept == folder.name, f"done/{folder.name}/order.json holds {kept}"
+    assert d.stop() == 0
+
+
 @pytest.mark.slow
 def test_three_daemons_with_kills_never_run_a_job_twice(env: Env) -> None:
     """Three daemons, one of them kill -9ed and replaced 12 times: no job runs twice, all end."""

@@ -316,7 +316,7 @@ def claim(
     errors = fsutil.fsync_many([path for *_, w in written for path in w.sync])
     placed: set[State] = set()
     later: list[tuple[int, Started]] = []  # placed under a cancel, or a join: carried on once all are durable
-    moved: list[tuple[Pick, Claimed]] = []  # placed: their inbox names go once their state folder is fsynced
+    moved: list[tuple[Pick, Claimed, str]] = []  # placed: their inbox names go once their state folder is fsynced
     end = 0
     for i, pick, stage, claimed, w in written:
         start, end = end, end + len(w.sync)
@@ -328,13 +328,13 @@ def claim(
         done = out[i] = placing.place(layout, ledger, pick, stage, claimed, w, failed)
         if isinstance(done, Started):
             placed.add(w.state)
-            moved.append((pick, claimed))
+            moved.append((pick, claimed, done.folder.path_str))
             if done.cancelled or done.order.after:
                 later.append((i, done))
     for state in sorted(placed):
         _fsync_dir(layout.folder_str(state))  # the claim's durable point: before any agent starts
-    for pick, claimed in moved:
-        placing.announce(layout, pick, claimed)
+    for pick, claimed, path in moved:
+        placing.announce(layout, pick, claimed, path)
     for i, done in later:
         if done.cancelled:
             out[i] = _cancel(finisher, done, picks[i].item.name)

@@ -61,6 +61,11 @@ class JobFolder:
         self.work_dir = f"{self._dir}/work"  # work/ as a plain path (the hot path's: no Path made or converted)
         self._attempts = f"{self._dir}/attempts"
 
+    @property
+    def path_str(self) -> str:
+        """Return the folder as a plain path."""
+        return self._dir
+
     @functools.cached_property
     def path(self) -> Path:
         """Return the folder as a Path, made once when first asked for."""

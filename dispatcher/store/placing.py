@@ -188,15 +188,29 @@ def place(
     return Started(JobFolder(target, claimed=w.spec.claimed), w.spec, w.order, claimed.token, claimed.cancelled)
 
 
-def announce(layout: Layout, pick: Pick, claimed: Claimed) -> None:
+def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
     """Drop a placed job's inbox name and log ``job.claimed`` (after its state folder's fsync).
 
     Unlinked after the fsync, not before: the unlink wakes the loop (inotify), which then
-    waits for the interpreter lock while this lane still fsyncs.
+    waits for the interpreter lock while this lane still fsyncs. A file written again in
+    place since it was read (a second writer, an editor saving in place) is the job's own
+    ``order.<ext>`` too, by its link: the job gets back the bytes it read, as a file of its
+    own, and the inbox name stays, to be read again as the order it now is.
     """
     item = pick.item
     faults.point("claim.placed")  # a crash here leaves the inbox name beside the job: its twin, dropped later
-    drop_inbox_inode(inbox_path(layout, item), item.inode)  # the inode linked into the job's folder by stage()
+    path = inbox_path(layout, item)
+    if _written_again(path, item):
+        _keep_read_bytes(placed, item)
+        log.warning(
+            "order.rewritten",
+            file=item.name,
+            job_id=item.order.job_id,
+            agent=pick.agent.name,
+            reason="written again in place after its claim: the job keeps the bytes it read; the file is read again",
+        )
+    else:
+        drop_inbox_inode(path, item.inode)  # the inode linked into the job's folder by stage()
     log.info(
         "job.claimed",
         job_id=item.order.job_id,
@@ -205,6 +219,28 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed) -> None:
         parent=claimed.parent,
         hops=claimed.hops,
     )
+
+
+def _written_again(path: str, item: Inspected) -> bool:
+    """Return True if the inbox file is still the inode read but its size or time moved since it was read."""
+    if item.stamp is None:
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == item.inode and (st.st_size, st.st_mtime_ns) != item.stamp
+
+
+def _keep_read_bytes(placed: str, item: Inspected) -> None:
+    """Make the placed job's ``order.<ext>`` a file of its own holding the bytes the claim read (fsynced)."""
+    kept = f"{placed}/order{suffix_of(item.name)}"
+    staged = f"{placed}/.order.staged"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(staged)  # left by a crash in this very step
+    fsutil.write_new(staged, item.data, sync=True)
+    os.replace(staged, kept)
+    fsutil.fsync_dir(placed)
 
 
 def undo(ledger: Ledger, item: Inspected, stage: str, claimed: Claimed, exc: OSError) -> Skipped:
