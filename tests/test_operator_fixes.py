@@ -9,8 +9,8 @@ import time
 from conftest import Env, order, wait_until
 
 
-def simple(job_id: str) -> dict[str, object]:
-    body = order(job_id)
+def simple(job_id: str, to: str = "worker") -> dict[str, object]:
+    body = order(job_id, to=to)
     body.pop("accept")
     return body
 
@@ -150,3 +150,36 @@ def test_work_for_a_free_agent_is_not_starved_by_a_busy_one(env: Env) -> None:
     time.sleep(1.0)  # WAITING-1 is parked behind BUSY-1's slot
     assert env.cli("retry", "BAD-1").returncode == 0
     wait_until(lambda: ("BAD-1", 2) in env.starts(), 15, "the retry of BAD-1 to start")
+
+
+def test_retry_and_revise_of_a_folder_the_ledger_does_not_say_failed_exit_1_and_ask_nothing(env: Env) -> None:
+    """A failed folder renamed by hand, a done job moved into failed/ by hand, a failed job whose job.json is
+    damaged: `retry` and `revise` say why in one line and exit 1 (no daemon would carry the request out),
+    where they said `retry requested` and the request vanished; a plain failed job is still retried."""
+    env.configure(agents={"worker": env.agent("--exit", "3"), "ok": env.agent()})
+    d = env.daemon()
+    d.wait_ready()
+    for job_id, to in (("RN-1", "worker"), ("MV-1", "ok"), ("DM-1", "worker"), ("PLAIN-1", "worker")):
+        env.drop(simple(job_id, to=to))
+    for job_id, state in (("RN-1", "failed"), ("MV-1", "done"), ("DM-1", "failed"), ("PLAIN-1", "failed")):
+        env.wait_job(job_id, state)
+    (env.root / "failed" / "RN-1").rename(env.root / "failed" / "RN-1-old")
+    (env.root / "done" / "MV-1").rename(env.root / "failed" / "MV-1")
+    (env.root / "failed" / "DM-1" / "job.json").write_text("[1]")
+    expected = {
+        "RN-1-old": "RN-1-old: its ledger row is missing, not failed",
+        "MV-1": "MV-1: its ledger row is done, not failed",
+        "DM-1": "DM-1: its job.json is damaged; it cannot be retried",
+    }
+    for job_id, line in expected.items():
+        proc = env.cli("retry", job_id)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", line + "\n")
+    for job_id in ("RN-1-old", "MV-1"):
+        proc = env.cli("revise", job_id, "--note", "again")
+        assert proc.returncode == 1 and "its ledger row is" in proc.stderr and proc.stderr.count("\n") == 1
+    assert env.cli("retry", "PLAIN-1").returncode == 0
+    wait_until(lambda: [j for j, _ in env.starts()].count("PLAIN-1") >= 2, 30, "the retried attempt")
+    assert env.cli("status", "--json", check=True).returncode == 0
+    time.sleep(1.0)
+    assert [j for j, _ in env.starts()].count("RN-1") == 1 and [j for j, _ in env.starts()].count("DM-1") == 1
+    assert d.stop() == 0

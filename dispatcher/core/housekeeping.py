@@ -267,8 +267,9 @@ class Housekeeping:
                 folder = JobFolder(layout.job(State.FAILED, job_id))
                 try:
                     agent = (await lanes.io(folder.spec)).agent.name
-                except ValueError:
+                except ValueError as exc:
                     await lanes.ledger(ledger.clear_request, job_id, Request.RETRY)
+                    log.warning("retry.dropped", job_id=job_id, agent=None, reason=f"failed/{job_id}: {exc}")
                     continue
                 if self._agent_here(job_id, agent, "retry"):
                     self.sched.park_retry(job_id, agent)
@@ -290,8 +291,9 @@ class Housekeeping:
                     continue
                 try:
                     agent = (await lanes.io(JobFolder(where[1]).spec)).agent.name
-                except ValueError:
+                except ValueError as exc:
                     await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
+                    log.warning("revise.dropped", job_id=job_id, agent=None, reason=f"{where[0].value}/{job_id}: {exc}")
                     continue
                 if self._agent_here(job_id, agent, "revision"):
                     self._revising.add(job_id)

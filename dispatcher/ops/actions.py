@@ -32,6 +32,7 @@ from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.settings import Config
+from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.ledgers import PATIENCE_S, open_ledger
 from dispatcher.store.queued import find_queued
 from dispatcher.text import plural
@@ -76,6 +77,11 @@ class Operator:
             self._still_an_order(job_id, NotFound(f"{job_id}: no such job"), "only a failed job can be retried")
         if found[0] is not State.FAILED:
             raise WrongState(f"{job_id}: is {found[0].value}, only a failed job can be retried")
+        try:
+            JobFolder(found[1]).spec()
+        except ValueError:
+            raise WrongState(f"{job_id}: its job.json is damaged; it cannot be retried") from None
+        self._row_says(job_id, (Row.FAILED,), Request.RETRY)
         self.ledger.request(job_id, Request.RETRY)
         self._note_blocked_join(job_id, found[1])
         self._poke("retry", job_id)
@@ -341,6 +347,8 @@ class Operator:
 
         check_id(job_id)
         found = self.layout.find(job_id)
+        if found is not None and found[0] in (State.FAILED, State.REVIEW):
+            self._row_says(job_id, (Row.FAILED,) if found[0] is State.FAILED else (Row.REVIEW,), Request.REVISE)
         try:
             line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
         except NotFound as exc:
@@ -378,6 +386,21 @@ class Operator:
     def _agent(self, agent: str) -> None:
         if agent not in self.config.agents:
             raise NotFound(f"{printable(agent)}: no such agent in {self.config.path or 'the config'}")
+
+    def _row_says(self, job_id: str, states: tuple[Row, ...], kind: Request) -> None:
+        """Raise WrongState unless the ledger row agrees with the folder: a folder renamed, or moved between
+        state folders by hand, is not a job a daemon would carry the request out for.
+
+        A row a daemon has claimed to carry out this very request (its reopen under way, or cut short
+        and finished by the next start) is let through: asking again changes nothing.
+        """
+        entry = self.ledger.get(job_id)
+        if entry is not None and entry.state in states:
+            return
+        if entry is not None and entry.state == Row.CLAIMED and job_id in self.ledger.requests(kind):
+            return
+        wanted = " or ".join(str(s) for s in states)
+        raise WrongState(f"{job_id}: its ledger row is {entry.state if entry else 'missing'}, not {wanted}")
 
     def _still_an_order(self, job_id: str, unknown: NotFound, only: str) -> NoReturn:
         """Raise WrongState for an id that is still an order (queued in inbox/, or held), else ``unknown``.
