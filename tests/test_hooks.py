@@ -361,6 +361,27 @@ def test_land_of_what_is_no_job_id_is_one_escaped_line_and_exit_1_as_retry(env: 
     assert len(log.read_text().splitlines()) == 1, "the hook ran only once, by the daemon"
 
 
+def test_land_of_a_done_job_whose_job_json_is_damaged_is_one_line_and_the_next_ids_go_on(
+    env: Env, tmp_path: Path
+) -> None:
+    """`land L1 NOPE` with L1's job.json damaged or gone: one line for each id, exit 1, no traceback."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=["sh", "-c", "exit 1"])})
+    env.drop(code_order("L1"))
+    d = env.daemon()
+    d.wait_event("land.failed", job_id="L1")
+    d.stop()
+    spec = env.root / "done" / "L1" / "job.json"
+    for damage in ('"str"', None):
+        if damage is None:
+            spec.unlink()
+        else:
+            spec.write_text(damage)
+        proc = env.cli("land", "L1", "NOPE")
+        assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+        assert proc.stderr == "L1: its job.json is damaged; it cannot be landed\nNOPE: no such job\n", proc.stderr
+
+
 def test_land_waits_for_review_and_runs_once_after_approve(env: Env, tmp_path: Path) -> None:
     """A job with review lands only after approve, exactly once."""
     repo = make_repo(tmp_path / "shop")

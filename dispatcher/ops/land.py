@@ -31,7 +31,11 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
     state, path = found
     if state is not State.DONE:
         raise WrongState(f"{job_id}: is {state.value}, not done (only a done job lands)")
-    if JobFolder(path).spec().agent.repo.land is None:
+    try:
+        spec = JobFolder(path).spec()
+    except ValueError:
+        raise WrongState(f"{job_id}: its job.json is damaged; it cannot be landed") from None
+    if spec.agent.repo.land is None:
         raise WrongState(f"{job_id}: its agent has no land hook")
     if (layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}").exists():
         raise WrongState(f"{job_id}: is landing now")
@@ -49,5 +53,6 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
 
 
 def _last_record(path: Any) -> str:
-    names = sorted((p.name for p in (path / "land").glob("*.json")), key=lambda n: int(n.split(".")[0]))
+    names = sorted((p.name for p in (path / "land").glob("*.json") if p.name.split(".")[0].isdigit()),
+                   key=lambda n: int(n.split(".")[0]))  # fmt: skip
     return f"land/{names[-1]}" if names else "land/1.json"
