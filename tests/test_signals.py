@@ -282,6 +282,39 @@ def notify_socket() -> Iterator[tuple[NotifyListener, dict[str, str]]]:
         sock_dir.rmdir()
 
 
+def test_status_counts_each_waiting_order_once_and_is_not_said_again_while_idle(env: Env) -> None:
+    """STATUS= queued counts the orders waiting in inbox/ once each (a parked order was counted twice: 9
+    waiting files said `queued 18`), is told again within about a second of a change, and an idle daemon
+    says nothing new."""
+    env.configure(agents={"worker": env.agent("--sleep", "1.5")}, max_jobs=2)  # concurrency 1: one at a time
+    with notify_socket() as (listener, extra):
+        d = env_daemon(env, extra)
+        listener.wait_line(lambda line: line == "READY=1", 30)
+        for n in range(6):
+            env.drop(order(f"ST-{n}"))
+        wait_until(lambda: len(agent_starts(env)) >= 1, 30, "the first start")
+        time.sleep(1.3)  # the next STATUS= after the drops
+
+        def queued() -> list[int]:
+            found = [t.split("queued ")[1].split(",")[0] for _at, t in listener.lines if "queued " in t]
+            return [int(q) for q in found]
+
+        assert queued() and max(queued()) <= 6, listener.lines
+        assert 4 <= queued()[-1] <= 5, listener.lines  # 5 in inbox/ (or 4 once the second started)
+        for n in range(6):
+            env.wait_job(f"ST-{n}", "done")
+
+        def statuses() -> list[str]:
+            return [t for _at, t in listener.lines if t.startswith("STATUS=")]
+
+        wait_until(lambda: statuses()[-1].startswith("STATUS=running 0, queued 0, done 6,"), 10, "the final STATUS=")
+        told = len(statuses())
+        time.sleep(2.5)  # idle: WATCHDOG=1 only
+        assert len(statuses()) == told, statuses()
+        d.signal(signal.SIGTERM)
+        assert d.wait(30) == 0
+
+
 def test_a_stop_while_start_up_waits_for_the_ledger_says_stopping_and_never_ready(env: Env) -> None:
     """SIGTERM while start-up waits for a ledger out of reach: STOPPING=1 and `daemon.stopping` as for any
     stop, never READY=1, and exit 0 (nothing was claimed)."""

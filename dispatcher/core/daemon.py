@@ -33,6 +33,7 @@ from dispatcher.core.reloading import Reloading
 from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox
+from dispatcher.core.work import Kind
 from dispatcher.job import hooks, intake, repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
@@ -50,6 +51,7 @@ from dispatcher.wakeup import Wakeup
 
 log = structlog.get_logger("dispatcher")
 READY_WAIT_S = 10.0  # the longest READY=1 waits for the recovery of jobs adopted at start
+STATUS_EVERY_S = 1.0  # STATUS= is told at most this often (it was a datagram at every turn of the loop)
 GIVE_UP_EARLY_S = 1.5  # ledger waits end this long before a stop's deadline
 
 
@@ -77,6 +79,8 @@ class Daemon(Reloading, Fencing):
         self._wake: Wakeup | None = None
         self._next_rescan = 0.0
         self._next_watchdog = 0.0
+        self._status_due: float | None = None  # when the next STATUS= is told (a turn since the last one asks it)
+        self._status_told = (0.0, "")  # when the last STATUS= was told, and its text
         self.watch: InotifyWatch | ObserverWatch | None = None  # None: `watch: poll`, or inotify out of reach
         self._watch_error: str | None = None  # why the watch of inbox/ could not start, once logged
 
@@ -316,7 +320,7 @@ class Daemon(Reloading, Fencing):
         self.house.joins_due()
         self.house.metrics_due()
         if self.notifier.enabled:
-            self._status()
+            self._status_when_due(now)
 
     async def shutdown(self) -> int:
         """Stop watching, flush the ledger lane, release the ledger, exit 0 (1 for a failed --once)."""
@@ -435,6 +439,8 @@ class Daemon(Reloading, Fencing):
             waits.append(held)  # new orders wait for descriptors to start their agents (``SHORT.room``)
         if self.notifier.watchdog_interval_s:
             waits.append(self._next_watchdog - now)
+        if self._status_due is not None:
+            waits.append(self._status_due - now)
         if self.stop_deadline is not None:
             waits.append(self.stop_deadline - now)
         if self.sched.slot_poll:
@@ -490,11 +496,28 @@ class Daemon(Reloading, Fencing):
             log.error("watcher.restarted", reason="inbox/ was removed, moved away or its watch died: watched again")
         self._watch_error = None
 
-    def _status(self) -> None:
-        """Tell systemd what runs and waits (asked only when it listens: ``notifier.enabled``)."""
+    def _status_when_due(self, now: float) -> None:
+        """Tell STATUS= at most once a second, after the turns that may have changed it (none while idle)."""
+        due = self._status_due
+        if due is None:
+            due = self._status_due = max(now, self._status_told[0] + STATUS_EVERY_S)
+        if now >= due:
+            self._status_due = None  # this turn tells it; the next turn that happens asks again
+            self._status(now)
+
+    def _queued(self) -> int:
+        """Return the work waiting here: inbox/ names (a parked order's among them) and claimed jobs not started."""
+        claimed = sum(1 for p in self.sched.parked if p.kind is not Kind.NEW)  # a NEW one is an inbox/ name
+        return len(self.inbox) + claimed + len(self.sched.aside)
+
+    def _status(self, now: float) -> None:
+        """Tell systemd what runs and waits (asked only when it listens: ``notifier.enabled``), if it changed."""
         s = self.sched.stats.finished
-        self.notifier.status(
+        text = (
             f"running {len(self.sched.running)},"
-            f" queued {len(self.sched.parked) + len(self.sched.aside) + len(self.inbox)},"
+            f" queued {self._queued()},"
             f" done {s['done']}, failed {s['failed']}, refused {s['refused']}"
         )
+        if text != self._status_told[1]:
+            self.notifier.status(text)
+        self._status_told = (now, text)
