@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import order
-from helpers_users import USER, as_user, interpreter
+from conftest import order, wait_until
+from helpers_users import USER, as_user, interpreter, readable
 
 # attempt 1 writes its receipt, then takes a right away from a folder it owns; attempt 2 works
 AGENT = """\
@@ -90,3 +91,46 @@ def test_an_agent_that_takes_rights_from_its_own_folders_still_gets_its_checks_a
         assert done["state"] == "done" and len(done["attempts"]) == 2, done
         kept = base / "dispatch" / "done" / mode / "attempts" / "1" / "receipt.json"
         assert json.loads(kept.read_text())["job_id"] == mode  # attempt 1's receipt set aside, not lost
+
+
+def test_a_stop_while_short_of_processes_is_answered(base: Path) -> None:
+    """SIGTERM while the service user may start no process or thread (RLIMIT_NPROC reached): the daemon
+    logs daemon.stopping and exits 0 within stop_timeout; no order is lost or failed (section 13).
+    Before, the signal handler failed to start its watch thread and the stop was lost."""
+    python = interpreter()
+    uid = 40000 + os.getpid() % 20000  # a uid no one else runs processes as: the limit counts only the daemon's
+    config = base / "dispatcher.yaml"
+    agent = {"command": ["/bin/sh", "-c", "exit 0"], "writes": []}
+    settings = {"root": str(base / "dispatch"), "settle": 0.2, "stop_timeout": 5, "agents": {"worker": agent}}
+    config.write_text(yaml.safe_dump(settings))
+    subprocess.run(["chown", "-R", f"{uid}:{uid}", str(base)], check=True)
+    checkout, site = readable()
+    argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "env", f"PYTHONPATH={checkout}:{site}",
+            "HOME=/tmp", python, "-m", "dispatcher", "--config", str(config), "run"]  # fmt: skip
+    out = base / "daemon.log"
+    with out.open("wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: '"daemon.ready"' in out.read_text(), 60, "daemon.ready")
+        threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]  # as itself: no capability
+        subprocess.run([*as_uid, "prlimit", "--pid", str(proc.pid), f"--nproc={threads}:"], check=True)
+        for n in range(2):
+            body = order(f"NP-{n}", to="worker")
+            del body["accept"]
+            staged = base / "dispatch" / "inbox" / f".NP-{n}.tmp"
+            staged.write_text(json.dumps(body))
+            staged.rename(base / "dispatch" / "inbox" / f"NP-{n}.json")
+        wait_until(lambda: '"daemon.short_of"' in out.read_text(), 60, "daemon.short_of")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    events = [json.loads(line)["event"] for line in out.read_text().splitlines() if line.startswith("{")]
+    assert "daemon.stopping" in events and "daemon.stopped" in events, events
+    root = base / "dispatch"
+    queued = [p.stem for p in (root / "inbox").iterdir()]
+    claimed = [p.name for state in ("active", "done") for p in (root / state).iterdir()]  # active/: recovered next
+    assert sorted(queued + claimed) == ["NP-0", "NP-1"] and not list((root / "failed").iterdir())

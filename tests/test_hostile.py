@@ -859,3 +859,17 @@ def test_a_daemon_short_of_inotify_instances_lists_inbox_every_poll_interval(env
     d.wait_event("watcher.restarted", timeout=30)
     assert len([e for e in d.events() if e["event"] == "watcher.failed"]) == 1  # said once, not at every rescan
     assert d.stop() == 0
+
+
+def test_a_staging_folder_removed_by_hand_is_made_again_at_the_next_claim(env: Env) -> None:
+    """`rm -rf .state/staging` while the daemon runs: the next orders are claimed and done, not refused
+    and not left in inbox/ with a `daemon.error` at every try."""
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("ST-0"))
+    env.wait_job("ST-0", "done")
+    shutil.rmtree(env.root / ".state" / "staging")
+    env.drop(order("ST-1"))
+    env.wait_job("ST-1", "done")
+    assert d.stop() == 0
+    assert not [e for e in d.events() if e.get("event") == "daemon.error"]

@@ -309,6 +309,8 @@ class Daemon(Reloading, Fencing):
         if now >= self._next_rescan:
             self._next_rescan = now + self._rescan_interval()
             self.house.start(self.house.rescan(), "rescan")
+        if self.stopping and not self._watching:
+            self._watch_the_stop()  # its thread could not start at the signal (a shortage of processes)
         if self.stop_deadline is not None and now >= self.stop_deadline:
             self.sched.abort_all(Stop.STOPPED)
             hooks.RUNNING.stop_all()  # hooks run like agents: ended at the stop's deadline too
@@ -392,13 +394,22 @@ class Daemon(Reloading, Fencing):
 
     def handle_signal(self, signum: int, frame: object = None) -> None:
         """Signal handler: note the signal and wake the loop; at the first stop, start the stop's watch."""
-        if signum != signal.SIGHUP and not self._watching:
-            self._watching = True
-            # from when the ledger's waits give up (at once before READY=1): calls hung on a silent server are cut
-            wait_s = max(0.0, self.config.stop_timeout_s - GIVE_UP_EARLY_S) if self._ready else 0.0
-            stopwatch.watch(lambda: getattr(self, "ledger", None), time.monotonic() + wait_s)
-        self._signals.append(signum)
+        self._signals.append(signum)  # first: a stop is never lost, whatever the watch below can do
         self.wakeup()
+        if signum != signal.SIGHUP:
+            self._watch_the_stop()
+
+    def _watch_the_stop(self) -> None:
+        """Start the stop's watch once; short of processes (no thread now), the loop tries again at its turns."""
+        if self._watching:
+            return
+        # from when the ledger's waits give up (at once before READY=1): calls hung on a silent server are cut
+        wait_s = max(0.0, self.config.stop_timeout_s - GIVE_UP_EARLY_S) if self._ready else 0.0
+        try:
+            stopwatch.watch(lambda: getattr(self, "ledger", None), time.monotonic() + wait_s)
+        except RuntimeError:  # "can't start new thread": RLIMIT_NPROC or memory
+            return
+        self._watching = True
 
     def _signal(self, signum: int, reason: str | None = None) -> None:
         if signum == signal.SIGHUP:

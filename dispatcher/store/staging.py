@@ -56,6 +56,9 @@ def new_stage(layout: Layout, owner: str, kind: str, job_id: str) -> str:
     stage = f"{layout.staging_str}/{owner}.{kind}-{job_id}-{next(_serial):x}"
     try:
         os.mkdir(stage)
+    except FileNotFoundError:  # .state/staging/ removed by hand while the daemon runs: made again
+        os.makedirs(layout.staging_str, exist_ok=True)
+        os.mkdir(stage)
     except FileExistsError:  # an owner shared with another process: a random part instead
         stage = f"{layout.staging_str}/{owner}.{kind}-{job_id}-{secrets.token_hex(4)}"
         os.mkdir(stage)
