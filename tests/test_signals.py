@@ -245,6 +245,22 @@ def test_sighup_with_bad_config_or_new_root_keeps_the_old_config(env: Env, tmp_p
     assert d.stop() == 0
 
 
+def test_sighup_with_the_same_root_named_through_a_symlink_is_a_reload(env: Env, tmp_path: Path) -> None:
+    """A config whose root names the same folder through a symlink does not change the root: reloaded."""
+    link = tmp_path / "root-link"
+    link.symlink_to(env.root)
+    env.configure()
+    d = env.daemon()
+    d.wait_ready()
+    env.config_path.write_text(env.config_path.read_text().replace(str(env.root), str(link)))
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(order("LINKED-1"))
+    env.wait_job("LINKED-1", "done")
+    assert d.stop() == 0
+    assert count_events(d, "config.rejected") == 0
+
+
 def test_sighup_reopens_log_file(env: Env, tmp_path: Path) -> None:
     """After logrotate moves log_file away, SIGHUP makes the daemon write a new one."""
     log_file = tmp_path / "dispatcher.log"

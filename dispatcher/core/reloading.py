@@ -67,7 +67,9 @@ class Reloading:
                 raise ConfigError("no config file to reload")
             new = load_config(self.config_path, root=self.root_override)
             if new.root != self.config.root:
-                raise ConfigError("root: cannot change while running", file=str(self.config_path))
+                if not _same_folder(new.root, self.config.root):
+                    raise ConfigError("root: cannot change while running", file=str(self.config_path))
+                new = dataclasses.replace(new, root=self.config.root)  # one folder, named as at the start
             if new.ledger != self.config.ledger:
                 raise ConfigError("ledger: cannot change while running", file=str(self.config_path))
             if self.ledger.leases is not None and new.lease_s != self.config.lease_s:  # the others judge it by it
@@ -119,3 +121,11 @@ class Reloading:
         return Metrics(
             config.metrics_file, socket.gethostname(), os.getpid(), agents=config.agents, labels=config.metrics_labels
         )
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    """Return True if two paths name one folder (through a symlink, say): the root did not change."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
