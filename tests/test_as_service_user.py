@@ -134,3 +134,23 @@ def test_a_stop_while_short_of_processes_is_answered(base: Path) -> None:
     queued = [p.stem for p in (root / "inbox").iterdir()]
     claimed = [p.name for state in ("active", "done") for p in (root / state).iterdir()]  # active/: recovered next
     assert sorted(queued + claimed) == ["NP-0", "NP-1"] and not list((root / "failed").iterdir())
+
+
+def test_a_config_in_a_folder_the_user_may_not_enter_is_one_line_and_exit_2(base: Path) -> None:
+    """`./config/` at 0750 of another user (as a service user's `init` makes it): every command of a user outside
+    its group says `config/dispatcher.yaml: cannot read: Permission denied` in one line and exits 2; `run` and
+    `web` ended in a traceback, the others exited 1."""
+    python = interpreter()
+    (base / "config").mkdir()
+    (base / "config" / "dispatcher.yaml").write_text(yaml.safe_dump({"root": "../dispatch", "agents": {}}))
+    subprocess.run(["chown", "-R", "4801:4801", str(base / "config")], check=True)
+    os.chmod(base / "config", 0o750)  # noqa: S103 - as `init` makes it: the group may enter
+    checkout, site = readable()
+    stranger = ["setpriv", "--reuid=4803", "--regid=4803", "--clear-groups", "env",
+                f"PYTHONPATH={checkout}:{site}", "HOME=/tmp", python, "-m", "dispatcher"]  # fmt: skip
+    for command in (["status"], ["validate"], ["run", "--once"], ["web"], ["list"]):
+        proc = subprocess.run([*stranger, *command], capture_output=True, text=True, timeout=60, cwd=base)
+        assert (proc.returncode, proc.stderr) == (2, "config/dispatcher.yaml: cannot read: Permission denied\n"), (
+            command,
+            proc.stderr,
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -68,7 +69,18 @@ def find_config(explicit: str | None) -> Path:
     env = os.environ.get(CONFIG_ENV)
     if env:
         return Path(env)
-    return next((p for p in (DEFAULT_CONFIG, SYSTEM_CONFIG) if p.exists()), DEFAULT_CONFIG)
+    return next((p for p in (DEFAULT_CONFIG, SYSTEM_CONFIG) if _may_exist(p)), DEFAULT_CONFIG)
+
+
+def _may_exist(path: Path) -> bool:
+    """Return True if path exists, or lies in a folder this user may not search (reading it then says why)."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def config_places(explicit: str | None) -> list[str]:
@@ -84,7 +96,7 @@ def config_places(explicit: str | None) -> list[str]:
 def require_config(explicit: str | None) -> Path:
     """Return the config path to use; raise UsageError naming every place tried when none exists."""
     path = find_config(explicit)
-    if not path.exists():
+    if not _may_exist(path):
         raise UsageError(f"no config found (looked in: {', '.join(config_places(explicit))})")
     return path
 
@@ -94,8 +106,14 @@ def require_root(cfg: Config) -> Path:
 
     Only ``init`` makes a root: a typo in ``root:`` or ``--root`` must not start a new one.
     """
-    if not cfg.root.is_dir():
-        what = "is not a folder" if cfg.root.exists() else "does not exist"
+    try:
+        st = os.stat(cfg.root)
+    except PermissionError as exc:
+        raise UsageError(f"root {cfg.root} cannot be reached: {exc.strerror}") from None
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        what = "is not a folder" if st is not None else "does not exist"
         where = f"root: in {cfg.path} or --root" if cfg.path is not None else "--root"
         raise UsageError(f"root {cfg.root} {what} (check {where}; `dispatcher init DIR` makes one)")
     return cfg.root
