@@ -39,6 +39,12 @@ elif mode == "outbox-read-only" and attempt == 1:
     os.mkdir("outbox")
     os.chmod("outbox", 0o555)
     sys.exit(1)
+elif mode == "job-read-only":
+    os.chmod("..", 0o555)
+elif mode == "attempts-read-only" and attempt == 1:
+    os.chmod("../attempts", 0o555)
+    os.chmod(f"../attempts/{attempt}", 0)
+    sys.exit(1)
 """
 
 
@@ -56,15 +62,16 @@ def base() -> Iterator[Path]:
 
 
 def test_an_agent_that_takes_rights_from_its_own_folders_still_gets_its_checks_and_its_retry(base: Path) -> None:
-    """An unreadable work/outbox/ fails writes_scope and followups_valid (every check recorded); a work/ or outbox/ left
-    read-only by attempt 1 does not stop attempt 2: both jobs end as the checks say, none as `crashed`."""
+    """An unreadable work/outbox/ fails writes_scope and followups_valid (every check recorded); a work/, outbox/,
+    attempts/ or job folder left read-only (or unreadable) by the agent does not stop its next attempt nor its
+    finish: each job ends as its checks say, none as `crashed` (a read-only job folder never finished)."""
     python = interpreter()
     config = base / "dispatcher.yaml"
     agent = {"command": [python, str(base / "agent.py")], "writes": [], "retry_safe": True, "max_attempts": 2}
     config.write_text(
         yaml.safe_dump({"root": str(base / "dispatch"), "settle": 0.2, "retry_delay": 0.1, "agents": {"ro": agent}})
     )
-    modes = ("outbox-unreadable", "work-read-only", "outbox-read-only")
+    modes = ("outbox-unreadable", "work-read-only", "outbox-read-only", "job-read-only", "attempts-read-only")
     for mode in modes:
         body = order(mode, to="ro", meta={"mode": mode})
         del body["accept"]  # no output file: only the receipt and the folders are in play
@@ -86,9 +93,11 @@ def test_an_agent_that_takes_rights_from_its_own_folders_still_gets_its_checks_a
     assert unreadable["reason"].startswith("writes_scope: outbox cannot be listed"), unreadable["reason"]
     assert checks["followups_valid"]["ok"] is False and "Permission denied" in checks["followups_valid"]["detail"]
     assert checks["exit_ok"]["ok"] is True and checks["receipt_status"]["ok"] is True
-    for mode in ("work-read-only", "outbox-read-only"):
+    for mode in ("work-read-only", "outbox-read-only", "attempts-read-only", "job-read-only"):
         done = json.loads((base / "dispatch" / "done" / mode / "result.json").read_text())
-        assert done["state"] == "done" and len(done["attempts"]) == 2, done
+        assert done["state"] == "done" and len(done["attempts"]) == (1 if mode == "job-read-only" else 2), done
+        if mode == "job-read-only":
+            continue
         kept = base / "dispatch" / "done" / mode / "attempts" / "1" / "receipt.json"
         assert json.loads(kept.read_text())["job_id"] == mode  # attempt 1's receipt set aside, not lost
 

@@ -25,7 +25,7 @@ from dispatcher.lifecycle import Outcome, Row, outcome_of
 from dispatcher.shortage import DISK_WAIT_MAX_S, PAUSE_MIN_S, SHORT
 from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.result import CheckResult, Result
-from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.jobstore import JobFolder, give_back_rights
 from dispatcher.store.results import build_result, is_disk_full
 
 log = structlog.get_logger("dispatcher")
@@ -85,6 +85,7 @@ class Finishing(abc.ABC):
         leaves the job where it is (``Left``).
         """
         delay = 0.5
+        mended = False
         while True:
             if self.ctx.fenced():
                 log.warning("job.fenced", step=step)
@@ -92,6 +93,12 @@ class Finishing(abc.ABC):
             try:
                 return await once()
             except OSError as exc:
+                if isinstance(exc, PermissionError) and not mended:
+                    mended = True  # once: an agent may have taken the daemon's rights on the job's folders
+                    if await self.ctx.lanes.io(give_back_rights, self.folder.path_str):
+                        log.warning("job.rights_restored", step=step, error=str(exc))
+                        continue
+                    raise
                 if SHORT.note(exc, step):
                     delay = max(SHORT.wait_s(), PAUSE_MIN_S)  # not now: the same step again after the pause
                 elif not is_disk_full(exc):

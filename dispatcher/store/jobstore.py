@@ -465,3 +465,33 @@ def _own_writable(path: Path) -> None:
         return
     if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & stat.S_IRWXU != stat.S_IRWXU:
         os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
+
+
+def give_back_rights(folder: str) -> int:
+    """Give the daemon's own user back its rights on a job folder's own files and folders; return how many.
+
+    An agent runs as that user and may take them away (``chmod 0555 ..`` from work/); a daemon
+    that is not root could then write neither its records nor the result. Only the folder
+    itself, work/ as a folder and what lies outside work/ are touched: the agent's files in
+    work/ are its work, and its checks judge them as they are.
+    """
+    me = os.geteuid()
+    mended = 0
+
+    def mend(path: str, st: os.stat_result) -> None:
+        nonlocal mended
+        want = stat.S_IRWXU if stat.S_ISDIR(st.st_mode) else stat.S_IRUSR | stat.S_IWUSR
+        if st.st_uid == me and st.st_mode & want != want and not stat.S_ISLNK(st.st_mode):
+            os.chmod(path, stat.S_IMODE(st.st_mode) | want)
+            mended += 1
+
+    with contextlib.suppress(OSError):
+        mend(folder, os.lstat(folder))
+    for top, dirs, files in os.walk(folder):
+        for name in [*dirs, *files]:
+            path = os.path.join(top, name)
+            with contextlib.suppress(OSError):
+                mend(path, os.lstat(path))
+        if top == folder:
+            dirs[:] = [d for d in dirs if d != "work"]  # work/ itself mended above, not what the agent made in it
+    return mended
