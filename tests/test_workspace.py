@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from conftest import Env, wait_until
@@ -219,6 +220,56 @@ def test_a_retry_starts_again_from_base(env: Env, tmp_path: Path) -> None:
     assert (folder / "attempts" / "1" / "changed.txt").read_text() == "src/first.txt\n"
     assert (folder / "attempts" / "2" / "changed.txt").read_text() == ""
     assert result["workspace"]["changed"] == [] and result["workspace"]["head"] == result["workspace"]["base"]
+
+
+# attempt 1 checks out a branch of someone's (or detaches HEAD) and fails; each attempt notes the branch it is on
+LEAVES_ITS_BRANCH = """import json, os, subprocess, sys
+n = int(os.environ["DISPATCH_ATTEMPT"])
+on = subprocess.run(["git", "branch", "--show-current"], capture_output=True, text=True).stdout.strip()
+with open(sys.argv[1], "a") as fh:
+    fh.write(f"{n} {on}\\n")
+if n == 1:
+    subprocess.run(["git", "checkout", "-q", *sys.argv[2:]], check=True)
+    sys.exit(1)
+receipt = {"job_id": os.environ["DISPATCH_JOB_ID"], "input_ids": ["R1"], "output_ids": [], "status": "done"}
+json.dump(receipt, open(os.environ["DISPATCH_RECEIPT"], "w"))
+"""
+
+
+def test_a_retry_never_moves_a_branch_the_agent_checked_out_only_its_own(env: Env, tmp_path: Path) -> None:
+    """Attempt 1 checks out `feature` (someone's branch) or detaches HEAD, then fails: the retry resets the job's
+    own branch to base and runs on it; `feature` keeps its commit, and no failed attempt's commit stays."""
+    repo = make_repo(tmp_path / "shop")
+    git(repo, "branch", "feature")
+    git(repo, "checkout", "-q", "feature")
+    (repo / "f.txt").write_text("someone's work\n")
+    git(repo, "add", "f.txt")
+    git(repo, "commit", "-q", "-m", "work on feature")
+    git(repo, "checkout", "-q", "main")
+    feature = git(repo, "rev-parse", "feature")
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES_ITS_BRANCH)
+    seen = tmp_path / "branches.txt"
+    agents = {
+        name: coder(env, repo, command=[sys.executable, str(script), str(seen), *how], max_attempts=2, retry_safe=True)
+        for name, how in (("onto", ["feature"]), ("detach", ["--detach"]))
+    }
+    env.configure(agents=agents)
+    env.drop(code_order("ONTO", to="onto"))
+    d = env.daemon()
+    onto = env.wait_job("ONTO", "done")
+    env.drop(code_order("DETACH", to="detach"))
+    detached = env.wait_job("DETACH", "done")
+    d.stop()
+    assert git(repo, "rev-parse", "feature") == feature, "the retry moved a branch that is not the job's"
+    assert seen.read_text().splitlines() == [
+        "1 dispatch/ONTO",
+        "2 dispatch/ONTO",
+        "1 dispatch/DETACH",
+        "2 dispatch/DETACH",
+    ]
+    for result in (onto, detached):
+        assert result["workspace"]["head"] == result["workspace"]["base"], result["workspace"]  # nothing left over
 
 
 def test_a_revision_of_a_reviewed_job_goes_on_from_the_reviewed_tree(env: Env, tmp_path: Path) -> None:

@@ -350,6 +350,11 @@ def _tree_env(ws: Workspace, extra: dict[str, str] | None = None) -> dict[str, s
 def reset_to_base(ws: Workspace) -> None:
     """Put the branch and the worktree back at the base commit (a retry starts again from base)."""
     env = _tree_env(ws)
+    branch = f"refs/heads/{ws.branch}"
+    if git(ws.path, "symbolic-ref", "-q", "HEAD", env=env, check=False).strip() != branch:
+        # the agent moved its HEAD (onto main, a branch of someone's, or detached): the reset below moves the
+        # branch HEAD names, so HEAD goes back to the job's own branch first; no other branch is ever moved
+        git(ws.path, "symbolic-ref", "HEAD", branch, env=env)
     git(ws.path, "reset", "-q", "--hard", ws.base, env=env)
     git(ws.path, "clean", "-q", "-ffdx", env=env)
 
