@@ -272,6 +272,27 @@ def test_a_retry_never_moves_a_branch_the_agent_checked_out_only_its_own(env: En
         assert result["workspace"]["head"] == result["workspace"]["base"], result["workspace"]  # nothing left over
 
 
+def test_a_seal_that_fails_keeps_what_the_checks_saw_and_the_worktree(env: Env, tmp_path: Path) -> None:
+    """A stale lock on the job's branch ref makes the seal fail: result.json's `changed` still lists what the
+    checks saw (it said []), `head` is empty, and the worktree, the change's only copy, is not removed."""
+    repo = make_repo(tmp_path / "shop")
+    script = tmp_path / "locks.sh"
+    script.write_text(
+        "echo x > src/x.txt\n"
+        f"touch {repo}/.git/refs/heads/dispatch/$DISPATCH_JOB_ID.lock\n"
+        'printf \'{"job_id": "%s", "input_ids": ["R1"], "output_ids": [], "status": "done"}\' "$DISPATCH_JOB_ID"'
+        ' > "$DISPATCH_RECEIPT"\n'
+    )
+    env.configure(agents={"coder": coder(env, repo, command=["/bin/sh", str(script)])})
+    env.drop(code_order("SEAL"))
+    d = env.daemon()
+    result = env.wait_job("SEAL", "done")
+    d.wait_event("workspace.seal_failed", job_id="SEAL")
+    d.stop()
+    assert result["workspace"]["head"] is None and result["workspace"]["changed"] == ["src/x.txt"], result
+    assert (env.root / ".state" / "worktrees" / "SEAL" / "src" / "x.txt").read_text() == "x\n"
+
+
 def test_a_revision_of_a_reviewed_job_goes_on_from_the_reviewed_tree(env: Env, tmp_path: Path) -> None:
     """revise: the next attempt finds the work a person reviewed, not base; its branch keeps both attempts' lines."""
     repo = make_repo(tmp_path / "shop")

@@ -101,6 +101,8 @@ class JobRepo:
         self._opened = False
         self._sealed: dict[str, Any] | None = None
         self._tree: str | None = None  # the last snapshot's tree: what seal puts on the branch
+        self._changed: list[str] = []  # the last snapshot's changed paths: what the checks saw
+        self._seal_failed = False  # the leftovers could not be committed: the worktree is the work's only copy
 
     @property
     def path(self) -> Path | None:
@@ -164,6 +166,7 @@ class JobRepo:
         self._tree = None
         try:
             changed, self._tree = await self.lanes.io(_snapshot, self.ws, out, left)
+            self._changed = changed if isinstance(changed, list) else []
             return changed
         except (GitError, OSError) as exc:
             log.warning("workspace.diff_failed", attempt=n, error=str(exc))
@@ -195,8 +198,9 @@ class JobRepo:
                 return None
             head, changed = sealed
         except (GitError, OSError) as exc:
-            log.warning("workspace.seal_failed", error=str(exc))
-            head, changed = None, []
+            log.warning("workspace.seal_failed", error=str(exc), worktree=ws.path)
+            head, changed = None, list(self._changed)  # what the checks saw; the worktree holding it is kept
+            self._seal_failed = True
         self._sealed = {"repo": ws.repo, "branch": ws.branch, "base": ws.base, "head": head, "changed": changed}
         return self._sealed
 
@@ -233,7 +237,7 @@ class JobRepo:
             await self.lanes.io(afterowed.finish, self.layout, self.spec.job_id, job_path, record)
             if not run.ok:
                 log.warning("hook.failed", hook="after", reason=run.why)
-        if self.ws is not None:
+        if self.ws is not None and not self._seal_failed:
             try:
                 async with repo_lock(self.ws.repo):
                     await self.lanes.io(worktree.clear, self.ws)
