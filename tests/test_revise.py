@@ -284,3 +284,35 @@ def test_a_revision_under_way_on_a_slow_disk_logs_job_revised_once(env: Env) -> 
         slow.wait(60)
     revised = [e["job_id"] for e in events() if e["event"] == "job.revised"]
     assert sorted(revised) == jobs, revised
+
+
+SPENDS_AND_FAILS = """import json, os, sys
+order = json.load(open(os.environ["DISPATCH_ORDER"]))
+ids = [i["id"] for i in order["items"]]
+json.dump({"job_id": order["job_id"], "input_ids": ids, "output_ids": [], "status": "done"}, open("receipt.json", "w"))
+print(json.dumps({"type": "result", "total_cost_usd": 0.1}))
+sys.exit(1)
+"""
+
+
+def test_max_revisions_counts_revisions_that_ran_no_attempt(env: Env) -> None:
+    """A revision of a job whose budget is spent fails at once, without an attempt: it still counts, so the
+    revise past max_revisions exits 1 (each revision was logged as revision 1 and accepted for ever)."""
+    script = env.tmp / "spends.py"
+    script.write_text(SPENDS_AND_FAILS)
+    spec = {"command": [sys.executable, str(script)], "max_attempts": 1, "max_revisions": 2, "max_cost_usd": 0.05}
+    env.configure(agents={"coder": spec})
+    d = env.daemon()
+    d.wait_ready()
+    body = order("SPENT")
+    del body["accept"]
+    env.drop({**body, "to": "coder"})
+    env.wait_job("SPENT", "failed")
+    for n in (1, 2):
+        env.cli("revise", "SPENT", "--note", f"revision {n}", check=True)
+        wait_until(lambda n=n: sum(e.get("event") == "job.revised" for e in d.events()) == n, 60, f"revision {n}")
+        wait_until(lambda: (env.root / "failed" / "SPENT" / "result.json").exists(), 60, "SPENT failed again")
+    third = env.cli("revise", "SPENT", "--note", "revision 3")
+    assert (third.returncode, third.stderr) == (1, "SPENT: has had 2 revisions (max_revisions 2)\n")
+    assert [e["revision"] for e in d.events() if e.get("event") == "job.revised"] == [1, 2]
+    assert d.stop() == 0

@@ -24,6 +24,7 @@ import hashlib
 import os
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -44,8 +45,42 @@ NOTE_MAX = 10_000
 
 
 def revisions(folder: JobFolder) -> int:
-    """Return how many revisions a job has had (each leaves attempts/<n>/revision.json)."""
-    return sum(1 for n in folder.attempt_numbers() if os.path.lexists(folder.attempts_dir / str(n) / KEPT_NOTE))
+    """Return how many revisions a job has had (each leaves attempts/<n>/revision.json, or revision.<k>.json when
+    an earlier revision of the same attempt ran none of its own: it was failed at once, or cancelled)."""
+    total = 0
+    for n in folder.attempt_numbers():
+        try:
+            names = os.listdir(folder.attempts_dir / str(n))
+        except OSError:
+            continue
+        total += sum(1 for name in names if _is_kept_note(name))
+    return total
+
+
+def _is_kept_note(name: str) -> bool:
+    return name == KEPT_NOTE or (name.startswith("revision.") and name.endswith(".json") and name[9:-5].isdigit())
+
+
+def _kept_note_path(attempt_dir: Path, asked: Path) -> Path | None:
+    """Return where this revision's note is kept in attempt_dir; None if it is there already.
+
+    A note kept after the request's own file (``asked``, rewritten by each `revise`) was made
+    by this very revision, which a crash cut short and which is carried out again; a request
+    newer than every kept note is a revision of its own (an earlier one ran no attempt).
+    """
+    try:
+        asked_at = os.stat(asked).st_mtime_ns
+    except OSError:
+        asked_at = 0
+    k, path = 1, attempt_dir / KEPT_NOTE
+    while True:
+        try:
+            if os.lstat(path).st_mtime_ns >= asked_at:
+                return None
+        except FileNotFoundError:
+            return path
+        k += 1
+        path = attempt_dir / f"revision.{k}.json"
 
 
 def request(config: Config, layout: Layout, ledger: Ledger, job_id: str, note: str) -> str:
@@ -100,8 +135,8 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
         fsutil.fsync_dir(folder.work)  # its name too: a power cut must not leave the given file missing
         spec = spec.with_given("feedback.json", _sha(data))
     faults.point("revise.feedback")
-    kept = folder.attempts_dir / str(last) / KEPT_NOTE
-    if not os.path.lexists(kept):
+    kept = _kept_note_path(folder.attempts_dir / str(last), folder.path / NOTE_FILE)
+    if kept is not None:
         fsutil.write_atomic(kept, data, sync=True)
     folder.write_spec(replace(spec, since=time.time()), sync=True)  # back in active/ from now: its age
     fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
