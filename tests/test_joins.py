@@ -667,3 +667,39 @@ def test_a_join_not_started_by_its_expires_fails_then_not_when_its_wait_ends(env
     assert time.monotonic() - started < 15
     assert env.starts() == []
     assert d.stop() == 0
+
+
+def test_a_retry_of_an_expired_join_waits_again_for_its_running_parent(env: Env) -> None:
+    """A join failed `expired` while its parent still runs; `retry` of it (on the same daemon) waits for the
+    parent again and then runs, as the README says a retry of such a job does (it failed `expired` again at once)."""
+    from dispatcher.clock import iso
+
+    env.configure(agents={"worker": env.agent(), "slow": env.agent("--sleep", "6")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SP", to="slow"))
+    env.drop(order("JE", after=["SP"], expires=iso(time.time() + 1.5)))
+    assert env.wait_job("JE", "failed", timeout=30)["reason"] == "expired"
+    assert not (env.root / "done" / "SP").exists(), "the parent ended before the retry: nothing to show"
+    env.cli("retry", "JE", check=True)
+    wait_until(lambda: (env.root / "done" / "JE" / "result.json").exists(), 60, "JE done after its retry")
+    assert (env.root / "done" / "SP").exists()
+    assert [j for j, _ in env.starts()].count("JE") == 1
+    assert d.stop() == 0
+
+
+def test_joins_found_in_inbox_at_start_are_claimed_oldest_first(env: Env) -> None:
+    """Join orders that arrived while no daemon ran are claimed oldest first (section 1), not in the folder's order."""
+    env.configure()
+    names = ["zeta", "alpha", "mike", "bravo", "yankee", "echo"]  # oldest first
+    base = time.time() - 600
+    for i, name in enumerate(names):
+        path = env.root / "inbox" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(order(f"J-{name}", after=["NEVER-1"])))
+        os.utime(path, (base + i, base + i))
+    d = env.daemon()
+    wait_until(lambda: sum(e.get("event") == "job.claimed" for e in d.events()) == len(names), 60, "every claim")
+    claimed = [e["job_id"] for e in d.events() if e.get("event") == "job.claimed"]
+    assert claimed == [f"J-{n}" for n in names]
+    assert d.stop() == 0

@@ -156,7 +156,8 @@ class Inbox:
         except OSError:
             dir_fd = None  # inbox/ is gone or unreadable: each name is looked at by its path
         try:
-            for entry in listing:
+            # oldest first, then by name (section 1): joins keep this order in their own queue
+            for entry in sorted(listing, key=_by_age):
                 self._track(entry, False, now_ns, now_mono, dir_fd)
         finally:
             if dir_fd is not None:
@@ -416,3 +417,7 @@ class Inbox:
         self._later_names.discard(name)
         self._aside_names.discard(name)
         self._taken.pop(name, None)
+
+
+def _by_age(entry: Listed) -> tuple[int, str]:
+    return entry.mtime_ns, entry.name

@@ -157,6 +157,7 @@ class Joins:
             if wait.job_id in self.ledger.requests(Request.CANCEL):  # an open cancel wins (cancel --tree)
                 verdict = Verdict(reason=str(Stop.CANCELLED))
             token = self.ledger.take_waiting(wait.job_id)
+            self._expiry.pop(wait.job_id, None)  # its wait ends: a retry that waits again is read afresh
             if token is not None:  # another daemon took it first otherwise
                 faults.point("join.taken")
                 self._carry_out(wait, token, verdict)
