@@ -570,6 +570,25 @@ def test_notify_runs_for_failures_and_its_own_failures_change_nothing(env: Env) 
         assert d.stop() == 0
 
 
+def test_notify_failed_logs_the_end_of_a_long_stderr(env: Env) -> None:
+    """A failing notify that prints a long body, then its error: `notify.failed` keeps the end of its stderr,
+    where the error is (it kept the first 8,192 characters of the body and lost the error line)."""
+    loud = write_script(
+        env.tmp,
+        "loud.sh",
+        '#!/bin/sh\nprintf "body: %010000d\\n" 0 >&2\necho "error: webhook answered 500" >&2\nexit 1\n',
+    )
+    env.configure(agents={"worker": env.agent("--exit", "2")}, notify=["sh", str(loud)])
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("LOUD-1"))
+    env.wait_job("LOUD-1", "failed")
+    failed = d.wait_event("notify.failed", timeout=45, job_id="LOUD-1")
+    assert failed["stderr"].endswith("error: webhook answered 500"), failed["stderr"][-200:]
+    assert len(failed["stderr"]) < 2100
+    assert d.stop() == 0
+
+
 def test_run_once_runs_every_queued_notification_before_it_exits(env: Env) -> None:
     """`run --once` is not a stop: notifications beyond notify_max_running wait and then run, in order, before it
     exits (section 13); none is dropped."""

@@ -30,6 +30,7 @@ from dispatcher.text import exit_text
 
 log = structlog.get_logger("dispatcher")
 NOTIFY_TIMEOUT_S = 30.0
+STDERR_TAIL_MAX = 2000  # characters of a failed notify's stderr logged: the end of its last lines
 _HURRY_POLL_S = 0.2  # how often a stop waiting for notifications looks for a second stop
 _OUTPUT_MAX = 64 * 1024
 QUEUE_MAX = 100  # notifications waiting; beyond this they are counted into one notify.dropped
@@ -152,13 +153,16 @@ class Notifications:
             else:
                 why = f"timed out after {NOTIFY_TIMEOUT_S:g} s" if out.timed_out else exit_text(out.exit_code)
             stderr = out.stderr_tail.decode("utf-8", "replace").strip().splitlines()[-3:]
+            tail = " | ".join(stderr)
+            if len(tail) > STDERR_TAIL_MAX:  # its end, where a program says what went wrong (a log field keeps a start)
+                tail = f"(cut, {len(tail) - STDERR_TAIL_MAX} characters before) ...{tail[-STDERR_TAIL_MAX:]}"
             log.warning(
                 "notify.failed",
                 event_name=event,
                 job_id=job_id,
                 agent=agent,
                 error=why,
-                stderr=" | ".join(stderr) or None,
+                stderr=tail or None,
             )
 
     async def close(
