@@ -32,7 +32,7 @@ from dispatcher.spec.orders import suffix_of, to_json
 from dispatcher.spec.settings import Agent
 from dispatcher.store.jobstore import JOB_FILE, JobFolder
 from dispatcher.store.results import is_disk_full
-from dispatcher.store.staging import drop_inbox_inode, new_stage, remove_stage
+from dispatcher.store.staging import new_stage, remove_stage
 
 log = structlog.get_logger("dispatcher")
 #: orders larger than this come with their body's JSON text made ahead (the YAML child writes it, the
@@ -200,17 +200,23 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
     item = pick.item
     faults.point("claim.placed")  # a crash here leaves the inbox name beside the job: its twin, dropped later
     path = inbox_path(layout, item)
-    if _written_again(path, item):
-        _keep_read_bytes(placed, item)
-        log.warning(
-            "order.rewritten",
-            file=item.name,
-            job_id=item.order.job_id,
-            agent=pick.agent.name,
-            reason="written again in place after its claim: the job keeps the bytes it read; the file is read again",
-        )
-    else:
-        drop_inbox_inode(path, item.inode)  # the inode linked into the job's folder by stage()
+    try:
+        st: os.stat_result | None = os.lstat(path)
+    except OSError:
+        st = None  # gone already (another daemon saw the placed folder and dropped it)
+    if st is not None and (st.st_dev, st.st_ino) == item.inode:  # else another file took the name: read as it is
+        if item.stamp is not None and (st.st_size, st.st_mtime_ns) != item.stamp:
+            _keep_read_bytes(placed, item)
+            log.warning(
+                "order.rewritten",
+                file=item.name,
+                job_id=item.order.job_id,
+                agent=pick.agent.name,
+                reason="written again in place after its claim: the job keeps the bytes it read; it is read again",
+            )
+        else:
+            with contextlib.suppress(FileNotFoundError):  # another daemon removed it first: as good
+                os.unlink(path)  # the inode linked into the job's folder by stage(), as it was read
     log.info(
         "job.claimed",
         job_id=item.order.job_id,
@@ -219,17 +225,6 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
         parent=claimed.parent,
         hops=claimed.hops,
     )
-
-
-def _written_again(path: str, item: Inspected) -> bool:
-    """Return True if the inbox file is still the inode read but its size or time moved since it was read."""
-    if item.stamp is None:
-        return False
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == item.inode and (st.st_size, st.st_mtime_ns) != item.stamp
 
 
 def _keep_read_bytes(placed: str, item: Inspected) -> None:
