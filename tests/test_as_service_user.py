@@ -163,3 +163,41 @@ def test_a_config_in_a_folder_the_user_may_not_enter_is_one_line_and_exit_2(base
             command,
             proc.stderr,
         )
+
+
+def test_a_group_member_who_submits_or_reads_first_leaves_the_daemon_its_ledger(base: Path) -> None:
+    """A root shared with a group for writing (setgid, group-writable): a member's `submit` before any daemon
+    ran, or a member's `status` while none runs, leaves no file of the member's that the service user cannot
+    write (the ledger, its -wal/-shm, the submit lock): the daemon starts and runs the order, and the service
+    user and a second member submit after them (before, `run` exited 2 and every later submit failed)."""
+    python = interpreter()
+    checkout, site = readable()
+    svc, member, other = (4801, 4801, "--clear-groups"), (4802, 4802, "--groups=4801"), (4804, 4804, "--groups=4801")
+
+    def as_(who: tuple[int, int, str], *args: str) -> subprocess.CompletedProcess[str]:
+        uid, gid, groups = who
+        argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", groups, "env", f"PYTHONPATH={checkout}:{site}",
+                "HOME=/tmp", python, "-m", "dispatcher", "--config", str(base / "dispatcher.yaml"), *args]  # fmt: skip
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=base)
+
+    root = base / "dispatch"
+    receipt = 'printf \'{"job_id": "%s", "input_ids": ["R1", "R2", "R3"], "status": "done"}\' "$DISPATCH_JOB_ID"'
+    agent = {"command": ["/bin/sh", "-c", f'{receipt} > "$DISPATCH_RECEIPT"'], "writes": []}
+    (base / "dispatcher.yaml").write_text(yaml.safe_dump({"root": str(root), "settle": 0.2, "agents": {"w": agent}}))
+    subprocess.run(["chown", "-R", "4801:4801", str(base)], check=True)
+    os.chmod(root, 0o2770)  # noqa: S103 - the group shares the root
+    assert as_(svc, "init").returncode == 0
+    subprocess.run(["chmod", "-R", "g+w", str(root)], check=True)
+    for n, who in enumerate((member, svc, other)):
+        body = order(f"G-{n}", to="w")
+        del body["accept"]
+        path = base / f"G-{n}.json"
+        path.write_text(json.dumps(body))
+        os.chmod(path, 0o644)
+        submitted = as_(who, "submit", str(path))
+        assert submitted.returncode == 0, (who, submitted.stderr)
+        if n == 0:
+            assert as_(member, "status").returncode == 0
+        ran = as_(svc, "run", "--once")
+        assert ran.returncode == 0, ran.stderr + ran.stdout[-2000:]
+        assert (root / "done" / f"G-{n}" / "result.json").exists()

@@ -8,6 +8,7 @@ out (a command) or ``give_up()`` says so (a daemon forced to stop).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -251,6 +252,13 @@ def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
     True), until a daemon opens it again.
     """
     uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+    wal = path.with_name(path.name + "-wal")
+    me = os.geteuid()
+    if me != 0 and not wal.exists() and os.stat(path).st_uid != me:
+        # no daemon has it open, and this reader is not its owner: read the complete file as it is, making no
+        # -wal/-shm of this user's (in a group-writable .state/ the daemon could not write them, nor start)
+        db = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False)
+        return db, True
     try:
         db = sqlite3.connect(
             uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
@@ -259,7 +267,6 @@ def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
         return db, False
     except sqlite3.OperationalError as exc:
         text = str(exc).lower()
-        wal = path.with_name(path.name + "-wal")
         if ("unable to open" not in text and "readonly" not in text) or wal.exists():
             raise
     db = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False)

@@ -15,6 +15,7 @@ import errno
 import grp
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,7 +131,10 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
     except Timeout:
         raise UsageError(f"{lock_path}: another submit held the lock for {LOCK_TIMEOUT_S:g} s") from None
     except OSError as exc:
-        raise OrderError(f"cannot submit: {exc.strerror or exc}", file=current) from None
+        why = exc.strerror or str(exc)
+        if exc.errno in (errno.EACCES, errno.EPERM) and exc.filename:  # which of the root's files is not the user's
+            why = f"{exc.filename}: {why}"
+        raise OrderError(f"cannot submit: {why}", file=current) from None
     finally:
         _hand_over_state(layout)
 
@@ -142,6 +146,7 @@ def _hand_over_state(layout: Layout) -> None:
     its daemon even when root was the first to submit into it.
     """
     if os.geteuid() != 0:
+        _share_with_group(layout)
         return
     try:
         owner = os.stat(layout.root)
@@ -156,6 +161,28 @@ def _hand_over_state(layout: Layout) -> None:
         with contextlib.suppress(OSError):
             if os.lstat(path).st_uid == 0:
                 os.lchown(path, owner.st_uid, owner.st_gid)
+
+
+def _share_with_group(layout: Layout) -> None:
+    """As a member of a root's group, leave what this submit made in a group-writable ``.state/`` writable by
+    the group (the lock, a new ledger and its ``-wal``/``-shm``): the daemon and the other members use them too.
+
+    Made under umask 027 they would be the member's alone, and the daemon could then not open
+    its own ledger, nor anyone else take the submit lock.
+    """
+    try:
+        if not os.stat(layout.state_dir).st_mode & stat.S_IWGRP:
+            return  # .state/ is not shared for writing: nothing a member made is in it
+    except OSError:
+        return
+    me = os.geteuid()
+    ledger = layout.ledger
+    made = [layout.state_dir / "submit.lock", ledger, *(ledger.with_name(ledger.name + s) for s in ("-wal", "-shm"))]
+    for path in made:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if st.st_uid == me and stat.S_ISREG(st.st_mode) and st.st_mode & 0o060 != 0o060:
+                os.chmod(path, stat.S_IMODE(st.st_mode) | 0o060)
 
 
 def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
