@@ -201,3 +201,45 @@ def test_a_group_member_who_submits_or_reads_first_leaves_the_daemon_its_ledger(
         ran = as_(svc, "run", "--once")
         assert ran.returncode == 0, ran.stderr + ran.stdout[-2000:]
         assert (root / "done" / f"G-{n}" / "result.json").exists()
+
+
+def test_the_web_view_of_a_group_reader_starts_when_log_file_is_the_daemons(base: Path) -> None:
+    """A member of the root's group who may read but not write the daemon's log_file starts `dispatcher web`
+    (a warning says its lines go to stdout) and reads /api/status, as `status` does; it exited 2."""
+    import socket
+    import urllib.request
+
+    python = interpreter()
+    checkout, site = readable()
+    (base / "log").mkdir()
+    (base / "dispatcher.yaml").write_text(
+        yaml.safe_dump({"root": str(base / "dispatch"), "log_file": str(base / "log" / "d.log"), "agents": {}})
+    )
+    subprocess.run(["chown", "-R", "4801:4801", str(base)], check=True)
+    os.chmod(base / "dispatcher.yaml", 0o640)
+
+    def argv(uid: int, groups: str, *args: str) -> list[str]:
+        return ["setpriv", f"--reuid={uid}", f"--regid={uid}", groups, "env", f"PYTHONPATH={checkout}:{site}",
+                "HOME=/tmp", python, "-m", "dispatcher", "--config", str(base / "dispatcher.yaml"), *args]  # fmt: skip
+
+    assert (
+        subprocess.run(argv(4801, "--clear-groups", "run", "--once"), capture_output=True, timeout=60).returncode == 0
+    )
+    assert (base / "log" / "d.log").stat().st_mode & 0o777 == 0o640
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = base / "web.out"
+    with out.open("wb") as fh:
+        web = subprocess.Popen(
+            argv(4802, "--groups=4801", "web", "--listen", f"127.0.0.1:{port}"), stdout=fh, stderr=fh
+        )
+    try:
+        wait_until(lambda: '"web.started"' in out.read_text() or web.poll() is not None, 60, "web.started")
+        assert web.poll() is None, out.read_text()
+        assert '"web.log_file"' in out.read_text()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=30) as answer:
+            assert answer.status == 200 and isinstance(json.loads(answer.read()), dict)
+    finally:
+        web.terminate()
+        web.wait(30)

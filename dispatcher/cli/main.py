@@ -368,6 +368,11 @@ def cmd_web(args: argparse.Namespace) -> int:
         raise UsageError(f"web: needs the web extra ({exc.name} is missing): {extra}") from None
     try:
         logs.configure(log_file=cfg.log_file)
+    except PermissionError as exc:  # a reader of the group (section 17: the view reads): its lines go to stdout
+        import structlog
+
+        logs.configure(log_file=None)
+        structlog.get_logger("dispatcher").warning("web.log_file", reason=f"cannot open {cfg.log_file}: {exc.strerror}")
     except OSError as exc:
         raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
     commands.relay_to_daemon(cfg)  # its approve and reject count in the daemon's metrics, as the commands' do
