@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, order, wait_until
+from conftest import FAKE_AGENT, Env, order, wait_until
 from git_helpers import code_order, coder, git, make_repo
 from helpers_faults import env_daemon
 
@@ -702,4 +703,28 @@ def test_joins_found_in_inbox_at_start_are_claimed_oldest_first(env: Env) -> Non
     wait_until(lambda: sum(e.get("event") == "job.claimed" for e in d.events()) == len(names), 60, "every claim")
     claimed = [e["job_id"] for e in d.events() if e.get("event") == "job.claimed"]
     assert claimed == [f"J-{n}" for n in names]
+    assert d.stop() == 0
+
+
+def test_a_retried_join_is_listed_with_its_age_since_it_waits_again(env: Env) -> None:
+    """`list`'s age of a join back in waiting/ after a retry counts from the retry, not from its first claim."""
+    first_fails = env.tmp / "first_fails.py"
+    first_fails.write_text(
+        "import os, sys, time\n"
+        "if os.environ['DISPATCH_ATTEMPT'] == '1':\n    sys.exit(1)\n"
+        "time.sleep(10)\n"
+        f"os.execv(sys.executable, [sys.executable, {str(FAKE_AGENT)!r}])\n"
+    )
+    env.configure(agents={"bad": {"command": [sys.executable, str(first_fails)], "timeout": 30}, "worker": env.agent()})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("P-AGE", to="bad"))
+    env.drop(order("J-AGE", after=["P-AGE"]))
+    env.wait_job("J-AGE", "failed")
+    time.sleep(6)
+    env.cli("retry", "P-AGE", "J-AGE", check=True)
+    wait_until(lambda: (env.root / "waiting" / "J-AGE").exists(), 30, "J-AGE waiting again")
+    rows = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]  # JSON lines
+    [row] = [r for r in rows if r["job_id"] == "J-AGE"]
+    assert row["state"] == "waiting" and row["age_s"] < 5, row
     assert d.stop() == 0

@@ -199,6 +199,18 @@ def test_a_file_name_with_control_characters_never_reaches_the_terminal_raw(env:
         assert "\\x1b]0;OWNED\\x07" in text, text
 
 
+def test_an_unread_orders_agent_with_control_characters_never_reaches_the_terminal_raw(env: Env) -> None:
+    """`show` and `show --tree` of a queued order whose `to` holds an ESC and a line break print them escaped,
+    as `list` does: no screen cleared, no forged line."""
+    (env.root / "inbox").mkdir(parents=True, exist_ok=True)
+    bad = {**order("ESC-1"), "to": "ev\x1b[2Jil\nFAKE"}
+    (env.root / "inbox" / "ESC-1.json").write_text(json.dumps(bad))  # no daemon: it stays queued, unread
+    for args in (["show", "ESC-1"], ["show", "--tree", "ESC-1"], ["list"]):
+        text = env.cli(*args, check=True).stdout
+        assert "\x1b" not in text and "\nFAKE" not in text, (args, text)
+        assert "ev\\x1b[2Jil\\nFAKE" in text, (args, text)
+
+
 def test_lock_files_deleted_under_a_running_daemon_are_locked_again(env: Env) -> None:
     """Its liveness lock and a slot's lock deleted (by hand, a tmp cleaner): at its next rescan the daemon locks
     both again and logs lock.lost; `status` still sees it alive, and a second daemon neither takes its running

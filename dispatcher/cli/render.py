@@ -157,7 +157,8 @@ def _attempt_lines(a: Mapping[str, Any]) -> list[str]:
 def render_show(info: Mapping[str, Any]) -> str:
     """Return `show` text: state, reason, cost, its chain (parent, children), checks, attempts (argv, host, logs)."""
     job = info["job"]
-    lines = [f"{job['job_id']}  {job['state']}  agent {plain(job['agent'])}  hops {plain(job.get('hops', 0))}"]
+    agent, hops = printable(plain(job["agent"])), printable(plain(job.get("hops", 0)))  # an unread order's, as written
+    lines = [f"{job['job_id']}  {job['state']}  agent {agent}  hops {hops}"]
     after = f"{', '.join(job.get('after') or ())} ({job.get('after_rule') or 'all_done'})"  # a join (section 16)
     joining = job["state"] == "waiting" and "until" not in job and bool(job.get("after"))  # its parents hold it
     if "until" in job:
@@ -188,10 +189,10 @@ def render_show(info: Mapping[str, Any]) -> str:
         lines.append(f"    parent    {job['parent']}  unknown")
     for i, a in enumerate(info["ancestors"]):
         role = "parent  " if i == len(info["ancestors"]) - 1 else "ancestor"
-        lines.append(f"    {role}  {a['job_id']}  {a['state']}  ({plain(a['agent'])})")
-    lines.append(f"    this      {job['job_id']}  {job['state']}  ({plain(job['agent'])})")
+        lines.append(f"    {role}  {a['job_id']}  {a['state']}  ({printable(plain(a['agent']))})")
+    lines.append(f"    this      {job['job_id']}  {job['state']}  ({printable(plain(job['agent']))})")
     for depth, c in _flatten(info["tree"]):
-        lines.append(f"    {'  ' * (depth - 1)}child     {c['job_id']}  {c['state']}  ({plain(c['agent'])})")
+        lines.append(f"    {'  ' * (depth - 1)}child     {c['job_id']}  {c['state']}  ({printable(plain(c['agent']))})")
     if job["checks"]:
         lines.append("  checks:")
         for c in job["checks"]:
@@ -218,7 +219,7 @@ def render_tree(root_tree: dict[str, Any], me: str) -> str:
 
     def walk(node: Mapping[str, Any], prefix: str, last: bool, top: bool) -> None:
         state = f"{node['state']}, cancelled" if node.get("cancelled") else node["state"]
-        label = f"{node['job_id']} [{state}] ({plain(node['agent'])}, {usd(node.get('cost_usd'))})"
+        label = f"{node['job_id']} [{state}] ({printable(plain(node['agent']))}, {usd(node.get('cost_usd'))})"
         label += "  <-" if node["job_id"] == me else ""
         lines.append(label if top else f"{prefix}{'└── ' if last else '├── '}{label}")
         kids = node["children"]

@@ -110,7 +110,8 @@ def _active(
             after = ", ".join(spec.order.get("after") or ())
             rule = spec.order.get("after_rule") or "all_done"
             reason = f"waiting for {after} ({rule})"
-            yield _row(de.name, state.value, spec.agent.name, spec.received, folder.path, reason=reason)
+            since = folder.in_state_since(spec)  # a retried join: since it came back to wait
+            yield _row(de.name, state.value, spec.agent.name, since, folder.path, reason=reason)
             continue
         cost = total_cost(folder.attempts())
         since = folder.in_state_since(spec)  # a retried, revised or joined job: since it came back
