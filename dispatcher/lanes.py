@@ -87,9 +87,10 @@ class _Pool:
             if cell[0] is not None:  # in the loop's next round, as the worker's call_soon_threadsafe would
                 loop.call_soon(_settle, fut, *cell[0])
             return fut
-        self._queue.put((loop, fut, contextvars.copy_context(), fn, args, None, None))
+        work = (loop, fut, contextvars.copy_context(), fn, args, None, None)
+        self._queue.put(work)
         if self._idle == 0 and len(self._threads) < self._workers:
-            self._start()
+            self._start(work)
         return fut
 
     def post(self, fn: Callable[[], None], dropped: Callable[[], None]) -> None:
@@ -112,9 +113,10 @@ class _Pool:
             if cell[1] is not None:
                 loop.call_soon(_settle_each, cell[1])
             return
-        self._queue.put((None, dropped, contextvars.Context(), fn, (), hold, None))
+        work = (None, dropped, contextvars.Context(), fn, (), hold, None)
+        self._queue.put(work)
         if self._idle == 0 and len(self._threads) < self._workers:
-            self._start()
+            self._start(work)
         self._wait(hold)
 
     def _hold(self) -> Any:
@@ -142,13 +144,38 @@ class _Pool:
         if hold is not None:
             hold.acquire(timeout=self.hold_s)
 
-    def _start(self) -> None:
+    def _start(self, work: Any) -> None:
+        """Start one more thread for the lane; ``work`` was just queued by the caller.
+
+        A thread that cannot start (RLIMIT_NPROC: "can't start new thread") is forgotten, so
+        that a later call tries again. With another thread serving the lane the call goes on;
+        with none, ``work`` is taken back out of the queue and the error raised: the caller
+        (start-up's shortage wait) tries the same call again later, and it never runs twice.
+        """
         with self._lock:
             if len(self._threads) >= self._workers:
                 return
             thread = threading.Thread(target=self._serve, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
             self._threads.append(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:
+            with self._lock:
+                self._threads.remove(thread)
+                alone = not self._threads
+            if not alone:
+                return
+            left = []  # no thread takes from the queue: what is in it was put there by callers, this one last
+            while True:
+                try:
+                    queued = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if queued is not work:
+                    left.append(queued)
+            for queued in left:
+                self._queue.put(queued)
+            raise
 
     def _serve(self) -> None:
         _IN_LANE.yes = True

@@ -47,6 +47,8 @@ def resource_of(exc: BaseException) -> str | None:
         return RESOURCES[errno.ENOMEM]
     if isinstance(exc, OSError) and exc.errno in RESOURCES:
         return RESOURCES[exc.errno]
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):  # threading's EAGAIN (RLIMIT_NPROC)
+        return RESOURCES[errno.EAGAIN]
     return None
 
 

@@ -243,3 +243,32 @@ def test_the_web_view_of_a_group_reader_starts_when_log_file_is_the_daemons(base
     finally:
         web.terminate()
         web.wait(30)
+
+
+def test_a_daemon_short_of_processes_at_its_start_waits_then_starts(base: Path) -> None:
+    """RLIMIT_NPROC reached before the daemon's threads start: it logs daemon.short_of (step start) and waits
+    instead of exiting with a traceback, becomes ready once the limit is raised, and stops with exit 0."""
+    python = interpreter()
+    checkout, site = readable()
+    uid = 40000 + (os.getpid() + 7) % 20000
+    (base / "dispatcher.yaml").write_text(yaml.safe_dump({"root": str(base / "dispatch"), "agents": {}}))
+    subprocess.run(["chown", "-R", f"{uid}:{uid}", str(base)], check=True)
+    as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    argv = [*as_uid, "prlimit", "--nproc=3:200", "env", f"PYTHONPATH={checkout}:{site}", "HOME=/tmp", python, "-m",
+            "dispatcher", "--config", str(base / "dispatcher.yaml"), "run"]  # fmt: skip
+    out = base / "daemon.log"
+    with out.open("wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: '"daemon.short_of"' in out.read_text() or proc.poll() is not None, 60, "daemon.short_of")
+        assert proc.poll() is None, out.read_text()
+        assert '"step": "start"' in out.read_text() and '"daemon.ready"' not in out.read_text()
+        subprocess.run([*as_uid, "prlimit", "--pid", str(proc.pid), "--nproc=200:200"], check=True)
+        wait_until(lambda: '"daemon.ready"' in out.read_text(), 60, "daemon.ready once processes are back")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert "Traceback" not in out.read_text()
