@@ -391,14 +391,18 @@ class Operator:
         """Raise WrongState unless the ledger row agrees with the folder: a folder renamed, or moved between
         state folders by hand, is not a job a daemon would carry the request out for.
 
-        A row a daemon has claimed to carry out this very request (its reopen under way, or cut short
-        and finished by the next start) is let through: asking again changes nothing.
+        A row a daemon has claimed to carry out a retry or a revision (its reopen under way, or cut
+        short and finished by the next start) is let through, as the folder is still where it was.
         """
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state in states:
             return
-        if entry is not None and entry.state == Row.CLAIMED and job_id in self.ledger.requests(kind):
-            return
+        if (
+            entry is not None
+            and entry.state == Row.CLAIMED
+            and any(job_id in self.ledger.requests(k) for k in (kind, Request.RETRY, Request.REVISE))
+        ):
+            return  # a reopen (a retry's or a revision's) under way, or cut short: the next start finishes it
         wanted = " or ".join(str(s) for s in states)
         raise WrongState(f"{job_id}: its ledger row is {entry.state if entry else 'missing'}, not {wanted}")
 
