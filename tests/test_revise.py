@@ -316,3 +316,22 @@ def test_max_revisions_counts_revisions_that_ran_no_attempt(env: Env) -> None:
     assert (third.returncode, third.stderr) == (1, "SPENT: has had 2 revisions (max_revisions 2)\n")
     assert [e["revision"] for e in d.events() if e.get("event") == "job.revised"] == [1, 2]
     assert d.stop() == 0
+
+
+def test_retry_of_a_failed_job_whose_revision_a_dead_daemon_cut_short_is_recorded(env: Env) -> None:
+    """A daemon killed right after it claimed a revision of a failed job leaves the folder in failed/ with its row
+    claimed: `retry` of it is recorded (exit 0), not refused for the row, and the next start runs it once more."""
+    env.configure(agents={"worker": env.agent("--exit", "1")})
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": "revise.claimed"})
+    crashing.wait_ready()
+    env.drop(order("CUT-1"))
+    env.wait_job("CUT-1", "failed")
+    env.cli("revise", "CUT-1", "--note", "again", check=True)
+    assert crashing.wait(60) == -9
+    assert (env.root / "failed" / "CUT-1").is_dir()
+    retried = env.cli("retry", "CUT-1")
+    assert (retried.returncode, retried.stdout) == (0, "CUT-1: retry requested\n"), retried.stderr
+    again = env.daemon()
+    again.wait_ready()
+    wait_until(lambda: [j for j, _ in env.starts()].count("CUT-1") >= 2, 60, "CUT-1 run again")
+    assert again.stop() == 0
