@@ -682,6 +682,29 @@ def test_a_bare_script_name_beside_the_config_is_resolved_there(env: Env) -> Non
     assert resolve_argv(("echo", "agent.py"), env.config_path.parent) == ("echo", "agent.py")
 
 
+@pytest.mark.parametrize("command", ["[/usr/bin/env, python3, agent.py]", "[python3, -u, agent.py]"])
+def test_a_bare_script_name_after_env_or_an_option_is_resolved_beside_the_config(env: Env, command: str) -> None:
+    """`[/usr/bin/env, python3, agent.py]` and `[python3, -u, agent.py]` find agent.py beside the config as
+    `[python3, agent.py]` does (`validate` said ok and the agent then looked for it in work/); missing, it is
+    named by `validate`."""
+    env.config_path.write_text(f"root: {env.root}\nagents:\n  worker:\n    command: {command}\n")
+    proc = env.cli("validate")
+    assert proc.returncode == 2 and "agent.py' not found" in proc.stderr, proc.stderr
+    script = env.config_path.parent / "agent.py"
+    script.write_text(
+        "import json, os\n"
+        "o = json.load(open(os.environ['DISPATCH_ORDER']))\n"
+        "r = {'job_id': o['job_id'], 'input_ids': [i['id'] for i in o['items']], 'status': 'done'}\n"
+        "json.dump(r, open(os.environ['DISPATCH_RECEIPT'], 'w'))\n"
+    )
+    assert env.cli("validate").returncode == 0
+    body = order("ENV-1")
+    del body["accept"]
+    env.drop(body)
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert env.result("ENV-1", "done")["state"] == "done"
+
+
 @pytest.mark.parametrize("text", ["- a list\n", "just text\n", ""], ids=["list", "scalar", "empty"])
 def test_config_that_is_not_a_mapping_is_an_error(env: Env, text: str) -> None:
     """A config whose top level is not a mapping is refused with exit 2 and one line."""

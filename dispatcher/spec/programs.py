@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dispatcher.spec.settings import INTERPRETERS, SCRIPT_SUFFIXES, Config
+from dispatcher.spec.settings import SCRIPT_SUFFIXES, Config, script_index
 
 # Substituted per job (contract 3): a program path holding one is only known when the job runs.
 PLACEHOLDERS = ("{job_id}", "{order}", "{workspace}", "{receipt}", "{prompt}", "{prompt_file}")
@@ -101,9 +101,10 @@ def script_problem(argv: tuple[str, ...], base: Path) -> str | None:
     it never is (``[python3, ../agents/shuot.py]``). Options (``-c``, ``-m``) and
     placeholders are not scripts.
     """
-    if len(argv) < 2 or not INTERPRETERS.fullmatch(os.path.basename(argv[0])):
+    at = script_index(argv)
+    if at is None:
         return None
-    script = argv[1]
+    script = argv[at]
     if script.startswith("-") or any(p in script for p in PLACEHOLDERS):
         return None
     if "/" not in script and not script.endswith(SCRIPT_SUFFIXES):

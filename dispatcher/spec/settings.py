@@ -245,6 +245,32 @@ INTERPRETERS = re.compile(r"(python[0-9.]*|pypy[0-9.]*|node|nodejs|deno|bun|bash
 SCRIPT_SUFFIXES = (".py", ".js", ".mjs", ".cjs", ".ts", ".sh", ".bash", ".rb", ".pl", ".php", ".r", ".R")
 
 
+_CODE_OPTIONS = frozenset(("-c", "-m", "-e", "--eval", "-p", "--print"))  # the program is not a script file
+_ARG_OPTIONS = frozenset(("-W", "-X", "-r", "--require"))  # an option whose value is the next element
+
+
+def script_index(argv: Sequence[str]) -> int | None:
+    """Return where an interpreter's script is in argv (``[python3, -u, agent.py]``: 2), or None.
+
+    The interpreter may come through ``env`` (``[/usr/bin/env, python3, agent.py]``, with
+    ``NAME=value`` or option elements before it); its own options before the script are
+    passed over; a program given as code (``-c``, ``-m``, ``-e``) has no script.
+    """
+    i = 0
+    if argv and os.path.basename(argv[0]) == "env":
+        i = 1
+        while i < len(argv) and (argv[i].startswith("-") or "=" in argv[i]):
+            i += 1
+    if i >= len(argv) or not INTERPRETERS.fullmatch(os.path.basename(argv[i])):
+        return None
+    i += 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        if argv[i] in _CODE_OPTIONS:
+            return None
+        i += 2 if argv[i] in _ARG_OPTIONS else 1
+    return i if i < len(argv) else None
+
+
 def resolve_argv(argv: Sequence[str], base: Path) -> tuple[str, ...]:
     """Resolve path-like argv elements against the config's folder.
 
@@ -256,9 +282,9 @@ def resolve_argv(argv: Sequence[str], base: Path) -> tuple[str, ...]:
     passes unchanged.
     """
     out = []
-    script = len(argv) > 1 and INTERPRETERS.fullmatch(os.path.basename(argv[0])) is not None
+    at = script_index(argv)
     for i, arg in enumerate(argv):
-        pathlike = "/" in arg or (i == 1 and script and arg.endswith(SCRIPT_SUFFIXES) and (base / arg).is_file())
+        pathlike = "/" in arg or (i == at and arg.endswith(SCRIPT_SUFFIXES) and (base / arg).is_file())
         if pathlike and "{" not in arg and not os.path.isabs(arg) and (base / arg).exists():
             arg = os.path.normpath(base / arg)
         out.append(arg)
