@@ -57,6 +57,25 @@ def test_a_job_waiting_for_a_pause_gives_its_slot_to_another_agent(
     assert info["counts"]["waiting"] == 0 and info["counts"]["done"] == 2
 
 
+def test_a_job_waiting_for_a_pause_by_hand_says_until_resumed_in_every_text(env: Env) -> None:
+    """A pause has no time: `list`, `status` and `show` say `until resumed`, as `status`'s gate line does, not
+    `until -`; `list --json` keeps `until` null."""
+    env.configure(agents={"A": env.agent("--exit", "1")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("P-1", to="A"))
+    env.wait_job("P-1", "failed")
+    env.cli("pause", "A", check=True)
+    env.cli("retry", "P-1", check=True)
+    d.wait_event("job.waiting", job_id="P-1")
+    for args in (["list"], ["status"], ["show", "P-1"]):
+        text = env.cli(*args, check=True).stdout
+        assert "until resumed" in text and "until -" not in text, (args, text)
+    [row] = listed(env, "--agent", "A")
+    assert row["state"] == "waiting" and row.get("until") is None
+    assert d.stop() == 0
+
+
 def test_a_paused_agents_backlog_does_not_stop_other_agents(env: Env) -> None:
     """A paused, 100 orders for A then 3 for B: B's are done while A waits; after resume A's run, oldest first."""
     env.configure(agents={"A": env.agent(), "B": env.agent()}, max_jobs=2)

@@ -69,7 +69,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
         for row in info["active"]:
             flag = "" if row["daemon_alive"] else "  daemon not running"
             if row["job_id"] in gated:
-                flag += f"  waiting for a gate until {plain(gated[row['job_id']]['until'])}"
+                flag += f"  waiting for a gate until {_until(gated[row['job_id']]['until'])}"
             lines.append(
                 f"{_cell(row['job_id'], 28):<28} {_cell(row['agent'], 14):<14} {plain(row['pid']):>8} "
                 f"{_cell(row['host'], 16):<16} {ago(row['age_s']):>7}{flag}"
@@ -95,7 +95,7 @@ def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     for r in rows:
         reason = printable(r["reason"]) if r["reason"] else ""
         if r.get("state") == "waiting" and "until" in r:  # a gate's wait; a join's reason names its parents
-            reason = f"until {plain(r.get('until'))}"
+            reason = f"until {_until(r.get('until'))}"
         yield (
             f"{_cell(r['job_id'], width)}  {r['state']:<7}  {_cell(r['agent'], agent_w)}  "
             f"{ago(r['age_s']):>7}  {usd(r['cost_usd']):>{cost_w}}  {reason}"
@@ -162,7 +162,9 @@ def render_show(info: Mapping[str, Any]) -> str:
     after = f"{', '.join(job.get('after') or ())} ({job.get('after_rule') or 'all_done'})"  # a join (section 16)
     joining = job["state"] == "waiting" and "until" not in job and bool(job.get("after"))  # its parents hold it
     if "until" in job:
-        lines.append(f"  waiting until {plain(job['until'])} (a gate holds its agent: a usage limit, a pause or a cap)")
+        lines.append(
+            f"  waiting until {_until(job['until'])} (a gate holds its agent: a usage limit, a pause or a cap)"
+        )
     elif joining:
         lines.append(f"  waiting for {after}")
     if job.get("reason"):
@@ -229,3 +231,8 @@ def render_tree(root_tree: dict[str, Any], me: str) -> str:
     walk(root_tree, "", True, True)
     lines.append(f"chain total: {usd(tree_cost(root_tree))}")
     return "\n".join(lines)
+
+
+def _until(value: Any) -> str:
+    """Return when a gate lifts, for a person: its time, or `resumed` for a pause by hand (no time)."""
+    return "resumed" if value is None else plain(value)
