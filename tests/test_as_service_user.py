@@ -7,6 +7,8 @@ recorded (section 5), and a retry still gets its next attempt (section 6).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
@@ -61,13 +63,45 @@ def base() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def setpriv(uid: int, gid: int | None = None, groups: str = "--clear-groups") -> list[str]:
+    """Return the argv prefix that runs a program as uid (no passwd entry needed), as itself: no capability."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid if gid is None else gid}", groups]
+
+
+def dispatcher_as(uid: int, *args: str, gid: int | None = None, groups: str = "--clear-groups",
+                  limit: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+    """Return the argv of `dispatcher ARGS` as uid, with this checkout (``limit``: `prlimit` options first)."""
+    checkout, site = readable()
+    wrap = ["prlimit", *limit] if limit else []
+    return [*setpriv(uid, gid, groups), *wrap, "env", f"PYTHONPATH={checkout}:{site}", "HOME=/tmp", python(), "-m",
+            "dispatcher", *args]  # fmt: skip
+
+
+@functools.cache
+def python() -> str:
+    """Return a Python the other users may run (asked once)."""
+    return interpreter()
+
+
+@contextlib.contextmanager
+def started(argv: list[str], out: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run argv with its output into out; kill it at the end if it is still running."""
+    with out.open("wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 def test_an_agent_that_takes_rights_from_its_own_folders_still_gets_its_checks_and_its_retry(base: Path) -> None:
     """An unreadable work/outbox/ fails writes_scope and followups_valid (every check recorded); a work/, outbox/,
     attempts/ or job folder left read-only (or unreadable) by the agent does not stop its next attempt nor its
     finish: each job ends as its checks say, none as `crashed` (a read-only job folder never finished)."""
-    python = interpreter()
     config = base / "dispatcher.yaml"
-    agent = {"command": [python, str(base / "agent.py")], "writes": [], "retry_safe": True, "max_attempts": 2}
+    agent = {"command": [python(), str(base / "agent.py")], "writes": [], "retry_safe": True, "max_attempts": 2}
     config.write_text(
         yaml.safe_dump({"root": str(base / "dispatch"), "settle": 0.2, "retry_delay": 0.1, "agents": {"ro": agent}})
     )
@@ -79,7 +113,7 @@ def test_an_agent_that_takes_rights_from_its_own_folders_still_gets_its_checks_a
     subprocess.run(["chown", "-R", f"{USER}:", str(base)], check=True)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        argv = as_user(python, "--config", str(config), *args)
+        argv = as_user(python(), "--config", str(config), *args)
         return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=base)
 
     submitted = run("submit", *(str(base / f"{m}.json") for m in modes))
@@ -106,24 +140,17 @@ def test_a_stop_while_short_of_processes_is_answered(base: Path) -> None:
     """SIGTERM while the service user may start no process or thread (RLIMIT_NPROC reached): the daemon
     logs daemon.stopping and exits 0 within stop_timeout; no order is lost or failed (section 13).
     Before, the signal handler failed to start its watch thread and the stop was lost."""
-    python = interpreter()
     uid = 40000 + os.getpid() % 20000  # a uid no one else runs processes as: the limit counts only the daemon's
     config = base / "dispatcher.yaml"
     agent = {"command": ["/bin/sh", "-c", "exit 0"], "writes": []}
     settings = {"root": str(base / "dispatch"), "settle": 0.2, "stop_timeout": 5, "agents": {"worker": agent}}
     config.write_text(yaml.safe_dump(settings))
     subprocess.run(["chown", "-R", f"{uid}:{uid}", str(base)], check=True)
-    checkout, site = readable()
-    argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "env", f"PYTHONPATH={checkout}:{site}",
-            "HOME=/tmp", python, "-m", "dispatcher", "--config", str(config), "run"]  # fmt: skip
     out = base / "daemon.log"
-    with out.open("wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
-    try:
+    with started(dispatcher_as(uid, "--config", str(config), "run"), out) as proc:
         wait_until(lambda: '"daemon.ready"' in out.read_text(), 60, "daemon.ready")
         threads = len(os.listdir(f"/proc/{proc.pid}/task"))
-        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]  # as itself: no capability
-        subprocess.run([*as_uid, "prlimit", "--pid", str(proc.pid), f"--nproc={threads}:"], check=True)
+        subprocess.run([*setpriv(uid), "prlimit", "--pid", str(proc.pid), f"--nproc={threads}:"], check=True)
         for n in range(2):
             body = order(f"NP-{n}", to="worker")
             del body["accept"]
@@ -133,10 +160,6 @@ def test_a_stop_while_short_of_processes_is_answered(base: Path) -> None:
         wait_until(lambda: '"daemon.short_of"' in out.read_text(), 60, "daemon.short_of")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, out.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     events = [json.loads(line)["event"] for line in out.read_text().splitlines() if line.startswith("{")]
     assert "daemon.stopping" in events and "daemon.stopped" in events, events
     root = base / "dispatch"
@@ -149,16 +172,12 @@ def test_a_config_in_a_folder_the_user_may_not_enter_is_one_line_and_exit_2(base
     """`./config/` at 0750 of another user (as a service user's `init` makes it): every command of a user outside
     its group says `config/dispatcher.yaml: cannot read: Permission denied` in one line and exits 2; `run` and
     `web` ended in a traceback, the others exited 1."""
-    python = interpreter()
     (base / "config").mkdir()
     (base / "config" / "dispatcher.yaml").write_text(yaml.safe_dump({"root": "../dispatch", "agents": {}}))
     subprocess.run(["chown", "-R", "4801:4801", str(base / "config")], check=True)
     os.chmod(base / "config", 0o750)  # noqa: S103 - as `init` makes it: the group may enter
-    checkout, site = readable()
-    stranger = ["setpriv", "--reuid=4803", "--regid=4803", "--clear-groups", "env",
-                f"PYTHONPATH={checkout}:{site}", "HOME=/tmp", python, "-m", "dispatcher"]  # fmt: skip
     for command in (["status"], ["validate"], ["run", "--once"], ["web"], ["list"]):
-        proc = subprocess.run([*stranger, *command], capture_output=True, text=True, timeout=60, cwd=base)
+        proc = subprocess.run(dispatcher_as(4803, *command), capture_output=True, text=True, timeout=60, cwd=base)
         assert (proc.returncode, proc.stderr) == (2, "config/dispatcher.yaml: cannot read: Permission denied\n"), (
             command,
             proc.stderr,
@@ -170,14 +189,10 @@ def test_a_group_member_who_submits_or_reads_first_leaves_the_daemon_its_ledger(
     ran, or a member's `status` while none runs, leaves no file of the member's that the service user cannot
     write (the ledger, its -wal/-shm, the submit lock): the daemon starts and runs the order, and the service
     user and a second member submit after them (before, `run` exited 2 and every later submit failed)."""
-    python = interpreter()
-    checkout, site = readable()
-    svc, member, other = (4801, 4801, "--clear-groups"), (4802, 4802, "--groups=4801"), (4804, 4804, "--groups=4801")
+    svc, member, other = (4801, "--clear-groups"), (4802, "--groups=4801"), (4804, "--groups=4801")
 
-    def as_(who: tuple[int, int, str], *args: str) -> subprocess.CompletedProcess[str]:
-        uid, gid, groups = who
-        argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", groups, "env", f"PYTHONPATH={checkout}:{site}",
-                "HOME=/tmp", python, "-m", "dispatcher", "--config", str(base / "dispatcher.yaml"), *args]  # fmt: skip
+    def as_(who: tuple[int, str], *args: str) -> subprocess.CompletedProcess[str]:
+        argv = dispatcher_as(who[0], "--config", str(base / "dispatcher.yaml"), *args, groups=who[1])
         return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=base)
 
     root = base / "dispatch"
@@ -209,66 +224,43 @@ def test_the_web_view_of_a_group_reader_starts_when_log_file_is_the_daemons(base
     import socket
     import urllib.request
 
-    python = interpreter()
-    checkout, site = readable()
+    config = base / "dispatcher.yaml"
     (base / "log").mkdir()
-    (base / "dispatcher.yaml").write_text(
+    config.write_text(
         yaml.safe_dump({"root": str(base / "dispatch"), "log_file": str(base / "log" / "d.log"), "agents": {}})
     )
     subprocess.run(["chown", "-R", "4801:4801", str(base)], check=True)
-    os.chmod(base / "dispatcher.yaml", 0o640)
-
-    def argv(uid: int, groups: str, *args: str) -> list[str]:
-        return ["setpriv", f"--reuid={uid}", f"--regid={uid}", groups, "env", f"PYTHONPATH={checkout}:{site}",
-                "HOME=/tmp", python, "-m", "dispatcher", "--config", str(base / "dispatcher.yaml"), *args]  # fmt: skip
-
-    assert (
-        subprocess.run(argv(4801, "--clear-groups", "run", "--once"), capture_output=True, timeout=60).returncode == 0
-    )
+    os.chmod(config, 0o640)
+    ran = subprocess.run(dispatcher_as(4801, "--config", str(config), "run", "--once"), capture_output=True, timeout=60)
+    assert ran.returncode == 0
     assert (base / "log" / "d.log").stat().st_mode & 0o777 == 0o640
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = base / "web.out"
-    with out.open("wb") as fh:
-        web = subprocess.Popen(
-            argv(4802, "--groups=4801", "web", "--listen", f"127.0.0.1:{port}"), stdout=fh, stderr=fh
-        )
-    try:
+    argv = dispatcher_as(4802, "--config", str(config), "web", "--listen", f"127.0.0.1:{port}", groups="--groups=4801")
+    with started(argv, out) as web:
         wait_until(lambda: '"web.started"' in out.read_text() or web.poll() is not None, 60, "web.started")
         assert web.poll() is None, out.read_text()
         assert '"web.log_file"' in out.read_text()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=30) as answer:
             assert answer.status == 200 and isinstance(json.loads(answer.read()), dict)
-    finally:
-        web.terminate()
-        web.wait(30)
 
 
 def test_a_daemon_short_of_processes_at_its_start_waits_then_starts(base: Path) -> None:
     """RLIMIT_NPROC reached before the daemon's threads start: it logs daemon.short_of (step start) and waits
     instead of exiting with a traceback, becomes ready once the limit is raised, and stops with exit 0."""
-    python = interpreter()
-    checkout, site = readable()
     uid = 40000 + (os.getpid() + 7) % 20000
-    (base / "dispatcher.yaml").write_text(yaml.safe_dump({"root": str(base / "dispatch"), "agents": {}}))
+    config = base / "dispatcher.yaml"
+    config.write_text(yaml.safe_dump({"root": str(base / "dispatch"), "agents": {}}))
     subprocess.run(["chown", "-R", f"{uid}:{uid}", str(base)], check=True)
-    as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    argv = [*as_uid, "prlimit", "--nproc=3:200", "env", f"PYTHONPATH={checkout}:{site}", "HOME=/tmp", python, "-m",
-            "dispatcher", "--config", str(base / "dispatcher.yaml"), "run"]  # fmt: skip
     out = base / "daemon.log"
-    with out.open("wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
-    try:
+    with started(dispatcher_as(uid, "--config", str(config), "run", limit=("--nproc=3:200",)), out) as proc:
         wait_until(lambda: '"daemon.short_of"' in out.read_text() or proc.poll() is not None, 60, "daemon.short_of")
         assert proc.poll() is None, out.read_text()
         assert '"step": "start"' in out.read_text() and '"daemon.ready"' not in out.read_text()
-        subprocess.run([*as_uid, "prlimit", "--pid", str(proc.pid), "--nproc=200:200"], check=True)
+        subprocess.run([*setpriv(uid), "prlimit", "--pid", str(proc.pid), "--nproc=200:200"], check=True)
         wait_until(lambda: '"daemon.ready"' in out.read_text(), 60, "daemon.ready once processes are back")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, out.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     assert "Traceback" not in out.read_text()

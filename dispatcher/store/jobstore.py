@@ -452,46 +452,38 @@ def _sync_dirs(*folders: str | Path) -> None:
             raise error
 
 
-def _own_writable(path: Path) -> None:
-    """Give a folder of the daemon's own user back its owner's rights when an agent took them away.
+def _own_writable(path: str | Path) -> bool:
+    """Give a file or folder of the daemon's own user back its owner's rights when an agent took them away;
+    return True if it had to.
 
-    An agent runs as that user and may leave ``work/`` or ``work/outbox/`` read-only; a daemon
-    that is not root could then not set a receipt aside for the next attempt. Files, links and
-    folders of another user are left as they are (a rename then fails as before).
+    An agent runs as that user and may leave ``work/``, ``work/outbox/`` or its job folder
+    read-only; a daemon that is not root could then not set a receipt aside nor write its
+    records. Links and what another user owns are left as they are (a write then fails as before).
     """
     try:
         st = os.lstat(path)
     except OSError:
-        return
-    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & stat.S_IRWXU != stat.S_IRWXU:
-        os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
+        return False
+    want = stat.S_IRWXU if stat.S_ISDIR(st.st_mode) else stat.S_IRUSR | stat.S_IWUSR
+    if st.st_uid != os.geteuid() or stat.S_ISLNK(st.st_mode) or st.st_mode & want == want:
+        return False
+    os.chmod(path, stat.S_IMODE(st.st_mode) | want)
+    return True
 
 
 def give_back_rights(folder: str) -> int:
     """Give the daemon's own user back its rights on a job folder's own files and folders; return how many.
 
-    An agent runs as that user and may take them away (``chmod 0555 ..`` from work/); a daemon
-    that is not root could then write neither its records nor the result. Only the folder
-    itself, work/ as a folder and what lies outside work/ are touched: the agent's files in
-    work/ are its work, and its checks judge them as they are.
+    Only the folder itself, work/ as a folder and what lies outside work/ are touched: the
+    agent's files in work/ are its work, and its checks judge them as they are.
     """
-    me = os.geteuid()
     mended = 0
-
-    def mend(path: str, st: os.stat_result) -> None:
-        nonlocal mended
-        want = stat.S_IRWXU if stat.S_ISDIR(st.st_mode) else stat.S_IRUSR | stat.S_IWUSR
-        if st.st_uid == me and st.st_mode & want != want and not stat.S_ISLNK(st.st_mode):
-            os.chmod(path, stat.S_IMODE(st.st_mode) | want)
-            mended += 1
-
     with contextlib.suppress(OSError):
-        mend(folder, os.lstat(folder))
+        mended += _own_writable(folder)
     for top, dirs, files in os.walk(folder):
         for name in [*dirs, *files]:
-            path = os.path.join(top, name)
             with contextlib.suppress(OSError):
-                mend(path, os.lstat(path))
+                mended += _own_writable(os.path.join(top, name))
         if top == folder:
             dirs[:] = [d for d in dirs if d != "work"]  # work/ itself mended above, not what the agent made in it
     return mended

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -229,13 +230,7 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
 
 def _keep_read_bytes(placed: str, item: Inspected) -> None:
     """Make the placed job's ``order.<ext>`` a file of its own holding the bytes the claim read (fsynced)."""
-    kept = f"{placed}/order{suffix_of(item.name)}"
-    staged = f"{placed}/.order.staged"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(staged)  # left by a crash in this very step
-    fsutil.write_new(staged, item.data, sync=True)
-    os.replace(staged, kept)
-    fsutil.fsync_dir(placed)
+    fsutil.write_atomic(Path(placed) / f"order{suffix_of(item.name)}", item.data)
 
 
 def undo(ledger: Ledger, item: Inspected, stage: str, claimed: Claimed, exc: OSError) -> Skipped:
