@@ -106,6 +106,31 @@ def test_a_hold_cut_between_its_two_steps_leaves_the_order_held_and_refuses_noth
     env.wait_job("HALF-1", "done")
 
 
+@pytest.mark.parametrize("then", ["release", "hold"])
+def test_a_command_after_a_hold_cut_short_finishes_the_move_instead_of_naming_a_second_file(
+    env: Env, then: str
+) -> None:
+    """A hold killed between its link and its unlink leaves one file under two names. A `release` (or a second
+    `hold`) then finishes the move: one name is left, never `X-2.json` beside it, so nothing is refused later."""
+    env.configure()
+    queued = env.drop(order("HALF-2"))
+    held = env.root / "held" / "HALF-2.json"
+    held.parent.mkdir(exist_ok=True)
+    os.link(queued, held)  # the hold's first step, as the kill left it
+    env.cli(then, "HALF-2", check=True)
+    inbox_names = sorted(p.name for p in (env.root / "inbox").iterdir())
+    held_names = sorted(p.name for p in held.parent.iterdir())
+    if then == "release":
+        assert inbox_names == ["HALF-2.json"] and held_names == []
+    else:
+        assert inbox_names == [] and held_names == ["HALF-2.json"]
+        env.cli("release", "HALF-2", check=True)
+    assert os.lstat(env.root / "inbox" / "HALF-2.json").st_nlink == 1
+    assert run_once(env) == 0
+    env.wait_job("HALF-2", "done")
+    assert env.refusals() == []
+
+
 @pytest.mark.parametrize("with_file", [False, True])
 def test_an_operators_actions_reach_the_daemons_log_with_or_without_log_file(env: Env, with_file: bool) -> None:
     """hold and release: each event once on the running daemon's stdout (the journal), and once in

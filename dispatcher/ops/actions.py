@@ -472,7 +472,21 @@ def _move(src: Path, folder: Path, *, link: bool) -> Path | None:
             _sync_move(src, folder)
             return dst
         except FileExistsError:
+            if _same_file(src, dst):  # a move cut short between its two steps: finish it
+                fsutil.fsync_dir(folder)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(src)
+                fsutil.fsync_dir(src.parent)
+                return dst
             continue
         except FileNotFoundError:
             return None
     raise OSError(errno.EEXIST, "no free name", str(folder))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Return True if a and b are two names of one file (neither followed if a link)."""
+    try:
+        return os.path.samestat(os.lstat(a), os.lstat(b))
+    except OSError:
+        return False
