@@ -168,6 +168,30 @@ def test_second_sigterm_ends_agents_at_once(env: Env) -> None:
     assert (env.root / "active" / "FORCE-1").is_dir()
 
 
+def test_second_sigterm_kills_an_agent_that_ignores_sigterm_without_waiting_kill_grace(env: Env) -> None:
+    """ "A second SIGTERM/SIGINT ends the agents' groups at once": an agent deaf to SIGTERM is not given kill_grace."""
+    env.configure(
+        agents={"worker": env.agent("--sleep", "60", "--ignore-term")},
+        stop_timeout=60,
+        kill_grace=60,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("DEAF-1"))
+    pid = wait_start(env, "DEAF-1")
+    d.wait_event("agent.started", job_id="DEAF-1")
+    d.signal(signal.SIGTERM)
+    d.wait_event("daemon.stopping")
+    time.sleep(0.5)
+    assert alive(pid)
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(30) == 0
+    assert time.monotonic() - sent < 10  # kill_grace is 60
+    wait_gone([pid], [pid], timeout=3)
+    assert (env.root / "active" / "DEAF-1").is_dir()
+
+
 @pytest.mark.parametrize("second", [False, True])
 def test_a_hanging_notification_does_not_hold_a_stop_past_stop_timeout(env: Env, second: bool) -> None:
     """A notify command that hangs: SIGTERM ends it at stop_timeout (a second SIGTERM: at once), logged."""

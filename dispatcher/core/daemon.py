@@ -420,8 +420,8 @@ class Daemon(Reloading, Fencing):
             return
         if self.stopping:
             log.warning("daemon.stopping", forced=True)
-            self.sched.abort_all(Stop.STOPPED)
-            hooks.RUNNING.stop_all()
+            self.sched.abort_all(Stop.STOPPED, now=True)
+            hooks.RUNNING.stop_all(now=True)
             return
         self.stopping = True
         self.notifier.stopping()

@@ -66,11 +66,12 @@ class Requests(abc.ABC, Generic[J]):
         """Claim or reload a batch in the claim's trip (``cancel``: without slots, to fail it)."""
 
     # -- stopping -----------------------------------------------------------------------------
-    def abort_all(self, reason: Stop, *, only_waiting: bool = False, mute: bool = False) -> None:
-        """Stop every running job (or only those waiting before a retry); ``mute`` their log writes too."""
+    def abort_all(self, reason: Stop, *, only_waiting: bool = False, mute: bool = False, now: bool = False) -> None:
+        """Stop every running job (or only those waiting before a retry); ``mute`` their log writes too;
+        ``now`` kills their agents' groups at once (a second stop signal)."""
         for r in self.running.values():
             if not only_waiting or r.job.control.waiting:
-                r.job.control.abort(reason, mute=mute)
+                r.job.control.abort(reason, mute=mute, now=now)
 
     # -- requests -----------------------------------------------------------------------------
     def park_recovered(self, adopted: list[tuple[str, int, str]], *, host_lost: bool = False) -> None:

@@ -24,16 +24,24 @@ class Control:
         self.reason: Stop | None = None
         self._proc: AgentProcess | None = None
         self._sleep: asyncio.Future[None] | None = None
+        self._now = False
 
-    def abort(self, reason: Stop, *, mute: bool = False) -> None:
-        """Stop the job now (the first reason wins); ``mute`` also stops its agent's log writes."""
+    def abort(self, reason: Stop, *, mute: bool = False, now: bool = False) -> None:
+        """Stop the job now (the first reason wins); ``mute`` also stops its agent's log writes.
+
+        ``now`` (a second stop signal): its agent's group is killed at once, not after ``kill_grace``.
+        """
         if mute and self._proc is not None:
             self._proc.mute()
+        if now:
+            self._now = True
+            if self._proc is not None:
+                self._proc.abort(reason, now=True)
         if self.reason is not None:
             return
         self.reason = reason
         if self._proc is not None:
-            self._proc.abort(reason)
+            self._proc.abort(reason, now=self._now)
         if self._sleep is not None and not self._sleep.done():
             self._sleep.set_result(None)
 
@@ -41,7 +49,7 @@ class Control:
         """Route aborts to this agent process (None when it ended)."""
         self._proc = proc
         if proc is not None and self.reason is not None:
-            proc.abort(self.reason)
+            proc.abort(self.reason, now=self._now)
 
     @property
     def waiting(self) -> bool:

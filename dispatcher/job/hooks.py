@@ -98,20 +98,22 @@ class RunningHooks:
     def __init__(self) -> None:
         self._procs: set[AgentProcess] = set()
         self.stopped = False
+        self._now = False
 
     def add(self, proc: AgentProcess) -> None:
         self._procs.add(proc)
         if self.stopped:
-            proc.abort(Stop.STOPPED)
+            proc.abort(Stop.STOPPED, now=self._now)
 
     def discard(self, proc: AgentProcess) -> None:
         self._procs.discard(proc)
 
-    def stop_all(self) -> None:
-        """End every running hook's group now, and each one that starts from now on."""
+    def stop_all(self, *, now: bool = False) -> None:
+        """End every running hook's group now, and each one that starts from now on (``now``: by SIGKILL)."""
         self.stopped = True
+        self._now = self._now or now
         for proc in list(self._procs):
-            proc.abort(Stop.STOPPED)
+            proc.abort(Stop.STOPPED, now=self._now)
 
 
 RUNNING = RunningHooks()

@@ -210,6 +210,7 @@ class AgentProcess:
         self._aborted: str | None = None
         self._signalled = False
         self._group_ended = False
+        self._hurry = False
         self._timers: list[asyncio.TimerHandle] = []
         self._done: asyncio.Future[AgentExit] | None = None
 
@@ -243,11 +244,18 @@ class AgentProcess:
         """Stop writing the agent's logs (a fenced daemon changes nothing in a job folder any more)."""
         self._out.lost = self._err.lost = True
 
-    def abort(self, reason: str) -> None:
-        """End the agent now (cancel or stop); the first reason wins."""
+    def abort(self, reason: str, *, now: bool = False) -> None:
+        """End the agent now (cancel or stop); the first reason wins.
+
+        ``now`` (a second stop signal): SIGKILL its group at once, not after ``kill_grace``.
+        """
         if self._aborted is None and not self._timed_out and not self._exited:
             self._aborted = reason
             self._terminate()
+        if now and not self._hurry:
+            self._hurry = True
+            if self.pid and not self._group_ended:
+                signal_group(self.pid, signal.SIGKILL)
 
     @property
     def _exited(self) -> bool:
@@ -341,7 +349,7 @@ class AgentProcess:
             asyncio.get_running_loop().create_task(self._end_group_then_drain())
 
     async def _end_group_then_drain(self) -> None:
-        await end_group(self.pid, self.kill_grace_s, already_termed=True)
+        await end_group(self.pid, self.kill_grace_s, already_termed=True, hurry=lambda: self._hurry)
         self._group_gone()
 
     def _group_gone(self) -> None:
