@@ -133,7 +133,7 @@ def test_logrotate_signals_the_daemons_directly() -> None:
     text = (SYSTEMD / "dispatcher.logrotate").read_text()
     assert "/var/log/dispatcher/*.log" in text
     post = text.split("postrotate", 1)[1].split("endscript", 1)[0]
-    assert "--signal=HUP" in post and "--kill-whom=main" in post
+    assert "--signal=HUP" in post and "--kill-who=main" in post
     assert "dispatcher.service" in post and "'dispatcher@*.service'" in post
     assert "su dispatcher dispatcher" in text and "create 0640 dispatcher dispatcher" in text
 
