@@ -77,6 +77,30 @@ def test_a_reviewed_job_is_revised_with_the_note_and_the_last_checks(env: Env) -
     assert json.loads((env.root / "done" / "REVISE-1" / "result.json").read_text())["state"] == "done"
 
 
+def test_an_approval_after_a_revision_logs_the_jobs_cost_as_its_result_says(env: Env) -> None:
+    """job.approved carries job.done's figures: cost_usd and chain_cost_usd as result.json has them (both
+    attempts), and counted_cost_usd, the part since the rejection (what the metrics count)."""
+    log_file = env.tmp / "events.jsonl"
+    env.configure(agents={"worker": agent(env, {"cost_usd": 0.05})}, log_file=str(log_file))
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("COST-R1"))
+    in_review(env, "COST-R1", 1)
+    env.cli("reject", "COST-R1", "--reason", "not yet", check=True)
+    env.cli("revise", "COST-R1", "--note", "again", check=True)
+    in_review(env, "COST-R1", 2)
+    env.cli("approve", "COST-R1", check=True)
+    assert d.stop() == 0
+    result = json.loads((env.root / "done" / "COST-R1" / "result.json").read_text())
+    assert result["cost_usd"] == pytest.approx(0.1) and result["chain_cost_usd"] == pytest.approx(0.1)
+    events = [json.loads(line) for line in log_file.read_text().splitlines()]
+    (approved,) = [e for e in events if e["event"] == "job.approved"]
+    assert approved["agent"] == "worker"
+    assert approved["cost_usd"] == pytest.approx(0.1) and approved["chain_cost_usd"] == pytest.approx(0.1)
+    assert approved["counted_cost_usd"] == pytest.approx(0.05)
+    assert approved["duration_s"] >= approved["counted_duration_s"] > 0  # received to finished; the revision alone
+
+
 def test_approve_after_revisions_releases_only_the_last_attempts_follow_ups(env: Env) -> None:
     """Each attempt hands off `<id>-c<attempt>`: after two revisions, approve releases V1-c3 alone, once."""
     script = env.tmp / "parent.sh"

@@ -403,7 +403,9 @@ def count_decision(metrics: Metrics | None, finished: FinishedCounts, line: str)
     agent = event.get("agent") if isinstance(event.get("agent"), str) else None
     finished.add(state, agent)
     if metrics is not None:
-        duration, cost = event.get("duration_s"), event.get("cost_usd")
+        # the part since the job's last finish (a revised job's earlier attempts were counted then)
+        duration = event.get("counted_duration_s", event.get("duration_s"))
+        cost = event.get("counted_cost_usd", event.get("cost_usd"))
         metrics.job_finished(
             state,
             agent,

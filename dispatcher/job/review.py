@@ -105,9 +105,10 @@ def _decide(
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
     event = "job.approved" if approve else "job.rejected"
     duration, cost = this_claim(folder, result)  # what a daemon's metrics count for it (the relayed line)
-    log.info(  # a decision ends the job as job.done or job.failed would: the same figures
-        event, job_id=job_id, agent=result.agent, reason=result.reason, duration_s=duration, cost_usd=cost,
-        chain_cost_usd=result.chain_cost_usd,
+    log.info(  # a decision ends the job as job.done or job.failed would: the same figures, and the metrics' part
+        event, job_id=job_id, agent=result.agent, reason=result.reason, duration_s=result.duration_s,
+        cost_usd=result.cost_usd, chain_cost_usd=result.chain_cost_usd, counted_duration_s=duration,
+        counted_cost_usd=cost,
     )  # fmt: skip
     try:
         land(layout, folder, state)
