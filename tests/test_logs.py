@@ -192,6 +192,21 @@ def test_logs_without_log_file_exits_2(env: Env) -> None:
     assert len(proc.stderr.splitlines()) == 1 and "log_file" in proc.stderr, proc.stderr
 
 
+def test_a_dropped_cancel_request_names_the_job_and_a_null_agent(env: Env) -> None:
+    """Contract 8: a line about a job carries job_id and agent. `cancel` of a queued order whose file is then
+    removed by hand: the next daemon drops the request (`cancel.dropped`) with agent null."""
+    log_file = env.tmp / "d.log"
+    env.configure(log_file=str(log_file))
+    queued = env.drop(order("GONE-1"))
+    env.cli("cancel", "GONE-1", check=True)
+    queued.unlink()
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    events = [json.loads(line) for line in log_file.read_text().splitlines()]
+    (dropped,) = [e for e in events if e["event"] == "cancel.dropped"]
+    assert dropped["job_id"] == "GONE-1" and "agent" in dropped and dropped["agent"] is None
+    assert all("agent" in e for e in events if "job_id" in e)
+
+
 def _line(event: str, **extra: Any) -> str:
     return json.dumps({"timestamp": "2026-11-29T08:00:00.000001Z", "level": "info", "event": event, **extra}) + "\n"
 
