@@ -268,6 +268,9 @@ class Housekeeping:
                 try:
                     agent = (await lanes.io(folder.spec)).agent.name
                 except ValueError as exc:
+                    where = await lanes.io(layout.find, job_id)
+                    if where is not None and where[0] is State.ACTIVE:
+                        continue  # another daemon carries it out this moment (it clears the request)
                     await lanes.ledger(ledger.clear_request, job_id, Request.RETRY)
                     log.warning("retry.dropped", job_id=job_id, agent=None, reason=f"failed/{job_id}: {exc}")
                     continue
