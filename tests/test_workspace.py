@@ -402,3 +402,33 @@ def test_an_attempt_a_cancel_cut_keeps_its_diff_and_changed_files(env: Env, tmp_
     assert (attempt / "changed.txt").read_text().split() == ["src/new.txt"]
     assert "src/new.txt" in (attempt / "diff.patch").read_text()
     d.stop()
+
+
+# attempt 1 writes a file, then meets a usage limit that lifts a second later; attempt 2 writes its receipt
+LIMITED_ONCE = """import json, os, sys, time
+n = int(os.environ["DISPATCH_ATTEMPT"])
+os.makedirs("src", exist_ok=True)
+if n == 1:
+    open("src/limited.txt", "w").write("half done\\n")
+    print(f"rate limited until {int(time.time()) + 2}", flush=True)
+    sys.exit(1)
+receipt = {"job_id": os.environ["DISPATCH_JOB_ID"], "input_ids": ["R1"], "output_ids": [], "status": "done"}
+json.dump(receipt, open(os.environ["DISPATCH_RECEIPT"], "w"))
+"""
+
+
+def test_an_attempt_that_met_a_usage_limit_keeps_its_diff_and_changed_files(env: Env, tmp_path: Path) -> None:
+    """Section 15: "After each attempt: attempts/<n>/diff.patch and attempts/<n>/changed.txt", a limited one too."""
+    repo = make_repo(tmp_path / "shop")
+    script = tmp_path / "limited.py"
+    script.write_text(LIMITED_ONCE)
+    limits = [{"match": r"rate limited until (\d+)", "until": "epoch"}]
+    env.configure(agents={"coder": coder(env, repo, command=[sys.executable, str(script)], limits=limits)})
+    env.drop(code_order("LIM-1"))
+    d = env.daemon()
+    result = env.wait_job("LIM-1", "done")
+    d.stop()
+    assert [a.get("limited") is not None for a in result["attempts"]] == [True, False]
+    attempt = env.job_dir("LIM-1", "done") / "attempts" / "1"
+    assert (attempt / "changed.txt").read_text().split() == ["src/limited.txt"]
+    assert "src/limited.txt" in (attempt / "diff.patch").read_text()

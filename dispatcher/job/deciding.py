@@ -94,6 +94,7 @@ class Deciding(abc.ABC):
         limited = {"until": iso(hit.until), "text": hit.text, "wait_s": round(wait_s, 3)}
         record = replace(record, retry_next=True, extra={**record.extra, "limited": limited})
         self.attempts.append(record)
+        await self.repo.snapshot(record.n)  # diff.patch and changed.txt after each attempt (section 15)
         await self.waits.gate(self.spec.agent, hit)
         spent = retry.over_budget(self.spec.agent, self.attempts)
         if spent is not None:  # the attempts that met the limit cost too: max_cost_usd ends the job here
