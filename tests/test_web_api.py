@@ -280,6 +280,32 @@ def test_web_works_without_a_daemon_and_without_the_extra_says_so(env: Env) -> N
     assert proc.returncode == 2 and "folder-dispatcher[web]" in proc.stderr
 
 
+LIMITED = "import sys, time\nprint(f'rate limited until {int(time.time()) + 600}', flush=True)\nsys.exit(1)\n"
+
+
+def test_a_job_waiting_at_a_usage_limit_is_listed_waiting_by_the_api_as_by_list(env: Env) -> None:
+    """A job held by a usage limit is `waiting` (with `until`) in `list --state waiting --json`, not active:
+    /api/jobs?state=waiting and ?state=active answer the same as the command."""
+    script = env.tmp / "limited.py"
+    script.write_text(LIMITED)
+    limits = [{"match": r"rate limited until (\d+)", "until": "epoch"}]
+    env.configure(agents={"worker": {"command": [sys.executable, str(script)], "limits": limits}})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("GATED-1"))
+    d.wait_event("job.waiting", job_id="GATED-1")
+    web = start_web(env)
+    try:
+        for state in ("waiting", "active"):
+            cli = without_ages(cli_json(env, "list", "--state", state))
+            assert without_ages(web.json(f"/api/jobs?state={state}")) == cli, state
+        assert [r["job_id"] for r in web.json("/api/jobs?state=waiting")] == ["GATED-1"]
+        assert web.json("/api/jobs?state=active") == []
+    finally:
+        web.stop()
+        assert d.stop() == 0
+
+
 def test_the_overview_shows_a_gated_agent_until_it_is_resumed(env: Env) -> None:
     """`pause AGENT` shows the agent under "Gated agents" on the overview and in /api/status; `resume` clears it."""
     env.configure(agents={"worker": env.agent()})

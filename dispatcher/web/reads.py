@@ -110,7 +110,8 @@ class Reader:
     def jobs(self, state: str | None = None, agent: str | None = None) -> list[dict[str, Any]]:
         """Return what `list --json` prints, as one list, newest first."""
         with self._lock:
-            ledger = self._reader() if state in (None, "done") else None
+            # the ledger tells done jobs from lost ones, and a gated job in active/ as waiting (its `until`)
+            ledger = self._reader() if state in (None, "done", "active", "waiting") else None
             return list_jobs(self.config, self.layout, ledger, state=state, agent=agent)
 
     def show(self, job_id: str, *, whole_tree: bool = False, refused: bool = False) -> dict[str, Any] | None:
