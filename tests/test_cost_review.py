@@ -184,6 +184,21 @@ def test_a_retry_of_a_job_whose_budget_is_spent_gets_no_further_attempt(env: Env
     assert len(env.result("SPENT-1", "failed")["attempts"]) == 3
 
 
+def test_a_retry_refused_by_the_spent_budget_keeps_the_checks_its_reason_names(env: Env) -> None:
+    """The retry that fails at once (budget spent) keeps the last checked attempt's checks in result.json: its
+    reason says `exit_ok: exit 1`, so exit_ok is false there, not "not run"."""
+    env.configure(agents={"worker": costly(env, 0.8, "--exit", "1", retry_safe=True, max_cost_usd=0.5)})
+    env.drop(simple("SPENT-2"))
+    env.cli("run", "--once", timeout=60)
+    before = env.result("SPENT-2", "failed")["checks"]
+    assert {c["name"]: c["ok"] for c in before}["exit_ok"] is False
+    env.cli("retry", "SPENT-2", check=True)
+    env.cli("run", "--once", timeout=60)
+    result = env.result("SPENT-2", "failed")
+    assert len(result["attempts"]) == 1 and result["reason"].startswith("exit_ok: exit 1 in "), result["reason"]
+    assert result["checks"] == before
+
+
 def held_follow_up(env: Env, parent: str) -> Daemon:
     """Run `parent` (1 USD, chain budget 0.5) under a daemon until its follow-up CHILD-1 waits in held/."""
     worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP))

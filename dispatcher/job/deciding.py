@@ -99,13 +99,13 @@ class Deciding(abc.ABC):
         spent = retry.over_budget(self.spec.agent, self.attempts)
         if spent is not None:  # the attempts that met the limit cost too: max_cost_usd ends the job here
             await self._persist(self.folder.record_attempt, replace(record, retry_next=False))
-            return await self.finish(Row.FAILED, f"limit: {hit.text}; not retried: {spent}", [])
+            return await self.finish(Row.FAILED, f"limit: {hit.text}; not retried: {spent}", self.checked)
         bound = self.ctx.config().max_limit_wait_s
         total = waited_s(self.attempts)
         if total > bound:
             await self._persist(self.folder.record_attempt, replace(record, retry_next=False))
             reason = f"limit: {hit.text}; waiting until {iso(hit.until)} is beyond max_limit_wait ({bound:g} s)"
-            return await self.finish(Row.FAILED, reason, [])
+            return await self.finish(Row.FAILED, reason, self.checked)
         self.spec = replace(self.spec, budget=self.spec.budget + 1, since=time.time())  # not counted; waits from now
         await self._persist(self.folder.write_spec, self.spec)
         await self._persist(self.folder.record_attempt, record)
@@ -166,9 +166,10 @@ class Deciding(abc.ABC):
         spent = retry.over_budget(self.spec.agent, self.attempts) if self.attempts else None
         if spent is None:
             return None
-        kept = await self.ctx.lanes.io(self.folder.kept_reason)
+        kept, checks = await self.ctx.lanes.io(self.folder.kept_end)
         lead = kept.split("; ", 1)[0] if kept else None  # the first failing check of its last decision
-        return await self.finish(Row.FAILED, f"{lead}; not retried: {spent}" if lead else f"not retried: {spent}", [])
+        reason = f"{lead}; not retried: {spent}" if lead else f"not retried: {spent}"
+        return await self.finish(Row.FAILED, reason, self.checked or checks)  # the checks that reason names
 
     async def _retry_or_fail(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
         if self._checks_cancelled():

@@ -441,8 +441,8 @@ class Job(Finishing, Deciding):
         """The before hook of attempt n failed: the attempt fails with its reason (retried if attempts remain)."""
         await self._record_hook_attempt(attempt.hook_failed(n, why))
         why_not = self._no_more_attempts(n)
-        if why_not is not None:
-            return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", [])
+        if why_not is not None:  # the checks of the last attempt that was checked stand (none: "not run")
+            return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", self.checked)
         return await self._schedule_retry(n, why)
 
     async def _record_hook_attempt(self, record: Attempt) -> None:

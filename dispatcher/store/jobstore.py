@@ -331,16 +331,23 @@ class JobFolder:
         os.rename(src, keep)
         _sync_dirs(keep_dir, self.path)  # both names durable before the job leaves failed/ or review/
 
-    def kept_reason(self) -> str | None:
-        """Return the reason of the newest result ``keep_result`` kept (a retried job's last end), or None."""
+    def kept_end(self) -> tuple[str | None, list[CheckResult]]:
+        """Return the reason and the checks of the newest result ``keep_result`` kept (a reopened job's last end)."""
         for n in reversed(self.attempt_numbers()):
             folder = self.attempts_dir / str(n)
             kept = sorted((p for p in folder.glob("result*.json")), key=lambda p: int(p.stem.partition("-")[2] or 1))
             if kept:
                 data = self.read_json(f"attempts/{n}/{kept[-1].name}")
-                reason = data.get("reason") if isinstance(data, dict) else None
-                return reason if isinstance(reason, str) else None
-        return None
+                if not isinstance(data, dict):
+                    return None, []
+                reason, checks = data.get("reason"), data.get("checks")
+                rebuilt = (
+                    [CheckResult.from_json(c) for c in checks if isinstance(c, dict)]
+                    if isinstance(checks, list)
+                    else []
+                )
+                return (reason if isinstance(reason, str) else None), rebuilt
+        return None, []
 
     def sync_outbox(self, names: list[str]) -> None:
         """Make the follow-ups in work/outbox/ durable (their bytes, then the folders naming them).
