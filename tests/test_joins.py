@@ -627,6 +627,31 @@ def test_a_ready_join_takes_its_place_by_priority_then_age(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_a_ready_join_waits_behind_an_older_order_for_its_agents_concurrency_slot(env: Env) -> None:
+    """Free slots under max_jobs, but the agent's `concurrency: 1` is taken by S: an order L (priority 9) then a join
+    J whose parent is done already (priority 5) come while S runs. S's slot goes to L first: higher priority is
+    claimed first, then older (section 16), as it is when max_jobs is the limit."""
+    slow = env.agent("--sleep", "1.5")
+    env.configure({"worker": {**slow, "concurrency": 1}, "quick": env.agent()}, max_jobs=4)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("Q", to="quick"))
+    env.wait_job("Q", "done")
+    env.drop(order("S"))
+    d.wait_event("agent.started", job_id="S")
+    env.drop(order("L", priority=9))
+    time.sleep(0.3)
+    env.drop(order("J", after=["Q"]))
+    d.wait_event("job.joined", job_id="J")
+    time.sleep(0.2)
+    env.drop(order("M"))
+    for job_id in ("L", "J", "M"):
+        env.wait_job(job_id, "done", timeout=60)
+    started = [e["job_id"] for e in d.events() if e["event"] == "agent.started"]
+    assert started == ["Q", "S", "L", "J", "M"], started
+    assert d.stop() == 0
+
+
 def test_a_join_whose_ledger_rows_were_lost_runs_once_its_parents_are_done(env: Env) -> None:
     """A join in waiting/ whose claim and wait rows the ledger lost (a power cut before they were durable): the next
     daemon puts them back from its order, and the join runs once its parents are done, never waits for ever."""

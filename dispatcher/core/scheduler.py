@@ -333,6 +333,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                     park_ranked(self.parked, p)
                     self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
                     self.slot_poll = True
+                case NoSlot(parked=p) if p.kind is Kind.JOINED and p.rank is not None:
+                    park_ranked(self.parked, p)  # a ready join keeps its place among orders: priority, then age
+                    self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
+                    self.slot_poll = True
                 case NoSlot(parked=p):
                     again.append(p)
                     if p.kind is Kind.RESUME and p.job_id not in self.again:  # claimed ahead: counted so again,
