@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import Env, cli_env, order, wait_until
 from git_helpers import code_order, coder, git, make_repo, need
-from helpers_faults import alive, env_under, processes_with, wait_start
+from helpers_faults import ENV_DUMP, alive, env_under, processes_with, wait_start
 
 EROFS = "Read-only file system"
 
@@ -314,6 +314,27 @@ def test_a_sandboxed_agent_without_a_workspace_works_in_work(env: Env, tmp_path:
     assert "workspace" not in result
     assert (env.job_dir("PLAIN", "done") / "work" / "out.csv").exists()
     assert env.starts() == [("PLAIN", 1)]
+
+
+def test_a_sandboxed_agent_gets_the_same_environment_names_as_without_the_sandbox(env: Env) -> None:
+    """Section 3's environment, nothing else, under bubblewrap too: no PWD (bwrap sets one after its --chdir)."""
+    need("bwrap", "bubblewrap")
+    script, dump = env.tmp / "env_dump.py", env.tmp / "env.jsonl"
+    script.write_text(ENV_DUMP)
+    dump.touch()
+    plain = {"command": [sys.executable, str(script), str(dump)], "timeout": 30}
+    boxed = {**plain, "sandbox": True, "sandbox_writable": [str(dump)]}
+    env.configure(agents={"plain": plain, "boxed": boxed})
+    env.drop(order("ENV-PLAIN", to="plain", accept={}))
+    env.drop(order("ENV-BOXED", to="boxed", accept={}))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    seen = [json.loads(line) for line in dump.read_text().splitlines()]
+    by_job = {e["DISPATCH_JOB_ID"]: e for e in seen}
+    assert sorted(by_job["ENV-BOXED"]) == sorted(by_job["ENV-PLAIN"]), (
+        sorted(by_job["ENV-BOXED"]),
+        sorted(by_job["ENV-PLAIN"]),
+    )
+    assert "PWD" not in by_job["ENV-BOXED"]
 
 
 def test_a_sandboxed_agent_cannot_point_the_daemons_git_at_its_own_config(outside: Env) -> None:

@@ -72,8 +72,15 @@ def wrap(
     out += ["--unshare-pid", "--die-with-parent"]
     if not network:
         out.append("--unshare-net")
-    out += ["--chdir", str(cwd), "--", *argv]
-    return out
+    out += ["--chdir", str(cwd), "--"]
+    # bwrap sets PWD after its --chdir: `env -u PWD` takes it out again, so that the agent's environment is
+    # the one section 3 names, as without the sandbox (a program named like an assignment is given by its path)
+    unset = shutil.which("env")
+    if unset is not None:
+        out += [unset, "-u", "PWD", "--", found if "=" in prog else prog]
+    else:
+        out.append(prog)
+    return [*out, *argv[1:]]
 
 
 def _own_tmp_folders(paths: Iterable[str]) -> list[str]:
