@@ -909,6 +909,22 @@ def test_repair_retry_gives_the_agent_feedback_and_ends_done(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_a_cancel_during_a_repairs_wait_keeps_the_checks_of_the_attempt_it_repairs(env: Env) -> None:
+    """Attempt 1 fails output_rows and a repair is due in 30 s; a cancel then fails the job `cancelled` with attempt
+    1's checks (output_rows false), not "not run" for every check."""
+    fixer = env.agent("--fail-checks-attempts", "1", repair=True, retry_safe=True, max_attempts=2)
+    env.configure(agents={"fixer": fixer, "worker": env.agent()}, retry_delay=30)
+    d = started(env)
+    env.drop(order("REPAIR-C", to="fixer"))
+    d.wait_event("job.retrying", job_id="REPAIR-C")
+    env.cli("cancel", "REPAIR-C", check=True)
+    result = env.wait_job("REPAIR-C", "failed")
+    assert result["reason"] == "cancelled"
+    checks = {c["name"]: c["ok"] for c in result["checks"]}
+    assert checks["output_rows"] is False and checks["exit_ok"] is True, result["checks"]
+    assert d.stop() == 0
+
+
 def test_without_repair_no_feedback_and_checks_failures_are_not_retried(env: Env) -> None:
     """Without repair: a checks failure ends the job; an exit 1 is retried; no feedback.json."""
     env.configure(

@@ -101,6 +101,34 @@ def test_an_approval_after_a_revision_logs_the_jobs_cost_as_its_result_says(env:
     assert approved["duration_s"] >= approved["counted_duration_s"] > 0  # received to finished; the revision alone
 
 
+@pytest.mark.parametrize("first", ["retry", "revise"])
+def test_a_failed_job_takes_a_retry_or_a_revision_not_both(env: Env, first: str) -> None:
+    """Both would run the job once more, and only one could: the second request is refused (exit 1, one line),
+    so a revision's note is never dropped for a plain retry."""
+    env.configure(agents={"worker": env.agent("--exit", "1")})
+    env.drop(order("BOTH-1"))
+    assert env.cli("run", "--once", timeout=60).returncode == 1
+    asks = {"retry": ("retry", "BOTH-1"), "revise": ("revise", "BOTH-1", "--note", "use team B")}
+    second = "revise" if first == "retry" else "retry"
+    assert cli(env, *asks[first]).returncode == 0
+    proc = cli(env, *asks[second])
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "already requested" in proc.stderr, proc.stderr
+
+
+def test_cancel_withdraws_a_revision_of_a_failed_job(env: Env) -> None:
+    """`cancel` of a failed job with a revision requested withdraws it, as it withdraws a retry: no attempt runs."""
+    env.configure(agents={"worker": env.agent("--exit", "1")})
+    env.drop(order("WD-1"))
+    env.cli("run", "--once", timeout=60)
+    env.cli("revise", "WD-1", "--note", "again", check=True)
+    proc = cli(env, "cancel", "WD-1")
+    assert (proc.returncode, proc.stdout) == (0, "WD-1: revision withdrawn; it stays failed\n")
+    env.cli("run", "--once", timeout=60)
+    result = env.result("WD-1", "failed")
+    assert len(result["attempts"]) == 1 and not (env.root / "failed" / "WD-1" / "work" / "feedback.json").exists()
+
+
 def test_approve_after_revisions_releases_only_the_last_attempts_follow_ups(env: Env) -> None:
     """Each attempt hands off `<id>-c<attempt>`: after two revisions, approve releases V1-c3 alone, once."""
     script = env.tmp / "parent.sh"

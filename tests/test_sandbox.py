@@ -337,6 +337,26 @@ def test_a_sandboxed_agent_gets_the_same_environment_names_as_without_the_sandbo
     assert "PWD" not in by_job["ENV-BOXED"]
 
 
+def test_a_sandboxed_agent_keeps_a_pwd_its_env_gives_it(env: Env) -> None:
+    """An agent whose `env` sets PWD gets that PWD under the sandbox as without it (bwrap sets its own)."""
+    need("bwrap", "bubblewrap")
+    script, dump = env.tmp / "env_dump.py", env.tmp / "env.jsonl"
+    script.write_text(ENV_DUMP)
+    dump.touch()
+    boxed = {
+        "command": [sys.executable, str(script), str(dump)],
+        "timeout": 30,
+        "env": {"PWD": "/custom"},
+        "sandbox": True,
+        "sandbox_writable": [str(dump)],
+    }
+    env.configure(agents={"boxed": boxed})
+    env.drop(order("ENV-PWD", to="boxed", accept={}))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    (seen,) = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert seen["PWD"] == "/custom"  # noqa: S105 - a folder, not a password
+
+
 def test_a_sandboxed_agent_cannot_point_the_daemons_git_at_its_own_config(outside: Env) -> None:
     """commondir and gitdir are read-only to it; a config.worktree it writes (a filter) is gone before git runs."""
     env = outside

@@ -220,6 +220,36 @@ def test_a_hanging_notification_does_not_hold_a_stop_past_stop_timeout(env: Env,
     assert [e["error"] for e in failed] == ["ended: the daemon stopped"], failed
 
 
+def test_a_second_sigterm_while_an_agent_runs_ends_a_hanging_notification_at_once(env: Env) -> None:
+    """The second SIGTERM comes while an agent still runs (the loop takes it): the hanging notify of a failed job
+    is ended then too, by SIGKILL, though it ignores SIGTERM; not at stop_timeout, nor after kill_grace."""
+    marker = f"time.sleep(100.9)  # {env.tmp}"
+    deaf = f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); {marker}"
+    env.configure(
+        agents={"worker": env.agent("--exit", "3"), "slow": env.agent("--sleep", "60")},
+        notify=[sys.executable, "-c", deaf],
+        stop_timeout=30,
+        kill_grace=30,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SLOW-N", to="slow"))
+    d.wait_event("agent.started", job_id="SLOW-N")
+    env.drop(order("NOTE-2"))
+    env.wait_job("NOTE-2", "failed")
+    wait_until(lambda: processes_with(marker), 15, "the notify command")
+    d.signal(signal.SIGTERM)
+    d.wait_event("daemon.stopping")
+    time.sleep(0.5)
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(60) == 0
+    assert time.monotonic() - sent < 10  # stop_timeout and kill_grace are 30 s
+    assert not processes_with(marker)
+    failed = [e for e in d.events() if e.get("event") == "notify.failed"]
+    assert [e["error"] for e in failed] == ["ended: the daemon stopped"], failed
+
+
 def test_sighup_reload_applies_to_new_jobs_only(env: Env) -> None:
     """SIGHUP logs config.reloaded; a changed agent applies to new jobs, not claimed ones."""
     old = env.agent(

@@ -332,6 +332,10 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
             except (NotFound, WrongState) as exc:
                 print(exc, file=sys.stderr, flush=True)
                 failed += 1
+            except OSError as exc:  # a folder moved or a file refused meanwhile: this id fails, the others go on
+                where = f": {printable(os.fsdecode(exc.filename))}" if exc.filename is not None else ""
+                print(f"{job_id}: {action} failed: {exc.strerror or exc}{where}", file=sys.stderr, flush=True)
+                failed += 1
             while op.notes:  # a warning that goes with an action done (a join that fails again at once)
                 print(op.notes.pop(0), file=sys.stderr, flush=True)
     finally:

@@ -70,6 +70,7 @@ class Daemon(Reloading, Fencing):
         self.owner = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         self.notifier = Notifier()
         self.stopping = False
+        self.forced = False  # a second stop signal came
         self.lost = False
         self._was_fenced = False
         self.stop_deadline: float | None = None
@@ -343,8 +344,9 @@ class Daemon(Reloading, Fencing):
         await self.final_hooks.drain()  # after hooks of jobs cancelled in their claim or failed in a join
         await self.notify.close(
             notify_until,
-            hurry=lambda: any(sig != signal.SIGHUP for sig in self._signals),
+            hurry=lambda: self.forced or any(sig != signal.SIGHUP for sig in self._signals),
             drain=self.once and not self.stopping,  # `run --once` ran out of work: its notifications all run
+            forced=lambda: self.forced,
         )
         if self.metrics is not None:
             await self.house.write_metrics()
@@ -419,6 +421,7 @@ class Daemon(Reloading, Fencing):
                 self._watch_reloaded(before)
             return
         if self.stopping:
+            self.forced = True  # a second stop: what still runs at the shutdown is ended at once too
             log.warning("daemon.stopping", forced=True)
             self.sched.abort_all(Stop.STOPPED, now=True)
             hooks.RUNNING.stop_all(now=True)

@@ -166,7 +166,12 @@ class Notifications:
             )
 
     async def close(
-        self, until: float | None = None, hurry: Callable[[], bool] = lambda: False, *, drain: bool = False
+        self,
+        until: float | None = None,
+        hurry: Callable[[], bool] = lambda: False,
+        *,
+        drain: bool = False,
+        forced: Callable[[], bool] = lambda: False,
     ) -> None:
         """Let running notify commands end; the queue is dropped (with ``drain``: run first, in order).
 
@@ -174,8 +179,8 @@ class Notifications:
         queued runs, ``notify_max_running`` at a time, until ``hurry()`` says a stop came.
         Each is bounded by its own timeout; a stop bounds them all by its deadline
         (``until``, on the monotonic clock) or at once when ``hurry()`` says a second
-        stop came: then their groups are ended (``kill_grace``) and each is logged
-        as ``notify.failed``.
+        stop came: then their groups are ended (``kill_grace``; at once when ``forced()``
+        says a second stop came) and each is logged as ``notify.failed``.
         """
         self._closing = True
         while drain and (self._queue or self._running) and not hurry():
@@ -196,6 +201,7 @@ class Notifications:
             await asyncio.wait(set(self._running), timeout=min(_HURRY_POLL_S, max(0.0, end - time.monotonic())))
         if self._running:
             self._ending = True
+            now = forced()  # a second stop: their groups get SIGKILL at once, as agents' do
             for proc in list(self._procs):
-                proc.abort("the daemon stopped")
+                proc.abort("the daemon stopped", now=now)
             await asyncio.wait(set(self._running), timeout=self._config().kill_grace_s + 5)

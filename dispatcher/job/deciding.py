@@ -149,7 +149,7 @@ class Deciding(abc.ABC):
             sha = await self._persist(self.folder.give_feedback, n, checks)
             self.spec = self.spec.with_given("feedback.json", sha)
             await self._persist(self.folder.write_spec, self.spec)
-            return await self._schedule_retry(n, reason)
+            return await self._schedule_retry(n, reason, checks)
         return await self.finish(Row.FAILED, f"{reason}; not repaired: {why}", checks)
 
     def _no_more_attempts(self, n: int) -> str | None:

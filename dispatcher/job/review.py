@@ -23,11 +23,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 
 import structlog
-from filelock import FileLock, Timeout
+from filelock import Timeout
 
 from dispatcher import faults, fsutil
 from dispatcher.clock import iso
@@ -39,12 +38,12 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
 from dispatcher.spec.result import Result
+from dispatcher.store.decisions import one_decision, review_lock
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.results import cut_reason
 from dispatcher.text import plural, usd
 
 log = structlog.get_logger("dispatcher")
-DECISION_WAIT_S = 30
 
 
 def decide(
@@ -68,7 +67,7 @@ def decide(
                 return line
         where = found[0].value if found else entry.state if entry else "unknown"
         raise WrongState(f"{job_id}: is {where}, not waiting for review")
-    with _one_decision(layout):
+    with one_decision(layout):
         if not folder.path.is_dir():  # another command decided it while this one waited
             raise WrongState(_lost(ledger, job_id))
         return _decide(
@@ -152,31 +151,11 @@ def _finish_approval(
         return None
     if not reviewed:
         return None
-    with _one_decision(layout):
+    with one_decision(layout):
         count = _release(layout, ledger, folder.job_id, max_chain_cost_usd, notify)
     if not count:
         return None
     return f"{folder.job_id}: approved; done; {plural(count, 'follow-up')} released now (the approval was cut short)"
-
-
-def _review_lock(layout: Layout, timeout: float) -> FileLock:
-    """Return the root's review lock (``.state/review.lock``), held by each decision and by ``settle_reviews``."""
-    return FileLock(layout.state_dir / "review.lock", timeout=timeout, thread_local=False, preserve_lock_file=True)
-
-
-@contextlib.contextmanager
-def _one_decision(layout: Layout) -> Iterator[None]:
-    """Hold the root's review lock: one decision at a time on this host (other hosts: the ledger's token)."""
-    layout.state_dir.mkdir(parents=True, exist_ok=True)
-    lock = _review_lock(layout, DECISION_WAIT_S)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise WrongState(f"another decision on {layout.root} has held its lock for {DECISION_WAIT_S} s") from None
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _lost(ledger: Ledger, job_id: str) -> str:
@@ -210,7 +189,7 @@ def settle_reviews(layout: Layout, ledger: Ledger) -> None:
         return
     if not names:
         return
-    lock = _review_lock(layout, 0)
+    lock = review_lock(layout, 0)
     try:
         lock.acquire()
     except (Timeout, OSError):  # a decision is under way (or the lock cannot be made): the next rescan

@@ -33,9 +33,10 @@ from dispatcher import faults, fsutil
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger, Request
-from dispatcher.lifecycle import State
+from dispatcher.lifecycle import Row, State
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.settings import Config
+from dispatcher.store.decisions import one_decision
 from dispatcher.store.jobstore import JobFolder
 
 log = structlog.get_logger("dispatcher")
@@ -84,7 +85,18 @@ def _kept_note_path(attempt_dir: Path, asked: Path) -> Path | None:
 
 
 def request(config: Config, layout: Layout, ledger: Ledger, job_id: str, note: str) -> str:
-    """Record a revision of a job in review/ or failed/ for a daemon; return the line to print."""
+    """Record a revision of a job in review/ or failed/ for a daemon; return the line to print.
+
+    Under the root's review lock, as `approve` and `reject`: a decision made meanwhile moves
+    the folder before this looks, or after this is recorded (and withdraws it).
+    """
+    if layout.find(job_id) is None:
+        raise NotFound(f"{job_id}: no such job")
+    with one_decision(layout):
+        return _request(config, layout, ledger, job_id, note)
+
+
+def _request(config: Config, layout: Layout, ledger: Ledger, job_id: str, note: str) -> str:
     found = layout.find(job_id)
     if found is None:
         raise NotFound(f"{job_id}: no such job")
@@ -102,6 +114,9 @@ def request(config: Config, layout: Layout, ledger: Ledger, job_id: str, note: s
         raise WrongState(f"{job_id}: has had {done} revisions (max_revisions {agent.max_revisions})")
     if job_id in ledger.requests(Request.REVISE):
         raise WrongState(f"{job_id}: a revision is already requested")
+    entry = ledger.get(job_id)
+    if entry is not None and entry.state == Row.FAILED and job_id in ledger.requests(Request.RETRY):
+        raise WrongState(f"{job_id}: a retry is already requested; cancel it first to revise with a note")
     text = note[:NOTE_MAX]  # as written (line breaks kept: section 14's TEXT), at most NOTE_MAX characters
     fsutil.write_atomic(path / NOTE_FILE, fsutil.dump_json({"note": text}), sync=True, sync_dir=True)
     faults.point("revise.noted")

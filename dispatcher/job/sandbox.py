@@ -73,11 +73,14 @@ def wrap(
     if not network:
         out.append("--unshare-net")
     out += ["--chdir", str(cwd), "--"]
-    # bwrap sets PWD after its --chdir: `env -u PWD` takes it out again, so that the agent's environment is
-    # the one section 3 names, as without the sandbox (a program named like an assignment is given by its path)
-    unset = shutil.which("env")
-    if unset is not None:
-        out += [unset, "-u", "PWD", "--", found if "=" in prog else prog]
+    # bwrap sets PWD after its --chdir: `env` puts back what the agent's environment says of it (section 3:
+    # no PWD unless its env or pass_env gives one), as without the sandbox; a program named like an
+    # assignment is given by its path
+    tool = shutil.which("env")
+    if tool is not None:
+        own = env.get("PWD")
+        out += [tool, "-u", "PWD", "--"] if own is None else [tool, "--", f"PWD={own}"]
+        out.append(found if "=" in prog else prog)
     else:
         out.append(prog)
     return [*out, *argv[1:]]

@@ -82,6 +82,10 @@ class Operator:
         except ValueError:
             raise WrongState(f"{job_id}: its job.json is damaged; it cannot be retried") from None
         self._row_says(job_id, (Row.FAILED,), Request.RETRY)
+        entry = self.ledger.get(job_id)
+        if entry is not None and entry.state == Row.FAILED and job_id in self.ledger.requests(Request.REVISE):
+            # one more attempt is asked for already, with a note (a reopen a dead daemon cut short: let through)
+            raise WrongState(f"{job_id}: a revision is already requested; it runs the job again")
         self.ledger.request(job_id, Request.RETRY)
         self._note_blocked_join(job_id, found[1])
         self._poke("retry", job_id)
@@ -159,12 +163,13 @@ class Operator:
         """Record a cancel of a queued or running job for a running (or the next) daemon."""
         check_id(job_id)
         entry = self.ledger.get(job_id)
-        if entry is not None and entry.state == Row.FAILED and job_id in self.ledger.requests(Request.RETRY):
-            self.ledger.clear_request(job_id, Request.RETRY)  # queued to run again: it runs no more
-            entry = self.ledger.get(job_id)
-            if entry is not None and entry.state == Row.FAILED:
-                return f"{job_id}: retry withdrawn; it stays failed"
-            # a daemon reopened it first: it is queued or running now, and cancelled as such
+        for kind, what in ((Request.RETRY, "retry"), (Request.REVISE, "revision")):
+            if entry is not None and entry.state == Row.FAILED and job_id in self.ledger.requests(kind):
+                self.ledger.clear_request(job_id, kind)  # queued to run again: it runs no more
+                entry = self.ledger.get(job_id)
+                if entry is not None and entry.state == Row.FAILED:
+                    return f"{job_id}: {what} withdrawn; it stays failed"
+                # a daemon reopened it first: it is queued or running now, and cancelled as such
         if entry is not None and is_final(entry.state):
             raise WrongState(f"{job_id}: is {entry.state}, only a queued or running job can be cancelled")
         if entry is not None and entry.state == Row.REVIEW:  # its agent is done: a person decides
@@ -474,8 +479,10 @@ def _move(src: Path, folder: Path, *, link: bool) -> Path | None:
         except FileExistsError:
             if _same_file(src, dst):  # a move cut short between its two steps: finish it
                 fsutil.fsync_dir(folder)
-                with contextlib.suppress(FileNotFoundError):
+                try:
                     os.unlink(src)
+                except FileNotFoundError:  # another command moving it this moment took the old name: its move
+                    return None
                 fsutil.fsync_dir(src.parent)
                 return dst
             continue
