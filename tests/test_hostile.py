@@ -873,3 +873,24 @@ def test_a_staging_folder_removed_by_hand_is_made_again_at_the_next_claim(env: E
     env.wait_job("ST-1", "done")
     assert d.stop() == 0
     assert not [e for e in d.events() if e.get("event") == "daemon.error"]
+
+
+@pytest.mark.parametrize("removed", ["done", "failed"])
+def test_a_state_folder_removed_by_hand_is_made_again_and_nothing_stays_behind(env: Env, removed: str) -> None:
+    """`rm -rf done/` (or `failed/`) while a job runs: the job still lands there, the folder made again, and a bad
+    file dropped then is refused into failed/ with its bytes, not left in .state/staging/."""
+    env.configure(agents={"worker": env.agent("--sleep", "1")})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RM-1"))
+    d.wait_event("agent.started", job_id="RM-1")
+    shutil.rmtree(env.root / removed)
+    bad = env.root / "inbox" / "BAD-1.json"
+    bad.write_bytes(b'{"job_id": "BAD-1"')
+    env.wait_job("RM-1", "done")
+    wait_until(lambda: env.refusals(), 30, "the refusal of BAD-1")
+    assert d.stop() == 0
+    assert (env.root / "done" / "RM-1" / "result.json").exists() and not (env.root / "active" / "RM-1").exists()
+    (refused,) = [p for p in (env.root / "failed").iterdir() if p.name.startswith("BAD-1@")]
+    assert (refused / "order.json").read_bytes() == b'{"job_id": "BAD-1"'
+    assert os.listdir(env.root / ".state" / "staging") == []

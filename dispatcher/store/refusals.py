@@ -129,6 +129,11 @@ def place(layout: Layout, stage: Path, base: str, on_placed: Callable[[Path], No
         except FileExistsError:
             n += 1
             continue
+        except FileNotFoundError:
+            if not os.path.isdir(stage) or os.path.isdir(layout.folder(State.FAILED)):
+                raise
+            fsutil.make_dirs(layout.folder(State.FAILED))  # failed/ was removed by hand: made again
+            continue
         for name in (".target", ".source"):
             (target / name).unlink(missing_ok=True)
         if on_placed is not None:
