@@ -273,6 +273,33 @@ def test_sighup_reload_applies_to_new_jobs_only(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_a_reload_that_lowers_concurrency_starts_no_new_job_beyond_it(env: Env) -> None:
+    """concurrency 2 -> 1 by SIGHUP while two jobs run: they finish, and from then on no job of the agent starts
+    while another of it runs (a slot given back is not handed on beyond the new limit)."""
+    slow = env.agent("--sleep", "0.8")
+    env.configure(agents={"worker": {**slow, "concurrency": 2}}, max_jobs=4)
+    d = env.daemon()
+    d.wait_ready()
+    for i in range(8):
+        env.drop(order(f"CC-{i}"))
+    wait_until(lambda: sum(e["event"] == "agent.started" for e in d.events()) >= 2, 30, "two jobs running")
+    env.configure(agents={"worker": {**slow, "concurrency": 1}}, max_jobs=4)
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    for i in range(8):
+        env.wait_job(f"CC-{i}", "done", timeout=60)
+    assert d.stop() == 0
+    events = d.events()
+    reloaded = next(i for i, e in enumerate(events) if e["event"] == "config.reloaded")
+    running: set[str] = set()
+    for i, e in enumerate(events):
+        if e["event"] == "agent.started":
+            assert i < reloaded or not running, (e["job_id"], sorted(running))
+            running.add(e["job_id"])
+        elif e["event"] == "agent.exited":
+            running.discard(e["job_id"])
+
+
 def test_sighup_with_bad_config_or_new_root_keeps_the_old_config(env: Env, tmp_path: Path) -> None:
     """A reload of a broken config, an unknown key or a changed root is rejected; work goes on."""
     env.configure(agents={"worker": env.agent("--field", "team=old")})

@@ -64,6 +64,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self._loop: asyncio.AbstractEventLoop | None = None  # set at the first turn
         self.sending: collections.Counter[str] = collections.Counter()  # agents of parked orders in a claim's trip
         self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
+        self._cfg_seen: Config | None = None  # the config the last turn ran with (a reload is a new one)
+        self._lowered: set[str] = set()  # agents a reload lowered the concurrency of, while more of them run
         self._expiry_turn: float | None = None  # when a turn is due for the next ready order's expires
         self.slot_poll = False
         self.stats = Stats()
@@ -144,6 +146,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self.blocked = {a: until for a, until in self.blocked.items() if until > now and not idle.get(a)}
         self.slot_poll = bool(self.blocked)
         cfg = self.config
+        if cfg is not self._cfg_seen:
+            self._lowered_since(cfg)
+        if self._lowered:  # a reload lowered an agent's concurrency: none of it starts until fewer run
+            self._hold_lowered(cfg, now)
         gates = self.ctx.gates()  # section 14; none in the usual turn: no agent gated
         gated = frozenset(gated_agents(gates, cfg.agents, time.time())) if gates else _NOT_GATED
         self._gates_changed(gated, now)
@@ -248,6 +254,41 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
     def _leave_unread(self, p: Parked) -> None:
         if p.item is not None:
             self.inbox.set_aside(p.item.name, p.agent, p.item.order.expires)
+
+    def _lowered_since(self, cfg: Config) -> None:
+        """Note the agents whose concurrency the config now in force lowered (a reload)."""
+        before, self._cfg_seen = self._cfg_seen, cfg
+        if before is None:
+            return
+        for name, agent in cfg.agents.items():
+            old = before.agents.get(name)
+            if old is not None and agent.concurrency < old.concurrency:
+                self._lowered.add(name)
+
+    def _hold_lowered(self, cfg: Config, now: float) -> None:
+        """Block each agent of ``_lowered`` while as many of its jobs run here as its concurrency allows."""
+        for name in list(self._lowered):
+            agent = cfg.agents.get(name)
+            running = len(self.slots.running_s(name, 0.0))
+            if agent is None or running < agent.concurrency:
+                self._lowered.discard(name)  # back under its limit: its slots decide again
+            else:
+                self.blocked[name] = max(self.blocked.get(name, 0.0), now + SLOT_RETRY_S)
+                self.slot_poll = True
+
+    def _trim_idle(self, agent: str) -> None:
+        """Free (not hand on) the slots agent gave back beyond what its concurrency leaves: a reload lowered it."""
+        idle, conf = self.slots.idle.get(agent), self.config.agents.get(agent)
+        if not idle or conf is None:
+            return
+        room = max(0, conf.concurrency - len(self.slots.running_s(agent, 0.0)))
+        ledger = self.ctx.ledger
+        while len(idle) > room:
+            slot = idle.pop()
+            if ledger.slots_local:
+                ledger.free_slot(agent, slot)
+            else:
+                self._background(self.ctx.lanes.ledger(ledger.free_slot, agent, slot))
 
     def _free_idle(self) -> None:
         """Give back slots no job took over this turn, so that other daemons may use them."""
@@ -397,6 +438,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         workspace = r.job.spec.agent.repo.workspace is not None
         if keeps_slots(self.config, agent, workspace=workspace) or not self.slots.give_back(r):
             return False
+        self._trim_idle(agent)
         self.blocked.pop(agent, None)  # a slot of that agent is free again
         if hand_on:
             self._hand_on(agent)
@@ -420,6 +462,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
 
     def _finished(self, job_id: str, task: asyncio.Task[Outcome]) -> None:
         r, held = self.slots.pop(job_id)
+        if held and r is not None:
+            self._trim_idle(r.job.agent)
         if held and r is not None:
             self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
