@@ -416,6 +416,24 @@ def test_land_waits_for_review_and_runs_once_after_approve(env: Env, tmp_path: P
     assert len(log.read_text().splitlines()) == 1
 
 
+def test_an_approved_jobs_landing_waits_for_its_after_hook_across_rescans(env: Env, tmp_path: Path) -> None:
+    """README, Hooks: the after hook runs before the landing of an approved job. Rescans every 0.5 s during a 3 s
+    after hook start passes of their own: none of them lands the job while its hook runs."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "hooks.txt"
+    after = ["sh", "-c", 'echo after-start >> "$0"; sleep 3; echo after-end >> "$0"', str(log)]
+    land = ["sh", "-c", 'echo land >> "$0"', str(log)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, review=True)
+    env.configure(agents={"coder": agent}, rescan_interval=0.5)
+    env.drop(code_order("R2"))
+    d = env.daemon()
+    wait_until(lambda: (env.root / "review" / "R2" / "result.json").exists(), what="the job in review/")
+    env.cli("approve", "R2", check=True)
+    d.wait_event("job.landed", job_id="R2", timeout=60)
+    d.stop()
+    assert log.read_text().split() == ["after-start", "after-end", "land"]
+
+
 def test_a_before_hook_has_its_own_timeout_and_a_cancel_ends_it(env: Env, tmp_path: Path) -> None:
     """A hook given {command, timeout} is ended at its timeout; a cancel ends a running hook at once."""
     repo = make_repo(tmp_path / "shop")

@@ -339,6 +339,11 @@ class FinalHooks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
+# the jobs whose after hook a pass of ``housekeep`` runs now (on the loop): another pass, begun by a rescan
+# meanwhile, leaves their landing to the pass that runs the hook (README, Hooks: after, then land)
+AFTER_RUNNING: set[str] = set()
+
+
 async def housekeep(
     layout: Layout,
     lanes: Lanes,
@@ -387,10 +392,13 @@ async def housekeep(
         if stopping():
             return
         if await lanes.io(afterowed.claim, layout, job_id):
+            AFTER_RUNNING.add(job_id)
             try:
                 await afterowed.run(layout, job_id, cfg, lanes.io)
             except Exception as exc:  # the job is final already: a hook never changes it, nor stops the landings
                 log.exception("daemon.error", step="after hook", job_id=job_id, error=str(exc))
+            finally:
+                AFTER_RUNNING.discard(job_id)
     owed = await lanes.io(landing.look, layout, startup=startup)
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
@@ -407,6 +415,8 @@ async def housekeep(
             )
     for job_id in owed.ready:
         if job_id in busy:  # its Job lands it itself, after its after hook and the worktree's removal
+            continue
+        if job_id in AFTER_RUNNING:  # its after hook runs in another pass (one a rescan began): that one lands it
             continue
         if stopping():
             return
