@@ -57,3 +57,29 @@ def test_an_idle_attempt_is_retried_under_the_usual_rules(env: Env) -> None:
     result = env.wait_job("IDLE-2", "failed")
     assert [a["n"] for a in result["attempts"]] == [1, 2]
     assert result["reason"].startswith("exit_ok: timed out: idle 2 s") and "no attempts left" in result["reason"]
+
+
+# silent; rewrites its receipt in the job's work/ (not in its worktree) every 0.4 s for 4 s
+WORKS_IN_WORK = """import json, os, time
+receipt = {"job_id": os.environ["DISPATCH_JOB_ID"], "input_ids": ["R1"], "output_ids": [], "status": "done"}
+end = time.time() + 4
+while time.time() < end:
+    json.dump({**receipt, "at": time.time()}, open(os.environ["DISPATCH_RECEIPT"], "w"))
+    time.sleep(0.4)
+"""
+
+
+def test_changes_in_work_count_as_activity_for_an_agent_in_a_worktree(env: Env, tmp_path: Path) -> None:
+    """README, idle_timeout: a changed modification time of anything under work/ counts as activity, also for an
+    agent with a workspace, whose own folder is its worktree."""
+    from git_helpers import code_order, coder, make_repo
+
+    repo = make_repo(tmp_path / "shop")
+    script = tmp_path / "works.py"
+    script.write_text(WORKS_IN_WORK)
+    spec = coder(env, repo, command=[sys.executable, str(script)], idle_timeout=1.5)
+    env.configure(agents={"coder": spec})
+    env.daemon().wait_ready()
+    env.drop(code_order("WORKING-1"))
+    result = env.wait_job("WORKING-1", "done")
+    assert result["attempts"][0]["duration_ms"] >= 4000 and not result["attempts"][0]["timed_out"]

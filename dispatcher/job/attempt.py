@@ -147,6 +147,7 @@ def process(
         max_log_bytes=cfg.max_log_bytes,
         log_prefix="probe-" if probe else "",
         idle_timeout_s=None if probe or check is not None else agent.idle_timeout_s,
+        idle_also=folder.work_dir,  # work/ counts too when the agent works in its worktree (README, idle_timeout)
         one_log=check[1] if check is not None else None,
         keep_fd=slot_fd,
     )

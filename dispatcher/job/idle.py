@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -23,8 +24,11 @@ class IdleWatch:
 
     SCAN_MAX = 100_000
 
-    def __init__(self, folder: str | Path, timeout_s: float) -> None:
-        self.folder = folder
+    def __init__(self, folder: str | Path, timeout_s: float, also: str | Path | None = None) -> None:
+        """``folder``: where the agent works (its worktree, or work/); ``also``: its job's work/ when that is apart."""
+        self.folders: tuple[str | Path, ...] = (folder,)
+        if also is not None and os.fspath(also) != os.fspath(folder):
+            self.folders = (folder, also)
         self.timeout_s = timeout_s
         self.every_s = max(0.05, min(timeout_s / 4, 10.0))
         self.scanning = False
@@ -50,10 +54,10 @@ class IdleWatch:
             self._last = max(self._last, time.monotonic() - max(0.0, time.time() - newest))
 
 
-def newest_change(folder: str | Path, limit: int) -> float:
-    """Return the newest mtime or ctime of any entry under folder (links not followed)."""
+def newest_change(folders: Sequence[str | Path], limit: int) -> float:
+    """Return the newest mtime or ctime of any entry under the folders (links not followed), at most limit entries."""
     newest = 0.0
-    stack = [str(folder)]
+    stack = [str(folder) for folder in folders]
     seen = 0
     while stack and seen < limit:
         path = stack.pop()

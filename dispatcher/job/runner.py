@@ -185,10 +185,12 @@ class AgentProcess:
         idle_timeout_s: float | None = None,
         one_log: Path | None = None,
         keep_fd: int | None = None,
+        idle_also: str | Path | None = None,
     ) -> None:
         """``env``: names and values as text, or as bytes already (``EnvB``); ``one_log``: write stdout and
         stderr, as they come, into this one file (a user check's log); ``keep_fd``: a descriptor the agent
-        inherits (its slot's lock)."""
+        inherits (its slot's lock); ``idle_also``: a second folder whose changes count as activity for
+        ``idle_timeout`` (the job's work/ when the agent works in a worktree)."""
         self.argv = argv
         self.cwd = cwd
         self.env = env if isinstance(env, EnvB) else encode_env(env)
@@ -200,7 +202,7 @@ class AgentProcess:
         err_path = f"{logs}/{log_prefix}stderr.log" if logs is not None else one_log
         self._out = _Stream(-1, out_path, max_log_bytes, AGENT_TAIL_BYTES)
         self._err = _Stream(-1, err_path, max_log_bytes, ERR_TAIL_BYTES)
-        self._idle = IdleWatch(cwd, idle_timeout_s) if idle_timeout_s else None
+        self._idle = IdleWatch(cwd, idle_timeout_s, also=idle_also) if idle_timeout_s else None
         self.pid = 0
         self.started = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -300,7 +302,7 @@ class AgentProcess:
         loop = asyncio.get_running_loop()
         if idle.quiet_s() >= idle.every_s and not idle.scanning:  # silent a while: did work/ change?
             idle.scanning = True
-            loop.run_in_executor(None, newest_change, idle.folder, idle.SCAN_MAX).add_done_callback(idle.scanned)
+            loop.run_in_executor(None, newest_change, idle.folders, idle.SCAN_MAX).add_done_callback(idle.scanned)
         if idle.quiet_s() >= idle.timeout_s:
             self._timed_out = True
             self._idle_s = idle.timeout_s
