@@ -295,6 +295,9 @@ class Housekeeping:
                 try:
                     agent = (await lanes.io(JobFolder(where[1]).spec)).agent.name
                 except ValueError as exc:
+                    now_at = await lanes.io(layout.find, job_id)
+                    if now_at is None or now_at[1] != where[1]:
+                        continue  # moved meanwhile (a decision landed it, a daemon reopened it): the next pass sees
                     await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
                     log.warning("revise.dropped", job_id=job_id, agent=None, reason=f"{where[0].value}/{job_id}: {exc}")
                     continue
