@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from dispatcher.errors import DispatchError, oneline
+from dispatcher.errors import DispatchError, oneline, printable
 from dispatcher.text import escape_bidi, plain
 
 _FIRST = ("timestamp", "level", "event", "job_id", "agent", "exception")
@@ -46,7 +46,7 @@ def format_line(event: Mapping[str, Any]) -> str:
     elif job or agent:
         head.append(plain(job) if job else f"({plain(agent)})")
     rest = [f"{key}={plain(value)}" for key, value in _flat(event) if key not in _FIRST]
-    text = escape_bidi(oneline(" ".join(head + rest)))  # `run` on a terminal writes this too, unwrapped
+    text = escape_bidi(printable(" ".join(head + rest)))  # `run` on a terminal writes this too, unwrapped
     if event.get("exception"):
         text += "\n" + "\n".join("  " + line for line in _traceback(event["exception"]))
     return text

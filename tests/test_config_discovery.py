@@ -238,3 +238,46 @@ def test_init_with_a_json_config_path_writes_a_json_starter(tmp_path: Path) -> N
     assert body["root"] == "../spool" and body["max_jobs"] == 2 and body["agents"]
     status = dispatcher(tmp_path, "--config", "cfg/dispatcher.json", "status", "--json")
     assert status.returncode == 0, status.stderr
+
+
+def test_a_config_that_is_a_fifo_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO (or device) named as the config: one line, exit 2, at once; nothing hangs on it."""
+    fifo = tmp_path / "cfg.yaml"
+    os.mkfifo(fifo)
+    for args in (("status",), ("validate",), ("run", "--once")):
+        proc = dispatcher(tmp_path, "--config", str(fifo), *args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert one_line(proc) == f"{fifo}: cannot read: not a regular file"
+
+
+def test_an_error_naming_a_path_stays_one_escaped_line(tmp_path: Path) -> None:
+    """A root whose name holds a line break, an escape and a byte that is no UTF-8: the error is one line, with
+    them escaped, and no Python notation (`\\udcff`)."""
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/r\nx\x1b\xff")
+    (tmp_path / "c.yaml").write_text(f"root: dispatch\nagents: {{a: {{command: [{sys.executable}]}}}}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(tmp_path / "c.yaml"), "--root", odd, "status"],
+        capture_output=True,
+        cwd=tmp_path,
+        env=cli_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    err = proc.stderr.decode("utf-8")
+    assert err.count("\n") == 1 and "\x1b" not in err and "udcff" not in err, err
+    assert "r\\nx\\x1b\\xff" in err, err
+
+
+def test_init_of_a_folder_whose_name_is_no_utf8_is_refused(tmp_path: Path) -> None:
+    """`init` of a root no config can name (its path is no UTF-8 text): exit 2, one line, nothing made."""
+    odd = os.fsdecode(b"r\xff")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "init", odd],
+        capture_output=True,
+        cwd=tmp_path,
+        env=cli_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode().count("\n") == 1
+    assert os.listdir(tmp_path) == []

@@ -211,6 +211,20 @@ def _line(event: str, **extra: Any) -> str:
     return json.dumps({"timestamp": "2026-11-29T08:00:00.000001Z", "level": "info", "event": event, **extra}) + "\n"
 
 
+def test_logs_escapes_a_file_names_byte_that_is_no_utf8(env: Env) -> None:
+    """A file name with byte 0x9b (an 8-bit terminal's CSI) is logged as the escape "\\udc9b": `logs` prints \\x9b
+    for it, as `show` does, never the raw byte."""
+    log_file = env.tmp / "d.log"
+    env.configure(log_file=str(log_file))
+    log_file.write_text(_line("order.received", job_id="J-1", agent=None, file="a\udc9bb.json"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "logs"],
+        capture_output=True, timeout=60, env=cli_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert b"\x9b" not in proc.stdout and b"file=a\\x9bb.json" in proc.stdout, proc.stdout
+
+
 def test_logs_skips_a_torn_line(env: Env) -> None:
     """A line that is not JSON (a write cut short) is skipped; the lines around it still print."""
     log_file = env.tmp / "d.log"

@@ -58,6 +58,8 @@ def cmd_init(args: argparse.Namespace) -> int:
     cfg = load_config(path, root=root) if path.exists() else default_config(root)
     if cfg.root.exists() and not cfg.root.is_dir():  # bad input, not a failed operation: exit 2
         raise UsageError(f"{cfg.root}: is not a folder; init makes the dispatch root there")
+    if not is_utf8_text(str(cfg.root.absolute())):  # a config's root: is UTF-8 text; none could name this folder
+        raise UsageError(f"{cfg.root}: the root's path is not valid UTF-8; choose a folder whose name is")
     layout = Layout(cfg.root)
     # the daemon's own .state/ folders are made too, but are no news to the user
     created = [d for d in layout.all_dirs() if not d.exists() and d.parent == cfg.root and not d.name.startswith(".")]
@@ -80,9 +82,9 @@ def cmd_init(args: argparse.Namespace) -> int:
             if SYSTEM_CONFIG.exists():
                 print(f"  (it comes before {SYSTEM_CONFIG}, which commands run elsewhere still use)")
     for d in created:
-        print(f"created {d}")
+        print(f"created {printable(str(d))}")
     if not created:
-        print(f"root {cfg.root} is ready")
+        print(f"root {printable(str(cfg.root))} is ready")
     return 0
 
 

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = COMMANDS[args.command](args)
     except DispatchError as exc:
-        print(_err_prefix(args.command) + redact(str(exc)), file=sys.stderr)
+        # one line, whatever a path in it holds (a line break, an escape, a byte that is no UTF-8)
+        print(_err_prefix(args.command) + redact(printable(str(exc))), file=sys.stderr)
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
@@ -147,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:  # a file of the root this user may not read, say: one line, never a traceback
         if args.command in ("run", "web"):
             raise  # a daemon's own: its traceback is what tells what went wrong
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(redact(f"{where}{exc.strerror or exc}"), file=sys.stderr)
+        where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
+        print(redact(printable(f"{where}{exc.strerror or exc}")), file=sys.stderr)
         code = 1
     if argv is None and args.command not in ("run", "web"):
         _leave(code)

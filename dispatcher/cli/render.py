@@ -41,7 +41,7 @@ def columns(text: str) -> int:
 
 def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
     """Return `status` text: counts, daemons, whether one runs, active jobs and the spend of 24 h."""
-    lines = [f"root {root}", "  ".join(f"{k} {v}" for k, v in info["counts"].items())]
+    lines = [f"root {printable(root)}", "  ".join(f"{k} {v}" for k, v in info["counts"].items())]
     daemons = info["daemons"]
     owners_of_active = {(a["pid"], a["host"]) for a in info["active"]}
     alive = [d for d in daemons if d["alive"]]
