@@ -140,7 +140,7 @@ class SqliteDb:
         except sqlite3.DatabaseError as exc:
             text = str(exc).lower()
             unreachable = any(w in text for w in ("unable to open", "disk i/o", "readonly", "read-only", "full"))
-            raise LedgerError(_describe(exc), unreachable=unreachable) from None
+            raise LedgerError(_describe(exc, path), unreachable=unreachable) from None
 
     def _migrate(self) -> None:
         self._db.executescript(_SCHEMA)  # CREATE ... IF NOT EXISTS: safe when daemons start together
@@ -284,8 +284,15 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
     return any(w in text for w in ("locked", "busy", "disk is full", "disk i/o error"))
 
 
-def _describe(exc: sqlite3.DatabaseError) -> str:
+# SQLite opens a file by its absolute path, at most this many bytes (SQLITE_MAX_PATHNAME, 512, with its -wal)
+_MAX_PATH = 500
+
+
+def _describe(exc: sqlite3.DatabaseError, path: str | os.PathLike[str] | None = None) -> str:
     text = str(exc)
     if isinstance(exc, sqlite3.OperationalError) and "unable to open" in text:
+        size = len(os.fsencode(os.path.abspath(path))) if path is not None else 0
+        if size > _MAX_PATH:
+            return f"its path is {size} bytes, SQLite takes at most about {_MAX_PATH}; use a shorter root"
         return f"cannot be opened ({text}; is the folder writable?)"
     return text
