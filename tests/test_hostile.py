@@ -875,6 +875,18 @@ def test_a_staging_folder_removed_by_hand_is_made_again_at_the_next_claim(env: E
     assert not [e for e in d.events() if e.get("event") == "daemon.error"]
 
 
+def test_active_removed_by_hand_is_made_again_at_the_next_claim(env: Env) -> None:
+    """`rmdir active/` while the daemon is idle: the next order is claimed and done, not left in inbox/ with a
+    `daemon.error` every second."""
+    d = env.daemon()
+    d.wait_ready()
+    (env.root / "active").rmdir()
+    env.drop(order("AC-1"))
+    env.wait_job("AC-1", "done")
+    assert d.stop() == 0
+    assert not [e for e in d.events() if e.get("event") == "daemon.error"]
+
+
 @pytest.mark.parametrize("removed", ["done", "failed"])
 def test_a_state_folder_removed_by_hand_is_made_again_and_nothing_stays_behind(env: Env, removed: str) -> None:
     """`rm -rf done/` (or `failed/`) while a job runs: the job still lands there, the folder made again, and a bad
