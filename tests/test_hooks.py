@@ -434,6 +434,25 @@ def test_an_approved_jobs_landing_waits_for_its_after_hook_across_rescans(env: E
     assert log.read_text().split() == ["after-start", "after-end", "land"]
 
 
+def test_with_two_daemons_an_approved_jobs_landing_waits_for_its_after_hook(env: Env, tmp_path: Path) -> None:
+    """Two daemons on one root: the one that does not run the after hook does not land the job meanwhile."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "hooks.txt"
+    after = ["sh", "-c", 'echo after-start >> "$0"; sleep 3; echo after-end >> "$0"', str(log)]
+    land = ["sh", "-c", 'echo land >> "$0"', str(log)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, review=True)
+    env.configure(agents={"coder": agent}, rescan_interval=0.5)
+    env.drop(code_order("R3"))
+    d1 = env.daemon()
+    wait_until(lambda: (env.root / "review" / "R3" / "result.json").exists(), what="the job in review/")
+    d2 = env.daemon()
+    d2.wait_ready()
+    env.cli("approve", "R3", check=True)
+    wait_until(lambda: "land" in (log.read_text() if log.exists() else ""), 60, "the landing")
+    assert d1.stop() == 0 and d2.stop() == 0
+    assert log.read_text().split() == ["after-start", "after-end", "land"]
+
+
 def test_a_before_hook_has_its_own_timeout_and_a_cancel_ends_it(env: Env, tmp_path: Path) -> None:
     """A hook given {command, timeout} is ended at its timeout; a cancel ends a running hook at once."""
     repo = make_repo(tmp_path / "shop")

@@ -652,6 +652,22 @@ def test_a_ready_join_waits_behind_an_older_order_for_its_agents_concurrency_slo
     assert d.stop() == 0
 
 
+def test_parents_json_and_job_joined_keep_the_orders_after_order(env: Env) -> None:
+    """`after: [w02, w01, w03]`: work/parents.json and job.joined name the parents in that order, as the order,
+    `list` and `show` do (not sorted by id)."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(merger(after=["w02", "w01", "w03"]))
+    for body in fan(3):
+        env.drop(body)
+    env.wait_job("merge", "done")
+    [(_, parents)] = parents_log(env)
+    assert [p["job_id"] for p in parents] == ["w02", "w01", "w03"]
+    assert d.wait_event("job.joined", job_id="merge")["after"] == ["w02", "w01", "w03"]
+    assert d.stop() == 0
+
+
 def test_a_join_whose_ledger_rows_were_lost_runs_once_its_parents_are_done(env: Env) -> None:
     """A join in waiting/ whose claim and wait rows the ledger lost (a power cut before they were durable): the next
     daemon puts them back from its order, and the join runs once its parents are done, never waits for ever."""

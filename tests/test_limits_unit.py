@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -66,6 +67,22 @@ def test_the_real_clis_texts_are_read(text: str, wait_s: float) -> None:
     """Each text the CLIs print at a limit gives the time it names."""
     hit = find_limit(text, ALL, NOW)
     assert hit is not None and hit.until - NOW == pytest.approx(wait_s)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        "You've hit your limit \u00b7 resets 1pm (Europe/Lisbon)",
+        "5-hour limit reached \u2219 resets 3pm (Europe/Stockholm)",
+        "You\u2019ve hit your limit \u00b7 resets 10pm",
+    ],
+)
+def test_a_claude_limit_in_a_final_json_written_with_escapes_is_read(result: str) -> None:
+    """A final JSON may write the middle dot, the bullet and the curly quote as \\u escapes: the preset reads them."""
+    line = json.dumps({"type": "result", "is_error": True, "result": result})  # ensure_ascii: `·` -> \\u00b7
+    assert "\\u" in line
+    hit = find_limit(line, ALL, NOW)
+    assert hit is not None and hit.until > NOW
 
 
 def test_no_limit_in_ordinary_failures_or_past_times() -> None:

@@ -194,6 +194,16 @@ def test_unquoted_yaml_times_and_the_basic_format_are_iso_8601_times(env: Env) -
     assert (body["not_before"], body["expires"]) == (f"{soon:%Y-%m-%dT%H:%M:%S}Z", "2999-01-01")
 
 
+def test_an_unquoted_basic_format_date_in_yaml_is_a_time(env: Env) -> None:
+    """README: the basic format works "quoted or not" in YAML. `expires: 29990101` (read by YAML as a number) is a
+    date; `not_before: 20010101` lets the order run at once; the order keeps each as the text given."""
+    head = "from: tester\nto: worker\ntask: Copy the rows.\nitems:\n  - id: R1\n"
+    env.drop(f"job_id: digits\n{head}not_before: 20010101\nexpires: 29990101\n", name="digits.yaml")
+    assert env.cli("run", "--once", timeout=60).returncode == 0
+    body = json.loads((env.job_dir("digits", "done") / "work" / "order.json").read_text())
+    assert (body["not_before"], body["expires"]) == ("20010101", "29990101")
+
+
 def test_cancel_of_an_order_not_due_yet_takes_effect_at_once(env: Env) -> None:
     """`cancel` of an order held back by not_before fails it (cancelled) within seconds, not at its due time."""
     d = env.daemon()

@@ -250,6 +250,63 @@ def test_a_second_sigterm_while_an_agent_runs_ends_a_hanging_notification_at_onc
     assert [e["error"] for e in failed] == ["ended: the daemon stopped"], failed
 
 
+def test_a_second_sigterm_during_the_shutdown_ends_a_notification_that_ignores_sigterm_at_once(env: Env) -> None:
+    """Only a notification runs (the loop has ended): the first SIGTERM gives it stop_timeout, the second ends it at
+    once by SIGKILL, not after kill_grace."""
+    marker = f"time.sleep(100.8)  # {env.tmp}"
+    deaf = f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); {marker}"
+    env.configure(
+        agents={"worker": env.agent("--exit", "3")},
+        notify=[sys.executable, "-c", deaf],
+        stop_timeout=20,
+        kill_grace=20,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("NOTE-3"))
+    env.wait_job("NOTE-3", "failed")
+    wait_until(lambda: processes_with(marker), 15, "the notify command")
+    d.signal(signal.SIGTERM)
+    d.wait_event("daemon.stopping")
+    time.sleep(1)
+    assert processes_with(marker), "the first SIGTERM gives it stop_timeout"
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(60) == 0
+    assert time.monotonic() - sent < 8
+    assert not processes_with(marker)
+
+
+def test_run_once_stopped_while_it_runs_its_last_notification_gives_it_stop_timeout(env: Env) -> None:
+    """`run --once` out of work runs its notifications; one SIGTERM then is a stop like any: the notification
+    may run until stop_timeout (it is not signalled at once)."""
+    log = env.tmp / "notify-signals.txt"
+    script = (
+        "import signal, sys, time\n"
+        f"log = {str(log)!r}\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (open(log, 'a').write('TERM\\n'), sys.exit(0)))\n"
+        "open(log, 'a').write('start\\n')\n"
+        "time.sleep(3)\n"
+        "open(log, 'a').write('end\\n')\n"
+    )
+    notify = env.tmp / "notify.py"
+    notify.write_text(script)
+    env.configure(agents={"worker": env.agent("--exit", "3")}, notify=[sys.executable, str(notify)], stop_timeout=15)
+    env.drop(order("NOTE-4"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=cli_env(),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: log.exists() and "start" in log.read_text(), 60, "the notification running")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 1  # the job failed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert log.read_text().split() == ["start", "end"]
+
+
 def test_sighup_reload_applies_to_new_jobs_only(env: Env) -> None:
     """SIGHUP logs config.reloaded; a changed agent applies to new jobs, not claimed ones."""
     old = env.agent(

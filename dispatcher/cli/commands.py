@@ -206,7 +206,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
         raise ConfigError(errors[0].message, file=str(cfg.path), field=errors[0].field)
     here = live_here(daemons_of(cfg))
     if not here:
-        print(f"no daemon of {cfg.root} runs on this host: nothing to reload", file=sys.stderr)
+        print(f"no daemon of {printable(str(cfg.root))} runs on this host: nothing to reload", file=sys.stderr)
         return 1
     done = reload(here)
     for r in done:

@@ -346,7 +346,8 @@ class Daemon(Reloading, Fencing):
             notify_until,
             hurry=lambda: self.forced or any(sig != signal.SIGHUP for sig in self._signals),
             drain=self.once and not self.stopping,  # `run --once` ran out of work: its notifications all run
-            forced=lambda: self.forced,
+            forced=self._forced_now,
+            stop_s=self.config.stop_timeout_s,
         )
         if self.metrics is not None:
             await self.house.write_metrics()
@@ -400,6 +401,11 @@ class Daemon(Reloading, Fencing):
         self.wakeup()
         if signum != signal.SIGHUP:
             self._watch_the_stop()
+
+    def _forced_now(self) -> bool:
+        """Return True once a second stop signal came, also one the loop, ended already, never took."""
+        pending = sum(sig != signal.SIGHUP for sig in self._signals)
+        return self.forced or pending >= (1 if self.stopping else 2)
 
     def _watch_the_stop(self) -> None:
         """Start the stop's watch once; short of processes (no thread now), the loop tries again at its turns."""

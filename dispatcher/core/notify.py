@@ -172,15 +172,17 @@ class Notifications:
         *,
         drain: bool = False,
         forced: Callable[[], bool] = lambda: False,
+        stop_s: float = 0.0,
     ) -> None:
         """Let running notify commands end; the queue is dropped (with ``drain``: run first, in order).
 
         ``drain`` is the end of `run --once`, which no one asked to stop: every notification
-        queued runs, ``notify_max_running`` at a time, until ``hurry()`` says a stop came.
+        queued runs, ``notify_max_running`` at a time, until ``hurry()`` says a stop came; the
+        ones running then may go on for ``stop_s`` (``stop_timeout``), as at any stop.
         Each is bounded by its own timeout; a stop bounds them all by its deadline
-        (``until``, on the monotonic clock) or at once when ``hurry()`` says a second
-        stop came: then their groups are ended (``kill_grace``; at once when ``forced()``
-        says a second stop came) and each is logged as ``notify.failed``.
+        (``until``, on the monotonic clock), or ends them at once when ``forced()`` says a
+        second stop came: their groups are ended (``kill_grace``; by SIGKILL at once after a
+        second stop) and each is logged as ``notify.failed``.
         """
         self._closing = True
         while drain and (self._queue or self._running) and not hurry():
@@ -196,8 +198,10 @@ class Notifications:
             self._summary = None
         if self._retry is not None:
             self._retry.cancel()
+        if until is None and drain and hurry():  # `run --once` stopped while it drained: the stop's own deadline
+            until = time.monotonic() + stop_s
         end = time.monotonic() + NOTIFY_TIMEOUT_S + 10 if until is None else until
-        while self._running and time.monotonic() < end and not hurry():
+        while self._running and time.monotonic() < end and not forced():
             await asyncio.wait(set(self._running), timeout=min(_HURRY_POLL_S, max(0.0, end - time.monotonic())))
         if self._running:
             self._ending = True

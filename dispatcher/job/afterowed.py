@@ -37,6 +37,7 @@ __all__ = [
     "INTERRUPTED",
     "RUNNING",
     "Owed",
+    "busy",
     "claim",
     "drop",
     "finish",
@@ -56,6 +57,7 @@ MARKERS = owed.Markers(
 owe = MARKERS.owe
 drop = MARKERS.drop
 claim = MARKERS.claim
+busy = MARKERS.busy
 settle = MARKERS.settle
 finish = MARKERS.finish
 look = MARKERS.look

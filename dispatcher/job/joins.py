@@ -112,6 +112,15 @@ def parents_record(layout: Layout, ledger: Ledger, after: Iterable[str]) -> list
     return out
 
 
+def _as_ordered(named: object, parents: Iterable[str]) -> list[str]:
+    """Return the parents in the order the order's ``after`` names them (once each), as `show` and `list` do."""
+    wanted = set(parents)
+    if not isinstance(named, list):
+        return sorted(wanted)
+    ordered = list(dict.fromkeys(p for p in named if isinstance(p, str) and p in wanted))
+    return ordered + sorted(wanted - set(ordered))
+
+
 class Joins:
     """Record, wake, take and recover the waiting jobs of one daemon (blocking: the ledger lane)."""
 
@@ -319,14 +328,15 @@ class Joins:
             finish = Finish(spec.job_id, token, Row.FAILED, None, spec.parent_chain_cost_usd)
             self.finisher.finish_now(folder, finish, result, spec, self.failed)  # spec: its after hook is owed too
             return
-        data = fsutil.dump_json(parents_record(self.layout, self.ledger, wait.after))
+        after = _as_ordered(spec.order.get("after"), wait.after)
+        data = fsutil.dump_json(parents_record(self.layout, self.ledger, after))
         # its bytes and its name durable before the job moves: a given file, which writes_scope checks
         fsutil.write_atomic(folder.work / PARENTS, data, sync=True)
         folder.write_spec(replace(spec.with_given(PARENTS, fsutil.digest(data)), since=time.time()), sync=True)
         fsutil.rename_noreplace(folder.path, self.layout.job(State.ACTIVE, wait.job_id))
         fsutil.fsync_dir(self.layout.folder(State.ACTIVE))
         faults.point("join.moved")
-        log.info("job.joined", job_id=wait.job_id, agent=spec.agent.name, after=list(wait.after))
+        log.info("job.joined", job_id=wait.job_id, agent=spec.agent.name, after=after)
         if self.ready is not None:
             priority = spec.order.get("priority", 5)
             rank = (-priority if isinstance(priority, int) else -5, spec.received)

@@ -167,6 +167,23 @@ class Markers:
                 self.settle(layout, name)
         return Owed(ready, interrupted)
 
+    def busy(self, layout: Layout, job_id: str) -> bool:
+        """Return True while job_id's hook is owed and not run yet, or runs now in a live process (its lock held).
+
+        A ``.running`` marker no process holds is a run a crash cut short: the next start records it.
+        """
+        folder = self.folder(layout)
+        if os.path.lexists(folder / job_id):
+            return True
+        path = folder / f"{job_id}{RUNNING}"
+        if not os.path.lexists(path):
+            return False
+        fd = _lock_current(path)
+        if fd is None:
+            return os.path.lexists(path)  # locked: it runs now, here or in another daemon on this root
+        os.close(fd)
+        return False
+
     def _ended(self, layout: Layout, job_id: str) -> bool:
         """At start: False when job_id's ``.running`` marker is a run cut short (unlocked and empty).
 

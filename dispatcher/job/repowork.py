@@ -416,8 +416,8 @@ async def housekeep(
     for job_id in owed.ready:
         if job_id in busy:  # its Job lands it itself, after its after hook and the worktree's removal
             continue
-        if job_id in AFTER_RUNNING:  # its after hook runs in another pass (one a rescan began): that one lands it
-            continue
+        if job_id in AFTER_RUNNING or await lanes.io(afterowed.busy, layout, job_id):
+            continue  # its after hook is owed or runs now (another pass, another daemon): landed after it
         if stopping():
             return
         if await lanes.io(landing.claim, layout, job_id):

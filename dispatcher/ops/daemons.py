@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from dispatcher.errors import printable
 from dispatcher.ledger.base import DaemonInfo
 
 
@@ -124,6 +125,6 @@ def config_note(digest: str | None, path: Path | None, daemons: list[DaemonInfo]
     who = ", ".join(f"{d.pid} on {d.host}" for d in stale)
     many = "daemons" if len(stale) > 1 else "daemon"
     return (
-        f"note: {path} has changed since the running {many} ({who}) loaded it;"
+        f"note: {printable(str(path))} has changed since the running {many} ({who}) loaded it;"
         " `dispatcher reload` (or `systemctl reload`) makes them load it"
     )

@@ -117,9 +117,19 @@ def find_limit(text: str, rules: tuple[LimitRule, ...], now: float, streams: tup
     for rule in rules:
         for where in (text, *streams):
             hit = _hit(where, rule, now)
+            if hit is None and rule.preset is not None and "\\u" in where:
+                hit = _hit(_json_unescaped(where), rule, now)  # a CLI's final JSON may write `·` as \u00b7
             if hit is not None:
                 return hit
     return None
+
+
+_JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
+
+
+def _json_unescaped(text: str) -> str:
+    """Return text with JSON's ``\\uXXXX`` escapes read (a preset's middle dot, bullet or curly quote escaped)."""
+    return _JSON_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text)
 
 
 def _hit(text: str, rule: LimitRule, now: float) -> LimitHit | None:
