@@ -239,8 +239,6 @@ class _Renderer:
             name = var.name
             if value is not Ellipsis and name.startswith(STRUCTLOG_KEY_PREFIX) and name[_PREFIX:] not in event:
                 event[name[_PREFIX:]] = value
-        if "job_id" in event and "agent" not in event:  # contract 8: a line about a job carries both
-            event["agent"] = None
         event["level"] = level
         event["timestamp"] = _iso(time.time_ns())  # _stamp(), inline: one call a line fewer
         self.write(event, cut=True)

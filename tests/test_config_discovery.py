@@ -240,16 +240,6 @@ def test_init_with_a_json_config_path_writes_a_json_starter(tmp_path: Path) -> N
     assert status.returncode == 0, status.stderr
 
 
-def test_a_config_that_is_a_fifo_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
-    """A FIFO (or device) named as the config: one line, exit 2, at once; nothing hangs on it."""
-    fifo = tmp_path / "cfg.yaml"
-    os.mkfifo(fifo)
-    for args in (("status",), ("validate",), ("run", "--once")):
-        proc = dispatcher(tmp_path, "--config", str(fifo), *args)
-        assert proc.returncode == 2, (args, proc.stderr)
-        assert one_line(proc) == f"{fifo}: cannot read: not a regular file"
-
-
 def test_an_error_naming_a_path_stays_one_escaped_line(tmp_path: Path) -> None:
     """A root whose name holds a line break, an escape and a byte that is no UTF-8: the error is one line, with
     them escaped, and no Python notation (`\\udcff`)."""

@@ -261,7 +261,7 @@ class Housekeeping:
             elif entry is None and not self.inbox.has_pending() and not self._other_daemons():
                 # no order with this id is left anywhere: a later order reusing the id is not cancelled
                 await lanes.ledger(ledger.clear_request, job_id, Request.CANCEL)
-                log.info("cancel.dropped", job_id=job_id, reason="no queued order has this job id")
+                log.info("cancel.dropped", job_id=job_id, agent=None, reason="no queued order has this job id")
         if not self.ctx.stopping():  # a request parked here keeps `run --once` going (scheduler.busy)
             for job_id in await lanes.io(ledger.requests, Request.RETRY):
                 folder = JobFolder(layout.job(State.FAILED, job_id))

@@ -396,7 +396,7 @@ async def housekeep(
             try:
                 await afterowed.run(layout, job_id, cfg, lanes.io)
             except Exception as exc:  # the job is final already: a hook never changes it, nor stops the landings
-                log.exception("daemon.error", step="after hook", job_id=job_id, error=str(exc))
+                log.exception("daemon.error", step="after hook", job_id=job_id, agent=None, error=str(exc))
             finally:
                 AFTER_RUNNING.discard(job_id)
     owed = await lanes.io(landing.look, layout, startup=startup)

@@ -9,7 +9,6 @@ every error. Internal names carry units (``timeout_s``) where the file says
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import os
 import stat
@@ -127,7 +126,7 @@ def load_config(path: Path, *, root: Path | None = None) -> Config:
     """
     name = str(path)
     try:
-        data = _read_regular(path)
+        data = path.read_bytes()  # a pipe too: `--config <(envsubst < tmpl.yaml)`
     except FileNotFoundError:
         raise ConfigError("config file not found", file=name) from None
     except OSError as exc:
@@ -137,19 +136,6 @@ def load_config(path: Path, *, root: Path | None = None) -> Config:
         return dataclasses.replace(build_config(body, path, root=root), digest=file_digest(data))
     except OrderError as exc:
         raise ConfigError(exc.message, file=name, field=exc.field) from None
-
-
-def _read_regular(path: Path) -> bytes:
-    """Return a config file's bytes; a FIFO, device or folder is refused at once (EINVAL), never waited on."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            return fh.read()
-    finally:
-        os.close(fd)
 
 
 def build_config(body: Any, path: Path | None, *, root: Path | None = None) -> Config:

@@ -84,7 +84,7 @@ class Actions:
             try:
                 config = self._config()
             except DispatchError as exc:  # the config is bad now: nothing is done, as a command would exit 2
-                log.error("web.action", action=action, job_id=job_id, status=503, message=str(exc), by=who)
+                log.error("web.action", action=action, job_id=job_id, agent=None, status=503, message=str(exc), by=who)
                 return Outcome(503, str(exc))
             op = Operator(config, self.layout)
             op.reason = text
