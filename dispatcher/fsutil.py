@@ -212,6 +212,21 @@ _RENAMEAT2 = _renameat2()
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 
 
+def rename_into(src: str | Path, dst: str | Path) -> None:
+    """``rename_noreplace`` into a folder of the layout that a person may have removed by hand: made again then.
+
+    FileNotFoundError stays for a src that is gone (moved already) or a folder that exists.
+    """
+    try:
+        rename_noreplace(src, dst)
+    except FileNotFoundError:
+        folder = os.path.dirname(dst)
+        if not os.path.lexists(src) or os.path.isdir(folder):
+            raise
+        make_dirs(Path(folder))
+        rename_noreplace(src, dst)
+
+
 def rename_noreplace(src: str | Path, dst: str | Path) -> None:
     """Rename src to dst, raising FileExistsError if dst exists.
 

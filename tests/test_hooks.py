@@ -416,16 +416,22 @@ def test_land_waits_for_review_and_runs_once_after_approve(env: Env, tmp_path: P
     assert len(log.read_text().splitlines()) == 1
 
 
-def test_an_approved_jobs_landing_waits_for_its_after_hook_across_rescans(env: Env, tmp_path: Path) -> None:
-    """README, Hooks: the after hook runs before the landing of an approved job. Rescans every 0.5 s during a 3 s
-    after hook start passes of their own: none of them lands the job while its hook runs."""
-    repo = make_repo(tmp_path / "shop")
+def _slow_after_in_review(env: Env, tmp_path: Path, job_id: str) -> Path:
+    """Configure a reviewed coder whose after hook takes 3 s and whose land hook is quick, drop job_id; return the
+    file both hooks append to (after-start, after-end, land)."""
     log = tmp_path / "hooks.txt"
     after = ["sh", "-c", 'echo after-start >> "$0"; sleep 3; echo after-end >> "$0"', str(log)]
     land = ["sh", "-c", 'echo land >> "$0"', str(log)]
-    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, review=True)
+    agent = coder(env, make_repo(tmp_path / "shop"), "--write", "src/a.txt=x", after=after, land=land, review=True)
     env.configure(agents={"coder": agent}, rescan_interval=0.5)
-    env.drop(code_order("R2"))
+    env.drop(code_order(job_id))
+    return log
+
+
+def test_an_approved_jobs_landing_waits_for_its_after_hook_across_rescans(env: Env, tmp_path: Path) -> None:
+    """README, Hooks: the after hook runs before the landing of an approved job. Rescans every 0.5 s during a 3 s
+    after hook start passes of their own: none of them lands the job while its hook runs."""
+    log = _slow_after_in_review(env, tmp_path, "R2")
     d = env.daemon()
     wait_until(lambda: (env.root / "review" / "R2" / "result.json").exists(), what="the job in review/")
     env.cli("approve", "R2", check=True)
@@ -436,13 +442,7 @@ def test_an_approved_jobs_landing_waits_for_its_after_hook_across_rescans(env: E
 
 def test_with_two_daemons_an_approved_jobs_landing_waits_for_its_after_hook(env: Env, tmp_path: Path) -> None:
     """Two daemons on one root: the one that does not run the after hook does not land the job meanwhile."""
-    repo = make_repo(tmp_path / "shop")
-    log = tmp_path / "hooks.txt"
-    after = ["sh", "-c", 'echo after-start >> "$0"; sleep 3; echo after-end >> "$0"', str(log)]
-    land = ["sh", "-c", 'echo land >> "$0"', str(log)]
-    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, review=True)
-    env.configure(agents={"coder": agent}, rescan_interval=0.5)
-    env.drop(code_order("R3"))
+    log = _slow_after_in_review(env, tmp_path, "R3")
     d1 = env.daemon()
     wait_until(lambda: (env.root / "review" / "R3" / "result.json").exists(), what="the job in review/")
     d2 = env.daemon()

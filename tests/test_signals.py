@@ -169,7 +169,7 @@ def test_second_sigterm_ends_agents_at_once(env: Env) -> None:
 
 
 def test_second_sigterm_kills_an_agent_that_ignores_sigterm_without_waiting_kill_grace(env: Env) -> None:
-    """ "A second SIGTERM/SIGINT ends the agents' groups at once": an agent deaf to SIGTERM is not given kill_grace."""
+    """A second SIGTERM/SIGINT "ends the agents' groups at once": an agent deaf to SIGTERM is not given kill_grace."""
     env.configure(
         agents={"worker": env.agent("--sleep", "60", "--ignore-term")},
         stop_timeout=60,

@@ -282,24 +282,22 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         if not idle or conf is None:
             return
         room = max(0, conf.concurrency - len(self.slots.running_s(agent, 0.0)))
-        ledger = self.ctx.ledger
         while len(idle) > room:
-            slot = idle.pop()
-            if ledger.slots_local:
-                ledger.free_slot(agent, slot)
-            else:
-                self._background(self.ctx.lanes.ledger(ledger.free_slot, agent, slot))
+            self._free_slot(agent, idle.pop())
 
     def _free_idle(self) -> None:
         """Give back slots no job took over this turn, so that other daemons may use them."""
-        ledger = self.ctx.ledger
         for agent, slots in self.slots.idle.items():
             for slot in slots:
-                if ledger.slots_local:  # a flock on this host: released at once, no trip to the lane
-                    ledger.free_slot(agent, slot)
-                else:
-                    self._background(self.ctx.lanes.ledger(ledger.free_slot, agent, slot))
+                self._free_slot(agent, slot)
         self.slots.idle.clear()
+
+    def _free_slot(self, agent: str, slot: int) -> None:
+        ledger = self.ctx.ledger
+        if ledger.slots_local:  # a flock on this host: released at once, no trip to the lane
+            ledger.free_slot(agent, slot)
+        else:
+            self._background(self.ctx.lanes.ledger(ledger.free_slot, agent, slot))
 
     async def _launch(
         self,

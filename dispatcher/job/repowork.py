@@ -339,11 +339,6 @@ class FinalHooks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-# the jobs whose after hook a pass of ``housekeep`` runs now (on the loop): another pass, begun by a rescan
-# meanwhile, leaves their landing to the pass that runs the hook (README, Hooks: after, then land)
-AFTER_RUNNING: set[str] = set()
-
-
 async def housekeep(
     layout: Layout,
     lanes: Lanes,
@@ -392,13 +387,10 @@ async def housekeep(
         if stopping():
             return
         if await lanes.io(afterowed.claim, layout, job_id):
-            AFTER_RUNNING.add(job_id)
             try:
                 await afterowed.run(layout, job_id, cfg, lanes.io)
             except Exception as exc:  # the job is final already: a hook never changes it, nor stops the landings
                 log.exception("daemon.error", step="after hook", job_id=job_id, agent=None, error=str(exc))
-            finally:
-                AFTER_RUNNING.discard(job_id)
     owed = await lanes.io(landing.look, layout, startup=startup)
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
@@ -416,7 +408,7 @@ async def housekeep(
     for job_id in owed.ready:
         if job_id in busy:  # its Job lands it itself, after its after hook and the worktree's removal
             continue
-        if job_id in AFTER_RUNNING or await lanes.io(afterowed.busy, layout, job_id):
+        if await lanes.io(afterowed.busy, layout, job_id):
             continue  # its after hook is owed or runs now (another pass, another daemon): landed after it
         if stopping():
             return

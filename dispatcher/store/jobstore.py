@@ -439,13 +439,7 @@ class JobFolder:
         """Step 3's second half: move the folder into state's folder (once its result.json is on disk); return it."""
         target = layout.job_str(state, self.job_id)
         if self._dir != target:
-            try:
-                fsutil.rename_noreplace(self._dir, target)
-            except FileNotFoundError:
-                if not os.path.isdir(self._dir):
-                    raise  # landed already
-                fsutil.make_dirs(layout.folder(state))  # the state's folder was removed by hand: made again
-                fsutil.rename_noreplace(self._dir, target)
+            fsutil.rename_into(self._dir, target)  # FileNotFoundError: landed already
         return target
 
     def land(self, layout: Layout, state: State) -> str:

@@ -183,13 +183,7 @@ def place(
     try:
         if error is not None:
             raise error
-        try:
-            fsutil.rename_noreplace(stage, target)
-        except FileNotFoundError:
-            if not os.path.isdir(stage) or os.path.isdir(layout.folder_str(w.state)):
-                raise
-            fsutil.make_dirs(layout.folder(w.state))  # active/ (or waiting/) removed by hand: made again
-            fsutil.rename_noreplace(stage, target)
+        fsutil.rename_into(stage, target)
     except OSError as exc:
         return undo(ledger, item, stage, claimed, exc)
     return Started(JobFolder(target, claimed=w.spec.claimed), w.spec, w.order, claimed.token, claimed.cancelled)

@@ -125,14 +125,9 @@ def place(layout: Layout, stage: Path, base: str, on_placed: Callable[[Path], No
     while True:
         target = layout.folder(State.FAILED) / (base if n == 1 else f"{base}-{n}")
         try:
-            fsutil.rename_noreplace(stage, target)
+            fsutil.rename_into(stage, target)
         except FileExistsError:
             n += 1
-            continue
-        except FileNotFoundError:
-            if not os.path.isdir(stage) or os.path.isdir(layout.folder(State.FAILED)):
-                raise
-            fsutil.make_dirs(layout.folder(State.FAILED))  # failed/ was removed by hand: made again
             continue
         for name in (".target", ".source"):
             (target / name).unlink(missing_ok=True)
