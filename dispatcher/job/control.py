@@ -33,16 +33,14 @@ class Control:
         """
         if mute and self._proc is not None:
             self._proc.mute()
-        if now:
-            self._now = True
-            if self._proc is not None:
-                self._proc.abort(reason, now=True)
-        if self.reason is not None:
+        first = self.reason is None
+        if not first and not now:
             return
-        self.reason = reason
+        self.reason = self.reason or reason
+        self._now = self._now or now
         if self._proc is not None:
-            self._proc.abort(reason, now=self._now)
-        if self._sleep is not None and not self._sleep.done():
+            self._proc.abort(self.reason, now=self._now)
+        if first and self._sleep is not None and not self._sleep.done():
             self._sleep.set_result(None)
 
     def attach(self, proc: AgentProcess | None) -> None:
