@@ -204,6 +204,23 @@ def test_an_unquoted_basic_format_date_in_yaml_is_a_time(env: Env) -> None:
     assert (body["not_before"], body["expires"]) == ("20010101", "29990101")
 
 
+def test_a_follow_up_with_an_unquoted_basic_date_is_released_and_listed_as_due(env: Env) -> None:
+    """The basic format works "quoted or not" in a follow-up's YAML too: `not_before: 29990101` in outbox/ is a time.
+    The follow-up is released into inbox/ (not lost), and `list` shows when it is due, as for a quoted date."""
+    follow = "job_id: FU2\nfrom: fu\nto: worker\ntask: Later.\nitems: [{id: R1}]\nnot_before: 29990101\n"
+    env.configure({"worker": env.agent(), "fu": env.agent("--outbox-file", f"FU2.yaml={follow}")})
+    env.drop(order("FU1", to="fu"))
+    once = env.cli("run", "--once", timeout=60)
+    assert once.returncode == 0, once.stderr
+    assert '"followup.lost"' not in once.stdout
+    assert env.result("FU1", "done")["children"] == ["FU2"]
+    released = json.loads((env.root / "inbox" / "FU2.json").read_text())
+    assert (released["not_before"], released["parent"]) == ("29990101", "FU1")
+    listed = {row["job_id"]: row for row in json.loads(env.cli("list", "--json", check=True).stdout)}
+    assert "2999-01-01" in json.dumps(listed["FU2"]), listed["FU2"]
+    assert "due 2999-01-01" in env.cli("list", check=True).stdout
+
+
 def test_cancel_of_an_order_not_due_yet_takes_effect_at_once(env: Env) -> None:
     """`cancel` of an order held back by not_before fails it (cancelled) within seconds, not at its due time."""
     d = env.daemon()

@@ -405,9 +405,26 @@ def lone_surrogate(text: str) -> str | None:
 
 
 def load_document(data: bytes, fmt: str, *, aliases: bool = False) -> Any:
-    """Parse data as 'json' or 'yaml' into plain JSON values."""
+    """Parse data as 'json' or 'yaml' into plain JSON values.
+
+    In YAML an unquoted basic-format date in a top-level time field (``not_before:
+    20300101``), a number to YAML, is read as the text it is (README: quoted or not).
+    """
     text = decode(data)
-    return load_json(text) if fmt == "json" else load_yaml(text, aliases=aliases)
+    if fmt == "json":
+        return load_json(text)
+    body = load_yaml(text, aliases=aliases)
+    if isinstance(body, dict):
+        _basic_dates_as_text(body)
+    return body
+
+
+def _basic_dates_as_text(body: dict[Any, Any]) -> None:
+    """Read an unquoted basic-format date (``not_before: 20300101``), a number to YAML, as the text it is."""
+    for key in TIME_FIELDS:
+        value = body.get(key)
+        if type(value) is int and 10_000_000 <= value <= 99_999_999:
+            body[key] = str(value)
 
 
 def read_job_id(data: bytes, fmt: str) -> str | None:

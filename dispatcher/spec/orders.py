@@ -70,19 +70,9 @@ def parse_order(
         if max_bytes is not None and len(data) > max_bytes:
             raise OrderError(f"larger than max_order_bytes ({len(data)} > {max_bytes} bytes)")
         body = load(data, fmt)
-        if fmt == "yaml" and isinstance(body, dict):
-            _basic_dates_as_text(body)
         return validate_order(body, agents=agents, max_timeout_s=max_timeout_s)
     except OrderError as exc:
         raise exc.with_file(name) from None
-
-
-def _basic_dates_as_text(body: dict[str, Any]) -> None:
-    """Read an unquoted basic-format date (``not_before: 20300101``), a number to YAML, as the text it is."""
-    for key in ("not_before", "expires"):
-        value = body.get(key)
-        if type(value) is int and 10_000_000 <= value <= 99_999_999:
-            body[key] = str(value)
 
 
 def validate_order(

@@ -58,6 +58,7 @@ def parse() -> argparse.Namespace:
         help="write a bad output on the first N attempts, unless feedback.json exists",
     )
     p.add_argument("--followup", action="append", default=[], help="write this JSON object (an order) into outbox/")
+    p.add_argument("--outbox-file", action="append", default=[], help="NAME=TEXT: write TEXT as outbox/NAME, as is")
     p.add_argument("--parents", help="a joined job: read this parents.json (exit 3 if it cannot be read)")
     p.add_argument("--parents-log", help="append 'job_id <parents.json as one line>' to this file")
     p.add_argument("--field", action="append", default=[], help="NAME=VALUE: put this column in every output row")
@@ -152,6 +153,10 @@ def main() -> int:
         (work / "outbox").mkdir(exist_ok=True)
         follow = json.loads(spec)
         (work / "outbox" / f"{follow['job_id']}.json").write_text(json.dumps(follow))
+    for spec in a.outbox_file:
+        (work / "outbox").mkdir(exist_ok=True)
+        name, _, text = spec.partition("=")
+        (work / "outbox" / name).write_text(text)
 
     if not a.no_receipt:
         input_ids = list(ids)
