@@ -887,6 +887,51 @@ def test_active_removed_by_hand_is_made_again_at_the_next_claim(env: Env) -> Non
     assert not [e for e in d.events() if e.get("event") == "daemon.error"]
 
 
+@pytest.mark.parametrize("how", ["join", "retry", "revise", "retried join"])
+def test_a_folder_removed_by_hand_is_made_again_for_a_join_a_retry_and_a_revision(env: Env, how: str) -> None:
+    """`rmdir active/` (or `waiting/`) while the daemon is idle, then a join's parent is approved, a failed job is
+    retried or a job in review/ is revised: the folder is made again and the job runs. Before, each logged one
+    `daemon.error` and stayed where it was until the daemon restarted."""
+    env.configure(
+        agents={
+            "worker": env.agent(),
+            "rev": env.agent(review=True),
+            "bad": env.agent("--fail-attempts", "1", max_attempts=1),
+        }
+    )
+    d = env.daemon()
+    d.wait_ready()
+    if how == "join":
+        env.drop(order("V1", to="rev"))
+        env.drop(order("C1", after=["V1"]))
+        d.wait_event("job.review", job_id="V1")
+        (env.root / "active").rmdir()
+        env.cli("approve", "V1", check=True)
+        d.wait_event("job.done", job_id="C1", timeout=30)
+    elif how == "retry":
+        env.drop(order("X2", to="bad"))
+        env.wait_job("X2", "failed")
+        (env.root / "active").rmdir()
+        env.cli("retry", "X2", check=True)
+        d.wait_event("job.done", job_id="X2", timeout=30)
+    elif how == "revise":
+        env.drop(order("X3", to="rev"))
+        d.wait_event("job.review", job_id="X3")
+        (env.root / "active").rmdir()
+        env.cli("revise", "X3", "--note", "again", check=True)
+        d.wait_event("job.revised", job_id="X3", timeout=30)
+        wait_until(lambda: (env.root / "review" / "X3" / "attempts" / "2").is_dir(), 30, "X3 in review/ again")
+    else:
+        env.drop(order("P1"))
+        env.drop(order("J1", to="bad", after=["P1"]))
+        env.wait_job("J1", "failed")
+        (env.root / "waiting").rmdir()
+        env.cli("retry", "J1", check=True)
+        d.wait_event("job.done", job_id="J1", timeout=30)
+    assert d.stop() == 0
+    assert not [e for e in d.events() if e.get("event") == "daemon.error"]
+
+
 @pytest.mark.parametrize("removed", ["done", "failed"])
 def test_a_state_folder_removed_by_hand_is_made_again_and_nothing_stays_behind(env: Env, removed: str) -> None:
     """`rm -rf done/` (or `failed/`) while a job runs: the job still lands there, the folder made again, and a bad

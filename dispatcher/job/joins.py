@@ -303,7 +303,7 @@ class Joins:
 
     def rewait(self, job_id: str, token: int) -> None:
         """Put a retried join (reopened into active/ by ``retry``) back in waiting/; it waits for its parents again."""
-        fsutil.rename_noreplace(self.layout.job(State.ACTIVE, job_id), self.layout.job(State.WAITING, job_id))
+        fsutil.rename_into(self.layout.job(State.ACTIVE, job_id), self.layout.job(State.WAITING, job_id))
         fsutil.fsync_dir(self.layout.folder(State.WAITING))
         self.record(job_id, token)
 
@@ -333,7 +333,7 @@ class Joins:
         # its bytes and its name durable before the job moves: a given file, which writes_scope checks
         fsutil.write_atomic(folder.work / PARENTS, data, sync=True)
         folder.write_spec(replace(spec.with_given(PARENTS, fsutil.digest(data)), since=time.time()), sync=True)
-        fsutil.rename_noreplace(folder.path, self.layout.job(State.ACTIVE, wait.job_id))
+        fsutil.rename_into(folder.path, self.layout.job(State.ACTIVE, wait.job_id))
         fsutil.fsync_dir(self.layout.folder(State.ACTIVE))
         faults.point("join.moved")
         log.info("job.joined", job_id=wait.job_id, agent=spec.agent.name, after=after)

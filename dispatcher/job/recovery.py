@@ -242,7 +242,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
         spec = spec.with_given("feedback.json", folder.give_feedback(last, failed_checks))
     spec = replace(spec, since=time.time())  # back in active/ from now: its age
     folder.write_spec(spec, sync=True)
-    fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
+    fsutil.rename_into(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))
     ledger.clear_request(job_id, Request.RETRY)
     return spec, token

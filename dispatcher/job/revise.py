@@ -154,7 +154,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     if kept is not None:
         fsutil.write_atomic(kept, data, sync=True)
     folder.write_spec(replace(spec, since=time.time()), sync=True)  # back in active/ from now: its age
-    fsutil.rename_noreplace(folder.path, layout.job(State.ACTIVE, job_id))
+    fsutil.rename_into(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))
     faults.point("revise.moved")
     ledger.clear_request(job_id, Request.REVISE)
