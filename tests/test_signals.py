@@ -572,6 +572,28 @@ def test_sigterm_cuts_a_retry_wait_and_next_start_resumes(env: Env) -> None:
     assert d2.stop() == 0
 
 
+def test_sigterm_before_a_retry_wait_begins_cuts_it_too(env: Env) -> None:
+    """SIGTERM while the agent still runs; it then fails and its retry would wait 30 s: the stop cuts that wait
+    too (section 6), so the daemon exits once the agent is done, and the next start runs attempt 2."""
+    agent = env.agent("--fail-attempts", "1", "--sleep", "2", retry_safe=True, max_attempts=2)
+    env.configure(agents={"worker": agent}, retry_delay=30, stop_timeout=20)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("LATE-1"))
+    d.wait_event("agent.started", job_id="LATE-1")
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(40) == 0
+    assert time.monotonic() - sent < 12, "the stop waited out the retry delay"
+    assert [e["job_id"] for e in d.events() if e["event"] == "agent.exited"] == ["LATE-1"]
+    assert (env.root / "active" / "LATE-1").is_dir()
+    env.configure(agents={"worker": agent}, retry_delay=0.1)
+    d2 = env.daemon()
+    result = env.wait_job("LATE-1", "done")
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert d2.stop() == 0
+
+
 def test_sighup_storm_while_jobs_run_loses_nothing(env: Env) -> None:
     """Twenty SIGHUPs while 60 jobs run: each reloads, every job ends done once, exit 0."""
     env.configure(agents={"tiny": tiny_agent(env, concurrency=3)}, max_jobs=3)

@@ -246,6 +246,8 @@ class Deciding(abc.ABC):
         self.retries += 1
         delay = retry.delay(self.ctx.config().retry_delay_s, self.retries)
         log.info("job.retrying", attempt=n + 1, delay_s=delay, reason=reason)
+        if self.ctx.stopping():  # a stop cuts the wait, also one that begins after it: the next start retries
+            return Outcome.LEFT
         if await self.control.sleep(delay):
             if self.control.reason is Stop.STOPPED:
                 return Outcome.LEFT
