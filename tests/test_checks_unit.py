@@ -127,6 +127,7 @@ CASES = [
     ("exit_ok", evidence(exit=Exit(code=-15, aborted="cancelled", seconds=1)), False, "cancelled"),
     ("exit_ok", evidence(exit=Exit(code=None)), False, "no exit status"),
     ("exit_ok", evidence(exit=Exit(lost=True)), None, "exit status lost"),
+    ("exit_ok", evidence(exit=Exit(lost=True), receipt=NO_RECEIPT), False, "exit status lost: the daemon stopped"),
     # receipt_present
     ("receipt_present", evidence(), True, "JSON object"),
     ("receipt_present", evidence(receipt=NO_RECEIPT), False, "no receipt.json"),

@@ -92,11 +92,10 @@ def test_a_before_hook_failure_with_no_attempt_left_fails_the_job_with_its_reaso
     assert starts(env) == []
 
 
-def test_a_before_hook_failing_the_last_attempt_keeps_the_checks_of_the_attempt_before(
-    env: Env, tmp_path: Path
-) -> None:
+def test_a_before_hook_failing_the_last_attempt_records_its_checks_as_not_run(env: Env, tmp_path: Path) -> None:
     """Attempt 1 runs and fails its checks; attempt 2's before hook fails: the job fails with the hook's reason,
-    and result.json keeps attempt 1's checks (exit_ok false), not "not run" for every check."""
+    and result.json says every check was not run on attempt 2 (null, with why), so that no false check of attempt 1
+    stands beside a reason that names none (section 5: the reason starts with the first failing check)."""
     repo = make_repo(tmp_path / "shop")
     hook = ["sh", "-c", '[ "$DISPATCH_ATTEMPT" = 1 ] || { echo gone >&2; exit 4; }']
     agent = coder(env, repo, "--exit", "1", before=hook, max_attempts=2, retry_safe=True)
@@ -106,8 +105,9 @@ def test_a_before_hook_failing_the_last_attempt_keeps_the_checks_of_the_attempt_
     result = env.wait_job("B9", "failed")
     d.stop()
     assert result["reason"] == "before hook exited 4: gone; not retried: no attempts left"
-    checks = {c["name"]: c for c in result["checks"]}
-    assert checks["exit_ok"]["ok"] is False and "exit 1" in checks["exit_ok"]["detail"], checks["exit_ok"]
+    assert {c["ok"] for c in result["checks"]} == {None}
+    assert {c["detail"] for c in result["checks"]} == {"not run: attempt 2 ran no agent: its before hook failed"}
+    assert len(result["checks"]) == 10
 
 
 def test_after_runs_once_when_final_and_never_changes_the_state(env: Env, tmp_path: Path) -> None:

@@ -332,6 +332,9 @@ def test_kill9_orphan_of_not_retry_safe_job_fails_without_rerun(env: Env) -> Non
     assert not alive(pid)
     assert "retr" in result["reason"].lower(), result["reason"]
     assert result["reason"].startswith(first_failing(result) or "?"), result["reason"]
+    # exit_ok is null only beside a receipt (section 5): without one the interrupted attempt's exit_ok is false
+    exit_ok = next(c for c in result["checks"] if c["name"] == "exit_ok")
+    assert exit_ok["ok"] is False and exit_ok["detail"].startswith("exit status lost"), exit_ok
     assert [j for j, _a, _p in agent_starts(env)] == ["ORPH-3"]
     # the attempt the crash cut short still says what it ran (contract section 6)
     assert [a["argv"] for a in result["attempts"]] == [agent["command"]], result["attempts"]

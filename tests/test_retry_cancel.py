@@ -292,6 +292,11 @@ def test_cancel_running_job_ends_its_group_and_finished_or_unknown_exit_1(env: E
     assert env.cli("cancel", "LONG-1").returncode == 0
     result = env.wait_job("LONG-1", "failed", timeout=15)
     assert result["reason"] == "cancelled"
+    # the attempt ran, so every check ran on it and is recorded (section 5), none "not run"
+    checks = {c["name"]: c for c in result["checks"]}
+    assert checks["exit_ok"]["ok"] is False and checks["exit_ok"]["detail"].startswith("cancelled after "), checks
+    assert checks["receipt_present"]["ok"] is False, checks["receipt_present"]
+    assert not [c for c in result["checks"] if c["detail"].startswith("not run")], result["checks"]
     wait_gone([pid, *child], [pid], timeout=5)
 
     assert env.cli("cancel", "LONG-1").returncode == 1, "a finished job was cancelled twice"

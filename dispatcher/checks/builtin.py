@@ -40,7 +40,9 @@ def _made(name: str, ok: bool | None, detail: str) -> CheckResult:
 def exit_ok(ev: Evidence) -> CheckResult:
     r = partial(_made, "exit_ok")
     e = ev.exit
-    if e.lost:
+    if e.lost:  # null only beside a receipt (section 5): without one the attempt counts as interrupted
+        if ev.receipt.missing:
+            return r(False, "exit status lost: the daemon stopped while the agent ran, and it left no receipt")
         return r(None, "exit status lost: the daemon stopped while the agent ran")
     if e.aborted:
         return r(False, f"{e.aborted} after {e.seconds:.2f} s")

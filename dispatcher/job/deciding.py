@@ -41,6 +41,7 @@ from dispatcher.spec.limits import LimitHit
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.results import not_run
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
@@ -99,13 +100,15 @@ class Deciding(abc.ABC):
         spent = retry.over_budget(self.spec.agent, self.attempts)
         if spent is not None:  # the attempts that met the limit cost too: max_cost_usd ends the job here
             await self._persist(self.folder.record_attempt, replace(record, retry_next=False))
-            return await self.finish(Row.FAILED, f"limit: {hit.text}; not retried: {spent}", self.checked)
+            return await self.finish(
+                Row.FAILED, f"limit: {hit.text}; not retried: {spent}", self._limited_checks(record.n)
+            )
         bound = self.ctx.config().max_limit_wait_s
         total = waited_s(self.attempts)
         if total > bound:
             await self._persist(self.folder.record_attempt, replace(record, retry_next=False))
             reason = f"limit: {hit.text}; waiting until {iso(hit.until)} is beyond max_limit_wait ({bound:g} s)"
-            return await self.finish(Row.FAILED, reason, self.checked)
+            return await self.finish(Row.FAILED, reason, self._limited_checks(record.n))
         self.spec = replace(self.spec, budget=self.spec.budget + 1, since=time.time())  # not counted; waits from now
         await self._persist(self.folder.write_spec, self.spec)
         await self._persist(self.folder.record_attempt, record)
@@ -151,6 +154,10 @@ class Deciding(abc.ABC):
             await self._persist(self.folder.write_spec, self.spec)
             return await self._schedule_retry(n, reason, checks)
         return await self.finish(Row.FAILED, f"{reason}; not repaired: {why}", checks)
+
+    def _limited_checks(self, n: int) -> list[CheckResult]:
+        """The checks of a job that fails at attempt n's usage limit: none ran (its reason names none)."""
+        return not_run(f"attempt {n} met a usage limit", [c.name for c in self.spec.agent.checks])
 
     def _no_more_attempts(self, n: int) -> str | None:
         """Return why no further attempt may run, or None."""

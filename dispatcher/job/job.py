@@ -45,6 +45,7 @@ from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult, Result
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.results import not_run
 
 if TYPE_CHECKING:
     pass  # prometheus_client is imported only when metrics_file is set
@@ -210,7 +211,7 @@ class Job(Finishing, Deciding):
         until, bound = iso(gate.until or time.time()), self.ctx.config().max_limit_wait_s
         text = gate.reason or "a usage limit"
         reason = f"limit: {text}; waiting until {until} is beyond max_limit_wait ({bound:g} s)"
-        return await self.finish(Row.FAILED, reason, self.checked)
+        return await self.finish(Row.FAILED, reason, self._limited_checks(max(a.n for a in self.attempts)))
 
     async def _reland(self) -> Outcome:
         """Finish a job cut short while landing: its result is already written."""
@@ -352,9 +353,10 @@ class Job(Finishing, Deciding):
             self._unsaved = record  # written in the same trip off the loop as the checks' evidence
         if out.aborted == Stop.STOPPED:
             return Outcome.LEFT
-        if out.aborted == Stop.CANCELLED:
-            await self.repo.snapshot(n)  # diff.patch and changed.txt of the attempt a cancel cut (section 15)
-            return await self.finish(Row.FAILED, Stop.CANCELLED, [])
+        if out.aborted == Stop.CANCELLED:  # the attempt ran: its checks are recorded (exit_ok: "cancelled after N s")
+            cut = replace(attempt.exit_of(record, self.spec.timeout_s), aborted=str(Stop.CANCELLED))
+            checks = await self._checks(cut, n)  # diff.patch and changed.txt too (section 15)
+            return await self.finish(Row.FAILED, Stop.CANCELLED, checks)
         return attempt.exit_of(record, self.spec.timeout_s)
 
     def _notify_budget(self, agent: str, job_id: str, reason: str | None) -> None:
@@ -441,8 +443,11 @@ class Job(Finishing, Deciding):
         """The before hook of attempt n failed: the attempt fails with its reason (retried if attempts remain)."""
         await self._record_hook_attempt(attempt.hook_failed(n, why))
         why_not = self._no_more_attempts(n)
-        if why_not is not None:  # the checks of the last attempt that was checked stand (none: "not run")
-            return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", self.checked)
+        if why_not is not None:  # its reason names no check: none stands beside it as the first failing one
+            unchecked = not_run(
+                f"attempt {n} ran no agent: its before hook failed", [c.name for c in self.spec.agent.checks]
+            )
+            return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", unchecked)
         return await self._schedule_retry(n, why)
 
     async def _record_hook_attempt(self, record: Attempt) -> None:

@@ -31,6 +31,17 @@ NOT_RUN = tuple(CheckResult(name, None, _NOT_RUN_DETAIL) for name in BUILTIN_CHE
 _DETAIL = attrgetter("detail")
 
 
+def not_run(why: str, user_checks: Sequence[str] = ()) -> list[CheckResult]:
+    """Return every built-in check (then the agent's own) as ``"ok": null``, "not run: WHY".
+
+    For a job that ends without checking its last attempt (its before hook failed, it met a
+    usage limit): its reason then names no check, so no earlier attempt's failed check stands
+    beside it as the first failing one (section 5).
+    """
+    detail = f"not run: {why}"
+    return [CheckResult(name, None, detail) for name in (*BUILTIN_CHECKS, *user_checks)]
+
+
 def build_result(
     *,
     job_id: str | None,
