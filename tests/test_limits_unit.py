@@ -85,6 +85,26 @@ def test_a_claude_limit_in_a_final_json_written_with_escapes_is_read(result: str
     assert hit is not None and hit.until > NOW
 
 
+@pytest.mark.parametrize(
+    "result",
+    [
+        "You\u2019ve hit your usage limit \U0001f680 Upgrade to Pro or try again in 2 hours.",
+        "Claude usage limit reached.\nYour limit will reset at 5pm (Europe/Warsaw).",
+    ],
+)
+def test_a_limit_in_a_final_json_with_an_escaped_emoji_or_line_break_is_read(result: str) -> None:
+    """An emoji escaped as a surrogate pair (\\ud83d\\ude80) is one character again, and the hit text can be
+    written as UTF-8 (it is logged and kept); a line break escaped as \\n is a line break."""
+    line = json.dumps({"type": "result", "is_error": True, "result": result})
+    assert "\\u" in line or "\\n" in line
+    hit = find_limit(line, ALL, NOW)
+    assert hit is not None and hit.until > NOW
+    hit.text.encode("utf-8")  # no lone surrogate
+    lone = find_limit(line.replace("\\ude80", ""), ALL, NOW)  # half a pair: read as U+FFFD
+    assert lone is not None
+    lone.text.encode("utf-8")
+
+
 def test_no_limit_in_ordinary_failures_or_past_times() -> None:
     """An ordinary error, a 429 without Retry-After and an epoch in the past are not limits."""
     assert find_limit("Error: ENOENT: no such file", ALL, NOW) is None

@@ -117,19 +117,34 @@ def find_limit(text: str, rules: tuple[LimitRule, ...], now: float, streams: tup
     for rule in rules:
         for where in (text, *streams):
             hit = _hit(where, rule, now)
-            if hit is None and rule.preset is not None and "\\u" in where:
+            if hit is None and rule.preset is not None and "\\" in where:
                 hit = _hit(_json_unescaped(where), rule, now)  # a CLI's final JSON may write `·` as \u00b7
             if hit is not None:
                 return hit
     return None
 
 
-_JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
+# a surrogate pair first (an emoji escaped as two), then one escape; JSON's short escapes too (a line break as \n)
+_JSON_ESCAPE = re.compile(
+    r"\\(?:u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|([nrtbf\"\\/]))"
+)
+_SHORT_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f", '"': '"', "\\": "\\", "/": "/"}
 
 
 def _json_unescaped(text: str) -> str:
-    """Return text with JSON's ``\\uXXXX`` escapes read (a preset's middle dot, bullet or curly quote escaped)."""
-    return _JSON_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text)
+    """Return text with JSON's escapes read: a preset's middle dot, bullet or curly quote as ``\\uXXXX``, an emoji
+    as a surrogate pair, a line break as ``\\n``. A lone surrogate (no character) reads as U+FFFD."""
+    return _JSON_ESCAPE.sub(_unescape, text)
+
+
+def _unescape(m: re.Match[str]) -> str:
+    high, low, one, short = m.groups()
+    if high is not None:
+        return chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + (int(low, 16) - 0xDC00))
+    if one is not None:
+        code = int(one, 16)
+        return "\ufffd" if 0xD800 <= code <= 0xDFFF else chr(code)
+    return _SHORT_ESCAPES[short]
 
 
 def _hit(text: str, rule: LimitRule, now: float) -> LimitHit | None:
