@@ -38,7 +38,11 @@ DISK_WAIT_MAX_S = 30.0  # a full disk is waited out with backoff up to this betw
 PAUSE_MAX_S = 2.0
 WINDOW_MAX = 1024
 QUIET_S = 10.0  # a shortage of a resource not met again for this long is over (retries come every 2 s at most)
-START_FDS = 7  # descriptors a job's start holds at its peak: its slot's lock, two output pipes, the exec check's pipe
+# descriptors a job's start holds at its peak (its slot's lock, two output pipes, the exec check's pipe), as measured
+# under `ulimit -n`; the first start opens two more that stay for the daemon's life (agents' /dev/null, an epoll)
+START_FDS = 8
+FIRST_START_FDS = START_FDS + 2
+ROOM_LOOK_MAX = 4  # orders whose starts one look (``room``) makes room for; beyond them, the starts are the look
 
 
 def resource_of(exc: BaseException) -> str | None:
@@ -105,38 +109,44 @@ class Shortage:
         """Return True while claims and starts pause."""
         return time.monotonic() < self.until
 
-    def room(self) -> bool:
-        """Return False if no new order may be claimed now: the descriptors its agent's start needs are short.
+    def room(self, want: int = 1) -> int:
+        """Return how many of ``want`` new orders may be claimed now: as many as the descriptors free let start.
 
-        A claim takes fewer descriptors than a start: without this look, the first turn
-        and the turn after each pause would claim an order into active/ that could not
-        start there. Only until the first agent starts, and while the daemon comes back
-        from a shortage (``allowance`` bounded), are START_FDS descriptors opened and
-        closed again. A shortage met so is logged as one and holds new claims for a
-        pause (``claims_wait_s``); jobs claimed before go on starting, since their
-        agents need no more than the look asked for. Processes and memory cannot be
-        looked at so cheaply: for them the first start after a pause is the look.
+        A claim takes fewer descriptors than a start: without this look, a turn would claim
+        orders into active/ that could not start there (a limit lowered under a running
+        daemon with ``prlimit`` included). So each turn that would claim opens START_FDS
+        descriptors (FIRST_START_FDS before the first start) for each of its first
+        ROOM_LOOK_MAX new orders, and closes them again: a few dozen system calls a turn. A
+        shortage met so, before one order fits, is logged as one and holds new claims for a
+        pause (``claims_wait_s``); jobs claimed before go on starting, since their agents
+        need no more than the look asked for. Processes and memory cannot be looked at so
+        cheaply: for them the first start after a pause is the look.
         """
         now = time.monotonic()
         if now < self._claims_until:
-            return False
-        if self._window is None and self._ok_at:
-            return True
+            return 0
         fds: list[int] = []
+        fit = 0
+        need = START_FDS if self._ok_at else FIRST_START_FDS
         try:
-            for _ in range(START_FDS // 2):
-                fds.extend(os.pipe())
-            if START_FDS % 2:
-                fds.append(os.dup(fds[0]))
+            while fit < min(want, ROOM_LOOK_MAX):
+                for _ in range(need // 2):
+                    fds.extend(os.pipe())
+                if need % 2:
+                    fds.append(os.dup(fds[0]))
+                fit += 1
         except OSError as exc:
-            if not self._met(exc, "claim", now):
+            if resource_of(exc) is None:
                 raise
+            if fit:  # fewer than asked fit: as many are claimed, quietly
+                return fit
+            self._met(exc, "claim", now)
             self._claims_until = self._paused_until(now)
-            return False
+            return 0
         finally:
             for fd in fds:
                 os.close(fd)
-        return True
+        return want  # as many as the look asked for fit: the starts themselves find a shortage beyond them
 
     def claims_wait_s(self) -> float:
         """Return the seconds left before new orders may be claimed again (0 when they may)."""

@@ -216,7 +216,8 @@ def test_a_follow_up_with_an_unquoted_basic_date_is_released_and_listed_as_due(e
     assert env.result("FU1", "done")["children"] == ["FU2"]
     released = json.loads((env.root / "inbox" / "FU2.json").read_text())
     assert (released["not_before"], released["parent"]) == ("29990101", "FU1")
-    listed = {row["job_id"]: row for row in json.loads(env.cli("list", "--json", check=True).stdout)}
+    lines = env.cli("list", "--json", check=True).stdout.splitlines()  # JSON lines
+    listed = {row["job_id"]: row for row in map(json.loads, lines)}
     assert "2999-01-01" in json.dumps(listed["FU2"]), listed["FU2"]
     assert "due 2999-01-01" in env.cli("list", check=True).stdout
 

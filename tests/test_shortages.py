@@ -198,6 +198,64 @@ def test_short_of_descriptors_to_start_an_agent_claims_nothing_until_they_are_ba
     assert d.stop() == 0
 
 
+def test_a_limit_lowered_under_a_daemon_that_ran_agents_strands_no_order_in_active(env: Env) -> None:
+    """Agents ran; then `prlimit` lowers RLIMIT_NOFILE to a few above the descriptors the daemon holds, one limit after
+    another: at each, the orders dropped run or wait in inbox/, none waits in active/ for a start that cannot happen
+    there (section 13: keeps every order where it is). The limit raised, every job runs once."""
+    env.configure({"tiny": hold_agent(env, 0, concurrency=4)}, max_jobs=4)
+    d = env.daemon()
+    d.wait_ready()
+    assert d.proc is not None
+    pid = d.proc.pid
+    env.drop(tiny_order("warm"))
+    env.wait_job("warm", "done")
+    jobs = ["warm"]
+    for extra in range(1, 12):
+        held = len([fd for fd in os.listdir(f"/proc/{pid}/fd") if int(fd) < 200])
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (held + extra, 256))
+        for i in range(2):
+            jobs.append(f"low{extra}-{i}")
+            env.drop(tiny_order(jobs[-1]))
+        time.sleep(1.0)  # a few turns and pauses at this limit
+        wait_until(lambda: names(env.root / "active") == [], 20, f"active/ empty at {held} + {extra} descriptors")
+        assert set(names(env.root / "active")) == set(), "an order waits in active/ for a start that cannot happen"
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (256, 256))  # the descriptors are back
+    wait_until(lambda: names(env.root / "done") == sorted(jobs), 60, "every job done")
+    assert sorted(j for j, _a in env.starts()) == sorted(jobs) and names(env.root / "failed") == []
+    assert d.stop() == 0
+
+
+def test_at_every_low_descriptor_limit_an_order_runs_or_stays_in_inbox(env: Env) -> None:
+    """`run` started under RLIMIT_NOFILE from 17 to 26 (soft and hard), four orders for four slots: at each limit the
+    orders run or stay in inbox/. None is claimed into active/ to wait there for a start that cannot happen (the
+    look before a claim asked for fewer descriptors than a first start takes)."""
+    env.configure({"tiny": hold_agent(env, 0, concurrency=4)}, max_jobs=4)
+    jobs = [f"lim{i}" for i in range(4)]
+    for job_id in jobs:
+        env.drop(tiny_order(job_id))
+    for limit in range(17, 27):
+        out = env.tmp / f"run-{limit}.out"
+        with out.open("wb") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"],
+                stdout=fh, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env(), preexec_fn=nofile(limit),
+            )  # fmt: skip
+        try:
+            wait_until(lambda o=out: any(f'"{e}"' in o.read_text() for e in STARTED), 60, f"start at limit {limit}")
+            time.sleep(2.5)  # several turns and pauses at this limit
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, (limit, out.read_text()[-2000:])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert names(env.root / "active") == [], (limit, out.read_text()[-3000:])
+    proc2 = env.cli("run", "--once", timeout=120)
+    assert proc2.returncode == 0, proc2.stderr
+    assert names(env.root / "done") == jobs and names(env.root / "failed") == []
+    assert sorted(j for j, _a in env.starts()) == jobs
+
+
 def cpu_seconds(pid: int) -> float:
     """Return the user + system CPU time a process has used so far, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

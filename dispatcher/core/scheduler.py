@@ -160,7 +160,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         # an agent whose next orders are in a claim's trip (made ahead, or parked orders sent by an earlier
         # turn that may come back without a slot): those go first, the orders behind them wait
         behind = {agent for agent, n in (*self.ahead.claiming.items(), *self.sending.items()) if n > 0}
-        room: bool | None = None  # may new orders be claimed (``SHORT.room``): asked once, when one would be
+        room: int | None = None  # how many new orders may be claimed (``SHORT.room``): asked once, when one would be
         joined_rank: tuple[int, float] | None = None  # the best ready join left for an order of higher rank
         for p in list(self.parked):
             if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
@@ -175,8 +175,11 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                     joined_rank = p.rank if joined_rank is None else min(joined_rank, p.rank)
                     continue
             claimed_ahead = p.job_id in self.ahead.ready
-            if p.kind is Kind.NEW and not claimed_ahead and not (room := SHORT.room() if room is None else room):
-                continue  # read, not claimed: it waits until an agent could start (section 13)
+            if p.kind is Kind.NEW and not claimed_ahead:
+                room = SHORT.room(free) if room is None else room
+                if room <= 0:
+                    continue  # read, not claimed: it waits until an agent could start (section 13)
+                room -= 1
             if claimed_ahead and not self.slots.idle.get(p.agent) and self._at_concurrency(p.agent):
                 continue  # claimed ahead: it waits for the slot one of its agent's jobs here gives back
             self.parked.remove(p)
@@ -189,8 +192,9 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         while (join := self.inbox.pop_join()) is not None:
             batch.append(join)  # an order naming `after` is claimed at once and takes no slot: it waits
         fresh = free > 0 and len(self.parked) < PARK_LIMIT and self.inbox.has_ready()
-        if fresh and not (SHORT.room() if room is None else room):
-            fresh = False  # nothing new is claimed while an agent could not start (section 13)
+        if fresh:
+            room = SHORT.room(free) if room is None else room
+            fresh = room > 0  # nothing new is claimed while an agent could not start (section 13)
         while fresh and free > 0 and len(self.parked) < PARK_LIMIT:
             upcoming = self.inbox.next_agent(gated) if behind else None
             if upcoming is not None and upcoming[0] in behind:
@@ -203,6 +207,9 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 break
             batch.append(ready)  # read in the claim's trip, off the loop
             free -= 1
+            if room is not None:
+                room -= 1
+                fresh = room > 0  # as many as the descriptors free let start
         batch.extend(self.inbox.pop_expired(wall))  # refused `expired` in the claim's trip: no slot needed
         self._turn_at_expiry(wall)
         if not batch:
