@@ -205,6 +205,24 @@ def test_orders_that_wait_for_each_other_read_together_are_not_both_claimed(env:
     assert d.stop() == 0
 
 
+@pytest.mark.parametrize("how", ["run --once", "run"])
+def test_joins_whose_parent_ends_start_by_priority_not_by_id(env: Env, how: str) -> None:
+    """Three joins wait on one parent, `max_jobs: 1`: when it ends they start by priority, the highest first (section
+    16), not in the order of their ids (the first one joined took the slot before the others were queued)."""
+    env.configure({"worker": env.agent(), "slow": env.agent("--sleep", "1.5")}, max_jobs=1)
+    env.drop(order("PAR", to="slow"))
+    for job_id, priority in (("J-A", 1), ("J-B", 5), ("J-C", 9)):
+        env.drop(order(job_id, after=["PAR"], priority=priority))
+    if how == "run":
+        d = env.daemon()
+        for job_id in ("J-A", "J-B", "J-C"):
+            env.wait_job(job_id, "done")
+        assert d.stop() == 0
+    else:
+        assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert [j for j, _a in env.starts()] == ["PAR", "J-C", "J-B", "J-A"]
+
+
 def test_unknown_parent_is_waited_for_max_wait_then_fails(env: Env) -> None:
     """A merger naming an id no one knows fails with `after: ghost never finished` once max_wait ran out.
 

@@ -379,9 +379,9 @@ class Daemon(Reloading, Fencing):
         if self._wake is not None:
             self._wake.set()
 
-    def _joined(self, job_id: str, token: int, agent: str, rank: tuple[int, float]) -> None:
-        """A waiting job was taken and moved to active/ (from the ledger lane): park it on the loop."""
-        self.loop.call_soon_threadsafe(self.sched.park_joined, job_id, token, agent, rank)
+    def _joined(self, joined: list[tuple[str, int, str, tuple[int, float]]]) -> None:
+        """Waiting jobs were taken and moved to active/ (from the ledger lane): park them on the loop, in one call."""
+        self.loop.call_soon_threadsafe(self.sched.park_all_joined, joined)
 
     def hint(self, kind: str, name: str) -> None:
         """A filesystem hint from the watch (on the loop)."""

@@ -116,13 +116,14 @@ class Requests(abc.ABC, Generic[J]):
         self.inflight += 1
         self._background(self._launch([p], cancel=True))
 
-    def park_joined(self, job_id: str, token: int, agent: str, rank: tuple[int, float] = (0, 0.0)) -> None:
-        """Queue a job whose wait is over (moved to active/ and taken by this daemon); it runs when a slot is free.
+    def park_all_joined(self, joined: list[tuple[str, int, str, tuple[int, float]]]) -> None:
+        """Queue jobs whose waits are over (moved to active/ and taken by this daemon), all before the next turn.
 
-        Among the orders parked for a slot it takes its place by priority, then age, as an order
-        read from inbox/ would (``parked_rank``): not behind every order read before it.
+        Among the orders parked for a slot each takes its place by priority, then age, as an
+        order read from inbox/ would (``parked_rank``): not behind every order read before it.
         """
-        park_ranked(self.parked, Parked(Kind.JOINED, job_id, agent, token=token, rank=rank))
+        for job_id, token, agent, rank in joined:
+            park_ranked(self.parked, Parked(Kind.JOINED, job_id, agent, token=token, rank=rank))
         self.wake()
 
 

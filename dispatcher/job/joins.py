@@ -53,7 +53,7 @@ _EXPIRY_MAX = 100_000  # waiting joins whose `expires` is remembered; past it, r
 ALL_DONE, ALL_FINAL = "all_done", "all_final"
 
 # (job_id, token, agent, rank): a join moved to active/, to be run; rank (-priority, received) orders it among orders
-Ready = Callable[[str, int, str, tuple[int, float]], None]
+Ready = Callable[[list[tuple[str, int, str, tuple[int, float]]]], None]  # joins moved to active/, best rank first
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,8 @@ class Joins:
         self.ledger = ledger
         self.finisher = finisher
         self.config = config
-        self.ready: Ready | None = None  # set by the daemon: parks a join moved to active/
+        self.ready: Ready | None = None  # set by the daemon: parks joins moved to active/
+        self._joined: list[tuple[str, int, str, tuple[int, float]]] = []  # moved, not yet handed over (``_hand_over``)
         self.failed: Callable[[], None] | None = None  # set by the daemon: counts a failed join, on the loop
         # when the first wait still short of max_wait reaches it (wall clock; None: no such wait). Set
         # here, read by the loop, which sweeps then: a wait fails at max_wait, not at the next rescan
@@ -150,6 +151,12 @@ class Joins:
 
     def check(self, waits: Iterable[Wait]) -> None:
         """Decide each wait; take and run or fail those whose verdict is in."""
+        try:
+            self._check(waits)
+        finally:
+            self._hand_over()
+
+    def _check(self, waits: Iterable[Wait]) -> None:
         now = time.time()
         max_wait = self.config().max_wait_s
         for wait in waits:
@@ -170,6 +177,14 @@ class Joins:
             if token is not None:  # another daemon took it first otherwise
                 faults.point("join.taken")
                 self._carry_out(wait, token, verdict)
+
+    def _hand_over(self) -> None:
+        """Park the joins moved to active/ in one hand-over, by priority then age (section 16): joins whose
+        parents ended together must not start in the order the ledger listed them, the first before the
+        others are queued."""
+        joined, self._joined = self._joined, []
+        if joined and self.ready is not None:
+            self.ready(sorted(joined, key=lambda j: j[3]))
 
     def _expires(self, job_id: str) -> float | None:
         """Return when a waiting join that never ran expires (its order's `expires`), or None; read once a job."""
@@ -281,6 +296,7 @@ class Joins:
                 continue
             log.info("job.recovered", job_id=job_id, agent=entry.agent, step="join")
             self._carry_out(wait, token, verdict)
+        self._hand_over()
 
     def record(self, job_id: str, token: int) -> bool:
         """Turn a fresh claim of a job in waiting/ into a wait, then decide it at once."""
@@ -337,7 +353,6 @@ class Joins:
         fsutil.fsync_dir(self.layout.folder(State.ACTIVE))
         faults.point("join.moved")
         log.info("job.joined", job_id=wait.job_id, agent=spec.agent.name, after=after)
-        if self.ready is not None:
-            priority = spec.order.get("priority", 5)
-            rank = (-priority if isinstance(priority, int) else -5, spec.received)
-            self.ready(wait.job_id, token, spec.agent.name, rank)
+        priority = spec.order.get("priority", 5)
+        rank = (-priority if isinstance(priority, int) else -5, spec.received)
+        self._joined.append((wait.job_id, token, spec.agent.name, rank))
