@@ -178,6 +178,21 @@ def test_hold_of_ids_not_queued_fails_for_each_and_still_holds_the_others(env: E
     assert again.returncode == 1 and "held" in again.stderr, again.stderr
 
 
+def test_hold_of_an_order_with_a_cancel_asked_is_refused_and_the_cancel_holds(env: Env) -> None:
+    """`cancel` accepted (exit 0), then `hold` of the same queued order: refused (exit 1, one line), so the cancel
+    is carried out as promised (section 6: failed/ with reason cancelled), not dropped while the order sits in held/
+    to run after a `release`."""
+    env.drop(order("CX-1"))
+    env.cli("cancel", "CX-1", check=True)
+    proc = env.cli("hold", "CX-1")
+    assert proc.returncode == 1 and stderr_lines(proc) == [
+        "CX-1: a cancel was asked for it; it fails with reason cancelled"
+    ], proc.stderr
+    assert not (env.root / "held" / "CX-1.json").exists()
+    assert run_once(env) == 1
+    assert env.result("CX-1", "failed")["reason"] == "cancelled"
+
+
 def test_release_of_an_order_that_is_not_held_exits_1(env: Env) -> None:
     """`release` of a queued (not held) order, an unknown id or a path instead of an id fails with one line each."""
     env.drop(order("Q-3"))

@@ -237,6 +237,8 @@ class Operator:
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state not in (Row.RELEASED,):
             raise WrongState(f"{job_id}: is {_word(entry.state)}, only a queued order can be held")
+        if job_id in self.ledger.requests(Request.CANCEL):  # it ends cancelled as promised, not held
+            raise WrongState(f"{job_id}: a cancel was asked for it; it fails with reason cancelled")
         held: list[str] = []
         for _ in range(_MAX_FILES):
             name = find_queued(self.layout.inbox, [job_id]).get(job_id)
