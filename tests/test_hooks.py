@@ -453,6 +453,47 @@ def test_with_two_daemons_an_approved_jobs_landing_waits_for_its_after_hook(env:
     assert log.read_text().split() == ["after-start", "after-end", "land"]
 
 
+def test_with_two_daemons_one_killed_in_the_after_hook_the_other_ends_and_records_it_before_landing(
+    env: Env, tmp_path: Path
+) -> None:
+    """Two daemons on one root; the one running an approved job's after hook is killed (-9). The other one ends what
+    that hook left running and records it as failed (hook.failed, hooks/after-*.json), and only then lands the job:
+    the landing never runs beside the cut-short hook (README, Hooks), and it does not wait for a restart."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "hooks.txt"
+    after = ["sh", "-c", 'echo after-start >> "$0"; sleep 8; echo after-end >> "$0"', str(log)]
+    land = ["sh", "-c", 'echo land >> "$0"', str(log)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, review=True)
+    env.configure(agents={"coder": agent}, rescan_interval=0.5)
+    env.drop(code_order("R4"))
+    d1 = env.daemon()
+    wait_until(lambda: (env.root / "review" / "R4" / "result.json").exists(), what="the job in review/")
+    d2 = env.daemon()
+    d2.wait_ready()
+    env.cli("approve", "R4", check=True)
+    wait_until(lambda: "after-start" in (log.read_text() if log.exists() else ""), 60, "the after hook")
+    hook_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _runs(int(p), "after-start")]
+    assert hook_pids, "the after hook's shell"
+    parent = int(Path(f"/proc/{hook_pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    killed, other = (d1, d2) if d1.proc is not None and d1.proc.pid == parent else (d2, d1)
+    assert killed.proc is not None and killed.proc.pid == parent, (parent, d1.proc, d2.proc)
+    killed.kill()
+    wait_until(lambda: "land" in log.read_text(), 60, "the landing by the daemon left")
+    time.sleep(8.5)  # the hook would have ended by now had it been left running
+    assert log.read_text().split() == ["after-start", "land"], log.read_text()
+    assert any(e["event"] == "hook.failed" and e.get("job_id") == "R4" for e in other.events())
+    assert [p.name for p in (env.root / "done" / "R4" / "hooks").glob("after-*.json")], "the cut run's record"
+    assert other.stop() == 0
+
+
+def _runs(pid: int, text: str) -> bool:
+    """Return True if process pid's command line holds text (False once it is gone)."""
+    try:
+        return text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
 def test_a_before_hook_has_its_own_timeout_and_a_cancel_ends_it(env: Env, tmp_path: Path) -> None:
     """A hook given {command, timeout} is ended at its timeout; a cancel ends a running hook at once."""
     repo = make_repo(tmp_path / "shop")
@@ -490,10 +531,9 @@ def test_a_marker_being_written_is_left_alone_by_a_pass_over_the_markers(tmp_pat
         folder.mkdir(parents=True, exist_ok=True)
         temp = folder / ".CX5.running.4242.tmp"
         temp.write_bytes(b"")
-        for startup in (False, True):
-            owed = markers.look(layout, startup=startup)
-            assert (owed.ready, owed.interrupted) == ([], [])
-            assert temp.exists()
+        owed = markers.look(layout)
+        assert (owed.ready, owed.interrupted) == ([], [])
+        assert temp.exists()
 
 
 def _sigterm_while_the_hook_runs(d: Any, started: Path) -> tuple[int, float]:
@@ -640,7 +680,7 @@ def test_a_run_that_ends_while_a_starting_daemon_looks_at_its_marker_is_not_take
 
     monkeypatch.setattr(owed.os, "open", open_as_the_run_ends)
     other = owed.Markers("landing", ready_in=markers.ready_in, settled_in=markers.settled_in, records=markers.records)
-    assert other.look(layout, startup=True).interrupted == []
+    assert other.look(layout).interrupted == []
     assert marker.read_bytes() == b'{"ok": true}\n'
     markers.settle(layout, "R1")
 
@@ -656,8 +696,8 @@ def test_a_run_cut_short_stays_locked_until_it_is_recorded(tmp_path: Path) -> No
     (folder / "R2.running").write_bytes(b"")  # a dead daemon's run: empty, no lock
     first = owed.Markers("landing", ready_in=markers.ready_in, settled_in=markers.settled_in, records=markers.records)
     second = owed.Markers("landing", ready_in=markers.ready_in, settled_in=markers.settled_in, records=markers.records)
-    assert first.look(layout, startup=True).interrupted == ["R2"]
-    assert second.look(layout, startup=True).interrupted == []
+    assert first.look(layout).interrupted == ["R2"]
+    assert second.look(layout).interrupted == []
     first.settle(layout, "R2")  # recorded (``record_interrupted``): the marker and its lock go
     assert not (folder / "R2.running").exists()
-    assert second.look(layout, startup=True).interrupted == []
+    assert second.look(layout).interrupted == []

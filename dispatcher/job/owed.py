@@ -142,11 +142,14 @@ class Markers:
         finally:
             self._release(job_id)
 
-    def look(self, layout: Layout, *, startup: bool) -> Owed:
+    def look(self, layout: Layout) -> Owed:
         """Sort the markers: jobs in ``ready_in`` run now, gone or settled ones owe nothing, others wait.
 
-        At start, an unlocked ``.running`` marker is a run a crash cut short: it is not run again
-        (a locked one runs now, in another daemon on this root or a `dispatcher land`).
+        An unlocked ``.running`` marker is a run a crash cut short (its process died: a live run
+        holds its lock from the marker's first byte): it is not run again. It is found at start
+        and by a live daemon's pass alike, so that with two daemons on a root the one left ends
+        what the dead one's hook left running and records it before it lands the job. A locked
+        one runs now, in this or another daemon on this root or a `dispatcher land`.
         """
         try:
             names = sorted(os.listdir(self.folder(layout)))
@@ -157,7 +160,7 @@ class Markers:
             if name.startswith("."):  # a marker being written (``write_atomic``'s temp name): no job id starts so
                 continue
             if name.endswith(RUNNING):
-                if startup and not self._ended(layout, name[: -len(RUNNING)]):
+                if not self._ended(layout, name[: -len(RUNNING)]):
                     interrupted.append(name[: -len(RUNNING)])
                 continue
             found = layout.find(name)
@@ -170,7 +173,7 @@ class Markers:
     def busy(self, layout: Layout, job_id: str) -> bool:
         """Return True while job_id's hook is owed and not run yet, or runs now in a live process (its lock held).
 
-        A ``.running`` marker no process holds is a run a crash cut short: the next start records it.
+        A ``.running`` marker no process holds is a run a crash cut short: the next pass records it.
         """
         folder = self.folder(layout)
         if os.path.lexists(folder / job_id):
@@ -185,7 +188,7 @@ class Markers:
         return False
 
     def _ended(self, layout: Layout, job_id: str) -> bool:
-        """At start: False when job_id's ``.running`` marker is a run cut short (unlocked and empty).
+        """Return False when job_id's ``.running`` marker is a run cut short (unlocked and empty).
 
         True when another process runs it now (the marker is locked), or when the marker holds the
         record of a run that ended: that record is then put in the job folder unless it is there

@@ -357,7 +357,8 @@ async def housekeep(
 
     At start, each configured repository's worktrees are pruned (the locked ones are
     named in one line: they must be unlocked on purpose), worktrees of jobs no longer
-    active are removed, and after hooks and landings a crash cut short are recorded as failed.
+    active are removed. At start and in every pass, after hooks and landings a crash cut short (in this
+    daemon's last run, or in another daemon on this root that died) are ended and recorded as failed.
     ``busy``: the jobs this daemon runs now, whose Job runs its own after hook and landing.
     """
     if startup:
@@ -371,7 +372,7 @@ async def housekeep(
                 continue
             if locked:
                 log.warning("workspace.locked", repo=repo, worktrees=locked, hint="git worktree unlock PATH")
-    afters = await lanes.io(afterowed.look, layout, startup=startup)
+    afters = await lanes.io(afterowed.look, layout)
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     if startup:  # after the hooks a crash left running are ended: an after hook runs in the worktree it would lose
         keep = await lanes.io(_unfinished, layout)
@@ -391,7 +392,7 @@ async def housekeep(
                 await afterowed.run(layout, job_id, cfg, lanes.io)
             except Exception as exc:  # the job is final already: a hook never changes it, nor stops the landings
                 log.exception("daemon.error", step="after hook", job_id=job_id, agent=None, error=str(exc))
-    owed = await lanes.io(landing.look, layout, startup=startup)
+    owed = await lanes.io(landing.look, layout)
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
         await lanes.io(landing.record_interrupted, layout, job_id)
