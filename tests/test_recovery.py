@@ -27,6 +27,7 @@ from helpers_faults import (
     alive,
     assert_running,
     check,
+    env_daemon,
     first_failing,
     group_members,
     job_states,
@@ -425,6 +426,23 @@ def test_kill9_attempt_without_logs_but_with_a_receipt_is_checked_not_run_again(
     assert result["reason"].startswith("receipt_present"), result["reason"]
     assert agent_starts(env) == []
     assert d2.stop() == 0
+
+
+def test_a_crash_after_a_failed_exit_was_recorded_beside_a_receipt_does_not_run_the_agent_again(env: Env) -> None:
+    """The daemon dies after it recorded attempt 1 (exit 3) and before the checks; work/receipt.json is there. The next
+    start does not run the agent again (section 6: with a receipt, the checks decide), though the agent is retry_safe
+    with attempts left, and the reason says why it was not retried."""
+    env.configure(agents={"worker": env.agent("--exit", "3", retry_safe=True, max_attempts=3)})
+    env.drop(order("REC-3"))
+    d = env_daemon(env, {"DISPATCHER_FAULT": "attempt.recorded"})
+    assert d.wait(60) == -9
+    assert (env.root / "active" / "REC-3" / "work" / "receipt.json").exists()
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    result = env.result("REC-3", "failed")
+    assert [a["n"] for a in result["attempts"]] == [1] and [j for j, _a, _p in agent_starts(env)] == ["REC-3"]
+    assert result["reason"].startswith("exit_ok: exit 3"), result["reason"]
+    assert "not retried: recovered with its receipt after its daemon died" in result["reason"], result["reason"]
 
 
 def test_kill9_before_the_spawn_still_counts_for_a_job_not_retry_safe(env: Env) -> None:

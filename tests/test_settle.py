@@ -220,5 +220,15 @@ def test_an_unusable_receipt_is_never_retried_and_a_final_judgement_never_repair
     repairing = replace(spec, agent=replace(spec.agent, repair=True))
     failed = checks("ids_match")
     assert judge(repairing, [], 1, Exit(lost=True), failed, receipt=True, final=True) == Judgement(
-        Next.FAIL, "ids_match: bad"
+        Next.FAIL, "ids_match: bad; not repaired: recovered with its receipt after its daemon died"
+    )  # a job not repaired says why (section 6)
+
+
+def test_a_recovered_job_with_a_receipt_and_a_recorded_failed_exit_is_not_run_again(spec: Any) -> None:
+    """Section 6: with work/receipt.json there, a recovered job's agent is not run again, also when the dead daemon
+    had recorded its exit (exit 3): the checks decide, and the reason says why it was not retried."""
+    failed = checks("exit_ok")
+    assert judge(spec, [], 1, Exit(code=3), failed, receipt=True, final=True) == Judgement(
+        Next.FAIL, "exit_ok: bad; not retried: recovered with its receipt after its daemon died"
     )
+    assert judge(spec, [], 1, Exit(code=3), failed, receipt=True) == Judgement(Next.RETRY, "exit_ok: bad")

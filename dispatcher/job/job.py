@@ -261,7 +261,8 @@ class Job(Finishing, Deciding):
             return await self._retry_or_fail(n, f"{why}; attempt {n} was interrupted: {how}", checks)
         if record.retry_next:
             return None
-        return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s))
+        # its exit was recorded before the crash; with a receipt, its agent is not run again (section 6)
+        return await self._decide(n, attempt.exit_of(record, self.spec.timeout_s), final=receipt)
 
     async def _record_cut(self, n: int) -> Attempt:
         """Record attempt n, cut short by the crash of its daemon, as interrupted; return its record."""

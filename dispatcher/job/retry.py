@@ -115,6 +115,9 @@ def judge(
     """
     if exit_.timed_out or exit_.code not in (0, None) or not receipt:
         reason = verdict(checks) or "receipt_present: no receipt.json"
+        if final and receipt:  # section 6: with a receipt, a recovered job's agent is not run again
+            over = over_budget(spec.agent, attempts)
+            return Judgement(Next.FAIL, f"{reason}; not retried: {RECOVERED}" + (f", and {over}" if over else ""))
         if receipt_invalid(checks):  # a reason led by another check (exit_ok) says why there is no retry
             said = reason.startswith("receipt_present:")
             over = over_budget(spec.agent, attempts)
@@ -130,9 +133,14 @@ def judge(
     if final or not spec.agent.repair or receipt_invalid(checks):
         # no further attempt either way; its reason still says when the budget was spent (section 11)
         over = over_budget(spec.agent, attempts)
+        if final and spec.agent.repair and not receipt_invalid(checks):  # a job not repaired says why (section 6)
+            return Judgement(Next.FAIL, f"{failed}; not repaired: {RECOVERED}" + (f", and {over}" if over else ""))
         return Judgement(Next.FAIL, f"{failed}; {over}" if over else failed)
     why = no_more_attempts(spec, attempts, n)
     return Judgement(Next.FAIL, f"{failed}; not repaired: {why}") if why else Judgement(Next.REPAIR, failed)
+
+
+RECOVERED = "recovered with its receipt after its daemon died"
 
 
 def no_more_attempts(spec: JobSpec, attempts: Sequence[Attempt], n: int) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from dispatcher import faults
 from dispatcher.checks.builtin import run_checks
 from dispatcher.checks.evidence import gather
 from dispatcher.checks.facts import Evidence, Exit
@@ -47,6 +48,7 @@ def collect(
     """
     if record is not None:
         folder.record_attempt(record)
+        faults.point("attempt.recorded")
     me = spec.job_id
 
     def known(ids: list[str]) -> frozenset[str]:
