@@ -27,6 +27,7 @@ from conftest import Daemon, Env, cli_env, order, wait_until
 from helpers_faults import hold_agent, tiny_order, write_script
 from pg_fixtures import running_pg_server
 from pgserver import PgServer
+from web_helpers import start_web
 
 
 def nofile(limit: int) -> Callable[[], None]:
@@ -574,3 +575,22 @@ def test_after_an_outage_past_half_a_lease_a_stopped_job_is_taken_back_once(env:
     assert "lease.fenced" in {e["event"] for e in d.events()}
     assert "interrupted" in env.wait_job("OUT-2", "failed", timeout=30)["reason"]  # not retry-safe: not run again
     d.stop()
+
+
+def test_every_state_filter_answers_503_while_the_ledger_is_out_of_reach(env: Env, own_pg: PgServer) -> None:
+    """PostgreSQL stopped: `/api/jobs?state=review` (and the review page) answer 503, as `list --state review --json`
+    exits 2, instead of rows read from the folders; the same filters answer again once the server is back."""
+    env.configure({"reviewer": env.agent(review=True)}, ledger=own_pg.dsn)
+    env.drop(order("REV-9", to="reviewer"))
+    assert env.cli("run", "--once", timeout=60).returncode == 0
+    web = start_web(env)
+    try:
+        assert [r["job_id"] for r in web.json("/api/jobs?state=review")] == ["REV-9"]
+        own_pg.stop("immediate")
+        for path in ("/api/jobs?state=review", "/api/jobs?state=failed", "/api/jobs?state=inbox"):
+            assert web.get(path)[0] == 503, path
+        assert env.cli("list", "--state", "review", "--json").returncode == 2
+        own_pg.start()
+        wait_until(lambda: web.get("/api/jobs?state=review")[0] == 200, 30, "the view back with the server")
+    finally:
+        web.stop()

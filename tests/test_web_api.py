@@ -186,6 +186,15 @@ def test_an_empty_revise_note_is_refused_by_the_view_and_the_command(site: tuple
     assert len(refused) == 2 and all(e["job_id"] == "REV-A" and e["via"] == "web" for e in refused), refused
 
 
+def test_a_long_revise_note_is_taken_and_cut_as_the_command_cuts_it(site: tuple[Env, Web]) -> None:
+    """A revise note of 70,000 characters through the API is recorded as `dispatcher revise --note` records it (the
+    first 10,000 characters), not refused as a body too large."""
+    env, web = site
+    status, answer = web.act("REV-A", "revise", web.token, note="y" * 70_000)
+    assert (status, answer["message"]) == (200, "REV-A: revision requested"), answer
+    assert wait_until(lambda: revision_note(env, "REV-A"), 30, "REV-A's note") == "y" * 10_000
+
+
 def test_a_note_with_a_lone_surrogate_is_refused_by_the_view(site: tuple[Env, Web]) -> None:
     """A JSON body may escape a lone surrogate (`"\\udcff"`), which no UTF-8 file holds: a revise note or a reject
     reason so made is a 400 naming it, as `--note` of such bytes exits 2; nothing is recorded."""
@@ -211,6 +220,7 @@ def test_forms_need_a_login_and_their_csrf_token(site: tuple[Env, Web]) -> None:
     logged = form | {"Cookie": cookie}
     assert web.post("/jobs/REV-A/approve", b"", logged)[0] == 403
     assert web.post("/jobs/REV-A/approve", b"csrf=forged", logged)[0] == 403
+    assert web.post("/jobs/REV-A/approve", "csrf=é".encode(), logged)[0] == 403  # not a 500
     assert (env.root / "review" / "REV-A").is_dir()
     _, page, _ = web.get("/jobs/REV-A", {"Cookie": cookie})
     csrf = page.split(b'name="csrf" value="', 1)[1].split(b'"', 1)[0].decode()

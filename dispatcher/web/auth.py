@@ -140,4 +140,5 @@ class Auth:
 
     def csrf_ok(self, sid: str | None, given: str | None) -> bool:
         """Return True if given is the CSRF token of the live session sid."""
-        return bool(sid and given) and hmac.compare_digest(self.csrf(sid or ""), given or "")
+        # bytes: compare_digest refuses str with non-ASCII text (a TypeError, answered 500 instead of 403)
+        return bool(sid and given) and hmac.compare_digest(self.csrf(sid or "").encode(), (given or "").encode())

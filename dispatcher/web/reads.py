@@ -110,8 +110,12 @@ class Reader:
     def jobs(self, state: str | None = None, agent: str | None = None) -> list[dict[str, Any]]:
         """Return what `list --json` prints, as one list, newest first."""
         with self._lock:
-            # the ledger tells done jobs from lost ones, and a gated job in active/ as waiting (its `until`)
-            ledger = self._reader() if state in (None, "done", "active", "waiting") else None
+            # the ledger tells done jobs from lost ones, and a gated job in active/ as waiting (its `until`); it is
+            # opened for every state, so that a ledger out of reach answers 503 as `list` exits 2, whatever the filter
+            reader = self._reader()
+            ledger = reader if state in (None, "done", "active", "waiting") else None
+            if reader is not None and ledger is None:
+                reader.get(".")  # one look up by key (no job has this id): a server gone raises here
             return list_jobs(self.config, self.layout, ledger, state=state, agent=agent)
 
     def show(self, job_id: str, *, whole_tree: bool = False, refused: bool = False) -> dict[str, Any] | None:

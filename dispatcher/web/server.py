@@ -23,7 +23,7 @@ log = structlog.get_logger("dispatcher")
 
 DEFAULT_LISTEN = "127.0.0.1:8700"
 #: the largest request body read (forms and JSON bodies are small)
-MAX_BODY = 64 * 1024
+MAX_BODY = 1024 * 1024  # a revise note as long as the command takes (it keeps 10,000 characters)
 _SECURITY_HEADERS = (
     # nothing from outside the package, no inline script, no framing by another site
     ("Content-Security-Policy", "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'"),
