@@ -414,7 +414,9 @@ class Daemon(Reloading, Fencing):
         # from when the ledger's waits give up (at once before READY=1): calls hung on a silent server are cut
         wait_s = max(0.0, self.config.stop_timeout_s - GIVE_UP_EARLY_S) if self._ready else 0.0
         try:
-            stopwatch.watch(lambda: getattr(self, "ledger", None), time.monotonic() + wait_s)
+            stopwatch.watch(
+                lambda: getattr(self, "ledger", None), time.monotonic() + wait_s, self.config.stop_timeout_s
+            )
         except RuntimeError:  # "can't start new thread": RLIMIT_NPROC or memory
             return
         self._watching = True
