@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, wait_until
+from conftest import Env, cli_env, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
 from helpers_faults import alive, count_events, env_daemon
 
@@ -484,6 +486,37 @@ def test_with_two_daemons_one_killed_in_the_after_hook_the_other_ends_and_record
     assert any(e["event"] == "hook.failed" and e.get("job_id") == "R4" for e in other.events())
     assert [p.name for p in (env.root / "done" / "R4" / "hooks").glob("after-*.json")], "the cut run's record"
     assert other.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("verb", "point"),
+    [
+        ("approve", "review.decided"),
+        ("approve", "review.named"),
+        ("reject", "review.decided"),
+        ("reject", "review.named"),
+    ],
+)
+def test_after_a_decision_killed_partway_run_once_runs_the_after_hook_and_the_landing(
+    env: Env, tmp_path: Path, verb: str, point: str
+) -> None:
+    """approve (or reject) killed between its steps; the next `run --once` finishes the decision and, before it
+    exits, runs the after hook and (approved) the land hook it made owed: not only a later start or rescan."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "hooks.txt"
+    after = ["sh", "-c", 'echo after >> "$0"', str(log)]
+    land = ["sh", "-c", 'echo land >> "$0"', str(log)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, review=True)})
+    env.drop(code_order("K5"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert (env.root / "review" / "K5" / "result.json").exists()
+    args = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), verb, "K5"]
+    killed = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=env.tmp,
+                            env=cli_env() | {"DISPATCHER_FAULT": point})  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    once = env.cli("run", "--once", timeout=120)
+    assert once.returncode == 0, once.stderr  # it ran no job of its own
+    assert log.read_text().split() == (["after", "land"] if verb == "approve" else ["after"])
 
 
 def _runs(pid: int, text: str) -> bool:

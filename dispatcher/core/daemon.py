@@ -217,6 +217,9 @@ class Daemon(Reloading, Fencing):
         await startup.while_short(self.gatekeeper.refresh, self._stop_asked)  # gates survive restarts
         self.gatekeeper.start()
         await self.house.recover(startup=True)  # a dead daemon's agents are ended before READY=1
+        # a decision a killed approve or reject left half done was finished just now: its after hook and landing are
+        # owed from here on, not from the next rescan (which `run --once` would never reach)
+        self.house.run_owed()
         await self.house.requests()
         self._next_rescan = time.monotonic() + self._rescan_interval()
         self.tick()
