@@ -445,6 +445,31 @@ def test_a_crash_after_a_failed_exit_was_recorded_beside_a_receipt_does_not_run_
     assert "not retried: recovered with its receipt after its daemon died" in result["reason"], result["reason"]
 
 
+@pytest.mark.parametrize("how", ["expired since", "max_order_bytes lowered since"])
+def test_a_claims_leftover_inbox_name_is_dropped_not_refused_when_a_rule_now_refuses_it(env: Env, how: str) -> None:
+    """The daemon dies after placing a claimed job, before unlinking its inbox name; before the restart the order's
+    `expires` passes (or max_order_bytes is lowered below its size). The name left in inbox/ is the job's own file:
+    it is dropped (order.twin_dropped), not refused beside the job (section 1: a refused file never becomes a job)."""
+    env.configure()
+    expires = time.time() + 4 if how == "expired since" else time.time() + 3600
+    body = order("TW-1", expires=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires)))
+    path = env.drop(body)
+    d = env_daemon(env, {"DISPATCHER_FAULT": "claim.placed"})
+    assert d.wait(60) == -9
+    assert (env.root / "active" / "TW-1").is_dir() and path.exists()
+    if how == "expired since":
+        time.sleep(max(0.0, expires - time.time()) + 0.5)
+    else:
+        env.configure(max_order_bytes=64)
+    proc = env.cli("run", "--once", timeout=60)
+    failed = sorted(os.listdir(env.root / "failed")) if (env.root / "failed").exists() else []
+    assert not [f for f in failed if f.startswith("TW-1@")], (failed, proc.stdout[-3000:])
+    assert '"order.twin_dropped"' in proc.stdout
+    assert not path.exists()
+    status = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert status["counts"]["refused"] == 0, status["counts"]
+
+
 def test_kill9_before_the_spawn_still_counts_for_a_job_not_retry_safe(env: Env) -> None:
     """The same crash for an agent that is not retry-safe: the attempt counts as interrupted, nothing runs."""
     crash_before_the_spawn(env, "NOSPAWN-2", max_attempts=3)

@@ -139,6 +139,11 @@ class Claims:
                 p = work
                 late = None if slotless else expiry(p, time.time())
             if late is not None:  # read in time, but no slot or gate let it start before its expires
+                if p.item is not None and intake.drop_twin_of(
+                    self.layout, p.item.order.job_id, p.item.name, p.item.inode, p.agent
+                ):
+                    out.append(Dropped(p, refused=False))  # a claim cut short left its job's own file: no refusal
+                    continue
                 folder = refuse(self.layout, late, ledger.owner, self.on_refused)
                 out.append(Dropped(p, refused=folder is not None))
                 continue
@@ -257,6 +262,11 @@ class Claims:
             found = intake.inspect(self.layout, name, cfg, seen=st, path=path)  # its lstat is not taken twice
             if isinstance(found, Refusal):
                 seen = (st.st_dev, st.st_ino) if st is not None else None
+                job_id = found.job_id
+                if job_id is None and st is not None and st.st_nlink > 1:  # a claim's link, perhaps: whose is it?
+                    job_id = intake.job_id_in_file(path, name)
+                if intake.drop_twin_of(self.layout, job_id, name, seen, found.agent):
+                    return Gone(name)  # a claim cut short left its job's own file, which a rule changed since refuses
                 if self._first_sight((name, seen, found.reason)):  # once a file, however often its refusal is tried
                     log.info("order.received", agent=found.agent, file=name, job_id=found.job_id)
                 folder = refuse(self.layout, found, self.ledger.owner, self.on_refused)
@@ -273,6 +283,8 @@ class Claims:
         if self._first_sight((name, found.inode, found.digest)):
             log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
         if timing is not None:
+            if intake.drop_twin_of(self.layout, found.order.job_id, name, found.inode, found.order.to):
+                return Gone(name)  # a claim cut short left its job's own file, expired by now: no refusal
             folder = refuse(self.layout, timing, self.ledger.owner, self.on_refused)
             return Gone(name, refused=folder is not None)
         return Parked(Kind.NEW, found.order.job_id, found.order.to, found)

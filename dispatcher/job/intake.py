@@ -176,6 +176,15 @@ def _job_id_inside(path: str, fmt: str, max_bytes: int) -> str | None:
         return None
 
 
+def job_id_in_file(path: str, name: str) -> str | None:
+    """Return the job_id the order file at path names, read whatever the rules now say of its size (64 MiB at most).
+
+    Only for a refused file with a second name, which may be a claim's own file left in inbox/ (``drop_twin_of``).
+    """
+    fmt = order_format(name)
+    return _job_id_inside(path, fmt, 1 << 26) if fmt is not None else None
+
+
 def job_id_of(body: Any) -> str | None:
     """Return the job_id of a parsed (perhaps invalid) order if it has a string one, for the refusal's result.
 
@@ -482,23 +491,38 @@ def _drop_twin(layout: Layout, item: Inspected, folder: Path | None = None) -> b
     under another name (`ln done/J/order.json inbox/again.json`) is a new drop of a
     known id, refused as any other. ``folder``: the job's folder when the caller just found it.
     """
+    return drop_twin_of(layout, item.order.job_id, item.name, item.inode, item.order.to, folder)
+
+
+def drop_twin_of(
+    layout: Layout,
+    job_id: str | None,
+    name: str,
+    inode: tuple[int, int] | None,
+    agent: str | None,
+    folder: Path | None = None,
+) -> bool:
+    """``_drop_twin`` for a file about to be refused for another reason (expired by now, a rule changed since): the
+    job's own file left in inbox/ by a claim cut short is dropped, never refused beside its job (section 1)."""
+    if job_id is None or inode is None:
+        return False
     if folder is None:
-        found = layout.find(item.order.job_id)
+        found = layout.find(job_id)
         if found is None:
             return False
         folder = found[1]
-    kept = folder / f"order{Path(item.name).suffix}"
+    kept = folder / f"order{Path(name).suffix}"
     try:
         st = os.lstat(kept)
     except OSError:
         return False
-    if (st.st_dev, st.st_ino) != item.inode:
+    if (st.st_dev, st.st_ino) != inode:
         return False
     try:
         source: str | None = JobFolder(folder).spec().source
     except (OSError, ValueError):  # job.json damaged: recovery fails the job; its twin goes as before
         source = None
-    if source not in (None, "", item.name) or not drop_inbox_twin(layout, item.name, kept):
+    if source not in (None, "", name) or not drop_inbox_twin(layout, name, kept):
         return False
-    log.info("order.twin_dropped", file=item.name, job_id=item.order.job_id, agent=item.order.to)
+    log.info("order.twin_dropped", file=name, job_id=job_id, agent=agent)
     return True
