@@ -189,6 +189,43 @@ def test_quick_needs_enough_short_runs_that_outlast_a_claim() -> None:
     assert not ahead.quick("b", []), "a long run among the last ones"
 
 
+def test_a_ready_join_waiting_for_its_agents_slot_stops_claims_ahead_behind_it() -> None:
+    """A join whose parents are done waits parked for its quick agent's next slot: no order of that agent behind it
+    (parked or in inbox/) is claimed ahead, or each would take the slot first and the join would wait behind a
+    stream of newer, lower-priority orders (section 16). Another agent's orders are claimed ahead as before."""
+    import collections
+
+    from dispatcher.core.work import Kind, Parked
+    from dispatcher.spec.config import build_config
+
+    ahead = Ahead()
+    for agent in ("a", "b"):
+        for _ in range(RUNS_KEPT):
+            ahead.ran(agent, 0.05)
+    cfg = build_config(
+        {"root": "/nonexistent", "max_jobs": 4, "agents": {n: sh(GOOD, concurrency=1) for n in ("a", "b")}},
+        None,
+        root=Path("/nonexistent"),
+    )
+    join = Parked(Kind.JOINED, "J", "a", token=1, rank=(-7, 1.0))
+
+    class Inbox:  # the next order in inbox/ is one of `agent`, read at a glance
+        def __init__(self, agent: str) -> None:
+            self.agent = agent
+
+        def next_agent(self, gated: frozenset[str]) -> tuple[str, bool]:
+            return (self.agent, False)
+
+        def pop(self, gated: frozenset[str]) -> str:
+            return f"{self.agent}-1.json"
+
+    for head, want in (("a", []), ("b", ["b-1.json"])):
+        parked = collections.deque([join])
+        out, _agents = ahead.choose(cfg, parked, Inbox(head), frozenset(), lambda agent: [0.01])  # type: ignore[arg-type]
+        ahead.claiming.clear()
+        assert out == want and list(parked) == [join], (head, out)
+
+
 def test_room_counts_jobs_claimed_ahead_and_in_the_claim_trip() -> None:
     ahead = Ahead()
     assert ahead.room("a", 2) == 2

@@ -130,7 +130,10 @@ class Ahead:
         for p in list(parked):  # read already, waiting for their agent's slot
             if room <= 0:
                 break
-            if p.kind is not Kind.NEW or p.agent in passed:
+            if p.kind is not Kind.NEW:  # a ready join, a retry, a job set aside: it waits for its agent's next
+                passed.add(p.agent)  # slot, which a claim made ahead behind it would take (section 16)
+                continue
+            if p.agent in passed:
                 continue
             if not claimable_ahead(p) or room_of(p.agent) <= 0:
                 passed.add(p.agent)
