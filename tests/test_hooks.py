@@ -474,7 +474,7 @@ def test_with_two_daemons_one_killed_in_the_after_hook_the_other_ends_and_record
     d2.wait_ready()
     env.cli("approve", "R4", check=True)
     wait_until(lambda: "after-start" in (log.read_text() if log.exists() else ""), 60, "the after hook")
-    hook_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _runs(int(p), "after-start")]
+    hook_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _runs(int(p), "after-start", str(log))]
     assert hook_pids, "the after hook's shell"
     parent = int(Path(f"/proc/{hook_pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
     killed, other = (d1, d2) if d1.proc is not None and d1.proc.pid == parent else (d2, d1)
@@ -519,12 +519,13 @@ def test_after_a_decision_killed_partway_run_once_runs_the_after_hook_and_the_la
     assert log.read_text().split() == (["after", "land"] if verb == "approve" else ["after"])
 
 
-def _runs(pid: int, text: str) -> bool:
-    """Return True if process pid's command line holds text (False once it is gone)."""
+def _runs(pid: int, *texts: str) -> bool:
+    """Return True if process pid's command line holds every one of texts (False once it is gone)."""
     try:
-        return text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        line = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
+    return all(text in line for text in texts)
 
 
 def test_a_before_hook_has_its_own_timeout_and_a_cancel_ends_it(env: Env, tmp_path: Path) -> None:

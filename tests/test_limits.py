@@ -387,6 +387,31 @@ def test_a_job_held_past_max_limit_wait_by_a_limit_another_job_met_fails(env: En
     assert d.stop() == 0
 
 
+def test_a_job_whose_retry_meets_another_jobs_limit_past_max_limit_wait_keeps_its_checks(env: Env) -> None:
+    """A fails its attempt 1 (exit 1) and waits for its retry; meanwhile B meets a limit 600 s away on the same agent.
+    A's retry finds that gate beyond max_limit_wait and fails: its checks are attempt 1's, which ran, and its reason
+    starts with the first failing one (section 5), then says the limit stopped the retry. None says "not run"."""
+    script = env.tmp / "limit_then_work.py"
+    script.write_text(LIMIT_THEN_WORK.replace('"LONG-B": (1.0, 600), "SHORT-A": (0.0, 2)', '"LONG-B": (0.0, 600)'))
+    work = env.agent("--fail-attempts", "1")["command"]
+    agent = {
+        **env.agent(retry_safe=True, max_attempts=2),
+        "command": [sys.executable, str(script), *work],
+        "limits": [{"preset": "claude"}],
+    }
+    env.configure(agents={"worker": {**agent, "concurrency": 2}}, max_limit_wait=8, retry_delay=3)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RA-1"))
+    env.drop(order("LONG-B"))
+    a = env.wait_job("RA-1", "failed", timeout=60)
+    assert a["reason"].startswith("exit_ok: exit 1 in "), a["reason"]
+    assert "not retried: limit: Claude AI usage limit reached|" in a["reason"], a["reason"]
+    checks = {c["name"]: c for c in a["checks"]}
+    assert checks["exit_ok"]["ok"] is False and not [c for c in a["checks"] if c["detail"].startswith("not run")]
+    assert d.stop() == 0
+
+
 LIMIT_THEN_FAIL = """
 import os, sys, time
 count = os.path.join(os.environ["STATE"], "starts")

@@ -211,7 +211,13 @@ class Job(Finishing, Deciding):
         until, bound = iso(gate.until or time.time()), self.ctx.config().max_limit_wait_s
         text = gate.reason or "a usage limit"
         reason = f"limit: {text}; waiting until {until} is beyond max_limit_wait ({bound:g} s)"
-        return await self.finish(Row.FAILED, reason, self._limited_checks(max(a.n for a in self.attempts)))
+        last = max(self.attempts, key=lambda a: a.n)
+        if isinstance(last.extra.get("limited"), dict):  # its own last attempt met the limit: none of it was checked
+            return await self.finish(Row.FAILED, reason, self._limited_checks(last.n))
+        lead = verdict(self.checked) if self.checked else None  # it waited for its retry at another job's limit
+        if lead is None:
+            return await self.finish(Row.FAILED, reason, [])
+        return await self.finish(Row.FAILED, f"{lead}; not retried: {reason}", self.checked)
 
     async def _reland(self) -> Outcome:
         """Finish a job cut short while landing: its result is already written."""
