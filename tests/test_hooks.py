@@ -455,24 +455,31 @@ def test_with_two_daemons_an_approved_jobs_landing_waits_for_its_after_hook(env:
     assert log.read_text().split() == ["after-start", "after-end", "land"]
 
 
+@pytest.mark.parametrize("review", [True, False])
 def test_with_two_daemons_one_killed_in_the_after_hook_the_other_ends_and_records_it_before_landing(
-    env: Env, tmp_path: Path
+    env: Env, tmp_path: Path, review: bool
 ) -> None:
-    """Two daemons on one root; the one running an approved job's after hook is killed (-9). The other one ends what
-    that hook left running and records it as failed (hook.failed, hooks/after-*.json), and only then lands the job:
-    the landing never runs beside the cut-short hook (README, Hooks), and it does not wait for a restart."""
+    """Two daemons on one root; the one running a job's after hook (approved, or done at once) is killed (-9). The
+    other one ends what that hook left running and records it as failed (hook.failed, hooks/after-*.json), removes
+    the job's worktree (section 15: when final), and only then lands the job: the landing never runs beside the
+    cut-short hook (README, Hooks), and none of it waits for a restart."""
     repo = make_repo(tmp_path / "shop")
     log = tmp_path / "hooks.txt"
     after = ["sh", "-c", 'echo after-start >> "$0"; sleep 8; echo after-end >> "$0"', str(log)]
     land = ["sh", "-c", 'echo land >> "$0"', str(log)]
-    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, review=True)
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, review=review)
     env.configure(agents={"coder": agent}, rescan_interval=0.5)
-    env.drop(code_order("R4"))
     d1 = env.daemon()
-    wait_until(lambda: (env.root / "review" / "R4" / "result.json").exists(), what="the job in review/")
+    d1.wait_ready()
+    if review:
+        env.drop(code_order("R4"))
+        wait_until(lambda: (env.root / "review" / "R4" / "result.json").exists(), what="the job in review/")
     d2 = env.daemon()
     d2.wait_ready()
-    env.cli("approve", "R4", check=True)
+    if review:
+        env.cli("approve", "R4", check=True)
+    else:
+        env.drop(code_order("R4"))
     wait_until(lambda: "after-start" in (log.read_text() if log.exists() else ""), 60, "the after hook")
     hook_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _runs(int(p), "after-start", str(log))]
     assert hook_pids, "the after hook's shell"
@@ -485,6 +492,9 @@ def test_with_two_daemons_one_killed_in_the_after_hook_the_other_ends_and_record
     assert log.read_text().split() == ["after-start", "land"], log.read_text()
     assert any(e["event"] == "hook.failed" and e.get("job_id") == "R4" for e in other.events())
     assert [p.name for p in (env.root / "done" / "R4" / "hooks").glob("after-*.json")], "the cut run's record"
+    worktrees = env.root / ".state" / "worktrees"
+    assert not [n for n in (os.listdir(worktrees) if worktrees.exists() else []) if "R4" in n]
+    assert "R4" not in git(repo, "worktree", "list")
     assert other.stop() == 0
 
 

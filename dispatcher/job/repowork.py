@@ -374,9 +374,10 @@ async def housekeep(
                 log.warning("workspace.locked", repo=repo, worktrees=locked, hint="git worktree unlock PATH")
     afters = await lanes.io(afterowed.look, layout)
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
-    if startup:  # after the hooks a crash left running are ended: an after hook runs in the worktree it would lose
+    if startup or afters.interrupted:  # after the hooks a crash left running are ended: a hook runs in the worktree
         keep = await lanes.io(_unfinished, layout)
-        removed = await lanes.io(worktree.sweep, layout.state_dir / "worktrees", keep)
+        only = None if startup else afters.interrupted  # a live pass: the worktrees of the hooks another daemon cut
+        removed = await lanes.io(worktree.sweep, layout.state_dir / "worktrees", keep, only=only)
         if removed:
             log.info("workspace.removed", jobs=removed)
     for job_id in afters.interrupted:

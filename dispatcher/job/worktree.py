@@ -520,8 +520,11 @@ def prune(repo: str) -> list[str]:
     return [f"{p} ({e['locked'] or 'no reason'})" for p, e in worktrees(repo).items() if "locked" in e]
 
 
-def sweep(worktrees_dir: Path, keep: Sequence[str]) -> list[str]:
-    """Remove worktrees of jobs that are no longer active (a crash after their finish); return their ids."""
+def sweep(worktrees_dir: Path, keep: Sequence[str], *, only: Sequence[str] | None = None) -> list[str]:
+    """Remove worktrees of jobs that are no longer active (a crash after their finish); return their ids.
+
+    ``only``: remove those of these jobs alone (final jobs whose after hook a dead daemon cut short).
+    """
     removed = []
     try:
         names = os.listdir(worktrees_dir)
@@ -529,6 +532,8 @@ def sweep(worktrees_dir: Path, keep: Sequence[str]) -> list[str]:
         return []
     for name in names:
         if _job_of(name) in keep:  # a job's worktree, its view (being made or removed too)
+            continue
+        if only is not None and _job_of(name) not in only:
             continue
         path = worktrees_dir / name
         repo = _repo_of(path)
