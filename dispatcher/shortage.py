@@ -39,9 +39,11 @@ PAUSE_MAX_S = 2.0
 WINDOW_MAX = 1024
 QUIET_S = 10.0  # a shortage of a resource not met again for this long is over (retries come every 2 s at most)
 # descriptors a job's start holds at its peak (its slot's lock, two output pipes, the exec check's pipe), as measured
-# under `ulimit -n`; the first start opens two more that stay for the daemon's life (agents' /dev/null, an epoll)
+# under `ulimit -n` for a plain agent (seven to eight), and one more for the first start, which opens what stays for
+# the daemon's life (agents' /dev/null): at a limit within a descriptor or two of that, orders wait in inbox/ rather
+# than be claimed for a start that may not fit
 START_FDS = 8
-FIRST_START_FDS = START_FDS + 2
+FIRST_START_FDS = START_FDS + 1
 ROOM_LOOK_MAX = 4  # orders whose starts one look (``room``) makes room for; beyond them, the starts are the look
 
 
