@@ -8,6 +8,7 @@ two `approve -` commands racing on the same ids.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -151,23 +152,31 @@ def test_every_low_descriptor_limit_at_start_waits_or_starts_never_crashes(env: 
     env.configure({"tiny": hold_agent(env, 0)})
     env.drop(order("FD-1", to="tiny"))
     for limit in range(9, 17):
-        out = env.tmp / f"run-{limit}.out"
-        with out.open("wb") as fh:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"],
-                stdout=fh, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env(), preexec_fn=nofile(limit),
-            )  # fmt: skip
-        try:
-            wait_until(lambda o=out: any(f'"{e}"' in o.read_text() for e in STARTED), 60, f"start at limit {limit}")
+        with run_at_limit(env, limit) as (proc, out):
             time.sleep(1.0)
             assert proc.poll() is None, (limit, out.read_text()[-2000:])
             assert "Traceback" not in out.read_text(), (limit, out.read_text()[-2000:])
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 0, (limit, out.read_text()[-2000:])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+
+
+@contextlib.contextmanager
+def run_at_limit(env: Env, limit: int) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """Start `run` under RLIMIT_NOFILE limit (soft and hard) and wait until it logs daemon.short_of or gets ready;
+    yield it and its output file; on the way out SIGTERM it and check that it exits 0 (section 13)."""
+    out = env.tmp / f"run-{limit}.out"
+    with out.open("wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"],
+            stdout=fh, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env(), preexec_fn=nofile(limit),
+        )  # fmt: skip
+    try:
+        wait_until(lambda: any(f'"{e}"' in out.read_text() for e in STARTED), 60, f"start at limit {limit}")
+        yield proc, out
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, (limit, out.read_text()[-2000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_short_of_descriptors_to_start_an_agent_claims_nothing_until_they_are_back(env: Env) -> None:
@@ -235,21 +244,8 @@ def test_at_every_low_descriptor_limit_an_order_runs_or_stays_in_inbox(env: Env)
     for job_id in jobs:
         env.drop(tiny_order(job_id))
     for limit in range(17, 27):
-        out = env.tmp / f"run-{limit}.out"
-        with out.open("wb") as fh:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"],
-                stdout=fh, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env(), preexec_fn=nofile(limit),
-            )  # fmt: skip
-        try:
-            wait_until(lambda o=out: any(f'"{e}"' in o.read_text() for e in STARTED), 60, f"start at limit {limit}")
+        with run_at_limit(env, limit) as (_proc, out):
             time.sleep(2.5)  # several turns and pauses at this limit
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 0, (limit, out.read_text()[-2000:])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
         assert names(env.root / "active") == [], (limit, out.read_text()[-3000:])
     proc2 = env.cli("run", "--once", timeout=120)
     assert proc2.returncode == 0, proc2.stderr

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Env, cli_env, order, wait_until
@@ -564,11 +565,16 @@ def test_sigterm_cuts_a_retry_wait_and_next_start_resumes(env: Env) -> None:
     assert d.wait(25) == 0
     assert time.monotonic() - sent < 5, "the stop waited out the retry delay"
     assert (env.root / "active" / "PAUSE-1").is_dir()
+    next_start_runs_attempt_2(env, agent, "PAUSE-1")
+    assert [(j, a) for j, a, _p in agent_starts(env)] == [("PAUSE-1", 1), ("PAUSE-1", 2)]
+
+
+def next_start_runs_attempt_2(env: Env, agent: dict[str, Any], job_id: str) -> None:
+    """Start a daemon again (retry_delay 0.1): the job a stop left waiting for its retry ends done with attempt 2."""
     env.configure(agents={"worker": agent}, retry_delay=0.1)
     d2 = env.daemon()
-    result = env.wait_job("PAUSE-1", "done")
+    result = env.wait_job(job_id, "done")
     assert [a["n"] for a in result["attempts"]] == [1, 2]
-    assert [(j, a) for j, a, _p in agent_starts(env)] == [("PAUSE-1", 1), ("PAUSE-1", 2)]
     assert d2.stop() == 0
 
 
@@ -587,11 +593,7 @@ def test_sigterm_before_a_retry_wait_begins_cuts_it_too(env: Env) -> None:
     assert time.monotonic() - sent < 12, "the stop waited out the retry delay"
     assert [e["job_id"] for e in d.events() if e["event"] == "agent.exited"] == ["LATE-1"]
     assert (env.root / "active" / "LATE-1").is_dir()
-    env.configure(agents={"worker": agent}, retry_delay=0.1)
-    d2 = env.daemon()
-    result = env.wait_job("LATE-1", "done")
-    assert [a["n"] for a in result["attempts"]] == [1, 2]
-    assert d2.stop() == 0
+    next_start_runs_attempt_2(env, agent, "LATE-1")
 
 
 def test_sighup_storm_while_jobs_run_loses_nothing(env: Env) -> None:

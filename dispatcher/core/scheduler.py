@@ -469,7 +469,6 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         r, held = self.slots.pop(job_id)
         if held and r is not None:
             self._trim_idle(r.job.agent)
-        if held and r is not None:
             self.blocked.pop(r.job.agent, None)  # a slot of that agent is free again
         outcome = task.result() if not task.cancelled() and task.exception() is None else Outcome.LEFT
         if outcome is Outcome.SHORT and r is not None and not self.ctx.stopping():

@@ -157,7 +157,11 @@ class Deciding(abc.ABC):
 
     def _limited_checks(self, n: int) -> list[CheckResult]:
         """The checks of a job that fails at attempt n's usage limit: none ran (its reason names none)."""
-        return not_run(f"attempt {n} met a usage limit", [c.name for c in self.spec.agent.checks])
+        return self._unchecked(f"attempt {n} met a usage limit")
+
+    def _unchecked(self, why: str) -> list[CheckResult]:
+        """Every check, the agent's own too, as not run on the last attempt, and why (``results.not_run``)."""
+        return not_run(why, [c.name for c in self.spec.agent.checks])
 
     def _no_more_attempts(self, n: int) -> str | None:
         """Return why no further attempt may run, or None."""

@@ -45,7 +45,6 @@ from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult, Result
 from dispatcher.store.jobstore import JobFolder
-from dispatcher.store.results import not_run
 
 if TYPE_CHECKING:
     pass  # prometheus_client is imported only when metrics_file is set
@@ -451,9 +450,7 @@ class Job(Finishing, Deciding):
         await self._record_hook_attempt(attempt.hook_failed(n, why))
         why_not = self._no_more_attempts(n)
         if why_not is not None:  # its reason names no check: none stands beside it as the first failing one
-            unchecked = not_run(
-                f"attempt {n} ran no agent: its before hook failed", [c.name for c in self.spec.agent.checks]
-            )
+            unchecked = self._unchecked(f"attempt {n} ran no agent: its before hook failed")
             return await self.finish(Row.FAILED, f"{why}; not retried: {why_not}", unchecked)
         return await self._schedule_retry(n, why)
 
