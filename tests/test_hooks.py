@@ -745,3 +745,79 @@ def test_a_run_cut_short_stays_locked_until_it_is_recorded(tmp_path: Path) -> No
     first.settle(layout, "R2")  # recorded (``record_interrupted``): the marker and its lock go
     assert not (folder / "R2.running").exists()
     assert second.look(layout).interrupted == []
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_a_kill_between_the_finish_and_the_after_hook_runs_it_once_then_lands(
+    env: Env, tmp_path: Path, second: bool
+) -> None:
+    """kill -9 once a job is done and before its after hook starts: the next start (or the second daemon running on
+    the root, at its next pass) runs the after hook once, records it, and only then lands the job (section 15: after
+    once the job is final, land exactly once after done); a later start runs neither again."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "hooks.txt"
+    after = ["sh", "-c", 'echo after-start >> "$0"; sleep 0.5; echo after-end >> "$0"', str(log)]
+    land = ["sh", "-c", 'echo land >> "$0"', str(log)]
+    env.configure(
+        agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=after, land=land)}, rescan_interval=0.5
+    )
+    daemons = [env_daemon(env, {"DISPATCHER_FAULT": "after.before"}) for _ in range(2 if second else 1)]
+    for d in daemons:
+        d.wait_ready()
+    env.drop(code_order("AB1"))  # the daemon that claims it dies at the point; the other one lives on
+    dead = wait_until(lambda: [d for d in daemons if d.proc is not None and d.proc.poll() is not None], 60, "a kill")
+    assert [d.wait() for d in dead] == [-signal.SIGKILL]
+    assert (env.job_dir("AB1", "done") / "result.json").exists()
+    left = [d for d in daemons if d not in dead]
+    if not left:
+        assert not log.exists()
+        left = [env.daemon()]
+    left[0].wait_event("job.landed", job_id="AB1", timeout=60)
+    assert left[0].stop() == 0
+    assert log.read_text().split() == ["after-start", "after-end", "land"]
+    records = sorted((env.job_dir("AB1", "done") / "hooks").glob("after-*.json"))
+    assert [json.loads(r.read_text())["ok"] for r in records] == [True]
+    d3 = env.daemon()
+    d3.wait_ready()
+    assert d3.stop() == 0
+    assert log.read_text().split() == ["after-start", "after-end", "land"]
+    assert count_events(d3, "job.landed") == 0 and count_events(d3, "hook.failed") == 0
+
+
+def test_a_done_jobs_hooks_are_held_by_its_own_daemon_from_before_its_finish(tmp_path: Path) -> None:
+    """Between a done job's finish and its after hook, a pass of a second daemon on the root finds the after hook
+    owed but not its to run, and does not land the job: the landing waits for the after hook (README, Hooks)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dispatcher.job.repowork import JobRepo
+    from dispatcher.lanes import Lanes
+    from dispatcher.lifecycle import Row, State
+
+    layout = Layout(tmp_path / "dispatch")
+    layout.create()
+    lanes = Lanes()
+    hooks = SimpleNamespace(after=["true"], land=["true"], workspace=None)
+    spec = SimpleNamespace(job_id="AB2", agent=SimpleNamespace(name="coder", repo=hooks))
+    repo = JobRepo(layout, lanes, spec, None)  # type: ignore[arg-type]
+    try:
+        asyncio.run(repo.owe_landing(Row.DONE))
+        layout.job(State.DONE, "AB2").mkdir(parents=True)  # the finish committed: the job is in done/
+        pass_after = owed.Markers(
+            "after", ready_in=afterowed.MARKERS.ready_in, settled_in=frozenset(), records=("hooks", "after-")
+        )
+        pass_land = owed.Markers(
+            "landing", ready_in=landing.MARKERS.ready_in, settled_in=landing.MARKERS.settled_in, records=("land", "")
+        )
+        assert pass_after.look(layout).ready == ["AB2"] and pass_land.look(layout).ready == ["AB2"]
+        assert not pass_after.claim(layout, "AB2")  # owed, and held by the job's own daemon
+        assert pass_after.busy(layout, "AB2")  # so the pass lands nothing
+        assert not pass_land.claim(layout, "AB2")
+        repo.let_go()  # the job's daemon gave up (a stop): the next pass runs both, in their order
+        assert pass_after.claim(layout, "AB2")
+        pass_after.settle(layout, "AB2")
+        assert not pass_after.busy(layout, "AB2") and pass_land.claim(layout, "AB2")
+        pass_land.settle(layout, "AB2")
+    finally:
+        repo.let_go()
+        lanes.shutdown(wait=True)

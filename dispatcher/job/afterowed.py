@@ -10,11 +10,13 @@ marker to ``<job_id>.running`` (the claim: one rename wins), runs the hook,
 records it as ``hooks/after-<k>.json`` in the job folder and drops the marker.
 A decision made with no daemon running is carried out by the next one to start.
 
-A revised job that ends without review again (it failed, it was cancelled)
-drops the marker before its own finish is committed and runs its hook itself, as
-any job does; one that comes back to review/ keeps it. So a daemon killed between
-the decision and the hook runs it at its next start; one killed while the hook
-runs never runs it twice: the run is recorded as failed ("interrupted").
+A job that is final at once (or a revised job that ends without review again)
+owes its hook too, but its own daemon holds the marker locked from before the
+finish (``own``) and runs the hook itself once the finish is committed (``take``);
+one that comes back to review/ keeps the plain marker. So a daemon killed between
+the finish (or the decision) and the hook runs it at its next start, or another
+daemon on the root does; one killed while the hook runs never runs it twice: the
+run is recorded as failed ("interrupted").
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ __all__ = [
     "Owed",
     "busy",
     "claim",
-    "drop",
     "finish",
+    "let_go",
     "look",
     "owe",
+    "own",
     "record",
     "record_interrupted",
     "run",
-    "running",
+    "take",
 ]
 
 log = structlog.get_logger("dispatcher")
@@ -55,21 +58,14 @@ MARKERS = owed.Markers(
     "after", ready_in=frozenset({State.DONE, State.FAILED}), settled_in=frozenset(), records=("hooks", "after-")
 )
 owe = MARKERS.owe
-drop = MARKERS.drop
+own = MARKERS.own
+take = MARKERS.take
+let_go = MARKERS.let_go
 claim = MARKERS.claim
 busy = MARKERS.busy
 settle = MARKERS.settle
 finish = MARKERS.finish
 look = MARKERS.look
-
-
-def running(layout: Layout, job_id: str) -> None:
-    """Mark durably that a final job's own after hook runs now (blocking): a crash meanwhile is recorded as such.
-
-    The marker is made as a claimed one (``<job_id>.running``, locked): a rescan never runs it, and
-    the next start records the run as interrupted. ``settle`` drops it once the run is recorded.
-    """
-    MARKERS.start(layout, job_id)
 
 
 def record(folder: Path, data: dict[str, Any]) -> None:

@@ -64,17 +64,20 @@ class Finishing(abc.ABC):
         await self.waits.release()  # a job cancelled while it waited for a gate no longer waits
         workspace = await self.repo.seal()
         await self.repo.owe_landing(state)
-        result = self._result(
-            state, reason, checks, children, {"workspace": workspace} if workspace is not None else None
-        )
-        finish = self._finish(state, result)
-        ok = await self._until_written(  # the result is staged in the same trip as the ledger's commit
-            lambda: self.ctx.finisher.finish(self.folder, finish, result, release=bool(children)),
-            "finish",
-            full_step="stage_result",
-        )
-        if ok:
-            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
+        try:
+            result = self._result(
+                state, reason, checks, children, {"workspace": workspace} if workspace is not None else None
+            )
+            finish = self._finish(state, result)
+            ok = await self._until_written(  # the result is staged in the same trip as the ledger's commit
+                lambda: self.ctx.finisher.finish(self.folder, finish, result, release=bool(children)),
+                "finish",
+                full_step="stage_result",
+            )
+            if ok:
+                await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
+        finally:
+            self.repo.let_go()  # a finish not committed (a stop, a lost lease) leaves its hooks to whoever ends it
         return outcome_of(state) if ok else Outcome.FENCED
 
     async def _until_written(self, once: Callable[[], Awaitable[T]], step: str, *, full_step: str = "") -> T:

@@ -1,13 +1,17 @@
 """A hook a job owes once it is final, made exactly-once with a durable marker (contract section 15).
 
 Two hooks use it: ``land`` after a job is done (``job/landing.py``) and the
-``after`` hook of a job that waited in review/ (``job/afterowed.py``). The marker
+``after`` hook of a final job (``job/afterowed.py``). The marker
 ``.state/<kind>/<job_id>`` is written durably before the job's finish is
 committed; a daemon renames it to ``<job_id>.running`` to run the hook (one rename
 wins), writes the run's record into that marker, then into the job folder, and
 drops the marker. The process that runs a hook holds an exclusive ``flock`` on its
 ``.running`` marker from before the rename until the marker is gone, so a daemon
-that starts on the same root meanwhile leaves it alone. An unlocked ``.running``
+that starts on the same root meanwhile leaves it alone. A job that is final at
+once (no review) has its marker written locked by its own daemon (``own``), which
+keeps the lock through its finish and takes the marker itself (``take``): another
+daemon's pass, which may run at any moment, never runs that job's hooks meanwhile,
+nor out of their order. An unlocked ``.running``
 marker found at start is a run a stop or crash cut short: an empty one is recorded
 as failed, never run again by itself; one holding its record was run to its end,
 and only its record is put in place (once).
@@ -69,14 +73,43 @@ class Markers:
         if not (folder / job_id).exists():
             fsutil.write_atomic(folder / job_id, b"")
 
-    def drop(self, layout: Layout, job_id: str) -> None:
-        """Forget an owed hook the job no longer owes (it runs its own hook)."""
+    def own(self, layout: Layout, job_id: str) -> None:
+        """Record durably that job_id owes the hook and that this process runs it (before its finish is committed).
+
+        The marker is written anew and stays locked (``flock``) until ``take``, ``settle`` or
+        ``let_go``: a pass of another daemon on this root finds it owed and leaves it alone
+        (and, for the ``after`` hook, lands nothing meanwhile), so that the job's own daemon
+        runs its hooks in their order once the finish is committed. A crash before that
+        leaves it owed, unlocked: the next pass runs it.
+        """
         folder = self.folder(layout)
-        try:
-            os.unlink(folder / job_id)
-        except FileNotFoundError:
-            return
-        fsutil.fsync_dir(folder)
+        fsutil.make_dirs(folder)
+        self._hold(job_id, _write_locked(folder / job_id, b""))
+
+    def take(self, layout: Layout, job_id: str, *, new: bool) -> bool:
+        """Take job_id's marker for this process's own run of the hook; False when it is not ours to run.
+
+        The marker this process owns (``own``) is renamed to ``.running``, its lock kept; else an
+        owed one is claimed as a pass would; else, with ``new``, one is made (``start``). False
+        when another process runs it now, or, without ``new``, when nothing is owed.
+        """
+        folder = self.folder(layout)
+        with self._lock:
+            fd = self._held.get(job_id)
+        if fd is not None and _same_file(fd, folder / job_id):
+            os.rename(folder / job_id, folder / f"{job_id}{RUNNING}")
+            fsutil.fsync_dir(folder)
+            return True
+        if os.path.lexists(folder / job_id):
+            return self.claim(layout, job_id)
+        if not new:
+            return False
+        self.start(layout, job_id)
+        return True
+
+    def let_go(self, job_id: str) -> None:
+        """Give up the lock this process holds on job_id's marker, if any: what it owes stays for a pass."""
+        self._release(job_id)
 
     def claim(self, layout: Layout, job_id: str) -> bool:
         """Take the owed hook of job_id (one rename wins); False when it is not owed or another run holds it.
@@ -241,6 +274,14 @@ def _lock_current(path: Path) -> int | None:
             raise
         os.close(fd)  # replaced meanwhile: look at the new one
     return None  # replaced again and again: a live run writes it
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Return True if the open fd is the file at path."""
+    try:
+        return os.fstat(fd).st_ino == os.lstat(path).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _write_locked(path: Path, body: bytes) -> int:

@@ -210,46 +210,72 @@ class JobRepo:
             self._sealed = sealed
 
     async def owe_landing(self, state: Row) -> None:
-        """Record, durably and before its finish, the landing a done (or reviewed) job owes and the after
-        hook a reviewed job owes; a revised job that ends without review forgets the one its review owed."""
+        """Record, durably and before its finish, the landing a done (or reviewed) job owes and its after hook.
+
+        A job in review/ owes them until a person decides (any daemon's pass runs them then); one
+        final at once owes them to this daemon, which holds their markers locked until
+        ``after_final`` takes them, or ``let_go`` leaves them to the next pass.
+        """
         repo = self.spec.agent.repo
-        if repo.land is not None and state in (Row.DONE, Row.REVIEW):
-            await self.lanes.io(landing.owe, self.layout, self.spec.job_id)
+        ours = state != Row.REVIEW
         if repo.after is not None:
-            step = afterowed.owe if state == Row.REVIEW else afterowed.drop
-            await self.lanes.io(step, self.layout, self.spec.job_id)
+            await self.lanes.io(afterowed.own if ours else afterowed.owe, self.layout, self.spec.job_id)
+        if repo.land is not None and state in (Row.DONE, Row.REVIEW):
+            await self.lanes.io(landing.own if ours else landing.owe, self.layout, self.spec.job_id)
+
+    def let_go(self) -> None:
+        """Give up the markers this daemon holds for the job's hooks: what they owe stays owed, for a pass."""
+        afterowed.let_go(self.spec.job_id)
+        landing.let_go(self.spec.job_id)
 
     async def after_final(
-        self, state: Row, cfg: Config, notify: landing.Notify | None, stopping: Callable[[], bool] = lambda: False
+        self,
+        state: Row,
+        cfg: Config,
+        notify: landing.Notify | None,
+        stopping: Callable[[], bool] = lambda: False,
+        *,
+        unowed: bool = False,
     ) -> None:
         """After the finish: run ``after`` (owed in review/), remove the worktree (branch kept), land a done job.
 
-        Once a stop has begun (``stopping``) no landing starts: it stays owed, and the next start
-        lands the job (a landing started now would be ended at the stop's deadline, and recorded
-        failed, never to run again on its own).
+        The hooks' markers were written before the finish (``owe_landing``), and this daemon
+        takes them; ``unowed``: no marker was written (a job finished without a Job), so the
+        after hook's is made now. A hook another daemon took meanwhile (this job's finish was
+        cut by a crash and completed here) is left to it, and so is the landing, which that
+        daemon's pass runs after the hook. Once a stop has begun (``stopping``) no landing
+        starts: it stays owed, and the next start lands the job (a landing started now would
+        be ended at the stop's deadline, and recorded failed, never to run again on its own).
         """
-        after = self.spec.agent.repo.after
-        if after is not None and state != Row.REVIEW:  # a job in review owes it until decided (``afterowed``)
-            job_path = self.layout.job(landed_state(state), self.spec.job_id)
-            await self.lanes.io(afterowed.running, self.layout, self.spec.job_id)  # a crash now is recorded
-            run = await self._hook("after", after, job_path, cfg, job_path / "work")
-            record = {**run.to_json(), "state": str(state)}
-            await self.lanes.io(afterowed.finish, self.layout, self.spec.job_id, job_path, record)
-            if not run.ok:
-                log.warning("hook.failed", hook="after", reason=run.why)
-        if self.ws is not None and not self._seal_failed:
-            try:
-                async with repo_lock(self.ws.repo):
-                    await self.lanes.io(worktree.clear, self.ws)
-            except (GitError, OSError) as exc:
-                log.warning("workspace.remove_failed", error=str(exc))
-        if state == Row.DONE and self.spec.agent.repo.land is not None:
-            if stopping():
-                log.info("land.deferred", reason="a stop began: the next start lands the job")
-                return
-            faults.point("land.before")
-            if await self.lanes.io(landing.claim, self.layout, self.spec.job_id):
-                await landing.land(self.layout, self.spec.job_id, cfg, self.lanes.io, notify)
+        job_id = self.spec.job_id
+        repo = self.spec.agent.repo
+        try:
+            if repo.after is not None and state != Row.REVIEW:  # a job in review owes it until decided (``afterowed``)
+                job_path = self.layout.job(landed_state(state), job_id)
+                faults.point("after.before")
+                if await self.lanes.io(afterowed.take, self.layout, job_id, new=unowed):  # a crash now is recorded
+                    run = await self._hook("after", repo.after, job_path, cfg, job_path / "work")
+                    record = {**run.to_json(), "state": str(state)}
+                    await self.lanes.io(afterowed.finish, self.layout, job_id, job_path, record)
+                    if not run.ok:
+                        log.warning("hook.failed", hook="after", reason=run.why)
+            if self.ws is not None and not self._seal_failed:
+                try:
+                    async with repo_lock(self.ws.repo):
+                        await self.lanes.io(worktree.clear, self.ws)
+                except (GitError, OSError) as exc:
+                    log.warning("workspace.remove_failed", error=str(exc))
+            if state == Row.DONE and repo.land is not None:
+                if stopping():
+                    log.info("land.deferred", reason="a stop began: the next start lands the job")
+                    return
+                if repo.after is not None and await self.lanes.io(afterowed.busy, self.layout, job_id):
+                    return  # another daemon runs the after hook: its pass lands the job after it
+                faults.point("land.before")
+                if await self.lanes.io(landing.take, self.layout, job_id, new=False):
+                    await landing.land(self.layout, job_id, cfg, self.lanes.io, notify)
+        finally:
+            self.let_go()
 
     async def before(self, n: int, cfg: Config, attach: Callable[[AgentProcess | None], None]) -> str | None:
         """Run the ``before`` hook of attempt n in the workspace; return why it failed, or None."""
@@ -324,7 +350,8 @@ class FinalHooks:
         folder = JobFolder(self.layout.job(landed_state(state), spec.job_id))
         with structlog.contextvars.bound_contextvars(job_id=spec.job_id, agent=spec.agent.name):
             try:
-                await JobRepo(self.layout, self.lanes, spec, folder).after_final(state, self.config(), self.notify)
+                repo = JobRepo(self.layout, self.lanes, spec, folder)
+                await repo.after_final(state, self.config(), self.notify, unowed=True)
             except Exception as exc:  # the job is final already: a hook never changes it
                 log.exception("daemon.error", step="after hook", error=str(exc))
 
