@@ -252,7 +252,7 @@ def test_land_exactly_once_across_a_kill_between_done_and_landed(env: Env, tmp_p
 @pytest.mark.parametrize("point", ["landing.ended", "landing.recorded"])
 def test_a_kill_after_the_land_hook_ended_keeps_its_one_record(env: Env, tmp_path: Path, point: str) -> None:
     """Killed once the land hook ended, before its marker went: the restart keeps the one ok landing record,
-    lands nothing again and logs no land.failed."""
+    lands nothing again, logs no land.failed, and logs the job.landed line the dead daemon never wrote."""
     repo = make_repo(tmp_path / "shop")
     log = tmp_path / "land.txt"
     env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=_land(log))})
@@ -266,6 +266,33 @@ def test_a_kill_after_the_land_hook_ended_keeps_its_one_record(env: Env, tmp_pat
     assert [json.loads(r.read_text())["ok"] for r in records] == [True]
     assert count_events(d2, "land.failed") == 0 and len(log.read_text().splitlines()) == 1
     assert list((env.root / ".state" / "landing").iterdir()) == []
+    landed = [e for e in d2.events() if e["event"] == "job.landed"]
+    head = env.result("X3", "done")["workspace"]["head"]
+    assert [(e["job_id"], e["agent"], e["head"]) for e in landed] == [("X3", "coder", head)]
+
+
+@pytest.mark.parametrize("point", ["after.ended", "after.recorded"])
+def test_a_kill_after_a_failed_after_hook_ended_logs_its_hook_failed_once(env: Env, tmp_path: Path, point: str) -> None:
+    """Killed once a failing after hook ended, before its marker went: the restart keeps its one record and logs
+    the hook.failed line the dead daemon never wrote, once; the hook does not run again."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "after.txt"
+    hook = ["sh", "-c", 'echo ran >> "$0"; exit 4', str(log)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=hook)})
+    env.drop(code_order("X4"))
+    d = env_daemon(env, {"DISPATCHER_FAULT": point})
+    assert d.wait() == -signal.SIGKILL
+    assert count_events(d, "hook.failed") == 0
+    d2 = env.daemon()
+    d2.wait_ready()
+    d2.stop()
+    failed = [e for e in d2.events() if e["event"] == "hook.failed"]
+    assert [(e["hook"], e["job_id"], e["agent"], e["reason"]) for e in failed] == [
+        ("after", "X4", "coder", "after hook exited 4")
+    ]
+    records = sorted((env.job_dir("X4", "done") / "hooks").glob("after-*.json"))
+    assert [json.loads(r.read_text())["ok"] for r in records] == [False]
+    assert log.read_text().split() == ["ran"] and list((env.root / ".state" / "after").iterdir()) == []
 
 
 def test_a_land_cut_short_is_not_run_again_but_land_runs_it(env: Env, tmp_path: Path) -> None:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,12 @@ Io = Callable[..., Awaitable[Any]]
 
 @dataclass(frozen=True, slots=True)
 class Owed:
-    """What a pass over the markers found: jobs to run the hook for now, and runs a crash cut short."""
+    """What a pass over the markers found: jobs to run the hook for now, runs a crash cut short, and runs
+    that ended before a crash but whose record was put in place only now (job id, the run's record)."""
 
     ready: list[str]
     interrupted: list[str]
+    ended: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
 class Markers:
@@ -189,19 +192,24 @@ class Markers:
         except FileNotFoundError:
             return Owed([], [])
         ready, interrupted = [], []
+        ended: list[tuple[str, dict[str, Any]]] = []
         for name in names:
             if name.startswith("."):  # a marker being written (``write_atomic``'s temp name): no job id starts so
                 continue
             if name.endswith(RUNNING):
-                if not self._ended(layout, name[: -len(RUNNING)]):
-                    interrupted.append(name[: -len(RUNNING)])
+                job_id = name[: -len(RUNNING)]
+                record = self._ended(layout, job_id)
+                if record is None:
+                    interrupted.append(job_id)
+                elif record:
+                    ended.append((job_id, record))
                 continue
             found = layout.find(name)
             if found is not None and found[0] in self.ready_in:
                 ready.append(name)
             elif found is None or found[0] in self.settled_in:
                 self.settle(layout, name)
-        return Owed(ready, interrupted)
+        return Owed(ready, interrupted, ended)
 
     def busy(self, layout: Layout, job_id: str) -> bool:
         """Return True while job_id's hook is owed and not run yet, or runs now in a live process (its lock held).
@@ -220,28 +228,33 @@ class Markers:
         os.close(fd)
         return False
 
-    def _ended(self, layout: Layout, job_id: str) -> bool:
-        """Return False when job_id's ``.running`` marker is a run cut short (unlocked and empty).
+    def _ended(self, layout: Layout, job_id: str) -> dict[str, Any] | None:
+        """Return None when job_id's ``.running`` marker is a run cut short (unlocked and empty).
 
-        True when another process runs it now (the marker is locked), or when the marker holds the
-        record of a run that ended: that record is then put in the job folder unless it is there
-        already, and the marker dropped.
+        An empty mapping when another process runs it now (the marker is locked). The run's record
+        when the marker holds the record of a run that ended: its process died before the marker
+        went, and so before the run's line was logged; the record is put in the job folder unless
+        it is there already, and the marker dropped.
         """
         path = self.folder(layout) / f"{job_id}{RUNNING}"
         fd = _lock_current(path)
         if fd is None:
-            return True  # settled meanwhile, or its run goes on in a live process
+            return {}  # settled meanwhile, or its run goes on in a live process
         try:
             body = _read_all(fd)
             if not body:  # cut short: the lock is kept until ``record_interrupted`` settles it
                 self._hold(job_id, fd)
                 fd = -1
-                return False
+                return None
             found = layout.find(job_id)
             if found is not None:
                 _put_record(found[1] / self.records[0], self.records[1], body)
             self.settle(layout, job_id)
-            return True
+            try:
+                record = json.loads(body)
+            except ValueError:
+                record = None
+            return record if isinstance(record, dict) and record else {"ok": False}
         finally:
             if fd >= 0:
                 os.close(fd)  # held until the marker is gone: a daemon starting beside this one waits its turn

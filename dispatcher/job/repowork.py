@@ -410,6 +410,7 @@ async def housekeep(
     for job_id in afters.interrupted:
         await lanes.io(afterowed.record_interrupted, layout, job_id)
         log.warning("hook.failed", hook="after", job_id=job_id, agent=agents.get(job_id), reason=afterowed.INTERRUPTED)
+    await _log_ended(layout, lanes, afters.ended, "after", notify)
     for job_id in afters.ready:
         if job_id in busy:  # its Job runs it itself (a revised review that ended again)
             continue
@@ -434,6 +435,7 @@ async def housekeep(
                 why,
                 layout.job(State.DONE, job_id) / "result.json",
             )
+    await _log_ended(layout, lanes, owed.ended, "land", notify)
     for job_id in owed.ready:
         if job_id in busy:  # its Job lands it itself, after its after hook and the worktree's removal
             continue
@@ -443,6 +445,35 @@ async def housekeep(
             return
         if await lanes.io(landing.claim, layout, job_id):
             await landing.land(layout, job_id, cfg, lanes.io, notify)
+
+
+async def _log_ended(
+    layout: Layout, lanes: Lanes, ended: list[tuple[str, dict[str, Any]]], hook: str, notify: landing.Notify | None
+) -> None:
+    """Log the lines of hook runs that ended before a crash cut their daemon short (their records just put in place).
+
+    The run's own daemon logs them after the record; a crash in between left them to this pass:
+    ``job.landed``, or ``land.failed`` (notified), or ``hook.failed`` for an after hook that failed.
+    """
+    if not ended:
+        return
+    places = await lanes.io(_works_of, layout, [job_id for job_id, _ in ended])
+    for job_id, record in ended:
+        agent = places[job_id][1] if job_id in places else None
+        why = record.get("detail")
+        if hook == "after":
+            if record.get("ok") is not True:
+                log.warning("hook.failed", hook="after", job_id=job_id, agent=agent, reason=why)
+            continue
+        if record.get("ok") is True:
+            result = await lanes.io(JobFolder(layout.job(State.DONE, job_id)).result)
+            wsr = result.extra.get("workspace") if result is not None else None
+            head = wsr.get("head") if isinstance(wsr, dict) else None
+            log.info("job.landed", job_id=job_id, agent=agent, head=head or None)
+            continue
+        log.warning("land.failed", job_id=job_id, agent=agent, reason=why)
+        if notify is not None:
+            notify.fire("land.failed", job_id, agent, why, layout.job(State.DONE, job_id) / "result.json")
 
 
 async def _end_leftovers(
