@@ -798,6 +798,9 @@ def test_a_kill_between_the_finish_and_the_after_hook_runs_it_once_then_lands(
     left = [d for d in daemons if d not in dead]
     if not left:
         assert not log.exists()
+        proc = env.cli("land", "AB1")  # not before the after hook: the next daemon runs both, in their order
+        line = "AB1: its after hook has not run yet; a daemon lands the job once it has\n"
+        assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", line)
         left = [env.daemon()]
     left[0].wait_event("job.landed", job_id="AB1", timeout=60)
     assert left[0].stop() == 0

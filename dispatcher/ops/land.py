@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from dispatcher.errors import NotFound, WrongState
-from dispatcher.job import landing
+from dispatcher.job import afterowed, landing
 from dispatcher.layout import Layout, check_id
 from dispatcher.lifecycle import State
 from dispatcher.spec.settings import Config
@@ -39,6 +39,8 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
         raise WrongState(f"{job_id}: its agent has no land hook")
     if (layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}").exists():
         raise WrongState(f"{job_id}: is landing now")
+    if spec.agent.repo.after is not None and afterowed.busy(layout, job_id):  # the landing comes after it
+        raise WrongState(f"{job_id}: its after hook has not run yet; a daemon lands the job once it has")
     last = JobFolder(path).read_json(_last_record(path))
     if isinstance(last, dict) and last.get("ok") is True:  # the hook runs once; again only after it failed
         raise WrongState(f"{job_id}: landed already; `land` runs the hook again only after it failed")
