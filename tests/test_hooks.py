@@ -199,6 +199,34 @@ def test_after_runs_for_a_join_that_fails_because_its_parent_failed(env: Env, tm
     assert [p.name for p in (failed / "hooks").glob("after-*.json")] == ["after-1.json"]
 
 
+def test_a_kill_before_the_after_hook_of_a_failed_join_leaves_it_owed_to_the_next_start(
+    env: Env, tmp_path: Path
+) -> None:
+    """kill -9 once a join failed in waiting/ (its parent failed) and before its after hook started: the next start
+    runs the hook once (section 15: once the job is final), and a later start runs it no more."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "after.txt"
+    agents = {
+        "worker": env.agent("--exit", "1"),
+        "coder": coder(env, repo, "--write", "src/a.txt=x", after=["sh", "-c", AFTER, str(log)]),
+    }
+    env.configure(agents=agents)
+    env.drop(code_order("J3", after=["P3"]))
+    env.drop({**code_order("P3", to="worker"), "accept": {"output": "out.csv"}})
+    d = env_daemon(env, {"DISPATCHER_FAULT": "after.before"})
+    assert d.wait(120) == -signal.SIGKILL
+    assert env.result("J3", "failed")["reason"] == "after: P3 failed" and not log.exists()
+    for _ in range(2):
+        d2 = env.daemon()
+        d2.wait_ready()
+        wait_until(lambda: log.exists(), 60, "the after hook")
+        assert d2.stop() == 0
+    failed = env.job_dir("J3", "failed")
+    assert log.read_text().split() == ["J3", "[]", "[]", str(failed / "result.json"), str(failed / "work")]
+    records = sorted((failed / "hooks").glob("after-*.json"))
+    assert [json.loads(r.read_text())["ok"] for r in records] == [True]
+
+
 def test_land_runs_once_after_done_in_the_repository(env: Env, tmp_path: Path) -> None:
     """A done job's land hook runs exactly once, in the repository, with the branch and head; job.landed is logged."""
     repo = make_repo(tmp_path / "shop")

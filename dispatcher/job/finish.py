@@ -67,6 +67,12 @@ class AfterHooks(Protocol):
     def start(self, spec: JobSpec, state: Row) -> None:
         """Run the job's after hook in the background (nothing when its agent has none)."""
 
+    def own(self, spec: JobSpec) -> bool:
+        """Write the job's after marker, held, before its finish is committed (blocking); False when it has no hook."""
+
+    def let_go(self, job_id: str) -> None:
+        """Give up the held marker of a job whose finish was not committed (or whose hook will not start)."""
+
 
 class Hints(Protocol):
     """Where a released follow-up's file name goes (``core.watcher.Inbox``), on the loop."""
@@ -210,20 +216,29 @@ class Finisher:
         """Stage and commit one failed job from the ledger lane itself (a claim under a cancel, a failed join).
 
         Such a job has no Job to run its agent's ``after`` hook, which is owed once the job
-        is final (contract 15): with ``spec``, ``after_hooks`` starts it on the loop. ``landed``
-        is called on the loop once it is in failed/.
+        is final (contract 15): with ``spec``, its marker is written (held, ``afterowed.own``)
+        before the commit, and ``after_hooks`` runs it on the loop; a crash between the two
+        leaves it owed to the next pass. ``landed`` is called on the loop once it is in failed/.
         """
-        ok = self.commit([Landing(folder, finish, result)])[0]
-        if isinstance(ok, OSError):
-            raise ok
-        if ok and self.notify is not None and self._loop is not None:
-            target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
-            agent, reason = result.agent or "", result.reason
-            self._loop.call_soon_threadsafe(self.notify.fire, "job.failed", finish.job_id, agent, reason, target)
-        if ok and spec is not None and self.after_hooks is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.after_hooks.start, spec, finish.state)
-        if ok and landed is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(landed)
+        hooks = self.after_hooks if spec is not None else None
+        hooked = hooks is not None and spec is not None and hooks.own(spec)
+        handed = False
+        try:
+            ok = self.commit([Landing(folder, finish, result)])[0]
+            if isinstance(ok, OSError):
+                raise ok
+            if ok and self.notify is not None and self._loop is not None:
+                target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
+                agent, reason = result.agent or "", result.reason
+                self._loop.call_soon_threadsafe(self.notify.fire, "job.failed", finish.job_id, agent, reason, target)
+            if ok and hooked and hooks is not None and spec is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(hooks.start, spec, finish.state)
+                handed = True
+            if ok and landed is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(landed)
+        finally:
+            if hooks is not None and hooked and not handed:
+                hooks.let_go(finish.job_id)  # not committed: whoever ends the job owes the hook
         return ok
 
     def commit(self, batch: Sequence[Landing]) -> list[bool | OSError]:

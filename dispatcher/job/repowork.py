@@ -338,6 +338,21 @@ class FinalHooks:
         self.notify = notify
         self._tasks: set[asyncio.Task[None]] = set()
 
+    def own(self, spec: JobSpec) -> bool:
+        """Write the job's after marker, held by this daemon, before its finish is committed (blocking).
+
+        False when its agent has no after hook. ``start`` takes the marker once the job is final;
+        a crash in between leaves the hook owed to the next pass (``afterowed``).
+        """
+        if spec.agent.repo.after is None:
+            return False
+        afterowed.own(self.layout, spec.job_id)
+        return True
+
+    def let_go(self, job_id: str) -> None:
+        """Give up the held marker of a job whose finish was not committed: whoever ends the job owes the hook."""
+        afterowed.let_go(job_id)
+
     def start(self, spec: JobSpec, state: Row) -> None:
         """Run the job's after hook in the background (nothing when its agent has none)."""
         if spec.agent.repo.after is None:
