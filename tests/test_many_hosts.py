@@ -322,7 +322,10 @@ def test_a_partitioned_host_fences_itself_and_another_takes_over(cluster: Cluste
     assert "host was lost" in once["reason"]
     a_events = {e["event"] for e in cluster.events(a.name)}
     assert "lease.fenced" in a_events
-    assert any(e.get("event") == "host.lost" for e in cluster.events(b.name))
+    started = next(e for e in cluster.events(a.name) if e.get("event") == "daemon.started")
+    lost = [e for e in cluster.events(b.name) if e.get("event") == "host.lost"]
+    assert [(e["owner"], e["pid"]) for e in lost] == [(started["owner"], started["pid"])]  # once, naming host a
+    assert lost[0]["host"] and started["owner"].startswith(f"{lost[0]['host']}-{started['pid']}-")
 
 
 def test_a_paused_host_that_comes_back_changes_nothing(cluster: Cluster) -> None:

@@ -70,7 +70,8 @@ class Fencing(abc.ABC):
     def _hosts_lost(self, owners: list[str]) -> None:
         """Daemons whose lease ran out (from the lease thread): log each once, recover their jobs."""
         for owner in owners:
-            log.warning("host.lost", owner=owner)
+            host, pid, _ = [*owner.rsplit("-", 2), "", ""][:3]  # an owner is ``<host>-<pid>-<nonce>``
+            log.warning("host.lost", owner=owner, host=host or None, pid=int(pid) if pid.isdigit() else None)
         self.loop.call_soon_threadsafe(self._recover_lost)
 
     def _recover_lost(self) -> None:
