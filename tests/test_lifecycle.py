@@ -813,6 +813,35 @@ def test_file_written_slowly_in_place_is_taken_once_whole(env: Env) -> None:
     assert daemon.stop() == 0
 
 
+def test_a_second_process_closing_a_file_being_written_does_not_get_it_refused(env: Env) -> None:
+    """Section 1: a file written in place is taken after *its* writer closes it. Another process opening it for
+    writing and closing it (`touch`) midway sends a close event too; the half-written order is not refused then: it
+    waits while the first writer holds it open, and the whole order runs once it is closed. A file no one holds open
+    that is invalid is still refused at its close event."""
+    env.configure(settle=0.3, rescan_interval=1)
+    daemon = env.daemon()
+    daemon.wait_ready()
+    first, rest = b'{"job_id": "TC1", "from": "t", ', b'"to": "worker", "task": "do", "items": [{"id": "R1"}]}'
+    path = env.root / "inbox" / "slow.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, first)
+        time.sleep(0.5)
+        assert subprocess.run(["touch", str(path)], check=False).returncode == 0  # opened for writing, closed
+        time.sleep(1.5)  # five settle periods with the first writer still holding it
+        assert env.refusals() == [] and path.exists()
+        os.write(fd, rest)
+    finally:
+        os.close(fd)
+    env.wait_job("TC1", "done")
+    assert (env.root / "done" / "TC1" / "order.json").read_bytes() == first + rest
+    bad = env.root / "inbox" / "bad.json"
+    bad.write_bytes(first)  # written and closed: invalid, and no writer holds it
+    refused = wait_until(lambda: env.refusals(), 30, "the invalid order refused")
+    assert len(refused) == 1 and starts_of(env, "TC1") == 1
+    assert daemon.stop() == 0
+
+
 def test_a_writer_holding_the_file_open_is_seen_through_a_symlinked_root(env: Env) -> None:
     """The root named through a symlink: a writer that keeps an order open (written in place) still holds it back
     past settle, and the job takes the whole file once it is closed."""

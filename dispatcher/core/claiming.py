@@ -110,8 +110,12 @@ class Claims:
         slotless: bool = False,
         last: bool = True,
         ahead: dict[str, int] | None = None,
+        unsure: frozenset[str] = frozenset(),
     ) -> list[Answer]:
         """Read, take slots, claim (ledger lane); ``slotless`` for a cancel, which takes none.
+
+        ``unsure``: names made ready by a close event alone; one that does not validate is
+        not refused here but answered ``Gone(unsure=True)`` (``Inbox.recheck``).
 
         ``last`` gives back the handed-over slots no job of this batch took, so that
         other daemons may use them. ``ahead``: claim new orders without slots, at most
@@ -130,7 +134,7 @@ class Claims:
                 out.append(not_now(work))
                 continue
             if isinstance(work, str):
-                p = self.read(work, reading, now=slotless)
+                p = self.read(work, reading, now=slotless, unsure=work in unsure)
                 if not isinstance(p, Parked):
                     out.append(p)
                     continue
@@ -246,11 +250,13 @@ class Claims:
                     self.on_gate(gate)
         return gated | fresh
 
-    def read(self, name: str, cfg: Config, *, now: bool = False) -> Parked | Gone | Big | Later:
+    def read(self, name: str, cfg: Config, *, now: bool = False, unsure: bool = False) -> Parked | Gone | Big | Later:
         """Read and validate inbox/<name>: parked work, a refusal carried out, or a name to drop.
 
         An order whose not_before is to come is ``Later`` (``now``, for a cancel: taken all
-        the same); one past its expires is refused as ``expired``.
+        the same); one past its expires is refused as ``expired``. ``unsure``: the file was
+        made ready by a close event alone, so an invalid one may be half written by another
+        writer: it is answered ``Gone(unsure=True)``, not refused.
         """
         path = f"{self.layout.inbox_str}/{name}"
         st = _lstat(path)
@@ -261,6 +267,8 @@ class Claims:
         try:
             found = intake.inspect(self.layout, name, cfg, seen=st, path=path)  # its lstat is not taken twice
             if isinstance(found, Refusal):
+                if unsure:
+                    return Gone(name, unsure=True)
                 seen = (st.st_dev, st.st_ino) if st is not None else None
                 job_id = found.job_id
                 if job_id is None and st is not None and st.st_nlink > 1:  # a claim's link, perhaps: whose is it?

@@ -330,6 +330,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             slotless=cancel,
             last=last,
             ahead=caps,
+            unsure=self.inbox.unsure(batch),
         )
         lanes = self.ctx.lanes
         try:  # a few orders: the loop may wait in place for the answer; a burst's chunks: never
@@ -352,6 +353,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         again: list[Parked] = []
         for r in results:
             match r:
+                case Gone(name=name, unsure=True):
+                    self.inbox.recheck(name)  # no refusal before the look for another writer
                 case Gone(name=name, refused=refused, later=later):
                     if later:
                         asyncio.get_running_loop().call_later(RETRY_LATER_S, self._try_again, name)

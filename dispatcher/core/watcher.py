@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 import os
 import stat
 import time
@@ -101,6 +102,7 @@ class Inbox:
         self._aside_names: set[str] = set()
         self._expiring: list[tuple[float, _Ready]] = []  # (expires, entry) of ready orders with expires
         self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
+        self._unsure: set[str] = set()  # ready at a close event, with no look for other writers: see ``recheck``
 
     def __len__(self) -> int:
         """How many names wait to settle, are ready, set aside for a gate or being handled (not those due later)."""
@@ -129,6 +131,8 @@ class Inbox:
         elif kind in ("moved", "closed"):
             self._pending.pop(name, None)
             self._make_ready(name)
+            if kind == "closed" and self.wait_for_writers and name in self._ready_names:
+                self._unsure.add(name)
         elif kind == "created" and name not in self._known:
             try:
                 st = os.lstat(f"{self._inbox_str}/{name}")
@@ -173,7 +177,36 @@ class Inbox:
             return
         self._pending[name] = _Pending(entry.size, entry.mtime_ns, now_mono)
 
+    def unsure(self, batch: Iterable[object]) -> frozenset[str]:
+        """Return the names of batch made ready by a close event alone: refused only after ``recheck``."""
+        if not self._unsure:
+            return frozenset()
+        return frozenset(n for n in batch if isinstance(n, str) and n in self._unsure)
+
+    def recheck(self, name: str) -> None:
+        """Look for other writers before an order read at a close event is refused.
+
+        The close event says that one writer closed the file; another may still write it
+        (a second process opened and closed it meanwhile). So an order that does not
+        validate then goes back to wait as a file being written, and the open-writer check
+        runs at once: a file no process holds open is read again and refused; one held open
+        waits until its writer closes it (section 1). A valid order never pays for the look.
+        """
+        self._unsure.discard(name)
+        self._taken.pop(name, None)
+        self._ready_names.discard(name)
+        try:
+            st = os.lstat(f"{self._inbox_str}/{name}")
+        except FileNotFoundError:
+            self.forget(name)
+            return
+        self._known.add(name)
+        self._pending[name] = _Pending(st.st_size, st.st_mtime_ns, -math.inf)  # checked at the next turn
+        if self.wake is not None:
+            self.wake()
+
     def _make_ready(self, name: str) -> None:
+        self._unsure.discard(name)
         self._aside_names.discard(name)  # a new event on an order set aside: it is read again
         self._taken.pop(name, None)
         if name in self._ready_names or name in self._later_names:
@@ -417,6 +450,7 @@ class Inbox:
         self._later_names.discard(name)
         self._aside_names.discard(name)
         self._taken.pop(name, None)
+        self._unsure.discard(name)
 
 
 def _by_age(entry: Listed) -> tuple[int, str]:

@@ -90,6 +90,7 @@ class Gone:
     name: str
     refused: bool = False
     later: bool = False  # the claim failed as a whole (a full disk, an error): try the file again later
+    unsure: bool = False  # invalid when read at a close event: refused only if no other writer holds it open
 
 
 @dataclass(frozen=True, slots=True)
