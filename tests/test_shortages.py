@@ -281,6 +281,63 @@ def test_long_queue_for_a_busy_agent_costs_no_cpu(env: Env) -> None:
     assert len(env.starts()) == 1 and names(env.root / "active") == ["q000"]
 
 
+# an order of one item hands on a follow-up of 2,500 items (about 300 KB) to the same agent, which the checks
+# read; each job's receipt names its own items
+BIG_FOLLOWUP_AGENT = r"""import json, os
+j = os.environ["DISPATCH_JOB_ID"]
+with open(os.environ["DISPATCH_ORDER"]) as f:
+    ids = [i["id"] for i in json.load(f)["items"]]
+if len(ids) == 1:
+    os.makedirs("outbox", exist_ok=True)
+    items = [{"id": "i%d" % k, "pad": "x" * 100} for k in range(2500)]
+    with open("outbox/c.json", "w") as f:
+        json.dump({"job_id": j + "-c", "from": "big", "to": "big", "task": "t", "items": items}, f)
+receipt = {"job_id": j, "input_ids": ids, "output_ids": [], "status": "done", "outputs": []}
+with open(".receipt.tmp", "w") as f:
+    json.dump(receipt, f)
+os.rename(".receipt.tmp", "receipt.json")
+"""
+
+
+def _vm_kb(pid: int) -> int:
+    """Return the address space a process holds now (VmSize, kB)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmSize:")))
+
+
+def test_a_memory_shortage_while_a_job_is_checked_is_waited_out_not_the_jobs_answer(env: Env) -> None:
+    """Section 13: a shortage of memory is never a job's answer. The daemon's address space capped from outside
+    (`prlimit --as`) at what it holds, each job's checks read a 300 KB follow-up: no job fails ("crashed:
+    MemoryError"), daemon.short_of names memory, and once the cap is lifted every job ends done and its follow-up
+    runs."""
+    script = write_script(env.tmp, "big_followup.py", BIG_FOLLOWUP_AGENT)
+    big = {"command": [sys.executable, str(script)], "timeout": 60, "writes": [".receipt.tmp", "outbox/**"]}
+    env.configure({"big": big}, max_jobs=2, settle=0.2)
+    d = env.daemon()
+    d.wait_ready()
+    assert d.proc is not None
+    env.drop(tiny_order("M0", to="big"))  # warm: the daemon's threads and imports are in place
+    wait_until(lambda: names(env.root / "done") == ["M0", "M0-c"], 60, "the warm-up jobs done")
+    jobs = [f"M{i}" for i in range(1, 5)]
+    vm = _vm_kb(d.proc.pid)
+    resource.prlimit(d.proc.pid, resource.RLIMIT_AS, ((vm - 1000) * 1024, resource.RLIM_INFINITY))
+    try:
+        for job_id in jobs:
+            env.drop(tiny_order(job_id, to="big"))
+            time.sleep(0.5)
+        d.wait_event("daemon.short_of", timeout=60)
+        time.sleep(3)
+    finally:
+        resource.prlimit(d.proc.pid, resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    every = sorted(["M0", "M0-c"] + jobs + [f"{j}-c" for j in jobs])
+    wait_until(lambda: names(env.root / "done") == every, 90, "every job and follow-up done")
+    assert names(env.root / "failed") == []
+    assert not [e for e in d.events() if e["event"] in ("job.crashed", "job.failed")]
+    short = [e for e in d.events() if e["event"] == "daemon.short_of"]
+    assert short and all("memory" in e["resource"] or "ENOMEM" in e["resource"] for e in short), short
+    assert d.stop() == 0
+
+
 def test_agent_removed_by_reload_its_orders_wait_until_it_is_back(env: Env) -> None:
     """Orders of an agent a reload removed wait in inbox/ (logged once); back in the config, they all run."""
     slow = hold_agent(env, 1.5, concurrency=1)

@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from dispatcher.shortage import SHORT
+
 # <sys/inotify.h>
 IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
 IN_CREATE, IN_DELETE, IN_Q_OVERFLOW, IN_IGNORED = 0x100, 0x200, 0x4000, 0x8000
@@ -54,6 +56,13 @@ class InotifyWatch:
         return self._fd >= 0 and not self.lost
 
     def _read(self) -> None:
+        try:
+            self._read_events()
+        except MemoryError as exc:  # events lost to a shortage (section 13): a rescan finds their files
+            SHORT.note(exc, "watch")
+            self._hint("rescan", "")
+
+    def _read_events(self) -> None:
         while True:
             try:
                 buf = os.read(self._fd, 1 << 16)

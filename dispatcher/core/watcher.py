@@ -241,8 +241,8 @@ class Inbox:
                 data = fsutil.read_regular(f"{self._inbox_str}/{name}", PEEK_BYTES)
             else:
                 data = fsutil.read_regular(name, PEEK_BYTES, dir_fd=dir_fd)
-        except (OSError, ValueError, fsutil.NotRegular):
-            return Glance()  # unreadable here: the daemon reads it as usual (and refuses it if need be)
+        except (OSError, ValueError, MemoryError, fsutil.NotRegular):
+            return Glance()  # unreadable here: the daemon reads it as usual (and refuses it, or waits out a shortage)
         return peek_schedule(data, name)
 
     def pop_join(self) -> str | None:

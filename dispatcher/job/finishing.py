@@ -95,14 +95,16 @@ class Finishing(abc.ABC):
                 raise Left
             try:
                 return await once()
-            except OSError as exc:
+            except (OSError, MemoryError, RuntimeError) as exc:  # memory and threads are resources too (section 13)
+                if not isinstance(exc, OSError) and not SHORT.note(exc, step):
+                    raise
                 if isinstance(exc, PermissionError) and not mended:
                     mended = True  # once: an agent may have taken the daemon's rights on the job's folders
                     if await self.ctx.lanes.io(give_back_rights, self.folder.path_str):
                         log.warning("job.rights_restored", step=step, error=str(exc))
                         continue
                     raise
-                if SHORT.note(exc, step):
+                if not isinstance(exc, OSError) or SHORT.note(exc, step):
                     delay = max(SHORT.wait_s(), PAUSE_MIN_S)  # not now: the same step again after the pause
                 elif not is_disk_full(exc):
                     raise

@@ -18,6 +18,7 @@ as for an agent without ``workspace``.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from dispatcher import fsutil
 from dispatcher.clock import iso
 from dispatcher.job.runner import AgentProcess
 from dispatcher.lifecycle import Stop
+from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.settings import Hook
 from dispatcher.text import redact
 
@@ -147,17 +149,22 @@ async def run_hook(
         log_prefix=f"{name}-",
     )
     started = time.time()
-    try:
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            for stream in ("stdout", "stderr"):
-                (log_dir / f"{name}-{stream}.log").touch()
-        proc.start()
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-        return HookRun(
-            name, tuple(argv), None, False, started, time.time(), "", f"{why}: {exc.filename}" if exc.filename else why
-        )
+    while True:
+        try:
+            if log_dir is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                for stream in ("stdout", "stderr"):
+                    (log_dir / f"{name}-{stream}.log").touch()
+            proc.start()
+            break
+        except OSError as exc:
+            # a shortage is waited out (section 13), within the hook's own timeout and until a stop
+            if time.time() - started < hook.timeout_s and not RUNNING.stopped and SHORT.note(exc, f"{name}.start"):
+                await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
+                continue
+            why = exc.strerror or str(exc)
+            why = f"{why}: {exc.filename}" if exc.filename else why
+            return HookRun(name, tuple(argv), None, False, started, time.time(), "", why)
     if attach is not None:
         attach(proc)
     RUNNING.add(proc)

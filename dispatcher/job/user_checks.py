@@ -29,6 +29,7 @@ from dispatcher.job.control import Control, Left
 from dispatcher.job.worktree import Workspace
 from dispatcher.lanes import Lanes
 from dispatcher.lifecycle import Stop
+from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.result import CheckResult
 from dispatcher.spec.settings import Config, UserCheck
@@ -97,14 +98,22 @@ async def _one(
     start = await lanes.io(_create, path)
     ws_path = Path(workspace.path) if workspace is not None else None
     argv = attempt.argv(spec, folder.work, check.command, ws_path)
-    try:
-        proc = attempt.process(
-            spec, folder, n, argv, cfg, logs, workspace=workspace, check=(check.timeout_s, Path(path)),
-        )  # fmt: skip
-        proc.start()
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-        return _result(check.name, False, f"cannot start: {why}" + (f": {exc.filename}" if exc.filename else ""))
+    while True:
+        try:
+            proc = attempt.process(
+                spec, folder, n, argv, cfg, logs, workspace=workspace, check=(check.timeout_s, Path(path)),
+            )  # fmt: skip
+            proc.start()
+            break
+        except OSError as exc:
+            if SHORT.note(exc, "check.start"):  # a shortage is never the check's answer (section 13): it waits
+                if await control.sleep(max(SHORT.wait_s(), PAUSE_MIN_S)):
+                    if control.reason is Stop.CANCELLED:
+                        return _result(check.name, None, "not run: the job was cancelled")
+                    raise Left from None
+                continue
+            why = exc.strerror or str(exc)
+            return _result(check.name, False, f"cannot start: {why}" + (f": {exc.filename}" if exc.filename else ""))
     control.attach(proc)
     out = await proc.wait()
     control.attach(None)
