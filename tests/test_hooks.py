@@ -810,9 +810,16 @@ def test_a_kill_between_the_finish_and_the_after_hook_runs_it_once_then_lands(
     the root, at its next pass) runs the after hook once, records it, and only then lands the job (section 15: after
     once the job is final, land exactly once after done); a later start runs neither again."""
     repo = make_repo(tmp_path / "shop")
-    log = tmp_path / "hooks.txt"
-    after = ["sh", "-c", 'echo after-start >> "$0"; sleep 0.5; echo after-end >> "$0"', str(log)]
-    land = ["sh", "-c", 'echo land >> "$0"', str(log)]
+    log, where = tmp_path / "hooks.txt", tmp_path / "where.txt"
+    after = [
+        "sh",
+        "-c",
+        'echo after-start >> "$0"; pwd > "$1"; sleep 0.5; echo after-end >> "$0"',
+        str(log),
+        str(where),
+    ]
+    tree = env.root / ".state" / "worktrees" / "AB1"
+    land = ["sh", "-c", 'echo land >> "$0"; [ -d "$1" ] && echo tree-left >> "$0"; true', str(log), str(tree)]
     env.configure(
         agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=after, land=land)}, rescan_interval=0.5
     )
@@ -832,7 +839,9 @@ def test_a_kill_between_the_finish_and_the_after_hook_runs_it_once_then_lands(
         left = [env.daemon()]
     left[0].wait_event("job.landed", job_id="AB1", timeout=60)
     assert left[0].stop() == 0
-    assert log.read_text().split() == ["after-start", "after-end", "land"]
+    assert log.read_text().split() == ["after-start", "after-end", "land"]  # the worktree gone before the landing
+    assert where.read_text().strip() == str(tree)  # the after hook ran in the job's worktree (section 15)
+    assert not tree.exists() and "AB1" not in git(repo, "worktree", "list")
     records = sorted((env.job_dir("AB1", "done") / "hooks").glob("after-*.json"))
     assert [json.loads(r.read_text())["ok"] for r in records] == [True]
     d3 = env.daemon()
@@ -869,8 +878,7 @@ def test_a_done_jobs_hooks_are_held_by_its_own_daemon_from_before_its_finish(tmp
         )
         assert pass_after.look(layout).ready == ["AB2"] and pass_land.look(layout).ready == ["AB2"]
         assert not pass_after.claim(layout, "AB2")  # owed, and held by the job's own daemon
-        assert pass_after.busy(layout, "AB2")  # so the pass lands nothing
-        assert not pass_land.claim(layout, "AB2")
+        assert pass_after.busy(layout, "AB2")  # so the pass lands nothing (``housekeep`` asks before a claim)
         repo.let_go()  # the job's daemon gave up (a stop): the next pass runs both, in their order
         assert pass_after.claim(layout, "AB2")
         pass_after.settle(layout, "AB2")

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import Daemon, Env, cli_env, order, wait_until
+from git_helpers import code_order, coder, make_repo
 from helpers_faults import hold_agent, tiny_order, write_script
 from pg_fixtures import running_pg_server
 from pgserver import PgServer
@@ -279,6 +280,38 @@ def test_long_queue_for_a_busy_agent_costs_no_cpu(env: Env) -> None:
     used = idle_cpu(d.proc.pid)
     assert used < 1.0, f"the idle daemon used {used:.2f} s of CPU in 4 s"
     assert len(env.starts()) == 1 and names(env.root / "active") == ["q000"]
+
+
+@pytest.mark.parametrize("limit", [22, 26, 30])
+def test_at_low_descriptor_limits_workspace_jobs_and_their_hooks_wait_never_fail(
+    env: Env, tmp_path: Path, limit: int
+) -> None:
+    """RLIMIT_NOFILE 22, 26 or 30 and four orders for an agent with a git worktree, an after hook and a land hook:
+    a shortage met making a worktree, reading its change or starting a hook is waited out (section 13), so every
+    job ends done, its after hook ran once and passed, it landed once after the worktree was removed, and no
+    worktree is left."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "hooks.txt"
+    trees = env.root / ".state" / "worktrees"
+    after = ["sh", "-c", 'echo "after {job_id}" >> "$0"', str(log)]
+    land = ["sh", "-c", 'echo "land {job_id}" >> "$0"; [ -d "$1/{job_id}" ] && echo "tree {job_id}" >> "$0"; true']
+    land += [str(log), str(trees)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land, concurrency=4)
+    env.configure({"coder": agent}, max_jobs=4, settle=0.2)
+    jobs = [f"W{limit}-{i}" for i in range(4)]
+    for job_id in jobs:
+        env.drop(code_order(job_id))
+    with run_at_limit(env, limit) as (_proc, out):
+        wait_until(lambda: names(env.root / "done") + names(env.root / "failed") == jobs and log.exists()
+                   and len([ln for ln in log.read_text().splitlines() if ln.startswith("land")]) == 4,
+                   120, f"every job ended and landed at limit {limit}")  # fmt: skip
+    assert names(env.root / "failed") == [], out.read_text()[-3000:]
+    lines = sorted(log.read_text().splitlines())
+    assert lines == sorted([f"after {j}" for j in jobs] + [f"land {j}" for j in jobs]), lines
+    for job_id in jobs:
+        records = list((env.root / "done" / job_id / "hooks").glob("after-*.json"))
+        assert [json.loads(r.read_text())["ok"] for r in records] == [True], (job_id, out.read_text()[-3000:])
+    assert names(trees) == []
 
 
 # an order of one item hands on a follow-up of 2,500 items (about 300 KB) to the same agent, which the checks

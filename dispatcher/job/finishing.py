@@ -75,10 +75,22 @@ class Finishing(abc.ABC):
                 full_step="stage_result",
             )
             if ok:
-                await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
+                await self._after_final(state)
         finally:
             self.repo.let_go()  # a finish not committed (a stop, a lost lease) leaves its hooks to whoever ends it
         return outcome_of(state) if ok else Outcome.FENCED
+
+    async def _after_final(self, state: Row) -> None:
+        """Run what follows a committed finish (``JobRepo.after_final``): its hooks, its worktree's removal.
+
+        The job is final already: an error there is logged, and never fails it a second time.
+        """
+        try:
+            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
+        except Left:
+            raise
+        except Exception as exc:
+            log.exception("daemon.error", step="after the finish", error=str(exc))
 
     async def _until_written(self, once: Callable[[], Awaitable[T]], step: str, *, full_step: str = "") -> T:
         """Return once()'s answer, trying again while it fails for want of room or resources.
@@ -122,7 +134,7 @@ class Finishing(abc.ABC):
         state = settled.finish.state
         ok = await self.ctx.finisher.after_commit(settled.finish, settled.result, settled.landed, release=False)
         if ok:
-            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
+            await self._after_final(state)
         return outcome_of(state) if ok else Outcome.FENCED
 
     def _result(

@@ -111,6 +111,7 @@ class Job(Finishing, Deciding):
             left_over=recovering,  # a wait row of the dead daemon's run is cleared once no gate holds the job
         )
         self.repo = JobRepo(ctx.layout, ctx.lanes, spec, folder)  # section 15: worktree, diffs, hooks
+        self.repo.paused = self._paused  # a shortage met by its git work is waited out (section 13)
 
     async def run(self) -> Outcome:
         """Drive the job to its end and return how it ended; a bug fails the job, never the daemon."""
@@ -146,7 +147,12 @@ class Job(Finishing, Deciding):
     async def _run(self) -> Outcome:
         if self.recovering:
             self._start_done()  # recovery may probe, wait or finish first: counted again at its agent's start
-        await self.repo.load()
+        try:
+            await self.repo.load()
+        except (OSError, MemoryError) as exc:
+            if SHORT.note(exc, "workspace"):
+                return Outcome.SHORT  # nothing began: the job starts again once the shortage is over
+            raise
         if self.recovering and self.folder.result() is not None:  # a fresh claim has no result yet
             return await self._reland()
         if self.recovering:
@@ -227,7 +233,7 @@ class Job(Finishing, Deciding):
         ok = await self.ctx.finisher.land(self.folder, finish, result, release=True)
         if ok and state in (Row.DONE, Row.FAILED, Row.REVIEW):
             self.repo.restore(result.extra.get("workspace"))
-            await self.repo.after_final(state, self.ctx.config(), self.ctx.finisher.notify, self.ctx.stopping)
+            await self._after_final(state)
         return outcome_of(state) if ok else Outcome.FENCED
 
     # -- recovery ---------------------------------------------------------------------------
@@ -291,6 +297,10 @@ class Job(Finishing, Deciding):
         result = parse_agent_result(tail)
         return with_cut_start(tail, result, self.folder.stdout_path(n), AGENT_TAIL_BYTES)
 
+    async def _paused(self, delay: float) -> bool:
+        """Wait delay (a shortage's pause); return True if a stop or cancel came meanwhile."""
+        return await self.control.sleep(delay) or self.ctx.stopping()
+
     def _cancel_asked(self) -> bool:
         """Return True if `dispatcher cancel` asked for this job and the request is still open (io pool)."""
         return self.spec.job_id in self.ctx.ledger.requests(Request.CANCEL)
@@ -315,6 +325,8 @@ class Job(Finishing, Deciding):
                 revised = "feedback.json" in self.spec.given  # a revision (or a repair) gave it: go on from the work
                 await self.repo.open(n, goes_on=resumes or revised)
         except WorkspaceFailed as exc:
+            if exc.short is not None and SHORT.note(exc.short, "workspace"):
+                return Outcome.SHORT  # its start waits for the pause, as an agent's does
             reason = f"config: agent {agent.name} cannot start: {exc}"
             log.error("agent.exited", error=reason)  # no attempt (section 6)
             return await self.finish(Row.FAILED, reason, [])

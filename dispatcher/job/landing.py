@@ -2,7 +2,7 @@
 
 A job whose agent has a ``land`` hook owes a landing from the moment it passes its
 checks: ``.state/landing/<job_id>`` is written durably before its finish is
-committed (held locked by the job's own daemon when it is done at once: ``owed``).
+committed.
 Once the job is in done/ (at once, or after `approve`), the marker is
 renamed to ``<job_id>.running`` (the claim: one rename wins), the hook runs, its
 record is written as ``land/<k>.json`` in the job folder, and the marker goes.
@@ -35,10 +35,8 @@ __all__ = [
     "Owed",
     "claim",
     "land",
-    "let_go",
     "look",
     "owe",
-    "own",
     "record_interrupted",
     "record_run",
     "settle",
@@ -50,9 +48,7 @@ MARKERS = owed.Markers(
     "landing", ready_in=frozenset({State.DONE}), settled_in=frozenset({State.FAILED}), records=("land", "")
 )
 owe = MARKERS.owe
-own = MARKERS.own
 take = MARKERS.take
-let_go = MARKERS.let_go
 claim = MARKERS.claim
 settle = MARKERS.settle
 look = MARKERS.look

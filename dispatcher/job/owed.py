@@ -101,7 +101,11 @@ class Markers:
             fd = self._held.get(job_id)
         if fd is not None and _same_file(fd, folder / job_id):
             os.rename(folder / job_id, folder / f"{job_id}{RUNNING}")
-            fsutil.fsync_dir(folder)
+            try:
+                fsutil.fsync_dir(folder)
+            except BaseException:
+                _undo_rename(folder, job_id)  # still owned, not taken: the take may be tried again
+                raise
             return True
         if os.path.lexists(folder / job_id):
             return self.claim(layout, job_id)
@@ -130,15 +134,26 @@ class Markers:
             if isinstance(exc, FileNotFoundError):  # taken meanwhile by a claim that locked it first and let go
                 return False
             raise
+        try:
+            fsutil.fsync_dir(folder)
+        except BaseException:
+            _undo_rename(folder, job_id)  # not claimed after all (a shortage, say): owed as before
+            os.close(fd)
+            raise
         self._hold(job_id, fd)
-        fsutil.fsync_dir(folder)
         return True
 
     def start(self, layout: Layout, job_id: str) -> None:
         """Mark durably that a final job's own hook runs now (no claim: nothing was owed), locked as a claim's."""
         folder = self.folder(layout)
         fsutil.make_dirs(folder)
-        self._hold(job_id, _write_locked(folder / f"{job_id}{RUNNING}", b""))
+        try:
+            fd = _write_locked(folder / f"{job_id}{RUNNING}", b"")
+        except BaseException:
+            with contextlib.suppress(OSError):  # not durable: not started (a run that never began is no cut run)
+                os.unlink(folder / f"{job_id}{RUNNING}")
+            raise
+        self._hold(job_id, fd)
 
     def _hold(self, job_id: str, fd: int) -> None:
         with self._lock:
@@ -287,6 +302,12 @@ def _lock_current(path: Path) -> int | None:
             raise
         os.close(fd)  # replaced meanwhile: look at the new one
     return None  # replaced again and again: a live run writes it
+
+
+def _undo_rename(folder: Path, job_id: str) -> None:
+    """Give a marker taken by a rename whose fsync failed its owed name back (best effort)."""
+    with contextlib.suppress(OSError):
+        os.rename(folder / f"{job_id}{RUNNING}", folder / job_id)
 
 
 def _same_file(fd: int, path: Path) -> bool:

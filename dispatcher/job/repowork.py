@@ -15,9 +15,11 @@ one never holds a thread.
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import os
 import subprocess
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Awaitable, Callable, Container, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import structlog
 
 from dispatcher import faults, procs
 from dispatcher.job import afterowed, gitview, hooks, landing, worktree
+from dispatcher.job.control import Left
 from dispatcher.job.gitview import GitView
 from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
 from dispatcher.job.treehazards import hazard
@@ -32,6 +35,7 @@ from dispatcher.job.worktree import GitError, Workspace
 from dispatcher.lanes import Lanes
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import Row, State, landed_state
+from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.repo import branch_for
 from dispatcher.spec.settings import Config
@@ -51,7 +55,36 @@ def repo_lock(repo: str) -> asyncio.Lock:
 
 
 class WorkspaceFailed(Exception):
-    """The job's worktree could not be made: the job fails with this reason (no attempt runs)."""
+    """The job's worktree could not be made: the job fails with this reason (no attempt runs).
+
+    ``short``: the error was a shortage (descriptors, processes, memory), which is never the job's
+    answer (section 13): the job's start waits for the pause instead.
+    """
+
+    def __init__(self, message: str, short: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.short = short
+
+
+_SHORT_TEXTS = {
+    "Too many open files": errno.EMFILE,
+    "Resource temporarily unavailable": errno.EAGAIN,
+    "Cannot allocate memory": errno.ENOMEM,
+    "Out of memory": errno.ENOMEM,
+}
+
+
+def _short_cause(exc: BaseException) -> BaseException | None:
+    """Return exc as the shortage it reports (git's own message included), or None when it is none."""
+    if isinstance(exc, MemoryError) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
+    ):
+        return exc
+    text = str(exc)
+    for words, number in _SHORT_TEXTS.items():
+        if words in text:
+            return OSError(number, words)
+    return None
 
 
 def _snapshot(ws: Workspace, out: Path, left: Mapping[str, str] | None) -> tuple[list[str] | str, str]:
@@ -103,6 +136,21 @@ class JobRepo:
         self._tree: str | None = None  # the last snapshot's tree: what seal puts on the branch
         self._changed: list[str] = []  # the last snapshot's changed paths: what the checks saw
         self._seal_failed = False  # the leftovers could not be committed: the worktree is the work's only copy
+        # the job's wait out of a shortage's pause (True: a stop or cancel came); None: no wait, the step fails
+        self.paused: Callable[[float], Awaitable[bool]] | None = None
+
+    async def _waited(self, exc: BaseException, step: str) -> bool:
+        """A git step met exc: if it is a shortage, wait its pause and return True (the step is tried again).
+
+        False for any other error, or with no ``paused``. A shortage is never the job's answer
+        (section 13). A stop or cancel during the pause raises ``Left``: the job stays where it is.
+        """
+        short = _short_cause(exc)
+        if self.paused is None or short is None or not SHORT.note(short, step):
+            return False
+        if await self.paused(max(SHORT.wait_s(), PAUSE_MIN_S)):
+            raise Left
+        return True
 
     @property
     def path(self) -> Path | None:
@@ -124,8 +172,8 @@ class JobRepo:
         try:
             async with repo_lock(conf.git):
                 self.ws, self.git_view = await self.lanes.io(self._open, n, keep)
-        except (GitError, OSError) as exc:
-            raise WorkspaceFailed(f"workspace: {exc}") from None
+        except (GitError, OSError, MemoryError) as exc:
+            raise WorkspaceFailed(f"workspace: {exc}", _short_cause(exc)) from None
         self._opened = True
 
     def _open(self, n: int, keep: bool) -> tuple[Workspace, GitView | None]:
@@ -157,20 +205,25 @@ class JobRepo:
         None: the job has no workspace. A text: the change could not be read (the
         worktree is gone, git failed) or breaks a rule of writes_scope (a link out of
         the worktree, a hard link, a FIFO: ``treehazards``), which writes_scope then fails with.
+        A shortage (descriptors, processes, memory) is never that answer: the look is made
+        again after its pause (``_waited``).
         """
         if self.ws is None or n < 1:
             return None
         if not os.path.isdir(self.ws.path):
             return "the workspace is gone"
         out = self.folder.attempts_dir / str(n)
-        self._tree = None
-        try:
-            changed, self._tree = await self.lanes.io(_snapshot, self.ws, out, left)
-            self._changed = changed if isinstance(changed, list) else []
-            return changed
-        except (GitError, OSError) as exc:
-            log.warning("workspace.diff_failed", attempt=n, error=str(exc))
-            return f"the change could not be read: {exc}"
+        while True:
+            self._tree = None
+            try:
+                changed, self._tree = await self.lanes.io(_snapshot, self.ws, out, left)
+                self._changed = changed if isinstance(changed, list) else []
+                return changed
+            except (GitError, OSError, MemoryError) as exc:
+                if await self._waited(exc, "workspace.diff"):
+                    continue
+                log.warning("workspace.diff_failed", attempt=n, error=str(exc))
+                return f"the change could not be read: {exc}"
 
     async def checks_left(self, earlier: Mapping[str, str]) -> Mapping[str, str]:
         """Return what the user checks that just ran left in the worktree, beside ``earlier`` (``worktree``)."""
@@ -191,16 +244,21 @@ class JobRepo:
             if self.ws is None:
                 return None
         ws = self.ws
-        try:
-            async with repo_lock(ws.repo):
-                sealed = await self.lanes.io(_seal, ws, self.spec.job_id, self._tree)
-            if sealed is None:
-                return None
-            head, changed = sealed
-        except (GitError, OSError) as exc:
-            log.warning("workspace.seal_failed", error=str(exc), worktree=ws.path)
-            head, changed = None, list(self._changed)  # what the checks saw; the worktree holding it is kept
-            self._seal_failed = True
+        while True:
+            try:
+                async with repo_lock(ws.repo):
+                    sealed = await self.lanes.io(_seal, ws, self.spec.job_id, self._tree)
+                if sealed is None:
+                    return None
+                head, changed = sealed
+                break
+            except (GitError, OSError, MemoryError) as exc:
+                if await self._waited(exc, "workspace.seal"):
+                    continue
+                log.warning("workspace.seal_failed", error=str(exc), worktree=ws.path)
+                head, changed = None, list(self._changed)  # what the checks saw; the worktree holding it is kept
+                self._seal_failed = True
+                break
         self._sealed = {"repo": ws.repo, "branch": ws.branch, "base": ws.base, "head": head, "changed": changed}
         return self._sealed
 
@@ -213,20 +271,21 @@ class JobRepo:
         """Record, durably and before its finish, the landing a done (or reviewed) job owes and its after hook.
 
         A job in review/ owes them until a person decides (any daemon's pass runs them then); one
-        final at once owes them to this daemon, which holds their markers locked until
-        ``after_final`` takes them, or ``let_go`` leaves them to the next pass.
+        final at once owes its after hook to this daemon, which holds the marker locked until
+        ``after_final`` takes it, or ``let_go`` leaves it to the next pass: no pass lands the job
+        while that marker is there. Its landing is owed as any: the daemon that claims it removes
+        the job's worktree first (``housekeep``), if this one has not yet.
         """
         repo = self.spec.agent.repo
-        ours = state != Row.REVIEW
         if repo.after is not None:
-            await self.lanes.io(afterowed.own if ours else afterowed.owe, self.layout, self.spec.job_id)
+            step = afterowed.own if state != Row.REVIEW else afterowed.owe
+            await self.lanes.io(step, self.layout, self.spec.job_id)
         if repo.land is not None and state in (Row.DONE, Row.REVIEW):
-            await self.lanes.io(landing.own if ours else landing.owe, self.layout, self.spec.job_id)
+            await self.lanes.io(landing.owe, self.layout, self.spec.job_id)
 
     def let_go(self) -> None:
         """Give up the markers this daemon holds for the job's hooks: what they owe stays owed, for a pass."""
         afterowed.let_go(self.spec.job_id)
-        landing.let_go(self.spec.job_id)
 
     async def after_final(
         self,
@@ -249,33 +308,56 @@ class JobRepo:
         """
         job_id = self.spec.job_id
         repo = self.spec.agent.repo
+        io = functools.partial(self._sure_io, stopping)
         try:
             if repo.after is not None and state != Row.REVIEW:  # a job in review owes it until decided (``afterowed``)
                 job_path = self.layout.job(landed_state(state), job_id)
                 faults.point("after.before")
-                if await self.lanes.io(afterowed.take, self.layout, job_id, new=unowed):  # a crash now is recorded
+                if await io(afterowed.take, self.layout, job_id, new=unowed):  # a crash now is recorded
                     run = await self._hook("after", repo.after, job_path, cfg, job_path / "work")
                     record = {**run.to_json(), "state": str(state)}
-                    await self.lanes.io(afterowed.finish, self.layout, job_id, job_path, record)
+                    await io(afterowed.finish, self.layout, job_id, job_path, record)
                     if not run.ok:
                         log.warning("hook.failed", hook="after", reason=run.why)
-            if self.ws is not None and not self._seal_failed:
+            while self.ws is not None and not self._seal_failed:
                 try:
                     async with repo_lock(self.ws.repo):
                         await self.lanes.io(worktree.clear, self.ws)
-                except (GitError, OSError) as exc:
+                    break
+                except (GitError, OSError, MemoryError) as exc:
+                    short = _short_cause(exc)  # waited out until a stop, which leaves it to the next start
+                    if short is not None and not stopping() and SHORT.note(short, "workspace.remove"):
+                        await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
+                        continue
                     log.warning("workspace.remove_failed", error=str(exc))
+                    if state == Row.DONE and repo.land is not None:
+                        log.info(
+                            "land.deferred",
+                            reason="its worktree could not be removed: a later pass removes it, then lands the job",
+                        )
+                        return
+                    break
             if state == Row.DONE and repo.land is not None:
                 if stopping():
                     log.info("land.deferred", reason="a stop began: the next start lands the job")
                     return
-                if repo.after is not None and await self.lanes.io(afterowed.busy, self.layout, job_id):
+                if repo.after is not None and await io(afterowed.busy, self.layout, job_id):
                     return  # another daemon runs the after hook: its pass lands the job after it
                 faults.point("land.before")
-                if await self.lanes.io(landing.take, self.layout, job_id, new=False):
-                    await landing.land(self.layout, job_id, cfg, self.lanes.io, notify)
+                if await io(landing.take, self.layout, job_id, new=False):
+                    await landing.land(self.layout, job_id, cfg, io, notify)
         finally:
             self.let_go()
+
+    async def _sure_io(self, stopping: Callable[[], bool], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a step of a final job's hooks in the io pool, waiting out a shortage (section 13) until a stop."""
+        while True:
+            try:
+                return await self.lanes.io(fn, *args, **kwargs)
+            except (OSError, MemoryError) as exc:
+                if stopping() or not SHORT.note(exc, "hooks"):
+                    raise
+                await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
 
     async def before(self, n: int, cfg: Config, attach: Callable[[AgentProcess | None], None]) -> str | None:
         """Run the ``before`` hook of attempt n in the workspace; return why it failed, or None."""
@@ -417,7 +499,8 @@ async def housekeep(
     afters = await lanes.io(afterowed.look, layout)
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     if startup or afters.interrupted:  # after the hooks a crash left running are ended: a hook runs in the worktree
-        keep = await lanes.io(_unfinished, layout)
+        # an after hook owed now runs in its job's worktree, removed once it has run
+        keep = await lanes.io(_unfinished, layout) + afters.ready
         only = None if startup else afters.interrupted  # a live pass: the worktrees of the hooks another daemon cut
         removed = await lanes.io(worktree.sweep, layout.state_dir / "worktrees", keep, only=only)
         if removed:
@@ -436,6 +519,7 @@ async def housekeep(
                 await afterowed.run(layout, job_id, cfg, lanes.io)
             except Exception as exc:  # the job is final already: a hook never changes it, nor stops the landings
                 log.exception("daemon.error", step="after hook", job_id=job_id, agent=None, error=str(exc))
+            await _remove_worktree(layout, lanes, job_id)  # final: its worktree goes once its after hook ran
     owed = await lanes.io(landing.look, layout)
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
@@ -459,7 +543,19 @@ async def housekeep(
         if stopping():
             return
         if await lanes.io(landing.claim, layout, job_id):
+            await _remove_worktree(layout, lanes, job_id)  # its daemon died, or ends it now: never landed beside it
             await landing.land(layout, job_id, cfg, lanes.io, notify)
+
+
+async def _remove_worktree(layout: Layout, lanes: Lanes, job_id: str) -> None:
+    """Remove a final job's worktree if one is left (its own daemon died before it did so); the branch stays."""
+    try:
+        removed = await lanes.io(worktree.sweep, layout.state_dir / "worktrees", (), only=[job_id])
+    except (GitError, OSError) as exc:
+        log.warning("workspace.remove_failed", job_id=job_id, error=str(exc))
+        return
+    if removed:
+        log.info("workspace.removed", jobs=removed)
 
 
 async def _log_ended(
