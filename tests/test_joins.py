@@ -181,6 +181,29 @@ def test_submit_refuses_an_after_that_closes_a_cycle(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_submit_refuses_an_after_that_closes_a_cycle_through_queued_and_held_orders(env: Env) -> None:
+    """No daemon runs: an order queued in inbox/ (or held in held/) waits from its claim on, so `submit` of one whose
+    `after` closes a cycle through it, even over a longer chain, exits 2 with the claim's words; an `after` that
+    names a queued order without closing a cycle is submitted."""
+    env.configure(join_agents(env))
+
+    def submit(job_id: str, after: list[str]) -> Any:
+        path = env.tmp / f"{job_id}.json"
+        path.write_text(json.dumps(order(job_id, to="merger", after=after)))
+        return path, env.cli("submit", str(path))
+
+    assert submit("ca", ["cb"])[1].returncode == 0
+    path, proc = submit("cb", ["ca"])
+    assert (proc.returncode, proc.stderr.strip()) == (2, f"{path}: after: would make a cycle (cb -> ca -> cb)")
+    assert submit("ha", ["hm"])[1].returncode == 0
+    assert submit("hm", ["hb"])[1].returncode == 0
+    assert env.cli("hold", "ha").returncode == 0
+    path, proc = submit("hb", ["ha"])
+    assert (proc.returncode, proc.stderr.strip()) == (2, f"{path}: after: would make a cycle (hb -> ha -> hm -> hb)")
+    assert submit("ok", ["ca", "hm"])[1].returncode == 0
+    assert sorted(p.name for p in (env.root / "inbox").iterdir()) == ["ca.json", "hm.json", "ok.json"]
+
+
 def test_orders_that_wait_for_each_other_read_together_are_not_both_claimed(env: Env) -> None:
     """Three orders closing a cycle, all in inbox/ at start, are claimed in one batch: the last is refused.
 

@@ -16,7 +16,7 @@ import grp
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -40,7 +40,7 @@ from dispatcher.spec.orders import (
 )
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import LedgerUnreachable, open_ledger
-from dispatcher.store.queued import queued_ids
+from dispatcher.store.queued import queued_afters, queued_ids
 
 LOCK_TIMEOUT_S = 30.0
 
@@ -198,7 +198,7 @@ def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None
     try:
         known = {o.job_id: e.state for _, o, _, _ in orders if (e := ledger.get(o.job_id)) is not None}
         _refuse_queued(layout, orders, known)
-        _refuse_cycles(ledger, orders)
+        _refuse_cycles(layout, ledger, orders)
         for job_id in set(ledger.requests(Request.CANCEL)) & {o.job_id for _, o, _, _ in orders}:
             ledger.clear_request(job_id, Request.CANCEL)
     except LedgerUnavailable as exc:
@@ -227,12 +227,23 @@ def _refuse_queued(layout: Layout, orders: list[Submission], known: dict[str, st
             )
 
 
-def _refuse_cycles(ledger: Ledger, orders: list[Submission]) -> None:
+def _refuse_cycles(layout: Layout, ledger: Ledger, orders: list[Submission]) -> None:
     """Raise OrderError for the first order whose ``after`` would close a cycle, as its claim would refuse it.
 
-    Through the jobs that wait in the ledger and the other orders of this submit.
+    Through the jobs that wait in the ledger, the other orders of this submit, and the orders
+    queued in inbox/ or held/ that name ``after`` (each waits from its claim on): those reached
+    from the new orders' ``after`` are read, one step of the chain at a time.
     """
-    pending = {o.job_id: o.after for _, o, _, _ in orders if o.after}
+    pending: dict[str, Sequence[str]] = {o.job_id: o.after for _, o, _, _ in orders if o.after}
+    if pending:
+        step = {a for after in pending.values() for a in after}
+        looked: set[str] = set()
+        while step:
+            looked |= step
+            unknown = [j for j in step if j not in pending and ledger.get(j) is None]
+            found = queued_afters((layout.inbox, layout.held), unknown) if unknown else {}
+            pending.update(found)
+            step = {a for after in found.values() for a in after} - looked
     for name, order, _, _ in orders:
         if order.after:
             others = {job_id: after for job_id, after in pending.items() if job_id != order.job_id}

@@ -85,6 +85,28 @@ def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
     return found
 
 
+def queued_afters(folders: Iterable[Path], job_ids: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """Return {job_id: its ``after``} for the wanted ids that a valid order naming ``after`` carries in folders.
+
+    The orders not read yet (inbox/, held/) wait for their parents from their claim on: a new
+    ``after`` through them may close a cycle (``submit``).
+    """
+    wanted = set(job_ids)
+    found: dict[str, tuple[str, ...]] = {}
+    for folder in folders:
+        if not wanted - set(found):
+            break
+        for de, _, job_id in _orders_in(folder, [j.encode() for j in wanted - set(found)]):
+            if job_id not in wanted or job_id in found:
+                continue
+            try:
+                order = parse_order(fsutil.read_regular(Path(de.path), _MAX_BYTES), de.name)
+            except (OSError, ValueError, OrderError, RecursionError, fsutil.NotRegular):
+                continue
+            found[job_id] = tuple(order.after)
+    return {job_id: after for job_id, after in found.items() if after}
+
+
 _held: tuple[tuple[int, int], dict[str, frozenset[tuple[int, int]]]] | None = None  # held/'s (inode, mtime), ids
 
 
