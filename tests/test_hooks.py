@@ -851,6 +851,35 @@ def test_a_kill_between_the_finish_and_the_after_hook_runs_it_once_then_lands(
     assert count_events(d3, "job.landed") == 0 and count_events(d3, "hook.failed") == 0
 
 
+def test_land_refuses_a_job_whose_after_hook_a_crash_cut_until_a_daemon_records_it_and_lands(
+    env: Env, tmp_path: Path
+) -> None:
+    """kill -9 once the after hook ended, before its record: the job's worktree and the after hook's marker are still
+    there, so `dispatcher land` refuses it (exit 1, one line): the landing never runs beside the worktree or before
+    the after hook's record. The next start records the hook, removes the worktree and lands the job once."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "hooks.txt"
+    after = ["sh", "-c", 'echo after >> "$0"', str(log)]
+    land = ["sh", "-c", 'echo land >> "$0"', str(log)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", after=after, land=land)})
+    env.drop(code_order("AB3"))
+    d = env_daemon(env, {"DISPATCHER_FAULT": "after.ended"})
+    assert d.wait(60) == -signal.SIGKILL
+    proc = env.cli("land", "AB3")
+    line = "AB3: its after hook runs, or a crash cut it and it is not recorded yet; a daemon lands the job after it\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", line)
+    (env.root / ".state" / "after" / "AB3.running").unlink()  # as if it were recorded: the worktree still stands
+    proc = env.cli("land", "AB3")
+    line = "AB3: its worktree is still there; a daemon removes it, then lands the job\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", line)
+    assert log.read_text().split() == ["after"]
+    d2 = env.daemon()
+    d2.wait_event("job.landed", job_id="AB3", timeout=60)
+    assert d2.stop() == 0
+    assert log.read_text().split() == ["after", "land"]
+    assert not (env.root / ".state" / "worktrees" / "AB3").exists()
+
+
 def test_a_done_jobs_hooks_are_held_by_its_own_daemon_from_before_its_finish(tmp_path: Path) -> None:
     """Between a done job's finish and its after hook, a pass of a second daemon on the root finds the after hook
     owed but not its to run, and does not land the job: the landing waits for the after hook (README, Hooks)."""

@@ -70,8 +70,9 @@ class Fencing(abc.ABC):
     def _hosts_lost(self, owners: list[str]) -> None:
         """Daemons whose lease ran out (from the lease thread): log each once, recover their jobs."""
         for owner in owners:
-            host, pid, _ = [*owner.rsplit("-", 2), "", ""][:3]  # an owner is ``<host>-<pid>-<nonce>``
-            log.warning("host.lost", owner=owner, host=host or None, pid=int(pid) if pid.isdigit() else None)
+            found = self.lease.leases.lost_daemon(owner) if self.lease is not None else None
+            host, pid = found if found is not None else (None, None)
+            log.warning("host.lost", owner=owner, host=host, pid=pid)
         self.loop.call_soon_threadsafe(self._recover_lost)
 
     def _recover_lost(self) -> None:

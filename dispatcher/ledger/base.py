@@ -77,6 +77,10 @@ class Leases(ABC):
     def reap(self) -> list[str]:
         """Mark daemons whose lease ran out as dead; return the newly dead."""
 
+    def lost_daemon(self, owner: str) -> tuple[str, int] | None:
+        """Return the host and pid of a daemon ``reap`` found dead (None when unknown)."""
+        return None
+
     @abstractmethod
     def may_reap(self) -> bool:
         """Return True once this daemon has renewed its own lease without a gap for a full lease."""

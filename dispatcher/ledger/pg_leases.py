@@ -77,6 +77,7 @@ class Leases:
         self._nonces = itertools.count(1)
         self._live_seen: dict[str, float] = {}
         self._ended: set[str] = set()
+        self.reaped: dict[str, tuple[str, int]] = {}  # owner -> (host, pid) of each daemon this one reaped
         self._slot_rows: set[tuple[str, int]] = set()
 
     def nonce(self) -> str:
@@ -202,9 +203,10 @@ class Leases:
                 "UPDATE daemons SET ended = 'lost', ended_at = now(), ended_by = %s"
                 " WHERE ended IS NULL AND lease_until < now() AND owner <> %s"
                 " AND EXISTS (SELECT 1 FROM daemons me WHERE me.owner = %s AND me.ended IS NULL"
-                " AND me.lease_until > now()) RETURNING owner",
+                " AND me.lease_until > now()) RETURNING owner, host, pid",
                 (nonce, self.owner, self.owner),
             ).fetchall()
+            self.reaped.update({r[0]: (r[1], r[2]) for r in rows})
             owners = sorted(r[0] for r in rows)
             if owners:
                 cur.execute(
@@ -213,7 +215,10 @@ class Leases:
             return owners
 
         def resolve(cur: Cur) -> Found[list[str]] | None:
-            rows = cur.execute("SELECT owner FROM daemons WHERE ended_by = %s ORDER BY owner", (nonce,)).fetchall()
+            rows = cur.execute(
+                "SELECT owner, host, pid FROM daemons WHERE ended_by = %s ORDER BY owner", (nonce,)
+            ).fetchall()
+            self.reaped.update({r[0]: (r[1], r[2]) for r in rows})
             return Found([r[0] for r in rows]) if rows else None
 
         owners = self.runner.run("reap", body, resolve)

@@ -229,6 +229,10 @@ class PostgresLedger(Ledger, LeasesInterface):
         """
         return self._leases.reap()
 
+    def lost_daemon(self, owner: str) -> tuple[str, int] | None:
+        """Return the host and pid of a daemon ``reap`` found dead, as its row says (None when unknown)."""
+        return self._leases.reaped.get(owner)
+
     def alive(self, owner: str) -> bool:
         """Return True while ``owner``'s lease runs (database clock) and it was not marked ended."""
         return self._leases.alive(owner)

@@ -8,6 +8,7 @@ daemon records it; a landing a daemon is running now is not started twice.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from dispatcher.errors import NotFound, WrongState
@@ -39,8 +40,17 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
         raise WrongState(f"{job_id}: its agent has no land hook")
     if (layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}").exists():
         raise WrongState(f"{job_id}: is landing now")
-    if spec.agent.repo.after is not None and afterowed.busy(layout, job_id):  # the landing comes after it
-        raise WrongState(f"{job_id}: its after hook has not run yet; a daemon lands the job once it has")
+    if spec.agent.repo.after is not None:  # the landing comes after it, and after its record
+        after_dir = afterowed.MARKERS.folder(layout)
+        if os.path.lexists(after_dir / job_id):
+            raise WrongState(f"{job_id}: its after hook has not run yet; a daemon lands the job once it has")
+        if os.path.lexists(after_dir / f"{job_id}{afterowed.RUNNING}"):
+            raise WrongState(
+                f"{job_id}: its after hook runs, or a crash cut it and it is not recorded yet;"
+                " a daemon lands the job after it"
+            )
+    if os.path.lexists(layout.worktree(job_id)):
+        raise WrongState(f"{job_id}: its worktree is still there; a daemon removes it, then lands the job")
     last = JobFolder(path).read_json(_last_record(path))
     if isinstance(last, dict) and last.get("ok") is True:  # the hook runs once; again only after it failed
         raise WrongState(f"{job_id}: landed already; `land` runs the hook again only after it failed")
