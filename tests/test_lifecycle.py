@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -810,6 +811,31 @@ def test_file_written_slowly_in_place_is_taken_once_whole(env: Env) -> None:
     assert (env.root / "done" / "SLOW-1" / "order.yaml").read_bytes() == head + body + tail
     assert env.refusals() == []
     assert starts_of(env, "SLOW-1") == 1
+    assert daemon.stop() == 0
+
+
+def test_the_same_file_dropped_again_after_its_job_folder_was_removed_by_hand_is_refused(env: Env) -> None:
+    """README, troubleshooting: a job whose folder was removed from active/ by hand keeps its claim in the ledger
+    (`show` says active), and the same file dropped again is refused as known; the live daemon never runs the id a
+    second time (section 6)."""
+    env.configure(agents={"worker": env.agent("--sleep", "3")})
+    daemon = env.daemon()
+    daemon.wait_ready()
+    body = json.dumps(order("GONE-1")).encode()
+    env.drop(order("GONE-1"))
+    wait_until(lambda: starts_of(env, "GONE-1") == 1, 30, "the agent's start")
+    shutil.rmtree(env.root / "active" / "GONE-1")
+    time.sleep(4)  # the agent ended meanwhile, its job folder gone
+    assert env.cli("show", "GONE-1").stdout.split()[:2] == ["GONE-1", "active"]
+    tmp = env.root / "inbox" / ".again.tmp"
+    tmp.write_bytes(body)
+    os.rename(tmp, env.root / "inbox" / "GONE-1.json")
+    refused = wait_until(lambda: env.refusals(), 30, "the second file refused")
+    result = json.loads((refused[0] / "result.json").read_text())
+    assert result["reason"] == "job_id: GONE-1 is already known (state claimed); a job id is never run twice"
+    assert (refused[0] / "order.json").read_bytes() == body
+    time.sleep(1)
+    assert starts_of(env, "GONE-1") == 1
     assert daemon.stop() == 0
 
 

@@ -154,6 +154,7 @@ class Daemon(Reloading, Fencing):
             after_hooks=self.final_hooks,
         )
         finisher.bind(self.loop)
+        finisher.stopping = lambda: self.stopping
         joins = Joins(self.layout, self.ledger, finisher, self._config)
         finisher.on_final = joins.on_final
         self.gatekeeper = GateKeeper(

@@ -41,6 +41,7 @@ from dispatcher.lanes import GroupCommit, Handoff, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger
 from dispatcher.lifecycle import Row, State, landed_state
+from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.jobspec import JobSpec, is_cost
 from dispatcher.spec.result import Result
 from dispatcher.spec.settings import Config
@@ -160,6 +161,8 @@ class Finisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: called (ledger lane) with the ids that just reached done or failed: wakes the joins that name them
         self.on_final: Callable[[Sequence[str]], None] | None = None
+        #: True once a stop began (the daemon's): a wait for a shortage's end gives up then
+        self.stopping: Callable[[], bool] = lambda: False
 
     async def finish(self, folder: JobFolder, finish: Finish, result: Result, *, release: bool) -> bool:
         """Steps 1 to 4: stage, commit, land, then notify or release; False when fenced.
@@ -202,8 +205,23 @@ class Finisher:
             target = self.layout.job(landed_state(state), finish.job_id) / "result.json"
             self.notify.fire(event, finish.job_id, result.agent or "", result.reason, target)
         if state == Row.DONE and release:
-            await self.lanes.io(self.release, finish.job_id)
+            await self._release_waiting(finish.job_id)
         return True
+
+    async def _release_waiting(self, job_id: str) -> None:
+        """Release a done job's follow-ups; a shortage is waited out (section 13), never the job's answer.
+
+        The job is committed done already, so its finish is never tried again: the release is
+        (it picks up where it stopped). A stop ends the wait; the next start finishes the release.
+        """
+        while True:
+            try:
+                await self.lanes.io(self.release, job_id)
+                return
+            except (OSError, MemoryError) as exc:
+                if self.stopping() or not SHORT.note(exc, "release"):
+                    raise
+                await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
 
     def finish_now(
         self,

@@ -316,6 +316,10 @@ def claim(
                 # file is not the one it holds (``_drop_twin`` said so): the same order dropped again, refused
                 placing.drop_stage(stage)
                 out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
+            case Busy(entry=entry) if entry.owner == owner and placing.placed_here(entry.job_id):
+                # this daemon put its folder in place, which was removed by hand since: the id stays claimed
+                placing.drop_stage(stage)
+                out[i] = _refuse(layout, owner, pick.item, entry.state, on_refused)
             case Busy(entry=entry):
                 placing.drop_stage(stage)
                 orphan = entry.owner == owner and _give_back_orphan(layout, ledger, pick.item, entry)
@@ -468,8 +472,8 @@ def _give_back_orphan(layout: Layout, ledger: Ledger, item: Inspected, entry: En
     removed) and the file is claimed again.
     """
     job_id = item.order.job_id
-    if layout.find(job_id) is not None or claim_stages(layout, job_id):
-        return False
+    if layout.find(job_id) is not None or claim_stages(layout, job_id) or placing.placed_here(job_id):
+        return False  # placed: its folder was removed by hand since (the file is refused as known)
     ledger.unclaim(job_id, entry.token, Row.RELEASED if entry.parent is not None else None)
     log.warning(
         "job.claim_returned",

@@ -231,19 +231,12 @@ def _refuse_cycles(layout: Layout, ledger: Ledger, orders: list[Submission]) -> 
     """Raise OrderError for the first order whose ``after`` would close a cycle, as its claim would refuse it.
 
     Through the jobs that wait in the ledger, the other orders of this submit, and the orders
-    queued in inbox/ or held/ that name ``after`` (each waits from its claim on): those reached
-    from the new orders' ``after`` are read, one step of the chain at a time.
+    queued in inbox/ or held/ that name ``after`` (each waits from its claim on; read in one pass).
     """
     pending: dict[str, Sequence[str]] = {o.job_id: o.after for _, o, _, _ in orders if o.after}
-    if pending:
-        step = {a for after in pending.values() for a in after}
-        looked: set[str] = set()
-        while step:
-            looked |= step
-            unknown = [j for j in step if j not in pending and ledger.get(j) is None]
-            found = queued_afters((layout.inbox, layout.held), unknown) if unknown else {}
-            pending.update(found)
-            step = {a for after in found.values() for a in after} - looked
+    if not pending:
+        return
+    pending = {**queued_afters((layout.inbox, layout.held)), **pending}
     for name, order, _, _ in orders:
         if order.after:
             others = {job_id: after for job_id, after in pending.items() if job_id != order.job_id}

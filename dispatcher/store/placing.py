@@ -9,6 +9,7 @@ waiting/). Any error undoes that job's claim (``undo``): the order stays in inbo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
@@ -167,8 +168,8 @@ def write(layout: Layout, ledger: Ledger, pick: Pick, stage: str, claimed: Claim
     """Write the claimed job's folder in its staging place (not yet fsynced); undo the claim on error."""
     try:
         return _write_job(layout, stage, pick.item, pick.agent, claimed, pick.base_commit)
-    except OSError as exc:
-        return undo(ledger, pick.item, stage, claimed, exc)
+    except (OSError, MemoryError) as exc:
+        return undo(ledger, pick.item, stage, claimed, _as_os_error(exc))
 
 
 def place(
@@ -184,8 +185,11 @@ def place(
         if error is not None:
             raise error
         fsutil.rename_into(stage, target)
-    except OSError as exc:
-        return undo(ledger, item, stage, claimed, exc)
+    except (OSError, MemoryError) as exc:
+        return undo(ledger, item, stage, claimed, _as_os_error(exc))
+    _PLACED[item.order.job_id] = None
+    if len(_PLACED) > _PLACED_MAX:
+        _PLACED.popitem(last=False)
     return Started(JobFolder(target, claimed=w.spec.claimed), w.spec, w.order, claimed.token, claimed.cancelled)
 
 
@@ -231,6 +235,20 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
 def _keep_read_bytes(placed: str, item: Inspected) -> None:
     """Make the placed job's ``order.<ext>`` a file of its own holding the bytes the claim read (fsynced)."""
     fsutil.write_atomic(Path(placed) / f"order{suffix_of(item.name)}", item.data)
+
+
+_PLACED: collections.OrderedDict[str, None] = collections.OrderedDict()  # ids this process put in place
+_PLACED_MAX = 100_000
+
+
+def placed_here(job_id: str) -> bool:
+    """Return True if this process put job_id's folder in place (of its last ``_PLACED_MAX`` claims)."""
+    return job_id in _PLACED
+
+
+def _as_os_error(exc: BaseException) -> OSError:
+    """Return exc as an OSError: a MemoryError is ENOMEM, a shortage like any (section 13)."""
+    return exc if isinstance(exc, OSError) else OSError(errno.ENOMEM, "Cannot allocate memory")
 
 
 def undo(ledger: Ledger, item: Inspected, stage: str, claimed: Claimed, exc: OSError) -> Skipped:

@@ -85,26 +85,50 @@ def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
     return found
 
 
-def queued_afters(folders: Iterable[Path], job_ids: Iterable[str]) -> dict[str, tuple[str, ...]]:
-    """Return {job_id: its ``after``} for the wanted ids that a valid order naming ``after`` carries in folders.
+_afters: dict[tuple[int, int, int], tuple[str | None, tuple[str, ...]]] = {}
 
-    The orders not read yet (inbox/, held/) wait for their parents from their claim on: a new
-    ``after`` through them may close a cycle (``submit``).
+
+def queued_afters(folders: Iterable[Path]) -> dict[str, tuple[str, ...]]:
+    """Return {job_id: its ``after``} for every valid order naming ``after`` in folders (inbox/, held/).
+
+    The orders not read yet wait for their parents from their claim on: a new ``after`` through
+    them may close a cycle (``submit``). One pass over each folder; a file whose bytes hold
+    neither ``after`` nor a backslash is skipped unparsed, and what was parsed is remembered
+    by (inode, size, mtime).
     """
-    wanted = set(job_ids)
     found: dict[str, tuple[str, ...]] = {}
     for folder in folders:
-        if not wanted - set(found):
-            break
-        for de, _, job_id in _orders_in(folder, [j.encode() for j in wanted - set(found)]):
-            if job_id not in wanted or job_id in found:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for de in entries:
+            if is_ignored(de.name) or order_format(de.name) is None:
                 continue
             try:
-                order = parse_order(fsutil.read_regular(Path(de.path), _MAX_BYTES), de.name)
-            except (OSError, ValueError, OrderError, RecursionError, fsutil.NotRegular):
+                st = de.stat(follow_symlinks=False)
+                key = (st.st_ino, st.st_size, st.st_mtime_ns)
+                with _lock:
+                    known = _afters.get(key)
+                if known is None:
+                    data = fsutil.read_regular(Path(de.path), _MAX_BYTES)
+                    if b"after" not in data and b"\\" not in data:
+                        continue
+                    try:
+                        order = parse_order(data, de.name)
+                        known = (order.job_id, tuple(order.after))
+                    except (OrderError, RecursionError, ValueError):
+                        known = (None, ())
+                    with _lock:
+                        if len(_afters) >= _CACHE_MAX:
+                            _afters.clear()
+                        _afters[key] = known
+            except (OSError, ValueError, fsutil.NotRegular):
                 continue
-            found[job_id] = tuple(order.after)
-    return {job_id: after for job_id, after in found.items() if after}
+            job_id, after = known
+            if job_id is not None and after and job_id not in found:
+                found[job_id] = after
+    return found
 
 
 _held: tuple[tuple[int, int], dict[str, frozenset[tuple[int, int]]]] | None = None  # held/'s (inode, mtime), ids
