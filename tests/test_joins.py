@@ -204,6 +204,26 @@ def test_submit_refuses_an_after_that_closes_a_cycle_through_queued_and_held_ord
     assert sorted(p.name for p in (env.root / "inbox").iterdir()) == ["ca.json", "hm.json", "ok.json"]
 
 
+def test_submit_refuses_a_cycle_through_a_waiting_job_and_a_queued_order(env: Env) -> None:
+    """X waits (claimed, in the ledger) for Y; Y is queued in inbox/ with `after: [N]` while no daemon runs: `submit`
+    of N with `after: [X]` closes N -> X -> Y -> N and exits 2 with the claim's words."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    env.drop(order("qx", to="merger", after=["qy"]))
+    wait_until(lambda: (env.root / "waiting" / "qx").is_dir(), what="qx in waiting/")
+    assert d.stop() == 0
+    paths = {}
+    for job_id, after in (("qy", ["qn"]), ("qn", ["qx"])):
+        paths[job_id] = env.tmp / f"{job_id}.json"
+        paths[job_id].write_text(json.dumps(order(job_id, to="merger", after=after)))
+    assert env.cli("submit", str(paths["qy"])).returncode == 0
+    proc = env.cli("submit", str(paths["qn"]))
+    assert (proc.returncode, proc.stderr.strip()) == (
+        2,
+        f"{paths['qn']}: after: would make a cycle (qn -> qx -> qy -> qn)",
+    )
+
+
 def test_orders_that_wait_for_each_other_read_together_are_not_both_claimed(env: Env) -> None:
     """Three orders closing a cycle, all in inbox/ at start, are claimed in one batch: the last is refused.
 
