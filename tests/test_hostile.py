@@ -810,11 +810,11 @@ def test_inbox_removed_or_moved_away_is_watched_again_at_once(env: Env, how: str
     inbox = env.root / "inbox"
     if how == "moved away and made again":
         inbox.rename(env.root / "inbox.old")
-        inbox.mkdir()
+        inbox.mkdir(exist_ok=True)  # the daemon may have made it again first: it does so at once
     else:
         shutil.rmtree(inbox)
         if how == "removed and made again":
-            inbox.mkdir()
+            inbox.mkdir(exist_ok=True)
     wait_until(inbox.is_dir, 10, "inbox/ made again")
     d.wait_event("watcher.restarted", timeout=10)
     if how == "moved away and made again":
