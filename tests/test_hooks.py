@@ -181,8 +181,8 @@ def test_after_runs_in_work_for_a_job_cancelled_while_it_was_claimed(env: Env, t
     assert "dispatch/C1" not in git(repo, "branch", "--list")
 
 
-def test_after_runs_for_a_join_that_fails_because_its_parent_failed(env: Env, tmp_path: Path) -> None:
-    """A joined job failed in waiting/ (`after: P failed`) is final: its after hook runs once, in its work/ folder."""
+def _join_whose_parent_fails(env: Env, tmp_path: Path, job_id: str, parent: str) -> Path:
+    """Queue a join (coder, with an after hook that logs to the returned file) whose parent's agent exits 1."""
     repo = make_repo(tmp_path / "shop")
     log = tmp_path / "after.txt"
     agents = {
@@ -190,8 +190,14 @@ def test_after_runs_for_a_join_that_fails_because_its_parent_failed(env: Env, tm
         "coder": coder(env, repo, "--write", "src/a.txt=x", after=["sh", "-c", AFTER, str(log)]),
     }
     env.configure(agents=agents)
-    env.drop(code_order("J2", after=["P2"]))
-    env.drop({**code_order("P2", to="worker"), "accept": {"output": "out.csv"}})
+    env.drop(code_order(job_id, after=[parent]))
+    env.drop({**code_order(parent, to="worker"), "accept": {"output": "out.csv"}})
+    return log
+
+
+def test_after_runs_for_a_join_that_fails_because_its_parent_failed(env: Env, tmp_path: Path) -> None:
+    """A joined job failed in waiting/ (`after: P failed`) is final: its after hook runs once, in its work/ folder."""
+    log = _join_whose_parent_fails(env, tmp_path, "J2", "P2")
     assert env.cli("run", "--once", timeout=120).returncode == 1
     failed = env.job_dir("J2", "failed")
     assert env.result("J2", "failed")["reason"] == "after: P2 failed"
@@ -204,15 +210,7 @@ def test_a_kill_before_the_after_hook_of_a_failed_join_leaves_it_owed_to_the_nex
 ) -> None:
     """kill -9 once a join failed in waiting/ (its parent failed) and before its after hook started: the next start
     runs the hook once (section 15: once the job is final), and a later start runs it no more."""
-    repo = make_repo(tmp_path / "shop")
-    log = tmp_path / "after.txt"
-    agents = {
-        "worker": env.agent("--exit", "1"),
-        "coder": coder(env, repo, "--write", "src/a.txt=x", after=["sh", "-c", AFTER, str(log)]),
-    }
-    env.configure(agents=agents)
-    env.drop(code_order("J3", after=["P3"]))
-    env.drop({**code_order("P3", to="worker"), "accept": {"output": "out.csv"}})
+    log = _join_whose_parent_fails(env, tmp_path, "J3", "P3")
     d = env_daemon(env, {"DISPATCHER_FAULT": "after.before"})
     assert d.wait(120) == -signal.SIGKILL
     assert env.result("J3", "failed")["reason"] == "after: P3 failed" and not log.exists()

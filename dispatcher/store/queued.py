@@ -49,16 +49,8 @@ def _orders_in(
     behind which an id can hide) is skipped unread into a job id. What was parsed is remembered
     by (inode, size, mtime).
     """
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return
-    for de in entries:
-        if is_ignored(de.name) or order_format(de.name) is None:
-            continue
+    for de, st, key in _order_files(folder):
         try:
-            st = de.stat(follow_symlinks=False)
-            key = (st.st_ino, st.st_size, st.st_mtime_ns)
             with _lock:
                 job_id = _cache.get(key, "")
             if job_id == "":
@@ -69,6 +61,22 @@ def _orders_in(
         except (OSError, ValueError, fsutil.NotRegular):
             continue
         yield de, st, job_id
+
+
+def _order_files(folder: Path) -> Iterator[tuple[os.DirEntry[str], os.stat_result, tuple[int, int, int]]]:
+    """Yield each entry of folder named as an order (not a hidden or temp name), its lstat and its cache key."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for de in entries:
+        if is_ignored(de.name) or order_format(de.name) is None:
+            continue
+        try:
+            st = de.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        yield de, st, (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
@@ -98,33 +106,25 @@ def queued_afters(folders: Iterable[Path]) -> dict[str, tuple[str, ...]]:
     """
     found: dict[str, tuple[str, ...]] = {}
     for folder in folders:
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        for de in entries:
-            if is_ignored(de.name) or order_format(de.name) is None:
-                continue
-            try:
-                st = de.stat(follow_symlinks=False)
-                key = (st.st_ino, st.st_size, st.st_mtime_ns)
-                with _lock:
-                    known = _afters.get(key)
-                if known is None:
+        for de, _, key in _order_files(folder):
+            with _lock:
+                known = _afters.get(key)
+            if known is None:
+                try:
                     data = fsutil.read_regular(Path(de.path), _MAX_BYTES)
-                    if b"after" not in data and b"\\" not in data:
-                        continue
-                    try:
-                        order = parse_order(data, de.name)
-                        known = (order.job_id, tuple(order.after))
-                    except (OrderError, RecursionError, ValueError):
-                        known = (None, ())
-                    with _lock:
-                        if len(_afters) >= _CACHE_MAX:
-                            _afters.clear()
-                        _afters[key] = known
-            except (OSError, ValueError, fsutil.NotRegular):
-                continue
+                except (OSError, ValueError, fsutil.NotRegular):
+                    continue
+                if b"after" not in data and b"\\" not in data:
+                    continue
+                try:
+                    order = parse_order(data, de.name)
+                    known = (order.job_id, tuple(order.after))
+                except (OrderError, RecursionError, ValueError):
+                    known = (None, ())
+                with _lock:
+                    if len(_afters) >= _CACHE_MAX:
+                        _afters.clear()
+                    _afters[key] = known
             job_id, after = known
             if job_id is not None and after and job_id not in found:
                 found[job_id] = after
