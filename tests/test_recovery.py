@@ -12,13 +12,15 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, order, wait_until
+from conftest import Env, cli_env, order, wait_until
 from helpers_faults import (
     FAKE_AGENT,
     SLOW_FIRST,
@@ -615,3 +617,34 @@ def test_an_attempt_cut_by_its_daemons_death_keeps_the_host_it_ran_on(env: Env) 
     assert [(a["n"], a["host"], a.get("interrupted")) for a in result["attempts"]] == [(1, "other-host", True)]
     assert "host other-host" in env.cli("show", "HOST-1", check=True).stdout
     assert d2.stop() == 0
+
+
+@pytest.mark.parametrize(("flags", "state", "code"), [((), "done", 0), (("--exit", "1"), "failed", 1)])
+def test_run_once_counts_a_job_it_lands_for_a_daemon_that_died_after_recording_it(
+    env: Env, flags: tuple[str, ...], state: str, code: int
+) -> None:
+    """A daemon killed between the ledger's record of a job's end and the move of its folder leaves the job in
+    active/; the next `run --once` lands it in done/ or failed/ and counts it among the jobs it finished: exit 1
+    for a failed one, as for a job it ran itself (section 7), 0 for a done one."""
+    env.configure(agents={"worker": env.agent(*flags, max_attempts=1)})
+    env.drop(order("LAND-1"))
+    crashed = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=env.tmp,
+        env=cli_env() | {"DISPATCHER_FAULT": "finish.recorded"},
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert (env.root / "active" / "LAND-1" / ".result.json.staged").exists()  # recorded, not moved
+    proc = env.cli("run", "--once")
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert env.result("LAND-1", state)["state"] == state
+    assert not (env.root / "active" / "LAND-1").exists()
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    landed = [e for e in lines if e.get("event") == "job.recovered" and e.get("job_id") == "LAND-1"]
+    assert [(e["step"], e["state"]) for e in landed] == [("land", state)]
+    stopped = next(e for e in lines if e.get("event") == "daemon.stopped")
+    assert stopped[state] == 1
+    assert env.count_file.read_text().count("\n") == 1  # the agent ran once, in the daemon that died

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from dispatcher import logs, procs
+from dispatcher.core.readaside import Stats
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.finished import FinishedCounts
 from dispatcher.job import recovery, repowork, revise
@@ -50,6 +51,7 @@ class Parking(Protocol):
     """What housekeeping asks of the scheduler (``core.scheduler.Scheduler``): park, cancel, take back."""
 
     left: set[str]  # jobs stopped while the daemon went on (fenced): taken back by recovery
+    stats: Stats  # what it finished, for `run --once`'s exit code
 
     @property
     def running(self) -> Mapping[str, object]:
@@ -164,8 +166,10 @@ class Housekeeping:
 
     async def _recover(self, *, startup: bool) -> None:
         left = frozenset(self.sched.left)
-        adopted, taken, lost = await self.ctx.lanes.ledger(self._recover_in_lane, startup, left)
+        adopted, taken, lost, landed = await self.ctx.lanes.ledger(self._recover_in_lane, startup, left)
         self.sched.left -= taken
+        for state in landed:  # a dead daemon's decision this daemon carried out: `run --once` counts it as finished
+            self.sched.stats.count(state.value)
         ends = []
         agents = {job_id: agent or None for job_id, _, agent in adopted}
         for job_id, pgid in await self.ctx.lanes.scan(_leftovers, self.ctx.layout, adopted):
@@ -182,9 +186,10 @@ class Housekeeping:
 
     def _recover_in_lane(
         self, startup: bool, left: frozenset[str]
-    ) -> tuple[list[tuple[str, int, str]], set[str], set[str]]:
-        """Recovery's blocking steps (ledger lane); return the adopted jobs, the left ids taken back, and the jobs
-        whose host was lost (their daemon's lease ran out on a shared ledger; not one that stopped cleanly)."""
+    ) -> tuple[list[tuple[str, int, str]], set[str], set[str], list[State]]:
+        """Recovery's blocking steps (ledger lane); return the adopted jobs, the left ids taken back, the jobs
+        whose host was lost (their daemon's lease ran out on a shared ledger; not one that stopped cleanly), and
+        the states of the dead daemons' decided jobs landed here."""
         layout, ledger = self.ctx.layout, self.ctx.ledger
         recovery.finish_staging(layout, ledger, ledger.alive)
         settle_reviews(layout, ledger)  # decided reviews land first: their follow-ups are released from done/
@@ -195,13 +200,14 @@ class Housekeeping:
         if startup:
             recovery.reconcile_active(layout, ledger)
         out, taken, lost = [], set(), set()
-        for job_id, token, owner in recovery.orphans(layout, ledger, ledger.alive, left):
+        landed: list[State] = []
+        for job_id, token, owner in recovery.orphans(layout, ledger, ledger.alive, left, landed):
             taken.add(job_id)
             entry = ledger.get(job_id)
             out.append((job_id, token, (entry.agent if entry else None) or ""))
             if self.shared and not (owner and ledger.stopped_cleanly(owner)):
                 lost.add(job_id)
-        return out, taken, lost
+        return out, taken, lost, landed
 
     async def rescan(self) -> None:
         """List inbox/ again (events are hints), restart a dead watch, find dead daemons' work."""

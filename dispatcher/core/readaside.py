@@ -34,6 +34,10 @@ RETRY_LATER_S = 1.0  # a file whose claim could not be made now (a full disk) is
 class Stats:
     finished: dict[str, int] = field(default_factory=lambda: {"done": 0, "failed": 0, "refused": 0, "review": 0})
 
+    def count(self, state: str) -> None:
+        """Count one job or file this daemon finished in ``state`` (``run --once``'s exit code)."""
+        self.finished[state] = self.finished.get(state, 0) + 1
+
 
 class ReadAside(abc.ABC):
     """``core.scheduler.Scheduler``'s part that reads large orders aside and carries out refusals."""

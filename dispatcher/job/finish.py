@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import structlog
 
-from dispatcher import fsutil
+from dispatcher import faults, fsutil
 from dispatcher.clock import parse_iso
 from dispatcher.errors import oneline
 from dispatcher.finished import FinishedCounts
@@ -314,6 +314,8 @@ class Finisher:
                 if self.metrics is not None:
                     self.metrics.job_finished(state.value, result.agent, *this_claim(landing.folder, result))
             moves.append((landing, state))
+        if moves:
+            faults.point("finish.recorded")  # the ledger has the end, the folders are still in active/
         self._move(moves, touched)
         for state in touched:
             fsutil.fsync_dir(self.layout.folder_str(state))

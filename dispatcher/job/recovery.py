@@ -127,7 +127,11 @@ def reconcile_active(layout: Layout, ledger: Ledger) -> None:
 
 
 def orphans(
-    layout: Layout, ledger: Ledger, alive: Callable[[str], bool], left: frozenset[str] = frozenset()
+    layout: Layout,
+    ledger: Ledger,
+    alive: Callable[[str], bool],
+    left: frozenset[str] = frozenset(),
+    landed: list[State] | None = None,
 ) -> list[tuple[str, int, str | None]]:
     """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token, its dead owner).
 
@@ -135,8 +139,9 @@ def orphans(
     taken back the same way once its lease is renewed.
 
     A job whose row already says done, failed or review (its daemon died while
-    landing it) is landed here and not returned. A folder whose job.json is
-    missing is returned too: it is failed with a reason when it is loaded.
+    landing it) is landed here and not returned; its state is added to ``landed``
+    (``run --once`` counts a job it landed in failed/ as one it failed). A folder
+    whose job.json is missing is returned too: it is failed with a reason when it is loaded.
     """
     out = []
     for job_id in _active_ids(layout):
@@ -148,7 +153,9 @@ def orphans(
         if entry.owner != ledger.owner and entry.owner is not None and alive(entry.owner):
             continue
         if is_landed(entry.state):
-            _land(layout, job_id, landed_state(entry.state), entry.agent)
+            state = landed_state(entry.state)
+            if _land(layout, job_id, state, entry.agent) and landed is not None:
+                landed.append(state)
             continue
         if entry.state != Row.CLAIMED:
             continue
@@ -160,17 +167,19 @@ def orphans(
     return out
 
 
-def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> None:
+def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> bool:
+    """Move a job its dead daemon decided into its state's folder; return True if this call moved it."""
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
     try:
         folder.land(layout, state)
         fsutil.fsync_dir(layout.folder(state))
     except FileNotFoundError:  # landed meanwhile (another daemon)
-        return
+        return False
     except OSError as exc:  # its files or its target taken by something else (an agent outside work/)
         stuck(job_id, agent, f"cannot move it into {state.value}/: {exc}")
-        return
+        return False
     log.info("job.recovered", job_id=job_id, agent=agent, step="land", state=state.value)
+    return True
 
 
 def _active_ids(layout: Layout) -> list[str]:
