@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from dispatcher import logs, procs
-from dispatcher.core.readaside import Stats
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.finished import FinishedCounts
 from dispatcher.job import recovery, repowork, revise
@@ -47,11 +46,21 @@ log = structlog.get_logger("dispatcher")
 METRICS_EVERY_S = 5.0  # the contract asks for at least every 10 s
 
 
+class Counts(Protocol):
+    """What the scheduler counts of the jobs a daemon finished (``core.readaside.Stats``)."""
+
+    def count(self, state: str) -> None:
+        """Count one job finished in ``state``."""
+
+
 class Parking(Protocol):
     """What housekeeping asks of the scheduler (``core.scheduler.Scheduler``): park, cancel, take back."""
 
     left: set[str]  # jobs stopped while the daemon went on (fenced): taken back by recovery
-    stats: Stats  # what it finished, for `run --once`'s exit code
+
+    @property
+    def stats(self) -> Counts:
+        """What it finished, for `run --once`'s exit code."""
 
     @property
     def running(self) -> Mapping[str, object]:
