@@ -164,6 +164,9 @@ import json, os, sys
 o = json.load(open(os.environ["DISPATCH_ORDER"]))
 if sys.argv[1] == "result":
     os.mkdir("../result.json")  # the job folder's own result.json, taken by a folder
+elif sys.argv[1] == "result-file":
+    with open("../result.json", "w") as fh:  # taken by a file of the agent's: never replaced
+        fh.write("the agent's own")
 else:
     for state in ("done", "failed"):  # its place in done/ (and failed/), taken
         os.mkdir(os.path.join("..", "..", "..", state, o["job_id"]))
@@ -173,13 +176,14 @@ json.dump({"job_id": o["job_id"], "input_ids": ids, "output_ids": [], "status": 
 """
 
 
-@pytest.mark.parametrize("takes", ["result", "done"])
+@pytest.mark.parametrize("takes", ["result", "result-file", "done"])
 def test_an_agent_that_takes_its_jobs_own_names_outside_work_leaves_it_stuck_not_the_daemon(
     env: Env, takes: str
 ) -> None:
-    """An agent without a sandbox that makes `../result.json` (or `done/<id>`) a folder: its job cannot land and
-    stays in active/ with one `job.stuck` error saying why; nothing is removed, and the daemon goes on: the next
-    order runs, and a restart starts and runs orders too (it used to crash at start-up or claim nothing)."""
+    """An agent without a sandbox that makes `../result.json` (a folder or a file) or `done/<id>` a folder: its job
+    cannot land and stays in active/ with one `job.stuck` error saying why; nothing is removed or overwritten (a
+    file there was replaced by the daemon's result), and the daemon goes on: the next order runs, and a restart
+    starts and runs orders too (it used to crash at start-up or claim nothing)."""
     env.configure(agents={"bad": {"command": [sys.executable, "-c", TAKES_RESULT, takes], "timeout": 30},
                           "worker": env.agent()})  # fmt: skip
     d = env.daemon()
@@ -198,4 +202,6 @@ def test_an_agent_that_takes_its_jobs_own_names_outside_work_leaves_it_stuck_not
     assert d2.wait_event("job.stuck", job_id="TAKE-1")["agent"] == "bad"
     assert (env.root / "active" / "TAKE-1").is_dir()
     assert not [e for e in d.events() + d2.events() if e["event"] in ("job.crashed", "daemon.error")]
+    if takes == "result-file":
+        assert (env.root / "active" / "TAKE-1" / "result.json").read_text() == "the agent's own"
     assert d2.stop() == 0

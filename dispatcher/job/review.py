@@ -169,7 +169,7 @@ def _lost(ledger: Ledger, job_id: str) -> str:
 def land(layout: Layout, folder: JobFolder, state: Row) -> None:
     """Move a decided review folder into done/ or failed/ (its staged result becomes result.json)."""
     target = landed_state(state)
-    if folder.name_result() is not None:
+    if folder.name_result(replace=True) is not None:
         fsutil.fsync_dir(folder.path)  # else a power cut can bring the folder back in done/ without result.json
     faults.point("review.named")  # result.json names the decision; the folder is still in review/
     folder.move_to(layout, target)

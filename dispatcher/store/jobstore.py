@@ -427,12 +427,27 @@ class JobFolder:
         fsutil.write_in_place(staged, fsutil.dump_json(result.to_json()))
         return staged, self._dir
 
-    def name_result(self) -> str | None:
-        """Step 3's first half: name the staged result result.json; return the folder to fsync (None: no staged one)."""
+    def name_result(self, *, replace: bool = False) -> str | None:
+        """Step 3's first half: name the staged result result.json; return the folder to fsync (None: no staged one).
+
+        A result.json already there is replaced only when ``replace`` (a review's decision names its result over
+        the one that says `review`); else it is none of the daemon's (an agent wrote outside work/), and the
+        FileExistsError leaves the job stuck, never overwriting it.
+        """
+        staged, result = f"{self._dir}/{STAGED}", f"{self._dir}/{RESULT}"
         try:  # no lexists first: the rename says whether a staged result is there (one system call, not two)
-            os.rename(f"{self._dir}/{STAGED}", f"{self._dir}/{RESULT}")
+            if replace:
+                os.rename(staged, result)
+            else:
+                fsutil.rename_noreplace(staged, result)
         except FileNotFoundError:
             return None
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                if os.path.samefile(staged, result):  # a link-and-unlink rename (no renameat2) cut by a crash
+                    os.unlink(staged)
+                    return self._dir
+            raise
         return self._dir
 
     def move_to(self, layout: Layout, state: State) -> str:
