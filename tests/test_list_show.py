@@ -302,3 +302,24 @@ def test_bidirectional_controls_are_shown_escaped_and_kept_in_json(env: Env) -> 
     text = env.cli("show", "RTL-1", check=True).stdout
     assert "\u202e" not in text and "\\u202eeciovni\\u202c" in text, text
     assert json.loads(env.cli("show", "RTL-1", "--json", check=True).stdout)["task"] == task
+
+
+def test_list_and_status_print_a_long_job_id_whole(env: Env) -> None:
+    """A job id may have 128 characters: `list` and `status` print it whole (it is what `show` takes), however
+    long; the columns widen to it rather than cut it with `...`."""
+    from dispatcher.cli.render import render_status
+
+    long_id = "L" + "o" * 120 + "ng-id.1"
+    assert len(long_id) == 128
+    env.configure()
+    env.drop(order(long_id))
+    env.drop(order("SHORT-1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    text = env.cli("list", check=True).stdout
+    assert "..." not in text, text
+    lines = {line.split()[0]: line for line in text.splitlines()[1:]}
+    assert lines[long_id].split()[1] == "done" and lines["SHORT-1"].split()[1] == "done", text
+    assert env.cli("show", lines[long_id].split()[0], check=True).stdout
+    active = {"job_id": long_id, "agent": "worker", "pid": 42, "host": "h", "age_s": 3, "daemon_alive": True}
+    status = render_status("/r", {"counts": {"active": 1}, "daemons": [], "active": [active]}, 0.0)
+    assert any(line.split()[:2] == [long_id, "worker"] for line in status.splitlines()), status

@@ -14,7 +14,6 @@ from dispatcher.text import ago, escape_bidi, exit_text, plain, usd
 
 #: stopped daemons `status` names besides those that own active jobs (`--json` lists all)
 DEAD_SHOWN = 3
-_ID_WIDTH = 40
 
 
 def when(epoch: float) -> str:
@@ -29,6 +28,12 @@ def _cell(value: Any, width: int) -> str:
         while columns(text) > width - 3:
             text = text[:-1]
         text += "..."
+    return text + " " * (width - columns(text))
+
+
+def _id_cell(value: Any, width: int) -> str:
+    """Return a job id as shown (escaped), padded to width but never cut: it is what `show` and the rest take."""
+    text = escape_bidi(printable(plain(value)))
     return text + " " * (width - columns(text))
 
 
@@ -71,7 +76,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
             if row["job_id"] in gated:
                 flag += f"  waiting for a gate until {_until(gated[row['job_id']]['until'])}"
             lines.append(
-                f"{_cell(row['job_id'], 28):<28} {_cell(row['agent'], 14):<14} {plain(row['pid']):>8} "
+                f"{_id_cell(row['job_id'], 28)} {_cell(row['agent'], 14):<14} {plain(row['pid']):>8} "
                 f"{_cell(row['host'], 16):<16} {ago(row['age_s']):>7}{flag}"
             )
     for g in info.get("gates") or []:
@@ -88,7 +93,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
 def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     """Yield `list` text: a header, then one line per job or refused file."""
     rows = list(rows)
-    width = min(_ID_WIDTH, max([columns(escape_bidi(printable(plain(r["job_id"])))) for r in rows] + [3]))
+    width = max([columns(escape_bidi(printable(plain(r["job_id"])))) for r in rows] + [3])  # ids whole
     agent_w = min(20, max([columns(escape_bidi(printable(plain(r["agent"])))) for r in rows] + [5]))
     cost_w = max([len(usd(r["cost_usd"])) for r in rows] + [12])
     yield f"{'JOB':<{width}}  {'STATE':<7}  {'AGENT':<{agent_w}}  {'AGE':>7}  {'COST':>{cost_w}}  REASON"
@@ -97,7 +102,7 @@ def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
         if r.get("state") == "waiting" and "until" in r:  # a gate's wait; a join's reason names its parents
             reason = f"until {_until(r.get('until'))}"
         yield (
-            f"{_cell(r['job_id'], width)}  {r['state']:<7}  {_cell(r['agent'], agent_w)}  "
+            f"{_id_cell(r['job_id'], width)}  {r['state']:<7}  {_cell(r['agent'], agent_w)}  "
             f"{ago(r['age_s']):>7}  {usd(r['cost_usd']):>{cost_w}}  {reason}"
         ).rstrip()
 
