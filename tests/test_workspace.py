@@ -432,3 +432,18 @@ def test_an_attempt_that_met_a_usage_limit_keeps_its_diff_and_changed_files(env:
     attempt = env.job_dir("LIM-1", "done") / "attempts" / "1"
     assert (attempt / "changed.txt").read_text().split() == ["src/limited.txt"]
     assert "src/limited.txt" in (attempt / "diff.patch").read_text()
+
+
+def test_a_worktree_path_named_like_the_orders_output_still_answers_to_writes(env: Env, tmp_path: Path) -> None:
+    """accept.output names a file in work/: a repository file of that name, changed by the agent, is outside
+    `writes` like any other (it passed writes_scope, and the change was committed on the job's branch)."""
+    repo = make_repo(tmp_path / "shop")
+    agent = coder(env, repo, "--write", "src/ok.py=fine", "--write", "config/prod.json={}")
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("AO-1", accept={"output": "config/prod.json"}))
+    d = env.daemon()
+    result = env.wait_job("AO-1", "failed")
+    d.stop()
+    scope = next(c for c in result["checks"] if c["name"] == "writes_scope")
+    assert (scope["ok"], scope["detail"]) == (False, "changed outside writes (src/**): config/prod.json"), scope
+    assert sorted(result["workspace"]["changed"]) == ["config/prod.json", "src/ok.py"]
