@@ -193,6 +193,23 @@ def test_hold_of_an_order_with_a_cancel_asked_is_refused_and_the_cancel_holds(en
     assert env.result("CX-1", "failed")["reason"] == "cancelled"
 
 
+def test_cancel_of_an_order_held_by_hand_fails_it_cancelled_as_for_a_held_follow_up(env: Env) -> None:
+    """`cancel` of an order an operator put in held/ is a cancel of a queued job (exit 0): its file goes back to
+    inbox/ and the next daemon fails it with reason cancelled, byte for byte kept, no agent run; it said "release
+    it first" and exited 1, where a held follow-up was cancelled."""
+    body = order("HX-1")
+    env.drop(body)
+    env.cli("hold", "HX-1", check=True)
+    proc = env.cli("cancel", "HX-1")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "HX-1: cancel requested"), proc.stderr
+    assert not (env.root / "held" / "HX-1.json").exists()
+    assert run_once(env) == 1
+    result = env.result("HX-1", "failed")
+    assert result["reason"] == "cancelled" and result["attempts"] == []
+    assert json.loads((env.job_dir("HX-1", "failed") / "order.json").read_text()) == body
+    assert not env.count_file.exists()
+
+
 def test_release_of_an_order_that_is_not_held_exits_1(env: Env) -> None:
     """`release` of a queued (not held) order, an unknown id or a path instead of an id fails with one line each."""
     env.drop(order("Q-3"))

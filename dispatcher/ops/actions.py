@@ -176,18 +176,20 @@ class Operator:
             raise WrongState(
                 f"{job_id}: is in review, only a queued or running job can be cancelled: approve or reject it"
             )
+        held = entry is not None and entry.state == Row.HELD
         if entry is None and not find_queued(self.layout.inbox, [job_id]):
-            if find_queued(self.layout.held, [job_id]):
-                raise WrongState(f"{job_id}: is held; release it first, or remove its file from held/")
-            raise NotFound(f"{job_id}: no such job")
+            if not find_queued(self.layout.held, [job_id]):
+                raise NotFound(f"{job_id}: no such job")
+            held = True  # an order put on hold by hand: cancelled as a held follow-up is
         self.ledger.request(job_id, Request.CANCEL)
-        if entry is not None and entry.state == Row.HELD:
+        if held:
             self._unhold(job_id)
         self._poke("cancel", job_id)
         return f"{job_id}: cancel requested"
 
     def _unhold(self, job_id: str) -> None:
-        """Put a follow-up held by budget, asked to be cancelled, back in inbox/: its claim answers "cancelled".
+        """Put a held order (a follow-up held by budget, or one held by hand), asked to be cancelled, back in
+        inbox/: its claim answers "cancelled".
 
         The request is in the ledger first, so whichever daemon claims the file fails it
         (reason ``cancelled``) and no agent runs.
