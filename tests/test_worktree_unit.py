@@ -88,6 +88,30 @@ def test_a_locked_worktree_is_named_in_one_line_at_start_and_left_alone(env: Env
     assert str(tmp_path / "mine") in listed and str(tmp_path / "gone") not in listed
 
 
+def test_a_finished_jobs_worktree_locked_by_hand_is_named_and_kept_not_removed(env: Env, tmp_path: Path) -> None:
+    """A worktree under the root's worktrees folder, of a job that finished, locked on purpose (`git worktree lock`):
+    the next start names it in `workspace.locked` and leaves it, files and all, for the person who locked it; once
+    unlocked, the start after removes it. It was named and then removed in the same pass."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/{job}.txt=x")})
+    env.drop(code_order("LK"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    path = env.root / ".state" / "worktrees" / "LK"
+    git(repo, "worktree", "add", "-q", str(path), "dispatch/LK")
+    git(repo, "worktree", "lock", "--reason", "reviewing, keep", str(path))
+    (path / "my-notes.txt").write_text("note\n")
+    proc = env.cli("run", "--once", timeout=120)
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [e["worktrees"] for e in events if e["event"] == "workspace.locked"] == [[f"{path} (reviewing, keep)"]]
+    assert not [e for e in events if e["event"] == "workspace.removed"], events
+    assert (path / "my-notes.txt").read_text() == "note\n"
+    git(repo, "worktree", "unlock", str(path))
+    proc = env.cli("run", "--once", timeout=120)
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [e["jobs"] for e in events if e["event"] == "workspace.removed"] == [["LK"]]
+    assert not path.exists()
+
+
 def test_validate_names_a_missing_repository_and_hook_program(env: Env, tmp_path: Path) -> None:
     """`validate` with no file: a workspace repository that does not exist and a missing hook program are errors."""
     agent = coder(env, tmp_path / "nowhere", land=["no-such-pusher", "{branch}"])

@@ -536,6 +536,8 @@ def sweep(worktrees_dir: Path, keep: Sequence[str], *, only: Sequence[str] | Non
         if only is not None and _job_of(name) not in only:
             continue
         path = worktrees_dir / name
+        if _locked_on_purpose(path):  # someone's, named in `workspace.locked`: they unlock it, then it goes
+            continue
         repo = _repo_of(path)
         if repo is not None:
             git(repo, "worktree", "remove", "--force", "--force", str(path), check=False)
@@ -544,6 +546,18 @@ def sweep(worktrees_dir: Path, keep: Sequence[str], *, only: Sequence[str] | Non
             git(repo, "worktree", "prune", check=False)
         removed.append(name)
     return removed
+
+
+def _locked_on_purpose(path: Path) -> bool:
+    """Return True when the worktree at path is locked, other than by a `git worktree add` cut short."""
+    try:
+        text = (path / ".git").read_text().strip()
+        if not text.startswith("gitdir: "):
+            return False
+        reason = (Path(text[len("gitdir: ") :]) / "locked").read_text()
+    except OSError:
+        return False
+    return reason.strip() != "initializing"
 
 
 def _repo_of(path: Path) -> str | None:
