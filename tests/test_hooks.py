@@ -416,6 +416,26 @@ def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, t
     assert bad.returncode == 1 and bad.stderr == "NOPE: no such job\n"
 
 
+def test_land_after_the_hook_was_fixed_in_the_config_runs_the_fixed_hook(env: Env, tmp_path: Path) -> None:
+    """`dispatcher land ID` runs the land hook as the config has it now, as `retry` takes an agent's settings: a
+    hook fixed after its landing failed takes effect (it ran the hook saved at the claim, failing again)."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "landed.log"
+    broken = ["sh", "-c", 'echo "no such remote" >&2; exit 5']
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=broken)})
+    env.drop(code_order("FX1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    proc = env.cli("land", "FX1")
+    assert proc.returncode == 1 and proc.stderr == "FX1: land failed: land hook exited 5: no such remote\n"
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=_land(log))})
+    proc = env.cli("land", "FX1")
+    assert (proc.returncode, proc.stdout) == (0, "FX1: landed\n"), proc.stderr
+    head = env.result("FX1", "done")["workspace"]["head"]
+    assert log.read_text() == f"FX1 dispatch/FX1 {head} {repo}\n"
+    records = sorted((env.job_dir("FX1", "done") / "land").glob("*.json"), key=lambda p: int(p.stem))
+    assert [json.loads(p.read_text())["ok"] for p in records] == [False, False, True]
+
+
 def test_land_of_what_is_no_job_id_is_one_escaped_line_and_exit_1_as_retry(env: Env, tmp_path: Path) -> None:
     """`land` checks the id as `retry` does: a path to a done job, an odd byte or an escape is one line, exit 1."""
     repo = make_repo(tmp_path / "shop")

@@ -25,7 +25,7 @@ from dispatcher.job import owed
 from dispatcher.job.owed import RUNNING, Io, Owed, record_run
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
-from dispatcher.spec.settings import Config
+from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
 
 __all__ = [
@@ -71,16 +71,25 @@ def record_interrupted(layout: Layout, job_id: str) -> None:
     settle(layout, job_id)
 
 
-async def land(layout: Layout, job_id: str, cfg: Config, io: Io, notify: Notify | None = None) -> bool:
-    """Run job_id's land hook once (its landing claimed already), record and log it; True when it landed."""
+async def land(
+    layout: Layout, job_id: str, cfg: Config, io: Io, notify: Notify | None = None, *, as_configured: bool = False
+) -> bool:
+    """Run job_id's land hook once (its landing claimed already), record and log it; True when it landed.
+
+    The hook and the agent's settings are those the job was claimed with (``job.json``); with
+    ``as_configured`` (`dispatcher land ID`, run again by hand after it failed) those the config has
+    now for the job's agent, as a `retry` takes them: a fixed hook takes effect.
+    """
     path = layout.job(State.DONE, job_id)
     folder = JobFolder(path)
     spec = await io(folder.spec)
-    hook = spec.agent.repo.land
+    agent = spec.agent
+    if as_configured:
+        agent = current_agent(cfg, agent)
+    hook = agent.repo.land
     if hook is None:
         await io(settle, layout, job_id)
         return True
-    agent = spec.agent
     result = await io(folder.result)
     run, values = await owed.run_hook(
         "land", hook, path, job_id, agent, result, cfg, io, log_dir=path / "land", worktree_first=False
@@ -93,3 +102,9 @@ async def land(layout: Layout, job_id: str, cfg: Config, io: Io, notify: Notify 
     if notify is not None:
         notify.fire("land.failed", job_id, agent.name, run.why, path / "result.json")
     return False
+
+
+def current_agent(cfg: Config, agent: Agent) -> Agent:
+    """Return the config's agent of that name if it has one, else the job's own (``job.json``)."""
+    now = cfg.agents.get(agent.name)
+    return now if now is not None else agent

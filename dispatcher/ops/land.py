@@ -36,7 +36,7 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
         spec = JobFolder(path).spec()
     except ValueError:
         raise WrongState(f"{job_id}: its job.json is damaged; it cannot be landed") from None
-    if spec.agent.repo.land is None:
+    if landing.current_agent(cfg, spec.agent).repo.land is None:  # the hook as the config has it now, as `retry`
         raise WrongState(f"{job_id}: its agent has no land hook")
     if (layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}").exists():
         raise WrongState(f"{job_id}: is landing now")
@@ -57,7 +57,7 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
     landing.owe(layout, job_id)
     if not landing.claim(layout, job_id):
         raise WrongState(f"{job_id}: is landing now")
-    ok = asyncio.run(landing.land(layout, job_id, cfg, _direct))
+    ok = asyncio.run(landing.land(layout, job_id, cfg, _direct, as_configured=True))
     if not ok:
         last = JobFolder(path).read_json(_last_record(path)) or {}
         raise WrongState(f"{job_id}: land failed: {last.get('detail') or 'see land/ in the job folder'}")
