@@ -85,17 +85,26 @@ def held_for_writing(paths: set[str]) -> set[str]:
     every path at once. It is slow with many processes, so the daemon asks it
     from its io pool, only about files that have already stopped changing. A path
     is also known by its real path, as /proc shows an open file: a writer that
-    opened it through a symlinked folder holds it all the same. The walk reads
-    links only (`readlink`), never the files behind them: a descriptor on a hung
-    network mount cannot stop it.
+    opened it through a symlinked folder holds it all the same. A writer that reached
+    the file by another path altogether (a bind mount, a container's volume, its own
+    mount namespace) shows that path: a descriptor whose file name is one of ours is
+    matched by the inode and device its fdinfo gives (``_same_file``). The walk reads
+    links and /proc's own files only, never the files behind them: a descriptor on a
+    hung network mount cannot stop it.
     """
     found: set[str] = set()
     names: dict[str, list[str]] = {}
+    by_base: dict[str, list[tuple[str, int, int]]] = {}  # a file name -> (path, device, inode) of ours
     for path in paths:
         names.setdefault(path, []).append(path)
         real = os.path.realpath(path)
         if real != path:
             names.setdefault(real, []).append(path)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        by_base.setdefault(os.path.basename(path), []).append((path, st.st_dev, st.st_ino))
     if not names:
         return found
     for pid in os.listdir("/proc"):
@@ -106,18 +115,69 @@ def held_for_writing(paths: set[str]) -> set[str]:
             fds = os.listdir(fd_dir)
         except OSError:
             continue
+        devices: dict[int, int | None] = {}  # this process's mount ids -> their devices, read once if needed
         for fd in fds:
             try:
-                held = names.get(os.readlink(f"{fd_dir}/{fd}"))
-                if held is None or held[0] in found:
+                link = os.readlink(f"{fd_dir}/{fd}")
+                held = names.get(link)
+                alike = None
+                if held is None:
+                    alike = by_base.get(link.rpartition("/")[2])
+                    if alike is None:
+                        continue
+                elif held[0] in found:
                     continue
-                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                    flags = next((int(line.split()[1], 8) for line in f if line.startswith("flags:")), 0)
+                info = _fdinfo(f"/proc/{pid}/fdinfo/{fd}")
             except (OSError, ValueError):
                 continue
-            if flags & (os.O_WRONLY | os.O_RDWR):
+            if not info.get("flags", 0) & (os.O_WRONLY | os.O_RDWR):
+                continue
+            if held is not None:
                 found.update(held)
+            elif alike is not None:
+                found.update(p for p, dev, ino in alike if _same_file(pid, info, dev, ino, devices))
     return found
+
+
+def _fdinfo(path: str) -> dict[str, int]:
+    """Return the flags (octal), mount id and inode an fdinfo file of /proc gives (those it has)."""
+    out: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key == "flags":
+                out[key] = int(value.split()[0], 8)
+            elif key in ("mnt_id", "ino"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+def _same_file(pid: str, info: dict[str, int], dev: int, ino: int, devices: dict[int, int | None]) -> bool:
+    """Return True when a descriptor (its fdinfo) is the file with that device and inode.
+
+    The inode comes from fdinfo (Linux 5.14 and later); the device from the mount id, through
+    the process's own mountinfo (a bind mount has its source's device). Anything unknown is no match.
+    """
+    mnt_id = info.get("mnt_id")
+    if info.get("ino") != ino or mnt_id is None:
+        return False
+    if mnt_id not in devices:
+        devices[mnt_id] = _mount_device(pid, mnt_id)
+    return devices[mnt_id] == dev
+
+
+def _mount_device(pid: str, mnt_id: int) -> int | None:
+    """Return the device of mount mnt_id as process pid sees its mounts (its mountinfo), or None."""
+    want = f"{mnt_id} "
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            for line in f:
+                if line.startswith(want):
+                    major, _, minor = line.split()[2].partition(":")
+                    return os.makedev(int(major), int(minor))
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def group_members(pgid: int) -> list[tuple[int, str, int]]:

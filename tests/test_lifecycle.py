@@ -895,6 +895,57 @@ def test_a_writer_holding_the_file_open_is_seen_through_a_symlinked_root(env: En
     assert daemon.stop() == 0
 
 
+BIND_WRITER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+os.write(fd, sys.argv[2].encode())  # a valid order already, with one item of three
+print("written", flush=True)
+sys.stdin.readline()  # until the test says go on
+os.write(fd, sys.argv[3].encode())
+os.close(fd)
+"""
+
+
+def test_a_writer_that_reached_inbox_through_a_bind_mount_in_its_own_namespace_holds_the_file(env: Env) -> None:
+    """A writer in its own mount namespace (a container's volume) that writes an order in place through a bind mount
+    of the root: /proc shows its descriptor under its own path, and it still holds the file back past settle (matched
+    by inode and device); the job takes the whole file once it is closed. It was taken at settle with one item of
+    three, its order.yaml then written on in done/."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.fail("this test needs root and unshare(1) (util-linux), as bash .ci/run has them")
+    mnt = env.tmp / "mnt"
+    mnt.mkdir()
+    env.configure(settle=0.5, rescan_interval=1)
+    daemon = env.daemon()
+    daemon.wait_ready()
+    first = (
+        'job_id: "BIND-1"\nfrom: tester\nto: worker\ntask: Held open.\naccept:\n  output: out.csv\nitems:\n  - id: R1\n'
+    )
+    rest = "  - id: R2\n  - id: R3\n"
+    script = 'mount --bind "$0" "$1" && exec "$2" -c "$3" "$1/inbox/bind.yaml" "$4" "$5"'
+    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(env.root), str(mnt)]
+    writer = subprocess.Popen(
+        [*argv, sys.executable, BIND_WRITER, first, rest], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "written\n"
+        time.sleep(3.0)  # six settle periods and three rescans with the writer holding it open
+        assert (env.root / "inbox" / "bind.yaml").exists()
+        assert not any((env.root / s / "BIND-1").exists() for s in ("active", "done", "failed")), daemon.events()
+    finally:
+        assert writer.stdin is not None
+        writer.stdin.write("go\n")
+        writer.stdin.close()
+        assert writer.wait(30) == 0
+        assert writer.stdout is not None
+        writer.stdout.close()
+    done = env.root / "done" / "BIND-1"
+    wait_until(lambda: (done / "result.json").exists(), 60, "BIND-1 done")
+    assert (done / "order.yaml").read_text() == first + rest
+    assert [i["id"] for i in json.loads((done / "work" / "order.json").read_text())["items"]] == ["R1", "R2", "R3"]
+    assert daemon.stop() == 0
+
+
 def test_files_left_while_down_are_taken_oldest_first(env: Env) -> None:
     """Files that arrived while no daemon ran are claimed at start by mtime, then name."""
     env.configure(max_jobs=1)
