@@ -121,6 +121,7 @@ _renderer: _Renderer | None = None  # the one configure() set up: relayed lines 
 
 FIELD_MAX = 8192  # characters of one string field; journald splits lines over 48 KiB
 NESTED_MAX = 4 * FIELD_MAX  # characters of a mapping's or list's JSON (an agent's usage): beyond, its cut text
+LINE_MAX = 47 * 1024  # bytes of a line's JSON (ASCII): journald's LineMax is 48 KiB, the `<N>` prefix included
 
 _stamped: tuple[int, str] = (-1, "")  # the last whole second and its ISO text, shared by all threads
 
@@ -279,7 +280,30 @@ class _Renderer:
                     if len(text) > NESTED_MAX:
                         value = _cut(text, NESTED_MAX)
                 event[key] = value
-        return self._encode(event)
+        as_json = self._encode(event)
+        return self._fit(event, as_json) if cut and len(as_json) > LINE_MAX else as_json
+
+    def _fit(self, event: MutableMapping[str, Any], as_json: str) -> str:
+        """Cut the longest fields further until the line's JSON fits LINE_MAX; return it.
+
+        Characters are cut by what they cost encoded (a quote or a control character takes
+        two to six bytes), so that fields cut by characters alone, or several long ones
+        together, still make one journald line.
+        """
+        for _ in range(len(event)):
+            if len(as_json) <= LINE_MAX:
+                break
+            sizes = {key: len(self._encode(value)) for key, value in event.items() if key not in _OWN}
+            if not sizes:
+                break
+            key = max(sizes, key=lambda k: sizes[k])
+            value = event[key]
+            text = value if isinstance(value, str) else self._encode(value)
+            per_char = sizes[key] / max(1, len(text))
+            over = len(as_json) - LINE_MAX + 64  # and the cut's own note
+            event[key] = _cut(text, max(0, len(text) - int(over / per_char) - 1))
+            as_json = self._encode(event)
+        return as_json
 
     def line(self, event: Mapping[str, Any], as_json: str) -> str:
         """Return the stdout line of an event: console text, JSON with the journal's priority, or JSON."""

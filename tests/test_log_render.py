@@ -583,3 +583,20 @@ def test_list_columns_line_up_as_a_terminal_shows_them() -> None:
     assert len(set(reasons)) == 1, lines  # REASON starts in one column
     costs = [columns(line[: line.index("USD") + 3]) for line in lines if "USD" in line]
     assert len(set(costs)) == 1, lines  # costs end in one column
+
+
+def test_a_line_never_passes_journalds_line_limit(capture: Callable[..., Capture]) -> None:
+    """Fields that encode long (quotes, backslashes and control characters take two to six bytes each), or several
+    long fields together, are cut further by their encoded size: every line stays within LINE_MAX (below
+    journald's 48 KiB LineMax) and is one JSON object, with each cut field noted. A usage full of quotes made an
+    agent.exited line of 65 KB."""
+    cap = capture(console=False)
+    quoted = {"k": '"' * 20000}
+    controls = "\x01" * (logs.FIELD_MAX - 1)
+    many = {f"f{i}": "x" * (logs.FIELD_MAX - 1) for i in range(8)}
+    for name, fields in (("quotes", {"usage": quoted}), ("controls", {"a": controls, "b": controls}), ("many", many)):
+        line = _both(cap, lambda n=name, f=fields: _log().info("agent.exited", name=n, **f))  # type: ignore[misc]
+        assert len(line.encode()) <= logs.LINE_MAX < 48 * 1024, (name, len(line))
+        entry = json.loads(line)
+        assert entry["event"] == "agent.exited" and entry["name"] == name
+        assert any("... (cut, " in str(v) for v in entry.values()), name
