@@ -121,7 +121,7 @@ class Layout:
             try:
                 if is_dir(lstat(path).st_mode):
                     return state, Path(path)
-            except OSError:
+            except (OSError, ValueError):  # ValueError: a NUL in what is no job id names no folder
                 continue
         return None
 

@@ -301,6 +301,29 @@ def test_7_an_order_with_a_lone_surrogate_is_refused_in_inbox(env: Env) -> None:
     assert refused["reason"].startswith("task:") and "surrogate" in refused["reason"]
 
 
+@pytest.mark.parametrize(("name", "data"), [
+    ("nul.json", b'{"job_id": "A\\u0000B", "from": "me", "to": "worker", "task": "t", "items": [{"id": "R1"}]}'),
+    ("nul.yaml", b'job_id: "J\\0x"\nfrom: me\nto: worker\ntask: t\nitems:\n  - id: R1\n'),
+])  # fmt: skip
+def test_an_order_whose_job_id_holds_a_nul_is_refused_and_run_once_ends(env: Env, name: str, data: bytes) -> None:
+    """A job_id with a NUL (a JSON or YAML escape) is refused like any id that breaks the pattern: the file goes to
+    failed/<stem>@<time>/ byte for byte, the reason names job_id, and `run --once` exits 1. It stayed in inbox/
+    with a daemon.error line every second, and `run --once` never ended."""
+    env.configure()
+    env.drop(data, name=name)
+    env.drop(order("OK-1"))
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert not [line for line in proc.stdout.splitlines() if '"daemon.error"' in line]
+    stem = name.rsplit(".", 1)[0]
+    [folder] = (env.root / "failed").glob(f"{stem}@*")
+    assert (folder / f"order.{name.rsplit('.', 1)[1]}").read_bytes() == data
+    result = json.loads((folder / "result.json").read_text())
+    assert result["state"] == "failed" and result["reason"].startswith("job_id: must match"), result
+    assert not list((env.root / "inbox").iterdir())
+    assert env.result("OK-1", "done")["state"] == "done"
+
+
 def test_a_refused_orders_unwritable_id_is_null_and_a_named_agent_is_kept(env: Env) -> None:
     """A refused file whose job_id is a lone surrogate records job_id null (result.json stays UTF-8); one that names
     a configured agent in `to` is logged and counted under it, one naming an unknown agent under none."""

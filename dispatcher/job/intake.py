@@ -36,7 +36,7 @@ from dispatcher.errors import OrderError, oneline
 from dispatcher.fsutil import digest
 from dispatcher.job import worktree
 from dispatcher.job.finish import Finisher
-from dispatcher.layout import Layout, name_is_utf8
+from dispatcher.layout import JOB_ID, Layout, name_is_utf8
 from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, Known, Ledger
 from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
@@ -508,7 +508,7 @@ def drop_twin_of(
 ) -> bool:
     """``_drop_twin`` for a file about to be refused for another reason (expired by now, a rule changed since): the
     job's own file left in inbox/ by a claim cut short is dropped, never refused beside its job (section 1)."""
-    if job_id is None or inode is None:
+    if job_id is None or inode is None or not JOB_ID.fullmatch(job_id):  # no job's id (a NUL in it): no job's file
         return False
     if folder is None:
         found = layout.find(job_id)
