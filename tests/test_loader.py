@@ -161,3 +161,13 @@ def test_sixty_four_levels_of_mappings_and_lists_hold_values_at_the_last() -> No
         assert load_document(json.dumps(nested(64, inner)).encode(), "json")
         with pytest.raises(OrderError, match="nesting deeper than 64 levels"):
             load_document(json.dumps(nested(65, inner)).encode(), "json")
+
+
+def test_a_plain_equals_sign_in_yaml_is_the_text_it_is() -> None:
+    """`task: =` is the text "=" (YAML 1.1's "value" type, which no safe loader constructs, made it a refusal:
+    "could not determine a constructor for the tag 'tag:yaml.org,2002:value'"), as a value and in a list."""
+    body = load_document(b"task: =\nitems:\n  - id: =\n", "yaml")
+    assert body == {"task": "=", "items": [{"id": "="}]}
+    from dispatcher.spec.loader import read_job_id  # a refused file's job_id, read by the plain parse
+
+    assert read_job_id(b"{job_id: J1, task: =}\n", "yaml") == "J1"  # no `job_id:` line for the fallback
