@@ -324,3 +324,11 @@ def test_the_start_of_an_object_longer_than_the_tail_is_read_from_the_log_only_w
     assert with_cut_start(tail, tail_keys, str(log), 1001) == tail_keys
     log.write_text("x" * 6000 + line[5050:] + "\n")
     assert with_cut_start(tail, tail_keys, str(log), 1001) == tail_keys
+
+
+def test_an_integer_too_long_to_convert_is_null_and_the_cost_is_kept() -> None:
+    """A final object holding an integer of 5,000 digits (more than Python converts) keeps its cost, with that
+    integer null, as for a float beyond range; it lost the whole object, and the attempt its cost."""
+    big = "7" * 5000
+    result = parse_agent_result(f'working\n{{"total_cost_usd": 0.5, "n": {big}, "m": 12}}\n'.encode())
+    assert result == {"total_cost_usd": 0.5, "n": None, "m": 12}

@@ -41,8 +41,17 @@ def _finite(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-# NaN and Infinity are not JSON, and a number that overflows would print as one: both read as null
-_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=lambda _name: None)
+def _integer(text: str) -> int | None:
+    """A JSON integer longer than Python converts (``sys.get_int_max_str_digits``) is no number to record: null."""
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+# NaN and Infinity are not JSON, and a number that overflows would print as one: both read as null; so does an
+# integer too long to convert, which would otherwise lose the whole object (and its cost)
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_int=_integer, parse_constant=lambda _name: None)
 
 
 def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
