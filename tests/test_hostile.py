@@ -441,6 +441,31 @@ def test_10_a_lost_ledger_stops_the_daemon_until_it_is_rebuilt(env: Env) -> None
     assert starts(env, "LOST-1") == 1
 
 
+def test_10_a_damaged_ledger_page_stops_commands_and_the_daemon_with_one_line_until_rebuilt(env: Env) -> None:
+    """(10) the jobs table's page of the ledger zeroed, its header intact (it opens, and breaks at the first read):
+    `run` and every command answer with one line naming `ledger rebuild` and exit 2, never a traceback; the
+    rebuild refuses the old id again."""
+    import sqlite3
+
+    assert env.cli("submit", str(_write(env, plain("DMG-1")))).returncode == 0
+    assert env.cli("run", "--once").returncode == 0
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+        [(page,)] = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'jobs'").fetchall()
+        size = db.execute("PRAGMA page_size").fetchone()[0]
+    with open(ledger, "r+b") as f:
+        f.seek((page - 1) * size)
+        f.write(b"\0" * size)
+    for command in (["status"], ["list"], ["show", "DMG-1"], ["retry", "DMG-1"], ["run", "--once"], ["run"]):
+        proc = env.cli(*command, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (command, proc.stderr[-3000:])
+        assert "the ledger cannot be read" in proc.stderr and "dispatcher ledger rebuild" in proc.stderr, proc.stderr
+    rebuilt = env.cli("ledger", "rebuild")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    again = env.cli("submit", str(_write(env, plain("DMG-1"), "again.json")))
+    assert again.returncode == 2 and "already known" in again.stderr
+
+
 def test_10_a_rebuilt_ledger_keeps_a_finished_jobs_age_and_says_one_job_id(env: Env) -> None:
     """After `ledger rebuild` a done job's age in `list` still counts from its finish, not from the rebuild."""
     env.drop(plain("AGED-1"))

@@ -10,7 +10,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dispatcher.errors import DispatchError
+from dispatcher.errors import DispatchError, UsageError
 from dispatcher.lifecycle import Row
 
 
@@ -204,6 +204,14 @@ class LedgerUnavailable(DispatchError):
 
     A command that meets it (its patience ran out) prints this one line and exits 1.
     """
+
+
+REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebuild it from the job folders"
+
+
+class LedgerDamaged(UsageError):
+    """The SQLite ledger's file is damaged (SQLITE_CORRUPT, SQLITE_NOTADB) where a step read it: one line naming
+    `dispatcher ledger rebuild`, exit 2, as for a ledger found unreadable when it was opened (contract 12)."""
 
 
 def folder_may_be_lost(host: str | None, started: float | None, this_host: str, booted: float) -> bool:

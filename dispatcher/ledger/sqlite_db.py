@@ -21,7 +21,7 @@ import structlog
 from filelock import FileLock
 
 from dispatcher.ledger.flocks import FlockSlots, Liveness
-from dispatcher.ledger.records import Entry, LedgerUnavailable
+from dispatcher.ledger.records import REBUILD_HINT, Entry, LedgerDamaged, LedgerUnavailable
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
@@ -203,6 +203,10 @@ class SqliteDb:
                     logged = waited
                 time.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
+            except sqlite3.DatabaseError as exc:
+                if getattr(exc, "sqlite_errorcode", 0) & 0xFF in _DAMAGED:
+                    raise LedgerDamaged(f"{self.path}: the ledger cannot be read ({exc}); {REBUILD_HINT}") from None
+                raise
 
     def _write(self, body: Callable[[sqlite3.Connection], T], durable: bool = True) -> T:
         """Run body once in a write transaction that holds the database's write lock from its start."""
@@ -276,6 +280,9 @@ def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
 def _is_locked(exc: sqlite3.OperationalError) -> bool:
     text = str(exc).lower()
     return "locked" in text or "busy" in text
+
+
+_DAMAGED = (11, 26)  # SQLITE_CORRUPT ("database disk image is malformed"), SQLITE_NOTADB ("file is not a database")
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:

@@ -16,6 +16,7 @@ from dispatcher import fsutil, lean, procs
 from dispatcher.errors import UsageError
 from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
+from dispatcher.ledger.records import REBUILD_HINT
 from dispatcher.spec.settings import Config
 
 #: how long a command tries to reach a PostgreSQL ledger: one connection attempt (CONNECT_S, libpq's
@@ -29,7 +30,6 @@ ANSWER_S = 3.5
 MIN_REACH_S = 0.25
 #: how long a command waits for a ledger another process is writing
 PATIENCE_S = 30.0
-REBUILD_HINT = "run `dispatcher ledger rebuild` (with no daemon running) to rebuild it from the job folders"
 
 
 class LedgerLost(UsageError):
