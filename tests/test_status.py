@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import Env, order, wait_until
 
 from dispatcher.layout import Layout
@@ -209,6 +210,36 @@ def test_an_unread_orders_agent_with_control_characters_never_reaches_the_termin
         text = env.cli(*args, check=True).stdout
         assert "\x1b" not in text and "\nFAKE" not in text, (args, text)
         assert "ev\\x1b[2Jil\\nFAKE" in text, (args, text)
+
+
+@pytest.mark.parametrize("how", ["removed", "damaged"])
+def test_a_daemons_info_file_removed_or_damaged_under_it_is_written_again(env: Env, how: str) -> None:
+    """The daemon's own info file in the state folder removed (or its bytes damaged) while it runs: at its next
+    rescan it is written again, so that `status` lists the daemon alive and `reload` reaches it; they said that no
+    daemon was running for as long as it ran."""
+    env.configure(rescan_interval=0.5)
+    d = env.daemon()
+    d.wait_ready()
+    [info] = (env.root / ".state" / "daemons").glob("*.json")
+    if how == "removed":
+        info.unlink()
+    else:
+        info.write_text("garbage{")
+    assert d.proc is not None
+    pid = d.proc.pid
+
+    def written_again() -> bool:
+        try:
+            return bool(json.loads(info.read_text())["pid"] == pid)
+        except (OSError, ValueError):
+            return False
+
+    wait_until(written_again, 15, "the info file written again")
+    daemons = status(env)["daemons"]
+    assert [(x["pid"], x["alive"]) for x in daemons] == [(pid, True)], daemons
+    proc = env.cli("reload")
+    assert proc.returncode == 0, proc.stderr
+    assert d.stop() == 0
 
 
 def test_lock_files_deleted_under_a_running_daemon_are_locked_again(env: Env) -> None:

@@ -75,6 +75,10 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         lost = self._slots.take_back_lost()
         if self._life is None or not self.owner:
             return lost
+        if self._info is not None and read_info(self._daemons, self.owner) is None:
+            # its info file removed or damaged: `status` and `reload` would not see this daemon; written again
+            with contextlib.suppress(OSError):
+                write_info(self._daemons, self._info)
         path = self._daemons / f"{self.owner}.lock"
         if file_id(path) == self._life_id:
             return lost
