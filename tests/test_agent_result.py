@@ -332,3 +332,14 @@ def test_an_integer_too_long_to_convert_is_null_and_the_cost_is_kept() -> None:
     big = "7" * 5000
     result = parse_agent_result(f'working\n{{"total_cost_usd": 0.5, "n": {big}, "m": 12}}\n'.encode())
     assert result == {"total_cost_usd": 0.5, "n": None, "m": 12}
+
+
+def test_an_indent_0_object_after_a_line_ending_in_a_comma_with_many_inner_objects_is_found() -> None:
+    """`json.dumps(..., indent=0)` after a line that ends in `,`: the object's own start looks like a list
+    element, and its ten inner objects open at the same column; it is found by its brackets, read back from its
+    end (it was lost, and the attempt's cost with it, beyond eight inner objects)."""
+    body = {"type": "result", "total_cost_usd": 0.5, "note": 'a "quoted" {brace} \\ and [bracket]',
+            "messages": [{"i": i} for i in range(10)]}  # fmt: skip
+    out = "Reviewed files a.py, b.py,\n" + json.dumps(body, indent=0) + "\n"
+    assert parse_agent_result(out.encode()) == body
+    assert parse_agent_result(b"no object here, {\n]\n}") is None  # brackets that do not pair: nothing

@@ -78,19 +78,67 @@ def parse_agent_result(tail: bytes) -> dict[str, Any] | None:
     elements: deque[int] = deque(maxlen=MAX_TRIES)
     for pos in sorted(starts):  # the text looked back at between two starts is theirs alone: linear
         (elements if _char_before(text, pos) in ("[", ",") else tops).append(pos)
-    for pos in [*reversed(tops), *reversed(elements)]:
-        try:
-            value, end = _DECODER.raw_decode(text, pos)
-        except (ValueError, RecursionError):
-            continue
-        if end == len(text) and isinstance(value, dict):
-            if "\\u" in text[pos:]:  # an escape may spell a lone surrogate, which no UTF-8 file can hold
-                value = {_whole(k): _whole(v) for k, v in value.items()}
-            if len(text[pos:].encode()) > AGENT_RESULT_MAX:
-                return {k: value[k] for k in AGENT_RESULT_KEYS if k in value}
-            return value
+    tried = [*reversed(tops), *reversed(elements)]
+    for pos in tried:
+        found = _object_at(text, pos)
+        if found is not None:
+            return found
+    # the object's own start was not among the starts tried (it follows a line ending in `,`, and more than
+    # MAX_TRIES inner objects open at its indentation): found by its brackets, read back from its end
+    start = _start_of_last_object(text)
+    if start is not None and start not in tried:
+        found = _object_at(text, start)
+        if found is not None:
+            return found
     if len(last_line) > AGENT_RESULT_MAX:  # one object longer than the tail kept: its start is cut off
         return _keys_of_cut_object(last_line)
+    return None
+
+
+def _object_at(text: str, pos: int) -> dict[str, Any] | None:
+    """Return the JSON object that starts at pos if it ends the text (its large form cut to its keys), else None."""
+    try:
+        value, end = _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None
+    if end != len(text) or not isinstance(value, dict):
+        return None
+    if "\\u" in text[pos:]:  # an escape may spell a lone surrogate, which no UTF-8 file can hold
+        value = {_whole(k): _whole(v) for k, v in value.items()}
+    if len(text[pos:].encode()) > AGENT_RESULT_MAX:
+        return {k: value[k] for k in AGENT_RESULT_KEYS if k in value}
+    return value
+
+
+_BRACKETS = re.compile(r'[{}\[\]"]')
+
+
+def _start_of_last_object(text: str) -> int | None:
+    """Return where the object that ends text opens, by its brackets read back from its end (strings skipped), or None.
+
+    Only an object that opens a line (after blanks) and lies within the last ``AGENT_RESULT_MAX`` characters is
+    found, so the work stays bounded whatever the text holds: each bracket and quote there is looked at once,
+    each backslash before a quote once.
+    """
+    depth, in_string = 0, False
+    scan_from = max(0, len(text) - AGENT_RESULT_MAX)
+    for match in reversed(list(_BRACKETS.finditer(text, scan_from))):
+        pos, char = match.start(), match.group()
+        if char == '"':
+            slashes = 0
+            while pos - slashes - 1 >= 0 and text[pos - slashes - 1] == "\\":
+                slashes += 1
+            if slashes % 2 == 0:
+                in_string = not in_string
+            continue
+        if in_string:
+            continue
+        depth += 1 if char in "}]" else -1
+        if depth == 0:
+            opens_line = not text[text.rfind("\n", 0, pos) + 1 : pos].strip()
+            return pos if char == "{" and opens_line else None
+        if depth < 0:
+            return None
     return None
 
 
