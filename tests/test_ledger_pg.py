@@ -421,6 +421,21 @@ def test_a_newer_schema_version_is_refused_with_one_line(ledgers: Ledgers) -> No
     assert "\n" not in text and "newer than this dispatcher knows" in text and "upgrade" in text
 
 
+def test_a_reader_of_an_older_schema_gets_one_line_saying_to_start_a_daemon(ledgers: Ledgers) -> None:
+    """A reader (`status`, `list`: read-only) of a ledger whose schema an older release left gets one line, exit 2,
+    saying a daemon of this version upgrades it; it failed later on a missing table, with a traceback. A daemon's
+    open upgrades it, and the reader then reads it."""
+    ledgers.open()
+    sql(ledgers.dsn, "UPDATE schema_version SET version = %s", (pg_schema.SCHEMA_VERSION - 1,))
+    with pytest.raises(PostgresLedgerError) as caught:
+        PostgresLedger(ledgers.dsn, None, readonly=True)
+    text = str(caught.value)
+    assert caught.value.exit_code == 2 and "\n" not in text
+    assert "is older than this dispatcher's" in text and "start a daemon of this version once" in text
+    PostgresLedger(ledgers.dsn, None).close()  # a daemon's (or a writing command's) open: ensure() upgrades
+    PostgresLedger(ledgers.dsn, None, readonly=True).close()
+
+
 def test_a_database_with_foreign_tables_is_refused(ledgers: Ledgers) -> None:
     """A database that holds a `jobs` table but no schema_version is not taken for a ledger."""
     sql(ledgers.dsn, "CREATE TABLE jobs (id int)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -210,6 +211,36 @@ def test_an_unread_orders_agent_with_control_characters_never_reaches_the_termin
         text = env.cli(*args, check=True).stdout
         assert "\x1b" not in text and "\nFAKE" not in text, (args, text)
         assert "ev\\x1b[2Jil\\nFAKE" in text, (args, text)
+
+
+def test_status_and_list_read_a_ledger_of_an_older_schema_before_any_daemon_upgraded_it(env: Env) -> None:
+    """A ledger of an older schema (version 3: no gates, no gate waits, no spend index), as an older release left
+    it: `status`, `list` and `show` read it through an upgraded copy in memory, leaving the file as it is; they
+    failed with a traceback (no such table: gate_waits) until a daemon or a writing command had opened it."""
+    import sqlite3
+
+    env.configure()
+    env.drop(order("OLD-1"))
+    assert env.cli("run", "--once").returncode == 0
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    with contextlib.closing(sqlite3.connect(ledger, isolation_level=None)) as db:
+        db.execute("DROP TABLE gates")
+        db.execute("DROP TABLE gate_waits")
+        db.execute("DROP INDEX jobs_spent")
+        db.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    before = ledger.read_bytes()
+    info = status(env)
+    assert info["counts"]["done"] == 1 and info["gates"] == [] and info["waiting"] == [], info
+    assert env.cli("status").returncode == 0
+    for args in (["list"], ["list", "--json"], ["show", "OLD-1"]):
+        proc = env.cli(*args)
+        assert proc.returncode == 0 and "OLD-1" in proc.stdout, (args, proc.stderr)
+    assert ledger.read_bytes() == before  # a reader changed nothing
+    env.drop(order("NEW-1"))
+    assert env.cli("run", "--once").returncode == 0  # the daemon upgrades it for good
+    with contextlib.closing(sqlite3.connect(ledger)) as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("4",)
 
 
 @pytest.mark.parametrize("how", ["removed", "damaged"])

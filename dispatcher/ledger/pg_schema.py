@@ -127,6 +127,11 @@ def check(cur: Cur, where: str) -> int:
             f"{where}: ledger schema version {version} is newer than this dispatcher knows"
             f" ({SCHEMA_VERSION}); upgrade dispatcher on this host"
         )
+    if version < SCHEMA_VERSION:  # a reader may not change it: its tables are not yet those these reads expect
+        raise PostgresLedgerError(
+            f"{where}: ledger schema version {version} is older than this dispatcher's ({SCHEMA_VERSION}):"
+            " start a daemon of this version once (it upgrades the schema), then read it again"
+        )
     return version
 
 

@@ -128,7 +128,8 @@ class SqliteDb:
         try:
             if readonly:
                 self._db, self._immutable = connect_readonly(path)
-                self._retrying(self._check_version)
+                if self._retrying(self._check_version) < SCHEMA_VERSION:
+                    self._upgraded_copy()
                 return
             self._db = sqlite3.connect(
                 path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
@@ -161,8 +162,8 @@ class SqliteDb:
         self._check_version(db)
         db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
-    def _check_version(self, db: sqlite3.Connection | None = None) -> None:
-        """Raise LedgerError for a ledger whose schema is newer than this code knows."""
+    def _check_version(self, db: sqlite3.Connection | None = None) -> int:
+        """Return the ledger's schema version; raise LedgerError for one newer than this code knows."""
         db = self._db if db is None else db
         row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         version = int(row[0]) if row else 1
@@ -170,6 +171,21 @@ class SqliteDb:
             raise LedgerError(
                 f"schema version {version} is newer than this dispatcher knows ({SCHEMA_VERSION}); upgrade it"
             )
+        return version
+
+    def _upgraded_copy(self) -> None:
+        """Read an older ledger (no daemon of this version opened it yet) through an upgraded copy in memory.
+
+        A reader may not write the file (and must not change it under a daemon of the older
+        version): `status` and `list` then read what the next daemon's start would make of it.
+        """
+        copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        with self._lock:
+            self._db.backup(copy)
+            self._db.close()
+            self._db, self._immutable = copy, False
+        self._db.executescript(_SCHEMA)
+        self._write(self._upgrade)
 
     def close(self) -> None:
         """Close the connection, give slots back and end this daemon's liveness lock."""
