@@ -151,3 +151,25 @@ def test_the_metrics_count_each_attempt_once(
         finished="2026-12-02T10:01:00.000Z", cost_usd=sum(float(a["cost_usd"]) for a in attempts),  # type: ignore[arg-type]
     )  # fmt: skip
     assert this_claim(folder, result) == counted
+
+
+def test_a_staged_result_is_named_over_only_the_result_json_this_process_named(tmp_path: Path) -> None:
+    """Naming the staged result never replaces a result.json someone else made (an agent outside work/: a
+    FileExistsError, the job stuck), but does replace the one this folder's own earlier naming made: a finish tried
+    again after a shortage met once its result was named (at `ulimit -n` a job was left stuck)."""
+    folder_path = tmp_path / "J1"
+    folder_path.mkdir()
+    staged, result = folder_path / ".result.json.staged", folder_path / "result.json"
+    folder = JobFolder(folder_path)
+    staged.write_text('{"try": 1}')
+    assert folder.name_result() == str(folder_path)
+    staged.write_text('{"try": 2}')  # the finish again: staged anew, named again over its own
+    assert folder.name_result() == str(folder_path)
+    assert json.loads(result.read_text()) == {"try": 2} and not staged.exists()
+    result.write_text("an agent's own")
+    staged.write_text('{"try": 1}')
+    with pytest.raises(FileExistsError):
+        JobFolder(folder_path).name_result()  # another process (a start's recovery): not its own
+    assert result.read_text() == "an agent's own" and staged.exists()
+    assert JobFolder(folder_path).name_result(replace=True) == str(folder_path)  # a review's decision
+    assert json.loads(result.read_text()) == {"try": 1}

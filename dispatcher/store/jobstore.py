@@ -60,6 +60,7 @@ class JobFolder:
         self.claimed = claimed  # Unix time of the job's claim, when known (the metrics count from it)
         self.work_dir = f"{self._dir}/work"  # work/ as a plain path (the hot path's: no Path made or converted)
         self._attempts = f"{self._dir}/attempts"
+        self._named = False  # this process named a staged result result.json here (``name_result``)
 
     @property
     def path_str(self) -> str:
@@ -431,15 +432,17 @@ class JobFolder:
         """Step 3's first half: name the staged result result.json; return the folder to fsync (None: no staged one).
 
         A result.json already there is replaced only when ``replace`` (a review's decision names its result over
-        the one that says `review`); else it is none of the daemon's (an agent wrote outside work/), and the
+        the one that says `review`), or when this process named it (a finish tried again after a shortage met
+        after the naming); else it is none of the daemon's (an agent wrote outside work/), and the
         FileExistsError leaves the job stuck, never overwriting it.
         """
         staged, result = f"{self._dir}/{STAGED}", f"{self._dir}/{RESULT}"
         try:  # no lexists first: the rename says whether a staged result is there (one system call, not two)
-            if replace:
+            if replace or self._named:
                 os.rename(staged, result)
             else:
                 fsutil.rename_noreplace(staged, result)
+            self._named = True
         except FileNotFoundError:
             return None
         except FileExistsError:
