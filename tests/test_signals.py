@@ -221,6 +221,35 @@ def test_a_hanging_notification_does_not_hold_a_stop_past_stop_timeout(env: Env,
     assert [e["error"] for e in failed] == ["ended: the daemon stopped"], failed
 
 
+def test_a_notification_is_ended_at_the_stops_deadline_beside_an_agent_that_ignores_sigterm(env: Env) -> None:
+    """A stop while an agent that ignores SIGTERM runs and a notify command hangs: the notification is ended at
+    stop_timeout, beside the agent, not after the agent's own kill_grace (it was ended only once the agents were
+    gone, and the stop took stop_timeout plus two kill_grace); the daemon is gone by stop_timeout + kill_grace."""
+    marker = f"time.sleep(100.8)  # {env.tmp}"
+    deaf = f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); {marker}"
+    env.configure(
+        agents={"worker": env.agent("--exit", "3"), "slow": env.agent("--sleep", "60", "--ignore-term")},
+        notify=[sys.executable, "-c", deaf],
+        stop_timeout=2,
+        kill_grace=3,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SLOW-D", to="slow"))
+    d.wait_event("agent.started", job_id="SLOW-D")
+    env.drop(order("NOTE-3"))
+    env.wait_job("NOTE-3", "failed")
+    wait_until(lambda: processes_with(marker), 15, "the notify command")
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(30) == 0
+    took = time.monotonic() - sent
+    assert took < 2 + 3 + 1.5, took  # stop_timeout + kill_grace (and the exit), not + 2 x kill_grace
+    assert not processes_with(marker)
+    failed = [e for e in d.events() if e.get("event") == "notify.failed"]
+    assert [e["error"] for e in failed] == ["ended: the daemon stopped"], failed
+
+
 def test_a_second_sigterm_while_an_agent_runs_ends_a_hanging_notification_at_once(env: Env) -> None:
     """The second SIGTERM comes while an agent still runs (the loop takes it): the hanging notify of a failed job
     is ended then too, by SIGKILL, though it ignores SIGTERM; not at stop_timeout, nor after kill_grace."""

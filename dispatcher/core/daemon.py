@@ -74,6 +74,7 @@ class Daemon(Reloading, Fencing):
         self.lost = False
         self._was_fenced = False
         self.stop_deadline: float | None = None
+        self._stop_at: float | None = None  # the stop's deadline as it was set (stop_deadline is cleared when due)
         self._signals: list[int] = []
         self._ready = False
         self._watching = False  # the stop's watch (core.stopwatch) was started
@@ -319,6 +320,7 @@ class Daemon(Reloading, Fencing):
         if self.stop_deadline is not None and now >= self.stop_deadline:
             self.sched.abort_all(Stop.STOPPED)
             hooks.RUNNING.stop_all()  # hooks run like agents: ended at the stop's deadline too
+            self.notify.end_running()  # and notifications: none outlasts the deadline waiting for the agents
             self.stop_deadline = None
         self.house.promote_settled()
         if self.lease is not None and self._fence():
@@ -334,7 +336,7 @@ class Daemon(Reloading, Fencing):
         if self.once and not self.stopping:  # no signal: `run --once` ran out of work, and stops as a daemon does
             log.info("daemon.stopping", reason="run --once: no work left", running=0)
         # notifications may run until the stop's deadline, or end at once after a second stop (a forced one)
-        notify_until = (self.stop_deadline or time.monotonic()) if self.stopping else None
+        notify_until = (self.stop_deadline or self._stop_at or time.monotonic()) if self.stopping else None
         if self.stopping:  # from here on a ledger wait gives up: what it could not record, the next start recovers
             self.stop_deadline = None
         if self.watch is not None:
@@ -446,7 +448,7 @@ class Daemon(Reloading, Fencing):
         else:
             name = signal.Signals(signum).name
             log.info("daemon.stopping", signal=name, running=running, stop_timeout=stop_timeout)
-        self.stop_deadline = time.monotonic() + self.config.stop_timeout_s
+        self.stop_deadline = self._stop_at = time.monotonic() + self.config.stop_timeout_s
         self.sched.abort_all(Stop.STOPPED, only_waiting=True)
 
     # -- helpers -------------------------------------------------------------------------------

@@ -165,6 +165,16 @@ class Notifications:
                 stderr=tail or None,
             )
 
+    def end_running(self) -> None:
+        """End the running notify commands now, as agents are at the stop's deadline (``kill_grace``, then SIGKILL).
+
+        Each is logged as ``notify.failed`` (the daemon stopped) when it ends; ``close`` waits for them.
+        """
+        if self._running:
+            self._ending = True
+            for proc in list(self._procs):
+                proc.abort("the daemon stopped")
+
     async def close(
         self,
         until: float | None = None,
