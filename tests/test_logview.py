@@ -114,6 +114,30 @@ def test_a_config_the_daemon_refuses_at_start_is_an_error_line_on_the_journal(en
     assert plain.read_text() == f"{env.config_path}: bogus: unknown key\n"
 
 
+def test_a_daemon_crash_is_written_as_error_lines_on_the_journal(env: Env) -> None:
+    """A crash of `run` (an error no code of the daemon expects, made here by a sitecustomize that breaks its
+    serve): on the journal each line of its traceback is `<3>`, so that `journalctl -p err` shows it (it came as
+    plain stderr lines, which the journal files as info); exit 1."""
+    inject = env.tmp / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import dispatcher.core.daemon as d\n"
+        "def boom(self):\n"
+        "    raise RuntimeError('injected crash')\n"
+        "d.Daemon.serve = boom\n"
+    )
+    out = env.tmp / "journal.out"
+    out.touch()
+    extra = journal_env(out)
+    extra["PYTHONPATH"] = f"{inject}{os.pathsep}{extra['PYTHONPATH']}"
+    assert run_once(env, out, extra) == 1
+    lines = out.read_text().splitlines()
+    crash = [line for line in lines if not line.startswith("<6>{")]  # the daemon's own JSON lines before it
+    assert crash[0] == "<3>Traceback (most recent call last):", lines
+    assert crash[-1] == "<3>RuntimeError: injected crash", lines
+    assert all(line.startswith("<3>") for line in crash), crash
+
+
 def test_journal_stream_of_another_file_adds_no_prefix(env: Env) -> None:
     """$JOURNAL_STREAM inherited with stdout sent elsewhere is not the journal: lines stay plain JSON."""
     other = env.tmp / "elsewhere"

@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, NoReturn, TextIO, cast
 
@@ -147,13 +148,26 @@ def main(argv: list[str] | None = None) -> None:
         code = 0
     except OSError as exc:  # a file of the root this user may not read, say: one line, never a traceback
         if args.command in ("run", "web"):
-            raise  # a daemon's own: its traceback is what tells what went wrong
+            _crashed(args.command)  # a daemon's own: its traceback is what tells what went wrong
         where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
         print(redact(printable(f"{where}{exc.strerror or exc}")), file=sys.stderr)
         code = 1
+    except Exception:
+        if args.command not in ("run", "web"):
+            raise
+        _crashed(args.command)
     if argv is None and args.command not in ("run", "web"):
         _leave(code)
     sys.exit(code)
+
+
+def _crashed(command: str) -> NoReturn:
+    """Print a daemon's crash as its traceback, each line an error for the journal (`journalctl -p err`); exit 1."""
+    prefix = _err_prefix(command)
+    for line in traceback.format_exc().rstrip("\n").splitlines():
+        print(prefix + redact(line), file=sys.stderr)
+    sys.stderr.flush()
+    sys.exit(1)
 
 
 def _err_prefix(command: str) -> str:
