@@ -272,3 +272,47 @@ def test_a_flow_style_yaml_order_naming_after_is_claimed_at_once_into_waiting(en
     assert (env.root / "active" / "BUSY").is_dir()
     env.wait_job("FJ", "done")
     assert d.stop() == 0
+
+
+def test_an_order_read_ahead_for_its_busy_agent_does_not_pass_a_higher_priority_one_of_that_agent(env: Env) -> None:
+    """LOW-D is read while a slot is free and waits for its agent's; HIGH-D (priority 9) for the same agent comes
+    once every slot is taken. When the agent's slot frees, HIGH-D starts first (section 16: higher priority
+    first); the order read ahead took it, and HIGH-D was not even read until LOW-D had run."""
+    env.configure(
+        max_jobs=2,
+        agents={"a": env.agent("--sleep", "5", concurrency=1), "d": env.agent("--sleep", "3", concurrency=1)},
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BLOCK-D", to="d"))
+    d.wait_event("agent.started", job_id="BLOCK-D")
+    env.drop(order("LOW-D", to="d", priority=0))
+    d.wait_event("order.received", job_id="LOW-D")
+    env.drop(order("BLOCK-A", to="a"))
+    d.wait_event("agent.started", job_id="BLOCK-A")
+    env.drop(order("HIGH-D", to="d", priority=9))
+    env.wait_job("HIGH-D", "done", timeout=60)
+    env.wait_job("LOW-D", "done", timeout=60)
+    ids = [j for j, _ in env.starts()]
+    assert ids.index("HIGH-D") < ids.index("LOW-D"), ids
+    assert d.stop() == 0
+
+
+def test_a_busy_agents_backlog_past_the_read_ahead_limit_does_not_hold_up_an_idle_agent(env: Env) -> None:
+    """70 orders queued for an agent busy with a long job (more than the daemon reads ahead for busy agents, 64):
+    an order for another, idle agent still starts at once, its agent's slot and max_jobs being free. It waited
+    until the busy agent's job ended, however high its priority."""
+    env.configure(max_jobs=3, agents={"d": env.agent("--sleep", "30", concurrency=1), "a": env.agent(concurrency=1)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BLOCK", to="d"))
+    d.wait_event("agent.started", job_id="BLOCK")
+    for i in range(70):
+        env.drop(order(f"LOW{i:02d}", to="d"))
+    wait_until(lambda: len([e for e in d.events() if e.get("event") == "order.received"]) >= 65, 30, "read ahead")
+    dropped = time.monotonic()
+    env.drop(order("AJOB", to="a"))
+    env.wait_job("AJOB", "done", timeout=25)
+    assert time.monotonic() - dropped < 20, "AJOB waited for the busy agent's job"  # BLOCK sleeps 30 s
+    assert [j for j, _ in env.starts()] == ["BLOCK", "AJOB"]
+    assert d.stop() == 0

@@ -29,7 +29,19 @@ from dispatcher.core.requests import Requests, parked_again
 from dispatcher.core.running import RunningJobs, keeps_slots
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
-from dispatcher.core.work import Big, Dropped, Gone, Handover, Kind, Later, Launch, NoSlot, Parked, park_ranked
+from dispatcher.core.work import (
+    Big,
+    Dropped,
+    Gone,
+    Handover,
+    Kind,
+    Later,
+    Launch,
+    NoSlot,
+    Parked,
+    park_ranked,
+    parked_rank,
+)
 from dispatcher.job.context import JobContext
 from dispatcher.job.job import Job
 from dispatcher.job.joins import Joins
@@ -152,7 +164,11 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self._hold_lowered(cfg, now)
         gates = self.ctx.gates()  # section 14; none in the usual turn: no agent gated
         gated = frozenset(gated_agents(gates, cfg.agents, time.time())) if gates else _NOT_GATED
-        self._gates_changed(gated, now)
+        # with PARK_LIMIT orders read for busy agents, their agents' further orders are left unread (as a gate's
+        # are) and reading goes on past them: an idle agent's order never waits behind a busy one's backlog
+        full = len(self.parked) >= PARK_LIMIT
+        unread = gated | frozenset(p.agent for p in self.parked if p.kind is Kind.NEW) if full else gated
+        self._gates_changed(gated, now, unread)
         # (``free_slots``); after a shortage, the starts still on their way count against its window
         free = SHORT.allowance(self.slots.free(cfg.max_jobs) - self.inflight, self.inflight + self.ctx.starts.count)
         batch: list[Parked | str] = []
@@ -169,11 +185,13 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
-            if p.kind is Kind.JOINED and p.rank is not None and len(self.parked) < PARK_LIMIT:
-                head = self.inbox.head_rank(gated)
-                if head is not None and head < p.rank:  # an order of higher priority (or as high and older) first
-                    joined_rank = p.rank if joined_rank is None else min(joined_rank, p.rank)
-                    continue
+            ranked = (p.kind is Kind.JOINED and p.rank is not None) or (
+                p.kind is Kind.NEW and p.job_id not in self.ahead.ready
+            )
+            if ranked and not full and self._outranked(p, unread):
+                rank = parked_rank(p)
+                joined_rank = rank if joined_rank is None else min(joined_rank, rank)
+                continue
             claimed_ahead = p.job_id in self.ahead.ready
             if p.kind is Kind.NEW and not claimed_ahead:
                 room = SHORT.room(free) if room is None else room
@@ -191,18 +209,18 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             batch.append(p)
         while (join := self.inbox.pop_join()) is not None:
             batch.append(join)  # an order naming `after` is claimed at once and takes no slot: it waits
-        fresh = free > 0 and len(self.parked) < PARK_LIMIT and self.inbox.has_ready()
+        fresh = free > 0 and (not full or unread != gated) and self.inbox.has_ready()
         if fresh:
             room = SHORT.room(free) if room is None else room
             fresh = room > 0  # nothing new is claimed while an agent could not start (section 13)
-        while fresh and free > 0 and len(self.parked) < PARK_LIMIT:
-            upcoming = self.inbox.next_agent(gated) if behind else None
+        while fresh and free > 0:
+            upcoming = self.inbox.next_agent(unread) if behind else None
             if upcoming is not None and upcoming[0] in behind:
                 self._held_back = True  # not read again at every turn until that trip answers (a spin)
                 break  # after the orders of its agent claimed ahead now
-            if joined_rank is not None and ((head := self.inbox.head_rank(gated)) is None or head > joined_rank):
-                break  # the ready join left above goes before this order, at the next turn
-            ready = self.inbox.pop(gated)  # a gated agent's orders are left unread (section 14)
+            if joined_rank is not None and ((head := self.inbox.head_rank(unread)) is None or head > joined_rank):
+                break  # the parked order or ready join left above goes before this order, at the next turn
+            ready = self.inbox.pop(unread)  # a gated agent's orders are left unread (section 14), a full one's too
             if ready is None:
                 break
             batch.append(ready)  # read in the claim's trip, off the loop
@@ -233,6 +251,17 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             last = i == len(chunks) - 1
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=last, parked_new=sent))
 
+    def _outranked(self, p: Parked, unread: frozenset[str]) -> bool:
+        """Return True if an unread order goes before parked p (higher priority, or as high and older): any
+        agent's before a ready join, its own agent's before an order read ahead, which waited for its slot."""
+        head = self.inbox.head_rank(unread)
+        if head is None or head >= parked_rank(p):
+            return False
+        if p.kind is Kind.JOINED:
+            return True
+        upcoming = self.inbox.next_agent(unread)
+        return upcoming is not None and upcoming[0] == p.agent
+
     def _gate_seen(self, gate: Gate) -> None:
         """A claim's trip read a gate the snapshot may lack (from the ledger lane): note it on the loop."""
         if self._loop is not None:
@@ -246,14 +275,18 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self._expiry_turn = soon
         asyncio.get_running_loop().call_later(max(0.0, soon - wall) + 0.01, self.wake)
 
-    def _gates_changed(self, gated: frozenset[str], now: float) -> None:
-        """Leave new orders of gated agents unread; take back what the gates let go, oldest first."""
+    def _gates_changed(self, gated: frozenset[str], now: float, unread: frozenset[str]) -> None:
+        """Leave new orders of gated agents unread; take back what the gates let go, oldest first.
+
+        ``unread``: the gated agents and those whose orders read ahead fill ``parked``; orders left unread for
+        them stay so until they are neither.
+        """
         if not gated and not self.aside.held and not self.inbox.any_aside():  # the usual turn: no gate, nothing held
             return
         for p in [p for p in self.parked if p.kind is Kind.NEW and p.agent in gated]:
             self.parked.remove(p)  # read before its agent was gated
             self._leave_unread(p)
-        self.inbox.take_back(gated)
+        self.inbox.take_back(unread)
         back, later = self.aside.take_back(gated, now, time.time())
         self.parked.extendleft(reversed([parked_again(job) for job in back]))
         self.slot_poll |= later

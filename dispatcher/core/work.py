@@ -136,6 +136,7 @@ def park_ranked(parked: collections.deque[Parked], p: Parked) -> None:
 
 def parked_rank(p: Parked) -> tuple[int, float]:
     """Return where a parked order (or ready join) goes among parked orders: higher priority first, then older."""
-    if p.item is not None:
-        return (-p.item.order.priority, p.item.received)
+    if p.item is not None:  # older by the file's modification time, as inbox/ ranks unread orders (``head_rank``)
+        stamp = p.item.stamp
+        return (-p.item.order.priority, stamp[1] / 1e9 if stamp is not None else p.item.received)
     return p.rank if p.rank is not None else (0, 0.0)
