@@ -52,6 +52,7 @@ from dispatcher.spec.settings import Config
 
 log = structlog.get_logger("dispatcher")
 PARK_LIMIT = 64  # orders read ahead while their agents are busy
+PARK_LOW = 16  # an agent read past (``_read_past``) is read again once fewer of its orders are parked
 CLAIM_CHUNK = 32  # orders claimed in one ledger transaction (and one fsync of active/)
 HELD_CLAIMS = 2  # a claim's trip with more orders never stops the loop in place (``Lanes.ledger_long``)
 SLOT_RETRY_S = 0.25
@@ -81,6 +82,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self._expiry_turn: float | None = None  # when a turn is due for the next ready order's expires
         self.slot_poll = False
         self.stats = Stats()
+        self._past: set[str] = set()  # agents whose further orders are left unread while theirs fill parked
         self.left: set[str] = set()  # jobs stopped while the daemon went on (fenced): taken back later
         self.left_new = False  # one joined ``left`` since the last recovery began
         self.aside: SetAside[Job] = SetAside()  # claimed jobs a gate holds, without slots
@@ -164,10 +166,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self._hold_lowered(cfg, now)
         gates = self.ctx.gates()  # section 14; none in the usual turn: no agent gated
         gated = frozenset(gated_agents(gates, cfg.agents, time.time())) if gates else _NOT_GATED
-        # with PARK_LIMIT orders read for busy agents, their agents' further orders are left unread (as a gate's
-        # are) and reading goes on past them: an idle agent's order never waits behind a busy one's backlog
         full = len(self.parked) >= PARK_LIMIT
-        unread = gated | frozenset(p.agent for p in self.parked if p.kind is Kind.NEW) if full else gated
+        unread = gated | self._read_past(full) if full or self._past else gated
         self._gates_changed(gated, now, unread)
         # (``free_slots``); after a shortage, the starts still on their way count against its window
         free = SHORT.allowance(self.slots.free(cfg.max_jobs) - self.inflight, self.inflight + self.ctx.starts.count)
@@ -250,6 +250,20 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 self.sending.update(sent)
             last = i == len(chunks) - 1
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=last, parked_new=sent))
+
+    def _read_past(self, full: bool) -> frozenset[str]:
+        """Return the agents whose further orders are left unread, read past, because orders read ahead for them
+        fill ``parked`` (an idle agent's order never waits behind a busy one's backlog).
+
+        An agent joins when ``parked`` is full and holds orders of it; it leaves once fewer than
+        ``PARK_LOW`` of them are left, so that its unread orders are taken back once per
+        ``PARK_LIMIT - PARK_LOW`` of its starts, not at each.
+        """
+        counts = collections.Counter(p.agent for p in self.parked if p.kind is Kind.NEW)
+        if full:
+            self._past.update(counts)
+        self._past = {agent for agent in self._past if counts[agent] >= PARK_LOW}
+        return frozenset(self._past)
 
     def _outranked(self, p: Parked, unread: frozenset[str]) -> bool:
         """Return True if an unread order goes before parked p (higher priority, or as high and older): any
