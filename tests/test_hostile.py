@@ -422,6 +422,7 @@ def test_10_a_lost_ledger_stops_the_daemon_until_it_is_rebuilt(env: Env) -> None
     states = ("inbox", "held", "active", "waiting", "review", "done", "failed", "refused")
     listing = [["list"], *(["list", "--state", s] for s in states)]
     for command in (
+        ["init"],
         ["land", "LOST-1"],
         ["status"],
         ["show", "LOST-1"],

@@ -61,6 +61,14 @@ def cmd_init(args: argparse.Namespace) -> int:
     if not is_utf8_text(str(cfg.root.absolute())):  # a config's root: is UTF-8 text; none could name this folder
         raise UsageError(f"{cfg.root}: the root's path is not valid UTF-8; choose a folder whose name is")
     layout = Layout(cfg.root)
+    if cfg.ledger == "sqlite" and cfg.root.is_dir():
+        from dispatcher.store.ledgers import open_reader
+
+        # a root in use whose ledger is lost beside its job folders is no ready root: exit 2 naming
+        # `ledger rebuild`, as for every command
+        ledger = open_reader(cfg, layout)
+        if ledger is not None:
+            ledger.close()
     # the daemon's own .state/ folders are made too, but are no news to the user
     created = [d for d in layout.all_dirs() if not d.exists() and d.parent == cfg.root and not d.name.startswith(".")]
     try:
