@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, cli_env, order, wait_until
+from conftest import Daemon, Env, cli_env, order, wait_until
 from helpers_faults import (
     ENV_DUMP,
     SLOW_FIRST,
@@ -221,25 +221,34 @@ def test_a_hanging_notification_does_not_hold_a_stop_past_stop_timeout(env: Env,
     assert [e["error"] for e in failed] == ["ended: the daemon stopped"], failed
 
 
+def _deaf_notification_beside_a_slow_agent(
+    env: Env, marker: str, slow_flags: tuple[str, ...], *, stop_timeout: float, kill_grace: float
+) -> Daemon:
+    """Start a daemon whose agent `slow` runs (with slow_flags) while a failed job's notify command, which ignores
+    SIGTERM and holds marker in its argv, hangs; return the daemon."""
+    deaf = f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); {marker}"
+    env.configure(
+        agents={"worker": env.agent("--exit", "3"), "slow": env.agent("--sleep", "60", *slow_flags)},
+        notify=[sys.executable, "-c", deaf],
+        stop_timeout=stop_timeout,
+        kill_grace=kill_grace,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SLOW-1", to="slow"))
+    d.wait_event("agent.started", job_id="SLOW-1")
+    env.drop(order("NOTE-1"))
+    env.wait_job("NOTE-1", "failed")
+    wait_until(lambda: processes_with(marker), 15, "the notify command")
+    return d
+
+
 def test_a_notification_is_ended_at_the_stops_deadline_beside_an_agent_that_ignores_sigterm(env: Env) -> None:
     """A stop while an agent that ignores SIGTERM runs and a notify command hangs: the notification is ended at
     stop_timeout, beside the agent, not after the agent's own kill_grace (it was ended only once the agents were
     gone, and the stop took stop_timeout plus two kill_grace); the daemon is gone by stop_timeout + kill_grace."""
     marker = f"time.sleep(100.8)  # {env.tmp}"
-    deaf = f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); {marker}"
-    env.configure(
-        agents={"worker": env.agent("--exit", "3"), "slow": env.agent("--sleep", "60", "--ignore-term")},
-        notify=[sys.executable, "-c", deaf],
-        stop_timeout=2,
-        kill_grace=3,
-    )
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("SLOW-D", to="slow"))
-    d.wait_event("agent.started", job_id="SLOW-D")
-    env.drop(order("NOTE-3"))
-    env.wait_job("NOTE-3", "failed")
-    wait_until(lambda: processes_with(marker), 15, "the notify command")
+    d = _deaf_notification_beside_a_slow_agent(env, marker, ("--ignore-term",), stop_timeout=2, kill_grace=3)
     sent = time.monotonic()
     d.signal(signal.SIGTERM)
     assert d.wait(30) == 0
@@ -254,20 +263,7 @@ def test_a_second_sigterm_while_an_agent_runs_ends_a_hanging_notification_at_onc
     """The second SIGTERM comes while an agent still runs (the loop takes it): the hanging notify of a failed job
     is ended then too, by SIGKILL, though it ignores SIGTERM; not at stop_timeout, nor after kill_grace."""
     marker = f"time.sleep(100.9)  # {env.tmp}"
-    deaf = f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); {marker}"
-    env.configure(
-        agents={"worker": env.agent("--exit", "3"), "slow": env.agent("--sleep", "60")},
-        notify=[sys.executable, "-c", deaf],
-        stop_timeout=30,
-        kill_grace=30,
-    )
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("SLOW-N", to="slow"))
-    d.wait_event("agent.started", job_id="SLOW-N")
-    env.drop(order("NOTE-2"))
-    env.wait_job("NOTE-2", "failed")
-    wait_until(lambda: processes_with(marker), 15, "the notify command")
+    d = _deaf_notification_beside_a_slow_agent(env, marker, (), stop_timeout=30, kill_grace=30)
     d.signal(signal.SIGTERM)
     d.wait_event("daemon.stopping")
     time.sleep(0.5)
