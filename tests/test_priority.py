@@ -316,3 +316,41 @@ def test_a_busy_agents_backlog_past_the_read_ahead_limit_does_not_hold_up_an_idl
     assert time.monotonic() - dropped < 20, "AJOB waited for the busy agent's job"  # BLOCK sleeps 30 s
     assert [j for j, _ in env.starts()] == ["BLOCK", "AJOB"]
     assert d.stop() == 0
+
+
+def test_a_higher_priority_order_of_an_agent_read_past_starts_at_its_next_free_slot(env: Env) -> None:
+    """70 priority-1 orders wait for one busy agent (more than the daemon reads ahead, so its further orders are
+    left unread); a priority-9 order for the same agent then starts at that agent's next free slot, before every
+    older priority-1 order read ahead (section 16: higher priority first). It waited behind 64 of them."""
+    env.configure(max_jobs=3, agents={"d": env.agent("--sleep", "3", concurrency=1), "a": env.agent(concurrency=1)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BLOCK", to="d"))
+    d.wait_event("agent.started", job_id="BLOCK")
+    for i in range(70):
+        env.drop(order(f"LOW{i:02d}", to="d", priority=1))
+    wait_until(lambda: len([e for e in d.events() if e.get("event") == "order.received"]) >= 65, 30, "read ahead")
+    env.drop(order("HIGH", to="d", priority=9))
+    wait_until(lambda: len(env.starts()) >= 2, 30, "the next start")
+    assert [j for j, _ in env.starts()][:2] == ["BLOCK", "HIGH"]
+    assert d.stop() == 0
+
+
+def test_a_higher_priority_order_passes_a_backlog_being_worked_off(env: Env) -> None:
+    """The same while the backlog drains after a resume: the priority-9 order starts next but one (the next
+    may already be on its way), not after the 48 or so read ahead."""
+    env.configure(max_jobs=2, agents={"d": env.agent("--sleep", "0.6", concurrency=1)})
+    d = env.daemon()
+    d.wait_ready()
+    env.cli("pause", "d", check=True)  # so that all 70 orders are in inbox/ before d runs
+    for i in range(70):
+        env.drop(order(f"LOW{i:02d}", to="d", priority=1))
+    time.sleep(1)
+    env.cli("resume", "d", check=True)
+    wait_until(lambda: len(env.starts()) >= 3, 60, "3 starts")
+    env.drop(order("HIGH", to="d", priority=9))
+    dropped_at = len(env.starts())
+    env.wait_job("HIGH", "done", timeout=120)
+    ids = [j for j, _ in env.starts()]
+    assert d.stop() == 0
+    assert ids.index("HIGH") <= dropped_at + 1, ids

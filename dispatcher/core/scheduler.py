@@ -167,7 +167,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         gates = self.ctx.gates()  # section 14; none in the usual turn: no agent gated
         gated = frozenset(gated_agents(gates, cfg.agents, time.time())) if gates else _NOT_GATED
         full = len(self.parked) >= PARK_LIMIT
-        unread = gated | self._read_past(full) if full or self._past else gated
+        unread = gated | self._read_past(full, gated) if full or self._past else gated
         self._gates_changed(gated, now, unread)
         # (``free_slots``); after a shortage, the starts still on their way count against its window
         free = SHORT.allowance(self.slots.free(cfg.max_jobs) - self.inflight, self.inflight + self.ctx.starts.count)
@@ -188,7 +188,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             ranked = (p.kind is Kind.JOINED and p.rank is not None) or (
                 p.kind is Kind.NEW and p.job_id not in self.ahead.ready
             )
-            if ranked and not full and self._outranked(p, unread):
+            if ranked and self._outranked(p, unread):
                 rank = parked_rank(p)
                 joined_rank = rank if joined_rank is None else min(joined_rank, rank)
                 continue
@@ -209,7 +209,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             batch.append(p)
         while (join := self.inbox.pop_join()) is not None:
             batch.append(join)  # an order naming `after` is claimed at once and takes no slot: it waits
-        fresh = free > 0 and (not full or unread != gated) and self.inbox.has_ready()
+        # with parked full, only agents read past are read on, or the order that outranks one left above
+        fresh = free > 0 and (not full or unread != gated or joined_rank is not None) and self.inbox.has_ready()
         if fresh:
             room = SHORT.room(free) if room is None else room
             fresh = room > 0  # nothing new is claimed while an agent could not start (section 13)
@@ -251,19 +252,34 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             last = i == len(chunks) - 1
             self._background(self._launch(chunk, handover, blocked=blocked, gated=gated, last=last, parked_new=sent))
 
-    def _read_past(self, full: bool) -> frozenset[str]:
+    def _read_past(self, full: bool, gated: frozenset[str]) -> frozenset[str]:
         """Return the agents whose further orders are left unread, read past, because orders read ahead for them
         fill ``parked`` (an idle agent's order never waits behind a busy one's backlog).
 
         An agent joins when ``parked`` is full and holds orders of it; it leaves once fewer than
         ``PARK_LOW`` of them are left, so that its unread orders are taken back once per
-        ``PARK_LIMIT - PARK_LOW`` of its starts, not at each.
+        ``PARK_LIMIT - PARK_LOW`` of its starts, not at each. It leaves at once when an order of it left
+        unread goes before its orders read ahead (section 16: higher priority first), so that it is read.
         """
         counts = collections.Counter(p.agent for p in self.parked if p.kind is Kind.NEW)
         if full:
             self._past.update(counts)
         self._past = {agent for agent in self._past if counts[agent] >= PARK_LOW}
+        if self._past:
+            self.inbox.head_rank(gated | self._past)  # the orders ranked before the others' head are set aside
+            self._past -= {agent for agent in self._past if self._passed_over(agent)}
         return frozenset(self._past)
+
+    def _passed_over(self, agent: str) -> bool:
+        """Return True if an order of ``agent`` left unread goes before every order read ahead for it."""
+        aside = self.inbox.aside_rank(agent)
+        if aside is None:
+            return False
+        ahead = self.ahead.ready
+        mine = [
+            parked_rank(p) for p in self.parked if p.agent == agent and p.kind is Kind.NEW and p.job_id not in ahead
+        ]
+        return bool(mine) and aside < min(mine)
 
     def _outranked(self, p: Parked, unread: frozenset[str]) -> bool:
         """Return True if an unread order goes before parked p (higher priority, or as high and older): any

@@ -100,6 +100,7 @@ class Inbox:
         self._taken: dict[str, _Ready] = {}  # names being handled -> their place when they were ready
         self._aside: dict[str, list[_Ready]] = {}  # agent -> its orders left unread while a gate holds it
         self._aside_names: set[str] = set()
+        self._aside_best: dict[str, tuple[int, int]] = {}  # agent -> best (-priority, mtime_ns) set aside for it
         self._expiring: list[tuple[float, _Ready]] = []  # (expires, entry) of ready orders with expires
         self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
         self._unsure: set[str] = set()  # ready at a close event, with no look for other writers: see ``recheck``
@@ -408,8 +409,22 @@ class Inbox:
     def _put_aside(self, entry: _Ready, agent: str) -> None:
         self._aside_names.add(entry.name)
         self._aside.setdefault(agent, []).append(entry)
+        if entry.mtime_ns:  # (0: an order naming `after`, ranked when looked at again)
+            rank = (entry.neg_priority, entry.mtime_ns)
+            best = self._aside_best.get(agent)
+            if best is None or rank < best:
+                self._aside_best[agent] = rank
         if entry.expires != float("inf"):
             heapq.heappush(self._aside_due, (entry.expires, entry))
+
+    def aside_rank(self, agent: str) -> tuple[int, float] | None:
+        """Return the best (-priority, mtime in epoch seconds) an order set aside, unread, for ``agent`` had.
+
+        Kept as orders are set aside, so it may name one since cancelled or held: the caller then takes the
+        agent's orders back once for nothing, which clears it.
+        """
+        best = self._aside_best.get(agent)
+        return None if best is None else (best[0], best[1] / 1e9)
 
     def aside_for(self, agents: set[str]) -> int:
         """Return how many orders are set aside, unread, for these agents."""
@@ -418,6 +433,7 @@ class Inbox:
     def take_back(self, gated: frozenset[str]) -> None:
         """Make the orders set aside for agents no longer in ``gated`` ready again, in their first order."""
         for agent in [a for a in self._aside if a not in gated]:
+            self._aside_best.pop(agent, None)
             for entry in self._aside.pop(agent):
                 name = entry.name
                 if name not in self._aside_names:
