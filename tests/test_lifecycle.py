@@ -946,9 +946,12 @@ def test_a_writer_that_reached_inbox_through_a_bind_mount_in_its_own_namespace_h
     assert daemon.stop() == 0
 
 
-def test_files_left_while_down_are_taken_oldest_first(env: Env) -> None:
-    """Files that arrived while no daemon ran are claimed at start by mtime, then name."""
-    env.configure(max_jobs=1)
+@pytest.mark.parametrize("max_jobs", [1, 2])
+def test_files_left_while_down_are_taken_oldest_first(env: Env, max_jobs: int) -> None:
+    """Files that arrived while no daemon ran are claimed and started at start by mtime, then name; with a second
+    slot too, while the agent's one slot is busy (b2.json started before b1.json: the name was left out when an
+    order read ahead took its place among those waiting for the agent's slot)."""
+    env.configure(max_jobs=max_jobs, agents={"worker": env.agent("--sleep", "0.1", concurrency=1)})
     inbox = env.root / "inbox"
     inbox.mkdir(parents=True)
     now = time.time()

@@ -39,6 +39,7 @@ from dispatcher.core.work import (
     Launch,
     NoSlot,
     Parked,
+    Rank,
     park_ranked,
     parked_rank,
 )
@@ -177,7 +178,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         # turn that may come back without a slot): those go first, the orders behind them wait
         behind = {agent for agent, n in (*self.ahead.claiming.items(), *self.sending.items()) if n > 0}
         room: int | None = None  # how many new orders may be claimed (``SHORT.room``): asked once, when one would be
-        joined_rank: tuple[int, float] | None = None  # the best ready join left for an order of higher rank
+        joined_rank: Rank | None = None  # the best ready join left for an order of higher rank
         for p in list(self.parked):
             if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
                 self.parked.remove(p)

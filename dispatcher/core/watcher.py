@@ -100,7 +100,7 @@ class Inbox:
         self._taken: dict[str, _Ready] = {}  # names being handled -> their place when they were ready
         self._aside: dict[str, list[_Ready]] = {}  # agent -> its orders left unread while a gate holds it
         self._aside_names: set[str] = set()
-        self._aside_best: dict[str, tuple[int, int]] = {}  # agent -> best (-priority, mtime_ns) set aside for it
+        self._aside_best: dict[str, tuple[int, int, str]] = {}  # agent -> best (-priority, mtime_ns) set aside for it
         self._expiring: list[tuple[float, _Ready]] = []  # (expires, entry) of ready orders with expires
         self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
         self._unsure: set[str] = set()  # ready at a close event, with no look for other writers: see ``recheck``
@@ -376,10 +376,11 @@ class Inbox:
         entry = self._head(gated)
         return None if entry is None else (entry.agent, entry.expires != float("inf"))
 
-    def head_rank(self, gated: frozenset[str] = frozenset()) -> tuple[int, float] | None:
-        """Return (-priority, mtime in epoch seconds) of the order ``pop`` would return next (as ``parked_rank``)."""
+    def head_rank(self, gated: frozenset[str] = frozenset()) -> tuple[int, float, str] | None:
+        """Return (-priority, mtime in epoch seconds, name) of the order ``pop`` would return next (as
+        ``parked_rank``)."""
         entry = self._head(gated)
-        return None if entry is None else (entry.neg_priority, entry.mtime_ns / 1e9)
+        return None if entry is None else (entry.neg_priority, entry.mtime_ns / 1e9, entry.name)
 
     def _head(self, gated: frozenset[str]) -> _Ready | None:
         """Return the entry ``pop`` takes next, left in place; names taken or forgotten are dropped and
@@ -410,21 +411,21 @@ class Inbox:
         self._aside_names.add(entry.name)
         self._aside.setdefault(agent, []).append(entry)
         if entry.mtime_ns:  # (0: an order naming `after`, ranked when looked at again)
-            rank = (entry.neg_priority, entry.mtime_ns)
+            rank = (entry.neg_priority, entry.mtime_ns, entry.name)
             best = self._aside_best.get(agent)
             if best is None or rank < best:
                 self._aside_best[agent] = rank
         if entry.expires != float("inf"):
             heapq.heappush(self._aside_due, (entry.expires, entry))
 
-    def aside_rank(self, agent: str) -> tuple[int, float] | None:
+    def aside_rank(self, agent: str) -> tuple[int, float, str] | None:
         """Return the best (-priority, mtime in epoch seconds) an order set aside, unread, for ``agent`` had.
 
         Kept as orders are set aside, so it may name one since cancelled or held: the caller then takes the
         agent's orders back once for nothing, which clears it.
         """
         best = self._aside_best.get(agent)
-        return None if best is None else (best[0], best[1] / 1e9)
+        return None if best is None else (best[0], best[1] / 1e9, best[2])
 
     def aside_for(self, agents: set[str]) -> int:
         """Return how many orders are set aside, unread, for these agents."""

@@ -134,9 +134,13 @@ def park_ranked(parked: collections.deque[Parked], p: Parked) -> None:
     parked.append(p)
 
 
-def parked_rank(p: Parked) -> tuple[int, float]:
-    """Return where a parked order (or ready join) goes among parked orders: higher priority first, then older."""
-    if p.item is not None:  # older by the file's modification time, as inbox/ ranks unread orders (``head_rank``)
+Rank = tuple[int, float, str]  # (-priority, modification time in epoch seconds, file name): lower goes first
+
+
+def parked_rank(p: Parked) -> Rank:
+    """Return where a parked order (or ready join) goes among parked orders: higher priority first, then older
+    (by modification time, then name), as inbox/ ranks unread orders (``Inbox.head_rank``)."""
+    if p.item is not None:
         stamp = p.item.stamp
-        return (-p.item.order.priority, stamp[1] / 1e9 if stamp is not None else p.item.received)
-    return p.rank if p.rank is not None else (0, 0.0)
+        return (-p.item.order.priority, stamp[1] / 1e9 if stamp is not None else p.item.received, p.item.name)
+    return (*p.rank, "") if p.rank is not None else (0, 0.0, "")
