@@ -480,3 +480,27 @@ def test_cancels_recorded_together_never_hand_a_freed_slot_to_a_job_claimed_ahea
     assert env.result("S2", "failed")["attempts"] == []
     assert "S2" not in starts.read_text().split(), starts.read_text()
     assert d.stop() == 0
+
+
+def test_a_waiting_retry_runs_at_the_reload_that_brings_its_agent_back(env: Env) -> None:
+    """A live daemon: the retry of a job whose agent a reload removed waits (order.waiting with its job_id); the
+    reload that brings the agent back runs it at once, as it runs the agent's queued orders. It waited for the
+    next rescan (rescan_interval, 60 s here)."""
+    ok = env.tmp / "ok"
+    gone = {"command": ["sh", "-c", f"test -e {ok} || exit 1; " + GOOD], "timeout": 30}
+    env.configure(agents={"gone": gone, "other": env.agent()}, rescan_interval=60)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(seam_order("GONE-2", to="gone"))
+    env.wait_job("GONE-2", "failed")
+    env.configure(agents={"other": env.agent()}, rescan_interval=60)
+    assert env.cli("reload").returncode == 0
+    d.wait_event("config.reloaded")
+    ok.touch()
+    assert env.cli("retry", "GONE-2").returncode == 0
+    d.wait_event("order.waiting", job_id="GONE-2")
+    env.configure(agents={"gone": gone, "other": env.agent()}, rescan_interval=60)
+    assert env.cli("reload").returncode == 0
+    wait_until(lambda: (env.root / "done" / "GONE-2" / "result.json").exists(), 20, "the retry to run")
+    assert env.result("GONE-2", "done")["state"] == "done"
+    assert d.stop() == 0

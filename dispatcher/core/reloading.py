@@ -103,6 +103,7 @@ class Reloading:
             self.metrics.set_labels(new.metrics_labels)
             self.metrics.add_agents(new.agents)  # an agent a reload adds has its series (at 0) at once
         gone = frozenset({*self.config.agents, *self.config.retired} - set(new.agents))
+        back = bool(set(new.agents) - set(self.config.agents))
         self.config = new = dataclasses.replace(new, retired=gone)  # follow-ups to them wait, as their orders do
         self.claims.note_config(new)  # its agents: if a later reload removes one, its orders wait
         self.inbox.settle_s = new.settle_s
@@ -110,6 +111,8 @@ class Reloading:
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
         self.gatekeeper.kick()  # gates read again: a daily cap removed or raised lifts its gate, metrics follow
         announce.config_findings(new)
+        if back:  # a retry or revise that waited for an agent this reload brings (back) runs now, not at a rescan
+            self.house.start(self.house.requests(), "requests")
 
     def _metrics(self, config: Config) -> Metrics | None:
         """Return the metrics of metrics_file (None when unset); its first write is due at once."""
