@@ -156,6 +156,9 @@ def test_validate_refuses_what_a_reload_would_refuse(env: Env) -> None:
         proc = env.cli("validate")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"log_file: cannot open {log_file}: {why}" in proc.stderr
+        reload = env.cli("reload")  # `reload` checks what validate checks, before any SIGHUP
+        assert (reload.returncode, reload.stderr, reload.stdout) == (2, proc.stderr, "")
+    assert not [e for e in d.events() if e["event"] in ("config.rejected", "config.reloaded")]
     other = env.tmp / "other-root"
     other.mkdir()
     env.configure(root=str(other))
@@ -189,6 +192,9 @@ def test_validate_refuses_another_postgresql_url_or_lease_as_the_daemon_does(env
     assert (
         proc.returncode == 2 and f"lease: cannot change while the daemon (pid {pid}) runs with lease 30" in proc.stderr
     )
+    reload = env.cli("reload")  # `reload` judges the config against each daemon it would signal, as validate does
+    assert (reload.returncode, reload.stderr) == (2, proc.stderr)
+    assert len([e for e in d.events() if e["event"] == "config.rejected"]) == 1
     d.signal(signal.SIGHUP)
     wait_until(lambda: len([e for e in d.events() if e["event"] == "config.rejected"]) == 2, timeout=20)
     assert (

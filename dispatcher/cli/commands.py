@@ -52,6 +52,8 @@ def config_of(args: argparse.Namespace, *, need_root: bool = False) -> Config:
 def cmd_init(args: argparse.Namespace) -> int:
     """Make the dispatch root's folders and, when there is none, a starter config; change nothing else."""
     # never the system-wide config: `init` in an empty folder makes a local one (pass --config for another)
+    if args.config == "":
+        raise UsageError("--config: the file name is empty")
     path = Path(args.config) if args.config else Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
     given = args.dir or args.root
     root = Path(given) if given else None
@@ -209,10 +211,15 @@ def cmd_reload(args: argparse.Namespace) -> int:
     from dispatcher.ops.daemons import live_here, reload
 
     cfg = config_of(args, need_root=True)
-    errors = [f for f in check_agents(cfg) if f.error]
+    here = live_here(daemons_of(cfg))
+    # what the daemons would refuse, as `validate` says it: an agent, the ledger's URL, the log file, and what a
+    # running daemon cannot change (root, ledger, lease), judged against each daemon here
+    findings = check_agents(cfg) + _check_ledger_url(cfg) + preflight.check_log_file(cfg)
+    for d in here:
+        findings += preflight.check_running(cfg, {"MAINPID": str(d.pid)})
+    errors = [f for f in findings if f.error]
     if errors:
         raise ConfigError(errors[0].message, file=str(cfg.path), field=errors[0].field)
-    here = live_here(daemons_of(cfg))
     if not here:
         print(f"no daemon of {printable(str(cfg.root))} runs on this host: nothing to reload", file=sys.stderr)
         return 1
