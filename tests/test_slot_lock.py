@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import cli_env
+
 from dispatcher.ledger.flocks import FlockSlots, SlotLock
 
 HOLD = """
@@ -60,3 +62,23 @@ def test_flock_slots_remake_a_removed_slots_folder(tmp_path: Path) -> None:
     assert slots.take("worker", 1) == 0
     assert (folder / "worker.0.lock").exists()
     slots.release_all()
+
+
+def test_a_daemon_info_file_that_cannot_be_written_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """A write of a daemon's info file that fails part way (a full disk; here a file size limit) raises, and leaves
+    neither a half-written info file nor its temporary file in .state/daemons/ (nothing ever removed it)."""
+    script = f"""
+import resource, signal, time
+from pathlib import Path
+from dispatcher.ledger.base import DaemonInfo
+from dispatcher.ledger.flocks import write_info
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+try:
+    write_info(Path({str(tmp_path)!r}), DaemonInfo("host-1-ab", 1, "host", time.time()))
+except OSError as exc:
+    print("raised", exc.errno)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=cli_env())
+    assert proc.stdout.startswith("raised"), proc.stdout + proc.stderr
+    assert os.listdir(tmp_path) == []

@@ -291,8 +291,12 @@ def write_info(folder: Path, info: DaemonInfo) -> None:
     """Write (or rewrite) a daemon's info file ``<owner>.json`` beside its liveness lock, atomically."""
     body = {"pid": info.pid, "host": info.host, "started": info.started, "config_digest": info.config_digest}
     tmp = folder / f".{info.owner}.json.tmp"
-    tmp.write_bytes(json.dumps(body).encode())
-    os.rename(tmp, folder / f"{info.owner}.json")
+    try:
+        tmp.write_bytes(json.dumps(body).encode())
+        os.rename(tmp, folder / f"{info.owner}.json")
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no half-written file is left behind
+        raise
 
 
 def read_info(folder: Path, owner: str) -> DaemonInfo | None:
