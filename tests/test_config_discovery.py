@@ -107,6 +107,18 @@ def test_a_missing_config_named_by_option_or_environment_is_not_passed_over(tmp_
     assert one_line(proc) == f"no config found (looked in: {tmp_path / 'gone.yaml'} ($DISPATCHER_CONFIG))"
 
 
+@pytest.mark.parametrize("command", ["status", "validate", "init", "run"])
+def test_an_empty_config_option_is_an_error_not_the_next_place(tmp_path: Path, command: str) -> None:
+    """`--config ""` (as `--config "$CFG"` with CFG unset gives) exits 2 saying so; it used ./config/dispatcher.yaml,
+    which the README says a named file is never passed over for. Nothing is made."""
+    (tmp_path / "dispatch").mkdir()
+    write_config(tmp_path / "config" / "dispatcher.yaml", "../dispatch")
+    before = tree(tmp_path)
+    proc = dispatcher(tmp_path, "--config", "", command)
+    assert (proc.returncode, one_line(proc)) == (2, "--config: the file name is empty")
+    assert tree(tmp_path) == before
+
+
 def test_config_is_the_first_of_option_environment_and_cwd_file(tmp_path: Path) -> None:
     """--config beats $DISPATCHER_CONFIG, which beats ./config/dispatcher.yaml; the one used is named."""
     (tmp_path / "dispatch").mkdir()

@@ -64,7 +64,9 @@ def find_config(explicit: str | None) -> Path:
     else ``./config/dispatcher.yaml`` (where ``init`` writes a starter config).
     A named file is never passed over for another: a typo is not guessed around.
     """
-    if explicit:
+    if explicit is not None:
+        if not explicit:  # as `--config "$CFG"` with CFG unset gives: an error, not the next place
+            raise UsageError("--config: the file name is empty")
         return Path(explicit)
     env = os.environ.get(CONFIG_ENV)
     if env:
@@ -85,7 +87,7 @@ def _may_exist(path: Path) -> bool:
 
 def config_places(explicit: str | None) -> list[str]:
     """Return the places `find_config` looks in, as a user would read them in an error."""
-    if explicit:
+    if explicit is not None:
         return [f"{explicit} (--config)"]
     env = os.environ.get(CONFIG_ENV)
     if env:
