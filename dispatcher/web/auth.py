@@ -15,7 +15,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from http.cookies import CookieError, SimpleCookie
 
 from dispatcher import fsutil
 from dispatcher.errors import ConfigError, UsageError
@@ -116,17 +115,14 @@ class Auth:
                 self._sessions.pop(sid, None)
 
     def session(self, cookie_header: str | None) -> str | None:
-        """Return the live session id of a Cookie header, or None."""
-        if not cookie_header:
+        """Return the live session id of a Cookie header, or None.
+
+        Our cookie is picked out of the header by its name: the other cookies a browser sends to this host
+        (other local apps, any port) may hold values a strict parser rejects, which must not log the user out.
+        """
+        sid = session_cookie(cookie_header)
+        if sid is None:
             return None
-        try:
-            jar: SimpleCookie = SimpleCookie(cookie_header)
-        except CookieError:
-            return None
-        morsel = jar.get(COOKIE)
-        if morsel is None:
-            return None
-        sid = morsel.value
         with self._lock:
             until = self._sessions.get(sid)
             if until is None or until < time.monotonic():
@@ -142,3 +138,12 @@ class Auth:
         """Return True if given is the CSRF token of the live session sid."""
         # bytes: compare_digest refuses str with non-ASCII text (a TypeError, answered 500 instead of 403)
         return bool(sid and given) and hmac.compare_digest(self.csrf(sid or "").encode(), (given or "").encode())
+
+
+def session_cookie(cookie_header: str | None) -> str | None:
+    """Return the value of our session cookie in a Cookie header (``name=value`` pairs split by ``;``), or None."""
+    for part in (cookie_header or "").split(";"):
+        name, eq, value = part.strip().partition("=")
+        if eq and name == COOKIE:
+            return value.strip().strip('"') or None
+    return None
