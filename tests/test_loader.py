@@ -171,3 +171,13 @@ def test_a_plain_equals_sign_in_yaml_is_the_text_it_is() -> None:
     from dispatcher.spec.loader import read_job_id  # a refused file's job_id, read by the plain parse
 
     assert read_job_id(b"{job_id: J1, task: =}\n", "yaml") == "J1"  # no `job_id:` line for the fallback
+
+
+def test_a_plain_merge_sign_as_a_value_in_yaml_is_the_text_it_is() -> None:
+    """`task: <<` is the text "<<" as a value and in a list (YAML 1.1's merge type, constructed only as a key, made
+    it a refusal: "could not determine a constructor for the tag 'tag:yaml.org,2002:merge'")."""
+    body = load_document(b"task: <<\nitems:\n  - id: a\n    v: <<\n  - [<<, x]\n", "yaml")
+    assert body == {"task": "<<", "items": [{"id": "a", "v": "<<"}, ["<<", "x"]]}
+    from dispatcher.spec.loader import read_job_id
+
+    assert read_job_id(b"{job_id: J1, task: <<}\n", "yaml") == "J1"

@@ -452,13 +452,15 @@ _JOB_ID_LINE = re.compile(r"""^job_id:[ \t]*(["']?)([A-Za-z0-9][A-Za-z0-9._-]{0,
 
 
 def _text(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
-    """A plain ``=``: YAML 1.1's "value" key type, which no safe loader constructs, read as the text it is."""
+    """A plain ``=`` or ``<<`` as a value: YAML 1.1's "value" and "merge" types, which no safe loader constructs
+    there, read as the text they are."""
     assert isinstance(node, yaml.ScalarNode)  # noqa: S101 - the value tag is resolved on scalars only
     return str(node.value)
 
 
 for _loader in (_StrictLoader, _StrictCLoader):
     _loader.add_constructor("tag:yaml.org,2002:value", _text)
+    _loader.add_constructor("tag:yaml.org,2002:merge", _text)  # `<<` as a value is text too
     _loader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp)
     _loader.add_constructor("tag:yaml.org,2002:int", _integer)
 
@@ -481,3 +483,4 @@ class _PlainLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoade
 _PlainLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.constructor.SafeConstructor.construct_yaml_str)
 _PlainLoader.add_constructor("tag:yaml.org,2002:int", _plain_yaml_int)
 _PlainLoader.add_constructor("tag:yaml.org,2002:value", _text)
+_PlainLoader.add_constructor("tag:yaml.org,2002:merge", _text)
