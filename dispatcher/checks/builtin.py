@@ -20,7 +20,7 @@ from dispatcher.checks.facts import Evidence
 from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, id_shown, listed, shown, stored_key
 from dispatcher.errors import cut, printable
 from dispatcher.spec.result import CheckResult
-from dispatcher.text import exit_text, plain
+from dispatcher.text import exit_text, number, plain
 
 DETAIL_MAX = 1000
 
@@ -47,9 +47,9 @@ def exit_ok(ev: Evidence) -> CheckResult:
     if e.aborted:
         return r(False, f"{e.aborted} after {e.seconds:.2f} s")
     if e.timed_out and e.idle_s is not None:
-        return r(False, f"timed out: idle {e.idle_s:g} s (no output, no change in work/)")
+        return r(False, f"timed out: idle {number(e.idle_s)} s (no output, no change in work/)")
     if e.timed_out:
-        return r(False, f"timed out after {e.timeout_s:g} s")
+        return r(False, f"timed out after {number(e.timeout_s)} s")
     if e.code is None:
         return r(False, "no exit status")
     if e.code < 0:

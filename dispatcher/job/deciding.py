@@ -42,6 +42,7 @@ from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.results import not_run
+from dispatcher.text import number
 
 log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
@@ -107,7 +108,7 @@ class Deciding(abc.ABC):
         total = waited_s(self.attempts)
         if total > bound:
             await self._persist(self.folder.record_attempt, replace(record, retry_next=False))
-            reason = f"limit: {hit.text}; waiting until {iso(hit.until)} is beyond max_limit_wait ({bound:g} s)"
+            reason = f"limit: {hit.text}; waiting until {iso(hit.until)} is beyond max_limit_wait ({number(bound)} s)"
             return await self.finish(Row.FAILED, reason, self._limited_checks(record.n))
         self.spec = replace(self.spec, budget=self.spec.budget + 1, since=time.time())  # not counted; waits from now
         await self._persist(self.folder.write_spec, self.spec)

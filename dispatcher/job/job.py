@@ -45,6 +45,7 @@ from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult, Result
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.text import number
 
 if TYPE_CHECKING:
     pass  # prometheus_client is imported only when metrics_file is set
@@ -215,7 +216,7 @@ class Job(Finishing, Deciding):
         await self.waits.release()
         until, bound = iso(gate.until or time.time()), self.ctx.config().max_limit_wait_s
         text = gate.reason or "a usage limit"
-        reason = f"limit: {text}; waiting until {until} is beyond max_limit_wait ({bound:g} s)"
+        reason = f"limit: {text}; waiting until {until} is beyond max_limit_wait ({number(bound)} s)"
         last = max(self.attempts, key=lambda a: a.n)
         if isinstance(last.extra.get("limited"), dict):  # its own last attempt met the limit: none of it was checked
             return await self.finish(Row.FAILED, reason, self._limited_checks(last.n))

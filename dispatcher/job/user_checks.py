@@ -34,6 +34,7 @@ from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.result import CheckResult
 from dispatcher.spec.settings import Config, UserCheck
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.text import number
 
 log = structlog.get_logger("dispatcher")
 _LAST_LINE_READ = 4096
@@ -129,7 +130,7 @@ async def _one(
     if out.aborted:  # a cancel: neither passed nor failed, the job ends cancelled
         ok, detail = None, f"{out.aborted} after {secs:.2f} s{tail}"
     elif out.timed_out:
-        ok, detail = False, f"timed out after {check.timeout_s:g} s{tail}"
+        ok, detail = False, f"timed out after {number(check.timeout_s)} s{tail}"
     elif out.exit_code is None or out.exit_code < 0:
         ok, detail = False, f"killed by signal {-(out.exit_code or 0)} after {secs:.2f} s{tail}"
     else:
