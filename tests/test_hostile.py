@@ -1000,3 +1000,98 @@ def test_a_state_folder_removed_by_hand_is_made_again_and_nothing_stays_behind(e
     (refused,) = [p for p in (env.root / "failed").iterdir() if p.name.startswith("BAD-1@")]
     assert (refused / "order.json").read_bytes() == b'{"job_id": "BAD-1"'
     assert os.listdir(env.root / ".state" / "staging") == []
+
+
+@pytest.mark.parametrize("crashed", [False, True])
+def test_7_a_daemon_started_on_a_full_disk_waits_for_room(env: Env, crashed: bool) -> None:
+    """(7) a daemon started on a full disk (its root made and used before, by a daemon that stopped or was killed)
+    waits, saying so, and starts when there is room; after a crash (the ledger's -wal and -shm kept) it opened the
+    ledger, exited 1 with a traceback where its info file could not be written, and left that file's .tmp in
+    .state/daemons/ for good."""
+    with tmpfs(env.tmp / "disk", "2m") as disk:
+        root = disk / "dispatch"
+        root.mkdir()
+        env.root = root
+        env.configure(agents={"worker": sleeper(env, 0)}, root=str(root))
+        if crashed:
+            first = env.daemon()
+            first.wait_ready()
+            env.drop(plain("BEFORE-1"))
+            env.wait_job("BEFORE-1", "done", timeout=40)
+            first.kill()
+        else:
+            assert env.cli("run", "--once").returncode == 0  # the ledger and the layout, made while there was room
+        filler = fill(disk, 0)
+        d = env.daemon()
+        waits = ("daemon.short_of", "ledger.waiting")  # the info file's write, or SQLite's own at the ledger's open
+
+        def waiting() -> list[dict[str, Any]]:
+            return [e for e in d.events() if e.get("event") in waits]
+
+        wait_until(waiting, 30, "the daemon to say it waits")
+        time.sleep(1.5)
+        assert d.proc is not None and d.proc.poll() is None, d.post_mortem()
+        filler.unlink()
+        d.wait_ready()
+        env.drop(plain("ROOM-1"))
+        env.wait_job("ROOM-1", "done", timeout=40)
+        short = [e for e in waiting() if e["event"] == "daemon.short_of"]
+        assert all((e["resource"], e["step"]) == ("disk space", "start") for e in short) and len(short) <= 1
+        assert d.stop(timeout=15) == 0
+        assert [n for n in os.listdir(root / ".state" / "daemons") if n.endswith(".tmp")] == []
+
+
+def test_7_registering_on_a_full_disk_is_tried_again_until_there_is_room(env: Env) -> None:
+    """(7) the start's register step (the liveness lock, then the info file) on a full disk, as the daemon runs it
+    (``startup.while_short``): it is tried again, holding its own lock, until the disk has room; then the info file
+    is there and no .tmp is left. It raised ENOSPC, which ended the daemon's start with a traceback."""
+    import asyncio
+    import threading
+
+    from dispatcher.core import startup
+    from dispatcher.ledger.base import DaemonInfo
+    from dispatcher.ledger.sqlite import SqliteLedger
+
+    with tmpfs(env.tmp / "disk", "2m") as disk:
+        state = disk / ".state"
+        state.mkdir()
+        ledger = SqliteLedger(state / "ledger.sqlite3", state)
+        try:
+            filler = fill(disk, 0)
+            info = DaemonInfo("host-1-abcdef", os.getpid(), "host", time.time())
+            threading.Timer(1.5, filler.unlink).start()
+            began = time.monotonic()
+            asyncio.run(startup.while_short(lambda: asyncio.to_thread(ledger.register, info), lambda: False))
+            assert time.monotonic() - began >= 1.0, "the disk was full: the first try cannot have passed"
+            assert sorted(os.listdir(state / "daemons")) == ["host-1-abcdef.json", "host-1-abcdef.lock"]
+            assert [d.owner for d in ledger.daemons() if d.alive] == ["host-1-abcdef"]
+        finally:
+            ledger.close()
+
+
+def test_7_a_reload_on_a_full_disk_is_recorded_once_there_is_room(env: Env) -> None:
+    """(7) a reload met a full disk where the daemon records the config it loaded (its info file): once the disk
+    has room it is recorded at the next rescan, so `status` does not say the file changed since the daemon loaded
+    it (it said so for as long as the daemon ran, and a .tmp stayed in .state/daemons/)."""
+    with tmpfs(env.tmp / "disk", "2m") as disk:
+        root = disk / "dispatch"
+        root.mkdir()
+        env.root = root
+        env.configure(agents={"worker": sleeper(env, 0)}, root=str(root), rescan_interval=0.5)
+        d = env.daemon()
+        d.wait_ready()
+        filler = fill(disk, 0)
+        env.configure(agents={"worker": sleeper(env, 0)}, root=str(root), rescan_interval=0.5, max_jobs=3)
+        d.signal(signal.SIGHUP)
+        d.wait_event("config.reloaded")
+        time.sleep(1.0)
+        filler.unlink()
+
+        def noted() -> bool:
+            proc = env.cli("status")
+            assert proc.returncode == 0, proc.stderr
+            return "has changed since" in proc.stdout + proc.stderr
+
+        wait_until(lambda: not noted(), 20, "status to see the config the daemon loaded")
+        assert [n for n in os.listdir(root / ".state" / "daemons") if n.endswith(".tmp")] == []
+        assert d.stop(timeout=15) == 0

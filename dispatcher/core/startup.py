@@ -15,9 +15,15 @@ import resource
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import structlog
+
 from dispatcher.errors import UsageError
 from dispatcher.layout import Layout
 from dispatcher.shortage import PAUSE_MIN_S, SHORT, fds_exhausted, resource_of
+from dispatcher.store.results import is_disk_full
+
+log = structlog.get_logger("dispatcher")
+DISK_FULL_RETRY_S = 1.0  # a step of the start that met a full disk is tried again this often
 
 T = TypeVar("T")
 
@@ -54,10 +60,17 @@ async def while_short(step: Callable[[], Awaitable[T]], stop_asked: Callable[[],
     An error SQLite words as "unable to open" (a UsageError here) counts as a shortage
     when the process is at its open-files limit.
     """
+    logged = False
     while True:
         try:
             return await step()
         except Exception as exc:
+            if isinstance(exc, OSError) and is_disk_full(exc) and not stop_asked():  # a wait, not a failure
+                if not logged:
+                    logged = True
+                    log.warning("daemon.short_of", resource="disk space", step="start", error=str(exc))
+                await asyncio.sleep(DISK_FULL_RETRY_S)
+                continue
             short = resource_of(exc) is not None or (isinstance(exc, UsageError) and fds_exhausted())
             if not short or stop_asked():
                 raise

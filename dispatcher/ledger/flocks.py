@@ -303,7 +303,14 @@ def read_info(folder: Path, owner: str) -> DaemonInfo | None:
     """Return one daemon's info (``alive`` not looked up: True), None when its file is missing or unreadable."""
     try:
         info = json.loads((folder / f"{owner}.json").read_bytes())
-        return DaemonInfo(owner, int(info["pid"]), str(info["host"]), float(info["started"]))
+        digest = info.get("config_digest")
+        return DaemonInfo(
+            owner,
+            int(info["pid"]),
+            str(info["host"]),
+            float(info["started"]),
+            config_digest=digest if isinstance(digest, str) else None,
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -58,11 +58,12 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
     # -- liveness -------------------------------------------------------------------------
     def register(self, info: DaemonInfo) -> None:
         """Hold this daemon's liveness flock and write its info file."""
-        self.owner = info.owner
-        self._daemons.mkdir(parents=True, exist_ok=True)
-        self._life = make_lock(self._daemons / f"{info.owner}.lock")
-        self._life.acquire()
-        self._life_id = file_id(self._daemons / f"{info.owner}.lock")
+        if self._life is None or self.owner != info.owner:  # (a register tried again after a full disk: held)
+            self.owner = info.owner
+            self._daemons.mkdir(parents=True, exist_ok=True)
+            self._life = make_lock(self._daemons / f"{info.owner}.lock")
+            self._life.acquire()
+            self._life_id = file_id(self._daemons / f"{info.owner}.lock")
         self._info = info
         write_info(self._daemons, info)
 
@@ -75,8 +76,9 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         lost = self._slots.take_back_lost()
         if self._life is None or not self.owner:
             return lost
-        if self._info is not None and read_info(self._daemons, self.owner) is None:
-            # its info file removed or damaged: `status` and `reload` would not see this daemon; written again
+        if self._info is not None and read_info(self._daemons, self.owner) != self._info:
+            # its info file removed, damaged, or not rewritten for a reload (a full disk): `status` and `reload`
+            # would not see this daemon, or take its config for another; written again
             with contextlib.suppress(OSError):
                 write_info(self._daemons, self._info)
         path = self._daemons / f"{self.owner}.lock"
