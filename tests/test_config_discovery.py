@@ -283,3 +283,21 @@ def test_init_of_a_folder_whose_name_is_no_utf8_is_refused(tmp_path: Path) -> No
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.decode().count("\n") == 1
     assert os.listdir(tmp_path) == []
+
+
+def test_validate_config_as_the_contract_writes_it_checks_the_config_found(tmp_path: Path) -> None:
+    """`dispatcher validate --config` (the contract's form, no FILE) checks the config found as usual, as a bare
+    `validate` does; `--config FILE` after validate still names the file. It was a usage error ("expected one
+    argument")."""
+    (tmp_path / "dispatch").mkdir()
+    found = write_config(tmp_path / "config" / "dispatcher.yaml", "../dispatch")
+    proc = dispatcher(tmp_path, "validate", "--config")
+    assert (proc.returncode, proc.stdout) == (0, "config/dispatcher.yaml: ok (1 agent)\n"), proc.stderr
+    other = write_config(tmp_path / "other.yaml", "dispatch", max_jobs=3)
+    proc = dispatcher(tmp_path, "--config", str(other), "validate", "--config")
+    assert (proc.returncode, proc.stdout) == (0, f"{other}: ok (1 agent)\n"), proc.stderr
+    proc = dispatcher(tmp_path, "validate", "--config", str(found))
+    assert (proc.returncode, proc.stdout) == (0, f"{found}: ok (1 agent)\n"), proc.stderr
+    (tmp_path / "config" / "dispatcher.yaml").write_text("agents: {w: {command: [/no/such/program]}}\n")
+    proc = dispatcher(tmp_path, "validate", "--config")
+    assert proc.returncode == 2 and "agents.w.command" in one_line(proc)

@@ -28,14 +28,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"dispatcher: {message}\n")
 
 
-def _common(p: argparse.ArgumentParser, top: bool) -> None:
+class _ConfigOrFlag(argparse.Action):
+    """`validate --config` with no FILE checks the config found as usual (the contract's form); with FILE, that one."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        if values is not None:
+            setattr(namespace, self.dest, values)
+
+
+def _common(p: argparse.ArgumentParser, top: bool, *, bare_config: bool = False) -> None:
     default = None if top else argparse.SUPPRESS
-    p.add_argument(
-        "--config",
-        default=default,
-        metavar="FILE",
-        help="config file (default: $DISPATCHER_CONFIG, ./config/dispatcher.yaml, /etc/dispatcher/dispatcher.yaml)",
-    )
+    where = "config file (default: $DISPATCHER_CONFIG, ./config/dispatcher.yaml, /etc/dispatcher/dispatcher.yaml)"
+    if bare_config:
+        p.add_argument("--config", default=default, metavar="FILE", help=where, nargs="?", action=_ConfigOrFlag)
+    else:
+        p.add_argument("--config", default=default, metavar="FILE", help=where)
     p.add_argument("--root", default=default, metavar="DIR", help="dispatch root (overrides the config)")
 
 
@@ -113,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "completion")
     c.add_argument("shell", choices=("bash", "zsh", "fish"))
     for name, sp in sub.choices.items():
-        _common(sp, False)
+        _common(sp, False, bare_config=name == "validate")
         sp.prog = f"dispatcher {name}"
     return p
 
