@@ -507,6 +507,24 @@ def test_10_rebuild_with_an_argument_is_bad_usage_and_changes_nothing(env: Env) 
     assert {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()} == before
 
 
+def test_10_rebuild_after_state_was_removed_makes_it_again(env: Env) -> None:
+    """(10) `rm -rf .state` beside finished jobs: every command names `ledger rebuild`, and that command makes
+    .state/ and the ledger again from the folders (it ended in a traceback, exit 1, on the missing folder)."""
+    import shutil
+
+    env.drop(plain("GONE-STATE-1"))
+    assert env.cli("run", "--once").returncode == 0
+    shutil.rmtree(env.root / ".state")
+    status = env.cli("status")
+    assert status.returncode == 2 and "dispatcher ledger rebuild" in status.stderr
+    proc = env.cli("ledger", "rebuild")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert env.cli("status").returncode == 0
+    env.drop(plain("GONE-STATE-1"), name="again.json")  # a known id is still refused
+    assert env.cli("run", "--once").returncode == 1
+    assert "already" in env.wait_refused("again")["reason"]
+
+
 def test_10_an_emptied_ledger_is_refused_like_a_lost_one(env: Env) -> None:
     """(10) a ledger truncated to nothing over existing jobs: the daemon refuses to start on it."""
     env.drop(plain("TRUNC-1"))

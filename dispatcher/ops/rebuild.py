@@ -24,7 +24,7 @@ from dispatcher.fsutil import digest
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry
 from dispatcher.ledger.flocks import owner_alive
-from dispatcher.ledger.sqlite import SqliteLedger
+from dispatcher.ledger.sqlite import LedgerError, SqliteLedger
 from dispatcher.lifecycle import Row, State, state_to_row
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
@@ -49,7 +49,13 @@ def rebuild(layout: Layout) -> dict[str, int]:
     if alive:
         raise UsageError(f"{layout.root}: a daemon is running ({alive[0]}); stop every daemon, then rebuild")
     _keep_aside(layout.ledger)
-    ledger = SqliteLedger(layout.ledger, layout.state_dir)
+    try:
+        fsutil.make_dirs(layout.ledger.parent)  # .state/ lost with the ledger: made again, durably
+        ledger = SqliteLedger(layout.ledger, layout.state_dir)
+    except LedgerError as exc:
+        raise UsageError(f"{layout.ledger}: the ledger cannot be made ({exc})") from None
+    except OSError as exc:
+        raise UsageError(f"{layout.ledger}: the ledger cannot be made ({exc.strerror})") from None
     counts: dict[str, int] = {}
     try:
         rows: list[Entry] = []
