@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from conftest import Env, order
 
 from dispatcher.text import may_hold_secret, redact
@@ -88,6 +89,15 @@ def test_ledger_migrate_refuses_a_password_on_its_command_line(env: Env) -> None
         "ledger migrate: URL: a password on the command line shows in every process list;"
         " put it in ~/.pgpass or $PGPASSWORD, or give - and the URL on stdin\n"
     )
+
+
+@pytest.mark.parametrize(("given", "got"), [("\n", "nothing on stdin"), ("", "nothing on stdin"), ("db\n", "no URL")])
+def test_ledger_migrate_with_no_url_on_stdin_is_bad_usage(env: Env, given: str, got: str) -> None:
+    """`ledger migrate -` with an empty line (or none, or no URL) on stdin exits 2 asking for the URL, as with no
+    argument; an empty URL went to libpq's defaults (the local server) and exited 1 that it could not be reached."""
+    proc = env.cli("ledger", "migrate", "-", input=given)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"ledger migrate: give the postgresql://... URL of an empty ledger ({got})\n"
 
 
 def test_may_hold_secret_is_false_only_where_redact_changes_nothing() -> None:

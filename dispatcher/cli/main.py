@@ -299,6 +299,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     if not args.url:
         raise UsageError("ledger migrate: give the postgresql://... URL of an empty ledger")
     url = sys.stdin.readline().strip() if args.url == "-" else args.url
+    if not url.startswith(("postgresql://", "postgres://")):  # an empty line would reach the default local server
+        got = "nothing on stdin" if not url else "another kind of URL" if "://" in url else "no URL"
+        raise UsageError(f"ledger migrate: give the postgresql://... URL of an empty ledger ({got})")
     if args.url != "-" and redact(url) != url:
         raise UsageError(
             "ledger migrate: URL: a password on the command line shows in every process list;"
