@@ -1113,3 +1113,26 @@ def test_7_a_reload_on_a_full_disk_is_recorded_once_there_is_room(env: Env) -> N
         wait_until(lambda: not noted(), 20, "status to see the config the daemon loaded")
         assert [n for n in os.listdir(root / ".state" / "daemons") if n.endswith(".tmp")] == []
         assert d.stop(timeout=15) == 0
+
+
+def test_7_reading_commands_work_on_a_full_disk_with_no_daemon(env: Env) -> None:
+    """(7) reading commands (status, list, show) on a full disk with no daemon running read the ledger, which is
+    whole in its file then; they exited 2, "the ledger cannot be opened (disk I/O error)"."""
+    with tmpfs(env.tmp / "disk", "2m") as disk:
+        root = disk / "dispatch"
+        root.mkdir()
+        env.root = root
+        env.configure(agents={"worker": sleeper(env, 0)}, root=str(root))
+        env.drop(plain("READ-1"))
+        assert env.cli("run", "--once").returncode == 0
+        filler = fill(disk, 0)
+        try:
+            status = env.cli("status", "--json")
+            assert status.returncode == 0, status.stderr
+            assert json.loads(status.stdout)["counts"]["done"] == 1
+            listed = env.cli("list")
+            assert listed.returncode == 0 and "READ-1" in listed.stdout, listed.stderr
+            shown = env.cli("show", "READ-1")
+            assert shown.returncode == 0 and "done" in shown.stdout, shown.stderr
+        finally:
+            filler.unlink()

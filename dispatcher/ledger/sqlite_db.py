@@ -287,10 +287,21 @@ def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
         return db, False
     except sqlite3.OperationalError as exc:
         text = str(exc).lower()
-        if ("unable to open" not in text and "readonly" not in text) or wal.exists():
+        if "disk i/o error" in text or "full" in text:  # a full disk: no -shm could be made for the read
+            if _wal_size(wal) > 0:
+                raise  # rows only the -wal holds: not readable without it
+        elif ("unable to open" not in text and "readonly" not in text) or wal.exists():
             raise
     db = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False)
     return db, True
+
+
+def _wal_size(wal: Path) -> int:
+    """Return the size of a ledger's -wal (0 when there is none: every row is in the main file)."""
+    try:
+        return os.stat(wal).st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _is_locked(exc: sqlite3.OperationalError) -> bool:
