@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dispatcher import fsutil
+from dispatcher import fsutil, storage
 from dispatcher.errors import NotFound, printable
 from dispatcher.lifecycle import State
 
@@ -111,6 +111,15 @@ class Layout:
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(path).st_dev != device:
                     return path
+        try:  # a bind mount of a folder of the same disk: the same device, a mount of its own
+            with open(storage.MOUNTINFO, encoding="utf-8", errors="surrogateescape") as fh:
+                mountinfo = fh.read()
+        except OSError:
+            return None
+        point = storage.mount_point_of(os.path.realpath(self.root), mountinfo)
+        for path in self.all_dirs():
+            if os.path.isdir(path) and storage.mount_point_of(os.path.realpath(path), mountinfo) != point:
+                return path
         return None
 
     def find(self, job_id: str) -> tuple[State, Path] | None:

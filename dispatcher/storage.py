@@ -72,6 +72,18 @@ def filesystem_of(path: str, mountinfo: str, dev: str | None = None) -> str | No
     return best
 
 
+def mount_point_of(path: str, mountinfo: str) -> str | None:
+    """Return the mount point (of mountinfo's text) that holds ``path`` (absolute, resolved): the longest that is a
+    prefix of it, the last line of equals (one mounted over another). A bind mount of a folder of the same disk
+    has a point of its own, though its device is the same: a rename across it fails (EXDEV)."""
+    best: str | None = None
+    for _, point, _ in _mounts(mountinfo):
+        inside = path == point or point == "/" or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best)):
+            best = point
+    return best
+
+
 def in_memory(path: str | os.PathLike[str]) -> bool:
     """Return True if path lives on a filesystem held in memory (tmpfs, ramfs); False when unknown."""
     try:

@@ -7,13 +7,14 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import Env, order
+from conftest import Env, cli_env, order
 from structlog.testing import capture_logs
 
 import dispatcher.cli.commands as commands_mod
@@ -239,6 +240,46 @@ def test_a_root_folder_on_another_filesystem_is_refused_at_start_in_one_line(env
         assert (env.root / "inbox" / "FS-1.json").exists() and not list((env.root / "active").iterdir())
     finally:
         shutil.rmtree(away, ignore_errors=True)
+
+
+def test_a_root_folder_bind_mounted_from_the_same_disk_is_refused_at_start_in_one_line(env: Env) -> None:
+    """done/ bind-mounted from another folder of the same disk (the same device, a mount of its own): a rename
+    across it fails (EXDEV), so `run` exits 2 naming it, as for another disk. It started, and the finished job
+    stayed in active/ with job.stuck, `run --once` exiting 0."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.fail("this test needs root and unshare(1) (util-linux), as bash .ci/run has them")
+    away = env.tmp / "away"
+    away.mkdir()
+    env.root.mkdir(parents=True, exist_ok=True)
+    (env.root / "done").mkdir()
+    env.drop(order("BIND-DONE-1"))
+    script = 'mount --bind "$0" "$1" && exec "$2" -m dispatcher --config "$3" run --once'
+    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(away), str(env.root / "done")]
+    proc = subprocess.run(
+        [*argv, sys.executable, str(env.config_path)], capture_output=True, text=True, timeout=60, env=cli_env()
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert line.startswith(f"{env.root / 'done'}: on another filesystem than the root {env.root}"), line
+    assert (env.root / "inbox" / "BIND-DONE-1.json").exists() and not list((env.root / "active").iterdir())
+
+
+def test_the_mount_point_of_a_path_is_the_longest_that_holds_it() -> None:
+    """A bind mount has its own line (and point) with the device of the disk it came from."""
+    from dispatcher.storage import mount_point_of
+
+    info = "\n".join(
+        [
+            "22 1 252:1 / / rw - ext4 /dev/vda1 rw",
+            "40 22 252:1 /srv/away /data/dispatch/done rw - ext4 /dev/vda1 rw",
+            "41 22 0:41 / /data/dispatch/do rw - tmpfs none rw",
+        ]
+    )
+    assert mount_point_of("/data/dispatch", info) == "/"
+    assert mount_point_of("/data/dispatch/done", info) == "/data/dispatch/done"
+    assert mount_point_of("/data/dispatch/done/JOB-1", info) == "/data/dispatch/done"
+    assert mount_point_of("/data/dispatch/doneX", info) == "/"  # a prefix of the text, not of the path
 
 
 def test_a_relayed_log_line_is_taken_once(tmp_path: Path) -> None:
