@@ -415,6 +415,37 @@ def test_a_job_whose_retry_meets_another_jobs_limit_past_max_limit_wait_keeps_it
     assert d.stop() == 0
 
 
+def test_a_job_held_by_a_gate_another_limit_moved_later_shows_that_later_time(env: Env) -> None:
+    """A meets a limit 2 s away and waits; B meets one 7 s away a second later, which moves the agent's gate. Once
+    A's own time has passed, status, list and show give A's `until` as the gate's (when it will run), not its own
+    time, which had passed (section 14: a job waits until the time its limit names, or a gate moved later)."""
+    script = env.tmp / "limit_then_work.py"
+    script.write_text(LIMIT_THEN_WORK.replace("(1.0, 600)", "(1.0, 7)"))
+    work = env.agent()["command"]
+    agent = {**env.agent(), "command": [sys.executable, str(script), *work], "limits": [{"preset": "claude"}]}
+    env.configure(agents={"worker": {**agent, "concurrency": 2}})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("SHORT-A"))
+    env.drop(order("LONG-B"))
+    d.wait_event("job.waiting", job_id="LONG-B")
+    own = d.wait_event("job.waiting", job_id="SHORT-A")["until"]
+    gate = json.loads(env.cli("status", "--json", check=True).stdout)["gates"]
+    [later] = [g["until"] for g in gate if g["agent"] == "worker"]
+    assert later > own
+    wait_until(lambda: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z" > own, 10, "A's own time")
+    status = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert [w["until"] for w in status["waiting"] if w["job_id"] == "SHORT-A"] == [later]
+    shown = json.loads(env.cli("show", "SHORT-A", "--json", check=True).stdout)
+    assert (shown["state"], shown["until"]) == ("waiting", later)
+    listed = [
+        json.loads(line) for line in env.cli("list", "--state", "waiting", "--json", check=True).stdout.splitlines()
+    ]
+    assert [r["until"] for r in listed if r["job_id"] == "SHORT-A"] == [later]
+    env.wait_job("SHORT-A", "done", timeout=30)
+    assert d.stop() == 0
+
+
 LIMIT_THEN_FAIL = """
 import os, sys, time
 count = os.path.join(os.environ["STATE"], "starts")

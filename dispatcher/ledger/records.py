@@ -48,6 +48,16 @@ class Gate:
         return self.agent in (agent, EVERY_AGENT) and (self.until is None or self.until > at)
 
 
+def held_until(own: float | None, agent: str, gates: list[Gate], now: float) -> float | None:
+    """Return until when a job of ``agent`` waiting at a gate since ``own`` (None: until resumed) waits: its own
+    time, moved later by a gate that holds its agent now (another attempt's limit, a pause: None)."""
+    until = own
+    for gate in gates:
+        if until is not None and gate.holds(agent, now):
+            until = None if gate.until is None else max(until, gate.until)
+    return until
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One row of the ledger."""

@@ -9,6 +9,7 @@ following links (``JobFolder``, ``fsutil``).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Container
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from dispatcher.errors import OrderError
 from dispatcher.job.attempt import argv_after
 from dispatcher.layout import JOB_ID, Layout, is_ignored
 from dispatcher.ledger.base import Ledger
+from dispatcher.ledger.records import held_until
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
@@ -222,7 +224,7 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         begun = _under_way(folder, {a.n for a in records}, argv)
         attempts = [a.to_json(internal=False) for a in records] + begun
         cost = total_cost(records)
-    until = _waiting(ledger, job_id) if state is State.ACTIVE else None
+    until = _waiting(ledger, job_id, agent) if state is State.ACTIVE else None
     return {
         "job_id": job_id,
         "state": "waiting" if until is not None else state.value,
@@ -288,7 +290,7 @@ def _under_way(folder: JobFolder, recorded: set[int], argv: list[str] | None) ->
     return out
 
 
-def _waiting(ledger: Ledger | None, job_id: str) -> tuple[str | None] | None:
+def _waiting(ledger: Ledger | None, job_id: str, agent: str | None) -> tuple[str | None] | None:
     """Return (until,) when an active job waits for a gate (section 14), else None."""
     if ledger is None:
         return None
@@ -296,6 +298,8 @@ def _waiting(ledger: Ledger | None, job_id: str) -> tuple[str | None] | None:
     if job_id not in waits:
         return None
     until = waits[job_id]
+    if agent is not None:  # a gate moved later (another attempt's limit, a pause) holds it longer
+        until = held_until(until, agent, ledger.gates(), time.time())
     return (iso(until) if until is not None else None,)
 
 

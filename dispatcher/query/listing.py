@@ -24,6 +24,7 @@ from dispatcher.clock import iso, parse_iso
 from dispatcher.errors import printable
 from dispatcher.layout import Layout, is_ignored
 from dispatcher.ledger.base import Entry, Ledger
+from dispatcher.ledger.records import Gate, held_until
 from dispatcher.lifecycle import Row, State
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.jobspec import total_cost
@@ -89,7 +90,12 @@ def _due(body: dict[str, Any] | None) -> str | None:
 
 
 def _active(
-    layout: Layout, state: State = State.ACTIVE, held: dict[str, float | None] | None = None, *, gated: bool = False
+    layout: Layout,
+    state: State = State.ACTIVE,
+    held: dict[str, float | None] | None = None,
+    *,
+    gated: bool = False,
+    gates: list[Gate] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Rows of active/ (or waiting/: the reason says which jobs it waits for) jobs.
 
@@ -116,7 +122,7 @@ def _active(
         cost = total_cost(folder.attempts())
         since = folder.in_state_since(spec)  # a retried, revised or joined job: since it came back
         if gated:
-            until = held[de.name]
+            until = held_until(held[de.name], spec.agent.name, gates or [], time.time())  # a gate moved later
             shown = iso(until) if until is not None else None
             row = _row(de.name, "waiting", spec.agent.name, since, folder.path, cost_usd=cost)
             yield row | {"until": shown, "reason": f"until {shown or 'resumed'}"}
@@ -187,7 +193,8 @@ def list_jobs(
     if "waiting" in wanted:
         sources.append(_active(layout, State.WAITING))
         if gate_waits:
-            sources.append(_active(layout, State.ACTIVE, gate_waits, gated=True))
+            gates = ledger.gates() if ledger is not None else []
+            sources.append(_active(layout, State.ACTIVE, gate_waits, gated=True, gates=gates))
     if "review" in wanted:
         sources.append(_finished(layout, State.REVIEW, None))
     if "done" in wanted:

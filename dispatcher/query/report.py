@@ -17,6 +17,7 @@ from dispatcher.clock import iso
 from dispatcher.errors import OrderError
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import DaemonInfo, Ledger
+from dispatcher.ledger.records import held_until
 from dispatcher.lifecycle import State
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
@@ -37,11 +38,11 @@ def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None)
     gate_waits = ledger.gate_waits() if ledger else {}
     gates = ledger.gates() if ledger else []
     active_ids = {a["job_id"]: a for a in active}
-    waiting = [
-        {"job_id": j, "agent": active_ids[j]["agent"], "until": iso(u) if u is not None else None}
-        for j, u in sorted(gate_waits.items())
-        if j in active_ids
-    ]
+    waiting = []
+    for j, own in sorted(gate_waits.items()):
+        if j in active_ids:
+            u = held_until(own, active_ids[j]["agent"], gates, now)  # a gate moved later holds it longer
+            waiting.append({"job_id": j, "agent": active_ids[j]["agent"], "until": iso(u) if u is not None else None})
     counts["waiting"] += len(waiting)  # waiting/ (section 16) and active jobs held by a gate (section 14)
     counts["active"] -= len(waiting)
     return {
