@@ -304,28 +304,3 @@ def test_a_job_recovered_with_its_receipt_runs_its_checks_and_a_failing_one_fail
     assert tests["ok"] is False and tests["detail"].endswith(": 1 failed"), tests
     assert result["reason"].startswith("tests: exit 1 in "), result["reason"]
     assert d2.stop() == 0
-
-
-def test_a_checks_relative_paths_are_the_workspaces_own_not_the_configs_folder(env: Env) -> None:
-    """A check's relative path is the workspace's own (README): `[python3, check.py]` and `[sh, scripts/check.sh]`
-    run the files the agent left in work/, even where files of those names sit beside the config (those ran, and
-    with a config inside the repository a check ran against the main checkout instead of the job's worktree)."""
-    from seam_fixtures import GOOD, sh
-    from seam_fixtures import order as seam_order
-
-    folder = env.config_path.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "check.py").write_text("print('CONFIG'); raise SystemExit(1)\n")
-    (folder / "scripts").mkdir(exist_ok=True)
-    (folder / "scripts" / "check.sh").write_text("echo CONFIG; exit 1\n")
-    make = "mkdir -p scripts; echo 'echo WORK sh' > scripts/check.sh; echo 'print(\"WORK py\")' > check.py; "
-    checks = [
-        {"name": "py", "command": [sys.executable, "check.py"]},
-        {"name": "sh", "command": ["sh", "scripts/check.sh"]},
-    ]
-    env.configure(agents={"worker": sh(make + GOOD, writes=["check.py", "scripts/check.sh"], checks=checks)})
-    env.daemon().wait_ready()
-    env.drop(seam_order("CHK-REL"))
-    result = env.wait_job("CHK-REL", "done")
-    assert by_name(result, "py")["detail"].endswith(": WORK py")
-    assert by_name(result, "sh")["detail"].endswith(": WORK sh")

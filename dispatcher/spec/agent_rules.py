@@ -7,6 +7,8 @@ a check named like a built-in one. Both name the key in every error.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import ConfigError
@@ -41,12 +43,10 @@ def build_limits(agent: str, entries: list[dict[str, Any]]) -> tuple[LimitRule, 
     return tuple(rules)
 
 
-def build_checks(agent: str, entries: list[dict[str, Any]]) -> tuple[UserCheck, ...]:
-    """Build an agent's own checks; a name that is a built-in check's, or repeated, is a config error.
-
-    A check's command is kept as written: it runs where the agent ran, so a relative path in it is the
-    workspace's own (never resolved against the config's folder, as an agent's command is).
-    """
+def build_checks(
+    agent: str, entries: list[dict[str, Any]], base: Path, resolve: Callable[[list[str], Path], tuple[str, ...]]
+) -> tuple[UserCheck, ...]:
+    """Build an agent's own checks; a name that is a built-in check's, or repeated, is a config error."""
     out: list[UserCheck] = []
     for i, entry in enumerate(entries):
         name = entry["name"]
@@ -55,5 +55,5 @@ def build_checks(agent: str, entries: list[dict[str, Any]]) -> tuple[UserCheck, 
         if any(c.name == name for c in out):
             raise ConfigError(f"{name} is given twice", field=f"agents.{agent}.checks[{i}].name")
         timeout = float(entry.get("timeout", DEFAULT_CHECK_TIMEOUT_S))
-        out.append(UserCheck(name, tuple(entry["command"]), timeout))
+        out.append(UserCheck(name, resolve(entry["command"], base), timeout))
     return tuple(out)

@@ -204,7 +204,7 @@ def _build_agent(name: str, spec: Mapping[str, Any], base: Path) -> Agent:
         review=bool(spec.get("review", False)),
         idle_timeout_s=float(spec["idle_timeout"]) if spec.get("idle_timeout") is not None else None,
         limits=build_limits(name, spec.get("limits") or []),
-        checks=build_checks(name, spec.get("checks") or []),
+        checks=build_checks(name, spec.get("checks") or [], base, resolve_argv),
         resume=resolve_argv(spec["resume"], base) if spec.get("resume") is not None else None,
         max_revisions=int(spec.get("max_revisions", 5)),
         max_daily_cost_usd=spec.get("max_daily_cost_usd"),
