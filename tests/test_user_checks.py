@@ -304,3 +304,27 @@ def test_a_job_recovered_with_its_receipt_runs_its_checks_and_a_failing_one_fail
     assert tests["ok"] is False and tests["detail"].endswith(": 1 failed"), tests
     assert result["reason"].startswith("tests: exit 1 in "), result["reason"]
     assert d2.stop() == 0
+
+
+def test_a_checks_relative_paths_resolve_as_the_config_says(env: Env) -> None:
+    """Relative paths in the config resolve against the config's folder (contract section 3): a check script beside
+    the config (`[sh, checks/ok.sh]`) is run from there, while a path that names nothing there (`out/x.txt`) is the
+    workspace's own, where the check runs."""
+    from seam_fixtures import GOOD, sh
+    from seam_fixtures import order as seam_order
+
+    folder = env.config_path.parent
+    (folder / "checks").mkdir(parents=True, exist_ok=True)
+    (folder / "checks" / "ok.sh").write_text('echo "beside the config in $PWD"\n')
+    checks = [
+        {"name": "script", "command": ["sh", "checks/ok.sh"]},
+        {"name": "made", "command": ["test", "-f", "out/x.txt"]},
+    ]
+    make = "mkdir -p out; echo x > out/x.txt; "
+    env.configure(agents={"worker": sh(make + GOOD, writes=["out/x.txt"], checks=checks)})
+    env.daemon().wait_ready()
+    env.drop(seam_order("CHK-PATHS"))
+    result = env.wait_job("CHK-PATHS", "done")
+    work = env.root / "active" / "CHK-PATHS" / "work"  # where it ran, before the job moved to done/
+    assert by_name(result, "script")["detail"].endswith(f": beside the config in {work}")
+    assert by_name(result, "made")["ok"] is True
