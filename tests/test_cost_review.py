@@ -704,3 +704,22 @@ def test_an_approve_cut_short_is_finished_by_the_same_command_again_without_a_da
     time.sleep(1.0)
     assert [j for j, _ in env.starts() if j == "CHILD-1"] == ["CHILD-1"]
     assert d2.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("cost", "cap", "said"),
+    [
+        (1_500_000, 1_000_000, "1500000 USD of max_cost_usd 1000000"),
+        (0.00002, 0.00001, "0.00002 USD of max_cost_usd 0.00001"),
+    ],
+)
+def test_a_spent_budget_is_said_in_plain_numbers(env: Env, cost: float, cap: float, said: str) -> None:
+    """The budget's reason shows costs as a person writes them (section 7: never Python notation); it read
+    1.5e+06 USD of max_cost_usd 1e+06, and 2e-05 USD of max_cost_usd 1e-05."""
+    env.configure(
+        agents={"worker": costly(env, cost, "--exit", "1", retry_safe=True, max_attempts=3, max_cost_usd=cap)}
+    )
+    env.drop(simple("PLAIN-SPEND"))
+    env.cli("run", "--once", timeout=60)
+    result = env.result("PLAIN-SPEND", "failed")
+    assert result["reason"].endswith(f"not retried: the budget is spent ({said})"), result["reason"]

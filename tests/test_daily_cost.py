@@ -169,3 +169,19 @@ def test_resume_star_lifts_the_root_cap_by_hand(env: Env) -> None:
     # STAR-2 asks again: 0.2 USD still reaches 0.1, so the cap gates it anew (logged a second time)
     wait_until(lambda: len([e for e in d.events() if e.get("event") == "budget.gated"]) == 2)
     assert len(env.starts()) == 1
+
+
+def test_a_daily_cap_is_said_in_plain_numbers(env: Env) -> None:
+    """The daily cap's gate reason (budget.gated, status) shows costs as a person writes them (section 7: never
+    Python notation): it read 1.5e+06 USD in 24 h reached max_daily_cost_usd 1e-05."""
+    env.configure(agents={"worker": agent(env, "w", 1_500_000, max_daily_cost_usd=0.00001)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("HUGE-DAY-1"))
+    env.wait_job("HUGE-DAY-1", "done")
+    env.drop(order("HUGE-DAY-2"))  # its start meets the cap
+    gated = d.wait_event("budget.gated", agent="worker")
+    assert gated["reason"] == "1500000 USD in 24 h reached max_daily_cost_usd 0.00001"
+    info = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert [g["reason"] for g in info["gates"]] == [gated["reason"]]
+    assert d.stop() == 0

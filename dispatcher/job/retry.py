@@ -15,6 +15,7 @@ from dispatcher.checks.facts import Exit
 from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.result import CheckResult
 from dispatcher.spec.settings import MAX_RETRY_DELAY_S, Agent
+from dispatcher.text import number
 
 WORK_GONE = "work/ is gone (its agent removed it), so no attempt can run in it"
 RECEIPT_INVALID = "its receipt.json is present but invalid (receipt_present), and such a job is never retried"
@@ -45,7 +46,7 @@ def over_budget(agent: Agent, attempts: Sequence[Attempt]) -> str | None:
     limit = agent.max_cost_usd
     spent = total_cost(list(attempts))
     if limit is not None and spent is not None and spent > limit:
-        return f"the budget is spent ({spent:g} USD of max_cost_usd {limit:g})"
+        return f"the budget is spent ({number(spent)} USD of max_cost_usd {number(limit)})"
     return None
 
 

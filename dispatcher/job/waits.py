@@ -28,6 +28,7 @@ from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger
 from dispatcher.spec.jobspec import Attempt
 from dispatcher.spec.limits import TAIL_BYTES, LimitHit, find_limit
 from dispatcher.spec.settings import Agent, Config
+from dispatcher.text import number
 
 log = structlog.get_logger("dispatcher")
 DAY_S = 24 * 3600.0
@@ -79,7 +80,8 @@ def budget_gates(costs: Sequence[tuple[float, str, float]], cfg: Config, agent: 
         until = window_until(rows, cap, at)
         if until is not None:
             spent = round(sum(c for _, c in rows), 6)
-            out.append(Gate(name, GateKind.BUDGET, until, f"{spent:g} USD in 24 h reached max_daily_cost_usd {cap:g}"))
+            why = f"{number(spent)} USD in 24 h reached max_daily_cost_usd {number(cap)}"
+            out.append(Gate(name, GateKind.BUDGET, until, why))
     return out
 
 
