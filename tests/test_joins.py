@@ -830,3 +830,37 @@ def test_a_retried_join_is_listed_with_its_age_since_it_waits_again(env: Env) ->
     [row] = [r for r in rows if r["job_id"] == "J-AGE"]
     assert row["state"] == "waiting" and row["age_s"] < 5, row
     assert d.stop() == 0
+
+
+def test_a_join_whose_parent_ended_as_its_daemon_died_gets_the_parents_landed_folder(env: Env) -> None:
+    """The daemon dies between the ledger's record of the parent's end and the move of its folder (fault point
+    finish.recorded): the next daemon lands the parent in done/ before it runs the join, whose parents.json names
+    done/W and its result.json. It named active/W, gone by then, with result null."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    env.configure(join_agents(env))
+    env.drop(order("W", to="worker"))
+    env.drop(merger("J", after=["W"]))
+    crashed = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=env.tmp,
+        env=cli_env() | {"DISPATCHER_FAULT": "finish.recorded"},
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert (env.root / "active" / "W").is_dir() and (env.root / "waiting" / "J").is_dir()
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [(job_id, parents)] = parents_log(env)
+    w = env.root / "done" / "W"
+    assert (job_id, parents) == (
+        "J",
+        [{"job_id": "W", "state": "done", "path": str(w), "result": str(w / "result.json")}],
+    )
+    assert env.result("J", "done")["state"] == "done"

@@ -205,7 +205,6 @@ class Housekeeping:
         recovery.settle_ledger(layout, ledger, ledger.alive)
         if self.joins is not None:
             self.joins.recover(ledger.alive)
-            self.joins.sweep()  # the backstop of the Finisher's hook: a parent finished by a command, max_wait
         if startup:
             recovery.reconcile_active(layout, ledger)
         out, taken, lost = [], set(), set()
@@ -216,6 +215,8 @@ class Housekeeping:
             out.append((job_id, token, (entry.agent if entry else None) or ""))
             if self.shared and not (owner and ledger.stopped_cleanly(owner)):
                 lost.add(job_id)
+        if self.joins is not None:  # after the dead daemons' finished jobs landed: a join's parents are in place
+            self.joins.sweep()  # the backstop of the Finisher's hook: a parent finished by a command, max_wait
         return out, taken, lost, landed
 
     async def rescan(self) -> None:

@@ -204,6 +204,9 @@ class Joins:
         """Decide one wait; a parent given up as never finished is looked for in inbox/ and held/ first."""
         parents = self.ledger.known(wait.after)
         verdict = decide(wait, parents, now, max_wait_s)
+        if verdict.run and any(os.path.isdir(self.layout.job(State.ACTIVE, j)) for j in wait.after):
+            return WAIT  # a parent's end is recorded, its folder not moved yet (its daemon died between): its path
+            # and result.json in parents.json must be where it lands
         if verdict is WAIT and now - wait.since >= max_wait_s:
             return self._released_gone(wait, parents)
         if verdict.reason is None or not verdict.reason.endswith(" never finished"):
