@@ -159,6 +159,7 @@ class Finisher:
         self.after_hooks = after_hooks
         self._commit: GroupCommit[Landing, bool | OSError] = GroupCommit(lanes, self.commit)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._notified: set[str] = set()  # ends whose notification commit queued (``after_commit`` skips them)
         #: called (ledger lane) with the ids that just reached done or failed: wakes the joins that name them
         self.on_final: Callable[[Sequence[str]], None] | None = None
         #: True once a stop began (the daemon's): a wait for a shortage's end gives up then
@@ -200,10 +201,11 @@ class Finisher:
             log.warning("job.fenced", step="finish")
             return False
         state = finish.state
-        if state in (Row.FAILED, Row.REVIEW) and self.notify is not None:
+        if state in (Row.FAILED, Row.REVIEW) and self.notify is not None and finish.job_id not in self._notified:
             event = "job.failed" if state == Row.FAILED else "job.review"
             target = self.layout.job(landed_state(state), finish.job_id) / "result.json"
             self.notify.fire(event, finish.job_id, result.agent or "", result.reason, target)
+        self._notified.discard(finish.job_id)  # queued by commit (the usual case)
         if state == Row.DONE and release:
             await self._release_waiting(finish.job_id)
         return True
@@ -242,13 +244,10 @@ class Finisher:
         hooked = hooks is not None and spec is not None and hooks.own(spec)
         handed = False
         try:
-            ok = self.commit([Landing(folder, finish, result)])[0]
+            ok = self.commit([Landing(folder, finish, result)])[0]  # its job.failed notification queued there
+            self._notified.discard(finish.job_id)
             if isinstance(ok, OSError):
                 raise ok
-            if ok and self.notify is not None and self._loop is not None:
-                target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
-                agent, reason = result.agent or "", result.reason
-                self._loop.call_soon_threadsafe(self.notify.fire, "job.failed", finish.job_id, agent, reason, target)
             if ok and hooked and hooks is not None and spec is not None and self._loop is not None:
                 self._loop.call_soon_threadsafe(hooks.start, spec, finish.state)
                 handed = True
@@ -319,6 +318,15 @@ class Finisher:
         self._move(moves, touched)
         for state in touched:
             fsutil.fsync_dir(self.layout.folder_str(state))
+        if self.notify is not None and self._loop is not None:  # queued before the joins' ends (on_final) queue
+            for landing, _ in moves:  # theirs: notifications go in the order of the events (contract 13)
+                finish = landing.finish
+                if finish.state in (Row.FAILED, Row.REVIEW):
+                    event = "job.failed" if finish.state == Row.FAILED else "job.review"
+                    target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
+                    agent, reason = landing.result.agent or "", landing.result.reason
+                    self._notified.add(finish.job_id)
+                    self._loop.call_soon_threadsafe(self.notify.fire, event, finish.job_id, agent, reason, target)
         final_ids = [  # review is not final
             batch[i].finish.job_id
             for i, ok in zip(ready, oks, strict=True)
