@@ -294,6 +294,28 @@ def test_pause_keeps_new_jobs_queued_and_resume_lets_them_run(env: Env) -> None:
     wait_until(lambda: 'dispatcher_agent_gated{agent="worker"} 0.0' in _read(env.tmp / "m.prom"), what="gauge 0")
 
 
+def test_pause_holds_an_order_dropped_just_after_it_when_inbox_is_polled(env: Env) -> None:
+    """`watch: poll` (no inotify, so no hint of the pause is heard): an order dropped the moment `pause` returns is
+    not started (section 7: no new attempt of it starts); the gates are read in the claim's trip. 2 of 8 ran, the
+    daemon claiming against a snapshot the pause had not reached."""
+    env.configure(agents={"worker": headless(env), "other": headless(env)}, watch="poll", poll_interval=0.2)
+    d = env.daemon()
+    d.wait_ready()
+    env.cli("pause", "other", check=True)  # a gate in force: the daemon reads its gates once a second, not faster
+    for i in range(5):
+        env.cli("pause", "worker", check=True)
+        env.drop(order(f"POLLED-{i}"))
+        time.sleep(1.3)  # several listings of inbox/, and a read of the gates
+        assert env.starts() == [], i
+        env.cli("cancel", f"POLLED-{i}", check=True)
+        env.wait_job(f"POLLED-{i}", "failed")
+        env.cli("resume", "worker", check=True)
+    env.drop(order("POLLED-RUN"))
+    env.wait_job("POLLED-RUN", "done")
+    assert [j for j, _ in env.starts()] == ["POLLED-RUN"]
+    assert d.stop() == 0
+
+
 def test_run_once_leaves_the_orders_of_an_agent_paused_by_hand(env: Env) -> None:
     """`pause gated` then `run --once`: the other agent's job is done, the paused agent's order stays, exit 0."""
     env.configure(agents={"worker": headless(env), "gated": headless(env)})

@@ -60,6 +60,9 @@ class Claims:
         on_gate: Callable[[Gate], None] | None = None,
     ) -> None:
         self.joins = joins  # a claimed order with `after` becomes a wait there
+        # no watch of the control folder (``watch: poll``, or none could start): the hint a `pause` drops is not
+        # heard, so the gates are read in each claim's trip, as on a shared ledger
+        self.unwatched: Callable[[], bool] = lambda: False
         self.on_gate = on_gate  # a gate the ledger has and the loop's snapshot may not (called from this lane)
         self.layout = layout
         self.ledger = ledger
@@ -124,7 +127,8 @@ class Claims:
         """
         ledger, cfg = self.ledger, self.config()
         removed = self._removed(cfg)
-        if (ledger.leases is not None or self._others_here()) and not slotless and any(_new(work) for work in batch):
+        shared = ledger.leases is not None or self.unwatched() or self._others_here()
+        if shared and not slotless and any(_new(work) for work in batch):
             gated = self._gated_now(gated, cfg)
         reading = dataclasses.replace(cfg, agents={**removed, **cfg.agents}) if removed else cfg
         out: list[Answer] = []
