@@ -525,6 +525,22 @@ def test_10_rebuild_after_state_was_removed_makes_it_again(env: Env) -> None:
     assert "already" in env.wait_refused("again")["reason"]
 
 
+def test_10_rebuild_where_state_is_a_file_says_so_in_one_line(env: Env) -> None:
+    """(10) .state replaced by a regular file: `ledger rebuild` cannot make the ledger there and says so in one
+    line with exit 2, as every command does (it ended with exit 1 on `.state/daemons: Not a directory`)."""
+    import shutil
+
+    env.drop(plain("FILE-STATE-1"))
+    assert env.cli("run", "--once").returncode == 0
+    shutil.rmtree(env.root / ".state")
+    (env.root / ".state").write_text("not a folder\n")
+    proc = env.cli("ledger", "rebuild")
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"{env.root / '.state' / 'ledger.sqlite3'}: the ledger cannot be made ("), proc.stderr
+    assert (env.root / ".state").read_text() == "not a folder\n"
+
+
 def test_10_an_emptied_ledger_is_refused_like_a_lost_one(env: Env) -> None:
     """(10) a ledger truncated to nothing over existing jobs: the daemon refuses to start on it."""
     env.drop(plain("TRUNC-1"))

@@ -37,7 +37,7 @@ def live_daemons(layout: Layout) -> list[str]:
     """Return the owners of the daemons alive on this root (their liveness flock is held), or that may be."""
     try:
         names = os.listdir(layout.daemons)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no .state/daemons/ (or .state is no folder): no daemon
         return []
     owners = [n[: -len(".lock")] for n in names if n.endswith(".lock")]
     return [o for o in owners if owner_alive(layout.daemons, o) is not False]  # None: this user cannot tell
@@ -48,8 +48,8 @@ def rebuild(layout: Layout) -> dict[str, int]:
     alive = live_daemons(layout)
     if alive:
         raise UsageError(f"{layout.root}: a daemon is running ({alive[0]}); stop every daemon, then rebuild")
-    _keep_aside(layout.ledger)
     try:
+        _keep_aside(layout.ledger)
         fsutil.make_dirs(layout.ledger.parent)  # .state/ lost with the ledger: made again, durably
         ledger = SqliteLedger(layout.ledger, layout.state_dir)
     except LedgerError as exc:
