@@ -100,7 +100,7 @@ class Inbox:
         self._taken: dict[str, _Ready] = {}  # names being handled -> their place when they were ready
         self._aside: dict[str, list[_Ready]] = {}  # agent -> its orders left unread while a gate holds it
         self._aside_names: set[str] = set()
-        self._aside_best: dict[str, tuple[int, int, str]] = {}  # agent -> best (-priority, mtime_ns) set aside for it
+        self._aside_best: dict[str, tuple[int, int, str]] = {}  # agent -> best (-priority, mtime_ns, name) set aside
         self._expiring: list[tuple[float, _Ready]] = []  # (expires, entry) of ready orders with expires
         self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
         self._unsure: set[str] = set()  # ready at a close event, with no look for other writers: see ``recheck``
@@ -419,7 +419,7 @@ class Inbox:
             heapq.heappush(self._aside_due, (entry.expires, entry))
 
     def aside_rank(self, agent: str) -> tuple[int, float, str] | None:
-        """Return the best (-priority, mtime in epoch seconds) an order set aside, unread, for ``agent`` had.
+        """Return the best (-priority, mtime in epoch seconds, name) of the orders set aside, unread, for ``agent``.
 
         Kept as orders are set aside, so it may name one since cancelled or held: the caller then takes the
         agent's orders back once for nothing, which clears it.
