@@ -73,13 +73,18 @@ def filesystem_of(path: str, mountinfo: str, dev: str | None = None) -> str | No
 
 
 def mount_point_of(path: str, mountinfo: str) -> str | None:
-    """Return the mount point (of mountinfo's text) that holds ``path`` (absolute, resolved): the longest that is a
-    prefix of it, the last line of equals (one mounted over another). A bind mount of a folder of the same disk
-    has a point of its own, though its device is the same: a rename across it fails (EXDEV)."""
+    """Return the mount point (of mountinfo's text) that holds ``path`` (absolute, resolved). A bind mount of a
+    folder of the same disk has a point of its own, though its device is the same: a rename across it fails (EXDEV).
+
+    Mounts are listed in the order they were made: of the points that hold the path, the last one made is the
+    one seen there, deeper or not (a mount on a parent folder hides the ones made under it before). Only ``/``
+    listed late (a container's root) is taken for the base it is, never over a deeper point.
+    """
     best: str | None = None
     for _, point, _ in _mounts(mountinfo):
-        inside = path == point or point == "/" or path.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best)):
+        if point == "/":
+            best = best or point
+        elif path == point or path.startswith(point.rstrip("/") + "/"):
             best = point
     return best
 

@@ -265,6 +265,27 @@ def test_a_root_folder_bind_mounted_from_the_same_disk_is_refused_at_start_in_on
     assert (env.root / "inbox" / "BIND-DONE-1.json").exists() and not list((env.root / "active").iterdir())
 
 
+def test_a_root_mounted_over_a_folder_that_held_a_mount_is_one_filesystem(env: Env) -> None:
+    """The README's advice, the root itself mounted, over a root whose done/ held a bind mount before: that mount is
+    hidden under the root's, every folder is on the root's mount, and `run` starts and lands the job (it refused
+    the root, naming done/)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.fail("this test needs root and unshare(1) (util-linux), as bash .ci/run has them")
+    x, y = env.tmp / "x", env.tmp / "y"
+    x.mkdir()
+    (y / "done").mkdir(parents=True)
+    (env.root / "done").mkdir(parents=True)
+    (y / "inbox").mkdir()
+    (y / "inbox" / "HIDDEN-1.json").write_text(json.dumps(order("HIDDEN-1")))
+    script = 'mount --bind "$0" "$1/done" && mount --bind "$2" "$1" && exec "$3" -m dispatcher --config "$4" run --once'
+    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(x), str(env.root), str(y)]
+    proc = subprocess.run(
+        [*argv, sys.executable, str(env.config_path)], capture_output=True, text=True, timeout=60, env=cli_env()
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((y / "done" / "HIDDEN-1" / "result.json").read_text())["state"] == "done"
+
+
 def test_the_mount_point_of_a_path_is_the_longest_that_holds_it() -> None:
     """A bind mount has its own line (and point) with the device of the disk it came from."""
     from dispatcher.storage import mount_point_of
@@ -280,6 +301,14 @@ def test_the_mount_point_of_a_path_is_the_longest_that_holds_it() -> None:
     assert mount_point_of("/data/dispatch/done", info) == "/data/dispatch/done"
     assert mount_point_of("/data/dispatch/done/JOB-1", info) == "/data/dispatch/done"
     assert mount_point_of("/data/dispatch/doneX", info) == "/"  # a prefix of the text, not of the path
+    # the root mounted later over a folder that held a mount of its own: that one is hidden under it
+    hidden = info + "\n42 22 252:1 /srv/y /data/dispatch rw - ext4 /dev/vda1 rw"
+    assert mount_point_of("/data/dispatch/done/JOB-1", hidden) == "/data/dispatch"
+    assert mount_point_of("/data/dispatch", hidden) == "/data/dispatch"
+    # a mount made under it after that is seen again; / listed late (a container's) is only ever the base
+    again = hidden + "\n43 42 0:50 / /data/dispatch/done rw - tmpfs none rw\n44 1 252:1 / / rw - ext4 /dev/vda1 rw"
+    assert mount_point_of("/data/dispatch/done/JOB-1", again) == "/data/dispatch/done"
+    assert mount_point_of("/srv", again) == "/"
 
 
 def test_a_relayed_log_line_is_taken_once(tmp_path: Path) -> None:
