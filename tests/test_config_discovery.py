@@ -301,3 +301,23 @@ def test_validate_config_as_the_contract_writes_it_checks_the_config_found(tmp_p
     (tmp_path / "config" / "dispatcher.yaml").write_text("agents: {w: {command: [/no/such/program]}}\n")
     proc = dispatcher(tmp_path, "validate", "--config")
     assert proc.returncode == 2 and "agents.w.command" in one_line(proc)
+
+
+def test_a_root_too_deep_for_sqlite_is_said_by_every_command(tmp_path: Path) -> None:
+    """A root whose ledger's path passes what SQLite opens (about 500 bytes): `init`, `status`, `list`, `submit` and
+    `run` exit 2 with one line saying so (README, limits: "submit, run and the rest exit 2 saying so"); `init`
+    made the root and `status` and `list` called it empty and healthy."""
+    root = tmp_path / ("a" * 200) / ("b" * 200)
+    root = root / ("c" * max(1, 484 - len(os.fsencode(str(root)))))  # its ledger's path: 506 bytes
+    cfg = write_config(tmp_path / "cfg.yaml", str(root))
+    order_file = tmp_path / "o.json"
+    order_file.write_text(json.dumps(order("DEEP-1")))
+    said = f"{root / '.state' / 'ledger.sqlite3'}: the ledger cannot be opened (its path is "
+    proc = dispatcher(tmp_path, "--config", str(cfg), "init")
+    assert proc.returncode == 2 and said in one_line(proc), proc.stdout + proc.stderr
+    assert not root.exists()
+    root.mkdir(parents=True)  # made by hand: the other commands say the same
+    for args in (("status",), ("list",), ("submit", str(order_file)), ("run", "--once")):
+        proc = dispatcher(tmp_path, "--config", str(cfg), *args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert said in one_line(proc) and "SQLite takes at most about 500; use a shorter root" in proc.stderr, args

@@ -19,6 +19,7 @@ import yaml
 from dispatcher.errors import ConfigError, DispatchError, NotFound, UsageError, WrongState, printable
 from dispatcher.layout import Layout, check_id
 from dispatcher.ledger.base import DaemonInfo
+from dispatcher.ledger.sqlite_db import path_too_long
 from dispatcher.ops import preflight
 from dispatcher.ops.daemons import config_note
 from dispatcher.spec.config import (
@@ -63,6 +64,8 @@ def cmd_init(args: argparse.Namespace) -> int:
     if not is_utf8_text(str(cfg.root.absolute())):  # a config's root: is UTF-8 text; none could name this folder
         raise UsageError(f"{cfg.root}: the root's path is not valid UTF-8; choose a folder whose name is")
     layout = Layout(cfg.root)
+    if cfg.ledger == "sqlite" and (too_long := path_too_long(layout.ledger)) is not None:  # no root to be ready
+        raise UsageError(f"{layout.ledger}: the ledger cannot be opened ({too_long})")
     if cfg.ledger == "sqlite" and cfg.root.is_dir():
         from dispatcher.store.ledgers import open_reader
 

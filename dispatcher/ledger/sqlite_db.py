@@ -322,11 +322,22 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
 _MAX_PATH = 500
 
 
+_OPENS_UP_TO = 504  # the longest ledger path SQLite opens here, its -journal beside it (measured: 505 fails)
+
+
+def path_too_long(path: str | os.PathLike[str]) -> str | None:
+    """Say why SQLite cannot open a ledger at this path (its absolute path too long), or None."""
+    size = len(os.fsencode(os.path.abspath(path)))
+    if size > _OPENS_UP_TO:
+        return f"its path is {size} bytes, SQLite takes at most about {_MAX_PATH}; use a shorter root"
+    return None
+
+
 def _describe(exc: sqlite3.DatabaseError, path: str | os.PathLike[str] | None = None) -> str:
     text = str(exc)
     if isinstance(exc, sqlite3.OperationalError) and "unable to open" in text:
         size = len(os.fsencode(os.path.abspath(path))) if path is not None else 0
-        if size > _MAX_PATH:
+        if size > _MAX_PATH:  # (SQLite said it cannot: the path is the likely cause)
             return f"its path is {size} bytes, SQLite takes at most about {_MAX_PATH}; use a shorter root"
         return f"cannot be opened ({text}; is the folder writable?)"
     return text

@@ -17,6 +17,7 @@ from dispatcher.errors import UsageError
 from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
 from dispatcher.ledger.records import REBUILD_HINT
+from dispatcher.ledger.sqlite_db import path_too_long
 from dispatcher.spec.settings import Config
 
 #: how long a command tries to reach a PostgreSQL ledger: one connection attempt (CONNECT_S, libpq's
@@ -147,6 +148,8 @@ def open_reader(config: Config, layout: Layout) -> Ledger | None:
     if config.ledger == "sqlite":
         path = layout.ledger
         missing = not path.exists() or path.stat().st_size == 0
+        if missing and (too_long := path_too_long(path)) is not None:  # never openable: say so, as every command
+            raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({too_long})")
         if missing and not has_jobs(layout):
             return None
     try:
