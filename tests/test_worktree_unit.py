@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -145,6 +148,35 @@ def test_an_add_killed_before_git_wrote_gitdir_is_cleared_and_the_next_add_takes
     assert [p.name for p in (repo / ".git" / "worktrees").iterdir()] == ["W1"]
     worktree.clear(ws)
     assert "locked" not in git(repo, "worktree", "list", "--porcelain")
+
+
+def test_an_add_over_a_folder_a_dead_daemons_git_still_fills_is_tried_again(tmp_path: Path) -> None:
+    """A daemon killed during `git worktree add` of a big repository leaves that git running, writing the job's
+    worktree folder: the next daemon's add finds the folder made again after it cleared it ("already exists").
+    It tries again until the old writer is done, instead of failing the job as a config error with no attempt."""
+    import threading
+
+    repo = make_repo(tmp_path / "shop")
+    job = tmp_path / "job"
+    job.mkdir()
+    ws = worktree.plan(job, str(repo), "main", "dispatch/W2", tmp_path / "trees" / "W2")
+    stop_at = time.monotonic() + 1.0
+
+    def old_git() -> None:  # what the orphaned add does: fill the folder, over and over, for a second
+        while time.monotonic() < stop_at:
+            with contextlib.suppress(OSError):  # (cleared under it meanwhile)
+                os.makedirs(os.path.join(ws.path, "src"), exist_ok=True)
+            time.sleep(0.001)
+
+    writer = threading.Thread(target=old_git)
+    writer.start()
+    try:
+        time.sleep(0.05)
+        worktree.create(ws, from_branch=False)
+    finally:
+        writer.join()
+    assert worktree.is_ready(ws)
+    assert "W2" in git(repo, "worktree", "list", "--porcelain")
 
 
 def test_leftovers_are_committed_on_the_jobs_branch_even_when_its_agent_moved_head(tmp_path: Path) -> None:

@@ -277,8 +277,28 @@ def _half_written(gitdir: str | None, mine: str) -> bool:
     return gitdir is None or (gitdir != mine and mine.startswith(gitdir))
 
 
+ADD_AGAIN_S = (0.25, 0.5, 1.0, 2.0, 4.0)  # waits before an add is tried again over a folder another git fills
+
+
 def create(ws: Workspace, *, from_branch: bool) -> None:
-    """Make the worktree on its branch: from the base commit, or (``from_branch``) from the branch's tip."""
+    """Make the worktree on its branch: from the base commit, or (``from_branch``) from the branch's tip.
+
+    A dead daemon's `git worktree add` may still be writing the same folder (git outlives a kill -9 of the
+    daemon): the folder then reappears after ``clear`` and git says it already exists. The add is tried again,
+    cleared each time, for up to about eight seconds, before that is an error.
+    """
+    for wait in ADD_AGAIN_S:
+        try:
+            _add(ws, from_branch=from_branch)
+            return
+        except GitError as exc:
+            if f"'{ws.path}' already exists" not in str(exc):
+                raise
+            time.sleep(wait)
+    _add(ws, from_branch=from_branch)
+
+
+def _add(ws: Workspace, *, from_branch: bool) -> None:
     clear(ws)
     os.makedirs(os.path.dirname(ws.path), exist_ok=True)
     tip = ""
