@@ -74,12 +74,16 @@ def test_changed_txt_holds_one_path_a_line_even_for_a_name_with_a_newline(tmp_pa
 
 
 def test_a_locked_worktree_is_named_in_one_line_at_start_and_left_alone(env: Env, tmp_path: Path) -> None:
-    """At start the daemon prunes stale worktrees and names a locked one (workspace.locked); jobs still run."""
+    """At start the daemon prunes stale worktrees and names a locked one (workspace.locked); jobs still run. git's
+    own lock of an add cut short (initializing) is not named: no one is asked to lift it (the README names only
+    worktrees locked on purpose)."""
     repo = make_repo(tmp_path / "shop")
     git(repo, "worktree", "add", "-q", str(tmp_path / "mine"), "-b", "mine")
     git(repo, "worktree", "lock", "--reason", "kept by hand", str(tmp_path / "mine"))
     git(repo, "worktree", "add", "-q", str(tmp_path / "gone"), "-b", "gone")
     (tmp_path / "gone" / ".git").unlink()  # its folder half-deleted: prunable
+    git(repo, "worktree", "add", "-q", str(tmp_path / "cut"), "-b", "cut")
+    git(repo, "worktree", "lock", "--reason", "initializing", str(tmp_path / "cut"))  # git's own, of an add cut short
     env.configure(agents={"coder": coder(env, repo, "--write", "src/{job}.txt=x")})
     env.drop(code_order("U1"))
     d = env.daemon()

@@ -535,9 +535,17 @@ def _staged(ws: Workspace, env: dict[str, str]) -> bool:
 
 
 def prune(repo: str) -> list[str]:
-    """Prune the repository's worktrees whose folder is gone; return the locked ones (path and reason)."""
+    """Prune the repository's worktrees whose folder is gone; return the ones locked on purpose (path and reason).
+
+    git's own lock of a `git worktree add` cut short (reason ``initializing``) is no one's to lift: the daemon
+    clears such a worktree itself (``clear``, ``sweep``), so it is not named.
+    """
     git(repo, "worktree", "prune")
-    return [f"{p} ({e['locked'] or 'no reason'})" for p, e in worktrees(repo).items() if "locked" in e]
+    return [
+        f"{p} ({e['locked'] or 'no reason'})"
+        for p, e in worktrees(repo).items()
+        if "locked" in e and (e["locked"] or "").strip() != "initializing"
+    ]
 
 
 def sweep(worktrees_dir: Path, keep: Sequence[str], *, only: Sequence[str] | None = None) -> list[str]:
