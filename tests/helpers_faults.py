@@ -64,6 +64,21 @@ open(os.environ["DISPATCH_RECEIPT"], "w").write(json.dumps(receipt))
 """
 
 
+def run_once_killed_at(env: Env, point: str) -> subprocess.CompletedProcess[str]:
+    """Run `dispatcher run --once` with the fault point armed (the daemon kills itself there, SIGKILL); assert it
+    died there and return the finished process."""
+    crashed = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=env.tmp,
+        env=cli_env() | {"DISPATCHER_FAULT": point},
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    return crashed
+
+
 def write_script(folder: Path, name: str, text: str) -> Path:
     """Write an executable helper script and return its path."""
     path = folder / name

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import FAKE_AGENT, Env, order, wait_until
 from git_helpers import code_order, coder, git, make_repo
-from helpers_faults import env_daemon
+from helpers_faults import env_daemon, run_once_killed_at
 
 FAN = 20
 
@@ -836,24 +836,10 @@ def test_a_join_whose_parent_ended_as_its_daemon_died_gets_the_parents_landed_fo
     """The daemon dies between the ledger's record of the parent's end and the move of its folder (fault point
     finish.recorded): the next daemon lands the parent in done/ before it runs the join, whose parents.json names
     done/W and its result.json. It named active/W, gone by then, with result null."""
-    import signal
-    import subprocess
-    import sys
-
-    from conftest import cli_env
-
     env.configure(join_agents(env))
     env.drop(order("W", to="worker"))
     env.drop(merger("J", after=["W"]))
-    crashed = subprocess.run(
-        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=env.tmp,
-        env=cli_env() | {"DISPATCHER_FAULT": "finish.recorded"},
-    )
-    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    run_once_killed_at(env, "finish.recorded")
     assert (env.root / "active" / "W").is_dir() and (env.root / "waiting" / "J").is_dir()
     proc = env.cli("run", "--once", timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr

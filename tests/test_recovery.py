@@ -12,15 +12,13 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, cli_env, order, wait_until
+from conftest import Env, order, wait_until
 from helpers_faults import (
     FAKE_AGENT,
     SLOW_FIRST,
@@ -36,6 +34,7 @@ from helpers_faults import (
     processes_with,
     read_result,
     refusals,
+    run_once_killed_at,
     tiny_agent,
     tiny_order,
     wait_gone,
@@ -628,15 +627,7 @@ def test_run_once_counts_a_job_it_lands_for_a_daemon_that_died_after_recording_i
     for a failed one, as for a job it ran itself (section 7), 0 for a done one."""
     env.configure(agents={"worker": env.agent(*flags, max_attempts=1)})
     env.drop(order("LAND-1"))
-    crashed = subprocess.run(
-        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=env.tmp,
-        env=cli_env() | {"DISPATCHER_FAULT": "finish.recorded"},
-    )
-    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    run_once_killed_at(env, "finish.recorded")
     assert (env.root / "active" / "LAND-1" / ".result.json.staged").exists()  # recorded, not moved
     proc = env.cli("run", "--once")
     assert proc.returncode == code, proc.stdout + proc.stderr
