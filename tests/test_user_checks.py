@@ -62,6 +62,23 @@ def test_a_check_whose_log_was_cut_keeps_its_own_last_line_in_the_detail(env: En
     assert "3 failed" not in log and log.rstrip().endswith("cut at 1000 bytes (max_log_bytes)]")
 
 
+def test_a_checks_log_and_last_line_keep_the_order_of_its_stdout_and_stderr(env: Env) -> None:
+    """A check writing stdout and stderr in turn: its log holds them as they came and its detail ends with the line
+    it printed last (section 14), every time (one pipe for both, as ``2>&1``)."""
+    script = "echo one; echo two >&2; echo three; echo four >&2; echo 'FAILED: totals'; exit 1"
+    checks = [{"name": "tests", "command": ["sh", "-c", script]}]
+    env.configure(agents={"worker": agent(env, checks)}, max_jobs=3)
+    env.daemon().wait_ready()
+    ids = [f"CHK-ORDER-{i}" for i in range(6)]
+    for job_id in ids:
+        env.drop(order(job_id))
+    for job_id in ids:
+        result = env.wait_job(job_id, "failed")
+        assert by_name(result, "tests")["detail"].endswith(": FAILED: totals"), (job_id, result["checks"])
+        log = env.root / "failed" / job_id / "attempts" / "1" / "checks" / "tests.log"
+        assert log.read_text() == "one\ntwo\nthree\nfour\nFAILED: totals\n", job_id
+
+
 def test_files_a_check_left_in_work_are_not_charged_to_the_next_attempt(env: Env) -> None:
     """A check that leaves a cache in work/ (as pytest does) and fails once: the repaired attempt passes
     writes_scope (section 14: the checks are not the agent's work); a leftover the agent rewrites is its own."""

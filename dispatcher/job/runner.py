@@ -221,11 +221,14 @@ class AgentProcess:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self.started = time.time()
-        self._proc, self._out.fd, self._err.fd = _spawn(self.argv, self.cwd, self.env, self.keep_fd)
+        merge = self._out.path is not None and self._out.path == self._err.path  # one log: one pipe, in order
+        self._proc, self._out.fd, self._err.fd = _spawn(self.argv, self.cwd, self.env, self.keep_fd, merge=merge)
         # from here on the agent runs: nothing below may turn into "cannot start"
         self.pid = self._proc.pid
         watch = self._readers = readers()
-        for stream in (self._out, self._err):
+        if merge:
+            self._err.open = False
+        for stream in (self._out, self._err) if not merge else (self._out,):
             os.set_blocking(stream.fd, False)
             watch.add(stream.fd, self._pump, stream)
         try:
@@ -373,7 +376,8 @@ class AgentProcess:
         self._out.close("stdout")
         self._err.close("stderr")
         for stream in (self._out, self._err):
-            os.close(stream.fd)
+            if stream.fd >= 0:
+                os.close(stream.fd)
         self._done.set_result(
             AgentExit(
                 exit_code=self._proc.returncode,
@@ -398,11 +402,13 @@ def _which(name: str, path: bytes | None) -> str | None:
 
 
 def _spawn(
-    argv: Sequence[str], cwd: str | os.PathLike[str], env: EnvB, keep_fd: int | None = None
+    argv: Sequence[str], cwd: str | os.PathLike[str], env: EnvB, keep_fd: int | None = None, *, merge: bool = False
 ) -> tuple[subprocess.Popen[bytes], int, int]:
     """Start argv in its own session; return it and the read ends of its stdout and stderr pipes.
 
-    ``keep_fd``: a descriptor the child inherits (open in it under the same number).
+    ``keep_fd``: a descriptor the child inherits (open in it under the same number). ``merge``:
+    stderr goes into stdout's pipe, as ``2>&1`` does (a user check's one log, in the order
+    written); the stderr read end returned is then -1.
 
     A bare program name is looked up on PATH once: Popen would try every folder of PATH
     with its own execve at each start; the lookup is cached per (name, PATH), and a cached
@@ -414,7 +420,7 @@ def _spawn(
     found = _which(name, env.get(b"PATH")) if name and "/" not in name else None
     out_r, out_w = os.pipe()
     try:
-        err_r, err_w = os.pipe()
+        err_r, err_w = (-1, out_w) if merge else os.pipe()
     except OSError:
         os.close(out_r)
         os.close(out_w)
@@ -431,11 +437,13 @@ def _spawn(
             raise OSError(errno.EINVAL, f"an argument cannot be passed: {exc}") from None
     except BaseException:
         os.close(out_r)
-        os.close(err_r)
+        if err_r >= 0:
+            os.close(err_r)
         raise
     finally:
         os.close(out_w)
-        os.close(err_w)
+        if err_w != out_w:
+            os.close(err_w)
     return proc, out_r, err_r
 
 
