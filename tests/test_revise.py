@@ -259,6 +259,9 @@ def test_a_daemon_killed_while_carrying_out_a_revise(env: Env, fault: str) -> No
     crashing.wait_ready()
     env.cli("revise", "CRASH-2", "--note", NOTE, check=True)
     assert crashing.wait(60) == -9
+    listed = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    row = next(r for r in listed if r["job_id"] == "CRASH-2")  # between the steps: still the agent's job, of an age
+    assert row["agent"] == "worker" and row["age_s"] is not None, row
     again = env.daemon()
     again.wait_ready()
     result = in_review(env, "CRASH-2", 2)

@@ -130,8 +130,14 @@ def _active(
         yield _row(de.name, state.value, spec.agent.name, since, folder.path, cost_usd=cost)
 
 
-def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None) -> Iterator[dict[str, Any]]:
-    """Rows of review/, done/ or failed/ jobs (refusals left out); with ledger_rows, no result.json is read."""
+def _finished(
+    layout: Layout, state: State, ledger_rows: dict[str, Entry] | None, ledger: Ledger | None = None
+) -> Iterator[dict[str, Any]]:
+    """Rows of review/, done/ or failed/ jobs (refusals left out); with ledger_rows, no result.json is read.
+
+    A folder whose result.json is missing (a revise or approve cut short, which moved it aside) is
+    shown with the ledger's agent and time, when a ledger is given.
+    """
     for de in job_entries(layout.folder(state)):
         if "@" in de.name:
             continue
@@ -139,7 +145,11 @@ def _finished(layout: Layout, state: State, ledger_rows: dict[str, Entry] | None
         if entry is not None:
             yield _row(de.name, state.value, entry.agent, entry.updated, Path(de.path), cost_usd=entry.cost_usd)
             continue
-        result = JobFolder(Path(de.path)).result() or _NO_RESULT
+        result = JobFolder(Path(de.path)).result()
+        if result is None and ledger is not None and (entry := ledger.get(de.name)) is not None:
+            yield _row(de.name, state.value, entry.agent, entry.updated, Path(de.path), cost_usd=entry.cost_usd)
+            continue
+        result = result or _NO_RESULT
         yield _row(
             de.name,
             state.value,
@@ -196,12 +206,12 @@ def list_jobs(
             gates = ledger.gates() if ledger is not None else []
             sources.append(_active(layout, State.ACTIVE, gate_waits, gated=True, gates=gates))
     if "review" in wanted:
-        sources.append(_finished(layout, State.REVIEW, None))
+        sources.append(_finished(layout, State.REVIEW, None, ledger))
     if "done" in wanted:
         done = {e.job_id: e for e in ledger.in_state(Row.DONE)} if ledger is not None else None
         sources.append(_finished(layout, State.DONE, done))
     if "failed" in wanted:
-        sources.append(_finished(layout, State.FAILED, None))
+        sources.append(_finished(layout, State.FAILED, None, ledger))
     if "refused" in wanted:
         sources.append(_refused(layout))
     rows = [r for source in sources for r in source if agent is None or r["agent"] == agent]
