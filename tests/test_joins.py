@@ -683,9 +683,26 @@ def test_a_ready_join_takes_its_place_by_priority_then_age(env: Env) -> None:
     for job_id in ("J", "J0", "M4"):
         env.wait_job(job_id, "done", timeout=60)
     started = [e["job_id"] for e in d.events() if e["event"] == "agent.started"]
-    assert started.index("J") < started.index("M2"), started  # M1 may take P's slot as P ends, before J joins
+    assert started[:2] == ["P", "J"], started  # P keeps its slot until it ends: J, joined then, takes it before M1
     assert started.index("J0") > started.index("M4"), started  # the M orders are older than J0
     assert d.stop() == 0
+
+
+def test_a_join_waiting_at_start_runs_before_lower_priority_orders_when_its_parent_ends(env: Env) -> None:
+    """`run --once`, one slot: G (priority 9), its join J (priority 9) and Q1..Q3 (priority 5) found at start. When G
+    ends, J goes next: the slot G's agent frees is not given to Q1 before G's end readied J (section 16)."""
+    slow = env.agent("--sleep", "1")
+    env.configure({"worker": slow}, max_jobs=1)
+    base = time.time() - 60
+    bodies = [order("G", priority=9), order("J", after=["G"], priority=9)]
+    bodies += [order(f"Q{i}", priority=5) for i in (1, 2, 3)]
+    for i, body in enumerate(bodies):
+        path = env.root / "inbox" / f"{body['job_id']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(body))
+        os.utime(path, (base + i, base + i))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert [j for j, _ in env.starts()] == ["G", "J", "Q1", "Q2", "Q3"]
 
 
 def test_a_ready_join_waits_behind_an_older_order_for_its_agents_concurrency_slot(env: Env) -> None:
@@ -769,6 +786,28 @@ def test_a_join_not_started_by_its_expires_fails_then_not_when_its_wait_ends(env
     assert result["reason"] == "expired" and result["attempts"] == [], result
     assert time.monotonic() - started < 15
     assert env.starts() == []
+    assert d.stop() == 0
+
+
+def test_a_ready_join_waiting_for_a_slot_fails_at_its_expires(env: Env) -> None:
+    """One slot, busy for 10 s: a join whose parent is done joins at once and waits for the slot; its `expires`
+    comes 2 s later. It fails `expired` then, with no attempt, not when the slot frees (section 16)."""
+    from dispatcher.clock import iso
+
+    env.configure(agents={"worker": env.agent(), "slow": env.agent("--sleep", "10")}, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PL"))
+    env.wait_job("PL", "done")
+    env.drop(order("LONG", to="slow"))
+    d.wait_event("agent.started", job_id="LONG")
+    env.drop(order("EJ", after=["PL"], expires=iso(time.time() + 2)))
+    d.wait_event("job.joined", job_id="EJ")
+    result = env.wait_job("EJ", "failed", timeout=30)
+    assert result["reason"] == "expired" and result["attempts"] == [], result
+    assert not (env.root / "done" / "LONG").exists(), "EJ failed only once the slot was free"
+    assert [j for j, _ in env.starts()] == ["PL", "LONG"]
+    env.wait_job("LONG", "done", timeout=60)
     assert d.stop() == 0
 
 

@@ -37,7 +37,7 @@ from dispatcher.core.work import Kind
 from dispatcher.job import hooks, intake, repowork
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
-from dispatcher.job.joins import Joins
+from dispatcher.job.joins import Joined, Joins
 from dispatcher.job.waits import unsupported_budget_gates
 from dispatcher.lanes import HOLD_S, Lanes
 from dispatcher.layout import Layout
@@ -386,7 +386,7 @@ class Daemon(Reloading, Fencing):
         if self._wake is not None:
             self._wake.set()
 
-    def _joined(self, joined: list[tuple[str, int, str, tuple[int, float]]]) -> None:
+    def _joined(self, joined: list[Joined]) -> None:
         """Waiting jobs were taken and moved to active/ (from the ledger lane): park them on the loop, in one call."""
         self.loop.call_soon_threadsafe(self.sched.park_all_joined, joined)
 

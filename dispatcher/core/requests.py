@@ -9,7 +9,9 @@ the scheduler gives it.
 from __future__ import annotations
 
 import abc
+import asyncio
 import collections
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -18,6 +20,7 @@ from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
 from dispatcher.core.work import Kind, Parked, Resume, park_ranked
 from dispatcher.job.control import Control
+from dispatcher.job.joins import Joined
 from dispatcher.lifecycle import Row, Stop
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.order import Order
@@ -116,14 +119,17 @@ class Requests(abc.ABC, Generic[J]):
         self.inflight += 1
         self._background(self._launch([p], cancel=True))
 
-    def park_all_joined(self, joined: list[tuple[str, int, str, tuple[int, float]]]) -> None:
+    def park_all_joined(self, joined: list[Joined]) -> None:
         """Queue jobs whose waits are over (moved to active/ and taken by this daemon), all before the next turn.
 
         Among the orders parked for a slot each takes its place by priority, then age, as an
         order read from inbox/ would (``parked_rank``): not behind every order read before it.
         """
-        for job_id, token, agent, rank in joined:
-            park_ranked(self.parked, Parked(Kind.JOINED, job_id, agent, token=token, rank=rank))
+        loop = asyncio.get_running_loop()
+        for job_id, token, agent, rank, expires in joined:
+            park_ranked(self.parked, Parked(Kind.JOINED, job_id, agent, token=token, rank=rank, expires=expires))
+            if expires is not None:  # still waiting for a slot then: it fails `expired` at that time (section 16)
+                loop.call_later(max(0.0, expires - time.time()) + 0.01, self.wake)
         self.wake()
 
 

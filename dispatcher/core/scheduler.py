@@ -68,6 +68,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.claims = Claims(ctx.layout, ctx.ledger, ctx.config, ctx.finisher, self.log_refused, joins, self._gate_seen)
         self.inbox = inbox
         self.wake = wake
+        self.joins = joins
         self.slots: RunningJobs[Job] = RunningJobs(ctx.metrics)
         self.running = self.slots.jobs  # the same dict, never replaced
         ctx.slot_fd = self._slot_fd
@@ -179,10 +180,15 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         behind = {agent for agent, n in (*self.ahead.claiming.items(), *self.sending.items()) if n > 0}
         room: int | None = None  # how many new orders may be claimed (``SHORT.room``): asked once, when one would be
         joined_rank: Rank | None = None  # the best ready join left for an order of higher rank
+        expired: list[Parked | str] = []  # ready joins past their expires: they fail `expired`, without a slot
         for p in list(self.parked):
             if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
                 self.parked.remove(p)
                 batch.append(p)
+                continue
+            if p.expires is not None and p.expires <= wall:
+                self.parked.remove(p)
+                expired.append(p)
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
@@ -232,6 +238,9 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 fresh = room > 0  # as many as the descriptors free let start
         batch.extend(self.inbox.pop_expired(wall))  # refused `expired` in the claim's trip: no slot needed
         self._turn_at_expiry(wall)
+        if expired:
+            self.inflight += len(expired)
+            self._background(self._launch(expired, slotless=True))
         if not batch:
             self._free_idle()
             # claimed ahead only in a turn that claims nothing else: orders in a claim's trip come first
@@ -381,7 +390,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         last: bool = True,
         ahead: list[str] | None = None,
         parked_new: collections.Counter[str] | None = None,
+        slotless: bool = False,
     ) -> None:
+        """Claim a batch in the ledger lane and act on the answers. ``cancel``: claimed to be cancelled, without
+        slots; ``slotless``: run without slots (ready joins past their expires, which fail `expired` at once)."""
         claims = self.claims
         caps = dict(collections.Counter(ahead)) if ahead is not None else None
         sent = time.monotonic()
@@ -391,7 +403,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             handover or Handover(),
             blocked=blocked,
             gated=gated,
-            slotless=cancel,
+            slotless=cancel or slotless,
             last=last,
             ahead=caps,
             unsure=self.inbox.unsure(batch),
@@ -406,7 +418,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             results = [not_now(p) for p in batch]
             if handover is not None and last:  # give back what the failed trip did not use
                 self._background(self.ctx.lanes.ledger(claims.run, [], handover))
-        if not cancel and any(isinstance(r, Launch) for r in results):
+        if not cancel and not slotless and any(isinstance(r, Launch) for r in results):
             self.ahead.claimed(time.monotonic() - sent)
         if ahead is None:
             self.inflight -= len(batch)
@@ -508,7 +520,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         agent = r.job.agent
         self.ahead.ran(agent, asyncio.get_running_loop().time() - r.since)
         workspace = r.job.spec.agent.repo.workspace is not None
-        if keeps_slots(self.config, agent, workspace=workspace) or not self.slots.give_back(r):
+        if keeps_slots(self.config, agent, workspace=workspace) or self._awaited(job_id) or not self.slots.give_back(r):
             return False
         self._trim_idle(agent)
         self.blocked.pop(agent, None)  # a slot of that agent is free again
@@ -516,6 +528,11 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
             self._hand_on(agent)
         self.wake()
         return True
+
+    def _awaited(self, job_id: str) -> bool:
+        """Return True if a join waits for this job: it keeps its slot until it ends, so that the join its end
+        readies is queued for that slot by its priority, before the lower-priority orders (section 16)."""
+        return self.joins is not None and self.joins.awaits(job_id)
 
     def _park_in_claim_order(self, p: Parked, claimed: float | None) -> None:
         """Queue a claimed job whose start met a shortage again, ahead of new orders and of jobs claimed after it.

@@ -51,6 +51,7 @@ class Parked:
     host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
     resume: Resume | None = None  # a claimed job queued again after a shortage, as it was
     rank: tuple[int, float] | None = None  # a join ready to run: (-priority, received), as parked orders rank
+    expires: float | None = None  # a join ready to run: when it fails `expired` if still waiting for a slot
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,8 +52,10 @@ PARENTS = "parents.json"
 _EXPIRY_MAX = 100_000  # waiting joins whose `expires` is remembered; past it, read again
 ALL_DONE, ALL_FINAL = "all_done", "all_final"
 
-# (job_id, token, agent, rank): a join moved to active/, to be run; rank (-priority, received) orders it among orders
-Ready = Callable[[list[tuple[str, int, str, tuple[int, float]]]], None]  # joins moved to active/, best rank first
+# (job_id, token, agent, rank, expires): a join moved to active/, to be run; rank (-priority, received) orders it
+# among orders; expires (epoch seconds, or None): when it fails `expired` if it has not started by then
+Joined = tuple[str, int, str, tuple[int, float], float | None]
+Ready = Callable[[list[Joined]], None]  # joins moved to active/, best rank first
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +132,19 @@ class Joins:
         self.finisher = finisher
         self.config = config
         self.ready: Ready | None = None  # set by the daemon: parks joins moved to active/
-        self._joined: list[tuple[str, int, str, tuple[int, float]]] = []  # moved, not yet handed over (``_hand_over``)
+        self._joined: list[Joined] = []  # moved, not yet handed over (``_hand_over``)
         self.failed: Callable[[], None] | None = None  # set by the daemon: counts a failed join, on the loop
         # when the first wait still short of max_wait reaches it (wall clock; None: no such wait). Set
         # here, read by the loop, which sweeps then: a wait fails at max_wait, not at the next rescan
         self.due: float | None = None
         self._expiry: dict[str, float | None] = {}  # waiting joins' `expires` (``_expires``), read once a job
+        # the parents the joins seen waiting here wait for: such a job keeps its slot until it ends (``awaits``)
+        self.awaited: frozenset[str] = frozenset()
+
+    def awaits(self, job_id: str) -> bool:
+        """Return True if a join seen waiting here waits for job_id (read on the loop): its end readies the join,
+        which then takes its place among the orders waiting for that job's slot by priority (section 16)."""
+        return job_id in self.awaited
 
     def on_final(self, job_ids: Sequence[str]) -> None:
         """The Finisher's hook: jobs reached done or failed; look at the joins that name them."""
@@ -147,7 +156,9 @@ class Joins:
     def sweep(self) -> None:
         """Look at every waiting job (the periodic backstop, and each time ``due`` comes)."""
         self.due = None
-        self.check(self.ledger.waits())
+        waits = self.ledger.waits()
+        self.awaited = frozenset(p for w in waits for p in w.after)  # anew: the parents ended meanwhile drop out
+        self.check(waits)
 
     def check(self, waits: Iterable[Wait]) -> None:
         """Decide each wait; take and run or fail those whose verdict is in."""
@@ -167,6 +178,8 @@ class Joins:
                 elif self.due is None or expires < self.due:
                     self.due = expires
             if verdict is WAIT:
+                if not self.awaited.issuperset(wait.after):
+                    self.awaited |= frozenset(wait.after)
                 if (ends := wait.since + max_wait) > now and (self.due is None or ends < self.due):
                     self.due = ends  # a wait past max_wait that still waits (its parent queued): the rescan's
                 continue
@@ -358,4 +371,6 @@ class Joins:
         log.info("job.joined", job_id=wait.job_id, agent=spec.agent.name, after=after)
         priority = spec.order.get("priority", 5)
         rank = (-priority if isinstance(priority, int) else -5, spec.received)
-        self._joined.append((wait.job_id, token, spec.agent.name, rank))
+        expires = spec.order.get("expires")
+        at = parse_time(expires) if isinstance(expires, str) and not folder.attempt_numbers() else None
+        self._joined.append((wait.job_id, token, spec.agent.name, rank, at))
