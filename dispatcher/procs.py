@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
+import fcntl
 import os
 import signal
 from collections.abc import Callable, Mapping
@@ -76,6 +78,32 @@ def is_alive(
     if started is None:
         return True
     return abs(started_at(fields) - started) <= tolerance_s
+
+
+def open_for_writing(path: str) -> bool | None:
+    """Return True if some process holds path open for writing, False if none does, None if it cannot be told.
+
+    Asks the kernel, not /proc: a read lease is refused (EAGAIN) while the file is open for
+    writing anywhere, and is given back at once. Only the file's owner (or a process with
+    CAP_LEASE) may take one: for others, and where leases are off, the answer is None. A
+    writer opening the file in the microseconds the lease is held waits for its release;
+    the lease's break is signalled with SIGURG, which is ignored unless handled, never with
+    SIGIO, whose default would end the daemon.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as exc:
+        return True if exc.errno == errno.EAGAIN else None
+    else:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return False
+    finally:
+        os.close(fd)
 
 
 def held_for_writing(paths: set[str]) -> set[str]:

@@ -814,6 +814,34 @@ def test_file_written_slowly_in_place_is_taken_once_whole(env: Env) -> None:
     assert daemon.stop() == 0
 
 
+def test_a_valid_order_still_being_written_is_not_taken_at_another_process_close(env: Env) -> None:
+    """Section 1: taken after *its* writer closes it. Midway the file is already a valid order (one item); another
+    process opens it for writing and closes it (`: >> file`). The order is not taken then, half written: it runs
+    once, whole (both items), after the first writer closed it."""
+    env.configure(settle=0.3, rescan_interval=1)
+    daemon = env.daemon()
+    daemon.wait_ready()
+    first = b"job_id: HALF-1\nfrom: t\nto: worker\ntask: do\nitems:\n  - {id: R1}\n"
+    rest = b"  - {id: R2}\n"
+    path = env.root / "inbox" / "half.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, first)
+        time.sleep(0.5)
+        assert subprocess.run(["sh", "-c", ': >> "$0"', str(path)], check=False).returncode == 0
+        time.sleep(1.5)  # five settle periods with the first writer still holding it
+        assert path.exists() and starts_of(env, "HALF-1") == 0
+        os.write(fd, rest)
+    finally:
+        os.close(fd)
+    env.wait_job("HALF-1", "done")
+    folder = env.root / "done" / "HALF-1"
+    assert (folder / "order.yaml").read_bytes() == first + rest
+    assert [i["id"] for i in json.loads((folder / "work" / "order.json").read_text())["items"]] == ["R1", "R2"]
+    assert starts_of(env, "HALF-1") == 1 and env.refusals() == []
+    assert daemon.stop() == 0
+
+
 def test_the_same_file_dropped_again_after_its_job_folder_was_removed_by_hand_is_refused(env: Env) -> None:
     """README, troubleshooting: a job whose folder was removed from active/ by hand keeps its claim in the ledger
     (`show` says active), and the same file dropped again is refused as known; the live daemon never runs the id a

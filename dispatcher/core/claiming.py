@@ -30,6 +30,7 @@ from dispatcher.job.joins import Joins
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import EVERY_AGENT, Gate, Ledger
 from dispatcher.lifecycle import State
+from dispatcher.procs import open_for_writing
 from dispatcher.shortage import SHORT
 from dispatcher.spec.order import Order
 from dispatcher.spec.orderchild import APART_YAML_BYTES
@@ -259,10 +260,13 @@ class Claims:
 
         An order whose not_before is to come is ``Later`` (``now``, for a cancel: taken all
         the same); one past its expires is refused as ``expired``. ``unsure``: the file was
-        made ready by a close event alone, so an invalid one may be half written by another
-        writer: it is answered ``Gone(unsure=True)``, not refused.
+        made ready by a close event alone, so it may be half written by another writer: one
+        that a process still holds open for writing, or that is invalid, is answered
+        ``Gone(unsure=True)`` (it waits for its writers), neither read nor refused.
         """
         path = f"{self.layout.inbox_str}/{name}"
+        if unsure and open_for_writing(path):  # one writer closed it, another still writes it (section 1): it waits
+            return Gone(name, unsure=True)
         st = _lstat(path)
         if st is not None and (
             st.st_size > BIG_ORDER_BYTES or (st.st_size > BIG_YAML_BYTES and order_format(name) == "yaml")
