@@ -555,6 +555,29 @@ def test_a_decision_killed_at_any_step_ends_in_one_place(env: Env, approve: bool
     child_starts = [j for j, _ in env.starts() if j == "CHILD-1"]
     assert len(child_starts) == (1 if approve else 0)
     assert not [p for p in (env.root / "failed").iterdir() if "@" in p.name], "a follow-up copy was refused"
+    event = "job.approved" if approve else "job.rejected"  # logged once, by the command or by the daemon that
+    decided = [e for e in d.events() if e.get("event") == event and e.get("job_id") == "KILL-1"]  # landed it
+    assert len(decided) == 1, decided
+
+
+@pytest.mark.parametrize("approve", [True, False])
+def test_a_decision_cut_short_before_its_line_is_logged_by_the_daemon_that_lands_it(env: Env, approve: bool) -> None:
+    """approve/reject killed right after the ledger took the decision, before it logged it: the daemon's rescan
+    lands the job and logs job.approved or job.rejected once, with its figures (sections 8 and 11)."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("CUT-1"))
+    wait_until((env.root / "review" / "CUT-1").exists, 30, "the job in review/")
+    action = ["approve", "CUT-1"] if approve else ["reject", "CUT-1", "--reason", "no"]
+    assert decide(env, *action, fault="review.decided").returncode == -9
+    want, event = ("done", "job.approved") if approve else ("failed", "job.rejected")
+    wait_until(lambda: (env.root / want / "CUT-1" / "result.json").exists(), 30, f"CUT-1 landed in {want}/")
+    line = d.wait_event(event, job_id="CUT-1")
+    assert line["agent"] == "worker" and {"duration_s", "cost_usd", "chain_cost_usd"} <= set(line), line
+    assert line["reason"] == (None if approve else "rejected: no")
+    time.sleep(1.5)  # a few rescans more
+    assert [e.get("job_id") for e in d.events() if e.get("event") == event] == ["CUT-1"]
 
 
 def test_notify_runs_for_failures_and_its_own_failures_change_nothing(env: Env) -> None:

@@ -201,7 +201,8 @@ class Housekeeping:
         the states of the dead daemons' decided jobs landed here."""
         layout, ledger = self.ctx.layout, self.ctx.ledger
         recovery.finish_staging(layout, ledger, ledger.alive)
-        settle_reviews(layout, ledger)  # decided reviews land first: their follow-ups are released from done/
+        for decided in settle_reviews(layout, ledger):  # decided reviews land first: their follow-ups are released
+            count_decided(self.ctx.metrics, self.ctx.finisher.finished, decided)  # from done/
         recovery.settle_ledger(layout, ledger, ledger.alive)
         if self.joins is not None:
             self.joins.recover(ledger.alive)
@@ -419,7 +420,13 @@ def count_decision(metrics: Metrics | None, finished: FinishedCounts, line: str)
         event = json.loads(line)
     except ValueError:
         return
-    state = _DECIDED.get(str(event.get("event"))) if isinstance(event, dict) else None
+    if isinstance(event, dict):
+        count_decided(metrics, finished, event)
+
+
+def count_decided(metrics: Metrics | None, finished: FinishedCounts, event: dict[str, Any]) -> None:
+    """Count one ``job.approved``/``job.rejected`` line's fields as the finish it is (done or failed)."""
+    state = _DECIDED.get(str(event.get("event")))
     if state is None:
         return
     agent = event.get("agent") if isinstance(event.get("agent"), str) else None

@@ -24,6 +24,7 @@ import contextlib
 import os
 import time
 from dataclasses import replace
+from typing import Any
 
 import structlog
 from filelock import Timeout
@@ -102,13 +103,8 @@ def _decide(
             ledger.clear_request(job_id, Request.REVISE)
     elif entry.state != state:
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
-    event = "job.approved" if approve else "job.rejected"
-    duration, cost = this_claim(folder, result)  # what a daemon's metrics count for it (the relayed line)
-    log.info(  # a decision ends the job as job.done or job.failed would: the same figures, and the metrics' part
-        event, job_id=job_id, agent=result.agent, reason=result.reason, duration_s=result.duration_s,
-        cost_usd=result.cost_usd, chain_cost_usd=result.chain_cost_usd, counted_duration_s=duration,
-        counted_cost_usd=cost,
-    )  # fmt: skip
+    if entry.state == Row.REVIEW or folder.staged_result() is not None:  # else logged by the command cut short
+        log_decision(folder, result, approve=approve)  # after its line, as the result it named says
     try:
         land(layout, folder, state)
     except (FileNotFoundError, FileExistsError):  # landed by a command on another host meanwhile
@@ -122,6 +118,28 @@ def _decide(
         _release(layout, ledger, job_id, max_chain_cost_usd, notify)
         return f"{job_id}: approved; done" + ("; its requested revision is withdrawn" if withdrawn else "")
     return f"{job_id}: rejected; failed" + ("; its requested revision is withdrawn" if withdrawn else "")
+
+
+def log_decision(folder: JobFolder, result: Result, *, approve: bool) -> dict[str, Any]:
+    """Log ``job.approved`` or ``job.rejected`` for a decided job; return the line's fields.
+
+    A decision ends the job as job.done or job.failed would: the same figures, and the part a
+    daemon's metrics count for it (``counted_*``: the time and cost since the job's last finish).
+    """
+    duration, cost = this_claim(folder, result)
+    event = "job.approved" if approve else "job.rejected"
+    fields: dict[str, Any] = {
+        "job_id": folder.job_id,
+        "agent": result.agent,
+        "reason": result.reason,
+        "duration_s": result.duration_s,
+        "cost_usd": result.cost_usd,
+        "chain_cost_usd": result.chain_cost_usd,
+        "counted_duration_s": duration,
+        "counted_cost_usd": cost,
+    }
+    log.info(event, **fields)
+    return {"event": event, **fields}
 
 
 def _release(
@@ -176,39 +194,47 @@ def land(layout: Layout, folder: JobFolder, state: Row) -> None:
     fsutil.fsync_dir(layout.folder(target))
 
 
-def settle_reviews(layout: Layout, ledger: Ledger) -> None:
+def settle_reviews(layout: Layout, ledger: Ledger) -> list[dict[str, Any]]:
     """Land review folders whose decision the ledger already holds (a command killed midway).
 
     Not while a decision holds the review lock on this host: that command lands its own
     job (a decision between its ledger write and its move is no command killed midway).
-    The next rescan looks again.
+    The next rescan looks again. Return the fields of the ``job.approved``/``job.rejected``
+    lines logged here, for the decisions whose command was cut short before it logged one.
     """
     try:
         names = [n for n in os.listdir(layout.folder(State.REVIEW)) if not n.startswith(".")]
     except FileNotFoundError:
-        return
+        return []
     if not names:
-        return
+        return []
     lock = review_lock(layout, 0)
     try:
         lock.acquire()
     except (Timeout, OSError):  # a decision is under way (or the lock cannot be made): the next rescan
-        return
+        return []
     try:
-        _land_decided(layout, ledger, names)
+        return _land_decided(layout, ledger, names)
     finally:
         lock.release()
 
 
-def _land_decided(layout: Layout, ledger: Ledger, names: list[str]) -> None:
+def _land_decided(layout: Layout, ledger: Ledger, names: list[str]) -> list[dict[str, Any]]:
+    logged: list[dict[str, Any]] = []
     for job_id in names:
         entry = ledger.get(job_id)
         folder = JobFolder(layout.job(State.REVIEW, job_id))
         if entry is None or not is_final(entry.state):
             continue
         # staged, or already named result.json (cut between that rename and the folder's)
-        decided = folder.staged_result() or folder.result()
+        staged = folder.staged_result()
+        decided = staged or folder.result()
         if decided is None or decided.state != entry.state:
             continue
+        if staged is not None:  # the command was cut short before its line (it logs it just before the landing)
+            with contextlib.suppress(OSError, ValueError):
+                folder.claimed = folder.spec().claimed
+            logged.append(log_decision(folder, decided, approve=entry.state == Row.DONE))
         land(layout, folder, Row(entry.state))
         log.info("job.recovered", job_id=job_id, agent=entry.agent, step="review", state=entry.state)
+    return logged
