@@ -453,6 +453,19 @@ def test_a_log_file_that_cannot_be_opened_stops_run_with_one_line(env: Env) -> N
     assert env.starts() == []
 
 
+@pytest.mark.parametrize("where", ["/proc/dispatcher-no-such-folder/d.log", "/proc/d.log"])
+def test_validate_refuses_a_log_file_that_run_could_not_create(env: Env, where: str) -> None:
+    """A log_file in a folder no file can be made in, though access() says it may be written (root on /proc):
+    `validate` exits 2 with one line naming log_file, as `run` does (README: validate refuses a log_file that
+    cannot be opened), and leaves nothing behind."""
+    env.configure(log_file=where)
+    checked = env.cli("validate")
+    assert checked.returncode == 2, checked.stdout + checked.stderr
+    assert checked.stderr.count("\n") == 1 and "log_file" in checked.stderr and where in checked.stderr
+    ran = env.cli("run", "--once")
+    assert ran.returncode == 2 and "log_file" in ran.stderr
+
+
 def test_console_mode_in_process_is_format_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In console mode the line printed is format_line of the very JSON written to log_file."""
     root = logging.getLogger()

@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import stat
+import tempfile
 
 from dispatcher.ledger.flocks import ledger_digest, noted_ledger
 from dispatcher.spec.programs import Finding
@@ -24,7 +25,7 @@ _SQLITE_FILE = "/.state/ledger.sqlite3"
 
 
 def check_log_file(cfg: Config) -> list[Finding]:
-    """Return an error when the config's log_file could not be opened for appending; nothing is created."""
+    """Return an error when the config's log_file could not be opened for appending; nothing is left behind."""
     path = cfg.log_file
     if path is None:
         return []
@@ -36,6 +37,10 @@ def check_log_file(cfg: Config) -> list[Finding]:
             folder = folder.parent
         if not os.access(folder, os.W_OK | os.X_OK):
             return [Finding("log_file", f"cannot create {path}: {folder} is not writable", error=True)]
+        try:  # access() says yes to root wherever the mount is writable, /proc included: make something, and remove it
+            os.rmdir(tempfile.mkdtemp(prefix=".dispatcher-validate-", dir=folder))
+        except OSError as exc:
+            return [Finding("log_file", f"cannot create {path}: {exc.strerror}", error=True)]
         return []
     except OSError as exc:
         return [Finding("log_file", f"cannot open {path}: {exc.strerror}", error=True)]
