@@ -372,3 +372,23 @@ def test_a_relayed_log_file_is_passed_on_by_one_daemon_only(tmp_path: Path) -> N
     assert pass_on(layout, [name], first.append) == ['{"event": "job.approved"}'] == first
     assert not (layout.control / name).exists()
     assert pass_on(layout, [name], first.append) == []  # gone: nothing twice
+
+
+def test_a_refused_orders_agent_is_the_same_in_its_result_list_show_and_log(env: Env) -> None:
+    """A refused order naming a configured agent: its result.json, `list` (and `list --agent`), `show --json` and the
+    job.refused line all name that agent (section 7: list gives id, state, agent ...); one naming no configured
+    agent names none anywhere."""
+    env.configure()
+    bad = order("REF-AGENT-1")
+    del bad["task"]
+    env.drop(bad)
+    stray = order("REF-AGENT-2", to="nobody-here")
+    env.drop(stray)
+    assert env.cli("run", "--once").returncode == 1
+    refused = {json.loads((p / "result.json").read_text())["job_id"]: p for p in env.refusals()}
+    assert json.loads((refused["REF-AGENT-1"] / "result.json").read_text())["agent"] == "worker"
+    assert json.loads((refused["REF-AGENT-2"] / "result.json").read_text())["agent"] is None
+    rows = [json.loads(line) for line in env.cli("list", "--agent", "worker", "--json", check=True).stdout.splitlines()]
+    assert [(r["job_id"], r["state"], r["agent"]) for r in rows] == [("REF-AGENT-1", "refused", "worker")]
+    shown = json.loads(env.cli("show", "REF-AGENT-1", "--json", check=True).stdout)
+    assert shown["agent"] == "worker"

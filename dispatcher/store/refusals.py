@@ -64,7 +64,7 @@ def refuse(
     result = build_result(
         job_id=refusal.job_id,
         state="failed",
-        agent=None,
+        agent=refusal.agent,  # the agent its `to` names, as job.refused says, so that `list --agent` finds it
         reason=refusal.reason,
         received=time.time(),
         extra={"file": printable(refusal.name)},
