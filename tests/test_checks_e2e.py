@@ -721,6 +721,13 @@ def test_agent_files_stay_in_the_job_folder(run: Run) -> None:
     assert (root / "done" / "CK-GLOB-DEEP" / "work" / "notes" / "a" / "b" / "c.md").is_file()
 
 
+def test_writes_scope_names_each_allowed_file_once(results: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    """The agent's writes already name accept.output (out.csv): the detail lists it once, not twice."""
+    _, result = results["CK-WRITE-OUTSIDE"]
+    detail = next(c["detail"] for c in result["checks"] if c["name"] == "writes_scope")
+    assert detail == "not-allowed.txt is outside writes (out.csv, out.json, out.jsonl)", detail
+
+
 def test_checks_logged_per_job(run: Run) -> None:
     """Each job logs job.verified and then job.done or job.failed, with its job_id and agent."""
     events = [json.loads(line) for line in run.env._daemons[0].out.read_text().splitlines() if line.startswith("{")]

@@ -322,8 +322,8 @@ def gather(
             outbox_exists, followups = read_followups(root, parse, max_order_bytes, max_followups, dir_fd)
         ids = [f.order.job_id for f, _ in followups if f.order is not None]
         scope = list(writes)
-        if accept_out is not None and changed is None:  # the output is work/'s; a workspace's paths answer to writes
-            scope.append(accept_out)
+        if accept_out is not None and changed is None and accept_out not in scope:  # the output is work/'s; a
+            scope.append(accept_out)  # workspace's paths answer to writes
         ev = Evidence(
             order=order,
             agent=agent,
