@@ -558,6 +558,7 @@ def test_a_decision_killed_at_any_step_ends_in_one_place(env: Env, approve: bool
     event = "job.approved" if approve else "job.rejected"  # logged once, by the command or by the daemon that
     decided = [e for e in d.events() if e.get("event") == event and e.get("job_id") == "KILL-1"]  # landed it
     assert len(decided) == 1, decided
+    assert decided[0]["reason"] == (None if approve else "rejected: no"), decided  # the decision's own result
 
 
 @pytest.mark.parametrize("approve", [True, False])

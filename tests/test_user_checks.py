@@ -59,7 +59,7 @@ def test_a_check_whose_log_was_cut_keeps_its_own_last_line_in_the_detail(env: En
     result = env.wait_job("CHK-CUT", "failed")
     assert result["reason"].startswith("tests: exit 1 in ") and result["reason"].endswith(": 3 failed, 997 passed")
     log = (env.root / "failed" / "CHK-CUT" / "attempts" / "1" / "checks" / "tests.log").read_text()
-    assert "3 failed" not in log and log.rstrip().endswith("cut at 1000 bytes (max_log_bytes)]")
+    assert "3 failed" not in log and log.rstrip().endswith("stdout and stderr cut at 2000 bytes (2 x max_log_bytes)]")
 
 
 def test_a_checks_log_and_last_line_keep_the_order_of_its_stdout_and_stderr(env: Env) -> None:
@@ -77,6 +77,20 @@ def test_a_checks_log_and_last_line_keep_the_order_of_its_stdout_and_stderr(env:
         assert by_name(result, "tests")["detail"].endswith(": FAILED: totals"), (job_id, result["checks"])
         log = env.root / "failed" / job_id / "attempts" / "1" / "checks" / "tests.log"
         assert log.read_text() == "one\ntwo\nthree\nfour\nFAILED: totals\n", job_id
+
+
+def test_a_checks_one_log_keeps_what_two_logs_of_max_log_bytes_would(env: Env) -> None:
+    """max_log_bytes is per stream (README): a check writing 880 bytes on stdout and 880 on stderr, in turn, with
+    max_log_bytes 1000, has its whole output in its one log, nothing cut."""
+    script = "for i in $(seq 10 49); do echo out-line-$i-xxxxxxxxx; echo err-line-$i-xxxxxxxxx >&2; done; echo FINAL"
+    checks = [{"name": "tests", "command": ["sh", "-c", script]}]
+    env.configure(agents={"worker": agent(env, checks)}, max_log_bytes=1000)
+    env.daemon().wait_ready()
+    env.drop(order("CHK-BOTH"))
+    result = env.wait_job("CHK-BOTH", "done")
+    assert by_name(result, "tests")["detail"].endswith(": FINAL")
+    log = (env.root / "done" / "CHK-BOTH" / "attempts" / "1" / "checks" / "tests.log").read_text()
+    assert "cut at" not in log and log.count("err-line-") == 40 and log.count("out-line-") == 40, log[-300:]
 
 
 def test_files_a_check_left_in_work_are_not_charged_to_the_next_attempt(env: Env) -> None:

@@ -21,8 +21,10 @@ whose owner is gone are released by the daemons' usual recovery.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -103,10 +105,10 @@ def _decide(
             ledger.clear_request(job_id, Request.REVISE)
     elif entry.state != state:
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
-    if entry.state == Row.REVIEW or folder.staged_result() is not None:  # else logged by the command cut short
-        log_decision(folder, result, approve=approve)  # after its line, as the result it named says
-    try:
-        land(layout, folder, state)
+    else:  # decided by this command run before, cut short: its staged result says how
+        result = folder.staged_result() or result
+    try:  # the line is logged by whoever names the decided result: this command, or one run again after a cut
+        land(layout, folder, state, named=lambda: log_decision(folder, result, approve=approve))
     except (FileNotFoundError, FileExistsError):  # landed by a command on another host meanwhile
         if folder.path.is_dir():
             raise
@@ -184,10 +186,21 @@ def _lost(ledger: Ledger, job_id: str) -> str:
     return f"{job_id}: was decided by someone else meanwhile"
 
 
-def land(layout: Layout, folder: JobFolder, state: Row) -> None:
-    """Move a decided review folder into done/ or failed/ (its staged result becomes result.json)."""
+def _owed(logged: list[dict[str, Any]], folder: JobFolder, decided: Result, approve: bool) -> None:
+    logged.append(log_decision(folder, decided, approve=approve))
+
+
+def land(layout: Layout, folder: JobFolder, state: Row, named: Callable[[], object] | None = None) -> None:
+    """Move a decided review folder into done/ or failed/ (its staged result becomes result.json).
+
+    ``named``: called right after this call named the staged result (not when it was named
+    already): the decision's ``job.approved``/``job.rejected`` line, logged once whoever lands
+    it (a command, the same command run again after a crash, a daemon's rescan).
+    """
     target = landed_state(state)
     if folder.name_result(replace=True) is not None:
+        if named is not None:
+            named()
         fsutil.fsync_dir(folder.path)  # else a power cut can bring the folder back in done/ without result.json
     faults.point("review.named")  # result.json names the decision; the folder is still in review/
     folder.move_to(layout, target)
@@ -227,14 +240,13 @@ def _land_decided(layout: Layout, ledger: Ledger, names: list[str]) -> list[dict
         if entry is None or not is_final(entry.state):
             continue
         # staged, or already named result.json (cut between that rename and the folder's)
-        staged = folder.staged_result()
-        decided = staged or folder.result()
+        decided = folder.staged_result() or folder.result()
         if decided is None or decided.state != entry.state:
             continue
-        if staged is not None:  # the command was cut short before its line (it logs it just before the landing)
-            with contextlib.suppress(OSError, ValueError):
-                folder.claimed = folder.spec().claimed
-            logged.append(log_decision(folder, decided, approve=entry.state == Row.DONE))
-        land(layout, folder, Row(entry.state))
+        with contextlib.suppress(OSError, ValueError):  # its claim, for the line's counted figures
+            folder.claimed = folder.spec().claimed
+
+        approve = entry.state == Row.DONE  # the command was cut short before it named the result: its line is owed
+        land(layout, folder, Row(entry.state), named=functools.partial(_owed, logged, folder, decided, approve))
         log.info("job.recovered", job_id=job_id, agent=entry.agent, step="review", state=entry.state)
     return logged

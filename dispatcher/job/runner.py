@@ -135,9 +135,9 @@ class _Stream:
         except OSError:
             self.lost = True
 
-    def close(self, name: str) -> None:
+    def close(self, name: str, cap_is: str = "max_log_bytes") -> None:
         if self.cut and self.path is not None:
-            self._write(f"\n[dispatcher: {name} cut at {self.cap} bytes (max_log_bytes)]\n".encode())
+            self._write(f"\n[dispatcher: {name} cut at {self.cap} bytes ({cap_is})]\n".encode())
         if self.log_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.log_fd)
@@ -200,7 +200,9 @@ class AgentProcess:
         logs = os.fspath(log_dir) if log_dir is not None else None
         out_path = f"{logs}/{log_prefix}stdout.log" if logs is not None else one_log
         err_path = f"{logs}/{log_prefix}stderr.log" if logs is not None else one_log
-        self._out = _Stream(-1, out_path, max_log_bytes, AGENT_TAIL_BYTES)
+        # one log for both streams (a user check's): it holds what two logs of max_log_bytes each would
+        self._one = out_path is not None and out_path == err_path
+        self._out = _Stream(-1, out_path, max_log_bytes * (2 if self._one else 1), AGENT_TAIL_BYTES)
         self._err = _Stream(-1, err_path, max_log_bytes, ERR_TAIL_BYTES)
         self._idle = IdleWatch(cwd, idle_timeout_s, also=idle_also) if idle_timeout_s else None
         self.pid = 0
@@ -221,7 +223,7 @@ class AgentProcess:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self.started = time.time()
-        merge = self._out.path is not None and self._out.path == self._err.path  # one log: one pipe, in order
+        merge = self._one  # one log: one pipe, in the order written
         self._proc, self._out.fd, self._err.fd = _spawn(self.argv, self.cwd, self.env, self.keep_fd, merge=merge)
         # from here on the agent runs: nothing below may turn into "cannot start"
         self.pid = self._proc.pid
@@ -373,8 +375,11 @@ class AgentProcess:
 
     def _complete(self) -> None:
         assert self._proc is not None and self._done is not None  # noqa: S101
-        self._out.close("stdout")
-        self._err.close("stderr")
+        if self._one:
+            self._out.close("stdout and stderr", "2 x max_log_bytes")
+        else:
+            self._out.close("stdout")
+            self._err.close("stderr")
         for stream in (self._out, self._err):
             if stream.fd >= 0:
                 os.close(stream.fd)
