@@ -107,8 +107,13 @@ class JobFolder:
 
     @staticmethod
     def in_state_since(spec: JobSpec) -> float:
-        """Return when the job entered its state: its claim, or its last return to active/ since (``spec.since``)."""
-        return spec.since if spec.since is not None else spec.received
+        """Return when the job entered its state: its claim, or its last return to active/ since (``spec.since``).
+
+        Not when its order was read (``received``): an order read ahead waits for its agent's slot unclaimed.
+        """
+        if spec.since is not None:
+            return spec.since
+        return spec.claimed if spec.claimed is not None else spec.received
 
     def has_receipt(self) -> bool:
         """Return True if work/receipt.json exists as any entry (a link or FIFO too: it is never followed).
