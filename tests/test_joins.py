@@ -895,8 +895,9 @@ def test_a_join_whose_parent_ended_as_its_daemon_died_gets_the_parents_landed_fo
 def test_a_failed_parents_notification_comes_before_its_joins(env: Env, running: int) -> None:
     """A fails; J (after: [A]) fails with it. Their job.failed notifications run in the order of the events, A's
     first (section 13: notifications beyond notify_max_running wait in order); J's ran first, as the join's end was
-    queued inside A's commit, before A's own notification."""
-    script = "import sys; open(sys.argv[1], 'a').write(' | '.join(sys.argv[2:]) + '\\n')"
+    queued inside A's commit, before A's own notification. Each notification writes its process id: with several
+    running at once, the order they were started in is that of their ids, whichever writes first."""
+    script = "import os, sys; open(sys.argv[1], 'a').write(' | '.join([str(os.getpid()), *sys.argv[2:]]) + '\\n')"
     notified = env.tmp / "notified.txt"
     notify = [sys.executable, "-c", script, str(notified), "{event}", "{job_id}", "{reason}"]
     env.configure(join_agents(env), notify=notify, notify_max_running=running)
@@ -904,6 +905,6 @@ def test_a_failed_parents_notification_comes_before_its_joins(env: Env, running:
     env.drop(merger("J1", after=["A1"]))
     assert env.cli("run", "--once", timeout=60).returncode == 1
     wait_until(lambda: notified.exists() and notified.read_text().count("\n") == 2, 20, "both notifications")
-    lines = notified.read_text().splitlines()
-    assert [line.split(" | ")[:2] for line in lines] == [["job.failed", "A1"], ["job.failed", "J1"]], lines
+    lines = sorted(notified.read_text().splitlines(), key=lambda line: int(line.split(" | ")[0]))  # as started
+    assert [line.split(" | ")[1:3] for line in lines] == [["job.failed", "A1"], ["job.failed", "J1"]], lines
     assert lines[1].endswith("after: A1 failed")
