@@ -341,3 +341,54 @@ def test_list_and_status_print_a_long_job_id_whole(env: Env) -> None:
     active = {"job_id": long_id, "agent": "worker", "pid": 42, "host": "h", "age_s": 3, "daemon_alive": True}
     status = render_status("/r", {"counts": {"active": 1}, "daemons": [], "active": [active]}, 0.0)
     assert any(line.split()[:2] == [long_id, "worker"] for line in status.splitlines()), status
+
+
+def test_a_job_claimed_between_the_reads_of_two_states_is_listed_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`list` reads inbox/ and then the job folders: an order claimed (its file gone from inbox/) after inbox/ was read
+    is listed once, where it went, not also as queued (section 7: one line per job). A file of the same id that is
+    still in inbox/ (a duplicate to be refused) keeps its own line."""
+    import os
+
+    from dispatcher.query import listing
+
+    env.configure()
+    env.drop(order("MOVED-1"))
+    assert env.cli("run", "--once", timeout=60).returncode == 0
+    again = env.drop(order("MOVED-1"))  # the same order again: to be refused, listed as queued meanwhile
+    cfg, layout = load_config(env.config_path), Layout(env.root)
+    assert sorted(r["state"] for r in list_jobs(cfg, layout, None)) == ["done", "inbox"]
+    real = listing._finished
+
+    def claimed_meanwhile(*args: Any, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        if again.exists():  # read once inbox/ was read (the states' rows are read lazily, one state after another)
+            os.unlink(again)  # as a claim's move would, between the two reads
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(listing, "_finished", claimed_meanwhile)
+    got = list_jobs(cfg, layout, None)
+    assert [(r["job_id"], r["state"]) for r in got] == [("MOVED-1", "done")], got
+
+
+def test_status_leaves_out_a_job_that_left_active_while_it_was_read(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`status` lists active/ and then reads each job: one that finished in between is not shown as active with no
+    age; one whose job.json is damaged in active/ still is."""
+    import shutil
+
+    from dispatcher.query.report import active_jobs
+
+    env.configure()
+    layout = Layout(env.root)
+    for job_id in ("LEFT-1", "DAMAGED-1"):
+        (env.root / "active" / job_id).mkdir(parents=True)
+    real = JobFolder.spec
+
+    def finished_meanwhile(self: JobFolder) -> Any:
+        if self.path.name == "LEFT-1":
+            shutil.move(str(self.path), str(env.root / "done" / "LEFT-1"))
+        return real(self)
+
+    monkeypatch.setattr(JobFolder, "spec", finished_meanwhile)
+    got = active_jobs(layout, None, [], 0.0)
+    assert [(a["job_id"], a["age_s"]) for a in got] == [("DAMAGED-1", None)], got

@@ -14,6 +14,7 @@ failed/, a file's refusal.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -110,7 +111,8 @@ def _active(
         try:
             spec = folder.spec()
         except ValueError:
-            yield _row(de.name, state.value, None, None, folder.path)
+            if os.path.isdir(folder.path):  # else it moved on while this was read: listed where it went, if asked
+                yield _row(de.name, state.value, None, None, folder.path)
             continue
         if state is State.WAITING:
             after = ", ".join(spec.order.get("after") or ())
@@ -214,13 +216,32 @@ def list_jobs(
         sources.append(_finished(layout, State.FAILED, None, ledger))
     if "refused" in wanted:
         sources.append(_refused(layout))
-    rows = [r for source in sources for r in source if agent is None or r["agent"] == agent]
+    rows = _moved_once([r for source in sources for r in source if agent is None or r["agent"] == agent])
     rows.sort(key=lambda r: (r["when"] is not None, r["when"] or 0.0, r["job_id"] or ""), reverse=True)
     for r in rows:
         when = r.pop("when")
         r["age_s"] = round(max(0.0, now - when), 1) if when is not None else None
     keys = ("job_id", "state", "agent", "age_s", "reason", "cost_usd", "path")
     return [{k: r[k] for k in keys} | ({"until": r["until"]} if "until" in r else {}) for r in rows]
+
+
+def _moved_once(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop the rows of a job listed twice because it moved on while the states were read one after another
+    (claimed from inbox/ after inbox/ was read, say): the row whose file or folder is gone. Refused files are
+    never dropped: a refused copy of a job's id is a row of its own."""
+    seen: dict[str, int] = {}
+    twice = False
+    for r in rows:
+        if r["job_id"] is not None and r["state"] != "refused":
+            seen[r["job_id"]] = seen.get(r["job_id"], 0) + 1
+            twice = twice or seen[r["job_id"]] > 1
+    if not twice:
+        return rows
+    return [
+        r
+        for r in rows
+        if r["job_id"] is None or r["state"] == "refused" or seen[r["job_id"]] == 1 or os.path.lexists(r["path"])
+    ]
 
 
 def refusals_of(cfg: Config, layout: Layout, name: str) -> list[dict[str, Any]]:

@@ -84,6 +84,8 @@ def active_jobs(layout: Layout, ledger: Ledger | None, daemons: list[DaemonInfo]
             agent: str | None = spec.agent.name
             received: float | None = folder.in_state_since(spec)
         except ValueError:
+            if not os.path.isdir(folder.path):
+                continue  # it finished (or moved on) while this was read: no longer active
             agent, received = None, None
         entry = rows.get(job_id)
         owner = entry.owner if entry is not None else None
