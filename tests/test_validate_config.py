@@ -360,3 +360,20 @@ def test_a_nul_in_a_path_argv_or_prompt_is_a_config_error(
     proc = validate(cfg)
     assert proc.returncode == 2
     assert stderr_lines(proc) == [f"dispatcher.json: {field}: must not hold a NUL character"], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("make test", "agents.a.before: must be a list or a mapping, not a string"),
+        (5, "agents.a.before: must be a list or a mapping, not an integer"),
+        ([], "agents.a.before: must not be empty"),
+        (["sleep", 1], "agents.a.before[1]: must be a string, not an integer"),
+    ],
+)
+def test_a_hooks_bad_value_names_the_forms_it_may_take(tmp_path: Path, value: Any, message: str) -> None:
+    """`before` (like `after` and `land`) is an argv list or a mapping with `command`: a value of neither type is
+    told so, not sent to the mapping form alone; an empty list is told it is empty (section 3: file and field)."""
+    proc = validate(config(tmp_path, {"a": {"command": ["/bin/true"], "before": value}}))
+    assert proc.returncode == 2
+    assert stderr_lines(proc) == [f"dispatcher.yaml: {message}"]

@@ -316,9 +316,28 @@ def _closest(errors: list[OrderError]) -> OrderError:
     """Return the error of the alternative the value came closest to: the one that failed deepest inside it.
 
     ``before: [sleep, 1]`` is an argv with a number in it (``before[1]: must be a string``),
-    not a mapping that is a list (the last alternative's complaint). Among equals, the last.
+    not a mapping that is a list (the last alternative's complaint). Among equals, one whose
+    type was right (``before: []``: a list, but an empty one); when no alternative took the
+    value's type, one line naming every type that would do (``must be a list or a mapping,
+    not a string``), null left out.
     """
-    return max(reversed(errors), key=lambda e: len(e.field or ""))
+    deepest = max(len(e.field or "") for e in errors)
+    tied = [e for e in errors if len(e.field or "") == deepest]
+    typed = [e for e in tied if _wanted_type(e) is None]
+    if typed or len(tied) == 1:
+        return (typed or tied)[-1]
+    wanted = [w for e in tied if (w := _wanted_type(e)) is not None and w != "null"]
+    got = tied[-1].message.rpartition(", not ")[2]
+    return OrderError(f"must be {' or '.join(dict.fromkeys(wanted))}, not {got}", field=tied[-1].field)
+
+
+def _wanted_type(error: OrderError) -> str | None:
+    """Return the type words of a type mismatch (``must be a list, not a string``: ``a list``), else None."""
+    message = error.message
+    if not message.startswith("must be ") or ", not " not in message:
+        return None
+    wanted = message[len("must be ") : message.rindex(", not ")]
+    return wanted if wanted in _TYPE_WORDS.values() or " or " in wanted else None
 
 
 def _type_step(spec: Any) -> _Check:
