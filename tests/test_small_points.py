@@ -384,11 +384,18 @@ def test_a_refused_orders_agent_is_the_same_in_its_result_list_show_and_log(env:
     env.drop(bad)
     stray = order("REF-AGENT-2", to="nobody-here")
     env.drop(stray)
+    inbox = env.root / "inbox"  # refused for the file as a whole, its job_id and to read all the same:
+    (inbox / "anchor.yaml").write_text("job_id: REF-AGENT-3\nfrom: &a me\nto: worker\ntask: t\nitems: [{id: A}]\n")
+    (inbox / "twice.json").write_text('{"job_id": "REF-AGENT-4", "to": "worker", "to": "worker", "task": "t"}')
+    (inbox / os.fsdecode(b"n\xe9u.json")).write_text(json.dumps(order("REF-AGENT-5")))
     assert env.cli("run", "--once").returncode == 1
     refused = {json.loads((p / "result.json").read_text())["job_id"]: p for p in env.refusals()}
-    assert json.loads((refused["REF-AGENT-1"] / "result.json").read_text())["agent"] == "worker"
+    for job_id in ("REF-AGENT-1", "REF-AGENT-3", "REF-AGENT-4", "REF-AGENT-5"):
+        assert json.loads((refused[job_id] / "result.json").read_text())["agent"] == "worker", job_id
     assert json.loads((refused["REF-AGENT-2"] / "result.json").read_text())["agent"] is None
     rows = [json.loads(line) for line in env.cli("list", "--agent", "worker", "--json", check=True).stdout.splitlines()]
-    assert [(r["job_id"], r["state"], r["agent"]) for r in rows] == [("REF-AGENT-1", "refused", "worker")]
+    assert sorted((r["job_id"], r["state"], r["agent"]) for r in rows) == [
+        (f"REF-AGENT-{n}", "refused", "worker") for n in (1, 3, 4, 5)
+    ]
     shown = json.loads(env.cli("show", "REF-AGENT-1", "--json", check=True).stdout)
     assert shown["agent"] == "worker"

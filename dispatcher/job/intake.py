@@ -41,7 +41,7 @@ from dispatcher.ledger.base import Busy, Claimed, ClaimRequest, Entry, Finish, K
 from dispatcher.ledger.cycles import find_cycle
 from dispatcher.lifecycle import Row, State, Stop, state_to_row
 from dispatcher.shortage import SHORT, resource_of
-from dispatcher.spec.loader import load_document, lone_surrogate, read_job_id
+from dispatcher.spec.loader import load_document, lone_surrogate, read_names
 from dispatcher.spec.orderchild import APART_YAML_BYTES, load_apart_text
 from dispatcher.spec.orders import order_format, parse_order
 from dispatcher.spec.settings import Config
@@ -114,7 +114,8 @@ def _read(name: str, config: Config, st: os.stat_result, path: str) -> Inspected
         return Refusal(name, "not a work order (the name must end in .yaml, .yml or .json)")
     if not name_is_utf8(name):  # the ledger records a job's file name as text
         why = "the file name is not valid UTF-8; rename it, or drop it with `dispatcher submit`"
-        return Refusal(name, why, job_id=_job_id_inside(path, fmt, config.max_order_bytes))
+        job_id, to = _names_inside(path, fmt, config.max_order_bytes)
+        return Refusal(name, why, job_id=job_id, agent=to if to in config.agents else None)
     try:
         data = fsutil.read_regular(path, config.max_order_bytes)
         again = os.lstat(path)
@@ -156,7 +157,8 @@ def _read(name: str, config: Config, st: os.stat_result, path: str) -> Inspected
         if loaded:
             return Refusal(name, exc.reason, job_id=job_id_of(loaded[0]), agent=agent_of(loaded[0], config))
         # a large YAML file is not parsed a second time, here on the claim's way
-        return Refusal(name, exc.reason, job_id=None if apart else read_job_id(data, fmt))
+        job_id, to = (None, None) if apart else read_names(data, fmt)
+        return Refusal(name, exc.reason, job_id=job_id, agent=to if to in config.agents else None)
     except (OSError, MemoryError):
         raise  # a shortage: the file waits
     except Exception as exc:  # noqa: BLE001 - a value no rule foresaw: refused, never holding up the orders behind it
@@ -170,10 +172,15 @@ def _read(name: str, config: Config, st: os.stat_result, path: str) -> Inspected
 
 def _job_id_inside(path: str, fmt: str, max_bytes: int) -> str | None:
     """Return the job_id a refused file's order names, if it can be read (for its result.json), else None."""
+    return _names_inside(path, fmt, max_bytes)[0]
+
+
+def _names_inside(path: str, fmt: str, max_bytes: int) -> tuple[str | None, str | None]:
+    """Return the job_id and ``to`` a refused file's order names, where they can be read, else None."""
     try:
-        return read_job_id(fsutil.read_regular(path, max_bytes), fmt)
+        return read_names(fsutil.read_regular(path, max_bytes), fmt)
     except (OSError, ValueError, fsutil.NotRegular):
-        return None
+        return None, None
 
 
 def job_id_in_file(path: str, name: str) -> str | None:

@@ -433,22 +433,38 @@ def read_job_id(data: bytes, fmt: str) -> str | None:
     For a refused file's result.json: a date or a duplicate key elsewhere in the file
     does not hide the id it names. None when the document does not parse even so.
     """
+    return read_names(data, fmt)[0]
+
+
+def read_names(data: bytes, fmt: str) -> tuple[str | None, str | None]:
+    """Return the top-level ``job_id`` and ``to`` strings of a refused document, as a plain parse reads them.
+
+    YAML that no parse reads (an escape of a lone surrogate, an alias never defined): its
+    one top-level `job_id:` (and `to:`) line, if it holds a plain name, still says which job
+    was refused, for whom.
+    """
     try:
         text = decode(data)
     except (OrderError, ValueError):
-        return None
+        return None, None
     try:
         body = json.loads(text, parse_int=_plain_int) if fmt == "json" else yaml.load(text, Loader=_PlainLoader)  # noqa: S506
     except (OrderError, ValueError, yaml.YAMLError, RecursionError):
-        # YAML that no parse reads (an escape of a lone surrogate, an alias never defined): its one
-        # top-level `job_id:` line, if it holds a plain id, still says which job was refused
-        found = _JOB_ID_LINE.findall(text) if fmt == "yaml" else []
-        return found[0][1] if len(found) == 1 else None
-    job_id = body.get("job_id") if isinstance(body, dict) else None
-    return job_id if isinstance(job_id, str) and lone_surrogate(job_id) is None else None
+        if fmt != "yaml":
+            return None, None
+        ids, tos = _JOB_ID_LINE.findall(text), _TO_LINE.findall(text)
+        return (ids[0][1] if len(ids) == 1 else None), (tos[0][1] if len(tos) == 1 else None)
+    if not isinstance(body, dict):
+        return None, None
+    job_id, to = body.get("job_id"), body.get("to")
+    return (
+        job_id if isinstance(job_id, str) and lone_surrogate(job_id) is None else None,
+        to if isinstance(to, str) and lone_surrogate(to) is None else None,
+    )
 
 
 _JOB_ID_LINE = re.compile(r"""^job_id:[ \t]*(["']?)([A-Za-z0-9][A-Za-z0-9._-]{0,127})\1[ \t]*(?:#.*)?$""", re.MULTILINE)
+_TO_LINE = re.compile(r"""^to:[ \t]*(["']?)([A-Za-z0-9][A-Za-z0-9._-]{0,127})\1[ \t]*(?:#.*)?$""", re.MULTILINE)
 
 
 def _text(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
