@@ -1130,6 +1130,27 @@ def test_file_with_an_awkward_name_is_refused_not_fatal(env: Env, name: bytes) -
     assert kept == [b"{not json"]
 
 
+@pytest.mark.parametrize(
+    ("name", "stem"),
+    [
+        (b"caf\xe9" * 50 + b".json", b"caf\xe9" * 45),  # not UTF-8: every byte of the first 180 kept
+        ("é".encode() * 100 + b".json", "é".encode() * 90),  # UTF-8: 180 bytes, whole characters
+        (b"a" + "é".encode() * 100 + b".json", b"a" + "é".encode() * 89),  # 181 would split one: 179
+    ],
+    ids=["not-utf8", "utf8", "utf8-split"],
+)
+def test_a_long_refused_names_folder_keeps_the_stems_first_180_bytes(env: Env, name: bytes, stem: bytes) -> None:
+    """README, limits: a refused file's folder `failed/<stem>@<time>/` keeps the stem's first 180 bytes, whatever
+    they are; a UTF-8 character the cut would split is left out whole."""
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True)
+    with open(os.fsencode(inbox) + b"/" + name, "wb") as f:
+        f.write(b"{not json")
+    assert env.cli("run", "--once", timeout=90).returncode == 1
+    [folder] = os.listdir(os.fsencode(env.root / "failed"))
+    assert folder.rpartition(b"@")[0] == stem, folder
+
+
 # -- run --once -----------------------------------------------------------------------------------
 
 

@@ -165,6 +165,17 @@ def finish_stage(layout: Layout, stage: Path) -> None:
 
 
 def _cut(text: str, limit: int) -> str:
-    """Return text cut to at most limit bytes of its file-system encoding."""
+    """Return text cut to at most limit bytes of its file-system encoding.
+
+    Every byte before the cut is kept, also those of a name that is not UTF-8; only a UTF-8
+    character the cut would split is left out whole.
+    """
     raw = os.fsencode(text)
-    return text if len(raw) <= limit else os.fsdecode(raw[:limit].decode("utf-8", "ignore").encode())
+    if len(raw) <= limit:
+        return text
+    end = limit
+    while end > max(0, limit - 3) and raw[end] & 0xC0 == 0x80 and raw[end - 1] >= 0x80:  # inside a character
+        end -= 1
+    if end < limit and raw[end] < 0xC0:  # no lead byte there: no character was split, the bytes were no UTF-8
+        end = limit
+    return os.fsdecode(raw[:end])
