@@ -599,7 +599,9 @@ def test_an_idle_daemon_with_a_long_lease_stops_at_once_while_postgresql_is_down
 @pytest.mark.parametrize(("busy", "lease"), [(False, 6), (True, 6), (True, 30)])
 def test_a_stop_is_answered_while_postgresql_is_silent(env: Env, own_pg: PgServer, busy: bool, lease: int) -> None:
     """The server's processes stopped (SIGSTOP: its kernel still answers TCP, no query returns): SIGTERM still
-    ends the daemon within stop_timeout and a margin, exit 0, idle or with an agent running; the work is kept."""
+    ends the daemon within stop_timeout and a margin for a busy machine, exit 0, idle or with an agent running;
+    the work is kept. With an agent running it took stop_timeout + 3 s: the lease's renewal, hung in a connect to
+    the silent server, was waited for at the stop (2 s) and again at the ledger's close (1 s)."""
     env.configure(
         {"tiny": hold_agent(env, 1), "long": hold_agent(env, 60)},
         ledger=own_pg.dsn, lease=lease, stop_timeout=4, kill_grace=1, watch="poll", max_jobs=4,
@@ -616,7 +618,7 @@ def test_a_stop_is_answered_while_postgresql_is_silent(env: Env, own_pg: PgServe
         os.kill(pid, signal.SIGSTOP)
     try:
         time.sleep(2.0)  # its lease renewal and gate reads now hang in the server's silence
-        took = stopped_within(d, signal.SIGTERM, 4 + 1 + 5)
+        took = stopped_within(d, signal.SIGTERM, 4 + 2.5)
         assert d.proc is not None and d.proc.returncode == 0
         print(f"stopped in {took:.1f} s")
     finally:

@@ -343,7 +343,7 @@ class Daemon(Reloading, Fencing):
         if self.watch is not None:
             self.watch.close()
         if self.lease is not None:
-            self.lease.stop()
+            self.lease.stop(wait=not self.ledger.giving_up())
         self.notifier.stopping()
         await self.gatekeeper.stop()
         await self.house.close()

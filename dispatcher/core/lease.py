@@ -107,6 +107,13 @@ class LeaseKeeper:
                 continue  # sent long before it was answered (an outage): good for too short a time, renew again now
             self._stop.wait(renew_every if ok else min(1.0, renew_every))
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> None:
+        """End the thread: at once, or after the renewal under way (``wait``; at most ``_JOIN_S``).
+
+        A stop whose ledger waits have given up (its deadline is near) does not wait: a renewal
+        hung on a silent server would hold the stop past ``stop_timeout``, and one that lands
+        after the daemon's row is closed changes nothing (it renews only a lease not ended).
+        """
         self._stop.set()
-        self._thread.join(timeout=min(self.lease_s, _JOIN_S))  # a renewal hung on the network: not waited for
+        if wait:
+            self._thread.join(timeout=min(self.lease_s, _JOIN_S))

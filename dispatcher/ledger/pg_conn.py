@@ -305,12 +305,19 @@ class Pool:
         fails as a lost connection, and its caller's wait gives up at the stop.
         """
         now = time.monotonic()
+        idle: list[Conn] = []
         with self._cond:
             stuck = [conn for conn, since in self._busy.values() if now - since >= older_than_s]
             cut = sum(cut_socket(conn) for conn in stuck)
             if cut:
                 self.deadline = now  # and a new connection to that silent server is given up at once
-            return cut
+                idle, self._idle = self._idle, []  # as the idle ones to it are: a step lent one would hang too
+                self._count -= len(idle)
+                self._cond.notify_all()
+        for conn in idle:
+            cut_socket(conn)
+            conn.close()
+        return cut
 
     def close(self) -> None:
         """Close idle connections now and busy ones when they come back."""

@@ -244,8 +244,9 @@ class Leases:
                 self.runner.run("close", body, write=True, patience_s=min(5.0, self.lease_s / 3))
             except (LedgerUnavailable, psycopg.Error) as exc:
                 log.warning("ledger.close_failed", error=str(exc), owner=self.owner)
-        # a renewal hung in a connect to a silent server holds the lock until its timeout: not waited for
-        if self._lock.acquire(timeout=1.0 if self.silent else -1):
+        # a renewal hung in a connect to a silent server holds the lock until its timeout: not waited for (the
+        # process ends; its connection with it)
+        if self._lock.acquire(blocking=not self.silent):
             try:
                 if self._conn is not None:
                     self._conn.close()
