@@ -189,7 +189,7 @@ CASES = [
     ("receipt_outputs", evidence(receipt=receipt(output_ids=[*IDS, "R9"])), False, "extra R9"),
     ("receipt_outputs", evidence(receipt=receipt(output_ids=[*IDS, "R1"])), False, "counts differ"),
     ("receipt_outputs", evidence(receipt=receipt(output_ids="R1")), False, "not a list"),
-    ("receipt_outputs", evidence(output=rows("R1"), receipt=receipt(output_ids=["R1"])), True, "1 output ids"),
+    ("receipt_outputs", evidence(output=rows("R1"), receipt=receipt(output_ids=["R1"])), True, "1 output id matches"),
     # allowed_values
     ("allowed_values", evidence(), True, "3 records"),
     ("allowed_values", evidence(order=make_order(accept={"output": "out.csv"})), None, "no accept.allowed"),

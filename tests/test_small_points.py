@@ -399,3 +399,16 @@ def test_a_refused_orders_agent_is_the_same_in_its_result_list_show_and_log(env:
     ]
     shown = json.loads(env.cli("show", "REF-AGENT-1", "--json", check=True).stdout)
     assert shown["agent"] == "worker"
+
+
+def test_check_details_of_a_one_item_order_are_in_the_singular(env: Env) -> None:
+    """An order of one item: the checks' details say `1 input id matches the order`, `1 record, one per item`, as
+    `show` prints them (README, the receipt and the checks: `5 input ids match the order`, ...)."""
+    env.configure()
+    env.drop(order("ONE-ITEM", items=[{"id": "R1"}], accept={"output": "out.csv", "required": ["id"]}))
+    assert env.cli("run", "--once").returncode == 0
+    details = {c["name"]: c["detail"] for c in env.result("ONE-ITEM", "done")["checks"]}
+    assert details["receipt_inputs"] == "1 input id matches the order"
+    assert details["output_rows"] == "1 record, one per item"
+    assert details["receipt_outputs"] == "1 output id matches out.csv"
+    assert details["allowed_values"] == "1 record uses allowed values"

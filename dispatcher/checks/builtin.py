@@ -20,7 +20,7 @@ from dispatcher.checks.facts import Evidence
 from dispatcher.checks.summary import OTHERS_MAX, OutputSummary, id_key, id_shown, listed, shown, stored_key
 from dispatcher.errors import cut, printable
 from dispatcher.spec.result import CheckResult
-from dispatcher.text import exit_text, number, plain
+from dispatcher.text import exit_text, number, plain, plural
 
 DETAIL_MAX = 1000
 
@@ -132,9 +132,9 @@ def receipt_inputs(ev: Evidence) -> CheckResult:
     if not isinstance(ids, list):
         return r(False, "input_ids is not a list")
     if ids == list(ev.order.item_ids):  # the usual receipt: the item ids in order, each once
-        return r(True, f"{len(ids)} input ids match the order")
+        return r(True, _match(len(ids), "input id", "the order"))
     wrong = _compare_ids(ids, ev.order.item_ids, "input_ids")
-    return r(False, wrong) if wrong else r(True, f"{len(ids)} input ids match the order")
+    return r(False, wrong) if wrong else r(True, _match(len(ids), "input id", "the order"))
 
 
 def _summary(ev: Evidence) -> OutputSummary | None:
@@ -157,11 +157,11 @@ def output_rows(ev: Evidence) -> CheckResult:
     if summary is None:
         return r(False, f"{out} is not usable")
     if summary.one_per_item:  # no problem to look for
-        return r(True, f"{summary.records} records, one per item")
+        return r(True, f"{plural(summary.records, 'record')}, one per item")
     problems = summary.problems(ev.order.item_ids)
     if problems:
         return r(False, f"{out} {ev.order.accept.key}: " + "; ".join(problems))
-    return r(True, f"{summary.records} records, one per item")
+    return r(True, f"{plural(summary.records, 'record')}, one per item")
 
 
 def receipt_outputs(ev: Evidence) -> CheckResult:
@@ -179,11 +179,11 @@ def receipt_outputs(ev: Evidence) -> CheckResult:
     if not isinstance(got, list):
         return r(False, "output_ids is not a list")
     if summary.one_per_item and got == list(summary.item_counts):  # the item ids in order, each in one record
-        return r(True, f"{len(got)} output ids match {out}")
+        return r(True, _match(len(got), "output id", out))
     have = Counter(map(stored_key, got))
     want = summary.id_counts()
     if summary.complete and have == want:
-        return r(True, f"{len(got)} output ids match {out}")
+        return r(True, _match(len(got), "output id", out))
     names = summary.shown_ids()
     missing = sorted(names[k] for k in want if k not in have)
     # Without every id of the output known, only ids known to be in it or known to be absent
@@ -215,7 +215,7 @@ def allowed_values(ev: Evidence) -> CheckResult:
         return r(None, "no usable output")
     if summary.first_bad is not None:
         return r(False, summary.first_bad.describe())
-    return r(True, f"{summary.records} records use allowed values")
+    return r(True, f"{plural(summary.records, 'record')} {'uses' if summary.records == 1 else 'use'} allowed values")
 
 
 def in_scope(path: str, writes: Sequence[str]) -> bool:
@@ -374,3 +374,8 @@ def verdict(results: Sequence[CheckResult], *, exit_lost: bool = False) -> str |
         if res.ok is False or (required and res.ok is not True):
             return f"{res.name}: {res.detail}"
     return None
+
+
+def _match(n: int, what: str, where: str) -> str:
+    """Return `3 input ids match the order`, `1 input id matches the order`."""
+    return f"{plural(n, what)} {'matches' if n == 1 else 'match'} {where}"
