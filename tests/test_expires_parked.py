@@ -71,3 +71,22 @@ def test_a_job_waiting_for_a_paused_agent_past_its_expires_fails_expired_without
     wait_until(lambda: (env.root / "done" / "M" / "result.json").exists(), what="M done after retry")
     assert sorted(j for j, _ in env.starts()) == ["M", "M2", "W1"]
     assert d.stop() == 0
+
+
+def test_an_order_for_a_paused_agent_expires_on_time_while_every_slot_is_busy(env: Env) -> None:
+    """`pause merger`; a slow job holds the only slot; an order for merger expiring 2 s ahead is refused `expired`
+    then, not when the slot frees (README: also when it waited for a gate, a `pause`, with every slot busy)."""
+    env.configure({"slow": env.agent("--sleep", SLOW_S), "merger": env.agent()}, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.cli("pause", "merger", check=True)
+    env.drop(order("slow1", to="slow"))
+    d.wait_event("agent.started", job_id="slow1")
+    expires = time.time() + 2
+    env.drop(order("exp", to="merger", expires=iso(expires)))
+    refused = env.wait_refused("exp")
+    late = datetime.fromisoformat(refused["finished"].replace("Z", "+00:00")).timestamp() - expires
+    assert late < 3, f"refused {late:.1f} s after its expires: at the busy slot's end, not its time"
+    assert refused["reason"] == "expired"
+    assert sorted(j for j, _ in env.starts()) == ["slow1"]
+    assert d.stop() == 0

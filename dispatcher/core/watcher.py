@@ -277,6 +277,7 @@ class Inbox:
                 self._aside_names.discard(entry.name)
                 self._ready_names.add(entry.name)
                 heapq.heappush(self._ready, entry._replace(agent=""))
+                heapq.heappush(self._expiring, (entry.expires, entry._replace(agent="")))  # slot or not
 
     def next_due_s(self) -> float | None:
         """Return seconds until the next order held back by not_before is due, or one set aside expires (or None)."""
@@ -352,7 +353,11 @@ class Inbox:
         return entry.name
 
     def pop_expired(self, at: float) -> list[str]:
-        """Take the ready names whose order expired by ``at`` (at a glance), slot or not: each is refused then."""
+        """Take the ready names whose order expired by ``at`` (at a glance), slot or not: each is refused then.
+
+        Orders set aside for a gated agent whose ``expires`` came are among them (``_promote_due``).
+        """
+        self._promote_due()
         out = []
         while self._expiring and self._expiring[0][0] <= at:
             _, entry = heapq.heappop(self._expiring)
