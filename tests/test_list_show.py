@@ -266,9 +266,10 @@ def test_a_retried_job_back_in_active_is_as_old_as_its_return_not_its_first_clai
 
 
 def test_an_order_read_ahead_is_as_old_in_active_as_its_claim(env: Env) -> None:
-    """`concurrency: 1`: S2 is read while S1 runs and claimed 4 s later. In active/ its age in `list` and `status` is
-    the time since its claim (README: a job's claim in active/), not since its order was read."""
-    env.configure(agents={"worker": {**env.agent("--sleep", "4"), "concurrency": 1}}, max_jobs=4)
+    """`concurrency: 1`: S2 is read while S1 runs and claimed 8 s later. In active/ its age in `list` and `status` is
+    the time since its claim (README: a job's claim in active/), not since its order was read (a bound of 5 s leaves
+    a busy machine's commands room)."""
+    env.configure(agents={"worker": {**env.agent("--sleep", "8"), "concurrency": 1}}, max_jobs=4)
     d = env.daemon()
     d.wait_ready()
     env.drop(order("S1"))
@@ -277,9 +278,9 @@ def test_an_order_read_ahead_is_as_old_in_active_as_its_claim(env: Env) -> None:
     d.wait_event("order.received", job_id="S2")
     d.wait_event("job.claimed", job_id="S2", timeout=60)
     rows = [json.loads(x) for x in env.cli("list", "--state", "active", "--json", check=True).stdout.splitlines()]
-    assert [(r["job_id"], r["age_s"] < 2.5) for r in rows] == [("S2", True)], rows
+    assert [(r["job_id"], r["age_s"] < 5) for r in rows] == [("S2", True)], rows
     active = json.loads(env.cli("status", "--json", check=True).stdout)["active"]
-    assert [(a["job_id"], a["age_s"] < 2.5) for a in active] == [("S2", True)], active
+    assert [(a["job_id"], a["age_s"] < 5) for a in active] == [("S2", True)], active
     assert d.stop() == 0
 
 
