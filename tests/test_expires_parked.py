@@ -90,3 +90,23 @@ def test_an_order_for_a_paused_agent_expires_on_time_while_every_slot_is_busy(en
     assert refused["reason"] == "expired"
     assert sorted(j for j, _ in env.starts()) == ["slow1"]
     assert d.stop() == 0
+
+
+def test_an_order_for_an_agent_resumed_before_its_expires_expires_on_time_while_every_slot_is_busy(env: Env) -> None:
+    """`pause merger`; a slow job holds the only slot; an order for merger expiring 4 s ahead; `resume merger` 1 s
+    later, the slot still busy: the order is refused `expired` at its expires, not when the slot frees."""
+    env.configure({"slow": env.agent("--sleep", "10"), "merger": env.agent()}, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.cli("pause", "merger", check=True)
+    env.drop(order("slow1", to="slow"))
+    d.wait_event("agent.started", job_id="slow1")
+    expires = time.time() + 4
+    env.drop(order("exp", to="merger", expires=iso(expires)))
+    time.sleep(1)
+    env.cli("resume", "merger", check=True)
+    refused = env.wait_refused("exp")
+    late = datetime.fromisoformat(refused["finished"].replace("Z", "+00:00")).timestamp() - expires
+    assert late < 3, f"refused {late:.1f} s after its expires: at the busy slot's end, not its time"
+    assert refused["reason"] == "expired" and sorted(j for j, _ in env.starts()) == ["slow1"]
+    assert d.stop() == 0

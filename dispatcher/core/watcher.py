@@ -450,6 +450,8 @@ class Inbox:
                 else:
                     self._ready_names.add(name)
                     heapq.heappush(self._ready, entry)
+                    if entry.expires != float("inf"):  # refused at its expires, slot or not, as before it was set aside
+                        heapq.heappush(self._expiring, (entry.expires, entry))
 
     def any_aside(self) -> bool:
         """Return True if orders of some agent were left unread for a gate (``take_back`` has work)."""
