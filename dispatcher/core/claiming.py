@@ -303,7 +303,7 @@ class Claims:
                 return Gone(name)  # a claim cut short left its job's own file, expired by now: no refusal
             folder = refuse(self.layout, timing, self.ledger.owner, self.on_refused)
             return Gone(name, refused=folder is not None)
-        return Parked(Kind.NEW, found.order.job_id, found.order.to, found)
+        return Parked(Kind.NEW, found.order.job_id, found.order.to, found, expires=found.order.expires)
 
     def _first_sight(self, key: tuple[str, object, object]) -> bool:
         """Return True the first time a file (by name and what identifies its content) is read: its order.received."""

@@ -103,7 +103,7 @@ class ReadAside(abc.ABC):
             await self._refuse(timing)
         else:
             log.info("order.received", agent=found.order.to, file=name, job_id=found.order.job_id)
-            p = Parked(Kind.NEW, found.order.job_id, found.order.to, found)
+            p = Parked(Kind.NEW, found.order.job_id, found.order.to, found, expires=found.order.expires)
             if cancel:
                 self._launch_now(p)
             else:

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from dispatcher.core.ahead import Ahead, ClaimsAhead
-from dispatcher.core.claiming import Claims, expiry, not_now
+from dispatcher.core.claiming import Claims, not_now
 from dispatcher.core.gatekeeper import gated_agents
 from dispatcher.core.readaside import RETRY_LATER_S, ReadAside, Stats
 from dispatcher.core.requests import Requests, parked_again
@@ -182,13 +182,9 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         joined_rank: Rank | None = None  # the best ready join left for an order of higher rank
         expired: list[Parked | str] = []  # ready joins past their expires: they fail `expired`, without a slot
         for p in list(self.parked):
-            if expiry(p, wall) is not None:  # refused in the claim's trip, without a slot (section 16)
-                self.parked.remove(p)
-                batch.append(p)
-                continue
-            if p.expires is not None and p.expires <= wall:
-                self.parked.remove(p)
-                expired.append(p)
+            if p.expires is not None and p.expires <= wall:  # an order refused `expired` in the claim's trip, a ready
+                self.parked.remove(p)  # join failed `expired`: without a slot (section 16)
+                (expired if p.kind is Kind.JOINED else batch).append(p)
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue

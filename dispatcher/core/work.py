@@ -51,7 +51,7 @@ class Parked:
     host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
     resume: Resume | None = None  # a claimed job queued again after a shortage, as it was
     rank: tuple[int, float] | None = None  # a join ready to run: (-priority, received), as parked orders rank
-    expires: float | None = None  # a join ready to run: when it fails `expired` if still waiting for a slot
+    expires: float | None = None  # an order (its `expires`) or a ready join: refused or failed `expired` then
 
 
 @dataclass(frozen=True, slots=True)
