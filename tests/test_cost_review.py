@@ -453,19 +453,27 @@ KILL_POINTS = [
 ]
 
 
+def decision_killed_at(env: Env, job_id: str, approve: bool, fault: str) -> Daemon:
+    """Run a review agent's job into review/, kill its approve (or reject) at ``fault``, and wait until the daemon's
+    rescan has landed it in done/ (or failed/); return that daemon."""
+    reviewed(env)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple(job_id))
+    wait_until((env.root / "review" / job_id).exists, 30, "the job in review/")
+    action = ["approve", job_id] if approve else ["reject", job_id, "--reason", "no"]
+    assert decide(env, *action, fault=fault).returncode == -9
+    want = "done" if approve else "failed"
+    wait_until(lambda: (env.root / want / job_id / "result.json").exists(), 30, f"{job_id} landed in {want}/")
+    return d
+
+
 @pytest.mark.parametrize("approve", [True, False])
 def test_a_decision_killed_after_naming_its_result_is_landed_by_the_daemon(env: Env, approve: bool) -> None:
     """approve/reject killed between naming result.json and moving the folder: with no command run again, the
     daemon's rescan lands the job in done/ (releasing its follow-up once) or failed/ (section 11)."""
-    reviewed(env)
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(simple("KILL-1"))
-    wait_until((env.root / "review" / "KILL-1").exists, 30, "the job in review/")
-    action = ["approve", "KILL-1"] if approve else ["reject", "KILL-1", "--reason", "no"]
-    assert decide(env, *action, fault="review.named").returncode == -9
+    d = decision_killed_at(env, "KILL-1", approve, "review.named")
     want = "done" if approve else "failed"
-    wait_until(lambda: (env.root / want / "KILL-1" / "result.json").exists(), 30, f"KILL-1 landed in {want}/")
     assert not (env.root / "review" / "KILL-1").exists()
     assert env.result("KILL-1", want)["state"] == want
     if approve:
@@ -565,15 +573,8 @@ def test_a_decision_killed_at_any_step_ends_in_one_place(env: Env, approve: bool
 def test_a_decision_cut_short_before_its_line_is_logged_by_the_daemon_that_lands_it(env: Env, approve: bool) -> None:
     """approve/reject killed right after the ledger took the decision, before it logged it: the daemon's rescan
     lands the job and logs job.approved or job.rejected once, with its figures (sections 8 and 11)."""
-    reviewed(env)
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(simple("CUT-1"))
-    wait_until((env.root / "review" / "CUT-1").exists, 30, "the job in review/")
-    action = ["approve", "CUT-1"] if approve else ["reject", "CUT-1", "--reason", "no"]
-    assert decide(env, *action, fault="review.decided").returncode == -9
-    want, event = ("done", "job.approved") if approve else ("failed", "job.rejected")
-    wait_until(lambda: (env.root / want / "CUT-1" / "result.json").exists(), 30, f"CUT-1 landed in {want}/")
+    d = decision_killed_at(env, "CUT-1", approve, "review.decided")
+    event = "job.approved" if approve else "job.rejected"
     line = d.wait_event(event, job_id="CUT-1")
     assert line["agent"] == "worker" and {"duration_s", "cost_usd", "chain_cost_usd"} <= set(line), line
     assert line["reason"] == (None if approve else "rejected: no")
