@@ -41,6 +41,11 @@ def number(value: float) -> str:
     return f"{Decimal(text):f}" if "e" in text else text  # 1.234e-05 is 0.00001234 for a person
 
 
+def gate_lifts(until: Any) -> str:
+    """Return when a gate lifts, for a person: its time, or `resumed` for a pause by hand (no time)."""
+    return "resumed" if until is None else plain(until)
+
+
 def plain(value: Any) -> str:
     """Return any JSON value as plain text for a person."""
     if value is None:

@@ -297,7 +297,8 @@ LIMITED = "import sys, time\nprint(f'rate limited until {int(time.time()) + 600}
 
 def test_a_job_waiting_at_a_usage_limit_is_listed_waiting_by_the_api_as_by_list(env: Env) -> None:
     """A job held by a usage limit is `waiting` (with `until`) in `list --state waiting --json`, not active:
-    /api/jobs?state=waiting and ?state=active answer the same as the command."""
+    /api/jobs?state=waiting and ?state=active answer the same as the command, and the overview does not list it
+    among the running agents."""
     script = env.tmp / "limited.py"
     script.write_text(LIMITED)
     limits = [{"match": r"rate limited until (\d+)", "until": "epoch"}]
@@ -313,6 +314,12 @@ def test_a_job_waiting_at_a_usage_limit_is_listed_waiting_by_the_api_as_by_list(
             assert without_ages(web.json(f"/api/jobs?state={state}")) == cli, state
         assert [r["job_id"] for r in web.json("/api/jobs?state=waiting")] == ["GATED-1"]
         assert web.json("/api/jobs?state=active") == []
+        # the overview lists no agent running, and shows the job apart with when its gate lifts, as `status` does
+        until = web.json("/api/status")["waiting"][0]["until"]
+        _, page, _ = web.get("/")
+        assert b'id="running"' not in page and b"No agent is running." in page
+        held = page.split(b'<table id="gate-waits">', 1)[1].split(b"</table>", 1)[0]
+        assert b'href="/jobs/GATED-1"' in held and until.encode() in held
     finally:
         web.stop()
         assert d.stop() == 0

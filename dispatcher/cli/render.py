@@ -10,7 +10,7 @@ from typing import Any
 
 from dispatcher.errors import printable
 from dispatcher.query.jobinfo import tree_cost
-from dispatcher.text import ago, escape_bidi, exit_text, plain, usd
+from dispatcher.text import ago, escape_bidi, exit_text, gate_lifts, plain, usd
 
 #: stopped daemons `status` names besides those that own active jobs (`--json` lists all)
 DEAD_SHOWN = 3
@@ -74,7 +74,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
         for row in info["active"]:
             flag = "" if row["daemon_alive"] else "  daemon not running"
             if row["job_id"] in gated:
-                flag += f"  waiting for a gate until {_until(gated[row['job_id']]['until'])}"
+                flag += f"  waiting for a gate until {gate_lifts(gated[row['job_id']]['until'])}"
             lines.append(
                 f"{_id_cell(row['job_id'], 28)} {_cell(row['agent'], 14):<14} {plain(row['pid']):>8} "
                 f"{_cell(row['host'], 16):<16} {ago(row['age_s']):>7}{flag}"
@@ -100,7 +100,7 @@ def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     for r in rows:
         reason = printable(r["reason"]) if r["reason"] else ""
         if r.get("state") == "waiting" and "until" in r:  # a gate's wait; a join's reason names its parents
-            reason = f"until {_until(r.get('until'))}"
+            reason = f"until {gate_lifts(r.get('until'))}"
         yield (
             f"{_id_cell(r['job_id'], width)}  {r['state']:<7}  {_cell(r['agent'], agent_w)}  "
             f"{ago(r['age_s']):>7}  {usd(r['cost_usd']):>{cost_w}}  {reason}"
@@ -168,7 +168,7 @@ def render_show(info: Mapping[str, Any]) -> str:
     joining = job["state"] == "waiting" and "until" not in job and bool(job.get("after"))  # its parents hold it
     if "until" in job:
         lines.append(
-            f"  waiting until {_until(job['until'])} (a gate holds its agent: a usage limit, a pause or a cap)"
+            f"  waiting until {gate_lifts(job['until'])} (a gate holds its agent: a usage limit, a pause or a cap)"
         )
     elif joining:
         lines.append(f"  waiting for {after}")
@@ -236,8 +236,3 @@ def render_tree(root_tree: dict[str, Any], me: str) -> str:
     walk(root_tree, "", True, True)
     lines.append(f"chain total: {usd(tree_cost(root_tree))}")
     return "\n".join(lines)
-
-
-def _until(value: Any) -> str:
-    """Return when a gate lifts, for a person: its time, or `resumed` for a pause by hand (no time)."""
-    return "resumed" if value is None else plain(value)

@@ -19,7 +19,7 @@ import jinja2
 from dispatcher.errors import printable
 from dispatcher.query.jobinfo import tree_cost
 from dispatcher.store.counts import LIST_STATES
-from dispatcher.text import ago, escape_bidi, plain, usd
+from dispatcher.text import ago, escape_bidi, gate_lifts, plain, usd
 
 #: rows on one page of the job list
 PAGE_ROWS = 200
@@ -94,12 +94,20 @@ def by_host(daemons: list[Mapping[str, Any]]) -> list[tuple[str, list[Mapping[st
 
 
 def overview(info: Mapping[str, Any], *, partial: bool, session: str | None) -> str:
-    """Return the overview page of a `status --json` answer."""
+    """Return the overview page of a `status --json` answer.
+
+    A job a gate holds is in active/ but runs no agent: it is shown apart, with when its gate lifts, as `status`
+    flags it."""
+    gated = {w["job_id"]: w for w in info.get("waiting") or []}
+    running = [a for a in info["active"] if a["job_id"] not in gated]
+    held = [(a, gate_lifts(gated[a["job_id"]].get("until"))) for a in info["active"] if a["job_id"] in gated]
     return render(
         "overview.html",
         partial=partial,
         title="overview",
         info=info,
+        running=running,
+        held=held,
         states=STATES,
         bars=spend_bars(info.get("spend_24h") or {}),
         hosts=by_host(info.get("daemons") or []),
