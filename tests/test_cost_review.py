@@ -384,7 +384,8 @@ def test_a_reviewed_job_keeps_its_follow_ups_through_a_ledger_rebuild(env: Env) 
 
 
 def test_a_rejected_job_fails_and_its_follow_ups_never_run(env: Env) -> None:
-    """reject --reason: the job ends in failed/ with reason `rejected: TEXT`; its follow-ups are never released."""
+    """reject --reason: the job ends in failed/ with reason `rejected: TEXT`; its follow-ups are never released,
+    and its result.json names no child."""
     reviewed(env)
     d = env.daemon()
     d.wait_ready()
@@ -393,6 +394,9 @@ def test_a_rejected_job_fails_and_its_follow_ups_never_run(env: Env) -> None:
     assert decide(env, "reject", "REV-2", "--reason", "wrong team").returncode == 0
     result = env.result("REV-2", "failed")
     assert result["reason"] == "rejected: wrong team"
+    # its follow-up never became a job: `children` names none (section 5: a list of job ids), as `show` says
+    assert result["children"] == [] and env.cli("show", "CHILD-1").returncode == 1, result
+    assert json.loads(env.cli("show", "REV-2", "--json", check=True).stdout)["children"] == []
     line = d.wait_event("job.rejected", job_id="REV-2")  # the job's end: the figures job.failed would carry
     assert {"duration_s", "cost_usd", "chain_cost_usd"} <= line.keys(), line
     time.sleep(2.0)

@@ -93,7 +93,8 @@ def _decide(
     withdrawn = False  # a revision asked for before this decision and not carried out yet
     if entry.state == Row.REVIEW:
         why = None if approve else cut_reason(f"rejected: {(reason or '').strip() or 'no reason given'}")
-        result = replace(result, state=str(state), reason=why, finished=iso(time.time()))
+        children = result.children if approve else ()  # a rejected job's follow-ups are dropped, never jobs
+        result = replace(result, state=str(state), reason=why, finished=iso(time.time()), children=children)
         folder.stage_result(result)
         faults.point("review.staged")
         item = Finish(job_id, entry.token, state, result.cost_usd, result.chain_cost_usd)
