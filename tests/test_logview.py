@@ -17,6 +17,7 @@ import re
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -311,6 +312,31 @@ def test_logs_of_a_missing_file_exits_2(tmp_path: Path) -> None:
     proc = logs_cmd(tmp_path, "nope.log")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "nope.log: no such log file"
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["plain", "follow"])
+def test_logs_reads_a_fifo_or_dev_stdin_as_a_file(tmp_path: Path, follow: bool) -> None:
+    """`dispatcher logs FILE` reads a FILE that is a pipe as it reads a log file: a FIFO (as `<(...)` gives) and
+    /dev/stdin from a pipe, with or without -f (a pipe ends when its writer closes it)."""
+    lines = [json.dumps(entry("job.claimed", job_id=f"J-{i}", agent="w")) for i in range(3)]
+    text = "\n".join(lines) + "\n"
+    flag = ["-f"] if follow else []
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with fifo.open("w") as w:
+            w.write(text)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    proc = logs_cmd(tmp_path, *flag, "--json", str(fifo))
+    writer.join(timeout=60)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == lines, proc.stderr
+    proc = logs_cmd(tmp_path, *flag, "--json", "/dev/stdin", stdin=text)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == lines, proc.stderr
+    proc = logs_cmd(tmp_path, *flag, str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.strip() == f"{tmp_path}: a folder, not a log file"
 
 
 def test_logs_without_log_file_names_the_journal_command(env: Env) -> None:

@@ -7,6 +7,7 @@ as `DispatchError`s for `cli.main` to print as one line.
 from __future__ import annotations
 
 import argparse
+import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,8 +32,23 @@ def cmd_logs(args: argparse.Namespace) -> int:
         return show(logview.read_stream(sys.stdin.buffer))
     if args.source is not None:
         source = Path(args.source)
-        if not args.follow and not source.is_file():
-            raise UsageError(f"{args.source}: no such log file")
+        try:
+            mode = source.stat().st_mode
+        except FileNotFoundError:
+            if not args.follow:  # -f waits for it, as `tail -F` does
+                raise UsageError(f"{printable(args.source)}: no such log file") from None
+            return show(logview.read_file(source, follow=True))
+        except OSError as e:
+            raise UsageError(f"{printable(args.source)}: cannot read ({e.strerror})") from None
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{printable(args.source)}: a folder, not a log file")
+        if not stat.S_ISREG(mode):  # a pipe, a FIFO, /dev/stdin, <(...): read to its end, -f or not
+            try:
+                stream = source.open("rb")
+            except OSError as e:
+                raise UsageError(f"{printable(args.source)}: cannot read ({e.strerror})") from None
+            with stream:
+                return show(logview.read_stream(stream))
         return show(logview.read_file(source, follow=args.follow))
     cfg = config_of(args)
     if cfg.log_file is None:
