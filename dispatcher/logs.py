@@ -149,7 +149,7 @@ def _iso(ns: int) -> str:
 
 def _cut(value: str, limit: int = FIELD_MAX) -> str:
     """Return a string field cut to limit, with a note saying how much was cut."""
-    return f"{value[:limit]}... (cut, {len(value) - limit} more characters)"
+    return f"{value[:limit]}… (cut, {len(value) - limit} more characters)"  # as a check's detail and a reason
 
 
 _dicts = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))

@@ -168,7 +168,7 @@ def test_a_long_string_field_is_cut_at_field_max(capture: Callable[..., Capture]
     n = logs.FIELD_MAX
     line = _both(cap, lambda: _log().info("big.field", text="x" * (n + 808), inner={"y": "y" * (n + 5)}, edge="a" * n))
     assert line == (
-        '{"text": "' + "x" * n + '... (cut, 808 more characters)", "inner": {"y": "' + "y" * (n + 5) + '"}, '
+        '{"text": "' + "x" * n + '\\u2026 (cut, 808 more characters)", "inner": {"y": "' + "y" * (n + 5) + '"}, '
         '"edge": "' + "a" * n + '", "event": "big.field", "level": "info", "timestamp": "TS"}'
     )
 
@@ -191,7 +191,7 @@ def test_a_cut_happens_before_redaction(capture: Callable[..., Capture]) -> None
     url = "postgresql://u:pw@db/x"
     line = _both(cap, lambda: _log().info("big.url", head=url + "z" * n))
     assert line == (
-        '{"head": "postgresql://u:***@db/x' + "z" * (n - len(url)) + f'... (cut, {len(url)} more characters)", '
+        '{"head": "postgresql://u:***@db/x' + "z" * (n - len(url)) + f'\\u2026 (cut, {len(url)} more characters)", '
         '"event": "big.url", "level": "info", "timestamp": "TS"}'
     )
 
@@ -557,7 +557,7 @@ def test_a_huge_nested_field_is_cut_as_its_json_text(capture: Callable[..., Capt
     line = _both(cap, lambda: _log().info("agent.exited", usage=usage, small=small))
     assert len(line) < 40_000, len(line)
     text = json.dumps(usage)
-    cut = text[: logs.NESTED_MAX] + f"... (cut, {len(text) - logs.NESTED_MAX} more characters)"
+    cut = text[: logs.NESTED_MAX] + f"… (cut, {len(text) - logs.NESTED_MAX} more characters)"
     assert json.loads(line) == {"usage": cut, "small": small, "event": "agent.exited", "level": "info",
                                 "timestamp": "TS"}  # fmt: skip
 
@@ -599,4 +599,4 @@ def test_a_line_never_passes_journalds_line_limit(capture: Callable[..., Capture
         assert len(line.encode()) <= logs.LINE_MAX < 48 * 1024, (name, len(line))
         entry = json.loads(line)
         assert entry["event"] == "agent.exited" and entry["name"] == name
-        assert any("... (cut, " in str(v) for v in entry.values()), name
+        assert any("… (cut, " in str(v) for v in entry.values()), name

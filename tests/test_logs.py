@@ -298,6 +298,27 @@ def test_sighup_with_a_bad_config_still_reopens_the_log_file(env: Env) -> None:
         assert d.stop() == 0
 
 
+def test_a_log_file_that_cannot_be_reopened_is_one_plain_line_naming_it(env: Env) -> None:
+    """A SIGHUP whose log_file cannot be made again (its folder is now a file) logs `log_file.reopen_failed` with
+    the path and the system's words, no Python notation (section 7), and the daemon writes on to the old file."""
+    logs_dir = env.tmp / "logs"
+    logs_dir.mkdir()
+    env.configure(log_file=str(logs_dir / "d.log"))
+    d = env.daemon()
+    try:
+        d.wait_ready()
+        logs_dir.rename(env.tmp / "logs.old")
+        logs_dir.write_text("x\n")
+        d.signal(signal.SIGHUP)
+        line = d.wait_event("log_file.reopen_failed")
+        assert line["file"] == str(logs_dir / "d.log") or line["file"] == str(logs_dir), line
+        assert line["error"] in ("Not a directory", "File exists"), line
+        d.wait_event("config.reloaded")
+        assert "log_file.reopen_failed" in {e["event"] for e in read_entries(env.tmp / "logs.old" / "d.log")}
+    finally:
+        assert d.stop() == 0
+
+
 # -- dispatcher.logs in-process -----------------------------------------------------------------
 
 

@@ -61,7 +61,8 @@ class Reloading:
         try:
             logs.SINK.open_file(self.config.log_file)  # reopen for logrotate, whatever the new config says
         except OSError as exc:
-            log.error("log_file.reopen_failed", error=str(exc))
+            where = exc.filename if exc.filename is not None else self.config.log_file  # the file or its folder
+            log.error("log_file.reopen_failed", file=str(where), error=exc.strerror or str(exc))
         try:
             if self.config_path is None:
                 raise ConfigError("no config file to reload")
