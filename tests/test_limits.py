@@ -219,6 +219,26 @@ def test_a_limit_beyond_max_limit_wait_fails_the_job(env: Env, bound: float, sho
     assert result["reason"].endswith(f"is beyond max_limit_wait ({shown} s)"), result["reason"]
 
 
+def test_a_retry_or_revise_of_a_job_failed_beyond_max_limit_wait_fails_at_once_while_the_gate_holds(env: Env) -> None:
+    """A job failed at a limit 2 minutes away (max_limit_wait 30): `retry` and then `revise` while the agent's gate
+    still holds fail it again at once with the same kind of reason; neither waits out the 2 minutes (the bound counts
+    a job's waits from its first attempt)."""
+    until = int(time.time() + 120)  # claude prints a whole epoch second
+    env.configure(agents={"worker": headless(env, {"limit": claude_limit(until)})}, max_limit_wait=30)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FAR-2"))
+    env.wait_job("FAR-2", "failed")
+    for n, action in enumerate((["retry", "FAR-2"], ["revise", "FAR-2", "--note", "try again"]), start=2):
+        assert env.cli(*action).returncode == 0
+        wait_until(lambda n=n: len(events(d, "job.failed", job_id="FAR-2")) == n, 30, f"{action[0]} failed at once")
+        result = env.result("FAR-2", "failed")
+        assert result["reason"].startswith("limit: Claude AI usage limit reached|"), result["reason"]
+        assert result["reason"].endswith("is beyond max_limit_wait (30 s)"), result["reason"]
+    assert env.starts() == [("FAR-2", 1)]  # the agent never ran again
+    assert d.stop() == 0
+
+
 def test_max_limit_wait_counts_a_wait_resume_cut_short_as_it_was(env: Env) -> None:
     """Two limits of 6 s each, max_limit_wait 10: resume ends the first after about a second, so the job waits
     about 7 s in all and ends done (the two planned waits, 12 s, would have failed it)."""
@@ -434,6 +454,13 @@ def test_a_job_whose_retry_meets_another_jobs_limit_past_max_limit_wait_keeps_it
     assert "not retried: limit: Claude AI usage limit reached|" in a["reason"], a["reason"]
     checks = {c["name"]: c for c in a["checks"]}
     assert checks["exit_ok"]["ok"] is False and not [c for c in a["checks"] if c["detail"].startswith("not run")]
+    # a person's retry while the gate still holds: it fails at once the same way, its lead and checks kept
+    assert env.cli("retry", "RA-1").returncode == 0
+    wait_until(lambda: len(events(d, "job.failed", job_id="RA-1")) == 2, 30, "the retry failed at the gate")
+    again = env.result("RA-1", "failed")
+    assert again["reason"].startswith("exit_ok: exit 1 in "), again["reason"]
+    assert "not retried: limit: Claude AI usage limit reached|" in again["reason"], again["reason"]
+    assert {c["name"]: c["ok"] for c in again["checks"]}["exit_ok"] is False
     assert d.stop() == 0
 
 

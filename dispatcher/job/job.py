@@ -182,7 +182,7 @@ class Job(Finishing, Deciding):
                 return spent
             if (gate := await self.waits.hold(self.spec.agent)) is not None:
                 self.limit_until = self._limit_deadline() if gate.kind == GateKind.LIMIT else None
-                if gate.until is not None and self.limit_until is not None and gate.until > self.limit_until:
+                if gate.until is not None and self.limit_until is not None and gate.until > self.limit_until + 0.001:
                     return await self._limit_wait_over(gate)
                 return Outcome.GATED  # set aside by the scheduler, without slots, until the gate lifts (or it expires)
             self.limit_until = None
@@ -209,7 +209,8 @@ class Job(Finishing, Deciding):
             start = last.ended + float(limited["wait_s"])
         else:
             start = self.waits.waiting_since or time.time()
-        return start + max(0.0, self.ctx.config().max_limit_wait_s - waited_s(self.attempts))
+        # past the bound already (a retry or revise of a job failed for it): before the end of its own last limit
+        return start + self.ctx.config().max_limit_wait_s - waited_s(self.attempts)
 
     async def _limit_wait_over(self, gate: Gate) -> Outcome:
         """Fail the job: the usage limit that holds its agent lasts beyond what max_limit_wait leaves it."""
@@ -220,10 +221,15 @@ class Job(Finishing, Deciding):
         last = max(self.attempts, key=lambda a: a.n)
         if isinstance(last.extra.get("limited"), dict):  # its own last attempt met the limit: none of it was checked
             return await self.finish(Row.FAILED, reason, self._limited_checks(last.n))
-        lead = verdict(self.checked) if self.checked else None  # it waited for its retry at another job's limit
+        checked = self.checked  # it waited for its retry at another job's limit
+        if checked:
+            lead: str | None = verdict(checked)
+        else:  # a person's retry or revise of a job whose last attempt was checked: that end's lead and checks
+            kept, checked = await self.ctx.lanes.io(self.folder.kept_end)
+            lead = kept.split("; ", 1)[0] if kept and checked else None
         if lead is None:
             return await self.finish(Row.FAILED, reason, [])
-        return await self.finish(Row.FAILED, f"{lead}; not retried: {reason}", self.checked)
+        return await self.finish(Row.FAILED, f"{lead}; not retried: {reason}", checked)
 
     async def _reland(self) -> Outcome:
         """Finish a job cut short while landing: its result is already written."""
