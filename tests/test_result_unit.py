@@ -173,3 +173,24 @@ def test_a_staged_result_is_named_over_only_the_result_json_this_process_named(t
     assert result.read_text() == "an agent's own" and staged.exists()
     assert JobFolder(folder_path).name_result(replace=True) == str(folder_path)  # a review's decision
     assert json.loads(result.read_text()) == {"try": 1}
+
+
+def test_an_attempt_record_written_again_is_never_left_torn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marking a retry writes attempt.json again: a crash in that write (here, every write failing once the
+    file is open) leaves the first record whole, with the agent's exit status, so that a failed agent can never
+    read as one whose status was lost (README: attempt.json, written once, with the exit status)."""
+    folder = JobFolder(tmp_path / "J-1")
+    (tmp_path / "J-1" / "attempts" / "1").mkdir(parents=True)
+    first = Attempt(n=1, started=1.0, ended=2.0, exit_code=3)
+    folder.record_attempt(first)
+
+    def crash(fd: int, data: object) -> int:
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr("os.write", crash)
+    with pytest.raises(OSError, match="killed mid-write"):
+        folder.record_attempt(replace(first, retry_next=True))
+    monkeypatch.undo()
+    assert [(a.n, a.exit_code, a.retry_next) for a in folder.attempts()] == [(1, 3, False)]
+    folder.record_attempt(replace(first, retry_next=True))
+    assert [(a.n, a.exit_code, a.retry_next) for a in folder.attempts()] == [(1, 3, True)]

@@ -283,8 +283,16 @@ class JobFolder:
             os.rmdir(folder)
 
     def record_attempt(self, attempt: Attempt) -> None:
-        """Write attempts/<n>/attempt.json (a torn one reads as missing: the attempt counts as interrupted)."""
-        fsutil.write_in_place(f"{self._attempts}/{attempt.n}/attempt.json", fsutil.dump_json(attempt.to_json()))
+        """Write attempts/<n>/attempt.json (a torn first one reads as missing: the attempt counts as interrupted).
+
+        A record written again (a retry marked, a usage limit noted) replaces the file whole through a
+        rename: a crash in the rewrite leaves the first record, with its exit status, never a torn one.
+        """
+        path, data = f"{self._attempts}/{attempt.n}/attempt.json", fsutil.dump_json(attempt.to_json())
+        try:
+            fsutil.write_new(path, data)
+        except FileExistsError:
+            fsutil.write_atomic(Path(path), data, sync=False)
 
     def stash(self, n: int, *, feedback: bool = False) -> None:
         """Move receipt.json and outbox/ (and feedback.json) of attempt n into attempts/<n>/ (idempotent).
