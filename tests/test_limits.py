@@ -348,6 +348,26 @@ def test_run_once_leaves_the_orders_of_an_agent_paused_by_hand(env: Env) -> None
     assert (env.root / "inbox" / "PAUSED-2.json").exists() and env.starts() == [("FREE-1", 1)]
 
 
+def test_a_paused_agent_taken_out_of_the_config_gets_its_orders_refused_and_resume_lifts_its_gate(env: Env) -> None:
+    """`pause gated`, then a config without `gated`: its order names an agent the config does not define, so
+    `run --once` refuses it (section 2) as `show` predicts, exit 1; `resume gated` still lifts the gate it kept."""
+    env.configure(agents={"worker": headless(env), "gated": headless(env)})
+    env.cli("pause", "gated", check=True)
+    env.configure(agents={"worker": headless(env)})
+    env.drop(order("GONE-1", to="gated"))
+    assert "refused when a daemon reads it" in env.cli("show", "GONE-1", check=True).stdout
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    refused = env.wait_refused("GONE-1", timeout=5)
+    assert "to:" in refused["reason"] and "gated" in refused["reason"], refused
+    assert not (env.root / "inbox" / "GONE-1.json").exists() and env.starts() == []
+    proc = env.cli("resume", "gated")
+    assert proc.returncode == 0 and proc.stdout.strip() == "gated: resumed (pause gate lifted)", proc.stderr
+    assert json.loads(env.cli("status", "--json", check=True).stdout)["gates"] == []
+    proc = env.cli("resume", "gated")  # nothing left to lift: a name the config does not have
+    assert proc.returncode == 1 and "gated: no such agent in" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("how", ["retry", "revise"])
 def test_run_once_leaves_a_retried_job_of_an_agent_paused_by_hand(env: Env, how: str) -> None:
     """A `retry` (or `revise`) of a job whose agent is paused: `run --once` claims it, sets it aside in active/

@@ -35,13 +35,20 @@ DUE_SLACK_S = 0.005  # a gate is lifted this long after its time, so that the ti
 
 
 def gated_agents(gates: Iterable[Gate], agents: Iterable[str], at: float) -> set[str]:
-    """Return the agents a gate holds at ``at`` (a gate of ``*`` holds every agent)."""
-    names = list(agents)
+    """Return the agents a gate holds at ``at`` (a gate of ``*`` holds every agent).
+
+    Only ``agents`` (the configured ones) are held: an order for a name the config no longer has is
+    read, and refused as any order naming an unknown agent is, whatever gate that name kept.
+    """
+    names = set(agents)
     out: set[str] = set()
     for g in gates:
         if g.until is not None and g.until <= at:
             continue
-        out.update(names if g.agent == EVERY_AGENT else [g.agent])
+        if g.agent == EVERY_AGENT:
+            out |= names
+        elif g.agent in names:
+            out.add(g.agent)
     return out
 
 

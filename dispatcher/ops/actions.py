@@ -382,10 +382,10 @@ class Operator:
 
         ``*`` lifts the gates of every agent at once: the root's daily cap.
         """
-        if agent != EVERY_AGENT:
-            self._agent(agent)
-        lifted = self.ledger.lift_gates(agent)
+        lifted = self.ledger.lift_gates(agent)  # a gate kept by a name the config no longer has is lifted too
         if not lifted:
+            if agent != EVERY_AGENT:
+                self._agent(agent)
             raise WrongState(f"{agent}: is not gated")
         for g in lifted:
             log.info("agent.resumed", agent=agent, kind=g.kind, by="hand")
