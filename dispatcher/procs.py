@@ -63,18 +63,29 @@ def age_s() -> float:
 def is_alive(
     pid: int, started: float | None = None, *, boot_started: float | None = None, tolerance_s: float = 1.5
 ) -> bool:
-    """Return True if pid runs (not a zombie) and, if given, is the process that was recorded.
-
-    ``boot_started`` is the start on the boot clock (``CLOCK_BOOTTIME``), the clock
-    /proc's start ticks count on: it never steps, so a wall-clock jump (NTP, a
-    resumed VM) cannot make a live agent look like someone else's process.
-    ``started`` (wall clock) is only used for records made without it.
-    """
+    """Return True if pid runs (not a zombie) and, if given, is the process that was recorded (``is_recorded``)."""
     fields = stat_fields(pid)
     if fields is None or fields[0] in ("Z", "X"):
         return False
+    return is_recorded(fields, started, boot_started=boot_started, tolerance_s=tolerance_s)
+
+
+def is_recorded(
+    fields: list[str], started: float | None, *, boot_started: float | None = None, tolerance_s: float = 1.5
+) -> bool:
+    """Return True if the process of these /proc/PID/stat fields (alive or a zombie) started when recorded.
+
+    ``boot_started`` is the start on the boot clock (``CLOCK_BOOTTIME``), the clock
+    /proc's start ticks count on, noted just after the spawn returned: it never steps,
+    so a wall-clock jump (NTP, a resumed VM) cannot make a live agent look like someone
+    else's process. The process forked before its note was made, so one that started
+    after the note (by more than a clock tick) took the pid since, however soon; one
+    that started more than ``tolerance_s`` before it is not the one either.
+    ``started`` (wall clock, good to about a second) is only used for records made without it.
+    """
     if boot_started is not None:
-        return abs(start_boot_s(fields) - boot_started) <= tolerance_s
+        start = start_boot_s(fields)
+        return boot_started - tolerance_s <= start <= boot_started + 1 / os.sysconf("SC_CLK_TCK")
     if started is None:
         return True
     return abs(started_at(fields) - started) <= tolerance_s

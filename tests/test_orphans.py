@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,13 +13,54 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import Env, cli_env, order, wait_until
+from helpers_faults import alive
 
 from dispatcher import procs
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.orphans import leftover_groups
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+needs_ns_last_pid = pytest.mark.skipif(
+    not os.access(NS_LAST_PID, os.W_OK), reason="giving a process a chosen pid writes ns_last_pid (root)"
+)
+# runs argv[1:] as its child, as a child subreaper: the orphans below it come to it and are reaped, then it exits
+REAPER = """
+import ctypes, os, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+child = os.fork()
+if child == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
+# takes pid argv[1] for a new session's leader that starts one member (no DISPATCH_* variable, traps SIGTERM into
+# the file argv[2]) and exits: the usual double fork. Prints the member's pid (nothing if the pid could not be had).
+TAKE_PID = """
+import os, signal, sys, time
+target = int(sys.argv[1])
+for _ in range(100):
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(target - 1))
+    leader = os.fork()
+    if leader == 0:
+        if os.getpid() != target:
+            os._exit(1)
+        os.setsid()
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[2], "a").write("TERM\\n"))
+            print(os.getpid(), flush=True)
+            while True:
+                time.sleep(60)
+        os._exit(0)
+    os.waitpid(leader, 0)
+    if leader == target:
+        break
+"""
 
 
 @pytest.fixture
@@ -119,6 +162,119 @@ def test_an_ended_agent_is_not_found(tmp_path: Path, spawned: list[subprocess.Po
     p.kill()
     p.wait()
     assert leftover_groups([(folder, 1)]) == {"J-4": []}
+
+
+def at_pid(pid: int, spawned: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    """Start a sleeping session leader as process pid (through ns_last_pid), once that pid is free."""
+    for _ in range(100):
+        NS_LAST_PID.write_text(str(pid - 1))
+        p = subprocess.Popen(SLEEP, env={"PATH": os.environ["PATH"]}, start_new_session=True)
+        spawned.append(p)
+        if p.pid == pid:
+            return p
+    raise AssertionError(f"another process took pid {pid} each time")
+
+
+def test_a_recorded_agent_that_is_only_a_zombie_has_nothing_left_to_end(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """Its group holds no live process: no group to signal, no orphan to report."""
+    folder = job_folder(tmp_path, "J-8")
+    folder.make_logs(1)
+    p = agent(spawned, folder.work, "J-8", 1, clear=True)
+    folder.note_agent(1, p.pid)
+    p.kill()
+    wait_until(lambda: not alive(p.pid), 10, "the agent to be a zombie")
+    assert Path(f"/proc/{p.pid}").exists(), "the zombie was reaped"
+    assert leftover_groups([(folder, 1)]) == {"J-8": []}
+
+
+@needs_ns_last_pid
+def test_a_session_that_took_the_recorded_pid_at_once_is_not_the_agent(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """The agent ended and was reaped; a new session leader got its pid well within a second of the agent's start
+    (and more than a tick of /proc's clock after it was noted): not the agent, whose start a tolerance covers."""
+    folder = job_folder(tmp_path, "J-9")
+    folder.make_logs(1)
+    p = agent(spawned, folder.work, "J-9", 1, clear=True)
+    folder.note_agent(1, p.pid)
+    time.sleep(0.1)  # more than a clock tick of /proc's start times (10 ms) after the note
+    p.kill()
+    p.wait()
+    other = at_pid(p.pid, spawned)
+    record = folder.pid_record(1)
+    fields = procs.stat_fields(other.pid)
+    assert record is not None and fields is not None
+    assert abs(procs.start_boot_s(fields) - record["boot_started"]) < 1.5, "the pid was not taken soon enough"
+    assert leftover_groups([(folder, 1)]) == {"J-9": []}
+    assert alive(other.pid)
+
+
+@needs_ns_last_pid
+def test_recovery_leaves_alone_a_group_that_took_a_dead_agents_pid(env: Env) -> None:
+    """kill -9 of the daemon, then of the agent's group (reaped by a subreaper while no daemon runs); a new session
+    takes the agent's pid, starts a member without DISPATCH_* variables and exits. `run --once` must not signal
+    that member nor report it as the job's orphan: the job fails, interrupted and not retried."""
+    agent_ = {"command": ["sleep", "60"], "retry_safe": False, "max_attempts": 1, "timeout": 100}
+    env.configure(agents={"worker": agent_}, kill_grace=1)
+    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"]
+    with (env.tmp / "daemon.log").open("wb") as out:
+        reaper = subprocess.Popen(
+            [sys.executable, "-c", REAPER, *argv], stdout=out, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env()
+        )
+    termed = env.tmp / "termed.txt"
+    taker: subprocess.Popen[str] | None = None
+    pid = member = 0
+    try:
+        env.drop(order("REUSED-1"))
+        log = env.root / "active" / "REUSED-1" / "attempts" / "1" / "stdout.log"
+
+        def noted() -> int:
+            try:
+                return int(os.getxattr(log, "user.dispatcher.agent").split()[0])
+            except OSError:
+                return 0
+
+        pid = wait_until(noted, 30, "the agent's note on its stdout.log")
+        children = Path(f"/proc/{reaper.pid}/task/{reaper.pid}/children").read_text().split()
+        os.kill(int(children[0]), signal.SIGKILL)  # the daemon
+        os.killpg(pid, signal.SIGKILL)
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), 10, "the agent to be reaped")
+        reaper.wait(10)
+
+        taker = subprocess.Popen(
+            [sys.executable, "-c", REAPER, sys.executable, "-c", TAKE_PID, str(pid), str(termed)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=cli_env(),
+        )
+        assert taker.stdout is not None
+        member = int(taker.stdout.readline() or 0)
+        assert member, f"another process took pid {pid} each time"
+        assert os.getpgid(member) == pid and not Path(f"/proc/{pid}").exists()
+
+        proc = env.cli("run", "--once", timeout=60)
+        ended = [line for line in (proc.stdout + proc.stderr).splitlines() if "orphan_ended" in line]
+        assert ended == [], ended
+        assert alive(member) and not termed.exists(), "recovery signalled a process that is not the job's"
+        result = json.loads((env.root / "failed" / "REUSED-1" / "result.json").read_text())
+        assert "interrupted" in json.dumps(result)
+    finally:
+        if reaper.poll() is None:  # cut short before the kills: the daemon and the agent go now, reaped by it
+            for child in Path(f"/proc/{reaper.pid}/task/{reaper.pid}/children").read_text().split():
+                os.kill(int(child), signal.SIGKILL)
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            reaper.wait(10)
+        if member:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member, signal.SIGKILL)
+        if taker is not None:
+            taker.wait(10)
+            assert taker.stdout is not None
+            taker.stdout.close()
 
 
 def test_a_running_record_of_an_older_daemon_is_still_honoured(

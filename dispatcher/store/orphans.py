@@ -37,15 +37,24 @@ def leftover_groups(attempts: Sequence[tuple[JobFolder, int]]) -> dict[str, list
 
 
 def _recorded(info: dict[str, object]) -> list[int]:
-    """The group of a recorded pid: if its leader runs with the recorded start, or is gone while members remain."""
+    """The group of a recorded pid, while that pid is still the agent's (running, or a zombie) and a member runs.
+
+    A pid that leads or names a process group is not given to a new process, so while the
+    agent is there (its start as recorded) the group is its own. Once the agent is gone, or
+    its pid names a process that started after it, a group with that number may be someone
+    else's that took the pid: its members are the job's only by their environment
+    (``procs.job_groups``), never by the number.
+    """
     pid = int(str(info["pid"]))
     boot = info.get("boot_started")
     started = info.get("started")
-    ours = procs.is_alive(
-        pid,
+    fields = procs.stat_fields(pid)
+    if fields is None or not procs.is_recorded(
+        fields,
         float(str(started)) if started is not None else None,
         boot_started=float(str(boot)) if boot is not None else None,
-    )
-    if ours or (not procs.is_alive(pid) and procs.group_members(pid)):
+    ):
+        return []
+    if any(state not in ("Z", "X") for _pid, state, _ppid in procs.group_members(pid)):
         return [pid]
-    return []
+    return []  # only zombies: nothing is left to end
