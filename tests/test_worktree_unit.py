@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Env
-from git_helpers import code_order, coder, git, make_repo
+from conftest import Env, wait_until
+from git_helpers import code_order, coder, git, make_repo, starts
 from test_checks_unit import evidence, files
 
 from dispatcher.checks.builtin import writes_scope
@@ -117,6 +117,36 @@ def test_a_finished_jobs_worktree_locked_by_hand_is_named_and_kept_not_removed(e
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [e["jobs"] for e in events if e["event"] == "workspace.removed"] == [["LK"]]
     assert not path.exists()
+
+
+@pytest.mark.parametrize("who", ["agent", "person"])
+def test_a_worktree_locked_while_its_job_runs_keeps_the_work_and_stays(env: Env, tmp_path: Path, who: str) -> None:
+    """`git worktree lock` while the job runs (by the agent in its folder, or by a person): once done, what the agent
+    left uncommitted is committed on its branch all the same, result.json and the land hook name that head, and the
+    locked worktree stays, named in `workspace.locked` with its unlock hint. A lock was taken for git's own lock of
+    an add cut short: the work was on no branch, head was the base and the worktree was removed."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    lock = ["--git", "worktree lock --reason inspecting ."] if who == "agent" else ["--sleep", "4"]
+    land = ["sh", "-c", 'echo "{head}" > "$0"', str(log)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/{job}.txt=x", *lock, land=land)})
+    env.drop(code_order("L1"))
+    path = env.root / ".state" / "worktrees" / "L1"
+    d = env.daemon()
+    if who == "person":
+        wait_until(lambda: starts(env), what="the agent to start")
+        git(repo, "worktree", "lock", "--reason", "inspecting", str(path))
+    result = env.wait_job("L1", "done")
+    d.wait_event("job.landed", job_id="L1")
+    d.stop()
+    locked = [(e["worktrees"], e["hint"]) for e in d.events() if e["event"] == "workspace.locked"]
+    head = git(repo, "rev-parse", "dispatch/L1")
+    assert result["workspace"]["head"] == head != result["workspace"]["base"]
+    assert result["workspace"]["changed"] == ["src/L1.txt"]
+    assert git(repo, "show", "dispatch/L1:src/L1.txt") == "x"
+    assert log.read_text().strip() == head
+    assert locked == [([f"{path} (inspecting)"], "git worktree unlock PATH")]
+    assert (path / "src" / "L1.txt").is_file() and f"worktree {path}\n" in git(repo, "worktree", "list", "--porcelain")
 
 
 def test_validate_names_a_missing_repository_and_hook_program(env: Env, tmp_path: Path) -> None:

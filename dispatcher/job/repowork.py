@@ -43,6 +43,7 @@ from dispatcher.store.jobstore import JobFolder
 
 log = structlog.get_logger("dispatcher")
 _LOCKS: dict[str, asyncio.Lock] = {}
+UNLOCK_HINT = "git worktree unlock PATH"  # how a worktree locked on purpose, named in ``workspace.locked``, goes
 
 
 def repo_lock(repo: str) -> asyncio.Lock:
@@ -322,7 +323,9 @@ class JobRepo:
             while self.ws is not None and not self._seal_failed:
                 try:
                     async with repo_lock(self.ws.repo):
-                        await self.lanes.io(worktree.clear, self.ws)
+                        kept = await self.lanes.io(worktree.clear, self.ws)
+                    if kept is not None:  # locked on purpose: whoever locked it unlocks it, then a start removes it
+                        log.warning("workspace.locked", repo=self.ws.repo, worktrees=[kept], hint=UNLOCK_HINT)
                     break
                 except (GitError, OSError, MemoryError) as exc:
                     short = _short_cause(exc)  # waited out until a stop, which leaves it to the next start
@@ -495,7 +498,7 @@ async def housekeep(
                 log.warning("workspace.prune_failed", repo=repo, error=str(exc))
                 continue
             if locked:
-                log.warning("workspace.locked", repo=repo, worktrees=locked, hint="git worktree unlock PATH")
+                log.warning("workspace.locked", repo=repo, worktrees=locked, hint=UNLOCK_HINT)
     afters = await lanes.io(afterowed.look, layout)
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     if startup or afters.interrupted:  # after the hooks a crash left running are ended: a hook runs in the worktree

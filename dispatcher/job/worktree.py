@@ -47,6 +47,7 @@ _IDENTITY = {
     "GIT_COMMITTER_NAME": "dispatcher",
     "GIT_COMMITTER_EMAIL": "dispatcher@localhost",
 }
+ADDING = "initializing"  # the lock reason git writes while `git worktree add` makes a worktree
 _BUSY = ("index.lock", ".lock': File exists", "cannot lock ref", "Unable to create", "is locked")
 
 
@@ -222,10 +223,22 @@ def _git_entry_name(folder: str) -> str:
 
 
 def _registered(ws: Workspace) -> bool:
-    """Return True when the repository holds the worktree's entry, not locked by an unfinished add."""
+    """Return True when the repository holds the worktree's entry, not locked by an unfinished add.
+
+    Only git's own lock of an add (reason ``initializing``) says the add is unfinished: a worktree
+    locked on purpose (`git worktree lock`, by a person or the agent) is complete.
+    """
     mine = os.path.join(ws.path, ".git")
     entry = next((admin for admin, gitdir in _entries(ws) if gitdir == mine), None)
-    return entry is not None and not (entry / "locked").exists()
+    return entry is not None and _lock_reason(entry) != ADDING
+
+
+def _lock_reason(admin: Path) -> str | None:
+    """Return the reason of a worktree entry's lock (stripped, maybe empty), or None when it is not locked."""
+    try:
+        return (admin / "locked").read_text(errors="replace").strip()
+    except OSError:
+        return None
 
 
 def is_ready(ws: Workspace) -> bool:
@@ -248,17 +261,23 @@ def has_branch(ws: Workspace) -> bool:
     return bool(git(ws.repo, "rev-parse", "--verify", "--quiet", ref, check=False).strip())
 
 
-def clear(ws: Workspace) -> None:
-    """Remove whatever is left at the worktree's path (a worktree, a half-made one, a folder).
+def clear(ws: Workspace) -> str | None:
+    """Remove whatever is left at the worktree's path (a worktree, a half-made one, a folder); None when done.
 
     An add that died half-way leaves its entry locked (git locks it first), maybe without
     its ``gitdir`` file or with it still empty, which makes ``git worktree list`` fail for the whole repository:
     such an entry of this worktree's is unlocked and removed. Entries of other worktrees,
-    locked or not, are never touched.
+    locked or not, are never touched. The worktree locked on purpose (`git worktree lock`) is
+    left as it is, and its line for ``workspace.locked`` is returned instead: its path and lock reason.
     """
     mine = os.path.join(ws.path, ".git")
+    entries = _entries(ws)
+    for admin, gitdir in entries:
+        reason = _lock_reason(admin) if gitdir == mine else None
+        if reason is not None and reason != ADDING:
+            return f"{ws.path} ({reason or 'no reason'})"
     registered = False
-    for admin, gitdir in _entries(ws):
+    for admin, gitdir in entries:
         if _half_written(gitdir, mine) and (admin / "locked").exists():
             shutil.rmtree(admin, ignore_errors=True)
         elif gitdir == mine:
@@ -270,6 +289,7 @@ def clear(ws: Workspace) -> None:
     shutil.rmtree(ws.path, ignore_errors=True)
     if registered and any(gitdir == mine for _admin, gitdir in _entries(ws)):
         git(ws.repo, "worktree", "prune")
+    return None
 
 
 def _half_written(gitdir: str | None, mine: str) -> bool:
@@ -299,7 +319,9 @@ def create(ws: Workspace, *, from_branch: bool) -> None:
 
 
 def _add(ws: Workspace, *, from_branch: bool) -> None:
-    clear(ws)
+    kept = clear(ws)
+    if kept is not None:
+        raise GitError(f"worktree {kept} is locked: unlock it with git worktree unlock {ws.path}")
     os.makedirs(os.path.dirname(ws.path), exist_ok=True)
     tip = ""
     if from_branch:
@@ -544,7 +566,7 @@ def prune(repo: str) -> list[str]:
     return [
         f"{p} ({e['locked'] or 'no reason'})"
         for p, e in worktrees(repo).items()
-        if "locked" in e and (e["locked"] or "").strip() != "initializing"
+        if "locked" in e and (e["locked"] or "").strip() != ADDING
     ]
 
 
@@ -582,10 +604,10 @@ def _locked_on_purpose(path: Path) -> bool:
         text = (path / ".git").read_text().strip()
         if not text.startswith("gitdir: "):
             return False
-        reason = (Path(text[len("gitdir: ") :]) / "locked").read_text()
     except OSError:
         return False
-    return reason.strip() != "initializing"
+    reason = _lock_reason(Path(text[len("gitdir: ") :]))
+    return reason is not None and reason != ADDING
 
 
 def _repo_of(path: Path) -> str | None:
