@@ -50,6 +50,19 @@ def test_a_later_limit_extends_a_gate_and_every_handle_sees_it(engine: Engine) -
     assert gate.holds("coder", now) and not gate.holds("other", now) and not gate.holds("coder", now + 91)
 
 
+def test_a_gates_reason_is_the_text_of_the_limit_that_set_its_until(engine: Engine) -> None:
+    """A shorter limit met later leaves the gate its time and its text; a longer one brings its own text."""
+    a, b = engine.daemon("a"), engine.daemon("b")
+    now = time.time()
+    a.set_gate(Gate("cc", GateKind.LIMIT, now + 40, "wait 40 s"), at=now)
+    b.set_gate(Gate("cc", GateKind.LIMIT, now + 5, "wait 5 s"), at=now)
+    (gate,) = a.gates()
+    assert (gate.until, gate.reason) == (pytest.approx(now + 40), "wait 40 s")
+    b.set_gate(Gate("cc", GateKind.LIMIT, now + 50, "wait 50 s"), at=now)
+    (gate,) = b.gates()
+    assert (gate.until, gate.reason) == (pytest.approx(now + 50), "wait 50 s")
+
+
 def test_a_pause_holds_until_lifted_and_expired_gates_are_lifted_once(engine: Engine) -> None:
     """A pause (no until) outlives expiry sweeps; an expired limit is lifted by one sweep only."""
     a, b = engine.daemon("a"), engine.daemon("b")

@@ -136,10 +136,18 @@ def test_a_clock_limit_is_read_in_its_zone_and_resume_lifts_it(env: Env) -> None
                 "exit": 1,
             },
         ),
+        (
+            "CODEX-GO",  # the API prints a Go duration: 6m0s, 1h2m3s, here 0m3s
+            {
+                "stderr": "Rate limit reached for o3 in organization org-abc on requests per day (RPD): Limit 100,"
+                " Used 100, Requested 1. Please try again in 0m3s.",
+                "exit": 1,
+            },
+        ),
     ],
 )
 def test_retry_after_and_codex_limits_wait_their_seconds(env: Env, name: str, limit: dict[str, Any]) -> None:
-    """An HTTP 429 with Retry-After: 3, and Codex's "try again in 3 seconds": a wait of 3 s, then done."""
+    """An HTTP 429 with Retry-After: 3, Codex's "try again in 3 seconds", the API's "0m3s": a wait of 3 s, then done."""
     env.configure(agents={"worker": headless(env, {"limit": {"times": 1, **limit}})})
     d = env.daemon()
     d.wait_ready()
@@ -512,6 +520,43 @@ def test_a_job_held_by_a_gate_another_limit_moved_later_shows_that_later_time(en
     ]
     assert [r["until"] for r in listed if r["job_id"] == "SHORT-A"] == [later]
     env.wait_job("SHORT-A", "done", timeout=30)
+    assert d.stop() == 0
+
+
+TWO_WAITS = """import os, subprocess, sys, time
+plan = {"Y1": (1.0, 40), "Y2": (2.0, 5)}
+job = os.environ["DISPATCH_JOB_ID"]
+if os.environ["DISPATCH_ATTEMPT"] == "1" and job in plan:
+    pause, ahead = plan[job]
+    time.sleep(pause)
+    print("wait %d s" % ahead)
+    sys.exit(1)
+sys.exit(subprocess.run(sys.argv[1:]).returncode)
+"""
+
+
+def test_a_shorter_limit_met_later_leaves_the_gate_its_longer_limits_time_and_text(env: Env) -> None:
+    """Y1 meets `wait 40 s`, then Y2 `wait 5 s` a second later: the agent's gate keeps Y1's time, and with it Y1's
+    text, in `status` and `status --json`; Y2's job.waiting gives the time it waits for, the gate's, with its text
+    (section 14: agent.limited, job.waiting; `status` prints a `gated` line)."""
+    script = env.tmp / "two_waits.py"
+    script.write_text(TWO_WAITS)
+    work = env.agent()["command"]
+    limits = [{"match": r"wait (\d+) s", "until": "seconds"}]
+    agent = {**env.agent(), "command": [sys.executable, str(script), *work], "limits": limits, "concurrency": 3}
+    env.configure(agents={"cc": agent}, max_jobs=3)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("Y1", to="cc"))
+    env.drop(order("Y2", to="cc"))
+    y1 = d.wait_event("agent.limited", job_id="Y1")
+    assert y1["text"] == "wait 40 s"
+    waiting = d.wait_event("job.waiting", job_id="Y2")
+    assert (waiting["until"], waiting["reason"]) == (y1["until"], "wait 40 s"), waiting
+    [gate] = [g for g in status(env)["gates"] if g["agent"] == "cc"]
+    assert (gate["until"], gate["reason"]) == (y1["until"], "wait 40 s"), gate
+    [line] = [x for x in env.cli("status", check=True).stdout.splitlines() if x.startswith("gated")]
+    assert line.endswith(f"until {y1['until']}  wait 40 s"), line
     assert d.stop() == 0
 
 

@@ -33,6 +33,13 @@ ALL = preset("claude") + preset("codex") + preset("http429")
         ("You've hit your usage limit. Upgrade to Pro or try again in 8 hours 30 minutes.", 8 * 3600 + 30 * 60),
         ('Error: {"type":"error","error":{"type":"usage_limit_reached","resets_in_seconds":13872}}', 13872),
         ("Rate limit reached for gpt-4 in organization org-x on tokens per min. Please try again in 1.5s.", 1.5),
+        (
+            "Rate limit reached for o3 in organization org-abc on requests per day (RPD): Limit 100, Used 100,"
+            " Requested 1. Please try again in 6m0s.",
+            360,
+        ),
+        ("Rate limit reached for gpt-4o on tokens per min (TPM). Please try again in 1h2m3s. Visit ...", 3723),
+        ("Rate limit reached for gpt-4o on tokens per min (TPM). Please try again in 1m30.5s.", 90.5),
         ("HTTP/1.1 429 Too Many Requests\r\nRetry-After: 30\r\n", 30),
         ("5-hour limit reached ∙ resets 3pm (Europe/Stockholm)", 4 * 3600),  # 15:00 CET is 14:00 UTC
         (
@@ -129,6 +136,18 @@ def test_clock_and_duration_readings() -> None:
     assert (at.hour, at.minute) == (15, 0)
     assert clock_time("25:00", NOW) is None and clock_time("3pm (Mars/Base)", NOW) is None
     assert duration_s("2 hours 5 minutes") == 7500 and duration_s("250ms") == 0.25 and duration_s("soon") is None
+
+
+def test_durations_read_only_units_they_know() -> None:
+    """Go's compound durations read whole; "90 milliseconds" is 0.09 s, not 90 minutes; "1 month" is no duration,
+    so a rule that takes it finds no limit (the attempt counts as the failure it is)."""
+    assert duration_s("6m0s") == 360 and duration_s("1h2m3s") == 3723 and duration_s("1m30.5s") == 90.5
+    assert duration_s("90 milliseconds") == pytest.approx(0.09) and duration_s("3 hrs") == 10800
+    assert duration_s("1 month") is None and duration_s("2 hours 1 month") is None
+    rule = (LimitRule("custom wait (.+)$", "seconds"),)
+    hit = find_limit("custom wait 90 milliseconds", rule, NOW)
+    assert hit is not None and hit.until == pytest.approx(NOW + 0.09)
+    assert find_limit("custom wait 1 month", rule, NOW) is None
 
 
 @pytest.mark.parametrize(

@@ -211,8 +211,9 @@ class Waits:
     async def _holding(self, agent: Agent, *, fresh: bool) -> Gate | None:
         """Return the gate holding the agent now: the snapshot, this job's own limit, a daily cap."""
         now = time.time()
-        if not fresh and self.not_before > now:  # the snapshot may not know it yet; the ledger does
-            return Gate(agent.name, GateKind.LIMIT, self.not_before, self.not_before_text)
+        if not fresh and self.not_before > now:  # the snapshot may not know it yet; a later gate it knows wins
+            own = Gate(agent.name, GateKind.LIMIT, self.not_before, self.not_before_text)
+            return holding([*self.gates(), own], agent.name, now)
         cfg = self.config()
         agent = cfg.agents.get(agent.name, agent)  # a cap a reload set, raised or removed counts from now on
         capped = agent.max_daily_cost_usd is not None or cfg.max_daily_cost_usd is not None

@@ -309,7 +309,8 @@ class Ledger(ABC):
     # -- gates and waits (contract section 14) ----------------------------------------------
     @abstractmethod
     def set_gate(self, gate: Gate, *, at: float) -> bool:
-        """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held at ``at``."""
+        """Gate an agent (a later ``until`` of the same kind wins, with its reason); return True if none of that
+        kind held at ``at``."""
 
     @abstractmethod
     def lift_gates(

@@ -23,21 +23,23 @@ class Gates:
         self.runner = runner
 
     def set_gate(self, gate: Gate, *, at: float) -> bool:
-        """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held."""
+        """Gate an agent (a later ``until`` of the same kind wins, with its reason); return True if none of that
+        kind held."""
 
         def body(cur: Cur) -> bool:
             row = cur.execute(
-                "SELECT until FROM gates WHERE agent = %s AND kind = %s FOR UPDATE", (gate.agent, gate.kind)
+                "SELECT until, reason FROM gates WHERE agent = %s AND kind = %s FOR UPDATE", (gate.agent, gate.kind)
             ).fetchone()
             held = row is not None and (row[0] is None or row[0] > at)
-            until = gate.until
-            if held and row is not None and gate.kind != GateKind.BUDGET and until is not None:
-                until = None if row[0] is None else max(float(row[0]), until)
+            until, reason = gate.until, gate.reason
+            longer = row is not None and until is not None and (row[0] is None or float(row[0]) > until)
+            if held and longer and row is not None and gate.kind != GateKind.BUDGET:
+                until, reason = row[0], row[1]  # the gate in force lasts longer: its time and text stay
             cur.execute(
                 f"INSERT INTO gates (agent, kind, until, reason, updated) VALUES (%s, %s, %s, %s, {_NOW})"  # noqa: S608
                 " ON CONFLICT (agent, kind) DO UPDATE SET until = EXCLUDED.until, reason = EXCLUDED.reason,"
                 " updated = EXCLUDED.updated",
-                (gate.agent, gate.kind, until, gate.reason),
+                (gate.agent, gate.kind, until, reason),
             )
             return not held
 

@@ -410,7 +410,8 @@ class PostgresLedger(Ledger, LeasesInterface):
 
     # -- gates and waits (pg_gates) ----------------------------------------------------------
     def set_gate(self, gate: Gate, *, at: float) -> bool:
-        """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held."""
+        """Gate an agent (a later ``until`` of the same kind wins, with its reason); return True if none of that
+        kind held."""
         return self._gates.set_gate(gate, at=at)
 
     def lift_gates(

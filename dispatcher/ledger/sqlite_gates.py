@@ -21,17 +21,20 @@ class SqliteGates(SqliteDb):
     """Gates and waits over the ``SqliteDb`` connection."""
 
     def set_gate(self, gate: Gate, *, at: float) -> bool:
-        """Gate an agent (a later ``until`` of the same kind wins); return True if none of that kind held."""
+        """Gate an agent (a later ``until`` of the same kind wins, with its reason); return True if none of that
+        kind held."""
 
         def body(db: sqlite3.Connection) -> bool:
-            row = db.execute("SELECT until FROM gates WHERE agent = ? AND kind = ?", (gate.agent, gate.kind)).fetchone()
+            row = db.execute(
+                "SELECT until, reason FROM gates WHERE agent = ? AND kind = ?", (gate.agent, gate.kind)
+            ).fetchone()
             held = row is not None and (row[0] is None or row[0] > at)
-            until = gate.until
-            if held and gate.kind != GateKind.BUDGET and until is not None:
-                until = None if row[0] is None else max(row[0], until)
+            until, reason = gate.until, gate.reason
+            if held and gate.kind != GateKind.BUDGET and until is not None and (row[0] is None or row[0] > until):
+                until, reason = row[0], row[1]  # the gate in force lasts longer: its time and text stay
             db.execute(
                 "INSERT OR REPLACE INTO gates (agent, kind, until, reason, updated) VALUES (?, ?, ?, ?, ?)",
-                (gate.agent, gate.kind, until, gate.reason, now()),
+                (gate.agent, gate.kind, until, reason, now()),
             )
             return not held
 

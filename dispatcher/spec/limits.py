@@ -3,7 +3,7 @@
 An agent's ``limits:`` is a list of rules, each a regular expression whose first
 group names a time, read as ``epoch`` (seconds since 1970), ``clock`` (a time of
 day: ``17:30``, ``3pm``, ``12:50am``, UTC unless the text names a zone such as
-``(Europe/Berlin)``) or ``seconds`` (``30``, ``1.5s``, ``4 days 20 hours 9
+``(Europe/Berlin)``) or ``seconds`` (``30``, ``1.5s``, ``6m0s``, ``4 days 20 hours 9
 minutes``). The presets hold what the CLIs print, as their own trackers quote it:
 
 - ``claude``: ``Claude AI usage limit reached|1760000400`` (headless mode),
@@ -16,7 +16,7 @@ minutes``). The presets hold what the CLIs print, as their own trackers quote it
   4 days 20 hours 9 minutes.``, its newer ``... or try again at 3:45 PM.`` and ``... try
   again at Jul 9th, 2026 1:47 AM.`` (read as UTC, like every clock without a zone), the
   API's ``"resets_in_seconds": 13872`` and
-  ``Rate limit reached for ... Please try again in 1.5s``;
+  ``Rate limit reached for ... Please try again in 1.5s`` (or ``6m0s``, as Go prints a duration);
 - ``http429``: a ``429`` (or ``Too Many Requests``) with a ``Retry-After: 30`` header.
 
 Pure: the caller passes the text and the time; nothing here reads a clock or a file.
@@ -68,7 +68,9 @@ _HALF = r"(?:[ap]\.?m\.?(?![A-Za-z]))"  # am, p.m.; never the start of a word ("
 _CLOCK = r"(" + _DATE + r"?\d{1,2}(?::\d{2})?\s*" + _HALF + r"?(?:\s*\([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*\)|\s+UTC)?)"
 _CODEX_HIT = r"(?is)You(?:'|\u2019)ve hit your usage limit\b.{0,300}?"  # a straight or a curly apostrophe
 _RESETS = r"\s*[∙·•|-]\s*resets\s+(?:at\s+)?"
-_DURATION = r"((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|h|minutes?|mins?|m|seconds?|secs?|s|ms)\b[\s,]*(?:and\s+)?)+)"
+# one or more amounts with a unit, spelled out ("4 days 20 hours") or as Go prints them ("6m0s", "1m30.5s", "250ms")
+_UNIT = r"(?:days?|d|hours?|h|minutes?|mins?|m|seconds?|secs?|s|milliseconds?|ms)(?![A-Za-z])"
+_DURATION = r"((?:\d+(?:\.\d+)?\s*" + _UNIT + r"[\s,]*(?:and\s+)?)+)"
 PRESETS: dict[str, tuple[LimitRule, ...]] = {
     "claude": (
         LimitRule(r"Claude AI usage limit reached\|(\d{9,13})", "epoch", "claude"),
@@ -200,22 +202,30 @@ def _bounded(t: float) -> float | None:
     return None if math.isnan(t) else min(t, LATEST)
 
 
-_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+_UNITS = {
+    **dict.fromkeys(("d", "day", "days"), 86400.0),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600.0),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60.0),
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1.0),
+    **dict.fromkeys(("ms", "msec", "msecs", "millisecond", "milliseconds"), 0.001),
+}
 
 
 def duration_s(text: str) -> float | None:
-    """Read ``30``, ``1.5s``, ``250ms`` or ``4 days 20 hours 9 minutes`` as seconds."""
+    """Read ``30``, ``1.5s``, ``250ms``, ``6m0s`` or ``4 days 20 hours 9 minutes`` as seconds.
+
+    A unit not known (``1 month``) makes the whole text unreadable: None.
+    """
     text = text.strip().lower()
     try:
         return float(text)
     except ValueError:
         pass
     total, found = 0.0, False
-    for amount, unit in re.findall(r"(\d+(?:\.\d+)?)\s*(ms|[a-z]+)", text):
-        key = "ms" if unit == "ms" else "m" if unit.startswith("min") else unit[0]
-        if key not in _UNITS:
+    for amount, unit in re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]+)", text):
+        if unit not in _UNITS:
             return None
-        total += float(amount) * _UNITS[key]
+        total += float(amount) * _UNITS[unit]
         found = True
     return total if found else None
 
