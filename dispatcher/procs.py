@@ -231,6 +231,35 @@ def group_members(pgid: int) -> list[tuple[int, str, int]]:
     return members
 
 
+def holds_open_under(pid: int, folder: str) -> bool:
+    """Return True if pid has a file under folder open (its descriptors as /proc shows them)."""
+    prefix = folder.rstrip("/") + "/"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def job_id_of(pid: int) -> str | None:
+    """Return the DISPATCH_JOB_ID of pid's environment, or None (none, or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    for entry in data.split(b"\0"):
+        if entry.startswith(b"DISPATCH_JOB_ID="):
+            return entry[len(b"DISPATCH_JOB_ID=") :].decode(errors="replace")
+    return None
+
+
 def job_groups(jobs: Mapping[str, str]) -> dict[str, list[int]]:
     """Return the process groups still running for jobs, in one walk of /proc.
 

@@ -278,6 +278,60 @@ def test_recovery_leaves_alone_a_group_that_took_a_dead_agents_pid(env: Env) -> 
             taker.stdout.close()
 
 
+@pytest.mark.parametrize("slots", [True, False], ids=["slot-lock", "no-slot-lock"])
+def test_recovery_ends_an_env_cleared_child_the_gone_agent_left_behind(env: Env, slots: bool) -> None:
+    """kill -9 of the daemon; the agent then exits and is reaped, leaving a child that cleared its environment
+    (`env -i sleep`) in its group. `run --once` ends that child (section 6: a leftover agent process is ended
+    before the job is looked at), found by the slot lock it inherited; the job fails, interrupted. Without the
+    lock (closed by the child), nothing marks it as the job's: it is left alone and the job still ends."""
+    keep = "" if slots else "os.closerange(3, 65536); "
+    child = f"{sys.executable} -c 'import os, time; {keep}time.sleep(300)'"
+    script = f"env -i {child} </dev/null >/dev/null 2>&1 & sleep 3; exit 0"
+    agent_ = {"command": ["/bin/sh", "-c", script], "retry_safe": False, "max_attempts": 1, "timeout": 100}
+    env.configure(agents={"worker": agent_}, kill_grace=1)
+    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"]
+    with (env.tmp / "daemon.log").open("wb") as out:
+        reaper = subprocess.Popen(
+            [sys.executable, "-c", REAPER, *argv], stdout=out, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env()
+        )
+    pid = 0
+    left: list[int] = []
+    try:
+        env.drop(order("LEFT-1"))
+        log = env.root / "active" / "LEFT-1" / "attempts" / "1" / "stdout.log"
+
+        def noted() -> int:
+            try:
+                return int(os.getxattr(log, "user.dispatcher.agent").split()[0])
+            except OSError:
+                return 0
+
+        pid = wait_until(noted, 30, "the agent's note on its stdout.log")
+        children = Path(f"/proc/{reaper.pid}/task/{reaper.pid}/children").read_text().split()
+        os.kill(int(children[0]), signal.SIGKILL)  # the daemon; its agent goes on, then exits and is reaped
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), 20, "the agent to exit and be reaped")
+        left = [m for m, state, _ in procs.group_members(pid) if state not in ("Z", "X")]
+        assert len(left) == 1 and procs.job_id_of(left[0]) is None, left
+        proc = env.cli("run", "--once", timeout=60)
+        ended = [line for line in (proc.stdout + proc.stderr).splitlines() if "agent.orphan_ended" in line]
+        result = json.loads((env.root / "failed" / "LEFT-1" / "result.json").read_text())
+        assert "interrupted" in json.dumps(result)
+        if slots:
+            assert len(ended) == 1 and str(pid) in ended[0], ended
+            wait_until(lambda: not alive(left[0]), 10, "the left-behind child to be ended")
+        else:
+            assert ended == [] and alive(left[0]), ended
+    finally:
+        for m in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(m, signal.SIGKILL)
+        if reaper.poll() is None:
+            for child in Path(f"/proc/{reaper.pid}/task/{reaper.pid}/children").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(child), signal.SIGKILL)
+            reaper.wait(10)
+
+
 def test_a_running_record_of_an_older_daemon_is_still_honoured(
     tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
 ) -> None:

@@ -469,5 +469,5 @@ def _leftovers(layout: Layout, adopted: list[tuple[str, int, str]]) -> list[tupl
     """
     folders = [JobFolder(layout.job(State.ACTIVE, job_id)) for job_id, _, _ in adopted]
     last = [(folder, max(folder.attempt_numbers(), default=0)) for folder in folders]
-    groups = leftover_groups([(folder, n) for folder, n in last if n])
+    groups = leftover_groups([(folder, n) for folder, n in last if n], layout.slots)
     return [(job_id, pgid) for job_id, _, _ in adopted for pgid in groups.get(job_id, [])]

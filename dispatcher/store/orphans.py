@@ -18,17 +18,21 @@ from dispatcher import procs
 from dispatcher.store.jobstore import JobFolder
 
 
-def leftover_groups(attempts: Sequence[tuple[JobFolder, int]]) -> dict[str, list[int]]:
+def leftover_groups(
+    attempts: Sequence[tuple[JobFolder, int]], slots: str | os.PathLike[str] | None = None
+) -> dict[str, list[int]]:
     """Return, by job id, the process groups still running of each job (blocking: scan lane).
 
     ``n``: the job's last attempt, whose running record an older daemon may have written.
+    ``slots``: the root's slot-lock folder, whose lock every agent inherits (``_recorded``).
     """
     out: dict[str, list[int]] = {}
     wanted: dict[str, str] = {}
+    slot_dir = os.fspath(slots) if slots is not None else None
     for folder, n in attempts:
         info = folder.pid_record(n)
         if info is not None:
-            out[folder.job_id] = _recorded(info)
+            out[folder.job_id] = _recorded(info, folder.job_id, slot_dir)
         wanted[folder.job_id] = os.fspath(folder.work)
     if wanted:
         for job_id, groups in procs.job_groups(wanted).items():
@@ -36,25 +40,33 @@ def leftover_groups(attempts: Sequence[tuple[JobFolder, int]]) -> dict[str, list
     return out
 
 
-def _recorded(info: dict[str, object]) -> list[int]:
-    """The group of a recorded pid, while that pid is still the agent's (running, or a zombie) and a member runs.
+def _recorded(info: dict[str, object], job_id: str, slots: str | None) -> list[int]:
+    """The group of a recorded pid, while a process of it runs that is the job's agent or came from it.
 
-    A pid that leads or names a process group is not given to a new process, so while the
-    agent is there (its start as recorded) the group is its own. Once the agent is gone, or
-    its pid names a process that started after it, a group with that number may be someone
-    else's that took the pid: its members are the job's only by their environment
-    (``procs.job_groups``), never by the number.
+    While the agent is there (its start as recorded, running or a zombie) the group is its own:
+    a pid that names a process group is not given to a new process. Once the agent is gone, a
+    group with that number may be someone else's that took the pid since: it is the job's only
+    while a live member holds one of the root's slot locks, the descriptor the agent was given
+    and its children inherit (an `env -i` child left behind), and names no other job in its
+    environment. Members with the job's environment are found by ``procs.job_groups`` anyway.
     """
     pid = int(str(info["pid"]))
     boot = info.get("boot_started")
     started = info.get("started")
     fields = procs.stat_fields(pid)
-    if fields is None or not procs.is_recorded(
+    live = [m for m, state, _ppid in procs.group_members(pid) if state not in ("Z", "X")]
+    if fields is not None and procs.is_recorded(
         fields,
         float(str(started)) if started is not None else None,
         boot_started=float(str(boot)) if boot is not None else None,
     ):
-        return []
-    if any(state not in ("Z", "X") for _pid, state, _ppid in procs.group_members(pid)):
+        return [pid] if live else []  # only zombies: nothing is left to end
+    if slots is not None and any(_from_the_agent(m, job_id, slots) for m in live):
         return [pid]
-    return []  # only zombies: nothing is left to end
+    return []
+
+
+def _from_the_agent(pid: int, job_id: str, slots: str) -> bool:
+    """Return True if pid holds a slot lock of this root open and names no other job in its environment."""
+    other = procs.job_id_of(pid)
+    return (other is None or other == job_id) and procs.holds_open_under(pid, slots)
