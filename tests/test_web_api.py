@@ -320,6 +320,11 @@ def test_a_job_waiting_at_a_usage_limit_is_listed_waiting_by_the_api_as_by_list(
         assert b'id="running"' not in page and b"No agent is running." in page
         held = page.split(b'<table id="gate-waits">', 1)[1].split(b"</table>", 1)[0]
         assert b'href="/jobs/GATED-1"' in held and until.encode() in held
+        # paused by hand as well: no time ends the wait, and the pages say `resumed` as `status` and `show` do
+        env.cli("pause", "worker", check=True)
+        wait_until(lambda: b'<dd id="job-until">resumed</dd>' in web.get("/jobs/GATED-1")[1], 15, "until resumed")
+        wait_until(lambda: b"<td>resumed</td>" in web.get("/")[1], 15, "the overview's until resumed")
+        assert "waiting until resumed" in env.cli("show", "GATED-1", check=True).stdout
     finally:
         web.stop()
         assert d.stop() == 0

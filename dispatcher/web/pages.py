@@ -48,6 +48,7 @@ def _env() -> jinja2.Environment:
     )
     env.filters["ago"] = ago
     env.filters["usd"] = usd
+    env.filters["lifts"] = lambda v: printable(gate_lifts(v))
     env.filters["plain"] = lambda v: printable(plain(v))
     env.filters["idq"] = lambda v: quote(str(v), safe="")
     env.filters["argv"] = lambda v: printable(shlex.join(str(a) for a in v)) if isinstance(v, list) and v else "-"
@@ -100,7 +101,7 @@ def overview(info: Mapping[str, Any], *, partial: bool, session: str | None) -> 
     flags it."""
     gated = {w["job_id"]: w for w in info.get("waiting") or []}
     running = [a for a in info["active"] if a["job_id"] not in gated]
-    held = [(a, gate_lifts(gated[a["job_id"]].get("until"))) for a in info["active"] if a["job_id"] in gated]
+    held = [(a, gated[a["job_id"]].get("until")) for a in info["active"] if a["job_id"] in gated]
     return render(
         "overview.html",
         partial=partial,
