@@ -107,6 +107,8 @@ def validate_order(
                 raise OrderError(f"no agent '{name}' is defined in the config", field=f"accept.followups[{i}]")
     allowed = raw_accept.get("allowed")
     output = raw_accept.get("output")
+    if output is not None and (why := _never_an_output(plain_rel(output))) is not None:
+        raise OrderError(why, field="accept.output")
     accept = Accept(
         output=plain_rel(output) if output is not None else None,  # ./out.csv is out.csv, as in writes
         key=raw_accept.get("key", "id"),
@@ -209,6 +211,25 @@ _TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[
 _TOP_EXPIRES = re.compile(rb"^expires:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
 _NOT_BLOCK = re.compile(rb"^[\"'{]", re.M)  # a line that opens a quoted key or a flow mapping: parsed instead
 GLANCE_PARSE_MAX = 16 * 1024  # such a YAML order is parsed for its glance up to this size (about 3 ms)
+
+
+#: the files of work/ the daemon gives the agent or reads as something else: no output can pass its checks there
+_GIVEN = {
+    "order.json": "the order the daemon gives the agent",
+    "prompt.md": "the prompt the daemon gives the agent",
+    "feedback.json": "the feedback the daemon gives the agent",
+    "parents.json": "the parents' list the daemon gives a join",
+    "receipt.json": "the receipt",
+}
+
+
+def _never_an_output(path: str) -> str | None:
+    """Return why ``accept.output`` can never pass its checks (a file the daemon gives, or outbox/), or None."""
+    if path in _GIVEN:
+        return f"{path} is {_GIVEN[path]}, never the output"
+    if path == "outbox" or path.startswith("outbox/"):
+        return f"{path} lies in outbox/, where only follow-up orders go"
+    return None
 
 
 def deferred_until(not_before: float | None, expires: float | None, now: float) -> float | None:
