@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import Env, order, wait_until
+from test_metrics import samples
 
 HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
 
@@ -402,16 +403,27 @@ def _read(path: Path) -> str:
 
 
 def test_a_job_waiting_out_a_limit_is_listed_once_in_status_as_waiting(env: Env) -> None:
-    """`status` counts a job a gate holds as waiting; its text lists it once, in the active table, saying it waits
-    (and, once its daemon died, that too), and the JSON keeps it among the active jobs with its owner."""
+    """`status` counts a job a gate holds as waiting, as the `dispatcher_queue` gauge does; its text lists it once,
+    in the active table, saying it waits (and, once its daemon died, that too), and the JSON keeps it among the
+    active jobs with its owner."""
     until = int(time.time()) + 30
-    env.configure(agents={"worker": headless(env, {"limit": claude_limit(until)}, max_attempts=1)})
+    prom = env.tmp / "metrics.prom"
+    env.configure(
+        agents={"worker": headless(env, {"limit": claude_limit(until)}, max_attempts=1)}, metrics_file=str(prom)
+    )
     d = env.daemon()
     d.wait_ready()
     env.drop(order("ONCE-1"))
     d.wait_event("job.waiting", job_id="ONCE-1")
     info = status(env)
     assert (info["counts"]["active"], info["counts"]["waiting"]) == (0, 1)
+
+    def queue() -> tuple[float, float] | None:  # the metric counts it where status does (section 10, 14)
+        got = samples(prom) if prom.exists() else {}
+        pair = tuple(got.get(("dispatcher_queue", (("state", s),))) for s in ("active", "waiting"))
+        return pair if pair == (0, 1) else None  # type: ignore[return-value]
+
+    wait_until(queue, 20, "dispatcher_queue counting the job waiting, not active")
     assert [w["job_id"] for w in info["waiting"]] == ["ONCE-1"]
     assert [(a["job_id"], a["daemon_alive"]) for a in info["active"]] == [("ONCE-1", True)], info
     text = env.cli("status", check=True).stdout

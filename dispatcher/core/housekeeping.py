@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from dispatcher.metrics import Metrics
 
 log = structlog.get_logger("dispatcher")
+GATE_WAITS_S = 2.0  # how long a metrics write waits for the ledger's gate waits
 METRICS_EVERY_S = 5.0  # the contract asks for at least every 10 s
 
 
@@ -402,11 +403,23 @@ class Housekeeping:
         if metrics is None:
             return
         try:
-            await self.ctx.lanes.scan(_write_metrics, metrics, self.ctx.layout)
+            gated = await self._gate_waits()
+            await self.ctx.lanes.scan(_write_metrics, metrics, self.ctx.layout, gated)
         except OSError as exc:
             log.warning("metrics.failed", file=str(metrics.path), error=exc.strerror)
         finally:
             self._writing = False
+
+    async def _gate_waits(self) -> frozenset[str]:
+        """Return the jobs a gate holds (in active/, counted waiting as `status` counts them); none when no gate
+        holds, without a query. A ledger that does not answer in time leaves them active in this write."""
+        if not self.ctx.gates():
+            return frozenset()
+        try:
+            waits = await asyncio.wait_for(self.ctx.lanes.ledger(self.ctx.ledger.gate_waits), GATE_WAITS_S)
+        except Exception:  # noqa: BLE001 - the file is written whatever the ledger does (section 10)
+            return frozenset()
+        return frozenset(waits)
 
 
 _DECIDED = {"job.approved": "done", "job.rejected": "failed"}
@@ -443,8 +456,12 @@ def count_decided(metrics: Metrics | None, finished: FinishedCounts, event: dict
         )
 
 
-def _write_metrics(metrics: Metrics, layout: Layout) -> None:
-    metrics.set_queue(queue_counts(layout))
+def _write_metrics(metrics: Metrics, layout: Layout, gated: frozenset[str]) -> None:
+    counts = queue_counts(layout)
+    held = sum(1 for job_id in gated if os.path.isdir(layout.job(State.ACTIVE, job_id)))
+    counts["active"] -= held  # section 14: a job a gate holds is `waiting`, as status counts it
+    counts["waiting"] += held
+    metrics.set_queue(counts)
     metrics.write()
 
 
