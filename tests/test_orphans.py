@@ -156,6 +156,35 @@ def test_an_agent_that_cleared_its_environment_is_found_by_the_pid_noted_at_its_
     assert leftover_groups([(other, 1)]) == {"J-6": []}  # started long after boot + 1 s: another process
 
 
+@pytest.mark.parametrize("leader_names", ["J-B", None], ids=["another-jobs-agent", "no-job"])
+def test_a_group_that_took_the_pid_is_ended_only_if_none_of_it_names_another_job(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]], leader_names: str | None
+) -> None:
+    """J-A's agent is gone; a group now has its pid, with a member that cleared its environment and holds one of the
+    root's slot locks open. If the group's leader is another job's agent (its environment names J-B), the group is
+    J-B's and is never ended for J-A; if nothing in it names a job, it is what J-A's agent left behind."""
+    folder = job_folder(tmp_path, "J-A")
+    folder.make_logs(1)
+    slots = tmp_path / ".state" / "slots"
+    slots.mkdir(parents=True)
+    (slots / "worker.0.lock").write_text("")
+    env = {"PATH": os.environ["PATH"]} | ({"DISPATCH_JOB_ID": leader_names} if leader_names else {})
+    script = (
+        f"exec 7<{slots / 'worker.0.lock'}; env -i {sys.executable} -c 'import time; time.sleep(60)' & exec sleep 60"
+    )
+    leader = subprocess.Popen(["/bin/sh", "-c", script], env=env, start_new_session=True)
+    spawned.append(leader)
+    members = lambda: [m for m, state, _ in procs.group_members(leader.pid) if state not in ("Z", "X")]  # noqa: E731
+    wait_until(lambda: len(members()) == 2 and not any(b"/bin/sh" in Path(f"/proc/{m}/cmdline").read_bytes()
+                                                      for m in members()), 10, "the two members")  # fmt: skip
+    os.setxattr(folder.path / "attempts" / "1" / "stdout.log", "user.dispatcher.agent", f"{leader.pid} 1.000".encode())
+    try:
+        want = [] if leader_names else [leader.pid]
+        assert leftover_groups([(folder, 1)], slots) == {"J-A": want}
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+
+
 def test_an_ended_agent_is_not_found(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
     folder = job_folder(tmp_path, "J-4")
     p = agent(spawned, folder.work, "J-4", 1)

@@ -47,8 +47,9 @@ def _recorded(info: dict[str, object], job_id: str, slots: str | None) -> list[i
     a pid that names a process group is not given to a new process. Once the agent is gone, a
     group with that number may be someone else's that took the pid since: it is the job's only
     while a live member holds one of the root's slot locks, the descriptor the agent was given
-    and its children inherit (an `env -i` child left behind), and names no other job in its
-    environment. Members with the job's environment are found by ``procs.job_groups`` anyway.
+    and its children inherit (an `env -i` child left behind), and no member names another job
+    in its environment (another job's agent that took the pid, and its children). Members with
+    the job's environment are found by ``procs.job_groups`` anyway.
     """
     pid = int(str(info["pid"]))
     boot = info.get("boot_started")
@@ -61,12 +62,6 @@ def _recorded(info: dict[str, object], job_id: str, slots: str | None) -> list[i
         boot_started=float(str(boot)) if boot is not None else None,
     ):
         return [pid] if live else []  # only zombies: nothing is left to end
-    if slots is not None and any(_from_the_agent(m, job_id, slots) for m in live):
-        return [pid]
-    return []
-
-
-def _from_the_agent(pid: int, job_id: str, slots: str) -> bool:
-    """Return True if pid holds a slot lock of this root open and names no other job in its environment."""
-    other = procs.job_id_of(pid)
-    return (other is None or other == job_id) and procs.holds_open_under(pid, slots)
+    if slots is None or not live or any(procs.job_id_of(m) not in (None, job_id) for m in live):
+        return []  # a member names another job: the group is that job's (its agent took the pid), never ended here
+    return [pid] if any(procs.holds_open_under(m, slots) for m in live) else []
