@@ -212,8 +212,8 @@ ORDER_CASES: list[Case] = [
     bad("output-the-order", js(output="order.json"), field="accept.output", mention="order the daemon gives"),
     bad("output-the-order-dot", js(output="./order.json"), field="accept.output", mention="never the output"),
     bad("output-the-receipt", js(output="receipt.json"), field="accept.output", mention="is the receipt"),
-    bad("output-feedback", js(output="feedback.json"), field="accept.output", mention="feedback"),
-    bad("output-parents", js(output="parents.json"), field="accept.output", mention="parents"),
+    good("ok-output-feedback-name", js(output="feedback.json")),  # given only to a repair or a revision
+    good("ok-output-parents-name", js(output="parents.json")),  # given only to a join
     bad("output-in-outbox", js(output="outbox/r.json"), field="accept.output", mention="outbox/"),
     good("ok-output-named-like-outbox", js(output="outboxes/r.json")),
     bad("accept-key-int", js(key=5), field="accept", mention="key"),

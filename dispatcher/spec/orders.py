@@ -213,12 +213,9 @@ _NOT_BLOCK = re.compile(rb"^[\"'{]", re.M)  # a line that opens a quoted key or 
 GLANCE_PARSE_MAX = 16 * 1024  # such a YAML order is parsed for its glance up to this size (about 3 ms)
 
 
-#: the files of work/ the daemon gives the agent or reads as something else: no output can pass its checks there
+#: the files of work/ the daemon gives every job, or reads as something else: no output can pass its checks there
 _GIVEN = {
     "order.json": "the order the daemon gives the agent",
-    "prompt.md": "the prompt the daemon gives the agent",
-    "feedback.json": "the feedback the daemon gives the agent",
-    "parents.json": "the parents' list the daemon gives a join",
     "receipt.json": "the receipt",
 }
 
