@@ -230,6 +230,29 @@ def test_job_duration_counts_from_the_claim_not_the_wait_in_inbox(env: Env) -> N
     assert d.stop() == 0
 
 
+def test_a_retried_job_that_never_ran_counts_its_duration_from_its_new_attempt(env: Env) -> None:
+    """A job cancelled before any attempt (its agent paused), then retried 6 s later: the histogram counts its
+    retry from its first new attempt, not from its first claim (README, metrics), so the 6 s in failed/ are no work."""
+    prom = env.tmp / "m.prom"
+    env.configure(agents={"worker": env.agent()}, metrics_file=str(prom))
+    d = env.daemon()
+    d.wait_ready()
+    env.cli("pause", "worker", check=True)
+    env.drop(order("C-1"))
+    time.sleep(1)  # the daemon sees it and sets it aside for the gate
+    assert env.cli("cancel", "C-1").returncode == 0
+    env.wait_job("C-1", "failed")
+    time.sleep(6)
+    env.cli("resume", "worker", check=True)
+    assert env.cli("retry", "C-1").returncode == 0
+    wait_until((env.root / "done" / "C-1" / "result.json").exists, 30, "the retried job done")
+    count = ("dispatcher_job_duration_seconds_count", (("agent", "worker"),))
+    wait_until(lambda: prom.exists() and samples(prom).get(count) == 2, 30, "two durations in the metrics")
+    total = samples(prom)[("dispatcher_job_duration_seconds_sum", (("agent", "worker"),))]
+    assert total < 3, f"durations sum to {total} s: the wait in failed/ was counted"
+    assert d.stop() == 0
+
+
 def test_metrics_labels_from_the_config_are_on_every_series_and_follow_a_reload(env: Env) -> None:
     """metrics_labels {daemon: "{host}-{pid}"} labels each series with this daemon; a reload can change it."""
     prom = env.tmp / "m-{pid}.prom"

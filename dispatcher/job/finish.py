@@ -98,7 +98,8 @@ def this_claim(folder: JobFolder, result: Result) -> tuple[float | None, float |
     A job that `dispatcher retry` or `revise` reopened keeps its earlier attempts, whose
     cost was counted when it finished before, and the time it then sat in failed/ or
     review/ is no work: only attempts after the last one that keeps that earlier
-    ``result.json`` count, from the start of the first of them. A kept result of a job
+    ``result.json`` (``attempts/0/`` for a job that ended before any attempt) count, from the
+    start of the first of them. A kept result of a job
     that entered review/ was never counted (review is not a finish): its attempts count.
     """
     duration = result.duration_s
@@ -106,6 +107,7 @@ def this_claim(folder: JobFolder, result: Result) -> tuple[float | None, float |
         with contextlib.suppress(TypeError, ValueError):
             duration = round(parse_iso(result.finished or "") - folder.claimed, 3)
     numbers = sorted((a["n"] for a in result.attempts if isinstance(a.get("n"), int)), reverse=True)
+    numbers.append(0)  # attempts/0/: the result kept of a job that ended before any attempt (cancelled, a join)
     kept = next((n for n in numbers if _kept_state(folder, n) not in (None, "review")), None)
     if kept is None:
         return duration, result.cost_usd
