@@ -398,6 +398,27 @@ def test_agent_removed_by_reload_its_orders_wait_until_it_is_back(env: Env) -> N
     assert not [e for e in d.events() if e.get("level") == "error"]
 
 
+def test_a_job_of_an_agent_a_reload_removed_gives_its_slot_back_at_its_agents_exit(env: Env) -> None:
+    """max_jobs 1: X1's agent fails its first attempt and waits retry_delay; a reload removed its agent meanwhile.
+    Its slot goes to Y1 at the agent's exit, as any job's does (section 13: no slot stays taken), and X1's retry
+    still runs with the settings it started with."""
+    x = env.agent("--sleep", "1", "--fail-attempts", "1", retry_safe=True, max_attempts=2)
+    env.configure({"x": x, "y": hold_agent(env, 0)}, max_jobs=1, retry_delay=3)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(tiny_order("X1", to="x"))
+    wait_until(lambda: env.starts() == [("X1", 1)], what="X1 to start")
+    env.configure({"y": hold_agent(env, 0)}, max_jobs=1, retry_delay=3)  # `x` removed while X1 runs
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.drop(tiny_order("Y1", to="y"))
+    env.wait_job("Y1", "done")
+    result = env.wait_job("X1", "done")
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert [j for j, _n in env.starts()] == ["X1", "Y1", "X1"], "Y1 waited for X1's retry_delay and retry"
+    assert not [e for e in d.events() if e.get("level") == "error"]
+
+
 def test_an_agent_removed_before_any_of_its_orders_came_is_waited_for_too(env: Env) -> None:
     """Nothing read for `gone` before a reload removes it: its orders still wait, unrefused, until it is back."""
     env.configure({"gone": hold_agent(env, 0), "tiny": hold_agent(env, 0)})

@@ -102,9 +102,10 @@ def keeps_slots(cfg: Config, agent_name: str, *, workspace: bool) -> bool:
     Under a daily cost cap (the agent's or the root's) the next attempt's check must see
     this job's cost, recorded at its finish. With a workspace, the next job's worktree
     starts from ``base`` after this one's ``land`` and ``after`` hooks, as with one agent
-    at a time.
+    at a time. An agent a reload removed starts no attempt any more: its own cap holds
+    nothing back, and its jobs give their slots back as others do (section 13).
     """
     agent = cfg.agents.get(agent_name)
-    if cfg.max_daily_cost_usd is not None or agent is None or agent.max_daily_cost_usd is not None:
+    if cfg.max_daily_cost_usd is not None or (agent is not None and agent.max_daily_cost_usd is not None):
         return True
     return workspace
