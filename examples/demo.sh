@@ -97,7 +97,7 @@ run_once() {  # run_once N: the daemon until the inbox is drained, one short lin
     return "${PIPESTATUS[0]}"
 }
 
-printf '%sKopi & Crumb: two agents, one handoff, every result checked%s\n' "$BOLD" "$OFF"
+printf '%sKopi & Crumb: three agents, two handoffs, every result checked%s\n' "$BOLD" "$OFF"
 printf 'config %s\nroot   %s\n' "${CONFIG#"$REPO"/}" "$ROOT"
 
 heading "1. Make the dispatch root"
