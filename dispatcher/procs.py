@@ -249,15 +249,21 @@ def holds_open_under(pid: int, folder: str) -> bool:
 
 def job_id_of(pid: int) -> str | None:
     """Return the DISPATCH_JOB_ID of pid's environment, or None (none, or unreadable)."""
+    env = _dispatch_env(pid)
+    return env[b"DISPATCH_JOB_ID"].decode(errors="replace") if env is not None else None
+
+
+def _dispatch_env(pid: int) -> dict[bytes, bytes] | None:
+    """Return the DISPATCH_* variables of pid's environment, or None when it has no DISPATCH_JOB_ID (or is gone)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             data = f.read()
     except OSError:
         return None
-    for entry in data.split(b"\0"):
-        if entry.startswith(b"DISPATCH_JOB_ID="):
-            return entry[len(b"DISPATCH_JOB_ID=") :].decode(errors="replace")
-    return None
+    if b"DISPATCH_JOB_ID=" not in data:
+        return None
+    env = dict(e.split(b"=", 1) for e in data.split(b"\0") if e.startswith(b"DISPATCH_") and b"=" in e)
+    return env if b"DISPATCH_JOB_ID" in env else None
 
 
 def job_groups(jobs: Mapping[str, str]) -> dict[str, list[int]]:
@@ -290,15 +296,10 @@ def job_groups(jobs: Mapping[str, str]) -> dict[str, list[int]]:
 
 def _job_of(pid: int, works: Mapping[str, str], real_of: dict[bytes, str]) -> str | None:
     """Return the job (of works) whose DISPATCH_* variables pid's environment holds, or None."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read()
-    except OSError:
+    env = _dispatch_env(pid)
+    if env is None:
         return None
-    if b"DISPATCH_JOB_ID=" not in data:
-        return None
-    env = dict(e.split(b"=", 1) for e in data.split(b"\0") if e.startswith(b"DISPATCH_") and b"=" in e)
-    job_id = env.get(b"DISPATCH_JOB_ID", b"").decode(errors="replace")
+    job_id = env[b"DISPATCH_JOB_ID"].decode(errors="replace")
     order = env.get(b"DISPATCH_ORDER", b"")
     if job_id not in works or not order.endswith(b"/order.json"):
         return None

@@ -240,6 +240,34 @@ def test_a_session_that_took_the_recorded_pid_at_once_is_not_the_agent(
     assert alive(other.pid)
 
 
+def daemon_under_reaper(env: Env) -> subprocess.Popen[bytes]:
+    """Start `dispatcher run` as the child of a subreaper (REAPER), which reaps the agents it leaves behind."""
+    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"]
+    with (env.tmp / "daemon.log").open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", REAPER, *argv], stdout=out, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env()
+        )
+
+
+def noted_agent(env: Env, job_id: str) -> int:
+    """Wait for the pid the daemon notes on attempt 1's stdout.log at its agent's start; return it."""
+    log = env.root / "active" / job_id / "attempts" / "1" / "stdout.log"
+
+    def noted() -> int:
+        try:
+            return int(os.getxattr(log, "user.dispatcher.agent").split()[0])
+        except OSError:
+            return 0
+
+    return wait_until(noted, 30, "the agent's note on its stdout.log")
+
+
+def kill_the_daemon(reaper: subprocess.Popen[bytes]) -> None:
+    """kill -9 the daemon that runs under the reaper (its only child at first)."""
+    children = Path(f"/proc/{reaper.pid}/task/{reaper.pid}/children").read_text().split()
+    os.kill(int(children[0]), signal.SIGKILL)
+
+
 @needs_ns_last_pid
 def test_recovery_leaves_alone_a_group_that_took_a_dead_agents_pid(env: Env) -> None:
     """kill -9 of the daemon, then of the agent's group (reaped by a subreaper while no daemon runs); a new session
@@ -247,27 +275,14 @@ def test_recovery_leaves_alone_a_group_that_took_a_dead_agents_pid(env: Env) -> 
     that member nor report it as the job's orphan: the job fails, interrupted and not retried."""
     agent_ = {"command": ["sleep", "60"], "retry_safe": False, "max_attempts": 1, "timeout": 100}
     env.configure(agents={"worker": agent_}, kill_grace=1)
-    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"]
-    with (env.tmp / "daemon.log").open("wb") as out:
-        reaper = subprocess.Popen(
-            [sys.executable, "-c", REAPER, *argv], stdout=out, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env()
-        )
+    reaper = daemon_under_reaper(env)
     termed = env.tmp / "termed.txt"
     taker: subprocess.Popen[str] | None = None
     pid = member = 0
     try:
         env.drop(order("REUSED-1"))
-        log = env.root / "active" / "REUSED-1" / "attempts" / "1" / "stdout.log"
-
-        def noted() -> int:
-            try:
-                return int(os.getxattr(log, "user.dispatcher.agent").split()[0])
-            except OSError:
-                return 0
-
-        pid = wait_until(noted, 30, "the agent's note on its stdout.log")
-        children = Path(f"/proc/{reaper.pid}/task/{reaper.pid}/children").read_text().split()
-        os.kill(int(children[0]), signal.SIGKILL)  # the daemon
+        pid = noted_agent(env, "REUSED-1")
+        kill_the_daemon(reaper)
         os.killpg(pid, signal.SIGKILL)
         wait_until(lambda: not Path(f"/proc/{pid}").exists(), 10, "the agent to be reaped")
         reaper.wait(10)
@@ -318,26 +333,13 @@ def test_recovery_ends_an_env_cleared_child_the_gone_agent_left_behind(env: Env,
     script = f"env -i {child} </dev/null >/dev/null 2>&1 & sleep 3; exit 0"
     agent_ = {"command": ["/bin/sh", "-c", script], "retry_safe": False, "max_attempts": 1, "timeout": 100}
     env.configure(agents={"worker": agent_}, kill_grace=1)
-    argv = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"]
-    with (env.tmp / "daemon.log").open("wb") as out:
-        reaper = subprocess.Popen(
-            [sys.executable, "-c", REAPER, *argv], stdout=out, stderr=subprocess.STDOUT, cwd=env.tmp, env=cli_env()
-        )
+    reaper = daemon_under_reaper(env)
     pid = 0
     left: list[int] = []
     try:
         env.drop(order("LEFT-1"))
-        log = env.root / "active" / "LEFT-1" / "attempts" / "1" / "stdout.log"
-
-        def noted() -> int:
-            try:
-                return int(os.getxattr(log, "user.dispatcher.agent").split()[0])
-            except OSError:
-                return 0
-
-        pid = wait_until(noted, 30, "the agent's note on its stdout.log")
-        children = Path(f"/proc/{reaper.pid}/task/{reaper.pid}/children").read_text().split()
-        os.kill(int(children[0]), signal.SIGKILL)  # the daemon; its agent goes on, then exits and is reaped
+        pid = noted_agent(env, "LEFT-1")
+        kill_the_daemon(reaper)  # its agent goes on, then exits and is reaped
         wait_until(lambda: not Path(f"/proc/{pid}").exists(), 20, "the agent to exit and be reaped")
         left = [m for m, state, _ in procs.group_members(pid) if state not in ("Z", "X")]
         assert len(left) == 1 and procs.job_id_of(left[0]) is None, left
