@@ -581,6 +581,13 @@ def test_more_follow_ups_than_max_followups_fail() -> None:
     assert checks.followups_valid(outbox(*found, max_followups=3)).ok is True
 
 
+def test_max_followups_0_allows_no_follow_up() -> None:
+    """max_followups 0 (as max_hops 0) means a job may hand off nothing: one follow-up fails, in the singular."""
+    result = checks.followups_valid(outbox(followup("N1"), max_followups=0))
+    assert (result.ok, result.detail) == (False, "1 follow-up, more than max_followups (0)")
+    assert checks.followups_valid(outbox(max_followups=0)).ok is not False
+
+
 def test_max_followups_defaults_to_100() -> None:
     """Without max_followups, 100 follow-ups pass and 101 fail."""
     assert evidence().max_followups == 100

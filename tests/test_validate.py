@@ -646,7 +646,7 @@ CONFIG_CASES = [
     ("agent-command-string", "    command: python3 agent.py\n", "", "command"),
     ("agent-prompt-int", "    prompt: 5\n", "", "prompt"),
     ("max-jobs-0", "", "max_jobs: 0\n", "max_jobs"),
-    ("max-followups-0", "", "max_followups: 0\n", "max_followups: must be at least 1"),
+    ("max-followups-negative", "", "max_followups: -1\n", "max_followups: must be at least 0"),
     ("max-followups-string", "", "max_followups: many\n", "max_followups"),
     ("settle-negative", "", "settle: -1\n", "settle"),
     ("max-timeout-int-beyond-float", "", f"max_timeout: {2**1100}\n", "max_timeout: is too large (1101 bits)"),

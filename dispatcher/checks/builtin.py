@@ -271,7 +271,8 @@ def followups_valid(ev: Evidence) -> CheckResult:
     if not ev.outbox_exists and not ev.followups and wanted is None:
         return r(None, "no outbox/")
     if len(ev.followups) > ev.max_followups:
-        return r(False, f"{len(ev.followups)} follow-ups, more than max_followups ({ev.max_followups})")
+        n = len(ev.followups)
+        return r(False, f"{n} follow-up{'' if n == 1 else 's'}, more than max_followups ({ev.max_followups})")
     seen: set[str] = set()
     to_count: Counter[str] = Counter()
     for f in ev.followups:

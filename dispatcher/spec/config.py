@@ -255,7 +255,7 @@ root: {root}
 max_jobs: 2                # agents running at once in this daemon process
 max_timeout: 3600          # ceiling for an agent's timeout and an order's, in seconds
 max_hops: 5                # longest chain of follow-ups
-max_followups: 100         # most follow-ups one job may hand off (more fails followups_valid)
+max_followups: 100         # most follow-ups one job may hand off (more fails followups_valid; 0: none)
 max_order_bytes: 1048576   # larger orders are refused
 stop_timeout: 60           # seconds a stop waits for running agents
 retry_delay: 2             # seconds before a retry; doubles each time, at most 300
