@@ -128,6 +128,16 @@ def test_a_custom_rule_and_the_last_match_wins() -> None:
     assert hit is not None and hit.until == int(NOW) + 50 and hit.text == f"rate limited until {int(NOW) + 50}"
 
 
+def test_the_matched_text_is_cut_to_its_first_200_characters() -> None:
+    """agent.limited's text is the match cut to 200 characters: its first 200, nothing added."""
+    rule = (LimitRule(r"rate limited until (\d+) y+", "epoch"),)
+    matched = f"rate limited until {int(NOW) + 5} " + "y" * 300
+    hit = find_limit(matched, rule, NOW)
+    assert hit is not None and hit.text == matched[:200]
+    short = find_limit(f"rate limited until {int(NOW) + 5} yy", rule, NOW)
+    assert short is not None and short.text == f"rate limited until {int(NOW) + 5} yy"
+
+
 def test_clock_and_duration_readings() -> None:
     """Clock times roll to the next day once passed; durations take several units."""
     assert clock_time("09:00", NOW) == NOW + 23 * 3600

@@ -281,5 +281,5 @@ def clock_time(text: str, now: float) -> float | None:
 
 
 def _cut(text: str) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= _TEXT_MAX else flat[: _TEXT_MAX - 1] + "…"
+    """Return the matched text on one line, cut to its first 200 characters (as the contract says, no mark added)."""
+    return " ".join(text.split())[:_TEXT_MAX]
