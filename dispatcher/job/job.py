@@ -319,6 +319,17 @@ class Job(Finishing, Deciding):
         self.folder.drop_attempt(n)
         return n not in self.folder.attempt_numbers()  # a before hook's logs keep it: it counts
 
+    def _unstarted_checks(self, n: int) -> list[CheckResult]:
+        """The checks of a job whose attempt n could not start: the last checked attempt's, as a cancel keeps them.
+
+        With no earlier attempt, "the job ended before any attempt was checked" (``build_result``).
+        After one whose checks this daemon no longer holds (a `dispatcher retry`), that would deny
+        the attempts that ran, so each check is "not run" on attempt n.
+        """
+        if self.checked:
+            return self.checked
+        return self._unchecked(f"the agent could not start for attempt {n}") if self.attempts else []
+
     # -- one attempt --------------------------------------------------------------------------
     async def _attempt(self, n: int) -> Exit | Outcome | None:
         """Run attempt n; return its Exit, how the job ended when it never ran or was stopped, or None to go on
@@ -336,7 +347,7 @@ class Job(Finishing, Deciding):
                 return Outcome.SHORT  # its start waits for the pause, as an agent's does
             reason = f"config: agent {agent.name} cannot start: {exc}"
             log.error("agent.exited", error=reason)  # no attempt (section 6)
-            return await self.finish(Row.FAILED, reason, [])
+            return await self.finish(Row.FAILED, reason, self._unstarted_checks(n))
         argv = attempt.argv_after(self.spec, self.folder.work_dir, self.attempts, self.repo.path)
         proc = await self._spawn(n, argv)
         if proc is None or isinstance(proc, Outcome):
@@ -345,7 +356,7 @@ class Job(Finishing, Deciding):
             why = proc.strerror or str(proc)
             reason = f"config: agent {agent.name} cannot start: {why}" + (f": {proc.filename}" if proc.filename else "")
             log.error("agent.exited", error=reason)  # no attempt (section 6)
-            return await self.finish(Row.FAILED, reason, [])
+            return await self.finish(Row.FAILED, reason, self._unstarted_checks(n))
         self.control.attach(proc)
         log.info("agent.started", attempt=n, pid=proc.pid)  # recovery finds it by its environment, unrecorded
         out = await proc.wait()
