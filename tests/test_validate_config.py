@@ -148,6 +148,15 @@ def test_repair_without_retry_safe_or_probe_is_a_warning_not_an_error(tmp_path: 
     assert proc.stdout == "dispatcher.yaml: ok (3 agents)\n"
 
 
+def test_a_name_in_both_env_and_pass_env_is_a_warning_that_says_which_wins(tmp_path: Path) -> None:
+    """A variable both set in `env` and named in `pass_env` warns (env's value wins) and exits 0."""
+    cfg = config(tmp_path, {"both": {"command": ["python3"], "env": {"X1": "a", "Y": "b"}, "pass_env": ["X1", "Z"]}})
+    proc = validate(cfg)
+    assert proc.returncode == 0, proc.stderr
+    assert stderr_lines(proc) == ["dispatcher.yaml: agents.both.pass_env: X1 also set in env: env's value wins"]
+    assert proc.stdout == "dispatcher.yaml: ok (1 agent)\n"
+
+
 def test_one_agent_is_counted_in_the_singular(tmp_path: Path) -> None:
     """A config with one agent validates as `ok (1 agent)`."""
     proc = validate(config(tmp_path, {"only": {"command": ["python3"]}}))
