@@ -1155,17 +1155,30 @@ def test_a_long_refused_names_folder_keeps_the_stems_first_180_bytes(env: Env, n
 
 
 @pytest.mark.parametrize(
-    ("files", "code"),
+    ("files", "code", "stderr"),
     [
-        pytest.param({}, 0, id="empty-inbox"),
-        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "ONCE-2.yaml": ("ONCE-2", "worker")}, 0, id="all-done"),
-        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "ONCE-2.json": ("ONCE-2", "bad")}, 1, id="one-failed"),
-        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "notes.txt": None}, 1, id="one-not-an-order"),
-        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "bad.json": ("ONCE-2", "nobody")}, 1, id="one-invalid"),
+        pytest.param({}, 0, "", id="empty-inbox"),
+        pytest.param({"ONCE-1.json": ("ONCE-1", "worker"), "ONCE-2.yaml": ("ONCE-2", "worker")}, 0, "", id="all-done"),
+        pytest.param(
+            {"ONCE-1.json": ("ONCE-1", "worker"), "ONCE-2.json": ("ONCE-2", "bad")},
+            1,
+            "run --once: 1 job failed\n",
+            id="one-failed",
+        ),
+        pytest.param(
+            {"ONCE-1.json": ("ONCE-1", "worker"), "notes.txt": None}, 1, "run --once: 1 file refused\n", id="not-order"
+        ),
+        pytest.param(
+            {"ONCE-1.json": ("ONCE-2", "bad"), "ONCE-3.json": ("ONCE-3", "bad"), "bad.json": ("ONCE-4", "nobody")},
+            1,
+            "run --once: 2 jobs failed, 1 file refused\n",
+            id="failed-and-invalid",
+        ),
     ],
 )
-def test_run_once_exit_code(env: Env, files: dict[str, Any], code: int) -> None:
-    """`run --once` drains inbox/, waits for every job, exits 0 only if all are done and none refused."""
+def test_run_once_exit_code(env: Env, files: dict[str, Any], code: int, stderr: str) -> None:
+    """`run --once` drains inbox/, waits for every job, exits 0 only if all are done and none refused; an exit 1
+    comes with one line on stderr that says what failed (section 7), the JSON lines staying on stdout."""
     env.configure(agents={"worker": env.agent(), "bad": env.agent("--exit", "3")})
     for name, spec in files.items():
         if spec is None:
@@ -1174,6 +1187,7 @@ def test_run_once_exit_code(env: Env, files: dict[str, Any], code: int) -> None:
             env.drop(order(spec[0], to=spec[1]), name)
     proc = env.cli("run", "--once", timeout=90)
     assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr == stderr
     for state in ("inbox", "active", "done", "failed"):
         assert (env.root / state).is_dir(), f"run did not create {state}/"
     assert visible(env.root / "inbox") == []

@@ -150,6 +150,18 @@ def test_journal_stream_of_another_file_adds_no_prefix(env: Env) -> None:
         assert isinstance(json.loads(line), dict), line
 
 
+def test_run_once_failing_with_stderr_on_its_stdout_writes_only_json_lines(env: Env) -> None:
+    """`run --once 2>&1` that exits 1: its one-line note on stderr (section 7) stays out of the JSON stream, whose
+    last line (daemon.stopped) carries the counts; every line is one JSON object."""
+    env.configure(agents={"worker": env.agent(), "broken": env.agent("--exit", "3")})
+    env.drop(order("M-BAD", to="broken"))
+    out = env.tmp / "merged.out"
+    assert run_once(env, out, cli_env()) == 1
+    lines = out.read_text().splitlines()
+    assert all(isinstance(json.loads(line), dict) for line in lines), lines
+    assert json.loads(lines[-1])["event"] == "daemon.stopped", lines[-1]
+
+
 @pytest.fixture
 def journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Configure dispatcher.logs in-process with stdout as a journal file; restore logging after."""

@@ -375,7 +375,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(path), field="log_file") from None
     logs.settle()  # configured once: its modules' loggers are looked up now, not at every line
-    return Daemon(cfg, config_path=path, root_override=root, once=args.once).serve()
+    daemon = Daemon(cfg, config_path=path, root_override=root, once=args.once)
+    code = daemon.serve()
+    if daemon.exit_note is not None and _stderr_apart():
+        print(daemon.exit_note, file=sys.stderr, flush=True)  # exit 1 comes with one line on stderr (section 7)
+    return code
+
+
+def _stderr_apart() -> bool:
+    """Return True when a plain line on stderr stays out of the JSON log stream.
+
+    Not when stderr is the journal, or the same file or pipe as a stdout that is not a
+    terminal (``2>&1``): there every line is one JSON object (section 8), and the last
+    one, ``daemon.stopped``, already carries the counts.
+    """
+    from dispatcher import logs
+
+    if logs.is_journal(sys.stderr):
+        return False
+    try:
+        out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return True
+    return (out.st_dev, out.st_ino) != (err.st_dev, err.st_ino) or sys.stdout.isatty()
 
 
 def cmd_web(args: argparse.Namespace) -> int:

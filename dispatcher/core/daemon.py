@@ -47,12 +47,23 @@ from dispatcher.lifecycle import Stop
 from dispatcher.shortage import SHORT
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_ledger
+from dispatcher.text import plural
 from dispatcher.wakeup import Wakeup
 
 log = structlog.get_logger("dispatcher")
 READY_WAIT_S = 10.0  # the longest READY=1 waits for the recovery of jobs adopted at start
 STATUS_EVERY_S = 1.0  # STATUS= is told at most this often (it was a datagram at every turn of the loop)
 GIVE_UP_EARLY_S = 1.5  # ledger waits end this long before a stop's deadline
+
+
+def once_note(failed: int, refused: int, left: int) -> str:
+    """Return the stderr line of `run --once` exiting 1: what it finished that was not done, what it left."""
+    parts = [
+        *([f"{plural(failed, 'job')} failed"] if failed else []),
+        *([f"{plural(refused, 'file')} refused"] if refused else []),
+        *([f"{plural(left, 'file')} it could not take left in inbox/"] if left else []),
+    ]
+    return f"run --once: {', '.join(parts)}"
 
 
 class Daemon(Reloading, Fencing):
@@ -72,6 +83,7 @@ class Daemon(Reloading, Fencing):
         self.stopping = False
         self.forced = False  # a second stop signal came
         self.lost = False
+        self.exit_note: str | None = None  # the one line on stderr of an exit 1 (section 7)
         self._was_fenced = False
         self.stop_deadline: float | None = None
         self._stop_at: float | None = None  # the stop's deadline as it was set (stop_deadline is cleared when due)
@@ -364,8 +376,14 @@ class Daemon(Reloading, Fencing):
         given_up = self._given_up() if self.once and not self.stopping else {}
         log.info("daemon.stopped", **s)
         if self.once:
-            return 0 if s["failed"] == 0 and s["refused"] == 0 and not given_up else 1
-        return 1 if self.lost else 0
+            if s["failed"] == 0 and s["refused"] == 0 and not given_up:
+                return 0
+            self.exit_note = once_note(s["failed"], s["refused"], len(given_up))
+            return 1
+        if self.lost:
+            self.exit_note = "run: the lease of this daemon was taken over by another (lease.fenced); it stopped"
+            return 1
+        return 0
 
     def _given_up(self) -> dict[str, int]:
         """Log each file `run --once` ends without (it could never take it); return them with their tries."""
