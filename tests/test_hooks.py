@@ -17,7 +17,7 @@ from conftest import Env, cli_env, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
 from helpers_faults import alive, count_events, env_daemon
 
-from dispatcher.job import afterowed, landing, owed
+from dispatcher.job import afterowed, hooks, landing, owed
 from dispatcher.layout import Layout
 
 LAND = 'echo "{job_id} {branch} {head} $(pwd)" >> "$0"'
@@ -92,6 +92,31 @@ def test_a_before_hook_failure_with_no_attempt_left_fails_the_job_with_its_reaso
     d.stop()
     assert result["reason"] == "before hook exited 1: missing tool; not retried: no attempts left"
     assert starts(env) == []
+
+
+def test_a_hook_ended_by_a_signal_names_the_signal_not_a_negative_exit_code(env: Env, tmp_path: Path) -> None:
+    """A before hook that dies of SIGKILL fails the job with `before hook killed by SIGKILL`, as an agent's exit_ok
+    names a signal, never Python's `exited -9`."""
+    repo = make_repo(tmp_path / "shop")
+    agent = coder(env, repo, before=["sh", "-c", "kill -KILL $$"])
+    env.configure(agents={"coder": agent})
+    env.drop(code_order("B3"))
+    d = env.daemon()
+    result = env.wait_job("B3", "failed")
+    d.stop()
+    assert result["reason"] == "before hook killed by SIGKILL; not retried: no attempts left"
+
+
+def test_a_hook_a_stop_or_cancel_ended_says_so() -> None:
+    """A hook the daemon's stop ended says so (a land hook: how to run it again); a cancel too; a hook that ended
+    itself by a signal names the signal."""
+    run = hooks.HookRun("land", ("sleep", "60"), -15, False, 0.0, 1.0, "", aborted="stopped")
+    assert run.why == "land hook ended by the daemon's stop (killed by SIGTERM); `dispatcher land ID` runs it again"
+    run = hooks.HookRun("before", ("sleep", "60"), -9, False, 0.0, 1.0, "", aborted="cancelled")
+    assert run.why == "before hook ended by a cancel (killed by SIGKILL)"
+    run = hooks.HookRun("after", ("x",), -15, False, 0.0, 1.0, "bye")
+    assert run.why == "after hook killed by SIGTERM: bye"
+    assert hooks.HookRun("after", ("x",), 4, False, 0.0, 1.0, "").why == "after hook exited 4"
 
 
 def test_a_before_hook_failing_the_last_attempt_records_its_checks_as_not_run(env: Env, tmp_path: Path) -> None:

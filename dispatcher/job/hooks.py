@@ -32,7 +32,7 @@ from dispatcher.job.runner import AgentProcess
 from dispatcher.lifecycle import Stop
 from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.settings import Hook
-from dispatcher.text import redact
+from dispatcher.text import exit_text, redact
 
 PLACEHOLDERS = ("job_id", "workspace", "branch", "head", "result")
 _RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
@@ -51,6 +51,7 @@ class HookRun:
     ended: float
     last_line: str
     error: str | None = None  # it could not start
+    aborted: str | None = None  # a stop or a cancel ended it (``Stop``)
 
     @property
     def ok(self) -> bool:
@@ -63,9 +64,14 @@ class HookRun:
             return f"{self.name} hook cannot start: {self.error}"
         if self.timed_out:
             return f"{self.name} hook timed out"
+        if self.aborted is not None and self.exit_code != 0:
+            by = "the daemon's stop" if self.aborted == Stop.STOPPED else "a cancel"
+            again = "; `dispatcher land ID` runs it again" if self.name == "land" else ""
+            return f"{self.name} hook ended by {by} ({exit_text(self.exit_code)}){again}"
         if self.exit_code != 0:
             tail = f": {self.last_line}" if self.last_line else ""
-            return f"{self.name} hook exited {self.exit_code}{tail}"
+            ended = f"exited {self.exit_code}" if (self.exit_code or 0) > 0 else exit_text(self.exit_code)
+            return f"{self.name} hook {ended}{tail}"
         return ""
 
     def to_json(self) -> dict[str, Any]:
@@ -177,4 +183,4 @@ async def run_hook(
     err = fsutil.read_tail(log_dir / f"{name}-stderr.log", 4096) if log_dir is not None else out.stderr_tail
     tail = (err.strip() or out.stdout_tail[-4096:].strip()).decode(errors="replace").splitlines()
     last = tail[-1][:_LAST_LINE_MAX] if tail else ""
-    return HookRun(name, tuple(argv), out.exit_code, out.timed_out, out.started, out.ended, last)
+    return HookRun(name, tuple(argv), out.exit_code, out.timed_out, out.started, out.ended, last, aborted=out.aborted)

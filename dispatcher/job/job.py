@@ -320,15 +320,14 @@ class Job(Finishing, Deciding):
         return n not in self.folder.attempt_numbers()  # a before hook's logs keep it: it counts
 
     def _unstarted_checks(self, n: int) -> list[CheckResult]:
-        """The checks of a job whose attempt n could not start: the last checked attempt's, as a cancel keeps them.
+        """The checks of a job whose attempt n could not start: none ran on it (its reason names none).
 
         With no earlier attempt, "the job ended before any attempt was checked" (``build_result``).
-        After one whose checks this daemon no longer holds (a `dispatcher retry`), that would deny
-        the attempts that ran, so each check is "not run" on attempt n.
+        After one, that would deny the attempts that ran, so each check says attempt n ran no
+        agent, as when its before hook fails: no false check of an earlier attempt stands beside
+        a reason that names none.
         """
-        if self.checked:
-            return self.checked
-        return self._unchecked(f"the agent could not start for attempt {n}") if self.attempts else []
+        return self._unchecked(f"attempt {n} ran no agent: it could not start") if self.attempts else []
 
     # -- one attempt --------------------------------------------------------------------------
     async def _attempt(self, n: int) -> Exit | Outcome | None:
