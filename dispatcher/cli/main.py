@@ -1,4 +1,4 @@
-"""The command line: argv in, exit code out. The only module that calls sys.exit."""
+"""The command line: argv in, exit code out. The only sys.exit of a command (child processes have their own)."""
 
 from __future__ import annotations
 
