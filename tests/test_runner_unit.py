@@ -22,9 +22,11 @@ from typing import Any
 import pytest
 
 from dispatcher import procs
+from dispatcher.job import attempt
 from dispatcher.job.agent_result import parse_agent_result
 from dispatcher.job.runner import AgentExit, AgentProcess, agent_environ, build_env, dispatch_env, encode_env
-from dispatcher.spec.jobspec import render
+from dispatcher.spec.jobspec import JobSpec, render
+from dispatcher.spec.settings import Agent
 
 ARGV_VALUES = {
     "job_id": "JOB-1",
@@ -529,3 +531,39 @@ def test_an_event_fired_while_notifications_close_is_dropped(tmp_path: Path) -> 
     asyncio.run(body())
     time.sleep(0.5)
     assert list(marks.iterdir()) == []
+
+
+# -- {parents}: a join's placeholder -------------------------------------------------------------
+
+
+def _spec(after: list[str] | None, prompt: str | None = None) -> JobSpec:
+    body: dict[str, Any] = {"job_id": "J-1", "from": "me", "to": "worker", "task": "t", "items": [{"id": "A"}]}
+    if after is not None:
+        body["after"] = after
+    return JobSpec(
+        job_id="J-1",
+        source="J-1.json",
+        received=1796252481.25,
+        parent=None,
+        hops=0,
+        agent=Agent("worker", ("x",), prompt=prompt),
+        timeout_s=60.0,
+        max_attempts=1,
+        budget=1,
+        writes=(),
+        given={},
+        order=body,
+    )
+
+
+def test_parents_is_replaced_for_a_join_and_passes_unchanged_elsewhere() -> None:
+    """`{parents}` is the path of a joined job's parents.json (section 16); in a job without `after` it is no
+    placeholder, and passes unchanged as other braces do (section 3), in argv and in the prompt alike."""
+    command = ("agent", "--parents={parents}", "{job_id}")
+    joined = attempt.argv(_spec(["P-1"], prompt="read {parents}"), "/r/active/J-1/work", command)
+    assert joined == ["agent", "--parents=/r/active/J-1/work/parents.json", "J-1"]
+    plain = attempt.argv(_spec(None, prompt="read {parents}"), "/r/active/J-1/work", command)
+    assert plain == ["agent", "--parents={parents}", "J-1"]
+    joined_prompt = attempt.values(_spec(["P-1"], prompt="read {parents}"), "/r/active/J-1/work")["prompt"]
+    assert joined_prompt == "read /r/active/J-1/work/parents.json"
+    assert attempt.values(_spec(None, prompt="read {parents}"), "/r/active/J-1/work")["prompt"] == "read {parents}"

@@ -33,15 +33,17 @@ def values(spec: JobSpec, work: str | Path, workspace: Path | None = None) -> di
         render(prompt, prompt_values(spec.order, spec.writes, Path(work), workspace), prompt=True) if prompt else ""
     )
     w = os.fspath(work)
-    return {
+    vals = {
         "job_id": spec.job_id,
         "order": f"{w}/order.json",
         "workspace": os.fspath(workspace or work),
         "receipt": f"{w}/receipt.json",
         "prompt": rendered,
         "prompt_file": f"{w}/prompt.md" if prompt is not None else "",
-        "parents": f"{w}/parents.json",
     }
+    if spec.order.get("after"):  # `{parents}` is a join's (section 16): elsewhere it passes unchanged
+        vals["parents"] = f"{w}/parents.json"
+    return vals
 
 
 def argv(

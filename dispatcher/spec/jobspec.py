@@ -246,7 +246,7 @@ def prompt_values(
 ) -> dict[str, str]:
     """Return the prompt template's placeholder values for one order in its work/ folder (and worktree)."""
     w = os.fspath(work)
-    return {
+    vals = {
         "job_id": order["job_id"],
         "from": order["from"],
         "to": order["to"],
@@ -257,8 +257,10 @@ def prompt_values(
         "order": f"{w}/order.json",
         "workspace": os.fspath(workspace or work),
         "receipt": f"{w}/receipt.json",
-        "parents": f"{w}/parents.json",
     }
+    if order.get("after"):  # `{parents}` is a join's (section 16): elsewhere it passes unchanged
+        vals["parents"] = f"{w}/parents.json"
+    return vals
 
 
 ARGV_PLACEHOLDERS = ("job_id", "order", "workspace", "receipt", "prompt", "prompt_file", "parents")
