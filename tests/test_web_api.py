@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -254,6 +256,42 @@ def test_a_non_loopback_listen_without_a_token_file_is_refused(env: Env) -> None
     proc = env.cli("web", "--listen", "0.0.0.0:8799", timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "not a loopback address" in proc.stderr and "web_token_file" in proc.stderr
+
+
+def _web_with_hosts(env: Env, hosts: str, listen: str) -> subprocess.Popen[str]:
+    """Start `dispatcher web --listen LISTEN` in a mount namespace of its own whose /etc/hosts is hosts."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.fail("this test needs root and unshare(1) (util-linux), as bash .ci/run has them")
+    (env.tmp / "hosts").write_text(hosts)
+    web = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "web", "--listen", listen]
+    script = 'mount --bind "$1" /etc/hosts && shift && exec "$@"'
+    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(env.tmp / "hosts"), *web]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=env.tmp, env=cli_env())
+
+
+def test_a_listen_name_that_names_only_loopback_addresses_is_served_without_a_token(env: Env) -> None:
+    """`--listen NAME:PORT` where NAME resolves to loopback addresses alone (the machine's own name in /etc/hosts) is
+    loopback: served without web_token_file, and a Host header naming NAME is answered; a name that resolves to
+    another address is refused as 0.0.0.0 is."""
+    hosts = "127.0.0.1 localhost\n127.0.1.1 own-name.test\n10.1.2.3 lan-name.test\n"
+    refused = _web_with_hosts(env, hosts, "lan-name.test:0")
+    _, err = refused.communicate(timeout=60)
+    assert refused.returncode == 2 and err.count("\n") == 1 and "not a loopback address" in err, err
+    proc = _web_with_hosts(env, hosts, "own-name.test:0")
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("dispatcher web: ") and "http://127.0.1.1:" in first, first
+        port = int(first.rstrip().rstrip("/").rsplit(":", 1)[1])
+        for host, want in ((f"own-name.test:{port}", 200), ("127.0.1.1", 200), ("evil.example", 421)):
+            conn = http.client.HTTPConnection("127.0.1.1", port, timeout=30)
+            conn.request("GET", "/api/status", headers={"Host": host})
+            assert conn.getresponse().status == want, host
+            conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
 
 
 def test_the_token_comes_from_web_token_file(env: Env) -> None:

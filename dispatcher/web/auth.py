@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -147,3 +148,18 @@ def session_cookie(cookie_header: str | None) -> str | None:
         if eq and name == COOKIE:
             return value.strip().strip('"') or None
     return None
+
+
+def names_loopback(host: str) -> bool:
+    """Return True for a loopback address, or a host name every address of which is a loopback one.
+
+    A name such as the machine's own (``/etc/hosts``: ``127.0.1.1 vm``) is served
+    without a token as 127.0.0.1 is; a name that does not resolve is not loopback.
+    """
+    if is_loopback(host):
+        return True
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(is_loopback(str(info[4][0]).partition("%")[0]) for info in found)

@@ -28,7 +28,7 @@ from dispatcher.layout import Layout
 from dispatcher.spec.settings import Config
 from dispatcher.web import pages
 from dispatcher.web.actions import ACTIONS, Actions
-from dispatcher.web.auth import COOKIE, SESSION_S, Auth, is_loopback, load_token, parse_listen
+from dispatcher.web.auth import COOKIE, SESSION_S, Auth, load_token, names_loopback, parse_listen
 from dispatcher.web.reads import Reader, attempt_files
 from dispatcher.web.server import DEFAULT_LISTEN, Reply, Request, open_server
 
@@ -226,7 +226,7 @@ def serve(config: Config, listen: str | None) -> int:
     """
     address = listen or DEFAULT_LISTEN
     host, port = parse_listen(address)
-    loopback = is_loopback(host)
+    loopback = names_loopback(host)
     if not loopback and config.web_token_file is None:
         raise UsageError(
             f"web: --listen {address} is not a loopback address: set web_token_file in the config to serve it"
@@ -235,7 +235,7 @@ def serve(config: Config, listen: str | None) -> int:
     app = App(config, Layout(config.root), Auth(token.value))
     app.reader.check()  # a ledger lost beside job folders: exit 2 naming `ledger rebuild`, as every command
     try:
-        server = open_server(host, port, app, loopback_only=loopback)
+        server = open_server(host, port, app, loopback_only=loopback, name=host)
     except OSError as exc:
         raise UsageError(f"web: cannot listen on {address}: {exc.strerror or exc}") from None
     bound = server.server_address

@@ -66,6 +66,7 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = socket.SOMAXCONN  # the listen backlog: socketserver's 5 reset a burst of 50 requests
     app: Handles
     loopback_only: bool
+    name: str = ""  # the --listen host, lower case: the Host header may name it besides a loopback address
 
     def __init__(self, address: tuple[str, int]) -> None:
         with contextlib.suppress(ValueError):  # a host name such as localhost: IPv4
@@ -87,7 +88,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         host = _host_name(self.headers.get("Host") or "")
-        if self.server.loopback_only and host and not is_loopback(host):
+        if self.server.loopback_only and host and not is_loopback(host) and host.lower() != self.server.name:
             # a page of another site that rebinds its name to 127.0.0.1 would otherwise read this view
             self._send(Reply(421, b"this view answers only to a loopback host name\n", "text/plain; charset=utf-8"))
             return
@@ -155,9 +156,13 @@ def _read_chunked(stream: io.BufferedIOBase) -> bytes | None:
             return None
 
 
-def open_server(host: str, port: int, app: Handles, *, loopback_only: bool) -> _Server:
-    """Bind host:port for app; raise OSError when the address cannot be bound."""
+def open_server(host: str, port: int, app: Handles, *, loopback_only: bool, name: str = "") -> _Server:
+    """Bind host:port for app; raise OSError when the address cannot be bound.
+
+    ``name``: the host name it was asked to listen on, which the Host header may give.
+    """
     server = _Server((host, port))
     server.app = app
     server.loopback_only = loopback_only
+    server.name = name.lower().removesuffix(".")
     return server
