@@ -1151,6 +1151,17 @@ def test_a_long_refused_names_folder_keeps_the_stems_first_180_bytes(env: Env, n
     assert folder.rpartition(b"@")[0] == stem, folder
 
 
+def test_a_long_refused_extension_keeps_its_first_200_bytes_after_the_dot(env: Env) -> None:
+    """README, limits: a refused file's `order.<ext>` keeps the extension's first 200 bytes, the dot apart."""
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True)
+    (inbox / ("ab." + "e" * 230)).write_bytes(b"{not json")
+    assert env.cli("run", "--once", timeout=90).returncode == 1
+    [folder] = (env.root / "failed").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == ["order." + "e" * 200, "result.json"]
+    assert (folder / ("order." + "e" * 200)).read_bytes() == b"{not json"
+
+
 # -- run --once -----------------------------------------------------------------------------------
 
 

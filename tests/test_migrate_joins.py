@@ -91,3 +91,13 @@ def test_a_join_that_went_on_is_no_join_wait_in_the_copy(env: Env, pg_db: str) -
     assert moved.returncode == 0, moved.stderr
     assert "with 1 join wait," in moved.stdout, moved.stdout
     assert _waits(pg_db) == [("OPEN-JOIN", "P2", "all_done")]
+
+
+def test_migrate_of_one_job_says_so_in_the_singular(env: Env, pg_db: str) -> None:
+    """`ledger migrate` of a ledger that knows one job id prints `1 job id copied`, as its other counts read."""
+    env.drop(order("ONE-1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    moved = env.cli("ledger", "migrate", "-", input=pg_db + "\n")
+    assert moved.returncode == 0, moved.stderr
+    assert ": 1 job id copied from " in moved.stdout, moved.stdout
+    assert "with 0 join waits, 0 gates, 0 gate waits, 0 requests" in moved.stdout, moved.stdout

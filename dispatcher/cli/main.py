@@ -20,7 +20,7 @@ from dispatcher.spec.config import load_config, require_config, require_root
 from dispatcher.spec.orders import parse_order
 from dispatcher.spec.settings import Config
 from dispatcher.store.counts import LIST_STATES
-from dispatcher.text import BidiSafe, redact
+from dispatcher.text import BidiSafe, plural, redact
 
 
 class _Parser(argparse.ArgumentParser):
@@ -353,7 +353,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
             ("requests", "request"),
         )
     )
-    print(f"{where}: {moved.rows} job ids copied from {layout.ledger}, with {also}")
+    print(f"{where}: {plural(moved.rows, 'job id')} copied from {layout.ledger}, with {also}")
     print("now set `ledger:` in the config to this URL on every host, then start the daemons")
     return 0
 

@@ -60,7 +60,8 @@ def refuse(
     (stage / ".target").write_bytes(os.fsencode(base))
     (stage / ".source").write_bytes(os.fsencode(refusal.name))
     # a file name may be 255 bytes: its extension alone may not fit beside `order` (cut, as the stem is)
-    inner = "entry" if refusal.entry_kind is not None else f"order{_cut(Path(refusal.name).suffix, 200)}"
+    suffix = Path(refusal.name).suffix  # `.ext`: the extension's first 200 bytes are kept, after its dot
+    inner = "entry" if refusal.entry_kind is not None else f"order{suffix[:1]}{_cut(suffix[1:], 200)}"
     result = build_result(
         job_id=refusal.job_id,
         state="failed",
