@@ -186,6 +186,8 @@ def test_an_empty_revise_note_is_refused_by_the_view_and_the_command(site: tuple
     assert not (env.root / "review" / "REV-A" / "revise.json").exists()
     refused = [e for e in web.events() if e.get("event") == "web.action" and e.get("status") == 400]
     assert len(refused) == 2 and all(e["job_id"] == "REV-A" and e["via"] == "web" for e in refused), refused
+    agent = json.loads((env.root / "review" / "REV-A" / "result.json").read_text())["agent"]
+    assert [e["agent"] for e in refused] == [agent, agent], refused  # the job's agent, as every other outcome's line
 
 
 def test_a_long_revise_note_is_taken_and_cut_as_the_command_cuts_it(site: tuple[Env, Web]) -> None:

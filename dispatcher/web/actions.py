@@ -61,6 +61,17 @@ class Actions:
             raise ConfigError("root: changed since `dispatcher web` started; restart it", file=str(config.path))
         return config
 
+    def _agent(self, job_id: str) -> str | None:
+        """Return the job's agent for a line about a refused request (None when nothing can say)."""
+        try:
+            op = Operator(self.config, self.layout)
+        except (DispatchError, OSError):
+            return None
+        try:
+            return _agent_of(op, job_id)
+        finally:
+            op.close()
+
     def run(self, action: str, job_id: str, *, note: str | None = None, who: str = "token") -> Outcome:
         """Run one action on one job and return its outcome (404 unknown, 409 wrong state, 501 not built)."""
         if action not in ACTIONS:
@@ -74,9 +85,9 @@ class Actions:
             bad = f"{action}: the note is not valid UTF-8 text"
         if bad is not None:
             outcome = Outcome(400, bad)
-            log.info(  # nothing was done; the line says so, as for any other outcome
-                "web.action", action=action, job_id=job_id, agent=None, status=400, message=outcome.message, by=who,
-                via="web",
+            log.info(  # nothing was done; the line says so, as for any other outcome, with the job's agent
+                "web.action", action=action, job_id=job_id, agent=self._agent(job_id), status=400,
+                message=outcome.message, by=who, via="web",
             )  # fmt: skip
             return outcome
         text = note or None  # cut and made one line by the commands' own code, as for `--note` and `--reason`
