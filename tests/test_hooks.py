@@ -709,6 +709,25 @@ def test_a_stop_ends_a_running_after_hook_at_stop_timeout_as_it_ends_agents(env:
     assert record["ok"] is False, record
 
 
+def test_a_before_hook_a_stop_ended_is_not_taken_for_an_agent_that_ran(env: Env, tmp_path: Path) -> None:
+    """SIGTERM while attempt 1's before hook runs: no agent started. The next start fails the job (not retry-safe)
+    as interrupted, and its exit_ok says the daemon stopped before the agent was seen to start, not while it ran."""
+    repo = make_repo(tmp_path / "shop")
+    started = tmp_path / "before.started"
+    hook = ["sh", "-c", 'echo $$ > "$0"; sleep 120', str(started)]
+    env.configure(agents={"coder": coder(env, repo, before=hook)}, stop_timeout=1, kill_grace=1)
+    d = env.daemon()
+    env.drop(code_order("BS1"))
+    _sigterm_while_the_hook_runs(d, started)
+    assert starts(env) == []
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    result = env.result("BS1", "failed")
+    exit_ok = next(c for c in result["checks"] if c["name"] == "exit_ok")
+    assert exit_ok["ok"] is False and "before its agent was seen to start" in exit_ok["detail"], exit_ok
+    assert "while the agent ran" not in result["reason"], result["reason"]
+    assert starts(env) == []
+
+
 def test_a_stop_during_the_after_hook_leaves_the_landing_owed_for_the_next_start(env: Env, tmp_path: Path) -> None:
     """SIGTERM while a done job's after hook runs: the hook is ended at stop_timeout, and the land hook, not started
     yet, is not started then (it would be ended at once and recorded failed, never to run on its own): it stays

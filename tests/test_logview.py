@@ -521,3 +521,20 @@ def test_console_mode_in_process_is_format_line(tmp_path: Path, monkeypatch: pyt
         root.setLevel(level)
     assert console.getvalue() == format_line(json.loads(path.read_text())) + "\n"
     assert "children=J-5 cost_usd=- attempts=1" in console.getvalue()
+
+
+def test_run_once_failing_with_stderr_closed_keeps_stdout_json(env: Env) -> None:
+    """`run --once 2>&-` that exits 1: with no stderr the one-line note is dropped, never written to stdout,
+    whose every line stays one JSON object."""
+    env.configure(agents={"worker": env.agent(), "broken": env.agent("--exit", "3")})
+    env.drop(order("C-BAD", to="broken"))
+    out = env.tmp / "closed.out"
+    with out.open("wb") as fh:
+        proc = subprocess.run(
+            ["sh", "-c", 'exec "$@" 2>&-', "sh", sys.executable, "-m", "dispatcher", "--config", str(env.config_path),
+             "run", "--once"],
+            stdout=fh, cwd=env.tmp, env=cli_env(), timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 1
+    lines = out.read_text().splitlines()
+    assert all(isinstance(json.loads(line), dict) for line in lines), lines[-3:]

@@ -447,3 +447,17 @@ def test_a_worktree_path_named_like_the_orders_output_still_answers_to_writes(en
     scope = next(c for c in result["checks"] if c["name"] == "writes_scope")
     assert (scope["ok"], scope["detail"]) == (False, "changed outside writes (src/**): config/prod.json"), scope
     assert sorted(result["workspace"]["changed"]) == ["config/prod.json", "src/ok.py"]
+
+
+def test_a_retried_job_whose_repository_went_away_fails_in_plain_words(env: Env, tmp_path: Path) -> None:
+    """Attempt 1 fails; the repository is moved away; `dispatcher retry`: the job fails as a config error that names
+    the repository as a fresh job's does, with no Python exception text ([Errno 2], quotes) in the reason."""
+    repo = make_repo(tmp_path / "shop")
+    env.configure(agents={"coder": coder(env, repo, "--exit", "1")})
+    env.drop(code_order("GONE-1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    repo.rename(tmp_path / "shop.moved")
+    assert env.cli("retry", "GONE-1").returncode == 0
+    assert env.cli("run", "--once", timeout=120).returncode == 1
+    result = env.result("GONE-1", "failed")
+    assert result["reason"] == f"config: agent coder cannot start: workspace: repository {repo} does not exist"

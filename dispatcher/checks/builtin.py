@@ -41,9 +41,10 @@ def exit_ok(ev: Evidence) -> CheckResult:
     r = partial(_made, "exit_ok")
     e = ev.exit
     if e.lost:  # null only beside a receipt (section 5): without one the attempt counts as interrupted
+        when = "while the agent ran" if e.started else "before its agent was seen to start (the attempt has no logs)"
         if ev.receipt.missing:
-            return r(False, "exit status lost: the daemon stopped while the agent ran, and it left no receipt")
-        return r(None, "exit status lost: the daemon stopped while the agent ran")
+            return r(False, f"exit status lost: the daemon stopped {when}, and it left no receipt")
+        return r(None, f"exit status lost: the daemon stopped {when}")
     if e.aborted:
         return r(False, f"{e.aborted} after {e.seconds:.2f} s")
     if e.timed_out and e.idle_s is not None:

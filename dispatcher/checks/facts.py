@@ -24,6 +24,7 @@ class Exit:
     timeout_s: float = 0.0
     lost: bool = False
     idle_s: float | None = None  # ended for no output and no workspace change for this long (idle_timeout)
+    started: bool = True  # with ``lost``: False when its attempt holds no agent logs (only a before hook ran, if any)
 
 
 @dataclass(frozen=True, slots=True)

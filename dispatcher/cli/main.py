@@ -391,7 +391,7 @@ def _stderr_apart() -> bool:
     """
     from dispatcher import logs
 
-    if logs.is_journal(sys.stderr):
+    if sys.stderr is None or logs.is_journal(sys.stderr):  # None: started with stderr closed (`2>&-`)
         return False
     try:
         out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())

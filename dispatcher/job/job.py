@@ -267,13 +267,14 @@ class Job(Finishing, Deciding):
         if unstarted and await self._persist(self._give_back_unstarted, n):
             return None
         if record is None or record.interrupted or record.aborted == Stop.STOPPED:
+            started = not self.folder.never_started(n)  # looked at before the cut's record makes its logs
             if record is None:
                 record = await self._record_cut(n)
             if record.retry_next:
                 return None
             if receipt:
                 return await self._decide(n, Exit(lost=True), final=True)
-            checks = await self._checks(Exit(lost=True), n)
+            checks = await self._checks(Exit(lost=True, started=started), n)
             why = verdict(checks, exit_lost=True) or "receipt_present: no receipt.json"
             how = "its host was lost" if self.host_lost else "by a stop or crash"
             return await self._retry_or_fail(n, f"{why}; attempt {n} was interrupted: {how}", checks)

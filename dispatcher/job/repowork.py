@@ -174,7 +174,10 @@ class JobRepo:
             async with repo_lock(conf.git):
                 self.ws, self.git_view = await self.lanes.io(self._open, n, keep)
         except (GitError, OSError, MemoryError) as exc:
-            raise WorkspaceFailed(f"workspace: {exc}", _short_cause(exc)) from None
+            said = exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc) or type(exc).__name__
+            if isinstance(exc, OSError) and exc.filename:
+                said = f"{said}: {exc.filename}"
+            raise WorkspaceFailed(f"workspace: {said}", _short_cause(exc)) from None
         self._opened = True
 
     def _open(self, n: int, keep: bool) -> tuple[Workspace, GitView | None]:
@@ -187,6 +190,8 @@ class JobRepo:
         branch = branch_for(conf.branch, self.spec.job_id)
         path = self.layout.worktree(self.spec.job_id)
         ws = worktree.plan(self.folder.path, conf.git, base_ref, branch, path, commit)
+        if not os.path.isdir(ws.repo):  # a recorded job (a retry, a recovery) whose repository went away since
+            raise GitError(f"repository {ws.repo} does not exist")
         gitview.absorb(ws)  # the last attempt's commits, if a crash came before they were taken
         if not worktree.is_ready(ws):
             worktree.create(ws, from_branch=keep and n > 1)
