@@ -65,7 +65,7 @@ def check_agents(cfg: Config) -> list[Finding]:
             out.append(Finding(f"agents.{name}.workspace.git", f"repository {r.workspace.git} not found", error=True))
         if agent.repair and not agent.retry_safe and agent.probe is None:
             out.append(Finding(f"agents.{name}.repair", "has no effect without retry_safe or probe", error=False))
-        if both := [k for k in agent.pass_env if k in agent.env]:
+        if both := [k for k in dict.fromkeys(agent.pass_env) if k in agent.env]:
             shown = ", ".join(both)
             out.append(Finding(f"agents.{name}.pass_env", f"{shown} also set in env: env's value wins", error=False))
     return out
