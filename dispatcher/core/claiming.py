@@ -64,6 +64,7 @@ class Claims:
         # no watch of the control folder (``watch: poll``, or none could start): the hint a `pause` drops is not
         # heard, so the gates are read in each claim's trip, as on a shared ledger
         self.unwatched: Callable[[], bool] = lambda: False
+        self.stopping: Callable[[], bool] = lambda: False  # a stop began: no new order is claimed (section 9)
         self.on_gate = on_gate  # a gate the ledger has and the loop's snapshot may not (called from this lane)
         self.layout = layout
         self.ledger = ledger
@@ -190,7 +191,7 @@ class Claims:
                 picks.append((p, slot))
             else:
                 out.append(self.reload(p, slot))
-        if picks and not slotless and SHORT.short():  # short since these were read: none is claimed now
+        if picks and not slotless and (SHORT.short() or self.stopping()):  # short or stopping since these were read
             for p, slot in picks:
                 if slot is not None:
                     ledger.free_slot(p.agent, slot)

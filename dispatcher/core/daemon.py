@@ -196,6 +196,7 @@ class Daemon(Reloading, Fencing):
         self.sched = Scheduler(ctx, self.inbox, self.wakeup, joins)
         self.claims = self.sched.claims
         self.claims.unwatched = lambda: self.watch is None  # (read in the ledger lane: a snapshot is enough)
+        self.claims.stopping = lambda: self.stopping  # a trip under way when a stop begins claims nothing more
         joins.ready, joins.failed = self._joined, self.sched.join_failed
         self.lease: LeaseKeeper | None = None
         leases = self.ledger.leases
