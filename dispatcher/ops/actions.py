@@ -20,10 +20,12 @@ import contextlib
 import errno
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
 import structlog
+from filelock import FileLock, Timeout
 
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
@@ -45,6 +47,9 @@ CLAIM_WAIT_S = 2.0
 _MAX_FILES = 100
 
 
+MOVES_LOCK_S = 30.0  # how long hold and release wait for another one moving orders
+
+
 class Operator:
     """The operator's actions on one dispatch root; opens the ledger once for every id."""
 
@@ -55,6 +60,7 @@ class Operator:
         self.reason: str | None = None  # the text of a reject
         self.note: str | None = None  # the text of a revise
         self.notes: list[str] = []  # lines for stderr that go with an action that was done (a warning)
+        self._moves: FileLock | None = None  # ``_moving``: one command at a time moves orders between inbox/ and held/
 
     @property
     def ledger(self) -> Ledger:
@@ -182,7 +188,8 @@ class Operator:
                 raise NotFound(f"{job_id}: no such job")
             held = True  # an order put on hold by hand: cancelled as a held follow-up is
         self.ledger.request(job_id, Request.CANCEL)
-        if held:
+        # a hold that raced this cancel may have moved the order into held/ since it was looked for above
+        if held or find_queued(self.layout.held, [job_id]):
             self._unhold(job_id)
         self._poke("cancel", job_id)
         return f"{job_id}: cancel requested"
@@ -233,9 +240,31 @@ class Operator:
         (self.layout.control / hint_name(kind, job_id)).write_bytes(b"")
 
     # -- hold and release -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _moving(self, job_id: str) -> Iterator[None]:
+        """Hold the root's lock for moves between inbox/ and held/ (reentrant: a hold's undo releases under it).
+
+        A hold moves by link then unlink, a release by rename: run at once on one order, each
+        could take the other's new name for a move of its own cut short, and between them
+        unlink both names. So `hold`, `release` and a cancel's release take turns.
+        """
+        if self._moves is None:
+            fsutil.make_dirs(self.layout.state_dir)
+            lock = self.layout.state_dir / "moves.lock"
+            self._moves = FileLock(lock, timeout=MOVES_LOCK_S, thread_local=False, preserve_lock_file=True)
+        try:
+            with self._moves:
+                yield
+        except Timeout:
+            raise WrongState(f"{job_id}: another command held the lock of held/ for {MOVES_LOCK_S:g} s") from None
+
     def hold(self, job_id: str) -> str:
         """Move the queued order(s) of job_id from inbox/ into held/, where no daemon claims them."""
         check_id(job_id)
+        with self._moving(job_id):
+            return self._hold(job_id)
+
+    def _hold(self, job_id: str) -> str:
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state not in (Row.RELEASED,):
             raise WrongState(f"{job_id}: is {_word(entry.state)}, only a queued order can be held")
@@ -256,6 +285,9 @@ class Operator:
             self._not_in(job_id, "inbox", "queued", "held")
         if entry is not None:  # a released follow-up: the ledger's word that it waits in held/
             self.ledger.set_state(job_id, Row.HELD, expect=Row.RELEASED)
+        if job_id in self.ledger.requests(Request.CANCEL):  # a cancel raced this hold: it wins, as asked first
+            self._unhold(job_id)
+            raise WrongState(f"{job_id}: a cancel was asked for it; it fails with reason cancelled")
         agent = read_order_file(self.layout.held / held[0], self.config.max_order_bytes).agent
         log.info("job.held", job_id=job_id, agent=agent, file=", ".join(held))
         return f"{job_id}: held (held/{printable(', held/'.join(held))})"
@@ -287,6 +319,10 @@ class Operator:
         The ledger row goes first: a daemon refuses a file whose row still says held.
         """
         check_id(job_id)
+        with self._moving(job_id):
+            return self._release(job_id)
+
+    def _release(self, job_id: str) -> str:
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state not in (Row.HELD, Row.RELEASED):
             if find_queued(self.layout.held, [job_id]).get(job_id) is None:
