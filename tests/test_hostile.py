@@ -775,7 +775,7 @@ def test_a_name_whose_extension_fills_the_name_limit_is_refused_and_holds_up_not
     assert env.result("OLDER-1", "done")["state"] == "done"
     (folder,) = env.refusals()
     assert folder.name.startswith("x@")
-    kept = folder / ("order." + "y" * 199)
+    kept = folder / ("order." + "y" * 200)  # the extension's first 200 bytes after its dot (README: limits)
     assert kept.read_bytes() == b"hi\n" and sorted(p.name for p in folder.iterdir()) == sorted(
         [kept.name, "result.json"]
     )
