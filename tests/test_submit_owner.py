@@ -134,3 +134,24 @@ def test_an_order_another_user_moved_into_inbox_is_claimed_though_it_cannot_be_l
         daemon.terminate()
         daemon.wait(60)
         log.close()
+
+
+def test_a_hold_by_root_leaves_hold_release_and_cancel_to_the_service_user(service: tuple[Env, str]) -> None:
+    """Root submits and holds: the moves lock it makes under .state/ goes to the root's owner, so the service user
+    then releases, holds and cancels (an order put back from held/ by its cancel), each exit 0; the job ends
+    cancelled in the service user's `run --once`."""
+    env, python = service
+    init = subprocess.run(as_user(python, "--config", str(env.config_path), "init"), capture_output=True, text=True)
+    assert init.returncode == 0, init.stderr  # the layout is the service user's, as its daemon leaves it
+    (env.tmp / "o.json").write_text(json.dumps(order("HELD-1")))
+    assert env.cli("submit", str(env.tmp / "o.json")).returncode == 0
+    assert env.cli("hold", "HELD-1").returncode == 0
+    lock = env.root / ".state" / "moves.lock"
+    assert (lock.stat().st_uid, lock.stat().st_gid) == (env.root.stat().st_uid, env.root.stat().st_gid)
+    base = as_user(python, "--config", str(env.config_path))
+    for step in ("release", "hold", "cancel"):
+        proc = subprocess.run([*base, step, "HELD-1"], capture_output=True, text=True, cwd=env.tmp)
+        assert proc.returncode == 0, (step, proc.stderr)
+    run = subprocess.run([*base, "run", "--once"], capture_output=True, text=True, cwd=env.tmp)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads((env.root / "failed" / "HELD-1" / "result.json").read_text())["reason"] == "cancelled"

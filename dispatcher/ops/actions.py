@@ -32,6 +32,7 @@ from dispatcher.errors import NotFound, WrongState, printable
 from dispatcher.layout import JOB_ID, Layout, check_id, hint_name
 from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
+from dispatcher.ops.sharing import hand_over
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
@@ -248,15 +249,22 @@ class Operator:
         could take the other's new name for a move of its own cut short, and between them
         unlink both names. So `hold`, `release` and a cancel's release take turns.
         """
+        lock = self.layout.state_dir / "moves.lock"
         if self._moves is None:
             fsutil.make_dirs(self.layout.state_dir)
-            lock = self.layout.state_dir / "moves.lock"
             self._moves = FileLock(lock, timeout=MOVES_LOCK_S, thread_local=False, preserve_lock_file=True)
         try:
-            with self._moves:
-                yield
+            self._moves.acquire()
         except Timeout:
             raise WrongState(f"{job_id}: another command held the lock of held/ for {MOVES_LOCK_S:g} s") from None
+        except PermissionError:  # a lock file another user made before it was shared: the move goes on, unguarded
+            yield
+            return
+        try:
+            hand_over(self.layout, [lock])  # the daemon's user and the root's group take it after this command
+            yield
+        finally:
+            self._moves.release()
 
     def hold(self, job_id: str) -> str:
         """Move the queued order(s) of job_id from inbox/ into held/, where no daemon claims them."""

@@ -15,7 +15,6 @@ import errno
 import grp
 import os
 import secrets
-import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
 from dispatcher.ledger.cycles import find_cycle
 from dispatcher.ledger.records import Request
+from dispatcher.ops.sharing import hand_over
 from dispatcher.spec.order import Order
 from dispatcher.spec.orders import (
     LATEST_S,
@@ -140,49 +140,10 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
 
 
 def _hand_over_state(layout: Layout) -> None:
-    """As root, give what this submit created (inbox/, .state/, its lock, a new ledger) the root's owner.
-
-    A root made for a service user (`dispatcher` under systemd) must stay writable by
-    its daemon even when root was the first to submit into it.
-    """
-    if os.geteuid() != 0:
-        _share_with_group(layout)
-        return
-    try:
-        owner = os.stat(layout.root)
-    except OSError:
-        return
-    if owner.st_uid == 0:
-        return
-    ledger = layout.ledger
-    made = [layout.inbox, layout.state_dir, layout.state_dir / "submit.lock", ledger]
-    made += [ledger.with_name(ledger.name + suffix) for suffix in ("-wal", "-shm")]
-    for path in made:
-        with contextlib.suppress(OSError):
-            if os.lstat(path).st_uid == 0:
-                os.lchown(path, owner.st_uid, owner.st_gid)
-
-
-def _share_with_group(layout: Layout) -> None:
-    """As a member of a root's group, leave what this submit made in a group-writable ``.state/`` writable by
-    the group (the lock, a new ledger and its ``-wal``/``-shm``): the daemon and the other members use them too.
-
-    Made under umask 027 they would be the member's alone, and the daemon could then not open
-    its own ledger, nor anyone else take the submit lock.
-    """
-    try:
-        if not os.stat(layout.state_dir).st_mode & stat.S_IWGRP:
-            return  # .state/ is not shared for writing: nothing a member made is in it
-    except OSError:
-        return
-    me = os.geteuid()
+    """Leave what this submit created (inbox/, .state/, its lock, a new ledger) usable by the daemon and others."""
     ledger = layout.ledger
     made = [layout.state_dir / "submit.lock", ledger, *(ledger.with_name(ledger.name + s) for s in ("-wal", "-shm"))]
-    for path in made:
-        with contextlib.suppress(OSError):
-            st = os.lstat(path)
-            if st.st_uid == me and stat.S_ISREG(st.st_mode) and st.st_mode & 0o060 != 0o060:
-                os.chmod(path, stat.S_IMODE(st.st_mode) | 0o060)
+    hand_over(layout, made, folders=[layout.inbox, layout.state_dir])
 
 
 def _refuse_known(cfg: Config, layout: Layout, orders: list[Submission]) -> None:
