@@ -430,22 +430,34 @@ def test_an_operators_line_read_by_a_daemon_killed_before_writing_it_is_written_
     assert [e["job_id"] for e in d2.events() if e["event"] == "job.held"] == ["Q2"]
 
 
+def _raced(env: Env, ids: list[str], *commands: str) -> list[tuple[str, list[subprocess.CompletedProcess[str]]]]:
+    """Drop an order for each id, then run the commands on each id at once (one id after another); return, per id,
+    how each command ended."""
+    for job_id in ids:
+        env.drop(order(job_id))
+    base = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path)]
+    out = []
+    for job_id in ids:
+        procs = [
+            subprocess.Popen([*base, what, job_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=env.tmp, env=cli_env())
+            for what in commands
+        ]  # fmt: skip
+        ended = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=60)
+            ended.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+        out.append((job_id, ended))
+    return out
+
+
 def test_a_cancel_racing_a_hold_always_ends_the_job_cancelled(env: Env) -> None:
     """`hold ID` and `cancel ID` run at once, 20 times over: cancel exits 0 each time, so each job ends in failed/
     with reason cancelled and none is left in held/ (where the cancel's request would be dropped and the order,
     once released, would run)."""
     ids = [f"RACE-{i:02d}" for i in range(20)]
-    for job_id in ids:
-        env.drop(order(job_id))
-    base = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path)]
-    for job_id in ids:
-        procs = [
-            subprocess.Popen([*base, what, job_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=env.tmp, env=cli_env())
-            for what in ("hold", "cancel")
-        ]  # fmt: skip
-        outs = [p.communicate(timeout=60) for p in procs]
-        assert procs[1].returncode == 0, (job_id, outs[1])
+    for job_id, ran in _raced(env, ids, "hold", "cancel"):
+        assert ran[1].returncode == 0, (job_id, ran[1].stderr)
     held = env.root / "held"
     assert (sorted(p.name for p in held.iterdir()) if held.is_dir() else []) == []
     assert env.cli("run", "--once", timeout=120).returncode == 1
@@ -457,17 +469,7 @@ def test_hold_and_release_at_once_never_lose_the_order(env: Env) -> None:
     """`hold ID` and `release ID` run at once, 20 times over: each order is left whole in inbox/ or in held/, never
     in neither (a hold's link and unlink beside a release's rename could unlink both names)."""
     ids = [f"HR-{i:02d}" for i in range(20)]
-    for job_id in ids:
-        env.drop(order(job_id))
-    base = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path)]
-    for job_id in ids:
-        procs = [
-            subprocess.Popen([*base, what, job_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=env.tmp, env=cli_env())
-            for what in ("hold", "release")
-        ]  # fmt: skip
-        for p in procs:
-            p.communicate(timeout=60)
+    _raced(env, ids, "hold", "release")
     for job_id in ids:
         found = [p for folder in ("inbox", "held") for p in (env.root / folder).glob(f"{job_id}*.json")]
         assert len(found) == 1, (job_id, found)

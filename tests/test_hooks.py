@@ -80,31 +80,29 @@ def test_show_gives_an_attempt_its_before_hook_failed_its_reason_the_hooks_logs_
     assert "        before hook's stderr, the last line:\n          | no deps\n" in text, text
 
 
-def test_a_before_hook_failure_with_no_attempt_left_fails_the_job_with_its_reason(env: Env, tmp_path: Path) -> None:
-    """With one attempt, a failing before hook fails the job; the reason says which hook and how."""
+@pytest.mark.parametrize(
+    ("hook", "reason"),
+    [
+        (["sh", "-c", "echo missing tool >&2; exit 1"], "before hook exited 1: missing tool"),
+        (["sh", "-c", "kill -KILL $$"], "before hook killed by SIGKILL"),  # a signal is named, never `exited -9`
+    ],
+    ids=["exit-1", "sigkill"],
+)
+def test_a_before_hook_failure_with_no_attempt_left_fails_the_job_with_its_reason(
+    env: Env, tmp_path: Path, hook: list[str], reason: str
+) -> None:
+    """With one attempt, a failing before hook fails the job; the reason says which hook and how it ended (a signal
+    by its name, as an agent's exit_ok names one)."""
     repo = make_repo(tmp_path / "shop")
-    agent = coder(env, repo, before=["sh", "-c", "echo missing tool >&2; exit 1"])
+    agent = coder(env, repo, before=hook)
     env.configure(agents={"coder": agent})
     env.drop(code_order("B2"))
     d = env.daemon()
     result = env.wait_job("B2", "failed")
     d.wait_event("hook.failed", hook="before", job_id="B2")
     d.stop()
-    assert result["reason"] == "before hook exited 1: missing tool; not retried: no attempts left"
+    assert result["reason"] == f"{reason}; not retried: no attempts left"
     assert starts(env) == []
-
-
-def test_a_hook_ended_by_a_signal_names_the_signal_not_a_negative_exit_code(env: Env, tmp_path: Path) -> None:
-    """A before hook that dies of SIGKILL fails the job with `before hook killed by SIGKILL`, as an agent's exit_ok
-    names a signal, never Python's `exited -9`."""
-    repo = make_repo(tmp_path / "shop")
-    agent = coder(env, repo, before=["sh", "-c", "kill -KILL $$"])
-    env.configure(agents={"coder": agent})
-    env.drop(code_order("B3"))
-    d = env.daemon()
-    result = env.wait_job("B3", "failed")
-    d.stop()
-    assert result["reason"] == "before hook killed by SIGKILL; not retried: no attempts left"
 
 
 def test_a_hook_a_stop_or_cancel_ended_says_so() -> None:

@@ -174,9 +174,9 @@ class JobRepo:
             async with repo_lock(conf.git):
                 self.ws, self.git_view = await self.lanes.io(self._open, n, keep)
         except (GitError, OSError, MemoryError) as exc:
-            said = exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc) or type(exc).__name__
-            if isinstance(exc, OSError) and exc.filename:
-                said = f"{said}: {exc.filename}"
+            said = str(exc) or type(exc).__name__
+            if isinstance(exc, OSError):  # in words, never Python's `[Errno 2] ...: '/path'`
+                said = f"{exc.strerror or said}: {exc.filename}" if exc.filename else exc.strerror or said
             raise WorkspaceFailed(f"workspace: {said}", _short_cause(exc)) from None
         self._opened = True
 
