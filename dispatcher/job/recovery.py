@@ -45,16 +45,23 @@ def finish_staging(layout: Layout, ledger: Ledger, alive: Callable[[str], bool])
         owner, _, rest = name.partition(".")
         if not owner or alive(owner):
             continue
-        if not stage.is_dir() or stage.is_symlink():
-            stage.unlink()  # a follow-up copy a dead daemon was releasing: released again from the ledger
-        elif rest.startswith("claim-"):
-            _finish_claim(layout, ledger, owner, rest[len("claim-") :].rsplit("-", 1)[0], stage)
-        elif rest.startswith("refuse-") and any(
-            p.name.startswith("order") or p.name == "entry" for p in stage.iterdir()
-        ):
-            refusals.finish_stage(layout, stage)
-        else:
-            remove_stage(stage)
+        try:
+            _finish_stage(layout, ledger, owner, rest, stage)
+        except FileNotFoundError:
+            # another live daemon is finishing the same folder (each step is a rename, a link or a ledger update
+            # only one of them wins): whatever it leaves is finished at the next rescan
+            continue
+
+
+def _finish_stage(layout: Layout, ledger: Ledger, owner: str, rest: str, stage: Path) -> None:
+    if not stage.is_dir() or stage.is_symlink():
+        stage.unlink()  # a follow-up copy a dead daemon was releasing: released again from the ledger
+    elif rest.startswith("claim-"):
+        _finish_claim(layout, ledger, owner, rest[len("claim-") :].rsplit("-", 1)[0], stage)
+    elif rest.startswith("refuse-") and any(p.name.startswith("order") or p.name == "entry" for p in stage.iterdir()):
+        refusals.finish_stage(layout, stage)
+    else:
+        remove_stage(stage)
 
 
 def _finish_claim(layout: Layout, ledger: Ledger, owner: str, job_id: str, stage: Path) -> None:

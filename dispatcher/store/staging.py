@@ -6,6 +6,7 @@ place, the inbox name (the same inode) goes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
@@ -76,14 +77,20 @@ def claim_stages(layout: Layout, job_id: str) -> list[str]:
 
 
 def remove_stage(stage: str | Path) -> None:
-    """Remove a staging folder holding only the daemon's own files (and links to user files)."""
+    """Remove a staging folder holding only the daemon's own files (and links to user files).
+
+    A part already gone is passed over: a second daemon finishing a dead daemon's folder may remove it at once.
+    """
     for root, dirs, files in os.walk(stage, topdown=False):
         for name in files:
-            os.unlink(os.path.join(root, name))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, name))
         for name in dirs:
             path = os.path.join(root, name)
-            if os.path.islink(path):
-                os.unlink(path)
-            else:
-                os.rmdir(path)
-    os.rmdir(stage)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.islink(path):
+                    os.unlink(path)
+                else:
+                    os.rmdir(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(stage)
