@@ -1,22 +1,29 @@
-"""Two live daemons finish the same dead daemon's staging folder at once (contract section 1: exactly once).
+"""Two live daemons clean up after the same dead daemon at once (contract sections 1 and 6: exactly once).
 
-Each live daemon lists ``.state/staging/`` at its rescan and finishes the folders of dead
-daemons. Two of them may pick the same folder in the same moment. These tests put the
-second daemon's whole pass inside the first one's, at the point where the first has just
-learnt that the folder's owner is dead: the first then finds the folder gone, goes on,
-and the job is claimed, run or refused once.
+Each live daemon, at its start and at each rescan, finishes what dead daemons left: their
+staging folders, a join's landing cut short, a follow-up linked into inbox/ but not yet
+recorded as released. Two of them may take the same leftover in the same moment. These
+tests put the second daemon's whole step inside the first one's, at the point where the
+first has just decided to act: the first then finds the work done, goes on, and the job is
+claimed, run, landed or released once.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, order
+from conftest import Env, cli_env, order
+from test_joins import join_agents, merger
 
+from dispatcher.job.followups import release_followups
+from dispatcher.job.joins import Joins
 from dispatcher.job.recovery import finish_staging
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import ClaimRequest, DaemonInfo
@@ -105,3 +112,83 @@ def test_a_dead_daemons_refusal_finished_by_two_daemons_at_once_is_placed_once(e
     [folder] = os.listdir(layout.root / "failed")
     kept = [p for p in (layout.root / "failed" / folder).iterdir() if p.name.startswith("order")]
     assert [p.read_bytes() for p in kept] == [b"not an order\n"]
+
+
+def _killed_at(env: Env, fault: str) -> None:
+    """Run `run --once` until the fault point, where it is killed (SIGKILL): the dead daemon's leftovers."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=env.tmp,
+        env=dict(cli_env(), DISPATCHER_FAULT=fault),
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+
+
+def test_a_join_landing_cut_short_landed_by_two_daemons_at_once_lands_once(env: Env) -> None:
+    """A join failed in waiting/ whose move into failed/ was cut short: the daemon that finds it landed by the
+    other one goes on (it stopped with FileNotFoundError, at start with exit 1)."""
+    env.configure(join_agents(env))
+    env.drop(order("P", to="bad"))
+    assert env.cli("run", "--once").returncode == 1
+    env.drop(merger("J", after=["P"]))
+    _killed_at(env, "finish.recorded")
+    layout = Layout(env.root)
+    assert (layout.root / "waiting" / "J").is_dir()
+    cfg = load_config(env.config_path)
+    first, second = _ledger(env, "vm-a"), _ledger(env, "vm-b")
+    try:
+        assert first.get("J").state == Row.FAILED
+        mine = Joins(layout, first, None, lambda: cfg)  # type: ignore[arg-type]
+        other = Joins(layout, second, None, lambda: cfg)  # type: ignore[arg-type]
+        read = first.get
+
+        def get(job_id: str) -> Any:  # the first daemon has read J's row: the second's whole pass runs now
+            entry = read(job_id)
+            if job_id == "J":
+                other.recover(second.alive)
+            return entry
+
+        first.get = get
+        mine.recover(first.alive)
+    finally:
+        first.close()
+        second.close()
+    assert os.listdir(layout.root / "waiting") == []
+    result = json.loads((layout.root / "failed" / "J" / "result.json").read_text())
+    assert result["reason"] == "after: P failed"
+    assert sorted(os.listdir(layout.root / "failed")) == ["J", "P"]
+
+
+def test_a_followup_a_dead_daemon_linked_in_and_another_claimed_is_not_released_twice(env: Env) -> None:
+    """A dead daemon linked a follow-up into inbox/ but did not record it; a live daemon takes the release's turn,
+    and before it links its copy another daemon claims and runs the first one: no second copy is left in inbox/
+    (it was refused as a known id into failed/, and `run --once` exited 1)."""
+    follow = json.dumps(order("F", **{"from": "parent"}))
+    env.configure({"worker": env.agent(), "parent": env.agent("--followup", follow)})
+    env.drop(order("P", to="parent"))
+    _killed_at(env, "followup.placed")
+    layout = Layout(env.root)
+    assert os.listdir(layout.inbox) == ["F.json"] and (layout.root / "done" / "P").is_dir()
+    releasing = _ledger(env, "vm-a")
+    take = releasing.take_release
+    others: list[int] = []
+
+    def taken(job_id: str, digest: str, who: str) -> bool:
+        ok = take(job_id, digest, who)
+        if ok and not others:  # the turn is this daemon's: another daemon claims and runs the file in inbox/ now
+            others.append(env.cli("run", "--once").returncode)
+        return ok
+
+    releasing.take_release = taken
+    try:
+        assert release_followups(layout, releasing, "P") == 0
+    finally:
+        releasing.close()
+    assert others == [0]
+    assert os.listdir(layout.inbox) == []
+    assert env.cli("run", "--once").returncode == 0
+    assert sorted(os.listdir(layout.root / "done")) == ["F", "P"] and os.listdir(layout.root / "failed") == []
+    assert [s for s in env.starts() if s[0] == "F"] == [("F", 1)]

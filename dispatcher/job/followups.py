@@ -86,9 +86,14 @@ def _release(
         chain = entry.chain_cost_usd  # the parent's chain cost
         over = max_chain_cost_usd is not None and chain is not None and chain > max_chain_cost_usd
         folder = layout.held if over else layout.inbox
-        name = _place(layout, folder, ledger.owner, entry.job_id, out, sha)
+        name, made = _place(layout, folder, ledger.owner, entry.job_id, out, sha)
         faults.point("followup.placed")
-        ledger.mark_released(entry.job_id, name, sha, held=over)
+        if not ledger.mark_released(entry.job_id, name, sha, held=over):
+            # no longer reserved: the copy a dead releaser had linked in was claimed while this turn was taken
+            # (or the row went with its parent's failure): the copy just made would be a second one, and goes
+            if made is not None:
+                _unplace(folder, name, made)
+            continue
         count += 1
         if over:
             log.warning(
@@ -109,12 +114,18 @@ def _release(
     return count
 
 
-def _place(layout: Layout, folder: Path, owner: str, job_id: str, data: bytes, sha: str) -> str:
-    """Link the follow-up into folder under a name that replaces nothing; reuse our own copy."""
+def _place(
+    layout: Layout, folder: Path, owner: str, job_id: str, data: bytes, sha: str
+) -> tuple[str, tuple[int, int] | None]:
+    """Link the follow-up into folder under a name that replaces nothing; reuse a copy already there.
+
+    Returns the name, and the file's id when this call made the link (None: a copy found there).
+    """
     fsutil.make_dirs(folder)  # held/ of a root made before it existed: its name durable before the link
     tmp = layout.staging / f"{owner}.release-{job_id}"
     tmp.unlink(missing_ok=True)
     fsutil.write_new(tmp, data, sync=True)
+    made = fsutil.file_id(tmp)
     try:
         n = 1
         while True:
@@ -122,11 +133,20 @@ def _place(layout: Layout, folder: Path, owner: str, job_id: str, data: bytes, s
             try:
                 os.link(tmp, folder / name)
                 fsutil.fsync_dir(folder)
-                return name
+                return name, made
             except FileExistsError:
                 with contextlib.suppress(OSError, fsutil.NotRegular, ValueError):
                     if digest(fsutil.read_regular(folder / name)) == sha:
-                        return name
+                        return name, None
                 n += 1
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _unplace(folder: Path, name: str, made: tuple[int, int]) -> None:
+    """Remove the copy this release linked in, if the name still holds it (a daemon may have taken it since)."""
+    path = folder / name
+    if fsutil.file_id(path, follow_symlinks=False) == made:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            fsutil.fsync_dir(folder)

@@ -27,6 +27,7 @@ decided again; the parents' states are final, so the answer is the same).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -289,7 +290,10 @@ class Joins:
                 continue
             if entry.state in (Row.DONE, Row.FAILED):  # its landing was cut short
                 folder = JobFolder(self.layout.job(State.WAITING, job_id))
-                folder.land(self.layout, State.DONE if entry.state == Row.DONE else State.FAILED)
+                state = State.DONE if entry.state == Row.DONE else State.FAILED
+                with contextlib.suppress(FileNotFoundError):  # landed meanwhile by another daemon on this root
+                    folder.land(self.layout, state)
+                    fsutil.fsync_dir(self.layout.folder(state))
                 continue
             if entry.state != Row.CLAIMED or (entry.owner is not None and alive(entry.owner)):  # None: rebuilt
                 continue
