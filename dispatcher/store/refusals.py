@@ -147,7 +147,9 @@ def finish_stage(layout: Layout, stage: Path) -> None:
     """
     target, source = stage / ".target", stage / ".source"
     base = os.fsdecode(target.read_bytes()) if target.exists() else stage.name
-    kept = next(p for p in stage.iterdir() if p.name.startswith("order") or p.name == "entry")
+    kept = next((p for p in stage.iterdir() if p.name.startswith("order") or p.name == "entry"), None)
+    if kept is None:  # another live daemon placed or removed this folder meanwhile
+        return
     name = os.fsdecode(source.read_bytes()) if source.exists() else ""
     if name and not _take_name(layout.inbox / name, kept):
         remove_stage(stage)
