@@ -22,11 +22,12 @@ import pytest
 from conftest import Env, cli_env, order
 from test_joins import join_agents, merger
 
+from dispatcher.job import joins as joins_module
 from dispatcher.job.followups import release_followups
-from dispatcher.job.joins import Joins
+from dispatcher.job.joins import ALL_DONE, WAIT, Joins
 from dispatcher.job.recovery import finish_staging
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import ClaimRequest, DaemonInfo
+from dispatcher.ledger.base import ClaimRequest, DaemonInfo, Wait
 from dispatcher.lifecycle import Row
 from dispatcher.spec.config import load_config
 from dispatcher.store import refusals
@@ -192,3 +193,64 @@ def test_a_followup_a_dead_daemon_linked_in_and_another_claimed_is_not_released_
     assert env.cli("run", "--once").returncode == 0
     assert sorted(os.listdir(layout.root / "done")) == ["F", "P"] and os.listdir(layout.root / "failed") == []
     assert [s for s in env.starts() if s[0] == "F"] == [("F", 1)]
+
+
+def _join_past_max_wait(env: Env) -> tuple[Layout, Any, Joins, Wait]:
+    """A root whose parent P is queued in inbox/, and the wait of a join on P begun long before max_wait."""
+    env.configure(join_agents(env), max_wait=1)
+    assert env.cli("run", "--once").returncode == 0
+    layout = Layout(env.root)
+    cfg = load_config(env.config_path)
+    ledger = _ledger(env, "vm-a")
+    return layout, ledger, Joins(layout, ledger, None, lambda: cfg), Wait("J", ("P",), ALL_DONE, time.time() - 100)  # type: ignore[arg-type]
+
+
+def test_a_join_past_max_wait_whose_parent_another_daemon_claims_meanwhile_waits_for_it(env: Env) -> None:
+    """The join's daemon finds no row for P; before it looks in inbox/, another daemon claims P (its row written,
+    its inbox name gone): P was queued all along and is now running, so the join waits (it failed with
+    `after: P never finished`)."""
+    _, ledger, joins, wait = _join_past_max_wait(env)
+    parent = env.drop(order("P"))
+    other = _ledger(env, "vm-b")
+    known = ledger.known
+
+    def claimed_after_the_read(ids: Any) -> Any:
+        rows = known(ids)
+        if "P" in list(ids) and parent.exists():  # the other daemon's claim, between this read and the inbox look
+            [answer] = other.claim([ClaimRequest("P", "worker", parent.name, "x")])
+            assert answer.token is not None
+            parent.unlink()
+        return rows
+
+    ledger.known = claimed_after_the_read
+    try:
+        assert joins._decide(wait, time.time(), 1.0) is WAIT
+    finally:
+        ledger.close()
+        other.close()
+
+
+def test_a_join_past_max_wait_whose_parent_is_released_from_held_between_the_looks_waits_for_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P's order is in held/; a `release` renames it into inbox/ after the join's daemon looked in inbox/ and before
+    it looks in held/: P was queued all along, so the join waits (it failed with `after: P never finished`)."""
+    layout, ledger, joins, wait = _join_past_max_wait(env)
+    layout.held.mkdir(exist_ok=True)
+    held = env.drop(order("P"), name="P.json")
+    os.rename(held, layout.held / "P.json")
+    looks: list[Path] = []
+    find = joins_module.find_queued
+
+    def released_between(folder: Path, ids: Any) -> Any:
+        looks.append(folder)
+        found = find(folder, ids)
+        if folder == layout.inbox and len(looks) == 1:  # the release, right after the first look in inbox/
+            os.rename(layout.held / "P.json", layout.inbox / "P.json")
+        return found
+
+    monkeypatch.setattr(joins_module, "find_queued", released_between)
+    try:
+        assert joins._decide(wait, time.time(), 1.0) is WAIT
+    finally:
+        ledger.close()

@@ -218,19 +218,30 @@ class Joins:
         """Decide one wait; a parent given up as never finished is looked for in inbox/ and held/ first."""
         parents = self.ledger.known(wait.after)
         verdict = decide(wait, parents, now, max_wait_s)
+        if verdict is WAIT and now - wait.since >= max_wait_s:
+            return self._released_gone(wait, parents)
+        if verdict.reason is not None and verdict.reason.endswith(" never finished"):
+            unknown = [j for j in wait.after if j not in parents]
+            queued = self._queued(unknown)
+            if len(queued) < len(unknown):
+                # one in neither folder may have been claimed since its row was looked for: a claim writes its
+                # row before the inbox name goes, so the ledger is asked again
+                parents = {**parents, **self.ledger.known([j for j in unknown if j not in queued])}
+            verdict = decide(wait, parents, now, max_wait_s, queued)
         if verdict.run and any(os.path.isdir(self.layout.job(State.ACTIVE, j)) for j in wait.after):
             return WAIT  # a parent's end is recorded, its folder not moved yet (its daemon died between): its path
             # and result.json in parents.json must be where it lands
-        if verdict is WAIT and now - wait.since >= max_wait_s:
-            return self._released_gone(wait, parents)
-        if verdict.reason is None or not verdict.reason.endswith(" never finished"):
-            return verdict
-        queued = self._queued([j for j in wait.after if j not in parents])
-        return decide(wait, parents, now, max_wait_s, queued) if queued else verdict
+        return verdict
 
     def _queued(self, ids: list[str]) -> set[str]:
-        """Return the ids among these whose order waits in inbox/ or held/."""
-        return {*find_queued(self.layout.inbox, ids), *find_queued(self.layout.held, ids)}
+        """Return the ids among these whose order waits in inbox/ or held/.
+
+        inbox/ is looked at again for the rest: a `release` moving an order from held/ into inbox/ between the
+        two looks is seen there (a `hold` links into held/ before the inbox name goes: the first two see it).
+        """
+        found = {*find_queued(self.layout.inbox, ids), *find_queued(self.layout.held, ids)}
+        rest = [j for j in ids if j not in found]
+        return found | set(find_queued(self.layout.inbox, rest)) if rest else found
 
     def _released_gone(self, wait: Wait, parents: Mapping[str, Entry]) -> Verdict:
         """Past max_wait, a parent released as a follow-up whose order is in neither inbox/ nor held/ never
@@ -240,6 +251,9 @@ class Joins:
             return WAIT
         queued = self._queued(released)
         gone = [j for j in released if j not in queued]
+        if gone:  # claimed since the rows were read (the inbox name goes after the claim's row): not gone
+            now_rows = self.ledger.known(gone)
+            gone = [j for j in gone if j not in now_rows or now_rows[j].state in (Row.RELEASED, Row.HELD)]
         return Verdict(reason=f"after: {gone[0]} never finished") if gone else WAIT
 
     def cancel(self, job_id: str) -> bool:
