@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Daemon, Env, order, wait_until
+from conftest import Daemon, Env, cli_env, order, wait_until
 from helpers_faults import (
     agent_starts,
     alive,
@@ -207,6 +208,34 @@ def test_retry_recorded_while_no_daemon_runs_is_done_at_next_start(env: Env) -> 
     assert [a["n"] for a in result["attempts"]][-1] == 2
     assert (env.root / "done" / "AGAIN-2" / "attempts" / "1" / "result.json").is_file()
     assert starts_of(env, "AGAIN-2") == [1, 2]
+
+
+def test_a_retry_whose_daemon_died_before_clearing_its_request_is_carried_out_once(env: Env) -> None:
+    """kill -9 of the daemon after a retry moved the job into active/ and before it cleared the request: the next
+    daemon recovers the job and runs the retry's attempt once; the request is not taken a second time when the
+    job fails again (one `retry`, one more attempt: it ran attempts 2 and 3)."""
+    env.configure(agents={"worker": env.agent("--fail-attempts", "5")})
+    env.drop(order("AGAIN-5"))
+    assert run_once(env)[0] == 1
+    assert env.cli("retry", "AGAIN-5").returncode == 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=env.tmp,
+        env=dict(cli_env(), DISPATCHER_FAULT="retry.moved"),
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert (env.root / "active" / "AGAIN-5").is_dir()
+    code, out = run_once(env)
+    assert code == 1, out
+    result = env.result("AGAIN-5", "failed")
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert starts_of(env, "AGAIN-5") == [1, 2]
+    assert run_once(env)[0] == 0  # the next start finds nothing to do: the request is not taken again
+    assert starts_of(env, "AGAIN-5") == [1, 2]
+    assert [a["n"] for a in env.result("AGAIN-5", "failed")["attempts"]] == [1, 2]
 
 
 def test_cancel_after_a_retry_withdraws_the_retry_and_the_job_stays_failed(env: Env) -> None:

@@ -13,6 +13,13 @@ from typing import Any
 import pytest
 from conftest import Env, cli_env, order, wait_until
 from helpers_faults import env_daemon
+from structlog.testing import capture_logs
+
+from dispatcher.job import recovery
+from dispatcher.layout import Layout
+from dispatcher.ledger.base import DaemonInfo, Request
+from dispatcher.spec.config import load_config
+from dispatcher.store.ledgers import open_ledger
 
 HEADLESS = Path(__file__).resolve().parent / "agents" / "headless.py"
 NOTE = "Use team B for R2,\nas agreed on Monday."  # a line break is part of the text (section 14)
@@ -274,6 +281,40 @@ def test_a_daemon_killed_while_carrying_out_a_revise(env: Env, fault: str) -> No
     assert json.loads((folder / "work" / "feedback.json").read_text())["note"] == NOTE
     assert (folder / "attempts" / "1" / "revision.json").exists()
     assert cli(env, "revise", "CRASH-2", "--note", "x").returncode == 0  # max_revisions 5: one more is fine
+
+
+def test_a_revision_cut_before_its_request_was_cleared_and_adopted_by_a_live_daemon_runs_once(env: Env) -> None:
+    """kill -9 at `revise.moved` (the job in active/, its request still open), then a live daemon adopts the job
+    before its request pass looks at it: the adoption clears the request and logs the revision, so the job runs
+    one attempt more and not two (the request was taken again once the job was back in review/)."""
+    env.configure(agents={"worker": agent(env)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("CRASH-3"))
+    in_review(env, "CRASH-3", 1)
+    d.stop()
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": "revise.moved"})
+    crashing.wait_ready()
+    env.cli("revise", "CRASH-3", "--note", NOTE, check=True)
+    assert crashing.wait(60) == -9
+    cfg = load_config(env.config_path)
+    ledger = open_ledger(cfg, Layout(cfg.root), patience_s=10)
+    try:  # the live daemon's recovery pass: it adopts the dead daemon's job in active/
+        ledger.register(DaemonInfo("vm-live", os.getpid(), "localhost", time.time()))
+        with capture_logs() as logs:
+            [(job_id, _, _)] = recovery.orphans(Layout(cfg.root), ledger, ledger.alive)
+        assert job_id == "CRASH-3" and ledger.requests(Request.REVISE) == []
+    finally:
+        ledger.close()
+    assert [(e["event"], e["note"], e["step"]) for e in logs] == [("job.revised", NOTE, "recovered")]
+    again = env.daemon()
+    again.wait_ready()
+    result = in_review(env, "CRASH-3", 2)
+    time.sleep(1.5)  # a second revision, if the request were still open, would start within a rescan
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert [s for s in env.starts() if s[0] == "CRASH-3"] == [("CRASH-3", 1), ("CRASH-3", 2)]
+    assert not [e for e in again.events() if e.get("event") == "job.revised"]
+    assert (env.root / "review" / "CRASH-3").is_dir()
 
 
 @pytest.mark.parametrize(("action", "option"), [("revise", "--note"), ("reject", "--reason")])

@@ -304,8 +304,8 @@ class Housekeeping:
                             continue  # this daemon's revision under way: it clears its request
                         entry = await lanes.io(ledger.get, job_id)
                         owner = entry.owner if entry is not None else None
-                        if owner is not None and owner != ledger.owner and await lanes.io(ledger.alive, owner):
-                            continue  # another live daemon's, under way
+                        if owner == ledger.owner or (owner is not None and await lanes.io(ledger.alive, owner)):
+                            continue  # another live daemon's, under way; or adopted here, its request cleared then
                         # its daemon died between the move and clearing the request: the revision was carried out
                         await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
                         await lanes.io(revise.log_cut_revision, layout, job_id)  # its job.revised line too

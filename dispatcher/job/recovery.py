@@ -17,8 +17,9 @@ from pathlib import Path
 
 import structlog
 
-from dispatcher import fsutil
+from dispatcher import faults, fsutil
 from dispatcher.errors import oneline
+from dispatcher.job import revise
 from dispatcher.job.finish import Finisher, stuck
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Finish, Ledger, Request
@@ -170,8 +171,23 @@ def orphans(
         # loading it fails, and the job is failed with that reason (fail_damaged), never skipped
         token = ledger.adopt(job_id, entry.owner, entry.token)
         if token is not None:
+            _carried_out(layout, ledger, job_id)
             out.append((job_id, token, entry.owner))
     return out
+
+
+def _carried_out(layout: Layout, ledger: Ledger, job_id: str) -> None:
+    """Clear a retry or revise request the dead daemon carried out but did not clear (it died between).
+
+    Such a request is taken only from failed/ or review/, so a job in active/ with one still
+    open was moved by it: left open, it would be carried out a second time once the job
+    ended again (one `retry` or `revise`, two more attempts).
+    """
+    if job_id in ledger.requests(Request.RETRY):
+        ledger.clear_request(job_id, Request.RETRY)
+    if job_id in ledger.requests(Request.REVISE):
+        ledger.clear_request(job_id, Request.REVISE)
+        revise.log_cut_revision(layout, job_id)  # its job.revised line, which the dead daemon did not write
 
 
 def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> bool:
@@ -260,5 +276,6 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     folder.write_spec(spec, sync=True)
     fsutil.rename_into(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))
+    faults.point("retry.moved")
     ledger.clear_request(job_id, Request.RETRY)
     return spec, token
