@@ -223,6 +223,40 @@ def test_a_follow_up_over_the_chain_budget_is_held_until_released(env: Env) -> N
     assert child["parent"] == "BIG-1" and child["chain_cost_usd"] == pytest.approx(1.1)
 
 
+@pytest.mark.parametrize(("before", "after"), [(0.5, 10.0), (10.0, 0.5)])
+def test_a_follow_up_placed_before_a_crash_stays_one_copy_when_the_budget_changed_since(
+    env: Env, before: float, after: float
+) -> None:
+    """kill -9 right after the follow-up was linked into held/ (or inbox/), then max_chain_cost_usd changed so that
+    it now belongs in the other folder: the next start keeps the copy that was placed and makes no second one (a
+    copy in inbox/ was refused as already known, the held one left behind, and `run --once` exited 1)."""
+    worker = costly(env, 1.0, "--followup", json.dumps(FOLLOWUP))
+    agents = {"worker": worker, "next": costly(env, 0.1)}
+    env.configure(agents=agents, max_chain_cost_usd=before)
+    env.drop(simple("BIG-9"))
+    cut = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=env.tmp,
+        env=dict(cli_env(), DISPATCHER_FAULT="followup.placed"),
+    )
+    assert cut.returncode == -9, cut.stderr[-2000:]
+    placed = "held" if before < 1.0 else "inbox"
+    assert os.listdir(env.root / placed) == ["CHILD-1.json"]
+    env.configure(agents=agents, max_chain_cost_usd=after)
+    proc = env.cli("run", "--once", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert os.listdir(env.root / "failed") == []
+    if placed == "held":
+        assert os.listdir(env.root / "held") == ["CHILD-1.json"] and os.listdir(env.root / "inbox") == []
+        assert env.cli("release", "CHILD-1").returncode == 0
+        assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert os.listdir(env.root / "held") == [] and os.listdir(env.root / "inbox") == []
+    assert env.result("CHILD-1", "done")["parent"] == "BIG-9"
+
+
 def test_show_of_a_held_follow_up_gives_the_chain_cost_that_held_it(env: Env) -> None:
     """A follow-up held by max_chain_cost_usd: `show` gives its chain's cost so far, the one budget.held reported,
     not `-` (section 11: a chain of paid agents shows its cost)."""

@@ -86,7 +86,13 @@ def _release(
         chain = entry.chain_cost_usd  # the parent's chain cost
         over = max_chain_cost_usd is not None and chain is not None and chain > max_chain_cost_usd
         folder = layout.held if over else layout.inbox
-        name, made = _place(layout, folder, ledger.owner, entry.job_id, out, sha)
+        other = layout.inbox if over else layout.held
+        found = _copy_in(other, entry.job_id, sha)
+        earlier = found is not None  # a release cut short put it there under another budget: that copy stands
+        if found is not None:
+            folder, over, name, made = other, not over, found, None
+        else:
+            name, made = _place(layout, folder, ledger.owner, entry.job_id, out, sha)
         faults.point("followup.placed")
         if not ledger.mark_released(entry.job_id, name, sha, held=over):
             # no longer reserved: the copy a dead releaser had linked in was claimed while this turn was taken
@@ -96,6 +102,7 @@ def _release(
             continue
         count += 1
         if over:
+            why = {"reason": "held by a release cut short under an earlier max_chain_cost_usd"} if earlier else {}
             log.warning(
                 "budget.held",
                 job_id=entry.job_id,
@@ -104,6 +111,7 @@ def _release(
                 chain_cost_usd=chain,
                 max_chain_cost_usd=max_chain_cost_usd,
                 file=name,
+                **why,
             )
             held(entry, name)
             continue
@@ -141,6 +149,21 @@ def _place(
                 n += 1
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _copy_in(folder: Path, job_id: str, sha: str) -> str | None:
+    """Return the name of a copy of the follow-up in folder (as ``_place`` names it), or None."""
+    n = 1
+    while True:
+        name = f"{job_id}.json" if n == 1 else f"{job_id}-{n}.json"
+        try:
+            if digest(fsutil.read_regular(folder / name)) == sha:
+                return name
+        except FileNotFoundError:
+            return None
+        except (OSError, fsutil.NotRegular, ValueError):
+            pass
+        n += 1
 
 
 def _unplace(folder: Path, name: str, made: tuple[int, int]) -> None:
