@@ -88,8 +88,7 @@ def _release(
         folder = layout.held if over else layout.inbox
         other = layout.inbox if over else layout.held
         found = _copy_in(other, entry.job_id, sha)
-        earlier = found is not None  # a release cut short put it there under another budget: that copy stands
-        if found is not None:
+        if found is not None:  # a release cut short put it there under another budget: that copy stands
             folder, over, name, made = other, not over, found, None
         else:
             name, made = _place(layout, folder, ledger.owner, entry.job_id, out, sha)
@@ -102,7 +101,7 @@ def _release(
             continue
         count += 1
         if over:
-            why = {"reason": "held by a release cut short under an earlier max_chain_cost_usd"} if earlier else {}
+            why = {"reason": "held by a release cut short under an earlier max_chain_cost_usd"} if found else {}
             log.warning(
                 "budget.held",
                 job_id=entry.job_id,
