@@ -317,6 +317,27 @@ def test_a_revision_cut_before_its_request_was_cleared_and_adopted_by_a_live_dae
     assert (env.root / "review" / "CRASH-3").is_dir()
 
 
+def test_revise_of_a_failed_job_whose_retry_a_dead_daemon_cut_short_is_refused_for_the_retry(env: Env) -> None:
+    """A failed job takes one of retry and revise at a time. The daemon carrying out a retry is killed right after it
+    claimed the job (the folder still in failed/, the request open): `revise` is refused for the retry, exit 1, and
+    the next start carries out the retry alone (the revision was recorded and ran a third attempt)."""
+    env.configure(agents={"worker": env.agent("--fail-attempts", "1", retry_safe=True, max_attempts=1)})
+    env.drop(order("BOTH-1"))
+    assert env.cli("run", "--once").returncode == 1
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": "retry.claimed"})
+    crashing.wait_ready()
+    env.cli("retry", "BOTH-1", check=True)
+    assert crashing.wait(60) == -9
+    assert (env.root / "failed" / "BOTH-1").is_dir()
+    refused = env.cli("revise", "BOTH-1", "--note", NOTE)
+    assert refused.returncode == 1, refused.stdout
+    assert refused.stderr == "BOTH-1: a retry is already requested; cancel it first to revise with a note\n"
+    assert env.cli("run", "--once").returncode == 0
+    result = env.result("BOTH-1", "done")
+    assert [a["n"] for a in result["attempts"]] == [1, 2]
+    assert [s for s in env.starts() if s[0] == "BOTH-1"] == [("BOTH-1", 1), ("BOTH-1", 2)]
+
+
 @pytest.mark.parametrize(("action", "option"), [("revise", "--note"), ("reject", "--reason")])
 def test_a_note_or_reason_that_is_no_utf8_is_refused_in_one_line(env: Env, action: str, option: str) -> None:
     """`--note $'\\xff'` (bytes that are no UTF-8) is bad input: exit 2, one line naming the option, and nothing
@@ -414,9 +435,10 @@ def test_max_revisions_counts_revisions_that_ran_no_attempt(env: Env) -> None:
     assert d.stop() == 0
 
 
-def test_retry_of_a_failed_job_whose_revision_a_dead_daemon_cut_short_is_recorded(env: Env) -> None:
+def test_retry_of_a_failed_job_whose_revision_a_dead_daemon_cut_short_is_refused_for_the_revision(env: Env) -> None:
     """A daemon killed right after it claimed a revision of a failed job leaves the folder in failed/ with its row
-    claimed: `retry` of it is recorded (exit 0), not refused for the row, and the next start runs it once more."""
+    claimed: `retry` of it is refused because the revision is asked already (a failed job takes one of the two), not
+    for the row, and the next start carries out the revision, one run more."""
     env.configure(agents={"worker": env.agent("--exit", "1")})
     crashing = env_daemon(env, {"DISPATCHER_FAULT": "revise.claimed"})
     crashing.wait_ready()
@@ -426,7 +448,8 @@ def test_retry_of_a_failed_job_whose_revision_a_dead_daemon_cut_short_is_recorde
     assert crashing.wait(60) == -9
     assert (env.root / "failed" / "CUT-1").is_dir()
     retried = env.cli("retry", "CUT-1")
-    assert (retried.returncode, retried.stdout) == (0, "CUT-1: retry requested\n"), retried.stderr
+    assert retried.returncode == 1, retried.stdout
+    assert retried.stderr == "CUT-1: a revision is already requested; it runs the job again\n"
     again = env.daemon()
     again.wait_ready()
     wait_until(lambda: [j for j, _ in env.starts()].count("CUT-1") >= 2, 60, "CUT-1 run again")

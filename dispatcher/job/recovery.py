@@ -260,6 +260,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     token = ledger.take_retry(job_id)
     if token is None:
         return None
+    faults.point("retry.claimed")
     folder = JobFolder(layout.job(State.FAILED, job_id))
     spec = folder.spec()
     kept = folder.result()

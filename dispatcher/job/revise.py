@@ -33,7 +33,7 @@ from dispatcher import faults, fsutil
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Ledger, Request
-from dispatcher.lifecycle import Row, State
+from dispatcher.lifecycle import State
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.settings import Config
 from dispatcher.store.decisions import one_decision
@@ -114,8 +114,7 @@ def _request(config: Config, layout: Layout, ledger: Ledger, job_id: str, note: 
         raise WrongState(f"{job_id}: has had {done} revisions (max_revisions {agent.max_revisions})")
     if job_id in ledger.requests(Request.REVISE):
         raise WrongState(f"{job_id}: a revision is already requested")
-    entry = ledger.get(job_id)
-    if entry is not None and entry.state == Row.FAILED and job_id in ledger.requests(Request.RETRY):
+    if job_id in ledger.requests(Request.RETRY):  # also one a daemon carries out, or died carrying out
         raise WrongState(f"{job_id}: a retry is already requested; cancel it first to revise with a note")
     text = note[:NOTE_MAX]  # as written (line breaks kept: section 14's TEXT), at most NOTE_MAX characters
     fsutil.write_atomic(path / NOTE_FILE, fsutil.dump_json({"note": text}), sync=True, sync_dir=True)

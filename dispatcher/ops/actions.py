@@ -89,9 +89,9 @@ class Operator:
         except ValueError:
             raise WrongState(f"{job_id}: its job.json is damaged; it cannot be retried") from None
         self._row_says(job_id, (Row.FAILED,), Request.RETRY)
-        entry = self.ledger.get(job_id)
-        if entry is not None and entry.state == Row.FAILED and job_id in self.ledger.requests(Request.REVISE):
-            # one more attempt is asked for already, with a note (a reopen a dead daemon cut short: let through)
+        if job_id in self.ledger.requests(Request.REVISE):
+            # one more attempt is asked for already, with a note: also while a daemon carries it out, or after a
+            # daemon died doing so (its row claimed, the folder still here: the next start finishes it)
             raise WrongState(f"{job_id}: a revision is already requested; it runs the job again")
         self.ledger.request(job_id, Request.RETRY)
         self._note_blocked_join(job_id, found[1])
