@@ -15,6 +15,7 @@ from conftest import Daemon, Env, cli_env, order, wait_until
 from helpers_faults import (
     agent_starts,
     alive,
+    env_daemon,
     first_failing,
     processes_with,
     ts,
@@ -236,6 +237,27 @@ def test_a_retry_whose_daemon_died_before_clearing_its_request_is_carried_out_on
     assert run_once(env)[0] == 0  # the next start finds nothing to do: the request is not taken again
     assert starts_of(env, "AGAIN-5") == [1, 2]
     assert [a["n"] for a in env.result("AGAIN-5", "failed")["attempts"]] == [1, 2]
+
+
+@pytest.mark.parametrize("command", ["retry", "revise"])
+def test_cancel_withdraws_a_request_a_dead_daemon_was_carrying_out(env: Env, command: str) -> None:
+    """The daemon carrying out a retry (or revise) is killed right after it claimed the job, its folder still in
+    failed/: `cancel` withdraws the request as for any failed job queued to run again, and the next start leaves the
+    job failed as it was (the cancel was only recorded, and the retry ran)."""
+    env.configure(agents={"worker": env.agent("--exit", "1")})
+    env.drop(order("AGAIN-6"))
+    assert run_once(env)[0] == 1
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": f"{command}.claimed"})
+    crashing.wait_ready()
+    env.cli(command, "AGAIN-6", *(["--note", "again"] if command == "revise" else []), check=True)
+    assert crashing.wait(60) == -9
+    what = "retry" if command == "retry" else "revision"
+    proc = env.cli("cancel", "AGAIN-6")
+    assert (proc.returncode, proc.stdout) == (0, f"AGAIN-6: {what} withdrawn; it stays failed\n"), proc.stderr
+    assert run_once(env)[0] == 0
+    assert starts_of(env, "AGAIN-6") == [1]
+    result = env.result("AGAIN-6", "failed")
+    assert [a["n"] for a in result["attempts"]] == [1] and result["reason"].startswith("exit_ok: exit 1 in ")
 
 
 def test_cancel_after_a_retry_withdraws_the_retry_and_the_job_stays_failed(env: Env) -> None:

@@ -30,7 +30,7 @@ from filelock import FileLock, Timeout
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
 from dispatcher.layout import JOB_ID, Layout, check_id, hint_name
-from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
+from dispatcher.ledger.base import EVERY_AGENT, Entry, Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
 from dispatcher.ops.sharing import hand_over
 from dispatcher.query.report import read_order_file
@@ -171,10 +171,10 @@ class Operator:
         check_id(job_id)
         entry = self.ledger.get(job_id)
         for kind, what in ((Request.RETRY, "retry"), (Request.REVISE, "revision")):
-            if entry is not None and entry.state == Row.FAILED and job_id in self.ledger.requests(kind):
+            if self._stays_failed(job_id, entry) and job_id in self.ledger.requests(kind):
                 self.ledger.clear_request(job_id, kind)  # queued to run again: it runs no more
                 entry = self.ledger.get(job_id)
-                if entry is not None and entry.state == Row.FAILED:
+                if self._stays_failed(job_id, entry):
                     return f"{job_id}: {what} withdrawn; it stays failed"
                 # a daemon reopened it first: it is queued or running now, and cancelled as such
         if entry is not None and is_final(entry.state):
@@ -194,6 +194,21 @@ class Operator:
             self._unhold(job_id)
         self._poke("cancel", job_id)
         return f"{job_id}: cancel requested"
+
+    def _stays_failed(self, job_id: str, entry: Entry | None) -> bool:
+        """Return True if the job is failed and stays so once its open retry or revise request is withdrawn.
+
+        Its row says failed, or a daemon that died carrying out such a request left it claimed
+        with the folder still in failed/ (the next daemon puts the row back to failed).
+        """
+        if entry is None or entry.state == Row.FAILED:
+            return entry is not None
+        return (
+            entry.state == Row.CLAIMED
+            and entry.owner is not None
+            and not self.ledger.alive(entry.owner)
+            and os.path.isdir(self.layout.job(State.FAILED, job_id))
+        )
 
     def _unhold(self, job_id: str) -> None:
         """Put a held order (a follow-up held by budget, or one held by hand), asked to be cancelled, back in
