@@ -254,10 +254,33 @@ def test_cancel_withdraws_a_request_a_dead_daemon_was_carrying_out(env: Env, com
     what = "retry" if command == "retry" else "revision"
     proc = env.cli("cancel", "AGAIN-6")
     assert (proc.returncode, proc.stdout) == (0, f"AGAIN-6: {what} withdrawn; it stays failed\n"), proc.stderr
+    # it is a failed job with no request now, before any daemon started: as such it is answered
+    again = env.cli("cancel", "AGAIN-6")
+    assert (again.returncode, again.stderr) == (
+        1,
+        "AGAIN-6: is failed, only a queued or running job can be cancelled\n",
+    )
     assert run_once(env)[0] == 0
     assert starts_of(env, "AGAIN-6") == [1]
     result = env.result("AGAIN-6", "failed")
     assert [a["n"] for a in result["attempts"]] == [1] and result["reason"].startswith("exit_ok: exit 1 in ")
+
+
+def test_retry_of_a_failed_job_whose_withdrawn_retry_a_dead_daemon_had_claimed_is_recorded(env: Env) -> None:
+    """A daemon died carrying out a retry (its row claimed, the folder still in failed/) and `cancel` withdrew it:
+    with no daemon started since, a new `retry` is recorded and runs (it was refused: its ledger row is claimed)."""
+    env.configure(agents={"worker": env.agent("--exit", "1")})
+    env.drop(order("AGAIN-7"))
+    assert run_once(env)[0] == 1
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": "retry.claimed"})
+    crashing.wait_ready()
+    env.cli("retry", "AGAIN-7", check=True)
+    assert crashing.wait(60) == -9
+    env.cli("cancel", "AGAIN-7", check=True)
+    proc = env.cli("retry", "AGAIN-7")
+    assert (proc.returncode, proc.stdout) == (0, "AGAIN-7: retry requested\n"), proc.stderr
+    assert run_once(env)[0] == 1
+    assert starts_of(env, "AGAIN-7") == [1, 2]
 
 
 def test_cancel_after_a_retry_withdraws_the_retry_and_the_job_stays_failed(env: Env) -> None:

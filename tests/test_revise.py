@@ -338,6 +338,40 @@ def test_revise_of_a_failed_job_whose_retry_a_dead_daemon_cut_short_is_refused_f
     assert [s for s in env.starts() if s[0] == "BOTH-1"] == [("BOTH-1", 1), ("BOTH-1", 2)]
 
 
+def _revision_cut_at_its_claim(env: Env, job_id: str) -> None:
+    """A reviewed job whose revision a daemon claimed and then died (its row claimed, the folder still in review/)."""
+    env.configure(agents={"worker": agent(env)})
+    env.drop(order(job_id))
+    assert env.cli("run", "--once").returncode == 0
+    in_review(env, job_id, 1)
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": "revise.claimed"})
+    crashing.wait_ready()
+    env.cli("revise", job_id, "--note", NOTE, check=True)
+    assert crashing.wait(60) == -9
+    assert (env.root / "review" / job_id).is_dir()
+
+
+def test_approve_of_a_job_whose_revision_a_dead_daemon_had_claimed_withdraws_it(env: Env) -> None:
+    """With no daemon started since the revision's daemon died, `approve` withdraws the revision as for any job in
+    review/ (it was refused: its ledger row is claimed, not review; and the revision then ran)."""
+    _revision_cut_at_its_claim(env, "CUT-2")
+    proc = env.cli("approve", "CUT-2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "CUT-2: approved; done; its requested revision is withdrawn\n"
+    assert env.cli("run", "--once").returncode == 0
+    assert (env.root / "done" / "CUT-2").is_dir()
+    assert [s for s in env.starts() if s[0] == "CUT-2"] == [("CUT-2", 1)]
+
+
+def test_cancel_of_a_reviewed_job_whose_revision_a_dead_daemon_had_claimed_exits_1(env: Env) -> None:
+    """`cancel` of a job in review/ exits 1 (approve or reject it), also when a dead daemon had claimed its revision:
+    it said `cancel requested` and the revision ran all the same."""
+    _revision_cut_at_its_claim(env, "CUT-3")
+    proc = env.cli("cancel", "CUT-3")
+    assert proc.returncode == 1, proc.stdout
+    assert proc.stderr == "CUT-3: is in review, only a queued or running job can be cancelled: approve or reject it\n"
+
+
 @pytest.mark.parametrize(("action", "option"), [("revise", "--note"), ("reject", "--reason")])
 def test_a_note_or_reason_that_is_no_utf8_is_refused_in_one_line(env: Env, action: str, option: str) -> None:
     """`--note $'\\xff'` (bytes that are no UTF-8) is bad input: exit 2, one line naming the option, and nothing

@@ -22,7 +22,7 @@ from dispatcher.errors import oneline
 from dispatcher.job import revise
 from dispatcher.job.finish import Finisher, stuck
 from dispatcher.layout import Layout
-from dispatcher.ledger.base import Finish, Ledger, Request
+from dispatcher.ledger.base import Entry, Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_row
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.settings import Config
@@ -101,16 +101,25 @@ def _complete(stage: Path) -> bool:
 def settle_ledger(layout: Layout, ledger: Ledger, alive: Callable[[str], bool]) -> None:
     """Bring claims of dead daemons in line with the folders (a crash after a move)."""
     for entry in ledger.in_state(Row.CLAIMED):
-        if entry.owner is None or alive(entry.owner):
-            continue
-        found = layout.find(entry.job_id)
-        if found is None or found[0] in (State.ACTIVE, State.WAITING):  # waiting/: ``Joins.recover``
-            continue
-        state, folder = found
-        result = JobFolder(folder).result()
-        row = state_to_row(state, result.state if result else None)
-        cost, chain = (result.cost_usd, result.chain_cost_usd) if result else (None, None)
-        ledger.finish([Finish(entry.job_id, entry.token, row, cost, chain)])
+        if entry.owner is not None and not alive(entry.owner):
+            settle_claim(layout, ledger, entry)
+
+
+def settle_claim(layout: Layout, ledger: Ledger, entry: Entry) -> None:
+    """Put back the row of one claim of a dead daemon whose folder is not in active/ or waiting/.
+
+    Its folder landed before the ledger heard (a crash after the move), or is still in failed/
+    or review/ (a retry or revision claimed, the daemon dead before the move): the row says
+    what the folder says, and an open request stays for the next daemon.
+    """
+    found = layout.find(entry.job_id)
+    if found is None or found[0] in (State.ACTIVE, State.WAITING):  # waiting/: ``Joins.recover``
+        return
+    state, folder = found
+    result = JobFolder(folder).result()
+    row = state_to_row(state, result.state if result else None)
+    cost, chain = (result.cost_usd, result.chain_cost_usd) if result else (None, None)
+    ledger.finish([Finish(entry.job_id, entry.token, row, cost, chain)])
 
 
 def reconcile_active(layout: Layout, ledger: Ledger) -> None:

@@ -29,8 +29,9 @@ from filelock import FileLock, Timeout
 
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
+from dispatcher.job.recovery import settle_claim
 from dispatcher.layout import JOB_ID, Layout, check_id, hint_name
-from dispatcher.ledger.base import EVERY_AGENT, Entry, Gate, GateKind, Ledger, Request
+from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final
 from dispatcher.ops.sharing import hand_over
 from dispatcher.query.report import read_order_file
@@ -79,6 +80,7 @@ class Operator:
     def retry(self, job_id: str) -> str:
         """Record a retry of a failed job for a running (or the next) daemon."""
         check_id(job_id)
+        self._settle_cut(job_id)
         found = self.layout.find(job_id)
         if found is None:
             self._still_an_order(job_id, NotFound(f"{job_id}: no such job"), "only a failed job can be retried")
@@ -169,12 +171,13 @@ class Operator:
     def cancel(self, job_id: str) -> str:
         """Record a cancel of a queued or running job for a running (or the next) daemon."""
         check_id(job_id)
+        self._settle_cut(job_id)
         entry = self.ledger.get(job_id)
         for kind, what in ((Request.RETRY, "retry"), (Request.REVISE, "revision")):
-            if self._stays_failed(job_id, entry) and job_id in self.ledger.requests(kind):
+            if entry is not None and entry.state == Row.FAILED and job_id in self.ledger.requests(kind):
                 self.ledger.clear_request(job_id, kind)  # queued to run again: it runs no more
                 entry = self.ledger.get(job_id)
-                if self._stays_failed(job_id, entry):
+                if entry is not None and entry.state == Row.FAILED:
                     return f"{job_id}: {what} withdrawn; it stays failed"
                 # a daemon reopened it first: it is queued or running now, and cancelled as such
         if entry is not None and is_final(entry.state):
@@ -195,20 +198,19 @@ class Operator:
         self._poke("cancel", job_id)
         return f"{job_id}: cancel requested"
 
-    def _stays_failed(self, job_id: str, entry: Entry | None) -> bool:
-        """Return True if the job is failed and stays so once its open retry or revise request is withdrawn.
+    def _settle_cut(self, job_id: str) -> None:
+        """Put back the row of a job a dead daemon had claimed to run again, its folder still in failed/ or review/.
 
-        Its row says failed, or a daemon that died carrying out such a request left it claimed
-        with the folder still in failed/ (the next daemon puts the row back to failed).
+        The daemon died between claiming a retry or revision and moving the folder; the next
+        daemon would put the row back (``recovery.settle_ledger``), the request still open. Done
+        here first, this command sees the job as it is: a retry of it is refused for the open
+        revision, a cancel withdraws the request, an approve withdraws the revision.
         """
-        if entry is None or entry.state == Row.FAILED:
-            return entry is not None
-        return (
-            entry.state == Row.CLAIMED
-            and entry.owner is not None
-            and not self.ledger.alive(entry.owner)
-            and os.path.isdir(self.layout.job(State.FAILED, job_id))
-        )
+        entry = self.ledger.get(job_id)
+        if entry is None or entry.state != Row.CLAIMED or entry.owner is None:
+            return
+        if not self.ledger.alive(entry.owner):
+            settle_claim(self.layout, self.ledger, entry)
 
     def _unhold(self, job_id: str) -> None:
         """Put a held order (a follow-up held by budget, or one held by hand), asked to be cancelled, back in
@@ -228,6 +230,7 @@ class Operator:
         if nothing in the tree can be cancelled any more.
         """
         check_id(job_id)
+        self._settle_cut(job_id)
         if self.ledger.get(job_id) is None:
             return self.cancel(job_id)  # a queued order without a row yet: no descendant can exist
         order, seen = [job_id], {job_id}
@@ -382,6 +385,7 @@ class Operator:
         from dispatcher.job.review import decide
 
         check_id(job_id)
+        self._settle_cut(job_id)
         cfg = self.config
         try:
             line = decide(
@@ -402,6 +406,7 @@ class Operator:
         from dispatcher.job.review import decide
 
         check_id(job_id)
+        self._settle_cut(job_id)
         try:
             line = decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
         except NotFound as exc:
@@ -414,6 +419,7 @@ class Operator:
         from dispatcher.job.revise import request
 
         check_id(job_id)
+        self._settle_cut(job_id)
         found = self.layout.find(job_id)
         if found is not None and found[0] in (State.FAILED, State.REVIEW):
             self._row_says(job_id, (Row.FAILED,) if found[0] is State.FAILED else (Row.REVIEW,), Request.REVISE)
