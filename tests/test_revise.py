@@ -363,6 +363,50 @@ def test_approve_of_a_job_whose_revision_a_dead_daemon_had_claimed_withdraws_it(
     assert [s for s in env.starts() if s[0] == "CUT-2"] == [("CUT-2", 1)]
 
 
+def test_approve_of_a_job_whose_revision_a_dead_daemon_cut_after_setting_its_result_aside_keeps_it(env: Env) -> None:
+    """The daemon carrying out a revision died after it moved result.json aside (`revise.feedback`): `approve` puts
+    it back and lands the job whole, its checks, attempts and cost kept (done/ got a result.json with no checks,
+    no attempts and no cost)."""
+    env.configure(agents={"worker": agent(env)})
+    env.drop(order("CUT-4"))
+    assert env.cli("run", "--once").returncode == 0
+    before = in_review(env, "CUT-4", 1)
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": "revise.feedback"})
+    crashing.wait_ready()
+    env.cli("revise", "CUT-4", "--note", NOTE, check=True)
+    assert crashing.wait(60) == -9
+    assert not (env.root / "review" / "CUT-4" / "result.json").exists()
+    proc = env.cli("approve", "CUT-4")
+    assert proc.stdout == "CUT-4: approved; done; its requested revision is withdrawn\n", proc.stderr
+    result = env.result("CUT-4", "done")
+    assert result["checks"] == before["checks"] and result["attempts"] == before["attempts"]
+    assert result["received"] == before["received"]
+    assert [s for s in env.starts() if s[0] == "CUT-4"] == [("CUT-4", 1)]
+
+
+def test_a_cancel_asked_while_a_daemon_carried_out_a_revision_it_then_died_in_withdraws_it(env: Env) -> None:
+    """`cancel` is recorded while a live daemon carries out a revision (it has claimed the job); that daemon then
+    dies: the next start withdraws the revision, as the cancel asked, and the job stays in review/ (the cancel was
+    dropped and the revision ran)."""
+    env.configure(agents={"worker": agent(env)})
+    env.drop(order("CUT-5"))
+    assert env.cli("run", "--once").returncode == 0
+    in_review(env, "CUT-5", 1)
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": "revise.claimed"})
+    crashing.wait_ready()
+    env.cli("revise", "CUT-5", "--note", NOTE, check=True)
+    assert crashing.wait(60) == -9
+    cfg = load_config(env.config_path)
+    ledger = open_ledger(cfg, Layout(cfg.root), patience_s=10)
+    try:  # the cancel as it is recorded while the claiming daemon lives (it is dead here: recorded directly)
+        ledger.request("CUT-5", Request.CANCEL)
+    finally:
+        ledger.close()
+    assert env.cli("run", "--once").returncode == 0
+    assert (env.root / "review" / "CUT-5").is_dir()
+    assert [s for s in env.starts() if s[0] == "CUT-5"] == [("CUT-5", 1)]
+
+
 def test_cancel_of_a_reviewed_job_whose_revision_a_dead_daemon_had_claimed_exits_1(env: Env) -> None:
     """`cancel` of a job in review/ exits 1 (approve or reject it), also when a dead daemon had claimed its revision:
     it said `cancel requested` and the revision ran all the same."""

@@ -116,10 +116,20 @@ def settle_claim(layout: Layout, ledger: Ledger, entry: Entry) -> None:
     if found is None or found[0] in (State.ACTIVE, State.WAITING):  # waiting/: ``Joins.recover``
         return
     state, folder = found
-    result = JobFolder(folder).result()
+    job = JobFolder(folder)
+    if state in (State.FAILED, State.REVIEW):
+        job.unkeep_result()  # a reopen cut after it moved result.json aside: the job is whole again, cost and all
+    result = job.result()
     row = state_to_row(state, result.state if result else None)
     cost, chain = (result.cost_usd, result.chain_cost_usd) if result else (None, None)
+    # a cancel asked while the dead daemon carried out a retry or revision withdraws it, as it would have before
+    # (the finish below clears the cancel: the job is no longer claimed)
+    cancelled = state in (State.FAILED, State.REVIEW) and entry.job_id in ledger.requests(Request.CANCEL)
     ledger.finish([Finish(entry.job_id, entry.token, row, cost, chain)])
+    if cancelled:
+        for kind in (Request.RETRY, Request.REVISE):
+            if entry.job_id in ledger.requests(kind):
+                ledger.clear_request(entry.job_id, kind)
 
 
 def reconcile_active(layout: Layout, ledger: Ledger) -> None:

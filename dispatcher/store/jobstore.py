@@ -345,6 +345,26 @@ class JobFolder:
         os.rename(src, keep)
         _sync_dirs(keep_dir, self.path)  # both names durable before the job leaves failed/ or review/
 
+    def unkeep_result(self) -> bool:
+        """Put back the result ``keep_result`` moved aside when the reopen it began was cut short; True if it did.
+
+        Only for a folder still in failed/ or review/ without a result.json: the newest kept result
+        of its last attempt is the one the cut reopen moved.
+        """
+        if os.path.lexists(self.path / RESULT):
+            return False
+        last = max(self.attempt_numbers(), default=0)
+        keep_dir = self.attempts_dir / str(last)
+        kept = sorted(keep_dir.glob("result*.json"), key=lambda p: int(p.stem.partition("-")[2] or 1))
+        if not kept:
+            return False
+        try:
+            fsutil.rename_noreplace(kept[-1], self.path / RESULT)
+        except (FileExistsError, FileNotFoundError):  # put back meanwhile (another command, a daemon)
+            return False
+        _sync_dirs(keep_dir, self.path)
+        return True
+
     def kept_end(self) -> tuple[str | None, list[CheckResult]]:
         """Return the reason and the checks of the newest result ``keep_result`` kept (a reopened job's last end)."""
         for n in reversed(self.attempt_numbers()):
