@@ -521,6 +521,31 @@ def test_a_role_without_privileges_gets_one_line(pg_server: PgServer, ledgers: L
         pg_server._sql(f"DROP ROLE {role}")
 
 
+def test_a_role_that_may_only_read_gets_one_line_when_it_writes(pg_server: PgServer, ledgers: Ledgers) -> None:
+    """A role granted SELECT only (a reader's login used for `retry`, say) is refused a write with one line naming
+    the cause, a PostgresLedgerError (exit 2 in a command), not psycopg's traceback."""
+    ledgers.open().close()  # the schema exists
+    role = f"reader_{os.getpid()}"
+    pg_server._sql(f"CREATE ROLE {role} LOGIN PASSWORD 'reader'")
+    try:
+        with psycopg.connect(ledgers.dsn, autocommit=True) as conn:  # in the ledger's own database
+            conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+        dsn = ledgers.dsn.replace(f"{pg_server.user}:{pg_server.password}@", f"{role}:reader@")
+        led = PostgresLedger(dsn, None, patience_s=5)
+        try:
+            assert led.get("J1") is None  # reading works
+            with pytest.raises(PostgresLedgerError) as caught:
+                led.request("J1", Request.RETRY)
+            said = str(caught.value)
+            assert "the ledger cannot be written: permission denied for table" in said and "\n" not in said
+        finally:
+            led.close()
+    finally:
+        with psycopg.connect(ledgers.dsn, autocommit=True) as conn:
+            conn.execute(f"REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}")
+        pg_server._sql(f"DROP ROLE {role}")
+
+
 def test_without_psycopg_the_engine_says_what_to_install() -> None:
     """Importing the engine where psycopg is missing raises a one-line UsageError naming the extra."""
     code = (

@@ -116,6 +116,8 @@ class Runner:
             except Exception as exc:
                 if fatal is not None and fatal(exc):
                     raise PostgresLedgerError(f"{self.where}: {_text(exc)}") from None
+                if isinstance(exc, psycopg.errors.InsufficientPrivilege):  # a role that may read but not write
+                    raise PostgresLedgerError(f"{self.where}: the ledger cannot be written: {_text(exc)}") from None
                 if not transient(exc):
                     raise
                 failures += 1
