@@ -363,10 +363,10 @@ def test_approve_of_a_job_whose_revision_a_dead_daemon_had_claimed_withdraws_it(
     assert [s for s in env.starts() if s[0] == "CUT-2"] == [("CUT-2", 1)]
 
 
-def test_approve_of_a_job_whose_revision_a_dead_daemon_cut_after_setting_its_result_aside_keeps_it(env: Env) -> None:
-    """The daemon carrying out a revision died after it moved result.json aside (`revise.feedback`): `approve` puts
-    it back and lands the job whole, its checks, attempts and cost kept (done/ got a result.json with no checks,
-    no attempts and no cost)."""
+def test_a_revision_a_dead_daemon_cut_after_setting_the_result_aside_is_finished_by_a_daemon_whole(env: Env) -> None:
+    """The daemon carrying out a revision died after it set result.json (and the outbox) aside (`revise.feedback`):
+    with no daemon running `approve` says the revision is half done (exit 1: it landed the job with no checks, no
+    attempts and no cost); the next daemon carries the revision out, and the job is whole, cost counted once."""
     env.configure(agents={"worker": agent(env)})
     env.drop(order("CUT-4"))
     assert env.cli("run", "--once").returncode == 0
@@ -377,11 +377,45 @@ def test_approve_of_a_job_whose_revision_a_dead_daemon_cut_after_setting_its_res
     assert crashing.wait(60) == -9
     assert not (env.root / "review" / "CUT-4" / "result.json").exists()
     proc = env.cli("approve", "CUT-4")
-    assert proc.stdout == "CUT-4: approved; done; its requested revision is withdrawn\n", proc.stderr
-    result = env.result("CUT-4", "done")
-    assert result["checks"] == before["checks"] and result["attempts"] == before["attempts"]
-    assert result["received"] == before["received"]
-    assert [s for s in env.starts() if s[0] == "CUT-4"] == [("CUT-4", 1)]
+    assert proc.returncode == 1, proc.stdout
+    assert proc.stderr == "CUT-4: a revision its daemon died carrying out is half done; a daemon finishes it\n"
+    assert env.cli("run", "--once").returncode == 0
+    after = in_review(env, "CUT-4", 2)
+    assert [a["n"] for a in after["attempts"]] == [1, 2]
+    kept = json.loads((env.root / "review" / "CUT-4" / "attempts" / "1" / "result.json").read_text())
+    assert kept["checks"] == before["checks"] and kept["received"] == before["received"]
+    assert env.cli("approve", "CUT-4").returncode == 0
+    assert [s for s in env.starts() if s[0] == "CUT-4"] == [("CUT-4", 1), ("CUT-4", 2)]
+
+
+@pytest.mark.parametrize("fault", ["revise.claimed", "revise.feedback"])
+def test_approve_after_a_revision_cut_short_releases_the_reviewed_attempts_follow_up(env: Env, fault: str) -> None:
+    """The reviewed attempt wrote a follow-up (reserved); a daemon carrying out a revision died before it moved the
+    job: `approve` with no daemon running withdraws the revision and releases that follow-up, which runs (its row
+    was deleted when the revision was claimed, and it was lost). Cut after the outbox was set aside, a daemon first
+    carries the revision out; the new attempt's follow-up is released then."""
+    child = json.dumps({"job_id": "CUT-6-C", "from": "worker", "to": "next", "task": "Go on.", "items": [{"id": "a"}]})
+    env.configure(agents={"worker": env.agent("--followup", child, review=True), "next": env.agent()})
+    env.drop(order("CUT-6"))
+    assert env.cli("run", "--once").returncode == 0
+    in_review(env, "CUT-6", 1)
+    crashing = env_daemon(env, {"DISPATCHER_FAULT": fault})
+    crashing.wait_ready()
+    env.cli("revise", "CUT-6", "--note", NOTE, check=True)
+    assert crashing.wait(60) == -9
+    runs = [("CUT-6", 1)]
+    if fault == "revise.feedback":  # the outbox was set aside: a daemon carries the revision out first
+        assert env.cli("approve", "CUT-6").returncode == 1
+        assert env.cli("run", "--once").returncode == 0
+        in_review(env, "CUT-6", 2)
+        runs.append(("CUT-6", 2))
+    proc = env.cli("approve", "CUT-6")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("CUT-6: approved; done"), proc.stdout
+    assert os.listdir(env.root / "inbox") == ["CUT-6-C.json"]
+    assert env.cli("run", "--once").returncode == 0
+    assert env.result("CUT-6-C", "done")["parent"] == "CUT-6"
+    assert [s for s in env.starts() if s[0] == "CUT-6"] == runs
 
 
 def test_a_cancel_asked_while_a_daemon_carried_out_a_revision_it_then_died_in_withdraws_it(env: Env) -> None:

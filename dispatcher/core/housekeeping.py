@@ -307,7 +307,7 @@ class Housekeeping:
                         if owner == ledger.owner or (owner is not None and await lanes.io(ledger.alive, owner)):
                             continue  # another live daemon's, under way; or adopted here, its request cleared then
                         # its daemon died between the move and clearing the request: the revision was carried out
-                        await lanes.ledger(ledger.clear_request, job_id, Request.REVISE)
+                        await lanes.ledger(ledger.clear_request, job_id, Request.REVISE, drop_reserved=True)
                         await lanes.io(revise.log_cut_revision, layout, job_id)  # its job.revised line too
                     continue
                 try:

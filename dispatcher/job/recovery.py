@@ -117,14 +117,16 @@ def settle_claim(layout: Layout, ledger: Ledger, entry: Entry) -> None:
         return
     state, folder = found
     job = JobFolder(folder)
-    if state in (State.FAILED, State.REVIEW):
-        job.unkeep_result()  # a reopen cut after it moved result.json aside: the job is whole again, cost and all
+    # a reopen cut after it moved result.json aside: put back, cost and all (a revision may have set the reviewed
+    # attempt's outbox aside too: then it is carried out again, never withdrawn, so that no follow-up is lost)
+    midway = state in (State.FAILED, State.REVIEW) and job.unkeep_result()
     result = job.result()
     row = state_to_row(state, result.state if result else None)
     cost, chain = (result.cost_usd, result.chain_cost_usd) if result else (None, None)
     # a cancel asked while the dead daemon carried out a retry or revision withdraws it, as it would have before
     # (the finish below clears the cancel: the job is no longer claimed)
-    cancelled = state in (State.FAILED, State.REVIEW) and entry.job_id in ledger.requests(Request.CANCEL)
+    withdraw = state is State.FAILED or (state is State.REVIEW and not midway)
+    cancelled = withdraw and entry.job_id in ledger.requests(Request.CANCEL)
     ledger.finish([Finish(entry.job_id, entry.token, row, cost, chain)])
     if cancelled:
         for kind in (Request.RETRY, Request.REVISE):
@@ -205,7 +207,7 @@ def _carried_out(layout: Layout, ledger: Ledger, job_id: str) -> None:
     if job_id in ledger.requests(Request.RETRY):
         ledger.clear_request(job_id, Request.RETRY)
     if job_id in ledger.requests(Request.REVISE):
-        ledger.clear_request(job_id, Request.REVISE)
+        ledger.clear_request(job_id, Request.REVISE, drop_reserved=True)
         revise.log_cut_revision(layout, job_id)  # its job.revised line, which the dead daemon did not write
 
 

@@ -156,7 +156,7 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     fsutil.rename_into(folder.path, layout.job(State.ACTIVE, job_id))
     fsutil.fsync_dir(layout.folder(State.ACTIVE))
     faults.point("revise.moved")
-    ledger.clear_request(job_id, Request.REVISE)
+    ledger.clear_request(job_id, Request.REVISE, drop_reserved=True)
     count = revisions(JobFolder(layout.job(State.ACTIVE, job_id)))
     log.info("job.revised", job_id=job_id, agent=agent.name, note=text, revision=count, attempt=last + 1)
     return spec, token

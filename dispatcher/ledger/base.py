@@ -303,8 +303,9 @@ class Ledger(ABC):
         """Return the job ids with an open request of this kind, oldest first."""
 
     @abstractmethod
-    def clear_request(self, job_id: str, kind: Request) -> None:
-        """Mark a request as carried out."""
+    def clear_request(self, job_id: str, kind: Request, *, drop_reserved: bool = False) -> None:
+        """Mark a request as carried out; ``drop_reserved``: a revision carried out (the job moved into active/),
+        the reviewed attempt's follow-ups still reserved go with it (the new attempt writes its own outbox)."""
 
     # -- gates and waits (contract section 14) ----------------------------------------------
     @abstractmethod

@@ -259,8 +259,8 @@ class Claims:
                 " updated = extract(epoch from now())::float8 WHERE job_id = %s",
                 (self.leases.owner, plan[0], job_id),
             )
-            # the reviewed attempt's follow-ups go with it: the new attempt writes its own outbox
-            cur.execute("DELETE FROM jobs WHERE parent = %s AND state = 'reserved'", (job_id,))
+            # the reviewed attempt's follow-ups stay reserved until the job has moved (``clear_request``): a
+            # revision cut short before is put back whole, and an approve then releases them
             return plan[0]
 
         return self.runner.run("take_retry", body, self._owned(job_id, plan))

@@ -5,6 +5,7 @@ One row per job and kind; asking again refreshes its time; a daemon clears it on
 
 from __future__ import annotations
 
+from dispatcher.ledger.pg_conn import Cur
 from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.records import Request
 
@@ -37,10 +38,12 @@ class Requests:
         )
         return [r[0] for r in rows]
 
-    def clear_request(self, job_id: str, kind: Request) -> None:
-        """Mark a request as carried out."""
-        self.runner.run(
-            "clear_request",
-            lambda cur: cur.execute("DELETE FROM requests WHERE job_id = %s AND kind = %s", (job_id, str(kind))),
-            write=True,
-        )
+    def clear_request(self, job_id: str, kind: Request, *, drop_reserved: bool = False) -> None:
+        """Mark a request as carried out (``Ledger.clear_request``)."""
+
+        def body(cur: Cur) -> None:
+            cur.execute("DELETE FROM requests WHERE job_id = %s AND kind = %s", (job_id, str(kind)))
+            if drop_reserved:
+                cur.execute("DELETE FROM jobs WHERE parent = %s AND state = 'reserved'", (job_id,))
+
+        self.runner.run("clear_request", body, write=True)

@@ -404,9 +404,9 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Return the job ids with an open request of this kind, oldest first."""
         return self._requests.requests(kind)
 
-    def clear_request(self, job_id: str, kind: Request) -> None:
-        """Mark a request as carried out."""
-        self._requests.clear_request(job_id, kind)
+    def clear_request(self, job_id: str, kind: Request, *, drop_reserved: bool = False) -> None:
+        """Mark a request as carried out (``Ledger.clear_request``)."""
+        self._requests.clear_request(job_id, kind, drop_reserved=drop_reserved)
 
     # -- gates and waits (pg_gates) ----------------------------------------------------------
     def set_gate(self, gate: Gate, *, at: float) -> bool:

@@ -277,8 +277,8 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
                 "UPDATE jobs SET state = 'claimed', owner = ?, token = ?, updated = ? WHERE job_id = ?",
                 (self.owner, entry.token + 1, now(), job_id),
             )
-            # the reviewed attempt's follow-ups go with it: the new attempt writes its own outbox
-            db.execute("DELETE FROM jobs WHERE parent = ? AND state = 'reserved'", (job_id,))
+            # the reviewed attempt's follow-ups stay reserved until the job has moved (``clear_request``): a
+            # revision cut short before is put back whole, and an approve then releases them
             return entry.token + 1
 
         return self._tx(body)
@@ -359,9 +359,15 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         )
         return [r[0] for r in rows]
 
-    def clear_request(self, job_id: str, kind: Request) -> None:
-        """Mark a request as carried out."""
-        self._tx(lambda db: db.execute("DELETE FROM requests WHERE job_id = ? AND kind = ?", (job_id, str(kind))))
+    def clear_request(self, job_id: str, kind: Request, *, drop_reserved: bool = False) -> None:
+        """Mark a request as carried out (``Ledger.clear_request``)."""
+
+        def body(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM requests WHERE job_id = ? AND kind = ?", (job_id, str(kind)))
+            if drop_reserved:
+                db.execute("DELETE FROM jobs WHERE parent = ? AND state = 'reserved'", (job_id,))
+
+        self._tx(body)
 
     # -- slots ------------------------------------------------------------------------------
     def take_slot(self, agent: str, concurrency: int) -> int | None:

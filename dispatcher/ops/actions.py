@@ -207,10 +207,13 @@ class Operator:
         revision, a cancel withdraws the request, an approve withdraws the revision.
         """
         entry = self.ledger.get(job_id)
-        if entry is None or entry.state != Row.CLAIMED or entry.owner is None:
+        if entry is None or entry.state != Row.CLAIMED or entry.owner is None or self.ledger.alive(entry.owner):
             return
-        if not self.ledger.alive(entry.owner):
-            settle_claim(self.layout, self.ledger, entry)
+        review = self.layout.job(State.REVIEW, job_id)
+        if os.path.isdir(review) and not os.path.lexists(review / "result.json"):
+            # cut after it set the result (and maybe the outbox) aside: a daemon carries the revision out again
+            raise WrongState(f"{job_id}: a revision its daemon died carrying out is half done; a daemon finishes it")
+        settle_claim(self.layout, self.ledger, entry)
 
     def _unhold(self, job_id: str) -> None:
         """Put a held order (a follow-up held by budget, or one held by hand), asked to be cancelled, back in
