@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import Daemon, Env, cli_env, order, wait_until
-from helpers_faults import write_script
+from helpers_faults import run_once_killed_at, write_script
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,15 +234,7 @@ def test_a_follow_up_placed_before_a_crash_stays_one_copy_when_the_budget_change
     agents = {"worker": worker, "next": costly(env, 0.1)}
     env.configure(agents=agents, max_chain_cost_usd=before)
     env.drop(simple("BIG-9"))
-    cut = subprocess.run(
-        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=env.tmp,
-        env=dict(cli_env(), DISPATCHER_FAULT="followup.placed"),
-    )
-    assert cut.returncode == -9, cut.stderr[-2000:]
+    run_once_killed_at(env, "followup.placed")
     placed = "held" if before < 1.0 else "inbox"
     assert os.listdir(env.root / placed) == ["CHILD-1.json"]
     env.configure(agents=agents, max_chain_cost_usd=after)

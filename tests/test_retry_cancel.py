@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Daemon, Env, cli_env, order, wait_until
+from conftest import Daemon, Env, order, wait_until
 from helpers_faults import (
     agent_starts,
     alive,
     env_daemon,
     first_failing,
     processes_with,
+    run_once_killed_at,
     ts,
     wait_gone,
     wait_start,
@@ -219,15 +219,7 @@ def test_a_retry_whose_daemon_died_before_clearing_its_request_is_carried_out_on
     env.drop(order("AGAIN-5"))
     assert run_once(env)[0] == 1
     assert env.cli("retry", "AGAIN-5").returncode == 0
-    proc = subprocess.run(
-        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=env.tmp,
-        env=dict(cli_env(), DISPATCHER_FAULT="retry.moved"),
-    )
-    assert proc.returncode == -9, proc.stderr[-2000:]
+    run_once_killed_at(env, "retry.moved")
     assert (env.root / "active" / "AGAIN-5").is_dir()
     code, out = run_once(env)
     assert code == 1, out

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, cli_env, order
+from conftest import Env, order
+from helpers_faults import run_once_killed_at
 from test_joins import join_agents, merger
 
 from dispatcher.job import joins as joins_module
@@ -115,19 +114,6 @@ def test_a_dead_daemons_refusal_finished_by_two_daemons_at_once_is_placed_once(e
     assert [p.read_bytes() for p in kept] == [b"not an order\n"]
 
 
-def _killed_at(env: Env, fault: str) -> None:
-    """Run `run --once` until the fault point, where it is killed (SIGKILL): the dead daemon's leftovers."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run", "--once"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=env.tmp,
-        env=dict(cli_env(), DISPATCHER_FAULT=fault),
-    )
-    assert proc.returncode == -9, proc.stderr[-2000:]
-
-
 def test_a_join_landing_cut_short_landed_by_two_daemons_at_once_lands_once(env: Env) -> None:
     """A join failed in waiting/ whose move into failed/ was cut short: the daemon that finds it landed by the
     other one goes on (it stopped with FileNotFoundError, at start with exit 1)."""
@@ -135,7 +121,7 @@ def test_a_join_landing_cut_short_landed_by_two_daemons_at_once_lands_once(env: 
     env.drop(order("P", to="bad"))
     assert env.cli("run", "--once").returncode == 1
     env.drop(merger("J", after=["P"]))
-    _killed_at(env, "finish.recorded")
+    run_once_killed_at(env, "finish.recorded")
     layout = Layout(env.root)
     assert (layout.root / "waiting" / "J").is_dir()
     cfg = load_config(env.config_path)
@@ -170,7 +156,7 @@ def test_a_followup_a_dead_daemon_linked_in_and_another_claimed_is_not_released_
     follow = json.dumps(order("F", **{"from": "parent"}))
     env.configure({"worker": env.agent(), "parent": env.agent("--followup", follow)})
     env.drop(order("P", to="parent"))
-    _killed_at(env, "followup.placed")
+    run_once_killed_at(env, "followup.placed")
     layout = Layout(env.root)
     assert os.listdir(layout.inbox) == ["F.json"] and (layout.root / "done" / "P").is_dir()
     releasing = _ledger(env, "vm-a")
