@@ -174,6 +174,22 @@ def test_every_action_runs_the_commands_code(site: tuple[Env, Web]) -> None:
     assert len(queued) == 2 and all(e["agent"] for e in queued), queued  # a queued order's agent is its `to`
 
 
+def test_api_status_right_after_an_action_or_a_command_agrees_with_status(sqlite_site: tuple[Env, Web]) -> None:
+    """/api/status asked again at once after the view's own action, or a command, counts as `status --json` does."""
+    env, web = sqlite_site
+    for _ in range(3):
+        assert web.json("/api/status")["counts"]["held"] == 1  # the overview asked for, so kept for a moment
+        assert web.act("HELD-1", "release", web.token)[0] == 200
+        assert web.json("/api/status")["counts"] == cli_json(env, "status")["counts"]
+        assert web.json("/api/status")["counts"]["held"] == 0
+        env.cli("hold", "HELD-1", check=True)
+        assert web.json("/api/status")["counts"] == cli_json(env, "status")["counts"]
+        assert web.json("/api/status")["counts"]["held"] == 1
+    before = web.json("/api/status")["counts"]["inbox"]
+    env.drop(order("LATE-1", to="slow"))  # slow runs one at a time: it stays queued
+    assert web.json("/api/status")["counts"]["inbox"] == before + 1
+
+
 def test_an_empty_revise_note_is_refused_by_the_view_and_the_command(site: tuple[Env, Web]) -> None:
     """A note that is empty or blank is no note (README: without a note revise is refused): 400 from the view, with
     its web.action line, and exit 2 from `dispatcher revise`; nothing is recorded."""

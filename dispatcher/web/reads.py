@@ -10,8 +10,11 @@ before each read (one ``stat``): one deleted or rebuilt since it was opened is
 opened again, so the view answers as the commands do (a 503 while it is missing
 beside jobs), never from the deleted file it still holds.
 
-The overview is cached for ``CACHE_S``: many open pages, or a page that polls,
-cost one read per turn, not one each.
+The overview is cached for at most ``CACHE_S``: many open pages, or a page that
+polls, cost one read per turn, not one each. A cached overview is used only while
+the root looks unchanged (``_fingerprint``: the modification times of the layout's
+folders and of an SQLite ledger's files), so an action, `submit` or a job that moves
+shows in the next `/api/status` at once, as `status --json` would show it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dispatcher.errors import DispatchError, printable
 from dispatcher.fsutil import file_id
 from dispatcher.layout import JOB_ID, Layout
 from dispatcher.ledger.base import Ledger
+from dispatcher.lifecycle import State
 from dispatcher.query.jobinfo import log_tail, refusal_json, show_json
 from dispatcher.query.listing import list_jobs, refusals_of
 from dispatcher.query.report import status_with
@@ -52,7 +56,11 @@ class Reader:
         self._ledger: Ledger | None = None
         self._opened: tuple[int, int] | None = None  # (st_dev, st_ino) of the SQLite ledger file it opened
         self._lock = threading.Lock()
-        self._cached: tuple[float, dict[str, Any]] | None = None
+        self._cached: tuple[float, tuple[tuple[int, int], ...], dict[str, Any]] | None = None
+        names = [layout.inbox, layout.held, *(layout.folder(s) for s in State), layout.daemons, layout.control]
+        if config.ledger == "sqlite":
+            names += [layout.ledger, Path(f"{layout.ledger}-wal")]
+        self._watched = [os.fspath(p) for p in names]
 
     def close(self) -> None:
         """Close the ledger if it was opened."""
@@ -96,16 +104,33 @@ class Reader:
             except DispatchError:
                 pass
 
+    def _fingerprint(self) -> tuple[tuple[int, int], ...]:
+        """Return what changes when the overview may: each watched folder's and ledger file's (mtime, size)."""
+        out = []
+        for path in self._watched:
+            try:
+                st = os.stat(path)
+            except OSError:
+                out.append((-1, -1))
+                continue
+            out.append((st.st_mtime_ns, st.st_size))
+        return tuple(out)
+
     def status(self) -> dict[str, Any]:
-        """Return what `status --json` prints (cached for CACHE_S)."""
+        """Return what `status --json` prints (reused for up to CACHE_S while the root looks unchanged)."""
         now = time.time()
+        seen = self._fingerprint()
         cached = self._cached
-        if cached is not None and now - cached[0] < CACHE_S:
-            return cached[1]
+        if cached is not None and now - cached[0] < CACHE_S and cached[1] == seen:
+            return cached[2]
         with self._lock:
             info = status_with(self.layout, self._reader(), now)
-        self._cached = (now, info)
+        self._cached = (now, seen, info)
         return info
+
+    def forget(self) -> None:
+        """Drop the cached overview (after an action of the view's own)."""
+        self._cached = None
 
     def jobs(self, state: str | None = None, agent: str | None = None) -> list[dict[str, Any]]:
         """Return what `list --json` prints, as one list, newest first."""

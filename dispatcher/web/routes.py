@@ -129,6 +129,7 @@ class App:
         if note is not None and not isinstance(note, str):
             return _error(400, "note: not a string")
         outcome = self.actions.run(parts[2], parts[1], note=note, who="token")
+        self.reader.forget()
         return _json(outcome.status, {"ok": outcome.ok, "message": outcome.message})
 
     # -- pages ----------------------------------------------------------------------------
@@ -192,6 +193,7 @@ class App:
             return _redirect("/login", ("Set-Cookie", f"{COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0"))
         if len(parts) == 3 and parts[0] == "jobs" and parts[2] in ACTIONS:
             outcome = self.actions.run(parts[2], parts[1], note=fields.get("note") or None, who="session")
+            self.reader.forget()
             if len(self._flash) > _MAX_FLASH:  # messages never read (a closed tab): forget them
                 self._flash.clear()
             self._flash[sid] = outcome.message
