@@ -74,6 +74,38 @@ def test_reload_with_no_daemon_and_with_a_bad_config(env: Env) -> None:
     assert bad.returncode == 2 and "agents.worker.command" in bad.stderr and bad.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("broken", ["max_jobs", "yaml", "unknown_key"])
+def test_reload_of_a_config_the_daemon_refuses_still_reaches_it_as_sighup(
+    env: Env, tmp_path: Path, broken: str
+) -> None:
+    """A config the daemon itself refuses (a bad value, a key it does not know, YAML that does not parse): `reload`
+    still sends SIGHUP as the contract says, so the daemon logs config.rejected, keeps its config and reopens
+    log_file; the command answers with the config's error, one line, exit 2."""
+    log = tmp_path / "d.log"
+    env.configure(log_file=str(log))
+    d = env.daemon()
+    d.wait_ready()
+    good = env.config_path.read_text()
+    log.rename(tmp_path / "d.log.1")  # as logrotate does before its reload
+    if broken == "max_jobs":
+        env.config_path.write_text(good.replace("max_jobs: 2", "max_jobs: -1"))
+    elif broken == "yaml":
+        env.config_path.write_text(good + "max_jobs: [\n")
+    else:
+        env.config_path.write_text(good + "max_jobz: 3\n")
+    answer = env.cli("reload")
+    assert answer.returncode == 2 and answer.stderr.count("\n") == 1, answer.stderr
+    assert answer.stderr.startswith(str(env.config_path)), answer.stderr
+    if broken == "yaml":  # no root can be read from it: the daemons of the root it named cannot be found
+        assert not any(e.get("event") == "config.rejected" for e in d.events())
+        return
+    d.wait_event("config.rejected")
+    wait_until(lambda: log.exists() and "config.rejected" in log.read_text(), what="log_file opened again")
+    env.config_path.write_text(good)
+    env.drop(order("AFTER-1"))
+    env.wait_job("AFTER-1", "done")  # the old config still runs
+
+
 def test_a_daemon_under_systemd_is_named_with_its_unit() -> None:
     """The unit of a pid comes from /proc/PID/cgroup (v2, or v1 name=systemd); user managers are not units."""
     assert unit_of_cgroup("0::/system.slice/dispatcher@billing.service\n") == "dispatcher@billing.service"

@@ -31,6 +31,7 @@ from dispatcher.spec.config import (
     load_config,
     require_config,
     require_root,
+    salvage_target,
 )
 from dispatcher.spec.programs import Finding, check_agents
 from dispatcher.spec.settings import Config
@@ -213,15 +214,23 @@ def cmd_reload(args: argparse.Namespace) -> int:
     """Check the config, then SIGHUP this root's live daemons on this host (systemd's: name `systemctl reload`)."""
     from dispatcher.ops.daemons import live_here, reload
 
-    cfg = config_of(args, need_root=True)
+    path = require_config(args.config)
+    try:
+        cfg = load_config(path, root=Path(args.root) if args.root else None)
+    except ConfigError:
+        _hup_refusing(salvage_target(path, root=Path(args.root) if args.root else None))
+        raise
+    require_root(cfg)
     here = live_here(daemons_of(cfg))
     # what the daemons would refuse, as `validate` says it: an agent, the ledger's URL, the log file, and what a
     # running daemon cannot change (root, ledger, lease), judged against each daemon here
+    refused = [f for d in here for f in preflight.check_running(cfg, {"MAINPID": str(d.pid)}) if f.error]
+    if refused:  # the daemons refuse it too: signalled all the same, each logs config.rejected
+        _hup_refusing(cfg)
+        raise ConfigError(refused[0].message, file=str(cfg.path), field=refused[0].field)
     findings = check_agents(cfg) + _check_ledger_url(cfg) + preflight.check_log_file(cfg)
-    for d in here:
-        findings += preflight.check_running(cfg, {"MAINPID": str(d.pid)})
     errors = [f for f in findings if f.error]
-    if errors:
+    if errors:  # a config the daemons would take with an agent or a log file that cannot work: not sent
         raise ConfigError(errors[0].message, file=str(cfg.path), field=errors[0].field)
     if not here:
         print(f"no daemon of {printable(str(cfg.root))} runs on this host: nothing to reload", file=sys.stderr)
@@ -230,6 +239,23 @@ def cmd_reload(args: argparse.Namespace) -> int:
     for r in done:
         print(r.line(), file=sys.stdout if r.signalled else sys.stderr, flush=True)
     return 0 if all(r.signalled for r in done) else 1
+
+
+def _hup_refusing(target: Config | None) -> None:
+    """SIGHUP this root's live daemons here for a config they will refuse (each logs config.rejected).
+
+    `reload` is the contract's SIGHUP: a daemon sent a config it refuses keeps its own,
+    says so in its log and reopens its log file (logrotate's turn). The command's own
+    answer stays the config's error, one line, exit 2; a root it cannot read is left.
+    """
+    from dispatcher.ops.daemons import live_here, reload
+
+    if target is None or not target.root.is_dir():
+        return
+    try:
+        reload(live_here(daemons_of(target)))
+    except DispatchError:
+        return
 
 
 def cmd_list(args: argparse.Namespace) -> int:

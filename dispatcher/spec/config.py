@@ -243,6 +243,31 @@ def _daemons_own(name: str) -> bool:
     return name == "NOTIFY_SOCKET" or name.startswith(("DISPATCH_", "WATCHDOG_"))
 
 
+def salvage_target(path: Path, *, root: Path | None = None) -> Config | None:
+    """Return the root and ledger a config that does not load still names, or None when it names none.
+
+    For `reload` of a config the daemon itself would refuse: its live daemons are still
+    found and sent SIGHUP, as the contract has it, so that each says ``config.rejected``
+    and reopens its log file. Only ``root`` (or ``--root``) and ``ledger`` are read, as
+    the loader would resolve them; a file that is no mapping of YAML names neither.
+    """
+    try:
+        body = load_document(path.read_bytes(), "json" if path.suffix == ".json" else "yaml", aliases=True)
+    except (OSError, OrderError):
+        body = None
+    if not isinstance(body, dict):
+        return None if root is None else default_config(root)
+    named = body.get("root")
+    if root is None and named is not None and not isinstance(named, str):
+        return None
+    base = path.resolve().parent
+    ledger = body.get("ledger", "sqlite")
+    if not isinstance(ledger, str) or not ledger:
+        return None
+    where = root if root is not None else (base / named if named else Path("dispatch"))
+    return replace(default_config(where), path=path.resolve(), ledger=ledger)
+
+
 def default_config(root: Path | None) -> Config:
     """Return the built-in defaults (no agents), for commands that need no config file."""
     return Config(path=None, root=Path(os.path.abspath(root or "dispatch")))
