@@ -30,25 +30,49 @@ def visible_entries(folder: Path) -> Iterator[os.DirEntry[str]]:
         return
 
 
-def orders_in(folder: Path) -> int:
-    """Return how many order files (not hidden, not temporary) a folder holds."""
-    return sum(1 for de in visible_entries(folder) if not is_ignored(de.name))
-
-
 def job_entries(folder: Path) -> Iterator[os.DirEntry[str]]:
     """Yield the job (and refusal) folders of a state folder: its folders not hidden, no stray file."""
     return (de for de in visible_entries(folder) if is_job_entry(de))
 
 
-def jobs_and_refusals(folder: Path) -> tuple[int, int]:
-    """Return (jobs, refused files) in a state folder: refusal folders have '@' in their names."""
-    jobs = refused = 0
-    for de in job_entries(folder):
-        if "@" in de.name:
-            refused += 1
-        else:
-            jobs += 1
-    return jobs, refused
+#: the job folders counted, in the order they are listed (the order a job moves through most of them)
+_JOB_STATES = (State.ACTIVE, State.WAITING, State.REVIEW, State.DONE, State.FAILED)
+
+
+def _snapshot(layout: Layout, states: tuple[State, ...]) -> dict[str, int]:
+    """Count orders and jobs by state, each once though it moved from one listed folder into a later one.
+
+    The folders are listed one after another, so a job that moves between two listings
+    (active/ to done/, an order claimed from inbox/) is seen in both. A job id is counted
+    in the folder listed last that held it, where it is now; an order file in inbox/ or
+    held/ named after a job found in active/ or waiting/ is that job's file, just claimed.
+    """
+    inbox = [de.name for de in visible_entries(layout.inbox) if not is_ignored(de.name)]
+    held = [de.name for de in visible_entries(layout.held) if not is_ignored(de.name)]
+    where: dict[str, State] = {}
+    refused = 0
+    for state in states:
+        for de in job_entries(layout.folder(state)):
+            if "@" in de.name:  # a refused file's folder (failed/ only): no job
+                refused += state is State.FAILED
+                continue
+            where.pop(de.name, None)  # the last place a listing saw it, in order
+            where[de.name] = state
+    claimed = {name for name, state in where.items() if state in (State.ACTIVE, State.WAITING)}
+
+    def queued(name: str) -> bool:
+        return name.rpartition(".")[0] not in claimed
+
+    counts = {
+        "inbox": sum(1 for name in inbox if queued(name)),
+        "held": sum(1 for name in held if queued(name)),
+        "refused": refused,
+    }
+    for state in states:
+        counts[state.value] = 0
+    for state in where.values():
+        counts[state.value] += 1
+    return counts
 
 
 def queue_counts(layout: Layout) -> dict[str, int]:
@@ -57,18 +81,11 @@ def queue_counts(layout: Layout) -> dict[str, int]:
     Cheap (one directory listing each, no file opened), for the metrics'
     ``dispatcher_queue`` gauge; it still lists folders, so call it off the loop.
     """
-    return {
-        "inbox": orders_in(layout.inbox),
-        "held": orders_in(layout.held),
-        "active": jobs_and_refusals(layout.folder(State.ACTIVE))[0],
-        "waiting": jobs_and_refusals(layout.folder(State.WAITING))[0],
-        "review": jobs_and_refusals(layout.folder(State.REVIEW))[0],
-    }
+    counts = _snapshot(layout, (State.ACTIVE, State.WAITING, State.REVIEW))
+    return {k: counts[k] for k in ("inbox", "held", "active", "waiting", "review")}
 
 
 def state_counts(layout: Layout) -> dict[str, int]:
     """Return the counts of `status`: the queue, done and failed jobs, and refused files."""
-    counts = queue_counts(layout)
-    counts["done"] = jobs_and_refusals(layout.folder(State.DONE))[0]
-    counts["failed"], counts["refused"] = jobs_and_refusals(layout.folder(State.FAILED))
+    counts = _snapshot(layout, _JOB_STATES)
     return {k: counts[k] for k in COUNTED}
