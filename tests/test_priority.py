@@ -354,3 +354,19 @@ def test_a_higher_priority_order_passes_a_backlog_being_worked_off(env: Env) -> 
     ids = [j for j, _ in env.starts()]
     assert d.stop() == 0
     assert ids.index("HIGH") <= dropped_at + 1, ids
+
+
+def test_at_start_a_newer_order_still_settling_goes_before_an_older_one_of_lower_priority(env: Env) -> None:
+    """LOW-S (priority 1) has sat in inbox/ for a minute; HIGH-S (priority 9) was submitted just before the start, so
+    the start's scan lets it settle first (section 1). It is still claimed and run first (section 16: higher priority
+    first, then older): the older order waits for it rather than take the one slot before it is read."""
+    env.configure({"worker": env.agent(concurrency=1)}, max_jobs=1, settle=2)
+    low = env.drop(order("LOW-S", priority=1))
+    os.utime(low, (time.time() - 60, time.time() - 60))
+    env.drop(order("HIGH-S", priority=9))
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    ids = [j for j, _ in env.starts()]
+    assert ids == ["HIGH-S", "LOW-S"], ids
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [e["job_id"] for e in events if e.get("event") == "job.claimed"] == ["HIGH-S", "LOW-S"]

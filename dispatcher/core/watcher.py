@@ -31,6 +31,9 @@ from dispatcher.layout import is_ignored
 from dispatcher.spec.orders import Glance, deferred_until, peek_schedule
 
 PEEK_BYTES = 1 << 20  # an order's priority and not_before are read at a glance from at most this much
+#: a listed file still settling holds back ready orders of lower priority until it is read, for at most its first
+#: settle period and this much more (the open-writer check's answer comes in between)
+HOLD_SLACK_S = 1.0
 
 
 class Listed(NamedTuple):
@@ -104,6 +107,8 @@ class Inbox:
         self._expiring: list[tuple[float, _Ready]] = []  # (expires, entry) of ready orders with expires
         self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
         self._unsure: set[str] = set()  # ready at a close event, with no look for other writers: see ``recheck``
+        # (-priority at a glance, until, name) of files a listing found settling: ready orders of lower priority wait
+        self._holds: list[tuple[int, float, str]] = []
 
     def __len__(self) -> int:
         """How many names wait to settle, are ready, set aside for a gate or being handled (not those due later)."""
@@ -177,6 +182,9 @@ class Inbox:
             self._push(name, entry.mtime_ns, dir_fd)  # links, FIFOs, folders: refused at once, never opened
             return
         self._pending[name] = _Pending(entry.size, entry.mtime_ns, now_mono)
+        if not fresh:  # found by a listing (at start, a rescan): its priority goes before older orders' age
+            until = now_mono + self.settle_s + HOLD_SLACK_S
+            heapq.heappush(self._holds, (-self._peek(name, dir_fd).priority, until, name))
 
     def unsure(self, batch: Iterable[object]) -> frozenset[str]:
         """Return the names of batch made ready by a close event alone: refused only after ``recheck``."""
@@ -315,7 +323,21 @@ class Inbox:
                 continue
             left = max(left, 0.05)
             wait = left if wait is None else min(wait, left)
+        if self._holds:  # a hold that ends before its file settles: the orders it held back go on then
+            ends = [until - now for _, until, name in self._holds if until > now and name in self._pending]
+            if ends:
+                wait = min(ends) if wait is None else min(wait, min(ends))
         return check, wait
+
+    def _held_rank(self) -> int | None:
+        """Return the best -priority of the listed files still settling within their hold, or None."""
+        now = time.monotonic()
+        while self._holds:
+            rank, until, name = self._holds[0]
+            if until > now and name in self._pending:
+                return rank
+            heapq.heappop(self._holds)
+        return None
 
     def writers_checked(self, names: list[str], held: set[str]) -> None:
         """Take the open-writer check's answer: held names wait another settle period."""
@@ -331,9 +353,13 @@ class Inbox:
                 self._make_ready(name)
 
     def has_ready(self) -> bool:
-        """Return True if a file is ready to be read."""
+        """Return True if a file is ready to be read (and not held back for a settling file of higher priority)."""
         self._promote_due()
-        return bool(self._ready or self._joins)
+        if self._joins:
+            return True
+        if not self._ready:
+            return False
+        return not self._holds or self._head(frozenset()) is not None
 
     def has_pending(self) -> bool:
         """Return True while some file waits to settle (it may still become an order)."""
@@ -394,6 +420,8 @@ class Inbox:
         while self._ready:
             entry = self._ready[0]
             if entry.name in self._ready_names and entry.agent not in gated:
+                if self._holds and (held := self._held_rank()) is not None and held < entry.neg_priority:
+                    return None  # a file found settling ranks higher: it is read first, once it has settled
                 return entry
             heapq.heappop(self._ready)
             if entry.name in self._ready_names:  # a gated agent's: unread in inbox/ until taken back
