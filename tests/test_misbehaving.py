@@ -130,6 +130,20 @@ def test_a_retry_safe_agent_that_deleted_its_work_folder_is_not_retried(env: Env
     assert not result["reason"].startswith("config:"), result["reason"]
 
 
+def test_a_retry_of_a_job_whose_agent_deleted_its_work_folder_says_work_is_gone(env: Env) -> None:
+    """`dispatcher retry` of such a job is taken (exit 0, section 6), but no attempt can run: it fails again with no
+    attempt and a reason that says work/ is gone, not a missing file the config would have to name."""
+    env.configure(agents={"worker": env.agent("--delete-work", retry_safe=True, max_attempts=3)})
+    env.drop(order("GONE-3"))
+    env.cli("run", "--once", timeout=60)
+    assert env.cli("retry", "GONE-3").returncode == 0
+    env.cli("run", "--once", timeout=60)
+    result = env.result("GONE-3", "failed")
+    assert [a["n"] for a in result["attempts"]] == [1], result["attempts"]
+    assert result["reason"] == "config: agent worker cannot start: work/ is gone (its agent removed it), so no " \
+        "attempt can run in it", result["reason"]  # fmt: skip
+
+
 SWAP_WORK = """
 import json, os, shutil
 work, moved = os.getcwd(), os.environ["MOVED"]

@@ -33,7 +33,7 @@ from dispatcher.job.control import Control, Left
 from dispatcher.job.deciding import Deciding
 from dispatcher.job.finishing import Finishing
 from dispatcher.job.repowork import JobRepo, WorkspaceFailed
-from dispatcher.job.retry import retries_so_far
+from dispatcher.job.retry import WORK_GONE, retries_so_far
 from dispatcher.job.runner import AGENT_TAIL_BYTES, AgentProcess
 from dispatcher.job.waits import Waits, waited_s
 from dispatcher.lanes import Handoff, handed_over
@@ -354,7 +354,10 @@ class Job(Finishing, Deciding):
             return proc
         if isinstance(proc, OSError):
             why = proc.strerror or str(proc)
-            reason = f"config: agent {agent.name} cannot start: {why}" + (f": {proc.filename}" if proc.filename else "")
+            why += f": {proc.filename}" if proc.filename else ""
+            if self._work_gone():  # not the config: a retry of a job whose agent removed its work/ (section 5 wording)
+                why = WORK_GONE
+            reason = f"config: agent {agent.name} cannot start: {why}"
             log.error("agent.exited", error=reason)  # no attempt (section 6)
             return await self.finish(Row.FAILED, reason, self._unstarted_checks(n))
         self.control.attach(proc)
