@@ -69,8 +69,9 @@ def test_a_job_that_moves_between_two_listings_is_counted_once(
     assert jobs == 6 and before["refused"] == 1
 
     def move() -> None:
-        if src.startswith("inbox/"):
+        if src.startswith("inbox/"):  # as a claim does: the job's folder gets a link of the file, then the name goes
             (layout.root / dst / "work").mkdir(parents=True)
+            os.link(layout.root / src, layout.root / dst / "order.json")
             (layout.root / src).unlink()
         else:
             os.rename(layout.root / src, layout.root / dst)
@@ -89,7 +90,20 @@ def test_the_queue_gauge_counts_a_claimed_order_once(tmp_path: Path, monkeypatch
 
     def claim() -> None:
         (layout.root / "active" / "Q2" / "work").mkdir(parents=True)
+        os.link(layout.root / "inbox" / "Q2.json", layout.root / "active" / "Q2" / "order.json")
         (layout.root / "inbox" / "Q2.json").unlink()
 
     _moving(monkeypatch, "inbox", claim)
     assert counts.queue_counts(layout) == {"inbox": 1, "held": 0, "active": 4, "waiting": 0, "review": 0}
+
+
+def test_an_order_named_like_a_running_job_is_counted_as_the_order_it_is(tmp_path: Path) -> None:
+    """inbox/A.json and held/B.yaml hold other orders than the jobs A and B in active/ (a file's name says nothing
+    of its job id): each is counted where it is."""
+    layout = _root(tmp_path)
+    (layout.root / "active" / "A" / "order.json").write_text("{}")
+    (layout.root / "inbox" / "A.json").write_text("{}")
+    (layout.root / "held" / "B.yaml").write_text("{}")
+    got = counts.state_counts(layout)
+    assert (got["inbox"], got["held"], got["active"]) == (3, 1, 3), got
+    assert counts.queue_counts(layout)["inbox"] == 3

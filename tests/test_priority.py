@@ -370,3 +370,18 @@ def test_at_start_a_newer_order_still_settling_goes_before_an_older_one_of_lower
     assert ids == ["HIGH-S", "LOW-S"], ids
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [e["job_id"] for e in events if e.get("event") == "job.claimed"] == ["HIGH-S", "LOW-S"]
+
+
+def test_at_start_a_settling_order_holds_back_no_other_while_slots_are_free(env: Env) -> None:
+    """With slots free for both, the older priority-1 order is not made to wait for the newer priority-9 one still
+    settling: it starts at once and so is not refused at its `expires` (2 s later, inside the settle of 4 s); a
+    settling file that is no order (notes.txt) holds nothing back either."""
+    env.configure({"b": env.agent(concurrency=2), "c": env.agent(concurrency=2)}, max_jobs=4, settle=4)
+    exp = env.drop(order("EXP-1", to="b", priority=1, expires=iso(time.time() + 2.5)))
+    os.utime(exp, (time.time() - 60, time.time() - 60))
+    env.drop(order("HI-1", to="c", priority=9))
+    (env.root / "inbox" / "notes.txt").write_text("not an order\n")
+    proc = env.cli("run", "--once", timeout=60)
+    assert env.result("EXP-1", "done")["state"] == "done", proc.stdout[-2000:]
+    assert env.result("HI-1", "done")["state"] == "done"
+    assert proc.returncode == 1  # notes.txt is refused as "not a work order"

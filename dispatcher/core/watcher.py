@@ -30,6 +30,7 @@ from dispatcher import fsutil
 from dispatcher.layout import is_ignored
 from dispatcher.spec.orders import Glance, deferred_until, peek_schedule
 
+ORDER_SUFFIXES = (".yaml", ".yml", ".json")  # other names are refused, never claimed: they hold nothing back
 PEEK_BYTES = 1 << 20  # an order's priority and not_before are read at a glance from at most this much
 #: a listed file still settling holds back ready orders of lower priority until it is read, for at most its first
 #: settle period and this much more (the open-writer check's answer comes in between)
@@ -108,7 +109,9 @@ class Inbox:
         self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
         self._unsure: set[str] = set()  # ready at a close event, with no look for other writers: see ``recheck``
         # (-priority at a glance, until, name) of files a listing found settling: ready orders of lower priority wait
+        # for them while they are as many as the free slots (``spare``, told by the scheduler at each turn) or more
         self._holds: list[tuple[int, float, str]] = []
+        self.spare = 1 << 30
 
     def __len__(self) -> int:
         """How many names wait to settle, are ready, set aside for a gate or being handled (not those due later)."""
@@ -182,7 +185,7 @@ class Inbox:
             self._push(name, entry.mtime_ns, dir_fd)  # links, FIFOs, folders: refused at once, never opened
             return
         self._pending[name] = _Pending(entry.size, entry.mtime_ns, now_mono)
-        if not fresh:  # found by a listing (at start, a rescan): its priority goes before older orders' age
+        if not fresh and name.endswith(ORDER_SUFFIXES):  # found by a listing (at start, a rescan): its priority
             until = now_mono + self.settle_s + HOLD_SLACK_S
             heapq.heappush(self._holds, (-self._peek(name, dir_fd).priority, until, name))
 
@@ -329,15 +332,19 @@ class Inbox:
                 wait = min(ends) if wait is None else min(wait, min(ends))
         return check, wait
 
-    def _held_rank(self) -> int | None:
-        """Return the best -priority of the listed files still settling within their hold, or None."""
+    def _held_back(self, neg_priority: int) -> bool:
+        """Return True if files found settling that rank higher are as many as the free slots, or more.
+
+        A ready order then waits for them (contract section 16: higher priority first); with
+        more slots free than such files it takes one at once, as it always did.
+        """
         now = time.monotonic()
-        while self._holds:
-            rank, until, name = self._holds[0]
-            if until > now and name in self._pending:
-                return rank
-            heapq.heappop(self._holds)
-        return None
+        while self._holds and not (self._holds[0][1] > now and self._holds[0][2] in self._pending):
+            heapq.heappop(self._holds)  # ended, read or gone: the best ones are looked at first
+        if not self._holds or self._holds[0][0] >= neg_priority:
+            return False
+        higher = {name for rank, until, name in self._holds if rank < neg_priority and until > now}
+        return len(higher & self._pending.keys()) >= self.spare
 
     def writers_checked(self, names: list[str], held: set[str]) -> None:
         """Take the open-writer check's answer: held names wait another settle period."""
@@ -376,6 +383,7 @@ class Inbox:
         heapq.heappop(self._ready)
         self._ready_names.discard(entry.name)
         self._taken[entry.name] = entry
+        self.spare -= 1
         return entry.name
 
     def pop_expired(self, at: float) -> list[str]:
@@ -420,8 +428,8 @@ class Inbox:
         while self._ready:
             entry = self._ready[0]
             if entry.name in self._ready_names and entry.agent not in gated:
-                if self._holds and (held := self._held_rank()) is not None and held < entry.neg_priority:
-                    return None  # a file found settling ranks higher: it is read first, once it has settled
+                if self._holds and self._held_back(entry.neg_priority):
+                    return None  # files found settling rank higher and need the free slots: they are read first
                 return entry
             heapq.heappop(self._ready)
             if entry.name in self._ready_names:  # a gated agent's: unread in inbox/ until taken back

@@ -44,11 +44,13 @@ def _snapshot(layout: Layout, states: tuple[State, ...]) -> dict[str, int]:
 
     The folders are listed one after another, so a job that moves between two listings
     (active/ to done/, an order claimed from inbox/) is seen in both. A job id is counted
-    in the folder listed last that held it, where it is now; an order file in inbox/ or
-    held/ named after a job found in active/ or waiting/ is that job's file, just claimed.
+    in the folder listed last that held it, where it is now; a file in inbox/ that is the
+    very file of a job found in active/ or waiting/ (its ``order.<ext>`` is a link of it,
+    made by the claim before the inbox name goes) is that job, just claimed. A file there
+    that only bears such a job's name is an order of its own, counted.
     """
-    inbox = [de.name for de in visible_entries(layout.inbox) if not is_ignored(de.name)]
-    held = [de.name for de in visible_entries(layout.held) if not is_ignored(de.name)]
+    inbox = [(de.name, de.inode()) for de in visible_entries(layout.inbox) if not is_ignored(de.name)]
+    held = sum(1 for de in visible_entries(layout.held) if not is_ignored(de.name))
     where: dict[str, State] = {}
     refused = 0
     for state in states:
@@ -58,16 +60,17 @@ def _snapshot(layout: Layout, states: tuple[State, ...]) -> dict[str, int]:
                 continue
             where.pop(de.name, None)  # the last place a listing saw it, in order
             where[de.name] = state
-    claimed = {name for name, state in where.items() if state in (State.ACTIVE, State.WAITING)}
 
-    def queued(name: str) -> bool:
-        return name.rpartition(".")[0] not in claimed
+    def claimed(name: str, inode: int) -> bool:
+        stem, dot, ext = name.rpartition(".")
+        if not dot or where.get(stem) not in (State.ACTIVE, State.WAITING):
+            return False
+        try:
+            return os.lstat(layout.folder(where[stem]) / stem / f"order.{ext}").st_ino == inode
+        except OSError:
+            return False
 
-    counts = {
-        "inbox": sum(1 for name in inbox if queued(name)),
-        "held": sum(1 for name in held if queued(name)),
-        "refused": refused,
-    }
+    counts = {"inbox": sum(1 for name, inode in inbox if not claimed(name, inode)), "held": held, "refused": refused}
     for state in states:
         counts[state.value] = 0
     for state in where.values():
