@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import replace
@@ -252,9 +253,13 @@ def salvage_target(path: Path, *, root: Path | None = None) -> Config | None:
     the loader would resolve them; a file that is no mapping of YAML names neither.
     """
     try:
-        body = load_document(path.read_bytes(), "json" if path.suffix == ".json" else "yaml", aliases=True)
-    except (OSError, OrderError):
-        body = None
+        data = path.read_bytes()
+    except OSError:
+        return None if root is None else default_config(root)
+    try:
+        body = load_document(data, "json" if path.suffix == ".json" else "yaml", aliases=True)
+    except OrderError:
+        body = _top_scalars(data)  # YAML that does not parse: its plain top-level `root:` and `ledger:` lines
     if not isinstance(body, dict):
         return None if root is None else default_config(root)
     named = body.get("root")
@@ -266,6 +271,25 @@ def salvage_target(path: Path, *, root: Path | None = None) -> Config | None:
         return None
     where = root if root is not None else (base / named if named else Path("dispatch"))
     return replace(default_config(where), path=path.resolve(), ledger=ledger)
+
+
+_TOP_SCALAR = re.compile(r"(root|ledger):[ \t]*(?:\"([^\"]*)\"|'([^']*)'|([^\s#'\"][^#]*?))?[ \t]*(?:#.*)?")
+
+
+def _top_scalars(data: bytes) -> dict[str, str] | None:
+    """Return the `root:` and `ledger:` a config names on plain top-level lines (for YAML that does not parse)."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _TOP_SCALAR.fullmatch(line.rstrip())
+        if m is not None and m.group(1) not in out:
+            value = next((g for g in m.groups()[1:] if g is not None), None)
+            if value:
+                out[m.group(1)] = value
+    return out
 
 
 def default_config(root: Path | None) -> Config:
