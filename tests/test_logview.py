@@ -352,10 +352,33 @@ def test_logs_reads_a_fifo_or_dev_stdin_as_a_file(tmp_path: Path, follow: bool) 
 
 
 def test_logs_without_log_file_names_the_journal_command(env: Env) -> None:
-    """With `log_file: null`, `logs` exits 2 with one line giving the journalctl command to pipe in."""
+    """With `log_file: null`, `logs` exits 2 with one line giving the journalctl command to pipe in; the reading half
+    of it names the config when one was given (`logs -` needs a config too), and works as printed."""
     proc = env.cli("logs")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().endswith("journalctl -o cat -u dispatcher | dispatcher logs -"), proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    hint = f"journalctl -o cat -u dispatcher | dispatcher --config {env.config_path} logs -"
+    assert proc.stderr.strip().endswith(hint), proc.stderr
+    line = '{"timestamp": "2026-12-01T10:00:00.000Z", "level": "info", "event": "job.done", "job_id": "J-1"}\n'
+    reader = hint.partition(" | ")[2].split()
+    assert reader[:3] == ["dispatcher", "--config", str(env.config_path)]
+    shown = subprocess.run(
+        [sys.executable, "-m", "dispatcher", *reader[1:]], input=line, capture_output=True, text=True, timeout=60,
+        cwd=env.tmp.parent, env=cli_env(),
+    )  # fmt: skip
+    assert shown.returncode == 0 and "job.done" in shown.stdout and "J-1" in shown.stdout, shown.stderr
+    found = subprocess.run(  # found without --config (./config/dispatcher.yaml): the hint needs none either
+        [sys.executable, "-m", "dispatcher", "logs"], capture_output=True, text=True, timeout=60,
+        cwd=_with_local_config(env), env=cli_env(),
+    )  # fmt: skip
+    assert found.returncode == 2 and found.stderr.strip().endswith("-u dispatcher | dispatcher logs -"), found.stderr
+
+
+def _with_local_config(env: Env) -> Path:
+    """Return a folder holding config/dispatcher.yaml: the env's config, found there without --config."""
+    here = env.tmp / "here"
+    (here / "config").mkdir(parents=True, exist_ok=True)
+    (here / "config" / "dispatcher.yaml").write_text(env.config_path.read_text())
+    return here
 
 
 def test_the_journal_unit_follows_the_config_name() -> None:

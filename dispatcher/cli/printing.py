@@ -7,6 +7,7 @@ as `DispatchError`s for `cli.main` to print as one line.
 from __future__ import annotations
 
 import argparse
+import shlex
 import stat
 import sys
 from collections.abc import Iterable
@@ -53,9 +54,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     if cfg.log_file is None:
         unit = journal_unit(cfg.path)
+        # `logs -` needs the config too: named when it was given, or is a templated unit's own file
+        named = cfg.path is not None and (args.config or unit != "dispatcher")
+        reader = f"dispatcher --config {shlex.quote(str(cfg.path))} logs -" if named else "dispatcher logs -"
         raise ConfigError(
-            f"not set, so the log is on stdout (the journal under systemd): "
-            f"journalctl -o cat -u {unit} | dispatcher logs -",
+            f"not set, so the log is on stdout (the journal under systemd): journalctl -o cat -u {unit} | {reader}",
             file=str(cfg.path),
             field="log_file",
         )
