@@ -56,6 +56,8 @@ def _moving(monkeypatch: pytest.MonkeyPatch, after: str, move: Callable[[], None
         ("active", "active/B", "failed/B", "failed"),
         ("active", "active/C", "review/C", "review"),
         ("inbox", "inbox/Q1.json", "active/Q1", "active"),  # an order claimed between inbox/ and active/
+        ("inbox", "inbox/Q1.json", "active/JOB-7", "active"),  # ... from a file named otherwise than its job
+        ("inbox", "inbox/Q1.json", "waiting/JOB-8", "waiting"),  # ... a join, claimed into waiting/
     ],
 )
 def test_a_job_that_moves_between_two_listings_is_counted_once(

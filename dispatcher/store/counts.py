@@ -46,8 +46,8 @@ def _snapshot(layout: Layout, states: tuple[State, ...]) -> dict[str, int]:
     (active/ to done/, an order claimed from inbox/) is seen in both. A job id is counted
     in the folder listed last that held it, where it is now; a file in inbox/ that is the
     very file of a job found in active/ or waiting/ (its ``order.<ext>`` is a link of it,
-    made by the claim before the inbox name goes) is that job, just claimed. A file there
-    that only bears such a job's name is an order of its own, counted.
+    made by the claim before the inbox name goes) is that job, just claimed, whatever its
+    name. A file there that only bears such a job's name is an order of its own, counted.
     """
     inbox = [(de.name, de.inode()) for de in visible_entries(layout.inbox) if not is_ignored(de.name)]
     held = sum(1 for de in visible_entries(layout.held) if not is_ignored(de.name))
@@ -61,16 +61,8 @@ def _snapshot(layout: Layout, states: tuple[State, ...]) -> dict[str, int]:
             where.pop(de.name, None)  # the last place a listing saw it, in order
             where[de.name] = state
 
-    def claimed(name: str, inode: int) -> bool:
-        stem, dot, ext = name.rpartition(".")
-        if not dot or where.get(stem) not in (State.ACTIVE, State.WAITING):
-            return False
-        try:
-            return os.lstat(layout.folder(where[stem]) / stem / f"order.{ext}").st_ino == inode
-        except OSError:
-            return False
-
-    counts = {"inbox": sum(1 for name, inode in inbox if not claimed(name, inode)), "held": held, "refused": refused}
+    taken = _claims_of(layout, where) if inbox else set()
+    counts = {"inbox": sum(1 for _name, inode in inbox if inode not in taken), "held": held, "refused": refused}
     for state in states:
         counts[state.value] = 0
     for state in where.values():
@@ -92,3 +84,22 @@ def state_counts(layout: Layout) -> dict[str, int]:
     """Return the counts of `status`: the queue, done and failed jobs, and refused files."""
     counts = _snapshot(layout, _JOB_STATES)
     return {k: counts[k] for k in COUNTED}
+
+
+#: at most this many jobs in active/ and waiting/ are looked at for the claim's link (one lstat or three each)
+CLAIMS_LOOKED_AT = 1000
+
+
+def _claims_of(layout: Layout, where: dict[str, State]) -> set[int]:
+    """Return the inodes of the order files of the jobs in active/ and waiting/ (the first CLAIMS_LOOKED_AT)."""
+    out: set[int] = set()
+    jobs = [(name, state) for name, state in where.items() if state in (State.ACTIVE, State.WAITING)]
+    for name, state in jobs[:CLAIMS_LOOKED_AT]:
+        folder = layout.folder(state) / name
+        for ext in ("json", "yaml", "yml"):
+            try:
+                out.add(os.lstat(folder / f"order.{ext}").st_ino)
+                break
+            except OSError:
+                continue
+    return out
