@@ -11,6 +11,7 @@ import os
 import time
 from datetime import UTC, datetime
 
+import pytest
 import yaml
 from conftest import Env, order, wait_until
 
@@ -356,11 +357,15 @@ def test_a_higher_priority_order_passes_a_backlog_being_worked_off(env: Env) -> 
     assert ids.index("HIGH") <= dropped_at + 1, ids
 
 
-def test_at_start_a_newer_order_still_settling_goes_before_an_older_one_of_lower_priority(env: Env) -> None:
+@pytest.mark.parametrize("max_jobs", [1, 2])
+def test_at_start_a_newer_order_still_settling_goes_before_an_older_one_of_lower_priority(
+    env: Env, max_jobs: int
+) -> None:
     """LOW-S (priority 1) has sat in inbox/ for a minute; HIGH-S (priority 9) was submitted just before the start, so
     the start's scan lets it settle first (section 1). It is still claimed and run first (section 16: higher priority
-    first, then older): the older order waits for it rather than take the one slot before it is read."""
-    env.configure({"worker": env.agent(concurrency=1)}, max_jobs=1, settle=2)
+    first, then older): the older order waits for it rather than take the one slot before it is read - the one of
+    max_jobs 1, or with max_jobs 2 the one of its agent (concurrency 1, the default)."""
+    env.configure({"worker": env.agent(concurrency=1)}, max_jobs=max_jobs, settle=2)
     low = env.drop(order("LOW-S", priority=1))
     os.utime(low, (time.time() - 60, time.time() - 60))
     env.drop(order("HIGH-S", priority=9))

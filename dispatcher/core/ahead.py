@@ -203,6 +203,13 @@ class ClaimsAhead(abc.ABC):
             self.config, self.parked, self.inbox, gated, lambda agent: self.slots.running_s(agent, now)
         )
 
+    def _agent_room(self, agent: str) -> int:
+        """Return how many more of agent's jobs may start here: its concurrency less those holding a slot."""
+        a = self.config.agents.get(agent)
+        if a is None:
+            return 1 << 30
+        return a.concurrency - sum(1 for r in self.running.values() if r.holds and r.job.agent == agent)
+
     def _at_concurrency(self, agent: str) -> bool:
         """Return True if agent's jobs here hold all its slots (one comes back when one of its agents exits)."""
         a = self.config.agents.get(agent)

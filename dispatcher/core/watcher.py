@@ -109,9 +109,11 @@ class Inbox:
         self._aside_due: list[tuple[float, _Ready]] = []  # (expires, entry): read again then, to be refused
         self._unsure: set[str] = set()  # ready at a close event, with no look for other writers: see ``recheck``
         # (-priority at a glance, until, name) of files a listing found settling: ready orders of lower priority wait
-        # for them while they are as many as the free slots (``spare``, told by the scheduler at each turn) or more
-        self._holds: list[tuple[int, float, str]] = []
+        # for them while they are as many as the free slots, or as their agent's (``make_room``: the scheduler's turn)
+        self._holds: list[tuple[int, float, str, str]] = []  # (..., the file's agent at a glance)
         self.spare = 1 << 30
+        self._room_of: Callable[[str], int] | None = None
+        self._popped: collections.Counter[str] = collections.Counter()
 
     def __len__(self) -> int:
         """How many names wait to settle, are ready, set aside for a gate or being handled (not those due later)."""
@@ -187,7 +189,8 @@ class Inbox:
         self._pending[name] = _Pending(entry.size, entry.mtime_ns, now_mono)
         if not fresh and name.endswith(ORDER_SUFFIXES):  # found by a listing (at start, a rescan): its priority
             until = now_mono + self.settle_s + HOLD_SLACK_S
-            heapq.heappush(self._holds, (-self._peek(name, dir_fd).priority, until, name))
+            glance = self._peek(name, dir_fd)
+            heapq.heappush(self._holds, (-glance.priority, until, name, glance.agent or ""))
 
     def unsure(self, batch: Iterable[object]) -> frozenset[str]:
         """Return the names of batch made ready by a close event alone: refused only after ``recheck``."""
@@ -327,24 +330,41 @@ class Inbox:
             left = max(left, 0.05)
             wait = left if wait is None else min(wait, left)
         if self._holds:  # a hold that ends before its file settles: the orders it held back go on then
-            ends = [until - now for _, until, name in self._holds if until > now and name in self._pending]
+            ends = [until - now for _, until, name, _a in self._holds if until > now and name in self._pending]
             if ends:
                 wait = min(ends) if wait is None else min(wait, min(ends))
         return check, wait
 
-    def _held_back(self, neg_priority: int) -> bool:
-        """Return True if files found settling that rank higher are as many as the free slots, or more.
+    def make_room(self, free: int, room_of: Callable[[str], int]) -> None:
+        """Take the scheduler's turn: ``free`` slots, and ``room_of(agent)``, the slots of an agent free here."""
+        self.spare = free
+        self._room_of = room_of
+        self._popped.clear()
 
-        A ready order then waits for them (contract section 16: higher priority first); with
-        more slots free than such files it takes one at once, as it always did.
+    def _held_back(self, entry: _Ready) -> bool:
+        """Return True if files found settling that rank higher need the slots entry would take.
+
+        That is when they are as many as the free slots or more, or those of entry's agent
+        (at a glance) as many as its free slots or more. A ready order then waits for them
+        (contract section 16: higher priority first); with slots to spare for both it goes
+        at once, as it always did.
         """
         now = time.monotonic()
         while self._holds and not (self._holds[0][1] > now and self._holds[0][2] in self._pending):
             heapq.heappop(self._holds)  # ended, read or gone: the best ones are looked at first
-        if not self._holds or self._holds[0][0] >= neg_priority:
+        if not self._holds or self._holds[0][0] >= entry.neg_priority:
             return False
-        higher = {name for rank, until, name in self._holds if rank < neg_priority and until > now}
-        return len(higher & self._pending.keys()) >= self.spare
+        higher = {
+            (name, agent)
+            for rank, until, name, agent in self._holds
+            if rank < entry.neg_priority and until > now and name in self._pending
+        }
+        if len(higher) >= self.spare:
+            return True
+        mine = sum(1 for _name, agent in higher if agent == entry.agent)
+        if not mine or self._room_of is None:
+            return False
+        return mine >= self._room_of(entry.agent) - self._popped[entry.agent]
 
     def writers_checked(self, names: list[str], held: set[str]) -> None:
         """Take the open-writer check's answer: held names wait another settle period."""
@@ -384,6 +404,7 @@ class Inbox:
         self._ready_names.discard(entry.name)
         self._taken[entry.name] = entry
         self.spare -= 1
+        self._popped[entry.agent] += 1
         return entry.name
 
     def pop_expired(self, at: float) -> list[str]:
@@ -428,7 +449,7 @@ class Inbox:
         while self._ready:
             entry = self._ready[0]
             if entry.name in self._ready_names and entry.agent not in gated:
-                if self._holds and self._held_back(entry.neg_priority):
+                if self._holds and self._held_back(entry):
                     return None  # files found settling rank higher and need the free slots: they are read first
                 return entry
             heapq.heappop(self._ready)
