@@ -74,7 +74,7 @@ def test_reload_with_no_daemon_and_with_a_bad_config(env: Env) -> None:
     assert bad.returncode == 2 and "agents.worker.command" in bad.stderr and bad.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("broken", ["max_jobs", "yaml", "unknown_key"])
+@pytest.mark.parametrize("broken", ["max_jobs", "yaml", "unknown_key", "json"])
 def test_reload_of_a_config_the_daemon_refuses_still_reaches_it_as_sighup(
     env: Env, tmp_path: Path, broken: str
 ) -> None:
@@ -82,7 +82,11 @@ def test_reload_of_a_config_the_daemon_refuses_still_reaches_it_as_sighup(
     still sends SIGHUP as the contract says, so the daemon logs config.rejected, keeps its config and reopens
     log_file; the command answers with the config's error, one line, exit 2."""
     log = tmp_path / "d.log"
+    if broken == "json":  # a config in JSON (init writes one for a .json name)
+        env.config_path = env.config_path.with_suffix(".json")
     env.configure(log_file=str(log))
+    if broken == "json":
+        env.config_path.write_text(json.dumps(env.settings, indent=2))
     d = env.daemon()
     d.wait_ready()
     good = env.config_path.read_text()
@@ -91,9 +95,14 @@ def test_reload_of_a_config_the_daemon_refuses_still_reaches_it_as_sighup(
         env.config_path.write_text(good.replace("max_jobs: 2", "max_jobs: -1"))
     elif broken == "yaml":
         env.config_path.write_text(good + "max_jobs: [\n")
+    elif broken == "json":
+        env.config_path.write_text(good.rstrip().rstrip("}") + ",\n")  # cut short: not JSON
     else:
         env.config_path.write_text(good + "max_jobz: 3\n")
-    answer = env.cli("reload")
+    answer = subprocess.run(  # from another folder: the default root (./dispatch) is not this root there
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "reload"],
+        capture_output=True, text=True, timeout=60, cwd="/", env=cli_env(),
+    )  # fmt: skip
     assert answer.returncode == 2 and answer.stderr.count("\n") == 1, answer.stderr
     assert answer.stderr.startswith(str(env.config_path)), answer.stderr
     d.wait_event("config.rejected")

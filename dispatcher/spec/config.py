@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import stat
@@ -258,8 +259,8 @@ def salvage_target(path: Path, *, root: Path | None = None) -> Config | None:
         return None if root is None else default_config(root)
     try:
         body = load_document(data, "json" if path.suffix == ".json" else "yaml", aliases=True)
-    except OrderError:
-        body = _top_scalars(data)  # YAML that does not parse: its plain top-level `root:` and `ledger:` lines
+    except OrderError:  # a file that does not parse: its plain `root:` and `ledger:` lines (or JSON members)
+        body = _json_scalars(data) if path.suffix == ".json" else _top_scalars(data)
     if not isinstance(body, dict):
         return None if root is None else default_config(root)
     named = body.get("root")
@@ -289,6 +290,25 @@ def _top_scalars(data: bytes) -> dict[str, str] | None:
             value = next((g for g in m.groups()[1:] if g is not None), None)
             if value:
                 out[m.group(1)] = value
+    return out
+
+
+_JSON_SCALAR = re.compile(r'"(root|ledger)"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def _json_scalars(data: bytes) -> dict[str, str] | None:
+    """Return the first `"root": "..."` and `"ledger": "..."` string members a JSON config that does not parse holds."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+    out: dict[str, str] = {}
+    for m in _JSON_SCALAR.finditer(text):
+        if m.group(1) not in out:
+            try:
+                out[m.group(1)] = json.loads(f'"{m.group(2)}"')
+            except ValueError:
+                continue
     return out
 
 
