@@ -62,6 +62,11 @@ FINISHED = (Row.DONE, Row.FAILED)
 LANDED = (Row.REVIEW, Row.DONE, Row.FAILED)
 
 
+def spoken(row: str) -> str:
+    """Return a ledger state as an operator reads it (a released follow-up waiting in inbox/ is queued)."""
+    return {"claimed": "active", "released": "queued", "reserved": "waiting for its parent"}.get(row, row)
+
+
 def is_final(row: str) -> bool:
     """Return True for a job that ended for good (done or failed)."""
     return row in FINISHED

@@ -474,3 +474,36 @@ def test_hold_and_release_at_once_never_lose_the_order(env: Env) -> None:
         found = [p for folder in ("inbox", "held") for p in (env.root / folder).glob(f"{job_id}*.json")]
         assert len(found) == 1, (job_id, found)
         assert json.loads(found[0].read_text())["job_id"] == job_id
+
+
+def test_a_released_follow_up_still_queued_is_called_queued_by_approve_reject_and_land(env: Env) -> None:
+    """A released follow-up waiting in inbox/ for its busy agent is `queued` to approve, reject and land, as to
+    retry and hold (its ledger row says `released`, a word `list` and `show` never use); a dropped order waiting there
+    too is `queued` to land, not unknown (`show` shows it). Each exits 1."""
+    child = order("FUP-Q")
+    child["from"] = "first"
+    env.configure(
+        agents={
+            "worker": env.agent("--sleep", "60", concurrency=1),
+            "first": env.agent("--followup", json.dumps(child)),
+        },
+        max_jobs=2,
+        stop_timeout=1,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BUSY-Q"))  # takes worker's one slot: the follow-up and QUEUED-Q wait in inbox/
+    wait_until(lambda: (env.root / "active" / "BUSY-Q").exists(), 30, "the worker to be busy")
+    env.drop(order("QUEUED-Q"))
+    env.drop(order("FUP-P", to="first"))
+    env.wait_job("FUP-P", "done")
+    wait_until(lambda: (env.root / "inbox" / "FUP-Q.json").exists(), 30, "the follow-up to be released")
+    for command, tail in (
+        (("approve", "FUP-Q"), "is queued, not waiting for review"),
+        (("reject", "FUP-Q", "--reason", "x"), "is queued, not waiting for review"),
+        (("land", "FUP-Q"), "is queued, not done (only a done job lands)"),
+        (("land", "QUEUED-Q"), "is queued, not done (only a done job lands)"),
+    ):
+        proc = env.cli(*command)
+        assert proc.returncode == 1 and proc.stderr == f"{command[1]}: {tail}\n", (command, proc.stderr)
+    d.stop()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import Env, order
+from helpers_faults import run_once_killed_at
 
 from dispatcher.layout import Layout
 from dispatcher.store import counts
@@ -109,3 +112,18 @@ def test_an_order_named_like_a_running_job_is_counted_as_the_order_it_is(tmp_pat
     got = counts.state_counts(layout)
     assert (got["inbox"], got["held"], got["active"]) == (3, 1, 3), got
     assert counts.queue_counts(layout)["inbox"] == 3
+
+
+def test_a_claim_cut_short_is_listed_once_in_its_folder(env: Env) -> None:
+    """The daemon is killed after placing a claim and before removing the inbox name (both names of one file stay
+    until a daemon starts): `list --json` lists the job once, active, as `status` counts it."""
+    env.configure()
+    env.drop(order("TWIN-1"), name="other-name.json")
+    run_once_killed_at(env, "claim.placed")
+    assert (env.root / "inbox" / "other-name.json").exists() and (env.root / "active" / "TWIN-1").is_dir()
+    rows = [json.loads(line) for line in env.cli("list", "--json", check=True).stdout.splitlines()]
+    assert [(r["job_id"], r["state"]) for r in rows] == [("TWIN-1", "active")], rows
+    counts_now = json.loads(env.cli("status", "--json", check=True).stdout)["counts"]
+    assert (counts_now["inbox"], counts_now["active"]) == (0, 1), counts_now
+    inbox = [json.loads(line) for line in env.cli("list", "--state", "inbox", "--json", check=True).stdout.splitlines()]
+    assert inbox == [], inbox

@@ -39,7 +39,7 @@ from dispatcher.job.followups import release_followups
 from dispatcher.job.notice import Apart, start_detached
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger, Request
-from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state
+from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state, spoken
 from dispatcher.spec.result import Result
 from dispatcher.store.decisions import one_decision, review_lock
 from dispatcher.store.jobstore import JobFolder
@@ -68,7 +68,7 @@ def decide(
             line = _finish_approval(layout, ledger, JobFolder(found[1]), max_chain_cost_usd, notify)
             if line is not None:
                 return line
-        where = found[0].value if found else entry.state if entry else "unknown"
+        where = found[0].value if found else spoken(entry.state) if entry else "unknown"
         raise WrongState(f"{job_id}: is {where}, not waiting for review")
     with one_decision(layout):
         if not folder.path.is_dir():  # another command decided it while this one waited

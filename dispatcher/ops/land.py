@@ -17,6 +17,7 @@ from dispatcher.layout import Layout, check_id
 from dispatcher.lifecycle import State
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.queued import find_queued
 
 
 async def _direct(fn: Any, *args: Any) -> Any:
@@ -28,6 +29,11 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
     check_id(job_id)  # before it names a folder or a file
     found = layout.find(job_id)
     if found is None:
+        only = "not done (only a done job lands)"
+        if find_queued(layout.inbox, [job_id]):  # known, as `show` shows it: the state, as retry and approve say it
+            raise WrongState(f"{job_id}: is queued, {only}")
+        if find_queued(layout.held, [job_id]):
+            raise WrongState(f"{job_id}: is held, {only}")
         raise NotFound(f"{job_id}: no such job")
     state, path = found
     if state is not State.DONE:

@@ -217,6 +217,8 @@ def list_jobs(
     if "refused" in wanted:
         sources.append(_refused(layout))
     rows = _moved_once([r for source in sources for r in source if agent is None or r["agent"] == agent])
+    if "inbox" in wanted or "held" in wanted:
+        rows = _claims_cut_short(rows, layout)
     rows.sort(key=lambda r: (r["when"] is not None, r["when"] or 0.0, r["job_id"] or ""), reverse=True)
     for r in rows:
         when = r.pop("when")
@@ -242,6 +244,34 @@ def _moved_once(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in rows
         if r["job_id"] is None or r["state"] == "refused" or seen[r["job_id"]] == 1 or os.path.lexists(r["path"])
     ]
+
+
+def _claims_cut_short(rows: list[dict[str, Any]], layout: Layout) -> list[dict[str, Any]]:
+    """Drop the rows of queued files that are the very file of a job in active/ or waiting/ (a claim's link).
+
+    A daemon that died between placing a claim and removing its inbox name leaves both names
+    of one file; the next daemon drops the inbox one (``order.twin_dropped``). Until then the
+    job is listed once, in its folder, also by ``list --state inbox``. Another file with the
+    same id is a row of its own.
+    """
+    return [
+        r
+        for r in rows
+        if not (
+            r["state"] in ("inbox", "held")
+            and r["job_id"] is not None
+            and any(_claimed_file(r["path"], layout.job_str(s, r["job_id"])) for s in (State.ACTIVE, State.WAITING))
+        )
+    ]
+
+
+def _claimed_file(path: str, folder: str) -> bool:
+    """Is the queued file at path the very file of the job whose folder is given (its order.<ext> a link of it)?"""
+    ext = path.rpartition(".")[2]
+    try:
+        return os.lstat(path).st_ino == os.lstat(f"{folder}/order.{ext}").st_ino
+    except OSError:
+        return False
 
 
 def refusals_of(cfg: Config, layout: Layout, name: str) -> list[dict[str, Any]]:
