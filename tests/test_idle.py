@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +85,30 @@ def test_changes_in_work_count_as_activity_for_an_agent_in_a_worktree(env: Env, 
     env.drop(code_order("WORKING-1"))
     result = env.wait_job("WORKING-1", "done")
     assert result["attempts"][0]["duration_ms"] >= 4000 and not result["attempts"][0]["timed_out"]
+
+
+def test_an_agent_that_ended_in_time_while_the_daemon_was_stalled_is_judged_by_its_exit(env: Env) -> None:
+    """The daemon is stopped (SIGSTOP) for 6 s while two agents run: one with timeout 3 s, one with idle_timeout 2 s
+    and a line of output every 0.5 s; both end on their own within 1.5 s, before the daemon runs again. Neither is
+    taken for timed out (section 5: exit_ok is an exit 0 within the timeout; section 14: output is activity): both
+    jobs are done, with one attempt each."""
+    env.configure(
+        agents={
+            "short": agent(env, "short", {"busy_s": 1}, timeout=3, idle_timeout=None),
+            "chatty": agent(env, "chatty", {"busy_s": 1.5}),
+        },
+        max_jobs=2,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("STALL-T", to="short"))
+    env.drop(order("STALL-I", to="chatty"))
+    d.wait_event("agent.started", job_id="STALL-T")
+    d.wait_event("agent.started", job_id="STALL-I")
+    d.signal(signal.SIGSTOP)
+    time.sleep(6)
+    d.signal(signal.SIGCONT)
+    for job_id in ("STALL-T", "STALL-I"):
+        result = env.wait_job(job_id, "done", timeout=60)
+        assert [a["timed_out"] for a in result["attempts"]] == [False], result["attempts"]
+    assert d.stop() == 0

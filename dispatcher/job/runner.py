@@ -295,9 +295,20 @@ class AgentProcess:
             self._complete()
 
     def _on_timeout(self) -> None:
-        if not self._exited and self._aborted is None:
+        if not self._exited and self._aborted is None and not self._has_exited():
             self._timed_out = True
             self._terminate()
+
+    def _has_exited(self) -> bool:
+        """Has the agent exited, its exit not yet taken up (the daemon stalled, say by SIGSTOP, past its timeout)?
+
+        Looked at without reaping it (``WNOWAIT``: its pgid stays ours to signal); the exit's
+        own callback takes it up, and an agent that exited in time is judged by its exit.
+        """
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True  # reaped already: its exit is being taken up
 
     def _check_idle(self) -> None:
         """Every few seconds: end the agent when it was silent and left work/ alone for idle_timeout."""
@@ -308,6 +319,12 @@ class AgentProcess:
         if idle.quiet_s() >= idle.every_s and not idle.scanning:  # silent a while: did work/ change?
             idle.scanning = True
             loop.run_in_executor(None, newest_change, idle.folders, idle.SCAN_MAX).add_done_callback(idle.scanned)
+        if idle.quiet_s() >= idle.timeout_s:
+            for stream in (self._out, self._err):  # output the daemon had no turn to read (it stalled) is heard
+                if stream.open:
+                    self._pump(stream)
+            if self._exited or self._has_exited():  # it ended while the daemon stalled: judged by its exit
+                return
         if idle.quiet_s() >= idle.timeout_s:
             self._timed_out = True
             self._idle_s = idle.timeout_s
