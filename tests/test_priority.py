@@ -390,3 +390,23 @@ def test_at_start_a_settling_order_holds_back_no_other_while_slots_are_free(env:
     assert env.result("EXP-1", "done")["state"] == "done", proc.stdout[-2000:]
     assert env.result("HI-1", "done")["state"] == "done"
     assert proc.returncode == 1  # notes.txt is refused as "not a work order"
+
+
+def test_at_start_a_paused_agents_settling_order_holds_back_no_other_agents_order(env: Env) -> None:
+    """Agent a is paused: its older D8 waits unread and its D9, still settling at the start, can run no sooner. So
+    neither holds back agent b's older D1 of priority 1 (section 14: the daemon reads past a gated agent's orders):
+    D1 starts at once, not after D9's settle."""
+    env.configure({"a": env.agent(concurrency=1), "b": env.agent(concurrency=1)}, max_jobs=2, settle=4)
+    env.cli("pause", "a", check=True)
+    old = time.time() - 120
+    for job_id, to, priority in (("D1", "b", 1), ("D8", "a", 8)):
+        os.utime(env.drop(order(job_id, to=to, priority=priority)), (old, old))
+    env.drop(order("D9", to="a", priority=9))
+    d = env.daemon()
+    started = d.wait_event("daemon.ready")
+    ran = d.wait_event("agent.started", job_id="D1", timeout=60)
+    ready_at = datetime.fromisoformat(started["timestamp"].replace("Z", "+00:00"))
+    ran_at = datetime.fromisoformat(ran["timestamp"].replace("Z", "+00:00"))
+    assert (ran_at - ready_at).total_seconds() < 2.5, (started, ran)  # the settle is 4 s
+    assert not (env.root / "active" / "D8").exists() and not (env.root / "active" / "D9").exists()
+    assert d.stop() == 0

@@ -85,8 +85,10 @@ def test_reload_of_a_config_the_daemon_refuses_still_reaches_it_as_sighup(
     if broken == "json":  # a config in JSON (init writes one for a .json name)
         env.config_path = env.config_path.with_suffix(".json")
     env.configure(log_file=str(log))
-    if broken == "json":
-        env.config_path.write_text(json.dumps(env.settings, indent=2))
+    if broken == "json":  # the agents first, one with an env variable named root: not the config's root
+        agents = {name: {**spec, "env": {"root": "/tmp"}} for name, spec in env.settings["agents"].items()}
+        body = {"agents": agents, **{k: v for k, v in env.settings.items() if k != "agents"}}
+        env.config_path.write_text(json.dumps(body, indent=2))
     d = env.daemon()
     d.wait_ready()
     good = env.config_path.read_text()

@@ -173,7 +173,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self._gates_changed(gated, now, unread)
         # (``free_slots``); after a shortage, the starts still on their way count against its window
         free = SHORT.allowance(self.slots.free(cfg.max_jobs) - self.inflight, self.inflight + self.ctx.starts.count)
-        self.inbox.make_room(free, self._agent_room)  # orders wait for files found settling only for want of slots
+        self.inbox.make_room(free, self._agent_room, unread)  # orders wait for files found settling only for slots
         batch: list[Parked | str] = []
         wall = time.time()
         # an agent whose next orders are in a claim's trip (made ahead, or parked orders sent by an earlier

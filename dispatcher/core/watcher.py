@@ -113,6 +113,7 @@ class Inbox:
         self._holds: list[tuple[int, float, str, str]] = []  # (..., the file's agent at a glance)
         self.spare = 1 << 30
         self._room_of: Callable[[str], int] | None = None
+        self._gated: frozenset[str] = frozenset()  # agents gated at the scheduler's last turn: their orders wait anyway
         self._popped: collections.Counter[str] = collections.Counter()
 
     def __len__(self) -> int:
@@ -335,10 +336,12 @@ class Inbox:
                 wait = min(ends) if wait is None else min(wait, min(ends))
         return check, wait
 
-    def make_room(self, free: int, room_of: Callable[[str], int]) -> None:
-        """Take the scheduler's turn: ``free`` slots, and ``room_of(agent)``, the slots of an agent free here."""
+    def make_room(self, free: int, room_of: Callable[[str], int], gated: frozenset[str]) -> None:
+        """Take the scheduler's turn: ``free`` slots, ``room_of(agent)`` (the slots of an agent free here), and the
+        agents whose orders are left unread (gated): these neither take a slot nor hold one back."""
         self.spare = free
         self._room_of = room_of
+        self._gated = gated
         self._popped.clear()
 
     def _held_back(self, entry: _Ready) -> bool:
@@ -357,7 +360,7 @@ class Inbox:
         higher = {
             (name, agent)
             for rank, until, name, agent in self._holds
-            if rank < entry.neg_priority and until > now and name in self._pending
+            if rank < entry.neg_priority and until > now and name in self._pending and agent not in self._gated
         }
         if len(higher) >= self.spare:
             return True
@@ -386,7 +389,14 @@ class Inbox:
             return True
         if not self._ready:
             return False
-        return not self._holds or self._head(frozenset()) is not None
+        if not self._holds:
+            return True
+        while self._ready and self._ready[0].name not in self._ready_names:
+            heapq.heappop(self._ready)  # taken or forgotten meanwhile
+        if not self._ready:
+            return False
+        top = self._ready[0]  # a gated agent's order: the scheduler sets it aside and reads on, so it is ready
+        return top.agent in self._gated or not self._held_back(top)
 
     def has_pending(self) -> bool:
         """Return True while some file waits to settle (it may still become an order)."""

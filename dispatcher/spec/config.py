@@ -8,6 +8,7 @@ every error. Internal names carry units (``timeout_s``) where the file says
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -293,22 +294,37 @@ def _top_scalars(data: bytes) -> dict[str, str] | None:
     return out
 
 
-_JSON_SCALAR = re.compile(r'"(root|ledger)"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_JSON_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_JSON_VALUE = re.compile(r'\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
 def _json_scalars(data: bytes) -> dict[str, str] | None:
-    """Return the first `"root": "..."` and `"ledger": "..."` string members a JSON config that does not parse holds."""
+    """Return the top-level `"root": "..."` and `"ledger": "..."` string members of a JSON config that does not parse.
+
+    One pass that skips strings and counts brackets, so that a member of the same name inside
+    an agent (an `env` variable called `root`) is not taken for the config's own.
+    """
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
         return None
     out: dict[str, str] = {}
-    for m in _JSON_SCALAR.finditer(text):
-        if m.group(1) not in out:
-            try:
-                out[m.group(1)] = json.loads(f'"{m.group(2)}"')
-            except ValueError:
-                continue
+    depth = i = 0
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            key = _JSON_STRING.match(text, i)
+            if key is None:
+                break  # a string never closed: the file ends in it
+            i = key.end()
+            value = _JSON_VALUE.match(text, i) if depth == 1 and key.group(1) in ("root", "ledger") else None
+            if value is not None:
+                i = value.end()
+                with contextlib.suppress(ValueError):  # an escape JSON does not know: that member is left out
+                    out.setdefault(key.group(1), json.loads(f'"{value.group(1)}"'))
+            continue
+        depth += 1 if c in "{[" else -1 if c in "}]" else 0
+        i += 1
     return out
 
 
