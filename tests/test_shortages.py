@@ -79,7 +79,7 @@ def test_out_of_file_descriptors_waits_and_finishes_every_job(env: Env) -> None:
     assert names(env.root / "active") == [] and names(env.root / "inbox") == []
     assert names(env.root / ".state" / "staging") == []
     short = [e for e in lines if e["event"] == "daemon.short_of"]
-    assert len(short) == 1, "daemon.short_of is logged once"
+    assert len(short) >= 1 and all(new_shortage(lines, a, b) for a, b in itertools.pairwise(short)), short
     received = Counter(e["job_id"] for e in lines if e["event"] == "order.received")
     assert sorted(received) == jobs and set(received.values()) == {1}, "a file read again is not received again"
     assert "EMFILE" in short[0]["resource"]
@@ -87,6 +87,16 @@ def test_out_of_file_descriptors_waits_and_finishes_every_job(env: Env) -> None:
     assert sorted(j for j, _a in starts) == jobs and all(a == 1 for _j, a in starts), "each agent ran once"
     results = [json.loads((env.root / "done" / j / "result.json").read_text()) for j in jobs]
     assert all(len(r["attempts"]) == 1 for r in results), "a start put off for a shortage is not an attempt"
+
+
+def new_shortage(lines: list[dict[str, Any]], first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Is `second` a shortage of its own, logged once more by rule: an agent started since `first`, and more than a
+    pause (2 s) passed? (One met again on the edge is not logged again; on a loaded machine the agents can run out of
+    descriptors a second time, a new shortage.)"""
+    at = [datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")) for e in (first, second)]
+    i, j = lines.index(first), lines.index(second)
+    started = any(e["event"] == "agent.started" for e in lines[i:j])
+    return started and (at[1] - at[0]).total_seconds() > 2.0
 
 
 def test_after_a_descriptor_shortage_one_start_is_tried_at_a_time_in_claim_order(env: Env) -> None:
