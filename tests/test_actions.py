@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, cli_env, order, wait_until
+from conftest import Daemon, Env, cli_env, order, wait_until
 from helpers_faults import env_daemon
 
 from dispatcher.layout import Layout
@@ -373,9 +373,10 @@ def test_hold_waits_for_a_daemon_that_lets_the_file_go(env: Env) -> None:
         ledger.close()
 
 
-def test_hold_and_release_of_a_released_followup_keep_the_ledger_in_step(env: Env) -> None:
-    """A released follow-up waiting for its agent is held (ledger row `held`) and released again (row `released`)."""
-    child = order("FUP-B")
+def _followup_behind_a_busy_worker(env: Env, child_id: str, *, busy: str, parent: str, queued: str = "") -> Daemon:
+    """Start a daemon whose `worker` (one slot) is busy with ``busy``; `first` runs ``parent``, whose follow-up
+    ``child_id`` to worker is released into inbox/ and waits there (with ``queued``, a dropped order, if given)."""
+    child = order(child_id)
     child["from"] = "first"
     env.configure(
         agents={
@@ -387,11 +388,19 @@ def test_hold_and_release_of_a_released_followup_keep_the_ledger_in_step(env: En
     )
     d = env.daemon()
     d.wait_ready()
-    env.drop(order("BUSY-W"))  # takes worker's one slot: its follow-up will wait in inbox/
-    wait_until(lambda: (env.root / "active" / "BUSY-W").exists(), 30, "the worker to be busy")
-    env.drop(order("FUP-A", to="first"))
-    env.wait_job("FUP-A", "done")
-    wait_until(lambda: (env.root / "inbox" / "FUP-B.json").exists(), 30, "the follow-up to be released")
+    env.drop(order(busy))  # takes worker's one slot: the follow-up (and the queued order) wait in inbox/
+    wait_until(lambda: (env.root / "active" / busy).exists(), 30, "the worker to be busy")
+    if queued:
+        env.drop(order(queued))
+    env.drop(order(parent, to="first"))
+    env.wait_job(parent, "done")
+    wait_until(lambda: (env.root / "inbox" / f"{child_id}.json").exists(), 30, "the follow-up to be released")
+    return d
+
+
+def test_hold_and_release_of_a_released_followup_keep_the_ledger_in_step(env: Env) -> None:
+    """A released follow-up waiting for its agent is held (ledger row `held`) and released again (row `released`)."""
+    d = _followup_behind_a_busy_worker(env, "FUP-B", busy="BUSY-W", parent="FUP-A")
 
     def row() -> str:
         ledger = _ledger(env)
@@ -480,24 +489,7 @@ def test_a_released_follow_up_still_queued_is_called_queued_by_approve_reject_an
     """A released follow-up waiting in inbox/ for its busy agent is `queued` to approve, reject and land, as to
     retry and hold (its ledger row says `released`, a word `list` and `show` never use); a dropped order waiting there
     too is `queued` to land, not unknown (`show` shows it). Each exits 1."""
-    child = order("FUP-Q")
-    child["from"] = "first"
-    env.configure(
-        agents={
-            "worker": env.agent("--sleep", "60", concurrency=1),
-            "first": env.agent("--followup", json.dumps(child)),
-        },
-        max_jobs=2,
-        stop_timeout=1,
-    )
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("BUSY-Q"))  # takes worker's one slot: the follow-up and QUEUED-Q wait in inbox/
-    wait_until(lambda: (env.root / "active" / "BUSY-Q").exists(), 30, "the worker to be busy")
-    env.drop(order("QUEUED-Q"))
-    env.drop(order("FUP-P", to="first"))
-    env.wait_job("FUP-P", "done")
-    wait_until(lambda: (env.root / "inbox" / "FUP-Q.json").exists(), 30, "the follow-up to be released")
+    d = _followup_behind_a_busy_worker(env, "FUP-Q", busy="BUSY-Q", parent="FUP-P", queued="QUEUED-Q")
     for command, tail in (
         (("approve", "FUP-Q"), "is queued, not waiting for review"),
         (("reject", "FUP-Q", "--reason", "x"), "is queued, not waiting for review"),

@@ -505,11 +505,13 @@ def test_a_job_whose_retry_meets_another_jobs_limit_past_max_limit_wait_keeps_it
 
 
 def test_a_job_held_by_a_gate_another_limit_moved_later_shows_that_later_time(env: Env) -> None:
-    """A meets a limit 2 s away and waits; B meets one 7 s away a second later, which moves the agent's gate. Once
+    """A meets a limit 2 s away and waits; B meets one 600 s away a second later, which moves the agent's gate. Once
     A's own time has passed, status, list and show give A's `until` as the gate's (when it will run), not its own
-    time, which had passed (section 14: a job waits until the time its limit names, or a gate moved later)."""
+    time, which had passed (section 14: a job waits until the time its limit names, or a gate moved later). Then
+    `resume` lifts the gate and both run: the commands have minutes between the two times, not 5 s, whatever the
+    machine's load."""
     script = env.tmp / "limit_then_work.py"
-    script.write_text(LIMIT_THEN_WORK.replace("(1.0, 600)", "(1.0, 7)"))
+    script.write_text(LIMIT_THEN_WORK)
     work = env.agent()["command"]
     agent = {**env.agent(), "command": [sys.executable, str(script), *work], "limits": [{"preset": "claude"}]}
     env.configure(agents={"worker": {**agent, "concurrency": 2}})
@@ -531,7 +533,9 @@ def test_a_job_held_by_a_gate_another_limit_moved_later_shows_that_later_time(en
         json.loads(line) for line in env.cli("list", "--state", "waiting", "--json", check=True).stdout.splitlines()
     ]
     assert [r["until"] for r in listed if r["job_id"] == "SHORT-A"] == [later]
+    env.cli("resume", "worker", check=True)
     env.wait_job("SHORT-A", "done", timeout=30)
+    env.wait_job("LONG-B", "done", timeout=30)
     assert d.stop() == 0
 
 
