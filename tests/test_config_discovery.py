@@ -107,6 +107,20 @@ def test_a_missing_config_named_by_option_or_environment_is_not_passed_over(tmp_
     assert one_line(proc) == f"no config found (looked in: {tmp_path / 'gone.yaml'} ($DISPATCHER_CONFIG))"
 
 
+@pytest.mark.parametrize("args", [("unit",), ("unit", "--template"), ("unit", "--logrotate")], ids=" ".join)
+def test_unit_with_a_config_that_does_not_load_exits_2_naming_the_file(tmp_path: Path, args: tuple[str]) -> None:
+    """`unit` with a --config that is not valid YAML, or lacks `agents`, exits 2 with one line naming the file and
+    prints no unit (section 7: a bad config is exit 2); it printed the unit and exited 0."""
+    (tmp_path / "broken.yaml").write_text("root: [\n")
+    (tmp_path / "empty.yaml").write_text(f"root: {tmp_path / 'dispatch'}\n")
+    for name, field in (("broken.yaml", "not valid YAML"), ("empty.yaml", "agents")):
+        proc = dispatcher(tmp_path, "--config", name, *args)
+        assert proc.returncode == 2, (proc.returncode, proc.stderr)
+        line = one_line(proc)
+        assert line.startswith(f"{name}: ") and field in line, line
+        assert proc.stdout == ""
+
+
 @pytest.mark.parametrize("command", ["status", "validate", "init", "run"])
 def test_an_empty_config_option_is_an_error_not_the_next_place(tmp_path: Path, command: str) -> None:
     """`--config ""` (as `--config "$CFG"` with CFG unset gives) exits 2 saying so; it used ./config/dispatcher.yaml,

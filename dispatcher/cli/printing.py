@@ -76,7 +76,7 @@ def cmd_unit(args: argparse.Namespace) -> int:
     """Print the systemd unit (or the template, the logrotate file, a notify example) of the installed package."""
     from dispatcher.cli import unit
 
-    require_config(args.config)  # every command but init needs one (the unit runs it: install it first)
+    config_of(args)  # every command but init needs one, and a bad one is exit 2 (the unit runs it: install it first)
     if args.logrotate:
         text = unit.logrotate_text()
     elif args.notify:
