@@ -1092,3 +1092,67 @@ def test_two_processes_releasing_one_parent_at_once_link_its_followup_once(tmp_p
     linked = (layout.root / "linked").read_text().split()
     assert counts == [0, 1] and linked == ["C-1.json"], (counts, linked)
     assert list(layout.inbox.iterdir()) == []
+
+
+def _released_file(env: Env, job_id: str, folder: str = "inbox") -> Path:
+    """Wait for the follow-up's released file in inbox/ (or held/) and return it."""
+    found: list[Path] = []
+
+    def there() -> bool:
+        found[:] = [p for p in (env.root / folder).glob("*.json") if json.loads(p.read_text())["job_id"] == job_id]
+        return len(found) == 1
+
+    wait_until(there, what=f"{job_id} released into {folder}/")
+    return found[0]
+
+
+def test_a_released_follow_up_edited_before_it_runs_runs_once_with_its_ledger_lineage(env: Env) -> None:
+    """Section 2: the daemon takes lineage from its ledger, never from the file. A released follow-up waiting for its
+    paused agent is rewritten under its name (a new file renamed over it, task and hops changed): it runs once, with
+    the new task and with parent and hops from the ledger. It was refused as a known id and lost for good."""
+    env.configure(agents={"intake": handing_off(env, followup("ED-B", to="worker", sender="intake")),
+                          "worker": env.agent()})  # fmt: skip
+    d = started(env)
+    env.cli("pause", "worker", check=True)
+    env.drop(order("ED-A", to="intake"))
+    released = _released_file(env, "ED-B")
+    body = json.loads(released.read_text())
+    assert (body["parent"], body["hops"]) == ("ED-A", 1)
+    edited = {**body, "task": "the task as an operator fixed it", "hops": 0, "parent": None}
+    tmp = env.root / "inbox" / ".edit.tmp"
+    tmp.write_text(json.dumps(edited))
+    os.rename(tmp, released)
+    env.cli("resume", "worker", check=True)
+    result = env.wait_job("ED-B", "done")
+    assert dropped_order(env, "ED-B", "done") == edited  # order.json: the file, byte for byte
+    ran = json.loads((env.job_dir("ED-B", "done") / "work" / "order.json").read_text())  # what the agent was given
+    assert ran["task"] == "the task as an operator fixed it"
+    assert (ran["parent"], ran["hops"], result["parent"]) == ("ED-A", 1, "ED-A")
+    assert starts_of(env, "ED-B") == [1] and not refusals_of(env, "ED-B")
+    assert d.stop() == 0
+
+
+def test_a_held_follow_up_edited_in_held_and_released_runs_and_another_file_with_its_id_is_refused(env: Env) -> None:
+    """`hold` of a released follow-up, its task edited in place in held/, `release`: it runs once with the edit and
+    its ledger lineage. A second file with the same id under another name is still refused as a duplicate."""
+    env.configure(agents={"intake": handing_off(env, followup("EH-B", to="worker", sender="intake")),
+                          "worker": env.agent()})  # fmt: skip
+    d = started(env)
+    env.cli("pause", "worker", check=True)
+    env.drop(order("EH-A", to="intake"))
+    _released_file(env, "EH-B")
+    env.cli("hold", "EH-B", check=True)
+    held = _released_file(env, "EH-B", "held")
+    body = json.loads(held.read_text())
+    held.write_text(json.dumps({**body, "task": "edited while held"}))
+    env.cli("release", "EH-B", check=True)
+    env.drop(order("EH-B", to="worker"), name="EH-B-copy.json")  # whichever is taken first, only the released runs
+    env.cli("resume", "worker", check=True)
+    env.wait_job("EH-B", "done")
+    wait_until(lambda: len(refusals_of(env, "EH-B")) == 1, what="the second file with EH-B refused")
+    ran = json.loads((env.job_dir("EH-B", "done") / "work" / "order.json").read_text())
+    assert (ran["task"], ran["parent"], ran["hops"]) == ("edited while held", "EH-A", 1)
+    refused = json.loads((refusals_of(env, "EH-B")[0] / "result.json").read_text())
+    assert "already known" in refused["reason"], refused
+    assert starts_of(env, "EH-B") == [1]
+    assert d.stop() == 0

@@ -156,9 +156,29 @@ def test_a_released_followup_is_claimed_with_its_lineage_when_the_digest_matches
     assert a.mark_released("C1", "C1@A.json", "sha-c1") is True
     assert a.mark_released("C1", "C1@A.json", "sha-c1") is False  # no longer reserved
     assert [e.job_id for e in a.pending_releases()] == ["C2"]
-    assert isinstance(a.claim([req("C1", "C1@A.json", "wrong")])[0], Known)
+    assert isinstance(a.claim([req("C1", "C1-copy.json", "wrong")])[0], Known)  # another file with its id
     (got,) = a.claim([req("C1", "C1@A.json", "sha-c1")])
     assert got == Claimed("C1", 1, parent="P", hops=1, previous="released", parent_chain_cost_usd=0.75)
+    # the released file is its bytes under any name, or whatever file has the name it was released under (edited)
+    a.set_digest("C2", "sha-c2")
+    assert a.mark_released("C2", "C2@A.json", "sha-c2") is True
+    (moved,) = a.claim([req("C2", "C2-renamed.json", "sha-c2")])
+    assert moved == Claimed("C2", 1, parent="P", hops=1, previous="released", parent_chain_cost_usd=0.75)
+
+
+def test_a_released_followup_edited_under_its_name_is_claimed_with_its_lineage(engine: Engine) -> None:
+    """A released follow-up's file rewritten under the name it was released under (other bytes) is the follow-up:
+    Claimed with the row's lineage; the same bytes under another name would be too, other bytes under another name
+    are Known."""
+    a = engine.daemon("A")
+    claimed_token(a.claim([req("P")])[0])
+    assert a.reserve("P", 1, 2, [Child("C1", "w2", "C1.json")]) == []
+    assert a.finish([Finish("P", 1, Row.DONE, cost_usd=0.1, chain_cost_usd=0.1)]) == [True]
+    a.set_digest("C1", "sha-c1")
+    assert a.mark_released("C1", "C1.json", "sha-c1") is True
+    assert isinstance(a.claim([req("C1", "C1-2.json", "edited")])[0], Known)
+    (got,) = a.claim([req("C1", "C1.json", "edited")])
+    assert got == Claimed("C1", 1, parent="P", hops=2, previous="released", parent_chain_cost_usd=0.1)
 
 
 def test_a_release_turn_is_taken_once_while_its_holder_lives(engine: Engine) -> None:

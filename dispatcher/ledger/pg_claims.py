@@ -40,6 +40,7 @@ from dispatcher.ledger.records import (
     Known,
     Request,
     folder_may_be_lost,
+    takes_release,
 )
 from dispatcher.lifecycle import Row
 
@@ -100,7 +101,7 @@ def claim_body(cur: Cur, owner: str, reqs: Sequence[ClaimRequest], plan: dict[st
             continue
         entry, owner_alive, parent_cost, (owner_host, owner_started) = rows[req.job_id]
         same_file = entry.source == req.source and entry.digest == req.digest
-        released = entry.state in (Row.RESERVED, Row.RELEASED) and entry.digest == req.digest
+        released = takes_release(entry, req.source, req.digest)
         taken_over = False
         if entry.state == Row.CLAIMED and same_file and entry.owner is not None:
             if entry.owner == owner or owner_alive:

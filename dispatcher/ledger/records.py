@@ -224,6 +224,18 @@ class LedgerDamaged(UsageError):
     `dispatcher ledger rebuild`, exit 2, as for a ledger found unreadable when it was opened (contract 12)."""
 
 
+def takes_release(entry: Entry, source: str, digest: str) -> bool:
+    """Return True if a claim of ``source`` (with ``digest``) takes the follow-up ``entry`` reserved or released.
+
+    The released file is its bytes under any name, or whatever file now has the name it was
+    released under: an operator may edit a released (or held and released) follow-up before it
+    runs, and its lineage still comes from the row. Another file with the id is a duplicate.
+    """
+    if entry.state == Row.RELEASED and entry.source == source:
+        return True
+    return entry.state in (Row.RESERVED, Row.RELEASED) and entry.digest == digest
+
+
 def folder_may_be_lost(host: str | None, started: float | None, this_host: str, booted: float) -> bool:
     """Could a dead daemon have lost the folder of a claim it committed? Only then is its claim taken over.
 

@@ -38,6 +38,7 @@ from dispatcher.ledger.records import (
     Known,
     Request,
     folder_may_be_lost,
+    takes_release,
 )
 from dispatcher.ledger.sqlite_bulk import SqliteBulk
 from dispatcher.ledger.sqlite_db import _COLUMNS, LedgerError, _entry
@@ -181,7 +182,7 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
                 if entry is None:  # the insert met this row inside this very transaction
                     raise sqlite3.IntegrityError(f"jobs: {req.job_id} conflicted but has no row")
                 same_file = entry.source == req.source and entry.digest == req.digest
-                released = entry.state in (Row.RESERVED, Row.RELEASED) and entry.digest == req.digest
+                released = takes_release(entry, req.source, req.digest)
                 if entry.state == Row.CLAIMED and same_file and entry.owner is not None:
                     if entry.owner == self.owner or self.alive(entry.owner):
                         out.append(Busy(entry))
