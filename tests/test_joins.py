@@ -284,6 +284,28 @@ def test_unknown_parent_is_waited_for_max_wait_then_fails(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_a_retried_join_that_never_saw_its_parent_waits_max_wait_again_and_runs_once_it_comes(env: Env) -> None:
+    """A join failed with `after: ghost never finished`, then `retry merge`: it waits again, max_wait counted from
+    the retry (README: the join waits again), and runs once ghost is done. It failed again at once, within 4 ms,
+    because its wait kept the first claim's time."""
+    env.configure(join_agents(env), max_wait=3, rescan_interval=60)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(merger(after=["ghost"]))
+    assert env.wait_job("merge", "failed", timeout=30)["reason"] == "after: ghost never finished"
+    env.cli("retry", "merge", check=True)
+    wait_until((env.root / "waiting" / "merge").exists, 30, "the retried join to wait again")
+    time.sleep(1.0)
+    assert (env.root / "waiting" / "merge").exists(), "the retried join failed before max_wait"
+    env.drop(order("ghost"))
+    result = env.wait_job("merge", "done", timeout=30)
+    assert starts_of(env, "merge") == 1 and result["state"] == "done"
+    assert [(j, [(p["job_id"], p["state"]) for p in ps]) for j, ps in parents_log(env)] == [
+        ("merge", [("ghost", "done")])
+    ]
+    assert d.stop() == 0
+
+
 def test_show_of_a_waiting_join_says_what_it_waits_for_and_names_no_gate(env: Env) -> None:
     """`show` of a join in waiting/ says `waiting for A1 (all_done)`, as `list` does; no gate holds it."""
     env.configure(join_agents(env))

@@ -287,6 +287,22 @@ def test_take_retry_turns_only_a_failed_job_into_a_new_claim(engine: Engine) -> 
     assert a.finish([Finish("J1", 2, Row.DONE)]) == [True]
 
 
+def test_take_retry_of_a_join_starts_its_wait_again(engine: Engine) -> None:
+    """A join that waited, failed (max_wait), and is retried: its waits count from the retry, not the first claim."""
+    a = engine.daemon("A")
+    claimed_token(a.claim([req("J1")])[0])
+    assert a.wait("J1", 1, ["X"], "all_done") is True
+    [first] = a.waits(["J1"])
+    token = a.take_waiting("J1")
+    assert token is not None and a.finish([Finish("J1", token, Row.FAILED)]) == [True]
+    time.sleep(0.05)
+    a.request("J1", Request.RETRY)
+    retried = a.take_retry("J1")
+    assert retried is not None and a.wait("J1", retried, ["X"], "all_done") is True
+    [again] = a.waits(["J1"])
+    assert again.since > first.since + 0.04, (first, again)
+
+
 def test_finish_is_conditional_on_the_token_and_idempotent(engine: Engine) -> None:
     """finish needs the claim's token; repeating it answers True; a finished row takes no other end."""
     a = engine.daemon("A")

@@ -260,6 +260,8 @@ class Claims:
                 " updated = extract(epoch from now())::float8 WHERE job_id = %s",
                 (self.leases.owner, plan[0], job_id),
             )
+            # a join waits again, max_wait counted from now (its wait rows keep their first claim's time otherwise)
+            cur.execute("UPDATE waits SET since = extract(epoch from now())::float8 WHERE job_id = %s", (job_id,))
             # the reviewed attempt's follow-ups stay reserved until the job has moved (``clear_request``): a
             # revision cut short before is put back whole, and an approve then releases them
             return plan[0]

@@ -274,10 +274,13 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
             asked = db.execute("SELECT 1 FROM requests WHERE job_id = ? AND kind = ?", (job_id, str(kind))).fetchone()
             if asked is None:  # carried out already: one request, one retry
                 return None
+            stamp = now()
             db.execute(
                 "UPDATE jobs SET state = 'claimed', owner = ?, token = ?, updated = ? WHERE job_id = ?",
-                (self.owner, entry.token + 1, now(), job_id),
+                (self.owner, entry.token + 1, stamp, job_id),
             )
+            # a join waits again, max_wait counted from now (its wait rows keep their first claim's time otherwise)
+            db.execute("UPDATE waits SET since = ? WHERE job_id = ?", (stamp, job_id))
             # the reviewed attempt's follow-ups stay reserved until the job has moved (``clear_request``): a
             # revision cut short before is put back whole, and an approve then releases them
             return entry.token + 1
