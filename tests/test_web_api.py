@@ -436,6 +436,16 @@ def test_actions_read_the_config_as_it_is_now_and_keep_the_commands_note_lengths
     assert (env.root / "review" / "REV-A").is_dir()
 
 
+def test_a_reject_with_a_null_note_takes_its_reason(sqlite_site: tuple[Env, Web]) -> None:
+    """`{"note": null, "reason": TEXT}`: the reason is taken (README: `reason` is taken too); it was dropped for
+    "no reason given"."""
+    env, web = sqlite_site
+    headers = {"Authorization": f"Bearer {web.token}", "Content-Type": "application/json"}
+    status, _, _ = web.post("/api/jobs/REV-B/reject", b'{"note": null, "reason": "bad work"}', headers)
+    assert status == 200
+    assert json.loads((env.root / "failed" / "REV-B" / "result.json").read_text())["reason"] == "rejected: bad work"
+
+
 def test_a_chunked_body_is_read_and_an_ipv6_loopback_host_is_answered(sqlite_site: tuple[Env, Web]) -> None:
     """A JSON body sent with Transfer-Encoding: chunked counts; `Host: [::1]` is a loopback host name."""
     env, web = sqlite_site

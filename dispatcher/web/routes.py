@@ -125,7 +125,9 @@ class App:
             return _error(400, 'the body is not JSON (give {} or {"note": TEXT})')
         if not isinstance(body, dict):
             return _error(400, "the body is not a JSON object")
-        note = body.get("note", body.get("reason"))
+        note = body.get("note")
+        if note is None:  # `reason` is taken too (a reject's word), also beside "note": null
+            note = body.get("reason")
         if note is not None and not isinstance(note, str):
             return _error(400, "note: not a string")
         outcome = self.actions.run(parts[2], parts[1], note=note, who="token")
