@@ -566,3 +566,72 @@ def test_retry_of_a_failed_job_whose_revision_a_dead_daemon_cut_short_is_refused
     again.wait_ready()
     wait_until(lambda: [j for j, _ in env.starts()].count("CUT-1") >= 2, 60, "CUT-1 run again")
     assert again.stop() == 0
+
+
+SEES_FEEDBACK = """import json, os, sys
+from pathlib import Path
+n = int(os.environ["DISPATCH_ATTEMPT"])
+given = Path("feedback.json")
+with open(sys.argv[1], "a") as log:
+    log.write(json.dumps([n, json.loads(given.read_text()) if given.exists() else None]) + "\\n")
+plan = json.loads(sys.argv[2])
+if plan.get(str(n)) == "bad-output":  # a receipt whose outputs fail their checks: a repair follows
+    Path("receipt.json").write_text(json.dumps({"job_id": os.environ["DISPATCH_JOB_ID"], "status": "done",
+                                                "inputs": ["i1"], "outputs": ["nope"]}))
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def _seen(env: Env) -> list[tuple[int, Any]]:
+    """Return, per attempt, the feedback.json the agent found in work/ (None: none)."""
+    path = env.tmp / "seen.log"
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _sees_feedback(env: Env, plan: dict[str, str], **settings: Any) -> dict[str, Any]:
+    script = env.tmp / "sees_feedback.py"
+    script.write_text(SEES_FEEDBACK)
+    return {"command": [sys.executable, str(script), str(env.tmp / "seen.log"), json.dumps(plan)], "timeout": 30,
+            **settings}  # fmt: skip
+
+
+def test_a_retry_after_a_revision_gets_no_feedback_json_and_the_note_is_kept_with_its_attempt(env: Env) -> None:
+    """revise gives attempt 2 the note in work/feedback.json; a later `retry` (the agent has no repair) gives
+    attempt 3 none: the note is kept in attempts/2/ (section 6: earlier leftovers are moved aside before an attempt).
+    Attempt 3 found the reviewer's old note."""
+    env.configure(agents={"worker": _sees_feedback(env, {})})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FB-1", items=[{"id": "i1"}]))
+    env.wait_job("FB-1", "failed")
+    env.cli("revise", "FB-1", "--note", "use the 2026 rates", check=True)
+    wait_until(lambda: len(_seen(env)) == 2 and (env.root / "failed" / "FB-1").is_dir(), 60, "the revision's end")
+    env.cli("retry", "FB-1", check=True)
+    wait_until(lambda: len(_seen(env)) == 3, 60, "the retry's attempt")
+    result = env.wait_job("FB-1", "failed")
+    seen = _seen(env)
+    assert seen[0] == (1, None) and seen[1][1]["note"] == "use the 2026 rates", seen
+    assert seen[2] == (3, None), seen
+    kept = json.loads((env.root / "failed" / "FB-1" / "attempts" / "2" / "feedback.json").read_text())
+    assert kept["note"] == "use the 2026 rates"
+    assert {c["name"]: c["ok"] for c in result["checks"]}["writes_scope"] is True, result["checks"]
+    assert d.stop() == 0
+
+
+def test_a_repair_agent_retried_after_its_repair_attempt_exits_1_gets_no_stale_feedback(env: Env) -> None:
+    """repair: attempt 1's outputs fail their checks, attempt 2 gets feedback.json and exits 3, attempt 3 (a plain
+    retry after an exit) gets none: the checks it names were attempt 1's."""
+    accept = {"output": "out.csv"}
+    env.configure(agents={"worker": _sees_feedback(env, {"1": "bad-output"}, repair=True, retry_safe=True,
+                                                   max_attempts=3)}, retry_delay=0.1)  # fmt: skip
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FB-2", items=[{"id": "i1"}], accept=accept))
+    result = env.wait_job("FB-2", "failed")
+    seen = _seen(env)
+    assert [n for n, _ in seen] == [1, 2, 3], seen
+    assert seen[0][1] is None and seen[1][1] is not None and seen[1][1]["attempt"] == 1, seen
+    assert seen[2][1] is None, seen
+    assert {c["name"]: c["ok"] for c in result["checks"]}["writes_scope"] is True, result["checks"]
+    assert d.stop() == 0

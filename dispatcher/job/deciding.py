@@ -140,6 +140,7 @@ class Deciding(abc.ABC):
             case Next.FAIL:
                 return await self.finish(Row.FAILED, reason, checks)
             case Next.RETRY:
+                await self._feedback_spent(n)
                 return await self._retry(n, reason, checks)
             case Next.REPAIR:
                 return await self._repair(n, reason, checks)
@@ -182,6 +183,15 @@ class Deciding(abc.ABC):
         lead = kept.split("; ", 1)[0] if kept else None  # the first failing check of its last decision
         reason = f"{lead}; not retried: {spent}" if lead else f"not retried: {spent}"
         return await self.finish(Row.FAILED, reason, self.checked or checks)  # the checks that reason names
+
+    async def _feedback_spent(self, n: int) -> None:
+        """Move aside the work/feedback.json attempt n was given (a revision's or a repair's): it ran and did not
+        pass, and a plain retry gets no note (a repair's next attempt gets a new one)."""
+        if "feedback.json" not in self.spec.given:
+            return
+        await self._persist(functools.partial(self.folder.stash, feedback=True), n)
+        self.spec = self.spec.without_given("feedback.json")
+        await self._persist(self.folder.write_spec, self.spec)
 
     async def _retry_or_fail(self, n: int, reason: str, checks: list[CheckResult]) -> Outcome | None:
         if self._checks_cancelled():

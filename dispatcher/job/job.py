@@ -34,6 +34,7 @@ from dispatcher.job.deciding import Deciding
 from dispatcher.job.finishing import Finishing
 from dispatcher.job.repowork import JobRepo, WorkspaceFailed
 from dispatcher.job.retry import WORK_GONE, retries_so_far
+from dispatcher.job.revise import revisions
 from dispatcher.job.runner import AGENT_TAIL_BYTES, AgentProcess
 from dispatcher.job.waits import Waits, waited_s
 from dispatcher.lanes import Handoff, handed_over
@@ -340,7 +341,8 @@ class Job(Finishing, Deciding):
         try:
             if agent.repo.workspace is not None:
                 resumes = attempt.command_for(agent, self.attempts)[1] is not None
-                revised = "feedback.json" in self.spec.given  # a revision (or a repair) gave it: go on from the work
+                # a revision (or a repair) gave a note, or the job was revised before: go on from the work
+                revised = "feedback.json" in self.spec.given or revisions(self.folder) > 0
                 await self.repo.open(n, goes_on=resumes or revised)
         except WorkspaceFailed as exc:
             if exc.short is not None and SHORT.note(exc.short, "workspace"):

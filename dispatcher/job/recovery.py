@@ -294,6 +294,9 @@ def reopen(layout: Layout, ledger: Ledger, config: Config, job_id: str) -> tuple
     if agent.repair and failed_checks and os.path.isdir(folder.work):
         # repair applies to the first new attempt too: it gets the checks the last one failed
         spec = spec.with_given("feedback.json", folder.give_feedback(last, failed_checks))
+    elif "feedback.json" in spec.given and os.path.isdir(folder.work):
+        folder.stash(last, feedback=True)  # a revision's (or repair's) note was for the attempts before, not this
+        spec = spec.without_given("feedback.json")
     spec = replace(spec, since=time.time())  # back in active/ from now: its age
     folder.write_spec(spec, sync=True)
     fsutil.rename_into(folder.path, layout.job(State.ACTIVE, job_id))

@@ -110,6 +110,10 @@ class JobSpec:
         """Return the spec with one more file given to the agent."""
         return replace(self, given={**self.given, name: sha})
 
+    def without_given(self, name: str) -> JobSpec:
+        """Return the spec without the file ``name`` given to the agent (moved aside: not for the next attempt)."""
+        return replace(self, given={k: v for k, v in self.given.items() if k != name})
+
 
 _SNAPSHOTS: dict[int, tuple[Agent, dict[str, Any]]] = {}  # id(agent) -> (agent, agent.to_json())
 _SNAPSHOTS_MAX = 64
