@@ -412,3 +412,23 @@ def test_check_details_of_a_one_item_order_are_in_the_singular(env: Env) -> None
     assert details["output_rows"] == "1 record, one per item"
     assert details["receipt_outputs"] == "1 output id matches out.csv"
     assert details["allowed_values"] == "1 record uses allowed values"
+
+
+def test_status_lists_daemons_by_host_the_running_first_on_each() -> None:
+    """Section 12: `status` lists daemons by host. Daemons of two hosts started in turn are shown host by host (the
+    running ones of a host before its stopped ones), not in the order they started."""
+    now = time.time()
+    hosts = ["vm", "hostC", "vm", "hostC", "vm"]
+    daemons = [
+        {"owner": f"o{i}", "pid": 100 + i, "host": h, "alive": i != 2, "started": now - 10 * i}
+        for i, h in enumerate(hosts)
+    ]
+    info = {"counts": {"inbox": 0}, "daemons": daemons, "active": [], "spend_24h": {}}
+    lines = [line.split() for line in render_status("/r", info, now).splitlines() if line.startswith("  ")]
+    assert [(w[0], w[4], int(w[2])) for w in lines] == [
+        ("running", "hostC", 101),
+        ("running", "hostC", 103),
+        ("running", "vm", 100),
+        ("running", "vm", 104),
+        ("stopped", "vm", 102),
+    ], lines

@@ -55,7 +55,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
     shown_dead += [d for d in dead if d not in shown_dead][:DEAD_SHOWN]  # the owners, then the latest others
     if daemons:
         lines.append("daemons:")
-        for d in alive + shown_dead:
+        for d in sorted(alive + shown_dead, key=lambda d: str(d["host"])):  # by host; on each, the running first
             state = "running" if d["alive"] else "stopped"
             lines.append(
                 f"  {state:<8} pid {d['pid']:<8} host {printable(d['host']):<16} "
