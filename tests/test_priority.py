@@ -410,3 +410,16 @@ def test_at_start_a_paused_agents_settling_order_holds_back_no_other_agents_orde
     assert (ran_at - ready_at).total_seconds() < 2.5, (started, ran)  # the settle is 4 s
     assert not (env.root / "active" / "D8").exists() and not (env.root / "active" / "D9").exists()
     assert d.stop() == 0
+
+
+@pytest.mark.parametrize("field", ["not_before", "expires"])
+def test_every_unreadable_time_gets_the_iso_8601_message(env: Env, field: str) -> None:
+    """`not_before`/`expires` of "garbage", "x", "2026", "12:00", "" or "tomorrow": each refused by validate (exit 2)
+    with one line `FILE: FIELD: must be an ISO 8601 time such as ...`; the short ones said `is too short`."""
+    env.configure(agents={"worker": env.agent()})
+    for value in ("garbage", "x", "2026", "12:00", "", "tomorrow"):
+        path = env.tmp / "t.json"
+        path.write_text(json.dumps(order("T-1", **{field: value})))
+        proc = env.cli("validate", str(path))
+        assert proc.returncode == 2, (value, proc.stderr)
+        assert proc.stderr == f"{path}: {field}: must be an ISO 8601 time such as 2026-12-01T08:00:00Z\n", value
