@@ -572,6 +572,26 @@ def test_retry_or_revise_of_a_join_whose_parent_failed_is_done_with_a_note_and_i
     assert starts_of(env, "merge") == 0
 
 
+def test_the_web_views_retry_of_a_join_whose_parent_failed_answers_the_clis_note(env: Env) -> None:
+    """The web view's retry (its JSON API's message) of a join failed with `after: w01 failed` carries the note the
+    CLI prints on stderr; it answered only `merge: retry requested`."""
+    from dispatcher.layout import Layout
+    from dispatcher.spec.config import load_config
+    from dispatcher.web.actions import Actions
+
+    env.configure({"worker": env.agent("--exit", "1", max_attempts=1), "merger": env.agent()})
+    env.drop(merger(after=["w01"]))
+    env.drop(order("w01"))
+    assert env.cli("run", "--once").returncode == 1
+    config = load_config(env.config_path)
+    outcome = Actions(config, Layout(config.root)).run("retry", "merge")
+    assert (outcome.status, outcome.message) == (
+        200,
+        "merge: retry requested; note: it waits for w01, which failed: it fails again at once unless w01 is retried"
+        " too",
+    )
+
+
 def test_retry_of_a_join_named_before_its_failed_parent_runs_both(env: Env) -> None:
     """`retry merge w01` works as `retry w01 merge` (section 7): w01 is handled first, no note, both done."""
     flaky = env.agent("--fail-attempts", "1", max_attempts=1)

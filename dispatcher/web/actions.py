@@ -102,7 +102,8 @@ class Actions:
             op.note = text
             try:
                 message = getattr(op, action)(job_id)
-                outcome = Outcome(200, str(message))
+                notes = [n.removeprefix(f"{job_id}: ") for n in op.notes]  # a retried join's note, as the CLI's
+                outcome = Outcome(200, "; ".join([str(message), *notes]))
             except NotFound as exc:
                 outcome = Outcome(404, str(exc))
             except WrongState as exc:
