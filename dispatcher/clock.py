@@ -25,7 +25,8 @@ def iso(when: float) -> str:
     second = int(when)
     last = _second
     if last[0] != second or not 0 <= when - second < 0.999999:
-        head = datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+        moment = datetime.fromtimestamp(when, UTC)
+        head = f"{moment.year:04d}" + moment.strftime("-%m-%dT%H:%M:%S.")  # %Y writes the year 1 as "1"
         if not 0 <= when - second < 0.999999:  # rounded up, or before 1970: not the text of ``second``
             return head + f"{int(when * 1000) % 1000:03d}Z"
         last = _second = (second, head)

@@ -66,6 +66,29 @@ def test_the_last_microsecond_of_the_year_9999_is_refused_too(env: Env) -> None:
         assert listed.returncode == 0 and "by-hand" in listed.stdout, listed.stderr
 
 
+def test_a_time_before_the_year_1_in_utc_is_refused_in_one_line_and_the_year_1_is_written_with_four_digits(
+    env: Env,
+) -> None:
+    """`submit --at 0001-01-01T00:00:00+00:01` (the year 0 in UTC) exits 2 with one line, as a time after 9999 does;
+    it exited 1 with a traceback. `--at 0001-01-01T00:00:00Z` is a valid time: the order gets `not_before:
+    0001-01-01T00:00:00.000Z` (it was refused, its year written as "1"). A dropped file with the year 0 time is refused
+    with the same words."""
+    plain = env.tmp / "plain.json"
+    plain.write_text(json.dumps(order("plain")))
+    for at in ("0001-01-01T00:00:00+00:01", "00010101T000000+0001"):
+        proc = env.cli("submit", "--at", at, str(plain))
+        assert (proc.returncode, proc.stderr) == (2, f"submit: --at: '{at}' is earlier than 0001-01-01T00:00:00Z\n")
+    proc = env.cli("submit", "--at", "0001-01-01T00:00:00Z", str(plain))
+    assert proc.returncode == 0, proc.stderr
+    [dropped] = (env.root / "inbox").iterdir()
+    assert json.loads(dropped.read_text())["not_before"] == "0001-01-01T00:00:00.000Z"
+    early = env.tmp / "early.json"
+    early.write_text(json.dumps(order("early", expires="0001-01-01T00:00:00+01:00")))
+    proc = env.cli("validate", str(early))
+    assert proc.returncode == 2
+    assert proc.stderr == f"{early}: expires: 0001-01-01T00:00:00+01:00 is earlier than 0001-01-01T00:00:00Z\n"
+
+
 def test_not_before_waits_unclaimed_across_a_restart(env: Env) -> None:
     """An order not due yet stays in inbox/ (list says when it is due), across a restart, and runs once due."""
     d = env.daemon()

@@ -154,8 +154,13 @@ LATEST_TIME = "9999-12-31T23:59:59Z"
 LATEST_S = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
 
 
+#: the earliest: 0001-01-01T00:00:00+00:01 is in the year 0 in UTC, which no listing or result could write
+EARLIEST_TIME = "0001-01-01T00:00:00Z"
+EARLIEST_S = datetime(1, 1, 1, tzinfo=UTC).timestamp()
+
+
 class TimeOutOfRange(ValueError):
-    """An ISO 8601 time that is valid text but lies beyond ``LATEST_TIME`` in UTC."""
+    """An ISO 8601 time that is valid text but lies beyond ``LATEST_TIME`` (or before ``EARLIEST_TIME``) in UTC."""
 
 
 def parse_time(text: str) -> float:
@@ -170,6 +175,8 @@ def parse_time(text: str) -> float:
     seconds = moment.timestamp()
     if seconds >= LATEST_S + 1:  # 23:59:59.999999 of the last day is a float that rounds to the year 10000
         raise TimeOutOfRange(f"is later than {LATEST_TIME}")
+    if seconds < EARLIEST_S:
+        raise TimeOutOfRange(f"is earlier than {EARLIEST_TIME}")
     return seconds
 
 
