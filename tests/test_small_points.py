@@ -432,3 +432,22 @@ def test_status_lists_daemons_by_host_the_running_first_on_each() -> None:
         ("running", "vm", 104),
         ("stopped", "vm", 102),
     ], lines
+
+
+def test_list_cuts_a_refused_files_overlong_id_text_and_keeps_the_other_lines_narrow() -> None:
+    """A refused file whose job_id is 100,000 characters (no valid id is longer than 128): `list` cuts that text to
+    128 columns ending in `...`, so the id column is at most 128 wide; every line, the header's too, was 100 KB."""
+    from dispatcher.cli.render import render_list
+
+    rows = [
+        {"job_id": "G1", "state": "done", "agent": "w", "age_s": 5.0, "cost_usd": None, "reason": None},
+        {"job_id": "x" * 100_000, "state": "refused", "agent": None, "age_s": 6.0, "cost_usd": None,
+         "reason": "job_id: must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"},
+    ]  # fmt: skip
+    lines = list(render_list(rows))
+    assert max(len(line) for line in lines) < 300, [len(line) for line in lines]
+    assert lines[2].startswith("x" * 125 + "...  refused"), lines[2][:140]
+    assert lines[1].startswith("G1" + " " * 126 + "  done"), lines[1]
+    valid = "A" * 128
+    lines = list(render_list([{**rows[0], "job_id": valid}]))
+    assert lines[1].startswith(valid + "  done"), "a valid id is never cut"

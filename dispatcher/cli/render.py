@@ -21,19 +21,32 @@ def when(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
+#: the widest job id (its pattern allows 128 characters): a refused file's longer id text is cut to it
+ID_COLUMNS = 128
+
+
+def _cut(text: str, width: int) -> str:
+    """Return shown text cut to width terminal columns, ending in `...` when cut."""
+    if columns(text) <= width:
+        return text
+    text = text[: width * 2]  # a long text is cut at once, then character by character
+    while columns(text) > width - 3:
+        text = text[:-1]
+    return text + "..."
+
+
 def _cell(value: Any, width: int) -> str:
     """Return value as shown (escaped), cut to width terminal columns and padded to them."""
-    text = escape_bidi(printable(plain(value)))
-    if columns(text) > width:
-        while columns(text) > width - 3:
-            text = text[:-1]
-        text += "..."
+    text = _cut(escape_bidi(printable(plain(value))), width)
     return text + " " * (width - columns(text))
 
 
 def _id_cell(value: Any, width: int) -> str:
-    """Return a job id as shown (escaped), padded to width but never cut: it is what `show` and the rest take."""
-    text = escape_bidi(printable(plain(value)))
+    """Return a job id as shown (escaped), padded to width but never cut: it is what `show` and the rest take.
+
+    Only a refused file's id text longer than any job id (no command takes it) is cut, to ``ID_COLUMNS``.
+    """
+    text = _cut(escape_bidi(printable(plain(value))), ID_COLUMNS)
     return text + " " * (width - columns(text))
 
 
@@ -93,7 +106,7 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
 def render_list(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     """Yield `list` text: a header, then one line per job or refused file."""
     rows = list(rows)
-    width = max([columns(escape_bidi(printable(plain(r["job_id"])))) for r in rows] + [3])  # ids whole
+    width = max([min(columns(escape_bidi(printable(plain(r["job_id"])))), ID_COLUMNS) for r in rows] + [3])
     agent_w = min(20, max([columns(escape_bidi(printable(plain(r["agent"])))) for r in rows] + [5]))
     cost_w = max([len(usd(r["cost_usd"])) for r in rows] + [12])
     yield f"{'JOB':<{width}}  {'STATE':<7}  {'AGENT':<{agent_w}}  {'AGE':>7}  {'COST':>{cost_w}}  REASON"
