@@ -46,7 +46,8 @@ def test_repair_without_retry_safe_or_probe_says_why_it_did_nothing(env: Env) ->
 
 
 def test_submit_of_several_files_names_every_bad_one_and_submits_nothing(env: Env) -> None:
-    """`submit a b c` with bad files: one `<file>: ...` line each, a line saying nothing was submitted, exit 2."""
+    """`submit a b c` with bad files: one `<file>: ...` line each, the last saying nothing was submitted, exit 2
+    (no line beside them: each failure is one line)."""
     good = env.tmp / "good.json"
     good.write_text(json.dumps(simple("SUB-1")))
     bad1 = env.tmp / "bad1.json"
@@ -56,8 +57,8 @@ def test_submit_of_several_files_names_every_bad_one_and_submits_nothing(env: En
     proc = env.cli("submit", str(good), str(bad1), str(bad2))
     assert proc.returncode == 2
     lines = proc.stderr.splitlines()
-    assert lines[0].startswith(f"{bad1}: task:") and lines[1].startswith(f"{bad2}: ")
-    assert lines[2] == "nothing was submitted: 2 of 3 files are invalid"
+    assert len(lines) == 2 and lines[0].startswith(f"{bad1}: task:") and lines[1].startswith(f"{bad2}: ")
+    assert lines[1].endswith("; nothing was submitted: 2 of 3 files are invalid"), lines
     assert not [p for p in (env.root / "inbox").iterdir()] if (env.root / "inbox").exists() else True
 
 
@@ -68,7 +69,7 @@ def test_submit_of_one_id_twice_names_the_file(env: Env) -> None:
     b.write_text(json.dumps(simple("TWICE-1")))
     proc = env.cli("submit", str(a), str(b))
     assert proc.returncode == 2
-    assert proc.stderr.startswith(f"{b}: job_id: TWICE-1 is given twice (also in {a})")
+    assert proc.stderr == f"{b}: job_id: TWICE-1 is given twice (also in {a}); nothing was submitted (2 files given)\n"
 
 
 def test_retry_and_cancel_leave_no_hint_files_behind(env: Env) -> None:

@@ -65,7 +65,8 @@ def test_a_second_daemon_on_the_root_says_so(env: Env) -> None:
 
 
 def test_submit_of_several_files_with_one_known_id_says_nothing_was_submitted(env: Env) -> None:
-    """Three files, one with a known job id: that one is named, then `nothing was submitted (3 files given)`; exit 2."""
+    """Three files, one with a known job id: one line names it and says `nothing was submitted (3 files given)`;
+    exit 2 (section 7: a one-line error)."""
     env.drop(order("OLD-1"))
     assert env.cli("run", "--once").returncode == 0
     names = []
@@ -76,8 +77,8 @@ def test_submit_of_several_files_with_one_known_id_says_nothing_was_submitted(en
     proc = env.cli("submit", *names)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        f"{names[1]}: job_id: OLD-1 is already known (state done); a job id is never run twice",
-        "nothing was submitted (3 files given)",
+        f"{names[1]}: job_id: OLD-1 is already known (state done); a job id is never run twice;"
+        " nothing was submitted (3 files given)",
     ]
     assert list((env.root / "inbox").iterdir()) == []
 

@@ -246,16 +246,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     cfg = _config(args, need_root=True)
     not_before = parse_when(args.at, args.within, time.time())
-    orders, bad = [], 0
+    orders, errors = [], []
     for name in args.files:  # every file is checked, and every bad one named, before any is dropped
         try:
             orders.append(read_order(name, cfg, not_before=not_before))
         except OrderError as exc:
-            print(exc, file=sys.stderr)
-            bad += 1
-    if bad:
-        if len(args.files) > 1:
-            print(f"nothing was submitted: {bad} of {len(args.files)} files are invalid", file=sys.stderr)
+            errors.append(str(exc))
+    if errors:
+        if len(args.files) > 1:  # one line per bad file; the last says what became of the others
+            errors[-1] += f"; nothing was submitted: {len(errors)} of {len(args.files)} files are invalid"
+        print("\n".join(errors), file=sys.stderr)
         return 2
     dropped = 0
     try:
@@ -263,10 +263,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(job_id, flush=True)
             dropped += 1
     except OrderError as exc:
-        if len(orders) > 1:  # say what happened to the others: none dropped, or those printed above
-            print(exc, file=sys.stderr)
+        if len(orders) > 1:  # say on its line what happened to the others: none dropped, or those printed above
             what = "nothing was submitted" if dropped == 0 else f"only the {dropped} ids above were submitted"
-            raise OrderError(f"{what} ({len(orders)} files given)") from None
+            said = str(exc).removesuffix("; nothing was submitted")
+            print(f"{said}; {what} ({len(orders)} files given)", file=sys.stderr)
+            return 2
         raise
     commands.note_config(cfg)
     return 0
