@@ -98,6 +98,21 @@ def test_show_of_a_refused_file_shows_the_refusal(env: Env) -> None:
     assert missing.returncode == 1 and missing.stderr == "NOPE-9: no such job or refused file\n"
 
 
+@pytest.mark.parametrize("stem_bytes", [175, 185, 240])
+def test_show_finds_a_refused_file_by_a_name_longer_than_its_folder_keeps(env: Env, stem_bytes: int) -> None:
+    """A refused file whose stem is longer than the 180 bytes its folder keeps: `show NAME` (README: by its file name)
+    prints the refusal, as for a shorter name; it said `not a job id` and exited 1."""
+    name = "w" * stem_bytes + ".json"
+    env.drop(b"bad\n", name=name)
+    assert env.cli("run", "--once").returncode == 1
+    [folder] = [p for p in (env.root / "failed").iterdir() if "@" in p.name]
+    assert folder.name.startswith("w" * min(stem_bytes, 180) + "@")
+    shown = env.cli("show", name)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[2] == f"  folder: {folder}"
+    assert json.loads(env.cli("show", name, "--json", check=True).stdout)["state"] == "refused"
+
+
 def test_init_in_an_empty_folder_makes_a_local_config_even_with_a_system_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -34,6 +34,7 @@ from dispatcher.spec.result import Result
 from dispatcher.spec.settings import Config
 from dispatcher.store.counts import LIST_STATES, job_entries, visible_entries
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.store.refusals import STEM_BYTES, cut_name
 
 _NO_RESULT = Result(None, None, None, None)  # a folder whose result.json is missing or unreadable
 
@@ -283,7 +284,7 @@ def refusals_of(cfg: Config, layout: Layout, name: str) -> list[dict[str, Any]]:
         folder = Path(r["path"]).name
         if r["job_id"] == name or name in (folder.rpartition("@")[0], folder):
             return True
-        if stem == name or folder.rpartition("@")[0] != stem:
+        if stem == name or folder.rpartition("@")[0] != cut_name(stem, STEM_BYTES):  # a long stem's folder has it cut
             return False
         return _refused_file(Path(r["path"])) in (name, printable(name))  # result.json keeps the name shown escaped
 

@@ -33,6 +33,10 @@ from dispatcher.store.staging import new_stage, remove_stage
 log = structlog.get_logger("dispatcher")
 
 
+#: the bytes of a refused file's stem its folder keeps (`<stem>@<time>`); result.json keeps the whole name
+STEM_BYTES = 180
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """A file that never becomes a job, and why."""
@@ -56,12 +60,12 @@ def refuse(
     src = layout.inbox / refusal.name
     stem = Path(refusal.name).stem or "entry"
     stage = Path(new_stage(layout, owner, "refuse", "x"))
-    base = f"{_cut(stem, 180)}@{utc_stamp()}"
+    base = f"{cut_name(stem, STEM_BYTES)}@{utc_stamp()}"
     (stage / ".target").write_bytes(os.fsencode(base))
     (stage / ".source").write_bytes(os.fsencode(refusal.name))
     # a file name may be 255 bytes: its extension alone may not fit beside `order` (cut, as the stem is)
     suffix = Path(refusal.name).suffix  # `.ext`: the extension's first 200 bytes are kept, after its dot
-    inner = "entry" if refusal.entry_kind is not None else f"order{suffix[:1]}{_cut(suffix[1:], 200)}"
+    inner = "entry" if refusal.entry_kind is not None else f"order{suffix[:1]}{cut_name(suffix[1:], 200)}"
     result = build_result(
         job_id=refusal.job_id,
         state="failed",
@@ -167,7 +171,7 @@ def finish_stage(layout: Layout, stage: Path) -> None:
     )
 
 
-def _cut(text: str, limit: int) -> str:
+def cut_name(text: str, limit: int) -> str:
     """Return text cut to at most limit bytes of its file-system encoding.
 
     Every byte before the cut is kept, also those of a name that is not UTF-8; only a UTF-8
