@@ -265,8 +265,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except OrderError as exc:
         if len(orders) > 1:  # say on its line what happened to the others: none dropped, or those printed above
             what = "nothing was submitted" if dropped == 0 else f"only the {dropped} ids above were submitted"
-            said = str(exc).removesuffix("; nothing was submitted")
-            print(f"{said}; {what} ({len(orders)} files given)", file=sys.stderr)
+            print(f"{exc}; {what} ({len(orders)} files given)", file=sys.stderr)
             return 2
         raise
     commands.note_config(cfg)

@@ -229,7 +229,7 @@ def takes_release(entry: Entry, source: str, digest: str) -> bool:
 
     The released file is its bytes under any name, or whatever file now has the name it was
     released under: an operator may edit a released (or held and released) follow-up before it
-    runs, and its lineage still comes from the row. Another file with the id is a duplicate.
+    runs, and its lineage still comes from the row. Any other file with the id is a duplicate.
     """
     if entry.state == Row.RELEASED and entry.source == source:
         return True

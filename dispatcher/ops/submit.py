@@ -107,7 +107,7 @@ def parse_when(at: str | None, within: str | None, now: float) -> float | None:
 def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
     """Drop each order into inbox/, yielding its job id once it is there.
 
-    Raises UsageError when one job id is given twice, OrderError when a job id is
+    Raises OrderError when one job id is given twice (nothing is dropped then), or when a job id is
     already known (ledger or inbox/) or a file cannot be written. Orders dropped
     before a failure stay dropped (their ids were yielded).
     """
@@ -116,7 +116,7 @@ def submit(cfg: Config, orders: list[Submission]) -> Iterator[str]:
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:
         first, second = [name for name, o, _, _ in orders if o.job_id == dup][:2]
-        raise OrderError(f"{dup} is given twice (also in {first}); nothing was submitted", file=second, field="job_id")
+        raise OrderError(f"{dup} is given twice (also in {first})", file=second, field="job_id")
     lock_path = layout.state_dir / "submit.lock"
     current = orders[0][0]
     try:
