@@ -13,7 +13,7 @@ from seam_fixtures import open_seam, order
 
 from dispatcher.job import intake
 from dispatcher.job.intake import Cancelled, Refused
-from dispatcher.ledger.base import Request
+from dispatcher.ledger.base import Claimed, Request
 from dispatcher.lifecycle import Row
 from dispatcher.store import placing
 from dispatcher.store.placing import Inspected, Skipped, Started
@@ -239,3 +239,58 @@ def test_an_invalid_order_is_refused_with_its_job_id_and_parsed_once(tmp_path: P
     assert (one.job_id, two.job_id) == ("BAD-1", "BAD-2")
     assert "task" in one.reason and "task" in two.reason
     assert calls == ["here", "child"]  # each parsed once (the large one in the child); job_ids come from those parses
+
+
+def _rewritten_before_announce(s: Any, other_name: Path | None) -> tuple[bytes, bytes, Path]:
+    """Claim J1, then put its folder back as ``announce`` finds it when another daemon took the inbox name first:
+    the job's ``order.json`` is the inode it read, written again in place since (optionally linked at other_name,
+    as another daemon's refusal links it). Announce again; return (bytes read, bytes written since, the folder)."""
+    name = s.drop(order("J1"))
+    item = s.inspected(name)
+    [answer] = intake.claim(
+        s.layout, s.ledger, [placing.Pick(item, s.config.agents["worker"])], on_refused=print, finisher=s.finisher
+    )
+    assert isinstance(answer, Started) and os.listdir(s.layout.inbox) == []
+    placed = s.layout.root / "active" / "J1"
+    kept = placed / "order.json"
+    assert (kept.stat().st_dev, kept.stat().st_ino) == item.inode  # the inbox file itself, by its link
+    if other_name is not None:
+        os.link(kept, other_name)
+    rewritten = b'{"job_id": "J1", "not": "an order"}\n'
+    with open(kept, "r+b") as fh:  # a second `cp` onto the name: truncated and written, the same inode
+        fh.truncate(0)
+        fh.write(rewritten)
+    assert item.stamp is not None
+    os.utime(kept, ns=(item.stamp[1] + 1_000_000, item.stamp[1] + 1_000_000))
+    placing.announce(s.layout, placing.Pick(item, s.config.agents["worker"]), Claimed("J1", 1), str(placed))
+    return item.data, rewritten, placed
+
+
+def test_a_claimed_file_rewritten_in_place_after_another_daemon_took_its_name_keeps_the_job_its_bytes(
+    tmp_path: Path,
+) -> None:
+    """Two daemons: one claims a file, a second `cp` rewrites it in place and the other daemon refuses the new text
+    (its refusal links the file and removes the inbox name). The job's order.json was the same inode as the
+    refusal's: it now holds the bytes the job read, the refusal the bytes written since, and nothing is read twice."""
+    with open_seam(tmp_path) as s:
+        refusal = tmp_path / "refusal-order.json"
+        read, rewritten, placed = _rewritten_before_announce(s, refusal)
+        job_order = (placed / "order.json").read_bytes()
+        inbox = os.listdir(s.layout.inbox)
+    assert job_order == read
+    assert refusal.read_bytes() == rewritten
+    assert inbox == []  # the refusal keeps the new bytes: not linked back to be read again
+
+
+def test_a_claimed_file_rewritten_in_place_whose_new_bytes_no_other_name_holds_goes_back_to_inbox(
+    tmp_path: Path,
+) -> None:
+    """The same, where the inbox name went and no other name holds the new bytes (the other daemon gave its
+    refusal up): the job keeps what it read, and the new bytes are back in inbox/ under their name, to be read."""
+    with open_seam(tmp_path) as s:
+        read, rewritten, placed = _rewritten_before_announce(s, None)
+        job_order = (placed / "order.json").read_bytes()
+        back = (s.layout.inbox / "J1.json").read_bytes()
+        inbox = os.listdir(s.layout.inbox)
+    assert job_order == read
+    assert back == rewritten and inbox == ["J1.json"]

@@ -200,7 +200,9 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
     waits for the interpreter lock while this lane still fsyncs. A file written again in
     place since it was read (a second writer, an editor saving in place) is the job's own
     ``order.<ext>`` too, by its link: the job gets back the bytes it read, as a file of its
-    own, and the inbox name stays, to be read again as the order it now is.
+    own, and the inbox name stays, to be read again as the order it now is. With the inbox
+    name gone already (another daemon judged the new text), the job's own link shows it
+    (``_own_link_rewritten``).
     """
     item = pick.item
     faults.point("claim.placed")  # a crash here leaves the inbox name beside the job: its twin, dropped later
@@ -212,16 +214,12 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
     if st is not None and (st.st_dev, st.st_ino) == item.inode:  # else another file took the name: read as it is
         if item.stamp is not None and (st.st_size, st.st_mtime_ns) != item.stamp:
             _keep_read_bytes(placed, item)
-            log.warning(
-                "order.rewritten",
-                file=item.name,
-                job_id=item.order.job_id,
-                agent=pick.agent.name,
-                reason="written again in place after its claim: the job keeps the bytes it read; it is read again",
-            )
+            _log_rewritten(pick)
         else:
             with contextlib.suppress(FileNotFoundError):  # another daemon removed it first: as good
                 os.unlink(path)  # the inode linked into the job's folder by stage(), as it was read
+    elif _own_link_rewritten(placed, item, path):
+        _log_rewritten(pick)
     log.info(
         "job.claimed",
         job_id=item.order.job_id,
@@ -230,6 +228,57 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
         parent=claimed.parent,
         hops=claimed.hops,
     )
+
+
+def _log_rewritten(pick: Pick) -> None:
+    log.warning(
+        "order.rewritten",
+        file=pick.item.name,
+        job_id=pick.item.order.job_id,
+        agent=pick.agent.name,
+        reason="written again in place after its claim: the job keeps the bytes it read; it is read again",
+    )
+
+
+def _own_link_rewritten(placed: str, item: Inspected, path: str) -> bool:
+    """Give the job back the bytes it read if its linked ``order.<ext>`` was written again in place; True if so.
+
+    For an inbox name gone or taken by another file before ``announce`` looked (another daemon
+    judged the rewritten text, or a person moved the file): the job's link is then the only
+    place left to see the rewrite. The bytes written since are linked back into inbox/ first,
+    so that they always have a name, and that name goes again once the job has its own copy
+    if another name holds them (the refusal or the job of the daemon that read them).
+    """
+    kept = f"{placed}/order{suffix_of(item.name)}"
+    try:
+        st = os.lstat(kept)
+    except OSError:
+        return False
+    if item.stamp is None or (st.st_dev, st.st_ino) != item.inode or (st.st_size, st.st_mtime_ns) == item.stamp:
+        return False  # a copy of its own (``_copy_in``), or the bytes read
+    back = _link_back(kept, path)
+    _keep_read_bytes(placed, item)
+    if back is not None:
+        with contextlib.suppress(OSError):
+            now = os.lstat(back)
+            if (now.st_dev, now.st_ino) == item.inode and now.st_nlink > 1:
+                os.unlink(back)  # kept elsewhere: read once, where it is
+    return True
+
+
+def _link_back(kept: str, path: str) -> str | None:
+    """Link kept into inbox/ under path's name, or ``<stem>.rewritten[-N]<ext>`` if taken; return the name."""
+    stem, ext = os.path.splitext(path)
+    for n in range(1, 100):
+        name = path if n == 1 else f"{stem}.rewritten{'' if n == 2 else f'-{n - 1}'}{ext}"
+        try:
+            os.link(kept, name, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        except OSError:
+            return None  # (inbox/ gone, a full disk): the job's folder keeps the bytes, as before
+        return name
+    return None
 
 
 def _keep_read_bytes(placed: str, item: Inspected) -> None:
