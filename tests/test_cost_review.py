@@ -438,6 +438,16 @@ def test_a_blank_reject_reason_reads_as_no_reason_given(env: Env) -> None:
     assert env.result("REV-BLANK", "failed")["reason"] == "rejected: no reason given"
 
 
+def test_a_reject_reason_that_starts_with_a_dash_is_the_reason(env: Env) -> None:
+    """reject --reason -WIP: a one-word value that starts with a dash is taken as the reason, not as an option."""
+    reviewed(env)
+    env.drop(simple("REV-DASH"))
+    env.cli("run", "--once", timeout=60)
+    proc = decide(env, "reject", "REV-DASH", "--reason", "-WIP")
+    assert proc.returncode == 0, proc.stderr
+    assert env.result("REV-DASH", "failed")["reason"] == "rejected: -WIP"
+
+
 def test_a_job_reusing_a_rejected_follow_ups_id_is_not_shown_as_its_child(env: Env) -> None:
     """After a reject, its follow-up's id is free: a person's own order with that id runs, and `show --tree` of the
     rejected job lists no child, while `show` of the new job names no parent (one story, not two)."""

@@ -121,6 +121,9 @@ def test_submit_in_and_at_set_not_before(env: Env) -> None:
     assert before + 3600 - 1 <= due <= time.time() + 3600 + 1
     bad = env.cli("submit", "--at", "tomorrow", str(path))
     assert bad.returncode == 2 and "--at" in bad.stderr and bad.stderr.count("\n") == 1
+    negative = env.cli("submit", "--in", "-1h", str(path))  # a dash first: a value, not an option
+    assert negative.returncode == 2 and negative.stderr.count("\n") == 1
+    assert "--in: '-1h' is not a duration" in negative.stderr
 
 
 def test_submit_at_takes_the_time_forms_an_order_takes_and_no_other(env: Env) -> None:

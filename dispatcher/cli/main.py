@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         import argcomplete
 
         argcomplete.autocomplete(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_dashed_values(sys.argv[1:] if argv is None else argv))
     del parser  # every command's parser, held for as long as the daemon runs otherwise
     os.umask(UMASK)  # the one place it is set: nothing the daemon or a command creates is world-readable
     if args.command not in ("run", "web") and not getattr(args, "json", False):  # output for a person
@@ -166,6 +166,35 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None and args.command not in ("run", "web"):
         _leave(code)
     sys.exit(code)
+
+
+#: options whose value may start with one dash (`--in -1h`, `--note "-fix the test"`)
+_TEXT_OPTIONS = frozenset({"--in", "--at", "--reason", "--note"})
+
+
+def _dashed_values(argv: list[str]) -> list[str]:
+    """Join such an option with a next word that starts with one dash (`--in=-1h`).
+
+    argparse takes `-1h` for an option and says only "expected one argument"; joined, the
+    value gets its own check and message (`--in: '-1h' is not a duration ...`).
+    """
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            out.append(word)
+            out.extend(words)
+            break
+        out.append(word)
+        if word in _TEXT_OPTIONS:
+            nxt = next(words, None)
+            if nxt is None:
+                break
+            if nxt.startswith("-") and not nxt.startswith("--") and nxt != "-":
+                out[-1] = f"{word}={nxt}"
+            else:
+                out.append(nxt)
+    return out
 
 
 def _crashed(command: str) -> NoReturn:
