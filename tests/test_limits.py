@@ -404,8 +404,8 @@ def _read(path: Path) -> str:
 
 def test_a_job_waiting_out_a_limit_is_listed_once_in_status_as_waiting(env: Env) -> None:
     """`status` counts a job a gate holds as waiting, as the `dispatcher_queue` gauge does; its text lists it once,
-    in the active table, saying it waits (and, once its daemon died, that too), and the JSON keeps it among the
-    active jobs with its owner."""
+    in the jobs' table, saying it waits (and, once its daemon died, that too), and the JSON lists it once, among
+    the waiting jobs with its owner, so that `active` holds as many jobs as `counts` says."""
     until = int(time.time()) + 30
     prom = env.tmp / "metrics.prom"
     env.configure(
@@ -425,14 +425,17 @@ def test_a_job_waiting_out_a_limit_is_listed_once_in_status_as_waiting(env: Env)
 
     wait_until(queue, 20, "dispatcher_queue counting the job waiting, not active")
     assert [w["job_id"] for w in info["waiting"]] == ["ONCE-1"]
-    assert [(a["job_id"], a["daemon_alive"]) for a in info["active"]] == [("ONCE-1", True)], info
+    assert [(a["job_id"], a["pid"], a["daemon_alive"]) for a in info["waiting"]] == [
+        ("ONCE-1", d.proc.pid if d.proc else 0, True)
+    ], info
+    assert info["active"] == [] and len(info["active"]) == info["counts"]["active"]
     text = env.cli("status", check=True).stdout
     assert text.count("ONCE-1") == 1, text
     line = next(x for x in text.splitlines() if "ONCE-1" in x)
     assert "waiting for a gate until" in line and "daemon not running" not in line, line
     d.kill()  # its daemon dies while the job waits: flagged, as any active job's would be
     after = status(env)
-    assert [(a["job_id"], a["daemon_alive"]) for a in after["active"]] == [("ONCE-1", False)], after
+    assert [(a["job_id"], a["daemon_alive"]) for a in after["waiting"]] == [("ONCE-1", False)], after
     line = next(x for x in env.cli("status", check=True).stdout.splitlines() if "ONCE-1" in x)
     assert "daemon not running" in line and "waiting for a gate" in line, line
 

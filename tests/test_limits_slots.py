@@ -45,7 +45,14 @@ def test_a_job_waiting_for_a_pause_gives_its_slot_to_another_agent(
     env.cli("retry", "A-1", check=True)  # claimed again while A is paused: it waits, in active/
     d.wait_event("job.waiting", job_id="A-1")
     info = status(env)
-    assert info["waiting"] == [{"job_id": "A-1", "agent": "A", "until": None}]
+    [waiting] = info["waiting"]
+    assert {k: waiting[k] for k in ("job_id", "agent", "until", "daemon_alive")} == {
+        "job_id": "A-1",
+        "agent": "A",
+        "until": None,
+        "daemon_alive": True,
+    }
+    assert info["active"] == [] and info["counts"]["active"] == 0  # listed once, as waiting
     assert [r["state"] for r in listed(env, "--agent", "A")] == ["waiting"]
     env.drop(order("B-1", to="B"))
     env.wait_job("B-1", "done")

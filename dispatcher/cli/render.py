@@ -61,7 +61,10 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
     """Return `status` text: counts, daemons, whether one runs, active jobs and the spend of 24 h."""
     lines = [f"root {printable(root)}", "  ".join(f"{k} {v}" for k, v in info["counts"].items())]
     daemons = info["daemons"]
-    owners_of_active = {(a["pid"], a["host"]) for a in info["active"]}
+    # a job a gate holds is in active/ but listed as waiting (section 14): its table line says so
+    gated = {w["job_id"]: w for w in info.get("waiting") or []}
+    table = [*info["active"], *gated.values()]
+    owners_of_active = {(a["pid"], a["host"]) for a in table}
     alive = [d for d in daemons if d["alive"]]
     dead = [d for d in daemons if not d["alive"]]
     shown_dead = [d for d in dead if (d["pid"], d["host"]) in owners_of_active]
@@ -80,11 +83,9 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
             lines.append(f"  ({older} not shown; `dispatcher status --json` lists every one)")
     if not alive:
         lines.append("no daemon is running: nothing is claimed until `dispatcher run` starts (it recovers active jobs)")
-    # a job a gate holds is in active/ (every waiting row is one of them) but counted as waiting: its table line says so
-    gated = {w["job_id"]: w for w in info.get("waiting") or []}
-    if info["active"]:
+    if table:
         lines.append(f"{'JOB':<28} {'AGENT':<14} {'PID':>8} {'HOST':<16} {'AGE':>7}")
-        for row in info["active"]:
+        for row in table:
             flag = "" if row["daemon_alive"] else "  daemon not running"
             if row["job_id"] in gated:
                 flag += f"  waiting for a gate until {gate_lifts(gated[row['job_id']]['until'])}"

@@ -42,9 +42,12 @@ def status_with(layout: Layout, ledger: Ledger | None, now: float | None = None)
     for j, own in sorted(gate_waits.items()):
         if j in active_ids:
             u = held_until(own, active_ids[j]["agent"], gates, now)  # a gate moved later holds it longer
-            waiting.append({"job_id": j, "agent": active_ids[j]["agent"], "until": iso(u) if u is not None else None})
+            waiting.append({**active_ids[j], "until": iso(u) if u is not None else None})
     counts["waiting"] += len(waiting)  # waiting/ (section 16) and active jobs held by a gate (section 14)
     counts["active"] -= len(waiting)
+    if waiting:  # listed as waiting (with their owner), not as active: `active` holds counts["active"] jobs
+        gated = {w["job_id"] for w in waiting}
+        active = [a for a in active if a["job_id"] not in gated]
     return {
         "counts": counts,
         "waiting": waiting,

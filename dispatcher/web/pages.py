@@ -99,9 +99,8 @@ def overview(info: Mapping[str, Any], *, partial: bool, session: str | None) -> 
 
     A job a gate holds is in active/ but runs no agent: it is shown apart, with when its gate lifts, as `status`
     flags it."""
-    gated = {w["job_id"]: w for w in info.get("waiting") or []}
-    running = [a for a in info["active"] if a["job_id"] not in gated]
-    held = [(a, gated[a["job_id"]].get("until")) for a in info["active"] if a["job_id"] in gated]
+    running = info["active"]
+    held = [(w, w.get("until")) for w in info.get("waiting") or []]
     return render(
         "overview.html",
         partial=partial,
