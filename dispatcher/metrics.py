@@ -71,14 +71,17 @@ class _Labelled(Collector):
             yield family
 
 
-def stale_files(template: str | os.PathLike[str], host: str, pid: int) -> list[Path]:
+def stale_files(
+    template: str | os.PathLike[str], host: str, pid: int, elsewhere: frozenset[int] = frozenset()
+) -> list[Path]:
     """Return the files of template's ``{pid}`` pattern on this host whose daemon has stopped.
 
     A pid counts as a live daemon while its process runs (not a zombie), its command
     line names dispatcher, and it started before the file was last written (a daemon
     writes its file after its start; a pid reused since, even by ``tail -f
     dispatcher.log``, started after); any other pid left a stale file, which
-    node_exporter would keep serving.
+    node_exporter would keep serving. ``elsewhere``: the pids of the live daemons the
+    ledger knows on other hosts; a name without ``{host}`` may be theirs, and stays.
     """
     text = str(template).replace("{host}", host)
     if "{pid}" not in text:
@@ -88,7 +91,7 @@ def stale_files(template: str | os.PathLike[str], host: str, pid: int) -> list[P
     out = []
     for name in globmod.glob(glob_pattern):
         found = pattern.fullmatch(name)
-        if found is None or int(found.group(1)) == pid or _is_daemon(int(found.group(1)), name):
+        if found is None or int(found.group(1)) in (pid, *elsewhere) or _is_daemon(int(found.group(1)), name):
             continue
         out.append(Path(name))
     return sorted(out)
@@ -249,11 +252,18 @@ class Metrics:
         with contextlib.suppress(OSError):
             (path or self.path).unlink()
 
-    def write(self) -> None:
+    def shared_by_hosts(self) -> bool:
+        """Return True if daemons of other hosts may write under this file's ``{pid}`` pattern (no ``{host}``)."""
+        text = str(self.template)
+        return "{pid}" in text and "{host}" not in text
+
+    def write(self, elsewhere: frozenset[int] | None = frozenset()) -> None:
         """Write the file atomically (a temporary file beside it, then a rename); raise OSError if it cannot.
 
         Blocking (a file write): call it from a worker thread, never the loop. Then
-        remove the files that stopped daemons of this host left under the ``{pid}`` pattern.
+        remove the files that stopped daemons of this host left under the ``{pid}`` pattern,
+        never those of ``elsewhere``, the live daemons' pids on other hosts (None: not known
+        now, none is removed).
         The file is created with the process's umask (the daemon's 027 leaves
         it readable by its group: put node_exporter's user in that group). A missing
         folder is made, as log_file's is.
@@ -263,6 +273,8 @@ class Metrics:
         write_to_textfile(str(path), _Labelled(self.registry, self.labels) if self.labels else self.registry)
         if path != self.path:  # moved by a reload while this write ran: the old file goes
             self.remove_file(path)
-        for stale in stale_files(self.template, self.host, self.pid):
+        if elsewhere is None:
+            return
+        for stale in stale_files(self.template, self.host, self.pid, elsewhere):
             with contextlib.suppress(FileNotFoundError):  # another daemon removed it first
                 stale.unlink()

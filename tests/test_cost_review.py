@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -788,3 +790,39 @@ def test_a_spent_budget_is_said_in_plain_numbers(env: Env, cost: float, cap: flo
     env.cli("run", "--once", timeout=60)
     result = env.result("PLAIN-SPEND", "failed")
     assert result["reason"].endswith(f"not retried: the budget is spent ({said})"), result["reason"]
+
+
+def test_a_metrics_file_of_a_daemon_on_another_host_under_the_same_pid_pattern_is_left_alone(env: Env) -> None:
+    """metrics_file m-{pid}.prom shared by two hosts (section 10: a daemon removes only the files its host's stopped
+    daemons left): a second daemon in a host of its own (its own host name and pid namespace, as a container is)
+    keeps its file beside this one's for two rewrites and more; a file this host's stopped daemon left still goes."""
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed"
+    folder = env.tmp / "m"
+    env.configure(agents={"worker": env.agent()}, metrics_file=str(folder / "m-{pid}.prom"))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    folder.mkdir()
+    (folder / f"m-{gone.pid}.prom").write_text("# left by a daemon of this host that stopped\n")
+    here = env.daemon()
+    here.wait_ready()
+    mine = folder / f"m-{here.proc.pid}.prom"  # type: ignore[union-attr]
+    script = 'hostname other-host && exec "$0" -m dispatcher --config "$1" run'
+    with open(env.tmp / "other-host.log", "wb") as out:
+        other = subprocess.Popen(
+            [unshare, "--uts", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
+             str(env.config_path)],
+            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
+        )  # fmt: skip
+    try:
+        theirs = folder / "m-1.prom"  # the daemon is pid 1 of its namespace
+        wait_until(lambda: mine.exists() and theirs.exists(), 30, "both daemons' metrics files")
+        wait_until(lambda: not (folder / f"m-{gone.pid}.prom").exists(), 15, "this host's stale file removed")
+        deadline = time.monotonic() + 12  # more than two rewrites of each file (every 5 s)
+        while time.monotonic() < deadline:
+            assert mine.exists() and theirs.exists(), sorted(os.listdir(folder))
+            time.sleep(0.02)
+    finally:
+        other.send_signal(signal.SIGKILL)  # its namespace's init: every process of it goes
+        other.wait(30)
+    assert here.stop() == 0

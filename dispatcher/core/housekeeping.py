@@ -404,11 +404,24 @@ class Housekeeping:
             return
         try:
             gated = await self._gate_waits()
-            await self.ctx.lanes.scan(_write_metrics, metrics, self.ctx.layout, gated)
+            elsewhere = await self._elsewhere(metrics)
+            await self.ctx.lanes.scan(_write_metrics, metrics, self.ctx.layout, gated, elsewhere)
         except OSError as exc:
             log.warning("metrics.failed", file=str(metrics.path), error=exc.strerror)
         finally:
             self._writing = False
+
+    async def _elsewhere(self, metrics: Metrics) -> frozenset[int] | None:
+        """Return the pids of the live daemons on other hosts when their metrics files may share this one's
+        ``{pid}`` pattern (section 10: only this host's stopped daemons' files go); None if the ledger does
+        not answer in time (no file is removed in this write)."""
+        if not metrics.shared_by_hosts():
+            return frozenset()
+        try:
+            daemons = await asyncio.wait_for(self.ctx.lanes.ledger(self.ctx.ledger.daemons), GATE_WAITS_S)
+        except Exception:  # noqa: BLE001 - the file is written whatever the ledger does (section 10)
+            return None
+        return frozenset(d.pid for d in daemons if d.alive and d.host != metrics.host)
 
     async def _gate_waits(self) -> frozenset[str]:
         """Return the jobs a gate holds (in active/, counted waiting as `status` counts them); none when no gate
@@ -456,13 +469,13 @@ def count_decided(metrics: Metrics | None, finished: FinishedCounts, event: dict
         )
 
 
-def _write_metrics(metrics: Metrics, layout: Layout, gated: frozenset[str]) -> None:
+def _write_metrics(metrics: Metrics, layout: Layout, gated: frozenset[str], elsewhere: frozenset[int] | None) -> None:
     counts = queue_counts(layout)
     held = sum(1 for job_id in gated if os.path.isdir(layout.job(State.ACTIVE, job_id)))
     counts["active"] -= held  # section 14: a job a gate holds is `waiting`, as status counts it
     counts["waiting"] += held
     metrics.set_queue(counts)
-    metrics.write()
+    metrics.write(elsewhere)
 
 
 def _hints(layout: Layout) -> list[str]:
