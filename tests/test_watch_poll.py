@@ -44,6 +44,14 @@ def test_sqlite_ledger_refuses_a_network_filesystem(env: Env) -> None:
         assert proc.returncode == 2
         assert proc.stderr.count("\n") == 1 and "network filesystem (FUSE)" in proc.stderr
         assert "postgresql" in proc.stderr
+        # nor does `ledger rebuild` make one there (a job folder copied in, as after a move): the same line
+        job = root / "done" / "MOVED-1"
+        job.mkdir(parents=True)
+        (job / "result.json").write_text(json.dumps({"job_id": "MOVED-1", "state": "done"}))
+        rebuilt = env.cli("ledger", "rebuild")
+        assert rebuilt.returncode == 2 and rebuilt.stderr.count("\n") == 1, rebuilt.stderr
+        assert "network filesystem (FUSE)" in rebuilt.stderr and "postgresql" in rebuilt.stderr
+        assert not (root / ".state" / "ledger.sqlite3").exists()
     finally:
         subprocess.run(["fusermount", "-u", str(mounted)], check=False)
         subprocess.run(["umount", "-l", str(mounted)], check=False)

@@ -309,6 +309,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     layout = Layout(cfg.root)
     if args.action == "rebuild":
         from dispatcher.ops.rebuild import rebuild
+        from dispatcher.store.ledgers import refuse_network_root
 
         if args.url is not None:  # a slip (`ledger rebuild URL`) must not rebuild anything
             raise UsageError(f"ledger rebuild: takes no argument, got {args.url}; it rebuilds from the job folders")
@@ -320,6 +321,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                 " empty PostgreSQL ledger with `dispatcher ledger migrate URL`"
             )
 
+        refuse_network_root(layout)  # no SQLite ledger is made where `run` would refuse it
         counts = rebuild(layout)
         total = sum(counts.values())
         detail = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"

@@ -96,16 +96,10 @@ def open_ledger(
                 " `dispatcher ledger rebuild` makes that one again from the folders if it is lost)"
             )
         return pg
-    from dispatcher.ledger.netfs import filesystem_kind
     from dispatcher.ledger.sqlite import LedgerError, SqliteLedger
 
     path = layout.ledger
-    kind = filesystem_kind(layout.root) if layout.root.exists() else None
-    if kind is not None:
-        raise UsageError(
-            f"{layout.root}: is on a network filesystem ({kind}); the SQLite ledger needs a local disk:"
-            " use `ledger: postgresql://...` (and `watch: poll`) for a root shared between hosts"
-        )
+    refuse_network_root(layout)
     # a daemon makes the ledger (and commits to it) before any job folder: so folders seen before the file was
     # found missing mean it was lost, while folders seen after may be those of another daemon that made the
     # ledger meanwhile (three daemons starting together on a fresh root). Missing: the folders, then the file again
@@ -156,3 +150,15 @@ def open_reader(config: Config, layout: Layout) -> Ledger | None:
         return open_ledger(config, layout, patience_s=PATIENCE_S, create=False, readonly=True)
     except NoLedgerYet:
         return None
+
+
+def refuse_network_root(layout: Layout) -> None:
+    """Raise UsageError if the root is on a network filesystem, where a SQLite ledger must not live (section 12)."""
+    from dispatcher.ledger.netfs import filesystem_kind
+
+    kind = filesystem_kind(layout.root) if layout.root.exists() else None
+    if kind is not None:
+        raise UsageError(
+            f"{layout.root}: is on a network filesystem ({kind}); the SQLite ledger needs a local disk:"
+            " use `ledger: postgresql://...` (and `watch: poll`) for a root shared between hosts"
+        )
