@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +295,39 @@ def test_a_claimed_file_rewritten_in_place_whose_new_bytes_no_other_name_holds_g
         inbox = os.listdir(s.layout.inbox)
     assert job_order == read
     assert back == rewritten and inbox == ["J1.json"]
+
+
+def test_cancel_of_a_job_its_daemon_records_done_first_says_so_and_fails(tmp_path: Path) -> None:
+    """`cancel` of a running job whose daemon records it done as the request lands (its agent had just exited):
+    the command does not say "cancel requested" of a job that will never fail as cancelled; it says the job
+    ended done first, and fails for that id (exit 1)."""
+    import threading
+
+    from dispatcher.errors import WrongState
+    from dispatcher.ledger.base import Finish
+    from dispatcher.ops.actions import Operator
+
+    with open_seam(tmp_path) as s:
+        started = s.started("J1")
+        answer: list[object] = []
+
+        def cancel() -> None:
+            op = Operator(s.config, s.layout)
+            try:
+                answer.append(op.cancel("J1"))
+            except WrongState as exc:
+                answer.append(exc)
+            finally:
+                op.close()
+
+        command = threading.Thread(target=cancel)
+        command.start()
+        deadline = time.monotonic() + 20
+        while "J1" not in s.ledger.requests(Request.CANCEL):  # the daemon's finish lands after the request
+            assert time.monotonic() < deadline, "the cancel request never came"
+            time.sleep(0.005)
+        assert s.ledger.finish([Finish("J1", started.token, Row.DONE)]) == [True]
+        command.join(30)
+    [said] = answer
+    assert isinstance(said, WrongState), said
+    assert str(said) == "J1: it ended done before the cancel reached it"

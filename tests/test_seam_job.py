@@ -81,6 +81,27 @@ def test_a_cancel_through_control_ends_the_running_agent_and_fails_the_job_cance
     assert len(result["attempts"]) == 1
 
 
+def test_a_cancel_that_comes_right_after_the_agents_exit_fails_the_job_cancelled(tmp_path: Path) -> None:
+    """A cancel the daemon takes between the agent's exit 0 (with a good receipt) and the job's finish: `cancel`
+    said it was requested, so the job ends failed as cancelled, its attempt recorded, never done."""
+    with open_seam(tmp_path) as s:
+        job = job_of(s, "J1")
+
+        def exited(ok: bool) -> bool:  # called on the loop at the agent's exit, before the post-exit trip
+            job.control.abort(Stop.CANCELLED)
+            return False
+
+        job.on_exit = exited
+        outcome = run(job.run)
+        result = s.result("failed", "J1")
+        row = s.ledger.get("J1")
+    assert outcome is Outcome.FAILED
+    assert result["reason"] == "cancelled"
+    assert [a["exit_code"] for a in result["attempts"]] == [0]
+    assert row is not None and row.state == Row.FAILED
+    assert not (s.layout.root / "done" / "J1").exists()
+
+
 def test_a_cancel_before_the_first_attempt_fails_the_job_without_starting_its_agent(tmp_path: Path) -> None:
     """A job whose Control was aborted before it ran ends failed, cancelled, with no attempt."""
     with open_seam(tmp_path) as s:

@@ -127,7 +127,7 @@ class Deciding(abc.ABC):
         if settled.landed is not None:  # it ended in the trip
             return await self._landed(settled)
         checks = settled.checks
-        if self._checks_cancelled():
+        if self.control.reason is Stop.CANCELLED:  # since the agent's exit, or while its own checks ran
             return await self.finish(Row.FAILED, Stop.CANCELLED, checks)
         judgement = settled.judgement
         if judgement is None:  # the agent's own checks ran on the loop after the trip

@@ -21,7 +21,7 @@ from dispatcher.job.repowork import JobRepo
 from dispatcher.job.settle import Ending, Settled
 from dispatcher.job.waits import Waits
 from dispatcher.ledger.base import Finish
-from dispatcher.lifecycle import Outcome, Row, outcome_of
+from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.shortage import DISK_WAIT_MAX_S, PAUSE_MIN_S, SHORT
 from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.result import CheckResult, Result
@@ -127,7 +127,10 @@ class Finishing(abc.ABC):
                 delay = min(delay * 2, DISK_WAIT_MAX_S)
 
     def _ending(self, final: bool) -> Ending:
-        return Ending(final, self._result, self._finish, self.ctx.finisher.handoff)
+        control = self.control
+        return Ending(
+            final, self._result, self._finish, self.ctx.finisher.handoff, lambda: control.reason is Stop.CANCELLED
+        )
 
     async def _landed(self, settled: Settled) -> Outcome:
         assert settled.finish is not None and settled.result is not None and settled.landed is not None  # noqa: S101

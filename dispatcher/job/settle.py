@@ -50,6 +50,7 @@ class Ending:
     result_of: Callable[[Row, str | None, list[CheckResult]], Result]
     finish_of: Callable[[Row, Result], Finish]
     land: Callable[[JobFolder, Finish, Result, Callable[[bool | OSError], Settled]], Handoff[Settled]]
+    cancelled: Callable[[], bool] = lambda: False  # a cancel came since the agent's exit: the loop ends the job
 
 
 def settle(
@@ -67,7 +68,7 @@ def settle(
         return Settled(checks, followups)
     judgement = judge(spec, attempts, n, exit_, checks, receipt=folder.has_receipt(), final=ending.final)
     state = ends_as(judgement, spec, followups)
-    if state is None:
+    if state is None or ending.cancelled():
         return Settled(checks, followups, judgement)
     result = ending.result_of(state, judgement.reason, checks)
     try:  # staged only once the evidence it vouches for is durable (collect fsynced it)

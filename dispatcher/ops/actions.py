@@ -45,6 +45,8 @@ log = structlog.get_logger("dispatcher")
 
 #: how long a hold waits for a daemon that is claiming the same file to finish or let go
 CLAIM_WAIT_S = 2.0
+#: how long `cancel` of a running job waits to see whether the job ended before its daemon took the cancel
+CANCEL_SEEN_S = 1.0
 #: at most this many files carrying one job id are moved by one hold or release
 _MAX_FILES = 100
 
@@ -196,7 +198,30 @@ class Operator:
         if held or find_queued(self.layout.held, [job_id]):
             self._unhold(job_id)
         self._poke("cancel", job_id)
+        running = entry is not None and entry.state == Row.CLAIMED and entry.owner is not None
+        if running and entry is not None and entry.owner is not None and self.ledger.alive(entry.owner):
+            ended = self._until_cancel_taken(job_id)
+            if ended == Row.DONE:
+                raise WrongState(f"{job_id}: it ended done before the cancel reached it")
+            if ended == Row.REVIEW:
+                raise WrongState(f"{job_id}: it passed into review before the cancel reached it: approve or reject it")
         return f"{job_id}: cancel requested"
+
+    def _until_cancel_taken(self, job_id: str) -> Row | None:
+        """Wait (at most ``CANCEL_SEEN_S``) for a running job's daemon to end it; return the state it ended in.
+
+        A job whose agent had just exited may be finishing as the request lands: its daemon
+        may record it done first (the request is then spent unheard). Said so, that is not
+        "cancel requested". None: still running (its agent is being ended), or the request withdrawn.
+        """
+        deadline = time.monotonic() + CANCEL_SEEN_S
+        while True:
+            entry = self.ledger.get(job_id)
+            if entry is None or entry.state != Row.CLAIMED:
+                return Row(entry.state) if entry is not None else None
+            if time.monotonic() >= deadline or job_id not in self.ledger.requests(Request.CANCEL):
+                return None
+            time.sleep(0.01)
 
     def _settle_cut(self, job_id: str) -> None:
         """Put back the row of a job a dead daemon had claimed to run again, its folder still in failed/ or review/.
