@@ -327,6 +327,23 @@ def one_malloc_arena() -> None:
 _M_ARENA_MAX = -8  # malloc.h
 
 
+def orphaned(pgid: int) -> bool:
+    """Return True if the leader of process group pgid lives and its parent is no dispatcher process.
+
+    A hook or agent is its group's leader and a child of the daemon (or command) that started it;
+    when that process dies, the leader is handed to init or a subreaper. Its parent's command
+    line is read, not compared with 1: a daemon may be pid 1 of its own pid namespace.
+    """
+    fields = stat_fields(pgid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return False
+    try:
+        with open(f"/proc/{fields[1]}/cmdline", "rb") as f:
+            return b"dispatcher" not in f.read()
+    except OSError:
+        return True
+
+
 def signal_group(pgid: int, sig: int) -> bool:
     """Send sig to the group; return False if no process is left in it."""
     try:

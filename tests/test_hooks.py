@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -409,6 +410,59 @@ def test_a_land_hook_a_crash_left_running_is_ended_before_land_can_run_it_again(
     assert (proc.returncode, proc.stdout) == (0, "X4: landed\n")
     lines = log.read_text().splitlines()
     assert [line.split()[0] for line in lines] == ["start", "start"], lines  # the first run never went on to its end
+
+
+def test_a_land_hook_whose_daemon_died_is_not_taken_for_cut_short_by_a_daemon_that_cannot_see_it(
+    env: Env, tmp_path: Path
+) -> None:
+    """Two daemons, the second in a pid namespace of its own (another host, or a container, sees none of the
+    first's processes). kill -9 of the first while its land hook runs: the hook runs on, and the second neither
+    records it as cut short nor lets `land ID` start beside it until it has ended; then it records it (once) and
+    `land ID` runs it again, never beside the first run."""
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed"
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    first = 'echo "start $$" >> "$0"; [ -e "$0.once" ] && { echo end >> "$0"; exit 0; }; : > "$0.once"; sleep 8; '
+    hook = ["sh", "-c", first + 'echo end >> "$0"', str(log)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)}, rescan_interval=1)
+    d = env.daemon()
+    env.drop(code_order("XH"))
+    wait_until(lambda: log.exists() and log.read_text().startswith("start "), 60, "the land hook to start")
+    pid = int(log.read_text().split()[1])
+    script = 'exec "$0" -m dispatcher --config "$1" run'
+    other_log = tmp_path / "other.log"
+    with open(other_log, "wb") as out:
+        other = subprocess.Popen(
+            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
+             str(env.config_path)],
+            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=tmp_path,
+        )  # fmt: skip
+    try:
+
+        def other_events(name: str) -> list[dict[str, Any]]:
+            lines = [json.loads(x) for x in other_log.read_text().splitlines() if x.startswith("{")]
+            return [e for e in lines if e.get("event") == name]
+
+        wait_until(lambda: other_events("daemon.started"), 30, "the second daemon's start")
+        d.kill()
+        assert alive(pid)  # the hook outlived its daemon
+        records = env.job_dir("XH", "done") / "land"
+        while alive(pid):
+            assert not list(records.glob("*.json")), "recorded as cut short while it still ran"
+            assert not other_events("land.failed")
+            proc = env.cli("land", "XH")
+            assert proc.returncode == 1 and "is landing now" in proc.stderr, (proc.returncode, proc.stderr)
+            time.sleep(0.3)
+        wait_until(lambda: other_events("land.failed"), 30, "the run recorded once it ended")
+        [record] = [json.loads(p.read_text()) for p in records.glob("*.json")]
+        assert record["ok"] is False and "interrupted" in record["detail"], record
+        proc = env.cli("land", "XH")
+        assert (proc.returncode, proc.stdout) == (0, "XH: landed\n"), proc.stderr
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait(30)
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["start", "end", "start", "end"]
 
 
 def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, tmp_path: Path) -> None:

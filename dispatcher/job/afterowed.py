@@ -99,8 +99,9 @@ async def run(layout: Layout, job_id: str, cfg: Config, io: Io) -> None:
     agent = spec.agent
     result = await io(folder.result)
     done, _values = await owed.run_hook(
-        "after", hook, path, job_id, agent, result, cfg, io, log_dir=path / "hooks", worktree_first=True
-    )
+        "after", hook, path, job_id, agent, result, cfg, io, log_dir=path / "hooks", worktree_first=True,
+        keep_fd=MARKERS.held_fd(job_id),
+    )  # fmt: skip
     await io(finish, layout, job_id, path, {**done.to_json(), "state": state.value})
     if not done.ok:
         log.warning("hook.failed", hook="after", job_id=job_id, agent=agent.name, reason=done.why)

@@ -138,10 +138,13 @@ async def run_hook(
     log_dir: Path | None,
     max_log_bytes: int,
     attach: Callable[[AgentProcess | None], None] | None = None,
+    keep_fd: int | None = None,
 ) -> HookRun:
     """Run one hook to its end (own group, timeout, kill grace) and say how it ended.
 
     ``attach`` hands the running process to the job's stop channel (a cancel ends the hook too).
+    ``keep_fd``: the lock of its ``.running`` marker (``owed``), which the hook's processes hold
+    too: the marker stays locked while any of them runs, also after its daemon died (``owed.look``).
     """
     argv = render(hook.command, values)
     proc = AgentProcess(
@@ -153,6 +156,7 @@ async def run_hook(
         log_dir=log_dir,
         max_log_bytes=max_log_bytes,
         log_prefix=f"{name}-",
+        keep_fd=keep_fd,
     )
     started = time.time()
     while True:

@@ -92,8 +92,9 @@ async def land(
         return True
     result = await io(folder.result)
     run, values = await owed.run_hook(
-        "land", hook, path, job_id, agent, result, cfg, io, log_dir=path / "land", worktree_first=False
-    )
+        "land", hook, path, job_id, agent, result, cfg, io, log_dir=path / "land", worktree_first=False,
+        keep_fd=MARKERS.held_fd(job_id),
+    )  # fmt: skip
     await io(MARKERS.finish, layout, job_id, path, run.to_json())
     if run.ok:
         log.info("job.landed", job_id=job_id, agent=agent.name, head=values["head"] or None)

@@ -50,6 +50,7 @@ class Owed:
     ready: list[str]
     interrupted: list[str]
     ended: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)  # runs now: a live process holds the marker's lock
 
 
 class Markers:
@@ -113,6 +114,11 @@ class Markers:
             return False
         self.start(layout, job_id)
         return True
+
+    def held_fd(self, job_id: str) -> int | None:
+        """Return the descriptor of job_id's marker lock this process holds (its hook inherits it), or None."""
+        with self._lock:
+            return self._held.get(job_id)
 
     def let_go(self, job_id: str) -> None:
         """Give up the lock this process holds on job_id's marker, if any: what it owes stays for a pass."""
@@ -206,7 +212,7 @@ class Markers:
             names = sorted(os.listdir(self.folder(layout)))
         except FileNotFoundError:
             return Owed([], [])
-        ready, interrupted = [], []
+        ready, interrupted, running = [], [], []
         ended: list[tuple[str, dict[str, Any]]] = []
         for name in names:
             if name.startswith("."):  # a marker being written (``write_atomic``'s temp name): no job id starts so
@@ -218,13 +224,15 @@ class Markers:
                     interrupted.append(job_id)
                 elif record:
                     ended.append((job_id, record))
+                elif os.path.lexists(self.folder(layout) / name):
+                    running.append(job_id)
                 continue
             found = layout.find(name)
             if found is not None and found[0] in self.ready_in:
                 ready.append(name)
             elif found is None or found[0] in self.settled_in:
                 self.settle(layout, name)
-        return Owed(ready, interrupted, ended)
+        return Owed(ready, interrupted, ended, running)
 
     def busy(self, layout: Layout, job_id: str) -> bool:
         """Return True while job_id's hook is owed and not run yet, or runs now in a live process (its lock held).
@@ -381,6 +389,7 @@ async def run_hook(
     *,
     log_dir: Path,
     worktree_first: bool,
+    keep_fd: int | None = None,
 ) -> tuple[hooks.HookRun, dict[str, str]]:
     """Run a final job's hook (``land``, an owed ``after``) with the job's placeholders; return it and them.
 
@@ -407,6 +416,6 @@ async def run_hook(
     faults.point(f"{name}.started")
     done = await hooks.run_hook(
         name, hook, values, cwd=cwd, env=env, kill_grace_s=cfg.kill_grace_s, log_dir=log_dir,
-        max_log_bytes=cfg.max_log_bytes,
+        max_log_bytes=cfg.max_log_bytes, keep_fd=keep_fd,
     )  # fmt: skip
     return done, values

@@ -320,7 +320,8 @@ class JobRepo:
                 job_path = self.layout.job(landed_state(state), job_id)
                 faults.point("after.before")
                 if await io(afterowed.take, self.layout, job_id, new=unowed):  # a crash now is recorded
-                    run = await self._hook("after", repo.after, job_path, cfg, job_path / "work")
+                    held = afterowed.MARKERS.held_fd(job_id)
+                    run = await self._hook("after", repo.after, job_path, cfg, job_path / "work", keep_fd=held)
                     record = {**run.to_json(), "state": str(state)}
                     await io(afterowed.finish, self.layout, job_id, job_path, record)
                     if not run.ok:
@@ -388,6 +389,7 @@ class JobRepo:
         attach: Callable[[AgentProcess | None], None] | None = None,
         *,
         n: int = 0,
+        keep_fd: int | None = None,
     ) -> hooks.HookRun:
         """Run a hook of this job (``before`` of attempt n, or ``after``: n 0) with its placeholders."""
         ws = self.ws
@@ -407,7 +409,7 @@ class JobRepo:
         return await hooks.run_hook(
             name, hook, values, cwd=cwd, env=env, kill_grace_s=cfg.kill_grace_s,
             log_dir=log_dir if name == "before" else log_dir / "hooks", max_log_bytes=cfg.max_log_bytes,
-            attach=attach,
+            attach=attach, keep_fd=keep_fd,
         )  # fmt: skip
 
 
@@ -505,6 +507,8 @@ async def housekeep(
             if locked:
                 log.warning("workspace.locked", repo=repo, worktrees=locked, hint=UNLOCK_HINT)
     afters = await lanes.io(afterowed.look, layout)
+    if await _end_orphaned(layout, lanes, cfg, afters.running, "after"):
+        afters = await lanes.io(afterowed.look, layout)  # their locks let go with them: now cut short
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     if startup or afters.interrupted:  # after the hooks a crash left running are ended: a hook runs in the worktree
         # an after hook owed now runs in its job's worktree, removed once it has run
@@ -529,6 +533,8 @@ async def housekeep(
                 log.exception("daemon.error", step="after hook", job_id=job_id, agent=None, error=str(exc))
             await _remove_worktree(layout, lanes, job_id)  # final: its worktree goes once its after hook ran
     owed = await lanes.io(landing.look, layout)
+    if await _end_orphaned(layout, lanes, cfg, owed.running, "land"):
+        owed = await lanes.io(landing.look, layout)
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
         await lanes.io(landing.record_interrupted, layout, job_id)
@@ -618,6 +624,29 @@ async def _end_leftovers(
             ends.append(procs.end_group(pgid, cfg.kill_grace_s))
     await asyncio.gather(*ends)
     return {job_id: agent for job_id, (_, agent) in places.items()}
+
+
+async def _end_orphaned(layout: Layout, lanes: Lanes, cfg: Config, job_ids: list[str], hook: str) -> bool:
+    """End the hook runs of this host whose daemon died (their marker is locked by the hook's own processes).
+
+    A hook holds its marker's lock with its daemon (``owed.look``), so that a daemon of another
+    host (or another pid namespace) never takes a run still going for one cut short. On the
+    host where it runs, a run whose group leader's parent is no dispatcher process (its daemon,
+    or `dispatcher land`, died: the leader was handed to init) is ended as ``_end_leftovers``
+    ends an unlocked one's, before it is recorded. Return True if any was ended.
+    """
+    if not job_ids:
+        return False
+    places = await lanes.io(_works_of, layout, job_ids)
+    groups = await lanes.scan(procs.job_groups, {job_id: work for job_id, (work, _) in places.items()})
+    ends = []
+    for job_id, pgids in groups.items():
+        for pgid in pgids:
+            if procs.orphaned(pgid):
+                log.warning("hook.orphan_ended", hook=hook, job_id=job_id, agent=places[job_id][1], pid=pgid)
+                ends.append(procs.end_group(pgid, cfg.kill_grace_s))
+    await asyncio.gather(*ends)
+    return bool(ends)
 
 
 def _works_of(layout: Layout, job_ids: list[str]) -> dict[str, tuple[str, str | None]]:
