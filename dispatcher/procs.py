@@ -231,11 +231,16 @@ def group_members(pgid: int) -> list[tuple[int, str, int]]:
     return members
 
 
-def holds_open_under(pid: int, folder: str) -> bool:
-    """Return True if pid has a file under folder open (its descriptors as /proc shows them)."""
+def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool:
+    """Return True if pid has a file under folder open (its descriptors as /proc shows them).
+
+    ``unreadable``: the answer for a process whose descriptors this user may not read (another user's).
+    """
     prefix = folder.rstrip("/") + "/"
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
+    except PermissionError:
+        return unreadable
     except OSError:
         return False
     for fd in fds:

@@ -261,3 +261,40 @@ def test_a_log_file_that_is_a_pipe_no_one_reads_never_hangs_the_daemon(env: Env)
     env.drop(order("AFTER-FIFO"))
     env.wait_job("AFTER-FIFO", "done")
     assert d.stop(timeout=20) == 0
+
+
+def test_reload_never_signals_the_pid_a_daemon_has_in_another_pid_namespace(env: Env) -> None:
+    """A daemon in a pid namespace of its own under this host's name (a container sharing the host name) is
+    pid 2 there; pid 2 here is another process. `reload` signals only the daemons it can reach, the one
+    started here: its one line names that daemon, and the other's pid is never signalled."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed"
+    script = '"$0" -m dispatcher --config "$1" run'  # not exec'd: sh is pid 1 there, the daemon pid 2
+    with open(env.tmp / "other.log", "wb") as out:
+        other = subprocess.Popen(
+            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
+             str(env.config_path)],
+            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
+        )  # fmt: skip
+    try:
+        wait_until(
+            lambda: any(
+                d["pid"] == 2 and d["alive"] for d in json.loads(env.cli("status", "--json").stdout)["daemons"]
+            ),
+            30,
+            "the other daemon's entry",
+        )
+        alone = env.cli("reload")
+        assert alone.returncode == 1 and "nothing to reload" in alone.stderr, (alone.stdout, alone.stderr)
+        d = env.daemon()
+        d.wait_ready()
+        reload = env.cli("reload")
+        assert reload.returncode == 0, reload.stderr
+        assert reload.stdout.startswith(f"daemon {d.proc.pid} on ") and reload.stdout.count("\n") == 1  # type: ignore[union-attr]
+        d.wait_event("config.reloaded")
+        assert d.stop() == 0
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait(30)

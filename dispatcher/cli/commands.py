@@ -221,7 +221,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
         _hup_refusing(salvage_target(path, root=Path(args.root) if args.root else None))
         raise
     require_root(cfg)
-    here = live_here(daemons_of(cfg))
+    here = live_here(daemons_of(cfg), locks=Layout(cfg.root).daemons)
     # what the daemons would refuse, as `validate` says it: an agent, the ledger's URL, the log file, and what a
     # running daemon cannot change (root, ledger, lease), judged against each daemon here
     refused = [f for d in here for f in preflight.check_running(cfg, {"MAINPID": str(d.pid)}) if f.error]
@@ -253,7 +253,7 @@ def _hup_refusing(target: Config | None) -> None:
     if target is None or not target.root.is_dir():
         return
     try:
-        reload(live_here(daemons_of(target)))
+        reload(live_here(daemons_of(target), locks=Layout(target.root).daemons))
     except DispatchError:
         return
 

@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from dispatcher import procs
 from dispatcher.errors import printable
 from dispatcher.ledger.base import DaemonInfo
 
@@ -89,10 +90,23 @@ class Reloaded:
         return f"{who}: {self.advice}"
 
 
-def live_here(daemons: list[DaemonInfo], host: str | None = None) -> list[DaemonInfo]:
-    """Return the live daemons of this host, oldest first."""
+def live_here(
+    daemons: list[DaemonInfo], host: str | None = None, locks: str | os.PathLike[str] | None = None
+) -> list[DaemonInfo]:
+    """Return the live daemons of this host, oldest first.
+
+    ``locks``: the root's ``.state/daemons/`` folder: then only a daemon whose pid, as this
+    process sees pids, holds a lock file there is one of them. A daemon in another pid namespace
+    under the same host name (a container) has a pid that means another process here (pid 1, 2),
+    which must never be signalled.
+    """
     host = this_host() if host is None else host
-    return sorted((d for d in daemons if d.alive and d.host == host), key=lambda d: d.started)
+    here = [d for d in daemons if d.alive and d.host == host]
+    if locks is not None:
+        folder = os.path.realpath(locks)
+        # another user's daemon cannot be looked at: signalled, the kernel's answer says why it cannot be
+        here = [d for d in here if procs.holds_open_under(d.pid, folder, unreadable=True)]
+    return sorted(here, key=lambda d: d.started)
 
 
 def reload(daemons: list[DaemonInfo]) -> list[Reloaded]:
