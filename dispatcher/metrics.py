@@ -80,8 +80,9 @@ def stale_files(
     line names dispatcher, and it started before the file was last written (a daemon
     writes its file after its start; a pid reused since, even by ``tail -f
     dispatcher.log``, started after); any other pid left a stale file, which
-    node_exporter would keep serving. ``elsewhere``: the pids of the live daemons the
-    ledger knows on other hosts; a name without ``{host}`` may be theirs, and stays.
+    node_exporter would keep serving. ``elsewhere``: the pids of the other live daemons
+    the ledger knows; a pid of another host, or of another pid namespace under this host's
+    name (a container), means nothing in this /proc: their files stay.
     """
     text = str(template).replace("{host}", host)
     if "{pid}" not in text:
@@ -252,18 +253,17 @@ class Metrics:
         with contextlib.suppress(OSError):
             (path or self.path).unlink()
 
-    def shared_by_hosts(self) -> bool:
-        """Return True if daemons of other hosts may write under this file's ``{pid}`` pattern (no ``{host}``)."""
-        text = str(self.template)
-        return "{pid}" in text and "{host}" not in text
+    def has_pid_pattern(self) -> bool:
+        """Return True if this file's name holds ``{pid}``: other daemons' files may share its pattern."""
+        return "{pid}" in str(self.template)
 
     def write(self, elsewhere: frozenset[int] | None = frozenset()) -> None:
         """Write the file atomically (a temporary file beside it, then a rename); raise OSError if it cannot.
 
         Blocking (a file write): call it from a worker thread, never the loop. Then
         remove the files that stopped daemons of this host left under the ``{pid}`` pattern,
-        never those of ``elsewhere``, the live daemons' pids on other hosts (None: not known
-        now, none is removed).
+        never those of ``elsewhere``, the other live daemons' pids (None: not known now, none
+        is removed).
         The file is created with the process's umask (the daemon's 027 leaves
         it readable by its group: put node_exporter's user in that group). A missing
         folder is made, as log_file's is.

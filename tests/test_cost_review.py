@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -792,32 +793,44 @@ def test_a_spent_budget_is_said_in_plain_numbers(env: Env, cost: float, cap: flo
     assert result["reason"].endswith(f"not retried: the budget is spent ({said})"), result["reason"]
 
 
-def test_a_metrics_file_of_a_daemon_on_another_host_under_the_same_pid_pattern_is_left_alone(env: Env) -> None:
+@pytest.mark.parametrize(
+    ("hostname", "template"),
+    [("other-host", "m-{pid}.prom"), (None, "m-{host}-{pid}.prom")],
+    ids=["another-host", "a-container-under-this-hosts-name"],
+)
+def test_a_metrics_file_of_a_daemon_on_another_host_under_the_same_pid_pattern_is_left_alone(
+    env: Env, hostname: str | None, template: str
+) -> None:
     """metrics_file m-{pid}.prom shared by two hosts (section 10: a daemon removes only the files its host's stopped
     daemons left): a second daemon in a host of its own (its own host name and pid namespace, as a container is)
-    keeps its file beside this one's for two rewrites and more; a file this host's stopped daemon left still goes."""
+    keeps its file beside this one's for two rewrites and more; a file this host's stopped daemon left still goes.
+    The same for a daemon in a pid namespace of its own under this host's name (a container sharing it): its pid
+    means another process here, even with {host} in the name."""
     unshare = shutil.which("unshare")
     assert unshare is not None, "unshare (util-linux) is needed"
     folder = env.tmp / "m"
-    env.configure(agents={"worker": env.agent()}, metrics_file=str(folder / "m-{pid}.prom"))
+    env.configure(agents={"worker": env.agent()}, metrics_file=str(folder / template))
+    host = socket.gethostname()
     gone = subprocess.Popen(["true"])
     gone.wait()
     folder.mkdir()
-    (folder / f"m-{gone.pid}.prom").write_text("# left by a daemon of this host that stopped\n")
+    stale = folder / template.replace("{host}", host).replace("{pid}", str(gone.pid))
+    stale.write_text("# left by a daemon of this host that stopped\n")
     here = env.daemon()
     here.wait_ready()
-    mine = folder / f"m-{here.proc.pid}.prom"  # type: ignore[union-attr]
-    script = 'hostname other-host && exec "$0" -m dispatcher --config "$1" run'
+    mine = folder / template.replace("{host}", host).replace("{pid}", str(here.proc.pid))  # type: ignore[union-attr]
+    script = f"hostname {hostname} && " if hostname else ""
+    script += 'exec "$0" -m dispatcher --config "$1" run'
     with open(env.tmp / "other-host.log", "wb") as out:
         other = subprocess.Popen(
-            [unshare, "--uts", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
-             str(env.config_path)],
+            [unshare, *(["--uts"] if hostname else []), "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c",
+             script, sys.executable, str(env.config_path)],
             stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
         )  # fmt: skip
     try:
-        theirs = folder / "m-1.prom"  # the daemon is pid 1 of its namespace
+        theirs = folder / template.replace("{host}", hostname or host).replace("{pid}", "1")  # pid 1 of its namespace
         wait_until(lambda: mine.exists() and theirs.exists(), 30, "both daemons' metrics files")
-        wait_until(lambda: not (folder / f"m-{gone.pid}.prom").exists(), 15, "this host's stale file removed")
+        wait_until(lambda: not stale.exists(), 15, "this host's stale file removed")
         deadline = time.monotonic() + 12  # more than two rewrites of each file (every 5 s)
         while time.monotonic() < deadline:
             assert mine.exists() and theirs.exists(), sorted(os.listdir(folder))

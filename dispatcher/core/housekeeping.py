@@ -412,16 +412,17 @@ class Housekeeping:
             self._writing = False
 
     async def _elsewhere(self, metrics: Metrics) -> frozenset[int] | None:
-        """Return the pids of the live daemons on other hosts when their metrics files may share this one's
-        ``{pid}`` pattern (section 10: only this host's stopped daemons' files go); None if the ledger does
-        not answer in time (no file is removed in this write)."""
-        if not metrics.shared_by_hosts():
+        """Return the pids of the other live daemons when their metrics files may share this one's ``{pid}``
+        pattern (section 10: only this host's stopped daemons' files go; a pid of another host or pid
+        namespace is not one of this /proc's); None if the ledger does not answer in time (no file is
+        removed in this write)."""
+        if not metrics.has_pid_pattern():
             return frozenset()
         try:
             daemons = await asyncio.wait_for(self.ctx.lanes.ledger(self.ctx.ledger.daemons), GATE_WAITS_S)
         except Exception:  # noqa: BLE001 - the file is written whatever the ledger does (section 10)
             return None
-        return frozenset(d.pid for d in daemons if d.alive and d.host != metrics.host)
+        return frozenset(d.pid for d in daemons if d.alive and d.owner != self.ctx.ledger.owner)
 
     async def _gate_waits(self) -> frozenset[str]:
         """Return the jobs a gate holds (in active/, counted waiting as `status` counts them); none when no gate
