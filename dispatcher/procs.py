@@ -13,6 +13,7 @@ import errno
 import fcntl
 import os
 import signal
+import socket
 from collections.abc import Callable, Mapping
 
 _GROUP_POLL_S = 0.02  # how often a group being ended is looked at
@@ -28,6 +29,28 @@ def stat_fields(pid: int) -> list[str] | None:
         return None
     # the command name may hold spaces and parentheses: split after the last ')'
     return data[data.rindex(b")") + 2 :].decode().split()
+
+
+def pid_namespace() -> str:
+    """Return this process's pid namespace as its inode number ("" where /proc does not say)."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # pid:[4026531836]
+    except OSError:
+        return ""
+    return link.rpartition("[")[2].rstrip("]")
+
+
+_HOST = socket.gethostname()
+_PIDNS = pid_namespace()
+
+
+def seen_here(host: object, pidns: object) -> bool:
+    """Return True if a pid noted on host in pid namespace pidns is one of this /proc's (None: not noted).
+
+    A pid from another host, or from another pid namespace under this host's name (a container),
+    names another process here, if any: it is never looked up nor signalled as the noted one.
+    """
+    return (host is None or host == _HOST) and (pidns is None or not _PIDNS or pidns == _PIDNS)
 
 
 def boot_time() -> float:

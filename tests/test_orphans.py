@@ -402,3 +402,27 @@ def test_an_attempt_noted_at_its_start_keeps_that_start_when_its_folder_changes_
     (folder.path / "attempts" / "1" / "attempt.json").write_text("{}")  # the folder changes 1.5 s later
     started = folder.attempt_started(1)
     assert started is not None and abs(started - noted_at) < 0.3, (started, noted_at)
+
+
+def test_a_pid_noted_in_another_pid_namespace_is_never_taken_for_the_agent_here() -> None:
+    """A dead daemon's agent noted in another pid namespace under this host's name (a container), or on another
+    host: the pid means another process in this /proc, which recovery must never end as the agent. The same
+    note in this namespace and host names the agent's group."""
+    import socket
+
+    from dispatcher import procs
+    from dispatcher.store import orphans
+
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        fields = procs.stat_fields(proc.pid)
+        assert fields is not None
+        note = {"pid": proc.pid, "boot_started": procs.start_boot_s(fields), "host": socket.gethostname()}
+        here = orphans._recorded({**note, "pidns": procs.pid_namespace()}, "J1", None)
+        elsewhere = orphans._recorded({**note, "pidns": "1"}, "J1", None)
+        other_host = orphans._recorded({**note, "host": "another-host"}, "J1", None)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert here == [proc.pid]
+    assert elsewhere == [] and other_host == []

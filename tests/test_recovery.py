@@ -609,8 +609,8 @@ def test_an_attempt_cut_by_its_daemons_death_keeps_the_host_it_ran_on(env: Env) 
     os.killpg(pid, signal.SIGKILL)  # no orphan left: only the record is recovered
     wait_gone([pid], [pid], timeout=10)
     note = os.getxattr(log, "user.dispatcher.agent").decode().split()
-    assert len(note) == 4, note  # pid, start on the boot clock, start on the wall clock, host
-    os.setxattr(log, "user.dispatcher.agent", " ".join([*note[:3], "other-host"]).encode())  # as another host notes
+    assert len(note) == 5, note  # pid, start on the boot clock, start on the wall clock, host, pid namespace
+    os.setxattr(log, "user.dispatcher.agent", " ".join([*note[:3], "other-host", note[4]]).encode())  # another host
     d2 = env.daemon()
     result = env.wait_job("HOST-1", "failed", timeout=30)
     assert [(a["n"], a["host"], a.get("interrupted")) for a in result["attempts"]] == [(1, "other-host", True)]

@@ -101,6 +101,45 @@ def test_show_of_a_running_attempt_gives_the_argv_it_runs_and_its_host(env: Env)
     assert "argv: " + " ".join([*base, "--sleep", "60", "--field", "session=S-7"]) in text, text
 
 
+def test_show_of_an_attempt_under_way_in_another_pid_namespace_says_it_runs(env: Env) -> None:
+    """A daemon in a pid namespace of its own (a container under this host's name, or another host: this /proc
+    holds none of its processes) runs an agent: `show` from here says it runs, as long as its daemon lives, and
+    never that its agent is gone; once that daemon is dead, it says so."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed"
+    env.configure(agents={"worker": env.agent("--sleep", "60")})
+    script = 'exec "$0" -m dispatcher --config "$1" run'
+    with open(env.tmp / "other.log", "wb") as out:
+        other = subprocess.Popen(
+            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
+             str(env.config_path)],
+            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
+        )  # fmt: skip
+    try:
+        env.drop(order("NS-1"))
+        wait_until(lambda: ("NS-1", 1) in env.starts(), 30, "the agent to start")
+
+        def under_way() -> dict[str, Any]:
+            attempts = json.loads(env.cli("show", "NS-1", "--json", check=True).stdout)["attempts"]
+            return attempts[-1]  # type: ignore[no-any-return]
+
+        wait_until(lambda: under_way().get("pid") is not None, 30, "the agent's note")
+        assert under_way()["running"] is True, under_way()
+        text = env.cli("show", "NS-1").stdout
+        assert "running as pid" in text and "its agent gone" not in text, text
+    finally:
+        other.send_signal(signal.SIGKILL)  # its daemon and its agent, the whole namespace
+        other.wait(30)
+    assert under_way()["running"] is False
+
+
 def test_a_stray_file_in_a_state_folder_is_no_job(env: Env) -> None:
     """A file put by hand into active/ (or review/, done/, failed/) is no job (section 1: those folders hold jobs):
     `run --once` neither recovers nor waits for it, its name is not claimed in the ledger, and `status` and `list`

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +221,7 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
     else:  # running: what the attempts so far recorded, and the one under way
         records = folder.attempts()
         argv = _argv_next(layout, spec, folder, records) if spec is not None else None
-        begun = _under_way(folder, {a.n for a in records}, argv)
+        begun = _under_way(folder, {a.n for a in records}, argv, lambda: _owner_alive(ledger, job_id))
         attempts = [a.to_json(internal=False) for a in records] + begun
         cost = total_cost(records)
     until = _waiting(ledger, job_id, agent) if state is State.ACTIVE else None
@@ -256,12 +256,21 @@ def _argv_next(layout: Layout, spec: JobSpec, folder: JobFolder, records: list[A
     return [redact(a) for a in argv_after(spec, folder.work_dir, records, workspace)]
 
 
-def _under_way(folder: JobFolder, recorded: set[int], argv: list[str] | None) -> list[dict[str, Any]]:
+def _owner_alive(ledger: Ledger | None, job_id: str) -> bool:
+    """Return True if the daemon that owns job_id's claim lives (the ledger says so)."""
+    entry = ledger.get(job_id) if ledger is not None else None
+    return entry is not None and entry.owner is not None and ledger is not None and ledger.alive(entry.owner)
+
+
+def _under_way(
+    folder: JobFolder, recorded: set[int], argv: list[str] | None, owner_alive: Callable[[], bool]
+) -> list[dict[str, Any]]:
     """Return the attempts begun but not yet recorded: n, started, pid, host, argv, and whether its agent runs.
 
     Its record (attempt.json) is written once, when it ends; until then the agent's note on its
     stdout.log says when it started, as which process and on which host. Its argv is the one
-    rendered for the attempt after the recorded ones (``argv``).
+    rendered for the attempt after the recorded ones (``argv``). An agent on another host, or in
+    another pid namespace, is not in this /proc: it runs while its daemon lives (``owner_alive``).
     """
     out = []
     for n in folder.attempt_numbers():
@@ -272,11 +281,14 @@ def _under_way(folder: JobFolder, recorded: set[int], argv: list[str] | None) ->
             continue
         started = note.get("started")
         boot = note.get("boot_started")
-        alive = procs.is_alive(  # on its start time, so that a pid reused since never reads as its agent
-            int(note["pid"]),
-            float(started) if isinstance(started, (int, float)) else None,
-            boot_started=float(boot) if boot is not None else None,
-        )
+        if not procs.seen_here(note.get("host"), note.get("pidns")):
+            alive = owner_alive()
+        else:  # on its start time, so that a pid reused since never reads as its agent
+            alive = procs.is_alive(
+                int(note["pid"]),
+                float(started) if isinstance(started, (int, float)) else None,
+                boot_started=float(boot) if boot is not None else None,
+            )
         out.append(
             {
                 "n": n,

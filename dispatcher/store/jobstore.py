@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dispatcher import fsutil
+from dispatcher import fsutil, procs
 from dispatcher.layout import Layout
 from dispatcher.lifecycle import State
 from dispatcher.shortage import resource_of
@@ -43,8 +43,9 @@ from dispatcher.spec.result import CheckResult, Result
 JOB_FILE = "job.json"
 RESULT = "result.json"
 STAGED = ".result.json.staged"
-AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED WALL_STARTED HOST"
+AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED WALL_STARTED HOST PIDNS"
 _HOST = socket.gethostname()  # the host an attempt started on, as its record will say
+_PIDNS = procs.pid_namespace()  # the pid namespace its pid is one of
 SPEC_MAX = 8 * 1024 * 1024
 RECORD_MAX = 1024 * 1024
 _WORK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -142,7 +143,7 @@ class JobFolder:
         return out
 
     def pid_record(self, n: int) -> dict[str, Any] | None:
-        """Return the running record of attempt n ({pid, boot_started[, started, host]}), or None.
+        """Return the running record of attempt n ({pid, boot_started[, started, host, pidns]}), or None.
 
         The agent's pid and start on the boot clock (and on the wall clock: ``started``, and the
         host it runs on), noted on its stdout.log as an extended attribute (``note_agent``);
@@ -155,6 +156,8 @@ class JobFolder:
                 record["started"] = float(rest[0])
             if len(rest) > 1:  # noted since the host was added
                 record["host"] = rest[1]
+            if len(rest) > 2:  # and its pid namespace: a pid of another one means another process here
+                record["pidns"] = rest[2]
             return record
         except (OSError, ValueError):
             pass
@@ -174,7 +177,7 @@ class JobFolder:
         """
         try:  # (not contextlib.suppress: three calls more at every agent's start)
             boot = time.clock_gettime(time.CLOCK_BOOTTIME)
-            note = f"{pid} {boot:.3f} {time.time():.3f} {_HOST}"
+            note = f"{pid} {boot:.3f} {time.time():.3f} {_HOST} {_PIDNS}"
             os.setxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR, note.encode())
         except OSError:
             return

@@ -51,6 +51,8 @@ def _recorded(info: dict[str, object], job_id: str, slots: str | None) -> list[i
     in its environment (another job's agent that took the pid, and its children). Members with
     the job's environment are found by ``procs.job_groups`` anyway.
     """
+    if not procs.seen_here(info.get("host"), info.get("pidns")):
+        return []  # noted on another host or in another pid namespace: that pid is another process here
     pid = int(str(info["pid"]))
     boot = info.get("boot_started")
     started = info.get("started")
