@@ -355,21 +355,42 @@ def one_malloc_arena() -> None:
 _M_ARENA_MAX = -8  # malloc.h
 
 
-def orphaned(pgid: int) -> bool:
-    """Return True if the leader of process group pgid lives and its parent is no dispatcher process.
+def flock_holder(path: str | os.PathLike[str]) -> int | None:
+    """Return the pid that took the ``flock`` held on path's file (/proc/locks), or None if none is seen.
 
-    A hook or agent is its group's leader and a child of the daemon (or command) that started it;
-    when that process dies, the leader is handed to init or a subreaper. Its parent's command
-    line is read, not compared with 1: a daemon may be pid 1 of its own pid namespace.
+    The pid stays the locker's after it died while a child that inherited the descriptor
+    keeps the lock: a live lock whose locker is gone is held by what that process left running.
     """
-    fields = stat_fields(pgid)
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != b"FLOCK":
+            continue
+        try:
+            major, minor, ino = parts[5].split(b":")
+            if (int(major, 16), int(minor, 16), int(ino)) == want:
+                return int(parts[4])
+        except ValueError:
+            continue
+    return None
+
+
+def is_dispatcher(pid: int) -> bool:
+    """Return True if pid runs (not a zombie) and its command line names dispatcher."""
+    fields = stat_fields(pid) if pid > 0 else None
     if fields is None or fields[0] in ("Z", "X"):
         return False
     try:
-        with open(f"/proc/{fields[1]}/cmdline", "rb") as f:
-            return b"dispatcher" not in f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dispatcher" in f.read()
     except OSError:
-        return True
+        return False
 
 
 def signal_group(pgid: int, sig: int) -> bool:

@@ -465,6 +465,29 @@ def test_a_land_hook_whose_daemon_died_is_not_taken_for_cut_short_by_a_daemon_th
     assert [line.split()[0] for line in log.read_text().splitlines()] == ["start", "end", "start", "end"]
 
 
+def test_a_land_hook_that_waits_for_a_child_in_a_session_of_its_own_lands(env: Env, tmp_path: Path) -> None:
+    """A live daemon's land hook whose child runs in a session of its own (`setsid`, Python's
+    `start_new_session`), waited for across the daemon's passes: nothing of it is ended, no `hook.orphan_ended`,
+    and the job lands."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    child = "import subprocess; subprocess.run(['sleep', '3'], start_new_session=True, check=True)"
+    hook = [
+        "sh",
+        "-c",
+        f'"{sys.executable}" -c "{child}" || {{ echo killed >> "$0"; exit 1; }}; echo ok >> "$0"',
+        str(log),
+    ]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)}, rescan_interval=1)
+    d = env.daemon()
+    env.drop(code_order("SS1"))
+    landed = d.wait_event("job.landed", job_id="SS1", timeout=60)
+    assert landed["job_id"] == "SS1"
+    assert log.read_text() == "ok\n"
+    assert count_events(d, "hook.orphan_ended") == 0
+    assert d.stop() == 0
+
+
 def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, tmp_path: Path) -> None:
     """A land hook that fails logs land.failed and notifies; once fixed, `dispatcher land ID` lands the job."""
     repo = make_repo(tmp_path / "shop")

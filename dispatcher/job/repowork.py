@@ -29,6 +29,7 @@ from dispatcher import faults, procs
 from dispatcher.job import afterowed, gitview, hooks, landing, worktree
 from dispatcher.job.control import Left
 from dispatcher.job.gitview import GitView
+from dispatcher.job.owed import RUNNING, Markers
 from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
 from dispatcher.job.treehazards import hazard
 from dispatcher.job.worktree import GitError, Workspace
@@ -507,7 +508,7 @@ async def housekeep(
             if locked:
                 log.warning("workspace.locked", repo=repo, worktrees=locked, hint=UNLOCK_HINT)
     afters = await lanes.io(afterowed.look, layout)
-    if await _end_orphaned(layout, lanes, cfg, afters.running, "after"):
+    if await _end_orphaned(layout, lanes, cfg, afters.running, "after", afterowed.MARKERS):
         afters = await lanes.io(afterowed.look, layout)  # their locks let go with them: now cut short
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     if startup or afters.interrupted:  # after the hooks a crash left running are ended: a hook runs in the worktree
@@ -533,7 +534,7 @@ async def housekeep(
                 log.exception("daemon.error", step="after hook", job_id=job_id, agent=None, error=str(exc))
             await _remove_worktree(layout, lanes, job_id)  # final: its worktree goes once its after hook ran
     owed = await lanes.io(landing.look, layout)
-    if await _end_orphaned(layout, lanes, cfg, owed.running, "land"):
+    if await _end_orphaned(layout, lanes, cfg, owed.running, "land", landing.MARKERS):
         owed = await lanes.io(landing.look, layout)
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
@@ -626,27 +627,42 @@ async def _end_leftovers(
     return {job_id: agent for job_id, (_, agent) in places.items()}
 
 
-async def _end_orphaned(layout: Layout, lanes: Lanes, cfg: Config, job_ids: list[str], hook: str) -> bool:
+async def _end_orphaned(
+    layout: Layout, lanes: Lanes, cfg: Config, job_ids: list[str], hook: str, markers: Markers
+) -> bool:
     """End the hook runs of this host whose daemon died (their marker is locked by the hook's own processes).
 
     A hook holds its marker's lock with its daemon (``owed.look``), so that a daemon of another
-    host (or another pid namespace) never takes a run still going for one cut short. On the
-    host where it runs, a run whose group leader's parent is no dispatcher process (its daemon,
-    or `dispatcher land`, died: the leader was handed to init) is ended as ``_end_leftovers``
-    ends an unlocked one's, before it is recorded. Return True if any was ended.
+    host (or another pid namespace) never takes a run still going for one cut short. A run whose
+    lock was taken by a process that no longer runs as dispatcher (its daemon, or `dispatcher
+    land`, died) is ended on the host where it runs as ``_end_leftovers`` ends an unlocked one's,
+    before it is recorded; a live daemon's run, and what it started in sessions of its own, is
+    never touched. Return True if any was ended.
     """
     if not job_ids:
         return False
-    places = await lanes.io(_works_of, layout, job_ids)
+    folder = markers.folder(layout)
+    cut = [j for j in job_ids if not _run_by_live(folder / f"{j}{RUNNING}")]
+    if not cut:
+        return False
+    places = await lanes.io(_works_of, layout, cut)
     groups = await lanes.scan(procs.job_groups, {job_id: work for job_id, (work, _) in places.items()})
     ends = []
     for job_id, pgids in groups.items():
         for pgid in pgids:
-            if procs.orphaned(pgid):
-                log.warning("hook.orphan_ended", hook=hook, job_id=job_id, agent=places[job_id][1], pid=pgid)
-                ends.append(procs.end_group(pgid, cfg.kill_grace_s))
+            log.warning("hook.orphan_ended", hook=hook, job_id=job_id, agent=places[job_id][1], pid=pgid)
+            ends.append(procs.end_group(pgid, cfg.kill_grace_s))
     await asyncio.gather(*ends)
     return bool(ends)
+
+
+def _run_by_live(marker: Path) -> bool:
+    """Return True unless the lock on a ``.running`` marker was taken by a process now gone (or no dispatcher).
+
+    No lock seen (settled meanwhile, or /proc/locks unreadable) is left alone: True.
+    """
+    holder = procs.flock_holder(marker)
+    return holder is None or procs.is_dispatcher(holder)
 
 
 def _works_of(layout: Layout, job_ids: list[str]) -> dict[str, tuple[str, str | None]]:
