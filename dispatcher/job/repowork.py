@@ -641,8 +641,7 @@ async def _end_orphaned(
     """
     if not job_ids:
         return False
-    folder = markers.folder(layout)
-    cut = [j for j in job_ids if not _run_by_live(folder / f"{j}{RUNNING}")]
+    cut = await lanes.io(_cut_short, markers.folder(layout), job_ids)
     if not cut:
         return False
     places = await lanes.io(_works_of, layout, cut)
@@ -656,13 +655,17 @@ async def _end_orphaned(
     return bool(ends)
 
 
-def _run_by_live(marker: Path) -> bool:
-    """Return True unless the lock on a ``.running`` marker was taken by a process now gone (or no dispatcher).
+def _cut_short(folder: Path, job_ids: list[str]) -> list[str]:
+    """Return the jobs whose ``.running`` marker's lock was taken by a process now gone or no dispatcher (blocking).
 
-    No lock seen (settled meanwhile, or /proc/locks unreadable) is left alone: True.
+    A marker whose lock is not seen (settled meanwhile, or /proc/locks unreadable) is left alone.
     """
-    holder = procs.flock_holder(marker)
-    return holder is None or procs.is_dispatcher(holder)
+    out = []
+    for job_id in job_ids:
+        holder = procs.flock_holder(folder / f"{job_id}{RUNNING}")
+        if holder is not None and not procs.is_dispatcher(holder):
+            out.append(job_id)
+    return out
 
 
 def _works_of(layout: Layout, job_ids: list[str]) -> dict[str, tuple[str, str | None]]:
