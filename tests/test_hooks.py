@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -486,6 +487,35 @@ def test_a_land_hook_that_waits_for_a_child_in_a_session_of_its_own_lands(env: E
     assert log.read_text() == "ok\n"
     assert count_events(d, "hook.orphan_ended") == 0
     assert d.stop() == 0
+
+
+def test_a_cut_land_hook_whose_child_cleared_its_environment_is_recorded_and_lands_again(
+    env: Env, tmp_path: Path
+) -> None:
+    """kill -9 while the land hook runs, its child started as `setsid env -i` (no DISPATCH_* variables to find it
+    by, and holding the hook's lock): the next start ends the hook's group and records the run as cut short
+    at once, without waiting for that child, and `land ID` then runs the hook again."""
+    repo = make_repo(tmp_path / "shop")
+    log = tmp_path / "land.txt"
+    first = 'echo "start $$" >> "$0"; [ -e "$0.once" ] && exit 0; : > "$0.once"; setsid env -i sleep 60 & '
+    first += 'echo "child $!" >> "$0"; sleep 60'
+    hook = ["sh", "-c", first, str(log)]
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)})
+    env.drop(code_order("EI1"))
+    d = env.daemon()
+    wait_until(lambda: log.exists() and "child " in log.read_text(), 60, "the land hook and its child to start")
+    child = int(log.read_text().split("child ")[1].split()[0])
+    d.kill()
+    d2 = env.daemon()
+    try:
+        d2.wait_event("land.failed", job_id="EI1", timeout=30)
+        assert alive(child)  # recorded without waiting for it
+        proc = env.cli("land", "EI1")
+        assert (proc.returncode, proc.stdout) == (0, "EI1: landed\n"), proc.stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    assert d2.stop() == 0
 
 
 def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, tmp_path: Path) -> None:

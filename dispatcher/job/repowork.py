@@ -20,6 +20,7 @@ import functools
 import os
 import subprocess
 from collections.abc import Awaitable, Callable, Container, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from dispatcher import faults, procs
 from dispatcher.job import afterowed, gitview, hooks, landing, worktree
 from dispatcher.job.control import Left
 from dispatcher.job.gitview import GitView
-from dispatcher.job.owed import RUNNING, Markers
+from dispatcher.job.owed import RUNNING, Markers, Owed
 from dispatcher.job.runner import AgentProcess, build_env, dispatch_env
 from dispatcher.job.treehazards import hazard
 from dispatcher.job.worktree import GitError, Workspace
@@ -508,8 +509,9 @@ async def housekeep(
             if locked:
                 log.warning("workspace.locked", repo=repo, worktrees=locked, hint=UNLOCK_HINT)
     afters = await lanes.io(afterowed.look, layout)
-    if await _end_orphaned(layout, lanes, cfg, afters.running, "after", afterowed.MARKERS):
-        afters = await lanes.io(afterowed.look, layout)  # their locks let go with them: now cut short
+    cut = await _end_orphaned(layout, lanes, cfg, afters.running, "after", afterowed.MARKERS)
+    if cut:  # their locks go with them (or stay with what could not be found: cut short all the same)
+        afters = _with_cut(await lanes.io(afterowed.look, layout), cut)
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     if startup or afters.interrupted:  # after the hooks a crash left running are ended: a hook runs in the worktree
         # an after hook owed now runs in its job's worktree, removed once it has run
@@ -534,8 +536,9 @@ async def housekeep(
                 log.exception("daemon.error", step="after hook", job_id=job_id, agent=None, error=str(exc))
             await _remove_worktree(layout, lanes, job_id)  # final: its worktree goes once its after hook ran
     owed = await lanes.io(landing.look, layout)
-    if await _end_orphaned(layout, lanes, cfg, owed.running, "land", landing.MARKERS):
-        owed = await lanes.io(landing.look, layout)
+    cut = await _end_orphaned(layout, lanes, cfg, owed.running, "land", landing.MARKERS)
+    if cut:
+        owed = _with_cut(await lanes.io(landing.look, layout), cut)
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
         await lanes.io(landing.record_interrupted, layout, job_id)
@@ -627,9 +630,22 @@ async def _end_leftovers(
     return {job_id: agent for job_id, (_, agent) in places.items()}
 
 
+def _with_cut(found: Owed, cut: list[str]) -> Owed:
+    """Count as cut short the runs whose daemon died that still look running after their groups were ended.
+
+    What holds their marker's lock then is a process no look can find (a child that ran
+    `setsid env -i`): the run is recorded as cut short all the same, as before a hook held its lock.
+    """
+    held = [job_id for job_id in found.running if job_id in cut]
+    if not held:
+        return found
+    rest = [job_id for job_id in found.running if job_id not in cut]
+    return replace(found, interrupted=[*found.interrupted, *held], running=rest)
+
+
 async def _end_orphaned(
     layout: Layout, lanes: Lanes, cfg: Config, job_ids: list[str], hook: str, markers: Markers
-) -> bool:
+) -> list[str]:
     """End the hook runs of this host whose daemon died (their marker is locked by the hook's own processes).
 
     A hook holds its marker's lock with its daemon (``owed.look``), so that a daemon of another
@@ -637,13 +653,13 @@ async def _end_orphaned(
     lock was taken by a process that no longer runs as dispatcher (its daemon, or `dispatcher
     land`, died) is ended on the host where it runs as ``_end_leftovers`` ends an unlocked one's,
     before it is recorded; a live daemon's run, and what it started in sessions of its own, is
-    never touched. Return True if any was ended.
+    never touched. Return the runs taken for cut short.
     """
     if not job_ids:
-        return False
-    cut = await lanes.io(_cut_short, markers.folder(layout), job_ids)
+        return []
+    cut: list[str] = await lanes.io(_cut_short, markers.folder(layout), job_ids)
     if not cut:
-        return False
+        return []
     places = await lanes.io(_works_of, layout, cut)
     groups = await lanes.scan(procs.job_groups, {job_id: work for job_id, (work, _) in places.items()})
     ends = []
@@ -652,7 +668,7 @@ async def _end_orphaned(
             log.warning("hook.orphan_ended", hook=hook, job_id=job_id, agent=places[job_id][1], pid=pgid)
             ends.append(procs.end_group(pgid, cfg.kill_grace_s))
     await asyncio.gather(*ends)
-    return bool(ends)
+    return cut
 
 
 def _cut_short(folder: Path, job_ids: list[str]) -> list[str]:
