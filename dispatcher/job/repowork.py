@@ -511,7 +511,7 @@ async def housekeep(
     afters = await lanes.io(afterowed.look, layout)
     cut = await _end_orphaned(layout, lanes, cfg, afters.running, "after", afterowed.MARKERS)
     if cut:  # their locks go with them (or stay with what could not be found: cut short all the same)
-        afters = _with_cut(await lanes.io(afterowed.look, layout), cut)
+        afters = await _looked_again(lanes, layout, afterowed.MARKERS, cut)
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     if startup or afters.interrupted:  # after the hooks a crash left running are ended: a hook runs in the worktree
         # an after hook owed now runs in its job's worktree, removed once it has run
@@ -538,7 +538,7 @@ async def housekeep(
     owed = await lanes.io(landing.look, layout)
     cut = await _end_orphaned(layout, lanes, cfg, owed.running, "land", landing.MARKERS)
     if cut:
-        owed = _with_cut(await lanes.io(landing.look, layout), cut)
+        owed = await _looked_again(lanes, layout, landing.MARKERS, cut)
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
         await lanes.io(landing.record_interrupted, layout, job_id)
@@ -630,16 +630,20 @@ async def _end_leftovers(
     return {job_id: agent for job_id, (_, agent) in places.items()}
 
 
-def _with_cut(found: Owed, cut: list[str]) -> Owed:
-    """Count as cut short the runs whose daemon died that still look running after their groups were ended.
+async def _looked_again(lanes: Lanes, layout: Layout, markers: Markers, cut: list[str]) -> Owed:
+    """Look at the markers again once the cut runs' groups are ended; those still locked by their dead locker
+    count as cut short too.
 
-    What holds their marker's lock then is a process no look can find (a child that ran
-    `setsid env -i`): the run is recorded as cut short all the same, as before a hook held its lock.
+    What holds such a marker's lock then is a process no look can find (a child that ran
+    `setsid env -i`): the run is recorded as cut short all the same, as before a hook held its
+    lock. One that another daemon's look has locked since (to record it) is that daemon's.
     """
-    held = [job_id for job_id in found.running if job_id in cut]
+    found: Owed = await lanes.io(markers.look, layout)
+    maybe = [job_id for job_id in found.running if job_id in cut]
+    held: list[str] = await lanes.io(_cut_short, markers.folder(layout), maybe) if maybe else []
     if not held:
         return found
-    rest = [job_id for job_id in found.running if job_id not in cut]
+    rest = [job_id for job_id in found.running if job_id not in held]
     return replace(found, interrupted=[*found.interrupted, *held], running=rest)
 
 
