@@ -987,7 +987,8 @@ def test_a_folder_removed_by_hand_is_made_again_for_a_join_a_retry_and_a_revisio
     if how == "join":
         env.drop(order("V1", to="rev"))
         env.drop(order("C1", after=["V1"]))
-        d.wait_event("job.review", job_id="V1")
+        d.wait_event("job.review", job_id="V1")  # logged at the ledger's commit, just before the folder moves
+        wait_until(lambda: not any((env.root / "active").iterdir()), 30, "V1 out of active/")
         (env.root / "active").rmdir()
         env.cli("approve", "V1", check=True)
         d.wait_event("job.done", job_id="C1", timeout=30)
@@ -1000,6 +1001,7 @@ def test_a_folder_removed_by_hand_is_made_again_for_a_join_a_retry_and_a_revisio
     elif how == "revise":
         env.drop(order("X3", to="rev"))
         d.wait_event("job.review", job_id="X3")
+        wait_until(lambda: not any((env.root / "active").iterdir()), 30, "X3 out of active/")
         (env.root / "active").rmdir()
         env.cli("revise", "X3", "--note", "again", check=True)
         d.wait_event("job.revised", job_id="X3", timeout=30)
