@@ -223,6 +223,29 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def namespaced_daemon(
+    config: Path, out: Path, cwd: Path, *, hostname: str | None = None, pid1: bool = True
+) -> subprocess.Popen[bytes]:
+    """Start `dispatcher run` in a pid namespace of its own, as a container runs it (`unshare --pid --mount-proc`).
+
+    ``hostname``: its own host name (`--uts`); else this host's. ``pid1``: the daemon is pid 1 there, else
+    pid 2 under its `sh`. Its output goes to out; SIGKILL of the returned process ends the whole namespace.
+    """
+    import shutil
+
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed"
+    script = f"hostname {hostname} && " if hostname else ""
+    script += ("exec " if pid1 else "") + '"$0" -m dispatcher --config "$1" run'
+    uts = ["--uts"] if hostname else []
+    with open(out, "wb") as log:
+        return subprocess.Popen(
+            [unshare, *uts, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
+             str(config)],
+            stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=cwd,
+        )  # fmt: skip
+
+
 class Daemon:
     """A real `dispatcher run` process with its output captured to a file."""
 

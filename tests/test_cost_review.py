@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Daemon, Env, cli_env, order, wait_until
+from conftest import Daemon, Env, cli_env, namespaced_daemon, order, wait_until
 from helpers_faults import run_once_killed_at, write_script
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -806,8 +805,6 @@ def test_a_metrics_file_of_a_daemon_on_another_host_under_the_same_pid_pattern_i
     keeps its file beside this one's for two rewrites and more; a file this host's stopped daemon left still goes.
     The same for a daemon in a pid namespace of its own under this host's name (a container sharing it): its pid
     means another process here, even with {host} in the name."""
-    unshare = shutil.which("unshare")
-    assert unshare is not None, "unshare (util-linux) is needed"
     folder = env.tmp / "m"
     env.configure(agents={"worker": env.agent()}, metrics_file=str(folder / template))
     host = socket.gethostname()
@@ -819,14 +816,7 @@ def test_a_metrics_file_of_a_daemon_on_another_host_under_the_same_pid_pattern_i
     here = env.daemon()
     here.wait_ready()
     mine = folder / template.replace("{host}", host).replace("{pid}", str(here.proc.pid))  # type: ignore[union-attr]
-    script = f"hostname {hostname} && " if hostname else ""
-    script += 'exec "$0" -m dispatcher --config "$1" run'
-    with open(env.tmp / "other-host.log", "wb") as out:
-        other = subprocess.Popen(
-            [unshare, *(["--uts"] if hostname else []), "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c",
-             script, sys.executable, str(env.config_path)],
-            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
-        )  # fmt: skip
+    other = namespaced_daemon(env.config_path, env.tmp / "other-host.log", env.tmp, hostname=hostname)
     try:
         theirs = folder / template.replace("{host}", hostname or host).replace("{pid}", "1")  # pid 1 of its namespace
         wait_until(lambda: mine.exists() and theirs.exists(), 30, "both daemons' metrics files")

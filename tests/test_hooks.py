@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, cli_env, wait_until
+from conftest import Env, cli_env, namespaced_daemon, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
 from helpers_faults import alive, count_events, env_daemon
 
@@ -420,8 +419,6 @@ def test_a_land_hook_whose_daemon_died_is_not_taken_for_cut_short_by_a_daemon_th
     first's processes). kill -9 of the first while its land hook runs: the hook runs on, and the second neither
     records it as cut short nor lets `land ID` start beside it until it has ended; then it records it (once) and
     `land ID` runs it again, never beside the first run."""
-    unshare = shutil.which("unshare")
-    assert unshare is not None, "unshare (util-linux) is needed"
     repo = make_repo(tmp_path / "shop")
     log = tmp_path / "land.txt"
     first = 'echo "start $$" >> "$0"; [ -e "$0.once" ] && { echo end >> "$0"; exit 0; }; : > "$0.once"; sleep 8; '
@@ -431,14 +428,8 @@ def test_a_land_hook_whose_daemon_died_is_not_taken_for_cut_short_by_a_daemon_th
     env.drop(code_order("XH"))
     wait_until(lambda: log.exists() and log.read_text().startswith("start "), 60, "the land hook to start")
     pid = int(log.read_text().split()[1])
-    script = 'exec "$0" -m dispatcher --config "$1" run'
     other_log = tmp_path / "other.log"
-    with open(other_log, "wb") as out:
-        other = subprocess.Popen(
-            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
-             str(env.config_path)],
-            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=tmp_path,
-        )  # fmt: skip
+    other = namespaced_daemon(env.config_path, other_log, tmp_path)
     try:
 
         def other_events(name: str) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Env, cli_env, order, wait_until
+from conftest import Env, cli_env, namespaced_daemon, order, wait_until
 
 from dispatcher.ops.daemons import systemd_unit, unit_of_cgroup
 
@@ -267,17 +267,7 @@ def test_reload_never_signals_the_pid_a_daemon_has_in_another_pid_namespace(env:
     """A daemon in a pid namespace of its own under this host's name (a container sharing the host name) is
     pid 2 there; pid 2 here is another process. `reload` signals only the daemons it can reach, the one
     started here: its one line names that daemon, and the other's pid is never signalled."""
-    import shutil
-
-    unshare = shutil.which("unshare")
-    assert unshare is not None, "unshare (util-linux) is needed"
-    script = '"$0" -m dispatcher --config "$1" run'  # not exec'd: sh is pid 1 there, the daemon pid 2
-    with open(env.tmp / "other.log", "wb") as out:
-        other = subprocess.Popen(
-            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
-             str(env.config_path)],
-            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
-        )  # fmt: skip
+    other = namespaced_daemon(env.config_path, env.tmp / "other.log", env.tmp, pid1=False)  # sh is pid 1 there
     try:
         wait_until(
             lambda: any(

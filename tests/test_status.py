@@ -105,23 +105,12 @@ def test_show_of_an_attempt_under_way_in_another_pid_namespace_says_it_runs(env:
     """A daemon in a pid namespace of its own (a container under this host's name, or another host: this /proc
     holds none of its processes) runs an agent: `show` from here says it runs, as long as its daemon lives, and
     never that its agent is gone; once that daemon is dead, it says so."""
-    import shutil
     import signal
-    import subprocess
-    import sys
 
-    from conftest import cli_env
+    from conftest import namespaced_daemon
 
-    unshare = shutil.which("unshare")
-    assert unshare is not None, "unshare (util-linux) is needed"
     env.configure(agents={"worker": env.agent("--sleep", "60")})
-    script = 'exec "$0" -m dispatcher --config "$1" run'
-    with open(env.tmp / "other.log", "wb") as out:
-        other = subprocess.Popen(
-            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
-             str(env.config_path)],
-            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
-        )  # fmt: skip
+    other = namespaced_daemon(env.config_path, env.tmp / "other.log", env.tmp)
     try:
         env.drop(order("NS-1"))
         wait_until(lambda: ("NS-1", 1) in env.starts(), 30, "the agent to start")

@@ -662,16 +662,8 @@ async def _end_orphaned(
     if not job_ids:
         return []
     cut: list[str] = await lanes.io(_cut_short, markers.folder(layout), job_ids)
-    if not cut:
-        return []
-    places = await lanes.io(_works_of, layout, cut)
-    groups = await lanes.scan(procs.job_groups, {job_id: work for job_id, (work, _) in places.items()})
-    ends = []
-    for job_id, pgids in groups.items():
-        for pgid in pgids:
-            log.warning("hook.orphan_ended", hook=hook, job_id=job_id, agent=places[job_id][1], pid=pgid)
-            ends.append(procs.end_group(pgid, cfg.kill_grace_s))
-    await asyncio.gather(*ends)
+    if cut:
+        await _end_leftovers(layout, lanes, cfg, cut, hook)
     return cut
 
 
