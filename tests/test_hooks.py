@@ -440,21 +440,69 @@ def test_a_land_hook_whose_daemon_died_is_not_taken_for_cut_short_by_a_daemon_th
         d.kill()
         assert alive(pid)  # the hook outlived its daemon
         records = env.job_dir("XH", "done") / "land"
+        landed = False
         while alive(pid):
             assert not list(records.glob("*.json")), "recorded as cut short while it still ran"
             assert not other_events("land.failed")
             proc = env.cli("land", "XH")
+            if proc.returncode == 0:  # the hook ended just now: `land` recorded the cut run itself, then ran it
+                assert proc.stdout == "XH: landed\n" and not alive(pid), (proc.stdout, proc.stderr)
+                landed = True
+                break
             assert proc.returncode == 1 and "is landing now" in proc.stderr, (proc.returncode, proc.stderr)
             time.sleep(0.3)
-        wait_until(lambda: other_events("land.failed"), 30, "the run recorded once it ended")
-        [record] = [json.loads(p.read_text()) for p in records.glob("*.json")]
+        if not landed:
+            wait_until(lambda: other_events("land.failed"), 30, "the run recorded once it ended")
+            proc = env.cli("land", "XH")
+            assert (proc.returncode, proc.stdout) == (0, "XH: landed\n"), proc.stderr
+        record, last = [json.loads((records / f"{k}.json").read_text()) for k in (1, 2)]
         assert record["ok"] is False and "interrupted" in record["detail"], record
-        proc = env.cli("land", "XH")
-        assert (proc.returncode, proc.stdout) == (0, "XH: landed\n"), proc.stderr
+        assert last["ok"] is True and not (records / "3.json").exists()  # recorded once, by the daemon or `land`
     finally:
         other.send_signal(signal.SIGKILL)
         other.wait(30)
     assert [line.split()[0] for line in log.read_text().splitlines()] == ["start", "end", "start", "end"]
+
+
+def test_a_land_command_killed_with_no_daemon_running_is_recorded_by_the_next_land_which_runs_it(
+    env: Env, tmp_path: Path
+) -> None:
+    """`dispatcher land ID` killed with its hook while no daemon runs: the next `land ID` records that run as cut
+    short (its land.failed line, in the log as a daemon's pass would write it) and runs the hook again, instead of
+    answering "is landing now" until a daemon starts."""
+    repo = make_repo(tmp_path / "shop")
+    log, gate, daemon_log = tmp_path / "land.txt", tmp_path / "fixed", tmp_path / "d.log"
+    script = f'echo "start $$" >> "$0"; [ -e {gate} ] || exit 1; [ -e "$0.once" ] && exit 0; : > "$0.once"; sleep 60'
+    hook = ["sh", "-c", script, str(log)]  # fails until fixed; then its first run sleeps, the next lands at once
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)}, log_file=str(daemon_log))
+    env.drop(code_order("LK"))
+    d = env.daemon()
+    d.wait_event("land.failed", job_id="LK")
+    assert d.stop() == 0
+    gate.touch()
+    cmd = [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "land", "LK"]
+    land = subprocess.Popen(cmd, cwd=env.tmp, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: log.read_text().count("start") == 2, 60, "the land command's hook to start")
+    hook_pid = int(log.read_text().split()[-1])
+    land.kill()
+    land.wait(30)
+    os.killpg(hook_pid, signal.SIGKILL)  # the hook runs in a process group of its own
+    wait_until(lambda: not alive(hook_pid), 30, "the hook's end")
+    again = env.cli("land", "LK")
+    assert (again.returncode, again.stdout, again.stderr) == (0, "LK: landed\n", "")
+    records = env.job_dir("LK", "done") / "land"
+    runs = [json.loads((records / f"{k}.json").read_text()) for k in (1, 2, 3)]
+    assert [r["ok"] for r in runs] == [False, False, True] and "interrupted" in runs[1]["detail"], runs
+    assert not (records / "4.json").exists()
+    lines = [json.loads(x) for x in daemon_log.read_text().splitlines()]
+    mine = [
+        (e["event"], e.get("agent"))
+        for e in lines
+        if e.get("job_id") == "LK" and e["event"].startswith(("land", "job.landed"))
+    ]
+    assert mine == [("land.failed", "coder"), ("land.failed", "coder"), ("job.landed", "coder")], mine
+    assert "interrupted" in [e for e in lines if e["event"] == "land.failed"][1]["reason"]
+    assert log.read_text().count("start") == 3
 
 
 def test_a_land_hook_that_waits_for_a_child_in_a_session_of_its_own_lands(env: Env, tmp_path: Path) -> None:

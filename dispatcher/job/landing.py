@@ -29,6 +29,7 @@ from dispatcher.spec.settings import Agent, Config
 from dispatcher.store.jobstore import JobFolder
 
 __all__ = [
+    "INTERRUPTED",
     "RUNNING",
     "Io",
     "Notify",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 log = structlog.get_logger("dispatcher")
+INTERRUPTED = "land hook interrupted by a stop or crash; `dispatcher land ID` runs it again"
 MARKERS = owed.Markers(
     "landing", ready_in=frozenset({State.DONE}), settled_in=frozenset({State.FAILED}), records=("land", "")
 )
@@ -66,8 +68,7 @@ def record_interrupted(layout: Layout, job_id: str) -> None:
     found = layout.find(job_id)
     if found is not None:
         now = time.time()
-        why = "land hook interrupted by a stop or crash; `dispatcher land ID` runs it again"
-        record_run(found[1], "land", "", {"hook": "land", "ok": False, "detail": why, "ended": iso(now)})
+        record_run(found[1], "land", "", {"hook": "land", "ok": False, "detail": INTERRUPTED, "ended": iso(now)})
     settle(layout, job_id)
 
 

@@ -219,7 +219,7 @@ class Markers:
                 continue
             if name.endswith(RUNNING):
                 job_id = name[: -len(RUNNING)]
-                record = self._ended(layout, job_id)
+                record = self.ended(layout, job_id)
                 if record is None:
                     interrupted.append(job_id)
                 elif record:
@@ -251,8 +251,10 @@ class Markers:
         os.close(fd)
         return False
 
-    def _ended(self, layout: Layout, job_id: str) -> dict[str, Any] | None:
+    def ended(self, layout: Layout, job_id: str) -> dict[str, Any] | None:
         """Return None when job_id's ``.running`` marker is a run cut short (unlocked and empty).
+
+        Its lock is then held by this process until ``settle`` (the run recorded) or ``let_go``.
 
         An empty mapping when another process runs it now (the marker is locked). The run's record
         when the marker holds the record of a run that ended: its process died before the marker

@@ -542,7 +542,7 @@ async def housekeep(
     agents = await _end_leftovers(layout, lanes, cfg, owed.interrupted, "land")
     for job_id in owed.interrupted:
         await lanes.io(landing.record_interrupted, layout, job_id)
-        why = "land hook interrupted by a stop or crash; `dispatcher land ID` runs it again"
+        why = landing.INTERRUPTED
         log.warning("land.failed", job_id=job_id, agent=agents.get(job_id), reason=why)
         if notify is not None:
             notify.fire(

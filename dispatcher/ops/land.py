@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import Any
 
+import structlog
+
+from dispatcher import procs
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.job import afterowed, landing
 from dispatcher.layout import Layout, check_id
@@ -18,6 +22,8 @@ from dispatcher.lifecycle import State
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
+
+log = structlog.get_logger("dispatcher")
 
 
 async def _direct(fn: Any, *args: Any) -> Any:
@@ -44,8 +50,8 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
         raise WrongState(f"{job_id}: its job.json is damaged; it cannot be landed") from None
     if landing.current_agent(cfg, spec.agent).repo.land is None:  # the hook as the config has it now, as `retry`
         raise WrongState(f"{job_id}: its agent has no land hook")
-    if (layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}").exists():
-        raise WrongState(f"{job_id}: is landing now")
+    if os.path.lexists(layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}"):
+        _record_cut_run(layout, job_id, spec.agent.name, path)
     if spec.agent.repo.after is not None:  # the landing comes after it, and after its record
         after_dir = afterowed.MARKERS.folder(layout)
         if os.path.lexists(after_dir / job_id):
@@ -68,6 +74,36 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
         last = JobFolder(path).read_json(_last_record(path)) or {}
         raise WrongState(f"{job_id}: land failed: {last.get('detail') or 'see land/ in the job folder'}")
     return f"{job_id}: landed"
+
+
+def _record_cut_run(layout: Layout, job_id: str, agent: str, path: Path) -> None:
+    """Record the job's last landing if it ended or was cut short with no daemon since; raise while it runs.
+
+    A hook's processes hold its ``.running`` marker's lock: a marker no process holds is a run
+    whose daemon (or `dispatcher land`) died with it. It is recorded here as a daemon's pass
+    records it (``land.failed``, interrupted; or the record of a run that ended), so that a
+    `land` killed while no daemon runs does not leave the job "landing" until one starts.
+    What of the run still runs without the lock (found by its ``DISPATCH_*`` variables) is left
+    to a daemon, which ends it first: the landing is not run beside it.
+    """
+    record = landing.MARKERS.ended(layout, job_id)
+    if record == {}:
+        if os.path.lexists(layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}"):
+            raise WrongState(f"{job_id}: is landing now")
+        return  # recorded meanwhile by a daemon's pass
+    if record is None:
+        if any(procs.job_groups({job_id: str(path / "work")}).values()):
+            landing.MARKERS.let_go(job_id)
+            raise WrongState(f"{job_id}: is landing now")
+        landing.record_interrupted(layout, job_id)
+        log.warning("land.failed", job_id=job_id, agent=agent, reason=landing.INTERRUPTED)
+    elif record.get("ok") is True:
+        result = JobFolder(path).result()
+        wsr = result.extra.get("workspace") if result is not None else None
+        head = wsr.get("head") if isinstance(wsr, dict) else None
+        log.info("job.landed", job_id=job_id, agent=agent, head=head or None)
+    else:
+        log.warning("land.failed", job_id=job_id, agent=agent, reason=record.get("detail"))
 
 
 def _last_record(path: Any) -> str:
