@@ -488,6 +488,29 @@ def test_cancel_tree_racing_the_workers(env: Env) -> None:
     assert d.stop() == 0
 
 
+@pytest.mark.parametrize("rule", ["all_final", "all_done"])
+def test_cancel_tree_cancels_the_joins_that_wait_for_the_job_and_theirs(env: Env, rule: str) -> None:
+    """`cancel --tree A` of a running job also cancels the orders that wait for it in `after` (dropped from outside,
+    no lineage), and a join of that join: each ends failed, cancelled, and no join's agent runs (with all_final,
+    a cancelled parent would otherwise let it run)."""
+    env.configure(join_agents(env) | {"slow": env.agent("--sleep", "30")}, kill_grace=0.5)
+    d = env.daemon()
+    env.drop(order("ta", to="slow"))
+    wait_until(lambda: "ta" in [j for j, _ in env.starts()], what="ta's agent to start")
+    env.drop(merger("tj", after=["ta"], after_rule=rule))
+    env.drop(merger("tk", after=["tj"], after_rule=rule))
+    wait_until(lambda: (env.root / "waiting" / "tk").is_dir() and (env.root / "waiting" / "tj").is_dir())
+    proc = env.cli("cancel", "--tree", "ta")
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert proc.stdout.splitlines() == ["ta: cancel requested", "tj: cancel requested", "tk: cancel requested"]
+    for j in ("ta", "tj", "tk"):
+        assert env.wait_job(j, "failed")["reason"] == "cancelled", j
+    assert [j for j, _ in env.starts()] == ["ta"]  # no join's agent ran
+    again = env.cli("cancel", "--tree", "ta")
+    assert again.returncode == 1 and again.stderr == "ta: it and its 2 descendants are finished; nothing to cancel\n"
+    assert d.stop() == 0
+
+
 def test_the_fan_out_example_runs(tmp_path: Path) -> None:
     """`bash examples/fanout/run.sh` exits 0: three researchers, then one merger that read all three."""
     import subprocess

@@ -54,6 +54,7 @@ def test_exactly_one_of_two_daemons_takes_a_ready_join(engine: Engine) -> None:
         entry = a.get(job)
         assert entry is not None and entry.state == Row.CLAIMED and entry.owner in ("A", "B")
         assert a.waiting_on(["P"]) == [] and a.waits([job])[0].after == ("P",)
+        assert a.waiting_on(["P"], any_state=True) == sorted(f"M{k}" for k in range(i + 1))  # `cancel --tree` finds it
 
 
 def test_a_sqlite_ledger_from_before_joins_is_migrated(tmp_path: Path) -> None:

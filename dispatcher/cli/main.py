@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         c = _command(sub, name)
         c.add_argument("ids", nargs="+", metavar="ID", help="job ids, or - to read them from stdin, one a line")
         if name == "cancel":
-            c.add_argument("--tree", action="store_true", help="also every descendant (follow-ups, recursively)")
+            c.add_argument(
+                "--tree",
+                action="store_true",
+                help="also every descendant (follow-ups and the joins waiting for them, recursively)",
+            )
         if name == "reject":
             c.add_argument("--reason", metavar="TEXT", help="why (the job's reason becomes `rejected: TEXT`)")
         if name == "revise":

@@ -275,8 +275,9 @@ class Ledger(ABC):
         """Return the waits recorded for these ids (None: of every job in state waiting)."""
 
     @abstractmethod
-    def waiting_on(self, parents: Iterable[str]) -> list[str]:
-        """Return the ids of waiting jobs that name any of ``parents`` in ``after``."""
+    def waiting_on(self, parents: Iterable[str], *, any_state: bool = False) -> list[str]:
+        """Return the ids of waiting jobs that name any of ``parents`` in ``after`` (with ``any_state``: of every
+        such job, whatever its state now)."""
 
     @abstractmethod
     def take_waiting(self, job_id: str) -> int | None:

@@ -76,8 +76,8 @@ class Waits:
             )
         return fold_waits(rows)
 
-    def waiting_on(self, parents: Iterable[str]) -> list[str]:
-        """Return the ids of waiting jobs that name any of ``parents``."""
+    def waiting_on(self, parents: Iterable[str], *, any_state: bool = False) -> list[str]:
+        """Return the ids of waiting jobs that name any of ``parents`` (``any_state``: whatever their state)."""
         ids = list(parents)
         if not ids:
             return []
@@ -85,8 +85,8 @@ class Waits:
             "waiting_on",
             lambda cur: cur.execute(
                 "SELECT DISTINCT w.job_id FROM waits w JOIN jobs j ON j.job_id = w.job_id"
-                " WHERE w.parent = ANY(%s) AND j.state = 'waiting' ORDER BY w.job_id",
-                (ids,),
+                " WHERE w.parent = ANY(%s) AND (%s OR j.state = 'waiting') ORDER BY w.job_id",
+                (ids, any_state),
             ).fetchall(),
         )
         return [r[0] for r in rows]

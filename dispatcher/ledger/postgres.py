@@ -387,9 +387,9 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Return the waits recorded for these ids (None: of every job in state waiting)."""
         return self._waits.waits(job_ids)
 
-    def waiting_on(self, parents: Iterable[str]) -> list[str]:
-        """Return the ids of waiting jobs that name any of ``parents``."""
-        return self._waits.waiting_on(parents)
+    def waiting_on(self, parents: Iterable[str], *, any_state: bool = False) -> list[str]:
+        """Return the ids of waiting jobs that name any of ``parents`` (``any_state``: whatever their state)."""
+        return self._waits.waiting_on(parents, any_state=any_state)
 
     def take_waiting(self, job_id: str) -> int | None:
         """Turn a waiting job into a claim by this daemon; return the new token, None if another won."""

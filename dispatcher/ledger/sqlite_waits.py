@@ -65,8 +65,8 @@ class SqliteWaits(SqliteDb):
             rows = self._read(body)
         return fold_waits(rows)
 
-    def waiting_on(self, parents: Iterable[str]) -> list[str]:
-        """Return the ids of waiting jobs that name any of ``parents``."""
+    def waiting_on(self, parents: Iterable[str], *, any_state: bool = False) -> list[str]:
+        """Return the ids of waiting jobs that name any of ``parents`` (``any_state``: whatever their state)."""
         ids = list(parents)
 
         def body(db: sqlite3.Connection) -> list[str]:
@@ -76,8 +76,8 @@ class SqliteWaits(SqliteDb):
                     r[0]
                     for r in db.execute(
                         "SELECT w.job_id FROM waits w JOIN jobs j ON j.job_id = w.job_id"
-                        " WHERE w.parent = ? AND j.state = 'waiting'",
-                        (parent,),
+                        " WHERE w.parent = ? AND (? OR j.state = 'waiting')",
+                        (parent, any_state),
                     )
                 )
             return sorted(found)

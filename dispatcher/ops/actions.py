@@ -251,9 +251,10 @@ class Operator:
             self.release(job_id)
 
     def cancel_tree(self, job_id: str) -> str:
-        """Cancel a job and every descendant (its follow-ups, theirs...) still queued, waiting or running.
+        """Cancel a job and every descendant (its follow-ups, theirs..., and the joins that wait for any of them
+        in ``after``, and theirs) still queued, waiting or running.
 
-        Lineage comes from the ledger; each id is asked once. One line per cancelled id;
+        Lineage and joins come from the ledger; each id is asked once. One line per cancelled id;
         finished ones are left as they are. NotFound if the job is unknown, WrongState
         if nothing in the tree can be cancelled any more.
         """
@@ -263,7 +264,7 @@ class Operator:
             return self.cancel(job_id)  # a queued order without a row yet: no descendant can exist
         order, seen = [job_id], {job_id}
         for current in order:
-            for child in self.ledger.children(current):
+            for child in [*self.ledger.children(current), *self.ledger.waiting_on([current], any_state=True)]:
                 if child not in seen:
                     seen.add(child)
                     order.append(child)
