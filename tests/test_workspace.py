@@ -124,6 +124,28 @@ def test_base_parent_without_a_parent_fails_without_an_attempt(env: Env, tmp_pat
     assert result["attempts"] == [] and starts(env) == []
 
 
+def test_base_parent_of_an_order_that_waited_for_others_starts_from_the_head_it_waited_for(
+    env: Env, tmp_path: Path
+) -> None:
+    """An order dropped from outside has no lineage parent; with `after`, `base: parent` names the job it waited
+    for: it starts from that job's final head (with two, the first named that ended with a head)."""
+    repo = make_repo(tmp_path / "shop")
+    line = ["--append", "src/chain.txt={job}", "--commit"]
+    env.configure(agents={"coder": coder(env, repo, *line)})
+    env.drop(code_order("JA"))
+    env.drop(code_order("JB", after=["JA"], base="parent"))
+    env.drop(code_order("JC", after=["NOHEAD", "JB"], base="parent", after_rule="all_final"))
+    env.drop({"job_id": "NOHEAD", "from": "tester", "to": "plain", "task": "No workspace.", "items": [{"id": "R1"}]})
+    env.configure(agents={"coder": coder(env, repo, *line), "plain": env.agent()})
+    d = env.daemon()
+    heads = [env.wait_job(j, "done")["workspace"]["head"] for j in ("JA", "JB")]
+    third = env.wait_job("JC", "done")["workspace"]
+    d.stop()
+    assert env.result("JB", "done")["workspace"]["base"] == heads[0]
+    assert third["base"] == heads[1]
+    assert git(repo, "show", f"{third['head']}:src/chain.txt").split() == ["JA", "JB", "JC"]
+
+
 def test_an_agent_that_deletes_its_worktrees_git_file_still_has_its_work_committed(env: Env, tmp_path: Path) -> None:
     """The agent writes src/g.py and removes the worktree's .git file: the daemon, which finds the worktree from the
     repository, still commits what it left on the job's branch."""

@@ -15,11 +15,12 @@ one never holds a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import os
 import subprocess
-from collections.abc import Awaitable, Callable, Container, Mapping
+from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -109,8 +110,20 @@ def _seal(ws: Workspace, job_id: str, tree: str | None) -> tuple[str, list[str]]
     return worktree.seal(ws, job_id, tree)
 
 
-def parent_head(layout: Layout, parent: str | None, repo: str) -> str:
-    """Return the final head of the parent's branch (``base: parent``); raise GitError saying why not."""
+def parent_head(layout: Layout, parent: str | None, repo: str, after: Sequence[str] = ()) -> str:
+    """Return the final head of the parent's branch (``base: parent``); raise GitError saying why not.
+
+    The parent is the job's lineage parent (it released the job as a follow-up); a job without
+    one that waited for others (``after``) starts from the first of them, in the order named,
+    that ended with a head on this repository.
+    """
+    if parent is None and len(after) == 1:
+        parent = after[0]
+    elif parent is None and after:
+        for job_id in after:
+            with contextlib.suppress(GitError):
+                return parent_head(layout, job_id, repo)
+        raise GitError(f"base: parent: none of the jobs in its after ({', '.join(after)}) has a head in {repo}")
     if parent is None:
         raise GitError("base: parent: the job has no parent")
     found = layout.find(parent)
@@ -188,7 +201,9 @@ class JobRepo:
         assert conf is not None  # noqa: S101 - open() checked
         base_ref, commit = conf.base, self.spec.base_commit  # the commit base named when the job was claimed
         if self.spec.order.get("base") == "parent":
-            base_ref, commit = parent_head(self.layout, self.spec.parent, conf.git), None
+            after = self.spec.order.get("after")
+            after = [str(p) for p in after] if isinstance(after, list) else []
+            base_ref, commit = parent_head(self.layout, self.spec.parent, conf.git, after), None
         branch = branch_for(conf.branch, self.spec.job_id)
         path = self.layout.worktree(self.spec.job_id)
         ws = worktree.plan(self.folder.path, conf.git, base_ref, branch, path, commit)
