@@ -619,9 +619,30 @@ def test_a_retry_after_a_revision_gets_no_feedback_json_and_the_note_is_kept_wit
     assert d.stop() == 0
 
 
+@pytest.mark.parametrize("repair", [True, False])
+def test_a_retry_after_an_exit_gets_the_failed_checks_in_feedback_json_with_repair(env: Env, repair: bool) -> None:
+    """Section 3's repair: "on a retry after failed checks, give the agent work/feedback.json". A non-zero exit fails
+    exit_ok, a check like the others: with repair, attempt 2 after attempt 1's exit 3 finds feedback.json naming it
+    (and the receipt's own failures); without repair it finds none."""
+    env.configure(agents={"worker": _sees_feedback(env, {}, repair=repair, retry_safe=True, max_attempts=2)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FB-X", items=[{"id": "i1"}]))
+    env.wait_job("FB-X", "failed")
+    seen = _seen(env)
+    assert [n for n, _ in seen] == [1, 2] and seen[0][1] is None, seen
+    if not repair:
+        assert seen[1][1] is None, seen
+    else:
+        assert seen[1][1]["attempt"] == 1 and seen[1][1]["job_id"] == "FB-X", seen
+        failed = {c["name"]: c for c in seen[1][1]["failed_checks"]}
+        assert failed["exit_ok"]["ok"] is False and "3" in failed["exit_ok"]["detail"], failed
+    assert d.stop() == 0
+
+
 def test_a_repair_agent_retried_after_its_repair_attempt_exits_1_gets_no_stale_feedback(env: Env) -> None:
-    """repair: attempt 1's outputs fail their checks, attempt 2 gets feedback.json and exits 3, attempt 3 (a plain
-    retry after an exit) gets none: the checks it names were attempt 1's."""
+    """repair: attempt 1's outputs fail their checks, attempt 2 gets feedback.json and exits 3, attempt 3 (a retry
+    after failed checks: exit_ok) gets a new one naming attempt 2's checks, never attempt 1's again."""
     accept = {"output": "out.csv"}
     env.configure(agents={"worker": _sees_feedback(env, {"1": "bad-output"}, repair=True, retry_safe=True,
                                                    max_attempts=3)}, retry_delay=0.1)  # fmt: skip
@@ -632,6 +653,7 @@ def test_a_repair_agent_retried_after_its_repair_attempt_exits_1_gets_no_stale_f
     seen = _seen(env)
     assert [n for n, _ in seen] == [1, 2, 3], seen
     assert seen[0][1] is None and seen[1][1] is not None and seen[1][1]["attempt"] == 1, seen
-    assert seen[2][1] is None, seen
+    assert seen[2][1] is not None and seen[2][1]["attempt"] == 2, seen
+    assert "exit_ok" in [c["name"] for c in seen[2][1]["failed_checks"]], seen
     assert {c["name"]: c["ok"] for c in result["checks"]}["writes_scope"] is True, result["checks"]
     assert d.stop() == 0

@@ -212,6 +212,12 @@ class Deciding(abc.ABC):
             return Outcome.LEFT
         if not safe:
             return await self.finish(Row.FAILED, f"{reason}; not retried: {why}", checks)
+        if self.spec.agent.repair and any(c.ok is False for c in checks):
+            # a retry after failed checks (a non-zero exit or a timeout fails exit_ok, no receipt receipt_present):
+            # with repair, the next attempt is told which (section 3), as after a repair
+            sha = await self._persist(self.folder.give_feedback, n, checks)
+            self.spec = self.spec.with_given("feedback.json", sha)
+            await self._persist(self.folder.write_spec, self.spec)
         return await self._schedule_retry(n, reason, checks)
 
     def _work_gone(self) -> bool:
