@@ -254,6 +254,26 @@ def group_members(pgid: int) -> list[tuple[int, str, int]]:
     return members
 
 
+def holds_open(pid: int, path: str, *, unreadable: bool = False) -> bool:
+    """Return True if pid has the file at path (a real path) open, as /proc shows its descriptors.
+
+    ``unreadable``: the answer for a process whose descriptors this user may not read (another user's).
+    """
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except PermissionError:
+        return unreadable
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool:
     """Return True if pid has a file under folder open (its descriptors as /proc shows them).
 

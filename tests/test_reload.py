@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -278,12 +279,55 @@ def test_reload_never_signals_the_pid_a_daemon_has_in_another_pid_namespace(env:
         )
         alone = env.cli("reload")
         assert alone.returncode == 1 and "nothing to reload" in alone.stderr, (alone.stdout, alone.stderr)
+        assert "(pid 2 under this host's name runs in another pid namespace: reload it from inside)" in alone.stderr
         d = env.daemon()
         d.wait_ready()
         reload = env.cli("reload")
         assert reload.returncode == 0, reload.stderr
         assert reload.stdout.startswith(f"daemon {d.proc.pid} on ") and reload.stdout.count("\n") == 1  # type: ignore[union-attr]
         d.wait_event("config.reloaded")
+        assert d.stop() == 0
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait(30)
+
+
+def test_reload_never_signals_a_daemon_here_for_another_whose_pid_in_its_namespace_is_the_same(env: Env) -> None:
+    """A daemon in a pid namespace of its own under this host's name, whose pid there is the pid a daemon of this
+    root has here: the daemon here holds a lock file under .state/daemons/, but not the other's. `reload` signals
+    the daemon here once, for its own entry, never a second time for the other's."""
+    import shutil
+
+    d = env.daemon()
+    d.wait_ready()
+    pid = d.proc.pid  # type: ignore[union-attr]
+    script = f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -m dispatcher --config "$1" run'
+    unshare = shutil.which("unshare")
+    assert unshare is not None
+    with open(env.tmp / "other.log", "wb") as log:
+        other = subprocess.Popen(
+            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
+             str(env.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
+        )  # fmt: skip
+    try:
+        wait_until(
+            lambda: (
+                [e["pid"] for e in json.loads(env.cli("status", "--json").stdout)["daemons"] if e["alive"]]
+                == [pid, pid]
+            ),
+            30,
+            "the other daemon's entry with the same pid",
+        )
+        reload = env.cli("reload")
+        assert reload.returncode == 0, reload.stderr
+        assert reload.stdout.splitlines() == [
+            f"daemon {pid} on {socket.gethostname()}: asked to reload its config (SIGHUP);"
+            " it logs config.reloaded or config.rejected"
+        ]
+        d.wait_event("config.reloaded")
+        other_lines = [json.loads(x) for x in (env.tmp / "other.log").read_text().splitlines() if x.startswith("{")]
+        assert not [e for e in other_lines if e.get("event") == "config.reloaded"]
         assert d.stop() == 0
     finally:
         other.send_signal(signal.SIGKILL)

@@ -221,7 +221,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
         _hup_refusing(salvage_target(path, root=Path(args.root) if args.root else None))
         raise
     require_root(cfg)
-    here = live_here(daemons_of(cfg), locks=Layout(cfg.root).daemons)
+    known = daemons_of(cfg)
+    here = live_here(known, locks=Layout(cfg.root).daemons)
     # what the daemons would refuse, as `validate` says it: an agent, the ledger's URL, the log file, and what a
     # running daemon cannot change (root, ledger, lease), judged against each daemon here
     refused = [f for d in here for f in preflight.check_running(cfg, {"MAINPID": str(d.pid)}) if f.error]
@@ -233,7 +234,9 @@ def cmd_reload(args: argparse.Namespace) -> int:
     if errors:  # a config the daemons would take with an agent or a log file that cannot work: not sent
         raise ConfigError(errors[0].message, file=str(cfg.path), field=errors[0].field)
     if not here:
-        print(f"no daemon of {printable(str(cfg.root))} runs on this host: nothing to reload", file=sys.stderr)
+        apart = ", ".join(f"pid {d.pid}" for d in live_here(known))  # this host's name, not this host's pids
+        why = f" ({apart} under this host's name runs in another pid namespace: reload it from inside)" if apart else ""
+        print(f"no daemon of {printable(str(cfg.root))} runs on this host: nothing to reload{why}", file=sys.stderr)
         return 1
     done = reload(here)
     for r in done:

@@ -96,16 +96,16 @@ def live_here(
     """Return the live daemons of this host, oldest first.
 
     ``locks``: the root's ``.state/daemons/`` folder: then only a daemon whose pid, as this
-    process sees pids, holds a lock file there is one of them. A daemon in another pid namespace
-    under the same host name (a container) has a pid that means another process here (pid 1, 2),
-    which must never be signalled.
+    process sees pids, holds its own lock file there (``<owner>.lock``) is one of them. A daemon
+    in another pid namespace under the same host name (a container) has a pid that means another
+    process here (pid 1, 2, or another daemon of this root), which must never be signalled.
     """
     host = this_host() if host is None else host
     here = [d for d in daemons if d.alive and d.host == host]
     if locks is not None:
         folder = os.path.realpath(locks)
         # another user's daemon cannot be looked at: signalled, the kernel's answer says why it cannot be
-        here = [d for d in here if procs.holds_open_under(d.pid, folder, unreadable=True)]
+        here = [d for d in here if procs.holds_open(d.pid, os.path.join(folder, f"{d.owner}.lock"), unreadable=True)]
     return sorted(here, key=lambda d: d.started)
 
 
