@@ -511,6 +511,26 @@ def test_cancel_tree_cancels_the_joins_that_wait_for_the_job_and_theirs(env: Env
     assert d.stop() == 0
 
 
+def test_cancel_tree_of_a_queued_order_cancels_the_joins_already_waiting_for_it(env: Env) -> None:
+    """`cancel --tree A` of an order still queued (its `not_before` later; no ledger row yet) also cancels the joins
+    already claimed and waiting for it, and a join of a join: all_final ones never run."""
+    env.configure(join_agents(env))
+    d = env.daemon()
+    env.drop(order("qa", not_before="2099-01-01T00:00:00Z"))
+    env.drop(merger("qj", after=["qa"], after_rule="all_final"))
+    env.drop(merger("qk", after=["qj"], after_rule="all_final"))
+    wait_until(lambda: (env.root / "waiting" / "qk").is_dir() and (env.root / "waiting" / "qj").is_dir())
+    proc = env.cli("cancel", "--tree", "qa")
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert proc.stdout.splitlines() == ["qa: cancel requested", "qj: cancel requested", "qk: cancel requested"]
+    for j in ("qa", "qj", "qk"):
+        assert env.wait_job(j, "failed")["reason"] == "cancelled", j
+    assert env.starts() == []  # no agent ran
+    unknown = env.cli("cancel", "--tree", "nope")
+    assert unknown.returncode == 1 and unknown.stderr == "nope: no such job\n", unknown.stderr
+    assert d.stop() == 0
+
+
 def test_the_fan_out_example_runs(tmp_path: Path) -> None:
     """`bash examples/fanout/run.sh` exits 0: three researchers, then one merger that read all three."""
     import subprocess

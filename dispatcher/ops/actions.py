@@ -260,17 +260,17 @@ class Operator:
         """
         check_id(job_id)
         self._settle_cut(job_id)
-        if self.ledger.get(job_id) is None:
-            return self.cancel(job_id)  # a queued order without a row yet: no descendant can exist
+        lines = []
+        if self.ledger.get(job_id) is None:  # a queued order without a row yet: no follow-up, but joins may wait for it
+            lines.append(self.cancel(job_id))  # NotFound for no job at all
         order, seen = [job_id], {job_id}
         for current in order:
             for child in [*self.ledger.children(current), *self.ledger.waiting_on([current], any_state=True)]:
                 if child not in seen:
                     seen.add(child)
                     order.append(child)
-        lines = []
         for entry in self.ledger.known(order).values():
-            if entry.state not in (Row.DONE, Row.FAILED, Row.REVIEW):
+            if entry.state not in (Row.DONE, Row.FAILED, Row.REVIEW) and not (lines and entry.job_id == job_id):
                 self.ledger.request(entry.job_id, Request.CANCEL)
                 if entry.state == Row.HELD:
                     self._unhold(entry.job_id)
