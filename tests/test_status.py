@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, order, wait_until
+from conftest import Env, namespaced_daemon, order, wait_until
 
 from dispatcher.layout import Layout
 from dispatcher.store.counts import queue_counts
@@ -327,3 +328,24 @@ def test_lock_files_deleted_under_a_running_daemon_are_locked_again(env: Env) ->
     env.wait_job("HELD-ON", "done")
     env.wait_job("NEXT-ONE", "done")
     assert first.stop() == 0 and second.stop() == 0
+
+
+def test_status_tells_apart_two_daemons_with_one_pid_under_one_host_name(env: Env) -> None:
+    """Two daemons in pid namespaces of their own under this host's name (containers sharing it) are both pid 1:
+    plain `status` names each one's owner on its line, as `status --json` does, so the two lines differ."""
+    others = [namespaced_daemon(env.config_path, env.tmp / f"ns{i}.log", env.tmp) for i in (1, 2)]
+    try:
+
+        def entries() -> list[dict[str, Any]]:
+            return [d for d in json.loads(env.cli("status", "--json").stdout)["daemons"] if d["alive"]]
+
+        wait_until(lambda: [d["pid"] for d in entries()] == [1, 1], 30, "both daemons' entries")
+        owners = sorted(d["owner"] for d in entries())
+        text = env.cli("status", check=True).stdout
+        lines = sorted(line for line in text.splitlines() if line.startswith("  running  pid 1 "))
+        assert len(lines) == 2 and lines[0] != lines[1], text
+        assert sorted(line.rsplit("  (", 1)[1].rstrip(")") for line in lines) == owners, text
+    finally:
+        for p in others:
+            p.send_signal(signal.SIGKILL)
+            p.wait(30)

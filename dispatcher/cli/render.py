@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import shlex
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
@@ -71,11 +72,15 @@ def render_status(root: str, info: Mapping[str, Any], now: float) -> str:
     shown_dead += [d for d in dead if d not in shown_dead][:DEAD_SHOWN]  # the owners, then the latest others
     if daemons:
         lines.append("daemons:")
-        for d in sorted(alive + shown_dead, key=lambda d: str(d["host"])):  # by host; on each, the running first
+        shown = sorted(alive + shown_dead, key=lambda d: str(d["host"]))  # by host; on each, the running first
+        # two daemons under one host name with one pid (containers sharing the host name): told apart by owner
+        twins = collections.Counter((d["pid"], d["host"]) for d in shown)
+        for d in shown:
             state = "running" if d["alive"] else "stopped"
+            owner = f"  ({printable(d['owner'])})" if twins[(d["pid"], d["host"])] > 1 and d.get("owner") else ""
             lines.append(
                 f"  {state:<8} pid {d['pid']:<8} host {printable(d['host']):<16} "
-                f"started {when(d['started'])} ({ago(now - d['started'])} ago)"
+                f"started {when(d['started'])} ({ago(now - d['started'])} ago){owner}"
             )
         hidden = len(dead) - len(shown_dead)
         if hidden > 0:
