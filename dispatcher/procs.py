@@ -53,6 +53,11 @@ def seen_here(host: object, pidns: object) -> bool:
     return (host is None or host == _HOST) and (pidns is None or not _PIDNS or pidns == _PIDNS)
 
 
+def this_host() -> str:
+    """Return this host's name, as agent notes and daemon entries record it."""
+    return _HOST
+
+
 def boot_time() -> float:
     """Return this host's last boot as Unix time (``btime`` of /proc/stat)."""
     with open("/proc/stat") as f:
@@ -399,6 +404,27 @@ def flock_holder(path: str | os.PathLike[str]) -> int | None:
         except ValueError:
             continue
     return None
+
+
+def locked_unseen(path: str | os.PathLike[str]) -> bool:
+    """Return True if path's file is ``flock``-ed by a process this /proc does not show (another pid namespace).
+
+    The lock is tried (and given back at once if taken); `/proc/locks` lists only the locks of
+    processes this namespace can see, so a held lock missing from it is held out of sight.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return flock_holder(path) is None
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def is_dispatcher(pid: int) -> bool:

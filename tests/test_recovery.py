@@ -12,13 +12,14 @@ import os
 import random
 import shutil
 import signal
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, order, wait_until
+from conftest import Env, cli_env, namespaced_daemon, order, wait_until
 from helpers_faults import (
     FAKE_AGENT,
     SLOW_FIRST,
@@ -609,8 +610,9 @@ def test_an_attempt_cut_by_its_daemons_death_keeps_the_host_it_ran_on(env: Env) 
     os.killpg(pid, signal.SIGKILL)  # no orphan left: only the record is recovered
     wait_gone([pid], [pid], timeout=10)
     note = os.getxattr(log, "user.dispatcher.agent").decode().split()
-    assert len(note) == 5, note  # pid, start on the boot clock, start on the wall clock, host, pid namespace
-    os.setxattr(log, "user.dispatcher.agent", " ".join([*note[:3], "other-host", note[4]]).encode())  # another host
+    # pid, start on the boot clock, start on the wall clock, host, pid namespace, the inode of its slot lock
+    assert len(note) == 6 and note[5].isdigit(), note
+    os.setxattr(log, "user.dispatcher.agent", " ".join([*note[:3], "other-host", *note[4:]]).encode())  # another host
     d2 = env.daemon()
     result = env.wait_job("HOST-1", "failed", timeout=30)
     assert [(a["n"], a["host"], a.get("interrupted")) for a in result["attempts"]] == [(1, "other-host", True)]
@@ -639,3 +641,57 @@ def test_run_once_counts_a_job_it_lands_for_a_daemon_that_died_after_recording_i
     stopped = next(e for e in lines if e.get("event") == "daemon.stopped")
     assert stopped[state] == 1
     assert env.count_file.read_text().count("\n") == 1  # the agent ran once, in the daemon that died
+
+
+def _children(pid: int) -> list[int]:
+    """Return the pids whose parent is pid (this /proc's view)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def test_a_dead_daemons_agent_in_a_sibling_pid_namespace_is_waited_for_not_run_twice(env: Env) -> None:
+    """Two daemons in pid namespaces of their own under this host's name (containers sharing it and the root, SQLite).
+    The first is killed while its agent runs on in its namespace (its init lives on), where the second cannot see or
+    end it: the second leaves the job alone while that agent holds its slot's lock, and takes it over once it has
+    ended, so the agent never runs twice at once (here it ran once: its receipt was there)."""
+    import shutil
+    import subprocess
+
+    agent = env.agent("--sleep", "6", retry_safe=True, max_attempts=3)
+    env.configure(agents={"worker": agent}, rescan_interval=1)
+    unshare = shutil.which("unshare")
+    assert unshare is not None
+    script = '"$0" -m dispatcher --config "$1" run; sleep 60'  # the container's init (sh) outlives its daemon
+    with open(env.tmp / "first.log", "wb") as log:
+        first = subprocess.Popen(
+            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
+             str(env.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
+        )  # fmt: skip
+    second: Any = None
+    try:
+        env.drop(order("NS-1"))
+        wait_until(lambda: env.starts() == [("NS-1", 1)], 60, "the first daemon's agent to start")
+        started = time.monotonic()
+        second = namespaced_daemon(env.config_path, env.tmp / "second.log", env.tmp)
+        wait_until(lambda: "daemon.ready" in (env.tmp / "second.log").read_text(), 30, "the second daemon")
+        [sh] = _children(first.pid)
+        [daemon] = [p for p in _children(sh) if b"dispatcher" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(daemon, signal.SIGKILL)
+        result = env.wait_job("NS-1", "done", timeout=60)
+        assert env.starts() == [("NS-1", 1)], env.starts()  # never started again beside the first agent
+        assert time.monotonic() - started >= 5.0  # taken over only once that agent had ended
+        assert [a["n"] for a in result["attempts"]] == [1]
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(30)

@@ -473,7 +473,7 @@ class Job(Finishing, Deciding):
         try:
             self.folder.make_logs(n)  # the sign that this attempt's agent may have started
             proc.start()
-            self.folder.note_agent(n, proc.pid)  # how recovery finds it, whatever its environment
+            self.folder.note_agent(n, proc.pid, proc.keep_fd)  # how recovery finds it, whatever its environment
         except OSError as exc:
             await self.ctx.lanes.io(self.folder.drop_attempt, n)
             return Outcome.SHORT if SHORT.note(exc, "agent.start") else exc

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from dispatcher import faults, fsutil
+from dispatcher import faults, fsutil, procs
 from dispatcher.errors import oneline
 from dispatcher.job import revise
 from dispatcher.job.finish import Finisher, stuck
@@ -188,6 +188,8 @@ def orphans(
             continue
         if entry.state != Row.CLAIMED:
             continue
+        if _agent_apart(layout, job_id):
+            continue  # its agent still runs where this daemon cannot see it: taken over once it has let go
         # a folder without a readable job.json (torn by a power cut) is adopted all the same:
         # loading it fails, and the job is failed with that reason (fail_damaged), never skipped
         token = ledger.adopt(job_id, entry.owner, entry.token)
@@ -195,6 +197,36 @@ def orphans(
             _carried_out(layout, ledger, job_id)
             out.append((job_id, token, entry.owner))
     return out
+
+
+def _agent_apart(layout: Layout, job_id: str) -> bool:
+    """Return True while the last agent of job_id runs in another pid namespace under this host's name, unseen here.
+
+    Such an agent (its daemon died in a container that shares the host name and the root) cannot
+    be found nor ended from here: its pid means another process, and no walk of this /proc shows
+    it. It inherited its slot's lock, so while that lock is held by no process this /proc shows
+    (`/proc/locks` leaves out the locks of processes it cannot see), the job is left alone: taken
+    over, it would run a second copy beside the first. A lock held by a process seen here is
+    not that agent's (a job of a live daemon took the slot since), and an agent on another host
+    is the lease's business (section 12).
+    """
+    folder = JobFolder(layout.job(State.ACTIVE, job_id))
+    n = max(folder.attempt_numbers(), default=0)
+    info = folder.pid_record(n) if n else None
+    if info is None or "slot_ino" not in info or info.get("host") != procs.this_host():
+        return False
+    if procs.seen_here(info.get("host"), info.get("pidns")):
+        return False  # this /proc's: found and ended as any dead daemon's agent
+    slot = next((p for p in _entries(layout.slots) if p.inode() == info["slot_ino"]), None)
+    return slot is not None and procs.locked_unseen(slot.path)
+
+
+def _entries(folder: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(folder) as it:
+            return list(it)
+    except OSError:
+        return []
 
 
 def _carried_out(layout: Layout, ledger: Ledger, job_id: str) -> None:

@@ -43,7 +43,7 @@ from dispatcher.spec.result import CheckResult, Result
 JOB_FILE = "job.json"
 RESULT = "result.json"
 STAGED = ".result.json.staged"
-AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED WALL_STARTED HOST PIDNS"
+AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED WALL_STARTED HOST PIDNS SLOT"
 _HOST = socket.gethostname()  # the host an attempt started on, as its record will say
 _PIDNS = procs.pid_namespace()  # the pid namespace its pid is one of
 SPEC_MAX = 8 * 1024 * 1024
@@ -143,7 +143,7 @@ class JobFolder:
         return out
 
     def pid_record(self, n: int) -> dict[str, Any] | None:
-        """Return the running record of attempt n ({pid, boot_started[, started, host, pidns]}), or None.
+        """Return the running record of attempt n ({pid, boot_started[, started, host, pidns, slot_ino]}), or None.
 
         The agent's pid and start on the boot clock (and on the wall clock: ``started``, and the
         host it runs on), noted on its stdout.log as an extended attribute (``note_agent``);
@@ -158,6 +158,8 @@ class JobFolder:
                 record["host"] = rest[1]
             if len(rest) > 2:  # and its pid namespace: a pid of another one means another process here
                 record["pidns"] = rest[2]
+            if len(rest) > 3 and rest[3].isdigit():  # and the inode of the slot lock the agent inherited
+                record["slot_ino"] = int(rest[3])
             return record
         except (OSError, ValueError):
             pass
@@ -167,8 +169,9 @@ class JobFolder:
                 return data
         return None
 
-    def note_agent(self, n: int, pid: int) -> None:
-        """Note attempt n's agent (its pid, its start on the boot and the wall clock, its host) on its stdout.log.
+    def note_agent(self, n: int, pid: int, slot_fd: int | None = None) -> None:
+        """Note attempt n's agent (its pid, its start on the boot and the wall clock, its host, its pid namespace and
+        the inode of the slot lock it inherits) on its stdout.log.
 
         One system call, no file and no fsync (a power cut ends the agent too): after a crash
         of the daemon, recovery finds the agent's group by it even when the agent cleared the
@@ -177,7 +180,8 @@ class JobFolder:
         """
         try:  # (not contextlib.suppress: three calls more at every agent's start)
             boot = time.clock_gettime(time.CLOCK_BOOTTIME)
-            note = f"{pid} {boot:.3f} {time.time():.3f} {_HOST} {_PIDNS}"
+            slot = os.fstat(slot_fd).st_ino if slot_fd is not None else "-"
+            note = f"{pid} {boot:.3f} {time.time():.3f} {_HOST} {_PIDNS} {slot}"
             os.setxattr(f"{self._attempts}/{n}/stdout.log", AGENT_XATTR, note.encode())
         except OSError:
             return
