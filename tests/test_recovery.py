@@ -643,6 +643,27 @@ def test_run_once_counts_a_job_it_lands_for_a_daemon_that_died_after_recording_i
     assert env.count_file.read_text().count("\n") == 1  # the agent ran once, in the daemon that died
 
 
+@pytest.mark.parametrize("command", ["retry", "approve"])
+def test_a_command_on_a_job_whose_dead_daemon_recorded_its_end_moves_it_first(env: Env, command: str) -> None:
+    """A daemon killed between the ledger's record of a job's end and the move of its folder leaves it in active/,
+    with no daemon running. `retry` (of a failed job) and `approve` (of one in review) move it into its folder as
+    the next daemon would, then act: they answered "is active" until a daemon started."""
+    agent = env.agent("--exit", "1", max_attempts=1) if command == "retry" else env.agent(review=True)
+    env.configure(agents={"worker": agent})
+    env.drop(order("END-1"))
+    run_once_killed_at(env, "finish.recorded")
+    assert (env.root / "active" / "END-1").is_dir()
+    proc = env.cli(command, "END-1")
+    assert proc.returncode == 0, proc.stderr
+    assert not (env.root / "active" / "END-1").exists()
+    if command == "retry":
+        assert env.result("END-1", "failed")["state"] == "failed"
+        env.cli("run", "--once")
+        assert env.starts() == [("END-1", 1), ("END-1", 2)]
+    else:
+        assert proc.stdout == "END-1: approved; done\n" and env.result("END-1", "done")["state"] == "done"
+
+
 def _children(pid: int) -> list[int]:
     """Return the pids whose parent is pid (this /proc's view)."""
     out = []

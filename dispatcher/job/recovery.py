@@ -243,6 +243,11 @@ def _carried_out(layout: Layout, ledger: Ledger, job_id: str) -> None:
         revise.log_cut_revision(layout, job_id)  # its job.revised line, which the dead daemon did not write
 
 
+def land_decided(layout: Layout, job_id: str, state: State, agent: str | None) -> bool:
+    """Move a job whose end its dead daemon recorded from active/ into its state's folder (True if this call did)."""
+    return _land(layout, job_id, state, agent)
+
+
 def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> bool:
     """Move a job its dead daemon decided into its state's folder; return True if this call moved it."""
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
