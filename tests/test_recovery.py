@@ -643,13 +643,18 @@ def test_run_once_counts_a_job_it_lands_for_a_daemon_that_died_after_recording_i
     assert env.count_file.read_text().count("\n") == 1  # the agent ran once, in the daemon that died
 
 
-@pytest.mark.parametrize("command", ["retry", "approve"])
+@pytest.mark.parametrize("command", ["retry", "approve", "land"])
 def test_a_command_on_a_job_whose_dead_daemon_recorded_its_end_moves_it_first(env: Env, command: str) -> None:
     """A daemon killed between the ledger's record of a job's end and the move of its folder leaves it in active/,
-    with no daemon running. `retry` (of a failed job) and `approve` (of one in review) move it into its folder as
-    the next daemon would, then act: they answered "is active" until a daemon started."""
-    agent = env.agent("--exit", "1", max_attempts=1) if command == "retry" else env.agent(review=True)
-    env.configure(agents={"worker": agent})
+    with no daemon running. `retry` (of a failed job), `approve` (of one in review) and `land` (of a done one) move
+    it into its folder as the next daemon would, then act: they answered "is active" until a daemon started."""
+    landed = env.tmp / "landed.txt"
+    agents = {
+        "retry": env.agent("--exit", "1", max_attempts=1),
+        "approve": env.agent(review=True),
+        "land": env.agent(land=["sh", "-c", 'echo "$DISPATCH_JOB_ID" >> "$0"', str(landed)]),
+    }
+    env.configure(agents={"worker": agents[command]})
     env.drop(order("END-1"))
     run_once_killed_at(env, "finish.recorded")
     assert (env.root / "active" / "END-1").is_dir()
@@ -660,8 +665,11 @@ def test_a_command_on_a_job_whose_dead_daemon_recorded_its_end_moves_it_first(en
         assert env.result("END-1", "failed")["state"] == "failed"
         env.cli("run", "--once")
         assert env.starts() == [("END-1", 1), ("END-1", 2)]
-    else:
+    elif command == "approve":
         assert proc.stdout == "END-1: approved; done\n" and env.result("END-1", "done")["state"] == "done"
+    else:
+        assert proc.stdout == "END-1: landed\n" and landed.read_text() == "END-1\n"
+        assert env.result("END-1", "done")["state"] == "done"
 
 
 def _children(pid: int) -> list[int]:

@@ -396,6 +396,8 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
 
 def cmd_land(args: argparse.Namespace) -> int:
     """`land ID...`: run each done job's land hook again; 1 if any failed."""
+    from dispatcher.job.recovery import land_recorded_end
+    from dispatcher.layout import JOB_ID
     from dispatcher.ops.land import land_again
     from dispatcher.store.ledgers import open_reader
 
@@ -404,9 +406,14 @@ def cmd_land(args: argparse.Namespace) -> int:
     if not ids:
         raise UsageError("land: no job id given")
     ledger = open_reader(cfg, Layout(cfg.root))  # a lost ledger stops this command as every other (exit 2)
-    if ledger is not None:
-        ledger.close()
     log_to_file(cfg)
+    if ledger is not None:
+        try:  # a done job a dead daemon left in active/ (its end recorded, not its move): into done/ first
+            for job_id in ids:
+                if JOB_ID.fullmatch(job_id):  # before it names a folder (land_again says what is wrong with it)
+                    land_recorded_end(Layout(cfg.root), ledger, job_id)
+        finally:
+            ledger.close()
     failed = 0
     for job_id in ids:
         try:

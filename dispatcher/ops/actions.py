@@ -29,10 +29,10 @@ from filelock import FileLock, Timeout
 
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
-from dispatcher.job.recovery import land_decided, settle_claim
+from dispatcher.job.recovery import land_recorded_end, settle_claim
 from dispatcher.layout import JOB_ID, Layout, check_id, hint_name
 from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
-from dispatcher.lifecycle import Row, State, is_final, is_landed, landed_state, spoken
+from dispatcher.lifecycle import Row, State, is_final, spoken
 from dispatcher.ops.sharing import hand_over
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.settings import Config
@@ -231,14 +231,9 @@ class Operator:
         here first, this command sees the job as it is: a retry of it is refused for the open
         revision, a cancel withdraws the request, an approve withdraws the revision.
         """
+        land_recorded_end(self.layout, self.ledger, job_id)  # its daemon died between the end's record and the move
         entry = self.ledger.get(job_id)
-        if entry is None or entry.owner is None or self.ledger.alive(entry.owner):
-            return
-        if is_landed(entry.state):  # its daemon recorded its end and died before the move: moved here, as it would
-            if os.path.isdir(self.layout.job(State.ACTIVE, job_id)):
-                land_decided(self.layout, job_id, landed_state(entry.state), entry.agent)
-            return
-        if entry.state != Row.CLAIMED:
+        if entry is None or entry.state != Row.CLAIMED or entry.owner is None or self.ledger.alive(entry.owner):
             return
         review = self.layout.job(State.REVIEW, job_id)
         if os.path.isdir(review) and not os.path.lexists(review / "result.json"):
