@@ -264,19 +264,7 @@ def holds_open(pid: int, path: str, *, unreadable: bool = False) -> bool:
 
     ``unreadable``: the answer for a process whose descriptors this user may not read (another user's).
     """
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except PermissionError:
-        return unreadable
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
-                return True
-        except OSError:
-            continue
-    return False
+    return _any_open(pid, lambda target: target == path, unreadable)
 
 
 def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool:
@@ -285,6 +273,10 @@ def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool
     ``unreadable``: the answer for a process whose descriptors this user may not read (another user's).
     """
     prefix = folder.rstrip("/") + "/"
+    return _any_open(pid, lambda target: target.startswith(prefix), unreadable)
+
+
+def _any_open(pid: int, wanted: Callable[[str], bool], unreadable: bool) -> bool:
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except PermissionError:
@@ -293,7 +285,7 @@ def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool
         return False
     for fd in fds:
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+            if wanted(os.readlink(f"/proc/{pid}/fd/{fd}")):
                 return True
         except OSError:
             continue
