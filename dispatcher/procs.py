@@ -401,8 +401,10 @@ def flock_holder(path: str | os.PathLike[str]) -> int | None:
 def locked_unseen(path: str | os.PathLike[str]) -> bool:
     """Return True if path's file is ``flock``-ed by a process this /proc does not show (another pid namespace).
 
-    The lock is tried (and given back at once if taken); `/proc/locks` lists only the locks of
-    processes this namespace can see, so a held lock missing from it is held out of sight.
+    The lock is tried (and given back at once if taken). `/proc/locks` lists only the locks whose
+    taker this namespace can name, so a held lock missing from it is held out of sight, unless a
+    process this /proc shows has the file open: one that inherited it from a taker that died (in
+    a namespace below the kernel's first, a dead taker cannot be named either).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -411,7 +413,11 @@ def locked_unseen(path: str | os.PathLike[str]) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return flock_holder(path) is None
+        if flock_holder(path) is not None:
+            return False
+        real = os.path.realpath(path)
+        me = os.getpid()
+        return not any(holds_open(int(p), real) for p in os.listdir("/proc") if p.isdigit() and int(p) != me)
     except OSError:
         return False
     finally:

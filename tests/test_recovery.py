@@ -724,3 +724,57 @@ def test_a_dead_daemons_agent_in_a_sibling_pid_namespace_is_waited_for_not_run_t
             if p is not None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(30)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Return every process below pid (this /proc's view)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def test_a_daemon_in_a_pid_namespace_above_a_dead_daemons_ends_its_agent_at_once(env: Env) -> None:
+    """The recovering daemon runs in a pid namespace that is not the kernel's first (the whole machine in a
+    container), above the namespace of the daemon that died (a container inside it). It sees the dead daemon's
+    agent, which holds its slot lock; `/proc/locks` there cannot name the dead taker, yet the agent is one of its
+    processes: it ends it (`agent.orphan_ended`) and takes the job over at once, never waiting for the agent's end."""
+    import shutil
+    import subprocess
+
+    env.configure(agents={"worker": env.agent("--sleep", "20", retry_safe=True, max_attempts=3)}, rescan_interval=1)
+    unshare = shutil.which("unshare")
+    assert unshare is not None
+    go = env.tmp / "go"
+    inner = '"$0" -m dispatcher --config "$1" run; sleep 120'  # the inner container's init outlives its daemon
+    outer = (
+        f'{unshare} --pid --fork --kill-child --mount-proc sh -c \'{inner}\' "$0" "$1" & '
+        'while [ ! -e "$2" ]; do sleep 0.1; done; exec "$0" -m dispatcher --config "$1" run'
+    )
+    with open(env.tmp / "outer.log", "wb") as log:
+        box = subprocess.Popen(
+            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", outer, sys.executable,
+             str(env.config_path), str(go)],
+            stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
+        )  # fmt: skip
+    try:
+        env.drop(order("NEST-1"))
+        wait_until(lambda: env.starts() == [("NEST-1", 1)], 60, "the inner daemon's agent to start")
+        [daemon] = [p for p in _descendants(box.pid) if b"-m\x00dispatcher" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(daemon, signal.SIGKILL)
+        started = time.monotonic()
+        go.touch()
+
+        def ended() -> list[dict[str, Any]]:
+            lines = [json.loads(x) for x in (env.tmp / "outer.log").read_text().splitlines() if x.startswith("{")]
+            return [e for e in lines if e.get("event") == "agent.orphan_ended" and e.get("job_id") == "NEST-1"]
+
+        wait_until(ended, 15, "the outer daemon to end the dead daemon's agent")
+        assert time.monotonic() - started < 15  # not the agent's own end (it sleeps 20 s)
+        result = env.wait_job("NEST-1", "done", timeout=60)
+        assert [a["n"] for a in result["attempts"]] == [1, 2]
+    finally:
+        box.send_signal(signal.SIGKILL)
+        box.wait(30)
