@@ -276,6 +276,22 @@ def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool
     return _any_open(pid, lambda target: target.startswith(prefix), unreadable)
 
 
+def _has_file(pid: int, dev: int, ino: int) -> bool:
+    """Return True if pid has the file (dev, ino) open, under whatever path (a bind mount's included)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if st.st_ino == ino and st.st_dev == dev:
+            return True
+    return False
+
+
 def _any_open(pid: int, wanted: Callable[[str], bool], unreadable: bool) -> bool:
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
@@ -415,9 +431,10 @@ def locked_unseen(path: str | os.PathLike[str]) -> bool:
     except BlockingIOError:
         if flock_holder(path) is not None:
             return False
-        real = os.path.realpath(path)
+        st = os.fstat(fd)
         me = os.getpid()
-        return not any(holds_open(int(p), real) for p in os.listdir("/proc") if p.isdigit() and int(p) != me)
+        seen = (int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me)
+        return not any(_has_file(pid, st.st_dev, st.st_ino) for pid in seen)
     except OSError:
         return False
     finally:

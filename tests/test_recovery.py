@@ -686,11 +686,13 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_a_dead_daemons_agent_in_a_sibling_pid_namespace_is_waited_for_not_run_twice(env: Env) -> None:
+@pytest.mark.parametrize("once", [False, True])
+def test_a_dead_daemons_agent_in_a_sibling_pid_namespace_is_waited_for_not_run_twice(env: Env, once: bool) -> None:
     """Two daemons in pid namespaces of their own under this host's name (containers sharing it and the root, SQLite).
     The first is killed while its agent runs on in its namespace (its init lives on), where the second cannot see or
     end it: the second leaves the job alone while that agent holds its slot's lock, and takes it over once it has
-    ended, so the agent never runs twice at once (here it ran once: its receipt was there)."""
+    ended, so the agent never runs twice at once (here it ran once: its receipt was there). A second that is
+    `run --once`, started after the kill, waits for that job as for any (it exited 0 at once, leaving it in active/)."""
     import shutil
     import subprocess
 
@@ -710,11 +712,17 @@ def test_a_dead_daemons_agent_in_a_sibling_pid_namespace_is_waited_for_not_run_t
         env.drop(order("NS-1"))
         wait_until(lambda: env.starts() == [("NS-1", 1)], 60, "the first daemon's agent to start")
         started = time.monotonic()
-        second = namespaced_daemon(env.config_path, env.tmp / "second.log", env.tmp)
-        wait_until(lambda: "daemon.ready" in (env.tmp / "second.log").read_text(), 30, "the second daemon")
+        if not once:
+            second = namespaced_daemon(env.config_path, env.tmp / "second.log", env.tmp)
+            wait_until(lambda: "daemon.ready" in (env.tmp / "second.log").read_text(), 30, "the second daemon")
         [sh] = _children(first.pid)
-        [daemon] = [p for p in _children(sh) if b"dispatcher" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        [daemon] = [p for p in _children(sh) if b"dispatcher" in _cmdline(p)]
         os.kill(daemon, signal.SIGKILL)
+        if once:
+            drain = [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "dispatcher",
+                     "--config", str(env.config_path), "run", "--once"]  # fmt: skip
+            done = subprocess.run(drain, capture_output=True, text=True, timeout=120, env=cli_env(), cwd=env.tmp)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr
         result = env.wait_job("NS-1", "done", timeout=60)
         assert env.starts() == [("NS-1", 1)], env.starts()  # never started again beside the first agent
         assert time.monotonic() - started >= 5.0  # taken over only once that agent had ended
@@ -724,6 +732,14 @@ def test_a_dead_daemons_agent_in_a_sibling_pid_namespace_is_waited_for_not_run_t
             if p is not None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(30)
+
+
+def _cmdline(pid: int) -> bytes:
+    """Return pid's command line (empty once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _descendants(pid: int) -> list[int]:
@@ -762,7 +778,7 @@ def test_a_daemon_in_a_pid_namespace_above_a_dead_daemons_ends_its_agent_at_once
     try:
         env.drop(order("NEST-1"))
         wait_until(lambda: env.starts() == [("NEST-1", 1)], 60, "the inner daemon's agent to start")
-        [daemon] = [p for p in _descendants(box.pid) if b"-m\x00dispatcher" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        [daemon] = [p for p in _descendants(box.pid) if b"-m\x00dispatcher" in _cmdline(p)]
         os.kill(daemon, signal.SIGKILL)
         started = time.monotonic()
         go.touch()

@@ -292,6 +292,8 @@ class Daemon(Reloading, Fencing):
             aside = self.sched.aside
             names = intake.stuck_names()
             stuck = len(self.inbox.tracked(names)) if names else 0
+            if self.house.apart:  # a dead daemon's job whose agent runs on out of sight: taken over at a rescan
+                return False
             if not (self.inbox.any_aside() or aside):
                 return not (self.sched.busy() or len(self.inbox) - stuck or self.house.busy)
             held = self._held_for_long()

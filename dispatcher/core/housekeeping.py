@@ -105,6 +105,9 @@ class Housekeeping:
         self.shared = shared  # a ledger with leases: a dead daemon's jobs were lost with their host
         self._tasks: set[asyncio.Task[Any]] = set()
         self._hooks: set[asyncio.Task[Any]] = set()  # the "land" tasks: owed after and land hooks run there
+        # dead daemons' jobs left in active/ at the last recovery: their agents run on out of sight (another pid
+        # namespace under this host's name); a later rescan takes them over (``recovery.orphans``)
+        self.apart: frozenset[str] = frozenset()
         self._checking = False
         self._settle_due: float | None = None
         self._metrics_due = 0.0
@@ -211,7 +214,8 @@ class Housekeeping:
             recovery.reconcile_active(layout, ledger)
         out, taken, lost = [], set(), set()
         landed: list[State] = []
-        for job_id, token, owner in recovery.orphans(layout, ledger, ledger.alive, left, landed):
+        apart: list[str] = []
+        for job_id, token, owner in recovery.orphans(layout, ledger, ledger.alive, left, landed, apart):
             taken.add(job_id)
             entry = ledger.get(job_id)
             out.append((job_id, token, (entry.agent if entry else None) or ""))
@@ -219,6 +223,7 @@ class Housekeeping:
                 lost.add(job_id)
         if self.joins is not None:  # after the dead daemons' finished jobs landed: a join's parents are in place
             self.joins.sweep()  # the backstop of the Finisher's hook: a parent finished by a command, max_wait
+        self.apart = frozenset(apart)  # `run --once` waits for them: taken over at a later rescan
         return out, taken, lost, landed
 
     async def rescan(self) -> None:

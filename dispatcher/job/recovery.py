@@ -161,6 +161,7 @@ def orphans(
     alive: Callable[[str], bool],
     left: frozenset[str] = frozenset(),
     landed: list[State] | None = None,
+    apart: list[str] | None = None,
 ) -> list[tuple[str, int, str | None]]:
     """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token, its dead owner).
 
@@ -171,6 +172,7 @@ def orphans(
     landing it) is landed here and not returned; its state is added to ``landed``
     (``run --once`` counts a job it landed in failed/ as one it failed). A folder
     whose job.json is missing is returned too: it is failed with a reason when it is loaded.
+    A job whose agent runs on out of sight (``_agent_apart``) is left, and added to ``apart``.
     """
     out = []
     for job_id in _active_ids(layout):
@@ -189,6 +191,8 @@ def orphans(
         if entry.state != Row.CLAIMED:
             continue
         if _agent_apart(layout, job_id):
+            if apart is not None:
+                apart.append(job_id)
             continue  # its agent still runs where this daemon cannot see it: taken over once it has let go
         # a folder without a readable job.json (torn by a power cut) is adopted all the same:
         # loading it fails, and the job is failed with that reason (fail_damaged), never skipped
