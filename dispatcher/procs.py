@@ -367,7 +367,16 @@ def _job_of(pid: int, works: Mapping[str, str], real_of: dict[bytes, str]) -> st
     work = real_of.get(order)
     if work is None:
         work = real_of[order] = os.path.realpath(os.fsdecode(order[: -len(b"/order.json")]))
-    return job_id if work == works[job_id] else None
+    if work == works[job_id]:
+        return job_id
+    # the same folder under another path: the root bind-mounted elsewhere in the process's container, whose
+    # own root (/proc/PID/root) resolves the path as the process does; the folder's device and inode decide
+    try:
+        there = os.stat(f"/proc/{pid}/root{os.fsdecode(order[: -len(b'/order.json')])}")
+        here = os.stat(works[job_id])
+    except (OSError, ValueError):
+        return None
+    return job_id if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino) else None
 
 
 def one_malloc_arena() -> None:

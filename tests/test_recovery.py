@@ -752,19 +752,32 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def test_a_daemon_in_a_pid_namespace_above_a_dead_daemons_ends_its_agent_at_once(env: Env) -> None:
+@pytest.mark.parametrize("bind", [False, True])
+def test_a_daemon_in_a_pid_namespace_above_a_dead_daemons_ends_its_agent_at_once(env: Env, bind: bool) -> None:
     """The recovering daemon runs in a pid namespace that is not the kernel's first (the whole machine in a
-    container), above the namespace of the daemon that died (a container inside it). It sees the dead daemon's
-    agent, which holds its slot lock; `/proc/locks` there cannot name the dead taker, yet the agent is one of its
-    processes: it ends it (`agent.orphan_ended`) and takes the job over at once, never waiting for the agent's end."""
+    container), above the namespace of the daemon that died (a container inside it; with ``bind``, one that has the
+    root bind-mounted at another path, as `-v /srv/x:/data` does, so its agent's DISPATCH_ORDER names another path).
+    It sees the dead daemon's agent, which holds its slot lock; `/proc/locks` there cannot name the dead taker, yet
+    the agent is one of its processes: it ends it (`agent.orphan_ended`) and takes the job over at once, never
+    waiting for the agent's end."""
     import shutil
     import subprocess
+
+    import yaml
 
     env.configure(agents={"worker": env.agent("--sleep", "20", retry_safe=True, max_attempts=3)}, rescan_interval=1)
     unshare = shutil.which("unshare")
     assert unshare is not None
     go = env.tmp / "go"
     inner = '"$0" -m dispatcher --config "$1" run; sleep 120'  # the inner container's init outlives its daemon
+    if bind:
+        mount = env.tmp / "mnt"
+        mount.mkdir()
+        config = yaml.safe_load(env.config_path.read_text()) | {"root": str(mount)}
+        (env.tmp / "inner.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        inner = (
+            f'mount --bind {env.root} {mount} && "$0" -m dispatcher --config {env.tmp / "inner.yaml"} run; sleep 120'
+        )
     outer = (
         f'{unshare} --pid --fork --kill-child --mount-proc sh -c \'{inner}\' "$0" "$1" & '
         'while [ ! -e "$2" ]; do sleep 0.1; done; exec "$0" -m dispatcher --config "$1" run'
