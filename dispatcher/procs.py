@@ -264,7 +264,7 @@ def holds_open(pid: int, path: str, *, unreadable: bool = False) -> bool:
 
     ``unreadable``: the answer for a process whose descriptors this user may not read (another user's).
     """
-    return _any_open(pid, lambda target: target == path, unreadable)
+    return _any_open(pid, lambda fd: os.readlink(fd) == path, unreadable)
 
 
 def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool:
@@ -273,26 +273,11 @@ def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool
     ``unreadable``: the answer for a process whose descriptors this user may not read (another user's).
     """
     prefix = folder.rstrip("/") + "/"
-    return _any_open(pid, lambda target: target.startswith(prefix), unreadable)
-
-
-def _has_file(pid: int, dev: int, ino: int) -> bool:
-    """Return True if pid has the file (dev, ino) open, under whatever path (a bind mount's included)."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if st.st_ino == ino and st.st_dev == dev:
-            return True
-    return False
+    return _any_open(pid, lambda fd: os.readlink(fd).startswith(prefix), unreadable)
 
 
 def _any_open(pid: int, wanted: Callable[[str], bool], unreadable: bool) -> bool:
+    """Return True if ``wanted`` says yes to one of pid's descriptors (given as its ``/proc/PID/fd/N`` path)."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except PermissionError:
@@ -301,7 +286,7 @@ def _any_open(pid: int, wanted: Callable[[str], bool], unreadable: bool) -> bool
         return False
     for fd in fds:
         try:
-            if wanted(os.readlink(f"/proc/{pid}/fd/{fd}")):
+            if wanted(f"/proc/{pid}/fd/{fd}"):
                 return True
         except OSError:
             continue
@@ -371,12 +356,17 @@ def _job_of(pid: int, works: Mapping[str, str], real_of: dict[bytes, str]) -> st
         return job_id
     # the same folder under another path: the root bind-mounted elsewhere in the process's container, whose
     # own root (/proc/PID/root) resolves the path as the process does; the folder's device and inode decide
+    there = _file_id(f"/proc/{pid}/root{os.fsdecode(order[: -len(b'/order.json')])}")
+    return job_id if there is not None and there == _file_id(works[job_id]) else None
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """Return (st_dev, st_ino) of the file at path, or None (``fsutil.file_id``; procs imports nothing of ours)."""
     try:
-        there = os.stat(f"/proc/{pid}/root{os.fsdecode(order[: -len(b'/order.json')])}")
-        here = os.stat(works[job_id])
-    except (OSError, ValueError):
+        st = os.stat(path)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
         return None
-    return job_id if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino) else None
+    return (st.st_dev, st.st_ino)
 
 
 def one_malloc_arena() -> None:
@@ -443,7 +433,8 @@ def locked_unseen(path: str | os.PathLike[str]) -> bool:
         st = os.fstat(fd)
         me = os.getpid()
         seen = (int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me)
-        return not any(_has_file(pid, st.st_dev, st.st_ino) for pid in seen)
+        # under whatever path (a bind mount's included): the file's device and inode
+        return not any(_any_open(pid, lambda f: _file_id(f) == (st.st_dev, st.st_ino), False) for pid in seen)
     except OSError:
         return False
     finally:

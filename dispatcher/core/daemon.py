@@ -286,14 +286,14 @@ class Daemon(Reloading, Fencing):
         if self.stopping:  # an owed after or land hook runs like an agent: until the stop's deadline
             return not (self.sched.running or self.sched.inflight or self.house.hooks_busy or self.final_hooks.busy)
         if self.once:
+            if self.house.apart:  # a dead daemon's job whose agent runs on out of sight: taken over at a rescan
+                return False
             # `run --once` leaves them, as orders due later: unread orders, and claimed jobs (a retry, a
             # revision, a recovered job) set aside in active/ for a pause or a gate beyond max_limit_wait
             # and files it can never take (made immutable): logged at the exit, which is then 1
             aside = self.sched.aside
             names = intake.stuck_names()
             stuck = len(self.inbox.tracked(names)) if names else 0
-            if self.house.apart:  # a dead daemon's job whose agent runs on out of sight: taken over at a rescan
-                return False
             if not (self.inbox.any_aside() or aside):
                 return not (self.sched.busy() or len(self.inbox) - stuck or self.house.busy)
             held = self._held_for_long()

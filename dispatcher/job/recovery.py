@@ -27,7 +27,7 @@ from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_r
 from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.settings import Config
 from dispatcher.store import refusals
-from dispatcher.store.counts import job_entries
+from dispatcher.store.counts import job_entries, visible_entries
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.results import build_result
 from dispatcher.store.staging import drop_inbox_twin, remove_stage
@@ -221,16 +221,8 @@ def _agent_apart(layout: Layout, job_id: str) -> bool:
         return False
     if procs.seen_here(info.get("host"), info.get("pidns")):
         return False  # this /proc's: found and ended as any dead daemon's agent
-    slot = next((p for p in _entries(layout.slots) if p.inode() == info["slot_ino"]), None)
+    slot = next((p for p in visible_entries(layout.slots) if p.inode() == info["slot_ino"]), None)
     return slot is not None and procs.locked_unseen(slot.path)
-
-
-def _entries(folder: Path) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(folder) as it:
-            return list(it)
-    except OSError:
-        return []
 
 
 def _carried_out(layout: Layout, ledger: Ledger, job_id: str) -> None:

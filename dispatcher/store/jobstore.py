@@ -26,7 +26,6 @@ import contextlib
 import functools
 import json
 import os
-import socket
 import stat
 import time
 from collections.abc import Sequence
@@ -44,7 +43,7 @@ JOB_FILE = "job.json"
 RESULT = "result.json"
 STAGED = ".result.json.staged"
 AGENT_XATTR = "user.dispatcher.agent"  # on attempts/<n>/stdout.log: "PID BOOT_STARTED WALL_STARTED HOST PIDNS SLOT"
-_HOST = socket.gethostname()  # the host an attempt started on, as its record will say
+_HOST = procs.this_host()  # the host an attempt started on, as its record will say
 _PIDNS = procs.pid_namespace()  # the pid namespace its pid is one of
 SPEC_MAX = 8 * 1024 * 1024
 RECORD_MAX = 1024 * 1024
