@@ -224,19 +224,29 @@ def cli_env() -> dict[str, str]:
 
 
 def namespaced_daemon(
-    config: Path, out: Path, cwd: Path, *, hostname: str | None = None, pid1: bool = True
+    config: Path,
+    out: Path,
+    cwd: Path,
+    *,
+    hostname: str | None = None,
+    pid1: bool = True,
+    before: str = "",
+    after: str = "",
 ) -> subprocess.Popen[bytes]:
     """Start `dispatcher run` in a pid namespace of its own, as a container runs it (`unshare --pid --mount-proc`).
 
     ``hostname``: its own host name (`--uts`); else this host's. ``pid1``: the daemon is pid 1 there, else
-    pid 2 under its `sh`. Its output goes to out; SIGKILL of the returned process ends the whole namespace.
+    a child of its `sh`. ``before``: shell run first (ending in `&&`); ``after``: shell run once the daemon
+    ended, its `sh` still the namespace's init (a container whose init outlives its daemon). Its output goes
+    to out; SIGKILL of the returned process ends the whole namespace.
     """
     import shutil
 
     unshare = shutil.which("unshare")
     assert unshare is not None, "unshare (util-linux) is needed"
     script = f"hostname {hostname} && " if hostname else ""
-    script += ("exec " if pid1 else "") + '"$0" -m dispatcher --config "$1" run'
+    script += before + ("exec " if pid1 and not after else "") + '"$0" -m dispatcher --config "$1" run'
+    script += f"; {after}" if after else ""
     uts = ["--uts"] if hostname else []
     with open(out, "wb") as log:
         return subprocess.Popen(

@@ -700,13 +700,8 @@ def test_a_dead_daemons_agent_in_a_sibling_pid_namespace_is_waited_for_not_run_t
     env.configure(agents={"worker": agent}, rescan_interval=1)
     unshare = shutil.which("unshare")
     assert unshare is not None
-    script = '"$0" -m dispatcher --config "$1" run; sleep 60'  # the container's init (sh) outlives its daemon
-    with open(env.tmp / "first.log", "wb") as log:
-        first = subprocess.Popen(
-            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
-             str(env.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
-        )  # fmt: skip
+    # the container's init (sh) outlives its daemon
+    first = namespaced_daemon(env.config_path, env.tmp / "first.log", env.tmp, pid1=False, after="sleep 60")
     second: Any = None
     try:
         env.drop(order("NS-1"))

@@ -296,20 +296,12 @@ def test_reload_never_signals_a_daemon_here_for_another_whose_pid_in_its_namespa
     """A daemon in a pid namespace of its own under this host's name, whose pid there is the pid a daemon of this
     root has here: the daemon here holds a lock file under .state/daemons/, but not the other's. `reload` signals
     the daemon here once, for its own entry, never a second time for the other's."""
-    import shutil
 
     d = env.daemon()
     d.wait_ready()
     pid = d.proc.pid  # type: ignore[union-attr]
-    script = f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -m dispatcher --config "$1" run'
-    unshare = shutil.which("unshare")
-    assert unshare is not None
-    with open(env.tmp / "other.log", "wb") as log:
-        other = subprocess.Popen(
-            [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, sys.executable,
-             str(env.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
-        )  # fmt: skip
+    before = f"echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "  # its next pid there is this daemon's here
+    other = namespaced_daemon(env.config_path, env.tmp / "other.log", env.tmp, pid1=False, before=before)
     try:
         wait_until(
             lambda: (
