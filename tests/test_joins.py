@@ -531,6 +531,29 @@ def test_cancel_tree_of_a_queued_order_cancels_the_joins_already_waiting_for_it(
     assert d.stop() == 0
 
 
+def test_cancel_tree_cancels_the_joins_not_claimed_yet_in_inbox_and_held(env: Env) -> None:
+    """With no daemon running, `cancel --tree A` of a queued order also cancels the joins still in inbox/ (no ledger
+    row yet), a join of a join, and a join an operator put in held/: the next `run --once` fails each cancelled and
+    runs no agent (an all_final join would otherwise run after its cancelled parent)."""
+    env.configure(join_agents(env))
+    env.drop(order("qa"))
+    env.drop(merger("qj", after=["qa"], after_rule="all_final"))
+    env.drop(merger("qk", after=["qj"], after_rule="all_final"))
+    env.drop(merger("qh", after=["qa"], after_rule="all_final"))
+    env.drop(merger("other", after=["elsewhere"], after_rule="all_final"))
+    env.cli("hold", "qh", check=True)
+    proc = env.cli("cancel", "--tree", "qa")
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "qa: cancel requested"
+    assert sorted(lines[1:]) == ["qh: cancel requested", "qj: cancel requested", "qk: cancel requested"]
+    assert env.cli("run", "--once", timeout=120).returncode == 1  # failed jobs: exit 1
+    for j in ("qa", "qj", "qk", "qh"):
+        assert env.wait_job(j, "failed")["reason"] == "cancelled", j
+    assert env.starts() == []  # no agent ran
+    assert (env.root / "waiting" / "other").is_dir()  # a join of another job is left waiting
+
+
 def test_the_fan_out_example_runs(tmp_path: Path) -> None:
     """`bash examples/fanout/run.sh` exits 0: three researchers, then one merger that read all three."""
     import subprocess

@@ -38,7 +38,7 @@ from dispatcher.query.report import read_order_file
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.ledgers import PATIENCE_S, open_ledger
-from dispatcher.store.queued import find_queued
+from dispatcher.store.queued import find_queued, queued_afters
 from dispatcher.text import plural
 
 log = structlog.get_logger("dispatcher")
@@ -255,27 +255,35 @@ class Operator:
         """Cancel a job and every descendant (its follow-ups, theirs..., and the joins that wait for any of them
         in ``after``, and theirs) still queued, waiting or running.
 
-        Lineage and joins come from the ledger; each id is asked once. One line per cancelled id;
-        finished ones are left as they are. NotFound if the job is unknown, WrongState
-        if nothing in the tree can be cancelled any more.
+        Lineage and joins come from the ledger; each id is asked once. Joins not claimed yet
+        (orders in inbox/ or held/ without a row, waiting for ``not_before`` or a daemon) are
+        found by their ``after``. One line per cancelled id; finished ones are left as they are.
+        NotFound if the job is unknown, WrongState if nothing in the tree can be cancelled any more.
         """
         check_id(job_id)
         self._settle_cut(job_id)
         lines = []
         if self.ledger.get(job_id) is None:  # a queued order without a row yet: no follow-up, but joins may wait for it
             lines.append(self.cancel(job_id))  # NotFound for no job at all
+        queued = queued_afters([self.layout.inbox, self.layout.held])  # joins without a row: {id: after}
         order, seen = [job_id], {job_id}
         for current in order:
-            for child in [*self.ledger.children(current), *self.ledger.waiting_on([current], any_state=True)]:
+            waiting = [j for j, after in queued.items() if current in after]
+            for child in [*self.ledger.children(current), *self.ledger.waiting_on([current], any_state=True), *waiting]:
                 if child not in seen:
                     seen.add(child)
                     order.append(child)
-        for entry in self.ledger.known(order).values():
+        rows = self.ledger.known(order)
+        for entry in rows.values():
             if entry.state not in (Row.DONE, Row.FAILED, Row.REVIEW) and not (lines and entry.job_id == job_id):
                 self.ledger.request(entry.job_id, Request.CANCEL)
                 if entry.state == Row.HELD:
                     self._unhold(entry.job_id)
                 lines.append(f"{entry.job_id}: cancel requested")
+        for join in order[1:]:
+            if join not in rows:  # a join still in inbox/ or held/: cancelled as `cancel` of it alone is
+                with contextlib.suppress(NotFound, WrongState):  # claimed and ended, or taken away, meanwhile
+                    lines.append(self.cancel(join))
         if not lines:
             others = len(order) - 1
             what = "it is" if not others else f"it and its {plural(others, 'descendant')} are"
