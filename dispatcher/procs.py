@@ -260,11 +260,16 @@ def group_members(pgid: int) -> list[tuple[int, str, int]]:
 
 
 def holds_open(pid: int, path: str, *, unreadable: bool = False) -> bool:
-    """Return True if pid has the file at path (a real path) open, as /proc shows its descriptors.
+    """Return True if pid has the file at path open, as /proc shows its descriptors.
 
+    The file is matched by its device and inode, so a process that opened it under another
+    path (a bind mount of the root, a symlink) holds it too. False when path is gone.
     ``unreadable``: the answer for a process whose descriptors this user may not read (another user's).
     """
-    return _any_open(pid, lambda fd: os.readlink(fd) == path, unreadable)
+    wanted = _file_id(path)
+    if wanted is None:
+        return False
+    return _any_open(pid, lambda fd: _file_id(fd) == wanted, unreadable)
 
 
 def holds_open_under(pid: int, folder: str, *, unreadable: bool = False) -> bool:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import Env, cli_env, namespaced_daemon, order, wait_until
 
 from dispatcher.ops.daemons import systemd_unit, unit_of_cgroup
@@ -324,3 +325,42 @@ def test_reload_never_signals_a_daemon_here_for_another_whose_pid_in_its_namespa
     finally:
         other.send_signal(signal.SIGKILL)
         other.wait(30)
+
+
+def test_reload_signals_a_daemon_here_that_runs_on_the_root_through_a_bind_mount(env: Env) -> None:
+    """A daemon in this pid namespace that was given the root under another path (a bind mount in a mount namespace
+    of its own, as a container with `-v` has it) holds its lock file under that path: `reload` with the root's real
+    path still finds it by the file's device and inode, signals it, and never calls it a daemon of another pid
+    namespace."""
+    import shutil
+
+    env.configure()
+    alias = env.tmp / "alias"
+    alias.mkdir()
+    alias_config = env.tmp / "alias.yaml"
+    alias_config.write_text(yaml.safe_dump(env.settings | {"root": str(alias)}, sort_keys=False))
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed"
+    script = f'mount --bind "{env.root}" "{alias}" && exec "$0" -m dispatcher --config "$1" run'
+    with open(env.tmp / "alias.log", "wb") as log:
+        proc = subprocess.Popen(
+            [unshare, "--mount", "--propagation", "private", "sh", "-c", script, sys.executable, str(alias_config)],
+            stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
+        )  # fmt: skip
+    try:
+        wait_until(
+            lambda: (
+                [e["pid"] for e in json.loads(env.cli("status", "--json").stdout)["daemons"] if e["alive"]]
+                == [proc.pid]
+            ),
+            30,
+            "the daemon's entry",
+        )
+        reload = env.cli("reload")
+        assert reload.returncode == 0, reload.stderr
+        assert reload.stdout.startswith(f"daemon {proc.pid} on "), reload.stdout
+        assert "another pid namespace" not in reload.stderr
+        wait_until(lambda: '"config.reloaded"' in (env.tmp / "alias.log").read_text(), 30, "config.reloaded in its log")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

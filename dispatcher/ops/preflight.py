@@ -57,6 +57,15 @@ def check_log_file(cfg: Config) -> list[Finding]:
     return []
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Return True if a and b name one file (its device and inode: under a bind mount the paths differ)."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 def check_running(cfg: Config, environ: dict[str, str] | None = None) -> list[Finding]:
     """Return errors for what the daemon named by ``$MAINPID`` would refuse on reload: another root or ledger kind.
 
@@ -69,15 +78,16 @@ def check_running(cfg: Config, environ: dict[str, str] | None = None) -> list[Fi
     if not pid.isdigit():
         return []
     try:
-        targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        fds = {f"/proc/{pid}/fd/{fd}": os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
     except OSError:
         return []
-    roots = [m.group("root") for t in targets if (m := _LOCK.match(t))]
-    if not roots:
+    locks = [(fd, m.group("root")) for fd, t in fds.items() if (m := _LOCK.match(t))]
+    if not locks:
         return []
-    running = roots[0]
+    lock_fd, running = locks[0]
+    targets = list(fds.values())
     out = []
-    if os.path.realpath(running) != os.path.realpath(cfg.root):
+    if not _same_file(lock_fd, os.path.join(cfg.root, fds[lock_fd][len(running) + 1 :])):
         why = f"cannot change while the daemon (pid {pid}) runs with root {running}: restart it instead"
         out.append(Finding("root", why, error=True))
     on_sqlite = any(t == running + _SQLITE_FILE for t in targets)
