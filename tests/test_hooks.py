@@ -474,7 +474,13 @@ def test_a_land_command_killed_with_no_daemon_running_is_recorded_by_the_next_la
     log, gate, daemon_log = tmp_path / "land.txt", tmp_path / "fixed", tmp_path / "d.log"
     script = f'echo "start $$" >> "$0"; [ -e {gate} ] || exit 1; [ -e "$0.once" ] && exit 0; : > "$0.once"; sleep 60'
     hook = ["sh", "-c", script, str(log)]  # fails until fixed; then its first run sleeps, the next lands at once
-    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)}, log_file=str(daemon_log))
+    notified = tmp_path / "notify.txt"
+    notify = ["sh", "-c", 'echo "{event} {job_id} {reason}" >> "$0"', str(notified)]
+    env.configure(
+        agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)},
+        log_file=str(daemon_log),
+        notify=notify,
+    )
     env.drop(code_order("LK"))
     d = env.daemon()
     d.wait_event("land.failed", job_id="LK")
@@ -503,6 +509,12 @@ def test_a_land_command_killed_with_no_daemon_running_is_recorded_by_the_next_la
     assert mine == [("land.failed", "coder"), ("land.failed", "coder"), ("job.landed", "coder")], mine
     assert "interrupted" in [e for e in lines if e["event"] == "land.failed"][1]["reason"]
     assert log.read_text().count("start") == 3
+    wait_until(
+        lambda: notified.exists() and notified.read_text().count("\n") == 2,
+        what="the cut run notified as a daemon's pass does",
+    )
+    first, cut = notified.read_text().splitlines()
+    assert first == "land.failed LK land hook exited 1" and cut.startswith("land.failed LK ") and "interrupted" in cut
 
 
 def test_a_land_hook_that_waits_for_a_child_in_a_session_of_its_own_lands(env: Env, tmp_path: Path) -> None:
@@ -573,6 +585,8 @@ def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, t
     assert env.result("F1", "done")["state"] == "done"
     proc = env.cli("land", "F1")
     assert proc.returncode == 1 and proc.stderr == "F1: land failed: land hook exited 1: push rejected\n"
+    wait_until(lambda: notified.read_text().count("\n") == 2, what="the failed `land` run notified too")
+    assert notified.read_text() == "land.failed F1 land hook exited 1: push rejected\n" * 2
     gate.touch()
     proc = env.cli("land", "F1")
     assert (proc.returncode, proc.stdout) == (0, "F1: landed\n")

@@ -30,6 +30,21 @@ async def _direct(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
+class _Notified:
+    """``landing.Notify`` for a command: each event's notify command is started apart (``job.notice``)."""
+
+    def __init__(self, cfg: Config, layout: Layout) -> None:
+        self.cfg, self.layout = cfg, layout
+
+    def fire(self, event: str, job_id: str | None, agent: str | None, reason: str | None, result: Path | None) -> None:
+        """Start the config's notify command for the event and return at once."""
+        from dispatcher.job.notice import Apart, start_detached
+
+        cfg = self.cfg
+        start_detached(Apart(cfg.notify or (), cfg.kill_grace_s, cfg.log_file), self.layout.root, event, job_id,
+                       agent, reason)  # fmt: skip
+
+
 def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
     """Run job_id's land hook now; return the line to print; raise NotFound or WrongState."""
     check_id(job_id)  # before it names a folder or a file
@@ -51,7 +66,7 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
     if landing.current_agent(cfg, spec.agent).repo.land is None:  # the hook as the config has it now, as `retry`
         raise WrongState(f"{job_id}: its agent has no land hook")
     if os.path.lexists(layout.state_dir / "landing" / f"{job_id}{landing.RUNNING}"):
-        _record_cut_run(layout, job_id, spec.agent.name, path)
+        _record_cut_run(layout, job_id, spec.agent.name, path, _Notified(cfg, layout))
     if spec.agent.repo.after is not None:  # the landing comes after it, and after its record
         after_dir = afterowed.MARKERS.folder(layout)
         if os.path.lexists(after_dir / job_id):
@@ -69,19 +84,19 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
     landing.owe(layout, job_id)
     if not landing.claim(layout, job_id):
         raise WrongState(f"{job_id}: is landing now")
-    ok = asyncio.run(landing.land(layout, job_id, cfg, _direct, as_configured=True))
+    ok = asyncio.run(landing.land(layout, job_id, cfg, _direct, _Notified(cfg, layout), as_configured=True))
     if not ok:
         last = JobFolder(path).read_json(_last_record(path)) or {}
         raise WrongState(f"{job_id}: land failed: {last.get('detail') or 'see land/ in the job folder'}")
     return f"{job_id}: landed"
 
 
-def _record_cut_run(layout: Layout, job_id: str, agent: str, path: Path) -> None:
+def _record_cut_run(layout: Layout, job_id: str, agent: str, path: Path, notify: landing.Notify) -> None:
     """Record the job's last landing if it ended or was cut short with no daemon since; raise while it runs.
 
     A hook's processes hold its ``.running`` marker's lock: a marker no process holds is a run
     whose daemon (or `dispatcher land`) died with it. It is recorded here as a daemon's pass
-    records it (``land.failed``, interrupted; or the record of a run that ended), so that a
+    records it (``land.failed``, interrupted and notified; or the record of a run that ended), so that a
     `land` killed while no daemon runs does not leave the job "landing" until one starts.
     What of the run still runs without the lock (found by its ``DISPATCH_*`` variables) is left
     to a daemon, which ends it first: the landing is not run beside it.
@@ -97,13 +112,16 @@ def _record_cut_run(layout: Layout, job_id: str, agent: str, path: Path) -> None
             raise WrongState(f"{job_id}: is landing now")
         landing.record_interrupted(layout, job_id)
         log.warning("land.failed", job_id=job_id, agent=agent, reason=landing.INTERRUPTED)
+        notify.fire("land.failed", job_id, agent, landing.INTERRUPTED, path / "result.json")
     elif record.get("ok") is True:
         result = JobFolder(path).result()
         wsr = result.extra.get("workspace") if result is not None else None
         head = wsr.get("head") if isinstance(wsr, dict) else None
         log.info("job.landed", job_id=job_id, agent=agent, head=head or None)
     else:
-        log.warning("land.failed", job_id=job_id, agent=agent, reason=record.get("detail"))
+        detail = record.get("detail")
+        log.warning("land.failed", job_id=job_id, agent=agent, reason=detail)
+        notify.fire("land.failed", job_id, agent, detail if isinstance(detail, str) else None, path / "result.json")
 
 
 def _last_record(path: Any) -> str:
