@@ -579,6 +579,9 @@ if plan.get(str(n)) == "bad-output":  # a receipt whose outputs fail their check
     Path("receipt.json").write_text(json.dumps({"job_id": os.environ["DISPATCH_JOB_ID"], "status": "done",
                                                 "inputs": ["i1"], "outputs": ["nope"]}))
     sys.exit(0)
+if plan.get(str(n)) == "sleep":  # to be cut short by its daemon's crash
+    import time
+    time.sleep(60)
 sys.exit(3)
 """
 
@@ -638,6 +641,23 @@ def test_a_retry_after_an_exit_gets_the_failed_checks_in_feedback_json_with_repa
         failed = {c["name"]: c for c in seen[1][1]["failed_checks"]}
         assert failed["exit_ok"]["ok"] is False and "3" in failed["exit_ok"]["detail"], failed
     assert d.stop() == 0
+
+
+def test_a_retry_after_an_attempt_a_crash_cut_short_gets_no_feedback_json_with_repair(env: Env) -> None:
+    """repair gives feedback "on a retry after failed checks": an attempt cut short by its daemon's kill -9 failed no
+    check of its agent's doing, so the attempt the next daemon runs finds no feedback.json blaming it for the receipt
+    it had no time to write."""
+    env.configure(agents={"worker": _sees_feedback(env, {"1": "sleep"}, repair=True, retry_safe=True, max_attempts=2)})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("FB-CUT", items=[{"id": "i1"}]))
+    wait_until(lambda: len(_seen(env)) == 1, 60, "attempt 1's start")
+    d.kill()
+    d2 = env.daemon()
+    env.wait_job("FB-CUT", "failed")
+    seen = _seen(env)
+    assert seen == [(1, None), (2, None)], seen
+    assert d2.stop() == 0
 
 
 def test_a_repair_agent_retried_after_its_repair_attempt_exits_1_gets_no_stale_feedback(env: Env) -> None:

@@ -212,13 +212,19 @@ class Deciding(abc.ABC):
             return Outcome.LEFT
         if not safe:
             return await self.finish(Row.FAILED, f"{reason}; not retried: {why}", checks)
-        if self.spec.agent.repair and any(c.ok is False for c in checks):
+        if self.spec.agent.repair and any(c.ok is False for c in checks) and not self._cut_short(n):
             # a retry after failed checks (a non-zero exit or a timeout fails exit_ok, no receipt receipt_present):
-            # with repair, the next attempt is told which (section 3), as after a repair
+            # with repair, the next attempt is told which (section 3), as after a repair; not after an attempt a
+            # stop or crash cut short, whose checks failed for want of time, not by its agent's doing
             sha = await self._persist(self.folder.give_feedback, n, checks)
             self.spec = self.spec.with_given("feedback.json", sha)
             await self._persist(self.folder.write_spec, self.spec)
         return await self._schedule_retry(n, reason, checks)
+
+    def _cut_short(self, n: int) -> bool:
+        """Return True if attempt n was cut short by a stop or crash of its daemon (or its host's loss)."""
+        record = next((a for a in self.attempts if a.n == n), None)
+        return record is not None and (record.interrupted or record.aborted == Stop.STOPPED)
 
     def _work_gone(self) -> bool:
         """Return True if work/ is no longer a folder (its agent removed it): no attempt can run in it."""
