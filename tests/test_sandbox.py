@@ -302,6 +302,31 @@ def test_sandbox_without_bubblewrap_is_a_config_error_naming_the_package(env: En
     )
 
 
+def test_a_sandboxed_agent_has_no_capability_and_cannot_remount_the_root_writable(outside: Env) -> None:
+    """A daemon run as root (a root shell, a container): its sandboxed agent has no capability left, so
+    `mount -o remount,rw /` is refused and a write outside what it may write still fails (with every capability
+    of root kept, the remount made the whole filesystem writable to it)."""
+    env = outside
+    need("bwrap", "bubblewrap")
+    env.count_file.touch()
+    out, escaped = env.tmp / "out", env.tmp / "ESCAPED"
+    out.mkdir()
+    probe = (
+        f"grep CapEff /proc/self/status > {out}/caps; mount -o remount,rw / 2>/dev/null; echo $? > {out}/mount.rc;"
+        f" echo x > {escaped} 2>/dev/null; echo $? > {out}/write.rc"
+    )
+    agent = env.agent(sandbox=True, sandbox_writable=[str(env.count_file), str(out)])
+    agent["command"] = ["sh", "-c", probe + '; exec "$@"', "sh", *agent["command"]]
+    env.configure(agents={"worker": agent})
+    env.drop(order("CAPS"))
+    d = env.daemon()
+    env.wait_job("CAPS", "done")
+    d.stop()
+    assert (out / "caps").read_text().split() == ["CapEff:", "0000000000000000"]
+    assert (out / "mount.rc").read_text().strip() != "0"
+    assert (out / "write.rc").read_text().strip() != "0" and not escaped.exists()
+
+
 def test_a_sandboxed_agent_without_a_workspace_works_in_work(env: Env, tmp_path: Path) -> None:
     """sandbox: true without a workspace: the agent writes its output in work/ and the job is done as before."""
     need("bwrap", "bubblewrap")

@@ -69,7 +69,9 @@ def wrap(
         out += ["--bind-try", path, path]
     for source, dest, rw in binds:
         out += ["--bind" if rw else "--ro-bind", source, dest]
-    out += ["--unshare-pid", "--die-with-parent"]
+    # no capability inside, whoever runs the daemon: as root, bwrap would leave the agent CAP_SYS_ADMIN, with which
+    # `mount -o remount,rw /` undoes the read-only root
+    out += ["--unshare-pid", "--die-with-parent", "--cap-drop", "ALL"]
     if not network:
         out.append("--unshare-net")
     out += ["--chdir", str(cwd), "--"]
