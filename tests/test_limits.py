@@ -453,11 +453,12 @@ sys.exit(subprocess.run(sys.argv[1:]).returncode)
 
 
 def test_a_job_held_past_max_limit_wait_by_a_limit_another_job_met_fails(env: Env) -> None:
-    """max_limit_wait 8: A meets a limit 2 s away and waits; B meets one 600 s away a second later, which moves the
+    """max_limit_wait 8: A meets a limit 6 s away and waits; B meets one 600 s away a second later, which moves the
     agent's gate. B fails at once; A fails once its limit waits reach 8 s, with the reason saying so, instead of
-    waiting the 600 s of B's limit (section 14: a job waits for usage limits at most max_limit_wait in all)."""
+    waiting the 600 s of B's limit (section 14: a job waits for usage limits at most max_limit_wait in all).
+    A's 6 s leave B's limit time to come before A's own has passed on a loaded machine."""
     script = env.tmp / "limit_then_work.py"
-    script.write_text(LIMIT_THEN_WORK)
+    script.write_text(LIMIT_THEN_WORK.replace('"SHORT-A": (0.0, 2)', '"SHORT-A": (0.0, 6)'))
     work = env.agent()["command"]
     agent = {**env.agent(), "command": [sys.executable, str(script), *work], "limits": [{"preset": "claude"}]}
     env.configure(agents={"worker": {**agent, "concurrency": 2}}, max_limit_wait=8)
@@ -500,6 +501,8 @@ def test_a_job_whose_retry_meets_another_jobs_limit_past_max_limit_wait_keeps_it
     # a person's retry while the gate still holds: it fails at once the same way, its lead and checks kept
     assert env.cli("retry", "RA-1").returncode == 0
     wait_until(lambda: len(events(d, "job.failed", job_id="RA-1")) == 2, 30, "the retry failed at the gate")
+    # its line comes with the commit; the folder's move into failed/ right after it
+    wait_until(lambda: (env.root / "failed" / "RA-1" / "result.json").exists(), 30, "RA-1 back in failed/")
     again = env.result("RA-1", "failed")
     assert again["reason"].startswith("exit_ok: exit 1 in "), again["reason"]
     assert "not retried: limit: Claude AI usage limit reached|" in again["reason"], again["reason"]
