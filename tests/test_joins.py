@@ -798,6 +798,40 @@ def test_a_ready_join_takes_its_place_by_priority_then_age(env: Env) -> None:
     assert d.stop() == 0
 
 
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_ready_join_keeps_its_place_by_priority_across_a_restart(env: Env, how: str) -> None:
+    """One slot: P ends while B (priority 9) runs, so the join J0 (priority 0, after P) is ready and waits for the slot
+    beside U9 (priority 9) in inbox/. The daemon is stopped (or killed) and started again: U9 still goes before J0.
+    A job that never started an attempt is queued by priority and age like any order, not first as a recovered
+    job whose agent a crash cut short is."""
+    env.configure({"worker": env.agent(), "slow": env.agent("--sleep", "4")}, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("P"))
+    env.wait_job("P", "done")
+    env.drop(order("B", to="slow", priority=9))
+    d.wait_event("agent.started", job_id="B")
+    env.drop(order("J0", after=["P"], priority=0))
+    d.wait_event("job.joined", job_id="J0")
+    env.drop(order("U9", priority=9))
+    time.sleep(1)  # settled in inbox/: read once the slot is free (no line before)
+    assert "U9" not in [j for j, _ in env.starts()]
+    if how == "stop":
+        assert d.stop() == 0  # B's agent runs to its end first
+        assert env.wait_job("B", "done")
+    else:
+        d.kill()
+    assert (env.root / "active" / "J0").is_dir()
+    d2 = env.daemon()
+    for job_id in ("U9", "J0"):
+        env.wait_job(job_id, "done", timeout=60)
+    env.wait_job("B", "done" if how == "stop" else "failed")  # killed: cut short, not retry_safe
+    started = [j for j, _ in env.starts()]
+    assert started.index("U9") < started.index("J0"), started
+    assert started.count("J0") == 1 and started.count("U9") == 1, started
+    assert d2.stop() == 0
+
+
 def test_a_join_waiting_at_start_runs_before_lower_priority_orders_when_its_parent_ends(env: Env) -> None:
     """`run --once`, one slot: G (priority 9), its join J (priority 9) and Q1..Q3 (priority 5) found at start. When G
     ends, J goes next: the slot G's agent frees is not given to Q1 before G's end readied J (section 16)."""

@@ -67,8 +67,14 @@ class Parking(Protocol):
     def running(self) -> Mapping[str, object]:
         """The jobs this daemon runs now, by id."""
 
-    def park_recovered(self, adopted: list[tuple[str, int, str]], *, host_lost: bool = False) -> None:
-        """Queue adopted jobs of dead daemons first."""
+    def park_recovered(
+        self,
+        adopted: list[tuple[str, int, str]],
+        ranks: Mapping[str, tuple[int, float]] | None = None,
+        *,
+        host_lost: bool = False,
+    ) -> None:
+        """Queue adopted jobs of dead daemons first (those never started by their rank among the orders)."""
 
     def park_retry(self, job_id: str, agent: str, *, revise: bool = False) -> None:
         """Queue a failed job for `dispatcher retry` (or a job for `dispatcher revise`)."""
@@ -185,16 +191,18 @@ class Housekeeping:
             self.sched.stats.count(state.value)
         ends = []
         agents = {job_id: agent or None for job_id, _, agent in adopted}
-        for job_id, pgid in await self.ctx.lanes.scan(_leftovers, self.ctx.layout, adopted):
+        leftovers, ranks = await self.ctx.lanes.scan(_leftovers, self.ctx.layout, adopted)
+        for job_id, pgid in leftovers:
             log.warning("agent.orphan_ended", job_id=job_id, agent=agents.get(job_id), pid=pgid)
             ends.append(end_group(pgid, self.ctx.config().kill_grace_s, hurry=self.stop_asked))  # a stop: SIGKILL
         await asyncio.gather(*ends)  # before any of these jobs is queued: none runs beside its orphan
-        if startup:
-            self.ctx.unrecovered.update(job_id for job_id, _, _ in adopted)  # READY=1 waits for their decisions
+        if startup:  # READY=1 waits for their decisions (one that never started has none to make)
+            self.ctx.unrecovered.update(job_id for job_id, _, _ in adopted if job_id not in ranks)
         # a host lost: a shared ledger's dead daemon that did not stop cleanly. Not this daemon's own jobs, stopped
         # while its lease went unrenewed (it knows no other host ran them), nor those of a daemon that stopped
-        self.sched.park_recovered([a for a in adopted if a[0] in lost and a[0] not in left], host_lost=True)
-        self.sched.park_recovered([a for a in adopted if a[0] not in lost or a[0] in left], host_lost=False)
+        lost_ones = [a for a in adopted if a[0] in lost and a[0] not in left]
+        self.sched.park_recovered(lost_ones, ranks, host_lost=True)
+        self.sched.park_recovered([a for a in adopted if a[0] not in lost or a[0] in left], ranks, host_lost=False)
         await self.ctx.lanes.io(self.ctx.finisher.release_orphaned)
 
     def _recover_in_lane(
@@ -498,12 +506,28 @@ def _drop_hints(layout: Layout, names: list[str]) -> None:
             os.unlink(layout.control / name)
 
 
-def _leftovers(layout: Layout, adopted: list[tuple[str, int, str]]) -> list[tuple[str, int]]:
-    """Return (job id, process group) of the agents the adopted jobs' last attempts left running (scan lane).
+def _leftovers(
+    layout: Layout, adopted: list[tuple[str, int, str]]
+) -> tuple[list[tuple[str, int]], dict[str, tuple[int, float]]]:
+    """Return (job id, process group) of the agents the adopted jobs' last attempts left running (scan lane), and
+    the rank (-priority, received) of each adopted job that never started an attempt.
 
     One walk of /proc for all of them: it grows with the machine's processes, not with one job.
+    A job that never started (a join that waited for a slot, an order claimed ahead) has nothing
+    to recover: it takes its place among the orders by priority and age, as it had before.
     """
     folders = [JobFolder(layout.job(State.ACTIVE, job_id)) for job_id, _, _ in adopted]
-    last = [(folder, max(folder.attempt_numbers(), default=0)) for folder in folders]
+    numbers = [folder.attempt_numbers() for folder in folders]
+    last = [(folder, max(ns, default=0)) for folder, ns in zip(folders, numbers, strict=True)]
     groups = leftover_groups([(folder, n) for folder, n in last if n], layout.slots)
-    return [(job_id, pgid) for job_id, _, _ in adopted for pgid in groups.get(job_id, [])]
+    ranks: dict[str, tuple[int, float]] = {}
+    for (job_id, _, _), folder, ns in zip(adopted, folders, numbers, strict=True):
+        if ns:
+            continue
+        try:
+            spec = folder.spec()
+        except (OSError, ValueError):
+            continue  # recovered first, as any: its job decides what a damaged job.json means
+        priority = spec.order.get("priority", 5)
+        ranks[job_id] = (-priority if isinstance(priority, int) else -5, spec.received)
+    return [(job_id, pgid) for job_id, _, _ in adopted for pgid in groups.get(job_id, [])], ranks

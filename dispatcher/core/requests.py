@@ -12,7 +12,7 @@ import abc
 import asyncio
 import collections
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from dispatcher.core.running import Running
@@ -77,10 +77,24 @@ class Requests(abc.ABC, Generic[J]):
                 r.job.control.abort(reason, mute=mute, now=now)
 
     # -- requests -----------------------------------------------------------------------------
-    def park_recovered(self, adopted: list[tuple[str, int, str]], *, host_lost: bool = False) -> None:
-        """Queue adopted jobs of dead daemons first (their agents were already ended)."""
+    def park_recovered(
+        self,
+        adopted: list[tuple[str, int, str]],
+        ranks: Mapping[str, tuple[int, float]] | None = None,
+        *,
+        host_lost: bool = False,
+    ) -> None:
+        """Queue adopted jobs of dead daemons first (their agents were already ended); those that never started an
+        attempt (``ranks``: -priority, received) take their place among the orders by priority and age instead."""
+        ranks = ranks or {}
         for job_id, token, agent in reversed(adopted):
-            self.parked.appendleft(Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost))
+            if job_id not in ranks:
+                self.parked.appendleft(Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost))
+        for job_id, token, agent in adopted:
+            if (rank := ranks.get(job_id)) is not None:
+                park_ranked(
+                    self.parked, Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost, rank=rank)
+                )
 
     def park_retry(self, job_id: str, agent: str, *, revise: bool = False) -> None:
         """Queue a failed job for `dispatcher retry` (or a job for `dispatcher revise`), once."""

@@ -42,6 +42,7 @@ from dispatcher.core.work import (
     Rank,
     park_ranked,
     parked_rank,
+    ranked,
 )
 from dispatcher.job.context import JobContext
 from dispatcher.job.job import Job
@@ -189,10 +190,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue
-            ranked = (p.kind is Kind.JOINED and p.rank is not None) or (
-                p.kind is Kind.NEW and p.job_id not in self.ahead.ready
-            )
-            if ranked and self._outranked(p, unread):
+            by_rank = ranked(p) and not (p.kind is Kind.NEW and p.job_id in self.ahead.ready)
+            if by_rank and self._outranked(p, unread):
                 rank = parked_rank(p)
                 joined_rank = rank if joined_rank is None else min(joined_rank, rank)
                 continue
@@ -294,7 +293,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         head = self.inbox.head_rank(unread)
         if head is None or head >= parked_rank(p):
             return False
-        if p.kind is Kind.JOINED:
+        if p.kind is not Kind.NEW:  # a ready join, a recovered job never started
             return True
         upcoming = self.inbox.next_agent(unread)
         return upcoming is not None and upcoming[0] == p.agent
@@ -455,7 +454,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                     park_ranked(self.parked, p)
                     self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
                     self.slot_poll = True
-                case NoSlot(parked=p) if p.kind is Kind.JOINED and p.rank is not None:
+                case NoSlot(parked=p) if p.kind is not Kind.NEW and ranked(p):
                     park_ranked(self.parked, p)  # a ready join keeps its place among orders: priority, then age
                     self.blocked[p.agent] = time.monotonic() + SLOT_RETRY_S
                     self.slot_poll = True

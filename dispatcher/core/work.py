@@ -50,7 +50,7 @@ class Parked:
     token: int = 0
     host_lost: bool = False  # recovered from a daemon on another host whose lease ran out
     resume: Resume | None = None  # a claimed job queued again after a shortage, as it was
-    rank: tuple[int, float] | None = None  # a join ready to run: (-priority, received), as parked orders rank
+    rank: tuple[int, float] | None = None  # a ready join, or a recovered job never started: (-priority, received)
     expires: float | None = None  # an order (its `expires`) or a ready join: refused or failed `expired` then
 
 
@@ -129,10 +129,15 @@ def park_ranked(parked: collections.deque[Parked], p: Parked) -> None:
     """Queue p before the first parked order (or ready join) of lower rank (``parked_rank``); others keep their turn."""
     rank = parked_rank(p)
     for i, q in enumerate(parked):
-        if (q.kind is Kind.NEW or (q.kind is Kind.JOINED and q.rank is not None)) and parked_rank(q) > rank:
+        if ranked(q) and parked_rank(q) > rank:
             parked.insert(i, p)
             return
     parked.append(p)
+
+
+def ranked(p: Parked) -> bool:
+    """Return True if p takes its place among parked orders by rank: an order, a ready join, a job never started."""
+    return p.kind is Kind.NEW or (p.kind in (Kind.JOINED, Kind.RECOVER) and p.rank is not None)
 
 
 Rank = tuple[int, float, str]  # (-priority, modification time in epoch seconds, file name): lower goes first
