@@ -78,3 +78,19 @@ def test_priority_is_seen_in_the_yaml_forms_an_order_may_be_written_in() -> None
     assert peek_schedule(b"\xef\xbb\xbfpriority: 7\njob_id: A\n", "a.yaml").priority == 7
     expires = peek_schedule(b'{"expires": "2030-01-01T00:00:00Z", "to": "w"}' + b" " * 20000, "x.yml")
     assert expires.expires is not None and expires.agent == "w"
+
+
+def test_a_not_before_line_inside_a_quoted_scalar_is_never_taken_for_the_orders_own() -> None:
+    """A double-quoted task that runs over a line starting `not_before: 2030...` holds no not_before key: the glance
+    gives none (small order: parsed; large: left out, the order is read and its read decides), so the order is not
+    put off until 2030. A real not_before after an apostrophe or quote is still seen (small: parsed)."""
+    fooled = b'job_id: G1\nfrom: me\nto: echo\ntask: "run\nnot_before: 2030-01-01T00:00:00Z"\nitems: [{id: a}]\n'
+    assert peek_schedule(fooled, "g1.yaml").not_before is None
+    expiring = fooled.replace(b"not_before:", b"expires:")
+    assert peek_schedule(expiring, "g1.yaml").expires is None
+    pad = b"meta:\n  lines:\n" + b"    - one line of a long list\n" * 800
+    assert len(pad) > orders.GLANCE_PARSE_MAX
+    assert peek_schedule(fooled + pad, "g1.yaml").not_before is None
+    real = b"job_id: G2\ntask: don't wait\nnot_before: 2030-01-01T00:00:00Z\nto: echo\n"
+    assert peek_schedule(real, "g2.yaml").not_before == 1893456000.0
+    assert peek_schedule(b"job_id: G3\nnot_before: 2030-01-01T00:00:00Z\n" + pad, "g3.yaml").not_before == 1893456000.0

@@ -449,3 +449,15 @@ def test_every_unreadable_time_gets_the_iso_8601_message(env: Env, field: str) -
         proc = env.cli("validate", str(path))
         assert proc.returncode == 2, (value, proc.stderr)
         assert proc.stderr == f"{path}: {field}: must be an ISO 8601 time such as 2026-12-01T08:00:00Z\n", value
+
+
+def test_an_order_whose_quoted_task_runs_over_a_not_before_line_is_claimed_at_once(env: Env) -> None:
+    """A YAML order with no not_before, whose double-quoted task continues on a line that starts `not_before: 2030`:
+    `run --once` runs it now (before, the daemon's glance put it off until 2030, unread, while `list` showed a plain
+    queued job)."""
+    env.configure()
+    text = 'job_id: G1\nfrom: me\nto: worker\ntask: "run\nnot_before: 2030-01-01T00:00:00Z"\nitems: [{id: a}]\n'
+    env.drop(text, name="g1.yaml")
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    result = env.wait_job("G1", "done")
+    assert result["state"] == "done"

@@ -300,13 +300,26 @@ def _json_glance(data: bytes, *, strict: bool = False) -> dict[str, Any] | None:
     return body if type(body) is dict else None  # the scanner makes plain dicts, str and int: type tells
 
 
+def _quote_before(data: bytes, at: int) -> bool:
+    """Return True if a quote comes before ``at``: a line there may continue a quoted scalar, not start a key."""
+    return data.find(b'"', 0, at) >= 0 or data.find(b"'", 0, at) >= 0
+
+
+def _time_doubtful(data: bytes) -> bool:
+    """Return True if a top-level-looking ``not_before:`` or ``expires:`` line comes after a quote (see above)."""
+    found = (_top(data, b"not_before:", _TOP_NOT_BEFORE), _top(data, b"expires:", _TOP_EXPIRES))
+    return any(m is not None and _quote_before(data, m.start()) for m in found)
+
+
 def peek_schedule(data: bytes, name: str) -> Glance:
     """Return an order file's priority, not_before, `after`, `to` and expires, at a glance (never raises).
 
     JSON is parsed; YAML is looked at line by line (top-level ``priority:``,
     ``not_before:``, ``after:``, ``to:`` and ``expires:`` in block style), or parsed when
-    it is small and written otherwise (a flow mapping, quoted keys). Only ordering uses
-    this: the daemon checks the validated order again before it claims.
+    it is small and written otherwise (a flow mapping, quoted keys, a time after a quote).
+    Only ordering uses this: the daemon checks the validated order again before it claims.
+    A time the line scan cannot trust (a quote before it: the line may continue a quoted
+    scalar) is left out, never made up: the order is then read, and its read defers it.
     """
     priority, due, joins, agent, expires = 5, None, False, "", None
     if data.startswith(b"\xef\xbb\xbf"):
@@ -318,7 +331,11 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
             raw_to, raw_e = body.get("to"), body.get("expires")
             agent = raw_to if type(raw_to) is str else ""
-        elif len(data) <= GLANCE_PARSE_MAX and _NOT_BLOCK.search(data) and (small := _yaml_glance(data)) is not None:
+        elif (
+            len(data) <= GLANCE_PARSE_MAX
+            and (_NOT_BLOCK.search(data) or _time_doubtful(data))
+            and (small := _yaml_glance(data)) is not None
+        ):
             body = small
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
             raw_to, raw_e = body.get("to"), body.get("expires")
@@ -327,12 +344,12 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             m = _top(data, b"priority:", _TOP_PRIORITY)
             raw_p = int(m.group(1)) if m else None
             t = _top(data, b"not_before:", _TOP_NOT_BEFORE)
-            raw_t = t.group(1).decode() if t else None
+            raw_t = t.group(1).decode() if t and not _quote_before(data, t.start()) else None
             joins = _top(data, b"after:", _TOP_AFTER) is not None
             to = _top(data, b"to:", _TOP_TO)
             agent = to.group(1).decode("utf-8", "replace") if to else ""
             e = _top(data, b"expires:", _TOP_EXPIRES)
-            raw_e = e.group(1).decode() if e else None
+            raw_e = e.group(1).decode() if e and not _quote_before(data, e.start()) else None
         if type(raw_p) is int and 0 <= raw_p <= 9:  # not a bool
             priority = raw_p
         expires = parse_time(str(raw_e)) if isinstance(raw_e, str) else None  # str: an unquoted YAML time too
