@@ -102,3 +102,32 @@ def test_session_id_is_replaced_in_the_resume_argv_only_not_inside_the_prompt(en
     assert first["argv"] == [*base, task]
     assert second["argv"] == [*base, "--resume", "abc123", task]
     assert (env.job_dir("SESSION-TEXT", "failed") / "work" / "prompt.md").read_text() == task
+
+
+BAD_SESSION = """import json, os, subprocess, sys
+if os.environ["DISPATCH_ATTEMPT"] == "1":
+    sid = {"nul": "abc\\u0000", "long": "s" * 200_000, "newline": "abc\\ndef"}[sys.argv[1]]
+    print(json.dumps({"type": "result", "session_id": sid, "total_cost_usd": 0.1}))
+    sys.exit(1)
+sys.exit(subprocess.run(sys.argv[2:]).returncode)
+"""
+
+
+@pytest.mark.parametrize("kind", ["nul", "long", "newline"])
+def test_a_session_id_no_argv_can_carry_is_no_session_and_the_retry_runs_command(env: Env, kind: str) -> None:
+    """An agent's final JSON names a session id with a NUL byte, one of 200,000 characters or one with a line
+    break: that is no session (as a number or an empty id is), so the retry runs `command`, not a `resume` argv no
+    program can be started with (before: the job failed `config: agent worker cannot start`)."""
+    script = env.tmp / "bad_session.py"
+    script.write_text(BAD_SESSION)
+    work = env.agent()["command"]
+    spec = {
+        **env.agent(retry_safe=True, max_attempts=2),
+        "command": [sys.executable, str(script), kind, *work],
+        "resume": [sys.executable, str(script), kind, *work, "{session_id}"],
+    }
+    env.configure(agents={"worker": spec})
+    env.daemon().wait_ready()
+    env.drop(order("BADSID"))
+    result = env.wait_job("BADSID", "done")
+    assert [a["argv"] for a in result["attempts"]] == [spec["command"], spec["command"]]

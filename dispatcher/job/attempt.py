@@ -69,10 +69,8 @@ def argv_after(spec: JobSpec, work: str | Path, earlier: Sequence[Attempt], work
 
 
 def session_of(rec: Attempt) -> str | None:
-    """Return the session_id an attempt's agent reported, if any."""
-    ar = rec.agent_result
-    sid = ar.get("session_id") if ar is not None else None
-    return sid if isinstance(sid, str) and sid else None
+    """Return the session_id an attempt's agent reported, if any (``session_of_result``)."""
+    return session_of_result(rec.agent_result)
 
 
 def command_for(agent: Agent, earlier: Sequence[Attempt]) -> tuple[tuple[str, ...], str | None]:
@@ -203,10 +201,20 @@ def _session_extra(result: Mapping[str, Any] | None, earlier: Sequence[Attempt],
     return extra
 
 
+SESSION_ID_MAX = 1024  # characters: a CLI's session id is a UUID or so; this one goes into an argv
+
+
 def session_of_result(result: Mapping[str, Any] | None) -> str | None:
-    """Return the session_id of an agent's final JSON, if any."""
+    """Return the session_id of an agent's final JSON, if any.
+
+    Only a non-empty string of at most ``SESSION_ID_MAX`` characters with no control character
+    counts: the agent's own output must not make the next attempt's argv one no program can be
+    started with (a NUL byte, an argument list too long), which would fail the job as a config error.
+    """
     sid = result.get("session_id") if result is not None else None
-    return sid if isinstance(sid, str) and sid else None
+    if not isinstance(sid, str) or not sid or len(sid) > SESSION_ID_MAX:
+        return None
+    return None if any(ord(c) < 32 or ord(c) == 127 for c in sid) else sid
 
 
 def exit_of(rec: Attempt, timeout_s: float) -> Exit:
