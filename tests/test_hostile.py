@@ -467,6 +467,41 @@ def test_10_a_damaged_ledger_page_stops_commands_and_the_daemon_with_one_line_un
     assert again.returncode == 2 and "already known" in again.stderr
 
 
+HOLD_LEDGER = """import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("PRAGMA locking_mode=EXCLUSIVE")
+db.execute("BEGIN EXCLUSIVE")
+db.execute("SELECT count(*) FROM jobs").fetchall()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_10_a_ledger_another_process_holds_locked_is_not_called_damaged_and_rebuild_keeps_it(env: Env) -> None:
+    """Another process holds the SQLite ledger in an exclusive lock (a backup tool, a `sqlite3` shell): the reading
+    commands say it is locked, with no advice to rebuild it, and `ledger rebuild` refuses, naming the lock, and sets
+    nothing aside. Once the lock is gone, the ledger is as it was: a pause recorded only there is still in place."""
+    assert env.cli("submit", str(_write(env, plain("LCK-1")))).returncode == 0
+    assert env.cli("run", "--once").returncode == 0
+    assert env.cli("pause", "worker").returncode == 0
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LEDGER, str(ledger)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        for command in (["status"], ["list"], ["show", "LCK-1"]):
+            proc = env.cli(*command, timeout=60)
+            assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (command, proc.stderr[-3000:])
+            assert "locked" in proc.stderr and "rebuild" not in proc.stderr, (command, proc.stderr)
+        rebuilt = env.cli("ledger", "rebuild", timeout=60)
+        assert rebuilt.returncode == 2 and "locked by another process, not damaged" in rebuilt.stderr, rebuilt.stderr
+        assert sorted(p.name for p in ledger.parent.iterdir() if "damaged" in p.name) == []
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)
+    status = env.cli("status", "--json", check=True)
+    assert "paused" in status.stdout, status.stdout
+
+
 def test_10_a_rebuilt_ledger_keeps_a_finished_jobs_age_and_says_one_job_id(env: Env) -> None:
     """After `ledger rebuild` a done job's age in `list` still counts from its finish, not from the rebuild."""
     env.drop(plain("AGED-1"))

@@ -139,6 +139,8 @@ class SqliteDb:
             self._db.execute("PRAGMA synchronous=FULL")
             self._retrying(self._migrate)
         except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):  # in use, not damaged: never rebuilt
+                raise LedgerError(f"{exc} by another process", unreachable=True) from None
             text = str(exc).lower()
             unreachable = any(w in text for w in ("unable to open", "disk i/o", "readonly", "read-only", "full"))
             raise LedgerError(_describe(exc, path), unreachable=unreachable) from None
@@ -296,6 +298,24 @@ def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
     return db, True
 
 
+def locked_elsewhere(path: Path) -> bool:
+    """Return True if another process holds a lock on the SQLite file at path that keeps a writer out."""
+    try:
+        db = sqlite3.connect(path, timeout=1.0, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError as exc:
+        return _is_locked(exc)
+    except sqlite3.Error:
+        return False
+    finally:
+        db.close()
+
+
 def _wal_size(wal: Path) -> int:
     """Return the size of a ledger's -wal (0 when there is none: every row is in the main file)."""
     try:
@@ -305,6 +325,7 @@ def _wal_size(wal: Path) -> int:
 
 
 def _is_locked(exc: sqlite3.OperationalError) -> bool:
+    """Return True for "database is locked" and "busy": another connection holds the ledger."""
     text = str(exc).lower()
     return "locked" in text or "busy" in text
 

@@ -25,6 +25,7 @@ from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry
 from dispatcher.ledger.flocks import owner_alive
 from dispatcher.ledger.sqlite import LedgerError, SqliteLedger
+from dispatcher.ledger.sqlite_db import locked_elsewhere
 from dispatcher.lifecycle import Row, State, state_to_row
 from dispatcher.spec.loader import load_document
 from dispatcher.spec.orders import order_format
@@ -48,6 +49,11 @@ def rebuild(layout: Layout) -> dict[str, int]:
     alive = live_daemons(layout)
     if alive:
         raise UsageError(f"{layout.root}: a daemon is running ({alive[0]}); stop every daemon, then rebuild")
+    if os.path.exists(layout.ledger) and locked_elsewhere(layout.ledger):  # in use: not damaged, never set aside
+        raise UsageError(
+            f"{layout.ledger}: the ledger is locked by another process, not damaged; rebuild only a lost or damaged"
+            " one (find the holder with `fuser` or `lsof`; the commands work again once it lets go)"
+        )
     try:
         _keep_aside(layout.ledger)
         fsutil.make_dirs(layout.ledger.parent)  # .state/ lost with the ledger: made again, durably
