@@ -26,6 +26,11 @@ def catch() -> None:
         signal.signal(sig, _note)
 
 
+def stop_noted() -> bool:
+    """Return True if SIGTERM or SIGINT was noted (and keep every noted signal for ``taken``)."""
+    return any(sig != signal.SIGHUP for sig in _noted)
+
+
 def taken() -> list[int]:
     """Return the signals noted so far and forget them (the daemon's handlers are in place)."""
     out = list(_noted)

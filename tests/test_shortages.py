@@ -118,9 +118,10 @@ def test_after_a_descriptor_shortage_one_start_is_tried_at_a_time_in_claim_order
     assert waited == [j for j in claimed if j in waited], f"claimed {claimed}, started after the last claim {waited}"
 
 
-@pytest.mark.parametrize("limit", [6, 8, 10])
+@pytest.mark.parametrize("limit", [5, 6, 8, 10])
 def test_out_of_file_descriptors_at_start_is_a_shortage_not_a_crash(env: Env, limit: int) -> None:
-    """RLIMIT_NOFILE 6, 8 or 10 (hard too): the daemon cannot make its folders, open its ledger or register.
+    """RLIMIT_NOFILE 5, 6, 8 or 10 (hard too): the daemon cannot make its event loop, its folders, open its ledger or
+    register.
     It logs daemon.short_of once (no traceback, no exit 1 or 2) and waits; SIGTERM ends it with exit 0."""
     env.configure({"tiny": hold_agent(env, 0)})
     out = env.tmp / f"run-{limit}.out"
@@ -151,6 +152,30 @@ def test_out_of_file_descriptors_at_start_is_a_shortage_not_a_crash(env: Env, li
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+LOOP_BACK = """import os, resource, sys, threading, time
+from dispatcher.core import startup
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))  # room for one more
+threading.Timer(2.5, lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))).start()
+started = time.monotonic()
+loop = startup.new_loop(lambda: False)
+print(loop is not None and not loop.is_closed(), round(time.monotonic() - started))
+"""
+
+
+def test_the_event_loop_is_made_once_descriptors_are_back(env: Env) -> None:
+    """Too few descriptors for the event loop (it needs three): daemon.short_of once, step start, another try each
+    second, and the loop is made once the limit gives room again; no traceback (a loop made half would print one)."""
+    proc = subprocess.run([sys.executable, "-c", LOOP_BACK], capture_output=True, text=True, timeout=60, env=cli_env())
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    short = [x for x in lines if "daemon.short_of" in x]  # structlog's console lines: no JSON set up here
+    assert len(short) == 1 and "step=start" in short[0] and "EMFILE" in short[0], proc.stdout
+    made, waited = lines[-1].split()
+    assert made == "True" and 2 <= int(waited) <= 5, proc.stdout
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
 
 
 STARTED = ("daemon.short_of", "daemon.ready")  # a start that waits, or one that got through

@@ -101,7 +101,16 @@ class Daemon(Reloading, Fencing):
     # -- lifecycle -------------------------------------------------------------------------------
     def serve(self) -> int:
         """Run until stopped (or, with --once, until the inbox is drained); return the exit code."""
-        return asyncio.run(self._serve())
+        startup.raise_fd_limit()  # the soft limit up to the hard one, before the loop takes its descriptors
+        loop = startup.new_loop(early.stop_noted)
+        if loop is None:  # a stop while short of descriptors for the loop itself: nothing was claimed
+            signum = next((sig for sig in early.taken() if sig != signal.SIGHUP), signal.SIGTERM)
+            self.notifier.stopping()
+            log.info("daemon.stopping", signal=signal.Signals(signum).name, running=0)
+            log.info("daemon.stopped", reason="a stop came during start-up, before any job was claimed")
+            return 0
+        with asyncio.Runner(loop_factory=lambda: loop) as runner:
+            return runner.run(self._serve())
 
     async def _serve(self) -> int:
         loop = asyncio.get_running_loop()

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import resource
+import select
+import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -80,3 +83,41 @@ async def while_short(step: Callable[[], Awaitable[T]], stop_asked: Callable[[],
 async def _pause(exc: BaseException) -> None:
     SHORT.note(exc, "start")
     await asyncio.sleep(max(SHORT.wait_s(), PAUSE_MIN_S))
+
+
+LOOP_RETRY_S = 1.0  # how often a daemon short of descriptors for its event loop tries again
+
+
+def new_loop(stop_noted: Callable[[], bool]) -> asyncio.AbstractEventLoop | None:
+    """Make the daemon's event loop; None if a stop came while it could not be made.
+
+    The loop needs descriptors of its own (epoll and a self-pipe): at an open-files limit too low
+    for them it is a shortage like any (section 13): ``daemon.short_of`` once, step start, then
+    another try every ``LOOP_RETRY_S`` until it can be made, not a traceback.
+    """
+    logged = False
+    while True:
+        try:
+            _loop_room()  # a loop made half (no self-pipe) cannot be closed: its end prints a traceback
+            return asyncio.new_event_loop()
+        except OSError as exc:
+            resource = resource_of(exc)
+            if resource is None:
+                raise
+            if not logged:
+                logged = True
+                log.warning("daemon.short_of", resource=resource, step="start", error=str(exc))
+        if stop_noted():
+            return None
+        time.sleep(LOOP_RETRY_S)
+
+
+def _loop_room() -> None:
+    """Raise OSError (EMFILE) unless the descriptors an event loop needs (epoll, a socket pair) can be opened."""
+    poll = select.epoll()
+    try:
+        a, b = socket.socketpair()
+        a.close()
+        b.close()
+    finally:
+        poll.close()
