@@ -587,6 +587,25 @@ def test_web_lines_follow_log_file_through_a_rotation_and_sighup(env: Env) -> No
         assert web.stop() == 0
 
 
+def test_web_lines_go_to_the_log_file_the_config_names_now(env: Env) -> None:
+    """log_file changed in the config after `dispatcher web` started (as a reload moves the daemon's): the view's next
+    action lines (`job.held`, `web.action`) land in the new file, where `dispatcher logs` reads them, not the old."""
+    old, new = env.tmp / "a.log", env.tmp / "b.log"
+    env.configure(log_file=str(old))
+    env.drop(order("MOVE-1"))  # no daemon: it stays queued in inbox/
+    web = start_web(env)
+    try:
+        env.configure(log_file=str(new))
+        assert web.act("MOVE-1", "hold", web.token)[0] == 200
+        wait_until(lambda: new.exists() and "job.held" in new.read_text(), 10, "job.held in the new log_file")
+        assert '"web.action"' in new.read_text()
+        assert "job.held" not in (old.read_text() if old.exists() else "")
+        shown = env.cli("logs", "--job", "MOVE-1", check=True).stdout
+        assert "job.held" in shown, shown
+    finally:
+        assert web.stop() == 0
+
+
 def test_actions_on_a_queued_or_held_order_are_the_wrong_state_not_an_unknown_job(sqlite_site: tuple[Env, Web]) -> None:
     """approve, reject, retry and revise of an order still in inbox/ or held/: the job is known (`show` shows it),
     only in the wrong state: 409 as the command's exit 1 says, never 404 "no such job"."""

@@ -9,11 +9,13 @@ meanwhile (``job.approved``, ``job.held`` ...) carries ``via: web``, and one
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
 import structlog
 
+from dispatcher import logs
 from dispatcher.errors import ConfigError, DispatchError, NotFound, WrongState
 from dispatcher.layout import JOB_ID, Layout
 from dispatcher.ops.actions import Operator
@@ -59,6 +61,9 @@ class Actions:
         config = load_config(self.config.path, root=self.config.root)
         if config.root != self.config.root:
             raise ConfigError("root: changed since `dispatcher web` started; restart it", file=str(config.path))
+        if config.log_file != logs.SINK.path:  # moved in the config: the action's lines go where `logs` reads
+            with contextlib.suppress(OSError):  # as at the start: a file it may not open leaves the lines on stdout
+                logs.SINK.open_file(config.log_file)
         return config
 
     def _agent(self, job_id: str) -> str | None:
