@@ -393,3 +393,20 @@ def test_status_leaves_out_a_job_that_left_active_while_it_was_read(env: Env, mo
     monkeypatch.setattr(JobFolder, "spec", finished_meanwhile)
     got = active_jobs(layout, None, [], 0.0)
     assert [(a["job_id"], a["age_s"]) for a in got] == [("DAMAGED-1", None)], got
+
+
+def test_a_refused_files_job_id_that_is_no_job_id_is_null_and_show_of_it_is_not_a_job_id(env: Env) -> None:
+    """Refused files whose `job_id` is a string no job id can be (`a@b`, empty): `list --json` gives job_id null, as
+    for a file whose id could not be read, and `show` of that string says it is not a job id (exit 1), as `retry`
+    does; the refusal is still shown by its file's name."""
+    env.configure()
+    for name, job_id in (("at.json", "a@b"), ("empty.json", "")):
+        env.drop({"job_id": job_id, "from": "me", "to": "worker", "task": "t", "items": [{"id": "a"}]}, name=name)
+    assert env.cli("run", "--once", timeout=120).returncode == 1  # refused files: exit 1
+    listed = env.cli("list", "--state", "refused", "--json", check=True).stdout
+    refused = [json.loads(line) for line in listed.splitlines()]
+    assert len(refused) == 2 and [r["job_id"] for r in refused] == [None, None], refused
+    for bad in ("a@b", ""):
+        proc = env.cli("show", bad)
+        assert proc.returncode == 1 and "not a job id" in proc.stderr, (bad, proc.stdout, proc.stderr)
+    assert env.cli("show", "at.json", check=True).stdout.startswith("at.json  refused  agent worker")

@@ -23,7 +23,7 @@ from typing import Any
 
 from dispatcher.clock import iso, parse_iso
 from dispatcher.errors import printable
-from dispatcher.layout import Layout, is_ignored
+from dispatcher.layout import JOB_ID, Layout, is_ignored
 from dispatcher.ledger.base import Entry, Ledger
 from dispatcher.ledger.records import Gate, held_until
 from dispatcher.lifecycle import Row, State
@@ -169,8 +169,9 @@ def _refused(layout: Layout) -> Iterator[dict[str, Any]]:
         if "@" not in de.name:
             continue
         result = JobFolder(Path(de.path)).result() or _NO_RESULT
+        job_id = result.job_id if result.job_id is not None and JOB_ID.fullmatch(result.job_id) else None
         yield _row(
-            result.job_id,
+            job_id,  # a string that is no job id (`a@b`, ``""``) is none: no id could be read from the file
             "refused",
             result.agent,
             _refused_at(de.name) or _stamp(result.finished),
