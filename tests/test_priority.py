@@ -461,3 +461,29 @@ def test_an_order_whose_quoted_task_runs_over_a_not_before_line_is_claimed_at_on
     assert env.cli("run", "--once", timeout=120).returncode == 0
     result = env.wait_job("G1", "done")
     assert result["state"] == "done"
+
+
+def test_submit_refuses_an_order_it_knows_the_daemon_would_refuse_as_expired(env: Env) -> None:
+    """`submit` of an order whose expires has passed, or comes no later than its not_before (or `--at`), exits 2 with
+    one line naming the file and `expires`, and drops nothing: the daemon would only refuse it as `expired`."""
+    env.configure()
+    now = time.time()
+    cases = {
+        "past.json": order("PAST", expires=iso(now - 60)),
+        "never.json": order("NEVER", expires=iso(now + 3600), not_before=iso(now + 7200)),
+    }
+    for name, body in cases.items():
+        path = env.tmp / name
+        path.write_text(json.dumps(body))
+        proc = env.cli("submit", str(path))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"{path}: expires: "), proc.stderr
+    late = env.tmp / "late.json"
+    late.write_text(json.dumps(order("LATE", expires=iso(now + 3600))))
+    proc = env.cli("submit", "--in", "2h", str(late))
+    assert proc.returncode == 2 and "expires: " in proc.stderr and "not after not_before" in proc.stderr, proc.stderr
+    inbox = env.root / "inbox"
+    assert not inbox.exists() or not list(inbox.iterdir())  # nothing was dropped
+    ok = env.tmp / "ok.json"
+    ok.write_text(json.dumps(order("FINE", expires=iso(now + 3600))))
+    assert env.cli("submit", str(ok)).returncode == 0

@@ -15,6 +15,7 @@ import errno
 import grp
 import os
 import secrets
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -62,13 +63,28 @@ def read_order(name: str, cfg: Config, *, not_before: float | None = None) -> Su
         raise OrderError(f"a {exc.kind} is not a work order", file=name) from None
     order = _parse(data, name, cfg)
     if not_before is None:
+        _refuse_expired(order, name)
         return name, order, data, Path(name).suffix.lower()
     data = to_json(dict(order.body) | {"not_before": iso(not_before)})
     try:
         order = _parse(data, "order.json", cfg)
     except OrderError as exc:
         raise OrderError(exc.message, file=name, field=exc.field) from None
+    _refuse_expired(order, name)
     return name, order, data, ".json"
+
+
+def _refuse_expired(order: Order, name: str) -> None:
+    """Raise OrderError for an order the daemon is sure to refuse as expired: its ``expires`` has passed, or comes
+    no later than its ``not_before`` (it could never start). `validate` checks the file alone, not the clock."""
+    if order.expires is None:
+        return
+    if order.expires <= time.time():
+        raise OrderError(f"{iso(order.expires)} has passed: the daemon would refuse it as expired", file=name,
+                         field="expires")  # fmt: skip
+    if order.not_before is not None and order.expires <= order.not_before:
+        raise OrderError(f"{iso(order.expires)} is not after not_before ({iso(order.not_before)}): it could never"
+                         " start", file=name, field="expires")  # fmt: skip
 
 
 def _parse(data: bytes, name: str, cfg: Config) -> Order:
