@@ -829,3 +829,18 @@ def test_a_metrics_file_of_a_daemon_on_another_host_under_the_same_pid_pattern_i
         other.send_signal(signal.SIGKILL)  # its namespace's init: every process of it goes
         other.wait(30)
     assert here.stop() == 0
+
+
+def test_show_of_a_job_waiting_for_its_retry_gives_its_chain_cost_so_far(env: Env) -> None:
+    """A job whose first attempt cost 0.3 USD waits for its retry (retry_delay): `show` gives its cost so far and
+    the chain's so far too (0.3: no parent), not a chain cost of `-` beside a known cost."""
+    agent = costly(env, 0.3, "--fail-attempts", "1", retry_safe=True, max_attempts=2)
+    env.configure(agents={"worker": agent}, retry_delay=30)
+    d = env.daemon()
+    env.drop(simple("WAIT-COST"))
+    d.wait_event("agent.exited", job_id="WAIT-COST")
+    wait_until(lambda: json.loads(env.cli("show", "WAIT-COST", "--json", check=True).stdout)["cost_usd"] == 0.3)
+    shown = json.loads(env.cli("show", "WAIT-COST", "--json", check=True).stdout)
+    assert (shown["state"], shown["cost_usd"], shown["chain_cost_usd"]) == ("active", 0.3, 0.3), shown
+    assert "chain cost: 0.3 USD" in env.cli("show", "WAIT-COST", check=True).stdout
+    assert d.stop() == 0

@@ -217,13 +217,15 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         after = {}
     if result is not None and state is not State.ACTIVE:
         attempts = [dict(a) for a in result.attempts]
-        cost = result.cost_usd
+        cost, chain = result.cost_usd, result.chain_cost_usd
     else:  # running: what the attempts so far recorded, and the one under way
         records = folder.attempts()
         argv = _argv_next(layout, spec, folder, records) if spec is not None else None
         begun = _under_way(folder, {a.n for a in records}, argv, lambda: _owner_alive(ledger, job_id))
         attempts = [a.to_json(internal=False) for a in records] + begun
         cost = total_cost(records)
+        before = _parent_chain_cost(ledger, parent)  # the chain so far: its parent's, then this job's attempts
+        chain = None if before is None and cost is None else (before or 0.0) + (cost or 0.0)
     until = _waiting(ledger, job_id, agent) if state is State.ACTIVE else None
     return {
         "job_id": job_id,
@@ -240,7 +242,7 @@ def find_job(layout: Layout, ledger: Ledger | None, job_id: str, max_bytes: int 
         "hops": hops,
         "folder": str(path),
         "cost_usd": cost,
-        "chain_cost_usd": result.chain_cost_usd if result else None,
+        "chain_cost_usd": chain,
         "workspace": result.extra.get("workspace") if result else None,  # section 15: repo, branch, head...
     } | after
 
