@@ -487,3 +487,26 @@ def test_submit_refuses_an_order_it_knows_the_daemon_would_refuse_as_expired(env
     ok = env.tmp / "ok.json"
     ok.write_text(json.dumps(order("FINE", expires=iso(now + 3600))))
     assert env.cli("submit", str(ok)).returncode == 0
+
+
+def test_a_not_due_copy_of_a_job_id_that_was_taken_is_refused_at_the_next_rescan(env: Env) -> None:
+    """Two files of one job id wait for a not_before in 2030; `cancel` takes one (it fails cancelled), and a due copy
+    of another id's not-due order runs: at the next rescan the copies left are refused as known, instead of staying
+    queued in inbox/ until 2030 beside a job that no command can reach any more (list showed the id twice)."""
+    env.configure(rescan_interval=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("NB", not_before="2030-01-01T00:00:00Z"), name="NB.json")
+    env.drop(order("NB", not_before="2030-01-01T00:00:00Z"), name="copy.json")
+    env.drop(order("NB2", not_before="2030-01-01T00:00:00Z"), name="NB2.json")
+    time.sleep(1.5)  # both settled and put off unread
+    assert env.cli("cancel", "NB").returncode == 0
+    assert env.wait_job("NB", "failed")["reason"] == "cancelled"
+    env.drop(order("NB2"), name="due.json")
+    env.wait_job("NB2", "done")
+    wait_until(lambda: not list((env.root / "inbox").iterdir()), 30, "the copies refused")
+    refused = [json.loads(x) for x in env.cli("list", "--state", "refused", "--json", check=True).stdout.splitlines()]
+    assert sorted(r["job_id"] for r in refused) == ["NB", "NB2"], refused
+    assert all("already" in r["reason"] for r in refused), refused
+    assert [j for j, _ in env.starts()] == ["NB2"]
+    assert d.stop() == 0

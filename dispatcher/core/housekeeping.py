@@ -36,7 +36,7 @@ from dispatcher.spec.jobspec import is_cost
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.orphans import leftover_groups
-from dispatcher.store.queued import find_queued
+from dispatcher.store.queued import find_queued, ids_of
 from dispatcher.store.relay import pass_on
 
 if TYPE_CHECKING:
@@ -242,9 +242,25 @@ class Housekeeping:
             log.error("lock.lost", path=path, reason=why)
         self.inbox.merge(await self.ctx.lanes.scan(list_inbox, self.ctx.layout.inbox))
         if not self.ctx.stopping():
+            await self._refuse_taken_deferred()
             await self.recover(startup=False)
             self.run_owed()  # land approved jobs (section 15), in the background: a hook may take minutes
         await self.requests()
+
+    async def _refuse_taken_deferred(self) -> None:
+        """Read now the orders held back by not_before whose job id was taken since (a due copy ran, a cancel took a
+        copy): refused as known at once, instead of staying queued in inbox/ until their time beside the job."""
+        deferred = self.inbox.deferred()
+        if not deferred:
+            return
+        ids = await self.ctx.lanes.scan(ids_of, self.ctx.layout.inbox, deferred)
+        if not ids:
+            return
+        rows = await self.ctx.lanes.ledger(self.ctx.ledger.known, set(ids.values()))
+        for name, job_id in ids.items():
+            entry = rows.get(job_id)
+            if entry is not None and entry.state not in (Row.RELEASED, Row.HELD, Row.RESERVED):  # not its own row
+                self.sched.claim_now(name)  # the claim answers "known": refused as any copy of a known id
 
     # -- requests -------------------------------------------------------------------------------
     async def requests(self) -> None:

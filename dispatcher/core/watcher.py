@@ -294,6 +294,10 @@ class Inbox:
                 heapq.heappush(self._ready, entry._replace(agent=""))
                 heapq.heappush(self._expiring, (entry.expires, entry._replace(agent="")))  # slot or not
 
+    def deferred(self) -> list[str]:
+        """Return the names held back unread until their not_before."""
+        return sorted(self._later_names)
+
     def next_due_s(self) -> float | None:
         """Return seconds until the next order held back by not_before is due, or one set aside expires (or None)."""
         while self._later and self._later[0][3] not in self._later_names:

@@ -93,6 +93,25 @@ def find_queued(inbox: Path, job_ids: Iterable[str]) -> dict[str, str]:
     return found
 
 
+def ids_of(folder: Path, names: Iterable[str]) -> dict[str, str]:
+    """Return {file name: job id} for those of the names that are valid orders in folder (each parsed once)."""
+    found: dict[str, str] = {}
+    for name in names:
+        path = folder / name
+        try:
+            st = os.lstat(path)
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            with _lock:
+                job_id = _cache.get(key, "")
+            if job_id == "":
+                job_id = _job_id(path, key, fsutil.read_regular(path, _MAX_BYTES))
+        except (OSError, ValueError, fsutil.NotRegular):
+            continue
+        if job_id is not None:
+            found[name] = job_id
+    return found
+
+
 _afters: dict[tuple[int, int, int], tuple[str | None, tuple[str, ...]]] = {}
 
 
