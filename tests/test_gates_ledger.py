@@ -91,22 +91,6 @@ def test_waits_and_the_window_of_costs(engine: Engine) -> None:
     assert b.costs_since(time.time() + 60) == []
 
 
-@pytest.mark.parametrize("decision", [Row.DONE, Row.FAILED])
-def test_a_review_decision_leaves_the_jobs_cost_in_the_window_it_finished_in(engine: Engine, decision: Row) -> None:
-    """approve (done) or reject (failed) of a job in review spends nothing: its cost stays dated when its agent's
-    work finished, so a review queue decided the next morning does not count the night's spend in today's daily
-    window a second time (section 14: "the finished cost of the last 24 hours")."""
-    a, b = engine.daemon("a"), engine.daemon("b")
-    (claimed,) = a.claim([ClaimRequest("RV", "coder", "RV.yaml", "d")])
-    assert a.finish([Finish("RV", claimed.token, Row.REVIEW, 1.0, 1.0)]) == [True]  # type: ignore[union-attr]
-    ((finished, agent, cost),) = b.costs_since(0)
-    time.sleep(0.05)
-    assert b.finish([Finish("RV", claimed.token, decision, 1.0, 1.0)]) == [True]  # type: ignore[union-attr]
-    assert a.get("RV").state == decision  # type: ignore[union-attr]
-    assert b.costs_since(0) == [(finished, agent, cost)]
-    assert b.costs_since(finished + 0.01) == []
-
-
 def test_a_revise_request_takes_a_job_in_review(engine: Engine) -> None:
     """take_retry with REVISE takes a job in review (a retry does not), once per request."""
     a = engine.daemon("a")

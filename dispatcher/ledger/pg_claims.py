@@ -225,9 +225,7 @@ class Claims:
             if not self.leases.check(cur, lease=True):
                 return None
             row = cur.execute(
-                # the cost of its earlier attempts stays counted from when it was taken back, not from now
-                "UPDATE jobs SET owner = %s, token = token + 1,"
-                " updated = CASE WHEN cost_usd IS NULL THEN extract(epoch from now())::float8 ELSE updated END"
+                "UPDATE jobs SET owner = %s, token = token + 1, updated = extract(epoch from now())::float8"
                 " WHERE job_id = %s AND state = 'claimed' AND owner IS NOT DISTINCT FROM %s AND token = %s"
                 " RETURNING token",
                 (self.leases.owner, job_id, expected_owner, expected_token),

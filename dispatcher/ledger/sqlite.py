@@ -255,8 +255,7 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
 
         def body(db: sqlite3.Connection) -> int | None:
             cur = db.execute(
-                "UPDATE jobs SET owner = ?, token = token + 1,"  # the cost of its earlier attempts: counted when
-                " updated = CASE WHEN cost_usd IS NULL THEN ? ELSE updated END"  # it was taken back, not now
+                "UPDATE jobs SET owner = ?, token = token + 1, updated = ?"
                 " WHERE job_id = ? AND state = 'claimed' AND owner IS ? AND token = ?",
                 (self.owner, now(), job_id, expected_owner, expected_token),
             )
@@ -314,23 +313,11 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
             for it in items:
                 # the update returns a row only when it was made, telling whether a cancel is open for the job
                 ended = db.execute(
-                    "UPDATE jobs SET state = ?, cost_usd = ?, chain_cost_usd = ?,"
-                    # a person's decision on a job in review spends nothing: its cost stays in the daily window
-                    # it finished in
-                    " updated = CASE WHEN state = 'review' AND cost_usd IS ? THEN updated ELSE ? END,"
+                    "UPDATE jobs SET state = ?, cost_usd = ?, chain_cost_usd = ?, updated = ?,"
                     " owner = CASE WHEN state = 'review' THEN NULL ELSE owner END"  # a person decided
                     " WHERE job_id = ? AND token = ? AND state IN ('claimed', 'review', ?)"
                     " RETURNING EXISTS (SELECT 1 FROM requests WHERE job_id = jobs.job_id AND kind = 'cancel')",
-                    (
-                        str(it.state),
-                        it.cost_usd,
-                        it.chain_cost_usd,
-                        it.cost_usd,
-                        stamp,
-                        it.job_id,
-                        it.token,
-                        str(it.state),
-                    ),
+                    (str(it.state), it.cost_usd, it.chain_cost_usd, stamp, it.job_id, it.token, str(it.state)),
                 ).fetchone()
                 ok = ended is not None
                 if ok and ended[0] == 1:  # a cancel asked for a job that has now ended is spent
