@@ -94,3 +94,6 @@ def test_a_not_before_line_inside_a_quoted_scalar_is_never_taken_for_the_orders_
     real = b"job_id: G2\ntask: don't wait\nnot_before: 2030-01-01T00:00:00Z\nto: echo\n"
     assert peek_schedule(real, "g2.yaml").not_before == 1893456000.0
     assert peek_schedule(b"job_id: G3\nnot_before: 2030-01-01T00:00:00Z\n" + pad, "g3.yaml").not_before == 1893456000.0
+    # a large order's expires after a quote is kept: it only brings the order's read forward (refused on time)
+    quoted = b'job_id: G4\ntask: "a quoted task"\nexpires: 2030-01-01T00:00:00Z\n' + pad
+    assert peek_schedule(quoted, "g4.yaml").expires == 1893456000.0

@@ -510,3 +510,24 @@ def test_a_not_due_copy_of_a_job_id_that_was_taken_is_refused_at_the_next_rescan
     assert all("already" in r["reason"] for r in refused), refused
     assert [j for j, _ in env.starts()] == ["NB2"]
     assert d.stop() == 0
+
+
+def test_a_large_yaml_order_with_a_quote_before_its_expires_is_refused_on_time_while_every_slot_is_busy(
+    env: Env,
+) -> None:
+    """A 26 KB YAML order whose quoted task comes before its `expires:` waits unread for the one busy slot: it is
+    refused `expired` at its expires, not once the slot frees (its glance keeps the expires)."""
+    env.configure({"worker": env.agent(), "slow": env.agent("--sleep", "25")}, max_jobs=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("BUSY", to="slow"))
+    d.wait_event("agent.started", job_id="BUSY")
+    pad = "".join(f"  - line {i} of a long list\n" for i in range(1200))
+    text = f'job_id: BIGQ\nfrom: me\nto: worker\ntask: "a quoted task"\nexpires: {iso(time.time() + 3)}\n'
+    text += "items: [{id: a}]\nmeta:\n  lines:\n" + pad
+    assert len(text) > 16 * 1024
+    t0 = time.time()
+    env.drop(text, name="BIGQ.yaml")
+    assert env.wait_refused("BIGQ", timeout=20)["reason"] == "expired"
+    assert time.time() - t0 < 15, "refused only once the slot was free"
+    assert d.stop(timeout=40) == 0

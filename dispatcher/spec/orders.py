@@ -318,8 +318,9 @@ def peek_schedule(data: bytes, name: str) -> Glance:
     ``not_before:``, ``after:``, ``to:`` and ``expires:`` in block style), or parsed when
     it is small and written otherwise (a flow mapping, quoted keys, a time after a quote).
     Only ordering uses this: the daemon checks the validated order again before it claims.
-    A time the line scan cannot trust (a quote before it: the line may continue a quoted
-    scalar) is left out, never made up: the order is then read, and its read defers it.
+    A not_before the line scan cannot trust (a quote before it: the line may continue a
+    quoted scalar) is left out, never made up: the order is then read, and its read defers
+    it. An expires is kept: it only brings the order's read forward to that time.
     """
     priority, due, joins, agent, expires = 5, None, False, "", None
     if data.startswith(b"\xef\xbb\xbf"):
@@ -349,7 +350,7 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             to = _top(data, b"to:", _TOP_TO)
             agent = to.group(1).decode("utf-8", "replace") if to else ""
             e = _top(data, b"expires:", _TOP_EXPIRES)
-            raw_e = e.group(1).decode() if e and not _quote_before(data, e.start()) else None
+            raw_e = e.group(1).decode() if e else None  # a hint only: at that time the order is read for real
         if type(raw_p) is int and 0 <= raw_p <= 9:  # not a bool
             priority = raw_p
         expires = parse_time(str(raw_e)) if isinstance(raw_e, str) else None  # str: an unquoted YAML time too
