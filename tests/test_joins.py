@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -830,6 +831,33 @@ def test_a_ready_join_keeps_its_place_by_priority_across_a_restart(env: Env, how
     assert started.index("U9") < started.index("J0"), started
     assert started.count("J0") == 1 and started.count("U9") == 1, started
     assert d2.stop() == 0
+
+
+def test_a_ready_join_waiting_for_a_slot_across_a_restart_fails_expired_at_its_expires(env: Env) -> None:
+    """One slot: Y (slow, retry_safe) runs, and the join J (after P, done) waits for the slot with an expires 12 s
+    away. The daemon is killed and started again: Y, cut short, runs again first; J, never started, still waits for
+    the slot, and fails `expired` at its expires, its agent never started (section 16)."""
+    env.configure({"worker": env.agent(), "slow": env.agent("--sleep", "60", retry_safe=True, max_attempts=2)},
+                  max_jobs=1,
+                  kill_grace=0.5)  # fmt: skip
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("P"))
+    env.wait_job("P", "done")
+    env.drop(order("Y", to="slow"))
+    d.wait_event("agent.started", job_id="Y")
+    expires = time.time() + 12
+    env.drop(order("J", after=["P"], expires=datetime.fromtimestamp(expires, UTC).isoformat()))
+    d.wait_event("job.joined", job_id="J")
+    d.kill()
+    d2 = env.daemon()
+    result = env.wait_job("J", "failed", timeout=60)
+    assert result["reason"] == "expired", result["reason"]
+    failed = d2.wait_event("job.failed", job_id="J")
+    at = datetime.fromisoformat(failed["timestamp"].replace("Z", "+00:00")).timestamp()
+    assert expires - 1 <= at <= expires + 6, (at, expires)
+    assert "J" not in [j for j, _ in env.starts()]
+    assert d2.stop(timeout=30) == 0
 
 
 def test_a_join_waiting_at_start_runs_before_lower_priority_orders_when_its_parent_ends(env: Env) -> None:

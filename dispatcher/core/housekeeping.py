@@ -22,6 +22,7 @@ import structlog
 
 from dispatcher import logs, procs
 from dispatcher.core.watcher import Inbox, list_inbox
+from dispatcher.core.work import Ranked
 from dispatcher.finished import FinishedCounts
 from dispatcher.job import recovery, repowork, revise
 from dispatcher.job.context import JobContext
@@ -33,6 +34,7 @@ from dispatcher.lifecycle import Row, State, is_landed
 from dispatcher.procs import end_group
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import is_cost
+from dispatcher.spec.orders import parse_time
 from dispatcher.store.counts import queue_counts
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.orphans import leftover_groups
@@ -70,7 +72,7 @@ class Parking(Protocol):
     def park_recovered(
         self,
         adopted: list[tuple[str, int, str]],
-        ranks: Mapping[str, tuple[int, float]] | None = None,
+        ranks: Mapping[str, Ranked] | None = None,
         *,
         host_lost: bool = False,
     ) -> None:
@@ -522,11 +524,9 @@ def _drop_hints(layout: Layout, names: list[str]) -> None:
             os.unlink(layout.control / name)
 
 
-def _leftovers(
-    layout: Layout, adopted: list[tuple[str, int, str]]
-) -> tuple[list[tuple[str, int]], dict[str, tuple[int, float]]]:
+def _leftovers(layout: Layout, adopted: list[tuple[str, int, str]]) -> tuple[list[tuple[str, int]], dict[str, Ranked]]:
     """Return (job id, process group) of the agents the adopted jobs' last attempts left running (scan lane), and
-    the rank (-priority, received) of each adopted job that never started an attempt.
+    the rank (-priority, received) and expires of each adopted job that never started an attempt.
 
     One walk of /proc for all of them: it grows with the machine's processes, not with one job.
     A job that never started (a join that waited for a slot, an order claimed ahead) has nothing
@@ -536,7 +536,7 @@ def _leftovers(
     numbers = [folder.attempt_numbers() for folder in folders]
     last = [(folder, max(ns, default=0)) for folder, ns in zip(folders, numbers, strict=True)]
     groups = leftover_groups([(folder, n) for folder, n in last if n], layout.slots)
-    ranks: dict[str, tuple[int, float]] = {}
+    ranks: dict[str, Ranked] = {}
     for (job_id, _, _), folder, ns in zip(adopted, folders, numbers, strict=True):
         if ns:
             continue
@@ -544,6 +544,10 @@ def _leftovers(
             spec = folder.spec()
         except (OSError, ValueError):
             continue  # recovered first, as any: its job decides what a damaged job.json means
-        priority = spec.order.get("priority", 5)
-        ranks[job_id] = (-priority if isinstance(priority, int) else -5, spec.received)
+        priority, expires = spec.order.get("priority", 5), spec.order.get("expires")
+        try:
+            at = parse_time(expires) if isinstance(expires, str) else None
+        except ValueError:
+            at = None
+        ranks[job_id] = ((-priority if isinstance(priority, int) else -5, spec.received), at)
     return [(job_id, pgid) for job_id, _, _ in adopted for pgid in groups.get(job_id, [])], ranks

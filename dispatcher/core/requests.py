@@ -18,7 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from dispatcher.core.running import Running
 from dispatcher.core.setaside import SetAside
 from dispatcher.core.watcher import Inbox
-from dispatcher.core.work import Kind, Parked, Resume, park_ranked
+from dispatcher.core.work import Kind, Parked, Ranked, Resume, park_ranked
 from dispatcher.job.control import Control
 from dispatcher.job.joins import Joined
 from dispatcher.lifecycle import Row, Stop
@@ -80,21 +80,25 @@ class Requests(abc.ABC, Generic[J]):
     def park_recovered(
         self,
         adopted: list[tuple[str, int, str]],
-        ranks: Mapping[str, tuple[int, float]] | None = None,
+        ranks: Mapping[str, Ranked] | None = None,
         *,
         host_lost: bool = False,
     ) -> None:
         """Queue adopted jobs of dead daemons first (their agents were already ended); those that never started an
-        attempt (``ranks``: -priority, received) take their place among the orders by priority and age instead."""
+        attempt (``ranks``: -priority, received; expires) take their place among the orders by priority and age
+        instead, and fail `expired` at their expires if still waiting for a slot then (as a ready join does)."""
         ranks = ranks or {}
         for job_id, token, agent in reversed(adopted):
             if job_id not in ranks:
                 self.parked.appendleft(Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost))
         for job_id, token, agent in adopted:
-            if (rank := ranks.get(job_id)) is not None:
-                park_ranked(
-                    self.parked, Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost, rank=rank)
-                )
+            if (ranked := ranks.get(job_id)) is None:
+                continue
+            rank, expires = ranked
+            p = Parked(Kind.RECOVER, job_id, agent, token=token, host_lost=host_lost, rank=rank, expires=expires)
+            park_ranked(self.parked, p)
+            if expires is not None:  # still waiting for a slot then: it fails `expired` at that time (section 16)
+                asyncio.get_running_loop().call_later(max(0.0, expires - time.time()) + 0.01, self.wake)
 
     def park_retry(self, job_id: str, agent: str, *, revise: bool = False) -> None:
         """Queue a failed job for `dispatcher retry` (or a job for `dispatcher revise`), once."""

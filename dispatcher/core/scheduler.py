@@ -186,7 +186,7 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         for p in list(self.parked):
             if p.expires is not None and p.expires <= wall:  # an order refused `expired` in the claim's trip, a ready
                 self.parked.remove(p)  # join failed `expired`: without a slot (section 16)
-                (expired if p.kind is Kind.JOINED else batch).append(p)
+                (expired if p.kind in (Kind.JOINED, Kind.RECOVER) else batch).append(p)
                 continue
             if free <= 0 or p.agent in self.blocked or (p.kind is Kind.NEW and p.agent in behind):
                 continue

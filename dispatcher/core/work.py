@@ -140,6 +140,8 @@ def ranked(p: Parked) -> bool:
     return p.kind is Kind.NEW or (p.kind in (Kind.JOINED, Kind.RECOVER) and p.rank is not None)
 
 
+Ranked = tuple[tuple[int, float], float | None]  # a recovered job never started: (-priority, received), expires
+
 Rank = tuple[int, float, str]  # (-priority, modification time in epoch seconds, file name): lower goes first
 
 
