@@ -574,7 +574,9 @@ def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, t
     repo = make_repo(tmp_path / "shop")
     log, gate, notified = tmp_path / "land.txt", tmp_path / "fixed", tmp_path / "notify.txt"
     hook = ["sh", "-c", f'[ -e {gate} ] || {{ echo "push rejected" >&2; exit 1; }}; ' + LAND, str(log)]
-    notify = ["sh", "-c", 'echo "{event} {job_id} {reason}" >> "$0"', str(notified)]
+    results = tmp_path / "results.txt"
+    notify = ["sh", "-c", 'echo "{event} {job_id} {reason}" >> "$0"; echo "{result}" >> "$1"', str(notified),
+              str(results)]  # fmt: skip
     env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", land=hook)}, notify=notify)
     env.drop(code_order("F1"))
     d = env.daemon()
@@ -587,6 +589,8 @@ def test_a_failed_land_is_logged_and_notified_and_land_runs_it_again(env: Env, t
     assert proc.returncode == 1 and proc.stderr == "F1: land failed: land hook exited 1: push rejected\n"
     wait_until(lambda: notified.read_text().count("\n") == 2, what="the failed `land` run notified too")
     assert notified.read_text() == "land.failed F1 land hook exited 1: push rejected\n" * 2
+    wait_until(lambda: results.exists() and results.read_text().count("\n") == 2, what="both {result}s")
+    assert results.read_text() == f"{env.job_dir('F1', 'done') / 'result.json'}\n" * 2  # the daemon's, then land's
     gate.touch()
     proc = env.cli("land", "F1")
     assert (proc.returncode, proc.stdout) == (0, "F1: landed\n")

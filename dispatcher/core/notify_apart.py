@@ -10,7 +10,7 @@ it when none runs).
 
     python -m dispatcher.core.notify_apart JSON
 
-JSON holds ``notify``, ``kill_grace_s``, ``log_file``, ``root``, ``event``, ``job_id``,
+JSON holds ``notify``, ``kill_grace_s``, ``log_file``, ``root``, ``event``, ``job_id``, ``result``,
 ``agent`` and ``reason``.
 """
 
@@ -52,7 +52,8 @@ def run(spec: dict[str, Any]) -> None:
 
     async def notify() -> None:
         notifications = Notifications(lambda: settings, root)
-        notifications.fire(spec["event"], spec.get("job_id"), spec.get("agent"), spec.get("reason"), None)
+        result = Path(spec["result"]) if isinstance(spec.get("result"), str) else None
+        notifications.fire(spec["event"], spec.get("job_id"), spec.get("agent"), spec.get("reason"), result)
         await notifications.close(drain=True)
 
     asyncio.run(notify())

@@ -56,7 +56,13 @@ class Apart:
 
 
 def start_detached(
-    apart: Apart, root: Path, event: str, job_id: str | None, agent: str | None, reason: str | None
+    apart: Apart,
+    root: Path,
+    event: str,
+    job_id: str | None,
+    agent: str | None,
+    reason: str | None,
+    result: Path | None = None,
 ) -> None:
     """Start the notify command for one event apart from this command and return at once; log if it cannot start.
 
@@ -74,6 +80,7 @@ def start_detached(
         "job_id": job_id,
         "agent": agent,
         "reason": reason,
+        "result": str(result) if result is not None else None,  # {result}: empty where none
     }
     try:
         subprocess.Popen(

@@ -42,7 +42,7 @@ class _Notified:
 
         cfg = self.cfg
         start_detached(Apart(cfg.notify or (), cfg.kill_grace_s, cfg.log_file), self.layout.root, event, job_id,
-                       agent, reason)  # fmt: skip
+                       agent, reason, result)  # fmt: skip
 
 
 def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
