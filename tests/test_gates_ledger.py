@@ -91,6 +91,42 @@ def test_waits_and_the_window_of_costs(engine: Engine) -> None:
     assert b.costs_since(time.time() + 60) == []
 
 
+@pytest.mark.parametrize("decision", [Row.DONE, Row.FAILED])
+def test_a_review_decision_leaves_the_jobs_cost_in_the_window_it_finished_in(engine: Engine, decision: Row) -> None:
+    """approve (done) or reject (failed) of a job in review spends nothing: its cost stays dated when its agent's
+    work finished, so a review queue decided the next morning does not count the night's spend in today's daily
+    window a second time (section 14: "the finished cost of the last 24 hours"). The row's own time moves to the
+    decision: `list` gives a job's age since it entered its state."""
+    a, b = engine.daemon("a"), engine.daemon("b")
+    (claimed,) = a.claim([ClaimRequest("RV", "coder", "RV.yaml", "d")])
+    assert a.finish([Finish("RV", claimed.token, Row.REVIEW, 1.0, 1.0)]) == [True]  # type: ignore[union-attr]
+    ((finished, agent, cost),) = b.costs_since(0)
+    time.sleep(0.05)
+    assert b.finish([Finish("RV", claimed.token, decision, 1.0, 1.0)]) == [True]  # type: ignore[union-attr]
+    row = a.get("RV")
+    assert row is not None and row.state == decision and row.updated >= finished + 0.04
+    assert b.costs_since(0) == [(finished, agent, cost)]
+    assert b.costs_since(finished + 0.01) == []
+
+
+def test_a_retried_jobs_earlier_cost_counts_from_when_it_was_taken_back(engine: Engine) -> None:
+    """A failed job with a cost, taken back by `retry`: its earlier attempts' cost is counted from that moment (the
+    README), also after a daemon takes it over from a dead one."""
+    a, b = engine.daemon("a"), engine.daemon("b")
+    (claimed,) = a.claim([ClaimRequest("RT", "coder", "RT.yaml", "d")])
+    assert a.finish([Finish("RT", claimed.token, Row.FAILED, 0.5, 0.5)]) == [True]  # type: ignore[union-attr]
+    ((failed_at, _, _),) = b.costs_since(0)
+    time.sleep(0.05)
+    a.request("RT", Request.RETRY)
+    token = a.take_retry("RT")
+    assert token is not None
+    ((taken_at, _, cost),) = b.costs_since(0)
+    assert taken_at >= failed_at + 0.04 and cost == 0.5
+    time.sleep(0.05)
+    assert b.adopt("RT", a.owner, token) is not None
+    assert [at for at, _, _ in b.costs_since(0)] == [taken_at]
+
+
 def test_a_revise_request_takes_a_job_in_review(engine: Engine) -> None:
     """take_retry with REVISE takes a job in review (a retry does not), once per request."""
     a = engine.daemon("a")

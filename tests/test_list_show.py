@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -410,3 +411,18 @@ def test_a_refused_files_job_id_that_is_no_job_id_is_null_and_show_of_it_is_not_
         proc = env.cli("show", bad)
         assert proc.returncode == 1 and "not a job id" in proc.stderr, (bad, proc.stdout, proc.stderr)
     assert env.cli("show", "at.json", check=True).stdout.startswith("at.json  refused  agent worker")
+
+
+def test_an_approved_jobs_age_in_list_counts_from_the_approval(env: Env) -> None:
+    """A job approved 2 s after it entered review/: `list` gives its age since it entered done/ (the approval), and
+    lists it before a job that finished in between, newest first."""
+    env.configure(agents={"worker": env.agent(review=True), "plain": env.agent()})
+    env.drop(order("REV-1"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    time.sleep(2)
+    env.drop(order("MID-1", to="plain"))
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    env.cli("approve", "REV-1", check=True)
+    rows = [json.loads(x) for x in env.cli("list", "--state", "done", "--json", check=True).stdout.splitlines()]
+    assert [r["job_id"] for r in rows] == ["REV-1", "MID-1"], rows
+    assert rows[0]["age_s"] < 1.5, rows

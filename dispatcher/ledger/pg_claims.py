@@ -225,7 +225,8 @@ class Claims:
             if not self.leases.check(cur, lease=True):
                 return None
             row = cur.execute(
-                "UPDATE jobs SET owner = %s, token = token + 1, updated = extract(epoch from now())::float8"
+                "UPDATE jobs SET owner = %s, token = token + 1, updated = extract(epoch from now())::float8,"
+                " spent = CASE WHEN cost_usd IS NULL THEN NULL ELSE coalesce(spent, updated) END"  # its earlier cost
                 " WHERE job_id = %s AND state = 'claimed' AND owner IS NOT DISTINCT FROM %s AND token = %s"
                 " RETURNING token",
                 (self.leases.owner, job_id, expected_owner, expected_token),
@@ -256,7 +257,7 @@ class Claims:
                 return None
             plan.append(int(row[0]) + 1)
             cur.execute(
-                "UPDATE jobs SET state = 'claimed', owner = %s, token = %s,"
+                "UPDATE jobs SET state = 'claimed', owner = %s, token = %s, spent = NULL,"  # earlier cost: from now
                 " updated = extract(epoch from now())::float8 WHERE job_id = %s",
                 (self.leases.owner, plan[0], job_id),
             )

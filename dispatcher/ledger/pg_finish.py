@@ -20,6 +20,8 @@ from dispatcher.lifecycle import Row
 
 _FINISH = (
     "UPDATE jobs SET state = %s, cost_usd = %s, chain_cost_usd = %s, updated = extract(epoch from now())::float8,"
+    # a person's decision on a job in review spends nothing: its cost stays counted from when it finished its work
+    " spent = CASE WHEN state = 'review' AND cost_usd IS NOT DISTINCT FROM %s THEN coalesce(spent, updated) END,"
     " owner = CASE WHEN state = 'review' THEN NULL ELSE owner END"  # a person decided: any daemon may release
     " WHERE job_id = %s AND token = %s AND state IN ('claimed', 'review', %s) RETURNING 1"
 )
@@ -54,7 +56,7 @@ class Followups:
             for it in items:
                 state = str(it.state)
                 row = cur.execute(
-                    _FINISH, (state, it.cost_usd, it.chain_cost_usd, it.job_id, it.token, state)
+                    _FINISH, (state, it.cost_usd, it.chain_cost_usd, it.cost_usd, it.job_id, it.token, state)
                 ).fetchone()
                 if row is not None:  # a cancel asked for a job that has now ended is spent
                     cur.execute("DELETE FROM requests WHERE job_id = %s AND kind = 'cancel'", (it.job_id,))

@@ -63,7 +63,8 @@ _TABLES = (
         hops           integer NOT NULL DEFAULT 0,
         cost_usd       double precision,
         chain_cost_usd double precision,
-        updated        double precision NOT NULL
+        updated        double precision NOT NULL,
+        spent          double precision
     )""",
     "CREATE INDEX jobs_parent ON jobs (parent) WHERE parent IS NOT NULL",
     # a plain index: a partial one is not used by a generic plan of `state = ANY($1)`
@@ -198,3 +199,9 @@ def _add_columns(cur: Cur) -> None:
     ).fetchone()
     if found is None:
         cur.execute("ALTER TABLE daemons ADD COLUMN IF NOT EXISTS config_digest text")
+    spent = cur.execute(
+        "SELECT 1 FROM information_schema.columns WHERE table_name = 'jobs' AND column_name = 'spent'"
+        " AND table_schema = current_schema()"
+    ).fetchone()
+    if spent is None:  # when a job's cost was counted, if not its updated time (a review decided later)
+        cur.execute("ALTER TABLE jobs ADD COLUMN IF NOT EXISTS spent double precision")

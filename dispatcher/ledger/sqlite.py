@@ -255,7 +255,8 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
 
         def body(db: sqlite3.Connection) -> int | None:
             cur = db.execute(
-                "UPDATE jobs SET owner = ?, token = token + 1, updated = ?"
+                "UPDATE jobs SET owner = ?, token = token + 1, updated = ?,"
+                " spent = CASE WHEN cost_usd IS NULL THEN NULL ELSE coalesce(spent, updated) END"  # its earlier cost
                 " WHERE job_id = ? AND state = 'claimed' AND owner IS ? AND token = ?",
                 (self.owner, now(), job_id, expected_owner, expected_token),
             )
@@ -276,7 +277,8 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
                 return None
             stamp = now()
             db.execute(
-                "UPDATE jobs SET state = 'claimed', owner = ?, token = ?, updated = ? WHERE job_id = ?",
+                # its earlier attempts' cost counted from now, when it was taken back (spent: none of its own)
+                "UPDATE jobs SET state = 'claimed', owner = ?, token = ?, updated = ?, spent = NULL WHERE job_id = ?",
                 (self.owner, entry.token + 1, stamp, job_id),
             )
             # a join waits again, max_wait counted from now (its wait rows keep their first claim's time otherwise)
@@ -314,10 +316,22 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
                 # the update returns a row only when it was made, telling whether a cancel is open for the job
                 ended = db.execute(
                     "UPDATE jobs SET state = ?, cost_usd = ?, chain_cost_usd = ?, updated = ?,"
+                    # a person's decision on a job in review spends nothing: its cost stays counted from when it
+                    # finished its work (the daily window), while updated says when it entered its state (list)
+                    " spent = CASE WHEN state = 'review' AND cost_usd IS ? THEN coalesce(spent, updated) END,"
                     " owner = CASE WHEN state = 'review' THEN NULL ELSE owner END"  # a person decided
                     " WHERE job_id = ? AND token = ? AND state IN ('claimed', 'review', ?)"
                     " RETURNING EXISTS (SELECT 1 FROM requests WHERE job_id = jobs.job_id AND kind = 'cancel')",
-                    (str(it.state), it.cost_usd, it.chain_cost_usd, stamp, it.job_id, it.token, str(it.state)),
+                    (
+                        str(it.state),
+                        it.cost_usd,
+                        it.chain_cost_usd,
+                        stamp,
+                        it.cost_usd,
+                        it.job_id,
+                        it.token,
+                        str(it.state),
+                    ),
                 ).fetchone()
                 ok = ended is not None
                 if ok and ended[0] == 1:  # a cancel asked for a job that has now ended is spent

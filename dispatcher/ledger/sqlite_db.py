@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     updated REAL NOT NULL,
     token   INTEGER NOT NULL DEFAULT 0,
     cost_usd REAL,
-    chain_cost_usd REAL
+    chain_cost_usd REAL,
+    spent   REAL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS jobs_parent ON jobs(parent) WHERE parent IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_open ON jobs(state)
@@ -156,6 +157,7 @@ class SqliteDb:
             ("token", "INTEGER NOT NULL DEFAULT 0"),
             ("cost_usd", "REAL"),
             ("chain_cost_usd", "REAL"),
+            ("spent", "REAL"),  # when cost_usd was counted, if not updated (a review decided later)
         ):
             if name not in cols:  # a ledger from before fencing tokens and costs
                 db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")

@@ -95,9 +95,11 @@ class SqliteGates(SqliteDb):
         states = (str(Row.DONE), str(Row.FAILED), str(Row.REVIEW), str(Row.CLAIMED))
         rows = self._read(
             lambda db: db.execute(
-                "SELECT updated, coalesce(agent, '-'), cost_usd FROM jobs WHERE state IN (?, ?, ?, ?)"
-                " AND updated >= ? AND cost_usd IS NOT NULL ORDER BY updated",
-                (*states, since),
+                # spent <= updated: the index on updated narrows the rows, spent (when set) dates the cost
+                "SELECT coalesce(spent, updated) AS at, coalesce(agent, '-'), cost_usd FROM jobs"
+                " WHERE state IN (?, ?, ?, ?) AND updated >= ? AND cost_usd IS NOT NULL"
+                " AND coalesce(spent, updated) >= ? ORDER BY at",
+                (*states, since, since),
             ).fetchall()
         )
         return [(float(r[0]), str(r[1]), float(r[2])) for r in rows]
