@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -164,6 +165,46 @@ def test_an_older_sqlite_ledger_gets_the_new_tables(tmp_path: Path) -> None:
         led.close()
     version = sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     assert version == ("4",)
+
+
+def test_a_sqlite_ledger_without_the_spent_column_is_read_and_upgraded(tmp_path: Path) -> None:
+    """A version 4 ledger from before the `spent` column: a read-only reader (a `status` before the new daemon's
+    first start) reads its costs through an upgraded copy, the file untouched; a daemon's open adds the column."""
+    state = tmp_path / "state"
+    (state / "slots").mkdir(parents=True)
+    path = state / "l.sqlite3"
+    SqliteLedger(path, state, patience_s=30).close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("INSERT INTO jobs (job_id, state, agent, updated, cost_usd) VALUES ('OLD-1', 'done', 'a', ?, 0.5)",
+                   (time.time(),))  # fmt: skip
+        db.execute("ALTER TABLE jobs DROP COLUMN spent")
+        db.commit()
+    reader = SqliteLedger(path, state, readonly=True)
+    try:
+        assert [(agent, cost) for _, agent, cost in reader.costs_since(0)] == [("a", 0.5)]
+    finally:
+        reader.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert "spent" not in [r[1] for r in db.execute("PRAGMA table_info(jobs)")]
+    led = SqliteLedger(path, state, patience_s=30)
+    try:
+        assert [(agent, cost) for _, agent, cost in led.costs_since(0)] == [("a", 0.5)]
+    finally:
+        led.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert "spent" in [r[1] for r in db.execute("PRAGMA table_info(jobs)")]
+
+
+def test_a_postgres_ledger_without_the_spent_column_gets_it_at_open(pg_db: str, tmp_path: Path) -> None:
+    """A PostgreSQL ledger from before the `spent` column gets it when a daemon (or command) opens it."""
+    PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30).close()
+    with psycopg.connect(pg_db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE jobs DROP COLUMN spent")
+    led = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
+    try:
+        assert led.costs_since(0) == []
+    finally:
+        led.close()
 
 
 def test_an_older_postgres_ledger_gets_the_new_tables(pg_db: str, tmp_path: Path) -> None:

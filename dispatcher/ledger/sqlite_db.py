@@ -129,7 +129,7 @@ class SqliteDb:
         try:
             if readonly:
                 self._db, self._immutable = connect_readonly(path)
-                if self._retrying(self._check_version) < SCHEMA_VERSION:
+                if self._retrying(self._check_version) < SCHEMA_VERSION or not self._retrying(self._has_spent):
                     self._upgraded_copy()
                 return
             self._db = sqlite3.connect(
@@ -176,6 +176,10 @@ class SqliteDb:
                 f"schema version {version} is newer than this dispatcher knows ({SCHEMA_VERSION}); upgrade it"
             )
         return version
+
+    def _has_spent(self) -> bool:
+        """Return True if the jobs table has its ``spent`` column (added without a new version: readers look)."""
+        return any(r[1] == "spent" for r in self._db.execute("PRAGMA table_info(jobs)"))
 
     def _upgraded_copy(self) -> None:
         """Read an older ledger (no daemon of this version opened it yet) through an upgraded copy in memory.
