@@ -196,15 +196,29 @@ def test_a_sqlite_ledger_without_the_spent_column_is_read_and_upgraded(tmp_path:
 
 
 def test_a_postgres_ledger_without_the_spent_column_gets_it_at_open(pg_db: str, tmp_path: Path) -> None:
-    """A PostgreSQL ledger from before the `spent` column gets it when a daemon (or command) opens it."""
-    PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30).close()
+    """A PostgreSQL ledger from before the `spent` column: a read-only reader (`status`, a role with SELECT only)
+    reads its costs without it; a daemon's open adds it."""
+    first = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
+    (claimed,) = first.claim([ClaimRequest("PG-OLD", "coder", "PG-OLD.yaml", "d")])
+    assert first.finish([Finish("PG-OLD", claimed.token, Row.DONE, 0.5, 0.5)]) == [True]  # type: ignore[union-attr]
+    first.close()
     with psycopg.connect(pg_db, autocommit=True) as conn:
         conn.execute("ALTER TABLE jobs DROP COLUMN spent")
+    reader = PostgresLedger(pg_db, Layout(tmp_path), readonly=True)  # `status` before this version's daemon started
+    try:
+        assert [(agent, cost) for _, agent, cost in reader.costs_since(0)] == [("coder", 0.5)]
+    finally:
+        reader.close()
     led = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
     try:
-        assert led.costs_since(0) == []
+        assert [(agent, cost) for _, agent, cost in led.costs_since(0)] == [("coder", 0.5)]
     finally:
         led.close()
+    with psycopg.connect(pg_db) as conn:
+        found = conn.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_name = 'jobs' AND column_name = 'spent'"
+        )
+        assert found.fetchone() is not None
 
 
 def test_an_older_postgres_ledger_gets_the_new_tables(pg_db: str, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ class Gates:
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
+        self._spent: bool | None = None  # the jobs table has `spent` (a read-only reader may meet an older one)
 
     def set_gate(self, gate: Gate, *, at: float) -> bool:
         """Gate an agent (a later ``until`` of the same kind wins, with its reason); return True if none of that
@@ -103,13 +104,21 @@ class Gates:
         earlier attempts: that spend stays counted, from the moment it was taken back.
         """
         states = [str(Row.DONE), str(Row.FAILED), str(Row.REVIEW), str(Row.CLAIMED)]
-        rows = self.runner.run(
-            "costs_since",
-            lambda cur: cur.execute(
+
+        def body(cur: Cur) -> list[tuple[object, ...]]:
+            if self._spent is None:  # a reader may not add the column: a ledger no daemon of this version opened
+                found = cur.execute(
+                    "SELECT 1 FROM information_schema.columns WHERE table_name = 'jobs' AND column_name = 'spent'"
+                    " AND table_schema = current_schema()"
+                ).fetchone()
+                self._spent = found is not None
+            at = "coalesce(spent, updated)" if self._spent else "updated"
+            return cur.execute(
                 # spent <= updated: the index on updated narrows the rows, spent (when set) dates the cost
-                "SELECT coalesce(spent, updated) AS at, coalesce(agent, '-'), cost_usd FROM jobs WHERE state = ANY(%s)"
-                " AND updated >= %s AND cost_usd IS NOT NULL AND coalesce(spent, updated) >= %s ORDER BY at",
+                f"SELECT {at} AS at, coalesce(agent, '-'), cost_usd FROM jobs WHERE state = ANY(%s)"  # noqa: S608
+                f" AND updated >= %s AND cost_usd IS NOT NULL AND {at} >= %s ORDER BY at",
                 (states, since, since),
-            ).fetchall(),
-        )
-        return [(float(r[0]), str(r[1]), float(r[2])) for r in rows]
+            ).fetchall()
+
+        rows = self.runner.run("costs_since", body)
+        return [(float(r[0]), str(r[1]), float(r[2])) for r in rows]  # type: ignore[arg-type]
