@@ -8,6 +8,8 @@ hand) and a wait per job that waits for one. Schema version 2 added the tables
 
 from __future__ import annotations
 
+from typing import Any
+
 from dispatcher.ledger.pg_conn import Cur
 from dispatcher.ledger.pg_runner import Runner
 from dispatcher.ledger.records import Gate, GateKind
@@ -105,7 +107,7 @@ class Gates:
         """
         states = [str(Row.DONE), str(Row.FAILED), str(Row.REVIEW), str(Row.CLAIMED)]
 
-        def body(cur: Cur) -> list[tuple[object, ...]]:
+        def body(cur: Cur) -> list[tuple[Any, ...]]:
             if self._spent is None:  # a reader may not add the column: a ledger no daemon of this version opened
                 found = cur.execute(
                     "SELECT 1 FROM information_schema.columns WHERE table_name = 'jobs' AND column_name = 'spent'"
@@ -121,4 +123,4 @@ class Gates:
             ).fetchall()
 
         rows = self.runner.run("costs_since", body)
-        return [(float(r[0]), str(r[1]), float(r[2])) for r in rows]  # type: ignore[arg-type]
+        return [(float(r[0]), str(r[1]), float(r[2])) for r in rows]
