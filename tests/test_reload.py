@@ -347,15 +347,13 @@ def test_reload_signals_a_daemon_here_that_runs_on_the_root_through_a_bind_mount
             [unshare, "--mount", "--propagation", "private", "sh", "-c", script, sys.executable, str(alias_config)],
             stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=env.tmp,
         )  # fmt: skip
+
+    def alive() -> list[int]:
+        status = env.cli("status", "--json")  # exit 2 while the starting daemon holds the new ledger locked
+        return [e["pid"] for e in json.loads(status.stdout)["daemons"] if e["alive"]] if status.returncode == 0 else []
+
     try:
-        wait_until(
-            lambda: (
-                [e["pid"] for e in json.loads(env.cli("status", "--json").stdout)["daemons"] if e["alive"]]
-                == [proc.pid]
-            ),
-            30,
-            "the daemon's entry",
-        )
+        wait_until(lambda: alive() == [proc.pid], 30, "the daemon's entry")
         reload = env.cli("reload")
         assert reload.returncode == 0, reload.stderr
         assert reload.stdout.startswith(f"daemon {proc.pid} on "), reload.stdout
