@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,8 @@ import pytest
 from conftest import FAKE_AGENT, Env, order, wait_until
 from git_helpers import code_order, coder, git, make_repo
 from helpers_faults import env_daemon, run_once_killed_at
+
+from dispatcher.clock import iso, parse_iso
 
 FAN = 20
 
@@ -799,6 +800,14 @@ def test_a_ready_join_takes_its_place_by_priority_then_age(env: Env) -> None:
     assert d.stop() == 0
 
 
+def slot_held(env: Env, d: Any, parent: str, busy: str, **extra: Any) -> None:
+    """With one slot: run `parent` (worker) to done, then start `busy` on the slow agent, which keeps the slot."""
+    env.drop(order(parent))
+    env.wait_job(parent, "done")
+    env.drop(order(busy, to="slow", **extra))
+    d.wait_event("agent.started", job_id=busy)
+
+
 @pytest.mark.parametrize("how", ["stop", "kill"])
 def test_a_ready_join_keeps_its_place_by_priority_across_a_restart(env: Env, how: str) -> None:
     """One slot: P ends while B (priority 9) runs, so the join J0 (priority 0, after P) is ready and waits for the slot
@@ -808,10 +817,7 @@ def test_a_ready_join_keeps_its_place_by_priority_across_a_restart(env: Env, how
     env.configure({"worker": env.agent(), "slow": env.agent("--sleep", "4")}, max_jobs=1)
     d = env.daemon()
     d.wait_ready()
-    env.drop(order("P"))
-    env.wait_job("P", "done")
-    env.drop(order("B", to="slow", priority=9))
-    d.wait_event("agent.started", job_id="B")
+    slot_held(env, d, "P", "B", priority=9)
     env.drop(order("J0", after=["P"], priority=0))
     d.wait_event("job.joined", job_id="J0")
     env.drop(order("U9", priority=9))
@@ -837,24 +843,20 @@ def test_a_ready_join_waiting_for_a_slot_across_a_restart_fails_expired_at_its_e
     """One slot: Y (slow, retry_safe) runs, and the join J (after P, done) waits for the slot with an expires 12 s
     away. The daemon is killed and started again: Y, cut short, runs again first; J, never started, still waits for
     the slot, and fails `expired` at its expires, its agent never started (section 16)."""
-    env.configure({"worker": env.agent(), "slow": env.agent("--sleep", "60", retry_safe=True, max_attempts=2)},
-                  max_jobs=1,
-                  kill_grace=0.5)  # fmt: skip
+    slow = env.agent("--sleep", "60", retry_safe=True, max_attempts=2)
+    env.configure({"worker": env.agent(), "slow": slow}, max_jobs=1, kill_grace=0.5)
     d = env.daemon()
     d.wait_ready()
-    env.drop(order("P"))
-    env.wait_job("P", "done")
-    env.drop(order("Y", to="slow"))
-    d.wait_event("agent.started", job_id="Y")
+    slot_held(env, d, "P", "Y")
     expires = time.time() + 12
-    env.drop(order("J", after=["P"], expires=datetime.fromtimestamp(expires, UTC).isoformat()))
+    env.drop(order("J", after=["P"], expires=iso(expires)))
     d.wait_event("job.joined", job_id="J")
     d.kill()
     d2 = env.daemon()
     result = env.wait_job("J", "failed", timeout=60)
     assert result["reason"] == "expired", result["reason"]
     failed = d2.wait_event("job.failed", job_id="J")
-    at = datetime.fromisoformat(failed["timestamp"].replace("Z", "+00:00")).timestamp()
+    at = parse_iso(failed["timestamp"])
     assert expires - 1 <= at <= expires + 6, (at, expires)
     assert "J" not in [j for j, _ in env.starts()]
     assert d2.stop(timeout=30) == 0
@@ -969,10 +971,7 @@ def test_a_ready_join_waiting_for_a_slot_fails_at_its_expires(env: Env) -> None:
     env.configure(agents={"worker": env.agent(), "slow": env.agent("--sleep", "10")}, max_jobs=1)
     d = env.daemon()
     d.wait_ready()
-    env.drop(order("PL"))
-    env.wait_job("PL", "done")
-    env.drop(order("LONG", to="slow"))
-    d.wait_event("agent.started", job_id="LONG")
+    slot_held(env, d, "PL", "LONG")
     env.drop(order("EJ", after=["PL"], expires=iso(time.time() + 2)))
     d.wait_event("job.joined", job_id="EJ")
     result = env.wait_job("EJ", "failed", timeout=30)
