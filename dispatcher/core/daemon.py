@@ -140,7 +140,6 @@ class Daemon(Reloading, Fencing):
 
     async def startup(self) -> None:
         """Open the ledger, watch inbox/, recover what dead daemons left, scan, then READY=1."""
-        startup.raise_fd_limit()
         procs.one_malloc_arena()  # before the lanes' threads start
         gc.collect()  # what start-up left (the command line's parsers): freed before the daemon settles
         gc.freeze()  # and the rest kept out of every later collection's walk
