@@ -349,3 +349,32 @@ def test_status_tells_apart_two_daemons_with_one_pid_under_one_host_name(env: En
         for p in others:
             p.send_signal(signal.SIGKILL)
             p.wait(30)
+
+
+def test_status_and_list_while_the_first_daemon_waits_to_make_the_ledger(env: Env) -> None:
+    """A daemon's first start made the ledger file but not yet its tables (another process holds the file locked,
+    or the two daemons of a fresh root start together): `status` and `list` answer for a root with nothing
+    recorded yet; they failed with exit 2, calling the ledger unreadable (no such table: meta) and naming
+    `ledger rebuild`. The daemon makes every table in one commit once the lock is gone."""
+    import sqlite3
+
+    env.configure()
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    ledger.parent.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(ledger, isolation_level=None)) as holder:
+        holder.execute("PRAGMA journal_mode=WAL")
+        holder.execute("BEGIN IMMEDIATE")
+        d = env.daemon()
+        time.sleep(1.5)  # the daemon is past making the file, waiting for the lock
+        assert d.proc is not None and d.proc.poll() is None
+        for args in (["status", "--json"], ["list", "--json"], ["status"]):
+            proc = env.cli(*args)
+            assert proc.returncode == 0, (args, proc.stderr)
+        assert status(env)["counts"] == dict.fromkeys(COUNT_KEYS, 0)
+        assert env.cli("list", "--json", check=True).stdout == ""  # JSON lines: no job, no line
+        holder.execute("ROLLBACK")
+    d.wait_ready()
+    env.drop(order("FIRST-1"))
+    env.wait_job("FIRST-1", "done")
+    assert status(env)["counts"]["done"] == 1
+    assert d.stop() == 0

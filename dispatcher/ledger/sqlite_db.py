@@ -80,6 +80,7 @@ CREATE TABLE IF NOT EXISTS gate_waits (
 _COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
 # SQLite's own wait for a lock, per try: short, so that a stop's deadline is heard between tries
 _BUSY_TIMEOUT_MS = 250
+_HAS_META = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
 _RETRY_MAX_S = 0.25  # the longest pause between tries
 _WAIT_LOG_S = 5.0
 
@@ -87,9 +88,10 @@ _WAIT_LOG_S = 5.0
 class LedgerError(Exception):
     """The ledger file cannot be used (not a database, newer schema, unreadable)."""
 
-    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+    def __init__(self, message: str, *, unreachable: bool = False, fresh: bool = False) -> None:
         super().__init__(message)
         self.unreachable = unreachable  # the disk or folder is at fault, not the ledger's contents
+        self.fresh = fresh  # a file with no tables yet: a daemon's first start is making it
 
 
 def _entry(row: tuple[object, ...]) -> Entry:
@@ -129,6 +131,9 @@ class SqliteDb:
         try:
             if readonly:
                 self._db, self._immutable = connect_readonly(path)
+                if not self._retrying(self._has_tables):
+                    self._db.close()
+                    raise LedgerError("no ledger yet: a starting daemon is making it", fresh=True)
                 if self._retrying(self._check_version) < SCHEMA_VERSION or not self._retrying(self._has_spent):
                     self._upgraded_copy()
                 return
@@ -147,8 +152,19 @@ class SqliteDb:
             raise LedgerError(_describe(exc, path), unreachable=unreachable) from None
 
     def _migrate(self) -> None:
-        self._db.executescript(_SCHEMA)  # CREATE ... IF NOT EXISTS: safe when daemons start together
+        # CREATE ... IF NOT EXISTS: safe when daemons start together. One transaction: a reader (`status`
+        # while the first daemon starts) sees every table or none, never a ledger without its meta table
+        try:
+            self._db.executescript(f"BEGIN IMMEDIATE;\n{_SCHEMA}\nCOMMIT;")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
         self._write(self._upgrade)
+
+    def _has_tables(self) -> bool:
+        """Return True if the ledger's schema is there (False: a file made by a daemon not yet past its start)."""
+        return self._db.execute(_HAS_META).fetchone() is not None
 
     def _upgrade(self, db: sqlite3.Connection) -> None:
         """Bring an older ledger's tables up to this version (inside ``_migrate``'s transaction)."""
@@ -291,7 +307,7 @@ def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
         db = sqlite3.connect(
             uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
         )
-        db.execute("SELECT 1 FROM meta LIMIT 1").fetchall()
+        db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
         return db, False
     except sqlite3.OperationalError as exc:
         text = str(exc).lower()
@@ -302,6 +318,20 @@ def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
             raise
     db = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False)
     return db, True
+
+
+def has_tables(path: Path) -> bool:
+    """Return True if the SQLite ledger at path has its schema (its tables are made in one commit)."""
+    try:
+        db, _ = connect_readonly(path)
+    except sqlite3.Error:
+        return False
+    try:
+        return db.execute(_HAS_META).fetchone() is not None
+    except sqlite3.Error:
+        return False
+    finally:
+        db.close()
 
 
 def locked_elsewhere(path: Path) -> bool:

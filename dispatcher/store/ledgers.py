@@ -17,7 +17,7 @@ from dispatcher.errors import UsageError
 from dispatcher.layout import Layout, has_jobs
 from dispatcher.ledger.base import Ledger, LedgerUnavailable
 from dispatcher.ledger.records import REBUILD_HINT
-from dispatcher.ledger.sqlite_db import path_too_long
+from dispatcher.ledger.sqlite_db import has_tables, path_too_long
 from dispatcher.spec.settings import Config
 
 #: how long a command tries to reach a PostgreSQL ledger: one connection attempt (CONNECT_S, libpq's
@@ -115,6 +115,12 @@ def open_ledger(
             fsutil.make_dirs(path.parent)  # durable: a power cut must not take the ledger's folder back
         ledger = SqliteLedger(path, layout.state_dir, patience_s=patience_s, readonly=readonly, give_up=give_up)
     except LedgerError as exc:
+        if exc.fresh:  # made by a daemon still starting (its tables come in one commit): as if missing
+            if not has_jobs(layout):
+                raise NoLedgerYet(f"{path}: no ledger yet") from None
+            if not has_tables(path):  # not made meanwhile by a daemon whose jobs those are
+                raise LedgerLost(f"{path}: the ledger is missing but job folders exist; {REBUILD_HINT}") from None
+            return open_ledger(config, layout, patience_s=patience_s, create=create, readonly=readonly, give_up=give_up)
         if exc.unreachable:  # a full disk, a read-only folder: the ledger itself may be fine
             raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({exc})") from None
         raise LedgerLost(f"{path}: the ledger cannot be read ({exc}); {REBUILD_HINT}") from None
