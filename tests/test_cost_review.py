@@ -844,3 +844,22 @@ def test_show_of_a_job_waiting_for_its_retry_gives_its_chain_cost_so_far(env: En
     assert (shown["state"], shown["cost_usd"], shown["chain_cost_usd"]) == ("active", 0.3, 0.3), shown
     assert "chain cost: 0.3 USD" in env.cli("show", "WAIT-COST", check=True).stdout
     assert d.stop() == 0
+
+
+def test_a_rebuilt_ledger_dates_a_reviewed_jobs_cost_when_its_agent_finished(env: Env) -> None:
+    """A job whose agent finished 30 hours ago and whose review was decided today (result.json: the attempt's
+    `ended` then, `finished` now): after `ledger rebuild` its cost is outside the 24-hour spend, as in the ledger
+    that was lost. The rebuilt row dated the cost at the decision, so a daily cap counted the night's spend again."""
+    env.configure(agents={"worker": costly(env, 1.0)})
+    env.drop(simple("DECIDED-LATE"))
+    assert env.cli("run", "--once", timeout=60).returncode == 0
+    path = env.root / "done" / "DECIDED-LATE" / "result.json"
+    result = json.loads(path.read_text())
+    then = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(time.time() - 30 * 3600))
+    result["attempts"][-1]["started"] = result["attempts"][-1]["ended"] = then
+    path.write_text(json.dumps(result))  # as an approve decided today leaves it: `finished` is the decision
+    assert json.loads(env.cli("status", "--json", check=True).stdout)["spend_24h"] == {"worker": 1.0}
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{env.root}/.state/ledger.sqlite3{suffix}").unlink(missing_ok=True)
+    env.cli("ledger", "rebuild", check=True)
+    assert json.loads(env.cli("status", "--json", check=True).stdout)["spend_24h"] == {}

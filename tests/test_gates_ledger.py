@@ -238,3 +238,31 @@ def test_an_older_postgres_ledger_gets_the_new_tables(pg_db: str, tmp_path: Path
         led.close()
     with psycopg.connect(pg_db) as conn:
         assert conn.execute("SELECT version FROM schema_version").fetchone() == (3,)
+
+
+def test_a_copied_ledger_keeps_a_reviewed_jobs_cost_in_the_window_it_finished_in(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """The rows of an SQLite ledger copied into another (`ledger migrate` into PostgreSQL, or SQLite rows loaded
+    as they are) carry when a reviewed job's cost was counted: the copy's 24-hour spend is the source's. Without
+    it, a job approved after its agent's work counted its cost again from the approval."""
+    state = tmp_path / "src"
+    (state / "slots").mkdir(parents=True)
+    source = SqliteLedger(state / "l.sqlite3", state, patience_s=30)
+    try:
+        (claimed,) = source.claim([ClaimRequest("RV", "coder", "RV.yaml", "d")])
+        assert source.finish([Finish("RV", claimed.token, Row.REVIEW, 1.0, 1.0)]) == [True]  # type: ignore[union-attr]
+        ((finished, _, _),) = source.costs_since(0)
+        time.sleep(0.05)
+        assert source.finish([Finish("RV", claimed.token, Row.DONE, 1.0, 1.0)]) == [True]  # type: ignore[union-attr]
+        entries = list(source.rows())
+        more = source.extras()
+    finally:
+        source.close()
+    target = engine.daemon("a")
+    if isinstance(target, PostgresLedger):
+        assert target.load_into_empty(entries, more) == 1
+    else:
+        assert target.load_rows(entries) == 1
+    assert [at for at, _, _ in target.costs_since(0)] == [pytest.approx(finished)]
+    assert target.costs_since(finished + 0.01) == []

@@ -29,20 +29,20 @@ PAGE = 5000  # rows per page of ``PostgresLedger.rows``
 _CHUNK = 5000
 _INSERT = (
     "INSERT INTO jobs (job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd,"
-    " updated) SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::bigint[], %s::text[],"
-    " %s::text[], %s::text[], %s::int[], %s::float8[], %s::float8[], %s::float8[])"
+    " updated, spent) SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::bigint[],"
+    " %s::text[], %s::text[], %s::text[], %s::int[], %s::float8[], %s::float8[], %s::float8[], %s::float8[])"
     " ON CONFLICT (job_id) DO NOTHING"
 )
 _COPY = (
-    "COPY jobs (job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated)"
-    " FROM STDIN"
+    "COPY jobs (job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated,"
+    " spent) FROM STDIN"
 )
 
 
 def values(e: Entry) -> tuple[object, ...]:
-    """Return an entry's fields in COLUMNS order."""
+    """Return an entry's fields in COLUMNS order, then its ``spent`` (the bulk steps write it)."""
     return (e.job_id, e.state, e.agent, e.owner, e.token, e.source, e.digest, e.parent, e.hops, e.cost_usd,
-            e.chain_cost_usd, e.updated)  # fmt: skip
+            e.chain_cost_usd, e.updated, e.spent)  # fmt: skip
 
 
 def _begin(cur: Cur) -> None:

@@ -74,6 +74,9 @@ class Entry:
     cost_usd: float | None
     chain_cost_usd: float | None
     updated: float
+    # when cost_usd was counted, if not at ``updated`` (a review decided later); carried by the bulk steps
+    # (rebuild, migrate) only: the rows the daemon's own steps read leave it None
+    spent: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

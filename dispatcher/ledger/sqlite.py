@@ -156,7 +156,8 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
 
     def rows(self) -> Iterator[Entry]:
         """Yield every row, in id order."""
-        rows = self._read(lambda db: db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY job_id").fetchall())  # noqa: S608
+        sql = f"SELECT {_COLUMNS}, spent FROM jobs ORDER BY job_id"  # noqa: S608 - fixed column names
+        rows = self._read(lambda db: db.execute(sql).fetchall())
         return (_entry(r) for r in rows)
 
     # -- claims -------------------------------------------------------------------------
@@ -417,13 +418,15 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
                 e.cost_usd,
                 e.chain_cost_usd,
                 e.updated,
+                e.spent,
             )
             for e in entries
         ]
 
         def body(db: sqlite3.Connection) -> int:
             before = db.total_changes
-            db.executemany(f"INSERT OR IGNORE INTO jobs ({_COLUMNS}) VALUES ({','.join('?' * 12)})", batch)  # noqa: S608
+            sql = f"INSERT OR IGNORE INTO jobs ({_COLUMNS}, spent) VALUES ({','.join('?' * 13)})"  # noqa: S608
+            db.executemany(sql, batch)
             return db.total_changes - before
 
         return self._tx(body)

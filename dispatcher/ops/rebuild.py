@@ -126,7 +126,21 @@ def _row(folder: JobFolder, state: State, now: float) -> Entry:
         updated = now
     return Entry(
         folder.job_id, row, agent, None, 1, None, None, parent, hops, result.cost_usd, result.chain_cost_usd, updated,
+        _spent(result, updated),
     )  # fmt: skip
+
+
+def _spent(result: Result, updated: float) -> float | None:
+    """Return when a rebuilt job's cost was counted: its last attempt's end (a review decided later rewrites
+    ``finished``, not the attempt), or None to count it at ``updated``."""
+    if result.cost_usd is None or not result.attempts:
+        return None
+    ended = result.attempts[-1].get("ended")
+    try:
+        at = parse_iso(ended) if isinstance(ended, str) else None
+    except ValueError:
+        return None
+    return None if at is None or at >= updated else at
 
 
 def _children(parent: str, folder: JobFolder, known: set[str], now: float) -> list[Entry]:
