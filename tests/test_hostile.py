@@ -515,6 +515,28 @@ def test_10_a_rebuilt_ledger_keeps_a_finished_jobs_age_and_says_one_job_id(env: 
     assert row["job_id"] == "AGED-1" and row["state"] == "done" and row["age_s"] >= 3.0, row
 
 
+def test_10_a_lock_held_a_moment_is_waited_out_by_the_reading_commands(env: Env) -> None:
+    """A lock held for a second (a daemon switching its new ledger to WAL, a backup's quick copy): `status`, `list`
+    and `show` wait it out and answer (exit 0), where they said "locked" (exit 2) after a quarter of a second."""
+    assert env.cli("submit", str(_write(env, plain("BRIEF-1")))).returncode == 0
+    assert env.cli("run", "--once").returncode == 0
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    brief = HOLD_LEDGER.replace("time.sleep(120)", "time.sleep(1.0)")
+    for command in (["status", "--json"], ["list"], ["show", "BRIEF-1"]):
+        holder = subprocess.Popen([sys.executable, "-c", brief, str(ledger)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            proc = env.cli(*command, timeout=60)
+            assert proc.returncode == 0, (command, proc.stderr)
+            said = (
+                json.loads(proc.stdout)["counts"]["done"] == 1 if command[0] == "status" else "BRIEF-1" in proc.stdout
+            )
+            assert said, (command, proc.stdout)
+        finally:
+            holder.kill()
+            holder.communicate(timeout=30)
+
+
 def test_10_rebuild_refuses_a_config_whose_ledger_is_postgresql(env: Env) -> None:
     """`ledger rebuild` makes the SQLite ledger only: with a PostgreSQL ledger it refuses and leaves every file."""
     env.drop(plain("PG-1"))

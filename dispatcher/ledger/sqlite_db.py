@@ -80,6 +80,8 @@ CREATE TABLE IF NOT EXISTS gate_waits (
 _COLUMNS = "job_id, state, agent, owner, token, source, digest, parent, hops, cost_usd, chain_cost_usd, updated"
 # SQLite's own wait for a lock, per try: short, so that a stop's deadline is heard between tries
 _BUSY_TIMEOUT_MS = 250
+# how long a reader (`status`, `list`, `show`) waits for a ledger another process holds locked before saying so
+_READ_GRACE_S = 3.0
 _HAS_META = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
 _RETRY_MAX_S = 0.25  # the longest pause between tries
 _WAIT_LOG_S = 5.0
@@ -304,9 +306,9 @@ def connect_readonly(path: Path) -> tuple[sqlite3.Connection, bool]:
         db = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False)
         return db, True
     try:
-        db = sqlite3.connect(
-            uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-        )
+        # a lock held a moment (a daemon switching a new ledger to WAL) is waited out; one held longer (a
+        # `sqlite3` shell, a backup) is said within seconds
+        db = sqlite3.connect(uri, uri=True, timeout=_READ_GRACE_S, isolation_level=None, check_same_thread=False)
         db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
         return db, False
     except sqlite3.OperationalError as exc:
