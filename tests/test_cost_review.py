@@ -846,20 +846,28 @@ def test_show_of_a_job_waiting_for_its_retry_gives_its_chain_cost_so_far(env: En
     assert d.stop() == 0
 
 
-def test_a_rebuilt_ledger_dates_a_reviewed_jobs_cost_when_its_agent_finished(env: Env) -> None:
-    """A job whose agent finished 30 hours ago and whose review was decided today (result.json: the attempt's
-    `ended` then, `finished` now): after `ledger rebuild` its cost is outside the 24-hour spend, as in the ledger
-    that was lost. The rebuilt row dated the cost at the decision, so a daily cap counted the night's spend again."""
-    env.configure(agents={"worker": costly(env, 1.0)})
-    env.drop(simple("DECIDED-LATE"))
-    assert env.cli("run", "--once", timeout=60).returncode == 0
-    path = env.root / "done" / "DECIDED-LATE" / "result.json"
+@pytest.mark.parametrize("decided", [True, False])
+def test_a_rebuilt_ledger_dates_a_jobs_cost_as_the_lost_ledger_did(env: Env, decided: bool) -> None:
+    """A job approved today whose agent's work passed its checks 30 hours ago: after `ledger rebuild` its cost is
+    outside the 24-hour spend, as in the ledger that was lost (the rebuilt row dated it at the decision, so a daily
+    cap counted the night's spend again). A job with no review whose last attempt ended as long ago (a `retry`
+    that failed at once today, with no new attempt) counts at its finish, before and after the rebuild."""
+    worker = costly(env, 1.0, review=True) if decided else costly(env, 1.0, "--exit", "3")
+    env.configure(agents={"worker": worker})
+    env.drop(simple("OLD-WORK"))
+    assert env.cli("run", "--once", timeout=60).returncode == (0 if decided else 1)  # 1: a job failed
+    if decided:
+        assert env.cli("approve", "OLD-WORK").returncode == 0
+    path = env.root / ("done" if decided else "failed") / "OLD-WORK" / "result.json"
     result = json.loads(path.read_text())
     then = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(time.time() - 30 * 3600))
     result["attempts"][-1]["started"] = result["attempts"][-1]["ended"] = then
-    path.write_text(json.dumps(result))  # as an approve decided today leaves it: `finished` is the decision
-    assert json.loads(env.cli("status", "--json", check=True).stdout)["spend_24h"] == {"worker": 1.0}
+    if decided:
+        assert "review_since" in result, result
+        result["review_since"] = then
+    path.write_text(json.dumps(result))  # the folder as a decision (or a retry) made today would leave it
     for suffix in ("", "-wal", "-shm"):
         Path(f"{env.root}/.state/ledger.sqlite3{suffix}").unlink(missing_ok=True)
     env.cli("ledger", "rebuild", check=True)
-    assert json.loads(env.cli("status", "--json", check=True).stdout)["spend_24h"] == {}
+    spend = json.loads(env.cli("status", "--json", check=True).stdout)["spend_24h"]
+    assert spend == ({} if decided else {"worker": 1.0}), spend

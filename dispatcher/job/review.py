@@ -94,7 +94,13 @@ def _decide(
     if entry.state == Row.REVIEW:
         why = None if approve else cut_reason(f"rejected: {(reason or '').strip() or 'no reason given'}")
         children = result.children if approve else ()  # a rejected job's follow-ups are dropped, never jobs
-        result = replace(result, state=str(state), reason=why, finished=iso(time.time()), children=children)
+        # review_since: when the agent's work passed its checks, which the decision's `finished` replaces (the
+        # time its cost was counted at: `ledger rebuild` reads it back)
+        since = {"review_since": result.finished} if result.finished else {}
+        result = replace(
+            result, state=str(state), reason=why, finished=iso(time.time()), children=children,
+            extra={**result.extra, **since},
+        )  # fmt: skip
         folder.stage_result(result)
         faults.point("review.staged")
         item = Finish(job_id, entry.token, state, result.cost_usd, result.chain_cost_usd)

@@ -131,16 +131,23 @@ def _row(folder: JobFolder, state: State, now: float) -> Entry:
 
 
 def _spent(result: Result, updated: float) -> float | None:
-    """Return when a rebuilt job's cost was counted: its last attempt's end (a review decided later rewrites
-    ``finished``, not the attempt), or None to count it at ``updated``."""
-    if result.cost_usd is None or not result.attempts:
+    """Return when a rebuilt job's cost was counted, if not at ``updated`` (its ``finished``): for a job whose
+    review was decided, when it entered review (``review_since``, kept by the decision); else None."""
+    if result.cost_usd is None:
         return None
-    ended = result.attempts[-1].get("ended")
+    at = _time(result.extra.get("review_since"))
+    last = _time(result.attempts[-1].get("ended")) if result.attempts else None
+    if at is None or at >= updated or (last is not None and at < last):  # not after its last attempt: stale
+        return None
+    return at
+
+
+def _time(value: object) -> float | None:
+    """Return an ISO 8601 time of result.json as seconds, or None when it is missing or odd."""
     try:
-        at = parse_iso(ended) if isinstance(ended, str) else None
+        return parse_iso(value) if isinstance(value, str) else None
     except ValueError:
         return None
-    return None if at is None or at >= updated else at
 
 
 def _children(parent: str, folder: JobFolder, known: set[str], now: float) -> list[Entry]:
