@@ -207,13 +207,20 @@ def test_a_postgres_ledger_without_the_spent_column_gets_it_at_open(pg_db: str, 
     reader = PostgresLedger(pg_db, Layout(tmp_path), readonly=True)  # `status` before this version's daemon started
     try:
         assert [(agent, cost) for _, agent, cost in reader.costs_since(0)] == [("coder", 0.5)]
+        led = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
+        try:
+            assert [(agent, cost) for _, agent, cost in led.costs_since(0)] == [("coder", 0.5)]
+            # the reader kept open (the web view) dates a reviewed job's cost by the column the daemon added
+            (rv,) = led.claim([ClaimRequest("PG-RV", "coder", "PG-RV.yaml", "d")])
+            assert led.finish([Finish("PG-RV", rv.token, Row.REVIEW, 1.0, 1.0)]) == [True]  # type: ignore[union-attr]
+            entered = max(at for at, _, _ in led.costs_since(0))
+            time.sleep(0.05)
+            assert led.finish([Finish("PG-RV", rv.token, Row.DONE, 1.0, 1.0)]) == [True]  # type: ignore[union-attr]
+            assert [cost for _, _, cost in reader.costs_since(entered + 0.01)] == []
+        finally:
+            led.close()
     finally:
         reader.close()
-    led = PostgresLedger(pg_db, Layout(tmp_path), lease_s=30, patience_s=30)
-    try:
-        assert [(agent, cost) for _, agent, cost in led.costs_since(0)] == [("coder", 0.5)]
-    finally:
-        led.close()
     with psycopg.connect(pg_db) as conn:
         found = conn.execute(
             "SELECT 1 FROM information_schema.columns WHERE table_name = 'jobs' AND column_name = 'spent'"

@@ -689,3 +689,37 @@ def test_fifty_requests_at_once_are_all_answered(sqlite_site: tuple[Env, Web]) -
     for t in threads:
         t.join(60)
     assert sorted(answers, key=str) == [200] * 25 + [409] * 25, answers
+
+
+def test_a_view_started_on_a_ledger_of_the_release_before_follows_the_daemons_writes(env: Env) -> None:
+    """The view started on a ledger no daemon of this version opened yet (no `spent` column: the release before)
+    reads it through an upgraded copy; once a daemon has upgraded the file and runs jobs, and a pause is set, the
+    view shows them as `status --json` does. It kept showing the copy made at its start until restarted."""
+    import contextlib
+    import sqlite3
+
+    env.configure(agents={"worker": env.agent(*costing(1.0))})
+    env.drop(order("OLD-1"))
+    assert env.cli("run", "--once", timeout=60).returncode == 0
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    with contextlib.closing(sqlite3.connect(ledger, isolation_level=None)) as db:
+        db.execute("DROP INDEX IF EXISTS jobs_spent")
+        db.execute("ALTER TABLE jobs DROP COLUMN spent")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    web = start_web(env)
+    try:
+        assert web.json("/api/status")["spend_24h"] == {"worker": 1.0}
+        env.drop(order("NEW-1"))
+        assert env.cli("run", "--once", timeout=60).returncode == 0  # this version's daemon upgrades the file
+        env.cli("pause", "worker", check=True)
+        want = cli_json(env, "status")
+        assert want["spend_24h"] == {"worker": 2.0} and [g["agent"] for g in want["gates"]] == ["worker"], want
+
+        def followed() -> bool:
+            seen = web.json("/api/status")
+            return bool(seen["spend_24h"] == want["spend_24h"] and seen["gates"] == want["gates"])
+
+        wait_until(followed, 15, "the view to show the new job's spend and the pause")
+        assert {j["job_id"] for j in web.json("/api/jobs")} == {"OLD-1", "NEW-1"}
+    finally:
+        assert web.stop() == 0

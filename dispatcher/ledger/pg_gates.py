@@ -108,7 +108,8 @@ class Gates:
         states = [str(Row.DONE), str(Row.FAILED), str(Row.REVIEW), str(Row.CLAIMED)]
 
         def body(cur: Cur) -> list[tuple[Any, ...]]:
-            if self._spent is None:  # a reader may not add the column: a ledger no daemon of this version opened
+            if not self._spent:  # a reader may not add the column: a ledger no daemon of this version opened
+                # (asked again until found: a reader kept open, the web view, sees the column a daemon adds)
                 found = cur.execute(
                     "SELECT 1 FROM information_schema.columns WHERE table_name = 'jobs' AND column_name = 'spent'"
                     " AND table_schema = current_schema()"

@@ -130,6 +130,7 @@ class SqliteDb:
         self._life: FileLock | None = None
         self._life_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the liveness lock file it holds
         self._immutable = False  # a read-only snapshot taken while no daemon had the ledger open
+        self._copied: tuple[object, ...] | None = None  # the file's stamp when an upgraded copy was made of it
         try:
             if readonly:
                 self._db, self._immutable = connect_readonly(path)
@@ -195,23 +196,44 @@ class SqliteDb:
             )
         return version
 
-    def _has_spent(self) -> bool:
+    def _has_spent(self, db: sqlite3.Connection | None = None) -> bool:
         """Return True if the jobs table has its ``spent`` column (added without a new version: readers look)."""
-        return any(r[1] == "spent" for r in self._db.execute("PRAGMA table_info(jobs)"))
+        return any(r[1] == "spent" for r in (self._db if db is None else db).execute("PRAGMA table_info(jobs)"))
 
-    def _upgraded_copy(self) -> None:
+    def _upgraded_copy(self, source: sqlite3.Connection | None = None) -> None:
         """Read an older ledger (no daemon of this version opened it yet) through an upgraded copy in memory.
 
         A reader may not write the file (and must not change it under a daemon of the older
         version): `status` and `list` then read what the next daemon's start would make of it.
+        The copy is made again from ``source`` (a new connection to the file) once the file changed
+        (``_read``): a reader kept open (the web view) follows the daemons' writes.
         """
+        stamp = _stamp(self.path)  # before the copy: a write during it makes the next read copy again
         copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         with self._lock:
-            self._db.backup(copy)
+            (self._db if source is None else source).backup(copy)
             self._db.close()
-            self._db, self._immutable = copy, False
+            if source is not None:
+                source.close()
+            self._db, self._immutable, self._copied = copy, False, stamp
         self._db.executescript(_SCHEMA)
         self._write(self._upgrade)
+
+    def _copy_again(self) -> None:
+        """Read the file again under an upgraded copy it outdated: as it is, once a daemon of this version
+        upgraded it, else through a new copy."""
+        db, immutable = connect_readonly(self.path)
+        try:
+            current = self._check_version(db) >= SCHEMA_VERSION and self._has_spent(db)
+        except BaseException:
+            db.close()
+            raise
+        if not current:
+            self._upgraded_copy(db)
+            return
+        with self._lock:
+            self._db.close()
+            self._db, self._immutable, self._copied = db, immutable, None
 
     def close(self) -> None:
         """Close the connection, give slots back and end this daemon's liveness lock."""
@@ -275,6 +297,8 @@ class SqliteDb:
 
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         def step() -> T:
+            if self._copied is not None and _stamp(self.path) != self._copied:
+                self._copy_again()
             with self._lock:
                 if self._immutable and self.path.with_name(self.path.name + "-wal").exists():
                     self._db.close()  # a daemon writes again: an immutable snapshot would go stale
@@ -352,6 +376,19 @@ def locked_elsewhere(path: Path) -> bool:
         return False
     finally:
         db.close()
+
+
+def _stamp(path: Path) -> tuple[object, ...]:
+    """Return what changes when the ledger file at path is written: its and its -wal's (mtime, size, inode)."""
+    out: list[object] = []
+    for name in (path, path.with_name(path.name + "-wal")):
+        try:
+            st = os.stat(name)
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(out)
 
 
 def _wal_size(wal: Path) -> int:
