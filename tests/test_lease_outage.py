@@ -60,9 +60,18 @@ def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed
     assert ("job.fenced", "blip") not in events
     started = events.index(("agent.started", "blip"))
     assert ("lease.renewed", None) in events[:started], "no agent starts before the lease is renewed"
-    # the job its own fence stopped is taken back by this daemon: no host was lost
-    reason = env.wait_job("long", "failed", timeout=60)["reason"]
-    assert "interrupted: by a stop or crash" in reason and "host was lost" not in reason, reason
+    # the job its own fence stopped is taken back by this daemon: no host was lost, no daemon stopped, and the
+    # attempt keeps the end the daemon saw (its exit status and time), not one lost to a crash
+    failed = env.wait_job("long", "failed", timeout=60)
+    reason = failed["reason"]
+    assert "interrupted: its daemon could not renew its lease" in reason, reason
+    assert "host was lost" not in reason and "stop or crash" not in reason and "status lost" not in reason, reason
+    assert reason.startswith("exit_ok: ended by its daemon after "), reason
+    [cut] = failed["attempts"]
+    assert cut["exit_code"] is not None and cut["exit_code"] != 0 and cut["lease_unrenewed"] is True, cut
+    ended = next(e for e in d.events() if e["event"] == "agent.exited" and e.get("job_id") == "long")
+    assert cut["duration_ms"] == ended["duration_ms"], (cut, ended)  # the end the daemon saw, not its recovery
+    assert not list((env.root / "failed" / "long" / "attempts" / "1").glob(".attempt*")), "the kept record is taken"
     assert d.stop() == 0
 
 

@@ -55,6 +55,10 @@ log = structlog.get_logger("dispatcher")
 T = TypeVar("T")
 
 
+#: how a job whose agent its fenced daemon ended was interrupted (section 12)
+FENCED_HOW = "its daemon could not renew its lease (the ledger was out of reach)"
+
+
 class Job(Finishing, Deciding):
     """One job in active/<job_id>, driven to done/, failed/ or review/ (or left there on stop)."""
 
@@ -128,6 +132,7 @@ class Job(Finishing, Deciding):
                 self._start_done()
                 self.ctx.recovered(self.job_id)
         except Left:
+            await self._keep_fenced()
             return Outcome.LEFT
         except LedgerUnavailable:
             if not self.ctx.stopping():
@@ -244,6 +249,23 @@ class Job(Finishing, Deciding):
             await self._after_final(state)
         return outcome_of(state) if ok else Outcome.FENCED
 
+    async def _keep_fenced(self) -> None:
+        """Left while fenced (no lease renewal for lease / 2): keep the last attempt's record if it was not written.
+
+        Its agent's exit (or the end the fence gave it) is known here; recovery, by this daemon after
+        the renewal or by the one that takes the job over, records it instead of an interrupted attempt
+        whose exit status was lost.
+        """
+        if not self.attempts or not self.ctx.fenced():
+            return
+        last = self.attempts[-1]
+        if last.aborted == Stop.STOPPED:  # the fence ended it: said so in the record and the reason
+            last = replace(last, extra={**last.extra, "lease_unrenewed": True})
+        try:
+            await self.ctx.lanes.io(self.folder.keep_fenced_attempt, last)
+        except OSError as exc:  # recovery then records the attempt as interrupted, its exit status lost
+            log.warning("job.fenced", step="keep_attempt", error=str(exc))
+
     # -- recovery ---------------------------------------------------------------------------
     async def _recover(self) -> Outcome | None:
         """Pick up a job whose daemon died: end its agent, then let the evidence decide."""
@@ -256,6 +278,9 @@ class Job(Finishing, Deciding):
         if self.folder.has_kept_result(n):
             return None  # reopened by `dispatcher retry`: go on with a new attempt
         record = next((a for a in self.attempts if a.n == n), None)
+        if record is None and (kept := await self._persist(self.folder.take_fenced_attempt, n)) is not None:
+            record = kept  # its daemon was fenced when the attempt ended: the exit it saw, not a lost one
+            self.attempts.append(record)
         if await self.ctx.lanes.io(self._cancel_asked):  # while no daemon ran: it ends as a live cancel does
             if record is None and not self.folder.never_started(n):  # its cut attempt is recorded all the same
                 await self._record_cut(n)
@@ -275,9 +300,14 @@ class Job(Finishing, Deciding):
                 return None
             if receipt:
                 return await self._decide(n, Exit(lost=True), final=True)
-            checks = await self._checks(Exit(lost=True, started=started), n)
-            why = verdict(checks, exit_lost=True) or "receipt_present: no receipt.json"
-            how = "its host was lost" if self.host_lost else "by a stop or crash"
+            fenced = record.extra.get("lease_unrenewed") is True
+            if fenced:  # ended by its own daemon, fenced: the exit is known
+                cut = replace(attempt.exit_of(record, self.spec.timeout_s), aborted="ended by its daemon")
+            else:
+                cut = Exit(lost=True, started=started)
+            checks = await self._checks(cut, n)
+            why = verdict(checks, exit_lost=not fenced) or "receipt_present: no receipt.json"
+            how = "its host was lost" if self.host_lost else FENCED_HOW if fenced else "by a stop or crash"
             return await self._retry_or_fail(n, f"{why}; attempt {n} was interrupted: {how}", checks)
         if record.retry_next:
             return None

@@ -50,6 +50,10 @@ RECORD_MAX = 1024 * 1024
 _WORK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+#: an attempt record kept by a fenced daemon (a staging name: hidden, never read as attempt.json)
+FENCED_RECORD = ".attempt.json.fenced"
+
+
 class JobFolder:
     """One job's folder wherever it is; every read bounded and link-safe."""
 
@@ -299,6 +303,33 @@ class JobFolder:
             fsutil.write_new(path, data)
         except FileExistsError:
             fsutil.write_atomic(Path(path), data, sync=False)
+
+    def keep_fenced_attempt(self, attempt: Attempt) -> bool:
+        """Keep the record of an attempt whose ``attempt.json`` was not written, its daemon fenced (section 12).
+
+        A fenced daemon changes nothing outside its own staging names: the record goes to
+        ``attempts/<n>/.attempt.json.fenced``, where whoever recovers the job takes it up
+        (``take_fenced_attempt``). Return False if attempt.json was written after all.
+        """
+        folder = f"{self._attempts}/{attempt.n}"
+        if os.path.lexists(f"{folder}/attempt.json"):
+            return False
+        fsutil.write_atomic(Path(f"{folder}/{FENCED_RECORD}"), fsutil.dump_json(attempt.to_json()), sync=False)
+        return True
+
+    def take_fenced_attempt(self, n: int) -> Attempt | None:
+        """Return the record a fenced daemon kept for attempt n, now written as its attempt.json; None if none."""
+        data = self.read_json(f"attempts/{n}/{FENCED_RECORD}")
+        try:
+            record = Attempt.from_json(data)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        if record.n != n:
+            return None
+        self.record_attempt(record)
+        with contextlib.suppress(OSError):
+            os.unlink(f"{self._attempts}/{n}/{FENCED_RECORD}")
+        return record
 
     def stash(self, n: int, *, feedback: bool = False) -> None:
         """Move receipt.json and outbox/ (and feedback.json) of attempt n into attempts/<n>/ (idempotent).
