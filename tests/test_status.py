@@ -378,3 +378,24 @@ def test_status_and_list_while_the_first_daemon_waits_to_make_the_ledger(env: En
     env.wait_job("FIRST-1", "done")
     assert status(env)["counts"]["done"] == 1
     assert d.stop() == 0
+
+
+def test_a_ledger_file_with_no_tables_beside_job_folders_is_an_empty_ledger(env: Env) -> None:
+    """A ledger file with no tables (its schema never made) while job folders exist: the reading commands say what
+    `run` says of it, that the ledger is empty but job folders exist, naming `ledger rebuild` (exit 2)."""
+    import sqlite3
+
+    env.configure()
+    env.drop(order("KEPT-1"))
+    assert env.cli("run", "--once").returncode == 0
+    ledger = env.root / ".state" / "ledger.sqlite3"
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{ledger}{suffix}").unlink(missing_ok=True)
+    with contextlib.closing(sqlite3.connect(ledger, isolation_level=None)) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+    said = []
+    for args in (["status"], ["list"], ["show", "KEPT-1"], ["run", "--once"]):
+        proc = env.cli(*args)
+        assert proc.returncode == 2 and "ledger rebuild" in proc.stderr, (args, proc.stderr)
+        said.append(proc.stderr.split(": ", 1)[1].split(";")[0])
+    assert set(said) == {"the ledger is empty but job folders exist"}, said

@@ -119,7 +119,7 @@ def open_ledger(
             if not has_jobs(layout):
                 raise NoLedgerYet(f"{path}: no ledger yet") from None
             if not has_tables(path):  # not made meanwhile by a daemon whose jobs those are
-                raise LedgerLost(f"{path}: the ledger is missing but job folders exist; {REBUILD_HINT}") from None
+                raise LedgerLost(f"{path}: the ledger is empty but job folders exist; {REBUILD_HINT}") from None
             return open_ledger(config, layout, patience_s=patience_s, create=create, readonly=readonly, give_up=give_up)
         if exc.unreachable:  # a full disk, a read-only folder: the ledger itself may be fine
             raise LedgerUnreachable(f"{path}: the ledger cannot be opened ({exc})") from None
