@@ -146,7 +146,26 @@ def open_for_writing(path: str) -> bool | None:
 
 
 def held_for_writing(paths: set[str]) -> set[str]:
-    """Return those of paths that some process this one can see has open for writing.
+    """Return those of paths that some process has open for writing.
+
+    The kernel is asked first (``open_for_writing``): it knows every writer of the file,
+    whatever name, link or mount it was opened by (a draft hard-linked into inbox/ and
+    still written under its own name). Only paths it cannot tell about (a file of
+    another user, leases off) are looked for in /proc (``_held_in_proc``).
+    """
+    found: set[str] = set()
+    unsure: set[str] = set()
+    for path in paths:
+        answer = open_for_writing(path)
+        if answer:
+            found.add(path)
+        elif answer is None:
+            unsure.add(path)
+    return found | _held_in_proc(unsure) if unsure else found
+
+
+def _held_in_proc(paths: set[str]) -> set[str]:
+    """Return those of paths that some process this one can see has open for writing, by /proc.
 
     One walk of /proc/*/fd (and the open flags in /proc/*/fdinfo) answers for
     every path at once. It is slow with many processes, so the daemon asks it

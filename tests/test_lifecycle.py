@@ -842,6 +842,35 @@ def test_a_valid_order_still_being_written_is_not_taken_at_another_process_close
     assert daemon.stop() == 0
 
 
+def test_a_draft_hard_linked_into_inbox_waits_while_its_writer_holds_it_under_its_own_name(env: Env) -> None:
+    """Section 1: taken only after its writer closes it. A draft written under its own name elsewhere and
+    hard-linked into inbox/ midway (its first item written, two to come): the writer's descriptor names the draft,
+    not the inbox name, yet the order waits while it is held open (the kernel is asked, by inode), and runs once,
+    whole. It was claimed after `settle` with one item and failed receipt_inputs."""
+    env.configure(settle=0.5, rescan_interval=1)
+    daemon = env.daemon()
+    daemon.wait_ready()
+    drafts = env.tmp / "drafts"
+    drafts.mkdir()
+    first = b"job_id: LINKED-1\nfrom: t\nto: worker\ntask: do\nitems:\n  - {id: R1}\n"
+    rest = b"  - {id: R2}\n  - {id: R3}\n"
+    draft = drafts / "draft.yaml"
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, first)
+        os.link(draft, env.root / "inbox" / "LINKED-1.yaml")
+        time.sleep(3.0)  # six settle periods and two rescans with the writer still holding it
+        assert starts_of(env, "LINKED-1") == 0 and (env.root / "inbox" / "LINKED-1.yaml").exists()
+        os.write(fd, rest)
+    finally:
+        os.close(fd)
+    env.wait_job("LINKED-1", "done")
+    folder = env.root / "done" / "LINKED-1"
+    assert [i["id"] for i in json.loads((folder / "work" / "order.json").read_text())["items"]] == ["R1", "R2", "R3"]
+    assert starts_of(env, "LINKED-1") == 1 and env.refusals() == []
+    assert daemon.stop() == 0
+
+
 def test_the_same_file_dropped_again_after_its_job_folder_was_removed_by_hand_is_refused(env: Env) -> None:
     """README, troubleshooting: a job whose folder was removed from active/ by hand keeps its claim in the ledger
     (`show` says active), and the same file dropped again is refused as known; the live daemon never runs the id a
