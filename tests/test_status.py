@@ -330,6 +330,26 @@ def test_lock_files_deleted_under_a_running_daemon_are_locked_again(env: Env) ->
     assert first.stop() == 0 and second.stop() == 0
 
 
+def test_a_daemon_whose_lock_file_was_deleted_is_alive_to_others_before_it_locks_it_again(env: Env) -> None:
+    """Its liveness lock deleted under it (a tmp cleaner, a hand), long before its next rescan locks it again: its
+    info file still names its running process, so `status` lists it alive and a second daemon started then takes
+    nothing over (it ended the healthy agent as an orphan and ran the job a second time beside it)."""
+    env.configure(agents={"slow": env.agent("--sleep", "6")}, rescan_interval=60)
+    first = env.daemon()
+    first.wait_ready()
+    env.drop(order("KEEP-ON", to="slow"))
+    wait_until(lambda: any(job == "KEEP-ON" for job, _ in env.starts()), 30, "the slow agent to start")
+    [life] = (env.root / ".state" / "daemons").glob("*.lock")
+    life.unlink()
+    assert [d["alive"] for d in status(env)["daemons"]] == [True]
+    second = env.daemon()
+    second.wait_ready()
+    env.wait_job("KEEP-ON", "done")
+    assert [job for job, _ in env.starts()] == ["KEEP-ON"]
+    assert not [e for e in second.events() if e.get("event") in ("agent.orphan_ended", "job.recovered")]
+    assert first.stop() == 0 and second.stop() == 0
+
+
 def test_status_tells_apart_two_daemons_with_one_pid_under_one_host_name(env: Env) -> None:
     """Two daemons in pid namespaces of their own under this host's name (containers sharing it) are both pid 1:
     plain `status` names each one's owner on its line, as `status --json` does, so the two lines differ."""

@@ -49,7 +49,7 @@ def owner_alive(folder: Path, owner: str) -> bool | None:
     try:  # read-only: a reader who may not write to the root can still ask (a flock needs no write access)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return False
+        return _alive_without_lock(folder, owner)
     except PermissionError:
         return _alive_by_process(path, owner)
     try:
@@ -102,6 +102,26 @@ def _alive_by_process(lock: Path, owner: str) -> bool | None:
     if fields[0] in ("Z", "X"):
         return False
     return procs.started_at(fields) <= made + _START_SLACK_S
+
+
+def _alive_without_lock(folder: Path, owner: str) -> bool:
+    """Tell whether ``owner`` lives although its lock file is gone (deleted under it: it locks it again at its
+    next rescan), by the process its info file names: on this host, running (not a zombie), a dispatcher,
+    started before the daemon said it started (a later process only reuses the pid). A daemon that stopped
+    cleanly removed its info file too: dead.
+    """
+    info = read_info(folder, owner)
+    parts = _owner_parts(owner)
+    if info is None or parts is None or parts[0] != _local_host() or parts[1] != info.pid:
+        return False
+    fields = procs.stat_fields(info.pid)
+    if fields is None or fields[0] in ("Z", "X") or procs.started_at(fields) > info.started + _START_SLACK_S:
+        return False
+    try:
+        with open(f"/proc/{info.pid}/cmdline", "rb") as f:
+            return b"dispatcher" in f.read()
+    except OSError:
+        return False
 
 
 def info_of_owner(folder: Path, owner: str) -> DaemonInfo | None:
