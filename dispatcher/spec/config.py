@@ -372,6 +372,9 @@ agents:
     concurrency: 1
     max_attempts: 1
     retry_safe: false
+    probe: null            # argv whose exit 0 says the work already happened (decides a retry)
+    repair: false          # on a retry after failed checks, give the agent work/feedback.json
+    prompt: null           # template text rendered to work/prompt.md ({{prompt}} in command)
     writes: []
     env: {{}}                # extra environment variables for the agent
     pass_env: []           # names of the daemon's environment variables it also gets (API keys)
