@@ -107,8 +107,8 @@ def _alive_by_process(lock: Path, owner: str) -> bool | None:
 def _alive_without_lock(folder: Path, owner: str) -> bool:
     """Tell whether ``owner`` lives although its lock file is gone (deleted under it: it locks it again at its
     next rescan), by the process its info file names: on this host, running (not a zombie), a dispatcher,
-    started before the daemon said it started (a later process only reuses the pid). A daemon that stopped
-    cleanly removed its info file too: dead.
+    started before the daemon said it started (a later process only reuses the pid). A daemon that stopped or
+    died has no such process left: dead.
     """
     info = read_info(folder, owner)
     parts = _owner_parts(owner)
