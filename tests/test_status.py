@@ -330,10 +330,12 @@ def test_lock_files_deleted_under_a_running_daemon_are_locked_again(env: Env) ->
     assert first.stop() == 0 and second.stop() == 0
 
 
-def test_a_daemon_whose_lock_file_was_deleted_is_alive_to_others_before_it_locks_it_again(env: Env) -> None:
-    """Its liveness lock deleted under it (a tmp cleaner, a hand), long before its next rescan locks it again: its
-    info file still names its running process, so `status` lists it alive and a second daemon started then takes
-    nothing over (it ended the healthy agent as an orphan and ran the job a second time beside it)."""
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_daemon_whose_lock_file_was_deleted_is_alive_to_others_before_it_locks_it_again(env: Env, how: str) -> None:
+    """Its liveness lock deleted (or replaced by a new empty file) under it, long before its next rescan locks it
+    again: its info file still names its running process, so `status` lists it alive, `ledger rebuild` refuses,
+    and a second daemon started then takes nothing over (it ended the healthy agent as an orphan and ran the job a
+    second time beside it)."""
     env.configure(agents={"slow": env.agent("--sleep", "6")}, rescan_interval=60)
     first = env.daemon()
     first.wait_ready()
@@ -341,13 +343,41 @@ def test_a_daemon_whose_lock_file_was_deleted_is_alive_to_others_before_it_locks
     wait_until(lambda: any(job == "KEEP-ON" for job, _ in env.starts()), 30, "the slow agent to start")
     [life] = (env.root / ".state" / "daemons").glob("*.lock")
     life.unlink()
+    if how == "replaced":
+        life.touch()
     assert [d["alive"] for d in status(env)["daemons"]] == [True]
+    rebuilt = env.cli("ledger", "rebuild")
+    assert rebuilt.returncode == 2 and "a daemon is running" in rebuilt.stderr, rebuilt.stderr
     second = env.daemon()
     second.wait_ready()
     env.wait_job("KEEP-ON", "done")
     assert [job for job, _ in env.starts()] == ["KEEP-ON"]
     assert not [e for e in second.events() if e.get("event") in ("agent.orphan_ended", "job.recovered")]
     assert first.stop() == 0 and second.stop() == 0
+
+
+def test_a_dead_daemon_of_another_pid_namespace_whose_lock_was_deleted_is_dead(env: Env) -> None:
+    """Two daemons in pid namespaces of their own under this host's name are both pid 1. One is killed (-9) with a
+    job running and its lock file deleted: the other does not take the dead one's pid for its own live process (pid
+    1 in its /proc is itself), so it recovers the job (it waited for it for ever)."""
+    env.configure(agents={"slow": env.agent("--sleep", "30")}, rescan_interval=0.5)
+    first = namespaced_daemon(env.config_path, env.tmp / "ns-a.log", env.tmp)
+    second = None
+    try:
+        env.drop(order("NS-LEFT", to="slow"))
+        wait_until(lambda: any(job == "NS-LEFT" for job, _ in env.starts()), 30, "the slow agent to start")
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        [life] = (env.root / ".state" / "daemons").glob("*.lock")
+        life.unlink()
+        second = namespaced_daemon(env.config_path, env.tmp / "ns-b.log", env.tmp)
+        result = env.wait_job("NS-LEFT", "failed", timeout=60)
+        assert "interrupted" in result["reason"], result["reason"]
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(30)
 
 
 def test_status_tells_apart_two_daemons_with_one_pid_under_one_host_name(env: Env) -> None:

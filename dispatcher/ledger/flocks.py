@@ -58,7 +58,7 @@ def owner_alive(folder: Path, owner: str) -> bool | None:
         return True
     finally:
         os.close(fd)  # closing drops the shared lock taken just now
-    return False
+    return _alive_without_lock(folder, owner)  # free: dead, or a file put in place of the one it holds
 
 
 def _owner_parts(owner: str) -> tuple[str, int] | None:
@@ -105,8 +105,9 @@ def _alive_by_process(lock: Path, owner: str) -> bool | None:
 
 
 def _alive_without_lock(folder: Path, owner: str) -> bool:
-    """Tell whether ``owner`` lives although its lock file is gone (deleted under it: it locks it again at its
-    next rescan), by the process its info file names: on this host, running (not a zombie), a dispatcher,
+    """Tell whether ``owner`` lives although no one holds its lock file (deleted or replaced under it: it locks
+    it again at its next rescan), by the process its info file names: in this host's and this process's pid
+    namespace (a pid of another one names another process here), running (not a zombie), a dispatcher, and
     started before the daemon said it started (a later process only reuses the pid). A daemon that stopped or
     died has no such process left: dead.
     """
@@ -114,6 +115,9 @@ def _alive_without_lock(folder: Path, owner: str) -> bool:
     parts = _owner_parts(owner)
     if info is None or parts is None or parts[0] != _local_host() or parts[1] != info.pid:
         return False
+    pidns = _pidns(folder, owner)
+    if pidns is None or not procs.seen_here(None, pidns):
+        return False  # noted in no pid namespace (an older daemon's file), or in another one: not looked up here
     fields = procs.stat_fields(info.pid)
     if fields is None or fields[0] in ("Z", "X") or procs.started_at(fields) > info.started + _START_SLACK_S:
         return False
@@ -307,9 +311,25 @@ def noted_ledger(lock_path: str) -> tuple[str, float] | None:
         return None
 
 
+def _pidns(folder: Path, owner: str) -> str | None:
+    """Return the pid namespace a daemon's info file notes it ran in, or None."""
+    try:
+        found = json.loads((folder / f"{owner}.json").read_bytes()).get("pidns")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) and found else None
+
+
 def write_info(folder: Path, info: DaemonInfo) -> None:
-    """Write (or rewrite) a daemon's info file ``<owner>.json`` beside its liveness lock, atomically."""
-    body = {"pid": info.pid, "host": info.host, "started": info.started, "config_digest": info.config_digest}
+    """Write (or rewrite) a daemon's info file ``<owner>.json`` beside its liveness lock, atomically.
+
+    Written by the daemon itself: ``pidns`` is its own pid namespace, which tells whether its pid
+    names the same process in another's /proc (``_alive_without_lock``).
+    """
+    body = {
+        "pid": info.pid, "host": info.host, "started": info.started, "config_digest": info.config_digest,
+        "pidns": procs.pid_namespace(),
+    }  # fmt: skip
     tmp = folder / f".{info.owner}.json.tmp"
     try:
         tmp.write_bytes(json.dumps(body).encode())

@@ -40,7 +40,8 @@ def live_daemons(layout: Layout) -> list[str]:
         names = os.listdir(layout.daemons)
     except (FileNotFoundError, NotADirectoryError):  # no .state/daemons/ (or .state is no folder): no daemon
         return []
-    owners = [n[: -len(".lock")] for n in names if n.endswith(".lock")]
+    # by its lock, or its info file alone (a lock file deleted under a live daemon)
+    owners = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith((".lock", ".json")) and not n.startswith(".")})
     return [o for o in owners if owner_alive(layout.daemons, o) is not False]  # None: this user cannot tell
 
 
