@@ -70,7 +70,8 @@ def test_an_order_claimed_during_an_outage_starts_only_once_the_lease_is_renewed
     [cut] = failed["attempts"]
     assert cut["exit_code"] is not None and cut["exit_code"] != 0 and cut["lease_unrenewed"] is True, cut
     ended = next(e for e in d.events() if e["event"] == "agent.exited" and e.get("job_id") == "long")
-    assert cut["duration_ms"] == ended["duration_ms"], (cut, ended)  # the end the daemon saw, not its recovery
+    # the end the daemon saw, not its recovery (the record's figure is made from its two times, to the ms)
+    assert abs(cut["duration_ms"] - ended["duration_ms"]) <= 2, (cut, ended)
     assert not list((env.root / "failed" / "long" / "attempts" / "1").glob(".attempt*")), "the kept record is taken"
     assert d.stop() == 0
 

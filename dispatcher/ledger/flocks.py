@@ -54,11 +54,15 @@ def owner_alive(folder: Path, owner: str) -> bool | None:
         return _alive_by_process(path, owner)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        inode = os.fstat(fd).st_ino
     except BlockingIOError:
         return True
     finally:
         os.close(fd)  # closing drops the shared lock taken just now
-    return _alive_without_lock(folder, owner)  # free: dead, or a file put in place of the one it holds
+    made = _noted(folder, owner, "lock_ino")
+    if made is None or made == inode:  # the lock file it made, and no one holds it: dead (a crash leaves it so)
+        return False
+    return _alive_without_lock(folder, owner)  # a file put in place of the one it holds: ask its process
 
 
 def _owner_parts(owner: str) -> tuple[str, int] | None:
@@ -115,8 +119,8 @@ def _alive_without_lock(folder: Path, owner: str) -> bool:
     parts = _owner_parts(owner)
     if info is None or parts is None or parts[0] != _local_host() or parts[1] != info.pid:
         return False
-    pidns = _pidns(folder, owner)
-    if pidns is None or not procs.seen_here(None, pidns):
+    pidns = _noted(folder, owner, "pidns")
+    if not isinstance(pidns, str) or not pidns or not procs.seen_here(None, pidns):
         return False  # noted in no pid namespace (an older daemon's file), or in another one: not looked up here
     fields = procs.stat_fields(info.pid)
     if fields is None or fields[0] in ("Z", "X") or procs.started_at(fields) > info.started + _START_SLACK_S:
@@ -311,24 +315,28 @@ def noted_ledger(lock_path: str) -> tuple[str, float] | None:
         return None
 
 
-def _pidns(folder: Path, owner: str) -> str | None:
-    """Return the pid namespace a daemon's info file notes it ran in, or None."""
+def _noted(folder: Path, owner: str, key: str) -> object:
+    """Return what a daemon's info file notes under key (its ``pidns``, its lock file's ``lock_ino``), or None."""
     try:
-        found = json.loads((folder / f"{owner}.json").read_bytes()).get("pidns")
+        return json.loads((folder / f"{owner}.json").read_bytes()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return found if isinstance(found, str) and found else None
 
 
 def write_info(folder: Path, info: DaemonInfo) -> None:
     """Write (or rewrite) a daemon's info file ``<owner>.json`` beside its liveness lock, atomically.
 
     Written by the daemon itself: ``pidns`` is its own pid namespace, which tells whether its pid
-    names the same process in another's /proc (``_alive_without_lock``).
+    names the same process in another's /proc, and ``lock_ino`` the lock file it holds: one not
+    held is asked about by process only when it is another file (``owner_alive``).
     """
+    try:
+        lock_ino: int | None = os.stat(folder / f"{info.owner}.lock").st_ino
+    except OSError:
+        lock_ino = None
     body = {
         "pid": info.pid, "host": info.host, "started": info.started, "config_digest": info.config_digest,
-        "pidns": procs.pid_namespace(),
+        "pidns": procs.pid_namespace(), "lock_ino": lock_ino,
     }  # fmt: skip
     tmp = folder / f".{info.owner}.json.tmp"
     try:

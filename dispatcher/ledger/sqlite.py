@@ -90,8 +90,9 @@ class SqliteLedger(SqliteGates, SqliteWaits, SqliteFollowups, SqliteBulk, Ledger
         self._life = make_lock(path)
         self._life.acquire()
         self._life_id = file_id(path)
-        if self._info is not None and not (self._daemons / f"{self.owner}.json").exists():
-            write_info(self._daemons, self._info)
+        if self._info is not None:  # written again with the new lock file's inode (``flocks.owner_alive``)
+            with contextlib.suppress(OSError):
+                write_info(self._daemons, self._info)
         return [str(path), *lost]
 
     def record_config(self, digest: str | None) -> None:
