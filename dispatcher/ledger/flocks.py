@@ -122,14 +122,10 @@ def _alive_without_lock(folder: Path, owner: str) -> bool:
     pidns = _noted(folder, owner, "pidns")
     if not isinstance(pidns, str) or not pidns or not procs.seen_here(None, pidns):
         return False  # noted in no pid namespace (an older daemon's file), or in another one: not looked up here
+    if not procs.is_dispatcher(info.pid):
+        return False
     fields = procs.stat_fields(info.pid)
-    if fields is None or fields[0] in ("Z", "X") or procs.started_at(fields) > info.started + _START_SLACK_S:
-        return False
-    try:
-        with open(f"/proc/{info.pid}/cmdline", "rb") as f:
-            return b"dispatcher" in f.read()
-    except OSError:
-        return False
+    return fields is not None and procs.started_at(fields) <= info.started + _START_SLACK_S
 
 
 def info_of_owner(folder: Path, owner: str) -> DaemonInfo | None:

@@ -121,10 +121,9 @@ def _row(folder: JobFolder, state: State, now: float) -> Entry:
     except ValueError:
         agent, parent, hops = result.agent, result.parent, 0
     row = state_to_row(state, result.state)
-    try:  # a finished job's row changed last at its finish (its age in `list`, the 24 h spend): not at this rebuild
-        updated = parse_iso(result.finished) if result.finished else now
-    except ValueError:
-        updated = now
+    # a finished job's row changed last at its finish (its age in `list`, the 24 h spend): not at this rebuild
+    finished = _time(result.finished)
+    updated = now if finished is None else finished
     return Entry(
         folder.job_id, row, agent, None, 1, None, None, parent, hops, result.cost_usd, result.chain_cost_usd, updated,
         _spent(result, updated),
