@@ -525,6 +525,32 @@ def test_a_decision_killed_after_naming_its_result_is_landed_by_the_daemon(env: 
     assert not [e for e in d.events() if e.get("event") == "followup.lost"]
 
 
+@pytest.mark.parametrize("approve", [True, False])
+def test_a_decision_is_logged_once_its_job_is_in_done_or_failed(env: Env, approve: bool) -> None:
+    """`job.approved` and `job.rejected` mean what `job.done` and `job.failed` mean: the job is in done/ or failed/.
+    An approve (reject) killed after naming the result, the folder still in review/, has logged nothing; the same
+    command run again lands the job and logs the decision, once (it was logged while the job sat in review/)."""
+    log_file = env.tmp / "d.log"
+    worker = env.agent("--followup", json.dumps(FOLLOWUP), review=True)
+    env.configure(agents={"worker": worker, "next": env.agent()}, log_file=str(log_file))
+    env.drop(simple("LOGD-1"))
+    env.cli("run", "--once", timeout=60)
+    assert (env.root / "review" / "LOGD-1").is_dir()
+    event, want = ("job.approved", "done") if approve else ("job.rejected", "failed")
+    action = ["approve", "LOGD-1"] if approve else ["reject", "LOGD-1", "--reason", "no"]
+
+    def lines() -> list[dict[str, Any]]:
+        found = [json.loads(line) for line in log_file.read_text().splitlines()]
+        return [e for e in found if e["event"] == event and e.get("job_id") == "LOGD-1"]
+
+    assert decide(env, *action, fault="review.named").returncode == -9
+    assert (env.root / "review" / "LOGD-1" / "result.json").is_file()  # named, not moved
+    assert lines() == []
+    assert decide(env, *action).returncode == 0
+    assert env.result("LOGD-1", want)["state"] == want
+    assert len(lines()) == 1, lines()
+
+
 @pytest.mark.parametrize("rescan_gets_there_first", [False, True])
 def test_a_rescan_during_a_live_decision_leaves_the_landing_to_it(
     env: Env, monkeypatch: pytest.MonkeyPatch, rescan_gets_there_first: bool

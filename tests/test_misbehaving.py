@@ -6,6 +6,7 @@ ends the way the contract says.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -190,6 +191,28 @@ json.dump({"job_id": o["job_id"], "input_ids": ids, "output_ids": [], "status": 
 """
 
 
+def test_a_failed_job_that_cannot_land_is_notified_without_a_result_path_and_not_logged_failed(env: Env) -> None:
+    """An agent without a sandbox that makes `../result.json` a folder and exits 1: its job stays in active/ with
+    `job.stuck`. No `job.failed` line names a job that is not in failed/; the person is still notified of the
+    failure, with `{result}` empty (section 11: "empty where none"), not a failed/<id>/result.json that is not
+    there; the ledger's verdict counts, so `run --once` exits 1."""
+    marks = env.tmp / "notified.txt"
+    agent = {"command": [sys.executable, "-c", "import os, sys; os.mkdir('../result.json'); sys.exit(1)"]}
+    env.configure(
+        agents={"bad": {**agent, "timeout": 30, "max_attempts": 1}},
+        notify=["sh", "-c", 'echo "$1 $2 [$3]" >> "$0"', str(marks), "{event}", "{job_id}", "{result}"],
+    )
+    env.drop(order("STUCK-1", to="bad"))
+    proc = env.cli("run", "--once", timeout=60)
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events if e.get("job_id") == "STUCK-1"][-1] == "job.stuck", proc.stdout
+    assert not [e for e in events if e["event"] == "job.failed"], proc.stdout
+    assert proc.returncode == 1, proc.stdout
+    assert (env.root / "active" / "STUCK-1").is_dir() and not (env.root / "failed" / "STUCK-1").exists()
+    wait_until(marks.exists, 20, "the notification")
+    assert marks.read_text() == "job.failed STUCK-1 []\n"
+
+
 @pytest.mark.parametrize("takes", ["result", "result-file", "done"])
 def test_an_agent_that_takes_its_jobs_own_names_outside_work_leaves_it_stuck_not_the_daemon(
     env: Env, takes: str
@@ -216,6 +239,10 @@ def test_an_agent_that_takes_its_jobs_own_names_outside_work_leaves_it_stuck_not
     assert d2.wait_event("job.stuck", job_id="TAKE-1")["agent"] == "bad"
     assert (env.root / "active" / "TAKE-1").is_dir()
     assert not [e for e in d.events() + d2.events() if e["event"] in ("job.crashed", "daemon.error")]
+    # it is not in done/ or failed/: no end line names it (its job.stuck line does)
+    assert not [
+        e for e in d.events() + d2.events() if e["event"] in ("job.done", "job.failed") and e["job_id"] == "TAKE-1"
+    ]
     if takes == "result-file":
         assert (env.root / "active" / "TAKE-1" / "result.json").read_text() == "the agent's own"
     assert d2.stop() == 0

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -618,6 +619,50 @@ def test_an_attempt_cut_by_its_daemons_death_keeps_the_host_it_ran_on(env: Env) 
     assert [(a["n"], a["host"], a.get("interrupted")) for a in result["attempts"]] == [(1, "other-host", True)]
     assert "host other-host" in env.cli("show", "HOST-1", check=True).stdout
     assert d2.stop() == 0
+
+
+@pytest.mark.parametrize(("flags", "state"), [((), "done"), (("--exit", "1"), "failed")])
+def test_a_jobs_end_is_logged_only_once_its_folder_is_in_done_or_failed(
+    env: Env, flags: tuple[str, ...], state: str
+) -> None:
+    """`job.done` and `job.failed` mean the job's folder is in done/ or failed/ with its result.json: a daemon killed
+    after the ledger recorded the end but before the move has not logged it (the line of the daemon that lands it is
+    `job.recovered`), and a daemon's lines, read as they come, never name a job whose result.json is not there yet."""
+    env.configure(agents={"worker": env.agent(*flags, max_attempts=1)})
+    env.drop(order("LOG-1"))
+    crashed = run_once_killed_at(env, "finish.recorded")
+    assert (env.root / "active" / "LOG-1").is_dir()
+    ends = [line for line in crashed.stdout.splitlines() if f'"job.{state}"' in line]
+    assert ends == [], ends  # the old order: logged, then killed before the move, the job still in active/
+    env.cli("run", "--once")
+    assert env.result("LOG-1", state)["state"] == state
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dispatcher", "--config", str(env.config_path), "run"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=env.tmp,
+        env=cli_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        ids = [f"LOG-{n}" for n in range(2, 22)]
+        missing: list[str] = []
+        for line in proc.stdout:
+            if '"daemon.ready"' in line:
+                for job_id in ids:
+                    env.drop(order(job_id))
+            if f'"job.{state}"' in line:
+                event = json.loads(line)
+                if not (env.root / state / event["job_id"] / "result.json").is_file():  # read at once, as a tail does
+                    missing.append(event["job_id"])
+                ids.remove(event["job_id"])
+                if not ids:
+                    break
+        assert missing == [] and ids == [], (missing, ids)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
 
 
 @pytest.mark.parametrize(("flags", "state", "code"), [((), "done", 0), (("--exit", "1"), "failed", 1)])

@@ -1,4 +1,4 @@
-"""The one owner of a job's finish: stage, commit with the token, log, count, land, fsync, release.
+"""The one owner of a job's finish: stage, commit with the token, land, fsync, log, count, release.
 
 A job hands its result to ``Finisher.finish`` and learns whether it landed
 (``False``: another daemon holds the claim now, and nothing was changed outside
@@ -9,9 +9,10 @@ this daemon's staging names). The steps, each safe to interrupt (README,
    (``GroupCommit``), the result is staged in the job folder (written and fsynced
    under a staging name);
 2. the ledger records their ends in one transaction, each conditional on its claim's token;
-3. then each landed job is logged (``job.done``, ``job.failed``, ``job.review``) and counted,
-   its staged result is put in place, its folder moved to done/, failed/ or review/,
-   and each target folder fsynced once per batch;
+3. then each landed job's staged result is put in place, its folder moved to done/, failed/
+   or review/, each target folder fsynced once per batch, and only then is the job logged
+   (``job.done``, ``job.failed``, ``job.review``) and counted: whoever reads the line finds
+   its result.json in place;
 4. a failed or review job is notified; a done job's follow-ups are released into inbox/
    (each new file is a hint to the inbox, which wakes the loop).
 
@@ -261,7 +262,7 @@ class Finisher:
         return ok
 
     def commit(self, batch: Sequence[Landing]) -> list[bool | OSError]:
-        """Steps 1 to 3 for a batch (ledger lane): stage, ledger, log, count, land, fsync each target once.
+        """Steps 1 to 3 for a batch (ledger lane): stage, ledger, land, fsync each target once, log, count.
 
         An item whose result cannot be staged answers with its OSError and is not committed.
         """
@@ -288,44 +289,35 @@ class Finisher:
         oks = self.ledger.finish([batch[i].finish for i in ready]) if ready else []
         touched: set[State] = set()
         moves: list[tuple[Landing, State]] = []
+        counted: list[tuple[float | None, float | None] | None] = []
         for i, ok in zip(ready, oks, strict=True):
             answers[i] = ok
-            landing = batch[i]
-            if not ok:
-                continue
-            finish, result = landing.finish, landing.result
-            state = landed_state(finish.state)
-            duration = result.duration_s
-            fields = {
-                "job_id": finish.job_id,
-                "agent": result.agent,
-                "attempts": len(result.attempts),
-                "duration_s": duration,
-                "cost_usd": result.cost_usd,
-                "chain_cost_usd": result.chain_cost_usd,
-            }
-            if state is State.DONE:
-                log.info("job.done", children=list(result.children) or None, **fields)
-            elif state is State.REVIEW:
-                log.info("job.review", children=list(result.children) or None, **fields)
-            else:
-                log.warning("job.failed", reason=result.reason, **fields)
-            if state is not State.REVIEW:
-                self.finished.add(state.value, result.agent)
-                if self.metrics is not None:
-                    self.metrics.job_finished(state.value, result.agent, *this_claim(landing.folder, result))
-            moves.append((landing, state))
+            if ok:
+                landing = batch[i]
+                state = landed_state(landing.finish.state)
+                moves.append((landing, state))
+                # read in active/, before the move: the earlier results a retried job keeps there
+                counted.append(None if self.metrics is None else this_claim(landing.folder, landing.result))
         if moves:
             faults.point("finish.recorded")  # the ledger has the end, the folders are still in active/
-        self._move(moves, touched)
-        for state in touched:
-            fsutil.fsync_dir(self.layout.folder_str(state))
+        placed: list[int] = []  # the moves whose folder is in its state's folder (a stuck job stays in active/)
+        try:
+            self._move(moves, touched, placed)
+            for state in touched:
+                fsutil.fsync_dir(self.layout.folder_str(state))
+        finally:  # logged once its folder is in place: a reader of the line finds result.json in done/ or failed/
+            for k in placed:  # a stuck job (job.stuck, still in active/) has no such line
+                self._log_end(*moves[k])
+            for (landing, state), claim in zip(moves, counted, strict=True):  # every end the ledger recorded
+                self._count_end(landing, state, claim)
         if self.notify is not None and self._loop is not None:  # queued before the joins' ends (on_final) queue
-            for landing, _ in moves:  # theirs: notifications go in the order of the events (contract 13)
+            for k, (landing, _) in enumerate(moves):  # theirs: notifications go in the order of the events
                 finish = landing.finish
                 if finish.state in (Row.FAILED, Row.REVIEW):
                     event = "job.failed" if finish.state == Row.FAILED else "job.review"
-                    target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
+                    target: Path | None = None  # a stuck job's: none is there (contract 11: {result} empty)
+                    if k in placed:
+                        target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
                     agent, reason = landing.result.agent or "", landing.result.reason
                     self._notified.add(finish.job_id)
                     self._loop.call_soon_threadsafe(self.notify.fire, event, finish.job_id, agent, reason, target)
@@ -341,33 +333,65 @@ class Finisher:
                 log.exception("daemon.error", step="joins", error=str(exc))
         return answers
 
-    def _move(self, moves: Sequence[tuple[Landing, State]], touched: set[State]) -> None:
-        """Name each staged result result.json, fsync those folders at once, then move each into its state."""
-        named: list[tuple[Landing, State]] = []
+    def _log_end(self, landing: Landing, state: State) -> None:
+        """Log the end of a job whose folder is in its state's folder (``job.done``, ``job.failed``, ``job.review``)."""
+        finish, result = landing.finish, landing.result
+        fields = {
+            "job_id": finish.job_id,
+            "agent": result.agent,
+            "attempts": len(result.attempts),
+            "duration_s": result.duration_s,
+            "cost_usd": result.cost_usd,
+            "chain_cost_usd": result.chain_cost_usd,
+        }
+        if state is State.DONE:
+            log.info("job.done", children=list(result.children) or None, **fields)
+        elif state is State.REVIEW:
+            log.info("job.review", children=list(result.children) or None, **fields)
+        else:
+            log.warning("job.failed", reason=result.reason, **fields)
+
+    def _count_end(self, landing: Landing, state: State, claim: tuple[float | None, float | None] | None) -> None:
+        """Count a job's end the ledger recorded among the finished jobs (claim: ``this_claim``, for the metrics)."""
+        result = landing.result
+        if state is not State.REVIEW:
+            self.finished.add(state.value, result.agent)
+            if self.metrics is not None and claim is not None:
+                self.metrics.job_finished(state.value, result.agent, *claim)
+
+    def _move(self, moves: Sequence[tuple[Landing, State]], touched: set[State], placed: list[int]) -> None:
+        """Name each staged result result.json, fsync those folders at once, then move each into its state.
+
+        ``placed`` gets the index of each move whose folder is then in its state's folder.
+        """
+        named: list[tuple[int, Landing, State]] = []
         synced: list[str] = []
-        for landing, state in moves:
+        for k, (landing, state) in enumerate(moves):
             try:
                 folder = landing.folder.name_result()
             except FileNotFoundError:  # landed already (a crash between land and this)
+                placed.append(k)
                 continue
             except OSError as exc:  # its result's name taken (an agent wrote outside work/): it stays in active/
                 stuck(landing.finish.job_id, landing.result.agent, f"its result cannot be named result.json: {exc}")
                 continue
-            named.append((landing, state))
+            named.append((k, landing, state))
             if folder is not None:
                 synced.append(folder)
         # else a power cut can bring a folder back in done/ without its result.json
         for error in fsutil.fsync_many(synced):
             if error is not None:
                 raise error
-        for landing, state in named:
+        for k, landing, state in named:
             try:
                 landing.folder.move_to(self.layout, state)
             except FileNotFoundError:  # landed already (a crash between land and this)
+                placed.append(k)
                 continue
             except OSError as exc:  # done/<id> taken by something else: recovered at a start once it is free
                 stuck(landing.finish.job_id, landing.result.agent, f"cannot move it into {state.value}/: {exc}")
                 continue
+            placed.append(k)
             touched.add(state)
 
     def release(self, parent: str) -> int:

@@ -114,8 +114,8 @@ def _decide(
         raise WrongState(f"{job_id}: was already {'approved' if entry.state == Row.DONE else 'rejected'}")
     else:  # decided by this command run before, cut short: its staged result says how
         result = folder.staged_result() or result
-    try:  # the line is logged by whoever names the decided result: this command, or one run again after a cut
-        land(layout, folder, state, named=lambda: log_decision(folder, result, approve=approve))
+    try:  # the line is logged by whoever moves the folder: this command, one run again after a cut, a rescan
+        land(layout, folder, state, decision=lambda: decision_fields(folder, result, approve=approve))
     except (FileNotFoundError, FileExistsError):  # landed by a command on another host meanwhile
         if folder.path.is_dir():
             raise
@@ -129,11 +129,12 @@ def _decide(
     return f"{job_id}: rejected; failed" + ("; its requested revision is withdrawn" if withdrawn else "")
 
 
-def log_decision(folder: JobFolder, result: Result, *, approve: bool) -> dict[str, Any]:
-    """Log ``job.approved`` or ``job.rejected`` for a decided job; return the line's fields.
+def decision_fields(folder: JobFolder, result: Result, *, approve: bool) -> dict[str, Any]:
+    """Return the fields of a decided job's ``job.approved`` or ``job.rejected`` line (``event`` names it).
 
     A decision ends the job as job.done or job.failed would: the same figures, and the part a
-    daemon's metrics count for it (``counted_*``: the time and cost since the job's last finish).
+    daemon's metrics count for it (``counted_*``: the time and cost since the job's last finish,
+    read from the folder's earlier results, so before it moves).
     """
     duration, cost = this_claim(folder, result)
     event = "job.approved" if approve else "job.rejected"
@@ -147,7 +148,6 @@ def log_decision(folder: JobFolder, result: Result, *, approve: bool) -> dict[st
         "counted_duration_s": duration,
         "counted_cost_usd": cost,
     }
-    log.info(event, **fields)
     return {"event": event, **fields}
 
 
@@ -193,25 +193,28 @@ def _lost(ledger: Ledger, job_id: str) -> str:
     return f"{job_id}: was decided by someone else meanwhile"
 
 
-def _owed(logged: list[dict[str, Any]], folder: JobFolder, decided: Result, approve: bool) -> None:
-    logged.append(log_decision(folder, decided, approve=approve))
-
-
-def land(layout: Layout, folder: JobFolder, state: Row, named: Callable[[], object] | None = None) -> None:
+def land(
+    layout: Layout, folder: JobFolder, state: Row, decision: Callable[[], dict[str, Any]] | None = None
+) -> dict[str, Any] | None:
     """Move a decided review folder into done/ or failed/ (its staged result becomes result.json).
 
-    ``named``: called right after this call named the staged result (not when it was named
-    already): the decision's ``job.approved``/``job.rejected`` line, logged once whoever lands
-    it (a command, the same command run again after a crash, a daemon's rescan).
+    ``decision``: the fields of the decision's ``job.approved``/``job.rejected`` line
+    (``decision_fields``, read before the move). Whoever moves the folder (a command, the same
+    command run again after a crash, a daemon's rescan) logs the line once the folder is in
+    place, so a reader of the line finds result.json in done/ or failed/; its fields are
+    returned. A mover that is killed between the move and the line leaves the job decided and
+    in place without one.
     """
     target = landed_state(state)
     if folder.name_result(replace=True) is not None:
-        if named is not None:
-            named()
         fsutil.fsync_dir(folder.path)  # else a power cut can bring the folder back in done/ without result.json
     faults.point("review.named")  # result.json names the decision; the folder is still in review/
+    fields = decision() if decision is not None else None
     folder.move_to(layout, target)
     fsutil.fsync_dir(layout.folder(target))
+    if fields is not None:
+        log.info(fields["event"], **{k: v for k, v in fields.items() if k != "event"})
+    return fields
 
 
 def settle_reviews(layout: Layout, ledger: Ledger) -> list[dict[str, Any]]:
@@ -253,7 +256,13 @@ def _land_decided(layout: Layout, ledger: Ledger, names: list[str]) -> list[dict
         with contextlib.suppress(OSError, ValueError):  # its claim, for the line's counted figures
             folder.claimed = folder.spec().claimed
 
-        approve = entry.state == Row.DONE  # the command was cut short before it named the result: its line is owed
-        land(layout, folder, Row(entry.state), named=functools.partial(_owed, logged, folder, decided, approve))
+        approve = entry.state == Row.DONE  # the command was cut short before it moved the folder: its line is owed
+        try:
+            fields = land(layout, folder, Row(entry.state), decision=functools.partial(
+                decision_fields, folder, decided, approve=approve))  # fmt: skip
+        except FileNotFoundError:  # landed meanwhile by the command (on another host): its line is its own
+            continue
+        if fields is not None:
+            logged.append(fields)
         log.info("job.recovered", job_id=job_id, agent=entry.agent, step="review", state=entry.state)
     return logged
