@@ -1044,7 +1044,7 @@ def test_a_folder_removed_by_hand_is_made_again_for_a_join_a_retry_and_a_revisio
     if how == "join":
         env.drop(order("V1", to="rev"))
         env.drop(order("C1", after=["V1"]))
-        d.wait_event("job.review", job_id="V1")  # logged at the ledger's commit, just before the folder moves
+        d.wait_event("job.review", job_id="V1")  # logged once the folder is in review/
         wait_until(lambda: not any((env.root / "active").iterdir()), 30, "V1 out of active/")
         (env.root / "active").rmdir()
         env.cli("approve", "V1", check=True)

@@ -414,15 +414,16 @@ def test_a_refused_files_job_id_that_is_no_job_id_is_null_and_show_of_it_is_not_
 
 
 def test_an_approved_jobs_age_in_list_counts_from_the_approval(env: Env) -> None:
-    """A job approved 2 s after it entered review/: `list` gives its age since it entered done/ (the approval), and
-    lists it before a job that finished in between, newest first."""
+    """A job approved 4 s after it entered review/: `list` gives its age since it entered done/ (the approval), and
+    lists it before a job that finished in between, newest first. (The bound leaves 3 s for the `list` command's
+    own start under load; its age since review/ is over 4 s.)"""
     env.configure(agents={"worker": env.agent(review=True), "plain": env.agent()})
     env.drop(order("REV-1"))
     assert env.cli("run", "--once", timeout=120).returncode == 0
-    time.sleep(2)
+    time.sleep(4)
     env.drop(order("MID-1", to="plain"))
     assert env.cli("run", "--once", timeout=120).returncode == 0
     env.cli("approve", "REV-1", check=True)
     rows = [json.loads(x) for x in env.cli("list", "--state", "done", "--json", check=True).stdout.splitlines()]
     assert [r["job_id"] for r in rows] == ["REV-1", "MID-1"], rows
-    assert rows[0]["age_s"] < 1.5, rows
+    assert rows[0]["age_s"] < 3.0, rows
