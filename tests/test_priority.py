@@ -307,8 +307,8 @@ def test_an_order_read_ahead_for_its_busy_agent_does_not_pass_a_higher_priority_
     first); the order read ahead took it, and HIGH-D was not even read until LOW-D had run."""
     env.configure(
         max_jobs=2,
-        agents={"a": env.agent("--sleep", "5", concurrency=1), "d": env.agent("--sleep", "3", concurrency=1)},
-    )
+        agents={"a": env.agent("--sleep", "5", concurrency=1), "d": env.agent("--sleep", "6", concurrency=1)},
+    )  # BLOCK-D's 6 s leave room for three drops and their lines under load before its slot frees
     d = env.daemon()
     d.wait_ready()
     env.drop(order("BLOCK-D", to="d"))
