@@ -551,6 +551,26 @@ def test_a_decision_is_logged_once_its_job_is_in_done_or_failed(env: Env, approv
     assert len(lines()) == 1, lines()
 
 
+def test_a_cut_short_approval_whose_place_in_done_is_taken_leaves_the_daemon_running(env: Env) -> None:
+    """An approve killed after naming the result, and done/<id> taken by a stray folder: the daemon starts, says
+    `job.stuck` for that job (it waits in review/, nothing removed) and runs other orders. Every start died with
+    FileExistsError, so nothing on the root ran."""
+    reviewed(env)
+    env.drop(simple("STRAY-1"))
+    env.cli("run", "--once", timeout=60)
+    assert decide(env, "approve", "STRAY-1", fault="review.named").returncode == -9
+    (env.root / "done" / "STRAY-1").mkdir(parents=True)
+    (env.root / "done" / "STRAY-1" / "a person's file").write_text("kept")
+    d = env.daemon()
+    d.wait_ready()
+    assert "STRAY-1" in d.wait_event("job.stuck", job_id="STRAY-1")["reason"]
+    env.drop(simple("AFTER-1", to="next"))
+    env.wait_job("AFTER-1", "done")
+    assert (env.root / "review" / "STRAY-1" / "result.json").is_file()
+    assert (env.root / "done" / "STRAY-1" / "a person's file").read_text() == "kept"
+    assert d.stop() == 0
+
+
 @pytest.mark.parametrize("rescan_gets_there_first", [False, True])
 def test_a_rescan_during_a_live_decision_leaves_the_landing_to_it(
     env: Env, monkeypatch: pytest.MonkeyPatch, rescan_gets_there_first: bool

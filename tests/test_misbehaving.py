@@ -191,16 +191,16 @@ json.dump({"job_id": o["job_id"], "input_ids": ids, "output_ids": [], "status": 
 """
 
 
-def test_a_failed_job_that_cannot_land_is_notified_without_a_result_path_and_not_logged_failed(env: Env) -> None:
+def test_a_failed_job_that_cannot_land_is_logged_and_notified_by_whoever_lands_it(env: Env) -> None:
     """An agent without a sandbox that makes `../result.json` a folder and exits 1: its job stays in active/ with
-    `job.stuck`. No `job.failed` line names a job that is not in failed/; the person is still notified of the
-    failure, with `{result}` empty (section 11: "empty where none"), not a failed/<id>/result.json that is not
-    there; the ledger's verdict counts, so `run --once` exits 1."""
+    `job.stuck`. No `job.failed` line and no notification name a failed/<id>/result.json that is not there; the
+    ledger's verdict counts, so `run --once` exits 1. Once a person moves the stray folder away, the next start lands
+    the job and logs `job.recovered` and `job.failed`, and notify runs once, with the result's path."""
     marks = env.tmp / "notified.txt"
     agent = {"command": [sys.executable, "-c", "import os, sys; os.mkdir('../result.json'); sys.exit(1)"]}
     env.configure(
         agents={"bad": {**agent, "timeout": 30, "max_attempts": 1}},
-        notify=["sh", "-c", 'echo "$1 $2 [$3]" >> "$0"', str(marks), "{event}", "{job_id}", "{result}"],
+        notify=["sh", "-c", 'echo "$1 $2 $3" >> "$0"', str(marks), "{event}", "{job_id}", "{result}"],
     )
     env.drop(order("STUCK-1", to="bad"))
     proc = env.cli("run", "--once", timeout=60)
@@ -209,8 +209,16 @@ def test_a_failed_job_that_cannot_land_is_notified_without_a_result_path_and_not
     assert not [e for e in events if e["event"] == "job.failed"], proc.stdout
     assert proc.returncode == 1, proc.stdout
     assert (env.root / "active" / "STUCK-1").is_dir() and not (env.root / "failed" / "STUCK-1").exists()
+    time.sleep(1)  # a notification runs apart from the daemon
+    assert not marks.exists(), marks.read_text()
+    (env.root / "active" / "STUCK-1" / "result.json").rmdir()  # the person moves the stray entry away
+    proc = env.cli("run", "--once", timeout=60)
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events if e.get("job_id") == "STUCK-1"] == ["job.recovered", "job.failed"], proc.stdout
+    where = env.root / "failed" / "STUCK-1" / "result.json"
+    assert json.loads(where.read_text())["state"] == "failed"
     wait_until(marks.exists, 20, "the notification")
-    assert marks.read_text() == "job.failed STUCK-1 []\n"
+    assert marks.read_text() == f"job.failed STUCK-1 {where}\n"
 
 
 @pytest.mark.parametrize("takes", ["result", "result-file", "done"])

@@ -665,6 +665,37 @@ def test_a_jobs_end_is_logged_only_once_its_folder_is_in_done_or_failed(
         proc.communicate(timeout=60)
 
 
+@pytest.mark.parametrize("state", ["failed", "review"])
+def test_a_job_landed_for_a_daemon_that_died_before_its_move_is_logged_notified_and_counted_once(
+    env: Env, state: str
+) -> None:
+    """A daemon killed between the ledger's record of a failed (or review) job's end and the move told no one. The
+    daemon that lands it logs `job.recovered`, then the job's `job.failed` (`job.review`) line, runs notify with its
+    result.json, and counts it in its metrics: a job waiting for review was left with nobody told."""
+    marks, prom = env.tmp / "notified.txt", env.tmp / "m.prom"
+    agent = env.agent("--exit", "1", max_attempts=1) if state == "failed" else env.agent(review=True)
+    env.configure(
+        agents={"worker": agent},
+        notify=["sh", "-c", 'echo "$1 $2 $3" >> "$0"', str(marks), "{event}", "{job_id}", "{result}"],
+        metrics_file=str(prom),
+    )
+    env.drop(order("TOLD-1"))
+    crashed = run_once_killed_at(env, "finish.recorded")
+    assert not [line for line in crashed.stdout.splitlines() if f'"job.{state}"' in line]
+    assert not marks.exists()
+    proc = env.cli("run", "--once")
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    mine = [e["event"] for e in lines if e.get("job_id") == "TOLD-1"]
+    assert mine == ["job.recovered", f"job.{state}"], mine
+    where = env.root / state / "TOLD-1" / "result.json"
+    assert where.is_file()
+    wait_until(marks.exists, 20, "the notification")
+    assert marks.read_text() == f"job.{state} TOLD-1 {where}\n"
+    if state == "failed":
+        text = prom.read_text()
+        assert 'dispatcher_jobs_finished_total{agent="worker",state="failed"} 1.0' in text, text
+
+
 @pytest.mark.parametrize(("flags", "state", "code"), [((), "done", 0), (("--exit", "1"), "failed", 1)])
 def test_run_once_counts_a_job_it_lands_for_a_daemon_that_died_after_recording_it(
     env: Env, flags: tuple[str, ...], state: str, code: int

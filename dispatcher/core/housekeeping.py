@@ -189,8 +189,9 @@ class Housekeeping:
         left = frozenset(self.sched.left)
         adopted, taken, lost, landed = await self.ctx.lanes.ledger(self._recover_in_lane, startup, left)
         self.sched.left -= taken
-        for state in landed:  # a dead daemon's decision this daemon carried out: `run --once` counts it as finished
-            self.sched.stats.count(state.value)
+        for moved in landed:  # a dead daemon's decision this daemon carried out: `run --once` counts it as finished
+            self.sched.stats.count(moved.state.value)
+            self.ctx.finisher.landed_for_the_dead(moved.job_id, moved.state, moved.folder, moved.result)
         ends = []
         agents = {job_id: agent or None for job_id, _, agent in adopted}
         leftovers, ranks = await self.ctx.lanes.scan(_leftovers, self.ctx.layout, adopted)
@@ -209,7 +210,7 @@ class Housekeeping:
 
     def _recover_in_lane(
         self, startup: bool, left: frozenset[str]
-    ) -> tuple[list[tuple[str, int, str]], set[str], set[str], list[State]]:
+    ) -> tuple[list[tuple[str, int, str]], set[str], set[str], list[recovery.Landed]]:
         """Recovery's blocking steps (ledger lane); return the adopted jobs, the left ids taken back, the jobs
         whose host was lost (their daemon's lease ran out on a shared ledger; not one that stopped cleanly), and
         the states of the dead daemons' decided jobs landed here."""
@@ -223,7 +224,7 @@ class Housekeeping:
         if startup:
             recovery.reconcile_active(layout, ledger)
         out, taken, lost = [], set(), set()
-        landed: list[State] = []
+        landed: list[recovery.Landed] = []
         apart: list[str] = []
         for job_id, token, owner in recovery.orphans(layout, ledger, ledger.alive, left, landed, apart):
             taken.add(job_id)

@@ -163,6 +163,7 @@ class Finisher:
         self._commit: GroupCommit[Landing, bool | OSError] = GroupCommit(lanes, self.commit)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._notified: set[str] = set()  # ends whose notification commit queued (``after_commit`` skips them)
+        self._unplaced: set[str] = set()  # ends commit could not move (job.stuck): whoever lands them notifies
         #: called (ledger lane) with the ids that just reached done or failed: wakes the joins that name them
         self.on_final: Callable[[Sequence[str]], None] | None = None
         #: True once a stop began (the daemon's): a wait for a shortage's end gives up then
@@ -204,14 +205,29 @@ class Finisher:
             log.warning("job.fenced", step="finish")
             return False
         state = finish.state
-        if state in (Row.FAILED, Row.REVIEW) and self.notify is not None and finish.job_id not in self._notified:
+        told = finish.job_id in self._notified or finish.job_id in self._unplaced
+        if state in (Row.FAILED, Row.REVIEW) and self.notify is not None and not told:
             event = "job.failed" if state == Row.FAILED else "job.review"
             target = self.layout.job(landed_state(state), finish.job_id) / "result.json"
             self.notify.fire(event, finish.job_id, result.agent or "", result.reason, target)
         self._notified.discard(finish.job_id)  # queued by commit (the usual case)
+        self._unplaced.discard(finish.job_id)
         if state == Row.DONE and release:
             await self._release_waiting(finish.job_id)
         return True
+
+    def landed_for_the_dead(self, job_id: str, state: State, folder: JobFolder, result: Result | None) -> None:
+        """Count and notify a job whose end a dead daemon recorded and this daemon landed (on the loop).
+
+        The dead daemon died before its move, so it counted and notified nothing; its end line
+        ``recovery`` logged as it landed it.
+        """
+        if result is None:
+            return
+        self._count_end(result, state, this_claim(folder, result) if self.metrics is not None else None)
+        if state in (State.FAILED, State.REVIEW) and self.notify is not None:
+            event = "job.failed" if state is State.FAILED else "job.review"
+            self.notify.fire(event, job_id, result.agent or "", result.reason, folder.path / "result.json")
 
     async def _release_waiting(self, job_id: str) -> None:
         """Release a done job's follow-ups; a shortage is waited out (section 13), never the job's answer.
@@ -249,6 +265,7 @@ class Finisher:
         try:
             ok = self.commit([Landing(folder, finish, result)])[0]  # its job.failed notification queued there
             self._notified.discard(finish.job_id)
+            self._unplaced.discard(finish.job_id)
             if isinstance(ok, OSError):
                 raise ok
             if ok and hooked and hooks is not None and spec is not None and self._loop is not None:
@@ -306,18 +323,16 @@ class Finisher:
             for state in touched:
                 fsutil.fsync_dir(self.layout.folder_str(state))
         finally:  # logged once its folder is in place: a reader of the line finds result.json in done/ or failed/
-            for k in placed:  # a stuck job (job.stuck, still in active/) has no such line
+            for k in placed:  # a stuck job (job.stuck, still in active/): whoever lands it later logs and counts it
                 self._log_end(*moves[k])
-            for (landing, state), claim in zip(moves, counted, strict=True):  # every end the ledger recorded
-                self._count_end(landing, state, claim)
+                self._count_end(moves[k][0].result, moves[k][1], counted[k])
+            self._unplaced.update(moves[k][0].finish.job_id for k in set(range(len(moves))) - set(placed))
         if self.notify is not None and self._loop is not None:  # queued before the joins' ends (on_final) queue
-            for k, (landing, _) in enumerate(moves):  # theirs: notifications go in the order of the events
+            for landing, _ in (moves[k] for k in placed):  # theirs: notifications go in the order of the events
                 finish = landing.finish
                 if finish.state in (Row.FAILED, Row.REVIEW):
                     event = "job.failed" if finish.state == Row.FAILED else "job.review"
-                    target: Path | None = None  # a stuck job's: none is there (contract 11: {result} empty)
-                    if k in placed:
-                        target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
+                    target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
                     agent, reason = landing.result.agent or "", landing.result.reason
                     self._notified.add(finish.job_id)
                     self._loop.call_soon_threadsafe(self.notify.fire, event, finish.job_id, agent, reason, target)
@@ -334,26 +349,10 @@ class Finisher:
         return answers
 
     def _log_end(self, landing: Landing, state: State) -> None:
-        """Log the end of a job whose folder is in its state's folder (``job.done``, ``job.failed``, ``job.review``)."""
-        finish, result = landing.finish, landing.result
-        fields = {
-            "job_id": finish.job_id,
-            "agent": result.agent,
-            "attempts": len(result.attempts),
-            "duration_s": result.duration_s,
-            "cost_usd": result.cost_usd,
-            "chain_cost_usd": result.chain_cost_usd,
-        }
-        if state is State.DONE:
-            log.info("job.done", children=list(result.children) or None, **fields)
-        elif state is State.REVIEW:
-            log.info("job.review", children=list(result.children) or None, **fields)
-        else:
-            log.warning("job.failed", reason=result.reason, **fields)
+        log_end(landing.finish.job_id, landing.result, state)
 
-    def _count_end(self, landing: Landing, state: State, claim: tuple[float | None, float | None] | None) -> None:
+    def _count_end(self, result: Result, state: State, claim: tuple[float | None, float | None] | None) -> None:
         """Count a job's end the ledger recorded among the finished jobs (claim: ``this_claim``, for the metrics)."""
-        result = landing.result
         if state is not State.REVIEW:
             self.finished.add(state.value, result.agent)
             if self.metrics is not None and claim is not None:
@@ -424,6 +423,28 @@ class Finisher:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Name the loop that released follow-ups are hinted to (set at start, before any release)."""
         self._loop = loop
+
+
+def log_end(job_id: str, result: Result, state: State) -> None:
+    """Log the end of a job whose folder is in its state's folder (``job.done``, ``job.failed``, ``job.review``).
+
+    Whoever moved the folder logs it, once it is there: the daemon that finished the job, or
+    the daemon or command that landed the end a dead daemon had recorded.
+    """
+    fields = {
+        "job_id": job_id,
+        "agent": result.agent,
+        "attempts": len(result.attempts),
+        "duration_s": result.duration_s,
+        "cost_usd": result.cost_usd,
+        "chain_cost_usd": result.chain_cost_usd,
+    }
+    if state is State.DONE:
+        log.info("job.done", children=list(result.children) or None, **fields)
+    elif state is State.REVIEW:
+        log.info("job.review", children=list(result.children) or None, **fields)
+    else:
+        log.warning("job.failed", reason=result.reason, **fields)
 
 
 def stuck(job_id: str, agent: str | None, why: str) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
@@ -20,11 +20,12 @@ import structlog
 from dispatcher import faults, fsutil, procs
 from dispatcher.errors import oneline
 from dispatcher.job import revise
-from dispatcher.job.finish import Finisher, stuck
+from dispatcher.job.finish import Finisher, log_end, stuck
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_landed, landed_state, state_to_row
 from dispatcher.spec.jobspec import JobSpec
+from dispatcher.spec.result import Result
 from dispatcher.spec.settings import Config
 from dispatcher.store import refusals
 from dispatcher.store.counts import job_entries, visible_entries
@@ -160,7 +161,7 @@ def orphans(
     ledger: Ledger,
     alive: Callable[[str], bool],
     left: frozenset[str] = frozenset(),
-    landed: list[State] | None = None,
+    landed: list[Landed] | None = None,
     apart: list[str] | None = None,
 ) -> list[tuple[str, int, str | None]]:
     """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token, its dead owner).
@@ -169,7 +170,7 @@ def orphans(
     taken back the same way once its lease is renewed.
 
     A job whose row already says done, failed or review (its daemon died while
-    landing it) is landed here and not returned; its state is added to ``landed``
+    landing it) is landed here and not returned; it is added to ``landed``
     (``run --once`` counts a job it landed in failed/ as one it failed). A folder
     whose job.json is missing is returned too: it is failed with a reason when it is loaded.
     A job whose agent runs on out of sight (``_agent_apart``) is left, and added to ``apart``.
@@ -185,8 +186,9 @@ def orphans(
             continue
         if is_landed(entry.state):
             state = landed_state(entry.state)
-            if _land(layout, job_id, state, entry.agent) and landed is not None:
-                landed.append(state)
+            moved = _land(layout, job_id, state, entry.agent)
+            if moved is not None and landed is not None:
+                landed.append(moved)
             continue
         if entry.state != Row.CLAIMED:
             continue
@@ -249,19 +251,39 @@ def land_recorded_end(layout: Layout, ledger: Ledger, job_id: str) -> None:
         _land(layout, job_id, landed_state(entry.state), entry.agent)
 
 
-def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> bool:
-    """Move a job its dead daemon decided into its state's folder; return True if this call moved it."""
+def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> Landed | None:
+    """Move a job its dead daemon decided into its state's folder and log its end; None if this call did not move it.
+
+    The dead daemon logged no end for it (it logs one after the move): ``job.recovered``, then
+    the job's ``job.done``, ``job.failed`` or ``job.review`` line, as it would have.
+    """
     folder = JobFolder(layout.job(State.ACTIVE, job_id))
     try:
         folder.land(layout, state)
         fsutil.fsync_dir(layout.folder(state))
     except FileNotFoundError:  # landed meanwhile (another daemon)
-        return False
+        return None
     except OSError as exc:  # its files or its target taken by something else (an agent outside work/)
         stuck(job_id, agent, f"cannot move it into {state.value}/: {exc}")
-        return False
+        return None
     log.info("job.recovered", job_id=job_id, agent=agent, step="land", state=state.value)
-    return True
+    moved = JobFolder(layout.job(state, job_id))
+    result = moved.result()
+    if result is not None:
+        log_end(job_id, result, state)
+    with contextlib.suppress(OSError, ValueError):  # its claim: the metrics count from it
+        moved.claimed = moved.spec().claimed
+    return Landed(job_id, state, moved, result)
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A job whose end a dead daemon recorded, landed here: the daemon counts it and notifies a failed or review one."""
+
+    job_id: str
+    state: State
+    folder: JobFolder
+    result: Result | None
 
 
 def _active_ids(layout: Layout) -> list[str]:

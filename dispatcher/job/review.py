@@ -34,7 +34,7 @@ from filelock import Timeout
 from dispatcher import faults, fsutil
 from dispatcher.clock import iso
 from dispatcher.errors import NotFound, WrongState
-from dispatcher.job.finish import this_claim
+from dispatcher.job.finish import stuck, this_claim
 from dispatcher.job.followups import release_followups
 from dispatcher.job.notice import Apart, start_detached
 from dispatcher.layout import Layout
@@ -261,6 +261,9 @@ def _land_decided(layout: Layout, ledger: Ledger, names: list[str]) -> list[dict
             fields = land(layout, folder, Row(entry.state), decision=functools.partial(
                 decision_fields, folder, decided, approve=approve))  # fmt: skip
         except FileNotFoundError:  # landed meanwhile by the command (on another host): its line is its own
+            continue
+        except OSError as exc:  # done/<id> (failed/<id>) taken by a stray entry: it waits in review/, the rest goes on
+            stuck(job_id, entry.agent, f"cannot move it into {landed_state(Row(entry.state)).value}/: {exc}")
             continue
         if fields is not None:
             logged.append(fields)
