@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import time
 
@@ -219,6 +220,33 @@ def test_a_failed_job_that_cannot_land_is_logged_and_notified_by_whoever_lands_i
     assert json.loads(where.read_text())["state"] == "failed"
     wait_until(marks.exists, 20, "the notification")
     assert marks.read_text() == f"job.failed STUCK-1 {where}\n"
+
+
+def test_a_stuck_done_jobs_follow_up_is_not_released_from_what_stands_in_its_place(env: Env) -> None:
+    """A done job whose place done/<id> a stray folder took (with a work/outbox/ of its own, holding an order of the
+    follow-up's file name): the job waits in active/ (`job.stuck`) and its follow-up is not released from the stray's
+    outbox (it was, with the stranger's task). Once the stray is moved away, the next start lands the job and releases
+    the follow-up the agent wrote."""
+    followup = {"job_id": "FU-1", "from": "worker", "to": "next", "task": "the real task", "items": [{"id": "x"}]}
+    stranger = dict(followup, task="a stranger's task")
+    env.configure(agents={"worker": env.agent("--sleep", "2", "--followup", json.dumps(followup)), "next": env.agent()})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("PAR-1"))
+    d.wait_event("agent.started", job_id="PAR-1")
+    stray = env.root / "done" / "PAR-1"  # made while the agent runs
+    (stray / "work" / "outbox").mkdir(parents=True)
+    (stray / "work" / "outbox" / "FU-1.json").write_text(json.dumps(stranger))
+    d.wait_event("job.stuck", job_id="PAR-1")
+    time.sleep(1.5)  # a release would come now
+    assert d.stop() == 0
+    assert not [e for e in d.events() if e["event"] in ("followup.released", "followup.lost")], d.events()
+    assert not (env.root / "inbox" / "FU-1.json").exists() and not list((env.root / "done").glob("FU-1*"))
+    shutil.move(str(stray), str(env.tmp / "stray"))
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 0, proc.stdout
+    assert env.result("PAR-1", "done")["state"] == "done"
+    assert json.loads((env.root / "done" / "FU-1" / "order.json").read_text())["task"] == "the real task"
 
 
 @pytest.mark.parametrize("takes", ["result", "result-file", "done"])

@@ -719,6 +719,34 @@ def test_run_once_counts_a_job_it_lands_for_a_daemon_that_died_after_recording_i
     assert env.count_file.read_text().count("\n") == 1  # the agent ran once, in the daemon that died
 
 
+@pytest.mark.parametrize("command", ["retry", "cancel", "approve", "land"])
+def test_a_command_that_lands_a_dead_daemons_job_logs_it_to_the_log_file_and_notifies_it(
+    env: Env, command: str
+) -> None:
+    """A command that finds a failed (review) job its dead daemon recorded but did not move lands it first: its
+    `job.recovered` and end lines go to `log_file` (and to a running daemon), and notify runs once for it with its
+    result.json, as the daemon that lands such a job does. They went to the terminal only, and nobody was told."""
+    marks, log_file = env.tmp / "notified.txt", env.tmp / "d.log"
+    agent = env.agent(review=True) if command == "approve" else env.agent("--exit", "1", max_attempts=1)
+    env.configure(
+        agents={"worker": agent},
+        notify=["sh", "-c", 'echo "$1 $2 $3" >> "$0"', str(marks), "{event}", "{job_id}", "{result}"],
+        log_file=str(log_file),
+    )
+    env.drop(order("CMD-1"))
+    run_once_killed_at(env, "finish.recorded")
+    state = "review" if command == "approve" else "failed"
+    env.cli(command, "CMD-1")  # cancel and land refuse a failed job (exit 1), after landing it
+    assert not (env.root / "active" / "CMD-1").exists()
+    lines = [json.loads(line) for line in log_file.read_text().splitlines()]
+    mine = [e["event"] for e in lines if e.get("job_id") == "CMD-1"]
+    assert f"job.{state}" not in mine[: mine.index("job.recovered")], mine  # the dead daemon logged no end
+    assert mine[mine.index("job.recovered") :][:2] == ["job.recovered", f"job.{state}"], mine
+    wait_until(marks.exists, 20, "the notification")
+    time.sleep(1)  # a second one would come now
+    assert marks.read_text() == f"job.{state} CMD-1 {env.root / state / 'CMD-1' / 'result.json'}\n"
+
+
 @pytest.mark.parametrize("command", ["retry", "approve", "land"])
 def test_a_command_on_a_job_whose_dead_daemon_recorded_its_end_moves_it_first(env: Env, command: str) -> None:
     """A daemon killed between the ledger's record of a job's end and the move of its folder leaves it in active/,

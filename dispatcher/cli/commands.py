@@ -364,8 +364,8 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     ids = read_ids(args.ids, sys.stdin)
     if not ids:
         raise UsageError(f"{action}: no job id given")
-    if action in ("hold", "release", "approve", "reject", "revise", "pause", "resume"):
-        log_to_file(cfg)
+    if action in ("hold", "release", "approve", "reject", "revise", "pause", "resume", "retry", "cancel"):
+        log_to_file(cfg)  # and a job a dead daemon left recorded but not moved: its job.recovered and end lines
     op = Operator(cfg, Layout(cfg.root))
     op.reason = getattr(args, "reason", None)
     op.note = getattr(args, "note", None)
@@ -398,6 +398,7 @@ def cmd_land(args: argparse.Namespace) -> int:
     """`land ID...`: run each done job's land hook again; 1 if any failed."""
     from dispatcher.job.recovery import land_recorded_end
     from dispatcher.layout import JOB_ID
+    from dispatcher.ops.actions import tell_landed
     from dispatcher.ops.land import land_again
     from dispatcher.store.ledgers import open_reader
 
@@ -411,7 +412,9 @@ def cmd_land(args: argparse.Namespace) -> int:
         try:  # a done job a dead daemon left in active/ (its end recorded, not its move): into done/ first
             for job_id in ids:
                 if JOB_ID.fullmatch(job_id):  # before it names a folder (land_again says what is wrong with it)
-                    land_recorded_end(Layout(cfg.root), ledger, job_id)
+                    landed = land_recorded_end(Layout(cfg.root), ledger, job_id)
+                    if landed is not None:  # a failed one too: `land` refuses it below, once it is told
+                        tell_landed(cfg, Layout(cfg.root), landed)
         finally:
             ledger.close()
     failed = 0

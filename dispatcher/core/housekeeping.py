@@ -213,7 +213,7 @@ class Housekeeping:
     ) -> tuple[list[tuple[str, int, str]], set[str], set[str], list[recovery.Landed]]:
         """Recovery's blocking steps (ledger lane); return the adopted jobs, the left ids taken back, the jobs
         whose host was lost (their daemon's lease ran out on a shared ledger; not one that stopped cleanly), and
-        the states of the dead daemons' decided jobs landed here."""
+        the dead daemons' decided jobs landed here (``recovery.Landed``)."""
         layout, ledger = self.ctx.layout, self.ctx.ledger
         recovery.finish_staging(layout, ledger, ledger.alive)
         for decided in settle_reviews(layout, ledger):  # decided reviews land first: their follow-ups are released

@@ -66,8 +66,10 @@ def _release(
     held: Callable[[Entry, str], None],
 ) -> int:
     done = layout.job(State.DONE, parent)
-    if not done.is_dir() and layout.job(State.REVIEW, parent).is_dir():
-        return 0  # approved, not yet moved into done/ (by the command, or by settle_reviews): released then
+    if layout.job(State.REVIEW, parent).is_dir() or layout.job(State.ACTIVE, parent).is_dir():
+        # approved, not yet moved into done/ (by the command, or by settle_reviews), or done and not moved yet (its
+        # place in done/ taken: job.stuck): released once it lands, never from what stands at done/<id> meanwhile
+        return 0
     count = 0
     for entry in ledger.pending_releases(parent):
         work = done / "work"

@@ -241,14 +241,16 @@ def _carried_out(layout: Layout, ledger: Ledger, job_id: str) -> None:
         revise.log_cut_revision(layout, job_id)  # its job.revised line, which the dead daemon did not write
 
 
-def land_recorded_end(layout: Layout, ledger: Ledger, job_id: str) -> None:
+def land_recorded_end(layout: Layout, ledger: Ledger, job_id: str) -> Landed | None:
     """Move a job whose end its dead daemon recorded (the row final, its folder still in active/) into its state's
-    folder, as the next daemon would; nothing for any other job (a live daemon moves its own)."""
+    folder, as the next daemon would; nothing for any other job (a live daemon moves its own). Return what it
+    landed (the caller notifies a failed or review one, as a daemon would)."""
     entry = ledger.get(job_id)
     if entry is None or entry.owner is None or not is_landed(entry.state) or ledger.alive(entry.owner):
-        return
+        return None
     if os.path.isdir(layout.job(State.ACTIVE, job_id)):
-        _land(layout, job_id, landed_state(entry.state), entry.agent)
+        return _land(layout, job_id, landed_state(entry.state), entry.agent)
+    return None
 
 
 def _land(layout: Layout, job_id: str, state: State, agent: str | None) -> Landed | None:

@@ -29,7 +29,7 @@ from filelock import FileLock, Timeout
 
 from dispatcher import fsutil
 from dispatcher.errors import NotFound, WrongState, printable
-from dispatcher.job.recovery import land_recorded_end, settle_claim
+from dispatcher.job.recovery import Landed, land_recorded_end, settle_claim
 from dispatcher.layout import JOB_ID, Layout, check_id, hint_name
 from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
 from dispatcher.lifecycle import Row, State, is_final, spoken
@@ -231,7 +231,9 @@ class Operator:
         here first, this command sees the job as it is: a retry of it is refused for the open
         revision, a cancel withdraws the request, an approve withdraws the revision.
         """
-        land_recorded_end(self.layout, self.ledger, job_id)  # its daemon died between the end's record and the move
+        landed = land_recorded_end(self.layout, self.ledger, job_id)  # its daemon died between the record and move
+        if landed is not None:
+            self._tell(landed)
         entry = self.ledger.get(job_id)
         if entry is None or entry.state != Row.CLAIMED or entry.owner is None or self.ledger.alive(entry.owner):
             return
@@ -240,6 +242,9 @@ class Operator:
             # cut after it set the result (and maybe the outbox) aside: a daemon carries the revision out again
             raise WrongState(f"{job_id}: a revision its daemon died carrying out is half done; a daemon finishes it")
         settle_claim(self.layout, self.ledger, entry)
+
+    def _tell(self, landed: Landed) -> None:
+        tell_landed(self.config, self.layout, landed)
 
     def _unhold(self, job_id: str) -> None:
         """Put a held order (a follow-up held by budget, or one held by hand), asked to be cancelled, back in
@@ -599,3 +604,17 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samestat(os.lstat(a), os.lstat(b))
     except OSError:
         return False
+
+
+def tell_landed(cfg: Config, layout: Layout, landed: Landed) -> None:
+    """Notify a failed or review job a command landed for its dead daemon, as the daemon would have (apart)."""
+    from dispatcher.job.notice import Apart, start_detached
+
+    result = landed.result
+    if result is None or not cfg.notify or landed.state not in (State.FAILED, State.REVIEW):
+        return
+    event = "job.failed" if landed.state is State.FAILED else "job.review"
+    apart = Apart(cfg.notify, cfg.kill_grace_s, cfg.log_file)
+    start_detached(
+        apart, layout.root, event, landed.job_id, result.agent, result.reason, landed.folder.path / "result.json"
+    )
