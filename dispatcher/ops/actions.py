@@ -233,7 +233,7 @@ class Operator:
         """
         landed = land_recorded_end(self.layout, self.ledger, job_id)  # its daemon died between the record and move
         if landed is not None:
-            self._tell(landed)
+            tell_landed(self.config, self.layout, landed)
         entry = self.ledger.get(job_id)
         if entry is None or entry.state != Row.CLAIMED or entry.owner is None or self.ledger.alive(entry.owner):
             return
@@ -242,9 +242,6 @@ class Operator:
             # cut after it set the result (and maybe the outbox) aside: a daemon carries the revision out again
             raise WrongState(f"{job_id}: a revision its daemon died carrying out is half done; a daemon finishes it")
         settle_claim(self.layout, self.ledger, entry)
-
-    def _tell(self, landed: Landed) -> None:
-        tell_landed(self.config, self.layout, landed)
 
     def _unhold(self, job_id: str) -> None:
         """Put a held order (a follow-up held by budget, or one held by hand), asked to be cancelled, back in
