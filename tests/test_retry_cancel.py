@@ -600,3 +600,27 @@ def test_a_waiting_retry_runs_at_the_reload_that_brings_its_agent_back(env: Env)
     wait_until(lambda: (env.root / "done" / "GONE-2" / "result.json").exists(), 20, "the retry to run")
     assert env.result("GONE-2", "done")["state"] == "done"
     assert d.stop() == 0
+
+
+@pytest.mark.parametrize("command", ["retry", "cancel"])
+def test_retry_and_cancel_go_through_when_the_log_file_cannot_be_opened(env: Env, command: str) -> None:
+    """A `log_file` the operator cannot open (here a folder stands at its path) does not stop `retry` or `cancel`:
+    the request is recorded, exit 0, with one warning line on stderr naming the file; their lines go to a running
+    daemon only. (A cancel of a runaway job must not wait for the log's rights.) `hold` still refuses (exit 2)."""
+    log_file = env.tmp / "logs" / "d.log"
+    env.configure(agents={"worker": env.agent("--exit", "1", max_attempts=1)}, log_file=str(log_file))
+    env.drop(order("LOGX-1"))
+    env.cli("run", "--once")
+    log_file.unlink()
+    log_file.mkdir()
+    if command == "cancel":  # a failed job's queued retry, which the cancel withdraws
+        assert env.cli("retry", "LOGX-1").returncode == 0
+    proc = env.cli(command, "LOGX-1")
+    assert proc.returncode == 0, proc.stderr
+    want = "LOGX-1: retry requested\n" if command == "retry" else "LOGX-1: retry withdrawn; it stays failed\n"
+    assert proc.stdout == want
+    assert proc.stderr.splitlines() == [
+        f"warning: {env.config_path}: log_file: cannot open {log_file}: Is a directory; its lines go to a running"
+        " daemon only"
+    ], proc.stderr
+    assert env.cli("hold", "LOGX-1").returncode == 2

@@ -364,8 +364,10 @@ def for_each_id(args: argparse.Namespace, action: str) -> int:
     ids = read_ids(args.ids, sys.stdin)
     if not ids:
         raise UsageError(f"{action}: no job id given")
-    if action in ("hold", "release", "approve", "reject", "revise", "pause", "resume", "retry", "cancel"):
-        log_to_file(cfg)  # and a job a dead daemon left recorded but not moved: its job.recovered and end lines
+    if action in ("hold", "release", "approve", "reject", "revise", "pause", "resume"):
+        log_to_file(cfg)
+    elif action in ("retry", "cancel"):  # lines only of a job a dead daemon left recorded but not moved: they
+        log_to_file(cfg, required=False)  # never stop the request (a cancel of a runaway job above all)
     op = Operator(cfg, Layout(cfg.root))
     op.reason = getattr(args, "reason", None)
     op.note = getattr(args, "note", None)
@@ -427,11 +429,13 @@ def cmd_land(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def log_to_file(cfg: Config) -> None:
+def log_to_file(cfg: Config, *, required: bool = True) -> None:
     """Send log lines to the config's log_file, and to a running daemon's stdout: not to the terminal.
 
     The daemon's stdout is the journal under systemd, which has no other record of an
-    operator's hold, release, approve or reject (``Relay``).
+    operator's hold, release, approve or reject (``Relay``). A log_file that cannot be
+    opened is a config error, or with ``required`` False a warning on stderr, the lines
+    then going to the daemon alone.
     """
     from dispatcher import logs
 
@@ -439,7 +443,11 @@ def log_to_file(cfg: Config) -> None:
     try:
         logs.configure(log_file=cfg.log_file, console=False)
     except OSError as exc:
-        raise ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file") from None
+        error = ConfigError(f"cannot open {cfg.log_file}: {exc.strerror}", file=str(cfg.path), field="log_file")
+        if required:
+            raise error from None
+        print(f"warning: {error}; its lines go to a running daemon only", file=sys.stderr, flush=True)
+        logs.configure(log_file=None, console=False)
     relay_to_daemon(cfg)
 
 
