@@ -249,6 +249,35 @@ def test_a_stuck_done_jobs_follow_up_is_not_released_from_what_stands_in_its_pla
     assert json.loads((env.root / "done" / "FU-1" / "order.json").read_text())["task"] == "the real task"
 
 
+def test_a_stuck_jobs_after_hook_waits_for_its_landing_and_runs_once_in_its_own_folder(env: Env) -> None:
+    """A job whose place done/<id> a stray folder took while its agent ran (`job.stuck`): its `after` hook does not
+    run against the stray (it ran with the stray's work/ as its folder and wrote its record there); once the stray
+    is moved away, the start that lands the job runs the hook once, in the job's own folder, and records it there."""
+    marks = env.tmp / "after.txt"
+    hook = ["sh", "-c", 'echo "{job_id} {result} $(pwd)" >> "$0"', str(marks)]
+    env.configure(agents={"worker": {**env.agent("--sleep", "2"), "after": hook}}, rescan_interval=0.5)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("AFT-1"))
+    d.wait_event("agent.started", job_id="AFT-1")
+    stray = env.root / "done" / "AFT-1"
+    (stray / "work").mkdir(parents=True)
+    d.wait_event("job.stuck", job_id="AFT-1")
+    time.sleep(1.5)  # the hook would run now
+    assert d.stop() == 0
+    assert not marks.exists(), marks.read_text()
+    assert sorted(p.name for p in stray.iterdir()) == ["work"]  # nothing written into the stray
+    shutil.move(str(stray), str(env.tmp / "stray"))
+    d2 = env.daemon()
+    d2.wait_ready()
+    wait_until(marks.exists, 30, "the after hook")
+    time.sleep(1.5)  # a second run would come now
+    assert d2.stop() == 0
+    done = env.root / "done" / "AFT-1"
+    assert marks.read_text() == f"AFT-1 {done / 'result.json'} {done / 'work'}\n"
+    assert [p.name for p in sorted((done / "hooks").glob("after-*.json"))] == ["after-1.json"]
+
+
 @pytest.mark.parametrize("takes", ["result", "result-file", "done"])
 def test_an_agent_that_takes_its_jobs_own_names_outside_work_leaves_it_stuck_not_the_daemon(
     env: Env, takes: str
