@@ -333,7 +333,9 @@ class JobRepo:
         repo = self.spec.agent.repo
         io = functools.partial(self._sure_io, stopping)
         try:
-            if await self.lanes.io(os.path.isdir, self.layout.job(State.ACTIVE, job_id)):
+            owes = (repo.after is not None and state != Row.REVIEW) or self.ws is not None
+            owes = owes or (state == Row.DONE and repo.land is not None)  # a plain job's finish makes no trip here
+            if owes and await self.lanes.io(os.path.isdir, self.layout.job(State.ACTIVE, job_id)):
                 return  # not landed (job.stuck): what it owes stays owed, for the pass after its landing
             if repo.after is not None and state != Row.REVIEW:  # a job in review owes it until decided (``afterowed``)
                 job_path = self.layout.job(landed_state(state), job_id)
