@@ -98,6 +98,14 @@ def landed_state(row: str) -> State:
         raise ValueError(f"row {row} has no landed folder") from None
 
 
+_NOTIFIED: dict[str, str] = {Row.FAILED: "job.failed", Row.REVIEW: "job.review"}
+
+
+def notified_event(state: str) -> str | None:
+    """Return the event ``notify`` is run for when a job lands in this row or folder (None: none is)."""
+    return _NOTIFIED.get(state)  # Row and State values are the same strings
+
+
 def state_to_row(state: State, result_state: str | None = None) -> Row:
     """Return the row a job folder in ``state`` stands for.
 

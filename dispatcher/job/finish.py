@@ -41,7 +41,7 @@ from dispatcher.job.followups import release_followups
 from dispatcher.lanes import GroupCommit, Handoff, Lanes
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Entry, Finish, Ledger
-from dispatcher.lifecycle import Row, State, landed_state
+from dispatcher.lifecycle import Row, State, landed_state, notified_event
 from dispatcher.shortage import PAUSE_MIN_S, SHORT
 from dispatcher.spec.jobspec import JobSpec, is_cost
 from dispatcher.spec.result import Result
@@ -162,8 +162,9 @@ class Finisher:
         self.after_hooks = after_hooks
         self._commit: GroupCommit[Landing, bool | OSError] = GroupCommit(lanes, self.commit)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._notified: set[str] = set()  # ends whose notification commit queued (``after_commit`` skips them)
-        self._unplaced: set[str] = set()  # ends commit could not move (job.stuck): whoever lands them notifies
+        #: ends ``after_commit`` must not notify: commit queued it, or could not move the job (job.stuck),
+        #: in which case whoever lands it notifies
+        self._told: set[str] = set()
         #: called (ledger lane) with the ids that just reached done or failed: wakes the joins that name them
         self.on_final: Callable[[Sequence[str]], None] | None = None
         #: True once a stop began (the daemon's): a wait for a shortage's end gives up then
@@ -205,13 +206,12 @@ class Finisher:
             log.warning("job.fenced", step="finish")
             return False
         state = finish.state
-        told = finish.job_id in self._notified or finish.job_id in self._unplaced
-        if state in (Row.FAILED, Row.REVIEW) and self.notify is not None and not told:
-            event = "job.failed" if state == Row.FAILED else "job.review"
+        told = finish.job_id in self._told
+        event = notified_event(state)
+        if event is not None and self.notify is not None and not told:
             target = self.layout.job(landed_state(state), finish.job_id) / "result.json"
             self.notify.fire(event, finish.job_id, result.agent or "", result.reason, target)
-        self._notified.discard(finish.job_id)  # queued by commit (the usual case)
-        self._unplaced.discard(finish.job_id)
+        self._told.discard(finish.job_id)
         if state == Row.DONE and release:
             await self._release_waiting(finish.job_id)
         return True
@@ -225,8 +225,8 @@ class Finisher:
         if result is None:
             return
         self._count_end(result, state, this_claim(folder, result) if self.metrics is not None else None)
-        if state in (State.FAILED, State.REVIEW) and self.notify is not None:
-            event = "job.failed" if state is State.FAILED else "job.review"
+        event = notified_event(state)
+        if event is not None and self.notify is not None:
             self.notify.fire(event, job_id, result.agent or "", result.reason, folder.path / "result.json")
 
     async def _release_waiting(self, job_id: str) -> None:
@@ -264,8 +264,7 @@ class Finisher:
         handed = False
         try:
             ok = self.commit([Landing(folder, finish, result)])[0]  # its job.failed notification queued there
-            self._notified.discard(finish.job_id)
-            self._unplaced.discard(finish.job_id)
+            self._told.discard(finish.job_id)
             if isinstance(ok, OSError):
                 raise ok
             if ok and hooked and hooks is not None and spec is not None and self._loop is not None:
@@ -326,15 +325,15 @@ class Finisher:
             for k in placed:  # a stuck job (job.stuck, still in active/): whoever lands it later logs and counts it
                 self._log_end(*moves[k])
                 self._count_end(moves[k][0].result, moves[k][1], counted[k])
-            self._unplaced.update(moves[k][0].finish.job_id for k in set(range(len(moves))) - set(placed))
+            self._told.update(moves[k][0].finish.job_id for k in set(range(len(moves))) - set(placed))
         if self.notify is not None and self._loop is not None:  # queued before the joins' ends (on_final) queue
             for landing, _ in (moves[k] for k in placed):  # theirs: notifications go in the order of the events
                 finish = landing.finish
-                if finish.state in (Row.FAILED, Row.REVIEW):
-                    event = "job.failed" if finish.state == Row.FAILED else "job.review"
+                event = notified_event(finish.state)
+                if event is not None:
                     target = self.layout.job(landed_state(finish.state), finish.job_id) / "result.json"
                     agent, reason = landing.result.agent or "", landing.result.reason
-                    self._notified.add(finish.job_id)
+                    self._told.add(finish.job_id)
                     self._loop.call_soon_threadsafe(self.notify.fire, event, finish.job_id, agent, reason, target)
         final_ids = [  # review is not final
             batch[i].finish.job_id

@@ -32,7 +32,7 @@ from dispatcher.errors import NotFound, WrongState, printable
 from dispatcher.job.recovery import Landed, land_recorded_end, settle_claim
 from dispatcher.layout import JOB_ID, Layout, check_id, hint_name
 from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
-from dispatcher.lifecycle import Row, State, is_final, spoken
+from dispatcher.lifecycle import Row, State, is_final, notified_event, spoken
 from dispatcher.ops.sharing import hand_over
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.settings import Config
@@ -608,9 +608,9 @@ def tell_landed(cfg: Config, layout: Layout, landed: Landed) -> None:
     from dispatcher.job.notice import Apart, start_detached
 
     result = landed.result
-    if result is None or not cfg.notify or landed.state not in (State.FAILED, State.REVIEW):
+    event = notified_event(landed.state)
+    if result is None or not cfg.notify or event is None:
         return
-    event = "job.failed" if landed.state is State.FAILED else "job.review"
     apart = Apart(cfg.notify, cfg.kill_grace_s, cfg.log_file)
     start_detached(
         apart, layout.root, event, landed.job_id, result.agent, result.reason, landed.folder.path / "result.json"
