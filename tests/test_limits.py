@@ -357,6 +357,20 @@ def test_run_once_leaves_the_orders_of_an_agent_paused_by_hand(env: Env) -> None
     assert (env.root / "inbox" / "PAUSED-2.json").exists() and env.starts() == [("FREE-1", 1)]
 
 
+def test_an_order_whose_quoted_task_runs_over_a_line_like_to_a_paused_agent_runs_on_its_own_agent(env: Env) -> None:
+    """A YAML order for `worker` whose double-quoted task continues on a line `to: gated"`: the order's `to` is
+    worker (as `validate` says), so `pause gated` does not keep it; `run --once` runs it. It stayed in inbox/."""
+    env.configure(agents={"worker": headless(env), "gated": headless(env)})
+    env.cli("pause", "gated", check=True)
+    body = b'job_id: QUOTED-1\nfrom: me\ntask: "first part\nto: gated"\nto: worker\nitems: [{id: R1}]\n'
+    env.drop(body, name="quoted.yaml")
+    assert env.cli("validate", str(env.root / "inbox" / "quoted.yaml")).returncode == 0
+    proc = env.cli("run", "--once", timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert env.result("QUOTED-1", "done")["state"] == "done"
+    assert env.starts() == [("QUOTED-1", 1)]
+
+
 def test_a_paused_agent_taken_out_of_the_config_gets_its_orders_refused_and_resume_lifts_its_gate(env: Env) -> None:
     """`pause gated`, then a config without `gated`: its order names an agent the config does not define, so
     `run --once` refuses it (section 2) as `show` predicts, exit 1; `resume gated` still lifts the gate it kept."""

@@ -97,3 +97,20 @@ def test_a_not_before_line_inside_a_quoted_scalar_is_never_taken_for_the_orders_
     # a large order's expires after a quote is kept: it only brings the order's read forward (refused on time)
     quoted = b'job_id: G4\ntask: "a quoted task"\nexpires: 2030-01-01T00:00:00Z\n' + pad
     assert peek_schedule(quoted, "g4.yaml").expires == 1893456000.0
+
+
+def test_a_to_priority_or_after_line_inside_a_quoted_scalar_is_never_taken_for_the_orders_own() -> None:
+    """A double-quoted task that runs over a line `to: b"`, `priority: 9"` or `after: [X]"` holds none of those keys
+    (a small order is parsed: the order's own values; a large one leaves such a `to` out, so the order is read)."""
+    head = b'job_id: Q1\nfrom: me\ntask: "first part\n'
+    small = peek_schedule(head + b'to: b"\nto: a\npriority: 1\nitems: [{id: R1}]\n', "q1.yaml")
+    assert (small.agent, small.priority, small.joins) == ("a", 1, False)
+    ranked = peek_schedule(head + b'priority: 9"\nto: a\npriority: 1\nitems: [{id: R1}]\n', "q1.yaml")
+    assert (ranked.agent, ranked.priority) == ("a", 1)
+    joined = peek_schedule(head + b'after: [X]"\nto: a\nitems: [{id: R1}]\n', "q1.yaml")
+    assert (joined.agent, joined.joins) == ("a", False)
+    pad = b"meta:\n  lines:\n" + b"    - one line of a long list\n" * 800
+    large = peek_schedule(head + b'to: b"\nitems: [{id: R1}]\n' + pad + b"to: a\n", "q1.yaml")
+    assert large.agent == ""  # unknown at a glance: the order is read, never left unread for b's gate
+    plain = peek_schedule(b'job_id: Q2\ntask: "one line"\nto: a\npriority: 8\n' + pad, "q2.yaml")
+    assert (plain.agent, plain.priority) == ("", 8)  # a quote before: left out, the read decides

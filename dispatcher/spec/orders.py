@@ -305,9 +305,19 @@ def _quote_before(data: bytes, at: int) -> bool:
     return data.find(b'"', 0, at) >= 0 or data.find(b"'", 0, at) >= 0
 
 
-def _time_doubtful(data: bytes) -> bool:
-    """Return True if a top-level-looking ``not_before:`` or ``expires:`` line comes after a quote (see above)."""
-    found = (_top(data, b"not_before:", _TOP_NOT_BEFORE), _top(data, b"expires:", _TOP_EXPIRES))
+def _doubtful(data: bytes) -> bool:
+    """Return True if a top-level-looking line of a key the glance reads comes after a quote (see above).
+
+    Such a line may continue a quoted scalar (``task: "first part`` then ``to: b"``): the
+    small order is then parsed for its glance, not scanned.
+    """
+    found = (
+        _top(data, b"not_before:", _TOP_NOT_BEFORE),
+        _top(data, b"expires:", _TOP_EXPIRES),
+        _top(data, b"to:", _TOP_TO),
+        _top(data, b"priority:", _TOP_PRIORITY),
+        _top(data, b"after:", _TOP_AFTER),
+    )
     return any(m is not None and _quote_before(data, m.start()) for m in found)
 
 
@@ -320,7 +330,9 @@ def peek_schedule(data: bytes, name: str) -> Glance:
     Only ordering uses this: the daemon checks the validated order again before it claims.
     A not_before the line scan cannot trust (a quote before it: the line may continue a
     quoted scalar) is left out, never made up: the order is then read, and its read defers
-    it. An expires is kept: it only brings the order's read forward to that time.
+    it; so is a ``to`` (the order is read rather than left unread for a gated agent). An
+    expires is kept: it only brings the order's read forward to that time. A small order
+    with any of these lines after a quote is parsed instead.
     """
     priority, due, joins, agent, expires = 5, None, False, "", None
     if data.startswith(b"\xef\xbb\xbf"):
@@ -334,7 +346,7 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             agent = raw_to if type(raw_to) is str else ""
         elif (
             len(data) <= GLANCE_PARSE_MAX
-            and (_NOT_BLOCK.search(data) or _time_doubtful(data))
+            and (_NOT_BLOCK.search(data) or _doubtful(data))
             and (small := _yaml_glance(data)) is not None
         ):
             body = small
@@ -347,8 +359,8 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             t = _top(data, b"not_before:", _TOP_NOT_BEFORE)
             raw_t = t.group(1).decode() if t and not _quote_before(data, t.start()) else None
             joins = _top(data, b"after:", _TOP_AFTER) is not None
-            to = _top(data, b"to:", _TOP_TO)
-            agent = to.group(1).decode("utf-8", "replace") if to else ""
+            to = _top(data, b"to:", _TOP_TO)  # after a quote: left out (the order is read, not left for a gate)
+            agent = to.group(1).decode("utf-8", "replace") if to and not _quote_before(data, to.start()) else ""
             e = _top(data, b"expires:", _TOP_EXPIRES)
             raw_e = e.group(1).decode() if e else None  # a hint only: at that time the order is read for real
         if type(raw_p) is int and 0 <= raw_p <= 9:  # not a bool
