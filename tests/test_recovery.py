@@ -906,3 +906,33 @@ def test_a_daemon_in_a_pid_namespace_above_a_dead_daemons_ends_its_agent_at_once
     finally:
         box.send_signal(signal.SIGKILL)
         box.wait(30)
+
+
+def test_run_once_started_while_a_daemon_stops_runs_the_jobs_that_daemon_left_when_it_died(env: Env) -> None:
+    """`kill -TERM` of a daemon, then `run --once` at once (section 7: --once recovers and waits for every job):
+    the stopping daemon is alive at the start, so its jobs are its own; it dies while --once runs its own job,
+    and --once, before it exits, takes over the jobs it left (retry_safe: run again) and exits 0 with all done.
+    It exited 0 with them left in active/ (rescans are far apart here, as with the default interval)."""
+    env.configure(
+        agents={
+            "slow": env.agent("--sleep", "8", retry_safe=True, concurrency=2, max_attempts=2),
+            "own": env.agent("--sleep", "5"),
+        },
+        stop_timeout=2,
+        rescan_interval=120,
+    )
+    d = env.daemon()
+    d.wait_ready()
+    for k in ("K1", "K2"):
+        env.drop(order(k, to="slow"))
+    for k in ("K1", "K2"):
+        d.wait_event("agent.started", job_id=k)
+    d.signal(signal.SIGTERM)
+    d.wait_event("daemon.stopping")
+    env.drop(order("OWN", to="own"))
+    proc = env.cli("run", "--once", timeout=120)
+    assert d.wait() == 0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.listdir(env.root / "active") == []
+    for k in ("K1", "K2", "OWN"):
+        assert env.result(k, "done")["state"] == "done"

@@ -92,6 +92,7 @@ class Daemon(Reloading, Fencing):
         self._watching = False  # the stop's watch (core.stopwatch) was started
         self._wake: Wakeup | None = None
         self._next_rescan = 0.0
+        self._looked_last = False  # `run --once` rescanned once more before its exit (``_last_look``)
         self._next_watchdog = 0.0
         self._status_due: float | None = None  # when the next STATUS= is told (a turn since the last one asks it)
         self._status_told = (0.0, "")  # when the last STATUS= was told, and its text
@@ -303,11 +304,20 @@ class Daemon(Reloading, Fencing):
             names = intake.stuck_names()
             stuck = len(self.inbox.tracked(names)) if names else 0
             if not (self.inbox.any_aside() or aside):
-                return not (self.sched.busy() or len(self.inbox) - stuck or self.house.busy)
+                return self._last_look(not (self.sched.busy() or len(self.inbox) - stuck or self.house.busy))
             held = self._held_for_long()
             left = self.inbox.aside_for(held) if self.inbox.any_aside() else 0
             busy = self.sched.busy(aside=False) or len(aside) > aside.held_for(held)
-            return not (busy or len(self.inbox) - left - stuck or self.house.busy)
+            return self._last_look(not (busy or len(self.inbox) - left - stuck or self.house.busy))
+        return False
+
+    def _last_look(self, done: bool) -> bool:
+        """`run --once`'s exit, once more recovery found nothing new: jobs it left to a daemon alive then are
+        looked at once more before it exits (that daemon may have died while this one ran: a stop's jobs)."""
+        if not done or not self.house.kept or self._looked_last:
+            return done
+        self._looked_last = True
+        self._next_rescan = time.monotonic()  # the next turn rescans: recovery takes over a dead daemon's jobs
         return False
 
     def _held_for_long(self) -> set[str]:

@@ -116,6 +116,8 @@ class Housekeeping:
         # dead daemons' jobs left in active/ at the last recovery: their agents run on out of sight (another pid
         # namespace under this host's name); a later rescan takes them over (``recovery.orphans``)
         self.apart: frozenset[str] = frozenset()
+        #: live daemons whose jobs in active/ the last recovery left to them (``run --once`` looks again at its end)
+        self.kept: frozenset[str] = frozenset()
         self._checking = False
         self._settle_due: float | None = None
         self._metrics_due = 0.0
@@ -226,7 +228,8 @@ class Housekeeping:
         out, taken, lost = [], set(), set()
         landed: list[recovery.Landed] = []
         apart: list[str] = []
-        for job_id, token, owner in recovery.orphans(layout, ledger, ledger.alive, left, landed, apart):
+        kept: set[str] = set()
+        for job_id, token, owner in recovery.orphans(layout, ledger, ledger.alive, left, landed, apart, kept):
             taken.add(job_id)
             entry = ledger.get(job_id)
             out.append((job_id, token, (entry.agent if entry else None) or ""))
@@ -235,6 +238,7 @@ class Housekeeping:
         if self.joins is not None:  # after the dead daemons' finished jobs landed: a join's parents are in place
             self.joins.sweep()  # the backstop of the Finisher's hook: a parent finished by a command, max_wait
         self.apart = frozenset(apart)  # `run --once` waits for them: taken over at a later rescan
+        self.kept = frozenset(kept)
         return out, taken, lost, landed
 
     async def rescan(self) -> None:

@@ -163,6 +163,7 @@ def orphans(
     left: frozenset[str] = frozenset(),
     landed: list[Landed] | None = None,
     apart: list[str] | None = None,
+    kept: set[str] | None = None,
 ) -> list[tuple[str, int, str | None]]:
     """Adopt active/ jobs whose daemon is dead (one daemon wins each); return (job_id, token, its dead owner).
 
@@ -174,6 +175,7 @@ def orphans(
     (``run --once`` counts a job it landed in failed/ as one it failed). A folder
     whose job.json is missing is returned too: it is failed with a reason when it is loaded.
     A job whose agent runs on out of sight (``_agent_apart``) is left, and added to ``apart``.
+    The live daemons whose jobs were left to them are added to ``kept``.
     """
     out = []
     for job_id in _active_ids(layout):
@@ -183,6 +185,8 @@ def orphans(
         if entry.owner == ledger.owner and job_id not in left:  # ours, and running (or starting)
             continue
         if entry.owner != ledger.owner and entry.owner is not None and alive(entry.owner):
+            if kept is not None:
+                kept.add(entry.owner)
             continue
         if is_landed(entry.state):
             state = landed_state(entry.state)
