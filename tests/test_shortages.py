@@ -433,6 +433,25 @@ def test_agent_removed_by_reload_its_orders_wait_until_it_is_back(env: Env) -> N
     assert not [e for e in d.events() if e.get("level") == "error"]
 
 
+def test_run_once_leaves_the_orders_of_an_agent_a_reload_removed_and_exits(env: Env) -> None:
+    """`run --once` and a SIGHUP that removes an agent with orders still in inbox/ (a logrotate's): its running
+    job finishes, its orders wait unread (logged once) and --once exits 0, as for a paused agent. It never exited."""
+    slow = hold_agent(env, 1.5, concurrency=1)
+    env.configure({"slow": slow, "tiny": hold_agent(env, 0)}, max_jobs=4)
+    for job_id in ("s1", "s2", "s3"):
+        env.drop(tiny_order(job_id, to="slow"))
+    d = env.daemon("--once")
+    wait_until(lambda: [j for j, _a in env.starts()] == ["s1"], what="s1 to start")
+    env.configure({"tiny": hold_agent(env, 0)}, max_jobs=4)
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    assert d.wait(timeout=60) == 0
+    env.result("s1", "done")
+    assert names(env.root / "inbox") == ["s2.json", "s3.json"], "its orders wait where they are"
+    assert [e["event"] for e in d.events()].count("order.waiting") == 1
+    assert env.refusals() == [] and [j for j, _a in env.starts()] == ["s1"]
+
+
 def test_a_job_of_an_agent_a_reload_removed_gives_its_slot_back_at_its_agents_exit(env: Env) -> None:
     """max_jobs 1: X1's agent fails its first attempt and waits retry_delay; a reload removed its agent meanwhile.
     Its slot goes to Y1 at the agent's exit, as any job's does (section 13: no slot stays taken), and X1's retry

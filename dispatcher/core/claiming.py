@@ -74,7 +74,6 @@ class Claims:
         self._known: dict[str, Agent] = dict(config().agents)  # every agent the config has had since the start
         self._others_key: tuple[int, int] | None = None  # .state/daemons/ as last seen (``_others_here``)
         self._others = False
-        self._waiting: set[str] = set()  # removed agents whose waiting orders were logged
         # files whose order.received is logged: a file read again (its claim put off by a shortage,
         # say) is not received again; the oldest are forgotten past RECEIVED_MAX
         self._received: collections.OrderedDict[tuple[str, object, object], None] = collections.OrderedDict()
@@ -96,14 +95,8 @@ class Claims:
             return kept[2]
         self._known.update(cfg.agents)
         removed = {name: a for name, a in self._known.items() if name not in cfg.agents}
-        self._waiting &= set(removed)  # back in the config: a later removal is logged again
         self._removed_for = (cfg, notes, removed)
         return removed
-
-    def _wait_for(self, agent: str) -> None:
-        if agent not in self._waiting:
-            self._waiting.add(agent)
-            log.warning("order.waiting", agent=agent, reason="the agent was removed from the config by a reload")
 
     def run(
         self,
@@ -162,8 +155,7 @@ class Claims:
                 out.append(NoSlot(p))  # a gate holds its agent (section 14): it waits unclaimed
                 continue  # (a join is claimed at once all the same: it waits in waiting/, section 16)
             if p.kind is Kind.NEW and p.agent in removed and not slotless:
-                self._wait_for(p.agent)  # until a reload brings it back (a cancel still goes through)
-                out.append(NoSlot(p))
+                out.append(NoSlot(p))  # unread until a reload brings it back (the scheduler logs order.waiting)
                 continue
             if ahead is not None:
                 if _may_claim_ahead(p, ahead):

@@ -305,7 +305,7 @@ class Daemon(Reloading, Fencing):
             stuck = len(self.inbox.tracked(names)) if names else 0
             if not (self.inbox.any_aside() or aside):
                 return self._last_look(not (self.sched.busy() or len(self.inbox) - stuck or self.house.busy))
-            held = self._held_for_long()
+            held = self._held_for_long() | self.sched.removed  # orders of an agent a reload removed: left too
             left = self.inbox.aside_for(held) if self.inbox.any_aside() else 0
             busy = self.sched.busy(aside=False) or len(aside) > aside.held_for(held)
             return self._last_look(not (busy or len(self.inbox) - left - stuck or self.house.busy))

@@ -82,6 +82,10 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.blocked: dict[str, float] = {}  # agents with no free slot -> when to ask the ledger again
         self._cfg_seen: Config | None = None  # the config the last turn ran with (a reload is a new one)
         self._lowered: set[str] = set()  # agents a reload lowered the concurrency of, while more of them run
+        self._agents_had: set[str] = set()  # every agent a config of this daemon had
+        #: agents a reload removed: their new orders wait unread in inbox/ until a reload brings them back
+        self.removed: frozenset[str] = frozenset()
+        self._told_waiting: set[str] = set()  # removed agents whose waiting orders were logged (order.waiting)
         self._expiry_turn: float | None = None  # when a turn is due for the next ready order's expires
         self.slot_poll = False
         self.stats = Stats()
@@ -164,14 +168,18 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.slot_poll = bool(self.blocked)
         cfg = self.config
         if cfg is not self._cfg_seen:
+            self._removed_since(cfg)
             self._lowered_since(cfg)
         if self._lowered:  # a reload lowered an agent's concurrency: none of it starts until fewer run
             self._hold_lowered(cfg, now)
         gates = self.ctx.gates()  # section 14; none in the usual turn: no agent gated
         gated = frozenset(gated_agents(gates, cfg.agents, time.time())) if gates else _NOT_GATED
+        hold = gated | self.removed if self.removed else gated  # agents whose new orders are left unread
         full = len(self.parked) >= PARK_LIMIT
-        unread = gated | self._read_past(full, gated) if full or self._past else gated
-        self._gates_changed(gated, now, unread)
+        unread = hold | self._read_past(full, hold) if full or self._past else hold
+        self._gates_changed(gated, now, unread, hold)
+        if self.removed:
+            self._tell_waiting()
         # (``free_slots``); after a shortage, the starts still on their way count against its window
         free = SHORT.allowance(self.slots.free(cfg.max_jobs) - self.inflight, self.inflight + self.ctx.starts.count)
         self.inbox.make_room(free, self._agent_room, unread)  # orders wait for files found settling only for slots
@@ -311,16 +319,16 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self._expiry_turn = soon
         asyncio.get_running_loop().call_later(max(0.0, soon - wall) + 0.01, self.wake)
 
-    def _gates_changed(self, gated: frozenset[str], now: float, unread: frozenset[str]) -> None:
-        """Leave new orders of gated agents unread; take back what the gates let go, oldest first.
+    def _gates_changed(self, gated: frozenset[str], now: float, unread: frozenset[str], hold: frozenset[str]) -> None:
+        """Leave new orders of gated (or removed) agents unread; take back what the gates let go, oldest first.
 
-        ``unread``: the gated agents and those whose orders read ahead fill ``parked``; orders left unread for
-        them stay so until they are neither.
+        ``unread``: the agents of ``hold`` (gated, or removed by a reload) and those whose orders read ahead
+        fill ``parked``; orders left unread for them stay so until they are neither.
         """
-        if not gated and not self.aside.held and not self.inbox.any_aside():  # the usual turn: no gate, nothing held
+        if not hold and not self.aside.held and not self.inbox.any_aside():  # the usual turn: no gate, nothing held
             return
-        for p in [p for p in self.parked if p.kind is Kind.NEW and p.agent in gated]:
-            self.parked.remove(p)  # read before its agent was gated
+        for p in [p for p in self.parked if p.kind is Kind.NEW and p.agent in hold]:
+            self.parked.remove(p)  # read before its agent was gated (or removed)
             self._leave_unread(p)
         self.inbox.take_back(unread)
         back, later = self.aside.take_back(gated, now, time.time())
@@ -330,6 +338,19 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
     def _leave_unread(self, p: Parked) -> None:
         if p.item is not None:
             self.inbox.set_aside(p.item.name, p.agent, p.item.order.expires)
+
+    def _removed_since(self, cfg: Config) -> None:
+        """Note the agents a reload removed (every agent a config of this daemon had, less the config's)."""
+        self._agents_had.update(cfg.agents)
+        self.removed = frozenset(self._agents_had.difference(cfg.agents))
+        self._told_waiting &= self.removed  # back in the config: a later removal is logged again
+
+    def _tell_waiting(self) -> None:
+        """Log once for each removed agent that its orders wait (README: ``order.waiting``, logged once)."""
+        for agent in sorted(self.removed - self._told_waiting):
+            if self.inbox.aside_for({agent}):
+                self._told_waiting.add(agent)
+                log.warning("order.waiting", agent=agent, reason="the agent was removed from the config by a reload")
 
     def _lowered_since(self, cfg: Config) -> None:
         """Note the agents whose concurrency the config now in force lowered (a reload)."""
@@ -446,8 +467,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
                     if p.item is not None:
                         self.inbox.forget(p.item.name)
                     self._run(r, cancel=cancel)
-                case NoSlot(parked=p) if p.kind is Kind.NEW and p.agent in gated:
-                    self._leave_unread(p)  # a gate holds its agent: the file waits unread in inbox/
+                case NoSlot(parked=p) if p.kind is Kind.NEW and (p.agent in gated or p.agent in self.removed):
+                    self._leave_unread(p)  # a gate holds its agent (or a reload removed it): it waits unread
                 case NoSlot(parked=p) if p.kind is Kind.NEW and ahead is not None:
                     park_ranked(self.parked, p)  # not to be claimed ahead after all: it waits for a slot
                 case NoSlot(parked=p) if p.kind is Kind.NEW:
