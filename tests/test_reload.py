@@ -362,3 +362,25 @@ def test_reload_signals_a_daemon_here_that_runs_on_the_root_through_a_bind_mount
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_an_order_read_before_a_reload_is_checked_against_the_new_config_before_its_claim(env: Env) -> None:
+    """An order queued behind a running job (read, waiting for the agent's one slot), then a reload lowers
+    `max_timeout` below its `timeout`: it is refused as one dropped after the reload is (section 2), not run
+    under the limits it was read with. It ran with `timeout: 500` against `max_timeout: 100`."""
+    agents = {"worker": env.agent("--sleep", "2", concurrency=1)}
+    env.configure(agents, max_jobs=2, max_timeout=1000)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RUNNING"))
+    d.wait_event("agent.started", job_id="RUNNING")
+    env.drop(order("QUEUED") | {"timeout": 500})
+    d.wait_event("order.received", job_id="QUEUED")  # read: it waits for the slot RUNNING holds
+    env.configure(agents, max_jobs=2, max_timeout=100)
+    d.signal(signal.SIGHUP)
+    d.wait_event("config.reloaded")
+    env.wait_job("RUNNING", "done")
+    refused = env.wait_refused("QUEUED")
+    assert "max_timeout" in refused["reason"], refused
+    assert [j for j, _ in env.starts()] == ["RUNNING"]
+    assert d.stop() == 0

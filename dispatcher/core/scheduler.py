@@ -168,6 +168,8 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
         self.slot_poll = bool(self.blocked)
         cfg = self.config
         if cfg is not self._cfg_seen:
+            if self._cfg_seen is not None:
+                self._read_again()
             self._removed_since(cfg)
             self._lowered_since(cfg)
         if self._lowered:  # a reload lowered an agent's concurrency: none of it starts until fewer run
@@ -338,6 +340,13 @@ class Scheduler(ClaimsAhead, Requests[Job], ReadAside):
     def _leave_unread(self, p: Parked) -> None:
         if p.item is not None:
             self.inbox.set_aside(p.item.name, p.agent, p.item.order.expires)
+
+    def _read_again(self) -> None:
+        """A reload: orders read under the old config and not claimed yet are read again under the new one (its
+        ``max_timeout``, ``max_order_bytes`` and agents decide), unread in inbox/ from this turn on."""
+        for p in [p for p in self.parked if p.kind is Kind.NEW and p.job_id not in self.ahead.ready]:
+            self.parked.remove(p)
+            self._leave_unread(p)  # taken back at once (``_gates_changed``), unread, in its first place
 
     def _removed_since(self, cfg: Config) -> None:
         """Note the agents a reload removed (every agent a config of this daemon had, less the config's)."""

@@ -370,7 +370,8 @@ def show_json(
     if agents is not None and job["state"] in ("inbox", "held") and job.get("reason") is None and agent not in agents:
         # as the daemon reads it with this config: refused (an order's `to` must name a configured agent)
         why = f"to: no agent '{agent}' is defined in the config"
-        job["reason"] = f"not a valid order, refused when a daemon reads it: {why}"
+        waits = "a daemon that had the agent before a reload removed it leaves the order waiting instead"
+        job["reason"] = f"not a valid order, refused when a daemon reads it: {why} ({waits})"
     root = (chain(layout, ledger, tree_root(info), max_bytes) or info) if whole_tree else info
     out = dict(info["job"])
     out["ancestors"] = info["ancestors"]
