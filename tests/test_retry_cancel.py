@@ -624,3 +624,34 @@ def test_retry_and_cancel_go_through_when_the_log_file_cannot_be_opened(env: Env
         " daemon only"
     ], proc.stderr
     assert env.cli("hold", "LOGX-1").returncode == 2
+
+
+def test_a_cancel_whose_first_look_at_the_ledger_came_before_the_claim_still_cancels_the_job(env: Env) -> None:
+    """`cancel` read the ledger before a daemon claimed the order, and looked in inbox/ after the claim took it
+    away (the order was in neither place it looked): it answered "no such job", exit 1, and the job ran to done.
+    The row is read again after the look: the cancel is requested and the running job fails `cancelled`."""
+    env.configure(agents={"worker": env.agent("--sleep", "30")}, kill_grace=1)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RACED"))
+    d.wait_event("agent.started", job_id="RACED")  # claimed: its row written, its inbox name gone
+    cfg = load_config(env.config_path)
+    op = Operator(cfg, Layout(cfg.root))
+    real_get = op.ledger.get
+    reads: list[str] = []
+
+    def get_before_the_claim(job_id: str) -> Any:
+        if sys._getframe(1).f_code.co_name == "cancel":  # the command's own look, not its settling of a cut job
+            reads.append(job_id)
+            if len(reads) == 1:
+                return None  # its first read came before the claim's row
+        return real_get(job_id)
+
+    op.ledger.get = get_before_the_claim  # type: ignore[method-assign]
+    try:
+        assert op.cancel("RACED") == "RACED: cancel requested"
+        assert reads[0] == "RACED"
+    finally:
+        op.close()
+    assert env.wait_job("RACED", "failed")["reason"] == "cancelled"
+    assert d.stop() == 0

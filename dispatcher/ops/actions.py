@@ -182,17 +182,22 @@ class Operator:
                 if entry is not None and entry.state == Row.FAILED:
                     return f"{job_id}: {what} withdrawn; it stays failed"
                 # a daemon reopened it first: it is queued or running now, and cancelled as such
+        held = False
+        if entry is None:  # an order without a row yet: in inbox/, in held/, or claimed since the row was read
+            with self._moving(job_id):  # a release or hold moving it between the two looks would hide it from both
+                queued = bool(find_queued(self.layout.inbox, [job_id]))
+                held = not queued and bool(find_queued(self.layout.held, [job_id]))  # put on hold by hand
+            if not queued and not held:
+                entry = self.ledger.get(job_id)  # a claim writes its row before the order leaves inbox/
+                if entry is None:
+                    raise NotFound(f"{job_id}: no such job")
         if entry is not None and is_final(entry.state):
             raise WrongState(f"{job_id}: is {entry.state}, only a queued or running job can be cancelled")
         if entry is not None and entry.state == Row.REVIEW:  # its agent is done: a person decides
             raise WrongState(
                 f"{job_id}: is in review, only a queued or running job can be cancelled: approve or reject it"
             )
-        held = entry is not None and entry.state == Row.HELD
-        if entry is None and not find_queued(self.layout.inbox, [job_id]):
-            if not find_queued(self.layout.held, [job_id]):
-                raise NotFound(f"{job_id}: no such job")
-            held = True  # an order put on hold by hand: cancelled as a held follow-up is
+        held = held or (entry is not None and entry.state == Row.HELD)
         self.ledger.request(job_id, Request.CANCEL)
         # a hold that raced this cancel may have moved the order into held/ since it was looked for above
         if held or find_queued(self.layout.held, [job_id]):
