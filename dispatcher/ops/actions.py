@@ -81,26 +81,25 @@ class Operator:
     # -- retry and cancel -----------------------------------------------------------------
     def retry(self, job_id: str) -> str:
         """Record a retry of a failed job for a running (or the next) daemon."""
-        check_id(job_id)
-        self._settle_cut(job_id)
-        found = self.layout.find(job_id)
-        if found is None:
-            self._still_an_order(job_id, NotFound(f"{job_id}: no such job"), "only a failed job can be retried")
-        if found[0] is not State.FAILED:
-            raise WrongState(f"{job_id}: is {found[0].value}, only a failed job can be retried")
-        try:
-            JobFolder(found[1]).spec()
-        except ValueError:
-            raise WrongState(f"{job_id}: its job.json is damaged; it cannot be retried") from None
-        self._row_says(job_id, (Row.FAILED,), Request.RETRY)
-        if job_id in self.ledger.requests(Request.REVISE):
-            # one more attempt is asked for already, with a note: also while a daemon carries it out, or after a
-            # daemon died doing so (its row claimed, the folder still here: the next start finishes it)
-            raise WrongState(f"{job_id}: a revision is already requested; it runs the job again")
-        self.ledger.request(job_id, Request.RETRY)
-        self._note_blocked_join(job_id, found[1])
-        self._poke("retry", job_id)
-        return f"{job_id}: retry requested"
+        with self._acting_on(job_id):
+            found = self.layout.find(job_id)
+            if found is None:
+                self._still_an_order(job_id, NotFound(f"{job_id}: no such job"), "only a failed job can be retried")
+            if found[0] is not State.FAILED:
+                raise WrongState(f"{job_id}: is {found[0].value}, only a failed job can be retried")
+            try:
+                JobFolder(found[1]).spec()
+            except ValueError:
+                raise WrongState(f"{job_id}: its job.json is damaged; it cannot be retried") from None
+            self._row_says(job_id, (Row.FAILED,), Request.RETRY)
+            if job_id in self.ledger.requests(Request.REVISE):
+                # one more attempt is asked for already, with a note: also while a daemon carries it out, or after a
+                # daemon died doing so (its row claimed, the folder still here: the next start finishes it)
+                raise WrongState(f"{job_id}: a revision is already requested; it runs the job again")
+            self.ledger.request(job_id, Request.RETRY)
+            self._note_blocked_join(job_id, found[1])
+            self._poke("retry", job_id)
+            return f"{job_id}: retry requested"
 
     def parents_first(self, ids: list[str]) -> list[str]:
         """Return ids with each failed join moved after those of its ``after`` parents that are among them.
@@ -229,6 +228,29 @@ class Operator:
             time.sleep(0.01)
 
     def _settle_cut(self, job_id: str) -> None:
+        """Land a job whose dead daemon recorded its end (and notify it, as the daemon would have), then put back
+        the row of a job a dead daemon had claimed to run again (``_settle_claim_cut``)."""
+        landed = land_recorded_end(self.layout, self.ledger, job_id)  # its daemon died between the record and move
+        if landed is not None:
+            tell_landed(self.config, self.layout, landed)
+        self._settle_claim_cut(job_id)
+
+    @contextlib.contextmanager
+    def _acting_on(self, job_id: str) -> Iterator[None]:
+        """``_settle_cut`` for a command that moves the job on (a retry, a decision, a revision): a job its dead
+        daemon recorded is landed, and notified only if the command then does not act on it (a notification
+        run once it moved on would name a ``result.json`` that is gone, for an end a person already acts on)."""
+        check_id(job_id)
+        landed = land_recorded_end(self.layout, self.ledger, job_id)
+        try:
+            self._settle_claim_cut(job_id)
+            yield
+        except BaseException:
+            if landed is not None and os.path.lexists(landed.folder.path / "result.json"):
+                tell_landed(self.config, self.layout, landed)
+            raise
+
+    def _settle_claim_cut(self, job_id: str) -> None:
         """Put back the row of a job a dead daemon had claimed to run again, its folder still in failed/ or review/.
 
         The daemon died between claiming a retry or revision and moving the folder; the next
@@ -236,9 +258,6 @@ class Operator:
         here first, this command sees the job as it is: a retry of it is refused for the open
         revision, a cancel withdraws the request, an approve withdraws the revision.
         """
-        landed = land_recorded_end(self.layout, self.ledger, job_id)  # its daemon died between the record and move
-        if landed is not None:
-            tell_landed(self.config, self.layout, landed)
         entry = self.ledger.get(job_id)
         if entry is None or entry.state != Row.CLAIMED or entry.owner is None or self.ledger.alive(entry.owner):
             return
@@ -429,53 +448,50 @@ class Operator:
         from dispatcher.job.notice import Apart
         from dispatcher.job.review import decide
 
-        check_id(job_id)
-        self._settle_cut(job_id)
-        cfg = self.config
-        try:
-            line = decide(
-                self.layout,
-                self.ledger,
-                job_id,
-                approve=True,
-                max_chain_cost_usd=cfg.max_chain_cost_usd,
-                notify=Apart(cfg.notify or (), cfg.kill_grace_s, cfg.log_file),
-            )
-        except NotFound as exc:
-            self._still_an_order(job_id, exc, "not waiting for review")
-        self._poke("approve", job_id)  # a running daemon lands it and runs its after hook at once
-        return line
+        with self._acting_on(job_id):
+            cfg = self.config
+            try:
+                line = decide(
+                    self.layout,
+                    self.ledger,
+                    job_id,
+                    approve=True,
+                    max_chain_cost_usd=cfg.max_chain_cost_usd,
+                    notify=Apart(cfg.notify or (), cfg.kill_grace_s, cfg.log_file),
+                )
+            except NotFound as exc:
+                self._still_an_order(job_id, exc, "not waiting for review")
+            self._poke("approve", job_id)  # a running daemon lands it and runs its after hook at once
+            return line
 
     def reject(self, job_id: str) -> str:
         """Move a job waiting in review/ to failed/ with reason `rejected: TEXT`; its follow-ups are dropped."""
         from dispatcher.job.review import decide
 
-        check_id(job_id)
-        self._settle_cut(job_id)
-        try:
-            line = decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
-        except NotFound as exc:
-            self._still_an_order(job_id, exc, "not waiting for review")
-        self._poke("reject", job_id)  # a running daemon runs its after hook at once
-        return line
+        with self._acting_on(job_id):
+            try:
+                line = decide(self.layout, self.ledger, job_id, approve=False, reason=self.reason)
+            except NotFound as exc:
+                self._still_an_order(job_id, exc, "not waiting for review")
+            self._poke("reject", job_id)  # a running daemon runs its after hook at once
+            return line
 
     def revise(self, job_id: str) -> str:
         """Send a job in review/ or failed/ back for one more attempt with the note (section 14)."""
         from dispatcher.job.revise import request
 
-        check_id(job_id)
-        self._settle_cut(job_id)
-        found = self.layout.find(job_id)
-        if found is not None and found[0] in (State.FAILED, State.REVIEW):
-            self._row_says(job_id, (Row.FAILED,) if found[0] is State.FAILED else (Row.REVIEW,), Request.REVISE)
-        try:
-            line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
-        except NotFound as exc:
-            self._still_an_order(job_id, exc, "only a job in review or failed can be revised")
-        if found is not None and found[0] is State.FAILED:
-            self._note_blocked_join(job_id, found[1])
-        self._poke("revise", job_id)
-        return line
+        with self._acting_on(job_id):
+            found = self.layout.find(job_id)
+            if found is not None and found[0] in (State.FAILED, State.REVIEW):
+                self._row_says(job_id, (Row.FAILED,) if found[0] is State.FAILED else (Row.REVIEW,), Request.REVISE)
+            try:
+                line = request(self.config, self.layout, self.ledger, job_id, self.note or "")
+            except NotFound as exc:
+                self._still_an_order(job_id, exc, "only a job in review or failed can be revised")
+            if found is not None and found[0] is State.FAILED:
+                self._note_blocked_join(job_id, found[1])
+            self._poke("revise", job_id)
+            return line
 
     # -- gates (section 14) -----------------------------------------------------------------
     def pause(self, agent: str) -> str:
