@@ -510,6 +510,27 @@ def decision_killed_at(env: Env, job_id: str, approve: bool, fault: str) -> Daem
     return d
 
 
+def test_a_follow_up_an_approve_placed_before_it_was_killed_is_logged_released_once(env: Env) -> None:
+    """approve killed after placing the follow-up in inbox/, before marking it released, a daemon running: the
+    daemon claims and runs it, and `followup.released` is logged once (by the claim that found the row still
+    reserved). It was never logged: the claim took the row, so no later release had it to mark."""
+    worker = env.agent("--followup", json.dumps(FOLLOWUP), review=True)
+    env.configure(agents={"worker": worker, "next": env.agent()}, rescan_interval=60)
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(simple("PLACED-1"))
+    wait_until((env.root / "review" / "PLACED-1").exists, 30, "the job in review/")
+    assert decide(env, "approve", "PLACED-1", fault="followup.placed").returncode == -9
+    env.wait_job("CHILD-1", "done")
+    assert decide(env, "approve", "PLACED-1").returncode in (0, 1)
+    time.sleep(1)
+    released = [e for e in d.events() if e.get("event") == "followup.released" and e.get("job_id") == "CHILD-1"]
+    assert len(released) == 1, released
+    assert released[0]["parent"] == "PLACED-1" and released[0]["agent"] == "next", released
+    assert [j for j, _ in env.starts()].count("CHILD-1") == 1
+    assert d.stop() == 0
+
+
 @pytest.mark.parametrize("approve", [True, False])
 def test_a_decision_killed_after_naming_its_result_is_landed_by_the_daemon(env: Env, approve: bool) -> None:
     """approve/reject killed between naming result.json and moving the folder: with no command run again, the

@@ -26,7 +26,7 @@ from dispatcher import faults, fsutil
 from dispatcher.fsutil import digest
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Claimed, Ledger
-from dispatcher.lifecycle import State
+from dispatcher.lifecycle import Row, State
 from dispatcher.shortage import SHORT
 from dispatcher.spec.jobspec import JobSpec, prompt_values, render
 from dispatcher.spec.order import Order
@@ -220,6 +220,15 @@ def announce(layout: Layout, pick: Pick, claimed: Claimed, placed: str) -> None:
                 os.unlink(path)  # the inode linked into the job's folder by stage(), as it was read
     elif _own_link_rewritten(placed, item, path):
         _log_rewritten(pick)
+    if claimed.previous == Row.RESERVED:  # its releaser placed it and died before its mark: the line is owed here
+        log.info(
+            "followup.released",
+            job_id=item.order.job_id,
+            parent=claimed.parent,
+            hops=claimed.hops,
+            file=item.name,
+            agent=pick.agent.name,
+        )
     log.info(
         "job.claimed",
         job_id=item.order.job_id,
