@@ -669,3 +669,23 @@ def test_allowed_values_of_an_output_file_compare_as_its_format_writes_them(
     doc = summarise_fd(os.open(path, os.O_RDONLY), fmt, order, 1 << 20)
     result = checks.allowed_values(evidence(order=order, output=doc))
     assert result.ok is ok, result
+
+
+def test_a_receipt_of_an_order_of_many_long_ids_is_read_whole_beyond_4_mib(tmp_path: Path) -> None:
+    """An order of 34,000 items with 128-character ids (valid under a raised max_order_bytes): its compact receipt
+    listing every id as input and output is 4.45 MB. It is read (the limit leaves room for the order's ids twice);
+    it failed `receipt_present: larger than 4194304 bytes` after the agent's work. A small order keeps 4 MiB."""
+    import json
+
+    from dispatcher.checks.evidence import RECEIPT_MAX, read_receipt, receipt_max
+
+    ids = [f"{i:06d}" + "x" * 122 for i in range(34000)]
+    big = validate_order({"job_id": "BIG", "from": "a", "to": "b", "task": "t", "items": [{"id": i} for i in ids]})
+    receipt = {"job_id": "BIG", "input_ids": ids, "output_ids": ids, "status": "done"}
+    (tmp_path / "receipt.json").write_text(json.dumps(receipt, separators=(",", ":")))
+    assert (tmp_path / "receipt.json").stat().st_size > RECEIPT_MAX
+    doc = read_receipt(tmp_path, None, receipt_max(big))
+    assert doc.error is None and doc.value["input_ids"] == ids
+    small = validate_order({"job_id": "S", "from": "a", "to": "b", "task": "t", "items": [{"id": "R1"}]})
+    assert receipt_max(small) == RECEIPT_MAX
+    assert read_receipt(tmp_path, None, receipt_max(small)).error == f"larger than {RECEIPT_MAX} bytes"

@@ -395,6 +395,22 @@ def test_cancel_of_an_order_waiting_in_inbox_with_no_daemon(env: Env) -> None:
     assert starts_of(env, "INBOX-1") == []
 
 
+def test_an_order_whose_prompt_makes_the_command_line_too_long_says_so_and_what_to_pass_instead(env: Env) -> None:
+    """An agent given its prompt as an argument (`claude -p "{prompt}"`) and an order of 1,500 long items (195 KB,
+    valid): the start fails E2BIG, as a config error with no attempt (section 6), and the reason says that this
+    order's command line is too long and to pass {prompt_file}. It said only "Argument list too long"."""
+    agent = {"command": ["sh", "-c", "exit 0", "{prompt}"], "prompt": "Do these items: {items_json}", "timeout": 30}
+    env.configure(agents={"worker": agent})
+    body = order("LONG-1") | {"items": [{"id": f"R{i:06d}", "text": "x" * 100} for i in range(1500)]}
+    env.drop(body)
+    assert env.cli("run", "--once", timeout=60).returncode == 1
+    result = env.result("LONG-1", "failed")
+    assert result["reason"].startswith("config: agent worker cannot start: Argument list too long: "), result
+    assert "(this order makes its command line 19" in result["reason"], result["reason"]
+    assert "give it {prompt_file}, not {prompt}" in result["reason"], result["reason"]
+    assert result["attempts"] == []
+
+
 @pytest.mark.parametrize("how", ["missing", "not-executable"])
 def test_agent_that_cannot_start_fails_as_config_error_without_attempt(env: Env, how: str) -> None:
     """An agent that cannot start fails `config: agent NAME cannot start: ...` with no attempt."""

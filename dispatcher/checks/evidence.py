@@ -27,6 +27,15 @@ from dispatcher.spec.order import Order
 from dispatcher.spec.orders import order_format, parse_order
 
 RECEIPT_MAX = 4 * 1024 * 1024  # ids of items and outputs: orders are at most a few MiB
+
+
+def receipt_max(order: Order) -> int:
+    """Return the largest receipt read for order: 4 MiB, or room for its item ids listed twice (input_ids and
+    output_ids), escaped, when that is more (an order of many long ids may be valid and need it)."""
+    room = 2 * sum(2 * len(item) + 4 for item in order.item_ids) + 64 * 1024  # a \u escape doubles a character
+    return max(RECEIPT_MAX, room)
+
+
 OUTPUT_MAX = 256 * 1024 * 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # as fsutil.open_beneath opens a folder
 _NOT_A_FOLDER = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # missing, not a folder, a link
@@ -124,9 +133,9 @@ def read_doc(work: str | Path, rel: str, limit: int, dir_fd: int | None = None) 
     return Doc(), b"".join(chunks)
 
 
-def read_receipt(work: str | Path, dir_fd: int | None = None) -> Doc:
-    """Read and parse work/receipt.json."""
-    doc, data = read_doc(work, "receipt.json", RECEIPT_MAX, dir_fd)
+def read_receipt(work: str | Path, dir_fd: int | None = None, limit: int = RECEIPT_MAX) -> Doc:
+    """Read and parse work/receipt.json (at most ``limit`` bytes: ``receipt_max`` of the order)."""
+    doc, data = read_doc(work, "receipt.json", limit, dir_fd)
     if data is None:
         return doc
     try:  # strictly, as an order: no NaN or Infinity, no key twice (which one would count?), UTF-8
@@ -329,7 +338,7 @@ def gather(
             agent=agent,
             writes=tuple(scope),
             exit=exit,
-            receipt=read_receipt(root, dir_fd) if work_exists else Doc(missing=True),
+            receipt=read_receipt(root, dir_fd, receipt_max(order)) if work_exists else Doc(missing=True),
             output=output,
             work_exists=work_exists,
             entries=tuple(list_entries(root, given, dir_fd, left)) if work_exists else (),

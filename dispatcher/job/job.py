@@ -14,6 +14,7 @@ running record right after, its end record, then ``jobstore``'s finishing sequen
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -389,6 +390,9 @@ class Job(Finishing, Deciding):
             why += f": {proc.filename}" if proc.filename else ""
             if self._work_gone():  # not the config: a retry of a job whose agent removed its work/ (section 5 wording)
                 why = WORK_GONE
+            elif proc.errno == errno.E2BIG:  # this order's values (a long {prompt}) outgrew one argument or argv
+                size = sum(len(os.fsencode(a)) + 1 for a in argv)
+                why += f" (this order makes its command line {size} bytes: give it {{prompt_file}}, not {{prompt}})"
             reason = f"config: agent {agent.name} cannot start: {why}"
             log.error("agent.exited", error=reason)  # no attempt (section 6)
             return await self.finish(Row.FAILED, reason, self._unstarted_checks(n))
