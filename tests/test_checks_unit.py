@@ -686,6 +686,13 @@ def test_a_receipt_of_an_order_of_many_long_ids_is_read_whole_beyond_4_mib(tmp_p
     assert (tmp_path / "receipt.json").stat().st_size > RECEIPT_MAX
     doc = read_receipt(tmp_path, None, receipt_max(big))
     assert doc.error is None and doc.value["input_ids"] == ids
+    short = [f"R{i:06d}" for i in range(150000)]  # short ids, pretty-printed: more bytes a list entry than its id
+    many = validate_order({"job_id": "MANY", "from": "a", "to": "b", "task": "t", "items": [{"id": i} for i in short]})
+    pretty = {"job_id": "MANY", "input_ids": short, "output_ids": short, "status": "done"}
+    (tmp_path / "receipt.json").write_text(json.dumps(pretty, indent=4))
+    assert (tmp_path / "receipt.json").stat().st_size > 5_600_000
+    assert read_receipt(tmp_path, None, receipt_max(many)).error is None
+    (tmp_path / "receipt.json").write_text(json.dumps(receipt, separators=(",", ":")))
     small = validate_order({"job_id": "S", "from": "a", "to": "b", "task": "t", "items": [{"id": "R1"}]})
     assert receipt_max(small) == RECEIPT_MAX
     assert read_receipt(tmp_path, None, receipt_max(small)).error == f"larger than {RECEIPT_MAX} bytes"

@@ -25,6 +25,7 @@ from helpers_faults import (
 from seam_fixtures import GOOD, sh
 from seam_fixtures import order as seam_order
 
+from dispatcher.errors import WrongState
 from dispatcher.layout import Layout
 from dispatcher.ledger.base import Request
 from dispatcher.ops.actions import Operator
@@ -670,4 +671,34 @@ def test_a_cancel_whose_first_look_at_the_ledger_came_before_the_claim_still_can
     finally:
         op.close()
     assert env.wait_job("RACED", "failed")["reason"] == "cancelled"
+    assert d.stop() == 0
+
+
+def test_a_cancel_whose_held_order_a_release_hands_to_a_daemon_that_finishes_it_says_it_came_too_late(
+    env: Env,
+) -> None:
+    """`cancel` finds the order in held/ (no row yet); before its request is written, a `release` moves the order
+    to inbox/ and the daemon claims and finishes it. The cancel reached nothing: it says the job ended done, exit 1
+    (as for a running job that finished first). It said "cancel requested", exit 0, of a job done."""
+    env.configure(agents={"worker": env.agent()})
+    d = env.daemon()
+    d.wait_ready()
+    (env.root / "held").mkdir(exist_ok=True)
+    (env.root / "held" / "LATE.json").write_text(json.dumps(order("LATE")))
+    cfg = load_config(env.config_path)
+    op = Operator(cfg, Layout(cfg.root))
+    real_request = op.ledger.request
+
+    def release_first(job_id: str, kind: Request) -> None:
+        assert env.cli("release", "LATE").returncode == 0  # between the look and the request
+        env.wait_job("LATE", "done")
+        real_request(job_id, kind)
+
+    op.ledger.request = release_first  # type: ignore[method-assign]
+    try:
+        with pytest.raises(WrongState, match="it ended done before the cancel reached it"):
+            op.cancel("LATE")
+    finally:
+        op.close()
+    assert env.result("LATE", "done")["state"] == "done"
     assert d.stop() == 0

@@ -31,8 +31,12 @@ RECEIPT_MAX = 4 * 1024 * 1024  # ids of items and outputs: orders are at most a 
 
 def receipt_max(order: Order) -> int:
     """Return the largest receipt read for order: 4 MiB, or room for its item ids listed twice (input_ids and
-    output_ids), escaped, when that is more (an order of many long ids may be valid and need it)."""
-    room = 2 * sum(2 * len(item) + 4 for item in order.item_ids) + 64 * 1024  # a \u escape doubles a character
+    output_ids) when that is more (an order of many ids may be valid and need it).
+
+    Each id is given room for every character written as a ``\\u`` escape (6 bytes) and for the quotes, comma,
+    line break and indentation of a pretty-printed list (32 bytes), plus 1 MiB for the rest.
+    """
+    room = 2 * sum(6 * len(item) + 32 for item in order.item_ids) + 1024 * 1024
     return max(RECEIPT_MAX, room)
 
 

@@ -202,13 +202,16 @@ class Operator:
         if held or find_queued(self.layout.held, [job_id]):
             self._unhold(job_id)
         self._poke("cancel", job_id)
+        # read again: a daemon may have claimed it (a release racing the look) and even finished it since
+        entry = self.ledger.get(job_id) or entry
         running = entry is not None and entry.state == Row.CLAIMED and entry.owner is not None
+        ended = Row(entry.state) if entry is not None and entry.state in (Row.DONE, Row.REVIEW) else None
         if running and entry is not None and entry.owner is not None and self.ledger.alive(entry.owner):
             ended = self._until_cancel_taken(job_id)
-            if ended == Row.DONE:
-                raise WrongState(f"{job_id}: it ended done before the cancel reached it")
-            if ended == Row.REVIEW:
-                raise WrongState(f"{job_id}: it passed into review before the cancel reached it: approve or reject it")
+        if ended == Row.DONE:
+            raise WrongState(f"{job_id}: it ended done before the cancel reached it")
+        if ended == Row.REVIEW:
+            raise WrongState(f"{job_id}: it passed into review before the cancel reached it: approve or reject it")
         return f"{job_id}: cancel requested"
 
     def _until_cancel_taken(self, job_id: str) -> Row | None:
