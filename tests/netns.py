@@ -216,6 +216,12 @@ class Host:
             if time.monotonic() > end:
                 raise RuntimeError(f"{self.name}: processes {sorted(left)} survive SIGKILL")
             time.sleep(0.02)
+        # a process in the middle of its exit has left its namespaces (so pids() no longer sees it) before it
+        # is a zombie: wait until each one signalled is gone or a zombie, as a caller reading /proc expects
+        while dying := {pid for pid in sent if (_stat(pid) or ("Z",))[0] != "Z"}:
+            if time.monotonic() > end:
+                raise RuntimeError(f"{self.name}: processes {sorted(dying)} do not end after SIGKILL")
+            time.sleep(0.02)
         for proc in self._procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, end - time.monotonic()))
