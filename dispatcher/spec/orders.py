@@ -216,6 +216,13 @@ _TOP_AFTER = re.compile(rb"^after:", re.M)
 _TOP_TO = re.compile(rb"^to:[ \t]*[\"']?([^\s\"'#]+)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
 _TOP_NOT_BEFORE = re.compile(rb"^not_before:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
 _TOP_EXPIRES = re.compile(rb"^expires:[ \t]*[\"']?([0-9][0-9T:.,+Zz -]*?)[\"']?[ \t]*(?:#.*)?\r?$", re.M)
+_TOP_LINES = (  # the lines the glance reads, in the order peek_schedule takes them
+    (b"priority:", _TOP_PRIORITY),
+    (b"not_before:", _TOP_NOT_BEFORE),
+    (b"after:", _TOP_AFTER),
+    (b"to:", _TOP_TO),
+    (b"expires:", _TOP_EXPIRES),
+)
 _NOT_BLOCK = re.compile(rb"^[\"'{]", re.M)  # a line that opens a quoted key or a flow mapping: parsed instead
 GLANCE_PARSE_MAX = 16 * 1024  # such a YAML order is parsed for its glance up to this size (about 3 ms)
 
@@ -300,25 +307,11 @@ def _json_glance(data: bytes, *, strict: bool = False) -> dict[str, Any] | None:
     return body if type(body) is dict else None  # the scanner makes plain dicts, str and int: type tells
 
 
-def _quote_before(data: bytes, at: int) -> bool:
-    """Return True if a quote comes before ``at``: a line there may continue a quoted scalar, not start a key."""
-    return data.find(b'"', 0, at) >= 0 or data.find(b"'", 0, at) >= 0
-
-
-def _doubtful(data: bytes) -> bool:
-    """Return True if a top-level-looking line of a key the glance reads comes after a quote (see above).
-
-    Such a line may continue a quoted scalar (``task: "first part`` then ``to: b"``): the
-    small order is then parsed for its glance, not scanned.
-    """
-    found = (
-        _top(data, b"not_before:", _TOP_NOT_BEFORE),
-        _top(data, b"expires:", _TOP_EXPIRES),
-        _top(data, b"to:", _TOP_TO),
-        _top(data, b"priority:", _TOP_PRIORITY),
-        _top(data, b"after:", _TOP_AFTER),
-    )
-    return any(m is not None and _quote_before(data, m.start()) for m in found)
+def _first_quote(data: bytes) -> int:
+    """Return where data's first quote is (len(data) if none): a top-level-looking line after it may
+    continue a quoted scalar (``task: "first part`` then ``to: b"``), not start a key."""
+    quotes = [at for at in (data.find(b'"'), data.find(b"'")) if at >= 0]
+    return min(quotes) if quotes else len(data)
 
 
 def peek_schedule(data: bytes, name: str) -> Glance:
@@ -344,25 +337,23 @@ def peek_schedule(data: bytes, name: str) -> Glance:
             raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
             raw_to, raw_e = body.get("to"), body.get("expires")
             agent = raw_to if type(raw_to) is str else ""
-        elif (
-            len(data) <= GLANCE_PARSE_MAX
-            and (_NOT_BLOCK.search(data) or _doubtful(data))
-            and (small := _yaml_glance(data)) is not None
-        ):
-            body = small
-            raw_p, raw_t, joins = body.get("priority"), body.get("not_before"), bool(body.get("after"))
-            raw_to, raw_e = body.get("to"), body.get("expires")
-            agent = raw_to if type(raw_to) is str else ""
         else:
-            m = _top(data, b"priority:", _TOP_PRIORITY)
-            raw_p = int(m.group(1)) if m else None
-            t = _top(data, b"not_before:", _TOP_NOT_BEFORE)
-            raw_t = t.group(1).decode() if t and not _quote_before(data, t.start()) else None
-            joins = _top(data, b"after:", _TOP_AFTER) is not None
-            to = _top(data, b"to:", _TOP_TO)  # after a quote: left out (the order is read, not left for a gate)
-            agent = to.group(1).decode("utf-8", "replace") if to and not _quote_before(data, to.start()) else ""
-            e = _top(data, b"expires:", _TOP_EXPIRES)
-            raw_e = e.group(1).decode() if e else None  # a hint only: at that time the order is read for real
+            quote = _first_quote(data)
+            p, t, a, to, e = (_top(data, key, pattern) for key, pattern in _TOP_LINES)
+            doubtful = any(m is not None and m.start() > quote for m in (p, t, a, to, e))
+            small = (
+                _yaml_glance(data) if len(data) <= GLANCE_PARSE_MAX and (doubtful or _NOT_BLOCK.search(data)) else None
+            )
+            if small is not None:  # parsed: written otherwise than the line scan reads
+                raw_p, raw_t, joins = small.get("priority"), small.get("not_before"), bool(small.get("after"))
+                raw_to, raw_e = small.get("to"), small.get("expires")
+                agent = raw_to if type(raw_to) is str else ""
+            else:  # a line after a quote is left out, never made up (the order is read, not deferred or left)
+                raw_p = int(p.group(1)) if p else None
+                raw_t = t.group(1).decode() if t and t.start() < quote else None
+                joins = a is not None
+                agent = to.group(1).decode("utf-8", "replace") if to and to.start() < quote else ""
+                raw_e = e.group(1).decode() if e else None  # a hint only: at that time the order is read for real
         if type(raw_p) is int and 0 <= raw_p <= 9:  # not a bool
             priority = raw_p
         expires = parse_time(str(raw_e)) if isinstance(raw_e, str) else None  # str: an unquoted YAML time too
