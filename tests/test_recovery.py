@@ -939,6 +939,8 @@ def test_run_once_started_while_a_daemon_stops_runs_the_jobs_that_daemon_left_wh
     proc = env.cli("run", "--once", timeout=120)
     assert d.wait() == 0
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the stopping daemon was alive at --once's start (not a start-up recovery of a daemon already dead)
+    assert '"daemon.shared"' in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert os.listdir(env.root / "active") == []
     for k in ("K1", "K2", "OWN"):
         assert env.result(k, "done")["state"] == "done"
