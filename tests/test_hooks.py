@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, cli_env, namespaced_daemon, wait_until
+from conftest import Env, cli_env, namespaced_daemon, order, wait_until
 from git_helpers import code_order, coder, git, make_repo, starts
 from helpers_faults import alive, count_events, env_daemon
 
@@ -914,6 +914,34 @@ def test_a_stop_during_the_after_hook_leaves_the_landing_owed_for_the_next_start
     assert len(log.read_text().splitlines()) == 1
 
 
+def test_a_landing_owed_at_start_runs_beside_the_loop_and_a_stop_ends_it_at_stop_timeout(
+    env: Env, tmp_path: Path
+) -> None:
+    """A landing a stop left owed (section 15), with a land hook of 120 s: the next start says READY=1 and claims
+    other agents' orders while the hook runs, and a SIGTERM ends the hook at stop_timeout (plus kill_grace), as
+    for agents (section 13). The start ran the hook before daemon.ready: no claim, and a stop waited for it."""
+    repo = make_repo(tmp_path / "shop")
+    after_started, land_started = tmp_path / "after.started", tmp_path / "land.started"
+    after = ["sh", "-c", 'echo $$ > "$0"; sleep 120', str(after_started)]
+    land = ["sh", "-c", 'echo $$ > "$0"; sleep 120', str(land_started)]
+    agent = coder(env, repo, "--write", "src/a.txt=x", after=after, land=land)
+    env.configure(agents={"coder": agent, "plain": env.agent()}, stop_timeout=2, kill_grace=1)
+    d = env.daemon()
+    env.drop(code_order("OW1"))
+    env.wait_job("OW1", "done")
+    _sigterm_while_the_hook_runs(d, after_started)  # the after hook is ended: the landing stays owed
+    assert not land_started.exists()
+    d2 = env.daemon()
+    wait_until(lambda: land_started.exists() and land_started.read_text().strip(), 60, "the owed land hook's start")
+    d2.wait_event("daemon.ready", timeout=30)
+    env.drop(order("PL1", to="plain"))
+    env.wait_job("PL1", "done", timeout=30)  # claimed and run while the landing goes on
+    pid, took = _sigterm_while_the_hook_runs(d2, land_started)
+    assert took < 2 + 1 + 5, f"the stop took {took:.1f} s with stop_timeout 2 and kill_grace 1"
+    assert not alive(pid), "the land hook outlived the stop"
+    assert count_events(d2, "job.landed") == 0
+
+
 def test_a_rescan_during_the_after_hook_does_not_land_before_the_worktree_is_gone(env: Env, tmp_path: Path) -> None:
     """rescan_interval 0.5 and an after hook of 3 s: land still runs once, after the after hook and after the
     worktree's removal (the land hook checks that the worktree is gone), never from a rescan beside the hook."""
@@ -936,12 +964,15 @@ def test_a_rescan_during_the_after_hook_does_not_land_before_the_worktree_is_gon
 @pytest.mark.parametrize("kind", ["after", "land"])
 def test_a_daemon_starting_beside_a_running_hook_leaves_it_alone(env: Env, tmp_path: Path, kind: str) -> None:
     """A second daemon started on the root while the first runs a done job's after (or land) hook: it neither
-    ends that hook as a dead daemon's leftover nor records it as interrupted; the hook runs once, recorded ok."""
+    ends that hook as a dead daemon's leftover nor records it as interrupted, nor removes the worktree the after
+    hook runs in (it did: the hook found its folder gone); the hook runs once, recorded ok."""
     repo = make_repo(tmp_path / "shop")
     log, started, go = tmp_path / "hook.txt", tmp_path / "hook.started", tmp_path / "go"
     # runs until the test says go (at most 60 s): the second daemon's start, however slow, falls within it
     wait = 'i=0; while [ ! -e "$2" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'
-    hook = ["sh", "-c", f'echo $$ > "$1"; {wait}; echo ran >> "$0"', str(log), str(started), str(go)]
+    # and it says whether its folder (an after hook's: the job's worktree) is still there at its end
+    said = 'if [ -d "$PWD" ]; then echo ran >> "$0"; else echo "its folder was removed" >> "$0"; fi'
+    hook = ["sh", "-c", f'echo $$ > "$1"; {wait}; {said}', str(log), str(started), str(go)]
     env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x", **{kind: hook})})
     env.drop(code_order("B1"))
     first = env.daemon()
@@ -956,7 +987,8 @@ def test_a_daemon_starting_beside_a_running_hook_leaves_it_alone(env: Env, tmp_p
     second.stop()
     first.stop()
     records = sorted((env.job_dir("B1", "done") / ("hooks" if kind == "after" else "land")).glob("*.json"))
-    assert [json.loads(r.read_text())["ok"] for r in records] == [True] and log.read_text() == "ran\n"
+    assert log.read_text() == "ran\n"
+    assert [json.loads(r.read_text())["ok"] for r in records] == [True]
     for d in (first, second):
         assert count_events(d, "hook.orphan_ended") == count_events(d, "hook.failed") == 0
         assert count_events(d, "land.failed") == 0

@@ -504,16 +504,20 @@ async def housekeep(
     busy: Container[str] = (),
     stopping: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Tidy after a crash (at start) and run what is owed: the after hooks of decided reviews, then
-    landings (approved jobs, landings a crash postponed).
+    """Tidy after a crash (at start); in a live pass, run what is owed as well: the after hooks of decided
+    reviews, then landings (approved jobs, landings a crash postponed).
 
     Once ``stopping`` says a stop began, no further owed hook is taken (the next start runs it);
     one that runs goes on until the stop's deadline, as an agent does.
 
     At start, each configured repository's worktrees are pruned (the locked ones are
     named in one line: they must be unlocked on purpose), worktrees of jobs no longer
-    active are removed. At start and in every pass, after hooks and landings a crash cut short (in this
-    daemon's last run, or in another daemon on this root that died) are ended and recorded as failed.
+    active are removed, except those whose after hook is owed or runs now (in another
+    daemon on this root). At start and in every pass, after hooks and landings a crash cut
+    short (in this daemon's last run, or in another daemon on this root that died) are ended
+    and recorded as failed. The start runs no owed hook itself: the daemon's first live pass
+    does, beside the loop (``Housekeeping.run_owed``), so that a long `land` never holds up
+    READY=1, the first claims or a stop's deadline.
     ``busy``: the jobs this daemon runs now, whose Job runs its own after hook and landing.
     """
     if startup:
@@ -534,7 +538,7 @@ async def housekeep(
     agents = await _end_leftovers(layout, lanes, cfg, afters.interrupted, "after")
     if startup or afters.interrupted:  # after the hooks a crash left running are ended: a hook runs in the worktree
         # an after hook owed now runs in its job's worktree, removed once it has run
-        keep = await lanes.io(_unfinished, layout) + afters.ready
+        keep = await lanes.io(_unfinished, layout) + afters.ready + afters.running  # running: a live daemon's
         only = None if startup else afters.interrupted  # a live pass: the worktrees of the hooks another daemon cut
         removed = await lanes.io(worktree.sweep, layout.state_dir / "worktrees", keep, only=only)
         if removed:
@@ -543,7 +547,7 @@ async def housekeep(
         await lanes.io(afterowed.record_interrupted, layout, job_id)
         log.warning("hook.failed", hook="after", job_id=job_id, agent=agents.get(job_id), reason=afterowed.INTERRUPTED)
     await _log_ended(layout, lanes, afters.ended, "after", notify)
-    for job_id in afters.ready:
+    for job_id in [] if startup else afters.ready:
         if job_id in busy:  # its Job runs it itself (a revised review that ended again)
             continue
         if stopping():
@@ -572,7 +576,7 @@ async def housekeep(
                 layout.job(State.DONE, job_id) / "result.json",
             )
     await _log_ended(layout, lanes, owed.ended, "land", notify)
-    for job_id in owed.ready:
+    for job_id in [] if startup else owed.ready:
         if job_id in busy:  # its Job lands it itself, after its after hook and the worktree's removal
             continue
         if await lanes.io(afterowed.busy, layout, job_id):
