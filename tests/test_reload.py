@@ -14,7 +14,8 @@ import pytest
 import yaml
 from conftest import Env, cli_env, namespaced_daemon, order, wait_until
 
-from dispatcher.ops.daemons import systemd_unit, unit_of_cgroup
+from dispatcher.ledger.base import DaemonInfo
+from dispatcher.ops.daemons import config_note, systemd_unit, unit_of_cgroup
 
 pytest_plugins = ["pg_fixtures"]
 
@@ -27,7 +28,9 @@ def test_a_changed_config_is_noted_and_reload_makes_the_daemon_load_it(env: Env)
     daemons = json.loads(status.stdout)["daemons"]
     assert status.stderr == ""
     info = json.loads(next((env.root / ".state" / "daemons").glob("*.json")).read_text())
-    assert len(info["config_digest"]) == 16  # the daemon's entry records the digest of the config it loaded
+    # the daemon's entry records the digest of the config it loaded, and the file it loaded it from
+    digest, path = info["config_digest"].split(" ", 1)
+    assert len(digest) == 16 and path == os.path.realpath(env.config_path)
     assert "has changed" not in env.cli("status", check=True).stdout
 
     agents = {"worker": env.agent(), "split": env.agent()}
@@ -52,6 +55,44 @@ def test_a_changed_config_is_noted_and_reload_makes_the_daemon_load_it(env: Env)
     sub = env.cli("submit", str(env.tmp / "s2.json"))
     assert sub.returncode == 0 and sub.stderr == ""
     env.wait_job("SPLIT-2", "done")
+
+
+def test_a_daemon_that_loaded_another_file_or_runs_on_another_host_is_never_said_to_run_a_changed_config(
+    env: Env,
+) -> None:
+    """Two daemons on one root, each with its own config file (they differ in max_jobs): neither file changed, so
+    `status` with either file prints no note (it named the other file's daemon). A daemon of another host (its
+    entry's host) is left out too: its file is not this one, and `dispatcher reload` here cannot reach it."""
+    d = env.daemon()
+    d.wait_ready()
+    other = env.tmp / "other.yaml"
+    other.write_text(yaml.safe_dump({**env.settings, "max_jobs": 1}, sort_keys=False))
+    assert other.read_bytes() != env.config_path.read_bytes()
+    e2 = cli_env()
+    e2["DISPATCHER_CONFIG"] = str(other)
+    second = subprocess.Popen(
+        [sys.executable, "-m", "dispatcher", "run"], env=e2, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_until(lambda: len(list((env.root / ".state" / "daemons").glob("*.json"))) == 2, what="both daemons")
+        wait_until(lambda: len(json.loads(env.cli("status", "--json", check=True).stdout)["daemons"]) == 2)
+        assert "has changed" not in env.cli("status", check=True).stdout
+        mine = subprocess.run(
+            [sys.executable, "-m", "dispatcher", "status"], env=e2, capture_output=True, text=True, timeout=60
+        )
+        assert mine.returncode == 0 and "has changed" not in mine.stdout, mine.stdout
+        other.write_text(other.read_text() + "# changed\n")  # now it has: the note names that daemon alone
+        mine = subprocess.run(
+            [sys.executable, "-m", "dispatcher", "status"], env=e2, capture_output=True, text=True, timeout=60
+        )
+        assert f"has changed since the running daemon ({second.pid} on " in mine.stdout, mine.stdout
+        assert str(d.proc.pid) not in mine.stdout.splitlines()[-1]  # type: ignore[union-attr]
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(60)
+    infos = [DaemonInfo("o", 1, "elsewhere", 0.0, config_digest="0123456789abcdef " + str(env.config_path))]
+    assert config_note("fedcba9876543210", env.config_path, infos, host="here") is None
+    assert config_note("fedcba9876543210", env.config_path, infos, host="elsewhere") is not None
 
 
 def test_retry_says_the_daemon_runs_an_older_config(env: Env) -> None:

@@ -45,6 +45,7 @@ from dispatcher.ledger.base import DaemonInfo
 from dispatcher.ledger.flocks import note_ledger
 from dispatcher.lifecycle import Stop
 from dispatcher.shortage import SHORT
+from dispatcher.spec.config import config_mark
 from dispatcher.spec.settings import Config
 from dispatcher.store.ledgers import open_ledger
 from dispatcher.text import plural
@@ -156,7 +157,9 @@ class Daemon(Reloading, Fencing):
             lambda: self.lanes.ledger(open_ledger, self.config, self.layout, give_up=self._give_up), self._stop_asked
         )
         self.ledger.set_give_up(self._give_up)
-        info = DaemonInfo(self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=self.config.digest)
+        info = DaemonInfo(
+            self.owner, os.getpid(), socket.gethostname(), time.time(), config_digest=config_mark(self.config)
+        )
         await startup.while_short(lambda: self.lanes.ledger(self.ledger.register, info), self._stop_asked)
         note_ledger(
             self.layout.daemons, self.owner, self.config.ledger, self.config.lease_s

@@ -24,7 +24,7 @@ from dispatcher.core.watcher import Inbox
 from dispatcher.errors import ConfigError
 from dispatcher.lanes import Lanes
 from dispatcher.ledger.base import Ledger
-from dispatcher.spec.config import load_config
+from dispatcher.spec.config import config_mark, load_config
 from dispatcher.spec.settings import Config
 
 if TYPE_CHECKING:
@@ -108,7 +108,9 @@ class Reloading:
         self.config = new = dataclasses.replace(new, retired=gone)  # follow-ups to them wait, as their orders do
         self.claims.note_config(new)  # its agents: if a later reload removes one, its orders wait
         self.inbox.settle_s = new.settle_s
-        self.house.start(self.lanes.ledger(self.ledger.record_config, new.digest), "record_config")  # for `status`
+        self.house.start(
+            self.lanes.ledger(self.ledger.record_config, config_mark(new)), "record_config"
+        )  # for `status`
         log.info("config.reloaded", agents=sorted(new.agents), max_jobs=new.max_jobs)
         self.gatekeeper.kick()  # gates read again: a daily cap removed or raised lifts its gate, metrics follow
         announce.config_findings(new)

@@ -129,11 +129,26 @@ def reload(daemons: list[DaemonInfo]) -> list[Reloaded]:
     return out
 
 
-def config_note(digest: str | None, path: Path | None, daemons: list[DaemonInfo]) -> str | None:
-    """Return one line when a live daemon loaded another config than the file at path now holds, else None."""
+def config_note(
+    digest: str | None, path: Path | None, daemons: list[DaemonInfo], host: str | None = None
+) -> str | None:
+    """Return one line when a live daemon of this host loaded this same file, and it holds another config now.
+
+    A daemon records its file's digest and real path (``spec.config.config_mark``); one that
+    loaded another file, or runs on another host (whose file this command cannot see, and which
+    `dispatcher reload` here cannot reach), is left out. A record without a path (an older
+    daemon's) counts as this file's.
+    """
     if digest is None or path is None:
         return None
-    stale = [d for d in daemons if d.alive and d.config_digest is not None and d.config_digest != digest]
+    here, host = os.path.realpath(path), socket.gethostname() if host is None else host
+    stale = []
+    for d in daemons:
+        if not d.alive or d.config_digest is None or d.host != host:
+            continue
+        loaded, _, loaded_from = d.config_digest.partition(" ")
+        if loaded != digest and loaded_from in ("", here):
+            stale.append(d)
     if not stale:
         return None
     who = ", ".join(f"{d.pid} on {d.host}" for d in stale)

@@ -39,6 +39,17 @@ def file_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+def config_mark(cfg: Config) -> str | None:
+    """Return what a daemon records of the config it loaded: its file's digest, then the file's real path.
+
+    A command compares its own file with the daemons of this host that loaded that same file
+    (``ops.daemons.config_note``): another file, or another host's, never "has changed".
+    """
+    if cfg.digest is None:
+        return None
+    return cfg.digest if cfg.path is None else f"{cfg.digest} {os.path.realpath(cfg.path)}"
+
+
 _TOP = {
     "max_jobs": ("max_jobs", int),
     "max_timeout": ("max_timeout_s", float),
