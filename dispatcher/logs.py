@@ -35,7 +35,7 @@ from structlog.tracebacks import ExceptionDictTransformer
 
 from dispatcher import fsutil
 from dispatcher.logview import format_line
-from dispatcher.text import may_hold_secret, redact
+from dispatcher.text import is_count, may_hold_secret, redact
 
 _lock = threading.Lock()
 
@@ -186,7 +186,7 @@ def is_journal(stream: TextIO) -> bool:
     inherits it with stdout sent elsewhere must not take that for the journal.
     """
     dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
-    if not (dev.isdigit() and ino.isdigit()):
+    if not (is_count(dev) and is_count(ino)):
         return False
     try:
         st = os.fstat(stream.fileno())

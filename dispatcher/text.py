@@ -169,3 +169,12 @@ class BidiSafe:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+def is_count(text: str) -> bool:
+    """Return True for 1 to 20 ASCII digits (an inode number has up to 20): a count ``int`` reads, never raising.
+
+    ``str.isdigit`` is true for ``²`` and for 5,000 digits, which ``int`` refuses; a
+    header, a query, a file name or a variable read with ``int`` is tested with this.
+    """
+    return 0 < len(text) <= 20 and text.isascii() and text.isdigit()

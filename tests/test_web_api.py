@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -475,6 +476,28 @@ def test_a_chunked_body_is_read_and_an_ipv6_loopback_host_is_answered(sqlite_sit
     assert reply.status == 421
     reply.read()
     conn.close()
+
+
+def test_numbers_int_cannot_read_are_bad_input_never_a_500_a_dropped_connection_or_a_traceback(
+    sqlite_site: tuple[Env, Web],
+) -> None:
+    """`?page=²` (a digit to str.isdigit, not to int) and a page of 5,000 digits read as page 1, as `page=abc` does;
+    a `Content-Length: ²` is answered (4xx), and `--listen 127.0.0.1:²` is the one-line usage error, exit 2.
+    They gave a 500 and a `web.error` line, a closed connection and a traceback, and a traceback with exit 1."""
+    env, web = sqlite_site
+    for page in ("%C2%B2", "9" * 5000, "abc"):
+        for path in ("/jobs", "/review"):
+            status, body, _ = web.get(f"{path}?page={page}")
+            assert status == 200, (path, page[:10], status, body[:200])
+    host, port = web.url.removeprefix("http://").split(":")
+    for length in (b"\xb2", b"9" * 5000):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: " + length + b"\r\n\r\n")
+            answer = sock.recv(100)
+        assert answer.startswith(b"HTTP/1.") and answer.split()[1][:1] == b"4", answer
+    assert b"Traceback" not in web.out.read_bytes() and b"web.error" not in web.out.read_bytes()
+    listen = env.cli("web", "--listen", "127.0.0.1:\u00b2")
+    assert listen.returncode == 2 and listen.stderr.count("\n") == 1 and "--listen" in listen.stderr, listen.stderr
 
 
 def test_methods_a_path_does_not_take_are_405_with_allow_and_a_refused_file_has_a_page(

@@ -6,6 +6,8 @@ import contextlib
 import os
 import socket
 
+from dispatcher.text import is_count
+
 
 class Notifier:
     """Send state to systemd when ``$NOTIFY_SOCKET`` is set; do nothing otherwise."""
@@ -21,7 +23,7 @@ class Notifier:
         pid = os.environ.get("WATCHDOG_PID")
         self.watchdog_interval_s: float | None = None
         self._stopping = False
-        if usec and usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
+        if usec and is_count(usec) and int(usec) > 0 and (not pid or pid == str(os.getpid())):
             self.watchdog_interval_s = int(usec) / 2_000_000
 
     @property

@@ -38,6 +38,7 @@ from dispatcher.spec.jobspec import JobSpec
 from dispatcher.spec.settings import Config
 from dispatcher.store.decisions import one_decision
 from dispatcher.store.jobstore import JobFolder
+from dispatcher.text import is_count
 
 log = structlog.get_logger("dispatcher")
 NOTE_FILE = "revise.json"
@@ -59,7 +60,7 @@ def revisions(folder: JobFolder) -> int:
 
 
 def _is_kept_note(name: str) -> bool:
-    return name == KEPT_NOTE or (name.startswith("revision.") and name.endswith(".json") and name[9:-5].isdigit())
+    return name == KEPT_NOTE or (name.startswith("revision.") and name.endswith(".json") and is_count(name[9:-5]))
 
 
 def _kept_note_path(attempt_dir: Path, asked: Path) -> Path | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher import faults, fsutil
+from dispatcher.text import is_count
 
 RECORD = "workspace.json"
 DIFF_MAX_BYTES = 16 * 1024 * 1024
@@ -199,7 +200,7 @@ def _entries(ws: Workspace) -> list[tuple[Path, str | None]]:
     except FileNotFoundError:
         return out
     for admin in admins:
-        if not any(admin.name == n or (admin.name.startswith(n) and admin.name[len(n) :].isdigit()) for n in names):
+        if not any(admin.name == n or (admin.name.startswith(n) and is_count(admin.name[len(n) :])) for n in names):
             continue
         try:
             out.append((admin, (admin / "gitdir").read_text().strip()))

@@ -27,6 +27,7 @@ from filelock import FileLock
 from dispatcher import procs
 from dispatcher.fsutil import file_id
 from dispatcher.ledger.records import DaemonInfo
+from dispatcher.text import is_count
 
 _ALIVE_TTL_S = 1.0
 #: a daemon's process starts before it makes its lock file; this covers /proc's boot time, kept in whole seconds
@@ -68,7 +69,7 @@ def owner_alive(folder: Path, owner: str) -> bool | None:
 def _owner_parts(owner: str) -> tuple[str, int] | None:
     """Return the host and pid an owner id names (``HOST-PID-RANDOM``, dots of HOST as '_'), or None."""
     parts = owner.rsplit("-", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
+    if len(parts) != 3 or not is_count(parts[1]):
         return None
     return parts[0], int(parts[1])
 

@@ -20,6 +20,7 @@ import socket
 from collections.abc import Callable
 
 from dispatcher import procs
+from dispatcher.text import is_count
 
 COMMAND = "cmd:"
 #: how long a command on another host keeps a turn it took (a release takes milliseconds)
@@ -45,5 +46,5 @@ def holder_gone(holder: str, alive: Callable[[str], bool], held_since: float, no
     host, pid, ticks = holder[len(COMMAND) :].rsplit(":", 2)
     if host != socket.gethostname():
         return now - held_since > RELEASE_GRACE_S
-    fields = procs.stat_fields(int(pid)) if pid.isdigit() else None
+    fields = procs.stat_fields(int(pid)) if is_count(pid) else None
     return fields is None or fields[0] in ("Z", "X") or fields[19] != ticks

@@ -22,6 +22,7 @@ from dispatcher.lifecycle import State
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
 from dispatcher.store.queued import find_queued
+from dispatcher.text import is_count
 
 log = structlog.get_logger("dispatcher")
 
@@ -125,6 +126,6 @@ def _record_cut_run(layout: Layout, job_id: str, agent: str, path: Path, notify:
 
 
 def _last_record(path: Any) -> str:
-    names = sorted((p.name for p in (path / "land").glob("*.json") if p.name.split(".")[0].isdigit()),
+    names = sorted((p.name for p in (path / "land").glob("*.json") if is_count(p.name.split(".")[0])),
                    key=lambda n: int(n.split(".")[0]))  # fmt: skip
     return f"land/{names[-1]}" if names else "land/1.json"

@@ -18,7 +18,7 @@ import tempfile
 from dispatcher.ledger.flocks import ledger_digest, noted_ledger
 from dispatcher.spec.programs import Finding
 from dispatcher.spec.settings import Config
-from dispatcher.text import number
+from dispatcher.text import is_count, number
 
 _LOCK = re.compile(r"^(?P<root>/.*)/\.state/daemons/[^/]+\.lock$")
 _SQLITE_FILE = "/.state/ledger.sqlite3"
@@ -75,7 +75,7 @@ def check_running(cfg: Config, environ: dict[str, str] | None = None) -> list[Fi
     """
     env = os.environ if environ is None else environ
     pid = env.get("MAINPID", "")
-    if not pid.isdigit():
+    if not is_count(pid):
         return []
     try:
         fds = {f"/proc/{pid}/fd/{fd}": os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}

@@ -38,6 +38,7 @@ from dispatcher.lifecycle import State
 from dispatcher.shortage import resource_of
 from dispatcher.spec.jobspec import Attempt, JobSpec
 from dispatcher.spec.result import CheckResult, Result
+from dispatcher.text import is_count
 
 JOB_FILE = "job.json"
 RESULT = "result.json"
@@ -132,7 +133,7 @@ class JobFolder:
             names = os.listdir(self._attempts)
         except OSError:
             return []
-        return sorted(int(n) for n in names if n.isdigit())
+        return sorted(int(n) for n in names if is_count(n))
 
     def attempts(self) -> list[Attempt]:
         """Return the recorded attempts, in order (an attempt with no readable record is left out)."""
@@ -161,7 +162,7 @@ class JobFolder:
                 record["host"] = rest[1]
             if len(rest) > 2:  # and its pid namespace: a pid of another one means another process here
                 record["pidns"] = rest[2]
-            if len(rest) > 3 and rest[3].isdigit():  # and the inode of the slot lock the agent inherited
+            if len(rest) > 3 and is_count(rest[3]):  # and the inode of the slot lock the agent inherited
                 record["slot_ino"] = int(rest[3])
             return record
         except (OSError, ValueError):

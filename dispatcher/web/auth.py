@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from dispatcher import fsutil
 from dispatcher.errors import ConfigError, UsageError
 from dispatcher.spec.settings import Config
+from dispatcher.text import is_count
 
 COOKIE = "dispatcher_session"
 SESSION_S = 12 * 3600.0
@@ -59,7 +60,7 @@ def parse_listen(text: str) -> tuple[str, int]:
     """Return (host, port) of ``ADDR:PORT`` (``[::1]:8700`` for IPv6); a bad one is a UsageError."""
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not host or not is_count(port) or not 0 <= int(port) <= 65535:
         raise UsageError(f"web: --listen {text}: give ADDR:PORT, for example 127.0.0.1:8700")
     return host, int(port)
 

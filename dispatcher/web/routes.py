@@ -26,6 +26,7 @@ from dispatcher import logs
 from dispatcher.errors import DispatchError, UsageError, printable
 from dispatcher.layout import Layout
 from dispatcher.spec.settings import Config
+from dispatcher.text import is_count
 from dispatcher.web import pages
 from dispatcher.web.actions import ACTIONS, Actions
 from dispatcher.web.auth import COOKIE, SESSION_S, Auth, load_token, names_loopback, parse_listen
@@ -153,7 +154,7 @@ class App:
             if state is not None and state not in pages.STATES:
                 return self._page_error(400, f"state: {printable(state)}: not one of {', '.join(pages.STATES)}", req)
             agent = None if review else (query.get("agent") or None)
-            page = int(query["page"]) if query.get("page", "").isdigit() else 1
+            page = int(query["page"]) if is_count(query.get("page", "")) else 1
             rows = self.reader.jobs(state, agent)
             html = pages.job_list(
                 rows, state=state, agent=agent, page=page, partial=partial, session=sid, csrf=csrf, review=review

@@ -17,6 +17,7 @@ from typing import ClassVar, Protocol
 
 import structlog
 
+from dispatcher.text import is_count
 from dispatcher.web.auth import is_loopback
 
 log = structlog.get_logger("dispatcher")
@@ -105,7 +106,7 @@ class _Handler(BaseHTTPRequestHandler):
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             return _read_chunked(self.rfile)
         length = self.headers.get("Content-Length", "0")
-        size = int(length) if length.isdigit() else -1
+        size = int(length) if is_count(length) else -1
         if size < 0 or size > MAX_BODY:
             return None
         return self.rfile.read(size) if size else b""
