@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -483,3 +484,48 @@ def test_a_retried_job_whose_repository_went_away_fails_in_plain_words(env: Env,
     assert env.cli("run", "--once", timeout=120).returncode == 1
     result = env.result("GONE-1", "failed")
     assert result["reason"] == f"config: agent coder cannot start: workspace: repository {repo} does not exist"
+
+
+def _slow_checkout(repo: Path) -> None:
+    """Make the worktree's checkout of repo take 6 s: a smudge filter (hooks are off for the daemon's git)."""
+    (repo / ".gitattributes").write_text("src/slow.txt filter=slow\n")
+    (repo / "src" / "slow.txt").write_text("slow\n")
+    git(repo, "config", "filter.slow.clean", "cat")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "slow")
+    git(repo, "config", "filter.slow.smudge", "sleep 6; cat")
+
+
+def test_a_stop_while_the_worktree_is_made_starts_no_agent_and_the_next_start_runs_the_job(
+    env: Env, tmp_path: Path
+) -> None:
+    """SIGTERM while a job's worktree is made (a slow checkout): its agent never starts (it started once the
+    worktree was there, past stop_timeout, and the cut attempt failed the job for good); the next start runs it."""
+    repo = make_repo(tmp_path / "shop")
+    _slow_checkout(repo)
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x")}, stop_timeout=2, kill_grace=1)
+    d = env.daemon()
+    env.drop(code_order("WS1"))
+    wait_until(lambda: (env.root / ".state" / "worktrees" / "WS1").exists(), 30, "the worktree's checkout")
+    d.signal(signal.SIGTERM)
+    assert d.wait(60) == 0
+    assert starts(env) == []
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert env.result("WS1", "done")["state"] == "done"
+    assert [(job, n) for job, n, _ in starts(env)] == [("WS1", 1)]
+
+
+def test_a_cancel_while_the_worktree_is_made_fails_the_job_cancelled_and_starts_no_agent(
+    env: Env, tmp_path: Path
+) -> None:
+    """`cancel` while a job's worktree is made: the job fails `cancelled` and its agent never starts (it ran)."""
+    repo = make_repo(tmp_path / "shop")
+    _slow_checkout(repo)
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x")})
+    d = env.daemon()
+    env.drop(code_order("WS2"))
+    wait_until(lambda: (env.root / ".state" / "worktrees" / "WS2").exists(), 30, "the worktree's checkout")
+    assert env.cli("cancel", "WS2").returncode == 0
+    assert env.wait_job("WS2", "failed")["reason"] == "cancelled"
+    assert starts(env) == []
+    assert d.stop() == 0

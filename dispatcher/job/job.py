@@ -381,6 +381,11 @@ class Job(Finishing, Deciding):
             reason = f"config: agent {agent.name} cannot start: {exc}"
             log.error("agent.exited", error=reason)  # no attempt (section 6)
             return await self.finish(Row.FAILED, reason, self._unstarted_checks(n))
+        if agent.repo.workspace is not None:  # the worktree may have taken seconds: a stop or cancel meanwhile
+            if self.control.reason is Stop.STOPPED or self.ctx.stopping():
+                return Outcome.LEFT  # no agent starts once a stop began: the attempt runs at the next start
+            if self.control.reason is Stop.CANCELLED:
+                return await self.finish(Row.FAILED, Stop.CANCELLED, self.checked)
         argv = attempt.argv_after(self.spec, self.folder.work_dir, self.attempts, self.repo.path)
         proc = await self._spawn(n, argv)
         if proc is None or isinstance(proc, Outcome):
