@@ -185,3 +185,23 @@ def test_a_daily_cap_is_said_in_plain_numbers(env: Env) -> None:
     info = json.loads(env.cli("status", "--json", check=True).stdout)
     assert [g["reason"] for g in info["gates"]] == [gated["reason"]]
     assert d.stop() == 0
+
+
+def test_a_cap_reached_by_a_running_jobs_own_attempts_holds_its_next_attempt(env: Env) -> None:
+    """0.3 USD an attempt that fails, 6 attempts allowed, cap 0.5: after two attempts (0.6 USD) the job's third
+    waits gated, and `status` counts the running job's spend. All six ran (1.8 USD against a 0.5 cap): only
+    finished jobs were counted."""
+    cost = json.dumps({"type": "result", "total_cost_usd": 0.3})
+    worker = env.agent("--json-result", cost, "--fail-attempts", "10", max_daily_cost_usd=0.5, max_attempts=6,
+                       retry_safe=True)  # fmt: skip
+    env.configure(agents={"worker": worker})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("OWN-1"))
+    gated = d.wait_event("budget.gated", agent="worker")
+    assert gated["reason"] == "0.6 USD in 24 h reached max_daily_cost_usd 0.5"
+    time.sleep(1.5)
+    assert len(env.starts()) == 2
+    info = json.loads(env.cli("status", "--json", check=True).stdout)
+    assert info["spend_24h"] == {"worker": 0.6} and info["counts"]["waiting"] == 1
+    assert d.stop() == 0

@@ -416,3 +416,17 @@ def test_daemons_are_listed_alive_then_dead(engine: Engine) -> None:
     engine.made.remove(a)
     eventually(lambda: not b.alive("A"), "A dead")  # a live answer may be cached for a second
     assert not {d.owner: d for d in b.daemons()}["A"].alive
+
+
+def test_a_running_jobs_noted_spend_counts_in_the_daily_window_and_its_finish_keeps_one_cost(engine: Engine) -> None:
+    """note_spend on a claimed job puts its cost so far in costs_since (a daily cap sees it); a stale token is
+    ignored; the finish records the whole cost once, never beside the noted part."""
+    a = engine.daemon("A")
+    token = claimed_token(a.claim([req("S1")])[0])
+    start = time.time() - 1
+    assert a.costs_since(start) == []
+    a.note_spend("S1", token, 0.6)
+    a.note_spend("S1", token + 1, 9.0)  # not its claim: nothing
+    assert [(agent, cost) for _, agent, cost in a.costs_since(start)] == [("w", 0.6)]
+    assert a.finish([Finish("S1", token, Row.FAILED, 0.9)]) == [True]
+    assert [(agent, cost) for _, agent, cost in a.costs_since(start)] == [("w", 0.9)]

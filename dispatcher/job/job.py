@@ -43,7 +43,7 @@ from dispatcher.ledger.base import Child, Finish, LedgerUnavailable
 from dispatcher.ledger.records import Gate, GateKind, Request
 from dispatcher.lifecycle import Outcome, Row, Stop, outcome_of
 from dispatcher.shortage import SHORT
-from dispatcher.spec.jobspec import Attempt, JobSpec
+from dispatcher.spec.jobspec import Attempt, JobSpec, total_cost
 from dispatcher.spec.order import Order
 from dispatcher.spec.result import CheckResult, Result
 from dispatcher.store.jobstore import JobFolder
@@ -93,6 +93,7 @@ class Job(Finishing, Deciding):
         self.host_lost = host_lost  # recovered from a daemon whose lease ran out (another host)
         self.control = Control()
         self.retries = retries_so_far(self.attempts)  # a recovered job's back-off goes on where it was
+        self._spend_noted: float | None = None  # the cost so far the ledger was told of (``_note_spend``)
         self.expires: float | None = None  # when the job ends expired if no attempt started by then (section 16)
         # while a usage limit holds it: when its limit waits add up to max_limit_wait (set aside until then at most)
         self.limit_until: float | None = None
@@ -187,6 +188,8 @@ class Job(Finishing, Deciding):
                 return await self.finish(Row.FAILED, "expired", [])
             if (spent := await self._if_budget_spent()) is not None:
                 return spent
+            if self.attempts:
+                await self._note_spend()
             if (gate := await self.waits.hold(self.spec.agent)) is not None:
                 self.limit_until = self._limit_deadline() if gate.kind == GateKind.LIMIT else None
                 if gate.until is not None and self.limit_until is not None and gate.until > self.limit_until + 0.001:
@@ -201,6 +204,19 @@ class Job(Finishing, Deciding):
             outcome = await self._decide(n, ended)
             if outcome is not None:
                 return outcome
+
+    async def _note_spend(self) -> None:
+        """Before a further attempt of a capped agent, record what the attempts cost so far (section 14): a daily
+        cap counts this job's own spend too, not only finished jobs'. Nothing without a cap or a new cost."""
+        cfg = self.ctx.config()
+        agent = cfg.agents.get(self.agent, self.spec.agent)
+        if agent.max_daily_cost_usd is None and cfg.max_daily_cost_usd is None:
+            return
+        cost = total_cost(self.attempts)
+        if cost is None or cost == self._spend_noted:
+            return
+        self._spend_noted = cost
+        await self.ctx.lanes.ledger(self.ctx.ledger.note_spend, self.job_id, self.token, cost)
 
     def _limit_deadline(self) -> float | None:
         """Return when this job's usage-limit waits add up to max_limit_wait (epoch seconds); None for a fresh claim.

@@ -338,6 +338,13 @@ class Ledger(ABC):
         """Return the waiting jobs with the time each waits for (None: until a gate is lifted)."""
 
     @abstractmethod
+    def note_spend(self, job_id: str, token: int, cost_usd: float) -> None:
+        """Record the cost a running job's attempts have reported so far, counted from now (a daily cap's window).
+
+        Only while the job is claimed under ``token``; its finish records its cost as usual.
+        """
+
+    @abstractmethod
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:
         """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first."""
 

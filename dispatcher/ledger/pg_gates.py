@@ -99,6 +99,18 @@ class Gates:
         rows = self.runner.run("gate_waits", lambda cur: cur.execute("SELECT job_id, until FROM gate_waits").fetchall())
         return {r[0]: r[1] for r in rows}
 
+    def note_spend(self, job_id: str, token: int, cost_usd: float) -> None:
+        """Record a running job's cost so far, dated now (``updated`` too: the window's index reads it)."""
+        self.runner.run(
+            "note_spend",
+            lambda cur: cur.execute(
+                f"UPDATE jobs SET cost_usd = %s, spent = {_NOW}, updated = greatest(updated, {_NOW})"  # noqa: S608
+                " WHERE job_id = %s AND token = %s AND state = 'claimed'",
+                (cost_usd, job_id, token),
+            ),
+            write=True,
+        )
+
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:
         """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first.
 

@@ -436,6 +436,10 @@ class PostgresLedger(Ledger, LeasesInterface):
         """Return the waiting jobs with the time each waits for."""
         return self._gates.gate_waits()
 
+    def note_spend(self, job_id: str, token: int, cost_usd: float) -> None:
+        """Record a running job's cost so far (a daily cap's window)."""
+        self._gates.note_spend(job_id, token, cost_usd)
+
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:
         """Return (finished, agent, cost_usd) of the jobs that finished since ``since``."""
         return self._gates.costs_since(since)

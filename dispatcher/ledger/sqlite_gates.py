@@ -86,6 +86,17 @@ class SqliteGates(SqliteDb):
         rows = self._read(lambda db: db.execute("SELECT job_id, until FROM gate_waits").fetchall())
         return {r[0]: r[1] for r in rows}
 
+    def note_spend(self, job_id: str, token: int, cost_usd: float) -> None:
+        """Record a running job's cost so far, dated now (``updated`` too: the window's index reads it)."""
+        at = now()
+        self._tx(
+            lambda db: db.execute(
+                "UPDATE jobs SET cost_usd = ?, spent = ?, updated = max(updated, ?)"
+                " WHERE job_id = ? AND token = ? AND state = 'claimed'",
+                (cost_usd, at, at, job_id, token),
+            )
+        )
+
     def costs_since(self, since: float) -> list[tuple[float, str, float]]:
         """Return (finished, agent, cost_usd) of the jobs that finished since ``since``, oldest first.
 
