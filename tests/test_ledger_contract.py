@@ -430,3 +430,18 @@ def test_a_running_jobs_noted_spend_counts_in_the_daily_window_and_its_finish_ke
     assert [(agent, cost) for _, agent, cost in a.costs_since(start)] == [("w", 0.6)]
     assert a.finish([Finish("S1", token, Row.FAILED, 0.9)]) == [True]
     assert [(agent, cost) for _, agent, cost in a.costs_since(start)] == [("w", 0.9)]
+
+
+def test_a_lowered_concurrency_starts_no_copy_beside_those_still_holding_slots_beyond_it(engine: Engine) -> None:
+    """A holds slots 0, 1 and 2 under concurrency 3; a reload lowers it to 1 and A's copy on slot 0 ends: B gets no
+    slot while the copies on 1 and 2 run (it took slot 0: three copies under concurrency 1), and gets one after."""
+    a, b = engine.daemon("A"), engine.daemon("B")
+    assert [a.take_slot("w", 3) for _ in range(3)] == [0, 1, 2]
+    a.free_slot("w", 0)
+    assert b.take_slot("w", 1) is None
+    assert b.take_slot("w", 2) is None
+    a.free_slot("w", 2)
+    assert b.take_slot("w", 1) is None  # slot 1 still held
+    a.free_slot("w", 1)
+    assert b.take_slot("w", 1) == 0
+    assert a.take_slot("w", 1) is None

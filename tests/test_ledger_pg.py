@@ -257,6 +257,48 @@ def test_a_reaper_that_has_not_renewed_for_a_full_lease_reaps_nothing(ledgers: L
         assert eventually(b.reap, "B to reap after a full lease of renewals") == ["A"]
 
 
+def test_a_daemon_back_from_an_outage_takes_no_lapsed_daemon_for_dead_until_it_renewed_for_a_full_lease(
+    ledgers: Ledgers,
+) -> None:
+    """Both leases lapse (an outage); B renews first: A, about to renew, is alive to B, which takes none of its jobs,
+    until B has renewed for a full lease without a gap. B took A's jobs at its first renewal: jobs of a live daemon,
+    failed as "its host was lost", with no host.lost."""
+    a = ledgers.daemon("A", lease_s=LEASE)
+    b = ledgers.daemon("B", lease_s=LEASE)
+    assert isinstance(a.claim([req("J1")])[0], Claimed)
+    time.sleep(LEASE + 0.3)  # neither renews: the database was out of reach
+    assert b.renew()
+    assert b.alive("A")  # lapsed, but B has just come back itself
+    assert a.renew() and b.alive("A")
+    assert ledgers.open().alive("A")  # a command reads the lease alone
+    time.sleep(LEASE + 0.3)  # A silent again, now for good
+    assert not ledgers.open().alive("A")
+    with Renewer(b):
+        assert b.alive("A")  # B's gap-free run is not a full lease old yet
+        eventually(lambda: not b.alive("A"), "B to renew for a full lease", timeout=LEASE * 4)
+
+
+def test_adopting_a_lapsed_daemons_job_declares_it_lost_so_it_never_renews(ledgers: Ledgers) -> None:
+    """B adopts a job of A, whose lease lapsed and whom no one declared lost: A is declared lost in the same
+    transaction (once), so it can never renew and start that job's agent again; one that renewed keeps its job."""
+    a = ledgers.daemon("A", lease_s=LEASE)
+    b = ledgers.daemon("B", lease_s=LEASE)
+    assert a.claim([req("J1"), req("J2")]) == [Claimed("J1", 1), Claimed("J2", 1)]
+    assert a.take_slot("w", 1) == 0
+    with Renewer(b):
+        eventually(lambda: not b.alive("A"), "A's lease to run out")
+        assert b.adopt("J1", "A", 1) == 2
+    assert sql(ledgers.dsn, "SELECT ended, ended_by LIKE 'B:%%' FROM daemons WHERE owner = 'A'") == [("lost", True)]
+    assert not a.renew() and a.lost
+    assert b.take_slot("w", 1) == 0  # its slots were freed with it
+    assert b.adopt("J2", "A", 1) == 2  # already declared: taken as any dead daemon's job
+    c = ledgers.daemon("C", lease_s=LEASE)
+    d = ledgers.daemon("D", lease_s=LEASE)
+    assert c.claim([req("K1")]) == [Claimed("K1", 1)]
+    assert d.adopt("K1", "C", 1) is None  # C's lease runs: its job stays its own
+    assert sql(ledgers.dsn, "SELECT ended FROM daemons WHERE owner = 'C'") == [(None,)]
+
+
 def test_lease_ok_turns_false_after_half_a_lease_without_renewal(ledgers: Ledgers) -> None:
     """lease_ok() is True after a renewal and False once lease/2 passed without one; renew() restores it."""
     a = ledgers.daemon("A", lease_s=LEASE)

@@ -9,6 +9,7 @@ queues for a slot again. Never more agents at once than the limits allow.
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any
 
 from conftest import Env, order
@@ -87,3 +88,32 @@ def test_many_jobs_never_exceed_max_jobs_agents(env: Env) -> None:
         env.drop(order(job_id))
     results = [env.wait_job(job_id, "done", timeout=90) for job_id in ids]
     assert most_at_once(intervals(results)) <= 2
+
+
+PROBE = """
+import os, sys
+said = []
+for name in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{name}")
+    except OSError:
+        continue
+    if "/slots/" in target:
+        try:
+            os.write(int(name), b"x")
+            said.append("wrote")
+        except OSError:
+            said.append("refused")
+open(sys.argv[1], "w").write(" ".join(said))
+"""
+
+
+def test_the_slot_lock_an_agent_inherits_cannot_be_written_through(env: Env) -> None:
+    """The agent holds its slot's lock file open (the slot is held while it lives), read-only: a write through it
+    is refused and the file stays empty. It was open read-write: an agent (a sandboxed one too) wrote into .state/."""
+    said = env.tmp / "said.txt"
+    env.configure(agents={"worker": {"command": [sys.executable, "-c", PROBE, str(said)], "timeout": 30}})
+    env.drop(order("SL1"))
+    env.cli("run", "--once", timeout=120)
+    assert said.read_text() == "refused"
+    assert all(p.stat().st_size == 0 for p in (env.root / ".state" / "slots").iterdir())

@@ -173,6 +173,10 @@ class Liveness:
         return False
 
 
+#: read-only: the agent inherits the descriptor (it holds the slot while it lives) and may not write through it
+_LOCK_FLAGS = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC
+
+
 class SlotLock:
     """An exclusive, non-blocking ``flock`` on a file that is never deleted; held while its descriptor is open."""
 
@@ -183,10 +187,10 @@ class SlotLock:
     def acquire(self) -> bool:
         """Take the lock; return False if another open file (any process, or this one) holds it."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, _LOCK_FLAGS, 0o644)
         except FileNotFoundError:  # its folder went (removed by hand): made again, as filelock does
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, _LOCK_FLAGS, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -227,7 +231,7 @@ class FlockSlots:
     def take(self, agent: str, concurrency: int) -> int | None:
         """Take a free slot of agent; return its number, or None if all are busy."""
         mine = self._held.setdefault(agent, set())
-        if len(mine) >= concurrency:
+        if len(mine) >= concurrency or self._held_beyond(agent, concurrency):
             return None
         for i in range(concurrency):
             if i in mine:
@@ -240,6 +244,28 @@ class FlockSlots:
             mine.add(i)
             return i
         return None
+
+    def _held_beyond(self, agent: str, concurrency: int) -> bool:
+        """Return True while a copy of agent holds a slot numbered concurrency or more (any daemon of this host).
+
+        A reload lowered the agent's concurrency while those copies ran: no copy starts until they
+        have ended (a slot below the new limit given back is not handed on beside them). Slots are
+        taken lowest first, so their files exist in order: the look stops at the first missing one
+        (one failed ``open`` when concurrency was never higher).
+        """
+        n = concurrency
+        while True:
+            try:
+                fd = os.open(f"{self.folder}/{agent}.{n}.lock", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            finally:
+                os.close(fd)  # the probe's own lock goes with it
+            n += 1
 
     def fd(self, agent: str, slot: int) -> int | None:
         """Return the descriptor that holds one of our slots (its agent inherits it), or None."""

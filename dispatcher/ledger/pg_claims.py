@@ -217,13 +217,36 @@ class Claims:
         return resolve
 
     def adopt(self, job_id: str, expected_owner: str | None, expected_token: int) -> int | None:
-        """Take over a claimed job of a dead daemon; return the new token, or None if another won."""
+        """Take over a claimed job of a dead daemon; return the new token, or None if another won.
+
+        An owner whose lease lapsed but that no one declared lost yet is declared lost here, in the
+        same transaction (its row locked against its renewal): once its job is taken it can never
+        renew and start that job's agent again. One that renewed meanwhile keeps its job (None).
+        """
         plan: list[int] = []
+        declared: list[tuple[str, int]] = []
 
         def body(cur: Cur) -> int | None:
             plan.clear()
+            declared.clear()
             if not self.leases.check(cur, lease=True):
                 return None
+            if expected_owner is not None and expected_owner != self.leases.owner:
+                found = cur.execute(
+                    "SELECT ended IS NOT NULL, lease_until < now(), host, pid FROM daemons WHERE owner = %s FOR UPDATE",
+                    (expected_owner,),
+                ).fetchone()
+                if found is not None and not found[0]:
+                    if not found[1]:
+                        return None  # it renewed: alive, its job stays its own
+                    cur.execute(
+                        "UPDATE daemons SET ended = 'lost', ended_at = now(), ended_by = %s WHERE owner = %s",
+                        (self.leases.nonce(), expected_owner),
+                    )
+                    cur.execute(
+                        "UPDATE slots SET owner = NULL, nonce = NULL, taken = NULL WHERE owner = %s", (expected_owner,)
+                    )
+                    declared.append((str(found[2]), int(found[3])))
             row = cur.execute(
                 "UPDATE jobs SET owner = %s, token = token + 1, updated = extract(epoch from now())::float8,"
                 " spent = CASE WHEN cost_usd IS NULL THEN NULL ELSE coalesce(spent, updated) END"  # its earlier cost
@@ -236,7 +259,11 @@ class Claims:
             plan.append(int(row[0]))
             return plan[0]
 
-        return self.runner.run("adopt", body, self._owned(job_id, plan))
+        token = self.runner.run("adopt", body, self._owned(job_id, plan))
+        if token is not None and declared and expected_owner is not None:
+            host, pid = declared[0]
+            self.leases.declared_lost(expected_owner, host, pid)
+        return token
 
     def take_retry(self, job_id: str, kind: Request = Request.RETRY) -> int | None:
         """Turn a failed (for a revise, also a reviewed) job with an open request into a claim; return the token."""

@@ -356,3 +356,9 @@ class Fence(Protocol):
 
     def refusal(self) -> Exception:
         """Return the error a claim raises when ``check(lease=True)`` said no."""
+
+    def nonce(self) -> str:
+        """Return a new value that tells this daemon's write apart (``ended_by``)."""
+
+    def declared_lost(self, owner: str, host: str, pid: int) -> None:
+        """Note and log a daemon this one declared lost while adopting its job."""

@@ -27,9 +27,11 @@ What the daemon must call on its ``PostgresLedger`` (``lease_s`` is the config's
   ``host.lost`` for each; exactly one reaper gets each owner) and frees their
   slots; it returns [] until ``may_reap()``, i.e. until this daemon has renewed
   its own lease without a gap for a full lease (after a database outage nobody
-  reaps anybody before every live daemon had the time to renew). Adopting a
-  dead daemon's jobs is safe right after ``alive()`` turns False (the fencing
-  token decides), but gating it on ``may_reap()`` too spares churn after an outage;
+  reaps anybody before every live daemon had the time to renew). ``alive()`` of a
+  lapsed daemon stays True for a daemon that is back from such an outage until
+  ``may_reap()`` (``may_adopt``), and adopting a job of a lapsed daemon declares
+  it lost in the same transaction (``host.lost``): it can never renew and start
+  that job's agent again;
 - ``close()`` at a clean stop: the daemon is marked stopped (alive no more, its
   slots free, never reported lost), so that the next start recovers its jobs
   at once instead of after a lease.
@@ -71,6 +73,7 @@ class Leases:
         self.silent = False  # a stop cut calls hung on a silent server: no last step is sent at stop
         self._renewed_at: float | None = None  # monotonic send time of the last successful renewal
         self._streak_since: float | None = None  # start of the current gap-free run of renewals
+        self._gap_seen = False  # a renewal came after a gap (an outage): others' lapsed leases are not trusted yet
         self.lost = False
         self._failing = False
         self.closed = False
@@ -164,6 +167,7 @@ class Leases:
             log.error("ledger.lease_lost", owner=self.owner, reason="declared lost by another daemon")
             return False
         if self._renewed_at is None or self._streak_since is None or sent - self._renewed_at >= self.lease_s / 2:
+            self._gap_seen = self._gap_seen or self._renewed_at is not None
             self._streak_since = sent  # the lease may have lapsed in between: the gap-free run starts again
         self._renewed_at = sent
         return True
@@ -191,6 +195,15 @@ class Leases:
         """True once this daemon has renewed its own lease without a gap for a full lease."""
         since = self._streak_since
         return self.lease_ok() and since is not None and time.monotonic() - since >= self.lease_s
+
+    def may_adopt(self) -> bool:
+        """True when another daemon's lapsed lease may be read as its death here: this daemon saw no gap in its
+        own renewals since its start, or has renewed without one for a full lease since (``may_reap``).
+
+        After a database outage every daemon's lease lapsed; the first to renew would otherwise take the
+        jobs of every other live daemon, which renew an instant later.
+        """
+        return not self._gap_seen or self.may_reap()
 
     def reap(self) -> list[str]:
         """Mark every daemon whose lease ran out as lost and free its slots; return those newly marked."""
@@ -224,6 +237,14 @@ class Leases:
         owners = self.runner.run("reap", body, resolve)
         self._ended.update(owners)
         return owners
+
+    def declared_lost(self, owner: str, host: str, pid: int) -> None:
+        """Note and log a daemon this one declared lost outside ``reap`` (adopting its job): ``host.lost``, once."""
+        if owner in self._ended:
+            return
+        self._ended.add(owner)
+        self.reaped[owner] = (host, pid)
+        log.warning("host.lost", owner=owner, host=host, pid=pid)
 
     def stop(self) -> None:
         """Give this daemon's slots back and mark it stopped (a clean end: never reported lost)."""
@@ -281,7 +302,7 @@ class Leases:
             self._live_seen[owner] = time.monotonic()
             return True
         self._live_seen.pop(owner, None)
-        return False
+        return bool(self.owner) and not self.may_adopt()  # a daemon just back from an outage waits (a command not)
 
     def stopped_cleanly(self, owner: str) -> bool:
         """True if ``owner``'s row says it ended by a clean stop ('stopped'), not declared lost."""
@@ -312,7 +333,8 @@ class Leases:
 
     # -- slots ------------------------------------------------------------------------------
     def take_slot(self, agent: str, concurrency: int) -> int | None:
-        """Take a free slot (agent, n < concurrency) with FOR UPDATE SKIP LOCKED; None if all are busy."""
+        """Take a free slot (agent, n < concurrency) with FOR UPDATE SKIP LOCKED; None if all are busy (or a live
+        daemon holds a slot at or beyond concurrency: a reload lowered it while that copy ran)."""
         if concurrency < 1:
             return None
         nonce = self.nonce()
@@ -331,8 +353,11 @@ class Leases:
             row = cur.execute(
                 "SELECT s.n FROM slots s WHERE s.agent = %s AND s.n < %s AND (s.owner IS NULL OR NOT EXISTS"
                 " (SELECT 1 FROM daemons d WHERE d.owner = s.owner AND d.ended IS NULL))"
+                # a reload lowered concurrency while copies ran on slots at or beyond it: none starts beside them
+                " AND NOT EXISTS (SELECT 1 FROM slots h JOIN daemons d ON d.owner = h.owner AND d.ended IS NULL"
+                " WHERE h.agent = %s AND h.n >= %s)"
                 " ORDER BY s.n LIMIT 1 FOR UPDATE OF s SKIP LOCKED",
-                (agent, concurrency),
+                (agent, concurrency, agent, concurrency),
             ).fetchone()
             if row is None:
                 return None
