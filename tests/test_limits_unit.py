@@ -168,7 +168,7 @@ def test_durations_read_only_units_they_know() -> None:
         ("busy until 12:00 America/New_York", (17, 0)),  # a zone starting with A or P is no "am" or "pm"
         ("busy until 12:00 Asia/Tokyo", (3, 0)),
         ("busy until 12:00 Pacific/Auckland", (23, 0)),
-        ("busy until 12:00 Africa/Cairo", (10, 0)),
+        ("busy until 12:00 Africa/Cairo", (10, 1)),  # 12:00 there is now: the minute under way ends at 10:01 UTC
         ("busy until 12:00\nlater: (Europe/Berlin)", (12, 0)),  # on another line: not this time's zone
         ("busy until 12:00", (12, 0)),
     ],
@@ -220,3 +220,15 @@ def test_a_daily_cap_is_reached_by_costs_whose_float_sum_falls_just_short() -> N
     assert sum(c for _, c in costs) < 0.9  # the floats fall short
     assert window_until(costs, 0.9, NOW) == NOW - 300 + 86400
     assert window_until(costs, 0.91, NOW) is None
+
+
+def test_a_time_under_way_is_read_as_its_end_not_as_tomorrow_or_next_year() -> None:
+    """ "resets 10:00am" read at 10:00:41, "resets 10am" at 10:30 and "Dec 1, 10:00am" at 10:00:40: the named minute
+    (or hour) is under way, so the wait ends with it. They read as tomorrow and as next year: the agent was gated
+    for a day (or the job failed beyond max_limit_wait and the agent stayed gated a year)."""
+    assert clock_time("10:00am", NOW + 41) == NOW + 60
+    assert clock_time("10am", NOW + 1800) == NOW + 3600
+    assert clock_time("Dec 1, 10:00am", NOW + 40) == NOW + 60
+    assert clock_time("Dec 1, 2026 10:00am", NOW + 40) == NOW + 60
+    assert clock_time("9:59am", NOW) == NOW + 24 * 3600 - 60  # a minute that has ended: tomorrow, as before
+    assert clock_time("Dec 1, 9am", NOW) == datetime(2027, 12, 1, 9, tzinfo=UTC).timestamp()

@@ -237,6 +237,9 @@ def clock_time(text: str, now: float) -> float | None:
     """Return the next moment after ``now`` that shows this time of day (UTC unless a zone is named).
 
     With a date before it (``Jul 9th, 2026 1:47 AM``, as Codex prints) it is that moment itself.
+    A time named to the minute (or to the hour) that is under way at ``now`` is read as the end of
+    that minute (or hour), not as the same time tomorrow or next year: CLIs print reset times
+    rounded, so "resets 11:30pm" read at 23:30:41 is a reset that has just come.
     """
     m = re.fullmatch(
         r"(?:(?P<mon>[A-Za-z]{3})[a-z]*\.?\s+(?P<day>\d{1,2})(?:st|nd|rd|th)?(?:,?\s+(?P<year>\d{4}))?"
@@ -263,6 +266,7 @@ def clock_time(text: str, now: float) -> float | None:
         except (ZoneInfoNotFoundError, ValueError):
             return None
     here = datetime.fromtimestamp(now, zone)
+    unit = 60 if m["minute"] else 3600  # how finely the text names its time
     if m["mon"]:
         month = _MONTHS.index(m["mon"].lower()) + 1 if m["mon"].lower() in _MONTHS else 0
         years = (int(m["year"]),) if m["year"] else (here.year, here.year + 1)  # no year: the next such day
@@ -271,10 +275,14 @@ def clock_time(text: str, now: float) -> float | None:
                 moment = datetime(year, month, int(m["day"]), hour, minute, tzinfo=zone).timestamp()
             except ValueError:  # no such month or day
                 return None
+            if moment <= now < moment + unit:
+                return moment + unit  # under way: its end
             if moment > now or m["year"]:
                 return moment
         return None
     at = here.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if at.timestamp() <= now < at.timestamp() + unit:
+        return at.timestamp() + unit
     if at.timestamp() <= now:
         at += timedelta(days=1)
     return at.timestamp()
