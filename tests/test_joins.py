@@ -556,6 +556,26 @@ def test_cancel_tree_cancels_the_joins_not_claimed_yet_in_inbox_and_held(env: En
     assert (env.root / "waiting" / "other").is_dir()  # a join of another job is left waiting
 
 
+def test_cancel_tree_of_a_job_in_review_says_it_was_not_cancelled(env: Env) -> None:
+    """`cancel --tree rv` of a job in review cancels the join waiting for it and says on stderr that rv itself, in
+    review, was not cancelled (exit 0: the join was); again, with nothing left to cancel, that line is the error
+    (exit 1), as `cancel rv` says. It printed only the join's line and never named the job."""
+    env.configure(join_agents(env) | {"rev": env.agent(review=True)})
+    d = env.daemon()
+    env.drop(order("rv", to="rev"))
+    env.drop(merger("rj", after=["rv"]))
+    wait_until(lambda: (env.root / "review" / "rv" / "result.json").exists() and (env.root / "waiting" / "rj").is_dir())
+    proc = env.cli("cancel", "--tree", "rv")
+    assert proc.returncode == 0 and proc.stdout == "rj: cancel requested\n", proc.stdout + proc.stderr
+    assert proc.stderr == "rv: in review, not cancelled: approve or reject it\n"
+    assert env.wait_job("rj", "failed")["reason"] == "cancelled"
+    again = env.cli("cancel", "--tree", "rv")
+    assert (again.returncode, again.stdout) == (1, "")
+    assert again.stderr == "rv: in review, not cancelled: approve or reject it\n"
+    assert (env.root / "review" / "rv").is_dir()
+    assert d.stop() == 0
+
+
 def test_the_fan_out_example_runs(tmp_path: Path) -> None:
     """`bash examples/fanout/run.sh` exits 0: three researchers, then one merger that read all three."""
     import subprocess

@@ -303,8 +303,12 @@ class Operator:
                     seen.add(child)
                     order.append(child)
         rows = self.ledger.known(order)
+        reviewed: list[str] = []
         for entry in rows.values():
-            if entry.state not in (Row.DONE, Row.FAILED, Row.REVIEW) and not (lines and entry.job_id == job_id):
+            if entry.state == Row.REVIEW:  # waits for a person, never cancelled: said, as `cancel` of it says
+                reviewed.append(entry.job_id)
+                continue
+            if entry.state not in (Row.DONE, Row.FAILED) and not (lines and entry.job_id == job_id):
                 self.ledger.request(entry.job_id, Request.CANCEL)
                 if entry.state == Row.HELD:
                     self._unhold(entry.job_id)
@@ -313,6 +317,13 @@ class Operator:
             if join not in rows:  # a join still in inbox/ or held/: cancelled as `cancel` of it alone is
                 with contextlib.suppress(NotFound, WrongState):  # claimed and ended, or taken away, meanwhile
                     lines.append(self.cancel(join))
+        if reviewed:
+            reviewed.sort(key=order.index)
+            them = "it" if len(reviewed) == 1 else "them"
+            said = f"{', '.join(reviewed)}: in review, not cancelled: approve or reject {them}"
+            if not lines:
+                raise WrongState(said)
+            self.notes.append(said)  # beside what was cancelled: a line on stderr
         if not lines:
             others = len(order) - 1
             what = "it is" if not others else f"it and its {plural(others, 'descendant')} are"
