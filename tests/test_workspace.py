@@ -529,3 +529,24 @@ def test_a_cancel_while_the_worktree_is_made_fails_the_job_cancelled_and_starts_
     assert env.wait_job("WS2", "failed")["reason"] == "cancelled"
     assert starts(env) == []
     assert d.stop() == 0
+
+
+def test_base_parent_of_a_follow_up_that_waited_for_others_starts_from_the_job_it_waited_for(
+    env: Env, tmp_path: Path
+) -> None:
+    """A planner (no workspace) releases FA and FB (after FA, base: parent) to a coder: FB's lineage parent, the
+    planner, has no head on the repository, so FB starts from FA's final head, the job it waited for. It failed
+    with "job PL has no workspace head": the fan-out-and-join shape could not build on its parts."""
+    repo = make_repo(tmp_path / "shop")
+    line = ["--append", "src/chain.txt={job}", "--commit"]
+    fa = code_order("FA") | {"from": "planner"}
+    fb = code_order("FB", after=["FA"], base="parent") | {"from": "planner"}
+    planner = env.agent("--followup", json.dumps(fa), "--followup", json.dumps(fb))
+    env.configure(agents={"coder": coder(env, repo, *line), "planner": planner})
+    env.drop({"job_id": "PL", "from": "tester", "to": "planner", "task": "Plan.", "items": [{"id": "R1"}]})
+    d = env.daemon()
+    head = env.wait_job("FA", "done")["workspace"]["head"]
+    second = env.wait_job("FB", "done")["workspace"]
+    d.stop()
+    assert second["base"] == head
+    assert git(repo, "show", f"{second['head']}:src/chain.txt").split() == ["FA", "FB"]

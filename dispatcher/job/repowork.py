@@ -115,8 +115,14 @@ def parent_head(layout: Layout, parent: str | None, repo: str, after: Sequence[s
 
     The parent is the job's lineage parent (it released the job as a follow-up); a job without
     one that waited for others (``after``) starts from the first of them, in the order named,
-    that ended with a head on this repository.
+    that ended with a head on this repository, and so does a follow-up with ``after`` whose
+    lineage parent has none there (a planner that fanned work out and joins it again).
     """
+    if parent is not None and after:  # a follow-up that waited for others: its planner may have no head here
+        try:
+            return parent_head(layout, parent, repo)
+        except GitError:
+            return parent_head(layout, None, repo, after)  # the jobs it waited for, as for an order from outside
     if parent is None and len(after) == 1:
         parent = after[0]
     elif parent is None and after:
