@@ -14,6 +14,8 @@ import yaml
 from conftest import Env, order, wait_until
 from test_metrics import samples
 
+from dispatcher.core.housekeeping import METRICS_EVERY_S
+
 
 def _loop_ts(path: Path) -> float:
     for line in path.read_text().splitlines():
@@ -300,3 +302,19 @@ def test_a_second_daemon_with_the_same_metrics_file_says_so_at_start(env: Env) -
         else:
             assert problems == []
         assert second.stop() == 0 and first.stop() == 0
+
+
+def test_a_metrics_file_that_cannot_be_written_is_logged_once_not_at_every_write(env: Env) -> None:
+    """metrics_file under a path that is a file: metrics.failed once for the failing spell, not every few seconds
+    (about 17,000 lines a day); once the path is fixed the file is written."""
+    blocker = env.config_path.parent / "blocker"
+    blocker.write_text("not a folder\n")
+    env.configure(metrics_file="blocker/m.prom")
+    d = env.daemon()
+    d.wait_ready()
+    time.sleep(3 * METRICS_EVERY_S + 1)
+    failed = [e for e in d.events() if e.get("event") == "metrics.failed"]
+    assert len(failed) == 1 and failed[0]["error"], failed
+    blocker.unlink()
+    wait_until((env.config_path.parent / "blocker" / "m.prom").exists, timeout=30, what="the file once it can be")
+    assert d.stop() == 0

@@ -121,6 +121,7 @@ class Housekeeping:
         self._checking = False
         self._settle_due: float | None = None
         self._metrics_due = 0.0
+        self._metrics_failing: str | None = None  # the error of the last metrics write, while they fail
         self._in_requests = False
         self._requests_again = False
         self._revising: set[str] = set()  # revisions this daemon took on, until their requests are cleared
@@ -420,6 +421,7 @@ class Housekeeping:
     def metrics_now(self) -> None:
         """Make the next metrics write due at once (metrics_file was just set by a reload)."""
         self._metrics_due = 0.0
+        self._metrics_failing = None  # a new file: its first failure is logged
 
     def metrics_due(self) -> None:
         """Note the loop's turn; rewrite the metrics file when due (at least every 10 s; section 10)."""
@@ -442,8 +444,11 @@ class Housekeeping:
             gated = await self._gate_waits()
             elsewhere = await self._elsewhere(metrics)
             await self.ctx.lanes.scan(_write_metrics, metrics, self.ctx.layout, gated, elsewhere)
+            self._metrics_failing = None
         except OSError as exc:
-            log.warning("metrics.failed", file=str(metrics.path), error=exc.strerror)
+            if exc.strerror != self._metrics_failing:  # once per failing spell, not at every write (each 5 s)
+                log.warning("metrics.failed", file=str(metrics.path), error=exc.strerror)
+            self._metrics_failing = exc.strerror
         finally:
             self._writing = False
 
