@@ -204,4 +204,9 @@ def test_a_cap_reached_by_a_running_jobs_own_attempts_holds_its_next_attempt(env
     assert len(env.starts()) == 2
     info = json.loads(env.cli("status", "--json", check=True).stdout)
     assert info["spend_24h"] == {"worker": 0.6} and info["counts"]["waiting"] == 1
+    # the commands name the state `status` and `list` show (they said "is active")
+    retry = env.cli("retry", "OWN-1")
+    assert (retry.returncode, retry.stderr) == (1, "OWN-1: is waiting, only a failed job can be retried\n")
+    approve = env.cli("approve", "OWN-1")
+    assert (approve.returncode, approve.stderr) == (1, "OWN-1: is waiting, not waiting for review\n")
     assert d.stop() == 0

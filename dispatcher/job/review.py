@@ -68,7 +68,7 @@ def decide(
             line = _finish_approval(layout, ledger, JobFolder(found[1]), max_chain_cost_usd, notify)
             if line is not None:
                 return line
-        where = found[0].value if found else spoken(entry.state) if entry else "unknown"
+        where = ledger.spoken_state(found[0], job_id) if found else spoken(entry.state) if entry else "unknown"
         raise WrongState(f"{job_id}: is {where}, not waiting for review")
     with one_decision(layout):
         if not folder.path.is_dir():  # another command decided it while this one waited

@@ -103,7 +103,8 @@ def _request(config: Config, layout: Layout, ledger: Ledger, job_id: str, note: 
         raise NotFound(f"{job_id}: no such job")
     state, path = found
     if state not in (State.REVIEW, State.FAILED):
-        raise WrongState(f"{job_id}: is {state.value}, only a job in review or failed can be revised")
+        said = ledger.spoken_state(state, job_id)
+        raise WrongState(f"{job_id}: is {said}, only a job in review or failed can be revised")
     folder = JobFolder(path)
     try:
         spec = folder.spec()

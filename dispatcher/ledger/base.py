@@ -35,7 +35,7 @@ from dispatcher.ledger.records import (
     Wait,
     fold_waits,
 )
-from dispatcher.lifecycle import Row
+from dispatcher.lifecycle import Row, State
 
 __all__ = [
     "EVERY_AGENT",
@@ -332,6 +332,13 @@ class Ledger(ABC):
     @abstractmethod
     def clear_gate_wait(self, job_id: str) -> None:
         """Record that a job no longer waits."""
+
+    def spoken_state(self, state: State, job_id: str) -> str:
+        """Return the state of a job's folder as `status` and `list` say it: a job in active/ held by a gate is
+        waiting (a command's error then names the state the user saw)."""
+        if state is State.ACTIVE and job_id in self.gate_waits():
+            return "waiting"
+        return state.value
 
     @abstractmethod
     def gate_waits(self) -> dict[str, float | None]:

@@ -86,7 +86,8 @@ class Operator:
             if found is None:
                 self._still_an_order(job_id, NotFound(f"{job_id}: no such job"), "only a failed job can be retried")
             if found[0] is not State.FAILED:
-                raise WrongState(f"{job_id}: is {found[0].value}, only a failed job can be retried")
+                said = self.ledger.spoken_state(found[0], job_id)
+                raise WrongState(f"{job_id}: is {said}, only a failed job can be retried")
             try:
                 JobFolder(found[1]).spec()
             except ValueError:
@@ -571,7 +572,7 @@ class Operator:
         """Raise the error for an id whose order is not in folder."""
         found = self.layout.find(job_id)
         if found is not None:
-            raise WrongState(f"{job_id}: is {found[0].value}, not {wanted}")
+            raise WrongState(f"{job_id}: is {self.ledger.spoken_state(found[0], job_id)}, not {wanted}")
         elsewhere = self.layout.held if folder == "inbox" else self.layout.inbox
         if find_queued(elsewhere, [job_id]):
             raise WrongState(f"{job_id}: is {other}, not {wanted}")
