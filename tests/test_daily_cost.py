@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -210,3 +211,31 @@ def test_a_cap_reached_by_a_running_jobs_own_attempts_holds_its_next_attempt(env
     approve = env.cli("approve", "OWN-1")
     assert (approve.returncode, approve.stderr) == (1, "OWN-1: is waiting, not waiting for review\n")
     assert d.stop() == 0
+
+
+def test_a_restart_does_not_move_a_running_jobs_noted_spend_later(env: Env) -> None:
+    """A job gated by its own attempts' cost keeps the time its spend was counted across a restart of its daemon
+    (the README: a daemon that takes over a job does not move its earlier attempts' cost). Each restart dated it
+    again at the takeover, pushing the gate out by the time since the spend."""
+    cost = json.dumps({"type": "result", "total_cost_usd": 0.6})
+    worker = env.agent("--json-result", cost, "--fail-attempts", "10", max_daily_cost_usd=0.5, max_attempts=3,
+                       retry_safe=True)  # fmt: skip
+    env.configure(agents={"worker": worker})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order("RS-1"))
+    d.wait_event("budget.gated", agent="worker")
+
+    def spent() -> float:
+        with sqlite3.connect(f"file:{env.root / '.state' / 'ledger.sqlite3'}?mode=ro", uri=True) as db:
+            return float(db.execute("SELECT spent FROM jobs WHERE job_id = 'RS-1'").fetchone()[0])
+
+    before = spent()
+    assert d.stop() == 0
+    time.sleep(1.5)
+    d2 = env.daemon()
+    d2.wait_ready()
+    time.sleep(1.5)  # the recovered job has looked at its gate again
+    assert spent() == before
+    assert len(env.starts()) == 1
+    assert d2.stop() == 0

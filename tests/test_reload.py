@@ -30,7 +30,7 @@ def test_a_changed_config_is_noted_and_reload_makes_the_daemon_load_it(env: Env)
     info = json.loads(next((env.root / ".state" / "daemons").glob("*.json")).read_text())
     # the daemon's entry records the digest of the config it loaded, and the file it loaded it from
     digest, path = info["config_digest"].split(" ", 1)
-    assert len(digest) == 16 and path == os.path.realpath(env.config_path)
+    assert len(digest) == 16 and path == os.path.abspath(env.config_path)
     assert "has changed" not in env.cli("status", check=True).stdout
 
     agents = {"worker": env.agent(), "split": env.agent()}
@@ -93,6 +93,36 @@ def test_a_daemon_that_loaded_another_file_or_runs_on_another_host_is_never_said
     infos = [DaemonInfo("o", 1, "elsewhere", 0.0, config_digest="0123456789abcdef " + str(env.config_path))]
     assert config_note("fedcba9876543210", env.config_path, infos, host="here") is None
     assert config_note("fedcba9876543210", env.config_path, infos, host="elsewhere") is not None
+
+
+def test_a_config_symlink_pointed_at_another_file_is_noted_as_a_changed_config(env: Env) -> None:
+    """The daemon runs `--config current.yaml`, a link to v1.yaml; the link is pointed at v2.yaml (another
+    max_jobs): `status` with current.yaml notes it, since a reload would load v2.yaml. It said nothing: the
+    daemon's record named v1.yaml, the link's target."""
+    v1, v2, link = env.tmp / "v1.yaml", env.tmp / "v2.yaml", env.tmp / "current.yaml"
+    v1.write_text(env.config_path.read_text())
+    v2.write_text(yaml.safe_dump({**env.settings, "max_jobs": 1}, sort_keys=False))
+    link.symlink_to(v1)
+    e = cli_env()
+    e["DISPATCHER_CONFIG"] = str(link)
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "dispatcher", "run"], env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_until(lambda: len(json.loads(env.cli("status", "--json", check=True).stdout)["daemons"]) == 1)
+
+        def status() -> str:
+            proc = subprocess.run([sys.executable, "-m", "dispatcher", "status"], env=e, capture_output=True,
+                                  text=True, timeout=60)  # fmt: skip
+            return proc.stdout
+
+        assert "has changed" not in status()
+        link.unlink()
+        link.symlink_to(v2)
+        assert f"{link} has changed since the running daemon ({daemon.pid} on " in status()
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
 
 
 def test_retry_says_the_daemon_runs_an_older_config(env: Env) -> None:

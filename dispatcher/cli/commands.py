@@ -198,7 +198,7 @@ def daemons_of(cfg: Config) -> list[DaemonInfo]:
 def stale_config(cfg: Config) -> str | None:
     """Return one line when a running daemon loaded another config than the file now holds, else None."""
     try:
-        return config_note(cfg.digest, cfg.path, daemons_of(cfg))
+        return config_note(cfg.digest, Path(cfg.given) if cfg.given else cfg.path, daemons_of(cfg))
     except DispatchError:  # a note is a courtesy: the command itself has already answered
         return None
 

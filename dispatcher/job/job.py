@@ -93,7 +93,9 @@ class Job(Finishing, Deciding):
         self.host_lost = host_lost  # recovered from a daemon whose lease ran out (another host)
         self.control = Control()
         self.retries = retries_so_far(self.attempts)  # a recovered job's back-off goes on where it was
-        self._spend_noted: float | None = None  # the cost so far the ledger was told of (``_note_spend``)
+        # the cost so far the ledger knows (``_note_spend``): a recovered or retried job's row has its attempts'
+        # cost already, dated when it was counted (a restart does not move it later in the daily window)
+        self._spend_noted: float | None = total_cost(self.attempts)
         self.expires: float | None = None  # when the job ends expired if no attempt started by then (section 16)
         # while a usage limit holds it: when its limit waits add up to max_limit_wait (set aside until then at most)
         self.limit_until: float | None = None

@@ -134,20 +134,21 @@ def config_note(
 ) -> str | None:
     """Return one line when a live daemon of this host loaded this same file, and it holds another config now.
 
-    A daemon records its file's digest and real path (``spec.config.config_mark``); one that
+    A daemon records its file's digest and path (``spec.config.config_mark``); one that
     loaded another file, or runs on another host (whose file this command cannot see, and which
     `dispatcher reload` here cannot reach), is left out. A record without a path (an older
     daemon's) counts as this file's.
     """
     if digest is None or path is None:
         return None
-    here, host = os.path.realpath(path), socket.gethostname() if host is None else host
+    here, real, host = os.path.abspath(path), os.path.realpath(path), socket.gethostname() if host is None else host
     stale = []
     for d in daemons:
         if not d.alive or d.config_digest is None or d.host != host:
             continue
         loaded, _, loaded_from = d.config_digest.partition(" ")
-        if loaded != digest and loaded_from in ("", here):
+        same = loaded_from in ("", here) or os.path.realpath(loaded_from) == real  # one file, however named
+        if loaded != digest and same:
             stale.append(d)
     if not stale:
         return None

@@ -40,14 +40,16 @@ def file_digest(data: bytes) -> str:
 
 
 def config_mark(cfg: Config) -> str | None:
-    """Return what a daemon records of the config it loaded: its file's digest, then the file's real path.
+    """Return what a daemon records of the config it loaded: its file's digest, then the file's path as given
+    (absolute; a symlink is kept: a reload reads the path again, wherever it points then).
 
     A command compares its own file with the daemons of this host that loaded that same file
     (``ops.daemons.config_note``): another file, or another host's, never "has changed".
     """
     if cfg.digest is None:
         return None
-    return cfg.digest if cfg.path is None else f"{cfg.digest} {os.path.realpath(cfg.path)}"
+    where = cfg.given or (str(cfg.path) if cfg.path is not None else None)
+    return cfg.digest if where is None else f"{cfg.digest} {where}"
 
 
 _TOP = {
@@ -149,7 +151,8 @@ def load_config(path: Path, *, root: Path | None = None) -> Config:
         raise ConfigError(f"cannot read: {exc.strerror}", file=name) from None
     try:
         body = load_document(data, "json" if path.suffix == ".json" else "yaml", aliases=True)
-        return dataclasses.replace(build_config(body, path, root=root), digest=file_digest(data))
+        built = build_config(body, path, root=root)
+        return dataclasses.replace(built, digest=file_digest(data), given=os.path.abspath(path))
     except OrderError as exc:
         raise ConfigError(exc.message, file=name, field=exc.field) from None
 

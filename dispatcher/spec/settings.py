@@ -232,6 +232,8 @@ class Config:
     agents: Mapping[str, Agent] = field(default_factory=dict)
     #: a digest of the file's bytes (None: built-in defaults); a daemon records the one it loaded
     digest: str | None = None
+    #: the file's path as it was given, made absolute (``path`` resolves links; a reload reads this one again)
+    given: str | None = None
     #: agents a reload removed from the running daemon's config: orders for them wait, follow-ups to them too
     retired: frozenset[str] = frozenset()
 
