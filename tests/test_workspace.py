@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 from conftest import Env, wait_until
@@ -486,14 +487,14 @@ def test_a_retried_job_whose_repository_went_away_fails_in_plain_words(env: Env,
     assert result["reason"] == f"config: agent coder cannot start: workspace: repository {repo} does not exist"
 
 
-def _slow_checkout(repo: Path) -> None:
-    """Make the worktree's checkout of repo take 6 s: a smudge filter (hooks are off for the daemon's git)."""
+def _slow_checkout(repo: Path, seconds: int = 6) -> None:
+    """Make the worktree's checkout of repo take seconds: a smudge filter (hooks are off for the daemon's git)."""
     (repo / ".gitattributes").write_text("src/slow.txt filter=slow\n")
     (repo / "src" / "slow.txt").write_text("slow\n")
     git(repo, "config", "filter.slow.clean", "cat")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "slow")
-    git(repo, "config", "filter.slow.smudge", "sleep 6; cat")
+    git(repo, "config", "filter.slow.smudge", f"sleep {seconds}; cat")
 
 
 def test_a_stop_while_the_worktree_is_made_starts_no_agent_and_the_next_start_runs_the_job(
@@ -550,3 +551,27 @@ def test_base_parent_of_a_follow_up_that_waited_for_others_starts_from_the_job_i
     d.stop()
     assert second["base"] == head
     assert git(repo, "show", f"{second['head']}:src/chain.txt").split() == ["FA", "FB"]
+
+
+def test_a_stop_ends_a_long_checkout_at_stop_timeout_and_the_next_start_makes_the_worktree_again(
+    env: Env, tmp_path: Path
+) -> None:
+    """SIGTERM while a job's worktree is checked out for 60 s: the stop ends the checkout at stop_timeout (plus
+    kill_grace), as it ends agents, and exits 0; the job started no agent, and the next start makes its worktree
+    again and runs it. The stop waited for the whole checkout."""
+    repo = make_repo(tmp_path / "shop")
+    _slow_checkout(repo, 60)
+    env.configure(agents={"coder": coder(env, repo, "--write", "src/a.txt=x")}, stop_timeout=2, kill_grace=1)
+    d = env.daemon()
+    env.drop(code_order("WS3"))
+    wait_until(lambda: (env.root / ".state" / "worktrees" / "WS3").exists(), 30, "the worktree's checkout")
+    sent = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait(90) == 0
+    took = time.monotonic() - sent
+    assert took < 2 + 1 + 10, f"the stop took {took:.1f} s with stop_timeout 2"
+    assert starts(env) == []
+    git(repo, "config", "filter.slow.smudge", "cat")
+    assert env.cli("run", "--once", timeout=120).returncode == 0
+    assert env.result("WS3", "done")["state"] == "done"
+    assert [(job, n) for job, n, _ in starts(env)] == [("WS3", 1)]

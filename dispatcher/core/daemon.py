@@ -34,7 +34,7 @@ from dispatcher.core.scheduler import SLOT_RETRY_S, Scheduler
 from dispatcher.core.sdnotify import Notifier
 from dispatcher.core.watcher import Inbox, list_inbox
 from dispatcher.core.work import Kind
-from dispatcher.job import hooks, intake, repowork
+from dispatcher.job import hooks, intake, repowork, worktree
 from dispatcher.job.context import JobContext
 from dispatcher.job.finish import Finisher
 from dispatcher.job.joins import Joined, Joins
@@ -357,6 +357,7 @@ class Daemon(Reloading, Fencing):
         if self.stop_deadline is not None and now >= self.stop_deadline:
             self.sched.abort_all(Stop.STOPPED)
             hooks.RUNNING.stop_all()  # hooks run like agents: ended at the stop's deadline too
+            worktree.CHECKOUTS.end_all()  # and a worktree's checkout: its job, with no agent yet, waits
             self.notify.end_running()  # and notifications: none outlasts the deadline waiting for the agents
             self.stop_deadline = None
         self.house.promote_settled()
@@ -482,6 +483,7 @@ class Daemon(Reloading, Fencing):
             log.warning("daemon.stopping", forced=True)
             self.sched.abort_all(Stop.STOPPED, now=True)
             hooks.RUNNING.stop_all(now=True)
+            worktree.CHECKOUTS.end_all()
             return
         self.stopping = True
         self.notifier.stopping()

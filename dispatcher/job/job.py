@@ -394,6 +394,8 @@ class Job(Finishing, Deciding):
                 revised = "feedback.json" in self.spec.given or revisions(self.folder) > 0
                 await self.repo.open(n, goes_on=resumes or revised)
         except WorkspaceFailed as exc:
+            if self.control.reason is Stop.STOPPED or self.ctx.stopping():
+                return Outcome.LEFT  # a stop ended its checkout (or came during it): the next start makes it again
             if exc.short is not None and SHORT.note(exc.short, "workspace"):
                 return Outcome.SHORT  # its start waits for the pause, as an agent's does
             reason = f"config: agent {agent.name} cannot start: {exc}"

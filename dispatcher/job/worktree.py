@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -91,19 +92,77 @@ def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def git(cwd: str | Path, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
-    """Run git in cwd and return its stdout; raise GitError with git's message (busy locks are tried again)."""
+class Checkouts:
+    """The `git worktree add` runs of this process, so that a stop ends them as it ends agents (contract 9).
+
+    A checkout of a large repository may take long: a stop's deadline (and a second stop) ends
+    its process group, and the job, which started no agent, waits for the next start, whose
+    add clears the half-made worktree (``clear``) and makes it again.
+    """
+
+    def __init__(self) -> None:
+        self._groups: set[int] = set()
+        self._lock = threading.Lock()
+        self.ended = False
+
+    def run(self, argv: list[str], cwd: str | Path, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+        """Run argv in a session of its own, known to ``end_all`` while it runs."""
+        with subprocess.Popen(
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        ) as proc:  # fmt: skip
+            with self._lock:
+                self._groups.add(proc.pid)
+                if self.ended:
+                    _kill_group(proc.pid)
+            try:
+                out, err = proc.communicate(timeout=GIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid)
+                out, err = proc.communicate()
+            finally:
+                with self._lock:
+                    self._groups.discard(proc.pid)
+            return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    def end_all(self) -> None:
+        """End every checkout under way, and each that starts from now on (a stop's deadline, a second stop)."""
+        with self._lock:
+            self.ended = True
+            for pgid in self._groups:
+                _kill_group(pgid)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+CHECKOUTS = Checkouts()
+
+
+def git(
+    cwd: str | Path, *args: str, env: dict[str, str] | None = None, check: bool = True, stoppable: bool = False
+) -> str:
+    """Run git in cwd and return its stdout; raise GitError with git's message (busy locks are tried again).
+
+    ``stoppable``: a run a stop ends at its deadline (``CHECKOUTS``: the checkout of a new worktree).
+    """
     delay = 0.05
     for tries in range(12):
-        proc = subprocess.run(
-            ["git", *SAFE, *args],
-            cwd=cwd,
-            env=env or git_env(),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=GIT_TIMEOUT_S,
-            check=False,
-        )
+        argv = ["git", *SAFE, *args]
+        if stoppable:
+            proc = CHECKOUTS.run(argv, cwd, env or git_env())
+        else:
+            proc = subprocess.run(
+                argv,
+                cwd=cwd,
+                env=env or git_env(),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=GIT_TIMEOUT_S,
+                check=False,
+            )
         if proc.returncode == 0 or not check:
             return proc.stdout.decode(errors="replace")
         err = proc.stderr.decode(errors="replace").strip()
@@ -337,7 +396,7 @@ def _add(ws: Workspace, *, from_branch: bool) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
         faults.point("workspace.add")
-    git(ws.repo, *args)
+    git(ws.repo, *args, stoppable=True)
 
 
 def common_dir(repo: str) -> Path:
