@@ -198,6 +198,34 @@ def test_file_still_being_written_is_not_taken_by_the_rescan(env: Env) -> None:
     assert d.stop() == 0
 
 
+def test_a_file_held_open_since_before_the_start_is_not_taken_half_written(env: Env) -> None:
+    """A writer opens HALF-2.json in inbox/ with no daemon running, writes half an order and keeps it open; the
+    daemon starts once the file is older than `settle`: found by the start's listing, not by an event, it waits
+    for its writer as a file that settles under the watch does, and runs once, whole. It was taken at once, by
+    its age (refused half-written here; a valid half ran without the rest)."""
+    env.configure(settle=0.5, rescan_interval=0.5)
+    data = json.dumps(order("HALF-2"), indent=2).encode()
+    inbox = env.root / "inbox"
+    inbox.mkdir(parents=True, exist_ok=True)
+    path = inbox / "HALF-2.json"
+    with path.open("wb") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+        time.sleep(1.0)  # older than settle before the daemon looks
+        d = env.daemon()
+        d.wait_ready()
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:
+            assert path.exists(), "the daemon took a file its writer still had open"
+            assert refusals(env.root) == [], "a half-written order was refused"
+            time.sleep(0.05)
+        f.write(data[len(data) // 2 :])
+    env.wait_job("HALF-2", "done")
+    assert refusals(env.root) == []
+    assert (env.root / "done" / "HALF-2" / "order.json").read_bytes() == data
+    assert d.stop() == 0
+
+
 def test_a_file_written_again_in_place_just_after_its_first_write_loses_neither_order(env: Env) -> None:
     """Two writers write one inbox name one after the other (`cp a inbox/X.json; cp b inbox/X.json`): each
     closed write runs as its own job (or the second replaced the first before any claim), a job's order.json

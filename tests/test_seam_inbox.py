@@ -39,6 +39,12 @@ def settle(inbox: Inbox, done: Callable[[list[str]], bool], timeout: float = 10.
         time.sleep(min(wait or 0.01, 0.05))
 
 
+def no_writers(inbox: Inbox) -> None:
+    """Answer the open-writer check the settled files ask for: no process holds any of them open."""
+    check, _ = inbox.promote_settled()
+    inbox.writers_checked(check, set())
+
+
 def drain(inbox: Inbox) -> list[str]:
     """Pop every ready name, in order."""
     out = []
@@ -121,7 +127,8 @@ def test_without_the_writer_check_a_settled_file_is_ready_directly(tmp_path: Pat
 
 
 def test_listed_files_are_ready_oldest_first_then_by_name(tmp_path: Path) -> None:
-    """Old files found by a listing are ready at once and pop by mtime, oldest first, ties by name."""
+    """Old files found by a listing are ready once the open-writer check says no process holds them (at once
+    without that check), and pop by mtime, oldest first, ties by name."""
     inbox = inbox_at(tmp_path)
     write(inbox, "new.json", age=10)
     write(inbox, "old.json", age=30)
@@ -130,6 +137,8 @@ def test_listed_files_are_ready_oldest_first_then_by_name(tmp_path: Path) -> Non
     mid = os.stat(inbox.inbox / "b-mid.json").st_mtime_ns
     os.utime(inbox.inbox / "a-mid.json", ns=(mid, mid))  # the same mtime as b-mid.json
     inbox.merge(list_inbox(inbox.inbox))
+    assert drain(inbox) == []  # settled by their age, but a writer may hold one open still
+    no_writers(inbox)
     assert drain(inbox) == ["old.json", "a-mid.json", "b-mid.json", "new.json"]
 
 
@@ -256,7 +265,8 @@ def test_an_order_set_aside_twice_counts_once(tmp_path: Path) -> None:
     old = time.time_ns() - 10**11
     os.utime(tmp_path / "a1.json", ns=(old, old))
     inbox = Inbox(tmp_path, settle_s=2.0)
-    inbox.merge([Listed("a1.json", 10, old, True)])
+    inbox.merge([Listed("a1.json", os.path.getsize(tmp_path / "a1.json"), old, True)])
+    no_writers(inbox)
     assert inbox.pop(frozenset({"A"})) is None and inbox.aside_for({"A"}) == 1
     inbox.hint("closed", "a1.json")  # written again (a touch, an editor's save): ready, then set aside again
     assert inbox.pop(frozenset({"A"})) is None

@@ -185,6 +185,9 @@ class Inbox:
             return
         self._known.add(name)
         if not entry.regular or (not fresh and now_ns - entry.mtime_ns >= self.settle_s * 1e9):
+            if entry.regular and self.wait_for_writers:  # settled by its age, but a writer may hold it open still
+                self._pending[name] = _Pending(entry.size, entry.mtime_ns, -math.inf)  # the next turn's check
+                return
             self._push(name, entry.mtime_ns, dir_fd)  # links, FIFOs, folders: refused at once, never opened
             return
         self._pending[name] = _Pending(entry.size, entry.mtime_ns, now_mono)
