@@ -407,7 +407,7 @@ def test_kill_9_while_the_merger_waits(env: Env) -> None:
     assert second.stop() == 0
 
 
-@pytest.mark.parametrize("fault", ["join.claimed", "join.taken", "join.moved"])
+@pytest.mark.parametrize("fault", ["join.claimed", "join.taken", "join.parents", "join.moved"])
 def test_kill_9_while_the_last_parent_finishes(env: Env, fault: str) -> None:
     """A daemon killed at each step between a wait and the merger's start: the merger runs exactly once."""
     env.configure(join_agents(env))

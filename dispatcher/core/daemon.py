@@ -238,6 +238,8 @@ class Daemon(Reloading, Fencing):
         # short of descriptors here too (ulimit -n 12): daemon.short_of, step start, and again, as above
         listed = await startup.while_short(lambda: self.lanes.scan(list_inbox, self.layout.inbox), self._stop_asked)
         self.inbox.merge(listed)
+        if self.inbox.wait_for_writers:  # the files already settled by their age: no writer may hold one open
+            await startup.while_short(self.house.settle_now, self._stop_asked)
         await startup.while_short(
             lambda: repowork.housekeep(self.layout, self.lanes, self.config, self.notify, startup=True),
             self._stop_asked,

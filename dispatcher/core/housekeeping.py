@@ -394,6 +394,14 @@ class Housekeeping:
         if check:
             self.start(self._check_writers(check), "writers")
 
+    async def settle_now(self) -> None:
+        """Run the open-writer check of the files already settled, in place: at start, the orders found in inbox/
+        are ready before the first claims, so that they take their places by priority beside recovered jobs."""
+        check, wait = self.inbox.promote_settled()
+        self._settle_due = None if wait is None else time.monotonic() + wait
+        if check:
+            await self._check_writers(check)
+
     async def _check_writers(self, names: list[str]) -> None:
         inbox = self.ctx.layout.inbox
         held = await self.ctx.lanes.scan(procs.held_for_writing, {os.path.abspath(inbox / n) for n in names})

@@ -381,7 +381,14 @@ class Joins:
         after = _as_ordered(spec.order.get("after"), wait.after)
         data = fsutil.dump_json(parents_record(self.layout, self.ledger, after))
         # its bytes and its name durable before the job moves: a given file, which writes_scope checks
-        fsutil.write_atomic(folder.work / PARENTS, data, sync=True)
+        # its temporary file outside work/: a crash before the rename leaves nothing there that writes_scope judges
+        tmp = folder.path / f".{PARENTS}.{os.getpid()}.tmp"
+        fsutil.write_in_place(tmp, data, sync=True)
+        faults.point("join.parents")
+        os.rename(tmp, folder.work / PARENTS)
+        for stale in folder.work.glob(f".{PARENTS}.*.tmp"):  # where an older version's crash left its own
+            stale.unlink(missing_ok=True)
+        fsutil.fsync_dir(folder.work)
         folder.write_spec(replace(spec.with_given(PARENTS, fsutil.digest(data)), since=time.time()), sync=True)
         fsutil.rename_into(folder.path, self.layout.job(State.ACTIVE, wait.job_id))
         fsutil.fsync_dir(self.layout.folder(State.ACTIVE))
