@@ -210,6 +210,13 @@ def test_a_cap_reached_by_a_running_jobs_own_attempts_holds_its_next_attempt(env
     assert (retry.returncode, retry.stderr) == (1, "OWN-1: is waiting, only a failed job can be retried\n")
     approve = env.cli("approve", "OWN-1")
     assert (approve.returncode, approve.stderr) == (1, "OWN-1: is waiting, not waiting for review\n")
+    for command, said in (
+        ("hold", "only a queued order can be held"),
+        ("release", "not held"),
+        ("land", "not done (only a done job lands)"),
+    ):
+        proc = env.cli(command, "OWN-1")
+        assert (proc.returncode, proc.stderr) == (1, f"OWN-1: is waiting, {said}\n"), command
     assert d.stop() == 0
 
 

@@ -230,5 +230,15 @@ def test_a_time_under_way_is_read_as_its_end_not_as_tomorrow_or_next_year() -> N
     assert clock_time("10am", NOW + 1800) == NOW + 3600
     assert clock_time("Dec 1, 10:00am", NOW + 40) == NOW + 60
     assert clock_time("Dec 1, 2026 10:00am", NOW + 40) == NOW + 60
-    assert clock_time("9:59am", NOW) == NOW + 24 * 3600 - 60  # a minute that has ended: tomorrow, as before
-    assert clock_time("Dec 1, 9am", NOW) == datetime(2027, 12, 1, 9, tzinfo=UTC).timestamp()
+    # ended a moment ago (the agent printed it just before it exited): in the past, so no limit, never a day or a
+    # year later; ended long ago: the next such time, as before
+    assert clock_time("9:59am", NOW) == NOW - 60
+    assert clock_time("9am", NOW + 1) == NOW - 3600
+    assert clock_time("Nov 30, 11:59pm", NOW - 10 * 3600 + 5) == NOW - 10 * 3600 - 60  # not next year
+    assert (
+        clock_time("Dec 31, 11pm", datetime(2027, 1, 1, 0, 0, 1, tzinfo=UTC).timestamp())
+        == datetime(2026, 12, 31, 23, tzinfo=UTC).timestamp()
+    )  # the year before, ended a second ago
+    assert clock_time("11:59pm", NOW + 14 * 3600 + 5) == NOW + 14 * 3600 - 60  # 23:59 ended at 00:00, 5 s ago
+    assert clock_time("9:59am", NOW + 700) == NOW + 24 * 3600 - 60
+    assert clock_time("Nov 30, 9am", NOW) == datetime(2027, 11, 30, 9, tzinfo=UTC).timestamp()

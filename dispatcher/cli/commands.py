@@ -410,22 +410,23 @@ def cmd_land(args: argparse.Namespace) -> int:
         raise UsageError("land: no job id given")
     ledger = open_reader(cfg, Layout(cfg.root))  # a lost ledger stops this command as every other (exit 2)
     log_to_file(cfg)
-    if ledger is not None:
-        try:  # a done job a dead daemon left in active/ (its end recorded, not its move): into done/ first
+    failed = 0
+    try:
+        if ledger is not None:  # a done job a dead daemon left in active/ (its end recorded, not its move): into done/
             for job_id in ids:
                 if JOB_ID.fullmatch(job_id):  # before it names a folder (land_again says what is wrong with it)
                     landed = land_recorded_end(Layout(cfg.root), ledger, job_id)
                     if landed is not None:  # a failed one too: `land` refuses it below, once it is told
                         tell_landed(cfg, Layout(cfg.root), landed)
-        finally:
+        for job_id in ids:
+            try:
+                print(land_again(cfg, Layout(cfg.root), job_id, ledger), flush=True)
+            except (NotFound, WrongState) as exc:
+                print(exc, file=sys.stderr, flush=True)
+                failed += 1
+    finally:
+        if ledger is not None:
             ledger.close()
-    failed = 0
-    for job_id in ids:
-        try:
-            print(land_again(cfg, Layout(cfg.root), job_id), flush=True)
-        except (NotFound, WrongState) as exc:
-            print(exc, file=sys.stderr, flush=True)
-            failed += 1
     return 1 if failed else 0
 
 

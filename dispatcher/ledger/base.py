@@ -35,7 +35,7 @@ from dispatcher.ledger.records import (
     Wait,
     fold_waits,
 )
-from dispatcher.lifecycle import Row, State
+from dispatcher.lifecycle import Row, State, spoken
 
 __all__ = [
     "EVERY_AGENT",
@@ -332,6 +332,13 @@ class Ledger(ABC):
     @abstractmethod
     def clear_gate_wait(self, job_id: str) -> None:
         """Record that a job no longer waits."""
+
+    def spoken_row(self, row: str, job_id: str) -> str:
+        """Return a ledger state as an operator reads it (``lifecycle.spoken``), a claimed job held by a gate as
+        waiting."""
+        if row == Row.CLAIMED and job_id in self.gate_waits():
+            return "waiting"
+        return spoken(row)
 
     def spoken_state(self, state: State, job_id: str) -> str:
         """Return the state of a job's folder as `status` and `list` say it: a job in active/ held by a gate is

@@ -32,7 +32,7 @@ from dispatcher.errors import NotFound, WrongState, printable
 from dispatcher.job.recovery import Landed, land_recorded_end, settle_claim
 from dispatcher.layout import JOB_ID, Layout, check_id, hint_name
 from dispatcher.ledger.base import EVERY_AGENT, Gate, GateKind, Ledger, Request
-from dispatcher.lifecycle import Row, State, is_final, notified_event, spoken
+from dispatcher.lifecycle import Row, State, is_final, notified_event
 from dispatcher.ops.sharing import hand_over
 from dispatcher.query.report import read_order_file
 from dispatcher.spec.settings import Config
@@ -372,7 +372,9 @@ class Operator:
     def _hold(self, job_id: str) -> str:
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state not in (Row.RELEASED,):
-            raise WrongState(f"{job_id}: is {spoken(entry.state)}, only a queued order can be held")
+            raise WrongState(
+                f"{job_id}: is {self.ledger.spoken_row(entry.state, job_id)}, only a queued order can be held"
+            )
         if job_id in self.ledger.requests(Request.CANCEL):  # it ends cancelled as promised, not held
             raise WrongState(f"{job_id}: a cancel was asked for it; it fails with reason cancelled")
         held: list[str] = []
@@ -431,10 +433,9 @@ class Operator:
         entry = self.ledger.get(job_id)
         if entry is not None and entry.state not in (Row.HELD, Row.RELEASED):
             if find_queued(self.layout.held, [job_id]).get(job_id) is None:
-                raise WrongState(f"{job_id}: is {spoken(entry.state)}, not held")
-            raise WrongState(
-                f"{job_id}: is {spoken(entry.state)}; released, its held order would be refused (it stays in held/)"
-            )
+                raise WrongState(f"{job_id}: is {self.ledger.spoken_row(entry.state, job_id)}, not held")
+            said = self.ledger.spoken_row(entry.state, job_id)
+            raise WrongState(f"{job_id}: is {said}; released, its held order would be refused (it stays in held/)")
         names = []
         for _ in range(_MAX_FILES):
             name = find_queued(self.layout.held, [job_id]).get(job_id)

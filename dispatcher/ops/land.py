@@ -18,6 +18,7 @@ from dispatcher import procs
 from dispatcher.errors import NotFound, WrongState
 from dispatcher.job import afterowed, landing
 from dispatcher.layout import Layout, check_id
+from dispatcher.ledger.base import Ledger
 from dispatcher.lifecycle import State
 from dispatcher.spec.settings import Config
 from dispatcher.store.jobstore import JobFolder
@@ -46,8 +47,11 @@ class _Notified:
                        agent, reason, result)  # fmt: skip
 
 
-def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
-    """Run job_id's land hook now; return the line to print; raise NotFound or WrongState."""
+def land_again(cfg: Config, layout: Layout, job_id: str, ledger: Ledger | None = None) -> str:
+    """Run job_id's land hook now; return the line to print; raise NotFound or WrongState.
+
+    ``ledger``: to name a job's state as the listings do (a gated job in active/ is waiting).
+    """
     check_id(job_id)  # before it names a folder or a file
     found = layout.find(job_id)
     if found is None:
@@ -59,7 +63,8 @@ def land_again(cfg: Config, layout: Layout, job_id: str) -> str:
         raise NotFound(f"{job_id}: no such job")
     state, path = found
     if state is not State.DONE:
-        raise WrongState(f"{job_id}: is {state.value}, not done (only a done job lands)")
+        said = ledger.spoken_state(state, job_id) if ledger is not None else state.value
+        raise WrongState(f"{job_id}: is {said}, not done (only a done job lands)")
     try:
         spec = JobFolder(path).spec()
     except ValueError:

@@ -24,6 +24,7 @@ Pure: the caller passes the text and the time; nothing here reads a clock or a f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -269,23 +270,35 @@ def clock_time(text: str, now: float) -> float | None:
     unit = 60 if m["minute"] else 3600  # how finely the text names its time
     if m["mon"]:
         month = _MONTHS.index(m["mon"].lower()) + 1 if m["mon"].lower() in _MONTHS else 0
-        years = (int(m["year"]),) if m["year"] else (here.year, here.year + 1)  # no year: the next such day
+        years = (int(m["year"]),) if m["year"] else (here.year - 1, here.year, here.year + 1)
+        moments = []
         for year in years:
-            try:
-                moment = datetime(year, month, int(m["day"]), hour, minute, tzinfo=zone).timestamp()
-            except ValueError:  # no such month or day
-                return None
-            if moment <= now < moment + unit:
-                return moment + unit  # under way: its end
-            if moment > now or m["year"]:
-                return moment
-        return None
+            with contextlib.suppress(ValueError):  # no such month or day (29 February: only in some years)
+                moments.append(datetime(year, month, int(m["day"]), hour, minute, tzinfo=zone).timestamp())
+        return _reading(moments, now, unit, exact=bool(m["year"])) if moments else None
     at = here.replace(hour=hour, minute=minute, second=0, microsecond=0)
-    if at.timestamp() <= now < at.timestamp() + unit:
-        return at.timestamp() + unit
-    if at.timestamp() <= now:
-        at += timedelta(days=1)
-    return at.timestamp()
+    return _reading([(at + timedelta(days=d)).timestamp() for d in (-1, 0, 1)], now, unit, exact=False)
+
+
+JUST_PASSED_S = 600.0  # a reset time that ended this recently is in the past, not the same time tomorrow
+
+
+def _reading(moments: list[float], now: float, unit: int, *, exact: bool) -> float:
+    """Return what a reset time means at ``now``, from the moments it may name (oldest first).
+
+    Under way (the named minute or hour has begun): its end. Ended within ``JUST_PASSED_S``
+    (the agent printed it a moment before it exited): that moment, in the past, which is no
+    limit (the attempt counts as the failure it is), never a day or a year later. Otherwise
+    the next such moment; with ``exact`` (a date with its year) the one moment named.
+    """
+    for moment in moments:
+        if moment <= now < moment + unit:
+            return moment + unit
+        if moment + unit <= now < moment + unit + JUST_PASSED_S:
+            return moment
+    if exact:
+        return moments[0]
+    return next((moment for moment in moments if moment > now), moments[-1])
 
 
 def _cut(text: str) -> str:
