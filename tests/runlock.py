@@ -14,6 +14,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from dispatcher.ledger.flocks import lock_held
+
 
 def lock_dir() -> Path:
     """Return the folder for owner files shared by every test run on this machine."""
@@ -56,14 +58,4 @@ class OwnerLock:
 
 def owner_is_dead(path: Path) -> bool:
     """Return True when no live process holds the lock on ``path`` (or it does not exist)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
+    return lock_held(path) is not True

@@ -12,6 +12,7 @@ import os
 import random
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from conftest import Env, order, wait_until
@@ -168,6 +169,15 @@ def test_burst_of_2000_renames_ends_with_every_job_done(env: Env) -> None:
     assert set(Counter(j for j, _a, _p in agent_starts(env)).values()) == {1}
 
 
+def _untouched_while_open(env: Env, path: Path, seconds: float) -> None:
+    """An observation window while a writer holds path open: the daemon neither takes it nor refuses it."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert path.exists(), "the daemon took a file its writer still had open"
+        assert refusals(env.root) == [], "a half-written order was refused"
+        time.sleep(0.05)
+
+
 def test_file_still_being_written_is_not_taken_by_the_rescan(env: Env) -> None:
     """A file written in place and held open past settle and rescan is taken once, whole.
 
@@ -184,12 +194,7 @@ def test_file_still_being_written_is_not_taken_by_the_rescan(env: Env) -> None:
         f.write(data[: len(data) // 2])
         f.flush()
         os.fsync(f.fileno())
-        end = time.monotonic() + 3.5
-        while time.monotonic() < end:
-            # an observation window: nothing may happen to the open file
-            assert path.exists(), "the daemon took a file its writer still had open"
-            assert refusals(env.root) == [], "a half-written order was refused"
-            time.sleep(0.05)
+        _untouched_while_open(env, path, 3.5)
         f.write(data[len(data) // 2 :])
     env.wait_job("HALF-1", "done")
     assert refusals(env.root) == []
@@ -214,11 +219,7 @@ def test_a_file_held_open_since_before_the_start_is_not_taken_half_written(env: 
         time.sleep(1.0)  # older than settle before the daemon looks
         d = env.daemon()
         d.wait_ready()
-        end = time.monotonic() + 2.5
-        while time.monotonic() < end:
-            assert path.exists(), "the daemon took a file its writer still had open"
-            assert refusals(env.root) == [], "a half-written order was refused"
-            time.sleep(0.05)
+        _untouched_while_open(env, path, 2.5)
         f.write(data[len(data) // 2 :])
     env.wait_job("HALF-2", "done")
     assert refusals(env.root) == []

@@ -188,18 +188,26 @@ def test_a_daily_cap_is_said_in_plain_numbers(env: Env) -> None:
     assert d.stop() == 0
 
 
+def _gated_by_its_own_attempts(
+    env: Env, job_id: str, usd: float, *, max_attempts: int
+) -> tuple[Daemon, dict[str, Any]]:
+    """Run one job of a retry-safe agent whose attempts fail at usd each, under a 0.5 USD daily cap, until the cap
+    gates its next attempt; return the daemon and its budget.gated line."""
+    cost = json.dumps({"type": "result", "total_cost_usd": usd})
+    worker = env.agent("--json-result", cost, "--fail-attempts", "10", max_daily_cost_usd=0.5,
+                       max_attempts=max_attempts, retry_safe=True)  # fmt: skip
+    env.configure(agents={"worker": worker})
+    d = env.daemon()
+    d.wait_ready()
+    env.drop(order(job_id))
+    return d, d.wait_event("budget.gated", agent="worker")
+
+
 def test_a_cap_reached_by_a_running_jobs_own_attempts_holds_its_next_attempt(env: Env) -> None:
     """0.3 USD an attempt that fails, 6 attempts allowed, cap 0.5: after two attempts (0.6 USD) the job's third
     waits gated, and `status` counts the running job's spend. All six ran (1.8 USD against a 0.5 cap): only
     finished jobs were counted."""
-    cost = json.dumps({"type": "result", "total_cost_usd": 0.3})
-    worker = env.agent("--json-result", cost, "--fail-attempts", "10", max_daily_cost_usd=0.5, max_attempts=6,
-                       retry_safe=True)  # fmt: skip
-    env.configure(agents={"worker": worker})
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("OWN-1"))
-    gated = d.wait_event("budget.gated", agent="worker")
+    d, gated = _gated_by_its_own_attempts(env, "OWN-1", 0.3, max_attempts=6)
     assert gated["reason"] == "0.6 USD in 24 h reached max_daily_cost_usd 0.5"
     time.sleep(1.5)
     assert len(env.starts()) == 2
@@ -224,14 +232,7 @@ def test_a_restart_does_not_move_a_running_jobs_noted_spend_later(env: Env) -> N
     """A job gated by its own attempts' cost keeps the time its spend was counted across a restart of its daemon
     (the README: a daemon that takes over a job does not move its earlier attempts' cost). Each restart dated it
     again at the takeover, pushing the gate out by the time since the spend."""
-    cost = json.dumps({"type": "result", "total_cost_usd": 0.6})
-    worker = env.agent("--json-result", cost, "--fail-attempts", "10", max_daily_cost_usd=0.5, max_attempts=3,
-                       retry_safe=True)  # fmt: skip
-    env.configure(agents={"worker": worker})
-    d = env.daemon()
-    d.wait_ready()
-    env.drop(order("RS-1"))
-    d.wait_event("budget.gated", agent="worker")
+    d, _ = _gated_by_its_own_attempts(env, "RS-1", 0.6, max_attempts=3)
 
     def spent() -> float:
         with sqlite3.connect(f"file:{env.root / '.state' / 'ledger.sqlite3'}?mode=ro", uri=True) as db:

@@ -173,6 +173,22 @@ class Liveness:
         return False
 
 
+def lock_held(path: str | Path) -> bool | None:
+    """Return True while some open file holds a ``flock`` on path, False when none does, None when it cannot be
+    opened (no such file). The lock is tried read-only and given back at once if taken."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # the probe's own lock goes with it
+    return False
+
+
 #: read-only: the agent inherits the descriptor (it holds the slot while it lives) and may not write through it
 _LOCK_FLAGS = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC
 
@@ -254,18 +270,11 @@ class FlockSlots:
         (one failed ``open`` when concurrency was never higher).
         """
         n = concurrency
-        while True:
-            try:
-                fd = os.open(f"{self.folder}/{agent}.{n}.lock", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                return False
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+        while (held := lock_held(f"{self.folder}/{agent}.{n}.lock")) is not None:
+            if held:
                 return True
-            finally:
-                os.close(fd)  # the probe's own lock goes with it
             n += 1
+        return False
 
     def fd(self, agent: str, slot: int) -> int | None:
         """Return the descriptor that holds one of our slots (its agent inherits it), or None."""
